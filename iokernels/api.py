@@ -1,0 +1,232 @@
+"""The public functions: check every argument first, then dispatch to a backend.
+
+All checks run before any work, so a bad call raises a ValueError that names the
+argument and changes nothing.  Backends receive resolved arguments (a float scale, a
+(left, right) window) and return (out, lse); the public functions drop the LSE unless
+``return_lse=True``.
+
+Backends: "naive" and "tiled" (NumPy, steps 1-4), "numba" (Numba CUDA, the simulator on
+a CPU), "cupy" (CuPy RawKernel), "torch" (scaled_dot_product_attention, for comparison).
+"""
+from __future__ import annotations
+
+import importlib
+import numbers
+
+import numpy as np
+
+from . import conventions as cv
+
+BACKENDS = ("naive", "tiled", "numba", "cupy", "torch")
+NUMPY_BACKENDS = ("naive", "tiled")
+
+#: (backend, operation) -> "module:function".  One table, so what exists is visible.
+_DISPATCH = {
+    ("naive", "attention"): "iokernels.naive:attention",
+    ("tiled", "attention"): "iokernels.tiled:attention",
+    ("numba", "attention"): "iokernels.numba_cuda:attention",
+    ("cupy", "attention"): "iokernels.cupy_raw:attention",
+    ("torch", "attention"): "iokernels.torch_sdpa:attention",
+    ("naive", "attention_backward"): "iokernels.naive:attention_backward",
+    ("tiled", "attention_backward"): "iokernels.tiled:attention_backward",
+    ("torch", "attention_backward"): "iokernels.torch_sdpa:attention_backward",
+    ("tiled", "attention_varlen"): "iokernels.tiled:attention_varlen",
+    ("naive", "decode"): "iokernels.decode:decode_naive",
+    ("tiled", "decode"): "iokernels.decode:decode_split_kv",
+    ("numba", "decode"): "iokernels.numba_cuda:decode",
+    ("cupy", "decode"): "iokernels.cupy_raw:decode",
+    ("torch", "decode"): "iokernels.torch_sdpa:decode",
+    ("tiled", "paged_decode"): "iokernels.decode:paged_decode_split_kv",
+    ("numba", "paged_decode"): "iokernels.numba_cuda:paged_decode",
+    ("cupy", "paged_decode"): "iokernels.cupy_raw:paged_decode",
+}
+
+
+def _resolve(backend: str, op: str):
+    cv.check_choice(backend, "backend", BACKENDS)
+    target = _DISPATCH.get((backend, op))
+    if target is None:
+        have = sorted(b for (b, o) in _DISPATCH if o == op)
+        raise ValueError(f"backend: {backend!r} does not implement {op}; available: {', '.join(have)}")
+    mod, fn = target.split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def _numpy_only(backend, **arrays):
+    if backend in NUMPY_BACKENDS:
+        for name, a in arrays.items():
+            if a is not None and not isinstance(a, np.ndarray):
+                raise ValueError(f"{name}: the {backend!r} backend works on NumPy arrays; got "
+                                 f"{type(a).__module__}.{type(a).__name__} (use backend='numba' or 'cupy')")
+
+
+def _check_num_splits(num_splits):
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
+        raise ValueError(f"num_splits: expected None or an integer >= 1, got {num_splits!r}")
+    return int(num_splits)
+
+
+# --------------------------------------------------------------------------- prefill
+def attention(q, k, v, causal=False, scale=None, window=None, backend="tiled", config=None,
+              return_lse=False):
+    """Attention over (batch, heads, seq, head_dim) inputs; see DESIGN.md for the conventions.
+
+    Returns O (same kind of array and dtype as q), and LSE (batch, heads_q, seqlen_q) when
+    ``return_lse``.  ``config`` is the backend's tile config (None: its default).
+    """
+    info = cv.check_qkv(q, k, v)
+    causal = cv.check_bool(causal, "causal")
+    return_lse = cv.check_bool(return_lse, "return_lse")
+    scale = cv.resolve_scale(scale, info["head_dim"])
+    window = cv.resolve_window(window)
+    fn = _resolve(backend, "attention")
+    _numpy_only(backend, q=q, k=k, v=v)
+    o, lse = fn(q, k, v, causal=causal, scale=scale, window=window, config=config)
+    return (o, lse) if return_lse else o
+
+
+def attention_backward(do, q, k, v, o, lse, causal=False, scale=None, window=None,
+                       backend="tiled", config=None):
+    """Gradients (dq, dk, dv) of attention, given the forward's O and LSE (recomputation)."""
+    info = cv.check_qkv(q, k, v)
+    for name, x, shape in (("do", do, np.shape(q)), ("o", o, np.shape(q)),
+                           ("lse", lse, (info["batch"], info["heads_q"], info["seqlen_q"]))):
+        s = tuple(getattr(x, "shape", ()) or ())
+        if getattr(x, "shape", None) is None or s != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {s if s else type(x).__name__}")
+    if cv.dtype_name(do) != info["dtype"] or cv.dtype_name(o) != info["dtype"]:
+        raise ValueError(f"do, o: dtype must equal q's {info['dtype']}; got do {cv.dtype_name(do)}, "
+                         f"o {cv.dtype_name(o)}")
+    cv.check_dtype(lse, "lse", ("float32", "float64"))
+    causal = cv.check_bool(causal, "causal")
+    scale = cv.resolve_scale(scale, info["head_dim"])
+    window = cv.resolve_window(window)
+    fn = _resolve(backend, "attention_backward")
+    _numpy_only(backend, do=do, q=q, k=k, v=v, o=o, lse=lse)
+    return fn(do, q, k, v, o, lse, causal=causal, scale=scale, window=window, config=config)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, window=None,
+                     backend="tiled", config=None, return_lse=False):
+    """Attention over packed sequences: q (total_q, heads_q, d), k/v (total_k, heads_kv, d).
+
+    Sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and the matching rows of k, v;
+    zero-length sequences are allowed.  LSE has shape (heads_q, total_q).
+    """
+    info = cv.check_qkv(q, k, v, rank=3)
+    cq = cv.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", info["total_q"])
+    ck = cv.check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", info["total_k"])
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_k: must have as many entries as cu_seqlens_q ({len(cq)}), got {len(ck)}")
+    causal = cv.check_bool(causal, "causal")
+    return_lse = cv.check_bool(return_lse, "return_lse")
+    scale = cv.resolve_scale(scale, info["head_dim"])
+    window = cv.resolve_window(window)
+    cv.check_choice(backend, "backend", BACKENDS)
+    _numpy_only(backend, q=q, k=k, v=v)
+    if (backend, "attention_varlen") in _DISPATCH:
+        fn = _resolve(backend, "attention_varlen")
+        o, lse = fn(q, k, v, cq, ck, causal=causal, scale=scale, window=window, config=config)
+    else:
+        o, lse = _varlen_by_sequence(q, k, v, cq, ck, causal, scale, window, backend, config)
+    return (o, lse) if return_lse else o
+
+
+def _varlen_by_sequence(q, k, v, cq, ck, causal, scale, window, backend, config):
+    """Generic varlen: run the backend's batched kernel once per sequence (NumPy arrays)."""
+    fn = _resolve(backend, "attention")
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    o = np.zeros_like(q)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf, dtype=cv.accum_dtype(cv.dtype_name(q)))
+    for b in range(len(cq) - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b + 1] == cq[b]:
+            continue
+        ob, lb = fn(q[qs].transpose(1, 0, 2)[None], k[ks].transpose(1, 0, 2)[None],
+                    v[ks].transpose(1, 0, 2)[None], causal=causal, scale=scale, window=window,
+                    config=config)
+        o[qs] = np.asarray(ob)[0].transpose(1, 0, 2)
+        lse[:, qs] = np.asarray(lb)[0]
+    return o, lse
+
+
+# --------------------------------------------------------------------------- decode
+def _check_decode(q, k, v, seq_lens):
+    qs = tuple(getattr(q, "shape", ()) or ())
+    if getattr(q, "shape", None) is None or len(qs) != 3:
+        raise ValueError(f"q: expected rank 3 (batch, heads_q, head_dim) for decode, got shape {qs}")
+    info = cv.check_qkv(_Shape4(q), k, v)
+    lens = None
+    if seq_lens is not None:
+        ls = tuple(getattr(seq_lens, "shape", np.shape(seq_lens)))
+        lens = np.asarray(seq_lens.get() if hasattr(seq_lens, "get") else seq_lens)
+        if ls != (info["batch"],) or lens.dtype.kind not in "iu":
+            raise ValueError(f"seq_lens: expected {info['batch']} integers (one per sequence), got "
+                             f"shape {ls} dtype {lens.dtype}")
+        if np.any(lens < 0) or np.any(lens > info["seqlen_k"]):
+            raise ValueError(f"seq_lens: each length must be in [0, {info['seqlen_k']}], got {lens.tolist()}")
+    return info, lens
+
+
+class _Shape4:
+    """A view of a decode q as (B, H, 1, d) for shape checks, without touching device memory."""
+
+    def __init__(self, q):
+        b, h, d = q.shape
+        self.shape, self.dtype = (b, h, 1, d), q.dtype
+
+
+def decode(q, k, v, num_splits=None, scale=None, backend="tiled", return_lse=False, seq_lens=None):
+    """One new query token per sequence: q (B, Hq, d) over k, v (B, Hkv, N, d).
+
+    ``seq_lens`` (B,) makes the cache ragged (sequence b uses keys [0, seq_lens[b]));
+    ``num_splits`` splits each sequence's keys into that many chunks (Flash-Decoding);
+    None picks it from the occupancy heuristic.
+    """
+    info, lens = _check_decode(q, k, v, seq_lens)
+    num_splits = _check_num_splits(num_splits)
+    return_lse = cv.check_bool(return_lse, "return_lse")
+    scale = cv.resolve_scale(scale, info["head_dim"])
+    fn = _resolve(backend, "decode")
+    _numpy_only(backend, q=q, k=k, v=v)
+    o, lse = fn(q, k, v, seq_lens=lens, num_splits=num_splits, scale=scale)
+    return (o, lse) if return_lse else o
+
+
+def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled", return_lse=False):
+    """Decode over a :class:`PagedKVCache`: q (len(seq_ids), Hq, d), one token per sequence."""
+    from .paged import PagedKVCache
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+    seq_ids = list(seq_ids)
+    for sid in seq_ids:
+        cache._check_sid(sid)
+    qs = tuple(getattr(q, "shape", ()) or ())
+    if len(qs) != 3 or qs[0] != len(seq_ids) or qs[2] != cache.head_dim or qs[1] % cache.num_kv_heads:
+        raise ValueError(f"q: expected shape ({len(seq_ids)}, a multiple of {cache.num_kv_heads} heads, "
+                         f"{cache.head_dim}), got {qs}")
+    if cv.dtype_name(q) != np.dtype(cache.dtype).name:
+        raise ValueError(f"q: dtype must equal the cache's {np.dtype(cache.dtype).name}, got {cv.dtype_name(q)}")
+    num_splits = _check_num_splits(num_splits)
+    return_lse = cv.check_bool(return_lse, "return_lse")
+    scale = cv.resolve_scale(scale, cache.head_dim)
+    fn = _resolve(backend, "paged_decode")
+    o, lse = fn(q, cache, seq_ids, num_splits=num_splits, scale=scale)
+    return (o, lse) if return_lse else o
+
+
+def merge_states(o_parts, lse_parts):
+    """Exact log-sum-exp merge over axis 0: parts (S, ..., d) and (S, ...) -> (o, lse).
+
+    Parts with LSE -inf (empty chunks) weigh nothing; all parts empty gives 0 and -inf.
+    """
+    from .decode import merge_states as _merge
+    os_, ls_ = tuple(np.shape(o_parts)), tuple(np.shape(lse_parts))
+    if len(os_) < 2 or os_[:-1] != ls_:
+        raise ValueError(f"lse_parts: shape must be o_parts' shape without its last axis "
+                         f"({os_[:-1]}), got {ls_}")
+    if os_[0] < 1:
+        raise ValueError("o_parts: need at least one part on axis 0")
+    return _merge(np.asarray(o_parts), np.asarray(lse_parts))

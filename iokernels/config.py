@@ -1,0 +1,78 @@
+"""Tile sizes as named settings that know the on-chip memory (SRAM) they need.
+
+Notation (FlashAttention paper):
+
+=====  ==========================================================
+Br     query rows per tile (block_q)
+Bc     key/value rows per tile (block_k)
+Tr     number of query tiles, ceil(Nq / Br)
+Tc     number of key/value tiles, ceil(Nk / Bc)
+M      SRAM capacity in bytes (the paper counts elements; we count bytes)
+=====  ==========================================================
+
+A tile set that does not fit ``sram_bytes`` is a ValueError naming ``config``, so the
+Theta(N^2 d^2 / M) trade-off can be explored by shrinking M.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from . import conventions as cv
+
+#: 228 KiB: shared memory per SM on an H100/H200 (the largest of the GPUs in the roofline
+#: table); the default capacity a config is checked against.
+DEFAULT_SRAM_BYTES = 228 * 1024
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes of a tiled attention kernel.
+
+    block_q (Br), block_k (Bc): tile rows.  loop_order: "fa2" (Q tiles outer, FlashAttention-2)
+    or "fa1" (K/V tiles outer, FlashAttention-1).  sram_bytes: the capacity M the tiles must
+    fit in.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    loop_order: str = "fa2"
+    sram_bytes: int = DEFAULT_SRAM_BYTES
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "sram_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"config: {name} must be a positive integer, got {v!r}")
+        cv.check_choice(self.loop_order, "config.loop_order", ("fa1", "fa2"))
+
+    def replace(self, **changes) -> "TileConfig":
+        return replace(self, **changes)
+
+    def sram_usage(self, head_dim: int, dtype: str = "float32") -> int:
+        """Bytes on chip for one tile set: Q_i, K_j, V_j in the storage dtype; S_ij/P_ij,
+        O_i and the row statistics m_i, l_i in the accumulator dtype."""
+        st = cv.itemsize_of(dtype)
+        acc = cv.accum_dtype(dtype).itemsize
+        Br, Bc, d = self.block_q, self.block_k, head_dim
+        return (Br * d + 2 * Bc * d) * st + (Br * Bc + Br * d + 2 * Br) * acc
+
+    def check_fits(self, head_dim: int, dtype: str = "float32") -> None:
+        need = self.sram_usage(head_dim, dtype)
+        if need > self.sram_bytes:
+            raise ValueError(
+                f"config: tiles Br={self.block_q}, Bc={self.block_k} at head_dim={head_dim} ({dtype}) "
+                f"need {need:,} B of SRAM, more than sram_bytes={self.sram_bytes:,}")
+
+    @classmethod
+    def from_sram(cls, sram_bytes: int, head_dim: int, dtype: str = "float32", **kw) -> "TileConfig":
+        """The paper's choice, Bc = ceil(M / 4d), Br = min(Bc, d) (M in elements), shrunk until
+        the tile set fits ``sram_bytes``."""
+        m_elems = sram_bytes // cv.itemsize_of(dtype)
+        bc = max(1, math.ceil(m_elems / (4 * head_dim)))
+        br = max(1, min(bc, head_dim))
+        cfg = cls(block_q=br, block_k=bc, sram_bytes=sram_bytes, **kw)
+        while cfg.sram_usage(head_dim, dtype) > sram_bytes and (cfg.block_q > 1 or cfg.block_k > 1):
+            cfg = cfg.replace(block_q=max(1, cfg.block_q // 2) if cfg.block_q >= cfg.block_k else cfg.block_q,
+                              block_k=max(1, cfg.block_k // 2) if cfg.block_k > cfg.block_q else cfg.block_k)
+        return cfg

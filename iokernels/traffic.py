@@ -1,0 +1,169 @@
+"""HBM traffic: counted by running the code, and predicted in closed form.
+
+"HBM traffic" is the bytes an algorithm moves between device memory (HBM) and on-chip
+memory (SRAM / registers) *as written*: every tile load and every tile store, with no
+caches.  The NumPy kernels keep the arrays that live "in HBM" inside :class:`HBM`
+wrappers; reading a slice (``Q[i0:i1]``) counts its bytes as read, assigning one
+(``O[i0:i1] = x``) counts them as written, and ``O[i0:i1] += x`` counts both, which is
+exactly a read-modify-write.  Everything else is on-chip and free.
+
+    with ik.traffic.count() as t:
+        ik.attention(q, k, v, backend="tiled")
+    t.bytes_read, t.bytes_written, t.by_tensor["K"]
+
+:func:`model` predicts the same numbers from the problem's sizes alone; the tests assert
+that counted == modelled exactly, tensor by tensor.
+
+SRAM capacity (the paper's M) is checked by the kernels' tile configs
+(:class:`iokernels.config.TileConfig`): a tile set that does not fit is a ValueError.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Traffic", "HBM", "count", "model", "MODELS"]
+
+
+@dataclass
+class Traffic:
+    """Bytes read from and written to HBM, in total and per named tensor."""
+
+    by_tensor: dict = field(default_factory=dict)  # name -> [bytes_read, bytes_written]
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r for r, _ in self.by_tensor.values())
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(w for _, w in self.by_tensor.values())
+
+    @property
+    def total(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+    def add(self, name: str, read: int = 0, written: int = 0) -> "Traffic":
+        entry = self.by_tensor.setdefault(name, [0, 0])
+        entry[0] += int(read)
+        entry[1] += int(written)
+        return self
+
+    def merge(self, other: "Traffic") -> "Traffic":
+        for name, (r, w) in other.by_tensor.items():
+            self.add(name, r, w)
+        return self
+
+    def as_dict(self) -> dict:
+        """{name: (read, written)} with zero entries dropped: the form tests compare."""
+        return {k: (int(r), int(w)) for k, (r, w) in sorted(self.by_tensor.items()) if r or w}
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Traffic) and self.as_dict() == other.as_dict()
+
+    def table(self) -> str:
+        rows = [f"{'tensor':<10}{'read (B)':>16}{'written (B)':>16}"]
+        for name, (r, w) in self.as_dict().items():
+            rows.append(f"{name:<10}{r:>16,}{w:>16,}")
+        rows.append(f"{'total':<10}{self.bytes_read:>16,}{self.bytes_written:>16,}")
+        return "\n".join(rows)
+
+    def __repr__(self) -> str:
+        return f"Traffic(read={self.bytes_read:,} B, written={self.bytes_written:,} B)"
+
+
+# The counters that are listening now (a stack, so counts can nest). A ContextVar keeps
+# threads and notebooks' async cells apart; nothing is counted outside ``count()``.
+_ACTIVE: contextvars.ContextVar[tuple] = contextvars.ContextVar("iokernels_traffic", default=())
+
+
+@contextlib.contextmanager
+def count():
+    """Count the HBM traffic of the NumPy kernels run inside the block."""
+    t = Traffic()
+    token = _ACTIVE.set(_ACTIVE.get() + (t,))
+    try:
+        yield t
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _record(name: str, read: int = 0, written: int = 0) -> None:
+    for t in _ACTIVE.get():
+        t.add(name, read, written)
+
+
+class HBM:
+    """An array that lives in HBM: every slice read or written is counted.
+
+    ``name`` labels the tensor in :attr:`Traffic.by_tensor` (Q, K, V, S, P, O, LSE, ...).
+    Reads return copies (the data now sits "in SRAM"), so kernels cannot cheat by
+    holding views into HBM.
+    """
+
+    __slots__ = ("data", "name")
+
+    def __init__(self, data: np.ndarray, name: str):
+        self.data = data
+        self.name = name
+
+    @classmethod
+    def empty(cls, shape, dtype, name: str) -> "HBM":
+        return cls(np.empty(shape, dtype=dtype), name)
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self.data.dtype.itemsize
+
+    def __getitem__(self, idx) -> np.ndarray:
+        tile = np.array(self.data[idx], copy=True)
+        _record(self.name, read=tile.nbytes)
+        return tile
+
+    def __setitem__(self, idx, value) -> None:
+        view = self.data[idx]
+        nbytes = np.asarray(view).nbytes if np.ndim(view) else self.itemsize
+        self.data[idx] = value
+        _record(self.name, written=nbytes)
+
+    def __repr__(self) -> str:
+        return f"HBM({self.name}, shape={self.shape}, dtype={self.dtype})"
+
+
+# --------------------------------------------------------------------------- models
+#: kind -> "module:function"; each kernel module owns the closed form of its own traffic.
+MODELS = {
+    "naive": "iokernels.naive:traffic_model",
+    "naive_backward": "iokernels.naive:traffic_model_backward",
+    "fa1": "iokernels.tiled:traffic_model_fa1",
+    "fa2": "iokernels.tiled:traffic_model_fa2",
+    "fa2_backward": "iokernels.tiled:traffic_model_backward",
+    "decode": "iokernels.decode:traffic_model",
+    "paged_decode": "iokernels.decode:traffic_model_paged",
+    "paged_gather": "iokernels.paged:traffic_model_gather",
+}
+
+
+def model(kind: str, **problem) -> Traffic:
+    """Closed-form HBM bytes that the kernel ``kind`` moves on the given problem.
+
+    kind: one of :data:`MODELS`.  The keyword arguments describe the problem (batch,
+    heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, causal, window, config, ...);
+    each model's docstring lists what it takes.
+    """
+    if kind not in MODELS:
+        raise ValueError(f"kind: expected one of {', '.join(sorted(MODELS))}; got {kind!r}")
+    mod, fn = MODELS[kind].split(":")
+    return getattr(importlib.import_module(mod), fn)(**problem)
