@@ -146,10 +146,10 @@ class HBM:
 #: kind -> "module:function"; each kernel module owns the closed form of its own traffic.
 MODELS = {
     "naive": "iokernels.naive:traffic_model",
-    "naive_backward": "iokernels.naive:traffic_model_backward",
+    "naive_backward": "iokernels.backward:traffic_model_naive",
     "fa1": "iokernels.tiled:traffic_model_fa1",
     "fa2": "iokernels.tiled:traffic_model_fa2",
-    "fa2_backward": "iokernels.tiled:traffic_model_backward",
+    "fa2_backward": "iokernels.backward:traffic_model_tiled",
     "decode": "iokernels.decode:traffic_model",
     "paged_decode": "iokernels.decode:traffic_model_paged",
     "paged_gather": "iokernels.paged:traffic_model_gather",
