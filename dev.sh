@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The project's one entry point.  Each command first sets everything up (idempotent,
+# a few seconds when already done), then runs:
+#
+#   bash dev.sh tour      the progression on a small problem; figures -> figures/   (README step 1)
+#   bash dev.sh test      the whole test suite, notebooks and browser test included  (README step 2)
+#   bash dev.sh figures   regenerate figures/ from fixed seeds
+#   bash dev.sh lab       JupyterLab on the notebooks
+#   bash dev.sh setup     only the set-up
+#
+# Extra arguments go to the command (e.g. `bash dev.sh test tests/test_cli.py -x`).
+#
+# Set-up: a virtual environment in .venv (python3 -m venv), torch 2.13.0 first (a CPU
+# wheel; a torch range alone could pull a multi-GB CUDA build), then this package in
+# editable mode with all its extras, then a Jupyter kernel named "python3" that runs the
+# venv's Python.  A stamp file holding the hash of pyproject.toml (and of this script)
+# skips the pip steps when nothing changed.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+
+PYTHON=${PYTHON:-python3}      # the interpreter that creates .venv
+VENV=.venv
+TORCH_PIN="torch==2.13.0"      # the CPU build pip finds locally; the GPU machine brings its own
+STAMP="$VENV/.iokernels-setup"
+
+setup() {
+    if [ ! -x "$VENV/bin/python" ]; then
+        echo "[dev.sh] creating $VENV with $($PYTHON --version 2>&1)"
+        "$PYTHON" -m venv "$VENV"
+    fi
+    local want
+    want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
+    if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
+        echo "[dev.sh] installing $TORCH_PIN, then iokernels[all] (editable)"
+        "$VENV/bin/python" -m pip install --quiet "$TORCH_PIN"
+        "$VENV/bin/python" -m pip install --quiet -e ".[all]"
+        # A kernel named python3 inside the venv (sys-prefix), so notebooks run with this Python.
+        "$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 \
+            --display-name "Python 3 (iokernels)" >/dev/null
+        echo "$want" > "$STAMP"
+    fi
+    # Prefer the venv's Jupyter kernels and settings over any in the user's home.
+    export JUPYTER_PREFER_ENV_PATH=1
+    # Without an NVIDIA device, Numba's CUDA kernels run on its simulator (tiny sizes).
+    if [ ! -e /dev/nvidiactl ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+        export NUMBA_ENABLE_CUDASIM=${NUMBA_ENABLE_CUDASIM:-1}
+    fi
+    export MPLBACKEND=${MPLBACKEND:-Agg}
+}
+
+cmd=${1:-tour}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+    setup)   setup ;;
+    tour)    setup; exec "$VENV/bin/python" -m iokernels tour "$@" ;;
+    figures) setup; exec "$VENV/bin/python" -m iokernels figures "$@" ;;
+    test)    setup; exec "$VENV/bin/python" -m pytest -p no:cacheprovider --timeout=600 "$@" ;;
+    lab)     setup; unset MPLBACKEND; exec "$VENV/bin/jupyter" lab notebooks/ "$@" ;;
+    *) echo "usage: bash dev.sh {tour|test|figures|lab|setup} [args...]" >&2; exit 2 ;;
+esac
