@@ -1,0 +1,482 @@
+"""Step 2b: the attention backward pass, naive (materialized) and FlashAttention-2 (tiled).
+
+Training needs the gradients of a loss with respect to Q, K and V, given dO = dLoss/dO.
+The forward keeps only O and the per-row log-sum-exp LSE (N_q numbers per head, not an
+N_q x N_k matrix): from Q, K and LSE the backward can rebuild any tile of the
+probabilities exactly, P_ij = exp(S_ij - LSE_i), when it needs it.  Recomputing S costs
+one extra matmul; storing P would cost N_q x N_k memory per head and two trips of it
+through HBM (FlashAttention, Dao et al., 2022, section 3.1; FlashAttention-2, Dao, 2023).
+
+Notation (per batch entry b and query head h; tiles as in :mod:`iokernels.config`):
+
+=========  ================================================================
+N_q, N_k   query rows (seqlen_q), key rows (seqlen_k);  d  head_dim
+Br, Bc     query rows per tile (block_q), key rows per tile (block_k)
+Tr, Tc     number of query tiles ceil(N_q / Br), key tiles ceil(N_k / Bc)
+Q_i        rows i*Br .. (i+1)*Br of Q; likewise dO_i, O_i, dQ_i, LSE_i, D_i
+K_j, V_j   rows j*Bc .. (j+1)*Bc of K, V; likewise dK_j, dV_j
+S_ij       scale * Q_i K_j^T, masked entries -inf             (Br x Bc, on chip)
+P_ij       exp(S_ij - LSE_i): the forward's probabilities      (Br x Bc, on chip)
+dP_ij      dO_i V_j^T                                          (Br x Bc, on chip)
+D_i        rowsum(dO_i * O_i)  (elementwise product, summed over d)
+dS_ij      P_ij * (dP_ij - D_i)                                (Br x Bc, on chip)
+LSE_i      log sum_j exp(S_ij) over visible keys (natural log)
+g          query heads per KV head (GQA/MQA), heads_q // heads_kv
+=========  ================================================================
+
+The equations (O = P V, P = softmax(S), S = scale * Q K^T):
+
+    dV = P^T dO            dP = dO V^T
+    dS = P * (dP - D)      with D_i = sum_j P_ij dP_ij = dO_i . O_i
+    dQ = scale * dS K      dK = scale * dS^T Q
+
+The softmax's Jacobian gives dS_ij = P_ij (dP_ij - sum_l P_il dP_il).  The row sum
+sum_l P_il dP_il equals dO_i . (P V)_i = dO_i . O_i, so it can be computed *before* the
+main loop from dO and O alone (N_q*d reads each), instead of needing a whole row of P
+and dP: that is what makes the tiled backward possible.  With GQA the K and V of a KV
+head are shared by g query heads, so dK and dV are summed over the group.
+
+The two versions
+----------------
+
+v1 :func:`attention_backward_naive` -- the standard backward as separate kernels, each
+   a full-matrix operation that reads its inputs from HBM and writes its result back.
+   It materializes **P, dP and dS** (each B x Hq x N_q x N_k) in HBM, in the input
+   dtype; it never stores S (P is rebuilt in one kernel from Q, K and LSE, step 1
+   below).  In a framework's autograd P would have been saved by the forward instead;
+   our API hands the backward only O and LSE, so v1 writes P itself: the same N_q*N_k
+   write the forward would have made.  Measured traffic: see notebooks/04_backward.
+
+v2 :func:`attention_backward_tiled` -- FlashAttention-2's backward: D first, then K/V
+   tiles in the outer loop (one GPU thread block per (b, kv head, j)), Q/dO/LSE/D tiles
+   streamed through the inner loop, S_ij and P_ij recomputed on chip, dK_j and dV_j
+   accumulated on chip and written once, dQ accumulated in HBM by read-modify-writes.
+   No N_q x N_k array exists at any time (tests bound the allocation peak).
+
+Why dQ is accumulated in HBM, and why that makes dQ nondeterministic on a GPU
+-----------------------------------------------------------------------------
+
+Each K/V tile j owns dK_j and dV_j (only its own key rows contribute to them), so they
+live on chip for the whole inner loop and are written once.  dQ_i is the opposite: it
+is a sum over *all* key tiles, dQ_i = scale * sum_j dS_ij K_j, and each term is
+produced by a different K/V tile, i.e. on a GPU by a different thread block running at
+the same time.  They cannot each hold dQ_i on chip, so each adds its term into a
+float32 buffer in HBM (FlashAttention-2's ``dq_accum``); a final pass multiplies by the
+scale and converts to the input dtype.  Concurrent blocks adding to the same address
+must use atomic adds (``atomicAdd``), or the updates would overwrite each other.  The
+atomics make the result correct but not bitwise reproducible: floating-point addition
+is not associative, and the order in which thread blocks reach the atomic differs from
+run to run, so dQ differs in its last bits between identical runs, while dK and dV
+(owned by one block each) do not.  FlashAttention offers a ``deterministic`` backward
+that fixes the order at some cost in speed; another way out is a second kernel with
+Q tiles outer that recomputes P once more to produce dQ without atomics.  This NumPy
+version runs its loops one after another, so it is deterministic; the counted
+read-modify-writes of ``dQaccum`` are exactly the traffic the atomics cause.
+
+Precision: matmul operands are the input dtype (as tensor cores take them), products
+and sums are accumulated in float32 (float64 for float64 inputs).  P_ij and dS_ij are
+rounded to the input dtype before they enter the matmuls that consume them, as a
+GPU kernel must do to feed fp16 tensor cores.  D, LSE and dQaccum are kept in the
+accumulator dtype; dQ, dK, dV are returned in the input dtype.  The LSE passed in is
+converted to the accumulator dtype first (the forward already produces it so).
+
+Fully masked query rows (LSE = -inf) get P = 0, so their dQ is exactly 0 and they add
+nothing to dK, dV; keys no query sees get dK = dV = 0.  Never NaN.
+
+Frank notes: v2 is a Python loop over tiles; on a CPU it is much slower than v1 for
+small N (many small matmuls instead of a few large ones).  It exists to show the
+memory traffic and the algorithm, not to be fast.  Its traffic is not free either: the
+dQ read-modify-writes grow like Tc * N_q * d, so the tiled backward is Theta(N^2 d^2/M)
+like the forward, not Theta(N d); it wins because it never moves an N^2 matrix.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import conventions as cv
+from .config import DEFAULT_SRAM_BYTES, TileConfig
+from .traffic import HBM, Traffic
+
+__all__ = ["attention_backward_naive", "attention_backward_tiled", "traffic_model_naive",
+           "traffic_model_tiled", "backward_sram_usage", "check_backward_fits",
+           "default_backward_config", "resolve_backward_config", "tile_plan", "recompute_flops",
+           "memory_footprint", "traffic_vs_seqlen"]
+
+#: The tile sizes the default backward config starts from before shrinking to fit SRAM
+#: (64 x 64 is a common FlashAttention-2 backward tile for head_dim 64 on an A100).
+DEFAULT_BLOCK = 64
+
+
+def _dtype_name(dtype) -> str:
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+# --------------------------------------------------------------------------- SRAM
+def backward_sram_usage(config: TileConfig, head_dim: int, dtype="float32") -> int:
+    """Bytes on chip for the backward's tile set, which is larger than the forward's.
+
+    Input dtype: K_j, V_j (Bc x d each) and Q_i, dO_i (Br x d each).
+    Accumulator dtype: dK_j, dV_j (Bc x d each, live for the whole inner loop),
+    S_ij/P_ij/dS_ij and dP_ij (two Br x Bc tiles), the dQ_i term (Br x d) and LSE_i, D_i.
+    """
+    st = cv.itemsize_of(_dtype_name(dtype))
+    acc = cv.accum_dtype(_dtype_name(dtype)).itemsize
+    Br, Bc, d = config.block_q, config.block_k, head_dim
+    return (2 * Bc * d + 2 * Br * d) * st + (2 * Bc * d + 2 * Br * Bc + Br * d + 2 * Br) * acc
+
+
+def check_backward_fits(config: TileConfig, head_dim: int, dtype="float32") -> None:
+    """ValueError naming ``config`` when the backward's tile set exceeds config.sram_bytes."""
+    need = backward_sram_usage(config, head_dim, dtype)
+    if need > config.sram_bytes:
+        raise ValueError(
+            f"config: backward tiles Br={config.block_q}, Bc={config.block_k} at head_dim={head_dim} "
+            f"({_dtype_name(dtype)}) need {need:,} B of SRAM (K_j, V_j, dK_j, dV_j, Q_i, dO_i, "
+            f"S/P/dS_ij, dP_ij, dQ_i, LSE_i, D_i), more than sram_bytes={config.sram_bytes:,}")
+
+
+def default_backward_config(head_dim: int, dtype="float32",
+                            sram_bytes: int = DEFAULT_SRAM_BYTES) -> TileConfig:
+    """Br = Bc = 64, halved (Br first) until the backward's tile set fits ``sram_bytes``."""
+    cfg = TileConfig(block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, sram_bytes=sram_bytes)
+    while backward_sram_usage(cfg, head_dim, dtype) > sram_bytes and (cfg.block_q > 1 or cfg.block_k > 1):
+        if cfg.block_q >= cfg.block_k and cfg.block_q > 1:
+            cfg = cfg.replace(block_q=cfg.block_q // 2)
+        else:
+            cfg = cfg.replace(block_k=max(1, cfg.block_k // 2))
+    check_backward_fits(cfg, head_dim, dtype)
+    return cfg
+
+
+def resolve_backward_config(config, head_dim: int, dtype="float32") -> TileConfig:
+    """None -> :func:`default_backward_config`; a TileConfig is checked against its SRAM.
+
+    The backward always runs K/V tiles outer; ``config.loop_order`` is not used here.
+    """
+    if config is None:
+        return default_backward_config(head_dim, dtype)
+    if not isinstance(config, TileConfig):
+        raise ValueError(f"config: expected a TileConfig or None, got {type(config).__name__}")
+    check_backward_fits(config, head_dim, dtype)
+    return config
+
+
+def tile_plan(seqlen_q: int, seqlen_k: int, block_q: int, block_k: int, causal=False,
+              window=None) -> np.ndarray:
+    """(Tr, Tc) array of 'skip' / 'full' / 'partial' for every (Q tile i, K/V tile j).
+
+    The kernel and the traffic model both read this plan, made by
+    :func:`iokernels.conventions.tile_state`, so they cannot disagree on what is visited.
+    """
+    Tr, Tc = math.ceil(seqlen_q / block_q), math.ceil(seqlen_k / block_k)
+    plan = np.empty((Tr, Tc), dtype=object)
+    for i in range(Tr):
+        r0, r1 = i * block_q, min((i + 1) * block_q, seqlen_q)
+        for j in range(Tc):
+            c0, c1 = j * block_k, min((j + 1) * block_k, seqlen_k)
+            plan[i, j] = cv.tile_state(r0, r1, c0, c1, seqlen_q, seqlen_k, causal, window)
+    return plan
+
+
+def _safe_lse(lse_rows):
+    """LSE with -inf (fully masked rows) replaced by +inf, so exp(S - LSE) is 0, never NaN."""
+    return np.where(np.isneginf(lse_rows), np.inf, lse_rows)
+
+
+def _mma_operand(x, storage, acc):
+    """Round an on-chip accumulator tile to the input dtype, as a tensor-core operand must be."""
+    return x.astype(storage).astype(acc) if storage != acc else x
+
+
+# --------------------------------------------------------------------------- v1: naive
+def attention_backward_naive(do, q, k, v, o, lse, *, causal, scale, window, config=None):
+    """v1: the standard backward, full matrices P, dP, dS materialized in HBM.
+
+    Returns (dq, dk, dv) in the input dtype.  ``config`` is accepted for the common
+    backend signature and ignored (no tiles).  Per (b, h), one kernel a step; per-line
+    comments give the HBM traffic in elements:
+    """
+    st = q.dtype                                        # P, dP, dS and gradients stored so
+    acc = cv.accum_dtype(st.name)                       # products and sums in this dtype
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    visible = cv.mask(Nq, Nk, causal, window)           # (Nq, Nk) boolean, on chip (free)
+    sc = acc.type(scale)
+
+    Q, K, V, O, dO = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V"), HBM(o, "O"), HBM(do, "dO")
+    LSE = HBM(np.asarray(lse, dtype=acc), "LSE")
+    D = HBM.empty((B, Hq, Nq), acc, "D")
+    P = HBM.empty((B, Hq, Nq, Nk), st, "P")
+    dP = HBM.empty((B, Hq, Nq, Nk), st, "dP")
+    dS = HBM.empty((B, Hq, Nq, Nk), st, "dS")
+    dQ = HBM.empty((B, Hq, Nq, d), st, "dQ")
+    dK = HBM.empty((B, Hkv, Nk, d), st, "dK")
+    dV = HBM.empty((B, Hkv, Nk, d), st, "dV")
+
+    for b in range(B):
+        for h in range(Hq):
+            hk = cv.kv_head(h, Hq, Hkv)
+            first_of_group = h % g == 0                 # writes dK, dV; the others add to them
+
+            # kernel 0: D = rowsum(dO * O)
+            do_bh = dO[b, h].astype(acc)                # read Nq*d (dO)
+            D[b, h] = np.sum(do_bh * O[b, h].astype(acc), axis=-1)  # read Nq*d (O); write Nq (D)
+
+            # kernel 1: P = exp(scale * Q K^T - LSE), rebuilt (a framework's forward would save it)
+            s = Q[b, h].astype(acc) @ K[b, hk].astype(acc).T * sc  # read Nq*d (Q) + Nk*d (K)
+            lse_bh = _safe_lse(LSE[b, h])[:, None]      # read Nq (LSE)
+            P[b, h] = np.where(visible, np.exp(np.where(visible, s, -np.inf) - lse_bh), 0.0)
+            #                                             write Nq*Nk (P), rounded to storage
+
+            # kernel 2: dV = P^T dO
+            dv = P[b, h].astype(acc).T @ dO[b, h].astype(acc)  # read Nq*Nk (P) + Nq*d (dO)
+            if first_of_group:
+                dV[b, hk] = dv                          # write Nk*d (dV)
+            else:
+                dV[b, hk] = dV[b, hk].astype(acc) + dv  # read + write Nk*d (dV): GQA group sum
+
+            # kernel 3: dP = dO V^T
+            dP[b, h] = dO[b, h].astype(acc) @ V[b, hk].astype(acc).T  # read Nq*d + Nk*d; write Nq*Nk
+
+            # kernel 4: dS = P * (dP - D)
+            p = P[b, h].astype(acc)                     # read Nq*Nk (P)
+            dS[b, h] = p * (dP[b, h].astype(acc) - D[b, h][:, None])  # read Nq*Nk (dP) + Nq (D); write Nq*Nk
+
+            # kernel 5: dQ = scale * dS K
+            dQ[b, h] = dS[b, h].astype(acc) @ K[b, hk].astype(acc) * sc  # read Nq*Nk + Nk*d; write Nq*d
+
+            # kernel 6: dK = scale * dS^T Q
+            dk = dS[b, h].astype(acc).T @ Q[b, h].astype(acc) * sc  # read Nq*Nk (dS) + Nq*d (Q)
+            if first_of_group:
+                dK[b, hk] = dk                          # write Nk*d (dK)
+            else:
+                dK[b, hk] = dK[b, hk].astype(acc) + dk  # read + write Nk*d (dK): GQA group sum
+    return dQ.data, dK.data, dV.data
+
+
+def traffic_model_naive(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,
+                        causal=False, window=None, config=None) -> Traffic:
+    """Closed-form HBM bytes of :func:`attention_backward_naive`, tensor by tensor.
+
+    Masks change nothing: every entry of P, dP and dS is computed, stored and read.
+    Per query head (elements): P written once, read twice (kernels 2, 4); dP written,
+    read once; dS written, read twice (kernels 5, 6).  dK and dV: each query head writes
+    its share, the g - 1 later heads of a GQA group read it back first.
+    """
+    name = _dtype_name(dtype)
+    st = cv.itemsize_of(name)
+    acc = cv.accum_dtype(name).itemsize
+    heads = batch * heads_q                     # one (b, h) pass per query head
+    Nq, Nk, d = seqlen_q, seqlen_k, head_dim
+    nn = heads * Nq * Nk * st                   # one N_q x N_k matrix of every head, in bytes
+    qd = heads * Nq * d * st                    # one N_q x d matrix of every head
+    kd = heads * Nk * d * st                    # one N_k x d matrix, once per query head
+    rmw = batch * (heads_q - heads_kv) * Nk * d * st  # GQA group sums (read back before adding)
+    t = Traffic()
+    t.add("Q", read=2 * qd)                     # kernels 1, 6
+    t.add("K", read=2 * kd)                     # kernels 1, 5
+    t.add("V", read=kd)                         # kernel 3
+    t.add("O", read=qd)                         # kernel 0
+    t.add("dO", read=3 * qd)                    # kernels 0, 2, 3
+    t.add("LSE", read=heads * Nq * acc)         # kernel 1
+    t.add("D", read=heads * Nq * acc, written=heads * Nq * acc)  # kernel 0 writes, 4 reads
+    t.add("P", read=2 * nn, written=nn)
+    t.add("dP", read=nn, written=nn)
+    t.add("dS", read=2 * nn, written=nn)
+    t.add("dQ", written=qd)
+    t.add("dK", read=rmw, written=kd)
+    t.add("dV", read=rmw, written=kd)
+    return t
+
+
+# --------------------------------------------------------------------------- v2: tiled
+def attention_backward_tiled(do, q, k, v, o, lse, *, causal, scale, window, config=None):
+    """v2: FlashAttention-2's backward with recomputation.  Returns (dq, dk, dv).
+
+    ``config``: a :class:`TileConfig` (Br = block_q, Bc = block_k) whose backward tile set
+    must fit its ``sram_bytes`` (ValueError naming config otherwise); None picks
+    :func:`default_backward_config`.  GQA: the K/V tile loop sits outside the loop over
+    the g query heads of the group, so dK_j, dV_j sum the whole group on chip and are
+    still written once (FlashAttention-2's CUDA code instead writes per-query-head dK, dV
+    and sums them afterwards).
+    """
+    st = q.dtype
+    acc = cv.accum_dtype(st.name)
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    cfg = resolve_backward_config(config, d, st.name)
+    Br, Bc = cfg.block_q, cfg.block_k
+    Tr, Tc = math.ceil(Nq / Br), math.ceil(Nk / Bc)
+    plan = tile_plan(Nq, Nk, Br, Bc, causal, window)
+    sc = acc.type(scale)
+
+    Q, K, V, O, dO = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V"), HBM(o, "O"), HBM(do, "dO")
+    LSE = HBM(np.asarray(lse, dtype=acc), "LSE")
+    D = HBM.empty((B, Hq, Nq), acc, "D")
+    dQacc = HBM.empty((B, Hq, Nq, d), acc, "dQaccum")   # FlashAttention-2's dq_accum
+    dQ = HBM.empty((B, Hq, Nq, d), st, "dQ")
+    dK = HBM.empty((B, Hkv, Nk, d), st, "dK")
+    dV = HBM.empty((B, Hkv, Nk, d), st, "dV")
+
+    # Pass 1 (a small kernel before the main one): D = rowsum(dO * O); dQaccum = 0.
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(Tr):                         # load dO_i, O_i -> SRAM
+                r0, r1 = i * Br, min((i + 1) * Br, Nq)
+                D[b, h, r0:r1] = np.sum(dO[b, h, r0:r1].astype(acc) * O[b, h, r0:r1].astype(acc),
+                                        axis=-1)        # write D_i -> HBM
+                dQacc[b, h, r0:r1] = 0.0                # write zeros to dQaccum_i (a memset)
+
+    # Pass 2, the main kernel: one GPU thread block per (b, kv head, K/V tile j).
+    for b in range(B):
+        for hk in range(Hkv):
+            for j in range(Tc):                         # K/V tiles outer
+                c0, c1 = j * Bc, min((j + 1) * Bc, Nk)
+                rows = [i for i in range(Tr) if plan[i, j] != "skip"]
+                if not rows:                            # no query sees these keys
+                    dK[b, hk, c0:c1] = 0.0              # write dK_j, dV_j = 0 -> HBM
+                    dV[b, hk, c0:c1] = 0.0
+                    continue
+                Kj = K[b, hk, c0:c1].astype(acc)        # load K_j, V_j -> SRAM (once)
+                Vj = V[b, hk, c0:c1].astype(acc)
+                dKj = np.zeros((c1 - c0, d), acc)       # dK_j, dV_j accumulate on chip
+                dVj = np.zeros((c1 - c0, d), acc)
+                for h in range(hk * g, (hk + 1) * g):   # the g query heads sharing K_j, V_j
+                    for i in rows:                      # Q tiles inner (streamed)
+                        r0, r1 = i * Br, min((i + 1) * Br, Nq)
+                        Qi = Q[b, h, r0:r1].astype(acc)     # load Q_i, dO_i -> SRAM
+                        dOi = dO[b, h, r0:r1].astype(acc)
+                        lse_i = _safe_lse(LSE[b, h, r0:r1])[:, None]  # load LSE_i, D_i -> SRAM
+                        Di = D[b, h, r0:r1][:, None]
+                        Sij = Qi @ Kj.T * sc                # recompute S_ij (on chip)
+                        if plan[i, j] == "partial":
+                            Sij = np.where(cv.mask(Nq, Nk, causal, window, rows=(r0, r1),
+                                                   cols=(c0, c1)), Sij, -np.inf)
+                        Pij = np.exp(Sij - lse_i)           # recompute P_ij, no row max needed
+                        dVj += _mma_operand(Pij, st, acc).T @ dOi
+                        dPij = dOi @ Vj.T
+                        dSij = _mma_operand(Pij * (dPij - Di), st, acc)
+                        dKj += dSij.T @ Qi
+                        dQacc[b, h, r0:r1] += dSij @ Kj     # read-modify-write dQaccum_i in HBM
+                dK[b, hk, c0:c1] = dKj * sc             # write dK_j, dV_j -> HBM (once)
+                dV[b, hk, c0:c1] = dVj
+
+    # Pass 3 (a small kernel after): dQ = scale * dQaccum, in the input dtype.
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(Tr):                         # load dQaccum_i -> SRAM
+                r0, r1 = i * Br, min((i + 1) * Br, Nq)
+                dQ[b, h, r0:r1] = dQacc[b, h, r0:r1] * sc  # write dQ_i -> HBM
+    return dQ.data, dK.data, dV.data
+
+
+def traffic_model_tiled(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,
+                        causal=False, window=None, config=None) -> Traffic:
+    """Closed-form HBM bytes of :func:`attention_backward_tiled`, tensor by tensor.
+
+    With V = the number of visited (Q tile, K/V tile) pairs of the mask (:func:`tile_plan`;
+    Tr*Tc without a mask), rows(V) = the query rows those pairs cover (sum of Br_eff), and
+    J = the K/V tiles that some query sees, per (b, query head):
+
+    - D pass:        read N_q*d of dO and of O; write N_q of D; write N_q*d of dQaccum (zeros)
+    - main loop:     K_j, V_j read once per (b, kv head) for the J tiles (their rows);
+                     Q_i, dO_i read rows(V)*d, LSE_i, D_i rows(V), dQaccum read + written rows(V)*d
+    - dK, dV:        written once, N_k*d per (b, kv head)
+    - dQ pass:       read N_q*d of dQaccum, write N_q*d of dQ
+
+    LSE, D and dQaccum use the accumulator dtype's bytes; the rest the input dtype's.
+    """
+    name = _dtype_name(dtype)
+    st = cv.itemsize_of(name)
+    acc = cv.accum_dtype(name).itemsize
+    cfg = resolve_backward_config(config, head_dim, name)
+    Br, Bc = cfg.block_q, cfg.block_k
+    Nq, Nk, d = seqlen_q, seqlen_k, head_dim
+    plan = tile_plan(Nq, Nk, Br, Bc, causal, window)
+    visited = plan != "skip"                                       # (Tr, Tc)
+    row_sizes = np.minimum(Br, Nq - Br * np.arange(plan.shape[0]))  # Br_eff per Q tile
+    col_sizes = np.minimum(Bc, Nk - Bc * np.arange(plan.shape[1]))  # Bc_eff per K/V tile
+    rows_visited = int((visited * row_sizes[:, None]).sum())       # rows(V)
+    kv_rows_loaded = int((visited.any(axis=0) * col_sizes).sum()) if plan.size else 0
+    heads, kv_heads = batch * heads_q, batch * heads_kv
+    t = Traffic()
+    t.add("O", read=heads * Nq * d * st)
+    t.add("dO", read=heads * (Nq + rows_visited) * d * st)
+    t.add("D", read=heads * rows_visited * acc, written=heads * Nq * acc)
+    t.add("Q", read=heads * rows_visited * d * st)
+    t.add("LSE", read=heads * rows_visited * acc)
+    t.add("K", read=kv_heads * kv_rows_loaded * d * st)
+    t.add("V", read=kv_heads * kv_rows_loaded * d * st)
+    t.add("dQaccum", read=heads * (rows_visited + Nq) * d * acc,
+          written=heads * (Nq + rows_visited) * d * acc)
+    t.add("dQ", written=heads * Nq * d * st)
+    t.add("dK", written=kv_heads * Nk * d * st)
+    t.add("dV", written=kv_heads * Nk * d * st)
+    return t
+
+
+# --------------------------------------------------------------------------- for notebook 04
+def recompute_flops(seqlen_q: int, seqlen_k: int, head_dim: int, causal=False, window=None,
+                    batch: int = 1, heads_q: int = 1) -> dict:
+    """Matmul FLOPs of the forward and of the backward, with and without recomputing S.
+
+    Counted per visible (query, key) entry (2 FLOPs per multiply-add), so masks count:
+    forward  QK^T, PV                                   4 d per entry
+    backward dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q   8 d per entry
+    recompute S = scale Q K^T again in the backward      2 d per entry
+    Exponentials (one per visible entry) are counted apart: the recomputation repeats them.
+    """
+    lo, hi = cv.key_range(np.arange(seqlen_q), seqlen_q, seqlen_k, causal, window)
+    entries = int(np.sum(hi - lo)) * batch * heads_q
+    fwd = 4 * head_dim * entries
+    bwd = 8 * head_dim * entries
+    rec = 2 * head_dim * entries
+    return {
+        "visible_entries": entries,
+        "forward": fwd,
+        "backward_stored_P": bwd,
+        "backward_recompute": bwd + rec,
+        "recompute_extra": rec,
+        "backward_overhead": rec / bwd if bwd else 0.0,                 # 0.25
+        "training_step_overhead": rec / (fwd + bwd) if bwd else 0.0,    # 1/6
+        "exp_forward": entries,
+        "exp_backward_recompute": entries,
+    }
+
+
+def memory_footprint(seqlen_q: int, seqlen_k: int, head_dim: int, dtype="float16",
+                     batch: int = 1, heads_q: int = 1) -> dict:
+    """Bytes the forward must keep for the backward: P (N_q x N_k) versus O and LSE (N_q x d, N_q).
+
+    O is needed by both (the next layer uses it anyway), so the saving is P against LSE.
+    """
+    name = _dtype_name(dtype)
+    st, acc = cv.itemsize_of(name), cv.accum_dtype(name).itemsize
+    heads = batch * heads_q
+    return {"P": heads * seqlen_q * seqlen_k * st, "O": heads * seqlen_q * head_dim * st,
+            "LSE": heads * seqlen_q * acc}
+
+
+def traffic_vs_seqlen(seqlens, head_dim: int = 64, dtype="float16", causal=False, config=None,
+                      batch: int = 1, heads_q: int = 1, heads_kv: int | None = None) -> dict:
+    """Modelled HBM bytes of the forward (FA2, if available), naive and tiled backward per N.
+
+    Returns {"N": [...], "naive_backward": [...], "fa2_backward": [...], "mandatory": [...]};
+    mandatory = read Q, K, V, O, dO and write dQ, dK, dV once each (the floor).
+    """
+    heads_kv = heads_q if heads_kv is None else heads_kv
+    name = _dtype_name(dtype)
+    st = cv.itemsize_of(name)
+    out = {"N": [], "naive_backward": [], "fa2_backward": [], "mandatory": []}
+    for n in seqlens:
+        kw = dict(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=n, seqlen_k=n,
+                  head_dim=head_dim, dtype=name, causal=causal, config=config)
+        out["N"].append(n)
+        out["naive_backward"].append(traffic_model_naive(**kw).total)
+        out["fa2_backward"].append(traffic_model_tiled(**kw).total)
+        out["mandatory"].append(batch * (4 * heads_q + 4 * heads_kv) * n * head_dim * st)
+    return out
