@@ -1,0 +1,428 @@
+"""Step 2: tiled attention with the online softmax (FlashAttention), forward pass.
+
+S and P never reach HBM.  Q, K and V are cut into tiles small enough for on-chip
+memory (SRAM); for each pair of tiles the scores are computed on chip, folded into
+running softmax statistics, and thrown away.  Only O and the per-row log-sum-exp are
+written back.  (Dao, Fu, Ermon, Rudra, Re, "FlashAttention", 2022; Dao, "FlashAttention-2",
+2023.  The online softmax comes from Milakov and Gimelshein, 2018.)
+
+Notation (the papers' names):
+
+=====  ===========================================================================
+N_q    query rows (seqlen_q);  N_k  key rows (seqlen_k);  d  head_dim
+Br     query rows per tile (``config.block_q``)
+Bc     key/value rows per tile (``config.block_k``)
+Tr     number of query tiles, ceil(N_q / Br);  tile i holds rows [i*Br, min((i+1)*Br, N_q))
+Tc     number of key/value tiles, ceil(N_k / Bc); the last tile of each may be ragged
+S_ij   (Br, Bc) score tile, scale * Q_i K_j^T, lives only on chip
+P_ij   exp(S_ij - m): unnormalized probabilities, on chip only
+m      running row maximum of the scores seen so far
+l      running row sum of exp(S - m)
+O      output; on chip the unnormalized accumulator, in HBM the final (N_q, d) result
+LSE    log-sum-exp per row, m + log(l): all the backward pass needs besides O
+M      SRAM capacity (``config.sram_bytes``; the paper counts elements, we count bytes)
+=====  ===========================================================================
+
+The online-softmax recurrence, for one query tile and its key tiles j = 1, 2, ...
+(all in the accumulator dtype, float32, or float64 for float64 inputs)::
+
+    m_new  = max(m, rowmax(S_ij))
+    alpha  = exp(m - m_new)                    # rescales what was summed so far
+    P_ij   = exp(S_ij - m_new)
+    l      = alpha * l + rowsum(P_ij)
+    O      = alpha * O + P_ij V_j
+    m      = m_new
+    ...after the last tile:  O = O / l,   LSE = m + log(l)
+
+A row that has seen no visible key yet has m = -inf; exp(m - m_new) would then be
+exp(-inf - (-inf)) = NaN.  The kernels therefore subtract ``m_ref`` = m_new where it is
+finite and 0 where it is -inf: every exponential of a masked score is then exp(-inf) = 0,
+and a row that stays fully masked ends with l = 0, O = 0 and LSE = -inf, never NaN.
+
+Two loop orders, both counted by :mod:`iokernels.traffic`:
+
+- :func:`forward_fa2` (FlashAttention-2): Q tiles outer, K/V tiles inner.  m, l and the
+  O accumulator stay on chip for a whole row of tiles; O_i and LSE_i are written once.
+  K and V are read once per query tile: Tr times in all.
+- :func:`forward_fa1` (FlashAttention-1, the paper's Algorithm 1): K/V tiles outer, Q
+  tiles inner.  O, m and l live in HBM and are read, updated and written back at every
+  inner step; K and V are read once, but Q, O, m, l are read Tc times.
+
+Causal (bottom-right aligned) and sliding-window masks skip every tile in which no
+query row sees any key (such tiles are never loaded) and apply the mask only inside
+tiles that are partly visible (:func:`iokernels.conventions.tile_state`).
+
+The closed-form traffic models :func:`traffic_model_fa2` and :func:`traffic_model_fa1`
+predict the counted bytes exactly; :func:`io_complexity_table` sets them beside the
+paper's Theta(N d + N^2) and Theta(N^2 d^2 / M).
+
+Frank notes: this is NumPy, one Python iteration per tile pair: it teaches the
+algorithm and its memory traffic, and is orders of magnitude slower than a GPU kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import conventions as cv
+from .config import TileConfig
+from .traffic import HBM, Traffic
+
+__all__ = ["attention", "forward_fa2", "forward_fa1", "attention_varlen",
+           "traffic_model_fa2", "traffic_model_fa1", "io_complexity_table"]
+
+
+# --------------------------------------------------------------------------- tiles
+def _resolve_config(config, head_dim: int, dtype: str) -> TileConfig:
+    if config is None:
+        config = TileConfig()
+    if not isinstance(config, TileConfig):
+        raise ValueError(f"config: expected an iokernels.TileConfig or None, got {type(config).__name__}")
+    config.check_fits(head_dim, dtype)
+    return config
+
+
+def _row_tiles(n: int, size: int):
+    """[(start, stop), ...] tiles of ``size`` rows covering [0, n); the last may be ragged."""
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+@dataclass
+class _Tile:
+    """A key/value tile a query tile visits: its rows, and the mask when it is partial."""
+    j: int
+    c0: int
+    c1: int
+    mask: np.ndarray | None     # (rows, cols) visibility for a 'partial' tile, None for 'full'
+
+
+def _schedule(Nq, Nk, Br, Bc, causal, window):
+    """For each query tile i: the K/V tiles it visits (never the 'skip' ones)."""
+    sched = []
+    for r0, r1 in _row_tiles(Nq, Br):
+        row = []
+        for j, (c0, c1) in enumerate(_row_tiles(Nk, Bc)):
+            state = cv.tile_state(r0, r1, c0, c1, Nq, Nk, causal, window)
+            if state == "skip":
+                continue
+            m = None if state == "full" else cv.mask(Nq, Nk, causal, window, rows=(r0, r1), cols=(c0, c1))
+            row.append(_Tile(j, c0, c1, m))
+        sched.append(((r0, r1), row))
+    return sched
+
+
+@dataclass
+class _Index:
+    """Where one (sequence, query head) problem lives in the HBM arrays.
+
+    Batched layout: q[b, h, rows], k[b, hk, rows], lse[b, h, rows].
+    Packed varlen layout: q[off_q + rows, h], k[off_k + rows, hk], lse[h, off_q + rows].
+    """
+    b: int | None
+    h: int
+    hk: int
+    off_q: int = 0
+    off_k: int = 0
+
+    def q(self, r0, r1):
+        if self.b is None:
+            return (slice(self.off_q + r0, self.off_q + r1), self.h)
+        return (self.b, self.h, slice(r0, r1))
+
+    def k(self, c0, c1):
+        if self.b is None:
+            return (slice(self.off_k + c0, self.off_k + c1), self.hk)
+        return (self.b, self.hk, slice(c0, c1))
+
+    def lse(self, r0, r1):
+        if self.b is None:
+            return (self.h, slice(self.off_q + r0, self.off_q + r1))
+        return (self.b, self.h, slice(r0, r1))
+
+
+def _online_step(q_i, k_j, v_j, tile, m, l, o, scale, acc):
+    """One step of the recurrence on chip: fold S_ij = scale Q_i K_j^T into (m, l, O).
+
+    ``o`` is the unnormalized accumulator.  Returns the new (m, l, o).
+    """
+    s = (q_i @ k_j.T) * acc.type(scale)                      # S_ij, (Br, Bc), on chip
+    if tile.mask is not None:                                # partial tile: mask inside it
+        s = np.where(tile.mask, s, -np.inf)
+    m_new = np.maximum(m, s.max(axis=1))
+    m_ref = np.where(np.isneginf(m_new), 0.0, m_new).astype(acc)  # 0 for rows that saw nothing
+    alpha = np.exp(m - m_ref)                                # exp(-inf) = 0: never NaN
+    p = np.exp(s - m_ref[:, None])                           # P_ij; masked entries give 0
+    l = alpha * l + p.sum(axis=1)
+    o = alpha[:, None] * o + p @ v_j
+    return m_new, l, o
+
+
+def _finalize(m, l, o):
+    """O = O / l and LSE = m + log l; rows with l = 0 (fully masked) give 0 and -inf."""
+    empty = l == 0
+    o = o / np.where(empty, 1.0, l)[:, None]
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, m + np.log(np.where(empty, 1.0, l)))
+    return o, lse
+
+
+# --------------------------------------------------------------------------- FA2
+def _fa2_head(Q, K, V, O, LSE, ix, sched, scale, acc):
+    """FlashAttention-2's loops for one (sequence, query head)."""
+    d = Q.shape[-1]
+    for (r0, r1), tiles in sched:                           # for each query tile i (one thread block)
+        n = r1 - r0
+        if not tiles:                                       # every key masked for these rows:
+            O[ix.q(r0, r1)] = 0                             #   write O_i = 0 -> HBM (Q_i never loaded)
+            LSE[ix.lse(r0, r1)] = -np.inf                   #   write LSE_i = -inf -> HBM
+            continue
+        q_i = Q[ix.q(r0, r1)].astype(acc)                   # load Q_i -> SRAM
+        m = np.full(n, -np.inf, acc)                        # m, l, O: on chip (registers/SRAM)
+        l = np.zeros(n, acc)
+        o = np.zeros((n, d), acc)
+        for tile in tiles:                                  # for each visible K/V tile j
+            k_j = K[ix.k(tile.c0, tile.c1)].astype(acc)     # load K_j -> SRAM
+            v_j = V[ix.k(tile.c0, tile.c1)].astype(acc)     # load V_j -> SRAM
+            m, l, o = _online_step(q_i, k_j, v_j, tile, m, l, o, scale, acc)
+        o, lse = _finalize(m, l, o)
+        O[ix.q(r0, r1)] = o                                 # write O_i -> HBM (once)
+        LSE[ix.lse(r0, r1)] = lse                           # write LSE_i -> HBM (once)
+
+
+def forward_fa2(q, k, v, *, causal, scale, window, config=None):
+    """FlashAttention-2 loop order: Q tiles outer, K/V tiles inner.  Returns (O, LSE)."""
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    cfg = _resolve_config(config, d, q.dtype.name)
+    acc = cv.accum_dtype(q.dtype.name)
+    Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
+    O = HBM.empty(q.shape, q.dtype, "O")
+    LSE = HBM.empty((B, Hq, Nq), acc, "LSE")
+    sched = _schedule(Nq, Nk, cfg.block_q, cfg.block_k, causal, window)
+    for b in range(B):                                      # grid: one program per (b, h, i)
+        for h in range(Hq):
+            ix = _Index(b, h, cv.kv_head(h, Hq, Hkv))
+            _fa2_head(Q, K, V, O, LSE, ix, sched, scale, acc)
+    return O.data, LSE.data
+
+
+# --------------------------------------------------------------------------- FA1
+def _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, sched, Nq, scale, acc):
+    """FlashAttention-1's Algorithm 1 for one (sequence, query head).
+
+    Counted: the initialisation of O, l, m in HBM; per visited tile pair, Q_i read and
+    O_i, m_i, l_i read and written back; K_j, V_j read once; and an epilogue that reads
+    m and l and writes LSE = m + log l.  O is kept normalized in HBM in the input dtype,
+    as Algorithm 1 does (so it is rounded to that dtype after every inner step).
+    """
+    # visits per K/V tile j: the query tiles (and tile masks) that see it
+    by_kv = {}
+    for (r0, r1), tiles in sched:
+        for tile in tiles:
+            by_kv.setdefault(tile.j, []).append(((r0, r1), tile))
+
+    O[ix.q(0, Nq)] = 0                                      # init O = 0 in HBM: write Nq*d
+    Mst[ix.lse(0, Nq)] = -np.inf                            # init m = -inf in HBM: write Nq
+    Lst[ix.lse(0, Nq)] = 0                                  # init l = 0 in HBM: write Nq
+    for j in sorted(by_kv):                                 # for each K/V tile j (outer)
+        tile0 = by_kv[j][0][1]                              # tile j's rows (same for every visit)
+        k_j = K[ix.k(tile0.c0, tile0.c1)].astype(acc)       # load K_j -> SRAM (once)
+        v_j = V[ix.k(tile0.c0, tile0.c1)].astype(acc)       # load V_j -> SRAM (once)
+        for (r0, r1), tile in by_kv[j]:                     # for each query tile i that sees tile j
+            q_i = Q[ix.q(r0, r1)].astype(acc)               # load Q_i -> SRAM
+            o_i = O[ix.q(r0, r1)].astype(acc)               # load O_i -> SRAM (normalized)
+            m_i = Mst[ix.lse(r0, r1)]                       # load m_i -> SRAM
+            l_i = Lst[ix.lse(r0, r1)]                       # load l_i -> SRAM
+            # the recurrence on the unnormalized accumulator l_i * O_i
+            m_new, l_new, o_un = _online_step(q_i, k_j, v_j, tile, m_i, l_i, l_i[:, None] * o_i,
+                                              scale, acc)
+            O[ix.q(r0, r1)] = o_un / np.where(l_new == 0, 1.0, l_new)[:, None]  # write O_i -> HBM
+            Mst[ix.lse(r0, r1)] = m_new                     # write m_i -> HBM
+            Lst[ix.lse(r0, r1)] = l_new                     # write l_i -> HBM
+    m = Mst[ix.lse(0, Nq)]                                  # epilogue: read m (Nq)
+    l = Lst[ix.lse(0, Nq)]                                  #           read l (Nq)
+    with np.errstate(divide="ignore"):
+        LSE[ix.lse(0, Nq)] = np.where(l == 0, -np.inf, m + np.log(np.where(l == 0, 1.0, l)))  # write LSE
+
+
+def forward_fa1(q, k, v, *, causal, scale, window, config=None):
+    """FlashAttention-1 loop order (Algorithm 1): K/V tiles outer, Q tiles inner.  Returns (O, LSE)."""
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    cfg = _resolve_config(config, d, q.dtype.name)
+    acc = cv.accum_dtype(q.dtype.name)
+    Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
+    O = HBM.empty(q.shape, q.dtype, "O")
+    Mst = HBM.empty((B, Hq, Nq), acc, "m")
+    Lst = HBM.empty((B, Hq, Nq), acc, "l")
+    LSE = HBM.empty((B, Hq, Nq), acc, "LSE")
+    sched = _schedule(Nq, Nk, cfg.block_q, cfg.block_k, causal, window)
+    for b in range(B):
+        for h in range(Hq):
+            ix = _Index(b, h, cv.kv_head(h, Hq, Hkv))
+            _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, sched, Nq, scale, acc)
+    return O.data, LSE.data
+
+
+def attention(q, k, v, *, causal, scale, window, config=None):
+    """Tiled attention; ``config.loop_order`` picks FlashAttention-2 ("fa2") or -1 ("fa1")."""
+    cfg = _resolve_config(config, q.shape[-1], q.dtype.name)
+    forward = forward_fa2 if cfg.loop_order == "fa2" else forward_fa1
+    return forward(q, k, v, causal=causal, scale=scale, window=window, config=cfg)
+
+
+# --------------------------------------------------------------------------- varlen
+def attention_varlen(q, k, v, cu_q, cu_k, *, causal, scale, window, config=None):
+    """Tiled attention over packed sequences.  Returns (O, LSE) with LSE (Hq, total_q).
+
+    q: (total_q, Hq, d), k, v: (total_k, Hkv, d); sequence b owns rows
+    cu_q[b]:cu_q[b+1] of q and cu_k[b]:cu_k[b+1] of k, v.  Each sequence is tiled on its
+    own, so no tile ever straddles two sequences (which would let one attend to another).
+    Zero-length sequences do nothing (no keys: their rows are 0 with LSE -inf).
+    """
+    total_q, Hq, d = q.shape
+    Hkv = k.shape[1]
+    cfg = _resolve_config(config, d, q.dtype.name)
+    acc = cv.accum_dtype(q.dtype.name)
+    cu_q = np.asarray(cu_q, dtype=np.int64)
+    cu_k = np.asarray(cu_k, dtype=np.int64)
+    Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
+    O = HBM.empty(q.shape, q.dtype, "O")
+    LSE = HBM.empty((Hq, total_q), acc, "LSE")
+    if cfg.loop_order == "fa1":
+        Mst = HBM.empty((Hq, total_q), acc, "m")
+        Lst = HBM.empty((Hq, total_q), acc, "l")
+    schedules = {}
+    for b in range(len(cu_q) - 1):                          # for each sequence
+        Nq, Nk = int(cu_q[b + 1] - cu_q[b]), int(cu_k[b + 1] - cu_k[b])
+        if Nq == 0:
+            continue
+        key = (Nq, Nk)
+        if key not in schedules:
+            schedules[key] = _schedule(Nq, Nk, cfg.block_q, cfg.block_k, causal, window)
+        for h in range(Hq):
+            ix = _Index(None, h, cv.kv_head(h, Hq, Hkv), int(cu_q[b]), int(cu_k[b]))
+            if cfg.loop_order == "fa2":
+                _fa2_head(Q, K, V, O, LSE, ix, schedules[key], scale, acc)
+            else:
+                _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, schedules[key], Nq, scale, acc)
+    return O.data, LSE.data
+
+
+# --------------------------------------------------------------------------- traffic models
+def _kv_span(r0, r1, Nq, Nk, Bc, causal, window):
+    """The K/V tiles [j_lo, j_hi) that query rows [r0, r1) visit, by interval arithmetic.
+
+    Each row sees one contiguous key interval [lo, hi) whose ends never decrease with the
+    row, so the rows' non-empty intervals cover one contiguous range [a, z); the tiles
+    touching it are floor(a / Bc) .. ceil(z / Bc) - 1.  Returns (0, 0) if every row is
+    fully masked.
+    """
+    lo, hi = cv.key_range(np.arange(r0, r1), Nq, Nk, causal, window)
+    seen = hi > lo
+    if not seen.any():
+        return 0, 0
+    a, z = int(lo[seen].min()), int(hi[seen].max())
+    return a // Bc, -(-z // Bc)
+
+
+def _keys_in(j_lo, j_hi, Nk, Bc):
+    """Key rows in tiles [j_lo, j_hi), the last tile possibly ragged."""
+    return max(0, min(j_hi * Bc, Nk) - j_lo * Bc)
+
+
+def _problem(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, config):
+    if config is None:
+        config = TileConfig()
+    config.check_fits(head_dim, dtype)
+    st = cv.itemsize_of(dtype)
+    acc = cv.accum_dtype(dtype).itemsize
+    return config, st, acc, batch * heads_q
+
+
+def traffic_model_fa2(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,
+                      causal=False, window=None, config=None) -> Traffic:
+    """Closed-form HBM bytes of :func:`forward_fa2`, tensor by tensor.
+
+    Per (b, query head) and query tile i of n_i rows that visits key tiles [j_lo, j_hi)
+    holding k_i keys: read n_i*d (Q_i), k_i*d (K) and k_i*d (V); write n_i*d (O_i) and
+    n_i (LSE_i).  A query tile that sees no key reads nothing and writes O_i = 0 and
+    LSE_i = -inf.  Without masks k_i = N_k for every tile, so K and V are read
+    Tr = ceil(N_q / Br) times: B*Hq*Tr*N_k*d elements each.
+    """
+    cfg, st, acc, heads = _problem(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, config)
+    d = head_dim
+    q_el = kv_el = 0
+    for r0, r1 in _row_tiles(seqlen_q, cfg.block_q):
+        j_lo, j_hi = _kv_span(r0, r1, seqlen_q, seqlen_k, cfg.block_k, causal, window)
+        if j_hi > j_lo:
+            q_el += (r1 - r0) * d
+            kv_el += _keys_in(j_lo, j_hi, seqlen_k, cfg.block_k) * d
+    t = Traffic()
+    t.add("Q", read=heads * q_el * st)
+    t.add("K", read=heads * kv_el * st)
+    t.add("V", read=heads * kv_el * st)
+    t.add("O", written=heads * seqlen_q * d * st)
+    t.add("LSE", written=heads * seqlen_q * acc)
+    return t
+
+
+def traffic_model_fa1(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,
+                      causal=False, window=None, config=None) -> Traffic:
+    """Closed-form HBM bytes of :func:`forward_fa1`, tensor by tensor.
+
+    Per (b, query head): initialise O (N_q*d), m and l (N_q each) in HBM; for each
+    visited pair (query tile i of n_i rows, key tile j): read n_i*d (Q_i), read and write
+    n_i*d (O_i), n_i (m_i) and n_i (l_i); read each visited key tile's K_j and V_j once;
+    finally read m and l and write LSE (N_q each).  Without masks that is Q read Tc
+    times and O read and written Tc times, but K and V read only once.
+    """
+    cfg, st, acc, heads = _problem(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, config)
+    d, Nq, Nk, Bc = head_dim, seqlen_q, seqlen_k, cfg.block_k
+    rows_pairs = 0          # sum over visited (i, j) of n_i
+    kv_tiles = set()        # key tiles visited by at least one query tile
+    for r0, r1 in _row_tiles(Nq, cfg.block_q):
+        j_lo, j_hi = _kv_span(r0, r1, Nq, Nk, Bc, causal, window)
+        rows_pairs += (r1 - r0) * max(0, j_hi - j_lo)
+        kv_tiles.update(range(j_lo, j_hi))
+    kv_rows = sum(_keys_in(j, j + 1, Nk, Bc) for j in kv_tiles)
+    t = Traffic()
+    t.add("Q", read=heads * rows_pairs * d * st)
+    t.add("K", read=heads * kv_rows * d * st)
+    t.add("V", read=heads * kv_rows * d * st)
+    t.add("O", read=heads * rows_pairs * d * st, written=heads * (Nq + rows_pairs) * d * st)
+    t.add("m", read=heads * (rows_pairs + Nq) * acc, written=heads * (Nq + rows_pairs) * acc)
+    t.add("l", read=heads * (rows_pairs + Nq) * acc, written=heads * (Nq + rows_pairs) * acc)
+    t.add("LSE", written=heads * Nq * acc)
+    return t
+
+
+# --------------------------------------------------------------------------- IO complexity
+def io_complexity_table(seqlens=(512, 1024, 2048, 4096, 8192), sram_bytes=(32 * 1024, 64 * 1024,
+                        128 * 1024, 228 * 1024), head_dim=64, dtype="float16", loop_order="fa2"):
+    """Rows comparing naive and FlashAttention HBM traffic as N and M vary (one head).
+
+    For each sequence length N (N_q = N_k = N, no mask) and SRAM size M in bytes, the
+    tile config is the paper's choice for that M (:meth:`TileConfig.from_sram`).  Each row
+    is a dict with: ``seqlen``, ``sram_bytes``, ``block_q``, ``block_k``,
+    ``naive_bytes`` and ``flash_bytes`` (the exact models), and the paper's asymptotic
+    shapes in bytes, ``naive_theta`` = (N d + N^2) * itemsize and
+    ``flash_theta`` = N^2 d^2 / M_elems * itemsize with M_elems = M / itemsize.  The
+    Theta forms have no constants: compare how columns grow, not their values.
+    """
+    from .naive import traffic_model as naive_model
+    st = cv.itemsize_of(dtype)
+    rows = []
+    for N in seqlens:
+        for M in sram_bytes:
+            cfg = TileConfig.from_sram(M, head_dim, dtype, loop_order=loop_order)
+            prob = dict(batch=1, heads_q=1, heads_kv=1, seqlen_q=N, seqlen_k=N, head_dim=head_dim,
+                        dtype=dtype)
+            flash = (traffic_model_fa2 if loop_order == "fa2" else traffic_model_fa1)(config=cfg, **prob)
+            m_elems = M / st
+            rows.append(dict(seqlen=N, sram_bytes=M, block_q=cfg.block_q, block_k=cfg.block_k,
+                             naive_bytes=naive_model(**prob).total, flash_bytes=flash.total,
+                             naive_theta=(N * head_dim + N * N) * st,
+                             flash_theta=N * N * head_dim * head_dim / m_elems * st))
+    return rows
