@@ -16,6 +16,10 @@ from __future__ import annotations
 import importlib
 
 from . import conventions, reference, testing, traffic
+# The submodule iokernels.decode is imported here, before the function of the same name:
+# importing a submodule for the first time sets it as a package attribute, which would
+# otherwise replace ik.decode (the function) by the module on the first decode call.
+from . import decode as _decode_module  # noqa: F401,E402
 from .api import (BACKENDS, attention, attention_backward, attention_varlen, decode, merge_states,
                   paged_decode)
 from .config import TileConfig

@@ -1,0 +1,445 @@
+"""Step 4: Flash-Decoding: split the KV cache across workers, merge exactly by log-sum-exp.
+
+At decode time each sequence brings one new query token.  A FlashAttention kernel gives
+one thread block to each (sequence, head) pair and walks the keys in order: batch 1 with
+32 heads launches about 32 thread blocks on a 132-SM H100, and most of the GPU idles while
+those few blocks stream a long cache.  Flash-Decoding (Dao and collaborators, Stanford
+CRFM write-up, 2023) also splits the *keys* into ``num_splits`` chunks: each (sequence,
+KV head, split) is a thread block that writes a partial output O_s and its log-sum-exp
+LSE_s to HBM, and a small second kernel merges them exactly:
+
+    LSE = log sum_s exp(LSE_s),     O = sum_s exp(LSE_s - LSE) * O_s.
+
+This holds because each O_s is already normalized by its own softmax sum l_s = exp(LSE_s):
+weighting by l_s / sum l recovers the softmax over all keys.  Splits with no keys have
+LSE_s = -inf and weigh nothing; if every split is empty, O = 0 and LSE = -inf.
+
+Notation
+========
+
+=========  ===========================================================
+B          batch: sequences, one new query token each
+Hq, Hkv    query heads and KV heads; g = Hq / Hkv query heads per KV head
+N, n_b     cache length (padded) and sequence b's length (``seq_lens``)
+d          head dim
+Bc         keys per tile (``block_n``; 16, vLLM's block size, so contiguous and
+           paged decode tile a sequence the same way)
+Tc         tiles of sequence b, ceil(n_b / Bc)
+S          ``num_splits``; split s takes tiles [s*ceil(Tc/S), (s+1)*ceil(Tc/S))
+m, l       running row max and softmax sum of a split (online softmax)
+O_s, LSE_s a split's partial output and log-sum-exp (written to HBM)
+O, LSE     the merged result
+=========  ===========================================================
+
+GQA is packed: a thread block handles one KV head and all g query heads that read it, so
+each K/V row loaded from HBM serves g query rows (decode intensity is about g FLOP/byte).
+
+The versions, side by side (each checked against :func:`iokernels.reference.decode`):
+
+* v1 :func:`decode_naive`: materialize the scores S (B, Hq, N) and probabilities P in HBM,
+  the way step 1 does prefill.  Traffic adds 4 * B * Hq * N scalars.
+* v2 :func:`decode_split_kv`: FlashAttention's online softmax over tiles of Bc keys, the
+  keys split S ways, partial O_s, LSE_s in HBM, then :func:`merge_kernel`.  With S = 1 it
+  is plain FlashAttention decode: O and LSE written once, no merge.
+* v3 :func:`paged_decode_split_kv`: v2 reading K and V through a PagedKVCache's block
+  table, one block (page) per tile, never gathering the whole cache.
+
+Frank notes
+-----------
+* These are NumPy loops written to show the work decomposition (one loop iteration is one
+  GPU thread block); they are slow, and timing them says nothing about a GPU.
+* The split kernel writes S partial results per (sequence, head) and reads them back:
+  S * B * Hq * (d + 1) accumulator values each way.  For short caches or large batches that
+  overhead is not worth it, which is why the heuristic picks S = 1 there.
+* :func:`num_splits_heuristic` is modelled on FlashAttention-2's occupancy rule (see its
+  docstring); the default SM count is an H100's, a named assumption, not a measurement.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from . import conventions as cv
+from .traffic import HBM, Traffic
+
+__all__ = ["decode_naive", "decode_split_kv", "paged_decode_split_kv", "merge_states", "merge_kernel",
+           "num_splits_heuristic", "split_ranges", "traffic_model", "traffic_model_paged",
+           "traffic_model_naive", "decode_bytes_per_token", "decode_time_bound", "DEFAULT_NUM_SMS",
+           "DEFAULT_BLOCK_N", "MAX_SPLITS"]
+
+#: keys per tile of the NumPy decode kernels: vLLM's block size, so that contiguous and
+#: paged decode tile (and therefore split) a sequence identically.
+DEFAULT_BLOCK_N = 16
+#: SMs the num_splits=None heuristic assumes when not told: an H100 SXM has 132.
+DEFAULT_NUM_SMS = 132
+#: FlashAttention-2 never splits more than 128 ways (its combine kernel's limit).
+MAX_SPLITS = 128
+#: FlashAttention-2 stops splitting when the grid already fills 80% of the SMs.
+FULL_GRID_FRACTION = 0.8
+#: ... and takes the fewest splits whose wave efficiency is within 85% of the best.
+EFFICIENCY_FRACTION = 0.85
+
+
+# --------------------------------------------------------------------------- the heuristic
+def num_splits_heuristic(batch, heads_kv, seqlen, num_sms=DEFAULT_NUM_SMS, *, block_n=DEFAULT_BLOCK_N,
+                         max_splits=MAX_SPLITS, q_tiles=1, return_efficiency=False):
+    """How many ways to split the keys: FlashAttention-2's occupancy rule, written out.
+
+    The grid without splitting has ``batch * heads_kv * q_tiles`` thread blocks (q_tiles:
+    tiles of packed query rows, 1 for decode).  With S splits it has S times as many, run
+    in waves of ``num_sms`` blocks; a wave that is only partly full wastes SMs.
+
+    1. If the unsplit grid already fills FULL_GRID_FRACTION (80%) of the SMs, S = 1.
+    2. Candidates S = 1 .. min(max_splits, num_sms, Tc) with Tc = ceil(seqlen / block_n); an S
+       is eligible only if it changes the tiles per split, ceil(Tc / S) != ceil(Tc / (S-1))
+       (otherwise it only adds empty splits).
+    3. Efficiency of S: waves = blocks * S / num_sms, efficiency = waves / ceil(waves).
+    4. Return the smallest eligible S whose efficiency is >= EFFICIENCY_FRACTION (85%) of
+       the best: fewer splits mean less partial-result traffic.
+
+    With ``return_efficiency`` also returns the list of efficiencies (0 for ineligible S).
+    """
+    for name, v in (("batch", batch), ("heads_kv", heads_kv), ("seqlen", seqlen)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+            raise ValueError(f"{name}: expected an integer >= 0, got {v!r}")
+    for name, v in (("num_sms", num_sms), ("block_n", block_n), ("max_splits", max_splits), ("q_tiles", q_tiles)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {v!r}")
+    blocks = batch * heads_kv * q_tiles
+    tiles = -(-seqlen // block_n)
+    if blocks >= FULL_GRID_FRACTION * num_sms or tiles <= 1:
+        return (1, [1.0]) if return_efficiency else 1
+    top = min(max_splits, num_sms, tiles)
+
+    def eligible(s):
+        return s == 1 or -(-tiles // s) != -(-tiles // (s - 1))
+
+    eff = []
+    for s in range(1, top + 1):
+        if not eligible(s):
+            eff.append(0.0)
+            continue
+        waves = blocks * s / num_sms
+        eff.append(waves / math.ceil(waves))
+    best = max(eff)
+    choice = next(s for s in range(1, top + 1) if eligible(s) and eff[s - 1] >= EFFICIENCY_FRACTION * best)
+    return (choice, eff) if return_efficiency else choice
+
+
+def split_ranges(seq_len, num_splits, block_n=DEFAULT_BLOCK_N):
+    """The key range [start, stop) of each split of a sequence of ``seq_len`` keys.
+
+    Tiles of ``block_n`` keys are dealt out in contiguous runs of ceil(Tc / S); trailing
+    splits may be empty (start == stop), as in FlashAttention-2.
+    """
+    tiles = -(-seq_len // block_n)
+    per = -(-tiles // num_splits) if tiles else 0
+    out = []
+    for s in range(num_splits):
+        a = min(s * per * block_n, seq_len)
+        b = min((s + 1) * per * block_n, seq_len)
+        out.append((a, b))
+    return out
+
+
+def _resolve_splits(num_splits, batch, heads_kv, max_len, block_n):
+    if num_splits is None:
+        return num_splits_heuristic(batch, heads_kv, max_len, DEFAULT_NUM_SMS, block_n=block_n)
+    return int(num_splits)
+
+
+def _lens(seq_lens, batch, n):
+    return [n] * batch if seq_lens is None else [int(x) for x in np.asarray(seq_lens)]
+
+
+# --------------------------------------------------------------------------- the merge
+def merge_states(o_parts, lse_parts):
+    """Exact log-sum-exp merge over axis 0: o_parts (S, ..., d), lse_parts (S, ...) -> (o, lse).
+
+    LSE = LSE_max + log sum_s exp(LSE_s - LSE_max) and O = sum_s exp(LSE_s - LSE) O_s, in the
+    accumulator precision.  Parts with LSE -inf weigh exactly 0 (their O is not even
+    multiplied, so a NaN there cannot leak); all parts -inf gives O = 0, LSE = -inf.
+    O comes back in o_parts' dtype, LSE in float32 (float64 for float64 inputs).
+    """
+    o_parts, lse_parts = np.asarray(o_parts), np.asarray(lse_parts)
+    acc = cv.accum_dtype("float64" if np.float64 in (o_parts.dtype, lse_parts.dtype) else "float32")
+    lse_s = lse_parts.astype(acc)
+    m = lse_s.max(axis=0)                                     # LSE_max per row
+    empty = np.isneginf(m)                                    # every part empty
+    m_safe = np.where(empty, 0.0, m)
+    live = ~np.isneginf(lse_s)
+    w = np.where(live, np.exp(np.where(live, lse_s - m_safe, 0.0)), 0.0)   # exp(LSE_s - LSE_max)
+    total = w.sum(axis=0)                                     # >= 1 for non-empty rows
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, m_safe + np.log(np.where(empty, 1.0, total)))
+    wn = w / np.where(empty, 1.0, total)                      # exp(LSE_s - LSE)
+    o = np.where(live[..., None], o_parts.astype(acc), 0.0)
+    o = (wn[..., None] * o).sum(axis=0)
+    return o.astype(o_parts.dtype), lse.astype(acc)
+
+
+def merge_kernel(O_part: HBM, LSE_part: HBM, O: HBM, LSE: HBM):
+    """The second kernel: one thread block per (sequence, query head) row, counted in HBM.
+
+    Reads all S partial rows (O_s and LSE_s), writes the merged O and LSE once.
+    """
+    S, B, Hq, d = O_part.shape
+    for b in range(B):                                        # grid: one block per sequence ...
+        lse_s = LSE_part[:, b]                                # load LSE_s (S, Hq) -> SRAM
+        o_s = O_part[:, b]                                    # load O_s (S, Hq, d) -> SRAM
+        o, lse = merge_states(o_s, lse_s)
+        O[b] = o.astype(O.dtype)                              # write O_b -> HBM
+        LSE[b] = lse                                          # write LSE_b -> HBM
+
+
+# --------------------------------------------------------------------------- v1 naive
+def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
+    """v1: scores and probabilities materialized in HBM (num_splits is ignored).
+
+    q (B, Hq, d); k, v (B, Hkv, N, d).  Returns (O (B, Hq, d), LSE (B, Hq)).
+    """
+    B, Hq, d = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    scale = cv.default_scale(d) if scale is None else scale
+    acc = cv.accum_dtype(q.dtype.name)
+    lens = _lens(seq_lens, B, N)
+    Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
+    S_ = HBM(np.zeros((B, Hq, N), acc), "S")
+    P_ = HBM(np.zeros((B, Hq, N), acc), "P")
+    O = HBM(np.zeros((B, Hq, d), q.dtype), "O")
+    LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
+    kvh = cv.kv_head_index(Hq, Hkv)
+    for b in range(B):
+        n = lens[b]
+        if n == 0:
+            O[b] = np.zeros((Hq, d), q.dtype)                 # write Hq*d
+            LSE[b] = np.full(Hq, -np.inf, acc)                # write Hq
+            continue
+        qb = Q[b].astype(acc)                                 # read Hq*d
+        kb = K[b, :, :n].astype(acc)                          # read Hkv*n*d
+        S_[b, :, :n] = scale * np.einsum("hd,hnd->hn", qb, kb[kvh])   # write Hq*n
+        s = S_[b, :, :n]                                      # read Hq*n
+        m = s.max(axis=-1, keepdims=True)
+        p = np.exp(s - m)
+        l = p.sum(axis=-1, keepdims=True)
+        P_[b, :, :n] = p / l                                  # write Hq*n
+        p = P_[b, :, :n]                                      # read Hq*n
+        vb = V[b, :, :n].astype(acc)                          # read Hkv*n*d
+        O[b] = np.einsum("hn,hnd->hd", p, vb[kvh]).astype(q.dtype)   # write Hq*d
+        LSE[b] = (m + np.log(l))[:, 0]                        # write Hq
+    return O.data, LSE.data
+
+
+def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="float32"):
+    """Closed-form traffic of :func:`decode_naive` (seq_lens: one length per sequence)."""
+    s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
+    g, d = heads_q // heads_kv, head_dim
+    t = Traffic()
+    for n in _lens(seq_lens, batch, None):
+        if n:
+            t.add("Q", read=heads_q * d * s)
+            t.add("K", read=heads_kv * n * d * s)
+            t.add("V", read=heads_kv * n * d * s)
+            t.add("S", read=heads_q * n * a, written=heads_q * n * a)
+            t.add("P", read=heads_q * n * a, written=heads_q * n * a)
+        t.add("O", written=heads_q * d * s)
+        t.add("LSE", written=heads_q * a)
+    del g
+    return t
+
+
+# --------------------------------------------------------------------------- v2 split-KV
+def _split_worker(q_grp, load_tile, tiles, scale, acc):
+    """One thread block: online softmax of g packed query rows over its tiles.
+
+    q_grp (g, d) is in SRAM; ``load_tile(t)`` loads K_j, V_j (Bc, d) -> SRAM.
+    Returns the split's normalized O_s (g, d) and LSE_s (g,).
+    """
+    g, d = q_grp.shape
+    m = np.full(g, -np.inf, acc)                              # running row max
+    l = np.zeros(g, acc)                                      # running softmax sum
+    o = np.zeros((g, d), acc)                                 # unnormalized output
+    for t in tiles:                                           # load K_j, V_j -> SRAM
+        kj, vj = load_tile(t)
+        s = scale * (q_grp @ kj.astype(acc).T)                # S_ij (g, Bc), on chip
+        m_new = np.maximum(m, s.max(axis=1))
+        alpha = np.exp(m - m_new)                             # rescale old sum and output
+        p = np.exp(s - m_new[:, None])
+        l = alpha * l + p.sum(axis=1)
+        o = alpha[:, None] * o + p @ vj.astype(acc)
+        m = m_new
+    if not len(tiles):                                        # an empty split
+        return np.zeros((g, d), acc), np.full(g, -np.inf, acc)
+    return o / l[:, None], m + np.log(l)
+
+
+def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, block_n=DEFAULT_BLOCK_N):
+    """v2: Flash-Decoding over a contiguous cache: split-KV workers, then the merge kernel.
+
+    q (B, Hq, d); k, v (B, Hkv, N, d); sequence b uses keys [0, seq_lens[b]).
+    num_splits None: :func:`num_splits_heuristic` (with DEFAULT_NUM_SMS).  With one split the
+    workers write O and LSE directly and no merge runs.  Returns (O, LSE).
+    """
+    B, Hq, d = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    g = Hq // Hkv
+    scale = cv.default_scale(d) if scale is None else scale
+    acc = cv.accum_dtype(q.dtype.name)
+    lens = _lens(seq_lens, B, N)
+    S = _resolve_splits(num_splits, B, Hkv, max(lens, default=0), block_n)
+    Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
+    O = HBM(np.zeros((B, Hq, d), q.dtype), "O")
+    LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
+    if S > 1:                                                 # partial results live in HBM
+        O_part = HBM(np.zeros((S, B, Hq, d), acc), "O_partial")
+        LSE_part = HBM(np.full((S, B, Hq), -np.inf, acc), "LSE_partial")
+    for b in range(B):                                        # grid: (sequence, KV head, split)
+        for h in range(Hkv):
+            rows = slice(h * g, (h + 1) * g)                  # the g query heads of KV head h
+            for s, (a, z) in enumerate(split_ranges(lens[b], S, block_n)):
+                tiles = [(t0, min(t0 + block_n, z)) for t0 in range(a, z, block_n)]
+                if tiles:
+                    q_grp = Q[b, rows].astype(acc)            # load Q group (g, d) -> SRAM
+                else:
+                    q_grp = np.zeros((g, d), acc)             # empty split: Q not loaded
+
+                def load(t, b=b, h=h):
+                    return K[b, h, t[0]:t[1]], V[b, h, t[0]:t[1]]
+
+                o_s, lse_s = _split_worker(q_grp, load, tiles, scale, acc)
+                if S > 1:
+                    O_part[s, b, rows] = o_s                  # write O_s -> HBM
+                    LSE_part[s, b, rows] = lse_s              # write LSE_s -> HBM
+                else:
+                    O[b, rows] = o_s.astype(q.dtype)          # write O -> HBM
+                    LSE[b, rows] = lse_s                      # write LSE -> HBM
+    if S > 1:
+        merge_kernel(O_part, LSE_part, O, LSE)
+    return O.data, LSE.data
+
+
+# --------------------------------------------------------------------------- v3 paged
+def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None):
+    """v3: split-KV decode reading K and V through the block tables of a PagedKVCache.
+
+    q (len(seq_ids), Hq, d).  A tile is one block (Bc = cache.block_size); a worker reads
+    the table entry of each of its blocks, then the block's valid slots only (the unwritten
+    tail of a last block is never read).  Returns (O, LSE).
+    """
+    B, Hq, d = q.shape
+    Hkv, bs = cache.num_kv_heads, cache.block_size
+    g = Hq // Hkv
+    scale = cv.default_scale(d) if scale is None else scale
+    acc = cv.accum_dtype(q.dtype.name)
+    tables_np, lens_np = cache.block_tables_array(seq_ids)
+    lens = [int(x) for x in lens_np]
+    S = _resolve_splits(num_splits, B, Hkv, max(lens, default=0), bs)
+    Q = HBM(q, "Q")
+    TABLE = HBM(tables_np, "block_table")
+    K_CACHE, V_CACHE = HBM(cache.k_pool, "K_cache"), HBM(cache.v_pool, "V_cache")
+    O = HBM(np.zeros((B, Hq, d), q.dtype), "O")
+    LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
+    if S > 1:
+        O_part = HBM(np.zeros((S, B, Hq, d), acc), "O_partial")
+        LSE_part = HBM(np.full((S, B, Hq), -np.inf, acc), "LSE_partial")
+    for b in range(B):                                        # grid: (sequence, KV head, split)
+        for h in range(Hkv):
+            rows = slice(h * g, (h + 1) * g)
+            for s, (a, z) in enumerate(split_ranges(lens[b], S, bs)):
+                tiles = [(t0, min(t0 + bs, z)) for t0 in range(a, z, bs)]
+                q_grp = Q[b, rows].astype(acc) if tiles else np.zeros((g, d), acc)
+
+                def load(t, b=b, h=h):
+                    blk = int(TABLE[b, t[0] // bs])           # read the table entry (int32)
+                    n = t[1] - t[0]                           # valid slots of this block
+                    return K_CACHE[blk, :n, h], V_CACHE[blk, :n, h]   # load K_j, V_j -> SRAM
+
+                o_s, lse_s = _split_worker(q_grp, load, tiles, scale, acc)
+                if S > 1:
+                    O_part[s, b, rows] = o_s                  # write O_s -> HBM
+                    LSE_part[s, b, rows] = lse_s              # write LSE_s -> HBM
+                else:
+                    O[b, rows] = o_s.astype(q.dtype)          # write O -> HBM
+                    LSE[b, rows] = lse_s                      # write LSE -> HBM
+    if S > 1:
+        merge_kernel(O_part, LSE_part, O, LSE)
+    return O.data, LSE.data
+
+
+# --------------------------------------------------------------------------- traffic models
+def _split_model(t, *, batch, heads_q, heads_kv, head_dim, lens, S, block_n, s, a, kv_names, table):
+    d, g = head_dim, heads_q // heads_kv
+    for n in lens:
+        ranges = split_ranges(n, S, block_n)
+        busy = sum(1 for x, y in ranges if y > x)             # splits with at least one key
+        t.add("Q", read=heads_kv * busy * g * d * s)          # each busy worker loads its Q group
+        t.add(kv_names[0], read=heads_kv * n * d * s)         # every K row read exactly once
+        t.add(kv_names[1], read=heads_kv * n * d * s)
+        if table:
+            t.add("block_table", read=heads_kv * -(-n // block_n) * 4)   # one entry per block per head
+    if S > 1:
+        t.add("O_partial", written=S * batch * heads_q * d * a, read=S * batch * heads_q * d * a)
+        t.add("LSE_partial", written=S * batch * heads_q * a, read=S * batch * heads_q * a)
+    t.add("O", written=batch * heads_q * d * s)
+    t.add("LSE", written=batch * heads_q * a)
+    return t
+
+
+def traffic_model(*, batch, heads_q, heads_kv, head_dim, seqlen_k=None, seq_lens=None, num_splits=None,
+                  dtype="float32", block_n=DEFAULT_BLOCK_N):
+    """Closed-form traffic of :func:`decode_split_kv` (``traffic.model("decode", ...)``).
+
+    Keywords: batch, heads_q, heads_kv, head_dim, seqlen_k (all sequences this long) or
+    seq_lens (one per sequence), num_splits (None: the same heuristic as the kernel),
+    dtype, block_n.  K and V are read once; each busy split reads its Q group; with S > 1
+    the partial O_s, LSE_s (accumulator dtype) are written and read back by the merge;
+    O and LSE are written once.
+    """
+    lens = _lens(seq_lens, batch, seqlen_k)
+    S = _resolve_splits(num_splits, batch, heads_kv, max(lens, default=0), block_n)
+    s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
+    return _split_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                        lens=lens, S=S, block_n=block_n, s=s, a=a, kv_names=("K", "V"), table=False)
+
+
+def traffic_model_paged(*, batch, heads_q, heads_kv, head_dim, seq_lens, num_splits=None,
+                        dtype="float32", block_size=16):
+    """Closed-form traffic of :func:`paged_decode_split_kv` (``traffic.model("paged_decode", ...)``).
+
+    Keywords: batch, heads_q, heads_kv, head_dim, seq_lens (one per sequence), num_splits,
+    dtype, block_size.  As :func:`traffic_model` with the pools named K_cache / V_cache,
+    plus the block-table entries each (KV head, block) worker reads (int32).
+    """
+    lens = _lens(seq_lens, batch, None)
+    S = _resolve_splits(num_splits, batch, heads_kv, max(lens, default=0), block_size)
+    s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
+    return _split_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                        lens=lens, S=S, block_n=block_size, s=s, a=a, kv_names=("K_cache", "V_cache"),
+                        table=True)
+
+
+# --------------------------------------------------------------------------- calculators
+def decode_bytes_per_token(context, batch=1, layers=32, kv_heads=8, head_dim=128, itemsize=2,
+                           weight_bytes=0):
+    """HBM bytes one decode step reads: every sequence's KV cache, plus the weights once.
+
+    Per sequence: context * kv_bytes_per_token (2 x layers x KV heads x d x bytes); the
+    weights (``weight_bytes``) are read once per step and shared by the batch.  Returns a
+    dict with kv_bytes, weight_bytes and total.  Defaults: Llama-3-8B shapes in FP16
+    (128 KiB per token).
+    """
+    from .paged import kv_bytes_per_token
+    kv = int(batch) * int(context) * kv_bytes_per_token(layers, kv_heads, head_dim, itemsize)
+    return dict(kv_bytes=kv, weight_bytes=int(weight_bytes), total=kv + int(weight_bytes))
+
+
+def decode_time_bound(nbytes, bandwidth):
+    """Lower bound on time (seconds) to move ``nbytes`` at ``bandwidth`` bytes/second.
+
+    4.29 GB of KV at 3.35e12 B/s (H100): about 1.28 ms per token.
+    """
+    if bandwidth <= 0:
+        raise ValueError(f"bandwidth: expected bytes per second > 0, got {bandwidth!r}")
+    return float(nbytes) / float(bandwidth)
