@@ -102,7 +102,8 @@ from .traffic import HBM, Traffic
 __all__ = ["attention_backward_naive", "attention_backward_tiled", "traffic_model_naive",
            "traffic_model_tiled", "backward_sram_usage", "check_backward_fits",
            "default_backward_config", "resolve_backward_config", "tile_plan", "recompute_flops",
-           "memory_footprint", "traffic_vs_seqlen"]
+           "memory_footprint", "traffic_vs_seqlen", "counted_traffic_vs_seqlen",
+           "finite_difference_grads", "gradient_checks"]
 
 #: The tile sizes the default backward config starts from before shrinking to fit SRAM
 #: (64 x 64 is a common FlashAttention-2 backward tile for head_dim 64 on an A100).
@@ -480,3 +481,79 @@ def traffic_vs_seqlen(seqlens, head_dim: int = 64, dtype="float16", causal=False
         out["fa2_backward"].append(traffic_model_tiled(**kw).total)
         out["mandatory"].append(batch * (4 * heads_q + 4 * heads_kv) * n * head_dim * st)
     return out
+
+
+def counted_traffic_vs_seqlen(rng: np.random.Generator, seqlens, head_dim: int = 64,
+                              dtype="float16", causal=False, config=None) -> dict:
+    """Run both backward versions (one head) under :func:`iokernels.traffic.count` and return
+    their counted bytes, in the form of :func:`traffic_vs_seqlen`; ``matches_model`` says
+    whether every count equalled its closed-form model, tensor by tensor."""
+    from . import reference, testing, traffic
+    name = _dtype_name(dtype)
+    acc = cv.accum_dtype(name)
+    out = {"N": [], "naive_backward": [], "fa2_backward": [], "matches_model": True}
+    for n in seqlens:
+        q, k, v, do = testing.make_inputs(rng, 1, 1, 1, n, n, head_dim, name, with_grad=True)
+        o, lse = reference.attention(q, k, v, causal=causal)
+        o, lse = o.astype(q.dtype), lse.astype(acc)
+        kw = dict(batch=1, heads_q=1, heads_kv=1, seqlen_q=n, seqlen_k=n, head_dim=head_dim,
+                  dtype=name, causal=causal, config=config)
+        out["N"].append(n)
+        for fn, kind in ((attention_backward_naive, "naive_backward"),
+                         (attention_backward_tiled, "fa2_backward")):
+            with traffic.count() as t:
+                fn(do, q, k, v, o, lse, causal=causal, scale=cv.default_scale(head_dim),
+                   window=(-1, -1), config=config)
+            out[kind].append(t.total)
+            out["matches_model"] &= t == traffic.model(kind, **kw)
+    return out
+
+
+def finite_difference_grads(q, k, v, do, causal=False, window=None, step=1e-6):
+    """Central differences of sum(O * dO) with respect to every entry of q, k and v, using
+    the float64 oracle's forward (for tiny problems: two forwards per entry)."""
+    from . import reference
+    q, k, v = (np.array(x, dtype=np.float64) for x in (q, k, v))
+
+    def loss():
+        return float(np.sum(reference.attention(q, k, v, causal=causal, window=window)[0] * do))
+
+    grads = []
+    for x in (q, k, v):
+        g = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            old = x[idx]
+            x[idx] = old + step
+            up = loss()
+            x[idx] = old - step
+            down = loss()
+            x[idx] = old
+            g[idx] = (up - down) / (2 * step)
+        grads.append(g)
+    return tuple(grads)
+
+
+def gradient_checks(rng: np.random.Generator, batch=1, heads_q=4, heads_kv=2, seqlen_q=113,
+                    seqlen_k=203, head_dim=59, causal=True, dtypes=("float64", "float32", "float16"),
+                    config=None) -> list:
+    """The checks of notebook 04, as :class:`iokernels.testing.Check` results.
+
+    For each dtype: the tiled backward's dq, dk, dv against the float64 analytic gradients
+    (float64: ~1e-12; lower precision: <= 3x the naive backward's error in that dtype).
+    O and LSE come from the float64 oracle rounded to what a forward in that dtype stores.
+    """
+    from . import reference, testing
+    checks = []
+    for name in dtypes:
+        q, k, v, do = testing.make_inputs(rng, batch, heads_q, heads_kv, seqlen_q, seqlen_k,
+                                          head_dim, name, with_grad=True)
+        o, lse = reference.attention(q, k, v, causal=causal)
+        o, lse = o.astype(q.dtype), lse.astype(cv.accum_dtype(name))
+        want = reference.attention_backward(do, q, k, v, causal=causal)
+        args = dict(causal=causal, scale=cv.default_scale(head_dim), window=(-1, -1))
+        naive = attention_backward_naive(do, q, k, v, o, lse, config=None, **args)
+        tiled = attention_backward_tiled(do, q, k, v, o, lse, config=config, **args)
+        for g, t, n, w in zip(("dq", "dk", "dv"), tiled, naive, want):
+            checks.append(testing.check(t, w, None if name == "float64" else n, dtype=name,
+                                        name=f"{name} {g}", factor=testing.GRADIENT_FACTOR))
+    return checks

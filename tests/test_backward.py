@@ -115,23 +115,6 @@ def test_scale_and_mqa_batch(rng):
 
 
 # --------------------------------------------------------------------------- finite differences
-def _loss(q, k, v, do, causal, window):
-    return float(np.sum(ref.attention(q, k, v, causal=causal, window=window)[0] * do))
-
-
-def _central_differences(x, f, h=1e-6):
-    g = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-        old = x[idx]
-        x[idx] = old + h
-        fp = f()
-        x[idx] = old - h
-        fm = f()
-        x[idx] = old
-        g[idx] = (fp - fm) / (2 * h)
-    return g
-
-
 @pytest.mark.parametrize("nq,nk,d,hq,hkv,causal,window", [
     (5, 7, 3, 2, 2, False, None),
     (6, 4, 4, 4, 2, True, None),      # causal, Nq > Nk: two fully masked query rows
@@ -142,9 +125,8 @@ def test_tiled_matches_finite_differences(rng, nq, nk, d, hq, hkv, causal, windo
     o, lse = forward_state(q, k, v, causal, window)
     got = ik.attention_backward(do, q, k, v, o, lse, causal=causal, window=window,
                                 config=TileConfig(block_q=2, block_k=3))
-    f = lambda: _loss(q, k, v, do, causal, window)  # noqa: E731  (closes over the arrays perturbed)
-    for name, x, g in zip(("dq", "dk", "dv"), (q, k, v), got):
-        fd = _central_differences(x, f)
+    fds = bw.finite_difference_grads(q, k, v, do, causal=causal, window=window)
+    for name, g, fd in zip(("dq", "dk", "dv"), got, fds):
         # central differences with h = 1e-6 are good to about 1e-9 here
         assert np.max(np.abs(g - fd)) < 1e-8, name
         assert np.max(np.abs(fd)) > 1e-2, name        # the gradient is not trivially zero
@@ -368,3 +350,16 @@ def test_memory_footprint_and_traffic_curve():
     assert cur["N"] == [256, 1024]
     assert cur["naive_backward"][1] / cur["fa2_backward"][1] > cur["naive_backward"][0] / cur["fa2_backward"][0]
     assert all(m < f for m, f in zip(cur["mandatory"], cur["fa2_backward"]))
+
+
+def test_gradient_checks_helper(rng):
+    checks = bw.gradient_checks(rng, seqlen_q=40, seqlen_k=70, head_dim=24)
+    assert len(checks) == 9 and all(checks), "\n".join(map(str, checks))
+    assert all(c.baseline_error is not None for c in checks[3:])
+
+
+def test_counted_traffic_helper(rng):
+    out = bw.counted_traffic_vs_seqlen(rng, [64, 100], head_dim=16, dtype="float32")
+    assert out["matches_model"] and out["N"] == [64, 100]
+    cur = bw.traffic_vs_seqlen([64, 100], head_dim=16, dtype="float32")
+    assert out["naive_backward"] == cur["naive_backward"] and out["fa2_backward"] == cur["fa2_backward"]
