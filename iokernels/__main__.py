@@ -1,0 +1,78 @@
+"""The command line: ``python -m iokernels {tour,figures,bench}``.
+
+tour      run the progression on a small embedded problem and print, per step and backend,
+          the error against the float64 oracle, counted and modelled HBM bytes, and time;
+          writes the figures to figures/ (see :mod:`iokernels.tour`)
+figures   regenerate figures/ from fixed seeds (see :mod:`iokernels.viz.figures`)
+bench     the side-by-side GPU benchmark (see :mod:`iokernels.bench`)
+
+Without an NVIDIA device, NUMBA_ENABLE_CUDASIM=1 is set here, before anything imports
+numba, so the Numba kernels run on the simulator.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+#: figures/ at the repository root when run from a checkout, else ./figures
+DEFAULT_FIGURES = Path(__file__).resolve().parents[1] / "figures"
+
+
+def _prepare_environment() -> None:
+    from .tour import nvidia_device_present
+    if not nvidia_device_present():
+        os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def _tour(args) -> int:
+    from . import tour
+    problem = tour.SMALL if args.small else tour.DEFAULT
+    rows = tour.run(problem, seed=args.seed, figures_dir=None if args.no_figures else Path(args.out))
+    failed = [r for r in rows if r.status == "failed" or r.verdict == "FAIL"]
+    return 1 if failed else 0
+
+
+def _figures(args) -> int:
+    from .viz import figures
+    paths = figures.write_all(Path(args.out), progress=not args.quiet)
+    for p in paths:
+        print(p)
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m iokernels", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tour", help="run the progression on a small problem and print what each step does")
+    t.add_argument("--small", action="store_true", help="an even smaller problem (seconds)")
+    t.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    t.add_argument("--out", default=str(DEFAULT_FIGURES), help="where figures go (default: figures/)")
+    t.add_argument("--no-figures", action="store_true", help="do not write figures")
+
+    f = sub.add_parser("figures", help="regenerate the figures from fixed seeds")
+    f.add_argument("--out", default=str(DEFAULT_FIGURES), help="output folder (default: figures/)")
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sub.add_parser("bench", help="the GPU benchmark (options: python -m iokernels bench --help)",
+                   add_help=False)
+
+    if argv and argv[0] == "bench":     # the benchmark parses its own options
+        _prepare_environment()
+        from . import bench
+        if not hasattr(bench, "main"):
+            print("bench: iokernels.bench.main is not available in this version", file=sys.stderr)
+            return 2
+        return int(bench.main(argv[1:]) or 0)
+
+    args = parser.parse_args(argv)
+    _prepare_environment()
+    return {"tour": _tour, "figures": _figures}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
