@@ -157,7 +157,7 @@ class CacheMachine(RuleBasedStateMachine):
 def test_state_machine_against_dense_model():
     STEPS["count"] = 0
     run_state_machine_as_test(CacheMachine, settings=settings(
-        max_examples=40, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+        max_examples=50, stateful_step_count=40, deadline=None, derandomize=True, database=None,
         suppress_health_check=list(HealthCheck)))
     assert STEPS["count"] >= 1000, STEPS["count"]
 
