@@ -85,9 +85,17 @@ nothing to dK, dV; keys no query sees get dK = dV = 0.  Never NaN.
 
 Frank notes: v2 is a Python loop over tiles; on a CPU it is much slower than v1 for
 small N (many small matmuls instead of a few large ones).  It exists to show the
-memory traffic and the algorithm, not to be fast.  Its traffic is not free either: the
-dQ read-modify-writes grow like Tc * N_q * d, so the tiled backward is Theta(N^2 d^2/M)
-like the forward, not Theta(N d); it wins because it never moves an N^2 matrix.
+memory traffic and the algorithm, not to be fast.  Its traffic is not free either:
+Q_i, dO_i, LSE_i, D_i and the dQaccum read-modify-write stream past every K/V tile, so
+the tiled backward is Theta(N^2 d^2 / M) like the forward, not Theta(N d).  Per visible
+(query, key) entry, fp16 inputs, no caches: v1 moves 16 bytes (P written once and read
+twice, dP written and read, dS written and read twice: 8 touches of 2 bytes); v2 moves
+(12 d + 8) / Bc bytes (Q and dO rows 2d bytes each, LSE and D 4 each, the float32
+dQaccum row read and written 8d).  The ratio, about 4 Bc / (3 d), does not grow with N:
+1.3x at d = 128, Bc = 128, 2.7x at d = 64 (causal masks double it by skipping tiles).
+The large, N-dependent win of recomputation is memory (P is N^2 per head, LSE is N),
+and on a GPU the streamed Q/dO/dQaccum tiles are shared by thread blocks that run at
+the same time and are largely served by the L2 cache, which this model does not have.
 """
 from __future__ import annotations
 
@@ -105,9 +113,13 @@ __all__ = ["attention_backward_naive", "attention_backward_tiled", "traffic_mode
            "memory_footprint", "traffic_vs_seqlen", "counted_traffic_vs_seqlen",
            "finite_difference_grads", "gradient_checks"]
 
-#: The tile sizes the default backward config starts from before shrinking to fit SRAM
-#: (64 x 64 is a common FlashAttention-2 backward tile for head_dim 64 on an A100).
-DEFAULT_BLOCK = 64
+#: The default backward tiles, Br x Bc = 64 x 128: the shape FlashAttention-2's CUDA backward
+#: uses for head dims up to 128 when a block may have >= 144 KiB of shared memory.  The
+#: backward's traffic falls as Bc grows (Q, dO, LSE, D and dQaccum stream past every K/V
+#: tile) and does not depend on Br, so SRAM is spent on Bc first.
+DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K = 64, 128
+#: When the default tiles do not fit, Br is halved first, down to this; then Bc.
+MIN_DEFAULT_BLOCK_Q = 16
 
 
 def _dtype_name(dtype) -> str:
@@ -140,13 +152,20 @@ def check_backward_fits(config: TileConfig, head_dim: int, dtype="float32") -> N
 
 def default_backward_config(head_dim: int, dtype="float32",
                             sram_bytes: int = DEFAULT_SRAM_BYTES) -> TileConfig:
-    """Br = Bc = 64, halved (Br first) until the backward's tile set fits ``sram_bytes``."""
-    cfg = TileConfig(block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, sram_bytes=sram_bytes)
+    """Br x Bc = 64 x 128, shrunk until the backward's tile set fits ``sram_bytes``:
+    halve Br down to 16, then Bc, then Br again; once Bc is settled, Br grows back as far
+    as it fits (traffic depends on Bc, not on Br)."""
+    cfg = TileConfig(block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K, sram_bytes=sram_bytes)
     while backward_sram_usage(cfg, head_dim, dtype) > sram_bytes and (cfg.block_q > 1 or cfg.block_k > 1):
-        if cfg.block_q >= cfg.block_k and cfg.block_q > 1:
-            cfg = cfg.replace(block_q=cfg.block_q // 2)
+        if cfg.block_q > MIN_DEFAULT_BLOCK_Q or cfg.block_k == 1:
+            cfg = cfg.replace(block_q=max(1, cfg.block_q // 2))
         else:
-            cfg = cfg.replace(block_k=max(1, cfg.block_k // 2))
+            cfg = cfg.replace(block_k=cfg.block_k // 2)
+    while cfg.block_q < DEFAULT_BLOCK_Q:                # Bc settled: give Br back what is left
+        taller = cfg.replace(block_q=cfg.block_q * 2)
+        if backward_sram_usage(taller, head_dim, dtype) > sram_bytes:
+            break
+        cfg = taller
     check_backward_fits(cfg, head_dim, dtype)
     return cfg
 

@@ -310,8 +310,14 @@ def test_backward_tile_set_is_checked_against_sram(rng):
 def test_default_config_fits(d, dtype):
     cfg = bw.default_backward_config(d, dtype)
     assert bw.backward_sram_usage(cfg, d, dtype) <= cfg.sram_bytes
-    bigger = cfg.replace(block_q=cfg.block_q * 2)
-    assert cfg.block_q == 64 or bw.backward_sram_usage(bigger, d, dtype) > cfg.sram_bytes
+    assert cfg.block_q >= 16 and cfg.block_k >= 8
+    # as large as the rule allows: Bc first (it sets the traffic), then Br
+    if cfg.block_k < bw.DEFAULT_BLOCK_K:
+        wider = cfg.replace(block_k=cfg.block_k * 2)
+        assert bw.backward_sram_usage(wider, d, dtype) > cfg.sram_bytes
+    if cfg.block_q < bw.DEFAULT_BLOCK_Q:
+        taller = cfg.replace(block_q=cfg.block_q * 2)
+        assert bw.backward_sram_usage(taller, d, dtype) > cfg.sram_bytes
 
 
 def test_bad_arguments_name_themselves(rng):
