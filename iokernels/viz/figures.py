@@ -1,0 +1,328 @@
+"""The project's figures: drawn from what the package computes, rebuilt by one command.
+
+``python -m iokernels figures [--out DIR]`` calls :func:`write_all`, which writes
+
+====================================  ===================================================
+memory_hierarchy.png                  on-chip SRAM, L2 and HBM (H100 SXM figures from the
+                                      roofline table), and where naive attention and
+                                      FlashAttention keep their intermediates
+flash_forward_loop.png                the tile grid of S with the visit order of the
+                                      FlashAttention-1 (K/V outer) and -2 (Q outer) loops
+traffic_vs_n.png                      HBM bytes against N: naive, FA1, FA2 and the
+                                      mandatory floor (models), with counted runs on top
+roofline.png                          the article's problem on an H100 SXM roofline
+paged_block_table.png                 a paged KV cache's block tables (from
+                                      :mod:`iokernels.viz.paged`, when present)
+paged_split_kv.png                    Flash-Decoding's split KV and merge (likewise)
+====================================  ===================================================
+
+Every function that draws returns a matplotlib Figure (or draws on the ``ax`` it is
+given); notebooks call the same functions.  Inputs are fixed (and random inputs come
+from fixed seeds), the backend is Agg when writing files, and PNG metadata carries no
+version or date, so the files are the same on every run on the same software.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .. import conventions as cv
+from .. import roofline as rl
+
+#: dots per inch of the committed PNGs: readable on a screen, small in git.
+DPI = 110
+#: the seed of the random inputs of the counted runs (fixed, so figures are reproducible).
+SEED = 20220527
+#: sizes of the traffic-vs-N figure: one head, d = 64, fp16, as in the FlashAttention paper's plots.
+TRAFFIC_SEQLENS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+#: lengths at which the NumPy kernels are run (and counted) on top of the model curves.
+COUNTED_SEQLENS = (128, 256, 512)
+MB = 1e6
+
+_NAIVE_COLOR, _FLASH_COLOR, _FA1_COLOR, _FLOOR_COLOR = "#c0392b", "#1f77b4", "#8e44ad", "#555555"
+
+
+def _figure(figsize):
+    from matplotlib.figure import Figure
+    return Figure(figsize=figsize, layout="constrained")
+
+
+# --------------------------------------------------------------------------- memory hierarchy
+def memory_hierarchy(gpu: str = "H100 SXM"):
+    """Memory levels of ``gpu`` and where each algorithm keeps S, P and its statistics."""
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+    g = rl.get_gpu(gpu)
+    sram_total_mb = g["smem_per_sm_kib"] * 1024 * g["sms"] / MB
+    levels = [  # (name, detail, y, width, colour)
+        ("registers + SRAM (shared memory)",
+         f"on chip: {g['smem_per_sm_kib']} KiB per SM x {g['sms']} SMs = {sram_total_mb:.0f} MB",
+         2.0, 3.0, "#f6e58d"),
+        ("L2 cache", f"{g['l2_mib']} MiB, shared by all SMs" if g.get("l2_mib") else "shared by all SMs",
+         1.0, 4.6, "#dff9fb"),
+        ("HBM (device memory)", f"{g['memory_gb']} GB at {g['hbm_tbps']} TB/s", 0.0, 6.2, "#c7ecee"),
+    ]
+    fig = _figure((10.5, 4.6))
+    ax = fig.add_subplot()
+    cx = 5.0
+    for name, detail, y, w, colour in levels:
+        ax.add_patch(Rectangle((cx - w / 2, y + 0.08), w, 0.8, facecolor=colour, edgecolor="black"))
+        ax.text(cx, y + 0.6, name, ha="center", va="center", fontsize=10, weight="bold")
+        ax.text(cx, y + 0.3, detail, ha="center", va="center", fontsize=8.5)
+    # where each algorithm keeps what
+    ax.text(0.0, 3.25, "naive attention", ha="left", fontsize=10, weight="bold", color=_NAIVE_COLOR)
+    ax.text(0.0, 2.45, "one row or tile at a time", ha="left", fontsize=8.5, color=_NAIVE_COLOR)
+    ax.text(0.0, 0.45, "S = QK^T and P = softmax(S):\nN x N each, written and read back\n"
+            "(4 N^2 elements of traffic)", ha="left", va="center", fontsize=8.5, color=_NAIVE_COLOR)
+    ax.text(10.0, 3.25, "FlashAttention", ha="right", fontsize=10, weight="bold", color=_FLASH_COLOR)
+    ax.text(10.0, 2.45, "Q_i, K_j, V_j, S_ij, P_ij tiles;\nrunning m_i, l_i and O_i",
+            ha="right", va="center", fontsize=8.5, color=_FLASH_COLOR)
+    ax.text(10.0, 0.45, "only Q, K, V, O and LSE\n(S and P never leave the chip)", ha="right",
+            va="center", fontsize=8.5, color=_FLASH_COLOR)
+    for x, colour in ((1.2, _NAIVE_COLOR), (8.8, _FLASH_COLOR)):
+        ax.add_patch(FancyArrowPatch((x, 0.95), (x, 2.2), arrowstyle="<|-|>", mutation_scale=12,
+                                     color=colour, lw=1.5))
+    ax.text(1.35, 1.55, "traffic grows\nas N^2", fontsize=8, color=_NAIVE_COLOR, va="center")
+    ax.text(8.65, 1.55, "traffic grows\nas N^2 d^2 / M", fontsize=8, color=_FLASH_COLOR, va="center",
+            ha="right")
+    ax.set_xlim(-0.1, 10.1)
+    ax.set_ylim(-0.1, 3.5)
+    ax.axis("off")
+    ax.set_title(f"Memory hierarchy ({gpu}; datasheet and whitepaper figures) and where the "
+                 "intermediates of attention live", fontsize=10)
+    return fig
+
+
+# --------------------------------------------------------------------------- the loop
+def _visit_order(Tr, Tc, Nq, Nk, Br, Bc, causal, loop_order):
+    """{(i, j): visit number} over the tiles that are not skipped, in the loop's order."""
+    pairs = [(i, j) for i in range(Tr) for j in range(Tc)] if loop_order == "fa2" else \
+            [(i, j) for j in range(Tc) for i in range(Tr)]
+    order, n = {}, 0
+    for i, j in pairs:
+        state = cv.tile_state(i * Br, min((i + 1) * Br, Nq), j * Bc, min((j + 1) * Bc, Nk), Nq, Nk, causal)
+        if state != "skip":
+            n += 1
+            order[(i, j)] = (n, state)
+    return order
+
+
+def flash_forward_loop(seqlen_q: int = 4 * 64, seqlen_k: int = 6 * 64, block_q: int = 64,
+                       block_k: int = 64, causal: bool = True):
+    """The S matrix in Br x Bc tiles, numbered in the order each loop visits them."""
+    from matplotlib.patches import Rectangle
+    Tr, Tc = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+    fig = _figure((10.5, 5.2))
+    axes = fig.subplots(1, 2)
+    colours = {"full": "#aed6f1", "partial": "#f9e79f", "skip": "#eeeeee"}
+    titles = {
+        "fa1": "FlashAttention-1: K/V tiles outer\nload K_j, V_j -> SRAM once; Q_i, O_i, m_i, l_i\n"
+               "read and written back to HBM at every visit",
+        "fa2": "FlashAttention-2: Q tiles outer\nload Q_i -> SRAM once; K_j, V_j streamed;\n"
+               "write O_i, LSE_i -> HBM once per row of tiles",
+    }
+    for ax, order_name in zip(axes, ("fa1", "fa2")):
+        order = _visit_order(Tr, Tc, seqlen_q, seqlen_k, block_q, block_k, causal, order_name)
+        for i in range(Tr):
+            for j in range(Tc):
+                n, state = order.get((i, j), (None, "skip"))
+                ax.add_patch(Rectangle((j, Tr - 1 - i), 1, 1, facecolor=colours[state], edgecolor="grey"))
+                if n is not None:
+                    ax.text(j + 0.5, Tr - 0.5 - i, str(n), ha="center", va="center", fontsize=9)
+        ax.set_xlim(0, Tc)
+        ax.set_ylim(0, Tr)
+        ax.set_aspect("equal")
+        ax.set_xticks(np.arange(Tc) + 0.5, [f"K{j},V{j}" for j in range(Tc)], fontsize=7)
+        ax.set_yticks(np.arange(Tr) + 0.5, [f"Q{i}" for i in reversed(range(Tr))], fontsize=7)
+        ax.set_title(titles[order_name], fontsize=9)
+    mask = "bottom-right causal" if causal else "no mask"
+    fig.suptitle(f"Tiles of S = QK^T (Nq={seqlen_q}, Nk={seqlen_k}, Br={block_q}, Bc={block_k}, {mask})\n"
+                 "numbers: visit order; blue: whole tile visible; yellow: masked inside; "
+                 "grey: skipped, never loaded", fontsize=9)
+    return fig
+
+
+# --------------------------------------------------------------------------- traffic vs N
+def traffic_curves(seqlens=TRAFFIC_SEQLENS, head_dim: int = 64, dtype: str = "float16", config=None,
+                   causal: bool = False) -> dict:
+    """Modelled HBM bytes per N (one head): naive, fa1, fa2 and the mandatory floor."""
+    import iokernels as ik
+    from .. import traffic
+    config = ik.TileConfig() if config is None else config
+    out = {"N": list(seqlens), "naive": [], "fa1": [], "fa2": [], "mandatory": []}
+    for n in seqlens:
+        kw = dict(batch=1, heads_q=1, heads_kv=1, seqlen_q=n, seqlen_k=n, head_dim=head_dim, dtype=dtype,
+                  causal=causal)
+        out["naive"].append(traffic.model("naive", **kw).total)
+        out["fa1"].append(traffic.model("fa1", config=config.replace(loop_order="fa1"), **kw).total)
+        out["fa2"].append(traffic.model("fa2", config=config.replace(loop_order="fa2"), **kw).total)
+        out["mandatory"].append(rl.mandatory_bytes(n, n, head_dim, itemsize=cv.itemsize_of(dtype)))
+    return out
+
+
+def counted_traffic(seqlens=COUNTED_SEQLENS, head_dim: int = 64, dtype: str = "float16", config=None,
+                    causal: bool = False, seed: int = SEED, progress: bool = False) -> dict:
+    """Run the NumPy kernels at each N and count their HBM bytes (fixed-seed inputs)."""
+    import iokernels as ik
+    from .. import testing, traffic
+    config = ik.TileConfig() if config is None else config
+    rng = np.random.default_rng(seed)
+    out = {"N": list(seqlens), "naive": [], "fa1": [], "fa2": []}
+    jobs = [(n, kind) for n in seqlens for kind in ("naive", "fa1", "fa2")]
+    if progress:
+        from tqdm.auto import tqdm
+        jobs = tqdm(jobs, desc="counting traffic", unit="run", leave=False)
+    inputs = {}
+    for n, kind in jobs:
+        if n not in inputs:
+            inputs[n] = testing.make_inputs(rng, heads_q=1, seqlen_q=n, head_dim=head_dim, dtype=dtype)
+        q, k, v = inputs[n]
+        backend = "naive" if kind == "naive" else "tiled"
+        cfg = None if kind == "naive" else config.replace(loop_order=kind)
+        with traffic.count() as t:
+            ik.attention(q, k, v, causal=causal, backend=backend, config=cfg)
+        out[kind].append(t.total)
+    return out
+
+
+def traffic_vs_n(seqlens=TRAFFIC_SEQLENS, head_dim: int = 64, dtype: str = "float16", config=None,
+                 causal: bool = False, counted: dict | None = None, ax=None):
+    """HBM bytes against N on log-log axes; ``counted`` (from :func:`counted_traffic`) as markers."""
+    import iokernels as ik
+    config = ik.TileConfig() if config is None else config
+    curves = traffic_curves(seqlens, head_dim, dtype, config, causal)
+    fig = None
+    if ax is None:
+        fig = _figure((7.0, 4.6))
+        ax = fig.add_subplot()
+    N = np.array(curves["N"])
+    styles = (("naive", _NAIVE_COLOR, "naive (writes and reads S and P)"),
+              ("fa1", _FA1_COLOR, f"FlashAttention-1 loop (Br={config.block_q}, Bc={config.block_k})"),
+              ("fa2", _FLASH_COLOR, f"FlashAttention-2 loop (Br={config.block_q}, Bc={config.block_k})"),
+              ("mandatory", _FLOOR_COLOR, "mandatory: read Q, K, V, write O once"))
+    for key, colour, label in styles:
+        ax.loglog(N, np.array(curves[key]) / MB, color=colour, label=label,
+                  ls="--" if key == "mandatory" else "-")
+    if counted:
+        for key, colour, _ in styles[:3]:
+            ax.loglog(counted["N"], np.array(counted[key]) / MB, "o", color=colour, mfc="none", ms=8)
+        ax.plot([], [], "o", color="black", mfc="none", label="counted while running (NumPy)")
+    ax.set_xlabel("sequence length N (= Nq = Nk)")
+    ax.set_ylabel("HBM traffic (MB)")
+    ax.set_title(f"HBM traffic of one head, d={head_dim}, {dtype}" + (", causal" if causal else ""),
+                 fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig if fig is not None else ax
+
+
+# --------------------------------------------------------------------------- roofline
+def roofline_points(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float16",
+                    gpu: str = "H100 SXM", config=None) -> dict:
+    """FLOPs, bytes, intensity and time bounds of naive attention and FlashAttention-2 (one head).
+
+    FlashAttention-2's bytes are its traffic model with ``config`` (default: the paper's
+    tile choice for the GPU's shared memory, :meth:`TileConfig.from_sram`).  The model
+    counts every re-read of K and V from HBM (once per query tile), as written, no caches;
+    on a real GPU the L2 cache serves many of those re-reads, so measured traffic lies
+    between that and "ideal", the mandatory floor.
+    """
+    import iokernels as ik
+    from .. import traffic
+    itemsize = cv.itemsize_of(dtype)
+    flops = rl.attention_flops(seqlen, seqlen, head_dim)
+    mand = rl.mandatory_bytes(seqlen, seqlen, head_dim, itemsize=itemsize)
+    naive = mand + rl.naive_extra_bytes(seqlen, seqlen, itemsize=itemsize)
+    if config is None:
+        config = ik.TileConfig.from_sram(rl.get_gpu(gpu)["smem_per_sm_kib"] * 1024, head_dim, dtype)
+    cfg = config
+    fa2 = traffic.model("fa2", batch=1, heads_q=1, heads_kv=1, seqlen_q=seqlen, seqlen_k=seqlen,
+                        head_dim=head_dim, dtype=dtype, config=cfg).total
+    out = {"flops": flops, "ridge": rl.ridge_point(gpu, dtype), "gpu": gpu, "dtype": dtype, "config": cfg}
+    for name, nbytes in (("naive", naive), ("fa2", fa2), ("ideal", mand)):
+        out[name] = dict(bytes=nbytes, **rl.time_bounds(flops, nbytes, gpu, dtype))
+    return out
+
+
+def roofline(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float16", gpu: str = "H100 SXM",
+             ax=None):
+    """A roofline for ``gpu`` with naive attention, FlashAttention-2 and the floor placed on it."""
+    pts = roofline_points(seqlen, head_dim, dtype, gpu)
+    g = rl.get_gpu(gpu)
+    peak = pts["ridge"] * g["hbm_tbps"]       # TFLOP/s: ridge (FLOP/B) x bandwidth (TB/s)
+    fig = None
+    if ax is None:
+        fig = _figure((7.0, 4.6))
+        ax = fig.add_subplot()
+    x = np.logspace(0, 4, 200)
+    ax.loglog(x, np.minimum(peak, x * g["hbm_tbps"]), color="black", lw=2,
+              label=f"{gpu}: {g['hbm_tbps']} TB/s, {peak:.0f} TFLOP/s ({dtype})")
+    ax.axvline(pts["ridge"], color="grey", ls=":", lw=1)
+    ax.text(pts["ridge"] * 1.08, peak * 0.04, f"ridge {pts['ridge']:.0f} FLOP/B", fontsize=8, color="grey")
+    cfg = pts["config"]
+    for key, colour, label in (("naive", _NAIVE_COLOR, "naive"),
+                               ("fa2", _FLASH_COLOR, f"FlashAttention-2, Br={cfg.block_q}, Bc={cfg.block_k},\n"
+                                                     "  every K/V re-read from HBM (no L2)"),
+                               ("ideal", _FLOOR_COLOR, "mandatory bytes only")):
+        p = pts[key]
+        attainable = min(peak, p["intensity"] * g["hbm_tbps"])
+        ax.plot([p["intensity"]], [attainable], "o", color=colour, ms=9,
+                label=f"{label}: {p['intensity']:.0f} FLOP/B, {p['bound']}-bound")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of HBM traffic)")
+    ax.set_ylabel("attainable TFLOP/s")
+    ax.set_title(f"Roofline: attention, N={seqlen}, d={head_dim}, one head", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    return fig if fig is not None else ax
+
+
+# --------------------------------------------------------------------------- all of them
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=DPI, metadata={"Software": None})
+    return path
+
+
+def figure_makers(progress: bool = False) -> dict:
+    """{file name: function returning a Figure} for every figure :func:`write_all` writes."""
+    def traffic():
+        counted = counted_traffic(progress=progress)
+        return traffic_vs_n(counted=counted)
+
+    makers = {
+        "memory_hierarchy.png": memory_hierarchy,
+        "flash_forward_loop.png": flash_forward_loop,
+        "traffic_vs_n.png": traffic,
+        "roofline.png": roofline,
+    }
+    try:
+        from . import paged as vp
+    except ImportError:     # the paged figures come with iokernels.viz.paged
+        vp = None
+    for name, attr in (("paged_block_table.png", "block_table_figure"), ("paged_split_kv.png", "split_kv_figure")):
+        fn = getattr(vp, attr, None)
+        if fn is not None:
+            makers[name] = fn
+    return makers
+
+
+def _as_figure(obj):
+    """A Figure from what a maker returned (a Figure, or Axes, or (fig, ...) tuple)."""
+    if isinstance(obj, tuple):
+        obj = obj[0]
+    return obj.get_figure() if hasattr(obj, "get_figure") and not hasattr(obj, "savefig") else obj
+
+
+def write_all(out_dir, progress: bool = True) -> list[Path]:
+    """Write every figure into ``out_dir`` (created if needed); returns the paths written."""
+    import matplotlib
+    if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, make in figure_makers(progress).items():
+        fig = _as_figure(make())
+        paths.append(_save(fig, out / name))
+        plt.close(fig)
+    return paths
