@@ -30,6 +30,7 @@ as absolute claims in tests.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -269,3 +270,662 @@ def peak_memory(fn, *args, **kwargs) -> dict:
         out["peak_bytes"] += int(hook.peak)
         out["extra_bytes"] += int(hook.peak)
     return out
+
+
+# =========================================================================== the benchmark
+# ``python -m iokernels bench``: every available backend next to torch on the same shapes,
+# in one process, timed by time_cuda above.  Everything a row needs to be trusted is in it:
+# status ("ok" / "unavailable: why" / "failed: why"), the median and spread, the rate, peak
+# memory, the speed relative to the best SDPA kernel of the same case, and the largest
+# difference from SDPA's output (a fast kernel with a wrong answer is not fast).
+
+#: the article's prefill sweep and the decode sweep (the issue's shapes)
+PREFILL_SWEEP = dict(batch=4, heads=16, head_dim=128, seqlens=(1024, 2048, 4096, 8192),
+                     causal=(True,), dtypes=("bfloat16", "float32"))
+PREFILL_COMPARE = dict(batch=8, heads=16, head_dim=128, seqlens=(4096,), causal=(False, True),
+                       dtypes=("bfloat16", "float32"))
+DECODE_SWEEP = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1, 8, 64), seqlens=(4096, 32768),
+                    dtypes=("float16",))
+DECODE_EXTRA = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1,), seqlens=(32768,),
+                    dtypes=("bfloat16",))
+GATHER_SIZES = dict(heads_kv=8, head_dim=128, seqlens=(4096, 32768), dtype="float16")
+#: --quick: tiny shapes that run everywhere in seconds (also on a CPU, NumPy only)
+QUICK = dict(prefill=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=(True,),
+                          dtypes=("float32",)),
+             decode=dict(heads_q=4, heads_kv=2, head_dim=64, batches=(2,), seqlens=(512,),
+                         dtypes=("float16",)),
+             gather=dict(heads_kv=2, head_dim=64, seqlens=(512,), dtype="float16"))
+
+SDPA_NAMES = ("flash", "efficient", "cudnn", "math")
+#: NumPy runs (host, one repetition) only when the problem is this small (FLOPs): beyond it
+#: a CPU run takes longer than the whole GPU sweep and teaches nothing new.
+NUMPY_MAX_FLOPS = 2.0e10
+#: paged rows build their cache on the host (PagedKVCache holds NumPy pools): skip caches
+#: larger than this many bytes (K + V) to stay inside the time box.
+PAGED_MAX_BYTES = 1.2e9
+#: each runner's timed loop aims at about this much device time (reps adapt, 3..DEFAULT_REPS)
+TARGET_MS_PER_RUNNER = 400.0
+#: largest |out - SDPA| accepted before a row is flagged "suspect" (per storage dtype)
+CHECK_TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
+#: a problem's block size for the paged cache (vLLM's default)
+PAGED_BLOCK = 16
+
+
+class Unavailable(Exception):
+    """A runner that cannot run here (module missing, dtype unsupported, ...): reported, not fatal."""
+
+
+def environment() -> dict:
+    """GPU, driver, CUDA and library versions, and the date: the label of every recorded number."""
+    import datetime
+    import platform
+    import subprocess
+    env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "python": platform.python_version()}
+    for mod in ("numpy", "torch", "numba", "numba_cuda", "cupy"):
+        try:
+            m = __import__(mod)
+            env[mod] = getattr(m, "__version__", "?")
+        except Exception as e:  # not installed here
+            env[mod] = f"missing ({type(e).__name__})"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            name, driver, mem, clk = [x.strip() for x in out.stdout.strip().splitlines()[0].split(",")]
+            env.update(gpu=name, driver=driver, gpu_memory=mem, max_sm_clock=clk)
+    except Exception:
+        pass
+    torch = _torch_cuda()
+    if torch is not None:
+        p = torch.cuda.get_device_properties(0)
+        env.setdefault("gpu", p.name)
+        env.update(cuda_torch=torch.version.cuda, sms=p.multi_processor_count,
+                   l2_bytes=int(getattr(p, "L2_cache_size", 0) or 0),
+                   compute_capability=f"{p.major}.{p.minor}")
+    env["simulator"] = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+    return env
+
+
+def label(env: dict) -> str:
+    """'recorded on NVIDIA H200, <date>, driver ..., torch ..., numba ..., cupy ...'."""
+    return (f"recorded on {env.get('gpu', 'no GPU')}, {env.get('date_utc', '?')}, "
+            f"driver {env.get('driver', '?')}, CUDA {env.get('cuda_torch', '?')}, "
+            f"torch {env.get('torch', '?')}, numba {env.get('numba', '?')} "
+            f"(numba-cuda {env.get('numba_cuda', '?')}), cupy {env.get('cupy', '?')}")
+
+
+# --------------------------------------------------------------------------- helpers
+def _to_torch_device(x):
+    """Any device array (torch, CuPy, Numba) as a torch CUDA tensor, without a copy."""
+    import torch
+    if isinstance(x, torch.Tensor):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return torch.from_dlpack(x)
+        except Exception:
+            pass
+    if hasattr(x, "__cuda_array_interface__"):
+        return torch.as_tensor(x, device="cuda")
+    return torch.from_numpy(np.asarray(x))
+
+
+def _max_diff(out, ref) -> float:
+    import torch
+    if isinstance(out, tuple):
+        out = out[0]
+    o = _to_torch_device(out).float()
+    r = ref.float().to(o.device)
+    if o.shape != r.shape:
+        try:
+            o = o.reshape(r.shape)
+        except RuntimeError:
+            return float("nan")
+    return float(torch.max(torch.abs(o - r)).item())
+
+
+def _first_line(err) -> str:
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:240]
+
+
+def _torch_dtype(name):
+    import torch
+    return getattr(torch, name)
+
+
+def _visible_pairs(nq, nk, causal) -> int:
+    from .conventions import key_range
+    lo, hi = key_range(np.arange(nq), nq, nk, causal, None)
+    return int(np.sum(hi - lo))
+
+
+def _resolve_backend(backend, op):
+    """The backend function for (backend, op), or Unavailable with the reason."""
+    from . import api
+    if backend == "numba":
+        from .gpu import simulator_enabled
+        if simulator_enabled():
+            raise Unavailable("NUMBA_ENABLE_CUDASIM is set: the Numba kernels would run on the "
+                              "CPU simulator, not the GPU")
+    try:
+        return api._resolve(backend, op)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise Unavailable(f"{backend}.{op} not available: {_first_line(e)}") from None
+
+
+def _versions(backend) -> list:
+    """The numbered kernel versions a GPU module advertises, as (label, config).
+
+    A module may define ``BENCH_VERSIONS = {"v1": config, ...}`` (or a function
+    ``bench_versions(op, dtype)`` returning such a dict); otherwise it runs once, config None.
+    """
+    import importlib
+    mod = {"numba": "iokernels.numba_cuda", "cupy": "iokernels.cupy_raw"}[backend]
+    try:
+        m = importlib.import_module(mod)
+    except Exception:
+        return [(backend, None)]
+    versions = getattr(m, "BENCH_VERSIONS", None)
+    if callable(getattr(m, "bench_versions", None)):
+        return [("bench_versions", m.bench_versions)]
+    if isinstance(versions, dict) and versions:
+        return [(f"{backend}:{k}", v) for k, v in versions.items()]
+    return [(backend, None)]
+
+
+def _expand_versions(backend, op, dtype):
+    out = []
+    for name, cfg in _versions(backend):
+        if name == "bench_versions":
+            try:
+                d = cfg(op, dtype) or {}
+            except Exception:
+                d = {}
+            out.extend((f"{backend}:{k}", v) for k, v in d.items())
+            if not d:
+                out.append((backend, None))
+        else:
+            out.append((name, cfg))
+    return out
+
+
+# --------------------------------------------------------------------------- one timed row
+def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=True, reps=None,
+             warmup=None, cpu_reps=1, check=True) -> dict:
+    """Run, check, time and size one runner; any failure becomes a row that says why."""
+    row = {"runner": name, "group": group}
+    try:
+        out = fn()                                        # first call: compile, and check
+        if device:
+            _Device().synchronize()
+        if check and ref is not None:
+            err = _max_diff(out, ref)
+            row["max_abs_diff_vs_sdpa"] = err
+            if not (err <= CHECK_TOL.get(dtype, 1e-3)):
+                row["suspect"] = f"output differs from SDPA by {err:.3g} (> {CHECK_TOL.get(dtype, 1e-3)})"
+        del out
+        if device:
+            probe = time_cuda(fn, warmup=0, reps=1)
+            n = reps or int(min(DEFAULT_REPS, max(3, TARGET_MS_PER_RUNNER // max(probe.median_ms, 1e-3))))
+            t = time_cuda(fn, warmup=DEFAULT_WARMUP if warmup is None else warmup, reps=n)
+            mem = peak_memory(fn)
+            row.update(peak_MiB=round(mem["peak_bytes"] / 2**20, 1),
+                       extra_MiB=round(mem["extra_bytes"] / 2**20, 1))
+            if group == "numba":
+                row["memory_note"] = "Numba allocations are not tracked"
+        else:
+            t = time_cpu(fn, warmup=0, reps=cpu_reps)
+        row.update(status="ok", ms=round(t.median_ms, 5), p10=round(t.p10, 5), p90=round(t.p90, 5),
+                   reps=t.reps)
+        row["rate"] = round(t.tflops(work) if unit == "TFLOP/s" else t.tbps(work), 4)
+        row["unit"] = unit
+    except Unavailable as e:
+        row["status"] = f"unavailable: {e}"
+    except RuntimeError as e:
+        msg = _first_line(e)
+        kind = "unavailable" if "No available kernel" in msg or "No viable backend" in msg else "failed"
+        row["status"] = f"{kind}: {msg}"
+    except Exception as e:  # a kernel helper's bug must not stop the sweep
+        row["status"] = f"failed: {type(e).__name__}: {_first_line(e)}"
+    finally:
+        torch = _torch_cuda()
+        if torch is not None:
+            torch.cuda.empty_cache()
+    return row
+
+
+def _finish_case(case: dict) -> dict:
+    """Speed relative to the best SDPA kernel of the case; the silent fall-back verdict."""
+    sdpa_ok = [r for r in case["results"] if r["group"] == "sdpa" and r.get("status") == "ok"
+               and r["runner"] != "sdpa:default"]
+    best = min(sdpa_ok, key=lambda r: r["ms"]) if sdpa_ok else None
+    case["best_sdpa"] = best["runner"] if best else None
+    for r in case["results"]:
+        if best and r.get("status") == "ok":
+            r["speed_vs_best_sdpa"] = round(best["ms"] / r["ms"], 4)
+    fused_ok = [r["runner"] for r in sdpa_ok if r["runner"] != "sdpa:math"]
+    ran = case.get("default_ran")
+    if ran == "math" and fused_ok:
+        case["silent_fallback"] = f"default dispatch ran math although {', '.join(fused_ok)} can run"
+    elif ran == "math":
+        case["silent_fallback"] = "default dispatch ran math: no fused kernel accepts these inputs"
+    return case
+
+
+# --------------------------------------------------------------------------- sections
+def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa):
+    from . import torch_sdpa as ts
+    import torch
+    F = torch.nn.functional
+    rows = []
+    for name in SDPA_NAMES + ("default",):
+        backend = None if name == "default" else name
+        if is_decode:
+            def fn(backend=backend):
+                with ts.force(backend):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        else:
+            def fn(backend=backend):
+                return ts.sdpa(q, k, v, causal=causal, backend=backend)
+        rows.append(_measure(f"sdpa:{name}", "sdpa", fn, work=work, unit=unit, ref=ref, dtype=dtype))
+    try:
+        if is_decode:
+            _, ran = ts.backend_that_ran(F.scaled_dot_product_attention, q, k, v, enable_gqa=gqa)
+        else:
+            _, ran = ts.backend_that_ran(ts.sdpa, q, k, v, causal=causal)
+        case["default_ran"] = ran[0] if ran else "unknown"
+    except Exception as e:
+        case["default_ran"] = f"unknown ({_first_line(e)})"
+    for r in rows:
+        if r["runner"] == "sdpa:default":
+            r["ran"] = case["default_ran"]
+    return rows
+
+
+def _reference(q, k, v, causal, is_decode, gqa):
+    """SDPA's output from the first kernel that runs (cudnn, flash, efficient, math)."""
+    from . import torch_sdpa as ts
+    import torch
+    for name in ("cudnn", "flash", "efficient", "math"):
+        try:
+            with ts.force(name):
+                if is_decode:
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+                return ts.sdpa(q, k, v, causal=causal)
+        except RuntimeError:
+            continue
+    return None
+
+
+def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section="prefill"):
+    import torch
+    from . import torch_sdpa as ts
+    cases = []
+    B, H, d = spec["batch"], spec["heads"], spec["head_dim"]
+    for dtype in spec["dtypes"]:
+        for causal in spec["causal"]:
+            for N in spec["seqlens"]:
+                flops = 4.0 * B * H * _visible_pairs(N, N, causal) * d
+                case = dict(section=section, kind="prefill", dtype=dtype, causal=causal,
+                            shape=dict(batch=B, heads=H, seqlen=N, head_dim=d),
+                            work=dict(flops=flops), unit="TFLOP/s", results=[])
+                progress.set_description(f"{section} {dtype} N={N} causal={causal}")
+                gen = torch.Generator(device="cuda").manual_seed(seed)
+                tdt = _torch_dtype(dtype)
+                q, k, v = (torch.randn((B, H, N, d), device="cuda", dtype=tdt, generator=gen)
+                           for _ in range(3))
+                ref = _reference(q, k, v, causal, False, False)
+                scale = 1.0 / np.sqrt(d)
+                rows = _sdpa_rows(case, q, k, v, causal, ref, dtype, False, flops, "TFLOP/s", False)
+                progress.update(5)
+                rows.append(_measure("torch naive", "torch",
+                                     lambda: ts.naive_attention(q, k, v, causal=causal),
+                                     work=flops, unit="TFLOP/s", ref=ref, dtype=dtype))
+                progress.update(1)
+                for backend in ("numba", "cupy"):
+                    for name, cfg in _expand_versions(backend, "attention", dtype):
+                        def fn(backend=backend, cfg=cfg):
+                            f = _resolve_backend(backend, "attention")
+                            return f(q, k, v, causal=causal, scale=scale, window=(-1, -1), config=cfg)
+                        rows.append(_measure(name, backend, fn, work=flops, unit="TFLOP/s", ref=ref,
+                                             dtype=dtype))
+                    progress.update(1)
+                rows += _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops)
+                case["results"] = rows
+                cases.append(_finish_case(case))
+                del q, k, v, ref
+                torch.cuda.empty_cache()
+    return cases
+
+
+def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops):
+    rows = []
+    for backend in ("naive", "tiled"):
+        name = f"numpy {backend}"
+        if dtype not in ("float32", "float64"):
+            rows.append({"runner": name, "group": "numpy",
+                         "status": f"unavailable: NumPy runs are float32/float64 here ({dtype} needs ml_dtypes)"})
+            continue
+        if flops > numpy_max_flops:
+            rows.append({"runner": name, "group": "numpy",
+                         "status": f"skipped: {flops:.3g} FLOP > {numpy_max_flops:.3g} (too slow on a CPU)"})
+            continue
+        hq, hk, hv = (x.detach().cpu().numpy() for x in (q, k, v))
+        from . import api
+        f = api._resolve(backend, "attention")
+        rows.append(_measure(name, "numpy", lambda f=f: f(hq, hk, hv, causal=causal, scale=scale,
+                                                          window=(-1, -1), config=None),
+                             work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, device=False))
+    return rows
+
+
+def _build_paged(k, v, dtype):
+    """A PagedKVCache holding the same K/V as the contiguous tensors, blocks interleaved.
+
+    Sequences are appended round-robin one block at a time, so consecutive blocks of one
+    sequence are not neighbours in the pool (as in a server with many live requests).
+    """
+    from .paged import PagedKVCache
+    B, Hkv, N, d = k.shape
+    if dtype == "bfloat16":
+        raise Unavailable("PagedKVCache holds float16/float32/float64 pools (no bfloat16)")
+    nbytes = 2 * k.numel() * k.element_size()
+    if nbytes > PAGED_MAX_BYTES:
+        raise Unavailable(f"skipped: the paged cache ({nbytes / 1e9:.2f} GB) is built on the host; "
+                          f"limit {PAGED_MAX_BYTES / 1e9:.1f} GB keeps the run inside its time box")
+    cache = PagedKVCache(B * (-(-N // PAGED_BLOCK)), block_size=PAGED_BLOCK, num_kv_heads=Hkv,
+                         head_dim=d, dtype=np.dtype(dtype))
+    hk = k.permute(0, 2, 1, 3).contiguous().cpu().numpy()      # (B, N, Hkv, d)
+    hv = v.permute(0, 2, 1, 3).contiguous().cpu().numpy()
+    sids = [cache.new_sequence() for _ in range(B)]
+    chunk = PAGED_BLOCK * 64 if B > 1 else N
+    for t0 in range(0, N, chunk):                                 # round-robin, chunk by chunk
+        for b, sid in enumerate(sids):
+            cache.append(sid, hk[b, t0:t0 + chunk], hv[b, t0:t0 + chunk])
+    return cache, sids
+
+
+def decode_cases(spec, seed, progress, section="decode"):
+    import torch
+    cases = []
+    Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
+    for dtype in spec["dtypes"]:
+        for B in spec["batches"]:
+            for N in spec["seqlens"]:
+                tdt = _torch_dtype(dtype)
+                kv_bytes = 2.0 * B * Hkv * N * d * tdt.itemsize
+                case = dict(section=section, kind="decode", dtype=dtype, causal=False,
+                            shape=dict(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen=N, head_dim=d),
+                            work=dict(kv_bytes=kv_bytes), unit="TB/s", results=[])
+                progress.set_description(f"{section} {dtype} B={B} N={N}")
+                gen = torch.Generator(device="cuda").manual_seed(seed)
+                q = torch.randn((B, Hq, d), device="cuda", dtype=tdt, generator=gen)
+                k = torch.randn((B, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
+                v = torch.randn((B, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
+                q4 = q[:, :, None, :]
+                ref4 = _reference(q4, k, v, False, True, Hq != Hkv)
+                ref = None if ref4 is None else ref4[:, :, 0, :]
+                rows = _sdpa_rows(case, q4, k, v, False, ref4, dtype, True, kv_bytes, "TB/s", Hq != Hkv)
+                progress.update(5)
+                scale = 1.0 / np.sqrt(d)
+                for backend in ("numba", "cupy"):
+                    for name, cfg in _expand_versions(backend, "decode", dtype):
+                        def fn(backend=backend):
+                            f = _resolve_backend(backend, "decode")
+                            return f(q, k, v, seq_lens=None, num_splits=None, scale=scale)
+                        rows.append(_measure(name, backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
+                                             dtype=dtype))
+                    progress.update(1)
+                try:
+                    cache, sids = _build_paged(k, v, dtype)
+                    paged_err = None
+                except Unavailable as e:
+                    cache, sids, paged_err = None, None, str(e)
+                for backend in ("numba", "cupy"):
+                    name = f"{backend} paged"
+                    if cache is None:
+                        st = paged_err if paged_err.startswith("skipped") else f"unavailable: {paged_err}"
+                        rows.append({"runner": name, "group": backend, "status": st})
+                    else:
+                        def fn(backend=backend):
+                            f = _resolve_backend(backend, "paged_decode")
+                            return f(q, cache, sids, num_splits=None, scale=scale)
+                        rows.append(_measure(name, backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
+                                             dtype=dtype))
+                    progress.update(1)
+                case["results"] = rows
+                cases.append(_finish_case(case))
+                del q, k, v, q4, ref4, ref, cache
+                torch.cuda.empty_cache()
+    return cases
+
+
+def gather_cases(spec, seed, progress, section="gather"):
+    """Paged gather (numba, cupy) vs a device-to-device copy of the same bytes."""
+    import importlib
+    import torch
+    cases = []
+    Hkv, d, dtype = spec["heads_kv"], spec["head_dim"], spec["dtype"]
+    for N in spec["seqlens"]:
+        tdt = _torch_dtype(dtype)
+        nbytes = 2 * 2.0 * Hkv * N * d * tdt.itemsize               # K and V, read + write
+        case = dict(section=section, kind="gather", dtype=dtype, causal=False,
+                    shape=dict(batch=1, heads_kv=Hkv, seqlen=N, head_dim=d, block_size=PAGED_BLOCK),
+                    work=dict(bytes_read_plus_written=nbytes), unit="TB/s", results=[])
+        progress.set_description(f"{section} N={N}")
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        k = torch.randn((1, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
+        v = torch.randn((1, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
+        dst_k, dst_v = torch.empty_like(k[0]), torch.empty_like(v[0])
+
+        def copy():
+            dst_k.copy_(k[0])
+            dst_v.copy_(v[0])
+            return dst_k
+        rows = [_measure("device copy (torch)", "copy", copy, work=nbytes, unit="TB/s", ref=k[0],
+                         dtype=dtype)]
+        cache, sids = _build_paged(k, v, dtype)
+        for backend in ("numba", "cupy"):
+            def fn(backend=backend):
+                mod = "iokernels.numba_cuda" if backend == "numba" else "iokernels.cupy_raw"
+                if backend == "numba":
+                    _resolve_backend("numba", "attention")        # simulator check
+                try:
+                    m = importlib.import_module(mod)
+                    g = m.paged_gather
+                except (ImportError, AttributeError) as e:
+                    raise Unavailable(f"{mod}.paged_gather not available: {_first_line(e)}") from None
+                return g(cache, sids[0])
+            rows.append(_measure(f"{backend} gather", backend, fn, work=nbytes, unit="TB/s", ref=k[0],
+                                 dtype=dtype))
+            progress.update(1)
+        progress.update(1)
+        # the copy is the baseline of this section (no SDPA here)
+        base = rows[0] if rows[0].get("status") == "ok" else None
+        for r in rows:
+            if base and r.get("status") == "ok":
+                r["speed_vs_copy"] = round(base["ms"] / r["ms"], 4)
+        case["results"] = rows
+        cases.append(case)
+        del k, v, dst_k, dst_v, cache
+        torch.cuda.empty_cache()
+    return cases
+
+
+def _numpy_only_cases(spec, seed):
+    """Without a GPU: the NumPy rows of the (quick) prefill shapes, so the harness still runs."""
+    from .testing import make_inputs
+    cases = []
+    rng = np.random.default_rng(seed)
+    for dtype in spec["dtypes"]:
+        for causal in spec["causal"]:
+            for N in spec["seqlens"]:
+                B, H, d = spec["batch"], spec["heads"], spec["head_dim"]
+                flops = 4.0 * B * H * _visible_pairs(N, N, causal) * d
+                q, k, v = make_inputs(rng, batch=B, heads_q=H, seqlen_q=N, head_dim=d, dtype=dtype)
+                rows = []
+                for backend in ("naive", "tiled"):
+                    from . import api
+                    f = api._resolve(backend, "attention")
+                    rows.append(_measure(f"numpy {backend}", "numpy",
+                                         lambda f=f: f(q, k, v, causal=causal, scale=1 / np.sqrt(d),
+                                                       window=(-1, -1), config=None),
+                                         work=flops, unit="TFLOP/s", device=False, cpu_reps=3))
+                base = rows[0] if rows[0].get("status") == "ok" else None
+                for r in rows:
+                    if base and r.get("status") == "ok":
+                        r["speed_vs_numpy_naive"] = round(base["ms"] / r["ms"], 4)
+                cases.append(dict(section="cpu", kind="prefill", dtype=dtype, causal=causal,
+                                  shape=dict(batch=B, heads=H, seqlen=N, head_dim=d),
+                                  work=dict(flops=flops), unit="TFLOP/s", results=rows,
+                                  note="no CUDA GPU here: only the NumPy rows ran"))
+    return cases
+
+
+SECTIONS = ("prefill", "compare", "decode", "gather")
+
+
+def run(sections=SECTIONS, *, quick=False, seed=0, progress=True) -> dict:
+    """Run the benchmark; returns the record (env + cases).  See :func:`main`."""
+    import time as _time
+    t0 = _time.perf_counter()
+    env = environment()
+    record = {"env": env, "label": label(env), "quick": bool(quick), "seed": seed,
+              "settings": dict(warmup=DEFAULT_WARMUP, max_reps=DEFAULT_REPS, statistic="median",
+                               l2_flush=True, timer="CUDA events (iokernels.bench.time_cuda)",
+                               target_ms_per_runner=TARGET_MS_PER_RUNNER),
+              "cases": []}
+    gpu = _torch_cuda() is not None
+    if not gpu:
+        record["note"] = ("no CUDA GPU visible to torch: only the NumPy rows ran; see "
+                          "benchmarks/results/ for numbers recorded on a GPU")
+        record["cases"] = _numpy_only_cases(QUICK["prefill"], seed)
+        record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
+        return record
+    plan = []
+    if quick:
+        plan = [("prefill", QUICK["prefill"]), ("decode", QUICK["decode"]), ("gather", QUICK["gather"])]
+        plan = [(s, p) for s, p in plan if s in sections or (s == "prefill" and "compare" in sections)]
+    else:
+        for s in sections:
+            if s == "prefill":
+                plan.append(("prefill", PREFILL_SWEEP))
+            elif s == "compare":
+                plan.append(("compare", PREFILL_COMPARE))
+            elif s == "decode":
+                plan += [("decode", DECODE_SWEEP), ("decode", DECODE_EXTRA)]
+            elif s == "gather":
+                plan.append(("gather", GATHER_SIZES))
+    total = 0
+    for s, p in plan:
+        if s in ("prefill", "compare"):
+            total += len(p["seqlens"]) * len(p["causal"]) * len(p["dtypes"]) * 8
+        elif s == "decode":
+            total += len(p["batches"]) * len(p["seqlens"]) * len(p["dtypes"]) * 9
+        else:
+            total += len(p["seqlens"]) * 3
+    try:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total, disable=not progress, unit="row", dynamic_ncols=True)
+    except ImportError:  # pragma: no cover
+        bar = _NoBar()
+    with bar:
+        for s, p in plan:
+            if s in ("prefill", "compare"):
+                record["cases"] += prefill_cases(p, seed, bar, section=s)
+            elif s == "decode":
+                record["cases"] += decode_cases(p, seed, bar)
+            else:
+                record["cases"] += gather_cases(p, seed, bar)
+    record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
+    return record
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def update(self, n=1):
+        pass
+
+    def set_description(self, s):
+        pass
+
+
+# --------------------------------------------------------------------------- the table
+def _shape_text(case) -> str:
+    s = case["shape"]
+    if case["kind"] == "prefill":
+        return f"B{s['batch']} H{s['heads']} N{s['seqlen']} d{s['head_dim']}" + (" causal" if case["causal"] else "")
+    if case["kind"] == "decode":
+        return f"B{s['batch']} {s['heads_q']}/{s['heads_kv']} N{s['seqlen']} d{s['head_dim']}"
+    return f"Hkv{s['heads_kv']} N{s['seqlen']} d{s['head_dim']} bs{s['block_size']}"
+
+
+def table(record) -> str:
+    """The end-of-run table: one line per (case, runner)."""
+    lines = [record.get("label", ""), ""]
+    hdr = (f"{'section':<9}{'dtype':<10}{'shape':<30}{'runner':<22}{'ms':>11}{'rate':>17}{'MiB+':>9}"
+           f"{'vs best':>9}  note")
+    lines.append(hdr)
+    lines.append("-" * len(hdr))
+    for c in record["cases"]:
+        for r in c["results"]:
+            ok = r.get("status") == "ok"
+            ms = f"{r['ms']:.4f}" if ok else "-"
+            rate = f"{r['rate']:.3g} {r['unit']}" if ok else "-"
+            mem = f"{r['extra_MiB']:.0f}" if ok and r.get("extra_MiB") is not None and r["group"] != "numba" else "-"
+            ratio = r.get("speed_vs_best_sdpa", r.get("speed_vs_copy", r.get("speed_vs_numpy_naive")))
+            ratio = f"{ratio:.3f}" if ratio is not None else "-"
+            note = "" if ok else r.get("status", "")
+            if r.get("suspect"):
+                note += " SUSPECT: " + r["suspect"]
+            if r.get("ran"):
+                note += f" ran {r['ran']}"
+            lines.append(f"{c['section']:<9}{c['dtype']:<10}{_shape_text(c):<30}{r['runner']:<22}{ms:>11}"
+                         f"{rate:>17}{mem:>9}{ratio:>9}  {note.strip()[:90]}")
+        if c.get("silent_fallback"):
+            lines.append(f"{'':<48}!! silent fall-back: {c['silent_fallback']}")
+    lines.append("")
+    lines.append("ms: median of CUDA-event timings, L2 flushed between runs.  rate: TFLOP/s (prefill, "
+                 "visible pairs only) or TB/s (decode: K+V bytes read; gather: read+write).  "
+                 "MiB+: device memory above the inputs during one call.  vs best: best SDPA time / this "
+                 "time (1 = as fast as the best SDPA kernel; gather rows: vs the device copy).")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``python -m iokernels bench [--quick] [--sections ...] [--out FILE] [--no-progress]``."""
+    import argparse
+    import json
+    from pathlib import Path
+    p = argparse.ArgumentParser(prog="python -m iokernels bench",
+                                description="Every available backend next to torch SDPA, on the same "
+                                            "shapes, in one process; a table and a JSON record.")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (seconds; runs on a CPU too)")
+    p.add_argument("--out", default=None, help="write the JSON record here (a file, or a folder)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad:
+        p.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
+    record = run(sections, quick=args.quick, seed=args.seed, progress=not args.no_progress)
+    print(table(record))
+    if args.out:
+        out = Path(args.out)
+        if out.is_dir() or args.out.endswith("/"):
+            out.mkdir(parents=True, exist_ok=True)
+            out = out / "bench.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1, default=float))
+        print(f"wrote {out}")
+    return 0
