@@ -78,7 +78,7 @@ from .config import TileConfig
 from .traffic import HBM, Traffic
 
 __all__ = ["attention", "forward_fa2", "forward_fa1", "attention_varlen",
-           "traffic_model_fa2", "traffic_model_fa1", "io_complexity_table"]
+           "traffic_model_fa2", "traffic_model_fa1", "traffic_model_varlen", "io_complexity_table"]
 
 
 # --------------------------------------------------------------------------- tiles
@@ -358,6 +358,10 @@ def traffic_model_fa2(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
     n_i (LSE_i).  A query tile that sees no key reads nothing and writes O_i = 0 and
     LSE_i = -inf.  Without masks k_i = N_k for every tile, so K and V are read
     Tr = ceil(N_q / Br) times: B*Hq*Tr*N_k*d elements each.
+
+    ``heads_kv`` does not change the count: each query head's programs load their KV
+    head's tiles themselves (a kernel that packs a whole GQA group into one program
+    would read them once per group; this one does not).
     """
     cfg, st, acc, heads = _problem(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, config)
     d = head_dim
@@ -403,6 +407,24 @@ def traffic_model_fa1(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim,
     t.add("m", read=heads * (rows_pairs + Nq) * acc, written=heads * (Nq + rows_pairs) * acc)
     t.add("l", read=heads * (rows_pairs + Nq) * acc, written=heads * (Nq + rows_pairs) * acc)
     t.add("LSE", written=heads * Nq * acc)
+    return t
+
+
+def traffic_model_varlen(*, seqlens_q, seqlens_k, heads_q, heads_kv, head_dim, dtype,
+                         causal=False, window=None, config=None) -> Traffic:
+    """Closed-form HBM bytes of :func:`attention_varlen`: the sum of its sequences' models.
+
+    Each sequence is tiled on its own, so the packed run moves exactly what one batched
+    run per sequence would (``config.loop_order`` picks the FA2 or FA1 model); sequences
+    with no queries move nothing.
+    """
+    cfg = TileConfig() if config is None else config
+    one = traffic_model_fa2 if cfg.loop_order == "fa2" else traffic_model_fa1
+    t = Traffic()
+    for nq, nk in zip(seqlens_q, seqlens_k):
+        if nq:
+            t.merge(one(batch=1, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=int(nq), seqlen_k=int(nk),
+                        head_dim=head_dim, dtype=dtype, causal=causal, window=window, config=cfg))
     return t
 
 

@@ -187,3 +187,13 @@ def test_varlen_sequences_do_not_see_each_other(rng):
     np.testing.assert_array_equal(o[:30], o2[:30])
     np.testing.assert_array_equal(o[50:], o2[50:])
     assert np.max(np.abs(o[30:50] - o2[30:50])) > 1e-3
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_bfloat16_when_ml_dtypes_is_installed(rng, order):
+    pytest.importorskip("ml_dtypes")
+    q, k, v = testing.make_inputs(rng, heads_q=4, heads_kv=2, seqlen_q=113, seqlen_k=203, head_dim=59,
+                                  dtype="bfloat16")
+    o, lse = ik.attention(q, k, v, causal=True, config=TileConfig(32, 48, order), return_lse=True)
+    baseline = ik.attention(q, k, v, causal=True, backend="naive", return_lse=True)
+    check_against_oracle(o, lse, q, k, v, "bfloat16", True, None, baseline)

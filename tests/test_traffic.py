@@ -122,6 +122,8 @@ def test_varlen_traffic_is_the_sum_of_its_sequences(rng, order):
             expect.merge(traffic.model(order, causal=True, config=cfg,
                                        **_problem(nq, nk, hq=4, hkv=2, b=1, dtype="float64")))
     assert t == expect
+    assert t == ik.tiled.traffic_model_varlen(seqlens_q=lens_q, seqlens_k=lens_k, heads_q=4, heads_kv=2,
+                                              head_dim=24, dtype="float64", causal=True, config=cfg)
 
 
 # --------------------------------------------------------------------------- scaling laws
