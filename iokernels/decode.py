@@ -66,7 +66,7 @@ from .traffic import HBM, Traffic
 
 __all__ = ["decode_naive", "decode_split_kv", "paged_decode_split_kv", "merge_states", "merge_kernel",
            "num_splits_heuristic", "split_ranges", "traffic_model", "traffic_model_paged",
-           "traffic_model_naive", "decode_bytes_per_token", "decode_time_bound", "DEFAULT_NUM_SMS",
+           "traffic_model_naive", "decode_bytes_per_token", "decode_flops", "decode_time_bound", "DEFAULT_NUM_SMS",
            "DEFAULT_BLOCK_N", "MAX_SPLITS"]
 
 #: keys per tile of the NumPy decode kernels: vLLM's block size, so that contiguous and
@@ -433,6 +433,11 @@ def decode_bytes_per_token(context, batch=1, layers=32, kv_heads=8, head_dim=128
     from .paged import kv_bytes_per_token
     kv = int(batch) * int(context) * kv_bytes_per_token(layers, kv_heads, head_dim, itemsize)
     return dict(kv_bytes=kv, weight_bytes=int(weight_bytes), total=kv + int(weight_bytes))
+
+
+def decode_flops(*, heads_q, head_dim, seq_lens):
+    """FLOPs of one decode step: 2*n*d for q.K^T and 2*n*d for P.V, per query head per sequence."""
+    return int(sum(4 * heads_q * int(n) * head_dim for n in seq_lens))
 
 
 def decode_time_bound(nbytes, bandwidth):
