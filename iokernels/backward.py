@@ -187,16 +187,21 @@ def tile_plan(seqlen_q: int, seqlen_k: int, block_q: int, block_k: int, causal=F
               window=None) -> np.ndarray:
     """(Tr, Tc) array of 'skip' / 'full' / 'partial' for every (Q tile i, K/V tile j).
 
-    The kernel and the traffic model both read this plan, made by
-    :func:`iokernels.conventions.tile_state`, so they cannot disagree on what is visited.
+    The same classification as :func:`iokernels.conventions.tile_state` (a test holds them
+    equal), computed one Q tile at a time for all K/V tiles at once, from the rows' visible
+    key intervals [lo, hi) of :func:`iokernels.conventions.key_range`.  The kernel and the
+    traffic model both read this plan, so they cannot disagree on what is visited.
     """
     Tr, Tc = math.ceil(seqlen_q / block_q), math.ceil(seqlen_k / block_k)
-    plan = np.empty((Tr, Tc), dtype=object)
+    plan = np.full((Tr, Tc), "skip", dtype="<U7")
+    c0 = np.arange(Tc) * block_k                        # first key of each K/V tile
+    c1 = np.minimum(c0 + block_k, seqlen_k)             # one past its last key
     for i in range(Tr):
-        r0, r1 = i * block_q, min((i + 1) * block_q, seqlen_q)
-        for j in range(Tc):
-            c0, c1 = j * block_k, min((j + 1) * block_k, seqlen_k)
-            plan[i, j] = cv.tile_state(r0, r1, c0, c1, seqlen_q, seqlen_k, causal, window)
+        rows = np.arange(i * block_q, min((i + 1) * block_q, seqlen_q))
+        lo, hi = (x[:, None] for x in cv.key_range(rows, seqlen_q, seqlen_k, causal, window))
+        seen = ((lo < hi) & (lo < c1) & (hi > c0)).any(axis=0)    # some row sees some key of j
+        whole = ((lo <= c0) & (hi >= c1)).all(axis=0)             # every row sees all of j
+        plan[i] = np.where(~seen, "skip", np.where(whole, "full", "partial"))
     return plan
 
 

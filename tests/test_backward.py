@@ -261,6 +261,20 @@ def test_tiled_model_against_a_hand_formula():
     assert naive.total > t.total
 
 
+@pytest.mark.parametrize("nq,nk,br,bc,causal,window", [
+    (100, 70, 16, 24, False, None), (90, 70, 16, 24, True, (16, 4)), (40, 100, 7, 9, True, (3, -1)),
+    (50, 20, 8, 8, False, (-1, 5)), (33, 33, 5, 4, False, (0, 0)), (239, 1, 64, 128, True, None),
+    (1, 239, 64, 16, True, (10, 0)), (128, 256, 32, 32, True, None)])
+def test_tile_plan_agrees_with_tile_state(nq, nk, br, bc, causal, window):
+    plan = bw.tile_plan(nq, nk, br, bc, causal, window)
+    assert plan.shape == (math.ceil(nq / br), math.ceil(nk / bc))
+    for (i, j), state in np.ndenumerate(plan):
+        want = cv.tile_state(i * br, min((i + 1) * br, nq), j * bc, min((j + 1) * bc, nk), nq, nk,
+                             causal, window)
+        assert state == want, (i, j)
+    assert set(np.unique(plan)) <= {"skip", "full", "partial"}
+
+
 def test_causal_skips_tiles_in_the_model():
     kw = dict(batch=1, heads_q=1, heads_kv=1, seqlen_q=256, seqlen_k=256, head_dim=32,
               dtype="float32", config=TileConfig(block_q=64, block_k=64))
