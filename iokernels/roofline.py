@@ -27,14 +27,16 @@ matter) and the fact that peaks are rarely reached: the measured H200 ceilings b
 """
 from __future__ import annotations
 
+import numpy as np
+
 from . import conventions as cv
 
 __all__ = ["GPUS", "MEASURED", "get_gpu", "attention_flops", "mandatory_bytes",
            "naive_extra_bytes", "arithmetic_intensity", "ridge_point", "time_bounds",
            "kv_bytes_per_token", "decode_intensity", "worked_example"]
 
-KB, KiB, MB, MiB, GB, TB = 1e3, 1024, 1e6, 1024 ** 2, 1e9, 1e12
-TFLOPS = 1e12
+TB = 1e12        #: bytes in a (decimal) terabyte: datasheets quote bandwidth in TB/s
+TFLOPS = 1e12    #: FLOP/s in one TFLOP/s
 
 # --------------------------------------------------------------------------- the GPU table
 #: Datasheet figures per GPU.  ``fp16_tflops``: dense FP16/BF16 tensor-core peak (the
@@ -148,7 +150,6 @@ def attention_flops(seqlen_q, seqlen_k, head_dim, batch=1, heads=1, causal=False
     out, as is usual.
     """
     if causal or window is not None:
-        import numpy as np
         lo, hi = cv.key_range(np.arange(seqlen_q), seqlen_q, seqlen_k, causal, window)
         pairs = int(np.sum(hi - lo))
     else:

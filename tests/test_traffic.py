@@ -9,7 +9,6 @@ N^2 d^2 / M, and a tile set that does not fit SRAM is refused.
 import itertools
 import math
 
-import numpy as np
 import pytest
 
 import iokernels as ik
