@@ -197,3 +197,21 @@ def test_bfloat16_when_ml_dtypes_is_installed(rng, order):
     o, lse = ik.attention(q, k, v, causal=True, config=TileConfig(32, 48, order), return_lse=True)
     baseline = ik.attention(q, k, v, causal=True, backend="naive", return_lse=True)
     check_against_oracle(o, lse, q, k, v, "bfloat16", True, None, baseline)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_online_softmax_worked_by_hand(order):
+    """SOURCE_FACTS' hand example: the score row [2, 1, 3, 0] in blocks of two.
+
+    Block 1 gives m = 2, l = e^0 + e^-1; block 2 raises m to 3 and rescales l by e^-1;
+    the result is l = e^-1 + e^-2 + e^0 + e^-3 = 1.5530 and LSE = 3 + log(1.5530).
+    """
+    q = np.ones((1, 1, 1, 1))                                   # d = 1, scale 1: S = K^T
+    k = np.array([2.0, 1.0, 3.0, 0.0]).reshape(1, 1, 4, 1)
+    v = np.array([10.0, 20.0, 30.0, 40.0]).reshape(1, 1, 4, 1)
+    o, lse = ik.attention(q, k, v, scale=1.0, config=TileConfig(1, 2, order), return_lse=True)
+    l_final = np.exp(-1) + np.exp(-2) + np.exp(0) + np.exp(-3)
+    assert round(l_final, 4) == 1.5530
+    assert lse[0, 0, 0] == pytest.approx(3 + np.log(l_final), abs=1e-15)
+    w = np.exp(np.array([2.0, 1.0, 3.0, 0.0]) - 3) / l_final
+    assert o[0, 0, 0, 0] == pytest.approx(w @ [10.0, 20.0, 30.0, 40.0], abs=1e-13)
