@@ -381,7 +381,8 @@ def naive_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1)):
     if Hq != Hkv:
         k = k.repeat_interleave(Hq // Hkv, dim=1)                 # read/write Hq/Hkv copies of K
         v = v.repeat_interleave(Hq // Hkv, dim=1)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale               # read Nq*d + Nk*d; write Nq*Nk
+    # scale folded into Q (an Nq*d pass) so that S is written once and read once
+    s = torch.matmul(q * scale, k.transpose(-1, -2))               # read Nq*d + Nk*d; write Nq*Nk
     window = cv.resolve_window(window)
     if causal or window != (-1, -1):
         vis = torch.from_numpy(cv.mask(Nq, Nk, causal, window)).to(q.device)

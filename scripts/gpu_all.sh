@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The ONE GPU script: everything the project measures on a GPU, in one call of < 10 minutes.
+#
+#   scripts/gpu_all.sh OUTDIR            (from anywhere; it cds to the repository root)
+#
+# Stages, each time-boxed with `timeout`; a failing stage is logged, never fatal:
+#   1. env        nvidia-smi, driver, CUDA, python / torch / numba / cupy / numpy versions, date
+#   2. bench      python -m iokernels bench  (alone on the GPU: it times things)   -> bench.json
+#   3. traffic    ncu DRAM bytes vs the traffic model (alone: counters are device-wide) -> traffic.json
+#   4. checks     GPU pytest and compute-sanitizer memcheck / racecheck / synccheck / initcheck
+#                 over scripts/sanitize.py, all five in parallel (correctness only, no timing)
+#   5. summary
+# Writes exactly these 8 files to OUTDIR (the device tool returns at most 8):
+#   summary.txt  bench.json  bench.txt  traffic.json  ncu_raw.csv  sanitizer.txt  pytest.txt
+#   logs.tar.gz  (every full log, the ncu plan)
+# Turn them into the committed records and the README table with
+#   python scripts/readme_table.py --from OUTDIR
+set -u
+OUT=${1:?usage: scripts/gpu_all.sh OUTDIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+unset NUMBA_ENABLE_CUDASIM          # real GPU: never the simulator
+PY=${PYTHON:-python3}
+LOGS=$(mktemp -d)
+T0=$(date +%s)
+
+# per-stage limits in seconds (total well under 600)
+T_ENV=30 T_BENCH=${T_BENCH:-210} T_TRAFFIC=${T_TRAFFIC:-120} T_CHECKS=${T_CHECKS:-150}
+
+note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOGS/stages.txt"; }
+
+# ---------------------------------------------------------------- 1. env
+note "env"
+{
+  echo "date: $(date -u '+%Y-%m-%d %H:%M:%S UTC')"
+  timeout $T_ENV nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv 2>&1
+  timeout $T_ENV nvidia-smi 2>&1 | head -20
+  echo "nvcc: $(nvcc --version 2>&1 | tail -2 | tr '\n' ' ')"
+  echo "ncu: $(ncu --version 2>&1 | tail -1)"
+  echo "compute-sanitizer: $(compute-sanitizer --version 2>&1 | tail -1)"
+  timeout $T_ENV $PY - <<'EOF'
+import json, sys
+sys.path.insert(0, ".")
+from iokernels.bench import environment, label
+env = environment()
+print(json.dumps(env, indent=1))
+print(label(env))
+EOF
+} > "$LOGS/env.txt" 2>&1
+ENV_LINE=$(tail -1 "$LOGS/env.txt")
+
+# ---------------------------------------------------------------- 2. bench
+note "bench (limit ${T_BENCH}s)"
+timeout --kill-after=10 $T_BENCH $PY -m iokernels bench --no-progress --out "$OUT/bench.json" \
+  > "$LOGS/bench.log" 2>&1
+note "bench exit $?"
+grep -v '^USDT' "$LOGS/bench.log" | sed -n '/^recorded on/,$p' > "$OUT/bench.txt"
+[ -s "$OUT/bench.txt" ] || tail -60 "$LOGS/bench.log" > "$OUT/bench.txt"
+
+# ---------------------------------------------------------------- 3. traffic (ncu)
+note "traffic (limit ${T_TRAFFIC}s)"
+timeout --kill-after=10 $(( T_TRAFFIC + 10 )) $PY scripts/profile_traffic.py all --out "$LOGS/traffic" \
+  --timeout $T_TRAFFIC > "$LOGS/traffic.log" 2>&1
+note "traffic exit $?"
+cp "$LOGS/traffic/traffic.json" "$OUT/traffic.json" 2>/dev/null || echo '{"error": "no traffic.json"}' > "$OUT/traffic.json"
+cp "$LOGS/traffic/ncu_raw.csv" "$OUT/ncu_raw.csv" 2>/dev/null || echo "no ncu output" > "$OUT/ncu_raw.csv"
+
+# ---------------------------------------------------------------- 4. checks, in parallel
+note "pytest + 4 sanitizers in parallel (limit ${T_CHECKS}s)"
+(
+  files=""
+  for f in tests/test_numba_gpu.py tests/test_cupy.py; do [ -f "$f" ] && files="$files $f"; done
+  echo "== python3 -m pytest -m gpu tests"
+  timeout --kill-after=5 $T_CHECKS $PY -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -40
+  if [ -n "$files" ]; then
+    echo "== python3 -m pytest$files"
+    timeout --kill-after=5 $T_CHECKS $PY -m pytest -q -p no:cacheprovider $files 2>&1 | tail -40
+  fi
+) > "$LOGS/pytest.log" 2>&1 &
+PIDS="$!"
+for tool in memcheck racecheck synccheck initcheck; do
+  (
+    timeout --kill-after=5 $T_CHECKS compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 50 \
+      $PY scripts/sanitize.py > "$LOGS/sanitize_$tool.log" 2>&1
+    echo $? > "$LOGS/sanitize_$tool.rc"
+  ) &
+  PIDS="$PIDS $!"
+done
+for p in $PIDS; do wait $p; done
+note "checks done"
+cp "$LOGS/pytest.log" "$OUT/pytest.txt"
+$PY scripts/sanitize.py --summarize "$LOGS" "$ENV_LINE" > "$OUT/sanitizer.txt" 2>&1
+
+# ---------------------------------------------------------------- 5. summary
+note "summary"
+{
+  echo "scripts/gpu_all.sh: $ENV_LINE"
+  cat "$LOGS/stages.txt"
+  echo
+  echo "== sanitizer"; head -8 "$OUT/sanitizer.txt"
+  echo
+  echo "== pytest (last lines)"; grep -E "passed|failed|error|no tests ran" "$OUT/pytest.txt" | tail -4
+  echo
+  echo "== traffic (measured DRAM bytes vs model)"; sed -n '/^case /,$p' "$LOGS/traffic.log" | head -40
+  echo
+  echo "== bench: silent fall-backs and suspect rows"
+  grep -E "silent fall-back|SUSPECT" "$OUT/bench.txt" | head -20
+  echo "total wall time: $(( $(date +%s) - T0 )) s"
+} > "$OUT/summary.txt" 2>&1
+tar -czf "$OUT/logs.tar.gz" -C "$LOGS" . 2>/dev/null
+cat "$OUT/summary.txt"

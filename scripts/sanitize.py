@@ -1,0 +1,152 @@
+"""Run every CUDA kernel of the project at ragged shapes, for compute-sanitizer.
+
+    compute-sanitizer --tool memcheck  --error-exitcode 99 python3 scripts/sanitize.py
+    compute-sanitizer --tool racecheck --error-exitcode 99 python3 scripts/sanitize.py
+    compute-sanitizer --tool synccheck --error-exitcode 99 python3 scripts/sanitize.py
+    compute-sanitizer --tool initcheck --error-exitcode 99 python3 scripts/sanitize.py
+
+The kernels come from the kernel modules themselves: ``iokernels.numba_cuda.sanitize_cases()``
+and ``iokernels.cupy_raw.sanitize_cases()`` return the cases (each one launches a kernel at
+an awkward shape -- lengths not a multiple of the tile, odd head dims, Nq != Nk, empty
+sequences -- and checks its result).  Accepted forms: a dict name -> callable, or an
+iterable of (name, callable) pairs or of callables.
+
+A self-test case (a tiny CuPy kernel, correct on purpose) runs first, so a broken tool
+invocation is told apart from "no kernels yet".  This script imports neither torch nor
+anything else that launches CUDA kernels of its own, so what the sanitizer reports is
+ours.  Exit status: 0 when every case ran and passed its own check, 1 otherwise
+(the sanitizer's verdict comes from its own exit code and ERROR SUMMARY).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+if not hasattr(np, "row_stack"):   # numba-cuda 0.30.4 under numpy 2.5 (DESIGN.md, GPU notes)
+    np.row_stack = np.vstack
+
+
+def _selftest():
+    """A correct CuPy kernel with an odd length: the sanitizer must report nothing here."""
+    import cupy as cp
+    k = cp.RawKernel(r'''
+    extern "C" __global__ void ik_selftest(const float* x, float* y, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) y[i] = 2.0f * x[i];
+    }''', "ik_selftest")
+    n = 1000 + 37
+    x = cp.arange(n, dtype=cp.float32)
+    y = cp.empty_like(x)
+    k(((n + 127) // 128,), (128,), (x, y, np.int32(n)))
+    assert float(cp.max(cp.abs(y - 2 * x))) == 0.0
+
+
+def _cases(module):
+    """(name, callable) pairs from ``module.sanitize_cases()``, or a reason it has none."""
+    try:
+        m = importlib.import_module(module)
+    except Exception as e:
+        return None, f"{module} not importable: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    fn = getattr(m, "sanitize_cases", None)
+    if fn is None:
+        return None, f"{module}.sanitize_cases does not exist yet"
+    cases = fn()
+    if isinstance(cases, dict):
+        cases = list(cases.items())
+    out = []
+    for i, c in enumerate(cases):
+        if callable(c):
+            out.append((getattr(c, "__name__", f"case{i}"), c))
+        else:
+            name, f = c
+            out.append((str(name), f))
+    return out, None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=("numba", "cupy"), default=None, help="one kernel family")
+    args = p.parse_args(argv)
+    modules = {"numba": "iokernels.numba_cuda", "cupy": "iokernels.cupy_raw"}
+    if args.only:
+        modules = {args.only: modules[args.only]}
+    failed = 0
+    ran = 0
+    t0 = time.perf_counter()
+    try:
+        _selftest()
+        print("case selftest (cupy ik_selftest): ok", flush=True)
+    except Exception as e:
+        print(f"case selftest: FAILED {type(e).__name__}: {e}", flush=True)
+        failed += 1
+    for family, module in modules.items():
+        cases, why = _cases(module)
+        if cases is None:
+            print(f"family {family}: no cases ({why})", flush=True)
+            continue
+        print(f"family {family}: {len(cases)} cases", flush=True)
+        for name, fn in cases:
+            t = time.perf_counter()
+            try:
+                fn()
+                ran += 1
+                print(f"case {family}:{name}: ok ({time.perf_counter() - t:.1f} s)", flush=True)
+            except Exception as e:
+                failed += 1
+                print(f"case {family}:{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                traceback.print_exc(limit=3)
+    print(f"sanitize.py: {ran} kernel cases ran, {failed} failed, {time.perf_counter() - t0:.1f} s", flush=True)
+    return 1 if failed else 0
+
+
+
+# --------------------------------------------------------------------------- summary
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+
+
+def summarize(log_dir, env_line="") -> str:
+    """One summary from the four logs ``sanitize_<tool>.log`` (and their ``.rc`` files)."""
+    import re
+    lines = ["compute-sanitizer over scripts/sanitize.py (every CUDA kernel of the project at ragged shapes)"]
+    if env_line:
+        lines.append(env_line)
+    total_errors = 0
+    detail = []
+    for tool in TOOLS:
+        path = os.path.join(log_dir, f"sanitize_{tool}.log")
+        if not os.path.exists(path):
+            lines.append(f"{tool:<10} not run")
+            continue
+        text = open(path, errors="replace").read()
+        rc = open(path[:-4] + ".rc").read().strip() if os.path.exists(path[:-4] + ".rc") else "?"
+        m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+        errors = int(m[-1]) if m else None
+        cases = re.findall(r"^case (\S+): ok", text, flags=re.M)
+        failed = re.findall(r"^case (\S+): FAILED", text, flags=re.M)
+        families = re.findall(r"^family .*$", text, flags=re.M)
+        verdict = ("no ERROR SUMMARY (timed out or crashed)" if errors is None else f"{errors} errors")
+        total_errors += errors or 0
+        lines.append(f"{tool:<10} {verdict:<14} exit {rc:<4} {len(cases)} cases ok, {len(failed)} failed")
+        detail.append(f"--- {tool}: " + "; ".join(families))
+        detail += [f"    ok: {c}" for c in cases] + [f"    FAILED: {c}" for c in failed]
+        if errors:
+            errs = [ln for ln in text.splitlines() if ln.startswith("=========")][:40]
+            detail += ["    " + e for e in errs]
+    lines.append(f"total sanitizer errors: {total_errors}")
+    return "\n".join(lines + [""] + detail) + "\n"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "--summarize":   # --summarize LOGDIR [ENV LINE]
+        text = summarize(sys.argv[2], " ".join(sys.argv[3:]))
+        print(text, end="")
+        sys.exit(0)
+    sys.exit(main())
