@@ -114,7 +114,7 @@ __all__ = ["attention_backward_naive", "attention_backward_tiled", "traffic_mode
            "finite_difference_grads", "gradient_checks"]
 
 #: The default backward tiles, Br x Bc = 64 x 128: the shape FlashAttention-2's CUDA backward
-#: uses for head dims up to 128 when a block may have >= 144 KiB of shared memory.  The
+#: uses at head_dim 128 on GPUs whose blocks may have >= 144 KiB of shared memory.  The
 #: backward's traffic falls as Bc grows (Q, dO, LSE, D and dQaccum stream past every K/V
 #: tile) and does not depend on Br, so SRAM is spent on Bc first.
 DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K = 64, 128
@@ -220,8 +220,8 @@ def attention_backward_naive(do, q, k, v, o, lse, *, causal, scale, window, conf
     """v1: the standard backward, full matrices P, dP, dS materialized in HBM.
 
     Returns (dq, dk, dv) in the input dtype.  ``config`` is accepted for the common
-    backend signature and ignored (no tiles).  Per (b, h), one kernel a step; per-line
-    comments give the HBM traffic in elements:
+    backend signature and ignored (no tiles).  Per (b, h), one kernel a step (0 to 6);
+    the per-line comments give each kernel's HBM traffic in elements.
     """
     st = q.dtype                                        # P, dP, dS and gradients stored so
     acc = cv.accum_dtype(st.name)                       # products and sums in this dtype
