@@ -57,6 +57,9 @@ class Step:
     def describe(self) -> str:
         """One line of arithmetic, as written on a whiteboard."""
         xs = ", ".join(f"{x:g}" for x in self.block)
+        if self.l_old == 0.0:      # nothing summed yet: there is nothing to rescale
+            return (f"block {self.index} [{xs}]: m {self.m_old:g} -> {self.m_new:g}, nothing to rescale yet, "
+                    f"l = {self.block_sum:.4f}")
         return (f"block {self.index} [{xs}]: m {self.m_old:g} -> {self.m_new:g}, "
                 f"alpha = e^({self.m_old:g} - {self.m_new:g}) = {self.alpha:.4f}, "
                 f"l = {self.alpha:.4f} * {self.l_old:.4f} + {self.block_sum:.4f} = {self.l_new:.4f}")
