@@ -64,6 +64,20 @@ def test_float64_matches_analytic_gradients(rng, nq, nk, d, heads, causal):
             testing.assert_close(g, w, name=name)
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_every_head_dim_gqa_causal(rng, d, dtype):
+    q, k, v, do = testing.make_inputs(rng, 1, 4, 2, 113, 203, d, dtype, with_grad=True)
+    o, lse = forward_state(q, k, v, True)
+    want = ref.attention_backward(do, q, k, v, causal=True)
+    naive, tiled = run_both(do, q, k, v, o, lse, causal=True)
+    for name, t, n, w in zip(("dq", "dk", "dv"), tiled, naive, want):
+        testing.assert_close(t, w, None if dtype == "float64" else n, name=name,
+                             factor=testing.GRADIENT_FACTOR)
+        if dtype == "float64":
+            testing.assert_close(n, w, name=name)
+
+
 @pytest.mark.parametrize("window,causal,nq,nk", [
     ((8, 0), False, 70, 90),     # sliding window, keys at the start unseen by late queries
     ((16, 4), True, 90, 70),     # causal + window, Nq > Nk: the first 20 query rows see nothing
@@ -185,8 +199,7 @@ def test_against_torch_autograd(rng, nq, nk, hq, hkv, window):
 
 
 def test_with_the_tiled_forward_end_to_end(rng):
-    """O and LSE from the package's own tiled forward (once it exists)."""
-    pytest.importorskip("iokernels.tiled")
+    """O and LSE from the package's own tiled forward."""
     for dtype in ("float64", "float16"):
         q, k, v, do = testing.make_inputs(rng, 1, 4, 2, 97, 130, 48, dtype, with_grad=True)
         o, lse = ik.attention(q, k, v, causal=True, backend="tiled", return_lse=True)
@@ -273,6 +286,19 @@ def test_tile_plan_agrees_with_tile_state(nq, nk, br, bc, causal, window):
                              causal, window)
         assert state == want, (i, j)
     assert set(np.unique(plan)) <= {"skip", "full", "partial"}
+
+
+def test_gqa_reads_each_kv_tile_once_per_kv_head():
+    """dK_j, dV_j sum the whole query-head group on chip: K and V are read once per KV head."""
+    N, d, Hq, Hkv = 256, 32, 8, 2
+    kw = dict(batch=2, heads_q=Hq, heads_kv=Hkv, seqlen_q=N, seqlen_k=N, head_dim=d, dtype="float32",
+              config=TileConfig(block_q=32, block_k=64))
+    t = traffic.model("fa2_backward", **kw)
+    assert t.by_tensor["K"] == [2 * Hkv * N * d * 4, 0] and t.by_tensor["dK"] == [0, 2 * Hkv * N * d * 4]
+    assert t.by_tensor["Q"] == [2 * Hq * (N // 64) * N * d * 4, 0]
+    naive = traffic.model("naive_backward", **kw)
+    assert naive.by_tensor["K"] == [2 * 2 * Hq * N * d * 4, 0]                 # per query head, twice
+    assert naive.by_tensor["dK"] == [2 * (Hq - Hkv) * N * d * 4, 2 * Hq * N * d * 4]
 
 
 def test_causal_skips_tiles_in_the_model():
