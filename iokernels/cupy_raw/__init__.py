@@ -1,0 +1,698 @@
+"""Step 5b: the kernels in CUDA C++, compiled at run time and launched through CuPy.
+
+The .cu files beside this module hold the kernels; this module holds their launchers:
+argument checks, the tile config (:class:`CupyConfig`), compilation with the config's
+``-D`` defines (NVRTC, through ``cupy.RawModule``), the launch, and the conversion of
+inputs and outputs.  Read each .cu file next to the NumPy step it implements.
+
+Notation (the papers' names):
+
+=======  ===========================================================================
+Br, Bc   query rows per thread block, key/value rows per K/V tile (block_q, block_k)
+Tr, Tc   ceil(Nq / Br) query tiles (the grid's x), ceil(Nk / Bc) K/V tiles (inner loop)
+S, P     S_ij = scale * Q_i K_j^T and P_ij = exp(S_ij - m): registers (v2) or SRAM (v1's P)
+m, l     running row max and row sum of the online softmax, in registers
+O        output accumulator (float32; float64 for float64 inputs), written once to HBM
+LSE      m + log(l), natural log, float32 (float64 for float64 inputs)
+SRAM     shared memory; HBM device memory
+=======  ===========================================================================
+
+The versions (numbered side by side, simplest first; ``CupyConfig(version=...)``)
+-----------------------------------------------------------------------------------
+FlashAttention forward:
+
+* **v1** ``fa_v1.cu``: CUDA cores, any dtype (float32 is its job; float64 matches the
+  oracle to ~1e-12; float16/bfloat16 load and store 16 bits, compute in float32).  The
+  structure of the Numba block-cooperative kernel: a block owns Q_i, loads K_j, V_j into
+  SRAM together, ``__syncthreads``, folds the tile into (m, l, O).  256 threads as a
+  16 x 16 grid, each owning Br/16 rows x Bc/16 keys of S_ij (register tiling); Q_i and
+  K_j are stored transposed in SRAM so the inner loop reads vectors (float4).
+* **v2** ``fa_v2.cu``: float16 / bfloat16 on the tensor cores with inline-PTX
+  ``mma.sync.m16n8k16`` and ``ldmatrix``, FlashAttention-2's structure: each warp owns
+  16 query rows, S and P never leave registers, online softmax in registers with exp2,
+  K_j / V_j double-buffered with ``cp.async`` (sm_80+; synchronous copies on sm_75, which
+  also splits each mma into two m16n8k8), causal/window tile skipping, GQA/MQA, LSE.
+* (v3, a Hopper wgmma/TMA kernel, is not written: the issue makes it optional.)
+
+Decode (``decode.cu``): Flash-Decoding's split kernel (GQA packed: one block reads a K/V
+row once for all g query heads of its group; 16-byte loads) over a contiguous or a paged
+cache, and the exact LSE combine; :func:`num_splits_heuristic` from the SM count.
+Paged gather (``paged_gather.cu``): 16-byte chunks through the block table.
+
+What they measured: see ``MEASURED`` below (filled from
+benchmarks/results/cupy_h200_*.json; ratios to torch SDPA in the same run).
+
+Inputs and outputs
+------------------
+CuPy arrays, torch CUDA tensors (float16, bfloat16, float32, float64) and other
+``__cuda_array_interface__`` arrays are used in place (DLPack / CAI, no copies) and the
+result is the same kind of array; NumPy arrays (and torch CPU tensors) are copied in
+and out.  bfloat16 travels as its 16-bit pattern (CuPy has no bfloat16 dtype).  Rows
+must have unit stride on head_dim (other strides are fine); otherwise one copy is made.
+
+Nothing here touches a GPU at import time; compiled modules are kept in ``_MODULES``
+(keyed by kernel, defines and device), the only state this module holds.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import pathlib
+import re
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from .. import conventions as cv
+
+KERNEL_DIR = pathlib.Path(__file__).resolve().parent
+SOURCES = {"fa_v1": "fa_v1.cu", "fa_v2": "fa_v2.cu", "decode": "decode.cu", "paged_gather": "paged_gather.cu"}
+#: -DIK_DTYPE values (common.cuh)
+DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
+#: what one tensor-core tile is: v2 rows are handled 16 a warp, keys 16 an mma k-step
+MMA_ROWS = 16
+#: v1's thread grid: 16 x 16 threads; a tile side is 16 x (rows or keys a thread owns)
+V1_THREADS_SIDE = 16
+#: v2 keeps O for d <= 256 in registers (d / 8 * 4 floats a lane); larger d would spill
+V2_MAX_HEAD_DIM = 256
+#: decode: 4 warps a block; each sub-group keeps UNROLL rows of K and V in flight
+DECODE_WARPS = 4
+DECODE_UNROLL = 4
+#: num_splits heuristic: aim for this many waves of decode blocks over the SMs ...
+DECODE_WAVES = 4
+#: ... but keep at least this many keys a split (its partial O write is amortized) ...
+DECODE_MIN_KEYS_PER_SPLIT = 256
+#: ... and at most this many splits (the combine reads them all)
+DECODE_MAX_SPLITS = 128
+#: paged gather: threads a block, and blocks per SM the grid-stride loop launches
+GATHER_THREADS = 256
+GATHER_BLOCKS_PER_SM = 8
+
+#: Filled in from the recorded run (benchmarks/results/cupy_h200_*.json).
+MEASURED = {}
+
+_MODULES: dict = {}
+
+
+# --------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class CupyConfig:
+    """Tile sizes of the CuPy FlashAttention kernels, injected as -D defines.
+
+    version: "v1" (CUDA cores), "v2" (tensor cores, float16/bfloat16) or "auto" (v2 for
+    16-bit inputs on a GPU that has it, v1 otherwise).
+    block_q (Br), block_k (Bc): v1 takes 16, 32 or 64 each; v2 takes block_q = 16 *
+    num_warps and block_k in 16, 32, 64, 128.  None: the default for the head dim.
+    num_warps: v2 only (1, 2, 4, 8): each warp owns 16 query rows.
+    """
+
+    version: str = "auto"
+    block_q: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+
+    def __post_init__(self):
+        cv.check_choice(self.version, "config.version", ("auto", "v1", "v2"))
+        for name in ("block_q", "block_k", "num_warps"):
+            val = getattr(self, name)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+                raise ValueError(f"config: {name} must be a positive integer or None, got {val!r}")
+
+    def replace(self, **changes) -> "CupyConfig":
+        return replace(self, **changes)
+
+    # -- resolution: concrete sizes for one problem
+    def resolve(self, head_dim: int, dtype: str, cc: int | None = None) -> "CupyConfig":
+        """The concrete config for (head_dim, dtype) on compute capability ``cc`` (e.g. 90)."""
+        version = self.version
+        if version == "auto":
+            sixteen = dtype in ("float16", "bfloat16")
+            version = "v2" if sixteen and head_dim <= V2_MAX_HEAD_DIM else "v1"
+        if version == "v2":
+            if dtype not in ("float16", "bfloat16"):
+                raise ValueError(f"config: version 'v2' is the tensor-core kernel for float16/bfloat16, "
+                                 f"got dtype {dtype} (use version 'v1')")
+            if head_dim > V2_MAX_HEAD_DIM:
+                raise ValueError(f"config: version 'v2' supports head_dim <= {V2_MAX_HEAD_DIM}, got {head_dim}")
+            nw = self.num_warps or (self.block_q // MMA_ROWS if self.block_q else 4)
+            if nw not in (1, 2, 4, 8):
+                raise ValueError(f"config: num_warps must be 1, 2, 4 or 8 for v2, got {nw}")
+            bq = self.block_q or MMA_ROWS * nw
+            if bq != MMA_ROWS * nw:
+                raise ValueError(f"config: v2 needs block_q == 16 * num_warps ({MMA_ROWS * nw}), got {bq}")
+            bk = self.block_k or (64 if head_dim <= 128 else 32)
+            if bk not in (16, 32, 64, 128):
+                raise ValueError(f"config: v2 block_k must be 16, 32, 64 or 128, got {bk}")
+            return CupyConfig("v2", bq, bk, nw)
+        bq, bk = self.block_q or 64, self.block_k or 64
+        for name, val in (("block_q", bq), ("block_k", bk)):
+            if val not in (16, 32, 64):
+                raise ValueError(f"config: v1 {name} must be 16, 32 or 64, got {val}")
+        if self.num_warps not in (None, 8):
+            raise ValueError(f"config: v1 always runs 8 warps (16 x 16 threads), got num_warps={self.num_warps}")
+        return CupyConfig("v1", bq, bk, 8)
+
+    def smem_bytes(self, head_dim: int, dtype: str) -> int:
+        """Dynamic shared memory of one block (the config must be resolved)."""
+        d = head_dim
+        if self.version == "v2":
+            srow = _round_up(d, 16) + 8                  # fa_v2.cu: SROW
+            return 2 * srow * (self.block_q + 4 * self.block_k)   # Q_i + 2 x (K_j, V_j)
+        acc = cv.accum_dtype(dtype).itemsize
+        dv = 64 * -(-d // 64)                            # fa_v1.cu: DV
+        return acc * (d * self.block_q + d * self.block_k + self.block_k * dv + self.block_k * self.block_q)
+
+    def check_fits(self, head_dim: int, dtype: str, limit: int) -> None:
+        need = self.smem_bytes(head_dim, dtype)
+        if need > limit:
+            raise ValueError(f"config: {self} needs {need:,} B of shared memory at head_dim={head_dim} "
+                             f"({dtype}), more than this GPU's {limit:,} B per block")
+
+    def defines(self, head_dim: int, dtype: str) -> dict:
+        if self.version == "v2":
+            return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, D_PAD=_round_up(head_dim, 16),
+                        NUM_WARPS=self.num_warps, BLOCK_K=self.block_k, VEC_IO=int(head_dim % 8 == 0))
+        return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, RM=self.block_q // V1_THREADS_SIDE,
+                    RN=self.block_k // V1_THREADS_SIDE)
+
+    def threads(self) -> int:
+        return 32 * self.num_warps if self.version == "v2" else V1_THREADS_SIDE * V1_THREADS_SIDE
+
+
+def fit_config(config: CupyConfig, head_dim: int, dtype: str, dev: dict) -> CupyConfig:
+    """Resolve ``config`` for this GPU.  Sizes left as None shrink until the tiles fit the
+    device's shared memory (a T4 has 64 KB a block, an H200 227 KB); sizes given must fit."""
+    cfg = config.resolve(head_dim, dtype, dev["cc"])
+    if cfg.smem_bytes(head_dim, dtype) > dev["smem_optin"] and config.block_q is None and config.block_k is None:
+        for bq, bk in ((64, 32), (32, 32), (32, 16), (16, 16)):
+            nw = bq // MMA_ROWS if cfg.version == "v2" else None
+            trial = config.replace(version=cfg.version, block_q=bq, block_k=bk, num_warps=nw).resolve(
+                head_dim, dtype, dev["cc"])
+            if trial.smem_bytes(head_dim, dtype) <= dev["smem_optin"]:
+                return trial
+    cfg.check_fits(head_dim, dtype, dev["smem_optin"])
+    return cfg
+
+
+def _round_up(x, m):
+    return -(-x // m) * m
+
+
+def _check_config(config) -> CupyConfig:
+    if config is None:
+        return CupyConfig()
+    if not isinstance(config, CupyConfig):
+        raise ValueError(f"config: expected a CupyConfig or None for backend 'cupy', got {type(config).__name__}")
+    return config
+
+
+# --------------------------------------------------------------------------- device, compile
+def _cupy():
+    """CuPy, once we know there is a GPU; a RuntimeError that says so otherwise."""
+    try:
+        import cupy
+        ok = cupy.is_available()
+    except Exception:  # ImportError, or a CUDA driver error on a machine with no GPU
+        ok = False
+    if not ok:
+        raise RuntimeError("backend 'cupy' needs a CUDA GPU (cupy.is_available() is False); "
+                           "use backend='numba' (the simulator) or 'tiled' without one")
+    return cupy
+
+
+def device_info() -> dict:
+    """Compute capability, SM count and the opt-in shared memory per block of the current GPU."""
+    cupy = _cupy()
+    return dict(_device_info(cupy.cuda.Device().id))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(dev_id: int) -> dict:
+    import cupy
+    dev = cupy.cuda.Device(dev_id)
+    attrs = dev.attributes                      # one query of every attribute: slow, so cached
+    return dict(id=dev.id, cc=int(dev.compute_capability), sms=int(attrs["MultiProcessorCount"]),
+                smem_optin=int(attrs.get("MaxSharedMemoryPerBlockOptin", attrs.get("MaxSharedMemoryPerBlock", 49152))))
+
+
+def source(name: str, defines: dict | None = None) -> str:
+    """The CUDA source of kernel file ``name`` with common.cuh inlined (what NVRTC compiles)."""
+    src = (KERNEL_DIR / SOURCES[name]).read_text()
+    common = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once", "")
+    return re.sub(r'#include "common\.cuh"', lambda _: common, src)
+
+
+def _function(name: str, kernel: str, defines: dict, smem: int = 0):
+    """Compile (once) and return ``kernel`` from file ``name`` with ``defines``."""
+    cupy = _cupy()
+    from cupy.cuda import driver
+    dev = cupy.cuda.Device().id
+    key = (name, kernel, tuple(sorted(defines.items())), dev)
+    fn = _MODULES.get(key)
+    if fn is None:
+        opts = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
+        mod = cupy.RawModule(code=source(name), options=opts)
+        fn = mod.get_function(kernel)
+        if smem > 48 * 1024:  # above 48 KB a kernel must opt in to more dynamic shared memory
+            driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(smem))
+        _MODULES[key] = fn
+    return fn
+
+
+# --------------------------------------------------------------------------- array kinds
+class _IO:
+    """Converts the caller's arrays to CuPy views (no copy for device arrays) and back."""
+
+    def __init__(self, like, name="q"):
+        self.kind = _kind(like, name)
+        self.like = like
+        self.cupy = _cupy()
+
+    def dev(self, x, name):
+        """A CuPy view of ``x`` (bfloat16 as uint16), unit stride on the last axis."""
+        cp = self.cupy
+        kind = _kind(x, name)
+        if kind != self.kind:
+            raise ValueError(f"{name}: all arrays must be of one kind; got {kind} and {self.kind}")
+        dt = cv.dtype_name(x)
+        if kind == "torch":
+            import torch
+            t = x.detach()
+            if not t.is_cuda:
+                t = t.contiguous()
+                a = t.view(torch.int16).numpy().view(np.uint16) if dt == "bfloat16" else t.numpy()
+                a = cp.asarray(a)
+            else:
+                a = cp.from_dlpack(t.view(torch.int16) if dt == "bfloat16" else t)
+                if dt == "bfloat16":
+                    a = a.view(cp.uint16)
+        elif kind == "numpy":
+            a = np.asarray(x)
+            a = cp.asarray(a.view(np.uint16) if dt == "bfloat16" else a)
+        else:
+            a = cp.asarray(x)
+        if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+            a = cp.ascontiguousarray(a)
+        return a
+
+    def empty(self, shape, dtype):
+        """(what the caller gets, a CuPy view to write into)."""
+        cp = self.cupy
+        if self.kind == "torch" and self.like.is_cuda:
+            import torch
+            t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.like.device)
+            v = cp.from_dlpack(t.view(torch.int16) if dtype == "bfloat16" else t)
+            return t, (v.view(cp.uint16) if dtype == "bfloat16" else v)
+        a = cp.empty(shape, dtype=np.uint16 if dtype == "bfloat16" else dtype)
+        return a, a
+
+    def finish(self, out, dtype):
+        if self.kind == "cupy":
+            return out
+        if self.kind == "torch":
+            if self.like.is_cuda:
+                return out
+            import torch
+            h = out.get()
+            return torch.from_numpy(h.view(np.int16)).view(torch.bfloat16) if dtype == "bfloat16" else torch.from_numpy(h)
+        if self.kind == "numpy":
+            h = out.get()
+            if dtype == "bfloat16":
+                from ..testing import numpy_dtype
+                h = h.view(numpy_dtype("bfloat16"))
+            return h
+        if self.kind == "numba":
+            from numba import cuda
+            return cuda.as_cuda_array(out)
+        return out
+
+    def stream(self):
+        """torch's current stream when the arrays are torch's (so the order with torch holds)."""
+        if self.kind == "torch" and self.like.is_cuda:
+            import torch
+            ptr = torch.cuda.current_stream(self.like.device).cuda_stream
+            if ptr:
+                return self.cupy.cuda.ExternalStream(ptr)
+        return _NullContext()
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _kind(x, name):
+    mod = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if mod == "torch":
+        return "torch"
+    if mod == "cupy":
+        return "cupy"
+    if mod == "numba" and hasattr(x, "__cuda_array_interface__"):
+        return "numba"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cai"
+    raise ValueError(f"{name}: expected a NumPy, CuPy, torch or CUDA-array-interface array, got {type(x).__name__}")
+
+
+def _estrides(a):
+    return [s // a.itemsize for s in a.strides]
+
+
+def _aligned16(*arrays) -> bool:
+    """Every row start 16-byte aligned (base pointer and strides): the vector paths' condition."""
+    for a in arrays:
+        if a.data.ptr % 16 or any((s % 16) for s in a.strides[:-1]):
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- attention
+def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
+    """FlashAttention forward on the GPU: (O, LSE).  ``config``: a :class:`CupyConfig`."""
+    info = cv.check_qkv(q, k, v)
+    dtype, d = info["dtype"], info["head_dim"]
+    scale = cv.resolve_scale(scale, d)
+    left, right = cv.effective_window(bool(causal), window)
+    cfg = _check_config(config)
+    cfg.resolve(d, dtype)                                # config errors before any GPU work
+    dev = device_info()
+    if dtype == "bfloat16" and dev["cc"] < 80:
+        raise ValueError(f"q: bfloat16 needs compute capability 8.0 or newer; this GPU is {dev['cc'] / 10:.1f}")
+    cfg = fit_config(cfg, d, dtype, dev)
+    io = _IO(q)
+    B, Hq, Nq = info["batch"], info["heads_q"], info["seqlen_q"]
+    Hkv, Nk = info["heads_kv"], info["seqlen_k"]
+    acc = cv.accum_dtype(dtype)
+    with io.stream():
+        qd, kd, vd = io.dev(q, "q"), io.dev(k, "k"), io.dev(v, "v")
+        o_user, o = io.empty((B, Hq, Nq, d), dtype)
+        lse_user, lse = io.empty((B, Hq, Nq), acc.name)
+        launch_attention(qd, kd, vd, o, lse, dtype=dtype, scale=scale, window=(left, right), config=cfg)
+    return io.finish(o_user, dtype), io.finish(lse_user, acc.name)
+
+
+def launch_attention(qd, kd, vd, o, lse, *, dtype, scale, window, config):
+    """Launch v1 or v2 on CuPy views (o, lse preallocated: tests poison them first)."""
+    B, Hq, Nq, d = qd.shape
+    Hkv, Nk = kd.shape[1], kd.shape[2]
+    if B * Hq * Nq == 0:
+        return
+    cfg = config
+    defines = cfg.defines(d, dtype)
+    if cfg.version == "v2" and not _aligned16(qd, kd, vd):
+        defines["VEC_IO"] = 0
+    smem = cfg.smem_bytes(d, dtype)
+    name = "fa_v2" if cfg.version == "v2" else "fa_v1"
+    fn = _function(name, name, defines, smem)
+    acc_t = np.float64 if dtype == "float64" else np.float32
+    i32, i64 = np.int32, np.int64
+    args = (qd, kd, vd, o, lse, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
+            *map(i64, _estrides(qd)[:3]), *map(i64, _estrides(kd)[:3]), *map(i64, _estrides(vd)[:3]),
+            acc_t(scale), i32(window[0]), i32(window[1]))
+    grid = (-(-Nq // cfg.block_q), Hq, B)
+    fn(grid, (cfg.threads(),), args, shared_mem=smem)
+
+
+# --------------------------------------------------------------------------- decode
+def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int) -> int:
+    """Splits of the key axis so decode fills the GPU: about DECODE_WAVES waves of blocks
+    (one block a split x kv head x sequence), each split at least DECODE_MIN_KEYS_PER_SPLIT keys."""
+    if seq_len <= 0:
+        return 1
+    want = -(-DECODE_WAVES * num_sms // max(1, batch * heads_kv))
+    cap = max(1, seq_len // DECODE_MIN_KEYS_PER_SPLIT)
+    return int(max(1, min(want, cap, DECODE_MAX_SPLITS)))
+
+
+def _decode_defines(d, dtype, group, paged, block_size, vec_ok):
+    itemsize = cv.itemsize_of(dtype)
+    vec = int((d * itemsize) % 16 == 0 and d * itemsize <= 512 and vec_ok)
+    out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged), VEC_IO=vec,
+               NUM_WARPS=DECODE_WARPS, UNROLL=DECODE_UNROLL)
+    if paged:
+        out["BLOCK_SIZE"] = block_size
+    return out
+
+
+def _check_decode_q(q, heads_kv, d, dtype):
+    s = tuple(getattr(q, "shape", ()))
+    if len(s) != 3 or s[2] != d or s[1] % heads_kv:
+        raise ValueError(f"q: expected (batch, a multiple of {heads_kv} heads, {d}), got {s}")
+    if cv.dtype_name(q) != dtype:
+        raise ValueError(f"q: dtype must equal the cache's {dtype}, got {cv.dtype_name(q)}")
+
+
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
+    """Flash-Decoding over a contiguous cache: q (B, Hq, d), k, v (B, Hkv, N, d) -> (O, LSE)."""
+    ks = tuple(k.shape)
+    if len(ks) != 4:
+        raise ValueError(f"k: expected (batch, heads_kv, seq, head_dim), got {ks}")
+    B, Hkv, N, d = ks
+    dtype = cv.check_dtype(k, "k")
+    _check_decode_q(q, Hkv, d, dtype)
+    if tuple(v.shape) != ks or cv.dtype_name(v) != dtype:
+        raise ValueError(f"v: expected shape {ks} and dtype {dtype}, got {tuple(v.shape)} {cv.dtype_name(v)}")
+    if q.shape[0] != B:
+        raise ValueError(f"q: batch must equal k's {B}, got {q.shape[0]}")
+    lens = np.full(B, N, np.int32) if seq_lens is None else np.asarray(seq_lens, dtype=np.int64)
+    if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > N):
+        raise ValueError(f"seq_lens: expected {B} lengths in [0, {N}], got {lens.tolist()}")
+    scale = cv.resolve_scale(scale, d)
+    dev = device_info()
+    if dtype == "bfloat16" and dev["cc"] < 80:
+        raise ValueError(f"q: bfloat16 needs compute capability 8.0 or newer; this GPU is {dev['cc'] / 10:.1f}")
+    io = _IO(q)
+    with io.stream():
+        qd, kd, vd = io.dev(q, "q"), io.dev(k, "k"), io.dev(v, "v")
+        lens_d = io.cupy.asarray(lens.astype(np.int32))
+        S = num_splits or num_splits_heuristic(B, Hkv, int(lens.max(initial=0)), dev["sms"])
+        o_user, o, lse_user, lse = _decode_outputs(io, q.shape, dtype)
+        launch_decode(qd, kd, vd, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=S)
+    acc = cv.accum_dtype(dtype).name
+    return io.finish(o_user, dtype), io.finish(lse_user, acc)
+
+
+def _decode_outputs(io, qshape, dtype):
+    B, Hq, d = qshape
+    o_user, o = io.empty((B, Hq, d), dtype)
+    lse_user, lse = io.empty((B, Hq), cv.accum_dtype(dtype).name)
+    return o_user, o, lse_user, lse
+
+
+def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits, paged=None):
+    """Split kernel (+ combine when num_splits > 1) on CuPy views.
+
+    ``paged``: None for a contiguous cache, else (block_tables int32 device array,
+    block_size): then kd, vd are the pools (num_blocks, block_size, Hkv, d).
+    """
+    cp = _cupy()
+    B, Hq, d = qd.shape
+    Hkv = kd.shape[2] if paged is not None else kd.shape[1]
+    if B * Hq == 0:
+        return
+    qd = cp.ascontiguousarray(qd)
+    acc = np.float64 if dtype == "float64" else np.float32
+    S = int(num_splits)
+    block_size = paged[1] if paged is not None else 0
+    defines = _decode_defines(d, dtype, Hq // Hkv, paged is not None, block_size, _aligned16(qd, kd, vd))
+    fn = _function("decode", "decode_split", defines)
+    i32, i64 = np.int32, np.int64
+    if S > 1:
+        o_part = cp.empty((S, B, Hq, d), dtype=acc)
+        lse_part = cp.empty((S, B, Hq), dtype=acc)
+    else:
+        o_part = lse_part = o                        # unused by the kernel when S == 1
+    if paged is None:
+        layout = (*map(i64, _estrides(kd)[:3]), *map(i64, _estrides(vd)[:3]))
+    else:
+        tables = paged[0]
+        layout = (tables, i32(tables.shape[1]), *map(i64, _estrides(kd)[:3]))
+    args = (qd, kd, vd, *layout, lens_d, i32(Hq), i32(Hkv), acc(scale), i32(S), o_part, lse_part, o, lse)
+    fn((S, Hkv, B), (32 * DECODE_WARPS,), args)
+    if S > 1:
+        comb = _function("decode", "decode_combine", defines)
+        threads = min(256, _round_up(d, 32))
+        comb((B * Hq,), (threads,), (o_part, lse_part, i32(S), i32(B * Hq), o, lse))
+
+
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None):
+    """Decode over a PagedKVCache.  Its pools are NumPy arrays: they are copied to the device
+    on every call (use :func:`paged_decode_pools` with device pools to time the kernel)."""
+    tables, lens = cache.block_tables_array(list(seq_ids))
+    return paged_decode_pools(q, cache.k_pool, cache.v_pool, tables, lens, num_splits=num_splits, scale=scale)
+
+
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None):
+    """Decode over paged pools (num_blocks, block_size, Hkv, d) with int32 block tables (B, max_blocks)."""
+    ps = tuple(getattr(k_pool, "shape", ()))
+    if len(ps) != 4:
+        raise ValueError(f"k_pool: expected (num_blocks, block_size, heads_kv, head_dim), got {ps}")
+    nb, bs, Hkv, d = ps
+    dtype = cv.check_dtype(k_pool, "k_pool")
+    if tuple(v_pool.shape) != ps or cv.dtype_name(v_pool) != dtype:
+        raise ValueError(f"v_pool: expected shape {ps} and dtype {dtype}")
+    _check_decode_q(q, Hkv, d, dtype)
+    B = q.shape[0]
+    tables = np.asarray(block_tables.get() if hasattr(block_tables, "get") else block_tables)
+    lens = np.asarray(seq_lens.get() if hasattr(seq_lens, "get") else seq_lens).astype(np.int64)
+    if tables.ndim != 2 or tables.shape[0] != B:
+        raise ValueError(f"block_tables: expected ({B}, max_blocks), got {tables.shape}")
+    if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > tables.shape[1] * bs):
+        raise ValueError(f"seq_lens: expected {B} lengths in [0, {tables.shape[1] * bs}], got {lens.tolist()}")
+    for b in range(B):
+        used = tables[b, :-(-int(lens[b]) // bs)]
+        if np.any((used < 0) | (used >= nb)):
+            raise ValueError(f"block_tables: row {b} has a block id outside [0, {nb}): {used.tolist()}")
+    scale = cv.resolve_scale(scale, d)
+    dev = device_info()
+    if dtype == "bfloat16" and dev["cc"] < 80:
+        raise ValueError(f"q: bfloat16 needs compute capability 8.0 or newer; this GPU is {dev['cc'] / 10:.1f}")
+    io = _IO(q)
+    with io.stream():
+        qd = io.dev(q, "q")
+        kp, vp = _pool_dev(io, k_pool), _pool_dev(io, v_pool)
+        t_d = io.cupy.asarray(np.ascontiguousarray(tables, dtype=np.int32))
+        lens_d = io.cupy.asarray(lens.astype(np.int32))
+        S = num_splits or num_splits_heuristic(B, Hkv, int(lens.max(initial=0)), dev["sms"])
+        o_user, o, lse_user, lse = _decode_outputs(io, q.shape, dtype)
+        launch_decode(qd, kp, vp, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=S, paged=(t_d, bs))
+    return io.finish(o_user, dtype), io.finish(lse_user, cv.accum_dtype(dtype).name)
+
+
+def _pool_dev(io, pool):
+    """A pool as a CuPy view: device pools in place; NumPy pools copied in."""
+    cp = io.cupy
+    dt = cv.dtype_name(pool)
+    if isinstance(pool, np.ndarray):
+        a = cp.asarray(pool.view(np.uint16) if dt == "bfloat16" else pool)
+    elif type(pool).__module__.split(".")[0] == "torch":
+        import torch
+        t = pool.detach()
+        if not t.is_cuda:
+            t = t.cuda()
+        a = cp.from_dlpack(t.view(torch.int16) if dt == "bfloat16" else t)
+        a = a.view(cp.uint16) if dt == "bfloat16" else a
+    else:
+        a = cp.asarray(pool)
+    return cp.ascontiguousarray(a)
+
+
+# --------------------------------------------------------------------------- paged gather
+def gather_pools(k_pool, v_pool, block_table, seq_len):
+    """Paged gather: pools (num_blocks, bs, Hkv, d) + a block table -> contiguous (Hkv, n, d) K, V.
+
+    Device pools (CuPy / torch CUDA) give device outputs of the same kind, with no copy of
+    the pools; NumPy pools are copied in and the result copied out.
+    """
+    from ..paged import check_block_table
+    ps = tuple(getattr(k_pool, "shape", ()))
+    if len(ps) != 4:
+        raise ValueError(f"k_pool: expected (num_blocks, block_size, heads_kv, head_dim), got {ps}")
+    if tuple(getattr(v_pool, "shape", ())) != ps or cv.dtype_name(v_pool) != cv.dtype_name(k_pool):
+        raise ValueError(f"v_pool: must match k_pool's shape {ps} and dtype {cv.dtype_name(k_pool)}")
+    nb, bs, hkv, d = ps
+    dtype = cv.check_dtype(k_pool, "k_pool")
+    table = check_block_table(np.asarray(block_table.get() if hasattr(block_table, "get") else block_table),
+                              seq_len, nb, bs)
+    io = _IO(k_pool, "k_pool")
+    cp = io.cupy
+    with io.stream():
+        kp, vp = _pool_dev(io, k_pool), _pool_dev(io, v_pool)
+        k_user, k_out = io.empty((hkv, seq_len, d), dtype)
+        v_user, v_out = io.empty((hkv, seq_len, d), dtype)
+        t_d = cp.asarray(np.ascontiguousarray(table, dtype=np.int32) if len(table) else np.zeros(1, np.int32))
+        launch_gather(kp, vp, t_d, k_out, v_out, int(seq_len))
+    return io.finish(k_user, dtype), io.finish(v_user, dtype)
+
+
+def launch_gather(kp, vp, t_d, k_out, v_out, seq_len):
+    """The gather kernel on CuPy views (pools contiguous)."""
+    cp = _cupy()
+    nb, bs, hkv, d = kp.shape
+    if seq_len == 0 or hkv * d == 0:
+        return
+    row_bytes = d * kp.itemsize
+    chunk = next(c for c in (16, 8, 4, 2, 1) if row_bytes % c == 0 and all(
+        a.data.ptr % c == 0 for a in (kp, vp, k_out, v_out)))
+    if chunk == 1:
+        chunk = kp.itemsize if kp.itemsize in (2, 4, 8) else 2
+    view = {16: None, 8: np.uint64, 4: np.uint32, 2: np.uint16}[chunk]
+    defines = dict(BLOCK_SIZE=bs, CHUNK_BYTES=chunk, CHUNKS_PER_ROW=row_bytes // chunk)
+    fn = _function("paged_gather", "paged_gather", defines)
+    args = [a.view(view) if view is not None else a for a in (kp, vp)]
+    outs = [a.view(view) if view is not None else a for a in (k_out, v_out)]
+    total = hkv * seq_len * (row_bytes // chunk)
+    sms = device_info()["sms"]
+    grid = max(1, min(-(-total // GATHER_THREADS), GATHER_BLOCKS_PER_SM * sms))
+    fn((grid,), (GATHER_THREADS,), (args[0], args[1], t_d, np.int32(seq_len), np.int32(hkv), outs[0], outs[1]))
+
+
+def paged_gather(cache, sid):
+    """What ``cache.gather(sid, backend="cupy")`` calls: NumPy pools in, NumPy K, V out."""
+    return gather_pools(cache.k_pool, cache.v_pool, cache.block_table(sid), cache.seq_len(sid))
+
+
+# --------------------------------------------------------------------------- bench, sanitizer
+def bench_versions(op: str, dtype: str) -> dict:
+    """The numbered versions the benchmark times (iokernels.bench reads this)."""
+    if op == "attention":
+        out = {"v1": CupyConfig(version="v1")}
+        if dtype in ("float16", "bfloat16"):
+            out["v2"] = CupyConfig(version="v2")
+        return out
+    return {"split": None}
+
+
+def sanitize_cases(seed: int = 0) -> list:
+    """Run every kernel once at a ragged shape (for compute-sanitizer); returns what ran.
+
+    Shapes are not multiples of any tile: Nq = 37, Nk = 77, head_dim 64 and 72, GQA 4/2,
+    a window, ragged decode lengths (one of them 0), a paged cache with a partial last block.
+    """
+    cp = _cupy()
+    from ..paged import PagedKVCache
+    from ..testing import make_inputs
+    rng = np.random.default_rng(seed)
+    cc = device_info()["cc"]
+    ran = []
+    dtypes = ["float32", "float16"] + (["bfloat16"] if cc >= 80 else [])
+
+    def dev(x, dt):
+        h = np.asarray(x, dtype=np.float32)
+        if dt == "bfloat16":
+            import torch
+            return torch.from_numpy(h).cuda().to(torch.bfloat16)
+        return cp.asarray(h.astype(dt))
+
+    for dt in dtypes:
+        for version in (("v1", "v2") if dt != "float32" else ("v1",)):
+            for d, causal, window in ((64, True, None), (72, False, (5, 3))):
+                q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=77,
+                                      head_dim=d, dtype="float32")
+                attention(dev(q, dt), dev(k, dt), dev(v, dt), causal=causal, scale=None, window=window,
+                          config=CupyConfig(version=version))
+                ran.append(f"attention {version} {dt} d={d} causal={causal} window={window}")
+        q, k, v = make_inputs(rng, batch=3, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_k=301, head_dim=64,
+                              dtype="float32")
+        for splits in (1, 5):
+            decode(dev(q[:, :, 0], dt), dev(k, dt), dev(v, dt), seq_lens=np.array([301, 0, 129]),
+                   num_splits=splits, scale=None)
+            ran.append(f"decode {dt} splits={splits}")
+        if dt != "bfloat16":
+            cache = PagedKVCache(64, block_size=16, num_kv_heads=2, head_dim=64, dtype=np.dtype(dt))
+            sids = []
+            for n in (301, 45):
+                sid = cache.new_sequence()
+                cache.append(sid, rng.standard_normal((n, 2, 64)).astype(dt), rng.standard_normal((n, 2, 64)).astype(dt))
+                sids.append(sid)
+            paged_decode_pools(dev(q[:2, :, 0], dt), cp.asarray(cache.k_pool), cp.asarray(cache.v_pool),
+                               *cache.block_tables_array(sids), num_splits=3)
+            gather_pools(cp.asarray(cache.k_pool), cp.asarray(cache.v_pool), cache.block_table(sids[1]), 45)
+            ran.append(f"paged decode + gather {dt}")
+    cp.cuda.Device().synchronize()
+    return ran

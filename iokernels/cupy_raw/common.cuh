@@ -1,0 +1,162 @@
+// common.cuh -- helpers shared by the iokernels CUDA C++ kernels.
+//
+// Written without any CUDA header on purpose: CuPy's run-time compiler (NVRTC) on a
+// pip-installed CUDA lacks some toolkit headers (crt/mma.h), so every conversion,
+// copy and tensor-core instruction here is a line of inline PTX.  The same file
+// compiles with nvcc for sm_75, sm_80 and sm_90 (tests/test_cupy_compile.py).
+//
+// Storage dtype, chosen by the launcher with -DIK_DTYPE=<n>:
+//   0 float32, 1 float16, 2 bfloat16, 3 float64.
+// 16-bit values are kept as raw `unsigned short` bit patterns and converted with PTX.
+#pragma once
+
+#define IK_F32 0
+#define IK_F16 1
+#define IK_BF16 2
+#define IK_F64 3
+
+#ifndef IK_DTYPE
+#define IK_DTYPE IK_F32
+#endif
+
+#if IK_DTYPE == IK_BF16 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#error "bfloat16 kernels need compute capability 8.0 or newer (bf16 conversions and mma)"
+#endif
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// ----------------------------------------------------------------------------- dtypes
+// elem_t: what lives in HBM.  acc_t: what S, m, l and O accumulate in (float32, or
+// float64 for float64 inputs; DESIGN.md "accumulation").
+#if IK_DTYPE == IK_F32
+typedef float elem_t;
+typedef float acc_t;
+#elif IK_DTYPE == IK_F64
+typedef double elem_t;
+typedef double acc_t;
+#else
+typedef u16 elem_t;
+typedef float acc_t;
+#endif
+// bytes of one stored element (for the preprocessor, which cannot evaluate sizeof)
+#define IK_ELEM_BYTES (IK_DTYPE == IK_F32 ? 4 : IK_DTYPE == IK_F64 ? 8 : 2)
+
+__device__ __forceinline__ float f16_to_f32(u16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+    return f;
+}
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 x;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(x) : "f"(f));
+    return x;
+}
+__device__ __forceinline__ float bf16_to_f32(u16 x) {
+    return __uint_as_float(((u32)x) << 16);  // bfloat16 is the top half of a float32
+}
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    u16 x;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(x) : "f"(f));
+    return x;
+#else
+    // round to nearest even by hand (only reached by host-side parsing; sm_75 has no bf16)
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (u16)(u >> 16);
+#endif
+}
+
+__device__ __forceinline__ acc_t to_acc(elem_t x) {
+#if IK_DTYPE == IK_F16
+    return f16_to_f32(x);
+#elif IK_DTYPE == IK_BF16
+    return bf16_to_f32(x);
+#else
+    return x;
+#endif
+}
+__device__ __forceinline__ elem_t from_acc(acc_t x) {
+#if IK_DTYPE == IK_F16
+    return f32_to_f16(x);
+#elif IK_DTYPE == IK_BF16
+    return f32_to_bf16(x);
+#else
+    return x;
+#endif
+}
+
+// Minus infinity: the mask value.  A masked score must vanish exactly after exp(),
+// and a row whose scores are all masked must be recognisable (its max stays -inf).
+__device__ __forceinline__ float neg_inf_f() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ double neg_inf_d() { return __longlong_as_double(0xfff0000000000000LL); }
+__device__ __forceinline__ acc_t neg_inf() {
+#if IK_DTYPE == IK_F64
+    return neg_inf_d();
+#else
+    return neg_inf_f();
+#endif
+}
+
+__device__ __forceinline__ float ik_exp(float x) { return expf(x); }
+__device__ __forceinline__ double ik_exp(double x) { return exp(x); }
+__device__ __forceinline__ float ik_exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ double ik_exp2(double x) { return exp2(x); }
+__device__ __forceinline__ float ik_log2(float x) { return log2f(x); }
+__device__ __forceinline__ double ik_log2(double x) { return log2(x); }
+__device__ __forceinline__ float ik_log(float x) { return logf(x); }
+__device__ __forceinline__ double ik_log(double x) { return log(x); }
+__device__ __forceinline__ float ik_max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double ik_max(double a, double b) { return fmax(a, b); }
+
+// ----------------------------------------------------------------------------- masks
+// The keys query row i may see form one interval [key_lo(i), key_hi(i)) (conventions.py,
+// key_range): bottom-right aligned causal/window, (left, right) with -1 = unbounded.
+// The launcher folds `causal` into right = min(right, 0).
+__device__ __forceinline__ int key_lo(int i, int nq, int nk, int left) {
+    if (left < 0) return 0;
+    int lo = i + nk - nq - left;
+    return lo < 0 ? 0 : (lo > nk ? nk : lo);
+}
+__device__ __forceinline__ int key_hi(int i, int nq, int nk, int right) {
+    if (right < 0) return nk;
+    int hi = i + nk - nq + right + 1;
+    return hi < 0 ? 0 : (hi > nk ? nk : hi);
+}
+
+// ----------------------------------------------------------------------------- shared memory
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Copy 16 bytes HBM -> SRAM.  sm_80+: asynchronous (cp.async, completes at cp_async_wait);
+// when `pred` is false the 16 bytes are zero-filled (src-size 0) and nothing is read.
+// sm_75: an ordinary load and store (synchronous; the waits below are no-ops).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    int src_bytes = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+#else
+    uint4 v;
+    v.x = v.y = v.z = v.w = 0u;
+    if (pred) v = *reinterpret_cast<const uint4*>(gmem);
+    *reinterpret_cast<uint4*>(smem) = v;
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// wait until at most N groups of this thread's copies are still in flight
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
+#endif
+}

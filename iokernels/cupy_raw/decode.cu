@@ -1,0 +1,284 @@
+// decode.cu -- Flash-Decoding: split-KV decode and the exact log-sum-exp combine.
+//
+// One new query token per sequence.  Decode is memory bound (each K/V byte is used for
+// about g FLOPs, g = heads_q / heads_kv), so everything here is about reading the KV
+// cache once, at full bandwidth:
+//
+//   decode_split   grid (num_splits, heads_kv, batch).  A block owns one kv head of one
+//                  sequence and one chunk of its keys, and ALL g query heads that read
+//                  that kv head (GQA packed: each K/V row is read from HBM once per group,
+//                  not once per query head).  LANES lanes cooperate on one key row, each
+//                  reading 16 bytes (VEC elements) at once; a block walks its chunk
+//                  UNROLL rows per sub-group at a time so many loads are in flight.
+//                  Output: the chunk's normalised partial O and its LSE (float32 /
+//                  float64), or, with one split, the final O and LSE directly.
+//   decode_combine grid (batch * heads_q).  O = sum_s w_s O_s with w_s = exp(LSE_s - LSE),
+//                  LSE = log sum_s exp(LSE_s): exact, and a chunk with LSE = -inf (no keys)
+//                  weighs nothing.
+//
+// PAGED=1 reads K and V from a paged pool (num_blocks, BLOCK_SIZE, heads_kv, head_dim)
+// through an int32 block table (batch, max_blocks): key n of sequence b lives in
+// physical block table[b][n / BLOCK_SIZE], row n % BLOCK_SIZE.  PAGED=0 reads a
+// contiguous (batch, heads_kv, seq, head_dim) cache with strides.
+//
+// Compile-time settings: HEAD_DIM, GROUP (g), IK_DTYPE, PAGED, BLOCK_SIZE (paged),
+// VEC_IO (rows are whole 16-byte chunks), NUM_WARPS, UNROLL.
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef GROUP
+#define GROUP 4
+#endif
+#ifndef PAGED
+#define PAGED 0
+#endif
+#ifndef BLOCK_SIZE
+#define BLOCK_SIZE 16
+#endif
+#ifndef NUM_WARPS
+#define NUM_WARPS 4
+#endif
+#ifndef UNROLL
+#define UNROLL 4
+#endif
+#ifndef VEC_IO
+#define VEC_IO ((HEAD_DIM * IK_ELEM_BYTES) % 16 == 0 && HEAD_DIM * IK_ELEM_BYTES <= 512)
+#endif
+
+#define NTHREADS (32 * NUM_WARPS)
+#define VEC (16 / IK_ELEM_BYTES)                      // elements in one 16-byte load
+
+// lanes per key row: enough 16-byte loads to cover a row, rounded up to a power of two
+// (a row's lanes must be an aligned group of a warp for the shuffles); the scalar path
+// uses a whole warp per row.
+#if VEC_IO
+#define LANES_RAW ((HEAD_DIM + VEC - 1) / VEC)
+#define LANES (LANES_RAW <= 1 ? 1 : LANES_RAW <= 2 ? 2 : LANES_RAW <= 4 ? 4 : LANES_RAW <= 8 ? 8 : LANES_RAW <= 16 ? 16 : 32)
+#define EPL VEC                                        // elements per lane
+#else
+#define LANES 32
+#define EPL ((HEAD_DIM + 31) / 32)
+#endif
+#define SLOTS (NTHREADS / LANES)                       // key rows a block reads side by side
+
+#if VEC_IO && LANES_RAW > 32
+#error "decode: head_dim too large for one warp per row (at most 32 x 16 bytes)"
+#endif
+
+// element e of this lane's share of a row
+__device__ __forceinline__ int elem_index(int sub, int e) {
+#if VEC_IO
+    return sub * VEC + e;
+#else
+    return sub + 32 * e;
+#endif
+}
+
+// One lane's share of a key row, held in registers as loaded (16 bytes on the vector
+// path: a float16 row stays 16-bit until it is used, which halves the registers it needs).
+#if VEC_IO
+struct RowBuf { uint4 u; };
+__device__ __forceinline__ u32 word(const uint4& u, int i) {
+    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
+}
+__device__ __forceinline__ void load_row(RowBuf& r, const elem_t* row, int sub, bool ok) {
+    r.u.x = r.u.y = r.u.z = r.u.w = 0u;
+    if (ok && sub * VEC < HEAD_DIM) r.u = *reinterpret_cast<const uint4*>(row + sub * VEC);
+}
+__device__ __forceinline__ acc_t elem(const RowBuf& r, int e) {
+#if IK_DTYPE == IK_F32
+    return __uint_as_float(word(r.u, e));
+#elif IK_DTYPE == IK_F64
+    return __hiloint2double((int)word(r.u, 2 * e + 1), (int)word(r.u, 2 * e));
+#else
+    return to_acc((u16)(word(r.u, e / 2) >> (16 * (e & 1))));
+#endif
+}
+#else
+struct RowBuf { acc_t x[EPL]; };
+__device__ __forceinline__ void load_row(RowBuf& r, const elem_t* row, int sub, bool ok) {
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+        int c = sub + 32 * e;
+        r.x[e] = (ok && c < HEAD_DIM) ? to_acc(row[c]) : (acc_t)0;
+    }
+}
+__device__ __forceinline__ acc_t elem(const RowBuf& r, int e) { return r.x[e]; }
+#endif
+
+__device__ __forceinline__ acc_t shfl_xor(acc_t v, int off) { return __shfl_xor_sync(0xffffffffu, v, off); }
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous
+             const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+#if PAGED
+             const int* __restrict__ block_table, int max_blocks,
+             long long s_blk, long long s_row, long long s_head,   // pool strides (elements)
+#else
+             long long skb, long long skh, long long skn,
+             long long svb, long long svh, long long svn,
+#endif
+             const int* __restrict__ seq_lens,      // (batch,) int32
+             int heads_q, int heads_kv, acc_t scale, int num_splits,
+             acc_t* __restrict__ O_part, acc_t* __restrict__ LSE_part,   // (splits, batch, heads_q[, d])
+             elem_t* __restrict__ O, acc_t* __restrict__ LSE) {        // used when num_splits == 1
+    __shared__ acc_t red_m[NUM_WARPS][GROUP];
+    __shared__ acc_t red_l[NUM_WARPS][GROUP];
+    __shared__ acc_t red_o[NUM_WARPS][LANES * EPL];
+
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int sub = lane % LANES;                   // this lane's part of a row
+    const int slot = threadIdx.x / LANES;           // which row of the SLOTS side by side
+    const int len = seq_lens[b];
+    const int per_split = (len + num_splits - 1) / num_splits;
+    const int n_begin = min(split * per_split, len), n_end = min(n_begin + per_split, len);
+
+    // the g query rows of this kv head, pre-scaled by scale * log2(e): scores in log2 units
+    const acc_t qscale = scale * (acc_t)1.4426950408889634;
+    acc_t q[GROUP][EPL];
+#pragma unroll
+    for (int gq = 0; gq < GROUP; ++gq) {
+        RowBuf r;
+        load_row(r, Q + ((long long)b * heads_q + hk * GROUP + gq) * HEAD_DIM, sub, true);
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) q[gq][e] = elem(r, e) * qscale;
+    }
+    acc_t m[GROUP], l[GROUP], acc[GROUP][EPL];
+#pragma unroll
+    for (int gq = 0; gq < GROUP; ++gq) {
+        m[gq] = neg_inf(); l[gq] = 0;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[gq][e] = 0;
+    }
+
+#if !PAGED
+    const elem_t* Kb = K + b * skb + hk * skh;
+    const elem_t* Vb = V + b * svb + hk * svh;
+#endif
+    // load K, V rows -> registers, UNROLL rows per slot at a time; update (m, l, acc)
+    for (int n0 = n_begin + slot; n0 < n_end; n0 += SLOTS * UNROLL) {
+        RowBuf kr[UNROLL], vr[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            int n = n0 + u * SLOTS;
+            bool ok = n < n_end;
+#if PAGED
+            int blk = ok ? block_table[(long long)b * max_blocks + n / BLOCK_SIZE] : 0;
+            long long off = blk * s_blk + (n % BLOCK_SIZE) * s_row + hk * s_head;
+            load_row(kr[u], K + off, sub, ok);
+            load_row(vr[u], V + off, sub, ok);
+#else
+            load_row(kr[u], Kb + (long long)n * skn, sub, ok);
+            load_row(vr[u], Vb + (long long)n * svn, sub, ok);
+#endif
+        }
+#pragma unroll
+        for (int gq = 0; gq < GROUP; ++gq) {
+            acc_t s[UNROLL];
+            acc_t mx = neg_inf();
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                acc_t d = 0;
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) d += q[gq][e] * elem(kr[u], e);
+#pragma unroll
+                for (int off = LANES / 2; off > 0; off /= 2) d += shfl_xor(d, off);
+                s[u] = (n0 + u * SLOTS < n_end) ? d : neg_inf();
+                mx = ik_max(mx, s[u]);
+            }
+            acc_t m_new = ik_max(m[gq], mx);
+            acc_t base = (m_new == neg_inf()) ? (acc_t)0 : m_new;
+            acc_t alpha = ik_exp2(m[gq] - base);
+            l[gq] *= alpha;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[gq][e] *= alpha;
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                acc_t p = ik_exp2(s[u] - base);
+                l[gq] += p;
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) acc[gq][e] += p * elem(vr[u], e);
+            }
+            m[gq] = m_new;
+        }
+    }
+
+    // merge the slots of a warp (lanes with the same `sub`), then the warps, through SRAM
+#pragma unroll
+    for (int off = LANES; off < 32; off *= 2) {
+#pragma unroll
+        for (int gq = 0; gq < GROUP; ++gq) {
+            acc_t mo = shfl_xor(m[gq], off), lo = shfl_xor(l[gq], off);
+            acc_t mn = ik_max(m[gq], mo);
+            acc_t base = (mn == neg_inf()) ? (acc_t)0 : mn;
+            acc_t a = ik_exp2(m[gq] - base), c = ik_exp2(mo - base);
+            l[gq] = l[gq] * a + lo * c;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[gq][e] = acc[gq][e] * a + shfl_xor(acc[gq][e], off) * c;
+            m[gq] = mn;
+        }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int gq = 0; gq < GROUP; ++gq) { red_m[warp][gq] = m[gq]; red_l[warp][gq] = l[gq]; }
+    }
+    __syncthreads();
+
+    const long long row = (long long)b * heads_q + hk * GROUP;   // first query head's row
+#pragma unroll 1
+    for (int gq = 0; gq < GROUP; ++gq) {
+        acc_t M = neg_inf();
+        for (int w = 0; w < NUM_WARPS; ++w) M = ik_max(M, red_m[w][gq]);
+        acc_t base = (M == neg_inf()) ? (acc_t)0 : M;
+        if (lane < LANES) {
+            acc_t f = ik_exp2(m[gq] - base);
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) red_o[warp][lane * EPL + e] = acc[gq][e] * f;
+        }
+        __syncthreads();
+        acc_t L = 0;
+        for (int w = 0; w < NUM_WARPS; ++w) L += red_l[w][gq] * ik_exp2(red_m[w][gq] - base);
+        const acc_t inv = L > 0 ? (acc_t)1 / L : (acc_t)0;
+        const acc_t lse = L > 0 ? (M + ik_log2(L)) * (acc_t)0.6931471805599453 : neg_inf();
+        // write this chunk's O (normalised) and LSE -> HBM
+        for (int i = threadIdx.x; i < LANES * EPL; i += NTHREADS) {
+            int sb = i / EPL, e = i % EPL;
+            int c = elem_index(sb, e);
+            if (c >= HEAD_DIM) continue;
+            acc_t sum = 0;
+            for (int w = 0; w < NUM_WARPS; ++w) sum += red_o[w][i];
+            if (num_splits == 1) O[(row + gq) * HEAD_DIM + c] = from_acc(sum * inv);
+            else O_part[((long long)split * gridDim.z * heads_q + row + gq) * HEAD_DIM + c] = sum * inv;
+        }
+        if (threadIdx.x == 0) {
+            if (num_splits == 1) LSE[row + gq] = lse;
+            else LSE_part[(long long)split * gridDim.z * heads_q + row + gq] = lse;
+        }
+        __syncthreads();                            // red_o is reused by the next head
+    }
+}
+
+// O = sum_s exp(LSE_s - LSE) O_s ; LSE = log sum_s exp(LSE_s)   (one block a query row)
+extern "C" __global__ void decode_combine(const acc_t* __restrict__ O_part, const acc_t* __restrict__ LSE_part,
+                                          int num_splits, int rows, elem_t* __restrict__ O,
+                                          acc_t* __restrict__ LSE) {
+    const int row = blockIdx.x;
+    acc_t M = neg_inf();
+    for (int s = 0; s < num_splits; ++s) M = ik_max(M, LSE_part[(long long)s * rows + row]);
+    const acc_t base = (M == neg_inf()) ? (acc_t)0 : M;
+    acc_t L = 0;
+    for (int s = 0; s < num_splits; ++s) L += ik_exp(LSE_part[(long long)s * rows + row] - base);
+    const acc_t inv = L > 0 ? (acc_t)1 / L : (acc_t)0;
+    for (int c = threadIdx.x; c < HEAD_DIM; c += blockDim.x) {
+        acc_t sum = 0;
+        for (int s = 0; s < num_splits; ++s) {
+            acc_t w = ik_exp(LSE_part[(long long)s * rows + row] - base);
+            sum += w * O_part[((long long)s * rows + row) * HEAD_DIM + c];
+        }
+        O[(long long)row * HEAD_DIM + c] = from_acc(sum * inv);
+    }
+    if (threadIdx.x == 0) LSE[row] = L > 0 ? M + ik_log(L) : neg_inf();
+}

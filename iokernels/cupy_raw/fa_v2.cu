@@ -1,0 +1,315 @@
+// fa_v2.cu -- FlashAttention forward, version 2: float16 / bfloat16 on the tensor cores.
+//
+// FlashAttention-2's structure (Dao, 2023):
+//   * one thread block owns one query tile Q_i of Br = 16 * NUM_WARPS rows; each warp owns
+//     16 of those rows, for the whole kernel: no other warp ever needs its S, P, m or l;
+//   * S_ij = Q_i K_j^T and O_i += P_ij V_j run on the tensor cores (mma.sync m16n8k16,
+//     float32 accumulators); S and P never leave registers: the accumulator layout of
+//     the first product is exactly the A-operand layout of the second, so P is only
+//     converted to 16 bits in place;
+//   * online softmax in registers: each lane holds 2 rows x (Bc/4) scores; a row's max
+//     is reduced over the 4 lanes of a quad with two shuffles; l stays a per-lane
+//     partial sum until the end (one reduction, not one a tile);
+//   * K_j, V_j double-buffered in SRAM: while tile j is multiplied, tile j+1 is already
+//     on its way with cp.async (sm_80+; on sm_75 the copy is synchronous);
+//   * causal / window: tiles no row can see are never loaded; the mask is applied only
+//     on tiles that straddle a boundary;
+//   * GQA/MQA: query head h reads kv head h / (heads_q / heads_kv);
+//   * exp2 with scale * log2(e) folded in; LSE converted back to natural log at the end.
+//
+// Shared memory: Q_i [Br][SROW] and two buffers each of K_j, V_j [Bc][SROW] (16-bit),
+// SROW = D_PAD + 8: the extra 16 bytes a row put the 8 rows one ldmatrix reads in 8
+// different bank groups (no conflicts) while keeping rows 16-byte aligned for cp.async.
+//
+// Compile-time settings (-D from CupyConfig): HEAD_DIM, D_PAD (HEAD_DIM rounded up to 16),
+// NUM_WARPS, BLOCK_K (Bc, a multiple of 16), IK_DTYPE (1 float16, 2 bfloat16),
+// VEC_IO (1 when a row is a whole number of 16-byte chunks: HEAD_DIM % 8 == 0).
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef D_PAD
+#define D_PAD (((HEAD_DIM) + 15) / 16 * 16)
+#endif
+#ifndef NUM_WARPS
+#define NUM_WARPS 4
+#endif
+#ifndef BLOCK_K
+#define BLOCK_K 64
+#endif
+#ifndef VEC_IO
+#define VEC_IO ((HEAD_DIM % 8) == 0)
+#endif
+
+#if IK_DTYPE != IK_F16 && IK_DTYPE != IK_BF16
+#error "fa_v2 is the 16-bit tensor-core kernel: IK_DTYPE must be 1 (float16) or 2 (bfloat16)"
+#endif
+
+#define NTHREADS (32 * NUM_WARPS)
+#define BLOCK_Q (16 * NUM_WARPS)          // Br
+#define SROW (D_PAD + 8)                  // SRAM row stride, in 16-bit elements
+#define CHUNKS (D_PAD / 8)                // 16-byte chunks a row
+#define NT_S (BLOCK_K / 8)                // 8-column n-tiles of S
+#define NT_O (D_PAD / 8)                  // 8-column n-tiles of O
+#define KT_Q (D_PAD / 16)                 // 16-deep k-steps of Q K^T
+
+// ----------------------------------------------------------------------------- tensor cores
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// d[4] += A (16x16, 4 regs) * B (16x8, 2 regs), float32 accumulators.
+__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if IK_DTYPE == IK_BF16
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+#else
+    // sm_75 (Turing) has m16n8k8 only: the k16 product is two k8 products; registers
+    // a0,a1 / b0 hold k 0..7 and a2,a3 / b1 hold k 8..15 in both shapes.
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(b0));
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[2]), "r"(a[3]), "r"(b1));
+#endif
+}
+
+// two float32 -> one register of two 16-bit values (lo = the lower column)
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    return (u32)from_acc(lo) | ((u32)from_acc(hi) << 16);
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// ----------------------------------------------------------------------------- tile loads
+// rows [row0, row0 + ROWS) of a (seq, head_dim) matrix with row stride `ld` -> SRAM;
+// rows at or past `nrows`, and columns past HEAD_DIM, become zeros.
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u16* dst, const elem_t* src, long long ld, int row0, int nrows) {
+#if VEC_IO
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += NTHREADS) {
+        int r = idx / CHUNKS, c = idx % CHUNKS;
+        bool ok = (row0 + r < nrows) && (c * 8 < HEAD_DIM);
+        const elem_t* g = ok ? src + (row0 + r) * ld + c * 8 : src;
+        cp_async16(dst + r * SROW + c * 8, g, ok);
+    }
+#else
+    // a row is not a whole number of 16-byte chunks: element by element, synchronous
+    for (int idx = threadIdx.x; idx < ROWS * D_PAD; idx += NTHREADS) {
+        int r = idx / D_PAD, c = idx % D_PAD;
+        dst[r * SROW + c] = (row0 + r < nrows && c < HEAD_DIM) ? src[(row0 + r) * ld + c] : (u16)0;
+    }
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+fa_v2(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+      elem_t* __restrict__ O, float* __restrict__ LSE,
+      int nq, int nk, int heads_q, int heads_kv,
+      long long sqb, long long sqh, long long sqn,
+      long long skb, long long skh, long long skn,
+      long long svb, long long svh, long long svn,
+      float scale, int win_left, int win_right) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* Qs = reinterpret_cast<u16*>(smem_raw);
+    u16* Ks = Qs + BLOCK_Q * SROW;                   // [2][BLOCK_K][SROW]
+    u16* Vs = Ks + 2 * BLOCK_K * SROW;               // [2][BLOCK_K][SROW]
+
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;            // mma fragment coordinates
+    const int qtile = gridDim.x - 1 - blockIdx.x;    // heaviest causal tiles first
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int hk = h / (heads_q / heads_kv);         // GQA
+    const int q0 = qtile * BLOCK_Q;
+    const elem_t* Qb = Q + b * sqb + h * sqh;
+    const elem_t* Kb = K + b * skb + hk * skh;
+    const elem_t* Vb = V + b * svb + hk * svh;
+
+    // the key tiles this query tile can see (tile skipping)
+    const int last_row = min(q0 + BLOCK_Q, nq) - 1;
+    const int kv_lo = key_lo(q0, nq, nk, win_left);
+    const int kv_hi = max(key_hi(last_row, nq, nk, win_right), kv_lo);
+    const int j_begin = kv_lo / BLOCK_K, j_end = (kv_hi + BLOCK_K - 1) / BLOCK_K;
+    // a tile [c0, c0 + Bc) needs no mask when every row sees all of it
+    const int lo_last = key_lo(last_row, nq, nk, win_left);
+    const int hi_first = key_hi(q0, nq, nk, win_right);
+
+    // this lane's two rows (g and g + 8 of its warp's 16) and their visible keys
+    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+    const int lo0 = key_lo(r0, nq, nk, win_left), hi0 = key_hi(r0, nq, nk, win_right);
+    const int lo1 = key_lo(r1, nq, nk, win_left), hi1 = key_hi(r1, nq, nk, win_right);
+    const float scale_log2 = scale * 1.4426950408889634f;   // exp(x) = exp2(x * log2 e)
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {neg_inf_f(), neg_inf_f()}, l[2] = {0.f, 0.f};
+    u32 qf[KT_Q][4];                                 // Q_i's A fragments, kept in registers
+
+    // load Q_i, K_j0, V_j0 -> SRAM (one asynchronous group)
+    load_tile<BLOCK_Q>(Qs, Qb, sqn, q0, nq);
+    if (j_begin < j_end) {
+        load_tile<BLOCK_K>(Ks, Kb, skn, j_begin * BLOCK_K, nk);
+        load_tile<BLOCK_K>(Vs, Vb, svn, j_begin * BLOCK_K, nk);
+    }
+    cp_async_commit();
+
+    for (int j = j_begin; j < j_end; ++j) {          // loop over K_j, V_j tiles
+        const int buf = (j - j_begin) & 1;
+        const int k0 = j * BLOCK_K;
+        // load K_j+1, V_j+1 -> SRAM (the other buffer) while this tile is used
+        if (j + 1 < j_end) {
+            load_tile<BLOCK_K>(Ks + (buf ^ 1) * BLOCK_K * SROW, Kb, skn, k0 + BLOCK_K, nk);
+            load_tile<BLOCK_K>(Vs + (buf ^ 1) * BLOCK_K * SROW, Vb, svn, k0 + BLOCK_K, nk);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();                          // tile j (and Q) have landed
+        __syncthreads();
+        if (j == j_begin) {
+#pragma unroll
+            for (int kk = 0; kk < KT_Q; ++kk)        // Q_i: SRAM -> registers, once
+                ldmatrix_x4(qf[kk], Qs + (warp * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * SROW
+                                        + kk * 16 + (lane / 16) * 8);
+        }
+        const u16* Kt = Ks + buf * BLOCK_K * SROW;
+        const u16* Vt = Vs + buf * BLOCK_K * SROW;
+
+        // S_ij = Q_i K_j^T on the tensor cores (registers)
+        float s[NT_S][4];
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < KT_Q; ++kk) {
+#pragma unroll
+            for (int nn = 0; nn < NT_S / 2; ++nn) {
+                u32 kb[4];   // two n-tiles (keys nn*16 .. +15) x 16 dims
+                ldmatrix_x4(kb, Kt + (nn * 16 + (lane % 8) + (lane / 16) * 8) * SROW
+                                   + kk * 16 + ((lane / 8) % 2) * 8);
+                mma16816(s[2 * nn], qf[kk], kb[0], kb[1]);
+                mma16816(s[2 * nn + 1], qf[kk], kb[2], kb[3]);
+            }
+        }
+
+        // scale (log2 units) and mask; the mask only on tiles that cross a boundary
+        const bool need_mask = !(lo_last <= k0 && hi_first >= k0 + BLOCK_K);
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float x = s[n][e] * scale_log2;
+                if (need_mask) {
+                    int col = k0 + n * 8 + 2 * t + (e & 1);
+                    bool vis = (e < 2) ? (col >= lo0 && col < hi0) : (col >= lo1 && col < hi1);
+                    x = vis ? x : neg_inf_f();
+                }
+                s[n][e] = x;
+            }
+
+        // online softmax in registers (rows g: e = 0,1; g + 8: e = 2,3)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = neg_inf_f();
+#pragma unroll
+            for (int n = 0; n < NT_S; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));   // the quad shares a row
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            float m_new = fmaxf(m[r], mx);
+            float base = (m_new == neg_inf_f()) ? 0.f : m_new;
+            float alpha = fast_exp2(m[r] - base);
+            float rs = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT_S; ++n) {
+                s[n][2 * r] = fast_exp2(s[n][2 * r] - base);
+                s[n][2 * r + 1] = fast_exp2(s[n][2 * r + 1] - base);
+                rs += s[n][2 * r] + s[n][2 * r + 1];
+            }
+            l[r] = l[r] * alpha + rs;                // this lane's partial row sum
+            m[r] = m_new;
+#pragma unroll
+            for (int n = 0; n < NT_O; ++n) { o[n][2 * r] *= alpha; o[n][2 * r + 1] *= alpha; }
+        }
+
+        // O_i += P_ij V_j on the tensor cores; P_ij's accumulators become A fragments
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+            u32 pa[4];
+            pa[0] = pack2(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int dn = 0; dn < NT_O / 2; ++dn) {
+                u32 vb[4];   // 16 keys x two n-tiles of 8 dims, transposed on the way in
+                ldmatrix_x4_trans(vb, Vt + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * SROW
+                                         + dn * 16 + (lane / 16) * 8);
+                mma16816(o[2 * dn], pa, vb[0], vb[1]);
+                mma16816(o[2 * dn + 1], pa, vb[2], vb[3]);
+            }
+        }
+        __syncthreads();                             // everyone is done with buffer `buf`
+    }
+    cp_async_wait<0>();
+
+    // finish: reduce l over the quad, O = acc / l, LSE = (m + log2 l) * ln 2
+    float inv[2], lse[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float lr = l[r];
+        lr += __shfl_xor_sync(0xffffffffu, lr, 1);
+        lr += __shfl_xor_sync(0xffffffffu, lr, 2);
+        inv[r] = lr > 0.f ? 1.f / lr : 0.f;
+        lse[r] = lr > 0.f ? (m[r] + log2f(lr)) * 0.6931471805599453f : neg_inf_f();
+    }
+    // write O_i -> SRAM (this warp's own 16 rows of Q_i's buffer), then 16-byte rows -> HBM
+    __syncthreads();                                 // Q_i's SRAM may still be read (no K tiles)
+    u16* Ow = Qs + warp * 16 * SROW;
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n) {
+        *reinterpret_cast<u32*>(Ow + g * SROW + n * 8 + 2 * t) = pack2(o[n][0] * inv[0], o[n][1] * inv[0]);
+        *reinterpret_cast<u32*>(Ow + (g + 8) * SROW + n * 8 + 2 * t) = pack2(o[n][2] * inv[1], o[n][3] * inv[1]);
+    }
+    __syncwarp();
+    elem_t* Ob = O + ((long long)b * heads_q + h) * nq * HEAD_DIM;
+    const int wr0 = q0 + warp * 16;
+#if VEC_IO
+    for (int idx = lane; idx < 16 * (HEAD_DIM / 8); idx += 32) {
+        int r = idx / (HEAD_DIM / 8), c = idx % (HEAD_DIM / 8);
+        if (wr0 + r < nq)
+            *reinterpret_cast<uint4*>(Ob + (long long)(wr0 + r) * HEAD_DIM + c * 8) =
+                *reinterpret_cast<const uint4*>(Ow + r * SROW + c * 8);
+    }
+#else
+    for (int idx = lane; idx < 16 * HEAD_DIM; idx += 32) {
+        int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
+        if (wr0 + r < nq) Ob[(long long)(wr0 + r) * HEAD_DIM + c] = Ow[r * SROW + c];
+    }
+#endif
+    // write LSE_i -> HBM
+    if (t == 0) {
+        float* L = LSE + ((long long)b * heads_q + h) * nq;
+        if (r0 < nq) L[r0] = lse[0];
+        if (r1 < nq) L[r1] = lse[1];
+    }
+}

@@ -1,0 +1,198 @@
+"""The issue's performance bars for the CuPy kernels, timed next to torch SDPA in one run.
+
+``python -m iokernels.cupy_raw.quick_bench [out.json]`` on a GPU machine.  Every number
+comes from :func:`iokernels.bench.time_cuda` (CUDA events, warm-up, median, L2 flushed),
+and every ratio is to a baseline timed in the same process.  The full side-by-side
+sweep is ``python -m iokernels bench``; this script is the short list the docstrings of
+:mod:`iokernels.cupy_raw` quote.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import sys
+
+import numpy as np
+
+
+def _env():
+    import cupy
+    import torch
+    props = torch.cuda.get_device_properties(0)
+    try:
+        drv = cupy.cuda.runtime.driverGetVersion()
+    except Exception:
+        drv = None
+    return dict(gpu=props.name, sms=props.multi_processor_count, cc=f"{props.major}.{props.minor}",
+                cuda_driver_api=drv, torch=torch.__version__, cupy=cupy.__version__, numpy=np.__version__,
+                python=platform.python_version(), date=datetime.date.today().isoformat())
+
+
+def _visible_pairs(nq, nk, causal):
+    from iokernels import conventions as cv
+    lo, hi = cv.key_range(np.arange(nq), nq, nk, causal, None)
+    return int(np.sum(hi - lo))
+
+
+def main(out_path=None):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    from iokernels import bench
+    from iokernels import cupy_raw as cr
+    rows = []
+    t = bench.time_cuda
+
+    def rec(group, name, ms, work, unit, base=None, extra=None):
+        val = work / (ms * 1e-3) / 1e12
+        row = dict(group=group, runner=name, ms=round(ms, 5), **{unit: round(val, 2)})
+        if base is not None:
+            row["ratio_to_" + base[0]] = round(base[1] / ms, 3)
+        if extra:
+            row.update(extra)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        return ms
+
+    def sdpa(q, k, v, causal, backend, gqa=False):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # ---------------------------------------------------------------- prefill
+    B, H, N, d = 8, 16, 4096, 128
+    for dtype in ("bfloat16", "float16", "float32"):
+        tdt = getattr(torch, dtype)
+        q, k, v = (torch.randn((B, H, N, d), device="cuda", dtype=tdt, generator=gen) for _ in range(3))
+        for causal in (False, True):
+            flops = 4.0 * B * H * _visible_pairs(N, N, causal) * d
+            group = f"fwd {dtype} B={B} H={H} N={N} d={d} causal={causal}"
+            best = {}
+            backends = [("FLASH", SDPBackend.FLASH_ATTENTION), ("CUDNN", SDPBackend.CUDNN_ATTENTION),
+                        ("EFFICIENT", SDPBackend.EFFICIENT_ATTENTION)]
+            for name, be in backends:
+                try:
+                    ms = t(sdpa, q, k, v, causal, be).median_ms
+                    best[name] = rec(group, f"sdpa {name}", ms, flops, "TFLOP/s")
+                except Exception as e:  # a backend that does not take this dtype
+                    print(f"# {group} sdpa {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            ref = sdpa(q, k, v, causal, SDPBackend.EFFICIENT_ATTENTION if dtype == "float32"
+                       else SDPBackend.FLASH_ATTENTION)
+            base_name = "EFFICIENT" if dtype == "float32" else "FLASH"
+            base = (base_name, best[base_name]) if base_name in best else None
+            if dtype == "float32":
+                cfgs = {"v1 64x64": cr.CupyConfig("v1", 64, 64), "v1 64x32": cr.CupyConfig("v1", 64, 32),
+                        "v1 32x64": cr.CupyConfig("v1", 32, 64)}
+            else:
+                cfgs = {"v2 4w bk64": cr.CupyConfig("v2", num_warps=4, block_k=64),
+                        "v2 8w bk64": cr.CupyConfig("v2", num_warps=8, block_k=64),
+                        "v2 4w bk32": cr.CupyConfig("v2", num_warps=4, block_k=32),
+                        "v2 8w bk32": cr.CupyConfig("v2", num_warps=8, block_k=32)}
+                if dtype == "float16":
+                    cfgs = {k_: v_ for k_, v_ in cfgs.items() if k_ in ("v2 4w bk64", "v2 8w bk64")}
+            for name, cfg in cfgs.items():
+                try:
+                    o, _ = cr.attention(q, k, v, causal=causal, scale=1 / math.sqrt(d), window=None, config=cfg)
+                    err = float((o.float() - ref.float()).abs().max())
+                    ms = t(cr.attention, q, k, v, causal=causal, scale=1 / math.sqrt(d), window=None,
+                           config=cfg).median_ms
+                    rec(group, f"cupy {name}", ms, flops, "TFLOP/s", base, {"max_abs_diff_vs_sdpa": err})
+                except Exception as e:
+                    print(f"# {group} cupy {name}: {type(e).__name__}: {e}")
+        del q, k, v
+        torch.cuda.empty_cache()
+
+    # ---------------------------------------------------------------- decode
+    Hq, Hkv, d, N = 32, 8, 128, 32768
+    for dtype in ("bfloat16",):
+        tdt = getattr(torch, dtype)
+        q = torch.randn((1, Hq, d), device="cuda", dtype=tdt, generator=gen)
+        k, v = (torch.randn((1, Hkv, N, d), device="cuda", dtype=tdt, generator=gen) for _ in range(2))
+        kv_bytes = 2.0 * Hkv * N * d * 2
+        group = f"decode {dtype} B=1 Hq={Hq} Hkv={Hkv} N={N} d={d}"
+        q4 = q[:, :, None, :]
+        best = None
+        for name, be in (("FLASH", SDPBackend.FLASH_ATTENTION), ("CUDNN", SDPBackend.CUDNN_ATTENTION),
+                         ("EFFICIENT", SDPBackend.EFFICIENT_ATTENTION)):
+            try:
+                ms = t(sdpa, q4, k, v, False, be, True).median_ms
+            except Exception:
+                try:
+                    ke, ve = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
+                    ms = t(sdpa, q4, ke, ve, False, be).median_ms
+                    name += " (K/V expanded)"
+                except Exception as e:
+                    print(f"# {group} sdpa {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                    continue
+            rec(group, f"sdpa {name}", ms, kv_bytes, "TB/s")
+            if best is None or ms < best[1]:
+                best = (f"best_sdpa({name})", ms)
+        ref = sdpa(q4, k, v, False, SDPBackend.FLASH_ATTENTION, True)[:, :, 0]
+        contiguous_ms = None
+        heur = cr.num_splits_heuristic(1, Hkv, N, torch.cuda.get_device_properties(0).multi_processor_count)
+        for S in (None, 16, 32, 64, 128):
+            o, _ = cr.decode(q, k, v, seq_lens=None, num_splits=S, scale=None)
+            err = float((o.float() - ref.float()).abs().max())
+            ms = t(cr.decode, q, k, v, seq_lens=None, num_splits=S, scale=None).median_ms
+            label = f"cupy decode splits={S if S else f'heuristic({heur})'}"
+            rec(group, label, ms, kv_bytes, "TB/s", best, {"max_abs_diff_vs_sdpa": err})
+            if S is None:
+                contiguous_ms = ms
+        # the kernels alone (device arrays prepared once): what the GPU spends
+        import cupy
+        io = cr._IO(q)
+        qd, kd, vd = io.dev(q, "q"), io.dev(k, "k"), io.dev(v, "v")
+        lens_d = cupy.asarray(np.array([N], np.int32))
+        od, ld = cupy.empty((1, Hq, d), np.uint16), cupy.empty((1, Hq), np.float32)
+        ms = t(cr.launch_decode, qd, kd, vd, lens_d, od, ld, dtype=dtype, scale=1 / math.sqrt(d),
+               num_splits=heur).median_ms
+        rec(group, f"cupy decode kernels only (splits={heur})", ms, kv_bytes, "TB/s", best)
+        # paged: pools on the device, blocks in a random order (as in a busy server)
+        bs = 16
+        nblk = N // bs
+        perm = torch.randperm(nblk, device="cuda", generator=gen)
+        kp = torch.empty((nblk, bs, Hkv, d), device="cuda", dtype=tdt)
+        vp = torch.empty_like(kp)
+        kp[perm] = k[0].permute(1, 0, 2).reshape(nblk, bs, Hkv, d)
+        vp[perm] = v[0].permute(1, 0, 2).reshape(nblk, bs, Hkv, d)
+        tables = perm.to(torch.int32)[None].cpu().numpy()
+        lens = np.array([N], np.int32)
+        o, _ = cr.paged_decode_pools(q, kp, vp, tables, lens)
+        err = float((o.float() - ref.float()).abs().max())
+        ms = t(cr.paged_decode_pools, q, kp, vp, tables, lens).median_ms
+        rec(group, "cupy paged decode (heuristic)", ms, kv_bytes, "TB/s", ("contiguous_cupy", contiguous_ms),
+            {"max_abs_diff_vs_sdpa": err, "ratio_to_best_sdpa": round(best[1] / ms, 3) if best else None})
+
+        # ---------------------------------------------------------------- paged gather
+        group = f"paged gather {dtype} Hkv={Hkv} N={N} d={d} block={bs}"
+        nbytes = 2 * kv_bytes                                    # read + write, K and V
+        dk, dv = torch.empty_like(k[0]), torch.empty_like(v[0])
+
+        def copy():
+            dk.copy_(k[0])
+            dv.copy_(v[0])
+        ms_copy = rec(group, "device copy (torch)", t(copy).median_ms, nbytes, "TB/s")
+        table1 = perm.to(torch.int32).cpu().numpy()
+        gk, gv = cr.gather_pools(kp, vp, table1, N)
+        exact = bool(torch.equal(gk, k[0]) and torch.equal(gv, v[0]))
+        ms = t(cr.gather_pools, kp, vp, table1, N).median_ms
+        rec(group, "cupy paged gather", ms, nbytes, "TB/s", ("device_copy", ms_copy), {"exact": exact})
+        # the same launch without the per-call host work (table upload, checks)
+        kpd, vpd = cr._pool_dev(cr._IO(kp, "k_pool"), kp), cr._pool_dev(cr._IO(vp, "v_pool"), vp)
+        ko, vo = cupy.empty((Hkv, N, d), np.uint16), cupy.empty((Hkv, N, d), np.uint16)
+        td = cupy.asarray(table1)
+        ms = t(cr.launch_gather, kpd, vpd, td, ko, vo, N).median_ms
+        rec(group, "cupy paged gather (kernel only)", ms, nbytes, "TB/s", ("device_copy", ms_copy))
+
+    result = dict(env=_env(), rows=rows)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else None)

@@ -1,0 +1,330 @@
+"""The CuPy RawKernel kernels on a real GPU, against the float64 oracle.
+
+Skipped cleanly when CuPy sees no GPU (the compile checks in test_cupy_compile.py run
+everywhere).  Low precision follows FlashAttention's rule through testing.check: the
+error against the float64 oracle may be at most twice the error of the naive algorithm
+in the same precision (torch_sdpa.naive_attention, on the GPU).  Outputs are poisoned
+with NaN before each launch, so an element a kernel forgets to write fails the check.
+
+Real sizes: N up to 8192.  The oracle is run on the first and the last rows of the
+output only (reference.attention on a slice of Q with the keys those rows may see:
+bottom-right alignment makes the last rows of Q with all of K exactly the same problem),
+so the test stays fast; NaN checks cover every element.
+"""
+import math
+
+import numpy as np
+import pytest
+
+import iokernels as ik
+from iokernels import conventions as cv
+from iokernels import gpu, reference
+from iokernels.testing import as_numpy, check, make_inputs
+
+pytestmark = pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")
+
+#: rows of each end of the output held against the oracle at large N
+ORACLE_ROWS = 192
+
+
+def _cr():
+    from iokernels import cupy_raw
+    return cupy_raw
+
+
+def _cc():
+    return _cr().device_info()["cc"]
+
+
+def _torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    return torch
+
+
+def _to_torch(x, dtype):
+    torch = _torch()
+    return torch.from_numpy(np.asarray(x, dtype=np.float32)).cuda().to(getattr(torch, dtype))
+
+
+def _run_attention(q, k, v, dtype, causal, window, version):
+    """Launch through launch_attention with NaN-poisoned outputs; returns (o, lse) as torch."""
+    torch = _torch()
+    cr = _cr()
+    B, Hq, Nq, d = q.shape
+    o = torch.full((B, Hq, Nq, d), float("nan"), dtype=getattr(torch, dtype), device="cuda")
+    acc = torch.float64 if dtype == "float64" else torch.float32
+    lse = torch.full((B, Hq, Nq), float("nan"), dtype=acc, device="cuda")
+    io = cr._IO(q)
+    cfg = cr.fit_config(cr.CupyConfig(version=version), d, dtype, cr.device_info())
+    left, right = cv.effective_window(causal, window)
+    od = cr._cupy().from_dlpack(o.view(torch.int16) if dtype == "bfloat16" else o)
+    if dtype == "bfloat16":
+        od = od.view(cr._cupy().uint16)
+    cr.launch_attention(io.dev(q, "q"), io.dev(k, "k"), io.dev(v, "v"), od, cr._cupy().from_dlpack(lse),
+                        dtype=dtype, scale=1 / math.sqrt(d), window=(left, right), config=cfg)
+    torch.cuda.synchronize()
+    return o, lse
+
+
+def _baseline(q, k, v, causal, window, dtype):
+    """Naive attention in the same precision (O) and its LSE from the same rounded S."""
+    torch = _torch()
+    from iokernels.torch_sdpa import naive_attention
+    o = naive_attention(q, k, v, causal=causal, window=window)
+    Hq, Hkv = q.shape[1], k.shape[1]
+    kk = k.repeat_interleave(Hq // Hkv, dim=1) if Hq != Hkv else k
+    s = torch.matmul(q * (1 / math.sqrt(q.shape[-1])), kk.transpose(-1, -2))
+    vis = torch.from_numpy(cv.mask(q.shape[2], k.shape[2], causal, window)).to(q.device)
+    lse = torch.logsumexp(s.float().masked_fill(~vis, -math.inf), dim=-1)
+    return o, lse
+
+
+def _check_slices(q, k, v, o, lse, dtype, causal, window):
+    """Oracle on the first and last ORACLE_ROWS rows (or all of them); NaN check on all."""
+    Nq, Nk = q.shape[2], k.shape[2]
+    assert not np.isnan(as_numpy(o)).any(), "unwritten / NaN output"
+    assert not np.isnan(as_numpy(lse)).any(), "unwritten / NaN LSE"
+    slices = [(0, Nq)] if Nq <= 2 * ORACLE_ROWS else [(Nq - ORACLE_ROWS, Nq), (0, ORACLE_ROWS)]
+    for r0, r1 in slices:
+        if r1 == Nq:
+            ks = (0, Nk)                              # the last rows with all keys: the same problem
+        elif causal and window is None and Nq == Nk:
+            ks = (0, r1)                              # first rows, causal, square: they see keys < r1
+        elif not causal and window is None:
+            ks = (0, Nk)
+        else:
+            continue
+        qs, kk, vv = q[:, :, r0:r1], k[:, :, ks[0]:ks[1]], v[:, :, ks[0]:ks[1]]
+        ref_o, ref_l = reference.attention(qs, kk, vv, causal=causal, window=window)
+        masked = ~np.isfinite(ref_l)[..., None]
+        if dtype == "float64":
+            c1 = check(o[:, :, r0:r1], ref_o, dtype=dtype, name="O", masked_rows=masked)
+            c2 = check(lse[:, :, r0:r1], ref_l, dtype=dtype, name="LSE")
+        else:
+            bo, bl = _baseline(qs, kk, vv, causal, window, dtype)
+            c1 = check(o[:, :, r0:r1], ref_o, bo, dtype=dtype, name="O", masked_rows=masked)
+            c2 = check(lse[:, :, r0:r1], ref_l, bl, dtype=dtype, name="LSE")
+        assert c1, f"rows {r0}:{r1}: {c1}"
+        assert c2, f"rows {r0}:{r1}: {c2}"
+
+
+def _inputs(rng, B, Hq, Hkv, Nq, Nk, d, dtype):
+    q, k, v = make_inputs(rng, batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Nq, seqlen_k=Nk, head_dim=d,
+                          dtype="float32")
+    if dtype == "float64":
+        torch = _torch()
+        return tuple(torch.from_numpy(x.astype(np.float64)).cuda() for x in (q, k, v))
+    return tuple(_to_torch(x, dtype) for x in (q, k, v))
+
+
+def _versions(dtype):
+    if dtype in ("float16", "bfloat16"):
+        return ("v2", "v1")
+    return ("v1",)
+
+
+def _dtypes():
+    return ["float32", "float16"] + (["bfloat16"] if _cc() >= 80 else [])
+
+
+# --------------------------------------------------------------------------- forward, real sizes
+@pytest.mark.parametrize("N", [1, 127, 1024, 4096, 8192])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_real_sizes(rng, N, d, causal):
+    """Every dtype, every version it has, GQA 4/2 (2/1 at large N), against the oracle."""
+    B, Hq, Hkv = (2, 4, 2) if N <= 1024 else (1, 2, 1)
+    for dtype in _dtypes():
+        q, k, v = _inputs(rng, B, Hq, Hkv, N, N, d, dtype)
+        for version in _versions(dtype):
+            if version == "v1" and dtype != "float32" and N > 1024:
+                continue                                  # v1 on 16-bit: checked at small N only
+            o, lse = _run_attention(q, k, v, dtype, causal, None, version)
+            _check_slices(q, k, v, o, lse, dtype, causal, None)
+
+
+@pytest.mark.parametrize("d", [59, 72, 111])
+def test_forward_awkward_shapes(rng, d):
+    """Head dims off the 16/64 grid, Nq != Nk, windows, fully masked rows (Nq > Nk causal)."""
+    for dtype in _dtypes():
+        for (Nq, Nk, causal, window) in ((37, 300, True, None), (300, 37, True, None),
+                                         (129, 200, False, (17, 5)), (65, 65, True, (0, -1))):
+            q, k, v = _inputs(rng, 2, 6, 3, Nq, Nk, d, dtype)
+            for version in _versions(dtype):
+                o, lse = _run_attention(q, k, v, dtype, causal, window, version)
+                _check_slices(q, k, v, o, lse, dtype, causal, window)
+
+
+def test_forward_float64_matches_oracle(rng):
+    """v1 in float64: the same algorithm, no rounding to hide behind (1e-12)."""
+    for causal, window in ((False, None), (True, None), (False, (30, 2))):
+        q, k, v = _inputs(rng, 1, 4, 2, 150, 211, 64, "float64")
+        o, lse = _run_attention(q, k, v, "float64", causal, window, "v1")
+        _check_slices(q, k, v, o, lse, "float64", causal, window)
+
+
+def test_public_api_kinds_round_trip(rng):
+    """CuPy in -> CuPy out, torch in -> torch out (same tensor kind, device), NumPy in -> NumPy out."""
+    import cupy
+    torch = _torch()
+    q, k, v = make_inputs(rng, batch=1, heads_q=2, seqlen_q=70, seqlen_k=90, head_dim=64, dtype="float16")
+    ref_o, ref_l = reference.attention(q, k, v, causal=True)
+    base = ik.attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), causal=True,
+                        backend="naive").astype(np.float16)
+    outs = {
+        "numpy": ik.attention(q, k, v, causal=True, backend="cupy", return_lse=True),
+        "cupy": ik.attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal=True, backend="cupy",
+                             return_lse=True),
+        "torch": ik.attention(*(torch.from_numpy(x).cuda() for x in (q, k, v)), causal=True, backend="cupy",
+                              return_lse=True),
+    }
+    assert isinstance(outs["numpy"][0], np.ndarray) and outs["numpy"][0].dtype == np.float16
+    assert isinstance(outs["cupy"][0], cupy.ndarray)
+    assert isinstance(outs["torch"][0], torch.Tensor) and outs["torch"][0].is_cuda
+    assert outs["torch"][1].dtype == torch.float32
+    for kind, (o, lse) in outs.items():
+        assert check(o, ref_o, base, dtype="float16"), kind
+        assert np.allclose(as_numpy(lse), ref_l, atol=1e-3), kind
+
+
+def test_strided_inputs_without_copy(rng):
+    """K and V as permuted views of a (B, N, H, d) buffer: strides are passed, not copied."""
+    torch = _torch()
+    q, k, v = _inputs(rng, 2, 4, 2, 100, 130, 64, "float16")
+    kb = k.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)   # non-contiguous view
+    vb = v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    assert not kb.is_contiguous()
+    o, lse = _run_attention(q, kb, vb, "float16", False, None, "v2")
+    _check_slices(q, k, v, o, lse, "float16", False, None)
+    cr = _cr()
+    io = cr._IO(kb)
+    assert io.dev(kb, "k").data.ptr == kb.data_ptr()                 # the same memory, no copy
+    del torch
+
+
+def test_config_errors_name_config():
+    cr = _cr()
+    with pytest.raises(ValueError, match="config"):
+        cr.CupyConfig(version="v3")
+    with pytest.raises(ValueError, match="config"):
+        cr.CupyConfig(version="v2").resolve(64, "float32")
+    with pytest.raises(ValueError, match="config"):
+        cr.CupyConfig(version="v2", num_warps=4, block_q=32).resolve(64, "float16")
+    with pytest.raises(ValueError, match="config"):
+        cr.CupyConfig(version="v1", block_q=48).resolve(64, "float32")
+    big = cr.CupyConfig(version="v1").resolve(256, "float64")
+    with pytest.raises(ValueError, match="config"):
+        big.check_fits(256, "float64", cr.device_info()["smem_optin"])
+
+
+# --------------------------------------------------------------------------- decode, paged, gather
+@pytest.mark.parametrize("d", [64, 128])
+def test_decode_against_oracle(rng, d):
+    """Split-KV decode, GQA 8/2, ragged lengths incl. 0, several split counts, every dtype."""
+    torch = _torch()
+    cr = _cr()
+    B, Hq, Hkv, N = 3, 8, 2, 1000
+    lens = np.array([1000, 0, 333])
+    for dtype in _dtypes() + ["float64"]:
+        q, k, v = make_inputs(rng, batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=1, seqlen_k=N, head_dim=d,
+                              dtype="float32")
+        q = q[:, :, 0]
+        tq, tk, tv = (torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in (q, k, v))
+        ref_o, ref_l = reference.decode(tq, tk, tv, seq_lens=lens)
+        if dtype != "float64":
+            base = torch.zeros_like(tq)
+            for b in range(B):
+                n = int(lens[b])
+                if n:
+                    base[b] = cr_naive(tq[b:b + 1, :, None], tk[b:b + 1, :, :n], tv[b:b + 1, :, :n])[0, :, 0]
+        for S in (None, 1, 7):
+            o, lse = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=S, scale=None)
+            masked = ~np.isfinite(ref_l)[..., None]
+            if dtype == "float64":
+                assert check(o, ref_o, dtype=dtype, masked_rows=masked), (dtype, S)
+                assert check(lse, ref_l, dtype=dtype), (dtype, S)
+            else:
+                c = check(o, ref_o, base, dtype=dtype, masked_rows=masked)
+                assert c, (dtype, S, str(c))
+                assert np.all(np.isneginf(as_numpy(lse)[1])), "empty sequence: LSE must be -inf"
+                fin = np.isfinite(ref_l)
+                assert np.max(np.abs(as_numpy(lse)[fin] - ref_l[fin])) < 2e-2, (dtype, S)
+
+
+def cr_naive(q, k, v):
+    from iokernels.torch_sdpa import naive_attention
+    return naive_attention(q, k, v)
+
+
+def _paged_cache(rng, lens, Hkv, d, dtype, block_size=16):
+    cache = ik.PagedKVCache(sum(-(-n // block_size) for n in lens) + 3, block_size=block_size,
+                            num_kv_heads=Hkv, head_dim=d, dtype=np.dtype(dtype))
+    sids = [cache.new_sequence() for _ in lens]
+    for step in range(0, max(lens), 40):                  # interleaved appends: scattered blocks
+        for sid, n in zip(sids, lens):
+            m = min(40, n - step)
+            if m > 0:
+                cache.append(sid, rng.standard_normal((m, Hkv, d)).astype(dtype),
+                             rng.standard_normal((m, Hkv, d)).astype(dtype))
+    return cache, sids
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_decode_matches_contiguous(rng, d):
+    """Paged decode == the oracle on the gathered cache; device pools and NumPy pools."""
+    import cupy
+    cr = _cr()
+    lens = [517, 1, 130]
+    for dtype in ("float16", "float32"):
+        cache, sids = _paged_cache(rng, lens, 2, d, dtype)
+        q = rng.standard_normal((3, 8, d)).astype(dtype)
+        ks, vs = zip(*(cache.gather(s, backend="numpy") for s in sids))
+        N = max(lens)
+        kc = np.zeros((3, 2, N, d), dtype)
+        vc = np.zeros((3, 2, N, d), dtype)
+        for b, n in enumerate(lens):
+            kc[b, :, :n], vc[b, :, :n] = ks[b], vs[b]
+        ref_o, ref_l = reference.decode(q, kc, vc, seq_lens=np.array(lens))
+        o_c, l_c = cr.decode(q, kc, vc, seq_lens=np.array(lens), num_splits=4, scale=None)
+        for S in (None, 1, 5):
+            o, lse = cr.paged_decode(q, cache, sids, num_splits=S, scale=None)
+            assert np.max(np.abs(o.astype(np.float64) - ref_o)) <= 2 * np.max(np.abs(o_c.astype(np.float64) - ref_o)) + 2e-3
+            assert np.max(np.abs(lse - ref_l)) < 1e-3
+        t, ln = cache.block_tables_array(sids)
+        o2, _ = cr.paged_decode_pools(cupy.asarray(q), cupy.asarray(cache.k_pool), cupy.asarray(cache.v_pool),
+                                      t, ln, num_splits=3)
+        assert isinstance(o2, cupy.ndarray)
+        assert np.max(np.abs(o2.get().astype(np.float64) - ref_o)) < 5e-3
+
+
+def test_paged_gather_is_exact(rng):
+    """Gather is a copy: bit-exact against the NumPy gather, every dtype and awkward widths."""
+    import cupy
+    cr = _cr()
+    for dtype, d, bs in (("float16", 128, 16), ("float32", 59, 16), ("float64", 64, 7), ("float16", 3, 5)):
+        cache, sids = _paged_cache(rng, [203, 17], 3, d, dtype, block_size=bs)
+        for sid in sids:
+            want_k, want_v = cache.gather(sid, backend="numpy")
+            got_k, got_v = cache.gather(sid, backend="cupy")
+            assert got_k.dtype == want_k.dtype and np.array_equal(got_k, want_k)
+            assert np.array_equal(got_v, want_v)
+        kd, vd = cr.gather_pools(cupy.asarray(cache.k_pool), cupy.asarray(cache.v_pool),
+                                 cache.block_table(sids[0]), cache.seq_len(sids[0]))
+        assert isinstance(kd, cupy.ndarray)
+        assert np.array_equal(kd.get(), cache.gather(sids[0], backend="numpy")[0])
+
+
+def test_num_splits_heuristic():
+    cr = _cr()
+    assert cr.num_splits_heuristic(1, 8, 32768, 132) > 8
+    assert cr.num_splits_heuristic(64, 8, 32768, 132) == 2
+    assert cr.num_splits_heuristic(1, 8, 100, 132) == 1
+    assert cr.num_splits_heuristic(1, 8, 0, 132) == 1
+
+
+def test_sanitize_cases_run():
+    """The compute-sanitizer entry point runs every kernel once without error."""
+    ran = _cr().sanitize_cases()
+    assert any("attention v2" in r for r in ran) and any("paged" in r for r in ran)
