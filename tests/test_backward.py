@@ -409,3 +409,31 @@ def test_counted_traffic_helper(rng):
     assert out["matches_model"] and out["N"] == [64, 100]
     cur = bw.traffic_vs_seqlen([64, 100], head_dim=16, dtype="float32")
     assert out["naive_backward"] == cur["naive_backward"] and out["fa2_backward"] == cur["fa2_backward"]
+
+
+# --------------------------------------------------------------------------- property test
+hypothesis = pytest.importorskip("hypothesis")
+hs = hypothesis.strategies
+
+
+@hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
+@hypothesis.given(nq=hs.integers(1, 40), nk=hs.integers(1, 40), d=hs.integers(1, 9),
+                  group=hs.sampled_from([(1, 1), (2, 1), (4, 2)]), causal=hs.booleans(),
+                  left=hs.integers(-1, 12), right=hs.integers(-1, 12),
+                  br=hs.integers(1, 17), bc=hs.integers(1, 17), seed=hs.integers(0, 2**32 - 1))
+def test_property_random_problems(nq, nk, d, group, causal, left, right, br, bc, seed):
+    """Random shapes, masks and tiles: gradients match the oracle, traffic matches the model."""
+    rng = np.random.default_rng(seed)
+    hq, hkv = group
+    window = (left, right)
+    config = TileConfig(block_q=br, block_k=bc)
+    q, k, v, do = testing.make_inputs(rng, 1, hq, hkv, nq, nk, d, "float64", with_grad=True)
+    o, lse = forward_state(q, k, v, causal, window)
+    want = ref.attention_backward(do, q, k, v, causal=causal, window=window)
+    with traffic.count() as t:
+        got = ik.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, config=config)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        testing.assert_close(g, w, name=name)
+    assert t == traffic.model("fa2_backward", batch=1, heads_q=hq, heads_kv=hkv, seqlen_q=nq,
+                              seqlen_k=nk, head_dim=d, dtype="float64", causal=causal,
+                              window=window, config=config)
