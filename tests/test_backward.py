@@ -412,8 +412,8 @@ def test_counted_traffic_helper(rng):
 
 
 # --------------------------------------------------------------------------- property test
-hypothesis = pytest.importorskip("hypothesis")
-hs = hypothesis.strategies
+import hypothesis  # noqa: E402  (a dev dependency, see pyproject.toml)
+from hypothesis import strategies as hs  # noqa: E402
 
 
 @hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
