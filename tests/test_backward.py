@@ -10,8 +10,10 @@ against a formula written out here by hand.
 import math
 import tracemalloc
 
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as hs
 
 import iokernels as ik
 from iokernels import backward as bw
@@ -412,8 +414,6 @@ def test_counted_traffic_helper(rng):
 
 
 # --------------------------------------------------------------------------- property test
-import hypothesis  # noqa: E402  (a dev dependency, see pyproject.toml)
-from hypothesis import strategies as hs  # noqa: E402
 
 
 @hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
