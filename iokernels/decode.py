@@ -235,7 +235,7 @@ def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
 def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="float32"):
     """Closed-form traffic of :func:`decode_naive` (seq_lens: one length per sequence)."""
     s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
-    g, d = heads_q // heads_kv, head_dim
+    d = head_dim
     t = Traffic()
     for n in _lens(seq_lens, batch, None):
         if n:
@@ -246,7 +246,6 @@ def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="
             t.add("P", read=heads_q * n * a, written=heads_q * n * a)
         t.add("O", written=heads_q * d * s)
         t.add("LSE", written=heads_q * a)
-    del g
     return t
 
 

@@ -56,7 +56,6 @@ Frank notes
 from __future__ import annotations
 
 import hashlib
-import math
 import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
