@@ -224,8 +224,8 @@ class PagedKVCache:
             if not isinstance(x, np.ndarray) or len(s) != 3 or s[1:] != want:
                 raise ValueError(f"{name}: expected a NumPy array (tokens, {want[0]}, {want[1]}), got "
                                  f"{s if s else type(x).__name__}")
-            if x.dtype.kind != "f":
-                raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
+            if x.dtype != self.dtype:
+                raise ValueError(f"{name}: dtype must equal the cache's {self.dtype.name}, got {x.dtype}")
         if k_new.shape != v_new.shape:
             raise ValueError(f"v_new: shape must equal k_new's {k_new.shape}, got {v_new.shape}")
         n = k_new.shape[0]

@@ -263,6 +263,8 @@ def test_bad_arguments_name_themselves(rng):
         cache.append(s, k[:, :1], v)
     with pytest.raises(ValueError, match="v_new"):
         cache.append(s, k, v[:2])
+    with pytest.raises(ValueError, match="k_new: dtype must equal the cache's float32"):
+        cache.append(s, k.astype(np.float64), v)
     with pytest.raises(ValueError, match="token_ids"):
         cache.append(s, k, v, token_ids=[1, 2])
     with pytest.raises(ValueError, match="backend"):
@@ -345,3 +347,28 @@ def test_calculators_reproduce_the_articles_numbers():
     assert f["paged_slots"] == 304 + 4096 + 32 and f["reserved_slots"] == 3 * 4096
     with pytest.raises(ValueError, match="used_tokens"):
         paged.reservation_waste(5000, 4096)
+
+
+def test_explorer_actions_and_figures():
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from iokernels.viz import paged as vp
+    ex = vp.PoolExplorer(num_blocks=6, block_size=4, rng=np.random.default_rng(3))
+    a = ex.new()
+    assert ex.append(a, 6)
+    b = ex.fork(a)
+    assert ex.append(b, 3)                                     # copy-on-write of the shared tail
+    c = ex.new()
+    assert ex.append(c, 8)                                     # the same prompt: two prefix hits
+    assert ex.cache.stats == {"prefix_hits": 2, "copy_on_write": 1}
+    assert not ex.append(c, 40) and "OutOfBlocks" not in ex.log[-1] and "free blocks" in ex.log[-1]
+    ex.free(a)
+    assert isinstance(ex.draw(), Figure)
+    cache, tokens, labels = vp.demo_cache()
+    shared = np.flatnonzero(cache.ref_counts() > 1)
+    assert len(shared) == 1 and set(labels.values()) == {"A", "B"}
+    assert isinstance(vp.block_table_figure(), Figure)
+    ex1 = vp.split_kv_example(seqlen=100, num_splits=7, seed=2)
+    assert ex1["o_error"] < 1e-12 and abs(ex1["weights"].sum() - 1) < 1e-12
