@@ -1,0 +1,86 @@
+"""Arrays in and out of the Numba kernels: NumPy, Numba device arrays, CuPy, torch CUDA.
+
+Device arrays (anything with ``__cuda_array_interface__``: Numba, CuPy, torch CUDA tensors)
+are wrapped with ``numba.cuda.as_cuda_array``: no copy.  NumPy arrays are copied to the
+device and the results copied back.  Outputs are allocated by the library that owns the
+inputs (torch's caching allocator for torch, CuPy's pool for CuPy), so the caller gets
+back the kind of array it gave.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import conventions as cv
+from . import _compat  # noqa: F401  (the NumPy fix, before numba loads)
+from numba import cuda  # noqa: E402
+
+#: storage dtypes the Numba kernels accept (bfloat16 has no Numba arithmetic type we use)
+NUMBA_DTYPES = ("float16", "float32", "float64")
+
+
+def kind_of(x) -> str:
+    mod = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if mod == "torch":
+        if not x.is_cuda:
+            return "torch_cpu"
+        return "torch"
+    if mod == "cupy":
+        return "cupy"
+    if cuda.is_cuda_array(x) or hasattr(x, "copy_to_host"):
+        return "numba"
+    return "unknown"
+
+
+def check_kinds(**arrays) -> str:
+    """All arrays of one kind (numpy / numba / cupy / torch); ValueError naming the odd one."""
+    kinds = {name: kind_of(a) for name, a in arrays.items()}
+    for name, k in kinds.items():
+        if k in ("unknown", "torch_cpu"):
+            what = "a CPU torch tensor (use .numpy() or move it to CUDA)" if k == "torch_cpu" else type(arrays[name]).__name__
+            raise ValueError(f"{name}: the numba backend takes NumPy arrays or CUDA device arrays; got {what}")
+    first_name, first = next(iter(kinds.items()))
+    for name, k in kinds.items():
+        if k != first:
+            raise ValueError(f"{name}: all arrays must be of one kind; {first_name} is {first}, {name} is {k}")
+    return first
+
+
+def check_dtype(x, name) -> str:
+    dt = cv.dtype_name(x)
+    if dt not in NUMBA_DTYPES:
+        raise ValueError(f"{name}: the numba backend supports {', '.join(NUMBA_DTYPES)}; got {dt}")
+    return dt
+
+
+def to_device(x, kind):
+    """A Numba device view of ``x`` (a copy to the device for NumPy input)."""
+    if kind == "numpy":
+        return cuda.to_device(np.ascontiguousarray(x))
+    if kind == "numba":
+        return x
+    return cuda.as_cuda_array(x)
+
+
+def empty(kind, like, shape, dtype):
+    """(handle, device view): an uninitialized output of the caller's kind."""
+    dtype = np.dtype(dtype)
+    if kind == "torch":
+        import torch
+        t = torch.empty(tuple(shape), dtype=getattr(torch, dtype.name), device=like.device)
+        return t, cuda.as_cuda_array(t)
+    if kind == "cupy":
+        import cupy
+        with cupy.cuda.Device(like.device.id):
+            a = cupy.empty(tuple(shape), dtype=dtype)
+        return a, cuda.as_cuda_array(a)
+    d = cuda.device_array(tuple(shape), dtype=dtype)
+    return d, d
+
+
+def finish(kind, handle):
+    """What the caller gets back: a host copy for NumPy input, else the device array itself."""
+    if kind == "numpy":
+        return handle.copy_to_host()
+    return handle

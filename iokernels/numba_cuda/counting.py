@@ -1,0 +1,120 @@
+"""Count the Numba kernels' global-memory traffic by running them on the simulator.
+
+On Numba's CUDA simulator a kernel is ordinary Python, run one thread at a time, so its
+arguments can be any objects that index like arrays.  :class:`CountingArray` is such an
+object: every element the kernel reads or writes is added to a
+:class:`iokernels.traffic.Traffic` under the tensor's name.  Running a kernel on counting
+arrays gives the bytes *the kernel as written* moves between global memory and the chip,
+which the tests compare with the closed-form models of the NumPy versions it mirrors
+(``traffic.model("fa2" | "decode" | "paged_decode" | "paged_gather")``).
+
+Shared memory and registers are not counted: they are the on-chip side.  Caches are not
+modelled either: a read that an L1/L2 cache would serve is still counted, as in the NumPy
+versions.  Only on the simulator (a GPU cannot run Python objects): RuntimeError otherwise.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .. import conventions as cv
+from .. import gpu
+from ..traffic import Traffic
+
+
+class CountingArray:
+    """A NumPy array in "global memory": each element read or written is counted by name."""
+
+    def __init__(self, data: np.ndarray, name: str, traffic: Traffic, lock: threading.Lock):
+        self.data, self.name, self.traffic, self._lock = data, name, traffic, lock
+        self.shape, self.dtype, self.ndim = data.shape, data.dtype, data.ndim
+
+    def __getitem__(self, idx):
+        value = self.data[idx]
+        with self._lock:  # the simulator runs a block's threads as Python threads
+            self.traffic.add(self.name, read=np.asarray(value).nbytes)
+        return value
+
+    def __setitem__(self, idx, value):
+        self.data[idx] = value
+        with self._lock:
+            self.traffic.add(self.name, written=np.asarray(self.data[idx]).nbytes)
+
+
+def _require_simulator():
+    if not gpu.simulator_enabled():
+        raise RuntimeError("counting runs the kernels as Python on Numba's CUDA simulator; start Python "
+                           "with NUMBA_ENABLE_CUDASIM=1")
+
+
+class _Counter:
+    def __init__(self):
+        self.traffic, self.lock = Traffic(), threading.Lock()
+
+    def __call__(self, data, name):
+        return CountingArray(np.ascontiguousarray(data), name, self.traffic, self.lock)
+
+
+def count_attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
+    """Run the forward kernel on counting arrays: returns (o, lse, Traffic)."""
+    from .flash_fwd import _acc_types, launch, resolve_config
+    _require_simulator()
+    B, Hq, Nq, d = q.shape
+    dtype = q.dtype.name
+    cfg = resolve_config(config, d, dtype)
+    scale = cv.resolve_scale(scale, d)
+    c = _Counter()
+    o = c(np.zeros(q.shape, q.dtype), "O")
+    lse = c(np.zeros((B, Hq, Nq), _acc_types(dtype)[0]), "LSE")
+    launch(cfg, c(q, "Q"), c(k, "K"), c(v, "V"), o, lse, causal=causal, scale=scale,
+           window=cv.resolve_window(window))
+    return o.data, lse.data, c.traffic
+
+
+def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, names):
+    from .decode_kernels import _acc_types, _resolve_splits, launch_decode
+    _require_simulator()
+    B, Hq, d = q.shape
+    Hkv = k.shape[2] if paged else k.shape[1]
+    acc = _acc_types(q.dtype.name)[0]
+    S = _resolve_splits(num_splits, B, Hkv, int(np.max(lens, initial=0)), block_n)
+    scale = cv.resolve_scale(scale, d)
+    c = _Counter()
+    o, lse = c(np.zeros((B, Hq, d), q.dtype), "O"), c(np.zeros((B, Hq), acc), "LSE")
+    op = c(np.zeros((S, B, Hq, d) if S > 1 else (1, 1, 1, 1), acc), "O_partial")
+    lp = c(np.zeros((S, B, Hq) if S > 1 else (1, 1, 1), acc), "LSE_partial")
+    launch_decode(c(q, "Q"), c(k, names[0]), c(v, names[1]), c(tables, "block_table"), c(lens, "seq_lens"),
+                  o, lse, op, lp, scale=scale, block_n=block_n, paged=paged)
+    return o.data, lse.data, c.traffic
+
+
+def count_decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
+    """Run split (+ combine) on counting arrays over a contiguous cache: (o, lse, Traffic)."""
+    from ..decode import DEFAULT_BLOCK_N
+    B, N = k.shape[0], k.shape[2]
+    lens = np.full(B, N, np.int32) if seq_lens is None else np.asarray(seq_lens, np.int32)
+    return _count_decode(q, k, v, np.zeros((1, 1), np.int32), lens, num_splits, scale, DEFAULT_BLOCK_N,
+                         False, ("K", "V"))
+
+
+def count_paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None):
+    """The paged split (+ combine) on counting arrays: (o, lse, Traffic)."""
+    tables, lens = cache.block_tables_array(list(seq_ids))
+    if tables.size == 0:
+        tables = np.zeros((len(lens), 1), np.int32)
+    return _count_decode(q, cache.k_pool, cache.v_pool, tables, lens, num_splits, scale, cache.block_size,
+                         True, ("K_cache", "V_cache"))
+
+
+def count_gather(cache, sid):
+    """The gather kernel on counting arrays (element-wise copy): (k, v, Traffic)."""
+    from .decode_kernels import launch_gather
+    _require_simulator()
+    n, table = cache.seq_len(sid), np.asarray(cache.block_table(sid), np.int32)
+    hkv, d = cache.num_kv_heads, cache.head_dim
+    c = _Counter()
+    k_out, v_out = c(np.zeros((hkv, n, d), cache.dtype), "K"), c(np.zeros((hkv, n, d), cache.dtype), "V")
+    launch_gather(c(cache.k_pool, "K_cache"), c(cache.v_pool, "V_cache"), c(table, "block_table"),
+                  k_out, v_out, n)
+    return k_out.data, v_out.data, c.traffic

@@ -1,0 +1,437 @@
+"""Flash-Decoding and the paged gather in Numba CUDA, mirroring iokernels.decode and .paged.
+
+Read next to :func:`iokernels.decode.decode_split_kv` (contiguous cache),
+:func:`iokernels.decode.paged_decode_split_kv` (paged cache) and
+:func:`iokernels.paged.paged_gather`.
+
+Notation:
+
+=========  ===========================================================================
+B, Hq, Hkv sequences, query heads, KV heads; g = Hq / Hkv query heads per KV head
+n_b        keys of sequence b (``seq_lens``); Bn keys per tile (16; the block size if paged)
+S          ``num_splits``: split s takes tiles [s*ceil(Tc/S), (s+1)*ceil(Tc/S)), as
+           :func:`iokernels.decode.split_ranges`
+L          lanes per key (``lanes_per_key``): a key's d dims are shared by L lanes
+KG         key groups per block: threads / L; group k takes keys start+k, start+k+KG, ...
+m, l, O    running max, sum and unnormalized output, per (group, query head), registers
+O_s, LSE_s a split's partial output (float32) and log-sum-exp, in HBM
+=========  ===========================================================================
+
+Kernels:
+
+* **split** (grid (S, Hkv, B)): one thread block per (split, KV head, sequence), GQA
+  packed: the block's g query heads all use each K/V row it loads (the g rows of Q are
+  staged through shared memory once).  Each key group walks its keys with the online
+  softmax (one key at a time, so no tile of scores is held), then the KG groups' states
+  are merged through shared memory (the same log-sum-exp merge as the combine kernel),
+  and the block writes O_s, LSE_s; with S = 1 it writes O and LSE directly.  Paged: the
+  block first stages its block-table entries in shared memory (``TABLE_STAGE`` at a
+  time), then reads key c at ``pool[table[c // Bn], c % Bn, kv_head]``.
+* **combine** (grid B*Hq): LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s,
+  exactly :func:`iokernels.decode.merge_kernel`; all splits empty gives 0 and -inf.
+* **gather** (grid: logical blocks of one sequence): block j reads its table entry once,
+  then copies the block's valid slots into contiguous (Hkv, n, d) K and V; the launcher
+  copies 4-byte words when a row's bytes allow (float16 rows of even d).
+
+Counted traffic (simulator, :mod:`iokernels.numba_cuda.counting`) equals
+``traffic.model("decode")`` / ``("paged_decode")`` / ``("paged_gather")`` of the NumPy
+versions; the device kernels also read ``seq_lens`` (one int per block), which the NumPy
+versions hold on the host.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from .. import conventions as cv
+from .. import gpu
+from ..decode import DEFAULT_BLOCK_N, MAX_SPLITS, num_splits_heuristic
+from . import _arrays as arr
+from .flash_fwd import FULL_MASK, SHARED_LIMIT_BYTES, _acc_types, _make_lane_sum  # noqa: F401
+from numba import cuda, int32  # noqa: E402
+import numba  # noqa: E402
+
+#: block-table entries a paged split block stages in shared memory at once.
+TABLE_STAGE = 32
+#: threads per split block and lanes per key: 128 threads = 8 key groups of 16 lanes for
+#: d = 128 (8 dims a lane); lanes stay inside one warp so their sum is a shuffle.
+DECODE_THREADS = 128
+LANES_PER_KEY = 16
+#: threads of a combine block (they share the d dims of one (sequence, head)).
+COMBINE_THREADS = 128
+#: the num_splits=None heuristic counts this many resident blocks per SM as "SMs": one
+#: 4-warp block per SM cannot keep enough loads in flight to stream HBM.
+RESIDENT_BLOCKS_PER_SM = 8
+#: the gather kernel's block: 32 threads along a row's words, 8 rows at a time.
+GATHER_BLOCK = (32, 8)
+
+
+def lanes_for(head_dim: int) -> int:
+    """Lanes per key: LANES_PER_KEY, fewer for small d (at least one dim per lane)."""
+    L = LANES_PER_KEY
+    while L > 1 and L > head_dim:
+        L //= 2
+    return L
+
+
+# --------------------------------------------------------------------------- split
+@functools.lru_cache(maxsize=None)
+def make_split(D: int, G: int, NT: int, L: int, paged: bool, acc_name: str, simulated: bool):
+    """The split kernel for head_dim D, g = G query heads per KV head, NT threads, L lanes."""
+    ACC = getattr(numba, acc_name)
+    NEG_INF, ZERO, ONE = (np.dtype(acc_name).type(x) for x in (-np.inf, 0, 1))
+    KG = NT // L                                              # key groups per block
+    DPT = -(-D // L)                                          # dims per lane
+    DPAD = DPT * L
+    SCRATCH = NT if simulated else 1
+    STAGE = TABLE_STAGE
+    PAGED = paged
+    lane_sum = _make_lane_sum(L, simulated)
+
+    def split(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, bn, nsplit):
+        sp, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
+        tid = cuda.threadIdx.x
+        kg, lane = tid // L, tid % L
+        n = lens[b]
+        tiles = (n + bn - 1) // bn                            # split_ranges, in tiles of bn keys
+        per = (tiles + nsplit - 1) // nsplit
+        start, end = min(sp * per * bn, n), min((sp + 1) * per * bn, n)
+        Q_s = cuda.shared.array((G, DPAD), ACC)               # SRAM: the g query rows
+        tbl = cuda.shared.array(STAGE, int32)                 # SRAM: block-table entries
+        red_m = cuda.shared.array(KG, ACC)                    # SRAM: per-group states to merge
+        red_l = cuda.shared.array(KG, ACC)
+        red_o = cuda.shared.array((KG, DPAD), ACC)
+        scratch = cuda.shared.array(SCRATCH, ACC)
+        for e in range(tid, G * DPAD, NT):                    # load Q group -> SRAM (if busy)
+            g, dd = e // DPAD, e % DPAD
+            Q_s[g, dd] = ZERO
+            if dd < D and end > start:
+                Q_s[g, dd] = ACC(q[b, hk * G + g, dd]) * scale
+        cuda.syncthreads()
+        q_r = cuda.local.array((G, DPT), ACC)                 # registers
+        o_r = cuda.local.array((G, DPT), ACC)
+        m = cuda.local.array(G, ACC)
+        l = cuda.local.array(G, ACC)
+        sc = cuda.local.array(G, ACC)
+        kv = cuda.local.array(DPT, ACC)
+        for g in range(G):
+            m[g], l[g] = NEG_INF, ZERO
+            for u in range(DPT):
+                q_r[g, u] = Q_s[g, lane + L * u]
+                o_r[g, u] = ZERO
+        chunk = STAGE * bn if PAGED else max(end - start, 1)
+        for p0 in range(start, end, chunk):                   # paged: a stage of table entries
+            p1 = min(p0 + chunk, end)
+            if PAGED:
+                for e in range(tid, (p1 - p0 + bn - 1) // bn, NT):
+                    tbl[e] = tables[b, p0 // bn + e]          # load table entries -> SRAM
+                cuda.syncthreads()
+            for base in range(p0, p1, KG):                    # every thread the same trip count
+                c = base + kg                                 # this group's key
+                valid = c < p1
+                for u in range(DPT):                          # load k_c -> registers
+                    dd = lane + L * u
+                    kv[u] = ZERO
+                    if valid and dd < D:
+                        if PAGED:
+                            kv[u] = ACC(k[tbl[(c - p0) // bn], c % bn, hk, dd])
+                        else:
+                            kv[u] = ACC(k[b, hk, c, dd])
+                for g in range(G):                            # s_g = q_g . k_c, lanes summed
+                    part = ZERO
+                    for u in range(DPT):
+                        part += q_r[g, u] * kv[u]
+                    sc[g] = lane_sum(part, scratch, tid)
+                if valid:
+                    for u in range(DPT):                      # load v_c -> registers
+                        dd = lane + L * u
+                        kv[u] = ZERO
+                        if dd < D:
+                            if PAGED:
+                                kv[u] = ACC(v[tbl[(c - p0) // bn], c % bn, hk, dd])
+                            else:
+                                kv[u] = ACC(v[b, hk, c, dd])
+                    for g in range(G):                        # online softmax, one key
+                        m_new = max(m[g], sc[g])
+                        alpha = math.exp(m[g] - m_new)
+                        p = math.exp(sc[g] - m_new)
+                        l[g] = l[g] * alpha + p
+                        for u in range(DPT):
+                            o_r[g, u] = o_r[g, u] * alpha + p * kv[u]
+                        m[g] = m_new
+            if PAGED:
+                cuda.syncthreads()                            # before the next stage's entries
+        for g in range(G):                                    # merge the KG groups (SRAM)
+            if lane == 0:
+                red_m[kg] = m[g]
+                red_l[kg] = l[g]
+            for u in range(DPT):
+                red_o[kg, lane + L * u] = o_r[g, u]
+            cuda.syncthreads()
+            mx = NEG_INF
+            for w in range(KG):
+                mx = max(mx, red_m[w])
+            m_ref = ZERO if mx == NEG_INF else mx
+            den = ZERO
+            for w in range(KG):
+                den += red_l[w] * math.exp(red_m[w] - m_ref)
+            inv = ZERO if den == ZERO else ONE / den
+            h = hk * G + g
+            for dd in range(tid, D, NT):
+                num = ZERO
+                for w in range(KG):
+                    num += red_o[w, dd] * math.exp(red_m[w] - m_ref)
+                if nsplit == 1:
+                    o[b, h, dd] = num * inv                   # write O -> HBM
+                else:
+                    o_part[sp, b, h, dd] = num * inv          # write O_s -> HBM
+            if tid == 0:
+                val = NEG_INF if den == ZERO else m_ref + math.log(den)
+                if nsplit == 1:
+                    lse[b, h] = val                           # write LSE -> HBM
+                else:
+                    lse_part[sp, b, h] = val                  # write LSE_s -> HBM
+            cuda.syncthreads()
+
+    return split
+
+
+# --------------------------------------------------------------------------- combine
+@functools.lru_cache(maxsize=None)
+def make_combine(D: int, NT: int, acc_name: str):
+    ACC = getattr(numba, acc_name)
+    NEG_INF, ZERO, ONE = (np.dtype(acc_name).type(x) for x in (-np.inf, 0, 1))
+    SMAX = MAX_SPLITS
+
+    def combine(o_part, lse_part, o, lse):
+        Hq = o.shape[1]
+        b, h = cuda.blockIdx.x // Hq, cuda.blockIdx.x % Hq
+        tid = cuda.threadIdx.x
+        S = lse_part.shape[0]
+        lse_s = cuda.shared.array(SMAX, ACC)
+        for s in range(tid, S, NT):
+            lse_s[s] = lse_part[s, b, h]                      # load LSE_s -> SRAM (once)
+        cuda.syncthreads()
+        mx = NEG_INF
+        for s in range(S):
+            mx = max(mx, lse_s[s])
+        m_ref = ZERO if mx == NEG_INF else mx                 # all empty: weights exp(-inf) = 0
+        den = ZERO
+        for s in range(S):
+            den += math.exp(lse_s[s] - m_ref)
+        inv = ZERO if den == ZERO else ONE / den
+        for dd in range(tid, D, NT):
+            num = ZERO
+            for s in range(S):
+                num += math.exp(lse_s[s] - m_ref) * o_part[s, b, h, dd]   # read O_s <- HBM
+            o[b, h, dd] = num * inv                           # write O -> HBM
+        if tid == 0:
+            lse[b, h] = NEG_INF if den == ZERO else m_ref + math.log(den)
+
+    return combine
+
+
+# --------------------------------------------------------------------------- gather
+@functools.lru_cache(maxsize=None)
+def make_gather():
+    TX, TY = GATHER_BLOCK
+
+    def gather(k_pool, v_pool, table, k_out, v_out, n):
+        j = cuda.blockIdx.x                                   # logical block j of the sequence
+        bs, H, W = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        blk_s = cuda.shared.array(1, int32)
+        if tx == 0 and ty == 0:
+            blk_s[0] = table[j]                               # read the table entry (once)
+        cuda.syncthreads()
+        blk = blk_s[0]
+        t0 = j * bs
+        rows = min(bs, n - t0)                                # valid slots only
+        for hh in range(H):
+            for slot in range(ty, rows, TY):
+                for w in range(tx, W, TX):                    # pool row -> contiguous row
+                    k_out[hh, t0 + slot, w] = k_pool[blk, slot, hh, w]
+                    v_out[hh, t0 + slot, w] = v_pool[blk, slot, hh, w]
+
+    return gather
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(pyfunc):
+    return cuda.jit(pyfunc)
+
+
+# --------------------------------------------------------------------------- launchers
+def _num_sms() -> int:
+    try:
+        n = getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", None)
+        return int(n) if n else 132
+    except Exception:  # the simulator's fake device has no SM count
+        return 132
+
+
+def default_num_splits(batch, heads_kv, max_len, block_n) -> int:
+    """decode.num_splits_heuristic, counting RESIDENT_BLOCKS_PER_SM block slots per SM."""
+    return num_splits_heuristic(batch, heads_kv, max_len, _num_sms() * RESIDENT_BLOCKS_PER_SM,
+                                block_n=block_n)
+
+
+def split_kernel_function(head_dim, g, dtype, paged, simulated=None):
+    acc_name = np.dtype(_acc_types(dtype)[0]).name
+    if simulated is None:
+        simulated = gpu.simulator_enabled()
+    return make_split(head_dim, g, DECODE_THREADS, lanes_for(head_dim), paged, acc_name, simulated)
+
+
+def combine_kernel_function(head_dim, dtype):
+    return make_combine(head_dim, COMBINE_THREADS, np.dtype(_acc_types(dtype)[0]).name)
+
+
+def check_split_smem(head_dim, g, dtype):
+    acc = np.dtype(_acc_types(dtype)[0]).itemsize
+    L = lanes_for(head_dim)
+    dpad = -(-head_dim // L) * L
+    need = (g * dpad + (DECODE_THREADS // L) * (dpad + 2)) * acc + TABLE_STAGE * 4
+    if need > SHARED_LIMIT_BYTES:
+        raise ValueError(f"q: {g} query heads per KV head at head_dim {head_dim} ({dtype}) need {need:,} B of "
+                         f"shared memory in the numba decode kernel, more than {SHARED_LIMIT_BYTES:,}")
+
+
+def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged):
+    """Launch split (+ combine when S > 1) on device or counting arrays already allocated.
+
+    o_part / lse_part: (S, B, Hq, d) / (S, B, Hq) float32 scratch (any shape when S == 1).
+    """
+    B, Hq, d = q.shape
+    Hkv = k.shape[2] if paged else k.shape[1]
+    dtype = str(np.dtype(o.dtype))
+    acc_t = _acc_types(dtype)[0]
+    S = int(lse_part.shape[0])
+    if B == 0:
+        return
+    split = _jitted(split_kernel_function(d, Hq // Hkv, dtype, paged))
+    split[(S, Hkv, B), DECODE_THREADS](q, k, v, tables, lens, o, lse, o_part, lse_part,
+                                       acc_t(scale), block_n, S)
+    if S > 1:
+        comb = _jitted(combine_kernel_function(d, dtype))
+        comb[B * Hq, COMBINE_THREADS](o_part, lse_part, o, lse)
+
+
+def _resolve_splits(num_splits, B, Hkv, max_len, block_n):
+    if num_splits is None:
+        num_splits = default_num_splits(B, Hkv, max_len, block_n)
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"num_splits: the numba combine kernel merges at most {MAX_SPLITS} splits, "
+                         f"got {num_splits}")
+    return num_splits
+
+
+def _decode_common(kind, q, k, v, tables_h, lens_h, num_splits, scale, block_n, paged, max_len):
+    dtype = arr.check_dtype(q, "q")
+    B, Hq, d = (int(x) for x in q.shape)
+    scale = cv.resolve_scale(scale, d)
+    Hkv = int(k.shape[2] if paged else k.shape[1])
+    check_split_smem(d, Hq // Hkv, dtype)
+    S = _resolve_splits(num_splits, B, Hkv, max_len, block_n)
+    acc_t = _acc_types(dtype)[0]
+    dq, dk, dv = (arr.to_device(x, kind) for x in (q, k, v))
+    tables = cuda.to_device(np.ascontiguousarray(tables_h, dtype=np.int32))
+    lens = cuda.to_device(np.ascontiguousarray(lens_h, dtype=np.int32))
+    o_h, o_d = arr.empty(kind, q, (B, Hq, d), dtype)
+    lse_h, lse_d = arr.empty(kind, q, (B, Hq), acc_t)
+    if S > 1:
+        _, op = arr.empty(kind, q, (S, B, Hq, d), acc_t)
+        _, lp = arr.empty(kind, q, (S, B, Hq), acc_t)
+    else:
+        op = cuda.device_array((1, 1, 1, 1), acc_t)             # unused: S == 1 writes O, LSE
+        lp = cuda.device_array((1, 1, 1), acc_t)
+    launch_decode(dq, dk, dv, tables, lens, o_d, lse_d, op, lp, scale=scale, block_n=block_n, paged=paged)
+    return arr.finish(kind, o_h), arr.finish(kind, lse_h)
+
+
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
+    """Public backend: Flash-Decoding over a contiguous (ragged) cache. Returns (o, lse)."""
+    kind = arr.check_kinds(q=q, k=k, v=v)
+    B, N = int(k.shape[0]), int(k.shape[2])
+    lens = np.full(B, N, np.int32) if seq_lens is None else np.asarray(seq_lens, np.int32)
+    dummy_table = np.zeros((1, 1), np.int32)
+    return _decode_common(kind, q, k, v, dummy_table, lens, num_splits, scale, DEFAULT_BLOCK_N, False,
+                          int(lens.max(initial=0)))
+
+
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None):
+    """Paged Flash-Decoding over pools (num_blocks, block_size, Hkv, d) of any array kind.
+
+    block_tables: int32 (B, max_blocks) NumPy, seq_lens: (B,) NumPy (host: they size the launch).
+    """
+    kind = arr.check_kinds(q=q, k_pool=k_pool, v_pool=v_pool)
+    lens = np.asarray(seq_lens, np.int32)
+    tables = np.asarray(block_tables, np.int32)
+    if tables.ndim != 2 or tables.shape[0] != q.shape[0]:
+        raise ValueError(f"block_tables: expected ({q.shape[0]}, max_blocks) int32, got shape {tables.shape}")
+    if tables.size == 0:
+        tables = np.zeros((q.shape[0], 1), np.int32)
+    return _decode_common(kind, q, k_pool, v_pool, tables, lens, num_splits, scale, int(k_pool.shape[1]),
+                          True, int(lens.max(initial=0)))
+
+
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None):
+    """Public backend: decode over a PagedKVCache (its NumPy pools are copied to the device)."""
+    tables, lens = cache.block_tables_array(list(seq_ids))
+    kind = arr.check_kinds(q=q)
+    if kind == "numpy":
+        pools = (cache.k_pool, cache.v_pool)
+    else:
+        pools = _pools_like(kind, q, cache)
+    return paged_decode_pools(q, pools[0], pools[1], tables, lens, num_splits=num_splits, scale=scale)
+
+
+def _pools_like(kind, like, cache):
+    if kind == "torch":
+        import torch
+        return tuple(torch.as_tensor(p, device=like.device) for p in (cache.k_pool, cache.v_pool))
+    if kind == "cupy":
+        import cupy
+        return tuple(cupy.asarray(p) for p in (cache.k_pool, cache.v_pool))
+    return tuple(cuda.to_device(p) for p in (cache.k_pool, cache.v_pool))
+
+
+def _word_view(x, d, itemsize):
+    """View a device array's rows as 4-byte words when d * itemsize allows (fewer, wider copies)."""
+    if (d * itemsize) % 4 or itemsize >= 4:
+        return x
+    return x.view(np.uint32)
+
+
+def launch_gather(k_pool, v_pool, table, k_out, v_out, seq_len):
+    bs = int(k_pool.shape[1])
+    nblk = -(-seq_len // bs)
+    if nblk == 0:
+        return
+    kern = _jitted(make_gather())
+    kern[nblk, GATHER_BLOCK](k_pool, v_pool, table, k_out, v_out, seq_len)
+
+
+def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True):
+    """Paged gather: pools (num_blocks, bs, Hkv, d) + a block table -> contiguous (Hkv, n, d) K, V."""
+    from ..paged import check_block_table
+    kind = arr.check_kinds(k_pool=k_pool, v_pool=v_pool)
+    arr.check_dtype(k_pool, "k_pool")
+    nb, bs, hkv, d = (int(x) for x in k_pool.shape)
+    table = check_block_table(np.asarray(block_table), seq_len, nb, bs)
+    dtype = np.dtype(str(k_pool.dtype).replace("torch.", ""))
+    kp, vp = arr.to_device(k_pool, kind), arr.to_device(v_pool, kind)
+    k_h, k_d = arr.empty(kind, k_pool, (hkv, seq_len, d), dtype)
+    v_h, v_d = arr.empty(kind, k_pool, (hkv, seq_len, d), dtype)
+    tbl = cuda.to_device(np.ascontiguousarray(table, np.int32) if table.size else np.zeros(1, np.int32))
+    if words and seq_len:
+        kp, vp, k_d, v_d = (_word_view(x, d, dtype.itemsize) for x in (kp, vp, k_d, v_d))
+    launch_gather(kp, vp, tbl, k_d, v_d, seq_len)
+    return arr.finish(kind, k_h), arr.finish(kind, v_h)
+
+
+def paged_gather(cache, sid):
+    """What ``cache.gather(sid, backend="numba")`` calls: NumPy pools in, NumPy K, V out."""
+    return gather_pools(cache.k_pool, cache.v_pool, cache.block_table(sid), cache.seq_len(sid))
