@@ -326,8 +326,9 @@ def test_tiled_never_allocates_an_n_by_n_array(rng):
         ik.attention_backward(do, q, k, v, o, lse, causal=True, backend=backend)
         peaks[backend] = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    # tiled: outputs and D/dQaccum (a few N*d arrays, 128 KiB each) plus tiles; far below N*N
-    assert peaks["tiled"] < nn_bytes / 8, peaks
+    # tiled: outputs and D/dQaccum (five N*d arrays of 128 KiB) plus tiles, about 1 MiB.
+    # An N x N array of float64 (8 MiB) or even float32 (4 MiB) would break this bound.
+    assert peaks["tiled"] < nn_bytes / 2, peaks
     assert peaks["naive"] > 3 * nn_bytes, peaks       # the test can tell the difference
 
 
