@@ -307,7 +307,6 @@ def fragmentation_figure(lengths, max_len=4096, block_size=16):
     names = ["tokens used", "reserved", f"paged ({block_size})"]
     vals = [f["used"], f["reserved_slots"], f["paged_slots"]]
     b.bar(names, vals, color=["C2", "C3", "C0"])
-    b.set_yscale("log")
     b.set_ylabel("KV slots allocated")
     b.set_title(f"waste: reserved {f['reserved_waste']:.1%}, paged {f['paged_waste']:.2%}", fontsize=10)
     fig.tight_layout()
