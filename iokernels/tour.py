@@ -71,6 +71,8 @@ DEFAULT = Problem()
 SMALL = Problem(heads_q=2, heads_kv=1, seqlen_q=72, seqlen_k=100, head_dim=32, decode_lens=(100, 41))
 #: the Numba simulator runs every GPU thread in Python: keep it tiny.
 SIMULATOR = Problem(heads_q=2, heads_kv=1, seqlen_q=12, seqlen_k=20, head_dim=8, decode_lens=(20, 9))
+#: the Numba kernel version the tour runs on the simulator (on a GPU: the backend's default)
+SIMULATOR_NUMBA_VERSION = 2
 
 
 @dataclass
@@ -134,10 +136,11 @@ def _checked(pairs, factor=None):
 
 
 # --------------------------------------------------------------------------- steps
-def _forward(c: _Case, backend: str, loop_order: str | None = None, model: str | None = None):
+def _forward(c: _Case, backend: str, loop_order: str | None = None, model: str | None = None, config=None):
     import iokernels as ik
     from . import traffic
-    config = None if loop_order is None else ik.TileConfig(loop_order=loop_order)
+    if loop_order is not None:
+        config = ik.TileConfig(loop_order=loop_order)
     t0 = time.perf_counter()
     with traffic.count() as t:
         o, lse = ik.attention(c.q, c.k, c.v, causal=c.p.causal, backend=backend, config=config,
@@ -246,7 +249,7 @@ def _numba_status() -> tuple[bool, str]:
         import iokernels.numba_cuda  # noqa: F401
     except Exception as e:  # ImportError, or numba-cuda failing to find a driver
         return False, f"iokernels.numba_cuda cannot load here ({type(e).__name__}: {e})"
-    return True, "simulator, tiny size" if gpu.simulator_enabled() else "GPU"
+    return True, f"simulator, v{SIMULATOR_NUMBA_VERSION}, tiny size" if gpu.simulator_enabled() else "GPU"
 
 
 def _cupy_status() -> tuple[bool, str]:
@@ -303,8 +306,15 @@ def _steps(case: _Case, small_case):
 
     def gpu_forward(backend, note):
         def run():
-            c = small_case() if note.startswith("simulator") else case
-            row = _forward(c, backend)
+            simulated = note.startswith("simulator")
+            c = small_case() if simulated else case
+            config = None
+            if backend == "numba" and simulated:
+                # v2 (K/V tiles in shared memory, one thread per row): the simulator runs it in
+                # well under a second; v3's warp shuffles take tens of seconds there.
+                from .numba_cuda import NumbaConfig
+                config = NumbaConfig(version=SIMULATOR_NUMBA_VERSION)
+            row = _forward(c, backend, config=config)
             row.note = note if c is case else f"{note}: {c.p.describe().split(';')[0]}"
             return row
         return run
