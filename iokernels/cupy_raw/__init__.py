@@ -75,11 +75,13 @@ MMA_ROWS = 16
 V1_THREADS_SIDE = 16
 #: v2 keeps O for d <= 256 in registers (d / 8 * 4 floats a lane); larger d would spill
 V2_MAX_HEAD_DIM = 256
-#: decode: 4 warps a block; each sub-group keeps UNROLL rows of K and V in flight
+#: decode: 4 warps a block; each sub-group keeps UNROLL rows of K and V in flight; the
+#: compiler is asked to fit DECODE_MIN_BLOCKS blocks an SM (__launch_bounds__)
 DECODE_WARPS = 4
 DECODE_UNROLL = 4
-#: num_splits heuristic: aim for this many waves of decode blocks over the SMs ...
-DECODE_WAVES = 4
+DECODE_MIN_BLOCKS = 3
+#: num_splits heuristic: this many full waves of decode blocks over the SMs ...
+DECODE_WAVES = 1
 #: ... but keep at least this many keys a split (its partial O write is amortized) ...
 DECODE_MIN_KEYS_PER_SPLIT = 256
 #: ... and at most this many splits (the combine reads them all)
@@ -209,15 +211,20 @@ def _check_config(config) -> CupyConfig:
 # --------------------------------------------------------------------------- device, compile
 def _cupy():
     """CuPy, once we know there is a GPU; a RuntimeError that says so otherwise."""
-    try:
-        import cupy
-        ok = cupy.is_available()
-    except Exception:  # ImportError, or a CUDA driver error on a machine with no GPU
-        ok = False
-    if not ok:
+    if not _cupy_ok():
         raise RuntimeError("backend 'cupy' needs a CUDA GPU (cupy.is_available() is False); "
                            "use backend='numba' (the simulator) or 'tiled' without one")
+    import cupy
     return cupy
+
+
+@functools.lru_cache(maxsize=None)
+def _cupy_ok() -> bool:
+    try:
+        import cupy
+        return bool(cupy.is_available())
+    except Exception:  # ImportError, or a CUDA driver error on a machine with no GPU
+        return False
 
 
 def device_info() -> dict:
@@ -245,7 +252,6 @@ def source(name: str, defines: dict | None = None) -> str:
 def _function(name: str, kernel: str, defines: dict, smem: int = 0):
     """Compile (once) and return ``kernel`` from file ``name`` with ``defines``."""
     cupy = _cupy()
-    from cupy.cuda import driver
     dev = cupy.cuda.Device().id
     key = (name, kernel, tuple(sorted(defines.items())), dev)
     fn = _MODULES.get(key)
@@ -254,22 +260,52 @@ def _function(name: str, kernel: str, defines: dict, smem: int = 0):
         mod = cupy.RawModule(code=source(name), options=opts)
         fn = mod.get_function(kernel)
         if smem > 48 * 1024:  # above 48 KB a kernel must opt in to more dynamic shared memory
-            driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(smem))
+            fn.max_dynamic_shared_size_bytes = int(smem)
         _MODULES[key] = fn
     return fn
 
 
 # --------------------------------------------------------------------------- array kinds
+class _Dev:
+    """A device array as a kernel sees it: pointer, shape, strides in elements.
+
+    Kernels receive the bare pointer (a 64-bit integer argument), which costs far less
+    host time a launch than wrapping every torch tensor as a CuPy array.  ``keep`` holds
+    whatever owns the memory, so it outlives the launch.
+    """
+
+    __slots__ = ("ptr", "shape", "strides", "itemsize", "keep")
+
+    def __init__(self, ptr, shape, strides, itemsize, keep):
+        self.ptr, self.shape, self.strides, self.itemsize, self.keep = int(ptr), tuple(shape), tuple(strides), itemsize, keep
+
+    @classmethod
+    def of(cls, a):
+        """From a CuPy array, a torch CUDA tensor, or a _Dev."""
+        if isinstance(a, cls):
+            return a
+        if hasattr(a, "data_ptr"):
+            return cls(a.data_ptr(), a.shape, a.stride(), a.element_size(), a)
+        return cls(a.data.ptr, a.shape, [st // a.itemsize for st in a.strides], a.itemsize, a)
+
+    @property
+    def arg(self):
+        return np.uint64(self.ptr)
+
+    def aligned16(self) -> bool:
+        return self.ptr % 16 == 0 and all((st * self.itemsize) % 16 == 0 for st in self.strides[:-1])
+
+
 class _IO:
-    """Converts the caller's arrays to CuPy views (no copy for device arrays) and back."""
+    """Converts the caller's arrays to device views (no copy for device arrays) and back."""
 
     def __init__(self, like, name="q"):
         self.kind = _kind(like, name)
         self.like = like
         self.cupy = _cupy()
 
-    def dev(self, x, name):
-        """A CuPy view of ``x`` (bfloat16 as uint16), unit stride on the last axis."""
+    def dev(self, x, name) -> "_Dev":
+        """A device view of ``x`` (no copy for device arrays), unit stride on the last axis."""
         cp = self.cupy
         kind = _kind(x, name)
         if kind != self.kind:
@@ -278,14 +314,12 @@ class _IO:
         if kind == "torch":
             import torch
             t = x.detach()
-            if not t.is_cuda:
-                t = t.contiguous()
-                a = t.view(torch.int16).numpy().view(np.uint16) if dt == "bfloat16" else t.numpy()
-                a = cp.asarray(a)
-            else:
-                a = cp.from_dlpack(t.view(torch.int16) if dt == "bfloat16" else t)
-                if dt == "bfloat16":
-                    a = a.view(cp.uint16)
+            if t.is_cuda:
+                if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+                    t = t.contiguous()
+                return _Dev.of(t)
+            t = t.contiguous()
+            a = cp.asarray(t.view(torch.int16).numpy().view(np.uint16) if dt == "bfloat16" else t.numpy())
         elif kind == "numpy":
             a = np.asarray(x)
             a = cp.asarray(a.view(np.uint16) if dt == "bfloat16" else a)
@@ -293,18 +327,16 @@ class _IO:
             a = cp.asarray(x)
         if a.ndim and a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
             a = cp.ascontiguousarray(a)
-        return a
+        return _Dev.of(a)
 
     def empty(self, shape, dtype):
-        """(what the caller gets, a CuPy view to write into)."""
-        cp = self.cupy
+        """(what the caller gets, a device view to write into)."""
         if self.kind == "torch" and self.like.is_cuda:
             import torch
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.like.device)
-            v = cp.from_dlpack(t.view(torch.int16) if dtype == "bfloat16" else t)
-            return t, (v.view(cp.uint16) if dtype == "bfloat16" else v)
-        a = cp.empty(shape, dtype=np.uint16 if dtype == "bfloat16" else dtype)
-        return a, a
+            return t, _Dev.of(t)
+        a = self.cupy.empty(shape, dtype=np.uint16 if dtype == "bfloat16" else dtype)
+        return a, _Dev.of(a)
 
     def finish(self, out, dtype):
         if self.kind == "cupy":
@@ -359,16 +391,9 @@ def _kind(x, name):
     raise ValueError(f"{name}: expected a NumPy, CuPy, torch or CUDA-array-interface array, got {type(x).__name__}")
 
 
-def _estrides(a):
-    return [s // a.itemsize for s in a.strides]
-
-
 def _aligned16(*arrays) -> bool:
     """Every row start 16-byte aligned (base pointer and strides): the vector paths' condition."""
-    for a in arrays:
-        if a.data.ptr % 16 or any((s % 16) for s in a.strides[:-1]):
-            return False
-    return True
+    return all(_Dev.of(a).aligned16() for a in arrays)
 
 
 # --------------------------------------------------------------------------- attention
@@ -397,7 +422,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
 
 
 def launch_attention(qd, kd, vd, o, lse, *, dtype, scale, window, config):
-    """Launch v1 or v2 on CuPy views (o, lse preallocated: tests poison them first)."""
+    """Launch v1 or v2 on device arrays (CuPy, torch or _Dev; o, lse preallocated: tests
+    poison them first).  O and LSE must be contiguous."""
+    qd, kd, vd, o, lse = (_Dev.of(a) for a in (qd, kd, vd, o, lse))
     B, Hq, Nq, d = qd.shape
     Hkv, Nk = kd.shape[1], kd.shape[2]
     if B * Hq * Nq == 0:
@@ -411,29 +438,37 @@ def launch_attention(qd, kd, vd, o, lse, *, dtype, scale, window, config):
     fn = _function(name, name, defines, smem)
     acc_t = np.float64 if dtype == "float64" else np.float32
     i32, i64 = np.int32, np.int64
-    args = (qd, kd, vd, o, lse, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
-            *map(i64, _estrides(qd)[:3]), *map(i64, _estrides(kd)[:3]), *map(i64, _estrides(vd)[:3]),
+    args = (qd.arg, kd.arg, vd.arg, o.arg, lse.arg, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
+            *map(i64, qd.strides[:3]), *map(i64, kd.strides[:3]), *map(i64, vd.strides[:3]),
             acc_t(scale), i32(window[0]), i32(window[1]))
     grid = (-(-Nq // cfg.block_q), Hq, B)
     fn(grid, (cfg.threads(),), args, shared_mem=smem)
 
 
 # --------------------------------------------------------------------------- decode
-def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int) -> int:
-    """Splits of the key axis so decode fills the GPU: about DECODE_WAVES waves of blocks
-    (one block a split x kv head x sequence), each split at least DECODE_MIN_KEYS_PER_SPLIT keys."""
+def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int,
+                         blocks_per_sm: int = 4) -> int:
+    """Splits of the key axis so one wave of decode blocks fills the GPU.
+
+    There are batch * heads_kv * splits blocks, ``blocks_per_sm`` fit on an SM at once
+    (the launcher asks the driver for its kernel's occupancy): a whole number of waves
+    wastes nothing, and with DECODE_WAVES = 1 a sequence's keys are read in one wave.
+    Each split keeps at least DECODE_MIN_KEYS_PER_SPLIT keys; at most DECODE_MAX_SPLITS.
+    """
     if seq_len <= 0:
         return 1
-    want = -(-DECODE_WAVES * num_sms // max(1, batch * heads_kv))
+    slots = DECODE_WAVES * num_sms * max(1, blocks_per_sm)
+    want = max(1, slots // max(1, batch * heads_kv))
     cap = max(1, seq_len // DECODE_MIN_KEYS_PER_SPLIT)
     return int(max(1, min(want, cap, DECODE_MAX_SPLITS)))
 
 
-def _decode_defines(d, dtype, group, paged, block_size, vec_ok):
+def _decode_defines(d, dtype, group, paged, block_size, vec_ok, unroll=None, min_blocks=None):
     itemsize = cv.itemsize_of(dtype)
     vec = int((d * itemsize) % 16 == 0 and d * itemsize <= 512 and vec_ok)
     out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged), VEC_IO=vec,
-               NUM_WARPS=DECODE_WARPS, UNROLL=DECODE_UNROLL)
+               NUM_WARPS=DECODE_WARPS, UNROLL=unroll or DECODE_UNROLL,
+               DECODE_MIN_BLOCKS=min_blocks or DECODE_MIN_BLOCKS)
     if paged:
         out["BLOCK_SIZE"] = block_size
     return out
@@ -445,6 +480,23 @@ def _check_decode_q(q, heads_kv, d, dtype):
         raise ValueError(f"q: expected (batch, a multiple of {heads_kv} heads, {d}), got {s}")
     if cv.dtype_name(q) != dtype:
         raise ValueError(f"q: dtype must equal the cache's {dtype}, got {cv.dtype_name(q)}")
+
+
+def _contiguous(x):
+    """q of decode must be contiguous (it is small: one token a sequence); copy when not."""
+    if hasattr(x, "is_contiguous"):
+        return x if x.is_contiguous() else x.contiguous()
+    if isinstance(x, np.ndarray):
+        return np.ascontiguousarray(x)
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+        return cupy.ascontiguousarray(x)
+    return x
+
+
+def _check_bf16(dtype, dev):
+    if dtype == "bfloat16" and dev["cc"] < 80:
+        raise ValueError(f"q: bfloat16 needs compute capability 8.0 or newer; this GPU is {dev['cc'] / 10:.1f}")
 
 
 def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
@@ -459,20 +511,22 @@ def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
         raise ValueError(f"v: expected shape {ks} and dtype {dtype}, got {tuple(v.shape)} {cv.dtype_name(v)}")
     if q.shape[0] != B:
         raise ValueError(f"q: batch must equal k's {B}, got {q.shape[0]}")
-    lens = np.full(B, N, np.int32) if seq_lens is None else np.asarray(seq_lens, dtype=np.int64)
-    if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > N):
-        raise ValueError(f"seq_lens: expected {B} lengths in [0, {N}], got {lens.tolist()}")
+    lens = None
+    if seq_lens is not None:
+        lens = np.asarray(seq_lens.get() if hasattr(seq_lens, "get") else seq_lens).astype(np.int64)
+        if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > N):
+            raise ValueError(f"seq_lens: expected {B} lengths in [0, {N}], got {lens.tolist()}")
     scale = cv.resolve_scale(scale, d)
     dev = device_info()
-    if dtype == "bfloat16" and dev["cc"] < 80:
-        raise ValueError(f"q: bfloat16 needs compute capability 8.0 or newer; this GPU is {dev['cc'] / 10:.1f}")
+    _check_bf16(dtype, dev)
     io = _IO(q)
     with io.stream():
-        qd, kd, vd = io.dev(q, "q"), io.dev(k, "k"), io.dev(v, "v")
-        lens_d = io.cupy.asarray(lens.astype(np.int32))
-        S = num_splits or num_splits_heuristic(B, Hkv, int(lens.max(initial=0)), dev["sms"])
+        qd, kd, vd = io.dev(_contiguous(q), "q"), io.dev(k, "k"), io.dev(v, "v")
+        lens_d = None if lens is None else io.cupy.asarray(lens.astype(np.int32))
+        longest = N if lens is None else int(lens.max(initial=0))
         o_user, o, lse_user, lse = _decode_outputs(io, q.shape, dtype)
-        launch_decode(qd, kd, vd, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=S)
+        launch_decode(qd, kd, vd, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits,
+                      longest=longest, nk=N)
     acc = cv.accum_dtype(dtype).name
     return io.finish(o_user, dtype), io.finish(lse_user, acc)
 
@@ -484,40 +538,62 @@ def _decode_outputs(io, qshape, dtype):
     return o_user, o, lse_user, lse
 
 
-def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits, paged=None):
-    """Split kernel (+ combine when num_splits > 1) on CuPy views.
+def _blocks_per_sm(fn, threads):
+    """How many blocks of ``fn`` an SM holds at once (registers, shared memory), from the driver."""
+    from cupy.cuda import driver
+    try:
+        return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0))
+    except Exception:  # an older CuPy without the binding: the figure the heuristic assumes
+        return 4
 
-    ``paged``: None for a contiguous cache, else (block_tables int32 device array,
+
+def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, paged=None,
+                  longest=None, nk=None, unroll=None, min_blocks=None):
+    """Split kernel (+ combine when num_splits > 1) on device arrays.
+
+    ``lens_d``: int32 device lengths (B,), or None when every sequence uses all ``nk`` keys.
+    ``paged``: None for a contiguous cache, else (block_tables int32 device array (B, max_blocks),
     block_size): then kd, vd are the pools (num_blocks, block_size, Hkv, d).
+    ``num_splits`` None: :func:`num_splits_heuristic` for ``longest`` keys.
     """
     cp = _cupy()
+    qd, kd, vd, o, lse = (_Dev.of(a) for a in (qd, kd, vd, o, lse))
     B, Hq, d = qd.shape
     Hkv = kd.shape[2] if paged is not None else kd.shape[1]
+    nk = int(nk if nk is not None else (kd.shape[2] if paged is None else 0))
     if B * Hq == 0:
         return
-    qd = cp.ascontiguousarray(qd)
+    if qd.strides != (Hq * d, d, 1):
+        raise ValueError("q: decode needs a contiguous (batch, heads_q, head_dim) q")
     acc = np.float64 if dtype == "float64" else np.float32
-    S = int(num_splits)
     block_size = paged[1] if paged is not None else 0
-    defines = _decode_defines(d, dtype, Hq // Hkv, paged is not None, block_size, _aligned16(qd, kd, vd))
+    defines = _decode_defines(d, dtype, Hq // Hkv, paged is not None, block_size, _aligned16(qd, kd, vd),
+                              unroll, min_blocks)
     fn = _function("decode", "decode_split", defines)
+    threads = 32 * DECODE_WARPS
+    if num_splits is None:
+        num_splits = num_splits_heuristic(B, Hkv, nk if longest is None else longest, device_info()["sms"],
+                                          _blocks_per_sm(fn, threads))
+    S = int(num_splits)
     i32, i64 = np.int32, np.int64
     if S > 1:
         o_part = cp.empty((S, B, Hq, d), dtype=acc)
         lse_part = cp.empty((S, B, Hq), dtype=acc)
+        parts = (o_part, lse_part)
     else:
-        o_part = lse_part = o                        # unused by the kernel when S == 1
+        parts = (np.uint64(0), np.uint64(0))           # unused by the kernel when S == 1
     if paged is None:
-        layout = (*map(i64, _estrides(kd)[:3]), *map(i64, _estrides(vd)[:3]))
+        layout = (*map(i64, kd.strides[:3]), *map(i64, vd.strides[:3]))
     else:
         tables = paged[0]
-        layout = (tables, i32(tables.shape[1]), *map(i64, _estrides(kd)[:3]))
-    args = (qd, kd, vd, *layout, lens_d, i32(Hq), i32(Hkv), acc(scale), i32(S), o_part, lse_part, o, lse)
-    fn((S, Hkv, B), (32 * DECODE_WARPS,), args)
+        layout = (tables, i32(tables.shape[1]), *map(i64, kd.strides[:3]))
+    lens_arg = lens_d if lens_d is not None else np.uint64(0)
+    args = (qd.arg, kd.arg, vd.arg, *layout, lens_arg, i32(nk), i32(Hq), i32(Hkv), acc(scale), i32(S),
+            *parts, o.arg, lse.arg)
+    fn((S, Hkv, B), (threads,), args)
     if S > 1:
         comb = _function("decode", "decode_combine", defines)
-        threads = min(256, _round_up(d, 32))
-        comb((B * Hq,), (threads,), (o_part, lse_part, i32(S), i32(B * Hq), o, lse))
+        comb((B * Hq,), (min(256, _round_up(d, 32)),), (o_part, lse_part, i32(S), i32(B * Hq), o.arg, lse.arg))
 
 
 def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None):
@@ -527,8 +603,22 @@ def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None):
     return paged_decode_pools(q, cache.k_pool, cache.v_pool, tables, lens, num_splits=num_splits, scale=scale)
 
 
+def _check_tables(tables, lens, num_blocks, block_size, name="block_tables"):
+    """Every block a sequence uses is a real block of the pool (vectorized: tables can be long)."""
+    need = -(-lens // block_size)
+    cols = np.arange(tables.shape[1])[None, :]
+    used = cols < need[:, None]
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        b, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"{name}: sequence {b}, entry {j} is block {int(tables[b, j])}, outside [0, {num_blocks})")
+
+
 def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None):
-    """Decode over paged pools (num_blocks, block_size, Hkv, d) with int32 block tables (B, max_blocks)."""
+    """Decode over paged pools (num_blocks, block_size, Hkv, d) with int32 block tables (B, max_blocks).
+
+    Pools on the device (CuPy, torch CUDA) are used in place; NumPy pools are copied in.
+    """
     ps = tuple(getattr(k_pool, "shape", ()))
     if len(ps) != 4:
         raise ValueError(f"k_pool: expected (num_blocks, block_size, heads_kv, head_dim), got {ps}")
@@ -544,42 +634,33 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
         raise ValueError(f"block_tables: expected ({B}, max_blocks), got {tables.shape}")
     if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > tables.shape[1] * bs):
         raise ValueError(f"seq_lens: expected {B} lengths in [0, {tables.shape[1] * bs}], got {lens.tolist()}")
-    for b in range(B):
-        used = tables[b, :-(-int(lens[b]) // bs)]
-        if np.any((used < 0) | (used >= nb)):
-            raise ValueError(f"block_tables: row {b} has a block id outside [0, {nb}): {used.tolist()}")
+    _check_tables(tables, lens, nb, bs)
     scale = cv.resolve_scale(scale, d)
     dev = device_info()
-    if dtype == "bfloat16" and dev["cc"] < 80:
-        raise ValueError(f"q: bfloat16 needs compute capability 8.0 or newer; this GPU is {dev['cc'] / 10:.1f}")
+    _check_bf16(dtype, dev)
     io = _IO(q)
     with io.stream():
-        qd = io.dev(q, "q")
+        qd = io.dev(_contiguous(q), "q")
         kp, vp = _pool_dev(io, k_pool), _pool_dev(io, v_pool)
         t_d = io.cupy.asarray(np.ascontiguousarray(tables, dtype=np.int32))
         lens_d = io.cupy.asarray(lens.astype(np.int32))
-        S = num_splits or num_splits_heuristic(B, Hkv, int(lens.max(initial=0)), dev["sms"])
         o_user, o, lse_user, lse = _decode_outputs(io, q.shape, dtype)
-        launch_decode(qd, kp, vp, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=S, paged=(t_d, bs))
+        launch_decode(qd, kp, vp, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits,
+                      paged=(t_d, bs), longest=int(lens.max(initial=0)), nk=0)
     return io.finish(o_user, dtype), io.finish(lse_user, cv.accum_dtype(dtype).name)
 
 
-def _pool_dev(io, pool):
-    """A pool as a CuPy view: device pools in place; NumPy pools copied in."""
+def _pool_dev(io, pool) -> "_Dev":
+    """A pool as a contiguous device view: device pools in place; NumPy pools copied in."""
     cp = io.cupy
     dt = cv.dtype_name(pool)
     if isinstance(pool, np.ndarray):
-        a = cp.asarray(pool.view(np.uint16) if dt == "bfloat16" else pool)
-    elif type(pool).__module__.split(".")[0] == "torch":
-        import torch
+        return _Dev.of(cp.asarray(np.ascontiguousarray(pool.view(np.uint16) if dt == "bfloat16" else pool)))
+    if type(pool).__module__.split(".")[0] == "torch":
         t = pool.detach()
-        if not t.is_cuda:
-            t = t.cuda()
-        a = cp.from_dlpack(t.view(torch.int16) if dt == "bfloat16" else t)
-        a = a.view(cp.uint16) if dt == "bfloat16" else a
-    else:
-        a = cp.asarray(pool)
-    return cp.ascontiguousarray(a)
+        t = (t if t.is_cuda else t.cuda()).contiguous()
+        return _Dev.of(t)
+    return _Dev.of(cp.ascontiguousarray(cp.asarray(pool)))
 
 
 # --------------------------------------------------------------------------- paged gather
@@ -589,7 +670,6 @@ def gather_pools(k_pool, v_pool, block_table, seq_len):
     Device pools (CuPy / torch CUDA) give device outputs of the same kind, with no copy of
     the pools; NumPy pools are copied in and the result copied out.
     """
-    from ..paged import check_block_table
     ps = tuple(getattr(k_pool, "shape", ()))
     if len(ps) != 4:
         raise ValueError(f"k_pool: expected (num_blocks, block_size, heads_kv, head_dim), got {ps}")
@@ -597,8 +677,16 @@ def gather_pools(k_pool, v_pool, block_table, seq_len):
         raise ValueError(f"v_pool: must match k_pool's shape {ps} and dtype {cv.dtype_name(k_pool)}")
     nb, bs, hkv, d = ps
     dtype = cv.check_dtype(k_pool, "k_pool")
-    table = check_block_table(np.asarray(block_table.get() if hasattr(block_table, "get") else block_table),
-                              seq_len, nb, bs)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 0:
+        raise ValueError(f"seq_len: expected an integer >= 0, got {seq_len!r}")
+    seq_len = int(seq_len)
+    table = np.asarray(block_table.get() if hasattr(block_table, "get") else block_table)
+    need = -(-seq_len // bs)
+    if table.ndim != 1 or (table.size and table.dtype.kind not in "iu") or table.size < need:
+        raise ValueError(f"block_table: expected at least {need} integer block ids for {seq_len} tokens, "
+                         f"got shape {table.shape} dtype {table.dtype}")
+    table = table[:need]
+    _check_tables(table[None], np.array([seq_len]), nb, bs, "block_table")
     io = _IO(k_pool, "k_pool")
     cp = io.cupy
     with io.stream():
@@ -606,30 +694,26 @@ def gather_pools(k_pool, v_pool, block_table, seq_len):
         k_user, k_out = io.empty((hkv, seq_len, d), dtype)
         v_user, v_out = io.empty((hkv, seq_len, d), dtype)
         t_d = cp.asarray(np.ascontiguousarray(table, dtype=np.int32) if len(table) else np.zeros(1, np.int32))
-        launch_gather(kp, vp, t_d, k_out, v_out, int(seq_len))
+        launch_gather(kp, vp, t_d, k_out, v_out, seq_len)
     return io.finish(k_user, dtype), io.finish(v_user, dtype)
 
 
 def launch_gather(kp, vp, t_d, k_out, v_out, seq_len):
-    """The gather kernel on CuPy views (pools contiguous)."""
-    cp = _cupy()
+    """The gather kernel on device arrays (pools and outputs contiguous)."""
+    kp, vp, k_out, v_out = (_Dev.of(a) for a in (kp, vp, k_out, v_out))
     nb, bs, hkv, d = kp.shape
     if seq_len == 0 or hkv * d == 0:
         return
     row_bytes = d * kp.itemsize
     chunk = next(c for c in (16, 8, 4, 2, 1) if row_bytes % c == 0 and all(
-        a.data.ptr % c == 0 for a in (kp, vp, k_out, v_out)))
-    if chunk == 1:
-        chunk = kp.itemsize if kp.itemsize in (2, 4, 8) else 2
-    view = {16: None, 8: np.uint64, 4: np.uint32, 2: np.uint16}[chunk]
+        a.ptr % c == 0 for a in (kp, vp, k_out, v_out)))
+    if chunk == 1:                                   # rows of 1-byte elements do not occur
+        chunk = kp.itemsize
     defines = dict(BLOCK_SIZE=bs, CHUNK_BYTES=chunk, CHUNKS_PER_ROW=row_bytes // chunk)
     fn = _function("paged_gather", "paged_gather", defines)
-    args = [a.view(view) if view is not None else a for a in (kp, vp)]
-    outs = [a.view(view) if view is not None else a for a in (k_out, v_out)]
     total = hkv * seq_len * (row_bytes // chunk)
-    sms = device_info()["sms"]
-    grid = max(1, min(-(-total // GATHER_THREADS), GATHER_BLOCKS_PER_SM * sms))
-    fn((grid,), (GATHER_THREADS,), (args[0], args[1], t_d, np.int32(seq_len), np.int32(hkv), outs[0], outs[1]))
+    grid = max(1, min(-(-total // GATHER_THREADS), GATHER_BLOCKS_PER_SM * device_info()["sms"]))
+    fn((grid,), (GATHER_THREADS,), (kp.arg, vp.arg, t_d, np.int32(seq_len), np.int32(hkv), k_out.arg, v_out.arg))
 
 
 def paged_gather(cache, sid):

@@ -48,6 +48,11 @@
 #endif
 
 #define NTHREADS (32 * NUM_WARPS)
+// ask the compiler to fit 4 blocks an SM (at most 128 registers a thread): more blocks,
+// more loads in flight, which is what a memory-bound kernel lives on
+#ifndef DECODE_MIN_BLOCKS
+#define DECODE_MIN_BLOCKS 4
+#endif
 #define VEC (16 / IK_ELEM_BYTES)                      // elements in one 16-byte load
 
 // lanes per key row: enough 16-byte loads to cover a row, rounded up to a power of two
@@ -110,7 +115,7 @@ __device__ __forceinline__ acc_t elem(const RowBuf& r, int e) { return r.x[e]; }
 
 __device__ __forceinline__ acc_t shfl_xor(acc_t v, int off) { return __shfl_xor_sync(0xffffffffu, v, off); }
 
-extern "C" __global__ void __launch_bounds__(NTHREADS)
+extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)
 decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous
              const elem_t* __restrict__ K, const elem_t* __restrict__ V,
 #if PAGED
@@ -120,8 +125,8 @@ decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim
              long long skb, long long skh, long long skn,
              long long svb, long long svh, long long svn,
 #endif
-             const int* __restrict__ seq_lens,      // (batch,) int32
-             int heads_q, int heads_kv, acc_t scale, int num_splits,
+             const int* __restrict__ seq_lens,      // (batch,) int32, or null: every sequence has nk keys
+             int nk, int heads_q, int heads_kv, acc_t scale, int num_splits,
              acc_t* __restrict__ O_part, acc_t* __restrict__ LSE_part,   // (splits, batch, heads_q[, d])
              elem_t* __restrict__ O, acc_t* __restrict__ LSE) {        // used when num_splits == 1
     __shared__ acc_t red_m[NUM_WARPS][GROUP];
@@ -132,7 +137,7 @@ decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int sub = lane % LANES;                   // this lane's part of a row
     const int slot = threadIdx.x / LANES;           // which row of the SLOTS side by side
-    const int len = seq_lens[b];
+    const int len = seq_lens ? seq_lens[b] : nk;
     const int per_split = (len + num_splits - 1) / num_splits;
     const int n_begin = min(split * per_split, len), n_end = min(n_begin + per_split, len);
 

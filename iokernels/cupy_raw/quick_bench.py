@@ -133,7 +133,7 @@ def main(out_path=None):
         ref = sdpa(q4, k, v, False, SDPBackend.FLASH_ATTENTION, True)[:, :, 0]
         contiguous_ms = None
         heur = cr.num_splits_heuristic(1, Hkv, N, torch.cuda.get_device_properties(0).multi_processor_count)
-        for S in (None, 16, 32, 64, 128):
+        for S in (None, 64):
             o, _ = cr.decode(q, k, v, seq_lens=None, num_splits=S, scale=None)
             err = float((o.float() - ref.float()).abs().max())
             ms = t(cr.decode, q, k, v, seq_lens=None, num_splits=S, scale=None).median_ms
@@ -145,11 +145,16 @@ def main(out_path=None):
         import cupy
         io = cr._IO(q)
         qd, kd, vd = io.dev(q, "q"), io.dev(k, "k"), io.dev(v, "v")
-        lens_d = cupy.asarray(np.array([N], np.int32))
         od, ld = cupy.empty((1, Hq, d), np.uint16), cupy.empty((1, Hq), np.float32)
-        ms = t(cr.launch_decode, qd, kd, vd, lens_d, od, ld, dtype=dtype, scale=1 / math.sqrt(d),
-               num_splits=heur).median_ms
-        rec(group, f"cupy decode kernels only (splits={heur})", ms, kv_bytes, "TB/s", best)
+        for unroll, mb in ((4, 3), (2, 4), (8, 2), (4, 2)):
+            for S in (None, 32, 64, 96, 128):
+                try:
+                    ms = t(cr.launch_decode, qd, kd, vd, None, od, ld, dtype=dtype, scale=1 / math.sqrt(d),
+                           num_splits=S, nk=N, unroll=unroll, min_blocks=mb).median_ms
+                    rec(group, f"cupy decode kernels only unroll={unroll} min_blocks={mb} splits={S or 'heuristic'}",
+                        ms, kv_bytes, "TB/s", best)
+                except Exception as e:
+                    print(f"# decode unroll={unroll} mb={mb} S={S}: {type(e).__name__}: {e}")
         # paged: pools on the device, blocks in a random order (as in a busy server)
         bs = 16
         nblk = N // bs
