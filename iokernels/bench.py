@@ -45,6 +45,15 @@ DEFAULT_REPS = 20
 L2_FLUSH_FACTOR = 2
 #: when the device cannot tell its L2 size (should not happen), assume the H200's 60 MB.
 FALLBACK_L2_BYTES = 60 * 1024 * 1024
+#: after the flush and before the start event, the GPU spins this long (a busy-wait kernel)
+#: so that the host's Python overhead of calling ``fn`` (argument checks, context managers,
+#: several launches) is queued up behind it instead of showing up as idle GPU time inside
+#: the timed region.  Without it, a 50 us kernel called through 150 us of Python measures
+#: as 150 us (seen on the H200: forced SDPA kernels timed 2-3x slower than the same kernel
+#: called bare).  Host overhead longer than this still shows, and is then part of the cost.
+LAUNCH_SLACK_US = 1000
+#: the spin kernel counts SM clock cycles; the H200 runs at up to 1.98 GHz
+SPIN_CYCLES_PER_US = 1980
 
 
 @dataclass(frozen=True)
@@ -157,6 +166,23 @@ class _Device:
         else:
             self._buf.fill(0)
 
+    def spin(self, us=LAUNCH_SLACK_US):
+        """Keep the GPU busy for about ``us`` microseconds (untimed), so launches queue up."""
+        if us <= 0:
+            return
+        cycles = int(us * SPIN_CYCLES_PER_US)
+        if self.torch is not None and hasattr(self.torch.cuda, "_sleep"):
+            self.torch.cuda._sleep(cycles)
+            return
+        import cupy
+        if getattr(self, "_spin_kernel", None) is None:
+            self._spin_kernel = cupy.RawKernel(r'''
+            extern "C" __global__ void ik_spin(long long cycles) {
+                long long t0 = clock64();
+                while (clock64() - t0 < cycles) { }
+            }''', "ik_spin")
+        self._spin_kernel((1,), (1,), (np.int64(cycles),))
+
     def release(self):
         self._buf = None
 
@@ -168,12 +194,15 @@ def _cupy_loaded() -> bool:
 
 # --------------------------------------------------------------------------- the timers
 def time_cuda(fn, *args, warmup: int = DEFAULT_WARMUP, reps: int = DEFAULT_REPS,
-              flush_l2: bool = True, l2_bytes: int | None = None, **kwargs) -> Timing:
+              flush_l2: bool = True, l2_bytes: int | None = None,
+              launch_slack_us: float = LAUNCH_SLACK_US, **kwargs) -> Timing:
     """Time ``fn(*args, **kwargs)`` on the GPU with CUDA events: warm-up, median, L2 flushed.
 
-    Each repetition: flush L2 (untimed) -> record start -> fn() -> record end.  All event
-    pairs are read after one final synchronize, so the host never stalls the queue
-    between repetitions.  Returns a :class:`Timing` in milliseconds.
+    Each repetition: flush L2 and spin ``launch_slack_us`` (both untimed) -> record start
+    -> fn() -> record end.  All event pairs are read after one final synchronize, so the
+    host never stalls the queue between repetitions.  Returns a :class:`Timing` in ms.
+    What is timed is device time from the start event to the end event: the kernels, and
+    any gap between them that the host's overhead leaves once the slack is used up.
     """
     if reps < 1 or warmup < 0:
         raise ValueError(f"reps, warmup: need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
@@ -186,6 +215,7 @@ def time_cuda(fn, *args, warmup: int = DEFAULT_WARMUP, reps: int = DEFAULT_REPS,
         for _ in range(reps):
             if flush_l2:
                 dev.flush_l2()              # untimed: outside the start/end events
+            dev.spin(launch_slack_us)       # untimed: lets fn's launches queue up
             start, end = dev.event(), dev.event()
             dev.record(start)
             fn(*args, **kwargs)
@@ -288,7 +318,7 @@ DECODE_SWEEP = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1, 8, 64), se
                     dtypes=("float16",))
 DECODE_EXTRA = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1,), seqlens=(32768,),
                     dtypes=("bfloat16",))
-GATHER_SIZES = dict(heads_kv=8, head_dim=128, seqlens=(4096, 32768), dtype="float16")
+GATHER_SIZES = dict(heads_kv=8, head_dim=128, seqlens=(4096, 131072), dtype="float16")
 #: --quick: tiny shapes that run everywhere in seconds (also on a CPU, NumPy only)
 QUICK = dict(prefill=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=(True,),
                           dtypes=("float32",)),
@@ -300,9 +330,6 @@ SDPA_NAMES = ("flash", "efficient", "cudnn", "math")
 #: NumPy runs (host, one repetition) only when the problem is this small (FLOPs): beyond it
 #: a CPU run takes longer than the whole GPU sweep and teaches nothing new.
 NUMPY_MAX_FLOPS = 2.0e10
-#: paged rows build their cache on the host (PagedKVCache holds NumPy pools): skip caches
-#: larger than this many bytes (K + V) to stay inside the time box.
-PAGED_MAX_BYTES = 1.2e9
 #: each runner's timed loop aims at about this much device time (reps adapt, 3..DEFAULT_REPS)
 TARGET_MS_PER_RUNNER = 400.0
 #: largest |out - SDPA| accepted before a row is flagged "suspect" (per storage dtype)
@@ -621,30 +648,46 @@ def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops):
     return rows
 
 
-def _build_paged(k, v, dtype):
-    """A PagedKVCache holding the same K/V as the contiguous tensors, blocks interleaved.
+def device_pages(k, v, seed=0, block_size=PAGED_BLOCK):
+    """The same K/V as the contiguous (B, Hkv, N, d) tensors, in paged pools on the device.
 
-    Sequences are appended round-robin one block at a time, so consecutive blocks of one
-    sequence are not neighbours in the pool (as in a server with many live requests).
+    Returns (k_pool, v_pool, block_tables, seq_lens): pools (num_blocks, block_size, Hkv, d)
+    in k's dtype (bfloat16 too), int32 NumPy tables (B, N / block_size) holding a random
+    permutation of the pool's blocks -- scattered as in a server with many live requests
+    -- and the lengths.  Built on the device (no host copy), so any size that fits runs.
     """
-    from .paged import PagedKVCache
+    import torch
     B, Hkv, N, d = k.shape
-    if dtype == "bfloat16":
-        raise Unavailable("PagedKVCache holds float16/float32/float64 pools (no bfloat16)")
-    nbytes = 2 * k.numel() * k.element_size()
-    if nbytes > PAGED_MAX_BYTES:
-        raise Unavailable(f"skipped: the paged cache ({nbytes / 1e9:.2f} GB) is built on the host; "
-                          f"limit {PAGED_MAX_BYTES / 1e9:.1f} GB keeps the run inside its time box")
-    cache = PagedKVCache(B * (-(-N // PAGED_BLOCK)), block_size=PAGED_BLOCK, num_kv_heads=Hkv,
-                         head_dim=d, dtype=np.dtype(dtype))
-    hk = k.permute(0, 2, 1, 3).contiguous().cpu().numpy()      # (B, N, Hkv, d)
-    hv = v.permute(0, 2, 1, 3).contiguous().cpu().numpy()
-    sids = [cache.new_sequence() for _ in range(B)]
-    chunk = PAGED_BLOCK * 64 if B > 1 else N
-    for t0 in range(0, N, chunk):                                 # round-robin, chunk by chunk
-        for b, sid in enumerate(sids):
-            cache.append(sid, hk[b, t0:t0 + chunk], hv[b, t0:t0 + chunk])
-    return cache, sids
+    if N % block_size:
+        raise Unavailable(f"device_pages: N={N} must be a multiple of the block size {block_size}")
+    nblk = N // block_size
+    rng = np.random.default_rng(seed)
+    tables = rng.permutation(B * nblk).astype(np.int32).reshape(B, nblk)
+    kp = torch.empty((B * nblk, block_size, Hkv, d), dtype=k.dtype, device=k.device)
+    vp = torch.empty_like(kp)
+    for b in range(B):                                    # block j of sequence b -> pool[tables[b, j]]
+        idx = torch.from_numpy(tables[b]).to(k.device).long()
+        kp[idx] = k[b].permute(1, 0, 2).reshape(nblk, block_size, Hkv, d)
+        vp[idx] = v[b].permute(1, 0, 2).reshape(nblk, block_size, Hkv, d)
+    return kp, vp, tables, np.full(B, N, dtype=np.int32)
+
+
+def _gpu_module(backend):
+    import importlib
+    if backend == "numba":
+        _resolve_backend("numba", "attention")             # refuses the simulator
+    mod = "iokernels.numba_cuda" if backend == "numba" else "iokernels.cupy_raw"
+    try:
+        return importlib.import_module(mod)
+    except Exception as e:
+        raise Unavailable(f"{mod} not importable: {_first_line(e)}") from None
+
+
+def _pool_fn(backend, name):
+    f = getattr(_gpu_module(backend), name, None)
+    if f is None:
+        raise Unavailable(f"{backend}.{name} does not exist")
+    return f
 
 
 def decode_cases(spec, seed, progress, section="decode"):
@@ -678,26 +721,17 @@ def decode_cases(spec, seed, progress, section="decode"):
                         rows.append(_measure(name, backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
                                              dtype=dtype))
                     progress.update(1)
-                try:
-                    cache, sids = _build_paged(k, v, dtype)
-                    paged_err = None
-                except Unavailable as e:
-                    cache, sids, paged_err = None, None, str(e)
+                pages = device_pages(k, v, seed)
                 for backend in ("numba", "cupy"):
-                    name = f"{backend} paged"
-                    if cache is None:
-                        st = paged_err if paged_err.startswith("skipped") else f"unavailable: {paged_err}"
-                        rows.append({"runner": name, "group": backend, "status": st})
-                    else:
-                        def fn(backend=backend):
-                            f = _resolve_backend(backend, "paged_decode")
-                            return f(q, cache, sids, num_splits=None, scale=scale)
-                        rows.append(_measure(name, backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
-                                             dtype=dtype))
+                    def fn(backend=backend):
+                        f = _pool_fn(backend, "paged_decode_pools")
+                        return f(q, pages[0], pages[1], pages[2], pages[3], num_splits=None, scale=scale)
+                    rows.append(_measure(f"{backend} paged", backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
+                                         dtype=dtype))
                     progress.update(1)
                 case["results"] = rows
                 cases.append(_finish_case(case))
-                del q, k, v, q4, ref4, ref, cache
+                del q, k, v, q4, ref4, ref, pages
                 torch.cuda.empty_cache()
     return cases
 
@@ -726,18 +760,10 @@ def gather_cases(spec, seed, progress, section="gather"):
             return dst_k
         rows = [_measure("device copy (torch)", "copy", copy, work=nbytes, unit="TB/s", ref=k[0],
                          dtype=dtype)]
-        cache, sids = _build_paged(k, v, dtype)
+        pages = device_pages(k, v, seed)
         for backend in ("numba", "cupy"):
             def fn(backend=backend):
-                mod = "iokernels.numba_cuda" if backend == "numba" else "iokernels.cupy_raw"
-                if backend == "numba":
-                    _resolve_backend("numba", "attention")        # simulator check
-                try:
-                    m = importlib.import_module(mod)
-                    g = m.paged_gather
-                except (ImportError, AttributeError) as e:
-                    raise Unavailable(f"{mod}.paged_gather not available: {_first_line(e)}") from None
-                return g(cache, sids[0])
+                return _pool_fn(backend, "gather_pools")(pages[0], pages[1], pages[2][0], int(pages[3][0]))
             rows.append(_measure(f"{backend} gather", backend, fn, work=nbytes, unit="TB/s", ref=k[0],
                                  dtype=dtype))
             progress.update(1)
@@ -749,7 +775,7 @@ def gather_cases(spec, seed, progress, section="gather"):
                 r["speed_vs_copy"] = round(base["ms"] / r["ms"], 4)
         case["results"] = rows
         cases.append(case)
-        del k, v, dst_k, dst_v, cache
+        del k, v, dst_k, dst_v, pages
         torch.cuda.empty_cache()
     return cases
 

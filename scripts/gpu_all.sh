@@ -73,9 +73,10 @@ cp "$LOGS/traffic/ncu_raw.csv" "$OUT/ncu_raw.csv" 2>/dev/null || echo "no ncu ou
 note "pytest + 4 sanitizers in parallel (limit ${T_CHECKS}s)"
 (
   files=""
-  for f in tests/test_numba_gpu.py tests/test_cupy.py; do [ -f "$f" ] && files="$files $f"; done
-  echo "== python3 -m pytest -m gpu tests"
-  timeout --kill-after=5 $T_CHECKS $PY -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -40
+  for f in tests/test_numba*.py tests/test_cupy*.py tests/test_torch_sdpa.py tests/test_bench.py; do
+    [ -f "$f" ] && files="$files $f"; done
+  echo "== python3 -m pytest -m gpu tests (tests marked gpu, if any)"
+  timeout --kill-after=5 $T_CHECKS $PY -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -15
   if [ -n "$files" ]; then
     echo "== python3 -m pytest$files"
     timeout --kill-after=5 $T_CHECKS $PY -m pytest -q -p no:cacheprovider $files 2>&1 | tail -40

@@ -125,27 +125,26 @@ def _build(name, family, kw, gen):
         return lambda: dst.copy_(src)
     dt = getattr(torch, kw["dtype"])
     if "gather" in name or "decode" in name:
-        from iokernels.bench import _build_paged, _resolve_backend
+        from iokernels.bench import _pool_fn, _resolve_backend, device_pages
         Hkv, N, d = kw["Hkv"], kw["N"], kw["d"]
         B = kw.get("B", 1)
         k = torch.randn((B, Hkv, N, d), device="cuda", dtype=dt, generator=gen)
         v = torch.randn((B, Hkv, N, d), device="cuda", dtype=dt, generator=gen)
         if "gather" in name:
-            import importlib
-            m = importlib.import_module("iokernels.numba_cuda" if family == "numba" else "iokernels.cupy_raw")
-            if family == "numba":
-                _resolve_backend("numba", "attention")     # refuses the simulator
-            cache, sids = _build_paged(k, v, kw["dtype"])
-            return lambda: m.paged_gather(cache, sids[0])
+            kp, vp, tables, lens = device_pages(k, v)
+            del k, v
+            g = _pool_fn(family, "gather_pools")
+            return lambda: g(kp, vp, tables[0], int(lens[0]))
         q = torch.randn((B, kw["Hq"], d), device="cuda", dtype=dt, generator=gen)
         scale = 1.0 / np.sqrt(d)
         if family == "torch":
             q4 = q[:, :, None, :]
             return lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
         if "paged" in name:
-            f = _resolve_backend(family, "paged_decode")
-            cache, sids = _build_paged(k, v, kw["dtype"])
-            return lambda: f(q, cache, sids, num_splits=None, scale=scale)
+            kp, vp, tables, lens = device_pages(k, v)
+            del k, v
+            f = _pool_fn(family, "paged_decode_pools")
+            return lambda: f(q, kp, vp, tables, lens, num_splits=None, scale=scale)
         f = _resolve_backend(family, "decode")
         return lambda: f(q, k, v, seq_lens=None, num_splits=None, scale=scale)
     B, H, N, d = kw["B"], kw["H"], kw["N"], kw["d"]
@@ -175,7 +174,7 @@ extern "C" __global__ void ik_l2flush(const float4* buf, long long n, float* sin
 '''
 
 
-def run(out_dir, only=None):
+def run(out_dir, only=None, budget_s=None):
     import cupy as cp
     import torch
     from iokernels.bench import l2_cache_bytes
@@ -194,11 +193,17 @@ def run(out_dir, only=None):
     do_flush()
     do_flush()                        # the first pass evicts the fill's dirty lines
     plan = []
+    t_start = time.time()
+    n_markers = 0
     gen = torch.Generator(device="cuda").manual_seed(0)
     for idx, (name, family, size, kw) in enumerate(_problems()):
         if only and only not in name:
             continue
         entry = dict(index=len(plan), case=name, family=family, size=size, problem=kw)
+        if budget_s is not None and time.time() - t_start > budget_s:
+            entry["status"] = f"skipped: the profiled run's time box ({budget_s:.0f} s) ran out"
+            plan.append(entry)
+            continue
         try:
             entry["model_read"], entry["model_written"], entry["model_by_tensor"], entry["model_kind"] = \
                 _model(name, kw)
@@ -215,6 +220,12 @@ def run(out_dir, only=None):
             entry["status"] = "ok"
         except Exception as e:
             entry["status"] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if entry["status"] != "ok":
+            plan.append(entry)
+            print(f"[{entry['index']}] {name} {size}: {entry['status']}", flush=True)
+            continue
+        entry["marker"] = n_markers                      # the n-th ik_marker opens this case's kernels
+        n_markers += 1
         torch.cuda.profiler.start()
         do_flush()
         marker((1,), (1,), (np.int32(entry["index"]), sink_i))
@@ -293,7 +304,7 @@ def parse(out_dir):
             groups[cur].append((name, vals))
     results = []
     for e in plan:
-        g = groups.get(e["index"], [])
+        g = groups.get(e.get("marker", -1), [])
         r = dict(e)
         if e.get("status") == "ok" and g:
             rd = sum(v.get("dram__bytes_read.sum", 0.0) for _, v in g)
@@ -341,7 +352,8 @@ def all_(out_dir, ncu="ncu", timeout=300, only=None):
     cmd = [ncu, "--clock-control", "none", "--cache-control", "none", "--profile-from-start", "off",
            "--metrics", ",".join(METRICS), "--csv", "--page", "raw", "--print-units", "base",
            "--log-file", os.path.join(out_dir, "ncu_raw.csv"),
-           sys.executable, os.path.abspath(__file__), "run", "--out", out_dir]
+           sys.executable, os.path.abspath(__file__), "run", "--out", out_dir,
+           "--budget", str(max(10, int(timeout * 0.6)))]
     if only:
         cmd += ["--only", only]
     print(" ".join(cmd), flush=True)
@@ -364,10 +376,12 @@ def main(argv=None):
     p.add_argument("--ncu", default="ncu")
     p.add_argument("--only", default=None, help="only cases whose name contains this")
     p.add_argument("--timeout", type=int, default=300)
+    p.add_argument("--budget", type=float, default=None,
+                   help="run: stop starting new cases after this many seconds (ncu writes its CSV at exit)")
     a = p.parse_args(argv)
     try:
         if a.mode == "run":
-            run(a.out, a.only)
+            run(a.out, a.only, a.budget)
         elif a.mode == "parse":
             parse(a.out)
         else:

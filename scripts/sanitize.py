@@ -49,26 +49,50 @@ def _selftest():
     assert float(cp.max(cp.abs(y - 2 * x))) == 0.0
 
 
-def _cases(module):
-    """(name, callable) pairs from ``module.sanitize_cases()``, or a reason it has none."""
+def _run_family(module, t0):
+    """Call ``module.sanitize_cases()``; returns (cases run, cases failed, reason if none).
+
+    Two forms are accepted: the function runs every kernel itself and returns what ran
+    (a list of names or (name, error) pairs), or it returns callables (a dict name ->
+    callable, or (name, callable) pairs), which are run here one by one.
+    """
     try:
         m = importlib.import_module(module)
     except Exception as e:
-        return None, f"{module} not importable: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        return 0, 0, f"{module} not importable: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     fn = getattr(m, "sanitize_cases", None)
     if fn is None:
-        return None, f"{module}.sanitize_cases does not exist yet"
-    cases = fn()
-    if isinstance(cases, dict):
-        cases = list(cases.items())
-    out = []
-    for i, c in enumerate(cases):
-        if callable(c):
-            out.append((getattr(c, "__name__", f"case{i}"), c))
-        else:
-            name, f = c
-            out.append((str(name), f))
-    return out, None
+        return 0, 0, f"{module}.sanitize_cases does not exist yet"
+    family = module.rsplit(".", 1)[-1]
+    try:
+        result = fn()
+    except Exception as e:
+        print(f"[{time.perf_counter() - t0:6.1f}s] case {family}:sanitize_cases: FAILED {type(e).__name__}: "
+              f"{str(e)[:300]}", flush=True)
+        traceback.print_exc(limit=4)
+        return 0, 1, None
+    items = list(result.items()) if isinstance(result, dict) else list(result or [])
+    ran = failed = 0
+    for i, item in enumerate(items):
+        name, f = (item if isinstance(item, tuple) and len(item) == 2 else (None, item))
+        if callable(f):
+            name = name or getattr(f, "__name__", f"case{i}")
+            t = time.perf_counter()
+            try:
+                f()
+                ran += 1
+                print(f"[{time.perf_counter() - t0:6.1f}s] case {family}:{name}: ok "
+                      f"({time.perf_counter() - t:.1f} s)", flush=True)
+            except Exception as e:
+                failed += 1
+                print(f"[{time.perf_counter() - t0:6.1f}s] case {family}:{name}: FAILED {type(e).__name__}: "
+                      f"{str(e)[:300]}", flush=True)
+                traceback.print_exc(limit=3)
+        else:                                  # already run by sanitize_cases itself
+            ran += 1
+            label = item if isinstance(item, str) else " ".join(str(x) for x in (item if isinstance(item, tuple) else [item]))
+            print(f"[{time.perf_counter() - t0:6.1f}s] case {family}:{label.replace(' ', '_')}: ok", flush=True)
+    return ran, failed, None if items else "sanitize_cases returned nothing"
 
 
 def main(argv=None) -> int:
@@ -83,26 +107,17 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         _selftest()
-        print("case selftest (cupy ik_selftest): ok", flush=True)
+        print(f"[{time.perf_counter() - t0:6.1f}s] case selftest:ik_selftest: ok", flush=True)
     except Exception as e:
         print(f"case selftest: FAILED {type(e).__name__}: {e}", flush=True)
         failed += 1
     for family, module in modules.items():
-        cases, why = _cases(module)
-        if cases is None:
-            print(f"family {family}: no cases ({why})", flush=True)
-            continue
-        print(f"family {family}: {len(cases)} cases", flush=True)
-        for name, fn in cases:
-            t = time.perf_counter()
-            try:
-                fn()
-                ran += 1
-                print(f"case {family}:{name}: ok ({time.perf_counter() - t:.1f} s)", flush=True)
-            except Exception as e:
-                failed += 1
-                print(f"case {family}:{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                traceback.print_exc(limit=3)
+        print(f"[{time.perf_counter() - t0:6.1f}s] family {family}: starting", flush=True)
+        r, f, why = _run_family(module, t0)
+        ran += r
+        failed += f
+        print(f"[{time.perf_counter() - t0:6.1f}s] family {family}: {r} cases ok, {f} failed"
+              + (f" ({why})" if why else ""), flush=True)
     print(f"sanitize.py: {ran} kernel cases ran, {failed} failed, {time.perf_counter() - t0:.1f} s", flush=True)
     return 1 if failed else 0
 
@@ -129,9 +144,9 @@ def summarize(log_dir, env_line="") -> str:
         rc = open(path[:-4] + ".rc").read().strip() if os.path.exists(path[:-4] + ".rc") else "?"
         m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
         errors = int(m[-1]) if m else None
-        cases = re.findall(r"^case (\S+): ok", text, flags=re.M)
-        failed = re.findall(r"^case (\S+): FAILED", text, flags=re.M)
-        families = re.findall(r"^family .*$", text, flags=re.M)
+        cases = re.findall(r"case (\S+): ok", text)
+        failed = re.findall(r"case (\S+): FAILED", text)
+        families = re.findall(r"family \S+: \d+ cases.*$", text, flags=re.M)
         verdict = ("no ERROR SUMMARY (timed out or crashed)" if errors is None else f"{errors} errors")
         total_errors += errors or 0
         lines.append(f"{tool:<10} {verdict:<14} exit {rc:<4} {len(cases)} cases ok, {len(failed)} failed")
