@@ -28,7 +28,7 @@ def kind_of(x) -> str:
         return "torch"
     if mod == "cupy":
         return "cupy"
-    if cuda.is_cuda_array(x) or hasattr(x, "copy_to_host"):
+    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "copy_to_host"):
         return "numba"
     return "unknown"
 

@@ -12,7 +12,7 @@ n_b        keys of sequence b (``seq_lens``); Bn keys per tile (16; the block si
 S          ``num_splits``: split s takes tiles [s*ceil(Tc/S), (s+1)*ceil(Tc/S)), as
            :func:`iokernels.decode.split_ranges`
 L          lanes per key (``lanes_per_key``): a key's d dims are shared by L lanes
-KG         key groups per block: threads / L; group k takes keys start+k, start+k+KG, ...
+KG         key groups per block (KEY_GROUPS = 8); threads = KG * L; group k takes keys start+k, start+k+KG, ...
 m, l, O    running max, sum and unnormalized output, per (group, query head), registers
 O_s, LSE_s a split's partial output (float32) and log-sum-exp, in HBM
 =========  ===========================================================================
@@ -55,10 +55,11 @@ import numba  # noqa: E402
 
 #: block-table entries a paged split block stages in shared memory at once.
 TABLE_STAGE = 32
-#: threads per split block and lanes per key: 128 threads = 8 key groups of 16 lanes for
-#: d = 128 (8 dims a lane); lanes stay inside one warp so their sum is a shuffle.
-DECODE_THREADS = 128
+#: lanes per key and key groups per split block: 8 groups of 16 lanes = 128 threads for
+#: d = 128 (8 dims a lane); lanes stay inside one warp so their sum is a shuffle.  Small d
+#: gets fewer lanes (and so fewer threads).
 LANES_PER_KEY = 16
+KEY_GROUPS = 8
 #: threads of a combine block (they share the d dims of one (sequence, head)).
 COMBINE_THREADS = 128
 #: the num_splits=None heuristic counts this many resident blocks per SM as "SMs": one
@@ -78,23 +79,28 @@ def lanes_for(head_dim: int) -> int:
 
 # --------------------------------------------------------------------------- split
 @functools.lru_cache(maxsize=None)
-def make_split(D: int, G: int, NT: int, L: int, paged: bool, acc_name: str, simulated: bool):
+def make_split(D: int, G: int, L: int, paged: bool, acc_name: str, simulated: bool):
     """The split kernel for head_dim D, g = G query heads per KV head, NT threads, L lanes."""
     ACC = getattr(numba, acc_name)
     NEG_INF, ZERO, ONE = (np.dtype(acc_name).type(x) for x in (-np.inf, 0, 1))
-    KG = NT // L                                              # key groups per block
+    KG = KEY_GROUPS                                           # key groups per block
+    NT = KG * L                                               # threads per block
     DPT = -(-D // L)                                          # dims per lane
     DPAD = DPT * L
-    SCRATCH = NT if simulated else 1
+    SCRATCH = (G, NT) if simulated else (1, 1)
     STAGE = TABLE_STAGE
     PAGED = paged
-    lane_sum = _make_lane_sum(L, simulated)
+    lane_sum = _make_lane_sum(L, G, simulated)
 
     def split(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, bn, nsplit):
         sp, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
         kg, lane = tid // L, tid % L
-        n = lens[b]
+        n_s = cuda.shared.array(1, int32)
+        if tid == 0:
+            n_s[0] = lens[b]                                  # read n_b (once per block)
+        cuda.syncthreads()
+        n = n_s[0]
         tiles = (n + bn - 1) // bn                            # split_ranges, in tiles of bn keys
         per = (tiles + nsplit - 1) // nsplit
         start, end = min(sp * per * bn, n), min((sp + 1) * per * bn, n)
@@ -140,10 +146,10 @@ def make_split(D: int, G: int, NT: int, L: int, paged: bool, acc_name: str, simu
                         else:
                             kv[u] = ACC(k[b, hk, c, dd])
                 for g in range(G):                            # s_g = q_g . k_c, lanes summed
-                    part = ZERO
+                    sc[g] = ZERO
                     for u in range(DPT):
-                        part += q_r[g, u] * kv[u]
-                    sc[g] = lane_sum(part, scratch, tid)
+                        sc[g] += q_r[g, u] * kv[u]
+                lane_sum(sc, scratch, tid)
                 if valid:
                     for u in range(DPT):                      # load v_c -> registers
                         dd = lane + L * u
@@ -282,7 +288,7 @@ def split_kernel_function(head_dim, g, dtype, paged, simulated=None):
     acc_name = np.dtype(_acc_types(dtype)[0]).name
     if simulated is None:
         simulated = gpu.simulator_enabled()
-    return make_split(head_dim, g, DECODE_THREADS, lanes_for(head_dim), paged, acc_name, simulated)
+    return make_split(head_dim, g, lanes_for(head_dim), paged, acc_name, simulated)
 
 
 def combine_kernel_function(head_dim, dtype):
@@ -293,7 +299,7 @@ def check_split_smem(head_dim, g, dtype):
     acc = np.dtype(_acc_types(dtype)[0]).itemsize
     L = lanes_for(head_dim)
     dpad = -(-head_dim // L) * L
-    need = (g * dpad + (DECODE_THREADS // L) * (dpad + 2)) * acc + TABLE_STAGE * 4
+    need = (g * dpad + KEY_GROUPS * (dpad + 2)) * acc + TABLE_STAGE * 4
     if need > SHARED_LIMIT_BYTES:
         raise ValueError(f"q: {g} query heads per KV head at head_dim {head_dim} ({dtype}) need {need:,} B of "
                          f"shared memory in the numba decode kernel, more than {SHARED_LIMIT_BYTES:,}")
@@ -312,7 +318,7 @@ def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, blo
     if B == 0:
         return
     split = _jitted(split_kernel_function(d, Hq // Hkv, dtype, paged))
-    split[(S, Hkv, B), DECODE_THREADS](q, k, v, tables, lens, o, lse, o_part, lse_part,
+    split[(S, Hkv, B), KEY_GROUPS * lanes_for(d)](q, k, v, tables, lens, o, lse, o_part, lse_part,
                                        acc_t(scale), block_n, S)
     if S > 1:
         comb = _jitted(combine_kernel_function(d, dtype))

@@ -204,32 +204,35 @@ def tile_span(r0, r1, Nq, Nk, left, right):
     return kmin, kmax
 
 
-def _make_lane_sum(L: int, simulated: bool):
-    """Sum x over the L lanes of a row (aligned groups of L lanes within a warp).
+def _make_lane_sum(L: int, R: int, simulated: bool):
+    """Sum each of the R values in ``x`` over the L lanes of its row, in place.
 
-    On a GPU: a butterfly of warp shuffles, log2(L) steps, every lane ends with the total.
-    On the simulator (no shuffles): through shared memory ``scratch`` with two barriers;
-    every thread of the block must call it the same number of times (v3 makes sure).
+    Lanes of a row are aligned groups of L threads within one warp.  On a GPU: a butterfly
+    of warp shuffles per value, log2(L) steps, after which every lane holds the total.  On
+    the simulator (no shuffles): through shared memory ``scratch`` (R, threads) with two
+    barriers; every thread of the block must call it the same number of times.
     """
     if not simulated:
         @cuda.jit(device=True)
         def lane_sum(x, scratch, tid):
-            off = L // 2
-            while off > 0:
-                x += cuda.shfl_xor_sync(FULL_MASK, x, off)
-                off //= 2
-            return x
+            for r in range(R):
+                off = L // 2
+                while off > 0:
+                    x[r] += cuda.shfl_xor_sync(FULL_MASK, x[r], off)
+                    off //= 2
     else:
         @cuda.jit(device=True)
         def lane_sum(x, scratch, tid):
-            scratch[tid] = x
+            for r in range(R):
+                scratch[r, tid] = x[r]
             cuda.syncthreads()
             base = tid - tid % L
-            total = scratch[base]
-            for u in range(1, L):
-                total += scratch[base + u]
+            for r in range(R):
+                total = scratch[r, base]
+                for u in range(1, L):
+                    total += scratch[r, base + u]
+                x[r] = total
             cuda.syncthreads()
-            return total
     return lane_sum
 
 
@@ -370,8 +373,8 @@ def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: 
     DPT = -(-D // L)                                         # dims per lane
     DPAD = DPT * L                                           # d padded to a multiple of L (zeros)
     CH = min(KEYS_PER_STEP, BC)                              # keys folded per softmax step
-    SCRATCH = NT if simulated else 1                         # lane-sum scratch (simulator only)
-    lane_sum = _make_lane_sum(L, simulated)
+    SCRATCH = (R, NT) if simulated else (1, 1)               # lane-sum scratch (simulator only)
+    lane_sum = _make_lane_sum(L, R, simulated)
 
     def fwd_v3(q, k, v, o, lse, scale, left, right):
         Hq, Nq, Hkv, Nk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
@@ -391,6 +394,7 @@ def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: 
         lo = cuda.local.array(R, int32)
         hi = cuda.local.array(R, int32)
         s = cuda.local.array((R, CH), ACC)                   # S (then P) for CH keys
+        part = cuda.local.array(R, ACC)                      # a lane's partial dot products
         for rr in range(R):
             i = r0 + grp * R + rr
             m[rr], l[rr] = NEG_INF, ZERO
@@ -418,11 +422,12 @@ def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: 
                 for c in range(CH):                          # S = scale q K^T, lanes summed
                     j = c0 + cc + c
                     for rr in range(R):
-                        part = ZERO
+                        part[rr] = ZERO
                         for u in range(DPT):
-                            part += q_r[rr, u] * K_j[cc + c, lane + L * u]
-                        total = lane_sum(part, scratch, tid)
-                        s[rr, c] = total * scale if (j >= lo[rr] and j < hi[rr]) else NEG_INF
+                            part[rr] += q_r[rr, u] * K_j[cc + c, lane + L * u]
+                    lane_sum(part, scratch, tid)
+                    for rr in range(R):
+                        s[rr, c] = part[rr] * scale if (j >= lo[rr] and j < hi[rr]) else NEG_INF
                 for rr in range(R):                          # the online softmax, per row
                     m_new = m[rr]
                     for c in range(CH):

@@ -2,8 +2,8 @@
 
 ``numba.cuda.compile_ptx`` needs only NVVM (pip-installable with numba-cuda), not a GPU, but
 it needs the real CUDA target: the simulator must be off (NUMBA_ENABLE_CUDASIM=0) when numba
-is first imported.  ``python -m iokernels.numba_cuda.ptx 75 90`` (run that way by
-tests/test_numba_ptx.py in a subprocess) prints a JSON report.
+is first imported.  ``python -m iokernels.numba_cuda.ptx 75 90 float32 d=128 only=fwd`` (run that way by
+tests/test_numba_ptx.py in a subprocess) prints a JSON report; every argument optional.
 
 Why look for float64: a float32 kernel that mixes in a Python float (``0.0``, ``1.0 / l``)
 silently computes in float64, which runs at 1/64 of the float32 rate on most GPUs.
@@ -27,7 +27,7 @@ def _arr(t, nd, layout="C"):
     return types.Array(t, nd, layout)
 
 
-def kernel_signatures():
+def kernel_signatures(head_dims=HEAD_DIMS):
     """(name, storage dtype, python function, numba signature) for every kernel we launch."""
     from numba import types
     from . import decode_kernels as dk
@@ -36,7 +36,7 @@ def kernel_signatures():
     for dtype in ("float32", "float16", "float64"):
         st = getattr(types, dtype)
         acc = types.float64 if dtype == "float64" else types.float32
-        for d in HEAD_DIMS:
+        for d in head_dims:
             fwd_sig = (_arr(st, 4), _arr(st, 4), _arr(st, 4), _arr(st, 4), _arr(acc, 3), acc, types.int64, types.int64)
             for version in (1, 2, 3):
                 cfg = ff.NumbaConfig(version=version)
@@ -76,13 +76,16 @@ def _no_device_for_device_functions(cc):
     dispatcher.get_current_device = lambda: _TargetOnly(cc)
 
 
-def compile_all(ccs=((7, 5), (9, 0)), dtypes=("float32", "float16", "float64")) -> dict:
-    """{f"{name}/{dtype}/sm_{cc}": {"f64": [lines], "bytes": n}} for every kernel and cc."""
+def compile_all(ccs=((7, 5), (9, 0)), dtypes=("float32", "float16", "float64"), head_dims=HEAD_DIMS,
+                only=None) -> dict:
+    """{f"{name}/{dtype}/sm_{cc}": {"f64": [lines], "bytes": n, "shfl": bool}} per kernel and cc.
+
+    ``only``: a substring a kernel's name must contain (None: all)."""
     from numba import cuda, types
     _no_device_for_device_functions(ccs[0])
     report = {}
-    for name, dtype, fn, sig in kernel_signatures():
-        if dtype not in dtypes:
+    for name, dtype, fn, sig in kernel_signatures(head_dims):
+        if dtype not in dtypes or (only and only not in name):
             continue
         for cc in ccs:
             ptx, _ = cuda.compile_ptx(fn, types.void(*sig), cc=cc)
@@ -97,8 +100,10 @@ def main(argv=None):
         raise SystemExit("ptx: run with NUMBA_ENABLE_CUDASIM=0 (compile_ptx needs the real CUDA target)")
     argv = sys.argv[1:] if argv is None else argv
     ccs = tuple((int(a[:-1]), int(a[-1])) for a in argv if a.isdigit()) or ((7, 5), (9, 0))
-    dtypes = tuple(a for a in argv if not a.isdigit()) or ("float32", "float16", "float64")
-    print(json.dumps(compile_all(ccs, dtypes)))
+    dtypes = tuple(a for a in argv if a.startswith("float")) or ("float32", "float16", "float64")
+    dims = tuple(int(a[2:]) for a in argv if a.startswith("d=")) or HEAD_DIMS
+    only = next((a[5:] for a in argv if a.startswith("only=")), None)
+    print(json.dumps(compile_all(ccs, dtypes, dims, only)))
 
 
 if __name__ == "__main__":

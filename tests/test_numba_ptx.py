@@ -1,0 +1,64 @@
+"""Compile the Numba kernels to PTX for compute capability 7.5 and 9.0 with the simulator
+off (no GPU needed: NVVM comes with numba-cuda's pip packages), in a subprocess because the
+simulator is chosen when numba is first imported.  A float32 (or float16) kernel whose PTX
+computes in float64 fails: a stray Python float (0.0, 1.0 / l) promotes silently and runs
+at a fraction of the float32 rate.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compile(*args):
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "iokernels.numba_cuda.ptx", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        if "NVVM" in r.stderr and "not found" in r.stderr.lower():
+            pytest.skip("NVVM (numba-cuda's compiler library) is not installed")
+        raise AssertionError(r.stderr[-4000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def report():
+    """Every kernel, float32 at sm_75 and sm_90, float16 at sm_90 (d = 128 and ragged 59 for the
+    forward v3 and decode, whose lanes own padded dims)."""
+    out = _compile("75", "90", "float32", "d=128")
+    out.update(_compile("90", "float16", "d=128"))
+    out.update(_compile("90", "float32", "d=59", "only=v3"))
+    return out
+
+
+def test_every_kernel_compiled_for_both_targets(report):
+    names = {k.split("/")[0] for k in report}
+    assert {"fwd_v1_d128", "fwd_v2_d128", "fwd_v3_d128", "decode_split_d128", "decode_split_paged_d128",
+            "decode_combine_d128", "gather", "fwd_v3_d59"} <= names
+    for cc in ("sm_75", "sm_90"):
+        assert sum(k.endswith(cc) for k in report) >= 7
+    assert all(v["bytes"] > 1000 for v in report.values())
+
+
+def test_no_float64_arithmetic_in_float32_or_float16_kernels(report):
+    bad = {k: v["f64"] for k, v in report.items() if v["f64"]}
+    assert not bad, f"float64 instructions in low-precision kernels: {bad}"
+
+
+def test_shuffles_on_the_gpu_path(report):
+    """v3 and the decode split sum a row's lanes with warp shuffles (not the simulator's
+    shared-memory stand-in)."""
+    assert report["fwd_v3_d128/float32/sm_90"]["shfl"]
+    assert report["decode_split_d128/float32/sm_90"]["shfl"]
+    assert not report["fwd_v2_d128/float32/sm_90"]["shfl"]
+
+
+def test_the_float64_detector_finds_float64():
+    """The check can fail: the float64 combine kernel's PTX is full of .f64 arithmetic."""
+    out = _compile("90", "float64", "d=128", "only=combine")
+    assert out and all(v["f64"] for v in out.values())
