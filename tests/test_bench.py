@@ -1,0 +1,145 @@
+"""The timing helper, the benchmark harness and the GPU scripts' parsers (CPU-only checks).
+
+Speeds are never asserted here: these tests check the machinery (statistics, ratios, the
+silent fall-back verdict, paged pools, the ncu CSV grouping, the sanitizer summary).
+"""
+import importlib.util
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from iokernels import bench
+from iokernels.paged import paged_gather
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_time_cpu_statistics():
+    delays = iter([0.004, 0.001, 0.002, 0.003, 0.005, 0.0])
+    t = bench.time_cpu(lambda: time.sleep(next(delays)), warmup=1, reps=5)
+    assert t.reps == 5
+    assert t.p10 <= t.median_ms <= t.p90
+    assert 1.5 <= t.median_ms < 20          # the median of sleeps of 1..5 ms is about 2-3 ms
+
+
+@pytest.mark.parametrize("kw", [dict(reps=0), dict(warmup=-1)])
+def test_timers_reject_bad_counts(kw):
+    with pytest.raises(ValueError, match="reps"):
+        bench.time_cpu(lambda: None, **kw)
+
+
+def test_timing_rates():
+    t = bench.Timing(median_ms=2.0, p10=1.9, p90=2.2, reps=7)
+    assert t.tflops(4e12) == pytest.approx(2000.0)      # 4 TFLOP in 2 ms
+    assert t.tbps(3e9) == pytest.approx(1.5)            # 3 GB in 2 ms
+    assert t.as_dict()["reps"] == 7
+
+
+def test_time_cuda_needs_a_gpu():
+    if bench._torch_cuda() is not None or bench._cupy_cuda() is not None:
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        bench.time_cuda(lambda: None)
+
+
+def test_finish_case_ratios_and_silent_fallback():
+    rows = [dict(runner="sdpa:flash", group="sdpa", status="unavailable: No available kernel"),
+            dict(runner="sdpa:efficient", group="sdpa", status="ok", ms=2.0),
+            dict(runner="sdpa:math", group="sdpa", status="ok", ms=8.0),
+            dict(runner="sdpa:default", group="sdpa", status="ok", ms=8.1),
+            dict(runner="numba", group="numba", status="ok", ms=4.0)]
+    case = bench._finish_case(dict(results=rows, default_ran="math"))
+    assert case["best_sdpa"] == "sdpa:efficient"
+    assert rows[4]["speed_vs_best_sdpa"] == pytest.approx(0.5)
+    assert rows[2]["speed_vs_best_sdpa"] == pytest.approx(0.25)
+    assert "efficient" in case["silent_fallback"]
+    ok = bench._finish_case(dict(results=[dict(r) for r in rows], default_ran="efficient"))
+    assert "silent_fallback" not in ok
+
+
+def test_device_pages_hold_the_same_kv(rng):
+    torch = pytest.importorskip("torch")
+    k = torch.from_numpy(rng.standard_normal((3, 2, 80, 8)).astype(np.float32))
+    v = torch.from_numpy(rng.standard_normal((3, 2, 80, 8)).astype(np.float32))
+    kp, vp, tables, lens = bench.device_pages(k, v, seed=1)
+    assert tables.shape == (3, 5) and sorted(tables.ravel().tolist()) == list(range(15))
+    assert lens.tolist() == [80, 80, 80]
+    for b in range(3):
+        kk, vv = paged_gather(kp.numpy(), vp.numpy(), tables[b], 80)
+        np.testing.assert_array_equal(kk, k[b].numpy())
+        np.testing.assert_array_equal(vv, v[b].numpy())
+
+
+def test_main_quick_writes_a_record(tmp_path, capsys):
+    if bench._torch_cuda() is not None:
+        pytest.skip("on a GPU the quick run times kernels; covered by scripts/gpu_all.sh")
+    out = tmp_path / "rec.json"
+    assert bench.main(["--quick", "--no-progress", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["env"]["date_utc"] and "recorded on" in rec["label"]
+    rows = [r for c in rec["cases"] for r in c["results"]]
+    assert {r["runner"] for r in rows} == {"numpy naive", "numpy tiled"}
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
+    assert "numpy tiled" in capsys.readouterr().out
+
+
+def test_main_rejects_unknown_sections():
+    with pytest.raises(SystemExit):
+        bench.main(["--sections", "prefill,bogus"])
+
+
+def test_ncu_csv_grouping_by_markers(tmp_path):
+    pt = _script("profile_traffic")
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"')
+    lines = ["==PROF== Connected", header, '"","","","","","","","","","","","byte","byte","nsecond"']
+
+    def k(i, name, r, w):
+        lines.append(f'"{i}","1","p","h","{name}","1","7","(1,1,1)","(1,1,1)","0","9.0","{r}","{w}","1000"')
+    k(0, "ik_l2flush", 9e8, 0)
+    k(1, "ik_marker", 0, 0)
+    k(2, "gemm_a", 100, 10)
+    k(3, "softmax_b", 50, 40)
+    k(4, "ik_l2flush", 9e8, 0)
+    k(5, "ik_marker", 0, 0)
+    k(6, "copy_c", 1000, 1000)
+    (tmp_path / "ncu_raw.csv").write_text("\n".join(lines) + "\n")
+    plan = [dict(index=0, case="naive attention", family="torch", size="small", status="ok", marker=0,
+                 model_read=150, model_written=50, mandatory_read=100, mandatory_written=10),
+            dict(index=1, case="numba decode", family="numba", size="small", status="unavailable: x"),
+            dict(index=2, case="copy", family="torch", size="large", status="ok", marker=1,
+                 model_read=1000, model_written=1000, mandatory_read=1000, mandatory_written=1000)]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    rec = pt.parse(str(tmp_path))
+    a, b, c = rec["cases"]
+    assert (a["measured_read"], a["measured_written"]) == (150, 50)
+    assert a["kernels"] == ["gemm_a", "softmax_b"] and a["measured_over_model"] == 1.0
+    assert "measured_read" not in b and b["status"].startswith("unavailable")
+    assert (c["measured_read"], c["measured_written"]) == (1000, 1000)
+
+
+def test_sanitizer_summary(tmp_path):
+    sz = _script("sanitize")
+    (tmp_path / "sanitize_memcheck.log").write_text(
+        "========= COMPUTE-SANITIZER\n[ 0.1s] case selftest:ik_selftest: ok\n"
+        "[ 2.0s] family numba: 3 cases ok, 0 failed\n[ 2.0s] case numba:forward_v1: ok\n"
+        "========= ERROR SUMMARY: 0 errors\n")
+    (tmp_path / "sanitize_memcheck.rc").write_text("0\n")
+    (tmp_path / "sanitize_racecheck.log").write_text(
+        "========= COMPUTE-SANITIZER\n========= Error: Race reported between Write access ...\n"
+        "[ 1.0s] case cupy:decode: FAILED AssertionError: x\n========= ERROR SUMMARY: 2 errors\n")
+    (tmp_path / "sanitize_racecheck.rc").write_text("99\n")
+    text = sz.summarize(str(tmp_path), "recorded on X")
+    assert "memcheck   0 errors" in text and "racecheck  2 errors" in text
+    assert "synccheck  not run" in text and "total sanitizer errors: 2" in text
+    assert "FAILED: cupy:decode:" in text or "FAILED: cupy:decode" in text
