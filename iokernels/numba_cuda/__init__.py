@@ -42,7 +42,15 @@ from .decode_kernels import (decode, gather_pools, paged_decode, paged_decode_po
 from .flash_fwd import NumbaConfig, attention  # noqa: E402
 
 __all__ = ["attention", "decode", "paged_decode", "paged_decode_pools", "paged_gather", "gather_pools",
-           "NumbaConfig", "sanitize_cases"]
+           "NumbaConfig", "sanitize_cases", "bench_versions"]
+
+
+def bench_versions(op: str, dtype: str) -> dict:
+    """The numbered versions the side-by-side benchmark times: {label: config} (forward only;
+    decode and gather have one version, the config None)."""
+    if op == "attention":
+        return {f"v{v}": NumbaConfig(version=v) for v in (1, 2, 3)}
+    return {}
 
 
 def sanitize_cases(seed: int = 0, verbose: bool = True):

@@ -84,3 +84,29 @@ def finish(kind, handle):
     if kind == "numpy":
         return handle.copy_to_host()
     return handle
+
+
+#: small host constants (block tables, lengths, dummy outputs) uploaded once and reused:
+#: a synchronous host-to-device copy in every call would stall the launch queue.  Keyed by
+#: content, bounded, never shared between devices.
+_UPLOADS: "dict" = {}
+UPLOAD_CACHE_ENTRIES = 32
+
+
+def _device_id():
+    try:
+        return cuda.get_current_device().id
+    except Exception:  # the simulator's fake device
+        return 0
+
+
+def upload_constant(a: np.ndarray):
+    """A device copy of a small host array, reused while its content is unchanged."""
+    a = np.ascontiguousarray(a)
+    key = (_device_id(), a.dtype.str, a.shape, a.tobytes())
+    dev = _UPLOADS.get(key)
+    if dev is None:
+        if len(_UPLOADS) >= UPLOAD_CACHE_ENTRIES:
+            _UPLOADS.pop(next(iter(_UPLOADS)))
+        dev = _UPLOADS[key] = cuda.to_device(a)
+    return dev

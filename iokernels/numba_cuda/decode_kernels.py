@@ -343,16 +343,16 @@ def _decode_common(kind, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     S = _resolve_splits(num_splits, B, Hkv, max_len, block_n)
     acc_t = _acc_types(dtype)[0]
     dq, dk, dv = (arr.to_device(x, kind) for x in (q, k, v))
-    tables = cuda.to_device(np.ascontiguousarray(tables_h, dtype=np.int32))
-    lens = cuda.to_device(np.ascontiguousarray(lens_h, dtype=np.int32))
+    tables = arr.upload_constant(np.asarray(tables_h, dtype=np.int32))
+    lens = arr.upload_constant(np.asarray(lens_h, dtype=np.int32))
     o_h, o_d = arr.empty(kind, q, (B, Hq, d), dtype)
     lse_h, lse_d = arr.empty(kind, q, (B, Hq), acc_t)
     if S > 1:
         _, op = arr.empty(kind, q, (S, B, Hq, d), acc_t)
         _, lp = arr.empty(kind, q, (S, B, Hq), acc_t)
     else:
-        op = cuda.device_array((1, 1, 1, 1), acc_t)             # unused: S == 1 writes O, LSE
-        lp = cuda.device_array((1, 1, 1), acc_t)
+        op = arr.upload_constant(np.zeros((1, 1, 1, 1), acc_t))   # unused: S == 1 writes O, LSE
+        lp = arr.upload_constant(np.zeros((1, 1, 1), acc_t))
     launch_decode(dq, dk, dv, tables, lens, o_d, lse_d, op, lp, scale=scale, block_n=block_n, paged=paged)
     return arr.finish(kind, o_h), arr.finish(kind, lse_h)
 
@@ -431,7 +431,7 @@ def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True):
     kp, vp = arr.to_device(k_pool, kind), arr.to_device(v_pool, kind)
     k_h, k_d = arr.empty(kind, k_pool, (hkv, seq_len, d), dtype)
     v_h, v_d = arr.empty(kind, k_pool, (hkv, seq_len, d), dtype)
-    tbl = cuda.to_device(np.ascontiguousarray(table, np.int32) if table.size else np.zeros(1, np.int32))
+    tbl = arr.upload_constant(np.asarray(table, np.int32) if table.size else np.zeros(1, np.int32))
     if words and seq_len:
         kp, vp, k_d, v_d = (_word_view(x, d, dtype.itemsize) for x in (kp, vp, k_d, v_d))
     launch_gather(kp, vp, tbl, k_d, v_d, seq_len)

@@ -126,7 +126,7 @@ class NumbaConfig:
             br = 64
         if bc is None:  # the largest power of two <= 32 whose K_j, V_j tiles fit
             bc = 32
-            while bc > KEYS_PER_STEP and 2 * bc * self._dpad(head_dim) * acc > SHARED_LIMIT_BYTES // 2:
+            while bc > KEYS_PER_STEP and 2 * bc * self._dpad(head_dim) * acc > SHARED_LIMIT_BYTES:
                 bc //= 2
         cfg = self.replace(block_q=br, block_k=bc)
         cfg.check(head_dim, dtype)

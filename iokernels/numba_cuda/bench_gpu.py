@@ -1,0 +1,175 @@
+"""The Numba kernels next to torch SDPA on one GPU, in one run: the issue's three bars.
+
+``PYTHONPATH=. python3 -m iokernels.numba_cuda.bench_gpu out.json`` (needs a GPU and torch).
+Times come from :func:`iokernels.bench.time_cuda` (CUDA events, warm-up, median, L2
+flushed outside the timed region).  Everything is called through the public launchers
+with torch CUDA tensors, so the times include Numba's per-launch host overhead when the
+GPU would otherwise wait for it.
+
+1. FA forward, float32, B=8, H=16, N=4096, d=128, non-causal: each Numba version (and a
+   few v3 tilings) vs SDPA EFFICIENT (FLASH has no float32); float16 vs FLASH too.
+2. Decode, float16, GQA 32/8, d=128, B=1, N=32768: Numba (contiguous, paged) vs the best
+   SDPA backend with enable_gqa, in KV bytes per second.
+3. Paged gather of the same cache vs a device-to-device copy of the same bytes.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+
+
+def _env():
+    import numba
+    import numpy as np
+    import torch
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "numba": numba.__version__,
+           "numpy": np.__version__, "python": platform.python_version(),
+           "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+    try:
+        import importlib.metadata as md
+        env["numba_cuda"] = md.version("numba-cuda")
+    except Exception:
+        pass
+    try:
+        import subprocess
+        env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                       capture_output=True, text=True).stdout.strip()
+    except Exception:
+        pass
+    return env
+
+
+def _sdpa(q, k, v, backend, enable_gqa=False):
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    be = getattr(SDPBackend, backend)
+    with sdpa_kernel([be]):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=enable_gqa)
+
+
+def _time(fn, reps=10, warmup=2):
+    from iokernels.bench import time_cuda
+    try:
+        t = time_cuda(fn, reps=reps, warmup=warmup)
+        return {"ms": round(t.median_ms, 4), "p10": round(t.p10, 4), "p90": round(t.p90, 4)}
+    except Exception as e:  # a backend that does not support the case
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+
+
+def forward_bench(results):
+    import torch
+    import iokernels as ik
+    from iokernels.numba_cuda import NumbaConfig
+    B, H, N, d = 8, 16, 4096, 128
+    flops = 4.0 * B * H * N * N * d
+    for dtype in ("float32", "float16"):
+        tdt = getattr(torch, dtype)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn((B, H, N, d), device="cuda", generator=g).to(tdt) for _ in range(3))
+        rows = {}
+        for be in ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"):
+            rows[f"sdpa {be}"] = _time(lambda be=be: _sdpa(q, k, v, be))
+        configs = {"numba v3": NumbaConfig(version=3),
+                   "numba v3 L8 R2": NumbaConfig(version=3, threads_per_row=8, rows_per_thread=2),
+                   "numba v3 L4 R4": NumbaConfig(version=3, threads_per_row=4, rows_per_thread=4),
+                   "numba v3 L16 R4": NumbaConfig(version=3, threads_per_row=16, rows_per_thread=4),
+                   "numba v3 L8 R4 Bc16": NumbaConfig(version=3, block_k=16),
+                   "numba v3 L8 R8 Br128": NumbaConfig(version=3, rows_per_thread=8, block_q=128),
+                   "numba v2": NumbaConfig(version=2)}
+        if dtype == "float32":
+            configs["numba v1"] = NumbaConfig(version=1)
+            configs["numba v2 Br32"] = NumbaConfig(version=2, block_q=32)
+        for name, cfg in configs.items():
+            reps = 3 if name in ("numba v1", "numba v2", "numba v2 Br32") else 10
+            rows[name] = _time(lambda cfg=cfg: ik.attention(q, k, v, backend="numba", config=cfg), reps=reps,
+                               warmup=1)
+        for r in rows.values():
+            if "ms" in r:
+                r["tflops"] = round(flops / (r["ms"] * 1e-3) / 1e12, 2)
+        base = rows["sdpa EFFICIENT_ATTENTION"].get("ms")
+        for r in rows.values():
+            if "ms" in r and base:
+                r["speed_vs_sdpa_efficient"] = round(base / r["ms"], 3)
+        results[f"forward_{dtype}_B{B}_H{H}_N{N}_d{d}"] = rows
+        print(json.dumps({dtype: rows}, indent=1), flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def decode_bench(results):
+    import numpy as np
+    import torch
+    import iokernels as ik
+    from iokernels.bench import device_pages
+    from iokernels.numba_cuda import gather_pools, paged_decode_pools
+    B, Hq, Hkv, N, d = 1, 32, 8, 32768, 128
+    tdt = torch.float16
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn((B, Hq, d), device="cuda", generator=g).to(tdt)
+    k = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
+    v = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
+    kv_bytes = 2.0 * B * Hkv * N * d * 2
+    rows = {}
+    q4 = q[:, :, None, :]
+    for be in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+        rows[f"sdpa {be}"] = _time(lambda be=be: _sdpa(q4, k, v, be, enable_gqa=True))
+    for s in (None, 16, 32, 64, 128):
+        rows[f"numba decode S={s}"] = _time(lambda s=s: ik.decode(q, k, v, num_splits=s, backend="numba"))
+    kp, vp, tables, lens = device_pages(k, v, seed=1)
+    for s in (None, 64):
+        rows[f"numba paged decode S={s}"] = _time(lambda s=s: paged_decode_pools(q, kp, vp, tables, lens,
+                                                                                num_splits=s))
+    for r in rows.values():
+        if "ms" in r:
+            r["kv_TBps"] = round(kv_bytes / (r["ms"] * 1e-3) / 1e12, 3)
+    best = min((r["ms"] for n, r in rows.items() if n.startswith("sdpa") and "ms" in r), default=None)
+    for r in rows.values():
+        if "ms" in r and best:
+            r["speed_vs_best_sdpa"] = round(best / r["ms"], 3)
+    results[f"decode_float16_B{B}_Hq{Hq}_Hkv{Hkv}_N{N}_d{d}"] = rows
+    print(json.dumps({"decode": rows}, indent=1), flush=True)
+
+    # gather: sequence 0's K and V through its table vs a copy of the same bytes
+    nbytes = 2 * 2.0 * Hkv * N * d * 2
+    dst_k, dst_v = torch.empty_like(k[0]), torch.empty_like(v[0])
+
+    def copy():
+        dst_k.copy_(k[0])
+        dst_v.copy_(v[0])
+    grows = {"device copy (torch)": _time(copy),
+             "numba gather (4-byte words)": _time(lambda: gather_pools(kp, vp, tables[0], N)),
+             "numba gather (float16 elements)": _time(lambda: gather_pools(kp, vp, tables[0], N, words=False))}
+    for r in grows.values():
+        if "ms" in r:
+            r["TBps_read_plus_write"] = round(nbytes / (r["ms"] * 1e-3) / 1e12, 3)
+    base = grows["device copy (torch)"].get("ms")
+    for r in grows.values():
+        if "ms" in r and base:
+            r["speed_vs_copy"] = round(base / r["ms"], 3)
+    results[f"gather_float16_Hkv{Hkv}_N{N}_d{d}_bs16"] = grows
+    print(json.dumps({"gather": grows}, indent=1), flush=True)
+    del np
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    out = argv[0] if argv else "numba_bench.json"
+    from iokernels import gpu
+    if gpu.simulator_enabled():
+        raise SystemExit("bench_gpu: NUMBA_ENABLE_CUDASIM is set; this times the real GPU")
+    results = {"env": _env()}
+    for part in (decode_bench, forward_bench):
+        try:
+            part(results)
+        except Exception as e:
+            results[part.__name__] = {"error": repr(e)[:500]}
+            print(part.__name__, "failed:", repr(e)[:500], flush=True)
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

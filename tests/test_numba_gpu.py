@@ -1,0 +1,138 @@
+"""The Numba kernels at real sizes on a GPU (skipped without one): N up to 8192, d 64 and
+128, B*H filling the GPU.  The float64 oracle and the same-precision naive baseline (the
+2x rule) are computed with torch on the device, on a few (b, h) slices, because the N x N
+float64 matrices of every head would not fit.  Speed is not tested here: see the benchmark.
+"""
+import os
+
+import numpy as np
+import pytest
+
+from iokernels import conventions as cv
+from iokernels import gpu, testing
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(gpu.simulator_enabled() or not gpu.torch_gpu(),
+                                 reason="needs a CUDA GPU with torch (and the simulator off)")]
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _ref_slice(q, k, v, b, h, causal, window, scale, dtype):
+    """(o, lse) of one (b, h) in ``dtype`` (float64: the oracle; low precision: naive)."""
+    torch = _torch()
+    Hq, Hkv = q.shape[1], k.shape[1]
+    hk = h // (Hq // Hkv)
+    qs, ks, vs = (x.to(dtype) for x in (q[b, h], k[b, hk], v[b, hk]))
+    Nq, Nk = qs.shape[0], ks.shape[0]
+    lo, hi = cv.key_range(np.arange(Nq), Nq, Nk, causal, window)
+    j = torch.arange(Nk, device=q.device)[None, :]
+    vis = (j >= torch.as_tensor(lo, device=q.device)[:, None]) & (j < torch.as_tensor(hi, device=q.device)[:, None])
+    s = (qs @ ks.T) * scale
+    s = s.masked_fill(~vis, float("-inf"))
+    m = s.amax(dim=1, keepdim=True)
+    empty = torch.isinf(m)
+    p = torch.exp(s - torch.where(empty, torch.zeros_like(m), m))
+    l = p.sum(dim=1, keepdim=True)
+    o = (p @ vs) / torch.where(empty, torch.ones_like(l), l)
+    lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(l))[:, 0]
+    return o, lse
+
+
+def _check_slices(q, k, v, o, lse, causal, window, slices):
+    torch = _torch()
+    d = q.shape[-1]
+    scale = d ** -0.5
+    dt = q.dtype
+    for b, h in slices:
+        ro, rl = _ref_slice(q, k, v, b, h, causal, window, scale, torch.float64)
+        bo, bl = _ref_slice(q, k, v, b, h, causal, window, scale, dt)
+        name = str(dt).replace("torch.", "")
+        testing.assert_close(o[b, h], ro.cpu().numpy(), bo.to(dt), dtype=name)
+        testing.assert_close(lse[b, h], rl.cpu().numpy(), bl.float(), dtype="float32", name="lse")
+
+
+@pytest.mark.parametrize("version,B,H,Hkv,N,d,dtype,causal,window", [
+    (3, 8, 16, 16, 8192, 128, "float32", True, None),
+    (3, 4, 32, 8, 8192, 64, "float16", False, None),
+    (3, 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
+    (2, 2, 8, 8, 4096, 128, "float32", False, (1000, 1000)),
+    (2, 2, 8, 2, 2049, 64, "float16", True, None),
+    (1, 1, 4, 4, 1031, 59, "float32", True, None),
+])
+def test_forward_real_sizes(version, B, H, Hkv, N, d, dtype, causal, window):
+    torch = _torch()
+    import iokernels as ik
+    from iokernels.numba_cuda import NumbaConfig
+    g = torch.Generator(device="cuda").manual_seed(N + d + version)
+    tdt = getattr(torch, dtype)
+    q = torch.randn((B, H, N, d), device="cuda", generator=g).to(tdt)
+    k = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
+    v = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
+    o, lse = ik.attention(q, k, v, causal=causal, window=window, backend="numba",
+                          config=NumbaConfig(version=version), return_lse=True)
+    assert isinstance(o, torch.Tensor) and o.dtype == tdt and lse.dtype == torch.float32
+    _check_slices(q, k, v, o, lse, causal, window, [(0, 0), (B - 1, H - 1)])
+
+
+def test_forward_nq_ne_nk_fully_masked_rows():
+    torch = _torch()
+    import iokernels as ik
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn((2, 8, 700, 128), device="cuda", generator=g)
+    k = torch.randn((2, 4, 333, 128), device="cuda", generator=g)
+    v = torch.randn((2, 4, 333, 128), device="cuda", generator=g)
+    o, lse = ik.attention(q, k, v, causal=True, backend="numba", return_lse=True)
+    assert torch.isneginf(lse[:, :, :367]).all() and (o[:, :, :367] == 0).all()
+    _check_slices(q, k, v, o, lse, True, None, [(0, 0), (1, 7)])
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,N,d,dtype", [(1, 32, 8, 32768, 128, "float16"),
+                                                 (4, 16, 16, 8191, 64, "float32")])
+def test_decode_real_sizes(B, Hq, Hkv, N, d, dtype):
+    torch = _torch()
+    import iokernels as ik
+    from iokernels import reference
+    from iokernels.bench import device_pages
+    g = torch.Generator(device="cuda").manual_seed(N)
+    tdt = getattr(torch, dtype)
+    q = torch.randn((B, Hq, d), device="cuda", generator=g).to(tdt)
+    k = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
+    v = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
+    lens = np.array([N - 17 * b for b in range(B)], np.int32)
+    o, lse = ik.decode(q, k, v, seq_lens=lens, backend="numba", return_lse=True)
+    ro, rl = reference.decode(q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(), seq_lens=lens)
+    qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
+    bo, bl = ik.decode(qn, kn, vn, seq_lens=lens, backend="naive", return_lse=True)
+    testing.assert_close(o, ro, bo)
+    testing.assert_close(lse, rl, bl, name="lse")
+    if N % 16 == 0:
+        from iokernels.numba_cuda import paged_decode_pools, gather_pools
+        kp, vp, tables, plens = device_pages(k, v, seed=1)
+        po, pl = paged_decode_pools(q, kp, vp, tables, plens)
+        ro, rl = reference.decode(qn, kn, vn)
+        bo, bl = ik.decode(qn, kn, vn, backend="naive", return_lse=True)
+        testing.assert_close(po, ro, bo)
+        testing.assert_close(pl, rl, bl, name="lse")
+        kg, vg = gather_pools(kp, vp, tables[B - 1], N)
+        assert torch.equal(kg, k[B - 1]) and torch.equal(vg, v[B - 1])
+
+
+def test_cupy_arrays_in_cupy_out():
+    cp = pytest.importorskip("cupy")
+    import iokernels as ik
+    rng = np.random.default_rng(0)
+    q, k, v = testing.make_inputs(rng, batch=1, heads_q=2, seqlen_q=300, seqlen_k=301, head_dim=64,
+                                  dtype="float32")
+    o = ik.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True, backend="numba")
+    assert isinstance(o, cp.ndarray)
+    ref, _ = __import__("iokernels.reference", fromlist=["x"]).attention(q, k, v, causal=True)
+    testing.assert_close(o.get(), ref, ik.attention(q, k, v, causal=True, backend="naive"))
+
+
+def test_sanitize_cases_pass():
+    from iokernels.numba_cuda import sanitize_cases
+    assert len(sanitize_cases(verbose=False)) == 8
