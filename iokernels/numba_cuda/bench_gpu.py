@@ -71,18 +71,15 @@ def forward_bench(results):
         rows = {}
         for be in ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"):
             rows[f"sdpa {be}"] = _time(lambda be=be: _sdpa(q, k, v, be))
-        configs = {"numba v3": NumbaConfig(version=3),
-                   "numba v3 L8 R2": NumbaConfig(version=3, threads_per_row=8, rows_per_thread=2),
-                   "numba v3 L4 R4": NumbaConfig(version=3, threads_per_row=4, rows_per_thread=4),
-                   "numba v3 L16 R4": NumbaConfig(version=3, threads_per_row=16, rows_per_thread=4),
-                   "numba v3 L8 R4 Bc16": NumbaConfig(version=3, block_k=16),
-                   "numba v3 L8 R8 Br128": NumbaConfig(version=3, rows_per_thread=8, block_q=128),
-                   "numba v2": NumbaConfig(version=2)}
-        if dtype == "float32":
-            configs["numba v1"] = NumbaConfig(version=1)
-            configs["numba v2 Br32"] = NumbaConfig(version=2, block_q=32)
+        configs = {"numba v3": NumbaConfig(version=3)}
+        if dtype == "float32":  # the tilings tried, and the simpler versions
+            configs.update({"numba v3 L8 R2": NumbaConfig(version=3, threads_per_row=8, rows_per_thread=2),
+                            "numba v3 L16 R4": NumbaConfig(version=3, threads_per_row=16, rows_per_thread=4),
+                            "numba v3 L8 R4 Bc16": NumbaConfig(version=3, block_k=16),
+                            "numba v2": NumbaConfig(version=2),
+                            "numba v1": NumbaConfig(version=1)})
         for name, cfg in configs.items():
-            reps = 3 if name in ("numba v1", "numba v2", "numba v2 Br32") else 10
+            reps = 3 if name in ("numba v1", "numba v2") else 10
             rows[name] = _time(lambda cfg=cfg: ik.attention(q, k, v, backend="numba", config=cfg), reps=reps,
                                warmup=1)
         for r in rows.values():
