@@ -90,8 +90,13 @@ def _run_family(module, t0):
                 traceback.print_exc(limit=3)
         else:                                  # already run by sanitize_cases itself
             ran += 1
-            label = item if isinstance(item, str) else " ".join(str(x) for x in (item if isinstance(item, tuple) else [item]))
-            print(f"[{time.perf_counter() - t0:6.1f}s] case {family}:{label.replace(' ', '_')}: ok", flush=True)
+            if isinstance(item, tuple) and item:
+                label, extra = str(item[0]), " ".join(f"{x:.2e}" if isinstance(x, float) else str(x)
+                                                      for x in item[1:])
+            else:
+                label, extra = str(item), ""
+            print(f"[{time.perf_counter() - t0:6.1f}s] case {family}:{label.replace(' ', '_')}: ok"
+                  + (f" (max err {extra})" if extra else ""), flush=True)
     return ran, failed, None if items else "sanitize_cases returned nothing"
 
 
