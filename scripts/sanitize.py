@@ -160,7 +160,12 @@ def summarize(log_dir, env_line="") -> str:
         if errors:
             errs = [ln for ln in text.splitlines() if ln.startswith("=========")][:40]
             detail += ["    " + e for e in errs]
-    lines.append(f"total sanitizer errors: {total_errors}")
+    unfinished = [t for t in TOOLS if not re.search(rf"^{t}\s+\d+ errors", "\n".join(lines), flags=re.M)]
+    if unfinished:
+        lines.append(f"total sanitizer errors: {total_errors} in the tools that finished; INCOMPLETE: "
+                     f"{', '.join(unfinished)} did not finish (no ERROR SUMMARY)")
+    else:
+        lines.append(f"total sanitizer errors: {total_errors}")
     return "\n".join(lines + [""] + detail) + "\n"
 
 

@@ -142,4 +142,5 @@ def test_sanitizer_summary(tmp_path):
     text = sz.summarize(str(tmp_path), "recorded on X")
     assert "memcheck   0 errors" in text and "racecheck  2 errors" in text
     assert "synccheck  not run" in text and "total sanitizer errors: 2" in text
+    assert "INCOMPLETE: synccheck, initcheck" in text
     assert "FAILED: cupy:decode:" in text or "FAILED: cupy:decode" in text

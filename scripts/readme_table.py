@@ -1,0 +1,210 @@
+"""File a GPU run's outputs as the committed records, and write the README's results table.
+
+    python scripts/readme_table.py --from OUTDIR   # OUTDIR: what scripts/gpu_all.sh wrote
+    python scripts/readme_table.py                 # only regenerate the README table
+
+``--from`` writes ``benchmarks/results/h200_<date>.json`` (env + bench + traffic + test
+summary) and ``benchmarks/results/sanitizer_<date>.txt``; then the section of README.md
+between ``<!-- recorded-results:start -->`` and ``<!-- recorded-results:end -->`` is
+rewritten from the latest records (nothing else in README.md is touched).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from iokernels import recorded  # noqa: E402
+
+START, END = "<!-- recorded-results:start -->", "<!-- recorded-results:end -->"
+
+
+def file_run(outdir: Path) -> tuple[Path, Path]:
+    """Copy one gpu_all.sh run into benchmarks/results/ under its date."""
+    bench = json.loads((outdir / "bench.json").read_text())
+    env = bench["env"]
+    date = env["date_utc"][:10]
+    traffic = {}
+    if (outdir / "traffic.json").exists():
+        try:
+            traffic = json.loads((outdir / "traffic.json").read_text())
+        except json.JSONDecodeError:
+            traffic = {"error": "traffic.json unreadable"}
+    tests = ""
+    if (outdir / "pytest.txt").exists():
+        tests = "\n".join(ln for ln in (outdir / "pytest.txt").read_text().splitlines()
+                          if re.search(r"passed|failed|error|skipped|== python3", ln))
+    stages = ""
+    if (outdir / "summary.txt").exists():
+        stages = "\n".join(ln for ln in (outdir / "summary.txt").read_text().splitlines()
+                           if ln.startswith("[") or ln.startswith("total wall"))
+    rec = {"env": env, "label": recorded.label({"env": env}), "bench": bench, "traffic": traffic,
+           "gpu_tests": tests, "stages": stages,
+           "produced_by": "scripts/gpu_all.sh OUTDIR; filed by scripts/readme_table.py --from OUTDIR"}
+    res = ROOT / "benchmarks" / "results"
+    res.mkdir(parents=True, exist_ok=True)
+    gpu = re.sub(r"[^a-z0-9]+", "", env.get("gpu", "gpu").lower().replace("nvidia", "")) or "gpu"
+    jpath = res / f"{gpu}_{date}.json"
+    jpath.write_text(json.dumps(rec, indent=1))
+    spath = res / f"sanitizer_{date}.txt"
+    if (outdir / "sanitizer.txt").exists():
+        spath.write_text((outdir / "sanitizer.txt").read_text())
+    return jpath, spath
+
+
+# --------------------------------------------------------------------------- the table
+def _fmt_ms(r):
+    return f"{r['ms']:.3f}" if r else "–"
+
+
+def _find(rows, runner):
+    for r in rows:
+        if r["runner"] == runner:
+            return r
+    return None
+
+
+def prefill_table(rec) -> list[str]:
+    lines = []
+    for dtype in ("bfloat16", "float32"):
+        rows = recorded.bench_rows(rec, section="prefill", dtype=dtype)
+        if not rows:
+            continue
+        runners = [r for r in ("sdpa:cudnn", "sdpa:flash", "sdpa:efficient", "sdpa:math", "torch naive",
+                               "numba", "cupy:v1", "cupy:v2") if any(x["runner"] == r for x in rows)]
+        Ns = sorted({r["seqlen"] for r in rows})
+        shape = rows[0]
+        lines.append(f"**Prefill, {dtype}, B={shape['batch']} H={shape['heads']} d={shape['head_dim']}, causal** "
+                     f"(ms, median; TFLOP/s in brackets)")
+        lines.append("")
+        lines.append("| N | " + " | ".join(runners) + " |")
+        lines.append("|---" * (len(runners) + 1) + "|")
+        for N in Ns:
+            cells = []
+            for rn in runners:
+                r = next((x for x in rows if x["seqlen"] == N and x["runner"] == rn), None)
+                cells.append(f"{r['ms']:.3f} ({r['rate']:.0f})" if r else "–")
+            lines.append(f"| {N} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def compare_table(rec) -> list[str]:
+    rows = recorded.bench_rows(rec, section="compare")
+    if not rows:
+        return []
+    lines = ["**Our kernels vs the best SDPA kernel, prefill B=8 H=16 N=4096 d=128** "
+             "(speed = best SDPA time / this time)", "",
+             "| dtype | causal | best SDPA | kernel | ms | TFLOP/s | speed vs best SDPA |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["group"] in ("numba", "cupy", "torch"):
+            lines.append(f"| {r['dtype']} | {r['causal']} | {r['best_sdpa']} | {r['runner']} | {r['ms']:.3f} | "
+                         f"{r['rate']:.1f} | {r.get('speed_vs_best_sdpa', float('nan')):.3f} |")
+    return lines + [""]
+
+
+def decode_table(rec) -> list[str]:
+    rows = recorded.bench_rows(rec, section="decode")
+    if not rows:
+        return []
+    lines = ["**Decode, GQA 32/8, d=128** (TB/s of K+V read; speed vs best SDPA)", "",
+             "| dtype | B | N | best SDPA | TB/s | numba | cupy | numba paged | cupy paged |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["dtype"], r["batch"], r["seqlen"]) for r in rows})
+    for dt, B, N in keys:
+        rs = [r for r in rows if (r["dtype"], r["batch"], r["seqlen"]) == (dt, B, N)]
+        best = rs[0]["best_sdpa"]
+        b = _find(rs, best)
+        cells = []
+        for rn in ("numba", "cupy:split", "numba paged", "cupy paged"):
+            r = _find(rs, rn) or (_find(rs, "cupy") if rn == "cupy:split" else None)
+            cells.append(f"{r['rate']:.2f} ({r['speed_vs_best_sdpa']:.2f}x)" if r else "–")
+        lines.append(f"| {dt} | {B} | {N} | {best} | {b['rate']:.2f} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def gather_table(rec) -> list[str]:
+    rows = recorded.bench_rows(rec, section="gather")
+    if not rows:
+        return []
+    lines = ["**Paged gather vs a device copy of the same bytes** (TB/s, read + write)", "",
+             "| N | runner | ms | TB/s | speed vs copy |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['seqlen']} | {r['runner']} | {r['ms']:.4f} | {r['rate']:.2f} | "
+                     f"{r.get('speed_vs_copy', float('nan')):.3f} |")
+    return lines + [""]
+
+
+def traffic_table(rec) -> list[str]:
+    rows = recorded.traffic_rows(rec)
+    if not rows:
+        return []
+    lines = ["**DRAM bytes: measured (Nsight Compute) vs the traffic model**", "",
+             "| kernel | size | measured MB (read + write) | model MB | measured / model |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        m = (r.get("model_read") or 0) + (r.get("model_written") or 0)
+        lines.append(f"| {r['case']} | {r['size']} | {(r['measured_read'] + r['measured_written']) / 1e6:.1f} | "
+                     f"{m / 1e6:.1f} | {r.get('measured_over_model') or float('nan'):.3f} |")
+    return lines + [""]
+
+
+def sanitizer_lines() -> list[str]:
+    try:
+        text = recorded.load("sanitizer")
+    except FileNotFoundError:
+        return []
+    keep = [ln for ln in text.splitlines()[:8] if re.match(r"(memcheck|racecheck|synccheck|initcheck|total)", ln)]
+    return ["**compute-sanitizer** over every CUDA kernel at ragged shapes:", "", "```"] + keep + ["```", ""]
+
+
+def section_text() -> str:
+    try:
+        rec = recorded.load("h200")
+    except FileNotFoundError:
+        return "_No recorded results yet: run `scripts/gpu_all.sh` on a GPU machine; its generator fills this section._"
+    lines = [f"Generated by `scripts/readme_table.py` from `benchmarks/results/{rec['source_file']}`: "
+             f"{rec['label']}.", ""]
+    for part in (prefill_table, compare_table, decode_table, gather_table, traffic_table):
+        try:
+            lines += part(rec)
+        except Exception as e:  # a partial record still gives the other tables
+            lines += [f"_({part.__name__}: {type(e).__name__}: {e})_", ""]
+    lines += sanitizer_lines()
+    lines.append("Notes on these numbers: benchmarks/NOTES.md.")
+    return "\n".join(lines).rstrip()
+
+
+def write_readme(readme=ROOT / "README.md") -> bool:
+    text = Path(readme).read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{readme}: markers {START} / {END} not found")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    new = head + START + "\n" + section_text() + "\n" + END + tail
+    if new != text:
+        Path(readme).write_text(new)
+        return True
+    return False
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--from", dest="src", default=None, help="a gpu_all.sh output folder to file first")
+    a = p.parse_args(argv)
+    if a.src:
+        j, s = file_run(Path(a.src))
+        print(f"wrote {os.path.relpath(j, ROOT)}, {os.path.relpath(s, ROOT)}")
+    changed = write_readme()
+    print("README.md table " + ("updated" if changed else "unchanged"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
