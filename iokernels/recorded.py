@@ -88,3 +88,98 @@ def traffic_rows(rec: dict, ok_only=True) -> list[dict]:
     """Measured vs modelled DRAM bytes, one dict per (case, size)."""
     cases = rec.get("traffic", {}).get("cases", [])
     return [c for c in cases if not ok_only or "measured_read" in c]
+
+
+# --------------------------------------------------------------------------- plots and tables
+#: line styles of the runners in the plots (our kernels dashed)
+_STYLE = {"sdpa:cudnn": "o-", "sdpa:flash": "s-", "sdpa:efficient": "^-", "sdpa:math": "x-",
+          "torch naive": "D-", "numba": "v--", "cupy:v1": "<--", "cupy:v2": ">--"}
+
+
+def short_label(rec: dict) -> str:
+    env = rec.get("env", rec)
+    return f"recorded on {env.get('gpu', '?')}, {env.get('date_utc', '?')[:10]}, torch {env.get('torch', '?')}"
+
+
+def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", axes=None):
+    """Time and extra device memory vs N, one line per runner (naive, each SDPA kernel, ours)."""
+    import matplotlib.pyplot as plt
+    rows = bench_rows(rec, section=section, dtype=dtype)
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(11, 4))
+    runners = [r for r in _STYLE if any(x["runner"] == r for x in rows)]
+    for rn in runners:
+        rs = sorted((x for x in rows if x["runner"] == rn), key=lambda x: x["seqlen"])
+        N = [x["seqlen"] for x in rs]
+        axes[0].plot(N, [x["ms"] for x in rs], _STYLE[rn], label=rn)
+        mem = [(x["seqlen"], x["extra_MiB"]) for x in rs if x.get("extra_MiB") is not None and x["group"] != "numba"]
+        if mem:
+            axes[1].plot(*zip(*mem), _STYLE[rn], label=rn)
+    for ax, yl in zip(axes, ("time per call (ms, median)", "device memory above the inputs (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(yl)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    shape = rows[0] if rows else {}
+    axes[0].figure.suptitle(f"{dtype}, B={shape.get('batch')} H={shape.get('heads')} d={shape.get('head_dim')}"
+                            f"{', causal' if shape.get('causal') else ''} -- {short_label(rec)}", fontsize=9)
+    return axes
+
+
+def plot_traffic(rec: dict, ax=None):
+    """Measured DRAM bytes (Nsight Compute) next to the model's, per kernel and size (log scale)."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    rows = traffic_rows(rec)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 4))
+    if not rows:
+        ax.text(0.5, 0.5, "no traffic measurements in this record", ha="center", va="center",
+                transform=ax.transAxes)
+        return ax
+    x = np.arange(len(rows))
+    meas = [(r["measured_read"] + r["measured_written"]) / 1e6 for r in rows]
+    model = [((r.get("model_read") or 0) + (r.get("model_written") or 0)) / 1e6 for r in rows]
+    ax.bar(x - 0.2, model, 0.4, label="model (as written, no caches)")
+    ax.bar(x + 0.2, meas, 0.4, label="measured DRAM read + write")
+    for xi, m, p in zip(x, meas, model):
+        if p:
+            ax.text(xi, max(m, p) * 1.15, f"{m / p:.2f}x", ha="center", fontsize=7)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{r['case']}\n{r['size']}" for r in rows], rotation=60, ha="right", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("MB moved per call")
+    ax.legend(fontsize=8)
+    ax.set_title(f"DRAM bytes: model vs Nsight Compute -- {short_label(rec)}", fontsize=9)
+    return ax
+
+
+def table(rec: dict, section: str, columns=("dtype", "causal", "batch", "seqlen", "runner", "ms", "rate",
+                                            "unit", "speed_vs_best_sdpa")) -> str:
+    """A plain-text table of one section's rows (ok rows only)."""
+    rows = bench_rows(rec, section=section)
+    def cell(r, c):
+        v = r.get(c, "")
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    widths = [max(len(c), *(len(cell(r, c)) for r in rows)) if rows else len(c) for c in columns]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(cell(r, c).ljust(w) for c, w in zip(columns, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def fallback_report(rec: dict) -> str:
+    """Per case: the kernel SDPA's default dispatch ran, and which forced kernels were unavailable."""
+    lines = []
+    for c in rec.get("bench", rec).get("cases", []):
+        if c.get("kind") not in ("prefill", "decode"):
+            continue
+        unavailable = [r["runner"].split(":")[1] for r in c["results"]
+                       if r["group"] == "sdpa" and r.get("status", "").startswith("unavailable")]
+        s = c["shape"]
+        lines.append(f"{c['section']:<8}{c['dtype']:<9}N={s.get('seqlen'):<6} B={s.get('batch'):<3} "
+                     f"default ran: {c.get('default_ran', '?'):<10} refused when forced: "
+                     f"{', '.join(unavailable) or 'none'}"
+                     + (f"   !! {c['silent_fallback']}" if c.get("silent_fallback") else ""))
+    return "\n".join(lines)

@@ -391,3 +391,20 @@ def naive_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1)):
     else:
         p = torch.softmax(s, dim=-1)                                # read Nq*Nk; write Nq*Nk
     return torch.matmul(p, v)                                       # read Nq*Nk + Nk*d; write Nq*d
+
+
+def plot_causal_alignment(demo: dict, axes=None):
+    """The two causal masks of :func:`causal_alignment_demo` side by side (rows: queries)."""
+    import matplotlib.pyplot as plt
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(8, 2.6))
+    nq, nk = demo["top_left_mask"].shape
+    for ax, key, title in ((axes[0], "top_left_mask", "torch is_causal=True: top-left"),
+                           (axes[1], "bottom_right_mask", "this project / FlashAttention 2.1+: bottom-right")):
+        ax.imshow(demo[key], cmap="Greens", vmin=0, vmax=1.3)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(f"key j (Nk = {nk})")
+        ax.set_ylabel(f"query i (Nq = {nq})")
+        ax.set_xticks(range(nk))
+        ax.set_yticks(range(nq))
+    return axes
