@@ -170,3 +170,39 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+# --------------------------------------------------------------------------- recorded results
+def recorded(path=None) -> dict:
+    """The latest recorded benchmarks/results/numba_h200_*.json (or ``path``), as a dict."""
+    from pathlib import Path
+    if path is None:
+        root = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+        files = sorted(root.glob("numba_h200_*.json"))
+        if not files:
+            raise FileNotFoundError("no benchmarks/results/numba_h200_*.json recorded yet")
+        path = files[-1]
+    with open(path) as f:
+        return json.load(f)
+
+
+def format_results(results: dict) -> str:
+    """A plain-text table of a results dict, with the line saying where it was recorded."""
+    env = results.get("env", {})
+    lines = [f"recorded on {env.get('gpu', '?')}, {env.get('date_utc', '?')} UTC, driver {env.get('driver', '?')}, "
+             f"torch {env.get('torch', '?')}, numba {env.get('numba', '?')} (numba-cuda "
+             f"{env.get('numba_cuda', '?')}), numpy {env.get('numpy', '?')}"]
+    for section, rows in results.items():
+        if section == "env" or not isinstance(rows, dict):
+            continue
+        lines.append("")
+        lines.append(section)
+        for name, r in rows.items():
+            if not isinstance(r, dict):
+                continue
+            if "ms" not in r:
+                lines.append(f"  {name:<32} {r.get('error', '')[:70]}")
+                continue
+            extras = "  ".join(f"{k} {v}" for k, v in r.items() if k not in ("ms", "p10", "p90"))
+            lines.append(f"  {name:<32} {r['ms']:>9.3f} ms  {extras}")
+    return "\n".join(lines)
