@@ -206,7 +206,7 @@ def _paged_gather(c: _Case):
               for x, ref in ((kk, c.kd), (vv, c.vd)))
     modelled = traffic.model("paged_gather", seq_len=list(c.p.decode_lens), heads_kv=c.p.heads_kv,
                              head_dim=c.p.head_dim, block_size=c.p.block_size, dtype=c.p.dtype).total
-    return Row("", "tiled", err, "ok" if err == 0 else "FAIL", t.total, modelled, dt,
+    return Row("", "numpy", err, "ok" if err == 0 else "FAIL", t.total, modelled, dt,
                note="a copy: must be exact")
 
 
