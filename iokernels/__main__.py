@@ -45,7 +45,8 @@ def _figures(args) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m iokernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m iokernels",
+                                     description="IO-aware attention kernels: the tour, the figures, the benchmark.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("tour", help="run the progression on a small problem and print what each step does")

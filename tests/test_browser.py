@@ -34,7 +34,8 @@ SERVER_START_S = 90       # JupyterLab's first start on two cores builds nothing
 UI_TIMEOUT_MS = 120_000   # running the whole notebook in the browser, kernel start included
 APT_TIMEOUT_S = 900
 
-pytestmark = pytest.mark.slow
+#: the first run on a fresh machine may install Chromium with apt-get inside the fixture
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(APT_TIMEOUT_S + 300)]
 
 
 def _ensure_chromium() -> str | None:
