@@ -84,4 +84,4 @@ def test_config_checks_need_no_gpu():
     with pytest.raises(ValueError, match="config"):
         cfg.check_fits(128, "float32", 64 * 1024)       # a T4's 64 KB: the default does not fit
     v2 = cr.CupyConfig(version="v2").resolve(128, "bfloat16")
-    assert (v2.block_q, v2.block_k, v2.num_warps) == (64, 64, 4)
+    assert (v2.block_q, v2.block_k, v2.num_warps) == (128, 64, 8)

@@ -73,6 +73,9 @@ DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 MMA_ROWS = 16
 #: v1's thread grid: 16 x 16 threads; a tile side is 16 x (rows or keys a thread owns)
 V1_THREADS_SIDE = 16
+#: v2's default: 8 warps (Br = 128) and Bc = 64 was the fastest of {4, 8} x {32, 64} on the
+#: H200 at d = 128 (bf16, N = 4096; see MEASURED)
+V2_DEFAULT_WARPS = 8
 #: v2 keeps O for d <= 256 in registers (d / 8 * 4 floats a lane); larger d would spill
 V2_MAX_HEAD_DIM = 256
 #: decode: 4 warps a block; each sub-group keeps UNROLL rows of K and V in flight; the
@@ -136,7 +139,7 @@ class CupyConfig:
                                  f"got dtype {dtype} (use version 'v1')")
             if head_dim > V2_MAX_HEAD_DIM:
                 raise ValueError(f"config: version 'v2' supports head_dim <= {V2_MAX_HEAD_DIM}, got {head_dim}")
-            nw = self.num_warps or (self.block_q // MMA_ROWS if self.block_q else 4)
+            nw = self.num_warps or (self.block_q // MMA_ROWS if self.block_q else V2_DEFAULT_WARPS)
             if nw not in (1, 2, 4, 8):
                 raise ValueError(f"config: num_warps must be 1, 2, 4 or 8 for v2, got {nw}")
             bq = self.block_q or MMA_ROWS * nw
@@ -735,48 +738,61 @@ def bench_versions(op: str, dtype: str) -> dict:
 def sanitize_cases(seed: int = 0) -> list:
     """Run every kernel once at a ragged shape (for compute-sanitizer); returns what ran.
 
-    Shapes are not multiples of any tile: Nq = 37, Nk = 77, head_dim 64 and 72, GQA 4/2,
-    a window, ragged decode lengths (one of them 0), a paged cache with a partial last block.
+    Shapes are multiples of no tile: Nq = 37, Nk = 77, head_dim 64 and 72, GQA 4/2, a
+    window, ragged decode lengths (one of them 0), a paged cache with a partial last block.
+    Only CuPy is used (bfloat16 as its bit pattern), so the sanitizer loads no other library.
     """
     cp = _cupy()
     from ..paged import PagedKVCache
     from ..testing import make_inputs
     rng = np.random.default_rng(seed)
-    cc = device_info()["cc"]
+    dev = device_info()
     ran = []
-    dtypes = ["float32", "float16"] + (["bfloat16"] if cc >= 80 else [])
+    dtypes = ["float32", "float16"] + (["bfloat16"] if dev["cc"] >= 80 else [])
 
-    def dev(x, dt):
-        h = np.asarray(x, dtype=np.float32)
-        if dt == "bfloat16":
-            import torch
-            return torch.from_numpy(h).cuda().to(torch.bfloat16)
+    def to_dev(x, dt):
+        h = np.ascontiguousarray(x, dtype=np.float32)
+        if dt == "bfloat16":                                  # round to nearest even, keep the bits
+            u = h.view(np.uint32).astype(np.uint64)
+            return cp.asarray(((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16))
         return cp.asarray(h.astype(dt))
+
+    def out(shape, dt):
+        return cp.empty(shape, dtype=np.uint16 if dt == "bfloat16" else dt)
 
     for dt in dtypes:
         for version in (("v1", "v2") if dt != "float32" else ("v1",)):
-            for d, causal, window in ((64, True, None), (72, False, (5, 3))):
+            for d, causal, window in ((64, True, (-1, -1)), (72, False, (5, 3))):
                 q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=77,
                                       head_dim=d, dtype="float32")
-                attention(dev(q, dt), dev(k, dt), dev(v, dt), causal=causal, scale=None, window=window,
-                          config=CupyConfig(version=version))
+                cfg = fit_config(CupyConfig(version=version), d, dt, dev)
+                left, right = cv.effective_window(causal, window)
+                launch_attention(to_dev(q, dt), to_dev(k, dt), to_dev(v, dt), out(q.shape, dt),
+                                 out(q.shape[:3], "float32"), dtype=dt, scale=0.125, window=(left, right),
+                                 config=cfg)
                 ran.append(f"attention {version} {dt} d={d} causal={causal} window={window}")
         q, k, v = make_inputs(rng, batch=3, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_k=301, head_dim=64,
                               dtype="float32")
+        lens = cp.asarray(np.array([301, 0, 129], np.int32))
         for splits in (1, 5):
-            decode(dev(q[:, :, 0], dt), dev(k, dt), dev(v, dt), seq_lens=np.array([301, 0, 129]),
-                   num_splits=splits, scale=None)
+            launch_decode(to_dev(q[:, :, 0], dt), to_dev(k, dt), to_dev(v, dt), lens, out((3, 4, 64), dt),
+                          out((3, 4), "float32"), dtype=dt, scale=0.125, num_splits=splits, nk=301)
             ran.append(f"decode {dt} splits={splits}")
-        if dt != "bfloat16":
-            cache = PagedKVCache(64, block_size=16, num_kv_heads=2, head_dim=64, dtype=np.dtype(dt))
-            sids = []
-            for n in (301, 45):
-                sid = cache.new_sequence()
-                cache.append(sid, rng.standard_normal((n, 2, 64)).astype(dt), rng.standard_normal((n, 2, 64)).astype(dt))
-                sids.append(sid)
-            paged_decode_pools(dev(q[:2, :, 0], dt), cp.asarray(cache.k_pool), cp.asarray(cache.v_pool),
-                               *cache.block_tables_array(sids), num_splits=3)
-            gather_pools(cp.asarray(cache.k_pool), cp.asarray(cache.v_pool), cache.block_table(sids[1]), 45)
-            ran.append(f"paged decode + gather {dt}")
+        np_dt = np.float32 if dt == "bfloat16" else np.dtype(dt)
+        cache = PagedKVCache(64, block_size=16, num_kv_heads=2, head_dim=64, dtype=np_dt)
+        sids = []
+        for n in (301, 45):
+            sid = cache.new_sequence()
+            cache.append(sid, rng.standard_normal((n, 2, 64)).astype(np_dt), rng.standard_normal((n, 2, 64)).astype(np_dt))
+            sids.append(sid)
+        tables, lens_h = cache.block_tables_array(sids)
+        kp = to_dev(np.nan_to_num(cache.k_pool), dt)
+        vp = to_dev(np.nan_to_num(cache.v_pool), dt)
+        launch_decode(to_dev(q[:2, :, 0], dt), kp, vp, cp.asarray(lens_h), out((2, 4, 64), dt),
+                      out((2, 4), "float32"), dtype=dt, scale=0.125, num_splits=3,
+                      paged=(cp.asarray(tables), 16), longest=301, nk=0)
+        ko, vo = out((2, 45, 64), dt), out((2, 45, 64), dt)
+        launch_gather(kp, vp, cp.asarray(np.asarray(cache.block_table(sids[1]), np.int32)), ko, vo, 45)
+        ran.append(f"paged decode + gather {dt}")
     cp.cuda.Device().synchronize()
     return ran
