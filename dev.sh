@@ -34,10 +34,13 @@ setup() {
         echo "[dev.sh] installing $TORCH_PIN, then iokernels[all] (editable)"
         "$VENV/bin/python" -m pip install --quiet "$TORCH_PIN"
         "$VENV/bin/python" -m pip install --quiet -e ".[all]"
-        # A kernel named python3 inside the venv (sys-prefix), so notebooks run with this Python.
+        echo "$want" > "$STAMP"
+    fi
+    # A kernel named python3 inside the venv (sys-prefix) that runs the venv's Python.
+    local spec="$VENV/share/jupyter/kernels/python3/kernel.json"
+    if ! grep -q "$PWD/$VENV/bin/python" "$spec" 2>/dev/null; then
         "$VENV/bin/python" -m ipykernel install --sys-prefix --name python3 \
             --display-name "Python 3 (iokernels)" >/dev/null
-        echo "$want" > "$STAMP"
     fi
     # Prefer the venv's Jupyter kernels and settings over any in the user's home.
     export JUPYTER_PREFER_ENV_PATH=1
