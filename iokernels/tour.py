@@ -13,7 +13,9 @@ counted B          HBM bytes counted while the NumPy kernel ran (:func:`traffic.
 modelled B         the closed-form prediction for the same run (:func:`traffic.model`);
                    ``=`` between them when they agree exactly
 time               wall-clock seconds of that one call on this machine (NumPy, with
-                   the counting on): to compare steps, not to benchmark
+                   the counting on; GPU backends: the first call, so compilation and
+                   copies back to NumPy included): to compare steps, not to benchmark
+                   (``python -m iokernels bench`` times kernels properly)
 =================  ==========================================================
 
 Steps: naive forward; tiled forward in FlashAttention-1 and -2 loop orders; backward
@@ -136,17 +138,20 @@ def _checked(pairs, factor=None):
 
 
 # --------------------------------------------------------------------------- steps
-def _forward(c: _Case, backend: str, loop_order: str | None = None, model: str | None = None, config=None):
+def _forward(c: _Case, backend: str, loop_order: str | None = None, model: str | None = None, config=None,
+             convert=None):
+    """One forward run, checked against the oracle.  ``convert`` maps the NumPy inputs to the
+    backend's own arrays first (e.g. torch CUDA tensors), outside the timed region."""
     import iokernels as ik
     from . import traffic
     if loop_order is not None:
         config = ik.TileConfig(loop_order=loop_order)
+    q, k, v = (c.q, c.k, c.v) if convert is None else (convert(c.q), convert(c.k), convert(c.v))
     t0 = time.perf_counter()
     with traffic.count() as t:
-        o, lse = ik.attention(c.q, c.k, c.v, causal=c.p.causal, backend=backend, config=config,
-                              return_lse=True)
+        o, lse = ik.attention(q, k, v, causal=c.p.causal, backend=backend, config=config, return_lse=True)
+        o, lse = _to_numpy(o), _to_numpy(lse)      # waits for device work: the time includes it
     dt = time.perf_counter() - t0
-    o, lse = _to_numpy(o), _to_numpy(lse)
     if backend == "naive":
         c.base["forward"] = (o, lse)
     bo, bl = c.base.get("forward", (None, None))
@@ -267,6 +272,12 @@ def _cupy_status() -> tuple[bool, str]:
     return True, "GPU"
 
 
+def _torch_cuda(x):
+    """A NumPy array as a torch tensor on the GPU (so SDPA runs there, not on the CPU)."""
+    import torch
+    return torch.from_numpy(x).to("cuda")
+
+
 def _torch_status() -> tuple[bool, str]:
     from . import gpu
     try:
@@ -314,7 +325,8 @@ def _steps(case: _Case, small_case):
                 # well under a second; v3's warp shuffles take tens of seconds there.
                 from .numba_cuda import NumbaConfig
                 config = NumbaConfig(version=SIMULATOR_NUMBA_VERSION)
-            row = _forward(c, backend, config=config)
+            convert = _torch_cuda if backend == "torch" and note == "CUDA" else None
+            row = _forward(c, backend, config=config, convert=convert)
             row.note = note if c is case else f"{note}: {c.p.describe().split(';')[0]}"
             return row
         return run
