@@ -32,6 +32,7 @@ _LAZY = {
     "roofline": ("iokernels.roofline", None),
     "naive": ("iokernels.naive", None),
     "tiled": ("iokernels.tiled", None),
+    "online_softmax": ("iokernels.online_softmax", None),
     "paged": ("iokernels.paged", None),
     "bench": ("iokernels.bench", None),
     "viz": ("iokernels.viz", None),
