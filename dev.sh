@@ -58,6 +58,8 @@ case "$cmd" in
     tour)    setup; exec "$VENV/bin/python" -m iokernels tour "$@" ;;
     figures) setup; exec "$VENV/bin/python" -m iokernels figures "$@" ;;
     test)    setup; exec "$VENV/bin/python" -m pytest -p no:cacheprovider --timeout=600 "$@" ;;
-    lab)     setup; unset MPLBACKEND; exec "$VENV/bin/jupyter" lab notebooks/ "$@" ;;
+    lab)     setup; unset MPLBACKEND
+             root_flag=(); [ "$(id -u)" = 0 ] && root_flag=(--allow-root)   # Jupyter refuses root otherwise
+             exec "$VENV/bin/jupyter" lab "${root_flag[@]}" notebooks/ "$@" ;;
     *) echo "usage: bash dev.sh {tour|test|figures|lab|setup} [args...]" >&2; exit 2 ;;
 esac
