@@ -73,8 +73,8 @@ def forward_bench(results):
             rows[f"sdpa {be}"] = _time(lambda be=be: _sdpa(q, k, v, be))
         configs = {"numba v3": NumbaConfig(version=3)}
         if dtype == "float32":  # the tilings tried, and the simpler versions
-            configs.update({"numba v3 L8 R2": NumbaConfig(version=3, threads_per_row=8, rows_per_thread=2),
-                            "numba v3 L16 R4": NumbaConfig(version=3, threads_per_row=16, rows_per_thread=4),
+            configs.update({"numba v3 key-by-key lane sums": NumbaConfig(version=3, batched_lane_sums=False),
+                            "numba v3 L8 R2": NumbaConfig(version=3, threads_per_row=8, rows_per_thread=2),
                             "numba v3 L8 R4 Bc16": NumbaConfig(version=3, block_k=16),
                             "numba v2": NumbaConfig(version=2),
                             "numba v1": NumbaConfig(version=1)})
@@ -112,7 +112,7 @@ def decode_bench(results):
     q4 = q[:, :, None, :]
     for be in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
         rows[f"sdpa {be}"] = _time(lambda be=be: _sdpa(q4, k, v, be, enable_gqa=True))
-    for s in (None, 16, 32, 64, 128):
+    for s in (None, 32, 64, 128):
         rows[f"numba decode S={s}"] = _time(lambda s=s: ik.decode(q, k, v, num_splits=s, backend="numba"))
     kp, vp, tables, lens = device_pages(k, v, seed=1)
     for s in (None, 64):

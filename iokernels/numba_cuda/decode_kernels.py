@@ -31,7 +31,7 @@ Kernels:
   exactly :func:`iokernels.decode.merge_kernel`; all splits empty gives 0 and -inf.
 * **gather** (grid: logical blocks of one sequence): block j reads its table entry once,
   then copies the block's valid slots into contiguous (Hkv, n, d) K and V; the launcher
-  copies 4-byte words when a row's bytes allow (float16 rows of even d).
+  copies 8- or 4-byte words when a row's bytes allow (e.g. float16 rows with d % 4 == 0).
 
 Counted traffic (simulator, :mod:`iokernels.numba_cuda.counting`) equals
 ``traffic.model("decode")`` / ``("paged_decode")`` / ``("paged_gather")`` of the NumPy
@@ -60,13 +60,19 @@ TABLE_STAGE = 32
 #: gets fewer lanes (and so fewer threads).
 LANES_PER_KEY = 16
 KEY_GROUPS = 8
+#: keys each group loads per iteration before any arithmetic: more loads in flight per
+#: thread (decode is bound by how many bytes are in flight), one softmax rescale per 4 keys.
+KEYS_PER_ITER = 4
 #: threads of a combine block (they share the d dims of one (sequence, head)).
 COMBINE_THREADS = 128
 #: the num_splits=None heuristic counts this many resident blocks per SM as "SMs": one
 #: 4-warp block per SM cannot keep enough loads in flight to stream HBM.
 RESIDENT_BLOCKS_PER_SM = 8
-#: the gather kernel's block: 32 threads along a row's words, 8 rows at a time.
+#: the gather kernel's block: 32 threads along a row's words, 8 rows at a time; each thread
+#: issues GATHER_UNROLL rows' loads before their stores (stores could alias later loads as
+#: far as the compiler knows, so without this each load waits for the previous store).
 GATHER_BLOCK = (32, 8)
+GATHER_UNROLL = 4
 
 
 def lanes_for(head_dim: int) -> int:
@@ -87,10 +93,12 @@ def make_split(D: int, G: int, L: int, paged: bool, acc_name: str, simulated: bo
     NT = KG * L                                               # threads per block
     DPT = -(-D // L)                                          # dims per lane
     DPAD = DPT * L
-    SCRATCH = (G, NT) if simulated else (1, 1)
+    KPI = KEYS_PER_ITER
+    KPIG = KPI * G
+    SCRATCH = (KPI * G, NT) if simulated else (1, 1)
     STAGE = TABLE_STAGE
     PAGED = paged
-    lane_sum = _make_lane_sum(L, G, simulated)
+    lane_sum = _make_lane_sum(L, KPI * G, simulated)
 
     def split(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, bn, nsplit):
         sp, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
@@ -120,8 +128,9 @@ def make_split(D: int, G: int, L: int, paged: bool, acc_name: str, simulated: bo
         o_r = cuda.local.array((G, DPT), ACC)
         m = cuda.local.array(G, ACC)
         l = cuda.local.array(G, ACC)
-        sc = cuda.local.array(G, ACC)
-        kv = cuda.local.array(DPT, ACC)
+        sc = cuda.local.array(KPIG, ACC)                      # scores of KPI keys x g heads
+        kk = cuda.local.array((KPI, DPT), ACC)
+        vv = cuda.local.array((KPI, DPT), ACC)
         for g in range(G):
             m[g], l[g] = NEG_INF, ZERO
             for u in range(DPT):
@@ -134,38 +143,45 @@ def make_split(D: int, G: int, L: int, paged: bool, acc_name: str, simulated: bo
                 for e in range(tid, (p1 - p0 + bn - 1) // bn, NT):
                     tbl[e] = tables[b, p0 // bn + e]          # load table entries -> SRAM
                 cuda.syncthreads()
-            for base in range(p0, p1, KG):                    # every thread the same trip count
-                c = base + kg                                 # this group's key
-                valid = c < p1
-                for u in range(DPT):                          # load k_c -> registers
-                    dd = lane + L * u
-                    kv[u] = ZERO
-                    if valid and dd < D:
-                        if PAGED:
-                            kv[u] = ACC(k[tbl[(c - p0) // bn], c % bn, hk, dd])
-                        else:
-                            kv[u] = ACC(k[b, hk, c, dd])
-                for g in range(G):                            # s_g = q_g . k_c, lanes summed
-                    sc[g] = ZERO
+            for base in range(p0, p1, KG * KPI):              # every thread the same trip count
+                for e in range(KPI):                          # load KPI keys' k, v -> registers
+                    c = base + kg + e * KG                    # (all loads issued before any math)
                     for u in range(DPT):
-                        sc[g] += q_r[g, u] * kv[u]
-                lane_sum(sc, scratch, tid)
-                if valid:
-                    for u in range(DPT):                      # load v_c -> registers
                         dd = lane + L * u
-                        kv[u] = ZERO
-                        if dd < D:
+                        kk[e, u] = ZERO
+                        vv[e, u] = ZERO
+                        if c < p1 and dd < D:
                             if PAGED:
-                                kv[u] = ACC(v[tbl[(c - p0) // bn], c % bn, hk, dd])
+                                blk, slot = tbl[(c - p0) // bn], (c - p0) % bn
+                                kk[e, u] = ACC(k[blk, slot, hk, dd])
+                                vv[e, u] = ACC(v[blk, slot, hk, dd])
                             else:
-                                kv[u] = ACC(v[b, hk, c, dd])
-                    for g in range(G):                        # online softmax, one key
-                        m_new = max(m[g], sc[g])
-                        alpha = math.exp(m[g] - m_new)
-                        p = math.exp(sc[g] - m_new)
-                        l[g] = l[g] * alpha + p
+                                kk[e, u] = ACC(k[b, hk, c, dd])
+                                vv[e, u] = ACC(v[b, hk, c, dd])
+                for e in range(KPI):                          # s = q . k, lanes summed below
+                    for g in range(G):
+                        dot = ZERO
                         for u in range(DPT):
-                            o_r[g, u] = o_r[g, u] * alpha + p * kv[u]
+                            dot += q_r[g, u] * kk[e, u]
+                        sc[e * G + g] = dot
+                lane_sum(sc, scratch, tid)                    # KPI*G independent butterflies
+                for g in range(G):                            # online softmax over the KPI keys
+                    m_new = m[g]
+                    for e in range(KPI):
+                        if base + kg + e * KG < p1:
+                            m_new = max(m_new, sc[e * G + g])
+                    if m_new != NEG_INF:
+                        alpha = math.exp(m[g] - m_new)
+                        for u in range(DPT):
+                            o_r[g, u] *= alpha
+                        row_sum = ZERO
+                        for e in range(KPI):
+                            if base + kg + e * KG < p1:
+                                p = math.exp(sc[e * G + g] - m_new)
+                                row_sum += p
+                                for u in range(DPT):
+                                    o_r[g, u] += p * vv[e, u]
+                        l[g] = alpha * l[g] + row_sum
                         m[g] = m_new
             if PAGED:
                 cuda.syncthreads()                            # before the next stage's entries
@@ -241,8 +257,11 @@ def make_combine(D: int, NT: int, acc_name: str):
 
 # --------------------------------------------------------------------------- gather
 @functools.lru_cache(maxsize=None)
-def make_gather():
+def make_gather(word_name: str = "uint32"):
+    """The gather kernel for pool elements (or reinterpreted words) of dtype ``word_name``."""
     TX, TY = GATHER_BLOCK
+    UN = GATHER_UNROLL
+    WORD = numba.from_dtype(np.dtype(word_name))
 
     def gather(k_pool, v_pool, table, k_out, v_out, n):
         j = cuda.blockIdx.x                                   # logical block j of the sequence
@@ -254,12 +273,23 @@ def make_gather():
         cuda.syncthreads()
         blk = blk_s[0]
         t0 = j * bs
-        rows = min(bs, n - t0)                                # valid slots only
-        for hh in range(H):
-            for slot in range(ty, rows, TY):
-                for w in range(tx, W, TX):                    # pool row -> contiguous row
-                    k_out[hh, t0 + slot, w] = k_pool[blk, slot, hh, w]
-                    v_out[hh, t0 + slot, w] = v_pool[blk, slot, hh, w]
+        rows = min(bs, n - t0) * H                            # valid (slot, head) rows only
+        ka = cuda.local.array(UN, WORD)
+        va = cuda.local.array(UN, WORD)
+        for w in range(tx, W, TX):
+            for r0 in range(ty, rows, TY * UN):
+                for e in range(UN):                           # UN rows' loads first ...
+                    r = r0 + e * TY
+                    if r < rows:
+                        slot, hh = r // H, r % H              # pool order: heads fastest
+                        ka[e] = k_pool[blk, slot, hh, w]
+                        va[e] = v_pool[blk, slot, hh, w]
+                for e in range(UN):                           # ... then their stores
+                    r = r0 + e * TY
+                    if r < rows:
+                        slot, hh = r // H, r % H
+                        k_out[hh, t0 + slot, w] = ka[e]
+                        v_out[hh, t0 + slot, w] = va[e]
 
     return gather
 
@@ -405,10 +435,13 @@ def _pools_like(kind, like, cache):
 
 
 def _word_view(x, d, itemsize):
-    """View a device array's rows as 4-byte words when d * itemsize allows (fewer, wider copies)."""
-    if (d * itemsize) % 4 or itemsize >= 4:
-        return x
-    return x.view(np.uint32)
+    """View a device array's rows as 8- or 4-byte words when d * itemsize allows (fewer, wider
+    copies); else leave it as elements."""
+    for word in (np.uint64, np.uint32):
+        size = np.dtype(word).itemsize
+        if (d * itemsize) % size == 0 and itemsize < size:
+            return x.view(word)
+    return x
 
 
 def launch_gather(k_pool, v_pool, table, k_out, v_out, seq_len):
@@ -416,7 +449,7 @@ def launch_gather(k_pool, v_pool, table, k_out, v_out, seq_len):
     nblk = -(-seq_len // bs)
     if nblk == 0:
         return
-    kern = _jitted(make_gather())
+    kern = _jitted(make_gather(str(np.dtype(k_pool.dtype))))
     kern[nblk, GATHER_BLOCK](k_pool, v_pool, table, k_out, v_out, seq_len)
 
 

@@ -90,7 +90,9 @@ class NumbaConfig:
 
     version: 1, 2 or 3 (see the module docstring); block_q (Br), block_k (Bc): tile rows,
     None for the version's default; threads_per_row, rows_per_thread: v3's register tiling
-    (v1 and v2 use one thread per row).  ``buggy_skip_sync`` is for the notebook's race demo.
+    (v1 and v2 use one thread per row); batched_lane_sums: v3 sums the lanes' partial dot
+    products of a whole step of keys in one butterfly (True) or key by key (False).
+    ``buggy_skip_sync`` is for the notebook's race demo.
     """
 
     version: int = 3
@@ -98,6 +100,7 @@ class NumbaConfig:
     block_k: int | None = None
     threads_per_row: int = 8
     rows_per_thread: int = 4
+    batched_lane_sums: bool = True
     buggy_skip_sync: bool = False
 
     def __post_init__(self):
@@ -269,14 +272,15 @@ def make_v1(D: int, BR: int, BC: int, acc_name: str):
                 s[j - c0] = dot * scale
                 m_new = max(m_new, s[j - c0])
             alpha = math.exp(m_i - m_new)                    # m_i = -inf -> 0, never NaN
-            l_i *= alpha
             for dd in range(D):
                 o_i[dd] *= alpha
+            row_sum = ZERO
             for j in range(c_lo, c_hi):
                 p = math.exp(s[j - c0] - m_new)
-                l_i += p
+                row_sum += p
                 for dd in range(D):
                     o_i[dd] += p * ACC(v[b, hk, j, dd])      # read v_j <- HBM (per row!)
+            l_i = alpha * l_i + row_sum
             m_i = m_new
         if l_i > ZERO:                                       # write O_i, LSE_i -> HBM
             inv = ONE / l_i
@@ -339,14 +343,15 @@ def make_v2(D: int, BR: int, BC: int, acc_name: str, buggy_skip_sync: bool = Fal
                     s[j - c0] = dot * scale
                     m_new = max(m_new, s[j - c0])
                 alpha = math.exp(m_i - m_new)                # rescale what was summed so far
-                l_i *= alpha
                 for dd in range(D):
                     o_i[dd] *= alpha
+                row_sum = ZERO
                 for j in range(c_lo, c_hi):                  # P_ij = exp(S_ij - m); O += P_ij V_j
                     p = math.exp(s[j - c0] - m_new)
-                    l_i += p
+                    row_sum += p
                     for dd in range(D):
                         o_i[dd] += p * V_j[j - c0, dd]
+                l_i = alpha * l_i + row_sum                  # l = alpha l + rowsum(P_ij)
                 m_i = m_new
             cuda.syncthreads()                               # everyone done before the next load
         if i < Nq:                                           # write O_i, LSE_i -> HBM (once)
@@ -365,7 +370,7 @@ def make_v2(D: int, BR: int, BC: int, acc_name: str, buggy_skip_sync: bool = Fal
 
 # --------------------------------------------------------------------------- v3
 @functools.lru_cache(maxsize=None)
-def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: bool):
+def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: bool, batched: bool = True):
     """v3: L lanes per row (each d/L dims), R rows per thread, K_j/V_j in shared memory."""
     ACC = getattr(numba, acc_name)
     NEG_INF, ZERO, ONE = (np.dtype(acc_name).type(x) for x in (-np.inf, 0, 1))
@@ -373,8 +378,11 @@ def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: 
     DPT = -(-D // L)                                         # dims per lane
     DPAD = DPT * L                                           # d padded to a multiple of L (zeros)
     CH = min(KEYS_PER_STEP, BC)                              # keys folded per softmax step
-    SCRATCH = (R, NT) if simulated else (1, 1)               # lane-sum scratch (simulator only)
+    BATCH = batched                                          # one butterfly for the step's R*CH dots
+    RCH = R * CH
+    SCRATCH = ((R * CH if batched else R), NT) if simulated else (1, 1)   # simulator's lane sums
     lane_sum = _make_lane_sum(L, R, simulated)
+    lane_sum_step = _make_lane_sum(L, R * CH, simulated)
 
     def fwd_v3(q, k, v, o, lse, scale, left, right):
         Hq, Nq, Hkv, Nk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
@@ -395,6 +403,7 @@ def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: 
         hi = cuda.local.array(R, int32)
         s = cuda.local.array((R, CH), ACC)                   # S (then P) for CH keys
         part = cuda.local.array(R, ACC)                      # a lane's partial dot products
+        part_step = cuda.local.array(RCH, ACC)               # ... for all CH keys of a step
         for rr in range(R):
             i = r0 + grp * R + rr
             m[rr], l[rr] = NEG_INF, ZERO
@@ -419,15 +428,29 @@ def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: 
                     V_j[r, dd] = ZERO
             cuda.syncthreads()
             for cc in range(0, BC, CH):                      # CH keys per online-softmax step
-                for c in range(CH):                          # S = scale q K^T, lanes summed
-                    j = c0 + cc + c
-                    for rr in range(R):
-                        part[rr] = ZERO
-                        for u in range(DPT):
-                            part[rr] += q_r[rr, u] * K_j[cc + c, lane + L * u]
-                    lane_sum(part, scratch, tid)
-                    for rr in range(R):
-                        s[rr, c] = part[rr] * scale if (j >= lo[rr] and j < hi[rr]) else NEG_INF
+                if BATCH:                                    # S = scale q K^T: all CH keys' partial
+                    for c in range(CH):                      # dots, then one butterfly of R*CH
+                        for rr in range(R):                  # independent sums (more in flight)
+                            dot = ZERO
+                            for u in range(DPT):
+                                dot += q_r[rr, u] * K_j[cc + c, lane + L * u]
+                            part_step[rr * CH + c] = dot
+                    lane_sum_step(part_step, scratch, tid)
+                    for c in range(CH):
+                        j = c0 + cc + c
+                        for rr in range(R):
+                            visible = j >= lo[rr] and j < hi[rr]
+                            s[rr, c] = part_step[rr * CH + c] * scale if visible else NEG_INF
+                else:
+                    for c in range(CH):                      # S = scale q K^T, key by key
+                        j = c0 + cc + c
+                        for rr in range(R):
+                            part[rr] = ZERO
+                            for u in range(DPT):
+                                part[rr] += q_r[rr, u] * K_j[cc + c, lane + L * u]
+                        lane_sum(part, scratch, tid)
+                        for rr in range(R):
+                            s[rr, c] = part[rr] * scale if (j >= lo[rr] and j < hi[rr]) else NEG_INF
                 for rr in range(R):                          # the online softmax, per row
                     m_new = m[rr]
                     for c in range(CH):
@@ -483,7 +506,7 @@ def kernel_function(cfg: NumbaConfig, head_dim: int, dtype: str, simulated: bool
     if cfg.version == 2:
         return make_v2(head_dim, cfg.block_q, cfg.block_k, acc_name, cfg.buggy_skip_sync)
     return make_v3(head_dim, cfg.block_q, cfg.block_k, cfg.threads_per_row, cfg.rows_per_thread,
-                   acc_name, simulated)
+                   acc_name, simulated, cfg.batched_lane_sums)
 
 
 @functools.lru_cache(maxsize=None)

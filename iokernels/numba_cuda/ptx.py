@@ -49,10 +49,10 @@ def kernel_signatures(head_dims=HEAD_DIMS):
                 out.append((f"decode_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
             sig = (_arr(acc, 4), _arr(acc, 3), _arr(st, 3), _arr(acc, 2))
             out.append((f"decode_combine_d{d}", dtype, dk.combine_kernel_function(d, dtype), sig))
-        gather_t = types.uint32 if dtype == "float16" else st
+        gather_t = types.uint64 if dtype != "float64" else st     # the launcher's 8-byte words
         sig = (_arr(gather_t, 4), _arr(gather_t, 4), _arr(types.int32, 1), _arr(gather_t, 3), _arr(gather_t, 3),
                types.int64)
-        out.append(("gather", dtype, dk.make_gather(), sig))
+        out.append(("gather", dtype, dk.make_gather(str(gather_t)), sig))
     return out
 
 
