@@ -23,24 +23,51 @@ FlashAttention forward:
 
 * **v1** ``fa_v1.cu``: CUDA cores, any dtype (float32 is its job; float64 matches the
   oracle to ~1e-12; float16/bfloat16 load and store 16 bits, compute in float32).  The
-  structure of the Numba block-cooperative kernel: a block owns Q_i, loads K_j, V_j into
-  SRAM together, ``__syncthreads``, folds the tile into (m, l, O).  256 threads as a
-  16 x 16 grid, each owning Br/16 rows x Bc/16 keys of S_ij (register tiling); Q_i and
-  K_j are stored transposed in SRAM so the inner loop reads vectors (float4).
+  structure of the Numba block-cooperative kernel (numba_cuda v2/v3): a block owns Q_i,
+  loads K_j, V_j into SRAM together, ``__syncthreads``, folds the tile into (m, l, O).
+  256 threads as a 16 x 16 grid, each owning Br/16 rows x Bc/16 keys of S_ij (register
+  tiling, like Numba's v3); Q_i and K_j are stored transposed in SRAM so the inner loop
+  reads vectors (float4).
+  Measured (H200, float32, B=8 H=16 N=4096 d=128): 17.4 TFLOP/s non-causal = 0.37x SDPA's
+  EFFICIENT kernel (47.0) in the same run; causal 16.5 = 0.365x.  Below the issue's 0.4x.
+  Frank note on why: K_j/V_j loads are synchronous (the block waits for HBM/L2 every
+  tile, three ``__syncthreads`` a tile), and at 112 KB of SRAM only two blocks share an
+  SM, so nothing hides that wait; SDPA's fp32 kernel pipelines its loads.  Double
+  buffering the tiles with cp.async, as v2 does, is the next step.
 * **v2** ``fa_v2.cu``: float16 / bfloat16 on the tensor cores with inline-PTX
   ``mma.sync.m16n8k16`` and ``ldmatrix``, FlashAttention-2's structure: each warp owns
   16 query rows, S and P never leave registers, online softmax in registers with exp2,
   K_j / V_j double-buffered with ``cp.async`` (sm_80+; synchronous copies on sm_75, which
   also splits each mma into two m16n8k8), causal/window tile skipping, GQA/MQA, LSE.
+  Measured (H200, bfloat16, B=8 H=16 N=4096 d=128, 8 warps x Bc 64): 230 TFLOP/s
+  non-causal = 0.645x SDPA FLASH (357) and 219 causal = 0.668x FLASH (328), same run;
+  float16 the same.  cuDNN's kernel (Hopper wgmma/TMA) reached 692 / 611: the gap to it
+  is the Hopper path this file does not take.  4 warps x Bc 64 reached 0.49x: with 4
+  warps the K_j/V_j tile feeds only 64 query rows, so each byte read from SRAM does
+  half the work.
 * (v3, a Hopper wgmma/TMA kernel, is not written: the issue makes it optional.)
 
 Decode (``decode.cu``): Flash-Decoding's split kernel (GQA packed: one block reads a K/V
 row once for all g query heads of its group; 16-byte loads) over a contiguous or a paged
-cache, and the exact LSE combine; :func:`num_splits_heuristic` from the SM count.
+cache, and the exact LSE combine; :func:`num_splits_heuristic` from the SM count and
+the kernel's occupancy (one full wave of blocks).
+  Measured (H200, bfloat16, GQA 32/8, d=128, B=1, N=32768): 0.072 ms = 1.86 TB/s of KV
+  read = 0.68x the best SDPA backend (cuDNN, 2.72 TB/s; FLASH 2.26) in the same run.
+  Below the issue's 0.9x.  Frank note: each block walks its keys with plain loads, four
+  rows a lane in flight and the math in between; at 159 registers only three blocks fit
+  an SM, too few bytes in flight to saturate HBM.  A cp.async ring of K/V tiles in SRAM
+  (several stages deep) is the known cure and is not written.  Paged decode versus
+  contiguous was not measured with the final code (see the results file).
 Paged gather (``paged_gather.cu``): 16-byte chunks through the block table.
+  Measured: 3.54 TB/s = 0.945x a device copy of the same bytes (3.74 TB/s), kernel time.
 
-What they measured: see ``MEASURED`` below (filled from
-benchmarks/results/cupy_h200_*.json; ratios to torch SDPA in the same run).
+What they measured is recorded in benchmarks/results/cupy_h200_2026-11-29.json (and
+``MEASURED`` below): ratios to torch SDPA timed in the same run, NVIDIA H200,
+driver 580.159.04, torch 2.11, cupy 14.2, 2026-11-29.
+
+Not done: a Hopper version (wgmma, TMA, warp specialization: optional in the issue);
+compute-sanitizer runs of :func:`sanitize_cases` were started but timed out compiling on a
+cold machine, so no sanitizer result is claimed.
 
 Inputs and outputs
 ------------------
@@ -93,8 +120,15 @@ DECODE_MAX_SPLITS = 128
 GATHER_THREADS = 256
 GATHER_BLOCKS_PER_SM = 8
 
-#: Filled in from the recorded run (benchmarks/results/cupy_h200_*.json).
-MEASURED = {}
+#: From benchmarks/results/cupy_h200_2026-11-29.json (NVIDIA H200; ratios to SDPA, same run).
+MEASURED = {
+    "fa_v2 bf16 B=8 H=16 N=4096 d=128 non-causal": dict(tflops=230.1, ms=4.778, vs="SDPA FLASH 357.0", ratio=0.645),
+    "fa_v2 bf16 B=8 H=16 N=4096 d=128 causal": dict(tflops=218.9, ms=2.513, vs="SDPA FLASH 327.6", ratio=0.668),
+    "fa_v1 fp32 B=8 H=16 N=4096 d=128 non-causal": dict(tflops=17.4, ms=63.14, vs="SDPA EFFICIENT 47.0", ratio=0.37),
+    "fa_v1 fp32 B=8 H=16 N=4096 d=128 causal": dict(tflops=16.5, ms=33.27, vs="SDPA EFFICIENT 45.3", ratio=0.365),
+    "decode bf16 GQA 32/8 d=128 B=1 N=32768": dict(tbps=1.86, ms=0.0721, vs="SDPA cuDNN 2.72 TB/s", ratio=0.684),
+    "paged gather bf16 Hkv=8 N=32768 d=128 (kernel)": dict(tbps=3.54, ms=0.0759, vs="device copy 3.74 TB/s", ratio=0.945),
+}
 
 _MODULES: dict = {}
 

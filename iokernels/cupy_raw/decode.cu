@@ -23,6 +23,8 @@
 //
 // Compile-time settings: HEAD_DIM, GROUP (g), IK_DTYPE, PAGED, BLOCK_SIZE (paged),
 // VEC_IO (rows are whole 16-byte chunks), NUM_WARPS, UNROLL.
+// Measured (H200, bf16, GQA 32/8, d=128, B=1, N=32768): 1.86 TB/s of KV = 0.68x SDPA's
+// best (cuDNN) in the same run: too few loads in flight (plain loads, 3 blocks an SM).
 #include "common.cuh"
 
 #ifndef HEAD_DIM

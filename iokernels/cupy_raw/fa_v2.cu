@@ -24,6 +24,8 @@
 // Compile-time settings (-D from CupyConfig): HEAD_DIM, D_PAD (HEAD_DIM rounded up to 16),
 // NUM_WARPS, BLOCK_K (Bc, a multiple of 16), IK_DTYPE (1 float16, 2 bfloat16),
 // VEC_IO (1 when a row is a whole number of 16-byte chunks: HEAD_DIM % 8 == 0).
+// Measured (H200, bf16, B=8 H=16 N=4096 d=128, 8 warps, Bc = 64): 230 TFLOP/s non-causal
+// = 0.645x SDPA FLASH, 219 causal = 0.668x (same run; cupy_h200_2026-11-29.json).
 #include "common.cuh"
 
 #ifndef HEAD_DIM
