@@ -830,3 +830,87 @@ def sanitize_cases(seed: int = 0) -> list:
         ran.append(f"paged decode + gather {dt}")
     cp.cuda.Device().synchronize()
     return ran
+
+
+# --------------------------------------------------------------------------- for notebook 06
+#: the recorded run this module's docstring quotes
+RESULTS_FILE = KERNEL_DIR.parent.parent / "benchmarks" / "results" / "cupy_h200_2026-11-29.json"
+
+
+def recorded_results(path=None) -> dict:
+    """The recorded H200 run (JSON) as a dict; its ``env`` says GPU, driver, versions, date."""
+    import json
+    with open(path or RESULTS_FILE) as f:
+        return json.load(f)
+
+
+def recorded_label(res=None) -> str:
+    res = res or recorded_results()
+    env = res["env"]
+    return f"recorded on {env['gpu']}, {env['date']}, driver {env['driver']}; {env['versions']}"
+
+
+def recorded_table(res=None, groups=("fwd", "decode", "paged gather")) -> list:
+    """(run, group, runner, ms, speed, unit, ratio) rows of the recorded run, for printing."""
+    res = res or recorded_results()
+    out = []
+    for run in res["runs"]:
+        for r in run["rows"]:
+            if not any(r["group"].startswith(g) for g in groups):
+                continue
+            unit = "TFLOP/s" if "TFLOP/s" in r else "TB/s"
+            ratio = next(((k, v) for k, v in r.items() if k.startswith("ratio_to") and v is not None), (None, None))
+            out.append((run["run"], r["group"], r["runner"], r["ms"], r.get(unit), unit, ratio))
+    return out
+
+
+def plot_recorded(res=None, ax=None):
+    """Bar chart of the recorded prefill runs (run B): CuPy versions next to SDPA's backends."""
+    import matplotlib.pyplot as plt
+    res = res or recorded_results()
+    rows = next(r["rows"] for r in res["runs"] if r["run"] == "B")
+    groups = [g for g in dict.fromkeys(r["group"] for r in rows) if g.startswith("fwd")]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 4.2))
+    x = 0
+    ticks, labels = [], []
+    for g in groups:
+        for r in (r for r in rows if r["group"] == g):
+            color = "tab:blue" if r["runner"].startswith("cupy") else "tab:gray"
+            ax.bar(x, r["TFLOP/s"], color=color)
+            ticks.append(x)
+            labels.append(r["runner"].replace("sdpa ", "SDPA ").replace("cupy ", ""))
+            x += 1
+        ax.text(x - 0.5 - len([r for r in rows if r["group"] == g]) / 2, ax.get_ylim()[1] * 0.95 if x > 1 else 0,
+                g.replace("fwd ", "").split(" B=")[0] + (" causal" if "causal=True" in g else ""),
+                ha="center", fontsize=8)
+        x += 1
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(labels, rotation=70, fontsize=7)
+    ax.set_ylabel("TFLOP/s (B=8, H=16, N=4096, d=128)")
+    ax.set_title("FlashAttention forward: CuPy v1/v2 (blue) next to SDPA (gray)\n" + recorded_label(res)[:110],
+                 fontsize=8)
+    return ax
+
+
+def nonmatmul_budget(head_dim: int, matmul_flops_per_s: float = 989e12, exp_per_s: float = 3.9e12) -> dict:
+    """Time for the exponentials against time for the matmuls, per score S_ij.
+
+    Each score costs 4 * head_dim matmul FLOPs (2d in Q K^T, 2d in P V) and one exp.
+    Defaults: H100 SXM's dense 16-bit tensor-core peak and its special-function (exp)
+    throughput as the FlashAttention-3 paper quotes them (Shah et al., 2024).
+    """
+    t_mm = 4 * head_dim / matmul_flops_per_s
+    t_exp = 1 / exp_per_s
+    return dict(matmul_ps_per_score=t_mm * 1e12, exp_ps_per_score=t_exp * 1e12,
+                exp_over_matmul=t_exp / t_mm)
+
+
+def v2_registers(head_dim: int, block_k: int) -> dict:
+    """32-bit registers a lane of v2 holds for its 16 query rows (fa_v2.cu): the O
+    accumulator, the S/P tile, the Q fragments, (m, l) -- before addresses and temporaries."""
+    d = _round_up(head_dim, 16)
+    o = d // 8 * 4            # NT_O n-tiles x 4 floats
+    s = block_k // 8 * 4      # NT_S n-tiles x 4 floats
+    q = d // 16 * 4           # KT_Q k-steps x 4 registers of two 16-bit values
+    return dict(O=o, S_P=s, Q=q, m_l=4, total=o + s + q + 4)
