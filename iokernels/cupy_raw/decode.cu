@@ -165,8 +165,11 @@ decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim
     const elem_t* Kb = K + b * skb + hk * skh;
     const elem_t* Vb = V + b * svb + hk * svh;
 #endif
-    // load K, V rows -> registers, UNROLL rows per slot at a time; update (m, l, acc)
-    for (int n0 = n_begin + slot; n0 < n_end; n0 += SLOTS * UNROLL) {
+    // load K, V rows -> registers, UNROLL rows per slot at a time; update (m, l, acc).
+    // The trip count is the block's, not the slot's: every lane of a warp must reach the
+    // shuffles below together (a slot past the end just sees masked, all -inf scores).
+    for (int base = n_begin; base < n_end; base += SLOTS * UNROLL) {
+        const int n0 = base + slot;
         RowBuf kr[UNROLL], vr[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
