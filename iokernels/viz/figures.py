@@ -116,8 +116,8 @@ def flash_forward_loop(seqlen_q: int = 4 * 64, seqlen_k: int = 6 * 64, block_q: 
     axes = fig.subplots(1, 2)
     colours = {"full": "#aed6f1", "partial": "#f9e79f", "skip": "#eeeeee"}
     titles = {
-        "fa1": "FlashAttention-1: K/V tiles outer\nload K_j, V_j -> SRAM once; Q_i, O_i, m_i, l_i\n"
-               "read and written back to HBM at every visit",
+        "fa1": "FlashAttention-1: K/V tiles outer\nload K_j, V_j -> SRAM once; at every visit read Q_i,\n"
+               "and read and write back O_i, m_i, l_i in HBM",
         "fa2": "FlashAttention-2: Q tiles outer\nload Q_i -> SRAM once; K_j, V_j streamed;\n"
                "write O_i, LSE_i -> HBM once per row of tiles",
     }
