@@ -10,6 +10,9 @@ Real sizes: N up to 8192.  The oracle is run on the first and the last rows of t
 output only (reference.attention on a slice of Q with the keys those rows may see:
 bottom-right alignment makes the last rows of Q with all of K exactly the same problem),
 so the test stays fast; NaN checks cover every element.
+
+The first run on a machine compiles about 50 kernel variants with NVRTC (a few minutes on
+an H200 host); CuPy caches them on disk, so later runs take well under a minute.
 """
 import math
 
@@ -152,7 +155,7 @@ def test_forward_awkward_shapes(rng, d):
         for (Nq, Nk, causal, window) in ((37, 300, True, None), (300, 37, True, None),
                                          (129, 200, False, (17, 5)), (65, 65, True, (0, -1))):
             q, k, v = _inputs(rng, 2, 6, 3, Nq, Nk, d, dtype)
-            for version in _versions(dtype):
+            for version in _versions(dtype)[:1]:          # v1 on 16-bit: covered at real sizes
                 o, lse = _run_attention(q, k, v, dtype, causal, window, version)
                 _check_slices(q, k, v, o, lse, dtype, causal, window)
 
