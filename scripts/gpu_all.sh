@@ -29,8 +29,11 @@ LOGS=$(mktemp -d)
 T0=$(date +%s)
 
 # per-stage limits in seconds (total well under 600)
-T_ENV=30 T_BENCH=${T_BENCH:-210} T_TRAFFIC=${T_TRAFFIC:-120} T_CHECKS=${T_CHECKS:-150}
+T_ENV=30 T_BENCH=${T_BENCH:-180} T_TRAFFIC=${T_TRAFFIC:-100} T_CHECKS=${T_CHECKS:-210}
 
+# the whole script must end before DEADLINE seconds (the device tool allows 600 per call)
+DEADLINE=${DEADLINE:-550}
+left() { local l=$(( DEADLINE - 25 - ($(date +%s) - T0) )); [ $l -lt 5 ] && l=5; [ $l -gt $1 ] && l=$1; echo $l; }
 note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOGS/stages.txt"; }
 
 # ---------------------------------------------------------------- 1. env
@@ -55,7 +58,7 @@ ENV_LINE=$(tail -1 "$LOGS/env.txt")
 
 # ---------------------------------------------------------------- 2. bench
 note "bench (limit ${T_BENCH}s)"
-timeout --kill-after=10 $T_BENCH $PY -m iokernels bench --no-progress --out "$OUT/bench.json" \
+timeout --kill-after=10 $(left $T_BENCH) $PY -m iokernels bench --no-progress --out "$OUT/bench.json" \
   > "$LOGS/bench.log" 2>&1
 note "bench exit $?"
 grep -v '^USDT' "$LOGS/bench.log" | sed -n '/^recorded on/,$p' > "$OUT/bench.txt"
@@ -63,6 +66,7 @@ grep -v '^USDT' "$LOGS/bench.log" | sed -n '/^recorded on/,$p' > "$OUT/bench.txt
 
 # ---------------------------------------------------------------- 3. traffic (ncu)
 note "traffic (limit ${T_TRAFFIC}s)"
+T_TRAFFIC=$(left $T_TRAFFIC)
 timeout --kill-after=10 $(( T_TRAFFIC + 10 )) $PY scripts/profile_traffic.py all --out "$LOGS/traffic" \
   --timeout $T_TRAFFIC > "$LOGS/traffic.log" 2>&1
 note "traffic exit $?"
@@ -70,22 +74,29 @@ cp "$LOGS/traffic/traffic.json" "$OUT/traffic.json" 2>/dev/null || echo '{"error
 cp "$LOGS/traffic/ncu_raw.csv" "$OUT/ncu_raw.csv" 2>/dev/null || echo "no ncu output" > "$OUT/ncu_raw.csv"
 
 # ---------------------------------------------------------------- 4. checks, in parallel
+T_CHECKS=$(left $T_CHECKS)
 note "pytest + 4 sanitizers in parallel (limit ${T_CHECKS}s)"
 (
   files=""
   for f in tests/test_numba*.py tests/test_cupy*.py tests/test_torch_sdpa.py tests/test_bench.py; do
     [ -f "$f" ] && files="$files $f"; done
   echo "== python3 -m pytest -m gpu tests (tests marked gpu, if any)"
-  timeout --kill-after=5 $T_CHECKS $PY -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -15
+  timeout --kill-after=5 $(left $T_CHECKS) $PY -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -15
   if [ -n "$files" ]; then
     echo "== python3 -m pytest$files"
-    timeout --kill-after=5 $T_CHECKS $PY -m pytest -q -p no:cacheprovider $files 2>&1 | tail -40
+    timeout --kill-after=5 $(left $T_CHECKS) $PY -m pytest -q -p no:cacheprovider $files 2>&1 | tail -40
   fi
 ) > "$LOGS/pytest.log" 2>&1 &
 PIDS="$!"
+# warm CuPy's kernel cache (~/.cupy/kernel_cache) without the sanitizer first: NVRTC compiles
+# under four sanitizers at once were too slow to finish in a debug run
+timeout --kill-after=5 $(left 90) $PY scripts/sanitize.py > "$LOGS/sanitize_prewarm.log" 2>&1
+note "sanitize.py without a sanitizer: exit $?"
+T_SAN=$(left $T_CHECKS)
+note "4 sanitizers (limit ${T_SAN}s)"
 for tool in memcheck racecheck synccheck initcheck; do
   (
-    timeout --kill-after=5 $T_CHECKS compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 50 \
+    timeout --kill-after=5 $T_SAN compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 50 \
       $PY scripts/sanitize.py > "$LOGS/sanitize_$tool.log" 2>&1
     echo $? > "$LOGS/sanitize_$tool.rc"
   ) &
