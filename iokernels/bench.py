@@ -510,6 +510,8 @@ def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=T
         row["unit"] = unit
     except Unavailable as e:
         row["status"] = f"unavailable: {e}"
+    except ValueError as e:             # the backend refused the inputs (dtype, head dim, ...)
+        row["status"] = f"unavailable: {_first_line(e)}"
     except RuntimeError as e:
         msg = _first_line(e)
         kind = "unavailable" if "No available kernel" in msg or "No viable backend" in msg else "failed"
@@ -721,9 +723,14 @@ def decode_cases(spec, seed, progress, section="decode"):
                         rows.append(_measure(name, backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
                                              dtype=dtype))
                     progress.update(1)
-                pages = device_pages(k, v, seed)
+                try:
+                    pages = device_pages(k, v, seed)
+                except (Unavailable, RuntimeError) as e:   # e.g. out of device memory
+                    pages = e
                 for backend in ("numba", "cupy"):
                     def fn(backend=backend):
+                        if isinstance(pages, Exception):
+                            raise Unavailable(f"paged pools: {_first_line(pages)}")
                         f = _pool_fn(backend, "paged_decode_pools")
                         return f(q, pages[0], pages[1], pages[2], pages[3], num_splits=None, scale=scale)
                     rows.append(_measure(f"{backend} paged", backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
@@ -738,7 +745,6 @@ def decode_cases(spec, seed, progress, section="decode"):
 
 def gather_cases(spec, seed, progress, section="gather"):
     """Paged gather (numba, cupy) vs a device-to-device copy of the same bytes."""
-    import importlib
     import torch
     cases = []
     Hkv, d, dtype = spec["heads_kv"], spec["head_dim"], spec["dtype"]
@@ -760,9 +766,14 @@ def gather_cases(spec, seed, progress, section="gather"):
             return dst_k
         rows = [_measure("device copy (torch)", "copy", copy, work=nbytes, unit="TB/s", ref=k[0],
                          dtype=dtype)]
-        pages = device_pages(k, v, seed)
+        try:
+            pages = device_pages(k, v, seed)
+        except (Unavailable, RuntimeError) as e:
+            pages = e
         for backend in ("numba", "cupy"):
             def fn(backend=backend):
+                if isinstance(pages, Exception):
+                    raise Unavailable(f"paged pools: {_first_line(pages)}")
                 return _pool_fn(backend, "gather_pools")(pages[0], pages[1], pages[2][0], int(pages[3][0]))
             rows.append(_measure(f"{backend} gather", backend, fn, work=nbytes, unit="TB/s", ref=k[0],
                                  dtype=dtype))

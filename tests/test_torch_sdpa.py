@@ -105,15 +105,14 @@ def test_forced_unavailable_kernel_raises_instead_of_falling_back(rng):
     # On a CPU there is no efficient / cuDNN kernel: forced alone, SDPA must refuse.
     q, k, v = (torch.from_numpy(x) for x in testing.make_inputs(rng, seqlen_q=16, head_dim=8,
                                                                  dtype="float32"))
+    # (CPU tensors: the same answer whether or not the machine has a GPU)
     status = ts.backend_status(q, k, v, causal=True)
     assert status["math"] == "ok"
-    if not torch.cuda.is_available():
-        assert status["efficient"].startswith("unavailable")
-        assert status["cudnn"].startswith("unavailable")
-    assert status["default"] in ("flash", "efficient", "cudnn", "math")
+    assert status["efficient"].startswith("unavailable")
+    assert status["cudnn"].startswith("unavailable")
+    assert status["default"] in ("flash", "math")
     with pytest.raises(RuntimeError):
-        with ts.force("efficient" if not torch.cuda.is_available() else "flash"):
-            # on a GPU flash refuses float32; on a CPU efficient does not exist
+        with ts.force("efficient"):
             torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
 
@@ -126,7 +125,7 @@ def test_backend_that_ran_sees_the_forced_kernel(rng):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         _, ran = ts.backend_that_ran(torch.nn.functional.scaled_dot_product_attention, q, k, v)
-    assert ran == (["efficient"] if torch.cuda.is_available() else ["math"])
+    assert ran == ["math"]          # CPU tensors: no efficient kernel, so math ran, silently
 
 
 def test_top_left_vs_bottom_right_demo():
