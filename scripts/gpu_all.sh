@@ -8,7 +8,8 @@
 #   2. bench      python -m iokernels bench  (alone on the GPU: it times things)   -> bench.json
 #   3. traffic    ncu DRAM bytes vs the traffic model (alone: counters are device-wide) -> traffic.json
 #   4. checks     GPU pytest and compute-sanitizer memcheck / racecheck / synccheck / initcheck
-#                 over scripts/sanitize.py, all five in parallel (correctness only, no timing)
+#                 over scripts/sanitize.py, one process per (tool, kernel family), all in
+#                 parallel (correctness only, no timing)
 #   5. summary
 # Writes exactly these 8 files to OUTDIR (the device tool returns at most 8):
 #   summary.txt  bench.json  bench.txt  traffic.json  ncu_raw.csv  sanitizer.txt  pytest.txt
@@ -75,7 +76,7 @@ cp "$LOGS/traffic/ncu_raw.csv" "$OUT/ncu_raw.csv" 2>/dev/null || echo "no ncu ou
 
 # ---------------------------------------------------------------- 4. checks, in parallel
 T_CHECKS=$(left $T_CHECKS)
-note "pytest + 4 sanitizers in parallel (limit ${T_CHECKS}s)"
+note "pytest + sanitizers in parallel (limit ${T_CHECKS}s)"
 (
   files=""
   for f in tests/test_numba*.py tests/test_cupy*.py tests/test_torch_sdpa.py tests/test_bench.py; do
@@ -93,14 +94,16 @@ PIDS="$!"
 timeout --kill-after=5 $(left 90) $PY scripts/sanitize.py > "$LOGS/sanitize_prewarm.log" 2>&1
 note "sanitize.py without a sanitizer: exit $?"
 T_SAN=$(left $T_CHECKS)
-note "4 sanitizers (limit ${T_SAN}s)"
+note "4 sanitizers x 2 kernel families (limit ${T_SAN}s)"
 for tool in memcheck racecheck synccheck initcheck; do
-  (
-    timeout --kill-after=5 $T_SAN compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 50 \
-      $PY scripts/sanitize.py > "$LOGS/sanitize_$tool.log" 2>&1
-    echo $? > "$LOGS/sanitize_$tool.rc"
-  ) &
-  PIDS="$PIDS $!"
+  for fam in numba cupy; do          # one process per (tool, family): 8 in parallel
+    (
+      timeout --kill-after=5 $T_SAN compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 50 \
+        $PY scripts/sanitize.py --only $fam > "$LOGS/sanitize_${tool}_$fam.log" 2>&1
+      echo $? > "$LOGS/sanitize_${tool}_$fam.rc"
+    ) &
+    PIDS="$PIDS $!"
+  done
 done
 for p in $PIDS; do wait $p; done
 note "checks done"

@@ -164,7 +164,8 @@ def sanitizer_lines() -> list[str]:
         text = recorded.load("sanitizer")
     except FileNotFoundError:
         return []
-    keep = [ln for ln in text.splitlines()[:8] if re.match(r"(memcheck|racecheck|synccheck|initcheck|total)", ln)]
+    head = text.split("\n\n", 1)[0].splitlines()
+    keep = [ln for ln in head if re.match(r"(memcheck|racecheck|synccheck|initcheck|total)", ln)]
     return ["**compute-sanitizer** over every CUDA kernel at ragged shapes:", "", "```"] + keep + ["```", ""]
 
 

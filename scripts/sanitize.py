@@ -133,36 +133,47 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 
 
 def summarize(log_dir, env_line="") -> str:
-    """One summary from the four logs ``sanitize_<tool>.log`` (and their ``.rc`` files)."""
+    """One summary from the logs ``sanitize_<tool>[_<family>].log`` (and their ``.rc`` files).
+
+    gpu_all.sh runs each tool once per kernel family (``--only numba``, ``--only cupy``), so a
+    slow family cannot keep the other from its verdict.
+    """
+    import glob
     import re
     lines = ["compute-sanitizer over scripts/sanitize.py (every CUDA kernel of the project at ragged shapes)"]
     if env_line:
         lines.append(env_line)
     total_errors = 0
     detail = []
+    unfinished = []
     for tool in TOOLS:
-        path = os.path.join(log_dir, f"sanitize_{tool}.log")
-        if not os.path.exists(path):
+        paths = sorted(glob.glob(os.path.join(log_dir, f"sanitize_{tool}.log")) +
+                       glob.glob(os.path.join(log_dir, f"sanitize_{tool}_*.log")))
+        if not paths:
             lines.append(f"{tool:<10} not run")
+            unfinished.append(tool)
             continue
-        text = open(path, errors="replace").read()
-        rc = open(path[:-4] + ".rc").read().strip() if os.path.exists(path[:-4] + ".rc") else "?"
-        m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
-        errors = int(m[-1]) if m else None
-        cases = re.findall(r"case (\S+): ok", text)
-        failed = re.findall(r"case (\S+): FAILED", text)
-        families = re.findall(r"family \S+: \d+ cases.*$", text, flags=re.M)
-        verdict = ("no ERROR SUMMARY (timed out or crashed)" if errors is None else f"{errors} errors")
-        total_errors += errors or 0
-        lines.append(f"{tool:<10} {verdict:<14} exit {rc:<4} {len(cases)} cases ok, {len(failed)} failed")
-        detail.append(f"--- {tool}: " + "; ".join(families))
-        detail += [f"    ok: {c}" for c in cases] + [f"    FAILED: {c}" for c in failed]
-        if errors:
-            errs = [ln for ln in text.splitlines() if ln.startswith("=========")][:40]
-            detail += ["    " + e for e in errs]
-    unfinished = [t for t in TOOLS if not re.search(rf"^{t}\s+\d+ errors", "\n".join(lines), flags=re.M)]
+        for path in paths:
+            run = os.path.basename(path)[len("sanitize_"):-len(".log")]
+            text = open(path, errors="replace").read()
+            rc = open(path[:-4] + ".rc").read().strip() if os.path.exists(path[:-4] + ".rc") else "?"
+            m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+            errors = int(m[-1]) if m else None
+            cases = re.findall(r"case (\S+): ok", text)
+            failed = re.findall(r"case (\S+): FAILED", text)
+            families = re.findall(r"family \S+: \d+ cases.*$", text, flags=re.M)
+            verdict = ("no ERROR SUMMARY (timed out or crashed)" if errors is None else f"{errors} errors")
+            if errors is None:
+                unfinished.append(run)
+            total_errors += errors or 0
+            lines.append(f"{run:<18} {verdict:<14} exit {rc:<4} {len(cases)} cases ok, {len(failed)} failed")
+            detail.append(f"--- {run}: " + "; ".join(families))
+            detail += [f"    ok: {c}" for c in cases] + [f"    FAILED: {c}" for c in failed]
+            if errors:
+                errs = [ln for ln in text.splitlines() if ln.startswith("=========")][:40]
+                detail += ["    " + e for e in errs]
     if unfinished:
-        lines.append(f"total sanitizer errors: {total_errors} in the tools that finished; INCOMPLETE: "
+        lines.append(f"total sanitizer errors: {total_errors} in the runs that finished; INCOMPLETE: "
                      f"{', '.join(unfinished)} did not finish (no ERROR SUMMARY)")
     else:
         lines.append(f"total sanitizer errors: {total_errors}")

@@ -135,12 +135,14 @@ def test_sanitizer_summary(tmp_path):
         "[ 2.0s] family numba: 3 cases ok, 0 failed\n[ 2.0s] case numba:forward_v1: ok\n"
         "========= ERROR SUMMARY: 0 errors\n")
     (tmp_path / "sanitize_memcheck.rc").write_text("0\n")
+    (tmp_path / "sanitize_initcheck_cupy.log").write_text("========= ERROR SUMMARY: 0 errors\n")
     (tmp_path / "sanitize_racecheck.log").write_text(
         "========= COMPUTE-SANITIZER\n========= Error: Race reported between Write access ...\n"
         "[ 1.0s] case cupy:decode: FAILED AssertionError: x\n========= ERROR SUMMARY: 2 errors\n")
     (tmp_path / "sanitize_racecheck.rc").write_text("99\n")
     text = sz.summarize(str(tmp_path), "recorded on X")
-    assert "memcheck   0 errors" in text and "racecheck  2 errors" in text
+    assert "memcheck           0 errors" in text and "racecheck          2 errors" in text
     assert "synccheck  not run" in text and "total sanitizer errors: 2" in text
-    assert "INCOMPLETE: synccheck, initcheck" in text
+    assert "initcheck_cupy     0 errors" in text
+    assert "INCOMPLETE: synccheck did not finish" in text
     assert "FAILED: cupy:decode:" in text or "FAILED: cupy:decode" in text
