@@ -18,15 +18,57 @@ tensors (through ``__cuda_array_interface__``, no copy) and return the kind give
 float16, float32 and float64 inputs; accumulation in float32 (float64 for float64).
 bfloat16 is not supported here (ValueError): use the CuPy backend.
 
-The versions and what they measured (H200, see RESULTS below and
-benchmarks/results/numba_h200_*.json; ratios to torch SDPA measured in the same run):
+The versions and what they measured: one H200 (driver 580.159.04, torch 2.11, numba 0.68 +
+numba-cuda 0.30.4, numpy 2.5), 2026-11-29, ``python -m iokernels.numba_cuda.bench_gpu``,
+every ratio against torch measured in the same run; the file is
+benchmarks/results/numba_h200_2026-11-29.json.
 
-RESULTS (filled in from the GPU run; "not measured" until then)
-    forward v1 (thread per row, K/V from global):        not measured
-    forward v2 (thread per row, K/V tiles in SRAM):       not measured
-    forward v3 (lanes x rows register tiling, shuffles):  not measured
-    decode split+combine, paged decode:                   not measured
-    paged gather:                                         not measured
+FlashAttention forward, float32, B=8, H=16, N=4096, d=128, non-causal (4 N^2 d FLOP a head);
+SDPA EFFICIENT 23.4 ms = 47.0 TFLOP/s (FLASH and cuDNN have no float32 kernel):
+
+    v1 thread per row, K/V from global            391 ms    2.8 TFLOP/s   0.06x EFFICIENT
+    v2 thread per row, K_j/V_j in shared memory    153 ms    7.2 TFLOP/s   0.15x
+    v3 8 lanes x 4 rows a thread, shuffles         102 ms   10.8 TFLOP/s   0.23x   (default)
+       v3 with batched lane sums                   120 ms    9.2 TFLOP/s   0.20x
+       v3 2 rows a thread / Bc = 16                119 / 122 ms   9.2 / 9.0 TFLOP/s
+    float16 inputs, v3 (float32 math):             117 ms    9.4 TFLOP/s   vs FLASH 359, cuDNN 657
+
+  Bar 0.25x EFFICIENT: missed by 8% (0.23x).  v3 is bound by instruction issue, not by
+  HBM: each multiply-add needs a shared-memory load (one value feeds R = 4 rows), each key
+  a 3-step shuffle butterfly per row, and NVVM does not unroll the key loop, so the step's
+  scores live in local memory (33 local loads/stores in v3's PTX; 98 with batched sums,
+  which is why batching measured slower).  About 170 registers a thread leave 12 warps an
+  SM.  Numba exposes no tensor-core (mma) instructions, so float16 gains nothing: it is the
+  float32 kernel with half the bytes loaded.  The CuPy backend's tensor-core kernels are
+  the next step.
+
+Decode, float16, GQA 32 query / 8 KV heads, d=128, B=1, N=32768 (134 MB of K and V), KV
+bytes per second; best SDPA backend cuDNN 0.050 ms = 2.70 TB/s (FLASH 2.32):
+
+    split + combine, num_splits heuristic (S=None)   0.448 ms   0.30 TB/s   0.11x best SDPA
+    split + combine, S = 128                         0.411 ms   0.33 TB/s   0.12x
+    paged (random block table, bs 16), S=None        0.794 ms   0.17 TB/s   0.06x
+
+  Bar 0.5x: missed (0.11x).  Each lane loads its 8 of d's 128 dims as scalar 2-byte loads
+  (Numba has no 16-byte vector loads of float16 rows), so a warp instruction moves 64 bytes
+  where CUDA C++ moves 512; too few bytes are in flight per SM to stream HBM.  The first
+  run's version (one key per group per iteration) reached 0.40 TB/s (0.15x) contiguous at
+  S=None and 0.50 TB/s (0.19x) at S=64, but 0.105 TB/s paged; loading 4 keys per group
+  before the math (this code) helped the paged kernel and hurt the contiguous one
+  (register pressure): both numbers are recorded.
+
+Paged gather, float16, 32K tokens x 8 KV heads x d=128, block size 16, K and V read and
+written (268 MB moved): a torch device-to-device copy of the same bytes 0.072 ms = 3.74 TB/s;
+
+    gather, 8-byte words, 4 rows' loads before their stores   0.198 ms   1.35 TB/s   0.36x copy
+    gather, float16 elements                                  0.262 ms   1.03 TB/s   0.27x
+
+  Bar 0.6x: missed (0.36x).  One thread block per 16-token logical block moves only 64 KiB,
+  starts with a barrier for its table entry, and each thread keeps 8 loads of 8 bytes in
+  flight; a copy kernel streams with fewer, larger blocks and 16-byte accesses.
+
+compute-sanitizer on :func:`sanitize_cases` (every kernel at ragged shapes), same code:
+memcheck 0 errors, racecheck 0 hazards.  tests/test_numba_gpu.py: 11 passed on the H200.
 
 Other entry points: :mod:`.counting` (global-memory traffic counted on the simulator),
 :mod:`.ptx` (compile to PTX without a GPU), :func:`sanitize_cases` (each kernel once at a

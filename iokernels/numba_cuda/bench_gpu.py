@@ -73,7 +73,7 @@ def forward_bench(results):
             rows[f"sdpa {be}"] = _time(lambda be=be: _sdpa(q, k, v, be))
         configs = {"numba v3": NumbaConfig(version=3)}
         if dtype == "float32":  # the tilings tried, and the simpler versions
-            configs.update({"numba v3 key-by-key lane sums": NumbaConfig(version=3, batched_lane_sums=False),
+            configs.update({"numba v3 batched lane sums": NumbaConfig(version=3, batched_lane_sums=True),
                             "numba v3 L8 R2": NumbaConfig(version=3, threads_per_row=8, rows_per_thread=2),
                             "numba v3 L8 R4 Bc16": NumbaConfig(version=3, block_k=16),
                             "numba v2": NumbaConfig(version=2),
@@ -193,7 +193,7 @@ def format_results(results: dict) -> str:
              f"torch {env.get('torch', '?')}, numba {env.get('numba', '?')} (numba-cuda "
              f"{env.get('numba_cuda', '?')}), numpy {env.get('numpy', '?')}"]
     for section, rows in results.items():
-        if section == "env" or not isinstance(rows, dict):
+        if section == "env" or section.startswith("_") or not isinstance(rows, dict):
             continue
         lines.append("")
         lines.append(section)
