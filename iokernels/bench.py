@@ -332,6 +332,9 @@ SDPA_NAMES = ("flash", "efficient", "cudnn", "math")
 NUMPY_MAX_FLOPS = 2.0e10
 #: each runner's timed loop aims at about this much device time (reps adapt, 3..DEFAULT_REPS)
 TARGET_MS_PER_RUNNER = 400.0
+#: calls slower than this (ms) get one warm-up call, not DEFAULT_WARMUP (they are past any
+#: start-up effect after the check call and the probe, and each costs a lot of the time box)
+SLOW_CALL_MS = 50.0
 #: largest |out - SDPA| accepted before a row is flagged "suspect" (per storage dtype)
 CHECK_TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
 #: a problem's block size for the paged cache (vLLM's default)
@@ -496,7 +499,9 @@ def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=T
         if device:
             probe = time_cuda(fn, warmup=0, reps=1)
             n = reps or int(min(DEFAULT_REPS, max(3, TARGET_MS_PER_RUNNER // max(probe.median_ms, 1e-3))))
-            t = time_cuda(fn, warmup=DEFAULT_WARMUP if warmup is None else warmup, reps=n)
+            if warmup is None:          # the check call and the probe already warmed it up
+                warmup = DEFAULT_WARMUP if probe.median_ms < SLOW_CALL_MS else 1
+            t = time_cuda(fn, warmup=warmup, reps=n)
             mem = peak_memory(fn)
             row.update(peak_MiB=round(mem["peak_bytes"] / 2**20, 1),
                        extra_MiB=round(mem["extra_bytes"] / 2**20, 1))
