@@ -93,7 +93,8 @@ def traffic_rows(rec: dict, ok_only=True) -> list[dict]:
 # --------------------------------------------------------------------------- plots and tables
 #: line styles of the runners in the plots (our kernels dashed)
 _STYLE = {"sdpa:cudnn": "o-", "sdpa:flash": "s-", "sdpa:efficient": "^-", "sdpa:math": "x-",
-          "torch naive": "D-", "numba": "v--", "cupy:v1": "<--", "cupy:v2": ">--"}
+          "torch naive": "D-", "numba": "v--", "numba:v1": "1--", "numba:v2": "2--", "numba:v3": "v--",
+          "cupy": "<--", "cupy:v1": "<--", "cupy:v2": ">--"}
 
 
 def short_label(rec: dict) -> str:

@@ -77,7 +77,8 @@ def prefill_table(rec) -> list[str]:
         if not rows:
             continue
         runners = [r for r in ("sdpa:cudnn", "sdpa:flash", "sdpa:efficient", "sdpa:math", "torch naive",
-                               "numba", "cupy:v1", "cupy:v2") if any(x["runner"] == r for x in rows)]
+                               "numba", "numba:v1", "numba:v2", "numba:v3", "cupy", "cupy:v1", "cupy:v2")
+                   if any(x["runner"] == r for x in rows)]
         Ns = sorted({r["seqlen"] for r in rows})
         shape = rows[0]
         lines.append(f"**Prefill, {dtype}, B={shape['batch']} H={shape['heads']} d={shape['head_dim']}, causal** "
@@ -122,8 +123,8 @@ def decode_table(rec) -> list[str]:
         best = rs[0]["best_sdpa"]
         b = _find(rs, best)
         cells = []
-        for rn in ("numba", "cupy:split", "numba paged", "cupy paged"):
-            r = _find(rs, rn) or (_find(rs, "cupy") if rn == "cupy:split" else None)
+        for fam, paged in (("numba", False), ("cupy", False), ("numba", True), ("cupy", True)):
+            r = next((x for x in rs if x["group"] == fam and ("paged" in x["runner"]) == paged), None)
             cells.append(f"{r['rate']:.2f} ({r['speed_vs_best_sdpa']:.2f}x)" if r else "–")
         lines.append(f"| {dt} | {B} | {N} | {best} | {b['rate']:.2f} | " + " | ".join(cells) + " |")
     return lines + [""]
