@@ -51,6 +51,12 @@ def file_run(outdir: Path) -> tuple[Path, Path]:
     res.mkdir(parents=True, exist_ok=True)
     gpu = re.sub(r"[^a-z0-9]+", "", env.get("gpu", "gpu").lower().replace("nvidia", "")) or "gpu"
     jpath = res / f"{gpu}_{date}.json"
+    if not traffic.get("cases") and jpath.exists():
+        old = json.loads(jpath.read_text()).get("traffic", {})
+        if old.get("cases"):                  # keep an earlier run's measurement, say so
+            old["note"] = (old.get("note", "") + "; kept from the earlier record of this date: the run of "
+                           f"{env['date_utc']} produced no traffic measurement").lstrip("; ")
+            rec["traffic"] = old
     jpath.write_text(json.dumps(rec, indent=1))
     spath = res / f"sanitizer_{date}.txt"
     if (outdir / "sanitizer.txt").exists():
