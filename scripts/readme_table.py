@@ -29,6 +29,8 @@ def file_run(outdir: Path) -> tuple[Path, Path]:
     """Copy one gpu_all.sh run into benchmarks/results/ under its date."""
     bench = json.loads((outdir / "bench.json").read_text())
     env = bench["env"]
+    if not env.get("gpu") or env.get("gpu") == "no GPU":
+        raise SystemExit(f"{outdir}: this run saw no GPU; nothing to record")
     date = env["date_utc"][:10]
     traffic = {}
     if (outdir / "traffic.json").exists():
