@@ -40,6 +40,9 @@ def check_kinds(**arrays) -> str:
         if k in ("unknown", "torch_cpu"):
             what = "a CPU torch tensor (use .numpy() or move it to CUDA)" if k == "torch_cpu" else type(arrays[name]).__name__
             raise ValueError(f"{name}: the numba backend takes NumPy arrays or CUDA device arrays; got {what}")
+    if not cuda.is_available():
+        raise RuntimeError("numba backend: no CUDA GPU is usable here; to run the kernels on Numba's CUDA "
+                           "simulator set NUMBA_ENABLE_CUDASIM=1 before numba is first imported")
     first_name, first = next(iter(kinds.items()))
     for name, k in kinds.items():
         if k != first:
