@@ -30,15 +30,15 @@ SDPA EFFICIENT 23.4 ms = 47.0 TFLOP/s (FLASH and cuDNN have no float32 kernel):
     v2 thread per row, K_j/V_j in shared memory    153 ms    7.2 TFLOP/s   0.15x
     v3 8 lanes x 4 rows a thread, shuffles         102 ms   10.8 TFLOP/s   0.23x   (default)
        v3 with batched lane sums                   120 ms    9.2 TFLOP/s   0.20x
-       v3 2 rows a thread / Bc = 16                119 / 122 ms   9.2 / 9.0 TFLOP/s
-    float16 inputs, v3 (float32 math):             117 ms    9.4 TFLOP/s   vs FLASH 359, cuDNN 657
+       v3 batched, 2 rows a thread / Bc = 16       119 / 122 ms   9.2 / 9.0 TFLOP/s
+    float16 inputs, v3 batched (float32 math):     117 ms    9.4 TFLOP/s   vs FLASH 359, cuDNN 657
 
   Bar 0.25x EFFICIENT: missed by 8% (0.23x).  v3 is bound by instruction issue, not by
   HBM: each multiply-add needs a shared-memory load (one value feeds R = 4 rows), each key
   a 3-step shuffle butterfly per row, and NVVM does not unroll the key loop, so the step's
   scores live in local memory (33 local loads/stores in v3's PTX; 98 with batched sums,
-  which is why batching measured slower).  About 170 registers a thread leave 12 warps an
-  SM.  Numba exposes no tensor-core (mma) instructions, so float16 gains nothing: it is the
+  the likely reason batching measured slower).  Our estimate of ~170 registers a thread
+  (q and O: 2 x 4 x 16 values) would leave about 12 warps an SM; not profiled.  Numba exposes no tensor-core (mma) instructions, so float16 gains nothing: it is the
   float32 kernel with half the bytes loaded.  The CuPy backend's tensor-core kernels are
   the next step.
 
