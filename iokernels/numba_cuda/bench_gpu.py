@@ -136,7 +136,7 @@ def decode_bench(results):
         dst_k.copy_(k[0])
         dst_v.copy_(v[0])
     grows = {"device copy (torch)": _time(copy),
-             "numba gather (4-byte words)": _time(lambda: gather_pools(kp, vp, tables[0], N)),
+             "numba gather (8-byte words)": _time(lambda: gather_pools(kp, vp, tables[0], N)),
              "numba gather (float16 elements)": _time(lambda: gather_pools(kp, vp, tables[0], N, words=False))}
     for r in grows.values():
         if "ms" in r:
