@@ -54,7 +54,7 @@ from .. import conventions as cv
 from .. import gpu
 from ..decode import DEFAULT_BLOCK_N, MAX_SPLITS, num_splits_heuristic
 from . import _arrays as arr
-from .flash_fwd import FULL_MASK, SHARED_LIMIT_BYTES, _acc_types, _make_lane_sum  # noqa: F401
+from .flash_fwd import SHARED_LIMIT_BYTES, _acc_types, _make_lane_sum, warp_mask
 from numba import cuda, int32  # noqa: E402
 import numba  # noqa: E402
 
@@ -103,7 +103,7 @@ def make_split(D: int, G: int, L: int, paged: bool, acc_name: str, simulated: bo
     SCRATCH = (KPI * G, NT) if simulated else (1, 1)
     STAGE = TABLE_STAGE
     PAGED = paged
-    lane_sum = _make_lane_sum(L, KPI * G, simulated)
+    lane_sum = _make_lane_sum(L, KPI * G, simulated, warp_mask(NT))
 
     def split(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, bn, nsplit):
         sp, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z

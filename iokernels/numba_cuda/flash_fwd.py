@@ -155,8 +155,8 @@ class NumbaConfig:
         return self.block_q
 
     def shared_bytes(self, head_dim: int, dtype: str) -> int:
-        """Static shared memory of one block: K_j and V_j tiles (v2, v3) in the accumulator
-        dtype, plus v3's lane-sum scratch on the simulator."""
+        """Static shared memory of one block on a GPU: the K_j and V_j tiles (v2, v3) in the
+        accumulator dtype (v3's rows padded to a multiple of threads_per_row)."""
         if self.version == 1:
             return 0
         acc = np.dtype(_acc_types(dtype)[0]).itemsize
@@ -214,11 +214,17 @@ def tile_span(r0, r1, Nq, Nk, left, right):
     return kmin, kmax
 
 
-def _make_lane_sum(L: int, R: int, simulated: bool):
+def warp_mask(threads: int) -> int:
+    """The lanes that exist in a block's (first) warp: all 32, or fewer for a tiny block."""
+    return FULL_MASK if threads >= WARP_SIZE else (1 << threads) - 1
+
+
+def _make_lane_sum(L: int, R: int, simulated: bool, mask: int = FULL_MASK):
     """Sum each of the R values in ``x`` over the L lanes of its row, in place.
 
     Lanes of a row are aligned groups of L threads within one warp.  On a GPU: a butterfly
-    of warp shuffles per value, log2(L) steps, after which every lane holds the total.  On
+    of warp shuffles per value, log2(L) steps, after which every lane holds the total
+    (``mask``: the lanes taking part, fewer than 32 only for blocks smaller than a warp).  On
     the simulator (no shuffles): through shared memory ``scratch`` (R, threads) with two
     barriers; every thread of the block must call it the same number of times.
     """
@@ -228,7 +234,7 @@ def _make_lane_sum(L: int, R: int, simulated: bool):
             for r in range(R):
                 off = L // 2
                 while off > 0:
-                    x[r] += cuda.shfl_xor_sync(FULL_MASK, x[r], off)
+                    x[r] += cuda.shfl_xor_sync(mask, x[r], off)
                     off //= 2
     else:
         @cuda.jit(device=True)
@@ -388,8 +394,8 @@ def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: 
     BATCH = batched                                          # one butterfly for the step's R*CH dots
     RCH = R * CH
     SCRATCH = ((R * CH if batched else R), NT) if simulated else (1, 1)   # simulator's lane sums
-    lane_sum = _make_lane_sum(L, R, simulated)
-    lane_sum_step = _make_lane_sum(L, R * CH, simulated)
+    lane_sum = _make_lane_sum(L, R, simulated, warp_mask(NT))
+    lane_sum_step = _make_lane_sum(L, R * CH, simulated, warp_mask(NT))
 
     def fwd_v3(q, k, v, o, lse, scale, left, right):
         Hq, Nq, Hkv, Nk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
