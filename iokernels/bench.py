@@ -483,7 +483,7 @@ def _expand_versions(backend, op, dtype):
 
 # --------------------------------------------------------------------------- one timed row
 def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=True, reps=None,
-             warmup=None, cpu_reps=1, check=True) -> dict:
+             warmup=None, cpu_reps=1, check=True, target_ms=None) -> dict:
     """Run, check, time and size one runner; any failure becomes a row that says why."""
     row = {"runner": name, "group": group}
     try:
@@ -498,7 +498,8 @@ def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=T
         del out
         if device:
             probe = time_cuda(fn, warmup=0, reps=1)
-            n = reps or int(min(DEFAULT_REPS, max(3, TARGET_MS_PER_RUNNER // max(probe.median_ms, 1e-3))))
+            target = TARGET_MS_PER_RUNNER if target_ms is None else target_ms
+            n = reps or int(min(DEFAULT_REPS, max(3, target // max(probe.median_ms, 1e-3))))
             if warmup is None:          # the check call and the probe already warmed it up
                 warmup = DEFAULT_WARMUP if probe.median_ms < SLOW_CALL_MS else 1
             t = time_cuda(fn, warmup=warmup, reps=n)
@@ -549,7 +550,7 @@ def _finish_case(case: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- sections
-def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa):
+def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa, target_ms=None):
     from . import torch_sdpa as ts
     import torch
     F = torch.nn.functional
@@ -563,7 +564,8 @@ def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa):
         else:
             def fn(backend=backend):
                 return ts.sdpa(q, k, v, causal=causal, backend=backend)
-        rows.append(_measure(f"sdpa:{name}", "sdpa", fn, work=work, unit=unit, ref=ref, dtype=dtype))
+        rows.append(_measure(f"sdpa:{name}", "sdpa", fn, work=work, unit=unit, ref=ref, dtype=dtype,
+                             target_ms=target_ms))
     try:
         if is_decode:
             _, ran = ts.backend_that_ran(F.scaled_dot_product_attention, q, k, v, enable_gqa=gqa)
@@ -593,7 +595,8 @@ def _reference(q, k, v, causal, is_decode, gqa):
     return None
 
 
-def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section="prefill"):
+def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section="prefill",
+                  target_ms=None):
     import torch
     from . import torch_sdpa as ts
     cases = []
@@ -612,11 +615,11 @@ def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section
                            for _ in range(3))
                 ref = _reference(q, k, v, causal, False, False)
                 scale = 1.0 / np.sqrt(d)
-                rows = _sdpa_rows(case, q, k, v, causal, ref, dtype, False, flops, "TFLOP/s", False)
+                rows = _sdpa_rows(case, q, k, v, causal, ref, dtype, False, flops, "TFLOP/s", False, target_ms)
                 progress.update(5)
                 rows.append(_measure("torch naive", "torch",
                                      lambda: ts.naive_attention(q, k, v, causal=causal),
-                                     work=flops, unit="TFLOP/s", ref=ref, dtype=dtype))
+                                     work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms))
                 progress.update(1)
                 for backend in ("numba", "cupy"):
                     for name, cfg in _expand_versions(backend, "attention", dtype):
@@ -624,9 +627,9 @@ def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section
                             f = _resolve_backend(backend, "attention")
                             return f(q, k, v, causal=causal, scale=scale, window=(-1, -1), config=cfg)
                         rows.append(_measure(name, backend, fn, work=flops, unit="TFLOP/s", ref=ref,
-                                             dtype=dtype))
+                                             dtype=dtype, target_ms=target_ms))
                     progress.update(1)
-                rows += _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops)
+                rows += _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, target_ms)
                 case["results"] = rows
                 cases.append(_finish_case(case))
                 del q, k, v, ref
@@ -634,7 +637,7 @@ def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section
     return cases
 
 
-def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops):
+def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, target_ms=None):
     rows = []
     for backend in ("naive", "tiled"):
         name = f"numpy {backend}"
@@ -651,7 +654,8 @@ def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops):
         f = api._resolve(backend, "attention")
         rows.append(_measure(name, "numpy", lambda f=f: f(hq, hk, hv, causal=causal, scale=scale,
                                                           window=(-1, -1), config=None),
-                             work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, device=False))
+                             work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, device=False,
+                             target_ms=target_ms))
     return rows
 
 
@@ -697,7 +701,7 @@ def _pool_fn(backend, name):
     return f
 
 
-def decode_cases(spec, seed, progress, section="decode"):
+def decode_cases(spec, seed, progress, section="decode", target_ms=None):
     import torch
     cases = []
     Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
@@ -717,7 +721,8 @@ def decode_cases(spec, seed, progress, section="decode"):
                 q4 = q[:, :, None, :]
                 ref4 = _reference(q4, k, v, False, True, Hq != Hkv)
                 ref = None if ref4 is None else ref4[:, :, 0, :]
-                rows = _sdpa_rows(case, q4, k, v, False, ref4, dtype, True, kv_bytes, "TB/s", Hq != Hkv)
+                rows = _sdpa_rows(case, q4, k, v, False, ref4, dtype, True, kv_bytes, "TB/s", Hq != Hkv,
+                                  target_ms)
                 progress.update(5)
                 scale = 1.0 / np.sqrt(d)
                 for backend in ("numba", "cupy"):
@@ -726,7 +731,7 @@ def decode_cases(spec, seed, progress, section="decode"):
                             f = _resolve_backend(backend, "decode")
                             return f(q, k, v, seq_lens=None, num_splits=None, scale=scale)
                         rows.append(_measure(name, backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
-                                             dtype=dtype))
+                                             dtype=dtype, target_ms=target_ms))
                     progress.update(1)
                 try:
                     pages = device_pages(k, v, seed)
@@ -739,7 +744,7 @@ def decode_cases(spec, seed, progress, section="decode"):
                         f = _pool_fn(backend, "paged_decode_pools")
                         return f(q, pages[0], pages[1], pages[2], pages[3], num_splits=None, scale=scale)
                     rows.append(_measure(f"{backend} paged", backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
-                                         dtype=dtype))
+                                         dtype=dtype, target_ms=target_ms))
                     progress.update(1)
                 case["results"] = rows
                 cases.append(_finish_case(case))
@@ -748,7 +753,7 @@ def decode_cases(spec, seed, progress, section="decode"):
     return cases
 
 
-def gather_cases(spec, seed, progress, section="gather"):
+def gather_cases(spec, seed, progress, section="gather", target_ms=None):
     """Paged gather (numba, cupy) vs a device-to-device copy of the same bytes."""
     import torch
     cases = []
@@ -770,7 +775,7 @@ def gather_cases(spec, seed, progress, section="gather"):
             dst_v.copy_(v[0])
             return dst_k
         rows = [_measure("device copy (torch)", "copy", copy, work=nbytes, unit="TB/s", ref=k[0],
-                         dtype=dtype)]
+                         dtype=dtype, target_ms=target_ms)]
         try:
             pages = device_pages(k, v, seed)
         except (Unavailable, RuntimeError) as e:
@@ -781,7 +786,7 @@ def gather_cases(spec, seed, progress, section="gather"):
                     raise Unavailable(f"paged pools: {_first_line(pages)}")
                 return _pool_fn(backend, "gather_pools")(pages[0], pages[1], pages[2][0], int(pages[3][0]))
             rows.append(_measure(f"{backend} gather", backend, fn, work=nbytes, unit="TB/s", ref=k[0],
-                                 dtype=dtype))
+                                 dtype=dtype, target_ms=target_ms))
             progress.update(1)
         progress.update(1)
         # the copy is the baseline of this section (no SDPA here)
@@ -829,15 +834,19 @@ def _numpy_only_cases(spec, seed):
 SECTIONS = ("prefill", "compare", "decode", "gather")
 
 
-def run(sections=SECTIONS, *, quick=False, seed=0, progress=True) -> dict:
-    """Run the benchmark; returns the record (env + cases).  See :func:`main`."""
+def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARGET_MS_PER_RUNNER) -> dict:
+    """Run the benchmark; returns the record (env + cases).  See :func:`main`.
+
+    ``target_ms``: device time each runner's timed loop aims at (repetitions adapt to it,
+    between 3 and DEFAULT_REPS); lower it to fit a tight time box.
+    """
     import time as _time
     t0 = _time.perf_counter()
     env = environment()
     record = {"env": env, "label": label(env), "quick": bool(quick), "seed": seed,
               "settings": dict(warmup=DEFAULT_WARMUP, max_reps=DEFAULT_REPS, statistic="median",
                                l2_flush=True, timer="CUDA events (iokernels.bench.time_cuda)",
-                               target_ms_per_runner=TARGET_MS_PER_RUNNER),
+                               target_ms_per_runner=float(target_ms)),
               "cases": []}
     gpu = _torch_cuda() is not None
     if not gpu:
@@ -876,11 +885,11 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True) -> dict:
     with bar:
         for s, p in plan:
             if s in ("prefill", "compare"):
-                record["cases"] += prefill_cases(p, seed, bar, section=s)
+                record["cases"] += prefill_cases(p, seed, bar, section=s, target_ms=target_ms)
             elif s == "decode":
-                record["cases"] += decode_cases(p, seed, bar)
+                record["cases"] += decode_cases(p, seed, bar, target_ms=target_ms)
             else:
-                record["cases"] += gather_cases(p, seed, bar)
+                record["cases"] += gather_cases(p, seed, bar, target_ms=target_ms)
     record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
     return record
 
@@ -955,12 +964,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the JSON record here (a file, or a folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--target-ms", type=float, default=TARGET_MS_PER_RUNNER,
+                   help=f"device time each runner's timed loop aims at (default {TARGET_MS_PER_RUNNER:.0f}); "
+                        "repetitions adapt, between 3 and 20")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         p.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
-    record = run(sections, quick=args.quick, seed=args.seed, progress=not args.no_progress)
+    record = run(sections, quick=args.quick, seed=args.seed, progress=not args.no_progress,
+                 target_ms=args.target_ms)
     print(table(record))
     if args.out:
         out = Path(args.out)

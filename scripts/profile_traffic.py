@@ -326,6 +326,7 @@ def parse(out_dir):
         results.append(r)
     from iokernels.bench import environment
     rec = {"env": environment(), "metrics": list(METRICS),
+           "note": os.environ.get("IK_TRAFFIC_NOTE", ""),
            "ncu_options": "--clock-control none --cache-control none --profile-from-start off",
            "cases": results}
     with open(os.path.join(out_dir, "traffic.json"), "w") as f:
