@@ -1,9 +1,11 @@
 """Run every CUDA kernel of the project at ragged shapes, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck  --error-exitcode 99 python3 scripts/sanitize.py
-    compute-sanitizer --tool racecheck --error-exitcode 99 python3 scripts/sanitize.py
-    compute-sanitizer --tool synccheck --error-exitcode 99 python3 scripts/sanitize.py
-    compute-sanitizer --tool initcheck --error-exitcode 99 python3 scripts/sanitize.py
+    compute-sanitizer --tool memcheck  --report-api-errors no --error-exitcode 99 python3 scripts/sanitize.py
+    (likewise --tool racecheck, synccheck, initcheck; --only numba|cupy for one family)
+
+``--report-api-errors no``: CUDA Python's bindings probe the driver with cuGetProcAddress
+for entry points it may lack; those failed host calls are not kernel errors but would each
+count in the ERROR SUMMARY (seen on the H200).
 
 The kernels come from the kernel modules themselves: ``iokernels.numba_cuda.sanitize_cases()``
 and ``iokernels.cupy_raw.sanitize_cases()`` return the cases (each one launches a kernel at
