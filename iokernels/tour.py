@@ -18,6 +18,8 @@ time               wall-clock seconds of that one call on this machine (NumPy, w
                    (``python -m iokernels bench`` times kernels properly)
 =================  ==========================================================
 
+Each step is labelled with the number of the notebook that teaches it (00-10).
+
 Steps: naive forward; tiled forward in FlashAttention-1 and -2 loop orders; backward
 (naive and tiled); paged gather; split-KV decode and paged decode; then the GPU
 backends: Numba CUDA (on the simulator at a tiny size when there is no GPU), CuPy
@@ -332,17 +334,17 @@ def _steps(case: _Case, small_case):
         return run
 
     return [
-        ("1 naive forward", "naive", lambda: _forward(case, "naive", model="naive"), None),
-        ("2 tiled forward FA1", "tiled", lambda: _forward(case, "tiled", "fa1", model="fa1"), None),
-        ("2 tiled forward FA2", "tiled", lambda: _forward(case, "tiled", "fa2", model="fa2"), None),
-        ("2 backward naive", "naive", lambda: _backward(case, "naive", "naive_backward"), None),
-        ("2 backward tiled (FA2)", "tiled", lambda: _backward(case, "tiled", "fa2_backward"), None),
-        ("3 paged gather", "tiled", lambda: _paged_gather(case), None),
-        ("4 decode (split-KV)", "tiled", lambda: _decode(case, paged=False), None),
-        ("4 paged decode", "tiled", lambda: _decode(case, paged=True), None),
-        ("5a Numba CUDA forward", "numba", gpu_forward("numba", numba_note) if numba_ok else None, numba_note),
-        ("5b CuPy forward", "cupy", gpu_forward("cupy", cupy_note) if cupy_ok else None, cupy_note),
-        ("6 torch SDPA forward", "torch", gpu_forward("torch", torch_note) if torch_ok else None, torch_note),
+        ("01 naive forward", "naive", lambda: _forward(case, "naive", model="naive"), None),
+        ("03 tiled forward FA1", "tiled", lambda: _forward(case, "tiled", "fa1", model="fa1"), None),
+        ("03 tiled forward FA2", "tiled", lambda: _forward(case, "tiled", "fa2", model="fa2"), None),
+        ("04 backward naive", "naive", lambda: _backward(case, "naive", "naive_backward"), None),
+        ("04 backward tiled (FA2)", "tiled", lambda: _backward(case, "tiled", "fa2_backward"), None),
+        ("07 paged gather", "tiled", lambda: _paged_gather(case), None),
+        ("08 decode (split-KV)", "tiled", lambda: _decode(case, paged=False), None),
+        ("08 paged decode", "tiled", lambda: _decode(case, paged=True), None),
+        ("05 Numba CUDA forward", "numba", gpu_forward("numba", numba_note) if numba_ok else None, numba_note),
+        ("06 CuPy forward", "cupy", gpu_forward("cupy", cupy_note) if cupy_ok else None, cupy_note),
+        ("10 torch SDPA forward", "torch", gpu_forward("torch", torch_note) if torch_ok else None, torch_note),
     ]
 
 
@@ -354,6 +356,7 @@ def run(problem: Problem = DEFAULT, *, seed: int = 0, figures_dir=None, file=Non
     """
     out = sys.stdout if file is None else file
     print(f"iokernels tour: {problem.describe()}; seed {seed}", file=out)
+    print("(each step is labelled with the notebook that teaches it, notebooks/NN_*.ipynb)", file=out)
     print("(counted = HBM bytes counted while running; modelled = closed-form formula; "
           "'=' when they agree exactly)", file=out)
     print(_HEADER, file=out, flush=True)

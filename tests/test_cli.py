@@ -14,9 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: every step the tour must print, in order
-TOUR_STEPS = ["1 naive forward", "2 tiled forward FA1", "2 tiled forward FA2", "2 backward naive",
-              "2 backward tiled (FA2)", "3 paged gather", "4 decode (split-KV)", "4 paged decode",
-              "5a Numba CUDA forward", "5b CuPy forward", "6 torch SDPA forward"]
+TOUR_STEPS = ["01 naive forward", "03 tiled forward FA1", "03 tiled forward FA2", "04 backward naive",
+              "04 backward tiled (FA2)", "07 paged gather", "08 decode (split-KV)", "08 paged decode",
+              "05 Numba CUDA forward", "06 CuPy forward", "10 torch SDPA forward"]
 #: the figures `figures` must write (the paged ones come from iokernels.viz.paged)
 FIGURES = ["memory_hierarchy.png", "flash_forward_loop.png", "traffic_vs_n.png", "roofline.png",
            "paged_block_table.png", "paged_split_kv.png"]
@@ -50,7 +50,7 @@ def test_tour_prints_every_step(tmp_path):
         (line,) = [ln for ln in lines if ln.startswith(step)]
         assert " ok " in line and "=" in line, f"counted != modelled or check failed: {line}"
     # the CuPy step runs only with a GPU; without one it says why
-    (cupy_line,) = [ln for ln in lines if ln.startswith("5b CuPy")]
+    (cupy_line,) = [ln for ln in lines if ln.startswith("06 CuPy")]
     from iokernels import gpu
     if not gpu.cupy_gpu():
         assert "skipped:" in cupy_line and "GPU" in cupy_line
