@@ -51,6 +51,32 @@ def _selftest():
     assert float(cp.max(cp.abs(y - 2 * x))) == 0.0
 
 
+#: launchers whose calls are logged with a timestamp while a family's cases run, so a slow
+#: step under a sanitizer (compilation, a first import) shows in the log
+TRACED = ("attention", "decode", "paged_decode", "paged_decode_pools", "gather_pools")
+
+
+def _trace_calls(module, family, t0):
+    """Wrap the module's launchers (looked up as globals by its sanitize_cases) to log calls."""
+    import functools
+    for name in TRACED:
+        f = getattr(module, name, None)
+        if f is None or getattr(f, "_ik_traced", False):
+            continue
+
+        def wrap(f=f, name=name):
+            @functools.wraps(f)
+            def traced(*a, **kw):
+                shapes = [tuple(getattr(x, "shape", ())) for x in a[:3]]
+                print(f"[{time.perf_counter() - t0:6.1f}s]   {family}.{name} {shapes} ...", flush=True)
+                out = f(*a, **kw)
+                print(f"[{time.perf_counter() - t0:6.1f}s]   {family}.{name} done", flush=True)
+                return out
+            traced._ik_traced = True
+            return traced
+        setattr(module, name, wrap())
+
+
 def _run_family(module, t0):
     """Call ``module.sanitize_cases()``; returns (cases run, cases failed, reason if none).
 
@@ -66,6 +92,7 @@ def _run_family(module, t0):
     if fn is None:
         return 0, 0, f"{module}.sanitize_cases does not exist yet"
     family = module.rsplit(".", 1)[-1]
+    _trace_calls(m, family, t0)
     try:
         result = fn()
     except Exception as e:
