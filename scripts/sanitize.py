@@ -186,8 +186,11 @@ def summarize(log_dir, env_line="") -> str:
             run = os.path.basename(path)[len("sanitize_"):-len(".log")]
             text = open(path, errors="replace").read()
             rc = open(path[:-4] + ".rc").read().strip() if os.path.exists(path[:-4] + ".rc") else "?"
+            # memcheck/synccheck/initcheck end with "ERROR SUMMARY: N errors"; racecheck with
+            # "RACECHECK SUMMARY: H hazards displayed (E errors, W warnings)"
             m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
-            errors = int(m[-1]) if m else None
+            r = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
+            errors = int(m[-1]) if m else (int(r[-1][0]) if r else None)
             cases = re.findall(r"case (\S+): ok", text)
             failed = re.findall(r"case (\S+): FAILED", text)
             families = re.findall(r"family \S+: \d+ cases.*$", text, flags=re.M)

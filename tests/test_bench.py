@@ -140,8 +140,14 @@ def test_sanitizer_summary(tmp_path):
         "========= COMPUTE-SANITIZER\n========= Error: Race reported between Write access ...\n"
         "[ 1.0s] case cupy:decode: FAILED AssertionError: x\n========= ERROR SUMMARY: 2 errors\n")
     (tmp_path / "sanitize_racecheck.rc").write_text("99\n")
+    # racecheck's own closing line (seen on the H200): no "ERROR SUMMARY" at all
+    (tmp_path / "sanitize_racecheck_numba.log").write_text(
+        "[ 1.0s] case numba:gather: ok\n"
+        "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n")
+    (tmp_path / "sanitize_racecheck_numba.rc").write_text("0\n")
     text = sz.summarize(str(tmp_path), "recorded on X")
     assert "memcheck           0 errors" in text and "racecheck          2 errors" in text
+    assert "racecheck_numba    0 errors" in text
     assert "synccheck  not run" in text and "total sanitizer errors: 2" in text
     assert "initcheck_cupy     0 errors" in text
     assert "INCOMPLETE: synccheck did not finish" in text
