@@ -24,7 +24,7 @@ from iokernels import conventions as cv
 from iokernels import gpu, reference
 from iokernels.testing import as_numpy, check, make_inputs
 
-pytestmark = pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")]
 
 #: rows of each end of the output held against the oracle at large N
 ORACLE_ROWS = 192
