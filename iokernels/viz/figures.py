@@ -207,6 +207,10 @@ def traffic_vs_n(seqlens=TRAFFIC_SEQLENS, head_dim: int = 64, dtype: str = "floa
         for key, colour, _ in styles[:3]:
             ax.loglog(counted["N"], np.array(counted[key]) / MB, "o", color=colour, mfc="none", ms=8)
         ax.plot([], [], "o", color="black", mfc="none", label="counted while running (NumPy)")
+    note = measured_over_mandatory_note()
+    if note:
+        ax.text(0.98, 0.03, note, transform=ax.transAxes, ha="right", va="bottom", fontsize=7, multialignment="left",
+                bbox=dict(boxstyle="round", fc="white", ec="0.7"))
     ax.set_xlabel("sequence length N (= Nq = Nk)")
     ax.set_ylabel("HBM traffic (MB)")
     ax.set_title(f"HBM traffic of one head, d={head_dim}, {dtype}" + (", causal" if causal else ""),
@@ -214,6 +218,38 @@ def traffic_vs_n(seqlens=TRAFFIC_SEQLENS, head_dim: int = 64, dtype: str = "floa
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return fig if fig is not None else ax
+
+
+#: profiled cases shown beside the model, in this order (names as scripts/profile_traffic.py writes them)
+MEASURED_CASES = ("naive attention", "sdpa flash", "cupy attention", "numba attention")
+
+
+def measured_over_mandatory_note() -> str:
+    """What a profiler measured on a GPU, as a multiple of the mandatory bytes (recorded run).
+
+    The model above counts every tile load as written, with no cache; on a GPU the thread
+    blocks that work on different query tiles at the same time share K_j, V_j through L2, so
+    the DRAM bytes of a fused kernel sit near the mandatory floor.  Returns "" when no
+    recorded run is in the repository.
+    """
+    from .. import recorded
+    try:
+        rec = recorded.load()
+    except (FileNotFoundError, ValueError):
+        return ""
+    rows = {r["case"]: r for r in recorded.traffic_rows(rec) if r.get("size") == "large"}
+    parts = []
+    for case in MEASURED_CASES:
+        r = rows.get(case)
+        if r and r.get("mandatory_read"):
+            ratio = (r["measured_read"] + r["measured_written"]) / (r["mandatory_read"] + r["mandatory_written"])
+            parts.append(f"{case}: {ratio:.2f}x")
+    if not parts:
+        return ""
+    env = rec.get("env", {})
+    return (f"DRAM bytes measured by ncu / mandatory bytes, large size\n"
+            f"(recorded on {env.get('gpu', '?')}, {str(env.get('date_utc', '?'))[:10]}; notebook 10):\n"
+            + "\n".join(parts))
 
 
 # --------------------------------------------------------------------------- roofline
