@@ -36,6 +36,10 @@ class CountingArray:
             self.traffic.add(self.name, read=np.asarray(value).nbytes)
         return value
 
+    def reshape(self, shape):
+        """The same counted storage, another shape (as ``DeviceNDArray.reshape``)."""
+        return CountingArray(self.data.reshape(shape), self.name, self.traffic, self._lock)
+
     def __setitem__(self, idx, value):
         self.data[idx] = value
         with self._lock:
@@ -72,9 +76,15 @@ def count_attention(q, k, v, *, causal=False, scale=None, window=None, config=No
     return o.data, lse.data, c.traffic
 
 
-def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, names):
-    from .decode_kernels import _acc_types, _resolve_splits, launch_decode
+def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, names, config=None):
+    from .decode_kernels import _acc_types, _resolve_splits, launch_decode, resolve_decode_config
+    from .decode_v2 import word_layout
     _require_simulator()
+    cfg = resolve_decode_config(config)
+    if cfg.version == 2:                 # K and V as the launcher's 8-byte words (same bytes)
+        word, epw = word_layout(q.dtype.name, q.shape[-1])
+        if epw > 1:
+            k, v = (np.ascontiguousarray(x).view(np.dtype(word)) for x in (k, v))
     B, Hq, d = q.shape
     Hkv = k.shape[2] if paged else k.shape[1]
     acc = _acc_types(q.dtype.name)[0]
@@ -85,26 +95,26 @@ def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, name
     op = c(np.zeros((S, B, Hq, d) if S > 1 else (1, 1, 1, 1), acc), "O_partial")
     lp = c(np.zeros((S, B, Hq) if S > 1 else (1, 1, 1), acc), "LSE_partial")
     launch_decode(c(q, "Q"), c(k, names[0]), c(v, names[1]), c(tables, "block_table"), c(lens, "seq_lens"),
-                  o, lse, op, lp, scale=scale, block_n=block_n, paged=paged)
+                  o, lse, op, lp, scale=scale, block_n=block_n, paged=paged, config=cfg)
     return o.data, lse.data, c.traffic
 
 
-def count_decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
+def count_decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
     """Run split (+ combine) on counting arrays over a contiguous cache: (o, lse, Traffic)."""
     from ..decode import DEFAULT_BLOCK_N
     B, N = k.shape[0], k.shape[2]
     lens = np.full(B, N, np.int32) if seq_lens is None else np.asarray(seq_lens, np.int32)
     return _count_decode(q, k, v, np.zeros((1, 1), np.int32), lens, num_splits, scale, DEFAULT_BLOCK_N,
-                         False, ("K", "V"))
+                         False, ("K", "V"), config)
 
 
-def count_paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None):
+def count_paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
     """The paged split (+ combine) on counting arrays: (o, lse, Traffic)."""
     tables, lens = cache.block_tables_array(list(seq_ids))
     if tables.size == 0:
         tables = np.zeros((len(lens), 1), np.int32)
     return _count_decode(q, cache.k_pool, cache.v_pool, tables, lens, num_splits, scale, cache.block_size,
-                         True, ("K_cache", "V_cache"))
+                         True, ("K_cache", "V_cache"), config)
 
 
 def count_gather(cache, sid):
@@ -118,3 +128,23 @@ def count_gather(cache, sid):
     launch_gather(c(cache.k_pool, "K_cache"), c(cache.v_pool, "V_cache"), c(table, "block_table"),
                   k_out, v_out, n)
     return k_out.data, v_out.data, c.traffic
+
+
+def count_gather_v2(cache, sid, *, parts=None):
+    """Gather v2 on counting arrays (8-byte words when the rows allow): (k, v, Traffic).
+
+    ``parts``: P table reads per logical block (None: the launcher's plan)."""
+    from .decode_kernels import launch_gather_v2
+    from .decode_v2 import word_layout
+    _require_simulator()
+    n, table = cache.seq_len(sid), np.asarray(cache.block_table(sid), np.int32)
+    hkv, d = cache.num_kv_heads, cache.head_dim
+    word, epw = word_layout(np.dtype(cache.dtype).name, d)
+    wd = np.dtype(word)
+    c = _Counter()
+    k_out, v_out = np.zeros((hkv, n, d), cache.dtype), np.zeros((hkv, n, d), cache.dtype)
+    ko, vo = c(k_out.view(wd), "K"), c(v_out.view(wd), "V")
+    launch_gather_v2(c(np.ascontiguousarray(cache.k_pool).view(wd), "K_cache"),
+                     c(np.ascontiguousarray(cache.v_pool).view(wd), "V_cache"), c(table, "block_table"),
+                     ko, vo, n, parts=parts)
+    return ko.data.view(cache.dtype), vo.data.view(cache.dtype), c.traffic

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -78,6 +79,39 @@ RESIDENT_BLOCKS_PER_SM = 8
 #: far as the compiler knows, so without this each load waits for the previous store).
 GATHER_BLOCK = (32, 8)
 GATHER_UNROLL = 4
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Which decode / gather kernels run: ``version`` 1 (the default, measured) or 2 (wide
+    loads and a grid-stride gather, :mod:`.decode_v2`; a candidate not yet measured on a GPU).
+
+    lanes_per_key, keys_per_iter: version 2's split tiling (None: LANES_PER_KEY_V2,
+    KEYS_PER_ITER_V2); version 1 ignores them.
+    """
+
+    version: int = 1
+    lanes_per_key: int | None = None
+    keys_per_iter: int | None = None
+
+    def __post_init__(self):
+        if self.version not in (1, 2):
+            raise ValueError(f"config: decode version must be 1 or 2, got {self.version!r}")
+        L = self.lanes_per_key
+        if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L < 1 or 32 % L):
+            raise ValueError(f"config: lanes_per_key must divide 32 (lanes of one warp), got {L!r}")
+        K = self.keys_per_iter
+        if K is not None and (isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= 16):
+            raise ValueError(f"config: keys_per_iter must be an integer in 1..16, got {K!r}")
+
+
+def resolve_decode_config(config) -> DecodeConfig:
+    if config is None:
+        return DecodeConfig()
+    if not isinstance(config, DecodeConfig):
+        raise ValueError(f"config: expected an iokernels.numba_cuda.DecodeConfig or None, got "
+                         f"{type(config).__name__}")
+    return config
 
 
 def lanes_for(head_dim: int) -> int:
@@ -340,11 +374,37 @@ def check_split_smem(head_dim, g, dtype):
                          f"shared memory in the numba decode kernel, more than {SHARED_LIMIT_BYTES:,}")
 
 
-def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged):
+def lanes_v2(head_dim, dtype, word_name, config=None):
+    """Version 2's lanes per key: the config's (or LANES_PER_KEY_V2), fewer when a row has
+    fewer words than lanes."""
+    from . import decode_v2 as v2
+    cfg = resolve_decode_config(config)
+    epw = np.dtype(word_name).itemsize // np.dtype(dtype).itemsize
+    words = -(-head_dim // epw)
+    L = cfg.lanes_per_key or v2.LANES_PER_KEY_V2
+    while L > 1 and L > words:
+        L //= 2
+    return L
+
+
+def split_v2_kernel_function(head_dim, g, dtype, paged, block_n, word_name, config=None, simulated=None):
+    from . import decode_v2 as v2
+    cfg = resolve_decode_config(config)
+    if simulated is None:
+        simulated = gpu.simulator_enabled()
+    acc_name = np.dtype(_acc_types(dtype)[0]).name
+    return v2.make_split_v2(head_dim, g, lanes_v2(head_dim, dtype, word_name, cfg),
+                            cfg.keys_per_iter or v2.KEYS_PER_ITER_V2, int(block_n), paged, dtype, word_name,
+                            acc_name, simulated)
+
+
+def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config=None):
     """Launch split (+ combine when S > 1) on device or counting arrays already allocated.
 
     o_part / lse_part: (S, B, Hq, d) / (S, B, Hq) float32 scratch (any shape when S == 1).
+    Version 2 (``config``): k and v are the word views of :func:`_kv_words`.
     """
+    cfg = resolve_decode_config(config)
     B, Hq, d = q.shape
     Hkv = k.shape[2] if paged else k.shape[1]
     dtype = str(np.dtype(o.dtype))
@@ -352,9 +412,16 @@ def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, blo
     S = int(lse_part.shape[0])
     if B == 0:
         return
-    split = _jitted(split_kernel_function(d, Hq // Hkv, dtype, paged))
-    split[(S, Hkv, B), KEY_GROUPS * lanes_for(d)](q, k, v, tables, lens, o, lse, o_part, lse_part,
-                                       acc_t(scale), block_n, S)
+    if cfg.version == 2:
+        from .decode_v2 import KEY_GROUPS_V2
+        word = str(np.dtype(k.dtype))
+        split = _jitted(split_v2_kernel_function(d, Hq // Hkv, dtype, paged, block_n, word, cfg))
+        split[(S, Hkv, B), KEY_GROUPS_V2 * lanes_v2(d, dtype, word, cfg)](
+            q, k, v, tables, lens, o, lse, o_part, lse_part, acc_t(scale), S)
+    else:
+        split = _jitted(split_kernel_function(d, Hq // Hkv, dtype, paged))
+        split[(S, Hkv, B), KEY_GROUPS * lanes_for(d)](q, k, v, tables, lens, o, lse, o_part, lse_part,
+                                                      acc_t(scale), block_n, S)
     if S > 1:
         comb = _jitted(combine_kernel_function(d, dtype))
         comb[B * Hq, COMBINE_THREADS](o_part, lse_part, o, lse)
@@ -369,7 +436,37 @@ def _resolve_splits(num_splits, B, Hkv, max_len, block_n):
     return num_splits
 
 
-def _decode_common(kind, q, k, v, tables_h, lens_h, num_splits, scale, block_n, paged, max_len):
+def _aligned(x, nbytes) -> bool:
+    """Whether a (C-contiguous) device array starts on an nbytes boundary: word views need it
+    (a torch slice with an odd storage offset does not)."""
+    try:
+        return x.__cuda_array_interface__["data"][0] % nbytes == 0
+    except (AttributeError, KeyError, TypeError):   # the simulator's arrays wrap NumPy ones
+        ary = getattr(x, "_ary", x)
+        return isinstance(ary, np.ndarray) and ary.flags.c_contiguous and ary.ctypes.data % nbytes == 0
+
+
+def _contiguous(x) -> bool:
+    f = getattr(x, "is_c_contiguous", None)
+    if callable(f):
+        return bool(f())
+    ary = getattr(x, "_ary", x)
+    return isinstance(ary, np.ndarray) and ary.flags.c_contiguous
+
+
+def _kv_words(k, v, head_dim, dtype):
+    """Version 2's K and V: 8-byte word views (no copy) when the row bytes, contiguity and
+    alignment allow, else the arrays themselves (one element a word)."""
+    from .decode_v2 import WORD_BYTES, word_layout
+    ok = all(_contiguous(x) and _aligned(x, WORD_BYTES) for x in (k, v))
+    word, epw = word_layout(dtype, head_dim, aligned=ok)
+    if epw == 1:
+        return k, v, word
+    return k.view(np.dtype(word)), v.view(np.dtype(word)), word
+
+
+def _decode_common(kind, q, k, v, tables_h, lens_h, num_splits, scale, block_n, paged, max_len, config=None):
+    cfg = resolve_decode_config(config)
     dtype = arr.check_dtype(q, "q")
     B, Hq, d = (int(x) for x in q.shape)
     scale = cv.resolve_scale(scale, d)
@@ -388,25 +485,38 @@ def _decode_common(kind, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     else:
         op = arr.upload_constant(np.zeros((1, 1, 1, 1), acc_t))   # unused: S == 1 writes O, LSE
         lp = arr.upload_constant(np.zeros((1, 1, 1), acc_t))
-    launch_decode(dq, dk, dv, tables, lens, o_d, lse_d, op, lp, scale=scale, block_n=block_n, paged=paged)
+    if cfg.version == 2:
+        from .decode_v2 import split_v2_smem_bytes
+        dk, dv, word = _kv_words(dk, dv, d, dtype)
+        need = split_v2_smem_bytes(d, Hq // Hkv, dtype, word, lanes_v2(d, dtype, word, cfg))
+        if need > SHARED_LIMIT_BYTES:
+            raise ValueError(f"q: {Hq // Hkv} query heads per KV head at head_dim {d} ({dtype}) need {need:,} B "
+                             f"of shared memory in the numba decode kernel v2, more than {SHARED_LIMIT_BYTES:,}")
+    launch_decode(dq, dk, dv, tables, lens, o_d, lse_d, op, lp, scale=scale, block_n=block_n, paged=paged,
+                  config=cfg)
     return arr.finish(kind, o_h), arr.finish(kind, lse_h)
 
 
-def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
-    """Public backend: Flash-Decoding over a contiguous (ragged) cache. Returns (o, lse)."""
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
+    """Public backend: Flash-Decoding over a contiguous (ragged) cache. Returns (o, lse).
+
+    ``config``: a :class:`DecodeConfig` (None: version 1)."""
+    resolve_decode_config(config)
     kind = arr.check_kinds(q=q, k=k, v=v)
     B, N = int(k.shape[0]), int(k.shape[2])
     lens = np.full(B, N, np.int32) if seq_lens is None else np.asarray(seq_lens, np.int32)
     dummy_table = np.zeros((1, 1), np.int32)
     return _decode_common(kind, q, k, v, dummy_table, lens, num_splits, scale, DEFAULT_BLOCK_N, False,
-                          int(lens.max(initial=0)))
+                          int(lens.max(initial=0)), config)
 
 
-def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None):
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None):
     """Paged Flash-Decoding over pools (num_blocks, block_size, Hkv, d) of any array kind.
 
     block_tables: int32 (B, max_blocks) NumPy, seq_lens: (B,) NumPy (host: they size the launch).
+    ``config``: a :class:`DecodeConfig` (None: version 1).
     """
+    resolve_decode_config(config)
     kind = arr.check_kinds(q=q, k_pool=k_pool, v_pool=v_pool)
     lens = np.asarray(seq_lens, np.int32)
     tables = np.asarray(block_tables, np.int32)
@@ -415,18 +525,20 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     if tables.size == 0:
         tables = np.zeros((q.shape[0], 1), np.int32)
     return _decode_common(kind, q, k_pool, v_pool, tables, lens, num_splits, scale, int(k_pool.shape[1]),
-                          True, int(lens.max(initial=0)))
+                          True, int(lens.max(initial=0)), config)
 
 
-def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None):
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
     """Public backend: decode over a PagedKVCache (its NumPy pools are copied to the device)."""
+    resolve_decode_config(config)
     tables, lens = cache.block_tables_array(list(seq_ids))
     kind = arr.check_kinds(q=q)
     if kind == "numpy":
         pools = (cache.k_pool, cache.v_pool)
     else:
         pools = _pools_like(kind, q, cache)
-    return paged_decode_pools(q, pools[0], pools[1], tables, lens, num_splits=num_splits, scale=scale)
+    return paged_decode_pools(q, pools[0], pools[1], tables, lens, num_splits=num_splits, scale=scale,
+                              config=config)
 
 
 def _pools_like(kind, like, cache):
@@ -458,8 +570,32 @@ def launch_gather(k_pool, v_pool, table, k_out, v_out, seq_len):
     kern[nblk, GATHER_BLOCK](k_pool, v_pool, table, k_out, v_out, seq_len)
 
 
-def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True):
-    """Paged gather: pools (num_blocks, bs, Hkv, d) + a block table -> contiguous (Hkv, n, d) K, V."""
+def launch_gather_v2(kw, vw, table, k_out, v_out, seq_len, *, parts=None):
+    """Gather v2 on pools (num_blocks, bs, Hkv, W) and outputs (Hkv, n, W) of words (device or
+    counting arrays); ``parts``: P (None: :func:`decode_v2.gather_v2_plan` picks it)."""
+    from . import decode_v2 as v2
+    nb, bs, hkv, W = (int(x) for x in kw.shape)
+    nblk = -(-seq_len // bs)
+    if nblk == 0:
+        return
+    grid, P, part_words = v2.gather_v2_plan(nblk, bs * hkv * W, _num_sms())
+    if parts is not None:
+        P = int(parts)
+        part_words = -(-(bs * hkv * W) // P)
+        grid = max(1, min(-(-(nblk * P) // (v2.GATHER2_THREADS // v2.WARP_SIZE)),
+                          _num_sms() * v2.GATHER2_BLOCKS_PER_SM))
+    kern = _jitted(v2.make_gather_v2(str(np.dtype(kw.dtype)), W, hkv, bs, gpu.simulator_enabled()))
+    flat = (nb, bs * hkv * W)
+    kern[grid, v2.GATHER2_THREADS](kw.reshape(flat), vw.reshape(flat), table, k_out, v_out, seq_len, nblk, P,
+                                   part_words)
+
+
+def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True, config=None):
+    """Paged gather: pools (num_blocks, bs, Hkv, d) + a block table -> contiguous (Hkv, n, d) K, V.
+
+    ``config``: a :class:`DecodeConfig`; version 2 is the grid-stride gather of
+    :mod:`.decode_v2` (8-byte words whenever the rows and alignment allow)."""
+    cfg = resolve_decode_config(config)
     from ..paged import check_block_table
     kind = arr.check_kinds(k_pool=k_pool, v_pool=v_pool)
     arr.check_dtype(k_pool, "k_pool")
@@ -470,12 +606,21 @@ def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True):
     k_h, k_d = arr.empty(kind, k_pool, (hkv, seq_len, d), dtype)
     v_h, v_d = arr.empty(kind, k_pool, (hkv, seq_len, d), dtype)
     tbl = arr.upload_constant(np.asarray(table, np.int32) if table.size else np.zeros(1, np.int32))
+    if cfg.version == 2:
+        if seq_len:
+            from .decode_v2 import WORD_BYTES, word_layout
+            ok = all(_aligned(x, WORD_BYTES) and _contiguous(x) for x in (kp, vp, k_d, v_d))
+            word, epw = word_layout(dtype.name, d, aligned=ok and words)
+            if epw > 1:
+                kp, vp, k_d, v_d = (x.view(np.dtype(word)) for x in (kp, vp, k_d, v_d))
+            launch_gather_v2(kp, vp, tbl, k_d, v_d, seq_len)
+        return arr.finish(kind, k_h), arr.finish(kind, v_h)
     if words and seq_len:
         kp, vp, k_d, v_d = (_word_view(x, d, dtype.itemsize) for x in (kp, vp, k_d, v_d))
     launch_gather(kp, vp, tbl, k_d, v_d, seq_len)
     return arr.finish(kind, k_h), arr.finish(kind, v_h)
 
 
-def paged_gather(cache, sid):
+def paged_gather(cache, sid, *, config=None):
     """What ``cache.gather(sid, backend="numba")`` calls: NumPy pools in, NumPy K, V out."""
-    return gather_pools(cache.k_pool, cache.v_pool, cache.block_table(sid), cache.seq_len(sid))
+    return gather_pools(cache.k_pool, cache.v_pool, cache.block_table(sid), cache.seq_len(sid), config=config)

@@ -14,9 +14,14 @@ import json
 import re
 import sys
 
+import numpy as np
+
 #: PTX instructions that compute in float64 (arithmetic, special functions, conversions to it)
 F64_ARITHMETIC = re.compile(r"^\s*(?:@!?%p\d+\s+)?(add|sub|mul|fma|mad|div|neg|abs|min|max|rcp|sqrt|rsqrt|"
                             r"ex2|lg2|sin|cos|setp|selp|testp|cvt)[.a-z0-9]*\.f64\b", re.M)
+
+#: PTX lines that access local memory (per-thread arrays the compiler could not keep in registers)
+LOCAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)\.local\b", re.M)
 
 #: head dims compiled: 128 (the benchmark's) and 59 (ragged: lanes own padded dims)
 HEAD_DIMS = (128, 59)
@@ -49,6 +54,18 @@ def kernel_signatures(head_dims=HEAD_DIMS):
                 out.append((f"decode_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
             sig = (_arr(acc, 4), _arr(acc, 3), _arr(st, 3), _arr(acc, 2))
             out.append((f"decode_combine_d{d}", dtype, dk.combine_kernel_function(d, dtype), sig))
+            from .decode_v2 import word_layout
+            word, _ = word_layout(dtype, d)                   # version 2: K/V as 8-byte words
+            wt = getattr(types, word)
+            for paged in (False, True):
+                sig = (_arr(st, 3), _arr(wt, 4), _arr(wt, 4), _arr(types.int32, 2), _arr(types.int32, 1),
+                       _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64)
+                fn = dk.split_v2_kernel_function(d, 4, dtype, paged, 16, word, simulated=False)
+                out.append((f"decode_v2_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
+            from .decode_v2 import make_gather_v2
+            W = d * np.dtype(dtype).itemsize // np.dtype(word).itemsize
+            sig = (_arr(wt, 2), _arr(wt, 2), _arr(types.int32, 1), _arr(wt, 3), _arr(wt, 3)) + (types.int64,) * 4
+            out.append((f"gather_v2_d{d}", dtype, make_gather_v2(word, W, 8, 16, False), sig))
         gather_t = types.uint64 if dtype != "float64" else st     # the launcher's 8-byte words
         sig = (_arr(gather_t, 4), _arr(gather_t, 4), _arr(types.int32, 1), _arr(gather_t, 3), _arr(gather_t, 3),
                types.int64)
@@ -77,10 +94,13 @@ def _no_device_for_device_functions(cc):
 
 
 def compile_all(ccs=((7, 5), (9, 0)), dtypes=("float32", "float16", "float64"), head_dims=HEAD_DIMS,
-                only=None) -> dict:
-    """{f"{name}/{dtype}/sm_{cc}": {"f64": [lines], "bytes": n, "shfl": bool}} per kernel and cc.
+                only=None, dump=None) -> dict:
+    """{f"{name}/{dtype}/sm_{cc}": {"f64": [lines], "bytes": n, "shfl": bool, "local": n, "ld_u64": n,
+    "ld_u16": n}} per kernel and cc: float64 lines, PTX size, shuffles, local-memory accesses
+    (per-thread arrays that did not stay in registers), 8-byte and 2-byte global loads.
 
-    ``only``: a substring a kernel's name must contain (None: all)."""
+    ``only``: a substring a kernel's name must contain (None: all); ``dump``: a folder to write
+    each PTX to (for ``ptxas -v``)."""
     from numba import cuda, types
     _no_device_for_device_functions(ccs[0])
     report = {}
@@ -89,8 +109,14 @@ def compile_all(ccs=((7, 5), (9, 0)), dtypes=("float32", "float16", "float64"), 
             continue
         for cc in ccs:
             ptx, _ = cuda.compile_ptx(fn, types.void(*sig), cc=cc)
-            report[f"{name}/{dtype}/sm_{cc[0]}{cc[1]}"] = {"f64": f64_lines(ptx)[:5], "bytes": len(ptx),
-                                                          "shfl": "shfl.sync" in ptx}
+            report[f"{name}/{dtype}/sm_{cc[0]}{cc[1]}"] = {
+                "f64": f64_lines(ptx)[:5], "bytes": len(ptx), "shfl": "shfl.sync" in ptx,
+                "local": len(LOCAL_ACCESS.findall(ptx)),            # ld.local / st.local lines
+                "ld_u64": len(re.findall(r"ld\.global(?:\.nc)?\.u64", ptx)),
+                "ld_u16": len(re.findall(r"ld\.global(?:\.nc)?\.(?:u16|b16|f16)", ptx))}
+            if dump:
+                with open(f"{dump}/{name}_{dtype}_sm{cc[0]}{cc[1]}.ptx", "w") as f:
+                    f.write(ptx)
     return report
 
 
@@ -103,7 +129,8 @@ def main(argv=None):
     dtypes = tuple(a for a in argv if a.startswith("float")) or ("float32", "float16", "float64")
     dims = tuple(int(a[2:]) for a in argv if a.startswith("d=")) or HEAD_DIMS
     only = next((a[5:] for a in argv if a.startswith("only=")), None)
-    print(json.dumps(compile_all(ccs, dtypes, dims, only)))
+    dump = next((a[5:] for a in argv if a.startswith("dump=")), None)
+    print(json.dumps(compile_all(ccs, dtypes, dims, only, dump)))
 
 
 if __name__ == "__main__":
