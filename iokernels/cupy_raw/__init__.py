@@ -93,7 +93,10 @@ import numpy as np
 from .. import conventions as cv
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
-SOURCES = {"fa_v1": "fa_v1.cu", "fa_v2": "fa_v2.cu", "decode": "decode.cu", "paged_gather": "paged_gather.cu"}
+SOURCES = {"fa_v1": "fa_v1.cu", "fa_v1b": "fa_v1b.cu", "fa_v2": "fa_v2.cu", "decode": "decode.cu",
+           "decode_v2": "decode_v2.cu", "paged_gather": "paged_gather.cu"}
+#: the kernel file (and function) of each CupyConfig version
+FA_KERNELS = {"v1": "fa_v1", "v1b": "fa_v1b", "v2": "fa_v2"}
 #: -DIK_DTYPE values (common.cuh)
 DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 #: what one tensor-core tile is: v2 rows are handled 16 a warp, keys 16 an mma k-step
@@ -116,6 +119,15 @@ DECODE_WAVES = 1
 DECODE_MIN_KEYS_PER_SPLIT = 256
 #: ... and at most this many splits (the combine reads them all)
 DECODE_MAX_SPLITS = 128
+#: decode v2 (decode_v2.cu): each warp's ring holds this many K/V tiles (STAGES - 1 in flight
+#: while one is used); 3 x ~4 KB a warp = 48 KB a block at bf16 d=128, so 4 blocks fit an SM
+DECODE_V2_STAGES = 3
+#: ... and the registers are capped for this many blocks an SM (128 a thread at 4)
+DECODE_V2_MIN_BLOCKS = 4
+#: ... a tile is about this many bytes of K (and as many of V): 8 rows at bf16 d=128
+DECODE_V2_TILE_BYTES = 2048
+#: fa_v1b: registers capped so this many blocks fit an SM (its 112 KB of SRAM allow two)
+V1B_MIN_BLOCKS = 2
 #: paged gather: threads a block, and blocks per SM the grid-stride loop launches
 GATHER_THREADS = 256
 GATHER_BLOCKS_PER_SM = 8
@@ -138,9 +150,10 @@ _MODULES: dict = {}
 class CupyConfig:
     """Tile sizes of the CuPy FlashAttention kernels, injected as -D defines.
 
-    version: "v1" (CUDA cores), "v2" (tensor cores, float16/bfloat16) or "auto" (v2 for
-    16-bit inputs on a GPU that has it, v1 otherwise).
-    block_q (Br), block_k (Bc): v1 takes 16, 32 or 64 each; v2 takes block_q = 16 *
+    version: "v1" (CUDA cores), "v1b" (CUDA cores, float32 only, K/V tiles by cp.async;
+    not yet measured), "v2" (tensor cores, float16/bfloat16) or "auto" (v2 for 16-bit inputs
+    on a GPU that has it, v1 otherwise; "auto" never picks v1b until it is measured).
+    block_q (Br), block_k (Bc): v1 and v1b take 16, 32 or 64 each; v2 takes block_q = 16 *
     num_warps and block_k in 16, 32, 64, 128.  None: the default for the head dim.
     num_warps: v2 only (1, 2, 4, 8): each warp owns 16 query rows.
     """
@@ -151,7 +164,7 @@ class CupyConfig:
     num_warps: int | None = None
 
     def __post_init__(self):
-        cv.check_choice(self.version, "config.version", ("auto", "v1", "v2"))
+        cv.check_choice(self.version, "config.version", ("auto", "v1", "v1b", "v2"))
         for name in ("block_q", "block_k", "num_warps"):
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
@@ -183,13 +196,16 @@ class CupyConfig:
             if bk not in (16, 32, 64, 128):
                 raise ValueError(f"config: v2 block_k must be 16, 32, 64 or 128, got {bk}")
             return CupyConfig("v2", bq, bk, nw)
+        if version == "v1b" and dtype != "float32":
+            raise ValueError(f"config: version 'v1b' is the float32 kernel (cp.async copies the stored "
+                             f"bytes), got dtype {dtype} (use version 'v1' or 'v2')")
         bq, bk = self.block_q or 64, self.block_k or 64
         for name, val in (("block_q", bq), ("block_k", bk)):
             if val not in (16, 32, 64):
-                raise ValueError(f"config: v1 {name} must be 16, 32 or 64, got {val}")
+                raise ValueError(f"config: {version} {name} must be 16, 32 or 64, got {val}")
         if self.num_warps not in (None, 8):
-            raise ValueError(f"config: v1 always runs 8 warps (16 x 16 threads), got num_warps={self.num_warps}")
-        return CupyConfig("v1", bq, bk, 8)
+            raise ValueError(f"config: {version} always runs 8 warps (16 x 16 threads), got num_warps={self.num_warps}")
+        return CupyConfig(version, bq, bk, 8)
 
     def smem_bytes(self, head_dim: int, dtype: str) -> int:
         """Dynamic shared memory of one block (the config must be resolved)."""
@@ -197,6 +213,9 @@ class CupyConfig:
         if self.version == "v2":
             srow = _round_up(d, 16) + 8                  # fa_v2.cu: SROW
             return 2 * srow * (self.block_q + 4 * self.block_k)   # Q_i + 2 x (K_j, V_j)
+        if self.version == "v1b":                        # fa_v1b.cu: Qs, Ks, Vs, PsT (float32)
+            dq, dk, dv = _round_up(d, 4), _round_up(d, 32), _round_up(d, 64)
+            return 4 * (self.block_q * dq + self.block_k * dk + self.block_k * dv + self.block_k * self.block_q)
         acc = cv.accum_dtype(dtype).itemsize
         dv = 64 * -(-d // 64)                            # fa_v1.cu: DV
         return acc * (d * self.block_q + d * self.block_k + self.block_k * dv + self.block_k * self.block_q)
@@ -211,11 +230,84 @@ class CupyConfig:
         if self.version == "v2":
             return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, D_PAD=_round_up(head_dim, 16),
                         NUM_WARPS=self.num_warps, BLOCK_K=self.block_k, VEC_IO=int(head_dim % 8 == 0))
-        return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, RM=self.block_q // V1_THREADS_SIDE,
-                    RN=self.block_k // V1_THREADS_SIDE)
+        out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, RM=self.block_q // V1_THREADS_SIDE,
+                   RN=self.block_k // V1_THREADS_SIDE)
+        if self.version == "v1b":
+            out.update(VEC_IO=int(head_dim % 4 == 0), V1B_MIN_BLOCKS=V1B_MIN_BLOCKS)
+        return out
 
     def threads(self) -> int:
         return 32 * self.num_warps if self.version == "v2" else V1_THREADS_SIDE * V1_THREADS_SIDE
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Which decode kernel, for :func:`decode` / :func:`paged_decode_pools` (``config=``).
+
+    version: "v1" (decode.cu, the default: plain loads into registers) or "v2"
+    (decode_v2.cu: a per-warp cp.async ring of K/V tiles in SRAM; not yet measured).
+    v2 needs rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned
+    (:func:`decode_version_used` says which kernel a call runs); otherwise v1 runs.
+    stages: v2's ring depth (>= 2; None: DECODE_V2_STAGES).  tile_rows: key rows a tile
+    (a multiple of the rows a warp reads side by side; None: about DECODE_V2_TILE_BYTES of K).
+    """
+
+    version: str = "v1"
+    stages: int | None = None
+    tile_rows: int | None = None
+
+    def __post_init__(self):
+        cv.check_choice(self.version, "config.version", ("v1", "v2"))
+        for name in ("stages", "tile_rows"):
+            val = getattr(self, name)
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+                raise ValueError(f"config: {name} must be a positive integer or None, got {val!r}")
+        if self.stages is not None and self.stages < 2:
+            raise ValueError(f"config: stages must be at least 2 (one tile used, one in flight), got {self.stages}")
+
+
+def _check_decode_config(config) -> DecodeConfig:
+    if config is None:
+        return DecodeConfig()
+    if not isinstance(config, DecodeConfig):
+        raise ValueError(f"config: expected a DecodeConfig or None for cupy decode, got {type(config).__name__}")
+    return config
+
+
+def decode_v2_geometry(head_dim: int, dtype: str, tile_rows: int | None = None) -> dict | None:
+    """decode_v2.cu's layout for one row shape, or None when v2 cannot take it.
+
+    chunks: 16-byte chunks a row; lanes: lanes a row (a power of two); rows_side_by_side:
+    32 / lanes; tile_rows: rows a tile.  Mirrors the kernel's macros (CPR, LANES, RPW, TILE_ROWS).
+    """
+    row_bytes = head_dim * cv.itemsize_of(dtype)
+    if row_bytes % 16 or row_bytes > 32 * 16:
+        return None
+    cpr = row_bytes // 16
+    lanes = 1 << (cpr - 1).bit_length()
+    rpw = 32 // lanes
+    if tile_rows is None:
+        per = DECODE_V2_TILE_BYTES // row_bytes
+        tile_rows = rpw if per < rpw else per // rpw * rpw
+    elif tile_rows % rpw:
+        raise ValueError(f"config: tile_rows must be a multiple of {rpw} at head_dim={head_dim} ({dtype}), "
+                         f"got {tile_rows}")
+    return dict(chunks=cpr, lanes=lanes, rows_side_by_side=rpw, tile_rows=tile_rows)
+
+
+def decode_v2_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows: int) -> int:
+    """decode_v2.cu's dynamic SRAM a block: the warps' rings, or the final merge if larger."""
+    ring = DECODE_WARPS * stages * 2 * tile_rows * head_dim * cv.itemsize_of(dtype)
+    merge = DECODE_WARPS * group * head_dim * cv.accum_dtype(dtype).itemsize
+    return max(ring, merge)
+
+
+def decode_version_used(head_dim: int, dtype: str, aligned16: bool, config=None) -> str:
+    """The decode kernel a call runs: "v2" when asked for and the rows allow it, else "v1"."""
+    cfg = _check_decode_config(config)
+    if cfg.version == "v2" and aligned16 and decode_v2_geometry(head_dim, dtype, cfg.tile_rows) is not None:
+        return "v2"
+    return "v1"
 
 
 def fit_config(config: CupyConfig, head_dim: int, dtype: str, dev: dict) -> CupyConfig:
@@ -296,7 +388,9 @@ def _function(name: str, kernel: str, defines: dict, smem: int = 0):
         opts = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
         mod = cupy.RawModule(code=source(name), options=opts)
         fn = mod.get_function(kernel)
-        if smem > 48 * 1024:  # above 48 KB a kernel must opt in to more dynamic shared memory
+        # above 48 KB (static + dynamic) a kernel must opt in to more dynamic shared memory;
+        # opting in early costs nothing, and decode_v2 has 48 KB of dynamic + some static
+        if smem > 32 * 1024:
             fn.max_dynamic_shared_size_bytes = int(smem)
         _MODULES[key] = fn
     return fn
@@ -459,7 +553,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
 
 
 def launch_attention(qd, kd, vd, o, lse, *, dtype, scale, window, config):
-    """Launch v1 or v2 on device arrays (CuPy, torch or _Dev; o, lse preallocated: tests
+    """Launch v1, v1b or v2 on device arrays (CuPy, torch or _Dev; o, lse preallocated: tests
     poison them first).  O and LSE must be contiguous."""
     qd, kd, vd, o, lse = (_Dev.of(a) for a in (qd, kd, vd, o, lse))
     B, Hq, Nq, d = qd.shape
@@ -468,10 +562,10 @@ def launch_attention(qd, kd, vd, o, lse, *, dtype, scale, window, config):
         return
     cfg = config
     defines = cfg.defines(d, dtype)
-    if cfg.version == "v2" and not _aligned16(qd, kd, vd):
-        defines["VEC_IO"] = 0
+    if cfg.version in ("v2", "v1b") and not _aligned16(qd, kd, vd):
+        defines["VEC_IO"] = 0                            # rows not 16-byte aligned: element copies
     smem = cfg.smem_bytes(d, dtype)
-    name = "fa_v2" if cfg.version == "v2" else "fa_v1"
+    name = FA_KERNELS[cfg.version]
     fn = _function(name, name, defines, smem)
     acc_t = np.float64 if dtype == "float64" else np.float32
     i32, i64 = np.int32, np.int64
@@ -536,8 +630,11 @@ def _check_bf16(dtype, dev):
         raise ValueError(f"q: bfloat16 needs compute capability 8.0 or newer; this GPU is {dev['cc'] / 10:.1f}")
 
 
-def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
-    """Flash-Decoding over a contiguous cache: q (B, Hq, d), k, v (B, Hkv, N, d) -> (O, LSE)."""
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
+    """Flash-Decoding over a contiguous cache: q (B, Hq, d), k, v (B, Hkv, N, d) -> (O, LSE).
+
+    ``config``: a :class:`DecodeConfig` (None: version v1, decode.cu)."""
+    config = _check_decode_config(config)
     ks = tuple(k.shape)
     if len(ks) != 4:
         raise ValueError(f"k: expected (batch, heads_kv, seq, head_dim), got {ks}")
@@ -563,7 +660,7 @@ def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
         longest = N if lens is None else int(lens.max(initial=0))
         o_user, o, lse_user, lse = _decode_outputs(io, q.shape, dtype)
         launch_decode(qd, kd, vd, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits,
-                      longest=longest, nk=N)
+                      longest=longest, nk=N, config=config)
     acc = cv.accum_dtype(dtype).name
     return io.finish(o_user, dtype), io.finish(lse_user, acc)
 
@@ -575,23 +672,26 @@ def _decode_outputs(io, qshape, dtype):
     return o_user, o, lse_user, lse
 
 
-def _blocks_per_sm(fn, threads):
+def _blocks_per_sm(fn, threads, smem=0):
     """How many blocks of ``fn`` an SM holds at once (registers, shared memory), from the driver."""
     from cupy.cuda import driver
     try:
-        return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0))
+        return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, int(smem)))
     except Exception:  # an older CuPy without the binding: the figure the heuristic assumes
         return 4
 
 
 def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, paged=None,
-                  longest=None, nk=None, unroll=None, min_blocks=None):
+                  longest=None, nk=None, unroll=None, min_blocks=None, config=None):
     """Split kernel (+ combine when num_splits > 1) on device arrays.
 
     ``lens_d``: int32 device lengths (B,), or None when every sequence uses all ``nk`` keys.
     ``paged``: None for a contiguous cache, else (block_tables int32 device array (B, max_blocks),
     block_size): then kd, vd are the pools (num_blocks, block_size, Hkv, d).
     ``num_splits`` None: :func:`num_splits_heuristic` for ``longest`` keys.
+    ``config``: a :class:`DecodeConfig`; version v2 runs decode_v2.cu when the rows allow it
+    (:func:`decode_version_used`), v1 otherwise.  ``unroll`` / ``min_blocks`` tune v1 only
+    (v2: ``min_blocks`` overrides DECODE_V2_MIN_BLOCKS).
     """
     cp = _cupy()
     qd, kd, vd, o, lse = (_Dev.of(a) for a in (qd, kd, vd, o, lse))
@@ -604,13 +704,26 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
         raise ValueError("q: decode needs a contiguous (batch, heads_q, head_dim) q")
     acc = np.float64 if dtype == "float64" else np.float32
     block_size = paged[1] if paged is not None else 0
-    defines = _decode_defines(d, dtype, Hq // Hkv, paged is not None, block_size, _aligned16(qd, kd, vd),
-                              unroll, min_blocks)
-    fn = _function("decode", "decode_split", defines)
+    aligned = _aligned16(qd, kd, vd)
+    defines = _decode_defines(d, dtype, Hq // Hkv, paged is not None, block_size, aligned, unroll, min_blocks)
+    cfg = _check_decode_config(config)
+    smem = 0
+    if decode_version_used(d, dtype, aligned, cfg) == "v2":
+        geo = decode_v2_geometry(d, dtype, cfg.tile_rows)
+        stages = cfg.stages or DECODE_V2_STAGES
+        v2 = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=Hq // Hkv, PAGED=int(paged is not None),
+                  NUM_WARPS=DECODE_WARPS, STAGES=stages, TILE_ROWS=geo["tile_rows"],
+                  DECODE_MIN_BLOCKS=min_blocks or DECODE_V2_MIN_BLOCKS)
+        if paged is not None:
+            v2["BLOCK_SIZE"] = block_size
+        smem = decode_v2_smem(d, dtype, Hq // Hkv, stages, geo["tile_rows"])
+        fn = _function("decode_v2", "decode_split_v2", v2, smem)
+    else:
+        fn = _function("decode", "decode_split", defines)
     threads = 32 * DECODE_WARPS
     if num_splits is None:
         num_splits = num_splits_heuristic(B, Hkv, nk if longest is None else longest, device_info()["sms"],
-                                          _blocks_per_sm(fn, threads))
+                                          _blocks_per_sm(fn, threads, smem))
     S = int(num_splits)
     i32, i64 = np.int32, np.int64
     if S > 1:
@@ -627,17 +740,18 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     lens_arg = lens_d if lens_d is not None else np.uint64(0)
     args = (qd.arg, kd.arg, vd.arg, *layout, lens_arg, i32(nk), i32(Hq), i32(Hkv), acc(scale), i32(S),
             *parts, o.arg, lse.arg)
-    fn((S, Hkv, B), (threads,), args)
-    if S > 1:
+    fn((S, Hkv, B), (threads,), args, shared_mem=smem)
+    if S > 1:                                          # both versions: decode.cu's combine
         comb = _function("decode", "decode_combine", defines)
         comb((B * Hq,), (min(256, _round_up(d, 32)),), (o_part, lse_part, i32(S), i32(B * Hq), o.arg, lse.arg))
 
 
-def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None):
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
     """Decode over a PagedKVCache.  Its pools are NumPy arrays: they are copied to the device
     on every call (use :func:`paged_decode_pools` with device pools to time the kernel)."""
     tables, lens = cache.block_tables_array(list(seq_ids))
-    return paged_decode_pools(q, cache.k_pool, cache.v_pool, tables, lens, num_splits=num_splits, scale=scale)
+    return paged_decode_pools(q, cache.k_pool, cache.v_pool, tables, lens, num_splits=num_splits, scale=scale,
+                              config=config)
 
 
 def _check_tables(tables, lens, num_blocks, block_size, name="block_tables"):
@@ -651,11 +765,14 @@ def _check_tables(tables, lens, num_blocks, block_size, name="block_tables"):
         raise ValueError(f"{name}: sequence {b}, entry {j} is block {int(tables[b, j])}, outside [0, {num_blocks})")
 
 
-def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None):
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None,
+                       config=None):
     """Decode over paged pools (num_blocks, block_size, Hkv, d) with int32 block tables (B, max_blocks).
 
     Pools on the device (CuPy, torch CUDA) are used in place; NumPy pools are copied in.
+    ``config``: a :class:`DecodeConfig` (None: version v1).
     """
+    config = _check_decode_config(config)
     ps = tuple(getattr(k_pool, "shape", ()))
     if len(ps) != 4:
         raise ValueError(f"k_pool: expected (num_blocks, block_size, heads_kv, head_dim), got {ps}")
@@ -683,7 +800,7 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
         lens_d = io.cupy.asarray(lens.astype(np.int32))
         o_user, o, lse_user, lse = _decode_outputs(io, q.shape, dtype)
         launch_decode(qd, kp, vp, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits,
-                      paged=(t_d, bs), longest=int(lens.max(initial=0)), nk=0)
+                      paged=(t_d, bs), longest=int(lens.max(initial=0)), nk=0, config=config)
     return io.finish(o_user, dtype), io.finish(lse_user, cv.accum_dtype(dtype).name)
 
 
@@ -760,12 +877,24 @@ def paged_gather(cache, sid):
 
 # --------------------------------------------------------------------------- bench, sanitizer
 def bench_versions(op: str, dtype: str) -> dict:
-    """The numbered versions the benchmark times (iokernels.bench reads this)."""
+    """The numbered versions the benchmark times (iokernels.bench reads this): {label: config}.
+
+    attention: v1 (and v2 for 16-bit); float32 also v1b at Br x Bc = 64 x 64 (112 KB SRAM,
+    2 blocks an SM) and 64 x 32 (72 KB).  decode and paged_decode: "split" (decode.cu,
+    config None: the public default) and "split-v2" (decode_v2.cu, not yet measured); the
+    bench passes a version's config as ``config=`` (rows ``cupy:split-v2``, ``cupy:split-v2
+    paged``).  gather: one version (config None).
+    """
     if op == "attention":
         out = {"v1": CupyConfig(version="v1")}
+        if dtype == "float32":
+            out["v1b"] = CupyConfig(version="v1b")
+            out["v1b 64x32"] = CupyConfig(version="v1b", block_q=64, block_k=32)
         if dtype in ("float16", "bfloat16"):
             out["v2"] = CupyConfig(version="v2")
         return out
+    if op in ("decode", "paged_decode"):
+        return {"split": None, "split-v2": DecodeConfig(version="v2")}
     return {"split": None}
 
 
