@@ -4,7 +4,12 @@ The source compiled is exactly what the launcher hands NVRTC (``cupy_raw.source`
 common.cuh inlined) with the defines the launcher derives from its config, for at least
 one config per dtype.  bfloat16 needs sm_80: on sm_75 the source must refuse with a
 clear #error (the launcher never asks for it there).  Compiles run two at a time.
+
+The candidate versions not yet measured on a GPU (fa_v1b, decode_v2) are compiled for every
+arch too, and their main shapes (sm_90, fp32 d=128 forward, bf16 d=128 decode) are held to
+no local memory (no spills, no stack frame): the point of both is to stay within registers.
 """
+import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -33,15 +38,22 @@ def _jobs():
         jobs.append((f"decode {dtype} d={d} paged={paged}", "decode",
                      cr._decode_defines(d, dtype, 4, paged, 16, True), arch))
 
+    def dec2(dtype, d, paged, arch, group=4, block_size=16, **kw):
+        defines, _ = cr._decode_v2_defines(d, dtype, group, paged, block_size, cr.DecodeConfig("v2", **kw))
+        jobs.append((f"decode_v2 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v2", defines, arch))
+
     for arch in ARCHS:
         fa("v1", "float32", 128, arch)
         fa("v2", "float16", 128, arch)
         dec("float32", 128, False, arch)
         dec("float16", 128, True, arch)
         jobs.append(("paged_gather 16 B", "paged_gather", dict(BLOCK_SIZE=16, CHUNK_BYTES=16, CHUNKS_PER_ROW=16), arch))
+        fa("v1b", "float32", 128, arch)
+        dec2("float16", 128, arch != 80, arch)
         if arch >= 80:                                  # bfloat16 exists from sm_80
             fa("v2", "bfloat16", 128, arch)
             dec("bfloat16", 128, arch == 90, arch)
+            dec2("bfloat16", 128, arch == 80, arch)
     fa("v1", "float16", 64, 75)
     fa("v1", "float64", 64, 80)
     fa("v1", "bfloat16", 72, 90)
@@ -51,13 +63,22 @@ def _jobs():
     dec("float64", 128, True, 90)                      # scalar rows (1 KB does not fit 32 lanes x 16 B)
     dec("bfloat16", 59, False, 80)
     jobs.append(("paged_gather 2 B", "paged_gather", dict(BLOCK_SIZE=7, CHUNK_BYTES=2, CHUNKS_PER_ROW=59), 90))
+    fa("v1b", "float32", 72, 80, block_q=64, block_k=32)
+    fa("v1b", "float32", 59, 90)                        # rows not whole 16-byte chunks: element copies
+    fa("v1b", "float32", 111, 75, block_q=16, block_k=16)
+    dec2("float32", 128, True, 90)                      # 32 lanes a row
+    dec2("float16", 72, True, 90, block_size=7)         # 9 chunks a row on 16 lanes; odd block size
+    dec2("float64", 64, False, 80, group=1)             # MHA, float64 accumulators
+    dec2("bfloat16", 64, True, 90, group=8, stages=4)
+    dec2("float16", 128, False, 75, stages=2, tile_rows=4)
     return jobs
 
 
-def _compile(tmp_path, name, defines, arch):
+def _compile(tmp_path, name, defines, arch, extra=()):
     src = tmp_path / f"{name}_{arch}_{abs(hash(tuple(sorted(defines.items()))))}.cu"
     src.write_text(cr.source(name))
-    cmd = [NVCC, "-cubin", f"-arch=sm_{arch}", "-std=c++17", *(f"-D{k}={v}" for k, v in sorted(defines.items())),
+    cmd = [NVCC, "-cubin", f"-arch=sm_{arch}", "-std=c++17", *extra,
+           *(f"-D{k}={v}" for k, v in sorted(defines.items())),
            str(src), "-o", str(src.with_suffix(".cubin"))]
     r = subprocess.run(cmd, capture_output=True, text=True)
     return r.returncode, r.stderr
@@ -76,6 +97,33 @@ def test_bfloat16_refuses_sm75_with_a_clear_error(tmp_path):
     defines = cr.CupyConfig(version="v2").resolve(128, "bfloat16").defines(128, "bfloat16")
     rc, err = _compile(tmp_path, "fa_v2", defines, 75)
     assert rc != 0 and "compute capability 8.0" in err
+
+
+def test_candidates_refuse_what_they_cannot_run(tmp_path):
+    """fa_v1b is float32 only; decode_v2 needs whole 16-byte chunks: each says so with #error."""
+    d16 = dict(cr.CupyConfig(version="v1b").resolve(128, "float32").defines(128, "float32"), IK_DTYPE=1)
+    rc, err = _compile(tmp_path, "fa_v1b", d16, 90)
+    assert rc != 0 and "float32 kernel" in err
+    d59, _ = cr._decode_v2_defines(64, "float16", 4, False, 16, cr.DecodeConfig("v2"))
+    rc, err = _compile(tmp_path, "decode_v2", dict(d59, HEAD_DIM=59), 90)
+    assert rc != 0 and "16-byte chunks" in err
+
+
+def test_candidates_stay_in_registers(tmp_path):
+    """ptxas -v: the candidates' main shapes on sm_90 use no local memory (no spills, no stack)."""
+    v1b = cr.CupyConfig(version="v1b").resolve(128, "float32").defines(128, "float32")
+    dec, _ = cr._decode_v2_defines(128, "bfloat16", 4, False, 16, cr.DecodeConfig("v2"))
+    decp, _ = cr._decode_v2_defines(128, "bfloat16", 4, True, 16, cr.DecodeConfig("v2"))
+    jobs = [("fa_v1b", v1b, 90), ("decode_v2", dec, 90), ("decode_v2", decp, 90)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(tmp_path, *j, extra=("-Xptxas", "-v")), jobs))
+    for (name, defines, arch), (rc, err) in zip(jobs, results):
+        assert rc == 0, err[:400]
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
+        regs = re.search(r"Used (\d+) registers", err)
+        assert frame and regs, err[:400]
+        assert frame.groups() == ("0", "0", "0"), f"{name} {defines}: {frame.group(0)}"
+        assert int(regs.group(1)) <= 128, f"{name}: {regs.group(0)} (the launch bounds cap 128)"
 
 
 def test_every_source_file_is_covered():

@@ -605,6 +605,17 @@ def _decode_defines(d, dtype, group, paged, block_size, vec_ok, unroll=None, min
     return out
 
 
+def _decode_v2_defines(d, dtype, group, paged, block_size, config, min_blocks=None):
+    """(defines, dynamic SRAM bytes) of decode_v2.cu for one call (the rows must allow v2)."""
+    geo = decode_v2_geometry(d, dtype, config.tile_rows)
+    stages = config.stages or DECODE_V2_STAGES
+    out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged), NUM_WARPS=DECODE_WARPS,
+               STAGES=stages, TILE_ROWS=geo["tile_rows"], DECODE_MIN_BLOCKS=min_blocks or DECODE_V2_MIN_BLOCKS)
+    if paged:
+        out["BLOCK_SIZE"] = block_size
+    return out, decode_v2_smem(d, dtype, group, stages, geo["tile_rows"])
+
+
 def _check_decode_q(q, heads_kv, d, dtype):
     s = tuple(getattr(q, "shape", ()))
     if len(s) != 3 or s[2] != d or s[1] % heads_kv:
@@ -709,14 +720,7 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     cfg = _check_decode_config(config)
     smem = 0
     if decode_version_used(d, dtype, aligned, cfg) == "v2":
-        geo = decode_v2_geometry(d, dtype, cfg.tile_rows)
-        stages = cfg.stages or DECODE_V2_STAGES
-        v2 = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=Hq // Hkv, PAGED=int(paged is not None),
-                  NUM_WARPS=DECODE_WARPS, STAGES=stages, TILE_ROWS=geo["tile_rows"],
-                  DECODE_MIN_BLOCKS=min_blocks or DECODE_V2_MIN_BLOCKS)
-        if paged is not None:
-            v2["BLOCK_SIZE"] = block_size
-        smem = decode_v2_smem(d, dtype, Hq // Hkv, stages, geo["tile_rows"])
+        v2, smem = _decode_v2_defines(d, dtype, Hq // Hkv, paged is not None, block_size, cfg, min_blocks)
         fn = _function("decode_v2", "decode_split_v2", v2, smem)
     else:
         fn = _function("decode", "decode_split", defines)
