@@ -481,6 +481,20 @@ def _expand_versions(backend, op, dtype):
     return out
 
 
+def _pool_versions(backend, op, dtype):
+    """Versions of a pool-based runner (paged decode, gather): as _expand_versions, but a
+    module whose versions all have config None keeps its one unversioned row."""
+    versions = _expand_versions(backend, op, dtype)
+    if all(cfg is None for _, cfg in versions):
+        return [(backend, None)]
+    return versions
+
+
+def _config_kw(cfg) -> dict:
+    """Keyword arguments that pass a version's config to a decode/gather function (none for None)."""
+    return {} if cfg is None else {"config": cfg}
+
+
 # --------------------------------------------------------------------------- one timed row
 def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=True, reps=None,
              warmup=None, cpu_reps=1, check=True, target_ms=None) -> dict:
@@ -727,9 +741,9 @@ def decode_cases(spec, seed, progress, section="decode", target_ms=None):
                 scale = 1.0 / np.sqrt(d)
                 for backend in ("numba", "cupy"):
                     for name, cfg in _expand_versions(backend, "decode", dtype):
-                        def fn(backend=backend):
+                        def fn(backend=backend, cfg=cfg):
                             f = _resolve_backend(backend, "decode")
-                            return f(q, k, v, seq_lens=None, num_splits=None, scale=scale)
+                            return f(q, k, v, seq_lens=None, num_splits=None, scale=scale, **_config_kw(cfg))
                         rows.append(_measure(name, backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
                                              dtype=dtype, target_ms=target_ms))
                     progress.update(1)
@@ -738,13 +752,15 @@ def decode_cases(spec, seed, progress, section="decode", target_ms=None):
                 except (Unavailable, RuntimeError) as e:   # e.g. out of device memory
                     pages = e
                 for backend in ("numba", "cupy"):
-                    def fn(backend=backend):
-                        if isinstance(pages, Exception):
-                            raise Unavailable(f"paged pools: {_first_line(pages)}")
-                        f = _pool_fn(backend, "paged_decode_pools")
-                        return f(q, pages[0], pages[1], pages[2], pages[3], num_splits=None, scale=scale)
-                    rows.append(_measure(f"{backend} paged", backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
-                                         dtype=dtype, target_ms=target_ms))
+                    for name, cfg in _pool_versions(backend, "paged_decode", dtype):
+                        def fn(backend=backend, cfg=cfg):
+                            if isinstance(pages, Exception):
+                                raise Unavailable(f"paged pools: {_first_line(pages)}")
+                            f = _pool_fn(backend, "paged_decode_pools")
+                            return f(q, pages[0], pages[1], pages[2], pages[3], num_splits=None, scale=scale,
+                                     **_config_kw(cfg))
+                        rows.append(_measure(f"{name} paged", backend, fn, work=kv_bytes, unit="TB/s", ref=ref,
+                                             dtype=dtype, target_ms=target_ms))
                     progress.update(1)
                 case["results"] = rows
                 cases.append(_finish_case(case))
@@ -781,12 +797,14 @@ def gather_cases(spec, seed, progress, section="gather", target_ms=None):
         except (Unavailable, RuntimeError) as e:
             pages = e
         for backend in ("numba", "cupy"):
-            def fn(backend=backend):
-                if isinstance(pages, Exception):
-                    raise Unavailable(f"paged pools: {_first_line(pages)}")
-                return _pool_fn(backend, "gather_pools")(pages[0], pages[1], pages[2][0], int(pages[3][0]))
-            rows.append(_measure(f"{backend} gather", backend, fn, work=nbytes, unit="TB/s", ref=k[0],
-                                 dtype=dtype, target_ms=target_ms))
+            for name, cfg in _pool_versions(backend, "gather", dtype):
+                def fn(backend=backend, cfg=cfg):
+                    if isinstance(pages, Exception):
+                        raise Unavailable(f"paged pools: {_first_line(pages)}")
+                    return _pool_fn(backend, "gather_pools")(pages[0], pages[1], pages[2][0], int(pages[3][0]),
+                                                             **_config_kw(cfg))
+                rows.append(_measure(f"{name} gather", backend, fn, work=nbytes, unit="TB/s", ref=k[0],
+                                     dtype=dtype, target_ms=target_ms))
             progress.update(1)
         progress.update(1)
         # the copy is the baseline of this section (no SDPA here)
