@@ -79,19 +79,27 @@ The NumPy 2.5 fix for numba-cuda 0.30.4 lives in :mod:`._compat`, imported first
 from __future__ import annotations
 
 from . import _compat  # noqa: F401  (must run before numba is imported)
-from .decode_kernels import (decode, gather_pools, paged_decode, paged_decode_pools,  # noqa: E402
-                             paged_gather)
+from .decode_kernels import (DecodeConfig, decode, gather_pools, paged_decode,  # noqa: E402
+                             paged_decode_pools, paged_gather)
 from .flash_fwd import NumbaConfig, attention  # noqa: E402
 
 __all__ = ["attention", "decode", "paged_decode", "paged_decode_pools", "paged_gather", "gather_pools",
-           "NumbaConfig", "sanitize_cases", "bench_versions"]
+           "NumbaConfig", "DecodeConfig", "sanitize_cases", "bench_versions"]
 
 
 def bench_versions(op: str, dtype: str) -> dict:
-    """The numbered versions the side-by-side benchmark times: {label: config} (forward only;
-    decode and gather have one version, the config None)."""
+    """The numbered versions the side-by-side benchmark (:mod:`iokernels.bench`) times:
+    {label: config}.  Rows show up as ``numba:<label>`` (prefill, decode), ``numba:<label>
+    paged`` and ``numba:<label> gather``.  Version 1 of decode and gather is the default;
+    the v2 rows are candidates not yet measured (``v2-L32K8``: 32 lanes a key, 8 keys a group
+    in flight, an alternative tiling to compare)."""
     if op == "attention":
         return {f"v{v}": NumbaConfig(version=v) for v in (1, 2, 3)}
+    if op in ("decode", "paged_decode"):
+        return {"v1": DecodeConfig(version=1), "v2": DecodeConfig(version=2),
+                "v2-L32K8": DecodeConfig(version=2, lanes_per_key=32, keys_per_iter=8)}
+    if op == "gather":
+        return {"v1": DecodeConfig(version=1), "v2": DecodeConfig(version=2)}
     return {}
 
 
@@ -129,6 +137,17 @@ def sanitize_cases(seed: int = 0, verbose: bool = True):
     for s in (1, 3):
         o, _ = decode(qd, k[:1].repeat(3, 0), v[:1].repeat(3, 0), seq_lens=lens, num_splits=s)
         note(f"decode S={s}", o, ref)
+    # version 2: the element path (d = 59, float32) and the 8-byte word path (float16, d = 64)
+    o, _ = decode(qd, k[:1].repeat(3, 0), v[:1].repeat(3, 0), seq_lens=lens, num_splits=3,
+                  config=DecodeConfig(version=2))
+    note("decode v2 S=3 float32 d=59", o, ref)
+    qh = rng.standard_normal((3, 8, 64)).astype(np.float16)
+    kh = rng.standard_normal((3, 2, 45, 64)).astype(np.float16)
+    vh = rng.standard_normal((3, 2, 45, 64)).astype(np.float16)
+    refh, _ = reference.decode(qh, kh, vh, seq_lens=lens)
+    for s in (1, 3):
+        o, _ = decode(qh, kh, vh, seq_lens=lens, num_splits=s, config=DecodeConfig(version=2))
+        note(f"decode v2 S={s} float16 d=64", o, refh)
     cache = PagedKVCache(12, block_size=16, num_kv_heads=2, head_dim=59, dtype=np.float32)
     sids = [cache.new_sequence() for _ in range(2)]
     for sid, n in zip(sids, (45, 13)):
@@ -144,4 +163,21 @@ def sanitize_cases(seed: int = 0, verbose: bool = True):
         note(f"paged decode S={s}", o, ref)
     kg, _ = paged_gather(cache, sids[0])
     note("paged gather", kg, cache.gather(sids[0])[0])
+    o, _ = paged_decode(qp, cache, sids, num_splits=2, config=DecodeConfig(version=2))
+    note("paged decode v2 S=2", o, ref)
+    kg, _ = paged_gather(cache, sids[0], config=DecodeConfig(version=2))
+    note("paged gather v2 float32 d=59", kg, cache.gather(sids[0])[0])
+    ch = PagedKVCache(12, block_size=16, num_kv_heads=2, head_dim=64, dtype=np.float16)
+    sh = [ch.new_sequence() for _ in range(2)]
+    for sid, n in zip(sh, (45, 13)):
+        ch.append(sid, rng.standard_normal((n, 2, 64)).astype(np.float16),
+                  rng.standard_normal((n, 2, 64)).astype(np.float16))
+    qq = rng.standard_normal((2, 8, 64)).astype(np.float16)
+    kk = np.stack([np.pad(ch.gather(s)[0], ((0, 0), (0, 45 - ch.seq_len(s)), (0, 0))) for s in sh])
+    vv = np.stack([np.pad(ch.gather(s)[1], ((0, 0), (0, 45 - ch.seq_len(s)), (0, 0))) for s in sh])
+    refp, _ = reference.decode(qq, kk, vv, seq_lens=np.array([45, 13]))
+    o, _ = paged_decode(qq, ch, sh, num_splits=2, config=DecodeConfig(version=2))
+    note("paged decode v2 S=2 float16 d=64", o, refp)
+    kg, _ = paged_gather(ch, sh[0], config=DecodeConfig(version=2))
+    note("paged gather v2 float16 d=64", kg, ch.gather(sh[0])[0])
     return results
