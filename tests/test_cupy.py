@@ -13,6 +13,10 @@ so the test stays fast; NaN checks cover every element.
 
 The first run on a machine compiles about 50 kernel variants with NVRTC (a few minutes on
 an H200 host); CuPy caches them on disk, so later runs take well under a minute.
+
+The candidate versions not yet measured on a GPU run through the same checks: fa_v1b (float32
+forward, cp.async tiles) wherever v1 runs in float32, and decode_v2 (cp.async ring) in every
+decode test (contiguous and paged, ragged and empty sequences, several split counts).
 """
 import math
 
@@ -125,6 +129,8 @@ def _inputs(rng, B, Hq, Hkv, Nq, Nk, d, dtype):
 def _versions(dtype):
     if dtype in ("float16", "bfloat16"):
         return ("v2", "v1")
+    if dtype == "float32":
+        return ("v1", "v1b")
     return ("v1",)
 
 
@@ -155,9 +161,41 @@ def test_forward_awkward_shapes(rng, d):
         for (Nq, Nk, causal, window) in ((37, 300, True, None), (300, 37, True, None),
                                          (129, 200, False, (17, 5)), (65, 65, True, (0, -1))):
             q, k, v = _inputs(rng, 2, 6, 3, Nq, Nk, d, dtype)
-            for version in _versions(dtype)[:1]:          # v1 on 16-bit: covered at real sizes
+            # v1 on 16-bit: covered at real sizes; float32 runs v1 and v1b
+            for version in (_versions(dtype) if dtype == "float32" else _versions(dtype)[:1]):
                 o, lse = _run_attention(q, k, v, dtype, causal, window, version)
                 _check_slices(q, k, v, o, lse, dtype, causal, window)
+
+
+@pytest.mark.parametrize("bq,bk", [(64, 32), (32, 64), (16, 16)])
+def test_forward_v1b_tiles(rng, bq, bk):
+    """v1b at its other tile shapes (the swizzles and the K/V stages depend on Br, Bc)."""
+    torch = _torch()
+    cr = _cr()
+    for (Nq, Nk, causal, window, d) in ((300, 300, True, None, 64), (129, 517, False, (40, 7), 72),
+                                         (77, 45, True, None, 128)):
+        q, k, v = _inputs(rng, 2, 4, 2, Nq, Nk, d, "float32")
+        o = torch.full(q.shape, float("nan"), device="cuda")
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+        cfg = cr.fit_config(cr.CupyConfig(version="v1b", block_q=bq, block_k=bk), d, "float32", cr.device_info())
+        left, right = cv.effective_window(causal, window)
+        cr.launch_attention(q, k, v, o, lse, dtype="float32", scale=1 / math.sqrt(d), window=(left, right),
+                            config=cfg)
+        torch.cuda.synchronize()
+        _check_slices(q, k, v, o, lse, "float32", causal, window)
+
+
+def test_forward_v1b_unaligned_rows(rng):
+    """K, V rows that do not start on 16 bytes: v1b falls back to element copies (VEC_IO=0)."""
+    torch = _torch()
+    q, k, v = _inputs(rng, 1, 4, 2, 100, 140, 64, "float32")
+    kb = torch.zeros((1, 2, 140, 65), device="cuda")
+    vb = torch.zeros((1, 2, 140, 65), device="cuda")
+    kb[..., 1:], vb[..., 1:] = k, v
+    ku, vu = kb[..., 1:], vb[..., 1:]                         # unit stride, rows 4 bytes off 16
+    assert not _cr()._aligned16(ku)
+    o, lse = _run_attention(q, ku, vu, "float32", True, None, "v1b")
+    _check_slices(q, k, v, o, lse, "float32", True, None)
 
 
 def test_forward_float64_matches_oracle(rng):
@@ -217,19 +255,34 @@ def test_config_errors_name_config():
         cr.CupyConfig(version="v2", num_warps=4, block_q=32).resolve(64, "float16")
     with pytest.raises(ValueError, match="config"):
         cr.CupyConfig(version="v1", block_q=48).resolve(64, "float32")
+    for dt in ("float16", "bfloat16", "float64"):                 # v1b is the float32 kernel
+        with pytest.raises(ValueError, match="config"):
+            cr.CupyConfig(version="v1b").resolve(64, dt)
+    with pytest.raises(ValueError, match="config"):
+        cr.DecodeConfig(version="v3")
+    with pytest.raises(ValueError, match="config"):
+        cr.DecodeConfig(version="v2", stages=1)
+    with pytest.raises(ValueError, match="config"):
+        cr.decode_v2_geometry(128, "bfloat16", tile_rows=3)        # 2 rows side by side
     big = cr.CupyConfig(version="v1").resolve(256, "float64")
     with pytest.raises(ValueError, match="config"):
         big.check_fits(256, "float64", cr.device_info()["smem_optin"])
 
 
 # --------------------------------------------------------------------------- decode, paged, gather
+DECODE_VERSIONS = ("v1", "v2")
+
+
+@pytest.mark.parametrize("version", DECODE_VERSIONS)
 @pytest.mark.parametrize("d", [64, 128])
-def test_decode_against_oracle(rng, d):
-    """Split-KV decode, GQA 8/2, ragged lengths incl. 0, several split counts, every dtype."""
+def test_decode_against_oracle(rng, d, version):
+    """Split-KV decode, GQA 8/2, ragged lengths incl. 0 and shorter than a tile, several split
+    counts (more splits than a short sequence has tiles), every dtype, both versions."""
     torch = _torch()
     cr = _cr()
-    B, Hq, Hkv, N = 3, 8, 2, 1000
-    lens = np.array([1000, 0, 333])
+    config = cr.DecodeConfig(version=version)
+    B, Hq, Hkv, N = 4, 8, 2, 1000
+    lens = np.array([1000, 0, 333, 5])
     for dtype in _dtypes() + ["float64"]:
         q, k, v = make_inputs(rng, batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=1, seqlen_k=N, head_dim=d,
                               dtype="float32")
@@ -242,8 +295,10 @@ def test_decode_against_oracle(rng, d):
                 n = int(lens[b])
                 if n:
                     base[b] = cr_naive(tq[b:b + 1, :, None], tk[b:b + 1, :, :n], tv[b:b + 1, :, :n])[0, :, 0]
+        want = "v2" if version == "v2" and cr.decode_v2_geometry(d, dtype) is not None else "v1"
+        assert cr.decode_version_used(d, dtype, cr._aligned16(tk, tv), config) == want
         for S in (None, 1, 7):
-            o, lse = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=S, scale=None)
+            o, lse = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=S, scale=None, config=config)
             masked = ~np.isfinite(ref_l)[..., None]
             if dtype == "float64":
                 assert check(o, ref_o, dtype=dtype, masked_rows=masked), (dtype, S)
@@ -274,11 +329,13 @@ def _paged_cache(rng, lens, Hkv, d, dtype, block_size=16):
     return cache, sids
 
 
+@pytest.mark.parametrize("version", DECODE_VERSIONS)
 @pytest.mark.parametrize("d", [64, 128])
-def test_paged_decode_matches_contiguous(rng, d):
+def test_paged_decode_matches_contiguous(rng, d, version):
     """Paged decode == the oracle on the gathered cache; device pools and NumPy pools."""
     import cupy
     cr = _cr()
+    config = cr.DecodeConfig(version=version)
     lens = [517, 1, 130]
     for dtype in ("float16", "float32"):
         cache, sids = _paged_cache(rng, lens, 2, d, dtype)
@@ -290,16 +347,74 @@ def test_paged_decode_matches_contiguous(rng, d):
         for b, n in enumerate(lens):
             kc[b, :, :n], vc[b, :, :n] = ks[b], vs[b]
         ref_o, ref_l = reference.decode(q, kc, vc, seq_lens=np.array(lens))
-        o_c, l_c = cr.decode(q, kc, vc, seq_lens=np.array(lens), num_splits=4, scale=None)
+        o_c, l_c = cr.decode(q, kc, vc, seq_lens=np.array(lens), num_splits=4, scale=None, config=config)
+        # the same split count over the same keys: paged and contiguous do the same arithmetic
+        o_p, l_p = cr.paged_decode(q, cache, sids, num_splits=4, scale=None, config=config)
+        assert np.allclose(o_p.astype(np.float64), o_c.astype(np.float64), rtol=2e-3, atol=2e-3)
+        assert np.allclose(l_p, l_c, rtol=1e-5, atol=1e-5)
         for S in (None, 1, 5):
-            o, lse = cr.paged_decode(q, cache, sids, num_splits=S, scale=None)
+            o, lse = cr.paged_decode(q, cache, sids, num_splits=S, scale=None, config=config)
             assert np.max(np.abs(o.astype(np.float64) - ref_o)) <= 2 * np.max(np.abs(o_c.astype(np.float64) - ref_o)) + 2e-3
             assert np.max(np.abs(lse - ref_l)) < 1e-3
         t, ln = cache.block_tables_array(sids)
         o2, _ = cr.paged_decode_pools(cupy.asarray(q), cupy.asarray(cache.k_pool), cupy.asarray(cache.v_pool),
-                                      t, ln, num_splits=3)
+                                      t, ln, num_splits=3, config=config)
         assert isinstance(o2, cupy.ndarray)
         assert np.max(np.abs(o2.get().astype(np.float64) - ref_o)) < 5e-3
+
+
+@pytest.mark.parametrize("dtype,d,group,block_size,stages,tile_rows", [
+    ("float16", 72, 4, 7, None, None),         # 9 chunks a row on 16 lanes; pages of 7 rows
+    ("bfloat16", 128, 8, 16, 2, None),         # shallowest ring
+    ("bfloat16", 128, 1, 16, 4, 2),            # MHA, deep ring, tiles of one row step
+    ("float32", 128, 4, 5, None, 8),           # 32 lanes a row
+    ("float64", 64, 2, 16, None, None),        # float64 accumulators, 32 chunks a row
+])
+def test_decode_v2_configs(rng, dtype, d, group, block_size, stages, tile_rows):
+    """decode v2 across ring depths, tile sizes, GQA groups and page sizes: contiguous and
+    paged against the oracle, ragged lengths with an empty sequence, 1 and 6 splits."""
+    if dtype == "bfloat16" and _cc() < 80:
+        pytest.skip("bfloat16 needs sm_80")
+    torch = _torch()
+    cr = _cr()
+    config = cr.DecodeConfig(version="v2", stages=stages, tile_rows=tile_rows)
+    assert cr.decode_version_used(d, dtype, True, config) == "v2"
+    lens = [203, 0, 64, 1]
+    Hkv = 2
+    cache, sids = _paged_cache(rng, lens, Hkv, d, "float32", block_size=block_size)
+    N = max(lens)
+    kc = np.zeros((len(lens), Hkv, N, d), np.float32)
+    vc = np.zeros((len(lens), Hkv, N, d), np.float32)
+    for b, sid in enumerate(sids):
+        n = lens[b]
+        if n:
+            kc[b, :, :n], vc[b, :, :n] = cache.gather(sid, backend="numpy")
+    q = rng.standard_normal((len(lens), Hkv * group, d)).astype(np.float32)
+    tdt = getattr(torch, dtype)
+    tq, tk, tv = (torch.from_numpy(x).cuda().to(tdt) for x in (q, kc, vc))
+    ref_o, ref_l = reference.decode(tq, tk, tv, seq_lens=np.array(lens))
+    masked = ~np.isfinite(ref_l)[..., None]
+    tables, tl = cache.block_tables_array(sids)
+    # the pools keep their NaN fill in unused rows: a kernel that reads past a sequence's end fails
+    kp, vp = (torch.from_numpy(p).cuda().to(tdt) for p in (cache.k_pool, cache.v_pool))
+    for S in (1, 6):
+        outs = {"contiguous": cr.decode(tq, tk, tv, seq_lens=np.array(lens), num_splits=S, config=config),
+                "paged": cr.paged_decode_pools(tq, kp, vp, tables, tl, num_splits=S, config=config)}
+        for kind, (o, lse) in outs.items():
+            assert np.all(np.isneginf(as_numpy(lse)[1])), (kind, S, "empty sequence: LSE must be -inf")
+            assert np.all(as_numpy(o)[1].astype(np.float64) == 0), (kind, S, "empty sequence: O must be 0")
+            fin = np.isfinite(ref_l)
+            if dtype == "float64":
+                assert check(o, ref_o, dtype=dtype, masked_rows=masked), (kind, S)
+                assert check(lse, ref_l, dtype=dtype), (kind, S)
+            else:
+                base = torch.zeros_like(tq)
+                for b, n in enumerate(lens):
+                    if n:
+                        base[b] = cr_naive(tq[b:b + 1, :, None], tk[b:b + 1, :, :n], tv[b:b + 1, :, :n])[0, :, 0]
+                c = check(o, ref_o, base, dtype=dtype, masked_rows=masked)
+                assert c, (kind, S, str(c))
+                assert np.max(np.abs(as_numpy(lse)[fin] - ref_l[fin])) < 2e-2, (kind, S)
 
 
 def test_paged_gather_is_exact(rng):
@@ -331,3 +446,5 @@ def test_sanitize_cases_run():
     """The compute-sanitizer entry point runs every kernel once without error."""
     ran = _cr().sanitize_cases()
     assert any("attention v2" in r for r in ran) and any("paged" in r for r in ran)
+    assert any("attention v1b" in r for r in ran)
+    assert any("decode v2" in r for r in ran) and any("paged decode v2" in r for r in ran)

@@ -33,7 +33,16 @@ FlashAttention forward:
   Frank note on why: K_j/V_j loads are synchronous (the block waits for HBM/L2 every
   tile, three ``__syncthreads`` a tile), and at 112 KB of SRAM only two blocks share an
   SM, so nothing hides that wait; SDPA's fp32 kernel pipelines its loads.  Double
-  buffering the tiles with cp.async, as v2 does, is the next step.
+  buffering the tiles with cp.async, as v2 does, is the next step: v1b.
+* **v1b** ``fa_v1b.cu`` (``CupyConfig(version="v1b")``, float32 only; NOT YET MEASURED on a
+  GPU, written after the last H200 call): v1 with every tile in HBM's row layout, copied
+  as coalesced 16-byte chunks by ``cp.async``; K_j+1 is copied while O += P V_j runs and
+  V_j+1 while S_j+1 = Q K_j+1^T runs, so SRAM holds one K and one V tile (112 KB at
+  Br = Bc = 64, d = 128, like v1; 72 KB at Bc = 32) instead of the 179 KB plain double
+  buffering would need; XOR-swizzled K and P^T chunks (no bank conflicts without padding);
+  each thread owns keys tx, tx+16, ...; exp2 with the scale folded in.  Expectation, to be
+  checked: loads hidden behind the products, so closer to SDPA EFFICIENT than v1's 0.378x;
+  if it is not, the products themselves (SRAM reads per FMA) are the limit, not the loads.
 * **v2** ``fa_v2.cu``: float16 / bfloat16 on the tensor cores with inline-PTX
   ``mma.sync.m16n8k16`` and ``ldmatrix``, FlashAttention-2's structure: each warp owns
   16 query rows, S and P never leave registers, online softmax in registers with exp2,
@@ -56,8 +65,17 @@ the kernel's occupancy (one full wave of blocks).
   Below the issue's 0.9x.  Frank note: each block walks its keys with plain loads, four
   rows a lane in flight and the math in between; at 159 registers only three blocks fit
   an SM, too few bytes in flight to saturate HBM.  A cp.async ring of K/V tiles in SRAM
-  (several stages deep) is the known cure and is not written.  Paged decode versus
-  contiguous was not measured with the final code (see the results file).
+  (several stages deep) is the known cure: decode v2.  Paged decode: 1.60 TB/s, 0.85x of
+  contiguous (bf16, B=1, N=32768; run of 10:39 UTC, benchmarks/results/h200_2026-11-29.json).
+Decode v2 (``decode_v2.cu``, ``DecodeConfig(version="v2")``; NOT YET MEASURED on a GPU,
+written after the last H200 call): each warp streams its tiles of K/V rows through a
+private ring of DECODE_V2_STAGES tiles in SRAM with ``cp.async`` (copies in flight hold no
+registers), with only ``__syncwarp`` in the key loop; registers hold q, (m, l, O) and one
+row; block-table entries are loaded a tile ahead; tail rows are zero-filled by cp.async's
+src-size form.  127-128 registers, no local memory (sm_90, bf16, d = 128; ptxas -v), 48 KB
+SRAM: 4 blocks an SM.  Same split/combine contract, GQA packing and LSE as v1; rows that
+are not whole 16-byte chunks (or over 32 of them, or unaligned) run v1
+(:func:`decode_version_used`).  The public default stays v1 until v2 is measured.
 Paged gather (``paged_gather.cu``): 16-byte chunks through the block table.
   Measured: 3.54 TB/s = 0.945x a device copy of the same bytes (3.74 TB/s), kernel time.
 
@@ -65,9 +83,10 @@ What they measured is recorded in benchmarks/results/cupy_h200_2026-11-29.json (
 ``MEASURED`` below): ratios to torch SDPA timed in the same run, NVIDIA H200,
 driver 580.159.04, torch 2.11, cupy 14.2, 2026-11-29.
 
-Not done: a Hopper version (wgmma, TMA, warp specialization: optional in the issue);
-compute-sanitizer runs of :func:`sanitize_cases` were started but timed out compiling on a
-cold machine, so no sanitizer result is claimed.
+Not done: a Hopper version (wgmma, TMA, warp specialization: optional in the issue).
+compute-sanitizer (memcheck, racecheck, synccheck, initcheck) ran :func:`sanitize_cases`
+clean for v1, v2, decode, paged decode and gather (10:39 UTC run); the candidates v1b and
+decode v2 are in :func:`sanitize_cases` too but have not been through a sanitizer yet.
 
 Inputs and outputs
 ------------------
@@ -907,6 +926,8 @@ def sanitize_cases(seed: int = 0) -> list:
 
     Shapes are multiples of no tile: Nq = 37, Nk = 77, head_dim 64 and 72, GQA 4/2, a
     window, ragged decode lengths (one of them 0), a paged cache with a partial last block.
+    Every version runs, the candidates not yet measured too (attention v1b in float32,
+    decode v2 contiguous and paged).
     Only CuPy is used (bfloat16 as its bit pattern), so the sanitizer loads no other library.
     """
     cp = _cupy()
@@ -928,7 +949,7 @@ def sanitize_cases(seed: int = 0) -> list:
         return cp.empty(shape, dtype=np.uint16 if dt == "bfloat16" else dt)
 
     for dt in dtypes:
-        for version in (("v1", "v2") if dt != "float32" else ("v1",)):
+        for version in (("v1", "v2") if dt != "float32" else ("v1", "v1b")):
             for d, causal, window in ((64, True, (-1, -1)), (72, False, (5, 3))):
                 q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=77,
                                       head_dim=d, dtype="float32")
@@ -942,9 +963,11 @@ def sanitize_cases(seed: int = 0) -> list:
                               dtype="float32")
         lens = cp.asarray(np.array([301, 0, 129], np.int32))
         for splits in (1, 5):
-            launch_decode(to_dev(q[:, :, 0], dt), to_dev(k, dt), to_dev(v, dt), lens, out((3, 4, 64), dt),
-                          out((3, 4), "float32"), dtype=dt, scale=0.125, num_splits=splits, nk=301)
-            ran.append(f"decode {dt} splits={splits}")
+            for dv in ("v1", "v2"):
+                launch_decode(to_dev(q[:, :, 0], dt), to_dev(k, dt), to_dev(v, dt), lens, out((3, 4, 64), dt),
+                              out((3, 4), "float32"), dtype=dt, scale=0.125, num_splits=splits, nk=301,
+                              config=DecodeConfig(version=dv))
+                ran.append(f"decode {dv} {dt} splits={splits}")
         np_dt = np.float32 if dt == "bfloat16" else np.dtype(dt)
         cache = PagedKVCache(64, block_size=16, num_kv_heads=2, head_dim=64, dtype=np_dt)
         sids = []
@@ -955,9 +978,11 @@ def sanitize_cases(seed: int = 0) -> list:
         tables, lens_h = cache.block_tables_array(sids)
         kp = to_dev(np.nan_to_num(cache.k_pool), dt)
         vp = to_dev(np.nan_to_num(cache.v_pool), dt)
-        launch_decode(to_dev(q[:2, :, 0], dt), kp, vp, cp.asarray(lens_h), out((2, 4, 64), dt),
-                      out((2, 4), "float32"), dtype=dt, scale=0.125, num_splits=3,
-                      paged=(cp.asarray(tables), 16), longest=301, nk=0)
+        for dv in ("v1", "v2"):
+            launch_decode(to_dev(q[:2, :, 0], dt), kp, vp, cp.asarray(lens_h), out((2, 4, 64), dt),
+                          out((2, 4), "float32"), dtype=dt, scale=0.125, num_splits=3,
+                          paged=(cp.asarray(tables), 16), longest=301, nk=0, config=DecodeConfig(version=dv))
+            ran.append(f"paged decode {dv} {dt}")
         ko, vo = out((2, 45, 64), dt), out((2, 45, 64), dt)
         launch_gather(kp, vp, cp.asarray(np.asarray(cache.block_table(sids[1]), np.int32)), ko, vo, 45)
         ran.append(f"paged decode + gather {dt}")

@@ -4,7 +4,9 @@
 comes from :func:`iokernels.bench.time_cuda` (CUDA events, warm-up, median, L2 flushed),
 and every ratio is to a baseline timed in the same process.  The full side-by-side
 sweep is ``python -m iokernels bench``; this script is the short list the docstrings of
-:mod:`iokernels.cupy_raw` quote.
+:mod:`iokernels.cupy_raw` quote.  It also times the candidates not yet measured -- fa v1b
+(float32) and decode v2 (ring depths 2, 3, 4; contiguous and paged) -- next to v1 and
+SDPA, so one call answers whether they beat their predecessors.
 """
 from __future__ import annotations
 
@@ -85,7 +87,9 @@ def main(out_path=None, sections=("prefill", "decode")):
             base = (base_name, best[base_name]) if base_name in best else None
             if dtype == "float32":
                 cfgs = {"v1 64x64": cr.CupyConfig("v1", 64, 64), "v1 64x32": cr.CupyConfig("v1", 64, 32),
-                        "v1 32x64": cr.CupyConfig("v1", 32, 64)}
+                        "v1 32x64": cr.CupyConfig("v1", 32, 64),
+                        "v1b 64x64": cr.CupyConfig("v1b", 64, 64), "v1b 64x32": cr.CupyConfig("v1b", 64, 32),
+                        "v1b 32x64": cr.CupyConfig("v1b", 32, 64)}
             else:
                 cfgs = {"v2 4w bk64": cr.CupyConfig("v2", num_warps=4, block_k=64),
                         "v2 8w bk64": cr.CupyConfig("v2", num_warps=8, block_k=64),
@@ -133,14 +137,18 @@ def main(out_path=None, sections=("prefill", "decode")):
         ref = sdpa(q4, k, v, False, SDPBackend.FLASH_ATTENTION, True)[:, :, 0]
         contiguous_ms = None
         heur = cr.num_splits_heuristic(1, Hkv, N, torch.cuda.get_device_properties(0).multi_processor_count)
-        for S in (None, 64):
-            o, _ = cr.decode(q, k, v, seq_lens=None, num_splits=S, scale=None)
+        v2_ms = None
+        for version, S in (("v1", None), ("v1", 64), ("v2", None), ("v2", 64)):
+            cfg = cr.DecodeConfig(version=version)
+            o, _ = cr.decode(q, k, v, seq_lens=None, num_splits=S, scale=None, config=cfg)
             err = float((o.float() - ref.float()).abs().max())
-            ms = t(cr.decode, q, k, v, seq_lens=None, num_splits=S, scale=None).median_ms
-            label = f"cupy decode splits={S if S else f'heuristic({heur})'}"
+            ms = t(cr.decode, q, k, v, seq_lens=None, num_splits=S, scale=None, config=cfg).median_ms
+            label = f"cupy decode {version} splits={S if S else 'heuristic'}"
             rec(group, label, ms, kv_bytes, "TB/s", best, {"max_abs_diff_vs_sdpa": err})
-            if S is None:
+            if S is None and version == "v1":
                 contiguous_ms = ms
+            if S is None and version == "v2":
+                v2_ms = ms
         # the kernels alone (device arrays prepared once): what the GPU spends
         import cupy
         io = cr._IO(q)
@@ -155,6 +163,13 @@ def main(out_path=None, sections=("prefill", "decode")):
                         ms, kv_bytes, "TB/s", best)
                 except Exception as e:
                     print(f"# decode unroll={unroll} mb={mb} S={S}: {type(e).__name__}: {e}")
+        for stages in (2, 3, 4):                    # decode v2: ring depth
+            try:
+                ms = t(cr.launch_decode, qd, kd, vd, None, od, ld, dtype=dtype, scale=1 / math.sqrt(d),
+                       num_splits=None, nk=N, config=cr.DecodeConfig("v2", stages=stages)).median_ms
+                rec(group, f"cupy decode v2 kernels only stages={stages} splits=heuristic", ms, kv_bytes, "TB/s", best)
+            except Exception as e:
+                print(f"# decode v2 stages={stages}: {type(e).__name__}: {e}")
         # paged: pools on the device, blocks in a random order (as in a busy server)
         bs = 16
         nblk = N // bs
@@ -170,6 +185,13 @@ def main(out_path=None, sections=("prefill", "decode")):
         ms = t(cr.paged_decode_pools, q, kp, vp, tables, lens).median_ms
         rec(group, "cupy paged decode (heuristic)", ms, kv_bytes, "TB/s", ("contiguous_cupy", contiguous_ms),
             {"max_abs_diff_vs_sdpa": err, "ratio_to_best_sdpa": round(best[1] / ms, 3) if best else None})
+        cfg2 = cr.DecodeConfig(version="v2")
+        o, _ = cr.paged_decode_pools(q, kp, vp, tables, lens, config=cfg2)
+        err = float((o.float() - ref.float()).abs().max())
+        ms = t(cr.paged_decode_pools, q, kp, vp, tables, lens, config=cfg2).median_ms
+        rec(group, "cupy paged decode v2 (heuristic)", ms, kv_bytes, "TB/s", ("contiguous_cupy_v2", v2_ms) if v2_ms else None,
+            {"max_abs_diff_vs_sdpa": err, "ratio_to_best_sdpa": round(best[1] / ms, 3) if best else None,
+             "ratio_to_contiguous_cupy_v1": round(contiguous_ms / ms, 3) if contiguous_ms else None})
 
         # ---------------------------------------------------------------- paged gather
         group = f"paged gather {dtype} Hkv={Hkv} N={N} d={d} block={bs}"
