@@ -77,6 +77,9 @@
 #define RPW (32 / LANES)                              // rows a warp reads side by side
 #define EPL VEC                                       // elements a lane holds of a row
 
+#if STAGES < 2
+#error "decode_v2: STAGES must be at least 2 (one tile in use, one in flight)"
+#endif
 #if (HEAD_DIM % VEC) != 0 || CPR > 32
 #error "decode_v2: a row must be whole 16-byte chunks, at most 32 of them (use decode.cu)"
 #endif
