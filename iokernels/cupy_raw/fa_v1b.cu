@@ -42,8 +42,8 @@
 //
 // SRAM (floats): Qs [Br][DQ] (row layout), Ks [Bc][DK] (row layout, swizzled),
 // Vs [Bc][DV] (row layout, zero columns past HEAD_DIM), PsT [Bc][Br] (P transposed, its
-// 16-byte chunks swizzled like K's: the 16 lanes that write one query row's P hit 4 banks
-// at most, not 1).
+// 16-byte chunks swizzled like K's: a warp's P stores are at most 4-way bank conflicts,
+// 16-way without the swizzle, as in v1).
 // Compile-time settings (-D from CupyConfig): HEAD_DIM, RM, RN, VEC_IO (1: rows are whole
 // 16-byte chunks at 16-byte aligned addresses; 0: synchronous element loads, same layout).
 #include "common.cuh"
@@ -85,7 +85,8 @@ __device__ __forceinline__ int k_off(int r, int c) {
     return r * DK + ((((c >> 2) ^ (r & 7))) << 2) + (c & 3);
 }
 // P_ij^T element (key r, query row c): the same kind of swizzle, inside the Br columns of a
-// row (without it the 16 lanes tx, which write 16 key rows of one column, hit one bank)
+// row (without it the 16 lanes tx, which write 16 key rows of one column, hit one bank:
+// 16-way conflicts; with it at most 4-way)
 #define P_MASK ((BR / 4) >= 8 ? 7 : (BR / 4) - 1)
 __device__ __forceinline__ int p_off(int r, int c) {
     return r * BR + ((((c >> 2) ^ (r & P_MASK))) << 2) + (c & 3);
