@@ -221,3 +221,129 @@ def test_buggy_skip_sync_is_a_v2_flag_and_still_runs(rng):
                                   dtype="float64")
     o = ik.attention(q, k, v, backend="numba", config=TINY[2].replace(buggy_skip_sync=True))
     assert o.shape == q.shape
+
+
+# --------------------------------------------------------------------------- decode / gather v2
+from iokernels.numba_cuda import DecodeConfig  # noqa: E402
+from iokernels.numba_cuda import decode_kernels as dk  # noqa: E402
+
+V2 = DecodeConfig(version=2)
+#: two lanes a key, two keys in flight: 16-thread blocks, quick on the simulator
+V2_SMALL = DecodeConfig(version=2, lanes_per_key=2, keys_per_iter=2)
+
+
+@pytest.mark.parametrize("dtype,d,cfg,S", [("float64", 5, V2, 3), ("float16", 12, V2, 1),
+                                           ("float32", 6, V2_SMALL, 3), ("float16", 7, V2_SMALL, 2)])
+def test_decode_v2_ragged_gqa_matches_oracle(rng, dtype, d, cfg, S):
+    """float16 d=12 and float32 d=6: 8-byte words (3 words of 4 halves; 3 of 2 floats);
+    float16 d=7 (14 bytes) and float64: one element a word."""
+    q, k, v = _decode_inputs(rng, 3, 4, 2, 37, d, dtype)
+    lens = np.array([37, 9, 0])
+    ro, rl = reference.decode(q, k, v, seq_lens=lens)
+    bo, bl = ik.decode(q, k, v, seq_lens=lens, backend="naive", return_lse=True)
+    o, lse = nc.decode(q, k, v, seq_lens=lens, num_splits=S, config=cfg)
+    assert o.dtype == np.dtype(dtype)
+    assert (o[2] == 0).all() and np.isneginf(lse[2]).all()           # the empty sequence
+    if dtype == "float64":
+        testing.assert_close(o, ro, masked_rows=(lens == 0)[:, None, None])
+        testing.assert_close(lse, rl, name="lse")
+    else:
+        testing.assert_close(o, ro, bo)
+        testing.assert_close(lse, rl, bl, name="lse")
+
+
+def test_decode_v2_words_counted_traffic_equals_model(rng):
+    """K and V read once, as 8-byte words: the bytes equal the NumPy version's model."""
+    q, k, v = _decode_inputs(rng, 2, 4, 1, 40, 8, np.float16)
+    lens = np.array([40, 17])
+    o, lse, counted = counting.count_decode(q, k, v, seq_lens=lens, num_splits=2, config=V2_SMALL)
+    ro, rl = reference.decode(q, k, v, seq_lens=lens)
+    bo, bl = ik.decode(q, k, v, seq_lens=lens, backend="naive", return_lse=True)
+    testing.assert_close(o, ro, bo)
+    testing.assert_close(lse, rl, bl, name="lse")
+    model = traffic.model("decode", batch=2, heads_q=4, heads_kv=1, head_dim=8, seq_lens=lens,
+                          num_splits=2, dtype="float16")
+    got = counted.as_dict()
+    assert got.pop("seq_lens") == (2 * 1 * 2 * 4, 0)
+    assert got == model.as_dict()
+
+
+def test_paged_decode_v2_matches_oracle_and_model(rng):
+    lens = [13, 0, 6]
+    cache, sids = _cache(rng, lens, hkv=1, d=8, dtype=np.float16)
+    q = rng.standard_normal((3, 4, 8)).astype(np.float16)
+    kk = np.zeros((3, 1, 13, 8), np.float16)
+    vv = np.zeros_like(kk)
+    for b, s in enumerate(sids):
+        kg, vg = cache.gather(s)
+        kk[b, :, :lens[b]], vv[b, :, :lens[b]] = kg, vg
+    ro, rl = reference.decode(q, kk, vv, seq_lens=lens)
+    bo, bl = ik.decode(q, kk, vv, seq_lens=np.array(lens), backend="naive", return_lse=True)
+    o, lse = nc.paged_decode(q, cache, sids, num_splits=2, config=V2_SMALL)
+    testing.assert_close(o, ro, bo, masked_rows=(np.array(lens) == 0)[:, None, None])
+    testing.assert_close(lse, rl, bl, name="lse")
+    _, _, counted = counting.count_paged_decode(q, cache, sids, num_splits=2, config=V2_SMALL)
+    model = traffic.model("paged_decode", batch=3, heads_q=4, heads_kv=1, head_dim=8, seq_lens=lens,
+                          num_splits=2, dtype="float16", block_size=4)
+    got = counted.as_dict()
+    got.pop("seq_lens")
+    assert got == model.as_dict()
+
+
+@pytest.mark.parametrize("dtype,d", [("float16", 8), ("float16", 7), ("float32", 5)])
+def test_gather_v2_equals_numpy(rng, dtype, d):
+    cache, sids = _cache(rng, [11, 6, 0], dtype=np.dtype(dtype).type, d=d)
+    for sid in sids:
+        kg, vg = nc.paged_gather(cache, sid, config=V2)
+        kn, vn = cache.gather(sid)
+        assert kg.shape == kn.shape
+        np.testing.assert_array_equal(kg, kn)
+        np.testing.assert_array_equal(vg, vn)
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_gather_v2_counted_traffic(rng, parts):
+    """P = 1: exactly the model; P parts a block: each part reads the table entry once."""
+    cache, sids = _cache(rng, [11, 6], dtype=np.float16, d=8)
+    kc, vc, counted = counting.count_gather_v2(cache, sids[0], parts=parts)
+    kn, vn = cache.gather(sids[0])
+    np.testing.assert_array_equal(kc, kn)
+    np.testing.assert_array_equal(vc, vn)
+    model = traffic.model("paged_gather", seq_len=11, heads_kv=2, head_dim=8, block_size=4,
+                          dtype="float16").as_dict()
+    model["block_table"] = (model["block_table"][0] * parts, 0)
+    assert counted.as_dict() == model
+
+
+def test_gather_v2_plan_fills_the_gpu_and_covers_every_word():
+    from iokernels.numba_cuda.decode_v2 import GATHER2_BLOCKS_PER_SM, gather_v2_plan
+    for nblk, words in [(256, 4096), (8192, 4096), (3, 37), (1, 1)]:
+        grid, parts, part_words = gather_v2_plan(nblk, words, 132)
+        assert parts * part_words >= words and (parts - 1) * part_words < words
+        assert 1 <= grid <= 132 * GATHER2_BLOCKS_PER_SM
+    assert gather_v2_plan(8192, 4096, 132)[1] == 1       # enough blocks: one table read each
+    assert gather_v2_plan(256, 4096, 132)[1] > 1          # few blocks: cut into parts
+
+
+def test_v2_word_views_need_alignment_and_whole_words(rng):
+    """Misaligned (a 2-byte offset) or 14-byte rows fall back to one element a word."""
+    k = rng.standard_normal((1, 2, 5, 8)).astype(np.float16)
+    assert dk._kv_words(k, k, 8, "float16")[2] == "uint64"
+    buf = np.empty(k.size + 1, np.float16)[1:].reshape(k.shape)
+    buf[...] = k
+    assert dk._kv_words(buf, buf, 8, "float16")[2] == "float16"
+    k7 = rng.standard_normal((1, 2, 5, 7)).astype(np.float16)
+    assert dk._kv_words(k7, k7, 7, "float16")[2] == "float16"
+
+
+def test_decode_config_errors():
+    with pytest.raises(ValueError, match="config"):
+        DecodeConfig(version=3)
+    with pytest.raises(ValueError, match="lanes_per_key"):
+        DecodeConfig(version=2, lanes_per_key=3)
+    with pytest.raises(ValueError, match="keys_per_iter"):
+        DecodeConfig(version=2, keys_per_iter=0)
+    qd = np.ones((1, 2, 4), np.float32)
+    kd = np.ones((1, 1, 30, 4), np.float32)
+    with pytest.raises(ValueError, match="config"):
+        nc.decode(qd, kd, kd, config=NumbaConfig())

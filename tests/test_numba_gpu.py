@@ -90,6 +90,14 @@ def test_forward_nq_ne_nk_fully_masked_rows():
     _check_slices(q, k, v, o, lse, True, None, [(0, 0), (1, 7)])
 
 
+def _decode_versions():
+    from iokernels.numba_cuda import bench_versions
+    return list(bench_versions("decode", "float16").values())
+
+
+DECODE_VERSIONS = _decode_versions() if gpu.torch_gpu() and not gpu.simulator_enabled() else []
+
+
 @pytest.mark.parametrize("B,Hq,Hkv,N,d,dtype", [(1, 32, 8, 32768, 128, "float16"),
                                                  (4, 16, 16, 8191, 64, "float32")])
 def test_decode_real_sizes(B, Hq, Hkv, N, d, dtype):
@@ -102,23 +110,29 @@ def test_decode_real_sizes(B, Hq, Hkv, N, d, dtype):
     q = torch.randn((B, Hq, d), device="cuda", generator=g).to(tdt)
     k = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
     v = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
+    from iokernels.numba_cuda import DecodeConfig, decode
     lens = np.array([N - 17 * b for b in range(B)], np.int32)
-    o, lse = ik.decode(q, k, v, seq_lens=lens, backend="numba", return_lse=True)
     ro, rl = reference.decode(q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(), seq_lens=lens)
     qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
     bo, bl = ik.decode(qn, kn, vn, seq_lens=lens, backend="naive", return_lse=True)
+    o, lse = ik.decode(q, k, v, seq_lens=lens, backend="numba", return_lse=True)   # the default (v1)
     testing.assert_close(o, ro, bo)
     testing.assert_close(lse, rl, bl, name="lse")
+    for cfg in DECODE_VERSIONS:                      # every version the benchmark times
+        o, lse = decode(q, k, v, seq_lens=lens, config=cfg)
+        testing.assert_close(o, ro, bo)
+        testing.assert_close(lse, rl, bl, name="lse")
     if N % 16 == 0:
         from iokernels.numba_cuda import paged_decode_pools, gather_pools
         kp, vp, tables, plens = device_pages(k, v, seed=1)
-        po, pl = paged_decode_pools(q, kp, vp, tables, plens)
         ro, rl = reference.decode(qn, kn, vn)
         bo, bl = ik.decode(qn, kn, vn, backend="naive", return_lse=True)
-        testing.assert_close(po, ro, bo)
-        testing.assert_close(pl, rl, bl, name="lse")
-        kg, vg = gather_pools(kp, vp, tables[B - 1], N)
-        assert torch.equal(kg, k[B - 1]) and torch.equal(vg, v[B - 1])
+        for cfg in DECODE_VERSIONS:
+            po, pl = paged_decode_pools(q, kp, vp, tables, plens, config=cfg)
+            testing.assert_close(po, ro, bo)
+            testing.assert_close(pl, rl, bl, name="lse")
+            kg, vg = gather_pools(kp, vp, tables[B - 1], N, config=cfg)
+            assert torch.equal(kg, k[B - 1]) and torch.equal(vg, v[B - 1])
 
 
 def test_cupy_arrays_in_cupy_out():
@@ -133,6 +147,34 @@ def test_cupy_arrays_in_cupy_out():
     testing.assert_close(o.get(), ref, ik.attention(q, k, v, causal=True, backend="naive"))
 
 
+def test_decode_v2_gather_v2_misaligned_and_ragged_rows():
+    """Version 2 views K/V as 8-byte words only when it may: a tensor starting 2 bytes past
+    an 8-byte boundary, and rows of 59 halves, take the one-element-a-word path."""
+    torch = _torch()
+    from iokernels import reference
+    from iokernels.numba_cuda import DecodeConfig, decode, gather_pools
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, Hq, Hkv, N = 2, 8, 2, 1000
+    for d in (64, 59):
+        shape = (B, Hkv, N, d)
+        n = int(np.prod(shape))
+        k = torch.randn(n + 1, device="cuda", generator=g).half()[1:].view(shape)   # misaligned by 2 B
+        v = torch.randn(shape, device="cuda", generator=g).half()
+        q = torch.randn((B, Hq, d), device="cuda", generator=g).half()
+        lens = np.array([N, 333], np.int32)
+        qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
+        ro, rl = reference.decode(qn, kn, vn, seq_lens=lens)
+        bo, bl = __import__("iokernels").decode(qn, kn, vn, seq_lens=lens, backend="naive", return_lse=True)
+        o, lse = decode(q, k, v, seq_lens=lens, config=DecodeConfig(version=2))
+        testing.assert_close(o, ro, bo)
+        testing.assert_close(lse, rl, bl, name="lse")
+        pool = torch.randn((40, 16, Hkv, d), device="cuda", generator=g).half()
+        table = np.random.default_rng(d).permutation(40)[:37].astype(np.int32)
+        kg, vg = gather_pools(pool, pool, table, 587, config=DecodeConfig(version=2))
+        want = pool[torch.as_tensor(table, device="cuda").long()].reshape(37 * 16, Hkv, d)[:587].permute(1, 0, 2)
+        assert torch.equal(kg, want) and torch.equal(vg, want)
+
+
 def test_sanitize_cases_pass():
     from iokernels.numba_cuda import sanitize_cases
-    assert len(sanitize_cases(verbose=False)) == 8
+    assert len(sanitize_cases(verbose=False)) == 15

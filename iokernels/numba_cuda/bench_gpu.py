@@ -100,7 +100,7 @@ def decode_bench(results):
     import torch
     import iokernels as ik
     from iokernels.bench import device_pages
-    from iokernels.numba_cuda import gather_pools, paged_decode_pools
+    from iokernels.numba_cuda import DecodeConfig, decode, gather_pools, paged_decode_pools
     B, Hq, Hkv, N, d = 1, 32, 8, 32768, 128
     tdt = torch.float16
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -114,10 +114,17 @@ def decode_bench(results):
         rows[f"sdpa {be}"] = _time(lambda be=be: _sdpa(q4, k, v, be, enable_gqa=True))
     for s in (None, 32, 64, 128):
         rows[f"numba decode S={s}"] = _time(lambda s=s: ik.decode(q, k, v, num_splits=s, backend="numba"))
+    v2s = {"v2": DecodeConfig(version=2), "v2-L32K8": DecodeConfig(version=2, lanes_per_key=32, keys_per_iter=8)}
+    for name, cfg in v2s.items():          # candidates (module docstring of decode_v2)
+        for s in (None, 64):
+            rows[f"numba decode {name} S={s}"] = _time(lambda s=s, cfg=cfg: decode(q, k, v, num_splits=s, config=cfg))
     kp, vp, tables, lens = device_pages(k, v, seed=1)
     for s in (None, 64):
         rows[f"numba paged decode S={s}"] = _time(lambda s=s: paged_decode_pools(q, kp, vp, tables, lens,
                                                                                 num_splits=s))
+    for name, cfg in v2s.items():
+        rows[f"numba paged decode {name} S=None"] = _time(lambda cfg=cfg: paged_decode_pools(q, kp, vp, tables, lens,
+                                                                                           config=cfg))
     for r in rows.values():
         if "ms" in r:
             r["kv_TBps"] = round(kv_bytes / (r["ms"] * 1e-3) / 1e12, 3)
@@ -137,7 +144,9 @@ def decode_bench(results):
         dst_v.copy_(v[0])
     grows = {"device copy (torch)": _time(copy),
              "numba gather (8-byte words)": _time(lambda: gather_pools(kp, vp, tables[0], N)),
-             "numba gather (float16 elements)": _time(lambda: gather_pools(kp, vp, tables[0], N, words=False))}
+             "numba gather (float16 elements)": _time(lambda: gather_pools(kp, vp, tables[0], N, words=False)),
+             "numba gather v2 (grid-stride, 8-byte words)": _time(lambda: gather_pools(kp, vp, tables[0], N,
+                                                                                      config=DecodeConfig(version=2)))}
     for r in grows.values():
         if "ms" in r:
             r["TBps_read_plus_write"] = round(nbytes / (r["ms"] * 1e-3) / 1e12, 3)
