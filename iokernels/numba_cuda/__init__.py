@@ -3,8 +3,10 @@
 Each kernel mirrors a NumPy version of steps 2-4 and is checked against the float64
 oracle; without a GPU the same kernels run on Numba's CUDA simulator (tiny sizes only:
 every thread is a Python thread).  Kernels live in :mod:`.flash_fwd` (FlashAttention
-forward, versions v1-v3) and :mod:`.decode_kernels` (Flash-Decoding split + combine,
-contiguous and paged, and the paged gather).
+forward, versions v1-v3), :mod:`.decode_kernels` (Flash-Decoding split + combine,
+contiguous and paged, and the paged gather: version 1, the default) and :mod:`.decode_v2`
+(version 2 of the split kernels and the gather: candidates, selected with
+``DecodeConfig(version=2)``, not yet measured on a GPU).
 
 Public launchers (``ik.attention(..., backend="numba")`` etc. dispatch here):
 
@@ -45,9 +47,19 @@ SDPA EFFICIENT 23.4 ms = 47.0 TFLOP/s (FLASH and cuDNN have no float32 kernel):
 Decode, float16, GQA 32 query / 8 KV heads, d=128, B=1, N=32768 (134 MB of K and V), KV
 bytes per second; best SDPA backend cuDNN 0.050 ms = 2.70 TB/s (FLASH 2.32):
 
-    split + combine, num_splits heuristic (S=None)   0.448 ms   0.30 TB/s   0.11x best SDPA
+    split + combine, num_splits heuristic (S=None)   0.448 ms   0.30 TB/s   0.11x best SDPA   (v1, default)
     split + combine, S = 128                         0.411 ms   0.33 TB/s   0.12x
-    paged (random block table, bs 16), S=None        0.794 ms   0.17 TB/s   0.06x
+    paged (random block table, bs 16), S=None        0.794 ms   0.17 TB/s   0.06x              (v1, default)
+    v2: 8-byte word loads, bit-cast unpack           candidate, not yet measured   (bench row numba:v2)
+    v2-L32K8: 32 lanes a key, 8 keys in flight       candidate, not yet measured   (numba:v2-L32K8)
+    v2 paged (table stage 128, Bn a constant)        candidate, not yet measured   (numba:v2 paged)
+
+  Version 2 (:mod:`.decode_v2`) answers the diagnosis below: K/V rows read as uint64 words
+  (4 halves a load, a warp moves 256 bytes per load instruction), each word unpacked in
+  registers by a bit-cast intrinsic, all per-thread arrays indexed by compile-time loops
+  (PTX: 16 ld.global.u64 in the main loop, no 2-byte K/V loads; ptxas: 155 registers, no
+  spills, for float16 d=128 at sm_90; the 160-byte stack frame is the state handed to
+  the final merge, as in v1).  Predicted: a few x v1; the next GPU run measures it.
 
   Bar 0.5x: missed (0.11x).  Each lane loads its 8 of d's 128 dims as scalar 2-byte loads
   (Numba has no 16-byte vector loads of float16 rows), so a warp instruction moves 64 bytes
@@ -60,8 +72,15 @@ bytes per second; best SDPA backend cuDNN 0.050 ms = 2.70 TB/s (FLASH 2.32):
 Paged gather, float16, 32K tokens x 8 KV heads x d=128, block size 16, K and V read and
 written (268 MB moved): a torch device-to-device copy of the same bytes 0.072 ms = 3.74 TB/s;
 
-    gather, 8-byte words, 4 rows' loads before their stores   0.198 ms   1.35 TB/s   0.36x copy
+    gather, 8-byte words, 4 rows' loads before their stores   0.198 ms   1.35 TB/s   0.36x copy   (v1)
     gather, float16 elements                                  0.262 ms   1.03 TB/s   0.27x
+    gather v2, grid-stride over (block, part) work items      candidate, not yet measured (numba:v2 gather)
+
+  (The day's later scripts/gpu_all.sh run, bench rows "numba gather": 0.91x a copy at 4096
+  tokens, 0.14x at 131072.)  Version 2: one warp per (logical block, part), the table
+  entry read once by lane 0 and shuffled to the warp (no barrier), 8 words of K and of V in
+  flight per lane, at most 8 blocks per SM looping over the work items; sequences with few
+  blocks are cut into parts so that ~32 warps per SM have work.
 
   Bar 0.6x: missed (0.36x).  One thread block per 16-token logical block moves only 64 KiB,
   starts with a barrier for its table entry, and each thread keeps 8 loads of 8 bytes in

@@ -1,5 +1,9 @@
 """Flash-Decoding and the paged gather in Numba CUDA, mirroring iokernels.decode and .paged.
 
+This module holds version 1 of each kernel (the default, measured) and the launchers;
+version 2 (wide loads, a grid-stride gather; candidates not yet measured on a GPU) is in
+:mod:`.decode_v2`, selected by ``config=DecodeConfig(version=2)``.
+
 Read next to :func:`iokernels.decode.decode_split_kv` (contiguous cache),
 :func:`iokernels.decode.paged_decode_split_kv` (paged cache) and
 :func:`iokernels.paged.paged_gather`.
