@@ -21,7 +21,8 @@ from iokernels.paged import PagedKVCache  # noqa: E402
 #: small tiles so that tiny problems still have ragged tiles, several tiles, and skipped ones
 TINY = {1: NumbaConfig(version=1, block_q=8, block_k=8),
         2: NumbaConfig(version=2, block_q=8, block_k=8),
-        3: NumbaConfig(version=3, block_q=8, block_k=8, threads_per_row=4, rows_per_thread=2)}
+        3: NumbaConfig(version=3, block_q=8, block_k=8, threads_per_row=4, rows_per_thread=2),
+        4: NumbaConfig(version=4, block_q=8, block_k=8, threads_per_row=4, rows_per_thread=2)}
 
 
 def _masked_rows(Nq, Nk, causal, window):
@@ -30,7 +31,7 @@ def _masked_rows(Nq, Nk, causal, window):
 
 
 # --------------------------------------------------------------------------- forward
-@pytest.mark.parametrize("version", [1, 2, 3])
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
 def test_forward_float64_matches_oracle(rng, version):
     # GQA (4 query heads on 2 KV heads), Nq > Nk with causal: the top rows are fully masked
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=4, heads_kv=2, seqlen_q=19, seqlen_k=13,
@@ -59,7 +60,7 @@ def test_forward_low_precision_two_x_rule(rng, dtype):
                                   head_dim=11, dtype=dtype)
     ro, rl = reference.attention(q, k, v, causal=True)
     bo, bl = ik.attention(q, k, v, causal=True, backend="naive", return_lse=True)
-    for version in (2, 3):
+    for version in (2, 3, 4):
         o, lse = ik.attention(q, k, v, causal=True, backend="numba", config=TINY[version], return_lse=True)
         assert o.dtype == np.dtype(dtype) and lse.dtype == np.float32
         testing.assert_close(o, ro, bo)
@@ -80,7 +81,8 @@ def test_forward_default_config_and_device_arrays(rng):
 
 
 # --------------------------------------------------------------------------- traffic
-@pytest.mark.parametrize("version,causal,window", [(2, False, None), (2, True, None), (3, True, (5, 1))])
+@pytest.mark.parametrize("version,causal,window", [(2, False, None), (2, True, None), (3, True, (5, 1)),
+                                                   (4, False, (3, 6))])
 def test_counted_traffic_equals_fa2_model(rng, version, causal, window):
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=2, heads_kv=1, seqlen_q=19, seqlen_k=26,
                                   head_dim=3, dtype="float32")
@@ -198,7 +200,9 @@ def test_bad_inputs_raise_value_errors_naming_the_argument(rng):
     with pytest.raises(ValueError, match="config"):
         ik.attention(q, k, v, backend="numba", config=TileConfig())
     with pytest.raises(ValueError, match="config"):
-        NumbaConfig(version=4)
+        NumbaConfig(version=5)
+    with pytest.raises(ValueError, match="block_k"):   # v4 steps over keys in pairs
+        ik.attention(q, k, v, backend="numba", config=NumbaConfig(version=4, block_k=3))
     with pytest.raises(ValueError, match="config"):
         NumbaConfig(version=3, buggy_skip_sync=True)
     with pytest.raises(ValueError, match="threads_per_row"):

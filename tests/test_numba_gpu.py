@@ -57,6 +57,8 @@ def _check_slices(q, k, v, o, lse, causal, window, slices):
 
 @pytest.mark.parametrize("version,B,H,Hkv,N,d,dtype,causal,window", [
     (3, 8, 16, 16, 8192, 128, "float32", True, None),
+    (4, 8, 16, 16, 8192, 128, "float32", True, None),
+    (4, 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
     (3, 4, 32, 8, 8192, 64, "float16", False, None),
     (3, 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
     (2, 2, 8, 8, 4096, 128, "float32", False, (1000, 1000)),
@@ -177,4 +179,4 @@ def test_decode_v2_gather_v2_misaligned_and_ragged_rows():
 
 def test_sanitize_cases_pass():
     from iokernels.numba_cuda import sanitize_cases
-    assert len(sanitize_cases(verbose=False)) == 15
+    assert len(sanitize_cases(verbose=False)) == 16

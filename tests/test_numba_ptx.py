@@ -38,11 +38,11 @@ def report():
 
 def test_every_kernel_compiled_for_both_targets(report):
     names = {k.split("/")[0] for k in report}
-    assert {"fwd_v1_d128", "fwd_v2_d128", "fwd_v3_d128", "decode_split_d128", "decode_split_paged_d128",
+    assert {"fwd_v1_d128", "fwd_v2_d128", "fwd_v3_d128", "fwd_v4_d128", "decode_split_d128", "decode_split_paged_d128",
             "decode_combine_d128", "gather", "fwd_v3_d59", "decode_v2_split_d128", "decode_v2_split_paged_d128",
             "gather_v2_d128"} <= names
     for cc in ("sm_75", "sm_90"):
-        assert sum(k.endswith(cc) for k in report) >= 10
+        assert sum(k.endswith(cc) for k in report) >= 11
     assert all(v["bytes"] > 1000 for v in report.values())
 
 
@@ -78,6 +78,14 @@ def test_decode_v2_loads_8_byte_words_into_registers(report, dtype):
     assert g["ld_u64"] > 0 and g["shfl"] and g["local"] == 0, g
     v1 = report[f"decode_split_d128/{dtype}/sm_90"]
     assert v1["ld_u64"] == 0                            # version 1 loads elements
+
+
+def test_forward_v4_keeps_its_scores_in_registers(report):
+    """v4's 2-key step is unrolled: no local memory at d = 128 (v3's 8-key step is not)."""
+    assert report["fwd_v4_d128/float32/sm_90"]["local"] == 0
+    assert report["fwd_v4_d128/float16/sm_90"]["local"] == 0
+    assert report["fwd_v3_d128/float32/sm_90"]["local"] > 0
+    assert report["fwd_v4_d128/float32/sm_90"]["shfl"]
 
 
 def test_the_float64_detector_finds_float64():

@@ -31,6 +31,7 @@ SDPA EFFICIENT 23.4 ms = 47.0 TFLOP/s (FLASH and cuDNN have no float32 kernel):
     v1 thread per row, K/V from global            391 ms    2.8 TFLOP/s   0.06x EFFICIENT
     v2 thread per row, K_j/V_j in shared memory    153 ms    7.2 TFLOP/s   0.15x
     v3 8 lanes x 4 rows a thread, shuffles         102 ms   10.8 TFLOP/s   0.23x   (default)
+    v4 v3 with a 2-key step (unrolled: no local memory)   candidate, not yet measured (bench row numba:v4)
        v3 with batched lane sums                   120 ms    9.2 TFLOP/s   0.20x
        v3 batched, 2 rows a thread / Bc = 16       119 / 122 ms   9.2 / 9.0 TFLOP/s
     float16 inputs, v3 batched (float32 math):     117 ms    9.4 TFLOP/s   vs FLASH 359, cuDNN 657
@@ -113,7 +114,7 @@ def bench_versions(op: str, dtype: str) -> dict:
     the v2 rows are candidates not yet measured (``v2-L32K8``: 32 lanes a key, 8 keys a group
     in flight, an alternative tiling to compare)."""
     if op == "attention":
-        return {f"v{v}": NumbaConfig(version=v) for v in (1, 2, 3)}
+        return {f"v{v}": NumbaConfig(version=v) for v in (1, 2, 3, 4)}
     if op in ("decode", "paged_decode"):
         return {"v1": DecodeConfig(version=1), "v2": DecodeConfig(version=2),
                 "v2-L32K8": DecodeConfig(version=2, lanes_per_key=32, keys_per_iter=8)}
@@ -146,7 +147,7 @@ def sanitize_cases(seed: int = 0, verbose: bool = True):
     q, k, v = testing.make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=45,
                                   head_dim=59, dtype="float32")
     ref, _ = reference.attention(q, k, v, causal=True)
-    for version in (1, 2, 3):
+    for version in (1, 2, 3, 4):
         o, _ = attention(q, k, v, causal=True, scale=59 ** -0.5, window=(-1, -1),
                          config=NumbaConfig(version=version))
         note(f"forward v{version}", o, ref)

@@ -38,6 +38,14 @@ The versions (``NumbaConfig(version=...)``):
   with warp shuffles (``shfl_xor_sync``).  Keys are folded ``KEYS_PER_STEP`` at a time
   (the online softmax rescales once per step, which is the same recurrence with smaller
   tiles).  Counted traffic == ``traffic.model("fa2")`` with its Br and Bc.
+* **v4** (candidate, not yet measured on a GPU) v3 with a step of ``V4_KEYS_PER_STEP`` = 2
+  keys.  What changed: NVVM does not unroll v3's 8-key step, so the step's scores live in
+  local memory (PTX: 33 local loads/stores a step, ptxas: 233 registers, 128-byte stack
+  frame); a 2-key step is unrolled (PTX: no local memory, 243 registers, no stack frame,
+  sm_90).  The price: the online softmax rescales O every 2 keys instead of 8 (R x d/L
+  extra multiplies and R exps a step, ~25% more float work than v3).  Which effect wins
+  is for the GPU to say; occupancy stays at ~8 warps an SM (2 blocks of 128 threads at
+  ~240 registers), which neither version changes.  Counted traffic == v3's.
 
 Measured on an H200 (float32, B=8, H=16, N=4096, d=128, non-causal; torch SDPA EFFICIENT
 47.0 TFLOP/s in the same run; details in :mod:`iokernels.numba_cuda` and
@@ -47,6 +55,7 @@ benchmarks/results/numba_h200_2026-11-29.json):
 v1      2.8 TFLOP/s   0.06x SDPA   K/V re-read per row (L1/L2 absorb part of it)
 v2      7.2 TFLOP/s   0.15x        one shared-memory load per FMA; q, O spill
 v3     10.8 TFLOP/s   0.23x        R = 4 FMAs per shared load; shuffle sums
+v4     candidate, not yet measured  v3 with a 2-key step: scores in registers
 ======  ============  ===========  ==============================================
 
 The simulator (no GPU) has no warp shuffles: there v3's lane sum goes through shared
@@ -75,6 +84,10 @@ import numba  # noqa: E402
 SHARED_LIMIT_BYTES = 48 * 1024
 #: keys folded into the online softmax at once by v3 (its scores for them stay in registers).
 KEYS_PER_STEP = 8
+#: v4's step: 2 keys.  NVVM fully unrolls a step this small, so the scores of the step are
+#: indexed by constants and stay in registers (v3's 8-key step is not unrolled: its PTX has
+#: 33 local-memory loads/stores, v4's has none; checked by tests/test_numba_ptx.py).
+V4_KEYS_PER_STEP = 2
 #: a warp: lanes that share a row in v3 must sit in one warp for the shuffles.
 WARP_SIZE = 32
 #: every lane of the warp takes part in each shuffle.
@@ -95,9 +108,10 @@ def _acc_types(dtype: str):
 class NumbaConfig:
     """Launch shape of the Numba FlashAttention forward.
 
-    version: 1, 2 or 3 (see the module docstring); block_q (Br), block_k (Bc): tile rows,
-    None for the version's default; threads_per_row, rows_per_thread: v3's register tiling
-    (v1 and v2 use one thread per row); batched_lane_sums: v3 sums the lanes' partial dot
+    version: 1, 2, 3 or 4 (see the module docstring; 4 is a candidate not yet measured);
+    block_q (Br), block_k (Bc): tile rows, None for the version's default; threads_per_row,
+    rows_per_thread: v3/v4's register tiling (v1 and v2 use one thread per row);
+    batched_lane_sums: v3/v4 sum the lanes' partial dot
     products of a whole step of keys in one butterfly (True) or key by key (False).
     ``buggy_skip_sync`` is for the notebook's race demo.
     """
@@ -111,8 +125,8 @@ class NumbaConfig:
     buggy_skip_sync: bool = False
 
     def __post_init__(self):
-        if self.version not in (1, 2, 3):
-            raise ValueError(f"config: version must be 1, 2 or 3, got {self.version!r}")
+        if self.version not in (1, 2, 3, 4):
+            raise ValueError(f"config: version must be 1, 2, 3 or 4, got {self.version!r}")
         for name in ("block_q", "block_k"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -142,15 +156,20 @@ class NumbaConfig:
         cfg.check(head_dim, dtype)
         return cfg
 
+    @property
+    def keys_per_step(self) -> int:
+        """Keys per online-softmax step of v3 / v4 (before clipping to block_k)."""
+        return V4_KEYS_PER_STEP if self.version == 4 else KEYS_PER_STEP
+
     def _dpad(self, head_dim: int) -> int:
-        if self.version == 3:
+        if self.version >= 3:
             return -(-head_dim // self.threads_per_row) * self.threads_per_row
         return head_dim
 
     @property
     def threads(self) -> int:
-        """Threads per block: Br for v1 and v2; Br / rows_per_thread * threads_per_row for v3."""
-        if self.version == 3:
+        """Threads per block: Br for v1 and v2; Br / rows_per_thread * threads_per_row for v3, v4."""
+        if self.version >= 3:
             return self.block_q // self.rows_per_thread * self.threads_per_row
         return self.block_q
 
@@ -165,14 +184,15 @@ class NumbaConfig:
     def check(self, head_dim: int, dtype: str) -> None:
         if self.block_q is None or self.block_k is None:
             raise ValueError("config: block_q and block_k must be resolved (call .resolved)")
-        if self.version == 3:
+        if self.version >= 3:
+            v, ch = self.version, self.keys_per_step
             if self.block_q % self.rows_per_thread:
                 raise ValueError(f"config: block_q ({self.block_q}) must be a multiple of rows_per_thread "
-                                 f"({self.rows_per_thread}) for version 3")
+                                 f"({self.rows_per_thread}) for version {v}")
             if self.threads % WARP_SIZE and self.threads > WARP_SIZE:
-                raise ValueError(f"config: version 3 needs whole warps; {self.threads} threads")
-            if self.block_k % min(KEYS_PER_STEP, self.block_k):
-                raise ValueError(f"config: block_k ({self.block_k}) must be a multiple of {KEYS_PER_STEP} for version 3")
+                raise ValueError(f"config: version {v} needs whole warps; {self.threads} threads")
+            if self.block_k % min(ch, self.block_k):
+                raise ValueError(f"config: block_k ({self.block_k}) must be a multiple of {ch} for version {v}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"config: {self.threads} threads per block, more than CUDA's {MAX_THREADS}")
         need = self.shared_bytes(head_dim, dtype)
@@ -383,14 +403,17 @@ def make_v2(D: int, BR: int, BC: int, acc_name: str, buggy_skip_sync: bool = Fal
 
 # --------------------------------------------------------------------------- v3
 @functools.lru_cache(maxsize=None)
-def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: bool, batched: bool = False):
-    """v3: L lanes per row (each d/L dims), R rows per thread, K_j/V_j in shared memory."""
+def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: bool, batched: bool = False,
+            keys_per_step: int = KEYS_PER_STEP):
+    """v3: L lanes per row (each d/L dims), R rows per thread, K_j/V_j in shared memory.
+
+    v4 is this kernel with ``keys_per_step = V4_KEYS_PER_STEP`` (a step NVVM unrolls)."""
     ACC = getattr(numba, acc_name)
     NEG_INF, ZERO, ONE = (np.dtype(acc_name).type(x) for x in (-np.inf, 0, 1))
     NT = BR // R * L                                         # threads per block
     DPT = -(-D // L)                                         # dims per lane
     DPAD = DPT * L                                           # d padded to a multiple of L (zeros)
-    CH = min(KEYS_PER_STEP, BC)                              # keys folded per softmax step
+    CH = min(keys_per_step, BC)                              # keys folded per softmax step
     BATCH = batched                                          # one butterfly for the step's R*CH dots
     RCH = R * CH
     SCRATCH = ((R * CH if batched else R), NT) if simulated else (1, 1)   # simulator's lane sums
@@ -519,7 +542,7 @@ def kernel_function(cfg: NumbaConfig, head_dim: int, dtype: str, simulated: bool
     if cfg.version == 2:
         return make_v2(head_dim, cfg.block_q, cfg.block_k, acc_name, cfg.buggy_skip_sync)
     return make_v3(head_dim, cfg.block_q, cfg.block_k, cfg.threads_per_row, cfg.rows_per_thread,
-                   acc_name, simulated, cfg.batched_lane_sums)
+                   acc_name, simulated, cfg.batched_lane_sums, cfg.keys_per_step)
 
 
 @functools.lru_cache(maxsize=None)

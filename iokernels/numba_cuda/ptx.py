@@ -43,7 +43,7 @@ def kernel_signatures(head_dims=HEAD_DIMS):
         acc = types.float64 if dtype == "float64" else types.float32
         for d in head_dims:
             fwd_sig = (_arr(st, 4), _arr(st, 4), _arr(st, 4), _arr(st, 4), _arr(acc, 3), acc, types.int64, types.int64)
-            for version in (1, 2, 3):
+            for version in (1, 2, 3, 4):
                 cfg = ff.NumbaConfig(version=version)
                 fn = ff.kernel_function(cfg, d, dtype, simulated=False)
                 out.append((f"fwd_v{version}_d{d}", dtype, fn, fwd_sig))
