@@ -117,14 +117,25 @@ def word_layout(store_name: str, head_dim: int, aligned: bool = True):
 
 
 def make_unpack(store_name: str, word_name: str, acc_name: str, simulated: bool):
-    """``unpack(word, e)``: element e of a word, in the accumulator type."""
+    """(``held``, ``unpack``): ``held(x)`` is what a thread keeps in registers for a loaded
+    word (the word itself; for one element a word, the element already in the accumulator
+    type: NVVM rejected a float16 per-thread array), ``unpack(held, e)`` its element e in
+    the accumulator type."""
     ACC = getattr(numba, acc_name)
     epw = np.dtype(word_name).itemsize // np.dtype(store_name).itemsize
     if epw == 1:
         @cuda.jit(device=True)
-        def unpack(w, e):
-            return ACC(w)
-        return unpack
+        def held1(x):
+            return ACC(x)
+
+        @cuda.jit(device=True)
+        def unpack1(w, e):
+            return w
+        return held1, unpack1
+
+    @cuda.jit(device=True)
+    def held(x):
+        return x
     bits = 8 * np.dtype(store_name).itemsize
     if simulated:                        # the simulator runs Python: NumPy's scalar .view
         uint = np.dtype(f"uint{bits}")
@@ -134,14 +145,14 @@ def make_unpack(store_name: str, word_name: str, acc_name: str, simulated: bool)
         @cuda.jit(device=True)
         def unpack(w, e):
             return acc(uint.type((int(w) >> (bits * e)) & mask).view(store))
-        return unpack
+        return held, unpack
     cast = {"float16": _f16_bits, "float32": _f32_bits}[store_name]
     BITS = numba.uint64(bits)
 
     @cuda.jit(device=True)
     def unpack(w, e):
         return cast(w >> (BITS * numba.uint64(e)))
-    return unpack
+    return held, unpack
 
 
 # --------------------------------------------------------------------------- split v2
@@ -151,10 +162,11 @@ def make_split_v2(D: int, G: int, L: int, KPI: int, BN: int, paged: bool, store_
     """Split kernel v2 for head_dim D, g = G, L lanes per key, KPI keys per group and step,
     Bn = BN keys per tile (the block size if paged), K/V given as words of ``word_name``."""
     ACC = getattr(numba, acc_name)
-    WORD = numba.from_dtype(np.dtype(word_name))
     NEG_INF, ZERO, ONE = (np.dtype(acc_name).type(x) for x in (-np.inf, 0, 1))
-    WZERO = np.dtype(word_name).type(0)                       # all bits 0: the value 0.0
     EPW = np.dtype(word_name).itemsize // np.dtype(store_name).itemsize
+    held_name = word_name if EPW > 1 else acc_name            # what registers hold per word
+    WORD = numba.from_dtype(np.dtype(held_name))
+    WZERO = np.dtype(held_name).type(0)                       # all bits 0: the value 0.0
     W = -(-D // EPW)                                          # words per row
     WPL = -(-W // L)                                          # words per lane
     DPL = WPL * EPW                                           # dims per lane
@@ -166,7 +178,7 @@ def make_split_v2(D: int, G: int, L: int, KPI: int, BN: int, paged: bool, store_
     STAGE = TABLE_STAGE_V2
     PAGED = paged
     lane_sum = _make_lane_sum(L, KPIG, simulated, warp_mask(NT))
-    unpack = make_unpack(store_name, word_name, acc_name, simulated)
+    held, unpack = make_unpack(store_name, word_name, acc_name, simulated)
 
     def split_v2(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, nsplit):
         sp, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
@@ -224,11 +236,11 @@ def make_split_v2(D: int, G: int, L: int, KPI: int, BN: int, paged: bool, store_
                         vw[e, u] = WZERO
                         if c < p1 and w < W:
                             if PAGED:
-                                kw[e, u] = k[blk, slot, hk, w]
-                                vw[e, u] = v[blk, slot, hk, w]
+                                kw[e, u] = held(k[blk, slot, hk, w])
+                                vw[e, u] = held(v[blk, slot, hk, w])
                             else:
-                                kw[e, u] = k[b, hk, c, w]
-                                vw[e, u] = v[b, hk, c, w]
+                                kw[e, u] = held(k[b, hk, c, w])
+                                vw[e, u] = held(v[b, hk, c, w])
                 for e in range(KPIG):
                     sc[e] = ZERO
                 for e in range(KPI):                          # s = q . k: unpack each k value
