@@ -8,9 +8,12 @@ GPU would otherwise wait for it.
 
 1. FA forward, float32, B=8, H=16, N=4096, d=128, non-causal: each Numba version (and a
    few v3 tilings) vs SDPA EFFICIENT (FLASH has no float32); float16 vs FLASH too.
-2. Decode, float16, GQA 32/8, d=128, B=1, N=32768: Numba (contiguous, paged) vs the best
-   SDPA backend with enable_gqa, in KV bytes per second.
-3. Paged gather of the same cache vs a device-to-device copy of the same bytes.
+2. Decode, float16, GQA 32/8, d=128, B=1, N=32768: Numba (contiguous, paged; v1 and the
+   v2 candidates) vs the best SDPA backend with enable_gqa, in KV bytes per second.
+3. Paged gather of the same cache (v1, v2) vs a device-to-device copy of the same bytes.
+
+The same versions also appear in ``python -m iokernels bench`` (scripts/gpu_all.sh) through
+:func:`iokernels.numba_cuda.bench_versions`; this script adds the num_splits sweep.
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ def forward_bench(results):
         rows = {}
         for be in ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"):
             rows[f"sdpa {be}"] = _time(lambda be=be: _sdpa(q, k, v, be))
-        configs = {"numba v3": NumbaConfig(version=3)}
+        configs = {"numba v3": NumbaConfig(version=3), "numba v4 (candidate)": NumbaConfig(version=4)}
         if dtype == "float32":  # the tilings tried, and the simpler versions
             configs.update({"numba v3 batched lane sums": NumbaConfig(version=3, batched_lane_sums=True),
                             "numba v3 L8 R2": NumbaConfig(version=3, threads_per_row=8, rows_per_thread=2),
