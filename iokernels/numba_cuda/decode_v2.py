@@ -45,6 +45,25 @@ gather near a device copy at 131072 tokens.  The next GPU run times them next to
 (bench rows ``numba:v2``, ``numba:v2 paged``, ``numba:v2 gather``; see
 :func:`iokernels.numba_cuda.bench_versions`).
 
+What the compiler says (no GPU needed: ``python -m iokernels.numba_cuda.ptx 90 float16 d=128
+dump=DIR``, then ``ptxas -arch=sm_90 -v``; NVVM 13.0 writes PTX 9.5, the local ptxas reads
+9.0, so the version line was edited), float16, d=128, g=4, sm_90:
+
+==============================  =========  ======  ====================================
+kernel                          registers  spills  8-byte loads in the main loop (PTX)
+==============================  =========  ======  ====================================
+split v1 (for comparison)       168        0       0 (69 two-byte loads)
+split v2 (L=16, KPI=4)          155        0       16 (4 keys x 2 words x K, V)
+split v2-L32K8                  128        0       16 (8 keys x 1 word x K, V)
+gather v1                       58         0       --
+gather v2                       72         0       8 words of K and of V a lane
+==============================  =========  ======  ====================================
+
+The splits' 160- (v2) / 96-byte (L32K8) stack frames hold the per-thread state handed to
+the final merge loop (which has barriers and is not unrolled), as in v1; the main loop
+keeps everything in registers.  At 155 registers 3 blocks of 128 threads fit an SM (12
+warps, ~48 KB of loads in flight); L32K8 fits 2 blocks of 256 (16 warps, ~64 KB).
+
 On Numba's CUDA simulator the bit-casts are NumPy ``.view`` calls on scalars and the
 gather's broadcast goes through shared memory with barriers (the simulator has no
 shuffles), so the tests run the same index arithmetic; the bit-cast intrinsics themselves
