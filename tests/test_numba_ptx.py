@@ -28,12 +28,14 @@ def _compile(*args):
 
 @pytest.fixture(scope="module")
 def report():
-    """Every kernel, float32 at sm_75 and sm_90, float16 at sm_90 (d = 128 and ragged 59 for the
-    forward v3 and decode, whose lanes own padded dims)."""
-    out = _compile("75", "90", "float32", "d=128")
+    """Every kernel, float32 at sm_90 (the version-1..3 kernels at sm_75 too), float16 at sm_90
+    (d = 128, and ragged 59 for the forward v3 and decode v2, whose lanes own padded dims).
+    The candidates (decode/gather v2, forward v4) skip sm_75 to keep this file quick."""
+    out = _compile("90", "float32", "d=128")
+    out.update(_compile("75", "float32", "d=128", "only=^(fwd_v[1-3]|decode_split|decode_combine|gather$)"))
     out.update(_compile("90", "float16", "d=128"))
     out.update(_compile("90", "float32", "d=59", "only=v3"))
-    out.update(_compile("75", "90", "float16", "d=59", "only=decode_v2"))   # v2's one-element-a-word path
+    out.update(_compile("90", "float16", "d=59", "only=decode_v2"))   # v2's one-element-a-word path
     return out
 
 
@@ -42,8 +44,8 @@ def test_every_kernel_compiled_for_both_targets(report):
     assert {"fwd_v1_d128", "fwd_v2_d128", "fwd_v3_d128", "fwd_v4_d128", "decode_split_d128", "decode_split_paged_d128",
             "decode_combine_d128", "gather", "fwd_v3_d59", "decode_v2_split_d128", "decode_v2_split_paged_d128",
             "gather_v2_d128"} <= names
-    for cc in ("sm_75", "sm_90"):
-        assert sum(k.endswith(cc) for k in report) >= 11
+    assert sum(k.endswith("sm_75") for k in report) >= 7
+    assert sum(k.endswith("sm_90") for k in report) >= 11
     assert all(v["bytes"] > 1000 for v in report.values())
 
 
@@ -92,16 +94,14 @@ def test_forward_v4_keeps_its_scores_in_registers(report):
 def test_v2_element_path_compiles(report):
     """d = 59 float16 rows (118 bytes) are not whole 8-byte words: version 2 loads elements
     (NVVM once rejected this path's float16 per-thread array; only a compile finds that)."""
-    for cc in ("sm_75", "sm_90"):
-        for name in ("decode_v2_split_d59", "decode_v2_split_paged_d59"):
-            r = report[f"{name}/float16/{cc}"]
-            assert r["ld_u64"] == 0 and r["ld_u16"] > 0 and r["shfl"], r
+    for name in ("decode_v2_split_d59", "decode_v2_split_paged_d59"):
+        r = report[f"{name}/float16/sm_90"]
+        assert r["ld_u64"] == 0 and r["ld_u16"] > 0 and r["shfl"], r
 
 
 def test_float64_v2_kernels_compile():
-    out = _compile("90", "float64", "d=59", "only=_v2")
-    assert {"decode_v2_split_d59/float64/sm_90", "decode_v2_split_paged_d59/float64/sm_90",
-            "gather_v2_d59/float64/sm_90"} <= set(out)
+    out = _compile("90", "float64", "d=59", "only=decode_v2")
+    assert {"decode_v2_split_d59/float64/sm_90", "decode_v2_split_paged_d59/float64/sm_90"} <= set(out)
 
 
 def test_the_float64_detector_finds_float64():

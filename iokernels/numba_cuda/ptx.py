@@ -99,13 +99,13 @@ def compile_all(ccs=((7, 5), (9, 0)), dtypes=("float32", "float16", "float64"), 
     "ld_u16": n}} per kernel and cc: float64 lines, PTX size, shuffles, local-memory accesses
     (per-thread arrays that did not stay in registers), 8-byte and 2-byte global loads.
 
-    ``only``: a substring a kernel's name must contain (None: all); ``dump``: a folder to write
+    ``only``: a regular expression a kernel's name must contain (None: all); ``dump``: a folder to write
     each PTX to (for ``ptxas -v``)."""
     from numba import cuda, types
     _no_device_for_device_functions(ccs[0])
     report = {}
     for name, dtype, fn, sig in kernel_signatures(head_dims):
-        if dtype not in dtypes or (only and only not in name):
+        if dtype not in dtypes or (only and not re.search(only, name)):
             continue
         for cc in ccs:
             ptx, _ = cuda.compile_ptx(fn, types.void(*sig), cc=cc)
