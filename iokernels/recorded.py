@@ -19,6 +19,7 @@ driver ..., torch ..., numba ..., cupy ...".  Nothing here touches a GPU.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 
@@ -60,8 +61,15 @@ def label(rec: dict) -> str:
             f"(numba-cuda {env.get('numba_cuda', '?')}), cupy {env.get('cupy', '?')}")
 
 
-def bench_rows(rec: dict, *, section=None, kind=None, dtype=None, causal=None, ok_only=True) -> list[dict]:
-    """The benchmark's rows flattened: one dict per (case, runner), case fields merged in."""
+def bench_rows(rec: dict, *, section=None, kind=None, dtype=None, causal=None, ok_only=True,
+               runners=None, vs=None, **where) -> list[dict]:
+    """The benchmark's rows flattened: one dict per (case, runner), case fields merged in.
+
+    ``runners``: keep only these runners, in this order; names may be shell patterns
+    ("numba:*").  ``vs``: a runner name; each row gets ``speed_vs_<vs>`` = that runner's time
+    / this row's time, both from the same case (absent where ``vs`` did not run there).
+    ``where``: other fields a row must equal, e.g. ``batch=1, seqlen=32768``.
+    """
     out = []
     for c in rec.get("bench", rec).get("cases", []):
         if section is not None and c.get("section") != section:
@@ -80,8 +88,31 @@ def bench_rows(rec: dict, *, section=None, kind=None, dtype=None, causal=None, o
             row.update(c.get("shape", {}))
             row["default_ran"] = c.get("default_ran")
             row["best_sdpa"] = c.get("best_sdpa")
+            if any(row.get(k) != want for k, want in where.items()):
+                continue
+            if runners is not None and not any(fnmatch.fnmatchcase(row["runner"], p) for p in runners):
+                continue
+            if vs is not None:
+                base = next((b for b in c.get("results", []) if b["runner"] == vs and b.get("status") == "ok"), None)
+                if base is not None and row.get("ms"):
+                    row[f"speed_vs_{vs}"] = base["ms"] / row["ms"]
             out.append(row)
+    if runners is not None:       # case by case, runners in the order asked for (stable sort)
+        case_of = {id(r): i for i, r in enumerate(out)}
+        out.sort(key=lambda r: (r["section"], r.get("dtype"), r.get("causal"), r.get("batch"), r.get("seqlen"),
+                                next(i for i, p in enumerate(runners) if fnmatch.fnmatchcase(r["runner"], p)),
+                                case_of[id(r)]))
     return out
+
+
+def ratio(rec: dict, runner: str, baseline: str, **filters) -> float:
+    """Speed of ``runner`` relative to ``baseline`` (baseline ms / runner ms) in the ONE recorded case
+    that ``filters`` (as for :func:`bench_rows`) select; ValueError unless exactly one matches."""
+    rows = [r for r in bench_rows(rec, runners=(runner,), vs=baseline, **filters) if f"speed_vs_{baseline}" in r]
+    if len(rows) != 1:
+        raise ValueError(f"filters: {len(rows)} recorded cases have both {runner!r} and {baseline!r} "
+                         f"for {filters}; narrow them to one")
+    return rows[0][f"speed_vs_{baseline}"]
 
 
 def traffic_rows(rec: dict, ok_only=True) -> list[dict]:
@@ -109,13 +140,15 @@ def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", a
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(11, 4))
     runners = [r for r in _STYLE if any(x["runner"] == r for x in rows)]
+    runners += sorted({x["runner"] for x in rows if x["group"] in ("numba", "cupy")} - set(runners))
     for rn in runners:
         rs = sorted((x for x in rows if x["runner"] == rn), key=lambda x: x["seqlen"])
         N = [x["seqlen"] for x in rs]
-        axes[0].plot(N, [x["ms"] for x in rs], _STYLE[rn], label=rn)
+        style = _STYLE.get(rn, "--")          # a version not named above: dashed, like our kernels
+        axes[0].plot(N, [x["ms"] for x in rs], style, label=rn)
         mem = [(x["seqlen"], x["extra_MiB"]) for x in rs if x.get("extra_MiB") is not None and x["group"] != "numba"]
         if mem:
-            axes[1].plot(*zip(*mem), _STYLE[rn], label=rn)
+            axes[1].plot(*zip(*mem), style, label=rn)
     for ax, yl in zip(axes, ("time per call (ms, median)", "device memory above the inputs (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -158,9 +191,12 @@ def plot_traffic(rec: dict, ax=None):
 
 
 def table(rec: dict, section: str, columns=("dtype", "causal", "batch", "seqlen", "runner", "ms", "rate",
-                                            "unit", "speed_vs_best_sdpa")) -> str:
-    """A plain-text table of one section's rows (ok rows only)."""
-    rows = bench_rows(rec, section=section)
+                                            "unit", "speed_vs_best_sdpa"), **filters) -> str:
+    """A plain-text table of one section's rows (ok rows only); ``filters`` as for :func:`bench_rows`
+    (with ``vs=...`` the column ``speed_vs_<vs>`` is added unless ``columns`` names it)."""
+    rows = bench_rows(rec, section=section, **filters)
+    if filters.get("vs") and f"speed_vs_{filters['vs']}" not in columns:
+        columns = (*columns, f"speed_vs_{filters['vs']}")
     def cell(r, c):
         v = r.get(c, "")
         return f"{v:.4g}" if isinstance(v, float) else str(v)
