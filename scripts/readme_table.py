@@ -78,15 +78,22 @@ def _find(rows, runner):
     return None
 
 
+#: the prefill tables' first columns, in this order; then every runner of OUR_FAMILIES in the record
+#: ("numba", "numba:v1", ..., "cupy:v1", "cupy:v1b", ...), a family at a time, sorted by name
+SDPA_COLUMNS = ("sdpa:cudnn", "sdpa:flash", "sdpa:efficient", "sdpa:math", "torch naive")
+OUR_FAMILIES = ("numba", "cupy")
+
+
 def prefill_table(rec) -> list[str]:
     lines = []
     for dtype in ("bfloat16", "float32"):
         rows = recorded.bench_rows(rec, section="prefill", dtype=dtype)
         if not rows:
             continue
-        runners = [r for r in ("sdpa:cudnn", "sdpa:flash", "sdpa:efficient", "sdpa:math", "torch naive",
-                               "numba", "numba:v1", "numba:v2", "numba:v3", "cupy", "cupy:v1", "cupy:v2")
-                   if any(x["runner"] == r for x in rows)]
+        present = {x["runner"] for x in rows}
+        runners = [r for r in SDPA_COLUMNS if r in present]
+        runners += sorted((r for r in present if r.split(":")[0] in OUR_FAMILIES),   # every version recorded
+                          key=lambda r: (OUR_FAMILIES.index(r.split(":")[0]), r))
         Ns = sorted({r["seqlen"] for r in rows})
         shape = rows[0]
         lines.append(f"**Prefill, {dtype}, B={shape['batch']} H={shape['heads']} d={shape['head_dim']}, causal** "
