@@ -1,15 +1,21 @@
 """Every notebook executes top to bottom; none is committed with outputs; none defines logic.
 
 The notebooks run with nbclient on the ``python3`` kernel, two at a time (CI has two
-cores): a module fixture starts them all in a thread pool, and each notebook's test waits
-for its own.  The kernel inherits this process's environment, in which the conftest has
-switched Numba's CUDA simulator on when there is no GPU; PYTHONPATH points at the
-checkout so the kernel imports this copy of the package.
+cores): a module fixture starts them all, and each notebook's test waits for its own.
+Each notebook runs in a child process of its own (``python -c`` running nbclient), under
+a hard wall-clock limit: two nbclient clients driven from threads of one process once
+stalled for good with both kernel and client idle (seen in a CI run on this machine),
+and a separate process per notebook keeps their ZeroMQ sockets and event loops apart.
+The kernel inherits this process's environment, in which the conftest has switched
+Numba's CUDA simulator on when there is no GPU; PYTHONPATH points at the checkout so
+the kernel imports this copy of the package.
 """
 from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,19 +42,33 @@ def _ids(paths):
     return [p.stem for p in paths]
 
 
+#: the whole notebook, start-up included, in its own process; past this it is killed and fails
+NOTEBOOK_HARD_LIMIT_S = 420
+
+#: what the child process runs: execute one notebook with nbclient, exit 1 with the error
+_RUNNER = """
+import sys, nbformat, nbclient
+path, timeout = sys.argv[1], int(sys.argv[2])
+nb = nbformat.read(path, as_version=4)
+client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                 resources={"metadata": {"path": sys.argv[3]}})
+client.execute()
+"""
+
+
 def _execute(path: Path):
-    """Run one notebook; returns (seconds, error or None)."""
-    nb = nbformat.read(path, as_version=4)
+    """Run one notebook in a child process; returns (seconds, error or None)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("MPLBACKEND", "Agg")
-    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})
     t0 = time.perf_counter()
     try:
-        client.execute(env=env)
-    except Exception as e:  # CellExecutionError carries the failing cell and traceback
-        return time.perf_counter() - t0, f"{type(e).__name__}: {e}"
+        proc = subprocess.run([sys.executable, "-c", _RUNNER, str(path), str(CELL_TIMEOUT_S), str(path.parent)],
+                              env=env, capture_output=True, text=True, timeout=NOTEBOOK_HARD_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        return time.perf_counter() - t0, f"killed after {NOTEBOOK_HARD_LIMIT_S} s (hung or far too slow)"
+    if proc.returncode != 0:   # CellExecutionError's message carries the failing cell and traceback
+        return time.perf_counter() - t0, (proc.stderr or proc.stdout)[-6000:]
     return time.perf_counter() - t0, None
 
 
