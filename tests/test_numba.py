@@ -13,6 +13,9 @@ from iokernels.config import TileConfig
 
 pytestmark = pytest.mark.skipif(not gpu.simulator_enabled() and not gpu.has_gpu(),
                                 reason="needs Numba's CUDA simulator or a GPU")
+#: counting arrays are Python objects: the kernels count their loads and stores only on the
+#: simulator (on a GPU, tests/test_numba_gpu.py checks results at real sizes instead)
+sim_only = pytest.mark.skipif(not gpu.simulator_enabled(), reason="counted traffic needs Numba's CUDA simulator")
 
 nc = pytest.importorskip("iokernels.numba_cuda")
 from iokernels.numba_cuda import NumbaConfig, counting  # noqa: E402
@@ -81,6 +84,7 @@ def test_forward_default_config_and_device_arrays(rng):
 
 
 # --------------------------------------------------------------------------- traffic
+@sim_only
 @pytest.mark.parametrize("version,causal,window", [(2, False, None), (2, True, None), (3, True, (5, 1))])
 def test_counted_traffic_equals_fa2_model(rng, version, causal, window):
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=2, heads_kv=1, seqlen_q=19, seqlen_k=26,
@@ -95,6 +99,7 @@ def test_counted_traffic_equals_fa2_model(rng, version, causal, window):
                          ik.attention(q, k, v, causal=causal, window=window, backend="naive"))
 
 
+@sim_only
 def test_forward_v4_float64_oracle_and_counted_traffic(rng):
     """v4 (2-key steps) in one simulated run: GQA, Nq > Nk causal (the top rows fully masked:
     O = 0, LSE = -inf) against the float64 oracle, and its traffic == the fa2 model."""
@@ -110,6 +115,7 @@ def test_forward_v4_float64_oracle_and_counted_traffic(rng):
     assert counted.as_dict() == model.as_dict()
 
 
+@sim_only
 def test_v1_reads_kv_once_per_row(rng):
     """v1 has no shared memory: each query row reads its visible keys itself."""
     Nq, Nk, d = 13, 17, 3
@@ -142,6 +148,7 @@ def test_decode_ragged_gqa_float64(rng, num_splits):
     testing.assert_close(lse, rl, name="lse")
 
 
+@sim_only
 def test_decode_float16_and_counted_traffic(rng):
     q, k, v = _decode_inputs(rng, 2, 4, 1, 40, 6, np.float16)
     lens = np.array([40, 17])
@@ -170,6 +177,7 @@ def _cache(rng, lens, hkv=2, d=5, dtype=np.float32, bs=4):
     return cache, sids
 
 
+@sim_only
 def test_paged_decode_matches_oracle_and_model(rng):
     lens = [13, 0, 6]
     cache, sids = _cache(rng, lens)
@@ -193,6 +201,7 @@ def test_paged_decode_matches_oracle_and_model(rng):
     assert got == model.as_dict()
 
 
+@sim_only
 def test_paged_gather_equals_numpy_and_model(rng):
     cache, sids = _cache(rng, [11, 6], dtype=np.float16, d=6)
     for sid in sids:
@@ -270,6 +279,7 @@ def test_decode_v2_ragged_gqa_matches_oracle(rng, dtype, d, cfg, S):
         testing.assert_close(lse, rl, bl, name="lse")
 
 
+@sim_only
 def test_decode_v2_words_counted_traffic_equals_model(rng):
     """K and V read once, as 8-byte words: the bytes equal the NumPy version's model."""
     q, k, v = _decode_inputs(rng, 2, 4, 1, 40, 8, np.float16)
@@ -286,6 +296,7 @@ def test_decode_v2_words_counted_traffic_equals_model(rng):
     assert got == model.as_dict()
 
 
+@sim_only
 def test_paged_decode_v2_matches_oracle_and_model(rng):
     lens = [13, 0, 6]
     cache, sids = _cache(rng, lens, hkv=1, d=8, dtype=np.float16)
@@ -319,6 +330,7 @@ def test_gather_v2_equals_numpy(rng, dtype, d):
         np.testing.assert_array_equal(vg, vn)
 
 
+@sim_only
 @pytest.mark.parametrize("parts", [1, 3])
 def test_gather_v2_counted_traffic(rng, parts):
     """P = 1: exactly the model; P parts a block: each part reads the table entry once."""

@@ -180,3 +180,31 @@ def test_decode_v2_gather_v2_misaligned_and_ragged_rows():
 def test_sanitize_cases_pass():
     from iokernels.numba_cuda import sanitize_cases
     assert len(sanitize_cases(verbose=False)) == 16
+
+
+def test_kernels_run_on_the_callers_stream_without_host_sync():
+    """Inputs made on a side stream and read right away: the kernels must launch on that
+    stream (the wrapper no longer makes the host wait for it), so the result is right and
+    the outputs are ready once that stream is synchronized."""
+    torch = _torch()
+    import iokernels as ik
+    from iokernels.numba_cuda import _arrays as arr
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        g = torch.Generator(device="cuda").manual_seed(11)
+        q = torch.randn((2, 8, 1000, 64), device="cuda", generator=g)
+        k = torch.randn((2, 4, 1100, 64), device="cuda", generator=g)
+        v = torch.randn((2, 4, 1100, 64), device="cuda", generator=g)
+        assert arr.stream_of("torch", q).handle.value == side.cuda_stream
+        o, lse = ik.attention(q, k, v, causal=True, backend="numba", return_lse=True)
+        qd = torch.randn((3, 8, 64), device="cuda", generator=g, dtype=torch.float16)
+        kd = torch.randn((3, 2, 3000, 64), device="cuda", generator=g, dtype=torch.float16)
+        vd = torch.randn((3, 2, 3000, 64), device="cuda", generator=g, dtype=torch.float16)
+        od, lsed = ik.decode(qd, kd, vd, backend="numba", return_lse=True)
+    side.synchronize()
+    _check_slices(q, k, v, o, lse, True, None, [(0, 0), (1, 7)])
+    ref = torch.softmax((qd.double().view(3, 2, 4, 64) @ kd.double().transpose(-1, -2)) * 64 ** -0.5, -1) \
+        @ vd.double()
+    naive = torch.softmax((qd.view(3, 2, 4, 64) @ kd.transpose(-1, -2)) * 64 ** -0.5, -1) @ vd
+    testing.assert_close(od, ref.reshape(3, 8, 64).cpu().numpy(), naive.reshape(3, 8, 64), dtype="float16")
+    assert lsed.dtype == torch.float32 and torch.isfinite(lsed).all()

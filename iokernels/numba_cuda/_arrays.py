@@ -1,10 +1,15 @@
 """Arrays in and out of the Numba kernels: NumPy, Numba device arrays, CuPy, torch CUDA.
 
 Device arrays (anything with ``__cuda_array_interface__``: Numba, CuPy, torch CUDA tensors)
-are wrapped with ``numba.cuda.as_cuda_array``: no copy.  NumPy arrays are copied to the
-device and the results copied back.  Outputs are allocated by the library that owns the
-inputs (torch's caching allocator for torch, CuPy's pool for CuPy), so the caller gets
-back the kind of array it gave.
+are wrapped with ``numba.cuda.as_cuda_array``: no copy, and no host synchronization: the
+kernels launch on the stream the caller's library is using (:func:`stream_of`), which
+orders them after the work that produced the inputs.  (``as_cuda_array``'s default,
+``sync=True``, makes the *host* wait for that stream on every array it wraps: the queue
+drains before each launch, and the launch overhead of every call shows up as GPU idle
+time.  The H200 runs before 2026-11-29 12:30 UTC timed the Numba kernels that way.)
+NumPy arrays are copied to the device and the results copied back.  Outputs are allocated
+by the library that owns the inputs (torch's caching allocator for torch, CuPy's pool for
+CuPy), so the caller gets back the kind of array it gave.
 """
 from __future__ import annotations
 
@@ -63,7 +68,7 @@ def to_device(x, kind):
         return cuda.to_device(np.ascontiguousarray(x))
     if kind == "numba":
         return x
-    return cuda.as_cuda_array(x)
+    return cuda.as_cuda_array(x, sync=False)      # ordered by the launch stream instead
 
 
 def empty(kind, like, shape, dtype):
@@ -72,14 +77,33 @@ def empty(kind, like, shape, dtype):
     if kind == "torch":
         import torch
         t = torch.empty(tuple(shape), dtype=getattr(torch, dtype.name), device=like.device)
-        return t, cuda.as_cuda_array(t)
+        return t, cuda.as_cuda_array(t, sync=False)
     if kind == "cupy":
         import cupy
         with cupy.cuda.Device(like.device.id):
             a = cupy.empty(tuple(shape), dtype=dtype)
-        return a, cuda.as_cuda_array(a)
+        return a, cuda.as_cuda_array(a, sync=False)
     d = cuda.device_array(tuple(shape), dtype=dtype)
     return d, d
+
+
+def stream_of(kind, like):
+    """The stream the kernels of one call launch on (the third launch-config element).
+
+    torch and CuPy inputs: that library's current stream on the inputs' device, so the
+    kernels run after the work that produced the inputs and before the work that will read
+    the outputs, as torch's and CuPy's own kernels would, without the host waiting.
+    NumPy and Numba inputs: 0, Numba's default stream (the simulator ignores streams).
+    """
+    ptr = 0
+    if kind == "torch":
+        import torch
+        ptr = torch.cuda.current_stream(like.device).cuda_stream
+    elif kind == "cupy":
+        import cupy
+        with cupy.cuda.Device(like.device.id):
+            ptr = cupy.cuda.get_current_stream().ptr
+    return cuda.external_stream(ptr) if ptr else 0
 
 
 def finish(kind, handle):

@@ -402,8 +402,10 @@ def split_v2_kernel_function(head_dim, g, dtype, paged, block_n, word_name, conf
                             acc_name, simulated)
 
 
-def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config=None):
-    """Launch split (+ combine when S > 1) on device or counting arrays already allocated.
+def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config=None,
+                  stream=0):
+    """Launch split (+ combine when S > 1) on device or counting arrays already allocated, on
+    ``stream`` (:func:`._arrays.stream_of`).
 
     o_part / lse_part: (S, B, Hq, d) / (S, B, Hq) float32 scratch (any shape when S == 1).
     Version 2 (``config``): k and v are the word views of :func:`_kv_words`.
@@ -420,15 +422,15 @@ def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, blo
         from .decode_v2 import KEY_GROUPS_V2
         word = str(np.dtype(k.dtype))
         split = _jitted(split_v2_kernel_function(d, Hq // Hkv, dtype, paged, block_n, word, cfg))
-        split[(S, Hkv, B), KEY_GROUPS_V2 * lanes_v2(d, dtype, word, cfg)](
+        split[(S, Hkv, B), KEY_GROUPS_V2 * lanes_v2(d, dtype, word, cfg), stream](
             q, k, v, tables, lens, o, lse, o_part, lse_part, acc_t(scale), S)
     else:
         split = _jitted(split_kernel_function(d, Hq // Hkv, dtype, paged))
-        split[(S, Hkv, B), KEY_GROUPS * lanes_for(d)](q, k, v, tables, lens, o, lse, o_part, lse_part,
-                                                      acc_t(scale), block_n, S)
+        split[(S, Hkv, B), KEY_GROUPS * lanes_for(d), stream](q, k, v, tables, lens, o, lse, o_part,
+                                                              lse_part, acc_t(scale), block_n, S)
     if S > 1:
         comb = _jitted(combine_kernel_function(d, dtype))
-        comb[B * Hq, COMBINE_THREADS](o_part, lse_part, o, lse)
+        comb[B * Hq, COMBINE_THREADS, stream](o_part, lse_part, o, lse)
 
 
 def _resolve_splits(num_splits, B, Hkv, max_len, block_n):
@@ -497,7 +499,7 @@ def _decode_common(kind, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
             raise ValueError(f"q: {Hq // Hkv} query heads per KV head at head_dim {d} ({dtype}) need {need:,} B "
                              f"of shared memory in the numba decode kernel v2, more than {SHARED_LIMIT_BYTES:,}")
     launch_decode(dq, dk, dv, tables, lens, o_d, lse_d, op, lp, scale=scale, block_n=block_n, paged=paged,
-                  config=cfg)
+                  config=cfg, stream=arr.stream_of(kind, q))
     return arr.finish(kind, o_h), arr.finish(kind, lse_h)
 
 
@@ -565,16 +567,16 @@ def _word_view(x, d, itemsize):
     return x
 
 
-def launch_gather(k_pool, v_pool, table, k_out, v_out, seq_len):
+def launch_gather(k_pool, v_pool, table, k_out, v_out, seq_len, stream=0):
     bs = int(k_pool.shape[1])
     nblk = -(-seq_len // bs)
     if nblk == 0:
         return
     kern = _jitted(make_gather(str(np.dtype(k_pool.dtype))))
-    kern[nblk, GATHER_BLOCK](k_pool, v_pool, table, k_out, v_out, seq_len)
+    kern[nblk, GATHER_BLOCK, stream](k_pool, v_pool, table, k_out, v_out, seq_len)
 
 
-def launch_gather_v2(kw, vw, table, k_out, v_out, seq_len, *, parts=None):
+def launch_gather_v2(kw, vw, table, k_out, v_out, seq_len, *, parts=None, stream=0):
     """Gather v2 on pools (num_blocks, bs, Hkv, W) and outputs (Hkv, n, W) of words (device or
     counting arrays); ``parts``: P (None: :func:`decode_v2.gather_v2_plan` picks it)."""
     from . import decode_v2 as v2
@@ -590,8 +592,8 @@ def launch_gather_v2(kw, vw, table, k_out, v_out, seq_len, *, parts=None):
                           _num_sms() * v2.GATHER2_BLOCKS_PER_SM))
     kern = _jitted(v2.make_gather_v2(str(np.dtype(kw.dtype)), W, hkv, bs, gpu.simulator_enabled()))
     flat = (nb, bs * hkv * W)
-    kern[grid, v2.GATHER2_THREADS](kw.reshape(flat), vw.reshape(flat), table, k_out, v_out, seq_len, nblk, P,
-                                   part_words)
+    kern[grid, v2.GATHER2_THREADS, stream](kw.reshape(flat), vw.reshape(flat), table, k_out, v_out, seq_len,
+                                           nblk, P, part_words)
 
 
 def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True, config=None):
@@ -617,11 +619,11 @@ def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True, config=Non
             word, epw = word_layout(dtype.name, d, aligned=ok and words)
             if epw > 1:
                 kp, vp, k_d, v_d = (x.view(np.dtype(word)) for x in (kp, vp, k_d, v_d))
-            launch_gather_v2(kp, vp, tbl, k_d, v_d, seq_len)
+            launch_gather_v2(kp, vp, tbl, k_d, v_d, seq_len, stream=arr.stream_of(kind, k_pool))
         return arr.finish(kind, k_h), arr.finish(kind, v_h)
     if words and seq_len:
         kp, vp, k_d, v_d = (_word_view(x, d, dtype.itemsize) for x in (kp, vp, k_d, v_d))
-    launch_gather(kp, vp, tbl, k_d, v_d, seq_len)
+    launch_gather(kp, vp, tbl, k_d, v_d, seq_len, stream=arr.stream_of(kind, k_pool))
     return arr.finish(kind, k_h), arr.finish(kind, v_h)
 
 

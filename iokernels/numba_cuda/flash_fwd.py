@@ -559,8 +559,9 @@ def resolve_config(config, head_dim: int, dtype: str) -> NumbaConfig:
     return config.resolved(head_dim, dtype)
 
 
-def launch(cfg: NumbaConfig, q, k, v, o, lse, *, causal, scale, window):
-    """Launch the forward on device (or counting) arrays already allocated; returns nothing."""
+def launch(cfg: NumbaConfig, q, k, v, o, lse, *, causal, scale, window, stream=0):
+    """Launch the forward on device (or counting) arrays already allocated, on ``stream``
+    (:func:`._arrays.stream_of`); returns nothing."""
     B, Hq, Nq, d = q.shape
     dtype = str(np.dtype(o.dtype))
     acc_t = _acc_types(dtype)[0]
@@ -569,7 +570,7 @@ def launch(cfg: NumbaConfig, q, k, v, o, lse, *, causal, scale, window):
     grid = (max(1, -(-Nq // cfg.block_q)), B * Hq)
     if Nq == 0 or B * Hq == 0:
         return
-    kern[grid, cfg.threads](q, k, v, o, lse, acc_t(scale), left, right)
+    kern[grid, cfg.threads, stream](q, k, v, o, lse, acc_t(scale), left, right)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
@@ -583,5 +584,6 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     dq, dk, dv = (arr.to_device(x, kind) for x in (q, k, v))
     o_h, o_d = arr.empty(kind, q, (B, Hq, Nq, d), dtype)
     lse_h, lse_d = arr.empty(kind, q, (B, Hq, Nq), acc_t)
-    launch(cfg, dq, dk, dv, o_d, lse_d, causal=causal, scale=scale, window=window)
+    launch(cfg, dq, dk, dv, o_d, lse_d, causal=causal, scale=scale, window=window,
+           stream=arr.stream_of(kind, q))
     return arr.finish(kind, o_h), arr.finish(kind, lse_h)
