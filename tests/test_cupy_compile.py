@@ -146,3 +146,16 @@ def test_config_checks_need_no_gpu():
         cfg.check_fits(128, "float32", 64 * 1024)       # a T4's 64 KB: the default does not fit
     v2 = cr.CupyConfig(version="v2").resolve(128, "bfloat16")
     assert (v2.block_q, v2.block_k, v2.num_warps) == (128, 64, 8)
+
+
+def test_auto_picks_the_fastest_measured_forward_for_the_dtype_and_gpu():
+    """version="auto": the tensor-core v2 for 16-bit inputs, v1b (cp.async tiles) for float32
+    where cp.async exists (compute capability 8.0+), v1 for float64 and float32 on sm_75."""
+    auto = cr.CupyConfig()
+    assert auto.resolve(128, "bfloat16", 90).version == "v2"
+    assert auto.resolve(64, "float16", 75).version == "v2"
+    assert auto.resolve(128, "float32", 90).version == "v1b"
+    assert auto.resolve(59, "float32", 80).version == "v1b"
+    assert auto.resolve(128, "float32", 75).version == "v1"
+    assert auto.resolve(128, "float64", 90).version == "v1"
+    assert auto.resolve(300, "float16", 90).version == "v1"          # past v2's head-dim limit

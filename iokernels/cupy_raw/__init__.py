@@ -169,9 +169,9 @@ _MODULES: dict = {}
 class CupyConfig:
     """Tile sizes of the CuPy FlashAttention kernels, injected as -D defines.
 
-    version: "v1" (CUDA cores), "v1b" (CUDA cores, float32 only, K/V tiles by cp.async;
-    not yet measured), "v2" (tensor cores, float16/bfloat16) or "auto" (v2 for 16-bit inputs
-    on a GPU that has it, v1 otherwise; "auto" never picks v1b until it is measured).
+    version: "v1" (CUDA cores), "v1b" (CUDA cores, float32 only, K/V tiles by cp.async),
+    "v2" (tensor cores, float16/bfloat16) or "auto": v2 for 16-bit inputs, v1b for float32
+    on compute capability 8.0+ (1.8x v1 on the H200), v1 otherwise (float64, sm_75).
     block_q (Br), block_k (Bc): v1 and v1b take 16, 32 or 64 each; v2 takes block_q = 16 *
     num_warps and block_k in 16, 32, 64, 128.  None: the default for the head dim.
     num_warps: v2 only (1, 2, 4, 8): each warp owns 16 query rows.
@@ -196,9 +196,11 @@ class CupyConfig:
     def resolve(self, head_dim: int, dtype: str, cc: int | None = None) -> "CupyConfig":
         """The concrete config for (head_dim, dtype) on compute capability ``cc`` (e.g. 90)."""
         version = self.version
-        if version == "auto":
+        if version == "auto":                            # the fastest measured kernel that applies
             sixteen = dtype in ("float16", "bfloat16")
-            version = "v2" if sixteen and head_dim <= V2_MAX_HEAD_DIM else "v1"
+            async_copies = cc is None or cc >= 80        # cp.async: v1b's whole point
+            version = ("v2" if sixteen and head_dim <= V2_MAX_HEAD_DIM
+                       else "v1b" if dtype == "float32" and async_copies else "v1")
         if version == "v2":
             if dtype not in ("float16", "bfloat16"):
                 raise ValueError(f"config: version 'v2' is the tensor-core kernel for float16/bfloat16, "
