@@ -5,9 +5,10 @@ common.cuh inlined) with the defines the launcher derives from its config, for a
 one config per dtype.  bfloat16 needs sm_80: on sm_75 the source must refuse with a
 clear #error (the launcher never asks for it there).  Compiles run two at a time.
 
-The candidate versions not yet measured on a GPU (fa_v1b, decode_v2) are compiled for every
-arch too, and their main shapes (sm_90, fp32 d=128 forward, bf16 d=128 decode) are held to
-no local memory (no spills, no stack frame): the point of both is to stay within registers.
+The candidate versions not yet measured on a GPU (fa_v1b, decode_v2, decode_v3) are compiled for
+every arch too, and their main shapes (sm_90, fp32 d=128 forward, bf16 d=128 decode) are held to
+no local memory (no spills, no stack frame): the point of them is to stay within registers.
+The decode split heuristic is pure Python and is tested here too (no GPU needed).
 """
 import re
 import shutil
@@ -42,6 +43,10 @@ def _jobs():
         defines, _ = cr._decode_v2_defines(d, dtype, group, paged, block_size, cr.DecodeConfig("v2", **kw))
         jobs.append((f"decode_v2 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v2", defines, arch))
 
+    def dec3(dtype, d, paged, arch, group=4, block_size=16, **kw):
+        defines = cr._decode_v3_defines(d, dtype, group, paged, block_size, cr.DecodeConfig("v3", **kw))
+        jobs.append((f"decode_v3 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v3", defines, arch))
+
     for arch in ARCHS:
         fa("v1", "float32", 128, arch)
         fa("v2", "float16", 128, arch)
@@ -50,10 +55,13 @@ def _jobs():
         jobs.append(("paged_gather 16 B", "paged_gather", dict(BLOCK_SIZE=16, CHUNK_BYTES=16, CHUNKS_PER_ROW=16), arch))
         fa("v1b", "float32", 128, arch)
         dec2("float16", 128, arch != 80, arch)
+        dec3("float16", 128, arch != 80, arch)
         if arch >= 80:                                  # bfloat16 exists from sm_80
             fa("v2", "bfloat16", 128, arch)
             dec("bfloat16", 128, arch == 90, arch)
             dec2("bfloat16", 128, arch == 80, arch)
+            dec3("bfloat16", 128, arch == 80, arch, fused=arch == 90)
+            dec3("bfloat16", 128, arch == 90, arch, num_warps=8)
     fa("v1", "float16", 64, 75)
     fa("v1", "float64", 64, 80)
     fa("v1", "bfloat16", 72, 90)
@@ -71,6 +79,11 @@ def _jobs():
     dec2("float64", 64, False, 80, group=1)             # MHA, float64 accumulators
     dec2("bfloat16", 64, True, 90, group=8, stages=4)
     dec2("float16", 128, False, 75, stages=2, tile_rows=4)
+    dec3("float32", 128, True, 90, block_size=5)         # 32 lanes a row, odd page size
+    dec3("float64", 64, False, 80, group=1, fused=False)  # MHA, float64 (ld.global.cg.f64 unused)
+    dec3("float64", 64, True, 90, group=2)                # float64 fused combine
+    dec3("float16", 72, True, 90, group=8, block_size=7, stages=4, tile_rows=8)
+    dec3("bfloat16", 128, False, 90, stages=6, tile_rows=16, num_warps=8)
     return jobs
 
 
@@ -107,6 +120,9 @@ def test_candidates_refuse_what_they_cannot_run(tmp_path):
     d59, _ = cr._decode_v2_defines(64, "float16", 4, False, 16, cr.DecodeConfig("v2"))
     rc, err = _compile(tmp_path, "decode_v2", dict(d59, HEAD_DIM=59), 90)
     assert rc != 0 and "16-byte chunks" in err
+    d3 = cr._decode_v3_defines(64, "float16", 4, False, 16, cr.DecodeConfig("v3"))
+    rc, err = _compile(tmp_path, "decode_v3", dict(d3, HEAD_DIM=59), 90)
+    assert rc != 0 and "16-byte chunks" in err
 
 
 def test_candidates_stay_in_registers(tmp_path):
@@ -115,6 +131,10 @@ def test_candidates_stay_in_registers(tmp_path):
     dec, _ = cr._decode_v2_defines(128, "bfloat16", 4, False, 16, cr.DecodeConfig("v2"))
     decp, _ = cr._decode_v2_defines(128, "bfloat16", 4, True, 16, cr.DecodeConfig("v2"))
     jobs = [("fa_v1b", v1b, 90), ("decode_v2", dec, 90), ("decode_v2", decp, 90)]
+    for paged, nw, fused in ((False, 4, True), (True, 4, True), (False, 8, True), (True, 8, True),
+                             (False, 4, False)):
+        jobs.append(("decode_v3", cr._decode_v3_defines(128, "bfloat16", 4, paged, 16,
+                                                        cr.DecodeConfig("v3", num_warps=nw, fused=fused)), 90))
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(tmp_path, *j, extra=("-Xptxas", "-v")), jobs))
     for (name, defines, arch), (rc, err) in zip(jobs, results):
@@ -159,3 +179,38 @@ def test_auto_picks_the_fastest_measured_forward_for_the_dtype_and_gpu():
     assert auto.resolve(128, "float32", 75).version == "v1"
     assert auto.resolve(128, "float64", 90).version == "v1"
     assert auto.resolve(300, "float16", 90).version == "v1"          # past v2's head-dim limit
+
+
+# --------------------------------------------------------------------------- decode split heuristic
+def test_num_splits_heuristic_properties():
+    """num_splits_heuristic is pure Python: its promises, over a grid of shapes (no GPU).
+
+    One wave: batch * heads_kv * splits <= num_sms * blocks_per_sm unless splits == 1; at
+    least DECODE_MIN_KEYS_PER_SPLIT keys a split (unless splits == 1); at most
+    DECODE_MAX_SPLITS; never fewer splits for a longer sequence; 1 for an empty one.
+    """
+    lo, cap = cr.DECODE_MIN_KEYS_PER_SPLIT, cr.DECODE_MAX_SPLITS
+    for sms in (40, 108, 132):
+        for bps in (1, 2, 3, 4, 8):
+            slots = cr.DECODE_WAVES * sms * bps
+            for batch in (1, 2, 8, 64, 1000):
+                for hkv in (1, 2, 8, 32):
+                    prev = 0
+                    for n in (0, 1, 100, 255, 256, 257, 1000, 4096, 32768, 131072, 10 ** 6):
+                        s = cr.num_splits_heuristic(batch, hkv, n, sms, bps)
+                        assert isinstance(s, int) and 1 <= s <= cap, (batch, hkv, n, sms, bps, s)
+                        if n == 0:
+                            assert s == 1
+                        if s > 1:
+                            assert batch * hkv * s <= slots, (batch, hkv, n, sms, bps, s)
+                            assert n // s >= lo, (batch, hkv, n, sms, bps, s)
+                        assert s >= prev, f"not monotone in seq_len at {(batch, hkv, n, sms, bps)}: {prev} -> {s}"
+                        prev = s
+                    # a long sequence with room on the GPU uses the room (more than one split)
+                    if batch * hkv * 2 <= slots:
+                        assert cr.num_splits_heuristic(batch, hkv, 10 ** 6, sms, bps) > 1
+    # a grid that already fills the GPU gets no splits; one that does not is filled, up to the caps
+    assert cr.num_splits_heuristic(64, 8, 32768, 132, 4) == 1          # 512 blocks of 528 slots
+    for hkv in (1, 8):
+        want = min(cr.DECODE_WAVES * 132 * 4 // hkv, 32768 // lo, cap)
+        assert cr.num_splits_heuristic(1, hkv, 32768, 132, 4) == want

@@ -1,0 +1,417 @@
+// decode_v3.cu -- Flash-Decoding, version 3: decode_v2's cp.async ring, with the combine
+// fused into the split kernel and the paged block table staged in SRAM.
+//
+// NOT YET MEASURED ON A GPU (written without one; compiled for sm_75 / sm_80 / sm_90 by
+// tests/test_cupy_compile.py, run by tests/test_cupy.py, compute-sanitizer through
+// cupy_raw.sanitize_cases() and timed by cupy_raw.quick_bench.sweep_decode on the next
+// GPU call).
+//
+// What changed against decode_v2.cu (version 2), and why.  Version 2 measured 0.0674 ms at
+// bf16 B=1 N=32768 GQA 32/8 d=128 (H200; 0.744x cuDNN's SDPA), paged 0.80x of contiguous.
+// At 50-70 us a call, the second launch (decode.cu's combine) and its ramp and tail are
+// several percent, so:
+//   * FUSED=1: the combine runs inside the split kernel.  Each split block writes its
+//     partial (O_s normalised, LSE_s) as before, then `__threadfence()` (its writes are
+//     visible device-wide before anything that follows) and one atomicAdd on a counter of
+//     its (batch, kv head).  The block that brings the counter to num_splits is the last
+//     of its group: every partial is in L2 by then, so it merges the S partials of its g
+//     query heads (reading them with ld.global.cg, which skips the SM's own L1, where a
+//     stale line could sit) and writes O and LSE.  It then sets the counter back to 0, so
+//     the next call needs no memset: the counters are a workspace the launcher keeps one
+//     of per device and stream (cupy_raw._decode_counters).  FUSED=0 keeps v2's structure
+//     (a separate combine launch, the Flash-Decoding paper's two kernels) for comparison.
+//   * NUM_WARPS is a setting (4 or 8 a block): more warps, more bytes in flight a block.
+//   * paged: the block-table entries of the block's split are copied into SRAM once, at
+//     the start (one coalesced read), when they fit the space the launcher gives
+//     (table_cap entries); the per-tile lookups then read SRAM, not HBM/L2.  A split longer
+//     than that reads its entries from global memory one tile ahead, as v2 does.
+// Unchanged from v2: the per-warp ring of STAGES tiles (TILE_ROWS rows of K and of V a
+// tile) filled by cp.async with only __syncwarp in the key loop; GQA packed (each K/V row
+// read once for the g query heads); ragged lengths, a length-0 sequence gives O = 0 and
+// LSE = -inf; tail rows zero-filled by cp.async's src-size form and masked to -inf; LSE in
+// natural log.  On sm_75 cp_async16 is a plain load + store (common.cuh).
+//
+// Limits (the launcher runs version 1 instead): rows must be whole 16-byte chunks, at most
+// 32 of them, 16-byte aligned.  Two calls that share a counter workspace must not run at
+// the same time (the launcher keys it by stream; a call aborted mid-kernel would leave
+// counts behind: the launcher zeroes a workspace when it creates it, and after an error
+// CUDA's context is lost anyway).
+//
+// Per-warp pipeline: as decode_v2.cu (prologue issues tiles 0 .. STAGES-2; loop t issues
+// t+STAGES-1, waits for t, computes t).
+//
+// Compile-time settings: HEAD_DIM, GROUP (g), IK_DTYPE, PAGED, BLOCK_SIZE (paged),
+// NUM_WARPS, STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED.
+// Dynamic SRAM (the launcher's decode_v3_smem): max(rings, the warps' merge buffer,
+// the fused combine's weights GROUP * num_splits acc_t), then table_cap int32 entries.
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef GROUP
+#define GROUP 4
+#endif
+#ifndef PAGED
+#define PAGED 0
+#endif
+#ifndef BLOCK_SIZE
+#define BLOCK_SIZE 16
+#endif
+#ifndef NUM_WARPS
+#define NUM_WARPS 4
+#endif
+#ifndef STAGES
+#define STAGES 3
+#endif
+#ifndef DECODE_MIN_BLOCKS
+#define DECODE_MIN_BLOCKS 4
+#endif
+#ifndef FUSED
+#define FUSED 1
+#endif
+
+#define NTHREADS (32 * NUM_WARPS)
+#define VEC (16 / IK_ELEM_BYTES)                      // elements in one 16-byte chunk
+#define CPR (HEAD_DIM / VEC)                          // chunks a row
+// lanes per key row: CPR rounded up to a power of two (xor shuffles inside the group)
+#define LANES (CPR <= 1 ? 1 : CPR <= 2 ? 2 : CPR <= 4 ? 4 : CPR <= 8 ? 8 : CPR <= 16 ? 16 : 32)
+#define RPW (32 / LANES)                              // rows a warp reads side by side
+#define EPL VEC                                       // elements a lane holds of a row
+
+#if STAGES < 2
+#error "decode_v3: STAGES must be at least 2 (one tile in use, one in flight)"
+#endif
+#if (HEAD_DIM % VEC) != 0 || CPR > 32
+#error "decode_v3: a row must be whole 16-byte chunks, at most 32 of them (use decode.cu)"
+#endif
+
+#ifndef TILE_ROWS
+#define TILE_ROWS ((2048 / (CPR * 16)) < RPW ? RPW : (2048 / (CPR * 16)) / RPW * RPW)
+#endif
+#if TILE_ROWS % RPW != 0
+#error "decode_v3: TILE_ROWS must be a multiple of the rows a warp reads side by side"
+#endif
+#define STEPS (TILE_ROWS / RPW)                       // row steps a tile takes
+#define TILE_CHUNKS (TILE_ROWS * CPR)                 // 16-byte chunks of K (or V) in a tile
+#define CPL ((TILE_CHUNKS + 31) / 32)                 // chunks of K (or V) a lane copies a tile
+#define STAGE_CHUNKS (2 * TILE_CHUNKS)                // K then V
+#define RING_BYTES (NUM_WARPS * STAGES * STAGE_CHUNKS * 16)
+#define MERGE_BYTES (NUM_WARPS * GROUP * HEAD_DIM * (int)sizeof(acc_t))
+// the block table (paged) lives after the rings / merge buffer / combine weights; the
+// launcher passes its byte offset (the weights' size depends on num_splits, a run-time value)
+
+__device__ __forceinline__ u32 word4(const uint4& u, int i) {
+    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
+}
+__device__ __forceinline__ acc_t chunk_elem(const uint4& u, int e) {
+#if IK_DTYPE == IK_F32
+    return __uint_as_float(word4(u, e));
+#elif IK_DTYPE == IK_F64
+    return __hiloint2double((int)word4(u, 2 * e + 1), (int)word4(u, 2 * e));
+#else
+    return to_acc((u16)(word4(u, e / 2) >> (16 * (e & 1))));
+#endif
+}
+
+__device__ __forceinline__ acc_t shfl_xor3(acc_t v, int off) { return __shfl_xor_sync(0xffffffffu, v, off); }
+
+// a load that goes to L2 (skips this SM's L1): partials other blocks wrote this launch
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ double ld_cg(const double* p) {
+    double v;
+    asm volatile("ld.global.cg.f64 %0, [%1];" : "=d"(v) : "l"(p));
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)
+decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous
+                const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+#if PAGED
+                const int* __restrict__ block_table, int max_blocks,
+                long long s_blk, long long s_row, long long s_head,   // pool strides (elements)
+                int table_cap, int table_offset,                      // SRAM table: entries, byte offset
+#else
+                long long skb, long long skh, long long skn,
+                long long svb, long long svh, long long svn,
+#endif
+                const int* __restrict__ seq_lens,      // (batch,) int32, or null: every sequence has nk keys
+                int nk, int heads_q, int heads_kv, acc_t scale, int num_splits,
+                acc_t* __restrict__ O_part, acc_t* __restrict__ LSE_part,   // (splits, batch, heads_q[, d])
+                int* __restrict__ counters,            // (batch, heads_kv) zeros; FUSED only
+                elem_t* __restrict__ O, acc_t* __restrict__ LSE) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ acc_t red_m[NUM_WARPS][GROUP];
+    __shared__ acc_t red_l[NUM_WARPS][GROUP];
+    __shared__ int is_last;
+
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int sub = lane % LANES;
+    const int slot = lane / LANES;
+    const bool has_chunk = sub < CPR;
+    const int len = seq_lens ? seq_lens[b] : nk;
+    const int per_split = (len + num_splits - 1) / num_splits;
+    const int n_begin = min(split * per_split, len), n_end = min(n_begin + per_split, len);
+
+    const int n_tiles = (n_end - n_begin + TILE_ROWS - 1) / TILE_ROWS;
+    const int my_tiles = n_tiles > warp ? (n_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
+    uint4* ring = reinterpret_cast<uint4*>(smem_raw) + warp * (STAGES * STAGE_CHUNKS);
+
+    const acc_t qscale = scale * (acc_t)1.4426950408889634;   // scores in log2 units
+    acc_t q[GROUP][EPL];
+#pragma unroll
+    for (int gq = 0; gq < GROUP; ++gq) {
+        uint4 u = make_uint4(0u, 0u, 0u, 0u);
+        if (has_chunk) u = *reinterpret_cast<const uint4*>(Q + ((long long)b * heads_q + hk * GROUP + gq) * HEAD_DIM + sub * VEC);
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) q[gq][e] = chunk_elem(u, e) * qscale;
+    }
+    acc_t m[GROUP], l[GROUP], acc[GROUP][EPL];
+#pragma unroll
+    for (int gq = 0; gq < GROUP; ++gq) {
+        m[gq] = neg_inf(); l[gq] = 0;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[gq][e] = 0;
+    }
+
+#if PAGED
+    // load this split's block-table entries -> SRAM (once), when they fit table_cap
+    const int e0 = n_begin / BLOCK_SIZE;
+    const int n_entries = n_end > n_begin ? (n_end - 1) / BLOCK_SIZE - e0 + 1 : 0;
+    const int* tb = block_table + (long long)b * max_blocks + e0;     // entry i of the split: tb[i]
+    if (n_entries <= table_cap) {
+        int* tsm = reinterpret_cast<int*>(smem_raw + table_offset);
+        for (int i = threadIdx.x; i < n_entries; i += NTHREADS) tsm[i] = tb[i];
+        __syncthreads();
+        tb = tsm;                                   // a generic pointer: SRAM from here on
+    }
+    // entries of the rows this lane copies in its next tile (read one tile ahead)
+    int blk_next[CPL];
+    auto load_blocks = [&](int t) {
+        const int start = n_begin + (warp + t * NUM_WARPS) * TILE_ROWS;
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) {
+            const int n = start + (lane + 32 * i) / CPR;
+            const bool ok = t < my_tiles && (lane + 32 * i) < TILE_CHUNKS && n < n_end;
+            blk_next[i] = ok ? tb[n / BLOCK_SIZE - e0] : 0;
+        }
+    };
+    load_blocks(0);
+#else
+    const elem_t* Kb = K + b * skb + hk * skh;
+    const elem_t* Vb = V + b * svb + hk * svh;
+#endif
+
+    // load K, V rows of this warp's tile t -> SRAM stage t % STAGES (asynchronous; one group)
+    auto issue = [&](int t) {
+        if (t < my_tiles) {
+            uint4* Ks = ring + (t % STAGES) * STAGE_CHUNKS;
+            uint4* Vs = Ks + TILE_CHUNKS;
+            const int start = n_begin + (warp + t * NUM_WARPS) * TILE_ROWS;
+#pragma unroll
+            for (int i = 0; i < CPL; ++i) {
+                const int c = lane + 32 * i;
+                if (c < TILE_CHUNKS) {
+                    const int r = c / CPR, ch = c % CPR;
+                    const int n = start + r;
+                    const bool ok = n < n_end;
+#if PAGED
+                    const long long off = (long long)blk_next[i] * s_blk + (long long)(n % BLOCK_SIZE) * s_row
+                                          + hk * s_head + ch * VEC;
+                    cp_async16(Ks + c, ok ? K + off : K, ok);
+                    cp_async16(Vs + c, ok ? V + off : V, ok);
+#else
+                    cp_async16(Ks + c, ok ? Kb + (long long)n * skn + ch * VEC : Kb, ok);
+                    cp_async16(Vs + c, ok ? Vb + (long long)n * svn + ch * VEC : Vb, ok);
+#endif
+                }
+            }
+#if PAGED
+            load_blocks(t + 1);
+#endif
+        }
+        cp_async_commit();
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s);
+
+    for (int t = 0; t < my_tiles; ++t) {            // loop over this warp's K/V tiles
+        issue(t + STAGES - 1);
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        const uint4* Ks = ring + (t % STAGES) * STAGE_CHUNKS;
+        const uint4* Vs = Ks + TILE_CHUNKS;
+        const int start = n_begin + (warp + t * NUM_WARPS) * TILE_ROWS;
+
+        acc_t sc[GROUP][STEPS];                     // scores, log2 units, tail masked
+#pragma unroll
+        for (int st = 0; st < STEPS; ++st) {
+            const int r = st * RPW + slot;
+            uint4 u = make_uint4(0u, 0u, 0u, 0u);
+            if (has_chunk) u = Ks[r * CPR + sub];
+            acc_t kf[EPL];
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) kf[e] = chunk_elem(u, e);
+            const bool vis = start + r < n_end;
+#pragma unroll
+            for (int gq = 0; gq < GROUP; ++gq) {
+                acc_t d = 0;
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) d += q[gq][e] * kf[e];
+#pragma unroll
+                for (int off = LANES / 2; off > 0; off /= 2) d += shfl_xor3(d, off);
+                sc[gq][st] = vis ? d : neg_inf();
+            }
+        }
+        acc_t base[GROUP];                          // online softmax: one rescale a tile per head
+#pragma unroll
+        for (int gq = 0; gq < GROUP; ++gq) {
+            acc_t mx = neg_inf();
+#pragma unroll
+            for (int st = 0; st < STEPS; ++st) mx = ik_max(mx, sc[gq][st]);
+            const acc_t m_new = ik_max(m[gq], mx);
+            base[gq] = (m_new == neg_inf()) ? (acc_t)0 : m_new;
+            const acc_t alpha = ik_exp2(m[gq] - base[gq]);
+            l[gq] *= alpha;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[gq][e] *= alpha;
+            m[gq] = m_new;
+        }
+#pragma unroll
+        for (int st = 0; st < STEPS; ++st) {        // O += P V  (V rows from SRAM)
+            const int r = st * RPW + slot;
+            uint4 u = make_uint4(0u, 0u, 0u, 0u);
+            if (has_chunk) u = Vs[r * CPR + sub];
+            acc_t vf[EPL];
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) vf[e] = chunk_elem(u, e);
+#pragma unroll
+            for (int gq = 0; gq < GROUP; ++gq) {
+                const acc_t p = ik_exp2(sc[gq][st] - base[gq]);
+                l[gq] += p;
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) acc[gq][e] += p * vf[e];
+            }
+        }
+        __syncwarp();                               // every lane is done with this stage
+    }
+    cp_async_wait<0>();
+
+    // merge the slots of a warp, then the warps (through SRAM), as decode_v2.cu
+#pragma unroll
+    for (int off = LANES; off < 32; off *= 2) {
+#pragma unroll
+        for (int gq = 0; gq < GROUP; ++gq) {
+            const acc_t mo = shfl_xor3(m[gq], off), lo = shfl_xor3(l[gq], off);
+            const acc_t mn = ik_max(m[gq], mo);
+            const acc_t bs = (mn == neg_inf()) ? (acc_t)0 : mn;
+            const acc_t a = ik_exp2(m[gq] - bs), c = ik_exp2(mo - bs);
+            l[gq] = l[gq] * a + lo * c;
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) acc[gq][e] = acc[gq][e] * a + shfl_xor3(acc[gq][e], off) * c;
+            m[gq] = mn;
+        }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int gq = 0; gq < GROUP; ++gq) { red_m[warp][gq] = m[gq]; red_l[warp][gq] = l[gq]; }
+    }
+    __syncthreads();
+
+    acc_t* red_o = reinterpret_cast<acc_t*>(smem_raw);
+#pragma unroll
+    for (int gq = 0; gq < GROUP; ++gq) {
+        acc_t M = neg_inf();
+        for (int w = 0; w < NUM_WARPS; ++w) M = ik_max(M, red_m[w][gq]);
+        const acc_t bs = (M == neg_inf()) ? (acc_t)0 : M;
+        if (has_chunk && lane < LANES) {
+            const acc_t f = ik_exp2(m[gq] - bs);
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) red_o[(warp * GROUP + gq) * HEAD_DIM + sub * VEC + e] = acc[gq][e] * f;
+        }
+    }
+    __syncthreads();
+
+    // write this split's O (normalised) and LSE -> HBM (the final O, LSE when num_splits == 1)
+    const long long row = (long long)b * heads_q + hk * GROUP;   // first query head's row
+    const long long rows = (long long)gridDim.z * heads_q;       // batch * heads_q
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += NTHREADS) {
+        const int gq = i / HEAD_DIM, c = i % HEAD_DIM;
+        acc_t M = neg_inf();
+        for (int w = 0; w < NUM_WARPS; ++w) M = ik_max(M, red_m[w][gq]);
+        const acc_t bs = (M == neg_inf()) ? (acc_t)0 : M;
+        acc_t L = 0, sum = 0;
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            L += red_l[w][gq] * ik_exp2(red_m[w][gq] - bs);
+            sum += red_o[(w * GROUP + gq) * HEAD_DIM + c];
+        }
+        const acc_t inv = L > 0 ? (acc_t)1 / L : (acc_t)0;
+        if (num_splits == 1) O[(row + gq) * HEAD_DIM + c] = from_acc(sum * inv);
+        else O_part[((long long)split * rows + row + gq) * HEAD_DIM + c] = sum * inv;
+        if (c == 0) {
+            const acc_t lse = L > 0 ? (M + ik_log2(L)) * (acc_t)0.6931471805599453 : neg_inf();
+            if (num_splits == 1) LSE[row + gq] = lse;
+            else LSE_part[(long long)split * rows + row + gq] = lse;
+        }
+    }
+#if FUSED
+    if (num_splits == 1) return;
+    // ---- the fused combine: the last split block of this (batch, kv head) merges them all
+    __threadfence();                                // this block's partial -> visible to all
+    __syncthreads();                                // every thread's writes fenced
+    if (threadIdx.x == 0) {
+        const int arrived = atomicAdd(counters + b * heads_kv + hk, 1);
+        is_last = arrived == num_splits - 1;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();                                // order: the count before the partials' reads
+
+    // weights w_s = exp(LSE_s - LSE) for each head, -> SRAM (the rings' space, idle now);
+    // warp w takes heads w, w + NUM_WARPS, ...; its lanes take splits lane, lane + 32, ...
+    acc_t* wts = reinterpret_cast<acc_t*>(smem_raw);              // [GROUP][num_splits]
+    __shared__ acc_t lse_out[GROUP];
+    for (int gq = warp; gq < GROUP; gq += NUM_WARPS) {
+        acc_t M = neg_inf();
+        for (int s = lane; s < num_splits; s += 32) {
+            const acc_t x = ld_cg(LSE_part + (long long)s * rows + row + gq);
+            wts[gq * num_splits + s] = x;
+            M = ik_max(M, x);
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) M = ik_max(M, shfl_xor3(M, off));
+        const acc_t bs = (M == neg_inf()) ? (acc_t)0 : M;
+        acc_t L = 0;
+        for (int s = lane; s < num_splits; s += 32) {
+            const acc_t w = ik_exp(wts[gq * num_splits + s] - bs);   // exp(-inf) = 0: an empty split
+            wts[gq * num_splits + s] = w;
+            L += w;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off /= 2) L += shfl_xor3(L, off);
+        const acc_t inv = L > 0 ? (acc_t)1 / L : (acc_t)0;
+        for (int s = lane; s < num_splits; s += 32) wts[gq * num_splits + s] *= inv;
+        if (lane == 0) lse_out[gq] = L > 0 ? M + ik_log(L) : neg_inf();
+    }
+    __syncthreads();
+    // O = sum_s w_s O_s -> HBM (the partials read from L2; independent loads, unrolled)
+    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += NTHREADS) {
+        const int gq = i / HEAD_DIM, c = i % HEAD_DIM;
+        const acc_t* w = wts + gq * num_splits;
+        const acc_t* src = O_part + (row + gq) * HEAD_DIM + c;
+        const long long step = rows * HEAD_DIM;
+        acc_t sum = 0;
+#pragma unroll 8
+        for (int s = 0; s < num_splits; ++s) sum += w[s] * ld_cg(src + s * step);
+        O[(row + gq) * HEAD_DIM + c] = from_acc(sum);
+        if (c == 0) LSE[row + gq] = lse_out[gq];
+    }
+    if (threadIdx.x == 0) counters[b * heads_kv + hk] = 0;   // ready for the next call
+#endif
+}
