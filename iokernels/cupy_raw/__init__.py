@@ -67,8 +67,7 @@ the kernel's occupancy (one full wave of blocks).
   an SM, too few bytes in flight to saturate HBM.  A cp.async ring of K/V tiles in SRAM
   (several stages deep) is the known cure: decode v2.  Paged decode: 1.60 TB/s, 0.85x of
   contiguous (bf16, B=1, N=32768; run of 10:39 UTC, benchmarks/results/h200_2026-11-29.json).
-Decode v2 (``decode_v2.cu``, ``DecodeConfig(version="v2")``; NOT YET MEASURED on a GPU,
-written after the last H200 call): each warp streams its tiles of K/V rows through a
+Decode v2 (``decode_v2.cu``, ``DecodeConfig(version="v2")``; measured once, below): each warp streams its tiles of K/V rows through a
 private ring of DECODE_V2_STAGES tiles in SRAM with ``cp.async`` (copies in flight hold no
 registers), with only ``__syncwarp`` in the key loop; registers hold q, (m, l, O) and one
 row; block-table entries are loaded a tile ahead; tail rows are zero-filled by cp.async's
@@ -76,6 +75,16 @@ src-size form.  127-128 registers, no local memory (sm_90, bf16, d = 128; ptxas 
 SRAM: 4 blocks an SM.  Same split/combine contract, GQA packing and LSE as v1; rows that
 are not whole 16-byte chunks (or over 32 of them, or unaligned) run v1
 (:func:`decode_version_used`).  The public default stays v1 until v2 is measured.
+  Measured (H200, one run): bf16 B=1 N=32768 0.0674 ms = 1.99 TB/s = 0.744x cuDNN SDPA;
+  paged v2 0.80x of contiguous v2.
+Decode v3 (``decode_v3.cu``, ``DecodeConfig(version="v3")``; NOT YET MEASURED on a GPU):
+v2's ring with the combine fused into the split kernel -- each split block writes its
+partial, ``__threadfence()``, bumps an atomic counter of its (batch, kv head); the last
+block to arrive merges the S partials and resets the counter (one launch instead of two;
+the counters are a per-stream workspace, :func:`_decode_counters`).  ``fused=False``
+keeps the two-kernel structure of the Flash-Decoding paper for comparison.  Also
+``num_warps`` 4 or 8, and paged splits stage their block-table entries in SRAM once.
+Paged calls upload lengths and tables in one copy (all versions).
 Paged gather (``paged_gather.cu``): 16-byte chunks through the block table.
   Measured: 3.54 TB/s = 0.945x a device copy of the same bytes (3.74 TB/s), kernel time.
 
@@ -113,7 +122,7 @@ from .. import conventions as cv
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 SOURCES = {"fa_v1": "fa_v1.cu", "fa_v1b": "fa_v1b.cu", "fa_v2": "fa_v2.cu", "decode": "decode.cu",
-           "decode_v2": "decode_v2.cu", "paged_gather": "paged_gather.cu"}
+           "decode_v2": "decode_v2.cu", "decode_v3": "decode_v3.cu", "paged_gather": "paged_gather.cu"}
 #: the kernel file (and function) of each CupyConfig version
 FA_KERNELS = {"v1": "fa_v1", "v1b": "fa_v1b", "v2": "fa_v2"}
 #: -DIK_DTYPE values (common.cuh)
@@ -145,6 +154,14 @@ DECODE_V2_STAGES = 3
 DECODE_V2_MIN_BLOCKS = 4
 #: ... a tile is about this many bytes of K (and as many of V): 8 rows at bf16 d=128
 DECODE_V2_TILE_BYTES = 2048
+#: decode v3 (decode_v3.cu): v2's ring with the combine fused into the split kernel.  Its
+#: defaults are v2's (4 warps, 3 stages, ~2 KB tiles, 4 blocks an SM): what v3 changes by
+#: default is the fused combine and the paged table in SRAM; quick_bench.sweep_decode times
+#: the other settings
+DECODE_V3_WARPS = 4
+#: ... a paged split's block-table entries are staged in SRAM when there are at most this
+#: many (4 KB: 1024 pages of 16 rows = 16384 keys a split); longer splits read them from HBM/L2
+DECODE_V3_TABLE_CAP = 1024
 #: fa_v1b: registers capped so this many blocks fit an SM (its 112 KB of SRAM allow two)
 V1B_MIN_BLOCKS = 2
 #: paged gather: threads a block, and blocks per SM the grid-stride loop launches
@@ -265,26 +282,40 @@ class CupyConfig:
 class DecodeConfig:
     """Which decode kernel, for :func:`decode` / :func:`paged_decode_pools` (``config=``).
 
-    version: "v1" (decode.cu, the default: plain loads into registers) or "v2"
-    (decode_v2.cu: a per-warp cp.async ring of K/V tiles in SRAM; not yet measured).
-    v2 needs rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned
+    version: "v1" (decode.cu, the default: plain loads into registers), "v2"
+    (decode_v2.cu: a per-warp cp.async ring of K/V tiles in SRAM) or "v3" (decode_v3.cu:
+    v2's ring with the combine fused into the split kernel; not yet measured).
+    v2 and v3 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned
     (:func:`decode_version_used` says which kernel a call runs); otherwise v1 runs.
-    stages: v2's ring depth (>= 2; None: DECODE_V2_STAGES).  tile_rows: key rows a tile
-    (a multiple of the rows a warp reads side by side; None: about DECODE_V2_TILE_BYTES of K).
+    stages: the ring depth of v2/v3 (>= 2; None: DECODE_V2_STAGES).  tile_rows: key rows a
+    tile (a multiple of the rows a warp reads side by side; None: about DECODE_V2_TILE_BYTES
+    of K).  num_warps (v3): 4 or 8 warps a block (None: DECODE_V3_WARPS).  fused (v3): the
+    combine inside the split kernel (True, the default) or decode.cu's separate combine
+    launch (False, v2's structure).  min_blocks (v2/v3): blocks an SM the registers are
+    capped for (None: DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8).
     """
 
     version: str = "v1"
     stages: int | None = None
     tile_rows: int | None = None
+    num_warps: int | None = None
+    fused: bool = True
+    min_blocks: int | None = None
 
     def __post_init__(self):
-        cv.check_choice(self.version, "config.version", ("v1", "v2"))
-        for name in ("stages", "tile_rows"):
+        cv.check_choice(self.version, "config.version", ("v1", "v2", "v3"))
+        for name in ("stages", "tile_rows", "num_warps", "min_blocks"):
             val = getattr(self, name)
             if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
                 raise ValueError(f"config: {name} must be a positive integer or None, got {val!r}")
         if self.stages is not None and self.stages < 2:
             raise ValueError(f"config: stages must be at least 2 (one tile used, one in flight), got {self.stages}")
+        if self.num_warps not in (None, 4, 8):
+            raise ValueError(f"config: num_warps must be 4 or 8 (v3), got {self.num_warps}")
+        if self.num_warps not in (None, DECODE_V3_WARPS) and self.version != "v3":
+            raise ValueError(f"config: num_warps is a v3 setting; version {self.version!r} runs {DECODE_WARPS}")
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"config: fused must be True or False, got {self.fused!r}")
 
 
 def _check_decode_config(config) -> DecodeConfig:
@@ -323,11 +354,24 @@ def decode_v2_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows
     return max(ring, merge)
 
 
+def decode_v3_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows: int, num_warps: int,
+                   num_splits: int = 1, fused: bool = True, table_cap: int = 0) -> tuple:
+    """decode_v3.cu's dynamic SRAM a block, as (total bytes, byte offset of the block table):
+    max(the rings, the warps' merge buffer, the fused combine's weights), then ``table_cap``
+    int32 block-table entries (paged)."""
+    acc = cv.accum_dtype(dtype).itemsize
+    ring = num_warps * stages * 2 * tile_rows * head_dim * cv.itemsize_of(dtype)
+    merge = num_warps * group * head_dim * acc
+    weights = group * num_splits * acc if fused and num_splits > 1 else 0
+    offset = _round_up(max(ring, merge, weights), 16)
+    return offset + 4 * table_cap, offset
+
+
 def decode_version_used(head_dim: int, dtype: str, aligned16: bool, config=None) -> str:
-    """The decode kernel a call runs: "v2" when asked for and the rows allow it, else "v1"."""
+    """The decode kernel a call runs: "v2"/"v3" when asked for and the rows allow it, else "v1"."""
     cfg = _check_decode_config(config)
-    if cfg.version == "v2" and aligned16 and decode_v2_geometry(head_dim, dtype, cfg.tile_rows) is not None:
-        return "v2"
+    if cfg.version in ("v2", "v3") and aligned16 and decode_v2_geometry(head_dim, dtype, cfg.tile_rows) is not None:
+        return cfg.version
     return "v1"
 
 
@@ -637,6 +681,36 @@ def _decode_v2_defines(d, dtype, group, paged, block_size, config, min_blocks=No
     return out, decode_v2_smem(d, dtype, group, stages, geo["tile_rows"])
 
 
+def _decode_v3_defines(d, dtype, group, paged, block_size, config, min_blocks=None):
+    """decode_v3.cu's defines for one call (the rows must allow it; SRAM: decode_v3_smem)."""
+    geo = decode_v2_geometry(d, dtype, config.tile_rows)
+    nw = config.num_warps or DECODE_V3_WARPS
+    mb = min_blocks or config.min_blocks or max(1, DECODE_V2_MIN_BLOCKS * DECODE_V3_WARPS // nw)
+    out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged), NUM_WARPS=nw,
+               STAGES=config.stages or DECODE_V2_STAGES, TILE_ROWS=geo["tile_rows"], DECODE_MIN_BLOCKS=mb,
+               FUSED=int(config.fused))
+    if paged:
+        out["BLOCK_SIZE"] = block_size
+    return out
+
+
+#: decode v3's fused-combine counters: one int32 workspace per (device, stream), zero between
+#: calls (the last block of each group sets its counter back to 0).  Keyed by stream so two
+#: streams never share counts; the only state here besides the compiled modules.
+_DECODE_COUNTERS: dict = {}
+
+
+def _decode_counters(n: int):
+    """At least ``n`` zeroed int32 counters for decode v3 on the current device and stream."""
+    cp = _cupy()
+    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    buf = _DECODE_COUNTERS.get(key)
+    if buf is None or buf.size < n:
+        buf = cp.zeros(max(n, 1024), dtype=np.int32)     # zeroed once, on this stream
+        _DECODE_COUNTERS[key] = buf
+    return buf
+
+
 def _check_decode_q(q, heads_kv, d, dtype):
     s = tuple(getattr(q, "shape", ()))
     if len(s) != 3 or s[2] != d or s[1] % heads_kv:
@@ -740,12 +814,17 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     defines = _decode_defines(d, dtype, Hq // Hkv, paged is not None, block_size, aligned, unroll, min_blocks)
     cfg = _check_decode_config(config)
     smem = 0
-    if decode_version_used(d, dtype, aligned, cfg) == "v2":
+    used = decode_version_used(d, dtype, aligned, cfg)
+    threads = 32 * DECODE_WARPS
+    if used == "v3":
+        return _launch_decode_v3(qd, kd, vd, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits,
+                                 paged=paged, longest=longest, nk=nk, config=cfg, min_blocks=min_blocks,
+                                 combine_defines=defines)
+    if used == "v2":
         v2, smem = _decode_v2_defines(d, dtype, Hq // Hkv, paged is not None, block_size, cfg, min_blocks)
         fn = _function("decode_v2", "decode_split_v2", v2, smem)
     else:
         fn = _function("decode", "decode_split", defines)
-    threads = 32 * DECODE_WARPS
     if num_splits is None:
         num_splits = num_splits_heuristic(B, Hkv, nk if longest is None else longest, device_info()["sms"],
                                           _blocks_per_sm(fn, threads, smem))
@@ -768,6 +847,66 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     fn((S, Hkv, B), (threads,), args, shared_mem=smem)
     if S > 1:                                          # both versions: decode.cu's combine
         comb = _function("decode", "decode_combine", defines)
+        comb((B * Hq,), (min(256, _round_up(d, 32)),), (o_part, lse_part, i32(S), i32(B * Hq), o.arg, lse.arg))
+
+
+def _launch_decode_v3(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits, paged, longest, nk, config,
+                      min_blocks, combine_defines):
+    """decode_v3.cu on device arrays (launch_decode's arguments, already converted).
+
+    Fused (the default): one launch; the last split block of each (batch, kv head) merges.
+    Unfused: the split kernel, then decode.cu's combine (v2's two launches).
+    The dynamic SRAM depends on num_splits (the combine's weights) and, paged, on the table
+    entries a split needs; the compiled kernel does not (both are launch arguments).
+    """
+    cp = _cupy()
+    B, Hq, d = qd.shape
+    Hkv = kd.shape[2] if paged is not None else kd.shape[1]
+    group = Hq // Hkv
+    block_size = paged[1] if paged is not None else 0
+    defines = _decode_v3_defines(d, dtype, group, paged is not None, block_size, config, min_blocks)
+    nw, stages, tile_rows = defines["NUM_WARPS"], defines["STAGES"], defines["TILE_ROWS"]
+    fused = bool(defines["FUSED"])
+    dev = device_info()
+    longest = nk if longest is None else longest
+    # the kernel is compiled once per defines; its SRAM is sized a launch (at least the rings)
+    base_smem, _ = decode_v3_smem(d, dtype, group, stages, tile_rows, nw)
+    fn = _function("decode_v3", "decode_split_v3", defines, max(base_smem, 48 * 1024))
+    threads = 32 * nw
+    if num_splits is None:
+        num_splits = num_splits_heuristic(B, Hkv, longest, dev["sms"], _blocks_per_sm(fn, threads, base_smem))
+    S = int(num_splits)
+    table_cap = 0
+    if paged is not None:
+        per_split = -(-max(longest, 1) // S)
+        need = -(-per_split // block_size) + 1            # a split may straddle one more page
+        table_cap = need if need <= DECODE_V3_TABLE_CAP else 0
+    smem, table_offset = decode_v3_smem(d, dtype, group, stages, tile_rows, nw, S, fused, table_cap)
+    if smem > dev["smem_optin"]:
+        raise ValueError(f"config: decode v3 needs {smem:,} B of shared memory a block, more than this GPU's "
+                         f"{dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")
+    if smem > 48 * 1024:
+        fn.max_dynamic_shared_size_bytes = int(smem)
+    acc = np.float64 if dtype == "float64" else np.float32
+    i32, i64 = np.int32, np.int64
+    if S > 1:
+        o_part = cp.empty((S, B, Hq, d), dtype=acc)
+        lse_part = cp.empty((S, B, Hq), dtype=acc)
+        parts = (o_part, lse_part)
+    else:
+        parts = (np.uint64(0), np.uint64(0))
+    counters = _decode_counters(B * Hkv) if fused and S > 1 else np.uint64(0)
+    if paged is None:
+        layout = (*map(i64, kd.strides[:3]), *map(i64, vd.strides[:3]))
+    else:
+        tables = paged[0]
+        layout = (tables, i32(tables.shape[1]), *map(i64, kd.strides[:3]), i32(table_cap), i32(table_offset))
+    lens_arg = lens_d if lens_d is not None else np.uint64(0)
+    args = (qd.arg, kd.arg, vd.arg, *layout, lens_arg, i32(nk), i32(Hq), i32(Hkv), acc(scale), i32(S),
+            *parts, counters, o.arg, lse.arg)
+    fn((S, Hkv, B), (threads,), args, shared_mem=smem)
+    if S > 1 and not fused:
+        comb = _function("decode", "decode_combine", combine_defines)
         comb((B * Hq,), (min(256, _round_up(d, 32)),), (o_part, lse_part, i32(S), i32(B * Hq), o.arg, lse.arg))
 
 
@@ -821,8 +960,10 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     with io.stream():
         qd = io.dev(_contiguous(q), "q")
         kp, vp = _pool_dev(io, k_pool), _pool_dev(io, v_pool)
-        t_d = io.cupy.asarray(np.ascontiguousarray(tables, dtype=np.int32))
-        lens_d = io.cupy.asarray(lens.astype(np.int32))
+        # lengths and tables travel in one host -> device copy (each copy is a few us on the
+        # GPU's timeline, inside the call's time): lens_d = packed[:B], the tables after it
+        packed = io.cupy.asarray(np.concatenate([lens.astype(np.int32), tables.astype(np.int32).ravel()]))
+        lens_d, t_d = packed[:B], packed[B:].reshape(tables.shape)
         o_user, o, lse_user, lse = _decode_outputs(io, q.shape, dtype)
         launch_decode(qd, kp, vp, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits,
                       paged=(t_d, bs), longest=int(lens.max(initial=0)), nk=0, config=config)
@@ -906,9 +1047,10 @@ def bench_versions(op: str, dtype: str) -> dict:
 
     attention: v1 (and v2 for 16-bit); float32 also v1b at Br x Bc = 64 x 64 (112 KB SRAM,
     2 blocks an SM) and 64 x 32 (72 KB).  decode and paged_decode: "split" (decode.cu,
-    config None: the public default) and "split-v2" (decode_v2.cu, not yet measured); the
-    bench passes a version's config as ``config=`` (rows ``cupy:split-v2``, ``cupy:split-v2
-    paged``).  gather: one version (config None).
+    config None: the public default), "split-v2" (decode_v2.cu) and "split-v3" (decode_v3.cu,
+    fused combine; not yet measured); the bench passes a version's config as ``config=``
+    (rows ``cupy:split-v2``, ``cupy:split-v3``, ``cupy:split-v3 paged``, ...).  gather: one
+    version (config None).
     """
     if op == "attention":
         out = {"v1": CupyConfig(version="v1")}
@@ -919,7 +1061,7 @@ def bench_versions(op: str, dtype: str) -> dict:
             out["v2"] = CupyConfig(version="v2")
         return out
     if op in ("decode", "paged_decode"):
-        return {"split": None, "split-v2": DecodeConfig(version="v2")}
+        return {"split": None, "split-v2": DecodeConfig(version="v2"), "split-v3": DecodeConfig(version="v3")}
     return {"split": None}
 
 
@@ -929,7 +1071,8 @@ def sanitize_cases(seed: int = 0) -> list:
     Shapes are multiples of no tile: Nq = 37, Nk = 77, head_dim 64 and 72, GQA 4/2, a
     window, ragged decode lengths (one of them 0), a paged cache with a partial last block.
     Every version runs, the candidates not yet measured too (attention v1b in float32,
-    decode v2 contiguous and paged).
+    decode v2 and v3 contiguous and paged; v3 fused and unfused, twice in a row so a counter
+    left behind would show).
     Only CuPy is used (bfloat16 as its bit pattern), so the sanitizer loads no other library.
     """
     cp = _cupy()
@@ -964,11 +1107,15 @@ def sanitize_cases(seed: int = 0) -> list:
         q, k, v = make_inputs(rng, batch=3, heads_q=4, heads_kv=2, seqlen_q=1, seqlen_k=301, head_dim=64,
                               dtype="float32")
         lens = cp.asarray(np.array([301, 0, 129], np.int32))
+        dec_cfgs = {"v1": DecodeConfig(version="v1"), "v2": DecodeConfig(version="v2"),
+                    "v3": DecodeConfig(version="v3"), "v3 unfused 8w": DecodeConfig(version="v3", fused=False,
+                                                                                    num_warps=8)}
         for splits in (1, 5):
-            for dv in ("v1", "v2"):
-                launch_decode(to_dev(q[:, :, 0], dt), to_dev(k, dt), to_dev(v, dt), lens, out((3, 4, 64), dt),
-                              out((3, 4), "float32"), dtype=dt, scale=0.125, num_splits=splits, nk=301,
-                              config=DecodeConfig(version=dv))
+            for dv, dcfg in dec_cfgs.items():
+                for _ in range(2 if dv == "v3" else 1):        # v3 twice: its counters must reset
+                    launch_decode(to_dev(q[:, :, 0], dt), to_dev(k, dt), to_dev(v, dt), lens, out((3, 4, 64), dt),
+                                  out((3, 4), "float32"), dtype=dt, scale=0.125, num_splits=splits, nk=301,
+                                  config=dcfg)
                 ran.append(f"decode {dv} {dt} splits={splits}")
         np_dt = np.float32 if dt == "bfloat16" else np.dtype(dt)
         cache = PagedKVCache(64, block_size=16, num_kv_heads=2, head_dim=64, dtype=np_dt)
@@ -980,10 +1127,11 @@ def sanitize_cases(seed: int = 0) -> list:
         tables, lens_h = cache.block_tables_array(sids)
         kp = to_dev(np.nan_to_num(cache.k_pool), dt)
         vp = to_dev(np.nan_to_num(cache.v_pool), dt)
-        for dv in ("v1", "v2"):
-            launch_decode(to_dev(q[:2, :, 0], dt), kp, vp, cp.asarray(lens_h), out((2, 4, 64), dt),
-                          out((2, 4), "float32"), dtype=dt, scale=0.125, num_splits=3,
-                          paged=(cp.asarray(tables), 16), longest=301, nk=0, config=DecodeConfig(version=dv))
+        for dv, dcfg in dec_cfgs.items():
+            for splits in ((3, 1) if dv.startswith("v3") else (3,)):   # v3 at 1 split: table of 20 pages
+                launch_decode(to_dev(q[:2, :, 0], dt), kp, vp, cp.asarray(lens_h), out((2, 4, 64), dt),
+                              out((2, 4), "float32"), dtype=dt, scale=0.125, num_splits=splits,
+                              paged=(cp.asarray(tables), 16), longest=301, nk=0, config=dcfg)
             ran.append(f"paged decode {dv} {dt}")
         ko, vo = out((2, 45, 64), dt), out((2, 45, 64), dt)
         launch_gather(kp, vp, cp.asarray(np.asarray(cache.block_table(sids[1]), np.int32)), ko, vo, 45)
