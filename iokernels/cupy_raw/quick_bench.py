@@ -7,6 +7,10 @@ sweep is ``python -m iokernels bench``; this script is the short list the docstr
 :mod:`iokernels.cupy_raw` quote.  It also times the candidates not yet measured -- fa v1b
 (float32) and decode v2 (ring depths 2, 3, 4; contiguous and paged) -- next to v1 and
 SDPA, so one call answers whether they beat their predecessors.
+
+``python -m iokernels.cupy_raw.quick_bench sweep_decode [out.json]``: :func:`sweep_decode`,
+decode v2 and v3 settings (fused / unfused combine, warps, ring depth, tile rows, splits)
+at bf16 B=1 N=32768 GQA 32/8, contiguous and paged, next to cuDNN's SDPA.
 """
 from __future__ import annotations
 
@@ -221,6 +225,106 @@ def main(out_path=None, sections=("prefill", "decode")):
     return result
 
 
+#: sweep_decode's candidates: (label, DecodeConfig keyword arguments, num_splits or None for
+#: the heuristic).  At most 16 a layout; v2 is the baseline, the rest are v3.  SRAM a block
+#: at bf16 d=128 (4 KB a stage a warp): 4 warps x 3 stages 48 KB (4 blocks an SM), x 4 stages
+#: 64 KB (3), tile=16 x 3 stages 96 KB (2); 8 warps x 3 stages 96 KB (2), x 4 stages 128 KB (1).
+SWEEP_DECODE_CONFIGS = (
+    ("v2", dict(version="v2"), None),
+    ("v3 unfused", dict(version="v3", fused=False), None),
+    ("v3", dict(version="v3"), None),
+    ("v3 S=128", dict(version="v3"), 128),                    # about two waves of blocks (the heuristic: one)
+    ("v3 S=33", dict(version="v3"), 33),                       # a quarter wave
+    ("v3 stages=4", dict(version="v3", stages=4), None),
+    ("v3 stages=2 tile=16", dict(version="v3", stages=2, tile_rows=16), None),
+    ("v3 tile=16", dict(version="v3", tile_rows=16), None),
+    ("v3 8w", dict(version="v3", num_warps=8), None),
+    ("v3 8w stages=4", dict(version="v3", num_warps=8, stages=4), None),
+    ("v3 8w stages=2", dict(version="v3", num_warps=8, stages=2), None),
+    ("v3 mb=3 stages=4", dict(version="v3", stages=4, min_blocks=3), None),
+)
+
+
+def sweep_decode_cases():
+    """(label, DecodeConfig, num_splits) of the sweep; builds without a GPU."""
+    from iokernels import cupy_raw as cr
+    out = []
+    for label, kw, splits in SWEEP_DECODE_CONFIGS:
+        out.append((label, cr.DecodeConfig(**kw), None if splits is None else min(splits, cr.DECODE_MAX_SPLITS)))
+    return out
+
+
+def sweep_decode(out_path=None, reps=30):
+    """Time decode v2 and v3 settings at bf16 B=1 N=32768 GQA 32/8 d=128, contiguous and paged.
+
+    Next to cuDNN's SDPA (sdpa_kernel CUDNN_ATTENTION, enable_gqa) in the same run; every
+    time from :func:`iokernels.bench.time_cuda` through the public launchers (the call as
+    the benchmark times it), the paged pools from :func:`iokernels.bench.device_pages` (a
+    shuffled block table).  One JSON line a row: ms, TB/s of K+V read, ratio to cuDNN,
+    paged rows also their ratio to the same config contiguous, and the max difference to
+    SDPA's output.  About 24 NVRTC compiles + 26 timings: well under 90 s on an H200.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from iokernels import bench
+    from iokernels import cupy_raw as cr
+    cases = sweep_decode_cases()
+    B, Hq, Hkv, N, d = 1, 32, 8, 32768, 128
+    tdt = torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn((B, Hq, d), device="cuda", dtype=tdt, generator=gen)
+    k, v = (torch.randn((B, Hkv, N, d), device="cuda", dtype=tdt, generator=gen) for _ in range(2))
+    kv_bytes = 2.0 * B * Hkv * N * d * 2
+    group = f"decode bfloat16 B={B} Hq={Hq} Hkv={Hkv} N={N} d={d}"
+    rows = []
+
+    def rec(runner, ms, **extra):
+        row = dict(group=group, runner=runner, ms=round(ms, 5), tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3), **extra)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    q4 = q[:, :, None, :]
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+    ref = sdpa()[:, :, 0].float()
+    cudnn_ms = bench.time_cuda(sdpa, reps=reps).median_ms
+    rec("sdpa CUDNN", cudnn_ms)
+    kp, vp, tables, lens = bench.device_pages(k, v, seed=0)
+    contiguous = {}
+    for label, cfg, splits in cases:
+        for paged in (False, True):
+            name = f"cupy {label}" + (" paged" if paged else "")
+            try:
+                if paged:
+                    fn, args = cr.paged_decode_pools, (q, kp, vp, tables, lens)
+                else:
+                    fn, args = cr.decode, (q, k, v)
+                o, _ = fn(*args, num_splits=splits, config=cfg)
+                err = float((o.float() - ref).abs().max())
+                ms = bench.time_cuda(fn, *args, num_splits=splits, config=cfg, reps=reps).median_ms
+                extra = dict(ratio_to_cudnn=round(cudnn_ms / ms, 3), max_abs_diff_vs_sdpa=err,
+                             config=repr(cfg), num_splits=splits or "heuristic")
+                if paged and label in contiguous:
+                    extra["ratio_to_contiguous"] = round(contiguous[label] / ms, 3)
+                if not paged:
+                    contiguous[label] = ms
+                rec(name, ms, **extra)
+            except Exception as e:                         # one config that does not fit: say so, go on
+                print(f"# {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+    result = dict(env=_env(), rows=rows)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "sweep_decode":      # python -m ... sweep_decode [out.json]
+        sweep_decode(sys.argv[2] if len(sys.argv) > 2 else None)
+        sys.exit(0)
     main(sys.argv[1] if len(sys.argv) > 1 else None,
          tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("prefill", "decode"))
