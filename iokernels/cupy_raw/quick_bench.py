@@ -236,8 +236,8 @@ SWEEP_DECODE_CONFIGS = (
     ("v3 S=128", dict(version="v3"), 128),                    # about two waves of blocks (the heuristic: one)
     ("v3 S=33", dict(version="v3"), 33),                       # a quarter wave
     ("v3 stages=4", dict(version="v3", stages=4), None),
-    ("v3 stages=2 tile=16", dict(version="v3", stages=2, tile_rows=16), None),
-    ("v3 tile=16", dict(version="v3", tile_rows=16), None),
+    ("v3 stages=2 tile=16", dict(version="v3", stages=2, tile_rows=16, min_blocks=3), None),
+    ("v3 tile=16", dict(version="v3", tile_rows=16, min_blocks=2), None),   # 4 would spill
     ("v3 8w", dict(version="v3", num_warps=8), None),
     ("v3 8w stages=4", dict(version="v3", num_warps=8, stages=4), None),
     ("v3 8w stages=2", dict(version="v3", num_warps=8, stages=2), None),
