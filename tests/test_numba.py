@@ -46,6 +46,21 @@ def test_forward_float64_matches_oracle(rng, version):
     assert np.isneginf(lse[0, :, :6]).all() and (o[0, :, :6] == 0).all()
 
 
+@pytest.mark.parametrize("step_keys,batched", [(4, True), (1, False), (8, False)])
+def test_forward_step_keys_and_batched_sums_float64(rng, step_keys, batched):
+    """The online-softmax step (keys folded per rescale) and the batched lane sums change the
+    order of the arithmetic, never the result: float64 against the oracle, a window, GQA."""
+    q, k, v = testing.make_inputs(rng, batch=1, heads_q=4, heads_kv=2, seqlen_q=11, seqlen_k=21,
+                                  head_dim=6, dtype="float64")
+    ro, rl = reference.attention(q, k, v, causal=True, window=(6, 2))
+    cfg = TINY[4].replace(step_keys=step_keys, batched_lane_sums=batched)
+    o, lse = ik.attention(q, k, v, causal=True, window=(6, 2), backend="numba", config=cfg, return_lse=True)
+    testing.assert_close(o, ro)
+    testing.assert_close(lse, rl, name="lse")
+    with pytest.raises(ValueError, match="step_keys"):
+        NumbaConfig(version=4, step_keys=0)
+
+
 @pytest.mark.parametrize("version", [2, 3])
 def test_forward_window_nq_lt_nk_float64(rng, version):
     q, k, v = testing.make_inputs(rng, batch=2, heads_q=2, heads_kv=1, seqlen_q=9, seqlen_k=23,

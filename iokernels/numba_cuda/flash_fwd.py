@@ -113,6 +113,7 @@ class NumbaConfig:
     rows_per_thread: v3/v4's register tiling (v1 and v2 use one thread per row);
     batched_lane_sums: v3/v4 sum the lanes' partial dot
     products of a whole step of keys in one butterfly (True) or key by key (False).
+    step_keys: keys per online-softmax step of v3/v4 (None: the version's, 8 or 2).
     ``buggy_skip_sync`` is for the notebook's race demo.
     """
 
@@ -122,6 +123,7 @@ class NumbaConfig:
     threads_per_row: int = 8
     rows_per_thread: int = 4
     batched_lane_sums: bool = False
+    step_keys: int | None = None
     buggy_skip_sync: bool = False
 
     def __post_init__(self):
@@ -136,6 +138,9 @@ class NumbaConfig:
             raise ValueError(f"config: threads_per_row must divide {WARP_SIZE} (lanes of one warp), got {L!r}")
         if not isinstance(R, int) or R < 1:
             raise ValueError(f"config: rows_per_thread must be a positive integer, got {R!r}")
+        if self.step_keys is not None and (isinstance(self.step_keys, bool) or not isinstance(self.step_keys, int)
+                                           or self.step_keys < 1):
+            raise ValueError(f"config: step_keys must be None or a positive integer, got {self.step_keys!r}")
         if self.buggy_skip_sync and self.version != 2:
             raise ValueError("config: buggy_skip_sync is a v2 teaching flag (version=2)")
 
@@ -159,6 +164,8 @@ class NumbaConfig:
     @property
     def keys_per_step(self) -> int:
         """Keys per online-softmax step of v3 / v4 (before clipping to block_k)."""
+        if self.step_keys is not None:
+            return self.step_keys
         return V4_KEYS_PER_STEP if self.version == 4 else KEYS_PER_STEP
 
     def _dpad(self, head_dim: int) -> int:
@@ -434,7 +441,8 @@ def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: 
         q_r = cuda.local.array((R, DPT), ACC)                # registers: R rows x d/L dims
         o_r = cuda.local.array((R, DPT), ACC)
         m = cuda.local.array(R, ACC)
-        l = cuda.local.array(R, ACC)
+        l = cuda.local.array(R, ACC)                         # row sums of the tiles before j
+        l_j = cuda.local.array(R, ACC)                       # ... and of tile j so far
         lo = cuda.local.array(R, int32)
         hi = cuda.local.array(R, int32)
         s = cuda.local.array((R, CH), ACC)                   # S (then P) for CH keys
@@ -463,6 +471,8 @@ def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: 
                     K_j[r, dd] = ZERO
                     V_j[r, dd] = ZERO
             cuda.syncthreads()
+            for rr in range(R):
+                l_j[rr] = ZERO
             for cc in range(0, BC, CH):                      # CH keys per online-softmax step
                 if BATCH:                                    # S = scale q K^T: all CH keys' partial
                     for c in range(CH):                      # dots, then one butterfly of R*CH
@@ -502,14 +512,17 @@ def make_v3(D: int, BR: int, BC: int, L: int, R: int, acc_name: str, simulated: 
                             p = math.exp(s[rr, c] - m_new)
                             s[rr, c] = p
                             row_sum += p
-                        l[rr] = l[rr] * alpha + row_sum
-                        for u in range(DPT):
+                        l[rr] *= alpha                       # the tile's sum joins l once, at
+                        l_j[rr] = l_j[rr] * alpha + row_sum  # its end: N/Bc sequential adds, not
+                        for u in range(DPT):                 # N/CH (float32 rounding in LSE)
                             o_r[rr, u] *= alpha
                 for c in range(CH):                          # O += P V: one V value, R FMAs
                     for u in range(DPT):
                         vv = V_j[cc + c, lane + L * u]
                         for rr in range(R):
                             o_r[rr, u] += s[rr, c] * vv
+            for rr in range(R):
+                l[rr] += l_j[rr]
             cuda.syncthreads()                               # everyone done before the next load
         for rr in range(R):                                  # write O_i, LSE_i -> HBM (once)
             i = r0 + grp * R + rr
