@@ -383,7 +383,11 @@ def test_v2_word_views_need_alignment_and_whole_words(rng):
 
 def test_decode_config_errors():
     with pytest.raises(ValueError, match="config"):
-        DecodeConfig(version=3)
+        DecodeConfig(version=4)
+    with pytest.raises(ValueError, match="key_groups"):
+        DecodeConfig(version=3, key_groups=0)
+    with pytest.raises(ValueError, match="version 3"):
+        DecodeConfig(version=2, gather_unroll=4)
     with pytest.raises(ValueError, match="lanes_per_key"):
         DecodeConfig(version=2, lanes_per_key=3)
     with pytest.raises(ValueError, match="keys_per_iter"):
@@ -392,3 +396,150 @@ def test_decode_config_errors():
     kd = np.ones((1, 1, 30, 4), np.float32)
     with pytest.raises(ValueError, match="config"):
         nc.decode(qd, kd, kd, config=NumbaConfig())
+
+
+# --------------------------------------------------------------------------- decode / gather v3
+from iokernels.numba_cuda import decode_v3 as d3  # noqa: E402
+
+#: small tilings, quick on the simulator, that take each path of the lane all-reduce:
+#: R = KPI * g values over L lanes with R > L (halvings only), R < L (halvings, then plain
+#: butterfly steps), and R = L
+V3_SMALL = DecodeConfig(version=3, lanes_per_key=2, keys_per_iter=2, key_groups=2)
+V3_R_LT_L = DecodeConfig(version=3, lanes_per_key=4, keys_per_iter=1, key_groups=2)
+V3_R_EQ_L = DecodeConfig(version=3, lanes_per_key=4, keys_per_iter=2, key_groups=3)
+
+
+@pytest.mark.parametrize("dtype,d,Hq,cfg,S", [
+    ("float64", 5, 4, V3_SMALL, 2),          # one element a word; R = 4 > L = 2
+    ("float64", 9, 6, V3_R_EQ_L, 1),         # g = 3: R = 6 padded to 8 > L = 4
+    ("float64", 7, 2, V3_R_LT_L, 3),         # g = 1: R = 1 < L = 4: plain butterflies
+    ("float16", 12, 4, DecodeConfig(version=3), 1),   # 8-byte words (3 a row), the defaults
+    ("float32", 6, 4, V3_R_EQ_L, 2)])        # 8-byte words of 2 floats
+def test_decode_v3_ragged_gqa_matches_oracle(rng, dtype, d, Hq, cfg, S):
+    q, k, v = _decode_inputs(rng, 3, Hq, 2, 37, d, dtype)
+    lens = np.array([37, 9, 0])
+    ro, rl = reference.decode(q, k, v, seq_lens=lens)
+    o, lse = nc.decode(q, k, v, seq_lens=lens, num_splits=S, config=cfg)
+    assert o.dtype == np.dtype(dtype)
+    assert (o[2] == 0).all() and np.isneginf(lse[2]).all()           # the empty sequence
+    if dtype == "float64":
+        testing.assert_close(o, ro, masked_rows=(lens == 0)[:, None, None])
+        testing.assert_close(lse, rl, name="lse")
+    else:
+        bo, bl = ik.decode(q, k, v, seq_lens=lens, backend="naive", return_lse=True)
+        testing.assert_close(o, ro, bo)
+        testing.assert_close(lse, rl, bl, name="lse")
+
+
+def test_decode_v3_words_counted_traffic_equals_model(rng):
+    """K and V read once, as 8-byte words, the prefetch past the last key reading nothing."""
+    q, k, v = _decode_inputs(rng, 2, 4, 1, 40, 8, np.float16)
+    lens = np.array([40, 17])
+    o, lse, counted = d3.count_decode_v3(q, k, v, seq_lens=lens, num_splits=2, config=V3_SMALL)
+    ro, rl = reference.decode(q, k, v, seq_lens=lens)
+    bo, bl = ik.decode(q, k, v, seq_lens=lens, backend="naive", return_lse=True)
+    testing.assert_close(o, ro, bo)
+    testing.assert_close(lse, rl, bl, name="lse")
+    model = traffic.model("decode", batch=2, heads_q=4, heads_kv=1, head_dim=8, seq_lens=lens,
+                          num_splits=2, dtype="float16")
+    got = counted.as_dict()
+    assert got.pop("seq_lens") == (2 * 1 * 2 * 4, 0)
+    assert got == model.as_dict()
+
+
+def _shuffled_cache(rng, lens, hkv, d, dtype, bs=4):
+    """Sequences appended a few tokens at a time in turn, after a freed sequence left holes:
+    each block table is a scattered, non-monotonic set of pool blocks."""
+    cache = PagedKVCache(40, block_size=bs, num_kv_heads=hkv, head_dim=d, dtype=dtype)
+    hole = cache.new_sequence()
+    cache.append(hole, *(rng.standard_normal((3 * bs, hkv, d)).astype(dtype) for _ in range(2)))
+    sids = [cache.new_sequence() for _ in lens]
+    cache.free(hole)
+    left = list(lens)
+    while any(left):
+        for i, sid in enumerate(sids):
+            t = min(left[i], int(rng.integers(1, 2 * bs)))
+            if t:
+                cache.append(sid, *(rng.standard_normal((t, hkv, d)).astype(dtype) for _ in range(2)))
+                left[i] -= t
+    return cache, sids
+
+
+def test_paged_decode_v3_matches_oracle_and_model(rng):
+    lens = [13, 0, 6]
+    cache, sids = _shuffled_cache(rng, lens, 2, 8, np.float16)
+    tables, _ = cache.block_tables_array(sids)
+    assert np.any(np.diff(tables[0][:4]) != 1)                          # not one contiguous run
+    q = rng.standard_normal((3, 4, 8)).astype(np.float16)
+    kk = np.zeros((3, 2, 13, 8), np.float16)
+    vv = np.zeros_like(kk)
+    for b, s in enumerate(sids):
+        kg, vg = cache.gather(s)
+        kk[b, :, :lens[b]], vv[b, :, :lens[b]] = kg, vg
+    ro, rl = reference.decode(q, kk, vv, seq_lens=lens)
+    bo, bl = ik.decode(q, kk, vv, seq_lens=np.array(lens), backend="naive", return_lse=True)
+    o, lse, counted = d3.count_paged_decode_v3(q, cache, sids, num_splits=2, config=V3_SMALL)
+    testing.assert_close(o, ro, bo, masked_rows=(np.array(lens) == 0)[:, None, None])
+    testing.assert_close(lse, rl, bl, name="lse")
+    model = traffic.model("paged_decode", batch=3, heads_q=4, heads_kv=2, head_dim=8, seq_lens=lens,
+                          num_splits=2, dtype="float16", block_size=4)
+    got = counted.as_dict()
+    got.pop("seq_lens")
+    assert got == model.as_dict()
+
+
+def test_paged_decode_v3_float64_launcher_matches_oracle(rng):
+    """Through the public launcher (NumPy pools copied in), float64, one split."""
+    lens = [11, 5]
+    cache, sids = _shuffled_cache(rng, lens, 1, 5, np.float64)
+    q = rng.standard_normal((2, 3, 5))
+    kk = np.zeros((2, 1, 11, 5))
+    vv = np.zeros_like(kk)
+    for b, s in enumerate(sids):
+        kk[b, :, :lens[b]], vv[b, :, :lens[b]] = cache.gather(s)
+    ro, rl = reference.decode(q, kk, vv, seq_lens=lens)
+    o, lse = nc.paged_decode(q, cache, sids, num_splits=1, config=V3_R_EQ_L)
+    testing.assert_close(o, ro)
+    testing.assert_close(lse, rl, name="lse")
+
+
+@pytest.mark.parametrize("dtype,d", [("float16", 8), ("float16", 7), ("float64", 3)])
+def test_gather_v3_equals_numpy(rng, dtype, d):
+    """8-byte words (float16 d=8), elements (float16 d=7: 14-byte rows), float64."""
+    cache, sids = _shuffled_cache(rng, [11, 6, 0], 2, d, np.dtype(dtype).type)
+    for sid in sids:
+        kg, vg = nc.paged_gather(cache, sid, config=DecodeConfig(version=3, gather_unroll=2))
+        kn, vn = cache.gather(sid)
+        assert kg.shape == kn.shape
+        np.testing.assert_array_equal(kg, kn)
+        np.testing.assert_array_equal(vg, vn)
+
+
+def test_gather_v3_counted_traffic_equals_model(rng):
+    """One table read per pool block, every valid word read and written once."""
+    cache, sids = _shuffled_cache(rng, [11, 6], 2, 8, np.float16)
+    kc, vc, counted = d3.count_gather_v3(cache, sids[0])
+    kn, vn = cache.gather(sids[0])
+    np.testing.assert_array_equal(kc, kn)
+    np.testing.assert_array_equal(vc, vn)
+    model = traffic.model("paged_gather", seq_len=11, heads_kv=2, head_dim=8, block_size=4, dtype="float16")
+    assert counted.as_dict() == model.as_dict()
+
+
+def test_v3_allreduce_plan_counts_shuffles():
+    """2 (RP - 1) shuffles when RP >= L (v2's butterflies: RP log2 L); plain steps once a
+    lane is down to one value."""
+    assert d3.allreduce_shuffles(16, 16) == 30 and 16 * 4 == 64
+    assert d3.allreduce_shuffles(32, 32) == 62
+    assert d3.allreduce_shuffles(2, 8) == 2 * 4
+    assert d3.allreduce_plan(4, 1) == ([], [2, 1])
+    assert d3.allreduce_plan(16, 4) == ([(8, 2), (4, 1)], [2, 1])
+    assert d3.allreduce_shuffles(16, 4) == 2 * 3 + 2
+
+
+def test_bench_sweep_cases_build_on_the_simulator():
+    from iokernels.numba_cuda.bench_gpu import sweep_decode_gather
+    rows = sweep_decode_gather(tiny=True)
+    names = {r["name"] for r in rows}
+    assert {"numba v3 S=None", "numba v3 paged S=None", "numba gather v3"} <= names
+    assert all(r["max_err"] < 1e-2 for r in rows if "max_err" in r), rows

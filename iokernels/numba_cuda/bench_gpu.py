@@ -218,3 +218,161 @@ def format_results(results: dict) -> str:
             extras = "  ".join(f"{k} {v}" for k, v in r.items() if k not in ("ms", "p10", "p90"))
             lines.append(f"  {name:<32} {r['ms']:>9.3f} ms  {extras}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- decode/gather sweep
+def _sweep_configs():
+    """{row name: (function name, DecodeConfig, num_splits)} of :func:`sweep_decode_gather`."""
+    from .decode_kernels import DecodeConfig as C
+    v3 = C(version=3)
+    dec = {"numba v2 S=None": ("decode", C(version=2), None),
+           "numba v2-L32K8 S=None": ("decode", C(version=2, lanes_per_key=32, keys_per_iter=8), None),
+           "numba v3 S=None": ("decode", v3, None),
+           "numba v3 S=64": ("decode", v3, 64),
+           "numba v3 S=128": ("decode", v3, 128),
+           "numba v3-L32K4G8 S=None": ("decode", C(version=3, keys_per_iter=4, key_groups=8), None),
+           "numba v3-L16K4G8 S=None": ("decode", C(version=3, lanes_per_key=16, keys_per_iter=4, key_groups=8),
+                                       None),
+           "numba v2 paged S=None": ("paged", C(version=2), None),
+           "numba v3 paged S=None": ("paged", v3, None),
+           "numba v3-L32K4G8 paged S=None": ("paged", C(version=3, keys_per_iter=4, key_groups=8), None)}
+    gat = {"numba gather v1": C(version=1), "numba gather v2": C(version=2), "numba gather v3": v3,
+           "numba gather v3-U16": C(version=3, gather_unroll=16)}
+    return dec, gat
+
+
+def _numpy_pages(k, v, seed, block_size):
+    """device_pages for NumPy arrays (the simulator sweep): the same random block permutation."""
+    import numpy as np
+    B, Hkv, N, d = k.shape
+    nblk = N // block_size
+    tables = np.random.default_rng(seed).permutation(B * nblk).astype(np.int32).reshape(B, nblk)
+    kp = np.empty((B * nblk, block_size, Hkv, d), k.dtype)
+    vp = np.empty_like(kp)
+    for b in range(B):
+        kp[tables[b]] = k[b].transpose(1, 0, 2).reshape(nblk, block_size, Hkv, d)
+        vp[tables[b]] = v[b].transpose(1, 0, 2).reshape(nblk, block_size, Hkv, d)
+    return kp, vp, tables, np.full(B, N, dtype=np.int32)
+
+
+def sweep_decode_gather(out_path=None, tiny=False, reps=20):
+    """Decode v2 vs v3 tilings and splits, and gather v1/v2/v3, next to cuDNN/FLASH SDPA and a
+    torch copy of the same bytes, in one run (about a minute on an H200, compiles included).
+
+    Decode: float16, GQA 32/8, d=128, B=1, N=32768 (contiguous, and paged with a random block
+    table, Bn 16), KV bytes per second and speed vs the best SDPA in the same run.  Gather: the
+    131072-token sequence of one (Hkv=8, d=128, bs=16) pool, read+write bytes per second and
+    speed vs the copy.  One JSON line printed per row; all rows written to ``out_path``.
+
+    ``tiny=True`` builds the same cases at a tiny size with NumPy arrays and runs each Numba
+    row once, checked against the float64 oracle (no timing, no torch): what the simulator
+    test runs.  Returns the rows (dicts).
+    """
+    import numpy as np
+    from .. import reference
+    from ..bench import PAGED_BLOCK
+    from . import decode, gather_pools, paged_decode_pools
+    dec, gat = _sweep_configs()
+    B, Hq, Hkv, N, d = (1, 2, 1, 32, 8) if tiny else (1, 32, 8, 32768, 128)
+    NG = 32 if tiny else 131072                              # gather tokens
+    Hg = 1 if tiny else 8
+    rows = []
+    t_start = time.time()
+
+    def emit(row):
+        row["t_s"] = round(time.time() - t_start, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    if tiny:
+        rng = np.random.default_rng(0)
+        q, k, v = (rng.standard_normal(s).astype(np.float16) for s in ((B, Hq, d), (B, Hkv, N, d), (B, Hkv, N, d)))
+        pages = _numpy_pages(k, v, 1, PAGED_BLOCK)
+        ref, _ = reference.decode(q, k, v)
+        kg, vg = (rng.standard_normal((1, Hg, NG, d)).astype(np.float16) for _ in range(2))
+        gpages = _numpy_pages(kg, vg, 2, PAGED_BLOCK)
+    else:
+        import torch
+        from ..bench import device_pages
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn((B, Hq, d), device="cuda", dtype=torch.float16, generator=gen)
+        k = torch.randn((B, Hkv, N, d), device="cuda", dtype=torch.float16, generator=gen)
+        v = torch.randn((B, Hkv, N, d), device="cuda", dtype=torch.float16, generator=gen)
+        pages = device_pages(k, v, seed=1)
+        kg = torch.randn((1, Hg, NG, d), device="cuda", dtype=torch.float16, generator=gen)
+        vg = torch.randn((1, Hg, NG, d), device="cuda", dtype=torch.float16, generator=gen)
+        gpages = device_pages(kg, vg, seed=2)
+    kv_bytes = 2.0 * B * Hkv * N * d * 2
+    g_bytes = 2 * 2.0 * Hg * NG * d * 2                      # K and V, read + written
+
+    def run(name, fn, work, unit_key, ref_out):
+        row = {"section": "gather" if "gather" in name or "copy" in name else "decode", "name": name}
+        try:
+            out = fn()
+            out = out[0] if isinstance(out, tuple) else out
+            if tiny:
+                row["max_err"] = float(np.max(np.abs(np.asarray(out, np.float64) - ref_out)))
+                return emit(row)
+            row["max_err"] = float((out.float() - ref_out.float()).abs().max())
+            row.update(_time(fn, reps=reps, warmup=2))
+            if "ms" in row:
+                row[unit_key] = round(work / (row["ms"] * 1e-3) / 1e12, 3)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        emit(row)
+
+    best_sdpa = None
+    if not tiny:                                             # the baselines first
+        q4 = q[:, :, None, :]
+        sd = {}
+        for be in ("CUDNN_ATTENTION", "FLASH_ATTENTION"):
+            r = _time(lambda be=be: _sdpa(q4, k, v, be, enable_gqa=True), reps=reps, warmup=2)
+            r.update(section="decode", name=f"sdpa {be}")
+            if "ms" in r:
+                r["kv_TBps"] = round(kv_bytes / (r["ms"] * 1e-3) / 1e12, 3)
+                sd[be] = r["ms"]
+            emit(r)
+        best_sdpa = min(sd.values(), default=None)
+        ref = _sdpa(q4, k, v, "CUDNN_ATTENTION" if "CUDNN_ATTENTION" in sd else "FLASH_ATTENTION",
+                    enable_gqa=True)[:, :, 0, :]
+    for name, (kind, cfg, S) in dec.items():
+        if tiny and S is not None:
+            S = min(S, 3)                                    # 32 keys: a few splits (one empty)
+        if kind == "decode":
+            def fn(cfg=cfg, S=S):
+                return decode(q, k, v, num_splits=S, config=cfg)
+        else:
+            def fn(cfg=cfg, S=S):
+                return paged_decode_pools(q, pages[0], pages[1], pages[2], pages[3], num_splits=S, config=cfg)
+        run(name, fn, kv_bytes, "kv_TBps", ref)
+    copy_ms = None
+    if not tiny:
+        dst_k, dst_v = torch.empty_like(kg[0]), torch.empty_like(vg[0])
+
+        def copy():
+            dst_k.copy_(kg[0])
+            dst_v.copy_(vg[0])
+        r = _time(copy, reps=reps, warmup=2)
+        r.update(section="gather", name="device copy (torch)")
+        if "ms" in r:
+            r["TBps_read_plus_write"] = round(g_bytes / (r["ms"] * 1e-3) / 1e12, 3)
+            copy_ms = r["ms"]
+        emit(r)
+        gref = kg[0]
+    else:
+        gref = kg[0].astype(np.float64)
+    for name, cfg in gat.items():
+        run(name, lambda cfg=cfg: gather_pools(gpages[0], gpages[1], gpages[2][0], NG, config=cfg), g_bytes,
+            "TBps_read_plus_write", gref)
+    for r in rows:                                           # same-run ratios
+        if "ms" in r and r["section"] == "decode" and best_sdpa:
+            r["speed_vs_best_sdpa"] = round(best_sdpa / r["ms"], 3)
+        if "ms" in r and r["section"] == "gather" and copy_ms:
+            r["speed_vs_copy"] = round(copy_ms / r["ms"], 3)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump({"env": {} if tiny else _env(), "rows": rows}, f, indent=1)
+    if not tiny:
+        print(json.dumps({"summary": {r["name"]: r.get("speed_vs_best_sdpa", r.get("speed_vs_copy"))
+                                      for r in rows}}), flush=True)
+    return rows

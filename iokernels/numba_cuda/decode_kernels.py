@@ -1,8 +1,10 @@
 """Flash-Decoding and the paged gather in Numba CUDA, mirroring iokernels.decode and .paged.
 
 This module holds version 1 of each kernel (the default, measured) and the launchers;
-version 2 (wide loads, a grid-stride gather; candidates not yet measured on a GPU) is in
-:mod:`.decode_v2`, selected by ``config=DecodeConfig(version=2)``.
+version 2 (wide loads, a grid-stride gather) is in :mod:`.decode_v2`, selected by
+``config=DecodeConfig(version=2)``, and version 3 (a software-pipelined split kernel, a
+block-per-pool-block gather; candidates not yet measured) in :mod:`.decode_v3`
+(``DecodeConfig(version=3)``).
 
 Read next to :func:`iokernels.decode.decode_split_kv` (contiguous cache),
 :func:`iokernels.decode.paged_decode_split_kv` (paged cache) and
@@ -87,26 +89,38 @@ GATHER_UNROLL = 4
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Which decode / gather kernels run: ``version`` 1 (the default, measured) or 2 (wide
-    loads and a grid-stride gather, :mod:`.decode_v2`; a candidate not yet measured on a GPU).
+    """Which decode / gather kernels run: ``version`` 1 (the default, measured), 2 (wide loads
+    and a grid-stride gather, :mod:`.decode_v2`) or 3 (a software-pipelined split kernel with a
+    reduce-scatter lane sum, and a block-per-pool-block gather, :mod:`.decode_v3`); 2 and 3 are
+    candidates (their docstrings say what is measured).
 
-    lanes_per_key, keys_per_iter: version 2's split tiling (None: LANES_PER_KEY_V2,
-    KEYS_PER_ITER_V2); version 1 ignores them.
+    lanes_per_key, keys_per_iter: version 2's and 3's split tiling (None: the version's
+    defaults); key_groups (version 3 only): key groups per split block (None: KEY_GROUPS_V3);
+    gather_unroll (version 3 only): words of K and of V a gather thread loads before storing
+    (None: GATHER3_UNROLL).  Version 1 ignores them all.
     """
 
     version: int = 1
     lanes_per_key: int | None = None
     keys_per_iter: int | None = None
+    key_groups: int | None = None
+    gather_unroll: int | None = None
 
     def __post_init__(self):
-        if self.version not in (1, 2):
-            raise ValueError(f"config: decode version must be 1 or 2, got {self.version!r}")
+        if self.version not in (1, 2, 3):
+            raise ValueError(f"config: decode version must be 1, 2 or 3, got {self.version!r}")
         L = self.lanes_per_key
         if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L < 1 or 32 % L):
             raise ValueError(f"config: lanes_per_key must divide 32 (lanes of one warp), got {L!r}")
         K = self.keys_per_iter
         if K is not None and (isinstance(K, bool) or not isinstance(K, int) or not 1 <= K <= 16):
             raise ValueError(f"config: keys_per_iter must be an integer in 1..16, got {K!r}")
+        for name in ("key_groups", "gather_unroll"):
+            x = getattr(self, name)
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= 32):
+                raise ValueError(f"config: {name} must be an integer in 1..32, got {x!r}")
+        if self.version != 3 and (self.key_groups is not None or self.gather_unroll is not None):
+            raise ValueError("config: key_groups and gather_unroll are version 3 settings")
 
 
 def resolve_decode_config(config) -> DecodeConfig:
@@ -418,7 +432,11 @@ def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, blo
     S = int(lse_part.shape[0])
     if B == 0:
         return
-    if cfg.version == 2:
+    if cfg.version == 3:
+        from .decode_v3 import launch_split_v3
+        launch_split_v3(q, k, v, tables, lens, o, lse, o_part, lse_part, scale=scale, block_n=block_n,
+                        paged=paged, config=cfg, stream=stream)
+    elif cfg.version == 2:
         from .decode_v2 import KEY_GROUPS_V2
         word = str(np.dtype(k.dtype))
         split = _jitted(split_v2_kernel_function(d, Hq // Hkv, dtype, paged, block_n, word, cfg))
@@ -491,13 +509,19 @@ def _decode_common(kind, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     else:
         op = arr.upload_constant(np.zeros((1, 1, 1, 1), acc_t))   # unused: S == 1 writes O, LSE
         lp = arr.upload_constant(np.zeros((1, 1, 1), acc_t))
-    if cfg.version == 2:
+    if cfg.version in (2, 3):
         from .decode_v2 import split_v2_smem_bytes
+        from .decode_v3 import split_v3_smem_bytes, split_v3_tiling
         dk, dv, word = _kv_words(dk, dv, d, dtype)
-        need = split_v2_smem_bytes(d, Hq // Hkv, dtype, word, lanes_v2(d, dtype, word, cfg))
+        if cfg.version == 2:
+            need = split_v2_smem_bytes(d, Hq // Hkv, dtype, word, lanes_v2(d, dtype, word, cfg))
+        else:
+            L3, _, KG3 = split_v3_tiling(d, dtype, word, cfg)
+            need = split_v3_smem_bytes(d, Hq // Hkv, dtype, word, L3, KG3)
         if need > SHARED_LIMIT_BYTES:
             raise ValueError(f"q: {Hq // Hkv} query heads per KV head at head_dim {d} ({dtype}) need {need:,} B "
-                             f"of shared memory in the numba decode kernel v2, more than {SHARED_LIMIT_BYTES:,}")
+                             f"of shared memory in the numba decode kernel v{cfg.version}, more than "
+                             f"{SHARED_LIMIT_BYTES:,}")
     launch_decode(dq, dk, dv, tables, lens, o_d, lse_d, op, lp, scale=scale, block_n=block_n, paged=paged,
                   config=cfg, stream=arr.stream_of(kind, q))
     return arr.finish(kind, o_h), arr.finish(kind, lse_h)
@@ -612,14 +636,18 @@ def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True, config=Non
     k_h, k_d = arr.empty(kind, k_pool, (hkv, seq_len, d), dtype)
     v_h, v_d = arr.empty(kind, k_pool, (hkv, seq_len, d), dtype)
     tbl = arr.upload_constant(np.asarray(table, np.int32) if table.size else np.zeros(1, np.int32))
-    if cfg.version == 2:
+    if cfg.version in (2, 3):
         if seq_len:
             from .decode_v2 import WORD_BYTES, word_layout
             ok = all(_aligned(x, WORD_BYTES) and _contiguous(x) for x in (kp, vp, k_d, v_d))
             word, epw = word_layout(dtype.name, d, aligned=ok and words)
             if epw > 1:
                 kp, vp, k_d, v_d = (x.view(np.dtype(word)) for x in (kp, vp, k_d, v_d))
-            launch_gather_v2(kp, vp, tbl, k_d, v_d, seq_len, stream=arr.stream_of(kind, k_pool))
+            if cfg.version == 3:
+                from .decode_v3 import launch_gather_v3
+                launch_gather_v3(kp, vp, tbl, k_d, v_d, seq_len, config=cfg, stream=arr.stream_of(kind, k_pool))
+            else:
+                launch_gather_v2(kp, vp, tbl, k_d, v_d, seq_len, stream=arr.stream_of(kind, k_pool))
         return arr.finish(kind, k_h), arr.finish(kind, v_h)
     if words and seq_len:
         kp, vp, k_d, v_d = (_word_view(x, d, dtype.itemsize) for x in (kp, vp, k_d, v_d))
