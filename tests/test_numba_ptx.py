@@ -108,3 +108,71 @@ def test_the_float64_detector_finds_float64():
     """The check can fail: the float64 combine kernel's PTX is full of .f64 arithmetic."""
     out = _compile("90", "float64", "d=128", "only=combine")
     assert out and all(v["f64"] for v in out.values())
+
+
+# --------------------------------------------------------------------------- decode / gather v3
+_V3_REPORT = """
+import json
+from iokernels.numba_cuda import decode_v3 as d3
+out = d3.ptx_report(ccs=((7, 5), (9, 0)), dtypes=("float16",), head_dims=(128,))
+out.update(d3.ptx_report(ccs=((9, 0),), dtypes=("float32",), head_dims=(128,)))
+out.update(d3.ptx_report(ccs=((9, 0),), dtypes=("float16", "float64"), head_dims=(59,)))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def report_v3():
+    """The v3 kernels (defaults): float16 d=128 at sm_75 and sm_90, float32 d=128 at sm_90,
+    and the one-element-a-word paths (float16 d=59, float64 d=59) at sm_90."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _V3_REPORT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode != 0:
+        if "NVVM" in r.stderr and "not found" in r.stderr.lower():
+            pytest.skip("NVVM (numba-cuda's compiler library) is not installed")
+        raise AssertionError(r.stderr[-4000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_v3_kernels_compile_without_float64(report_v3):
+    names = {k.split("/")[0] for k in report_v3}
+    assert {"decode_v3_split_d128", "decode_v3_split_paged_d128", "gather_v3_d128", "decode_v3_split_d59",
+            "gather_v3_d59"} <= names
+    assert {"decode_v3_split_d128/float16/sm_75", "decode_v3_split_paged_d128/float16/sm_75",
+            "gather_v3_d128/float16/sm_75"} <= set(report_v3)
+    bad = {k: v["f64"] for k, v in report_v3.items() if v["f64"] and "float64" not in k}
+    assert not bad, f"float64 instructions in low-precision v3 kernels: {bad}"
+    assert all(v["f64"] for k, v in report_v3.items() if "float64" in k and "split" in k)   # the check can fail
+
+
+@pytest.mark.parametrize("cc", ["sm_75", "sm_90"])
+def test_decode_v3_pipeline_and_reduce_scatter_in_the_ptx(report_v3, cc):
+    """float16 d=128 at the defaults: each lane loads one 8-byte word of K and of V per key;
+    the words are loaded in two places (the prologue and the in-loop prefetch), so the PTX has
+    2 x KPI x K,V u64 loads and no 2-byte K/V loads; the lane sum is 2 (RP - 1) shuffles
+    (v2's butterflies at this tiling: RP log2 L = 160); and no local memory at all."""
+    from iokernels.numba_cuda.decode_v3 import (KEYS_PER_ITER_V3, LANES_PER_KEY_V3, _pow2_at_least,
+                                                allreduce_shuffles)
+    rp = _pow2_at_least(KEYS_PER_ITER_V3 * 4)
+    for name in ("decode_v3_split_d128", "decode_v3_split_paged_d128"):
+        r = report_v3[f"{name}/float16/{cc}"]
+        assert r["ld_u64"] == 2 * KEYS_PER_ITER_V3 * 2, r
+        assert r["shfl"] == allreduce_shuffles(LANES_PER_KEY_V3, rp) == 62, r
+        assert r["local"] == 0, r
+
+
+def test_gather_v3_loads_words_before_storing(report_v3):
+    """UN u64 loads of K and of V, UN u64 stores of each, no local memory."""
+    from iokernels.numba_cuda.decode_v3 import GATHER3_UNROLL
+    for cc in ("sm_75", "sm_90"):
+        g = report_v3[f"gather_v3_d128/float16/{cc}"]
+        assert g["ld_u64"] == 2 * GATHER3_UNROLL and g["st_u64"] == 2 * GATHER3_UNROLL, g
+        assert g["local"] == 0 and g["shfl"] == 0, g
+
+
+def test_v3_element_path_loads_elements(report_v3):
+    """float16 d=59 rows (118 bytes) are not whole words: v3 loads float16 elements."""
+    for name in ("decode_v3_split_d59", "decode_v3_split_paged_d59"):
+        r = report_v3[f"{name}/float16/sm_90"]
+        assert r["ld_u64"] == 0 and r["shfl"] > 0, r
