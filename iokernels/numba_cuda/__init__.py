@@ -53,6 +53,8 @@ bytes per second; best SDPA backend cuDNN 0.050 ms = 2.70 TB/s (FLASH 2.32):
     paged (random block table, bs 16), S=None        0.794 ms   0.17 TB/s   0.06x              (v1, default)
     v2: 8-byte word loads, bit-cast unpack           candidate, not yet measured   (bench row numba:v2)
     v2-L32K8: 32 lanes a key, 8 keys in flight       candidate, not yet measured   (numba:v2-L32K8)
+    v3: pipelined loads, reduce-scatter lane sum     candidate, not yet measured   (numba:v3, numba:v3 paged;
+        :mod:`.decode_v3`)
     v2 paged (table stage 128, Bn a constant)        candidate, not yet measured   (numba:v2 paged)
 
   Version 2 (:mod:`.decode_v2`) answers the diagnosis below: K/V rows read as uint64 words
@@ -117,9 +119,10 @@ def bench_versions(op: str, dtype: str) -> dict:
         return {f"v{v}": NumbaConfig(version=v) for v in (1, 2, 3, 4)}
     if op in ("decode", "paged_decode"):
         return {"v1": DecodeConfig(version=1), "v2": DecodeConfig(version=2),
-                "v2-L32K8": DecodeConfig(version=2, lanes_per_key=32, keys_per_iter=8)}
+                "v2-L32K8": DecodeConfig(version=2, lanes_per_key=32, keys_per_iter=8),
+                "v3": DecodeConfig(version=3)}
     if op == "gather":
-        return {"v1": DecodeConfig(version=1), "v2": DecodeConfig(version=2)}
+        return {"v1": DecodeConfig(version=1), "v2": DecodeConfig(version=2), "v3": DecodeConfig(version=3)}
     return {}
 
 
@@ -200,4 +203,18 @@ def sanitize_cases(seed: int = 0, verbose: bool = True):
     note("paged decode v2 S=2 float16 d=64", o, refp)
     kg, _ = paged_gather(ch, sh[0], config=DecodeConfig(version=2))
     note("paged gather v2 float16 d=64", kg, ch.gather(sh[0])[0])
+    # version 3 (candidates): the word path (float16 d=64), the element path (float32 d=59)
+    v3 = DecodeConfig(version=3)
+    for s in (1, 3):
+        o, _ = decode(qh, kh, vh, seq_lens=lens, num_splits=s, config=v3)
+        note(f"decode v3 S={s} float16 d=64", o, refh)
+    kc3, vc3 = k[:1].repeat(3, 0), v[:1].repeat(3, 0)
+    o, _ = decode(qd, kc3, vc3, seq_lens=lens, num_splits=3, config=v3)
+    note("decode v3 S=3 float32 d=59", o, reference.decode(qd, kc3, vc3, seq_lens=lens)[0])
+    o, _ = paged_decode(qq, ch, sh, num_splits=2, config=v3)
+    note("paged decode v3 S=2 float16 d=64", o, refp)
+    kg, _ = paged_gather(ch, sh[0], config=v3)
+    note("paged gather v3 float16 d=64", kg, ch.gather(sh[0])[0])
+    kg, _ = paged_gather(cache, sids[0], config=v3)
+    note("paged gather v3 float32 d=59", kg, cache.gather(sids[0])[0])
     return results
