@@ -543,3 +543,23 @@ def test_bench_sweep_cases_build_on_the_simulator():
     names = {r["name"] for r in rows}
     assert {"numba v3 S=None", "numba v3 paged S=None", "numba gather v3"} <= names
     assert all(r["max_err"] < 1e-2 for r in rows if "max_err" in r), rows
+
+
+def test_v3_contiguity_check():
+    """v3 reads K/V through flat views, so the launchers refuse strided device arrays (the
+    simulator's device arrays are always contiguous copies: the check is tested on stand-ins
+    shaped like them and like Numba's device arrays)."""
+    class Sim:
+        def __init__(self, a):
+            self._ary = a
+
+    class Dev:
+        def __init__(self, c):
+            self.c = c
+
+        def is_c_contiguous(self):
+            return self.c
+    base = np.zeros((1, 2, 24, 4), np.float32)
+    assert d3.c_contiguous(Sim(base)) and not d3.c_contiguous(Sim(base[:, :, :12]))
+    assert d3.c_contiguous(Dev(True)) and not d3.c_contiguous(Dev(False))
+    assert d3.c_contiguous(base) and not d3.c_contiguous(base[:, :, :12])

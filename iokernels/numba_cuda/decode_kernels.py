@@ -512,6 +512,10 @@ def _decode_common(kind, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     if cfg.version in (2, 3):
         from .decode_v2 import split_v2_smem_bytes
         from .decode_v3 import split_v3_smem_bytes, split_v3_tiling
+        from .decode_v3 import c_contiguous
+        if cfg.version == 3 and not all(c_contiguous(x) for x in (dk, dv)):
+            raise ValueError("k, v: decode version 3 reads the cache through flat views and needs C-contiguous "
+                             "K and V (call .contiguous() / np.ascontiguousarray, or use version 1 or 2)")
         dk, dv, word = _kv_words(dk, dv, d, dtype)
         if cfg.version == 2:
             need = split_v2_smem_bytes(d, Hq // Hkv, dtype, word, lanes_v2(d, dtype, word, cfg))
@@ -644,7 +648,10 @@ def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True, config=Non
             if epw > 1:
                 kp, vp, k_d, v_d = (x.view(np.dtype(word)) for x in (kp, vp, k_d, v_d))
             if cfg.version == 3:
-                from .decode_v3 import launch_gather_v3
+                from .decode_v3 import c_contiguous, launch_gather_v3
+                if not all(c_contiguous(x) for x in (kp, vp)):
+                    raise ValueError("k_pool, v_pool: gather version 3 reads the pools through flat views and "
+                                     "needs C-contiguous pools (or use version 1 or 2)")
                 launch_gather_v3(kp, vp, tbl, k_d, v_d, seq_len, config=cfg, stream=arr.stream_of(kind, k_pool))
             else:
                 launch_gather_v2(kp, vp, tbl, k_d, v_d, seq_len, stream=arr.stream_of(kind, k_pool))

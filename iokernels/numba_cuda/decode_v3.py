@@ -128,6 +128,17 @@ GATHER3_THREADS = 256
 GATHER3_UNROLL = 8
 
 
+def c_contiguous(x) -> bool:
+    """Whether a device (or simulator) array is C-contiguous, so that a flat view of it is
+    the same memory.  (The simulator's arrays report ``is_c_contiguous()`` True even for a
+    strided slice; the NumPy array they wrap knows better.)"""
+    ary = getattr(x, "_ary", None)
+    if isinstance(ary, np.ndarray):
+        return ary.flags.c_contiguous
+    f = getattr(x, "is_c_contiguous", None)
+    return bool(f()) if callable(f) else bool(getattr(getattr(x, "flags", None), "c_contiguous", False))
+
+
 # --------------------------------------------------------------------------- raw loads/stores
 @intrinsic
 def _ld(typingctx, ary, idx):
