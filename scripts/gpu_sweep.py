@@ -55,9 +55,7 @@ def numba_fwd(outdir):
         "v3": NumbaConfig(version=3),
         "v4": NumbaConfig(version=4),
         "v4 step4 batched": NumbaConfig(version=4, step_keys=4, batched_lane_sums=True),
-        "v4 batched": NumbaConfig(version=4, batched_lane_sums=True),
-        "v4 Bc64": NumbaConfig(version=4, block_k=64),
-        "v4 Br128 L16 R8 step2": NumbaConfig(version=4, block_q=128, threads_per_row=16, rows_per_thread=8),
+        "v4 step4 batched Bc64": NumbaConfig(version=4, step_keys=4, batched_lane_sums=True, block_k=64),
     }
     for name, cfg in configs.items():
         try:
