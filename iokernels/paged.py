@@ -373,10 +373,10 @@ def check_block_table(block_table, seq_len, num_blocks, block_size):
     if table.size < need:
         raise ValueError(f"block_table: {seq_len} tokens in blocks of {block_size} need {need} entries, "
                          f"got {table.size}")
-    bad = [(i, int(b)) for i, b in enumerate(table[:need]) if not 0 <= b < num_blocks]
-    if bad:
-        i, b = bad[0]
-        raise ValueError(f"block_table: entry {i} is block {b}, outside the pool [0, {num_blocks})")
+    bad = np.flatnonzero((table[:need] < 0) | (table[:need] >= num_blocks))   # vectorized: this runs
+    if bad.size:                                        # before every GPU gather, on the host
+        i = int(bad[0])
+        raise ValueError(f"block_table: entry {i} is block {int(table[i])}, outside the pool [0, {num_blocks})")
     return table[:need].astype(np.int32)
 
 
