@@ -239,8 +239,8 @@ def test_bad_inputs_raise_value_errors_naming_the_argument(rng):
         ik.attention(q, k, v, backend="numba", config=TileConfig())
     with pytest.raises(ValueError, match="config"):
         NumbaConfig(version=5)
-    with pytest.raises(ValueError, match="block_k"):   # v4 steps over keys in pairs
-        ik.attention(q, k, v, backend="numba", config=NumbaConfig(version=4, block_k=3))
+    with pytest.raises(ValueError, match="block_k"):   # v4 steps over keys 4 at a time
+        ik.attention(q, k, v, backend="numba", config=NumbaConfig(version=4, block_k=6))
     with pytest.raises(ValueError, match="config"):
         NumbaConfig(version=3, buggy_skip_sync=True)
     with pytest.raises(ValueError, match="threads_per_row"):
@@ -563,3 +563,25 @@ def test_v3_contiguity_check():
     assert d3.c_contiguous(Sim(base)) and not d3.c_contiguous(Sim(base[:, :, :12]))
     assert d3.c_contiguous(Dev(True)) and not d3.c_contiguous(Dev(False))
     assert d3.c_contiguous(base) and not d3.c_contiguous(base[:, :, :12])
+
+
+def test_default_versions_per_operation_and_the_strided_fallback(rng):
+    """A config without a version runs the fastest measured kernel for the call (decode:
+    version 3, gather: version 1); on a strided cache the default decode runs version 1 (v3
+    reads flat views) while an explicit version 3 refuses it by name."""
+    from iokernels.numba_cuda.decode_kernels import DEFAULT_VERSIONS, resolve_decode_config
+    assert resolve_decode_config(None).version == DEFAULT_VERSIONS["decode"] == 3
+    assert resolve_decode_config(DecodeConfig(), "gather").version == DEFAULT_VERSIONS["gather"] == 1
+    assert resolve_decode_config(DecodeConfig(version=2), "gather").version == 2
+    from numba import cuda
+    q, k, v = _decode_inputs(rng, 2, 4, 2, 30, 5, np.float64)
+    qd, kd, vd = cuda.to_device(q), cuda.to_device(k), cuda.to_device(v)
+    ks, vs = kd[:, :, :21], vd[:, :, :21]                # a view of the first 21 keys: strided
+    assert not ks.is_c_contiguous()
+    lens = np.array([21, 9])
+    ro, rl = reference.decode(q, k[:, :, :21], v[:, :, :21], seq_lens=lens)
+    o, lse = nc.decode(qd, ks, vs, seq_lens=lens, num_splits=2)
+    testing.assert_close(o.copy_to_host(), ro)
+    testing.assert_close(lse.copy_to_host(), rl, name="lse")
+    with pytest.raises(ValueError, match="k, v"):
+        nc.decode(qd, ks, vs, seq_lens=lens, config=DecodeConfig(version=3))

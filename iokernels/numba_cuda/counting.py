@@ -81,6 +81,9 @@ def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, name
     from .decode_v2 import word_layout
     _require_simulator()
     cfg = resolve_decode_config(config)
+    if cfg.version == 3:                 # flat views and raw loads: its own counting wrapper
+        from .decode_v3 import _count_decode_v3
+        return _count_decode_v3(q, k, v, tables, lens, num_splits, scale, block_n, paged, names, cfg)
     if cfg.version == 2:                 # K and V as the launcher's 8-byte words (same bytes)
         word, epw = word_layout(q.dtype.name, q.shape[-1])
         if epw > 1:
@@ -88,7 +91,7 @@ def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, name
     B, Hq, d = q.shape
     Hkv = k.shape[2] if paged else k.shape[1]
     acc = _acc_types(q.dtype.name)[0]
-    S = _resolve_splits(num_splits, B, Hkv, int(np.max(lens, initial=0)), block_n)
+    S = _resolve_splits(num_splits, B, Hkv, int(np.max(lens, initial=0)), block_n, cfg)
     scale = cv.resolve_scale(scale, d)
     c = _Counter()
     o, lse = c(np.zeros((B, Hq, d), q.dtype), "O"), c(np.zeros((B, Hq), acc), "LSE")

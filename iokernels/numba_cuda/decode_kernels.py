@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -84,6 +84,10 @@ COMBINE_UNROLL = 8
 #: the num_splits=None heuristic counts this many resident blocks per SM as "SMs": one
 #: 4-warp block per SM cannot keep enough loads in flight to stream HBM.
 RESIDENT_BLOCKS_PER_SM = 8
+#: ... and for the version 2 / 3 split kernels (~155 registers x 128 threads: 3 blocks fit
+#: an SM).  4 slots, a wave and a third: at B=1, N=32768, GQA 32/8 on the H200 (12:26 UTC
+#: sweep) v3 took 0.122 ms with 64 splits and 0.144 ms with 128 (what 8 slots chose)
+RESIDENT_BLOCKS_PER_SM_V3 = 4
 #: the gather kernel's block: 32 threads along a row's words, 8 rows at a time; each thread
 #: issues GATHER_UNROLL rows' loads before their stores (stores could alias later loads as
 #: far as the compiler knows, so without this each load waits for the previous store).
@@ -93,10 +97,11 @@ GATHER_UNROLL = 4
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Which decode / gather kernels run: ``version`` 1 (the default, measured), 2 (wide loads
-    and a grid-stride gather, :mod:`.decode_v2`) or 3 (a software-pipelined split kernel with a
-    reduce-scatter lane sum, and a block-per-pool-block gather, :mod:`.decode_v3`); 2 and 3 are
-    candidates (their docstrings say what is measured).
+    """Which decode / gather kernels run: ``version`` 1 (one thread group a key, 2-byte loads),
+    2 (wide loads and a grid-stride gather, :mod:`.decode_v2`) or 3 (a software-pipelined split
+    kernel with a reduce-scatter lane sum, and a block-per-pool-block gather,
+    :mod:`.decode_v3`); None: the fastest measured for the call (``DEFAULT_VERSIONS``: the
+    split kernels of version 3, the gather of version 1).
 
     lanes_per_key, keys_per_iter: version 2's and 3's split tiling (None: the version's
     defaults); key_groups (version 3 only): key groups per split block (None: KEY_GROUPS_V3);
@@ -104,15 +109,15 @@ class DecodeConfig:
     (None: GATHER3_UNROLL).  Version 1 ignores them all.
     """
 
-    version: int = 1
+    version: int | None = None
     lanes_per_key: int | None = None
     keys_per_iter: int | None = None
     key_groups: int | None = None
     gather_unroll: int | None = None
 
     def __post_init__(self):
-        if self.version not in (1, 2, 3):
-            raise ValueError(f"config: decode version must be 1, 2 or 3, got {self.version!r}")
+        if self.version not in (None, 1, 2, 3):
+            raise ValueError(f"config: decode version must be None, 1, 2 or 3, got {self.version!r}")
         L = self.lanes_per_key
         if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L < 1 or 32 % L):
             raise ValueError(f"config: lanes_per_key must divide 32 (lanes of one warp), got {L!r}")
@@ -127,12 +132,21 @@ class DecodeConfig:
             raise ValueError("config: key_groups and gather_unroll are version 3 settings")
 
 
-def resolve_decode_config(config) -> DecodeConfig:
+#: the version a DecodeConfig without one runs, per operation: what measured fastest on the
+#: H200 (decode: v3 0.93 TB/s vs v2 0.75 and v1 0.31 at B=1 N=32768, 12:26 UTC sweep; gather:
+#: ncu put v1's kernel at 283 us for 131072 tokens vs 250 us for a device copy)
+DEFAULT_VERSIONS = {"decode": 3, "gather": 1}
+
+
+def resolve_decode_config(config, op="decode") -> DecodeConfig:
+    """``config`` (None: ``DecodeConfig()``) with its version filled in for ``op``."""
     if config is None:
-        return DecodeConfig()
+        config = DecodeConfig()
     if not isinstance(config, DecodeConfig):
         raise ValueError(f"config: expected an iokernels.numba_cuda.DecodeConfig or None, got "
                          f"{type(config).__name__}")
+    if config.version is None:
+        config = replace(config, version=DEFAULT_VERSIONS[op])
     return config
 
 
@@ -381,10 +395,12 @@ def _num_sms() -> int:
         return 132
 
 
-def default_num_splits(batch, heads_kv, max_len, block_n) -> int:
-    """decode.num_splits_heuristic, counting RESIDENT_BLOCKS_PER_SM block slots per SM."""
-    return num_splits_heuristic(batch, heads_kv, max_len, _num_sms() * RESIDENT_BLOCKS_PER_SM,
-                                block_n=block_n)
+def default_num_splits(batch, heads_kv, max_len, block_n, config=None) -> int:
+    """decode.num_splits_heuristic, counting the split kernel's block slots per SM
+    (RESIDENT_BLOCKS_PER_SM for version 1, RESIDENT_BLOCKS_PER_SM_V3 for versions 2 and 3)."""
+    version = resolve_decode_config(config).version
+    per_sm = RESIDENT_BLOCKS_PER_SM if version == 1 else RESIDENT_BLOCKS_PER_SM_V3
+    return num_splits_heuristic(batch, heads_kv, max_len, _num_sms() * per_sm, block_n=block_n)
 
 
 def split_kernel_function(head_dim, g, dtype, paged, simulated=None):
@@ -467,9 +483,9 @@ def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, blo
         comb[B * Hq, COMBINE_THREADS, stream](o_part, lse_part, o, lse)
 
 
-def _resolve_splits(num_splits, B, Hkv, max_len, block_n):
+def _resolve_splits(num_splits, B, Hkv, max_len, block_n, config=None):
     if num_splits is None:
-        num_splits = default_num_splits(B, Hkv, max_len, block_n)
+        num_splits = default_num_splits(B, Hkv, max_len, block_n, config)
     if num_splits > MAX_SPLITS:
         raise ValueError(f"num_splits: the numba combine kernel merges at most {MAX_SPLITS} splits, "
                          f"got {num_splits}")
@@ -506,15 +522,20 @@ def _kv_words(k, v, head_dim, dtype):
 
 
 def _decode_common(kind, q, k, v, tables_h, lens_h, num_splits, scale, block_n, paged, max_len, config=None):
+    chosen = isinstance(config, DecodeConfig) and config.version is not None
     cfg = resolve_decode_config(config)
     dtype = arr.check_dtype(q, "q")
     B, Hq, d = (int(x) for x in q.shape)
     scale = cv.resolve_scale(scale, d)
     Hkv = int(k.shape[2] if paged else k.shape[1])
     check_split_smem(d, Hq // Hkv, dtype)
-    S = _resolve_splits(num_splits, B, Hkv, max_len, block_n)
     acc_t = _acc_types(dtype)[0]
     dq, dk, dv = (arr.to_device(x, kind) for x in (q, k, v))
+    if cfg.version == 3 and not chosen:
+        from .decode_v3 import c_contiguous
+        if not all(c_contiguous(x) for x in (dk, dv)):   # the default, on a strided cache:
+            cfg = replace(cfg, version=1)                  # the kernel that takes any strides
+    S = _resolve_splits(num_splits, B, Hkv, max_len, block_n, cfg)
     tables = arr.upload_constant(np.asarray(tables_h, dtype=np.int32))
     lens = arr.upload_constant(np.asarray(lens_h, dtype=np.int32))
     o_h, o_d = arr.empty(kind, q, (B, Hq, d), dtype)
@@ -550,7 +571,7 @@ def _decode_common(kind, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
 def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
     """Public backend: Flash-Decoding over a contiguous (ragged) cache. Returns (o, lse).
 
-    ``config``: a :class:`DecodeConfig` (None: version 1)."""
+    ``config``: a :class:`DecodeConfig` (None: version 3; version 1 for a strided cache)."""
     resolve_decode_config(config)
     kind = arr.check_kinds(q=q, k=k, v=v)
     B, N = int(k.shape[0]), int(k.shape[2])
@@ -564,7 +585,7 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     """Paged Flash-Decoding over pools (num_blocks, block_size, Hkv, d) of any array kind.
 
     block_tables: int32 (B, max_blocks) NumPy, seq_lens: (B,) NumPy (host: they size the launch).
-    ``config``: a :class:`DecodeConfig` (None: version 1).
+    ``config``: a :class:`DecodeConfig` (None: version 3; version 1 for strided pools).
     """
     resolve_decode_config(config)
     kind = arr.check_kinds(q=q, k_pool=k_pool, v_pool=v_pool)
@@ -645,7 +666,7 @@ def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True, config=Non
 
     ``config``: a :class:`DecodeConfig`; version 2 is the grid-stride gather of
     :mod:`.decode_v2` (8-byte words whenever the rows and alignment allow)."""
-    cfg = resolve_decode_config(config)
+    cfg = resolve_decode_config(config, "gather")
     from ..paged import check_block_table
     kind = arr.check_kinds(k_pool=k_pool, v_pool=v_pool)
     arr.check_dtype(k_pool, "k_pool")

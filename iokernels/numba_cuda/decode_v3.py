@@ -598,7 +598,7 @@ def _count_decode_v3(q, k, v, tables, lens, num_splits, scale, block_n, paged, n
     B, Hq, d = q.shape
     Hkv = k.shape[2] if paged else k.shape[1]
     acc = _acc_types(q.dtype.name)[0]
-    S = _resolve_splits(num_splits, B, Hkv, int(np.max(lens, initial=0)), block_n)
+    S = _resolve_splits(num_splits, B, Hkv, int(np.max(lens, initial=0)), block_n, config)
     scale = cv.resolve_scale(scale, d)
     c = _Counter()
     o, lse = c(np.zeros((B, Hq, d), q.dtype), "O"), c(np.zeros((B, Hq), acc), "LSE")

@@ -38,14 +38,21 @@ The versions (``NumbaConfig(version=...)``):
   with warp shuffles (``shfl_xor_sync``).  Keys are folded ``KEYS_PER_STEP`` at a time
   (the online softmax rescales once per step, which is the same recurrence with smaller
   tiles).  Counted traffic == ``traffic.model("fa2")`` with its Br and Bc.
-* **v4** (candidate, not yet measured on a GPU) v3 with a step of ``V4_KEYS_PER_STEP`` = 2
-  keys.  What changed: NVVM does not unroll v3's 8-key step, so the step's scores live in
+* **v4** (the default) v3 with a step of ``V4_KEYS_PER_STEP`` = 4 keys and batched lane
+  sums.  What changed: NVVM does not unroll v3's 8-key step, so the step's scores live in
   local memory (PTX: 33 local loads/stores a step, ptxas: 233 registers, 128-byte stack
-  frame); a 2-key step is unrolled (PTX: no local memory, 243 registers, no stack frame,
-  sm_90).  The price: the online softmax rescales O every 2 keys instead of 8 (R x d/L
-  extra multiplies and R exps a step, ~25% more float work than v3).  Which effect wins
-  is for the GPU to say; occupancy stays at ~8 warps an SM (2 blocks of 128 threads at
-  ~240 registers), which neither version changes.  Counted traffic == v3's.
+  frame); a 4-key step whose R x 4 partial dot products go through one butterfly together
+  is unrolled (PTX: no local memory, 254 registers, no stack frame, sm_90), and the
+  butterfly's 3 x 16 shuffles are independent of each other, so they overlap instead of
+  waiting in a chain.  The price: the online softmax rescales O every 4 keys instead of 8.
+  Occupancy stays at ~8 warps an SM (2 blocks of 128 threads at ~250 registers).  A
+  2-key step without batching (tried first) was also free of local memory but only 4%
+  faster than v3 (0.24x SDPA EFFICIENT in the 11:53 UTC run); the batched 4-key step
+  reached 0.272x in a sweep at 12:26 UTC.  Counted traffic == v3's.
+* v3 and v4 add a tile's probabilities up apart (``l_j``) and add that into the row sum
+  l once per K/V tile: added one step at a time, N/4 float32 terms made the LSE error
+  at N = 8192 about 2e-6 (the 2x rule allows ~1.2e-6 there); N/Bc additions keep it
+  near 5e-7, which is how FlashAttention sums too (a tile's row sum, then l).
 
 Measured on an H200 (float32, B=8, H=16, N=4096, d=128, non-causal; torch SDPA EFFICIENT
 47.0 TFLOP/s in the same run; details in :mod:`iokernels.numba_cuda` and
@@ -55,7 +62,7 @@ benchmarks/results/numba_h200_2026-11-29.json):
 v1      2.8 TFLOP/s   0.06x SDPA   K/V re-read per row (L1/L2 absorb part of it)
 v2      7.2 TFLOP/s   0.15x        one shared-memory load per FMA; q, O spill
 v3     10.8 TFLOP/s   0.23x        R = 4 FMAs per shared load; shuffle sums
-v4     candidate, not yet measured  v3 with a 2-key step: scores in registers
+v4     (see iokernels.numba_cuda)    4-key step, batched butterflies, no local memory
 ======  ============  ===========  ==============================================
 
 The simulator (no GPU) has no warp shuffles: there v3's lane sum goes through shared
@@ -84,10 +91,11 @@ import numba  # noqa: E402
 SHARED_LIMIT_BYTES = 48 * 1024
 #: keys folded into the online softmax at once by v3 (its scores for them stay in registers).
 KEYS_PER_STEP = 8
-#: v4's step: 2 keys.  NVVM fully unrolls a step this small, so the scores of the step are
-#: indexed by constants and stay in registers (v3's 8-key step is not unrolled: its PTX has
-#: 33 local-memory loads/stores, v4's has none; checked by tests/test_numba_ptx.py).
-V4_KEYS_PER_STEP = 2
+#: v4's step: 4 keys, their lane sums batched.  NVVM fully unrolls a step this small, so
+#: the scores of the step are indexed by constants and stay in registers (v3's 8-key step
+#: is not unrolled: its PTX has 33 local-memory loads/stores, v4's has none; checked by
+#: tests/test_numba_ptx.py).
+V4_KEYS_PER_STEP = 4
 #: a warp: lanes that share a row in v3 must sit in one warp for the shuffles.
 WARP_SIZE = 32
 #: every lane of the warp takes part in each shuffle.
@@ -108,21 +116,22 @@ def _acc_types(dtype: str):
 class NumbaConfig:
     """Launch shape of the Numba FlashAttention forward.
 
-    version: 1, 2, 3 or 4 (see the module docstring; 4 is a candidate not yet measured);
+    version: 1, 2, 3 or 4 (see the module docstring; 4, the fastest measured, is the default);
     block_q (Br), block_k (Bc): tile rows, None for the version's default; threads_per_row,
     rows_per_thread: v3/v4's register tiling (v1 and v2 use one thread per row);
     batched_lane_sums: v3/v4 sum the lanes' partial dot
-    products of a whole step of keys in one butterfly (True) or key by key (False).
+    products of a whole step of keys in one butterfly (True) or key by key (False); None:
+    the version's choice (v4 batched, v3 key by key).
     step_keys: keys per online-softmax step of v3/v4 (None: the version's, 8 or 2).
     ``buggy_skip_sync`` is for the notebook's race demo.
     """
 
-    version: int = 3
+    version: int = 4
     block_q: int | None = None
     block_k: int | None = None
     threads_per_row: int = 8
     rows_per_thread: int = 4
-    batched_lane_sums: bool = False
+    batched_lane_sums: bool | None = None
     step_keys: int | None = None
     buggy_skip_sync: bool = False
 
@@ -172,6 +181,13 @@ class NumbaConfig:
         if self.version >= 3:
             return -(-head_dim // self.threads_per_row) * self.threads_per_row
         return head_dim
+
+    @property
+    def batched(self) -> bool:
+        """Whether v3/v4 sum a step's partial dot products in one butterfly."""
+        if self.batched_lane_sums is not None:
+            return bool(self.batched_lane_sums)
+        return self.version == 4
 
     @property
     def threads(self) -> int:
@@ -555,7 +571,7 @@ def kernel_function(cfg: NumbaConfig, head_dim: int, dtype: str, simulated: bool
     if cfg.version == 2:
         return make_v2(head_dim, cfg.block_q, cfg.block_k, acc_name, cfg.buggy_skip_sync)
     return make_v3(head_dim, cfg.block_q, cfg.block_k, cfg.threads_per_row, cfg.rows_per_thread,
-                   acc_name, simulated, cfg.batched_lane_sums, cfg.keys_per_step)
+                   acc_name, simulated, cfg.batched, cfg.keys_per_step)
 
 
 @functools.lru_cache(maxsize=None)
