@@ -214,3 +214,17 @@ def test_num_splits_heuristic_properties():
     for hkv in (1, 8):
         want = min(cr.DECODE_WAVES * 132 * 4 // hkv, 32768 // lo, cap)
         assert cr.num_splits_heuristic(1, hkv, 32768, 132, 4) == want
+
+
+def test_default_decode_is_v3_and_falls_back_to_v1_where_it_cannot_run():
+    """DecodeConfig() runs decode_v3.cu (8 warps x 4 stages) on rows of whole 16-byte chunks,
+    16-byte aligned; other rows (d = 59 in float16, unaligned views) run decode.cu."""
+    cfg = cr.DecodeConfig()
+    assert (cfg.version, cfg.num_warps, cfg.stages) == ("v3", None, None)
+    assert cr.decode_version_used(128, "bfloat16", True) == "v3"
+    assert cr.decode_version_used(128, "bfloat16", False) == "v1"
+    assert cr.decode_version_used(59, "float16", True) == "v1"
+    defines = cr._decode_v3_defines(128, "bfloat16", 4, False, 0, cfg)
+    assert (defines["NUM_WARPS"], defines["STAGES"]) == (cr.DECODE_V3_WARPS, cr.DECODE_V3_STAGES)
+    with pytest.raises(ValueError, match="num_warps"):
+        cr.DecodeConfig(version="v2", num_warps=8)

@@ -154,11 +154,12 @@ DECODE_V2_STAGES = 3
 DECODE_V2_MIN_BLOCKS = 4
 #: ... a tile is about this many bytes of K (and as many of V): 8 rows at bf16 d=128
 DECODE_V2_TILE_BYTES = 2048
-#: decode v3 (decode_v3.cu): v2's ring with the combine fused into the split kernel.  Its
-#: defaults are v2's (4 warps, 3 stages, ~2 KB tiles, 4 blocks an SM): what v3 changes by
-#: default is the fused combine and the paged table in SRAM; quick_bench.sweep_decode times
-#: the other settings
-DECODE_V3_WARPS = 4
+#: decode v3 (decode_v3.cu): v2's ring with the combine fused into the split kernel, 8 warps
+#: a block and a 4-tile ring (~128 KB of SRAM at bf16 d=128: one block an SM, 8 warps with 3
+#: tiles each in flight).  Chosen by quick_bench.sweep_decode on the H200 (12:26 UTC, bf16
+#: B=1 N=32768 GQA 32/8): 0.0528 ms = 0.92x cuDNN; 4 warps x 3 stages (v2's shape) 0.0657 ms
+DECODE_V3_WARPS = 8
+DECODE_V3_STAGES = 4
 #: ... a paged split's block-table entries are staged in SRAM when there are at most this
 #: many (4 KB: 1024 pages of 16 rows = 16384 keys a split); longer splits read them from HBM/L2
 DECODE_V3_TABLE_CAP = 1024
@@ -282,12 +283,12 @@ class CupyConfig:
 class DecodeConfig:
     """Which decode kernel, for :func:`decode` / :func:`paged_decode_pools` (``config=``).
 
-    version: "v1" (decode.cu, the default: plain loads into registers), "v2"
-    (decode_v2.cu: a per-warp cp.async ring of K/V tiles in SRAM) or "v3" (decode_v3.cu:
-    v2's ring with the combine fused into the split kernel; not yet measured).
+    version: "v1" (decode.cu: plain loads into registers), "v2" (decode_v2.cu: a per-warp
+    cp.async ring of K/V tiles in SRAM) or "v3" (decode_v3.cu, the default: v2's ring with
+    the combine fused into the split kernel, 8 warps x 4 stages).
     v2 and v3 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned
     (:func:`decode_version_used` says which kernel a call runs); otherwise v1 runs.
-    stages: the ring depth of v2/v3 (>= 2; None: DECODE_V2_STAGES).  tile_rows: key rows a
+    stages: the ring depth of v2/v3 (>= 2; None: DECODE_V2_STAGES / DECODE_V3_STAGES).  tile_rows: key rows a
     tile (a multiple of the rows a warp reads side by side; None: about DECODE_V2_TILE_BYTES
     of K).  num_warps (v3): 4 or 8 warps a block (None: DECODE_V3_WARPS).  fused (v3): the
     combine inside the split kernel (True, the default) or decode.cu's separate combine
@@ -295,7 +296,7 @@ class DecodeConfig:
     capped for (None: DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8).
     """
 
-    version: str = "v1"
+    version: str = "v3"
     stages: int | None = None
     tile_rows: int | None = None
     num_warps: int | None = None
@@ -312,7 +313,7 @@ class DecodeConfig:
             raise ValueError(f"config: stages must be at least 2 (one tile used, one in flight), got {self.stages}")
         if self.num_warps not in (None, 4, 8):
             raise ValueError(f"config: num_warps must be 4 or 8 (v3), got {self.num_warps}")
-        if self.num_warps not in (None, DECODE_V3_WARPS) and self.version != "v3":
+        if self.num_warps not in (None, DECODE_WARPS) and self.version != "v3":
             raise ValueError(f"config: num_warps is a v3 setting; version {self.version!r} runs {DECODE_WARPS}")
         if not isinstance(self.fused, bool):
             raise ValueError(f"config: fused must be True or False, got {self.fused!r}")
@@ -685,9 +686,9 @@ def _decode_v3_defines(d, dtype, group, paged, block_size, config, min_blocks=No
     """decode_v3.cu's defines for one call (the rows must allow it; SRAM: decode_v3_smem)."""
     geo = decode_v2_geometry(d, dtype, config.tile_rows)
     nw = config.num_warps or DECODE_V3_WARPS
-    mb = min_blocks or config.min_blocks or max(1, DECODE_V2_MIN_BLOCKS * DECODE_V3_WARPS // nw)
+    mb = min_blocks or config.min_blocks or max(1, DECODE_V2_MIN_BLOCKS * DECODE_WARPS // nw)
     out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged), NUM_WARPS=nw,
-               STAGES=config.stages or DECODE_V2_STAGES, TILE_ROWS=geo["tile_rows"], DECODE_MIN_BLOCKS=mb,
+               STAGES=config.stages or DECODE_V3_STAGES, TILE_ROWS=geo["tile_rows"], DECODE_MIN_BLOCKS=mb,
                FUSED=int(config.fused))
     if paged:
         out["BLOCK_SIZE"] = block_size
@@ -1046,11 +1047,11 @@ def bench_versions(op: str, dtype: str) -> dict:
     """The numbered versions the benchmark times (iokernels.bench reads this): {label: config}.
 
     attention: v1 (and v2 for 16-bit); float32 also v1b at Br x Bc = 64 x 64 (112 KB SRAM,
-    2 blocks an SM) and 64 x 32 (72 KB).  decode and paged_decode: "split" (decode.cu,
-    config None: the public default), "split-v2" (decode_v2.cu) and "split-v3" (decode_v3.cu,
-    fused combine; not yet measured); the bench passes a version's config as ``config=``
-    (rows ``cupy:split-v2``, ``cupy:split-v3``, ``cupy:split-v3 paged``, ...).  gather: one
-    version (config None).
+    2 blocks an SM) and 64 x 32 (72 KB).  decode and paged_decode: "split" (config None: the
+    public default, decode_v3.cu at 8 warps x 4 stages), "split-v1" (decode.cu), "split-v2"
+    (decode_v2.cu) and "split-v3 4w" (decode_v3.cu at v2's 4 warps x 3 stages); the bench
+    passes a version's config as ``config=`` (rows ``cupy:split``, ``cupy:split-v1 paged``,
+    ...).  gather: one version (config None).
     """
     if op == "attention":
         out = {"v1": CupyConfig(version="v1")}
@@ -1061,7 +1062,8 @@ def bench_versions(op: str, dtype: str) -> dict:
             out["v2"] = CupyConfig(version="v2")
         return out
     if op in ("decode", "paged_decode"):
-        return {"split": None, "split-v2": DecodeConfig(version="v2"), "split-v3": DecodeConfig(version="v3")}
+        return {"split": None, "split-v1": DecodeConfig(version="v1"), "split-v2": DecodeConfig(version="v2"),
+                "split-v3 4w": DecodeConfig(version="v3", num_warps=4, stages=3)}
     return {"split": None}
 
 
