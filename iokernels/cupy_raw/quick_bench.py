@@ -229,19 +229,16 @@ def main(out_path=None, sections=("prefill", "decode")):
 #: the heuristic).  At most 16 a layout; v2 is the baseline, the rest are v3.  SRAM a block
 #: at bf16 d=128 (4 KB a stage a warp): 4 warps x 3 stages 48 KB (4 blocks an SM), x 4 stages
 #: 64 KB (3), tile=16 x 3 stages 96 KB (2); 8 warps x 3 stages 96 KB (2), x 4 stages 128 KB (1).
-SWEEP_DECODE_CONFIGS = (
+SWEEP_DECODE_CONFIGS = (                                      # around the default (v3, 8 warps x 4 stages)
     ("v2", dict(version="v2"), None),
-    ("v3 unfused", dict(version="v3", fused=False), None),
+    ("v3 4w x 3", dict(version="v3", num_warps=4, stages=3), None),
     ("v3", dict(version="v3"), None),
-    ("v3 S=128", dict(version="v3"), 128),                    # about two waves of blocks (the heuristic: one)
-    ("v3 S=33", dict(version="v3"), 33),                       # a quarter wave
-    ("v3 stages=4", dict(version="v3", stages=4), None),
-    ("v3 stages=2 tile=16", dict(version="v3", stages=2, tile_rows=16, min_blocks=3), None),
-    ("v3 tile=16", dict(version="v3", tile_rows=16, min_blocks=2), None),   # 4 would spill
-    ("v3 8w", dict(version="v3", num_warps=8), None),
-    ("v3 8w stages=4", dict(version="v3", num_warps=8, stages=4), None),
-    ("v3 8w stages=2", dict(version="v3", num_warps=8, stages=2), None),
-    ("v3 mb=3 stages=4", dict(version="v3", stages=4, min_blocks=3), None),
+    ("v3 S=24", dict(version="v3"), 24),
+    ("v3 S=32", dict(version="v3"), 32),
+    ("v3 8w x 5", dict(version="v3", stages=5), None),
+    ("v3 8w x 6", dict(version="v3", stages=6), None),
+    ("v3 8w x 3 tile=16", dict(version="v3", stages=3, tile_rows=16), None),
+    ("v3 8w x 4 unfused", dict(version="v3", fused=False), None),
 )
 
 

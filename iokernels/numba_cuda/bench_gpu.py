@@ -225,17 +225,19 @@ def _sweep_configs():
     """{row name: (function name, DecodeConfig, num_splits)} of :func:`sweep_decode_gather`."""
     from .decode_kernels import DecodeConfig as C
     v3 = C(version=3)
+    g8 = C(version=3, keys_per_iter=4, key_groups=8)
     dec = {"numba v2 S=None": ("decode", C(version=2), None),
-           "numba v2-L32K8 S=None": ("decode", C(version=2, lanes_per_key=32, keys_per_iter=8), None),
            "numba v3 S=None": ("decode", v3, None),
+           "numba v3 S=32": ("decode", v3, 32),
            "numba v3 S=64": ("decode", v3, 64),
+           "numba v3 S=96": ("decode", v3, 96),
            "numba v3 S=128": ("decode", v3, 128),
-           "numba v3-L32K4G8 S=None": ("decode", C(version=3, keys_per_iter=4, key_groups=8), None),
-           "numba v3-L16K4G8 S=None": ("decode", C(version=3, lanes_per_key=16, keys_per_iter=4, key_groups=8),
-                                       None),
-           "numba v2 paged S=None": ("paged", C(version=2), None),
+           "numba v3-L32K4G8 S=None": ("decode", g8, None),
+           "numba v3-L32K4G8 S=64": ("decode", g8, 64),
+           "numba v3-L32K4G8 S=128": ("decode", g8, 128),
            "numba v3 paged S=None": ("paged", v3, None),
-           "numba v3-L32K4G8 paged S=None": ("paged", C(version=3, keys_per_iter=4, key_groups=8), None)}
+           "numba v3 paged S=64": ("paged", v3, 64),
+           "numba v3-L32K4G8 paged S=None": ("paged", g8, None)}
     gat = {"numba gather v1": C(version=1), "numba gather v2": C(version=2), "numba gather v3": v3,
            "numba gather v3-U16": C(version=3, gather_unroll=16)}
     return dec, gat
