@@ -865,13 +865,23 @@ def _launch_decode_v3(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits, p
     Hkv = kd.shape[2] if paged is not None else kd.shape[1]
     group = Hq // Hkv
     block_size = paged[1] if paged is not None else 0
+    dev = device_info()
+    if config.stages is None:          # the default ring: DECODE_V3_STAGES deep, shallower where
+        rows = decode_v2_geometry(d, dtype, config.tile_rows)["tile_rows"]   # the tiles are bigger
+        nw = config.num_warps or DECODE_V3_WARPS                            # (float32/64, tile_rows)
+        fits = [st for st in range(DECODE_V3_STAGES, 1, -1)
+                if decode_v3_smem(d, dtype, group, st, rows, nw)[0] <= dev["smem_optin"]]
+        config = replace(config, stages=fits[0] if fits else 2)
     defines = _decode_v3_defines(d, dtype, group, paged is not None, block_size, config, min_blocks)
     nw, stages, tile_rows = defines["NUM_WARPS"], defines["STAGES"], defines["TILE_ROWS"]
     fused = bool(defines["FUSED"])
-    dev = device_info()
     longest = nk if longest is None else longest
     # the kernel is compiled once per defines; its SRAM is sized a launch (at least the rings)
     base_smem, _ = decode_v3_smem(d, dtype, group, stages, tile_rows, nw)
+    if base_smem > dev["smem_optin"]:
+        raise ValueError(f"config: decode v3 with {nw} warps x {stages} stages x {tile_rows} rows needs "
+                         f"{base_smem:,} B of shared memory a block at head_dim={d} ({dtype}), more than this "
+                         f"GPU's {dev['smem_optin']:,} (fewer stages, warps or tile rows)")
     fn = _function("decode_v3", "decode_split_v3", defines, max(base_smem, 48 * 1024))
     threads = 32 * nw
     if num_splits is None:

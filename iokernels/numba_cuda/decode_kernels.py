@@ -88,6 +88,10 @@ RESIDENT_BLOCKS_PER_SM = 8
 #: an SM).  4 slots, a wave and a third: at B=1, N=32768, GQA 32/8 on the H200 (12:26 UTC
 #: sweep) v3 took 0.122 ms with 64 splits and 0.144 ms with 128 (what 8 slots chose)
 RESIDENT_BLOCKS_PER_SM_V3 = 4
+#: ... then rounded to a split count that divides the key tiles evenly, within this fraction:
+#: at B=1 N=32768 the heuristic's 56 splits (37 tiles, the last split shorter) took 0.108-0.128
+#: ms, 64 (32 tiles each) 0.100-0.114, 32 0.104 (12:40 UTC sweep)
+EVEN_SPLIT_SLACK = 0.25
 #: the gather kernel's block: 32 threads along a row's words, 8 rows at a time; each thread
 #: issues GATHER_UNROLL rows' loads before their stores (stores could alias later loads as
 #: far as the compiler knows, so without this each load waits for the previous store).
@@ -399,8 +403,20 @@ def default_num_splits(batch, heads_kv, max_len, block_n, config=None) -> int:
     """decode.num_splits_heuristic, counting the split kernel's block slots per SM
     (RESIDENT_BLOCKS_PER_SM for version 1, RESIDENT_BLOCKS_PER_SM_V3 for versions 2 and 3)."""
     version = resolve_decode_config(config).version
-    per_sm = RESIDENT_BLOCKS_PER_SM if version == 1 else RESIDENT_BLOCKS_PER_SM_V3
-    return num_splits_heuristic(batch, heads_kv, max_len, _num_sms() * per_sm, block_n=block_n)
+    if version == 1:
+        return num_splits_heuristic(batch, heads_kv, max_len, _num_sms() * RESIDENT_BLOCKS_PER_SM,
+                                    block_n=block_n)
+    s0 = num_splits_heuristic(batch, heads_kv, max_len, _num_sms() * RESIDENT_BLOCKS_PER_SM_V3, block_n=block_n)
+    return even_splits(s0, -(-max_len // block_n))
+
+
+def even_splits(s0: int, tiles: int, slack: float = EVEN_SPLIT_SLACK) -> int:
+    """The split count within ``slack`` (a fraction) of ``s0`` that gives every split the same
+    number of key tiles (no straggler holding up the combine), the nearest one; ``s0`` when
+    none does."""
+    lo, hi = max(1, math.ceil(s0 * (1 - slack))), min(MAX_SPLITS, math.floor(s0 * (1 + slack)))
+    even = [s for s in range(lo, hi + 1) if tiles % s == 0]
+    return min(even, key=lambda s: (abs(s - s0), s)) if even else s0
 
 
 def split_kernel_function(head_dim, g, dtype, paged, simulated=None):
