@@ -505,3 +505,27 @@ def test_sanitize_cases_run():
     assert any("attention v1b" in r for r in ran)
     assert any("decode v2" in r for r in ran) and any("paged decode v2" in r for r in ran)
     assert any("decode v3" in r for r in ran) and any("paged decode v3" in r for r in ran)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+def test_paged_decode_takes_strided_pools_in_place(rng, version):
+    """A pool stored heads-outer, (blocks, Hkv, slots, d), passed as its (blocks, slots, Hkv,
+    d) view: the decode kernels read it through its strides (no copy) and give what the
+    slots-outer pool gives, bit for bit; a view whose rows are not unit-stride is copied."""
+    torch = _torch()
+    cr = _cr()
+    from iokernels import bench
+    B, Hq, Hkv, N, d = 2, 8, 2, 777, 64
+    tq = torch.from_numpy(rng.standard_normal((B, Hq, d)).astype(np.float32)).cuda().half()
+    tk, tv = (torch.from_numpy(rng.standard_normal((B, Hkv, N + 15, d)).astype(np.float32)).cuda().half()
+              for _ in range(2))
+    kp, vp, tables, _ = bench.device_pages(tk[:, :, :784], tv[:, :, :784], seed=3)
+    lens = np.array([777, 300], np.int32)
+    outer = [p.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for p in (kp, vp)]
+    assert not outer[0].is_contiguous() and outer[0].stride(-1) == 1
+    config = cr.DecodeConfig(version=version)
+    o1, l1 = cr.paged_decode_pools(tq, kp, vp, tables, lens, num_splits=3, config=config)
+    o2, l2 = cr.paged_decode_pools(tq, outer[0], outer[1], tables, lens, num_splits=3, config=config)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    ref_o, _ = reference.decode(tq, tk[:, :, :777], tv[:, :, :777], seq_lens=lens)
+    assert np.max(np.abs(as_numpy(o1) - ref_o)) < 1e-2

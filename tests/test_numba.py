@@ -431,6 +431,7 @@ def test_decode_v3_ragged_gqa_matches_oracle(rng, dtype, d, Hq, cfg, S):
         testing.assert_close(lse, rl, bl, name="lse")
 
 
+@sim_only
 def test_decode_v3_words_counted_traffic_equals_model(rng):
     """K and V read once, as 8-byte words, the prefetch past the last key reading nothing."""
     q, k, v = _decode_inputs(rng, 2, 4, 1, 40, 8, np.float16)
@@ -465,6 +466,7 @@ def _shuffled_cache(rng, lens, hkv, d, dtype, bs=4):
     return cache, sids
 
 
+@sim_only
 def test_paged_decode_v3_matches_oracle_and_model(rng):
     lens = [13, 0, 6]
     cache, sids = _shuffled_cache(rng, lens, 2, 8, np.float16)
@@ -515,6 +517,7 @@ def test_gather_v3_equals_numpy(rng, dtype, d):
         np.testing.assert_array_equal(vg, vn)
 
 
+@sim_only
 def test_gather_v3_counted_traffic_equals_model(rng):
     """One table read per pool block, every valid word read and written once."""
     cache, sids = _shuffled_cache(rng, [11, 6], 2, 8, np.float16)

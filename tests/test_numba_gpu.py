@@ -203,7 +203,8 @@ def test_kernels_run_on_the_callers_stream_without_host_sync():
         q = torch.randn((2, 8, 1000, 64), device="cuda", generator=g)
         k = torch.randn((2, 4, 1100, 64), device="cuda", generator=g)
         v = torch.randn((2, 4, 1100, 64), device="cuda", generator=g)
-        assert arr.stream_of("torch", q).handle.value == side.cuda_stream
+        handle = arr.stream_of("torch", q).handle          # a ctypes or a cuda-python handle
+        assert (handle.value if hasattr(handle, "value") else int(handle)) == side.cuda_stream
         o, lse = ik.attention(q, k, v, causal=True, backend="numba", return_lse=True)
         qd = torch.randn((3, 8, 64), device="cuda", generator=g, dtype=torch.float16)
         kd = torch.randn((3, 2, 3000, 64), device="cuda", generator=g, dtype=torch.float16)

@@ -970,7 +970,7 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     io = _IO(q)
     with io.stream():
         qd = io.dev(_contiguous(q), "q")
-        kp, vp = _pool_dev(io, k_pool), _pool_dev(io, v_pool)
+        kp, vp = _pool_dev(io, k_pool, strided=True), _pool_dev(io, v_pool, strided=True)
         # lengths and tables travel in one host -> device copy (each copy is a few us on the
         # GPU's timeline, inside the call's time): lens_d = packed[:B], the tables after it
         packed = io.cupy.asarray(np.concatenate([lens.astype(np.int32), tables.astype(np.int32).ravel()]))
@@ -981,17 +981,22 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     return io.finish(o_user, dtype), io.finish(lse_user, cv.accum_dtype(dtype).name)
 
 
-def _pool_dev(io, pool) -> "_Dev":
-    """A pool as a contiguous device view: device pools in place; NumPy pools copied in."""
+def _pool_dev(io, pool, strided=False) -> "_Dev":
+    """A pool as the kernels see it: device pools in place, NumPy pools copied in.
+    ``strided`` (the decode kernels, which take the block, slot and head strides): any
+    strides with unit-stride rows stay as they are (e.g. a pool stored heads-outer, (blocks,
+    Hkv, slots, d), passed as its (blocks, slots, Hkv, d) view); otherwise (the gather) and
+    for rows with another stride on head_dim, one contiguous copy."""
     cp = io.cupy
     dt = cv.dtype_name(pool)
     if isinstance(pool, np.ndarray):
         return _Dev.of(cp.asarray(np.ascontiguousarray(pool.view(np.uint16) if dt == "bfloat16" else pool)))
     if type(pool).__module__.split(".")[0] == "torch":
         t = pool.detach()
-        t = (t if t.is_cuda else t.cuda()).contiguous()
-        return _Dev.of(t)
-    return _Dev.of(cp.ascontiguousarray(cp.asarray(pool)))
+        t = t if t.is_cuda else t.cuda()
+        return _Dev.of(t if strided and t.stride(-1) == 1 else t.contiguous())
+    a = cp.asarray(pool)
+    return _Dev.of(a if strided and a.strides[-1] == a.itemsize else cp.ascontiguousarray(a))
 
 
 # --------------------------------------------------------------------------- paged gather

@@ -325,3 +325,50 @@ if __name__ == "__main__":
         sys.exit(0)
     main(sys.argv[1] if len(sys.argv) > 1 else None,
          tuple(sys.argv[2].split(",")) if len(sys.argv) > 2 else ("prefill", "decode"))
+
+
+def paged_layout_probe(out_path=None, reps=30):
+    """Why paged decode trails contiguous decode: the pool layout, measured.
+
+    bf16 decode, B=1, the default kernel, K+V = 134 MB in three ways: GQA 32/8 with the
+    pool as (blocks, slots, Hkv, d) -- one head's rows of a block are 256-byte pieces 2 KB
+    apart, interleaved with the other heads' --; the same pool stored heads-outer,
+    (blocks, Hkv, slots, d), and passed as a strided view (each head's rows of a block
+    contiguous, 4 KB); and MQA (Hkv = 1, N = 262144), where the two layouts coincide.
+    Each next to contiguous decode of the same K/V.  One JSON line a row.
+    """
+    import torch
+
+    from iokernels import bench
+    from iokernels import cupy_raw as cr
+    rows = []
+    for Hq, Hkv, N in ((32, 8, 32768), (4, 1, 262144)):
+        d, bs = 128, bench.PAGED_BLOCK
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn((1, Hq, d), device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn((1, Hkv, N, d), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        kv_bytes = 2.0 * Hkv * N * d * 2
+        kp, vp, tables, lens = bench.device_pages(k, v, seed=0)
+        ho = [p.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for p in (kp, vp)]   # heads-outer storage
+        ref, _ = cr.decode(q, k, v)
+        runs = {"contiguous": (cr.decode, (q, k, v)),
+                "paged (blocks, slots, Hkv, d)": (cr.paged_decode_pools, (q, kp, vp, tables, lens)),
+                "paged heads-outer (blocks, Hkv, slots, d)": (cr.paged_decode_pools, (q, ho[0], ho[1], tables, lens))}
+        base = None
+        for name, (fn, args) in runs.items():
+            try:
+                o, _ = fn(*args)
+                err = float((o.float() - ref.float()).abs().max())
+                ms = bench.time_cuda(fn, *args, reps=reps).median_ms
+                base = base or ms
+                row = dict(shape=f"B1 Hq{Hq} Hkv{Hkv} N{N} d{d} bf16", runner=name, ms=round(ms, 5),
+                           tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3), vs_contiguous=round(base / ms, 3),
+                           max_diff_vs_contiguous=err)
+            except Exception as e:
+                row = dict(shape=f"B1 Hq{Hq} Hkv{Hkv} N{N}", runner=name, error=f"{type(e).__name__}: {e}"[:200])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(dict(env=_env(), rows=rows), f, indent=1)
+    return rows
