@@ -335,7 +335,8 @@ def paged_layout_probe(out_path=None, reps=30):
     apart, interleaved with the other heads' --; the same pool stored heads-outer,
     (blocks, Hkv, slots, d), and passed as a strided view (each head's rows of a block
     contiguous, 4 KB); and MQA (Hkv = 1, N = 262144), where the two layouts coincide.
-    Each next to contiguous decode of the same K/V.  One JSON line a row.
+    Each next to contiguous decode of the same K/V.  Then MQA with pages of 16 to 1024 rows
+    (runs of 4 KB to 256 KB between random jumps).  One JSON line a row.
     """
     import torch
 
@@ -368,6 +369,22 @@ def paged_layout_probe(out_path=None, reps=30):
                 row = dict(shape=f"B1 Hq{Hq} Hkv{Hkv} N{N}", runner=name, error=f"{type(e).__name__}: {e}"[:200])
             rows.append(row)
             print(json.dumps(row), flush=True)
+    # the page size: a page holds block_size rows of a head, one contiguous run of
+    # block_size * 256 bytes (MQA) that the kernel reads before jumping to a random next page
+    Hq, Hkv, N, d = 4, 1, 262144, 128
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn((1, Hq, d), device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn((1, Hkv, N, d), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    kv_bytes = 2.0 * Hkv * N * d * 2
+    base = bench.time_cuda(cr.decode, q, k, v, reps=reps).median_ms
+    for bs in (16, 64, 256, 1024):
+        kp, vp, tables, lens = bench.device_pages(k, v, seed=0, block_size=bs)
+        ms = bench.time_cuda(cr.paged_decode_pools, q, kp, vp, tables, lens, reps=reps).median_ms
+        row = dict(shape=f"B1 Hq{Hq} Hkv{Hkv} N{N} d{d} bf16", runner=f"paged, block_size {bs}", ms=round(ms, 5),
+                   tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3), vs_contiguous=round(base / ms, 3),
+                   contiguous_ms=round(base, 5))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     if out_path:
         with open(out_path, "w") as f:
             json.dump(dict(env=_env(), rows=rows), f, indent=1)
