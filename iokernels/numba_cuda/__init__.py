@@ -3,10 +3,11 @@
 Each kernel mirrors a NumPy version of steps 2-4 and is checked against the float64
 oracle; without a GPU the same kernels run on Numba's CUDA simulator (tiny sizes only:
 every thread is a Python thread).  Kernels live in :mod:`.flash_fwd` (FlashAttention
-forward, versions v1-v3), :mod:`.decode_kernels` (Flash-Decoding split + combine,
-contiguous and paged, and the paged gather: version 1, the default) and :mod:`.decode_v2`
-(version 2 of the split kernels and the gather: candidates, selected with
-``DecodeConfig(version=2)``, not yet measured on a GPU).
+forward, versions v1-v4, v4 the default), :mod:`.decode_kernels` (Flash-Decoding split +
+combine, contiguous and paged, and the paged gather, version 1; the launchers and
+:class:`DecodeConfig`), :mod:`.decode_v2` (version 2: 8-byte word loads, a grid-stride
+gather) and :mod:`.decode_v3` (version 3: software-pipelined split kernel, reduce-scatter
+lane sums, a block-per-page gather; the default decode).
 
 Public launchers (``ik.attention(..., backend="numba")`` etc. dispatch here):
 
@@ -16,81 +17,74 @@ Public launchers (``ik.attention(..., backend="numba")`` etc. dispatch here):
   (what ``cache.gather(sid, backend="numba")`` calls), :func:`gather_pools`.
 
 They take NumPy arrays (copied in and out), Numba device arrays, CuPy arrays or torch CUDA
-tensors (through ``__cuda_array_interface__``, no copy) and return the kind given.
-float16, float32 and float64 inputs; accumulation in float32 (float64 for float64).
-bfloat16 is not supported here (ValueError): use the CuPy backend.
+tensors (through ``__cuda_array_interface__``, no copy, launched on the caller's stream)
+and return the kind given.  float16, float32 and float64 inputs; accumulation in float32
+(float64 for float64).  bfloat16 is not supported here (ValueError): use the CuPy backend.
 
-The versions and what they measured: one H200 (driver 580.159.04, torch 2.11, numba 0.68 +
-numba-cuda 0.30.4, numpy 2.5), 2026-11-29, ``python -m iokernels.numba_cuda.bench_gpu``,
-every ratio against torch measured in the same run; the file is
-benchmarks/results/numba_h200_2026-11-29.json.
+What the versions measured: NVIDIA H200, driver 580.159.04, CUDA 13.0, torch 2.11, numba
+0.68 + numba-cuda 0.30.4, 2026-11-29 12:47 UTC, ``scripts/gpu_all.sh`` (the benchmark
+``python -m iokernels bench``); every ratio against torch timed in the same run; the record
+is benchmarks/results/h200_2026-11-29.json, the sweeps that chose the defaults are in
+benchmarks/results/sweeps/.
 
 FlashAttention forward, float32, B=8, H=16, N=4096, d=128, non-causal (4 N^2 d FLOP a head);
-SDPA EFFICIENT 23.4 ms = 47.0 TFLOP/s (FLASH and cuDNN have no float32 kernel):
+SDPA EFFICIENT 23.6 ms = 46.7 TFLOP/s (FLASH and cuDNN have no float32 kernel):
 
-    v1 thread per row, K/V from global            391 ms    2.8 TFLOP/s   0.06x EFFICIENT
-    v2 thread per row, K_j/V_j in shared memory    153 ms    7.2 TFLOP/s   0.15x
-    v3 8 lanes x 4 rows a thread, shuffles         102 ms   10.8 TFLOP/s   0.23x   (default)
-    v4 v3 with a 2-key step (unrolled: no local memory)   candidate, not yet measured (bench row numba:v4)
-       v3 with batched lane sums                   120 ms    9.2 TFLOP/s   0.20x
-       v3 batched, 2 rows a thread / Bc = 16       119 / 122 ms   9.2 / 9.0 TFLOP/s
-    float16 inputs, v3 batched (float32 math):     117 ms    9.4 TFLOP/s   vs FLASH 359, cuDNN 657
+    v1 thread per row, K/V from global            392 ms    2.8 TFLOP/s   0.060x EFFICIENT
+    v2 thread per row, K_j/V_j in shared memory    155 ms    7.1 TFLOP/s   0.152x
+    v3 8 lanes x 4 rows a thread, shuffles         103 ms   10.7 TFLOP/s   0.229x
+    v4 v3 with a 4-key step, batched butterflies    87 ms   12.7 TFLOP/s   0.271x   (default)
+    (causal: v3 0.227x, v4 0.270x)
 
-  Bar 0.25x EFFICIENT: missed by 8% (0.23x).  v3 is bound by instruction issue, not by
-  HBM: each multiply-add needs a shared-memory load (one value feeds R = 4 rows), each key
-  a 3-step shuffle butterfly per row, and NVVM does not unroll the key loop, so the step's
-  scores live in local memory (33 local loads/stores in v3's PTX; 98 with batched sums,
-  the likely reason batching measured slower).  Our estimate of ~170 registers a thread
-  (q and O: 2 x 4 x 16 values) would leave about 12 warps an SM; not profiled.  Numba exposes no tensor-core (mma) instructions, so float16 gains nothing: it is the
-  float32 kernel with half the bytes loaded.  The CuPy backend's tensor-core kernels are
-  the next step.
+  Bar 0.25x EFFICIENT: met by v4 (0.271x).  What v4 changed: NVVM unrolls a 4-key step,
+  so the step's scores stay in registers (v3's 8-key step is not unrolled: 33 local
+  loads/stores a step in its PTX), and the 4 x R partial dot products go through one
+  butterfly whose shuffles are independent of each other.  The kernel is still bound by
+  instruction issue, not HBM: one shared-memory load per R = 4 multiply-adds, shuffle
+  butterflies for every step, ~250 registers a thread (8 warps an SM).  Numba exposes no
+  tensor-core (mma) instructions, so float16 gains nothing here: the CuPy backend's v2 is
+  the tensor-core step.
 
 Decode, float16, GQA 32 query / 8 KV heads, d=128, B=1, N=32768 (134 MB of K and V), KV
-bytes per second; best SDPA backend cuDNN 0.050 ms = 2.70 TB/s (FLASH 2.32):
+bytes per second; best SDPA backend cuDNN 0.0503 ms = 2.67 TB/s (the default dispatch,
+which ran cuDNN, 0.0491 ms; FLASH 2.32 TB/s):
 
-    split + combine, num_splits heuristic (S=None)   0.448 ms   0.30 TB/s   0.11x best SDPA   (v1, default)
-    split + combine, S = 128                         0.411 ms   0.33 TB/s   0.12x
-    paged (random block table, bs 16), S=None        0.794 ms   0.17 TB/s   0.06x              (v1, default)
-    v2: 8-byte word loads, bit-cast unpack           candidate, not yet measured   (bench row numba:v2)
-    v2-L32K8: 32 lanes a key, 8 keys in flight       candidate, not yet measured   (numba:v2-L32K8)
-    v3: pipelined loads, reduce-scatter lane sum     candidate, not yet measured   (numba:v3, numba:v3 paged;
-        :mod:`.decode_v3`)
-    v2 paged (table stage 128, Bn a constant)        candidate, not yet measured   (numba:v2 paged)
+    v1  split + combine, 2-byte loads                 0.425 ms   0.32 TB/s   0.12x
+    v2  8-byte word loads, bit-cast unpack            0.153 ms   0.88 TB/s   0.33x
+    v2-L32K8 (32 lanes a key, 8 keys in flight)       0.127 ms   1.05 TB/s   0.40x
+    v3  pipelined loads, reduce-scatter lane sums     0.098 ms   1.37 TB/s   0.51x   (default)
+    paged (random block table, block size 16): v1 0.06x, v2 0.31x, v3 0.112 ms = 0.45x
+    v3 at B=64, N=32768 (2 GB): 2.09 TB/s = 0.47x cuDNN's 4.49
 
-  Version 2 (:mod:`.decode_v2`) answers the diagnosis below: K/V rows read as uint64 words
-  (4 halves a load, a warp moves 256 bytes per load instruction), each word unpacked in
-  registers by a bit-cast intrinsic, all per-thread arrays indexed by compile-time loops
-  (PTX: 16 ld.global.u64 in the main loop, no 2-byte K/V loads; ptxas: 155 registers, no
-  spills, for float16 d=128 at sm_90; the 160-byte stack frame is the state handed to
-  the final merge, as in v1).  Predicted: a few x v1; the next GPU run measures it.
+  Bar 0.5x the best SDPA backend: met against the forced cuDNN row (0.512x); against the
+  default-dispatch row, the same cuDNN kernel timed 2% faster, it is 0.50x: at the bar
+  within run-to-run noise.  What moved it from 0.11x: 8-byte word loads (v2); loads of
+  the next step issued before this step's math, a reduce-scatter lane sum (31 shuffles a
+  step instead of 80), flat raw-pointer indexing (v3); a combine kernel that keeps 8
+  partial outputs in flight (the rolled loop took 30 us at 128 splits, by ncu); split
+  counts that divide the key tiles evenly (64, not the occupancy heuristic's 56: 0.100 vs
+  0.108 ms in a sweep); and kernels launched on the caller's stream without
+  ``as_cuda_array``'s host synchronization.  What is left: Numba has no 16-byte loads of
+  16-bit rows and no ``cp.async``; at 113 registers two 8-warp blocks fit an SM, so about
+  16 warps x 4 keys x 16 bytes a lane are in flight, and the math between loads is issued
+  as scalar float32 (CuPy's C++ kernel reaches 0.95x at this shape).
 
-  Bar 0.5x: missed (0.11x).  Each lane loads its 8 of d's 128 dims as scalar 2-byte loads
-  (Numba has no 16-byte vector loads of float16 rows), so a warp instruction moves 64 bytes
-  where CUDA C++ moves 512; too few bytes are in flight per SM to stream HBM.  The first
-  run's version (one key per group per iteration) reached 0.40 TB/s (0.15x) contiguous at
-  S=None and 0.50 TB/s (0.19x) at S=64, but 0.105 TB/s paged; loading 4 keys per group
-  before the math (this code) helped the paged kernel and hurt the contiguous one
-  (register pressure): both numbers are recorded.
+Paged gather, float16, 131072 tokens x 8 KV heads x d=128, block size 16, K and V read and
+written (1074 MB moved): a torch device-to-device copy of the same bytes 0.257 ms = 4.18 TB/s;
 
-Paged gather, float16, 32K tokens x 8 KV heads x d=128, block size 16, K and V read and
-written (268 MB moved): a torch device-to-device copy of the same bytes 0.072 ms = 3.74 TB/s;
+    v1 block per logical block, 8-byte words          0.285 ms   3.77 TB/s   0.90x copy   (default)
+    v2 grid-stride over (block, part) work items      0.285 ms   3.76 TB/s   0.90x
+    v3 block per pool block, 8 words a thread          0.273 ms   3.93 TB/s   0.94x
+    (4096 tokens: 0.93x, 0.97x, 1.08x of a 2.14 TB/s copy)
 
-    gather, 8-byte words, 4 rows' loads before their stores   0.198 ms   1.35 TB/s   0.36x copy   (v1)
-    gather, float16 elements                                  0.262 ms   1.03 TB/s   0.27x
-    gather v2, grid-stride over (block, part) work items      candidate, not yet measured (numba:v2 gather)
+  Bar 0.6x: met.  The earlier record's 0.14x was not the kernel: ``paged.check_block_table``
+  checked the 8192-entry table in a Python loop on every call, ~2-3 ms of host time, longer
+  than the benchmark's 1 ms launch slack, so the GPU sat idle inside the timed window
+  (ncu had put the kernel at 283 us).  The check is vectorized now.
 
-  (The day's later scripts/gpu_all.sh run, bench rows "numba gather": 0.91x a copy at 4096
-  tokens, 0.14x at 131072.)  Version 2: one warp per (logical block, part), the table
-  entry read once by lane 0 and shuffled to the warp (no barrier), 8 words of K and of V in
-  flight per lane, at most 8 blocks per SM looping over the work items; sequences with few
-  blocks are cut into parts so that ~32 warps per SM have work.
-
-  Bar 0.6x: missed (0.36x).  One thread block per 16-token logical block moves only 64 KiB,
-  starts with a barrier for its table entry, and each thread keeps 8 loads of 8 bytes in
-  flight; a copy kernel streams with fewer, larger blocks and 16-byte accesses.
-
-compute-sanitizer on :func:`sanitize_cases` (every kernel at ragged shapes), same code:
-memcheck 0 errors, racecheck 0 hazards.  tests/test_numba_gpu.py: 11 passed on the H200.
+compute-sanitizer memcheck, racecheck, synccheck and initcheck on :func:`sanitize_cases`
+(every version at ragged shapes, 23 cases): 0 errors (benchmarks/results/sanitizer_2026-11-29.txt).
+GPU tests: benchmarks/results/gpu_tests_2026-11-29.txt.
 
 Other entry points: :mod:`.counting` (global-memory traffic counted on the simulator),
 :mod:`.ptx` (compile to PTX without a GPU), :func:`sanitize_cases` (each kernel once at a
@@ -112,9 +106,9 @@ __all__ = ["attention", "decode", "paged_decode", "paged_decode_pools", "paged_g
 def bench_versions(op: str, dtype: str) -> dict:
     """The numbered versions the side-by-side benchmark (:mod:`iokernels.bench`) times:
     {label: config}.  Rows show up as ``numba:<label>`` (prefill, decode), ``numba:<label>
-    paged`` and ``numba:<label> gather``.  Version 1 of decode and gather is the default;
-    the v2 rows are candidates not yet measured (``v2-L32K8``: 32 lanes a key, 8 keys a group
-    in flight, an alternative tiling to compare)."""
+    paged`` and ``numba:<label> gather``.  The defaults: forward v4, decode v3, gather v1
+    (``v2-L32K8``: v2 at 32 lanes a key, 8 keys a group in flight, a tiling kept for the
+    comparison; what each measured is in the module docstring)."""
     if op == "attention":
         return {f"v{v}": NumbaConfig(version=v) for v in (1, 2, 3, 4)}
     if op in ("decode", "paged_decode"):
@@ -203,7 +197,7 @@ def sanitize_cases(seed: int = 0, verbose: bool = True):
     note("paged decode v2 S=2 float16 d=64", o, refp)
     kg, _ = paged_gather(ch, sh[0], config=DecodeConfig(version=2))
     note("paged gather v2 float16 d=64", kg, ch.gather(sh[0])[0])
-    # version 3 (candidates): the word path (float16 d=64), the element path (float32 d=59)
+    # version 3: the word path (float16 d=64), the element path (float32 d=59)
     v3 = DecodeConfig(version=3)
     for s in (1, 3):
         o, _ = decode(qh, kh, vh, seq_lens=lens, num_splits=s, config=v3)

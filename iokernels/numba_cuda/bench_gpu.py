@@ -9,8 +9,10 @@ GPU would otherwise wait for it.
 1. FA forward, float32, B=8, H=16, N=4096, d=128, non-causal: each Numba version (and a
    few v3 tilings) vs SDPA EFFICIENT (FLASH has no float32); float16 vs FLASH too.
 2. Decode, float16, GQA 32/8, d=128, B=1, N=32768: Numba (contiguous, paged; v1 and the
-   v2 candidates) vs the best SDPA backend with enable_gqa, in KV bytes per second.
+   other versions) vs the best SDPA backend with enable_gqa, in KV bytes per second.
 3. Paged gather of the same cache (v1, v2) vs a device-to-device copy of the same bytes.
+(An earlier script than :func:`sweep_decode_gather` and ``scripts/gpu_sweep.py``; kept
+because it also times the forward tilings.)
 
 The same versions also appear in ``python -m iokernels bench`` (scripts/gpu_all.sh) through
 :func:`iokernels.numba_cuda.bench_versions`; this script adds the num_splits sweep.
@@ -74,7 +76,7 @@ def forward_bench(results):
         rows = {}
         for be in ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"):
             rows[f"sdpa {be}"] = _time(lambda be=be: _sdpa(q, k, v, be))
-        configs = {"numba v3": NumbaConfig(version=3), "numba v4 (candidate)": NumbaConfig(version=4)}
+        configs = {"numba v3": NumbaConfig(version=3), "numba v4": NumbaConfig(version=4)}
         if dtype == "float32":  # the tilings tried, and the simpler versions
             configs.update({"numba v3 batched lane sums": NumbaConfig(version=3, batched_lane_sums=True),
                             "numba v3 L8 R2": NumbaConfig(version=3, threads_per_row=8, rows_per_thread=2),
@@ -118,7 +120,7 @@ def decode_bench(results):
     for s in (None, 32, 64, 128):
         rows[f"numba decode S={s}"] = _time(lambda s=s: ik.decode(q, k, v, num_splits=s, backend="numba"))
     v2s = {"v2": DecodeConfig(version=2), "v2-L32K8": DecodeConfig(version=2, lanes_per_key=32, keys_per_iter=8)}
-    for name, cfg in v2s.items():          # candidates (module docstring of decode_v2)
+    for name, cfg in v2s.items():          # version 2 (module docstring of decode_v2)
         for s in (None, 64):
             rows[f"numba decode {name} S={s}"] = _time(lambda s=s, cfg=cfg: decode(q, k, v, num_splits=s, config=cfg))
     kp, vp, tables, lens = device_pages(k, v, seed=1)
@@ -180,64 +182,22 @@ def main(argv=None):
     print("wrote", out)
 
 
-if __name__ == "__main__":
-    main()
-
-
-# --------------------------------------------------------------------------- recorded results
-def recorded(path=None) -> dict:
-    """The latest recorded benchmarks/results/numba_h200_*.json (or ``path``), as a dict."""
-    from pathlib import Path
-    if path is None:
-        root = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-        files = sorted(root.glob("numba_h200_*.json"))
-        if not files:
-            raise FileNotFoundError("no benchmarks/results/numba_h200_*.json recorded yet")
-        path = files[-1]
-    with open(path) as f:
-        return json.load(f)
-
-
-def format_results(results: dict) -> str:
-    """A plain-text table of a results dict, with the line saying where it was recorded."""
-    env = results.get("env", {})
-    lines = [f"recorded on {env.get('gpu', '?')}, {env.get('date_utc', '?')} UTC, driver {env.get('driver', '?')}, "
-             f"torch {env.get('torch', '?')}, numba {env.get('numba', '?')} (numba-cuda "
-             f"{env.get('numba_cuda', '?')}), numpy {env.get('numpy', '?')}"]
-    for section, rows in results.items():
-        if section == "env" or section.startswith("_") or not isinstance(rows, dict):
-            continue
-        lines.append("")
-        lines.append(section)
-        for name, r in rows.items():
-            if not isinstance(r, dict):
-                continue
-            if "ms" not in r:
-                lines.append(f"  {name:<32} {r.get('error', '')[:70]}")
-                continue
-            extras = "  ".join(f"{k} {v}" for k, v in r.items() if k not in ("ms", "p10", "p90"))
-            lines.append(f"  {name:<32} {r['ms']:>9.3f} ms  {extras}")
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- decode/gather sweep
 def _sweep_configs():
     """{row name: (function name, DecodeConfig, num_splits)} of :func:`sweep_decode_gather`."""
     from .decode_kernels import DecodeConfig as C
-    v3 = C(version=3)
-    g8 = C(version=3, keys_per_iter=4, key_groups=8)
+    v3 = C(version=3)                                        # 32 lanes x 4 keys x 8 groups
+    k8 = C(version=3, keys_per_iter=8, key_groups=4)         # the first v3 tiling
     dec = {"numba v2 S=None": ("decode", C(version=2), None),
            "numba v3 S=None": ("decode", v3, None),
            "numba v3 S=32": ("decode", v3, 32),
            "numba v3 S=64": ("decode", v3, 64),
-           "numba v3 S=96": ("decode", v3, 96),
            "numba v3 S=128": ("decode", v3, 128),
-           "numba v3-L32K4G8 S=None": ("decode", g8, None),
-           "numba v3-L32K4G8 S=64": ("decode", g8, 64),
-           "numba v3-L32K4G8 S=128": ("decode", g8, 128),
+           "numba v3-K8G4 S=None": ("decode", k8, None),
+           "numba v3-K8G4 S=32": ("decode", k8, 32),
            "numba v3 paged S=None": ("paged", v3, None),
-           "numba v3 paged S=64": ("paged", v3, 64),
-           "numba v3-L32K4G8 paged S=None": ("paged", g8, None)}
+           "numba v3 paged S=32": ("paged", v3, 32),
+           "numba v3-K8G4 paged S=None": ("paged", k8, None)}
     gat = {"numba gather v1": C(version=1), "numba gather v2": C(version=2), "numba gather v3": v3,
            "numba gather v3-U16": C(version=3, gather_unroll=16)}
     return dec, gat
@@ -378,3 +338,7 @@ def sweep_decode_gather(out_path=None, tiny=False, reps=20):
         print(json.dumps({"summary": {r["name"]: r.get("speed_vs_best_sdpa", r.get("speed_vs_copy"))
                                       for r in rows}}), flush=True)
     return rows
+
+
+if __name__ == "__main__":
+    main()

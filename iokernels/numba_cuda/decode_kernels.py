@@ -1,10 +1,11 @@
 """Flash-Decoding and the paged gather in Numba CUDA, mirroring iokernels.decode and .paged.
 
-This module holds version 1 of each kernel (the default, measured) and the launchers;
-version 2 (wide loads, a grid-stride gather) is in :mod:`.decode_v2`, selected by
-``config=DecodeConfig(version=2)``, and version 3 (a software-pipelined split kernel, a
-block-per-pool-block gather; candidates not yet measured) in :mod:`.decode_v3`
-(``DecodeConfig(version=3)``).
+This module holds version 1 of each kernel and the launchers; version 2 (wide loads, a
+grid-stride gather) is in :mod:`.decode_v2` (``config=DecodeConfig(version=2)``), and
+version 3 (a software-pipelined split kernel, a block-per-pool-block gather) in
+:mod:`.decode_v3` (``DecodeConfig(version=3)``).  A config without a version runs
+``DEFAULT_VERSIONS``: the version 3 split kernels and the version 1 gather, the fastest
+measured.
 
 Read next to :func:`iokernels.decode.decode_split_kv` (contiguous cache),
 :func:`iokernels.decode.paged_decode_split_kv` (paged cache) and
@@ -39,10 +40,11 @@ Kernels:
   then copies the block's valid slots into contiguous (Hkv, n, d) K and V; the launcher
   copies 8- or 4-byte words when a row's bytes allow (e.g. float16 rows with d % 4 == 0).
 
-Measured on an H200 (float16, GQA 32/8, d=128, B=1, N=32768; cuDNN SDPA 2.70 TB/s of KV in
-the same run): split+combine 0.30 TB/s (0.11x), paged 0.17 TB/s; gather 1.35 TB/s read+write,
-0.36x a device copy.  Frank note: scalar 2-byte loads (no 16-byte vector loads of float16
-in Numba) leave too few bytes in flight; :mod:`iokernels.numba_cuda` has the whole story.
+Measured on an H200 (2026-11-29 12:47 UTC; float16, GQA 32/8, d=128, B=1, N=32768; cuDNN
+SDPA 2.67 TB/s of KV in the same run): version 1's split+combine 0.32 TB/s (0.12x), paged
+0.17 TB/s; its gather 3.77 TB/s read+write at 131072 tokens, 0.90x a device copy.  Frank
+note: version 1's scalar 2-byte loads (Numba has no 16-byte vector loads of float16) leave
+too few bytes in flight; versions 2 and 3 and what they measured: :mod:`iokernels.numba_cuda`.
 
 Counted traffic (simulator, :mod:`iokernels.numba_cuda.counting`) equals
 ``traffic.model("decode")`` / ``("paged_decode")`` / ``("paged_gather")`` of the NumPy

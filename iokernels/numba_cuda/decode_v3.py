@@ -1,7 +1,9 @@
 """Version 3 of the Numba decode kernels: a software-pipelined split kernel with a cheaper
-lane sum, and a gather that copies one pool block per thread block.  Candidates, NOT YET
-MEASURED ON A GPU; the defaults stay version 1 (:mod:`.decode_kernels`), and
-``DecodeConfig(version=3)`` selects these.
+lane sum, and a gather that copies one pool block per thread block.  The split kernels
+are the default decode (``DecodeConfig()``; ``DecodeConfig(version=3)`` asks for them).
+Measured on the H200 (2026-11-29 12:47 UTC, float16 GQA 32/8 d=128 B=1 N=32768): 0.098 ms
+= 1.37 TB/s = 0.51x cuDNN (v2 0.33x, v1 0.12x), paged 0.45x; gather 0.94x a device copy at
+131072 tokens.
 
 Read next to :mod:`.decode_v2`: the algorithm (split-KV online softmax, GQA packing, the
 merge of the key groups, the combine kernel), the notation (B, Hq, Hkv, g, n_b, Bn, S, L,
@@ -57,15 +59,16 @@ online softmax and P V need.  (When R < L the halving stops at one value and the
 offsets are plain butterfly steps.)  On the simulator (no shuffles) each shuffle is an
 exchange through shared memory with two barriers, so the same index logic is tested.
 
-Expected, not yet measured: the pipeline keeps one step's loads (KPI keys x WPL words x K,V
-x 8 bytes: 128 bytes a thread at the defaults) in flight during the math, which v2 left
-idle; with 2-2.5x fewer shuffles and fewer integer instructions per load, we expect the
-split kernel to approach the CUDA C++ kernel (1.5-2 TB/s at B=1, i.e. 0.55-0.75x cuDNN);
-it may well fall short -- nothing here has run on a GPU.  The price is a second register
-buffer (see the ptxas table).  The gather: one table read and one barrier per pool block
-(64 KiB of K and V read), 8 independent 8-byte loads of K and 8 of V a thread before its
-stores, 54 registers (4 blocks of 256 threads an SM); we expect it near a device copy at
-131072 tokens (>= 0.6x).
+Predicted before the first GPU run, kept next to what was measured (above): the pipeline
+keeps one step's loads (KPI keys x WPL words x K,V x 8 bytes a thread) in flight during the
+math, which v2 left idle; with 2-2.5x fewer shuffles and fewer integer instructions per
+load we expected the split kernel to approach the CUDA C++ kernel (1.5-2 TB/s at B=1,
+0.55-0.75x cuDNN).  It reached 1.37 TB/s (0.51x), after two changes the first GPU run
+showed were needed: the 8-group tiling (32 lanes x 4 keys x 8 groups, 113 registers, 16
+warps an SM: 0.100 vs 0.114 ms for 32 x 8 x 4) and even split counts.  The gather: one
+table read and one barrier per pool block (64 KiB of K and V read), 8 independent 8-byte
+loads of K and 8 of V a thread before its stores, 54 registers; predicted near a device
+copy, measured 0.94x.
 
 What the compiler says (no GPU: ``ptx_report(dump=DIR)`` here, then ``ptxas -arch=sm_90 -v``;
 the PTX version line edited from 9.5 to 9.0 for the local ptxas), d=128, g=4, sm_90; shuffles
@@ -77,22 +80,21 @@ kernel                                 registers    stack   spills   shuffles  u
 =====================================  ===========  ======  =======  ========  ============
 split v2 L16 KPI4 KG8 (for scale)      155          160 B   0        64        16
 split v2 L32 KPI8 KG8 (for scale)      128          96 B    0        160       16
-split v3 L32 KPI8 KG4 (default)        155 / 242    0       0        62        32
-split v3 L32 KPI4 KG8                  113 / 128    96 B    0        31        16
+split v3 L32 KPI8 KG4                  155 / 242    0       0        62        32
+split v3 L32 KPI4 KG8 (default)        113 / 128    96 B    0        31        16
 split v3 L16 KPI4 KG8                  187 / 246    160 B   0        30        32
 gather v3 256 threads, UN=8 (default)  54           0       0        --        16 (+16 st)
 gather v3 256 threads, UN=16           114          0       0        --        32 (+32 st)
 =====================================  ===========  ======  =======  ========  ============
 
 (paged splits: within 10 registers of the contiguous ones.)  The pipeline's second buffer
-costs registers: v3 at v2's tiling (L16 KPI4) needs 187, so the default moved to 32 lanes a
-key (one word a lane at d=128 float16: 16 query and 16 output values a thread instead of 32
-and 32), 8 keys in flight a group, 4 groups: 155 registers and no local memory at all, 3
-blocks of 128 threads an SM (12 warps, each thread keeping 128 bytes of K/V in flight
-through the math).  L32 KPI4 KG8 is the low-register alternative (2 blocks of 256: 16
-warps, 64 bytes a thread).  The stack frames are the state handed to the final merge loop
-(v2 has the same).  float32 at the default tiling needs 242 registers (2 words a lane):
-correct, but not the tiling to time for float32.  The benchmark rows and
+costs registers: v3 at v2's tiling (L16 KPI4) needs 187, so v3 takes 32 lanes a key (one
+word a lane at d=128 float16: 16 query and 16 output values a thread instead of 32 and 32).
+Written first with 8 keys in flight a group and 4 groups (155 registers, no local memory
+at all, 3 blocks of 128 threads an SM: 12 warps, 128 bytes of K/V a thread in flight); the
+H200 preferred 4 keys and 8 groups (113 registers, 2 blocks of 256 an SM: 16 warps, 64
+bytes a thread), now the default.  The stack frames are the state handed to the final
+merge loop (v2 has the same).  The benchmark rows and
 :func:`iokernels.numba_cuda.bench_gpu.sweep_decode_gather` time these tilings.
 
 Counted traffic (simulator, :func:`count_decode_v3`, :func:`count_paged_decode_v3`,

@@ -48,22 +48,22 @@ The versions (``NumbaConfig(version=...)``):
   Occupancy stays at ~8 warps an SM (2 blocks of 128 threads at ~250 registers).  A
   2-key step without batching (tried first) was also free of local memory but only 4%
   faster than v3 (0.24x SDPA EFFICIENT in the 11:53 UTC run); the batched 4-key step
-  reached 0.272x in a sweep at 12:26 UTC.  Counted traffic == v3's.
+  reached 0.272x in a sweep at 12:26 UTC (0.271x in the 12:47 record).  Counted traffic == v3's.
 * v3 and v4 add a tile's probabilities up apart (``l_j``) and add that into the row sum
   l once per K/V tile: added one step at a time, N/4 float32 terms made the LSE error
   at N = 8192 about 2e-6 (the 2x rule allows ~1.2e-6 there); N/Bc additions keep it
   near 5e-7, which is how FlashAttention sums too (a tile's row sum, then l).
 
 Measured on an H200 (float32, B=8, H=16, N=4096, d=128, non-causal; torch SDPA EFFICIENT
-47.0 TFLOP/s in the same run; details in :mod:`iokernels.numba_cuda` and
-benchmarks/results/numba_h200_2026-11-29.json):
+46.7 TFLOP/s in the same run, 2026-11-29 12:47 UTC; benchmarks/results/h200_2026-11-29.json,
+details in :mod:`iokernels.numba_cuda`):
 
-======  ============  ===========  ==============================================
-v1      2.8 TFLOP/s   0.06x SDPA   K/V re-read per row (L1/L2 absorb part of it)
-v2      7.2 TFLOP/s   0.15x        one shared-memory load per FMA; q, O spill
-v3     10.8 TFLOP/s   0.23x        R = 4 FMAs per shared load; shuffle sums
-v4     (see iokernels.numba_cuda)    4-key step, batched butterflies, no local memory
-======  ============  ===========  ==============================================
+======  ============  ============  ==============================================
+v1      2.8 TFLOP/s   0.060x SDPA   K/V re-read per row (L1/L2 absorb part of it)
+v2      7.1 TFLOP/s   0.152x        one shared-memory load per FMA; q, O spill
+v3     10.7 TFLOP/s   0.229x        R = 4 FMAs per shared load; shuffle sums
+v4     12.7 TFLOP/s   0.271x        4-key step in registers, batched butterflies
+======  ============  ============  ==============================================
 
 The simulator (no GPU) has no warp shuffles: there v3's lane sum goes through shared
 memory and ``syncthreads`` (:func:`_make_lane_sum`); the arithmetic is the same, the
