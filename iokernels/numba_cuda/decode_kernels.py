@@ -86,9 +86,10 @@ COMBINE_UNROLL = 8
 #: the num_splits=None heuristic counts this many resident blocks per SM as "SMs": one
 #: 4-warp block per SM cannot keep enough loads in flight to stream HBM.
 RESIDENT_BLOCKS_PER_SM = 8
-#: ... and for the version 2 / 3 split kernels (~155 registers x 128 threads: 3 blocks fit
-#: an SM).  4 slots, a wave and a third: at B=1, N=32768, GQA 32/8 on the H200 (12:26 UTC
-#: sweep) v3 took 0.122 ms with 64 splits and 0.144 ms with 128 (what 8 slots chose)
+#: ... and for the version 2 / 3 split kernels (2-3 blocks fit an SM: v3's default 113
+#: registers x 256 threads, v2's 155 x 128).  4 slots, one and a half to two waves: at B=1,
+#: N=32768, GQA 32/8 on the H200 (12:26 UTC sweep) v3 took 0.122 ms with 64 splits and
+#: 0.144 ms with 128 (what 8 slots chose)
 RESIDENT_BLOCKS_PER_SM_V3 = 4
 #: ... then rounded to a split count that divides the key tiles evenly, within this fraction:
 #: at B=1 N=32768 the heuristic's 56 splits (37 tiles, the last split shorter) took 0.108-0.128
@@ -134,13 +135,14 @@ class DecodeConfig:
             x = getattr(self, name)
             if x is not None and (isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= 32):
                 raise ValueError(f"config: {name} must be an integer in 1..32, got {x!r}")
-        if self.version != 3 and (self.key_groups is not None or self.gather_unroll is not None):
+        if self.version not in (None, 3) and (self.key_groups is not None or self.gather_unroll is not None):
             raise ValueError("config: key_groups and gather_unroll are version 3 settings")
 
 
-#: the version a DecodeConfig without one runs, per operation: what measured fastest on the
-#: H200 (decode: v3 0.93 TB/s vs v2 0.75 and v1 0.31 at B=1 N=32768, 12:26 UTC sweep; gather:
-#: ncu put v1's kernel at 283 us for 131072 tokens vs 250 us for a device copy)
+#: the version a DecodeConfig without one runs, per operation: the split kernels that
+#: measured fastest on the H200 (12:47 UTC record, B=1 N=32768 float16: v3 1.37 TB/s, v2
+#: 0.88, v1 0.32) and the simplest gather, already at 0.90x a device copy (v3's 0.94x needs
+#: C-contiguous pools)
 DEFAULT_VERSIONS = {"decode": 3, "gather": 1}
 
 
