@@ -1146,3 +1146,27 @@ def sanitize_cases(seed: int = 0) -> list:
         ran.append(f"paged decode + gather {dt}")
     cp.cuda.Device().synchronize()
     return ran
+
+
+# --------------------------------------------------------------------------- for notebook 06
+def nonmatmul_budget(head_dim: int, matmul_flops_per_s: float = 989e12, exp_per_s: float = 3.9e12) -> dict:
+    """Time for the exponentials against time for the matmuls, per score S_ij.
+
+    Each score costs 4 * head_dim matmul FLOPs (2d in Q K^T, 2d in P V) and one exp.
+    Defaults: H100 SXM's dense 16-bit tensor-core peak and its special-function (exp)
+    throughput as the FlashAttention-3 paper quotes them (Shah et al., 2024).
+    """
+    t_mm = 4 * head_dim / matmul_flops_per_s
+    t_exp = 1 / exp_per_s
+    return dict(matmul_ps_per_score=t_mm * 1e12, exp_ps_per_score=t_exp * 1e12,
+                exp_over_matmul=t_exp / t_mm)
+
+
+def v2_registers(head_dim: int, block_k: int) -> dict:
+    """32-bit registers a lane of v2 holds for its 16 query rows (fa_v2.cu): the O
+    accumulator, the S/P tile, the Q fragments, (m, l) -- before addresses and temporaries."""
+    d = _round_up(head_dim, 16)
+    o = d // 8 * 4            # NT_O n-tiles x 4 floats
+    s = block_k // 8 * 4      # NT_S n-tiles x 4 floats
+    q = d // 16 * 4           # KT_Q k-steps x 4 registers of two 16-bit values
+    return dict(O=o, S_P=s, Q=q, m_l=4, total=o + s + q + 4)
