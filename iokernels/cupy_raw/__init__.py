@@ -48,7 +48,7 @@ FlashAttention forward:
   K_j / V_j double-buffered with ``cp.async`` (sm_80+; synchronous copies on sm_75, which
   also splits each mma into two m16n8k8), causal/window tile skipping, GQA/MQA, LSE.
   Measured (H200, bfloat16, B=8 H=16 N=4096 d=128, 8 warps x Bc 64): 230 TFLOP/s
-  non-causal = 0.639x SDPA FLASH (360) and 218 causal = 0.667x FLASH (327), same run.
+  non-causal = 0.640x SDPA FLASH (360) and 218 causal = 0.666x FLASH (327), same run (ratios of times).
   cuDNN's kernel (Hopper wgmma/TMA) reached 680 / 597: the gap to it is the Hopper path
   this file does not take.  4 warps x Bc 64 reached 0.49x in an earlier run: with 4 warps
   the K_j/V_j tile feeds only 64 query rows, so each byte read from SRAM does half the work.
