@@ -81,10 +81,7 @@ def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, name
     from .decode_v2 import word_layout
     _require_simulator()
     cfg = resolve_decode_config(config)
-    if cfg.version == 3:                 # flat views and raw loads: its own counting wrapper
-        from .decode_v3 import _count_decode_v3
-        return _count_decode_v3(q, k, v, tables, lens, num_splits, scale, block_n, paged, names, cfg)
-    if cfg.version == 2:                 # K and V as the launcher's 8-byte words (same bytes)
+    if cfg.version in (2, 3):            # K and V as the launcher's 8-byte words (same bytes)
         word, epw = word_layout(q.dtype.name, q.shape[-1])
         if epw > 1:
             k, v = (np.ascontiguousarray(x).view(np.dtype(word)) for x in (k, v))

@@ -590,49 +590,20 @@ def launch_gather_v3(kw, vw, table, k_out, v_out, seq_len, *, config=None, strea
 
 
 # --------------------------------------------------------------------------- counted traffic
-def _count_decode_v3(q, k, v, tables, lens, num_splits, scale, block_n, paged, names, config):
-    from .. import conventions as cv
-    from .counting import _Counter, _require_simulator
-    from .decode_kernels import _resolve_splits, launch_decode
-    from .flash_fwd import _acc_types
-    _require_simulator()
-    word, epw = word_layout(q.dtype.name, q.shape[-1])
-    if epw > 1:                          # K and V as the launcher's 8-byte words (same bytes)
-        k, v = (np.ascontiguousarray(x).view(np.dtype(word)) for x in (k, v))
-    B, Hq, d = q.shape
-    Hkv = k.shape[2] if paged else k.shape[1]
-    acc = _acc_types(q.dtype.name)[0]
-    S = _resolve_splits(num_splits, B, Hkv, int(np.max(lens, initial=0)), block_n, config)
-    scale = cv.resolve_scale(scale, d)
-    c = _Counter()
-    o, lse = c(np.zeros((B, Hq, d), q.dtype), "O"), c(np.zeros((B, Hq), acc), "LSE")
-    op = c(np.zeros((S, B, Hq, d) if S > 1 else (1, 1, 1, 1), acc), "O_partial")
-    lp = c(np.zeros((S, B, Hq) if S > 1 else (1, 1, 1), acc), "LSE_partial")
-    launch_decode(c(q, "Q"), c(k, names[0]), c(v, names[1]), c(tables, "block_table"), c(lens, "seq_lens"),
-                  o, lse, op, lp, scale=scale, block_n=block_n, paged=paged, config=config)
-    return o.data, lse.data, c.traffic
-
-
 def count_decode_v3(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
     """Split v3 (+ combine) on counting arrays over a contiguous cache: (o, lse, Traffic)."""
-    from ..decode import DEFAULT_BLOCK_N
+    from .counting import count_decode
     from .decode_kernels import DecodeConfig
-    cfg = config or DecodeConfig(version=3)
-    B, N = k.shape[0], k.shape[2]
-    lens = np.full(B, N, np.int32) if seq_lens is None else np.asarray(seq_lens, np.int32)
-    return _count_decode_v3(q, k, v, np.zeros((1, 1), np.int32), lens, num_splits, scale, DEFAULT_BLOCK_N,
-                            False, ("K", "V"), cfg)
+    return count_decode(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale,
+                        config=config or DecodeConfig(version=3))
 
 
 def count_paged_decode_v3(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
     """Paged split v3 (+ combine) on counting arrays: (o, lse, Traffic)."""
+    from .counting import count_paged_decode
     from .decode_kernels import DecodeConfig
-    cfg = config or DecodeConfig(version=3)
-    tables, lens = cache.block_tables_array(list(seq_ids))
-    if tables.size == 0:
-        tables = np.zeros((len(lens), 1), np.int32)
-    return _count_decode_v3(q, cache.k_pool, cache.v_pool, tables, lens, num_splits, scale, cache.block_size,
-                            True, ("K_cache", "V_cache"), cfg)
+    return count_paged_decode(q, cache, seq_ids, num_splits=num_splits, scale=scale,
+                              config=config or DecodeConfig(version=3))
 
 
 def count_gather_v3(cache, sid, *, config=None):
