@@ -15,21 +15,25 @@ from __future__ import annotations
 
 import importlib
 
-from . import conventions, reference, testing, traffic
+from .core import conventions, reference, testing, traffic
 # The submodule iokernels.decode is imported here, before the function of the same name:
 # importing a submodule for the first time sets it as a package attribute, which would
 # otherwise replace ik.decode (the function) by the module on the first decode call.
 from . import decode as _decode_module  # noqa: F401,E402
-from .api import (BACKENDS, attention, attention_backward, attention_varlen, decode, merge_states,
+from .core.api import (BACKENDS, attention, attention_backward, attention_varlen, decode, merge_states,
                   paged_decode)
-from .config import TileConfig
+from .core.config import TileConfig
 
 __version__ = "0.1.0"
 
 _LAZY = {
     "PagedKVCache": ("iokernels.paged", "PagedKVCache"),
     "OutOfBlocks": ("iokernels.paged", "OutOfBlocks"),
-    "roofline": ("iokernels.roofline", None),
+    "roofline": ("iokernels.core.roofline", None),
+    "recorded": ("iokernels.core.recorded", None),
+    "gpu": ("iokernels.core.gpu", None),
+    "config": ("iokernels.core.config", None),
+    "api": ("iokernels.core.api", None),
     "naive": ("iokernels.naive", None),
     "tiled": ("iokernels.tiled", None),
     "online_softmax": ("iokernels.online_softmax", None),

@@ -7,7 +7,7 @@ probabilities exactly, P_ij = exp(S_ij - LSE_i), when it needs it.  Recomputing 
 one extra matmul; storing P would cost N_q x N_k memory per head and two trips of it
 through HBM (FlashAttention, Dao et al., 2022, section 3.1; FlashAttention-2, Dao, 2023).
 
-Notation (per batch entry b and query head h; tiles as in :mod:`iokernels.config`):
+Notation (per batch entry b and query head h; tiles as in :mod:`iokernels.core.config`):
 
 =========  ================================================================
 N_q, N_k   query rows (seqlen_q), key rows (seqlen_k);  d  head_dim
@@ -109,9 +109,9 @@ import math
 
 import numpy as np
 
-from . import conventions as cv
-from .config import DEFAULT_SRAM_BYTES, TileConfig
-from .traffic import HBM, Traffic
+from .core import conventions as cv
+from .core.config import DEFAULT_SRAM_BYTES, TileConfig
+from .core.traffic import HBM, Traffic
 
 __all__ = ["attention_backward_naive", "attention_backward_tiled", "traffic_model_naive",
            "traffic_model_tiled", "backward_sram_usage", "check_backward_fits",
@@ -193,9 +193,9 @@ def tile_plan(seqlen_q: int, seqlen_k: int, block_q: int, block_k: int, causal=F
               window=None) -> np.ndarray:
     """(Tr, Tc) array of 'skip' / 'full' / 'partial' for every (Q tile i, K/V tile j).
 
-    The same classification as :func:`iokernels.conventions.tile_state` (a test holds them
+    The same classification as :func:`iokernels.core.conventions.tile_state` (a test holds them
     equal), computed one Q tile at a time for all K/V tiles at once, from the rows' visible
-    key intervals [lo, hi) of :func:`iokernels.conventions.key_range`.  The kernel and the
+    key intervals [lo, hi) of :func:`iokernels.core.conventions.key_range`.  The kernel and the
     traffic model both read this plan, so they cannot disagree on what is visited.
     """
     Tr, Tc = math.ceil(seqlen_q / block_q), math.ceil(seqlen_k / block_k)
@@ -515,10 +515,10 @@ def traffic_vs_seqlen(seqlens, head_dim: int = 64, dtype="float16", causal=False
 
 def counted_traffic_vs_seqlen(rng: np.random.Generator, seqlens, head_dim: int = 64,
                               dtype="float16", causal=False, config=None) -> dict:
-    """Run both backward versions (one head) under :func:`iokernels.traffic.count` and return
+    """Run both backward versions (one head) under :func:`iokernels.core.traffic.count` and return
     their counted bytes, in the form of :func:`traffic_vs_seqlen`; ``matches_model`` says
     whether every count equalled its closed-form model, tensor by tensor."""
-    from . import reference, testing, traffic
+    from .core import reference, testing, traffic
     name = _dtype_name(dtype)
     acc = cv.accum_dtype(name)
     out = {"N": [], "naive_backward": [], "fa2_backward": [], "matches_model": True}
@@ -542,7 +542,7 @@ def counted_traffic_vs_seqlen(rng: np.random.Generator, seqlens, head_dim: int =
 def finite_difference_grads(q, k, v, do, causal=False, window=None, step=1e-6):
     """Central differences of sum(O * dO) with respect to every entry of q, k and v, using
     the float64 oracle's forward (for tiny problems: two forwards per entry)."""
-    from . import reference
+    from .core import reference
     q, k, v = (np.array(x, dtype=np.float64) for x in (q, k, v))
 
     def loss():
@@ -566,13 +566,13 @@ def finite_difference_grads(q, k, v, do, causal=False, window=None, step=1e-6):
 def gradient_checks(rng: np.random.Generator, batch=1, heads_q=4, heads_kv=2, seqlen_q=113,
                     seqlen_k=203, head_dim=59, causal=True, dtypes=("float64", "float32", "float16"),
                     config=None) -> list:
-    """The checks of notebook 04, as :class:`iokernels.testing.Check` results.
+    """The checks of notebook 04, as :class:`iokernels.core.testing.Check` results.
 
     For each dtype: the tiled backward's dq, dk, dv against the float64 analytic gradients
     (float64: ~1e-12; lower precision: <= 3x the naive backward's error in that dtype).
     O and LSE come from the float64 oracle rounded to what a forward in that dtype stores.
     """
-    from . import reference, testing
+    from .core import reference, testing
     checks = []
     for name in dtypes:
         q, k, v, do = testing.make_inputs(rng, batch, heads_q, heads_kv, seqlen_q, seqlen_k,

@@ -34,7 +34,7 @@ O, LSE     the merged result
 GQA is packed: a thread block handles one KV head and all g query heads that read it, so
 each K/V row loaded from HBM serves g query rows (decode intensity is about g FLOP/byte).
 
-The versions, side by side (each checked against :func:`iokernels.reference.decode`):
+The versions, side by side (each checked against :func:`iokernels.core.reference.decode`):
 
 * v1 :func:`decode_naive`: materialize the scores S (B, Hq, N) and probabilities P in HBM,
   the way step 1 does prefill.  Traffic adds 4 * B * Hq * N scalars.
@@ -66,8 +66,8 @@ import numbers
 
 import numpy as np
 
-from . import conventions as cv
-from .traffic import HBM, Traffic
+from .core import conventions as cv
+from .core.traffic import HBM, Traffic
 
 __all__ = ["decode_naive", "decode_split_kv", "paged_decode_split_kv", "merge_states", "merge_kernel",
            "num_splits_heuristic", "split_ranges", "traffic_model", "traffic_model_paged",

@@ -35,7 +35,7 @@ inputs), but S and P are *stored* in HBM in the input dtype, as a naive pipeline
 separate fp16 kernels does.  Rounding S and P to fp16 is what makes naive attention less
 accurate in low precision than the tiled version (which never stores them), and this
 algorithm in the same precision is the baseline of FlashAttention's 2x accuracy rule
-(:mod:`iokernels.testing`).
+(:mod:`iokernels.core.testing`).
 
 Per (b, h) the query head reads its KV head's K and V afresh: with GQA the naive
 pipeline reads K and V ``g`` times, once per query head of the group.
@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import conventions as cv
-from .traffic import HBM, Traffic
+from .core import conventions as cv
+from .core.traffic import HBM, Traffic
 
 __all__ = ["attention", "traffic_model"]
 

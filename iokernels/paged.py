@@ -62,8 +62,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import conventions as cv
-from .traffic import HBM, Traffic
+from .core import conventions as cv
+from .core.traffic import HBM, Traffic
 
 __all__ = ["PagedKVCache", "OutOfBlocks", "DEFAULT_BLOCK_SIZE", "paged_gather", "check_block_table",
            "traffic_model_gather", "blocks_needed", "paging_waste", "reservation_waste",
@@ -460,10 +460,10 @@ def reservation_waste(used_tokens, reserved_tokens=4096) -> float:
 def kv_bytes_per_token(layers, kv_heads, head_dim, itemsize) -> int:
     """2 (K and V) x layers x KV heads x head dim x bytes: 524,288 B = 0.5 MiB for Llama-2-7B.
 
-    Uses :func:`iokernels.roofline.kv_bytes_per_token` when that module provides it.
+    Uses :func:`iokernels.core.roofline.kv_bytes_per_token` when that module provides it.
     """
     try:
-        from .roofline import kv_bytes_per_token as _kv
+        from .core.roofline import kv_bytes_per_token as _kv
     except ImportError:
         return 2 * int(layers) * int(kv_heads) * int(head_dim) * int(itemsize)
     return int(_kv(layers, kv_heads, head_dim, itemsize))

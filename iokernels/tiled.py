@@ -39,7 +39,7 @@ exp(-inf - (-inf)) = NaN.  The kernels therefore subtract ``m_ref`` = m_new wher
 finite and 0 where it is -inf: every exponential of a masked score is then exp(-inf) = 0,
 and a row that stays fully masked ends with l = 0, O = 0 and LSE = -inf, never NaN.
 
-Two loop orders, both counted by :mod:`iokernels.traffic`:
+Two loop orders, both counted by :mod:`iokernels.core.traffic`:
 
 - :func:`forward_fa2` (FlashAttention-2): Q tiles outer, K/V tiles inner.  m, l and the
   O accumulator stay on chip for a whole row of tiles; O_i and LSE_i are written once.
@@ -58,7 +58,7 @@ served by the L2 cache; the profiler notebook measures that difference.
 
 Causal (bottom-right aligned) and sliding-window masks skip every tile in which no
 query row sees any key (such tiles are never loaded) and apply the mask only inside
-tiles that are partly visible (:func:`iokernels.conventions.tile_state`).
+tiles that are partly visible (:func:`iokernels.core.conventions.tile_state`).
 
 The closed-form traffic models :func:`traffic_model_fa2` and :func:`traffic_model_fa1`
 predict the counted bytes exactly; :func:`io_complexity_table` sets them beside the
@@ -73,9 +73,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import conventions as cv
-from .config import TileConfig
-from .traffic import HBM, Traffic
+from .core import conventions as cv
+from .core.config import TileConfig
+from .core.traffic import HBM, Traffic
 
 __all__ = ["attention", "forward_fa2", "forward_fa1", "attention_varlen",
            "traffic_model_fa2", "traffic_model_fa1", "traffic_model_varlen", "io_complexity_table"]

@@ -52,7 +52,7 @@ import math
 
 import numpy as np
 
-from . import conventions as cv
+from .core import conventions as cv
 
 #: our names -> torch.nn.attention.SDPBackend member names
 SDPA_BACKENDS = {
@@ -101,7 +101,7 @@ def _to_like(t, like):
         return t
     t = t.detach().cpu()
     if t.dtype == torch.bfloat16:
-        from .testing import numpy_dtype
+        from .core.testing import numpy_dtype
         return t.contiguous().view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
     return t.numpy()
 

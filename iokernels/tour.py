@@ -8,7 +8,7 @@ max err vs f64     max |out - oracle| against the float64 reference (outputs,
                    LSE and gradients; the largest of them)
 check              FlashAttention's rule: float64 within ~1e-12; lower precision
                    within 2x (3x for gradients) of the naive algorithm's error in
-                   the same precision (:mod:`iokernels.testing`)
+                   the same precision (:mod:`iokernels.core.testing`)
 counted B          HBM bytes counted while the NumPy kernel ran (:func:`traffic.count`)
 modelled B         the closed-form prediction for the same run (:func:`traffic.model`);
                    ``=`` between them when they agree exactly
@@ -119,7 +119,7 @@ class _Case:
 
 
 def _case(p: Problem, seed: int) -> _Case:
-    from . import reference, testing
+    from .core import reference, testing
     rng = np.random.default_rng(seed)
     q, k, v, do = testing.make_inputs(rng, dtype=p.dtype, with_grad=True, **p.shape_kw())
     B, n = len(p.decode_lens), max(p.decode_lens)
@@ -133,7 +133,7 @@ def _case(p: Problem, seed: int) -> _Case:
 
 def _checked(pairs, factor=None):
     """Max error and verdict over several (out, ref64, baseline) triples."""
-    from . import testing
+    from .core import testing
     kw = {} if factor is None else {"factor": factor}
     checks = [testing.check(o, r, b, **kw) for o, r, b in pairs]
     return max(c.error for c in checks), ("ok" if all(checks) else "FAIL")
@@ -145,7 +145,7 @@ def _forward(c: _Case, backend: str, loop_order: str | None = None, model: str |
     """One forward run, checked against the oracle.  ``convert`` maps the NumPy inputs to the
     backend's own arrays first (e.g. torch CUDA tensors), outside the timed region."""
     import iokernels as ik
-    from . import traffic
+    from .core import traffic
     if loop_order is not None:
         config = ik.TileConfig(loop_order=loop_order)
     q, k, v = (c.q, c.k, c.v) if convert is None else (convert(c.q), convert(c.k), convert(c.v))
@@ -168,7 +168,7 @@ def _forward(c: _Case, backend: str, loop_order: str | None = None, model: str |
 
 def _backward(c: _Case, backend: str, model: str):
     import iokernels as ik
-    from . import reference, traffic
+    from .core import reference, traffic
     if "ref_grad" not in c.base:
         c.base["ref_grad"] = reference.attention_backward(c.do, c.q, c.k, c.v, causal=c.p.causal)
         c.base["fwd_tiled"] = ik.attention(c.q, c.k, c.v, causal=c.p.causal, backend="tiled",
@@ -181,7 +181,7 @@ def _backward(c: _Case, backend: str, model: str):
     if backend == "naive":
         c.base["grad"] = grads
     base = c.base.get("grad", (None, None, None))
-    from .testing import GRADIENT_FACTOR
+    from .core.testing import GRADIENT_FACTOR
     err, verdict = _checked(zip(grads, c.base["ref_grad"], base), factor=GRADIENT_FACTOR)
     modelled = traffic.model(model, dtype=c.p.dtype, causal=c.p.causal, **c.p.shape_kw()).total
     return Row("", backend, err, verdict, t.total, modelled, dt)
@@ -202,7 +202,7 @@ def _paged_cache(c: _Case):
 
 
 def _paged_gather(c: _Case):
-    from . import traffic
+    from .core import traffic
     cache, sids = _paged_cache(c)
     t0 = time.perf_counter()
     with traffic.count() as t:
@@ -219,7 +219,7 @@ def _paged_gather(c: _Case):
 
 def _decode(c: _Case, paged: bool):
     import iokernels as ik
-    from . import traffic
+    from .core import traffic
     if "decode" not in c.base:
         c.base["decode"] = ik.decode(c.qd, c.kd, c.vd, seq_lens=c.lens, backend="naive", return_lse=True)
     kw = dict(batch=len(c.p.decode_lens), heads_q=c.p.heads_q, heads_kv=c.p.heads_kv, head_dim=c.p.head_dim,
@@ -242,14 +242,14 @@ def _decode(c: _Case, paged: bool):
 
 
 def _to_numpy(x):
-    from .testing import as_numpy
+    from .core.testing import as_numpy
     a = np.asarray(x) if isinstance(x, np.ndarray) else as_numpy(x)
     return a
 
 
 # --------------------------------------------------------------------------- GPU backends
 def _numba_status() -> tuple[bool, str]:
-    from . import gpu
+    from .core import gpu
     if not (gpu.simulator_enabled() or nvidia_device_present()):
         return False, "no GPU and NUMBA_ENABLE_CUDASIM is not set (run through `python -m iokernels`)"
     try:
@@ -260,7 +260,7 @@ def _numba_status() -> tuple[bool, str]:
 
 
 def _cupy_status() -> tuple[bool, str]:
-    from . import gpu
+    from .core import gpu
     try:
         import cupy  # noqa: F401
     except Exception as e:
@@ -281,7 +281,7 @@ def _torch_cuda(x):
 
 
 def _torch_status() -> tuple[bool, str]:
-    from . import gpu
+    from .core import gpu
     try:
         import torch  # noqa: F401
         import iokernels.torch_sdpa  # noqa: F401

@@ -19,7 +19,7 @@ then launches a tiny marker kernel ``ik_marker``; the kernels between one marker
 next flush belong to that case.  Warm-up calls (compilation, autotuning) run before
 ``cudaProfilerStart``, and ncu is started with ``--profile-from-start off``.
 
-The model: ``iokernels.traffic.model(kind, ...)``, bytes as the algorithm is written,
+The model: ``iokernels.core.traffic.model(kind, ...)``, bytes as the algorithm is written,
 no caches.  Where they differ, the notes explain why (benchmarks/NOTES.md): L2 reuse of
 K/V tiles across thread blocks, S and P staying in L2 between the naive kernels when they
 fit, the block table, the split-KV partial results.
@@ -42,8 +42,9 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-if not hasattr(np, "row_stack"):   # numba-cuda 0.30.4 under numpy 2.5 (DESIGN.md, GPU notes)
-    np.row_stack = np.vstack
+from iokernels.core.gpu import numba_numpy_fix  # noqa: E402
+
+numba_numpy_fix()   # before numba is imported
 
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "gpu__time_duration.sum")
 #: L2 flush buffer, in multiples of the L2 size (read, not written: see the module notes)

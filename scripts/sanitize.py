@@ -32,8 +32,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-if not hasattr(np, "row_stack"):   # numba-cuda 0.30.4 under numpy 2.5 (DESIGN.md, GPU notes)
-    np.row_stack = np.vstack
+from iokernels.core.gpu import numba_numpy_fix  # noqa: E402
+
+numba_numpy_fix()   # before numba is imported
 
 
 def _selftest():

@@ -1,7 +1,7 @@
 """The attention backward pass: naive (v1) and FlashAttention-2 tiled (v2).
 
 Every check uses fresh seeded inputs (the ``rng`` fixture) and an independent truth:
-the float64 analytic gradients of :mod:`iokernels.reference`, central finite differences
+the float64 analytic gradients of :mod:`iokernels.core.reference`, central finite differences
 of the float64 forward, and torch autograd on the CPU.  Low precision follows
 FlashAttention's rule for gradients (<= 3x the error of the naive backward in the same
 precision).  Traffic: counted == modelled, tensor by tensor, and one model is checked
@@ -20,7 +20,7 @@ from iokernels import backward as bw
 from iokernels import conventions as cv
 from iokernels import reference as ref
 from iokernels import testing, traffic
-from iokernels.config import TileConfig
+from iokernels.core.config import TileConfig
 
 # The foundation issue's shape sweep: (seqlen_q, seqlen_k), each paired with a head dim
 # so that all five head dims appear, and run causal and not; every other one with GQA.

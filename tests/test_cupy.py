@@ -27,7 +27,7 @@ import pytest
 import iokernels as ik
 from iokernels import conventions as cv
 from iokernels import gpu, reference
-from iokernels.testing import as_numpy, check, make_inputs
+from iokernels.core.testing import as_numpy, check, make_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")]
 

@@ -9,7 +9,7 @@ import pytest
 
 import iokernels as ik
 from iokernels import testing
-from iokernels.config import TileConfig
+from iokernels.core.config import TileConfig
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 import iokernels as ik
 from iokernels import conventions as cv
 from iokernels import reference, testing
-from iokernels.config import TileConfig
+from iokernels.core.config import TileConfig
 
 SEQLENS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1, 239), (3, 799),
            (127, 513), (239, 1)]

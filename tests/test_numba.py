@@ -9,7 +9,7 @@ import pytest
 import iokernels as ik
 from iokernels import conventions as cv
 from iokernels import gpu, reference, testing, traffic
-from iokernels.config import TileConfig
+from iokernels.core.config import TileConfig
 
 pytestmark = pytest.mark.skipif(not gpu.simulator_enabled() and not gpu.has_gpu(),
                                 reason="needs Numba's CUDA simulator or a GPU")

@@ -145,7 +145,7 @@ def test_cupy_arrays_in_cupy_out():
                                   dtype="float32")
     o = ik.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), causal=True, backend="numba")
     assert isinstance(o, cp.ndarray)
-    ref, _ = __import__("iokernels.reference", fromlist=["x"]).attention(q, k, v, causal=True)
+    ref, _ = __import__("iokernels.core.reference", fromlist=["x"]).attention(q, k, v, causal=True)
     testing.assert_close(o.get(), ref, ik.attention(q, k, v, causal=True, backend="naive"))
 
 

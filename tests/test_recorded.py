@@ -1,4 +1,4 @@
-"""iokernels.recorded: selecting and comparing rows of a recorded GPU run (synthetic record)."""
+"""iokernels.core.recorded: selecting and comparing rows of a recorded GPU run (synthetic record)."""
 import numpy as np
 import pytest
 

@@ -1,6 +1,6 @@
 """The oracle and the conventions, checked against definitions written out by hand.
 
-Everything else is judged by iokernels.reference and iokernels.testing.check, so these
+Everything else is judged by iokernels.core.reference and iokernels.core.testing.check, so these
 tests hold them against independent definitions: double loops for the masks and the
 log-sum-exp, PyTorch's scaled_dot_product_attention (CPU, float64) for the attention
 itself, and deliberately broken outputs for the checker.

@@ -1,7 +1,7 @@
 """HBM traffic: the bytes counted while the NumPy kernels run equal the closed-form models.
 
-Counted (iokernels.traffic.count, every HBM tile read and write) == modelled
-(iokernels.traffic.model), tensor by tensor, exactly, over awkward shapes, both loop
+Counted (iokernels.core.traffic.count, every HBM tile read and write) == modelled
+(iokernels.core.traffic.model), tensor by tensor, exactly, over awkward shapes, both loop
 orders, causal and window tile skipping, ragged last tiles and GQA.  Then the scaling
 laws the notebooks teach: naive grows like N^2, FlashAttention's K/V re-reads like
 N^2 d^2 / M, and a tile set that does not fit SRAM is refused.
@@ -13,7 +13,7 @@ import pytest
 
 import iokernels as ik
 from iokernels import testing, traffic
-from iokernels.config import TileConfig
+from iokernels.core.config import TileConfig
 
 SHAPES = [(113, 203), (128, 128), (1, 239), (239, 1), (100, 37), (64, 300), (257, 255)]
 MASKS = [(False, None), (True, None), (False, (30, 10)), (True, (45, -1)), (False, (0, 0))]

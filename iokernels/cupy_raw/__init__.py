@@ -120,7 +120,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .. import conventions as cv
+from ..core import conventions as cv
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 SOURCES = {"fa_v1": "fa_v1.cu", "fa_v1b": "fa_v1b.cu", "fa_v2": "fa_v2.cu", "decode": "decode.cu",
@@ -539,7 +539,7 @@ class _IO:
         if self.kind == "numpy":
             h = out.get()
             if dtype == "bfloat16":
-                from ..testing import numpy_dtype
+                from ..core.testing import numpy_dtype
                 h = h.view(numpy_dtype("bfloat16"))
             return h
         if self.kind == "numba":
@@ -1085,7 +1085,7 @@ def sanitize_cases(seed: int = 0) -> list:
     """
     cp = _cupy()
     from ..paged import PagedKVCache
-    from ..testing import make_inputs
+    from ..core.testing import make_inputs
     rng = np.random.default_rng(seed)
     dev = device_info()
     ran = []

@@ -90,11 +90,12 @@ Other entry points: :mod:`.counting` (global-memory traffic counted on the simul
 :mod:`.ptx` (compile to PTX without a GPU), :func:`sanitize_cases` (each kernel once at a
 ragged shape, for compute-sanitizer).
 
-The NumPy 2.5 fix for numba-cuda 0.30.4 lives in :mod:`._compat`, imported first.
+The NumPy 2.5 fix for numba-cuda 0.30.4 is :func:`iokernels.core.gpu.numba_numpy_fix`, applied first.
 """
 from __future__ import annotations
 
-from . import _compat  # noqa: F401  (must run before numba is imported)
+from ..core import gpu as _gpu  # noqa: E402
+_gpu.numba_numpy_fix()  # before numba is imported
 from .decode_kernels import (DecodeConfig, decode, gather_pools, paged_decode,  # noqa: E402
                              paged_decode_pools, paged_gather)
 from .flash_fwd import NumbaConfig, attention  # noqa: E402
@@ -129,7 +130,7 @@ def sanitize_cases(seed: int = 0, verbose: bool = True):
     """
     import numpy as np
 
-    from .. import reference, testing
+    from ..core import reference, testing
     from ..paged import PagedKVCache
     rng = np.random.default_rng(seed)
     results = []

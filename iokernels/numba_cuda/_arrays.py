@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import conventions as cv
-from . import _compat  # noqa: F401  (the NumPy fix, before numba loads)
+from ..core import conventions as cv
+from ..core import gpu as _gpu  # noqa: E402
+_gpu.numba_numpy_fix()  # before numba is imported
 from numba import cuda  # noqa: E402
 
 #: storage dtypes the Numba kernels accept (bfloat16 has no Numba arithmetic type we use)

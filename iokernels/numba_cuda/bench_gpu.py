@@ -231,7 +231,7 @@ def sweep_decode_gather(out_path=None, tiny=False, reps=20):
     test runs.  Returns the rows (dicts).
     """
     import numpy as np
-    from .. import reference
+    from ..core import reference
     from ..bench import PAGED_BLOCK
     from . import decode, gather_pools, paged_decode_pools
     dec, gat = _sweep_configs()

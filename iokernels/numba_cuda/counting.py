@@ -3,7 +3,7 @@
 On Numba's CUDA simulator a kernel is ordinary Python, run one thread at a time, so its
 arguments can be any objects that index like arrays.  :class:`CountingArray` is such an
 object: every element the kernel reads or writes is added to a
-:class:`iokernels.traffic.Traffic` under the tensor's name.  Running a kernel on counting
+:class:`iokernels.core.traffic.Traffic` under the tensor's name.  Running a kernel on counting
 arrays gives the bytes *the kernel as written* moves between global memory and the chip,
 which the tests compare with the closed-form models of the NumPy versions it mirrors
 (``traffic.model("fa2" | "decode" | "paged_decode" | "paged_gather")``).
@@ -18,9 +18,9 @@ import threading
 
 import numpy as np
 
-from .. import conventions as cv
-from .. import gpu
-from ..traffic import Traffic
+from ..core import conventions as cv
+from ..core import gpu
+from ..core.traffic import Traffic
 
 
 class CountingArray:

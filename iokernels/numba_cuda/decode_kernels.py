@@ -59,8 +59,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .. import conventions as cv
-from .. import gpu
+from ..core import conventions as cv
+from ..core import gpu
 from ..decode import DEFAULT_BLOCK_N, MAX_SPLITS, num_splits_heuristic
 from . import _arrays as arr
 from .flash_fwd import SHARED_LIMIT_BYTES, _acc_types, _make_lane_sum, warp_mask

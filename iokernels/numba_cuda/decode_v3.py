@@ -496,7 +496,7 @@ def split_v3_smem_bytes(head_dim, g, dtype, word_name, L, KG):
 
 
 def split_v3_kernel_function(head_dim, g, dtype, paged, block_n, word_name, config=None, simulated=None):
-    from .. import gpu
+    from ..core import gpu
     from .flash_fwd import _acc_types
     if simulated is None:
         simulated = gpu.simulator_enabled()
@@ -568,7 +568,7 @@ def make_gather_v3(word_name: str, W: int, H: int, BS: int, NT: int, UN: int, si
 
 
 def gather_v3_kernel_function(word_name, W, H, BS, config=None, simulated=None):
-    from .. import gpu
+    from ..core import gpu
     if simulated is None:
         simulated = gpu.simulator_enabled()
     UN = (config.gather_unroll if config is not None else None) or GATHER3_UNROLL

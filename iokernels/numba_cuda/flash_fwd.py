@@ -80,10 +80,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .. import conventions as cv
-from .. import gpu
+from ..core import conventions as cv
+from ..core import gpu
 from . import _arrays as arr
-from numba import cuda, int32  # noqa: E402  (after _compat, through _arrays)
+from numba import cuda, int32  # noqa: E402  (after the NumPy fix, through _arrays)
 import numba  # noqa: E402
 
 #: Static shared memory a thread block may use without an opt-in: 48 KiB on every CUDA GPU

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import conventions as cv
-from .. import roofline as rl
+from ..core import conventions as cv
+from ..core import roofline as rl
 
 #: dots per inch of the committed PNGs: readable on a screen, small in git.
 DPI = 110
@@ -147,7 +147,7 @@ def traffic_curves(seqlens=TRAFFIC_SEQLENS, head_dim: int = 64, dtype: str = "fl
                    causal: bool = False) -> dict:
     """Modelled HBM bytes per N (one head): naive, fa1, fa2 and the mandatory floor."""
     import iokernels as ik
-    from .. import traffic
+    from ..core import traffic
     config = ik.TileConfig() if config is None else config
     out = {"N": list(seqlens), "naive": [], "fa1": [], "fa2": [], "mandatory": []}
     for n in seqlens:
@@ -164,7 +164,7 @@ def counted_traffic(seqlens=COUNTED_SEQLENS, head_dim: int = 64, dtype: str = "f
                     causal: bool = False, seed: int = SEED, progress: bool = False) -> dict:
     """Run the NumPy kernels at each N and count their HBM bytes (fixed-seed inputs)."""
     import iokernels as ik
-    from .. import testing, traffic
+    from ..core import testing, traffic
     config = ik.TileConfig() if config is None else config
     rng = np.random.default_rng(seed)
     out = {"N": list(seqlens), "naive": [], "fa1": [], "fa2": []}
@@ -232,7 +232,7 @@ def measured_over_mandatory_note() -> str:
     the DRAM bytes of a fused kernel sit near the mandatory floor.  Returns "" when no
     recorded run is in the repository.
     """
-    from .. import recorded
+    from ..core import recorded
     try:
         rec = recorded.load()
     except (FileNotFoundError, ValueError):
@@ -264,7 +264,7 @@ def roofline_points(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float
     between that and "ideal", the mandatory floor.
     """
     import iokernels as ik
-    from .. import traffic
+    from ..core import traffic
     itemsize = cv.itemsize_of(dtype)
     flops = rl.attention_flops(seqlen, seqlen, head_dim)
     mand = rl.mandatory_bytes(seqlen, seqlen, head_dim, itemsize=itemsize)

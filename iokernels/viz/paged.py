@@ -343,7 +343,7 @@ def split_kv_example(seqlen=64, num_splits=4, head_dim=16, block_n=16, seed=0):
     the merged O against the float64 oracle.
     """
     import iokernels as ik
-    from ..reference import decode as ref_decode
+    from ..core.reference import decode as ref_decode
 
     dec = _dec()
     rng = np.random.default_rng(seed)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import html
 
-from .. import conventions as cv
-from .. import roofline as rl
+from ..core import conventions as cv
+from ..core import roofline as rl
 from . import figures
 
 __all__ = ["roofline_calculator", "roofline_table", "online_softmax_stepper", "online_softmax_table",
@@ -150,7 +150,7 @@ def tile_report(seqlen=2048, head_dim=64, dtype="float16", block_q=64, block_k=6
                 causal=False) -> str:
     """SRAM use, tile counts and modelled traffic (naive, FA1, FA2) of one tile choice, as HTML."""
     import iokernels as ik
-    from .. import traffic
+    from ..core import traffic
     cfg = ik.TileConfig(block_q=block_q, block_k=block_k, sram_bytes=sram_kib * 1024)
     need = cfg.sram_usage(head_dim, dtype)
     head = (f"<p>tiles Br={block_q}, Bc={block_k} at d={head_dim} ({dtype}) need {need:,} B of SRAM "

@@ -1,7 +1,7 @@
 """The float64 oracle: the plain mathematical definition of attention, written for clarity.
 
 Everything else in the package is checked against these functions.  They upcast to
-float64, build the explicit visibility mask from :mod:`iokernels.conventions`, and use
+float64, build the explicit visibility mask from :mod:`iokernels.core.conventions`, and use
 the two-pass softmax (max first, then exponentials and their sum).  They allocate the
 full N x N matrices on purpose: the oracle is for small problems and for truth, not speed.
 

@@ -15,7 +15,7 @@ exactly a read-modify-write.  Everything else is on-chip and free.
 that counted == modelled exactly, tensor by tensor.
 
 SRAM capacity (the paper's M) is checked by the kernels' tile configs
-(:class:`iokernels.config.TileConfig`): a tile set that does not fit is a ValueError.
+(:class:`iokernels.core.config.TileConfig`): a tile set that does not fit is a ValueError.
 """
 from __future__ import annotations
 

@@ -197,7 +197,7 @@ def decode(q, k, v, num_splits=None, scale=None, backend="tiled", return_lse=Fal
 
 def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled", return_lse=False):
     """Decode over a :class:`PagedKVCache`: q (len(seq_ids), Hq, d), one token per sequence."""
-    from .paged import PagedKVCache
+    from ..paged import PagedKVCache
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
     seq_ids = list(seq_ids)
@@ -222,7 +222,7 @@ def merge_states(o_parts, lse_parts):
 
     Parts with LSE -inf (empty chunks) weigh nothing; all parts empty gives 0 and -inf.
     """
-    from .decode import merge_states as _merge
+    from ..decode import merge_states as _merge
     os_, ls_ = tuple(np.shape(o_parts)), tuple(np.shape(lse_parts))
     if len(os_) < 2 or os_[:-1] != ls_:
         raise ValueError(f"lse_parts: shape must be o_parts' shape without its last axis "

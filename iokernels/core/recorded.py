@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 #: where the records live (a checkout's benchmarks/results)
-RESULTS_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 #: kind -> file name pattern
 KINDS = {"h200": "h200_*.json", "sanitizer": "sanitizer_*.txt"}

@@ -426,16 +426,16 @@ def _torch_dtype(name):
 
 
 def _visible_pairs(nq, nk, causal) -> int:
-    from .conventions import key_range
+    from ..core.conventions import key_range
     lo, hi = key_range(np.arange(nq), nq, nk, causal, None)
     return int(np.sum(hi - lo))
 
 
 def _resolve_backend(backend, op):
     """The backend function for (backend, op), or Unavailable with the reason."""
-    from . import api
+    from ..core import api
     if backend == "numba":
-        from .gpu import simulator_enabled
+        from ..core.gpu import simulator_enabled
         if simulator_enabled():
             raise Unavailable("NUMBA_ENABLE_CUDASIM is set: the Numba kernels would run on the "
                               "CPU simulator, not the GPU")
@@ -565,7 +565,7 @@ def _finish_case(case: dict) -> dict:
 
 # --------------------------------------------------------------------------- sections
 def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa, target_ms=None):
-    from . import torch_sdpa as ts
+    from .. import torch_sdpa as ts
     import torch
     F = torch.nn.functional
     rows = []
@@ -596,7 +596,7 @@ def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa, ta
 
 def _reference(q, k, v, causal, is_decode, gqa):
     """SDPA's output from the first kernel that runs (cudnn, flash, efficient, math)."""
-    from . import torch_sdpa as ts
+    from .. import torch_sdpa as ts
     import torch
     for name in ("cudnn", "flash", "efficient", "math"):
         try:
@@ -612,7 +612,7 @@ def _reference(q, k, v, causal, is_decode, gqa):
 def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section="prefill",
                   target_ms=None):
     import torch
-    from . import torch_sdpa as ts
+    from .. import torch_sdpa as ts
     cases = []
     B, H, d = spec["batch"], spec["heads"], spec["head_dim"]
     for dtype in spec["dtypes"]:
@@ -664,7 +664,7 @@ def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, targ
                          "status": f"skipped: {flops:.3g} FLOP > {numpy_max_flops:.3g} (too slow on a CPU)"})
             continue
         hq, hk, hv = (x.detach().cpu().numpy() for x in (q, k, v))
-        from . import api
+        from ..core import api
         f = api._resolve(backend, "attention")
         rows.append(_measure(name, "numpy", lambda f=f: f(hq, hk, hv, causal=causal, scale=scale,
                                                           window=(-1, -1), config=None),
@@ -821,7 +821,7 @@ def gather_cases(spec, seed, progress, section="gather", target_ms=None):
 
 def _numpy_only_cases(spec, seed):
     """Without a GPU: the NumPy rows of the (quick) prefill shapes, so the harness still runs."""
-    from .testing import make_inputs
+    from ..core.testing import make_inputs
     cases = []
     rng = np.random.default_rng(seed)
     for dtype in spec["dtypes"]:
@@ -832,7 +832,7 @@ def _numpy_only_cases(spec, seed):
                 q, k, v = make_inputs(rng, batch=B, heads_q=H, seqlen_q=N, head_dim=d, dtype=dtype)
                 rows = []
                 for backend in ("naive", "tiled"):
-                    from . import api
+                    from ..core import api
                     f = api._resolve(backend, "attention")
                     rows.append(_measure(f"numpy {backend}", "numpy",
                                          lambda f=f: f(q, k, v, causal=causal, scale=1 / np.sqrt(d),
