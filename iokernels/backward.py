@@ -285,7 +285,7 @@ def attention_backward_naive(do, q, k, v, o, lse, *, causal, scale, window, conf
                 dK[b, hk] = dk                          # write Nk*d (dK)
             else:
                 dK[b, hk] = dK[b, hk].astype(acc) + dk  # read + write Nk*d (dK): GQA group sum
-    return dQ.data, dK.data, dV.data
+    return dQ.result(), dK.result(), dV.result()
 
 
 def traffic_model_naive(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,
@@ -402,7 +402,7 @@ def attention_backward_tiled(do, q, k, v, o, lse, *, causal, scale, window, conf
             for i in range(Tr):                         # load dQaccum_i -> SRAM
                 r0, r1 = i * Br, min((i + 1) * Br, Nq)
                 dQ[b, h, r0:r1] = dQacc[b, h, r0:r1] * sc  # write dQ_i -> HBM
-    return dQ.data, dK.data, dV.data
+    return dQ.result(), dK.result(), dV.result()
 
 
 def traffic_model_tiled(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,

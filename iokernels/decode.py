@@ -200,21 +200,38 @@ def merge_kernel(O_part: HBM, LSE_part: HBM, O: HBM, LSE: HBM):
 
 
 # --------------------------------------------------------------------------- v1 naive
-def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
+def _no_config(config, what):
+    if config is not None:
+        raise ValueError(f"config: {what} has no config, got {type(config).__name__}")
+
+
+def _block_n(config, default=DEFAULT_BLOCK_N) -> int:
+    """Keys per tile: ``config.block_k`` of a TileConfig, or ``default``."""
+    if config is None:
+        return default
+    from .core.config import TileConfig
+    if not isinstance(config, TileConfig):
+        raise ValueError(f"config: expected a TileConfig (its block_k is the keys per tile) or None, "
+                         f"got {type(config).__name__}")
+    return config.block_k
+
+
+def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
     """v1: scores and probabilities materialized in HBM (num_splits is ignored).
 
     q (B, Hq, d); k, v (B, Hkv, N, d).  Returns (O (B, Hq, d), LSE (B, Hq)).
     """
+    _no_config(config, "the naive decode")
     B, Hq, d = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     scale = cv.default_scale(d) if scale is None else scale
     acc = cv.accum_dtype(q.dtype.name)
     lens = _lens(seq_lens, B, N)
     Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
-    S_ = HBM(np.zeros((B, Hq, N), acc), "S")
-    P_ = HBM(np.zeros((B, Hq, N), acc), "P")
-    O = HBM(np.zeros((B, Hq, d), q.dtype), "O")
-    LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
+    S_ = HBM.zeros((B, Hq, N), acc, "S")
+    P_ = HBM.zeros((B, Hq, N), acc, "P")
+    O = HBM.zeros((B, Hq, d), q.dtype, "O")
+    LSE = HBM.full((B, Hq), -np.inf, acc, "LSE")
     kvh = cv.kv_head_index(Hq, Hkv)
     for b in range(B):
         n = lens[b]
@@ -234,7 +251,7 @@ def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
         vb = V[b, :, :n].astype(acc)                          # read Hkv*n*d
         O[b] = np.einsum("hn,hnd->hd", p, vb[kvh]).astype(q.dtype)   # write Hq*d
         LSE[b] = (m + np.log(l))[:, 0]                        # write Hq
-    return O.data, LSE.data
+    return O.result(), LSE.result()
 
 
 def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="float32"):
@@ -279,13 +296,15 @@ def _split_worker(q_grp, load_tile, tiles, scale, acc):
     return o / l[:, None], m + np.log(l)
 
 
-def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, block_n=DEFAULT_BLOCK_N):
+def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, block_n=None, config=None):
     """v2: Flash-Decoding over a contiguous cache: split-KV workers, then the merge kernel.
 
     q (B, Hq, d); k, v (B, Hkv, N, d); sequence b uses keys [0, seq_lens[b]).
     num_splits None: :func:`num_splits_heuristic` (with DEFAULT_NUM_SMS).  With one split the
-    workers write O and LSE directly and no merge runs.  Returns (O, LSE).
+    workers write O and LSE directly and no merge runs.  Keys per tile: ``block_n``, else
+    ``config.block_k`` (a TileConfig), else DEFAULT_BLOCK_N.  Returns (O, LSE).
     """
+    block_n = _block_n(config) if block_n is None else block_n
     B, Hq, d = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -294,11 +313,11 @@ def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, bloc
     lens = _lens(seq_lens, B, N)
     S = _resolve_splits(num_splits, B, Hkv, max(lens, default=0), block_n)
     Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
-    O = HBM(np.zeros((B, Hq, d), q.dtype), "O")
-    LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
+    O = HBM.zeros((B, Hq, d), q.dtype, "O")
+    LSE = HBM.full((B, Hq), -np.inf, acc, "LSE")
     if S > 1:                                                 # partial results live in HBM
-        O_part = HBM(np.zeros((S, B, Hq, d), acc), "O_partial")
-        LSE_part = HBM(np.full((S, B, Hq), -np.inf, acc), "LSE_partial")
+        O_part = HBM.zeros((S, B, Hq, d), acc, "O_partial")
+        LSE_part = HBM.full((S, B, Hq), -np.inf, acc, "LSE_partial")
     for b in range(B):                                        # grid: (sequence, KV head, split)
         for h in range(Hkv):
             rows = slice(h * g, (h + 1) * g)                  # the g query heads of KV head h
@@ -321,17 +340,19 @@ def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, bloc
                     LSE[b, rows] = lse_s                      # write LSE -> HBM
     if S > 1:
         merge_kernel(O_part, LSE_part, O, LSE)
-    return O.data, LSE.data
+    return O.result(), LSE.result()
 
 
 # --------------------------------------------------------------------------- v3 paged
-def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None):
+def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
     """v3: split-KV decode reading K and V through the block tables of a PagedKVCache.
 
     q (len(seq_ids), Hq, d).  A tile is one block (Bc = cache.block_size); a worker reads
     the table entry of each of its blocks, then the block's valid slots only (the unwritten
-    tail of a last block is never read).  Returns (O, LSE).
+    tail of a last block is never read).  Returns (O, LSE).  The tile is the cache's block,
+    so there is no config.
     """
+    _no_config(config, "the tiled paged decode (its tile is the cache's block)")
     B, Hq, d = q.shape
     Hkv, bs = cache.num_kv_heads, cache.block_size
     g = Hq // Hkv
@@ -343,11 +364,11 @@ def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None):
     Q = HBM(q, "Q")
     TABLE = HBM(tables_np, "block_table")
     K_CACHE, V_CACHE = HBM(cache.k_pool, "K_cache"), HBM(cache.v_pool, "V_cache")
-    O = HBM(np.zeros((B, Hq, d), q.dtype), "O")
-    LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
+    O = HBM.zeros((B, Hq, d), q.dtype, "O")
+    LSE = HBM.full((B, Hq), -np.inf, acc, "LSE")
     if S > 1:
-        O_part = HBM(np.zeros((S, B, Hq, d), acc), "O_partial")
-        LSE_part = HBM(np.full((S, B, Hq), -np.inf, acc), "LSE_partial")
+        O_part = HBM.zeros((S, B, Hq, d), acc, "O_partial")
+        LSE_part = HBM.full((S, B, Hq), -np.inf, acc, "LSE_partial")
     for b in range(B):                                        # grid: (sequence, KV head, split)
         for h in range(Hkv):
             rows = slice(h * g, (h + 1) * g)
@@ -369,7 +390,7 @@ def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None):
                     LSE[b, rows] = lse_s                      # write LSE -> HBM
     if S > 1:
         merge_kernel(O_part, LSE_part, O, LSE)
-    return O.data, LSE.data
+    return O.result(), LSE.result()
 
 
 # --------------------------------------------------------------------------- traffic models

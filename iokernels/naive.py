@@ -98,7 +98,7 @@ def attention(q, k, v, *, causal, scale, window, config=None):
             p = P[b, h].astype(acc)                     # read Nq*Nk (P)
             v_bh = V[b, hk].astype(acc)                 # read Nk*d (V)
             O[b, h] = p @ v_bh                          # write Nq*d (O)
-    return O.data, LSE.data
+    return O.result(), LSE.result()
 
 
 def traffic_model(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,

@@ -339,19 +339,14 @@ class PagedKVCache:
             self._key_of_block[block] = key
 
     # ------------------------------------------------------------------ reads
-    def gather(self, sid, backend="numpy"):
+    def gather(self, sid, backend="numpy", config=None):
         """Sequence ``sid``'s K and V as contiguous (Hkv, n, d) arrays, read through its table.
 
-        backend "numpy" (counted HBM traffic), or "numba" / "cupy", which call
-        ``iokernels.numba_cuda.paged_gather(cache, sid)`` / ``iokernels.cupy_raw.paged_gather``.
+        backend "numpy" (counted HBM traffic), or "numba" / "cupy" (their gather kernels,
+        the version chosen by ``config`` like every GPU op: :func:`iokernels.core.api.paged_gather`).
         """
-        sid = self._check_sid(sid)
-        cv.check_choice(backend, "backend", ("numpy", "numba", "cupy"))
-        if backend != "numpy":
-            import importlib
-            mod = importlib.import_module("iokernels.numba_cuda" if backend == "numba" else "iokernels.cupy_raw")
-            return mod.paged_gather(self, sid)
-        return paged_gather(self.k_pool, self.v_pool, self._tables[sid], self._lens[sid])
+        from .core.api import paged_gather as _dispatch
+        return _dispatch(self, sid, backend=backend, config=config)
 
     def snapshot(self):
         """Everything the cache holds, as plain values (for tests: a failing call changes nothing)."""
@@ -399,7 +394,7 @@ def paged_gather(k_pool, v_pool, block_table, seq_len):
         v_tile = V_CACHE[blk, :t1 - t0]                       # load V block -> SRAM
         K[:, t0:t1] = k_tile.transpose(1, 0, 2)               # write K rows -> HBM (contiguous)
         V[:, t0:t1] = v_tile.transpose(1, 0, 2)               # write V rows -> HBM
-    return K.data, V.data
+    return K.result(), V.result()
 
 
 def traffic_model_gather(*, seq_len, heads_kv, head_dim, block_size=DEFAULT_BLOCK_SIZE, dtype="float32"):

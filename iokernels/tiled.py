@@ -84,7 +84,7 @@ __all__ = ["attention", "forward_fa2", "forward_fa1", "attention_varlen",
 # --------------------------------------------------------------------------- tiles
 def _resolve_config(config, head_dim: int, dtype: str) -> TileConfig:
     if config is None:
-        config = TileConfig()
+        return TileConfig.default(head_dim, dtype)
     if not isinstance(config, TileConfig):
         raise ValueError(f"config: expected an iokernels.TileConfig or None, got {type(config).__name__}")
     config.check_fits(head_dim, dtype)
@@ -212,7 +212,7 @@ def forward_fa2(q, k, v, *, causal, scale, window, config=None):
         for h in range(Hq):
             ix = _Index(b, h, cv.kv_head(h, Hq, Hkv))
             _fa2_head(Q, K, V, O, LSE, ix, sched, scale, acc)
-    return O.data, LSE.data
+    return O.result(), LSE.result()
 
 
 # --------------------------------------------------------------------------- FA1
@@ -270,7 +270,7 @@ def forward_fa1(q, k, v, *, causal, scale, window, config=None):
         for h in range(Hq):
             ix = _Index(b, h, cv.kv_head(h, Hq, Hkv))
             _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, sched, Nq, scale, acc)
-    return O.data, LSE.data
+    return O.result(), LSE.result()
 
 
 def attention(q, k, v, *, causal, scale, window, config=None):
@@ -315,7 +315,7 @@ def attention_varlen(q, k, v, cu_q, cu_k, *, causal, scale, window, config=None)
                 _fa2_head(Q, K, V, O, LSE, ix, schedules[key], scale, acc)
             else:
                 _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, schedules[key], Nq, scale, acc)
-    return O.data, LSE.data
+    return O.result(), LSE.result()
 
 
 # --------------------------------------------------------------------------- traffic models
@@ -341,9 +341,7 @@ def _keys_in(j_lo, j_hi, Nk, Bc):
 
 
 def _problem(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, config):
-    if config is None:
-        config = TileConfig()
-    config.check_fits(head_dim, dtype)
+    config = _resolve_config(config, head_dim, dtype)
     st = cv.itemsize_of(dtype)
     acc = cv.accum_dtype(dtype).itemsize
     return config, st, acc, batch * heads_q
@@ -418,7 +416,7 @@ def traffic_model_varlen(*, seqlens_q, seqlens_k, heads_q, heads_kv, head_dim, d
     run per sequence would (``config.loop_order`` picks the FA2 or FA1 model); sequences
     with no queries move nothing.
     """
-    cfg = TileConfig() if config is None else config
+    cfg = _resolve_config(config, head_dim, dtype)
     one = traffic_model_fa2 if cfg.loop_order == "fa2" else traffic_model_fa1
     t = Traffic()
     for nq, nk in zip(seqlens_q, seqlens_k):

@@ -265,28 +265,34 @@ def attention(q, k, v, *, causal, scale, window, config=None):
     return _to_like(o, q), _to_like(lse.float() if lse.dtype != _torch().float64 else lse, q)
 
 
-def decode(q, k, v, *, seq_lens, num_splits, scale):
+def decode(q, k, v, *, seq_lens, num_splits, scale, config=None):
     """One query token per sequence: SDPA with Nq = 1; ragged lengths via a key mask.
 
     ``num_splits`` is accepted and ignored: SDPA's kernels choose their own split of the
-    keys (FlashAttention's split-KV heuristic) and offer no way to set it.
+    keys (FlashAttention's split-KV heuristic) and offer no way to set it.  ``config``: a
+    backend name to force (as for :func:`attention`), or None.
     """
     torch = _torch()
+    if config is not None:
+        _backend_enum(config)           # a bad name fails before any work
     tq, tk, tv = _to_torch(q), _to_torch(k), _to_torch(v)
     B, Hq, d = tq.shape
     Hkv, N = tk.shape[1], tk.shape[2]
     q4 = tq[:, :, None, :]
+    sdpa_ctx = force(config) if config is not None else contextlib.nullcontext()
     acc = torch.float64 if tq.dtype == torch.float64 else torch.float32
     kw = dict(scale=scale, enable_gqa=True) if Hq != Hkv else dict(scale=scale)
     if seq_lens is None:
         lens = np.full(B, N)
-        o = torch.nn.functional.scaled_dot_product_attention(q4, tk, tv, **kw)
+        with sdpa_ctx:
+            o = torch.nn.functional.scaled_dot_product_attention(q4, tk, tv, **kw)
     else:
         lens = np.asarray(seq_lens, dtype=np.int64)
         vis = np.arange(N)[None, :] < lens[:, None]                   # (B, N)
         vis[lens == 0] = True                                         # opened, zeroed below
         mask = torch.from_numpy(vis[:, None, None, :]).to(tq.device)  # (B, 1, 1, N)
-        o = torch.nn.functional.scaled_dot_product_attention(q4, tk, tv, attn_mask=mask, **kw)
+        with sdpa_ctx:
+            o = torch.nn.functional.scaled_dot_product_attention(q4, tk, tv, attn_mask=mask, **kw)
     o = o[:, :, 0, :]
     kx = tk.to(acc).repeat_interleave(Hq // Hkv, dim=1) if Hq != Hkv else tk.to(acc)
     s = torch.einsum("bhd,bhnd->bhn", tq.to(acc), kx) * scale

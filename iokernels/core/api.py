@@ -7,6 +7,17 @@ argument and changes nothing.  Backends receive resolved arguments (a float scal
 
 Backends: "naive" and "tiled" (NumPy, steps 1-4), "numba" (Numba CUDA, the simulator on
 a CPU), "cupy" (CuPy RawKernel), "torch" (scaled_dot_product_attention, for comparison).
+
+The NumPy backends are looked up in one table (:data:`_DISPATCH`).  The GPU backends each
+own a kernel registry (:mod:`iokernels.core.registry`): a call asks the backend what it
+needs (``need``: dtype, head dim, compute capability, contiguity), the registry picks the
+version (the config's ``version``, or the best default that can run) and its launcher
+runs it.  Every op dispatches the same way: attention, decode, paged decode and paged
+gather all take ``config=``.
+
+Inputs: the NumPy backends check that q, k and v are finite (a ValueError names the
+array); the GPU backends do not scan device memory, and a non-finite input gives
+non-finite output rows there.
 """
 from __future__ import annotations
 
@@ -19,13 +30,13 @@ from . import conventions as cv
 
 BACKENDS = ("naive", "tiled", "numba", "cupy", "torch")
 NUMPY_BACKENDS = ("naive", "tiled")
+#: the backends with a kernel registry: backend -> its package
+GPU_BACKENDS = {"numba": "iokernels.numba_cuda", "cupy": "iokernels.cupy_raw"}
 
 #: (backend, operation) -> "module:function".  One table, so what exists is visible.
 _DISPATCH = {
     ("naive", "attention"): "iokernels.naive:attention",
     ("tiled", "attention"): "iokernels.tiled:attention",
-    ("numba", "attention"): "iokernels.numba_cuda:attention",
-    ("cupy", "attention"): "iokernels.cupy_raw:attention",
     ("torch", "attention"): "iokernels.torch_sdpa:attention",
     ("naive", "attention_backward"): "iokernels.backward:attention_backward_naive",
     ("tiled", "attention_backward"): "iokernels.backward:attention_backward_tiled",
@@ -33,31 +44,72 @@ _DISPATCH = {
     ("tiled", "attention_varlen"): "iokernels.tiled:attention_varlen",
     ("naive", "decode"): "iokernels.decode:decode_naive",
     ("tiled", "decode"): "iokernels.decode:decode_split_kv",
-    ("numba", "decode"): "iokernels.numba_cuda:decode",
-    ("cupy", "decode"): "iokernels.cupy_raw:decode",
     ("torch", "decode"): "iokernels.torch_sdpa:decode",
     ("tiled", "paged_decode"): "iokernels.decode:paged_decode_split_kv",
-    ("numba", "paged_decode"): "iokernels.numba_cuda:paged_decode",
-    ("cupy", "paged_decode"): "iokernels.cupy_raw:paged_decode",
 }
+
+
+def registry_of(backend: str):
+    """The kernel registry of GPU backend ``backend`` (imports the backend)."""
+    cv.check_choice(backend, "backend", tuple(GPU_BACKENDS))
+    return importlib.import_module(GPU_BACKENDS[backend]).REGISTRY
+
+
+class _Registered:
+    """A GPU backend's op as a callable: resolve the version for this call, then launch it."""
+
+    def __init__(self, backend: str, op: str):
+        self.backend, self.op = backend, op
+        self.module = importlib.import_module(GPU_BACKENDS[backend])
+        if op not in self.module.REGISTRY.ops():
+            have = sorted(b for b in BACKENDS if _implements(b, op))
+            raise ValueError(f"backend: {backend!r} does not implement {op}; available: {', '.join(have)}")
+
+    def __call__(self, *args, config=None, need=None, **kw):
+        kernel, cfg = self.module.REGISTRY.resolve(self.op, config, self.module.need(self.op, **need))
+        return kernel.launcher(*args, config=cfg, **kw)
+
+
+def _implements(backend: str, op: str) -> bool:
+    if (backend, op) in _DISPATCH:
+        return True
+    if backend in GPU_BACKENDS:
+        try:
+            return op in registry_of(backend).ops()
+        except ImportError:
+            return False
+    return False
 
 
 def _resolve(backend: str, op: str):
     cv.check_choice(backend, "backend", BACKENDS)
+    if backend in GPU_BACKENDS:
+        return _Registered(backend, op)
     target = _DISPATCH.get((backend, op))
     if target is None:
-        have = sorted(b for (b, o) in _DISPATCH if o == op)
+        have = sorted(b for b in BACKENDS if _implements(b, op))
         raise ValueError(f"backend: {backend!r} does not implement {op}; available: {', '.join(have)}")
     mod, fn = target.split(":")
     return getattr(importlib.import_module(mod), fn)
 
 
 def _numpy_only(backend, **arrays):
+    """The NumPy backends take NumPy arrays, and finite ones."""
     if backend in NUMPY_BACKENDS:
         for name, a in arrays.items():
             if a is not None and not isinstance(a, np.ndarray):
                 raise ValueError(f"{name}: the {backend!r} backend works on NumPy arrays; got "
                                  f"{type(a).__module__}.{type(a).__name__} (use backend='numba' or 'cupy')")
+        for name, a in arrays.items():
+            if a is not None and name != "lse":
+                cv.check_finite(a, name)
+
+
+def _call(fn, backend, need, *args, **kw):
+    """Run a resolved backend function; GPU backends also get what the call needs."""
+    if backend in GPU_BACKENDS:
+        return fn(*args, need=need, **kw)
+    return fn(*args, **kw)
 
 
 def _check_num_splits(num_splits):
@@ -83,7 +135,8 @@ def attention(q, k, v, causal=False, scale=None, window=None, backend="tiled", c
     window = cv.resolve_window(window)
     fn = _resolve(backend, "attention")
     _numpy_only(backend, q=q, k=k, v=v)
-    o, lse = fn(q, k, v, causal=causal, scale=scale, window=window, config=config)
+    o, lse = _call(fn, backend, dict(q=q, k=k, v=v), q, k, v, causal=causal, scale=scale, window=window,
+                   config=config)
     return (o, lse) if return_lse else o
 
 
@@ -105,7 +158,8 @@ def attention_backward(do, q, k, v, o, lse, causal=False, scale=None, window=Non
     window = cv.resolve_window(window)
     fn = _resolve(backend, "attention_backward")
     _numpy_only(backend, do=do, q=q, k=k, v=v, o=o, lse=lse)
-    return fn(do, q, k, v, o, lse, causal=causal, scale=scale, window=window, config=config)
+    return _call(fn, backend, dict(q=q, k=k, v=v), do, q, k, v, o, lse, causal=causal, scale=scale,
+                 window=window, config=config)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=None, window=None,
@@ -178,12 +232,15 @@ class _Shape4:
         self.shape, self.dtype = (b, h, 1, d), q.dtype
 
 
-def decode(q, k, v, num_splits=None, scale=None, backend="tiled", return_lse=False, seq_lens=None):
+def decode(q, k, v, num_splits=None, scale=None, backend="tiled", return_lse=False, seq_lens=None,
+           config=None):
     """One new query token per sequence: q (B, Hq, d) over k, v (B, Hkv, N, d).
 
     ``seq_lens`` (B,) makes the cache ragged (sequence b uses keys [0, seq_lens[b]));
     ``num_splits`` splits each sequence's keys into that many chunks (Flash-Decoding);
-    None picks it from the occupancy heuristic.
+    None picks it from the occupancy heuristic.  ``config``: the backend's decode config
+    (the tiled backend's is a TileConfig whose ``block_k`` is the keys per tile; None: its
+    default).
     """
     info, lens = _check_decode(q, k, v, seq_lens)
     num_splits = _check_num_splits(num_splits)
@@ -191,11 +248,13 @@ def decode(q, k, v, num_splits=None, scale=None, backend="tiled", return_lse=Fal
     scale = cv.resolve_scale(scale, info["head_dim"])
     fn = _resolve(backend, "decode")
     _numpy_only(backend, q=q, k=k, v=v)
-    o, lse = fn(q, k, v, seq_lens=lens, num_splits=num_splits, scale=scale)
+    o, lse = _call(fn, backend, dict(q=q, k=k, v=v), q, k, v, seq_lens=lens, num_splits=num_splits,
+                   scale=scale, config=config)
     return (o, lse) if return_lse else o
 
 
-def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled", return_lse=False):
+def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled", return_lse=False,
+                 config=None):
     """Decode over a :class:`PagedKVCache`: q (len(seq_ids), Hq, d), one token per sequence."""
     from ..paged import PagedKVCache
     if not isinstance(cache, PagedKVCache):
@@ -213,8 +272,29 @@ def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled"
     return_lse = cv.check_bool(return_lse, "return_lse")
     scale = cv.resolve_scale(scale, cache.head_dim)
     fn = _resolve(backend, "paged_decode")
-    o, lse = fn(q, cache, seq_ids, num_splits=num_splits, scale=scale)
+    _numpy_only(backend, q=q)
+    o, lse = _call(fn, backend, dict(q=q, cache=cache), q, cache, seq_ids, num_splits=num_splits,
+                   scale=scale, config=config)
     return (o, lse) if return_lse else o
+
+
+def paged_gather(cache, sid, backend="numpy", config=None):
+    """Sequence ``sid``'s K and V copied out of the cache's block pool, contiguous (Hkv, n, d).
+
+    backend "numpy" (counted HBM traffic; "tiled" is accepted as its other name), "numba"
+    or "cupy" (their gather kernels, chosen by ``config``).  What ``cache.gather`` calls.
+    """
+    from ..paged import PagedKVCache, paged_gather as _gather_numpy
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+    sid = cache._check_sid(sid)
+    cv.check_choice(backend, "backend", ("numpy", "tiled") + tuple(GPU_BACKENDS))
+    if backend in GPU_BACKENDS:
+        fn = _Registered(backend, "paged_gather")
+        return fn(cache, sid, config=config, need=dict(cache=cache))
+    if config is not None:
+        raise ValueError(f"config: the NumPy gather has no config, got {type(config).__name__}")
+    return _gather_numpy(cache.k_pool, cache.v_pool, cache._tables[sid], cache._lens[sid])
 
 
 def merge_states(o_parts, lse_parts):
@@ -229,4 +309,17 @@ def merge_states(o_parts, lse_parts):
                          f"({os_[:-1]}), got {ls_}")
     if os_[0] < 1:
         raise ValueError("o_parts: need at least one part on axis 0")
-    return _merge(np.asarray(o_parts), np.asarray(lse_parts))
+    o_parts, lse_parts = np.asarray(o_parts), np.asarray(lse_parts)
+    lse64 = lse_parts.astype(np.float64)
+    if np.any(np.isnan(lse64)) or np.any(np.isposinf(lse64)):
+        bad = np.argwhere(np.isnan(lse64) | np.isposinf(lse64))[0]
+        raise ValueError(f"lse_parts: {lse64[tuple(bad)]} at index {tuple(int(i) for i in bad)}; an LSE is "
+                         f"finite, or -inf for an empty part (some libraries write +inf for an empty "
+                         f"split: pass -inf there)")
+    live = ~np.isneginf(lse64)
+    o64 = o_parts.astype(np.float64)
+    if not np.all(np.isfinite(o64[live])):
+        bad = np.argwhere(live[..., None] & ~np.isfinite(o64))[0]
+        raise ValueError(f"o_parts: non-finite value at index {tuple(int(i) for i in bad)} in a part whose "
+                         f"LSE is finite")
+    return _merge(o_parts, lse_parts)

@@ -24,6 +24,10 @@ from . import conventions as cv
 #: table); the default capacity a config is checked against.
 DEFAULT_SRAM_BYTES = 228 * 1024
 
+#: Br = Bc = 64: the tile FlashAttention-2 uses for head dims up to 128 in 16-bit types;
+#: :meth:`TileConfig.default` shrinks it where the tile set would not fit.
+DEFAULT_BLOCK = 64
+
 
 @dataclass(frozen=True)
 class TileConfig:
@@ -34,8 +38,8 @@ class TileConfig:
     fit in.
     """
 
-    block_q: int = 64
-    block_k: int = 64
+    block_q: int = DEFAULT_BLOCK
+    block_k: int = DEFAULT_BLOCK
     loop_order: str = "fa2"
     sram_bytes: int = DEFAULT_SRAM_BYTES
 
@@ -63,6 +67,22 @@ class TileConfig:
             raise ValueError(
                 f"config: tiles Br={self.block_q}, Bc={self.block_k} at head_dim={head_dim} ({dtype}) "
                 f"need {need:,} B of SRAM, more than sram_bytes={self.sram_bytes:,}")
+
+    @classmethod
+    def default(cls, head_dim: int, dtype: str = "float32", sram_bytes: int = DEFAULT_SRAM_BYTES,
+                **kw) -> "TileConfig":
+        """The tiles a call gets when it passes no config: Br x Bc = 64 x 64, the larger of the
+        two halved until the tile set fits ``sram_bytes`` (as FlashAttention picks smaller tiles
+        for larger head dims).  At head_dim=128 in float64, or 256 in float32, 64 x 64 does not
+        fit 228 KiB; 32 x 32 does."""
+        cfg = cls(block_q=DEFAULT_BLOCK, block_k=DEFAULT_BLOCK, sram_bytes=sram_bytes, **kw)
+        while cfg.sram_usage(head_dim, dtype) > sram_bytes and (cfg.block_q > 1 or cfg.block_k > 1):
+            if cfg.block_k >= cfg.block_q and cfg.block_k > 1:
+                cfg = cfg.replace(block_k=cfg.block_k // 2)
+            else:
+                cfg = cfg.replace(block_q=cfg.block_q // 2)
+        cfg.check_fits(head_dim, dtype)
+        return cfg
 
     @classmethod
     def from_sram(cls, sram_bytes: int, head_dim: int, dtype: str = "float32", **kw) -> "TileConfig":

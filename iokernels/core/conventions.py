@@ -215,6 +215,24 @@ def check_cu_seqlens(cu, name: str, total: int) -> np.ndarray:
     return arr
 
 
+def check_finite(x, name: str) -> None:
+    """ValueError naming ``name`` when a host (NumPy) array holds inf or NaN.
+
+    The NumPy backends check their inputs: a NaN in q, k or v would otherwise come out as
+    NaN rows with no word of where it came from.  Device arrays are not scanned (that would
+    cost a pass over HBM and a host synchronisation per call); on the GPU backends a
+    non-finite input gives non-finite output in the rows that read it, as IEEE arithmetic
+    propagates it.
+    """
+    a = np.asarray(x)
+    if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
+        af = a.astype(np.float32) if a.dtype.name == "bfloat16" else a
+        if not np.all(np.isfinite(af)):
+            bad = np.argwhere(~np.isfinite(af))[0]
+            raise ValueError(f"{name}: holds a non-finite value ({af[tuple(bad)]}) at index {tuple(int(i) for i in bad)}; "
+                             f"attention inputs must be finite")
+
+
 def check_bool(value, name: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name}: expected True or False, got {value!r}")

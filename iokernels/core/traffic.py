@@ -103,42 +103,124 @@ class HBM:
     ``name`` labels the tensor in :attr:`Traffic.by_tensor` (Q, K, V, S, P, O, LSE, ...).
     Reads return copies (the data now sits "in SRAM"), so kernels cannot cheat by
     holding views into HBM.
+
+    The only way to the bytes is indexing, which counts them.  There is no public
+    ``.data``; ``np.asarray(x)``, NumPy functions and ufuncs on an HBM array raise a
+    TypeError (they would read it all without counting).  A kernel hands its outputs
+    back with :meth:`result`, which only output arrays allow (made by :meth:`empty`,
+    :meth:`zeros` or :meth:`full`) and which ends the array's life: any later access
+    raises.  Python cannot truly hide an attribute; the private store is named so that
+    reaching it is visibly deliberate, and the labs' grader refuses code that does.
     """
 
-    __slots__ = ("data", "name")
+    __slots__ = ("_HBM__store", "name", "_output")
 
-    def __init__(self, data: np.ndarray, name: str):
-        self.data = data
+    def __init__(self, data: np.ndarray, name: str, *, output: bool = False):
+        if isinstance(data, HBM):
+            raise TypeError(f"{name}: already an HBM array ({data.name})")
+        self.__store = np.asarray(data)
         self.name = name
+        self._output = bool(output)
 
     @classmethod
     def empty(cls, shape, dtype, name: str) -> "HBM":
-        return cls(np.empty(shape, dtype=dtype), name)
+        """An output array, uninitialised."""
+        return cls(np.empty(shape, dtype=dtype), name, output=True)
+
+    @classmethod
+    def zeros(cls, shape, dtype, name: str) -> "HBM":
+        """An output array, zero-filled (the fill is not counted: a memset at allocation)."""
+        return cls(np.zeros(shape, dtype=dtype), name, output=True)
+
+    @classmethod
+    def full(cls, shape, value, dtype, name: str) -> "HBM":
+        """An output array filled with ``value`` (not counted, like :meth:`zeros`)."""
+        return cls(np.full(shape, value, dtype=dtype), name, output=True)
+
+    def _live(self) -> np.ndarray:
+        store = self.__store
+        if store is None:
+            raise ValueError(f"{self.name}: this HBM array was handed back by result(); it can no "
+                             f"longer be read or written")
+        return store
 
     @property
     def shape(self):
-        return self.data.shape
+        return self._live().shape
 
     @property
     def dtype(self):
-        return self.data.dtype
+        return self._live().dtype
+
+    @property
+    def ndim(self) -> int:
+        return self._live().ndim
 
     @property
     def itemsize(self) -> int:
-        return self.data.dtype.itemsize
+        return self._live().dtype.itemsize
+
+    def __len__(self) -> int:
+        return len(self._live())
 
     def __getitem__(self, idx) -> np.ndarray:
-        tile = np.array(self.data[idx], copy=True)
+        tile = np.array(self._live()[idx], copy=True)
         _record(self.name, read=tile.nbytes)
         return tile
 
     def __setitem__(self, idx, value) -> None:
-        view = self.data[idx]
+        store = self._live()
+        view = store[idx]
         nbytes = np.asarray(view).nbytes if np.ndim(view) else self.itemsize
-        self.data[idx] = value
+        store[idx] = value
         _record(self.name, written=nbytes)
 
+    def result(self) -> np.ndarray:
+        """The finished output, handed back to the caller (not counted: its bytes were counted
+        as they were written).  Only for output arrays; the HBM array is unusable afterwards."""
+        if not self._output:
+            raise ValueError(f"{self.name}: result() hands back an output; an input in HBM is read "
+                             f"tile by tile, by indexing (which counts the bytes)")
+        store = self._live()
+        self.__store = None
+        return store
+
+    def __array__(self, *args, **kwargs):
+        raise TypeError(f"{self.name}: an HBM array cannot be converted with np.asarray (it would read "
+                        f"every byte uncounted); index it (x[i0:i1]) to load a tile")
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        raise TypeError(f"{self.name}: NumPy ufuncs ({ufunc.__name__}) do not take HBM arrays; load a "
+                        f"tile by indexing first")
+
+    def __array_function__(self, func, types, args, kwargs):
+        raise TypeError(f"{self.name}: NumPy functions ({func.__name__}) do not take HBM arrays; load "
+                        f"a tile by indexing first")
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    def __reduce__(self):
+        raise TypeError(f"{self.name}: HBM arrays cannot be pickled or copied")
+
+    def __copy__(self):
+        raise TypeError(f"{self.name}: HBM arrays cannot be copied; load a tile by indexing")
+
+    def __deepcopy__(self, memo):
+        raise TypeError(f"{self.name}: HBM arrays cannot be copied; load a tile by indexing")
+
+    def _no_arithmetic(self, *args):
+        raise TypeError(f"{self.name}: no arithmetic on an HBM array (it would read every byte "
+                        f"uncounted); load a tile by indexing (x[i0:i1]) and compute on the tile")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _no_arithmetic
+    __truediv__ = __rtruediv__ = __matmul__ = __rmatmul__ = __neg__ = __pow__ = _no_arithmetic
+    __lt__ = __le__ = __gt__ = __ge__ = _no_arithmetic
+
     def __repr__(self) -> str:
+        if self.__store is None:
+            return f"HBM({self.name}, handed back)"
         return f"HBM({self.name}, shape={self.shape}, dtype={self.dtype})"
 
 
