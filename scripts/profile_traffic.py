@@ -128,7 +128,7 @@ def _build(name, family, kw, gen):
         return lambda: torch.mul(src, 1.0, out=dst)
     dt = getattr(torch, kw["dtype"])
     if "gather" in name or "decode" in name:
-        from iokernels.bench import _pool_fn, _resolve_backend, device_pages
+        from iokernels.bench.runners import _pool_fn, _resolve_backend, device_pages
         Hkv, N, d = kw["Hkv"], kw["N"], kw["d"]
         B = kw.get("B", 1)
         k = torch.randn((B, Hkv, N, d), device="cuda", dtype=dt, generator=gen)
@@ -157,7 +157,7 @@ def _build(name, family, kw, gen):
         return lambda: ts.naive_attention(q, k, v)
     if name == "sdpa flash":
         return lambda: ts.sdpa(q, k, v, backend="flash")
-    from iokernels.bench import _resolve_backend
+    from iokernels.bench.runners import _resolve_backend
     f = _resolve_backend(family, "attention")
     scale = 1.0 / np.sqrt(d)
     return lambda: f(q, k, v, causal=False, scale=scale, window=(-1, -1), config=None)

@@ -46,7 +46,7 @@ def test_timing_rates():
 
 
 def test_time_cuda_needs_a_gpu():
-    if bench._torch_cuda() is not None or bench._cupy_cuda() is not None:
+    if bench.timer._torch_cuda() is not None or bench.timer._cupy_cuda() is not None:
         pytest.skip("a GPU is present")
     with pytest.raises(RuntimeError, match="no CUDA device"):
         bench.time_cuda(lambda: None)
@@ -58,12 +58,12 @@ def test_finish_case_ratios_and_silent_fallback():
             dict(runner="sdpa:math", group="sdpa", status="ok", ms=8.0),
             dict(runner="sdpa:default", group="sdpa", status="ok", ms=8.1),
             dict(runner="numba", group="numba", status="ok", ms=4.0)]
-    case = bench._finish_case(dict(results=rows, default_ran="math"))
+    case = bench.runners._finish_case(dict(results=rows, default_ran="math"))
     assert case["best_sdpa"] == "sdpa:efficient"
     assert rows[4]["speed_vs_best_sdpa"] == pytest.approx(0.5)
     assert rows[2]["speed_vs_best_sdpa"] == pytest.approx(0.25)
     assert "efficient" in case["silent_fallback"]
-    ok = bench._finish_case(dict(results=[dict(r) for r in rows], default_ran="efficient"))
+    ok = bench.runners._finish_case(dict(results=[dict(r) for r in rows], default_ran="efficient"))
     assert "silent_fallback" not in ok
 
 
@@ -81,7 +81,7 @@ def test_device_pages_hold_the_same_kv(rng):
 
 
 def test_main_quick_writes_a_record(tmp_path, capsys):
-    if bench._torch_cuda() is not None:
+    if bench.timer._torch_cuda() is not None:
         pytest.skip("on a GPU the quick run times kernels; covered by scripts/gpu_all.sh")
     out = tmp_path / "rec.json"
     assert bench.main(["--quick", "--no-progress", "--out", str(out)]) == 0

@@ -1,0 +1,159 @@
+"""``python -m iokernels bench``: run the declared sections, print the table, write the record."""
+from __future__ import annotations
+
+from .environment import environment, label
+from .runners import Unavailable, decode_cases, gather_cases, prefill_cases, _numpy_only_cases  # noqa: F401
+from .specs import (DECODE_EXTRA, DECODE_SWEEP, GATHER_SIZES, PREFILL_COMPARE, PREFILL_SWEEP, QUICK, SECTIONS,
+                    TARGET_MS_PER_RUNNER)
+from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
+
+def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARGET_MS_PER_RUNNER) -> dict:
+    """Run the benchmark; returns the record (env + cases).  See :func:`main`.
+
+    ``target_ms``: device time each runner's timed loop aims at (repetitions adapt to it,
+    between 3 and DEFAULT_REPS); lower it to fit a tight time box.
+    """
+    import time as _time
+    t0 = _time.perf_counter()
+    env = environment()
+    record = {"env": env, "label": label(env), "quick": bool(quick), "seed": seed,
+              "settings": dict(warmup=DEFAULT_WARMUP, max_reps=DEFAULT_REPS, statistic="median",
+                               l2_flush=True, timer="CUDA events (iokernels.bench.time_cuda)",
+                               target_ms_per_runner=float(target_ms)),
+              "cases": []}
+    gpu = _torch_cuda() is not None
+    if not gpu:
+        record["note"] = ("no CUDA GPU visible to torch: only the NumPy rows ran; see "
+                          "benchmarks/results/ for numbers recorded on a GPU")
+        record["cases"] = _numpy_only_cases(QUICK["prefill"], seed)
+        record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
+        return record
+    plan = []
+    if quick:
+        plan = [("prefill", QUICK["prefill"]), ("decode", QUICK["decode"]), ("gather", QUICK["gather"])]
+        plan = [(s, p) for s, p in plan if s in sections or (s == "prefill" and "compare" in sections)]
+    else:
+        for s in sections:
+            if s == "prefill":
+                plan.append(("prefill", PREFILL_SWEEP))
+            elif s == "compare":
+                plan.append(("compare", PREFILL_COMPARE))
+            elif s == "decode":
+                plan += [("decode", DECODE_SWEEP), ("decode", DECODE_EXTRA)]
+            elif s == "gather":
+                plan.append(("gather", GATHER_SIZES))
+    total = 0
+    for s, p in plan:
+        if s in ("prefill", "compare"):
+            total += len(p["seqlens"]) * len(p["causal"]) * len(p["dtypes"]) * 8
+        elif s == "decode":
+            total += len(p["batches"]) * len(p["seqlens"]) * len(p["dtypes"]) * 9
+        else:
+            total += len(p["seqlens"]) * 3
+    try:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=total, disable=not progress, unit="row", dynamic_ncols=True)
+    except ImportError:  # pragma: no cover
+        bar = _NoBar()
+    with bar:
+        for s, p in plan:
+            if s in ("prefill", "compare"):
+                record["cases"] += prefill_cases(p, seed, bar, section=s, target_ms=target_ms)
+            elif s == "decode":
+                record["cases"] += decode_cases(p, seed, bar, target_ms=target_ms)
+            else:
+                record["cases"] += gather_cases(p, seed, bar, target_ms=target_ms)
+    record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
+    return record
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+    def update(self, n=1):
+        pass
+
+    def set_description(self, s):
+        pass
+
+
+# --------------------------------------------------------------------------- the table
+def _shape_text(case) -> str:
+    s = case["shape"]
+    if case["kind"] == "prefill":
+        return f"B{s['batch']} H{s['heads']} N{s['seqlen']} d{s['head_dim']}" + (" causal" if case["causal"] else "")
+    if case["kind"] == "decode":
+        return f"B{s['batch']} {s['heads_q']}/{s['heads_kv']} N{s['seqlen']} d{s['head_dim']}"
+    return f"Hkv{s['heads_kv']} N{s['seqlen']} d{s['head_dim']} bs{s['block_size']}"
+
+
+def table(record) -> str:
+    """The end-of-run table: one line per (case, runner)."""
+    lines = [record.get("label", ""), ""]
+    hdr = (f"{'section':<9}{'dtype':<10}{'shape':<30}{'runner':<22}{'ms':>11}{'rate':>17}{'MiB+':>9}"
+           f"{'vs best':>9}  note")
+    lines.append(hdr)
+    lines.append("-" * len(hdr))
+    for c in record["cases"]:
+        for r in c["results"]:
+            ok = r.get("status") == "ok"
+            ms = f"{r['ms']:.4f}" if ok else "-"
+            rate = f"{r['rate']:.3g} {r['unit']}" if ok else "-"
+            mem = f"{r['extra_MiB']:.0f}" if ok and r.get("extra_MiB") is not None and r["group"] != "numba" else "-"
+            ratio = r.get("speed_vs_best_sdpa", r.get("speed_vs_copy", r.get("speed_vs_numpy_naive")))
+            ratio = f"{ratio:.3f}" if ratio is not None else "-"
+            note = "" if ok else r.get("status", "")
+            if r.get("suspect"):
+                note += " SUSPECT: " + r["suspect"]
+            if r.get("ran"):
+                note += f" ran {r['ran']}"
+            lines.append(f"{c['section']:<9}{c['dtype']:<10}{_shape_text(c):<30}{r['runner']:<22}{ms:>11}"
+                         f"{rate:>17}{mem:>9}{ratio:>9}  {note.strip()[:90]}")
+        if c.get("silent_fallback"):
+            lines.append(f"{'':<48}!! silent fall-back: {c['silent_fallback']}")
+    lines.append("")
+    lines.append("ms: median of CUDA-event timings, L2 flushed between runs.  rate: TFLOP/s (prefill, "
+                 "visible pairs only) or TB/s (decode: K+V bytes read; gather: read+write).  "
+                 "MiB+: device memory above the inputs during one call.  vs best: best SDPA time / this "
+                 "time (1 = as fast as the best SDPA kernel; gather rows: vs the device copy).")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """``python -m iokernels bench [--quick] [--sections ...] [--out FILE] [--no-progress]``."""
+    import argparse
+    import json
+    from pathlib import Path
+    p = argparse.ArgumentParser(prog="python -m iokernels bench",
+                                description="Every available backend next to torch SDPA, on the same "
+                                            "shapes, in one process; a table and a JSON record.")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (seconds; runs on a CPU too)")
+    p.add_argument("--out", default=None, help="write the JSON record here (a file, or a folder)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--target-ms", type=float, default=TARGET_MS_PER_RUNNER,
+                   help=f"device time each runner's timed loop aims at (default {TARGET_MS_PER_RUNNER:.0f}); "
+                        "repetitions adapt, between 3 and 20")
+    args = p.parse_args(argv)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad:
+        p.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
+    record = run(sections, quick=args.quick, seed=args.seed, progress=not args.no_progress,
+                 target_ms=args.target_ms)
+    print(table(record))
+    if args.out:
+        out = Path(args.out)
+        if out.is_dir() or args.out.endswith("/"):
+            out.mkdir(parents=True, exist_ok=True)
+            out = out / "bench.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1, default=float))
+        print(f"wrote {out}")
+    return 0

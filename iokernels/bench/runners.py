@@ -1,0 +1,473 @@
+"""The benchmark's rows: every registered kernel version next to torch SDPA on the same inputs.
+
+One row per runner and case.  Everything a row needs to be trusted is in it: status ("ok" /
+"unavailable: why" / "failed: why"), the median and spread, the rate, peak memory, the speed
+relative to the best SDPA kernel of the same case, and the largest difference from SDPA's
+output (a fast kernel with a wrong answer is not fast).  GPU rows come from the backends'
+registries (:mod:`iokernels.core.registry`): one row per registered version, named
+``<backend>:<version>``, the version the public function would pick marked ``default``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+import iokernels as ik
+
+from .specs import CHECK_TOL, NUMPY_MAX_FLOPS, PAGED_BLOCK, SDPA_NAMES, SLOW_CALL_MS, TARGET_MS_PER_RUNNER
+from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _Device, _torch_cuda, peak_memory, time_cpu, time_cuda
+
+
+class Unavailable(Exception):
+    """A runner that cannot run here (module missing, dtype unsupported, ...): reported, not fatal."""
+
+
+# --------------------------------------------------------------------------- helpers
+def _to_torch_device(x):
+    """Any device array (torch, CuPy, Numba) as a torch CUDA tensor, without a copy."""
+    import torch
+    if isinstance(x, torch.Tensor):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return torch.from_dlpack(x)
+        except Exception:
+            pass
+    if hasattr(x, "__cuda_array_interface__"):
+        return torch.as_tensor(x, device="cuda")
+    return torch.from_numpy(np.asarray(x))
+
+
+def _max_diff(out, ref) -> float:
+    import torch
+    if isinstance(out, tuple):
+        out = out[0]
+    o = _to_torch_device(out).float()
+    r = ref.float().to(o.device)
+    if o.shape != r.shape:
+        try:
+            o = o.reshape(r.shape)
+        except RuntimeError:
+            return float("nan")
+    return float(torch.max(torch.abs(o - r)).item())
+
+
+def _first_line(err) -> str:
+    text = str(err).strip().splitlines()
+    return (text[0] if text else type(err).__name__)[:240]
+
+
+def _torch_dtype(name):
+    import torch
+    return getattr(torch, name)
+
+
+def _visible_pairs(nq, nk, causal) -> int:
+    from ..core.conventions import key_range
+    lo, hi = key_range(np.arange(nq), nq, nk, causal, None)
+    return int(np.sum(hi - lo))
+
+
+def _resolve_backend(backend, op):
+    """The backend function for (backend, op), or Unavailable with the reason."""
+    from ..core import api
+    if backend == "numba":
+        from ..core.gpu import simulator_enabled
+        if simulator_enabled():
+            raise Unavailable("NUMBA_ENABLE_CUDASIM is set: the Numba kernels would run on the "
+                              "CPU simulator, not the GPU")
+    try:
+        return api._resolve(backend, op)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise Unavailable(f"{backend}.{op} not available: {_first_line(e)}") from None
+
+
+def registry_versions(backend, op, **need_args) -> list:
+    """[(row name, config, is_default)] for every version of ``op`` in ``backend``'s registry.
+
+    The config is the version's config class with its defaults; is_default marks the version
+    the public function picks for these inputs.  A backend that cannot be imported gives one
+    row whose config is the Unavailable reason.
+    """
+    import importlib
+
+    from ..core import api
+    try:
+        _resolve_backend(backend, "attention")              # refuses the Numba simulator
+        mod = importlib.import_module(api.GPU_BACKENDS[backend])
+        reg = mod.REGISTRY
+    except Unavailable as e:
+        return [(backend, e, False)]
+    except Exception as e:  # ImportError, or no CUDA driver
+        return [(backend, Unavailable(f"{backend} not importable: {_first_line(e)}"), False)]
+    try:
+        default = reg.default(op, mod.need(op, **need_args)).version
+    except Exception:
+        default = None
+    return [(f"{backend}:{k.version}", k.config_class(version=k.version), k.version == default)
+            for k in reg.kernels(op)]
+
+
+def _gpu_rows(backend, op, fn_of_config, *, suffix="", **measure_kw) -> list:
+    """One measured row per registered version: ``fn_of_config(config)`` is the timed call."""
+    rows = []
+    need = measure_kw.pop("need")
+    for name, cfg, is_default in registry_versions(backend, op, **need):
+        if isinstance(cfg, Exception):
+            rows.append({"runner": name + suffix, "group": backend, "status": f"unavailable: {cfg}"})
+            continue
+        row = _measure(name + suffix, backend, lambda cfg=cfg: fn_of_config(cfg), **measure_kw)
+        if is_default:
+            row["default"] = True
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------- one timed row
+def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=True, reps=None,
+             warmup=None, cpu_reps=1, check=True, target_ms=None) -> dict:
+    """Run, check, time and size one runner; any failure becomes a row that says why."""
+    row = {"runner": name, "group": group}
+    try:
+        out = fn()                                        # first call: compile, and check
+        if device:
+            _Device().synchronize()
+        if check and ref is not None:
+            err = _max_diff(out, ref)
+            row["max_abs_diff_vs_sdpa"] = err
+            if not (err <= CHECK_TOL.get(dtype, 1e-3)):
+                row["suspect"] = f"output differs from SDPA by {err:.3g} (> {CHECK_TOL.get(dtype, 1e-3)})"
+        del out
+        if device:
+            probe = time_cuda(fn, warmup=0, reps=1)
+            target = TARGET_MS_PER_RUNNER if target_ms is None else target_ms
+            n = reps or int(min(DEFAULT_REPS, max(3, target // max(probe.median_ms, 1e-3))))
+            if warmup is None:          # the check call and the probe already warmed it up
+                warmup = DEFAULT_WARMUP if probe.median_ms < SLOW_CALL_MS else 1
+            t = time_cuda(fn, warmup=warmup, reps=n)
+            mem = peak_memory(fn)
+            row.update(peak_MiB=round(mem["peak_bytes"] / 2**20, 1),
+                       extra_MiB=round(mem["extra_bytes"] / 2**20, 1))
+            if group == "numba":
+                row["memory_note"] = "Numba allocations are not tracked"
+        else:
+            t = time_cpu(fn, warmup=0, reps=cpu_reps)
+        row.update(status="ok", ms=round(t.median_ms, 5), p10=round(t.p10, 5), p90=round(t.p90, 5),
+                   reps=t.reps)
+        row["rate"] = round(t.tflops(work) if unit == "TFLOP/s" else t.tbps(work), 4)
+        row["unit"] = unit
+    except Unavailable as e:
+        row["status"] = f"unavailable: {e}"
+    except ValueError as e:             # the backend refused the inputs (dtype, head dim, ...)
+        row["status"] = f"unavailable: {_first_line(e)}"
+    except RuntimeError as e:
+        msg = _first_line(e)
+        kind = "unavailable" if "No available kernel" in msg or "No viable backend" in msg else "failed"
+        row["status"] = f"{kind}: {msg}"
+    except Exception as e:  # a kernel helper's bug must not stop the sweep
+        row["status"] = f"failed: {type(e).__name__}: {_first_line(e)}"
+    finally:
+        torch = _torch_cuda()
+        if torch is not None:
+            torch.cuda.empty_cache()
+    return row
+
+
+def _finish_case(case: dict) -> dict:
+    """Speed relative to the best SDPA kernel of the case; the silent fall-back verdict."""
+    sdpa_ok = [r for r in case["results"] if r["group"] == "sdpa" and r.get("status") == "ok"
+               and r["runner"] != "sdpa:default"]
+    best = min(sdpa_ok, key=lambda r: r["ms"]) if sdpa_ok else None
+    case["best_sdpa"] = best["runner"] if best else None
+    for r in case["results"]:
+        if best and r.get("status") == "ok":
+            r["speed_vs_best_sdpa"] = round(best["ms"] / r["ms"], 4)
+    fused_ok = [r["runner"] for r in sdpa_ok if r["runner"] != "sdpa:math"]
+    ran = case.get("default_ran")
+    if ran == "math" and fused_ok:
+        case["silent_fallback"] = f"default dispatch ran math although {', '.join(fused_ok)} can run"
+    elif ran == "math":
+        case["silent_fallback"] = "default dispatch ran math: no fused kernel accepts these inputs"
+    return case
+
+
+# --------------------------------------------------------------------------- sections
+def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa, target_ms=None):
+    from .. import torch_sdpa as ts
+    import torch
+    F = torch.nn.functional
+    rows = []
+    for name in SDPA_NAMES + ("default",):
+        backend = None if name == "default" else name
+        if is_decode:
+            def fn(backend=backend):
+                with ts.force(backend):
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        else:
+            def fn(backend=backend):
+                return ts.sdpa(q, k, v, causal=causal, backend=backend)
+        rows.append(_measure(f"sdpa:{name}", "sdpa", fn, work=work, unit=unit, ref=ref, dtype=dtype,
+                             target_ms=target_ms))
+    try:
+        if is_decode:
+            _, ran = ts.backend_that_ran(F.scaled_dot_product_attention, q, k, v, enable_gqa=gqa)
+        else:
+            _, ran = ts.backend_that_ran(ts.sdpa, q, k, v, causal=causal)
+        case["default_ran"] = ran[0] if ran else "unknown"
+    except Exception as e:
+        case["default_ran"] = f"unknown ({_first_line(e)})"
+    for r in rows:
+        if r["runner"] == "sdpa:default":
+            r["ran"] = case["default_ran"]
+    return rows
+
+
+def _reference(q, k, v, causal, is_decode, gqa):
+    """SDPA's output from the first kernel that runs (cudnn, flash, efficient, math)."""
+    from .. import torch_sdpa as ts
+    import torch
+    for name in ("cudnn", "flash", "efficient", "math"):
+        try:
+            with ts.force(name):
+                if is_decode:
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+                return ts.sdpa(q, k, v, causal=causal)
+        except RuntimeError:
+            continue
+    return None
+
+
+def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section="prefill",
+                  target_ms=None):
+    import torch
+    from .. import torch_sdpa as ts
+    cases = []
+    B, H, d = spec["batch"], spec["heads"], spec["head_dim"]
+    for dtype in spec["dtypes"]:
+        for causal in spec["causal"]:
+            for N in spec["seqlens"]:
+                flops = 4.0 * B * H * _visible_pairs(N, N, causal) * d
+                case = dict(section=section, kind="prefill", dtype=dtype, causal=causal,
+                            shape=dict(batch=B, heads=H, seqlen=N, head_dim=d),
+                            work=dict(flops=flops), unit="TFLOP/s", results=[])
+                progress.set_description(f"{section} {dtype} N={N} causal={causal}")
+                gen = torch.Generator(device="cuda").manual_seed(seed)
+                tdt = _torch_dtype(dtype)
+                q, k, v = (torch.randn((B, H, N, d), device="cuda", dtype=tdt, generator=gen)
+                           for _ in range(3))
+                ref = _reference(q, k, v, causal, False, False)
+                scale = 1.0 / np.sqrt(d)
+                rows = _sdpa_rows(case, q, k, v, causal, ref, dtype, False, flops, "TFLOP/s", False, target_ms)
+                progress.update(5)
+                rows.append(_measure("torch naive", "torch",
+                                     lambda: ts.naive_attention(q, k, v, causal=causal),
+                                     work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms))
+                progress.update(1)
+                for backend in ("numba", "cupy"):
+                    rows += _gpu_rows(backend, "attention",
+                                      lambda cfg, backend=backend: ik.attention(
+                                          q, k, v, causal=causal, scale=scale, backend=backend, config=cfg,
+                                          return_lse=True),
+                                      need=dict(q=q, k=k, v=v), work=flops, unit="TFLOP/s", ref=ref,
+                                      dtype=dtype, target_ms=target_ms)
+                    progress.update(1)
+                rows += _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, target_ms)
+                case["results"] = rows
+                cases.append(_finish_case(case))
+                del q, k, v, ref
+                torch.cuda.empty_cache()
+    return cases
+
+
+def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, target_ms=None):
+    rows = []
+    for backend in ("naive", "tiled"):
+        name = f"numpy {backend}"
+        if dtype not in ("float32", "float64"):
+            rows.append({"runner": name, "group": "numpy",
+                         "status": f"unavailable: NumPy runs are float32/float64 here ({dtype} needs ml_dtypes)"})
+            continue
+        if flops > numpy_max_flops:
+            rows.append({"runner": name, "group": "numpy",
+                         "status": f"skipped: {flops:.3g} FLOP > {numpy_max_flops:.3g} (too slow on a CPU)"})
+            continue
+        hq, hk, hv = (x.detach().cpu().numpy() for x in (q, k, v))
+        from ..core import api
+        f = api._resolve(backend, "attention")
+        rows.append(_measure(name, "numpy", lambda f=f: f(hq, hk, hv, causal=causal, scale=scale,
+                                                          window=(-1, -1), config=None),
+                             work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, device=False,
+                             target_ms=target_ms))
+    return rows
+
+
+def device_pages(k, v, seed=0, block_size=PAGED_BLOCK):
+    """The same K/V as the contiguous (B, Hkv, N, d) tensors, in paged pools on the device.
+
+    Returns (k_pool, v_pool, block_tables, seq_lens): pools (num_blocks, block_size, Hkv, d)
+    in k's dtype (bfloat16 too), int32 NumPy tables (B, N / block_size) holding a random
+    permutation of the pool's blocks -- scattered as in a server with many live requests
+    -- and the lengths.  Built on the device (no host copy), so any size that fits runs.
+    """
+    import torch
+    B, Hkv, N, d = k.shape
+    if N % block_size:
+        raise Unavailable(f"device_pages: N={N} must be a multiple of the block size {block_size}")
+    nblk = N // block_size
+    rng = np.random.default_rng(seed)
+    tables = rng.permutation(B * nblk).astype(np.int32).reshape(B, nblk)
+    kp = torch.empty((B * nblk, block_size, Hkv, d), dtype=k.dtype, device=k.device)
+    vp = torch.empty_like(kp)
+    for b in range(B):                                    # block j of sequence b -> pool[tables[b, j]]
+        idx = torch.from_numpy(tables[b]).to(k.device).long()
+        kp[idx] = k[b].permute(1, 0, 2).reshape(nblk, block_size, Hkv, d)
+        vp[idx] = v[b].permute(1, 0, 2).reshape(nblk, block_size, Hkv, d)
+    return kp, vp, tables, np.full(B, N, dtype=np.int32)
+
+
+def _gpu_module(backend):
+    import importlib
+    if backend == "numba":
+        _resolve_backend("numba", "attention")             # refuses the simulator
+    mod = "iokernels.numba_cuda" if backend == "numba" else "iokernels.cupy_raw"
+    try:
+        return importlib.import_module(mod)
+    except Exception as e:
+        raise Unavailable(f"{mod} not importable: {_first_line(e)}") from None
+
+
+def _pool_fn(backend, name):
+    f = getattr(_gpu_module(backend), name, None)
+    if f is None:
+        raise Unavailable(f"{backend}.{name} does not exist")
+    return f
+
+
+def decode_cases(spec, seed, progress, section="decode", target_ms=None):
+    import torch
+    cases = []
+    Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
+    for dtype in spec["dtypes"]:
+        for B in spec["batches"]:
+            for N in spec["seqlens"]:
+                tdt = _torch_dtype(dtype)
+                kv_bytes = 2.0 * B * Hkv * N * d * tdt.itemsize
+                case = dict(section=section, kind="decode", dtype=dtype, causal=False,
+                            shape=dict(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen=N, head_dim=d),
+                            work=dict(kv_bytes=kv_bytes), unit="TB/s", results=[])
+                progress.set_description(f"{section} {dtype} B={B} N={N}")
+                gen = torch.Generator(device="cuda").manual_seed(seed)
+                q = torch.randn((B, Hq, d), device="cuda", dtype=tdt, generator=gen)
+                k = torch.randn((B, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
+                v = torch.randn((B, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
+                q4 = q[:, :, None, :]
+                ref4 = _reference(q4, k, v, False, True, Hq != Hkv)
+                ref = None if ref4 is None else ref4[:, :, 0, :]
+                rows = _sdpa_rows(case, q4, k, v, False, ref4, dtype, True, kv_bytes, "TB/s", Hq != Hkv,
+                                  target_ms)
+                progress.update(5)
+                scale = 1.0 / np.sqrt(d)
+                for backend in ("numba", "cupy"):
+                    rows += _gpu_rows(backend, "decode",
+                                      lambda cfg, backend=backend: ik.decode(
+                                          q, k, v, scale=scale, backend=backend, config=cfg, return_lse=True),
+                                      need=dict(q=q, k=k, v=v), work=kv_bytes, unit="TB/s", ref=ref,
+                                      dtype=dtype, target_ms=target_ms)
+                    progress.update(1)
+                try:
+                    pages = device_pages(k, v, seed)
+                except (Unavailable, RuntimeError) as e:   # e.g. out of device memory
+                    pages = e
+                for backend in ("numba", "cupy"):
+                    def fn(cfg, backend=backend):
+                        if isinstance(pages, Exception):
+                            raise Unavailable(f"paged pools: {_first_line(pages)}")
+                        f = _pool_fn(backend, "paged_decode_pools")
+                        return f(q, pages[0], pages[1], pages[2], pages[3], num_splits=None, scale=scale,
+                                 config=cfg)
+                    rows += _gpu_rows(backend, "paged_decode", fn, suffix=" paged", need=dict(q=q, k=k, v=v),
+                                      work=kv_bytes, unit="TB/s", ref=ref, dtype=dtype, target_ms=target_ms)
+                    progress.update(1)
+                case["results"] = rows
+                cases.append(_finish_case(case))
+                del q, k, v, q4, ref4, ref, pages
+                torch.cuda.empty_cache()
+    return cases
+
+
+def gather_cases(spec, seed, progress, section="gather", target_ms=None):
+    """Paged gather (numba, cupy) vs a device-to-device copy of the same bytes."""
+    import torch
+    cases = []
+    Hkv, d, dtype = spec["heads_kv"], spec["head_dim"], spec["dtype"]
+    for N in spec["seqlens"]:
+        tdt = _torch_dtype(dtype)
+        nbytes = 2 * 2.0 * Hkv * N * d * tdt.itemsize               # K and V, read + write
+        case = dict(section=section, kind="gather", dtype=dtype, causal=False,
+                    shape=dict(batch=1, heads_kv=Hkv, seqlen=N, head_dim=d, block_size=PAGED_BLOCK),
+                    work=dict(bytes_read_plus_written=nbytes), unit="TB/s", results=[])
+        progress.set_description(f"{section} N={N}")
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        k = torch.randn((1, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
+        v = torch.randn((1, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
+        dst_k, dst_v = torch.empty_like(k[0]), torch.empty_like(v[0])
+
+        def copy():
+            dst_k.copy_(k[0])
+            dst_v.copy_(v[0])
+            return dst_k
+        rows = [_measure("device copy (torch)", "copy", copy, work=nbytes, unit="TB/s", ref=k[0],
+                         dtype=dtype, target_ms=target_ms)]
+        try:
+            pages = device_pages(k, v, seed)
+        except (Unavailable, RuntimeError) as e:
+            pages = e
+        for backend in ("numba", "cupy"):
+            def fn(cfg, backend=backend):
+                if isinstance(pages, Exception):
+                    raise Unavailable(f"paged pools: {_first_line(pages)}")
+                return _pool_fn(backend, "gather_pools")(pages[0], pages[1], pages[2][0], int(pages[3][0]),
+                                                         config=cfg)
+            rows += _gpu_rows(backend, "paged_gather", fn, suffix=" gather", need=dict(q=k[:, :, 0], k=k, v=v),
+                              work=nbytes, unit="TB/s", ref=k[0], dtype=dtype, target_ms=target_ms)
+            progress.update(1)
+        progress.update(1)
+        # the copy is the baseline of this section (no SDPA here)
+        base = rows[0] if rows[0].get("status") == "ok" else None
+        for r in rows:
+            if base and r.get("status") == "ok":
+                r["speed_vs_copy"] = round(base["ms"] / r["ms"], 4)
+        case["results"] = rows
+        cases.append(case)
+        del k, v, dst_k, dst_v, pages
+        torch.cuda.empty_cache()
+    return cases
+
+
+def _numpy_only_cases(spec, seed):
+    """Without a GPU: the NumPy rows of the (quick) prefill shapes, so the harness still runs."""
+    from ..core.testing import make_inputs
+    cases = []
+    rng = np.random.default_rng(seed)
+    for dtype in spec["dtypes"]:
+        for causal in spec["causal"]:
+            for N in spec["seqlens"]:
+                B, H, d = spec["batch"], spec["heads"], spec["head_dim"]
+                flops = 4.0 * B * H * _visible_pairs(N, N, causal) * d
+                q, k, v = make_inputs(rng, batch=B, heads_q=H, seqlen_q=N, head_dim=d, dtype=dtype)
+                rows = []
+                for backend in ("naive", "tiled"):
+                    from ..core import api
+                    f = api._resolve(backend, "attention")
+                    rows.append(_measure(f"numpy {backend}", "numpy",
+                                         lambda f=f: f(q, k, v, causal=causal, scale=1 / np.sqrt(d),
+                                                       window=(-1, -1), config=None),
+                                         work=flops, unit="TFLOP/s", device=False, cpu_reps=3))
+                base = rows[0] if rows[0].get("status") == "ok" else None
+                for r in rows:
+                    if base and r.get("status") == "ok":
+                        r["speed_vs_numpy_naive"] = round(base["ms"] / r["ms"], 4)
+                cases.append(dict(section="cpu", kind="prefill", dtype=dtype, causal=causal,
+                                  shape=dict(batch=B, heads=H, seqlen=N, head_dim=d),
+                                  work=dict(flops=flops), unit="TFLOP/s", results=rows,
+                                  note="no CUDA GPU here: only the NumPy rows ran"))
+    return cases

@@ -1,0 +1,42 @@
+"""The benchmark, declared as data: which shapes each section times.
+
+``python -m iokernels bench`` runs every section listed here; each runner row comes from
+the backends' kernel registries (every registered version of the op) and from torch
+SDPA's kernels, so adding a kernel version adds its rows without touching the benchmark.
+The tuning sweeps (alternative tilings of one version) are declared in
+:mod:`iokernels.bench.sweeps_numba` and :mod:`iokernels.bench.sweeps_cupy`.
+"""
+from __future__ import annotations
+
+#: the article's prefill sweep, the head-to-head shape, and the decode sweep (serving batch sizes)
+PREFILL_SWEEP = dict(batch=4, heads=16, head_dim=128, seqlens=(1024, 2048, 4096, 8192),
+                     causal=(True,), dtypes=("bfloat16", "float32"))
+PREFILL_COMPARE = dict(batch=8, heads=16, head_dim=128, seqlens=(4096,), causal=(False, True),
+                       dtypes=("bfloat16", "float32"))
+DECODE_SWEEP = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1, 8, 64), seqlens=(4096, 32768),
+                    dtypes=("float16",))
+DECODE_EXTRA = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1,), seqlens=(32768,),
+                    dtypes=("bfloat16",))
+GATHER_SIZES = dict(heads_kv=8, head_dim=128, seqlens=(4096, 131072), dtype="float16")
+#: --quick: tiny shapes that run everywhere in seconds (also on a CPU, NumPy only)
+QUICK = dict(prefill=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=(True,),
+                          dtypes=("float32",)),
+             decode=dict(heads_q=4, heads_kv=2, head_dim=64, batches=(2,), seqlens=(512,),
+                         dtypes=("float16",)),
+             gather=dict(heads_kv=2, head_dim=64, seqlens=(512,), dtype="float16"))
+
+SDPA_NAMES = ("flash", "efficient", "cudnn", "math")
+#: NumPy runs (host, one repetition) only when the problem is this small (FLOPs): beyond it
+#: a CPU run takes longer than the whole GPU sweep and teaches nothing new.
+NUMPY_MAX_FLOPS = 2.0e10
+#: each runner's timed loop aims at about this much device time (reps adapt, 3..DEFAULT_REPS)
+TARGET_MS_PER_RUNNER = 400.0
+#: calls slower than this (ms) get one warm-up call, not DEFAULT_WARMUP (they are past any
+#: start-up effect after the check call and the probe, and each costs a lot of the time box)
+SLOW_CALL_MS = 50.0
+#: largest |out - SDPA| accepted before a row is flagged "suspect" (per storage dtype)
+CHECK_TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
+#: a problem's block size for the paged cache (vLLM's default)
+PAGED_BLOCK = 16
+
+SECTIONS = ("prefill", "compare", "decode", "gather")

@@ -1,0 +1,300 @@
+"""The timer: the one way this project times device code, and host code.
+
+There is ONE timing helper for device code, :func:`time_cuda`, and one for host code,
+:func:`time_cpu`.  Every speed the project reports comes from them.
+
+``time_cuda`` follows the usual rules for timing asynchronous GPU work:
+
+* CUDA events around the timed call (torch.cuda.Event when torch has CUDA, else
+  cupy.cuda.Event); the host clock never times device work;
+* warm-up calls first, so compilation, module load and library handle creation stay out;
+* many repetitions, the **median** reported (with the 10th and 90th percentiles, so the
+  spread is visible: two versions closer than that spread are not different);
+* the L2 cache is flushed before every repetition by writing a buffer larger than L2
+  (its size is read off the device), and the flush is *outside*
+  the timed region.  Without the flush a problem that fits in L2 is timed from L2, which
+  is not the HBM-bound number the traffic model talks about.
+
+Events are recorded on the current stream of the library that owns them (the legacy
+default stream, unless you changed it), which is also where Numba and CuPy launch by
+default, so the events bracket their kernels too.
+
+Peak memory: :func:`peak_memory` reports the most device memory the torch caching
+allocator and CuPy's memory pool held during one call.  Numba's own allocations
+(``cuda.device_array``) go through neither and are not counted: a frank gap.
+
+Speeds are always reported next to a baseline measured in the same run (ratios), never
+as absolute claims in tests.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+#: warm-up and repetitions when the caller says nothing: enough that the median of a
+#: 50 us kernel is stable to a few percent, few enough that the whole sweep fits in minutes.
+DEFAULT_WARMUP = 3
+DEFAULT_REPS = 20
+#: the flush buffer is this many times L2, so nothing of the previous run survives.
+L2_FLUSH_FACTOR = 2
+#: when the device cannot tell its L2 size (should not happen), assume 64 MiB, more than
+#: any GPU in the roofline table has.
+FALLBACK_L2_BYTES = 64 * 1024 * 1024
+#: after the flush and before the start event, the GPU spins this long (a busy-wait kernel)
+#: so that the host's Python overhead of calling ``fn`` (argument checks, context managers,
+#: several launches) is queued up behind it instead of showing up as idle GPU time inside
+#: the timed region.  Without it, a 50 us kernel called through 150 us of Python measures
+#: as 150 us (seen on the H200: forced SDPA kernels timed 2-3x slower than the same kernel
+#: called bare).  Host overhead longer than this still shows, and is then part of the cost.
+LAUNCH_SLACK_US = 1000
+#: the spin kernel counts SM clock cycles; the H200 runs at up to 1.98 GHz
+SPIN_CYCLES_PER_US = 1980
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The distribution of one timed call, in milliseconds."""
+
+    median_ms: float
+    p10: float
+    p90: float
+    reps: int
+
+    def tflops(self, flops: float) -> float:
+        """Achieved TFLOP/s for ``flops`` floating-point operations per call."""
+        return flops / (self.median_ms * 1e-3) / 1e12
+
+    def tbps(self, nbytes: float) -> float:
+        """Achieved TB/s for ``nbytes`` bytes moved per call."""
+        return nbytes / (self.median_ms * 1e-3) / 1e12
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.median_ms:.4f} ms (p10 {self.p10:.4f}, p90 {self.p90:.4f}, {self.reps} reps)"
+
+
+def _percentile(xs, q):
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
+
+
+def _summarize(samples_ms) -> Timing:
+    return Timing(float(statistics.median(samples_ms)), _percentile(samples_ms, 10),
+                  _percentile(samples_ms, 90), len(samples_ms))
+
+
+# --------------------------------------------------------------------------- device access
+def _torch_cuda():
+    try:
+        import torch
+        return torch if torch.cuda.is_available() else None
+    except Exception:  # ImportError, or a broken CUDA install
+        return None
+
+
+def _cupy_cuda():
+    try:
+        import cupy
+        return cupy if cupy.is_available() else None
+    except Exception:
+        return None
+
+
+def l2_cache_bytes() -> int:
+    """The current device's L2 cache size in bytes (read off the device)."""
+    torch = _torch_cuda()
+    if torch is not None:
+        size = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
+        if size:
+            return int(size)
+    cp = _cupy_cuda()
+    if cp is not None:
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        if props.get("l2CacheSize"):
+            return int(props["l2CacheSize"])
+    return FALLBACK_L2_BYTES
+
+
+class _Device:
+    """Events, synchronization and the L2 flush buffer, from torch or CuPy."""
+
+    def __init__(self, l2_bytes=None):
+        self.torch, self.cupy = _torch_cuda(), None
+        if self.torch is None:
+            self.cupy = _cupy_cuda()
+            if self.cupy is None:
+                raise RuntimeError("time_cuda: no CUDA device (neither torch nor CuPy sees one); "
+                                   "use time_cpu for host code")
+        self.flush_bytes = L2_FLUSH_FACTOR * int(l2_bytes or l2_cache_bytes())
+        self._buf = None
+
+    def event(self):
+        if self.torch is not None:
+            return self.torch.cuda.Event(enable_timing=True)
+        return self.cupy.cuda.Event()
+
+    def record(self, ev):
+        ev.record()
+
+    def elapsed_ms(self, start, end) -> float:
+        if self.torch is not None:
+            return float(start.elapsed_time(end))
+        return float(self.cupy.cuda.get_elapsed_time(start, end))
+
+    def synchronize(self):
+        if self.torch is not None:
+            self.torch.cuda.synchronize()
+        if self.cupy is not None or _cupy_loaded():
+            import cupy
+            cupy.cuda.Device().synchronize()
+
+    def flush_l2(self):
+        """Write a buffer larger than L2, evicting whatever the previous run left there."""
+        if self._buf is None:
+            if self.torch is not None:
+                self._buf = self.torch.empty(self.flush_bytes, dtype=self.torch.uint8, device="cuda")
+            else:
+                self._buf = self.cupy.empty(self.flush_bytes, dtype=self.cupy.uint8)
+        if self.torch is not None:
+            self._buf.zero_()
+        else:
+            self._buf.fill(0)
+
+    def spin(self, us=LAUNCH_SLACK_US):
+        """Keep the GPU busy for about ``us`` microseconds (untimed), so launches queue up."""
+        if us <= 0:
+            return
+        cycles = int(us * SPIN_CYCLES_PER_US)
+        if self.torch is not None and hasattr(self.torch.cuda, "_sleep"):
+            self.torch.cuda._sleep(cycles)
+            return
+        import cupy
+        if getattr(self, "_spin_kernel", None) is None:
+            self._spin_kernel = cupy.RawKernel(r'''
+            extern "C" __global__ void ik_spin(long long cycles) {
+                long long t0 = clock64();
+                while (clock64() - t0 < cycles) { }
+            }''', "ik_spin")
+        self._spin_kernel((1,), (1,), (np.int64(cycles),))
+
+    def release(self):
+        self._buf = None
+
+
+def _cupy_loaded() -> bool:
+    import sys
+    return "cupy" in sys.modules
+
+
+# --------------------------------------------------------------------------- the timers
+def time_cuda(fn, *args, warmup: int = DEFAULT_WARMUP, reps: int = DEFAULT_REPS,
+              flush_l2: bool = True, l2_bytes: int | None = None,
+              launch_slack_us: float = LAUNCH_SLACK_US, **kwargs) -> Timing:
+    """Time ``fn(*args, **kwargs)`` on the GPU with CUDA events: warm-up, median, L2 flushed.
+
+    Each repetition: flush L2 and spin ``launch_slack_us`` (both untimed) -> record start
+    -> fn() -> record end.  All event pairs are read after one final synchronize, so the
+    host never stalls the queue between repetitions.  Returns a :class:`Timing` in ms.
+    What is timed is device time from the start event to the end event: the kernels, and
+    any gap between them that the host's overhead leaves once the slack is used up.
+    """
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"reps, warmup: need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
+    dev = _Device(l2_bytes)
+    try:
+        for _ in range(warmup):
+            fn(*args, **kwargs)
+        dev.synchronize()
+        pairs = []
+        for _ in range(reps):
+            if flush_l2:
+                dev.flush_l2()              # untimed: outside the start/end events
+            dev.spin(launch_slack_us)       # untimed: lets fn's launches queue up
+            start, end = dev.event(), dev.event()
+            dev.record(start)
+            fn(*args, **kwargs)
+            dev.record(end)
+            pairs.append((start, end))
+        for _, end in pairs:
+            end.synchronize()
+        dev.synchronize()
+        return _summarize([dev.elapsed_ms(s, e) for s, e in pairs])
+    finally:
+        dev.release()
+
+
+def time_cpu(fn, *args, warmup: int = 1, reps: int = 5, **kwargs) -> Timing:
+    """Time host code (NumPy) with ``time.perf_counter``: warm-up, median of ``reps``."""
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"reps, warmup: need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
+    for _ in range(warmup):
+        fn(*args, **kwargs)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return _summarize(samples)
+
+
+# --------------------------------------------------------------------------- peak memory
+class _CupyPeakHook:
+    """A CuPy memory hook that tracks the bytes handed out by the pool, and their peak."""
+
+    def __new__(cls):
+        import cupy
+
+        class Hook(cupy.cuda.MemoryHook):
+            name = "iokernels_peak"
+
+            def __init__(self):
+                self.current = 0
+                self.peak = 0
+
+            def malloc_postprocess(self, device_id, size, mem_size, mem_ptr, pmem_id):
+                self.current += mem_size
+                self.peak = max(self.peak, self.current)
+
+            def free_postprocess(self, device_id, mem_size, mem_ptr, pmem_id):
+                self.current -= mem_size
+
+        return Hook()
+
+
+def peak_memory(fn, *args, **kwargs) -> dict:
+    """Run ``fn`` once; return the device memory it needed, in bytes.
+
+    ``{"peak_bytes": ..., "extra_bytes": ...}``: peak_bytes is the most the torch allocator
+    held during the call (inputs included) plus the most CuPy's pool handed out during
+    it; extra_bytes is the part above what torch held before the call (outputs and
+    workspace, e.g. the N x N S and P of naive attention).  Numba allocations are not seen.
+    """
+    torch = _torch_cuda()
+    out = {"peak_bytes": 0, "extra_bytes": 0}
+    hook = None
+    if _cupy_loaded() and _cupy_cuda() is not None:
+        hook = _CupyPeakHook()
+    if torch is not None:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    if hook is not None:
+        with hook:
+            fn(*args, **kwargs)
+    else:
+        fn(*args, **kwargs)
+    if torch is not None:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        out["peak_bytes"] += int(peak)
+        out["extra_bytes"] += int(peak - before)
+    if hook is not None:
+        import cupy
+        cupy.cuda.Device().synchronize()
+        out["peak_bytes"] += int(hook.peak)
+        out["extra_bytes"] += int(hook.peak)
+    return out
