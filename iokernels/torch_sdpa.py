@@ -20,7 +20,7 @@ attention runs at a tenth of the speed.  :func:`backend_that_ran` names the kern
 really ran (from the profiler's operator names), :func:`backend_status` tries each one
 forced on its own and reports "ok" or why it is unavailable.
 
-Conventions (shared/DESIGN.md) and how this wrapper meets them:
+The project's conventions (:mod:`iokernels.core.conventions`) and how this wrapper meets them:
 
 ====================  ==============================================================
 convention            how

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 #: warm-up and repetitions when the caller says nothing: enough that the median of a
-#: 50 us kernel is stable to a few percent, few enough that the whole sweep fits in minutes.
+#: short kernel is stable to a few percent, few enough that the whole sweep fits in minutes.
 DEFAULT_WARMUP = 3
 DEFAULT_REPS = 20
 #: the flush buffer is this many times L2, so nothing of the previous run survives.
@@ -46,9 +46,9 @@ FALLBACK_L2_BYTES = 64 * 1024 * 1024
 #: after the flush and before the start event, the GPU spins this long (a busy-wait kernel)
 #: so that the host's Python overhead of calling ``fn`` (argument checks, context managers,
 #: several launches) is queued up behind it instead of showing up as idle GPU time inside
-#: the timed region.  Without it, a 50 us kernel called through 150 us of Python measures
-#: as 150 us (seen on the H200: forced SDPA kernels timed 2-3x slower than the same kernel
-#: called bare).  Host overhead longer than this still shows, and is then part of the cost.
+#: the timed region.  Without it, a kernel shorter than the Python that launches it is timed
+#: at the Python's speed, not its own.  Host overhead longer than this still shows, and is
+#: then part of the cost a caller sees.
 LAUNCH_SLACK_US = 1000
 #: the spin kernel counts SM clock cycles; the H200 runs at up to 1.98 GHz
 SPIN_CYCLES_PER_US = 1980

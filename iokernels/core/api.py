@@ -123,7 +123,7 @@ def _check_num_splits(num_splits):
 # --------------------------------------------------------------------------- prefill
 def attention(q, k, v, causal=False, scale=None, window=None, backend="tiled", config=None,
               return_lse=False):
-    """Attention over (batch, heads, seq, head_dim) inputs; see DESIGN.md for the conventions.
+    """Attention over (batch, heads, seq, head_dim) inputs; the conventions are in :mod:`iokernels.core.conventions`.
 
     Returns O (same kind of array and dtype as q), and LSE (batch, heads_q, seqlen_q) when
     ``return_lse``.  ``config`` is the backend's tile config (None: its default).

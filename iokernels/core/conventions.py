@@ -1,7 +1,7 @@
 """The conventions every backend shares, as code.
 
 One set of rules, used by the oracle, the NumPy kernels, the GPU launchers and the
-tests (shared/DESIGN.md, "The conventions"):
+tests:
 
 =================  ==========================================================
 thing              convention

@@ -27,7 +27,7 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 #: kind -> file name pattern
-KINDS = {"h200": "h200_*.json", "sanitizer": "sanitizer_*.txt"}
+KINDS = {"h200": "h200_*.json", "sanitizer": "sanitizer_*.txt", "ceilings": "ceilings_*.json"}
 
 
 def available(kind: str = "h200", results_dir=None) -> list[Path]:
@@ -39,7 +39,8 @@ def available(kind: str = "h200", results_dir=None) -> list[Path]:
 
 
 def load(kind: str = "h200", results_dir=None):
-    """The latest record of ``kind``: a dict for "h200", the text for "sanitizer"."""
+    """The latest record of ``kind``: a dict for "h200" (the benchmark) and "ceilings" (copy
+    bandwidth and matmul rates of one GPU), the text for "sanitizer"."""
     files = available(kind, results_dir)
     if not files:
         raise FileNotFoundError(f"no recorded {kind} results under {results_dir or RESULTS_DIR}; "

@@ -100,17 +100,30 @@ GPUS = {
               "1,613 TFLOP/s at 71% of peak (Zadouri et al., 2026) agrees with 2.25 PFLOP/s dense"),
 }
 
-#: Ceilings measured on one H200 (torch 2.11, CUDA 13.0), 2026-11-29, recorded in
-#: shared/measured/h200_baselines_2026-11-29.json: a device-to-device copy (bytes read
-#: plus bytes written per second), a large BF16 matmul, and an FP32 matmul with TF32 off.
-MEASURED = {
-    "H200 (measured)": dict(
-        arch="Hopper", memory_gb=141, hbm_tbps=4.25, fp16_tflops=708.0, fp32_tflops=50.7,
-        sms=132, smem_per_sm_kib=228, l1_smem_per_sm_kib=256, l2_mib=50, measured=True,
-        source="measured on an NVIDIA H200, 2026-11-29, torch 2.11.0+cu130 "
-               "(shared/measured/h200_baselines_2026-11-29.json)",
-        notes="copy bandwidth counts read + write; BF16 matmul; FP32 matmul without TF32"),
-}
+def _measured_rows() -> dict:
+    """GPUs whose ceilings were measured (benchmarks/results/ceilings_*.json, through
+    :mod:`iokernels.core.recorded`): a device-to-device copy (bytes read plus bytes written per
+    second), a large BF16 matmul, and an FP32 matmul with TF32 off.  Empty in a copy of the
+    package without the records."""
+    from . import recorded
+    try:
+        rec = recorded.load("ceilings")
+    except FileNotFoundError:
+        return {}
+    env, c = rec["env"], rec["ceilings"]
+    base = GPUS["H200"] if "H200" in env.get("gpu", "") else {}
+    return {f"{env['gpu'].replace('NVIDIA ', '')} (measured)": dict(
+        arch=base.get("arch", "?"), memory_gb=base.get("memory_gb"), hbm_tbps=round(c["copy_TBps_rw"], 2),
+        fp16_tflops=round(c["bf16_mm_TFLOPs"], 1), fp32_tflops=round(c["fp32_mm_TFLOPs_noTF32"], 1),
+        sms=env.get("sms", base.get("sms")), smem_per_sm_kib=base.get("smem_per_sm_kib"),
+        l1_smem_per_sm_kib=base.get("l1_smem_per_sm_kib"), l2_mib=base.get("l2_mib"), measured=True,
+        source=f"measured on an {env['gpu']}, torch {env.get('torch', '?')}, CUDA {env.get('cuda', '?')} "
+               f"(benchmarks/results/{rec['source_file']})",
+        notes="copy bandwidth counts read + write; BF16 matmul; FP32 matmul without TF32")}
+
+
+#: the measured rows, next to the datasheet rows of GPUS
+MEASURED = _measured_rows()
 
 #: which peak a precision uses
 _PEAK_FIELD = {"fp16": "fp16_tflops", "bf16": "fp16_tflops", "float16": "fp16_tflops",
