@@ -125,16 +125,23 @@ def compare_table(rec) -> list[str]:
     return lines + [""]
 
 
-#: the decode runner each family's public default is in the benchmark: Numba's default
-#: decode version (numba_cuda.decode_kernels.DEFAULT_VERSIONS) and CuPy's config-less row
-DECODE_DEFAULTS = {"numba": "numba:v3", "cupy": "cupy:split"}
+#: records made before rows carried a ``default`` flag name each family's default decode row
+LEGACY_DECODE_DEFAULTS = {"numba": "numba:v3", "cupy": "cupy:split"}
+
+
+def _default_runner(rows, family: str) -> str:
+    """The runner the family's public decode picks: the row flagged ``default`` in the record
+    (the benchmark marks the version the registry chooses), else the legacy name."""
+    flagged = sorted({r["runner"] for r in rows if r.get("default") and r["runner"].split(":")[0] == family
+                      and not r["runner"].endswith((" paged", " gather"))})
+    return flagged[0] if flagged else LEGACY_DECODE_DEFAULTS[family]
 
 
 def decode_table(rec) -> list[str]:
     rows = recorded.bench_rows(rec, section="decode")
     if not rows:
         return []
-    nb, cu = DECODE_DEFAULTS["numba"], DECODE_DEFAULTS["cupy"]
+    nb, cu = _default_runner(rows, "numba"), _default_runner(rows, "cupy")
     lines = ["**Decode, GQA 32/8, d=128, each library's default kernel** (TB/s of K+V read; speed vs "
              "best SDPA; every version's row is in the record)", "",
              f"| dtype | B | N | best SDPA | TB/s | {nb} | {cu} | {nb} paged | {cu} paged | "
