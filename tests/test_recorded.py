@@ -46,3 +46,18 @@ def test_ratio_refuses_ambiguous_or_missing_cases(rng):
     with pytest.raises(ValueError, match="filters"):
         recorded.ratio(rec, "numba:v2", "sdpa:cudnn", batch=8)      # numba:v2 did not run there
     assert np.isfinite(recorded.ratio(rec, "numba:v2", "sdpa:cudnn", batch=1))
+
+
+def test_compare_two_records_by_same_run_ratios():
+    rec = recorded.load()
+    same = recorded.compare(rec, rec)
+    assert same and all(abs(r["change"] - 1) < 1e-12 for r in same)
+    import copy
+    faster = copy.deepcopy(rec)
+    for c in faster["bench"]["cases"]:
+        for r in c["results"]:
+            if r["runner"] == "cupy:split" and "speed_vs_best_sdpa" in r:
+                r["runner"] = "cupy:v3"                       # the new name of the same kernel
+                r["speed_vs_best_sdpa"] *= 1.25
+    rows = [r for r in recorded.compare(rec, faster) if r["runner"] == "cupy:v3"]
+    assert rows and all(abs(r["change"] - 1.25) < 1e-9 for r in rows)

@@ -221,3 +221,38 @@ def fallback_report(rec: dict) -> str:
                      f"{', '.join(unavailable) or 'none'}"
                      + (f"   !! {c['silent_fallback']}" if c.get("silent_fallback") else ""))
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- two records
+#: runner names of records made before every row was named ``<backend>:<version>``
+LEGACY_RUNNERS = {"cupy:split": "cupy:v3", "cupy:split-v1": "cupy:v1", "cupy:split-v2": "cupy:v2",
+                  "cupy gather": "cupy:v1 gather"}
+
+
+def _canonical(runner: str) -> str:
+    base, _, suffix = runner.partition(" ")
+    base = LEGACY_RUNNERS.get(base, base)
+    return LEGACY_RUNNERS.get(runner, f"{base} {suffix}".strip())
+
+
+def compare(old: dict, new: dict, key: str = "speed_vs_best_sdpa") -> list[dict]:
+    """Each runner's same-run ratio (``key``: vs the best SDPA kernel, or vs the copy for the
+    gathers) in two records, case by case: one dict per (case, runner) present in both, with
+    ``old``, ``new`` and ``change`` = new / old.  Ratios, never absolute times, so two runs on
+    different days compare fairly."""
+    def index(rec):
+        out = {}
+        for r in bench_rows(rec):
+            k = r.get(key, r.get("speed_vs_copy"))
+            if k is None:
+                continue
+            shape = tuple(r.get(f) for f in ("batch", "heads", "heads_q", "heads_kv", "seqlen", "head_dim"))
+            out[(r["section"], r.get("dtype"), r.get("causal"), shape, _canonical(r["runner"]))] = k
+        return out
+    a, b = index(old), index(new)
+    rows = []
+    for k in sorted(set(a) & set(b), key=str):
+        section, dtype, causal, shape, runner = k
+        rows.append(dict(section=section, dtype=dtype, causal=causal, shape=shape, runner=runner,
+                         old=a[k], new=b[k], change=b[k] / a[k] if a[k] else float("nan")))
+    return rows
