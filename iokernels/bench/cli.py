@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from .environment import environment, label
-from .runners import Unavailable, decode_cases, gather_cases, prefill_cases, _numpy_only_cases  # noqa: F401
-from .specs import (DECODE_EXTRA, DECODE_SWEEP, GATHER_SIZES, PREFILL_COMPARE, PREFILL_SWEEP, QUICK, SECTIONS,
+from .runners import Unavailable, backward_cases, decode_cases, gather_cases, prefill_cases, _numpy_only_cases  # noqa: F401
+from .specs import (BACKWARD, BACKWARD_FP32, DECODE_EXTRA, DECODE_SWEEP, GATHER_SIZES, PREFILL_COMPARE,
+                    PREFILL_SWEEP, QUICK, SECTIONS,
                     TARGET_MS_PER_RUNNER)
 from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
 
@@ -30,7 +31,8 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
         return record
     plan = []
     if quick:
-        plan = [("prefill", QUICK["prefill"]), ("decode", QUICK["decode"]), ("gather", QUICK["gather"])]
+        plan = [("prefill", QUICK["prefill"]), ("decode", QUICK["decode"]), ("gather", QUICK["gather"]),
+                ("backward", QUICK["backward"])]
         plan = [(s, p) for s, p in plan if s in sections or (s == "prefill" and "compare" in sections)]
     else:
         for s in sections:
@@ -42,12 +44,16 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
                 plan += [("decode", DECODE_SWEEP), ("decode", DECODE_EXTRA)]
             elif s == "gather":
                 plan.append(("gather", GATHER_SIZES))
+            elif s == "backward":
+                plan += [("backward", BACKWARD), ("backward", BACKWARD_FP32)]
     total = 0
     for s, p in plan:
         if s in ("prefill", "compare"):
             total += len(p["seqlens"]) * len(p["causal"]) * len(p["dtypes"]) * 8
         elif s == "decode":
             total += len(p["batches"]) * len(p["seqlens"]) * len(p["dtypes"]) * 9
+        elif s == "backward":
+            total += len(p["seqlens"]) * len(p["causal"]) * len(p["dtypes"]) * 2
         else:
             total += len(p["seqlens"]) * 3
     try:
@@ -61,6 +67,8 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
                 record["cases"] += prefill_cases(p, seed, bar, section=s, target_ms=target_ms)
             elif s == "decode":
                 record["cases"] += decode_cases(p, seed, bar, target_ms=target_ms)
+            elif s == "backward":
+                record["cases"] += backward_cases(p, seed, bar, target_ms=target_ms)
             else:
                 record["cases"] += gather_cases(p, seed, bar, target_ms=target_ms)
     record["elapsed_s"] = round(_time.perf_counter() - t0, 1)

@@ -471,3 +471,102 @@ def _numpy_only_cases(spec, seed):
                                   work=dict(flops=flops), unit="TFLOP/s", results=rows,
                                   note="no CUDA GPU here: only the NumPy rows ran"))
     return cases
+
+
+# --------------------------------------------------------------------------- forward + backward
+def _bitwise_differences(a, b) -> int:
+    """How many elements of two device tensors differ in any bit."""
+    import torch
+    ta, tb = _to_torch_device(a), _to_torch_device(b)
+    return int((ta.view(torch.int16 if ta.element_size() == 2 else torch.int32)
+                != tb.view(torch.int16 if tb.element_size() == 2 else torch.int32)).sum().item())
+
+
+def backward_cases(spec, seed, progress, section="backward", target_ms=None):
+    """Forward + backward (what a training step pays) of each backend with a backward, next to
+    SDPA's kernels through torch autograd; then each registered backward version's atomic and
+    deterministic modes, run twice: the bits of dQ that differ between two runs, and the cost
+    of determinism (same-run time ratio)."""
+    import torch
+    from .. import autograd
+    from .. import torch_sdpa as ts
+    cases = []
+    B, H, d = spec["batch"], spec["heads"], spec["head_dim"]
+    for dtype in spec["dtypes"]:
+        for causal in spec["causal"]:
+            for N in spec["seqlens"]:
+                # forward 4 N^2 d (2 matmuls) + backward 10 N^2 d (5 matmuls), visible pairs only
+                flops = 14.0 * B * H * _visible_pairs(N, N, causal) * d
+                case = dict(section=section, kind="prefill", dtype=dtype, causal=causal,
+                            shape=dict(batch=B, heads=H, seqlen=N, head_dim=d),
+                            work=dict(flops=flops), unit="TFLOP/s", results=[])
+                progress.set_description(f"{section} {dtype} N={N} causal={causal}")
+                gen = torch.Generator(device="cuda").manual_seed(seed)
+                tdt = _torch_dtype(dtype)
+                q, k, v, do = (torch.randn((B, H, N, d), device="cuda", dtype=tdt, generator=gen)
+                               for _ in range(4))
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+                def step(attn):
+                    for x in leaves:
+                        x.grad = None
+                    o = attn(*leaves)
+                    o.backward(do)
+                    return leaves[0].grad
+
+                rows = []
+                for name in SDPA_NAMES:
+                    rows.append(_measure(f"sdpa:{name} fwd+bwd", "sdpa",
+                                         lambda name=name: _sdpa_step(ts, step, name, causal),
+                                         work=flops, unit="TFLOP/s", dtype=dtype, check=False,
+                                         target_ms=target_ms))
+                ref = None                                    # outputs are gradients: compared in the tests
+                for backend in ("numba", "cupy"):
+                    rows += _gpu_rows(backend, "attention_backward",
+                                      lambda cfg, backend=backend: step(lambda a, b, c: autograd.attention(
+                                          a, b, c, causal=causal, backend=backend, backward_config=cfg)),
+                                      suffix=" fwd+bwd", need=dict(q=q, k=k, v=v), work=flops, unit="TFLOP/s",
+                                      ref=ref, dtype=dtype, target_ms=target_ms, check=False)
+                    rows += _determinism_rows(backend, q, k, v, do, causal, dtype, target_ms)
+                    progress.update(1)
+                case["results"] = rows
+                cases.append(_finish_case(case))
+                del q, k, v, do, leaves
+                torch.cuda.empty_cache()
+    return cases
+
+
+def _sdpa_step(ts, step, name, causal):
+    with ts.force(name):
+        return step(lambda a, b, c: ts.sdpa(a, b, c, causal=causal))
+
+
+def _determinism_rows(backend, q, k, v, do, causal, dtype, target_ms):
+    """Backward alone, atomic and deterministic, for each registered version with a
+    ``deterministic`` setting: time, and dQ's differing elements between two runs."""
+    import dataclasses
+    import iokernels as ik
+    rows = []
+    o = lse = None
+    for name, cfg, _ in registry_versions(backend, "attention_backward", q=q, k=k, v=v):
+        if isinstance(cfg, Exception) or "deterministic" not in {f.name for f in dataclasses.fields(cfg)}:
+            continue
+        try:
+            if o is None:
+                o, lse = ik.attention(q, k, v, causal=causal, backend="torch", return_lse=True)
+        except Exception as e:
+            rows.append({"runner": f"{name} bwd", "group": backend, "status": f"failed: {_first_line(e)}"})
+            return rows
+        for det in (False, True):
+            c = cfg.replace(deterministic=det)
+            fn = lambda c=c: ik.attention_backward(do, q, k, v, o, lse, causal=causal, backend=backend, config=c)
+            row = _measure(f"{name} bwd {'deterministic' if det else 'atomic'}", backend, fn,
+                           work=10.0 * q.shape[0] * q.shape[1] * _visible_pairs(q.shape[2], k.shape[2], causal)
+                           * q.shape[3], unit="TFLOP/s", dtype=dtype, check=False, target_ms=target_ms)
+            if row.get("status") == "ok":
+                try:
+                    row["dq_elements_differing_between_two_runs"] = _bitwise_differences(fn()[0], fn()[0])
+                except Exception as e:
+                    row["determinism_check"] = f"failed: {_first_line(e)}"
+            rows.append(row)
+    return rows

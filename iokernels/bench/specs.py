@@ -23,7 +23,8 @@ QUICK = dict(prefill=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=
                           dtypes=("float32",)),
              decode=dict(heads_q=4, heads_kv=2, head_dim=64, batches=(2,), seqlens=(512,),
                          dtypes=("float16",)),
-             gather=dict(heads_kv=2, head_dim=64, seqlens=(512,), dtype="float16"))
+             gather=dict(heads_kv=2, head_dim=64, seqlens=(512,), dtype="float16"),
+             backward=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=(True,), dtypes=("float32",)))
 
 SDPA_NAMES = ("flash", "efficient", "cudnn", "math")
 #: NumPy runs (host, one repetition) only when the problem is this small (FLOPs): beyond it
@@ -39,4 +40,9 @@ CHECK_TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
 #: a problem's block size for the paged cache (vLLM's default)
 PAGED_BLOCK = 16
 
-SECTIONS = ("prefill", "compare", "decode", "gather")
+#: forward + backward (a training step): bf16 at the head-to-head shape, and float32 (where the
+#: Numba backward runs) at a smaller one, since its CUDA-core kernels take seconds at the large
+BACKWARD = dict(batch=8, heads=16, head_dim=128, seqlens=(4096,), causal=(False, True), dtypes=("bfloat16",))
+BACKWARD_FP32 = dict(batch=2, heads=16, head_dim=128, seqlens=(2048,), causal=(False, True), dtypes=("float32",))
+
+SECTIONS = ("prefill", "compare", "decode", "gather", "backward")
