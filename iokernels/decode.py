@@ -68,10 +68,11 @@ import numpy as np
 
 from .core import conventions as cv
 from .core.traffic import HBM, Traffic
+from .paged import SCALE_ITEMSIZE, dequantize, storage_dtype
 
 __all__ = ["decode_naive", "decode_split_kv", "paged_decode_split_kv", "merge_states", "merge_kernel",
            "num_splits_heuristic", "split_ranges", "traffic_model", "traffic_model_paged",
-           "traffic_model_naive", "decode_bytes_per_token", "decode_flops", "decode_time_bound", "DEFAULT_NUM_SMS",
+           "traffic_model_naive", "visible_start", "perturbed_decode_error_bound", "decode_bytes_per_token", "decode_flops", "decode_time_bound", "DEFAULT_NUM_SMS",
            "DEFAULT_BLOCK_N", "MAX_SPLITS"]
 
 #: keys per tile of the NumPy decode kernels: vLLM's block size, so that contiguous and
@@ -133,20 +134,35 @@ def num_splits_heuristic(batch, heads_kv, seqlen, num_sms=DEFAULT_NUM_SMS, *, bl
     return (choice, eff) if return_efficiency else choice
 
 
-def split_ranges(seq_len, num_splits, block_n=DEFAULT_BLOCK_N):
-    """The key range [start, stop) of each split of a sequence of ``seq_len`` keys.
+def split_ranges(seq_len, num_splits, block_n=DEFAULT_BLOCK_N, start=0):
+    """The key range [start, stop) of each split of the keys [start, seq_len) of a sequence.
 
-    Tiles of ``block_n`` keys are dealt out in contiguous runs of ceil(Tc / S); trailing
-    splits may be empty (start == stop), as in FlashAttention-2.
+    The tiles are the ``block_n``-aligned blocks of the whole sequence that meet
+    [start, seq_len) (so contiguous and paged decode tile alike, and a sliding window's
+    first tile is the partial block holding ``start``).  They are dealt out in contiguous
+    runs of ceil(Tc / S); trailing splits may be empty (start == stop), as in
+    FlashAttention-2.  Keys before ``start`` belong to no split: they are never read.
     """
-    tiles = -(-seq_len // block_n)
+    t0, t1 = start // block_n, -(-seq_len // block_n)
+    tiles = max(t1 - t0, 0)
     per = -(-tiles // num_splits) if tiles else 0
     out = []
     for s in range(num_splits):
-        a = min(s * per * block_n, seq_len)
-        b = min((s + 1) * per * block_n, seq_len)
-        out.append((a, b))
+        a = min(max((t0 + s * per) * block_n, start), seq_len)
+        b = min((t0 + (s + 1) * per) * block_n, seq_len)
+        out.append((a, max(a, b)))
     return out
+
+
+def visible_start(seq_len, window=None):
+    """The first key the decode query of a sequence of ``seq_len`` keys sees.
+
+    The one query sits at the last position (bottom-right alignment), so with
+    window (left, right) it sees key j iff j >= seq_len - 1 - left; ``right`` cannot
+    reach past the end, and left = -1 (unbounded) gives 0.
+    """
+    left, _ = cv.resolve_window(window)
+    return 0 if left < 0 else max(seq_len - 1 - left, 0)
 
 
 def _resolve_splits(num_splits, batch, heads_kv, max_len, block_n):
@@ -157,6 +173,12 @@ def _resolve_splits(num_splits, batch, heads_kv, max_len, block_n):
 
 def _lens(seq_lens, batch, n):
     return [n] * batch if seq_lens is None else [int(x) for x in np.asarray(seq_lens)]
+
+
+def _starts(lens, window):
+    """Per sequence, the first visible key; the heuristic sees the longest visible run."""
+    starts = [visible_start(n, window) for n in lens]
+    return starts, max((n - a for n, a in zip(lens, starts)), default=0)
 
 
 # --------------------------------------------------------------------------- the merge
@@ -200,16 +222,18 @@ def merge_kernel(O_part: HBM, LSE_part: HBM, O: HBM, LSE: HBM):
 
 
 # --------------------------------------------------------------------------- v1 naive
-def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
+def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None, window=None):
     """v1: scores and probabilities materialized in HBM (num_splits is ignored).
 
-    q (B, Hq, d); k, v (B, Hkv, N, d).  Returns (O (B, Hq, d), LSE (B, Hq)).
+    q (B, Hq, d); k, v (B, Hkv, N, d).  With ``window`` only the visible keys
+    [:func:`visible_start`, n) are read and scored.  Returns (O (B, Hq, d), LSE (B, Hq)).
     """
     B, Hq, d = q.shape
     Hkv, N = k.shape[1], k.shape[2]
     scale = cv.default_scale(d) if scale is None else scale
     acc = cv.accum_dtype(q.dtype.name)
     lens = _lens(seq_lens, B, N)
+    starts, _ = _starts(lens, window)
     Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
     S_ = HBM(np.zeros((B, Hq, N), acc), "S")
     P_ = HBM(np.zeros((B, Hq, N), acc), "P")
@@ -217,33 +241,34 @@ def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None):
     LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
     kvh = cv.kv_head_index(Hq, Hkv)
     for b in range(B):
-        n = lens[b]
+        a, n = starts[b], lens[b]                             # visible keys [a, n)
         if n == 0:
             O[b] = np.zeros((Hq, d), q.dtype)                 # write Hq*d
             LSE[b] = np.full(Hq, -np.inf, acc)                # write Hq
             continue
         qb = Q[b].astype(acc)                                 # read Hq*d
-        kb = K[b, :, :n].astype(acc)                          # read Hkv*n*d
-        S_[b, :, :n] = scale * np.einsum("hd,hnd->hn", qb, kb[kvh])   # write Hq*n
-        s = S_[b, :, :n]                                      # read Hq*n
+        kb = K[b, :, a:n].astype(acc)                         # read Hkv*(n-a)*d
+        S_[b, :, a:n] = scale * np.einsum("hd,hnd->hn", qb, kb[kvh])   # write Hq*(n-a)
+        s = S_[b, :, a:n]                                     # read Hq*(n-a)
         m = s.max(axis=-1, keepdims=True)
         p = np.exp(s - m)
         l = p.sum(axis=-1, keepdims=True)
-        P_[b, :, :n] = p / l                                  # write Hq*n
-        p = P_[b, :, :n]                                      # read Hq*n
-        vb = V[b, :, :n].astype(acc)                          # read Hkv*n*d
+        P_[b, :, a:n] = p / l                                 # write Hq*(n-a)
+        p = P_[b, :, a:n]                                     # read Hq*(n-a)
+        vb = V[b, :, a:n].astype(acc)                         # read Hkv*(n-a)*d
         O[b] = np.einsum("hn,hnd->hd", p, vb[kvh]).astype(q.dtype)   # write Hq*d
         LSE[b] = (m + np.log(l))[:, 0]                        # write Hq
     return O.data, LSE.data
 
 
-def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="float32"):
+def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="float32", window=None):
     """Closed-form traffic of :func:`decode_naive` (seq_lens: one length per sequence)."""
     s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
     d = head_dim
     t = Traffic()
     for n in _lens(seq_lens, batch, None):
-        if n:
+        n_all, n = n, n - visible_start(n, window)            # keys scored
+        if n_all:
             t.add("Q", read=heads_q * d * s)
             t.add("K", read=heads_kv * n * d * s)
             t.add("V", read=heads_kv * n * d * s)
@@ -255,6 +280,12 @@ def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="
 
 
 # --------------------------------------------------------------------------- v2 split-KV
+def _tiles(a, z, block_n):
+    """The tiles of keys [a, z): cut at the block_n-aligned boundaries of the sequence."""
+    cuts = [a] + list(range((a // block_n + 1) * block_n, z, block_n)) + [z]
+    return [(x, y) for x, y in zip(cuts[:-1], cuts[1:]) if y > x]
+
+
 def _split_worker(q_grp, load_tile, tiles, scale, acc):
     """One thread block: online softmax of g packed query rows over its tiles.
 
@@ -279,12 +310,15 @@ def _split_worker(q_grp, load_tile, tiles, scale, acc):
     return o / l[:, None], m + np.log(l)
 
 
-def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, block_n=DEFAULT_BLOCK_N):
+def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, window=None,
+                    block_n=DEFAULT_BLOCK_N):
     """v2: Flash-Decoding over a contiguous cache: split-KV workers, then the merge kernel.
 
     q (B, Hq, d); k, v (B, Hkv, N, d); sequence b uses keys [0, seq_lens[b]).
     num_splits None: :func:`num_splits_heuristic` (with DEFAULT_NUM_SMS).  With one split the
-    workers write O and LSE directly and no merge runs.  Returns (O, LSE).
+    workers write O and LSE directly and no merge runs.  ``window`` (left, right): only the
+    keys [:func:`visible_start`, n) are split and read, so a sliding window's traffic
+    grows with the window, not with n.  Returns (O, LSE).
     """
     B, Hq, d = q.shape
     Hkv, N = k.shape[1], k.shape[2]
@@ -292,7 +326,8 @@ def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, bloc
     scale = cv.default_scale(d) if scale is None else scale
     acc = cv.accum_dtype(q.dtype.name)
     lens = _lens(seq_lens, B, N)
-    S = _resolve_splits(num_splits, B, Hkv, max(lens, default=0), block_n)
+    starts, longest = _starts(lens, window)
+    S = _resolve_splits(num_splits, B, Hkv, longest, block_n)
     Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
     O = HBM(np.zeros((B, Hq, d), q.dtype), "O")
     LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
@@ -302,8 +337,8 @@ def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, bloc
     for b in range(B):                                        # grid: (sequence, KV head, split)
         for h in range(Hkv):
             rows = slice(h * g, (h + 1) * g)                  # the g query heads of KV head h
-            for s, (a, z) in enumerate(split_ranges(lens[b], S, block_n)):
-                tiles = [(t0, min(t0 + block_n, z)) for t0 in range(a, z, block_n)]
+            for s, (a, z) in enumerate(split_ranges(lens[b], S, block_n, starts[b])):
+                tiles = _tiles(a, z, block_n)
                 if tiles:
                     q_grp = Q[b, rows].astype(acc)            # load Q group (g, d) -> SRAM
                 else:
@@ -325,12 +360,16 @@ def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, bloc
 
 
 # --------------------------------------------------------------------------- v3 paged
-def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None):
+def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None, window=None):
     """v3: split-KV decode reading K and V through the block tables of a PagedKVCache.
 
     q (len(seq_ids), Hq, d).  A tile is one block (Bc = cache.block_size); a worker reads
     the table entry of each of its blocks, then the block's valid slots only (the unwritten
-    tail of a last block is never read).  Returns (O, LSE).
+    tail of a last block is never read).  A quantized cache (``cache.quantized``) stores
+    1-byte values and one float32 scale per (block, KV head) or per block: the worker reads
+    the tile's scale next to it and dequantizes on chip (:func:`iokernels.paged.dequantize`),
+    so K and V cross HBM at 1 byte a value.  ``window`` as in :func:`decode_split_kv`.
+    Returns (O, LSE).
     """
     B, Hq, d = q.shape
     Hkv, bs = cache.num_kv_heads, cache.block_size
@@ -339,10 +378,13 @@ def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None):
     acc = cv.accum_dtype(q.dtype.name)
     tables_np, lens_np = cache.block_tables_array(seq_ids)
     lens = [int(x) for x in lens_np]
-    S = _resolve_splits(num_splits, B, Hkv, max(lens, default=0), bs)
+    starts, longest = _starts(lens, window)
+    S = _resolve_splits(num_splits, B, Hkv, longest, bs)
     Q = HBM(q, "Q")
     TABLE = HBM(tables_np, "block_table")
     K_CACHE, V_CACHE = HBM(cache.k_pool, "K_cache"), HBM(cache.v_pool, "V_cache")
+    if cache.quantized:
+        K_SCALE, V_SCALE = HBM(cache.k_scale, "K_scale"), HBM(cache.v_scale, "V_scale")
     O = HBM(np.zeros((B, Hq, d), q.dtype), "O")
     LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
     if S > 1:
@@ -351,14 +393,20 @@ def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None):
     for b in range(B):                                        # grid: (sequence, KV head, split)
         for h in range(Hkv):
             rows = slice(h * g, (h + 1) * g)
-            for s, (a, z) in enumerate(split_ranges(lens[b], S, bs)):
-                tiles = [(t0, min(t0 + bs, z)) for t0 in range(a, z, bs)]
+            for s, (a, z) in enumerate(split_ranges(lens[b], S, bs, starts[b])):
+                tiles = _tiles(a, z, bs)
                 q_grp = Q[b, rows].astype(acc) if tiles else np.zeros((g, d), acc)
 
                 def load(t, b=b, h=h):
                     blk = int(TABLE[b, t[0] // bs])           # read the table entry (int32)
-                    n = t[1] - t[0]                           # valid slots of this block
-                    return K_CACHE[blk, :n, h], V_CACHE[blk, :n, h]   # load K_j, V_j -> SRAM
+                    i0 = t[0] % bs                            # the tile's valid slots in the block
+                    i1 = i0 + t[1] - t[0]
+                    kj, vj = K_CACHE[blk, i0:i1, h], V_CACHE[blk, i0:i1, h]   # load K_j, V_j -> SRAM
+                    if cache.quantized:                       # load the tile's scales -> SRAM
+                        hs = h if cache.scale_granularity == "block_head" else 0
+                        kj = dequantize(kj, K_SCALE[blk, hs], acc)
+                        vj = dequantize(vj, V_SCALE[blk, hs], acc)
+                    return kj, vj
 
                 o_s, lse_s = _split_worker(q_grp, load, tiles, scale, acc)
                 if S > 1:
@@ -373,16 +421,22 @@ def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None):
 
 
 # --------------------------------------------------------------------------- traffic models
-def _split_model(t, *, batch, heads_q, heads_kv, head_dim, lens, S, block_n, s, a, kv_names, table):
+def _split_model(t, *, batch, heads_q, heads_kv, head_dim, lens, starts, S, block_n, s, a, kv_names,
+                 table, kv_itemsize=None, scales=False):
     d, g = head_dim, heads_q // heads_kv
-    for n in lens:
-        ranges = split_ranges(n, S, block_n)
+    kv_s = s if kv_itemsize is None else kv_itemsize
+    for n, start in zip(lens, starts):
+        ranges = split_ranges(n, S, block_n, start)
         busy = sum(1 for x, y in ranges if y > x)             # splits with at least one key
+        tiles = len(_tiles(start, n, block_n))                # blocks met by the visible keys
         t.add("Q", read=heads_kv * busy * g * d * s)          # each busy worker loads its Q group
-        t.add(kv_names[0], read=heads_kv * n * d * s)         # every K row read exactly once
-        t.add(kv_names[1], read=heads_kv * n * d * s)
+        t.add(kv_names[0], read=heads_kv * (n - start) * d * kv_s)   # every visible K row read once
+        t.add(kv_names[1], read=heads_kv * (n - start) * d * kv_s)
         if table:
-            t.add("block_table", read=heads_kv * -(-n // block_n) * 4)   # one entry per block per head
+            t.add("block_table", read=heads_kv * tiles * 4)   # one entry per block per head
+        if scales:                                            # one float32 scale per tile, K and V
+            t.add("K_scale", read=heads_kv * tiles * SCALE_ITEMSIZE)
+            t.add("V_scale", read=heads_kv * tiles * SCALE_ITEMSIZE)
     if S > 1:
         t.add("O_partial", written=S * batch * heads_q * d * a, read=S * batch * heads_q * d * a)
         t.add("LSE_partial", written=S * batch * heads_q * a, read=S * batch * heads_q * a)
@@ -392,36 +446,47 @@ def _split_model(t, *, batch, heads_q, heads_kv, head_dim, lens, S, block_n, s, 
 
 
 def traffic_model(*, batch, heads_q, heads_kv, head_dim, seqlen_k=None, seq_lens=None, num_splits=None,
-                  dtype="float32", block_n=DEFAULT_BLOCK_N):
+                  dtype="float32", block_n=DEFAULT_BLOCK_N, window=None):
     """Closed-form traffic of :func:`decode_split_kv` (``traffic.model("decode", ...)``).
 
     Keywords: batch, heads_q, heads_kv, head_dim, seqlen_k (all sequences this long) or
     seq_lens (one per sequence), num_splits (None: the same heuristic as the kernel),
-    dtype, block_n.  K and V are read once; each busy split reads its Q group; with S > 1
-    the partial O_s, LSE_s (accumulator dtype) are written and read back by the merge;
-    O and LSE are written once.
+    dtype, block_n, window.  The visible K and V rows are read once; each busy split reads
+    its Q group; with S > 1 the partial O_s, LSE_s (accumulator dtype) are written and
+    read back by the merge; O and LSE are written once.
     """
     lens = _lens(seq_lens, batch, seqlen_k)
-    S = _resolve_splits(num_splits, batch, heads_kv, max(lens, default=0), block_n)
-    s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
+    starts, longest = _starts(lens, window)
+    S = _resolve_splits(num_splits, batch, heads_kv, longest, block_n)
+    s, a = _itemsize(dtype), cv.accum_dtype(storage_dtype(dtype).name).itemsize
     return _split_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-                        lens=lens, S=S, block_n=block_n, s=s, a=a, kv_names=("K", "V"), table=False)
+                        lens=lens, starts=starts, S=S, block_n=block_n, s=s, a=a, kv_names=("K", "V"),
+                        table=False)
 
 
 def traffic_model_paged(*, batch, heads_q, heads_kv, head_dim, seq_lens, num_splits=None,
-                        dtype="float32", block_size=16):
+                        dtype="float32", block_size=16, window=None, kv_dtype=None):
     """Closed-form traffic of :func:`paged_decode_split_kv` (``traffic.model("paged_decode", ...)``).
 
     Keywords: batch, heads_q, heads_kv, head_dim, seq_lens (one per sequence), num_splits,
-    dtype, block_size.  As :func:`traffic_model` with the pools named K_cache / V_cache,
-    plus the block-table entries each (KV head, block) worker reads (int32).
+    dtype (of q and O), block_size, window, kv_dtype (a quantized cache's storage,
+    "float8_e4m3fn" or "int8"; None: the pools hold ``dtype``).  As :func:`traffic_model`
+    with the pools named K_cache / V_cache, plus the block-table entry each (KV head,
+    block) worker reads (int32) and, for a quantized cache, that tile's K and V scales
+    (float32): the same count whether the scales are per block or per (block, head).
     """
     lens = _lens(seq_lens, batch, None)
-    S = _resolve_splits(num_splits, batch, heads_kv, max(lens, default=0), block_size)
-    s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
+    starts, longest = _starts(lens, window)
+    S = _resolve_splits(num_splits, batch, heads_kv, longest, block_size)
+    s, a = _itemsize(dtype), cv.accum_dtype(storage_dtype(dtype).name).itemsize
     return _split_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-                        lens=lens, S=S, block_n=block_size, s=s, a=a, kv_names=("K_cache", "V_cache"),
-                        table=True)
+                        lens=lens, starts=starts, S=S, block_n=block_size, s=s, a=a,
+                        kv_names=("K_cache", "V_cache"), table=True,
+                        kv_itemsize=None if kv_dtype is None else _itemsize(kv_dtype), scales=kv_dtype is not None)
+
+
+def _itemsize(name):
+    return storage_dtype(name).itemsize
 
 
 # --------------------------------------------------------------------------- calculators
@@ -452,3 +517,34 @@ def decode_time_bound(nbytes, bandwidth):
     if bandwidth <= 0:
         raise ValueError(f"bandwidth: expected bytes per second > 0, got {bandwidth!r}")
     return float(nbytes) / float(bandwidth)
+
+
+def perturbed_decode_error_bound(q, k, v, k_hat, v_hat, *, seq_lens=None, scale=None, window=None):
+    """How far decode over perturbed K, V (a quantized cache's k_hat, v_hat) can be from exact.
+
+    With delta_s_j = scale * q . (k_hat_j - k_j) the score change of visible key j and
+    D = max_j |delta_s_j|, the softmax weights change by a factor within exp(+-2D), so
+
+        |O_hat - O|   <=  max_j |v_hat_j - v_j|  +  (exp(2D) - 1) * max_j |v_j|
+        |LSE_hat - LSE| <=  D
+
+    (per sequence and query head, elementwise in O; arithmetic rounding not included).  The
+    bound does not grow with the cache length: O is a weighted average, and so is its error.
+    q (B, Hq, d); k, v, k_hat, v_hat (B, Hkv, N, d).  Returns (o_bound, lse_bound), (B, Hq).
+    """
+    f = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
+    q, k, v, k_hat, v_hat = f(q), f(k), f(v), f(k_hat), f(v_hat)
+    B, Hq, d = q.shape
+    scale = cv.default_scale(d) if scale is None else scale
+    lens = _lens(seq_lens, B, k.shape[2])
+    kvh = cv.kv_head_index(Hq, k.shape[1])
+    o_bound, lse_bound = np.zeros((B, Hq)), np.zeros((B, Hq))
+    for b, n in enumerate(lens):
+        a = visible_start(n, window)
+        if n == 0:
+            continue
+        dk, dv = (k_hat - k)[b, kvh, a:n], (v_hat - v)[b, kvh, a:n]   # (Hq, keys, d)
+        D = np.abs(scale * np.einsum("hd,hnd->hn", q[b], dk)).max(axis=1)
+        o_bound[b] = np.abs(dv).max(axis=(1, 2)) + np.expm1(2 * D) * np.abs(v[b, kvh, a:n]).max(axis=(1, 2))
+        lse_bound[b] = D
+    return o_bound, lse_bound

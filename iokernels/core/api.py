@@ -11,6 +11,7 @@ a CPU), "cupy" (CuPy RawKernel), "torch" (scaled_dot_product_attention, for comp
 from __future__ import annotations
 
 import importlib
+import inspect
 import numbers
 
 import numpy as np
@@ -178,28 +179,51 @@ class _Shape4:
         self.shape, self.dtype = (b, h, 1, d), q.dtype
 
 
-def decode(q, k, v, num_splits=None, scale=None, backend="tiled", return_lse=False, seq_lens=None):
+def _window_kwargs(window, backend, fn):
+    """``window`` as a backend keyword: passed only when bounded, and only to a backend that takes it."""
+    window = cv.resolve_window(window)
+    if window == (-1, -1):
+        return {}
+    if "window" not in inspect.signature(fn).parameters:
+        raise ValueError(f"window: the {backend!r} backend has no sliding-window decode; use window=None "
+                         f"or a NumPy backend ('naive', 'tiled')")
+    return {"window": window}
+
+
+def decode(q, k, v, num_splits=None, scale=None, backend="tiled", return_lse=False, seq_lens=None,
+           window=None):
     """One new query token per sequence: q (B, Hq, d) over k, v (B, Hkv, N, d).
 
     ``seq_lens`` (B,) makes the cache ragged (sequence b uses keys [0, seq_lens[b]));
     ``num_splits`` splits each sequence's keys into that many chunks (Flash-Decoding);
-    None picks it from the occupancy heuristic.
+    None picks it from the occupancy heuristic.  ``window`` (left, right): the query is
+    the last position n - 1 (bottom-right alignment), so it sees key j iff
+    j >= n - 1 - left; ``right`` cannot reach past the end.
     """
     info, lens = _check_decode(q, k, v, seq_lens)
     num_splits = _check_num_splits(num_splits)
     return_lse = cv.check_bool(return_lse, "return_lse")
     scale = cv.resolve_scale(scale, info["head_dim"])
     fn = _resolve(backend, "decode")
+    extra = _window_kwargs(window, backend, fn)
     _numpy_only(backend, q=q, k=k, v=v)
-    o, lse = fn(q, k, v, seq_lens=lens, num_splits=num_splits, scale=scale)
+    o, lse = fn(q, k, v, seq_lens=lens, num_splits=num_splits, scale=scale, **extra)
     return (o, lse) if return_lse else o
 
 
-def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled", return_lse=False):
-    """Decode over a :class:`PagedKVCache`: q (len(seq_ids), Hq, d), one token per sequence."""
+def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled", return_lse=False,
+                 window=None):
+    """Decode over a :class:`PagedKVCache`: q (len(seq_ids), Hq, d), one token per sequence.
+
+    A quantized cache (``kv_dtype`` set) is dequantized by the NumPy kernel; ``window`` as
+    in :func:`decode`.
+    """
     from ..paged import PagedKVCache
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+    if cache.quantized and backend not in NUMPY_BACKENDS:
+        raise ValueError(f"cache: a {cache.kv_dtype} cache is dequantized by the 'tiled' backend only; "
+                         f"the {backend!r} kernels read unquantized pools")
     seq_ids = list(seq_ids)
     for sid in seq_ids:
         cache._check_sid(sid)
@@ -213,7 +237,8 @@ def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled"
     return_lse = cv.check_bool(return_lse, "return_lse")
     scale = cv.resolve_scale(scale, cache.head_dim)
     fn = _resolve(backend, "paged_decode")
-    o, lse = fn(q, cache, seq_ids, num_splits=num_splits, scale=scale)
+    extra = _window_kwargs(window, backend, fn)
+    o, lse = fn(q, cache, seq_ids, num_splits=num_splits, scale=scale, **extra)
     return (o, lse) if return_lse else o
 
 
