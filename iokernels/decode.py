@@ -72,7 +72,8 @@ from .paged import SCALE_ITEMSIZE, dequantize, storage_dtype
 
 __all__ = ["decode_naive", "decode_split_kv", "paged_decode_split_kv", "merge_states", "merge_kernel",
            "num_splits_heuristic", "split_ranges", "traffic_model", "traffic_model_paged",
-           "traffic_model_naive", "visible_start", "perturbed_decode_error_bound", "decode_bytes_per_token", "decode_flops", "decode_time_bound", "DEFAULT_NUM_SMS",
+           "traffic_model_naive", "visible_start", "perturbed_decode_error_bound", "split_kv_grid",
+           "paged_tile_loader", "split_kv_model", "decode_bytes_per_token", "decode_flops", "decode_time_bound", "DEFAULT_NUM_SMS",
            "DEFAULT_BLOCK_N", "MAX_SPLITS"]
 
 #: keys per tile of the NumPy decode kernels: vLLM's block size, so that contiguous and
@@ -286,13 +287,15 @@ def _tiles(a, z, block_n):
     return [(x, y) for x, y in zip(cuts[:-1], cuts[1:]) if y > x]
 
 
-def _split_worker(q_grp, load_tile, tiles, scale, acc):
+def _split_worker(q_grp, load_tile, tiles, scale, acc, dv=None):
     """One thread block: online softmax of g packed query rows over its tiles.
 
-    q_grp (g, d) is in SRAM; ``load_tile(t)`` loads K_j, V_j (Bc, d) -> SRAM.
-    Returns the split's normalized O_s (g, d) and LSE_s (g,).
+    q_grp (g, d) is in SRAM; ``load_tile(t)`` loads K_j (Bc, d), V_j (Bc, dv) -> SRAM
+    (dv: the value width, d unless given; multi-head latent attention's differs).
+    Returns the split's normalized O_s (g, dv) and LSE_s (g,).
     """
     g, d = q_grp.shape
+    d = d if dv is None else dv
     m = np.full(g, -np.inf, acc)                              # running row max
     l = np.zeros(g, acc)                                      # running softmax sum
     o = np.zeros((g, d), acc)                                 # unnormalized output
@@ -310,6 +313,48 @@ def _split_worker(q_grp, load_tile, tiles, scale, acc):
     return o / l[:, None], m + np.log(l)
 
 
+def split_kv_grid(q, load, *, lens, starts, num_splits, block_n, heads_kv, scale, value_dim=None):
+    """The split-KV launch both decode versions (and MLA's) share: workers, then the merge.
+
+    q (B, Hq, d) in HBM; ``load(b, h, t)`` loads tile t = (start, stop) of KV head h of
+    sequence b -> SRAM and returns (K_j (Bc, d), V_j (Bc, dv)), counting its own HBM reads
+    (so a cache layout decides what a tile costs).  Sequence b's keys are
+    [starts[b], lens[b]), split ``num_splits`` ways.  With one split the workers write O and
+    LSE directly; otherwise partial O_s, LSE_s go to HBM and :func:`merge_kernel` combines
+    them.  Returns (O (B, Hq, dv), LSE (B, Hq)).
+    """
+    B, Hq, d = q.shape
+    g = Hq // heads_kv
+    dv = d if value_dim is None else value_dim
+    S = num_splits
+    acc = cv.accum_dtype(q.dtype.name)
+    Q = HBM(q, "Q")
+    O = HBM(np.zeros((B, Hq, dv), q.dtype), "O")
+    LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
+    if S > 1:                                                 # partial results live in HBM
+        O_part = HBM(np.zeros((S, B, Hq, dv), acc), "O_partial")
+        LSE_part = HBM(np.full((S, B, Hq), -np.inf, acc), "LSE_partial")
+    for b in range(B):                                        # grid: (sequence, KV head, split)
+        for h in range(heads_kv):
+            rows = slice(h * g, (h + 1) * g)                  # the g query heads of KV head h
+            for s, (a, z) in enumerate(split_ranges(lens[b], S, block_n, starts[b])):
+                tiles = _tiles(a, z, block_n)
+                if tiles:
+                    q_grp = Q[b, rows].astype(acc)            # load Q group (g, d) -> SRAM
+                else:
+                    q_grp = np.zeros((g, d), acc)             # empty split: Q not loaded
+                o_s, lse_s = _split_worker(q_grp, lambda t, b=b, h=h: load(b, h, t), tiles, scale, acc, dv)
+                if S > 1:
+                    O_part[s, b, rows] = o_s                  # write O_s -> HBM
+                    LSE_part[s, b, rows] = lse_s              # write LSE_s -> HBM
+                else:
+                    O[b, rows] = o_s.astype(q.dtype)          # write O -> HBM
+                    LSE[b, rows] = lse_s                      # write LSE -> HBM
+    if S > 1:
+        merge_kernel(O_part, LSE_part, O, LSE)
+    return O.data, LSE.data
+
+
 def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, window=None,
                     block_n=DEFAULT_BLOCK_N):
     """v2: Flash-Decoding over a contiguous cache: split-KV workers, then the merge kernel.
@@ -322,44 +367,49 @@ def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, wind
     """
     B, Hq, d = q.shape
     Hkv, N = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    scale = cv.default_scale(d) if scale is None else scale
-    acc = cv.accum_dtype(q.dtype.name)
     lens = _lens(seq_lens, B, N)
     starts, longest = _starts(lens, window)
     S = _resolve_splits(num_splits, B, Hkv, longest, block_n)
-    Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
-    O = HBM(np.zeros((B, Hq, d), q.dtype), "O")
-    LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
-    if S > 1:                                                 # partial results live in HBM
-        O_part = HBM(np.zeros((S, B, Hq, d), acc), "O_partial")
-        LSE_part = HBM(np.full((S, B, Hq), -np.inf, acc), "LSE_partial")
-    for b in range(B):                                        # grid: (sequence, KV head, split)
-        for h in range(Hkv):
-            rows = slice(h * g, (h + 1) * g)                  # the g query heads of KV head h
-            for s, (a, z) in enumerate(split_ranges(lens[b], S, block_n, starts[b])):
-                tiles = _tiles(a, z, block_n)
-                if tiles:
-                    q_grp = Q[b, rows].astype(acc)            # load Q group (g, d) -> SRAM
-                else:
-                    q_grp = np.zeros((g, d), acc)             # empty split: Q not loaded
+    K, V = HBM(k, "K"), HBM(v, "V")
 
-                def load(t, b=b, h=h):
-                    return K[b, h, t[0]:t[1]], V[b, h, t[0]:t[1]]
+    def load(b, h, t):                                        # load K_j, V_j -> SRAM
+        return K[b, h, t[0]:t[1]], V[b, h, t[0]:t[1]]
 
-                o_s, lse_s = _split_worker(q_grp, load, tiles, scale, acc)
-                if S > 1:
-                    O_part[s, b, rows] = o_s                  # write O_s -> HBM
-                    LSE_part[s, b, rows] = lse_s              # write LSE_s -> HBM
-                else:
-                    O[b, rows] = o_s.astype(q.dtype)          # write O -> HBM
-                    LSE[b, rows] = lse_s                      # write LSE -> HBM
-    if S > 1:
-        merge_kernel(O_part, LSE_part, O, LSE)
-    return O.data, LSE.data
+    return split_kv_grid(q, load, lens=lens, starts=starts, num_splits=S, block_n=block_n, heads_kv=Hkv,
+                         scale=cv.default_scale(d) if scale is None else scale, value_dim=v.shape[-1])
 
 
 # --------------------------------------------------------------------------- v3 paged
+def paged_tile_loader(cache, seq_ids, pools=("K", "V")):
+    """``load(b, h, t)`` reading tile t of sequence seq_ids[b] through its block table.
+
+    The tile lies in one block (tiles are cut at block boundaries): one table entry is
+    read (int32), then the tile's valid slots of each pool named in ``pools``, and for a
+    quantized cache the block's scale of each, dequantized on chip.  Returns the loader,
+    and the sequences' lengths.
+    """
+    tables_np, lens_np = cache.block_tables_array(seq_ids)
+    bs, acc = cache.block_size, cv.accum_dtype(cache.dtype.name)
+    TABLE = HBM(tables_np, "block_table")
+    src = [(HBM(getattr(cache, f"{x.lower()}_pool"), f"{x}_cache"),
+            HBM(getattr(cache, f"{x.lower()}_scale"), f"{x}_scale") if cache.quantized else None) for x in pools]
+    per_head = cache.scale_granularity == "block_head"
+
+    def load(b, h, t):
+        blk = int(TABLE[b, t[0] // bs])                       # read the table entry (int32)
+        i0 = t[0] % bs                                        # the tile's valid slots in the block
+        i1 = i0 + t[1] - t[0]
+        out = []
+        for CACHE, SCALE in src:
+            tile = CACHE[blk, i0:i1, h]                       # load K_j (V_j) -> SRAM
+            if SCALE is not None:                             # load the tile's scale -> SRAM
+                tile = dequantize(tile, SCALE[blk, h if per_head else 0], acc)
+            out.append(tile)
+        return tuple(out)
+
+    return load, [int(x) for x in lens_np]
+
+
 def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None, window=None):
     """v3: split-KV decode reading K and V through the block tables of a PagedKVCache.
 
@@ -372,58 +422,24 @@ def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None, win
     Returns (O, LSE).
     """
     B, Hq, d = q.shape
-    Hkv, bs = cache.num_kv_heads, cache.block_size
-    g = Hq // Hkv
-    scale = cv.default_scale(d) if scale is None else scale
-    acc = cv.accum_dtype(q.dtype.name)
-    tables_np, lens_np = cache.block_tables_array(seq_ids)
-    lens = [int(x) for x in lens_np]
+    load, lens = paged_tile_loader(cache, seq_ids)
     starts, longest = _starts(lens, window)
-    S = _resolve_splits(num_splits, B, Hkv, longest, bs)
-    Q = HBM(q, "Q")
-    TABLE = HBM(tables_np, "block_table")
-    K_CACHE, V_CACHE = HBM(cache.k_pool, "K_cache"), HBM(cache.v_pool, "V_cache")
-    if cache.quantized:
-        K_SCALE, V_SCALE = HBM(cache.k_scale, "K_scale"), HBM(cache.v_scale, "V_scale")
-    O = HBM(np.zeros((B, Hq, d), q.dtype), "O")
-    LSE = HBM(np.full((B, Hq), -np.inf, acc), "LSE")
-    if S > 1:
-        O_part = HBM(np.zeros((S, B, Hq, d), acc), "O_partial")
-        LSE_part = HBM(np.full((S, B, Hq), -np.inf, acc), "LSE_partial")
-    for b in range(B):                                        # grid: (sequence, KV head, split)
-        for h in range(Hkv):
-            rows = slice(h * g, (h + 1) * g)
-            for s, (a, z) in enumerate(split_ranges(lens[b], S, bs, starts[b])):
-                tiles = _tiles(a, z, bs)
-                q_grp = Q[b, rows].astype(acc) if tiles else np.zeros((g, d), acc)
-
-                def load(t, b=b, h=h):
-                    blk = int(TABLE[b, t[0] // bs])           # read the table entry (int32)
-                    i0 = t[0] % bs                            # the tile's valid slots in the block
-                    i1 = i0 + t[1] - t[0]
-                    kj, vj = K_CACHE[blk, i0:i1, h], V_CACHE[blk, i0:i1, h]   # load K_j, V_j -> SRAM
-                    if cache.quantized:                       # load the tile's scales -> SRAM
-                        hs = h if cache.scale_granularity == "block_head" else 0
-                        kj = dequantize(kj, K_SCALE[blk, hs], acc)
-                        vj = dequantize(vj, V_SCALE[blk, hs], acc)
-                    return kj, vj
-
-                o_s, lse_s = _split_worker(q_grp, load, tiles, scale, acc)
-                if S > 1:
-                    O_part[s, b, rows] = o_s                  # write O_s -> HBM
-                    LSE_part[s, b, rows] = lse_s              # write LSE_s -> HBM
-                else:
-                    O[b, rows] = o_s.astype(q.dtype)          # write O -> HBM
-                    LSE[b, rows] = lse_s                      # write LSE -> HBM
-    if S > 1:
-        merge_kernel(O_part, LSE_part, O, LSE)
-    return O.data, LSE.data
+    S = _resolve_splits(num_splits, B, cache.num_kv_heads, longest, cache.block_size)
+    return split_kv_grid(q, load, lens=lens, starts=starts, num_splits=S, block_n=cache.block_size,
+                         heads_kv=cache.num_kv_heads, scale=cv.default_scale(d) if scale is None else scale)
 
 
 # --------------------------------------------------------------------------- traffic models
-def _split_model(t, *, batch, heads_q, heads_kv, head_dim, lens, starts, S, block_n, s, a, kv_names,
-                 table, kv_itemsize=None, scales=False):
+def split_kv_model(t, *, batch, heads_q, heads_kv, head_dim, lens, starts, S, block_n, s, a, kv_names,
+                   table, kv_itemsize=None, scales=False, value_dim=None):
+    """Add the traffic of :func:`split_kv_grid` to ``t``: the closed form every decode model uses.
+
+    s, a: storage and accumulator itemsizes; kv_names: the K and V tensors' names (V None:
+    the values are read with the keys, as MLA's latent rows are); table: one int32 entry
+    per (KV head, tile); scales: one float32 per (KV head, tile) for each of K and V.
+    """
     d, g = head_dim, heads_q // heads_kv
+    dv = d if value_dim is None else value_dim
     kv_s = s if kv_itemsize is None else kv_itemsize
     for n, start in zip(lens, starts):
         ranges = split_ranges(n, S, block_n, start)
@@ -431,16 +447,16 @@ def _split_model(t, *, batch, heads_q, heads_kv, head_dim, lens, starts, S, bloc
         tiles = len(_tiles(start, n, block_n))                # blocks met by the visible keys
         t.add("Q", read=heads_kv * busy * g * d * s)          # each busy worker loads its Q group
         t.add(kv_names[0], read=heads_kv * (n - start) * d * kv_s)   # every visible K row read once
-        t.add(kv_names[1], read=heads_kv * (n - start) * d * kv_s)
+        if kv_names[1] is not None:
+            t.add(kv_names[1], read=heads_kv * (n - start) * dv * kv_s)
         if table:
             t.add("block_table", read=heads_kv * tiles * 4)   # one entry per block per head
-        if scales:                                            # one float32 scale per tile, K and V
-            t.add("K_scale", read=heads_kv * tiles * SCALE_ITEMSIZE)
-            t.add("V_scale", read=heads_kv * tiles * SCALE_ITEMSIZE)
+        for name in ("K_scale", "V_scale")[:2 if kv_names[1] else 1] if scales else ():
+            t.add(name, read=heads_kv * tiles * SCALE_ITEMSIZE)   # one float32 scale per tile
     if S > 1:
-        t.add("O_partial", written=S * batch * heads_q * d * a, read=S * batch * heads_q * d * a)
+        t.add("O_partial", written=S * batch * heads_q * dv * a, read=S * batch * heads_q * dv * a)
         t.add("LSE_partial", written=S * batch * heads_q * a, read=S * batch * heads_q * a)
-    t.add("O", written=batch * heads_q * d * s)
+    t.add("O", written=batch * heads_q * dv * s)
     t.add("LSE", written=batch * heads_q * a)
     return t
 
@@ -459,7 +475,7 @@ def traffic_model(*, batch, heads_q, heads_kv, head_dim, seqlen_k=None, seq_lens
     starts, longest = _starts(lens, window)
     S = _resolve_splits(num_splits, batch, heads_kv, longest, block_n)
     s, a = _itemsize(dtype), cv.accum_dtype(storage_dtype(dtype).name).itemsize
-    return _split_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+    return split_kv_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                         lens=lens, starts=starts, S=S, block_n=block_n, s=s, a=a, kv_names=("K", "V"),
                         table=False)
 
@@ -479,7 +495,7 @@ def traffic_model_paged(*, batch, heads_q, heads_kv, head_dim, seq_lens, num_spl
     starts, longest = _starts(lens, window)
     S = _resolve_splits(num_splits, batch, heads_kv, longest, block_size)
     s, a = _itemsize(dtype), cv.accum_dtype(storage_dtype(dtype).name).itemsize
-    return _split_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+    return split_kv_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                         lens=lens, starts=starts, S=S, block_n=block_size, s=s, a=a,
                         kv_names=("K_cache", "V_cache"), table=True,
                         kv_itemsize=None if kv_dtype is None else _itemsize(kv_dtype), scales=kv_dtype is not None)

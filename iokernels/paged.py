@@ -209,10 +209,15 @@ class PagedKVCache:
     (num_blocks, Hkv or 1).  Rows are quantized on :meth:`append` (a block whose scale must
     grow is requantized) and dequantized by the readers; the error of every stored value
     is within :func:`quantization_error_bound` of its block's scale.
+
+    ``keys_only=True`` keeps one pool: ``v_pool`` (and ``v_scale``) is None and
+    :meth:`append` takes no values.  Multi-head latent attention's cache is one: each
+    token's row [latent | rotary key] serves as the key, and its first columns as the value
+    (:mod:`iokernels.mla`), so storing it twice would double the bytes per token.
     """
 
     def __init__(self, num_blocks, block_size=DEFAULT_BLOCK_SIZE, num_kv_heads=1, head_dim=64,
-                 dtype=np.float32, kv_dtype=None, scale_granularity="block_head"):
+                 dtype=np.float32, kv_dtype=None, scale_granularity="block_head", keys_only=False):
         self.num_blocks = _check_int(num_blocks, "num_blocks", 1)
         self.block_size = _check_int(block_size, "block_size", 1)
         self.num_kv_heads = _check_int(num_kv_heads, "num_kv_heads", 1)
@@ -226,18 +231,19 @@ class PagedKVCache:
                              f"got {kv_dtype!r}")
         cv.check_choice(scale_granularity, "scale_granularity", SCALE_GRANULARITIES)
         self.kv_dtype, self.scale_granularity = kv_dtype, scale_granularity
+        self.keys_only = cv.check_bool(keys_only, "keys_only")
         self.storage_dtype = self.dtype if kv_dtype is None else storage_dtype(kv_dtype)
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         # unwritten slots hold NaN (int8: INT8_PAD, which dequantizes to NaN) on purpose:
         # a kernel that reads padding shows it at once
         pad = INT8_PAD if kv_dtype == "int8" else np.nan
         self.k_pool = np.full(shape, pad, dtype=self.storage_dtype)
-        self.v_pool = np.full(shape, pad, dtype=self.storage_dtype)
+        self.v_pool = None if keys_only else np.full(shape, pad, dtype=self.storage_dtype)
         self.k_scale = self.v_scale = None
         if self.quantized:
             heads = self.num_kv_heads if scale_granularity == "block_head" else 1
             self.k_scale = np.full((self.num_blocks, heads), np.nan, dtype=np.float32)
-            self.v_scale = np.full((self.num_blocks, heads), np.nan, dtype=np.float32)
+            self.v_scale = None if keys_only else np.full((self.num_blocks, heads), np.nan, dtype=np.float32)
         self._ref = np.zeros(self.num_blocks, dtype=np.int64)
         self._free = OrderedDict((b, None) for b in range(self.num_blocks))  # FIFO: evict oldest
         self._tables: dict[int, list[int]] = {}
@@ -263,10 +269,15 @@ class PagedKVCache:
 
     def bytes_per_token(self) -> float:
         """Pool bytes one token slot takes, K and V, its share of its block's scales included."""
-        per = 2 * self.num_kv_heads * self.head_dim * self.storage_dtype.itemsize
+        pools = 1 if self.keys_only else 2
+        per = pools * self.num_kv_heads * self.head_dim * self.storage_dtype.itemsize
         if self.quantized:
-            per += 2 * self.k_scale.shape[1] * SCALE_ITEMSIZE / self.block_size
+            per += pools * self.k_scale.shape[1] * SCALE_ITEMSIZE / self.block_size
         return per
+
+    def _pools(self):
+        """(pool, scales) for K, and for V unless the cache keeps keys only."""
+        return [(self.k_pool, self.k_scale)] + ([] if self.keys_only else [(self.v_pool, self.v_scale)])
 
     def _check_sid(self, sid):
         if isinstance(sid, bool) or not isinstance(sid, numbers.Integral) or int(sid) not in self._tables:
@@ -351,6 +362,10 @@ class PagedKVCache:
 
     def _check_kv(self, k_new, v_new, token_ids):
         want = (self.num_kv_heads, self.head_dim)
+        if self.keys_only and v_new is not None:
+            raise ValueError("v_new: this cache keeps keys only (keys_only=True); pass v_new=None")
+        if self.keys_only:
+            v_new = k_new
         for name, x in (("k_new", k_new), ("v_new", v_new)):
             s = tuple(getattr(x, "shape", ()))
             if not isinstance(x, np.ndarray) or len(s) != 3 or s[1:] != want:
@@ -377,7 +392,7 @@ class PagedKVCache:
         self._ref[b] = 1
         return b
 
-    def append(self, sid, k_new, v_new, token_ids=None) -> None:
+    def append(self, sid, k_new, v_new=None, token_ids=None) -> None:
         """Append tokens' K and V rows, (tokens, Hkv, d) each, to sequence ``sid``.
 
         Fills the last block first (copying it first if it is shared), then takes blocks from
@@ -431,14 +446,14 @@ class PagedKVCache:
             last = table[-1]
             if cow:
                 new = self._allocate()
-                self.k_pool[new, :fill] = self.k_pool[last, :fill]
-                self.v_pool[new, :fill] = self.v_pool[last, :fill]
-                if self.quantized:                        # the copy keeps the block's scales
-                    self.k_scale[new], self.v_scale[new] = self.k_scale[last], self.v_scale[last]
+                for pool, scales in self._pools():
+                    pool[new, :fill] = pool[last, :fill]
+                    if scales is not None:                # the copy keeps the block's scales
+                        scales[new] = scales[last]
                 self._ref[last] -= 1                      # still > 0: another table holds it
                 table[-1] = last = new
                 self.stats["copy_on_write"] += 1
-            self._write(last, fill, k_new[:first], v_new[:first])
+            self._write(last, fill, k_new[:first], None if v_new is None else v_new[:first])
             if caching:
                 tail.extend(ids[:first])
                 if fill + first == bs:
@@ -452,7 +467,7 @@ class PagedKVCache:
                 self.stats["prefix_hits"] += 1
             else:
                 b = self._allocate()
-                self._write(b, 0, k_new[start:stop], v_new[start:stop])
+                self._write(b, 0, k_new[start:stop], None if v_new is None else v_new[start:stop])
                 table.append(b)
                 if key is not None:
                     self._register(b, key)
@@ -475,12 +490,11 @@ class PagedKVCache:
         block afresh: values a previous owner left behind do not count.
         """
         n = len(k_rows)
-        if not self.quantized:
-            self.k_pool[block, at:at + n] = k_rows
-            self.v_pool[block, at:at + n] = v_rows
-            return
-        axes = (0, 1, 2) if self.scale_granularity == "block" else (0, 2)
-        for pool, scales, rows in ((self.k_pool, self.k_scale, k_rows), (self.v_pool, self.v_scale, v_rows)):
+        for (pool, scales), rows in zip(self._pools(), (k_rows, v_rows)):
+            if not self.quantized:
+                pool[block, at:at + n] = rows
+                continue
+            axes = (0, 1, 2) if self.scale_granularity == "block" else (0, 2)
             amax = np.abs(rows.astype(np.float32)).max(axis=axes).reshape(-1)    # per scale entry
             need = power_of_two_scale(amax, self.kv_dtype)
             new = need if at == 0 else np.maximum(scales[block], need)
@@ -499,14 +513,17 @@ class PagedKVCache:
     def gather(self, sid, backend="numpy"):
         """Sequence ``sid``'s K and V as contiguous (Hkv, n, d) arrays, read through its table.
 
+        A quantized cache's rows come back dequantized, in ``dtype``; a keys-only cache
+        returns (K, None).
+
         backend "numpy" (counted HBM traffic), or "numba" / "cupy", which call
         ``iokernels.numba_cuda.paged_gather(cache, sid)`` / ``iokernels.cupy_raw.paged_gather``.
         """
         sid = self._check_sid(sid)
         cv.check_choice(backend, "backend", ("numpy", "numba", "cupy"))
-        if backend != "numpy" and self.quantized:
-            raise ValueError(f"backend: a {self.kv_dtype} cache is dequantized by the 'numpy' gather only; "
-                             f"the {backend!r} gather copies unquantized pools")
+        if backend != "numpy" and (self.quantized or self.keys_only):
+            raise ValueError(f"backend: a {self.kv_dtype or 'keys-only'} cache is gathered by the 'numpy' "
+                             f"backend only; the {backend!r} gather copies unquantized K and V pools")
         if backend != "numpy":
             import importlib
             mod = importlib.import_module("iokernels.numba_cuda" if backend == "numba" else "iokernels.cupy_raw")
@@ -516,8 +533,9 @@ class PagedKVCache:
 
     def snapshot(self):
         """Everything the cache holds, as plain values (for tests: a failing call changes nothing)."""
-        scales = None if not self.quantized else (self.k_scale.tobytes(), self.v_scale.tobytes())
-        return (self.k_pool.tobytes(), self.v_pool.tobytes(), scales, self._ref.tolist(), list(self._free),
+        pools = tuple(None if x is None else x.tobytes() for x in (self.k_pool, self.v_pool, self.k_scale,
+                                                                     self.v_scale))
+        return (pools, self._ref.tolist(), list(self._free),
                 {s: list(t) for s, t in self._tables.items()}, dict(self._lens),
                 {s: (None if k is None else list(k)) for s, k in self._keys.items()},
                 {s: (None if t is None else list(t)) for s, t in self._tail_ids.items()},
@@ -547,39 +565,36 @@ def paged_gather(k_pool, v_pool, block_table, seq_len, *, k_scale=None, v_scale=
 
     Only the ``seq_len`` written slots are read: the unwritten tail of the last block never is.
     Quantized pools come with ``k_scale`` / ``v_scale`` (num_blocks, Hkv or 1): each block's
-    scales are read next to it and the rows dequantized on chip to ``out_dtype``.
+    scales are read next to it and the rows dequantized on chip to ``out_dtype``.  With
+    ``v_pool`` None (a keys-only cache) only K is gathered and V comes back None.
     Traffic (counted): the table entries, the valid K/V rows (and scales) of each block,
     the outputs.
     """
     num_blocks, bs, hkv, d = k_pool.shape
     table = check_block_table(block_table, seq_len, num_blocks, bs)
-    quantized = k_scale is not None
     out_dtype = k_pool.dtype if out_dtype is None else out_dtype
     TABLE = HBM(table, "block_table")
-    K_CACHE, V_CACHE = HBM(k_pool, "K_cache"), HBM(v_pool, "V_cache")
-    if quantized:
-        K_SCALE, V_SCALE = HBM(k_scale, "K_scale"), HBM(v_scale, "V_scale")
-    K = HBM.empty((hkv, seq_len, d), out_dtype, "K")
-    V = HBM.empty((hkv, seq_len, d), out_dtype, "V")
+    sides = [("K", k_pool, k_scale)] + ([] if v_pool is None else [("V", v_pool, v_scale)])
+    src = [(HBM(pool, f"{x}_cache"), None if sc is None else HBM(sc, f"{x}_scale")) for x, pool, sc in sides]
+    out = [HBM.empty((hkv, seq_len, d), out_dtype, x) for x, _, _ in sides]
     for j in range(len(table)):                               # one logical block at a time
         blk = int(TABLE[j])                                   # read 1 int32
         t0, t1 = j * bs, min((j + 1) * bs, seq_len)
-        k_tile = K_CACHE[blk, :t1 - t0]                       # load K block -> SRAM (valid slots only)
-        v_tile = V_CACHE[blk, :t1 - t0]                       # load V block -> SRAM
-        if quantized:                                         # load its scales -> SRAM, dequantize
-            k_tile = dequantize(k_tile, K_SCALE[blk][None, :, None], out_dtype)
-            v_tile = dequantize(v_tile, V_SCALE[blk][None, :, None], out_dtype)
-        K[:, t0:t1] = k_tile.transpose(1, 0, 2)               # write K rows -> HBM (contiguous)
-        V[:, t0:t1] = v_tile.transpose(1, 0, 2)               # write V rows -> HBM
-    return K.data, V.data
+        for (CACHE, SCALE), OUT in zip(src, out):
+            tile = CACHE[blk, :t1 - t0]                       # load K (V) block -> SRAM (valid slots only)
+            if SCALE is not None:                             # load its scales -> SRAM, dequantize
+                tile = dequantize(tile, SCALE[blk][None, :, None], out_dtype)
+            OUT[:, t0:t1] = tile.transpose(1, 0, 2)           # write K (V) rows -> HBM (contiguous)
+    return out[0].data, (out[1].data if len(out) > 1 else None)
 
 
 def traffic_model_gather(*, seq_len, heads_kv, head_dim, block_size=DEFAULT_BLOCK_SIZE, dtype="float32",
-                         kv_dtype=None, scale_granularity="block_head"):
+                         kv_dtype=None, scale_granularity="block_head", keys_only=False):
     """Closed-form traffic of :func:`paged_gather` (``cache.gather``) for one sequence.
 
     Keywords: seq_len (tokens; a list of lengths sums several gathers), heads_kv, head_dim,
-    block_size, dtype, kv_dtype and scale_granularity (a quantized cache).  Per sequence
+    block_size, dtype, kv_dtype and scale_granularity (a quantized cache), keys_only (no V
+    pool: the V entries drop out).  Per sequence
     of n tokens: the table's ceil(n / block_size) int32 entries read; n * Hkv * d values
     read from each pool (1 byte each when quantized, plus each block's Hkv or 1 float32
     scales); n * Hkv * d values of ``dtype`` written contiguously.
@@ -600,6 +615,9 @@ def traffic_model_gather(*, seq_len, heads_kv, head_dim, block_size=DEFAULT_BLOC
             t.add("V_scale", read=blocks * per_block * SCALE_ITEMSIZE)
         t.add("K", written=n * heads_kv * head_dim * s)
         t.add("V", written=n * heads_kv * head_dim * s)
+    if keys_only:
+        for name in ("V_cache", "V_scale", "V"):
+            t.by_tensor.pop(name, None)
     return t
 
 

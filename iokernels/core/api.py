@@ -221,6 +221,9 @@ def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled"
     from ..paged import PagedKVCache
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+    if cache.keys_only:
+        raise ValueError("cache: a keys-only cache (multi-head latent attention's) holds no V pool; "
+                         "decode it with iokernels.mla.paged_mla_decode")
     if cache.quantized and backend not in NUMPY_BACKENDS:
         raise ValueError(f"cache: a {cache.kv_dtype} cache is dequantized by the 'tiled' backend only; "
                          f"the {backend!r} kernels read unquantized pools")
