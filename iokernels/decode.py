@@ -29,6 +29,8 @@ S          ``num_splits``; split s takes tiles [s*ceil(Tc/S), (s+1)*ceil(Tc/S))
 m, l       running row max and softmax sum of a split (online softmax)
 O_s, LSE_s a split's partial output and log-sum-exp (written to HBM)
 O, LSE     the merged result
+(l, r)     ``window``: the query is position n_b - 1 (bottom-right), so it sees
+           keys [n_b - 1 - l, n_b); keys left of that are never split or read
 =========  ===========================================================
 
 GQA is packed: a thread block handles one KV head and all g query heads that read it, so
@@ -42,7 +44,12 @@ The versions, side by side (each checked against :func:`iokernels.core.reference
   keys split S ways, partial O_s, LSE_s in HBM, then :func:`merge_kernel`.  With S = 1 it
   is plain FlashAttention decode: O and LSE written once, no merge.
 * v3 :func:`paged_decode_split_kv`: v2 reading K and V through a PagedKVCache's block
-  table, one block (page) per tile, never gathering the whole cache.
+  table, one block (page) per tile, never gathering the whole cache.  A quantized cache
+  (1-byte fp8 or int8 values with per-block scales) is dequantized as each tile arrives.
+
+v2 and v3 are one launch, :func:`split_kv_grid`, given different tile loaders (and so is
+multi-head latent attention's decode, :mod:`iokernels.mla`); :func:`split_kv_model` is the
+closed form of its traffic.
 
 Measured (counted HBM bytes, B = 1, Hq = 32, Hkv = 8, N = 4096, d = 128, fp16; K + V alone
 are 16.78 MB): v1 18.89 MB (S and P add 2.1 MB); v2 with S = 1 16.79 MB; S = 8 17.12 MB;
@@ -70,11 +77,11 @@ from .core import conventions as cv
 from .core.traffic import HBM, Traffic
 from .paged import SCALE_ITEMSIZE, dequantize, storage_dtype
 
-__all__ = ["decode_naive", "decode_split_kv", "paged_decode_split_kv", "merge_states", "merge_kernel",
-           "num_splits_heuristic", "split_ranges", "traffic_model", "traffic_model_paged",
-           "traffic_model_naive", "visible_start", "perturbed_decode_error_bound", "split_kv_grid",
-           "paged_tile_loader", "split_kv_model", "decode_bytes_per_token", "decode_flops", "decode_time_bound", "DEFAULT_NUM_SMS",
-           "DEFAULT_BLOCK_N", "MAX_SPLITS"]
+__all__ = ["decode_naive", "decode_split_kv", "paged_decode_split_kv", "split_kv_grid", "paged_tile_loader",
+           "merge_states", "merge_kernel", "num_splits_heuristic", "split_ranges", "visible_start",
+           "traffic_model", "traffic_model_paged", "traffic_model_naive", "split_kv_model",
+           "perturbed_decode_error_bound", "decode_bytes_per_token", "decode_flops", "decode_time_bound",
+           "DEFAULT_NUM_SMS", "DEFAULT_BLOCK_N", "MAX_SPLITS"]
 
 #: keys per tile of the NumPy decode kernels: vLLM's block size, so that contiguous and
 #: paged decode tile (and therefore split) a sequence identically.
@@ -264,12 +271,12 @@ def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None, window=
 
 def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="float32", window=None):
     """Closed-form traffic of :func:`decode_naive` (seq_lens: one length per sequence)."""
-    s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
+    s, a = storage_dtype(dtype).itemsize, cv.accum_dtype(storage_dtype(dtype).name).itemsize
     d = head_dim
     t = Traffic()
-    for n in _lens(seq_lens, batch, None):
-        n_all, n = n, n - visible_start(n, window)            # keys scored
-        if n_all:
+    for length in _lens(seq_lens, batch, None):
+        n = length - visible_start(length, window)            # keys scored
+        if length:
             t.add("Q", read=heads_q * d * s)
             t.add("K", read=heads_kv * n * d * s)
             t.add("V", read=heads_kv * n * d * s)
@@ -451,8 +458,10 @@ def split_kv_model(t, *, batch, heads_q, heads_kv, head_dim, lens, starts, S, bl
             t.add(kv_names[1], read=heads_kv * (n - start) * dv * kv_s)
         if table:
             t.add("block_table", read=heads_kv * tiles * 4)   # one entry per block per head
-        for name in ("K_scale", "V_scale")[:2 if kv_names[1] else 1] if scales else ():
-            t.add(name, read=heads_kv * tiles * SCALE_ITEMSIZE)   # one float32 scale per tile
+        if scales:                                            # one float32 scale per tile and pool
+            t.add("K_scale", read=heads_kv * tiles * SCALE_ITEMSIZE)
+            if kv_names[1] is not None:
+                t.add("V_scale", read=heads_kv * tiles * SCALE_ITEMSIZE)
     if S > 1:
         t.add("O_partial", written=S * batch * heads_q * dv * a, read=S * batch * heads_q * dv * a)
         t.add("LSE_partial", written=S * batch * heads_q * a, read=S * batch * heads_q * a)

@@ -168,29 +168,19 @@ def model_table(context=32768, gpu=DEFAULT_GPU, itemsize=2) -> list[dict]:
     return rows
 
 
-def _figure(figsize):
-    from matplotlib.figure import Figure
-    return Figure(figsize=figsize, layout="constrained")
-
-
 def roofline_figure(gpu=DEFAULT_GPU, itemsize=2, extra=((1, "Llama-3-8B", 1), (1, "DeepSeek-V3", 2)), ax=None):
     """The decode intensities of :data:`MODELS` on ``gpu``'s bf16 roofline.
 
     ``extra``: (bytes per value, model, query tokens) points to add, e.g. a 1-byte cache or
     two query tokens per step (speculative decoding), which move a model right.
     """
+    from .viz.figures import _figure, draw_roof
     g = rl.get_gpu(gpu)
-    ridge = rl.ridge_point(gpu, "bf16")
-    peak = ridge * g["hbm_tbps"]                                  # TFLOP/s
     fig = None
     if ax is None:
         fig = _figure((7.6, 4.8))
         ax = fig.add_subplot()
-    x = np.logspace(-0.5, 3.3, 200)
-    ax.loglog(x, np.minimum(peak, x * g["hbm_tbps"]), color="black", lw=2,
-              label=f"{gpu}: {g['hbm_tbps']} TB/s, {peak:.0f} TFLOP/s (bf16)")
-    ax.axvline(ridge, color="grey", ls=":", lw=1)
-    ax.text(ridge * 1.08, peak * 0.03, f"ridge {ridge:.0f} FLOP/B", fontsize=8, color="grey")
+    peak = draw_roof(ax, gpu, "bf16", np.logspace(-0.5, 3.3, 200))
     colours = {"MHA": "#c0392b", "GQA": "#1f77b4", "MQA": "#8e44ad", "MLA": "#27ae60"}
     points = [(itemsize, name, 1) for name in MODELS] + list(extra)
     for size, name, t in points:
@@ -253,6 +243,7 @@ def kv_quant_figure(rows, ax=None):
     with the 1-byte caches' stated bounds dashed."""
     fig = None
     if ax is None:
+        from .viz.figures import _figure
         fig = _figure((7.0, 4.2))
         ax = fig.add_subplot()
     colours = dict(zip([c[0] for c in QUANT_CASES], ("#555555", "#1f77b4", "#c0392b", "#27ae60")))

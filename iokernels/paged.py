@@ -162,7 +162,7 @@ def quantization_error_bound(x, scale, kv_dtype):
 
     ``scale`` is the block's final scale s (broadcast to x).  A block filled by several
     appends is requantized whenever its scale grows, each time by at least 2x, so the
-    roundings it has suffered add up to less than one rounding at 2s:
+    roundings a value has suffered add up to a bounded total:
 
     * int8: every rounding errs by at most half a step of that time's scale, and the
       steps double: the total stays below s (s / 2 for a block written in one append).

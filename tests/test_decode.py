@@ -367,3 +367,15 @@ def test_window_on_a_backend_without_it_is_a_clear_error(rng, monkeypatch):
     ik.decode(q, k, v, window=(-1, -1))
     ik.decode(q, k, v, window=None)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("backend", ["numba", "cupy", "torch"])
+def test_gpu_backends_refuse_a_window_by_name(rng, backend):
+    q, k, v = make_decode(rng, 1, 2, 1, 9, 4, dtype="float32")
+    with pytest.raises(ValueError, match=f"window: the '{backend}' backend has no sliding-window decode"):
+        ik.decode(q, k, v, window=(3, 0), backend=backend)
+    cache = PagedKVCache(4, 4, num_kv_heads=1, head_dim=4, dtype=np.float32)
+    s = cache.new_sequence()
+    if backend != "torch":                                    # torch has no paged decode at all
+        with pytest.raises(ValueError, match="window"):
+            ik.paged_decode(q, cache, [s], window=(3, 0), backend=backend)
