@@ -109,8 +109,8 @@ def make_mla_inputs(rng, batch=1, heads=8, seqlen=40, latent_dim=32, rope_dim=8,
         w_uv=(w * rng.standard_normal((heads, latent_dim, dv))).astype(dt))
 
 
-def _check(q_nope, q_rope, w_uk, w_uv, row_dim, batch=None):
-    """Shapes of an MLA problem; returns (B, H, d_c, d_R, d_h, d_v)."""
+def _check(q_nope, q_rope, w_uk, w_uv, row_dim, batch=None, kv_dtype=None):
+    """Shapes and dtypes of an MLA problem; returns (B, H, d_c, d_R, d_h, d_v)."""
     for name, x, rank in (("q_nope", q_nope, 3), ("q_rope", q_rope, 3), ("w_uk", w_uk, 3), ("w_uv", w_uv, 3)):
         if not isinstance(x, np.ndarray) or x.ndim != rank:
             raise ValueError(f"{name}: expected a rank-{rank} NumPy array, got {getattr(x, 'shape', type(x).__name__)}")
@@ -128,7 +128,9 @@ def _check(q_nope, q_rope, w_uk, w_uv, row_dim, batch=None):
         raise ValueError(f"q_nope: expected {batch} sequences (axis 0), got {B}")
     names = {cv.dtype_name(x) for x in (q_nope, q_rope, w_uk, w_uv)}
     if len(names) != 1:
-        raise ValueError(f"w_uk, w_uv: dtypes must match q_nope's {q_nope.dtype}; got {sorted(names)}")
+        raise ValueError(f"q_rope, w_uk, w_uv: dtypes must match q_nope's {q_nope.dtype}; got {sorted(names)}")
+    if kv_dtype is not None and kv_dtype != q_nope.dtype:
+        raise ValueError(f"kv_latent: dtype must equal q_nope's {q_nope.dtype}, got {kv_dtype}")
     return B, H, dc, dr, dh, w_uv.shape[2]
 
 
@@ -209,9 +211,11 @@ def mla_decode_unabsorbed(q_nope, q_rope, kv_latent, w_uk, w_uv, *, seq_lens=Non
 
     q_nope (B, H, d_h), q_rope (B, H, d_R), kv_latent (B, N, d_c + d_R), w_uk (H, d_c, d_h),
     w_uv (H, d_c, d_v).  The per-head K and V live in HBM in the inputs' dtype (as a
-    framework that decompresses the cache would hold them).  Returns (O (B, H, d_v), LSE).
+    framework that decompresses the cache would hold them).  With ``window`` only the
+    visible rows are up-projected and read.  Returns (O (B, H, d_v), LSE).
     """
-    B, H, dc, dr, dh, dv = _check(q_nope, q_rope, w_uk, w_uv, kv_latent.shape[-1], kv_latent.shape[0])
+    B, H, dc, dr, dh, dv = _check(q_nope, q_rope, w_uk, w_uv, kv_latent.shape[-1], kv_latent.shape[0],
+                                  kv_latent.dtype)
     lens = _lens(seq_lens, B, kv_latent.shape[1])
     starts, longest = _starts(lens, window)
     k, v = up_project_cache(kv_latent, w_uk, w_uv, lens, starts)
@@ -254,9 +258,8 @@ def mla_decode_absorbed(q_nope, q_rope, kv_latent, w_uk, w_uv, *, seq_lens=None,
     all H absorbed queries against it and accumulates its first d_c columns as values.
     Returns (O (B, H, d_v), LSE).
     """
-    B, H, dc, dr, dh, dv = _check(q_nope, q_rope, w_uk, w_uv, kv_latent.shape[-1], kv_latent.shape[0])
-    if kv_latent.dtype != q_nope.dtype:
-        raise ValueError(f"kv_latent: dtype must equal q_nope's {q_nope.dtype}, got {kv_latent.dtype}")
+    B, H, dc, dr, dh, dv = _check(q_nope, q_rope, w_uk, w_uv, kv_latent.shape[-1], kv_latent.shape[0],
+                                  kv_latent.dtype)
     LAT = HBM(kv_latent, "KV_latent")
     return _latent_attention(q_nope, q_rope, w_uk, w_uv, lambda b, t: LAT[b, t[0]:t[1]],
                              _lens(seq_lens, B, kv_latent.shape[1]), window, num_splits, scale,

@@ -168,3 +168,12 @@ def test_errors_name_the_argument(rng):
     assert cache.snapshot() == before
     with pytest.raises(ValueError, match="q_nope: dtype"):
         mla.paged_mla_decode(x["q_nope"][:1], x["q_rope"][:1], cache, [s], x["w_uk"], x["w_uv"])
+
+
+def test_dtype_mismatches_name_the_argument(rng):
+    x, _ = problem(rng, SHAPES[1])
+    for fn in (mla.mla_decode_absorbed, mla.mla_decode_unabsorbed):
+        with pytest.raises(ValueError, match="kv_latent: dtype"):
+            fn(**dict(x, kv_latent=x["kv_latent"].astype(np.float32)))
+        with pytest.raises(ValueError, match="w_uk, w_uv"):
+            fn(**dict(x, w_uv=x["w_uv"].astype(np.float32)))
