@@ -29,6 +29,8 @@ S          ``num_splits``; split s takes tiles [s*ceil(Tc/S), (s+1)*ceil(Tc/S))
 m, l       running row max and softmax sum of a split (online softmax)
 O_s, LSE_s a split's partial output and log-sum-exp (written to HBM)
 O, LSE     the merged result
+(l, r)     ``window``: the query is position n_b - 1 (bottom-right), so it sees
+           keys [n_b - 1 - l, n_b); keys left of that are never split or read
 =========  ===========================================================
 
 GQA is packed: a thread block handles one KV head and all g query heads that read it, so
@@ -42,7 +44,12 @@ The versions, side by side (each checked against :func:`iokernels.core.reference
   keys split S ways, partial O_s, LSE_s in HBM, then :func:`merge_kernel`.  With S = 1 it
   is plain FlashAttention decode: O and LSE written once, no merge.
 * v3 :func:`paged_decode_split_kv`: v2 reading K and V through a PagedKVCache's block
-  table, one block (page) per tile, never gathering the whole cache.
+  table, one block (page) per tile, never gathering the whole cache.  A quantized cache
+  (1-byte fp8 or int8 values with per-block scales) is dequantized as each tile arrives.
+
+v2 and v3 are one launch, :func:`split_kv_grid`, given different tile loaders (and so is
+multi-head latent attention's decode, :mod:`iokernels.mla`); :func:`split_kv_model` is the
+closed form of its traffic.
 
 Measured (counted HBM bytes, B = 1, Hq = 32, Hkv = 8, N = 4096, d = 128, fp16; K + V alone
 are 16.78 MB): v1 18.89 MB (S and P add 2.1 MB); v2 with S = 1 16.79 MB; S = 8 17.12 MB;
@@ -68,11 +75,13 @@ import numpy as np
 
 from .core import conventions as cv
 from .core.traffic import HBM, Traffic
+from .paged import SCALE_ITEMSIZE, dequantize, storage_dtype
 
-__all__ = ["decode_naive", "decode_split_kv", "paged_decode_split_kv", "merge_states", "merge_kernel",
-           "num_splits_heuristic", "split_ranges", "traffic_model", "traffic_model_paged",
-           "traffic_model_naive", "decode_bytes_per_token", "decode_flops", "decode_time_bound", "DEFAULT_NUM_SMS",
-           "DEFAULT_BLOCK_N", "MAX_SPLITS"]
+__all__ = ["decode_naive", "decode_split_kv", "paged_decode_split_kv", "split_kv_grid", "paged_tile_loader",
+           "merge_states", "merge_kernel", "num_splits_heuristic", "split_ranges", "visible_start",
+           "traffic_model", "traffic_model_paged", "traffic_model_naive", "split_kv_model",
+           "perturbed_decode_error_bound", "decode_bytes_per_token", "decode_flops", "decode_time_bound",
+           "DEFAULT_NUM_SMS", "DEFAULT_BLOCK_N", "MAX_SPLITS"]
 
 #: keys per tile of the NumPy decode kernels: vLLM's block size, so that contiguous and
 #: paged decode tile (and therefore split) a sequence identically.
@@ -133,20 +142,35 @@ def num_splits_heuristic(batch, heads_kv, seqlen, num_sms=DEFAULT_NUM_SMS, *, bl
     return (choice, eff) if return_efficiency else choice
 
 
-def split_ranges(seq_len, num_splits, block_n=DEFAULT_BLOCK_N):
-    """The key range [start, stop) of each split of a sequence of ``seq_len`` keys.
+def split_ranges(seq_len, num_splits, block_n=DEFAULT_BLOCK_N, start=0):
+    """The key range [start, stop) of each split of the keys [start, seq_len) of a sequence.
 
-    Tiles of ``block_n`` keys are dealt out in contiguous runs of ceil(Tc / S); trailing
-    splits may be empty (start == stop), as in FlashAttention-2.
+    The tiles are the ``block_n``-aligned blocks of the whole sequence that meet
+    [start, seq_len) (so contiguous and paged decode tile alike, and a sliding window's
+    first tile is the partial block holding ``start``).  They are dealt out in contiguous
+    runs of ceil(Tc / S); trailing splits may be empty (start == stop), as in
+    FlashAttention-2.  Keys before ``start`` belong to no split: they are never read.
     """
-    tiles = -(-seq_len // block_n)
+    t0, t1 = start // block_n, -(-seq_len // block_n)
+    tiles = max(t1 - t0, 0)
     per = -(-tiles // num_splits) if tiles else 0
     out = []
     for s in range(num_splits):
-        a = min(s * per * block_n, seq_len)
-        b = min((s + 1) * per * block_n, seq_len)
-        out.append((a, b))
+        a = min(max((t0 + s * per) * block_n, start), seq_len)
+        b = min((t0 + (s + 1) * per) * block_n, seq_len)
+        out.append((a, max(a, b)))
     return out
+
+
+def visible_start(seq_len, window=None):
+    """The first key the decode query of a sequence of ``seq_len`` keys sees.
+
+    The one query sits at the last position (bottom-right alignment), so with
+    window (left, right) it sees key j iff j >= seq_len - 1 - left; ``right`` cannot
+    reach past the end, and left = -1 (unbounded) gives 0.
+    """
+    left, _ = cv.resolve_window(window)
+    return 0 if left < 0 else max(seq_len - 1 - left, 0)
 
 
 def _resolve_splits(num_splits, batch, heads_kv, max_len, block_n):
@@ -157,6 +181,12 @@ def _resolve_splits(num_splits, batch, heads_kv, max_len, block_n):
 
 def _lens(seq_lens, batch, n):
     return [n] * batch if seq_lens is None else [int(x) for x in np.asarray(seq_lens)]
+
+
+def _starts(lens, window):
+    """Per sequence, the first visible key; the heuristic sees the longest visible run."""
+    starts = [visible_start(n, window) for n in lens]
+    return starts, max((n - a for n, a in zip(lens, starts)), default=0)
 
 
 # --------------------------------------------------------------------------- the merge
@@ -216,10 +246,11 @@ def _block_n(config, default=DEFAULT_BLOCK_N) -> int:
     return config.block_k
 
 
-def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
+def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None, window=None, config=None):
     """v1: scores and probabilities materialized in HBM (num_splits is ignored).
 
-    q (B, Hq, d); k, v (B, Hkv, N, d).  Returns (O (B, Hq, d), LSE (B, Hq)).
+    q (B, Hq, d); k, v (B, Hkv, N, d).  With ``window`` only the visible keys
+    [:func:`visible_start`, n) are read and scored.  Returns (O (B, Hq, d), LSE (B, Hq)).
     """
     _no_config(config, "the naive decode")
     B, Hq, d = q.shape
@@ -227,6 +258,7 @@ def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=
     scale = cv.default_scale(d) if scale is None else scale
     acc = cv.accum_dtype(q.dtype.name)
     lens = _lens(seq_lens, B, N)
+    starts, _ = _starts(lens, window)
     Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
     S_ = HBM.zeros((B, Hq, N), acc, "S")
     P_ = HBM.zeros((B, Hq, N), acc, "P")
@@ -234,33 +266,34 @@ def decode_naive(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=
     LSE = HBM.full((B, Hq), -np.inf, acc, "LSE")
     kvh = cv.kv_head_index(Hq, Hkv)
     for b in range(B):
-        n = lens[b]
+        a, n = starts[b], lens[b]                             # visible keys [a, n)
         if n == 0:
             O[b] = np.zeros((Hq, d), q.dtype)                 # write Hq*d
             LSE[b] = np.full(Hq, -np.inf, acc)                # write Hq
             continue
         qb = Q[b].astype(acc)                                 # read Hq*d
-        kb = K[b, :, :n].astype(acc)                          # read Hkv*n*d
-        S_[b, :, :n] = scale * np.einsum("hd,hnd->hn", qb, kb[kvh])   # write Hq*n
-        s = S_[b, :, :n]                                      # read Hq*n
+        kb = K[b, :, a:n].astype(acc)                         # read Hkv*(n-a)*d
+        S_[b, :, a:n] = scale * np.einsum("hd,hnd->hn", qb, kb[kvh])   # write Hq*(n-a)
+        s = S_[b, :, a:n]                                     # read Hq*(n-a)
         m = s.max(axis=-1, keepdims=True)
         p = np.exp(s - m)
         l = p.sum(axis=-1, keepdims=True)
-        P_[b, :, :n] = p / l                                  # write Hq*n
-        p = P_[b, :, :n]                                      # read Hq*n
-        vb = V[b, :, :n].astype(acc)                          # read Hkv*n*d
+        P_[b, :, a:n] = p / l                                 # write Hq*(n-a)
+        p = P_[b, :, a:n]                                     # read Hq*(n-a)
+        vb = V[b, :, a:n].astype(acc)                         # read Hkv*(n-a)*d
         O[b] = np.einsum("hn,hnd->hd", p, vb[kvh]).astype(q.dtype)   # write Hq*d
         LSE[b] = (m + np.log(l))[:, 0]                        # write Hq
     return O.result(), LSE.result()
 
 
-def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="float32"):
+def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="float32", window=None):
     """Closed-form traffic of :func:`decode_naive` (seq_lens: one length per sequence)."""
-    s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
+    s, a = storage_dtype(dtype).itemsize, cv.accum_dtype(storage_dtype(dtype).name).itemsize
     d = head_dim
     t = Traffic()
-    for n in _lens(seq_lens, batch, None):
-        if n:
+    for length in _lens(seq_lens, batch, None):
+        n = length - visible_start(length, window)            # keys scored
+        if length:
             t.add("Q", read=heads_q * d * s)
             t.add("K", read=heads_kv * n * d * s)
             t.add("V", read=heads_kv * n * d * s)
@@ -272,13 +305,21 @@ def traffic_model_naive(*, batch, heads_q, heads_kv, head_dim, seq_lens, dtype="
 
 
 # --------------------------------------------------------------------------- v2 split-KV
-def _split_worker(q_grp, load_tile, tiles, scale, acc):
+def _tiles(a, z, block_n):
+    """The tiles of keys [a, z): cut at the block_n-aligned boundaries of the sequence."""
+    cuts = [a] + list(range((a // block_n + 1) * block_n, z, block_n)) + [z]
+    return [(x, y) for x, y in zip(cuts[:-1], cuts[1:]) if y > x]
+
+
+def _split_worker(q_grp, load_tile, tiles, scale, acc, dv=None):
     """One thread block: online softmax of g packed query rows over its tiles.
 
-    q_grp (g, d) is in SRAM; ``load_tile(t)`` loads K_j, V_j (Bc, d) -> SRAM.
-    Returns the split's normalized O_s (g, d) and LSE_s (g,).
+    q_grp (g, d) is in SRAM; ``load_tile(t)`` loads K_j (Bc, d), V_j (Bc, dv) -> SRAM
+    (dv: the value width, d unless given; multi-head latent attention's differs).
+    Returns the split's normalized O_s (g, dv) and LSE_s (g,).
     """
     g, d = q_grp.shape
+    d = d if dv is None else dv
     m = np.full(g, -np.inf, acc)                              # running row max
     l = np.zeros(g, acc)                                      # running softmax sum
     o = np.zeros((g, d), acc)                                 # unnormalized output
@@ -296,42 +337,37 @@ def _split_worker(q_grp, load_tile, tiles, scale, acc):
     return o / l[:, None], m + np.log(l)
 
 
-def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, block_n=None, config=None):
-    """v2: Flash-Decoding over a contiguous cache: split-KV workers, then the merge kernel.
+def split_kv_grid(q, load, *, lens, starts, num_splits, block_n, heads_kv, scale, value_dim=None):
+    """The split-KV launch both decode versions (and MLA's) share: workers, then the merge.
 
-    q (B, Hq, d); k, v (B, Hkv, N, d); sequence b uses keys [0, seq_lens[b]).
-    num_splits None: :func:`num_splits_heuristic` (with DEFAULT_NUM_SMS).  With one split the
-    workers write O and LSE directly and no merge runs.  Keys per tile: ``block_n``, else
-    ``config.block_k`` (a TileConfig), else DEFAULT_BLOCK_N.  Returns (O, LSE).
+    q (B, Hq, d) in HBM; ``load(b, h, t)`` loads tile t = (start, stop) of KV head h of
+    sequence b -> SRAM and returns (K_j (Bc, d), V_j (Bc, dv)), counting its own HBM reads
+    (so a cache layout decides what a tile costs).  Sequence b's keys are
+    [starts[b], lens[b]), split ``num_splits`` ways.  With one split the workers write O and
+    LSE directly; otherwise partial O_s, LSE_s go to HBM and :func:`merge_kernel` combines
+    them.  Returns (O (B, Hq, dv), LSE (B, Hq)).
     """
-    block_n = _block_n(config) if block_n is None else block_n
     B, Hq, d = q.shape
-    Hkv, N = k.shape[1], k.shape[2]
-    g = Hq // Hkv
-    scale = cv.default_scale(d) if scale is None else scale
+    g = Hq // heads_kv
+    dv = d if value_dim is None else value_dim
+    S = num_splits
     acc = cv.accum_dtype(q.dtype.name)
-    lens = _lens(seq_lens, B, N)
-    S = _resolve_splits(num_splits, B, Hkv, max(lens, default=0), block_n)
-    Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
-    O = HBM.zeros((B, Hq, d), q.dtype, "O")
+    Q = HBM(q, "Q")
+    O = HBM.zeros((B, Hq, dv), q.dtype, "O")
     LSE = HBM.full((B, Hq), -np.inf, acc, "LSE")
     if S > 1:                                                 # partial results live in HBM
-        O_part = HBM.zeros((S, B, Hq, d), acc, "O_partial")
+        O_part = HBM.zeros((S, B, Hq, dv), acc, "O_partial")
         LSE_part = HBM.full((S, B, Hq), -np.inf, acc, "LSE_partial")
     for b in range(B):                                        # grid: (sequence, KV head, split)
-        for h in range(Hkv):
+        for h in range(heads_kv):
             rows = slice(h * g, (h + 1) * g)                  # the g query heads of KV head h
-            for s, (a, z) in enumerate(split_ranges(lens[b], S, block_n)):
-                tiles = [(t0, min(t0 + block_n, z)) for t0 in range(a, z, block_n)]
+            for s, (a, z) in enumerate(split_ranges(lens[b], S, block_n, starts[b])):
+                tiles = _tiles(a, z, block_n)
                 if tiles:
                     q_grp = Q[b, rows].astype(acc)            # load Q group (g, d) -> SRAM
                 else:
                     q_grp = np.zeros((g, d), acc)             # empty split: Q not loaded
-
-                def load(t, b=b, h=h):
-                    return K[b, h, t[0]:t[1]], V[b, h, t[0]:t[1]]
-
-                o_s, lse_s = _split_worker(q_grp, load, tiles, scale, acc)
+                o_s, lse_s = _split_worker(q_grp, lambda t, b=b, h=h: load(b, h, t), tiles, scale, acc, dv)
                 if S > 1:
                     O_part[s, b, rows] = o_s                  # write O_s -> HBM
                     LSE_part[s, b, rows] = lse_s              # write LSE_s -> HBM
@@ -343,106 +379,159 @@ def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, bloc
     return O.result(), LSE.result()
 
 
+def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, window=None,
+                    block_n=None, config=None):
+    """v2: Flash-Decoding over a contiguous cache: split-KV workers, then the merge kernel.
+
+    q (B, Hq, d); k, v (B, Hkv, N, d); sequence b uses keys [0, seq_lens[b]).
+    num_splits None: :func:`num_splits_heuristic` (with DEFAULT_NUM_SMS).  With one split the
+    workers write O and LSE directly and no merge runs.  ``window`` (left, right): only the
+    keys [:func:`visible_start`, n) are split and read, so a sliding window's traffic
+    grows with the window, not with n.  Keys per tile: ``block_n``, else ``config.block_k``
+    (a TileConfig), else DEFAULT_BLOCK_N.  Returns (O, LSE).
+    """
+    block_n = _block_n(config) if block_n is None else block_n
+    B, Hq, d = q.shape
+    Hkv, N = k.shape[1], k.shape[2]
+    lens = _lens(seq_lens, B, N)
+    starts, longest = _starts(lens, window)
+    S = _resolve_splits(num_splits, B, Hkv, longest, block_n)
+    K, V = HBM(k, "K"), HBM(v, "V")
+
+    def load(b, h, t):                                        # load K_j, V_j -> SRAM
+        return K[b, h, t[0]:t[1]], V[b, h, t[0]:t[1]]
+
+    return split_kv_grid(q, load, lens=lens, starts=starts, num_splits=S, block_n=block_n, heads_kv=Hkv,
+                         scale=cv.default_scale(d) if scale is None else scale, value_dim=v.shape[-1])
+
+
 # --------------------------------------------------------------------------- v3 paged
-def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
+def paged_tile_loader(cache, seq_ids, pools=("K", "V")):
+    """``load(b, h, t)`` reading tile t of sequence seq_ids[b] through its block table.
+
+    The tile lies in one block (tiles are cut at block boundaries): one table entry is
+    read (int32), then the tile's valid slots of each pool named in ``pools``, and for a
+    quantized cache the block's scale of each, dequantized on chip.  Returns the loader,
+    and the sequences' lengths.
+    """
+    tables_np, lens_np = cache.block_tables_array(seq_ids)
+    bs, acc = cache.block_size, cv.accum_dtype(cache.dtype.name)
+    TABLE = HBM(tables_np, "block_table")
+    src = [(HBM(getattr(cache, f"{x.lower()}_pool"), f"{x}_cache"),
+            HBM(getattr(cache, f"{x.lower()}_scale"), f"{x}_scale") if cache.quantized else None) for x in pools]
+    per_head = cache.scale_granularity == "block_head"
+
+    def load(b, h, t):
+        blk = int(TABLE[b, t[0] // bs])                       # read the table entry (int32)
+        i0 = t[0] % bs                                        # the tile's valid slots in the block
+        i1 = i0 + t[1] - t[0]
+        out = []
+        for CACHE, SCALE in src:
+            tile = CACHE[blk, i0:i1, h]                       # load K_j (V_j) -> SRAM
+            if SCALE is not None:                             # load the tile's scale -> SRAM
+                tile = dequantize(tile, SCALE[blk, h if per_head else 0], acc)
+            out.append(tile)
+        return tuple(out)
+
+    return load, [int(x) for x in lens_np]
+
+
+def paged_decode_split_kv(q, cache, seq_ids, *, num_splits=None, scale=None, window=None, config=None):
     """v3: split-KV decode reading K and V through the block tables of a PagedKVCache.
 
     q (len(seq_ids), Hq, d).  A tile is one block (Bc = cache.block_size); a worker reads
     the table entry of each of its blocks, then the block's valid slots only (the unwritten
-    tail of a last block is never read).  Returns (O, LSE).  The tile is the cache's block,
-    so there is no config.
+    tail of a last block is never read).  A quantized cache (``cache.quantized``) stores
+    1-byte values and one float32 scale per (block, KV head) or per block: the worker reads
+    the tile's scale next to it and dequantizes on chip (:func:`iokernels.paged.dequantize`),
+    so K and V cross HBM at 1 byte a value.  ``window`` as in :func:`decode_split_kv`.
+    The tile is the cache's block, so there is no config.  Returns (O, LSE).
     """
     _no_config(config, "the tiled paged decode (its tile is the cache's block)")
     B, Hq, d = q.shape
-    Hkv, bs = cache.num_kv_heads, cache.block_size
-    g = Hq // Hkv
-    scale = cv.default_scale(d) if scale is None else scale
-    acc = cv.accum_dtype(q.dtype.name)
-    tables_np, lens_np = cache.block_tables_array(seq_ids)
-    lens = [int(x) for x in lens_np]
-    S = _resolve_splits(num_splits, B, Hkv, max(lens, default=0), bs)
-    Q = HBM(q, "Q")
-    TABLE = HBM(tables_np, "block_table")
-    K_CACHE, V_CACHE = HBM(cache.k_pool, "K_cache"), HBM(cache.v_pool, "V_cache")
-    O = HBM.zeros((B, Hq, d), q.dtype, "O")
-    LSE = HBM.full((B, Hq), -np.inf, acc, "LSE")
-    if S > 1:
-        O_part = HBM.zeros((S, B, Hq, d), acc, "O_partial")
-        LSE_part = HBM.full((S, B, Hq), -np.inf, acc, "LSE_partial")
-    for b in range(B):                                        # grid: (sequence, KV head, split)
-        for h in range(Hkv):
-            rows = slice(h * g, (h + 1) * g)
-            for s, (a, z) in enumerate(split_ranges(lens[b], S, bs)):
-                tiles = [(t0, min(t0 + bs, z)) for t0 in range(a, z, bs)]
-                q_grp = Q[b, rows].astype(acc) if tiles else np.zeros((g, d), acc)
-
-                def load(t, b=b, h=h):
-                    blk = int(TABLE[b, t[0] // bs])           # read the table entry (int32)
-                    n = t[1] - t[0]                           # valid slots of this block
-                    return K_CACHE[blk, :n, h], V_CACHE[blk, :n, h]   # load K_j, V_j -> SRAM
-
-                o_s, lse_s = _split_worker(q_grp, load, tiles, scale, acc)
-                if S > 1:
-                    O_part[s, b, rows] = o_s                  # write O_s -> HBM
-                    LSE_part[s, b, rows] = lse_s              # write LSE_s -> HBM
-                else:
-                    O[b, rows] = o_s.astype(q.dtype)          # write O -> HBM
-                    LSE[b, rows] = lse_s                      # write LSE -> HBM
-    if S > 1:
-        merge_kernel(O_part, LSE_part, O, LSE)
-    return O.result(), LSE.result()
+    load, lens = paged_tile_loader(cache, seq_ids)
+    starts, longest = _starts(lens, window)
+    S = _resolve_splits(num_splits, B, cache.num_kv_heads, longest, cache.block_size)
+    return split_kv_grid(q, load, lens=lens, starts=starts, num_splits=S, block_n=cache.block_size,
+                         heads_kv=cache.num_kv_heads, scale=cv.default_scale(d) if scale is None else scale)
 
 
 # --------------------------------------------------------------------------- traffic models
-def _split_model(t, *, batch, heads_q, heads_kv, head_dim, lens, S, block_n, s, a, kv_names, table):
+def split_kv_model(t, *, batch, heads_q, heads_kv, head_dim, lens, starts, S, block_n, s, a, kv_names,
+                   table, kv_itemsize=None, scales=False, value_dim=None):
+    """Add the traffic of :func:`split_kv_grid` to ``t``: the closed form every decode model uses.
+
+    s, a: storage and accumulator itemsizes; kv_names: the K and V tensors' names (V None:
+    the values are read with the keys, as MLA's latent rows are); table: one int32 entry
+    per (KV head, tile); scales: one float32 per (KV head, tile) for each of K and V.
+    """
     d, g = head_dim, heads_q // heads_kv
-    for n in lens:
-        ranges = split_ranges(n, S, block_n)
+    dv = d if value_dim is None else value_dim
+    kv_s = s if kv_itemsize is None else kv_itemsize
+    for n, start in zip(lens, starts):
+        ranges = split_ranges(n, S, block_n, start)
         busy = sum(1 for x, y in ranges if y > x)             # splits with at least one key
+        tiles = len(_tiles(start, n, block_n))                # blocks met by the visible keys
         t.add("Q", read=heads_kv * busy * g * d * s)          # each busy worker loads its Q group
-        t.add(kv_names[0], read=heads_kv * n * d * s)         # every K row read exactly once
-        t.add(kv_names[1], read=heads_kv * n * d * s)
+        t.add(kv_names[0], read=heads_kv * (n - start) * d * kv_s)   # every visible K row read once
+        if kv_names[1] is not None:
+            t.add(kv_names[1], read=heads_kv * (n - start) * dv * kv_s)
         if table:
-            t.add("block_table", read=heads_kv * -(-n // block_n) * 4)   # one entry per block per head
+            t.add("block_table", read=heads_kv * tiles * 4)   # one entry per block per head
+        if scales:                                            # one float32 scale per tile and pool
+            t.add("K_scale", read=heads_kv * tiles * SCALE_ITEMSIZE)
+            if kv_names[1] is not None:
+                t.add("V_scale", read=heads_kv * tiles * SCALE_ITEMSIZE)
     if S > 1:
-        t.add("O_partial", written=S * batch * heads_q * d * a, read=S * batch * heads_q * d * a)
+        t.add("O_partial", written=S * batch * heads_q * dv * a, read=S * batch * heads_q * dv * a)
         t.add("LSE_partial", written=S * batch * heads_q * a, read=S * batch * heads_q * a)
-    t.add("O", written=batch * heads_q * d * s)
+    t.add("O", written=batch * heads_q * dv * s)
     t.add("LSE", written=batch * heads_q * a)
     return t
 
 
 def traffic_model(*, batch, heads_q, heads_kv, head_dim, seqlen_k=None, seq_lens=None, num_splits=None,
-                  dtype="float32", block_n=DEFAULT_BLOCK_N):
+                  dtype="float32", block_n=DEFAULT_BLOCK_N, window=None):
     """Closed-form traffic of :func:`decode_split_kv` (``traffic.model("decode", ...)``).
 
     Keywords: batch, heads_q, heads_kv, head_dim, seqlen_k (all sequences this long) or
     seq_lens (one per sequence), num_splits (None: the same heuristic as the kernel),
-    dtype, block_n.  K and V are read once; each busy split reads its Q group; with S > 1
-    the partial O_s, LSE_s (accumulator dtype) are written and read back by the merge;
-    O and LSE are written once.
+    dtype, block_n, window.  The visible K and V rows are read once; each busy split reads
+    its Q group; with S > 1 the partial O_s, LSE_s (accumulator dtype) are written and
+    read back by the merge; O and LSE are written once.
     """
     lens = _lens(seq_lens, batch, seqlen_k)
-    S = _resolve_splits(num_splits, batch, heads_kv, max(lens, default=0), block_n)
-    s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
-    return _split_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-                        lens=lens, S=S, block_n=block_n, s=s, a=a, kv_names=("K", "V"), table=False)
+    starts, longest = _starts(lens, window)
+    S = _resolve_splits(num_splits, batch, heads_kv, longest, block_n)
+    s, a = _itemsize(dtype), cv.accum_dtype(storage_dtype(dtype).name).itemsize
+    return split_kv_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                        lens=lens, starts=starts, S=S, block_n=block_n, s=s, a=a, kv_names=("K", "V"),
+                        table=False)
 
 
 def traffic_model_paged(*, batch, heads_q, heads_kv, head_dim, seq_lens, num_splits=None,
-                        dtype="float32", block_size=16):
+                        dtype="float32", block_size=16, window=None, kv_dtype=None):
     """Closed-form traffic of :func:`paged_decode_split_kv` (``traffic.model("paged_decode", ...)``).
 
     Keywords: batch, heads_q, heads_kv, head_dim, seq_lens (one per sequence), num_splits,
-    dtype, block_size.  As :func:`traffic_model` with the pools named K_cache / V_cache,
-    plus the block-table entries each (KV head, block) worker reads (int32).
+    dtype (of q and O), block_size, window, kv_dtype (a quantized cache's storage,
+    "float8_e4m3fn" or "int8"; None: the pools hold ``dtype``).  As :func:`traffic_model`
+    with the pools named K_cache / V_cache, plus the block-table entry each (KV head,
+    block) worker reads (int32) and, for a quantized cache, that tile's K and V scales
+    (float32): the same count whether the scales are per block or per (block, head).
     """
     lens = _lens(seq_lens, batch, None)
-    S = _resolve_splits(num_splits, batch, heads_kv, max(lens, default=0), block_size)
-    s, a = np.dtype(dtype).itemsize, cv.accum_dtype(np.dtype(dtype).name).itemsize
-    return _split_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-                        lens=lens, S=S, block_n=block_size, s=s, a=a, kv_names=("K_cache", "V_cache"),
-                        table=True)
+    starts, longest = _starts(lens, window)
+    S = _resolve_splits(num_splits, batch, heads_kv, longest, block_size)
+    s, a = _itemsize(dtype), cv.accum_dtype(storage_dtype(dtype).name).itemsize
+    return split_kv_model(Traffic(), batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                        lens=lens, starts=starts, S=S, block_n=block_size, s=s, a=a,
+                        kv_names=("K_cache", "V_cache"), table=True,
+                        kv_itemsize=None if kv_dtype is None else _itemsize(kv_dtype), scales=kv_dtype is not None)
+
+
+def _itemsize(name):
+    return storage_dtype(name).itemsize
 
 
 # --------------------------------------------------------------------------- calculators
@@ -473,3 +562,34 @@ def decode_time_bound(nbytes, bandwidth):
     if bandwidth <= 0:
         raise ValueError(f"bandwidth: expected bytes per second > 0, got {bandwidth!r}")
     return float(nbytes) / float(bandwidth)
+
+
+def perturbed_decode_error_bound(q, k, v, k_hat, v_hat, *, seq_lens=None, scale=None, window=None):
+    """How far decode over perturbed K, V (a quantized cache's k_hat, v_hat) can be from exact.
+
+    With delta_s_j = scale * q . (k_hat_j - k_j) the score change of visible key j and
+    D = max_j |delta_s_j|, the softmax weights change by a factor within exp(+-2D), so
+
+        |O_hat - O|   <=  max_j |v_hat_j - v_j|  +  (exp(2D) - 1) * max_j |v_j|
+        |LSE_hat - LSE| <=  D
+
+    (per sequence and query head, elementwise in O; arithmetic rounding not included).  The
+    bound does not grow with the cache length: O is a weighted average, and so is its error.
+    q (B, Hq, d); k, v, k_hat, v_hat (B, Hkv, N, d).  Returns (o_bound, lse_bound), (B, Hq).
+    """
+    f = lambda x: np.asarray(x, dtype=np.float64)  # noqa: E731
+    q, k, v, k_hat, v_hat = f(q), f(k), f(v), f(k_hat), f(v_hat)
+    B, Hq, d = q.shape
+    scale = cv.default_scale(d) if scale is None else scale
+    lens = _lens(seq_lens, B, k.shape[2])
+    kvh = cv.kv_head_index(Hq, k.shape[1])
+    o_bound, lse_bound = np.zeros((B, Hq)), np.zeros((B, Hq))
+    for b, n in enumerate(lens):
+        a = visible_start(n, window)
+        if n == 0:
+            continue
+        dk, dv = (k_hat - k)[b, kvh, a:n], (v_hat - v)[b, kvh, a:n]   # (Hq, keys, d)
+        D = np.abs(scale * np.einsum("hd,hnd->hn", q[b], dk)).max(axis=1)
+        o_bound[b] = np.abs(dv).max(axis=(1, 2)) + np.expm1(2 * D) * np.abs(v[b, kvh, a:n]).max(axis=(1, 2))
+        lse_bound[b] = D
+    return o_bound, lse_bound

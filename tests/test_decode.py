@@ -282,3 +282,100 @@ def test_decode_calculators_reproduce_the_articles_numbers():
     assert round(t_kv * 1e3) == 10 and r8["kv_bytes"] > 2 * r8["weight_bytes"]
     with pytest.raises(ValueError, match="bandwidth"):
         dec.decode_time_bound(1, 0)
+
+
+# --------------------------------------------------------------------------- sliding window
+WINDOWS = [(0, -1), (1, 0), (5, -1), (16, 3), (37, 0), (200, -1), (-1, 4)]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+def test_windowed_decode_matches_oracle(rng, window, num_splits):
+    B, hq, hkv, N, d = 4, 6, 2, 83, 59
+    q, k, v = make_decode(rng, B, hq, hkv, N, d)
+    lens = ragged_lens(rng, B, N)
+    ro, rl = reference.decode(q, k, v, seq_lens=lens, window=window)
+    for backend in ("tiled", "naive"):
+        o, lse = ik.decode(q, k, v, num_splits=num_splits, seq_lens=lens, window=window, backend=backend,
+                           return_lse=True)
+        check64(o, lse, ro, rl)
+    cache = PagedKVCache(40, 16, num_kv_heads=hkv, head_dim=d, dtype=np.float64)
+    sids = fill_cache(cache, k, v, lens)
+    o, lse = ik.paged_decode(q, cache, sids, num_splits=num_splits, window=window, return_lse=True)
+    check64(o, lse, ro, rl)
+
+
+def test_window_sees_the_last_left_plus_one_keys(rng):
+    """Bottom-right alignment: the query is position n - 1, so (left, right) keeps keys >= n - 1 - left."""
+    q, k, v = make_decode(rng, 1, 2, 1, 50, 8)
+    for left in (0, 7, 48, 49, 60):
+        o, lse = ik.decode(q, k, v, window=(left, 0), return_lse=True)
+        keep = max(50 - 1 - left, 0)
+        wo, wl = reference.decode(q, k[:, :, keep:], v[:, :, keep:])    # the same keys, unmasked
+        check64(o, lse, wo, wl)
+    assert dec.visible_start(50, (7, 3)) == 42 and dec.visible_start(0, (7, 0)) == 0
+
+
+@pytest.mark.parametrize("window", [(0, 0), (20, -1), (33, 0), (-1, -1)])
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+def test_windowed_decode_traffic_counted_equals_modelled(rng, window, num_splits):
+    B, hq, hkv, N, d = 3, 4, 2, 75, 24
+    q, k, v = make_decode(rng, B, hq, hkv, N, d, dtype="float32")
+    lens = ragged_lens(rng, B, N)
+    kw = dict(batch=B, heads_q=hq, heads_kv=hkv, head_dim=d, seq_lens=lens, num_splits=num_splits,
+              dtype="float32", window=window)
+    with traffic.count() as t:
+        ik.decode(q, k, v, num_splits=num_splits, seq_lens=lens, window=window)
+    assert t.as_dict() == traffic.model("decode", **kw).as_dict()
+    visible = sum(n - dec.visible_start(n, window) for n in lens)
+    assert t.by_tensor["K"][0] == hkv * visible * d * 4                    # keys left of the window: never read
+    cache = PagedKVCache(30, 16, num_kv_heads=hkv, head_dim=d, dtype=np.float32)
+    sids = fill_cache(cache, k, v, lens)
+    with traffic.count() as t:
+        ik.paged_decode(q, cache, sids, num_splits=num_splits, window=window)
+    assert t.as_dict() == traffic.model("paged_decode", block_size=16, **kw).as_dict()
+    with traffic.count() as t:
+        ik.decode(q, k, v, seq_lens=lens, window=window, backend="naive")
+    assert t.as_dict() == dec.traffic_model_naive(**{x: kw[x] for x in kw if x != "num_splits"}).as_dict()
+
+
+def test_window_errors_name_the_argument(rng):
+    q, k, v = make_decode(rng, 2, 4, 2, 10, 8)
+    for bad in ((3,), (-2, 0), (1.5, 0), "left"):
+        with pytest.raises(ValueError, match="window"):
+            ik.decode(q, k, v, window=bad)
+    cache = PagedKVCache(4, 4, num_kv_heads=2, head_dim=8, dtype=np.float64)
+    s = cache.new_sequence()
+    with pytest.raises(ValueError, match="window"):
+        ik.paged_decode(q[:1], cache, [s], window=(1, 2, 3))
+
+
+def test_window_on_a_backend_without_it_is_a_clear_error(rng, monkeypatch):
+    """A backend whose decode takes no ``window`` is refused by name; unbounded windows pass it nothing."""
+    from iokernels.core import api
+    calls = []
+
+    def plain(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
+        calls.append(1)
+        return dec.decode_split_kv(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale)
+
+    monkeypatch.setattr(api, "_resolve", lambda backend, op: plain)
+    q, k, v = make_decode(rng, 1, 2, 1, 9, 4)
+    with pytest.raises(ValueError, match="window: the 'tiled' backend has no sliding-window decode"):
+        ik.decode(q, k, v, window=(3, 0))
+    assert not calls
+    ik.decode(q, k, v, window=(-1, -1))
+    ik.decode(q, k, v, window=None)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("backend", ["numba", "cupy", "torch"])
+def test_gpu_backends_refuse_a_window_by_name(rng, backend):
+    q, k, v = make_decode(rng, 1, 2, 1, 9, 4, dtype="float32")
+    with pytest.raises(ValueError, match=f"window: the '{backend}' backend has no sliding-window decode"):
+        ik.decode(q, k, v, window=(3, 0), backend=backend)
+    cache = PagedKVCache(4, 4, num_kv_heads=1, head_dim=4, dtype=np.float32)
+    s = cache.new_sequence()
+    if backend != "torch":                                    # torch has no paged decode at all
+        with pytest.raises(ValueError, match="window"):
+            ik.paged_decode(q, cache, [s], window=(3, 0), backend=backend)

@@ -34,12 +34,14 @@ class CacheMachine(RuleBasedStateMachine):
     """
 
     NUM_BLOCKS, BLOCK_SIZE, MAX_SEQS = 20, 4, 6
+    #: the cache's dtype and storage (subclasses run the same machine on 16-bit and 1-byte caches)
+    DTYPE, KV_DTYPE, GRANULARITY = "float64", None, "block_head"
 
     def __init__(self):
         super().__init__()
         self.rng = np.random.default_rng(1234)
         self.cache = PagedKVCache(self.NUM_BLOCKS, self.BLOCK_SIZE, num_kv_heads=HKV, head_dim=D,
-                                  dtype=np.float64)
+                                  dtype=self.DTYPE, kv_dtype=self.KV_DTYPE, scale_granularity=self.GRANULARITY)
         self.dense = {}        # sid -> (ids list or None, k rows list, v rows list)
         self.by_prefix = {}    # tuple of ids -> (k row, v row)
 
@@ -49,7 +51,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _row_for(self, prefix):
         if prefix not in self.by_prefix:
-            k, v = rows(self.rng, 1)
+            k, v = rows(self.rng, 1, dtype=self.cache.dtype)
             self.by_prefix[prefix] = (k[0], v[0])
         return self.by_prefix[prefix]
 
@@ -78,13 +80,13 @@ class CacheMachine(RuleBasedStateMachine):
         if with_ids and known is not None:
             new_ids = ids[:n]
             kv = [self._row_for(tuple(known + new_ids[:j + 1])) for j in range(n)]
-            k_new = np.array([r[0] for r in kv]).reshape(n, HKV, D)
-            v_new = np.array([r[1] for r in kv]).reshape(n, HKV, D)
+            k_new = np.array([r[0] for r in kv], dtype=self.cache.dtype).reshape(n, HKV, D)
+            v_new = np.array([r[1] for r in kv], dtype=self.cache.dtype).reshape(n, HKV, D)
         else:
             new_ids = ids[:n] if with_ids else None
-            k_new, v_new = rows(self.rng, n)
+            k_new, v_new = rows(self.rng, n, dtype=self.cache.dtype)
         refs = self.cache.ref_counts()
-        shared = {b: (self.cache.k_pool[b].copy(), self.cache.v_pool[b].copy()) for b in np.flatnonzero(refs > 1)}
+        shared = {b: self._block_state(b) for b in np.flatnonzero(refs > 1)}
         before = self.cache.snapshot()
         free_before = self.cache.num_free_blocks()
         try:
@@ -95,9 +97,8 @@ class CacheMachine(RuleBasedStateMachine):
             # ceil(n / bs) fresh blocks plus one copy-on-write
             assert free_before < math.ceil(n / self.BLOCK_SIZE) + 1
             return
-        for b, (k0, v0) in shared.items():                       # shared blocks never written in place
-            assert np.array_equal(self.cache.k_pool[b], k0, equal_nan=True)
-            assert np.array_equal(self.cache.v_pool[b], v0, equal_nan=True)
+        for b, state in shared.items():                          # shared blocks never written in place
+            assert self._block_state(b) == state
         ks.extend(k_new)
         vs.extend(v_new)
         if known is not None and new_ids is not None:
@@ -128,6 +129,11 @@ class CacheMachine(RuleBasedStateMachine):
         with pytest.raises(ValueError, match="seq_id"):
             self.cache.seq_len(sid)
 
+    def _block_state(self, b):
+        c = self.cache
+        scales = () if not c.quantized else (c.k_scale[b].tobytes(), c.v_scale[b].tobytes())
+        return (c.k_pool[b].tobytes(), c.v_pool[b].tobytes()) + scales
+
     @invariant()
     def matches_dense_model(self):
         bs = self.BLOCK_SIZE
@@ -137,9 +143,15 @@ class CacheMachine(RuleBasedStateMachine):
             table = self.cache.block_table(sid)
             assert len(table) == -(-n // bs) and len(set(table)) == len(table)
             k, v = self.cache.gather(sid)
-            want_k = np.array(ks).reshape(n, HKV, D).transpose(1, 0, 2)
-            want_v = np.array(vs).reshape(n, HKV, D).transpose(1, 0, 2)
-            assert np.array_equal(k, want_k) and np.array_equal(v, want_v)
+            assert k.dtype == self.cache.dtype
+            for got, want, scales in ((k, ks, self.cache.k_scale), (v, vs, self.cache.v_scale)):
+                want = np.array(want, dtype=self.cache.dtype).reshape(n, HKV, D).transpose(1, 0, 2)
+                if not self.cache.quantized:
+                    assert np.array_equal(got, want)
+                    continue
+                per_token = scales[np.repeat(np.asarray(table, dtype=np.int64), bs)[:n]].T[:, :, None]    # each value's block scale
+                err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+                assert np.all(err <= paged.quantization_error_bound(want, per_token, self.cache.kv_dtype))
 
     @invariant()
     def refcounts_and_free_list(self):
@@ -160,6 +172,21 @@ def test_state_machine_against_dense_model():
         max_examples=50, stateful_step_count=40, deadline=None, derandomize=True, database=None,
         suppress_health_check=list(HealthCheck)))
     assert STEPS["count"] >= 1000, STEPS["count"]
+
+
+@pytest.mark.parametrize("dtype,kv_dtype,granularity", [("bfloat16", None, "block_head"),
+                                                        ("float32", "float8_e4m3fn", "block_head"),
+                                                        ("float16", "int8", "block"),
+                                                        ("bfloat16", "int8", "block_head")])
+def test_state_machine_on_16_bit_and_quantized_caches(dtype, kv_dtype, granularity):
+    """The same machine: refcounts, copy-on-write, prefix hits and OutOfBlocks on the new dtypes;
+    a quantized cache's rows match the dense model within the stated quantization bound."""
+    machine = type("Machine", (CacheMachine,), dict(DTYPE=dtype, KV_DTYPE=kv_dtype, GRANULARITY=granularity))
+    STEPS["count"] = 0
+    run_state_machine_as_test(machine, settings=settings(
+        max_examples=20, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+        suppress_health_check=list(HealthCheck)))
+    assert STEPS["count"] >= 400, STEPS["count"]
 
 
 # --------------------------------------------------------------------------- focused behaviour

@@ -22,6 +22,7 @@ non-finite output rows there.
 from __future__ import annotations
 
 import importlib
+import inspect
 import numbers
 
 import numpy as np
@@ -232,33 +233,56 @@ class _Shape4:
         self.shape, self.dtype = (b, h, 1, d), q.dtype
 
 
+def _window_kwargs(window, backend, fn):
+    """``window`` as a backend keyword: passed only when bounded, and only to a backend that takes it."""
+    window = cv.resolve_window(window)
+    if window == (-1, -1):
+        return {}
+    if "window" not in inspect.signature(fn).parameters:
+        raise ValueError(f"window: the {backend!r} backend has no sliding-window decode; use window=None "
+                         f"or a NumPy backend ('naive', 'tiled')")
+    return {"window": window}
+
+
 def decode(q, k, v, num_splits=None, scale=None, backend="tiled", return_lse=False, seq_lens=None,
-           config=None):
+           config=None, window=None):
     """One new query token per sequence: q (B, Hq, d) over k, v (B, Hkv, N, d).
 
     ``seq_lens`` (B,) makes the cache ragged (sequence b uses keys [0, seq_lens[b]));
     ``num_splits`` splits each sequence's keys into that many chunks (Flash-Decoding);
     None picks it from the occupancy heuristic.  ``config``: the backend's decode config
     (the tiled backend's is a TileConfig whose ``block_k`` is the keys per tile; None: its
-    default).
+    default).  ``window`` (left, right): the query is the last position n - 1 (bottom-right
+    alignment), so it sees key j iff j >= n - 1 - left; ``right`` cannot reach past the end.
     """
     info, lens = _check_decode(q, k, v, seq_lens)
     num_splits = _check_num_splits(num_splits)
     return_lse = cv.check_bool(return_lse, "return_lse")
     scale = cv.resolve_scale(scale, info["head_dim"])
     fn = _resolve(backend, "decode")
+    extra = _window_kwargs(window, backend, fn)
     _numpy_only(backend, q=q, k=k, v=v)
     o, lse = _call(fn, backend, dict(q=q, k=k, v=v), q, k, v, seq_lens=lens, num_splits=num_splits,
-                   scale=scale, config=config)
+                   scale=scale, config=config, **extra)
     return (o, lse) if return_lse else o
 
 
 def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled", return_lse=False,
-                 config=None):
-    """Decode over a :class:`PagedKVCache`: q (len(seq_ids), Hq, d), one token per sequence."""
+                 config=None, window=None):
+    """Decode over a :class:`PagedKVCache`: q (len(seq_ids), Hq, d), one token per sequence.
+
+    A quantized cache (``kv_dtype`` set) is dequantized by the NumPy kernel; ``window`` as
+    in :func:`decode`.
+    """
     from ..paged import PagedKVCache
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
+    if cache.keys_only:
+        raise ValueError("cache: a keys-only cache (multi-head latent attention's) holds no V pool; "
+                         "decode it with iokernels.mla.paged_mla_decode")
+    if cache.quantized and backend not in NUMPY_BACKENDS:
+        raise ValueError(f"cache: a {cache.kv_dtype} cache is dequantized by the 'tiled' backend only; "
+                         f"the {backend!r} kernels read unquantized pools")
     seq_ids = list(seq_ids)
     for sid in seq_ids:
         cache._check_sid(sid)
@@ -272,9 +296,10 @@ def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled"
     return_lse = cv.check_bool(return_lse, "return_lse")
     scale = cv.resolve_scale(scale, cache.head_dim)
     fn = _resolve(backend, "paged_decode")
+    extra = _window_kwargs(window, backend, fn)
     _numpy_only(backend, q=q)
     o, lse = _call(fn, backend, dict(q=q, cache=cache), q, cache, seq_ids, num_splits=num_splits,
-                   scale=scale, config=config)
+                   scale=scale, config=config, **extra)
     return (o, lse) if return_lse else o
 
 
@@ -284,17 +309,20 @@ def paged_gather(cache, sid, backend="numpy", config=None):
     backend "numpy" (counted HBM traffic; "tiled" is accepted as its other name), "numba"
     or "cupy" (their gather kernels, chosen by ``config``).  What ``cache.gather`` calls.
     """
-    from ..paged import PagedKVCache, paged_gather as _gather_numpy
+    from ..paged import PagedKVCache
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache: expected a PagedKVCache, got {type(cache).__name__}")
     sid = cache._check_sid(sid)
     cv.check_choice(backend, "backend", ("numpy", "tiled") + tuple(GPU_BACKENDS))
     if backend in GPU_BACKENDS:
+        if cache.quantized or cache.keys_only:
+            raise ValueError(f"backend: a {cache.kv_dtype or 'keys-only'} cache is gathered by the 'numpy' "
+                             f"backend only; the {backend!r} gather copies unquantized K and V pools")
         fn = _Registered(backend, "paged_gather")
         return fn(cache, sid, config=config, need=dict(cache=cache))
     if config is not None:
         raise ValueError(f"config: the NumPy gather has no config, got {type(config).__name__}")
-    return _gather_numpy(cache.k_pool, cache.v_pool, cache._tables[sid], cache._lens[sid])
+    return cache._gather_numpy(sid)
 
 
 def merge_states(o_parts, lse_parts):

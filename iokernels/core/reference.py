@@ -103,10 +103,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, scale=No
     return O, lse
 
 
-def decode(q, k, v, seq_lens=None, scale=None):
+def decode(q, k, v, seq_lens=None, scale=None, window=None):
     """One new query token per sequence over a (ragged) KV cache. Returns (O, LSE).
 
-    q: (B, Hq, d); k, v: (B, Hkv, N, d); sequence b uses keys [0, seq_lens[b]).
+    q: (B, Hq, d); k, v: (B, Hkv, N, d); sequence b uses keys [0, seq_lens[b]).  The query
+    is that sequence's last position, so ``window`` masks it bottom-right aligned, as
+    :func:`attention` does with one query row.
     """
     q, k, v = _f64(q), _f64(k), _f64(v)
     B, Hq, d = q.shape
@@ -119,6 +121,6 @@ def decode(q, k, v, seq_lens=None, scale=None):
         if n == 0:
             continue
         o_b, lse_b = attention(q[b][None, :, None, :], k[b][None, :, :n], v[b][None, :, :n],
-                               scale=scale)
+                               scale=scale, window=window)
         O[b], lse[b] = o_b[0, :, 0], lse_b[0, :, 0]
     return O, lse

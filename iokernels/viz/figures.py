@@ -280,21 +280,31 @@ def roofline_points(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float
     return out
 
 
+def draw_roof(ax, gpu: str, dtype: str, intensities):
+    """Draw ``gpu``'s roof (bandwidth slope, then the ``dtype`` peak) over ``intensities`` and its ridge.
+
+    Returns the peak in TFLOP/s (ridge in FLOP/B times bandwidth in TB/s).
+    """
+    g = rl.get_gpu(gpu)
+    ridge = rl.ridge_point(gpu, dtype)
+    peak = ridge * g["hbm_tbps"]
+    ax.loglog(intensities, np.minimum(peak, intensities * g["hbm_tbps"]), color="black", lw=2,
+              label=f"{gpu}: {g['hbm_tbps']} TB/s, {peak:.0f} TFLOP/s ({dtype})")
+    ax.axvline(ridge, color="grey", ls=":", lw=1)
+    ax.text(ridge * 1.08, peak * 0.04, f"ridge {ridge:.0f} FLOP/B", fontsize=8, color="grey")
+    return peak
+
+
 def roofline(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float16", gpu: str = "H100 SXM",
              ax=None):
     """A roofline for ``gpu`` with naive attention, FlashAttention-2 and the floor placed on it."""
     pts = roofline_points(seqlen, head_dim, dtype, gpu)
     g = rl.get_gpu(gpu)
-    peak = pts["ridge"] * g["hbm_tbps"]       # TFLOP/s: ridge (FLOP/B) x bandwidth (TB/s)
     fig = None
     if ax is None:
         fig = _figure((7.0, 4.6))
         ax = fig.add_subplot()
-    x = np.logspace(0, 4, 200)
-    ax.loglog(x, np.minimum(peak, x * g["hbm_tbps"]), color="black", lw=2,
-              label=f"{gpu}: {g['hbm_tbps']} TB/s, {peak:.0f} TFLOP/s ({dtype})")
-    ax.axvline(pts["ridge"], color="grey", ls=":", lw=1)
-    ax.text(pts["ridge"] * 1.08, peak * 0.04, f"ridge {pts['ridge']:.0f} FLOP/B", fontsize=8, color="grey")
+    peak = draw_roof(ax, gpu, dtype, np.logspace(0, 4, 200))
     cfg = pts["config"]
     for key, colour, label in (("naive", _NAIVE_COLOR, "naive"),
                                ("fa2", _FLASH_COLOR, f"FlashAttention-2, Br={cfg.block_q}, Bc={cfg.block_k},\n"

@@ -1,0 +1,77 @@
+"""The decode-for-real-models chapter: KV bytes per token and decode intensity from real
+configurations, their roofline placement, and the notebook's report functions."""
+import numpy as np
+import pytest
+
+from iokernels import mla, models
+from iokernels.core import roofline
+
+
+def test_bytes_per_token_reproduce_the_sources():
+    assert models.kv_bytes_per_token("Llama-2-7B") == 524288 == 512 * 1024            # 0.5 MiB
+    assert models.kv_bytes_per_token("Llama-3-8B") == 128 * 1024
+    assert models.kv_bytes_per_token("Llama-3-70B") == 2 * 80 * 8 * 128 * 2
+    assert models.kv_values_per_token("DeepSeek-V3") == 512 + 64                       # one latent row
+    assert models.kv_bytes_per_token("DeepSeek-V3", itemsize=1) == 61 * 576
+    for name in ("Llama-2-7B", "Llama-3-8B"):
+        m = models.MODELS[name]
+        assert models.kv_bytes_per_token(name) == roofline.kv_bytes_per_token(m.layers, m.heads_kv, m.head_dim)
+    with pytest.raises(ValueError, match="model"):
+        models.kv_bytes_per_token("GPT-5")
+
+
+@pytest.mark.parametrize("name", [n for n, m in models.MODELS.items() if m.kind != "MLA"])
+@pytest.mark.parametrize("itemsize", [1, 2])
+def test_grouped_decode_intensity_is_g_per_two_bytes(name, itemsize):
+    m = models.MODELS[name]
+    step = models.decode_step(name, context=1000, batch=3, itemsize=itemsize)
+    assert step["intensity"] == pytest.approx(roofline.decode_intensity(m.group, itemsize))
+    assert step["intensity"] == pytest.approx(2 * m.group / itemsize)
+
+
+def test_gqa_stays_memory_bound_and_mla_reaches_the_compute_roof():
+    rows = {r["model"]: r for r in models.roofline_placement(gpu="H200")}
+    assert rows["Llama-3-8B"]["bound"] == rows["Llama-3-70B"]["bound"] == "memory"
+    assert rows["Llama-3-70B"]["peak_fraction"] < 0.05
+    assert rows["DeepSeek-V3"]["bound"] == "compute" and rows["DeepSeek-V3"]["peak_fraction"] == 1.0
+    assert rows["DeepSeek-V3"]["intensity"] == pytest.approx(2 * 128 * (576 + 512) / 1152)
+    v3 = mla.DEEPSEEK_V3_MLA                                     # the same count as the MLA module's
+    assert models.decode_step("DeepSeek-V3", 1)["flops"] == 61 * mla.mla_flops("absorbed", seq_lens=[1], **v3)["attention"]
+    on_a100 = {r["model"]: r for r in models.roofline_placement(gpu="A100 80GB SXM")}
+    assert on_a100["DeepSeek-V3"]["bound"] == "compute"
+
+
+def test_a_sliding_window_caps_the_cache():
+    full = models.decode_step("Llama-3-8B", 32768)
+    windowed = models.decode_step("Mistral-7B", 32768)
+    assert windowed["cached_tokens"] == 4096 and full["bytes"] == 8 * windowed["bytes"]
+    table = {r["model"]: r for r in models.model_table(context=32768)}
+    assert table["Llama-3-8B"]["cache_bytes"] == 32768 * 128 * 1024
+    assert table["Llama-3-8B"]["read_s"] == pytest.approx(32768 * 128 * 1024 / 4.8e12)
+    assert all(r["source"] for r in table.values())
+
+
+def test_quant_accuracy_report_keeps_its_bound_and_halves_the_bytes(rng):
+    rows = models.kv_quant_accuracy(rng, lengths=(16, 100), heads_q=4, heads_kv=2, head_dim=32)
+    by = {(r["N"], r["cache"]): r for r in rows}
+    for n in (16, 100):
+        assert by[(n, "float32")]["o_error"] < 1e-5
+        for q in ("float8_e4m3fn", "int8"):
+            r = by[(n, q)]
+            assert 1e-4 < r["o_error"] <= r["bound"]
+            assert r["bytes_per_token"] == by[(n, "bfloat16")]["bytes_per_token"] / 2 + 2 * 2 * 4 / 16
+    fig = models.kv_quant_figure(rows)
+    assert len(fig.axes[0].lines) == 6
+
+
+def test_mla_comparison_and_window_report(rng):
+    c = models.mla_comparison(rng, seqlen=40, batch=2, shape=dict(latent_dim=24, rope_dim=8, head_dim=8,
+                                                                 v_head_dim=8, heads=4))
+    assert max(c["errors"].values()) < 1e-12
+    assert all(v["equal"] for v in c["counted"].values())
+    assert c["full"]["unabsorbed"]["bytes"] > 100 * c["full"]["absorbed"]["bytes"]
+    rows = models.window_traffic(rng, lengths=(64, 300), window=(63, 0), heads_q=2, head_dim=8)
+    assert all(r[x]["equal"] and r[x]["error"] < 1e-5 for r in rows for x in ("full", "window"))
+    assert rows[1]["window"]["k_bytes"] < rows[1]["full"]["k_bytes"]
+    fig = models.roofline_figure()
+    assert len(fig.axes[0].lines) >= len(models.MODELS) + 1
