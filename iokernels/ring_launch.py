@@ -50,18 +50,35 @@ def _fail_if_asked(rank, payload):
 
 # --------------------------------------------------------------------------- the rank's work
 def check_worker(rank, world_size, device, payload):
-    """One rank: run every case of ``payload["cases"]``; return this rank's shards and counters."""
-    from .torch_sdpa import _to_torch
+    """One rank: run every case of ``payload["cases"]``; return this rank's shards and counters.
+
+    ``payload["world_sizes"]`` (optional) runs the cases on sub-groups of ranks 0..W-1 for
+    each W listed, so one launch covers several ring sizes; the result is then a dict
+    {W: [case results]} (empty lists on ranks outside a sub-group).
+    """
+    import torch.distributed as dist
     _fail_if_asked(rank, payload)
+    sizes = payload.get("world_sizes")
+    if sizes is None:
+        return _run_cases(rank, world_size, device, payload["cases"], None)
+    out = {}
+    for W in sizes:
+        group = dist.new_group(list(range(W))) if W < world_size else None   # every rank joins the call
+        out[W] = _run_cases(rank, W, device, payload["cases"], group) if rank < W else []
+    return out
+
+
+def _run_cases(rank, world_size, device, cases, group):
+    from .torch_sdpa import _to_torch
     out = []
-    for case in payload["cases"]:
+    for case in cases:
         q, k, v, do = _case_inputs(case)
         q_pos = cp.split_positions(q.shape[2], world_size, case["split"])
         kv_pos = cp.split_positions(k.shape[2], world_size, case["split"])
         tq, tdo = (cp.shard(_to_torch(x), q_pos[rank]).contiguous().to(device) for x in (q, do))
         tk, tv = (cp.shard(_to_torch(x), kv_pos[rank]).contiguous().to(device) for x in (k, v))
         kw = dict(seqlen_q=q.shape[2], seqlen_k=k.shape[2], causal=case["causal"], split=case["split"],
-                  backend=case["backend"])
+                  backend=case["backend"], group=group)
         fs, bs = cp.RingStats(rank=rank), cp.RingStats(rank=rank)
         o, lse = cp.ring_attention(tq, tk, tv, stats=fs, **kw)
         res = dict(o=cp._np(o), lse=cp._np(lse), fwd=fs.as_dict())
@@ -181,13 +198,23 @@ def unshard_key(shards, key, positions):
     return cp.unshard([s[key] for s in shards], positions)
 
 
-def run_checks(cases, world_size, *, dist_backend="gloo", timeout=120.0, fail_rank=None):
-    """Launch one world of ``world_size`` ranks that runs every case; check each. A list of dicts."""
+def run_checks(cases, world_size, *, dist_backend="gloo", timeout=120.0, fail_rank=None, world_sizes=None):
+    """Launch one world that runs every case; check each against the oracle.
+
+    Returns a list of result dicts (one per case); with ``world_sizes``, the world has
+    max(world_sizes) ranks and the result is {W: [one per case]} for each ring size W.
+    """
     from .core.launch import launch
-    per_rank = launch(check_worker, world_size, dict(cases=cases, fail_rank=fail_rank), backend=dist_backend,
-                      timeout=timeout)
-    return [check_results(case, world_size, [per_rank[r][i] for r in range(world_size)])
-            for i, case in enumerate(cases)]
+    n = max(world_sizes) if world_sizes else world_size
+    per_rank = launch(check_worker, n, dict(cases=cases, fail_rank=fail_rank, world_sizes=world_sizes),
+                      backend=dist_backend, timeout=timeout)
+
+    def checked(W, rows):
+        return [check_results(case, W, [rows[r][i] for r in range(W)]) for i, case in enumerate(cases)]
+
+    if not world_sizes:
+        return checked(world_size, per_rank)
+    return {W: checked(W, [per_rank[r][W] for r in range(W)]) for W in world_sizes}
 
 
 def _print_check(case, world_size, res):

@@ -28,6 +28,9 @@ import traceback
 TERMINATE_GRACE_S = 5.0
 #: how often the launcher looks at the queue and at the ranks' exit codes (seconds)
 POLL_S = 0.1
+#: after a first failure, how long to gather the other ranks' reports: the rank that failed
+#: first is the cause, the others usually fail because it went away (seconds)
+GATHER_S = 2.0
 #: the environment every rank gets, whatever the caller's
 RANK_ENV = {"NCCL_NVLS_ENABLE": "0"}
 HOST = "127.0.0.1"
@@ -51,13 +54,12 @@ def _rank_main(rank, world_size, port, backend, fn, payload, results, timeout):
         kw = dict(device_id=device) if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout), **kw)
-        try:
-            out = fn(rank, world_size, device, payload)
-        finally:
-            dist.destroy_process_group()
+        out = fn(rank, world_size, device, payload)
+        dist.destroy_process_group()
         results.put(("ok", rank, out))
     except BaseException as e:  # noqa: BLE001 -- everything goes back to the launcher
-        results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        # reported at once, before this process's connections close and its peers fail too
+        results.put(("error", rank, (time.time(), f"{type(e).__name__}: {e}", traceback.format_exc())))
         raise SystemExit(1)
 
 
@@ -101,17 +103,20 @@ def launch(fn, world_size: int, payload=None, *, backend: str = "gloo", timeout:
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, store.port, backend, fn, payload, results,
                                                   timeout), daemon=True)
              for r in range(world_size)]
-    out, failure = {}, None
+    out, errors, failure = {}, {}, None
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
             p.start()
-        while len(out) < world_size and failure is None:
+        while len(out) + len(errors) < world_size and failure is None:
             try:
                 status, rank, value = results.get(timeout=POLL_S)
             except _queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                if dead:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in out and r not in errors]
+                if errors and time.monotonic() > gather_until:
+                    break
+                if dead and not errors:
                     failure = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result"
                 elif time.monotonic() > deadline:
                     waiting = [r for r in range(world_size) if r not in out]
@@ -120,11 +125,17 @@ def launch(fn, world_size: int, payload=None, *, backend: str = "gloo", timeout:
             if status == "ok":
                 out[rank] = value
             else:
-                failure = f"rank {rank} failed: {value}"
+                if not errors:
+                    gather_until = time.monotonic() + GATHER_S
+                errors[rank] = value
     finally:
         _stop(procs)
         results.close()
         del store
+    if errors:
+        first, *later = sorted(errors, key=lambda r: errors[r][0])
+        also = "".join(f"\n  then rank {r} failed: {errors[r][1].splitlines()[0]}" for r in later)
+        failure = f"rank {first} failed: {errors[first][1]}{also}\n{errors[first][2]}"
     if failure is not None:
         raise RankFailed(failure)
     return [out[r] for r in range(world_size)]
