@@ -243,8 +243,8 @@ def merge_pair(o, lse, o_b, lse_b):
     xp = _namespace(o)
     live, live_b = lse > -math.inf, lse_b > -math.inf
     both = live & live_b
-    diff = xp.where(both, lse_b - lse, xp.zeros_like(lse))           # finite everywhere
-    zero = xp.zeros_like(diff)
+    zero = xp.zeros_like(lse)
+    diff = xp.where(both, lse_b, zero) - xp.where(both, lse, zero)  # finite everywhere, no inf - inf
     log_sig = -xp.logaddexp(zero, -diff)                              # log sigmoid(LSE_b - LSE)
     w = xp.exp(log_sig)                                               # sigmoid(LSE_b - LSE)
     o_new = xp.where(both[..., None], o - w[..., None] * (o - o_b), xp.where(live_b[..., None], o_b, o))
