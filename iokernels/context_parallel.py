@@ -109,7 +109,7 @@ from .core import conventions as cv
 
 __all__ = ["SPLITS", "split_positions", "chunk_bounds", "shard", "unshard", "merge_pair", "RingStats",
            "ring_attention", "ring_attention_backward", "simulate", "comm_model", "memory_per_rank",
-           "causal_work", "block_schedule"]
+           "causal_work", "block_schedule", "schedule_timeline", "work_per_rank", "merge_error_vs_world_size"]
 
 SPLITS = ("contiguous", "zigzag")
 #: message tags: K/V blocks and dK/dV accumulators may be in flight at the same time
@@ -708,3 +708,59 @@ def memory_per_rank(seqlen, world_size, *, batch=1, heads_q, heads_kv, head_dim,
                 + kv_blocks * 2 * batch * heads_kv * rows * head_dim * s)
 
     return dict(per_rank=held(n, 2 if world_size > 1 else 1, a), one_device=held(seqlen, 1, s))
+
+
+# --------------------------------------------------------------------------- experiments (notebook 12)
+def schedule_timeline(world_size: int, compute: float, comm: float):
+    """The events of an idealized ring: each step computes for ``compute`` while its transfer
+    takes ``comm`` (any time unit); the next step starts when both are done.
+
+    Returns one event list per rank in :class:`RingStats`' form: the transfer is hidden
+    when comm <= compute, and each step waits comm - compute otherwise.
+    """
+    events, t = [], 0.0
+    for step in range(world_size):
+        events.append(("compute", step, t, t + compute))
+        end = t + compute
+        if step < world_size - 1:
+            events.append(("comm", step, t, t + comm))
+            if comm > compute:
+                events.append(("wait", step, t + compute, t + comm))
+            end = max(end, t + comm)
+        t = end
+    return [list(events) for _ in range(world_size)]
+
+
+def work_per_rank(rng, seqlen: int, world_size: int, *, causal=True, heads=2, head_dim=16, backend="tiled"):
+    """Measured work of each rank for both splits: {split: dict(pairs=[...], seconds=[...])}.
+
+    Runs :func:`simulate` and reads each rank's counters: the (query, key) pairs its
+    blocks evaluated, and the seconds its block computations took (this machine, now).
+    """
+    q, k, v = _random_qkv(rng, heads, seqlen, head_dim, "float64")
+    out = {}
+    for split in SPLITS:
+        st = simulate(q, k, v, world_size, causal=causal, split=split, backend=backend)["stats"]
+        out[split] = dict(pairs=[s.pairs for s in st],
+                          seconds=[sum(t1 - t0 for kind, _, t0, t1 in s.events if kind == "compute") for s in st])
+    return out
+
+
+def merge_error_vs_world_size(rng, world_sizes, *, seqlen=256, heads=2, head_dim=32, dtype="float32",
+                              partial_dtypes=("bfloat16", "float32")):
+    """max|O - O_ref64| of the simulated ring for each W and each dtype of the partial outputs.
+
+    Inputs in ``dtype`` (the same inputs for every W); returns {partial_dtype: [errors]}.
+    "float32" keeps partials in the accumulator precision (no rounding between steps).
+    """
+    from .core.reference import attention as oracle
+    q, k, v = _random_qkv(rng, heads, seqlen, head_dim, dtype)
+    ref = oracle(q, k, v)[0]
+    return {pd: [float(np.abs(simulate(q, k, v, W, split="contiguous",
+                                       partial_dtype=None if pd == "float32" else pd)["o"] - ref).max())
+                 for W in world_sizes] for pd in partial_dtypes}
+
+
+def _random_qkv(rng, heads, seqlen, head_dim, dtype):
+    from .core.testing import make_inputs
+    return make_inputs(rng, heads_q=heads, seqlen_q=seqlen, head_dim=head_dim, dtype=dtype)

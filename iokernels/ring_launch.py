@@ -191,7 +191,8 @@ def check_results(case, world_size, shards):
     bytes_ok = all(c["sent"] == m["sent"] and c["received"] == m["received"]
                    for p in counted for c, m in zip(counted[p], model[p]))
     return dict(checks=checks, counted=counted, model=model, bytes_ok=bytes_ok,
-                ok=bytes_ok and all(checks), pairs=[s["fwd"]["pairs"] for s in shards])
+                ok=bytes_ok and all(checks), pairs=[s["fwd"]["pairs"] for s in shards],
+                events=[s["fwd"]["events"] for s in shards])
 
 
 def unshard_key(shards, key, positions):
