@@ -139,12 +139,10 @@ def test_zigzag_balances_causal_work():
 
 
 def test_bf16_partials_error_grows_with_ring_size(rng):
-    q, k, v = ik.testing.make_inputs(rng, heads_q=2, seqlen_q=96, head_dim=16, dtype="float32")
-    ref = ik.reference.attention(q, k, v)[0]
-    err = {pd: [np.abs(cp.simulate(q, k, v, W, split="contiguous", partial_dtype=pd)["o"] - ref).max()
-                for W in (1, 8)] for pd in ("bfloat16", None)}
-    assert err["bfloat16"][1] > err["bfloat16"][0]              # more rounded merges, more error
-    assert err[None][1] < err["bfloat16"][0] / 10               # fp32 partials stay far below
+    err = cp.merge_error_vs_world_size(rng, [1, 4, 16], seqlen=96, heads=2, head_dim=16)
+    bf16, fp32 = err["bfloat16"], err["float32"]
+    assert bf16[0] < bf16[1] < bf16[2]                         # more rounded merges, more error
+    assert max(fp32) < bf16[0] / 100                           # fp32 partials stay far below
 
 
 def test_memory_per_rank_shrinks_with_world_size():

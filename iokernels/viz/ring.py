@@ -81,10 +81,15 @@ def _global_rows(segments, local_ranges):
 
 def plot_timeline(events_per_rank, title="ring timeline", ax=None, unit=1.0, unit_name="s"):
     """One row per rank: compute (blue), transfers in flight (orange, thin), time blocked
-    waiting for a transfer (red).  ``events_per_rank``: lists of (kind, step, t0, t1)."""
+    waiting for a transfer (red).  ``events_per_rank``: lists of (kind, step, t0, t1).
+
+    Each rank's clock starts at its first event (ranks of separate processes do not share
+    a time origin)."""
     ax = _axes(ax, 1, (9.0, 0.6 + 0.7 * len(events_per_rank)))
     for r, events in enumerate(events_per_rank):
+        origin = min((e[2] for e in events), default=0.0)
         for kind, step, t0, t1 in events:
+            t0, t1 = t0 - origin, t1 - origin
             y, h = (r - 0.3, 0.6) if kind != "comm" else (r + 0.3, 0.15)
             ax.broken_barh([(t0 / unit, max(t1 - t0, 0) / unit)], (y, h), color=_KIND_COLOR[kind],
                            alpha=0.85, edgecolor="black", linewidth=0.3)
@@ -145,7 +150,7 @@ def plot_merge_error(world_sizes, errors, ax=None):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ranks W")
-    ax.set_ylabel("max |O - O_ref64|")
+    ax.set_ylabel("mean |O - O_ref64|")
     ax.set_title("merge error against the ring size")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
