@@ -218,7 +218,7 @@ def run_checks(cases, world_size, *, dist_backend="gloo", timeout=120.0, fail_ra
     return {W: checked(W, [per_rank[r][W] for r in range(W)]) for W in world_sizes}
 
 
-def _print_check(case, world_size, res):
+def print_check(case, world_size, res):
     print(f"ring attention: W={world_size}, split={case['split']}, causal={case['causal']}, "
           f"backend={case['backend']}, B={case['batch']} Hq={case['heads_q']} Hkv={case['heads_kv']} "
           f"N={case['seqlen']} d={case['head_dim']} {case['dtype']}")
@@ -307,5 +307,5 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"ring: {e}", file=sys.stderr)
         return 2
-    _print_check(case, args.world_size, res)
+    print_check(case, args.world_size, res)
     return 0 if res["ok"] else 1

@@ -194,7 +194,7 @@ def test_gloo_worlds_match_oracle_and_model(capsys):
             if W > 1:
                 assert all(m["bytes_sent"] > 0 for m in r["model"]["fwd"])
     assert not _children()
-    ring_launch._print_check(cases[0], 3, res[3][0])         # what `python -m iokernels ring` prints
+    ring_launch.print_check(cases[0], 3, res[3][0])         # what `python -m iokernels ring` prints
     out = capsys.readouterr().out
     m = res[3][0]["model"]["fwd"][1]
     assert f"fwd rank 1: sent {m['bytes_sent']} / {m['bytes_sent']}, received {m['bytes_received']}" in out
@@ -250,3 +250,16 @@ def test_cli_rejects_bad_sizes_before_launching(capsys):
     from iokernels import ring_launch
     assert ring_launch.main(["--world-size", "4", "--seqlen", "5", "--device", "cpu"]) == 2
     assert "seqlen" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_block_backward_matches_oracle(rng, monkeypatch, causal):
+    """The block backward that CUDA tensors use, run here on CPU tensors, a few rows at a time."""
+    monkeypatch.setattr(cp, "TORCH_BWD_ROWS", 5)             # several row chunks, the last one short
+    q, k, v, do = ik.testing.make_inputs(rng, batch=2, heads_q=6, heads_kv=2, seqlen_q=17, head_dim=9,
+                                         with_grad=True)
+    O, L = ik.reference.attention(q, k, v, causal=causal)
+    t = [torch.from_numpy(x) for x in (do, q, k, v, O, L)]
+    got = cp._torch_block_backward(*t, causal, ik.conventions.default_scale(9))
+    for name, g, ref in zip(("dq", "dk", "dv"), got, ik.reference.attention_backward(do, q, k, v, causal=causal)):
+        ik.testing.assert_close(g.numpy(), ref, dtype="float64", name=name)
