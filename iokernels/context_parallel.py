@@ -551,10 +551,30 @@ def _problem(q, k, v, seqlen_q, seqlen_k, W, split, causal, scale):
     return q_pos, kv_pos, cv.resolve_scale(scale, info["head_dim"]), causal
 
 
-def _check_local(x, name, want):
-    if x.shape[2] != want:
-        raise ValueError(f"{name}: this rank's shard must hold {want} tokens (axis 2) for the split, "
-                         f"got {x.shape[2]}")
+def _on_this_rank(q, k, v, seqlen_q, seqlen_k, split, causal, scale, group, backend, stats):
+    """Every check of a process-group call, before any communication: the split, this
+    rank's shard lengths, the backend.  Returns (W, rank, q_pos, kv_pos, scale, causal, stats)."""
+    import torch.distributed as dist
+    from .core.api import BACKENDS
+    cv.check_choice(backend, "backend", BACKENDS)
+    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    q_pos, kv_pos, scale, causal = _problem(q, k, v, seqlen_q, seqlen_k, W, split, causal, scale)
+    for name, x, want in (("q", q, _length(q_pos[rank])), ("k", k, _length(kv_pos[rank]))):
+        if x.shape[2] != want:
+            raise ValueError(f"{name}: this rank's shard must hold {want} tokens (axis 2) for the split, "
+                             f"got {x.shape[2]}")
+    return W, rank, q_pos, kv_pos, scale, causal, RingStats(rank=rank) if stats is None else stats
+
+
+#: dtypes the partial outputs may be stored in between steps (None: the accumulator's)
+PARTIAL_DTYPES = (None, "float32", "bfloat16", "float16")
+
+
+def _partial_dtype(name):
+    import torch
+    cv.check_choice(name, "partial_dtype", PARTIAL_DTYPES)
+    return None if name is None else getattr(torch, name)
 
 
 def ring_attention(q, k, v, *, seqlen_q, seqlen_k=None, causal=False, scale=None, split="zigzag",
@@ -566,14 +586,9 @@ def ring_attention(q, k, v, *, seqlen_q, seqlen_k=None, causal=False, scale=None
     (O, LSE); ``stats`` (a :class:`RingStats`) receives the counters and timeline.
     """
     import torch
-    import torch.distributed as dist
-    W, rank = dist.get_world_size(group), dist.get_rank(group)
-    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
-    q_pos, kv_pos, scale, causal = _problem(q, k, v, seqlen_q, seqlen_k, W, split, causal, scale)
-    _check_local(q, "q", _length(q_pos[rank]))
-    _check_local(k, "k", _length(kv_pos[rank]))
-    stats = RingStats(rank=rank) if stats is None else stats
-    pd = None if partial_dtype is None else getattr(torch, partial_dtype)
+    W, rank, q_pos, kv_pos, scale, causal, stats = _on_this_rank(q, k, v, seqlen_q, seqlen_k, split, causal,
+                                                                 scale, group, backend, stats)
+    pd = _partial_dtype(partial_dtype)
     gen = _forward_steps(q, torch.stack([k, v]), rank, W, kv_pos, q_pos, causal, scale, backend, config,
                          pd, stats)
     return _drive(gen, _GroupComm(group, stats))
@@ -583,13 +598,8 @@ def ring_attention_backward(do, q, k, v, o, lse, *, seqlen_q, seqlen_k=None, cau
                             split="zigzag", group=None, backend="tiled", config=None, stats=None):
     """Ring attention backward on this rank: (dQ, dK, dV) of its shards, given the global LSE."""
     import torch
-    import torch.distributed as dist
-    W, rank = dist.get_world_size(group), dist.get_rank(group)
-    seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
-    q_pos, kv_pos, scale, causal = _problem(q, k, v, seqlen_q, seqlen_k, W, split, causal, scale)
-    _check_local(q, "q", _length(q_pos[rank]))
-    _check_local(k, "k", _length(kv_pos[rank]))
-    stats = RingStats(rank=rank) if stats is None else stats
+    W, rank, q_pos, kv_pos, scale, causal, stats = _on_this_rank(q, k, v, seqlen_q, seqlen_k, split, causal,
+                                                                 scale, group, backend, stats)
     gen = _backward_steps(do, q, o, lse, torch.stack([k, v]), rank, W, kv_pos, q_pos, causal, scale, backend,
                           config, stats)
     return _drive(gen, _GroupComm(group, stats))
@@ -639,12 +649,14 @@ def simulate(q, k, v, world_size, *, do=None, causal=False, scale=None, split="z
     """
     import torch
     from .torch_sdpa import _to_torch as np_to_torch
+    from .core.api import BACKENDS
+    cv.check_choice(backend, "backend", BACKENDS)
     W = world_size
     tq, tk, tv = (np_to_torch(np.ascontiguousarray(x)) for x in (q, k, v))
     q_pos, kv_pos, scale, causal = _problem(tq, tk, tv, tq.shape[2], tk.shape[2], W, split, causal, scale)
     qs = [shard(tq, q_pos[r]) for r in range(W)]
     kvs = [torch.stack([shard(tk, kv_pos[r]), shard(tv, kv_pos[r])]) for r in range(W)]
-    pd = None if partial_dtype is None else getattr(torch, partial_dtype)
+    pd = _partial_dtype(partial_dtype)
     stats = [RingStats(rank=r) for r in range(W)]
     out = _lockstep([_forward_steps(qs[r], kvs[r], r, W, kv_pos, q_pos, causal, scale, backend, config, pd,
                                     stats[r]) for r in range(W)], stats)

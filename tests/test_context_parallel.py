@@ -125,6 +125,16 @@ def test_simulated_ring_other_local_backends(rng, backend):
         ik.testing.assert_close(r[name], ref[name], dtype="float64", name=name)
 
 
+def test_simulate_rejects_bad_arguments(rng):
+    q, k, v = ik.testing.make_inputs(rng, seqlen_q=8, head_dim=4)
+    with pytest.raises(ValueError, match="backend"):
+        cp.simulate(q, k, v, 2, backend="mpi")
+    with pytest.raises(ValueError, match="partial_dtype"):
+        cp.simulate(q, k, v, 2, partial_dtype="int8")
+    with pytest.raises(ValueError, match="world_size"):
+        cp.simulate(q, k, v, 0)
+
+
 def test_causal_needs_equal_lengths(rng):
     q, k, v = ik.testing.make_inputs(rng, seqlen_q=8, seqlen_k=12, head_dim=4)
     with pytest.raises(ValueError, match="seqlen_k"):
