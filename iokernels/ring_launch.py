@@ -273,6 +273,11 @@ def _device_kind(choice, world_size):
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        import torch.distributed  # noqa: F401
+    except ImportError:
+        print("ring: needs PyTorch with torch.distributed (pip install 'iokernels[torch]')", file=sys.stderr)
+        return 2
     from .core.launch import RankFailed
     kind = _device_kind(args.device, args.world_size)
     fail = args.fail_rank if args.fail_rank is not None else os.environ.get(FAIL_ENV)
