@@ -80,7 +80,9 @@ Local kernels
 =============
 Any backend computes the blocks: ``ik.attention(..., return_lse=True)`` with "naive",
 "tiled", "numba" (NumPy arrays; the Numba simulator on a CPU), "cupy" or "torch" (torch
-CUDA tensors pass through without copies).  Block gradients come from
+CUDA tensors pass through without copies); or "torch_fused", torch's fused kernels called
+directly for the LSE they compute anyway (flash for fp16/bf16 and memory-efficient for
+fp32 on a GPU, the CPU flash kernel on a CPU), the one to time on GPUs.  Block gradients come from
 ``ik.attention_backward`` ("naive" for the naive forward, "tiled" otherwise) on CPU
 tensors, and from :func:`_torch_block_backward` (the same recomputation formulas in torch
 ops, a few query rows at a time) on CUDA tensors, because the "torch" backward re-runs
@@ -89,8 +91,12 @@ SDPA's own forward and cannot take the ring's global LSE.
 Frank notes
 -----------
 * The "torch" local kernel computes its LSE beside SDPA with a second Q K^T (see
-  :mod:`iokernels.torch_sdpa`), so on a GPU it does more work than a fused kernel that
-  returns the LSE; the NumPy kernels are there to be read, not timed.
+  :mod:`iokernels.torch_sdpa`), so on a GPU it does more work than "torch_fused", which
+  reads the LSE from torch's private fused operators (``torch.ops.aten._scaled_dot_product_*``:
+  not a public API, so they may change between torch versions).  "torch_fused" repeats
+  K/V heads for GQA.  The NumPy kernels are there to be read, not timed.
+* The backward on CUDA tensors materializes a score block of query rows by keys (the
+  recomputation in torch ops, bounded by TORCH_BWD_BLOCK_BYTES), not a fused kernel.
 * Causal needs seqlen_q == seqlen_k (self-attention, what context parallelism is for);
   sliding windows are not offered.
 * ``partial_dtype="bfloat16"`` stores each block's output and the running output in
@@ -114,8 +120,11 @@ __all__ = ["SPLITS", "split_positions", "chunk_bounds", "shard", "unshard", "mer
 SPLITS = ("contiguous", "zigzag")
 #: message tags: K/V blocks and dK/dV accumulators may be in flight at the same time
 KV_TAG, DKV_TAG = 0, 1
-#: query rows per chunk of the torch block backward (bounds the materialized score block)
-TORCH_BWD_ROWS = 1024
+#: bound on one score block materialized by the torch block backward (bytes): it works
+#: through as many query rows at a time as fit
+TORCH_BWD_BLOCK_BYTES = 512 * 1024 * 1024
+#: local kernels: the package's backends, plus torch's fused kernels called for their LSE
+RING_BACKENDS = ("naive", "tiled", "numba", "cupy", "torch", "torch_fused")
 
 
 # --------------------------------------------------------------------------- the split
@@ -344,8 +353,11 @@ def _block_forward(q, kv, calls, scale, backend, config, stats):
     lse_b = torch.full((B, Hq, nq), -math.inf, dtype=acc, device=q.device)
     for qrows, krows, causal in calls:                         # load Q rows, K_c, V_c -> the kernel
         qx, kx, vx = _rows(q, qrows), _rows(kv[0], krows), _rows(kv[1], krows)
-        o, lse = attention(_to_backend(qx, backend), _to_backend(kx, backend), _to_backend(vx, backend),
-                           causal=causal, scale=scale, backend=backend, config=config, return_lse=True)
+        if backend == "torch_fused":
+            o, lse = _torch_fused_block(qx, kx, vx, causal, scale)
+        else:
+            o, lse = attention(_to_backend(qx, backend), _to_backend(kx, backend), _to_backend(vx, backend),
+                               causal=causal, scale=scale, backend=backend, config=config, return_lse=True)
         (a, b), = qrows
         o_b[:, :, a:b] = _to_torch(o, q).to(acc)
         lse_b[:, :, a:b] = _to_torch(lse, q).to(acc)
@@ -353,11 +365,46 @@ def _block_forward(q, kv, calls, scale, backend, config, stats):
     return o_b, lse_b
 
 
+def _fused_call(q, k, v, causal, scale):
+    """torch's fused kernel that returns (O, LSE): flash (fp16/bf16) or memory-efficient on
+    a GPU, the CPU flash kernel on a CPU.  Causal is top-left here: only for nq == nk."""
+    import torch
+    aten = torch.ops.aten
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        o, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+    elif q.is_cuda:
+        o, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+    else:
+        o, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=None,
+                                                                   scale=scale)
+    return o, lse[..., :q.shape[2]]                             # efficient pads the LSE's rows
+
+
+def _torch_fused_block(q, k, v, causal, scale):
+    """(O, LSE) of one block call through torch's fused kernels, which compute the LSE anyway.
+
+    GQA by repeating K/V heads (the fused ops take equal heads).  A bottom-right causal call
+    with nk > nq (earlier chunks, then the diagonal) is two calls, merged: the first nk - nq
+    keys fully visible, the last nq causal.
+    """
+    acc = _acc_torch(q.dtype)
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    nq, nk = q.shape[2], k.shape[2]
+    if not causal or nq == nk:
+        return _fused_call(q, k, v, causal, scale)
+    o1, l1 = _fused_call(q, k[:, :, :nk - nq], v[:, :, :nk - nq], False, scale)
+    o2, l2 = _fused_call(q, k[:, :, nk - nq:], v[:, :, nk - nq:], True, scale)
+    return merge_pair(o1.to(acc), l1.to(acc), o2.to(acc), l2.to(acc))
+
+
 def _torch_block_backward(do, q, k, v, o, lse, causal, scale):
     """Block gradients in torch ops with the given (global) O and LSE: the recomputation.
 
     P = exp(S - LSE); dV = P^T dO; dP = dO V^T; D = rowsum(dO * O); dS = P (dP - D);
-    dQ = scale dS K; dK = scale dS^T Q, a chunk of TORCH_BWD_ROWS query rows at a time.
+    dQ = scale dS K; dK = scale dS^T Q, a chunk of query rows at a time (the chunk's score
+    block stays under TORCH_BWD_BLOCK_BYTES).
     """
     import torch
     acc = _acc_torch(q.dtype)
@@ -369,8 +416,9 @@ def _torch_block_backward(do, q, k, v, o, lse, causal, scale):
     dq = torch.zeros((B, Hq, nq, d), dtype=acc, device=q.device)
     dk = torch.zeros((B, Hq, nk, d), dtype=acc, device=q.device)
     dv = torch.zeros_like(dk)
-    for r0 in range(0, nq, TORCH_BWD_ROWS):                    # a chunk of query rows
-        r1 = min(nq, r0 + TORCH_BWD_ROWS)
+    rows = max(1, TORCH_BWD_BLOCK_BYTES // max(1, B * Hq * nk * dq.element_size()))
+    for r0 in range(0, nq, rows):                              # a chunk of query rows
+        r1 = min(nq, r0 + rows)
         qi, doi = q[:, :, r0:r1].to(acc), do[:, :, r0:r1].to(acc)
         li = lse[:, :, r0:r1, None]
         s = torch.matmul(qi, ke.transpose(-1, -2)) * scale
@@ -555,8 +603,7 @@ def _on_this_rank(q, k, v, seqlen_q, seqlen_k, split, causal, scale, group, back
     """Every check of a process-group call, before any communication: the split, this
     rank's shard lengths, the backend.  Returns (W, rank, q_pos, kv_pos, scale, causal, stats)."""
     import torch.distributed as dist
-    from .core.api import BACKENDS
-    cv.check_choice(backend, "backend", BACKENDS)
+    cv.check_choice(backend, "backend", RING_BACKENDS)
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
     q_pos, kv_pos, scale, causal = _problem(q, k, v, seqlen_q, seqlen_k, W, split, causal, scale)
@@ -649,8 +696,7 @@ def simulate(q, k, v, world_size, *, do=None, causal=False, scale=None, split="z
     """
     import torch
     from .torch_sdpa import _to_torch as np_to_torch
-    from .core.api import BACKENDS
-    cv.check_choice(backend, "backend", BACKENDS)
+    cv.check_choice(backend, "backend", RING_BACKENDS)
     W = world_size
     tq, tk, tv = (np_to_torch(np.ascontiguousarray(x)) for x in (q, k, v))
     q_pos, kv_pos, scale, causal = _problem(tq, tk, tv, tq.shape[2], tk.shape[2], W, split, causal, scale)

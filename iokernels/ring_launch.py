@@ -238,8 +238,8 @@ def _parser():
     p = argparse.ArgumentParser(prog="python -m iokernels ring",
                                 description="Ring attention on W local processes (torch.distributed).")
     p.add_argument("--world-size", type=int, default=2, help="processes on the ring (default 2)")
-    p.add_argument("--backend", default=None, choices=("naive", "tiled", "numba", "cupy", "torch"),
-                   help="local kernel for the blocks (default: tiled on CPU, torch on GPUs)")
+    p.add_argument("--backend", default=None, choices=cp.RING_BACKENDS,
+                   help="local kernel for the blocks (default: tiled on CPU, torch_fused on GPUs)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="cpu: gloo; cuda: NCCL, one GPU per rank; auto: cuda when every rank can have a GPU")
     p.add_argument("--seqlen", type=int, default=DEFAULT_CASE["seqlen"], help="tokens per sequence")
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
                 seqlen_k=args.seqlen_k, head_dim=args.head_dim, causal=args.causal, split=args.split,
                 seed=args.seed, backward=not args.no_backward,
                 dtype=args.dtype or ("bfloat16" if kind == "cuda" else "float64"),
-                backend=args.backend or ("torch" if kind == "cuda" else "tiled"))
+                backend=args.backend or ("torch_fused" if kind == "cuda" else "tiled"))
     dist_backend = "nccl" if kind == "cuda" else "gloo"
     try:
         cp.split_positions(args.seqlen, args.world_size, args.split)      # bad sizes fail here, not in W ranks

@@ -116,7 +116,7 @@ def test_simulated_ring_non_causal_different_lengths(rng):
         ik.testing.assert_close(r[name], ref[name], dtype="float64", name=name)
 
 
-@pytest.mark.parametrize("backend", ["naive", "torch"])
+@pytest.mark.parametrize("backend", ["naive", "torch", "torch_fused"])
 def test_simulated_ring_other_local_backends(rng, backend):
     q, k, v, do = ik.testing.make_inputs(rng, heads_q=4, heads_kv=2, seqlen_q=21, head_dim=10, with_grad=True)
     r = cp.simulate(q, k, v, 3, do=do, causal=True, backend=backend)
@@ -265,7 +265,7 @@ def test_cli_rejects_bad_sizes_before_launching(capsys):
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_block_backward_matches_oracle(rng, monkeypatch, causal):
     """The block backward that CUDA tensors use, run here on CPU tensors, a few rows at a time."""
-    monkeypatch.setattr(cp, "TORCH_BWD_ROWS", 5)             # several row chunks, the last one short
+    monkeypatch.setattr(cp, "TORCH_BWD_BLOCK_BYTES", 2 * 6 * 17 * 8 * 5)   # 5 rows a chunk, the last short
     q, k, v, do = ik.testing.make_inputs(rng, batch=2, heads_q=6, heads_kv=2, seqlen_q=17, head_dim=9,
                                          with_grad=True)
     O, L = ik.reference.attention(q, k, v, causal=causal)
@@ -273,3 +273,15 @@ def test_torch_block_backward_matches_oracle(rng, monkeypatch, causal):
     got = cp._torch_block_backward(*t, causal, ik.conventions.default_scale(9))
     for name, g, ref in zip(("dq", "dk", "dv"), got, ik.reference.attention_backward(do, q, k, v, causal=causal)):
         ik.testing.assert_close(g.numpy(), ref, dtype="float64", name=name)
+
+
+@pytest.mark.parametrize("backend", ["tiled", "torch_fused"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_simulated_ring_low_precision_follows_the_2x_rule(rng, backend, dtype):
+    q, k, v = ik.testing.make_inputs(rng, heads_q=4, heads_kv=2, seqlen_q=45, head_dim=16, dtype=dtype)
+    r = cp.simulate(q, k, v, 3, causal=True, backend=backend)
+    O, L = ik.reference.attention(q, k, v, causal=True)
+    bo, bl = ik.attention(q, k, v, causal=True, backend="naive", return_lse=True)
+    ik.testing.assert_close(r["o"], O, bo, dtype=dtype, name="o")
+    ik.testing.assert_close(r["lse"], L, bl, dtype=dtype, name="lse")
+    assert ik.conventions.dtype_name(r["o"]) == dtype
