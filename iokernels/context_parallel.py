@@ -257,8 +257,9 @@ def merge_pair(o, lse, o_b, lse_b):
     log_sig = -xp.logaddexp(zero, -diff)                              # log sigmoid(LSE_b - LSE)
     w = xp.exp(log_sig)                                               # sigmoid(LSE_b - LSE)
     o_new = xp.where(both[..., None], o - w[..., None] * (o - o_b), xp.where(live_b[..., None], o_b, o))
-    lse_new = xp.where(both, lse + xp.logaddexp(zero, diff), xp.where(live_b, lse_b, lse))
-    return o_new, lse_new                                             # -log sigmoid(-x) = softplus(x)
+    softplus = xp.logaddexp(zero, diff)                               # = -log sigmoid(LSE - LSE_b)
+    lse_new = xp.where(both, lse + softplus, xp.where(live_b, lse_b, lse))
+    return o_new, lse_new
 
 
 # --------------------------------------------------------------------------- statistics
@@ -300,7 +301,7 @@ _TAG_NAME = {KV_TAG: "kv", DKV_TAG: "dkv"}
 
 @dataclass
 class _Send:
-    """Request: send ``tensor`` to rank r + 1, receive a (shape, dtype) tensor from r - 1."""
+    """Request: send ``tensor`` to rank r + 1; receive from r - 1 a tensor of ``shape`` (same dtype)."""
 
     tensor: object
     tag: int
@@ -476,7 +477,7 @@ def _forward_steps(q, kv, rank, W, kv_pos, q_pos, causal, scale, backend, config
     o = torch.zeros((B, Hq, nq, d), dtype=acc, device=q.device)
     lse = torch.full((B, Hq, nq), -math.inf, dtype=acc, device=q.device)
     stats.resident_bytes = _nbytes(q, kv, o, lse) + _nbytes(kv) * (W > 1)   # + the block arriving
-    for step in range(W):                                       # the ring: W steps
+    for step in range(W):                                       # the ring: W steps, K_c, V_c in HBM
         c = (rank - step) % W                                   # K_c, V_c in hand
         if step < W - 1:                                        # post: send K_c, V_c -> rank + 1;
             nxt = (c - 1) % W                                   #       receive K_c-1, V_c-1 <- rank - 1
@@ -500,7 +501,7 @@ def _backward_steps(do, q, o, lse, kv, rank, W, kv_pos, q_pos, causal, scale, ba
     dkv = None
     stats.resident_bytes = _nbytes(do, q, o, lse, dq) + _nbytes(kv) * (1 + (W > 1)) + \
         2 * kv.numel() * dq.element_size() * (W > 1)
-    for step in range(W):
+    for step in range(W):                                       # the ring: K_c, V_c, dK_c, dV_c in HBM
         c = (rank - step) % W
         nxt = (c - 1) % W
         nxt_shape = (2,) + kv.shape[1:3] + (_length(kv_pos[nxt]), kv.shape[-1])

@@ -155,6 +155,14 @@ def test_bf16_partials_error_grows_with_ring_size(rng):
     assert max(fp32) < bf16[0] / 100                           # fp32 partials stay far below
 
 
+def test_memory_model_equals_what_a_simulated_rank_holds(rng):
+    q, k, v = ik.testing.make_inputs(rng, heads_q=4, heads_kv=2, seqlen_q=48, head_dim=8, dtype="float32")
+    for W in (1, 3):
+        held = {s.resident_bytes for s in cp.simulate(q, k, v, W, causal=True)["stats"]}
+        model = cp.memory_per_rank(48, W, heads_q=4, heads_kv=2, head_dim=8, dtype="float32")
+        assert held == {model["per_rank"]}
+
+
 def test_memory_per_rank_shrinks_with_world_size():
     one = cp.memory_per_rank(65536, 1, heads_q=8, heads_kv=8, head_dim=128)
     four = cp.memory_per_rank(65536, 4, heads_q=8, heads_kv=8, head_dim=128)
