@@ -39,6 +39,7 @@ _LAZY = {
     "online_softmax": ("iokernels.online_softmax", None),
     "paged": ("iokernels.paged", None),
     "bench": ("iokernels.bench", None),
+    "context_parallel": ("iokernels.context_parallel", None),
     "viz": ("iokernels.viz", None),
 }
 

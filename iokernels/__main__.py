@@ -1,10 +1,12 @@
-"""The command line: ``python -m iokernels {tour,figures,bench}``.
+"""The command line: ``python -m iokernels {tour,figures,bench,ring}``.
 
 tour      run the progression on a small embedded problem and print, per step and backend,
           the error against the float64 oracle, counted and modelled HBM bytes, and time;
           writes the figures to figures/ (see :mod:`iokernels.tour`)
 figures   regenerate figures/ from fixed seeds (see :mod:`iokernels.viz.figures`)
 bench     the side-by-side GPU benchmark (see :mod:`iokernels.bench`)
+ring      ring attention on W local processes over torch.distributed, checked against the
+          float64 oracle, bytes per rank counted and modelled (see :mod:`iokernels.ring_launch`)
 
 Without an NVIDIA device, NUMBA_ENABLE_CUDASIM=1 is set here, before anything imports
 numba, so the Numba kernels run on the simulator.
@@ -61,6 +63,12 @@ def main(argv=None) -> int:
 
     sub.add_parser("bench", help="the GPU benchmark (options: python -m iokernels bench --help)",
                    add_help=False)
+
+    sub.add_parser("ring", help="ring attention over W processes (options: python -m iokernels ring --help)",
+                   add_help=False)
+    if argv and argv[0] == "ring":      # the ring launcher parses its own options
+        from . import ring_launch
+        return int(ring_launch.main(argv[1:]))
 
     if argv and argv[0] == "bench":     # the benchmark parses its own options
         _prepare_environment()
