@@ -217,8 +217,6 @@ def _build(kind: str, p: Problem, r: SMRates) -> list:
                 last = loads[j][1]
             k_j, v_j = loads[j]
             deps0 = [k_j] + ([last] if last else [])
-            if consumers == 2 and c == 1 and j == 0:
-                deps0.append(gemm0[(0, 0)])                       # ping-pong: consumer 2 starts second
             g0 = gemm0[(c, j)] = add(Op(f"S{j} = Q K{j}^T", ag, "tensor", t_gemm, j, deps0, sync=not intra))
             if intra and j > 0:                                   # GEMM1 of the previous tile, async
                 gemm1[(c, j - 1)] = add(Op(f"O += P{j - 1} V{j - 1}", ag, "tensor", t_gemm, j - 1,
@@ -235,6 +233,13 @@ def _build(kind: str, p: Problem, r: SMRates) -> list:
         if intra:
             last = gemm1[(c, n - 1)] = add(Op(f"O += P{n - 1} V{n - 1}", ag, "tensor", t_gemm, n - 1,
                                               [post[n - 1], loads[n - 1][1]]))
+    if consumers == 2:            # ping-pong's barrier: the consumers take turns at the tensor cores,
+        def turn(c, j):           # one turn = the GEMMs issued together in iteration j
+            return gemm1[(c, j - 1)] if intra and j > 0 else gemm0[(c, j)]
+        for j in range(n):
+            gemm0[(1, j)].deps.append(turn(0, j))
+            if j > 0:
+                gemm0[(0, j)].deps.append(turn(1, j - 1))
     for j in range(p.stages, n):                                  # a buffer is refilled once consumed
         loads[j][0].deps += [gemm0[(c, j - p.stages)] for c in range(consumers)]
         loads[j][1].deps += [gemm1[(c, j - p.stages)] for c in range(consumers)]
