@@ -143,3 +143,23 @@ def test_schedule_explorer_reacts():
     gpu.value = "B200"
     share = hs.SMRates.from_gpu("B200")
     assert f"{share.tensor_flops / (256 * share.sfu_ops):.2f} x matmul" in _text(numbers.value)
+
+
+def _record(tmp_path, runners):
+    import json
+    results = [{"runner": r, "group": r.split(":")[0], "status": "ok", "ms": 1.0 + i, "rate": 100.0 / (1 + i),
+                "unit": "TFLOP/s"} for i, r in enumerate(runners)]
+    case = {"section": "prefill", "kind": "prefill", "dtype": "bfloat16", "causal": False,
+            "shape": {"batch": 2, "heads": 4, "seqlen": 4096, "head_dim": 128}, "results": results}
+    (tmp_path / "h200_2030-01-01.json").write_text(json.dumps({"env": {"gpu": "TEST GPU"}, "bench": {"cases": [case]}}))
+    return tmp_path
+
+
+def test_hopper_kernel_record_shows_rows_only_when_recorded(tmp_path):
+    from iokernels.viz import hopper
+    assert "appear here once" in hopper.hopper_kernel_record(tmp_path)              # no record at all
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert "appear here once" in hopper.hopper_kernel_record(_record(tmp_path / "a", ["sdpa:flash", "cupy:v2"]))
+    text = hopper.hopper_kernel_record(_record(tmp_path / "b", ["sdpa:flash", "cupy:v3"]))
+    assert "TEST GPU" in text and "cupy:v3" in text and "cupy:v2" not in text

@@ -6,6 +6,7 @@
 :func:`schedule_report`         the predicted tensor-core utilisation per schedule (HTML)
 :func:`schedule_explorer`       d, Br, Bc and the GPU in; the report and the charts out
 :func:`ablation_table`          the FlashAttention-3 paper's ablation beside the model
+:func:`hopper_kernel_record`    the recorded results of the Hopper kernel, if there are any
 ==============================  ========================================================
 
 The numbers come from :mod:`iokernels.hopper_schedule`; matplotlib and ipywidgets are
@@ -18,7 +19,8 @@ import html
 from .. import hopper_schedule as hs
 from ..core import roofline as rl
 
-__all__ = ["gantt", "schedule_figure", "schedule_report", "schedule_explorer", "ablation_table"]
+__all__ = ["gantt", "schedule_figure", "schedule_report", "schedule_explorer", "ablation_table",
+           "hopper_kernel_record"]
 
 #: the GPUs the model knows the per-clock rates of (the widget's choices)
 GPUS = ("H100 SXM", "H200", "H100 PCIe", "A100 80GB SXM", "B200")
@@ -129,3 +131,24 @@ def ablation_table(problem: hs.Problem | None = None, gpu="H100 SXM") -> str:
         lines.append(f"{r['paper']:<50}{r['paper_tflops']:>9.0f}{r['paper_fraction']:>9.0%}   "
                      f"{r['schedule']:<18}{r['model_utilisation']:>9.0%}")
     return "\n".join(lines)
+
+
+#: the Hopper forward kernels of :mod:`iokernels.cupy_raw` (wgmma, TMA, warp specialization)
+HOPPER_RUNNERS = ("cupy:v3*", "cupy:v4*", "cupy:v5*")
+
+
+def hopper_kernel_record(results_dir=None) -> str:
+    """The recorded results of the Hopper forward kernels (cupy_raw v3-v5) beside SDPA's FLASH
+    and cuDNN kernels, labelled with the record; or a line saying that none is recorded yet."""
+    from ..core import recorded
+    pending = ("no recorded results of the Hopper forward kernels (iokernels.cupy_raw, versions v3-v5) "
+               "yet: they appear here once a GPU run has recorded them")
+    try:
+        rec = recorded.load(results_dir=results_dir)
+    except FileNotFoundError:
+        return pending
+    if not recorded.bench_rows(rec, runners=HOPPER_RUNNERS):
+        return pending
+    return recorded.label(rec) + "\n" + recorded.table(
+        rec, "prefill", runners=("sdpa:cudnn", "sdpa:flash", *HOPPER_RUNNERS), vs="sdpa:flash",
+        columns=("dtype", "causal", "batch", "seqlen", "runner", "ms", "rate", "unit"))
