@@ -18,6 +18,7 @@ import html
 
 from .. import hopper_schedule as hs
 from ..core import roofline as rl
+from .widgets import _table
 
 __all__ = ["gantt", "schedule_figure", "schedule_report", "schedule_explorer", "ablation_table",
            "hopper_kernel_record"]
@@ -72,14 +73,6 @@ def schedule_figure(problem: hs.Problem | None = None, gpu: str = "H100 SXM", ki
     return fig
 
 
-def _table(rows, header) -> str:
-    cell = '<td style="padding:2px 10px;text-align:right">{}</td>'
-    out = ['<table style="border-collapse:collapse;font-family:monospace"><tr>'
-           + "".join(f'<th style="padding:2px 10px">{html.escape(h)}</th>' for h in header) + "</tr>"]
-    out += ["<tr>" + "".join(cell.format(html.escape(str(c))) for c in row) + "</tr>" for row in rows]
-    return "".join(out) + "</table>"
-
-
 def schedule_report(head_dim=128, block_q=128, block_k=128, gpu="H100 SXM", n_tiles=12) -> str:
     """Per schedule: predicted tensor-core utilisation and each unit's busy share, as HTML."""
     p = hs.Problem(head_dim=head_dim, block_q=block_q, block_k=block_k, n_tiles=n_tiles)
@@ -94,7 +87,7 @@ def schedule_report(head_dim=128, block_q=128, block_k=128, gpu="H100 SXM", n_ti
                      *(f"{s.busy[u]:.0%}" for u in hs.UNITS)))
     share = rates.tensor_flops / (hs.exp_budget(head_dim) * rates.sfu_ops)
     return (f"<p>{html.escape(fits)}; exp time = {share:.2f} x matmul time at d = {head_dim}</p>"
-            + _table(rows, ("schedule", "tensor-core utilisation (modelled)",
+            + _table(rows, header=("schedule", "tensor-core utilisation (modelled)",
                             *(f"{_UNIT_LABELS[u]} busy" for u in hs.UNITS))))
 
 
