@@ -42,7 +42,7 @@ beside the paper's figures (:data:`PAPER_RMSE`).
 
 Frank notes: this is a model of the arithmetic, not of the kernel: the softmax uses each
 row's exact maximum (the kernel's running maximum changes P's scale slightly), rounding
-is NumPy's, and one pass over N = 4096 keys takes about a second.  The paper does not
+is NumPy's, and every variant is a few full-size matmuls on the CPU.  The paper does not
 state every setting of its experiment (batch, heads, sequence length), so the measured
 figures agree with it in size and ordering, not to the digit.
 """

@@ -40,6 +40,10 @@ The schedules (:data:`SCHEDULES`), each one idea more than the last:
 - ``fa3``: a producer and two consumers, each with the intra-warpgroup overlap: the
   full FlashAttention-3 schedule.
 
+``Problem(sw_exp_fraction=f)`` adds FlashAttention-4's answer to a slow SFU: a share f of
+the exponentials is computed by the polynomial on the CUDA cores, at the same time as the
+SFU computes the rest (the warp interleaves both kinds of instruction).
+
 Rates per SM come from the roofline GPU table (:data:`iokernels.core.roofline.GPUS`,
 datasheet figures): tensor cores = dense FP16 peak / SMs; CUDA cores = FP32 peak / 2 / SMs
 instructions per second (an FMA counts 2 FLOP on the datasheet, one instruction here);
@@ -84,6 +88,9 @@ L2_REUSE = 4
 #: CUDA-core instructions per score: row max + scale-and-subtract (before the exp), then row
 #: sum + conversion of P to 16 bits (after it): 2 + 2
 OPS_BEFORE_EXP, OPS_AFTER_EXP = 2, 2
+#: CUDA-core instructions per software exp2 (FlashAttention-4's, :func:`iokernels.fa4.software_exp2`):
+#: clamp (2), floor (1), fraction (1), degree-3 polynomial by Horner (3 FMAs), exponent add (1)
+SOFTWARE_EXP2_OPS = 8
 
 
 @dataclass(frozen=True)
@@ -124,12 +131,16 @@ class Problem:
     n_tiles: int = 12
     itemsize: int = 2
     stages: int = 2
+    sw_exp_fraction: float = 0.0
 
     def __post_init__(self):
         for name in ("head_dim", "block_q", "block_k", "n_tiles", "itemsize", "stages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"problem: {name} must be a positive integer, got {v!r}")
+        f = self.sw_exp_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ValueError(f"problem: sw_exp_fraction must be a number in [0, 1], got {f!r}")
 
     def smem_bytes(self) -> int:
         """Shared memory: Q_i once, and ``stages`` buffers of K_j and V_j."""
@@ -190,7 +201,8 @@ def _build(kind: str, p: Problem, r: SMRates) -> list:
     t_load = Bc * d * p.itemsize / r.copy_bytes                   # one of K_j, V_j -> SRAM
     t_gemm = 2 * rows * Bc * d / rate                             # GEMM0 or GEMM1 of one consumer
     t_pre = OPS_BEFORE_EXP * rows * Bc / r.cuda_ops               # row max, scale and subtract
-    t_exp = rows * Bc / r.sfu_ops                                 # exp on the SFU
+    t_exp = (1 - p.sw_exp_fraction) * rows * Bc / r.sfu_ops       # exp on the SFU
+    t_sw = p.sw_exp_fraction * rows * Bc * SOFTWARE_EXP2_OPS / r.cuda_ops   # the rest in software
     t_post = (OPS_AFTER_EXP * rows * Bc + rows * d) / r.cuda_ops  # row sum, convert P, rescale O
     ops = []
     loads = {}
@@ -224,8 +236,10 @@ def _build(kind: str, p: Problem, r: SMRates) -> list:
             if not producer and intra and j + 1 < n:              # prefetch tile j + 1, asynchronously
                 emit_loads(ag, j + 1, False)
             pre = add(Op(f"max, scale {j}", ag, "cuda", t_pre, j, [g0]))
-            ex = add(Op(f"exp {j}", ag, "sfu", t_exp, j, [pre]))
-            deps_post = [ex] + ([gemm1[(c, j - 1)]] if intra and j > 0 else [])   # rescale O after PV
+            ex = [add(Op(f"exp {j}", ag, "sfu", t_exp, j, [pre], sync=not t_sw))]
+            if t_sw:                                              # the software share, beside the SFU's
+                ex.append(add(Op(f"software exp2 {j}", ag, "cuda", t_sw, j, [pre])))
+            deps_post = ex + ([gemm1[(c, j - 1)]] if intra and j > 0 else [])     # rescale O after PV
             post[j] = add(Op(f"sum, convert, rescale {j}", ag, "cuda", t_post, j, deps_post))
             last = post[j]
             if not intra:
@@ -292,14 +306,17 @@ def run_all(problem: Problem | None = None, rates: SMRates | None = None) -> dic
 
 
 def lockstep_bound(problem: Problem, rates: SMRates, mma_sync: bool = False) -> float:
-    """The lockstep schedules' utilisation in closed form: nothing overlaps, so each tile
-    costs the sum of its ops, and utilisation = ideal GEMM time / that sum."""
+    """The lockstep schedules' utilisation in closed form: nothing overlaps (but the SFU's and
+    the software share of the exps), so each tile costs the sum of its ops, and utilisation =
+    ideal GEMM time / that sum."""
     p, r = problem, rates
     f = r.mma_sync_fraction if mma_sync else 1.0
-    gemm = 4 * p.block_q * p.block_k * p.head_dim / r.tensor_flops
-    tile = (2 * p.block_k * p.head_dim * p.itemsize / r.copy_bytes + gemm / f
-            + p.block_q * p.block_k / r.sfu_ops
-            + ((OPS_BEFORE_EXP + OPS_AFTER_EXP) * p.block_q * p.block_k + p.block_q * p.head_dim) / r.cuda_ops)
+    scores = p.block_q * p.block_k
+    gemm = 4 * scores * p.head_dim / r.tensor_flops
+    exps = max((1 - p.sw_exp_fraction) * scores / r.sfu_ops,
+               p.sw_exp_fraction * scores * SOFTWARE_EXP2_OPS / r.cuda_ops)
+    tile = (2 * p.block_k * p.head_dim * p.itemsize / r.copy_bytes + gemm / f + exps
+            + ((OPS_BEFORE_EXP + OPS_AFTER_EXP) * scores + p.block_q * p.head_dim) / r.cuda_ops)
     return gemm / tile
 
 

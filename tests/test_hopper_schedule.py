@@ -28,10 +28,25 @@ def test_lockstep_matches_the_hand_worked_bound():
     assert hs.lockstep_bound(HAND, HAND_RATES, mma_sync=True) == pytest.approx(1 / 8, rel=1e-12)
 
 
+def test_software_exp_share_runs_beside_the_sfu():
+    """Half of the 4 exps in software: the SFU's 2 take 0.5 s, the polynomial's 2 x 8 ops at 8/s
+    take 2 s, side by side: the exp phase costs 2 s instead of 1 s, so a tile costs 8 s."""
+    p = hs.Problem(head_dim=4, block_q=2, block_k=2, n_tiles=3, sw_exp_fraction=0.5)
+    assert hs.simulate("lockstep", p, HAND_RATES).utilisation == pytest.approx(1 / 8, rel=1e-12)
+    assert hs.lockstep_bound(p, HAND_RATES) == pytest.approx(1 / 8, rel=1e-12)
+
+
+def test_software_exp_helps_where_the_sfu_is_the_bottleneck():
+    r = hs.SMRates.from_gpu("B200")           # d = 128: exps take as long as the matmuls
+    u = [hs.simulate("fa3", hs.Problem(sw_exp_fraction=f), r).utilisation for f in (0.0, 0.25)]
+    assert u[1] > u[0]
+
+
 @pytest.mark.parametrize("gpu", ["H100 SXM", "H200", "A100 80GB SXM", "B200"])
 def test_lockstep_bound_holds_on_real_rates(rng, gpu):
     p = hs.Problem(head_dim=int(rng.choice([64, 96, 128, 256])), block_q=int(rng.integers(1, 5)) * 32,
-                   block_k=int(rng.integers(1, 5)) * 32, n_tiles=int(rng.integers(2, 9)))
+                   block_k=int(rng.integers(1, 5)) * 32, n_tiles=int(rng.integers(2, 9)),
+                   sw_exp_fraction=float(rng.choice([0.0, 0.3, 0.9])))
     r = hs.SMRates.from_gpu(gpu)
     assert hs.simulate("fa2", p, r).utilisation == pytest.approx(hs.lockstep_bound(p, r, True), rel=1e-9)
     assert hs.simulate("lockstep", p, r).utilisation == pytest.approx(hs.lockstep_bound(p, r), rel=1e-9)
@@ -59,7 +74,8 @@ def _check_schedule(s):
 @pytest.mark.parametrize("kind", list(hs.SCHEDULES))
 def test_every_schedule_respects_units_deps_and_program_order(rng, kind):
     p = hs.Problem(head_dim=int(rng.choice([64, 128, 256])), block_q=128, block_k=int(rng.choice([64, 128])),
-                   n_tiles=int(rng.integers(3, 8)), stages=int(rng.integers(1, 4)))
+                   n_tiles=int(rng.integers(3, 8)), stages=int(rng.integers(1, 4)),
+                   sw_exp_fraction=float(rng.choice([0.0, 0.5])))
     s = hs.simulate(kind, p, hs.SMRates.from_gpu("H100 SXM"))
     _check_schedule(s)
     assert 0 < s.utilisation <= 1 + 1e-12
@@ -109,6 +125,8 @@ def test_bad_inputs_raise_naming_them():
         hs.SMRates.from_gpu("H100 SXM", l2_reuse=0)
     with pytest.raises(ValueError, match="block_k"):
         hs.Problem(block_k=0)
+    with pytest.raises(ValueError, match="sw_exp_fraction"):
+        hs.Problem(sw_exp_fraction=1.5)
     with pytest.raises(ValueError, match="schedule"):
         hs.simulate("fa5")
 
@@ -143,6 +161,11 @@ def test_schedule_explorer_reacts():
     gpu.value = "B200"
     share = hs.SMRates.from_gpu("B200")
     assert f"{share.tensor_flops / (256 * share.sfu_ops):.2f} x matmul" in _text(numbers.value)
+    sw = box.children[1].children[2]
+    before = numbers.value
+    sw.value = 0.5
+    expect = hs.simulate("fa3", hs.Problem(head_dim=64, sw_exp_fraction=0.5), share).utilisation
+    assert numbers.value != before and f"{expect:.1%}" in _text(numbers.value)
 
 
 def _record(tmp_path, runners):
