@@ -62,6 +62,8 @@ head read the same K/V tiles about the same time, so L2 serves most of them; the
 is an assumption, not a measurement), and the softmax is three ops instead of
 instructions interleaved by the compiler.  So it predicts higher utilisations than the
 paper measures, and the ordering of the schedules, not their values, is what to compare.
+On an A100 (no wgmma, no TMA) and a B200 (tcgen05 instead of wgmma) the schedules after
+``fa2`` stand for "the same overlap with that GPU's full-rate matmul and copy engine".
 """
 from __future__ import annotations
 
@@ -83,6 +85,9 @@ TENSOR_FLOP_PER_CLOCK_PER_SM = {"Ampere": 2048, "Hopper": 4096, "Blackwell": 819
 SFU_PER_CLOCK_PER_SM = 16
 #: mma.sync reaches about two thirds of Hopper's tensor-core peak (FlashAttention-3 paper)
 MMA_SYNC_FRACTION = 2 / 3
+#: the share of the peak mma.sync reaches, by architecture: Ampere's native instruction (full
+#: rate); Hopper's two thirds; Blackwell has no figure here, so the model assumes Hopper's
+MMA_SYNC_FRACTION_BY_ARCH = {"Ampere": 1.0, "Hopper": MMA_SYNC_FRACTION, "Blackwell": MMA_SYNC_FRACTION}
 #: assumed readers per K/V tile served by L2 for each read from HBM (see the module notes)
 L2_REUSE = 4
 #: CUDA-core instructions per score: row max + scale-and-subtract (before the exp), then row
@@ -119,7 +124,8 @@ class SMRates:
         clock = tensor / TENSOR_FLOP_PER_CLOCK_PER_SM[arch]
         return cls(name=g.get("name", "custom"), tensor_flops=tensor, sfu_ops=SFU_PER_CLOCK_PER_SM * clock,
                    cuda_ops=g["fp32_tflops"] * rl.TFLOPS / 2 / sms,
-                   copy_bytes=g["hbm_tbps"] * rl.TB / sms * l2_reuse)
+                   copy_bytes=g["hbm_tbps"] * rl.TB / sms * l2_reuse,
+                   mma_sync_fraction=MMA_SYNC_FRACTION_BY_ARCH[arch])
 
 
 @dataclass(frozen=True)
