@@ -1,7 +1,6 @@
 """The SM schedule model of notebook 09: closed-form lockstep, orderings, the exp budget, the widget."""
 import re
 
-import numpy as np
 import pytest
 
 from iokernels import hopper_schedule as hs
