@@ -104,3 +104,21 @@ def test_accuracy_experiment_error_ratio_is_at_least_two():
     fp16 = by.pop("fp16 (fp32 accumulation)")
     assert fp16 * 10 < min(by.values())                   # fp16 is far more accurate than any fp8
     assert by["fp8 e5m2, one scale per tensor"] > by["fp8 e4m3, one scale per tensor"]
+
+
+def test_smoothing_k_helps_when_keys_share_a_component(rng):
+    q, k, v = (rng.standard_normal((1, 2, n, 64)) for n in (150, 400, 400))
+    k = k + 5 * rng.standard_normal(64)                   # a component every key shares
+    ref, _ = reference.attention(q, k, v)
+    plain = fp8.rmse(fp8.fp8_attention(q, k, v), ref)
+    assert fp8.rmse(fp8.fp8_attention(q, k, v, smooth=True), ref) < 0.6 * plain
+
+
+def test_experiment_key_offset_is_what_smoothing_removes():
+    """Seeded, like the paper's experiment: a shared key component raises the per-tensor error,
+    and smoothing takes it back out."""
+    names = ("fp8 e4m3, one scale per tensor", "fp8 e4m3, per tensor, K smoothed (SageAttention)")
+    kw = dict(seqlen_q=512, seqlen_k=4096, variants=names)
+    plain0, _ = (r.rmse for r in fp8.accuracy_experiment(**kw))
+    plain5, smooth5 = (r.rmse for r in fp8.accuracy_experiment(key_offset=5.0, **kw))
+    assert plain5 > plain0 and smooth5 < 0.9 * plain5
