@@ -8,6 +8,8 @@ The progression (one module a step):
 4. :mod:`iokernels.decode`     Flash-Decoding: split-KV with an exact LSE merge
 5. :mod:`iokernels.numba_cuda` and :mod:`iokernels.cupy_raw`: the same kernels on a GPU
 6. :mod:`iokernels.torch_sdpa` the comparison with PyTorch
+7. :mod:`iokernels.hopper_schedule`, :mod:`iokernels.fp8`, :mod:`iokernels.fa4` and
+   :mod:`iokernels.generations`: FlashAttention-3 and -4 on a CPU (notebook 09)
 
 Importing the package is light: nothing touches a GPU, and heavy modules load on first use.
 """

@@ -56,6 +56,18 @@ Bc in FA1's order (3 N^2 d / Bc for Q and O) -- the paper's Theta(N^2 d^2 / M). 
 the thread blocks that run at once read the same K/V tiles, so most of FA2's re-reads are
 served by the L2 cache; the profiler notebook measures that difference.
 
+Conditional rescaling (FlashAttention-4; Zadouri, Hoehnerbach, Shah, Liu, Thakkar, Dao, 2026):
+with ``config.rescale_threshold`` = tau (log2 units; FlashAttention-4 uses 8 for 16-bit
+inputs), a row keeps its old maximum m while the new tile's maximum exceeds it by at most
+tau, and O and l are not rescaled (alpha = 1).  The exponentials then subtract a maximum
+that is slightly stale, so P can reach 2^tau instead of 1 -- harmless in a float32
+accumulator -- and the final O / l and LSE = m + log l are unchanged in exact arithmetic,
+because O and l carry the same factor.  On a GPU the skipped rescale saves a multiply of
+the whole O accumulator; here it only shows the arithmetic.  Pass ``rescale_stats=``
+(a :class:`RescaleCount`) to :func:`forward_fa2` / :func:`forward_fa1` to count how many
+rescales were needed (the maximum grew on a row that had seen keys) and how many were
+skipped.
+
 Causal (bottom-right aligned) and sliding-window masks skip every tile in which no
 query row sees any key (such tiles are never loaded) and apply the mask only inside
 tiles that are partly visible (:func:`iokernels.core.conventions.tile_state`).
@@ -77,7 +89,7 @@ from .core import conventions as cv
 from .core.config import TileConfig
 from .core.traffic import HBM, Traffic
 
-__all__ = ["attention", "forward_fa2", "forward_fa1", "attention_varlen",
+__all__ = ["attention", "forward_fa2", "forward_fa1", "attention_varlen", "RescaleCount",
            "traffic_model_fa2", "traffic_model_fa1", "traffic_model_varlen", "io_complexity_table"]
 
 
@@ -149,15 +161,50 @@ class _Index:
         return (self.b, self.h, slice(r0, r1))
 
 
-def _online_step(q_i, k_j, v_j, tile, m, l, o, scale, acc):
+#: log2(e): converts a difference of natural-log scores to the log2 units of the threshold
+LOG2_E = 1.4426950408889634
+
+
+@dataclass
+class RescaleCount:
+    """Counted per (query row, K/V tile) step: ``needed``, the row's maximum grew on a row
+    that had already seen keys; ``skipped``, conditional rescaling kept the old maximum."""
+    needed: int = 0
+    skipped: int = 0
+
+
+@dataclass
+class _Rescale:
+    """Conditional rescaling: the threshold tau (log2 units; None: always rescale) and a count."""
+    threshold: float | None = None
+    count: RescaleCount | None = None
+
+    def new_max(self, m, tile_max):
+        """The maximum the exponentials subtract from now on, per row."""
+        grown = np.maximum(m, tile_max)
+        if self.threshold is None and self.count is None:
+            return grown
+        need = np.isfinite(m) & (tile_max > m)
+        keep = np.zeros_like(need)
+        if self.threshold is not None:
+            with np.errstate(invalid="ignore"):              # -inf - -inf on rows that saw nothing
+                keep = need & ((tile_max - m) * LOG2_E <= self.threshold)
+        if self.count is not None:
+            self.count.needed += int(need.sum())
+            self.count.skipped += int(keep.sum())
+        return np.where(keep, m, grown)
+
+
+def _online_step(q_i, k_j, v_j, tile, m, l, o, scale, acc, rescale=None):
     """One step of the recurrence on chip: fold S_ij = scale Q_i K_j^T into (m, l, O).
 
-    ``o`` is the unnormalized accumulator.  Returns the new (m, l, o).
+    ``o`` is the unnormalized accumulator; ``rescale`` (a :class:`_Rescale`) makes the
+    rescaling conditional.  Returns the new (m, l, o).
     """
     s = (q_i @ k_j.T) * acc.type(scale)                      # S_ij, (Br, Bc), on chip
     if tile.mask is not None:                                # partial tile: mask inside it
         s = np.where(tile.mask, s, -np.inf)
-    m_new = np.maximum(m, s.max(axis=1))
+    m_new = np.maximum(m, s.max(axis=1)) if rescale is None else rescale.new_max(m, s.max(axis=1))
     m_ref = np.where(np.isneginf(m_new), 0.0, m_new).astype(acc)  # 0 for rows that saw nothing
     alpha = np.exp(m - m_ref)                                # exp(-inf) = 0: never NaN
     p = np.exp(s - m_ref[:, None])                           # P_ij; masked entries give 0
@@ -176,7 +223,7 @@ def _finalize(m, l, o):
 
 
 # --------------------------------------------------------------------------- FA2
-def _fa2_head(Q, K, V, O, LSE, ix, sched, scale, acc):
+def _fa2_head(Q, K, V, O, LSE, ix, sched, scale, acc, rescale=None):
     """FlashAttention-2's loops for one (sequence, query head)."""
     d = Q.shape[-1]
     for (r0, r1), tiles in sched:                           # for each query tile i (one thread block)
@@ -192,14 +239,16 @@ def _fa2_head(Q, K, V, O, LSE, ix, sched, scale, acc):
         for tile in tiles:                                  # for each visible K/V tile j
             k_j = K[ix.k(tile.c0, tile.c1)].astype(acc)     # load K_j -> SRAM
             v_j = V[ix.k(tile.c0, tile.c1)].astype(acc)     # load V_j -> SRAM
-            m, l, o = _online_step(q_i, k_j, v_j, tile, m, l, o, scale, acc)
+            m, l, o = _online_step(q_i, k_j, v_j, tile, m, l, o, scale, acc, rescale)
         o, lse = _finalize(m, l, o)
         O[ix.q(r0, r1)] = o                                 # write O_i -> HBM (once)
         LSE[ix.lse(r0, r1)] = lse                           # write LSE_i -> HBM (once)
 
 
-def forward_fa2(q, k, v, *, causal, scale, window, config=None):
-    """FlashAttention-2 loop order: Q tiles outer, K/V tiles inner.  Returns (O, LSE)."""
+def forward_fa2(q, k, v, *, causal, scale, window, config=None, rescale_stats=None):
+    """FlashAttention-2 loop order: Q tiles outer, K/V tiles inner.  Returns (O, LSE).
+
+    ``rescale_stats``: a :class:`RescaleCount` to add this run's rescale counts to."""
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     cfg = _resolve_config(config, d, q.dtype.name)
@@ -211,12 +260,12 @@ def forward_fa2(q, k, v, *, causal, scale, window, config=None):
     for b in range(B):                                      # grid: one program per (b, h, i)
         for h in range(Hq):
             ix = _Index(b, h, cv.kv_head(h, Hq, Hkv))
-            _fa2_head(Q, K, V, O, LSE, ix, sched, scale, acc)
+            _fa2_head(Q, K, V, O, LSE, ix, sched, scale, acc, _Rescale(cfg.rescale_threshold, rescale_stats))
     return O.result(), LSE.result()
 
 
 # --------------------------------------------------------------------------- FA1
-def _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, sched, Nq, scale, acc):
+def _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, sched, Nq, scale, acc, rescale=None):
     """FlashAttention-1's Algorithm 1 for one (sequence, query head).
 
     Counted: the initialisation of O, l, m in HBM; per visited tile pair, Q_i read and
@@ -244,7 +293,7 @@ def _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, sched, Nq, scale, acc):
             l_i = Lst[ix.lse(r0, r1)]                       # load l_i -> SRAM
             # the recurrence on the unnormalized accumulator l_i * O_i
             m_new, l_new, o_un = _online_step(q_i, k_j, v_j, tile, m_i, l_i, l_i[:, None] * o_i,
-                                              scale, acc)
+                                              scale, acc, rescale)
             O[ix.q(r0, r1)] = o_un / np.where(l_new == 0, 1.0, l_new)[:, None]  # write O_i -> HBM
             Mst[ix.lse(r0, r1)] = m_new                     # write m_i -> HBM
             Lst[ix.lse(r0, r1)] = l_new                     # write l_i -> HBM
@@ -254,8 +303,10 @@ def _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, sched, Nq, scale, acc):
         LSE[ix.lse(0, Nq)] = np.where(l == 0, -np.inf, m + np.log(np.where(l == 0, 1.0, l)))  # write LSE
 
 
-def forward_fa1(q, k, v, *, causal, scale, window, config=None):
-    """FlashAttention-1 loop order (Algorithm 1): K/V tiles outer, Q tiles inner.  Returns (O, LSE)."""
+def forward_fa1(q, k, v, *, causal, scale, window, config=None, rescale_stats=None):
+    """FlashAttention-1 loop order (Algorithm 1): K/V tiles outer, Q tiles inner.  Returns (O, LSE).
+
+    ``rescale_stats``: a :class:`RescaleCount` to add this run's rescale counts to."""
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     cfg = _resolve_config(config, d, q.dtype.name)
@@ -269,15 +320,16 @@ def forward_fa1(q, k, v, *, causal, scale, window, config=None):
     for b in range(B):
         for h in range(Hq):
             ix = _Index(b, h, cv.kv_head(h, Hq, Hkv))
-            _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, sched, Nq, scale, acc)
+            _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, sched, Nq, scale, acc,
+                      _Rescale(cfg.rescale_threshold, rescale_stats))
     return O.result(), LSE.result()
 
 
-def attention(q, k, v, *, causal, scale, window, config=None):
+def attention(q, k, v, *, causal, scale, window, config=None, rescale_stats=None):
     """Tiled attention; ``config.loop_order`` picks FlashAttention-2 ("fa2") or -1 ("fa1")."""
     cfg = _resolve_config(config, q.shape[-1], q.dtype.name)
     forward = forward_fa2 if cfg.loop_order == "fa2" else forward_fa1
-    return forward(q, k, v, causal=causal, scale=scale, window=window, config=cfg)
+    return forward(q, k, v, causal=causal, scale=scale, window=window, config=cfg, rescale_stats=rescale_stats)
 
 
 # --------------------------------------------------------------------------- varlen
@@ -312,9 +364,10 @@ def attention_varlen(q, k, v, cu_q, cu_k, *, causal, scale, window, config=None)
         for h in range(Hq):
             ix = _Index(None, h, cv.kv_head(h, Hq, Hkv), int(cu_q[b]), int(cu_k[b]))
             if cfg.loop_order == "fa2":
-                _fa2_head(Q, K, V, O, LSE, ix, schedules[key], scale, acc)
+                _fa2_head(Q, K, V, O, LSE, ix, schedules[key], scale, acc, _Rescale(cfg.rescale_threshold))
             else:
-                _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, schedules[key], Nq, scale, acc)
+                _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, schedules[key], Nq, scale, acc,
+                          _Rescale(cfg.rescale_threshold))
     return O.result(), LSE.result()
 
 

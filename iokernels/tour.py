@@ -20,7 +20,8 @@ time               wall-clock seconds of that one call on this machine (NumPy, w
 
 Each step is labelled with the number of the notebook that teaches it (00-10).
 
-Steps: naive forward; tiled forward in FlashAttention-1 and -2 loop orders; backward
+Steps: naive forward; tiled forward in FlashAttention-1 and -2 loop orders, and with
+FlashAttention-4's conditional rescaling (notebook 09; the note counts the skipped rescales); backward
 (naive and tiled); paged gather; split-KV decode and paged decode; then the GPU
 backends: Numba CUDA (on the simulator at a tiny size when there is no GPU), CuPy
 (GPU only), torch SDPA.  A backend that cannot run on this machine prints
@@ -164,6 +165,24 @@ def _forward(c: _Case, backend: str, loop_order: str | None = None, model: str |
         modelled = traffic.model(model, dtype=c.p.dtype, causal=c.p.causal, config=config,
                                  **c.p.shape_kw()).total
     return Row("", backend, err, verdict, counted, modelled, dt)
+
+
+#: FlashAttention-4's conditional-rescaling threshold for 16-bit inputs (log2 units)
+FA4_RESCALE_THRESHOLD = 8.0
+
+
+def _conditional_rescale(c: _Case):
+    """The FA2 forward with FlashAttention-4's conditional rescaling: checked and counted like
+    the others, then run once more to count the rescales it skipped."""
+    import iokernels as ik
+    from . import tiled
+    config = ik.TileConfig(rescale_threshold=FA4_RESCALE_THRESHOLD)
+    row = _forward(c, "tiled", model="fa2", config=config)
+    count = tiled.RescaleCount()
+    tiled.forward_fa2(c.q, c.k, c.v, causal=c.p.causal, scale=c.p.head_dim ** -0.5, window=None, config=config,
+                      rescale_stats=count)
+    row.note = f"{count.skipped:,} of {count.needed:,} rescales skipped"
+    return row
 
 
 def _backward(c: _Case, backend: str, model: str):
@@ -337,6 +356,7 @@ def _steps(case: _Case, small_case):
         ("01 naive forward", "naive", lambda: _forward(case, "naive", model="naive"), None),
         ("03 tiled forward FA1", "tiled", lambda: _forward(case, "tiled", "fa1", model="fa1"), None),
         ("03 tiled forward FA2", "tiled", lambda: _forward(case, "tiled", "fa2", model="fa2"), None),
+        ("09 FA2, FA4 rescaling", "tiled", lambda: _conditional_rescale(case), None),
         ("04 backward naive", "naive", lambda: _backward(case, "naive", "naive_backward"), None),
         ("04 backward tiled (FA2)", "tiled", lambda: _backward(case, "tiled", "fa2_backward"), None),
         ("07 paged gather", "tiled", lambda: _paged_gather(case), None),

@@ -14,9 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: every step the tour must print, in order
-TOUR_STEPS = ["01 naive forward", "03 tiled forward FA1", "03 tiled forward FA2", "04 backward naive",
-              "04 backward tiled (FA2)", "07 paged gather", "08 decode (split-KV)", "08 paged decode",
-              "05 Numba CUDA forward", "06 CuPy forward", "10 torch SDPA forward"]
+TOUR_STEPS = ["01 naive forward", "03 tiled forward FA1", "03 tiled forward FA2", "09 FA2, FA4 rescaling",
+              "04 backward naive", "04 backward tiled (FA2)", "07 paged gather", "08 decode (split-KV)",
+              "08 paged decode", "05 Numba CUDA forward", "06 CuPy forward", "10 torch SDPA forward"]
 #: the figures `figures` must write (the paged ones come from iokernels.viz.paged)
 FIGURES = ["memory_hierarchy.png", "flash_forward_loop.png", "traffic_vs_n.png", "roofline.png",
            "paged_block_table.png", "paged_split_kv.png"]

@@ -8,6 +8,7 @@ Bc     key/value rows per tile (block_k)
 Tr     number of query tiles, ceil(Nq / Br)
 Tc     number of key/value tiles, ceil(Nk / Bc)
 M      SRAM capacity in bytes (the paper counts elements; we count bytes)
+tau    ``rescale_threshold``: FlashAttention-4's conditional rescaling, in log2 units
 =====  ==========================================================
 
 A tile set that does not fit ``sram_bytes`` is a ValueError naming ``config``, so the
@@ -27,6 +28,9 @@ DEFAULT_SRAM_BYTES = 228 * 1024
 #: Br = Bc = 64: the tile FlashAttention-2 uses for head dims up to 128 in 16-bit types;
 #: :meth:`TileConfig.default` shrinks it where the tile set would not fit.
 DEFAULT_BLOCK = 64
+#: the largest ``rescale_threshold`` allowed: a kept maximum lets exp(S - m) reach 2^tau, and
+#: 2^64 times a row sum over up to 2^60 keys still fits float32's range (about 2^128).
+MAX_RESCALE_THRESHOLD = 64.0
 
 
 @dataclass(frozen=True)
@@ -35,13 +39,16 @@ class TileConfig:
 
     block_q (Br), block_k (Bc): tile rows.  loop_order: "fa2" (Q tiles outer, FlashAttention-2)
     or "fa1" (K/V tiles outer, FlashAttention-1).  sram_bytes: the capacity M the tiles must
-    fit in.
+    fit in.  rescale_threshold: None (the default) rescales O and l whenever a row's maximum
+    grows; a number tau >= 0 (log2 units) keeps the old maximum while it has grown by at most
+    tau, FlashAttention-4's conditional rescaling (see :mod:`iokernels.tiled`).
     """
 
     block_q: int = DEFAULT_BLOCK
     block_k: int = DEFAULT_BLOCK
     loop_order: str = "fa2"
     sram_bytes: int = DEFAULT_SRAM_BYTES
+    rescale_threshold: float | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "sram_bytes"):
@@ -49,6 +56,11 @@ class TileConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"config: {name} must be a positive integer, got {v!r}")
         cv.check_choice(self.loop_order, "config.loop_order", ("fa1", "fa2"))
+        t = self.rescale_threshold
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not 0 <= t <= MAX_RESCALE_THRESHOLD):
+            raise ValueError(f"config: rescale_threshold must be None or a number in "
+                             f"[0, {MAX_RESCALE_THRESHOLD:g}] (log2 units), got {t!r}")
 
     def replace(self, **changes) -> "TileConfig":
         return replace(self, **changes)
