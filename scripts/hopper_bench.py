@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +40,10 @@ PART_LIMITS = {"gemm": 40, "check": 40, "time": 50, "ablation": 100}
 SANITIZE_LIMIT = 80
 SANITIZE_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 VERSIONS = ("v3", "v4", "v5")
+#: tuning points timed beside the defaults (HopperConfig fields): a third stage for v4, v5 with
+#: two, and v5 without ping-pong (its overlap inside a warpgroup only)
+VARIANTS = {"v4 s3": dict(version="v4", stages=3), "v5 s2": dict(version="v5", stages=2),
+            "v5 no-pp": dict(version="v5", pingpong=False)}
 MAIN = dict(batch=8, heads=16, seqlen=4096, head_dim=128)
 ABLATION_TOKENS = 32768
 ABLATION_N = (1024, 2048, 4096, 8192, 16384)
@@ -60,7 +64,7 @@ def _flops(B, H, Nq, Nk, d, causal):
     return 4.0 * B * H * Nq * Nk * d / (2 if causal else 1)
 
 
-def _runners(causal, versions=VERSIONS):
+def _runners(causal, versions=VERSIONS, variants=True):
     """name -> fn(q, k, v) for every kernel a timed row compares."""
     import torch
     from iokernels import cupy_raw as cr
@@ -74,20 +78,23 @@ def _runners(causal, versions=VERSIONS):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return run
 
-    out = {v: (lambda q, k, v, _v=v: hp.attention(q, k, v, causal=causal, config=hp.HopperConfig(version=_v)))
-           for v in versions}
+    configs = {v: dict(version=v) for v in versions}
+    if variants:
+        configs.update({name: kw for name, kw in VARIANTS.items() if kw["version"] in versions})
+    out = {name: (lambda q, k, v, _kw=kw: hp.attention(q, k, v, causal=causal, config=hp.HopperConfig(**_kw)))
+           for name, kw in configs.items()}
     out["v2 (Ampere)"] = lambda q, k, v: cr.attention(q, k, v, causal=causal, config=cr.CupyConfig(version="v2"))
     out["SDPA flash"] = sdpa("flash")
     out["SDPA cudnn"] = sdpa("cudnn")
     return out
 
 
-def _time_case(rng, B, H, N, d, causal, versions=VERSIONS):
+def _time_case(rng, B, H, N, d, causal, versions=VERSIONS, variants=True):
     from iokernels.bench import time_cuda
     q, k, v = _torch_inputs(rng, B, H, H, N, N, d, "bfloat16")
     flops = _flops(B, H, N, N, d, causal)
     rows = {}
-    for name, fn in _runners(causal, versions).items():
+    for name, fn in _runners(causal, versions, variants).items():
         try:
             t = time_cuda(fn, q, k, v)
             rows[name] = dict(ms=t.median_ms, p10=t.p10, p90=t.p90, tflops=t.tflops(flops))
@@ -161,14 +168,14 @@ def _profile(out, ref, label):
     print(f"  {label} error per 8 cols: " + " ".join(f"{x:.2g}" for x in cols), flush=True)
 
 
-def _diagnose(rng, version):
+def _diagnose(rng, version, cfg):
     """A small failing case, shown as error profiles of O and LSE (to tell layout from mask bugs)."""
     import torch
     from iokernels.core import reference
     from iokernels.core.testing import as_numpy
     from iokernels.cupy_raw import hopper as hp
     q, k, v = _torch_inputs(rng, 1, 1, 1, 64, 128, 64, "bfloat16")
-    o, lse = hp.attention(q, k, v, causal=False, config=hp.HopperConfig(version=version))
+    o, lse = hp.attention(q, k, v, causal=False, config=cfg)
     torch.cuda.synchronize()
     ro, rl = reference.attention(as_numpy(q), as_numpy(k), as_numpy(v))
     _profile(as_numpy(o), ro, f"{version} O 64x128 d64")
@@ -176,11 +183,21 @@ def _diagnose(rng, version):
     print(f"  {version} O[0,0,0,:8] {as_numpy(o)[0, 0, 0, :8].round(3)} ref {ro[0, 0, 0, :8].round(3)}", flush=True)
 
 
-def part_check(rng, versions):
+def _config(spec):
+    """"v5" or "v4:stages=3,pingpong=0" -> (label, HopperConfig)."""
+    from iokernels.cupy_raw import hopper as hp
+    version, _, rest = spec.partition(":")
+    kw = {k: int(v) for k, v in (item.split("=") for item in rest.split(",") if item)}
+    if "pingpong" in kw:
+        kw["pingpong"] = bool(kw["pingpong"])
+    return spec, hp.HopperConfig(version=version, **kw)
+
+
+def part_check(rng, specs):
     from iokernels.cupy_raw import hopper as hp
     out = []
-    for version in versions:
-        cfg = hp.HopperConfig(version=version)
+    for spec in specs:
+        version, cfg = _config(spec)
         for (B, Hq, Hkv, Nq, Nk, d, causal, window, dtype) in CHECK_CASES:
             q, k, v = _torch_inputs(rng, B, Hq, Hkv, Nq, Nk, d, dtype)
             label = f"{version} {dtype} B{B} H{Hq}/{Hkv} Nq{Nq} Nk{Nk} d{d} causal={causal} window={window}"
@@ -195,7 +212,7 @@ def part_check(rng, versions):
             print(f"{'ok  ' if ok else 'FAIL'} {label}: {text[:300]}", flush=True)
             if not ok and sum(not r["ok"] for r in out if r["version"] == version) == 1:
                 try:
-                    _diagnose(rng, version)
+                    _diagnose(rng, version, cfg)
                 except Exception as e:
                     print(f"  diagnose: {type(e).__name__}: {e}", flush=True)
     return out
@@ -217,7 +234,7 @@ def part_ablation(rng, versions, deadline):
                 if time.time() > deadline:
                     print("ablation: out of time, the rest skipped", flush=True)
                     return res
-                r = _time_case(rng, ABLATION_TOKENS // N, H, N, d, causal, versions)
+                r = _time_case(rng, ABLATION_TOKENS // N, H, N, d, causal, versions, variants=False)
                 res.append(r)
                 _print_case(r, short=True)
     return res
@@ -250,7 +267,7 @@ def _print_case(r, short=False):
         if "tflops" in row:
             cells.append(f"{name} {row['tflops']:.0f}" + (f" ({row.get('x flash', float('nan')):.2f}xF "
                                                            f"{row.get('x cudnn', float('nan')):.2f}xC)"
-                                                           if name in VERSIONS else ""))
+                                                           if name[:2] in VERSIONS else ""))
         else:
             cells.append(f"{name} ERR {row['error'][:80]}")
     print(f"{head}: " + " | ".join(cells), flush=True)
@@ -262,7 +279,7 @@ def _child(args):
     if args.part == "gemm":
         res = part_gemm(rng)
     elif args.part == "check":
-        res = part_check(rng, args.versions.split(","))
+        res = part_check(rng, [args.versions])
     elif args.part == "time":
         res = part_time(rng, args.versions.split(","))
     elif args.part == "ablation":
@@ -300,6 +317,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="gemm,check,time,ablation")
     ap.add_argument("--versions", default=",".join(VERSIONS))
+    ap.add_argument("--check-configs", default="",
+                    help="extra configs for the check part, e.g. v4:stages=3;v5:pingpong=0")
     ap.add_argument("--sanitize", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--seed", type=int, default=0)
@@ -323,18 +342,29 @@ def main():
         if args.sanitize:
             summary["sanitize"] = {}
             for tool in SANITIZE_TOOLS:
-                prefix = ("compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "99")
+                prefix = ("compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "99",
+                          *(("--check-api-memory-access", "no") if tool == "initcheck" else ()))
                 limit = min(SANITIZE_LIMIT, deadline - time.time() - 5)
                 if limit < 10:
                     print(f"sanitize {tool}: out of time, skipped", flush=True)
                     continue
                 rc, res, text = _run_child("tiny", ["--versions", args.versions], limit, args.out, log, prefix)
                 tail = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
-                summary["sanitize"][tool] = dict(rc=rc, summary=tail[-2:] or ["(none)"], checks=res)
+                # where reported errors come from: the kernel (or API call) of each report, counted
+                where = {}
+                for ln in text.splitlines():
+                    if ln.startswith("=========     at ") or "on access by" in ln:
+                        key = re.sub(r"0x[0-9a-f]+", "", ln.strip("= "))
+                        where[key] = where.get(key, 0) + 1
+                summary["sanitize"][tool] = dict(rc=rc, summary=tail[-2:] or ["(none)"], checks=res,
+                                                 where=sorted(where.items(), key=lambda kv: -kv[1])[:10])
                 print(f"  {tool}: rc={rc} {tail[-2:]}", flush=True)
         runnable = args.versions.split(",")      # versions that neither hung nor crashed
         for part in filter(None, args.parts.split(",")):
-            jobs = [(part, v) for v in runnable] if part == "check" else [(part, ",".join(runnable))]
+            if part == "check":
+                jobs = [(part, v) for v in runnable] + [(part, c) for c in filter(None, args.check_configs.split(";"))]
+            else:
+                jobs = [(part, ",".join(runnable))]
             for part_, versions in jobs:
                 limit = min(PART_LIMITS[part_], deadline - time.time() - 5)
                 if limit < 10:
@@ -346,7 +376,7 @@ def main():
                     summary.setdefault("check", dict(rc={}, result=[]))
                     summary["check"]["rc"][versions] = rc
                     summary["check"]["result"] += res or []
-                    if rc != 0:
+                    if rc != 0 and versions in runnable:
                         runnable = [v for v in runnable if v != versions]
                 else:
                     summary[part_] = dict(rc=rc, result=res)
@@ -366,11 +396,9 @@ def _env():
 def _final_table(summary):
     print("\n==================== summary")
     chk = (summary.get("check") or {}).get("result") or []
-    if chk:
-        for v in VERSIONS:
-            rows = [c for c in chk if c["version"] == v]
-            if rows:
-                print(f"check {v}: {sum(c['ok'] for c in rows)}/{len(rows)} pass")
+    for v in dict.fromkeys(c["version"] for c in chk):
+        rows = [c for c in chk if c["version"] == v]
+        print(f"check {v}: {sum(c['ok'] for c in rows)}/{len(rows)} pass")
     g = (summary.get("gemm") or {}).get("result")
     if g:
         print(f"gemm checks: {sum(c['ok'] for c in g['checks'])}/{len(g['checks'])} pass")
@@ -379,7 +407,7 @@ def _final_table(summary):
     for r in (summary.get("time") or {}).get("result") or []:
         _print_case(r)
     for k, s in (summary.get("sanitize") or {}).items():
-        print(f"sanitize {k}: rc={s['rc']} {s['summary']}")
+        print(f"sanitize {k}: rc={s['rc']} {s['summary']} {s['where'][:3]}")
 
 
 if __name__ == "__main__":

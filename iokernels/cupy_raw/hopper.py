@@ -78,10 +78,12 @@ MBARRIER_BYTES = 8
 BLOCK_M = 128
 #: threads: v3 has only the two computing warpgroups; v4, v5 add a producer warpgroup
 THREADS = {"v3": 256, "v4": 384, "v5": 384}
-#: default K/V tile (Bc) and pipeline depth: Bc = 128 is one m64n128 wgmma for S; two stages
-#: keep one tile landing while one is used and fit SRAM at d = 128 (Q + 2 x (K + V) = 160 KB)
+#: default K/V tile (Bc): one m64n128 wgmma for S
 DEFAULT_BLOCK_N = 128
-DEFAULT_STAGES = 2
+#: default pipeline depth: v3, v4 use one tile while the next lands (Q + 2 x (K + V) = 160 KB at
+#: d = 128); a v5 consumer holds two tiles at once (K_j and V_{j-1}), so a third stage is the one
+#: that lands meanwhile (Q + 3 x (K + V) = 224 KB at d = 128, inside the 227 KB a block may have)
+DEFAULT_STAGES = {"v3": 2, "v4": 2, "v5": 3}
 BLOCK_N_CHOICES = (64, 128)
 MAX_STAGES = 4
 #: the GEMM's tile: 128 x 256 (two consumer warpgroups of 64 x 256), 64 deep (one panel),
@@ -127,13 +129,17 @@ class HopperConfig:
 
     version: "v3", "v4", "v5" or None (the default: :data:`DEFAULT_VERSION`).
     block_n (Bc): keys a K/V tile holds, 64 or 128 (None: :data:`DEFAULT_BLOCK_N`).
-    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; None: :data:`DEFAULT_STAGES`).
+    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 at least 2; None: the version's
+    default, :data:`DEFAULT_STAGES`).
+    pingpong: v5 only; False keeps v5's overlap inside a warpgroup but lets the two consumer
+    warpgroups issue their products whenever they are ready (to measure what ping-pong adds).
     The query tile is fixed at BLOCK_M = 128 rows (two consumer warpgroups).
     """
 
     version: str | None = None
     block_n: int | None = None
     stages: int | None = None
+    pingpong: bool = True
 
     def __post_init__(self):
         if self.version is not None:
@@ -143,14 +149,16 @@ class HopperConfig:
         if self.stages is not None and (isinstance(self.stages, bool) or not isinstance(self.stages, int)
                                         or not 1 <= self.stages <= MAX_STAGES):
             raise ValueError(f"config.stages: expected an integer in 1..{MAX_STAGES} or None, got {self.stages!r}")
+        cv.check_bool(self.pingpong, "config.pingpong")
 
     def replace(self, **kw) -> "HopperConfig":
         return _dc_replace(self, **kw)
 
     def resolve(self) -> "HopperConfig":
         """Every None filled with its default."""
-        return HopperConfig(self.version or DEFAULT_VERSION, self.block_n or DEFAULT_BLOCK_N,
-                            self.stages or DEFAULT_STAGES)
+        version = self.version or DEFAULT_VERSION
+        return HopperConfig(version, self.block_n or DEFAULT_BLOCK_N, self.stages or DEFAULT_STAGES[version],
+                            self.pingpong)
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic SRAM a block asks for: Q_i, stages x (K_j + V_j), the mbarriers, alignment slack."""
@@ -169,8 +177,11 @@ class HopperConfig:
 
     def defines(self, head_dim: int, dtype: str) -> dict:
         c = self.resolve()
-        return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=c.block_n,
-                    STAGES=c.stages)
+        out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=c.block_n,
+                   STAGES=c.stages)
+        if c.version == "v5":
+            out["PINGPONG"] = int(c.pingpong)
+        return out
 
 
 #: what HopperConfig() runs: the fastest version measured on the H200 (benchmarks)
@@ -345,6 +356,11 @@ def gemm_smem_bytes() -> int:
     return tiles + MBARRIER_BYTES * 2 * GEMM_STAGES + SMEM_ALIGN
 
 
+def gemm_defines(dtype: str) -> dict:
+    return dict(IK_DTYPE=DTYPE_IDS[dtype], BM=GEMM_BM, BN=GEMM_BN, BK=GEMM_BK, STAGES=GEMM_STAGES,
+                GROUP_M=GEMM_GROUP_M)
+
+
 def gemm(a, b):
     """C = A B on the tensor cores (wgmma + TMA): a (M, K), b (K, N), float16 or bfloat16, row-major
     like torch.matmul; C (M, N) in the same dtype, accumulated in float32.  K and N must be
@@ -372,8 +388,7 @@ def gemm(a, b):
         return call.finish(c, dtype)
     cd = device_array(c, dtype)
     smem = gemm_smem_bytes()
-    fn = _function("hopper_gemm", dict(IK_DTYPE=DTYPE_IDS[dtype], BM=GEMM_BM, BN=GEMM_BN, BK=GEMM_BK,
-                                       STAGES=GEMM_STAGES, GROUP_M=GEMM_GROUP_M), smem)
+    fn = _function("hopper_gemm", gemm_defines(dtype), smem)
     map_a = tensor_map(ad.ptr, dtype, (K, M), (2 * K,), (GEMM_BK, GEMM_BM))
     map_b = tensor_map(bd.ptr, dtype, (N, K), (2 * N,), (PANEL, GEMM_BK))
     tiles = -(-M // GEMM_BM) * -(-N // GEMM_BN)

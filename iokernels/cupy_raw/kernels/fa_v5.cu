@@ -16,7 +16,9 @@
 // setmaxnreg's larger consumer budget makes room for.
 //
 // Block: 1 producer warpgroup + 2 consumer warpgroups (BLOCK_M = 128).
-// Compile-time settings as fa_v3.cu.
+// Compile-time settings as fa_v3.cu, and PINGPONG (1; 0 keeps only the overlap inside a
+// warpgroup, to measure what each of the two adds).  STAGES >= 2: a consumer holds K_j and
+// V_{j-1} at once, so only STAGES - 2 further tiles can be on their way while it computes.
 #include "hopper_attention.cuh"
 
 #ifndef BLOCK_M
@@ -27,6 +29,9 @@
 #endif
 #if BLOCK_M != 128
 #error "fa_v5: ping-pong takes exactly two consumer warpgroups (BLOCK_M = 128)"
+#endif
+#ifndef PINGPONG
+#define PINGPONG 1
 #endif
 #if STAGES < 2
 #error "fa_v5: K_j and V_{j-1} are used together, so the ring needs at least two stages"
@@ -114,11 +119,13 @@ fa_v5(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k
         // hand the turn to the other consumer.  Each consumer takes n_tiles + 1 turns; consumer 1
         // opens consumer 0's first turn, and its own last hand-over is skipped (nobody waits).
         int turns_left = n_tiles + 1;
-        auto sched_begin = [&]() { named_bar_sync(SCHED_BAR + c, SCHED_THREADS); };
-        auto sched_end = [&]() {
-            if (--turns_left > 0 || c == 0) named_bar_arrive(SCHED_BAR + (1 - c), SCHED_THREADS);
+        auto sched_begin = [&]() {
+            if (PINGPONG) named_bar_sync(SCHED_BAR + c, SCHED_THREADS);
         };
-        if (c == 1) named_bar_arrive(SCHED_BAR + 0, SCHED_THREADS);
+        auto sched_end = [&]() {
+            if (PINGPONG && (--turns_left > 0 || c == 0)) named_bar_arrive(SCHED_BAR + (1 - c), SCHED_THREADS);
+        };
+        if (PINGPONG && c == 1) named_bar_arrive(SCHED_BAR + 0, SCHED_THREADS);
         mbar_wait(q_full, 0);
 
         // prologue: S_0 = Q K_0^T, softmax -> P_0
