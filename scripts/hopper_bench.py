@@ -39,6 +39,10 @@ PART_LIMITS = {"gemm": 40, "check": 40, "time": 50, "ablation": 100}
 #: one sanitizer run (every version at the tiny shapes under one tool): seconds
 SANITIZE_LIMIT = 80
 SANITIZE_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+#: every report printed (so each is attributed to its kernel below), without backtraces; the log
+#: keeps only the first lines of each tool's output (torch's own kernels can report thousands)
+SANITIZE_PRINT_LIMIT = 1_000_000
+SANITIZE_LOG_LINES = 300
 VERSIONS = ("v3", "v4", "v5")
 #: tuning points timed beside the defaults (HopperConfig fields): a third stage for v4, v5 with
 #: two, and v5 without ping-pong (its overlap inside a warpgroup only)
@@ -292,7 +296,7 @@ def _child(args):
         json.dump(res, f)
 
 
-def _run_child(part, extra, limit, out_dir, log, prefix=()):
+def _run_child(part, extra, limit, out_dir, log, prefix=(), keep_lines=None):
     result = os.path.join(out_dir, f".{part}.json")
     cmd = [*prefix, sys.executable, os.path.abspath(__file__), "--part", part, "--result", result, *extra]
     t0 = time.time()
@@ -302,7 +306,8 @@ def _run_child(part, extra, limit, out_dir, log, prefix=()):
     except subprocess.TimeoutExpired as e:
         rc = "timeout"
         text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-    log.write(f"===== {part} {' '.join(extra)} rc={rc} {time.time() - t0:.0f}s\n{text}\n")
+    shown = text if keep_lines is None else "\n".join(text.splitlines()[:keep_lines])
+    log.write(f"===== {part} {' '.join(prefix[:3])} {' '.join(extra)} rc={rc} {time.time() - t0:.0f}s\n{shown}\n")
     log.flush()
     print(f"[{part} {' '.join(extra)}] rc={rc} in {time.time() - t0:.0f}s", flush=True)
     res = None
@@ -343,22 +348,25 @@ def main():
             summary["sanitize"] = {}
             for tool in SANITIZE_TOOLS:
                 prefix = ("compute-sanitizer", "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "99",
+                          "--print-limit", str(SANITIZE_PRINT_LIMIT), "--show-backtrace", "no",
                           *(("--check-api-memory-access", "no") if tool == "initcheck" else ()))
                 limit = min(SANITIZE_LIMIT, deadline - time.time() - 5)
                 if limit < 10:
                     print(f"sanitize {tool}: out of time, skipped", flush=True)
                     continue
-                rc, res, text = _run_child("tiny", ["--versions", args.versions], limit, args.out, log, prefix)
+                rc, res, text = _run_child("tiny", ["--versions", args.versions], limit, args.out, log, prefix,
+                                           keep_lines=SANITIZE_LOG_LINES)
                 tail = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
                 # where reported errors come from: the kernel (or API call) of each report, counted
                 where = {}
                 for ln in text.splitlines():
                     if ln.startswith("=========     at ") or "on access by" in ln:
-                        key = re.sub(r"0x[0-9a-f]+", "", ln.strip("= "))
+                        key = re.sub(r"0x[0-9a-f]+", "", ln.strip("= "))[:160]
                         where[key] = where.get(key, 0) + 1
-                summary["sanitize"][tool] = dict(rc=rc, summary=tail[-2:] or ["(none)"], checks=res,
+                ours = sum(n for k, n in where.items() if re.search(r"\b(fa_v[345]|hopper_gemm)\b", k))
+                summary["sanitize"][tool] = dict(rc=rc, summary=tail[-2:] or ["(none)"], checks=res, ours=ours,
                                                  where=sorted(where.items(), key=lambda kv: -kv[1])[:10])
-                print(f"  {tool}: rc={rc} {tail[-2:]}", flush=True)
+                print(f"  {tool}: rc={rc} {tail[-2:]}; reports in fa_v3/4/5 or hopper_gemm: {ours}", flush=True)
         runnable = args.versions.split(",")      # versions that neither hung nor crashed
         for part in filter(None, args.parts.split(",")):
             if part == "check":
@@ -407,7 +415,8 @@ def _final_table(summary):
     for r in (summary.get("time") or {}).get("result") or []:
         _print_case(r)
     for k, s in (summary.get("sanitize") or {}).items():
-        print(f"sanitize {k}: rc={s['rc']} {s['summary']} {s['where'][:3]}")
+        print(f"sanitize {k}: rc={s['rc']} {s['summary'][:1]}; in our kernels: {s['ours']}; "
+              f"most reported at: {[w[:80] for w, _ in s['where'][:2]]}")
 
 
 if __name__ == "__main__":

@@ -11,14 +11,21 @@ gemm     hopper_gemm.cu     C = A B with TMA, an mbarrier pipeline, wgmma and a 
                             warpgroup: the tensor-core ceiling the attention kernels are held to
 v3       fa_v3.cu           wgmma instead of mma.sync (Q, K_j, V_j read by the tensor cores from
                             SRAM), TMA tile loads into 128-byte-swizzled SRAM, one mbarrier a
-                            stage; every warpgroup loads and computes, one __syncthreads a tile
+                            stage.  Limits: every warpgroup loads and computes, a __syncthreads
+                            a tile gates each refill, and S, softmax, P V run one after another
 v4       fa_v4.cu           warp specialization: a producer warpgroup issues every TMA copy,
                             consumers only compute; stages handed back by "empty" mbarriers;
-                            setmaxnreg moves the producer's registers to the consumers
+                            setmaxnreg moves the producer's registers to the consumers.  Limit:
+                            the tensor cores still idle while a warpgroup computes its softmax
 v5       fa_v5.cu           ping-pong: the two consumer warpgroups take turns on the tensor cores
                             (named barriers), and inside each, softmax(S_j) runs while
-                            P_{j-1} V_{j-1} is still being multiplied
+                            P_{j-1} V_{j-1} is still being multiplied.  A consumer now holds two
+                            tiles (K_j, V_{j-1}), so it takes three stages: with two, the tile it
+                            frees is refilled only once it is already needed
 =======  =================  ===================================================================
+
+The default (``HopperConfig()``) is v5, the fastest on the H200 (benchmarks/results); the
+registry ranks v5 > v4 > v3, all above the portable versions.
 
 Notation (the papers' names):
 
@@ -41,8 +48,9 @@ wgmma descriptors in ``hopper_common.cuh`` name.
 
 Scope: float16 and bfloat16; head_dim 64 and 128; causal (bottom-right) and windows, tiles no
 row can see skipped; GQA/MQA; Nq != Nk; any lengths; LSE returned (float32).  Nothing here
-touches a GPU at import; compiled kernels are kept in ``_MODULES`` (keyed by kernel, defines and
-device), the only state this module holds.
+touches a GPU at import; compiled kernels (``_MODULES``, keyed by kernel, defines and device) and
+per-device facts (``_DEVICE``: compute capability, SRAM limit) are the only state this module
+holds.
 """
 from __future__ import annotations
 
@@ -94,9 +102,24 @@ GEMM_THREADS = 384
 FALLBACK_SMEM_OPTIN = 232448
 
 _MODULES: dict = {}
+_DEVICE: dict = {}
 
 
 # --------------------------------------------------------------------------- availability
+def _device_facts() -> dict:
+    """Compute capability and opt-in SRAM limit of CuPy's current device (queried once)."""
+    import cupy
+    dev = cupy.cuda.Device().id
+    facts = _DEVICE.get(dev)
+    if facts is None:
+        d = cupy.cuda.Device(dev)
+        attrs = d.attributes                      # one query of every attribute: slow, so cached
+        facts = dict(cc=int(d.compute_capability),
+                     smem_optin=int(attrs.get("MaxSharedMemoryPerBlockOptin", FALLBACK_SMEM_OPTIN)))
+        _DEVICE[dev] = facts
+    return facts
+
+
 def available() -> str | None:
     """None when these kernels can run here, else why not (no CuPy / GPU, cc != 9.0, no
     cuda-python)."""
@@ -104,7 +127,7 @@ def available() -> str | None:
         import cupy
         if not cupy.is_available():
             return "no CUDA device visible to CuPy"
-        cc = int(cupy.cuda.Device().compute_capability)
+        cc = _device_facts()["cc"]
     except Exception as e:  # ImportError, or a broken CUDA install
         return f"CuPy with a CUDA device is needed ({type(e).__name__}: {e})"
     if cc != HOPPER_CC:
@@ -220,9 +243,7 @@ def _function(name: str, defines: dict, smem: int):
 
 
 def _smem_optin() -> int:
-    import cupy
-    attrs = cupy.cuda.Device().attributes
-    return int(attrs.get("MaxSharedMemoryPerBlockOptin", FALLBACK_SMEM_OPTIN))
+    return _device_facts()["smem_optin"]
 
 
 # --------------------------------------------------------------------------- tensor maps

@@ -19,66 +19,46 @@
 // the softmax with the products.
 //
 // Grid: (Tr = ceil(Nq / Br), heads_q, batch); block: BLOCK_M / 64 warpgroups, each owning 64
-// query rows.  heavy_first (causal, right-bounded windows): the last query tiles, which see the
-// most keys, are started first (tile Tr - 1 - blockIdx.x), so the short ones fill the tail.
+// query rows (hopper_attention.cuh: block_work).
 //
 // Compile-time settings (-D from hopper.py): HEAD_DIM (64, 128), BLOCK_M (64 per warpgroup),
 // BLOCK_N (64, 128), STAGES, IK_DTYPE.
-#include "hopper_attention.cuh"
-
-#ifndef BLOCK_M
-#define BLOCK_M 128
-#endif
 #ifndef STAGES
 #define STAGES 2
 #endif
+#include "hopper_attention.cuh"
 
 #define WARPGROUPS (BLOCK_M / 64)
 #define NTHREADS (128 * WARPGROUPS)
-#define Q_TILE_BYTES (BLOCK_M * HEAD_DIM * ELEM_BYTES)
-#define Q_PANEL_BYTES (BLOCK_M * PANEL_BYTES)
 
-// dynamic SRAM (1024-byte aligned): Q_i, STAGES x K_j, STAGES x V_j, then the mbarriers
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fa_v3(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k,
       const __grid_constant__ TmaMap map_v, u16* __restrict__ o_out, float* __restrict__ lse_out,
       int nq, int nk, int heads_q, int heads_kv, float scale_log2, int left, int right,
       int heavy_first) {
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* smem = (unsigned char*)(((size_t)smem_raw + SWIZZLE_ATOM_BYTES - 1)
-                                           & ~(size_t)(SWIZZLE_ATOM_BYTES - 1));
-    unsigned char* sQ = smem;
-    unsigned char* sK = sQ + Q_TILE_BYTES;
-    unsigned char* sV = sK + STAGES * KV_TILE_BYTES;
-    u64* q_full = (u64*)(sV + STAGES * KV_TILE_BYTES);
-    u64* kv_full = q_full + 1;
-
+    const AttnSmem sm = carve_smem(smem_raw);
+    u64* kv_full = sm.k_full;                                    // one barrier for K_j and V_j
     const AttnShape p = {nq, nk, heads_q, heads_kv, scale_log2, left, right};
-    const int tile_q = heavy_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int bh = b * heads_q + h;                              // Q / O / LSE slab
-    const int bh_kv = b * heads_kv + h / (heads_q / heads_kv);   // GQA: the K / V slab it reads
-    const int r0 = tile_q * BLOCK_M, r_last = min(r0 + BLOCK_M, nq) - 1;
-    const TileRange tiles = key_tiles(p, r0, r_last);
-    const int n_tiles = tiles.end - tiles.begin;
+    const BlockWork w = block_work(p, heavy_first);
 
     const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-    const int row_a = r0 + 64 * wg + 16 * warp + lane / 4;      // this thread's rows: row_a, row_a + 8
+    const int row_a = w.r0 + 64 * wg + 16 * warp + lane / 4;    // this thread's rows: row_a, row_a + 8
 
     if (threadIdx.x == 0) {
-        mbar_init(q_full, 1);
+        mbar_init(sm.q_full, 1);
         for (int s = 0; s < STAGES; ++s) mbar_init(&kv_full[s], 1);
         mbar_fence_init();
         // load Q_i -> SRAM (unless no row sees a key), and the first STAGES tiles of K, V -> SRAM
-        if (n_tiles > 0) {
-            mbar_arrive_expect_tx(q_full, Q_TILE_BYTES);
+        if (w.n_tiles > 0) {
+            mbar_arrive_expect_tx(sm.q_full, Q_TILE_BYTES);
             for (int pnl = 0; pnl < D_PANELS; ++pnl)
-                tma_load_3d(sQ + pnl * Q_PANEL_BYTES, &map_q, q_full, pnl * PANEL, r0, bh);
+                tma_load_3d(sm.q + pnl * Q_PANEL_BYTES, &map_q, sm.q_full, pnl * PANEL, w.r0, w.bh);
         }
-        for (int s = 0; s < STAGES && s < n_tiles; ++s) {
+        for (int s = 0; s < STAGES && s < w.n_tiles; ++s) {
             mbar_arrive_expect_tx(&kv_full[s], 2 * KV_TILE_BYTES);
-            load_kv_tile(sK + s * KV_TILE_BYTES, &map_k, &kv_full[s], (tiles.begin + s) * BLOCK_N, bh_kv);
-            load_kv_tile(sV + s * KV_TILE_BYTES, &map_v, &kv_full[s], (tiles.begin + s) * BLOCK_N, bh_kv);
+            load_kv_tile(sm.k + s * KV_TILE_BYTES, &map_k, &kv_full[s], (w.tiles.begin + s) * BLOCK_N, w.bh_kv);
+            load_kv_tile(sm.v + s * KV_TILE_BYTES, &map_v, &kv_full[s], (w.tiles.begin + s) * BLOCK_N, w.bh_kv);
         }
     }
     __syncthreads();                                             // barriers initialised
@@ -88,24 +68,24 @@ fa_v3(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k
     for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
     RowState st;
     row_state_init(st);
-    if (n_tiles > 0) mbar_wait(q_full, 0);
+    if (w.n_tiles > 0) mbar_wait(sm.q_full, 0);
 
     // the key loop: tiles j of K_j, V_j, each already on its way to SRAM stage s
-    for (int it = 0; it < n_tiles; ++it) {
-        const int j = tiles.begin + it, s = it % STAGES;
+    for (int it = 0; it < w.n_tiles; ++it) {
+        const int j = w.tiles.begin + it, s = it % STAGES;
         mbar_wait(&kv_full[s], (it / STAGES) & 1);               // K_j, V_j have landed
 
         // S = Q_i K_j^T on the tensor cores (SRAM operands)
         float sacc[S_REGS];
         wgmma_fence();
-        issue_qk(sacc, sQ + wg * 64 * PANEL_BYTES, Q_PANEL_BYTES, sK + s * KV_TILE_BYTES);
+        issue_qk(sacc, sm.q + wg * 64 * PANEL_BYTES, Q_PANEL_BYTES, sm.k + s * KV_TILE_BYTES);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(sacc);
 
         // online softmax in registers; O's rows rescaled by exp2(m_old - m_new)
         float alpha[2];
-        if (tile_needs_mask(p, j, r0, r_last)) softmax_step<true>(sacc, st, alpha, p, row_a, j * BLOCK_N);
+        if (tile_needs_mask(p, j, w.r0, w.r_last)) softmax_step<true>(sacc, st, alpha, p, row_a, j * BLOCK_N);
         else softmax_step<false>(sacc, st, alpha, p, row_a, j * BLOCK_N);
         rescale_o(o, alpha);
         u32 pa[PV_STEPS][4];
@@ -113,20 +93,20 @@ fa_v3(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k
 
         // O += P V_j (P from registers, V_j from SRAM)
         wgmma_fence();
-        issue_pv(o, pa, sV + s * KV_TILE_BYTES);
+        issue_pv(o, pa, sm.v + s * KV_TILE_BYTES);
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
 
         // every warpgroup is done with stage s: refill it with tile j + STAGES
         __syncthreads();
-        if (threadIdx.x == 0 && it + STAGES < n_tiles) {
+        if (threadIdx.x == 0 && it + STAGES < w.n_tiles) {
             mbar_arrive_expect_tx(&kv_full[s], 2 * KV_TILE_BYTES);
-            load_kv_tile(sK + s * KV_TILE_BYTES, &map_k, &kv_full[s], (j + STAGES) * BLOCK_N, bh_kv);
-            load_kv_tile(sV + s * KV_TILE_BYTES, &map_v, &kv_full[s], (j + STAGES) * BLOCK_N, bh_kv);
+            load_kv_tile(sm.k + s * KV_TILE_BYTES, &map_k, &kv_full[s], (j + STAGES) * BLOCK_N, w.bh_kv);
+            load_kv_tile(sm.v + s * KV_TILE_BYTES, &map_v, &kv_full[s], (j + STAGES) * BLOCK_N, w.bh_kv);
         }
     }
 
     // write O_i, LSE_i -> HBM
-    write_o_lse(o, st, o_out, lse_out, p, bh, row_a);
+    write_o_lse(o, st, o_out, lse_out, p, w.bh, row_a);
 }

@@ -15,19 +15,13 @@
 //
 // Block: 1 producer warpgroup + BLOCK_M / 64 consumer warpgroups (64 query rows each).
 // Compile-time settings as fa_v3.cu.
-#include "hopper_attention.cuh"
-
-#ifndef BLOCK_M
-#define BLOCK_M 128
-#endif
 #ifndef STAGES
 #define STAGES 2
 #endif
+#include "hopper_attention.cuh"
 
 #define CONSUMERS (BLOCK_M / 64)
 #define NTHREADS (128 * (CONSUMERS + 1))
-#define Q_TILE_BYTES (BLOCK_M * HEAD_DIM * ELEM_BYTES)
-#define Q_PANEL_BYTES (BLOCK_M * PANEL_BYTES)
 //: registers a thread after setmaxnreg (CONSUMERS * 128 * CONSUMER_REGS + 128 * PRODUCER_REGS
 //: must fit the SM's 64K; multiples of 8)
 #define PRODUCER_REGS 24
@@ -39,92 +33,58 @@ fa_v4(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k
       int nq, int nk, int heads_q, int heads_kv, float scale_log2, int left, int right,
       int heavy_first) {
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* smem = (unsigned char*)(((size_t)smem_raw + SWIZZLE_ATOM_BYTES - 1)
-                                           & ~(size_t)(SWIZZLE_ATOM_BYTES - 1));
-    unsigned char* sQ = smem;
-    unsigned char* sK = sQ + Q_TILE_BYTES;
-    unsigned char* sV = sK + STAGES * KV_TILE_BYTES;
-    u64* q_full = (u64*)(sV + STAGES * KV_TILE_BYTES);
-    u64* k_full = q_full + 1;
-    u64* v_full = k_full + STAGES;
-    u64* empty = v_full + STAGES;
-
+    const AttnSmem sm = carve_smem(smem_raw);
     const AttnShape p = {nq, nk, heads_q, heads_kv, scale_log2, left, right};
-    const int tile_q = heavy_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    const int bh = b * heads_q + h;
-    const int bh_kv = b * heads_kv + h / (heads_q / heads_kv);
-    const int r0 = tile_q * BLOCK_M, r_last = min(r0 + BLOCK_M, nq) - 1;
-    const TileRange tiles = key_tiles(p, r0, r_last);
-    const int n_tiles = tiles.end - tiles.begin;
+    const BlockWork w = block_work(p, heavy_first);
     const int wg = threadIdx.x / 128;        // 0: producer; 1..CONSUMERS: consumers
 
-    if (threadIdx.x == 0) {
-        mbar_init(q_full, 1);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&k_full[s], 1);
-            mbar_init(&v_full[s], 1);
-            mbar_init(&empty[s], 4 * CONSUMERS);   // one arrival per consumer warp
-        }
-        mbar_fence_init();
-    }
+    if (threadIdx.x == 0) init_specialized_barriers(sm, 4 * CONSUMERS);
     __syncthreads();
 
     if (wg == 0) {
         // ------------------------------------------------------------ producer: HBM -> SRAM
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (threadIdx.x == 0 && n_tiles > 0) {
-            mbar_arrive_expect_tx(q_full, Q_TILE_BYTES);          // load Q_i -> SRAM, once
-            for (int pnl = 0; pnl < D_PANELS; ++pnl)
-                tma_load_3d(sQ + pnl * Q_PANEL_BYTES, &map_q, q_full, pnl * PANEL, r0, bh);
-            for (int it = 0; it < n_tiles; ++it) {                // load K_j, V_j -> SRAM stage s
-                const int s = it % STAGES, key0 = (tiles.begin + it) * BLOCK_N;
-                mbar_wait(&empty[s], ((it / STAGES) & 1) ^ 1);    // stage s's last tile is consumed
-                mbar_arrive_expect_tx(&k_full[s], KV_TILE_BYTES);
-                load_kv_tile(sK + s * KV_TILE_BYTES, &map_k, &k_full[s], key0, bh_kv);
-                mbar_arrive_expect_tx(&v_full[s], KV_TILE_BYTES);
-                load_kv_tile(sV + s * KV_TILE_BYTES, &map_v, &v_full[s], key0, bh_kv);
-            }
-        }
+        if (threadIdx.x == 0 && w.n_tiles > 0) produce(sm, w, &map_q, &map_k, &map_v);
     } else {
         // ------------------------------------------------------------ consumers: the math
         setmaxnreg_inc<CONSUMER_REGS>();
         const int c = wg - 1, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-        const int row_a = r0 + 64 * c + 16 * warp + lane / 4;
+        const int row_a = w.r0 + 64 * c + 16 * warp + lane / 4;
         float o[O_REGS];
 #pragma unroll
         for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
         RowState st;
         row_state_init(st);
-        if (n_tiles > 0) mbar_wait(q_full, 0);
+        if (w.n_tiles > 0) mbar_wait(sm.q_full, 0);
 
-        for (int it = 0; it < n_tiles; ++it) {
-            const int j = tiles.begin + it, s = it % STAGES;
+        // the key loop: K_j, V_j in SRAM stage s -> S, P, O in registers
+        for (int it = 0; it < w.n_tiles; ++it) {
+            const int j = w.tiles.begin + it, s = it % STAGES;
             const u32 parity = (it / STAGES) & 1;
 
-            mbar_wait(&k_full[s], parity);                       // S = Q_i K_j^T
+            mbar_wait(&sm.k_full[s], parity);                    // S = Q_i K_j^T
             float sacc[S_REGS];
             wgmma_fence();
-            issue_qk(sacc, sQ + c * 64 * PANEL_BYTES, Q_PANEL_BYTES, sK + s * KV_TILE_BYTES);
+            issue_qk(sacc, sm.q + c * 64 * PANEL_BYTES, Q_PANEL_BYTES, sm.k + s * KV_TILE_BYTES);
             wgmma_commit();
             wgmma_wait<0>();
             fence_regs(sacc);
 
             float alpha[2];                                       // online softmax in registers
-            if (tile_needs_mask(p, j, r0, r_last)) softmax_step<true>(sacc, st, alpha, p, row_a, j * BLOCK_N);
+            if (tile_needs_mask(p, j, w.r0, w.r_last)) softmax_step<true>(sacc, st, alpha, p, row_a, j * BLOCK_N);
             else softmax_step<false>(sacc, st, alpha, p, row_a, j * BLOCK_N);
             rescale_o(o, alpha);
             u32 pa[PV_STEPS][4];
             p_fragments(sacc, pa);
 
-            mbar_wait(&v_full[s], parity);                       // O += P V_j
+            mbar_wait(&sm.v_full[s], parity);                    // O += P V_j
             wgmma_fence();
-            issue_pv(o, pa, sV + s * KV_TILE_BYTES);
+            issue_pv(o, pa, sm.v + s * KV_TILE_BYTES);
             wgmma_commit();
             wgmma_wait<0>();
             fence_regs(o);
-            if (lane == 0) mbar_arrive(&empty[s]);               // stage s may be refilled
+            if (lane == 0) mbar_arrive(&sm.empty[s]);            // stage s may be refilled
         }
-        write_o_lse(o, st, o_out, lse_out, p, bh, row_a);         // write O_i, LSE_i -> HBM
+        write_o_lse(o, st, o_out, lse_out, p, w.bh, row_a);       // write O_i, LSE_i -> HBM
     }
 }

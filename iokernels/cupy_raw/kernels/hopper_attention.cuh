@@ -23,8 +23,14 @@
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
 #endif
+#ifndef BLOCK_M
+#define BLOCK_M 128
+#endif
 #ifndef BLOCK_N
 #define BLOCK_N 128
+#endif
+#ifndef STAGES
+#error "each kernel file sets its default STAGES before including hopper_attention.cuh"
 #endif
 #if HEAD_DIM != 64 && HEAD_DIM != 128
 #error "the Hopper attention kernels take HEAD_DIM 64 or 128"
@@ -38,6 +44,8 @@
 #define O_REGS (HEAD_DIM / 2)                // ... of O (64 x d)
 #define QK_STEPS (HEAD_DIM / 16)             // wgmma k-steps of S = Q K^T
 #define PV_STEPS (BLOCK_N / 16)              // wgmma k-steps of O += P V
+#define Q_TILE_BYTES (BLOCK_M * HEAD_DIM * ELEM_BYTES)
+#define Q_PANEL_BYTES (BLOCK_M * PANEL_BYTES)
 #define KV_TILE_BYTES (BLOCK_N * HEAD_DIM * ELEM_BYTES)
 #define KV_PANEL_BYTES (BLOCK_N * PANEL_BYTES)
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -69,6 +77,48 @@ __device__ __forceinline__ TileRange key_tiles(const AttnShape& p, int r0, int r
     const int lo = p.left >= 0 ? max(0, r0 + off - p.left) : 0;
     if (hi <= lo) return {0, 0};
     return {lo / BLOCK_N, (hi + BLOCK_N - 1) / BLOCK_N};
+}
+
+// What this block computes.  Grid: (Tr = ceil(Nq / Br), heads_q, batch).  heavy_first (causal,
+// right-bounded windows): the last query tiles, which see the most keys, start first
+// (tile Tr - 1 - blockIdx.x), so the short ones fill the tail of the grid.
+struct BlockWork {
+    int bh;              // Q / O / LSE slab: b * heads_q + h
+    int bh_kv;           // the K / V slab it reads (GQA: kv head h / (heads_q / heads_kv))
+    int r0, r_last;      // its first and last query row
+    TileRange tiles;     // the K/V tiles those rows can see
+    int n_tiles;
+};
+__device__ __forceinline__ BlockWork block_work(const AttnShape& p, int heavy_first) {
+    const int tile_q = heavy_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    BlockWork w;
+    w.bh = b * p.heads_q + h;
+    w.bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+    w.r0 = tile_q * BLOCK_M;
+    w.r_last = min(w.r0 + BLOCK_M, p.nq) - 1;
+    w.tiles = key_tiles(p, w.r0, w.r_last);
+    w.n_tiles = w.tiles.end - w.tiles.begin;
+    return w;
+}
+
+// The dynamic SRAM of a block, 1024-byte aligned: Q_i, STAGES x K_j, STAGES x V_j, then the
+// mbarriers: q_full, k_full[STAGES], v_full[STAGES], empty[STAGES] (v3 uses k_full as one
+// barrier for K_j and V_j together, and no empty barriers).
+struct AttnSmem {
+    unsigned char *q, *k, *v;
+    u64 *q_full, *k_full, *v_full, *empty;
+};
+__device__ __forceinline__ AttnSmem carve_smem(unsigned char* raw) {
+    AttnSmem sm;
+    sm.q = (unsigned char*)(((size_t)raw + SWIZZLE_ATOM_BYTES - 1) & ~(size_t)(SWIZZLE_ATOM_BYTES - 1));
+    sm.k = sm.q + Q_TILE_BYTES;
+    sm.v = sm.k + STAGES * KV_TILE_BYTES;
+    sm.q_full = (u64*)(sm.v + STAGES * KV_TILE_BYTES);
+    sm.k_full = sm.q_full + 1;
+    sm.v_full = sm.k_full + STAGES;
+    sm.empty = sm.v_full + STAGES;
+    return sm;
 }
 // does tile j hold a key that some row of [r0, r_last] must not see? (else no mask is applied)
 __device__ __forceinline__ bool tile_needs_mask(const AttnShape& p, int j, int r0, int r_last) {
@@ -179,6 +229,36 @@ __device__ __forceinline__ void load_kv_tile(unsigned char* dst, const TmaMap* m
         tma_load_3d(dst + pnl * KV_PANEL_BYTES, map, bar, pnl * PANEL, key0, z);
 }
 
+// ----------------------------------------------------------------------------- warp specialization
+// (v4, v5) one thread initialises the barriers: full ones complete on the producer's expect_tx
+// arrival plus the copy engine's bytes; empty ones on one arrival per consumer warp
+__device__ __forceinline__ void init_specialized_barriers(const AttnSmem& sm, int consumer_warps) {
+    mbar_init(sm.q_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+        mbar_init(&sm.k_full[s], 1);
+        mbar_init(&sm.v_full[s], 1);
+        mbar_init(&sm.empty[s], consumer_warps);
+    }
+    mbar_fence_init();
+}
+// (v4, v5) the producer's one thread: Q_i -> SRAM once, then K_j, V_j -> SRAM stage s as soon as
+// every consumer warp has released the tile that stage held before
+__device__ __forceinline__ void produce(const AttnSmem& sm, const BlockWork& w, const TmaMap* map_q,
+                                        const TmaMap* map_k, const TmaMap* map_v) {
+    mbar_arrive_expect_tx(sm.q_full, Q_TILE_BYTES);               // load Q_i -> SRAM, once
+    for (int pnl = 0; pnl < D_PANELS; ++pnl)
+        tma_load_3d(sm.q + pnl * Q_PANEL_BYTES, map_q, sm.q_full, pnl * PANEL, w.r0, w.bh);
+    for (int it = 0; it < w.n_tiles; ++it) {                      // load K_j, V_j -> SRAM stage s
+        const int s = it % STAGES, key0 = (w.tiles.begin + it) * BLOCK_N;
+        mbar_wait(&sm.empty[s], ((it / STAGES) & 1) ^ 1);         // stage s's last tile is consumed
+        mbar_arrive_expect_tx(&sm.k_full[s], KV_TILE_BYTES);
+        load_kv_tile(sm.k + s * KV_TILE_BYTES, map_k, &sm.k_full[s], key0, w.bh_kv);
+        mbar_arrive_expect_tx(&sm.v_full[s], KV_TILE_BYTES);
+        load_kv_tile(sm.v + s * KV_TILE_BYTES, map_v, &sm.v_full[s], key0, w.bh_kv);
+    }
+}
+
+// ----------------------------------------------------------------------------- epilogue
 // write O_i -> HBM (16-bit, normalised by l) and LSE_i -> HBM (float32) for this thread's two rows
 __device__ __forceinline__ void write_o_lse(const float (&o)[O_REGS], RowState& st, u16* __restrict__ o_out,
                                             float* __restrict__ lse_out, const AttnShape& p, int bh, int row_a) {
