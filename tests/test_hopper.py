@@ -1,0 +1,238 @@
+"""The Hopper kernels (iokernels.cupy_raw.hopper): compiled everywhere, run where there is one.
+
+Without a GPU (CI): every .cu file compiles with nvcc for sm_90a
+(``-gencode=arch=compute_90a,code=sm_90a -cubin``) from exactly the source and defines the
+launcher hands NVRTC, for each dtype, head dim and tile setting; ``-Xptxas -v`` must show no
+local memory (no spills, no stack frame), no wgmma serialisation (ptxas C7515) and no ignored
+setmaxnreg (C7508); the sources refuse what they cannot run with #error; the config, the input
+checks and the registry hook are pure Python.
+
+With compute capability 9.0: FlashAttention's 2x rule against the float64 oracle
+(``hopper.oracle_check``: outputs poisoned with NaN, the oracle on the first and last rows) at
+d in {64, 128}, N in {1, 127, 1024, 4096}, causal and not, GQA and Nq != Nk; the GEMM by the
+same rule against torch.matmul.  Skipped elsewhere with the reason.
+"""
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from iokernels.core.registry import Need, Registry
+from iokernels.cupy_raw import hopper as hp
+
+NVCC = shutil.which("nvcc")
+SM90A = ("-gencode=arch=compute_90a,code=sm_90a",)
+
+
+# --------------------------------------------------------------------------- compile (no GPU)
+def _compile(tmp_path, name, defines, extra=("-Xptxas", "-v")):
+    src = tmp_path / f"{name}_{abs(hash(tuple(sorted(defines.items()))))}.cu"
+    src.write_text(hp.source(name))
+    cmd = [NVCC, "-cubin", *SM90A, "-std=c++17", *extra, *(f"-D{k}={v}" for k, v in sorted(defines.items())),
+           str(src), "-o", str(src.with_suffix(".cubin"))]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    return r.returncode, r.stderr
+
+
+def _jobs():
+    """(label, kernel, defines): each attention version at each dtype and head dim, the tile
+    settings the config allows, and the GEMM in both dtypes."""
+    jobs = []
+    for version in hp.VERSIONS:
+        for dtype, d in (("bfloat16", 128), ("float16", 64)):
+            cfg = hp.HopperConfig(version=version)
+            jobs.append((f"{version} {dtype} d={d}", f"fa_{version}", cfg.defines(d, dtype)))
+    for kw in (dict(version="v3", block_n=64, stages=3), dict(version="v4", stages=3, block_n=64),
+               dict(version="v5", stages=2), dict(version="v5", pingpong=False)):
+        cfg = hp.HopperConfig(**kw)
+        jobs.append((f"{kw} bfloat16 d=128", f"fa_{cfg.version}", cfg.defines(128, "bfloat16")))
+    for dtype in hp.DTYPES:
+        jobs.append((f"gemm {dtype}", "hopper_gemm", hp.gemm_defines(dtype)))
+    return jobs
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_every_hopper_kernel_compiles_for_sm90a_in_registers(tmp_path):
+    jobs = _jobs()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(tmp_path, j[1], j[2]), jobs))
+    for (label, name, defines), (rc, err) in zip(jobs, results):
+        assert rc == 0, f"{label}: {err[:600]}"
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
+        assert frame, f"{label}: no ptxas report\n{err[:400]}"
+        assert frame.groups() == ("0", "0", "0"), f"{label}: {frame.group(0)}"
+        assert "C7515" not in err, f"{label}: wgmma serialised: {err[:600]}"
+        assert "C7508" not in err, f"{label}: setmaxnreg ignored: {err[:600]}"
+    assert {name for _, name, _ in jobs} == set(hp.SOURCES)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_sources_refuse_what_they_cannot_run(tmp_path):
+    base = hp.HopperConfig(version="v5").defines(128, "bfloat16")
+    for name, defines, message in (("fa_v5", dict(base, STAGES=1), "at least two stages"),
+                                   ("fa_v3", dict(base, HEAD_DIM=96), "HEAD_DIM 64 or 128"),
+                                   ("fa_v4", dict(base, IK_DTYPE=0), "IK_DTYPE 1 (float16) or 2"),
+                                   ("hopper_gemm", dict(hp.gemm_defines("bfloat16"), BK=32), "BK is one")):
+        rc, err = _compile(tmp_path, name, defines, extra=())
+        assert rc != 0 and message in err, f"{name} {defines}: rc={rc} {err[:300]}"
+
+
+def test_every_kernel_file_is_a_source():
+    on_disk = {p.stem for p in hp.KERNEL_DIR.glob("*.cu")}
+    assert on_disk == set(hp.SOURCES)
+    assert "#include" not in hp.source("fa_v5")          # headers inlined, each once
+    assert hp.source("fa_v5").count("struct __align__(64) TmaMap") == 1
+
+
+# --------------------------------------------------------------------------- config, checks (no GPU)
+def test_config_validation_names_the_field():
+    for kw, field in ((dict(version="v9"), "config.version"), (dict(block_n=96), "config.block_n"),
+                      (dict(stages=0), "config.stages"), (dict(stages=True), "config.stages"),
+                      (dict(pingpong=1), "config.pingpong")):
+        with pytest.raises(ValueError, match=field):
+            hp.HopperConfig(**kw)
+    with pytest.raises(ValueError, match="config.stages"):
+        hp.HopperConfig(version="v5", stages=1).check_fits(128, hp.FALLBACK_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="config.stages"):
+        hp.HopperConfig(version="v4", stages=4).check_fits(128, hp.FALLBACK_SMEM_OPTIN)
+
+
+def test_defaults_fit_every_dtype_and_head_dim():
+    for version in (None, *hp.VERSIONS):
+        cfg = hp.HopperConfig(version=version)
+        for d in hp.HEAD_DIMS:
+            cfg.check_fits(d, hp.FALLBACK_SMEM_OPTIN)
+            assert cfg.resolve().version in hp.VERSIONS
+    # Q + 2 (K + V) tiles of 128 x 128 bf16, 7 mbarriers, the alignment slack
+    assert hp.HopperConfig(version="v4").smem_bytes(128) == 2 * 128 * (128 + 4 * 128) + 8 * 7 + 1024
+    assert hp.gemm_smem_bytes() <= hp.FALLBACK_SMEM_OPTIN
+
+
+def test_bad_inputs_raise_naming_the_argument(rng):
+    q = rng.standard_normal((1, 2, 16, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match="q: dtype"):
+        hp.attention(q, q, q)
+    h = q.astype(np.float16)
+    with pytest.raises(ValueError, match="q: the Hopper kernels take head_dim"):
+        hp.attention(h[..., :48], h[..., :48], h[..., :48])
+    with pytest.raises(ValueError, match="config"):
+        hp.attention(h, h, h, config="v3")
+    with pytest.raises(ValueError, match="window"):
+        hp.attention(h, h, h, window=(3,))
+    with pytest.raises(ValueError, match="b: rows"):
+        hp.gemm(h[0, 0], h[0, 0])
+    with pytest.raises(ValueError, match="multiples of 8"):
+        hp.gemm(h[0, 0, :, :12], h[0, 0, :12, :60])
+
+
+def test_registry_check_says_why_not():
+    ok = Need(dtype="bfloat16", head_dim=128, cc=90)
+    assert hp._check(Need(dtype="bfloat16", head_dim=128, cc=80)).startswith("needs compute capability 9.0")
+    assert "float16 / bfloat16" in hp._check(Need(dtype="float32", head_dim=128, cc=90))
+    assert "head_dim" in hp._check(Need(dtype="float16", head_dim=96, cc=90))
+    assert "simulator" in hp._check(Need(dtype="float16", head_dim=64, simulator=True))
+    assert hp._check(ok) == hp.available()                # the rest is what this machine has
+
+
+def test_register_ranks_above_the_portable_versions():
+    reg = Registry("cupy")
+
+    class Cfg:
+        def __init__(self, version=None):
+            self.version = version
+
+        def replace(self, **kw):
+            return Cfg(**kw)
+
+    reg.register("attention", "v2", config=Cfg, summary="portable", default_rank=7)(lambda *a, **k: None)
+    hp.register(reg)
+    assert reg.versions("attention") == ["v2", "v3", "v4", "v5"]
+    ranks = {k.version: k.default_rank for k in reg.kernels("attention")}
+    assert min(ranks[v] for v in hp.VERSIONS) > ranks["v2"]
+    assert max(ranks, key=ranks.get) == hp.DEFAULT_VERSION
+    # on a GPU that is not Hopper the default stays the portable version, with the reasons
+    k = reg.default("attention", Need(dtype="bfloat16", head_dim=128, cc=80))
+    assert k.version == "v2"
+
+
+def test_available_gives_a_reason_or_none():
+    why = hp.available()
+    assert why is None or (isinstance(why, str) and why)
+
+
+# --------------------------------------------------------------------------- on a Hopper GPU
+gpu = pytest.mark.skipif(hp.available() is not None, reason=f"Hopper kernels: {hp.available()}")
+
+
+def _torch_inputs(rng, B, Hq, Hkv, Nq, Nk, d, dtype):
+    import torch
+    from iokernels.core.testing import make_inputs
+    q, k, v = make_inputs(rng, batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=Nq, seqlen_k=Nk, head_dim=d,
+                          dtype="float32")
+    return tuple(torch.from_numpy(x).cuda().to(getattr(torch, dtype)) for x in (q, k, v))
+
+
+def _assert_checks(checks, label):
+    bad = [str(c) for c in checks if not c.ok]
+    assert checks and not bad, f"{label}: " + "; ".join(bad)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", hp.VERSIONS)
+@pytest.mark.parametrize("d", hp.HEAD_DIMS)
+@pytest.mark.parametrize("n", (1, 127, 1024, 4096))
+@pytest.mark.parametrize("causal", (False, True))
+def test_two_x_rule_square(rng, version, d, n, causal):
+    dtype = "bfloat16" if (n + d) % 2 else "float16"
+    q, k, v = _torch_inputs(rng, 1, 2, 2, n, n, d, dtype)
+    _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=hp.HopperConfig(version=version)),
+                   f"{version} {dtype} d={d} N={n} causal={causal}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("version", hp.VERSIONS)
+@pytest.mark.parametrize("shape", [(4, 1, 300, 1000, 128, True), (4, 2, 1000, 300, 64, True),
+                                   (6, 3, 333, 100, 128, False), (2, 1, 77, 513, 64, False)])
+def test_two_x_rule_gqa_and_unequal_lengths(rng, version, shape):
+    Hq, Hkv, Nq, Nk, d, causal = shape
+    q, k, v = _torch_inputs(rng, 2, Hq, Hkv, Nq, Nk, d, "bfloat16")
+    _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=hp.HopperConfig(version=version)),
+                   f"{version} {shape}")
+
+
+@gpu
+@pytest.mark.gpu
+def test_window_and_numpy_round_trip(rng):
+    from iokernels import naive
+    from iokernels.core import reference
+    from iokernels.core.testing import check, make_inputs
+    q, k, v = _torch_inputs(rng, 1, 2, 2, 400, 400, 64, "bfloat16")
+    _assert_checks(hp.oracle_check(q, k, v, causal=False, window=(50, 10)), "window (50, 10)")
+    # NumPy in, NumPy out; rows 0..59 see no key (bottom-right causal, Nq - Nk = 60)
+    qn, kn, vn = make_inputs(rng, heads_q=2, seqlen_q=130, seqlen_k=70, head_dim=128, dtype="float16")
+    o, lse = hp.attention(qn, kn, vn, causal=True)
+    assert isinstance(o, np.ndarray) and o.dtype == np.float16 and lse.dtype == np.float32
+    ref_o, ref_l = reference.attention(qn, kn, vn, causal=True)
+    base_o, base_l = naive.attention(qn, kn, vn, causal=True, scale=1 / np.sqrt(128), window=None)
+    masked = ~np.isfinite(ref_l)[..., None]
+    assert masked[:, :, :60].all() and not masked[:, :, 60:].any()
+    assert check(o, ref_o, base_o, dtype="float16", name="O", masked_rows=masked)
+    assert check(lse, ref_l, base_l, dtype="float16", name="LSE")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", hp.DTYPES)
+@pytest.mark.parametrize("mkn", [(128, 64, 256), (300, 200, 264), (1000, 1032, 776), (2048, 4096, 1024)])
+def test_gemm_two_x_rule_against_torch(rng, dtype, mkn):
+    import torch
+    M, K, N = mkn
+    a = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32)).cuda().to(getattr(torch, dtype))
+    b = torch.from_numpy(rng.standard_normal((K, N), dtype=np.float32)).cuda().to(getattr(torch, dtype))
+    c = hp.gemm_check(a, b)
+    assert c, str(c)
