@@ -112,23 +112,16 @@ Nothing here touches a GPU at import time; compiled modules are kept in ``_MODUL
 """
 from __future__ import annotations
 
-import functools
-import math
-import pathlib
-import re
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..core import conventions as cv
+from .launch import DTYPE_IDS, KERNEL_DIR, SOURCES, device_info, source  # noqa: F401
+from .launch import blocks_per_sm as _blocks_per_sm, cupy as _cupy, function as _function
 
-KERNEL_DIR = pathlib.Path(__file__).resolve().parent
-SOURCES = {"fa_v1": "fa_v1.cu", "fa_v1b": "fa_v1b.cu", "fa_v2": "fa_v2.cu", "decode": "decode.cu",
-           "decode_v2": "decode_v2.cu", "decode_v3": "decode_v3.cu", "paged_gather": "paged_gather.cu"}
 #: the kernel file (and function) of each CupyConfig version
 FA_KERNELS = {"v1": "fa_v1", "v1b": "fa_v1b", "v2": "fa_v2"}
-#: -DIK_DTYPE values (common.cuh)
-DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 #: what one tensor-core tile is: v2 rows are handled 16 a warp, keys 16 an mma k-step
 MMA_ROWS = 16
 #: v1's thread grid: 16 x 16 threads; a tile side is 16 x (rows or keys a thread owns)
@@ -171,7 +164,6 @@ V1B_MIN_BLOCKS = 2
 GATHER_THREADS = 256
 GATHER_BLOCKS_PER_SM = 8
 
-_MODULES: dict = {}
 
 
 # --------------------------------------------------------------------------- config
@@ -393,65 +385,6 @@ def _check_config(config) -> CupyConfig:
     if not isinstance(config, CupyConfig):
         raise ValueError(f"config: expected a CupyConfig or None for backend 'cupy', got {type(config).__name__}")
     return config
-
-
-# --------------------------------------------------------------------------- device, compile
-def _cupy():
-    """CuPy, once we know there is a GPU; a RuntimeError that says so otherwise."""
-    if not _cupy_ok():
-        raise RuntimeError("backend 'cupy' needs a CUDA GPU (cupy.is_available() is False); "
-                           "use backend='numba' (the simulator) or 'tiled' without one")
-    import cupy
-    return cupy
-
-
-@functools.lru_cache(maxsize=None)
-def _cupy_ok() -> bool:
-    try:
-        import cupy
-        return bool(cupy.is_available())
-    except Exception:  # ImportError, or a CUDA driver error on a machine with no GPU
-        return False
-
-
-def device_info() -> dict:
-    """Compute capability, SM count and the opt-in shared memory per block of the current GPU."""
-    cupy = _cupy()
-    return dict(_device_info(cupy.cuda.Device().id))
-
-
-@functools.lru_cache(maxsize=None)
-def _device_info(dev_id: int) -> dict:
-    import cupy
-    dev = cupy.cuda.Device(dev_id)
-    attrs = dev.attributes                      # one query of every attribute: slow, so cached
-    return dict(id=dev.id, cc=int(dev.compute_capability), sms=int(attrs["MultiProcessorCount"]),
-                smem_optin=int(attrs.get("MaxSharedMemoryPerBlockOptin", attrs.get("MaxSharedMemoryPerBlock", 49152))))
-
-
-def source(name: str, defines: dict | None = None) -> str:
-    """The CUDA source of kernel file ``name`` with common.cuh inlined (what NVRTC compiles)."""
-    src = (KERNEL_DIR / SOURCES[name]).read_text()
-    common = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once", "")
-    return re.sub(r'#include "common\.cuh"', lambda _: common, src)
-
-
-def _function(name: str, kernel: str, defines: dict, smem: int = 0):
-    """Compile (once) and return ``kernel`` from file ``name`` with ``defines``."""
-    cupy = _cupy()
-    dev = cupy.cuda.Device().id
-    key = (name, kernel, tuple(sorted(defines.items())), dev)
-    fn = _MODULES.get(key)
-    if fn is None:
-        opts = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
-        mod = cupy.RawModule(code=source(name), options=opts)
-        fn = mod.get_function(kernel)
-        # above 48 KB (static + dynamic) a kernel must opt in to more dynamic shared memory;
-        # opting in early costs nothing, and decode_v2 has 48 KB of dynamic + some static
-        if smem > 32 * 1024:
-            fn.max_dynamic_shared_size_bytes = int(smem)
-        _MODULES[key] = fn
-    return fn
 
 
 # --------------------------------------------------------------------------- array kinds
@@ -769,15 +702,6 @@ def _decode_outputs(io, qshape, dtype):
     o_user, o = io.empty((B, Hq, d), dtype)
     lse_user, lse = io.empty((B, Hq), cv.accum_dtype(dtype).name)
     return o_user, o, lse_user, lse
-
-
-def _blocks_per_sm(fn, threads, smem=0):
-    """How many blocks of ``fn`` an SM holds at once (registers, shared memory), from the driver."""
-    from cupy.cuda import driver
-    try:
-        return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, int(smem)))
-    except Exception:  # an older CuPy without the binding: the figure the heuristic assumes
-        return 4
 
 
 def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, paged=None,
