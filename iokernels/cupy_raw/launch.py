@@ -96,5 +96,20 @@ def on_stream(stream_ptr: int):
     return cupy().cuda.ExternalStream(stream_ptr)
 
 
+def unit_rows(x):
+    """``x`` (a device object) as a :class:`~iokernels.core.arrays.DeviceArray` whose rows have
+    unit stride on the last axis: the same memory when they do (other strides are passed
+    to the kernels), else one contiguous copy made by x's own library."""
+    from ..core.arrays import device_array
+    a = device_array(x)
+    if not a.shape or a.shape[-1] <= 1 or a.strides[-1] == 1:
+        return a
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        return device_array(x.contiguous())
+    cp = cupy()
+    return device_array(cp.ascontiguousarray(cp.asarray(x)), a.dtype)
+
+
 def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
