@@ -342,3 +342,18 @@ def test_default_decode_is_v3_and_falls_back_to_v1_where_it_cannot_run():
     assert (defines["NUM_WARPS"], defines["STAGES"]) == (C.DECODE_V3_WARPS, C.DECODE_V3_STAGES)
     with pytest.raises(ValueError, match="num_warps"):
         cr.DecodeConfig(version="v2", num_warps=8)
+
+
+def test_tuning_sweep_rows_are_registered_versions():
+    """The sweeps' rows (iokernels.bench.sweeps_cupy) build their configs without a GPU, and
+    each names a registered version of its op."""
+    from iokernels.bench import sweeps_cupy
+    for dtype in sweeps_cupy.PREFILL_ROWS:
+        for label, cfg in sweeps_cupy.prefill_cases(dtype):
+            assert cfg.version in cr.REGISTRY.versions("attention"), label
+            cfg.resolve(sweeps_cupy.PREFILL_SHAPE["head_dim"], dtype)
+    labels = [label for label, _, _ in sweeps_cupy.decode_cases()]
+    assert len(labels) == len(set(labels))
+    for label, cfg, splits in sweeps_cupy.decode_cases():
+        assert cfg.version in cr.REGISTRY.versions("decode"), label
+        assert splits is None or 1 <= splits <= C.DECODE_MAX_SPLITS
