@@ -357,3 +357,16 @@ def test_tuning_sweep_rows_are_registered_versions():
     for label, cfg, splits in sweeps_cupy.decode_cases():
         assert cfg.version in cr.REGISTRY.versions("decode"), label
         assert splits is None or 1 <= splits <= C.DECODE_MAX_SPLITS
+
+
+def test_every_module_imports_alone_without_a_gpu():
+    """Each module of the backend imports by itself in a fresh interpreter (no import cycles,
+    nothing touches a GPU at import)."""
+    import pathlib
+    import sys
+    pkg = pathlib.Path(cr.__file__).parent
+    mods = ["iokernels.cupy_raw"] + [f"iokernels.cupy_raw.{p.stem}" for p in sorted(pkg.glob("*.py"))
+                                     if p.stem != "__init__"] + ["iokernels.bench.sweeps_cupy"]
+    for m in mods:
+        r = subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True, text=True)
+        assert r.returncode == 0, f"{m}: {r.stderr[-400:]}"

@@ -239,7 +239,7 @@ def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale
     acc = cv.accum_dtype(dtype).name
     with on_stream(call.stream_ptr()):
         qd = unit_rows(_contiguous(call, call.to_device(q, "q")))
-        kp, vp = unit_rows(call.to_device(k_pool, "k_pool")), unit_rows(call.to_device(v_pool, "v_pool"))
+        kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
         # lengths and tables travel in one host -> device copy (each copy is a few us on the
         # GPU's timeline, inside the call's time): lens = packed[:B], the tables after it
         packed = device_array(call.from_host(np.concatenate([lens.astype(np.int32),
@@ -249,6 +249,16 @@ def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale
                       num_splits=num_splits, paged=(_offset(packed, B, tables.shape), bs),
                       longest=int(lens.max(initial=0)), nk=0, config=config)
     return call.finish(o, dtype), call.finish(lse, acc)
+
+
+def _pool_device(call, pool, name):
+    """A pool as the kernels see it: device pools of the caller's kind in place (their rows
+    unit-stride, other strides kept); NumPy pools (a PagedKVCache's) copied in by the
+    caller's library, whatever kind q is."""
+    if isinstance(pool, np.ndarray):
+        a = np.ascontiguousarray(pool)
+        return device_array(call.from_host(a.view(np.uint16) if cv.dtype_name(a) == "bfloat16" else a))
+    return unit_rows(call.to_device(pool, name))
 
 
 def _offset(a, start: int, shape: tuple):
