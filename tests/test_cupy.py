@@ -11,8 +11,8 @@ output only (reference.attention on a slice of Q with the keys those rows may se
 bottom-right alignment makes the last rows of Q with all of K exactly the same problem),
 so the test stays fast; NaN checks cover every element.
 
-The first run on a machine compiles about 50 kernel variants with NVRTC (a few minutes on
-an H200 host); CuPy caches them on disk, so later runs take well under a minute.
+The first run on a machine compiles about 50 kernel variants with NVRTC; CuPy caches them
+on disk, so later runs skip the compilation.
 
 Every version comes from the registry (``cupy_raw.REGISTRY``): each forward version runs
 wherever its check accepts the dtype, and every decode version in every decode test

@@ -114,12 +114,16 @@ def _contiguous_of(cache, sids):
     return k, v
 
 
+def _paged_caches(rng, dtype):
+    """(head_dim, cache, sequence ids) for each of DECODE_DIMS, in the dtypes a cache holds."""
+    if dtype in PAGED_DTYPES:
+        for d in DECODE_DIMS:
+            yield (d, *_paged_cache(rng, d, dtype))
+
+
 def _paged_decode(kernel, cfg, dtype, rng, label):
     out = []
-    if dtype not in PAGED_DTYPES:
-        return out
-    for d in DECODE_DIMS:
-        cache, sids = _paged_cache(rng, d, dtype)
+    for d, cache, sids in _paged_caches(rng, dtype):
         q = make_inputs(rng, batch=len(sids), heads_q=4, heads_kv=2, seqlen_q=1, seqlen_k=1, head_dim=d,
                         dtype=dtype)[0][:, :, 0]
         if kernel.unavailable(need("paged_decode", q=q, cache=cache)) is not None:
@@ -136,10 +140,7 @@ def _paged_decode(kernel, cfg, dtype, rng, label):
 
 def _gather(kernel, cfg, dtype, rng, label):
     out = []
-    if dtype not in PAGED_DTYPES:
-        return out
-    for d in DECODE_DIMS:
-        cache, sids = _paged_cache(rng, d, dtype)
+    for d, cache, sids in _paged_caches(rng, dtype):
         for sid in sids:
             got = kernel.launcher(cache, sid, config=cfg)
             want = cache.gather(sid, backend="numpy")
