@@ -26,6 +26,8 @@ from ..core import conventions as cv
 from .launch import DTYPE_IDS, round_up
 
 # --------------------------------------------------------------------------- forward constants
+#: the versions ForwardConfig describes (their sizes, SRAM and defines are below)
+FORWARD_VERSIONS = ("v1", "v1b", "v2")
 #: what one tensor-core tile is: v2 rows are handled 16 a warp, keys 16 an mma k-step
 MMA_ROWS = 16
 #: v1's thread grid: 16 x 16 threads; a tile side is 16 x (rows or keys a thread owns)
@@ -51,6 +53,8 @@ V1B_MIN_BLOCKS = 2
 SHRINK_TILES = ((64, 32), (32, 32), (32, 16), (16, 16))
 
 # --------------------------------------------------------------------------- decode constants
+#: the versions DecodeConfig describes
+DECODE_VERSIONS = ("v1", "v2", "v3")
 #: decode v1 and v2: 4 warps a block; each v1 sub-group keeps UNROLL rows of K and V in
 #: flight; the compiler is asked to fit DECODE_MIN_BLOCKS blocks an SM (__launch_bounds__)
 DECODE_WARPS = 4
@@ -122,7 +126,7 @@ class ForwardConfig:
     num_warps: int | None = None
 
     def __post_init__(self):
-        _version(self, ("v1", "v1b", "v2"))
+        _version(self, FORWARD_VERSIONS)
         _positive(self, ("block_q", "block_k", "num_warps"))
 
     def replace(self, **changes) -> "ForwardConfig":
@@ -262,7 +266,7 @@ class DecodeConfig:
     unroll: int | None = None
 
     def __post_init__(self):
-        _version(self, ("v1", "v2", "v3"))
+        _version(self, DECODE_VERSIONS)
         _positive(self, ("stages", "tile_rows", "num_warps", "min_blocks", "unroll"))
         if self.stages is not None and self.stages < MIN_STAGES:
             raise ValueError(f"config.stages: must be at least 2 (one tile used, one in flight), got {self.stages}")
