@@ -1,7 +1,9 @@
 """Tuning sweeps on a GPU: alternative tilings of the Numba and CuPy kernels, each next to its
 torch baseline in the same run, before a winner becomes a default.
 
-    python scripts/gpu_sweep.py OUTDIR [numba_fwd] [numba_decode] [cupy_decode]
+    python scripts/gpu_sweep.py OUTDIR [numba_fwd] [numba_decode] [cupy_decode] [cupy_prefill] [cupy_paged_layout]
+
+The CuPy sweeps are declared as data in iokernels/bench/sweeps_cupy.py.
 
 Writes OUTDIR/sweep_<name>.json(l) and prints one JSON line a row.  Every
 time comes from iokernels.bench.time_cuda (the project's one timer: CUDA events, L2 flushed).
@@ -75,11 +77,23 @@ def numba_decode(outdir):
 
 
 def cupy_decode(outdir):
-    from iokernels.cupy_raw import quick_bench
-    quick_bench.sweep_decode(out_path=str(outdir / "sweep_cupy_decode.json"))
+    from iokernels.bench import sweeps_cupy
+    sweeps_cupy.sweep_decode(out_path=str(outdir / "sweep_cupy_decode.json"))
+
+
+def cupy_prefill(outdir):
+    from iokernels.bench import sweeps_cupy
+    sweeps_cupy.sweep_prefill(out_path=str(outdir / "sweep_cupy_prefill.json"))
+
+
+def cupy_paged_layout(outdir):
+    from iokernels.bench import sweeps_cupy
+    sweeps_cupy.paged_layout_probe(out_path=str(outdir / "sweep_cupy_paged_layout.json"))
 
 
 PARTS = {"numba_fwd": numba_fwd, "numba_decode": numba_decode, "cupy_decode": cupy_decode}
+#: run only when named on the command line
+OPTIONAL_PARTS = {"cupy_prefill": cupy_prefill, "cupy_paged_layout": cupy_paged_layout}
 
 
 def main(argv):
@@ -88,7 +102,7 @@ def main(argv):
     for name in argv[1:] or list(PARTS):
         t0 = time.time()
         try:
-            PARTS[name](outdir)
+            {**PARTS, **OPTIONAL_PARTS}[name](outdir)
         except Exception as e:
             print(f"{name}: {type(e).__name__}: {e}", flush=True)
         print(f"== {name} done in {time.time() - t0:.0f} s", flush=True)

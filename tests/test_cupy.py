@@ -11,13 +11,14 @@ output only (reference.attention on a slice of Q with the keys those rows may se
 bottom-right alignment makes the last rows of Q with all of K exactly the same problem),
 so the test stays fast; NaN checks cover every element.
 
-The first run on a machine compiles about 50 kernel variants with NVRTC (a few minutes on
-an H200 host); CuPy caches them on disk, so later runs take well under a minute.
+The first run on a machine compiles about 50 kernel variants with NVRTC; CuPy caches them
+on disk, so later runs skip the compilation.
 
-The candidate versions not yet measured on a GPU run through the same checks: fa_v1b (float32
-forward, cp.async tiles) wherever v1 runs in float32, and decode_v2 (cp.async ring) and decode_v3
-(the ring with the combine fused into the split kernel) in every decode test (contiguous and
-paged, ragged and empty sequences, several split counts, the benchmark's B=1 N=32768 shape).
+Every version comes from the registry (``cupy_raw.REGISTRY``): each forward version runs
+wherever its check accepts the dtype, and every decode version in every decode test
+(contiguous and paged, ragged and empty sequences, several split counts, the benchmark's
+B=1 N=32768 shape); a version whose check refuses a dtype must refuse with a ValueError
+naming config.
 """
 import math
 
@@ -26,7 +27,9 @@ import pytest
 
 import iokernels as ik
 from iokernels import conventions as cv
-from iokernels import gpu, reference
+from iokernels import cupy_raw, gpu, reference
+from iokernels.core.arrays import device_array
+from iokernels.core.registry import Need
 from iokernels.core.testing import as_numpy, check, make_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")]
@@ -64,14 +67,9 @@ def _run_attention(q, k, v, dtype, causal, window, version):
     o = torch.full((B, Hq, Nq, d), float("nan"), dtype=getattr(torch, dtype), device="cuda")
     acc = torch.float64 if dtype == "float64" else torch.float32
     lse = torch.full((B, Hq, Nq), float("nan"), dtype=acc, device="cuda")
-    io = cr._IO(q)
-    cfg = cr.fit_config(cr.CupyConfig(version=version), d, dtype, cr.device_info())
+    cfg = cr.fit_config(cr.ForwardConfig(version=version), d, dtype, cr.device_info())
     left, right = cv.effective_window(causal, window)
-    od = cr._cupy().from_dlpack(o.view(torch.int16) if dtype == "bfloat16" else o)
-    if dtype == "bfloat16":
-        od = od.view(cr._cupy().uint16)
-    cr.launch_attention(io.dev(q, "q"), io.dev(k, "k"), io.dev(v, "v"), od, cr._cupy().from_dlpack(lse),
-                        dtype=dtype, scale=1 / math.sqrt(d), window=(left, right), config=cfg)
+    cr.launch_attention(q, k, v, o, lse, dtype=dtype, scale=1 / math.sqrt(d), window=(left, right), config=cfg)
     torch.cuda.synchronize()
     return o, lse
 
@@ -127,12 +125,11 @@ def _inputs(rng, B, Hq, Hkv, Nq, Nk, d, dtype):
     return tuple(_to_torch(x, dtype) for x in (q, k, v))
 
 
-def _versions(dtype):
-    if dtype in ("float16", "bfloat16"):
-        return ("v2", "v1")
-    if dtype == "float32":
-        return ("v1", "v1b")
-    return ("v1",)
+def _versions(dtype, d=128):
+    """The forward versions that run ``dtype`` on this GPU, the default first (the registry)."""
+    n = Need(dtype=dtype, head_dim=d, cc=_cc(), extra=dict(smem=_cr().device_info()["smem_optin"]))
+    ks = sorted(_cr().REGISTRY.kernels("attention"), key=lambda k: -k.default_rank)
+    return tuple(k.version for k in ks if k.unavailable(n) is None)
 
 
 def _dtypes():
@@ -178,7 +175,7 @@ def test_forward_v1b_tiles(rng, bq, bk):
         q, k, v = _inputs(rng, 2, 4, 2, Nq, Nk, d, "float32")
         o = torch.full(q.shape, float("nan"), device="cuda")
         lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-        cfg = cr.fit_config(cr.CupyConfig(version="v1b", block_q=bq, block_k=bk), d, "float32", cr.device_info())
+        cfg = cr.fit_config(cr.ForwardConfig(version="v1b", block_q=bq, block_k=bk), d, "float32", cr.device_info())
         left, right = cv.effective_window(causal, window)
         cr.launch_attention(q, k, v, o, lse, dtype="float32", scale=1 / math.sqrt(d), window=(left, right),
                             config=cfg)
@@ -194,7 +191,7 @@ def test_forward_v1b_unaligned_rows(rng):
     vb = torch.zeros((1, 2, 140, 65), device="cuda")
     kb[..., 1:], vb[..., 1:] = k, v
     ku, vu = kb[..., 1:], vb[..., 1:]                         # unit stride, rows 4 bytes off 16
-    assert not _cr()._aligned16(ku)
+    assert not device_array(ku).aligned(16)
     o, lse = _run_attention(q, ku, vu, "float32", True, None, "v1b")
     _check_slices(q, k, v, o, lse, "float32", True, None)
 
@@ -240,25 +237,24 @@ def test_strided_inputs_without_copy(rng):
     assert not kb.is_contiguous()
     o, lse = _run_attention(q, kb, vb, "float16", False, None, "v2")
     _check_slices(q, k, v, o, lse, "float16", False, None)
-    cr = _cr()
-    io = cr._IO(kb)
-    assert io.dev(kb, "k").ptr == kb.data_ptr()                 # the same memory, no copy
+    from iokernels.cupy_raw.launch import unit_rows
+    assert unit_rows(kb).ptr == kb.data_ptr()                    # the same memory, no copy
     del torch
 
 
 def test_config_errors_name_config():
     cr = _cr()
     with pytest.raises(ValueError, match="config"):
-        cr.CupyConfig(version="v3")
+        cr.ForwardConfig(version="v9")
     with pytest.raises(ValueError, match="config"):
-        cr.CupyConfig(version="v2").resolve(64, "float32")
+        cr.ForwardConfig(version="v2").resolve(64, "float32")
     with pytest.raises(ValueError, match="config"):
-        cr.CupyConfig(version="v2", num_warps=4, block_q=32).resolve(64, "float16")
+        cr.ForwardConfig(version="v2", num_warps=4, block_q=32).resolve(64, "float16")
     with pytest.raises(ValueError, match="config"):
-        cr.CupyConfig(version="v1", block_q=48).resolve(64, "float32")
+        cr.ForwardConfig(version="v1", block_q=48).resolve(64, "float32")
     for dt in ("float16", "bfloat16", "float64"):                 # v1b is the float32 kernel
         with pytest.raises(ValueError, match="config"):
-            cr.CupyConfig(version="v1b").resolve(64, dt)
+            cr.ForwardConfig(version="v1b").resolve(64, dt)
     with pytest.raises(ValueError, match="config"):
         cr.DecodeConfig(version="v4")
     for bad in (dict(version="v3", num_warps=6), dict(version="v2", num_warps=8), dict(version="v3", fused=1)):
@@ -268,20 +264,22 @@ def test_config_errors_name_config():
         cr.DecodeConfig(version="v2", stages=1)
     with pytest.raises(ValueError, match="config"):
         cr.decode_v2_geometry(128, "bfloat16", tile_rows=3)        # 2 rows side by side
-    big = cr.CupyConfig(version="v1").resolve(256, "float64")
+    big = cr.ForwardConfig(version="v1").resolve(256, "float64")
     with pytest.raises(ValueError, match="config"):
         big.check_fits(256, "float64", cr.device_info()["smem_optin"])
 
 
 # --------------------------------------------------------------------------- decode, paged, gather
-DECODE_VERSIONS = ("v1", "v2", "v3")
+DECODE_VERSIONS = tuple(sorted(cupy_raw.REGISTRY.versions("decode")))
 
 
 @pytest.mark.parametrize("version", DECODE_VERSIONS)
 @pytest.mark.parametrize("d", [64, 128])
 def test_decode_against_oracle(rng, d, version):
     """Split-KV decode, GQA 8/2, ragged lengths incl. 0 and shorter than a tile, several split
-    counts (more splits than a short sequence has tiles), every dtype, both versions."""
+    counts (more splits than a short sequence has tiles), every dtype, every version; where the
+    version's check refuses the rows (float64 at d=128: 64 chunks a row) the explicit config
+    raises naming config, and the default (decode.cu) runs instead."""
     torch = _torch()
     cr = _cr()
     config = cr.DecodeConfig(version=version)
@@ -299,10 +297,16 @@ def test_decode_against_oracle(rng, d, version):
                 n = int(lens[b])
                 if n:
                     base[b] = cr_naive(tq[b:b + 1, :, None], tk[b:b + 1, :, :n], tv[b:b + 1, :, :n])[0, :, 0]
-        want = version if version != "v1" and cr.decode_v2_geometry(d, dtype) is not None else "v1"
-        assert cr.decode_version_used(d, dtype, cr._aligned16(tk, tv), config) == want
+        want = version if version == "v1" or cr.decode_v2_geometry(d, dtype) is not None else "v1"
+        run_config = config
+        if want != version:
+            with pytest.raises(ValueError, match="config.version"):
+                cr.decode(tq, tk, tv, seq_lens=lens, config=config)
+            run_config = None
+        kernel, _ = cr.REGISTRY.resolve("decode", run_config, cr.need("decode", q=tq, k=tk, v=tv))
+        assert kernel.version == want
         for S in (None, 1, 7):
-            o, lse = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=S, scale=None, config=config)
+            o, lse = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=S, scale=None, config=run_config)
             masked = ~np.isfinite(ref_l)[..., None]
             if dtype == "float64":
                 assert check(o, ref_o, dtype=dtype, masked_rows=masked), (dtype, S)
@@ -400,7 +404,6 @@ def _check_ring_config(rng, cfg_kw, dtype, d, group, block_size):
     torch = _torch()
     cr = _cr()
     config = cr.DecodeConfig(**cfg_kw)
-    assert cr.decode_version_used(d, dtype, True, config) == config.version
     lens = [203, 0, 64, 1]
     Hkv = 2
     cache, sids = _paged_cache(rng, lens, Hkv, d, "float32", block_size=block_size)
@@ -414,6 +417,7 @@ def _check_ring_config(rng, cfg_kw, dtype, d, group, block_size):
     q = rng.standard_normal((len(lens), Hkv * group, d)).astype(np.float32)
     tdt = getattr(torch, dtype)
     tq, tk, tv = (torch.from_numpy(x).cuda().to(tdt) for x in (q, kc, vc))
+    assert cr.REGISTRY.resolve("decode", config, cr.need("decode", q=tq, k=tk, v=tv))[0].version == config.version
     ref_o, ref_l = reference.decode(tq, tk, tv, seq_lens=np.array(lens))
     masked = ~np.isfinite(ref_l)[..., None]
     tables, tl = cache.block_tables_array(sids)
@@ -499,15 +503,14 @@ def test_decode_large_b1(rng, version):
 
 
 def test_sanitize_cases_run():
-    """The compute-sanitizer entry point runs every kernel once without error."""
-    ran = _cr().sanitize_cases()
-    assert any("attention v2" in r for r in ran) and any("paged" in r for r in ran)
-    assert any("attention v1b" in r for r in ran)
-    assert any("decode v2" in r for r in ran) and any("paged decode v2" in r for r in ran)
-    assert any("decode v3" in r for r in ran) and any("paged decode v3" in r for r in ran)
+    """The compute-sanitizer entry point runs every registered kernel, each against the oracle."""
+    ran = _cr().sanitize_cases(verbose=False)
+    for k in _cr().REGISTRY:
+        assert any(r.startswith(f"{k.op} {k.version} ") for r in ran), k.name
+    assert any("unfused" in r or "'fused': False" in r for r in ran)
 
 
-@pytest.mark.parametrize("version", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("version", DECODE_VERSIONS)
 def test_paged_decode_takes_strided_pools_in_place(rng, version):
     """A pool stored heads-outer, (blocks, Hkv, slots, d), passed as its (blocks, slots, Hkv,
     d) view: the decode kernels read it through its strides (no copy) and give what the

@@ -1,14 +1,15 @@
 """Every CUDA C++ kernel compiles with nvcc for sm_75, sm_80 and sm_90 (no GPU needed).
 
 The source compiled is exactly what the launcher hands NVRTC (``cupy_raw.source``:
-common.cuh inlined) with the defines the launcher derives from its config, for at least
+kernels/common.cuh inlined) with the defines the launcher derives from its config, for at least
 one config per dtype.  bfloat16 needs sm_80: on sm_75 the source must refuse with a
 clear #error (the launcher never asks for it there).  Compiles run two at a time.
 
-The candidate versions not yet measured on a GPU (fa_v1b, decode_v2, decode_v3) are compiled for
-every arch too, and their main shapes (sm_90, fp32 d=128 forward, bf16 d=128 decode) are held to
-no local memory (no spills, no stack frame): the point of them is to stay within registers.
-The decode split heuristic is pure Python and is tested here too (no GPU needed).
+The cp.async versions (fa_v1b, decode_v2, decode_v3) have their main shapes (sm_90, fp32 d=128
+forward, bf16 d=128 decode) held to no local memory (no spills, no stack frame): the point of
+them is to stay within registers.  The host-side arithmetic needs no GPU and is tested here
+too: the decode split heuristic, the registry's defaults and checks, and the shared-memory
+fit of every default config for every dtype and head dim on every GPU size.
 """
 import re
 import shutil
@@ -18,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from iokernels import cupy_raw as cr
+from iokernels.core.registry import Need
+from iokernels.cupy_raw import config as C
 
 NVCC = shutil.which("nvcc") or "/usr/local/bin/nvcc"
 ARCHS = (75, 80, 90)
@@ -32,19 +35,19 @@ def _jobs():
     jobs = []
 
     def fa(version, dtype, d, arch, **kw):
-        cfg = cr.CupyConfig(version=version, **kw).resolve(d, dtype)
+        cfg = cr.ForwardConfig(version=version, **kw).resolve(d, dtype)
         jobs.append((f"fa_{version} {dtype} d={d} {kw}", f"fa_{version}", cfg.defines(d, dtype), arch))
 
     def dec(dtype, d, paged, arch):
         jobs.append((f"decode {dtype} d={d} paged={paged}", "decode",
-                     cr._decode_defines(d, dtype, 4, paged, 16, True), arch))
+                     cr.DecodeConfig("v1").defines(d, dtype, 4, paged, 16), arch))
 
     def dec2(dtype, d, paged, arch, group=4, block_size=16, **kw):
-        defines, _ = cr._decode_v2_defines(d, dtype, group, paged, block_size, cr.DecodeConfig("v2", **kw))
+        defines = cr.DecodeConfig("v2", **kw).defines(d, dtype, group, paged, block_size)
         jobs.append((f"decode_v2 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v2", defines, arch))
 
     def dec3(dtype, d, paged, arch, group=4, block_size=16, **kw):
-        defines = cr._decode_v3_defines(d, dtype, group, paged, block_size, cr.DecodeConfig("v3", **kw))
+        defines = cr.DecodeConfig("v3", **kw).defines(d, dtype, group, paged, block_size)
         jobs.append((f"decode_v3 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v3", defines, arch))
 
     for arch in ARCHS:
@@ -107,34 +110,34 @@ def test_every_kernel_compiles_for_every_arch(tmp_path):
 
 
 def test_bfloat16_refuses_sm75_with_a_clear_error(tmp_path):
-    defines = cr.CupyConfig(version="v2").resolve(128, "bfloat16").defines(128, "bfloat16")
+    defines = cr.ForwardConfig(version="v2").resolve(128, "bfloat16").defines(128, "bfloat16")
     rc, err = _compile(tmp_path, "fa_v2", defines, 75)
     assert rc != 0 and "compute capability 8.0" in err
 
 
 def test_candidates_refuse_what_they_cannot_run(tmp_path):
     """fa_v1b is float32 only; decode_v2 needs whole 16-byte chunks: each says so with #error."""
-    d16 = dict(cr.CupyConfig(version="v1b").resolve(128, "float32").defines(128, "float32"), IK_DTYPE=1)
+    d16 = dict(cr.ForwardConfig(version="v1b").resolve(128, "float32").defines(128, "float32"), IK_DTYPE=1)
     rc, err = _compile(tmp_path, "fa_v1b", d16, 90)
     assert rc != 0 and "float32 kernel" in err
-    d59, _ = cr._decode_v2_defines(64, "float16", 4, False, 16, cr.DecodeConfig("v2"))
+    d59 = cr.DecodeConfig("v2").defines(64, "float16", 4, False, 16)
     rc, err = _compile(tmp_path, "decode_v2", dict(d59, HEAD_DIM=59), 90)
     assert rc != 0 and "16-byte chunks" in err
-    d3 = cr._decode_v3_defines(64, "float16", 4, False, 16, cr.DecodeConfig("v3"))
+    d3 = cr.DecodeConfig("v3").defines(64, "float16", 4, False, 16)
     rc, err = _compile(tmp_path, "decode_v3", dict(d3, HEAD_DIM=59), 90)
     assert rc != 0 and "16-byte chunks" in err
 
 
 def test_candidates_stay_in_registers(tmp_path):
     """ptxas -v: the candidates' main shapes on sm_90 use no local memory (no spills, no stack)."""
-    v1b = cr.CupyConfig(version="v1b").resolve(128, "float32").defines(128, "float32")
-    dec, _ = cr._decode_v2_defines(128, "bfloat16", 4, False, 16, cr.DecodeConfig("v2"))
-    decp, _ = cr._decode_v2_defines(128, "bfloat16", 4, True, 16, cr.DecodeConfig("v2"))
+    v1b = cr.ForwardConfig(version="v1b").resolve(128, "float32").defines(128, "float32")
+    dec = cr.DecodeConfig("v2").defines(128, "bfloat16", 4, False, 16)
+    decp = cr.DecodeConfig("v2").defines(128, "bfloat16", 4, True, 16)
     jobs = [("fa_v1b", v1b, 90), ("decode_v2", dec, 90), ("decode_v2", decp, 90)]
     for paged, nw, fused in ((False, 4, True), (True, 4, True), (False, 8, True), (True, 8, True),
                              (False, 4, False)):
-        jobs.append(("decode_v3", cr._decode_v3_defines(128, "bfloat16", 4, paged, 16,
-                                                        cr.DecodeConfig("v3", num_warps=nw, fused=fused)), 90))
+        jobs.append(("decode_v3", cr.DecodeConfig("v3", num_warps=nw, fused=fused).defines(128, "bfloat16", 4,
+                                                                                           paged, 16), 90))
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(tmp_path, *j, extra=("-Xptxas", "-v")), jobs))
     for (name, defines, arch), (rc, err) in zip(jobs, results):
@@ -149,6 +152,7 @@ def test_candidates_stay_in_registers(tmp_path):
 def test_every_source_file_is_covered():
     """A new .cu file must be added to SOURCES (and so to the compile list above)."""
     on_disk = {p.stem for p in cr.KERNEL_DIR.glob("*.cu")}
+    assert cr.KERNEL_DIR.name == "kernels" and (cr.KERNEL_DIR / "common.cuh").exists()
     assert on_disk == set(cr.SOURCES) == {j[1] for j in _jobs()}
 
 
@@ -157,28 +161,135 @@ def test_config_checks_need_no_gpu():
     import numpy as np
     q = np.ones((1, 1, 8, 64), np.float32)
     with pytest.raises(ValueError, match="config"):
-        cr.attention(q, q, q, config=cr.CupyConfig(version="v2"))
+        cr.attention(q, q, q, config=cr.ForwardConfig(version="v2"))
     with pytest.raises(ValueError, match="config"):
         cr.attention(q, q, q, config="v1")
-    cfg = cr.CupyConfig(version="v1").resolve(128, "float32")
+    cfg = cr.ForwardConfig(version="v1").resolve(128, "float32")
     assert cfg.smem_bytes(128, "float32") == 4 * (128 * 64 * 3 + 64 * 64)
     with pytest.raises(ValueError, match="config"):
         cfg.check_fits(128, "float32", 64 * 1024)       # a T4's 64 KB: the default does not fit
-    v2 = cr.CupyConfig(version="v2").resolve(128, "bfloat16")
+    v2 = cr.ForwardConfig(version="v2").resolve(128, "bfloat16")
     assert (v2.block_q, v2.block_k, v2.num_warps) == (128, 64, 8)
 
 
-def test_auto_picks_the_fastest_measured_forward_for_the_dtype_and_gpu():
-    """version="auto": the tensor-core v2 for 16-bit inputs, v1b (cp.async tiles) for float32
-    where cp.async exists (compute capability 8.0+), v1 for float64 and float32 on sm_75."""
-    auto = cr.CupyConfig()
-    assert auto.resolve(128, "bfloat16", 90).version == "v2"
-    assert auto.resolve(64, "float16", 75).version == "v2"
-    assert auto.resolve(128, "float32", 90).version == "v1b"
-    assert auto.resolve(59, "float32", 80).version == "v1b"
-    assert auto.resolve(128, "float32", 75).version == "v1"
-    assert auto.resolve(128, "float64", 90).version == "v1"
-    assert auto.resolve(300, "float16", 90).version == "v1"          # past v2's head-dim limit
+def _need(dtype, d, cc, smem=None, **extra):
+    return Need(dtype=dtype, head_dim=d, cc=cc, extra=dict(smem=smem, **extra))
+
+
+def test_default_forward_through_the_registry():
+    """The default (config None, or version None): the tensor-core v2 for 16-bit inputs, v1b
+    (cp.async tiles) for float32 where cp.async exists (compute capability 8.0+), v1 for
+    float64 and float32 on sm_75; bfloat16 on sm_75 runs nothing (a ValueError naming q)."""
+    def default(dtype, d, cc):
+        return cr.REGISTRY.resolve("attention", None, _need(dtype, d, cc))[0].version
+    assert default("bfloat16", 128, 90) == "v2"
+    assert default("float16", 64, 75) == "v2"
+    assert default("float32", 128, 90) == "v1b"
+    assert default("float32", 59, 80) == "v1b"
+    assert default("float32", 128, 75) == "v1"
+    assert default("float32", 128, None) == "v1b"               # no GPU here: cc unknown
+    assert default("float64", 128, 90) == "v1"
+    assert default("float16", 300, 90) == "v1"                  # past v2's head-dim limit
+    with pytest.raises(ValueError, match="q: no cupy attention kernel"):
+        default("bfloat16", 128, 75)
+    k, cfg = cr.REGISTRY.resolve("attention", cr.ForwardConfig(block_k=32), _need("float16", 64, 90))
+    assert (k.version, cfg.version, cfg.block_k) == ("v2", "v2", 32)
+
+
+def test_registry_checks_refuse_with_a_reason():
+    """An explicit version that cannot run is a ValueError naming config.version, with why."""
+    cases = [("attention", cr.ForwardConfig("v1b"), _need("float16", 64, 90), "float32"),
+             ("attention", cr.ForwardConfig("v1b"), _need("float32", 64, 75), "8.0"),
+             ("attention", cr.ForwardConfig("v2"), _need("float32", 64, 90), "float16/bfloat16"),
+             ("attention", cr.ForwardConfig("v1"), _need("bfloat16", 64, 75), "bfloat16"),
+             ("decode", cr.DecodeConfig("v3"), _need("float16", 59, 90, aligned16=True), "16-byte"),
+             ("decode", cr.DecodeConfig("v2"), _need("float16", 64, 90, aligned16=False), "16-byte"),
+             ("decode", cr.DecodeConfig("v3"), _need("float64", 128, 90), "16-byte chunks")]
+    for op, cfg, n, why in cases:
+        with pytest.raises(ValueError, match="config.version") as e:
+            cr.REGISTRY.resolve(op, cfg, n)
+        assert why in str(e.value), (op, cfg, str(e.value))
+    with pytest.raises(ValueError, match="config"):
+        cr.REGISTRY.resolve("attention", cr.DecodeConfig(), _need("float32", 64, 90))
+    with pytest.raises(ValueError, match="config"):
+        cr.REGISTRY.resolve("attention", "v1", _need("float32", 64, 90))
+
+
+#: opt-in shared memory a block: a 48 KB floor, sm_75 (T4), sm_86/89, sm_90 (H100/H200)
+SMEM_LIMITS = (48 * 1024, 64 * 1024, 99 * 1024, 227 * 1024)
+HEAD_DIMS = (8, 59, 64, 128, 256)
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@pytest.mark.parametrize("smem", SMEM_LIMITS)
+@pytest.mark.parametrize("cc", [75, 80, 90])
+def test_default_forward_fits_every_dtype_and_head_dim(smem, cc):
+    """The default config resolves to tiles that fit ``smem`` for every dtype and head dim, or,
+    where no tile set of any version fits (float32 at d=256 and float64 at d >= 128 below
+    64 KB, float64 at d=256 below 99 KB), the registry refuses with a ValueError naming q
+    and the bytes -- never a launch that fails.  An explicit size that does not fit raises
+    naming config."""
+    impossible = []
+    for dtype in DTYPES:
+        if dtype == "bfloat16" and cc < 80:
+            continue
+        for d in HEAD_DIMS:
+            n = _need(dtype, d, cc, smem)
+            fits = [v for v in cr.REGISTRY.versions("attention")
+                    if cr.REGISTRY.get("attention", v).unavailable(_need(dtype, d, cc)) is None
+                    and C.min_forward_smem(v, d, dtype) <= smem]
+            if not fits:
+                with pytest.raises(ValueError, match="q: no cupy attention kernel.*shared memory"):
+                    cr.REGISTRY.resolve("attention", None, n)
+                impossible.append((dtype, d))
+                continue
+            kernel, cfg = cr.REGISTRY.resolve("attention", None, n)
+            got = cr.fit_config(cfg, d, dtype, dict(smem_optin=smem, cc=cc))
+            assert got.smem_bytes(d, dtype) <= smem, (dtype, d, got)
+            assert got.version == kernel.version and got.block_q and got.block_k
+            # the explicit default-size config of that version: fits, or raises naming config
+            explicit = cfg.resolve(d, dtype)
+            if explicit.smem_bytes(d, dtype) > smem:
+                with pytest.raises(ValueError, match="config"):
+                    cr.fit_config(explicit, d, dtype, dict(smem_optin=smem, cc=cc))
+    want = {48 * 1024: {("float32", 256), ("float64", 128), ("float64", 256)},
+            64 * 1024: {("float64", 256)}}.get(smem, set())
+    assert set(impossible) == want
+
+
+@pytest.mark.parametrize("smem", SMEM_LIMITS)
+def test_default_decode_fits_every_dtype_and_head_dim(smem):
+    """The decode default is v3 where its rows and shallowest ring fit, else v1 (which needs
+    only a little static SRAM); its ring depth shrinks until the ring fits."""
+    for dtype in DTYPES:
+        for d in HEAD_DIMS:
+            for group in (1, 4, 8, 32):
+                n = _need(dtype, d, 90, smem, group=group, aligned16=True)
+                kernel, cfg = cr.REGISTRY.resolve("decode", None, n)
+                if C.decode_v2_geometry(d, dtype) is None:
+                    assert kernel.version == "v1", (dtype, d)
+                if kernel.version == "v3":
+                    st = cfg.ring_stages(d, dtype, group, smem)
+                    rows = C.decode_v2_geometry(d, dtype)["tile_rows"]
+                    assert C.decode_v3_smem(d, dtype, group, st, rows, cfg.ring_warps(),
+                                            C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP)[0] <= smem
+                    defines = cfg.defines(d, dtype, group, True, 16, smem_limit=smem)
+                    assert defines["STAGES"] == st
+                else:
+                    assert kernel.version == "v1"
+                    cfg.defines(d, dtype, group, False, 16)
+    assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 128, 90, 227 * 1024, group=4))[0].version == "v3"
+
+
+def test_forward_fit_shrinks_only_the_sizes_left_open():
+    """fit_config keeps the sizes a config gives and shrinks the rest."""
+    dev = dict(smem_optin=64 * 1024, cc=75)
+    got = cr.fit_config(cr.ForwardConfig("v1", block_k=16), 128, "float32", dev)
+    assert got.block_k == 16 and got.smem_bytes(128, "float32") <= 64 * 1024
+    with pytest.raises(ValueError, match="config"):
+        cr.fit_config(cr.ForwardConfig("v1", block_q=64, block_k=64), 128, "float32", dev)
+    with pytest.raises(ValueError, match="config.version"):
+        cr.ForwardConfig().resolve(64, "float32")
 
 
 # --------------------------------------------------------------------------- decode split heuristic
@@ -189,10 +300,10 @@ def test_num_splits_heuristic_properties():
     least DECODE_MIN_KEYS_PER_SPLIT keys a split (unless splits == 1); at most
     DECODE_MAX_SPLITS; never fewer splits for a longer sequence; 1 for an empty one.
     """
-    lo, cap = cr.DECODE_MIN_KEYS_PER_SPLIT, cr.DECODE_MAX_SPLITS
+    lo, cap = C.DECODE_MIN_KEYS_PER_SPLIT, C.DECODE_MAX_SPLITS
     for sms in (40, 108, 132):
         for bps in (1, 2, 3, 4, 8):
-            slots = cr.DECODE_WAVES * sms * bps
+            slots = C.DECODE_WAVES * sms * bps
             for batch in (1, 2, 8, 64, 1000):
                 for hkv in (1, 2, 8, 32):
                     prev = 0
@@ -212,19 +323,50 @@ def test_num_splits_heuristic_properties():
     # a grid that already fills the GPU gets no splits; one that does not is filled, up to the caps
     assert cr.num_splits_heuristic(64, 8, 32768, 132, 4) == 1          # 512 blocks of 528 slots
     for hkv in (1, 8):
-        want = min(cr.DECODE_WAVES * 132 * 4 // hkv, 32768 // lo, cap)
+        want = min(C.DECODE_WAVES * 132 * 4 // hkv, 32768 // lo, cap)
         assert cr.num_splits_heuristic(1, hkv, 32768, 132, 4) == want
 
 
 def test_default_decode_is_v3_and_falls_back_to_v1_where_it_cannot_run():
-    """DecodeConfig() runs decode_v3.cu (8 warps x 4 stages) on rows of whole 16-byte chunks,
-    16-byte aligned; other rows (d = 59 in float16, unaligned views) run decode.cu."""
+    """DecodeConfig() resolves to decode_v3.cu (8 warps x 4 stages) on rows of whole 16-byte
+    chunks, 16-byte aligned; other rows (d = 59 in float16, unaligned views) run decode.cu."""
     cfg = cr.DecodeConfig()
-    assert (cfg.version, cfg.num_warps, cfg.stages) == ("v3", None, None)
-    assert cr.decode_version_used(128, "bfloat16", True) == "v3"
-    assert cr.decode_version_used(128, "bfloat16", False) == "v1"
-    assert cr.decode_version_used(59, "float16", True) == "v1"
-    defines = cr._decode_v3_defines(128, "bfloat16", 4, False, 0, cfg)
-    assert (defines["NUM_WARPS"], defines["STAGES"]) == (cr.DECODE_V3_WARPS, cr.DECODE_V3_STAGES)
+    assert (cfg.version, cfg.num_warps, cfg.stages) == (None, None, None)
+
+    def default(dtype, d, aligned):
+        return cr.REGISTRY.resolve("decode", None, _need(dtype, d, 90, aligned16=aligned))[0].version
+    assert default("bfloat16", 128, True) == "v3"
+    assert default("bfloat16", 128, False) == "v1"
+    assert default("float16", 59, True) == "v1"
+    defines = cr.DecodeConfig("v3").defines(128, "bfloat16", 4, False, 0)
+    assert (defines["NUM_WARPS"], defines["STAGES"]) == (C.DECODE_V3_WARPS, C.DECODE_V3_STAGES)
     with pytest.raises(ValueError, match="num_warps"):
         cr.DecodeConfig(version="v2", num_warps=8)
+
+
+def test_tuning_sweep_rows_are_registered_versions():
+    """The sweeps' rows (iokernels.bench.sweeps_cupy) build their configs without a GPU, and
+    each names a registered version of its op."""
+    from iokernels.bench import sweeps_cupy
+    for dtype in sweeps_cupy.PREFILL_ROWS:
+        for label, cfg in sweeps_cupy.prefill_cases(dtype):
+            assert cfg.version in cr.REGISTRY.versions("attention"), label
+            cfg.resolve(sweeps_cupy.PREFILL_SHAPE["head_dim"], dtype)
+    labels = [label for label, _, _ in sweeps_cupy.decode_cases()]
+    assert len(labels) == len(set(labels))
+    for label, cfg, splits in sweeps_cupy.decode_cases():
+        assert cfg.version in cr.REGISTRY.versions("decode"), label
+        assert splits is None or 1 <= splits <= C.DECODE_MAX_SPLITS
+
+
+def test_every_module_imports_alone_without_a_gpu():
+    """Each module of the backend imports by itself in a fresh interpreter (no import cycles,
+    nothing touches a GPU at import)."""
+    import pathlib
+    import sys
+    pkg = pathlib.Path(cr.__file__).parent
+    mods = ["iokernels.cupy_raw"] + [f"iokernels.cupy_raw.{p.stem}" for p in sorted(pkg.glob("*.py"))
+                                     if p.stem != "__init__"] + ["iokernels.bench.sweeps_cupy"]
+    for m in mods:
+        r = subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True, text=True)
+        assert r.returncode == 0, f"{m}: {r.stderr[-400:]}"

@@ -180,6 +180,24 @@ class Call:
         import cupy
         return cupy.asarray(a)
 
+    def from_host(self, a: np.ndarray):
+        """A device copy of the host array ``a`` (block tables, lengths), made by the caller's
+        library (the ``upload`` library for NumPy callers), on its current stream."""
+        a = np.ascontiguousarray(a)
+        lib = self.kind if self.kind in ("torch", "cupy") else self.upload
+        if lib == "torch":
+            import torch
+            device = self.like.device if self.kind == "torch" else "cuda"
+            return torch.from_numpy(a).to(device)
+        if lib == "cupy":
+            import cupy
+            if self.kind == "cupy":
+                with cupy.cuda.Device(self.like.device.id):
+                    return cupy.asarray(a)
+            return cupy.asarray(a)
+        from numba import cuda
+        return cuda.to_device(a)
+
     # -- out
     def empty(self, shape, dtype: str):
         """An uninitialised output of the caller's kind, from the caller's library's allocator."""

@@ -124,6 +124,10 @@ class Registry:
         """(kernel, config) for one call.  ``config`` None or with version None: the default
         version, with its config class's defaults; a config naming a version: that version,
         or a ValueError saying why it cannot run here."""
+        classes = tuple({k.config_class for k in self.kernels(op)})
+        if config is not None and classes and not isinstance(config, classes):
+            names = " or ".join(sorted(c.__name__ for c in classes))
+            raise ValueError(f"config: {self.backend} {op} takes a {names} or None, got {type(config).__name__}")
         version = getattr(config, "version", None) if config is not None else None
         if version is None:
             k = self.default(op, need)

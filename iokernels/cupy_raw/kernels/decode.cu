@@ -23,8 +23,8 @@
 //
 // Compile-time settings: HEAD_DIM, GROUP (g), IK_DTYPE, PAGED, BLOCK_SIZE (paged),
 // VEC_IO (rows are whole 16-byte chunks), NUM_WARPS, UNROLL.
-// Measured (H200, bf16, GQA 32/8, d=128, B=1, N=32768): 1.86 TB/s of KV = 0.68x SDPA's
-// best (cuDNN) in the same run: too few loads in flight (plain loads, 3 blocks an SM).
+// What limits it: the rows in flight are held in registers (UNROLL rows a lane), so few
+// blocks fit an SM and few bytes are in flight; decode_v2.cu moves them into SRAM.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -87,22 +87,11 @@ __device__ __forceinline__ int elem_index(int sub, int e) {
 // path: a float16 row stays 16-bit until it is used, which halves the registers it needs).
 #if VEC_IO
 struct RowBuf { uint4 u; };
-__device__ __forceinline__ u32 word(const uint4& u, int i) {
-    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
-}
 __device__ __forceinline__ void load_row(RowBuf& r, const elem_t* row, int sub, bool ok) {
     r.u.x = r.u.y = r.u.z = r.u.w = 0u;
     if (ok && sub * VEC < HEAD_DIM) r.u = *reinterpret_cast<const uint4*>(row + sub * VEC);
 }
-__device__ __forceinline__ acc_t elem(const RowBuf& r, int e) {
-#if IK_DTYPE == IK_F32
-    return __uint_as_float(word(r.u, e));
-#elif IK_DTYPE == IK_F64
-    return __hiloint2double((int)word(r.u, 2 * e + 1), (int)word(r.u, 2 * e));
-#else
-    return to_acc((u16)(word(r.u, e / 2) >> (16 * (e & 1))));
-#endif
-}
+__device__ __forceinline__ acc_t elem(const RowBuf& r, int e) { return chunk_elem(r.u, e); }
 #else
 struct RowBuf { acc_t x[EPL]; };
 __device__ __forceinline__ void load_row(RowBuf& r, const elem_t* row, int sub, bool ok) {
@@ -114,8 +103,6 @@ __device__ __forceinline__ void load_row(RowBuf& r, const elem_t* row, int sub, 
 }
 __device__ __forceinline__ acc_t elem(const RowBuf& r, int e) { return r.x[e]; }
 #endif
-
-__device__ __forceinline__ acc_t shfl_xor(acc_t v, int off) { return __shfl_xor_sync(0xffffffffu, v, off); }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)
 decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous

@@ -1,13 +1,9 @@
 // decode_v2.cu -- Flash-Decoding, version 2: K/V rows stream through a cp.async ring in SRAM.
 //
-// Measured (H200, 2026-11-29 12:47 UTC, bf16 B=1 N=32768 GQA 32/8 d=128): 0.0694 ms =
-// 0.725x cuDNN's SDPA (v1 0.71x): the deeper queue alone did not move it; decode_v3.cu at
-// 8 warps x 4 stages did (0.925x).  compute-sanitizer: 0 errors.
-//
-// What changed against decode.cu (version 1), and why.  Version 1 read each key row with
-// plain 16-byte loads straight into registers, four rows a lane in flight, and did the
-// math in between: at 159 registers only three blocks fit an SM, so too few bytes were in
-// flight to keep HBM busy (H200: 1.87 TB/s = ~0.69x SDPA's best).  Here:
+// What changed against decode.cu (version 1), and why.  Version 1 reads each key row with
+// plain 16-byte loads straight into registers, four rows a lane in flight, and does the
+// math in between: the rows in flight cost registers, so few blocks fit an SM and too few
+// bytes are in flight to keep HBM busy.  Here:
 //   * each warp owns a private ring of STAGES tiles in SRAM (a tile: TILE_ROWS rows of K
 //     and the same rows of V).  While the warp computes on tile t, the copies of tiles
 //     t+1 .. t+STAGES-1 are already in flight with cp.async (sm_80+), which does not hold
@@ -42,7 +38,7 @@
 // Compile-time settings: HEAD_DIM, GROUP (g), IK_DTYPE, PAGED, BLOCK_SIZE (paged),
 // NUM_WARPS, STAGES, TILE_ROWS (a multiple of the rows a warp reads side by side),
 // DECODE_MIN_BLOCKS.
-// Dynamic SRAM (the launcher's v2_decode_smem): max(the rings, NUM_WARPS * GROUP * HEAD_DIM
+// Dynamic SRAM (the launcher's decode_v2_smem, cupy_raw/config.py): max(the rings, NUM_WARPS * GROUP * HEAD_DIM
 // acc_t for the final merge of the warps, which reuses the rings' space).
 #include "common.cuh"
 
@@ -95,22 +91,6 @@
 #define TILE_CHUNKS (TILE_ROWS * CPR)                 // 16-byte chunks of K (or V) in a tile
 #define CPL ((TILE_CHUNKS + 31) / 32)                 // chunks of K (or V) a lane copies a tile
 #define STAGE_CHUNKS (2 * TILE_CHUNKS)                // K then V
-
-// element e (0 .. VEC-1) of a 16-byte chunk, as acc_t
-__device__ __forceinline__ u32 word4(const uint4& u, int i) {
-    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
-}
-__device__ __forceinline__ acc_t chunk_elem(const uint4& u, int e) {
-#if IK_DTYPE == IK_F32
-    return __uint_as_float(word4(u, e));
-#elif IK_DTYPE == IK_F64
-    return __hiloint2double((int)word4(u, 2 * e + 1), (int)word4(u, 2 * e));
-#else
-    return to_acc((u16)(word4(u, e / 2) >> (16 * (e & 1))));
-#endif
-}
-
-__device__ __forceinline__ acc_t shfl_xor2(acc_t v, int off) { return __shfl_xor_sync(0xffffffffu, v, off); }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)
 decode_split_v2(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous
@@ -241,7 +221,7 @@ decode_split_v2(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 #pragma unroll
                 for (int e = 0; e < EPL; ++e) d += q[gq][e] * kf[e];
 #pragma unroll
-                for (int off = LANES / 2; off > 0; off /= 2) d += shfl_xor2(d, off);   // all 32 lanes
+                for (int off = LANES / 2; off > 0; off /= 2) d += shfl_xor(d, off);   // all 32 lanes
                 sc[gq][st] = vis ? d : neg_inf();
             }
         }
@@ -286,13 +266,13 @@ decode_split_v2(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     for (int off = LANES; off < 32; off *= 2) {
 #pragma unroll
         for (int gq = 0; gq < GROUP; ++gq) {
-            const acc_t mo = shfl_xor2(m[gq], off), lo = shfl_xor2(l[gq], off);
+            const acc_t mo = shfl_xor(m[gq], off), lo = shfl_xor(l[gq], off);
             const acc_t mn = ik_max(m[gq], mo);
             const acc_t bs = (mn == neg_inf()) ? (acc_t)0 : mn;
             const acc_t a = ik_exp2(m[gq] - bs), c = ik_exp2(mo - bs);
             l[gq] = l[gq] * a + lo * c;
 #pragma unroll
-            for (int e = 0; e < EPL; ++e) acc[gq][e] = acc[gq][e] * a + shfl_xor2(acc[gq][e], off) * c;
+            for (int e = 0; e < EPL; ++e) acc[gq][e] = acc[gq][e] * a + shfl_xor(acc[gq][e], off) * c;
             m[gq] = mn;
         }
     }

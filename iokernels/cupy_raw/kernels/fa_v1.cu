@@ -18,10 +18,10 @@
 //   PsT [Bc][Br]  P_ij transposed, handed from the softmax to the P V product
 // The transposes make every inner-loop SRAM read a vector read (float4 / float2).
 //
-// Compile-time settings (-D from CupyConfig): HEAD_DIM, RM, RN, IK_DTYPE.
-// Measured (H200, fp32, B=8 H=16 N=4096 d=128, Br = Bc = 64): 17.4 TFLOP/s = 0.37x SDPA's
-// EFFICIENT kernel in the same run (benchmarks/results/cupy_h200_2026-11-29.json).  Slow
-// part: the tile loads are synchronous and only 2 blocks fit an SM (112 KB SRAM each).
+// Compile-time settings (-D from ForwardConfig): HEAD_DIM, RM, RN, IK_DTYPE.
+// What limits it: the tile loads are synchronous (the block waits for memory every tile,
+// with nothing else to do) and the tiles' SRAM leaves room for few blocks an SM to hide
+// that wait; fa_v1b.cu overlaps the loads with the products.
 #include "common.cuh"
 
 #ifndef HEAD_DIM

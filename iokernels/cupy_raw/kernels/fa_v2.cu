@@ -21,11 +21,12 @@
 // SROW = D_PAD + 8: the extra 16 bytes a row put the 8 rows one ldmatrix reads in 8
 // different bank groups (no conflicts) while keeping rows 16-byte aligned for cp.async.
 //
-// Compile-time settings (-D from CupyConfig): HEAD_DIM, D_PAD (HEAD_DIM rounded up to 16),
+// Compile-time settings (-D from ForwardConfig): HEAD_DIM, D_PAD (HEAD_DIM rounded up to 16),
 // NUM_WARPS, BLOCK_K (Bc, a multiple of 16), IK_DTYPE (1 float16, 2 bfloat16),
 // VEC_IO (1 when a row is a whole number of 16-byte chunks: HEAD_DIM % 8 == 0).
-// Measured (H200, bf16, B=8 H=16 N=4096 d=128, 8 warps, Bc = 64): 230 TFLOP/s non-causal
-// = 0.645x SDPA FLASH, 219 causal = 0.668x (same run; cupy_h200_2026-11-29.json).
+// What it leaves out: Hopper's asynchronous warpgroup products (wgmma) and bulk copies
+// (TMA), and warp specialization; each K_j / V_j tile read into SRAM feeds Br rows, so
+// 8 warps (Br = 128) are the default.
 #include "common.cuh"
 
 #ifndef HEAD_DIM

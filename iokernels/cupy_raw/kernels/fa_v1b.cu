@@ -1,13 +1,10 @@
 // fa_v1b.cu -- FlashAttention forward, version 1b: float32 on the CUDA cores, K_j / V_j
 // arriving with cp.async while the previous product is computed.
 //
-// Measured (H200, 2026-11-29 12:47 UTC, float32 B=8 H=16 N=4096 d=128): 31.4 TFLOP/s =
-// 0.672x SDPA's EFFICIENT kernel, causal 0.672x (v1: 0.377x); what CupyConfig "auto" runs
-// for float32 on sm_80+.  compute-sanitizer: 0 errors (cupy_raw.sanitize_cases()).
+// The float32 default on compute capability 8.0+.
 //
-// What changed against fa_v1.cu, and why.  v1 measured 17.6 TFLOP/s (0.378x SDPA's
-// EFFICIENT kernel, H200, B=8 H=16 N=4096 d=128).  Its tile loads are synchronous and
-// poorly shaped: K_j is stored transposed, so neighbouring lanes read neighbouring *rows*
+// What changed against fa_v1.cu, and why.  v1's tile loads are synchronous and poorly
+// shaped: K_j is stored transposed, so neighbouring lanes read neighbouring *rows*
 // of HBM (4 useful bytes of each 32-byte sector), and the whole block then waits at a
 // barrier for the slowest load, every tile, with nothing else to do.  Here:
 //   * every SRAM tile keeps the row layout of HBM, so a tile is copied as 16-byte chunks,
@@ -44,7 +41,7 @@
 // Vs [Bc][DV] (row layout, zero columns past HEAD_DIM), PsT [Bc][Br] (P transposed, its
 // 16-byte chunks swizzled like K's: a warp's P stores are at most 4-way bank conflicts,
 // 16-way without the swizzle, as in v1).
-// Compile-time settings (-D from CupyConfig): HEAD_DIM, RM, RN, VEC_IO (1: rows are whole
+// Compile-time settings (-D from ForwardConfig): HEAD_DIM, RM, RN, VEC_IO (1: rows are whole
 // 16-byte chunks at 16-byte aligned addresses; 0: synchronous element loads, same layout).
 #include "common.cuh"
 

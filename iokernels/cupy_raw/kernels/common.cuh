@@ -28,7 +28,7 @@ typedef unsigned int u32;
 
 // ----------------------------------------------------------------------------- dtypes
 // elem_t: what lives in HBM.  acc_t: what S, m, l and O accumulate in (float32, or
-// float64 for float64 inputs; DESIGN.md "accumulation").
+// float64 for float64 inputs: the accumulation convention of iokernels.core.conventions).
 #if IK_DTYPE == IK_F32
 typedef float elem_t;
 typedef float acc_t;
@@ -160,3 +160,22 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory");
 #endif
 }
+
+// ----------------------------------------------------------------------------- 16-byte words
+// Element e of a 16-byte chunk held in registers (a row loaded as uint4 words), as acc_t:
+// a 16-bit row stays 16-bit until it is used, which halves the registers it needs.
+__device__ __forceinline__ u32 word4(const uint4& u, int i) {
+    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
+}
+__device__ __forceinline__ acc_t chunk_elem(const uint4& u, int e) {
+#if IK_DTYPE == IK_F32
+    return __uint_as_float(word4(u, e));
+#elif IK_DTYPE == IK_F64
+    return __hiloint2double((int)word4(u, 2 * e + 1), (int)word4(u, 2 * e));
+#else
+    return to_acc((u16)(word4(u, e / 2) >> (16 * (e & 1))));
+#endif
+}
+
+// Butterfly exchange across the lanes of a warp (row max, row sum, the merge of lanes).
+__device__ __forceinline__ acc_t shfl_xor(acc_t v, int off) { return __shfl_xor_sync(0xffffffffu, v, off); }

@@ -1,16 +1,13 @@
 // decode_v3.cu -- Flash-Decoding, version 3: decode_v2's cp.async ring, with the combine
 // fused into the split kernel and the paged block table staged in SRAM.
 //
-// The default decode kernel.  Measured (H200, 2026-11-29 12:47 UTC, bf16 B=1 N=32768 GQA
-// 32/8 d=128) at its defaults, 8 warps x 4 stages: 0.0544 ms = 0.925x cuDNN's SDPA; at
-// v2's 4 warps x 3 stages 0.756x (quick_bench.sweep_decode chose the shape); paged 0.77x
-// of contiguous.  compute-sanitizer (memcheck, racecheck, synccheck, initcheck): 0 errors,
-// fused and unfused, two calls in a row (the counters reset).
+// The default decode kernel (8 warps x 4 stages; the tuning sweep in
+// iokernels/bench/sweeps_cupy.py times the shapes around it).
 //
-// What changed against decode_v2.cu (version 2), and why.  Version 2 measured 0.0674 ms at
-// bf16 B=1 N=32768 GQA 32/8 d=128 (H200; 0.744x cuDNN's SDPA), paged 0.80x of contiguous.
-// At 50-70 us a call, the second launch (decode.cu's combine) and its ramp and tail are
-// several percent, so:
+// What changed against decode_v2.cu (version 2), and why.  A decode call reads the whole
+// cache once and is short, so the second launch of version 2 (decode.cu's combine), with
+// its own ramp-up and tail, is a visible part of the call's time; and at 4 warps a block
+// too few bytes are in flight.  So:
 //   * FUSED=1: the combine runs inside the split kernel.  Each split block writes its
 //     partial (O_s normalised, LSE_s) as before, then `__threadfence()` (its writes are
 //     visible device-wide before anything that follows) and one atomicAdd on a counter of
@@ -19,7 +16,7 @@
 //     query heads (reading them with ld.global.cg, which skips the SM's own L1, where a
 //     stale line could sit) and writes O and LSE.  It then sets the counter back to 0, so
 //     the next call needs no memset: the counters are a workspace the launcher keeps one
-//     of per device and stream (cupy_raw._decode_counters).  FUSED=0 keeps v2's structure
+//     of per device and stream (cupy_raw/decode.py, _decode_counters).  FUSED=0 keeps v2's structure
 //     (a separate combine launch, the Flash-Decoding paper's two kernels) for comparison.
 //   * NUM_WARPS is a setting (4 or 8 a block): more warps, more bytes in flight a block.
 //   * paged: the block-table entries of the block's split are copied into SRAM once, at
@@ -43,7 +40,7 @@
 //
 // Compile-time settings: HEAD_DIM, GROUP (g), IK_DTYPE, PAGED, BLOCK_SIZE (paged),
 // NUM_WARPS, STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED.
-// Dynamic SRAM (the launcher's decode_v3_smem): max(rings, the warps' merge buffer,
+// Dynamic SRAM (the launcher's decode_v3_smem, cupy_raw/config.py): max(rings, the warps' merge buffer,
 // the fused combine's weights GROUP * num_splits acc_t), then table_cap int32 entries.
 #include "common.cuh"
 
@@ -101,21 +98,6 @@
 #define MERGE_BYTES (NUM_WARPS * GROUP * HEAD_DIM * (int)sizeof(acc_t))
 // the block table (paged) lives after the rings / merge buffer / combine weights; the
 // launcher passes its byte offset (the weights' size depends on num_splits, a run-time value)
-
-__device__ __forceinline__ u32 word4(const uint4& u, int i) {
-    return i == 0 ? u.x : i == 1 ? u.y : i == 2 ? u.z : u.w;
-}
-__device__ __forceinline__ acc_t chunk_elem(const uint4& u, int e) {
-#if IK_DTYPE == IK_F32
-    return __uint_as_float(word4(u, e));
-#elif IK_DTYPE == IK_F64
-    return __hiloint2double((int)word4(u, 2 * e + 1), (int)word4(u, 2 * e));
-#else
-    return to_acc((u16)(word4(u, e / 2) >> (16 * (e & 1))));
-#endif
-}
-
-__device__ __forceinline__ acc_t shfl_xor3(acc_t v, int off) { return __shfl_xor_sync(0xffffffffu, v, off); }
 
 // a load that goes to L2 (skips this SM's L1): partials other blocks wrote this launch
 __device__ __forceinline__ float ld_cg(const float* p) {
@@ -266,7 +248,7 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 #pragma unroll
                 for (int e = 0; e < EPL; ++e) d += q[gq][e] * kf[e];
 #pragma unroll
-                for (int off = LANES / 2; off > 0; off /= 2) d += shfl_xor3(d, off);
+                for (int off = LANES / 2; off > 0; off /= 2) d += shfl_xor(d, off);
                 sc[gq][st] = vis ? d : neg_inf();
             }
         }
@@ -309,13 +291,13 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     for (int off = LANES; off < 32; off *= 2) {
 #pragma unroll
         for (int gq = 0; gq < GROUP; ++gq) {
-            const acc_t mo = shfl_xor3(m[gq], off), lo = shfl_xor3(l[gq], off);
+            const acc_t mo = shfl_xor(m[gq], off), lo = shfl_xor(l[gq], off);
             const acc_t mn = ik_max(m[gq], mo);
             const acc_t bs = (mn == neg_inf()) ? (acc_t)0 : mn;
             const acc_t a = ik_exp2(m[gq] - bs), c = ik_exp2(mo - bs);
             l[gq] = l[gq] * a + lo * c;
 #pragma unroll
-            for (int e = 0; e < EPL; ++e) acc[gq][e] = acc[gq][e] * a + shfl_xor3(acc[gq][e], off) * c;
+            for (int e = 0; e < EPL; ++e) acc[gq][e] = acc[gq][e] * a + shfl_xor(acc[gq][e], off) * c;
             m[gq] = mn;
         }
     }
@@ -386,7 +368,7 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
             M = ik_max(M, x);
         }
 #pragma unroll
-        for (int off = 16; off > 0; off /= 2) M = ik_max(M, shfl_xor3(M, off));
+        for (int off = 16; off > 0; off /= 2) M = ik_max(M, shfl_xor(M, off));
         const acc_t bs = (M == neg_inf()) ? (acc_t)0 : M;
         acc_t L = 0;
         for (int s = lane; s < num_splits; s += 32) {
@@ -395,7 +377,7 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
             L += w;
         }
 #pragma unroll
-        for (int off = 16; off > 0; off /= 2) L += shfl_xor3(L, off);
+        for (int off = 16; off > 0; off /= 2) L += shfl_xor(L, off);
         const acc_t inv = L > 0 ? (acc_t)1 / L : (acc_t)0;
         for (int s = lane; s < num_splits; s += 32) wts[gq * num_splits + s] *= inv;
         if (lane == 0) lse_out[gq] = L > 0 ? M + ik_log(L) : neg_inf();

@@ -1,0 +1,255 @@
+"""Tuning sweeps of the CuPy kernels: the settings around each default, timed side by side.
+
+The sweeps are data (:data:`PREFILL_ROWS`, :data:`DECODE_ROWS`, :data:`PAGE_SIZES`); each
+row is a label and the config keyword arguments of one version.  Every time comes from
+:func:`iokernels.bench.time_cuda` through the public launchers (what a caller gets),
+next to torch's SDPA timed in the same run; paged pools come from
+:func:`iokernels.bench.device_pages` (a shuffled block table).  One JSON line a row.
+
+    python -m iokernels.bench.sweeps_cupy prefill|decode|paged_layout [out.json]
+
+(a GPU with CuPy and torch).  ``scripts/gpu_sweep.py`` runs the decode sweep.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+
+#: forward tile rows per dtype: (label, ForwardConfig keyword arguments)
+PREFILL_ROWS = {
+    "float32": (("v1 64x64", dict(version="v1", block_q=64, block_k=64)),
+                ("v1 64x32", dict(version="v1", block_q=64, block_k=32)),
+                ("v1 32x64", dict(version="v1", block_q=32, block_k=64)),
+                ("v1b 64x64", dict(version="v1b", block_q=64, block_k=64)),
+                ("v1b 64x32", dict(version="v1b", block_q=64, block_k=32)),
+                ("v1b 32x64", dict(version="v1b", block_q=32, block_k=64))),
+    "bfloat16": (("v2 4w bk64", dict(version="v2", num_warps=4, block_k=64)),
+                 ("v2 8w bk64", dict(version="v2", num_warps=8, block_k=64)),
+                 ("v2 4w bk32", dict(version="v2", num_warps=4, block_k=32)),
+                 ("v2 8w bk32", dict(version="v2", num_warps=8, block_k=32))),
+    "float16": (("v2 4w bk64", dict(version="v2", num_warps=4, block_k=64)),
+                ("v2 8w bk64", dict(version="v2", num_warps=8, block_k=64))),
+}
+PREFILL_SHAPE = dict(batch=8, heads=16, seqlen=4096, head_dim=128)
+
+#: decode rows around the default (v3, 8 warps x 4 stages): (label, DecodeConfig keyword
+#: arguments, num_splits or None for the heuristic).  SRAM a block at bf16 d=128 (4 KB a
+#: stage a warp): 4 warps x 3 stages 48 KB, 8 warps x 4 stages 128 KB.
+DECODE_ROWS = (
+    ("v1", dict(version="v1"), None),
+    ("v1 unroll=2 min_blocks=4", dict(version="v1", unroll=2, min_blocks=4), None),
+    ("v1 unroll=8 min_blocks=2", dict(version="v1", unroll=8, min_blocks=2), None),
+    ("v2", dict(version="v2"), None),
+    ("v2 x 2", dict(version="v2", stages=2), None),
+    ("v2 x 4", dict(version="v2", stages=4), None),
+    ("v3 4w x 3", dict(version="v3", num_warps=4, stages=3), None),
+    ("v3", dict(version="v3"), None),
+    ("v3 S=24", dict(version="v3"), 24),
+    ("v3 S=32", dict(version="v3"), 32),
+    ("v3 8w x 5", dict(version="v3", stages=5), None),
+    ("v3 8w x 6", dict(version="v3", stages=6), None),
+    ("v3 8w x 3 tile=16", dict(version="v3", stages=3, tile_rows=16), None),
+    ("v3 8w x 4 unfused", dict(version="v3", fused=False), None),
+)
+DECODE_SHAPE = dict(batch=1, heads_q=32, heads_kv=8, seqlen=32768, head_dim=128)
+#: paged_layout: rows a page (runs of block_size * 256 bytes between random jumps, MQA)
+PAGE_SIZES = (16, 64, 256, 1024)
+#: paged_layout: the GQA and the MQA shape, (heads_q, heads_kv, seqlen), K+V the same bytes
+LAYOUT_SHAPES = ((32, 8, 32768), (4, 1, 262144))
+REPS = 30
+
+
+def prefill_cases(dtype: str) -> list:
+    """(label, ForwardConfig) of the prefill sweep for ``dtype``; builds without a GPU."""
+    from iokernels.cupy_raw import ForwardConfig
+    return [(label, ForwardConfig(**kw)) for label, kw in PREFILL_ROWS[dtype]]
+
+
+def decode_cases() -> list:
+    """(label, DecodeConfig, num_splits) of the decode sweep; builds without a GPU."""
+    from iokernels.cupy_raw import DecodeConfig
+    from iokernels.cupy_raw.config import DECODE_MAX_SPLITS
+    return [(label, DecodeConfig(**kw), None if s is None else min(s, DECODE_MAX_SPLITS))
+            for label, kw, s in DECODE_ROWS]
+
+
+def _emit(rows, row):
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def _save(out_path, rows):
+    from iokernels import bench
+    result = dict(env=bench.environment(), rows=rows)
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def _visible_pairs(nq, nk, causal):
+    from iokernels.core import conventions as cv
+    lo, hi = cv.key_range(np.arange(nq), nq, nk, causal, None)
+    return int(np.sum(hi - lo))
+
+
+def sweep_prefill(out_path=None, reps=REPS):
+    """Forward tile shapes of v1, v1b (float32) and v2 (16-bit) next to SDPA's kernels."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from iokernels import bench
+    from iokernels import cupy_raw as cr
+    B, H, N, d = (PREFILL_SHAPE[k] for k in ("batch", "heads", "seqlen", "head_dim"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for dtype in PREFILL_ROWS:
+        tdt = getattr(torch, dtype)
+        q, k, v = (torch.randn((B, H, N, d), device="cuda", dtype=tdt, generator=gen) for _ in range(3))
+        for causal in (False, True):
+            flops = 4.0 * B * H * _visible_pairs(N, N, causal) * d
+            group = f"fwd {dtype} B={B} H={H} N={N} d={d} causal={causal}"
+            base_name = "EFFICIENT" if dtype == "float32" else "FLASH"
+            backend = getattr(SDPBackend, "EFFICIENT_ATTENTION" if dtype == "float32" else "FLASH_ATTENTION")
+
+            def sdpa():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            ref = sdpa()
+            base_ms = bench.time_cuda(sdpa, reps=reps).median_ms
+            _emit(rows, dict(group=group, runner=f"sdpa {base_name}", ms=round(base_ms, 5),
+                             tflops=round(flops / (base_ms * 1e-3) / 1e12, 2)))
+            for label, cfg in prefill_cases(dtype):
+                try:
+                    o, _ = cr.attention(q, k, v, causal=causal, scale=1 / math.sqrt(d), config=cfg)
+                    err = float((o.float() - ref.float()).abs().max())
+                    ms = bench.time_cuda(cr.attention, q, k, v, causal=causal, scale=1 / math.sqrt(d),
+                                         config=cfg, reps=reps).median_ms
+                    _emit(rows, dict(group=group, runner=f"cupy {label}", ms=round(ms, 5),
+                                     tflops=round(flops / (ms * 1e-3) / 1e12, 2),
+                                     **{f"ratio_to_{base_name}": round(base_ms / ms, 3)},
+                                     max_abs_diff_vs_sdpa=err))
+                except Exception as e:                 # a config that does not fit: say so, go on
+                    print(f"# {group} cupy {label}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        del q, k, v
+        torch.cuda.empty_cache()
+    return _save(out_path, rows)
+
+
+def sweep_decode(out_path=None, reps=REPS):
+    """Decode settings at bf16 B=1 N=32768 GQA 32/8 d=128, contiguous and paged, next to
+    cuDNN's SDPA (enable_gqa).  Paged rows also give their ratio to the same row contiguous."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from iokernels import bench
+    from iokernels import cupy_raw as cr
+    B, Hq, Hkv, N, d = (DECODE_SHAPE[k] for k in ("batch", "heads_q", "heads_kv", "seqlen", "head_dim"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn((B, Hq, d), device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn((B, Hkv, N, d), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    kv_bytes = 2.0 * B * Hkv * N * d * 2
+    group = f"decode bfloat16 B={B} Hq={Hq} Hkv={Hkv} N={N} d={d}"
+    rows = []
+    q4 = q[:, :, None, :]
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+    ref = sdpa()[:, :, 0].float()
+    cudnn_ms = bench.time_cuda(sdpa, reps=reps).median_ms
+    _emit(rows, dict(group=group, runner="sdpa CUDNN", ms=round(cudnn_ms, 5),
+                     tbps=round(kv_bytes / (cudnn_ms * 1e-3) / 1e12, 3)))
+    kp, vp, tables, lens = bench.device_pages(k, v, seed=0)
+    contiguous = {}
+    for label, cfg, splits in decode_cases():
+        for paged in (False, True):
+            name = f"cupy {label}" + (" paged" if paged else "")
+            fn, args = (cr.paged_decode_pools, (q, kp, vp, tables, lens)) if paged else (cr.decode, (q, k, v))
+            try:
+                o, _ = fn(*args, num_splits=splits, config=cfg)
+                err = float((o.float() - ref).abs().max())
+                ms = bench.time_cuda(fn, *args, num_splits=splits, config=cfg, reps=reps).median_ms
+                row = dict(group=group, runner=name, ms=round(ms, 5), tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3),
+                           ratio_to_cudnn=round(cudnn_ms / ms, 3), max_abs_diff_vs_sdpa=err, config=repr(cfg),
+                           num_splits=splits or "heuristic")
+                if paged and label in contiguous:
+                    row["ratio_to_contiguous"] = round(contiguous[label] / ms, 3)
+                if not paged:
+                    contiguous[label] = ms
+                _emit(rows, row)
+            except Exception as e:                     # a config that does not fit: say so, go on
+                print(f"# {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+    return _save(out_path, rows)
+
+
+def paged_layout_probe(out_path=None, reps=REPS):
+    """Paged against contiguous decode (bf16, B=1, the default kernel) over three layouts of
+    the same K/V bytes -- the pool as (blocks, slots, Hkv, d), the same pool stored
+    heads-outer and passed as a strided view, and MQA where the two coincide -- then MQA
+    with pages of PAGE_SIZES rows.  One JSON line a row."""
+    import torch
+
+    from iokernels import bench
+    from iokernels import cupy_raw as cr
+    rows = []
+    for Hq, Hkv, N in LAYOUT_SHAPES:
+        d = 128
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn((1, Hq, d), device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn((1, Hkv, N, d), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        kv_bytes = 2.0 * Hkv * N * d * 2
+        kp, vp, tables, lens = bench.device_pages(k, v, seed=0)
+        ho = [p.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for p in (kp, vp)]   # heads-outer storage
+        ref, _ = cr.decode(q, k, v)
+        runs = {"contiguous": (cr.decode, (q, k, v)),
+                "paged (blocks, slots, Hkv, d)": (cr.paged_decode_pools, (q, kp, vp, tables, lens)),
+                "paged heads-outer (blocks, Hkv, slots, d)": (cr.paged_decode_pools, (q, ho[0], ho[1], tables, lens))}
+        base = None
+        shape = f"B1 Hq{Hq} Hkv{Hkv} N{N} d{d} bf16"
+        for name, (fn, args) in runs.items():
+            try:
+                o, _ = fn(*args)
+                err = float((o.float() - ref.float()).abs().max())
+                ms = bench.time_cuda(fn, *args, reps=reps).median_ms
+                base = base or ms
+                row = dict(shape=shape, runner=name, ms=round(ms, 5), tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3),
+                           vs_contiguous=round(base / ms, 3), max_diff_vs_contiguous=err)
+            except Exception as e:
+                row = dict(shape=shape, runner=name, error=f"{type(e).__name__}: {e}"[:200])
+            _emit(rows, row)
+    Hq, Hkv, N = LAYOUT_SHAPES[-1]
+    d = 128
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn((1, Hq, d), device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn((1, Hkv, N, d), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    kv_bytes = 2.0 * Hkv * N * d * 2
+    base = bench.time_cuda(cr.decode, q, k, v, reps=reps).median_ms
+    for bs in PAGE_SIZES:
+        kp, vp, tables, lens = bench.device_pages(k, v, seed=0, block_size=bs)
+        ms = bench.time_cuda(cr.paged_decode_pools, q, kp, vp, tables, lens, reps=reps).median_ms
+        _emit(rows, dict(shape=f"B1 Hq{Hq} Hkv{Hkv} N{N} d{d} bf16", runner=f"paged, block_size {bs}",
+                         ms=round(ms, 5), tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3),
+                         vs_contiguous=round(base / ms, 3), contiguous_ms=round(base, 5)))
+    return _save(out_path, rows)
+
+
+SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "paged_layout": paged_layout_probe}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in SWEEPS:
+        print(f"usage: python -m iokernels.bench.sweeps_cupy {'|'.join(SWEEPS)} [out.json]")
+        return 2
+    SWEEPS[argv[0]](argv[1] if len(argv) > 1 else None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

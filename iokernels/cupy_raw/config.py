@@ -1,0 +1,415 @@
+"""One config class per op of the CuPy kernels: the sizes a .cu file is compiled with.
+
+Every config is a frozen dataclass whose first field is ``version`` ("v1", "v2", ...;
+None: the default, which :data:`iokernels.cupy_raw.REGISTRY` picks for each call).  Its
+other fields are the tile sizes and settings of that version, injected into the kernel as
+``-D`` defines; each config knows the shared memory (SRAM) its tiles take, so a size that
+does not fit the GPU is a ValueError naming ``config.<field>`` before anything is launched.
+Sizes left as None are chosen per call so that the tiles fit (:func:`fit_config`, and the
+ring depth of decode v3), for every supported dtype and head dim up to 256.
+
+Notation (the papers' names):
+
+=======  ===========================================================================
+Br, Bc   query rows per thread block, key/value rows per K/V tile (block_q, block_k)
+d        head dim; ``D_PAD`` rounds it up to the 16 a tensor-core step covers
+g        query heads per KV head (GQA group), what one decode block serves
+S        splits of the key axis (Flash-Decoding)
+SRAM     shared memory of one thread block; HBM device memory
+=======  ===========================================================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..core import conventions as cv
+from .launch import DTYPE_IDS, round_up
+
+# --------------------------------------------------------------------------- forward constants
+#: the versions ForwardConfig describes (their sizes, SRAM and defines are below)
+FORWARD_VERSIONS = ("v1", "v1b", "v2")
+#: what one tensor-core tile is: v2 rows are handled 16 a warp, keys 16 an mma k-step
+MMA_ROWS = 16
+#: v1's thread grid: 16 x 16 threads; a tile side is 16 x (rows or keys a thread owns)
+V1_THREADS_SIDE = 16
+#: v1 / v1b tile sides: a whole number of rows or keys per thread of the 16 x 16 grid
+V1_TILE_SIDES = (16, 32, 64)
+#: v1 / v1b default tiles (Br = Bc = 64), the largest the 16 x 16 grid takes
+V1_DEFAULT_TILE = 64
+#: v2's default: 8 warps (Br = 128), so each K_j / V_j tile read into SRAM feeds 128 query rows
+V2_DEFAULT_WARPS = 8
+#: v2's warps a block (each owns 16 query rows)
+V2_WARP_CHOICES = (1, 2, 4, 8)
+#: v2's key tiles: multiples of the 16 keys of one mma k-step
+V2_BLOCK_K_CHOICES = (16, 32, 64, 128)
+#: v2's default Bc: 64 keys up to d = 128; 32 above (the S/P tile and O share the registers)
+V2_DEFAULT_BLOCK_K = {128: 64, 256: 32}
+#: v2 keeps O for d <= 256 in registers (d / 8 * 4 floats a lane); larger d would spill
+V2_MAX_HEAD_DIM = 256
+#: fa_v1b: registers capped so this many blocks fit an SM (its SRAM at 64 x 64 allows two)
+V1B_MIN_BLOCKS = 2
+#: the tile sets fit_config tries, largest first, when the default ones do not fit: (Br, Bc);
+#: v2 runs Br / 16 warps
+SHRINK_TILES = ((64, 32), (32, 32), (32, 16), (16, 16))
+
+# --------------------------------------------------------------------------- decode constants
+#: the versions DecodeConfig describes
+DECODE_VERSIONS = ("v1", "v2", "v3")
+#: decode v1 and v2: 4 warps a block; each v1 sub-group keeps UNROLL rows of K and V in
+#: flight; the compiler is asked to fit DECODE_MIN_BLOCKS blocks an SM (__launch_bounds__)
+DECODE_WARPS = 4
+DECODE_UNROLL = 4
+DECODE_MIN_BLOCKS = 3
+#: num_splits heuristic: this many full waves of decode blocks over the SMs ...
+DECODE_WAVES = 1
+#: ... but keep at least this many keys a split (its partial O write is amortized) ...
+DECODE_MIN_KEYS_PER_SPLIT = 256
+#: ... and at most this many splits (the combine reads them all)
+DECODE_MAX_SPLITS = 128
+#: decode v2 and v3 copy rows as 16-byte chunks, at most one chunk per lane of a warp
+CHUNK_BYTES = 16
+MAX_ROW_CHUNKS = 32
+#: decode v2: each warp's ring holds this many K/V tiles (STAGES - 1 in flight while one is
+#: used); 3 tiles of about DECODE_V2_TILE_BYTES of K and of V a warp keep 4 blocks an SM
+DECODE_V2_STAGES = 3
+#: ... and the registers are capped for this many blocks an SM (128 a thread at 4)
+DECODE_V2_MIN_BLOCKS = 4
+#: ... a tile is about this many bytes of K (and as many of V): 8 rows at bf16 d=128
+DECODE_V2_TILE_BYTES = 2048
+#: decode v3: v2's ring with the combine fused into the split kernel, 8 warps a block and a
+#: 4-tile ring: one block an SM with 8 warps x 3 tiles in flight, the shape the tuning sweep
+#: (iokernels.bench.sweeps_cupy) found best on a Hopper GPU
+DECODE_V3_WARPS = 8
+DECODE_V3_STAGES = 4
+DECODE_V3_WARP_CHOICES = (4, 8)
+#: the shallowest ring: one tile computed on while one is in flight
+MIN_STAGES = 2
+#: ... a paged split's block-table entries are staged in SRAM when there are at most this
+#: many (4 KB: 1024 pages of 16 rows = 16384 keys a split); longer splits read them from HBM/L2
+DECODE_V3_TABLE_CAP = 1024
+
+# --------------------------------------------------------------------------- gather constants
+#: paged gather: threads a block, and blocks per SM the grid-stride loop launches
+GATHER_THREADS = 256
+GATHER_BLOCKS_PER_SM = 8
+
+
+def _positive(cfg, names):
+    for name in names:
+        val = getattr(cfg, name)
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            raise ValueError(f"config.{name}: must be a positive integer or None, got {val!r}")
+
+
+def _version(cfg, choices):
+    if cfg.version is not None:
+        cv.check_choice(cfg.version, "config.version", choices)
+
+
+# =========================================================================== forward
+@dataclass(frozen=True)
+class ForwardConfig:
+    """Tile sizes of the CuPy FlashAttention forward kernels (fa_v1.cu, fa_v1b.cu, fa_v2.cu).
+
+    version: "v1" (CUDA cores, any dtype), "v1b" (CUDA cores, float32, K/V tiles copied with
+    cp.async while the previous product runs) or "v2" (tensor cores, float16/bfloat16);
+    None: the registry's default for the call (v2 for 16-bit inputs, v1b for float32 on
+    compute capability 8.0+, v1 otherwise).
+    block_q (Br), block_k (Bc): v1 and v1b take 16, 32 or 64 each; v2 takes block_q = 16 *
+    num_warps and block_k in 16, 32, 64, 128.  num_warps: v2 only (1, 2, 4, 8).  None: the
+    largest sizes whose tiles fit the GPU's shared memory (:func:`fit_config`).
+    """
+
+    version: str | None = None
+    block_q: int | None = None
+    block_k: int | None = None
+    num_warps: int | None = None
+
+    def __post_init__(self):
+        _version(self, FORWARD_VERSIONS)
+        _positive(self, ("block_q", "block_k", "num_warps"))
+
+    def replace(self, **changes) -> "ForwardConfig":
+        return replace(self, **changes)
+
+    # -- resolution: concrete sizes for one problem
+    def resolve(self, head_dim: int, dtype: str) -> "ForwardConfig":
+        """This version's concrete sizes for (head_dim, dtype): the given ones, checked, and
+        the defaults for the rest (before the shared-memory fit of :func:`fit_config`)."""
+        if self.version is None:
+            raise ValueError("config.version: None is the registry's default; resolve it with "
+                             "REGISTRY.resolve('attention', config, need) first")
+        if self.version == "v2":
+            if dtype not in ("float16", "bfloat16"):
+                raise ValueError(f"config.version: 'v2' is the tensor-core kernel for float16/bfloat16, "
+                                 f"got dtype {dtype} (use version 'v1')")
+            if head_dim > V2_MAX_HEAD_DIM:
+                raise ValueError(f"config.version: 'v2' supports head_dim <= {V2_MAX_HEAD_DIM}, got {head_dim}")
+            nw = self.num_warps or (self.block_q // MMA_ROWS if self.block_q else V2_DEFAULT_WARPS)
+            if nw not in V2_WARP_CHOICES:
+                raise ValueError(f"config.num_warps: must be 1, 2, 4 or 8 for v2, got {nw}")
+            bq = self.block_q or MMA_ROWS * nw
+            if bq != MMA_ROWS * nw:
+                raise ValueError(f"config.block_q: v2 needs block_q == 16 * num_warps ({MMA_ROWS * nw}), got {bq}")
+            bk = self.block_k or V2_DEFAULT_BLOCK_K[128 if head_dim <= 128 else 256]
+            if bk not in V2_BLOCK_K_CHOICES:
+                raise ValueError(f"config.block_k: v2 takes 16, 32, 64 or 128, got {bk}")
+            return ForwardConfig("v2", bq, bk, nw)
+        if self.version == "v1b" and dtype != "float32":
+            raise ValueError(f"config.version: 'v1b' is the float32 kernel (cp.async copies the stored "
+                             f"bytes), got dtype {dtype} (use version 'v1' or 'v2')")
+        bq, bk = self.block_q or V1_DEFAULT_TILE, self.block_k or V1_DEFAULT_TILE
+        for name, val in (("block_q", bq), ("block_k", bk)):
+            if val not in V1_TILE_SIDES:
+                raise ValueError(f"config.{name}: {self.version} takes 16, 32 or 64, got {val}")
+        if self.num_warps not in (None, 8):
+            raise ValueError(f"config.num_warps: {self.version} always runs 8 warps (16 x 16 threads), "
+                             f"got {self.num_warps}")
+        return ForwardConfig(self.version, bq, bk, 8)
+
+    def smem_bytes(self, head_dim: int, dtype: str) -> int:
+        """Dynamic shared memory of one block (the config must be resolved)."""
+        d = head_dim
+        if self.version == "v2":
+            srow = round_up(d, 16) + 8                   # fa_v2.cu: SROW
+            return 2 * srow * (self.block_q + 4 * self.block_k)   # Q_i + 2 x (K_j, V_j)
+        if self.version == "v1b":                        # fa_v1b.cu: Qs, Ks, Vs, PsT (float32)
+            dq, dk, dv = round_up(d, 4), round_up(d, 32), round_up(d, 64)
+            return 4 * (self.block_q * dq + self.block_k * dk + self.block_k * dv + self.block_k * self.block_q)
+        acc = cv.accum_dtype(dtype).itemsize
+        dv = 64 * -(-d // 64)                            # fa_v1.cu: DV
+        return acc * (d * self.block_q + d * self.block_k + self.block_k * dv + self.block_k * self.block_q)
+
+    def check_fits(self, head_dim: int, dtype: str, limit: int) -> None:
+        need = self.smem_bytes(head_dim, dtype)
+        if need > limit:
+            raise ValueError(f"config: {self} needs {need:,} B of shared memory at head_dim={head_dim} "
+                             f"({dtype}), more than this GPU's {limit:,} B per block")
+
+    def defines(self, head_dim: int, dtype: str) -> dict:
+        if self.version == "v2":
+            return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, D_PAD=round_up(head_dim, 16),
+                        NUM_WARPS=self.num_warps, BLOCK_K=self.block_k, VEC_IO=int(head_dim % 8 == 0))
+        out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, RM=self.block_q // V1_THREADS_SIDE,
+                   RN=self.block_k // V1_THREADS_SIDE)
+        if self.version == "v1b":
+            out.update(VEC_IO=int(head_dim % 4 == 0), V1B_MIN_BLOCKS=V1B_MIN_BLOCKS)
+        return out
+
+    def threads(self) -> int:
+        return 32 * self.num_warps if self.version == "v2" else V1_THREADS_SIDE * V1_THREADS_SIDE
+
+    def candidates(self, head_dim: int, dtype: str):
+        """The resolved tile sets fit_config tries, largest first: the defaults, then
+        SHRINK_TILES; sizes the config gives are kept in every one."""
+        yield self.resolve(head_dim, dtype)
+        for bq, bk in SHRINK_TILES:
+            nw = bq // MMA_ROWS if self.version == "v2" else None
+            trial = ForwardConfig(self.version, bq, bk, nw)
+            if self.block_q is not None or self.num_warps is not None:
+                trial = trial.replace(block_q=self.block_q, num_warps=self.num_warps)
+            if self.block_k is not None:
+                trial = trial.replace(block_k=self.block_k)
+            yield trial.resolve(head_dim, dtype)
+
+
+def fit_config(config: ForwardConfig, head_dim: int, dtype: str, dev: dict) -> ForwardConfig:
+    """``config`` resolved for this GPU (``dev``: at least ``smem_optin``, the opt-in shared
+    memory a block).  Sizes left as None shrink until the tiles fit; an explicit size that
+    does not fit is a ValueError naming config."""
+    limit = dev["smem_optin"]
+    first = None
+    for cfg in config.candidates(head_dim, dtype):
+        first = first or cfg
+        if cfg.smem_bytes(head_dim, dtype) <= limit:
+            return cfg
+    smallest = min_forward_smem(config.version, head_dim, dtype)
+    if config.block_q is None and config.block_k is None and config.num_warps is None:
+        raise ValueError(f"config.version: {config.version} needs at least {smallest:,} B of shared memory "
+                         f"at head_dim={head_dim} ({dtype}), more than this GPU's {limit:,} B per block")
+    first.check_fits(head_dim, dtype, limit)
+    raise ValueError(f"config: {config} does not fit this GPU's {limit:,} B of shared memory per block "
+                     f"at head_dim={head_dim} ({dtype}) at any smaller tile size")
+
+
+def min_forward_smem(version: str, head_dim: int, dtype: str) -> int:
+    """The shared memory of ``version``'s smallest tile set (what a GPU must offer at least)."""
+    return list(ForwardConfig(version).candidates(head_dim, dtype))[-1].smem_bytes(head_dim, dtype)
+
+
+# =========================================================================== decode
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Which decode kernel, and its settings (``config=`` of decode / paged_decode).
+
+    version: "v1" (decode.cu: plain loads into registers), "v2" (decode_v2.cu: a per-warp
+    cp.async ring of K/V tiles in SRAM) or "v3" (decode_v3.cu: v2's ring with the combine
+    fused into the split kernel, 8 warps x 4 stages); None: the registry's default (v3 where
+    its rows and ring fit, else v1).  v2 and v3 need rows of whole 16-byte chunks, at most
+    32 of them, 16-byte aligned.
+    stages (v2, v3): the ring depth (>= 2; None: DECODE_V2_STAGES, or DECODE_V3_STAGES made
+    shallower until the ring fits).  tile_rows (v2, v3): key rows a tile (a multiple of the
+    rows a warp reads side by side; None: about DECODE_V2_TILE_BYTES of K).  num_warps (v3):
+    4 or 8 warps a block (None: DECODE_V3_WARPS).  fused (v3): the combine inside the split
+    kernel (True) or decode.cu's separate combine launch (False, v2's structure).
+    min_blocks: blocks an SM the registers are capped for (None: DECODE_MIN_BLOCKS for v1,
+    DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8).  unroll (v1): rows of K and V each
+    sub-group keeps in flight (None: DECODE_UNROLL).
+    """
+
+    version: str | None = None
+    stages: int | None = None
+    tile_rows: int | None = None
+    num_warps: int | None = None
+    fused: bool = True
+    min_blocks: int | None = None
+    unroll: int | None = None
+
+    def __post_init__(self):
+        _version(self, DECODE_VERSIONS)
+        _positive(self, ("stages", "tile_rows", "num_warps", "min_blocks", "unroll"))
+        if self.stages is not None and self.stages < MIN_STAGES:
+            raise ValueError(f"config.stages: must be at least 2 (one tile used, one in flight), got {self.stages}")
+        if self.num_warps not in (None, *DECODE_V3_WARP_CHOICES):
+            raise ValueError(f"config.num_warps: must be 4 or 8 (v3), got {self.num_warps}")
+        if self.num_warps not in (None, DECODE_WARPS) and self.version not in (None, "v3"):
+            raise ValueError(f"config.num_warps: a v3 setting; version {self.version!r} runs {DECODE_WARPS}")
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"config.fused: must be True or False, got {self.fused!r}")
+        ring = ("stages", "tile_rows")
+        for name in ring:
+            if self.version == "v1" and getattr(self, name) is not None:
+                raise ValueError(f"config.{name}: a setting of the v2/v3 ring; version 'v1' has none")
+        if self.unroll is not None and self.version not in (None, "v1"):
+            raise ValueError(f"config.unroll: a v1 setting; version {self.version!r} streams a ring")
+
+    def replace(self, **changes) -> "DecodeConfig":
+        return replace(self, **changes)
+
+    # -- v2 / v3: the ring
+    def ring_warps(self) -> int:
+        return (self.num_warps or DECODE_V3_WARPS) if self.version == "v3" else DECODE_WARPS
+
+    def ring_stages(self, head_dim: int, dtype: str, group: int, smem_limit: int | None = None) -> int:
+        """The ring depth: the given one, or the default (v3: made shallower until the ring, the
+        fused combine's weights at DECODE_MAX_SPLITS and a full staged block table fit
+        ``smem_limit``, down to MIN_STAGES)."""
+        if self.stages is not None:
+            return self.stages
+        if self.version != "v3":
+            return DECODE_V2_STAGES
+        rows = decode_v2_geometry(head_dim, dtype, self.tile_rows)["tile_rows"]
+        for st in range(DECODE_V3_STAGES, MIN_STAGES - 1, -1):
+            need = decode_v3_smem(head_dim, dtype, group, st, rows, self.ring_warps(), DECODE_MAX_SPLITS, True,
+                                  DECODE_V3_TABLE_CAP)[0]
+            if smem_limit is None or need <= smem_limit:
+                return st
+        return MIN_STAGES
+
+    def defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int, *,
+                aligned: bool = True, smem_limit: int | None = None) -> dict:
+        """The -D defines of this version's split kernel (v1's also compile decode.cu's combine)."""
+        d = head_dim
+        base = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged))
+        if paged:
+            base["BLOCK_SIZE"] = block_size
+        if self.version in (None, "v1"):
+            itemsize = cv.itemsize_of(dtype)
+            vec = int((d * itemsize) % CHUNK_BYTES == 0 and d * itemsize <= MAX_ROW_CHUNKS * CHUNK_BYTES and aligned)
+            return dict(base, VEC_IO=vec, NUM_WARPS=DECODE_WARPS, UNROLL=self.unroll or DECODE_UNROLL,
+                        DECODE_MIN_BLOCKS=self.min_blocks or DECODE_MIN_BLOCKS)
+        geo = decode_v2_geometry(d, dtype, self.tile_rows)
+        if geo is None:
+            raise ValueError(f"config.version: {self.version} needs rows of whole 16-byte chunks, at most "
+                             f"{MAX_ROW_CHUNKS}; head_dim={d} ({dtype}) is not (use version 'v1')")
+        stages = self.ring_stages(d, dtype, group, smem_limit)
+        if self.version == "v2":
+            return dict(base, NUM_WARPS=DECODE_WARPS, STAGES=stages, TILE_ROWS=geo["tile_rows"],
+                        DECODE_MIN_BLOCKS=self.min_blocks or DECODE_V2_MIN_BLOCKS)
+        nw = self.ring_warps()
+        mb = self.min_blocks or max(1, DECODE_V2_MIN_BLOCKS * DECODE_WARPS // nw)
+        return dict(base, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=geo["tile_rows"], DECODE_MIN_BLOCKS=mb,
+                    FUSED=int(self.fused))
+
+    def combine_defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int,
+                        aligned: bool = True) -> dict:
+        """decode.cu's defines, for its combine kernel (every version's two-launch path)."""
+        v1 = self if self.version == "v1" else DecodeConfig("v1")
+        return v1.defines(head_dim, dtype, group, paged, block_size, aligned=aligned)
+
+
+def decode_v2_geometry(head_dim: int, dtype: str, tile_rows: int | None = None) -> dict | None:
+    """decode_v2.cu's / decode_v3.cu's layout for one row shape, or None when the ring cannot
+    take it (rows not whole 16-byte chunks, or more than 32 of them).
+
+    chunks: 16-byte chunks a row; lanes: lanes a row (a power of two); rows_side_by_side:
+    32 / lanes; tile_rows: rows a tile.  Mirrors the kernels' macros (CPR, LANES, RPW, TILE_ROWS).
+    """
+    row_bytes = head_dim * cv.itemsize_of(dtype)
+    if row_bytes % CHUNK_BYTES or row_bytes > MAX_ROW_CHUNKS * CHUNK_BYTES:
+        return None
+    cpr = row_bytes // CHUNK_BYTES
+    lanes = 1 << (cpr - 1).bit_length()
+    rpw = 32 // lanes
+    if tile_rows is None:
+        per = DECODE_V2_TILE_BYTES // row_bytes
+        tile_rows = rpw if per < rpw else per // rpw * rpw
+    elif tile_rows % rpw:
+        raise ValueError(f"config.tile_rows: must be a multiple of {rpw} at head_dim={head_dim} ({dtype}), "
+                         f"got {tile_rows}")
+    return dict(chunks=cpr, lanes=lanes, rows_side_by_side=rpw, tile_rows=tile_rows)
+
+
+def decode_v2_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows: int) -> int:
+    """decode_v2.cu's dynamic SRAM a block: the warps' rings, or the final merge if larger."""
+    ring = DECODE_WARPS * stages * 2 * tile_rows * head_dim * cv.itemsize_of(dtype)
+    merge = DECODE_WARPS * group * head_dim * cv.accum_dtype(dtype).itemsize
+    return max(ring, merge)
+
+
+def decode_v3_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows: int, num_warps: int,
+                   num_splits: int = 1, fused: bool = True, table_cap: int = 0) -> tuple:
+    """decode_v3.cu's dynamic SRAM a block, as (total bytes, byte offset of the block table):
+    max(the rings, the warps' merge buffer, the fused combine's weights), then ``table_cap``
+    int32 block-table entries (paged)."""
+    acc = cv.accum_dtype(dtype).itemsize
+    ring = num_warps * stages * 2 * tile_rows * head_dim * cv.itemsize_of(dtype)
+    merge = num_warps * group * head_dim * acc
+    weights = group * num_splits * acc if fused and num_splits > 1 else 0
+    offset = round_up(max(ring, merge, weights), 16)
+    return offset + 4 * table_cap, offset
+
+
+def ring_smem_bound(version: str, head_dim: int, dtype: str, group: int, num_warps: int | None = None,
+                    stages: int = MIN_STAGES) -> int:
+    """The most dynamic SRAM a v2 / v3 call at ``stages`` can ask for: the ring (or merge),
+    plus, for v3, the fused combine's weights at DECODE_MAX_SPLITS and a full staged block
+    table.  A registry check compares it with the GPU's limit."""
+    rows = decode_v2_geometry(head_dim, dtype)["tile_rows"]
+    if version == "v2":
+        return decode_v2_smem(head_dim, dtype, group, stages, rows)
+    return decode_v3_smem(head_dim, dtype, group, stages, rows, num_warps or DECODE_V3_WARPS,
+                          DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP)[0]
+
+
+# =========================================================================== gather
+@dataclass(frozen=True)
+class GatherConfig:
+    """The paged gather (paged_gather.cu): one version, "v1"; None: the default.
+
+    threads: threads a block (None: GATHER_THREADS); blocks_per_sm: blocks per SM the
+    grid-stride loop launches (None: GATHER_BLOCKS_PER_SM).  The gather holds no SRAM.
+    """
+
+    version: str | None = None
+    threads: int | None = None
+    blocks_per_sm: int | None = None
+
+    def __post_init__(self):
+        _version(self, ("v1",))
+        _positive(self, ("threads", "blocks_per_sm"))
+        if self.threads is not None and (self.threads % 32 or self.threads > 1024):
+            raise ValueError(f"config.threads: a multiple of 32 up to 1024, got {self.threads}")
+
+    def replace(self, **changes) -> "GatherConfig":
+        return replace(self, **changes)

@@ -1,0 +1,368 @@
+"""Flash-Decoding in CUDA C++: the launchers of decode.cu, decode_v2.cu and decode_v3.cu.
+
+One new query token per sequence over a contiguous cache (B, Hkv, N, d) or a paged pool
+(num_blocks, block_size, Hkv, d) read through a block table.  Every version splits each
+sequence's keys into S chunks (one thread block per (split, kv head, sequence), GQA
+packed: a block reads each K/V row once for all g query heads of its group), writes a
+normalised partial O_s and its LSE_s, and merges them exactly:
+O = sum_s exp(LSE_s - LSE) O_s, LSE = log sum_s exp(LSE_s).  The versions differ in how
+the K/V bytes reach the block (:mod:`iokernels.cupy_raw` has the table) and where the
+merge runs (decode.cu's combine kernel, or inside v3's split kernel).
+
+Notation (Flash-Decoding, Dao et al., 2023; PagedAttention, Kwon et al., 2023):
+
+=======  ===========================================================================
+S        splits of the key axis (num_splits); :func:`num_splits_heuristic` picks it
+g        query heads per KV head (GQA group)
+O_s      the partial output of split s, normalised, in the accumulator dtype (HBM)
+LSE_s    its log-sum-exp (natural log); a split with no keys has LSE_s = -inf
+=======  ===========================================================================
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core import conventions as cv
+from ..core.arrays import Call, device_array
+from . import config as C
+from .config import DecodeConfig
+from .launch import blocks_per_sm, cupy, device_info, function, on_stream, round_up, unit_rows
+from .registry import REGISTRY, RANKS, check_decode_v1, check_decode_v2, check_decode_v3, need
+
+#: the split kernel (file, function) of each version
+SPLIT_KERNELS = {"v1": ("decode", "decode_split"), "v2": ("decode_v2", "decode_split_v2"),
+                 "v3": ("decode_v3", "decode_split_v3")}
+#: threads a block of decode.cu's combine: one per element of a row, up to this many
+COMBINE_MAX_THREADS = 256
+#: at least this many counters are allocated, so a workspace is rarely regrown
+COUNTERS_MIN = 1024
+#: v3's kernel is compiled with at least this much dynamic shared memory opted in
+V3_COMPILE_SMEM = 48 * 1024
+
+SUMMARIES = {
+    "v1": "each warp reads its key rows with plain 16-byte loads into registers, four rows a lane in "
+          "flight; decode.cu's combine kernel merges the splits",
+    "v2": "K/V tiles stream through a per-warp cp.async ring in SRAM (copies in flight hold no "
+          "registers), only __syncwarp in the key loop",
+    "v3": "v2's ring at 8 warps x 4 stages, the combine fused into the split kernel (the last block of "
+          "a group merges), paged block-table entries staged in SRAM",
+}
+CHECKS = {"v1": check_decode_v1, "v2": check_decode_v2, "v3": check_decode_v3}
+
+
+def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int,
+                         blocks_per_sm: int = 4) -> int:
+    """Splits of the key axis so one wave of decode blocks fills the GPU.
+
+    There are batch * heads_kv * splits blocks, ``blocks_per_sm`` fit on an SM at once
+    (the launcher asks the driver for its kernel's occupancy): a whole number of waves
+    wastes nothing, and with DECODE_WAVES = 1 a sequence's keys are read in one wave.
+    Each split keeps at least DECODE_MIN_KEYS_PER_SPLIT keys; at most DECODE_MAX_SPLITS.
+    """
+    if seq_len <= 0:
+        return 1
+    slots = C.DECODE_WAVES * num_sms * max(1, blocks_per_sm)
+    want = max(1, slots // max(1, batch * heads_kv))
+    cap = max(1, seq_len // C.DECODE_MIN_KEYS_PER_SPLIT)
+    return int(max(1, min(want, cap, C.DECODE_MAX_SPLITS)))
+
+
+#: decode v3's fused-combine counters: one int32 workspace per (device, stream), zero between
+#: calls (the last block of each group sets its counter back to 0).  Keyed by stream so two
+#: streams never share counts; the only state here besides the compiled modules.
+_DECODE_COUNTERS: dict = {}
+
+
+def _decode_counters(n: int):
+    """At least ``n`` zeroed int32 counters for decode v3 on the current device and stream."""
+    cp = cupy()
+    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    buf = _DECODE_COUNTERS.get(key)
+    if buf is None or buf.size < n:
+        buf = cp.zeros(max(n, COUNTERS_MIN), dtype=np.int32)     # zeroed once, on this stream
+        _DECODE_COUNTERS[key] = buf
+    return buf
+
+
+# --------------------------------------------------------------------------- argument checks
+def _check_decode_q(q, heads_kv, d, dtype):
+    s = tuple(getattr(q, "shape", ()))
+    if len(s) != 3 or s[2] != d or s[1] % heads_kv:
+        raise ValueError(f"q: expected (batch, a multiple of {heads_kv} heads, {d}), got {s}")
+    if cv.dtype_name(q) != dtype:
+        raise ValueError(f"q: dtype must equal the cache's {dtype}, got {cv.dtype_name(q)}")
+
+
+def _host(x) -> np.ndarray:
+    """Lengths or tables as a host array (they are checked on the host, then uploaded once)."""
+    if hasattr(x, "get"):
+        return np.asarray(x.get())
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _contiguous(call, x):
+    """q of decode, contiguous (it is small: one token a sequence; copied when it is not)."""
+    if hasattr(x, "is_contiguous"):
+        return x if x.is_contiguous() else x.contiguous()
+    a = device_array(x)
+    if a.c_contiguous():
+        return x
+    cp = cupy()
+    return cp.ascontiguousarray(cp.asarray(x))
+
+
+def _check_tables(tables, lens, num_blocks, block_size, name="block_tables"):
+    """Every block a sequence uses is a real block of the pool (vectorized: tables can be long)."""
+    need_blocks = -(-lens // block_size)
+    cols = np.arange(tables.shape[1])[None, :]
+    used = cols < need_blocks[:, None]
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        b, j = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"{name}: sequence {b}, entry {j} is block {int(tables[b, j])}, outside [0, {num_blocks})")
+
+
+def check_pools(k_pool, v_pool):
+    """(num_blocks, block_size, heads_kv, head_dim, dtype) of two matching pools."""
+    ps = tuple(getattr(k_pool, "shape", ()))
+    if len(ps) != 4:
+        raise ValueError(f"k_pool: expected (num_blocks, block_size, heads_kv, head_dim), got {ps}")
+    dtype = cv.check_dtype(k_pool, "k_pool")
+    if tuple(getattr(v_pool, "shape", ())) != ps or cv.dtype_name(v_pool) != dtype:
+        raise ValueError(f"v_pool: must match k_pool's shape {ps} and dtype {dtype}")
+    return (*ps, dtype)
+
+
+def _check_cache(q, k, v):
+    """(B, Hkv, N, d, dtype) of a contiguous cache k, v (B, Hkv, N, d) and its q (B, Hq, d)."""
+    ks = tuple(getattr(k, "shape", ()))
+    if len(ks) != 4:
+        raise ValueError(f"k: expected (batch, heads_kv, seq, head_dim), got {ks}")
+    B, Hkv, N, d = ks
+    dtype = cv.check_dtype(k, "k")
+    _check_decode_q(q, Hkv, d, dtype)
+    if tuple(v.shape) != ks or cv.dtype_name(v) != dtype:
+        raise ValueError(f"v: expected shape {ks} and dtype {dtype}, got {tuple(v.shape)} {cv.dtype_name(v)}")
+    if q.shape[0] != B:
+        raise ValueError(f"q: batch must equal k's {B}, got {q.shape[0]}")
+    return B, Hkv, N, d, dtype
+
+
+# --------------------------------------------------------------------------- contiguous cache
+def _register(op):
+    def deco(fn):
+        for version in ("v3", "v2", "v1"):
+            REGISTRY.register(op, version, config=DecodeConfig, summary=SUMMARIES[version],
+                              check=CHECKS[version], default_rank=RANKS["decode", version])(fn)
+        return fn
+    return deco
+
+
+@_register("decode")
+def run_decode(q, k, v, *, seq_lens, num_splits, scale, config):
+    """Decode over a contiguous cache with a resolved config: (O, LSE) of q's kind."""
+    B, Hkv, N, d, dtype = _check_cache(q, k, v)
+    lens = None
+    if seq_lens is not None:
+        lens = _host(seq_lens).astype(np.int64)
+        if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > N):
+            raise ValueError(f"seq_lens: expected {B} lengths in [0, {N}], got {lens.tolist()}")
+    scale = cv.resolve_scale(scale, d)
+    call = Call(q)
+    acc = cv.accum_dtype(dtype).name
+    with on_stream(call.stream_ptr()):
+        qd = unit_rows(_contiguous(call, call.to_device(q, "q")))
+        kd, vd = unit_rows(call.to_device(k, "k")), unit_rows(call.to_device(v, "v"))
+        lens_d = None if lens is None else call.from_host(lens.astype(np.int32))
+        longest = N if lens is None else int(lens.max(initial=0))
+        o, lse = call.empty(q.shape, dtype), call.empty(q.shape[:2], acc)
+        launch_decode(qd, kd, vd, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits,
+                      longest=longest, nk=N, config=config)
+    return call.finish(o, dtype), call.finish(lse, acc)
+
+
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
+    """Flash-Decoding over a contiguous cache: q (B, Hq, d), k, v (B, Hkv, N, d) -> (O, LSE).
+
+    ``config``: a :class:`DecodeConfig` (None, or version None: the registry's default)."""
+    _check_cache(q, k, v)
+    kernel, cfg = REGISTRY.resolve("decode", config, need("decode", q=q, k=k, v=v))
+    return kernel.launcher(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=cfg)
+
+
+# --------------------------------------------------------------------------- paged cache
+@_register("paged_decode")
+def run_paged_decode(q, cache, seq_ids, *, num_splits, scale, config):
+    """Decode over a PagedKVCache with a resolved config.  Its pools are NumPy arrays: they
+    are copied to the device on every call (:func:`paged_decode_pools` takes device pools)."""
+    tables, lens = cache.block_tables_array(list(seq_ids))
+    return _paged_pools(q, cache.k_pool, cache.v_pool, tables, lens, num_splits=num_splits, scale=scale,
+                        config=config)
+
+
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
+    """Decode over a :class:`~iokernels.paged.PagedKVCache` (``config``: a :class:`DecodeConfig`)."""
+    _check_decode_q(q, cache.num_kv_heads, cache.head_dim, np.dtype(cache.dtype).name)
+    kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, cache=cache))
+    return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg)
+
+
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None,
+                       config=None):
+    """Decode over paged pools (num_blocks, block_size, Hkv, d) with int32 block tables (B, max_blocks).
+
+    Pools on the device (CuPy, torch CUDA) are used in place, through their strides when
+    their rows have unit stride (a heads-outer pool passed as its (blocks, slots, Hkv, d)
+    view, say); NumPy pools are copied in.  ``config``: a :class:`DecodeConfig`.
+    """
+    _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
+    _check_decode_q(q, Hkv, d, dtype)
+    kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, k=k_pool, v=v_pool))
+    return _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale, config=cfg)
+
+
+def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale, config):
+    nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
+    _check_decode_q(q, Hkv, d, dtype)
+    B = q.shape[0]
+    tables = _host(block_tables)
+    lens = _host(seq_lens).astype(np.int64)
+    if tables.ndim != 2 or tables.shape[0] != B:
+        raise ValueError(f"block_tables: expected ({B}, max_blocks), got {tables.shape}")
+    if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > tables.shape[1] * bs):
+        raise ValueError(f"seq_lens: expected {B} lengths in [0, {tables.shape[1] * bs}], got {lens.tolist()}")
+    _check_tables(tables, lens, nb, bs)
+    scale = cv.resolve_scale(scale, d)
+    call = Call(q)
+    acc = cv.accum_dtype(dtype).name
+    with on_stream(call.stream_ptr()):
+        qd = unit_rows(_contiguous(call, call.to_device(q, "q")))
+        kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
+        # lengths and tables travel in one host -> device copy (each copy is a few us on the
+        # GPU's timeline, inside the call's time): lens = packed[:B], the tables after it
+        packed = device_array(call.from_host(np.concatenate([lens.astype(np.int32),
+                                                             tables.astype(np.int32).ravel()])))
+        o, lse = call.empty(q.shape, dtype), call.empty(q.shape[:2], acc)
+        launch_decode(qd, kp, vp, _offset(packed, 0, (B,)), o, lse, dtype=dtype, scale=scale,
+                      num_splits=num_splits, paged=(_offset(packed, B, tables.shape), bs),
+                      longest=int(lens.max(initial=0)), nk=0, config=config)
+    return call.finish(o, dtype), call.finish(lse, acc)
+
+
+def _pool_device(call, pool, name):
+    """A pool as the kernels see it: device pools of the caller's kind in place (their rows
+    unit-stride, other strides kept); NumPy pools (a PagedKVCache's) copied in by the
+    caller's library, whatever kind q is."""
+    if isinstance(pool, np.ndarray):
+        a = np.ascontiguousarray(pool)
+        return device_array(call.from_host(a.view(np.uint16) if cv.dtype_name(a) == "bfloat16" else a))
+    return unit_rows(call.to_device(pool, name))
+
+
+def _offset(a, start: int, shape: tuple):
+    """A view of int32 device array ``a`` from element ``start``, as ``shape`` (row-major)."""
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return type(a)(a.ptr + 4 * start, tuple(shape), tuple(reversed(strides)), a.dtype, a.itemsize, a.owner)
+
+
+# --------------------------------------------------------------------------- the launch
+def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, paged=None,
+                  longest=None, nk=None, config):
+    """Split kernel (+ combine when num_splits > 1 and the version does not fuse it) on
+    device arrays.
+
+    ``lens_d``: int32 device lengths (B,), or None when every sequence uses all ``nk`` keys.
+    ``paged``: None for a contiguous cache, else (block_tables int32 device array (B, max_blocks),
+    block_size): then kd, vd are the pools (num_blocks, block_size, Hkv, d).
+    ``num_splits`` None: :func:`num_splits_heuristic` for ``longest`` keys at the kernel's
+    occupancy.  ``config``: a :class:`DecodeConfig` with its version set.  Scratch (the
+    partials) comes from the library that owns ``o``.
+    """
+    qd, kd, vd, o, lse = (device_array(a) for a in (qd, kd, vd, o, lse))
+    B, Hq, d = qd.shape
+    Hkv = kd.shape[2] if paged is not None else kd.shape[1]
+    nk = int(nk if nk is not None else (kd.shape[2] if paged is None else 0))
+    if B * Hq == 0:
+        return
+    if qd.strides != (Hq * d, d, 1):
+        raise ValueError("q: decode needs a contiguous (batch, heads_q, head_dim) q")
+    if config.version is None:
+        raise ValueError("config.version: launch_decode needs a resolved config (REGISTRY.resolve)")
+    group = Hq // Hkv
+    block_size = paged[1] if paged is not None else 0
+    aligned = all(a.aligned(C.CHUNK_BYTES) for a in (qd, kd, vd))
+    if config.version != "v1" and not aligned:
+        raise ValueError(f"config.version: {config.version} needs rows that start on 16 bytes (use 'v1')")
+    dev = device_info()
+    longest = nk if longest is None else longest
+    defines = config.defines(d, dtype, group, paged is not None, block_size, aligned=aligned,
+                             smem_limit=dev["smem_optin"])
+    file, kernel = SPLIT_KERNELS[config.version]
+    threads = 32 * defines["NUM_WARPS"]
+    fused = bool(defines.get("FUSED", 0))
+    if config.version == "v3":
+        # compiled once per defines; its SRAM is sized a launch (at least the rings)
+        base_smem, _ = C.decode_v3_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
+                                        defines["NUM_WARPS"])
+        if base_smem > dev["smem_optin"]:
+            raise ValueError(f"config: decode v3 with {defines['NUM_WARPS']} warps x {defines['STAGES']} stages x "
+                             f"{defines['TILE_ROWS']} rows needs {base_smem:,} B of shared memory a block at "
+                             f"head_dim={d} ({dtype}), more than this GPU's {dev['smem_optin']:,} (fewer stages, "
+                             f"warps or tile rows)")
+        fn = function(file, kernel, defines, max(base_smem, V3_COMPILE_SMEM))
+    elif config.version == "v2":
+        base_smem = C.decode_v2_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"])
+        if base_smem > dev["smem_optin"]:
+            raise ValueError(f"config: decode v2 with {defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs "
+                             f"{base_smem:,} B of shared memory a block, more than this GPU's {dev['smem_optin']:,}")
+        fn = function(file, kernel, defines, base_smem)
+    else:
+        base_smem = 0
+        fn = function(file, kernel, defines)
+    if num_splits is None:
+        num_splits = num_splits_heuristic(B, Hkv, longest, dev["sms"], blocks_per_sm(fn, threads, base_smem))
+    S = int(num_splits)
+    smem, table_cap, table_offset = base_smem, 0, 0
+    if config.version == "v3":
+        if paged is not None:
+            per_split = -(-max(longest, 1) // S)
+            want = -(-per_split // block_size) + 1          # a split may straddle one more page
+            table_cap = want if want <= C.DECODE_V3_TABLE_CAP else 0
+        smem, table_offset = C.decode_v3_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
+                                              defines["NUM_WARPS"], S, fused, table_cap)
+        if smem > dev["smem_optin"]:
+            raise ValueError(f"config: decode v3 needs {smem:,} B of shared memory a block, more than this GPU's "
+                             f"{dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")
+        if smem > V3_COMPILE_SMEM:
+            fn.max_dynamic_shared_size_bytes = int(smem)
+    acc = np.float64 if dtype == "float64" else np.float32
+    i32, i64 = np.int32, np.int64
+    if S > 1:
+        scratch = Call(o.owner, name="o")
+        o_part = device_array(scratch.empty((S, B, Hq, d), np.dtype(acc).name))
+        lse_part = device_array(scratch.empty((S, B, Hq), np.dtype(acc).name))
+        parts = (o_part.arg, lse_part.arg)
+    else:
+        parts = (np.uint64(0), np.uint64(0))           # unused by the kernel when S == 1
+    if paged is None:
+        layout = (*map(i64, kd.strides[:3]), *map(i64, vd.strides[:3]))
+    else:
+        tables = device_array(paged[0])
+        layout = (tables.arg, i32(tables.shape[1]), *map(i64, kd.strides[:3]))
+        if config.version == "v3":
+            layout += (i32(table_cap), i32(table_offset))
+    lens_arg = device_array(lens_d).arg if lens_d is not None else np.uint64(0)
+    args = (qd.arg, kd.arg, vd.arg, *layout, lens_arg, i32(nk), i32(Hq), i32(Hkv), acc(scale), i32(S), *parts)
+    if config.version == "v3":
+        args += (_decode_counters(B * Hkv) if fused and S > 1 else np.uint64(0),)
+    fn((S, Hkv, B), (threads,), args + (o.arg, lse.arg), shared_mem=smem)
+    if S > 1 and not fused:                            # decode.cu's combine
+        comb = function("decode", "decode_combine",
+                        config.combine_defines(d, dtype, group, paged is not None, block_size, aligned))
+        comb((B * Hq,), (min(COMBINE_MAX_THREADS, round_up(d, 32)),),
+             (o_part.arg, lse_part.arg, i32(S), i32(B * Hq), o.arg, lse.arg))

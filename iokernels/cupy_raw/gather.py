@@ -1,0 +1,98 @@
+"""PagedAttention's block table on the GPU: the launcher of paged_gather.cu.
+
+One sequence's K and V copied out of the paged pools (num_blocks, block_size, Hkv, d) into
+contiguous (Hkv, n, d) arrays: token t lives in block ``table[t // block_size]``, row
+``t % block_size`` (Kwon et al., 2023).  The kernel moves bytes, not elements: a row is
+copied as 16-byte chunks where its size and alignment allow (else in the element size), so
+one kernel serves every dtype.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.arrays import Call, device_array
+from . import config as C
+from .config import GatherConfig
+from .decode import _check_tables, _host, check_pools
+from .launch import device_info, function, on_stream
+from .registry import REGISTRY, RANKS, need
+
+#: chunk sizes a row may be moved in, widest first (a row of 1-byte elements does not occur)
+CHUNK_CHOICES = (16, 8, 4, 2)
+
+
+@REGISTRY.register("paged_gather", "v1", config=GatherConfig, default_rank=RANKS["paged_gather", "v1"],
+                   summary="16-byte chunks through the block table, one output chunk a thread "
+                           "(coalesced stores), a grid-stride loop over the sequence")
+def run_paged_gather(cache, sid, *, config):
+    """What ``cache.gather(sid, backend="cupy")`` calls: NumPy pools in, NumPy K, V out."""
+    return _gather(cache.k_pool, cache.v_pool, cache.block_table(sid), cache.seq_len(sid), config)
+
+
+def paged_gather(cache, sid, *, config=None):
+    """A sequence's (K, V) as contiguous (Hkv, n, d) arrays (``config``: a :class:`GatherConfig`)."""
+    kernel, cfg = REGISTRY.resolve("paged_gather", config, need("paged_gather", cache=cache))
+    return kernel.launcher(cache, sid, config=cfg)
+
+
+def gather_pools(k_pool, v_pool, block_table, seq_len, *, config=None):
+    """Paged gather: pools (num_blocks, bs, Hkv, d) + a block table -> contiguous (Hkv, n, d) K, V.
+
+    Device pools (CuPy / torch CUDA) give device outputs of the same kind, with no copy of
+    the pools; NumPy pools are copied in and the result copied out.
+    """
+    check_pools(k_pool, v_pool)
+    _, cfg = REGISTRY.resolve("paged_gather", config, need("paged_gather", k=k_pool, v=v_pool))
+    return _gather(k_pool, v_pool, block_table, seq_len, cfg)
+
+
+def _gather(k_pool, v_pool, block_table, seq_len, config):
+    nb, bs, hkv, d, dtype = check_pools(k_pool, v_pool)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 0:
+        raise ValueError(f"seq_len: expected an integer >= 0, got {seq_len!r}")
+    seq_len = int(seq_len)
+    table = _host(block_table)
+    want = -(-seq_len // bs)
+    if table.ndim != 1 or (table.size and table.dtype.kind not in "iu") or table.size < want:
+        raise ValueError(f"block_table: expected at least {want} integer block ids for {seq_len} tokens, "
+                         f"got shape {table.shape} dtype {table.dtype}")
+    table = table[:want]
+    _check_tables(table[None], np.array([seq_len]), nb, bs, "block_table")
+    call = Call(k_pool, name="k_pool")
+    with on_stream(call.stream_ptr()):
+        kp = device_array(_contiguous_pool(call.to_device(k_pool, "k_pool")))
+        vp = device_array(_contiguous_pool(call.to_device(v_pool, "v_pool")))
+        k_out, v_out = call.empty((hkv, seq_len, d), dtype), call.empty((hkv, seq_len, d), dtype)
+        t_d = call.from_host(table.astype(np.int32) if len(table) else np.zeros(1, np.int32))
+        launch_gather(kp, vp, t_d, k_out, v_out, seq_len, config=config)
+    return call.finish(k_out, dtype), call.finish(v_out, dtype)
+
+
+def _contiguous_pool(x):
+    """The gather reads pools as contiguous (num_blocks, block_size, Hkv, d): copy any other."""
+    if device_array(x).c_contiguous():
+        return x
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.contiguous()
+    import cupy
+    return cupy.ascontiguousarray(cupy.asarray(x))
+
+
+def launch_gather(kp, vp, t_d, k_out, v_out, seq_len, *, config=GatherConfig()):
+    """The gather kernel on device arrays (pools and outputs contiguous)."""
+    kp, vp, k_out, v_out, t_d = (device_array(a) for a in (kp, vp, k_out, v_out, t_d))
+    nb, bs, hkv, d = kp.shape
+    if seq_len == 0 or hkv * d == 0:
+        return
+    row_bytes = d * kp.itemsize
+    fits = [c for c in CHUNK_CHOICES if row_bytes % c == 0 and all(a.ptr % c == 0 for a in (kp, vp, k_out, v_out))]
+    chunk = fits[0] if fits else kp.itemsize
+    defines = dict(BLOCK_SIZE=bs, CHUNK_BYTES=chunk, CHUNKS_PER_ROW=row_bytes // chunk)
+    fn = function("paged_gather", "paged_gather", defines)
+    threads = config.threads or C.GATHER_THREADS
+    per_sm = config.blocks_per_sm or C.GATHER_BLOCKS_PER_SM
+    total = hkv * seq_len * (row_bytes // chunk)
+    grid = max(1, min(-(-total // threads), per_sm * device_info()["sms"]))
+    fn((grid,), (threads,), (kp.arg, vp.arg, t_d.arg, np.int32(seq_len), np.int32(hkv), k_out.arg, v_out.arg))
+
+

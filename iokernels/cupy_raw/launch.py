@@ -1,0 +1,115 @@
+"""What every CuPy op shares: the .cu sources, NVRTC compilation and its cache, the device.
+
+A kernel is compiled the first time a (file, kernel, defines, device) combination is
+launched, through ``cupy.RawModule`` (NVRTC), with the config's sizes as ``-D`` defines;
+:data:`_MODULES` keeps the compiled functions (CuPy also caches the binaries on disk).
+That cache is the only state this module holds.  Nothing here touches a GPU at import.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import pathlib
+import re
+
+#: where the CUDA C++ sources live (this package's kernels/ folder)
+KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
+#: every kernel file, by name (tests/test_cupy_compile.py compiles each one for every arch)
+SOURCES = {"fa_v1": "fa_v1.cu", "fa_v1b": "fa_v1b.cu", "fa_v2": "fa_v2.cu", "decode": "decode.cu",
+           "decode_v2": "decode_v2.cu", "decode_v3": "decode_v3.cu", "paged_gather": "paged_gather.cu"}
+#: -DIK_DTYPE values (common.cuh)
+DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
+#: above this much dynamic shared memory a kernel must opt in to more (48 KB less the
+#: static shared memory some kernels also declare); opting in early costs nothing
+OPT_IN_ABOVE_BYTES = 32 * 1024
+
+_MODULES: dict = {}
+
+
+def cupy():
+    """CuPy, once we know there is a GPU; a RuntimeError that says so otherwise."""
+    if not cupy_ok():
+        raise RuntimeError("backend 'cupy' needs a CUDA GPU (cupy.is_available() is False); "
+                           "use backend='numba' (the simulator) or 'tiled' without one")
+    import cupy as cp
+    return cp
+
+
+def cupy_ok() -> bool:
+    """True when CuPy is installed and sees a CUDA device (asked once, lazily)."""
+    from ..core.gpu import cupy_gpu
+    return cupy_gpu()
+
+
+def device_info() -> dict:
+    """Compute capability (x 10), SM count and opt-in shared memory per block of the current GPU."""
+    cp = cupy()
+    return dict(_device_info(cp.cuda.Device().id))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(dev_id: int) -> dict:
+    import cupy as cp
+    dev = cp.cuda.Device(dev_id)
+    attrs = dev.attributes                      # one query of every attribute: slow, so cached
+    return dict(id=dev.id, cc=int(dev.compute_capability), sms=int(attrs["MultiProcessorCount"]),
+                smem_optin=int(attrs.get("MaxSharedMemoryPerBlockOptin", attrs.get("MaxSharedMemoryPerBlock", 49152))))
+
+
+def source(name: str) -> str:
+    """The CUDA source of kernel file ``name`` with common.cuh inlined (what NVRTC compiles)."""
+    src = (KERNEL_DIR / SOURCES[name]).read_text()
+    common = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once", "")
+    return re.sub(r'#include "common\.cuh"', lambda _: common, src)
+
+
+def function(name: str, kernel: str, defines: dict, smem: int = 0):
+    """Compile (once) and return ``kernel`` from file ``name`` with ``defines``."""
+    cp = cupy()
+    dev = cp.cuda.Device().id
+    key = (name, kernel, tuple(sorted(defines.items())), dev)
+    fn = _MODULES.get(key)
+    if fn is None:
+        opts = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
+        mod = cp.RawModule(code=source(name), options=opts)
+        fn = mod.get_function(kernel)
+        if smem > OPT_IN_ABOVE_BYTES:
+            fn.max_dynamic_shared_size_bytes = int(smem)
+        _MODULES[key] = fn
+    return fn
+
+
+def blocks_per_sm(fn, threads, smem=0) -> int:
+    """How many blocks of ``fn`` an SM holds at once (registers, shared memory), from the driver."""
+    from cupy.cuda import driver
+    try:
+        return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, int(smem)))
+    except Exception:  # an older CuPy without the binding: the figure the heuristic assumes
+        return 4
+
+
+def on_stream(stream_ptr: int):
+    """A context that makes CuPy launch (and allocate) on the caller's stream ``stream_ptr``
+    (0: CuPy's current stream, left as it is)."""
+    if not stream_ptr:
+        return contextlib.nullcontext()
+    return cupy().cuda.ExternalStream(stream_ptr)
+
+
+def unit_rows(x):
+    """``x`` (a device object) as a :class:`~iokernels.core.arrays.DeviceArray` whose rows have
+    unit stride on the last axis: the same memory when they do (other strides are passed
+    to the kernels), else one contiguous copy made by x's own library."""
+    from ..core.arrays import device_array
+    a = device_array(x)
+    if not a.shape or a.shape[-1] <= 1 or a.strides[-1] == 1:
+        return a
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        return device_array(x.contiguous())
+    cp = cupy()
+    return device_array(cp.ascontiguousarray(cp.asarray(x)), a.dtype)
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m

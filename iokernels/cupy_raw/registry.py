@@ -1,0 +1,137 @@
+"""The CuPy backend's kernels, keyed by (op, version), and what a call needs of them.
+
+:data:`REGISTRY` is filled where the launchers live (forward.py, decode.py, gather.py:
+``@REGISTRY.register(...)``); each entry has a check that says whether the version can
+run a call, described by :func:`need`, and a default rank (the highest-ranked version
+whose check passes is the default).  The checks below are the whole of "which kernel runs
+where": dtype, head dim, compute capability, row alignment and shared memory.
+"""
+from __future__ import annotations
+
+from ..core import conventions as cv
+from ..core.arrays import DeviceArray, device_array
+from ..core.registry import Need, Registry
+from . import config as C
+from .launch import cupy_ok, device_info
+
+REGISTRY = Registry("cupy")
+
+#: compute capability (x 10) from which bfloat16 and cp.async exist
+CC_AMPERE = 80
+
+
+def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
+    """What a call of ``op`` needs of a kernel.  ``k`` / ``v``: the contiguous cache (decode,
+    attention) or the pools (paged_decode, paged_gather).  cc and the shared memory per
+    block (``extra["smem"]``) are None without a GPU; ``extra["group"]`` is heads_q /
+    heads_kv and ``extra["aligned16"]`` says whether every row starts on 16 bytes."""
+    if cache is not None:
+        dtype, d, hkv = cv.dtype_name(cache.k_pool), cache.head_dim, cache.num_kv_heads
+        arrays = cache_arrays = ()
+    else:
+        first = k if k is not None else q
+        dtype, d = cv.dtype_name(first), int(first.shape[-1])
+        hkv = None
+        if k is not None:
+            hkv = int(k.shape[2] if op in ("paged_decode", "paged_gather") else k.shape[1])
+        arrays = tuple(a for a in (q, k, v) if a is not None)
+        cache_arrays = tuple(a for a in (k, v) if a is not None) or arrays
+    group = int(q.shape[1]) // hkv if q is not None and hkv else 1
+    cc = smem = None
+    if cupy_ok():
+        dev = device_info()
+        cc, smem = dev["cc"], dev["smem_optin"]
+    aligned = all(_rows_aligned16(a) for a in arrays)
+    return Need(dtype=dtype, head_dim=d, cc=cc, contiguous=all(_c_contiguous(a) for a in cache_arrays),
+                extra=dict(smem=smem, group=group, aligned16=aligned))
+
+
+def _device(x) -> DeviceArray | None:
+    if type(x).__module__.split(".")[0] == "numpy":
+        return None                          # copied in: a fresh, aligned, contiguous buffer
+    return device_array(x)
+
+
+def _rows_aligned16(x) -> bool:
+    """Every row of ``x`` starts on 16 bytes, as the kernel will see it (arrays whose rows
+    are not unit-stride are copied, so they are aligned)."""
+    a = _device(x)
+    if a is None or (a.shape and a.shape[-1] > 1 and a.strides[-1] != 1):
+        return True
+    return a.aligned(C.CHUNK_BYTES)
+
+
+def _c_contiguous(x) -> bool:
+    a = _device(x)
+    return True if a is None else a.c_contiguous()
+
+
+# --------------------------------------------------------------------------- checks
+def _bf16_cc(n: Need) -> str | None:
+    if n.dtype == "bfloat16" and n.cc is not None and n.cc < CC_AMPERE:
+        return f"bfloat16 needs compute capability 8.0 or newer; this GPU is {n.cc / 10:.1f}"
+    return None
+
+
+def _forward_fits(version: str, n: Need) -> str | None:
+    smem = n.extra.get("smem")
+    least = C.min_forward_smem(version, n.head_dim, n.dtype)
+    if smem is not None and least > smem:
+        return (f"needs at least {least:,} B of shared memory a block at head_dim={n.head_dim} ({n.dtype}), "
+                f"its smallest tiles; this GPU allows {smem:,} B")
+    return None
+
+
+def check_v1(n: Need) -> str | None:
+    return _bf16_cc(n) or _forward_fits("v1", n)
+
+
+def check_v1b(n: Need) -> str | None:
+    if n.dtype != "float32":
+        return f"the float32 kernel (cp.async copies the stored bytes), got {n.dtype}"
+    if n.cc is not None and n.cc < CC_AMPERE:
+        return f"cp.async needs compute capability 8.0 or newer; this GPU is {n.cc / 10:.1f}"
+    return _forward_fits("v1b", n)
+
+
+def check_v2(n: Need) -> str | None:
+    if n.dtype not in ("float16", "bfloat16"):
+        return f"the tensor-core kernel for float16/bfloat16, got {n.dtype}"
+    if n.head_dim > C.V2_MAX_HEAD_DIM:
+        return f"keeps O in registers up to head_dim {C.V2_MAX_HEAD_DIM}, got {n.head_dim}"
+    return _bf16_cc(n) or _forward_fits("v2", n)
+
+
+def check_decode_v1(n: Need) -> str | None:
+    return _bf16_cc(n)
+
+
+def _check_ring(version: str, n: Need) -> str | None:
+    if C.decode_v2_geometry(n.head_dim, n.dtype) is None:
+        return (f"rows must be whole 16-byte chunks, at most {C.MAX_ROW_CHUNKS}; head_dim={n.head_dim} "
+                f"({n.dtype}) is not")
+    if not n.extra.get("aligned16", True):
+        return "rows must start on 16-byte boundaries (base pointer and strides)"
+    smem = n.extra.get("smem")
+    bound = C.ring_smem_bound(version, n.head_dim, n.dtype, n.extra.get("group", 1))
+    if smem is not None and bound > smem:
+        return (f"its shallowest ring needs up to {bound:,} B of shared memory a block at head_dim="
+                f"{n.head_dim} ({n.dtype}), group {n.extra.get('group', 1)}; this GPU allows {smem:,} B")
+    return _bf16_cc(n)
+
+
+def check_decode_v2(n: Need) -> str | None:
+    return _check_ring("v2", n)
+
+
+def check_decode_v3(n: Need) -> str | None:
+    return _check_ring("v3", n)
+
+
+#: default ranks (higher wins among the versions whose check passes)
+RANKS = {
+    ("attention", "v2"): 30, ("attention", "v1b"): 20, ("attention", "v1"): 10,
+    # decode v2 is v3 without its two additions: it is never the default
+    ("decode", "v3"): 30, ("decode", "v1"): 10, ("decode", "v2"): 0,
+    ("paged_gather", "v1"): 10,
+}

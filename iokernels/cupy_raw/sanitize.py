@@ -1,0 +1,174 @@
+"""Every registered CuPy kernel once at ragged shapes, against the float64 oracle.
+
+:func:`sanitize_cases` is what ``scripts/sanitize.py`` runs under compute-sanitizer
+(memcheck, racecheck, synccheck, initcheck).  It iterates :data:`REGISTRY`: each (op,
+version) runs for every dtype its check accepts, at shapes that are multiples of no tile
+(Nq = 37, Nk = 77, head dims 64, 72 and 59 -- 59 takes the element-wise copy paths of the
+versions that have word paths --, GQA 4/2, a window, ragged decode lengths with an empty
+sequence, a paged cache with a partial last block, in the dtypes a PagedKVCache holds), plus the settings in :data:`VARIANTS`.
+Inputs are NumPy arrays, so CuPy is the only GPU library loaded.  Each result is held
+against :mod:`iokernels.core.reference` with the shared checker (float64 to about 1e-12,
+lower precisions by the 2x rule against the naive algorithm in the same precision).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core import api
+from ..core import reference
+from ..core.testing import check, make_inputs, numpy_dtype
+from .registry import REGISTRY, need
+
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+#: forward shapes: (head_dim, causal, window)
+FORWARD_CASES = ((64, True, None), (72, False, (5, 3)), (59, True, None))
+#: decode: head dims, batch lengths (one empty), split counts
+DECODE_DIMS = (64, 59)
+DECODE_LENS = (301, 0, 129)
+DECODE_SPLITS = (1, 5)
+PAGED_LENS = (301, 45)
+PAGED_SPLITS = (3, 1)
+BLOCK_SIZE = 16
+#: settings run next to each version's default config (kwargs of its config class)
+VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
+            ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
+            ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32})}
+#: calls a version makes twice in a row (v3's counters must be back at 0 after a call)
+TWICE = {("decode", "v3"), ("paged_decode", "v3")}
+
+
+def _ok(c, label):
+    if not c:
+        raise AssertionError(f"{label}: {c}")
+
+
+def _forward(kernel, cfg, dtype, rng, label):
+    out = []
+    for d, causal, window in FORWARD_CASES:
+        q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=77, head_dim=d,
+                              dtype=dtype)
+        if kernel.unavailable(need("attention", q=q, k=k, v=v)) is not None:
+            continue
+        o, lse = kernel.launcher(q, k, v, causal=causal, scale=None, window=window, config=cfg)
+        ref_o, ref_l = reference.attention(q, k, v, causal=causal, window=window)
+        base = None if dtype == "float64" else api.attention(q, k, v, causal=causal, window=window, backend="naive")
+        masked = ~np.isfinite(ref_l)[..., None]
+        name = f"{label} d={d} causal={causal} window={window}"
+        _ok(check(o, ref_o, base, dtype=dtype, name="O", masked_rows=masked), name)
+        out.append(name)
+    return out
+
+
+def _decode_inputs(rng, d, dtype, lens):
+    q, k, v = make_inputs(rng, batch=len(lens), heads_q=4, heads_kv=2, seqlen_q=1, seqlen_k=max(lens),
+                          head_dim=d, dtype=dtype)
+    return q[:, :, 0], k, v
+
+
+def _check_decode(o, q, k, v, lens, dtype, name):
+    lens = np.asarray(lens)
+    ref_o, ref_l = reference.decode(q, k, v, seq_lens=lens)
+    base = None if dtype == "float64" else api.decode(q, k, v, seq_lens=lens, backend="naive")
+    _ok(check(o, ref_o, base, dtype=dtype, name="O", masked_rows=~np.isfinite(ref_l)[..., None]), name)
+
+
+def _decode(kernel, cfg, dtype, rng, label):
+    out = []
+    for d in DECODE_DIMS:
+        q, k, v = _decode_inputs(rng, d, dtype, DECODE_LENS)
+        if kernel.unavailable(need("decode", q=q, k=k, v=v)) is not None:
+            continue
+        for splits in DECODE_SPLITS:
+            for _ in range(2 if ("decode", kernel.version) in TWICE else 1):
+                o, _ = kernel.launcher(q, k, v, seq_lens=np.array(DECODE_LENS), num_splits=splits, scale=None,
+                                       config=cfg)
+                name = f"{label} d={d} splits={splits}"
+                _check_decode(o, q, k, v, DECODE_LENS, dtype, name)
+            out.append(name)
+    return out
+
+
+#: the dtypes a PagedKVCache holds (its pools are NumPy arrays; NumPy has no native bfloat16)
+PAGED_DTYPES = ("float16", "float32", "float64")
+
+
+def _paged_cache(rng, d, dtype):
+    from ..paged import PagedKVCache
+    cache = PagedKVCache(64, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=d, dtype=numpy_dtype(dtype))
+    sids = []
+    for n in PAGED_LENS:
+        sid = cache.new_sequence()
+        _, k, v = make_inputs(rng, batch=1, heads_q=2, seqlen_q=1, seqlen_k=n, head_dim=d, dtype=dtype)
+        cache.append(sid, k[0].transpose(1, 0, 2), v[0].transpose(1, 0, 2))
+        sids.append(sid)
+    return cache, sids
+
+
+def _contiguous_of(cache, sids):
+    ks, vs = zip(*(cache.gather(s, backend="numpy") for s in sids))
+    n = max(PAGED_LENS)
+    k = np.zeros((len(sids), cache.num_kv_heads, n, cache.head_dim), cache.k_pool.dtype)
+    v = np.zeros_like(k)
+    for b, (kb, vb) in enumerate(zip(ks, vs)):
+        k[b, :, :kb.shape[1]], v[b, :, :vb.shape[1]] = kb, vb
+    return k, v
+
+
+def _paged_caches(rng, dtype):
+    """(head_dim, cache, sequence ids) for each of DECODE_DIMS, in the dtypes a cache holds."""
+    if dtype in PAGED_DTYPES:
+        for d in DECODE_DIMS:
+            yield (d, *_paged_cache(rng, d, dtype))
+
+
+def _paged_decode(kernel, cfg, dtype, rng, label):
+    out = []
+    for d, cache, sids in _paged_caches(rng, dtype):
+        q = make_inputs(rng, batch=len(sids), heads_q=4, heads_kv=2, seqlen_q=1, seqlen_k=1, head_dim=d,
+                        dtype=dtype)[0][:, :, 0]
+        if kernel.unavailable(need("paged_decode", q=q, cache=cache)) is not None:
+            continue
+        k, v = _contiguous_of(cache, sids)
+        for splits in PAGED_SPLITS:
+            for _ in range(2 if ("paged_decode", kernel.version) in TWICE else 1):
+                o, _ = kernel.launcher(q, cache, sids, num_splits=splits, scale=None, config=cfg)
+                name = f"{label} d={d} splits={splits}"
+                _check_decode(o, q, k, v, PAGED_LENS, dtype, name)
+            out.append(name)
+    return out
+
+
+def _gather(kernel, cfg, dtype, rng, label):
+    out = []
+    for d, cache, sids in _paged_caches(rng, dtype):
+        for sid in sids:
+            got = kernel.launcher(cache, sid, config=cfg)
+            want = cache.gather(sid, backend="numpy")
+            if not all(np.array_equal(g.view(np.uint8), w.view(np.uint8)) for g, w in zip(got, want)):
+                raise AssertionError(f"{label} d={d} sid={sid}: the gather is not an exact copy")
+        out.append(f"{label} d={d}")
+    return out
+
+
+RUNNERS = {"attention": _forward, "decode": _decode, "paged_decode": _paged_decode, "paged_gather": _gather}
+
+
+def sanitize_cases(seed: int = 0, verbose: bool = True) -> list:
+    """Run every (op, version) of :data:`REGISTRY` (and :data:`VARIANTS`) once per dtype it
+    accepts here, each checked against the oracle; returns the names of the cases that ran.
+    A wrong result raises AssertionError."""
+    from .launch import cupy
+    rng = np.random.default_rng(seed)
+    ran = []
+    for kernel in REGISTRY:
+        for kw in VARIANTS.get((kernel.op, kernel.version), ({},)):
+            cfg = kernel.config_class(version=kernel.version, **kw)
+            for dtype in DTYPES:
+                label = f"{kernel.op} {kernel.version}{' ' + repr(kw) if kw else ''} {dtype}"
+                names = RUNNERS[kernel.op](kernel, cfg, dtype, rng, label)
+                if verbose:
+                    for n in names:
+                        print(f"  ok {n}", flush=True)
+                ran.extend(names)
+    cupy().cuda.Device().synchronize()
+    return ran

@@ -1,0 +1,171 @@
+"""Every CuPy launch passes exactly what its kernel declares, checked without a GPU.
+
+The launchers run in a subprocess against a stand-in for CuPy (tests/stand_ins/cupy: NumPy
+memory, a device with an H200's attributes, kernels that record their launches instead of
+running).  Each distinct compiled kernel's signature is read from the source the launcher
+hands NVRTC, preprocessed by ``nvcc -E`` with the launch's own ``-D`` options, and every
+argument of every launch is held against it: the count, and pointer / int / long long /
+float / double as the parameter says (a CuPy array is a pointer argument).  A wrong argument in a code path only a GPU reaches
+fails here.  The defaults of the shapes the kernels were tuned at are pinned too (v2 at 8
+warps x Bc 64 for bfloat16 d=128, v1b at 64 x 64 for float32, decode v3 at 8 warps x 4
+stages), so a reshuffle of the configs cannot move them silently.
+"""
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+NVCC = shutil.which("nvcc") or "/usr/local/bin/nvcc"
+pytestmark = pytest.mark.skipif(not shutil.which(NVCC), reason="nvcc not found")
+STAND_INS = pathlib.Path(__file__).resolve().parent / "stand_ins"
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+#: the calls, run in the subprocess; each label maps to the launches it made
+DRIVER = r'''
+import json, sys
+import numpy as np
+import cupy
+from iokernels import cupy_raw as cr
+from iokernels.core.testing import make_inputs
+from iokernels.cupy_raw import sanitize as S
+
+rng = np.random.default_rng(0)
+out = {}
+
+
+def rec(label, fn):
+    fn()
+    out[label] = [dict(name=L["name"], options=list(L["options"]), grid=list(L["grid"]), block=list(L["block"]),
+                       smem=int(L["smem"]), args=[type(a).__name__ for a in L["args"]]) for L in cupy.LAUNCHES]
+    cupy.LAUNCHES.clear()
+
+
+for dt in ("float32", "float16", "bfloat16", "float64"):
+    for d in (128, 59):
+        q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=77, head_dim=d, dtype=dt)
+        rec(f"attention None {dt} {d}", lambda: cr.attention(q, k, v, causal=True, window=(5, 3)))
+        for kern in cr.REGISTRY.kernels("attention"):
+            if kern.unavailable(cr.need("attention", q=q, k=k, v=v)) is None:
+                rec(f"attention {kern.version} {dt} {d}",
+                    lambda: cr.attention(q, k, v, config=kern.config_class(version=kern.version)))
+    for d in (128, 59):
+        q, k, v = make_inputs(rng, batch=3, heads_q=8, heads_kv=2, seqlen_q=1, seqlen_k=301, head_dim=d, dtype=dt)
+        q = q[:, :, 0]
+        for kern in [None] + cr.REGISTRY.kernels("decode"):
+            if kern is not None and kern.unavailable(cr.need("decode", q=q, k=k, v=v)) is not None:
+                continue
+            for extra in (({}, {"fused": False}) if kern is not None and kern.version == "v3" else ({},)):
+                cfg = None if kern is None else cr.DecodeConfig(kern.version, **extra)
+                for splits in (1, 5):
+                    rec(f"decode {cfg and cfg.version} {extra} {dt} {d} {splits}",
+                        lambda: cr.decode(q, k, v, seq_lens=np.array([301, 0, 7]), num_splits=splits, config=cfg))
+        if dt in S.PAGED_DTYPES:
+            cache, sids = S._paged_cache(rng, d, dt)
+            q2 = q[:2]
+            for kern in [None] + cr.REGISTRY.kernels("paged_decode"):
+                if kern is not None and kern.unavailable(cr.need("paged_decode", q=q2, cache=cache)) is not None:
+                    continue
+                cfg = None if kern is None else cr.DecodeConfig(kern.version)
+                rec(f"paged_decode {cfg and cfg.version} {dt} {d}",
+                    lambda: cr.paged_decode(q2, cache, sids, num_splits=3, config=cfg))
+                t, ln = cache.block_tables_array(sids)
+                rec(f"pools {cfg and cfg.version} {dt} {d}",
+                    lambda: cr.paged_decode_pools(cupy.asarray(q2), cupy.asarray(cache.k_pool),
+                                                  cupy.asarray(cache.v_pool), t, ln, config=cfg))
+            rec(f"gather {dt} {d}", lambda: cache.gather(sids[0], backend="cupy"))
+json.dump(out, sys.stdout)
+'''
+
+#: the kernel file each kernel function lives in
+FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split": "decode",
+         "decode_combine": "decode", "decode_split_v2": "decode_v2", "decode_split_v3": "decode_v3",
+         "paged_gather": "paged_gather"}
+
+
+@pytest.fixture(scope="module")
+def launches():
+    env = dict(os.environ, PYTHONPATH=f"{STAND_INS}{os.pathsep}{REPO}")
+    r = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def _signature(name, options):
+    """The parameter list of kernel ``name`` after the preprocessor, at these -D options."""
+    from iokernels.cupy_raw import launch
+    src = launch.source(FILES[name])
+    r = subprocess.run([NVCC, "-E", "-arch=sm_90", "-x", "cu", *[o for o in options if o.startswith("-D")], "-"],
+                       input=src, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-400:]
+    text = r.stdout
+    pos = text.index('extern "C"')
+    while True:
+        m = re.compile(r"\b" + name + r"\s*\(").search(text, pos)
+        start = end = m.end()
+        depth = 1
+        while depth:
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            end += 1
+        if text[end:end + 40].lstrip().startswith("{"):
+            return [p.strip() for p in text[start:end - 1].split(",")]
+        pos = end
+
+
+def _expected(param, options):
+    if "*" in param:
+        return "uint64"
+    if re.match(r"(const )?int\b", param):
+        return "int32"
+    if param.startswith("long long"):
+        return "int64"
+    double = param.startswith("double") or (param.startswith("acc_t") and "-DIK_DTYPE=3" in options)
+    return "float64" if double else "float32"
+
+
+def test_every_launch_matches_its_kernel_signature(launches):
+    distinct = {}
+    for label, ls in launches.items():
+        for L in ls:
+            distinct.setdefault((L["name"], tuple(L["options"])), []).append((label, L["args"]))
+    assert {n for n, _ in distinct} == set(FILES), "every kernel function was launched"
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        sigs = dict(zip(distinct, pool.map(lambda key: _signature(*key), distinct)))
+    bad = []
+    for (name, options), uses in distinct.items():
+        want = [_expected(p, options) for p in sigs[name, options]]
+        for label, args in uses:
+            # a pointer travels as a 64-bit integer or as a CuPy array (CuPy passes its pointer)
+            got = ["uint64" if a == "ndarray" else a for a in args]
+            if got != want:
+                bad.append(f"{label}: {name} takes {want}, got {args}")
+    assert not bad, "\n".join(bad[:10])
+
+
+def _one(launches, label, name):
+    got = [L for L in launches[label] if L["name"] == name]
+    assert got, f"{label}: no {name} launch"
+    return got[0]
+
+
+def _defines(L):
+    return dict(o[2:].split("=", 1) for o in L["options"] if o.startswith("-D"))
+
+
+def test_defaults_stay_at_the_tuned_shapes(launches):
+    v2 = _defines(_one(launches, "attention None bfloat16 128", "fa_v2"))
+    assert (v2["NUM_WARPS"], v2["BLOCK_K"]) == ("8", "64")
+    v1b = _defines(_one(launches, "attention None float32 128", "fa_v1b"))
+    assert (v1b["RM"], v1b["RN"]) == ("4", "4")                        # Br = Bc = 64
+    assert _one(launches, "attention None float64 128", "fa_v1")
+    dec = _one(launches, "decode None {} bfloat16 128 5", "decode_split_v3")
+    assert (_defines(dec)["NUM_WARPS"], _defines(dec)["STAGES"], _defines(dec)["FUSED"]) == ("8", "4", "1")
+    assert [L["name"] for L in launches["decode None {} bfloat16 128 5"]] == ["decode_split_v3"]   # fused: one launch
+    assert _one(launches, "decode None {} float16 59 5", "decode_split")      # rows not 16-byte chunks: v1
+    assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
+    assert _one(launches, "paged_decode None float16 128", "decode_split_v3")
