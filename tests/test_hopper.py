@@ -81,8 +81,9 @@ def test_sources_refuse_what_they_cannot_run(tmp_path):
 
 
 def test_every_kernel_file_is_a_source():
+    from iokernels.cupy_raw import launch
     on_disk = {p.stem for p in hp.KERNEL_DIR.glob("*.cu")}
-    assert on_disk == set(hp.SOURCES)
+    assert on_disk - set(launch.SOURCES) == set(hp.SOURCES)   # the portable kernels are launch's
     assert "#include" not in hp.source("fa_v5")          # headers inlined, each once
     assert hp.source("fa_v5").count("struct __align__(64) TmaMap") == 1
 

@@ -92,4 +92,8 @@ from .forward import attention, launch_attention, nonmatmul_budget, v2_registers
 from .decode import (decode, launch_decode, num_splits_heuristic, paged_decode,  # noqa: F401
                      paged_decode_pools)
 from .gather import gather_pools, launch_gather, paged_gather  # noqa: F401
+from .backward import attention_backward  # noqa: F401
+from . import hopper  # noqa: E402
+from .config import BackwardConfig  # noqa: F401
+hopper.register(REGISTRY)          # after the portable versions: ranks above them, on Hopper only
 from .sanitize import sanitize_cases  # noqa: F401

@@ -413,3 +413,72 @@ class GatherConfig:
 
     def replace(self, **changes) -> "GatherConfig":
         return replace(self, **changes)
+
+
+# =========================================================================== backward
+BACKWARD_VERSIONS = ("v1",)
+#: bwd_v1: keys per tile and query rows per tile, shrunk (Br first) until the static SRAM fits
+BWD_DEFAULT_BLOCK_K = 32
+BWD_DEFAULT_BLOCK_Q = 32
+#: lanes that share one key row (its dot products joined by warp shuffles)
+BWD_LANES_PER_KEY = 8
+#: static shared memory a block may declare without an opt-in, on every GPU
+STATIC_SMEM_BYTES = 48 * 1024
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """The CuPy backward (bwd_v1.cu): version "v1"; None: the default.
+
+    block_q (Br), block_k (Bc): Q-tile rows and K/V-tile keys (None: the largest that fit
+    48 KB of static SRAM, from 32 x 32); lanes_per_key: threads per key row (a power of two
+    up to 32); deterministic: dQ by per-tile partials summed in tile order (the same bits
+    every run) instead of atomic adds.
+    """
+
+    version: str | None = None
+    block_q: int | None = None
+    block_k: int | None = None
+    lanes_per_key: int | None = None
+    deterministic: bool = False
+
+    def __post_init__(self):
+        _version(self, BACKWARD_VERSIONS)
+        _positive(self, ("block_q", "block_k", "lanes_per_key"))
+        lpk = self.lanes_per_key
+        if lpk is not None and (lpk & (lpk - 1) or lpk > 32):
+            raise ValueError(f"config.lanes_per_key: a power of two up to 32, got {lpk}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"config.deterministic: True or False, got {self.deterministic!r}")
+
+    def replace(self, **changes) -> "BackwardConfig":
+        return replace(self, **changes)
+
+    @staticmethod
+    def smem_bytes(block_q: int, block_k: int, head_dim: int, dtype: str) -> int:
+        """Q_i, dO_i, K_j, dS_ij (padded a column), LSE_i, D_i in the accumulator type."""
+        acc = cv.accum_dtype(dtype).itemsize
+        return (2 * block_q * head_dim + block_k * head_dim + block_q * (block_k + 1) + 2 * block_q) * acc
+
+    def resolve(self, head_dim: int, dtype: str) -> "BackwardConfig":
+        """Concrete sizes: the given ones (checked), the largest defaults that fit otherwise."""
+        lpk = self.lanes_per_key or BWD_LANES_PER_KEY
+        bq, bk = self.block_q or BWD_DEFAULT_BLOCK_Q, self.block_k or BWD_DEFAULT_BLOCK_K
+        while self.smem_bytes(bq, bk, head_dim, dtype) > STATIC_SMEM_BYTES:
+            if self.block_q is None and bq > 8:
+                bq //= 2
+            elif self.block_k is None and bk > 8:
+                bk //= 2
+            else:
+                raise ValueError(f"config: Br={bq}, Bc={bk} at head_dim={head_dim} ({dtype}) need "
+                                 f"{self.smem_bytes(bq, bk, head_dim, dtype):,} B of SRAM, more than the "
+                                 f"{STATIC_SMEM_BYTES:,} B a block may declare")
+        if bk * lpk > 1024:
+            raise ValueError(f"config: block_k x lanes_per_key = {bk * lpk} threads, more than 1024")
+        return self.replace(version=self.version or "v1", block_q=bq, block_k=bk, lanes_per_key=lpk)
+
+    def defines(self, head_dim: int, dtype: str) -> dict:
+        from .launch import DTYPE_IDS
+        c = self.resolve(head_dim, dtype)
+        return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BR=c.block_q, BC=c.block_k,
+                    LPK=c.lanes_per_key, DETERMINISTIC=int(c.deterministic))

@@ -48,7 +48,7 @@ wgmma descriptors in ``hopper_common.cuh`` name.
 
 Scope: float16 and bfloat16; head_dim 64 and 128; causal (bottom-right) and windows, tiles no
 row can see skipped; GQA/MQA; Nq != Nk; any lengths; LSE returned (float32).  Nothing here
-touches a GPU at import; compiled kernels (``_MODULES``, keyed by kernel, defines and device) and
+touches a GPU at import; compiled kernels (in :mod:`.launch`'s cache, keyed by kernel, defines and device) and
 per-device facts (``_DEVICE``: compute capability, SRAM limit) are the only state this module
 holds.
 """
@@ -57,13 +57,13 @@ from __future__ import annotations
 import ctypes
 import math
 import pathlib
-import re
 from dataclasses import dataclass, replace as _dc_replace
 
 import numpy as np
 
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
+from . import launch
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
 #: kernel name -> file (each file holds one extern "C" kernel of that name)
@@ -75,7 +75,7 @@ HEAD_DIMS = (64, 128)
 DTYPE_IDS = {"float16": 1, "bfloat16": 2}
 #: the one compute capability these kernels are built for (sm_90a: wgmma, setmaxnreg)
 HOPPER_CC = 90
-NVRTC_OPTIONS = ("-std=c++17", "-arch=sm_90a")
+NVRTC_OPTIONS = ("-arch=sm_90a",)
 #: one swizzle panel: 128 bytes of 16-bit elements (the TMA box width and the wgmma swizzle)
 PANEL = 64
 #: every tile starts on a 1024-byte boundary (a 128-byte-swizzle atom); dynamic SRAM is only
@@ -101,7 +101,6 @@ GEMM_THREADS = 384
 #: the H100/H200 per-block SRAM limit after opting in (read off the device when there is one)
 FALLBACK_SMEM_OPTIN = 232448
 
-_MODULES: dict = {}
 _DEVICE: dict = {}
 
 
@@ -214,32 +213,12 @@ DEFAULT_VERSION = "v5"
 # --------------------------------------------------------------------------- compile
 def source(name: str) -> str:
     """The CUDA source of kernel ``name`` with its #include "...cuh" files inlined (each once)."""
-    seen = set()
-
-    def inline(text):
-        def sub(m):
-            inc = m.group(1)
-            if inc in seen:
-                return ""
-            seen.add(inc)
-            return inline((KERNEL_DIR / inc).read_text().replace("#pragma once", ""))
-        return re.sub(r'#include "([a-z_]+\.cuh)"', sub, text)
-
-    return inline((KERNEL_DIR / SOURCES[name]).read_text())
+    return launch.source(name, SOURCES)
 
 
 def _function(name: str, defines: dict, smem: int):
-    """Compile (once per defines and device) and return kernel ``name``."""
-    import cupy
-    dev = cupy.cuda.Device().id
-    key = (name, tuple(sorted(defines.items())), dev)
-    fn = _MODULES.get(key)
-    if fn is None:
-        opts = NVRTC_OPTIONS + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
-        fn = cupy.RawModule(code=source(name), options=opts).get_function(name)
-        fn.max_dynamic_shared_size_bytes = int(smem)       # above 48 KB a kernel must opt in
-        _MODULES[key] = fn
-    return fn
+    """Compile (once per defines and device, in :mod:`.launch`'s cache) and return kernel ``name``."""
+    return launch.function(name, name, defines, smem, options=NVRTC_OPTIONS, sources=SOURCES)
 
 
 def _smem_optin() -> int:

@@ -16,7 +16,8 @@ import re
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
 #: every kernel file, by name (tests/test_cupy_compile.py compiles each one for every arch)
 SOURCES = {"fa_v1": "fa_v1.cu", "fa_v1b": "fa_v1b.cu", "fa_v2": "fa_v2.cu", "decode": "decode.cu",
-           "decode_v2": "decode_v2.cu", "decode_v3": "decode_v3.cu", "paged_gather": "paged_gather.cu"}
+           "decode_v2": "decode_v2.cu", "decode_v3": "decode_v3.cu", "paged_gather": "paged_gather.cu",
+           "bwd_v1": "bwd_v1.cu"}
 #: -DIK_DTYPE values (common.cuh)
 DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 #: above this much dynamic shared memory a kernel must opt in to more (48 KB less the
@@ -56,22 +57,33 @@ def _device_info(dev_id: int) -> dict:
                 smem_optin=int(attrs.get("MaxSharedMemoryPerBlockOptin", attrs.get("MaxSharedMemoryPerBlock", 49152))))
 
 
-def source(name: str) -> str:
-    """The CUDA source of kernel file ``name`` with common.cuh inlined (what NVRTC compiles)."""
-    src = (KERNEL_DIR / SOURCES[name]).read_text()
-    common = (KERNEL_DIR / "common.cuh").read_text().replace("#pragma once", "")
-    return re.sub(r'#include "common\.cuh"', lambda _: common, src)
+def source(name: str, sources: dict | None = None) -> str:
+    """The CUDA source of kernel file ``name`` (a key of ``sources``, default :data:`SOURCES`)
+    with its ``#include "....cuh"`` files inlined, each once (what NVRTC compiles)."""
+    seen = set()
+
+    def inline(text):
+        def sub(m):
+            if m.group(1) in seen:
+                return ""
+            seen.add(m.group(1))
+            return inline((KERNEL_DIR / m.group(1)).read_text().replace("#pragma once", ""))
+        return re.sub(r'#include "([a-z_0-9]+\.cuh)"', sub, text)
+
+    return inline((KERNEL_DIR / (sources or SOURCES)[name]).read_text())
 
 
-def function(name: str, kernel: str, defines: dict, smem: int = 0):
-    """Compile (once) and return ``kernel`` from file ``name`` with ``defines``."""
+def function(name: str, kernel: str, defines: dict, smem: int = 0, *, options=(), sources=None):
+    """Compile (once) and return ``kernel`` from file ``name`` with ``defines``; ``options``:
+    more NVRTC flags (the Hopper kernels add ``-arch=sm_90a``), ``sources``: the file table
+    ``name`` is looked up in (default :data:`SOURCES`)."""
     cp = cupy()
     dev = cp.cuda.Device().id
-    key = (name, kernel, tuple(sorted(defines.items())), dev)
+    key = (name, kernel, tuple(sorted(defines.items())), tuple(options), dev)
     fn = _MODULES.get(key)
     if fn is None:
-        opts = ("-std=c++17",) + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
-        mod = cp.RawModule(code=source(name), options=opts)
+        opts = ("-std=c++17",) + tuple(options) + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
+        mod = cp.RawModule(code=source(name, sources), options=opts)
         fn = mod.get_function(kernel)
         if smem > OPT_IN_ABOVE_BYTES:
             fn.max_dynamic_shared_size_bytes = int(smem)

@@ -134,4 +134,15 @@ RANKS = {
     # decode v2 is v3 without its two additions: it is never the default
     ("decode", "v3"): 30, ("decode", "v1"): 10, ("decode", "v2"): 0,
     ("paged_gather", "v1"): 10,
+    ("attention_backward", "v1"): 10,
 }
+
+
+def check_backward_v1(n: Need) -> str | None:
+    if n.dtype not in ("float16", "bfloat16", "float32", "float64"):
+        return f"takes float16, bfloat16, float32 or float64, got {n.dtype}"
+    try:
+        C.BackwardConfig().resolve(n.head_dim, n.dtype)
+    except ValueError as e:
+        return str(e)
+    return _bf16_cc(n)

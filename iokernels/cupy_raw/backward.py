@@ -1,0 +1,91 @@
+"""FlashAttention-2's backward in CUDA C++: the launcher of bwd_v1.cu.
+
+Three kernels (see the header of ``kernels/bwd_v1.cu``): D_i = rowsum(dO_i * O_i); the main
+loop, one block per (K/V tile, KV head, sequence) with dK_j, dV_j in registers and S, P
+recomputed from the saved LSE; dQ from its float32 (float64) accumulator.  dQ is added with
+atomic adds (fast, last bits may differ run to run) or, with
+``BackwardConfig(deterministic=True)``, written as one partial per K/V tile and summed in
+tile order (the same bits every run).
+
+Notation as in :mod:`iokernels.backward`: Br, Bc, D_i, S_ij, P_ij, dP_ij, dS_ij.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core import conventions as cv
+from ..core.arrays import Call, device_array
+from .config import BackwardConfig
+from .launch import function, on_stream, unit_rows
+from .registry import REGISTRY, RANKS, check_backward_v1
+
+#: threads of the row-wise kernels (bwd_rowsum, bwd_finish); the .cu file's ROW_THREADS
+ROW_THREADS = 128
+
+
+def _zero(x):
+    """Zero a device buffer of the caller's library (the allocators hand out uninitialised memory)."""
+    if type(x).__module__.split(".")[0] == "torch":
+        x.zero_()
+    else:
+        x.fill(0)
+
+
+def _contiguous(x):
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.contiguous()
+    import cupy
+    return cupy.ascontiguousarray(x)
+
+
+@REGISTRY.register("attention_backward", "v1", config=BackwardConfig, check=check_backward_v1,
+                   default_rank=RANKS["attention_backward", "v1"],
+                   summary="FlashAttention-2's backward on CUDA cores: K/V tile per block, dK/dV in registers, "
+                           "P recomputed from LSE, dQ by atomic adds or deterministic per-tile partials")
+def attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config=None):
+    """(dq, dk, dv) of q's kind and dtype; dK, dV summed over each GQA group."""
+    info = cv.check_qkv(q, k, v)
+    dtype, d = info["dtype"], info["head_dim"]
+    B, Hq, Nq, Hkv, Nk = info["batch"], info["heads_q"], info["seqlen_q"], info["heads_kv"], info["seqlen_k"]
+    cfg = (config or BackwardConfig()).resolve(d, dtype)
+    defines = cfg.defines(d, dtype)
+    scale = cv.resolve_scale(scale, d)
+    left, right = cv.effective_window(bool(causal), window)
+    acc = cv.accum_dtype(dtype)
+    call = Call(q)
+    for name, x in (("do", do), ("k", k), ("v", v), ("o", o), ("lse", lse)):
+        call.check(x, name)
+    tiles = -(-Nk // cfg.block_k)
+    with on_stream(call.stream_ptr()):
+        qd, kd, vd, dod, od = (unit_rows(call.to_device(x, n)) for x, n in
+                               ((q, "q"), (k, "k"), (v, "v"), (do, "do"), (o, "o")))
+        lse_dev = call.to_device(lse, "lse")
+        lsed = device_array(lse_dev if device_array(lse_dev).c_contiguous() else _contiguous(lse_dev))
+        dq, dk, dv = (call.empty(s, dtype) for s in ((B, Hq, Nq, d), (B, Hkv, Nk, d), (B, Hkv, Nk, d)))
+        dvec = call.empty((B, Hq, Nq), acc.name)
+        dq_acc = call.empty(((tiles,) if cfg.deterministic else ()) + (B, Hq, Nq, d), acc.name)
+        _zero(dq_acc)
+        rows = B * Hq * Nq
+        if rows and d:
+            f = function("bwd_v1", "bwd_rowsum", defines)
+            f((-(-rows // ROW_THREADS),), (ROW_THREADS,),
+              (dod.arg, od.arg, device_array(dvec).arg, np.int32(rows), np.int32(Hq), np.int32(Nq),
+               *map(np.int64, dod.strides[:3]), *map(np.int64, od.strides[:3])))
+        if B * Hkv * Nk and d:
+            if rows == 0:
+                _zero(dk)
+                _zero(dv)
+            else:
+                f = function("bwd_v1", "bwd_main", defines)
+                f((tiles, Hkv, B), (cfg.block_k * cfg.lanes_per_key,),
+                  (qd.arg, kd.arg, vd.arg, dod.arg, lsed.arg, device_array(dvec).arg, device_array(dk).arg,
+                   device_array(dv).arg, device_array(dq_acc).arg, np.int32(Nq), np.int32(Nk), np.int32(Hq),
+                   np.int32(Hkv), *map(np.int64, qd.strides[:3]), *map(np.int64, kd.strides[:3]),
+                   *map(np.int64, vd.strides[:3]), *map(np.int64, dod.strides[:3]), acc.type(scale),
+                   np.int32(left), np.int32(right)))
+        if rows and d:
+            n = rows * d
+            f = function("bwd_v1", "bwd_finish", defines)
+            f((-(-n // ROW_THREADS),), (ROW_THREADS,), (device_array(dq_acc).arg, device_array(dq).arg,
+                                                        np.int64(n), np.int32(tiles)))
+    return call.finish(dq, dtype), call.finish(dk, dtype), call.finish(dv, dtype)
