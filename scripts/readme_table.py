@@ -126,7 +126,7 @@ def compare_table(rec) -> list[str]:
 
 
 #: the decode runner each family's public default is in the benchmark: Numba's default
-#: decode version (numba_cuda.decode_kernels.DEFAULT_VERSIONS) and CuPy's config-less row
+#: decode version (the highest-ranked decode in iokernels.numba_cuda.REGISTRY) and CuPy's config-less row
 DECODE_DEFAULTS = {"numba": "numba:v3", "cupy": "cupy:split"}
 
 

@@ -465,7 +465,21 @@ def _versions(backend) -> list:
     return [(backend, None)]
 
 
+#: the benchmark's op names -> the registry's (iokernels.core.registry.OPS)
+_REGISTRY_OPS = {"gather": "paged_gather"}
+
+
 def _expand_versions(backend, op, dtype):
+    import importlib
+    mod = {"numba": "iokernels.numba_cuda", "cupy": "iokernels.cupy_raw"}[backend]
+    try:
+        registry = getattr(importlib.import_module(mod), "REGISTRY", None)
+    except Exception:
+        registry = None
+    if registry is not None:          # a backend with a kernel registry: one row per version
+        kernels = registry.kernels(_REGISTRY_OPS.get(op, op))
+        if kernels:
+            return [(f"{backend}:{k.version}", k.config_class(version=k.version)) for k in kernels]
     out = []
     for name, cfg in _versions(backend):
         if name == "bench_versions":
