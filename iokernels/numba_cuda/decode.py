@@ -56,14 +56,16 @@ The versions of the split kernel (``DecodeConfig(version=...)``):
 Host side of a call: every buffer (O, LSE, O_s, LSE_s) comes from the caller's library
 through :class:`iokernels.core.arrays.Call` (torch's caching allocator for a torch caller),
 the block table and lengths are uploaded once and reused while their content is unchanged,
-and the kernels launch on the caller's stream; no Numba allocation, copy or host
-synchronisation is made on a repeated call from a torch or CuPy caller (a Numba allocation
-would go around the caching allocator, and Numba's deferred frees, once enough are pending,
-flush with a device synchronisation inside the caller's timed region).  What such a call
-does cost is host time in Python: argument wrapping, the split-count heuristic (cached
-per shape) and two kernel launches with a dozen arguments each.  A benchmark that queues
-less launch slack than that host time times the host, not the kernel, and then the same
-kernel can look fast in one run and slow in the next.
+and the kernels launch on the caller's stream.  A repeated call from a torch or CuPy caller
+makes no Numba allocation (which would go around the caching allocator, and whose deferred
+frees, once enough are pending, flush with a device synchronisation), no host-device copy
+and no synchronisation.  Profiled on a GPU, the split and combine kernels of one call take
+a small fraction of the time a benchmark once reported for it: the rest was the call's
+Python host time (wrapping the caller's arrays, the split-count heuristic, two launches of
+a dozen arguments each), which had grown past the launch slack the timer queues ahead of
+the call, so the timer counted the GPU waiting for the host, more in one run than the
+next.  The split count is now cached per shape; a benchmark that wants the kernel's time
+must queue more slack than the call's host time (or replay a captured graph).
 
 Counted traffic (simulator, :mod:`.counting`) equals ``traffic.model("decode")`` /
 ``("paged_decode")`` of the NumPy versions; the device kernels also read ``seq_lens`` (one
