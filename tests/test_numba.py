@@ -88,7 +88,7 @@ def test_forward_low_precision_two_x_rule(rng, dtype):
 
 
 def test_forward_default_config_and_device_arrays(rng):
-    """The default (v3, Br=64) on a ragged problem; Numba device arrays in -> device arrays out."""
+    """The default (v4, Br=64) on a ragged problem; Numba device arrays in -> device arrays out."""
     from numba import cuda
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=1, seqlen_q=5, seqlen_k=6, head_dim=3,
                                   dtype="float32")
@@ -118,7 +118,7 @@ def test_counted_traffic_equals_fa2_model(rng, version, causal, window):
 
 @sim_only
 def test_forward_v4_float64_oracle_and_counted_traffic(rng):
-    """v4 (2-key steps) in one simulated run: GQA, Nq > Nk causal (the top rows fully masked:
+    """v4 (4-key steps) in one simulated run: GQA, Nq > Nk causal (the top rows fully masked:
     O = 0, LSE = -inf) against the float64 oracle, and its traffic == the fa2 model."""
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=4, heads_kv=2, seqlen_q=19, seqlen_k=13,
                                   head_dim=7, dtype="float64")
@@ -514,11 +514,13 @@ def test_v3_allreduce_plan_counts_shuffles():
 
 
 def test_bench_sweep_cases_build_on_the_simulator():
-    from iokernels.bench.sweeps_numba import run_sweep
+    from iokernels.bench.sweeps_numba import SWEEPS, run_sweep
     rows = run_sweep("decode_gather", tiny=True)
     names = {r["name"] for r in rows}
     assert {"numba v3 S=None", "numba v3 paged S=None", "numba gather v3"} <= names
     assert all(r["max_err"] < 1e-2 for r in rows if "max_err" in r), rows
+    rows = run_sweep("forward", tiny=True)               # float32: every tiling near the oracle
+    assert len(rows) == len(SWEEPS["forward"].rows) and all(r["max_err"] < 1e-5 for r in rows), rows
 
 
 def test_v3_contiguity_check():

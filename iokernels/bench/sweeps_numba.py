@@ -173,7 +173,8 @@ def run_sweep(name, *, tiny=False, out_path=None, reps=20, seed=0):
     if sweep is FORWARD:
         work, unit = 4.0 * s["B"] * s["H"] * s["N"] ** 2 * s["d"], "tflops"
         refs = {"attention": reference.attention(x["q"], x["k"], x["v"])[0] if tiny else None}
-        baselines = {"sdpa EFFICIENT_ATTENTION": lambda: _sdpa(x["q"], x["k"], x["v"], "EFFICIENT_ATTENTION")}
+        baselines = {} if tiny else {
+            "sdpa EFFICIENT_ATTENTION": lambda: _sdpa(x["q"], x["k"], x["v"], "EFFICIENT_ATTENTION")}
     else:
         itemsize = np.dtype(sweep.dtype).itemsize
         work = {"decode": 2.0 * s["B"] * s["Hkv"] * s["N"] * s["d"] * itemsize,

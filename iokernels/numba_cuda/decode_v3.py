@@ -229,7 +229,7 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
 
 
 def split_v3_tiling(head_dim: int, dtype: str, word_name: str, config=None):
-    """(L, KPI, KG) for version 3: the config's values or the defaults, with fewer lanes when a
+    """(L, KPI, KG) for v3: the config's values or the defaults, with fewer lanes when a
     row has fewer words than lanes."""
     L = (config.lanes_per_key if config is not None else None) or LANES_PER_KEY_V3
     KPI = (config.keys_per_iter if config is not None else None) or KEYS_PER_ITER_V3
