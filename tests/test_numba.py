@@ -550,8 +550,11 @@ def test_default_versions_per_operation_and_the_strided_fallback(rng):
     q, k, v = _decode_inputs(rng, 2, 4, 2, 30, 5, np.float64)
     R = nc.REGISTRY
     assert R.resolve("decode", None, nc.need("decode", q=q, k=k, v=v))[1] == DecodeConfig(version="v3")
-    strided = nc.need("decode", q=q, k=k[:, :, :21], v=v[:, :, :21])
+    from numba import cuda
+    kd_, vd_ = cuda.to_device(k), cuda.to_device(v)
+    strided = nc.need("decode", q=q, k=kd_[:, :, :21], v=vd_[:, :, :21])
     assert not strided.contiguous and R.resolve("decode", DecodeConfig(), strided)[1].version == "v1"
+    assert nc.need("decode", q=q, k=k[:, :, :21], v=v[:, :, :21]).contiguous   # NumPy: copied contiguous
     kern, cfg = R.resolve("decode", DecodeConfig(lanes_per_key=2), nc.need("decode", q=q, k=k, v=v))
     assert cfg == DecodeConfig(version="v3", lanes_per_key=2)          # the fields the caller set stay
     cache, sids = _cache(rng, [5])
@@ -599,10 +602,11 @@ def test_registry_lists_every_version_with_a_reason_when_it_cannot_run(rng):
         assert "bfloat16" in kern.unavailable(bf16)
     with pytest.raises(ValueError, match="bfloat16"):
         R.resolve("attention", None, bf16)
+    from numba import cuda
     with pytest.raises(ValueError, match="k, v"):
         R.resolve("decode", DecodeConfig(version="v3"),
-                  nc.need("decode", q=np.zeros((1, 2, 4)), k=np.zeros((1, 1, 9, 4))[:, :, ::2],
-                          v=np.zeros((1, 1, 5, 4))))
+                  nc.need("decode", q=np.zeros((1, 2, 4)), k=cuda.to_device(np.zeros((1, 2, 9, 4)))[:, :, :5],
+                          v=cuda.to_device(np.zeros((1, 2, 5, 4)))))
     with pytest.raises(ValueError, match="config"):                  # another op's config class
         R.resolve("decode", ForwardConfig(), nc.need("decode", q=np.zeros((1, 2, 4)), k=np.zeros((1, 1, 9, 4)),
                                                      v=np.zeros((1, 1, 9, 4))))

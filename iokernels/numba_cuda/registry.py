@@ -21,6 +21,8 @@ runs it) and says so.  The module-level :func:`attention`, :func:`decode`,
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..core import conventions as cv
 from ..core.registry import Need, Registry
 from .decode import decode as _decode_launcher, paged_decode as _paged_launcher
@@ -46,7 +48,7 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
         hkv = None
         if k is not None and op in ("decode", "paged_decode"):
             hkv = int(k.shape[2] if op == "paged_decode" else k.shape[1])
-        contiguous = all(ln.c_contiguous(a) for a in (k, v) if a is not None)
+        contiguous = all(isinstance(a, np.ndarray) or ln.c_contiguous(a) for a in (k, v) if a is not None)
     extra = {}
     if q is not None and hkv:
         extra["group"] = max(1, int(q.shape[1]) // hkv)
