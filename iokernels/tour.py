@@ -77,7 +77,7 @@ SMALL = Problem(heads_q=2, heads_kv=1, seqlen_q=72, seqlen_k=100, head_dim=32, d
 #: the Numba simulator runs every GPU thread in Python: keep it tiny.
 SIMULATOR = Problem(heads_q=2, heads_kv=1, seqlen_q=12, seqlen_k=20, head_dim=8, decode_lens=(20, 9))
 #: the Numba kernel version the tour runs on the simulator (on a GPU: the backend's default)
-SIMULATOR_NUMBA_VERSION = 2
+SIMULATOR_NUMBA_VERSION = "v2"
 
 
 @dataclass
@@ -275,7 +275,7 @@ def _numba_status() -> tuple[bool, str]:
         import iokernels.numba_cuda  # noqa: F401
     except Exception as e:  # ImportError, or numba-cuda failing to find a driver
         return False, f"iokernels.numba_cuda cannot load here ({type(e).__name__}: {e})"
-    return True, f"simulator, v{SIMULATOR_NUMBA_VERSION}, tiny size" if gpu.simulator_enabled() else "GPU"
+    return True, f"simulator, {SIMULATOR_NUMBA_VERSION}, tiny size" if gpu.simulator_enabled() else "GPU"
 
 
 def _cupy_status() -> tuple[bool, str]:
@@ -344,8 +344,8 @@ def _steps(case: _Case, small_case):
             if backend == "numba" and simulated:
                 # v2 (K/V tiles in shared memory, one thread per row): the simulator runs it in
                 # well under a second; v3's warp shuffles take tens of seconds there.
-                from .numba_cuda import NumbaConfig
-                config = NumbaConfig(version=SIMULATOR_NUMBA_VERSION)
+                from .numba_cuda import ForwardConfig
+                config = ForwardConfig(version=SIMULATOR_NUMBA_VERSION)
             convert = _torch_cuda if backend == "torch" and note == "CUDA" else None
             row = _forward(c, backend, config=config, convert=convert)
             row.note = note if c is case else f"{note}: {c.p.describe().split(';')[0]}"

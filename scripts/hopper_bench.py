@@ -87,7 +87,7 @@ def _runners(causal, versions=VERSIONS, variants=True):
         configs.update({name: kw for name, kw in VARIANTS.items() if kw["version"] in versions})
     out = {name: (lambda q, k, v, _kw=kw: hp.attention(q, k, v, causal=causal, config=hp.HopperConfig(**_kw)))
            for name, kw in configs.items()}
-    out["v2 (Ampere)"] = lambda q, k, v: cr.attention(q, k, v, causal=causal, config=cr.CupyConfig(version="v2"))
+    out["v2 (Ampere)"] = lambda q, k, v: cr.attention(q, k, v, causal=causal, config=cr.ForwardConfig(version="v2"))
     out["SDPA flash"] = sdpa("flash")
     out["SDPA cudnn"] = sdpa("cudnn")
     return out

@@ -3,6 +3,8 @@ oracle, traffic counted by running the kernels against the NumPy versions' model
 
 Sizes are tiny on purpose: the simulator runs every thread as a Python thread.
 """
+import importlib
+
 import numpy as np
 import pytest
 
@@ -18,14 +20,14 @@ pytestmark = pytest.mark.skipif(not gpu.simulator_enabled() and not gpu.has_gpu(
 sim_only = pytest.mark.skipif(not gpu.simulator_enabled(), reason="counted traffic needs Numba's CUDA simulator")
 
 nc = pytest.importorskip("iokernels.numba_cuda")
-from iokernels.numba_cuda import NumbaConfig, counting  # noqa: E402
+from iokernels.numba_cuda import ForwardConfig, GatherConfig, counting  # noqa: E402
 from iokernels.paged import PagedKVCache  # noqa: E402
 
 #: small tiles so that tiny problems still have ragged tiles, several tiles, and skipped ones
-TINY = {1: NumbaConfig(version=1, block_q=8, block_k=8),
-        2: NumbaConfig(version=2, block_q=8, block_k=8),
-        3: NumbaConfig(version=3, block_q=8, block_k=8, threads_per_row=4, rows_per_thread=2),
-        4: NumbaConfig(version=4, block_q=8, block_k=8, threads_per_row=4, rows_per_thread=2)}
+TINY = {1: ForwardConfig(version="v1", block_q=8, block_k=8),
+        2: ForwardConfig(version="v2", block_q=8, block_k=8),
+        3: ForwardConfig(version="v3", block_q=8, block_k=8, threads_per_row=4, rows_per_thread=2),
+        4: ForwardConfig(version="v4", block_q=8, block_k=8, threads_per_row=4, rows_per_thread=2)}
 
 
 def _masked_rows(Nq, Nk, causal, window):
@@ -58,7 +60,7 @@ def test_forward_step_keys_and_batched_sums_float64(rng, step_keys, batched):
     testing.assert_close(o, ro)
     testing.assert_close(lse, rl, name="lse")
     with pytest.raises(ValueError, match="step_keys"):
-        NumbaConfig(version=4, step_keys=0)
+        ForwardConfig(version="v4", step_keys=0)
 
 
 @pytest.mark.parametrize("version", [2, 3])
@@ -86,7 +88,7 @@ def test_forward_low_precision_two_x_rule(rng, dtype):
 
 
 def test_forward_default_config_and_device_arrays(rng):
-    """The default (v3, Br=64) on a ragged problem; Numba device arrays in -> device arrays out."""
+    """The default (v4, Br=64) on a ragged problem; Numba device arrays in -> device arrays out."""
     from numba import cuda
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=1, seqlen_q=5, seqlen_k=6, head_dim=3,
                                   dtype="float32")
@@ -116,7 +118,7 @@ def test_counted_traffic_equals_fa2_model(rng, version, causal, window):
 
 @sim_only
 def test_forward_v4_float64_oracle_and_counted_traffic(rng):
-    """v4 (2-key steps) in one simulated run: GQA, Nq > Nk causal (the top rows fully masked:
+    """v4 (4-key steps) in one simulated run: GQA, Nq > Nk causal (the top rows fully masked:
     O = 0, LSE = -inf) against the float64 oracle, and its traffic == the fa2 model."""
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=4, heads_kv=2, seqlen_q=19, seqlen_k=13,
                                   head_dim=7, dtype="float64")
@@ -234,17 +236,17 @@ def test_paged_gather_equals_numpy_and_model(rng):
 def test_bad_inputs_raise_value_errors_naming_the_argument(rng):
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=1, seqlen_q=4, head_dim=128, dtype="float64")
     with pytest.raises(ValueError, match="config"):   # 2 x 64 x 128 x 8 B = 128 KiB > 48 KiB
-        ik.attention(q, k, v, backend="numba", config=NumbaConfig(version=2, block_k=64))
+        ik.attention(q, k, v, backend="numba", config=ForwardConfig(version="v2", block_k=64))
     with pytest.raises(ValueError, match="config"):
         ik.attention(q, k, v, backend="numba", config=TileConfig())
     with pytest.raises(ValueError, match="config"):
-        NumbaConfig(version=5)
+        ForwardConfig(version="v5")
     with pytest.raises(ValueError, match="block_k"):   # v4 steps over keys 4 at a time
-        ik.attention(q, k, v, backend="numba", config=NumbaConfig(version=4, block_k=6))
+        ik.attention(q, k, v, backend="numba", config=ForwardConfig(version="v4", block_k=6))
     with pytest.raises(ValueError, match="config"):
-        NumbaConfig(version=3, buggy_skip_sync=True)
+        ForwardConfig(version="v3", buggy_skip_sync=True)
     with pytest.raises(ValueError, match="threads_per_row"):
-        NumbaConfig(threads_per_row=3)
+        ForwardConfig(threads_per_row=3)
     with pytest.raises(ValueError, match="q"):
         nc.attention(q.astype(np.int32), k, v)
     from numba import cuda
@@ -267,11 +269,11 @@ def test_buggy_skip_sync_is_a_v2_flag_and_still_runs(rng):
 
 # --------------------------------------------------------------------------- decode / gather v2
 from iokernels.numba_cuda import DecodeConfig  # noqa: E402
-from iokernels.numba_cuda import decode_kernels as dk  # noqa: E402
+dk = importlib.import_module("iokernels.numba_cuda.decode")  # the module (nc.decode is the function)
 
-V2 = DecodeConfig(version=2)
+V2 = DecodeConfig(version="v2")
 #: two lanes a key, two keys in flight: 16-thread blocks, quick on the simulator
-V2_SMALL = DecodeConfig(version=2, lanes_per_key=2, keys_per_iter=2)
+V2_SMALL = DecodeConfig(version="v2", lanes_per_key=2, keys_per_iter=2)
 
 
 @pytest.mark.parametrize("dtype,d,cfg,S", [("float64", 5, V2, 2), ("float16", 12, V2, 1),
@@ -334,86 +336,57 @@ def test_paged_decode_v2_matches_oracle_and_model(rng):
     assert got == model.as_dict()
 
 
-@pytest.mark.parametrize("dtype,d", [("float16", 8), ("float16", 7), ("float32", 5)])
-def test_gather_v2_equals_numpy(rng, dtype, d):
-    cache, sids = _cache(rng, [11, 6, 0], dtype=np.dtype(dtype).type, d=d)
-    for sid in sids:
-        kg, vg = nc.paged_gather(cache, sid, config=V2)
-        kn, vn = cache.gather(sid)
-        assert kg.shape == kn.shape
-        np.testing.assert_array_equal(kg, kn)
-        np.testing.assert_array_equal(vg, vn)
-
-
-@sim_only
-@pytest.mark.parametrize("parts", [1, 3])
-def test_gather_v2_counted_traffic(rng, parts):
-    """P = 1: exactly the model; P parts a block: each part reads the table entry once."""
-    cache, sids = _cache(rng, [11, 6], dtype=np.float16, d=8)
-    kc, vc, counted = counting.count_gather_v2(cache, sids[0], parts=parts)
-    kn, vn = cache.gather(sids[0])
-    np.testing.assert_array_equal(kc, kn)
-    np.testing.assert_array_equal(vc, vn)
-    model = traffic.model("paged_gather", seq_len=11, heads_kv=2, head_dim=8, block_size=4,
-                          dtype="float16").as_dict()
-    model["block_table"] = (model["block_table"][0] * parts, 0)
-    assert counted.as_dict() == model
-
-
-def test_gather_v2_plan_fills_the_gpu_and_covers_every_word():
-    from iokernels.numba_cuda.decode_v2 import GATHER2_BLOCKS_PER_SM, gather_v2_plan
-    for nblk, words in [(256, 4096), (8192, 4096), (3, 37), (1, 1)]:
-        grid, parts, part_words = gather_v2_plan(nblk, words, 132)
-        assert parts * part_words >= words and (parts - 1) * part_words < words
-        assert 1 <= grid <= 132 * GATHER2_BLOCKS_PER_SM
-    assert gather_v2_plan(8192, 4096, 132)[1] == 1       # enough blocks: one table read each
-    assert gather_v2_plan(256, 4096, 132)[1] > 1          # few blocks: cut into parts
-
-
 def test_v2_word_views_need_alignment_and_whole_words(rng):
     """Misaligned (a 2-byte offset) or 14-byte rows fall back to one element a word."""
     k = rng.standard_normal((1, 2, 5, 8)).astype(np.float16)
-    assert dk._kv_words(k, k, 8, "float16")[2] == "uint64"
+    assert dk.kv_words(k, k, 8, "float16")[2] == "uint64"
     buf = np.empty(k.size + 1, np.float16)[1:].reshape(k.shape)
     buf[...] = k
-    assert dk._kv_words(buf, buf, 8, "float16")[2] == "float16"
+    assert dk.kv_words(buf, buf, 8, "float16")[2] == "float16"
     k7 = rng.standard_normal((1, 2, 5, 7)).astype(np.float16)
-    assert dk._kv_words(k7, k7, 7, "float16")[2] == "float16"
+    assert dk.kv_words(k7, k7, 7, "float16")[2] == "float16"
 
 
 def test_decode_config_errors():
     with pytest.raises(ValueError, match="config"):
-        DecodeConfig(version=4)
+        DecodeConfig(version="v4")
     with pytest.raises(ValueError, match="key_groups"):
-        DecodeConfig(version=3, key_groups=0)
-    with pytest.raises(ValueError, match="version 3"):
-        DecodeConfig(version=2, gather_unroll=4)
+        DecodeConfig(version="v3", key_groups=0)
+    with pytest.raises(ValueError, match="key_groups"):
+        DecodeConfig(version="v2", key_groups=4)
+    with pytest.raises(ValueError, match="config.version"):
+        DecodeConfig(version=3)                          # versions are strings
+    with pytest.raises(ValueError, match="config.unroll"):
+        GatherConfig(version="v1", unroll=4)
+    with pytest.raises(ValueError, match="config.version"):
+        GatherConfig(version="v2")                       # the gathers are v1 and v3
     with pytest.raises(ValueError, match="lanes_per_key"):
-        DecodeConfig(version=2, lanes_per_key=3)
+        DecodeConfig(version="v2", lanes_per_key=3)
     with pytest.raises(ValueError, match="keys_per_iter"):
-        DecodeConfig(version=2, keys_per_iter=0)
+        DecodeConfig(version="v2", keys_per_iter=0)
     qd = np.ones((1, 2, 4), np.float32)
     kd = np.ones((1, 1, 30, 4), np.float32)
     with pytest.raises(ValueError, match="config"):
-        nc.decode(qd, kd, kd, config=NumbaConfig())
+        nc.decode(qd, kd, kd, config=ForwardConfig())
 
 
 # --------------------------------------------------------------------------- decode / gather v3
-from iokernels.numba_cuda import decode_v3 as d3  # noqa: E402
+from iokernels.numba_cuda import device as dv  # noqa: E402
+from iokernels.numba_cuda import launch as ln  # noqa: E402
 
 #: small tilings, quick on the simulator, that take each path of the lane all-reduce:
 #: R = KPI * g values over L lanes with R > L (halvings only), R < L (halvings, then plain
 #: butterfly steps), and R = L
-V3_SMALL = DecodeConfig(version=3, lanes_per_key=2, keys_per_iter=2, key_groups=2)
-V3_R_LT_L = DecodeConfig(version=3, lanes_per_key=4, keys_per_iter=1, key_groups=2)
-V3_R_EQ_L = DecodeConfig(version=3, lanes_per_key=4, keys_per_iter=2, key_groups=3)
+V3_SMALL = DecodeConfig(version="v3", lanes_per_key=2, keys_per_iter=2, key_groups=2)
+V3_R_LT_L = DecodeConfig(version="v3", lanes_per_key=4, keys_per_iter=1, key_groups=2)
+V3_R_EQ_L = DecodeConfig(version="v3", lanes_per_key=4, keys_per_iter=2, key_groups=3)
 
 
 @pytest.mark.parametrize("dtype,d,Hq,cfg,S", [
     ("float64", 5, 4, V3_SMALL, 2),          # one element a word; R = 4 > L = 2
     ("float64", 9, 6, V3_R_EQ_L, 1),         # g = 3: R = 6 padded to 8 > L = 4
     ("float64", 7, 2, V3_R_LT_L, 3),         # g = 1: R = 1 < L = 4: plain butterflies
-    ("float16", 12, 4, DecodeConfig(version=3), 1),   # 8-byte words (3 a row), the defaults
+    ("float16", 12, 4, DecodeConfig(version="v3"), 1),   # 8-byte words (3 a row), the defaults
     ("float32", 6, 4, V3_R_EQ_L, 2)])        # 8-byte words of 2 floats
 def test_decode_v3_ragged_gqa_matches_oracle(rng, dtype, d, Hq, cfg, S):
     q, k, v = _decode_inputs(rng, 3, Hq, 2, 37, d, dtype)
@@ -436,7 +409,7 @@ def test_decode_v3_words_counted_traffic_equals_model(rng):
     """K and V read once, as 8-byte words, the prefetch past the last key reading nothing."""
     q, k, v = _decode_inputs(rng, 2, 4, 1, 40, 8, np.float16)
     lens = np.array([40, 17])
-    o, lse, counted = d3.count_decode_v3(q, k, v, seq_lens=lens, num_splits=2, config=V3_SMALL)
+    o, lse, counted = counting.count_decode(q, k, v, seq_lens=lens, num_splits=2, config=V3_SMALL)
     ro, rl = reference.decode(q, k, v, seq_lens=lens)
     bo, bl = ik.decode(q, k, v, seq_lens=lens, backend="naive", return_lse=True)
     testing.assert_close(o, ro, bo)
@@ -480,7 +453,7 @@ def test_paged_decode_v3_matches_oracle_and_model(rng):
         kk[b, :, :lens[b]], vv[b, :, :lens[b]] = kg, vg
     ro, rl = reference.decode(q, kk, vv, seq_lens=lens)
     bo, bl = ik.decode(q, kk, vv, seq_lens=np.array(lens), backend="naive", return_lse=True)
-    o, lse, counted = d3.count_paged_decode_v3(q, cache, sids, num_splits=2, config=V3_SMALL)
+    o, lse, counted = counting.count_paged_decode(q, cache, sids, num_splits=2, config=V3_SMALL)
     testing.assert_close(o, ro, bo, masked_rows=(np.array(lens) == 0)[:, None, None])
     testing.assert_close(lse, rl, bl, name="lse")
     model = traffic.model("paged_decode", batch=3, heads_q=4, heads_kv=2, head_dim=8, seq_lens=lens,
@@ -510,7 +483,7 @@ def test_gather_v3_equals_numpy(rng, dtype, d):
     """8-byte words (float16 d=8), elements (float16 d=7: 14-byte rows), float64."""
     cache, sids = _shuffled_cache(rng, [11, 6, 0], 2, d, np.dtype(dtype).type)
     for sid in sids:
-        kg, vg = nc.paged_gather(cache, sid, config=DecodeConfig(version=3, gather_unroll=2))
+        kg, vg = nc.paged_gather(cache, sid, config=GatherConfig(version="v3", unroll=2))
         kn, vn = cache.gather(sid)
         assert kg.shape == kn.shape
         np.testing.assert_array_equal(kg, kn)
@@ -521,7 +494,7 @@ def test_gather_v3_equals_numpy(rng, dtype, d):
 def test_gather_v3_counted_traffic_equals_model(rng):
     """One table read per pool block, every valid word read and written once."""
     cache, sids = _shuffled_cache(rng, [11, 6], 2, 8, np.float16)
-    kc, vc, counted = d3.count_gather_v3(cache, sids[0])
+    kc, vc, counted = counting.count_gather(cache, sids[0], config=GatherConfig(version="v3"))
     kn, vn = cache.gather(sids[0])
     np.testing.assert_array_equal(kc, kn)
     np.testing.assert_array_equal(vc, vn)
@@ -532,20 +505,22 @@ def test_gather_v3_counted_traffic_equals_model(rng):
 def test_v3_allreduce_plan_counts_shuffles():
     """2 (RP - 1) shuffles when RP >= L (v2's butterflies: RP log2 L); plain steps once a
     lane is down to one value."""
-    assert d3.allreduce_shuffles(16, 16) == 30 and 16 * 4 == 64
-    assert d3.allreduce_shuffles(32, 32) == 62
-    assert d3.allreduce_shuffles(2, 8) == 2 * 4
-    assert d3.allreduce_plan(4, 1) == ([], [2, 1])
-    assert d3.allreduce_plan(16, 4) == ([(8, 2), (4, 1)], [2, 1])
-    assert d3.allreduce_shuffles(16, 4) == 2 * 3 + 2
+    assert dv.allreduce_shuffles(16, 16) == 30 and 16 * 4 == 64
+    assert dv.allreduce_shuffles(32, 32) == 62
+    assert dv.allreduce_shuffles(2, 8) == 2 * 4
+    assert dv.allreduce_plan(4, 1) == ([], [2, 1])
+    assert dv.allreduce_plan(16, 4) == ([(8, 2), (4, 1)], [2, 1])
+    assert dv.allreduce_shuffles(16, 4) == 2 * 3 + 2
 
 
 def test_bench_sweep_cases_build_on_the_simulator():
-    from iokernels.numba_cuda.bench_gpu import sweep_decode_gather
-    rows = sweep_decode_gather(tiny=True)
+    from iokernels.bench.sweeps_numba import SWEEPS, run_sweep
+    rows = run_sweep("decode_gather", tiny=True)
     names = {r["name"] for r in rows}
     assert {"numba v3 S=None", "numba v3 paged S=None", "numba gather v3"} <= names
     assert all(r["max_err"] < 1e-2 for r in rows if "max_err" in r), rows
+    rows = run_sweep("forward", tiny=True)               # float32: every tiling near the oracle
+    assert len(rows) == len(SWEEPS["forward"].rows) and all(r["max_err"] < 1e-5 for r in rows), rows
 
 
 def test_v3_contiguity_check():
@@ -563,19 +538,28 @@ def test_v3_contiguity_check():
         def is_c_contiguous(self):
             return self.c
     base = np.zeros((1, 2, 24, 4), np.float32)
-    assert d3.c_contiguous(Sim(base)) and not d3.c_contiguous(Sim(base[:, :, :12]))
-    assert d3.c_contiguous(Dev(True)) and not d3.c_contiguous(Dev(False))
-    assert d3.c_contiguous(base) and not d3.c_contiguous(base[:, :, :12])
+    assert ln.c_contiguous(Sim(base)) and not ln.c_contiguous(Sim(base[:, :, :12]))
+    assert ln.c_contiguous(Dev(True)) and not ln.c_contiguous(Dev(False))
+    assert ln.c_contiguous(base) and not ln.c_contiguous(base[:, :, :12])
 
 
 def test_default_versions_per_operation_and_the_strided_fallback(rng):
-    """A config without a version runs the fastest measured kernel for the call (decode:
-    version 3, gather: version 1); on a strided cache the default decode runs version 1 (v3
-    reads flat views) while an explicit version 3 refuses it by name."""
-    from iokernels.numba_cuda.decode_kernels import DEFAULT_VERSIONS, resolve_decode_config
-    assert resolve_decode_config(None).version == DEFAULT_VERSIONS["decode"] == 3
-    assert resolve_decode_config(DecodeConfig(), "gather").version == DEFAULT_VERSIONS["gather"] == 1
-    assert resolve_decode_config(DecodeConfig(version=2), "gather").version == 2
+    """A config without a version runs the registry's default for the call (decode: v3 on
+    C-contiguous K/V, gather: v1); on a strided cache the default decode runs v1 (v3 reads
+    flat views) while an explicit v3 refuses it by name."""
+    q, k, v = _decode_inputs(rng, 2, 4, 2, 30, 5, np.float64)
+    R = nc.REGISTRY
+    assert R.resolve("decode", None, nc.need("decode", q=q, k=k, v=v))[1] == DecodeConfig(version="v3")
+    from numba import cuda
+    kd_, vd_ = cuda.to_device(k), cuda.to_device(v)
+    strided = nc.need("decode", q=q, k=kd_[:, :, :21], v=vd_[:, :, :21])
+    assert not strided.contiguous and R.resolve("decode", DecodeConfig(), strided)[1].version == "v1"
+    assert nc.need("decode", q=q, k=k[:, :, :21], v=v[:, :, :21]).contiguous   # NumPy: copied contiguous
+    kern, cfg = R.resolve("decode", DecodeConfig(lanes_per_key=2), nc.need("decode", q=q, k=k, v=v))
+    assert cfg == DecodeConfig(version="v3", lanes_per_key=2)          # the fields the caller set stay
+    cache, sids = _cache(rng, [5])
+    assert R.resolve("paged_gather", None, nc.need("paged_gather", cache=cache))[1] == GatherConfig(version="v1")
+    assert R.resolve("attention", None, nc.need("attention", q=q[:, :, None], k=k, v=v))[1].version == "v4"
     from numba import cuda
     q, k, v = _decode_inputs(rng, 2, 4, 2, 30, 5, np.float64)
     qd, kd, vd = cuda.to_device(q), cuda.to_device(k), cuda.to_device(v)
@@ -587,11 +571,11 @@ def test_default_versions_per_operation_and_the_strided_fallback(rng):
     testing.assert_close(o.copy_to_host(), ro)
     testing.assert_close(lse.copy_to_host(), rl, name="lse")
     with pytest.raises(ValueError, match="k, v"):
-        nc.decode(qd, ks, vs, seq_lens=lens, config=DecodeConfig(version=3))
+        nc.decode(qd, ks, vs, seq_lens=lens, config=DecodeConfig(version="v3"))
 
 
 def test_even_splits_give_every_split_the_same_tiles():
-    from iokernels.numba_cuda.decode_kernels import EVEN_SPLIT_SLACK, MAX_SPLITS, default_num_splits, even_splits
+    from iokernels.numba_cuda.decode import EVEN_SPLIT_SLACK, MAX_SPLITS, default_num_splits, even_splits
     for s0 in (1, 5, 37, 56, 100, 128):
         for tiles in (1, 13, 64, 1000, 2048, 4099):
             s = even_splits(s0, tiles)
@@ -602,5 +586,120 @@ def test_even_splits_give_every_split_the_same_tiles():
                       and abs(t - s0) <= EVEN_SPLIT_SLACK * s0]
             assert not nearer or tiles % s0 == 0
     assert default_num_splits(1, 8, 32768, 16) == 64     # 56 by occupancy, 64 divides 2048 tiles
-    v1 = default_num_splits(1, 8, 32768, 16, DecodeConfig(version=1))
+    v1 = default_num_splits(1, 8, 32768, 16, "v1")
     assert v1 != 64 or 2048 % v1 == 0
+
+
+# --------------------------------------------------------------------------- registry, defaults, host side
+def test_registry_lists_every_version_with_a_reason_when_it_cannot_run(rng):
+    R = nc.REGISTRY
+    assert R.versions("attention") == ["v1", "v2", "v3", "v4"]
+    assert R.versions("decode") == R.versions("paged_decode") == ["v1", "v2", "v3"]
+    assert R.versions("paged_gather") == ["v1", "v3"]
+    assert all(row["summary"] for row in R.table())
+    bf16 = nc.need("attention", q=np.zeros((1, 1, 2, 8), testing.numpy_dtype("bfloat16")))
+    for kern in R.kernels("attention"):
+        assert "bfloat16" in kern.unavailable(bf16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        R.resolve("attention", None, bf16)
+    from numba import cuda
+    with pytest.raises(ValueError, match="k, v"):
+        R.resolve("decode", DecodeConfig(version="v3"),
+                  nc.need("decode", q=np.zeros((1, 2, 4)), k=cuda.to_device(np.zeros((1, 2, 9, 4)))[:, :, :5],
+                          v=cuda.to_device(np.zeros((1, 2, 5, 4)))))
+    with pytest.raises(ValueError, match="config"):                  # another op's config class
+        R.resolve("decode", ForwardConfig(), nc.need("decode", q=np.zeros((1, 2, 4)), k=np.zeros((1, 1, 9, 4)),
+                                                     v=np.zeros((1, 1, 9, 4))))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_default_configs_fit_every_head_dim(dtype):
+    """Every version's default config resolves (tiles within the 48 KiB static shared-memory
+    limit) at head dims up to 256, for forward and decode (g = 4 query heads per KV head)."""
+    dec = importlib.import_module("iokernels.numba_cuda.decode")
+    for d in (8, 59, 64, 128, 256):
+        for version in ("v1", "v2", "v3", "v4"):
+            cfg = ForwardConfig(version=version).resolved(d, dtype)
+            assert cfg.shared_bytes(d, dtype) <= 48 * 1024
+        need = nc.need("attention", q=np.zeros((1, 1, 1, d), dtype))
+        assert nc.REGISTRY.resolve("attention", None, need)[1].version == "v4"
+        for version in ("v1", "v2", "v3"):
+            assert dec.smem_reason(DecodeConfig(version=version), d, 4, dtype) is None, (version, d)
+        need = nc.need("decode", q=np.zeros((1, 4, d), dtype), k=np.zeros((1, 1, 2, d), dtype),
+                       v=np.zeros((1, 1, 2, d), dtype))
+        assert nc.REGISTRY.resolve("decode", None, need)[1].version == "v3"
+    with pytest.raises(ValueError, match="config.block_k"):        # an explicit misfit still raises
+        ForwardConfig(version="v2", block_k=64).resolved(256, dtype)
+
+
+def test_default_forward_runs_at_head_dim_256_float64(rng):
+    """The default (v4, Bc shrunk to fit) on a tiny float64 problem at d = 256."""
+    q, k, v = testing.make_inputs(rng, batch=1, heads_q=1, seqlen_q=3, seqlen_k=5, head_dim=256, dtype="float64")
+    ro, rl = reference.attention(q, k, v, causal=True)
+    o, lse = ik.attention(q, k, v, causal=True, backend="numba", return_lse=True)
+    testing.assert_close(o, ro)
+    testing.assert_close(lse, rl, name="lse")
+
+
+def test_decode_makes_no_numba_allocation_on_a_repeated_call(rng, monkeypatch):
+    """Every output and scratch buffer comes from the caller's allocator (Call.empty) and the
+    constants (block table, lengths) are uploaded once: a repeated call allocates nothing
+    through Numba outside the array layer.  (For a torch or CuPy caller Call.empty is
+    torch.empty / cupy.empty; here, with Numba device arrays in, it is Numba's.)"""
+    import inspect
+    from numba import cuda
+    q, k, v = _decode_inputs(rng, 2, 4, 2, 21, 8, np.float16)
+    dq, dk_, dv_ = (cuda.to_device(x) for x in (q, k, v))
+    lens = np.array([21, 6])
+    outside = []
+    for name in ("device_array", "to_device", "device_array_like"):
+        real = getattr(cuda, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            caller = inspect.stack()[1].filename
+            if not caller.endswith(("core/arrays.py", "tests/test_numba.py")):
+                outside.append((_name, caller))
+            return _real(*a, **kw)
+        monkeypatch.setattr(cuda, name, counted)
+    nc.decode(dq, dk_, dv_, seq_lens=lens, num_splits=2)            # first call: constants uploaded
+    outside.clear()
+    for _ in range(2):
+        o, _ = nc.decode(dq, dk_, dv_, seq_lens=lens, num_splits=2)
+    assert outside == []
+    testing.assert_close(o.copy_to_host(), reference.decode(q, k, v, seq_lens=lens)[0],
+                         ik.decode(q, k, v, seq_lens=lens, backend="naive"))
+
+
+def test_every_module_imports_alone_and_there_is_no_import_cycle():
+    """Each module of the package imports first in a fresh interpreter, and the graph of the
+    package's own imports (module level and inside functions) has no cycle."""
+    import ast
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    pkg = Path(__file__).resolve().parents[1] / "iokernels" / "numba_cuda"
+    mods = sorted(p.stem for p in pkg.glob("*.py") if p.stem != "__init__")
+    edges = {}
+    for m in mods:
+        deps = set()
+        for node in ast.walk(ast.parse((pkg / f"{m}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                deps |= {node.module} if node.module else {a.name for a in node.names}
+        edges[m] = deps & set(mods)
+    state = {}
+
+    def visit(m, path):
+        assert state.get(m) != "open", f"import cycle: {' -> '.join(path + [m])}"
+        if state.get(m) is None:
+            state[m] = "open"
+            for n in sorted(edges[m]):
+                visit(n, path + [m])
+            state[m] = "done"
+    for m in mods:
+        visit(m, [])
+    env = dict(os.environ, PYTHONPATH=str(pkg.parents[1]))
+    for m in mods:
+        r = subprocess.run([sys.executable, "-c", f"import iokernels.numba_cuda.{m}"], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (m, r.stderr[-2000:])

@@ -56,26 +56,26 @@ def _check_slices(q, k, v, o, lse, causal, window, slices):
 
 
 @pytest.mark.parametrize("version,B,H,Hkv,N,d,dtype,causal,window", [
-    (3, 8, 16, 16, 8192, 128, "float32", True, None),
-    (4, 8, 16, 16, 8192, 128, "float32", True, None),
-    (4, 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
-    (3, 4, 32, 8, 8192, 64, "float16", False, None),
-    (3, 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
-    (2, 2, 8, 8, 4096, 128, "float32", False, (1000, 1000)),
-    (2, 2, 8, 2, 2049, 64, "float16", True, None),
-    (1, 1, 4, 4, 1031, 59, "float32", True, None),
+    ("v3", 8, 16, 16, 8192, 128, "float32", True, None),
+    ("v4", 8, 16, 16, 8192, 128, "float32", True, None),
+    ("v4", 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
+    ("v3", 4, 32, 8, 8192, 64, "float16", False, None),
+    ("v3", 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
+    ("v2", 2, 8, 8, 4096, 128, "float32", False, (1000, 1000)),
+    ("v2", 2, 8, 2, 2049, 64, "float16", True, None),
+    ("v1", 1, 4, 4, 1031, 59, "float32", True, None),
 ])
 def test_forward_real_sizes(version, B, H, Hkv, N, d, dtype, causal, window):
     torch = _torch()
     import iokernels as ik
-    from iokernels.numba_cuda import NumbaConfig
-    g = torch.Generator(device="cuda").manual_seed(N + d + version)
+    from iokernels.numba_cuda import ForwardConfig
+    g = torch.Generator(device="cuda").manual_seed(N + d + int(version[1:]))
     tdt = getattr(torch, dtype)
     q = torch.randn((B, H, N, d), device="cuda", generator=g).to(tdt)
     k = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
     v = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
     o, lse = ik.attention(q, k, v, causal=causal, window=window, backend="numba",
-                          config=NumbaConfig(version=version), return_lse=True)
+                          config=ForwardConfig(version=version), return_lse=True)
     assert isinstance(o, torch.Tensor) and o.dtype == tdt and lse.dtype == torch.float32
     _check_slices(q, k, v, o, lse, causal, window, [(0, 0), (B - 1, H - 1)])
 
@@ -92,12 +92,19 @@ def test_forward_nq_ne_nk_fully_masked_rows():
     _check_slices(q, k, v, o, lse, True, None, [(0, 0), (1, 7)])
 
 
-def _decode_versions():
-    from iokernels.numba_cuda import bench_versions
-    return list(bench_versions("decode", "float16").values())
+def _versions(op):
+    """A config per registered version of ``op`` (and, for decode, v2's 32-lane tiling, a
+    tuning point of the sweep that takes v2's other code path)."""
+    import iokernels.numba_cuda as nc
+    out = [k.config_class(version=k.version) for k in nc.REGISTRY.kernels(op)]
+    if op == "decode":
+        out.append(nc.DecodeConfig(version="v2", lanes_per_key=32, keys_per_iter=8))
+    return out
 
 
-DECODE_VERSIONS = _decode_versions() if gpu.torch_gpu() and not gpu.simulator_enabled() else []
+ON_GPU = gpu.torch_gpu() and not gpu.simulator_enabled()
+DECODE_VERSIONS = _versions("decode") if ON_GPU else []
+GATHER_VERSIONS = _versions("paged_gather") if ON_GPU else []
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,N,d,dtype", [(1, 32, 8, 32768, 128, "float16"),
@@ -117,10 +124,10 @@ def test_decode_real_sizes(B, Hq, Hkv, N, d, dtype):
     ro, rl = reference.decode(q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(), seq_lens=lens)
     qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
     bo, bl = ik.decode(qn, kn, vn, seq_lens=lens, backend="naive", return_lse=True)
-    o, lse = ik.decode(q, k, v, seq_lens=lens, backend="numba", return_lse=True)   # the default (v1)
+    o, lse = ik.decode(q, k, v, seq_lens=lens, backend="numba", return_lse=True)   # the default (v3)
     testing.assert_close(o, ro, bo)
     testing.assert_close(lse, rl, bl, name="lse")
-    for cfg in DECODE_VERSIONS:                      # every version the benchmark times
+    for cfg in DECODE_VERSIONS:                      # every registered version
         o, lse = decode(q, k, v, seq_lens=lens, config=cfg)
         testing.assert_close(o, ro, bo)
         testing.assert_close(lse, rl, bl, name="lse")
@@ -133,6 +140,7 @@ def test_decode_real_sizes(B, Hq, Hkv, N, d, dtype):
             po, pl = paged_decode_pools(q, kp, vp, tables, plens, config=cfg)
             testing.assert_close(po, ro, bo)
             testing.assert_close(pl, rl, bl, name="lse")
+        for cfg in GATHER_VERSIONS:
             kg, vg = gather_pools(kp, vp, tables[B - 1], N, config=cfg)
             assert torch.equal(kg, k[B - 1]) and torch.equal(vg, v[B - 1])
 
@@ -149,9 +157,9 @@ def test_cupy_arrays_in_cupy_out():
     testing.assert_close(o.get(), ref, ik.attention(q, k, v, causal=True, backend="naive"))
 
 
-def test_decode_v2_gather_v2_misaligned_and_ragged_rows():
-    """Version 2 views K/V as 8-byte words only when it may: a tensor starting 2 bytes past
-    an 8-byte boundary, and rows of 59 halves, take the one-element-a-word path."""
+def test_decode_v2_and_gathers_misaligned_and_ragged_rows():
+    """v2 (and the gathers) view K/V as 8-byte words only when they may: a tensor starting 2
+    bytes past an 8-byte boundary, and rows of 59 halves, take the one-element-a-word path."""
     torch = _torch()
     from iokernels import reference
     from iokernels.numba_cuda import DecodeConfig, decode, gather_pools
@@ -167,27 +175,25 @@ def test_decode_v2_gather_v2_misaligned_and_ragged_rows():
         qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
         ro, rl = reference.decode(qn, kn, vn, seq_lens=lens)
         bo, bl = __import__("iokernels").decode(qn, kn, vn, seq_lens=lens, backend="naive", return_lse=True)
-        o, lse = decode(q, k, v, seq_lens=lens, config=DecodeConfig(version=2))
+        o, lse = decode(q, k, v, seq_lens=lens, config=DecodeConfig(version="v2"))
         testing.assert_close(o, ro, bo)
         testing.assert_close(lse, rl, bl, name="lse")
         pool = torch.randn((40, 16, Hkv, d), device="cuda", generator=g).half()
         table = np.random.default_rng(d).permutation(40)[:37].astype(np.int32)
-        kg, vg = gather_pools(pool, pool, table, 587, config=DecodeConfig(version=2))
         want = pool[torch.as_tensor(table, device="cuda").long()].reshape(37 * 16, Hkv, d)[:587].permute(1, 0, 2)
-        assert torch.equal(kg, want) and torch.equal(vg, want)
+        for cfg in GATHER_VERSIONS:
+            kg, vg = gather_pools(pool, pool, table, 587, config=cfg)
+            assert torch.equal(kg, want) and torch.equal(vg, want)
 
 
 def test_sanitize_cases_pass():
-    """Every kernel version's ragged case runs and matches the oracle (each case asserts its
-    own error); the list covers the forward versions and decode/gather v1 to v3."""
-    from iokernels.numba_cuda import bench_versions, sanitize_cases
+    """Every registered (op, version) runs its ragged cases and matches the oracle (each case
+    asserts its own error)."""
+    from iokernels.numba_cuda import REGISTRY, sanitize_cases
     names = [name for name, _ in sanitize_cases(verbose=False)]
     assert len(names) == len(set(names))
-    for version in bench_versions("attention", "float32"):
-        assert any(n.startswith(f"forward {version}") for n in names), version
-    for version in ("v2", "v3"):
-        assert any(version in n and "paged decode" in n for n in names), version
-        assert any(version in n and "gather" in n for n in names), version
+    for kern in REGISTRY:
+        assert any(n.startswith(f"{kern.op} {kern.version}") for n in names), kern.name
 
 
 def test_kernels_run_on_the_callers_stream_without_host_sync():
@@ -196,14 +202,14 @@ def test_kernels_run_on_the_callers_stream_without_host_sync():
     the outputs are ready once that stream is synchronized."""
     torch = _torch()
     import iokernels as ik
-    from iokernels.numba_cuda import _arrays as arr
+    from iokernels.numba_cuda import launch as ln
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         g = torch.Generator(device="cuda").manual_seed(11)
         q = torch.randn((2, 8, 1000, 64), device="cuda", generator=g)
         k = torch.randn((2, 4, 1100, 64), device="cuda", generator=g)
         v = torch.randn((2, 4, 1100, 64), device="cuda", generator=g)
-        handle = arr.stream_of("torch", q).handle          # a ctypes or a cuda-python handle
+        handle = ln.stream(ln.call_for(q)).handle          # a ctypes or a cuda-python handle
         assert (handle.value if hasattr(handle, "value") else int(handle)) == side.cuda_stream
         o, lse = ik.attention(q, k, v, causal=True, backend="numba", return_lse=True)
         qd = torch.randn((3, 8, 64), device="cuda", generator=g, dtype=torch.float16)

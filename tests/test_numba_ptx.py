@@ -30,7 +30,7 @@ def _compile(*args):
 def report():
     """Every kernel, float32 at sm_90 (the version-1..3 kernels at sm_75 too), float16 at sm_90
     (d = 128, and ragged 59 for the forward v3 and decode v2, whose lanes own padded dims).
-    The candidates (decode/gather v2, forward v4) skip sm_75 to keep this file quick."""
+    Decode v2 and forward v4 skip sm_75 to keep this file quick."""
     out = _compile("90", "float32", "d=128")
     out.update(_compile("75", "float32", "d=128", "only=^(fwd_v[1-3]|decode_split|decode_combine|gather$)"))
     out.update(_compile("90", "float16", "d=128"))
@@ -42,8 +42,7 @@ def report():
 def test_every_kernel_compiled_for_both_targets(report):
     names = {k.split("/")[0] for k in report}
     assert {"fwd_v1_d128", "fwd_v2_d128", "fwd_v3_d128", "fwd_v4_d128", "decode_split_d128", "decode_split_paged_d128",
-            "decode_combine_d128", "gather", "fwd_v3_d59", "decode_v2_split_d128", "decode_v2_split_paged_d128",
-            "gather_v2_d128"} <= names
+            "decode_combine_d128", "gather", "fwd_v3_d59", "decode_v2_split_d128", "decode_v2_split_paged_d128"} <= names
     assert sum(k.endswith("sm_75") for k in report) >= 7
     assert sum(k.endswith("sm_90") for k in report) >= 11
     assert all(v["bytes"] > 1000 for v in report.values())
@@ -68,8 +67,8 @@ def test_decode_v2_loads_8_byte_words_into_registers(report, dtype):
     lane x K and V: 16 for float16 at d = 128 with 16 lanes, 32 for float32), no 2-byte K/V loads (the few left read q),
     and the only local-memory accesses are the per-thread state handed to the final merge
     (v1's split has as many; what matters is that the main loop has none: 16 u64 loads, not
-    spilled; see the module docstring).  The gather v2 copies words and uses a shuffle."""
-    from iokernels.numba_cuda.decode_v2 import KEYS_PER_ITER_V2, LANES_PER_KEY_V2
+    spilled; see the module docstring)."""
+    from iokernels.numba_cuda.decode import KEYS_PER_ITER_V2, LANES_PER_KEY_V2
     words = 128 * (2 if dtype == "float16" else 4) // 8                  # 8-byte words a row
     per_lane = -(-words // LANES_PER_KEY_V2)
     for name in ("decode_v2_split_d128", "decode_v2_split_paged_d128"):
@@ -77,14 +76,12 @@ def test_decode_v2_loads_8_byte_words_into_registers(report, dtype):
         assert r["ld_u64"] == KEYS_PER_ITER_V2 * per_lane * 2, r
         assert r["ld_u16"] <= 8, r                      # q's values (16 at most per thread)
         assert r["shfl"]
-    g = report[f"gather_v2_d128/{dtype}/sm_90"]
-    assert g["ld_u64"] > 0 and g["shfl"] and g["local"] == 0, g
     v1 = report[f"decode_split_d128/{dtype}/sm_90"]
     assert v1["ld_u64"] == 0                            # version 1 loads elements
 
 
 def test_forward_v4_keeps_its_scores_in_registers(report):
-    """v4's 2-key step is unrolled: no local memory at d = 128 (v3's 8-key step is not)."""
+    """v4's 4-key step is unrolled: no local memory at d = 128 (v3's 8-key step is not)."""
     assert report["fwd_v4_d128/float32/sm_90"]["local"] == 0
     assert report["fwd_v4_d128/float16/sm_90"]["local"] == 0
     assert report["fwd_v3_d128/float32/sm_90"]["local"] > 0
@@ -113,10 +110,10 @@ def test_the_float64_detector_finds_float64():
 # --------------------------------------------------------------------------- decode / gather v3
 _V3_REPORT = """
 import json
-from iokernels.numba_cuda import decode_v3 as d3
-out = d3.ptx_report(ccs=((7, 5), (9, 0)), dtypes=("float16",), head_dims=(128,))
-out.update(d3.ptx_report(ccs=((9, 0),), dtypes=("float32",), head_dims=(128,)))
-out.update(d3.ptx_report(ccs=((9, 0),), dtypes=("float16", "float64"), head_dims=(59,)))
+from iokernels.numba_cuda import ptx
+out = ptx.ptx_report(ccs=((7, 5), (9, 0)), dtypes=("float16",), head_dims=(128,))
+out.update(ptx.ptx_report(ccs=((9, 0),), dtypes=("float32",), head_dims=(128,)))
+out.update(ptx.ptx_report(ccs=((9, 0),), dtypes=("float16", "float64"), head_dims=(59,)))
 print(json.dumps(out))
 """
 
@@ -153,9 +150,9 @@ def test_decode_v3_pipeline_and_reduce_scatter_in_the_ptx(report_v3, cc):
     2 x KPI x K,V u64 loads and no 2-byte K/V loads; the lane sum is about 2 (RP - 1)
     shuffles (31 at 32 lanes x 4 keys x g = 4; v2's butterflies at this tiling: RP log2 L =
     80); local memory only in the final merge."""
-    from iokernels.numba_cuda.decode_v3 import (KEYS_PER_ITER_V3, LANES_PER_KEY_V3, _pow2_at_least,
-                                                allreduce_shuffles)
-    rp = _pow2_at_least(KEYS_PER_ITER_V3 * 4)
+    from iokernels.numba_cuda.decode_v3 import KEYS_PER_ITER_V3, LANES_PER_KEY_V3
+    from iokernels.numba_cuda.device import allreduce_shuffles, pow2_at_least
+    rp = pow2_at_least(KEYS_PER_ITER_V3 * 4)
     for name in ("decode_v3_split_d128", "decode_v3_split_paged_d128"):
         r = report_v3[f"{name}/float16/{cc}"]
         assert r["ld_u64"] == 2 * KEYS_PER_ITER_V3 * 2, r
@@ -168,7 +165,7 @@ def test_decode_v3_pipeline_and_reduce_scatter_in_the_ptx(report_v3, cc):
 
 def test_gather_v3_loads_words_before_storing(report_v3):
     """UN u64 loads of K and of V, UN u64 stores of each, no local memory."""
-    from iokernels.numba_cuda.decode_v3 import GATHER3_UNROLL
+    from iokernels.numba_cuda.gather import GATHER3_UNROLL
     for cc in ("sm_75", "sm_90"):
         g = report_v3[f"gather_v3_d128/float16/{cc}"]
         assert g["ld_u64"] == 2 * GATHER3_UNROLL and g["st_u64"] == 2 * GATHER3_UNROLL, g

@@ -56,6 +56,8 @@ def kind_of(x, name: str = "array") -> str:
         return "cupy"
     if hasattr(x, "__cuda_array_interface__"):
         return "numba"
+    if mod == "numba" and hasattr(x, "copy_to_host"):   # Numba's CUDA simulator's device arrays
+        return "numba"
     raise ValueError(f"{name}: expected a NumPy array or a CUDA device array (torch, CuPy, Numba), "
                      f"got {type(x).__module__}.{type(x).__name__}")
 

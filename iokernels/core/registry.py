@@ -129,6 +129,10 @@ class Registry:
             names = " or ".join(sorted(c.__name__ for c in classes))
             raise ValueError(f"config: {self.backend} {op} takes a {names} or None, got {type(config).__name__}")
         version = getattr(config, "version", None) if config is not None else None
+        classes = {k.config_class for k in self.kernels(op)}
+        if config is not None and not isinstance(config, tuple(classes)):
+            names = " or ".join(sorted(c.__name__ for c in classes)) or "no config"
+            raise ValueError(f"config: {self.backend} {op} takes a {names} (or None), got {type(config).__name__}")
         if version is None:
             k = self.default(op, need)
             if config is None or not isinstance(config, k.config_class):

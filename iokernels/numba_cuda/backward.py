@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -58,64 +57,14 @@ from ..core import arrays
 from ..core import conventions as cv
 from ..core import gpu
 from ..core.registry import Need
+from .config import BACKWARD_THREADS, BackwardConfig, SHARED_LIMIT_BYTES  # noqa: F401
 
 gpu.numba_numpy_fix()
 from numba import cuda  # noqa: E402
 
-#: static shared memory per block without an opt-in, on every CUDA GPU
-SHARED_LIMIT_BYTES = 48 * 1024
-#: threads of the main kernel: enough for a Br x d dQ tile to take a few strided passes
-BACKWARD_THREADS = 128
 #: threads of the two row-wise kernels (D, and dQ's cast / reduction)
 ROW_THREADS = 128
-#: Br = Bc = 16 for head dims up to 128 (Q_i, dO_i, K_j, V_j in float32 take 32 KiB);
-#: halved where that would pass the static shared-memory limit
-DEFAULT_BLOCK = 16
 BACKWARD_DTYPES = ("float16", "float32", "float64")
-
-
-@dataclass(frozen=True)
-class BackwardConfig:
-    """The Numba backward's settings.  ``deterministic``: dQ by per-tile partials summed in
-    order (same bits every run) instead of atomic adds."""
-
-    version: str | None = None
-    block_q: int | None = None
-    block_k: int | None = None
-    deterministic: bool = False
-
-    def __post_init__(self):
-        if self.version not in (None, "v1"):
-            raise ValueError(f"config.version: the Numba backward has version 'v1', got {self.version!r}")
-        for name in ("block_q", "block_k"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or v > BACKWARD_THREADS):
-                raise ValueError(f"config.{name}: an integer in [1, {BACKWARD_THREADS}], got {v!r}")
-        if not isinstance(self.deterministic, bool):
-            raise ValueError(f"config.deterministic: True or False, got {self.deterministic!r}")
-
-    def replace(self, **kw) -> "BackwardConfig":
-        return replace(self, **kw)
-
-    def smem_bytes(self, head_dim: int, dtype: str) -> int:
-        acc = cv.accum_dtype(dtype).itemsize
-        br, bc = self.block_q, self.block_k
-        return (2 * br * head_dim + 2 * bc * head_dim + br * bc + 2 * br) * acc
-
-    def resolved(self, head_dim: int, dtype: str) -> "BackwardConfig":
-        """Tile sizes filled in (the default fits every dtype and head dim up to 256); an
-        explicit tile set that does not fit raises."""
-        cfg = self
-        if cfg.block_q is None or cfg.block_k is None:
-            b = DEFAULT_BLOCK
-            while b > 1 and self.replace(block_q=b, block_k=b).smem_bytes(head_dim, dtype) > SHARED_LIMIT_BYTES:
-                b //= 2
-            cfg = cfg.replace(block_q=cfg.block_q or b, block_k=cfg.block_k or b)
-        need = cfg.smem_bytes(head_dim, dtype)
-        if need > SHARED_LIMIT_BYTES:
-            raise ValueError(f"config: Br={cfg.block_q}, Bc={cfg.block_k} at head_dim={head_dim} ({dtype}) need "
-                             f"{need:,} B of shared memory, more than the {SHARED_LIMIT_BYTES:,} B static limit")
-        return cfg.replace(version="v1")
 
 
 # --------------------------------------------------------------------------- kernels

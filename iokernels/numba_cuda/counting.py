@@ -6,7 +6,8 @@ object: every element the kernel reads or writes is added to a
 :class:`iokernels.core.traffic.Traffic` under the tensor's name.  Running a kernel on counting
 arrays gives the bytes *the kernel as written* moves between global memory and the chip,
 which the tests compare with the closed-form models of the NumPy versions it mirrors
-(``traffic.model("fa2" | "decode" | "paged_decode" | "paged_gather")``).
+(``traffic.model("fa2" | "decode" | "paged_decode" | "paged_gather")``).  A config None (or
+without a version) runs the default version for the call, resolved by the registry.
 
 Shared memory and registers are not counted: they are the on-chip side.  Caches are not
 modelled either: a read that an L1/L2 cache would serve is still counted, as in the NumPy
@@ -21,6 +22,12 @@ import numpy as np
 from ..core import conventions as cv
 from ..core import gpu
 from ..core.traffic import Traffic
+from .decode import launch_decode, resolve_splits  # (nc.decode is the function)
+from . import forward as fwd
+from . import gather as gat
+from .config import acc_dtype
+from .device import word_layout
+from .registry import REGISTRY, need
 
 
 class CountingArray:
@@ -62,33 +69,30 @@ class _Counter:
 
 def count_attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     """Run the forward kernel on counting arrays: returns (o, lse, Traffic)."""
-    from .flash_fwd import _acc_types, launch, resolve_config
     _require_simulator()
     B, Hq, Nq, d = q.shape
     dtype = q.dtype.name
-    cfg = resolve_config(config, d, dtype)
+    _, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v))
+    cfg = cfg.resolved(d, dtype)
     scale = cv.resolve_scale(scale, d)
     c = _Counter()
     o = c(np.zeros(q.shape, q.dtype), "O")
-    lse = c(np.zeros((B, Hq, Nq), _acc_types(dtype)[0]), "LSE")
-    launch(cfg, c(q, "Q"), c(k, "K"), c(v, "V"), o, lse, causal=causal, scale=scale,
-           window=cv.resolve_window(window))
+    lse = c(np.zeros((B, Hq, Nq), acc_dtype(dtype)), "LSE")
+    fwd.launch(cfg, c(q, "Q"), c(k, "K"), c(v, "V"), o, lse, causal=causal, scale=scale,
+               window=cv.resolve_window(window))
     return o.data, lse.data, c.traffic
 
 
-def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, names, config=None):
-    from .decode_kernels import _acc_types, _resolve_splits, launch_decode, resolve_decode_config
-    from .decode_v2 import word_layout
+def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, names, cfg):
     _require_simulator()
-    cfg = resolve_decode_config(config)
-    if cfg.version in (2, 3):            # K and V as the launcher's 8-byte words (same bytes)
+    if cfg.version != "v1":              # K and V as the launcher's 8-byte words (same bytes)
         word, epw = word_layout(q.dtype.name, q.shape[-1])
         if epw > 1:
             k, v = (np.ascontiguousarray(x).view(np.dtype(word)) for x in (k, v))
     B, Hq, d = q.shape
     Hkv = k.shape[2] if paged else k.shape[1]
-    acc = _acc_types(q.dtype.name)[0]
-    S = _resolve_splits(num_splits, B, Hkv, int(np.max(lens, initial=0)), block_n, cfg)
+    acc = acc_dtype(q.dtype.name)
+    S = resolve_splits(num_splits, B, Hkv, int(np.max(lens, initial=0)), block_n, cfg.version)
     scale = cv.resolve_scale(scale, d)
     c = _Counter()
     o, lse = c(np.zeros((B, Hq, d), q.dtype), "O"), c(np.zeros((B, Hq), acc), "LSE")
@@ -102,49 +106,43 @@ def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, name
 def count_decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
     """Run split (+ combine) on counting arrays over a contiguous cache: (o, lse, Traffic)."""
     from ..decode import DEFAULT_BLOCK_N
+    _, cfg = REGISTRY.resolve("decode", config, need("decode", q=q, k=k, v=v))
     B, N = k.shape[0], k.shape[2]
     lens = np.full(B, N, np.int32) if seq_lens is None else np.asarray(seq_lens, np.int32)
     return _count_decode(q, k, v, np.zeros((1, 1), np.int32), lens, num_splits, scale, DEFAULT_BLOCK_N,
-                         False, ("K", "V"), config)
+                         False, ("K", "V"), cfg)
 
 
 def count_paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
     """The paged split (+ combine) on counting arrays: (o, lse, Traffic)."""
+    _, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, cache=cache))
     tables, lens = cache.block_tables_array(list(seq_ids))
     if tables.size == 0:
         tables = np.zeros((len(lens), 1), np.int32)
     return _count_decode(q, cache.k_pool, cache.v_pool, tables, lens, num_splits, scale, cache.block_size,
-                         True, ("K_cache", "V_cache"), config)
+                         True, ("K_cache", "V_cache"), cfg)
 
 
-def count_gather(cache, sid):
-    """The gather kernel on counting arrays (element-wise copy): (k, v, Traffic)."""
-    from .decode_kernels import launch_gather
+def count_gather(cache, sid, *, config=None):
+    """The gather kernel on counting arrays: (k, v, Traffic).  v1 copies elements here (the
+    same bytes as its launcher's words), v3 8-byte words when the rows allow."""
     _require_simulator()
+    _, cfg = REGISTRY.resolve("paged_gather", config, need("paged_gather", cache=cache))
     n, table = cache.seq_len(sid), np.asarray(cache.block_table(sid), np.int32)
     hkv, d = cache.num_kv_heads, cache.head_dim
     c = _Counter()
-    k_out, v_out = c(np.zeros((hkv, n, d), cache.dtype), "K"), c(np.zeros((hkv, n, d), cache.dtype), "V")
-    launch_gather(c(cache.k_pool, "K_cache"), c(cache.v_pool, "V_cache"), c(table, "block_table"),
-                  k_out, v_out, n)
-    return k_out.data, v_out.data, c.traffic
-
-
-def count_gather_v2(cache, sid, *, parts=None):
-    """Gather v2 on counting arrays (8-byte words when the rows allow): (k, v, Traffic).
-
-    ``parts``: P table reads per logical block (None: the launcher's plan)."""
-    from .decode_kernels import launch_gather_v2
-    from .decode_v2 import word_layout
-    _require_simulator()
-    n, table = cache.seq_len(sid), np.asarray(cache.block_table(sid), np.int32)
-    hkv, d = cache.num_kv_heads, cache.head_dim
-    word, epw = word_layout(np.dtype(cache.dtype).name, d)
+    if table.size == 0:
+        table = np.zeros(1, np.int32)
+    if cfg.version == "v1":
+        k_out, v_out = c(np.zeros((hkv, n, d), cache.dtype), "K"), c(np.zeros((hkv, n, d), cache.dtype), "V")
+        gat.launch_gather(c(cache.k_pool, "K_cache"), c(cache.v_pool, "V_cache"), c(table, "block_table"),
+                          k_out, v_out, n)
+        return k_out.data, v_out.data, c.traffic
+    word, _ = word_layout(np.dtype(cache.dtype).name, d)
     wd = np.dtype(word)
-    c = _Counter()
     k_out, v_out = np.zeros((hkv, n, d), cache.dtype), np.zeros((hkv, n, d), cache.dtype)
     ko, vo = c(k_out.view(wd), "K"), c(v_out.view(wd), "V")
-    launch_gather_v2(c(np.ascontiguousarray(cache.k_pool).view(wd), "K_cache"),
-                     c(np.ascontiguousarray(cache.v_pool).view(wd), "V_cache"), c(table, "block_table"),
-                     ko, vo, n, parts=parts)
+    gat.launch_gather_v3(c(np.ascontiguousarray(cache.k_pool).view(wd), "K_cache"),
+                         c(np.ascontiguousarray(cache.v_pool).view(wd), "V_cache"), c(table, "block_table"),
+                         ko, vo, n, config=cfg)
     return ko.data.view(cache.dtype), vo.data.view(cache.dtype), c.traffic

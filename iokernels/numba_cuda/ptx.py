@@ -33,44 +33,102 @@ def _arr(t, nd, layout="C"):
 
 
 def kernel_signatures(head_dims=HEAD_DIMS):
-    """(name, storage dtype, python function, numba signature) for every kernel we launch."""
+    """(name, storage dtype, python function, numba signature) for the kernels of forward
+    v1-v4, decode v1/v2 (split, paged split), the combine and gather v1; the v3 kernels are
+    in :func:`kernel_signatures_v3`."""
     from numba import types
-    from . import decode_kernels as dk
-    from . import flash_fwd as ff
+    from .decode import combine_kernel_function, split_kernel_function, split_v2_kernel_function
+    from . import forward as fwd
+    from . import gather as gat
+    from .config import ForwardConfig
+    from .device import word_layout
     out = []
     for dtype in ("float32", "float16", "float64"):
         st = getattr(types, dtype)
         acc = types.float64 if dtype == "float64" else types.float32
         for d in head_dims:
             fwd_sig = (_arr(st, 4), _arr(st, 4), _arr(st, 4), _arr(st, 4), _arr(acc, 3), acc, types.int64, types.int64)
-            for version in (1, 2, 3, 4):
-                cfg = ff.NumbaConfig(version=version)
-                fn = ff.kernel_function(cfg, d, dtype, simulated=False)
-                out.append((f"fwd_v{version}_d{d}", dtype, fn, fwd_sig))
+            for version in ("v1", "v2", "v3", "v4"):
+                fn = fwd.kernel_function(ForwardConfig(version=version), d, dtype, simulated=False)
+                out.append((f"fwd_{version}_d{d}", dtype, fn, fwd_sig))
             for paged in (False, True):
                 sig = (_arr(st, 3), _arr(st, 4), _arr(st, 4), _arr(types.int32, 2), _arr(types.int32, 1),
                        _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64)
-                fn = dk.split_kernel_function(d, 4, dtype, paged, simulated=False)
+                fn = split_kernel_function(d, 4, dtype, paged, simulated=False)
                 out.append((f"decode_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
             sig = (_arr(acc, 4), _arr(acc, 3), _arr(st, 3), _arr(acc, 2))
-            out.append((f"decode_combine_d{d}", dtype, dk.combine_kernel_function(d, dtype), sig))
-            from .decode_v2 import word_layout
-            word, _ = word_layout(dtype, d)                   # version 2: K/V as 8-byte words
+            out.append((f"decode_combine_d{d}", dtype, combine_kernel_function(d, dtype), sig))
+            word, _ = word_layout(dtype, d)                   # v2: K/V as 8-byte words
             wt = getattr(types, word)
             for paged in (False, True):
                 sig = (_arr(st, 3), _arr(wt, 4), _arr(wt, 4), _arr(types.int32, 2), _arr(types.int32, 1),
                        _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64)
-                fn = dk.split_v2_kernel_function(d, 4, dtype, paged, 16, word, simulated=False)
+                fn = split_v2_kernel_function(d, 4, dtype, paged, 16, word, simulated=False)
                 out.append((f"decode_v2_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
-            from .decode_v2 import make_gather_v2
-            W = d * np.dtype(dtype).itemsize // np.dtype(word).itemsize
-            sig = (_arr(wt, 2), _arr(wt, 2), _arr(types.int32, 1), _arr(wt, 3), _arr(wt, 3)) + (types.int64,) * 4
-            out.append((f"gather_v2_d{d}", dtype, make_gather_v2(word, W, 8, 16, False), sig))
         gather_t = types.uint64 if dtype != "float64" else st     # the launcher's 8-byte words
         sig = (_arr(gather_t, 4), _arr(gather_t, 4), _arr(types.int32, 1), _arr(gather_t, 3), _arr(gather_t, 3),
                types.int64)
-        out.append(("gather", dtype, dk.make_gather(str(gather_t)), sig))
+        out.append(("gather", dtype, gat.make_gather(str(gather_t)), sig))
     return out
+
+
+def kernel_signatures_v3(dtypes=("float16", "float32"), head_dims=(128,), configs=None):
+    """(name, storage dtype, python function, numba signature) for the v3 kernels (decode split
+    v3, gather v3) at the launch arguments' types; ``configs``: {name tag: (DecodeConfig,
+    GatherConfig)} (None: the defaults)."""
+    from numba import types
+    from . import decode_v3 as d3
+    from . import gather as gat
+    from .config import DecodeConfig, GatherConfig
+    from .device import word_layout
+    configs = configs or {"": (DecodeConfig(version="v3"), GatherConfig(version="v3"))}
+    out = []
+    for dtype in dtypes:
+        st = getattr(types, dtype)
+        acc = types.float64 if dtype == "float64" else types.float32
+        for d in head_dims:
+            word, _ = word_layout(dtype, d)
+            wt = getattr(types, word)
+            for tag, (dcfg, gcfg) in configs.items():
+                for paged in (False, True):
+                    sig = (_arr(st, 3), _arr(wt, 1), _arr(wt, 1), _arr(types.int32, 2), _arr(types.int32, 1),
+                           _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64,
+                           types.int64)
+                    fn = d3.split_v3_kernel_function(d, 4, dtype, paged, 16, word, dcfg, simulated=False)
+                    out.append((f"decode_v3{tag}_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
+                W = d * np.dtype(dtype).itemsize // np.dtype(word).itemsize
+                sig = (_arr(wt, 1), _arr(wt, 1), _arr(types.int32, 1), _arr(wt, 1), _arr(wt, 1), types.int64)
+                out.append((f"gather_v3{tag}_d{d}", dtype, gat.gather_v3_kernel_function(word, W, 8, 16, gcfg, False),
+                            sig))
+    return out
+
+
+def _ptx_counts(ptx: str) -> dict:
+    return {"f64": f64_lines(ptx)[:5], "bytes": len(ptx), "shfl": len(re.findall(r"\bshfl\.sync", ptx)),
+            "local": len(LOCAL_ACCESS.findall(ptx)),            # ld.local / st.local lines
+            "ld_u64": len(re.findall(r"ld\.global(?:\.nc)?\.u64", ptx)),
+            "st_u64": len(re.findall(r"st\.global\.u64", ptx)),
+            "ld_u16": len(re.findall(r"ld\.global(?:\.nc)?\.(?:u16|b16|f16)", ptx))}
+
+
+def _compile(signatures, ccs, dump):
+    from numba import cuda, types
+    _no_device_for_device_functions(ccs[0])
+    report = {}
+    for name, dtype, fn, sig in signatures:
+        for cc in ccs:
+            ptx, _ = cuda.compile_ptx(fn, types.void(*sig), cc=cc)
+            report[f"{name}/{dtype}/sm_{cc[0]}{cc[1]}"] = _ptx_counts(ptx)
+            if dump:
+                with open(f"{dump}/{name}_{dtype}_sm{cc[0]}{cc[1]}.ptx", "w") as f:
+                    f.write(ptx)
+    return report
+
+
+def ptx_report(ccs=((9, 0),), dtypes=("float16", "float32"), head_dims=(128,), configs=None, dump=None) -> dict:
+    """:func:`compile_all`'s report for the v3 kernels (:func:`kernel_signatures_v3`), compiled
+    with the simulator off (run in a process started with NUMBA_ENABLE_CUDASIM=0)."""
+    return _compile(kernel_signatures_v3(dtypes, head_dims, configs), ccs, dump)
 
 
 def f64_lines(ptx: str) -> list[str]:
@@ -95,29 +153,15 @@ def _no_device_for_device_functions(cc):
 
 def compile_all(ccs=((7, 5), (9, 0)), dtypes=("float32", "float16", "float64"), head_dims=HEAD_DIMS,
                 only=None, dump=None) -> dict:
-    """{f"{name}/{dtype}/sm_{cc}": {"f64": [lines], "bytes": n, "shfl": bool, "local": n, "ld_u64": n,
-    "ld_u16": n}} per kernel and cc: float64 lines, PTX size, shuffles, local-memory accesses
-    (per-thread arrays that did not stay in registers), 8-byte and 2-byte global loads.
+    """{f"{name}/{dtype}/sm_{cc}": {"f64": [lines], "bytes": n, "shfl": n, "local": n, "ld_u64": n,
+    "st_u64": n, "ld_u16": n}} per kernel of :func:`kernel_signatures` and cc: float64 lines, PTX
+    size, shuffles, local-memory accesses (per-thread arrays that did not stay in registers),
+    8-byte global loads and stores, 2-byte global loads.
 
     ``only``: a regular expression a kernel's name must contain (None: all); ``dump``: a folder to write
     each PTX to (for ``ptxas -v``)."""
-    from numba import cuda, types
-    _no_device_for_device_functions(ccs[0])
-    report = {}
-    for name, dtype, fn, sig in kernel_signatures(head_dims):
-        if dtype not in dtypes or (only and not re.search(only, name)):
-            continue
-        for cc in ccs:
-            ptx, _ = cuda.compile_ptx(fn, types.void(*sig), cc=cc)
-            report[f"{name}/{dtype}/sm_{cc[0]}{cc[1]}"] = {
-                "f64": f64_lines(ptx)[:5], "bytes": len(ptx), "shfl": "shfl.sync" in ptx,
-                "local": len(LOCAL_ACCESS.findall(ptx)),            # ld.local / st.local lines
-                "ld_u64": len(re.findall(r"ld\.global(?:\.nc)?\.u64", ptx)),
-                "ld_u16": len(re.findall(r"ld\.global(?:\.nc)?\.(?:u16|b16|f16)", ptx))}
-            if dump:
-                with open(f"{dump}/{name}_{dtype}_sm{cc[0]}{cc[1]}.ptx", "w") as f:
-                    f.write(ptx)
-    return report
+    sigs = [s for s in kernel_signatures(head_dims) if s[1] in dtypes and not (only and not re.search(only, s[0]))]
+    return _compile(sigs, ccs, dump)
 
 
 def main(argv=None):

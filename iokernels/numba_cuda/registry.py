@@ -1,0 +1,187 @@
+"""The Numba backend's kernels, keyed by (op, version), and the calls that dispatch through them.
+
+:data:`REGISTRY` holds one :class:`iokernels.core.registry.Kernel` per (op, version): its
+launcher, its config class, one line on what the version adds, and a check that says
+whether it can run a call (:func:`need` describes the call).  The default for a call is the
+highest-ranked version whose check passes:
+
+============  =======================================================================
+op            default
+============  =======================================================================
+attention     v4 (every version runs every supported dtype and head dim)
+decode        v3 when K and V are C-contiguous (it reads flat views), else v1 (any strides)
+paged_decode  the same, on the pools
+paged_gather  v1 (any strides); v3 on request (C-contiguous pools)
+attention_    v1 (the one version: FlashAttention-2's backward, atomic or deterministic dQ)
+backward
+============  =======================================================================
+
+Every version refuses bfloat16 (Numba has no bfloat16 arithmetic type; the CuPy backend
+runs it) and says so.  The module-level :func:`attention`, :func:`decode`,
+:func:`paged_decode`, :func:`paged_decode_pools`, :func:`paged_gather` and
+:func:`gather_pools` resolve the config through the registry and launch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core import conventions as cv
+from ..core.registry import Need, Registry
+from .decode import decode as _decode_launcher, paged_decode as _paged_launcher
+from .decode import paged_decode_pools as _pools_launcher, smem_reason
+from . import backward as bwd
+from . import forward as fwd
+from . import gather as gat
+from . import launch as ln
+from .config import NUMBA_DTYPES, BackwardConfig, DecodeConfig, ForwardConfig, GatherConfig
+
+REGISTRY = Registry("numba")
+
+
+def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
+    """What a call needs: dtype and head dim (of q, or of the cache), whether K/V (or the pools)
+    are C-contiguous (NumPy input is copied contiguous), the compute capability (None on the
+    simulator), and ``extra["group"]``: query heads per KV head (decode)."""
+    if cache is not None:
+        dtype, d, hkv = cv.dtype_name(cache.k_pool), int(cache.head_dim), int(cache.num_kv_heads)
+        contiguous = True
+    else:
+        x = q if q is not None else k
+        dtype, d = cv.dtype_name(x), int(tuple(x.shape)[-1])
+        hkv = None
+        if k is not None and op in ("decode", "paged_decode"):
+            hkv = int(k.shape[2] if op == "paged_decode" else k.shape[1])
+        contiguous = all(isinstance(a, np.ndarray) or ln.c_contiguous(a) for a in (k, v) if a is not None)
+    extra = {}
+    if q is not None and hkv:
+        extra["group"] = max(1, int(q.shape[1]) // hkv)
+    return Need(dtype=dtype, head_dim=d, cc=ln.compute_capability(), contiguous=contiguous,
+                simulator=ln.simulated(), extra=extra)
+
+
+# --------------------------------------------------------------------------- checks
+def _dtype_reason(n: Need) -> str | None:
+    if n.dtype == "bfloat16":
+        return "Numba has no bfloat16 arithmetic type (the CuPy backend runs bfloat16)"
+    if n.dtype not in NUMBA_DTYPES:
+        return f"dtype {n.dtype} is not one of {', '.join(NUMBA_DTYPES)}"
+    if n.head_dim < 1:
+        return f"head_dim {n.head_dim} < 1"
+    return None
+
+
+def _forward_check(version):
+    def check(n: Need):
+        why = _dtype_reason(n)
+        if why is None:
+            try:
+                ForwardConfig(version=version).resolved(n.head_dim, n.dtype)
+            except ValueError as e:
+                why = str(e)
+        return why
+    return check
+
+
+def _decode_check(version, needs_contiguous):
+    def check(n: Need):
+        why = _dtype_reason(n)
+        if why is None and needs_contiguous and not n.contiguous:
+            why = "k, v: not C-contiguous (this version reads K/V through flat views)"
+        if why is None:
+            why = smem_reason(DecodeConfig(version=version), n.head_dim, n.extra.get("group", 1), n.dtype)
+        return why
+    return check
+
+
+def _gather_check(needs_contiguous):
+    def check(n: Need):
+        why = _dtype_reason(n)
+        if why is None and needs_contiguous and not n.contiguous:
+            why = "k_pool, v_pool: not C-contiguous (this version copies flat runs of the pools)"
+        return why
+    return check
+
+
+_FORWARD = {
+    "v1": "one thread per query row, K and V read from global memory by every row",
+    "v2": "the block stages K_j, V_j in shared memory once for all its rows (FlashAttention-2's loop)",
+    "v3": "several lanes a row and several rows a thread (register tiling), warp-shuffle sums",
+    "v4": "v3 with a 4-key step NVVM unrolls (scores in registers) and batched butterflies",
+}
+for _rank, (_v, _summary) in enumerate(_FORWARD.items(), start=1):
+    REGISTRY.register("attention", _v, config=ForwardConfig, summary=_summary, check=_forward_check(_v),
+                      default_rank=_rank)(fwd.attention)
+
+#: decode ranks: v3 first; where v3 cannot run (strided K/V) v1, the kernel written for any
+#: strides; v2 on request (on strided K/V it loads elements, as v1 does).
+_DECODE = {
+    "v1": (2, False, "a key's dims over L lanes, element loads, split + combine"),
+    "v2": (1, False, "8-byte word loads unpacked by bit-casts in registers, unrolled loops"),
+    "v3": (3, True, "software-pipelined word loads, reduce-scatter lane sums, flat raw-pointer loads"),
+}
+for _v, (_rank, _contig, _summary) in _DECODE.items():
+    for _op, _fn in (("decode", _decode_launcher), ("paged_decode", _paged_launcher)):
+        REGISTRY.register(_op, _v, config=DecodeConfig, summary=_summary, check=_decode_check(_v, _contig),
+                          default_rank=_rank)(_fn)
+
+REGISTRY.register("paged_gather", "v1", config=GatherConfig, default_rank=2, check=_gather_check(False),
+                  summary="a thread block per logical block, 8- or 4-byte words, loads before stores")(gat.paged_gather)
+REGISTRY.register("paged_gather", "v3", config=GatherConfig, default_rank=1, check=_gather_check(True),
+                  summary="a thread block per pool block, flat runs of 8-byte words, UN loads before stores"
+                  )(gat.paged_gather)
+
+
+
+
+def _backward_check(n: Need):
+    why = _dtype_reason(n)
+    if why is None:
+        try:
+            BackwardConfig().resolved(n.head_dim, n.dtype)
+        except ValueError as e:
+            why = str(e)
+    return why
+
+
+REGISTRY.register("attention_backward", "v1", config=BackwardConfig, default_rank=1, check=_backward_check,
+                  summary="FlashAttention-2's backward: K/V tile per block, dK/dV in registers over the GQA "
+                          "group, P recomputed from LSE, dQ by atomics or deterministic partials"
+                  )(bwd.attention_backward)
+
+
+# --------------------------------------------------------------------------- dispatch
+def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
+    """Forward: the registry's kernel for this call (``config`` None: the default)."""
+    kernel, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v))
+    return kernel.launcher(q, k, v, causal=causal, scale=scale, window=window, config=cfg)
+
+
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
+    """Flash-Decoding over a contiguous (ragged) cache: (o, lse)."""
+    kernel, cfg = REGISTRY.resolve("decode", config, need("decode", q=q, k=k, v=v))
+    return kernel.launcher(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=cfg)
+
+
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
+    """Decode over a :class:`~iokernels.paged.PagedKVCache`: (o, lse)."""
+    kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, cache=cache))
+    return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg)
+
+
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None):
+    """Paged decode over device (or NumPy) pools and a host block table: (o, lse)."""
+    _, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, k=k_pool, v=v_pool))
+    return _pools_launcher(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
+                                  config=cfg)
+
+
+def paged_gather(cache, sid, *, config=None):
+    """What ``cache.gather(sid, backend="numba")`` calls: (k, v) of one sequence."""
+    kernel, cfg = REGISTRY.resolve("paged_gather", config, need("paged_gather", cache=cache))
+    return kernel.launcher(cache, sid, config=cfg)
+
+
+def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True, config=None):
+    """The paged gather on device (or NumPy) pools: (k, v) of the pools' kind."""
+    _, cfg = REGISTRY.resolve("paged_gather", config, need("paged_gather", k=k_pool, v=v_pool))
+    return gat.gather_pools(k_pool, v_pool, block_table, seq_len, words=words, config=cfg)

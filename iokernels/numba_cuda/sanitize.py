@@ -1,0 +1,85 @@
+"""Every registered Numba kernel once at ragged shapes, checked against the float64 oracle.
+
+Meant to run under ``compute-sanitizer --tool memcheck`` (and racecheck, synccheck, initcheck)
+on a GPU: ``python -c "import iokernels.numba_cuda as n; n.sanitize_cases()"``
+(scripts/sanitize.py); also runs on the simulator.  The cases iterate
+:data:`iokernels.numba_cuda.REGISTRY`, so a new version is covered when it is registered.
+Each decode and gather version runs its element path (float32, d = 59: rows that are not
+whole 8-byte words) and its word path (float16, d = 64).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core import reference, testing
+from ..paged import PagedKVCache
+from .registry import REGISTRY, need
+
+#: the largest error a case may show against the float64 oracle (float16 inputs, float32 sums)
+SANITIZE_TOL = 1e-2
+#: (dtype, head dim) of the decode/gather cases: the element path, then the 8-byte word path
+PATHS = (("float32", 59), ("float16", 64))
+#: ragged decode lengths: a partial last tile, a short sequence, an empty one
+DECODE_LENS = (45, 7, 0)
+#: paged sequences (block size 16: a partial last block each)
+PAGED_LENS = (45, 13)
+
+
+def _paged(rng, dtype, d):
+    cache = PagedKVCache(12, block_size=16, num_kv_heads=2, head_dim=d, dtype=np.dtype(dtype))
+    sids = [cache.new_sequence() for _ in PAGED_LENS]
+    for sid, n in zip(sids, PAGED_LENS):
+        cache.append(sid, rng.standard_normal((n, 2, d)).astype(dtype), rng.standard_normal((n, 2, d)).astype(dtype))
+    n_max = max(PAGED_LENS)
+    kk = np.stack([np.pad(cache.gather(s)[0], ((0, 0), (0, n_max - cache.seq_len(s)), (0, 0))) for s in sids])
+    vv = np.stack([np.pad(cache.gather(s)[1], ((0, 0), (0, n_max - cache.seq_len(s)), (0, 0))) for s in sids])
+    return cache, sids, kk, vv
+
+
+def sanitize_cases(seed: int = 0, verbose: bool = True):
+    """Run every (op, version) of the registry at ragged shapes against the oracle; returns
+    [(case name, max error)].  Raises AssertionError on a wrong result."""
+    rng = np.random.default_rng(seed)
+    results = []
+
+    def note(name, out, ref):
+        err = float(np.max(np.abs(testing.as_numpy(out).astype(np.float64) - ref))) if np.size(ref) else 0.0
+        results.append((name, err))
+        if verbose:
+            print(f"sanitize_cases: {name}: max err {err:.2e}", flush=True)
+        assert np.isfinite(err) and err < SANITIZE_TOL, f"{name}: max err {err}"
+
+    q, k, v = testing.make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=45,
+                                  head_dim=59, dtype="float32")
+    ref_fwd, _ = reference.attention(q, k, v, causal=True)
+    lens = np.array(DECODE_LENS, np.int32)
+    for kern in REGISTRY:
+        cfg = kern.config_class(version=kern.version)
+        tag = f"{kern.op} {kern.version}"
+        if kern.op == "attention":
+            o, _ = kern.launcher(q, k, v, causal=True, scale=59 ** -0.5, window=(-1, -1), config=cfg)
+            note(tag, o, ref_fwd)
+            continue
+        for dtype, d in PATHS:
+            qd = rng.standard_normal((len(lens), 8, d)).astype(dtype)
+            if kern.op == "decode":
+                kd, vd = (rng.standard_normal((len(lens), 2, max(DECODE_LENS), d)).astype(dtype) for _ in range(2))
+                if kern.unavailable(need("decode", q=qd, k=kd, v=vd)) is None:
+                    ref, _ = reference.decode(qd, kd, vd, seq_lens=lens)
+                    for s in (1, 3):
+                        o, _ = kern.launcher(qd, kd, vd, seq_lens=lens, num_splits=s, scale=None, config=cfg)
+                        note(f"{tag} S={s} {dtype} d={d}", o, ref)
+                continue
+            cache, sids, kk, vv = _paged(rng, dtype, d)
+            if kern.unavailable(need(kern.op, q=qd[:len(sids)], cache=cache)) is not None:
+                continue
+            if kern.op == "paged_decode":
+                ref, _ = reference.decode(qd[:len(sids)], kk, vv, seq_lens=np.array(PAGED_LENS))
+                for s in (1, 2):
+                    o, _ = kern.launcher(qd[:len(sids)], cache, sids, num_splits=s, scale=None, config=cfg)
+                    note(f"{tag} S={s} {dtype} d={d}", o, ref)
+            else:
+                kg, vg = kern.launcher(cache, sids[0], config=cfg)
+                note(f"{tag} {dtype} d={d}", kg, cache.gather(sids[0])[0])
+                note(f"{tag} {dtype} d={d} (V)", vg, cache.gather(sids[0])[1])
+    return results
