@@ -5,6 +5,8 @@ tour      run the progression on a small embedded problem and print, per step an
           writes the figures to figures/ (see :mod:`iokernels.tour`)
 figures   regenerate figures/ from fixed seeds (see :mod:`iokernels.viz.figures`)
 bench     the side-by-side GPU benchmark (see :mod:`iokernels.bench`)
+labs      lab notebooks: ``labs student OUTDIR`` writes learner copies, ``labs grade PATH``
+          grades them (see :mod:`iokernels.labs.cli`)
 
 Without an NVIDIA device, NUMBA_ENABLE_CUDASIM=1 is set here, before anything imports
 numba, so the Numba kernels run on the simulator.
@@ -70,8 +72,13 @@ def main(argv=None) -> int:
             return 2
         return int(bench.main(argv[1:]) or 0)
 
+    from .labs import cli as labs_cli
+    labs_cli.add_parser(sub)
+
     args = parser.parse_args(argv)
     _prepare_environment()
+    if args.command == "labs":
+        return labs_cli.run(args)
     return {"tour": _tour, "figures": _figures}[args.command](args)
 
 
