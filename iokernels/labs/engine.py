@@ -230,7 +230,7 @@ def grade(exercise: Exercise, solution) -> Result:
         except LabFailure as exc:
             lines = [f"case {index + 1} of {len(cases)} ({case.label}): {exc}"]
             if exc.mistake is not None:
-                lines.append(f"likely mistake: {exc.mistake.name}. {exc.mistake.hint}")
+                lines.append(f"likely mistake: {exc.mistake.name}. Fix: {exc.mistake.hint}")
             elif exercise.hint:
                 lines.append(f"hint: {exercise.hint}")
             result = Result(exercise.name, "failed", "\n".join(lines), case.label,

@@ -109,8 +109,8 @@ def _forward_case(kernel, case, rng, first: bool):
     grid = grid_for(p["Nq"], p["B"], p["Hq"])
     try:
         simt.launch(kernel, grid, BR, *args, scale, causal)
-    except simt.RaceError as exc:
-        fail(str(exc), mistake=MISSING_BARRIER)
+    except simt.RaceError as exc:    # two threads writing one element: both load the same tile
+        fail(str(exc), mistake=TILE_PER_THREAD if exc.race.kind == "WAW" else MISSING_BARRIER)
     except simt.BarrierError as exc:
         fail(str(exc))
     ref_o, ref_lse = reference.attention(q, k, v, causal)
