@@ -649,6 +649,11 @@ def _grade_cow(append_token, case, rng):
                                      kt, vt)
                 if table is None:
                     fail("append_token must return the (new) block table of the sequence")
+                blk = int(table[lens[sid] // bs]) if len(table) > lens[sid] // bs else None
+                others = [s for s in tables if s != sid and blk in tables[s]]
+                if others:
+                    fail(f"{where}: sequence {sid} wrote its token {lens[sid]} into block {blk}, which sequence "
+                         f"{others[0]} also holds", mistake=NO_COW)
                 tables[sid], lens[sid] = [int(b) for b in table], lens[sid] + 1
                 tokens[sid].append((kt, vt))
                 ref.append(ref_ids[sid], kt[None], vt[None])

@@ -22,7 +22,7 @@ class Question:
     prompt: str
     answer: Callable[[], dict]          # name -> value, computed by the package
     explain: Callable[[dict], str]      # the explanation, given the answer
-    rel_tol: float = 0.0                # relative tolerance for numeric parts (0: exact)
+    rel_tol: float = 0.0                # relative tolerance for non-integer parts (counts are exact)
 
 
 @dataclass
@@ -88,6 +88,9 @@ QUESTIONS = {
 
 
 def _close(guess, truth, rel_tol) -> bool:
+    """Counts (integers) must be exact; other numbers within rel_tol; anything else equal as text."""
+    if isinstance(truth, int):
+        rel_tol = 0.0
     try:
         g, t = float(guess), float(truth)
     except (TypeError, ValueError):

@@ -13,7 +13,8 @@ barrier -- with two instruments the simulator lacks:
   deterministic, like ``compute-sanitizer --tool racecheck``.
 
 Notation: an *interval* (epoch) is the stretch of a thread's execution between two
-barriers; RAW, WAR, WAW are read-after-write, write-after-read, write-after-write hazards.
+barriers; a hazard is a write and another thread's read (RW) or write (WAW) of one element
+in the same interval.
 
 Only what the labs' kernels use is provided: ``threadIdx``, ``blockIdx``, ``blockDim``,
 ``gridDim`` (x, y), ``shared.array``, ``local.array``, ``syncthreads``.
@@ -35,25 +36,28 @@ __all__ = ["Race", "RaceError", "BarrierError", "launch", "python_function"]
 BARRIER_TIMEOUT_S = 20.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Race:
-    """One hazard on a shared array element."""
+    """One hazard on a shared-array element: a write and another thread's access, unordered.
 
-    kind: str            # "RAW" | "WAR" | "WAW"
+    ``kind`` is "WAW" (two threads write it) or "RW" (one writes, another reads; RAW or WAR
+    depending on which ran first, which the schedule decides: the report does not say).
+    Of all the hazards of a block the smallest (array, index, interval) is reported, so the
+    report is the same whatever order the threads ran in.
+    """
+
     array: int           # which shared array of the kernel (0-based, in allocation order)
     index: tuple
-    first_thread: int
-    first_line: int
-    second_thread: int
-    second_line: int
     interval: int
+    kind: str
+    write_line: int
+    other_line: int
 
     def describe(self) -> str:
-        what = {"RAW": ("wrote", "reads"), "WAR": ("read", "writes"), "WAW": ("wrote", "writes")}[self.kind]
-        return (f"{self.kind} hazard on shared array #{self.array} element {list(self.index)}: thread "
-                f"{self.first_thread} {what[0]} it (kernel line {self.first_line}) and thread "
-                f"{self.second_thread} {what[1]} it (line {self.second_line}) in the same barrier interval "
-                f"({self.interval}): no cuda.syncthreads() separates the two")
+        other = "written again" if self.kind == "WAW" else "read"
+        return (f"race on shared array #{self.array} element {list(self.index)}: written (kernel line "
+                f"{self.write_line}) and {other} (line {self.other_line}) by two different threads in the "
+                f"same barrier interval (number {self.interval}): no cuda.syncthreads() separates them")
 
 
 class RaceError(Exception):
@@ -100,7 +104,11 @@ class _Block:
         self.lock = threading.Lock()
         self.shared: list = []
         self.code = code
-        self.race: Race | None = None
+        self.races: set = set()
+
+    @property
+    def race(self):
+        return min(self.races) if self.races else None
 
 
 class _Tracked:
@@ -120,11 +128,9 @@ class _Tracked:
             frame = frame.f_back
         return frame.f_lineno if frame is not None else -1
 
-    def _hazard(self, kind, flat, first, first_line, interval):
-        if self._block.race is None:
-            idx = tuple(int(i) for i in np.unravel_index(flat, self.shape))
-            self._block.race = Race(kind, self._number, idx, first, first_line, self._state.tid,
-                                    self._line(), interval)
+    def _hazard(self, kind, flat, write_line, other_line, interval):
+        idx = tuple(int(i) for i in np.unravel_index(flat, self.shape))
+        self._block.races.add(Race(self._number, idx, interval, kind, write_line, other_line))
 
     def __getitem__(self, idx):
         t, e = self._state.tid, self._state.interval
@@ -132,7 +138,7 @@ class _Tracked:
             for flat in np.ravel(self._ids[idx]):
                 w = self._writer.get(flat)
                 if w is not None and w[0] != t and w[1] == e:
-                    self._hazard("RAW", flat, w[0], w[2], e)
+                    self._hazard("RW", flat, w[2], self._line(), e)
                 r = self._readers.get(flat)
                 if r is None or r[0] != e:
                     r = (e, {})
@@ -147,12 +153,12 @@ class _Tracked:
             for flat in np.ravel(self._ids[idx]):
                 w = self._writer.get(flat)
                 if w is not None and w[0] != t and w[1] == e:
-                    self._hazard("WAW", flat, w[0], w[2], e)
+                    self._hazard("WAW", flat, w[2], line, e)
                 r = self._readers.get(flat)
                 if r is not None and r[0] == e:
                     other = next((u for u in r[1] if u != t), None)
                     if other is not None:
-                        self._hazard("WAR", flat, other, r[1][other], e)
+                        self._hazard("RW", flat, line, r[1][other], e)
                 self._writer[flat] = (t, e, line)
             self.data[idx] = value
 
