@@ -1,7 +1,7 @@
 """Predict, then check: the answer is shown only after the learner has committed to one.
 
-A notebook cell sets a variable to the learner's prediction and calls :func:`reveal` with
-it.  While the prediction is still None, :func:`reveal` prints how to make one and shows
+A notebook cell sets a variable to the learner's prediction and ends with :func:`reveal`
+(the cell shows what it returns).  While the prediction is still None, :func:`reveal` prints how to make one and shows
 nothing of the answer; once there is one, it says whether it was right (within the
 question's tolerance) and only then prints the answer and why.
 
@@ -110,9 +110,7 @@ def reveal(key: str, prediction) -> Revealed:
     if prediction is None or (isinstance(prediction, dict) and any(v is None for v in prediction.values())):
         text = (f"Predict first: {q.prompt}.  Write your prediction into the variable above (replace None) "
                 "and run this cell again; the answer appears once you have committed to one.")
-        r = Revealed(key, None, {}, text)
-        print(r)
-        return r
+        return Revealed(key, None, {}, text)
     answer = q.answer()
     if not isinstance(prediction, dict):
         if len(answer) != 1:
@@ -125,6 +123,4 @@ def reveal(key: str, prediction) -> Revealed:
     lines = [f"{n}: you said {prediction[n]!r}, the package computes "
              f"{answer[n]:.4g} -> {'right' if ok else 'not quite'}" for n, ok in verdicts.items()]
     lines.append(q.explain(answer))
-    r = Revealed(key, all(verdicts.values()), verdicts, "\n".join(lines))
-    print(r)
-    return r
+    return Revealed(key, all(verdicts.values()), verdicts, "\n".join(lines))
