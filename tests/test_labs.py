@@ -175,8 +175,7 @@ def test_labs_grade_full_marks_on_solutions_zero_on_stubs(tmp_path):
     assert r.returncode == 0 and len(list(learner.glob("*.ipynb"))) == len(LABS), r.stdout + r.stderr
     r = _cli("grade", learner, "--junit", tmp_path / "stubs.xml")
     assert r.returncode == 1
-    graded = len(labs.EXERCISES) - (0 if "cupy_online       failed" in r.stdout else 1)
-    assert f"score: 0 / {graded} exercises passed" in r.stdout or "score: 0 / " in r.stdout, r.stdout
+    assert re.search(r"score: 0 / \d+ exercises passed", r.stdout), r.stdout
     suites = ET.parse(tmp_path / "stubs.xml").getroot()
     failures = [tc for s in suites for tc in s.iter("testcase") if tc.find("failure") is not None]
     assert len(failures) >= len(labs.EXERCISES) - 1
@@ -309,6 +308,14 @@ def test_student_source_replaces_regions_by_stubs():
     assert "fix()" not in lnb.student_source(gone) and "SOLUTION" not in lnb.student_source(gone)
     with pytest.raises(ValueError, match="source"):
         lnb.student_source("### BEGIN SOLUTION\nx = 1\n")
+
+
+def test_strict_mode_raises_for_nbgrader(monkeypatch):
+    monkeypatch.setenv(labs.STRICT_ENV, "1")
+    with pytest.raises(AssertionError, match="nothing to grade yet"):
+        labs.check("loop_order", None)
+    ns = _solution_namespace("03_flash_forward.ipynb")
+    assert labs.check("loop_order", ns["prediction"]).passed
 
 
 def test_check_with_nothing_and_unknown_names():

@@ -31,15 +31,20 @@ copies and graded by :mod:`iokernels.labs.notebooks` (``python -m iokernels labs
 """
 from __future__ import annotations
 
+import os
+
 from .engine import Exercise, Result, collect, grade
 from .exercises import EXERCISES as _NUMPY_EXERCISES
 from .exercises import LOOP_ORDER_SHAPES, loop_order_traffic
 from .gpu_exercises import GPU_EXERCISES
 from .predict import reveal
 
-__all__ = ["check", "EXERCISES", "Exercise", "Result", "collect", "grade", "reveal", "spec",
+__all__ = ["check", "EXERCISES", "STRICT_ENV", "Exercise", "Result", "collect", "grade", "reveal", "spec",
            "LOOP_ORDER_SHAPES", "loop_order_traffic"]
 
+
+#: set to "1" (e.g. in nbgrader's autograding environment) to make a failed check raise
+STRICT_ENV = "IOKERNELS_LABS_STRICT"
 
 #: every exercise by name, in the order of the labs (the GPU ones import numba only when graded)
 EXERCISES = {e.name: e for e in _NUMPY_EXERCISES + GPU_EXERCISES}
@@ -59,11 +64,17 @@ def check(name: str, *solution) -> Result:
     Most exercises take one function; ``naive_traffic`` takes the kernel and the
     prediction function.  The result shows green when every hidden case passes, red with
     the first failing case, its error or its bytes over budget, and a hint otherwise.
-    Nothing is raised for a wrong or unfinished solution: the message says what to fix.
+    Nothing is raised for a wrong or unfinished solution (the message says what to fix),
+    unless the environment sets IOKERNELS_LABS_STRICT=1: then a failed check raises
+    AssertionError, which is how nbgrader's autograder sees a check cell fail.
     """
     if name not in EXERCISES:
         raise ValueError(f"name: expected one of {', '.join(EXERCISES)}; got {name!r}")
     ex = EXERCISES[name]
     if not solution or any(s is None for s in solution):
-        return grade(ex, None)
-    return grade(ex, solution[0] if len(solution) == 1 else tuple(solution))
+        result = grade(ex, None)
+    else:
+        result = grade(ex, solution[0] if len(solution) == 1 else tuple(solution))
+    if os.environ.get(STRICT_ENV) == "1" and result.status == "failed":
+        raise AssertionError(str(result))
+    return result

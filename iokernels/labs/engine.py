@@ -40,8 +40,6 @@ from ..core.traffic import Traffic
 __all__ = ["Case", "Mistake", "CaseReport", "BudgetRow", "Result", "Exercise", "LabFailure",
            "grade", "collect", "budget_report", "oracle_problem", "first_mistake"]
 
-#: the statuses a result can have; "skipped" is neither a pass nor a fail (e.g. no GPU here)
-STATUSES = ("passed", "failed", "skipped")
 
 
 @dataclass(frozen=True)

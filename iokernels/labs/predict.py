@@ -1,9 +1,9 @@
 """Predict, then check: the answer is shown only after the learner has committed to one.
 
 A notebook cell sets a variable to the learner's prediction and ends with :func:`reveal`
-(the cell shows what it returns).  While the prediction is still None, :func:`reveal` prints how to make one and shows
-nothing of the answer; once there is one, it says whether it was right (within the
-question's tolerance) and only then prints the answer and why.
+(the cell shows what it returns).  While the prediction is still None, it says how to make
+one and shows nothing of the answer; once there is one, it says whether it was right
+(within the question's tolerance) and only then gives the answer and why.
 
 Each question is a :class:`Question`: the prompt, how the answer is computed by the
 package (never a hard-coded number), the tolerance, and the explanation.
