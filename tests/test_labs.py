@@ -217,6 +217,8 @@ WRONG = [
        "                    s = (q @ k.T) * acc.type(scale)")], "Q re-read inside the K/V tile loop"),
     ("03_flash_forward.ipynb", "flash_forward", ("flash_forward",),
      [('!= "skip"]', ']')], "fully masked tiles loaded"),
+    ("03_flash_forward.ipynb", "flash_forward", ("flash_forward",),
+     [("hk = ik.conventions.kv_head(h, Hq, Hkv)", "hk = h % Hkv")], "K/V of the wrong head (GQA)"),
     ("03_flash_forward.ipynb", "loop_order", ("prediction",),
      [('prediction = {"A": "fa1"', 'prediction = {"A": "fa2"')], "shape A: you predicted fa2"),
     ("04_backward.ipynb", "flash_backward", ("flash_backward",),

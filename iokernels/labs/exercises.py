@@ -272,11 +272,10 @@ def _grade_forward(kernel, case, rng):
     ref_o, ref_lse = reference.attention(q, k, v, causal)
     base_o, base_lse = naive.attention(q, k, v, causal=causal, scale=scale, window=None)
     report = CaseReport()
-    if p["Hq"] != p["Hkv"]:       # reading the wrong KV head shows as an error, name it
-        wrong = reference.attention(q, k[:, :1].repeat(p["Hkv"], 1), v[:, :1].repeat(p["Hkv"], 1), causal)[0]
-        mistakes = [(GQA_KV, wrong)]
-    else:
-        mistakes = []
+    mistakes = []
+    if p["Hq"] != p["Hkv"]:       # head h reading KV head h % Hkv instead of h // g: name it
+        modulo = np.arange(p["Hq"]) % p["Hkv"]
+        mistakes.append((GQA_KV, reference.attention(q, k[:, modulo], v[:, modulo], causal)[0]))
     oracle_problem(O.data, ref_o, base_o, name="O", dtype=dtype, report=report,
                    masked_rows=_masked_rows(p["Nq"], p["Nk"], causal), mistakes=mistakes)
     oracle_problem(LSE.data, ref_lse, base_lse, name="LSE", dtype=dtype, report=report)
