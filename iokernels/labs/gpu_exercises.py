@@ -222,17 +222,17 @@ extern "C" __global__ void lab_flash_fwd(const float* __restrict__ q, const floa
     __shared__ float V_j[BC][D_MAX];
     const int bh = blockIdx.y, b = bh / Hq, h = bh % Hq, hk = h / (Hq / Hkv);
     const int i = blockIdx.x * BR + threadIdx.x;                 // this thread's query row
-    const float* qb = q + ((size_t)bh * Nq) * d;
-    const float* kb = k + ((size_t)(b * Hkv + hk) * Nk) * d;
-    const float* vb = v + ((size_t)(b * Hkv + hk) * Nk) * d;
+    const float* qb = q + ((long long)bh * Nq) * d;
+    const float* kb = k + ((long long)(b * Hkv + hk) * Nk) * d;
+    const float* vb = v + ((long long)(b * Hkv + hk) * Nk) * d;
     float q_i[D_MAX], o_i[D_MAX], s[BC];
     float m_i = __int_as_float(0xff800000), l_i = 0.0f;     // m = -inf
-    for (int dd = 0; dd < d; ++dd) { q_i[dd] = i < Nq ? qb[(size_t)i * d + dd] : 0.0f; o_i[dd] = 0.0f; }
+    for (int dd = 0; dd < d; ++dd) { q_i[dd] = i < Nq ? qb[(long long)i * d + dd] : 0.0f; o_i[dd] = 0.0f; }
     for (int c0 = 0; c0 < Nk; c0 += BC) {                         // for each K/V tile j
         const int n = min(BC, Nk - c0);
         for (int e = threadIdx.x; e < n * d; e += BR) {           // load K_j, V_j -> shared memory
-            K_j[e / d][e % d] = kb[(size_t)(c0 + e / d) * d + e % d];
-            V_j[e / d][e % d] = vb[(size_t)(c0 + e / d) * d + e % d];
+            K_j[e / d][e % d] = kb[(long long)(c0 + e / d) * d + e % d];
+            V_j[e / d][e % d] = vb[(long long)(c0 + e / d) * d + e % d];
         }
         __syncthreads();
         if (i < Nq) {
@@ -247,8 +247,8 @@ extern "C" __global__ void lab_flash_fwd(const float* __restrict__ q, const floa
         __syncthreads();
     }
     if (i < Nq) {                                                 // write O_i, LSE_i -> HBM
-        for (int dd = 0; dd < d; ++dd) o[((size_t)bh * Nq + i) * d + dd] = o_i[dd] / l_i;
-        lse[(size_t)bh * Nq + i] = m_i + logf(l_i);
+        for (int dd = 0; dd < d; ++dd) o[((long long)bh * Nq + i) * d + dd] = o_i[dd] / l_i;
+        lse[(long long)bh * Nq + i] = m_i + logf(l_i);
     }
 }
 """
