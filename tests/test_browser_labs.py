@@ -32,7 +32,8 @@ GREEN = "rgb(230, 244, 234)"
 
 def _solution_of(nb: dict, marker: str) -> str:
     """The solution cell's source that contains ``marker``."""
-    return next("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code" and marker in "".join(c["source"]))
+    sources = ("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    return next(s for s in sources if marker in s)
 
 
 def _upload(lab_server, name: str, nb: dict) -> None:

@@ -30,6 +30,7 @@ import contextvars
 import html
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -202,9 +203,15 @@ def _stub_message(exc: NotImplementedError) -> str:
     return text or "the function still raises NotImplementedError"
 
 
+#: frames inside the package or an installed library are not the learner's code
+_NOT_LEARNER = (str(Path(__file__).resolve().parents[1]), "site-packages", "dist-packages")
+
+
 def _raised(exc: BaseException) -> str:
+    """The exception and the learner's line that raised it (the innermost frame of their code)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    where = next((f for f in reversed(frames) if "iokernels/labs" not in f.filename.replace("\\", "/")), None)
+    where = next((f for f in reversed(frames) if not f.filename.startswith(_NOT_LEARNER[0])
+                  and not any(s in f.filename for s in _NOT_LEARNER[1:])), None)
     at = f" (line {where.lineno}: {where.line})" if where is not None and where.line else ""
     return f"{type(exc).__name__}: {exc}{at}"
 
@@ -212,7 +219,8 @@ def _raised(exc: BaseException) -> str:
 def grade(exercise: Exercise, solution) -> Result:
     """Run ``solution`` on every hidden case of ``exercise``; the first failure is the result."""
     if solution is None:
-        result = Result(exercise.name, "failed", f"nothing to grade yet: write {exercise.entry} (replace None), then run the check again")
+        result = Result(exercise.name, "failed",
+                        f"nothing to grade yet: write {exercise.entry} (replace None), then run the check again")
         _record(result)
         return result
     cases = exercise.cases()
@@ -235,8 +243,9 @@ def grade(exercise: Exercise, solution) -> Result:
                             mistake=None if exc.mistake is None else exc.mistake.name, cases_run=index)
             _fill_numbers(result, getattr(exc, "report", None))
         except Exception as exc:        # the learner's code raised: say where, never a traceback
+            hint = f"\nhint: {exercise.hint}" if exercise.hint else ""
             result = Result(exercise.name, "failed",
-                            f"case {index + 1} of {len(cases)} ({case.label}) raised {_raised(exc)}",
+                            f"case {index + 1} of {len(cases)} ({case.label}) raised {_raised(exc)}{hint}",
                             case.label, cases_run=index)
         else:
             continue

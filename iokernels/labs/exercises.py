@@ -40,7 +40,7 @@ from .engine import CaseReport, Case, Exercise, Mistake, budget_report, fail, or
 
 def _label(**p) -> str:
     """A case as a failure message names it."""
-    keys = ("B", "Hq", "Hkv", "Nq", "Nk", "N", "d", "Br", "Bc", "splits", "block_size", "dtype")
+    keys = ("B", "Hq", "Hkv", "rows", "Nq", "Nk", "N", "d", "Br", "Bc", "parts", "splits", "block_size", "dtype")
     parts = [f"{k}={p[k]}" for k in keys if k in p]
     if p.get("causal"):
         parts.append("causal")

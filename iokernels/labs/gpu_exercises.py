@@ -164,7 +164,8 @@ NUMBA_FORWARD = Exercise(
           "whole block; q (B, Hq, Nq, d), k, v (B, Hkv, Nk, d), o like q, lse (B, Hq, Nq), all float32."),
     cases=lambda: [Case(_label(p), p) for p in _FORWARD_CASES],
     grade_case=lambda kernel, case, rng: (_require_numba(), _grade_numba_forward(kernel, case, rng))[1],
-    seed=808, hint="each thread: its row's m, l, O in registers (local arrays); the block: the K/V tile in shared memory.",
+    seed=808,
+    hint="each thread: its row's m, l, O in registers (local arrays); the block: the K/V tile in shared memory.",
     mistakes=(TILE_PER_THREAD, Q_REREAD_GPU, MASKED_TILES_GPU, MISSING_BARRIER))
 
 

@@ -213,10 +213,19 @@ def score_table(grades) -> str:
                 graded += 1
                 passed += r.passed
     lines.append("-" * len(head))
+    for g in grades:                     # why each failure failed: the grader's first line
+        for r in g.results:
+            if r.status == "failed":
+                lines.append(f"{g.path.stem}/{r.exercise}: {r.message.splitlines()[0]}")
     lines.append(f"score: {passed} / {graded} exercises passed"
                  + (" (skipped ones, e.g. GPU-only without a GPU, are not counted)" if any(
                      r.status == "skipped" for g in grades for r in g.results) else ""))
     return "\n".join(lines)
+
+
+def _attr(text: str) -> str:
+    """Text escaped for an XML attribute value in double quotes."""
+    return escape(text, {'"': "&quot;", "\n": "&#10;"})
 
 
 def junit_xml(grades) -> str:
@@ -232,9 +241,9 @@ def junit_xml(grades) -> str:
             out.append(f'    <testcase classname="labs.{escape(g.path.stem)}" name="{escape(r.exercise)}">')
             if r.status == "failed":
                 first = r.message.splitlines()[0] if r.message else ""
-                out.append(f'      <failure message="{escape(first, {chr(34): "&quot;"})}">{escape(r.message)}</failure>')
+                out.append(f'      <failure message="{_attr(first)}">{escape(r.message)}</failure>')
             elif r.status == "skipped":
-                out.append(f'      <skipped message="{escape(r.message, {chr(34): "&quot;"})}"/>')
+                out.append(f'      <skipped message="{_attr(r.message)}"/>')
             out.append("    </testcase>")
         out.append("  </testsuite>")
     out.append("</testsuites>")
