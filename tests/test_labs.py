@@ -228,6 +228,9 @@ WRONG = [
      "K_j, V_j re-read inside the Q loop"),
     ("05_flash_decoding.ipynb", "merge_states", ("merge_states",),
      [("np.where(live[..., None], o_parts, 0.0)", "o_parts")], "an empty part leaks NaN"),
+    ("05_flash_decoding.ipynb", "merge_states", ("merge_states",),
+     [("np.exp(np.where(live, lse_parts - np.where(empty, 0, m), 0))", "np.exp(np.where(live, lse_parts, 0))")],
+     "exp(LSE_s) without subtracting the max"),
     ("05_flash_decoding.ipynb", "split_kv_decode", ("split_kv_decode",),
      [("kvh = np.arange(Hq) // (Hq // Hkv)", "kvh = np.arange(Hq) % Hkv")], "O: max |O - oracle|"),
     ("06_paged_kv_cache.ipynb", "paged_gather", ("paged_gather",),
@@ -258,6 +261,11 @@ def test_wrong_solution_fails_and_names_the_mistake(lab, exercise, entries, plan
     assert "case " in result.message or "shape" in result.message, "the message names the failing case"
     again = labs.check(exercise, *(ns[e] for e in entries))     # seeded: the same verdict every time
     assert again.status == "failed" and again.message == result.message
+
+
+def test_the_package_merge_passes_its_own_exercise():
+    import iokernels as ik
+    assert labs.check("merge_states", ik.merge_states).passed
 
 
 def test_wrong_cuda_update_does_not_compile_or_is_skipped():

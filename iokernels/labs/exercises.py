@@ -498,7 +498,7 @@ MERGE_STATES = Exercise(
     name="merge_states", title="The exact log-sum-exp merge, empty parts included", entry="merge_states",
     spec=("merge_states(o_parts, lse_parts) -> (o, lse): o_parts (S, rows, d) normalized partial outputs, "
           "lse_parts (S, rows) their log-sum-exps (-inf: the part saw no key; its O may be anything, even NaN)."),
-    cases=lambda: [_case(rows=6, N=40, parts=4, d=59), _case(rows=5, N=31, parts=3, d=7, boost=40.0)],
+    cases=lambda: [_case(rows=6, N=40, parts=4, d=59), _case(rows=5, N=31, parts=3, d=7, boost=400.0)],
     grade_case=_grade_merge, seed=606,
     hint="LSE = m + log sum_s exp(LSE_s - m) with m = max_s LSE_s; O = sum_s exp(LSE_s - LSE) O_s.",
     mistakes=(EMPTY_PART_NAN, NO_MAX_SHIFT, NOT_NORMALIZED))
