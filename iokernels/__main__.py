@@ -1,4 +1,4 @@
-"""The command line: ``python -m iokernels {tour,figures,bench,ring}``.
+"""The command line: ``python -m iokernels {tour,figures,bench,ring,labs}``.
 
 tour      run the progression on a small embedded problem and print, per step and backend,
           the error against the float64 oracle, counted and modelled HBM bytes, and time;
@@ -7,6 +7,8 @@ figures   regenerate figures/ from fixed seeds (see :mod:`iokernels.viz.figures`
 bench     the side-by-side GPU benchmark (see :mod:`iokernels.bench`)
 ring      ring attention on W local processes over torch.distributed, checked against the
           float64 oracle, bytes per rank counted and modelled (see :mod:`iokernels.ring_launch`)
+labs      lab notebooks: ``labs student OUTDIR`` writes learner copies, ``labs grade PATH``
+          grades them (see :mod:`iokernels.labs.cli`)
 
 Without an NVIDIA device, NUMBA_ENABLE_CUDASIM=1 is set here, before anything imports
 numba, so the Numba kernels run on the simulator.
@@ -78,8 +80,13 @@ def main(argv=None) -> int:
             return 2
         return int(bench.main(argv[1:]) or 0)
 
+    from .labs import cli as labs_cli
+    labs_cli.add_parser(sub)
+
     args = parser.parse_args(argv)
     _prepare_environment()
+    if args.command == "labs":
+        return labs_cli.run(args)
     return {"tour": _tour, "figures": _figures}[args.command](args)
 
 
