@@ -5,7 +5,8 @@
 #   bash dev.sh tour      the progression on a small problem; figures -> figures/   (README step 1)
 #   bash dev.sh test      the whole test suite, notebooks and browser test included  (README step 2)
 #   bash dev.sh figures   regenerate figures/ from fixed seeds
-#   bash dev.sh lab       JupyterLab on the notebooks
+#   bash dev.sh lab       JupyterLab on the notebooks (simulator on without a GPU, no news pop-up)
+#   bash dev.sh strip     strip outputs from every notebook, in place (before committing one)
 #   bash dev.sh setup     only the set-up
 #
 # Extra arguments go to the command (e.g. `bash dev.sh test tests/test_cli.py -x`).
@@ -60,6 +61,27 @@ case "$cmd" in
     test)    setup; exec "$VENV/bin/python" -m pytest -p no:cacheprovider --timeout=600 "$@" ;;
     lab)     setup; unset MPLBACKEND
              root_flag=(); [ "$(id -u)" = 0 ] && root_flag=(--allow-root)   # Jupyter refuses root otherwise
-             exec "$VENV/bin/jupyter" lab "${root_flag[@]}" notebooks/ "$@" ;;
-    *) echo "usage: bash dev.sh {tour|test|figures|lab|setup} [args...]" >&2; exit 2 ;;
+             # no news pop-up and no update check: a course opens on the notebooks, nothing else
+             exec "$VENV/bin/jupyter" lab "${root_flag[@]}" --LabApp.news_url=None \
+                 --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate notebooks/ "$@" ;;
+    strip)   setup
+             # every code cell: no outputs, no execution count; notebook-level widget state dropped
+             exec "$VENV/bin/python" - "${@:-notebooks}" <<'PY'
+import sys
+from pathlib import Path
+import nbformat
+paths = [p for a in sys.argv[1:] for p in (sorted(Path(a).glob("*.ipynb")) if Path(a).is_dir() else [Path(a)])]
+for path in paths:
+    nb = nbformat.read(path, as_version=4)
+    before = nbformat.writes(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nb.metadata.pop("widgets", None)
+    if nbformat.writes(nb) != before:
+        nbformat.write(nb, path)
+        print(f"stripped {path}")
+PY
+             ;;
+    *) echo "usage: bash dev.sh {tour|test|figures|lab|strip|setup} [args...]" >&2; exit 2 ;;
 esac
