@@ -380,11 +380,13 @@ def roofline_points(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float
     FlashAttention-2's bytes are its traffic model with ``config`` (default: the paper's
     tile choice for the GPU's shared memory, :meth:`TileConfig.from_sram`).  The model
     counts every re-read of K and V from HBM (once per query tile), as written, no caches;
-    on a real GPU the L2 cache serves many of those re-reads, so measured traffic lies
-    between that and "ideal", the mandatory floor.
+    ``out["fa2"]["parts"]`` splits its bytes (:func:`iokernels.traffic.decompose`).  On a real
+    GPU the L2 cache serves most of those re-reads: ``out["measured"]``, when a recorded GPU
+    run exists, places FlashAttention-2 at the DRAM bytes the profiler measured for torch's
+    flash kernel, as a multiple of the mandatory bytes (``ratio``) with the record's label.
     """
     import iokernels as ik
-    from ..core import traffic
+    from ..core import recorded, traffic
     itemsize = cv.itemsize_of(dtype)
     flops = rl.attention_flops(seqlen, seqlen, head_dim)
     mand = rl.mandatory_bytes(seqlen, seqlen, head_dim, itemsize=itemsize)
@@ -392,17 +394,30 @@ def roofline_points(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float
     if config is None:
         config = ik.TileConfig.from_sram(rl.get_gpu(gpu)["smem_per_sm_kib"] * 1024, head_dim, dtype)
     cfg = config
-    fa2 = traffic.model("fa2", batch=1, heads_q=1, heads_kv=1, seqlen_q=seqlen, seqlen_k=seqlen,
-                        head_dim=head_dim, dtype=dtype, config=cfg).total
+    fa2_t = traffic.model("fa2", batch=1, heads_q=1, heads_kv=1, seqlen_q=seqlen, seqlen_k=seqlen,
+                          head_dim=head_dim, dtype=dtype, config=cfg)
     out = {"flops": flops, "ridge": rl.ridge_point(gpu, dtype), "gpu": gpu, "dtype": dtype, "config": cfg}
-    for name, nbytes in (("naive", naive), ("fa2", fa2), ("ideal", mand)):
+    for name, nbytes in (("naive", naive), ("fa2", fa2_t.total), ("ideal", mand)):
         out[name] = dict(bytes=nbytes, **rl.time_bounds(flops, nbytes, gpu, dtype))
+    out["fa2"]["parts"] = traffic.decompose(fa2_t, heads=1, seqlen_q=seqlen, seqlen_k=seqlen, head_dim=head_dim,
+                                            itemsize=itemsize)
+    flash = next((r for r in measured_parts() if r["case"] == "sdpa flash"), None)
+    if flash is not None:
+        nbytes = flash["measured"] * mand
+        out["measured"] = dict(bytes=nbytes, ratio=flash["measured"], problem=flash["problem"],
+                               label=recorded.short_label(recorded.load()),
+                               **rl.time_bounds(flops, nbytes, gpu, dtype))
     return out
 
 
 def roofline(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float16", gpu: str = "H100 SXM",
              ax=None):
-    """A roofline for ``gpu`` with naive attention, FlashAttention-2 and the floor placed on it."""
+    """A roofline for ``gpu`` with naive attention, FlashAttention-2 and the floor placed on it.
+
+    FlashAttention-2 appears twice: as written (every K/V re-read from HBM, the model) and
+    at the DRAM bytes a profiler measured for a fused flash kernel (the recorded GPU run,
+    when there is one), where the L2 cache has served the re-reads.
+    """
     pts = roofline_points(seqlen, head_dim, dtype, gpu)
     g = rl.get_gpu(gpu)
     peak = pts["ridge"] * g["hbm_tbps"]       # TFLOP/s: ridge (FLOP/B) x bandwidth (TB/s)
@@ -416,19 +431,27 @@ def roofline(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float16", gp
     ax.axvline(pts["ridge"], color="grey", ls=":", lw=1)
     ax.text(pts["ridge"] * 1.08, peak * 0.04, f"ridge {pts['ridge']:.0f} FLOP/B", fontsize=8, color="grey")
     cfg = pts["config"]
-    for key, colour, label in (("naive", _NAIVE_COLOR, "naive"),
-                               ("fa2", _FLASH_COLOR, f"FlashAttention-2, Br={cfg.block_q}, Bc={cfg.block_k},\n"
-                                                     "  every K/V re-read from HBM (no L2)"),
-                               ("ideal", _FLOOR_COLOR, "mandatory bytes only")):
+    rereads = pts["fa2"]["parts"]["tile re-reads"] / pts["fa2"]["bytes"]
+    points = [("naive", _NAIVE_COLOR, "o", "naive (S and P through HBM)"),
+              ("fa2", _FLASH_COLOR, "o", f"FlashAttention-2 as written, Br={cfg.block_q}, Bc={cfg.block_k}:\n"
+                                         f"  {rereads:.0%} of its bytes are K/V re-reads (no L2)")]
+    if "measured" in pts:
+        points.append(("measured", _FLASH_COLOR, "*", f"FlashAttention-2, measured DRAM bytes\n"
+                                                      f"  ({pts['measured']['ratio']:.2f}x mandatory at N={pts['measured']['problem']['N']}; "
+                                                      f"{pts['measured']['label']})"))
+    points.append(("ideal", _FLOOR_COLOR, "o", "mandatory bytes only"))
+    for key, colour, marker, label in points:
         p = pts[key]
-        attainable = min(peak, p["intensity"] * g["hbm_tbps"])
-        ax.plot([p["intensity"]], [attainable], "o", color=colour, ms=9,
-                label=f"{label}: {p['intensity']:.0f} FLOP/B, {p['bound']}-bound")
+        intensity = pts["flops"] / p["bytes"]
+        attainable = min(peak, intensity * g["hbm_tbps"])
+        ax.plot([intensity], [attainable], marker, color=colour, ms=12 if marker == "*" else 9,
+                mfc="white" if key == "measured" else colour,
+                label=f"{label}: {intensity:.0f} FLOP/B, {p['bound']}-bound")
     ax.set_xlabel("arithmetic intensity (FLOP / byte of HBM traffic)")
     ax.set_ylabel("attainable TFLOP/s")
     ax.set_title(f"Roofline: attention, N={seqlen}, d={head_dim}, one head", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=7, loc="lower right")
     return fig if fig is not None else ax
 
 
