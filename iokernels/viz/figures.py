@@ -372,6 +372,38 @@ def traffic_vs_n(seqlens=TRAFFIC_SEQLENS, head_dim: int = 64, dtype: str = "floa
     return fig if fig is not None else axes
 
 
+#: the decode kernels the recorded decode summary compares (default versions, contiguous and paged)
+DECODE_SUMMARY_RUNNERS = ("sdpa:cudnn", "sdpa:flash", "cupy:split", "cupy:split paged", "numba:v3",
+                          "numba:v3 paged")
+
+
+def recorded_decode_summary(rec=None, dtype: str = "float16", runners=DECODE_SUMMARY_RUNNERS, ax=None):
+    """Decode speed of each kernel as a share of the best SDPA backend of the same case, one
+    group of bars per (batch, seqlen) case of the recorded GPU run, labelled with the record."""
+    from ..core import recorded
+    rec = recorded.load() if rec is None else rec
+    rows = recorded.bench_rows(rec, section="decode", dtype=dtype, runners=runners)
+    cases = sorted({(r["batch"], r["seqlen"]) for r in rows})
+    present = [rn for rn in runners if any(r["runner"] == rn for r in rows)]
+    fig = None
+    if ax is None:
+        fig = _figure((9.0, 3.8))
+        ax = fig.add_subplot()
+    width = 0.8 / max(1, len(present))
+    for k, rn in enumerate(present):
+        speed = {(r["batch"], r["seqlen"]): r.get("speed_vs_best_sdpa") for r in rows if r["runner"] == rn}
+        ax.bar(np.arange(len(cases)) + (k - (len(present) - 1) / 2) * width,
+               [speed.get(c) or 0.0 for c in cases], width, label=rn, hatch="//" if "paged" in rn else None)
+    ax.axhline(1.0, color="grey", lw=1, ls=":")
+    ax.set_xticks(np.arange(len(cases)), [f"B={b}, N={n}" for b, n in cases], fontsize=8)
+    ax.set_ylabel("speed / best SDPA backend\n(same case, same run)")
+    ax.set_title(f"Decode, {dtype}, GQA {rows[0]['heads_q']}/{rows[0]['heads_kv']} heads, "
+                 f"d={rows[0]['head_dim']} -- {recorded.short_label(rec)}" if rows else "no decode rows", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.grid(True, axis="y", alpha=0.3)
+    return fig if fig is not None else ax
+
+
 # --------------------------------------------------------------------------- roofline
 def roofline_points(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float16",
                     gpu: str = "H100 SXM", config=None) -> dict:
