@@ -16,6 +16,10 @@
 # editable mode with all its extras, then a Jupyter kernel named "python3" that runs the
 # venv's Python.  A stamp file holding the hash of pyproject.toml (and of this script)
 # skips the pip steps when nothing changed.
+#
+# IOKERNELS_SETUP=cpu picks a lighter set-up for machines without a GPU: no CuPy and no
+# CUDA toolkit wheels (numba and numba-cuda alone: the simulator needs nothing more); the
+# CuPy sections then show recorded results only, as they do on any machine without a GPU.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -23,6 +27,7 @@ PYTHON=${PYTHON:-python3}      # the interpreter that creates .venv
 VENV=.venv
 TORCH_PIN="torch==2.13.0"      # the CPU build pip finds locally; the GPU machine brings its own
 STAMP="$VENV/.iokernels-setup"
+SETUP=${IOKERNELS_SETUP:-full}  # full | cpu
 
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
@@ -30,11 +35,17 @@ setup() {
         "$PYTHON" -m venv "$VENV"
     fi
     local want
-    want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
+    want=$( (cat pyproject.toml dev.sh; echo "$SETUP") | sha256sum | cut -d' ' -f1)
     if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
-        echo "[dev.sh] installing $TORCH_PIN, then iokernels[all] (editable)"
+        echo "[dev.sh] set-up ($SETUP): installing $TORCH_PIN first"
         "$VENV/bin/python" -m pip install --quiet "$TORCH_PIN"
-        "$VENV/bin/python" -m pip install --quiet -e ".[all]"
+        case "$SETUP" in
+            full) echo "[dev.sh] installing iokernels[all] (editable)"
+                  "$VENV/bin/python" -m pip install --quiet -e ".[all]" ;;
+            cpu)  echo "[dev.sh] installing iokernels[torch,notebooks,dev] (editable), numba, numba-cuda"
+                  "$VENV/bin/python" -m pip install --quiet -e ".[torch,notebooks,dev]" "numba>=0.60" "numba-cuda>=0.30" ;;
+            *)    echo "IOKERNELS_SETUP must be full or cpu, got '$SETUP'" >&2; exit 2 ;;
+        esac
         echo "$want" > "$STAMP"
     fi
     # A kernel named python3 inside the venv (sys-prefix) that runs the venv's Python.
