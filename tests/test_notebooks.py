@@ -7,6 +7,12 @@ a hard wall-clock limit, so two clients never share ZeroMQ sockets or an event l
 
 What keeps the runs from stalling:
 
+* the stall once seen: a cell (notebook 00's widget cell, which sends many messages at
+  once) "took" exactly the cell timeout and then succeeded.  nbclient waits for a reply
+  with one ZeroMQ poll over the whole timeout; when that poll misses its wake-up (the
+  reply had arrived; the poll only looks again when it times out), the notebook sits idle
+  until the deadline.  The child process therefore polls in slices of POLL_SLICE_S
+  seconds: a missed wake-up costs at most one slice;
 * one warm-up kernel runs first, alone: it imports matplotlib (building its font cache
   on a fresh machine), ipywidgets and the package, so two notebooks starting at once
   never both build caches;
@@ -52,6 +58,8 @@ CELL_TIMEOUT_S = NOTEBOOK_BUDGET_S
 STARTUP_TIMEOUT_S = 60
 #: the whole child process, start-up and retry included; past this it is killed and fails
 NOTEBOOK_HARD_LIMIT_S = 2 * STARTUP_TIMEOUT_S + NOTEBOOK_BUDGET_S + 60
+#: the longest single ZeroMQ poll of the notebook client (see the module docstring)
+POLL_SLICE_S = 1.0
 #: how instructors and contributors strip outputs after running a notebook in JupyterLab
 STRIP_ADVICE = "strip outputs with `bash dev.sh strip` (every notebook, in place)"
 
@@ -66,7 +74,25 @@ _RUNNER = r"""
 import json, os, sys, tempfile, time
 import nbformat, nbclient
 from traitlets.config import Config
+import queue
+from jupyter_client.channels import AsyncZMQSocketChannel
 path, timeout, startup, cwd = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+poll_slice = float(sys.argv[5])
+_get_msg = AsyncZMQSocketChannel.get_msg
+
+
+async def sliced_get_msg(self, timeout=None):   # one missed ZeroMQ wake-up costs one slice, not the timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = poll_slice if deadline is None else min(poll_slice, max(0.0, deadline - time.monotonic()))
+        try:
+            return await _get_msg(self, timeout=left)
+        except queue.Empty:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+
+
+AsyncZMQSocketChannel.get_msg = sliced_get_msg
 config = Config()
 if os.name == "posix":                      # IPC sockets in a folder of this run's own
     config.KernelManager.transport = "ipc"
@@ -118,7 +144,7 @@ def _execute(path: Path):
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-c", _RUNNER, str(path), str(CELL_TIMEOUT_S),
-                               str(STARTUP_TIMEOUT_S), str(path.parent)],
+                               str(STARTUP_TIMEOUT_S), str(path.parent), str(POLL_SLICE_S)],
                               env=_child_env(), capture_output=True, text=True, timeout=NOTEBOOK_HARD_LIMIT_S)
     except subprocess.TimeoutExpired:
         return time.perf_counter() - t0, {}, f"killed after {NOTEBOOK_HARD_LIMIT_S} s (hung or far too slow)"
