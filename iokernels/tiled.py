@@ -535,6 +535,10 @@ def forward_flex(q, k, v, *, scale=None, score_mod=None, mask_mod=None, bias=Non
     counted as "block_mask".  Fully masked tiles are skipped; rows that see no key give O = 0
     and LSE = -inf.
     """
+    cv.check_qkv(q, k, v)
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name}: expected a function or None, got {type(fn).__name__}")
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     cfg = _resolve_config(config, d, q.dtype.name)

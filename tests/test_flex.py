@@ -126,3 +126,7 @@ def test_fully_masked_rows_zero_and_bad_bias_raises(rng):
         tiled.forward_flex(q, k, v, bias=np.ones((1, 2, 20, 29)))
     with pytest.raises(ValueError, match="cap"):
         tiled.softcap(0.0)
+    with pytest.raises(ValueError, match="score_mod"):
+        tiled.forward_flex(q, k, v, score_mod=3.0)
+    with pytest.raises(ValueError):
+        tiled.forward_flex(q, k[..., :4], v)               # head-dim mismatch
