@@ -5,7 +5,8 @@
 #   bash dev.sh tour      the progression on a small problem; figures -> figures/   (README step 1)
 #   bash dev.sh test      the whole test suite, notebooks and browser test included  (README step 2)
 #   bash dev.sh figures   regenerate figures/ from fixed seeds
-#   bash dev.sh lab       JupyterLab on the notebooks
+#   bash dev.sh lab       JupyterLab on the notebooks (simulator on without a GPU, no news pop-up)
+#   bash dev.sh strip     strip outputs from every notebook, in place (before committing one)
 #   bash dev.sh setup     only the set-up
 #
 # Extra arguments go to the command (e.g. `bash dev.sh test tests/test_cli.py -x`).
@@ -15,6 +16,10 @@
 # editable mode with all its extras, then a Jupyter kernel named "python3" that runs the
 # venv's Python.  A stamp file holding the hash of pyproject.toml (and of this script)
 # skips the pip steps when nothing changed.
+#
+# IOKERNELS_SETUP=cpu picks a lighter set-up for machines without a GPU: no CuPy and no
+# CUDA toolkit wheels (numba and numba-cuda alone: the simulator needs nothing more); the
+# CuPy sections then show recorded results only, as they do on any machine without a GPU.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
@@ -22,6 +27,7 @@ PYTHON=${PYTHON:-python3}      # the interpreter that creates .venv
 VENV=.venv
 TORCH_PIN="torch==2.13.0"      # the CPU build pip finds locally; the GPU machine brings its own
 STAMP="$VENV/.iokernels-setup"
+SETUP=${IOKERNELS_SETUP:-full}  # full | cpu
 
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
@@ -29,11 +35,17 @@ setup() {
         "$PYTHON" -m venv "$VENV"
     fi
     local want
-    want=$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)
+    want=$( (cat pyproject.toml dev.sh; echo "$SETUP") | sha256sum | cut -d' ' -f1)
     if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$want" ]; then
-        echo "[dev.sh] installing $TORCH_PIN, then iokernels[all] (editable)"
+        echo "[dev.sh] set-up ($SETUP): installing $TORCH_PIN first"
         "$VENV/bin/python" -m pip install --quiet "$TORCH_PIN"
-        "$VENV/bin/python" -m pip install --quiet -e ".[all]"
+        case "$SETUP" in
+            full) echo "[dev.sh] installing iokernels[all] (editable)"
+                  "$VENV/bin/python" -m pip install --quiet -e ".[all]" ;;
+            cpu)  echo "[dev.sh] installing iokernels[torch,notebooks,dev] (editable), numba, numba-cuda"
+                  "$VENV/bin/python" -m pip install --quiet -e ".[torch,notebooks,dev]" "numba>=0.60" "numba-cuda>=0.30" ;;
+            *)    echo "IOKERNELS_SETUP must be full or cpu, got '$SETUP'" >&2; exit 2 ;;
+        esac
         echo "$want" > "$STAMP"
     fi
     # A kernel named python3 inside the venv (sys-prefix) that runs the venv's Python.
@@ -60,6 +72,27 @@ case "$cmd" in
     test)    setup; exec "$VENV/bin/python" -m pytest -p no:cacheprovider --timeout=600 "$@" ;;
     lab)     setup; unset MPLBACKEND
              root_flag=(); [ "$(id -u)" = 0 ] && root_flag=(--allow-root)   # Jupyter refuses root otherwise
-             exec "$VENV/bin/jupyter" lab "${root_flag[@]}" notebooks/ "$@" ;;
-    *) echo "usage: bash dev.sh {tour|test|figures|lab|setup} [args...]" >&2; exit 2 ;;
+             # no news pop-up and no update check: a course opens on the notebooks, nothing else
+             exec "$VENV/bin/jupyter" lab "${root_flag[@]}" --LabApp.news_url=None \
+                 --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate notebooks/ "$@" ;;
+    strip)   setup
+             # every code cell: no outputs, no execution count; notebook-level widget state dropped
+             exec "$VENV/bin/python" - "${@:-notebooks}" <<'PY'
+import sys
+from pathlib import Path
+import nbformat
+paths = [p for a in sys.argv[1:] for p in (sorted(Path(a).glob("*.ipynb")) if Path(a).is_dir() else [Path(a)])]
+for path in paths:
+    nb = nbformat.read(path, as_version=4)
+    before = nbformat.writes(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nb.metadata.pop("widgets", None)
+    if nbformat.writes(nb) != before:
+        nbformat.write(nb, path)
+        print(f"stripped {path}")
+PY
+             ;;
+    *) echo "usage: bash dev.sh {tour|test|figures|lab|strip|setup} [args...]" >&2; exit 2 ;;
 esac

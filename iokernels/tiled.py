@@ -507,3 +507,213 @@ def io_complexity_table(seqlens=(512, 1024, 2048, 4096, 8192), sram_bytes=(32 * 
                              naive_theta=(N * head_dim + N * N) * st,
                              flash_theta=N * N * head_dim * head_dim / m_elems * st))
     return rows
+
+
+# --------------------------------------------------------------------------- score_mod, block masks
+# Arbitrary masks and biases without an N x N tensor (the idea of FlexAttention: He, Guessous,
+# Liang, Dong, "FlexAttention", 2024).  A dense bias B (batch, heads, N_q, N_k) in HBM costs
+# N_q * N_k elements of reads per head, the quadratic traffic FlashAttention removed.  A
+# ``score_mod`` instead computes the change from the indices, on chip, inside the tile loop;
+# a ``mask_mod`` says which (query, key) pairs are visible, and its block mask (one state per
+# tile: skip / partial / full) lets the loop skip fully masked tiles without loading them.
+#
+#   score_mod(s, b, h, q_idx, kv_idx) -> s'     s: (Br, Bc) scores scale * Q_i K_j^T
+#   mask_mod(b, h, q_idx, kv_idx) -> bool       True = visible
+#
+# b, h are ints; q_idx is a (Br, 1) and kv_idx a (1, Bc) array of absolute positions, so
+# the functions broadcast (the oracle calls them with whole-matrix index arrays).
+
+__all__ += ["BlockMask", "block_mask", "forward_flex", "traffic_model_flex",
+            "alibi_slopes", "alibi", "softcap", "document_mask"]
+
+#: bytes per entry of the block mask the kernel reads per query tile (one int8 state per tile)
+BLOCK_MASK_ITEMSIZE = 1
+_SKIP, _PARTIAL, _FULL = 0, 1, 2
+
+
+@dataclass
+class BlockMask:
+    """Tile states of a ``mask_mod`` (and causal / window) for one problem and tile size.
+
+    ``states[b, h, i, j]`` is 0 (skip: no pair visible, the tile is never loaded),
+    1 (partial: the mask is applied inside the tile) or 2 (full: no mask needed).
+    """
+    states: np.ndarray
+    block_q: int
+    block_k: int
+
+    @property
+    def num_skipped(self) -> int:
+        return int((self.states == _SKIP).sum())
+
+    @property
+    def num_visited(self) -> int:
+        return int((self.states != _SKIP).sum())
+
+
+def _tile_visible(mask_mod, b, h, r0, r1, c0, c1, Nq, Nk, causal, window):
+    """(r1 - r0, c1 - c0) visibility of one tile: the causal/window band AND mask_mod."""
+    vis = cv.mask(Nq, Nk, causal, window, rows=(r0, r1), cols=(c0, c1))
+    if mask_mod is not None:
+        q_idx, kv_idx = np.arange(r0, r1)[:, None], np.arange(c0, c1)[None, :]
+        vis = vis & np.broadcast_to(np.asarray(mask_mod(b, h, q_idx, kv_idx), dtype=bool), vis.shape)
+    return vis
+
+
+def block_mask(mask_mod=None, *, batch, heads, seqlen_q, seqlen_k, block_q, block_k,
+               causal=False, window=None) -> BlockMask:
+    """Evaluate ``mask_mod`` tile by tile into a :class:`BlockMask` (computed once, ahead of the
+    kernel, from indices alone: it reads nothing from HBM)."""
+    Tr, Tc = -(-seqlen_q // block_q), -(-seqlen_k // block_k)
+    states = np.empty((batch, heads, Tr, Tc), np.int8)
+    for b in range(batch):
+        for h in range(heads):
+            for i, (r0, r1) in enumerate(_row_tiles(seqlen_q, block_q)):
+                for j, (c0, c1) in enumerate(_row_tiles(seqlen_k, block_k)):
+                    vis = _tile_visible(mask_mod, b, h, r0, r1, c0, c1, seqlen_q, seqlen_k, causal, window)
+                    states[b, h, i, j] = _FULL if vis.all() else (_PARTIAL if vis.any() else _SKIP)
+    return BlockMask(states, block_q, block_k)
+
+
+def forward_flex(q, k, v, *, scale=None, score_mod=None, mask_mod=None, bias=None, causal=False,
+                 window=None, config=None, blocks=None):
+    """FlashAttention-2's loops with a ``score_mod`` and a block-sparse ``mask_mod``.  Returns (O, LSE).
+
+    ``bias`` (batch, heads_q, N_q, N_k), if given, is a dense additive bias that lives in HBM:
+    each visited tile loads its (Br, Bc) slice, which the counter sees as the tensor "bias".
+    It is here to be compared with a ``score_mod`` that adds the same values from indices.
+    The block mask (``blocks``, or computed here) is read per query tile: Tc int8 states,
+    counted as "block_mask".  Fully masked tiles are skipped; rows that see no key give O = 0
+    and LSE = -inf.
+    """
+    cv.check_qkv(q, k, v)
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name}: expected a function or None, got {type(fn).__name__}")
+    B, Hq, Nq, d = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    cfg = _resolve_config(config, d, q.dtype.name)
+    if bias is not None and tuple(bias.shape) != (B, Hq, Nq, Nk):
+        raise ValueError(f"bias: expected shape {(B, Hq, Nq, Nk)}, got {tuple(bias.shape)}")
+    scale = cv.resolve_scale(scale, d)
+    acc = cv.accum_dtype(q.dtype.name)
+    bm = blocks if blocks is not None else block_mask(
+        mask_mod, batch=B, heads=Hq, seqlen_q=Nq, seqlen_k=Nk, block_q=cfg.block_q,
+        block_k=cfg.block_k, causal=causal, window=window)
+    if bm.states.shape != (B, Hq, -(-Nq // cfg.block_q), -(-Nk // cfg.block_k)):
+        raise ValueError(f"blocks: states of shape {bm.states.shape} do not match the problem's tiles")
+    Q, K, V = HBM(q, "Q"), HBM(k, "K"), HBM(v, "V")
+    BIAS = HBM(bias, "bias") if bias is not None else None
+    BM = HBM(bm.states, "block_mask")
+    O = HBM.empty(q.shape, q.dtype, "O")
+    LSE = HBM.empty((B, Hq, Nq), acc, "LSE")
+    kv_tiles = _row_tiles(Nk, cfg.block_k)
+    for b in range(B):                                      # grid: one program per (b, h, i)
+        for h in range(Hq):
+            hk = cv.kv_head(h, Hq, Hkv)
+            for i, (r0, r1) in enumerate(_row_tiles(Nq, cfg.block_q)):
+                states = BM[b, h, i]                        # load block-mask row i -> SRAM (Tc bytes)
+                if not (states != _SKIP).any():             # every key masked for these rows:
+                    O[b, h, r0:r1] = 0                      #   write O_i = 0 -> HBM
+                    LSE[b, h, r0:r1] = -np.inf              #   write LSE_i = -inf -> HBM
+                    continue
+                q_i = Q[b, h, r0:r1].astype(acc)            # load Q_i -> SRAM
+                n = r1 - r0
+                m, l, o = np.full(n, -np.inf, acc), np.zeros(n, acc), np.zeros((n, d), acc)
+                q_idx = np.arange(r0, r1)[:, None]
+                for j, (c0, c1) in enumerate(kv_tiles):     # for each K/V tile j
+                    if states[j] == _SKIP:                  #   fully masked: never loaded
+                        continue
+                    k_j = K[b, hk, c0:c1].astype(acc)       # load K_j -> SRAM
+                    v_j = V[b, hk, c0:c1].astype(acc)       # load V_j -> SRAM
+                    s = (q_i @ k_j.T) * acc.type(scale)     # S_ij on chip
+                    if BIAS is not None:
+                        s = s + BIAS[b, h, r0:r1, c0:c1].astype(acc)   # load bias_ij -> SRAM (Br*Bc)
+                    if score_mod is not None:               # computed from indices: no HBM bytes
+                        s = np.asarray(score_mod(s, b, h, q_idx, np.arange(c0, c1)[None, :]), acc)
+                    if states[j] == _PARTIAL:               # mask inside the tile
+                        vis = _tile_visible(mask_mod, b, h, r0, r1, c0, c1, Nq, Nk, causal, window)
+                        s = np.where(vis, s, -np.inf)
+                    m_new = np.maximum(m, s.max(axis=1))
+                    m_ref = np.where(np.isneginf(m_new), 0.0, m_new).astype(acc)
+                    alpha = np.exp(m - m_ref)
+                    p = np.exp(s - m_ref[:, None])
+                    l = alpha * l + p.sum(axis=1)
+                    o = alpha[:, None] * o + p @ v_j
+                    m = m_new
+                o, lse = _finalize(m, l, o)
+                O[b, h, r0:r1] = o                          # write O_i -> HBM (once)
+                LSE[b, h, r0:r1] = lse                      # write LSE_i -> HBM (once)
+    return O.data, LSE.data
+
+
+def traffic_model_flex(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,
+                       mask_mod=None, bias=False, causal=False, window=None, config=None,
+                       blocks=None) -> Traffic:
+    """Closed-form HBM bytes of :func:`forward_flex`, from its block mask.
+
+    Per (b, query head) and query tile i of n_i rows: read its Tc block-mask states; if a
+    tile is visited, read Q_i; for every visited key tile of c_j keys read c_j*d of K and of
+    V (and n_i*c_j of the dense bias when ``bias``); write O_i and LSE_i.  A score_mod adds
+    nothing: it reads no tensor.
+    """
+    cfg, st, acc, _ = _problem(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, config)
+    bm = blocks if blocks is not None else block_mask(
+        mask_mod, batch=batch, heads=heads_q, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        block_q=cfg.block_q, block_k=cfg.block_k, causal=causal, window=window)
+    rows = np.array([r1 - r0 for r0, r1 in _row_tiles(seqlen_q, cfg.block_q)])
+    cols = np.array([c1 - c0 for c0, c1 in _row_tiles(seqlen_k, cfg.block_k)])
+    visited = bm.states != _SKIP                                    # (B, H, Tr, Tc)
+    any_row = visited.any(axis=-1)                                  # (B, H, Tr)
+    kv_el = int((visited * cols).sum()) * head_dim
+    t = Traffic()
+    t.add("block_mask", read=bm.states.size * BLOCK_MASK_ITEMSIZE)
+    t.add("Q", read=int((any_row * rows).sum()) * head_dim * st)
+    t.add("K", read=kv_el * st)
+    t.add("V", read=kv_el * st)
+    if bias:
+        t.add("bias", read=int((visited * rows[:, None] * cols[None, :]).sum()) * st)
+    t.add("O", written=batch * heads_q * seqlen_q * head_dim * st)
+    t.add("LSE", written=batch * heads_q * seqlen_q * acc)
+    return t
+
+
+# score_mod / mask_mod factories
+def alibi_slopes(heads: int) -> np.ndarray:
+    """ALiBi's per-head slopes 2^(-8 h / H), h = 1..H (Press, Smith, Lewis, "ALiBi", 2022)."""
+    return 2.0 ** (-8.0 * np.arange(1, heads + 1) / heads)
+
+
+def alibi(slopes, seqlen_q: int, seqlen_k: int):
+    """score_mod adding -slope_h * |distance| between a query and a key (bottom-right aligned
+    positions, like the causal mask): ALiBi's linear bias, from indices only."""
+    slopes = np.asarray(slopes, dtype=np.float64)
+    shift = seqlen_k - seqlen_q
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return s - slopes[h] * np.abs(q_idx + shift - kv_idx)
+    return score_mod
+
+
+def softcap(cap: float):
+    """score_mod s -> cap * tanh(s / cap): Gemma 2's logit soft-capping (Gemma Team, 2024)."""
+    if not cap > 0:
+        raise ValueError(f"cap: expected a positive number, got {cap!r}")
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return cap * np.tanh(s / cap)
+    return score_mod
+
+
+def document_mask(doc_ids_q, doc_ids_k=None):
+    """mask_mod: a query sees a key only within its own document (packed sequences).
+
+    ``doc_ids_q[i]`` is the document of query position i (and ``doc_ids_k`` of key j;
+    the same ids when omitted).
+    """
+    dq = np.asarray(doc_ids_q)
+    dk = dq if doc_ids_k is None else np.asarray(doc_ids_k)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return dq[q_idx] == dk[kv_idx]
+    return mask_mod

@@ -29,7 +29,9 @@ backends: Numba CUDA (on the simulator at a tiny size when there is no GPU), CuP
 exits non-zero at the end.
 
 The GPU backends do not count traffic (there are no HBM wrappers on a device); their
-modelled bytes are left out.  Figures go to ``figures/`` unless ``--no-figures``.
+modelled bytes are left out.  Under each step, a line starting ``->`` says what to read
+off it (:func:`conclusion`), e.g. how many of naive attention's bytes the tiled kernel
+moves, and why.  Figures go to ``figures/`` unless ``--no-figures``.
 """
 from __future__ import annotations
 
@@ -93,6 +95,7 @@ class Row:
     seconds: float | None = None
     status: str = "ok"                    # "ok" | "skipped" | "failed"
     note: str = ""
+    traffic: object = None                # the counted Traffic of a NumPy step, for its conclusion
 
 
 def nvidia_device_present() -> bool:
@@ -164,7 +167,7 @@ def _forward(c: _Case, backend: str, loop_order: str | None = None, model: str |
         counted = t.total
         modelled = traffic.model(model, dtype=c.p.dtype, causal=c.p.causal, config=config,
                                  **c.p.shape_kw()).total
-    return Row("", backend, err, verdict, counted, modelled, dt)
+    return Row("", backend, err, verdict, counted, modelled, dt, traffic=t if model is not None else None)
 
 
 #: FlashAttention-4's conditional-rescaling threshold for 16-bit inputs (log2 units)
@@ -203,7 +206,7 @@ def _backward(c: _Case, backend: str, model: str):
     from .core.testing import GRADIENT_FACTOR
     err, verdict = _checked(zip(grads, c.base["ref_grad"], base), factor=GRADIENT_FACTOR)
     modelled = traffic.model(model, dtype=c.p.dtype, causal=c.p.causal, **c.p.shape_kw()).total
-    return Row("", backend, err, verdict, t.total, modelled, dt)
+    return Row("", backend, err, verdict, t.total, modelled, dt, traffic=t)
 
 
 def _paged_cache(c: _Case):
@@ -257,7 +260,7 @@ def _decode(c: _Case, paged: bool):
     dt = time.perf_counter() - t0
     bo, bl = c.base["decode"]
     err, verdict = _checked([(o, c.ref_decode[0], bo), (lse, c.ref_decode[1], bl)])
-    return Row("", "tiled", err, verdict, t.total, traffic.model(kind, **kw).total, dt)
+    return Row("", "tiled", err, verdict, t.total, traffic.model(kind, **kw).total, dt, traffic=t)
 
 
 def _to_numpy(x):
@@ -307,6 +310,56 @@ def _torch_status() -> tuple[bool, str]:
     except Exception as e:
         return False, f"torch backend unavailable ({type(e).__name__}: {e})"
     return True, "CUDA" if gpu.torch_gpu() else "CPU"
+
+
+# --------------------------------------------------------------------------- conclusions
+def _parts(row: Row, p: Problem) -> dict:
+    from .core import conventions as cv
+    from .core import traffic
+    return traffic.decompose(row.traffic, heads=p.batch * p.heads_q, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k,
+                             head_dim=p.head_dim, itemsize=cv.itemsize_of(p.dtype))
+
+
+def _ratio(rows: dict, a: str, b: str):
+    ra, rb = rows.get(a), rows.get(b)
+    return ra.counted / rb.counted if ra and rb and ra.counted and rb.counted else None
+
+
+def conclusion(name: str, row: Row, rows: dict, p: Problem) -> str:
+    """The one line a learner should read off step ``name`` (rows: the steps so far, by name)."""
+    if row.status != "ok" or row.verdict == "FAIL":
+        return ""
+    if name == "01 naive forward":
+        sp = _parts(row, p)["S and P"]
+        return f"S and P are {sp / row.counted:.0%} of naive's bytes: N x N intermediates written and read back"
+    if name == "03 tiled forward FA1":
+        x, parts = _ratio(rows, name, "01 naive forward"), _parts(row, p)
+        return (f"FA1 moves {x:.2f}x naive's bytes: no S and P, but Q, O, m, l are re-read once per K/V tile "
+                f"({parts['tile re-reads'] / row.counted:.0%} of its bytes)")
+    if name == "03 tiled forward FA2":
+        x, parts = _ratio(rows, name, "01 naive forward"), _parts(row, p)
+        return (f"tiled moves {x:.2f}x naive's bytes: S and P never reach HBM; what is left above the "
+                f"mandatory bytes is K/V re-read once per query tile ({parts['tile re-reads'] / row.counted:.0%}), "
+                "which a GPU's L2 mostly serves")
+    if name == "04 backward naive":
+        return "the naive backward moves P, dP and dS through HBM: N x N matrices again"
+    if name == "04 backward tiled (FA2)":
+        x = _ratio(rows, name, "04 backward naive")
+        return f"the tiled backward moves {x:.2f}x the naive backward's bytes: it rebuilds P from O and the LSE"
+    if name == "07 paged gather":
+        return "a gather reads the cache through the block table and writes it contiguously: exact, 2x the cache"
+    if name == "08 decode (split-KV)":
+        kv = sum(row.traffic.by_tensor[t][0] for t in ("K", "V"))
+        return f"decode reads K and V once: {kv / row.counted:.0%} of its bytes; it is bandwidth-bound"
+    if name == "08 paged decode":
+        contiguous = rows.get("08 decode (split-KV)")
+        if contiguous is None or contiguous.counted is None:
+            return ""
+        return (f"paged decode moves {row.counted - contiguous.counted:,} B more than contiguous decode: "
+                "the block-table entries, nothing else")
+    if row.counted is None and row.error is not None:
+        return "the same answer as the NumPy kernels, within FlashAttention's accuracy rule"
+    return ""
 
 
 # --------------------------------------------------------------------------- the table
@@ -404,6 +457,9 @@ def run(problem: Problem = DEFAULT, *, seed: int = 0, figures_dir=None, file=Non
                 row = Row(name, backend, status="failed", note=f"{type(e).__name__}: {e}")
         rows.append(row)
         print(_fmt(row), file=out, flush=True)
+        line = conclusion(name, row, {r.step: r for r in rows}, problem)
+        if line:
+            print(f"    -> {line}", file=out, flush=True)
 
     if figures_dir is not None:
         from .viz import figures

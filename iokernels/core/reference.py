@@ -34,8 +34,14 @@ def _expand_kv(x, heads_q):
     return x[:, cv.kv_head_index(heads_q, x.shape[1])]
 
 
-def attention(q, k, v, causal=False, scale=None, window=None):
-    """Float64 attention: returns (O, LSE) with O (B, Hq, Nq, d) and LSE (B, Hq, Nq)."""
+def attention(q, k, v, causal=False, scale=None, window=None, score_mod=None, mask_mod=None):
+    """Float64 attention: returns (O, LSE) with O (B, Hq, Nq, d) and LSE (B, Hq, Nq).
+
+    ``score_mod(S, b, h, q_idx, kv_idx)`` changes the scores and ``mask_mod(b, h, q_idx,
+    kv_idx)`` hides (query, key) pairs, as in :func:`iokernels.tiled.forward_flex`; here they
+    are called once on the whole matrix with broadcasting index arrays b (B,1,1,1),
+    h (1,H,1,1), q_idx (Nq,1), kv_idx (1,Nk).
+    """
     q, k, v = _f64(q), _f64(k), _f64(v)
     B, Hq, Nq, d = q.shape
     Nk = k.shape[2]
@@ -43,6 +49,13 @@ def attention(q, k, v, causal=False, scale=None, window=None):
     k, v = _expand_kv(k, Hq), _expand_kv(v, Hq)
     visible = cv.mask(Nq, Nk, causal, window)                        # (Nq, Nk)
     S = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    if score_mod is not None or mask_mod is not None:
+        b_idx, h_idx = np.arange(B)[:, None, None, None], np.arange(Hq)[None, :, None, None]
+        q_idx, kv_idx = np.arange(Nq)[:, None], np.arange(Nk)[None, :]
+        if score_mod is not None:
+            S = np.broadcast_to(score_mod(S, b_idx, h_idx, q_idx, kv_idx), S.shape).astype(np.float64)
+        if mask_mod is not None:
+            visible = visible & np.broadcast_to(mask_mod(b_idx, h_idx, q_idx, kv_idx), S.shape)
     S = np.where(visible, S, -np.inf)
     m = S.max(axis=-1, keepdims=True) if Nk > 0 else np.full((B, Hq, Nq, 1), -np.inf)
     empty = ~np.isfinite(m)                                          # fully masked rows

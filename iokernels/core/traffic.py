@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Traffic", "HBM", "count", "model", "MODELS"]
+__all__ = ["Traffic", "HBM", "count", "model", "MODELS", "decompose", "PARTS"]
 
 
 @dataclass
@@ -249,3 +249,45 @@ def model(kind: str, **problem) -> Traffic:
         raise ValueError(f"kind: expected one of {', '.join(sorted(MODELS))}; got {kind!r}")
     mod, fn = MODELS[kind].split(":")
     return getattr(importlib.import_module(mod), fn)(**problem)
+
+
+# --------------------------------------------------------------------------- where the bytes go
+#: the parts :func:`decompose` splits a traffic total into, in plotting order
+PARTS = ("mandatory", "S and P", "tile re-reads", "LSE", "other")
+#: tensors that every attention kernel must move once: read Q, K, V; write O
+_ONCE = {"Q": ("read", "q"), "K": ("read", "k"), "V": ("read", "k"), "O": ("written", "q")}
+
+
+def decompose(t: Traffic, *, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
+              itemsize: int) -> dict:
+    """Split a traffic total into the parts that explain it: {part: bytes}, summing to ``t.total``.
+
+    ========================  ==========================================================
+    mandatory                 Q, K, V read once and O written once (``heads`` = batch x
+                              query heads; a tensor moved less than once counts what it moved)
+    S and P                   naive attention's N_q x N_k intermediates, written and read
+    tile re-reads             every further read or write of Q, K, V, O and the running
+                              statistics m, l of FlashAttention-1: the price of tiling,
+                              quadratic in N but divided by the tile size
+    LSE                       the log-sum-exp per row (linear in N)
+    other                     any other tensor (a dense bias, a block mask, ...)
+    ========================  ==========================================================
+    """
+    rows = {"q": seqlen_q, "k": seqlen_k}
+    out = dict.fromkeys(PARTS, 0)
+    for name, (r, w) in t.by_tensor.items():
+        if name in _ONCE:
+            direction, n = _ONCE[name]
+            moved = r if direction == "read" else w
+            once = min(moved, heads * rows[n] * head_dim * itemsize)
+            out["mandatory"] += once
+            out["tile re-reads"] += r + w - once
+        elif name in ("S", "P"):
+            out["S and P"] += r + w
+        elif name in ("m", "l"):
+            out["tile re-reads"] += r + w
+        elif name == "LSE":
+            out["LSE"] += r + w
+        else:
+            out["other"] += r + w
+    return out

@@ -5,6 +5,7 @@ it returns.  matplotlib and ipywidgets are imported inside the functions that ne
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 
@@ -35,3 +36,26 @@ def show_source(obj, *, start: str | None = None, stop: str | None = None):
         pass
     print(src)
     return None
+
+
+@contextlib.contextmanager
+def native_stderr_silenced():
+    """Send what C/C++ code writes to file descriptor 2 to /dev/null inside the block.
+
+    torch's profiler (Kineto) prints "USDT: ... profiler_start" / "profiler_stop" lines
+    from C++ every time it starts and stops; they are trace markers, not warnings, and a
+    notebook would show them as red stderr boxes.  Python-level warnings and exceptions
+    are unaffected (they go through ``sys.stderr`` objects, which are left alone).
+    """
+    import os
+    import sys
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

@@ -234,13 +234,24 @@ class PoolExplorer:
                           title=f"prefix hits {st['prefix_hits']}, copies on write {st['copy_on_write']}")
 
 
+#: tokens of the request the explorer opens with, so every button does something at once
+EXPLORER_FIRST_TOKENS = 5
+
+
 def pool_explorer(explorer=None):
-    """An ipywidgets explorer: new sequence, append, fork, free; pool and tables redrawn."""
+    """An ipywidgets explorer: new sequence, append, fork, free; pool and tables redrawn.
+
+    It opens with one request of EXPLORER_FIRST_TOKENS tokens, selected, when the explorer
+    holds none, so append, fork and free work from the first click.
+    """
     import ipywidgets as W
     import matplotlib.pyplot as plt
     from IPython.display import display
 
     ex = explorer or PoolExplorer()
+    if not ex.cache.seq_ids:
+        ex.append(ex.new(), EXPLORER_FIRST_TOKENS)
+        ex.log.append("a first request is selected: append tokens to it, fork it, or press new")
     out = W.Output()
     seq = W.Dropdown(description="sequence", options=[])
     n = W.IntSlider(description="tokens", value=3, min=1, max=12)
@@ -279,6 +290,7 @@ def pool_explorer(explorer=None):
     for name, b in buttons.items():
         b.on_click(act(name))
     redraw()
+    seq.value = ex.cache.seq_ids[-1]
     return W.VBox([W.HBox(list(buttons.values())), W.HBox([seq, n, diverge]), status, out])
 
 

@@ -28,6 +28,8 @@ __all__ = ["roofline_calculator", "roofline_table", "online_softmax_stepper", "o
 #: the article's problem: the calculator opens on it
 ARTICLE_SEQLEN, ARTICLE_HEAD_DIM, ARTICLE_DTYPE, ARTICLE_GPU = 4096, 128, "float16", "H100 SXM"
 DTYPES = ("float16", "bfloat16", "float32")
+#: the calculator's sequence lengths: powers of two, so one step of the slider doubles N
+SEQLENS = tuple(2 ** k for k in range(8, 16))
 HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
@@ -59,17 +61,21 @@ def roofline_table(seqlen=ARTICLE_SEQLEN, head_dim=ARTICLE_HEAD_DIM, dtype=ARTIC
         p = pts[key]
         rows.append((label, f"{p['bytes'] / 1e6:,.2f} MB", f"{p['intensity']:,.1f} FLOP/B",
                      f"{p['bound']}-bound: memory {_time(p['memory_s'])}, compute {_time(p['compute_s'])}"))
+        if key == "fa2":
+            parts = p["parts"]
+            rows.append(("  of which K/V re-reads (per query tile)", f"{parts['tile re-reads'] / 1e6:,.2f} MB",
+                         "", "an L2 cache serves most of these on a GPU"))
     rows.append((f"ridge point of {gpu} ({dtype})", "", f"{pts['ridge']:,.1f} FLOP/B", ""))
     return _table(rows, header=("", "HBM bytes", "intensity", "time bounds (one head)"))
 
 
 def roofline_calculator(seqlen=ARTICLE_SEQLEN, head_dim=ARTICLE_HEAD_DIM, dtype=ARTICLE_DTYPE, gpu=ARTICLE_GPU):
-    """Sliders for N, d, dtype and GPU; a table of the numbers and the roofline below it."""
+    """A slider for N (powers of two), drop-downs for d, dtype and GPU; the numbers and the roofline below."""
     import ipywidgets as w
     import matplotlib.pyplot as plt
     from IPython.display import display
-    n = w.IntSlider(value=seqlen, min=256, max=32768, step=256, description="N",
-                    continuous_update=False, style={"description_width": "initial"})
+    n = w.SelectionSlider(options=sorted(set(SEQLENS) | {seqlen}), value=seqlen, description="N",
+                          continuous_update=False, style={"description_width": "initial"})
     d = w.Dropdown(options=HEAD_DIMS, value=head_dim, description="head dim d")
     dt = w.Dropdown(options=DTYPES, value=dtype, description="dtype")
     g = w.Dropdown(options=list(rl.GPUS) + list(rl.MEASURED), value=gpu, description="GPU")
