@@ -33,7 +33,7 @@ LOGS=$(mktemp -d)
 T0=$(date +%s)
 
 # per-stage limits in seconds (total well under 600)
-T_ENV=30 T_BENCH=${T_BENCH:-170} T_TRAFFIC=${T_TRAFFIC:-90} T_CHECKS=${T_CHECKS:-240}
+T_ENV=30 T_BENCH=${T_BENCH:-230} T_TRAFFIC=${T_TRAFFIC:-90} T_CHECKS=${T_CHECKS:-270}
 
 # the whole script must end before DEADLINE seconds (the device tool allows 600 per call)
 DEADLINE=${DEADLINE:-550}

@@ -119,6 +119,8 @@ def table(record) -> str:
                 note += " SUSPECT: " + r["suspect"]
             if r.get("ran"):
                 note += f" ran {r['ran']}"
+            if ok and r.get("host_ms", 0) > r["ms"]:
+                note += f" host-bound: {r['host_ms']:.4f} ms of Python a call"
             lines.append(f"{c['section']:<9}{c['dtype']:<10}{_shape_text(c):<30}{r['runner']:<22}{ms:>11}"
                          f"{rate:>17}{mem:>9}{ratio:>9}  {note.strip()[:90]}")
         if c.get("silent_fallback"):

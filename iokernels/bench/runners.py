@@ -14,7 +14,7 @@ import numpy as np
 import iokernels as ik
 
 from .specs import CHECK_TOL, NUMPY_MAX_FLOPS, PAGED_BLOCK, SDPA_NAMES, SLOW_CALL_MS, TARGET_MS_PER_RUNNER
-from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _Device, _torch_cuda, peak_memory, time_cpu, time_cuda
+from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _Device, _torch_cuda, host_ms, peak_memory, time_cpu, time_cuda
 
 
 class Unavailable(Exception):
@@ -144,6 +144,9 @@ def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=T
             if warmup is None:          # the check call and the probe already warmed it up
                 warmup = DEFAULT_WARMUP if probe.median_ms < SLOW_CALL_MS else 1
             t = time_cuda(fn, warmup=warmup, reps=n)
+            if t.median_ms < SLOW_CALL_MS:      # host time per call: only short calls can be host-bound
+                row["host_ms"] = round(host_ms(fn), 5)
+                _Device().synchronize()
             mem = peak_memory(fn)
             row.update(peak_MiB=round(mem["peak_bytes"] / 2**20, 1),
                        extra_MiB=round(mem["extra_bytes"] / 2**20, 1))

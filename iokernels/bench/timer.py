@@ -49,7 +49,7 @@ FALLBACK_L2_BYTES = 64 * 1024 * 1024
 #: the timed region.  Without it, a kernel shorter than the Python that launches it is timed
 #: at the Python's speed, not its own.  Host overhead longer than this still shows, and is
 #: then part of the cost a caller sees.
-LAUNCH_SLACK_US = 1000
+LAUNCH_SLACK_US = 3000
 #: the spin kernel counts SM clock cycles; the H200 runs at up to 1.98 GHz
 SPIN_CYCLES_PER_US = 1980
 
@@ -164,8 +164,10 @@ class _Device:
         else:
             self._buf.fill(0)
 
-    def spin(self, us=LAUNCH_SLACK_US):
-        """Keep the GPU busy for about ``us`` microseconds (untimed), so launches queue up."""
+    def spin(self, us=None):
+        """Keep the GPU busy for about ``us`` microseconds (default :data:`LAUNCH_SLACK_US`, read
+        at the call), untimed, so launches queue up."""
+        us = LAUNCH_SLACK_US if us is None else us
         if us <= 0:
             return
         cycles = int(us * SPIN_CYCLES_PER_US)
@@ -193,7 +195,7 @@ def _cupy_loaded() -> bool:
 # --------------------------------------------------------------------------- the timers
 def time_cuda(fn, *args, warmup: int = DEFAULT_WARMUP, reps: int = DEFAULT_REPS,
               flush_l2: bool = True, l2_bytes: int | None = None,
-              launch_slack_us: float = LAUNCH_SLACK_US, **kwargs) -> Timing:
+              launch_slack_us: float | None = None, **kwargs) -> Timing:
     """Time ``fn(*args, **kwargs)`` on the GPU with CUDA events: warm-up, median, L2 flushed.
 
     Each repetition: flush L2 and spin ``launch_slack_us`` (both untimed) -> record start
@@ -298,3 +300,15 @@ def peak_memory(fn, *args, **kwargs) -> dict:
         out["peak_bytes"] += int(hook.peak)
         out["extra_bytes"] += int(hook.peak)
     return out
+
+
+def host_ms(fn, *args, reps: int = 5, **kwargs) -> float:
+    """The host (Python) time one call of ``fn`` takes, median of ``reps``: what a caller pays
+    before the call returns, whatever the GPU does.  A caller that launches in a loop gets
+    the larger of this and the device time :func:`time_cuda` measures."""
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(samples))
