@@ -12,7 +12,8 @@
 #                 3 and 4 run in parallel, after the bench (correctness only, no timing)
 # Time: DEADLINE (default 550 s) bounds the whole script; every stage gets what is left.
 # With a short device lease: DEADLINE=300 scripts/gpu_all.sh OUTDIR (the bench then runs
-# first and whole, the sanitizers get what remains).
+# first and whole, the sanitizers get what remains); BENCH_SECTIONS=decode,gather times only
+# those sections; GPU_TESTS="tests/test_cupy.py ..." runs only those files' GPU tests.
 #   5. summary
 # Writes exactly these 8 files to OUTDIR (the device tool returns at most 8):
 #   summary.txt  bench.json  bench.txt  traffic.json  ncu_raw.csv  sanitizer.txt  pytest.txt
@@ -64,6 +65,7 @@ ENV_LINE=$(tail -1 "$LOGS/env.txt")
 T_BENCH=$(left $T_BENCH)
 note "bench (limit ${T_BENCH}s)"
 timeout --kill-after=10 $T_BENCH $PY -m iokernels bench --no-progress --out "$OUT/bench.json" \
+  ${BENCH_SECTIONS:+--sections $BENCH_SECTIONS} \
   --target-ms ${BENCH_TARGET_MS:-200} \
   > "$LOGS/bench.log" 2>&1
 note "bench exit $?"
@@ -91,8 +93,8 @@ note "traffic (ncu, limit ${T_TRAFFIC}s), then pytest; sanitizers alongside"
     # GPU must be readable from the record without another device call
     echo "== python3 -m pytest -m gpu tests (tests marked gpu)"
     timeout --kill-after=5 $(left $T_CHECKS) $PY -m pytest -q -rfE --tb=short -p no:warnings \
-      -m gpu -p no:cacheprovider tests 2>&1
-    if [ -n "$files" ]; then
+      -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1
+    if [ -n "$files" ] && [ -z "${GPU_TESTS:-}" ]; then
       echo "== python3 -m pytest -m 'not gpu'$files (the simulator-capable tests, on the GPU)"
       timeout --kill-after=5 $(left $T_CHECKS) $PY -m pytest -q -rfE --tb=short -p no:warnings \
         -m "not gpu" -p no:cacheprovider $files 2>&1

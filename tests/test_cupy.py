@@ -126,9 +126,11 @@ def _inputs(rng, B, Hq, Hkv, Nq, Nk, d, dtype):
 
 
 def _versions(dtype, d=128):
-    """The forward versions that run ``dtype`` on this GPU, the default first (the registry)."""
+    """The portable forward versions (launch_attention's: v1, v1b, v2) that run ``dtype`` on this
+    GPU, the default first (the registry); the Hopper versions are tests/test_hopper.py's."""
     n = Need(dtype=dtype, head_dim=d, cc=_cc(), extra=dict(smem=_cr().device_info()["smem_optin"]))
-    ks = sorted(_cr().REGISTRY.kernels("attention"), key=lambda k: -k.default_rank)
+    ks = sorted((k for k in _cr().REGISTRY.kernels("attention") if k.config_class is _cr().ForwardConfig),
+                key=lambda k: -k.default_rank)
     return tuple(k.version for k in ks if k.unavailable(n) is None)
 
 

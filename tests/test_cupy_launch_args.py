@@ -57,6 +57,11 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
             if kern.unavailable(cr.need("attention", q=q, k=k, v=v)) is None:
                 rec(f"attention {kern.version} {dt} {d}",
                     lambda: cr.attention(q, k, v, config=kern.config_class(version=kern.version)))
+        lse = np.zeros(q.shape[:3], np.float64 if dt == "float64" else np.float32)
+        for det in (False, True):
+            rec(f"attention_backward v1 {dt} {d} deterministic={det}",
+                lambda: cr.attention_backward(q, q, k, v, q, lse, causal=True, scale=None, window=None,
+                                              config=cr.BackwardConfig(deterministic=det)))
     for d in (128, 59):
         q, k, v = make_inputs(rng, batch=3, heads_q=8, heads_kv=2, seqlen_q=1, seqlen_k=301, head_dim=d, dtype=dt)
         q = q[:, :, 0]
@@ -88,7 +93,7 @@ json.dump(out, sys.stdout)
 #: the kernel file each kernel function lives in
 FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split": "decode",
          "decode_combine": "decode", "decode_split_v2": "decode_v2", "decode_split_v3": "decode_v3",
-         "paged_gather": "paged_gather"}
+         "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1"}
 
 
 @pytest.fixture(scope="module")

@@ -66,7 +66,13 @@ class _Registered:
             have = sorted(b for b in BACKENDS if _implements(b, op))
             raise ValueError(f"backend: {backend!r} does not implement {op}; available: {', '.join(have)}")
 
+    #: where each op's arrays sit in its positional arguments (what ``need`` describes)
+    _NEED_ARGS = {"attention": ("q", "k", "v"), "decode": ("q", "k", "v"), "paged_decode": ("q", "cache"),
+                  "paged_gather": ("cache",), "attention_backward": (None, "q", "k", "v")}
+
     def __call__(self, *args, config=None, need=None, **kw):
+        if need is None:             # called directly (scripts): the arrays are the leading arguments
+            need = {n: a for n, a in zip(self._NEED_ARGS[self.op], args) if n is not None}
         kernel, cfg = self.module.REGISTRY.resolve(self.op, config, self.module.need(self.op, **need))
         return kernel.launcher(*args, config=cfg, **kw)
 

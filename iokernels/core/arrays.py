@@ -143,6 +143,11 @@ def device_array(x, dtype: str | None = None) -> DeviceArray:
     return DeviceArray(int(cai["data"][0]), shape, strides, dtype or np.dtype(cai["typestr"]).name, item, x)
 
 
+#: device copies of small host constants (tables, lengths), by content: see Call.constant
+_CONSTANTS: dict = {}
+CONSTANT_CACHE_ENTRIES = 64
+
+
 class Call:
     """One call's arrays: what kind the caller gave, its device and stream, and how outputs
     are made and handed back.
@@ -199,6 +204,25 @@ class Call:
             return cupy.asarray(a)
         from numba import cuda
         return cuda.to_device(a)
+
+    def constant(self, a: np.ndarray):
+        """A device copy of a small host array that calls repeat (block tables, lengths), kept
+        and reused while its content is unchanged: :meth:`from_host` in every call would put a
+        host -> device copy from pageable memory, which makes the host wait for the stream,
+        into every call.  Keyed by library, device and content; the oldest of
+        :data:`CONSTANT_CACHE_ENTRIES` goes first."""
+        a = np.ascontiguousarray(a)
+        lib = self.kind if self.kind in ("torch", "cupy") else self.upload
+        dev = getattr(getattr(self.like, "device", None), "index", None) if self.kind == "torch" else \
+            getattr(getattr(self.like, "device", None), "id", None)
+        key = (lib, dev, a.dtype.str, a.shape, a.tobytes())
+        hit = _CONSTANTS.pop(key, None)
+        if hit is None:
+            hit = self.from_host(a)
+            while len(_CONSTANTS) >= CONSTANT_CACHE_ENTRIES:
+                _CONSTANTS.pop(next(iter(_CONSTANTS)))
+        _CONSTANTS[key] = hit                   # most recently used last
+        return hit
 
     # -- out
     def empty(self, shape, dtype: str):

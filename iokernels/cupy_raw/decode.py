@@ -175,7 +175,7 @@ def run_decode(q, k, v, *, seq_lens, num_splits, scale, config):
     with on_stream(call.stream_ptr()):
         qd = unit_rows(_contiguous(call, call.to_device(q, "q")))
         kd, vd = unit_rows(call.to_device(k, "k")), unit_rows(call.to_device(v, "v"))
-        lens_d = None if lens is None else call.from_host(lens.astype(np.int32))
+        lens_d = None if lens is None else call.constant(lens.astype(np.int32))
         longest = N if lens is None else int(lens.max(initial=0))
         o, lse = call.empty(q.shape, dtype), call.empty(q.shape[:2], acc)
         launch_decode(qd, kd, vd, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits,
@@ -240,9 +240,9 @@ def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale
     with on_stream(call.stream_ptr()):
         qd = unit_rows(_contiguous(call, call.to_device(q, "q")))
         kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
-        # lengths and tables travel in one host -> device copy (each copy is a few us on the
-        # GPU's timeline, inside the call's time): lens = packed[:B], the tables after it
-        packed = device_array(call.from_host(np.concatenate([lens.astype(np.int32),
+        # lengths and tables travel in one host -> device copy, made once while their content
+        # stays the same (Call.constant): lens = packed[:B], the tables after it
+        packed = device_array(call.constant(np.concatenate([lens.astype(np.int32),
                                                              tables.astype(np.int32).ravel()])))
         o, lse = call.empty(q.shape, dtype), call.empty(q.shape[:2], acc)
         launch_decode(qd, kp, vp, _offset(packed, 0, (B,)), o, lse, dtype=dtype, scale=scale,

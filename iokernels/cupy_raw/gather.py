@@ -63,7 +63,7 @@ def _gather(k_pool, v_pool, block_table, seq_len, config):
         kp = device_array(_contiguous_pool(call.to_device(k_pool, "k_pool")))
         vp = device_array(_contiguous_pool(call.to_device(v_pool, "v_pool")))
         k_out, v_out = call.empty((hkv, seq_len, d), dtype), call.empty((hkv, seq_len, d), dtype)
-        t_d = call.from_host(table.astype(np.int32) if len(table) else np.zeros(1, np.int32))
+        t_d = call.constant(table.astype(np.int32) if len(table) else np.zeros(1, np.int32))
         launch_gather(kp, vp, t_d, k_out, v_out, seq_len, config=config)
     return call.finish(k_out, dtype), call.finish(v_out, dtype)
 

@@ -17,6 +17,7 @@ import numpy as np
 from ..core import api
 from ..core import reference
 from ..core.testing import check, make_inputs, numpy_dtype
+from ..core.testing import GRADIENT_FACTOR
 from .registry import REGISTRY, need
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -150,7 +151,28 @@ def _gather(kernel, cfg, dtype, rng, label):
     return out
 
 
-RUNNERS = {"attention": _forward, "decode": _decode, "paged_decode": _paged_decode, "paged_gather": _gather}
+def _backward(kernel, cfg, dtype, rng, label):
+    """dQ, dK, dV at a ragged GQA shape, causal, by the 3x gradient rule (atomic and deterministic)."""
+    out = []
+    q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=45, head_dim=59, dtype=dtype)
+    do = make_inputs(rng, batch=2, heads_q=4, heads_kv=4, seqlen_q=37, seqlen_k=1, head_dim=59, dtype=dtype)[0]
+    if kernel.unavailable(need("attention_backward", q=q, k=k, v=v)) is not None:
+        return out
+    o, lse = api.attention(q, k, v, causal=True, backend="naive", return_lse=True)
+    refs = reference.attention_backward(do, q, k, v, causal=True)
+    bases = None if dtype == "float64" else api.attention_backward(do, q, k, v, o, lse, causal=True, backend="naive")
+    for det in (False, True):
+        got = kernel.launcher(do, q, k, v, o, lse, causal=True, scale=None, window=None,
+                              config=cfg.replace(deterministic=det))
+        for i, (name, g, r) in enumerate(zip(("dQ", "dK", "dV"), got, refs)):
+            _ok(check(g, r, None if bases is None else bases[i], dtype=dtype, name=name,
+                      factor=GRADIENT_FACTOR), f"{label} deterministic={det}")
+        out.append(f"{label} d=59 causal GQA deterministic={det}")
+    return out
+
+
+RUNNERS = {"attention": _forward, "decode": _decode, "paged_decode": _paged_decode, "paged_gather": _gather,
+           "attention_backward": _backward}
 
 
 def sanitize_cases(seed: int = 0, verbose: bool = True) -> list:

@@ -60,6 +60,17 @@ def sanitize_cases(seed: int = 0, verbose: bool = True):
             o, _ = kern.launcher(q, k, v, causal=True, scale=59 ** -0.5, window=(-1, -1), config=cfg)
             note(tag, o, ref_fwd)
             continue
+        if kern.op == "attention_backward":
+            do = rng.standard_normal(q.shape).astype(q.dtype)
+            o, lse = reference.attention(q, k, v, causal=True)
+            o, lse = o.astype(q.dtype), lse.astype(np.float32)
+            refs = reference.attention_backward(do, q, k, v, causal=True)
+            for det in (False, True):
+                got = kern.launcher(do, q, k, v, o, lse, causal=True, scale=59 ** -0.5, window=(-1, -1),
+                                    config=cfg.replace(deterministic=det))
+                for name, g, r in zip(("dq", "dk", "dv"), got, refs):
+                    note(f"{tag} {name} deterministic={det}", g, r)
+            continue
         for dtype, d in PATHS:
             qd = rng.standard_normal((len(lens), 8, d)).astype(dtype)
             if kern.op == "decode":

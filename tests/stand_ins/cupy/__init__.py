@@ -41,6 +41,7 @@ class ndarray:
     @property
     def device(self): return _Dev()
     def get(self): return self._a.copy()
+    def fill(self, value): self._a.fill(value)
     def view(self, dt): return ndarray(self._a.view(dt))
     def reshape(self, *s): return ndarray(self._a.reshape(*s))
     def __getitem__(self, i): return ndarray(self._a[i])
