@@ -34,7 +34,8 @@ def _prepare_environment() -> None:
 def _tour(args) -> int:
     from . import tour
     problem = tour.SMALL if args.small else tour.DEFAULT
-    rows = tour.run(problem, seed=args.seed, figures_dir=None if args.no_figures else Path(args.out))
+    rows = tour.run(problem, seed=args.seed, figures_dir=None if args.no_figures else Path(args.out),
+                    times=not args.no_times)
     failed = [r for r in rows if r.status == "failed" or r.verdict == "FAIL"]
     return 1 if failed else 0
 
@@ -58,6 +59,7 @@ def main(argv=None) -> int:
     t.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     t.add_argument("--out", default=str(DEFAULT_FIGURES), help="where figures go (default: figures/)")
     t.add_argument("--no-figures", action="store_true", help="do not write figures")
+    t.add_argument("--no-times", action="store_true", help="print '-' for the times (an output that repeats)")
 
     f = sub.add_parser("figures", help="regenerate the figures from fixed seeds")
     f.add_argument("--out", default=str(DEFAULT_FIGURES), help="output folder (default: figures/)")

@@ -101,3 +101,29 @@ def attention(q, k, v, causal=False, scale=None, window=None, backend="tiled", c
     if _ATTENTION is None:
         _ATTENTION = _function()
     return _ATTENTION.apply(q, k, v, causal, scale, window, backend, config, bb, backward_config)
+
+
+def train_toy(attention_fn=None, *, steps: int = 30, seqlen: int = 12, head_dim: int = 8, lr: float = 0.5,
+              seed: int = 0, dtype=None):
+    """A one-layer attention model learning to read its input backwards; returns the loss of
+    each step.  ``attention_fn(q, k, v)`` is the attention it uses (None: :func:`attention` on
+    the tiled backend); pass torch's SDPA, or another backend, to compare loss curves from the
+    same initial weights and data."""
+    torch = _torch()
+    dtype = dtype or torch.float64
+    attn = attention_fn or (lambda q, k, v: attention(q, k, v, backend="tiled"))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((4, 1, seqlen, head_dim), generator=gen, dtype=dtype)
+    target = x.flip(2)
+    weights = [torch.nn.Parameter(torch.randn(head_dim, head_dim, generator=gen, dtype=dtype) * 0.3)
+               for _ in range(3)]
+    opt = torch.optim.SGD(weights, lr=lr)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        out = attn(x @ weights[0], x @ weights[1], x @ weights[2])
+        loss = torch.mean((out - target) ** 2)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.item()))
+    return losses

@@ -557,7 +557,7 @@ def decode_flops(*, heads_q, head_dim, seq_lens):
 def decode_time_bound(nbytes, bandwidth):
     """Lower bound on time (seconds) to move ``nbytes`` at ``bandwidth`` bytes/second.
 
-    4.29 GB of KV at 3.35e12 B/s (H100): about 1.28 ms per token.
+    4.29 GB of KV at the H100 datasheet's 3.35e12 B/s: about 1.28 ms per token, at best.
     """
     if bandwidth <= 0:
         raise ValueError(f"bandwidth: expected bytes per second > 0, got {bandwidth!r}")

@@ -367,7 +367,7 @@ _HEADER = (f"{'step':<26}{'backend':<8}{'max err vs f64':>15}{'check':>7}{'count
            f"{'':>2}{'modelled B':>13}{'time':>10}")
 
 
-def _fmt(row: Row) -> str:
+def _fmt(row: Row, times: bool = True) -> str:
     head = f"{row.step:<26}{row.backend:<8}"
     if row.status != "ok":
         label = "skipped" if row.status == "skipped" else "FAILED"
@@ -377,7 +377,7 @@ def _fmt(row: Row) -> str:
     modelled = "-" if row.modelled is None else f"{row.modelled:,}"
     same = "=" if row.counted is not None and row.counted == row.modelled else (
         "!=" if row.counted is not None and row.modelled is not None else "")
-    secs = "-" if row.seconds is None else (f"{row.seconds * 1e3:.1f} ms" if row.seconds < 1 else
+    secs = "-" if row.seconds is None or not times else (f"{row.seconds * 1e3:.1f} ms" if row.seconds < 1 else
                                             f"{row.seconds:.2f} s")
     note = f"  ({row.note})" if row.note else ""
     return f"{head}{err:>15}{row.verdict:>7}{counted:>14}{same:>2}{modelled:>13}{secs:>10}{note}"
@@ -422,10 +422,11 @@ def _steps(case: _Case, small_case):
 
 
 def run(problem: Problem = DEFAULT, *, seed: int = 0, figures_dir=None, file=None,
-        simulator_problem: Problem = SIMULATOR) -> list[Row]:
+        simulator_problem: Problem = SIMULATOR, times: bool = True) -> list[Row]:
     """Run the tour, printing each row as it finishes; returns the rows.
 
-    ``figures_dir``: where to write the figures afterwards (None: no figures).
+    ``figures_dir``: where to write the figures afterwards (None: no figures).  ``times``
+    False prints "-" for the time of each step (an output that repeats, for documentation).
     """
     out = sys.stdout if file is None else file
     print(f"iokernels tour: {problem.describe()}; seed {seed}", file=out)
@@ -456,7 +457,7 @@ def run(problem: Problem = DEFAULT, *, seed: int = 0, figures_dir=None, file=Non
             except Exception as e:  # report and go on: one broken step should not hide the rest
                 row = Row(name, backend, status="failed", note=f"{type(e).__name__}: {e}")
         rows.append(row)
-        print(_fmt(row), file=out, flush=True)
+        print(_fmt(row, times), file=out, flush=True)
         line = conclusion(name, row, {r.step: r for r in rows}, problem)
         if line:
             print(f"    -> {line}", file=out, flush=True)

@@ -27,7 +27,8 @@ from pathlib import Path
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 #: kind -> file name pattern
-KINDS = {"h200": "h200_*.json", "sanitizer": "sanitizer_*.txt", "ceilings": "ceilings_*.json"}
+KINDS = {"h200": "h200_*.json", "sanitizer": "sanitizer_*.txt", "ceilings": "ceilings_*.json",
+         "hopper": "hopper_h200_*.json"}
 
 
 def available(kind: str = "h200", results_dir=None) -> list[Path]:
@@ -256,3 +257,14 @@ def compare(old: dict, new: dict, key: str = "speed_vs_best_sdpa") -> list[dict]
         rows.append(dict(section=section, dtype=dtype, causal=causal, shape=shape, runner=runner,
                          old=a[k], new=b[k], change=b[k] / a[k] if a[k] else float("nan")))
     return rows
+
+
+
+def hopper_gemm_rows(rec: dict) -> list[dict]:
+    """The wgmma GEMM's timings next to torch's matmul, from the last run of a "hopper" record
+    that timed it: one dict per size (n, ours_ms, torch_ms, ours_tflops, torch_tflops, ratio)."""
+    runs = [r for r in rec.get("runs", []) if r.get("gemm", {}).get("result", {}).get("timings")]
+    if not runs:
+        return []
+    run = runs[-1]
+    return [dict(t, date=run["env"].get("date")) for t in run["gemm"]["result"]["timings"]]
