@@ -644,7 +644,7 @@ def forward_flex(q, k, v, *, scale=None, score_mod=None, mask_mod=None, bias=Non
                 o, lse = _finalize(m, l, o)
                 O[b, h, r0:r1] = o                          # write O_i -> HBM (once)
                 LSE[b, h, r0:r1] = lse                      # write LSE_i -> HBM (once)
-    return O.data, LSE.data
+    return O.result(), LSE.result()
 
 
 def traffic_model_flex(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,

@@ -6,7 +6,8 @@
 ``--from`` writes ``benchmarks/results/h200_<date>.json`` (env + bench + traffic + test
 summary) and ``benchmarks/results/sanitizer_<date>.txt``; then the section of README.md
 between ``<!-- recorded-results:start -->`` and ``<!-- recorded-results:end -->`` is
-rewritten from the latest records (nothing else in README.md is touched).
+rewritten from the latest records (nothing else in README.md is touched), and the figures
+that show a recorded run are redrawn.
 """
 from __future__ import annotations
 
@@ -262,6 +263,11 @@ def main(argv=None) -> int:
     if a.src:
         j, s = file_run(Path(a.src))
         print(f"wrote {os.path.relpath(j, ROOT)}, {os.path.relpath(s, ROOT)}")
+        # two committed figures (roofline.png, traffic_vs_n.png) show the latest record's measured
+        # bytes: redraw them with it, as `python -m iokernels figures` would
+        from iokernels.viz import figures
+        figures.write_all(ROOT / "figures", progress=False)
+        print("figures/ redrawn from the new record")
     changed = write_readme()
     print("README.md table " + ("updated" if changed else "unchanged"))
     return 0

@@ -109,7 +109,7 @@ def numpy_pages(k, v, seed, block_size):
 
 def _inputs(sweep, tiny, seed=0):
     """{name: array} for the sweep (NumPy when tiny, torch CUDA otherwise) and the references."""
-    from . import PAGED_BLOCK
+    from .specs import PAGED_BLOCK
     s = sweep.tiny if tiny else sweep.shape
     if tiny:
         rng = np.random.default_rng(seed)
