@@ -373,7 +373,7 @@ def traffic_vs_n(seqlens=TRAFFIC_SEQLENS, head_dim: int = 64, dtype: str = "floa
 
 
 #: the decode kernels the recorded decode summary compares (default versions, contiguous and paged)
-DECODE_SUMMARY_RUNNERS = ("sdpa:cudnn", "sdpa:flash", "cupy:split", "cupy:split paged", "numba:v3",
+DECODE_SUMMARY_RUNNERS = ("sdpa:cudnn", "sdpa:flash", "cupy:v3", "cupy:v3 paged", "numba:v3",
                           "numba:v3 paged")
 
 
