@@ -534,3 +534,53 @@ def test_paged_decode_takes_strided_pools_in_place(rng, version):
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
     ref_o, _ = reference.decode(tq, tk[:, :, :777], tv[:, :, :777], seq_lens=lens)
     assert np.max(np.abs(as_numpy(o1) - ref_o)) < 1e-2
+
+
+# --------------------------------------------------------------------------- backward
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("N,causal", [(1, False), (127, True), (1024, False), (1024, True)])
+def test_backward_by_the_gradient_rule(rng, dtype, d, N, causal):
+    """dQ, dK, dV of every registered backward version, both dQ modes, GQA, Nq != Nk, held to
+    the float64 gradients by the 3x rule (the naive backward in the same precision as baseline)."""
+    if dtype == "bfloat16" and _cc() < 80:
+        pytest.skip("bfloat16 needs compute capability 8.0")
+    nk = N + 37
+    q, k, v = make_inputs(rng, batch=1, heads_q=4, heads_kv=2, seqlen_q=N, seqlen_k=nk, head_dim=d, dtype=dtype)
+    do = make_inputs(rng, batch=1, heads_q=4, heads_kv=4, seqlen_q=N, seqlen_k=1, head_dim=d, dtype=dtype)[0]
+    o, lse = ik.attention(q, k, v, causal=causal, backend="naive", return_lse=True)
+    refs = reference.attention_backward(do, q, k, v, causal=causal)
+    bases = ik.attention_backward(do, q, k, v, o, lse, causal=causal, backend="naive")
+    for kern in _cr().REGISTRY.kernels("attention_backward"):
+        for det in (False, True):
+            cfg = kern.config_class(version=kern.version, deterministic=det)
+            got = ik.attention_backward(do, q, k, v, o, lse, causal=causal, backend="cupy", config=cfg)
+            for name, g, r, b in zip(("dq", "dk", "dv"), got, refs, bases):
+                c = check(g, r, b, dtype=dtype, name=name, factor=3.0)
+                assert c, f"{kern.version} deterministic={det}: {c}"
+
+
+def test_backward_holds_no_n_by_n_buffer():
+    """Peak device memory of the backward at N=4096: far below one N x N score matrix."""
+    torch = _torch()
+    B, H, N, d = 1, 8, 4096, 128
+    q, k, v, do = (torch.randn((B, H, N, d), device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    o, lse = ik.attention(q, k, v, backend="cupy", return_lse=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ik.attention_backward(do, q, k, v, o, lse, backend="cupy")
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    n_by_n = B * H * N * N * 2                       # one bf16 score matrix
+    assert extra < n_by_n / 4, f"the backward took {extra:,} B beyond its inputs; one S is {n_by_n:,} B"
+
+
+def test_deterministic_backward_repeats_bit_for_bit():
+    torch = _torch()
+    q, k, v, do = (torch.randn((2, 4, 1000, 64), device="cuda", dtype=torch.float16) for _ in range(4))
+    o, lse = ik.attention(q, k, v, backend="cupy", return_lse=True)
+    cfg = _cr().BackwardConfig(deterministic=True)
+    a = ik.attention_backward(do, q, k, v, o, lse, backend="cupy", config=cfg)
+    b = ik.attention_backward(do, q, k, v, o, lse, backend="cupy", config=cfg)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
