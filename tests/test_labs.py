@@ -18,7 +18,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +29,7 @@ from iokernels.labs import notebooks as lnb
 from iokernels.labs.gpu_exercises import compile_check, cuda_source
 from iokernels.labs.engine import LabSkip
 
-from test_notebooks import CELL_TIMEOUT_S, NOTEBOOK_HARD_LIMIT_S, PARALLEL, ROOT
+from test_notebooks import PARALLEL, ROOT, _execute
 
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
@@ -40,32 +39,11 @@ LABS = sorted(LAB_DIR.glob("*.ipynb"))
 #: each lab (solutions) must run top to bottom in this long on two cores
 LAB_BUDGET_S = 120
 
-#: run one notebook with nbclient and save it with its outputs (so the check cells can be read)
-_RUNNER = """
-import sys, nbformat, nbclient
-src, dst, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3])
-nb = nbformat.read(src, as_version=4)
-nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                        resources={"metadata": {"path": sys.argv[4]}}).execute()
-nbformat.write(nb, dst)
-"""
-
-
 def _run(src: Path, dst: Path):
-    """Execute ``src`` into ``dst`` in a child process: (seconds, error or None)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("MPLBACKEND", "Agg")
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, "-c", _RUNNER, str(src), str(dst), str(CELL_TIMEOUT_S),
-                               str(src.parent)], env=env, capture_output=True, text=True,
-                              timeout=NOTEBOOK_HARD_LIMIT_S)
-    except subprocess.TimeoutExpired:
-        return time.perf_counter() - t0, f"killed after {NOTEBOOK_HARD_LIMIT_S} s"
-    if proc.returncode != 0:
-        return time.perf_counter() - t0, (proc.stderr or proc.stdout)[-6000:]
-    return time.perf_counter() - t0, None
+    """Execute ``src`` into ``dst`` in a child process, with the notebook tests' runner (IPC
+    sockets, one retry of a kernel that does not start): (seconds, error or None)."""
+    seconds, _, error = _execute(src, save_to=dst)
+    return seconds, error
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,8 @@ for attempt in (1, 2):
         print(f"kernel start failed ({type(e).__name__}: {e}); starting it again", file=sys.stderr)
         t0 = time.perf_counter()
 report["cells_s"] = round(sum(c[1] for c in report["cells"]), 2)
+if len(sys.argv) > 6:                       # keep the executed notebook, outputs and all
+    nbformat.write(nb, sys.argv[6])
 print(json.dumps(report))
 """
 
@@ -139,12 +141,14 @@ def _child_env():
     return env
 
 
-def _execute(path: Path):
-    """Run one notebook in a child process; returns (cell seconds, report, error or None)."""
+def _execute(path: Path, save_to: Path | None = None):
+    """Run one notebook in a child process; returns (cell seconds, report, error or None).
+    ``save_to``: write the executed notebook there (the labs' tests read its check cells)."""
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-c", _RUNNER, str(path), str(CELL_TIMEOUT_S),
-                               str(STARTUP_TIMEOUT_S), str(path.parent), str(POLL_SLICE_S)],
+                               str(STARTUP_TIMEOUT_S), str(path.parent), str(POLL_SLICE_S),
+                               *([str(save_to)] if save_to is not None else [])],
                               env=_child_env(), capture_output=True, text=True, timeout=NOTEBOOK_HARD_LIMIT_S)
     except subprocess.TimeoutExpired:
         return time.perf_counter() - t0, {}, f"killed after {NOTEBOOK_HARD_LIMIT_S} s (hung or far too slow)"
