@@ -1,15 +1,31 @@
 """iokernels: IO-aware attention kernels, from NumPy to the GPU, for learning.
 
-The progression (one module a step):
+The progression (one module a step, in the order of the notebooks):
 
-1. :mod:`iokernels.naive`      naive attention that materializes S and P
-2. :mod:`iokernels.tiled`      FlashAttention (online softmax, tiles), forward and backward
-3. :mod:`iokernels.paged`      PagedAttention's block pool and block tables
-4. :mod:`iokernels.decode`     Flash-Decoding: split-KV with an exact LSE merge
-5. :mod:`iokernels.numba_cuda` and :mod:`iokernels.cupy_raw`: the same kernels on a GPU
-6. :mod:`iokernels.torch_sdpa` the comparison with PyTorch
-7. :mod:`iokernels.hopper_schedule`, :mod:`iokernels.fp8`, :mod:`iokernels.fa4` and
-   :mod:`iokernels.generations`: FlashAttention-3 and -4 on a CPU (notebook 09)
+======================================  ============================================================
+:mod:`iokernels.naive`                  naive attention that materializes S and P (notebook 01)
+:mod:`iokernels.online_softmax`         the online softmax by hand (02)
+:mod:`iokernels.tiled`                  FlashAttention's tiles, FA1 and FA2 loop orders, score_mod (03)
+:mod:`iokernels.backward`               the backward with recomputation (04); :mod:`iokernels.autograd`
+                                        puts any backend inside a torch model
+:mod:`iokernels.numba_cuda`             the kernels in Numba CUDA (05)
+:mod:`iokernels.cupy_raw`               the kernels in CUDA C++, up to Hopper's wgmma and TMA (06)
+:mod:`iokernels.paged`                  PagedAttention's block pool and block tables (07)
+:mod:`iokernels.decode`                 Flash-Decoding: split-KV with an exact LSE merge (08)
+:mod:`iokernels.hopper_schedule`,       FlashAttention-3 and -4 on a CPU (09)
+:mod:`iokernels.fp8`, :mod:`.fa4`,
+:mod:`.generations`
+:mod:`iokernels.torch_sdpa`             the comparison with PyTorch (10)
+:mod:`iokernels.failure_modes`          what goes wrong (11)
+:mod:`iokernels.context_parallel`       ring attention over torch.distributed (12)
+:mod:`iokernels.models`, :mod:`.mla`    decode for real model shapes, MLA (13)
+======================================  ============================================================
+
+Infrastructure lives in :mod:`iokernels.core` (the public functions, conventions, the float64
+oracle, the shared checker and input factory, the traffic counter, tile configs, the
+roofline table, recorded results, the array layer, the kernel registry, the GPU probe);
+timing and the benchmark in :mod:`iokernels.bench`; plots and widgets in
+:mod:`iokernels.viz`; the graded labs in :mod:`iokernels.labs`.
 
 Importing the package is light: nothing touches a GPU, and heavy modules load on first use.
 """
