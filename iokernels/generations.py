@@ -13,7 +13,9 @@ notes of the FlashAttention repository as summarised by the source article
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["Generation", "GENERATIONS", "HARDWARE", "ARCHITECTURES", "CAVEATS", "generations_table",
            "hardware_matrix"]
@@ -29,45 +31,16 @@ class Generation:
     status: str = ""
 
 
-GENERATIONS = (
-    Generation(
-        "FlashAttention", "Dao, Fu, Ermon, Rudra, Re, 2022",
-        ("tiling with the online softmax: S and P never reach HBM",
-         "recompute S and P in the backward from O and the log-sum-exp",
-         "HBM accesses Theta(N^2 d^2 / M) instead of Theta(N d + N^2)"),
-        (("15% end-to-end over the MLPerf 1.1 record", "BERT-large, sequence 512"),
-         ("3x end-to-end", "GPT-2, sequence 1K"),
-         ("2.4x", "Long Range Arena"),
-         ("first better-than-chance Path-X", "sequence 16K"),
-         ("25-40% of the GPU's peak (as FlashAttention-2's paper puts it)", "A100"))),
-    Generation(
-        "FlashAttention-2", "Dao, 2023",
-        ("fewer non-matmul FLOPs",
-         "parallel over the sequence length; Q tiles outer, each output tile finished by one thread block",
-         "work split among warps to cut shared-memory traffic"),
-        (("about 2x over FlashAttention", "A100"),
-         ("50-73% of peak", "A100, forward"),
-         ("up to 225 TFLOP/s per GPU (72% model FLOPs utilisation)", "A100, GPT training"),
-         ("about 35% utilisation (as FlashAttention-3's paper measures it)", "H100"))),
-    Generation(
-        "FlashAttention-3", "Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, 2024",
-        ("warp specialization: producer warps issue TMA loads, consumer warpgroups run wgmma",
-         "softmax interleaved with the matmuls: ping-pong between two warpgroups, and within one",
-         "FP8 with block quantization and incoherent processing (a random orthogonal transform)"),
-        (("1.5-2.0x over FlashAttention-2", "H100, FP16"),
-         ("up to 740 TFLOP/s, 75% of peak", "H100, FP16"),
-         ("close to 1.2 PFLOP/s", "H100, FP8"),
-         ("2.6x lower error than a baseline FP8 attention", "numerical test with outliers")),
-        status="Hopper kernel released as beta; FP8 forward pass only"),
-    Generation(
-        "FlashAttention-4", "Zadouri, Hoehnerbach, Shah, Liu, Thakkar, Dao, 2026",
-        ("software-emulated exp2 on the FMA units for part of the elements",
-         "conditional softmax rescaling (only when the maximum grows by more than a threshold)",
-         "Blackwell's tensor memory and 2-CTA MMA; written in CuTe-DSL"),
-        (("up to 1.3x over cuDNN 9.13", "B200, BF16"),
-         ("up to 2.7x over Triton", "B200, BF16"),
-         ("up to 1,613 TFLOP/s, 71% of peak", "B200, BF16"))),
-)
+def _load_generations() -> tuple:
+    """The reported results live as data in ``iokernels/data/generations.json``."""
+    rows = json.loads((Path(__file__).resolve().parent / "data" / "generations.json").read_text())["generations"]
+    return tuple(Generation(r["name"], r["paper"], tuple(r["changed"]), tuple(tuple(x) for x in r["reported"]),
+                            r.get("status", "")) for r in rows)
+
+
+#: FA1 to FA4, oldest first (from iokernels/data/generations.json)
+GENERATIONS = _load_generations()
+
 
 #: GPU architectures of the hardware matrix, oldest first
 ARCHITECTURES = ("Turing", "Ampere", "Ada", "Hopper", "Blackwell")

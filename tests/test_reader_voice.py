@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: modules whose numbers are cited datasheet or paper figures (each with its source)
-CITED_DATA = {"iokernels/core/roofline.py", "iokernels/generations.py", "iokernels/models.py",
+CITED_DATA = {"iokernels/core/roofline.py", "iokernels/models.py",
               "iokernels/hopper_schedule.py", "iokernels/fp8.py"}
 
 MEASURED = re.compile(r"\b\d+(\.\d+)?\s*(TFLOP/s|TB/s|GB/s)|\b0\.\d{2,3}x\b|\b\d+(\.\d+)?\s*(ms|us|µs)\b(?! [a-z]*budget)")
