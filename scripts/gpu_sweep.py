@@ -1,7 +1,7 @@
 """Tuning sweeps on a GPU: alternative tilings of the Numba and CuPy kernels, each next to its
 torch baseline in the same run, before a winner becomes a default.
 
-    python scripts/gpu_sweep.py OUTDIR [numba_fwd] [numba_decode] [cupy_decode] [cupy_prefill] [cupy_paged_layout]
+    python scripts/gpu_sweep.py OUTDIR [numba_fwd] [numba_decode] [cupy_decode] [cupy_prefill] [cupy_paged_layout] [cupy_paged_serving]
 
 The CuPy sweeps are declared as data in iokernels/bench/sweeps_cupy.py.
 
@@ -46,9 +46,15 @@ def cupy_paged_layout(outdir):
     sweeps_cupy.paged_layout_probe(out_path=str(outdir / "sweep_cupy_paged_layout.json"))
 
 
+def cupy_paged_serving(outdir):
+    from iokernels.bench import sweeps_cupy
+    sweeps_cupy.paged_serving_probe(out_path=str(outdir / "sweep_cupy_paged_serving.json"))
+
+
 PARTS = {"numba_fwd": numba_fwd, "numba_decode": numba_decode, "cupy_decode": cupy_decode}
 #: run only when named on the command line
-OPTIONAL_PARTS = {"cupy_prefill": cupy_prefill, "cupy_paged_layout": cupy_paged_layout}
+OPTIONAL_PARTS = {"cupy_prefill": cupy_prefill, "cupy_paged_layout": cupy_paged_layout,
+                  "cupy_paged_serving": cupy_paged_serving}
 
 
 def main(argv):

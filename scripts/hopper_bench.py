@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: seconds each part may run before it is stopped (a hang costs only its part)
-PART_LIMITS = {"gemm": 40, "check": 40, "time": 50, "ablation": 100}
+PART_LIMITS = {"gemm": 40, "check": 40, "time": 50, "ablation": 150}
 #: one sanitizer run (every version at the tiny shapes under one tool): seconds
 SANITIZE_LIMIT = 80
 SANITIZE_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")

@@ -224,6 +224,28 @@ def backward_table(rec) -> list[str]:
     return lines + [""]
 
 
+def hopper_table() -> list[str]:
+    """The Hopper forward kernels' ablation (the last whole one in the "hopper" record)."""
+    try:
+        rows, env = recorded.hopper_ablation_rows(recorded.load("hopper"))
+    except FileNotFoundError:
+        return []
+    if not rows:
+        return []
+    names = recorded.ABLATION_RUNNERS
+    lines = [f"**Hopper forward ablation** (`scripts/hopper_bench.py --parts ablation`, {env.get('gpu')}, "
+             f"{env.get('date')}; bf16, B x N = {rows[0]['batch'] * rows[0]['seqlen']:,} tokens; TFLOP/s, "
+             "causal counting the visible half; v5's speed as a ratio to FLASH and cuDNN of the same run)", "",
+             "| d | causal | N | " + " | ".join(names) + " | v5 / FLASH | v5 / cuDNN |",
+             "|---" * (len(names) + 5) + "|"]
+    for r in sorted(rows, key=lambda r: (-r["head_dim"], r["causal"], r["seqlen"])):
+        cells = [f"{r[n]['tflops']:.0f}" if n in r else "" for n in names]
+        v5 = r.get("v5", {})
+        lines.append(f"| {r['head_dim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(cells)
+                     + f" | {v5.get('x_flash', float('nan')):.2f} | {v5.get('x_cudnn', float('nan')):.2f} |")
+    return lines + [""]
+
+
 def section_text() -> str:
     try:
         rec = recorded.load("h200")
@@ -233,11 +255,13 @@ def section_text() -> str:
              f"{rec['label']}.", ""]
     if rec.get("bench", {}).get("note"):
         lines += [f"({rec['bench']['note']}.)", ""]
-    for part in (prefill_table, compare_table, decode_table, gather_table, backward_table, traffic_table):
+    parts = [lambda p=p: p(rec) for p in (prefill_table, compare_table, decode_table, gather_table,
+                                          backward_table, traffic_table)] + [hopper_table]
+    for part, name in zip(parts, ("prefill", "compare", "decode", "gather", "backward", "traffic", "hopper")):
         try:
-            lines += part(rec)
+            lines += part()
         except Exception as e:  # a partial record still gives the other tables
-            lines += [f"_({part.__name__}: {type(e).__name__}: {e})_", ""]
+            lines += [f"_({name} table: {type(e).__name__}: {e})_", ""]
     lines += sanitizer_lines()
     lines.append("Notes on these numbers: benchmarks/NOTES.md.")
     return "\n".join(lines).rstrip()

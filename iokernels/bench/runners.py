@@ -303,13 +303,16 @@ def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, targ
     return rows
 
 
-def device_pages(k, v, seed=0, block_size=PAGED_BLOCK):
+def device_pages(k, v, seed=0, block_size=PAGED_BLOCK, scattered=True):
     """The same K/V as the contiguous (B, Hkv, N, d) tensors, in paged pools on the device.
 
     Returns (k_pool, v_pool, block_tables, seq_lens): pools (num_blocks, block_size, Hkv, d)
     in k's dtype (bfloat16 too), int32 NumPy tables (B, N / block_size) holding a random
     permutation of the pool's blocks -- scattered as in a server with many live requests
-    -- and the lengths.  Built on the device (no host copy), so any size that fits runs.
+    -- and the lengths.  ``scattered=False`` hands the blocks out in order (block j of
+    sequence b is pool block b * N / block_size + j), which separates what the page jumps
+    cost from what the block-table path costs.  Built on the device (no host copy), so any
+    size that fits runs.
     """
     import torch
     B, Hkv, N, d = k.shape
@@ -317,7 +320,8 @@ def device_pages(k, v, seed=0, block_size=PAGED_BLOCK):
         raise Unavailable(f"device_pages: N={N} must be a multiple of the block size {block_size}")
     nblk = N // block_size
     rng = np.random.default_rng(seed)
-    tables = rng.permutation(B * nblk).astype(np.int32).reshape(B, nblk)
+    order = rng.permutation(B * nblk) if scattered else np.arange(B * nblk)
+    tables = order.astype(np.int32).reshape(B, nblk)
     kp = torch.empty((B * nblk, block_size, Hkv, d), dtype=k.dtype, device=k.device)
     vp = torch.empty_like(kp)
     for b in range(B):                                    # block j of sequence b -> pool[tables[b, j]]

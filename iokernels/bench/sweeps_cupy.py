@@ -59,6 +59,10 @@ DECODE_SHAPE = dict(batch=1, heads_q=32, heads_kv=8, seqlen=32768, head_dim=128)
 PAGE_SIZES = (16, 64, 256, 1024)
 #: paged_layout: the GQA and the MQA shape, (heads_q, heads_kv, seqlen), K+V the same bytes
 LAYOUT_SHAPES = ((32, 8, 32768), (4, 1, 262144))
+#: paged_serving: (batch, seqlen) of the serving shapes (fp16, GQA 32/8, d=128) and the page
+#: sizes tried there, each with the blocks scattered and in order
+SERVING_SHAPES = ((8, 32768), (64, 32768), (64, 4096))
+SERVING_PAGE_SIZES = (16, 64, 256)
 REPS = 30
 
 
@@ -239,7 +243,50 @@ def paged_layout_probe(out_path=None, reps=REPS):
     return _save(out_path, rows)
 
 
-SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "paged_layout": paged_layout_probe}
+def paged_serving_probe(out_path=None, reps=REPS, versions=None):
+    """Paged against contiguous decode at serving shapes (fp16, GQA 32/8, d=128, SERVING_SHAPES),
+    for each registered CuPy decode version (or ``versions``): pages of SERVING_PAGE_SIZES rows,
+    the blocks scattered (a random permutation, as in a busy server) and in order.  In-order
+    pages at contiguous speed put the gap on the page jumps (DRAM pages, TLB reach);
+    in-order pages slower than contiguous put it on the block-table path.  One JSON line a row."""
+    import torch
+
+    from iokernels import bench
+    from iokernels import cupy_raw as cr
+    rows = []
+    versions = versions or [k.version for k in cr.REGISTRY.kernels("paged_decode")]
+    Hq, Hkv, d = 32, 8, 128
+    for B, N in SERVING_SHAPES:
+        gen = torch.Generator(device="cuda").manual_seed(3)
+        q = torch.randn((B, Hq, d), device="cuda", dtype=torch.float16, generator=gen)
+        k, v = (torch.randn((B, Hkv, N, d), device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
+        kv_bytes = 2.0 * B * Hkv * N * d * 2
+        shape = f"B{B} Hq{Hq} Hkv{Hkv} N{N} d{d} fp16"
+        for version in versions:
+            cfg = cr.DecodeConfig(version=version)
+            try:
+                base = bench.time_cuda(cr.decode, q, k, v, config=cfg, reps=reps).median_ms
+            except Exception as e:
+                _emit(rows, dict(shape=shape, runner=f"{version} contiguous", error=f"{type(e).__name__}: {e}"[:200]))
+                continue
+            _emit(rows, dict(shape=shape, runner=f"{version} contiguous", ms=round(base, 5),
+                             tbps=round(kv_bytes / (base * 1e-3) / 1e12, 3)))
+            for bs in SERVING_PAGE_SIZES:
+                for scattered in (True, False):
+                    kp, vp, tables, lens = bench.device_pages(k, v, seed=0, block_size=bs, scattered=scattered)
+                    ms = bench.time_cuda(cr.paged_decode_pools, q, kp, vp, tables, lens, config=cfg,
+                                         reps=reps).median_ms
+                    _emit(rows, dict(shape=shape, runner=f"{version} paged {bs} {'scattered' if scattered else 'in order'}",
+                                     ms=round(ms, 5), tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3),
+                                     vs_contiguous=round(base / ms, 3)))
+                    del kp, vp
+        del q, k, v
+        torch.cuda.empty_cache()
+    return _save(out_path, rows)
+
+
+SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "paged_layout": paged_layout_probe,
+          "paged_serving": paged_serving_probe}
 
 
 def main(argv=None) -> int:

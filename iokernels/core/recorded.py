@@ -268,3 +268,35 @@ def hopper_gemm_rows(rec: dict) -> list[dict]:
         return []
     run = runs[-1]
     return [dict(t, date=run["env"].get("date")) for t in run["gemm"]["result"]["timings"]]
+
+
+#: the columns of the Hopper ablation, in the order FlashAttention-3's table puts them
+ABLATION_RUNNERS = ("v2 (Ampere)", "v3", "v4", "v5", "SDPA flash", "SDPA cudnn")
+
+
+def hopper_ablation_rows(rec: dict) -> tuple[list[dict], dict | None]:
+    """The ablation of the Hopper forward kernels from the last run of a "hopper" record whose
+    ablation part finished (every case of ``scripts/hopper_bench.py``'s grid): one dict per
+    (head_dim, causal, seqlen) with batch, heads and, for each of ABLATION_RUNNERS that ran,
+    TFLOP/s and the ratios to the same run's FLASH and cuDNN kernels.  Returns (rows, env of
+    that run); ([], None) when no run has a whole ablation."""
+    def whole(run):                      # every (head_dim, seqlen, causal) the run names was timed
+        cases = (run.get("ablation") or {}).get("result") or []
+        grid = {(c["head_dim"], c["seqlen"], c["causal"]) for c in cases}
+        dims, lengths = {g[0] for g in grid}, {g[1] for g in grid}
+        return bool(cases) and len(grid) == len(dims) * len(lengths) * 2
+
+    runs = [r for r in rec.get("runs", []) if whole(r)]
+    if not runs:
+        return [], None
+    run = runs[-1]
+    rows = []
+    for case in run["ablation"]["result"]:
+        row = dict(head_dim=case["head_dim"], causal=case["causal"], seqlen=case["seqlen"],
+                   batch=case["batch"], heads=case["heads"])
+        for name in ABLATION_RUNNERS:
+            r = case["rows"].get(name)
+            if r and r.get("tflops") is not None:
+                row[name] = dict(tflops=r["tflops"], x_flash=r.get("x flash"), x_cudnn=r.get("x cudnn"))
+        rows.append(row)
+    return rows, run["env"]

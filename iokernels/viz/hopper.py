@@ -153,3 +153,35 @@ def hopper_kernel_record(results_dir=None) -> str:
     return recorded.label(rec) + "\n" + recorded.table(
         rec, "prefill", runners=("sdpa:cudnn", "sdpa:flash", *HOPPER_RUNNERS), vs="sdpa:flash",
         columns=("dtype", "causal", "batch", "seqlen", "runner", "ms", "rate", "unit"))
+
+
+def hopper_ablation_record(results_dir=None) -> str:
+    """FlashAttention-3's ablation redone on the recorded GPU: our Hopper versions (v3 TMA +
+    wgmma, v4 warp specialization, v5 ping-pong) beside the Ampere-style v2 and SDPA's FLASH
+    and cuDNN kernels, in TFLOP/s, for each head dim and mask over N (B * N fixed); the last
+    line of each block is v5's ratio to FLASH.  Or a line saying that none is recorded yet."""
+    from ..core import recorded
+    pending = ("no recorded ablation of the Hopper forward kernels yet: it appears here once "
+               "scripts/hopper_bench.py --parts ablation has run on a GPU and been filed")
+    try:
+        rows, env = recorded.hopper_ablation_rows(recorded.load("hopper", results_dir=results_dir))
+    except FileNotFoundError:
+        return pending
+    if not rows:
+        return pending
+    lengths = sorted({r["seqlen"] for r in rows})
+    out = [f"recorded: {env.get('gpu')}, {env.get('date')}, torch {env.get('torch')}, CUDA {env.get('cuda')}; "
+           "bf16, B x N = " + f"{rows[0]['batch'] * rows[0]['seqlen']:,} tokens, TFLOP/s (causal counts the visible half)"]
+    for d in sorted({r["head_dim"] for r in rows}):
+        for causal in (False, True):
+            block = {r["seqlen"]: r for r in rows if r["head_dim"] == d and r["causal"] == causal}
+            heads = next(iter(block.values()))["heads"]
+            out.append("")
+            out.append(f"d = {d}, H = {heads}, {'causal' if causal else 'non-causal'}".ljust(28)
+                       + "".join(f"{f'N={n}':>9}" for n in lengths))
+            for name in recorded.ABLATION_RUNNERS:
+                cells = [block.get(n, {}).get(name, {}).get("tflops") for n in lengths]
+                out.append(f"  {name:<26}" + "".join(f"{c:>9.0f}" if c is not None else f"{'-':>9}" for c in cells))
+            ratio = [block.get(n, {}).get("v5", {}).get("x_flash") for n in lengths]
+            out.append(f"  {'v5 / FLASH':<26}" + "".join(f"{c:>8.2f}x" if c else f"{'-':>9}" for c in ratio))
+    return "\n".join(out)
