@@ -35,17 +35,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: seconds each part may run before it is stopped (the first check compiles the kernels)
 PART_LIMITS = {"check": 120, "time": 120}
-#: (dtype, batch, heads_q, N, seq_lens, num_splits, paged page size or None)
-CHECKS = [
-    ("bfloat16", 1, 64, 64, None, 1, None),                # one tile, one head block: the smallest
-    ("bfloat16", 2, 128, 1000, None, None, 64),
-    ("bfloat16", 3, 16, 777, [777, 0, 65], None, 64),
-    ("float16", 2, 64, 4096, [4096, 1], 4, 128),
-    ("bfloat16", 4, 128, 130, [130, 64, 63, 1], 1, None),
-    ("bfloat16", 5, 80, 333, [1, 333, 0, 200, 64], 3, 64),
-    ("bfloat16", 1, 128, 8192, None, None, 256),
-    ("float16", 2, 128, 65, [65, 0], 2, None),
-]
 #: (batch, N) timed: the benchmark's MLA shapes
 TIME_SHAPES = ((64, 8192), (8, 8192), (1, 8192), (64, 4096), (8, 32768), (1, 32768))
 HEADS = 128
@@ -70,7 +59,7 @@ def part_check():
     from iokernels.mla import reference_latent
     rng = np.random.default_rng(0)
     out, failed = [], 0
-    for dtype, B, Hq, N, lens, splits, page in CHECKS:
+    for dtype, B, Hq, N, lens, splits, page in cm.CHECK_CASES:
         tdt = getattr(torch, dtype)
         q = torch.from_numpy(rng.standard_normal((B, Hq, cm.ROW)).astype(np.float32)).cuda().to(tdt)
         kv = torch.from_numpy(rng.standard_normal((B, N, cm.ROW)).astype(np.float32)).cuda().to(tdt)
@@ -94,7 +83,7 @@ def part_check():
             ref, _ = reference_latent(as_numpy(q), as_numpy(kv), 512, seq_lens=n)
             _profile(as_numpy(o), ref, n.tolist())
         out.append(dict(case=label, ok=ok, checks=[str(c) for c in checks]))
-    print(f"check: {len(CHECKS) - failed} of {len(CHECKS)} cases pass", flush=True)
+    print(f"check: {len(cm.CHECK_CASES) - failed} of {len(cm.CHECK_CASES)} cases pass", flush=True)
     return dict(checks=out, failed=failed)
 
 

@@ -136,20 +136,8 @@ def _hopper():
     return torch
 
 
-#: (dtype, batch, heads_q, N, seq_lens, num_splits, paged page size or None)
-CASES = [
-    ("bfloat16", 2, 128, 1000, None, None, 64),
-    ("bfloat16", 3, 16, 777, [777, 0, 65], None, 64),
-    ("float16", 2, 64, 4096, [4096, 1], 4, 128),
-    ("bfloat16", 4, 128, 130, [130, 64, 63, 1], 1, None),
-    ("bfloat16", 5, 80, 333, [1, 333, 0, 200, 64], 3, 64),
-    ("bfloat16", 1, 128, 8192, None, None, 256),
-    ("float16", 2, 128, 65, [65, 0], 2, None),
-]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,B,Hq,N,lens,splits,page", CASES)
+@pytest.mark.parametrize("dtype,B,Hq,N,lens,splits,page", cm.CHECK_CASES)
 def test_mla_decode_matches_the_oracle(rng, dtype, B, Hq, N, lens, splits, page):
     torch = _hopper()
     tdt = getattr(torch, dtype)

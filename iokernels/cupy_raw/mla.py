@@ -108,7 +108,7 @@ def _check_cache(q, kv):
 
 def _check_pool(q, pool, block_tables, seq_lens):
     """(B, Hq, page_size, tables, lens, dtype) of a paged latent pool (num_blocks, page_size, 576)."""
-    from .decode import _check_tables, _host
+    from .decode import check_paged_lengths
     ps = tuple(getattr(pool, "shape", ()))
     if len(ps) != 3 or ps[2] != ROW:
         raise ValueError(f"pool: expected (num_blocks, page_size, {ROW}), got {ps}")
@@ -117,13 +117,7 @@ def _check_pool(q, pool, block_tables, seq_lens):
     if page % C.MLA_PAGE_MULTIPLE:
         raise ValueError(f"pool: page_size must be a multiple of {C.MLA_PAGE_MULTIPLE} (whole tiles), got {page}")
     B, Hq, _ = _check_q(q, dtype)
-    tables = _host(block_tables)
-    lens = _host(seq_lens).astype(np.int64)
-    if tables.ndim != 2 or tables.shape[0] != B:
-        raise ValueError(f"block_tables: expected ({B}, max_blocks), got {tables.shape}")
-    if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > tables.shape[1] * page):
-        raise ValueError(f"seq_lens: expected {B} lengths in [0, {tables.shape[1] * page}], got {lens.tolist()}")
-    _check_tables(tables, lens, nb, page)
+    tables, lens = check_paged_lengths(block_tables, seq_lens, B, nb, page)
     return B, Hq, page, tables, lens, dtype
 
 
@@ -297,6 +291,20 @@ def launch_mla(qd, kvd, lens_d, o, lse, *, dtype, scale, num_splits=None, longes
 
 
 # --------------------------------------------------------------------------- checks on a GPU
+#: the shapes the GPU tests and scripts/mla_dev.py check, each awkward in its own way:
+#: (dtype, batch, heads_q, N, seq_lens or None, num_splits or None, paged page size or None)
+CHECK_CASES = (
+    ("bfloat16", 1, 64, 64, None, 1, None),                # one tile, one head block: the smallest
+    ("bfloat16", 2, 128, 1000, None, None, 64),            # N not a multiple of 64, the heuristic's splits
+    ("bfloat16", 3, 16, 777, (777, 0, 65), None, 64),      # 16 heads (48 rows of the block empty), a zero length
+    ("float16", 2, 64, 4096, (4096, 1), 4, 128),
+    ("bfloat16", 4, 128, 130, (130, 64, 63, 1), 1, None),  # lengths at and around a tile edge
+    ("bfloat16", 5, 80, 333, (1, 333, 0, 200, 64), 3, 64), # a partial second head block, empty splits
+    ("bfloat16", 1, 128, 8192, None, None, 256),           # B = 1: many splits through the combine
+    ("float16", 2, 128, 65, (65, 0), 2, None),
+)
+
+
 def oracle_check(q, kv, *, seq_lens=None, num_splits=None, paged_page=None, config=None, seed=0):
     """Run mla_decode on torch CUDA tensors into NaN-poisoned outputs and hold it to FlashAttention's
     2x rule against the float64 oracle (:func:`iokernels.mla.reference_latent`), the baseline

@@ -89,15 +89,6 @@
 #define NEG_INF (-__int_as_float(0x7f800000))
 #define LN2 0.6931471805599453f
 
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
 // load cache rows [key0, key0 + 64) of sequence b -> SRAM tile `dst` (9 boxes of 64 x 64)
 __device__ __forceinline__ void load_tile(unsigned char* dst, const TmaMap* map, u64* bar, int key0, int b,
                                           const int* __restrict__ block_table, int max_blocks) {
