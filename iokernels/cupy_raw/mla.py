@@ -45,7 +45,7 @@ from ..core.arrays import Call, device_array
 from . import config as C
 from . import hopper as hp
 from .config import MLADecodeConfig
-from .launch import cupy, device_info, function, on_stream
+from .launch import device_info, function, on_stream
 from .registry import REGISTRY
 
 ROW = C.MLA_LATENT + C.MLA_ROPE
