@@ -77,7 +77,7 @@ from .decode import (DEFAULT_BLOCK_N, _lens, _resolve_splits, _starts, paged_til
                      split_kv_model)
 from .paged import PagedKVCache, storage_dtype
 
-__all__ = ["DEEPSEEK_V3_MLA", "default_scale", "make_mla_inputs", "reference_mla", "absorb_query",
+__all__ = ["DEEPSEEK_V3_MLA", "default_scale", "make_mla_inputs", "reference_mla", "reference_latent", "absorb_query",
            "up_project_cache", "mla_decode_unabsorbed", "mla_decode_absorbed", "paged_mla_decode",
            "latent_cache", "traffic_model", "mla_flops"]
 
@@ -155,6 +155,28 @@ def reference_mla(q_nope, q_rope, kv_latent, w_uk, w_uv, *, seq_lens=None, scale
         if n:
             o_b, l_b = reference.attention(q[b][None, :, None], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
                                            scale=scale, window=window)
+            O[b], lse[b] = o_b[0, :, 0], l_b[0, :, 0]
+    return O, lse
+
+
+def reference_latent(q_abs, kv_latent, latent_dim, *, seq_lens=None, scale=None):
+    """Float64 attention of the absorbed form itself: what a latent-attention kernel computes.
+
+    q_abs (B, H, d_c + d_R): the absorbed queries [q_lat | q_R]; kv_latent (B, N, d_c + d_R).
+    O (B, H, d_c) = softmax(scale q_abs c^T) c[:, :d_c] over rows [0, seq_lens[b]); LSE (B, H);
+    a sequence with no rows gives O = 0, LSE = -inf.  ``scale`` None: DeepSeek-V3's
+    1 / sqrt(d_h + d_R) (:data:`DEEPSEEK_V3_MLA`).
+    """
+    q, kv = reference._f64(q_abs), reference._f64(kv_latent)
+    B, H, row = q.shape
+    if scale is None:
+        scale = default_scale(DEEPSEEK_V3_MLA["head_dim"], DEEPSEEK_V3_MLA["rope_dim"])
+    lens = _lens(seq_lens, B, kv.shape[1])
+    O, lse = np.zeros((B, H, latent_dim)), np.full((B, H), -np.inf)
+    for b, n in enumerate(lens):
+        if n:
+            o_b, l_b = reference.attention(q[b][None, :, None], kv[b, None, None, :n],
+                                           kv[b, None, None, :n, :latent_dim], scale=scale)
             O[b], lse[b] = o_b[0, :, 0], l_b[0, :, 0]
     return O, lse
 

@@ -48,7 +48,7 @@ from .core import roofline as rl
 
 __all__ = ["ModelShape", "MODELS", "kv_values_per_token", "kv_bytes_per_token", "decode_step", "model_table",
            "roofline_placement", "roofline_figure", "kv_quant_accuracy", "kv_quant_figure", "mla_comparison",
-           "window_traffic", "DEFAULT_GPU"]
+           "window_traffic", "recorded_mla_rows", "DEFAULT_GPU"]
 
 #: the GPU the chapter places models on (datasheet row of the roofline table)
 DEFAULT_GPU = "H200"
@@ -322,3 +322,23 @@ def window_traffic(rng, lengths=(64, 256, 1024), window=(127, 0), heads_q=4, hea
                               error=float(np.abs(o - ro).max()))
         rows.append(row)
     return rows
+
+
+#: the columns of the recorded MLA decode rows (benchmark section "mla")
+MLA_RECORD_COLUMNS = ("batch", "seqlen", "runner", "ms", "tflops", "cache_TBps", "roofline_fraction",
+                      "speed_vs_torch_matmul")
+
+
+def recorded_mla_rows(results_dir=None) -> str:
+    """The MLA decode rows of the latest benchmark record (section "mla": the Hopper kernel of
+    :mod:`iokernels.cupy_raw.mla` next to torch formulations of the same absorbed form), under the
+    record's label; or a sentence saying there are none.  Reads files only, touches no GPU."""
+    from .core import recorded
+    try:
+        rec = recorded.load("h200", results_dir)
+    except FileNotFoundError:
+        return "No benchmark record in this checkout (python -m iokernels bench on a GPU writes one)."
+    if not recorded.bench_rows(rec, section="mla"):
+        return ("The latest benchmark record has no MLA decode rows: python -m iokernels bench --sections mla "
+                "on a Hopper GPU records them.")
+    return recorded.label(rec) + "\n" + recorded.table(rec, "mla", columns=MLA_RECORD_COLUMNS)

@@ -414,3 +414,51 @@ def plot_causal_alignment(demo: dict, axes=None):
         ax.set_xticks(range(nk))
         ax.set_yticks(range(nq))
     return axes
+
+
+# --------------------------------------------------------------------------- MLA decode in torch
+def mla_decode_matmul(q, kv, *, latent_dim=512, seq_lens=None, scale=None):
+    """MLA decode in its absorbed form with torch matmuls: the baseline of the MLA kernels.
+
+    q (B, Hq, d_c + d_R) absorbed queries, kv (B, N, d_c + d_R) latent rows; returns
+    (O (B, Hq, d_c) in q's dtype, LSE (B, Hq) float32).  S = (scale q) kv^T is one batched
+    matmul in q's dtype (the tensor cores; S rounded to that dtype, as the naive algorithm of
+    step 1 in the same precision), the softmax runs in float32 (float64 for float64 inputs),
+    P is rounded back and O = P kv[..., :d_c] is the second matmul: S and P (B * Hq * N values
+    each) go through HBM.  Rows at or past seq_lens[b] are masked; a sequence with no rows gives O = 0 and
+    LSE = -inf.  ``scale`` None: DeepSeek-V3's 1 / sqrt(d_h + d_R).
+    """
+    from .mla import DEEPSEEK_V3_MLA, default_scale
+    torch = _torch()
+    tq, tkv = _to_torch(q), _to_torch(kv)
+    if scale is None:
+        scale = default_scale(DEEPSEEK_V3_MLA["head_dim"], DEEPSEEK_V3_MLA["rope_dim"])
+    s = torch.matmul(tq * scale, tkv.transpose(-1, -2))            # read Hq*row + N*row; write Hq*N
+    if seq_lens is not None:
+        lens = torch.as_tensor(np.asarray(seq_lens), device=tq.device)
+        past = torch.arange(tkv.shape[1], device=tq.device)[None, None, :] >= lens[:, None, None]
+        s = s.masked_fill(past, -math.inf)                           # read Hq*N; write Hq*N
+    sf = s.to(torch.float64 if tq.dtype == torch.float64 else torch.float32)   # the accumulator dtype
+    lse = torch.logsumexp(sf, dim=-1)                                # read Hq*N
+    p = torch.softmax(sf, dim=-1).nan_to_num(0.0).to(tq.dtype)       # read Hq*N; write Hq*N
+    o = torch.matmul(p, tkv[..., :latent_dim])                       # read Hq*N + N*d_c; write Hq*d_c
+    return _to_like(o, q), _to_like(lse, q)
+
+
+def mla_decode_sdpa(q, kv, *, latent_dim=512, scale=None):
+    """MLA decode through SDPA: the Hq heads of one sequence as Hq query rows of ONE head.
+
+    q (B, Hq, d_c + d_R), kv (B, N, d_c + d_R), every sequence N rows long.  With the shared
+    row there is one KV head, so the heads can be laid out as the query axis of a prefill
+    call: q (B, 1, Hq, row), K = kv (B, 1, N, row), V = its first d_c columns (a view).
+    SDPA's dispatcher picks a kernel for key width d_c + d_R and value width d_c (the flash
+    and cuDNN kernels take at most 256, so it is one of the others).  Returns O (B, Hq, d_c).
+    """
+    from .mla import DEEPSEEK_V3_MLA, default_scale
+    torch = _torch()
+    tq, tkv = _to_torch(q), _to_torch(kv)
+    if scale is None:
+        scale = default_scale(DEEPSEEK_V3_MLA["head_dim"], DEEPSEEK_V3_MLA["rope_dim"])
+    o = torch.nn.functional.scaled_dot_product_attention(tq[:, None], tkv[:, None], tkv[:, None, :, :latent_dim],
+                                                         scale=scale)
+    return _to_like(o[:, 0], q)

@@ -42,10 +42,15 @@ rng = np.random.default_rng(0)
 out = {}
 
 
+def _kind(a):
+    """An argument's type name; a TMA tensor map (128 opaque bytes, passed by value) is "tmap"."""
+    return "tmap" if isinstance(a, np.ndarray) and a.dtype.kind == "V" else type(a).__name__
+
+
 def rec(label, fn):
     fn()
     out[label] = [dict(name=L["name"], options=list(L["options"]), grid=list(L["grid"]), block=list(L["block"]),
-                       smem=int(L["smem"]), args=[type(a).__name__ for a in L["args"]]) for L in cupy.LAUNCHES]
+                       smem=int(L["smem"]), args=[_kind(a) for a in L["args"]]) for L in cupy.LAUNCHES]
     cupy.LAUNCHES.clear()
 
 
@@ -87,13 +92,36 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
                     lambda: cr.paged_decode_pools(cupy.asarray(q2), cupy.asarray(cache.k_pool),
                                                   cupy.asarray(cache.v_pool), t, ln, config=cfg))
             rec(f"gather {dt} {d}", lambda: cache.gather(sids[0], backend="cupy"))
+
+# MLA decode: the stand-in cannot encode TMA descriptors, so tensor_map records what it was
+# asked for and hands back 128 zero bytes; the Hopper check is let through for these calls
+from iokernels.cupy_raw import mla as M
+from iokernels.core.testing import numpy_dtype
+MAPS = []
+def fake_map(ptr, dtype, dims, strides, box):
+    MAPS.append(dict(dims=[int(x) for x in dims], strides=[int(x) for x in strides], box=[int(x) for x in box]))
+    return np.zeros(1, dtype=np.dtype((np.void, 128)))
+cr.hopper.available, cr.hopper.tensor_map = (lambda: None), fake_map
+for dt in ("bfloat16", "float16"):
+    q = rng.standard_normal((3, 80, M.ROW)).astype(numpy_dtype(dt))
+    kv = rng.standard_normal((3, 301, M.ROW)).astype(numpy_dtype(dt))
+    for splits in (None, 1, 3):
+        rec(f"mla {dt} {splits}", lambda: cr.mla_decode(q, kv, seq_lens=np.array([301, 0, 77]), num_splits=splits))
+        out[f"maps mla {dt} {splits}"] = MAPS[:]
+        MAPS.clear()
+    pool = rng.standard_normal((20, 128, M.ROW)).astype(numpy_dtype(dt))
+    tables = rng.permutation(20)[:9].reshape(3, 3).astype(np.int32)
+    rec(f"mla paged {dt}", lambda: cr.paged_mla_decode(q, pool, tables, np.array([301, 0, 77]), num_splits=2))
+    out[f"maps mla paged {dt}"] = MAPS[:]
+    MAPS.clear()
 json.dump(out, sys.stdout)
 '''
 
 #: the kernel file each kernel function lives in
 FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split": "decode",
          "decode_combine": "decode", "decode_split_v2": "decode_v2", "decode_split_v3": "decode_v3",
-         "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1"}
+         "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
+         "mla_decode": "mla_decode"}
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +134,8 @@ def launches():
 
 def _signature(name, options):
     """The parameter list of kernel ``name`` after the preprocessor, at these -D options."""
-    from iokernels.cupy_raw import launch
-    src = launch.source(FILES[name])
+    from iokernels.cupy_raw import hopper, launch
+    src = launch.source(FILES[name], hopper.SOURCES if FILES[name] in hopper.SOURCES else None)
     r = subprocess.run([NVCC, "-E", "-arch=sm_90", "-x", "cu", *[o for o in options if o.startswith("-D")], "-"],
                        input=src, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-400:]
@@ -126,6 +154,8 @@ def _signature(name, options):
 
 
 def _expected(param, options):
+    if "TmaMap" in param:
+        return "tmap"
     if "*" in param:
         return "uint64"
     if re.match(r"(const )?int\b", param):
@@ -139,6 +169,8 @@ def _expected(param, options):
 def test_every_launch_matches_its_kernel_signature(launches):
     distinct = {}
     for label, ls in launches.items():
+        if label.startswith("maps "):             # the tensor maps MLA asked for, not launches
+            continue
         for L in ls:
             distinct.setdefault((L["name"], tuple(L["options"])), []).append((label, L["args"]))
     assert {n for n, _ in distinct} == set(FILES), "every kernel function was launched"
@@ -177,3 +209,27 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert _one(launches, "decode None {} float16 59 5", "decode_split")      # rows not 16-byte chunks: v1
     assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
     assert _one(launches, "paged_decode None float16 128", "decode_split_v3")
+
+
+def test_mla_launch_geometry(launches):
+    """mla_decode: one block per (64 heads, split, sequence), 256 threads, Q + two tiles of SRAM;
+    the tensor maps see q as (576, Hq, B) and the cache as (576, N, B) (or the pool as (576, page,
+    blocks)) in 64 x 64 boxes; splits merged by decode.cu's combine over 512-wide rows."""
+    from iokernels.cupy_raw import config as C
+    for dt in ("bfloat16", "float16"):
+        one = launches[f"mla {dt} 1"]
+        assert [L["name"] for L in one] == ["mla_decode"]
+        assert one[0]["grid"] == [2, 1, 3] and one[0]["block"] == [256]
+        assert one[0]["smem"] == C.MLADecodeConfig.smem_bytes()
+        three = launches[f"mla {dt} 3"]
+        assert [L["name"] for L in three] == ["mla_decode", "decode_combine"]
+        assert three[0]["grid"] == [2, 3, 3] and three[1]["grid"] == [3 * 80]
+        assert _defines(three[1])["HEAD_DIM"] == "512"
+        assert launches[f"mla {dt} None"][0]["grid"] == [2, 3, 3]      # 301 rows: 3 splits of 128 at most
+        assert launches[f"maps mla {dt} 3"] == [
+            dict(dims=[576, 301, 3], strides=[1152, 1152 * 301], box=[64, 64, 1]),
+            dict(dims=[576, 80, 3], strides=[1152, 1152 * 80], box=[64, 64, 1])]
+        paged = launches[f"mla paged {dt}"]
+        assert _defines(paged[0])["PAGED"] == "1" and _defines(paged[0])["PAGE_SIZE"] == "128"
+        assert launches[f"maps mla paged {dt}"][0] == dict(dims=[576, 128, 20], strides=[1152, 1152 * 128],
+                                                           box=[64, 64, 1])

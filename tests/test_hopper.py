@@ -51,6 +51,11 @@ def _jobs():
         jobs.append((f"{kw} bfloat16 d=128", f"fa_{cfg.version}", cfg.defines(128, "bfloat16")))
     for dtype in hp.DTYPES:
         jobs.append((f"gemm {dtype}", "hopper_gemm", hp.gemm_defines(dtype)))
+    from iokernels.cupy_raw.config import MLADecodeConfig
+    for dtype, paged, page in (("bfloat16", False, 64), ("float16", False, 64), ("bfloat16", True, 64),
+                               ("float16", True, 256)):
+        jobs.append((f"mla_decode {dtype} paged={paged} page={page}", "mla_decode",
+                     MLADecodeConfig(version="v1").defines(dtype, paged, page)))
     return jobs
 
 
@@ -75,7 +80,9 @@ def test_sources_refuse_what_they_cannot_run(tmp_path):
     for name, defines, message in (("fa_v5", dict(base, STAGES=1), "at least two stages"),
                                    ("fa_v3", dict(base, HEAD_DIM=96), "HEAD_DIM 64 or 128"),
                                    ("fa_v4", dict(base, IK_DTYPE=0), "IK_DTYPE 1 (float16) or 2"),
-                                   ("hopper_gemm", dict(hp.gemm_defines("bfloat16"), BK=32), "BK is one")):
+                                   ("hopper_gemm", dict(hp.gemm_defines("bfloat16"), BK=32), "BK is one"),
+                                   ("mla_decode", dict(LATENT=256, ROPE=64, IK_DTYPE=2), "LATENT 512 and ROPE 64"),
+                                   ("mla_decode", dict(PAGED=1, PAGE_SIZE=16, IK_DTYPE=2), "multiple of 64")):
         rc, err = _compile(tmp_path, name, defines, extra=())
         assert rc != 0 and message in err, f"{name} {defines}: rc={rc} {err[:300]}"
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from .environment import environment, label
-from .runners import Unavailable, backward_cases, decode_cases, gather_cases, prefill_cases, _numpy_only_cases  # noqa: F401
-from .specs import (BACKWARD, BACKWARD_FP32, DECODE_EXTRA, DECODE_SWEEP, GATHER_SIZES, PREFILL_COMPARE,
+from .runners import (Unavailable, backward_cases, decode_cases, gather_cases, mla_cases,  # noqa: F401
+                      prefill_cases, _numpy_only_cases)
+from .specs import (BACKWARD, BACKWARD_FP32, DECODE_EXTRA, DECODE_SWEEP, GATHER_SIZES, MLA, PREFILL_COMPARE,
                     PREFILL_SWEEP, QUICK, SECTIONS,
                     TARGET_MS_PER_RUNNER)
 from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
@@ -32,7 +33,7 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
     plan = []
     if quick:
         plan = [("prefill", QUICK["prefill"]), ("decode", QUICK["decode"]), ("gather", QUICK["gather"]),
-                ("backward", QUICK["backward"])]
+                ("backward", QUICK["backward"]), ("mla", QUICK["mla"])]
         plan = [(s, p) for s, p in plan if s in sections or (s == "prefill" and "compare" in sections)]
     else:
         for s in sections:
@@ -46,6 +47,8 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
                 plan.append(("gather", GATHER_SIZES))
             elif s == "backward":
                 plan += [("backward", BACKWARD), ("backward", BACKWARD_FP32)]
+            elif s == "mla":
+                plan.append(("mla", MLA))
     total = 0
     for s, p in plan:
         if s in ("prefill", "compare"):
@@ -54,6 +57,8 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
             total += len(p["batches"]) * len(p["seqlens"]) * len(p["dtypes"]) * 9
         elif s == "backward":
             total += len(p["seqlens"]) * len(p["causal"]) * len(p["dtypes"]) * 2
+        elif s == "mla":
+            total += len(p["shapes"]) * len(p["dtypes"]) * 3
         else:
             total += len(p["seqlens"]) * 3
     try:
@@ -69,6 +74,8 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
                 record["cases"] += decode_cases(p, seed, bar, target_ms=target_ms)
             elif s == "backward":
                 record["cases"] += backward_cases(p, seed, bar, target_ms=target_ms)
+            elif s == "mla":
+                record["cases"] += mla_cases(p, seed, bar, target_ms=target_ms)
             else:
                 record["cases"] += gather_cases(p, seed, bar, target_ms=target_ms)
     record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
@@ -96,6 +103,8 @@ def _shape_text(case) -> str:
         return f"B{s['batch']} H{s['heads']} N{s['seqlen']} d{s['head_dim']}" + (" causal" if case["causal"] else "")
     if case["kind"] == "decode":
         return f"B{s['batch']} {s['heads_q']}/{s['heads_kv']} N{s['seqlen']} d{s['head_dim']}"
+    if case["kind"] == "mla":
+        return f"B{s['batch']} H{s['heads_q']} N{s['seqlen']} {s['latent_dim']}+{s['rope_dim']}"
     return f"Hkv{s['heads_kv']} N{s['seqlen']} d{s['head_dim']} bs{s['block_size']}"
 
 
@@ -112,13 +121,16 @@ def table(record) -> str:
             ms = f"{r['ms']:.4f}" if ok else "-"
             rate = f"{r['rate']:.3g} {r['unit']}" if ok else "-"
             mem = f"{r['extra_MiB']:.0f}" if ok and r.get("extra_MiB") is not None and r["group"] != "numba" else "-"
-            ratio = r.get("speed_vs_best_sdpa", r.get("speed_vs_copy", r.get("speed_vs_numpy_naive")))
+            ratio = r.get("speed_vs_best_sdpa", r.get("speed_vs_copy", r.get("speed_vs_numpy_naive",
+                                                                                r.get("speed_vs_torch_matmul"))))
             ratio = f"{ratio:.3f}" if ratio is not None else "-"
             note = "" if ok else r.get("status", "")
             if r.get("suspect"):
                 note += " SUSPECT: " + r["suspect"]
             if r.get("ran"):
                 note += f" ran {r['ran']}"
+            if ok and r.get("roofline_fraction") is not None:
+                note += f" {r['cache_TBps']:.2f} TB/s of cache, {r['roofline_fraction']:.2f} of the roofline bound"
             if ok and r.get("host_ms", 0) > r["ms"]:
                 note += f" host-bound: {r['host_ms']:.4f} ms of Python a call"
             lines.append(f"{c['section']:<9}{c['dtype']:<10}{_shape_text(c):<30}{r['runner']:<22}{ms:>11}"
@@ -129,7 +141,8 @@ def table(record) -> str:
     lines.append("ms: median of CUDA-event timings, L2 flushed between runs.  rate: TFLOP/s (prefill, "
                  "visible pairs only) or TB/s (decode: K+V bytes read; gather: read+write).  "
                  "MiB+: device memory above the inputs during one call.  vs best: best SDPA time / this "
-                 "time (1 = as fast as the best SDPA kernel; gather rows: vs the device copy).")
+                 "time (1 = as fast as the best SDPA kernel; gather rows: vs the device copy; mla rows: vs torch:matmul, "
+                 "and the fraction of the roofline bound max(FLOPs / matmul peak, cache bytes / bandwidth)).")
     return "\n".join(lines)
 
 

@@ -24,7 +24,8 @@ QUICK = dict(prefill=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=
              decode=dict(heads_q=4, heads_kv=2, head_dim=64, batches=(2,), seqlens=(512,),
                          dtypes=("float16",)),
              gather=dict(heads_kv=2, head_dim=64, seqlens=(512,), dtype="float16"),
-             backward=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=(True,), dtypes=("float32",)))
+             backward=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=(True,), dtypes=("float32",)),
+             mla=dict(heads_q=128, latent_dim=512, rope_dim=64, shapes=((2, 1024),), dtypes=("bfloat16",)))
 
 SDPA_NAMES = ("flash", "efficient", "cudnn", "math")
 #: NumPy runs (host, one repetition) only when the problem is this small (FLOPs): beyond it
@@ -45,4 +46,12 @@ PAGED_BLOCK = 16
 BACKWARD = dict(batch=8, heads=16, head_dim=128, seqlens=(4096,), causal=(False, True), dtypes=("bfloat16",))
 BACKWARD_FP32 = dict(batch=2, heads=16, head_dim=128, seqlens=(2048,), causal=(False, True), dtypes=("float32",))
 
-SECTIONS = ("prefill", "compare", "decode", "gather", "backward")
+#: MLA decode (absorbed form, DeepSeek-V3's shapes: 128 heads, rows of 512 + 64), one query
+#: token a sequence: (batch, cache length) pairs, the serving shape B=64 N=8192 first
+MLA = dict(heads_q=128, latent_dim=512, rope_dim=64,
+           shapes=((64, 8192), (8, 8192), (1, 8192), (64, 4096), (8, 32768), (1, 32768)), dtypes=("bfloat16",))
+#: the roofline the MLA rows are placed on: the measured ceilings of this GPU when recorded
+#: (iokernels.core.roofline.MEASURED), else the H200's datasheet row
+MLA_ROOFLINE_GPU = ("H200 (measured)", "H200")
+
+SECTIONS = ("prefill", "compare", "decode", "gather", "backward", "mla")

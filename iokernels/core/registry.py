@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-OPS = ("attention", "attention_backward", "decode", "paged_decode", "paged_gather")
+OPS = ("attention", "attention_backward", "decode", "paged_decode", "paged_gather", "mla_decode")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ launch.py       the .cu sources, NVRTC compile cache, device info, streams
 forward.py      attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
 decode.py       decode and paged decode: decode.cu, decode_v2.cu, decode_v3.cu
 gather.py       paged gather: paged_gather.cu
+hopper.py       the Hopper (sm_90a) attention kernels and their tensor maps
+mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
 registry.py     REGISTRY (every (op, version)), need(): what a call needs
 sanitize.py     sanitize_cases(): every registered kernel at ragged shapes
 ==============  ================================================================
@@ -68,6 +70,10 @@ and the kernel's occupancy (one full wave).
 Paged gather (``paged_gather``): **v1** ``paged_gather.cu``, 16-byte chunks through the
 block table, one output chunk a thread.
 
+MLA decode (``mla_decode``, :mod:`.mla`): **v1** ``mla_decode.cu`` (Hopper only), the absorbed
+form of multi-head latent attention -- one shared 576-value row a token for all query heads --
+on wgmma with the query heads as the rows of S, TMA tiles of cache rows and split-KV.
+
 The measured speed of each version, next to torch's SDPA in the same run, is in the
 benchmark records (``python -m iokernels bench``; :mod:`iokernels.core.recorded`); the
 tuning sweeps around the defaults are :mod:`iokernels.bench.sweeps_cupy`.
@@ -96,4 +102,7 @@ from .backward import attention_backward  # noqa: F401
 from . import hopper  # noqa: E402
 from .config import BackwardConfig  # noqa: F401
 hopper.register(REGISTRY)          # after the portable versions: ranks above them, on Hopper only
+from . import mla  # noqa: E402,F401  (registers mla_decode v1)
+from .config import MLADecodeConfig  # noqa: F401
+from .mla import mla_decode, paged_mla_decode  # noqa: F401
 from .sanitize import sanitize_cases  # noqa: F401

@@ -124,6 +124,20 @@ def _check_tables(tables, lens, num_blocks, block_size, name="block_tables"):
         raise ValueError(f"{name}: sequence {b}, entry {j} is block {int(tables[b, j])}, outside [0, {num_blocks})")
 
 
+def check_paged_lengths(block_tables, seq_lens, batch, num_blocks, block_size):
+    """Host copies (tables, lens int64) of a paged call's block tables (batch, max_blocks) and
+    lengths, checked: every length fits its table, every block it uses is in the pool."""
+    tables = _host(block_tables)
+    lens = _host(seq_lens).astype(np.int64)
+    if tables.ndim != 2 or tables.shape[0] != batch:
+        raise ValueError(f"block_tables: expected ({batch}, max_blocks), got {tables.shape}")
+    cap = tables.shape[1] * block_size
+    if lens.shape != (batch,) or np.any(lens < 0) or np.any(lens > cap):
+        raise ValueError(f"seq_lens: expected {batch} lengths in [0, {cap}], got {lens.tolist()}")
+    _check_tables(tables, lens, num_blocks, block_size)
+    return tables, lens
+
+
 def check_pools(k_pool, v_pool):
     """(num_blocks, block_size, heads_kv, head_dim, dtype) of two matching pools."""
     ps = tuple(getattr(k_pool, "shape", ()))
@@ -227,13 +241,7 @@ def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale
     nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
     _check_decode_q(q, Hkv, d, dtype)
     B = q.shape[0]
-    tables = _host(block_tables)
-    lens = _host(seq_lens).astype(np.int64)
-    if tables.ndim != 2 or tables.shape[0] != B:
-        raise ValueError(f"block_tables: expected ({B}, max_blocks), got {tables.shape}")
-    if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > tables.shape[1] * bs):
-        raise ValueError(f"seq_lens: expected {B} lengths in [0, {tables.shape[1] * bs}], got {lens.tolist()}")
-    _check_tables(tables, lens, nb, bs)
+    tables, lens = check_paged_lengths(block_tables, seq_lens, B, nb, bs)
     scale = cv.resolve_scale(scale, d)
     call = Call(q)
     acc = cv.accum_dtype(dtype).name

@@ -67,7 +67,8 @@ from . import launch
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
 #: kernel name -> file (each file holds one extern "C" kernel of that name)
-SOURCES = {"hopper_gemm": "hopper_gemm.cu", "fa_v3": "fa_v3.cu", "fa_v4": "fa_v4.cu", "fa_v5": "fa_v5.cu"}
+SOURCES = {"hopper_gemm": "hopper_gemm.cu", "fa_v3": "fa_v3.cu", "fa_v4": "fa_v4.cu", "fa_v5": "fa_v5.cu",
+           "mla_decode": "mla_decode.cu"}
 VERSIONS = ("v3", "v4", "v5")
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)

@@ -5,7 +5,8 @@
 version) runs for every dtype its check accepts, at shapes that are multiples of no tile
 (Nq = 37, Nk = 77, head dims 64, 72 and 59 -- 59 takes the element-wise copy paths of the
 versions that have word paths --, GQA 4/2, a window, ragged decode lengths with an empty
-sequence, a paged cache with a partial last block, in the dtypes a PagedKVCache holds), plus the settings in :data:`VARIANTS`.
+sequence, a paged cache with a partial last block, in the dtypes a PagedKVCache holds; MLA
+decode at 80 query heads, contiguous and paged), plus the settings in :data:`VARIANTS`.
 Inputs are NumPy arrays, so CuPy is the only GPU library loaded.  Each result is held
 against :mod:`iokernels.core.reference` with the shared checker (float64 to about 1e-12,
 lower precisions by the 2x rule against the naive algorithm in the same precision).
@@ -171,8 +172,47 @@ def _backward(kernel, cfg, dtype, rng, label):
     return out
 
 
+#: MLA decode: batch lengths (one empty), query heads (two head blocks, the second partial),
+#: split counts, the paged pool's page size
+MLA_LENS = (301, 0, 77)
+MLA_HEADS = 80
+MLA_SPLITS = (1, 3)
+MLA_PAGE = 64
+
+
+def _mla(kernel, cfg, dtype, rng, label):
+    """Absorbed MLA decode over a contiguous cache and over a paged pool in shuffled pages."""
+    from ..mla import reference_latent
+    from ..torch_sdpa import mla_decode_matmul
+    from .mla import ROW, paged_mla_decode
+    from .config import MLA_LATENT
+    out = []
+    B, N = len(MLA_LENS), max(MLA_LENS)
+    dt = numpy_dtype(dtype)
+    q = rng.standard_normal((B, MLA_HEADS, ROW)).astype(dt)
+    kv = rng.standard_normal((B, N, ROW)).astype(dt)
+    if kernel.unavailable(need("mla_decode", q=q, k=kv)) is not None:
+        return out
+    lens = np.array(MLA_LENS, np.int32)
+    ref_o, _ = reference_latent(q, kv, MLA_LATENT, seq_lens=lens)
+    base, _ = mla_decode_matmul(q, kv, latent_dim=MLA_LATENT, seq_lens=lens)
+    masked = (lens == 0)[:, None, None]
+    per = -(-N // MLA_PAGE)
+    tables = rng.permutation(B * per).reshape(B, per).astype(np.int32)
+    pool = np.zeros((B * per, MLA_PAGE, ROW), dt)
+    pool[tables.ravel()] = np.pad(kv, ((0, 0), (0, per * MLA_PAGE - N), (0, 0))).reshape(B * per, MLA_PAGE, ROW)
+    for splits in MLA_SPLITS:
+        o, _ = kernel.launcher(q, kv, seq_lens=lens, num_splits=splits, scale=None, config=cfg)
+        name = f"{label} Hq={MLA_HEADS} splits={splits}"
+        _ok(check(o, ref_o, base, dtype=dtype, name="O", masked_rows=masked), name)
+        o, _ = paged_mla_decode(q, pool, tables, lens, num_splits=splits, config=cfg)
+        _ok(check(o, ref_o, base, dtype=dtype, name="O paged", masked_rows=masked), name + " paged")
+        out.append(name)
+    return out
+
+
 RUNNERS = {"attention": _forward, "decode": _decode, "paged_decode": _paged_decode, "paged_gather": _gather,
-           "attention_backward": _backward}
+           "attention_backward": _backward, "mla_decode": _mla}
 
 
 def sanitize_cases(seed: int = 0, verbose: bool = True) -> list:

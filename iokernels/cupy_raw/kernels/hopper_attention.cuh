@@ -140,15 +140,6 @@ __device__ __forceinline__ void row_state_init(RowState& st) {
     st.l[0] = st.l[1] = 0.f;
 }
 
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
 // One step of the online softmax on S_ij, in place: S becomes P = exp2(S * scale_log2 - m_new)
 // (float32, still in the accumulator registers), m and l are updated, and alpha[r] =
 // exp2(m_old - m_new) is what O's rows must be multiplied by before P V_j is added.

@@ -178,6 +178,17 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// a row's max and sum over the 4 lanes (t = lane % 4) of a quad that share it in the wgmma
+// accumulator layout (two shuffles)
+__device__ __forceinline__ float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 __device__ __forceinline__ float fast_log2(float x) {
     float y;
     asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
