@@ -67,8 +67,8 @@ and the kernel's occupancy (one full wave).
 * **v4** ``decode_v4.cu`` (the default for float16/bfloat16, head dims multiples of 16 up
   to 256, g <= 16, compute capability 8.0+): v3's ring, split grid and fused combine, with
   S = Q_g K_j^T and O += P V_j on the tensor cores (``mma.sync.m16n8k16``) -- the g query
-  heads of a GQA group are the rows of the A operand, padded to 16 (FlashInfer's
-  observation, Ye et al., 2024: GQA decode is a small prefill); K_j through ``ldmatrix``,
+  heads of a GQA group are the rows of the A operand, padded to 16 (FlashInfer, Ye et
+  al., 2024-2025, runs GQA decode through its tensor-core prefill kernels); K_j through ``ldmatrix``,
   V_j through ``ldmatrix.trans``, P converted to A fragments in registers.  The padding
   wastes (16 - g) / 16 of the tensor cores' work and frees the CUDA cores, which v3 keeps
   busy with 2 x g x d FMAs for every K/V row.
