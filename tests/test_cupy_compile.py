@@ -175,9 +175,11 @@ def test_candidates_stay_in_registers(tmp_path):
 
 def test_decode_v4_stays_in_registers(tmp_path):
     """ptxas -v: decode v4's default at bf16 d=128 (O is 64 float32 a lane, Q_g's A fragments
-    32 registers) and at d=256, g=16 uses no local memory within its launch bounds' cap."""
+    32 registers), at d=256, g=16, and at 8 warps uses no local memory within its launch
+    bounds' cap."""
     jobs = [(cr.DecodeConfig("v4").defines(d, "bfloat16", g, paged, 16), d, g)
             for d, g, paged in ((128, 4, False), (128, 4, True), (256, 16, False))]
+    jobs.append((cr.DecodeConfig("v4", num_warps=8).defines(128, "bfloat16", 8, True, 16), 128, 8))
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(tmp_path, "decode_v4", j[0], 90, extra=("-Xptxas", "-v")), jobs))
     for (defines, d, g), (rc, err) in zip(jobs, results):

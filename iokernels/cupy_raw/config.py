@@ -271,7 +271,8 @@ class DecodeConfig:
     (None: DECODE_V3_WARPS, DECODE_V4_WARPS).  fused (v3): the combine inside the split
     kernel (True) or decode.cu's separate combine launch (False, v2's structure).
     min_blocks: blocks an SM the registers are capped for (None: DECODE_MIN_BLOCKS for v1,
-    DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8).  unroll (v1): rows of K and V each
+    DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8; v4: DECODE_V4_MIN_BLOCKS at 4 warps,
+    half that at 8).  unroll (v1): rows of K and V each
     sub-group keeps in flight (None: DECODE_UNROLL).
     """
 
@@ -384,9 +385,10 @@ class DecodeConfig:
         if group > DECODE_V4_MAX_GROUP:
             raise ValueError(f"config.version: v4 packs at most {DECODE_V4_MAX_GROUP} query heads a KV head "
                              f"(one mma row block), got {group} (use 'v3')")
-        return dict(base, NUM_WARPS=self.ring_warps(), STAGES=self.ring_stages(d, dtype, group, smem_limit),
-                    TILE_ROWS=self.v4_tile_rows(), DECODE_MIN_BLOCKS=self.min_blocks or DECODE_V4_MIN_BLOCKS,
-                    FUSED=int(self.fused))
+        nw = self.ring_warps()                  # the registers a thread may use stay those of 4 warps x 2
+        mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)
+        return dict(base, NUM_WARPS=nw, STAGES=self.ring_stages(d, dtype, group, smem_limit),
+                    TILE_ROWS=self.v4_tile_rows(), DECODE_MIN_BLOCKS=mb, FUSED=int(self.fused))
 
     def combine_defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int,
                         aligned: bool = True) -> dict:
