@@ -128,7 +128,8 @@ def timings(torch, cr, reps: int) -> None:
             best = min((ms[n] for n in ms if n.startswith("sdpa")), default=None)
             ref = next((out[n] for n in ("sdpa CUDNN", "sdpa FLASH") if n in out), None)
             for name in ms:
-                line = f"  {dtype} B={B:2d} N={N:5d} {name:16s} {ms[name]:8.4f} ms {kv_bytes / ms[name] / 1e9:6.2f} TB/s"
+                tbps = kv_bytes / ms[name] / 1e9
+                line = f"  {dtype} B={B:2d} N={N:5d} {name:16s} {ms[name]:8.4f} ms {tbps:6.2f} TB/s"
                 if best and name.startswith("cupy"):
                     line += f"  ratio to best SDPA {best / ms[name]:.3f}"
                 if name.endswith("paged") and name[:-6] in ms:

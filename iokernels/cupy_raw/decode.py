@@ -316,8 +316,8 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
         base_smem, _ = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
                                                    defines["NUM_WARPS"])
         if base_smem > dev["smem_optin"]:
-            raise ValueError(f"config: decode {config.version} with {defines['NUM_WARPS']} warps x {defines['STAGES']} stages x "
-                             f"{defines['TILE_ROWS']} rows needs {base_smem:,} B of shared memory a block at "
+            raise ValueError(f"config: decode {config.version} with {defines['NUM_WARPS']} warps x "
+                             f"{defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs {base_smem:,} B of shared memory a block at "
                              f"head_dim={d} ({dtype}), more than this GPU's {dev['smem_optin']:,} (fewer stages, "
                              f"warps or tile rows)")
         fn = function(file, kernel, defines, max(base_smem, V3_COMPILE_SMEM))
@@ -342,8 +342,8 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
         smem, table_offset = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
                                                          defines["NUM_WARPS"], S, fused, table_cap)
         if smem > dev["smem_optin"]:
-            raise ValueError(f"config: decode {config.version} needs {smem:,} B of shared memory a block, more than this GPU's "
-                             f"{dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")
+            raise ValueError(f"config: decode {config.version} needs {smem:,} B of shared memory a block, more "
+                             f"than this GPU's {dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")
         if smem > V3_COMPILE_SMEM:
             fn.max_dynamic_shared_size_bytes = int(smem)
     acc = np.float64 if dtype == "float64" else np.float32

@@ -5,7 +5,7 @@
 // cores: 2 x g x d float32 FMAs a row, plus the 16-bit -> float32 conversions and the
 // shuffle reductions.  At g = 4 and d = 128 that is about 2 FMAs for every byte of K/V a
 // block reads, a large share of an SM's float32 issue rate when the cache streams at HBM
-// speed, so the arithmetic, not the memory, sets the pace at large batch x length.
+// speed: at large batch x length the arithmetic, and not the memory, can set the pace.
 // FlashInfer (Ye et al., 2024 and its 2025 paper) runs GQA decode with groups of 4 and
 // more through its tensor-core (prefill) kernels: the g query rows of a group make the
 // decode a small prefill.  So here
