@@ -280,8 +280,8 @@ DECODE_VERSIONS = tuple(sorted(cupy_raw.REGISTRY.versions("decode")))
 def test_decode_against_oracle(rng, d, version):
     """Split-KV decode, GQA 8/2, ragged lengths incl. 0 and shorter than a tile, several split
     counts (more splits than a short sequence has tiles), every dtype, every version; where the
-    version's check refuses the rows (float64 at d=128: 64 chunks a row) the explicit config
-    raises naming config, and the default (decode.cu) runs instead."""
+    version's check refuses the call (float64 at d=128: 64 chunks a row; v4: float32/float64)
+    the explicit config raises naming config, and the registry's default runs instead."""
     torch = _torch()
     cr = _cr()
     config = cr.DecodeConfig(version=version)
@@ -299,14 +299,16 @@ def test_decode_against_oracle(rng, d, version):
                 n = int(lens[b])
                 if n:
                     base[b] = cr_naive(tq[b:b + 1, :, None], tk[b:b + 1, :, :n], tv[b:b + 1, :, :n])[0, :, 0]
-        want = version if version == "v1" or cr.decode_v2_geometry(d, dtype) is not None else "v1"
+        n = cr.need("decode", q=tq, k=tk, v=tv)
         run_config = config
-        if want != version:
+        refused = cr.REGISTRY.get("decode", version).unavailable(n) is not None
+        if refused:
             with pytest.raises(ValueError, match="config.version"):
                 cr.decode(tq, tk, tv, seq_lens=lens, config=config)
             run_config = None
-        kernel, _ = cr.REGISTRY.resolve("decode", run_config, cr.need("decode", q=tq, k=tk, v=tv))
-        assert kernel.version == want
+        rows_fit = cr.decode_v2_geometry(d, dtype) is not None
+        assert refused == {"v1": False, "v2": not rows_fit, "v3": not rows_fit,
+                           "v4": dtype not in ("float16", "bfloat16")}.get(version, refused), (version, dtype)
         for S in (None, 1, 7):
             o, lse = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=S, scale=None, config=run_config)
             masked = ~np.isfinite(ref_l)[..., None]
@@ -345,11 +347,15 @@ def test_paged_decode_matches_contiguous(rng, d, version):
     """Paged decode == the oracle on the gathered cache; device pools and NumPy pools."""
     import cupy
     cr = _cr()
-    config = cr.DecodeConfig(version=version)
     lens = [517, 1, 130]
     for dtype in ("float16", "float32"):
         cache, sids = _paged_cache(rng, lens, 2, d, dtype)
         q = rng.standard_normal((3, 8, d)).astype(dtype)
+        config = cr.DecodeConfig(version=version)
+        if version == "v4" and dtype == "float32":      # v4 is 16-bit only: refused, the default runs
+            with pytest.raises(ValueError, match="config.version"):
+                cr.paged_decode(q, cache, sids, config=config)
+            config = None
         ks, vs = zip(*(cache.gather(s, backend="numpy") for s in sids))
         N = max(lens)
         kc = np.zeros((3, 2, N, d), dtype)
@@ -400,6 +406,50 @@ def test_decode_v3_configs(rng, dtype, d, group, block_size, kw):
     _check_ring_config(rng, dict(version="v3", **kw), dtype, d, group, block_size)
 
 
+@pytest.mark.parametrize("dtype,d,group,block_size,kw", [
+    ("bfloat16", 128, 4, 16, dict()),                               # the default (GQA 32/8's group)
+    ("float16", 128, 4, 16, dict()),
+    ("float16", 64, 8, 7, dict(num_warps=8)),                       # pages of 7 rows, 8 warps
+    ("bfloat16", 64, 1, 16, dict(stages=2, tile_rows=32)),          # MHA: one useful A row in 16
+    ("bfloat16", 128, 16, 16, dict(fused=False)),                   # rows 8..15 used; two launches
+    ("float16", 112, 12, 5, dict(tile_rows=48, stages=2)),          # 12 of 16 rows, odd page size
+    ("float16", 256, 8, 16, dict()),                                # the largest head dim
+])
+def test_decode_v4_configs(rng, dtype, d, group, block_size, kw):
+    """decode v4 (tensor cores) across groups 1..16, head dims 64..256, tiles, warps, ring
+    depths and page sizes, as v3's test: contiguous and paged against the oracle, ragged
+    lengths incl. 0 and 1, splits 1, 6 and 37; the errors printed per case."""
+    if _cc() < 80:
+        pytest.skip("decode v4 needs sm_80")
+    _check_ring_config(rng, dict(version="v4", **kw), dtype, d, group, block_size)
+
+
+def test_decode_v4_strided_cache(rng):
+    """decode v4 on views: K/V a slice of a longer cache (the row stride and the head stride
+    are not N x d) and q a strided view, bit for bit what the contiguous copies give."""
+    if _cc() < 80:
+        pytest.skip("decode v4 needs sm_80")
+    torch = _torch()
+    cr = _cr()
+    B, Hq, Hkv, N, d = 3, 16, 4, 701, 128
+    big = [torch.from_numpy(rng.standard_normal((B, Hkv, N + 67, d)).astype(np.float32)).cuda().half()
+           for _ in range(2)]
+    kv = [x[:, :, 30:30 + N] for x in big]
+    qbig = torch.from_numpy(rng.standard_normal((B, 2 * Hq, d)).astype(np.float32)).cuda().half()
+    q = qbig[:, ::2]
+    assert not kv[0].is_contiguous() and not q.is_contiguous()
+    lens = np.array([701, 0, 250])
+    config = cr.DecodeConfig(version="v4")
+    o1, l1 = cr.decode(q, *kv, seq_lens=lens, num_splits=5, config=config)
+    o2, l2 = cr.decode(q.contiguous(), *(x.contiguous() for x in kv), seq_lens=lens, num_splits=5, config=config)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    ref_o, ref_l = reference.decode(q, *kv, seq_lens=lens)
+    fin = np.isfinite(ref_l)
+    err = np.max(np.abs(as_numpy(o1).astype(np.float64) - ref_o))
+    assert err < 1e-2 and np.all(np.isneginf(as_numpy(l1)[1])), f"max |O - ref| = {err:.3g}"
+    assert np.max(np.abs(as_numpy(l1)[fin] - ref_l[fin])) < 2e-2
+
+
 def _check_ring_config(rng, cfg_kw, dtype, d, group, block_size):
     if dtype == "bfloat16" and _cc() < 80:
         pytest.skip("bfloat16 needs sm_80")
@@ -441,8 +491,9 @@ def _check_ring_config(rng, cfg_kw, dtype, d, group, block_size):
                     if n:
                         base[b] = cr_naive(tq[b:b + 1, :, None], tk[b:b + 1, :, :n], tv[b:b + 1, :, :n])[0, :, 0]
                 c = check(o, ref_o, base, dtype=dtype, masked_rows=masked)
-                assert c, (kind, S, str(c))
-                assert np.max(np.abs(as_numpy(lse)[fin] - ref_l[fin])) < 2e-2, (kind, S)
+                assert c, (cfg_kw, dtype, d, group, kind, S, str(c))
+                lse_err = np.max(np.abs(as_numpy(lse)[fin] - ref_l[fin]))
+                assert lse_err < 2e-2, (cfg_kw, dtype, d, group, kind, S, f"max |LSE - ref| = {lse_err:.3g}")
 
 
 def test_paged_gather_is_exact(rng):
@@ -465,7 +516,7 @@ def test_paged_gather_is_exact(rng):
 # num_splits_heuristic is pure Python: tests/test_cupy_compile.py tests its properties without a GPU.
 
 
-@pytest.mark.parametrize("version", ["v2", "v3"])
+@pytest.mark.parametrize("version", ["v2", "v3", "v4"])
 def test_decode_large_b1(rng, version):
     """The benchmark's shape: bf16 (fp16 below sm_80), B=1, N=32768, GQA 32/8, d=128, at the
     heuristic's split count, contiguous and paged (a shuffled block table), against the

@@ -50,6 +50,10 @@ def _jobs():
         defines = cr.DecodeConfig("v3", **kw).defines(d, dtype, group, paged, block_size)
         jobs.append((f"decode_v3 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v3", defines, arch))
 
+    def dec4(dtype, d, paged, arch, group=4, block_size=16, **kw):
+        defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size)
+        jobs.append((f"decode_v4 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v4", defines, arch))
+
     def bwd(dtype, d, arch, **kw):
         jobs.append((f"bwd_v1 {dtype} d={d} {kw}", "bwd_v1", cr.BackwardConfig(**kw).defines(d, dtype), arch))
 
@@ -64,12 +68,14 @@ def _jobs():
         fa("v1b", "float32", 128, arch)
         dec2("float16", 128, arch != 80, arch)
         dec3("float16", 128, arch != 80, arch)
+        dec4("float16", 128, arch == 80, arch)             # sm_75: compiles (k8 mma pairs); never offered
         if arch >= 80:                                  # bfloat16 exists from sm_80
             fa("v2", "bfloat16", 128, arch)
             dec("bfloat16", 128, arch == 90, arch)
             dec2("bfloat16", 128, arch == 80, arch)
             dec3("bfloat16", 128, arch == 80, arch, fused=arch == 90)
             dec3("bfloat16", 128, arch == 90, arch, num_warps=8)
+            dec4("bfloat16", 128, arch != 80, arch, fused=arch == 80)
     fa("v1", "float16", 64, 75)
     fa("v1", "float64", 64, 80)
     fa("v1", "bfloat16", 72, 90)
@@ -92,6 +98,10 @@ def _jobs():
     dec3("float64", 64, True, 90, group=2)                # float64 fused combine
     dec3("float16", 72, True, 90, group=8, block_size=7, stages=4, tile_rows=8)
     dec3("bfloat16", 128, False, 90, stages=6, tile_rows=16, num_warps=8)
+    dec4("float16", 64, True, 90, group=8, block_size=7, num_warps=8, stages=2, tile_rows=32)
+    dec4("bfloat16", 256, False, 80, group=16)           # rows 8..15 of the A operand used
+    dec4("float16", 16, True, 90, group=1, block_size=5)  # MHA, two chunks a row
+    dec4("bfloat16", 112, False, 90, group=12, tile_rows=48)
     bwd("bfloat16", 128, 90)
     bwd("float64", 128, 80)                             # float64 atomics, Bc shrunk to fit
     bwd("float32", 59, 90, lanes_per_key=4, deterministic=True)
@@ -135,6 +145,11 @@ def test_candidates_refuse_what_they_cannot_run(tmp_path):
     d3 = cr.DecodeConfig("v3").defines(64, "float16", 4, False, 16)
     rc, err = _compile(tmp_path, "decode_v3", dict(d3, HEAD_DIM=59), 90)
     assert rc != 0 and "16-byte chunks" in err
+    d4 = cr.DecodeConfig("v4").defines(64, "float16", 4, False, 16)
+    for bad, words in ((dict(HEAD_DIM=72), "multiple of 16"), (dict(GROUP=17), "16 rows"),
+                       (dict(IK_DTYPE=0), "16-bit tensor-core decode"), (dict(TILE_ROWS=8), "TILE_ROWS")):
+        rc, err = _compile(tmp_path, "decode_v4", dict(d4, **bad), 90)
+        assert rc != 0 and words in err, (bad, err[:300])
 
 
 def test_candidates_stay_in_registers(tmp_path):
@@ -156,6 +171,25 @@ def test_candidates_stay_in_registers(tmp_path):
         assert frame and regs, err[:400]
         assert frame.groups() == ("0", "0", "0"), f"{name} {defines}: {frame.group(0)}"
         assert int(regs.group(1)) <= 128, f"{name}: {regs.group(0)} (the launch bounds cap 128)"
+
+
+def test_decode_v4_stays_in_registers(tmp_path):
+    """ptxas -v: decode v4's default at bf16 d=128 (O is 64 float32 a lane, Q_g's A fragments
+    32 registers), at d=256, g=16, and at 8 warps uses no local memory within its launch
+    bounds' cap."""
+    jobs = [(cr.DecodeConfig("v4").defines(d, "bfloat16", g, paged, 16), d, g)
+            for d, g, paged in ((128, 4, False), (128, 4, True), (256, 16, False))]
+    jobs.append((cr.DecodeConfig("v4", num_warps=8).defines(128, "bfloat16", 8, True, 16), 128, 8))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(tmp_path, "decode_v4", j[0], 90, extra=("-Xptxas", "-v")), jobs))
+    for (defines, d, g), (rc, err) in zip(jobs, results):
+        assert rc == 0, err[:400]
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
+        regs = re.search(r"Used (\d+) registers", err)
+        assert frame and regs, err[:400]
+        assert frame.groups() == ("0", "0", "0"), f"d={d} g={g} paged={defines['PAGED']}: {frame.group(0)}"
+        cap = 65536 // (32 * defines["NUM_WARPS"] * defines["DECODE_MIN_BLOCKS"])
+        assert int(regs.group(1)) <= min(255, cap), f"d={d} g={g}: {regs.group(0)}"
 
 
 def test_every_source_file_is_covered():
@@ -271,26 +305,38 @@ def test_default_forward_fits_every_dtype_and_head_dim(smem, cc):
 
 @pytest.mark.parametrize("smem", SMEM_LIMITS)
 def test_default_decode_fits_every_dtype_and_head_dim(smem):
-    """The decode default is v3 where its rows and shallowest ring fit, else v1 (which needs
-    only a little static SRAM); its ring depth shrinks until the ring fits."""
+    """The decode default is v4 for 16-bit rows of whole mma k-steps (d % 16 == 0, d <= 256,
+    g <= 16) where its shallowest ring fits, else v3 where its rows and shallowest ring fit,
+    else v1 (which needs only a little static SRAM); a ring's depth shrinks until it fits."""
     for dtype in DTYPES:
         for d in HEAD_DIMS:
-            for group in (1, 4, 8, 32):
+            for group in (1, 4, 8, 16, 32):
                 n = _need(dtype, d, 90, smem, group=group, aligned16=True)
                 kernel, cfg = cr.REGISTRY.resolve("decode", None, n)
                 if C.decode_v2_geometry(d, dtype) is None:
                     assert kernel.version == "v1", (dtype, d)
-                if kernel.version == "v3":
+                v4_shape = dtype in ("float16", "bfloat16") and d % 16 == 0 and d <= 256 and group <= 16
+                if kernel.version == "v4":
+                    assert v4_shape, (dtype, d, group)
+                elif v4_shape:                          # only SRAM may send a v4 shape elsewhere
+                    assert C.ring_smem_bound("v4", d, dtype, group) > smem, (dtype, d, group, kernel.version)
+                if kernel.version in ("v3", "v4"):
                     st = cfg.ring_stages(d, dtype, group, smem)
-                    rows = C.decode_v2_geometry(d, dtype)["tile_rows"]
-                    assert C.decode_v3_smem(d, dtype, group, st, rows, cfg.ring_warps(),
-                                            C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP)[0] <= smem
+                    rows = cfg.v4_tile_rows() if kernel.version == "v4" else C.decode_v2_geometry(d, dtype)["tile_rows"]
+                    assert C.RING_SMEM[kernel.version](d, dtype, group, st, rows, cfg.ring_warps(),
+                                                       C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP)[0] <= smem
                     defines = cfg.defines(d, dtype, group, True, 16, smem_limit=smem)
-                    assert defines["STAGES"] == st
+                    assert defines["STAGES"] == st and defines["TILE_ROWS"] == rows
                 else:
                     assert kernel.version == "v1"
                     cfg.defines(d, dtype, group, False, 16)
-    assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 128, 90, 227 * 1024, group=4))[0].version == "v3"
+    big = 227 * 1024
+    assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 128, 90, big, group=4))[0].version == "v4"
+    assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=32))[0].version == "v3"
+    assert cr.REGISTRY.resolve("decode", None, _need("float32", 128, 90, big, group=4))[0].version == "v3"
+    assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 72, 90, big, group=4))[0].version == "v3"
+    why = cr.REGISTRY.get("decode", "v4").unavailable(_need("float16", 128, 75, big, group=4))
+    assert why and "compute capability 8.0" in why
 
 
 def test_forward_fit_shrinks_only_the_sizes_left_open():
@@ -339,21 +385,32 @@ def test_num_splits_heuristic_properties():
         assert cr.num_splits_heuristic(1, hkv, 32768, 132, 4) == want
 
 
-def test_default_decode_is_v3_and_falls_back_to_v1_where_it_cannot_run():
-    """DecodeConfig() resolves to decode_v3.cu (8 warps x 4 stages) on rows of whole 16-byte
-    chunks, 16-byte aligned; other rows (d = 59 in float16, unaligned views) run decode.cu."""
+def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run():
+    """DecodeConfig() resolves to decode_v4.cu (4 warps x 3 stages x 16 key rows) for 16-bit
+    rows of whole mma k-steps, to decode_v3.cu (8 warps x 4 stages) on other rows of whole
+    16-byte chunks, 16-byte aligned; other rows (d = 59 in float16, unaligned views) run
+    decode.cu.  Settings a version does not have are refused naming the field."""
     cfg = cr.DecodeConfig()
     assert (cfg.version, cfg.num_warps, cfg.stages) == (None, None, None)
 
     def default(dtype, d, aligned):
         return cr.REGISTRY.resolve("decode", None, _need(dtype, d, 90, aligned16=aligned))[0].version
-    assert default("bfloat16", 128, True) == "v3"
+    assert default("bfloat16", 128, True) == "v4"
+    assert default("float32", 128, True) == "v3"
     assert default("bfloat16", 128, False) == "v1"
     assert default("float16", 59, True) == "v1"
     defines = cr.DecodeConfig("v3").defines(128, "bfloat16", 4, False, 0)
     assert (defines["NUM_WARPS"], defines["STAGES"]) == (C.DECODE_V3_WARPS, C.DECODE_V3_STAGES)
+    defines = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, False, 0, smem_limit=227 * 1024)
+    assert (defines["NUM_WARPS"], defines["STAGES"], defines["TILE_ROWS"]) == (
+        C.DECODE_V4_WARPS, C.DECODE_V4_STAGES, C.DECODE_V4_TILE_ROWS)
     with pytest.raises(ValueError, match="num_warps"):
         cr.DecodeConfig(version="v2", num_warps=8)
+    with pytest.raises(ValueError, match="config.tile_rows"):
+        cr.DecodeConfig(version="v4", tile_rows=8).defines(128, "float16", 4, False, 0)
+    for dtype, d, group in (("float32", 128, 4), ("float16", 72, 4), ("float16", 128, 32)):
+        with pytest.raises(ValueError, match="config.version"):
+            cr.DecodeConfig(version="v4").defines(d, dtype, group, False, 0)
 
 
 def test_tuning_sweep_rows_are_registered_versions():
@@ -369,6 +426,12 @@ def test_tuning_sweep_rows_are_registered_versions():
     for label, cfg, splits in sweeps_cupy.decode_cases():
         assert cfg.version in cr.REGISTRY.versions("decode"), label
         assert splits is None or 1 <= splits <= C.DECODE_MAX_SPLITS
+    assert {cfg.version for _, cfg, _ in sweeps_cupy.decode_cases(only=("v4",))} == {"v4"}
+    assert len(sweeps_cupy.SERVING_SHAPES) == 6
+    name, out, kw = sweeps_cupy.parse_args(["decode", "o.json", "--shapes", "serving", "--only", "v3,v4"])
+    assert (name, out, kw) == ("decode", "o.json", dict(shapes=sweeps_cupy.SERVING_SHAPES, only=("v3", "v4")))
+    assert sweeps_cupy.parse_args(["decode", "--shapes", "huge"]) is None
+    assert sweeps_cupy.parse_args(["prefill", "--only", "v4"]) is None
 
 
 def test_every_module_imports_alone_without_a_gpu():

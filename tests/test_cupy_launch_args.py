@@ -73,7 +73,7 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
         for kern in [None] + cr.REGISTRY.kernels("decode"):
             if kern is not None and kern.unavailable(cr.need("decode", q=q, k=k, v=v)) is not None:
                 continue
-            for extra in (({}, {"fused": False}) if kern is not None and kern.version == "v3" else ({},)):
+            for extra in (({}, {"fused": False}) if kern is not None and kern.version in ("v3", "v4") else ({},)):
                 cfg = None if kern is None else cr.DecodeConfig(kern.version, **extra)
                 for splits in (1, 5):
                     rec(f"decode {cfg and cfg.version} {extra} {dt} {d} {splits}",
@@ -120,6 +120,7 @@ json.dump(out, sys.stdout)
 #: the kernel file each kernel function lives in
 FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split": "decode",
          "decode_combine": "decode", "decode_split_v2": "decode_v2", "decode_split_v3": "decode_v3",
+         "decode_split_v4": "decode_v4",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
          "mla_decode": "mla_decode"}
 
@@ -203,12 +204,18 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     v1b = _defines(_one(launches, "attention None float32 128", "fa_v1b"))
     assert (v1b["RM"], v1b["RN"]) == ("4", "4")                        # Br = Bc = 64
     assert _one(launches, "attention None float64 128", "fa_v1")
-    dec = _one(launches, "decode None {} bfloat16 128 5", "decode_split_v3")
+    dec = _one(launches, "decode v3 {} bfloat16 128 5", "decode_split_v3")
     assert (_defines(dec)["NUM_WARPS"], _defines(dec)["STAGES"], _defines(dec)["FUSED"]) == ("8", "4", "1")
-    assert [L["name"] for L in launches["decode None {} bfloat16 128 5"]] == ["decode_split_v3"]   # fused: one launch
+    # 16-bit rows of whole mma k-steps: v4, 4 warps x 3 stages x 16 key rows, fused (one launch)
+    dec = _one(launches, "decode None {} bfloat16 128 5", "decode_split_v4")
+    assert tuple(_defines(dec)[k] for k in ("NUM_WARPS", "STAGES", "TILE_ROWS", "FUSED")) == ("4", "3", "16", "1")
+    assert [L["name"] for L in launches["decode None {} bfloat16 128 5"]] == ["decode_split_v4"]
+    assert [L["name"] for L in launches["decode v4 {'fused': False} float16 128 5"]] == ["decode_split_v4",
+                                                                                         "decode_combine"]
+    assert _one(launches, "decode None {} float32 128 5", "decode_split_v3")     # v4 is 16-bit only
     assert _one(launches, "decode None {} float16 59 5", "decode_split")      # rows not 16-byte chunks: v1
     assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
-    assert _one(launches, "paged_decode None float16 128", "decode_split_v3")
+    assert _one(launches, "paged_decode None float16 128", "decode_split_v4")
 
 
 def test_mla_launch_geometry(launches):

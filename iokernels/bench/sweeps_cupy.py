@@ -7,6 +7,7 @@ next to torch's SDPA timed in the same run; paged pools come from
 :func:`iokernels.bench.device_pages` (a shuffled block table).  One JSON line a row.
 
     python -m iokernels.bench.sweeps_cupy prefill|decode|paged_layout [out.json]
+    python -m iokernels.bench.sweeps_cupy decode [out.json] --shapes serving --only v3,v4
 
 (a GPU with CuPy and torch).  ``scripts/gpu_sweep.py`` runs the decode sweep.
 """
@@ -53,15 +54,32 @@ DECODE_ROWS = (
     ("v3 8w x 6", dict(version="v3", stages=6), None),
     ("v3 8w x 3 tile=16", dict(version="v3", stages=3, tile_rows=16), None),
     ("v3 8w x 4 unfused", dict(version="v3", fused=False), None),
+    # v4 (tensor cores): rows padded to 272 B at bf16 d=128, so a 16-row stage of K and V is
+    # 8.5 KB a warp: 4 warps x 3 stages 102 KB (two blocks an SM), 4 x 4 136 KB, 8 x 3 204 KB
+    ("v4", dict(version="v4"), None),
+    ("v4 4w x 2", dict(version="v4", stages=2), None),
+    ("v4 4w x 4", dict(version="v4", stages=4), None),
+    ("v4 8w x 2", dict(version="v4", num_warps=8, stages=2), None),
+    ("v4 8w x 3", dict(version="v4", num_warps=8, stages=3), None),
+    ("v4 4w x 2 tile=32", dict(version="v4", stages=2, tile_rows=32), None),
+    ("v4 4w x 3 tile=32", dict(version="v4", stages=3, tile_rows=32), None),
+    ("v4 S=32", dict(version="v4"), 32),
+    ("v4 unfused", dict(version="v4", fused=False), None),
 )
 DECODE_SHAPE = dict(batch=1, heads_q=32, heads_kv=8, seqlen=32768, head_dim=128)
+#: the serving shapes the decode kernels are held to cuDNN's at: GQA 32/8, d=128,
+#: B in (1, 8, 64) x N in (4096, 32768)
+SERVING_SHAPES = tuple(dict(batch=B, heads_q=32, heads_kv=8, seqlen=N, head_dim=128)
+                       for B in (1, 8, 64) for N in (4096, 32768))
+#: the shape sets ``--shapes`` names
+DECODE_SHAPE_SETS = {"default": (DECODE_SHAPE,), "serving": SERVING_SHAPES}
 #: paged_layout: rows a page (runs of block_size * 256 bytes between random jumps, MQA)
 PAGE_SIZES = (16, 64, 256, 1024)
 #: paged_layout: the GQA and the MQA shape, (heads_q, heads_kv, seqlen), K+V the same bytes
 LAYOUT_SHAPES = ((32, 8, 32768), (4, 1, 262144))
 #: paged_serving: (batch, seqlen) of the serving shapes (fp16, GQA 32/8, d=128) and the page
 #: sizes tried there, each with the blocks scattered and in order
-SERVING_SHAPES = ((8, 32768), (64, 32768), (64, 4096))
+PAGED_SERVING_SHAPES = ((8, 32768), (64, 32768), (64, 4096))
 SERVING_PAGE_SIZES = (16, 64, 256)
 REPS = 30
 
@@ -72,12 +90,13 @@ def prefill_cases(dtype: str) -> list:
     return [(label, ForwardConfig(**kw)) for label, kw in PREFILL_ROWS[dtype]]
 
 
-def decode_cases() -> list:
-    """(label, DecodeConfig, num_splits) of the decode sweep; builds without a GPU."""
+def decode_cases(only=None) -> list:
+    """(label, DecodeConfig, num_splits) of the decode sweep; builds without a GPU.
+    ``only``: version names ("v3", "v4", ...) to keep, None for every row."""
     from iokernels.cupy_raw import DecodeConfig
     from iokernels.cupy_raw.config import DECODE_MAX_SPLITS
     return [(label, DecodeConfig(**kw), None if s is None else min(s, DECODE_MAX_SPLITS))
-            for label, kw, s in DECODE_ROWS]
+            for label, kw, s in DECODE_ROWS if only is None or kw["version"] in only]
 
 
 def _emit(rows, row):
@@ -144,22 +163,32 @@ def sweep_prefill(out_path=None, reps=REPS):
     return _save(out_path, rows)
 
 
-def sweep_decode(out_path=None, reps=REPS):
-    """Decode settings at bf16 B=1 N=32768 GQA 32/8 d=128, contiguous and paged, next to
-    cuDNN's SDPA (enable_gqa).  Paged rows also give their ratio to the same row contiguous."""
+def sweep_decode(out_path=None, reps=REPS, shapes=(DECODE_SHAPE,), only=None):
+    """Decode settings at bf16 GQA 32/8 d=128 (``shapes``: DECODE_SHAPE, or e.g. SERVING_SHAPES),
+    contiguous and paged, next to cuDNN's SDPA (enable_gqa).  Paged rows also give their ratio
+    to the same row contiguous.  ``only``: the versions to time (None: every row)."""
+    import torch
+
+    rows = []
+    for shape in shapes:
+        _sweep_decode_shape(rows, shape, reps, only)
+        torch.cuda.empty_cache()
+    return _save(out_path, rows)
+
+
+def _sweep_decode_shape(rows, shape, reps, only):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from iokernels import bench
     from iokernels import cupy_raw as cr
-    B, Hq, Hkv, N, d = (DECODE_SHAPE[k] for k in ("batch", "heads_q", "heads_kv", "seqlen", "head_dim"))
+    B, Hq, Hkv, N, d = (shape[k] for k in ("batch", "heads_q", "heads_kv", "seqlen", "head_dim"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn((B, Hq, d), device="cuda", dtype=torch.bfloat16, generator=gen)
     k, v = (torch.randn((B, Hkv, N, d), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     kv_bytes = 2.0 * B * Hkv * N * d * 2
     group = f"decode bfloat16 B={B} Hq={Hq} Hkv={Hkv} N={N} d={d}"
-    rows = []
     q4 = q[:, :, None, :]
 
     def sdpa():
@@ -171,7 +200,7 @@ def sweep_decode(out_path=None, reps=REPS):
                      tbps=round(kv_bytes / (cudnn_ms * 1e-3) / 1e12, 3)))
     kp, vp, tables, lens = bench.device_pages(k, v, seed=0)
     contiguous = {}
-    for label, cfg, splits in decode_cases():
+    for label, cfg, splits in decode_cases(only):
         for paged in (False, True):
             name = f"cupy {label}" + (" paged" if paged else "")
             fn, args = (cr.paged_decode_pools, (q, kp, vp, tables, lens)) if paged else (cr.decode, (q, k, v))
@@ -188,8 +217,7 @@ def sweep_decode(out_path=None, reps=REPS):
                     contiguous[label] = ms
                 _emit(rows, row)
             except Exception as e:                     # a config that does not fit: say so, go on
-                print(f"# {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-    return _save(out_path, rows)
+                print(f"# {group} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
 
 
 def paged_layout_probe(out_path=None, reps=REPS):
@@ -244,7 +272,7 @@ def paged_layout_probe(out_path=None, reps=REPS):
 
 
 def paged_serving_probe(out_path=None, reps=REPS, versions=None):
-    """Paged against contiguous decode at serving shapes (fp16, GQA 32/8, d=128, SERVING_SHAPES),
+    """Paged against contiguous decode at serving shapes (fp16, GQA 32/8, d=128, PAGED_SERVING_SHAPES),
     for each registered CuPy decode version (or ``versions``): pages of SERVING_PAGE_SIZES rows,
     the blocks scattered (a random permutation, as in a busy server) and in order.  In-order
     pages at contiguous speed put the gap on the page jumps (DRAM pages, TLB reach);
@@ -256,7 +284,7 @@ def paged_serving_probe(out_path=None, reps=REPS, versions=None):
     rows = []
     versions = versions or [k.version for k in cr.REGISTRY.kernels("paged_decode")]
     Hq, Hkv, d = 32, 8, 128
-    for B, N in SERVING_SHAPES:
+    for B, N in PAGED_SERVING_SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(3)
         q = torch.randn((B, Hq, d), device="cuda", dtype=torch.float16, generator=gen)
         k, v = (torch.randn((B, Hkv, N, d), device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
@@ -289,12 +317,38 @@ SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "paged_layout": page
           "paged_serving": paged_serving_probe}
 
 
+def parse_args(argv) -> tuple:
+    """(sweep name, out path or None, keyword arguments) of a command line; None when it is wrong.
+    ``--shapes default|serving`` and ``--only v3,v4`` are the decode sweep's options."""
+    if not argv or argv[0] not in SWEEPS:
+        return None
+    name, rest, kw, out = argv[0], list(argv[1:]), {}, None
+    while rest:
+        a = rest.pop(0)
+        if a in ("--shapes", "--only") and rest and name == "decode":
+            val = rest.pop(0)
+            if a == "--shapes":
+                if val not in DECODE_SHAPE_SETS:
+                    return None
+                kw["shapes"] = DECODE_SHAPE_SETS[val]
+            else:
+                kw["only"] = tuple(val.split(","))
+        elif out is None and not a.startswith("--"):
+            out = a
+        else:
+            return None
+    return name, out, kw
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in SWEEPS:
-        print(f"usage: python -m iokernels.bench.sweeps_cupy {'|'.join(SWEEPS)} [out.json]")
+    parsed = parse_args(argv)
+    if parsed is None:
+        print(f"usage: python -m iokernels.bench.sweeps_cupy {'|'.join(SWEEPS)} [out.json] "
+              f"[decode: --shapes {'|'.join(DECODE_SHAPE_SETS)}] [--only v3,v4]")
         return 2
-    SWEEPS[argv[0]](argv[1] if len(argv) > 1 else None)
+    name, out, kw = parsed
+    SWEEPS[name](out, **kw)
     return 0
 
 

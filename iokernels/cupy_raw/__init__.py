@@ -13,7 +13,7 @@ module          what it holds
 config.py       ForwardConfig, DecodeConfig, GatherConfig: sizes, SRAM, defines
 launch.py       the .cu sources, NVRTC compile cache, device info, streams
 forward.py      attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
-decode.py       decode and paged decode: decode.cu, decode_v2.cu, decode_v3.cu
+decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v4.cu
 gather.py       paged gather: paged_gather.cu
 hopper.py       the Hopper (sm_90a) attention kernels and their tensor maps
 mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
@@ -60,12 +60,20 @@ and the kernel's occupancy (one full wave).
   ``__syncwarp`` in the key loop; block-table entries loaded a tile ahead; tail rows
   zero-filled by cp.async's src-size form.  At v1's 4 warps a block, the deeper queue
   alone does not fill the memory system.
-* **v3** ``decode_v3.cu`` (the default): v2's ring at 8 warps a block x 4 stages, and the
+* **v3** ``decode_v3.cu`` (the default where v4 cannot run): v2's ring at 8 warps a block x 4 stages, and the
   combine fused into the split kernel -- each split block writes its partial,
   ``__threadfence()``, bumps an atomic counter of its (batch, kv head); the last block to
   arrive merges the S partials and resets the counter (one launch instead of two; the
   counters are a per-stream workspace); ``fused=False`` keeps the paper's two kernels.
   Paged splits stage their block-table entries in SRAM once.
+* **v4** ``decode_v4.cu`` (the default for float16/bfloat16, head dims multiples of 16 up
+  to 256, g <= 16, compute capability 8.0+): v3's ring, split grid and fused combine, with
+  S = Q_g K_j^T and O += P V_j on the tensor cores (``mma.sync.m16n8k16``) -- the g query
+  heads of a GQA group are the rows of the A operand, padded to 16 (FlashInfer, Ye et
+  al., 2024-2025, runs GQA decode through its tensor-core prefill kernels); K_j through ``ldmatrix``,
+  V_j through ``ldmatrix.trans``, P converted to A fragments in registers.  The padding
+  wastes (16 - g) / 16 of the tensor cores' work and frees the CUDA cores, which v3 keeps
+  busy with 2 x g x d FMAs for every K/V row.
 
 Paged gather (``paged_gather``): **v1** ``paged_gather.cu``, 16-byte chunks through the
 block table, one output chunk a thread.
@@ -88,10 +96,10 @@ bfloat16 dtype).  Rows must have unit stride on head_dim (other strides are fine
 otherwise one copy is made.
 
 Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`) and
-decode v3's counters are the only state the package holds.
+decode v3's and v4's counters are the only state the package holds.
 """
 from .config import (DecodeConfig, ForwardConfig, GatherConfig, decode_v2_geometry,  # noqa: F401
-                     decode_v2_smem, decode_v3_smem, fit_config)
+                     decode_v2_smem, decode_v3_smem, decode_v4_smem, fit_config)
 from .launch import KERNEL_DIR, SOURCES, device_info, source  # noqa: F401
 from .registry import REGISTRY, need  # noqa: F401
 from .forward import attention, launch_attention, nonmatmul_budget, v2_registers  # noqa: F401

@@ -54,7 +54,7 @@ SHRINK_TILES = ((64, 32), (32, 32), (32, 16), (16, 16))
 
 # --------------------------------------------------------------------------- decode constants
 #: the versions DecodeConfig describes
-DECODE_VERSIONS = ("v1", "v2", "v3")
+DECODE_VERSIONS = ("v1", "v2", "v3", "v4")
 #: decode v1 and v2: 4 warps a block; each v1 sub-group keeps UNROLL rows of K and V in
 #: flight; the compiler is asked to fit DECODE_MIN_BLOCKS blocks an SM (__launch_bounds__)
 DECODE_WARPS = 4
@@ -87,6 +87,21 @@ MIN_STAGES = 2
 #: ... a paged split's block-table entries are staged in SRAM when there are at most this
 #: many (4 KB: 1024 pages of 16 rows = 16384 keys a split); longer splits read them from HBM/L2
 DECODE_V3_TABLE_CAP = 1024
+#: decode v4 (the GQA group on the tensor cores): v3's ring and combine with K_j, V_j tiles of
+#: Bc = DECODE_V4_TILE_ROWS keys, the k depth of one m16n8k16 P V step (a multiple of
+#: MMA_ROWS); each SRAM row is padded by V4_ROW_PAD_BYTES so ldmatrix's 8 rows hit 8 bank
+#: groups.  4 warps x 3 stages at bf16 d=128 take 102 KB a block (rows of 272 B), so two
+#: blocks share a Hopper SM (the registers are capped for DECODE_V4_MIN_BLOCKS), 16 tiles of
+#: K and V in flight an SM; the tuning sweep (iokernels.bench.sweeps_cupy) times the others
+DECODE_V4_WARPS = 4
+DECODE_V4_STAGES = 3
+DECODE_V4_TILE_ROWS = 16
+DECODE_V4_MIN_BLOCKS = 2
+V4_ROW_PAD_BYTES = 16
+#: v4's limits: the g query heads are the 16 rows of one mma A operand; head dims are whole
+#: 16-deep k-steps, and O (d / 8 x 4 float32 a lane) stays in registers up to d = 256
+DECODE_V4_MAX_GROUP = 16
+DECODE_V4_MAX_HEAD_DIM = 256
 
 # --------------------------------------------------------------------------- gather constants
 #: paged gather: threads a block, and blocks per SM the grid-stride loop launches
@@ -244,16 +259,20 @@ class DecodeConfig:
 
     version: "v1" (decode.cu: plain loads into registers), "v2" (decode_v2.cu: a per-warp
     cp.async ring of K/V tiles in SRAM) or "v3" (decode_v3.cu: v2's ring with the combine
-    fused into the split kernel, 8 warps x 4 stages); None: the registry's default (v3 where
-    its rows and ring fit, else v1).  v2 and v3 need rows of whole 16-byte chunks, at most
-    32 of them, 16-byte aligned.
+    fused into the split kernel, 8 warps x 4 stages) or "v4" (decode_v4.cu: v3's ring and
+    combine with the GQA group's products on the tensor cores, float16/bfloat16, head dims
+    multiples of 16 up to 256, g <= 16, compute capability 8.0+); None: the registry's
+    default (v4 where it applies, else v3 where its rows and ring fit, else v1).  v2, v3
+    and v4 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned.
     stages (v2, v3): the ring depth (>= 2; None: DECODE_V2_STAGES, or DECODE_V3_STAGES made
     shallower until the ring fits).  tile_rows (v2, v3): key rows a tile (a multiple of the
-    rows a warp reads side by side; None: about DECODE_V2_TILE_BYTES of K).  num_warps (v3):
-    4 or 8 warps a block (None: DECODE_V3_WARPS).  fused (v3): the combine inside the split
+    rows a warp reads side by side; None: about DECODE_V2_TILE_BYTES of K; v4: Bc, a
+    multiple of 16, None: DECODE_V4_TILE_ROWS).  num_warps (v3, v4): 4 or 8 warps a block
+    (None: DECODE_V3_WARPS, DECODE_V4_WARPS).  fused (v3): the combine inside the split
     kernel (True) or decode.cu's separate combine launch (False, v2's structure).
     min_blocks: blocks an SM the registers are capped for (None: DECODE_MIN_BLOCKS for v1,
-    DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8).  unroll (v1): rows of K and V each
+    DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8; v4: DECODE_V4_MIN_BLOCKS at 4 warps,
+    half that at 8).  unroll (v1): rows of K and V each
     sub-group keeps in flight (None: DECODE_UNROLL).
     """
 
@@ -272,8 +291,8 @@ class DecodeConfig:
             raise ValueError(f"config.stages: must be at least 2 (one tile used, one in flight), got {self.stages}")
         if self.num_warps not in (None, *DECODE_V3_WARP_CHOICES):
             raise ValueError(f"config.num_warps: must be 4 or 8 (v3), got {self.num_warps}")
-        if self.num_warps not in (None, DECODE_WARPS) and self.version not in (None, "v3"):
-            raise ValueError(f"config.num_warps: a v3 setting; version {self.version!r} runs {DECODE_WARPS}")
+        if self.num_warps not in (None, DECODE_WARPS) and self.version not in (None, "v3", "v4"):
+            raise ValueError(f"config.num_warps: a v3 / v4 setting; version {self.version!r} runs {DECODE_WARPS}")
         if not isinstance(self.fused, bool):
             raise ValueError(f"config.fused: must be True or False, got {self.fused!r}")
         ring = ("stages", "tile_rows")
@@ -288,6 +307,8 @@ class DecodeConfig:
 
     # -- v2 / v3: the ring
     def ring_warps(self) -> int:
+        if self.version == "v4":
+            return self.num_warps or DECODE_V4_WARPS
         return (self.num_warps or DECODE_V3_WARPS) if self.version == "v3" else DECODE_WARPS
 
     def ring_stages(self, head_dim: int, dtype: str, group: int, smem_limit: int | None = None) -> int:
@@ -296,6 +317,8 @@ class DecodeConfig:
         ``smem_limit``, down to MIN_STAGES)."""
         if self.stages is not None:
             return self.stages
+        if self.version == "v4":
+            return self._v4_stages(head_dim, dtype, group, smem_limit)
         if self.version != "v3":
             return DECODE_V2_STAGES
         rows = decode_v2_geometry(head_dim, dtype, self.tile_rows)["tile_rows"]
@@ -313,6 +336,8 @@ class DecodeConfig:
         base = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged))
         if paged:
             base["BLOCK_SIZE"] = block_size
+        if self.version == "v4":
+            return self._v4_defines(base, d, dtype, group, smem_limit)
         if self.version in (None, "v1"):
             itemsize = cv.itemsize_of(dtype)
             vec = int((d * itemsize) % CHUNK_BYTES == 0 and d * itemsize <= MAX_ROW_CHUNKS * CHUNK_BYTES and aligned)
@@ -330,6 +355,40 @@ class DecodeConfig:
         mb = self.min_blocks or max(1, DECODE_V2_MIN_BLOCKS * DECODE_WARPS // nw)
         return dict(base, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=geo["tile_rows"], DECODE_MIN_BLOCKS=mb,
                     FUSED=int(self.fused))
+
+    # -- v4: the tensor-core decode
+    def v4_tile_rows(self) -> int:
+        """Bc of decode v4: the given tile_rows (a multiple of 16) or DECODE_V4_TILE_ROWS."""
+        rows = self.tile_rows or DECODE_V4_TILE_ROWS
+        if rows % MMA_ROWS:
+            raise ValueError(f"config.tile_rows: decode v4 takes multiples of {MMA_ROWS} (the k depth of one "
+                             f"P V product), got {rows}")
+        return rows
+
+    def _v4_stages(self, head_dim, dtype, group, smem_limit) -> int:
+        """v4's default ring depth: DECODE_V4_STAGES, made shallower until the ring, the fused
+        combine's weights at DECODE_MAX_SPLITS and a full staged block table fit."""
+        for st in range(DECODE_V4_STAGES, MIN_STAGES - 1, -1):
+            need = decode_v4_smem(head_dim, dtype, group, st, self.v4_tile_rows(), self.ring_warps(),
+                                  DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP)[0]
+            if smem_limit is None or need <= smem_limit:
+                return st
+        return MIN_STAGES
+
+    def _v4_defines(self, base, d, dtype, group, smem_limit) -> dict:
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"config.version: v4 is the float16/bfloat16 tensor-core decode, got {dtype} "
+                             f"(use 'v3')")
+        if d % MMA_ROWS or d > DECODE_V4_MAX_HEAD_DIM:
+            raise ValueError(f"config.version: v4 takes head dims that are multiples of {MMA_ROWS} up to "
+                             f"{DECODE_V4_MAX_HEAD_DIM}, got {d} (use 'v3')")
+        if group > DECODE_V4_MAX_GROUP:
+            raise ValueError(f"config.version: v4 packs at most {DECODE_V4_MAX_GROUP} query heads a KV head "
+                             f"(one mma row block), got {group} (use 'v3')")
+        nw = self.ring_warps()                  # the registers a thread may use stay those of 4 warps x 2
+        mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)
+        return dict(base, NUM_WARPS=nw, STAGES=self.ring_stages(d, dtype, group, smem_limit),
+                    TILE_ROWS=self.v4_tile_rows(), DECODE_MIN_BLOCKS=mb, FUSED=int(self.fused))
 
     def combine_defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int,
                         aligned: bool = True) -> dict:
@@ -380,11 +439,31 @@ def decode_v3_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows
     return offset + 4 * table_cap, offset
 
 
+def decode_v4_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows: int, num_warps: int,
+                   num_splits: int = 1, fused: bool = True, table_cap: int = 0) -> tuple:
+    """decode_v4.cu's dynamic SRAM a block, as (total bytes, byte offset of the block table):
+    max(the rings -- rows padded by V4_ROW_PAD_BYTES --, the warps' float32 merge buffer, the
+    fused combine's weights), then ``table_cap`` int32 block-table entries (paged)."""
+    row = head_dim * cv.itemsize_of(dtype) + V4_ROW_PAD_BYTES
+    ring = num_warps * stages * 2 * tile_rows * row
+    merge = num_warps * group * head_dim * 4
+    weights = group * num_splits * 4 if fused and num_splits > 1 else 0
+    offset = round_up(max(ring, merge, weights), 16)
+    return offset + 4 * table_cap, offset
+
+
+#: the dynamic SRAM function of each ring version with a fused combine (v3, v4)
+RING_SMEM = {"v3": decode_v3_smem, "v4": decode_v4_smem}
+
+
 def ring_smem_bound(version: str, head_dim: int, dtype: str, group: int, num_warps: int | None = None,
                     stages: int = MIN_STAGES) -> int:
     """The most dynamic SRAM a v2 / v3 call at ``stages`` can ask for: the ring (or merge),
     plus, for v3, the fused combine's weights at DECODE_MAX_SPLITS and a full staged block
     table.  A registry check compares it with the GPU's limit."""
+    if version == "v4":
+        return decode_v4_smem(head_dim, dtype, group, stages, DECODE_V4_TILE_ROWS, num_warps or DECODE_V4_WARPS,
+                              DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP)[0]
     rows = decode_v2_geometry(head_dim, dtype)["tile_rows"]
     if version == "v2":
         return decode_v2_smem(head_dim, dtype, group, stages, rows)

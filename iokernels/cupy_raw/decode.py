@@ -1,4 +1,4 @@
-"""Flash-Decoding in CUDA C++: the launchers of decode.cu, decode_v2.cu and decode_v3.cu.
+"""Flash-Decoding in CUDA C++: the launchers of decode.cu, decode_v2.cu, decode_v3.cu and decode_v4.cu.
 
 One new query token per sequence over a contiguous cache (B, Hkv, N, d) or a paged pool
 (num_blocks, block_size, Hkv, d) read through a block table.  Every version splits each
@@ -7,7 +7,8 @@ packed: a block reads each K/V row once for all g query heads of its group), wri
 normalised partial O_s and its LSE_s, and merges them exactly:
 O = sum_s exp(LSE_s - LSE) O_s, LSE = log sum_s exp(LSE_s).  The versions differ in how
 the K/V bytes reach the block (:mod:`iokernels.cupy_raw` has the table) and where the
-merge runs (decode.cu's combine kernel, or inside v3's split kernel).
+merge runs (decode.cu's combine kernel, or inside v3's and v4's split kernels), and
+which cores compute q . k and p v (CUDA cores; v4: the tensor cores).
 
 Notation (Flash-Decoding, Dao et al., 2023; PagedAttention, Kwon et al., 2023):
 
@@ -27,11 +28,14 @@ from ..core.arrays import Call, device_array
 from . import config as C
 from .config import DecodeConfig
 from .launch import blocks_per_sm, cupy, device_info, function, on_stream, round_up, unit_rows
-from .registry import REGISTRY, RANKS, check_decode_v1, check_decode_v2, check_decode_v3, need
+from .registry import (REGISTRY, RANKS, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
+                       need)
 
 #: the split kernel (file, function) of each version
 SPLIT_KERNELS = {"v1": ("decode", "decode_split"), "v2": ("decode_v2", "decode_split_v2"),
-                 "v3": ("decode_v3", "decode_split_v3")}
+                 "v3": ("decode_v3", "decode_split_v3"), "v4": ("decode_v4", "decode_split_v4")}
+#: the versions with v3's launch: SRAM sized a launch, the staged block table, the fused combine
+RING_FUSED = ("v3", "v4")
 #: threads a block of decode.cu's combine: one per element of a row, up to this many
 COMBINE_MAX_THREADS = 256
 #: at least this many counters are allocated, so a workspace is rarely regrown
@@ -46,8 +50,10 @@ SUMMARIES = {
           "registers), only __syncwarp in the key loop",
     "v3": "v2's ring at 8 warps x 4 stages, the combine fused into the split kernel (the last block of "
           "a group merges), paged block-table entries staged in SRAM",
+    "v4": "v3's ring and fused combine with S = Q_g K^T and O += P V on the tensor cores (mma.sync "
+          "m16n8k16, the g query heads as the rows of the A operand, P kept in registers)",
 }
-CHECKS = {"v1": check_decode_v1, "v2": check_decode_v2, "v3": check_decode_v3}
+CHECKS = {"v1": check_decode_v1, "v2": check_decode_v2, "v3": check_decode_v3, "v4": check_decode_v4}
 
 
 def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int,
@@ -167,7 +173,7 @@ def _check_cache(q, k, v):
 # --------------------------------------------------------------------------- contiguous cache
 def _register(op):
     def deco(fn):
-        for version in ("v3", "v2", "v1"):
+        for version in ("v4", "v3", "v2", "v1"):
             REGISTRY.register(op, version, config=DecodeConfig, summary=SUMMARIES[version],
                               check=CHECKS[version], default_rank=RANKS["decode", version])(fn)
         return fn
@@ -313,13 +319,13 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     file, kernel = SPLIT_KERNELS[config.version]
     threads = 32 * defines["NUM_WARPS"]
     fused = bool(defines.get("FUSED", 0))
-    if config.version == "v3":
+    if config.version in RING_FUSED:
         # compiled once per defines; its SRAM is sized a launch (at least the rings)
-        base_smem, _ = C.decode_v3_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
-                                        defines["NUM_WARPS"])
+        base_smem, _ = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
+                                                   defines["NUM_WARPS"])
         if base_smem > dev["smem_optin"]:
-            raise ValueError(f"config: decode v3 with {defines['NUM_WARPS']} warps x {defines['STAGES']} stages x "
-                             f"{defines['TILE_ROWS']} rows needs {base_smem:,} B of shared memory a block at "
+            raise ValueError(f"config: decode {config.version} with {defines['NUM_WARPS']} warps x "
+                             f"{defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs {base_smem:,} B of shared memory a block at "
                              f"head_dim={d} ({dtype}), more than this GPU's {dev['smem_optin']:,} (fewer stages, "
                              f"warps or tile rows)")
         fn = function(file, kernel, defines, max(base_smem, V3_COMPILE_SMEM))
@@ -336,16 +342,16 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
         num_splits = num_splits_heuristic(B, Hkv, longest, dev["sms"], blocks_per_sm(fn, threads, base_smem))
     S = int(num_splits)
     smem, table_cap, table_offset = base_smem, 0, 0
-    if config.version == "v3":
+    if config.version in RING_FUSED:
         if paged is not None:
             per_split = -(-max(longest, 1) // S)
             want = -(-per_split // block_size) + 1          # a split may straddle one more page
             table_cap = want if want <= C.DECODE_V3_TABLE_CAP else 0
-        smem, table_offset = C.decode_v3_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
-                                              defines["NUM_WARPS"], S, fused, table_cap)
+        smem, table_offset = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
+                                                         defines["NUM_WARPS"], S, fused, table_cap)
         if smem > dev["smem_optin"]:
-            raise ValueError(f"config: decode v3 needs {smem:,} B of shared memory a block, more than this GPU's "
-                             f"{dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")
+            raise ValueError(f"config: decode {config.version} needs {smem:,} B of shared memory a block, more "
+                             f"than this GPU's {dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")
         if smem > V3_COMPILE_SMEM:
             fn.max_dynamic_shared_size_bytes = int(smem)
     acc = np.float64 if dtype == "float64" else np.float32
@@ -362,11 +368,11 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     else:
         tables = device_array(paged[0])
         layout = (tables.arg, i32(tables.shape[1]), *map(i64, kd.strides[:3]))
-        if config.version == "v3":
+        if config.version in RING_FUSED:
             layout += (i32(table_cap), i32(table_offset))
     lens_arg = device_array(lens_d).arg if lens_d is not None else np.uint64(0)
     args = (qd.arg, kd.arg, vd.arg, *layout, lens_arg, i32(nk), i32(Hq), i32(Hkv), acc(scale), i32(S), *parts)
-    if config.version == "v3":
+    if config.version in RING_FUSED:
         args += (_decode_counters(B * Hkv) if fused and S > 1 else np.uint64(0),)
     fn((S, Hkv, B), (threads,), args + (o.arg, lse.arg), shared_mem=smem)
     if S > 1 and not fused:                            # decode.cu's combine

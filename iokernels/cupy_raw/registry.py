@@ -128,11 +128,28 @@ def check_decode_v3(n: Need) -> str | None:
     return _check_ring("v3", n)
 
 
+def check_decode_v4(n: Need) -> str | None:
+    """The tensor-core decode: 16-bit inputs, head dims of whole mma k-steps, the GQA group
+    within one 16-row A operand, mma.sync m16n8k16 and cp.async (compute capability 8.0)."""
+    if n.dtype not in ("float16", "bfloat16"):
+        return f"the float16/bfloat16 tensor-core decode, got {n.dtype}"
+    if n.head_dim % C.MMA_ROWS or n.head_dim > C.DECODE_V4_MAX_HEAD_DIM:
+        return (f"head_dim must be a multiple of {C.MMA_ROWS} up to {C.DECODE_V4_MAX_HEAD_DIM} "
+                f"(whole mma k-steps, O in registers), got {n.head_dim}")
+    group = n.extra.get("group", 1)
+    if group > C.DECODE_V4_MAX_GROUP:
+        return f"group: at most {C.DECODE_V4_MAX_GROUP} query heads a KV head (one mma row block), got {group}"
+    if n.cc is not None and n.cc < CC_AMPERE:
+        return f"mma.sync m16n8k16 and cp.async need compute capability 8.0 or newer; this GPU is {n.cc / 10:.1f}"
+    return _check_ring("v4", n)
+
+
 #: default ranks (higher wins among the versions whose check passes)
 RANKS = {
     ("attention", "v2"): 30, ("attention", "v1b"): 20, ("attention", "v1"): 10,
     # decode v2 is v3 without its two additions: it is never the default
-    ("decode", "v3"): 30, ("decode", "v1"): 10, ("decode", "v2"): 0,
+    # decode v4 (tensor cores) where its check passes, else v3
+    ("decode", "v4"): 40, ("decode", "v3"): 30, ("decode", "v1"): 10, ("decode", "v2"): 0,
     ("paged_gather", "v1"): 10,
     ("attention_backward", "v1"): 10,
 }

@@ -34,9 +34,11 @@ BLOCK_SIZE = 16
 #: settings run next to each version's default config (kwargs of its config class)
 VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
+            ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32}),
+            ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32}),
             ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32})}
-#: calls a version makes twice in a row (v3's counters must be back at 0 after a call)
-TWICE = {("decode", "v3"), ("paged_decode", "v3")}
+#: calls a version makes twice in a row (v3's and v4's counters must be back at 0 after a call)
+TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4")}
 
 
 def _ok(c, label):

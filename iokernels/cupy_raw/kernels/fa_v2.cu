@@ -28,6 +28,7 @@
 // (TMA), and warp specialization; each K_j / V_j tile read into SRAM feeds Br rows, so
 // 8 warps (Br = 128) are the default.
 #include "common.cuh"
+#include "mma.cuh"
 
 #ifndef HEAD_DIM
 #define HEAD_DIM 128
@@ -56,55 +57,6 @@
 #define NT_S (BLOCK_K / 8)                // 8-column n-tiles of S
 #define NT_O (D_PAD / 8)                  // 8-column n-tiles of O
 #define KT_Q (D_PAD / 16)                 // 16-deep k-steps of Q K^T
-
-// ----------------------------------------------------------------------------- tensor cores
-__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-
-// d[4] += A (16x16, 4 regs) * B (16x8, 2 regs), float32 accumulators.
-__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#if IK_DTYPE == IK_BF16
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-#else
-    // sm_75 (Turing) has m16n8k8 only: the k16 product is two k8 products; registers
-    // a0,a1 / b0 hold k 0..7 and a2,a3 / b1 hold k 8..15 in both shapes.
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(b0));
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[2]), "r"(a[3]), "r"(b1));
-#endif
-}
-
-// two float32 -> one register of two 16-bit values (lo = the lower column)
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    return (u32)from_acc(lo) | ((u32)from_acc(hi) << 16);
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 
 // ----------------------------------------------------------------------------- tile loads
 // rows [row0, row0 + ROWS) of a (seq, head_dim) matrix with row stride `ld` -> SRAM;
@@ -201,19 +153,7 @@ fa_v2(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* 
 
         // S_ij = Q_i K_j^T on the tensor cores (registers)
         float s[NT_S][4];
-#pragma unroll
-        for (int n = 0; n < NT_S; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < KT_Q; ++kk) {
-#pragma unroll
-            for (int nn = 0; nn < NT_S / 2; ++nn) {
-                u32 kb[4];   // two n-tiles (keys nn*16 .. +15) x 16 dims
-                ldmatrix_x4(kb, Kt + (nn * 16 + (lane % 8) + (lane / 16) * 8) * SROW
-                                   + kk * 16 + ((lane / 8) % 2) * 8);
-                mma16816(s[2 * nn], qf[kk], kb[0], kb[1]);
-                mma16816(s[2 * nn + 1], qf[kk], kb[2], kb[3]);
-            }
-        }
+        mma_qkt<KT_Q, NT_S>(s, qf, Kt, SROW, lane);
 
         // scale (log2 units) and mask; the mask only on tiles that cross a boundary
         const bool need_mask = !(lo_last <= k0 && hi_first >= k0 + BLOCK_K);
@@ -232,45 +172,10 @@ fa_v2(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* 
 
         // online softmax in registers (rows g: e = 0,1; g + 8: e = 2,3)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = neg_inf_f();
-#pragma unroll
-            for (int n = 0; n < NT_S; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));   // the quad shares a row
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            float m_new = fmaxf(m[r], mx);
-            float base = (m_new == neg_inf_f()) ? 0.f : m_new;
-            float alpha = fast_exp2(m[r] - base);
-            float rs = 0.f;
-#pragma unroll
-            for (int n = 0; n < NT_S; ++n) {
-                s[n][2 * r] = fast_exp2(s[n][2 * r] - base);
-                s[n][2 * r + 1] = fast_exp2(s[n][2 * r + 1] - base);
-                rs += s[n][2 * r] + s[n][2 * r + 1];
-            }
-            l[r] = l[r] * alpha + rs;                // this lane's partial row sum
-            m[r] = m_new;
-#pragma unroll
-            for (int n = 0; n < NT_O; ++n) { o[n][2 * r] *= alpha; o[n][2 * r + 1] *= alpha; }
-        }
+        for (int r = 0; r < 2; ++r) online_softmax_row<NT_S, NT_O>(s, o, m[r], l[r], r);
 
         // O_i += P_ij V_j on the tensor cores; P_ij's accumulators become A fragments
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-            u32 pa[4];
-            pa[0] = pack2(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-            for (int dn = 0; dn < NT_O / 2; ++dn) {
-                u32 vb[4];   // 16 keys x two n-tiles of 8 dims, transposed on the way in
-                ldmatrix_x4_trans(vb, Vt + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * SROW
-                                         + dn * 16 + (lane / 16) * 8);
-                mma16816(o[2 * dn], pa, vb[0], vb[1]);
-                mma16816(o[2 * dn + 1], pa, vb[2], vb[3]);
-            }
-        }
+        mma_pv<BLOCK_K / 16, NT_O, true>(o, s, Vt, SROW, lane);
         __syncthreads();                             // everyone is done with buffer `buf`
     }
     cp_async_wait<0>();

@@ -1,0 +1,292 @@
+// decode_v4.cu -- Flash-Decoding, version 4: the GQA group's products on the tensor cores.
+//
+// What changed against decode_v3.cu (version 3), and why.  Version 3 computes, for every
+// K/V row of a tile, the g dot products q_h . k and the g updates O_h += p_h v on the CUDA
+// cores: 2 x g x d float32 FMAs a row, plus the 16-bit -> float32 conversions and the
+// shuffle reductions.  At g = 4 and d = 128 that is about 2 FMAs for every byte of K/V a
+// block reads, a large share of an SM's float32 issue rate when the cache streams at HBM
+// speed: at large batch x length the arithmetic, and not the memory, can set the pace.
+// FlashInfer (Ye et al., 2024 and its 2025 paper) runs GQA decode with groups of 4 and
+// more through its tensor-core (prefill) kernels: the g query rows of a group make the
+// decode a small prefill.  So here
+//   * S = scale * Q_g K_j^T and O += P V_j are mma.sync.m16n8k16 products (16-bit in,
+//     float32 accumulators): the g query heads of the group are the rows of the A operand,
+//     padded to 16 rows.  Rows g..15 are zero and their results ignored: the tensor cores
+//     waste (16 - g) / 16 of their work (3/4 at g = 4), and still free the CUDA cores,
+//     which only do the online softmax on the accumulator fragments;
+//   * K_j's rows (row-major [key][d] in SRAM) are B fragments as they lie (ldmatrix, no
+//     transpose); V_j's go through ldmatrix.trans (FlashAttention-2's kernel, fa_v2.cu,
+//     does the same); a row of SRAM is d + 8 elements, so the 8 rows one ldmatrix reads
+//     fall in 8 different bank groups;
+//   * the online softmax works on the accumulators: a row's max and sum are reduced over
+//     the 4 lanes of a quad with two shuffles; P is converted to 16-bit A fragments in
+//     registers (no SRAM round trip: FlashAttention-2's register reuse).  P is rounded to
+//     16 bits before P V, as in FlashAttention-2, while l sums the float32 values.
+// Unchanged from v3 in idea: each warp owns a stream of key tiles (tiles warp, warp +
+// NUM_WARPS, ...) through its own cp.async ring of STAGES tiles with only __syncwarp in
+// the key loop, and its own m, l, O; the warps merge through SRAM at the end; the split-KV
+// grid and the fused combine (decode_common.cuh); a paged split's block-table entries
+// staged in SRAM when they fit table_cap; ragged lengths, tail rows zero-filled by
+// cp.async and masked to -inf, a length-0 sequence gives O = 0 and LSE = -inf.
+//
+// Notation (Flash-Decoding, Dao et al., 2023; FlashAttention-2, Dao, 2023):
+//   S        splits of the key axis (num_splits), one thread block per (split, kv head, b)
+//   g        GROUP, query heads per KV head: the A operand's rows (at most 16)
+//   Bc       TILE_ROWS, key rows of one K_j (and V_j) tile (a multiple of 16)
+//   m, l     running max (log2 units) and sum of a query row; O its unnormalised output
+//   O_s      split s's normalised partial output; LSE_s its log-sum-exp (natural log)
+//
+// Limits (the registry's check_decode_v4 refuses the rest; v3 takes them): float16 or
+// bfloat16, head_dim a multiple of 16 up to 256, g <= 16, rows 16-byte aligned,
+// compute capability 8.0 or newer.  The file still compiles for sm_75 (mma16816 is two
+// k8 products there, cp.async a plain copy), float16 only.
+//
+// Compile-time settings: HEAD_DIM, GROUP, IK_DTYPE, PAGED, BLOCK_SIZE (paged), NUM_WARPS,
+// STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED.
+// Dynamic SRAM (decode_v4_smem, cupy_raw/config.py): max(rings NUM_WARPS x STAGES x 2 x Bc x
+// SROW 16-bit, the warps' merge buffer, the fused combine's weights g x S acc_t), then
+// table_cap int32 entries.
+#include "common.cuh"
+#include "mma.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef GROUP
+#define GROUP 4
+#endif
+#ifndef PAGED
+#define PAGED 0
+#endif
+#ifndef BLOCK_SIZE
+#define BLOCK_SIZE 16
+#endif
+#ifndef NUM_WARPS
+#define NUM_WARPS 4
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef TILE_ROWS
+#define TILE_ROWS 16
+#endif
+#ifndef DECODE_MIN_BLOCKS
+#define DECODE_MIN_BLOCKS 2
+#endif
+#ifndef FUSED
+#define FUSED 1
+#endif
+
+#if IK_DTYPE != IK_F16 && IK_DTYPE != IK_BF16
+#error "decode_v4 is the 16-bit tensor-core decode: IK_DTYPE must be 1 (float16) or 2 (bfloat16)"
+#endif
+#if HEAD_DIM % 16 != 0 || HEAD_DIM > 256
+#error "decode_v4: head_dim must be a multiple of 16, at most 256 (use decode_v3.cu)"
+#endif
+#if GROUP < 1 || GROUP > 16
+#error "decode_v4: the GQA group must fit the 16 rows of one mma A operand (use decode_v3.cu)"
+#endif
+#if TILE_ROWS % 16 != 0
+#error "decode_v4: TILE_ROWS must be a multiple of 16 (the k depth of the P V product)"
+#endif
+#if STAGES < 2
+#error "decode_v4: STAGES must be at least 2 (one tile in use, one in flight)"
+#endif
+
+#define NTHREADS (32 * NUM_WARPS)
+#define VEC 8                                         // 16-bit elements in one 16-byte chunk
+#define CPR (HEAD_DIM / VEC)                          // chunks a row
+#define SROW (HEAD_DIM + VEC)                         // SRAM row stride (16-bit): +16 B, no bank conflicts
+#define TILE_CHUNKS (TILE_ROWS * CPR)                 // 16-byte chunks of K (or V) in a tile
+#define CPL ((TILE_CHUNKS + 31) / 32)                 // chunks of K (or V) a lane copies a tile
+#define TILE_ELEMS (TILE_ROWS * SROW)                 // 16-bit elements of K (or V) in SRAM a tile
+#define STAGE_ELEMS (2 * TILE_ELEMS)                  // K then V
+#define NT_S (TILE_ROWS / 8)                          // 8-key n-tiles of S
+#define NT_O (HEAD_DIM / 8)                           // 8-column n-tiles of O
+#define KT_Q (HEAD_DIM / 16)                          // 16-deep k-steps of Q K^T
+#define HI_ROWS (GROUP > 8)                           // rows 8..15 of the A operand hold heads
+
+#include "decode_common.cuh"
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)
+decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous
+                const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+#if PAGED
+                const int* __restrict__ block_table, int max_blocks,
+                long long s_blk, long long s_row, long long s_head,   // pool strides (elements)
+                int table_cap, int table_offset,                      // SRAM table: entries, byte offset
+#else
+                long long skb, long long skh, long long skn,
+                long long svb, long long svh, long long svn,
+#endif
+                const int* __restrict__ seq_lens,      // (batch,) int32, or null: every sequence has nk keys
+                int nk, int heads_q, int heads_kv, float scale, int num_splits,
+                float* __restrict__ O_part, float* __restrict__ LSE_part,   // (splits, batch, heads_q[, d])
+                int* __restrict__ counters,            // (batch, heads_kv) zeros; FUSED only
+                elem_t* __restrict__ O, float* __restrict__ LSE) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ float red_m[NUM_WARPS][GROUP];
+    __shared__ float red_l[NUM_WARPS][GROUP];
+
+    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int g = lane / 4, t = lane % 4;             // mma fragment coordinates (rows g, g + 8)
+    const int len = seq_lens ? seq_lens[b] : nk;
+    const int per_split = (len + num_splits - 1) / num_splits;
+    const int n_begin = min(split * per_split, len), n_end = min(n_begin + per_split, len);
+
+    const int n_tiles = (n_end - n_begin + TILE_ROWS - 1) / TILE_ROWS;
+    const int my_tiles = n_tiles > warp ? (n_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
+    u16* ring = reinterpret_cast<u16*>(smem_raw) + warp * (STAGES * STAGE_ELEMS);
+
+    // load Q_g -> registers as A fragments (rows g..15 zero), once: row g / g + 8 of the
+    // operand is query head hk * GROUP + g / + 8, columns kk * 16 + 2t (+1) and + 8 (+9)
+    u32 qf[KT_Q][4];
+    {
+        const u32* q0 = reinterpret_cast<const u32*>(Q + ((long long)b * heads_q + hk * GROUP + g) * HEAD_DIM);
+        const u32* q1 = q0 + 8 * HEAD_DIM / 2;
+#pragma unroll
+        for (int kk = 0; kk < KT_Q; ++kk) {
+            const int c = (kk * 16 + 2 * t) / 2;      // in 32-bit words (two 16-bit values)
+            qf[kk][0] = g < GROUP ? q0[c] : 0u;
+            qf[kk][2] = g < GROUP ? q0[c + 4] : 0u;
+            qf[kk][1] = (HI_ROWS && g + 8 < GROUP) ? q1[c] : 0u;
+            qf[kk][3] = (HI_ROWS && g + 8 < GROUP) ? q1[c + 4] : 0u;
+        }
+    }
+    const float scale_log2 = scale * 1.4426950408889634f;   // scores in log2 units
+
+    float o[NT_O][4];
+#pragma unroll
+    for (int n = 0; n < NT_O; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {neg_inf_f(), neg_inf_f()}, l[2] = {0.f, 0.f};
+
+#if PAGED
+    // load this split's block-table entries -> SRAM (once), when they fit table_cap
+    const int e0 = n_begin / BLOCK_SIZE;
+    const int n_entries = n_end > n_begin ? (n_end - 1) / BLOCK_SIZE - e0 + 1 : 0;
+    const int* tb = block_table + (long long)b * max_blocks + e0;     // entry i of the split: tb[i]
+    if (n_entries <= table_cap) {
+        int* tsm = reinterpret_cast<int*>(smem_raw + table_offset);
+        for (int i = threadIdx.x; i < n_entries; i += NTHREADS) tsm[i] = tb[i];
+        __syncthreads();
+        tb = tsm;                                   // a generic pointer: SRAM from here on
+    }
+    // entries of the rows this lane copies in its next tile (read one tile ahead)
+    int blk_next[CPL];
+    auto load_blocks = [&](int tile) {
+        const int start = n_begin + (warp + tile * NUM_WARPS) * TILE_ROWS;
+#pragma unroll
+        for (int i = 0; i < CPL; ++i) {
+            const int n = start + (lane + 32 * i) / CPR;
+            const bool ok = tile < my_tiles && (lane + 32 * i) < TILE_CHUNKS && n < n_end;
+            blk_next[i] = ok ? tb[n / BLOCK_SIZE - e0] : 0;
+        }
+    };
+    load_blocks(0);
+#else
+    const elem_t* Kb = K + b * skb + hk * skh;
+    const elem_t* Vb = V + b * svb + hk * svh;
+#endif
+
+    // load K_j, V_j -> SRAM (cp.async ring): this warp's tile `tile` into stage tile % STAGES
+    auto issue = [&](int tile) {
+        if (tile < my_tiles) {
+            u16* Ks = ring + (tile % STAGES) * STAGE_ELEMS;
+            u16* Vs = Ks + TILE_ELEMS;
+            const int start = n_begin + (warp + tile * NUM_WARPS) * TILE_ROWS;
+#pragma unroll
+            for (int i = 0; i < CPL; ++i) {
+                const int c = lane + 32 * i;
+                if (c < TILE_CHUNKS) {
+                    const int r = c / CPR, ch = c % CPR;
+                    const int n = start + r;
+                    const bool ok = n < n_end;
+#if PAGED
+                    const long long off = (long long)blk_next[i] * s_blk + (long long)(n % BLOCK_SIZE) * s_row
+                                          + hk * s_head + ch * VEC;
+                    cp_async16(Ks + r * SROW + ch * VEC, ok ? K + off : K, ok);
+                    cp_async16(Vs + r * SROW + ch * VEC, ok ? V + off : V, ok);
+#else
+                    cp_async16(Ks + r * SROW + ch * VEC, ok ? Kb + (long long)n * skn + ch * VEC : Kb, ok);
+                    cp_async16(Vs + r * SROW + ch * VEC, ok ? Vb + (long long)n * svn + ch * VEC : Vb, ok);
+#endif
+                }
+            }
+#if PAGED
+            load_blocks(tile + 1);
+#endif
+        }
+        cp_async_commit();
+    };
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) issue(s);
+
+    for (int j = 0; j < my_tiles; ++j) {            // loop over this warp's K_j, V_j tiles (SRAM)
+        issue(j + STAGES - 1);
+        cp_async_wait<STAGES - 1>();
+        __syncwarp();
+        const u16* Kt = ring + (j % STAGES) * STAGE_ELEMS;
+        const u16* Vt = Kt + TILE_ELEMS;
+        const int start = n_begin + (warp + j * NUM_WARPS) * TILE_ROWS;
+
+        // S = Q_g K_j^T on the tensor cores (registers); K_j's rows are the B operand as stored
+        float s[NT_S][4];
+        mma_qkt<KT_Q, NT_S>(s, qf, Kt, SROW, lane);
+        // scale (log2 units); keys at or past the split's end (zero-filled rows) -> -inf
+        const bool tail = start + TILE_ROWS > n_end;
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float x = s[n][e] * scale_log2;
+                s[n][e] = (tail && start + n * 8 + 2 * t + (e & 1) >= n_end) ? neg_inf_f() : x;
+            }
+
+        // online softmax on the accumulators: row g is e = 0, 1; row g + 8 (heads 8..15) e = 2, 3
+#pragma unroll
+        for (int r = 0; r < 1 + HI_ROWS; ++r) online_softmax_row<NT_S, NT_O>(s, o, m[r], l[r], r);
+
+        // O += P V_j on the tensor cores; P's accumulators become A fragments in registers
+        mma_pv<TILE_ROWS / 16, NT_O, HI_ROWS>(o, s, Vt, SROW, lane);
+        __syncwarp();                               // every lane is done with this stage
+    }
+    cp_async_wait<0>();
+
+    // merge the warps (through SRAM): l over the quad, then each warp's m, l and its O rows
+    // rescaled to the block's max -> SRAM (the rings' space, idle now)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    const int rows_of[2] = {g, g + 8};
+    if (t == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            if (rows_of[r] < GROUP) { red_m[warp][rows_of[r]] = m[r]; red_l[warp][rows_of[r]] = l[r]; }
+    }
+    __syncthreads();                                // every warp's ring reads are done, too
+    float* red_o = reinterpret_cast<float*>(smem_raw);     // [NUM_WARPS][GROUP][HEAD_DIM]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int gq = rows_of[r];
+        if (gq < GROUP) {
+            float M = neg_inf_f();
+            for (int w = 0; w < NUM_WARPS; ++w) M = fmaxf(M, red_m[w][gq]);
+            const float f = ik_exp2(m[r] - ((M == neg_inf_f()) ? 0.f : M));
+            float* dst = red_o + (warp * GROUP + gq) * HEAD_DIM + 2 * t;
+#pragma unroll
+            for (int n = 0; n < NT_O; ++n) {
+                dst[n * 8] = o[n][2 * r] * f;
+                dst[n * 8 + 1] = o[n][2 * r + 1] * f;
+            }
+        }
+    }
+    __syncthreads();
+
+    // write O_s, LSE_s -> HBM; FUSED: the last split block merges the group's partials
+    decode_finish(red_m, red_l, red_o, red_o, split, b, hk, heads_q, heads_kv, num_splits,
+                  O_part, LSE_part, counters, O, LSE);
+}
