@@ -53,8 +53,14 @@ def _jobs():
     def bwd(dtype, d, arch, **kw):
         jobs.append((f"bwd_v1 {dtype} d={d} {kw}", "bwd_v1", cr.BackwardConfig(**kw).defines(d, dtype), arch))
 
+    def bwd2(dtype, d, arch, smem=None, **kw):
+        jobs.append((f"bwd_v2 {dtype} d={d} {kw}", "bwd_v2",
+                     cr.BackwardConfig("v2", **kw).defines(d, dtype, smem), arch))
+
     for arch in ARCHS:
         bwd("float32", 128, arch)
+        bwd2("float16", 128, arch)
+        bwd2("float16", 64, arch, deterministic=True)
         bwd("float16", 64, arch, deterministic=True)
         fa("v1", "float32", 128, arch)
         fa("v2", "float16", 128, arch)
@@ -96,6 +102,11 @@ def _jobs():
     bwd("float64", 128, 80)                             # float64 atomics, Bc shrunk to fit
     bwd("float32", 59, 90, lanes_per_key=4, deterministic=True)
     bwd("float32", 256, 80)                             # Br shrunk to 8 for 48 KB
+    bwd2("bfloat16", 128, 90, deterministic=True)
+    bwd2("bfloat16", 128, 80, smem=99 * 1024)           # sm_86's SRAM: 4 warps (Bc 64), Br 32
+    bwd2("bfloat16", 59, 90)                            # rows not whole 16-byte chunks; D_PAD 64
+    bwd2("float16", 72, 80, block_q=16, num_warps=4)    # 16-byte chunks past HEAD_DIM zero-filled
+    bwd2("bfloat16", 96, 90, block_q=128, deterministic=True)
     return jobs
 
 
@@ -156,6 +167,19 @@ def test_candidates_stay_in_registers(tmp_path):
         assert frame and regs, err[:400]
         assert frame.groups() == ("0", "0", "0"), f"{name} {defines}: {frame.group(0)}"
         assert int(regs.group(1)) <= 128, f"{name}: {regs.group(0)} (the launch bounds cap 128)"
+
+
+def test_backward_v2_defaults_stay_in_registers(tmp_path):
+    """ptxas -v: bwd_v2 at its default tiles (bfloat16 d=128 and d=64, sm_90) keeps dK_j, dV_j,
+    S^T and dP^T in registers: no local memory (spills would put them in HBM-backed memory)."""
+    jobs = [("bwd_v2", cr.BackwardConfig("v2", deterministic=det).defines(d, "bfloat16"), 90)
+            for d, det in ((128, False), (64, True))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(tmp_path, *j, extra=("-Xptxas", "-v")), jobs))
+    for (name, defines, arch), (rc, err) in zip(jobs, results):
+        assert rc == 0, err[:400]
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
+        assert frame and frame.groups() == ("0", "0", "0"), f"{name} {defines}: {frame and frame.group(0)}"
 
 
 def test_every_source_file_is_covered():
