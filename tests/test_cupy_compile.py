@@ -406,3 +406,37 @@ def test_every_module_imports_alone_without_a_gpu():
     for m in mods:
         r = subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True, text=True)
         assert r.returncode == 0, f"{m}: {r.stderr[-400:]}"
+
+
+def test_backward_defaults_and_refusals():
+    """The backward default: v2 (tensor cores) for 16-bit inputs at d <= 128 on compute
+    capability 8.0+, v1 otherwise; an explicit v2 that cannot run names config.version and why.
+    v2's default tiles fit every GPU size it accepts, and shrink (Bc, then Br) to fit."""
+    def default(dtype, d, cc, smem=None):
+        return cr.REGISTRY.resolve("attention_backward", None, _need(dtype, d, cc, smem))[0].version
+    assert default("bfloat16", 128, 90, 227 * 1024) == "v2"
+    assert default("float16", 59, 80, 163 * 1024) == "v2"
+    assert default("float16", 128, 75, 64 * 1024) == "v1"           # no cp.async / m16n8k16
+    assert default("float16", 256, 90) == "v1"                       # dK, dV past the registers
+    assert default("float32", 64, 90) == "v1"
+    assert default("float64", 64, 90) == "v1"
+    for dtype, d, cc, why in (("float32", 64, 90, "float16/bfloat16"), ("bfloat16", 192, 90, "head_dim 128"),
+                              ("float16", 64, 75, "8.0")):
+        with pytest.raises(ValueError, match="config.version") as e:
+            cr.REGISTRY.resolve("attention_backward", cr.BackwardConfig("v2"), _need(dtype, d, cc))
+        assert why in str(e.value)
+    for smem in SMEM_LIMITS[1:]:
+        for d in (8, 59, 64, 96, 128):
+            if cr.REGISTRY.get("attention_backward", "v2").unavailable(_need("bfloat16", d, 90, smem)) is None:
+                cfg = cr.BackwardConfig("v2").resolve(d, "bfloat16", smem)
+                assert cfg.smem_bytes(cfg.block_q, cfg.block_k, d, "bfloat16", "v2") <= smem, (smem, d, cfg)
+    big = cr.BackwardConfig("v2").resolve(128, "bfloat16", 227 * 1024)
+    assert (big.block_q, big.block_k, big.num_warps) == (32, 128, 8)
+    assert cr.BackwardConfig("v2").resolve(128, "bfloat16", 99 * 1024).block_k == 64     # sm_86: 4 warps
+    assert cr.BackwardConfig("v2").resolve(64, "float16", 227 * 1024).block_q == 64
+    with pytest.raises(ValueError, match="config"):
+        cr.BackwardConfig("v2", block_q=128).resolve(128, "bfloat16", 64 * 1024)      # explicit, too big
+    with pytest.raises(ValueError, match="config.block_k"):
+        cr.BackwardConfig("v2", block_k=32).resolve(64, "float16")
+    with pytest.raises(ValueError, match="config.lanes_per_key"):
+        cr.BackwardConfig("v2", lanes_per_key=4)

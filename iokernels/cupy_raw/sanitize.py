@@ -33,7 +33,9 @@ BLOCK_SIZE = 16
 #: settings run next to each version's default config (kwargs of its config class)
 VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
-            ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32})}
+            ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32}),
+            # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
+            ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16})}
 #: calls a version makes twice in a row (v3's counters must be back at 0 after a call)
 TWICE = {("decode", "v3"), ("paged_decode", "v3")}
 

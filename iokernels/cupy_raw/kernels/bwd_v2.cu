@@ -39,10 +39,12 @@
 // Tile sizes.  FlashAttention-2 runs 8 warps with Bc = 128 and Br = 64 (d = 64) or
 // Br = 64..128 (d = 128).  Here Bc = 16 * NUM_WARPS: 8 warps give Bc = 128, so each Q_i,
 // dO_i read into SRAM feeds 128 keys.  Br is bounded by registers: dK_j, dV_j take D_PAD
-// floats a lane together, S^T and dP^T another Br; at d = 128 and Br = 64 that is 192 of
-// the 255 registers a thread may have.  The defaults (BackwardConfig) shrink Bc, then Br,
-// until the SRAM fits the GPU; head dims up to 128 (a multiple of 16 is padded with zero
-// columns; rows that are not whole 16-byte chunks are copied element by element).
+// floats a lane together, S^T and dP^T another Br, and the fragments and addresses need
+// the rest of the 255 registers a thread may have; so the default Br is 64 while
+// D_PAD + Br <= 160 (d <= 96) and 32 above (at d = 128, Br = 64 spills a few registers).
+// The defaults (BackwardConfig) shrink Bc, then Br, until the SRAM fits the GPU.  Head dims
+// up to 128; one that is not a multiple of 16 is padded with zero columns, and rows that
+// are not whole 16-byte chunks are copied element by element.
 //
 // Causal / window: the Q tiles that see no key of tile j are never loaded; the mask is
 // applied only where a (Q tile, K/V tile) pair crosses a boundary of the visible band, or
