@@ -10,11 +10,12 @@ to the NumPy step it implements (:mod:`iokernels.tiled`, :mod:`iokernels.decode`
 ==============  ================================================================
 module          what it holds
 ==============  ================================================================
-config.py       ForwardConfig, DecodeConfig, GatherConfig: sizes, SRAM, defines
+config.py       ForwardConfig, DecodeConfig, GatherConfig, BackwardConfig: sizes, SRAM, defines
 launch.py       the .cu sources, NVRTC compile cache, device info, streams
 forward.py      attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
 decode.py       decode and paged decode: decode.cu, decode_v2.cu, decode_v3.cu
 gather.py       paged gather: paged_gather.cu
+backward.py     attention_backward: bwd_v1.cu, bwd_v2.cu (mma_common.cuh: fa_v2's PTX helpers)
 registry.py     REGISTRY (every (op, version)), need(): what a call needs
 sanitize.py     sanitize_cases(): every registered kernel at ragged shapes
 ==============  ================================================================
@@ -64,6 +65,22 @@ and the kernel's occupancy (one full wave).
   arrive merges the S partials and resets the counter (one launch instead of two; the
   counters are a per-stream workspace); ``fused=False`` keeps the paper's two kernels.
   Paged splits stage their block-table entries in SRAM once.
+
+FlashAttention-2 backward (``attention_backward``, ``config=BackwardConfig(...)``): D_i =
+rowsum(dO_i * O_i), a main loop with one block per K/V tile (dK_j, dV_j in registers, summed
+over the GQA group; S and P recomputed from the saved LSE), dQ by float32 atomic adds or, with
+``deterministic=True``, per-tile partials summed in tile order.
+
+* **v1** ``bwd_v1.cu``: CUDA cores, every dtype; a key row a group of lanes, dot products
+  joined by warp shuffles.  What limits it: the shuffles and SRAM reads per multiply-add.
+  The default for float32 and float64, and for 16-bit inputs where v2 cannot run.
+* **v2** ``bwd_v2.cu`` (float16/bfloat16, head_dim <= 128, compute capability 8.0+; their
+  default): every product on the tensor cores (``mma.sync.m16n8k16``, ``ldmatrix``); a warp
+  owns 16 keys, so S^T, P^T, dP^T and dS^T sit in the accumulator layout that is the A
+  operand of dV_j += P^T dO_i and dK_j += dS^T Q_i, straight from registers; dS^T goes
+  through SRAM once, in 16 bits, for dQ_i += dS_ij K_j; Q_i, dO_i double-buffered with
+  ``cp.async``.  What it leaves out: wgmma/TMA, and the dQ atomics are FlashAttention-2's
+  (one float32 add per element per K/V tile).
 
 Paged gather (``paged_gather``): **v1** ``paged_gather.cu``, 16-byte chunks through the
 block table, one output chunk a thread.
