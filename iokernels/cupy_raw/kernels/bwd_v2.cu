@@ -97,6 +97,21 @@
 
 #include "mma_common.cuh"
 
+// dQaccum[p], dQaccum[p + 1] += a, b (DETERMINISTIC: = a, b, into this K/V tile's own slot);
+// `two`: p + 1 is still inside the row.  sm_90 adds both with one vector reduction
+// (red.global.add.v2.f32; 8-byte aligned when HEAD_DIM is even), older GPUs with two atomics.
+__device__ __forceinline__ void dq_put(float* p, float a, float b, bool two) {
+#if DETERMINISTIC
+    p[0] = a;
+    if (two) p[1] = b;
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && HEAD_DIM % 2 == 0
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" :: "l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    if (two) atomicAdd(p + 1, b);
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 bwd_v2_main(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
             const elem_t* __restrict__ dO, const float* __restrict__ LSE, const float* __restrict__ Dv,
@@ -277,16 +292,12 @@ bwd_v2_main(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const el
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int row = i0 + mt * 16 + g + (e >> 1) * 8;
-                    const int col = dpair * 16 + nt * 8 + 2 * t + (e & 1);
-                    if (row < nq && col < HEAD_DIM) {
-#if DETERMINISTIC
-                        dq_base[(long long)row * HEAD_DIM + col] = acc[nt][e] * scale;
-#else
-                        atomicAdd(dq_base + (long long)row * HEAD_DIM + col, acc[nt][e] * scale);
-#endif
-                    }
+                for (int half = 0; half < 2; ++half) {            // rows g and g + 8
+                    const int row = i0 + mt * 16 + g + half * 8;
+                    const int col = dpair * 16 + nt * 8 + 2 * t;
+                    if (row < nq && col < HEAD_DIM)
+                        dq_put(dq_base + (long long)row * HEAD_DIM + col, acc[nt][2 * half] * scale,
+                               acc[nt][2 * half + 1] * scale, col + 1 < HEAD_DIM);
                 }
         }
         // the next iteration's first barrier keeps dS_ij^T until every warp has read it
