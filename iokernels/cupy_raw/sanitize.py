@@ -177,14 +177,17 @@ RUNNERS = {"attention": _forward, "decode": _decode, "paged_decode": _paged_deco
            "attention_backward": _backward}
 
 
-def sanitize_cases(seed: int = 0, verbose: bool = True) -> list:
+def sanitize_cases(seed: int = 0, verbose: bool = True, kernels=None) -> list:
     """Run every (op, version) of :data:`REGISTRY` (and :data:`VARIANTS`) once per dtype it
     accepts here, each checked against the oracle; returns the names of the cases that ran.
+    ``kernels``: only these ("op:version" strings, e.g. "attention_backward:v2").
     A wrong result raises AssertionError."""
     from .launch import cupy
     rng = np.random.default_rng(seed)
     ran = []
     for kernel in REGISTRY:
+        if kernels is not None and f"{kernel.op}:{kernel.version}" not in kernels:
+            continue
         for kw in VARIANTS.get((kernel.op, kernel.version), ({},)):
             cfg = kernel.config_class(version=kernel.version, **kw)
             for dtype in DTYPES:
