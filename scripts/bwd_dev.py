@@ -12,7 +12,7 @@ a failing gradient also prints where its largest error sits.
 
 time: bfloat16 B=8 H=16 N=4096 d=128, causal and not: forward + backward of torch SDPA's FLASH
 kernel (autograd) against this package's default forward (ik.attention, backend "cupy") + backward
-v2; the backward alone for v2 (default tiles, Br = 64, deterministic) and v1.  TFLOP/s count the
+v2; the backward alone for v2 (default tiles, Br = 64, 4 warps, deterministic) and v1.  TFLOP/s count the
 visible (query, key) pairs: 4 d a pair for the forward, 10 d for the backward (2.5x); "ratio"
 is this package's forward + backward over FLASH's.  Timings: iokernels.bench.time_cuda (warm-up,
 median, L2 flushed).
@@ -141,6 +141,7 @@ def _time_part(seed):
             rows.append((f"ours fwd failed: {str(e).splitlines()[0][:100]}", float("nan"), float("nan")))
         variants = [("v2 bwd (default tiles)", cr.BackwardConfig("v2"), 10),
                     ("v2 bwd Br=64", cr.BackwardConfig("v2", block_q=64), 10),
+                    ("v2 bwd 4 warps (Bc=64)", cr.BackwardConfig("v2", num_warps=4), 10),
                     ("v2 bwd deterministic", cr.BackwardConfig("v2", deterministic=True), 5),
                     ("v1 bwd", cr.BackwardConfig("v1"), 2)]
         for name, cfg, reps in variants:
