@@ -55,10 +55,10 @@ def _run(version, do, q, k, v, o, lse, causal, scale, window, config):
     info = cv.check_qkv(q, k, v)
     dtype, d = info["dtype"], info["head_dim"]
     B, Hq, Nq, Hkv, Nk = info["batch"], info["heads_q"], info["seqlen_q"], info["heads_kv"], info["seqlen_k"]
-    cfg = config or BackwardConfig(version)
+    cfg = (config or BackwardConfig()).replace(version=version)
     smem = 0
     if version == "v2":
-        cfg = cfg.replace(version="v2").resolve(d, dtype, device_info()["smem_optin"])
+        cfg = cfg.resolve(d, dtype, device_info()["smem_optin"])
         smem = BackwardConfig.smem_bytes(cfg.block_q, cfg.block_k, d, dtype, "v2")
     else:
         cfg = cfg.resolve(d, dtype)
