@@ -432,8 +432,8 @@ BWD_V2_WARP_CHOICES = (8, 4)
 #: bwd_v2's Br: multiples of the 16 queries of one mma k-step
 BWD_V2_BLOCK_Q_CHOICES = (16, 32, 64, 128)
 #: bwd_v2: the accumulator floats a lane (dK_j + dV_j: D_PAD, S^T + dP^T: Br) that leave
-#: room for the fragments and addresses in 255 registers without spills; the default Br is
-#: 64 while D_PAD + 64 stays within it (d <= 96), else 32
+#: room for the fragments and addresses in 255 registers without spills; the default Br
+#: (BWD_V2_BLOCK_Q) is 64 while D_PAD + 64 stays within it (d <= 96), else 32
 BWD_V2_ACC_FLOATS = 160
 BWD_V2_BLOCK_Q = (64, 32)
 
