@@ -1,7 +1,8 @@
 """Run every CUDA kernel of the project at ragged shapes, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck  --report-api-errors no --error-exitcode 99 python3 scripts/sanitize.py
-    (likewise --tool racecheck, synccheck, initcheck; --only numba|cupy for one family)
+    (likewise --tool racecheck, synccheck, initcheck; --only numba|cupy for one family;
+    --only cupy --kernel attention_backward:v2 for one registered CuPy kernel)
 
 ``--report-api-errors no``: CUDA Python's bindings probe the driver with cuGetProcAddress
 for entry points it may lack; those failed host calls are not kernel errors but would each
@@ -78,7 +79,7 @@ def _trace_calls(module, family, t0):
         setattr(module, name, wrap())
 
 
-def _run_family(module, t0):
+def _run_family(module, t0, kernels=None):
     """Call ``module.sanitize_cases()``; returns (cases run, cases failed, reason if none).
 
     Two forms are accepted: the function runs every kernel itself and returns what ran
@@ -95,7 +96,7 @@ def _run_family(module, t0):
     family = module.rsplit(".", 1)[-1]
     _trace_calls(m, family, t0)
     try:
-        result = fn()
+        result = fn() if kernels is None else fn(kernels=kernels)
     except Exception as e:
         print(f"[{time.perf_counter() - t0:6.1f}s] case {family}:sanitize_cases: FAILED {type(e).__name__}: "
               f"{str(e)[:300]}", flush=True)
@@ -133,7 +134,11 @@ def _run_family(module, t0):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=("numba", "cupy"), default=None, help="one kernel family")
+    p.add_argument("--kernel", action="append", default=None, metavar="OP:VERSION",
+                   help="with --only cupy: only this registered kernel (repeatable)")
     args = p.parse_args(argv)
+    if args.kernel and args.only != "cupy":
+        p.error("--kernel: needs --only cupy (the CuPy registry's op:version names)")
     modules = {"numba": "iokernels.numba_cuda", "cupy": "iokernels.cupy_raw"}
     if args.only:
         modules = {args.only: modules[args.only]}
@@ -148,7 +153,7 @@ def main(argv=None) -> int:
         failed += 1
     for family, module in modules.items():
         print(f"[{time.perf_counter() - t0:6.1f}s] family {family}: starting", flush=True)
-        r, f, why = _run_family(module, t0)
+        r, f, why = _run_family(module, t0, args.kernel)
         ran += r
         failed += f
         print(f"[{time.perf_counter() - t0:6.1f}s] family {family}: {r} cases ok, {f} failed"

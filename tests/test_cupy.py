@@ -603,6 +603,8 @@ def test_backward_by_the_gradient_rule(rng, dtype, d, N, causal):
     refs = reference.attention_backward(do, q, k, v, causal=causal)
     bases = ik.attention_backward(do, q, k, v, o, lse, causal=causal, backend="naive")
     for kern in _cr().REGISTRY.kernels("attention_backward"):
+        if kern.unavailable(_cr().need("attention_backward", q=q, k=k, v=v)) is not None:
+            continue                                      # v2 is 16-bit only
         for det in (False, True):
             cfg = kern.config_class(version=kern.version, deterministic=det)
             got = ik.attention_backward(do, q, k, v, o, lse, causal=causal, backend="cupy", config=cfg)
@@ -635,3 +637,56 @@ def test_deterministic_backward_repeats_bit_for_bit():
     a = ik.attention_backward(do, q, k, v, o, lse, backend="cupy", config=cfg)
     b = ik.attention_backward(do, q, k, v, o, lse, backend="cupy", config=cfg)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+#: the tensor-core backward's own cases: (label, dtype, d, heads_q, heads_kv, Nq, Nk, causal,
+#: window, config keywords); GQA group 4, ragged lengths, windows, fully masked rows
+BWD_V2_CASES = [
+    ("causal GQA4 N=127", "bfloat16", 128, 8, 2, 127, 127, True, None, {}),
+    ("full N=1000 deterministic", "float16", 64, 8, 2, 1000, 1000, False, None, dict(deterministic=True)),
+    ("window (64, 16) Nq<Nk", "bfloat16", 64, 4, 1, 300, 1000, False, (64, 16), {}),
+    ("causal Nq>Nk: masked rows", "float16", 128, 4, 4, 1000, 300, True, None, {}),
+    ("d=59 window (-1, 5)", "bfloat16", 59, 4, 2, 200, 333, False, (-1, 5), dict(deterministic=True)),
+    ("d=96 Br=128", "float16", 96, 4, 2, 257, 129, True, None, dict(block_q=128)),
+    ("4 warps Br=16 window (7, 0)", "bfloat16", 128, 4, 1, 100, 190, False, (7, 0), dict(num_warps=4, block_q=16)),
+]
+
+
+@pytest.mark.parametrize("case", BWD_V2_CASES, ids=[c[0] for c in BWD_V2_CASES])
+def test_backward_v2_awkward_shapes(rng, case):
+    """The tensor-core backward (v2) against the float64 gradients by the 3x rule, at the shapes
+    its tiles make awkward: lengths not a multiple of Br or Bc, Nq != Nk, GQA group 4, windows
+    cut through tiles, head dims padded to 16, rows that see no key (their dQ must be exactly 0,
+    never NaN).  The message lists every gradient's error and bound."""
+    label, dtype, d, hq, hkv, nq, nk, causal, window, kw = case
+    if _cc() < 80:
+        pytest.skip("backward v2 needs compute capability 8.0")
+    q, k, v = make_inputs(rng, batch=2, heads_q=hq, heads_kv=hkv, seqlen_q=nq, seqlen_k=nk, head_dim=d, dtype=dtype)
+    do = make_inputs(rng, batch=2, heads_q=hq, heads_kv=hq, seqlen_q=nq, seqlen_k=1, head_dim=d, dtype=dtype)[0]
+    o, lse = ik.attention(q, k, v, causal=causal, window=window, backend="naive", return_lse=True)
+    refs = reference.attention_backward(do, q, k, v, causal=causal, window=window)
+    bases = ik.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, backend="naive")
+    cfg = _cr().BackwardConfig("v2", **kw)
+    got = ik.attention_backward(do, q, k, v, o, lse, causal=causal, window=window, backend="cupy", config=cfg)
+    blind = ~cv.mask(nq, nk, causal, window).any(axis=-1)[None, None, :, None]     # rows that see no key
+    checks = [check(g, r, b, dtype=dtype, name=n, factor=3.0, masked_rows=blind if n == "dq" else None)
+              for n, g, r, b in zip(("dq", "dk", "dv"), got, refs, bases)]
+    assert all(checks), f"v2 {label} {cfg}: " + "; ".join(str(c) for c in checks)
+
+
+def test_backward_v2_is_the_16_bit_default(rng):
+    """With no version, 16-bit inputs at d <= 128 run v2 on this GPU: the default call and an
+    explicit v2 give the same bits (deterministic dQ), and v1 does not."""
+    if _cc() < 80:
+        pytest.skip("backward v2 needs compute capability 8.0")
+    q, k, v = make_inputs(rng, batch=1, heads_q=4, heads_kv=2, seqlen_q=200, seqlen_k=200, head_dim=64,
+                          dtype="bfloat16")
+    do = make_inputs(rng, batch=1, heads_q=4, heads_kv=4, seqlen_q=200, seqlen_k=1, head_dim=64, dtype="bfloat16")[0]
+    o, lse = ik.attention(q, k, v, backend="naive", return_lse=True)
+    BC = _cr().BackwardConfig
+
+    def run(cfg):
+        return [as_numpy(g) for g in ik.attention_backward(do, q, k, v, o, lse, backend="cupy", config=cfg)]
+    default, v2, v1 = run(BC(deterministic=True)), run(BC("v2", deterministic=True)), run(BC("v1", deterministic=True))
+    assert all(np.array_equal(a, b) for a, b in zip(default, v2))
+    assert not all(np.array_equal(a, b) for a, b in zip(default, v1))

@@ -57,8 +57,14 @@ def _jobs():
     def bwd(dtype, d, arch, **kw):
         jobs.append((f"bwd_v1 {dtype} d={d} {kw}", "bwd_v1", cr.BackwardConfig(**kw).defines(d, dtype), arch))
 
+    def bwd2(dtype, d, arch, smem=None, **kw):
+        jobs.append((f"bwd_v2 {dtype} d={d} {kw}", "bwd_v2",
+                     cr.BackwardConfig("v2", **kw).defines(d, dtype, smem), arch))
+
     for arch in ARCHS:
         bwd("float32", 128, arch)
+        bwd2("float16", 128, arch)
+        bwd2("float16", 64, arch, deterministic=True)
         bwd("float16", 64, arch, deterministic=True)
         fa("v1", "float32", 128, arch)
         fa("v2", "float16", 128, arch)
@@ -106,6 +112,11 @@ def _jobs():
     bwd("float64", 128, 80)                             # float64 atomics, Bc shrunk to fit
     bwd("float32", 59, 90, lanes_per_key=4, deterministic=True)
     bwd("float32", 256, 80)                             # Br shrunk to 8 for 48 KB
+    bwd2("bfloat16", 128, 90, deterministic=True)
+    bwd2("bfloat16", 128, 80, smem=99 * 1024)           # sm_86's SRAM: 4 warps (Bc 64), Br 32
+    bwd2("bfloat16", 59, 90)                            # rows not whole 16-byte chunks; D_PAD 64
+    bwd2("float16", 72, 80, block_q=16, num_warps=4)    # 16-byte chunks past HEAD_DIM zero-filled
+    bwd2("bfloat16", 96, 90, block_q=128, deterministic=True)
     return jobs
 
 
@@ -190,6 +201,19 @@ def test_decode_v4_stays_in_registers(tmp_path):
         assert frame.groups() == ("0", "0", "0"), f"d={d} g={g} paged={defines['PAGED']}: {frame.group(0)}"
         cap = 65536 // (32 * defines["NUM_WARPS"] * defines["DECODE_MIN_BLOCKS"])
         assert int(regs.group(1)) <= min(255, cap), f"d={d} g={g}: {regs.group(0)}"
+
+
+def test_backward_v2_defaults_stay_in_registers(tmp_path):
+    """ptxas -v: bwd_v2 at its default tiles (bfloat16 d=128 and d=64, sm_90) keeps dK_j, dV_j,
+    S^T and dP^T in registers: no local memory (spills would put them in HBM-backed memory)."""
+    jobs = [("bwd_v2", cr.BackwardConfig("v2", deterministic=det).defines(d, "bfloat16"), 90)
+            for d, det in ((128, False), (64, True))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(tmp_path, *j, extra=("-Xptxas", "-v")), jobs))
+    for (name, defines, arch), (rc, err) in zip(jobs, results):
+        assert rc == 0, err[:400]
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
+        assert frame and frame.groups() == ("0", "0", "0"), f"{name} {defines}: {frame and frame.group(0)}"
 
 
 def test_every_source_file_is_covered():
@@ -445,3 +469,37 @@ def test_every_module_imports_alone_without_a_gpu():
     for m in mods:
         r = subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True, text=True)
         assert r.returncode == 0, f"{m}: {r.stderr[-400:]}"
+
+
+def test_backward_defaults_and_refusals():
+    """The backward default: v2 (tensor cores) for 16-bit inputs at d <= 128 on compute
+    capability 8.0+, v1 otherwise; an explicit v2 that cannot run names config.version and why.
+    v2's default tiles fit every GPU size it accepts, and shrink (Bc, then Br) to fit."""
+    def default(dtype, d, cc, smem=None):
+        return cr.REGISTRY.resolve("attention_backward", None, _need(dtype, d, cc, smem))[0].version
+    assert default("bfloat16", 128, 90, 227 * 1024) == "v2"
+    assert default("float16", 59, 80, 163 * 1024) == "v2"
+    assert default("float16", 128, 75, 64 * 1024) == "v1"           # no cp.async / m16n8k16
+    assert default("float16", 256, 90) == "v1"                       # dK, dV past the registers
+    assert default("float32", 64, 90) == "v1"
+    assert default("float64", 64, 90) == "v1"
+    for dtype, d, cc, why in (("float32", 64, 90, "float16/bfloat16"), ("bfloat16", 192, 90, "head_dim 128"),
+                              ("float16", 64, 75, "8.0")):
+        with pytest.raises(ValueError, match="config.version") as e:
+            cr.REGISTRY.resolve("attention_backward", cr.BackwardConfig("v2"), _need(dtype, d, cc))
+        assert why in str(e.value)
+    for smem in SMEM_LIMITS[1:]:
+        for d in (8, 59, 64, 96, 128):
+            if cr.REGISTRY.get("attention_backward", "v2").unavailable(_need("bfloat16", d, 90, smem)) is None:
+                cfg = cr.BackwardConfig("v2").resolve(d, "bfloat16", smem)
+                assert cfg.smem_bytes(cfg.block_q, cfg.block_k, d, "bfloat16", "v2") <= smem, (smem, d, cfg)
+    big = cr.BackwardConfig("v2").resolve(128, "bfloat16", 227 * 1024)
+    assert (big.block_q, big.block_k, big.num_warps) == (32, 128, 8)
+    assert cr.BackwardConfig("v2").resolve(128, "bfloat16", 99 * 1024).block_k == 64     # sm_86: 4 warps
+    assert cr.BackwardConfig("v2").resolve(64, "float16", 227 * 1024).block_q == 64
+    with pytest.raises(ValueError, match="config"):
+        cr.BackwardConfig("v2", block_q=128).resolve(128, "bfloat16", 64 * 1024)      # explicit, too big
+    with pytest.raises(ValueError, match="config.block_k"):
+        cr.BackwardConfig("v2", block_k=32).resolve(64, "float16")
+    with pytest.raises(ValueError, match="config.lanes_per_key"):
+        cr.BackwardConfig("v2", lanes_per_key=4)

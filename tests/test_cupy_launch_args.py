@@ -8,7 +8,8 @@ argument of every launch is held against it: the count, and pointer / int / long
 float / double as the parameter says (a CuPy array is a pointer argument).  A wrong argument in a code path only a GPU reaches
 fails here.  The defaults of the shapes the kernels were tuned at are pinned too (v2 at 8
 warps x Bc 64 for bfloat16 d=128, v1b at 64 x 64 for float32, decode v3 at 8 warps x 4
-stages), so a reshuffle of the configs cannot move them silently.
+stages, backward v2 at 8 warps (Bc 128) x Br 32 for bfloat16 d=128), so a reshuffle of the
+configs cannot move them silently.
 """
 import json
 import os
@@ -63,10 +64,13 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
                 rec(f"attention {kern.version} {dt} {d}",
                     lambda: cr.attention(q, k, v, config=kern.config_class(version=kern.version)))
         lse = np.zeros(q.shape[:3], np.float64 if dt == "float64" else np.float32)
-        for det in (False, True):
-            rec(f"attention_backward v1 {dt} {d} deterministic={det}",
-                lambda: cr.attention_backward(q, q, k, v, q, lse, causal=True, scale=None, window=None,
-                                              config=cr.BackwardConfig(deterministic=det)))
+        for kern in cr.REGISTRY.kernels("attention_backward"):
+            if kern.unavailable(cr.need("attention_backward", q=q, k=k, v=v)) is not None:
+                continue
+            for det in (False, True):
+                rec(f"attention_backward {kern.version} {dt} {d} deterministic={det}",
+                    lambda: kern.launcher(q, q, k, v, q, lse, causal=True, scale=None, window=None,
+                                          config=cr.BackwardConfig(kern.version, deterministic=det)))
     for d in (128, 59):
         q, k, v = make_inputs(rng, batch=3, heads_q=8, heads_kv=2, seqlen_q=1, seqlen_k=301, head_dim=d, dtype=dt)
         q = q[:, :, 0]
@@ -122,7 +126,7 @@ FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split":
          "decode_combine": "decode", "decode_split_v2": "decode_v2", "decode_split_v3": "decode_v3",
          "decode_split_v4": "decode_v4",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
-         "mla_decode": "mla_decode"}
+         "bwd_v2_main": "bwd_v2", "mla_decode": "mla_decode"}
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +220,13 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert _one(launches, "decode None {} float16 59 5", "decode_split")      # rows not 16-byte chunks: v1
     assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
     assert _one(launches, "paged_decode None float16 128", "decode_split_v4")
+    bwd = _one(launches, "attention_backward v2 bfloat16 128 deterministic=False", "bwd_v2_main")
+    assert (_defines(bwd)["NUM_WARPS"], _defines(bwd)["BLOCK_Q"]) == ("8", "32")     # Bc = 128, Br = 32
+    assert bwd["block"] == [256] and bwd["grid"] == [1, 2, 2]                  # Tc = ceil(77 / 128)
+    assert bwd["smem"] == 2 * (2 * 128 * 136 + 4 * 32 * 136 + 128 * 40) + 16 * 32
+    assert _defines(_one(launches, "attention_backward v2 float16 59 deterministic=True",
+                         "bwd_v2_main"))["BLOCK_Q"] == "64"                           # D_PAD 64: Br 64
+    assert "attention_backward v2 float32 128 deterministic=False" not in launches   # 16-bit only
 
 
 def test_mla_launch_geometry(launches):

@@ -10,13 +10,14 @@ to the NumPy step it implements (:mod:`iokernels.tiled`, :mod:`iokernels.decode`
 ==============  ================================================================
 module          what it holds
 ==============  ================================================================
-config.py       ForwardConfig, DecodeConfig, GatherConfig: sizes, SRAM, defines
+config.py       ForwardConfig, DecodeConfig, GatherConfig, BackwardConfig: sizes, SRAM, defines
 launch.py       the .cu sources, NVRTC compile cache, device info, streams
 forward.py      attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
 decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v4.cu
 gather.py       paged gather: paged_gather.cu
 hopper.py       the Hopper (sm_90a) attention kernels and their tensor maps
 mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
+backward.py     attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers)
 registry.py     REGISTRY (every (op, version)), need(): what a call needs
 sanitize.py     sanitize_cases(): every registered kernel at ragged shapes
 ==============  ================================================================
@@ -74,6 +75,22 @@ and the kernel's occupancy (one full wave).
   V_j through ``ldmatrix.trans``, P converted to A fragments in registers.  The padding
   wastes (16 - g) / 16 of the tensor cores' work and frees the CUDA cores, which v3 keeps
   busy with 2 x g x d FMAs for every K/V row.
+
+FlashAttention-2 backward (``attention_backward``, ``config=BackwardConfig(...)``): D_i =
+rowsum(dO_i * O_i), a main loop with one block per K/V tile (dK_j, dV_j in registers, summed
+over the GQA group; S and P recomputed from the saved LSE), dQ by float32 atomic adds or, with
+``deterministic=True``, per-tile partials summed in tile order.
+
+* **v1** ``bwd_v1.cu``: CUDA cores, every dtype; a key row a group of lanes, dot products
+  joined by warp shuffles.  What limits it: the shuffles and SRAM reads per multiply-add.
+  The default for float32 and float64, and for 16-bit inputs where v2 cannot run.
+* **v2** ``bwd_v2.cu`` (float16/bfloat16, head_dim <= 128, compute capability 8.0+; their
+  default): every product on the tensor cores (``mma.sync.m16n8k16``, ``ldmatrix``); a warp
+  owns 16 keys, so S^T, P^T, dP^T and dS^T sit in the accumulator layout that is the A
+  operand of dV_j += P^T dO_i and dK_j += dS^T Q_i, straight from registers; dS^T goes
+  through SRAM once, in 16 bits, for dQ_i += dS_ij K_j; Q_i, dO_i double-buffered with
+  ``cp.async``.  What it leaves out: wgmma/TMA, and the dQ atomics are FlashAttention-2's
+  (one float32 add per element per K/V tile).
 
 Paged gather (``paged_gather``): **v1** ``paged_gather.cu``, 16-byte chunks through the
 block table, one output chunk a thread.

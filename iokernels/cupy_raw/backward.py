@@ -1,13 +1,25 @@
-"""FlashAttention-2's backward in CUDA C++: the launcher of bwd_v1.cu.
+"""FlashAttention-2's backward in CUDA C++: the launchers of bwd_v1.cu and bwd_v2.cu.
 
-Three kernels (see the header of ``kernels/bwd_v1.cu``): D_i = rowsum(dO_i * O_i); the main
-loop, one block per (K/V tile, KV head, sequence) with dK_j, dV_j in registers and S, P
-recomputed from the saved LSE; dQ from its float32 (float64) accumulator.  dQ is added with
-atomic adds (fast, last bits may differ run to run) or, with
+Both versions run three kernels (see the headers of ``kernels/bwd_v1.cu`` and
+``kernels/bwd_v2.cu``): D_i = rowsum(dO_i * O_i) (bwd_v1.cu's bwd_rowsum); the main loop,
+one block per (K/V tile, KV head, sequence) with dK_j, dV_j in registers and S, P
+recomputed from the saved LSE; dQ from its float32 (float64) accumulator (bwd_v1.cu's
+bwd_finish).  dQ is added with atomic adds (fast, last bits may differ run to run) or, with
 ``BackwardConfig(deterministic=True)``, written as one partial per K/V tile and summed in
 tile order (the same bits every run).
 
-Notation as in :mod:`iokernels.backward`: Br, Bc, D_i, S_ij, P_ij, dP_ij, dS_ij.
+=======  ===================================================================================
+version  what its main loop changes, and why
+=======  ===================================================================================
+v1       CUDA cores, every dtype: a key row a group of lanes, dot products by warp shuffles.
+         Plain and readable; limited by the shuffles and SRAM reads per multiply-add.
+v2       tensor cores (mma.sync m16n8k16, ldmatrix), float16/bfloat16, head_dim <= 128,
+         compute capability 8.0+: a warp owns 16 keys, so S^T, P^T, dP^T, dS^T stay in the
+         accumulator layout that feeds dV_j, dK_j's products from registers; only dS^T
+         passes through SRAM (16 bits) for dQ.  Q_i, dO_i double-buffered with cp.async.
+=======  ===================================================================================
+
+Notation as in :mod:`iokernels.backward`: Br, Bc, Tr, Tc, D_i, S_ij, P_ij, dP_ij, dS_ij.
 """
 from __future__ import annotations
 
@@ -16,8 +28,8 @@ import numpy as np
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
 from .config import BackwardConfig
-from .launch import function, on_stream, unit_rows
-from .registry import REGISTRY, RANKS, check_backward_v1
+from .launch import device_info, function, on_stream, unit_rows
+from .registry import REGISTRY, RANKS, check_backward_v1, check_backward_v2
 
 #: threads of the row-wise kernels (bwd_rowsum, bwd_finish); the .cu file's ROW_THREADS
 ROW_THREADS = 128
@@ -38,24 +50,29 @@ def _contiguous(x):
     return cupy.ascontiguousarray(x)
 
 
-@REGISTRY.register("attention_backward", "v1", config=BackwardConfig, check=check_backward_v1,
-                   default_rank=RANKS["attention_backward", "v1"],
-                   summary="FlashAttention-2's backward on CUDA cores: K/V tile per block, dK/dV in registers, "
-                           "P recomputed from LSE, dQ by atomic adds or deterministic per-tile partials")
-def attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config=None):
-    """(dq, dk, dv) of q's kind and dtype; dK, dV summed over each GQA group."""
+def _run(version, do, q, k, v, o, lse, causal, scale, window, config):
+    """The three launches of either version: rowsum, the main loop of ``version``, finish."""
     info = cv.check_qkv(q, k, v)
     dtype, d = info["dtype"], info["head_dim"]
     B, Hq, Nq, Hkv, Nk = info["batch"], info["heads_q"], info["seqlen_q"], info["heads_kv"], info["seqlen_k"]
-    cfg = (config or BackwardConfig()).resolve(d, dtype)
+    cfg = (config or BackwardConfig()).replace(version=version)
+    smem = 0
+    if version == "v2":
+        cfg = cfg.resolve(d, dtype, device_info()["smem_optin"])
+        smem = BackwardConfig.smem_bytes(cfg.block_q, cfg.block_k, d, dtype, "v2")
+    else:
+        cfg = cfg.resolve(d, dtype)
     defines = cfg.defines(d, dtype)
+    # bwd_rowsum and bwd_finish are bwd_v1.cu's, compiled with v1's defines
+    row_defines = BackwardConfig("v1", deterministic=cfg.deterministic).defines(d, dtype) \
+        if version == "v2" else defines
     scale = cv.resolve_scale(scale, d)
     left, right = cv.effective_window(bool(causal), window)
     acc = cv.accum_dtype(dtype)
     call = Call(q)
     for name, x in (("do", do), ("k", k), ("v", v), ("o", o), ("lse", lse)):
         call.check(x, name)
-    tiles = -(-Nk // cfg.block_k)
+    tiles = -(-Nk // cfg.block_k)                              # Tc
     with on_stream(call.stream_ptr()):
         qd, kd, vd, dod, od = (unit_rows(call.to_device(x, n)) for x, n in
                                ((q, "q"), (k, "k"), (v, "v"), (do, "do"), (o, "o")))
@@ -67,7 +84,7 @@ def attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config=Non
         _zero(dq_acc)
         rows = B * Hq * Nq
         if rows and d:
-            f = function("bwd_v1", "bwd_rowsum", defines)
+            f = function("bwd_v1", "bwd_rowsum", row_defines)
             f((-(-rows // ROW_THREADS),), (ROW_THREADS,),
               (dod.arg, od.arg, device_array(dvec).arg, np.int32(rows), np.int32(Hq), np.int32(Nq),
                *map(np.int64, dod.strides[:3]), *map(np.int64, od.strides[:3])))
@@ -76,16 +93,38 @@ def attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config=Non
                 _zero(dk)
                 _zero(dv)
             else:
-                f = function("bwd_v1", "bwd_main", defines)
-                f((tiles, Hkv, B), (cfg.block_k * cfg.lanes_per_key,),
-                  (qd.arg, kd.arg, vd.arg, dod.arg, lsed.arg, device_array(dvec).arg, device_array(dk).arg,
-                   device_array(dv).arg, device_array(dq_acc).arg, np.int32(Nq), np.int32(Nk), np.int32(Hq),
-                   np.int32(Hkv), *map(np.int64, qd.strides[:3]), *map(np.int64, kd.strides[:3]),
-                   *map(np.int64, vd.strides[:3]), *map(np.int64, dod.strides[:3]), acc.type(scale),
-                   np.int32(left), np.int32(right)))
+                args = (qd.arg, kd.arg, vd.arg, dod.arg, lsed.arg, device_array(dvec).arg, device_array(dk).arg,
+                        device_array(dv).arg, device_array(dq_acc).arg, np.int32(Nq), np.int32(Nk), np.int32(Hq),
+                        np.int32(Hkv), *map(np.int64, qd.strides[:3]), *map(np.int64, kd.strides[:3]),
+                        *map(np.int64, vd.strides[:3]), *map(np.int64, dod.strides[:3]), acc.type(scale),
+                        np.int32(left), np.int32(right))
+                if version == "v2":
+                    f = function("bwd_v2", "bwd_v2_main", defines, smem)
+                    f((tiles, Hkv, B), (32 * cfg.num_warps,), args, shared_mem=smem)
+                else:
+                    f = function("bwd_v1", "bwd_main", defines)
+                    f((tiles, Hkv, B), (cfg.block_k * cfg.lanes_per_key,), args)
         if rows and d:
             n = rows * d
-            f = function("bwd_v1", "bwd_finish", defines)
+            f = function("bwd_v1", "bwd_finish", row_defines)
             f((-(-n // ROW_THREADS),), (ROW_THREADS,), (device_array(dq_acc).arg, device_array(dq).arg,
                                                         np.int64(n), np.int32(tiles)))
     return call.finish(dq, dtype), call.finish(dk, dtype), call.finish(dv, dtype)
+
+
+@REGISTRY.register("attention_backward", "v1", config=BackwardConfig, check=check_backward_v1,
+                   default_rank=RANKS["attention_backward", "v1"],
+                   summary="FlashAttention-2's backward on CUDA cores: K/V tile per block, dK/dV in registers, "
+                           "P recomputed from LSE, dQ by atomic adds or deterministic per-tile partials")
+def attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config=None):
+    """(dq, dk, dv) of q's kind and dtype; dK, dV summed over each GQA group."""
+    return _run("v1", do, q, k, v, o, lse, causal, scale, window, config)
+
+
+@REGISTRY.register("attention_backward", "v2", config=BackwardConfig, check=check_backward_v2,
+                   default_rank=RANKS["attention_backward", "v2"],
+                   summary="FlashAttention-2's backward on the tensor cores (mma.sync, ldmatrix): a warp owns 16 keys, "
+                           "P^T/dS^T feed dV/dK from registers, dS^T through SRAM for dQ, Q/dO tiles by cp.async")
+def attention_backward_v2(do, q, k, v, o, lse, *, causal, scale, window, config=None):
+    """(dq, dk, dv) of q's kind and dtype (float16/bfloat16); dK, dV summed over each GQA group."""
+    return _run("v2", do, q, k, v, o, lse, causal, scale, window, config)

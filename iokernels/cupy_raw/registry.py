@@ -151,7 +151,8 @@ RANKS = {
     # decode v4 (tensor cores) where its check passes, else v3
     ("decode", "v4"): 40, ("decode", "v3"): 30, ("decode", "v1"): 10, ("decode", "v2"): 0,
     ("paged_gather", "v1"): 10,
-    ("attention_backward", "v1"): 10,
+    # the tensor-core backward first where it runs (16-bit, d <= 128, sm_80+), v1 elsewhere
+    ("attention_backward", "v2"): 20, ("attention_backward", "v1"): 10,
 }
 
 
@@ -163,3 +164,19 @@ def check_backward_v1(n: Need) -> str | None:
     except ValueError as e:
         return str(e)
     return _bf16_cc(n)
+
+
+def check_backward_v2(n: Need) -> str | None:
+    if n.dtype not in ("float16", "bfloat16"):
+        return f"the tensor-core backward for float16/bfloat16, got {n.dtype}"
+    if n.head_dim > C.BWD_V2_MAX_HEAD_DIM:
+        return f"keeps dK_j, dV_j in registers up to head_dim {C.BWD_V2_MAX_HEAD_DIM}, got {n.head_dim}"
+    if n.cc is not None and n.cc < CC_AMPERE:
+        return (f"needs compute capability 8.0 or newer (mma.sync m16n8k16 and cp.async double "
+                f"buffering); this GPU is {n.cc / 10:.1f}")
+    smem = n.extra.get("smem")
+    least = C.BackwardConfig("v2").v2_min_smem(n.head_dim, n.dtype)
+    if smem is not None and least > smem:
+        return (f"needs at least {least:,} B of shared memory a block at head_dim={n.head_dim} ({n.dtype}), "
+                f"its smallest tiles; this GPU allows {smem:,} B")
+    return None

@@ -36,7 +36,9 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32}),
             ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32}),
-            ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32})}
+            ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32}),
+            # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
+            ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16})}
 #: calls a version makes twice in a row (v3's and v4's counters must be back at 0 after a call)
 TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4")}
 
@@ -217,14 +219,17 @@ RUNNERS = {"attention": _forward, "decode": _decode, "paged_decode": _paged_deco
            "attention_backward": _backward, "mla_decode": _mla}
 
 
-def sanitize_cases(seed: int = 0, verbose: bool = True) -> list:
+def sanitize_cases(seed: int = 0, verbose: bool = True, kernels=None) -> list:
     """Run every (op, version) of :data:`REGISTRY` (and :data:`VARIANTS`) once per dtype it
     accepts here, each checked against the oracle; returns the names of the cases that ran.
+    ``kernels``: only these ("op:version" strings, e.g. "attention_backward:v2").
     A wrong result raises AssertionError."""
     from .launch import cupy
     rng = np.random.default_rng(seed)
     ran = []
     for kernel in REGISTRY:
+        if kernels is not None and f"{kernel.op}:{kernel.version}" not in kernels:
+            continue
         for kw in VARIANTS.get((kernel.op, kernel.version), ({},)):
             cfg = kernel.config_class(version=kernel.version, **kw)
             for dtype in DTYPES:

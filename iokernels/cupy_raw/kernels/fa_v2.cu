@@ -58,26 +58,7 @@
 #define NT_O (D_PAD / 8)                  // 8-column n-tiles of O
 #define KT_Q (D_PAD / 16)                 // 16-deep k-steps of Q K^T
 
-// ----------------------------------------------------------------------------- tile loads
-// rows [row0, row0 + ROWS) of a (seq, head_dim) matrix with row stride `ld` -> SRAM;
-// rows at or past `nrows`, and columns past HEAD_DIM, become zeros.
-template <int ROWS>
-__device__ __forceinline__ void load_tile(u16* dst, const elem_t* src, long long ld, int row0, int nrows) {
-#if VEC_IO
-    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += NTHREADS) {
-        int r = idx / CHUNKS, c = idx % CHUNKS;
-        bool ok = (row0 + r < nrows) && (c * 8 < HEAD_DIM);
-        const elem_t* g = ok ? src + (row0 + r) * ld + c * 8 : src;
-        cp_async16(dst + r * SROW + c * 8, g, ok);
-    }
-#else
-    // a row is not a whole number of 16-byte chunks: element by element, synchronous
-    for (int idx = threadIdx.x; idx < ROWS * D_PAD; idx += NTHREADS) {
-        int r = idx / D_PAD, c = idx % D_PAD;
-        dst[r * SROW + c] = (row0 + r < nrows && c < HEAD_DIM) ? src[(row0 + r) * ld + c] : (u16)0;
-    }
-#endif
-}
+#include "mma_common.cuh"
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 fa_v2(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* __restrict__ V,
