@@ -221,9 +221,10 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
     assert _one(launches, "paged_decode None float16 128", "decode_split_v4")
     bwd = _one(launches, "attention_backward v2 bfloat16 128 deterministic=False", "bwd_v2_main")
-    assert (_defines(bwd)["NUM_WARPS"], _defines(bwd)["BLOCK_Q"]) == ("8", "32")     # Bc = 128, Br = 32
+    assert (_defines(bwd)["NUM_WARPS"], _defines(bwd)["BLOCK_Q"]) == ("8", "64")     # Bc = 128, Br = 64
     assert bwd["block"] == [256] and bwd["grid"] == [1, 2, 2]                  # Tc = ceil(77 / 128)
-    assert bwd["smem"] == 2 * (2 * 128 * 136 + 4 * 32 * 136 + 128 * 40) + 16 * 32
+    # K, V; Q_i, dO_i double-buffered; dS^T (Bc x (Br + 8)); LSE_i, D_i double-buffered (float32)
+    assert bwd["smem"] == 2 * (2 * 128 * 136 + 4 * 64 * 136 + 128 * 72) + 16 * 64
     assert _defines(_one(launches, "attention_backward v2 float16 59 deterministic=True",
                          "bwd_v2_main"))["BLOCK_Q"] == "64"                           # D_PAD 64: Br 64
     assert "attention_backward v2 float32 128 deterministic=False" not in launches   # 16-bit only

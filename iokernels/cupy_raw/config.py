@@ -510,10 +510,12 @@ BWD_V2_MAX_HEAD_DIM = 128
 BWD_V2_WARP_CHOICES = (8, 4)
 #: bwd_v2's Br: multiples of the 16 queries of one mma k-step
 BWD_V2_BLOCK_Q_CHOICES = (16, 32, 64, 128)
-#: bwd_v2: the accumulator floats a lane (dK_j + dV_j: D_PAD, S^T + dP^T: Br) that leave
-#: room for the fragments and addresses in 255 registers without spills; the default Br
-#: (BWD_V2_BLOCK_Q) is 64 while D_PAD + 64 stays within it (d <= 96), else 32
-BWD_V2_ACC_FLOATS = 160
+#: bwd_v2: the accumulator floats a lane (dK_j + dV_j: D_PAD, S^T + dP^T: Br) the default
+#: allows; the default Br (BWD_V2_BLOCK_Q) is 64 while D_PAD + 64 stays within it (d <= 128),
+#: else 32.  At d = 128, Br = 64 ptxas spills a few bytes of 255 registers, and it still beats
+#: Br = 32: half the Q-tile steps, so half the barriers, LSE/D loads and loop overhead per key
+#: (the backward sweep rows of scripts/bwd_dev.py time both)
+BWD_V2_ACC_FLOATS = 192
 BWD_V2_BLOCK_Q = (64, 32)
 
 
