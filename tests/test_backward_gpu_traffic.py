@@ -100,3 +100,50 @@ def test_causal_skipping_against_the_tile_plan():
     assert k["main"].by_tensor["Q"][0] == 8 * R * 128 * 2
     assert R == (N // Bc) * (N // Bc + 1) // 2 * Br                        # about half of Tc x N
     assert full["main"].by_tensor["Q"][0] == 8 * (N // Bc) * N * 128 * 2
+
+
+# --------------------------------------------------------------------------- the GPU tests' helpers
+def test_grid_inputs_are_exact_in_every_dtype(rng):
+    xs = testing.make_grid_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=53, head_dim=59)
+    assert [x.shape for x in xs] == [(2, 4, 37, 59), (2, 2, 53, 59), (2, 2, 53, 59), (2, 4, 37, 59)]
+    for x in xs:
+        assert np.all(x != 0) and x.dtype == np.float64
+        for name in ("float16", "bfloat16", "float32"):
+            assert np.array_equal(x.astype(testing.numpy_dtype(name)).astype(np.float64), x), name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_oracle_by_head_equals_the_whole_oracle(rng, causal):
+    from iokernels.core import reference
+    q, k, v, do = testing.make_grid_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=29, seqlen_k=41,
+                                           head_dim=11)
+    got = testing.oracle_by_head(do, q, k, v, causal=causal)
+    want = reference.attention(q, k, v, causal=causal) + reference.attention_backward(do, q, k, v, causal=causal)
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert np.max(np.abs(a - b)) < 1e-12, name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_naive_backward_is_the_numpy_naive_backward(rng, causal):
+    """The GPU tests' baseline, torch_sdpa.naive_backward (here on the CPU), gives the NumPy naive
+    backward's numbers from the same O and LSE: bit for bit in 16 bits, to float32's summation
+    order in float32, to 1e-12 in float64; fully masked rows (N_q > N_k, causal) give 0."""
+    torch = pytest.importorskip("torch")
+    from iokernels.core import reference
+    from iokernels.torch_sdpa import naive_backward
+    Nq, Nk = (37, 23) if causal else (19, 31)
+    q, k, v, do = testing.make_grid_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=Nq, seqlen_k=Nk,
+                                           head_dim=12)
+    o64, lse64 = reference.attention(q, k, v, causal=causal)
+    for dtype, tol in (("float16", 0.0), ("bfloat16", 0.0), ("float32", 1e-6), ("float64", 1e-12)):
+        nd = testing.numpy_dtype(dtype)
+        args = [x.astype(nd) for x in (do, q, k, v, o64)] + [lse64.astype(np.float64 if dtype == "float64" else np.float32)]
+        want = ik.attention_backward(*args, causal=causal, backend="naive")
+        tt = [torch.from_numpy(np.asarray(x, np.float32)).to(getattr(torch, dtype)) if dtype != "float64"
+              else torch.from_numpy(x) for x in args[:5]] + [torch.from_numpy(args[5])]
+        got = naive_backward(*tt, causal=causal)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert str(a.dtype) == f"torch.{dtype}" and torch.isfinite(a).all(), (dtype, name)
+            assert np.max(np.abs(testing.as_numpy(a) - testing.as_numpy(b))) <= tol, (dtype, name)
+        if causal:
+            assert np.all(testing.as_numpy(got[0])[:, :, :Nq - Nk] == 0)
