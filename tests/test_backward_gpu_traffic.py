@@ -147,3 +147,20 @@ def test_torch_naive_backward_is_the_numpy_naive_backward(rng, causal):
             assert np.max(np.abs(testing.as_numpy(a) - testing.as_numpy(b))) <= tol, (dtype, name)
         if causal:
             assert np.all(testing.as_numpy(got[0])[:, :, :Nq - Nk] == 0)
+
+
+def test_recorded_backward_traffic_table():
+    """The notebook's view of a record: per kernel, measured next to the model; nothing when absent."""
+    from iokernels.core import recorded
+    assert recorded.backward_traffic_table({"traffic": {"cases": []}}) == ""
+    case = dict(case="cupy backward v1", size="large", measured_read=3.0e6, measured_written=1.0e6,
+                model_read=4.0e6, model_written=2.0e6,
+                model_by_kernel={"zero": [0, 1e6], "rowsum": [1e6, 0], "main": [2e6, 0], "finish": [1e6, 1e6]},
+                measured_by_kernel={"zero": [0, 0.5e6, 1], "rowsum": [1e6, 0, 1], "main": [1e6, 0, 1],
+                                    "finish": [1e6, 0.5e6, 1], "other": [0, 0, 1]})
+    text = recorded.backward_traffic_table({"traffic": {"cases": [case, dict(case="cupy attention", size="small",
+                                                                             measured_read=1, measured_written=1)]}})
+    lines = text.splitlines()
+    assert len(lines) == 1 + 5 + 1 and "cupy attention" not in text
+    assert lines[3].split()[-1] == "0.50" and lines[5].split()[-1] == "-"     # main 1/2; other: no model
+    assert lines[-1].split()[-1] == "0.67"
