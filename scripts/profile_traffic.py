@@ -484,14 +484,12 @@ def table(rec) -> str:
                          f"{(r.get('model_read') or 0) / 1e6:>10.2f}{r['measured_written'] / 1e6:>10.2f}"
                          f"{(r.get('model_written') or 0) / 1e6:>10.2f}{r.get('measured_over_model') or 0:>11.3f}"
                          f"{r['measured_over_mandatory']:>10.3f}  ok ({len(r['kernels'])} kernels)")
-            model = r.get("model_by_kernel") or {}
-            for part, (rd, wr, n) in (r.get("measured_by_kernel") or {}).items():
-                mr, mw = model.get(part, (0, 0))
-                ratio = (rd + wr) / (mr + mw) if mr + mw else 0.0
-                lines.append(f"{'  - ' + part:<22}{'':<17}{rd / 1e6:>10.2f}{mr / 1e6:>10.2f}{wr / 1e6:>10.2f}"
-                             f"{mw / 1e6:>10.2f}{ratio:>11.3f}{'':>10}  {n} kernel{'s' if n != 1 else ''}")
         else:
             lines.append(f"{r['case']:<22}{r['size']:<17}{'':>62}  {r.get('status')}")
+    from iokernels.core.recorded import backward_traffic_table
+    per_kernel = backward_traffic_table({"traffic": rec})
+    if per_kernel:
+        lines += ["", "the backward, kernel by kernel (measured DRAM bytes next to the model):", per_kernel]
     return "\n".join(lines)
 
 
