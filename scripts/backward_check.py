@@ -63,8 +63,7 @@ def check_case(family, kern, det, dtype, causal=True) -> list:
     bases = naive_backward(*dev, torch.from_numpy(args[5]).cuda(), causal=causal)
     cfg = kern.config_class(version=kern.version, deterministic=det)
     got = ik.attention_backward(*args, causal=causal, backend=family, config=cfg)
-    return [testing.check(g, r, testing.as_numpy(b), dtype=dtype, name=n, factor=2.0)
-            for n, g, r, b in zip(("dq", "dk", "dv"), got, refs, bases)]
+    return testing.check_gradients(got, refs, [testing.as_numpy(b) for b in bases], dtype=dtype, factor=2.0)
 
 
 def time_case(family, kern, det, shape, causal, reps=5):

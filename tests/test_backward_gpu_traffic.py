@@ -164,3 +164,15 @@ def test_recorded_backward_traffic_table():
     assert len(lines) == 1 + 5 + 1 and "cupy attention" not in text
     assert lines[3].split()[-1] == "0.50" and lines[5].split()[-1] == "-"     # main 1/2; other: no model
     assert lines[-1].split()[-1] == "0.67"
+
+
+def test_check_gradients_and_the_report(rng):
+    """Three named checks at once; the report lists the failed ones first, then all."""
+    ref = [rng.standard_normal((2, 3)) for _ in range(3)]
+    base = [r + 1e-3 for r in ref]
+    got = [ref[0] + 1e-3, ref[1] + 5e-3, ref[2]]                  # dk is 5x the baseline's error
+    checks = testing.check_gradients(got, ref, base, dtype="float16", factor=2.0, label="v9 atomic")
+    assert [c.name for c in checks] == ["v9 atomic dq", "v9 atomic dk", "v9 atomic dv"]
+    assert [c.ok for c in checks] == [True, False, True]
+    text = testing.report(checks)
+    assert text.startswith("1 of 3 checks failed:\nv9 atomic dk") and text.count("v9 atomic dq") == 1

@@ -30,8 +30,8 @@ from iokernels import conventions as cv
 from iokernels import cupy_raw, gpu, reference
 from iokernels.core.arrays import device_array
 from iokernels.core.registry import Need
-from iokernels.core.testing import (as_numpy, check, make_grid_inputs, make_inputs, numpy_dtype,
-                                    oracle_by_head)
+from iokernels.core.testing import (as_numpy, check, check_gradients, make_grid_inputs, make_inputs,
+                                    numpy_dtype, oracle_by_head, report)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")]
 
@@ -557,10 +557,6 @@ def _naive_grads(do, q, k, v, o, lse, causal, dtype):
     return [as_numpy(g) for g in naive_backward(*args, causal=causal)]
 
 
-def _grad_report(lines, failed):
-    return f"{len(failed)} of {len(lines)} checks failed:\n" + "\n".join(failed) + "\nall checks:\n" + "\n".join(lines)
-
-
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("N,causal", [(1, False), (127, True), (1024, False), (1024, True), (4096, False),
                                       (4096, True)])
@@ -575,7 +571,7 @@ def test_backward_by_the_gradient_rule(rng, d, N, causal):
     B, Hq, Hkv, Nq, Nk = _grad_shape(N)
     q, k, v, do = make_grid_inputs(rng, B, Hq, Hkv, Nq, Nk, d)
     o64, lse64, *refs = oracle_by_head(do, q, k, v, causal=causal)
-    lines, failed = [], []
+    checks, refused = [], []
     for dtype in GRAD_DTYPES:
         if dtype == "bfloat16" and _cc() < 80:
             continue
@@ -591,14 +587,10 @@ def test_backward_by_the_gradient_rule(rng, d, N, causal):
                     got = ik.attention_backward(dod, qd, kd, vd, od, lse, causal=causal, backend="cupy", config=cfg)
                 except ValueError as e:                  # a version that refuses this dtype says why
                     assert "config" in str(e), f"{where}: refused without naming config: {e}"
-                    lines.append(f"{where}: refused: {e}")
+                    refused.append(f"{where}: refused: {e}")
                     continue
-                for name, g, r, b in zip(("dq", "dk", "dv"), got, refs, bases):
-                    c = check(g, r, b, dtype=dtype, name=name, factor=GRAD_FACTOR)
-                    lines.append(f"{where} {c}")
-                    if not c:
-                        failed.append(lines[-1])
-    assert not failed, _grad_report(lines, failed)
+                checks += check_gradients(got, refs, bases, dtype=dtype, factor=GRAD_FACTOR, label=where)
+    assert all(checks), report(checks) + "\n" + "\n".join(refused)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -620,13 +612,9 @@ def test_autograd_backward_against_sdpa_autograd(rng, dtype, causal):
     sq, sk, sv = (_to_torch(x, dtype).requires_grad_() for x in (q, k, v))
     sdpa_out = torch.nn.functional.scaled_dot_product_attention(sq, sk, sv, is_causal=causal, enable_gqa=True)
     theirs = torch.autograd.grad(sdpa_out, (sq, sk, sv), grad_outputs=tdo)
-    lines, failed = [], []
-    for name, g, r, b in zip(("dq", "dk", "dv"), mine, refs, theirs):
-        c = check(g, r, b, dtype=dtype, name=name, factor=GRAD_FACTOR)
-        lines.append(f"{dtype} causal={causal} ik.autograd (cupy) vs SDPA autograd: {c}")
-        if not c:
-            failed.append(lines[-1])
-    assert not failed, _grad_report(lines, failed)
+    checks = check_gradients(mine, refs, theirs, dtype=dtype, factor=GRAD_FACTOR,
+                             label=f"{dtype} causal={causal} ik.autograd (cupy) vs SDPA autograd:")
+    assert all(checks), report(checks)
 
 
 def test_backward_holds_no_n_by_n_buffer():

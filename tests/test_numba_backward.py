@@ -123,13 +123,10 @@ def test_float32_on_a_gpu_by_the_gradient_rule(rng, d, N, causal):
     q32, k32, v32, do32, o32 = (x.astype(np.float32) for x in (q, k, v, do, o64))
     lse32 = lse64.astype(np.float32)
     bases = naive_backward(*(torch.from_numpy(x).cuda() for x in (do32, q32, k32, v32, o32, lse32)), causal=causal)
-    lines, failed = [], []
+    checks = []
     for det in (False, True):
         got = ik.attention_backward(do32, q32, k32, v32, o32, lse32, causal=causal,
                                     backend="numba", config=nb.BackwardConfig(deterministic=det))
-        for name, g, r, b in zip(("dq", "dk", "dv"), got, refs, bases):
-            c = testing.check(g, r, b, dtype="float32", name=name, factor=GRAD_FACTOR)
-            lines.append(f"numba v1 {'deterministic' if det else 'atomic'} {c}")
-            if not c:
-                failed.append(lines[-1])
-    assert not failed, f"{len(failed)} of {len(lines)} failed:\n" + "\n".join(failed) + "\nall:\n" + "\n".join(lines)
+        checks += testing.check_gradients(got, refs, bases, dtype="float32", factor=GRAD_FACTOR,
+                                          label=f"numba v1 {'deterministic' if det else 'atomic'}")
+    assert all(checks), testing.report(checks)

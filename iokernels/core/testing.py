@@ -193,6 +193,19 @@ def check(out, ref64, baseline=None, *, dtype=None, name="out", factor=FORWARD_F
     return Check(name, err, bound, base_err, ok, ("; " + "; ".join(problems)) if problems else "")
 
 
+
+def check_gradients(got, refs64, baselines, *, factor, dtype=None, label="") -> list:
+    """:func:`check` of (dQ, dK, dV) at once: three Checks named "<label> dq" and so on."""
+    return [check(g, r, b, dtype=dtype, name=f"{label} {n}".strip(), factor=factor)
+            for n, g, r, b in zip(("dq", "dk", "dv"), got, refs64, baselines)]
+
+
+def report(checks) -> str:
+    """The failed checks first, then every check: an assertion message that tells the whole story."""
+    failed = [str(c) for c in checks if not c]
+    return (f"{len(failed)} of {len(checks)} checks failed:\n" + "\n".join(failed)
+            + "\nall checks:\n" + "\n".join(map(str, checks)))
+
 def assert_close(out, ref64, baseline=None, **kw) -> Check:
     """:func:`check`, raising AssertionError with the whole story when it fails."""
     c = check(out, ref64, baseline, **kw)
