@@ -59,6 +59,14 @@ v2 :func:`attention_backward_tiled` -- FlashAttention-2's backward: D first, the
    ~1.5e-15 against the analytic gradients; float32 and float16 errors 0.4-1.1x v1's
    in the same precision (the rule allows 3x).  See notebooks/04_backward.
 
+The GPU kernels' bytes
+----------------------
+
+The CUDA kernels (Numba and CuPy) run v2's loops with the GPU's own tiles, as three kernels
+after a fill that zeroes dQaccum; :func:`traffic_model_gpu_kernels` gives each kernel's
+bytes as written (``traffic.model("gpu_backward", ...)`` their sum), and
+``scripts/profile_traffic.py`` holds them against the DRAM bytes Nsight Compute measures.
+
 Why dQ is accumulated in HBM, and why that makes dQ nondeterministic on a GPU
 -----------------------------------------------------------------------------
 
@@ -504,9 +512,12 @@ def traffic_model_gpu_kernels(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, h
     LSE, D and dQaccum take the accumulator dtype's bytes, the rest the input dtype's.
     Without a band that leaves some K/V tile unseen, the atomic mode's total equals
     :func:`traffic_model_tiled` at the same Br, Bc, tensor by tensor.  Not counted: the
-    CuPy kernel loads K_j twice in a block (once to SRAM for dQ, once to registers), the
-    second time from the cache.
+    CuPy kernel loads K_j twice in a block (once to SRAM for dQ, once to registers); the
+    second load asks for a tile the block has just read, which the cache should hold.
     """
+    for arg, val in (("block_q", block_q), ("block_k", block_k)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{arg}: a positive integer (the GPU config's resolved tile size), got {val!r}")
     name = _dtype_name(dtype)
     st = cv.itemsize_of(name)
     acc = cv.accum_dtype(name).itemsize

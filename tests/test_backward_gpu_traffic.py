@@ -176,3 +176,12 @@ def test_check_gradients_and_the_report(rng):
     assert [c.ok for c in checks] == [True, False, True]
     text = testing.report(checks)
     assert text.startswith("1 of 3 checks failed:\nv9 atomic dk") and text.count("v9 atomic dq") == 1
+
+
+@pytest.mark.parametrize("bad", [dict(block_q=0), dict(block_k=-4), dict(block_q=2.5), dict(block_k=True)])
+def test_bad_tiles_raise_naming_the_argument(bad):
+    kw = dict(batch=1, heads_q=1, heads_kv=1, seqlen_q=8, seqlen_k=8, head_dim=4, dtype="float32",
+              block_q=4, block_k=4)
+    kw.update(bad)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        bw.traffic_model_gpu_kernels(**kw)
