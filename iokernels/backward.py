@@ -59,6 +59,14 @@ v2 :func:`attention_backward_tiled` -- FlashAttention-2's backward: D first, the
    ~1.5e-15 against the analytic gradients; float32 and float16 errors 0.4-1.1x v1's
    in the same precision (the rule allows 3x).  See notebooks/04_backward.
 
+The GPU kernels' bytes
+----------------------
+
+The CUDA kernels (Numba and CuPy) run v2's loops with the GPU's own tiles, as three kernels
+after a fill that zeroes dQaccum; :func:`traffic_model_gpu_kernels` gives each kernel's
+bytes as written (``traffic.model("gpu_backward", ...)`` their sum), and
+``scripts/profile_traffic.py`` holds them against the DRAM bytes Nsight Compute measures.
+
 Why dQ is accumulated in HBM, and why that makes dQ nondeterministic on a GPU
 -----------------------------------------------------------------------------
 
@@ -114,7 +122,8 @@ from .core.config import DEFAULT_SRAM_BYTES, TileConfig
 from .core.traffic import HBM, Traffic
 
 __all__ = ["attention_backward_naive", "attention_backward_tiled", "traffic_model_naive",
-           "traffic_model_tiled", "backward_sram_usage", "check_backward_fits",
+           "traffic_model_tiled", "traffic_model_gpu", "traffic_model_gpu_kernels",
+           "GPU_BACKWARD_KERNELS", "backward_sram_usage", "check_backward_fits",
            "default_backward_config", "resolve_backward_config", "tile_plan", "recompute_flops",
            "memory_footprint", "traffic_vs_seqlen", "counted_traffic_vs_seqlen",
            "finite_difference_grads", "gradient_checks"]
@@ -448,6 +457,107 @@ def traffic_model_tiled(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_di
     t.add("dK", written=kv_heads * Nk * d * st)
     t.add("dV", written=kv_heads * Nk * d * st)
     return t
+
+
+# --------------------------------------------------------------------------- the GPU kernels' bytes
+#: the kernels of the GPU backward (CuPy bwd_v1.cu, Numba), in launch order; each name is a
+#: word of the kernel's own name, so a profiler's kernel list can be matched to it
+GPU_BACKWARD_KERNELS = ("zero", "rowsum", "main", "finish")
+
+
+def _gpu_q_rows_per_kv_tile(seqlen_q, seqlen_k, block_q, block_k, causal, window) -> int:
+    """Query rows the GPU main kernel loads per K/V tile, summed over the Tc tiles.
+
+    The kernels bound the rows that can see a K/V tile by the band's diagonals
+    (i_lo from the right edge, i_hi from the left edge) and visit the Q tiles from the
+    one holding i_lo up to i_hi, Br rows at a time (fewer in the last tile).
+    """
+    left, right = cv.effective_window(bool(causal), window)
+    Nq, Nk, Br, Bc = seqlen_q, seqlen_k, block_q, block_k
+    total = 0
+    for j0 in range(0, Nk, Bc):                          # one thread block per K/V tile j
+        nk_tile = min(Bc, Nk - j0)
+        i_lo = max(0, j0 - right - (Nk - Nq)) if right >= 0 else 0
+        i_hi = min(Nq, j0 + nk_tile - 1 + left - (Nk - Nq) + 1) if left >= 0 else Nq
+        for i0 in range((i_lo // Br) * Br, i_hi, Br):    # the Q tiles i it visits
+            total += min(Br, Nq - i0)
+    return total
+
+
+def traffic_model_gpu_kernels(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype,
+                              block_q, block_k, deterministic=False, causal=False,
+                              window=None) -> dict:
+    """HBM bytes of each kernel of the GPU backward, as the kernels are written: {kernel: Traffic}.
+
+    The GPU kernels (``cupy_raw/kernels/bwd_v1.cu`` and ``numba_cuda/backward.py``) follow
+    :func:`attention_backward_tiled` with the GPU's tiles Br = ``block_q``, Bc = ``block_k``
+    (their configs' resolved sizes).  With R = the query rows the main kernel loads, summed
+    over its Tc K/V tiles (each tile visits the Q tiles from the first row that can see it;
+    R = Tc * N_q without a mask), per (b, query head):
+
+    =========  ==========================================================================
+    zero       write dQaccum = 0: N_q*d accumulator values (atomic mode), Tc*N_q*d
+               (deterministic mode: one slot per K/V tile, the skipped tiles' slots read
+               as 0 later)
+    rowsum     read dO, O (N_q*d each); write D (N_q)
+    main       per (b, KV head): read K_j, V_j once per thread block (N_k*d each in all),
+               write dK, dV once (N_k*d each); per query head: read Q_i, dO_i (R*d each),
+               LSE_i, D_i (R each); dQ: atomic adds, read + write R*d of dQaccum (a
+               read-modify-write; it happens in the L2 cache, and how much of it reaches
+               DRAM is what a profiler measures), or deterministic, write R*d into the
+               K/V tile's slot
+    finish     read dQaccum (N_q*d, or Tc*N_q*d: every slot), write dQ (N_q*d)
+    =========  ==========================================================================
+
+    LSE, D and dQaccum take the accumulator dtype's bytes, the rest the input dtype's.
+    Without a band that leaves some K/V tile unseen, the atomic mode's total equals
+    :func:`traffic_model_tiled` at the same Br, Bc, tensor by tensor.  Not counted: the
+    CuPy kernel loads K_j twice in a block (once to SRAM for dQ, once to registers); the
+    second load asks for a tile the block has just read, which the cache should hold.
+    """
+    for arg, val in (("block_q", block_q), ("block_k", block_k)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{arg}: a positive integer (the GPU config's resolved tile size), got {val!r}")
+    name = _dtype_name(dtype)
+    st = cv.itemsize_of(name)
+    acc = cv.accum_dtype(name).itemsize
+    Nq, Nk, d = seqlen_q, seqlen_k, head_dim
+    Tc = math.ceil(Nk / block_k)
+    R = _gpu_q_rows_per_kv_tile(Nq, Nk, block_q, block_k, causal, window)
+    heads, kv_heads = batch * heads_q, batch * heads_kv
+    slots = Tc if deterministic else 1
+    zero = Traffic().add("dQaccum", written=slots * heads * Nq * d * acc)
+    rowsum = (Traffic().add("dO", read=heads * Nq * d * st).add("O", read=heads * Nq * d * st)
+              .add("D", written=heads * Nq * acc))
+    main = Traffic()
+    for t in ("K", "V"):
+        main.add(t, read=kv_heads * Nk * d * st)
+    for t in ("dK", "dV"):
+        main.add(t, written=kv_heads * Nk * d * st)
+    for t in ("Q", "dO"):
+        main.add(t, read=heads * R * d * st)
+    for t in ("LSE", "D"):
+        main.add(t, read=heads * R * acc)
+    main.add("dQaccum", read=0 if deterministic else heads * R * d * acc, written=heads * R * d * acc)
+    finish = Traffic().add("dQaccum", read=slots * heads * Nq * d * acc).add("dQ", written=heads * Nq * d * st)
+    return dict(zip(GPU_BACKWARD_KERNELS, (zero, rowsum, main, finish)))
+
+
+def traffic_model_gpu(*, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, dtype, block_q,
+                      block_k, deterministic=False, causal=False, window=None, config=None) -> Traffic:
+    """The GPU backward's bytes, all kernels together (:func:`traffic_model_gpu_kernels`).
+
+    ``config`` is accepted for the models' common signature; the tiles are ``block_q``,
+    ``block_k``, the GPU config's resolved sizes.
+    """
+    parts = traffic_model_gpu_kernels(batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=seqlen_q,
+                                      seqlen_k=seqlen_k, head_dim=head_dim, dtype=dtype, block_q=block_q,
+                                      block_k=block_k, deterministic=deterministic, causal=causal,
+                                      window=window)
+    total = Traffic()
+    for t in parts.values():
+        total.merge(t)
+    return total
 
 
 # --------------------------------------------------------------------------- for notebook 04

@@ -399,6 +399,53 @@ def naive_attention(q, k, v, *, causal=False, scale=None, window=(-1, -1)):
     return torch.matmul(p, v)                                       # read Nq*Nk + Nk*d; write Nq*d
 
 
+
+
+def naive_backward(do, q, k, v, o, lse, *, causal=False, scale=None, window=(-1, -1)):
+    """The naive backward (:func:`iokernels.backward.attention_backward_naive`) in torch, on any device.
+
+    The baseline of the gradient rule on a GPU: the same algorithm and the same roundings as
+    the NumPy version, from the same saved O and LSE.  P = exp(S - LSE), dP and dS are
+    materialized, N_q x N_k each, in q's dtype; products and sums run in float32 (float64
+    for float64 inputs) without TF32; dQ, dK, dV come back in q's dtype, dK and dV summed
+    over each GQA group one head at a time in q's dtype.  Rows whose LSE is -inf (fully
+    masked) get P = 0.
+    """
+    torch = _torch()
+    st = q.dtype
+    acc = torch.float64 if st == torch.float64 else torch.float32
+    Hq, Hkv = q.shape[1], k.shape[1]
+    Nq, Nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    scale = cv.default_scale(d) if scale is None else float(scale)
+    g = Hq // Hkv
+    q, k, v, do, o = (x.to(acc) for x in (q, k, v, do, o))
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    lse = lse.to(acc)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)[..., None]
+    vis = torch.from_numpy(cv.mask(Nq, Nk, causal, cv.resolve_window(window))).to(q.device)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        D = (do * o).sum(-1, keepdim=True)                                  # kernel 0
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale                   # kernel 1: P, rebuilt
+        p = torch.where(vis, torch.exp(s.masked_fill(~vis, -math.inf) - lse), 0.0).to(st).to(acc)
+        dv = torch.matmul(p.transpose(-1, -2), do)                          # kernel 2: dV = P^T dO
+        dp = torch.matmul(do, v.transpose(-1, -2)).to(st).to(acc)           # kernel 3: dP = dO V^T
+        ds = (p * (dp - D)).to(st).to(acc)                                  # kernel 4: dS
+        dq = torch.matmul(ds, k) * scale                                    # kernel 5: dQ = scale dS K
+        dk = torch.matmul(ds.transpose(-1, -2), q) * scale                  # kernel 6: dK = scale dS^T Q
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    B = q.shape[0]
+    sums = []
+    for x in (dk, dv):                   # GQA group sums, each head's share added in q's dtype
+        x = x.reshape(B, Hkv, g, Nk, d)
+        total = x[:, :, 0].to(st)
+        for h in range(1, g):
+            total = (total.to(acc) + x[:, :, h]).to(st)
+        sums.append(total)
+    return dq.to(st), sums[0], sums[1]
+
 def plot_causal_alignment(demo: dict, axes=None):
     """The two causal masks of :func:`causal_alignment_demo` side by side (rows: queries)."""
     import matplotlib.pyplot as plt

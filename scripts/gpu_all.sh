@@ -140,7 +140,7 @@ note "summary"
   echo
   echo "== pytest (last lines)"; grep -E "passed|failed|error|no tests ran" "$OUT/pytest.txt" | tail -4
   echo
-  echo "== traffic (measured DRAM bytes vs model)"; sed -n '/^case /,$p' "$LOGS/traffic.log" | head -40
+  echo "== traffic (measured DRAM bytes vs model)"; sed -n '/^case /,$p' "$LOGS/traffic.log" | head -100
   echo
   echo "== bench: silent fall-backs and suspect rows"
   grep -E "silent fall-back|SUSPECT" "$OUT/bench.txt" | head -20

@@ -3,12 +3,19 @@
     python3 scripts/profile_traffic.py all --out DIR      # runs ncu over "run", then "parse"
     python3 scripts/profile_traffic.py run --out DIR      # the process ncu profiles
     python3 scripts/profile_traffic.py parse --out DIR    # DIR/ncu_raw.csv + DIR/plan.json -> DIR/traffic.json
+    python3 scripts/profile_traffic.py plan [--only X]    # the cases, in order, with their model: no GPU
 
 What is measured: for each kernel family (torch naive attention, SDPA flash, the Numba and
-CuPy attention, decode, paged decode and paged gather kernels, and a plain device copy as
-a sanity check of the counters), the profiler's ``dram__bytes_read.sum`` and
-``dram__bytes_write.sum`` summed over every kernel the call launched, at a size whose
-working set fits in the H200's 60 MB L2 and at one several times larger.
+CuPy attention, decode, paged decode and paged gather kernels, every registered version of
+the CuPy and Numba backward in both dQ modes, and a plain device copy as a sanity check of
+the counters), the profiler's ``dram__bytes_read.sum`` and ``dram__bytes_write.sum`` summed
+over every kernel the call launched, at a size whose working set fits in the H200's 60 MB
+L2 and at one several times larger.  The backward's three kernels (and the fill that zeroes
+its dQ accumulator) are also compared one by one with the model's per-kernel bytes
+(``iokernels.backward.traffic_model_gpu_kernels``).
+
+Order: the first case of every family, then the second of every family, and so on, so that
+when the time box runs out every family has been measured at least once.
 
 How: ncu runs with ``--clock-control none`` (the card's clocks are left alone) and
 ``--cache-control none`` (ncu does not flush caches between kernels, so a multi-kernel call
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 import io
 import json
 import os
@@ -52,8 +60,49 @@ FLUSH_FACTOR = 3
 
 
 # --------------------------------------------------------------------------- the cases
+#: the backward cases of each registered version: (size label, B, H, N, causal, deterministic),
+#: in the order they are measured (bf16, d = 128; the first above the L2 size)
+BACKWARD_CUPY = (("large", 2, 16, 4096, False, False), ("large causal", 2, 16, 4096, True, False),
+                 ("large det", 1, 8, 4096, False, True), ("small", 1, 8, 2048, False, False),
+                 ("small det causal", 1, 8, 2048, True, True))
+#: the Numba backward runs on CUDA cores in float32: one small size (d = 64), both dQ modes
+BACKWARD_NUMBA = (("small", 1, 4, 1024, False, False), ("small det", 1, 4, 1024, False, True))
+
+
+def _registry(family):
+    return importlib.import_module(f"iokernels.{'cupy_raw' if family == 'cupy' else 'numba_cuda'}").REGISTRY
+
+
+def _backward_problems():
+    """One case list per registered backward version (CuPy, Numba), read off the registries,
+    so a version registered later is measured too."""
+    P = []
+    for fam, cases, dtype, d in (("cupy", BACKWARD_CUPY, "bfloat16", 128), ("numba", BACKWARD_NUMBA, "float32", 64)):
+        try:
+            versions = [kern.version for kern in _registry(fam).kernels("attention_backward")]
+        except Exception as e:                          # the backend cannot be imported here
+            versions = [f"? ({type(e).__name__})"]
+        for version in versions:
+            for size, B, H, N, causal, det in cases:
+                P.append((f"{fam} backward {version}", fam, size,
+                          dict(B=B, H=H, N=N, d=d, dtype=dtype, causal=causal, deterministic=det, version=version)))
+    return P
+
+
+def _in_order(P):
+    """The first case of every name, then every name's second case, ... (stable)."""
+    seen = {}
+    ranked = []
+    for i, case in enumerate(P):
+        rank = seen.get(case[0], 0)
+        seen[case[0]] = rank + 1
+        ranked.append((rank, i, case))
+    return [case for _, _, case in sorted(ranked, key=lambda x: x[:2])]
+
+
 def _problems():
-    """(name, family, size, builder kwargs) for every case; sizes small (fits L2) and large."""
+    """(name, family, size, builder kwargs) for every case, in measuring order; sizes small
+    (fits L2) and large."""
     P = []
     P += [("copy", "torch", "small", dict(nbytes=16 << 20)),
           ("copy", "torch", "large", dict(nbytes=512 << 20))]
@@ -74,7 +123,39 @@ def _problems():
               (f"{fam} paged decode", fam, "large", dict(B=2, Hq=32, Hkv=8, N=32768, d=128, dtype="float16"))]
         P += [(f"{fam} paged gather", fam, "small", dict(Hkv=8, N=4096, d=128, dtype="float16")),
               (f"{fam} paged gather", fam, "large", dict(Hkv=8, N=131072, d=128, dtype="float16"))]
-    return P
+    return _in_order(P + _backward_problems())
+
+
+def _backward_config(family, kw):
+    """The version's config with the case's dQ mode, and its resolved tiles (Br, Bc)."""
+    kern = _registry(family).get("attention_backward", kw["version"])
+    cfg = kern.config_class(version=kern.version, deterministic=kw["deterministic"])
+    resolve = getattr(cfg, "resolve", None) or getattr(cfg, "resolved")
+    tiles = resolve(kw["d"], kw["dtype"])
+    return cfg, tiles.block_q, tiles.block_k
+
+
+def _backward_model(family, kw):
+    """The GPU backward's model for a case: (total Traffic, {kernel: [read, written]}, Br, Bc)."""
+    from iokernels import backward
+    _, Br, Bc = _backward_config(family, kw)
+    problem = dict(batch=kw["B"], heads_q=kw["H"], heads_kv=kw["H"], seqlen_q=kw["N"], seqlen_k=kw["N"],
+                   head_dim=kw["d"], dtype=kw["dtype"], block_q=Br, block_k=Bc,
+                   deterministic=kw["deterministic"], causal=kw["causal"])
+    parts = backward.traffic_model_gpu_kernels(**problem)
+    return (backward.traffic_model_gpu(**problem), {k: [t.bytes_read, t.bytes_written] for k, t in parts.items()},
+            Br, Bc)
+
+
+def backward_kernel_part(kernel_name: str) -> str:
+    """Which part of the GPU backward's model a profiled kernel belongs to (by its name):
+    one of iokernels.backward.GPU_BACKWARD_KERNELS, or "other" (a copy, a conversion)."""
+    n = kernel_name.lower()
+    for part, words in (("rowsum", ("rowsum",)), ("finish", ("finish",)), ("zero", ("zero", "fill")),
+                        ("main", ("main",))):
+        if any(w in n for w in words):
+            return part
+    return "other"
 
 
 def _model(name, kw):
@@ -82,7 +163,10 @@ def _model(name, kw):
     from iokernels import traffic
     if name == "copy":
         return kw["nbytes"], kw["nbytes"], {"src": [kw["nbytes"], 0], "dst": [0, kw["nbytes"]]}, "copy"
-    if "paged gather" in name:
+    if " backward " in name:
+        t = _backward_model(name.split()[0], kw)[0]
+        kind = "gpu_backward"
+    elif "paged gather" in name:
         t = traffic.model("paged_gather", seq_len=kw["N"], heads_kv=kw["Hkv"], head_dim=kw["d"],
                           dtype=kw["dtype"])
         kind = "paged_gather"
@@ -107,6 +191,9 @@ def _mandatory(name, kw):
     it = {"float16": 2, "bfloat16": 2, "float32": 4}.get(kw.get("dtype"), 4)
     if name == "copy":
         return kw["nbytes"], kw["nbytes"]
+    if " backward " in name:                         # read Q, K, V, O, dO, LSE; write dQ, dK, dV
+        x = kw["B"] * kw["H"] * kw["N"] * kw["d"] * it
+        return 5 * x + kw["B"] * kw["H"] * kw["N"] * 4, 3 * x
     if "gather" in name:
         b = 2 * kw["N"] * kw["Hkv"] * kw["d"] * it
         return b, b
@@ -127,6 +214,13 @@ def _build(name, family, kw, gen):
         dst = torch.empty_like(src)
         return lambda: torch.mul(src, 1.0, out=dst)
     dt = getattr(torch, kw["dtype"])
+    if " backward " in name:
+        import iokernels as ik
+        cfg = _backward_config(family, kw)[0]
+        B, H, N, d, causal = kw["B"], kw["H"], kw["N"], kw["d"], kw["causal"]
+        q, k, v, do = (torch.randn((B, H, N, d), device="cuda", dtype=dt, generator=gen) for _ in range(4))
+        o, lse = ik.attention(q, k, v, causal=causal, backend="cupy", return_lse=True)   # not profiled
+        return lambda: ik.attention_backward(do, q, k, v, o, lse, causal=causal, backend=family, config=cfg)
     if "gather" in name or "decode" in name:
         from iokernels.bench.runners import _pool_fn, _resolve_backend, device_pages
         Hkv, N, d = kw["Hkv"], kw["N"], kw["d"]
@@ -177,6 +271,43 @@ extern "C" __global__ void ik_l2flush(const float4* buf, long long n, float* sin
 '''
 
 
+def _add_model(entry, name, family, kw):
+    """The model's bytes (total, per tensor and, for the backward, per kernel) into a plan entry."""
+    try:
+        entry["model_read"], entry["model_written"], entry["model_by_tensor"], entry["model_kind"] = \
+            _model(name, kw)
+        if " backward " in name:
+            _, entry["model_by_kernel"], entry["block_q"], entry["block_k"] = _backward_model(family, kw)
+    except Exception as e:
+        entry["model_error"] = f"{type(e).__name__}: {e}"
+    entry["mandatory_read"], entry["mandatory_written"] = _mandatory(name, kw)
+
+
+def plan(only=None) -> list:
+    """The cases in measuring order with their modelled bytes, without a GPU (a dry run)."""
+    entries = []
+    for name, family, size, kw in _problems():
+        if only and only not in name:
+            continue
+        entry = dict(index=len(entries), case=name, family=family, size=size, problem=kw)
+        _add_model(entry, name, family, kw)
+        entries.append(entry)
+    return entries
+
+
+def plan_table(entries) -> str:
+    lines = [f"{'#':>3} {'case':<22}{'size':<17}{'model read MB':>14}{'model write MB':>15}  problem"]
+    for e in entries:
+        if "model_read" in e:
+            mr, mw = f"{e['model_read'] / 1e6:>14.2f}", f"{e['model_written'] / 1e6:>15.2f}"
+        else:
+            mr, mw = f"{'?':>14}", f"{'?':>15}"
+        extra = f"  Br={e['block_q']} Bc={e['block_k']}" if "block_q" in e else ""
+        lines.append(f"{e['index']:>3} {e['case']:<22}{e['size']:<17}{mr}{mw}  {e['problem']}{extra}"
+                     + (f"  model: {e['model_error']}" if "model_error" in e else ""))
+    return "\n".join(lines)
+
+
 def run(out_dir, only=None, budget_s=None):
     import cupy as cp
     import torch
@@ -207,12 +338,7 @@ def run(out_dir, only=None, budget_s=None):
             entry["status"] = f"skipped: the profiled run's time box ({budget_s:.0f} s) ran out"
             plan.append(entry)
             continue
-        try:
-            entry["model_read"], entry["model_written"], entry["model_by_tensor"], entry["model_kind"] = \
-                _model(name, kw)
-        except Exception as e:
-            entry["model_error"] = f"{type(e).__name__}: {e}"
-        entry["mandatory_read"], entry["mandatory_written"] = _mandatory(name, kw)
+        _add_model(entry, name, family, kw)
         fn = None
         try:
             fn = _build(name, family, kw, gen)
@@ -322,6 +448,8 @@ def parse(out_dir):
                 r["write_over_model"] = round(wr / e["model_written"], 4) if e["model_written"] else None
             mand = e["mandatory_read"] + e["mandatory_written"]
             r["measured_over_mandatory"] = round((rd + wr) / mand, 4)
+            if "model_by_kernel" in e:
+                r["measured_by_kernel"] = _by_kernel(g)
         elif e.get("status") == "ok":
             r["status"] = "no kernels profiled (ncu not run, or the group was empty)"
         results.append(r)
@@ -336,17 +464,32 @@ def parse(out_dir):
     return rec
 
 
+def _by_kernel(group) -> dict:
+    """{part: [read, written, kernels launched]} of a backward case's profiled kernels."""
+    out = {}
+    for name, vals in group:
+        part = out.setdefault(backward_kernel_part(name), [0.0, 0.0, 0])
+        part[0] += vals.get("dram__bytes_read.sum", 0.0)
+        part[1] += vals.get("dram__bytes_write.sum", 0.0)
+        part[2] += 1
+    return out
+
+
 def table(rec) -> str:
-    lines = [f"{'case':<22}{'size':<7}{'read MB':>10}{'model':>10}{'write MB':>10}{'model':>10}"
+    lines = [f"{'case':<22}{'size':<17}{'read MB':>10}{'model':>10}{'write MB':>10}{'model':>10}"
              f"{'meas/model':>11}{'meas/min':>10}  status"]
     for r in rec["cases"]:
         if "measured_read" in r:
-            lines.append(f"{r['case']:<22}{r['size']:<7}{r['measured_read'] / 1e6:>10.2f}"
-                         f"{r.get('model_read', 0) / 1e6:>10.2f}{r['measured_written'] / 1e6:>10.2f}"
-                         f"{r.get('model_written', 0) / 1e6:>10.2f}{r.get('measured_over_model') or 0:>11.3f}"
+            lines.append(f"{r['case']:<22}{r['size']:<17}{r['measured_read'] / 1e6:>10.2f}"
+                         f"{(r.get('model_read') or 0) / 1e6:>10.2f}{r['measured_written'] / 1e6:>10.2f}"
+                         f"{(r.get('model_written') or 0) / 1e6:>10.2f}{r.get('measured_over_model') or 0:>11.3f}"
                          f"{r['measured_over_mandatory']:>10.3f}  ok ({len(r['kernels'])} kernels)")
         else:
-            lines.append(f"{r['case']:<22}{r['size']:<7}{'':>62}  {r.get('status')}")
+            lines.append(f"{r['case']:<22}{r['size']:<17}{'':>62}  {r.get('status')}")
+    from iokernels.core.recorded import backward_traffic_table
+    per_kernel = backward_traffic_table({"traffic": rec})
+    if per_kernel:
+        lines += ["", "the backward, kernel by kernel (measured DRAM bytes next to the model):", per_kernel]
     return "\n".join(lines)
 
 
@@ -375,16 +518,20 @@ def all_(out_dir, ncu="ncu", timeout=300, only=None):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("all", "run", "parse"))
-    p.add_argument("--out", required=True)
+    p.add_argument("mode", choices=("all", "run", "parse", "plan"))
+    p.add_argument("--out", default=None, help="the output folder (every mode but plan)")
     p.add_argument("--ncu", default="ncu")
     p.add_argument("--only", default=None, help="only cases whose name contains this")
     p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--budget", type=float, default=None,
                    help="run: stop starting new cases after this many seconds (ncu writes its CSV at exit)")
     a = p.parse_args(argv)
+    if a.mode != "plan" and not a.out:
+        p.error(f"{a.mode} needs --out DIR")
     try:
-        if a.mode == "run":
+        if a.mode == "plan":
+            print(plan_table(plan(a.only)))
+        elif a.mode == "run":
             run(a.out, a.only, a.budget)
         elif a.mode == "parse":
             parse(a.out)

@@ -128,6 +128,56 @@ def test_ncu_csv_grouping_by_markers(tmp_path):
     assert (c["measured_read"], c["measured_written"]) == (1000, 1000)
 
 
+
+def test_traffic_plan_has_every_backward_version_and_every_family_first():
+    """The dry run (no GPU): every registered backward version in both dQ modes, with its
+    per-kernel model; the first case of every family comes before any family's second."""
+    pt = _script("profile_traffic")
+    from iokernels import cupy_raw, numba_cuda
+    entries = pt.plan()
+    names = [e["case"] for e in entries]
+    for fam, reg in (("cupy", cupy_raw.REGISTRY), ("numba", numba_cuda.REGISTRY)):
+        for kern in reg.kernels("attention_backward"):
+            mine = [e for e in entries if e["case"] == f"{fam} backward {kern.version}"]
+            assert {e["problem"]["deterministic"] for e in mine} == {False, True}, fam
+            for e in mine:
+                assert "model_error" not in e, e
+                parts = e["model_by_kernel"]
+                assert set(parts) == {"zero", "rowsum", "main", "finish"}
+                assert sum(r + w for r, w in parts.values()) == e["model_read"] + e["model_written"]
+    firsts = [names.index(n) for n in dict.fromkeys(names)]
+    seconds = [i for i, n in enumerate(names) if i not in firsts]
+    assert max(firsts) < min(seconds)
+    assert "cupy backward v1" in pt.plan_table(entries)
+
+
+def test_ncu_csv_backward_kernels_split_by_part(tmp_path):
+    """A backward case: each profiled kernel is filed under the model's part by its name."""
+    pt = _script("profile_traffic")
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","dram__bytes_read.sum","dram__bytes_write.sum","gpu__time_duration.sum"')
+    lines = [header, '"","","","","","","","","","","","byte","byte","nsecond"']
+    kernels = [("ik_l2flush", 9e8, 0), ("ik_marker", 0, 0),
+               ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", 0, 64),
+               ("bwd_rowsum", 64, 16), ("bwd_main", 200, 100), ("bwd_finish", 64, 32),
+               ("_ZN9iokernels10numba_cuda8backward13_make_kernels12main_kernel", 7, 3)]
+    for i, (name, r, w) in enumerate(kernels):
+        lines.append(f'"{i}","1","p","h","{name}","1","7","(1,1,1)","(1,1,1)","0","9.0","{r}","{w}","1000"')
+    (tmp_path / "ncu_raw.csv").write_text("\n".join(lines) + "\n")
+    model = {"zero": [0, 64], "rowsum": [64, 16], "main": [200, 100], "finish": [64, 32]}
+    plan = [dict(index=0, case="cupy backward v1", family="cupy", size="small", status="ok", marker=0,
+                 model_read=328, model_written=212, model_by_kernel=model, mandatory_read=100,
+                 mandatory_written=50)]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    rec = pt.parse(str(tmp_path))
+    (c,) = rec["cases"]
+    assert c["measured_by_kernel"] == {"zero": [0, 64, 1], "rowsum": [64, 16, 1], "main": [207, 103, 2],
+                                       "finish": [64, 32, 1]}
+    assert (c["measured_read"], c["measured_written"]) == (335, 215)
+    assert pt.backward_kernel_part("cupy_copy") == "other"
+    main = [ln for ln in pt.table(rec).splitlines() if ln.startswith("cupy backward v1") and " main " in ln]
+    assert len(main) == 1 and main[0].split()[-1] == "1.03"             # (207 + 103) / 300
+
 def test_sanitizer_summary(tmp_path):
     sz = _script("sanitize")
     (tmp_path / "sanitize_memcheck.log").write_text(

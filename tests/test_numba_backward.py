@@ -99,3 +99,34 @@ def test_config_checks_and_defaults_that_fit():
         nb.BackwardConfig(version="v9")
     with pytest.raises(ValueError, match="config.deterministic"):
         nb.BackwardConfig(deterministic=1)
+
+
+# --------------------------------------------------------------------------- on a GPU, at full size
+#: FlashAttention's rule for gradients: at most twice the naive backward's error in the same dtype
+GRAD_FACTOR = 2.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIM or not gpu.torch_gpu(), reason="needs a CUDA GPU with torch, simulator off")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("N,causal", [(1, False), (127, True), (1024, False), (1024, True), (4096, False),
+                                      (4096, True)])
+def test_float32_on_a_gpu_by_the_gradient_rule(rng, d, N, causal):
+    """float32, both dQ modes, GQA, N_q != N_k, against the float64 gradients by the 2x rule (the
+    naive backward in float32 on the GPU, from the same O and LSE, as the baseline).  The kernels run on CUDA cores, so
+    N = 4096 uses one query head.  A failure lists every (mode, tensor) with its errors."""
+    import torch
+    from iokernels.torch_sdpa import naive_backward
+    B, Hq, Hkv, Nq, Nk = (1, 1, 1, N, N + 37) if N >= 4096 else (1, 4, 2, N, N + 37)
+    q, k, v, do = testing.make_grid_inputs(rng, B, Hq, Hkv, Nq, Nk, d)
+    o64, lse64, *refs = testing.oracle_by_head(do, q, k, v, causal=causal)
+    q32, k32, v32, do32, o32 = (x.astype(np.float32) for x in (q, k, v, do, o64))
+    lse32 = lse64.astype(np.float32)
+    bases = naive_backward(*(torch.from_numpy(x).cuda() for x in (do32, q32, k32, v32, o32, lse32)), causal=causal)
+    checks = []
+    for det in (False, True):
+        got = ik.attention_backward(do32, q32, k32, v32, o32, lse32, causal=causal,
+                                    backend="numba", config=nb.BackwardConfig(deterministic=det))
+        checks += testing.check_gradients(got, refs, bases, dtype="float32", factor=GRAD_FACTOR,
+                                          label=f"numba v1 {'deterministic' if det else 'atomic'}")
+    assert all(checks), testing.report(checks)

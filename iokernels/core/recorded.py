@@ -130,6 +130,35 @@ _STYLE = {"sdpa:cudnn": "o-", "sdpa:flash": "s-", "sdpa:efficient": "^-", "sdpa:
           "cupy": "<--", "cupy:v1": "<--", "cupy:v2": ">--"}
 
 
+
+def backward_traffic_table(rec: dict) -> str:
+    """The GPU backward's DRAM bytes per kernel: Nsight Compute's next to the model's, in MB.
+
+    From the record's traffic cases named "<backend> backward <version>" (written by
+    scripts/profile_traffic.py); one block per case, one line per kernel part of
+    :func:`iokernels.backward.traffic_model_gpu_kernels` ("other": kernels the model does
+    not name, such as a copy).  An empty string when the record has no such case.
+    """
+    rows = [r for r in traffic_rows(rec) if " backward " in r.get("case", "") and r.get("measured_by_kernel")]
+    if not rows:
+        return ""
+    lines = [f"{'case':<20}{'size':<18}{'kernel':<8}{'read MB':>10}{'model':>10}{'write MB':>10}{'model':>10}"
+             f"{'meas/model':>11}"]
+    for r in rows:
+        model = r.get("model_by_kernel") or {}
+        parts = list(model) + [p for p in r["measured_by_kernel"] if p not in model]
+        for part in parts:
+            rd, wr, _ = r["measured_by_kernel"].get(part, (0.0, 0.0, 0))
+            mr, mw = model.get(part, (0, 0))
+            ratio = f"{(rd + wr) / (mr + mw):>11.2f}" if mr + mw else f"{'-':>11}"
+            lines.append(f"{r['case']:<20}{r['size']:<18}{part:<8}{rd / 1e6:>10.1f}{mr / 1e6:>10.1f}"
+                         f"{wr / 1e6:>10.1f}{mw / 1e6:>10.1f}{ratio}")
+        total = (r["measured_read"] + r["measured_written"]) / max(1, r["model_read"] + r["model_written"])
+        lines.append(f"{r['case']:<20}{r['size']:<18}{'all':<8}{r['measured_read'] / 1e6:>10.1f}"
+                     f"{r['model_read'] / 1e6:>10.1f}{r['measured_written'] / 1e6:>10.1f}"
+                     f"{r['model_written'] / 1e6:>10.1f}{total:>11.2f}")
+    return "\n".join(lines)
+
 def short_label(rec: dict) -> str:
     env = rec.get("env", rec)
     return f"recorded on {env.get('gpu', '?')}, {env.get('date_utc', '?')[:10]}, torch {env.get('torch', '?')}"

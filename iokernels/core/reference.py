@@ -4,6 +4,7 @@ Everything else in the package is checked against these functions.  They upcast 
 float64, build the explicit visibility mask from :mod:`iokernels.core.conventions`, and use
 the two-pass softmax (max first, then exponentials and their sum).  They allocate the
 full N x N matrices on purpose: the oracle is for small problems and for truth, not speed.
+The products are batched matmuls (``@``), so the BLAS library computes them in float64.
 
 Notation: S = scale * Q K^T, P = softmax(S) row-wise over visible keys,
 O = P V, LSE_i = log sum_j exp(S_ij) over visible keys (natural log).
@@ -48,7 +49,7 @@ def attention(q, k, v, causal=False, scale=None, window=None, score_mod=None, ma
     scale = cv.resolve_scale(scale, d)
     k, v = _expand_kv(k, Hq), _expand_kv(v, Hq)
     visible = cv.mask(Nq, Nk, causal, window)                        # (Nq, Nk)
-    S = np.einsum("bhid,bhjd->bhij", q, k) * scale
+    S = q @ k.swapaxes(-1, -2) * scale
     if score_mod is not None or mask_mod is not None:
         b_idx, h_idx = np.arange(B)[:, None, None, None], np.arange(Hq)[None, :, None, None]
         q_idx, kv_idx = np.arange(Nq)[:, None], np.arange(Nk)[None, :]
@@ -61,7 +62,7 @@ def attention(q, k, v, causal=False, scale=None, window=None, score_mod=None, ma
     empty = ~np.isfinite(m)                                          # fully masked rows
     P = np.where(visible, np.exp(S - np.where(empty, 0.0, m)), 0.0)  # pass 2: exponentials
     l = P.sum(axis=-1, keepdims=True)
-    O = np.einsum("bhij,bhjd->bhid", P, v) / np.where(empty, 1.0, l)
+    O = P @ v / np.where(empty, 1.0, l)
     with np.errstate(divide="ignore"):
         lse = np.where(empty, -np.inf, m + np.log(np.where(empty, 1.0, l)))[..., 0]
     return O, lse
@@ -80,15 +81,15 @@ def attention_backward(do, q, k, v, causal=False, scale=None, window=None):
     O, lse = attention(q, k, v, causal, scale, window)
     ke, ve = _expand_kv(k, Hq), _expand_kv(v, Hq)
     visible = cv.mask(Nq, Nk, causal, window)
-    S = np.einsum("bhid,bhjd->bhij", q, ke) * scale
+    S = q @ ke.swapaxes(-1, -2) * scale
     finite = np.isfinite(lse)[..., None]
     P = np.where(visible & finite, np.exp(S - np.where(finite, lse[..., None], 0.0)), 0.0)
-    dV = np.einsum("bhij,bhid->bhjd", P, do)
-    dP = np.einsum("bhid,bhjd->bhij", do, ve)
+    dV = P.swapaxes(-1, -2) @ do
+    dP = do @ ve.swapaxes(-1, -2)
     D = np.sum(do * O, axis=-1, keepdims=True)
     dS = P * (dP - D)
-    dQ = np.einsum("bhij,bhjd->bhid", dS, ke) * scale
-    dK = np.einsum("bhij,bhid->bhjd", dS, q) * scale
+    dQ = dS @ ke * scale
+    dK = dS.swapaxes(-1, -2) @ q * scale
     g = Hq // Hkv
     dK = dK.reshape(B, Hkv, g, Nk, d).sum(axis=2)
     dV = dV.reshape(B, Hkv, g, Nk, d).sum(axis=2)

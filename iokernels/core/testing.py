@@ -64,6 +64,52 @@ def make_inputs(rng: np.random.Generator, batch=1, heads_q=2, heads_kv=None, seq
     return q, k, v
 
 
+
+#: the smallest normal float16 magnitude: below it float16 rounds a bfloat16 value
+FLOAT16_TINY = 2.0 ** -14
+
+
+def make_grid_inputs(rng: np.random.Generator, batch=1, heads_q=2, heads_kv=None, seqlen_q=64,
+                     seqlen_k=None, head_dim=32):
+    """Seeded q, k, v, dO in float64 whose every value float16, bfloat16 and float32 hold exactly.
+
+    Standard normal values rounded to bfloat16 (7 mantissa bits, which float16's 10 and
+    float32's 23 contain), magnitudes below float16's smallest normal raised to it (sign
+    kept: never zero).  One float64 oracle then serves the same problem in all three dtypes.
+    """
+    bf16 = numpy_dtype("bfloat16")
+    out = []
+    for x in make_inputs(rng, batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim, "float64", with_grad=True):
+        x = x.astype(bf16).astype(np.float64)
+        out.append(np.where(np.abs(x) < FLOAT16_TINY, np.copysign(FLOAT16_TINY, x), x))
+    return tuple(out)
+
+
+def oracle_by_head(do, q, k, v, causal=False, window=None):
+    """The float64 oracle's (O, LSE, dQ, dK, dV), one query head at a time.
+
+    The same numbers as :func:`iokernels.core.reference.attention` and
+    :func:`~iokernels.core.reference.attention_backward` on the whole problem; holding one
+    head's N_q x N_k matrices at a time keeps large N (4096 and up) in memory.  dK, dV are
+    summed over each GQA group.
+    """
+    from . import reference
+    do, q, k, v = (as_numpy(x) for x in (do, q, k, v))
+    B, Hq, Nq, d = q.shape
+    Hkv = k.shape[1]
+    o, dq = np.empty_like(q), np.empty_like(q)
+    lse = np.empty((B, Hq, Nq))
+    dk, dv = np.zeros_like(k), np.zeros_like(v)
+    for h in range(Hq):
+        hk = cv.kv_head(h, Hq, Hkv)
+        one = (do[:, h:h + 1], q[:, h:h + 1], k[:, hk:hk + 1], v[:, hk:hk + 1])
+        oh, lh = reference.attention(*one[1:], causal=causal, window=window)
+        gq, gk, gv = reference.attention_backward(*one, causal=causal, window=window)
+        o[:, h], lse[:, h], dq[:, h] = oh[:, 0], lh[:, 0], gq[:, 0]
+        dk[:, hk] += gk[:, 0]
+        dv[:, hk] += gv[:, 0]
+    return o, lse, dq, dk, dv
+
 def make_varlen_inputs(rng: np.random.Generator, seqlens_q, seqlens_k=None, heads_q=2,
                        heads_kv=None, head_dim=32, dtype="float64"):
     """Packed (total, heads, head_dim) q, k, v and int32 cu_seqlens for the given lengths."""
@@ -146,6 +192,19 @@ def check(out, ref64, baseline=None, *, dtype=None, name="out", factor=FORWARD_F
     ok = err <= bound and not problems
     return Check(name, err, bound, base_err, ok, ("; " + "; ".join(problems)) if problems else "")
 
+
+
+def check_gradients(got, refs64, baselines, *, factor, dtype=None, label="") -> list:
+    """:func:`check` of (dQ, dK, dV) at once: three Checks named "<label> dq" and so on."""
+    return [check(g, r, b, dtype=dtype, name=f"{label} {n}".strip(), factor=factor)
+            for n, g, r, b in zip(("dq", "dk", "dv"), got, refs64, baselines)]
+
+
+def report(checks) -> str:
+    """The failed checks first, then every check: an assertion message that tells the whole story."""
+    failed = [str(c) for c in checks if not c]
+    return (f"{len(failed)} of {len(checks)} checks failed:\n" + "\n".join(failed)
+            + "\nall checks:\n" + "\n".join(map(str, checks)))
 
 def assert_close(out, ref64, baseline=None, **kw) -> Check:
     """:func:`check`, raising AssertionError with the whole story when it fails."""

@@ -232,6 +232,7 @@ MODELS = {
     "fa1": "iokernels.tiled:traffic_model_fa1",
     "fa2": "iokernels.tiled:traffic_model_fa2",
     "fa2_backward": "iokernels.backward:traffic_model_tiled",
+    "gpu_backward": "iokernels.backward:traffic_model_gpu",
     "decode": "iokernels.decode:traffic_model",
     "paged_decode": "iokernels.decode:traffic_model_paged",
     "paged_gather": "iokernels.paged:traffic_model_gather",
