@@ -373,8 +373,8 @@ def traffic_vs_n(seqlens=TRAFFIC_SEQLENS, head_dim: int = 64, dtype: str = "floa
 
 
 #: the decode kernels the recorded decode summary compares (default versions, contiguous and paged)
-DECODE_SUMMARY_RUNNERS = ("sdpa:cudnn", "sdpa:flash", "cupy:v3", "cupy:v3 paged", "numba:v3",
-                          "numba:v3 paged")
+DECODE_SUMMARY_RUNNERS = ("sdpa:cudnn", "sdpa:flash", "cupy:v4", "cupy:v4 paged", "cupy:v3", "cupy:v3 paged",
+                          "numba:v3", "numba:v3 paged")
 
 
 def recorded_decode_summary(rec=None, dtype: str = "float16", runners=DECODE_SUMMARY_RUNNERS, ax=None):
