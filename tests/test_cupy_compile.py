@@ -498,7 +498,7 @@ def test_backward_defaults_and_refusals():
                 cfg = cr.BackwardConfig("v2").resolve(d, "bfloat16", smem)
                 assert cfg.smem_bytes(cfg.block_q, cfg.block_k, d, "bfloat16", "v2") <= smem, (smem, d, cfg)
     big = cr.BackwardConfig("v2").resolve(128, "bfloat16", 227 * 1024)
-    assert (big.block_q, big.block_k, big.num_warps) == (32, 128, 8)
+    assert (big.block_q, big.block_k, big.num_warps) == (64, 128, 8)
     assert cr.BackwardConfig("v2").resolve(128, "bfloat16", 99 * 1024).block_k == 64     # sm_86: 4 warps
     assert cr.BackwardConfig("v2").resolve(64, "float16", 227 * 1024).block_q == 64
     with pytest.raises(ValueError, match="config"):
