@@ -29,6 +29,8 @@ s_K, s_V a quantized block's scales: a stored code c stands for c * s
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..core import conventions as cv
@@ -237,24 +239,36 @@ def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None,
 
 
 def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None,
-                       config=None, window=None):
+                       config=None, window=None, quant=None):
     """Decode over paged pools (num_blocks, block_size, Hkv, d) with int32 block tables (B, max_blocks).
 
     Pools on the device (CuPy, torch CUDA) are used in place, through their strides when
     their rows have unit stride (a heads-outer pool passed as its (blocks, slots, Hkv, d)
     view, say); NumPy pools are copied in.  ``config``: a :class:`DecodeConfig`.
+    ``quant``: None, or dict(kv=code format, k_scale, v_scale) for pools of 1-byte codes
+    (uint8 or int8) with float32 scales (num_blocks, Hkv or 1), NumPy or of q's kind; the
+    queries' dtype is then the compute dtype.
     """
-    _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
+    if quant is None:
+        _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
+        n = need("paged_decode", q=q, k=k_pool, v=v_pool)
+    else:
+        quant = dict(quant, dtype=cv.dtype_name(q))
+        _, _, Hkv, d, dtype = _quant_pools(k_pool, v_pool, quant)
+        n = need("paged_decode", q=q, k=k_pool, v=v_pool)
+        gran = "block_head" if int(quant["k_scale"].shape[1]) == Hkv else "block"
+        n = replace(n, dtype=dtype, extra=dict(n.extra, kv_dtype=quant["kv"], scale_granularity=gran))
     _check_decode_q(q, Hkv, d, dtype)
-    kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, k=k_pool, v=v_pool))
+    kernel, cfg = REGISTRY.resolve("paged_decode", config, n)
     return _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale, config=cfg,
-                        window=window)
+                        window=window, quant=quant)
 
 
 def _quant_pools(k_pool, v_pool, quant):
     """(num_blocks, block_size, Hkv, d, compute dtype) of a quantized cache's code pools."""
     ps = tuple(k_pool.shape)
-    if tuple(v_pool.shape) != ps or k_pool.itemsize != 1 or v_pool.itemsize != 1:
+    size = [x.element_size() if hasattr(x, "element_size") else x.itemsize for x in (k_pool, v_pool)]
+    if tuple(v_pool.shape) != ps or size != [1, 1]:
         raise ValueError(f"v_pool: a {quant['kv']} cache's pools are 1-byte codes of one shape, got {ps}, "
                          f"{tuple(v_pool.shape)}")
     return (*ps, quant["dtype"])
@@ -280,9 +294,8 @@ def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale
         kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
         kv = None
         if quant is not None:                       # the scales travel as the pools do
-            ks, vs = (np.ascontiguousarray(quant[n], np.float32) for n in ("k_scale", "v_scale"))
-            kv = dict(kv=quant["kv"], k_scale=device_array(call.from_host(ks)),
-                      v_scale=device_array(call.from_host(vs)), scale_blk=ks.shape[1],
+            ks, vs = (_scales_device(call, quant[n], n) for n in ("k_scale", "v_scale"))
+            kv = dict(kv=quant["kv"], k_scale=ks, v_scale=vs, scale_blk=ks.shape[1],
                       scale_head=int(ks.shape[1] == Hkv))
         # lengths and tables travel in one host -> device copy, made once while their content
         # stays the same (Call.constant): lens = packed[:B], the tables after it
@@ -306,6 +319,18 @@ def _pool_device(call, pool, name):
             a = a.view(np.uint16 if a.itemsize == 2 else np.uint8)
         return device_array(call.from_host(a))
     return unit_rows(call.to_device(pool, name))
+
+
+def _scales_device(call, s, name):
+    """A quantized cache's float32 scales (num_blocks, Hkv or 1), contiguous on the device:
+    NumPy ones (a PagedKVCache's) copied in as the pools are, device ones used in place."""
+    if isinstance(s, np.ndarray):
+        return device_array(call.from_host(np.ascontiguousarray(s, np.float32)))
+    a = device_array(call.to_device(s, name))
+    if a.dtype != "float32" or len(a.shape) != 2 or not a.c_contiguous():
+        raise ValueError(f"{name}: expected contiguous float32 scales (num_blocks, Hkv or 1), got {a.dtype} "
+                         f"{a.shape}")
+    return a
 
 
 def _offset(a, start: int, shape: tuple):

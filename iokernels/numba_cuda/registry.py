@@ -23,6 +23,8 @@ runs it) and says so.  The module-level :func:`attention`, :func:`decode`,
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..core import conventions as cv
@@ -193,11 +195,17 @@ def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None,
 
 
 def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None,
-                       window=None):
-    """Paged decode over device (or NumPy) pools and a host block table: (o, lse)."""
-    _, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, k=k_pool, v=v_pool))
+                       window=None, quant=None):
+    """Paged decode over device (or NumPy) pools and a host block table: (o, lse).  ``quant``:
+    None, or dict(kv=code format, k_scale, v_scale) for pools of 1-byte codes (uint8 views)
+    and float32 scales (num_blocks, Hkv or 1) of the pools' kind."""
+    n = need("paged_decode", q=q, k=k_pool, v=v_pool)
+    if quant is not None:
+        gran = "block_head" if int(quant["k_scale"].shape[1]) == int(k_pool.shape[2]) else "block"
+        n = dataclasses.replace(n, extra=dict(n.extra, kv_dtype=quant["kv"], scale_granularity=gran))
+    _, cfg = REGISTRY.resolve("paged_decode", config, n)
     return _pools_launcher(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
-                           config=cfg, window=window)
+                           config=cfg, window=window, quant=quant)
 
 
 def paged_gather(cache, sid, *, config=None):
