@@ -38,26 +38,9 @@ HQ, HKV, D = 32, 8, 128
 AGREE_ULPS = 512
 
 
-def _filled(rng, B, hq, hkv, N, d, dtype, kv_dtype=None, gran="block_head", bs=16):
+def _filled(rng, B, hq, hkv, N, d, dtype, kv_dtype=None, gran="block_head"):
     from iokernels import testing
-    from iokernels.paged import PagedKVCache
-    q, k, v = testing.make_inputs(rng, batch=B, heads_q=hq, heads_kv=hkv, seqlen_q=1, seqlen_k=N, head_dim=d,
-                                  dtype=dtype)
-    q = q[:, :, 0]
-    lens = rng.integers(1, N + 1, size=B)
-    lens[0], lens[-1] = 0, N
-    cache = PagedKVCache(B * (-(-N // bs)) + 2, bs, num_kv_heads=hkv, head_dim=d, dtype=dtype, kv_dtype=kv_dtype,
-                         scale_granularity=gran)
-    sids = []
-    for b, n in enumerate(lens):
-        sids.append(cache.new_sequence())
-        if n:
-            cache.append(sids[-1], k[b, :, :n].transpose(1, 0, 2).copy(), v[b, :, :n].transpose(1, 0, 2).copy())
-    kh, vh = np.zeros(k.shape, np.float64), np.zeros(v.shape, np.float64)
-    for b, (sid, n) in enumerate(zip(sids, lens)):
-        if n:
-            kh[b, :, :n], vh[b, :, :n] = cache.gather(sid)
-    return q, k, v, lens, cache, sids, kh, vh
+    return testing.make_paged_decode_inputs(rng, B, hq, hkv, N, d, dtype, kv_dtype, gran)
 
 
 class Checks:

@@ -109,6 +109,12 @@ def word_layout(store_name: str, head_dim: int, aligned: bool = True):
     return store_name, 1
 
 
+@cuda.jit(device=True)
+def _itself(w, e):
+    """``unpack`` of one element a word: the value held is the element, already converted."""
+    return w
+
+
 def make_unpack(store_name: str, word_name: str, acc_name: str, simulated: bool):
     """(``held``, ``unpack``): ``held(x)`` is what a thread keeps in registers for a loaded
     word (the word itself; for one element a word, the element already in the accumulator
@@ -120,11 +126,7 @@ def make_unpack(store_name: str, word_name: str, acc_name: str, simulated: bool)
         @cuda.jit(device=True)
         def held1(x):
             return ACC(x)
-
-        @cuda.jit(device=True)
-        def unpack1(w, e):
-            return w
-        return held1, unpack1
+        return held1, _itself
 
     @cuda.jit(device=True)
     def held(x):
@@ -213,11 +215,7 @@ def make_code_unpack(kv: str, word_name: str, acc_name: str, simulated: bool):
         @cuda.jit(device=True)
         def held1(x):
             return ACC(decode(int(x)))
-
-        @cuda.jit(device=True)
-        def unpack1(w, e):
-            return w
-        return held1, unpack1
+        return held1, _itself
 
     @cuda.jit(device=True)
     def held(x):
