@@ -55,7 +55,8 @@ def kernel_signatures(head_dims=HEAD_DIMS):
                 out.append((f"fwd_{version}_d{d}", dtype, fn, fwd_sig))
             for paged in (False, True):
                 sig = (_arr(st, 3), _arr(st, 4), _arr(st, 4), _arr(types.int32, 2), _arr(types.int32, 1),
-                       _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64)
+                       _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64,
+                       types.int64)
                 fn = split_kernel_function(d, 4, dtype, paged, simulated=False)
                 out.append((f"decode_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
             sig = (_arr(acc, 4), _arr(acc, 3), _arr(st, 3), _arr(acc, 2))
@@ -64,7 +65,7 @@ def kernel_signatures(head_dims=HEAD_DIMS):
             wt = getattr(types, word)
             for paged in (False, True):
                 sig = (_arr(st, 3), _arr(wt, 4), _arr(wt, 4), _arr(types.int32, 2), _arr(types.int32, 1),
-                       _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64)
+                       _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64)
                 fn = split_v2_kernel_function(d, 4, dtype, paged, 16, word, simulated=False)
                 out.append((f"decode_v2_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
         gather_t = types.uint64 if dtype != "float64" else st     # the launcher's 8-byte words
