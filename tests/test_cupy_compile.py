@@ -38,17 +38,17 @@ def _jobs():
         cfg = cr.ForwardConfig(version=version, **kw).resolve(d, dtype)
         jobs.append((f"fa_{version} {dtype} d={d} {kw}", f"fa_{version}", cfg.defines(d, dtype), arch))
 
-    def dec(dtype, d, paged, arch):
-        jobs.append((f"decode {dtype} d={d} paged={paged}", "decode",
-                     cr.DecodeConfig("v1").defines(d, dtype, 4, paged, 16), arch))
+    def dec(dtype, d, paged, arch, kv=None, group=4):
+        jobs.append((f"decode {dtype} d={d} paged={paged} kv={kv} g={group}", "decode",
+                     cr.DecodeConfig("v1").defines(d, dtype, group, paged, 16, kv=kv), arch))
 
     def dec2(dtype, d, paged, arch, group=4, block_size=16, **kw):
         defines = cr.DecodeConfig("v2", **kw).defines(d, dtype, group, paged, block_size)
         jobs.append((f"decode_v2 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v2", defines, arch))
 
-    def dec3(dtype, d, paged, arch, group=4, block_size=16, **kw):
-        defines = cr.DecodeConfig("v3", **kw).defines(d, dtype, group, paged, block_size)
-        jobs.append((f"decode_v3 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v3", defines, arch))
+    def dec3(dtype, d, paged, arch, group=4, block_size=16, kv=None, **kw):
+        defines = cr.DecodeConfig("v3", **kw).defines(d, dtype, group, paged, block_size, kv=kv)
+        jobs.append((f"decode_v3 {dtype} d={d} paged={paged} g={group} kv={kv} {kw}", "decode_v3", defines, arch))
 
     def dec4(dtype, d, paged, arch, group=4, block_size=16, **kw):
         defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size)
@@ -117,6 +117,15 @@ def _jobs():
     bwd2("bfloat16", 59, 90)                            # rows not whole 16-byte chunks; D_PAD 64
     bwd2("float16", 72, 80, block_q=16, num_warps=4)    # 16-byte chunks past HEAD_DIM zero-filled
     bwd2("bfloat16", 96, 90, block_q=128, deterministic=True)
+    # quantized paged caches (1-byte codes): every code format on every arch, both versions
+    for arch, kv in zip(ARCHS, ("int8", "float8_e4m3fn", "float8_e4m3fn")):
+        dec3("float16", 128, True, arch, kv=kv)
+        dec("float16", 128, True, arch, kv=kv)
+    dec3("bfloat16", 128, True, 90, kv="int8", group=8)
+    dec3("float32", 64, True, 80, kv="float8_e4m3fn", block_size=5, fused=False)
+    dec3("float64", 256, True, 90, kv="int8", group=1)    # 32 lanes of 8 codes a row
+    dec("bfloat16", 59, True, 80, kv="float8_e4m3fn")     # rows not whole 8-byte words: scalar codes
+    dec("float64", 128, True, 90, kv="int8", group=2)
     return jobs
 
 

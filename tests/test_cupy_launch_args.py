@@ -82,6 +82,8 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
                 for splits in (1, 5):
                     rec(f"decode {cfg and cfg.version} {extra} {dt} {d} {splits}",
                         lambda: cr.decode(q, k, v, seq_lens=np.array([301, 0, 7]), num_splits=splits, config=cfg))
+                rec(f"decode window {cfg and cfg.version} {extra} {dt} {d}",
+                    lambda: cr.decode(q, k, v, seq_lens=np.array([301, 0, 7]), config=cfg, window=(100, 0)))
         if dt in S.PAGED_DTYPES:
             cache, sids = S._paged_cache(rng, d, dt)
             q2 = q[:2]
@@ -96,6 +98,18 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
                     lambda: cr.paged_decode_pools(cupy.asarray(q2), cupy.asarray(cache.k_pool),
                                                   cupy.asarray(cache.v_pool), t, ln, config=cfg))
             rec(f"gather {dt} {d}", lambda: cache.gather(sids[0], backend="cupy"))
+        for kv, gran in S.QUANT_CASES:
+            if dt not in S.PAGED_DTYPES:
+                continue
+            qc, qsids = S._paged_cache(rng, d, dt, kv_dtype=kv, scale_granularity=gran)
+            q2 = q[:2]
+            for kern in [None] + cr.REGISTRY.kernels("paged_decode"):
+                if kern is not None and kern.unavailable(cr.need("paged_decode", q=q2, cache=qc)) is not None:
+                    continue
+                cfg = None if kern is None else cr.DecodeConfig(kern.version)
+                for splits in (1, 3):
+                    rec(f"quant paged_decode {cfg and cfg.version} {kv} {gran} {dt} {d} {splits}",
+                        lambda: cr.paged_decode(q2, qc, qsids, num_splits=splits, config=cfg, window=(40, 0)))
 
 # MLA decode: the stand-in cannot encode TMA descriptors, so tensor_map records what it was
 # asked for and hands back 128 zero bytes; the Hopper check is let through for these calls
@@ -144,7 +158,8 @@ def _signature(name, options):
     r = subprocess.run([NVCC, "-E", "-arch=sm_90", "-x", "cu", *[o for o in options if o.startswith("-D")], "-"],
                        input=src, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-400:]
-    text = r.stdout
+    # without the preprocessor's line markers ("# 369 ..."), which may sit inside a parameter list
+    text = "\n".join(line for line in r.stdout.splitlines() if not line.lstrip().startswith("#"))
     pos = text.index('extern "C"')
     while True:
         m = re.compile(r"\b" + name + r"\s*\(").search(text, pos)
@@ -220,6 +235,9 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert _one(launches, "decode None {} float16 59 5", "decode_split")      # rows not 16-byte chunks: v1
     assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
     assert _one(launches, "paged_decode None float16 128", "decode_split_v4")
+    quant = _defines(_one(launches, "quant paged_decode None float8_e4m3fn block float16 128 3", "decode_split_v3"))
+    assert (quant["KV_QUANT"], quant["STAGES"], quant["TILE_ROWS"]) == ("2", "8", "8")   # 1-byte rows: 8 x 1 KB
+    assert _one(launches, "quant paged_decode v1 int8 block_head float32 59 3", "decode_split")
     bwd = _one(launches, "attention_backward v2 bfloat16 128 deterministic=False", "bwd_v2_main")
     assert (_defines(bwd)["NUM_WARPS"], _defines(bwd)["BLOCK_Q"]) == ("8", "64")     # Bc = 128, Br = 64
     assert bwd["block"] == [256] and bwd["grid"] == [1, 2, 2]                  # Tc = ceil(77 / 128)

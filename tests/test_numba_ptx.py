@@ -177,3 +177,15 @@ def test_v3_element_path_loads_elements(report_v3):
     for name in ("decode_v3_split_d59", "decode_v3_split_paged_d59"):
         r = report_v3[f"{name}/float16/sm_90"]
         assert r["ld_u64"] == 0 and r["shfl"] > 0, r
+
+
+def test_v3_quantized_kernels_load_words_of_codes(report_v3):
+    """A quantized paged cache (int8, float8 e4m3 codes): d=128 rows are 16 words of 8 codes,
+    one word a lane of K and of V per key as on the float16 path (2 x KPI x K,V u64 loads),
+    decoded in registers without float64 and without a main loop in local memory."""
+    from iokernels.numba_cuda.decode_v3 import KEYS_PER_ITER_V3
+    for kv in ("int8", "float8_e4m3fn"):
+        for cc in ("sm_75", "sm_90"):
+            r = report_v3[f"decode_v3_split_paged_{kv}_d128/float16/{cc}"]
+            assert r["ld_u64"] == 2 * KEYS_PER_ITER_V3 * 2 and not r["f64"], r
+            assert r["local"] <= 4 * (128 // 16 + 2) + 2 * KEYS_PER_ITER_V3, r

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from .environment import environment, label
 from .runners import (Unavailable, backward_cases, decode_cases, gather_cases, mla_cases,  # noqa: F401
-                      prefill_cases, _numpy_only_cases)
-from .specs import (BACKWARD, BACKWARD_FP32, DECODE_EXTRA, DECODE_SWEEP, GATHER_SIZES, MLA, PREFILL_COMPARE,
-                    PREFILL_SWEEP, QUICK, SECTIONS,
-                    TARGET_MS_PER_RUNNER)
+                      prefill_cases, quant_decode_cases, _numpy_only_cases)
+from .specs import (BACKWARD, BACKWARD_FP32, DECODE_EXTRA, DECODE_QUANT, DECODE_SWEEP, GATHER_SIZES, MLA,
+                    PREFILL_COMPARE, PREFILL_SWEEP, QUICK, SECTIONS, TARGET_MS_PER_RUNNER)
 from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
+
 
 def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARGET_MS_PER_RUNNER) -> dict:
     """Run the benchmark; returns the record (env + cases).  See :func:`main`.
@@ -42,7 +42,7 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
             elif s == "compare":
                 plan.append(("compare", PREFILL_COMPARE))
             elif s == "decode":
-                plan += [("decode", DECODE_SWEEP), ("decode", DECODE_EXTRA)]
+                plan += [("decode", DECODE_SWEEP), ("decode", DECODE_EXTRA), ("decode_quant", DECODE_QUANT)]
             elif s == "gather":
                 plan.append(("gather", GATHER_SIZES))
             elif s == "backward":
@@ -55,6 +55,8 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
             total += len(p["seqlens"]) * len(p["causal"]) * len(p["dtypes"]) * 8
         elif s == "decode":
             total += len(p["batches"]) * len(p["seqlens"]) * len(p["dtypes"]) * 9
+        elif s == "decode_quant":
+            total += len(p["batches"]) * len(p["seqlens"]) * len(p["dtypes"]) * len(p["variants"]) * 2
         elif s == "backward":
             total += len(p["seqlens"]) * len(p["causal"]) * len(p["dtypes"]) * 2
         elif s == "mla":
@@ -72,6 +74,8 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
                 record["cases"] += prefill_cases(p, seed, bar, section=s, target_ms=target_ms)
             elif s == "decode":
                 record["cases"] += decode_cases(p, seed, bar, target_ms=target_ms)
+            elif s == "decode_quant":
+                record["cases"] += quant_decode_cases(p, seed, bar, target_ms=target_ms)
             elif s == "backward":
                 record["cases"] += backward_cases(p, seed, bar, target_ms=target_ms)
             elif s == "mla":

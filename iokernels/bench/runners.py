@@ -349,6 +349,11 @@ def _pool_fn(backend, name):
     return f
 
 
+#: device_quant_pages quantizes this many pool blocks at a time (their float32 copy: 64 MB
+#: at 16 rows x 8 heads x 128 dims)
+QUANT_CHUNK_BLOCKS = 8192
+
+
 def decode_cases(spec, seed, progress, section="decode", target_ms=None):
     import torch
     cases = []
@@ -397,6 +402,80 @@ def decode_cases(spec, seed, progress, section="decode", target_ms=None):
                 case["results"] = rows
                 cases.append(_finish_case(case))
                 del q, k, v, q4, ref4, ref, pages
+                torch.cuda.empty_cache()
+    return cases
+
+
+def device_quant_pages(k_pool, v_pool, kv_dtype):
+    """A quantized cache's pools built on the device from 16-bit pools, as
+    :class:`~iokernels.paged.PagedKVCache` quantizes: per (block, KV head) the smallest
+    power-of-two scale s with amax / s <= the format's largest value, codes x / s rounded
+    to the format.  Returns (k_codes, v_codes, k_scale, v_scale): uint8 views of the codes
+    (num_blocks, block_size, Hkv, d) and float32 scales (num_blocks, Hkv)."""
+    import torch
+    from ..paged import MIN_SCALE, QUANT_FORMATS
+    qmax = QUANT_FORMATS[kv_dtype]
+    out = []
+    for pool in (k_pool, v_pool):
+        amax = pool.abs().amax(dim=(1, 3)).float()                        # (blocks, Hkv)
+        s = torch.exp2(torch.ceil(torch.log2(torch.clamp(amax / qmax, min=MIN_SCALE)))).contiguous()
+        codes = torch.empty(pool.shape, dtype=torch.uint8, device=pool.device)
+        for b0 in range(0, pool.shape[0], QUANT_CHUNK_BLOCKS):            # bounded float32 scratch
+            y = pool[b0:b0 + QUANT_CHUNK_BLOCKS].float() / s[b0:b0 + QUANT_CHUNK_BLOCKS, None, :, None]
+            if kv_dtype == "int8":
+                c = torch.clamp(torch.round(y), -qmax, qmax).to(torch.int8).view(torch.uint8)
+            else:
+                c = y.to(torch.float8_e4m3fn).view(torch.uint8)
+            codes[b0:b0 + QUANT_CHUNK_BLOCKS] = c
+        out.append((codes, s))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
+    """Paged decode over a quantized cache (1-byte codes + scales) and with a sliding window,
+    next to the 16-bit paged decode of the same values (numba and cupy default versions)."""
+    import torch
+    cases = []
+    Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
+    for dtype in spec["dtypes"]:
+        tdt = _torch_dtype(dtype)
+        for B in spec["batches"]:
+            for N in spec["seqlens"]:
+                progress.set_description(f"{section} quantized/windowed {dtype} B={B} N={N}")
+                gen = torch.Generator(device="cuda").manual_seed(seed)
+                q = torch.randn((B, Hq, d), device="cuda", dtype=tdt, generator=gen)
+                k = torch.randn((B, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
+                v = torch.randn((B, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
+                pages = device_pages(k, v, seed)
+                scale = 1.0 / np.sqrt(d)
+                for kv, window in spec["variants"]:
+                    seen = N if window is None else min(N, window[0] + 1)
+                    itemsize = 1 if kv else tdt.itemsize
+                    kv_bytes = 2.0 * B * Hkv * seen * d * itemsize
+                    case = dict(section=section, kind="decode", dtype=dtype, causal=False, kv_dtype=kv or dtype,
+                                window=window, shape=dict(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen=N, head_dim=d),
+                                work=dict(kv_bytes=kv_bytes), unit="TB/s", results=[])
+                    ref = None
+                    if kv is None and window is None:
+                        ref4 = _reference(q[:, :, None, :], k, v, False, True, Hq != Hkv)
+                        ref = None if ref4 is None else ref4[:, :, 0, :]
+                    quant, kp, vp = None, pages[0], pages[1]
+                    if kv is not None:
+                        kp, vp, ks, vs = device_quant_pages(pages[0], pages[1], kv)
+                        quant = dict(kv=kv, k_scale=ks, v_scale=vs)
+                    rows = []
+                    for backend in ("numba", "cupy"):
+                        def fn(backend=backend, kp=kp, vp=vp, quant=quant, window=window):
+                            f = _pool_fn(backend, "paged_decode_pools")
+                            return f(q, kp, vp, pages[2], pages[3], scale=scale, window=window, quant=quant)
+                        label = f"{backend} paged {kv or dtype}{'' if window is None else f' window {window[0]}'}"
+                        rows.append(_measure(label, backend, fn, work=kv_bytes, unit="TB/s", ref=ref, dtype=dtype,
+                                             target_ms=target_ms))
+                        progress.update(1)
+                    case["results"] = rows
+                    cases.append(_finish_case(case))
+                    del kp, vp, quant
+                del q, k, v, pages
                 torch.cuda.empty_cache()
     return cases
 

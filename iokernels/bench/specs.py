@@ -17,6 +17,12 @@ DECODE_SWEEP = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1, 8, 64), se
                     dtypes=("float16",))
 DECODE_EXTRA = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1,), seqlens=(32768,),
                     dtypes=("bfloat16",))
+#: quantized paged caches (1-byte codes + block scales) against the 16-bit paged cache of the
+#: same values, and a sliding window against the full cache: (kv_dtype, window) per row,
+#: None = the bfloat16 pools / no window
+DECODE_QUANT = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(8, 64), seqlens=(32768,), dtypes=("bfloat16",),
+                    variants=((None, None), ("float8_e4m3fn", None), ("int8", None), (None, (4096, 0)),
+                              ("float8_e4m3fn", (4096, 0))))
 GATHER_SIZES = dict(heads_kv=8, head_dim=128, seqlens=(4096, 131072), dtype="float16")
 #: --quick: tiny shapes that run everywhere in seconds (also on a CPU, NumPy only)
 QUICK = dict(prefill=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=(True,),

@@ -31,6 +31,8 @@ from . import conventions as cv
 
 BACKENDS = ("naive", "tiled", "numba", "cupy", "torch")
 NUMPY_BACKENDS = ("naive", "tiled")
+#: the backends whose paged decode reads a quantized cache's codes and scales
+QUANT_DECODE_BACKENDS = ("tiled", "numba", "cupy")
 #: the backends with a kernel registry: backend -> its package
 GPU_BACKENDS = {"numba": "iokernels.numba_cuda", "cupy": "iokernels.cupy_raw"}
 
@@ -69,6 +71,10 @@ class _Registered:
     #: where each op's arrays sit in its positional arguments (what ``need`` describes)
     _NEED_ARGS = {"attention": ("q", "k", "v"), "decode": ("q", "k", "v"), "paged_decode": ("q", "cache"),
                   "paged_gather": ("cache",), "attention_backward": (None, "q", "k", "v")}
+
+    def accepts(self, name: str) -> bool:
+        """Whether every registered version of this op takes keyword ``name``."""
+        return all(name in inspect.signature(k.launcher).parameters for k in self.module.REGISTRY.kernels(self.op))
 
     def __call__(self, *args, config=None, need=None, **kw):
         if need is None:             # called directly (scripts): the arrays are the leading arguments
@@ -244,9 +250,10 @@ def _window_kwargs(window, backend, fn):
     window = cv.resolve_window(window)
     if window == (-1, -1):
         return {}
-    if "window" not in inspect.signature(fn).parameters:
+    takes = fn.accepts("window") if isinstance(fn, _Registered) else "window" in inspect.signature(fn).parameters
+    if not takes:
         raise ValueError(f"window: the {backend!r} backend has no sliding-window decode; use window=None "
-                         f"or a NumPy backend ('naive', 'tiled')")
+                         f"or backend 'naive', 'tiled', 'numba' or 'cupy'")
     return {"window": window}
 
 
@@ -277,8 +284,9 @@ def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled"
                  config=None, window=None):
     """Decode over a :class:`PagedKVCache`: q (len(seq_ids), Hq, d), one token per sequence.
 
-    A quantized cache (``kv_dtype`` set) is dequantized by the NumPy kernel; ``window`` as
-    in :func:`decode`.
+    A quantized cache (``kv_dtype`` set) is read as its 1-byte codes and block scales and
+    dequantized on chip by the 'tiled', 'numba' and 'cupy' kernels; ``window`` as in
+    :func:`decode`.
     """
     from ..paged import PagedKVCache
     if not isinstance(cache, PagedKVCache):
@@ -286,9 +294,10 @@ def paged_decode(q, cache, seq_ids, num_splits=None, scale=None, backend="tiled"
     if cache.keys_only:
         raise ValueError("cache: a keys-only cache (multi-head latent attention's) holds no V pool; "
                          "decode it with iokernels.mla.paged_mla_decode")
-    if cache.quantized and backend not in NUMPY_BACKENDS:
-        raise ValueError(f"cache: a {cache.kv_dtype} cache is dequantized by the 'tiled' backend only; "
-                         f"the {backend!r} kernels read unquantized pools")
+    if cache.quantized and backend not in QUANT_DECODE_BACKENDS:
+        raise ValueError(f"cache: a {cache.kv_dtype} cache is dequantized by the "
+                         f"{', '.join(map(repr, QUANT_DECODE_BACKENDS))} backends; the {backend!r} backend "
+                         f"reads unquantized pools")
     seq_ids = list(seq_ids)
     for sid in seq_ids:
         cache._check_sid(sid)

@@ -84,6 +84,16 @@ DECODE_V3_STAGES = 4
 DECODE_V3_WARP_CHOICES = (4, 8)
 #: the shallowest ring: one tile computed on while one is in flight
 MIN_STAGES = 2
+#: -DKV_QUANT of a quantized cache's code format (common.cuh); None: an unquantized cache
+KV_QUANT_IDS = {None: 0, "int8": 1, "float8_e4m3fn": 2}
+#: quantized caches (1-byte codes): a lane computes on 8 codes of a row, so a row of d codes
+#: takes d / 8 lanes, the 16-bit path's d / 8; at most 32 lanes a row (d <= 256)
+QUANT_UNIT_BYTES = 8
+#: ... and a v3 tile is this many bytes of K (half the 16-bit tile: the same rows a lane
+#: scores per tile, whose scores sit in registers) ...
+DECODE_V3_QUANT_TILE_BYTES = 1024
+#: ... with twice the 16-bit ring's stages, so as many bytes are in flight
+DECODE_V3_QUANT_STAGES = 8
 #: ... a paged split's block-table entries are staged in SRAM when there are at most this
 #: many (4 KB: 1024 pages of 16 rows = 16384 keys a split); longer splits read them from HBM/L2
 DECODE_V3_TABLE_CAP = 1024
@@ -311,43 +321,54 @@ class DecodeConfig:
             return self.num_warps or DECODE_V4_WARPS
         return (self.num_warps or DECODE_V3_WARPS) if self.version == "v3" else DECODE_WARPS
 
-    def ring_stages(self, head_dim: int, dtype: str, group: int, smem_limit: int | None = None) -> int:
+    def ring_stages(self, head_dim: int, dtype: str, group: int, smem_limit: int | None = None,
+                    kv: str | None = None) -> int:
         """The ring depth: the given one, or the default (v3: made shallower until the ring, the
         fused combine's weights at DECODE_MAX_SPLITS and a full staged block table fit
-        ``smem_limit``, down to MIN_STAGES)."""
+        ``smem_limit``, down to MIN_STAGES).  ``kv``: a quantized cache's code format."""
         if self.stages is not None:
             return self.stages
         if self.version == "v4":
             return self._v4_stages(head_dim, dtype, group, smem_limit)
         if self.version != "v3":
             return DECODE_V2_STAGES
-        rows = decode_v2_geometry(head_dim, dtype, self.tile_rows)["tile_rows"]
-        for st in range(DECODE_V3_STAGES, MIN_STAGES - 1, -1):
+        rows = decode_v2_geometry(head_dim, dtype, self.tile_rows, kv)["tile_rows"]
+        top = DECODE_V3_STAGES if kv is None else DECODE_V3_QUANT_STAGES
+        for st in range(top, MIN_STAGES - 1, -1):
             need = decode_v3_smem(head_dim, dtype, group, st, rows, self.ring_warps(), DECODE_MAX_SPLITS, True,
-                                  DECODE_V3_TABLE_CAP)[0]
+                                  DECODE_V3_TABLE_CAP, kv)[0]
             if smem_limit is None or need <= smem_limit:
                 return st
         return MIN_STAGES
 
     def defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int, *,
-                aligned: bool = True, smem_limit: int | None = None) -> dict:
-        """The -D defines of this version's split kernel (v1's also compile decode.cu's combine)."""
+                aligned: bool = True, smem_limit: int | None = None, kv: str | None = None) -> dict:
+        """The -D defines of this version's split kernel (v1's also compile decode.cu's combine).
+
+        ``kv``: a quantized (paged) cache's code format, "int8" or "float8_e4m3fn" (-DKV_QUANT;
+        the rows are then d bytes); ``dtype`` stays the queries' and outputs' dtype."""
         d = head_dim
+        if kv is not None and (not paged or self.version in ("v2", "v4")):
+            raise ValueError(f"kv_dtype: a {kv} cache is read by the paged decode of versions v1 and v3, "
+                             f"not {'a contiguous cache' if not paged else 'version v2'}")
         base = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged))
+        if kv is not None:
+            base["KV_QUANT"] = KV_QUANT_IDS[kv]
         if paged:
             base["BLOCK_SIZE"] = block_size
         if self.version == "v4":
             return self._v4_defines(base, d, dtype, group, smem_limit)
         if self.version in (None, "v1"):
-            itemsize = cv.itemsize_of(dtype)
-            vec = int((d * itemsize) % CHUNK_BYTES == 0 and d * itemsize <= MAX_ROW_CHUNKS * CHUNK_BYTES and aligned)
+            itemsize = kv_itemsize(dtype, kv)
+            load = CHUNK_BYTES if kv is None else QUANT_UNIT_BYTES
+            vec = int((d * itemsize) % load == 0 and d * itemsize <= MAX_ROW_CHUNKS * load and aligned)
             return dict(base, VEC_IO=vec, NUM_WARPS=DECODE_WARPS, UNROLL=self.unroll or DECODE_UNROLL,
                         DECODE_MIN_BLOCKS=self.min_blocks or DECODE_MIN_BLOCKS)
-        geo = decode_v2_geometry(d, dtype, self.tile_rows)
+        geo = decode_v2_geometry(d, dtype, self.tile_rows, kv)
         if geo is None:
             raise ValueError(f"config.version: {self.version} needs rows of whole 16-byte chunks, at most "
-                             f"{MAX_ROW_CHUNKS}; head_dim={d} ({dtype}) is not (use version 'v1')")
-        stages = self.ring_stages(d, dtype, group, smem_limit)
+                             f"{MAX_ROW_CHUNKS}; head_dim={d} ({kv or dtype}) is not (use version 'v1')")
+        stages = self.ring_stages(d, dtype, group, smem_limit, kv)
         if self.version == "v2":
             return dict(base, NUM_WARPS=DECODE_WARPS, STAGES=stages, TILE_ROWS=geo["tile_rows"],
                         DECODE_MIN_BLOCKS=self.min_blocks or DECODE_V2_MIN_BLOCKS)
@@ -397,21 +418,32 @@ class DecodeConfig:
         return v1.defines(head_dim, dtype, group, paged, block_size, aligned=aligned)
 
 
-def decode_v2_geometry(head_dim: int, dtype: str, tile_rows: int | None = None) -> dict | None:
-    """decode_v2.cu's / decode_v3.cu's layout for one row shape, or None when the ring cannot
-    take it (rows not whole 16-byte chunks, or more than 32 of them).
+def kv_itemsize(dtype: str, kv: str | None = None) -> int:
+    """Bytes of one stored K/V element: 1 for a quantized cache's codes, else ``dtype``'s."""
+    return 1 if kv is not None else cv.itemsize_of(dtype)
 
-    chunks: 16-byte chunks a row; lanes: lanes a row (a power of two); rows_side_by_side:
-    32 / lanes; tile_rows: rows a tile.  Mirrors the kernels' macros (CPR, LANES, RPW, TILE_ROWS).
+
+def decode_v2_geometry(head_dim: int, dtype: str, tile_rows: int | None = None, kv: str | None = None) -> dict | None:
+    """decode_v2.cu's / decode_v3.cu's layout for one row shape, or None when the ring cannot
+    take it (rows not whole 16-byte chunks, or more than 32 of them, or more than 32 lanes).
+
+    The row's bytes are d times the stored element's (``kv``: a quantized cache's code
+    format, 1 byte).  chunks: 16-byte chunks a row (what cp.async copies); lanes: lanes a
+    row (a power of two; a lane computes on 16 bytes, or 8 bytes of codes); rows_side_by_side:
+    32 / lanes; tile_rows: rows a tile.  Mirrors the kernels' macros (CPR, UPR, LANES, RPW,
+    TILE_ROWS).
     """
-    row_bytes = head_dim * cv.itemsize_of(dtype)
+    row_bytes = head_dim * kv_itemsize(dtype, kv)
     if row_bytes % CHUNK_BYTES or row_bytes > MAX_ROW_CHUNKS * CHUNK_BYTES:
         return None
     cpr = row_bytes // CHUNK_BYTES
-    lanes = 1 << (cpr - 1).bit_length()
+    units = cpr if kv is None else row_bytes // QUANT_UNIT_BYTES
+    if units > MAX_ROW_CHUNKS:
+        return None
+    lanes = 1 << (units - 1).bit_length()
     rpw = 32 // lanes
     if tile_rows is None:
-        per = DECODE_V2_TILE_BYTES // row_bytes
+        per = (DECODE_V2_TILE_BYTES if kv is None else DECODE_V3_QUANT_TILE_BYTES) // row_bytes
         tile_rows = rpw if per < rpw else per // rpw * rpw
     elif tile_rows % rpw:
         raise ValueError(f"config.tile_rows: must be a multiple of {rpw} at head_dim={head_dim} ({dtype}), "
@@ -427,12 +459,12 @@ def decode_v2_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows
 
 
 def decode_v3_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows: int, num_warps: int,
-                   num_splits: int = 1, fused: bool = True, table_cap: int = 0) -> tuple:
+                   num_splits: int = 1, fused: bool = True, table_cap: int = 0, kv: str | None = None) -> tuple:
     """decode_v3.cu's dynamic SRAM a block, as (total bytes, byte offset of the block table):
     max(the rings, the warps' merge buffer, the fused combine's weights), then ``table_cap``
-    int32 block-table entries (paged)."""
+    int32 block-table entries (paged).  ``kv``: a quantized cache's code format (1-byte rows)."""
     acc = cv.accum_dtype(dtype).itemsize
-    ring = num_warps * stages * 2 * tile_rows * head_dim * cv.itemsize_of(dtype)
+    ring = num_warps * stages * 2 * tile_rows * head_dim * kv_itemsize(dtype, kv)
     merge = num_warps * group * head_dim * acc
     weights = group * num_splits * acc if fused and num_splits > 1 else 0
     offset = round_up(max(ring, merge, weights), 16)
@@ -440,10 +472,13 @@ def decode_v3_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows
 
 
 def decode_v4_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows: int, num_warps: int,
-                   num_splits: int = 1, fused: bool = True, table_cap: int = 0) -> tuple:
+                   num_splits: int = 1, fused: bool = True, table_cap: int = 0, kv: str | None = None) -> tuple:
     """decode_v4.cu's dynamic SRAM a block, as (total bytes, byte offset of the block table):
     max(the rings -- rows padded by V4_ROW_PAD_BYTES --, the warps' float32 merge buffer, the
-    fused combine's weights), then ``table_cap`` int32 block-table entries (paged)."""
+    fused combine's weights), then ``table_cap`` int32 block-table entries (paged).  v4 reads
+    16-bit rows only: ``kv`` (a quantized cache's code format) must be None."""
+    if kv is not None:
+        raise ValueError(f"kv_dtype: decode v4 reads 16-bit K/V rows, not {kv} codes (use version 'v3')")
     row = head_dim * cv.itemsize_of(dtype) + V4_ROW_PAD_BYTES
     ring = num_warps * stages * 2 * tile_rows * row
     merge = num_warps * group * head_dim * 4
@@ -457,18 +492,19 @@ RING_SMEM = {"v3": decode_v3_smem, "v4": decode_v4_smem}
 
 
 def ring_smem_bound(version: str, head_dim: int, dtype: str, group: int, num_warps: int | None = None,
-                    stages: int = MIN_STAGES) -> int:
+                    stages: int = MIN_STAGES, kv: str | None = None) -> int:
     """The most dynamic SRAM a v2 / v3 call at ``stages`` can ask for: the ring (or merge),
     plus, for v3, the fused combine's weights at DECODE_MAX_SPLITS and a full staged block
-    table.  A registry check compares it with the GPU's limit."""
+    table.  A registry check compares it with the GPU's limit.  ``kv``: a quantized cache's
+    code format (its rows are d bytes)."""
     if version == "v4":
         return decode_v4_smem(head_dim, dtype, group, stages, DECODE_V4_TILE_ROWS, num_warps or DECODE_V4_WARPS,
-                              DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP)[0]
-    rows = decode_v2_geometry(head_dim, dtype)["tile_rows"]
+                              DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP, kv)[0]
+    rows = decode_v2_geometry(head_dim, dtype, None, kv)["tile_rows"]
     if version == "v2":
         return decode_v2_smem(head_dim, dtype, group, stages, rows)
     return decode_v3_smem(head_dim, dtype, group, stages, rows, num_warps or DECODE_V3_WARPS,
-                          DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP)[0]
+                          DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP, kv)[0]
 
 
 # =========================================================================== gather

@@ -10,6 +10,13 @@ the K/V bytes reach the block (:mod:`iokernels.cupy_raw` has the table) and wher
 merge runs (decode.cu's combine kernel, or inside v3's and v4's split kernels), and
 which cores compute q . k and p v (CUDA cores; v4: the tensor cores).
 
+A quantized :class:`~iokernels.paged.PagedKVCache` (``kv_dtype`` "int8" or "float8_e4m3fn")
+is read by v1 and v3 as it is stored: 1-byte codes, decoded in registers, and the float32
+scale of each row's block (per KV head or per block), so K and V cross HBM at 1 byte a
+value.  ``window=(left, right)``: the query is the last key n - 1, so it sees keys
+[n - 1 - left, n); only those are split among the blocks (and counted by the split
+heuristic), keys before them are never read.
+
 Notation (Flash-Decoding, Dao et al., 2023; PagedAttention, Kwon et al., 2023):
 
 =======  ===========================================================================
@@ -17,9 +24,13 @@ S        splits of the key axis (num_splits); :func:`num_splits_heuristic` picks
 g        query heads per KV head (GQA group)
 O_s      the partial output of split s, normalised, in the accumulator dtype (HBM)
 LSE_s    its log-sum-exp (natural log); a split with no keys has LSE_s = -inf
+s_K, s_V a quantized block's scales: a stored code c stands for c * s
+(l, r)   ``window``: keys j >= n - 1 - l are visible (r bounds nothing past the last key)
 =======  ===========================================================================
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -119,6 +130,16 @@ def _contiguous(call, x):
     return cp.ascontiguousarray(cp.asarray(x))
 
 
+def _window_left(window) -> int:
+    """The window's left extent as the kernels take it (-1: unbounded)."""
+    return cv.resolve_window(window)[0]
+
+
+def _visible(lens: np.ndarray, left: int) -> np.ndarray:
+    """Per sequence, the keys its query sees: min(n, left + 1), or n when unbounded."""
+    return lens if left < 0 else np.minimum(lens, left + 1)
+
+
 def _check_tables(tables, lens, num_blocks, block_size, name="block_tables"):
     """Every block a sequence uses is a real block of the pool (vectorized: tables can be long)."""
     need_blocks = -(-lens // block_size)
@@ -181,7 +202,7 @@ def _register(op):
 
 
 @_register("decode")
-def run_decode(q, k, v, *, seq_lens, num_splits, scale, config):
+def run_decode(q, k, v, *, seq_lens, num_splits, scale, config, window=None):
     """Decode over a contiguous cache with a resolved config: (O, LSE) of q's kind."""
     B, Hkv, N, d, dtype = _check_cache(q, k, v)
     lens = None
@@ -196,64 +217,100 @@ def run_decode(q, k, v, *, seq_lens, num_splits, scale, config):
         qd = unit_rows(_contiguous(call, call.to_device(q, "q")))
         kd, vd = unit_rows(call.to_device(k, "k")), unit_rows(call.to_device(v, "v"))
         lens_d = None if lens is None else call.constant(lens.astype(np.int32))
-        longest = N if lens is None else int(lens.max(initial=0))
+        left = _window_left(window)
+        longest = int(_visible(np.full(B, N) if lens is None else lens, left).max(initial=0))
         o, lse = call.empty(q.shape, dtype), call.empty(q.shape[:2], acc)
         launch_decode(qd, kd, vd, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits,
-                      longest=longest, nk=N, config=config)
+                      longest=longest, nk=N, config=config, window_left=left)
     return call.finish(o, dtype), call.finish(lse, acc)
 
 
-def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
     """Flash-Decoding over a contiguous cache: q (B, Hq, d), k, v (B, Hkv, N, d) -> (O, LSE).
 
-    ``config``: a :class:`DecodeConfig` (None, or version None: the registry's default)."""
+    ``config``: a :class:`DecodeConfig` (None, or version None: the registry's default);
+    ``window`` (left, right): the query (key n - 1) sees keys [n - 1 - left, n)."""
     _check_cache(q, k, v)
     kernel, cfg = REGISTRY.resolve("decode", config, need("decode", q=q, k=k, v=v))
-    return kernel.launcher(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=cfg)
+    return kernel.launcher(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=cfg,
+                           window=window)
 
 
 # --------------------------------------------------------------------------- paged cache
 @_register("paged_decode")
-def run_paged_decode(q, cache, seq_ids, *, num_splits, scale, config):
-    """Decode over a PagedKVCache with a resolved config.  Its pools are NumPy arrays: they
-    are copied to the device on every call (:func:`paged_decode_pools` takes device pools)."""
+def run_paged_decode(q, cache, seq_ids, *, num_splits, scale, config, window=None):
+    """Decode over a PagedKVCache with a resolved config.  Its pools (and a quantized cache's
+    scales) are NumPy arrays: they are copied to the device on every call
+    (:func:`paged_decode_pools` takes device pools)."""
     tables, lens = cache.block_tables_array(list(seq_ids))
+    quant = None
+    if cache.quantized:
+        quant = dict(kv=cache.kv_dtype, dtype=cache.dtype.name, k_scale=cache.k_scale, v_scale=cache.v_scale)
     return _paged_pools(q, cache.k_pool, cache.v_pool, tables, lens, num_splits=num_splits, scale=scale,
-                        config=config)
+                        config=config, window=window, quant=quant)
 
 
-def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
-    """Decode over a :class:`~iokernels.paged.PagedKVCache` (``config``: a :class:`DecodeConfig`)."""
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None, window=None):
+    """Decode over a :class:`~iokernels.paged.PagedKVCache` (``config``: a :class:`DecodeConfig`;
+    a quantized cache is read as its codes and scales, by v1 and v3)."""
     _check_decode_q(q, cache.num_kv_heads, cache.head_dim, np.dtype(cache.dtype).name)
     kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, cache=cache))
-    return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg)
+    return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg, window=window)
 
 
 def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None,
-                       config=None):
+                       config=None, window=None, quant=None):
     """Decode over paged pools (num_blocks, block_size, Hkv, d) with int32 block tables (B, max_blocks).
 
     Pools on the device (CuPy, torch CUDA) are used in place, through their strides when
     their rows have unit stride (a heads-outer pool passed as its (blocks, slots, Hkv, d)
     view, say); NumPy pools are copied in.  ``config``: a :class:`DecodeConfig`.
+    ``quant``: None, or dict(kv=code format, k_scale, v_scale) for pools of 1-byte codes
+    (uint8 or int8) with float32 scales (num_blocks, Hkv or 1), NumPy or of q's kind; the
+    queries' dtype is then the compute dtype.
     """
-    _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
+    if quant is None:
+        _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
+        n = need("paged_decode", q=q, k=k_pool, v=v_pool)
+    else:
+        quant = dict(quant, dtype=cv.dtype_name(q))
+        _, _, Hkv, d, dtype = _quant_pools(k_pool, v_pool, quant)
+        n = need("paged_decode", q=q, k=k_pool, v=v_pool)
+        gran = "block_head" if int(quant["k_scale"].shape[1]) == Hkv else "block"
+        n = replace(n, dtype=dtype, extra=dict(n.extra, kv_dtype=quant["kv"], scale_granularity=gran))
     _check_decode_q(q, Hkv, d, dtype)
-    kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, k=k_pool, v=v_pool))
-    return _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale, config=cfg)
+    kernel, cfg = REGISTRY.resolve("paged_decode", config, n)
+    return _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale, config=cfg,
+                        window=window, quant=quant)
 
 
-def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale, config):
-    nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
+def _quant_pools(k_pool, v_pool, quant):
+    """(num_blocks, block_size, Hkv, d, compute dtype) of a quantized cache's code pools."""
+    ps = tuple(k_pool.shape)
+    size = [x.element_size() if hasattr(x, "element_size") else x.itemsize for x in (k_pool, v_pool)]
+    if tuple(v_pool.shape) != ps or size != [1, 1]:
+        raise ValueError(f"v_pool: a {quant['kv']} cache's pools are 1-byte codes of one shape, got {ps}, "
+                         f"{tuple(v_pool.shape)}")
+    return (*ps, quant["dtype"])
+
+
+def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale, config, window=None, quant=None):
+    nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool) if quant is None else _quant_pools(k_pool, v_pool, quant)
     _check_decode_q(q, Hkv, d, dtype)
     B = q.shape[0]
     tables, lens = check_paged_lengths(block_tables, seq_lens, B, nb, bs)
     scale = cv.resolve_scale(scale, d)
+    left = _window_left(window)
     call = Call(q)
     acc = cv.accum_dtype(dtype).name
     with on_stream(call.stream_ptr()):
         qd = unit_rows(_contiguous(call, call.to_device(q, "q")))
         kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
+        kv = None
+        if quant is not None:                       # the scales travel as the pools do
+            ks, vs = (_scales_device(call, quant[n], n) for n in ("k_scale", "v_scale"))
+            kv = dict(kv=quant["kv"], k_scale=ks, v_scale=vs, scale_blk=ks.shape[1],
+                      scale_head=int(ks.shape[1] == Hkv))
         # lengths and tables travel in one host -> device copy, made once while their content
         # stays the same (Call.constant): lens = packed[:B], the tables after it
         packed = device_array(call.constant(np.concatenate([lens.astype(np.int32),
@@ -261,7 +318,8 @@ def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale
         o, lse = call.empty(q.shape, dtype), call.empty(q.shape[:2], acc)
         launch_decode(qd, kp, vp, _offset(packed, 0, (B,)), o, lse, dtype=dtype, scale=scale,
                       num_splits=num_splits, paged=(_offset(packed, B, tables.shape), bs),
-                      longest=int(lens.max(initial=0)), nk=0, config=config)
+                      longest=int(_visible(lens, left).max(initial=0)), nk=0, config=config,
+                      window_left=left, quant=kv)
     return call.finish(o, dtype), call.finish(lse, acc)
 
 
@@ -271,8 +329,22 @@ def _pool_device(call, pool, name):
     caller's library, whatever kind q is."""
     if isinstance(pool, np.ndarray):
         a = np.ascontiguousarray(pool)
-        return device_array(call.from_host(a.view(np.uint16) if cv.dtype_name(a) == "bfloat16" else a))
+        if a.dtype.name in ("bfloat16", "float8_e4m3fn"):       # ml_dtypes: their bits, as unsigned ints
+            a = a.view(np.uint16 if a.itemsize == 2 else np.uint8)
+        return device_array(call.from_host(a))
     return unit_rows(call.to_device(pool, name))
+
+
+def _scales_device(call, s, name):
+    """A quantized cache's float32 scales (num_blocks, Hkv or 1), contiguous on the device:
+    NumPy ones (a PagedKVCache's) copied in as the pools are, device ones used in place."""
+    if isinstance(s, np.ndarray):
+        return device_array(call.from_host(np.ascontiguousarray(s, np.float32)))
+    a = device_array(call.to_device(s, name))
+    if a.dtype != "float32" or len(a.shape) != 2 or not a.c_contiguous():
+        raise ValueError(f"{name}: expected contiguous float32 scales (num_blocks, Hkv or 1), got {a.dtype} "
+                         f"{a.shape}")
+    return a
 
 
 def _offset(a, start: int, shape: tuple):
@@ -286,9 +358,14 @@ def _offset(a, start: int, shape: tuple):
 
 # --------------------------------------------------------------------------- the launch
 def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, paged=None,
-                  longest=None, nk=None, config):
+                  longest=None, nk=None, config, window_left=-1, quant=None):
     """Split kernel (+ combine when num_splits > 1 and the version does not fuse it) on
     device arrays.
+
+    ``window_left``: the sliding window's left extent (-1: none); ``longest`` is then the most
+    keys a query sees.  ``quant`` (paged only): None, or dict(kv=code format, k_scale, v_scale
+    (float32 device arrays (num_blocks, Hkv or 1)), scale_blk, scale_head (the scales'
+    strides a block and a KV head)); kd, vd are then the 1-byte code pools.
 
     ``lens_d``: int32 device lengths (B,), or None when every sequence uses all ``nk`` keys.
     ``paged``: None for a contiguous cache, else (block_tables int32 device array (B, max_blocks),
@@ -314,15 +391,16 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
         raise ValueError(f"config.version: {config.version} needs rows that start on 16 bytes (use 'v1')")
     dev = device_info()
     longest = nk if longest is None else longest
+    kv = None if quant is None else quant["kv"]
     defines = config.defines(d, dtype, group, paged is not None, block_size, aligned=aligned,
-                             smem_limit=dev["smem_optin"])
+                             smem_limit=dev["smem_optin"], kv=kv)
     file, kernel = SPLIT_KERNELS[config.version]
     threads = 32 * defines["NUM_WARPS"]
     fused = bool(defines.get("FUSED", 0))
     if config.version in RING_FUSED:
         # compiled once per defines; its SRAM is sized a launch (at least the rings)
         base_smem, _ = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
-                                                   defines["NUM_WARPS"])
+                                                   defines["NUM_WARPS"], kv=kv)
         if base_smem > dev["smem_optin"]:
             raise ValueError(f"config: decode {config.version} with {defines['NUM_WARPS']} warps x "
                              f"{defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs {base_smem:,} B of shared memory a block at "
@@ -348,7 +426,7 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
             want = -(-per_split // block_size) + 1          # a split may straddle one more page
             table_cap = want if want <= C.DECODE_V3_TABLE_CAP else 0
         smem, table_offset = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
-                                                         defines["NUM_WARPS"], S, fused, table_cap)
+                                                         defines["NUM_WARPS"], S, fused, table_cap, kv)
         if smem > dev["smem_optin"]:
             raise ValueError(f"config: decode {config.version} needs {smem:,} B of shared memory a block, more "
                              f"than this GPU's {dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")
@@ -370,8 +448,11 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
         layout = (tables.arg, i32(tables.shape[1]), *map(i64, kd.strides[:3]))
         if config.version in RING_FUSED:
             layout += (i32(table_cap), i32(table_offset))
+        if quant is not None:
+            layout += (quant["k_scale"].arg, quant["v_scale"].arg, i32(quant["scale_blk"]), i32(quant["scale_head"]))
     lens_arg = device_array(lens_d).arg if lens_d is not None else np.uint64(0)
-    args = (qd.arg, kd.arg, vd.arg, *layout, lens_arg, i32(nk), i32(Hq), i32(Hkv), acc(scale), i32(S), *parts)
+    args = (qd.arg, kd.arg, vd.arg, *layout, lens_arg, i32(nk), i32(Hq), i32(Hkv), acc(scale), i32(S),
+            i32(window_left), *parts)
     if config.version in RING_FUSED:
         args += (_decode_counters(B * Hkv) if fused and S > 1 else np.uint64(0),)
     fn((S, Hkv, B), (threads,), args + (o.arg, lse.arg), shared_mem=smem)

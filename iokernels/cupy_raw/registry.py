@@ -24,9 +24,14 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
     """What a call of ``op`` needs of a kernel.  ``k`` / ``v``: the contiguous cache (decode,
     attention) or the pools (paged_decode, paged_gather).  cc and the shared memory per
     block (``extra["smem"]``) are None without a GPU; ``extra["group"]`` is heads_q /
-    heads_kv and ``extra["aligned16"]`` says whether every row starts on 16 bytes."""
+    heads_kv and ``extra["aligned16"]`` says whether every row starts on 16 bytes.  A
+    quantized cache's need has its compute dtype (``cache.dtype``: q's and O's) and
+    ``extra["kv_dtype"]`` / ``extra["scale_granularity"]``."""
+    kv = gran = None
     if cache is not None:
         dtype, d, hkv = cv.dtype_name(cache.k_pool), cache.head_dim, cache.num_kv_heads
+        if cache.quantized:
+            dtype, kv, gran = cache.dtype.name, cache.kv_dtype, cache.scale_granularity
         arrays = cache_arrays = ()
     else:
         first = k if k is not None else q
@@ -43,7 +48,7 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
         cc, smem = dev["cc"], dev["smem_optin"]
     aligned = all(_rows_aligned16(a) for a in arrays)
     return Need(dtype=dtype, head_dim=d, cc=cc, contiguous=all(_c_contiguous(a) for a in cache_arrays),
-                extra=dict(smem=smem, group=group, aligned16=aligned))
+                extra=dict(smem=smem, group=group, aligned16=aligned, kv_dtype=kv, scale_granularity=gran))
 
 
 def _device(x) -> DeviceArray | None:
@@ -102,18 +107,40 @@ def check_v2(n: Need) -> str | None:
     return _bf16_cc(n) or _forward_fits("v2", n)
 
 
+#: the quantized caches decode v1 and v3 read: code formats and scale granularities
+QUANT_KV = tuple(k for k in C.KV_QUANT_IDS if k is not None)
+QUANT_GRANULARITIES = ("block_head", "block")
+
+
+def _check_quant(version: str, n: Need) -> str | None:
+    kv, gran = n.extra.get("kv_dtype"), n.extra.get("scale_granularity")
+    if kv is None:
+        return None
+    if version in ("v2", "v4"):
+        return f"kv_dtype: reads unquantized pools; a {kv} cache is read by v1 and v3"
+    if kv not in QUANT_KV:
+        return f"kv_dtype: {kv} codes are not decoded by this kernel (it decodes {', '.join(QUANT_KV)})"
+    if gran not in QUANT_GRANULARITIES:
+        return f"scale_granularity: {gran!r} scales are not read (it reads {', '.join(QUANT_GRANULARITIES)})"
+    return None
+
+
 def check_decode_v1(n: Need) -> str | None:
-    return _bf16_cc(n)
+    return _check_quant("v1", n) or _bf16_cc(n)
 
 
 def _check_ring(version: str, n: Need) -> str | None:
-    if C.decode_v2_geometry(n.head_dim, n.dtype) is None:
-        return (f"rows must be whole 16-byte chunks, at most {C.MAX_ROW_CHUNKS}; head_dim={n.head_dim} "
-                f"({n.dtype}) is not")
+    why = _check_quant(version, n)
+    if why:
+        return why
+    kv = n.extra.get("kv_dtype")
+    if C.decode_v2_geometry(n.head_dim, n.dtype, None, kv) is None:
+        return (f"rows must be whole 16-byte chunks, at most {C.MAX_ROW_CHUNKS} (and {C.MAX_ROW_CHUNKS} lanes' "
+                f"units); head_dim={n.head_dim} ({kv or n.dtype}) is not")
     if not n.extra.get("aligned16", True):
         return "rows must start on 16-byte boundaries (base pointer and strides)"
     smem = n.extra.get("smem")
-    bound = C.ring_smem_bound(version, n.head_dim, n.dtype, n.extra.get("group", 1))
+    bound = C.ring_smem_bound(version, n.head_dim, n.dtype, n.extra.get("group", 1), kv=kv)
     if smem is not None and bound > smem:
         return (f"its shallowest ring needs up to {bound:,} B of shared memory a block at head_dim="
                 f"{n.head_dim} ({n.dtype}), group {n.extra.get('group', 1)}; this GPU allows {smem:,} B")

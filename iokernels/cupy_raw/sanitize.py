@@ -5,8 +5,11 @@
 version) runs for every dtype its check accepts, at shapes that are multiples of no tile
 (Nq = 37, Nk = 77, head dims 64, 72 and 59 -- 59 takes the element-wise copy paths of the
 versions that have word paths --, GQA 4/2, a window, ragged decode lengths with an empty
-sequence, a paged cache with a partial last block, in the dtypes a PagedKVCache holds; MLA
-decode at 80 query heads, contiguous and paged), plus the settings in :data:`VARIANTS`.
+sequence, a paged cache with a partial last block, in the dtypes a PagedKVCache holds,
+a sliding-window decode, quantized paged caches of :data:`QUANT_CASES`; MLA decode at 80
+query heads, contiguous and paged), plus the settings in :data:`VARIANTS`.  A quantized
+cache's decode is held against the oracle on the values the cache holds (its codes times
+its scales, :meth:`PagedKVCache.gather`).
 Inputs are NumPy arrays, so CuPy is the only GPU library loaded.  Each result is held
 against :mod:`iokernels.core.reference` with the shared checker (float64 to about 1e-12,
 lower precisions by the 2x rule against the naive algorithm in the same precision).
@@ -31,6 +34,11 @@ DECODE_SPLITS = (1, 5)
 PAGED_LENS = (301, 45)
 PAGED_SPLITS = (3, 1)
 BLOCK_SIZE = 16
+#: the sliding window of the windowed decode cases: it starts inside the first split of 5
+#: and leaves the splits before it without keys
+DECODE_WINDOW = (100, 0)
+#: quantized paged caches: (code format, scale granularity)
+QUANT_CASES = (("int8", "block_head"), ("float8_e4m3fn", "block"))
 #: settings run next to each version's default config (kwargs of its config class)
 VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
@@ -71,10 +79,10 @@ def _decode_inputs(rng, d, dtype, lens):
     return q[:, :, 0], k, v
 
 
-def _check_decode(o, q, k, v, lens, dtype, name):
+def _check_decode(o, q, k, v, lens, dtype, name, window=None):
     lens = np.asarray(lens)
-    ref_o, ref_l = reference.decode(q, k, v, seq_lens=lens)
-    base = None if dtype == "float64" else api.decode(q, k, v, seq_lens=lens, backend="naive")
+    ref_o, ref_l = reference.decode(q, k, v, seq_lens=lens, window=window)
+    base = None if dtype == "float64" else api.decode(q, k, v, seq_lens=lens, backend="naive", window=window)
     _ok(check(o, ref_o, base, dtype=dtype, name="O", masked_rows=~np.isfinite(ref_l)[..., None]), name)
 
 
@@ -91,6 +99,11 @@ def _decode(kernel, cfg, dtype, rng, label):
                 name = f"{label} d={d} splits={splits}"
                 _check_decode(o, q, k, v, DECODE_LENS, dtype, name)
             out.append(name)
+        o, _ = kernel.launcher(q, k, v, seq_lens=np.array(DECODE_LENS), num_splits=max(DECODE_SPLITS), scale=None,
+                               config=cfg, window=DECODE_WINDOW)
+        name = f"{label} d={d} splits={max(DECODE_SPLITS)} window={DECODE_WINDOW}"
+        _check_decode(o, q, k, v, DECODE_LENS, dtype, name, DECODE_WINDOW)
+        out.append(name)
     return out
 
 
@@ -98,9 +111,10 @@ def _decode(kernel, cfg, dtype, rng, label):
 PAGED_DTYPES = ("float16", "float32", "float64")
 
 
-def _paged_cache(rng, d, dtype):
+def _paged_cache(rng, d, dtype, **quant):
+    """A cache of PAGED_LENS sequences (``quant``: kv_dtype=, scale_granularity= of a quantized one)."""
     from ..paged import PagedKVCache
-    cache = PagedKVCache(64, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=d, dtype=numpy_dtype(dtype))
+    cache = PagedKVCache(64, block_size=BLOCK_SIZE, num_kv_heads=2, head_dim=d, dtype=numpy_dtype(dtype), **quant)
     sids = []
     for n in PAGED_LENS:
         sid = cache.new_sequence()
@@ -120,27 +134,32 @@ def _contiguous_of(cache, sids):
     return k, v
 
 
-def _paged_caches(rng, dtype):
-    """(head_dim, cache, sequence ids) for each of DECODE_DIMS, in the dtypes a cache holds."""
+def _paged_caches(rng, dtype, quant=False):
+    """(head_dim, cache, sequence ids) for each of DECODE_DIMS, in the dtypes a cache holds;
+    ``quant``: the quantized caches of QUANT_CASES too."""
     if dtype in PAGED_DTYPES:
         for d in DECODE_DIMS:
             yield (d, *_paged_cache(rng, d, dtype))
+            for kv, gran in QUANT_CASES if quant else ():
+                yield (d, *_paged_cache(rng, d, dtype, kv_dtype=kv, scale_granularity=gran))
 
 
 def _paged_decode(kernel, cfg, dtype, rng, label):
     out = []
-    for d, cache, sids in _paged_caches(rng, dtype):
+    for d, cache, sids in _paged_caches(rng, dtype, quant=True):
         q = make_inputs(rng, batch=len(sids), heads_q=4, heads_kv=2, seqlen_q=1, seqlen_k=1, head_dim=d,
                         dtype=dtype)[0][:, :, 0]
         if kernel.unavailable(need("paged_decode", q=q, cache=cache)) is not None:
             continue
-        k, v = _contiguous_of(cache, sids)
+        k, v = _contiguous_of(cache, sids)                  # what the cache holds (dequantized)
+        kind = f" {cache.kv_dtype} {cache.scale_granularity}" if cache.quantized else ""
         for splits in PAGED_SPLITS:
-            for _ in range(2 if ("paged_decode", kernel.version) in TWICE else 1):
-                o, _ = kernel.launcher(q, cache, sids, num_splits=splits, scale=None, config=cfg)
-                name = f"{label} d={d} splits={splits}"
-                _check_decode(o, q, k, v, PAGED_LENS, dtype, name)
-            out.append(name)
+            for window in (None, DECODE_WINDOW):
+                for _ in range(2 if ("paged_decode", kernel.version) in TWICE else 1):
+                    o, _ = kernel.launcher(q, cache, sids, num_splits=splits, scale=None, config=cfg, window=window)
+                    name = f"{label}{kind} d={d} splits={splits} window={window}"
+                    _check_decode(o, q, k, v, PAGED_LENS, dtype, name, window)
+                out.append(name)
     return out
 
 

@@ -67,6 +67,12 @@ the call, so the timer counted the GPU waiting for the host, more in one run tha
 next.  The split count is now cached per shape; a benchmark that wants the kernel's time
 must queue more slack than the call's host time (or replay a captured graph).
 
+A quantized :class:`~iokernels.paged.PagedKVCache` (1-byte int8 / float8 e4m3 codes with
+float32 block scales) is read by v3 (:mod:`.decode_v3`) as it is stored; v1 and v2 read
+unquantized pools and refuse one by name.  ``window=(left, right)`` (every version): the
+query is the last key n - 1, so only keys [n - 1 - left, n) are split among the blocks and
+counted by the split heuristic.
+
 Counted traffic (simulator, :mod:`.counting`) equals ``traffic.model("decode")`` /
 ``("paged_decode")`` of the NumPy versions; the device kernels also read ``seq_lens`` (one
 int per block), which the NumPy versions hold on the host.
@@ -146,7 +152,7 @@ def make_split(D: int, G: int, L: int, paged: bool, acc_name: str, simulated: bo
     lane_sum = make_lane_sum(L, KPI * G, simulated, warp_mask(NT))
     merge = make_group_merge(D, G, L, KG, NT, DPT, 1, acc_name)
 
-    def split(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, bn, nsplit):
+    def split(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, bn, nsplit, left):
         sp, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
         kg, lane = tid // L, tid % L
@@ -155,9 +161,10 @@ def make_split(D: int, G: int, L: int, paged: bool, acc_name: str, simulated: bo
             n_s[0] = lens[b]                                  # read n_b (once per block)
         cuda.syncthreads()
         n = n_s[0]
-        tiles = (n + bn - 1) // bn                            # split_ranges, in tiles of bn keys
-        per = (tiles + nsplit - 1) // nsplit
-        start, end = min(sp * per * bn, n), min((sp + 1) * per * bn, n)
+        a = 0 if left < 0 else max(n - 1 - left, 0)           # the first key the query sees
+        t0 = a // bn                                          # split_ranges over the visible
+        per = ((n + bn - 1) // bn - t0 + nsplit - 1) // nsplit  # tiles [t0, ceil(n / bn))
+        start, end = min(max((t0 + sp * per) * bn, a), n), min((t0 + (sp + 1) * per) * bn, n)
         Q_s = cuda.shared.array((G, DPAD), ACC)               # SRAM: the g query rows
         tbl = cuda.shared.array(STAGE, int32)                 # SRAM: block-table entries
         red_m = cuda.shared.array(KG, ACC)                    # SRAM: per-group states to merge
@@ -183,11 +190,12 @@ def make_split(D: int, G: int, L: int, paged: bool, acc_name: str, simulated: bo
                 q_r[g, u] = Q_s[g, lane + L * u]
                 o_r[g, u] = ZERO
         chunk = STAGE * bn if PAGED else max(end - start, 1)
-        for p0 in range(start, end, chunk):                   # paged: a stage of table entries
-            p1 = min(p0 + chunk, end)
+        lo = start - start % bn if PAGED else start           # stages start on a page
+        for pa in range(lo, end, chunk):                      # paged: a stage of table entries
+            p0, p1 = max(pa, start), min(pa + chunk, end)
             if PAGED:
-                for e in range(tid, (p1 - p0 + bn - 1) // bn, NT):
-                    tbl[e] = tables[b, p0 // bn + e]          # load table entries -> SRAM
+                for e in range(tid, (p1 - pa + bn - 1) // bn, NT):
+                    tbl[e] = tables[b, pa // bn + e]          # load table entries -> SRAM
                 cuda.syncthreads()
             for base in range(p0, p1, KG * KPI):              # every thread the same trip count
                 for e in range(KPI):                          # load KPI keys' k, v -> registers
@@ -198,7 +206,7 @@ def make_split(D: int, G: int, L: int, paged: bool, acc_name: str, simulated: bo
                         vv[e, u] = ZERO
                         if c < p1 and dd < D:
                             if PAGED:
-                                blk, slot = tbl[(c - p0) // bn], (c - p0) % bn
+                                blk, slot = tbl[(c - pa) // bn], (c - pa) % bn
                                 kk[e, u] = ACC(k[blk, slot, hk, dd])
                                 vv[e, u] = ACC(v[blk, slot, hk, dd])
                             else:
@@ -263,7 +271,7 @@ def make_split_v2(D: int, G: int, L: int, KPI: int, BN: int, paged: bool, store_
     merge = make_group_merge(D, G, L, KG, NT, WPL, EPW, acc_name)
     held, unpack = make_unpack(store_name, word_name, acc_name, simulated)
 
-    def split_v2(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, nsplit):
+    def split_v2(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, nsplit, left):
         sp, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
         kg, lane = tid // L, tid % L
@@ -272,9 +280,10 @@ def make_split_v2(D: int, G: int, L: int, KPI: int, BN: int, paged: bool, store_
             n_s[0] = lens[b]                                  # read n_b (once per block)
         cuda.syncthreads()
         n = n_s[0]
-        tiles = (n + BN - 1) // BN                            # split_ranges, in tiles of Bn keys
-        per = (tiles + nsplit - 1) // nsplit
-        start, end = min(sp * per * BN, n), min((sp + 1) * per * BN, n)
+        a = 0 if left < 0 else max(n - 1 - left, 0)           # the first key the query sees
+        t0 = a // BN                                          # split_ranges over the visible
+        per = ((n + BN - 1) // BN - t0 + nsplit - 1) // nsplit  # tiles [t0, ceil(n / BN))
+        start, end = min(max((t0 + sp * per) * BN, a), n), min((t0 + (sp + 1) * per) * BN, n)
         Q_s = cuda.shared.array((G, DPAD), ACC)               # SRAM: the g query rows
         tbl = cuda.shared.array(STAGE, int32)                 # SRAM: block-table entries
         red_m = cuda.shared.array(KG, ACC)
@@ -301,18 +310,19 @@ def make_split_v2(D: int, G: int, L: int, KPI: int, BN: int, paged: bool, store_
                     q_r[g, u * EPW + ee] = Q_s[g, (lane + L * u) * EPW + ee]
                     o_r[g, u * EPW + ee] = ZERO
         chunk = STAGE * BN if PAGED else max(end - start, 1)
-        for p0 in range(start, end, chunk):                   # paged: a stage of table entries
-            p1 = min(p0 + chunk, end)
+        lo = start - start % BN if PAGED else start           # stages start on a page
+        for pa in range(lo, end, chunk):                      # paged: a stage of table entries
+            p0, p1 = max(pa, start), min(pa + chunk, end)
             if PAGED:
-                for e in range(tid, (p1 - p0 + BN - 1) // BN, NT):
-                    tbl[e] = tables[b, p0 // BN + e]          # load table entries -> SRAM
+                for e in range(tid, (p1 - pa + BN - 1) // BN, NT):
+                    tbl[e] = tables[b, pa // BN + e]          # load table entries -> SRAM
                 cuda.syncthreads()
             for base in range(p0, p1, KG * KPI):              # every thread the same trip count
                 for e in range(KPI):                          # load KPI keys' words -> registers
                     c = base + kg + e * KG                    # (all loads before any math)
                     blk, slot = 0, 0
                     if PAGED and c < p1:
-                        blk, slot = tbl[(c - p0) // BN], (c - p0) % BN
+                        blk, slot = tbl[(c - pa) // BN], (c - pa) % BN
                     for u in range(WPL):
                         w = lane + L * u
                         kw[e, u] = WZERO
@@ -433,9 +443,11 @@ def lanes_v2(head_dim, dtype, word_name, config=None):
     return L
 
 
-def split_smem_bytes(config: DecodeConfig, head_dim: int, g: int, dtype: str, word_name: str) -> int:
+def split_smem_bytes(config: DecodeConfig, head_dim: int, g: int, dtype: str, word_name: str,
+                     store: str | None = None) -> int:
     """Static shared memory of one split block of ``config.version``: the g query rows, the KG
-    groups' states for the merge, the staged table entries."""
+    groups' states for the merge, the staged table entries.  ``store``: what K/V hold when it
+    is not ``dtype`` (a quantized cache's "uint8" codes)."""
     acc = np.dtype(acc_dtype(dtype)).itemsize
     if config.version == "v1":
         L = lanes_for(head_dim)
@@ -444,8 +456,8 @@ def split_smem_bytes(config: DecodeConfig, head_dim: int, g: int, dtype: str, wo
         dpad, kg, stage = _padded(head_dim, dtype, word_name, lanes_v2(head_dim, dtype, word_name, config)), \
             KEY_GROUPS_V2, TABLE_STAGE_V2
     else:
-        L, _, kg = d3.split_v3_tiling(head_dim, dtype, word_name, config)
-        dpad, stage = _padded(head_dim, dtype, word_name, L), d3.TABLE_STAGE_V3
+        L, _, kg = d3.split_v3_tiling(head_dim, store or dtype, word_name, config)
+        dpad, stage = _padded(head_dim, store or dtype, word_name, L), d3.TABLE_STAGE_V3
     return (g * dpad + kg * (dpad + 2)) * acc + stage * 4
 
 
@@ -503,6 +515,7 @@ def even_splits(s0: int, tiles: int, slack: float = EVEN_SPLIT_SLACK) -> int:
 
 
 def resolve_splits(num_splits, B, Hkv, max_len, block_n, version):
+    """``num_splits``, or the heuristic's for ``max_len`` keys (the most a query sees)."""
     if num_splits is None:
         num_splits = default_num_splits(B, Hkv, max_len, block_n, version)
     if num_splits > MAX_SPLITS:
@@ -512,38 +525,47 @@ def resolve_splits(num_splits, B, Hkv, max_len, block_n, version):
 
 
 # --------------------------------------------------------------------------- launch
-def _launch_split_v1(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream):
+def _launch_split_v1(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream,
+                     left=-1, quant=None):
     B, Hq, d = q.shape
     Hkv = k.shape[2] if paged else k.shape[1]
     dtype = str(np.dtype(o.dtype))
     split = ln.jitted(split_kernel_function(d, Hq // Hkv, dtype, paged))
     split[(int(lse_part.shape[0]), Hkv, B), KEY_GROUPS * lanes_for(d), stream](
-        q, k, v, tables, lens, o, lse, o_part, lse_part, acc_dtype(dtype)(scale), block_n, int(lse_part.shape[0]))
+        q, k, v, tables, lens, o, lse, o_part, lse_part, acc_dtype(dtype)(scale), block_n, int(lse_part.shape[0]),
+        int(left))
 
 
-def _launch_split_v2(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream):
+def _launch_split_v2(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream,
+                     left=-1, quant=None):
     B, Hq, d = q.shape
     Hkv = k.shape[2] if paged else k.shape[1]
     dtype, word = str(np.dtype(o.dtype)), str(np.dtype(k.dtype))
     S = int(lse_part.shape[0])
     split = ln.jitted(split_v2_kernel_function(d, Hq // Hkv, dtype, paged, block_n, word, config))
     split[(S, Hkv, B), KEY_GROUPS_V2 * lanes_v2(d, dtype, word, config), stream](
-        q, k, v, tables, lens, o, lse, o_part, lse_part, acc_dtype(dtype)(scale), S)
+        q, k, v, tables, lens, o, lse, o_part, lse_part, acc_dtype(dtype)(scale), S, int(left))
 
 
 #: each version's split launcher (the combine is the same for all)
 SPLIT_LAUNCHERS = {"v1": _launch_split_v1, "v2": _launch_split_v2, "v3": d3.launch_split_v3}
 
 
-def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream=0):
+def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream=0,
+                  left=-1, quant=None):
     """Launch split (+ combine when S > 1) on device or counting arrays already allocated, on
     ``stream``.  o_part / lse_part: (S, B, Hq, d) / (S, B, Hq) float32 scratch (any shape when
-    S == 1).  v2, v3: k and v are the word views of :func:`kv_words`."""
+    S == 1).  v2, v3: k and v are the word views of :func:`kv_words`.  ``left``: the sliding
+    window's left extent (-1: none); ``quant`` (v3, paged): None or dict(kv=code format,
+    k_scale, v_scale), k and v then the code pools' words."""
     B, Hq, d = q.shape
     if B == 0:
         return
+    if quant is not None and config.version != "v3":
+        raise ValueError(f"config.version: a {quant['kv']} cache is read by split kernel v3, not {config.version}")
     SPLIT_LAUNCHERS[config.version](q, k, v, tables, lens, o, lse, o_part, lse_part, scale=scale,
-                                    block_n=block_n, paged=paged, config=config, stream=stream)
+                                    block_n=block_n, paged=paged, config=config, stream=stream, left=left,
+                                    quant=quant)
     if int(lse_part.shape[0]) > 1:
         comb = ln.jitted(combine_kernel_function(d, str(np.dtype(o.dtype))))
         comb[B * Hq, COMBINE_THREADS, stream](o_part, lse_part, o, lse)
@@ -559,8 +581,12 @@ def kv_words(k, v, head_dim, dtype):
     return k.view(np.dtype(word)), v.view(np.dtype(word)), word
 
 
-def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, paged, max_len, cfg):
+def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, paged, max_len, cfg, window=None,
+                   quant=None):
     dtype = ln.check_dtype(q, "q")
+    left = cv.resolve_window(window)[0]
+    if left >= 0:                                         # the heuristic counts the visible keys
+        max_len = int(np.minimum(np.asarray(lens_h), left + 1).max(initial=0))
     B, Hq, d = (int(x) for x in q.shape)
     scale = cv.resolve_scale(scale, d)
     Hkv = int(k.shape[2] if paged else k.shape[1])
@@ -569,10 +595,11 @@ def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     if cfg.version == "v3" and not all(ln.c_contiguous(x) for x in (dk, dv)):
         raise ValueError("k, v: decode v3 reads the cache through flat views and needs C-contiguous K and V "
                          "(call .contiguous() / np.ascontiguousarray, or use v1 or v2)")
-    word = dtype
+    store = dtype if quant is None else "uint8"
+    word = store
     if cfg.version != "v1":
-        dk, dv, word = kv_words(dk, dv, d, dtype)
-    need = split_smem_bytes(cfg, d, Hq // Hkv, dtype, word)
+        dk, dv, word = kv_words(dk, dv, d, store)
+    need = split_smem_bytes(cfg, d, Hq // Hkv, dtype, word, store)
     if need > SHARED_LIMIT_BYTES:
         raise ValueError(f"q: {Hq // Hkv} query heads per KV head at head_dim {d} ({dtype}) need {need:,} B "
                          f"of shared memory in the numba decode kernel {cfg.version}, more than "
@@ -585,14 +612,19 @@ def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     part = (S, B, Hq) if S > 1 else (1, 1, 1)             # S == 1 writes O, LSE directly
     _, op = ln.empty(call, part + (d if S > 1 else 1,), acc)
     _, lp = ln.empty(call, part, acc)
+    qd = None
+    if quant is not None:                                 # the scales travel as the pools do
+        qd = dict(kv=quant["kv"], k_scale=ln.device_in(call, quant["k_scale"], "k_scale"),
+                  v_scale=ln.device_in(call, quant["v_scale"], "v_scale"))
     launch_decode(dq, dk, dv, tables, lens, o_d, lse_d, op, lp, scale=scale, block_n=block_n, paged=paged,
-                  config=cfg, stream=ln.stream(call))
+                  config=cfg, stream=ln.stream(call), left=left, quant=qd)
     return call.finish(o_h, dtype), call.finish(lse_h, np.dtype(acc).name)
 
 
-def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config):
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config, window=None):
     """The decode launcher (every version): Flash-Decoding over a contiguous (ragged) cache,
-    (o, lse).  ``config``: a :class:`DecodeConfig` naming its version."""
+    (o, lse).  ``config``: a :class:`DecodeConfig` naming its version; ``window`` (left,
+    right): the query (key n - 1) sees keys [n - 1 - left, n)."""
     call = ln.call_for(q)
     call.check(k, "k")
     call.check(v, "v")
@@ -600,13 +632,16 @@ def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config):
     lens = np.full(B, N, np.int32) if seq_lens is None else np.asarray(seq_lens, np.int32)
     dummy_table = np.zeros((1, 1), np.int32)
     return _decode_common(call, q, k, v, dummy_table, lens, num_splits, scale, DEFAULT_BLOCK_N, False,
-                          int(lens.max(initial=0)), config)
+                          int(lens.max(initial=0)), config, window)
 
 
-def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config):
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config,
+                       window=None, quant=None):
     """Paged Flash-Decoding over pools (num_blocks, block_size, Hkv, d) of any array kind.
 
     block_tables: int32 (B, max_blocks) NumPy, seq_lens: (B,) NumPy (host: they size the launch).
+    ``quant``: None, or dict(kv=code format, k_scale, v_scale) for pools of 1-byte codes
+    (uint8 views) with float32 scales (num_blocks, Hkv or 1) of the pools' kind.
     """
     call = ln.call_for(q)
     call.check(k_pool, "k_pool")
@@ -618,25 +653,40 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     if tables.size == 0:
         tables = np.zeros((q.shape[0], 1), np.int32)
     return _decode_common(call, q, k_pool, v_pool, tables, lens, num_splits, scale, int(k_pool.shape[1]),
-                          True, int(lens.max(initial=0)), config)
+                          True, int(lens.max(initial=0)), config, window, quant)
+
+
+def host_like(call, arrays):
+    """Host arrays as the caller's kind (NumPy: themselves, copied in at launch)."""
+    if call.kind == "torch":
+        import torch
+        return tuple(torch.as_tensor(p, device=call.like.device) for p in arrays)
+    if call.kind == "cupy":
+        import cupy
+        return tuple(cupy.asarray(p) for p in arrays)
+    if call.kind == "numba":
+        return tuple(cuda.to_device(p) for p in arrays)
+    return tuple(arrays)
 
 
 def pools_like(call, cache):
-    """The cache's NumPy pools as the caller's kind (NumPy: themselves, copied in at launch)."""
-    if call.kind == "torch":
-        import torch
-        return tuple(torch.as_tensor(p, device=call.like.device) for p in (cache.k_pool, cache.v_pool))
-    if call.kind == "cupy":
-        import cupy
-        return tuple(cupy.asarray(p) for p in (cache.k_pool, cache.v_pool))
-    if call.kind == "numba":
-        return tuple(cuda.to_device(p) for p in (cache.k_pool, cache.v_pool))
-    return cache.k_pool, cache.v_pool
+    """The cache's NumPy pools as the caller's kind; a quantized cache's codes as their bytes
+    (uint8: Numba has no float8 type)."""
+    pools = (cache.k_pool, cache.v_pool)
+    if cache.quantized:
+        pools = tuple(p.view(np.uint8) for p in pools)
+    return host_like(call, pools)
 
 
-def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config):
-    """The paged decode launcher (every version): decode over a PagedKVCache (its NumPy pools
-    are copied to the device)."""
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config, window=None):
+    """The paged decode launcher (every version): decode over a PagedKVCache (its NumPy pools,
+    and a quantized cache's scales, are copied to the device)."""
     tables, lens = cache.block_tables_array(list(seq_ids))
-    k_pool, v_pool = pools_like(ln.call_for(q), cache)
-    return paged_decode_pools(q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale, config=config)
+    call = ln.call_for(q)
+    k_pool, v_pool = pools_like(call, cache)
+    quant = None
+    if cache.quantized:
+        ks, vs = host_like(call, (cache.k_scale, cache.v_scale))
+        quant = dict(kv=cache.kv_dtype, k_scale=ks, v_scale=vs)
+    return paged_decode_pools(q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale, config=config,
+                              window=window, quant=quant)

@@ -13,7 +13,17 @@ R          scores one lane sums per iteration: KPI keys x g query heads, padded 
 row        the flat index of a K/V row in the word view (rows, W) of the cache:
            contiguous (b * Hkv + h) * N + c; paged (table[c // Bn] * Bn + c % Bn) * Hkv + h
 kn, vn     the *next* iteration's words (in flight); kc, vc this iteration's
+s_K, s_V   a quantized cache's scales of a key's block (per KV head or per block): a
+           stored code c stands for c * s
 =========  ===========================================================================
+
+A quantized paged cache (``kv_dtype`` "int8" or "float8_e4m3fn" of
+:class:`~iokernels.paged.PagedKVCache`) is read as it is stored: words of eight 1-byte
+codes, decoded bit by bit in registers (:func:`.device.make_code_decode`), each key's
+block scales s_K, s_V loaded with its words (into the same two-deep pipeline); a value is
+c * s, exactly what :func:`iokernels.paged.dequantize` gives, so the kernel agrees with the
+NumPy paged decode to float32 rounding.  A sliding window (``left`` >= 0) splits only the
+visible keys [n - 1 - left, n), tiled as :func:`iokernels.decode.split_ranges` tiles them.
 
 What changes from v2, and why (from reading v2's PTX):
 
@@ -68,7 +78,8 @@ import numpy as np
 
 from . import launch as ln
 from .config import acc_dtype
-from .device import make_flat_access, make_group_merge, make_lane_allreduce, make_unpack, pow2_at_least, warp_mask
+from .device import (make_code_unpack, make_flat_access, make_group_merge, make_lane_allreduce, make_unpack,
+                     pow2_at_least, warp_mask)
 from .launch import cuda
 import numba  # noqa: E402
 from numba import int32  # noqa: E402
@@ -86,10 +97,11 @@ TABLE_STAGE_V3 = 128
 # --------------------------------------------------------------------------- split v3
 @functools.lru_cache(maxsize=None)
 def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: bool, store_name: str,
-                  word_name: str, acc_name: str, simulated: bool):
+                  word_name: str, acc_name: str, simulated: bool, quant: str | None = None):
     """Split kernel v3 for head_dim D, g = G, L lanes a key, KPI keys a group and step, KG key
     groups, Bn = BN keys a tile (the block size if paged); K and V come as flat (1-D) views of
-    ``word_name`` words (rows of W words)."""
+    ``word_name`` words (rows of W words).  ``quant``: a quantized paged cache's code format
+    (``store_name`` is then "uint8", the codes' bytes)."""
     ACC = getattr(numba, acc_name)
     NEG_INF, ZERO = (np.dtype(acc_name).type(x) for x in (-np.inf, 0))
     EPW = np.dtype(word_name).itemsize // np.dtype(store_name).itemsize
@@ -107,19 +119,28 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
     STAGE = TABLE_STAGE_V3
     PAGED = paged
     allreduce = make_lane_allreduce(L, RP, simulated, warp_mask(NT))
-    held, unpack = make_unpack(store_name, word_name, acc_name, simulated)
+    QUANT = quant is not None
+    if QUANT:
+        held, unpack = make_code_unpack(quant, word_name, acc_name, simulated)
+    else:
+        held, unpack = make_unpack(store_name, word_name, acc_name, simulated)
     load, _ = make_flat_access(simulated)
     merge = make_group_merge(D, G, L, KG, NT, WPL, EPW, acc_name)
 
     @cuda.jit(device=True)
-    def fetch(k, v, kn, vn, first, p0, p1, row0, hkv, tbl, kg, lane):
-        """Issue the loads of the step whose first key is ``first`` into kn, vn."""
+    def fetch(k, v, kn, vn, ksn, vsn, k_scale, v_scale, sb, sh, first, pa, p1, row0, hkv, tbl, kg, lane):
+        """Issue the loads of the step whose first key is ``first`` into kn, vn (and, for a
+        quantized cache, its keys' scales into ksn, vsn)."""
         for e in range(KPI):
             c = first + kg + e * KG
             row = -1
             if c < p1:
                 if PAGED:
-                    row = (tbl[(c - p0) // BN] * BN + (c - p0) % BN) * hkv + row0
+                    blk = tbl[(c - pa) // BN]
+                    row = (blk * BN + (c - pa) % BN) * hkv + row0
+                    if QUANT:                                 # load the block's s_K, s_V -> registers
+                        ksn[e] = k_scale[blk * sb + row0 * sh]
+                        vsn[e] = v_scale[blk * sb + row0 * sh]
                 else:
                     row = row0 + c
             for u in range(WPL):
@@ -130,7 +151,8 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
                     kn[e, u] = held(load(k, row * W + w))   # load K, V words -> registers
                     vn[e, u] = held(load(v, row * W + w))
 
-    def split_v3(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, nsplit, hkv, n_max):
+    def split_v3(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, nsplit, hkv, n_max, left,
+                 k_scale, v_scale, sb, sh):
         sp, hk, b = cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = cuda.threadIdx.x
         kg, lane = tid // L, tid % L
@@ -139,9 +161,10 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
             n_s[0] = lens[b]                                  # read n_b (once per block)
         cuda.syncthreads()
         n = n_s[0]
-        tiles = (n + BN - 1) // BN                            # split_ranges, in tiles of Bn keys
-        per = (tiles + nsplit - 1) // nsplit
-        start, end = min(sp * per * BN, n), min((sp + 1) * per * BN, n)
+        a = 0 if left < 0 else max(n - 1 - left, 0)           # the first key the query sees
+        t0 = a // BN                                          # split_ranges over the visible
+        per = ((n + BN - 1) // BN - t0 + nsplit - 1) // nsplit  # tiles [t0, ceil(n / BN))
+        start, end = min(max((t0 + sp * per) * BN, a), n), min((t0 + (sp + 1) * per) * BN, n)
         Q_s = cuda.shared.array((G, DPAD), ACC)               # SRAM: the g query rows
         tbl = cuda.shared.array(STAGE, int32)                 # SRAM: block-table entries
         red_m = cuda.shared.array(KG, ACC)
@@ -163,6 +186,13 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
         vc = cuda.local.array((KPI, WPL), WORD)
         kn = cuda.local.array((KPI, WPL), WORD)               # the next step's words (in flight)
         vn = cuda.local.array((KPI, WPL), WORD)
+        ksc = cuda.local.array(KPI, ACC)                      # quantized: this step's scales
+        vsc = cuda.local.array(KPI, ACC)
+        ksn = cuda.local.array(KPI, ACC)                      # ... and the next step's
+        vsn = cuda.local.array(KPI, ACC)
+        for e in range(KPI):
+            ksn[e] = ZERO
+            vsn[e] = ZERO
         for g in range(G):
             m[g], l[g] = NEG_INF, ZERO
             for u in range(WPL):
@@ -171,25 +201,32 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
                     o_r[g, u * EPW + ee] = ZERO
         row0 = hk if PAGED else (b * hkv + hk) * n_max        # paged: + (blk*Bn + slot)*Hkv
         chunk = STAGE * BN if PAGED else max(end - start, 1)
-        for p0 in range(start, end, chunk):                   # paged: a stage of table entries
-            p1 = min(p0 + chunk, end)
+        lo = start - start % BN if PAGED else start           # stages start on a page
+        for pa in range(lo, end, chunk):                      # paged: a stage of table entries
+            p0, p1 = max(pa, start), min(pa + chunk, end)
             if PAGED:
-                for e in range(tid, (p1 - p0 + BN - 1) // BN, NT):
-                    tbl[e] = tables[b, p0 // BN + e]          # load table entries -> SRAM
+                for e in range(tid, (p1 - pa + BN - 1) // BN, NT):
+                    tbl[e] = tables[b, pa // BN + e]          # load table entries -> SRAM
                 cuda.syncthreads()
-            fetch(k, v, kn, vn, p0, p0, p1, row0, hkv, tbl, kg, lane)   # prologue: step 0
+            fetch(k, v, kn, vn, ksn, vsn, k_scale, v_scale, sb, sh, p0, pa, p1, row0, hkv, tbl, kg,
+                  lane)                                       # prologue: step 0
             for base in range(p0, p1, STEP):                  # every thread the same trip count
                 for e in range(KPI):                          # the words that arrived ...
+                    ksc[e] = ksn[e]
+                    vsc[e] = vsn[e]
                     for u in range(WPL):
                         kc[e, u] = kn[e, u]
                         vc[e, u] = vn[e, u]
-                fetch(k, v, kn, vn, base + STEP, p0, p1, row0, hkv, tbl, kg, lane)  # ... next in flight
+                fetch(k, v, kn, vn, ksn, vsn, k_scale, v_scale, sb, sh, base + STEP, pa, p1, row0, hkv, tbl,
+                      kg, lane)                               # ... next in flight
                 for i in range(RP):
                     sc[i] = ZERO
                 for e in range(KPI):                          # s = q . k: unpack each k value
                     for u in range(WPL):                      # once, use it for the g heads
                         for ee in range(EPW):
                             kv = unpack(kc[e, u], ee)
+                            if QUANT:
+                                kv *= ksc[e]                  # c * s_K: the stored value
                             for g in range(G):
                                 sc[e * G + g] += q_r[g, u * EPW + ee] * kv
                 allreduce(sc, xch, tid, lane)                 # sum the L lanes' partial dots
@@ -218,6 +255,8 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
                     for u in range(WPL):
                         for ee in range(EPW):
                             vv = unpack(vc[e, u], ee)
+                            if QUANT:
+                                vv *= vsc[e]                  # c * s_V
                             for g in range(G):
                                 o_r[g, u * EPW + ee] += sc[e * G + g] * vv
             if PAGED:
@@ -241,26 +280,40 @@ def split_v3_tiling(head_dim: int, dtype: str, word_name: str, config=None):
     return L, KPI, KG
 
 
-def split_v3_kernel_function(head_dim, g, dtype, paged, block_n, word_name, config=None, simulated=None):
+def split_v3_kernel_function(head_dim, g, dtype, paged, block_n, word_name, config=None, simulated=None,
+                             quant=None):
+    """``dtype``: q's and O's; ``quant``: a quantized cache's code format (K/V are then bytes)."""
     if simulated is None:
         simulated = ln.simulated()
-    L, KPI, KG = split_v3_tiling(head_dim, dtype, word_name, config)
+    store = dtype if quant is None else "uint8"
+    L, KPI, KG = split_v3_tiling(head_dim, store, word_name, config)
     acc_name = np.dtype(acc_dtype(dtype)).name
-    return make_split_v3(head_dim, g, L, KPI, KG, int(block_n), paged, dtype, word_name, acc_name, simulated)
+    return make_split_v3(head_dim, g, L, KPI, KG, int(block_n), paged, store, word_name, acc_name, simulated,
+                         quant)
 
 
 def launch_split_v3(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config=None,
-                    stream=0):
+                    stream=0, left=-1, quant=None):
     """Launch split v3 (not the combine) on device or counting arrays.  k, v: the caches as
-    word views ((B, Hkv, N, W) or pools (num_blocks, Bn, Hkv, W)); flattened here (no copy)."""
+    word views ((B, Hkv, N, W) or pools (num_blocks, Bn, Hkv, W)); flattened here (no copy).
+    ``left``: the sliding window's left extent (-1: none).  ``quant``: None, or dict(kv=code
+    format, k_scale, v_scale (float32 (num_blocks, Hkv or 1), device or counting arrays))."""
     B, Hq, d = (int(x) for x in q.shape)
     Hkv = int(k.shape[2] if paged else k.shape[1])
     n_max = 0 if paged else int(k.shape[2])
     dtype = str(np.dtype(o.dtype))
     word = str(np.dtype(k.dtype))
     S = int(lse_part.shape[0])
-    L, _, KG = split_v3_tiling(d, dtype, word, config)
-    kern = ln.jitted(split_v3_kernel_function(d, Hq // Hkv, dtype, paged, block_n, word, config))
+    kv = None if quant is None else quant["kv"]
+    L, _, KG = split_v3_tiling(d, dtype if kv is None else "uint8", word, config)
+    kern = ln.jitted(split_v3_kernel_function(d, Hq // Hkv, dtype, paged, block_n, word, config, quant=kv))
     size = int(np.prod(k.shape))
+    if quant is None:
+        ks = vs = lens                                        # not read: any int array of the launch
+        sb = sh = 0
+    else:
+        ks, vs = quant["k_scale"], quant["v_scale"]
+        sb, sh = int(ks.shape[1]), int(ks.shape[1] == Hkv)
+        ks, vs = ks.reshape(int(np.prod(ks.shape))), vs.reshape(int(np.prod(vs.shape)))
     kern[(S, Hkv, B), KG * L, stream](q, k.reshape(size), v.reshape(size), tables, lens, o, lse, o_part,
-                                      lse_part, acc_dtype(dtype)(scale), S, Hkv, n_max)
+                                      lse_part, acc_dtype(dtype)(scale), S, Hkv, n_max, int(left), ks, vs, sb, sh)

@@ -9,6 +9,8 @@ make_lane_allreduce          the same sum as a reduce-scatter then an all-gather
                              for many values (decode v3)
 word_layout, make_unpack     K/V rows read as 8-byte words (uint64) and unpacked into their
                              elements by a bit-cast in registers (decode v2/v3, gather)
+make_code_unpack             a quantized cache's 1-byte codes (int8, float8 e4m3) decoded bit by
+                             bit from the same words (decode v3)
 make_flat_access             loads/stores through a flat array's data pointer, with no
                              negative-index wraparound code (decode v3, gather v3)
 make_group_merge             the in-block merge of the key groups' (m, l, O) states through
@@ -107,6 +109,12 @@ def word_layout(store_name: str, head_dim: int, aligned: bool = True):
     return store_name, 1
 
 
+@cuda.jit(device=True)
+def _itself(w, e):
+    """``unpack`` of one element a word: the value held is the element, already converted."""
+    return w
+
+
 def make_unpack(store_name: str, word_name: str, acc_name: str, simulated: bool):
     """(``held``, ``unpack``): ``held(x)`` is what a thread keeps in registers for a loaded
     word (the word itself; for one element a word, the element already in the accumulator
@@ -118,11 +126,7 @@ def make_unpack(store_name: str, word_name: str, acc_name: str, simulated: bool)
         @cuda.jit(device=True)
         def held1(x):
             return ACC(x)
-
-        @cuda.jit(device=True)
-        def unpack1(w, e):
-            return w
-        return held1, unpack1
+        return held1, _itself
 
     @cuda.jit(device=True)
     def held(x):
@@ -146,6 +150,88 @@ def make_unpack(store_name: str, word_name: str, acc_name: str, simulated: bool)
     return held, unpack
 
 
+
+
+# --------------------------------------------------------------------------- 1-byte codes
+#: float8 e4m3: the exponent-field offset from its bias (7) to float32's (127), the field's
+#: place in a float32 word, a mantissa's shift into float32's top mantissa bits, the
+#: subnormal step (2^-9: mantissa m of a code with exponent field 0 is m * 2^-9), and the
+#: magnitude bits of its NaN (the format has no infinity)
+FP8_REBIAS = 120
+F32_EXP_SHIFT = 23
+FP8_MANT_SHIFT = 20
+FP8_SUBNORMAL_STEP = 2.0 ** -9
+FP8_NAN_BITS = 0x7F
+#: the codes' formats: those a quantized cache (iokernels.paged) stores
+CODE_FORMATS = ("int8", "float8_e4m3fn")
+
+
+def make_code_decode(kv: str, simulated: bool):
+    """``decode(c)``: the value of 1-byte code ``c`` (an integer 0..255, the byte's bits) of
+    format ``kv`` as float32, before its block's scale.  int8: the byte read as a signed
+    integer.  float8 e4m3 (sign, 4 exponent bits of bias 7, 3 mantissa bits): a normal code
+    keeps its mantissa as float32's top 3 bits and moves its exponent field by +120 (bias 7
+    -> 127); a subnormal code is m * 2^-9; 0x7f / 0xff are NaN.  The same integer arithmetic
+    on the simulator (the bit-cast is NumPy's ``.view`` there)."""
+    if kv not in CODE_FORMATS:
+        raise ValueError(f"kv_dtype: expected one of {', '.join(CODE_FORMATS)}, got {kv!r}")
+    F32 = numba.float32
+    if kv == "int8":
+        @cuda.jit(device=True)
+        def decode_int8(c):
+            return F32(c - 256 if c >= 128 else c)
+        return decode_int8
+    if simulated:
+        @cuda.jit(device=True)
+        def bits_f32(x):
+            return np.float32(np.uint32(x).view(np.float32))
+    else:
+        @cuda.jit(device=True)
+        def bits_f32(x):
+            return _f32_bits(numba.uint64(x))
+    NAN = F32(np.nan)
+    STEP = F32(FP8_SUBNORMAL_STEP)
+
+    @cuda.jit(device=True)
+    def decode_fp8(c):
+        mag = c & 0x7F
+        if mag >= 8:                                          # exponent field > 0: normal
+            x = bits_f32((mag << FP8_MANT_SHIFT) + (FP8_REBIAS << F32_EXP_SHIFT))
+        else:
+            x = F32(mag) * STEP
+        if mag == FP8_NAN_BITS:
+            x = NAN
+        return -x if c & 0x80 else x
+    return decode_fp8
+
+
+def make_code_unpack(kv: str, word_name: str, acc_name: str, simulated: bool):
+    """(``held``, ``unpack``) for a quantized cache's codes, as :func:`make_unpack` for values:
+    words of 8 codes (uint64) stay words and ``unpack(w, e)`` decodes code e; single codes
+    (uint8, when a row is not whole words) are decoded as loaded.  In the accumulator type."""
+    ACC = getattr(numba, acc_name)
+    decode = make_code_decode(kv, simulated)
+    if np.dtype(word_name).itemsize == 1:
+        @cuda.jit(device=True)
+        def held1(x):
+            return ACC(decode(int(x)))
+        return held1, _itself
+
+    @cuda.jit(device=True)
+    def held(x):
+        return x
+
+    if simulated:
+        @cuda.jit(device=True)
+        def unpack_sim(w, e):
+            return ACC(decode((int(w) >> (8 * e)) & 0xFF))
+        return held, unpack_sim
+    EIGHT = numba.uint64(8)
+
+    @cuda.jit(device=True)
+    def unpack(w, e):
+        return ACC(decode(numba.int32((w >> (EIGHT * numba.uint64(e))) & numba.uint64(0xFF))))
+    return held, unpack
 
 
 # --------------------------------------------------------------------------- raw loads/stores

@@ -25,6 +25,8 @@ LOCAL_ACCESS = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:ld|st)\.local\b", re.M)
 
 #: head dims compiled: 128 (the benchmark's) and 59 (ragged: lanes own padded dims)
 HEAD_DIMS = (128, 59)
+#: the code formats of the quantized paged v3 kernels compiled next to the unquantized ones
+QUANT_PTX = ("int8", "float8_e4m3fn")
 
 
 def _arr(t, nd, layout="C"):
@@ -53,7 +55,8 @@ def kernel_signatures(head_dims=HEAD_DIMS):
                 out.append((f"fwd_{version}_d{d}", dtype, fn, fwd_sig))
             for paged in (False, True):
                 sig = (_arr(st, 3), _arr(st, 4), _arr(st, 4), _arr(types.int32, 2), _arr(types.int32, 1),
-                       _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64)
+                       _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64,
+                       types.int64)
                 fn = split_kernel_function(d, 4, dtype, paged, simulated=False)
                 out.append((f"decode_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
             sig = (_arr(acc, 4), _arr(acc, 3), _arr(st, 3), _arr(acc, 2))
@@ -62,7 +65,7 @@ def kernel_signatures(head_dims=HEAD_DIMS):
             wt = getattr(types, word)
             for paged in (False, True):
                 sig = (_arr(st, 3), _arr(wt, 4), _arr(wt, 4), _arr(types.int32, 2), _arr(types.int32, 1),
-                       _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64)
+                       _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64)
                 fn = split_v2_kernel_function(d, 4, dtype, paged, 16, word, simulated=False)
                 out.append((f"decode_v2_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
         gather_t = types.uint64 if dtype != "float64" else st     # the launcher's 8-byte words
@@ -90,12 +93,22 @@ def kernel_signatures_v3(dtypes=("float16", "float32"), head_dims=(128,), config
             word, _ = word_layout(dtype, d)
             wt = getattr(types, word)
             for tag, (dcfg, gcfg) in configs.items():
+                i32 = _arr(types.int32, 1)
                 for paged in (False, True):
-                    sig = (_arr(st, 3), _arr(wt, 1), _arr(wt, 1), _arr(types.int32, 2), _arr(types.int32, 1),
+                    sig = (_arr(st, 3), _arr(wt, 1), _arr(wt, 1), _arr(types.int32, 2), i32,
                            _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64,
-                           types.int64)
+                           types.int64, types.int64, i32, i32, types.int64, types.int64)
                     fn = d3.split_v3_kernel_function(d, 4, dtype, paged, 16, word, dcfg, simulated=False)
                     out.append((f"decode_v3{tag}_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
+                for kv in QUANT_PTX:                   # a quantized paged cache: words of 1-byte codes
+                    cword, _ = word_layout("uint8", d)
+                    cw = getattr(types, cword)
+                    f32 = _arr(types.float32, 1)
+                    sig = (_arr(st, 3), _arr(cw, 1), _arr(cw, 1), _arr(types.int32, 2), i32,
+                           _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64,
+                           types.int64, types.int64, f32, f32, types.int64, types.int64)
+                    fn = d3.split_v3_kernel_function(d, 4, dtype, True, 16, cword, dcfg, simulated=False, quant=kv)
+                    out.append((f"decode_v3{tag}_split_paged_{kv}_d{d}", dtype, fn, sig))
                 W = d * np.dtype(dtype).itemsize // np.dtype(word).itemsize
                 sig = (_arr(wt, 1), _arr(wt, 1), _arr(types.int32, 1), _arr(wt, 1), _arr(wt, 1), types.int64)
                 out.append((f"gather_v3{tag}_d{d}", dtype, gat.gather_v3_kernel_function(word, W, 8, 16, gcfg, False),

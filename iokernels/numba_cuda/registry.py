@@ -23,6 +23,8 @@ runs it) and says so.  The module-level :func:`attention`, :func:`decode`,
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..core import conventions as cv
@@ -41,9 +43,15 @@ REGISTRY = Registry("numba")
 def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
     """What a call needs: dtype and head dim (of q, or of the cache), whether K/V (or the pools)
     are C-contiguous (NumPy input is copied contiguous), the compute capability (None on the
-    simulator), and ``extra["group"]``: query heads per KV head (decode)."""
+    simulator), and ``extra["group"]``: query heads per KV head (decode).  A quantized cache's
+    need has its compute dtype (``cache.dtype``) and ``extra["kv_dtype"]`` /
+    ``extra["scale_granularity"]``."""
+    extra = {}
     if cache is not None:
         dtype, d, hkv = cv.dtype_name(cache.k_pool), int(cache.head_dim), int(cache.num_kv_heads)
+        if cache.quantized:
+            dtype = cache.dtype.name
+            extra.update(kv_dtype=cache.kv_dtype, scale_granularity=cache.scale_granularity)
         contiguous = True
     else:
         x = q if q is not None else k
@@ -52,7 +60,6 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
         if k is not None and op in ("decode", "paged_decode"):
             hkv = int(k.shape[2] if op == "paged_decode" else k.shape[1])
         contiguous = all(isinstance(a, np.ndarray) or ln.c_contiguous(a) for a in (k, v) if a is not None)
-    extra = {}
     if q is not None and hkv:
         extra["group"] = max(1, int(q.shape[1]) // hkv)
     return Need(dtype=dtype, head_dim=d, cc=ln.compute_capability(), contiguous=contiguous,
@@ -82,9 +89,27 @@ def _forward_check(version):
     return check
 
 
+#: what split kernel v3 reads of a quantized cache: code formats and scale granularities
+QUANT_KV = ("int8", "float8_e4m3fn")
+QUANT_GRANULARITIES = ("block_head", "block")
+
+
+def _quant_reason(version, n: Need) -> str | None:
+    kv = n.extra.get("kv_dtype")
+    if kv is None:
+        return None
+    if version != "v3":
+        return f"kv_dtype: reads unquantized pools; a {kv} cache is read by split kernel v3"
+    if kv not in QUANT_KV:
+        return f"kv_dtype: {kv} codes are not decoded (v3 decodes {', '.join(QUANT_KV)})"
+    if n.extra.get("scale_granularity") not in QUANT_GRANULARITIES:
+        return f"scale_granularity: {n.extra.get('scale_granularity')!r} scales are not read by v3"
+    return None
+
+
 def _decode_check(version, needs_contiguous):
     def check(n: Need):
-        why = _dtype_reason(n)
+        why = _quant_reason(version, n) or _dtype_reason(n)
         if why is None and needs_contiguous and not n.contiguous:
             why = "k, v: not C-contiguous (this version reads K/V through flat views)"
         if why is None:
@@ -156,23 +181,31 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     return kernel.launcher(q, k, v, causal=causal, scale=scale, window=window, config=cfg)
 
 
-def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
     """Flash-Decoding over a contiguous (ragged) cache: (o, lse)."""
     kernel, cfg = REGISTRY.resolve("decode", config, need("decode", q=q, k=k, v=v))
-    return kernel.launcher(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=cfg)
+    return kernel.launcher(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=cfg,
+                           window=window)
 
 
-def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None):
-    """Decode over a :class:`~iokernels.paged.PagedKVCache`: (o, lse)."""
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None, window=None):
+    """Decode over a :class:`~iokernels.paged.PagedKVCache` (quantized: by v3): (o, lse)."""
     kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, cache=cache))
-    return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg)
+    return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg, window=window)
 
 
-def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None):
-    """Paged decode over device (or NumPy) pools and a host block table: (o, lse)."""
-    _, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, k=k_pool, v=v_pool))
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None,
+                       window=None, quant=None):
+    """Paged decode over device (or NumPy) pools and a host block table: (o, lse).  ``quant``:
+    None, or dict(kv=code format, k_scale, v_scale) for pools of 1-byte codes (uint8 views)
+    and float32 scales (num_blocks, Hkv or 1) of the pools' kind."""
+    n = need("paged_decode", q=q, k=k_pool, v=v_pool)
+    if quant is not None:
+        gran = "block_head" if int(quant["k_scale"].shape[1]) == int(k_pool.shape[2]) else "block"
+        n = dataclasses.replace(n, extra=dict(n.extra, kv_dtype=quant["kv"], scale_granularity=gran))
+    _, cfg = REGISTRY.resolve("paged_decode", config, n)
     return _pools_launcher(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
-                                  config=cfg)
+                           config=cfg, window=window, quant=quant)
 
 
 def paged_gather(cache, sid, *, config=None):

@@ -5,7 +5,9 @@ on a GPU: ``python -c "import iokernels.numba_cuda as n; n.sanitize_cases()"``
 (scripts/sanitize.py); also runs on the simulator.  The cases iterate
 :data:`iokernels.numba_cuda.REGISTRY`, so a new version is covered when it is registered.
 Each decode and gather version runs its element path (float32, d = 59: rows that are not
-whole 8-byte words) and its word path (float16, d = 64).
+whole 8-byte words) and its word path (float16, d = 64); each decode also a sliding window,
+and the paged decode the quantized caches of :data:`QUANT_CASES` (held against the oracle
+on the values the cache holds, its codes times its scales).
 """
 from __future__ import annotations
 
@@ -23,10 +25,14 @@ PATHS = (("float32", 59), ("float16", 64))
 DECODE_LENS = (45, 7, 0)
 #: paged sequences (block size 16: a partial last block each)
 PAGED_LENS = (45, 13)
+#: the decode cases' sliding window: it starts mid-block, inside the first of 3 splits
+WINDOW = (20, 0)
+#: quantized paged caches: (code format, scale granularity)
+QUANT_CASES = (("int8", "block_head"), ("float8_e4m3fn", "block"))
 
 
-def _paged(rng, dtype, d):
-    cache = PagedKVCache(12, block_size=16, num_kv_heads=2, head_dim=d, dtype=np.dtype(dtype))
+def _paged(rng, dtype, d, **quant):
+    cache = PagedKVCache(12, block_size=16, num_kv_heads=2, head_dim=d, dtype=np.dtype(dtype), **quant)
     sids = [cache.new_sequence() for _ in PAGED_LENS]
     for sid, n in zip(sids, PAGED_LENS):
         cache.append(sid, rng.standard_normal((n, 2, d)).astype(dtype), rng.standard_normal((n, 2, d)).astype(dtype))
@@ -80,17 +86,27 @@ def sanitize_cases(seed: int = 0, verbose: bool = True):
                     for s in (1, 3):
                         o, _ = kern.launcher(qd, kd, vd, seq_lens=lens, num_splits=s, scale=None, config=cfg)
                         note(f"{tag} S={s} {dtype} d={d}", o, ref)
+                    ref, _ = reference.decode(qd, kd, vd, seq_lens=lens, window=WINDOW)
+                    o, _ = kern.launcher(qd, kd, vd, seq_lens=lens, num_splits=3, scale=None, config=cfg, window=WINDOW)
+                    note(f"{tag} S=3 {dtype} d={d} window={WINDOW}", o, ref)
+                continue
+            if kern.op == "paged_decode":
+                for quant in ({},) + tuple(dict(kv_dtype=kv, scale_granularity=g) for kv, g in QUANT_CASES):
+                    cache, sids, kk, vv = _paged(rng, dtype, d, **quant)
+                    if kern.unavailable(need(kern.op, q=qd[:len(sids)], cache=cache)) is not None:
+                        continue
+                    kind = f" {cache.kv_dtype} {cache.scale_granularity}" if cache.quantized else ""
+                    for window in (None, WINDOW):
+                        ref, _ = reference.decode(qd[:len(sids)], kk, vv, seq_lens=np.array(PAGED_LENS), window=window)
+                        for s in (1, 2):
+                            o, _ = kern.launcher(qd[:len(sids)], cache, sids, num_splits=s, scale=None, config=cfg,
+                                                 window=window)
+                            note(f"{tag}{kind} S={s} {dtype} d={d} window={window}", o, ref)
                 continue
             cache, sids, kk, vv = _paged(rng, dtype, d)
             if kern.unavailable(need(kern.op, q=qd[:len(sids)], cache=cache)) is not None:
                 continue
-            if kern.op == "paged_decode":
-                ref, _ = reference.decode(qd[:len(sids)], kk, vv, seq_lens=np.array(PAGED_LENS))
-                for s in (1, 2):
-                    o, _ = kern.launcher(qd[:len(sids)], cache, sids, num_splits=s, scale=None, config=cfg)
-                    note(f"{tag} S={s} {dtype} d={d}", o, ref)
-            else:
-                kg, vg = kern.launcher(cache, sids[0], config=cfg)
-                note(f"{tag} {dtype} d={d}", kg, cache.gather(sids[0])[0])
-                note(f"{tag} {dtype} d={d} (V)", vg, cache.gather(sids[0])[1])
+            kg, vg = kern.launcher(cache, sids[0], config=cfg)              # the paged gather
+            note(f"{tag} {dtype} d={d}", kg, cache.gather(sids[0])[0])
+            note(f"{tag} {dtype} d={d} (V)", vg, cache.gather(sids[0])[1])
     return results

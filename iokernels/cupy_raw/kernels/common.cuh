@@ -177,5 +177,43 @@ __device__ __forceinline__ acc_t chunk_elem(const uint4& u, int e) {
 #endif
 }
 
+// ----------------------------------------------------------------------------- 1-byte KV codes
+// A quantized KV cache (iokernels.paged, kv_dtype) stores each K/V value as a 1-byte code c
+// with a float32 power-of-two scale s per (block, KV head) or per block: the value is c * s.
+// -DKV_QUANT=<n> picks the code format: 0 none (K/V are elem_t), 1 int8 (symmetric, -127..127),
+// 2 float8 e4m3 (OCP FP8 E4M3, "e4m3fn": sign, 4 exponent bits of bias 7, 3 mantissa bits,
+// NaN at 0x7f / 0xff, no infinity).  Decoded here bit by bit, for every architecture.
+#define IK_KV_NONE 0
+#define IK_KV_INT8 1
+#define IK_KV_FP8E4M3 2
+#ifndef KV_QUANT
+#define KV_QUANT IK_KV_NONE
+#endif
+
+// float8 e4m3 code -> float32, exactly.  A normal code (exponent field e > 0) keeps its 3
+// mantissa bits as float32's top 3 and moves its exponent from bias 7 to float32's bias 127
+// (add 120 to the exponent field); a subnormal code (e == 0) is m * 2^-9.
+__device__ __forceinline__ float fp8e4m3_to_f32(u32 code) {
+    const u32 mag = code & 0x7fu;
+    float v = (mag >> 3) ? __uint_as_float((mag << 20) + (120u << 23)) : (float)mag * 0.001953125f;
+    if (mag == 0x7fu) v = __uint_as_float(0x7fc00000u);      // the format's NaN
+    return (code & 0x80u) ? -v : v;
+}
+// int8 code -> float32 (the byte read as a signed integer)
+__device__ __forceinline__ float int8_to_f32(u32 code) { return (float)(int)(signed char)(code & 0xffu); }
+
+// the code of format KV_QUANT as float32 (the scale is applied by the caller)
+__device__ __forceinline__ float kv_code(u32 code) {
+#if KV_QUANT == IK_KV_FP8E4M3
+    return fp8e4m3_to_f32(code);
+#else
+    return int8_to_f32(code);
+#endif
+}
+// code e (0..7) of an 8-byte word of codes held in registers, as float32
+__device__ __forceinline__ float kv_code_of(const uint2& u, int e) {
+    return kv_code(((e < 4 ? u.x : u.y) >> (8 * (e & 3))) & 0xffu);
+}
+
 // Butterfly exchange across the lanes of a warp (row max, row sum, the merge of lanes).
 __device__ __forceinline__ acc_t shfl_xor(acc_t v, int off) { return __shfl_xor_sync(0xffffffffu, v, off); }

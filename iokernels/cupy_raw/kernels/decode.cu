@@ -21,8 +21,16 @@
 // physical block table[b][n / BLOCK_SIZE], row n % BLOCK_SIZE.  PAGED=0 reads a
 // contiguous (batch, heads_kv, seq, head_dim) cache with strides.
 //
+// KV_QUANT (paged only; common.cuh): the pools hold 1-byte codes (1 int8, 2 float8 e4m3) and
+// float32 scales per (block, KV head) or per block.  A lane loads 8 codes (8 bytes) of a row
+// at once and decodes them in registers; the row's K and V scales are read next to it and
+// folded into its score and its weight (s_K (q . c_K), (p s_V) c_V: exact, the scales are
+// powers of two).  window_left >= 0 (sliding window): only keys [n - 1 - window_left, n)
+// are split among the blocks, the query being the last key n - 1.
+//
 // Compile-time settings: HEAD_DIM, GROUP (g), IK_DTYPE, PAGED, BLOCK_SIZE (paged),
-// VEC_IO (rows are whole 16-byte chunks), NUM_WARPS, UNROLL.
+// VEC_IO (rows are whole 16-byte chunks; 8-byte words of codes when quantized), NUM_WARPS,
+// UNROLL, KV_QUANT.
 // What limits it: the rows in flight are held in registers (UNROLL rows a lane), so few
 // blocks fit an SM and few bytes are in flight; decode_v2.cu moves them into SRAM.
 #include "common.cuh"
@@ -45,8 +53,20 @@
 #ifndef UNROLL
 #define UNROLL 4
 #endif
+#if KV_QUANT
+#if !PAGED
+#error "decode: a quantized cache is paged (its scales belong to the pool's blocks)"
+#endif
+typedef unsigned char kv_t;                           // K/V as stored: 1-byte codes
+#define KV_BYTES 1
+#define LOAD_BYTES 8                                  // one load: 8 codes (a 16-bit row's 8 values' registers)
+#else
+typedef elem_t kv_t;
+#define KV_BYTES IK_ELEM_BYTES
+#define LOAD_BYTES 16
+#endif
 #ifndef VEC_IO
-#define VEC_IO ((HEAD_DIM * IK_ELEM_BYTES) % 16 == 0 && HEAD_DIM * IK_ELEM_BYTES <= 512)
+#define VEC_IO ((HEAD_DIM * KV_BYTES) % LOAD_BYTES == 0 && HEAD_DIM * KV_BYTES <= 32 * LOAD_BYTES)
 #endif
 
 #define NTHREADS (32 * NUM_WARPS)
@@ -55,7 +75,7 @@
 #ifndef DECODE_MIN_BLOCKS
 #define DECODE_MIN_BLOCKS 4
 #endif
-#define VEC (16 / IK_ELEM_BYTES)                      // elements in one 16-byte load
+#define VEC (LOAD_BYTES / KV_BYTES)                   // K/V elements in one vector load
 
 // lanes per key row: enough 16-byte loads to cover a row, rounded up to a power of two
 // (a row's lanes must be an aligned group of a warp for the shuffles); the scalar path
@@ -71,7 +91,7 @@
 #define SLOTS (NTHREADS / LANES)                       // key rows a block reads side by side
 
 #if VEC_IO && LANES_RAW > 32
-#error "decode: head_dim too large for one warp per row (at most 32 x 16 bytes)"
+#error "decode: head_dim too large for one warp per row (at most 32 vector loads)"
 #endif
 
 // element e of this lane's share of a row
@@ -84,8 +104,16 @@ __device__ __forceinline__ int elem_index(int sub, int e) {
 }
 
 // One lane's share of a key row, held in registers as loaded (16 bytes on the vector
-// path: a float16 row stays 16-bit until it is used, which halves the registers it needs).
-#if VEC_IO
+// path: a float16 row stays 16-bit until it is used, which halves the registers it needs;
+// 8 bytes of 1-byte codes, decoded when used).
+#if VEC_IO && KV_QUANT
+struct RowBuf { uint2 u; };
+__device__ __forceinline__ void load_row(RowBuf& r, const kv_t* row, int sub, bool ok) {
+    r.u.x = r.u.y = 0u;
+    if (ok && sub * VEC < HEAD_DIM) r.u = *reinterpret_cast<const uint2*>(row + sub * VEC);
+}
+__device__ __forceinline__ acc_t elem(const RowBuf& r, int e) { return kv_code_of(r.u, e); }
+#elif VEC_IO
 struct RowBuf { uint4 u; };
 __device__ __forceinline__ void load_row(RowBuf& r, const elem_t* row, int sub, bool ok) {
     r.u.x = r.u.y = r.u.z = r.u.w = 0u;
@@ -94,11 +122,15 @@ __device__ __forceinline__ void load_row(RowBuf& r, const elem_t* row, int sub, 
 __device__ __forceinline__ acc_t elem(const RowBuf& r, int e) { return chunk_elem(r.u, e); }
 #else
 struct RowBuf { acc_t x[EPL]; };
-__device__ __forceinline__ void load_row(RowBuf& r, const elem_t* row, int sub, bool ok) {
+__device__ __forceinline__ void load_row(RowBuf& r, const kv_t* row, int sub, bool ok) {
 #pragma unroll
     for (int e = 0; e < EPL; ++e) {
         int c = sub + 32 * e;
+#if KV_QUANT
+        r.x[e] = (ok && c < HEAD_DIM) ? (acc_t)kv_code(row[c]) : (acc_t)0;
+#else
         r.x[e] = (ok && c < HEAD_DIM) ? to_acc(row[c]) : (acc_t)0;
+#endif
     }
 }
 __device__ __forceinline__ acc_t elem(const RowBuf& r, int e) { return r.x[e]; }
@@ -106,16 +138,21 @@ __device__ __forceinline__ acc_t elem(const RowBuf& r, int e) { return r.x[e]; }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)
 decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous
-             const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+             const kv_t* __restrict__ K, const kv_t* __restrict__ V,
 #if PAGED
              const int* __restrict__ block_table, int max_blocks,
              long long s_blk, long long s_row, long long s_head,   // pool strides (elements)
+#if KV_QUANT
+             const float* __restrict__ K_scale, const float* __restrict__ V_scale,
+             int scale_blk, int scale_head,        // scale of block blk, head h: [blk * scale_blk + h * scale_head]
+#endif
 #else
              long long skb, long long skh, long long skn,
              long long svb, long long svh, long long svn,
 #endif
              const int* __restrict__ seq_lens,      // (batch,) int32, or null: every sequence has nk keys
              int nk, int heads_q, int heads_kv, acc_t scale, int num_splits,
+             int window_left,                       // keys before n - 1 - window_left unseen; -1: none
              acc_t* __restrict__ O_part, acc_t* __restrict__ LSE_part,   // (splits, batch, heads_q[, d])
              elem_t* __restrict__ O, acc_t* __restrict__ LSE) {        // used when num_splits == 1
     __shared__ acc_t red_m[NUM_WARPS][GROUP];
@@ -127,18 +164,30 @@ decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim
     const int sub = lane % LANES;                   // this lane's part of a row
     const int slot = threadIdx.x / LANES;           // which row of the SLOTS side by side
     const int len = seq_lens ? seq_lens[b] : nk;
-    const int per_split = (len + num_splits - 1) / num_splits;
-    const int n_begin = min(split * per_split, len), n_end = min(n_begin + per_split, len);
+    // the visible keys [first, len) are split; a split past them is empty (LSE_s = -inf)
+    const int first = window_left < 0 ? 0 : max(len - 1 - window_left, 0);
+    const int per_split = (len - first + num_splits - 1) / num_splits;
+    const int n_begin = min(first + split * per_split, len), n_end = min(n_begin + per_split, len);
 
     // the g query rows of this kv head, pre-scaled by scale * log2(e): scores in log2 units
     const acc_t qscale = scale * (acc_t)1.4426950408889634;
     acc_t q[GROUP][EPL];
 #pragma unroll
     for (int gq = 0; gq < GROUP; ++gq) {
+#if KV_QUANT
+        // q's element type differs from the codes': one load a value (once a block)
+        const elem_t* qr = Q + ((long long)b * heads_q + hk * GROUP + gq) * HEAD_DIM;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+            const int c = elem_index(sub, e);
+            q[gq][e] = c < HEAD_DIM ? to_acc(qr[c]) * qscale : (acc_t)0;
+        }
+#else
         RowBuf r;
         load_row(r, Q + ((long long)b * heads_q + hk * GROUP + gq) * HEAD_DIM, sub, true);
 #pragma unroll
         for (int e = 0; e < EPL; ++e) q[gq][e] = elem(r, e) * qscale;
+#endif
     }
     acc_t m[GROUP], l[GROUP], acc[GROUP][EPL];
 #pragma unroll
@@ -149,8 +198,8 @@ decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim
     }
 
 #if !PAGED
-    const elem_t* Kb = K + b * skb + hk * skh;
-    const elem_t* Vb = V + b * svb + hk * svh;
+    const kv_t* Kb = K + b * skb + hk * skh;
+    const kv_t* Vb = V + b * svb + hk * svh;
 #endif
     // load K, V rows -> registers, UNROLL rows per slot at a time; update (m, l, acc).
     // The trip count is the block's, not the slot's: every lane of a warp must reach the
@@ -158,6 +207,9 @@ decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim
     for (int base = n_begin; base < n_end; base += SLOTS * UNROLL) {
         const int n0 = base + slot;
         RowBuf kr[UNROLL], vr[UNROLL];
+#if KV_QUANT
+        acc_t ks[UNROLL], vs[UNROLL];               // each row's scales (its block's)
+#endif
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             int n = n0 + u * SLOTS;
@@ -167,6 +219,11 @@ decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim
             long long off = blk * s_blk + (n % BLOCK_SIZE) * s_row + hk * s_head;
             load_row(kr[u], K + off, sub, ok);
             load_row(vr[u], V + off, sub, ok);
+#if KV_QUANT
+            const long long sidx = (long long)blk * scale_blk + hk * scale_head;
+            ks[u] = ok ? (acc_t)K_scale[sidx] : (acc_t)0;
+            vs[u] = ok ? (acc_t)V_scale[sidx] : (acc_t)0;
+#endif
 #else
             load_row(kr[u], Kb + (long long)n * skn, sub, ok);
             load_row(vr[u], Vb + (long long)n * svn, sub, ok);
@@ -183,6 +240,9 @@ decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim
                 for (int e = 0; e < EPL; ++e) d += q[gq][e] * elem(kr[u], e);
 #pragma unroll
                 for (int off = LANES / 2; off > 0; off /= 2) d += shfl_xor(d, off);
+#if KV_QUANT
+                d *= ks[u];                         // q . (s_K c) = s_K (q . c)
+#endif
                 s[u] = (n0 + u * SLOTS < n_end) ? d : neg_inf();
                 mx = ik_max(mx, s[u]);
             }
@@ -196,8 +256,13 @@ decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim
             for (int u = 0; u < UNROLL; ++u) {
                 acc_t p = ik_exp2(s[u] - base);
                 l[gq] += p;
+#if KV_QUANT
+                const acc_t pv = p * vs[u];         // p (s_V c) = (p s_V) c
+#else
+                const acc_t pv = p;
+#endif
 #pragma unroll
-                for (int e = 0; e < EPL; ++e) acc[gq][e] += p * elem(vr[u], e);
+                for (int e = 0; e < EPL; ++e) acc[gq][e] += pv * elem(vr[u], e);
             }
             m[gq] = m_new;
         }

@@ -104,6 +104,7 @@ decode_split_v2(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 #endif
                 const int* __restrict__ seq_lens,      // (batch,) int32, or null: every sequence has nk keys
                 int nk, int heads_q, int heads_kv, acc_t scale, int num_splits,
+                int window_left,                       // keys before n - 1 - window_left unseen; -1: none
                 acc_t* __restrict__ O_part, acc_t* __restrict__ LSE_part,   // (splits, batch, heads_q[, d])
                 elem_t* __restrict__ O, acc_t* __restrict__ LSE) {        // used when num_splits == 1
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -116,8 +117,10 @@ decode_split_v2(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     const int slot = lane / LANES;                  // which of the RPW rows side by side
     const bool has_chunk = sub < CPR;               // LANES > CPR: the extra lanes hold zeros
     const int len = seq_lens ? seq_lens[b] : nk;
-    const int per_split = (len + num_splits - 1) / num_splits;
-    const int n_begin = min(split * per_split, len), n_end = min(n_begin + per_split, len);
+    // the visible keys [first, len) are split; a split past them is empty (LSE_s = -inf)
+    const int first = window_left < 0 ? 0 : max(len - 1 - window_left, 0);
+    const int per_split = (len - first + num_splits - 1) / num_splits;
+    const int n_begin = min(first + split * per_split, len), n_end = min(n_begin + per_split, len);
 
     // this warp's tiles: tile i of the split covers keys [n_begin + i * TILE_ROWS, ...);
     // warp w takes tiles w, w + NUM_WARPS, ...  (my_tiles is the same for all its lanes)

@@ -35,11 +35,21 @@
 // counts behind: the launcher zeroes a workspace when it creates it, and after an error
 // CUDA's context is lost anyway).
 //
+// Quantized paged caches (KV_QUANT = 1 int8, 2 float8 e4m3; common.cuh): the pools hold
+// 1-byte codes, so a row of d values is d bytes and the ring carries twice the rows of a
+// 16-bit cache in the same SRAM.  A lane computes on 8 codes (one 8-byte word from SRAM,
+// decoded in registers), the 8 values a lane holds on the 16-bit path, so the registers
+// stay where they are.  Each row's scales (its block's, per KV head or per block) are read
+// next to it; with power-of-two scales s_K, s_V the products fold exactly:
+// q . (s_K c_K) = s_K (q . c_K) and p (s_V c_V) = (p s_V) c_V, one multiply a row, not a value.
+// Sliding window (window_left >= 0): the query is the last key n - 1, so only keys
+// [n - 1 - window_left, n) are split among the blocks; keys before them are never read.
+//
 // Per-warp pipeline: as decode_v2.cu (prologue issues tiles 0 .. STAGES-2; loop t issues
 // t+STAGES-1, waits for t, computes t).
 //
 // Compile-time settings: HEAD_DIM, GROUP (g), IK_DTYPE, PAGED, BLOCK_SIZE (paged),
-// NUM_WARPS, STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED.
+// NUM_WARPS, STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED, KV_QUANT (paged only).
 // Dynamic SRAM (the launcher's decode_v3_smem, cupy_raw/config.py): max(rings, the warps' merge buffer,
 // the fused combine's weights GROUP * num_splits acc_t), then table_cap int32 entries.
 #include "common.cuh"
@@ -70,18 +80,31 @@
 #endif
 
 #define NTHREADS (32 * NUM_WARPS)
-#define VEC (16 / IK_ELEM_BYTES)                      // elements in one 16-byte chunk
-#define CPR (HEAD_DIM / VEC)                          // chunks a row
-// lanes per key row: CPR rounded up to a power of two (xor shuffles inside the group)
-#define LANES (CPR <= 1 ? 1 : CPR <= 2 ? 2 : CPR <= 4 ? 4 : CPR <= 8 ? 8 : CPR <= 16 ? 16 : 32)
+#if KV_QUANT
+#if !PAGED
+#error "decode_v3: a quantized cache is paged (its scales belong to the pool's blocks)"
+#endif
+typedef unsigned char kv_t;                           // K/V as stored: 1-byte codes
+#define KV_BYTES 1
+#define UNIT_BYTES 8                                  // bytes of a row one lane computes on
+#else
+typedef elem_t kv_t;
+#define KV_BYTES IK_ELEM_BYTES
+#define UNIT_BYTES 16
+#endif
+#define VEC (16 / KV_BYTES)                           // K/V elements in one 16-byte chunk
+#define CPR (HEAD_DIM / VEC)                          // chunks a row (what cp.async copies)
+#define EPL (UNIT_BYTES / KV_BYTES)                   // elements a lane holds of a row
+#define UPR (HEAD_DIM / EPL)                          // lanes' units a row (CPR unquantized)
+// lanes per key row: UPR rounded up to a power of two (xor shuffles inside the group)
+#define LANES (UPR <= 1 ? 1 : UPR <= 2 ? 2 : UPR <= 4 ? 4 : UPR <= 8 ? 8 : UPR <= 16 ? 16 : 32)
 #define RPW (32 / LANES)                              // rows a warp reads side by side
-#define EPL VEC                                       // elements a lane holds of a row
 
 #if STAGES < 2
 #error "decode_v3: STAGES must be at least 2 (one tile in use, one in flight)"
 #endif
-#if (HEAD_DIM % VEC) != 0 || CPR > 32
-#error "decode_v3: a row must be whole 16-byte chunks, at most 32 of them (use decode.cu)"
+#if (HEAD_DIM % VEC) != 0 || CPR > 32 || UPR > 32
+#error "decode_v3: a row must be whole 16-byte chunks, at most 32 of them, and 32 lanes' units (use decode.cu)"
 #endif
 
 #ifndef TILE_ROWS
@@ -113,17 +136,23 @@ __device__ __forceinline__ double ld_cg(const double* p) {
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)
 decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous
-                const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+                const kv_t* __restrict__ K, const kv_t* __restrict__ V,
 #if PAGED
                 const int* __restrict__ block_table, int max_blocks,
                 long long s_blk, long long s_row, long long s_head,   // pool strides (elements)
                 int table_cap, int table_offset,                      // SRAM table: entries, byte offset
+#if KV_QUANT
+                const float* __restrict__ K_scale, const float* __restrict__ V_scale,
+                int scale_blk, int scale_head,                        // scale of block blk, head h:
+                                                                      // [blk * scale_blk + h * scale_head]
+#endif
 #else
                 long long skb, long long skh, long long skn,
                 long long svb, long long svh, long long svn,
 #endif
                 const int* __restrict__ seq_lens,      // (batch,) int32, or null: every sequence has nk keys
                 int nk, int heads_q, int heads_kv, acc_t scale, int num_splits,
+                int window_left,                       // keys before n - 1 - window_left unseen; -1: none
                 acc_t* __restrict__ O_part, acc_t* __restrict__ LSE_part,   // (splits, batch, heads_q[, d])
                 int* __restrict__ counters,            // (batch, heads_kv) zeros; FUSED only
                 elem_t* __restrict__ O, acc_t* __restrict__ LSE) {
@@ -136,10 +165,12 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int sub = lane % LANES;
     const int slot = lane / LANES;
-    const bool has_chunk = sub < CPR;
+    const bool has_chunk = sub < UPR;
     const int len = seq_lens ? seq_lens[b] : nk;
-    const int per_split = (len + num_splits - 1) / num_splits;
-    const int n_begin = min(split * per_split, len), n_end = min(n_begin + per_split, len);
+    // the visible keys [first, len) are split; a split past them is empty (LSE_s = -inf)
+    const int first = window_left < 0 ? 0 : max(len - 1 - window_left, 0);
+    const int per_split = (len - first + num_splits - 1) / num_splits;
+    const int n_begin = min(first + split * per_split, len), n_end = min(n_begin + per_split, len);
 
     const int n_tiles = (n_end - n_begin + TILE_ROWS - 1) / TILE_ROWS;
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
@@ -149,10 +180,17 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     acc_t q[GROUP][EPL];
 #pragma unroll
     for (int gq = 0; gq < GROUP; ++gq) {
+#if KV_QUANT
+        // q's element type differs from the codes': its EPL values, one load each (once a block)
+        const elem_t* qr = Q + ((long long)b * heads_q + hk * GROUP + gq) * HEAD_DIM + sub * EPL;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) q[gq][e] = has_chunk ? to_acc(qr[e]) * qscale : (acc_t)0;
+#else
         uint4 u = make_uint4(0u, 0u, 0u, 0u);
         if (has_chunk) u = *reinterpret_cast<const uint4*>(Q + ((long long)b * heads_q + hk * GROUP + gq) * HEAD_DIM + sub * VEC);
 #pragma unroll
         for (int e = 0; e < EPL; ++e) q[gq][e] = chunk_elem(u, e) * qscale;
+#endif
     }
     acc_t m[GROUP], l[GROUP], acc[GROUP][EPL];
 #pragma unroll
@@ -186,8 +224,8 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     };
     load_blocks(0);
 #else
-    const elem_t* Kb = K + b * skb + hk * skh;
-    const elem_t* Vb = V + b * svb + hk * svh;
+    const kv_t* Kb = K + b * skb + hk * skh;
+    const kv_t* Vb = V + b * svb + hk * svh;
 #endif
 
     // load K, V rows of this warp's tile t -> SRAM stage t % STAGES (asynchronous; one group)
@@ -233,15 +271,29 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         const int start = n_begin + (warp + t * NUM_WARPS) * TILE_ROWS;
 
         acc_t sc[GROUP][STEPS];                     // scores, log2 units, tail masked
+#if KV_QUANT
+        acc_t vsc[STEPS];                           // each row's V scale, for P V
+#endif
 #pragma unroll
         for (int st = 0; st < STEPS; ++st) {
             const int r = st * RPW + slot;
+            acc_t kf[EPL];
+            const bool vis = start + r < n_end;
+#if KV_QUANT
+            uint2 u = make_uint2(0u, 0u);
+            if (has_chunk) u = reinterpret_cast<const uint2*>(Ks)[r * UPR + sub];
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) kf[e] = kv_code_of(u, e);
+            // load this row's scales (its block's) <- HBM/L2
+            const long long sidx = vis ? (long long)tb[(start + r) / BLOCK_SIZE - e0] * scale_blk + hk * scale_head : 0;
+            const acc_t ks = vis ? (acc_t)K_scale[sidx] : (acc_t)0;
+            vsc[st] = vis ? (acc_t)V_scale[sidx] : (acc_t)0;
+#else
             uint4 u = make_uint4(0u, 0u, 0u, 0u);
             if (has_chunk) u = Ks[r * CPR + sub];
-            acc_t kf[EPL];
 #pragma unroll
             for (int e = 0; e < EPL; ++e) kf[e] = chunk_elem(u, e);
-            const bool vis = start + r < n_end;
+#endif
 #pragma unroll
             for (int gq = 0; gq < GROUP; ++gq) {
                 acc_t d = 0;
@@ -249,6 +301,9 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
                 for (int e = 0; e < EPL; ++e) d += q[gq][e] * kf[e];
 #pragma unroll
                 for (int off = LANES / 2; off > 0; off /= 2) d += shfl_xor(d, off);
+#if KV_QUANT
+                d *= ks;                            // q . (s_K c) = s_K (q . c), exact for s_K = 2^k
+#endif
                 sc[gq][st] = vis ? d : neg_inf();
             }
         }
@@ -269,17 +324,29 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 #pragma unroll
         for (int st = 0; st < STEPS; ++st) {        // O += P V  (V rows from SRAM)
             const int r = st * RPW + slot;
+            acc_t vf[EPL];
+#if KV_QUANT
+            uint2 u = make_uint2(0u, 0u);
+            if (has_chunk) u = reinterpret_cast<const uint2*>(Vs)[r * UPR + sub];
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) vf[e] = kv_code_of(u, e);
+#else
             uint4 u = make_uint4(0u, 0u, 0u, 0u);
             if (has_chunk) u = Vs[r * CPR + sub];
-            acc_t vf[EPL];
 #pragma unroll
             for (int e = 0; e < EPL; ++e) vf[e] = chunk_elem(u, e);
+#endif
 #pragma unroll
             for (int gq = 0; gq < GROUP; ++gq) {
                 const acc_t p = ik_exp2(sc[gq][st] - base[gq]);
                 l[gq] += p;
+#if KV_QUANT
+                const acc_t pv = p * vsc[st];       // p (s_V c) = (p s_V) c
+#else
+                const acc_t pv = p;
+#endif
 #pragma unroll
-                for (int e = 0; e < EPL; ++e) acc[gq][e] += p * vf[e];
+                for (int e = 0; e < EPL; ++e) acc[gq][e] += pv * vf[e];
             }
         }
         __syncwarp();                               // every lane is done with this stage
@@ -316,7 +383,7 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         if (has_chunk && lane < LANES) {
             const acc_t f = ik_exp2(m[gq] - bs);
 #pragma unroll
-            for (int e = 0; e < EPL; ++e) red_o[(warp * GROUP + gq) * HEAD_DIM + sub * VEC + e] = acc[gq][e] * f;
+            for (int e = 0; e < EPL; ++e) red_o[(warp * GROUP + gq) * HEAD_DIM + sub * EPL + e] = acc[gq][e] * f;
         }
     }
     __syncthreads();

@@ -28,6 +28,8 @@
 // grid and the fused combine (decode_common.cuh); a paged split's block-table entries
 // staged in SRAM when they fit table_cap; ragged lengths, tail rows zero-filled by
 // cp.async and masked to -inf, a length-0 sequence gives O = 0 and LSE = -inf.
+// A sliding window (window_left >= 0) splits only the visible keys [n - 1 - window_left, n),
+// as v3 does: keys before them are never read.
 //
 // Notation (Flash-Decoding, Dao et al., 2023; FlashAttention-2, Dao, 2023):
 //   S        splits of the key axis (num_splits), one thread block per (split, kv head, b)
@@ -121,6 +123,7 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 #endif
                 const int* __restrict__ seq_lens,      // (batch,) int32, or null: every sequence has nk keys
                 int nk, int heads_q, int heads_kv, float scale, int num_splits,
+                int window_left,                       // keys before n - 1 - window_left unseen; -1: none
                 float* __restrict__ O_part, float* __restrict__ LSE_part,   // (splits, batch, heads_q[, d])
                 int* __restrict__ counters,            // (batch, heads_kv) zeros; FUSED only
                 elem_t* __restrict__ O, float* __restrict__ LSE) {
@@ -132,8 +135,11 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int g = lane / 4, t = lane % 4;             // mma fragment coordinates (rows g, g + 8)
     const int len = seq_lens ? seq_lens[b] : nk;
-    const int per_split = (len + num_splits - 1) / num_splits;
-    const int n_begin = min(split * per_split, len), n_end = min(n_begin + per_split, len);
+    // the visible keys [first, len) are split (a sliding window hides the ones before first);
+    // a split past them is empty (LSE_s = -inf)
+    const int first = window_left < 0 ? 0 : max(len - 1 - window_left, 0);
+    const int per_split = (len - first + num_splits - 1) / num_splits;
+    const int n_begin = min(first + split * per_split, len), n_end = min(n_begin + per_split, len);
 
     const int n_tiles = (n_end - n_begin + TILE_ROWS - 1) / TILE_ROWS;
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
