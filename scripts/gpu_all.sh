@@ -85,7 +85,7 @@ note "traffic (ncu, limit ${T_TRAFFIC}s), then pytest; sanitizers alongside"
     --timeout $T_TRAFFIC > "$LOGS/traffic.log" 2>&1
   echo "[$(( $(date +%s) - T0 ))s] traffic exit $?" >> "$LOGS/stages.txt"
   files=""
-  for f in tests/test_conformance.py tests/test_numba*.py tests/test_cupy*.py tests/test_hopper*.py \
+  for f in tests/test_conformance.py tests/test_numba*.py tests/test_cupy*.py tests/test_hopper*.py tests/test_gpu_*.py \
            tests/test_autograd.py tests/test_torch_sdpa.py tests/test_bench.py; do
     [ -f "$f" ] && files="$files $f"; done
   {

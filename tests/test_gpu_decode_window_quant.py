@@ -37,7 +37,9 @@ F32_ARITH = 1e-5
 
 numba_ok = pytest.mark.skipif(not gpu.simulator_enabled() and not gpu.has_gpu(),
                               reason="needs Numba's CUDA simulator or a GPU")
-cupy_ok = pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")
+def cupy_ok(test):
+    """A CuPy test: marked gpu (scripts/gpu_all.sh runs -m gpu) and skipped without a GPU."""
+    return pytest.mark.gpu(pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")(test))
 
 
 def _windows(n):
@@ -161,7 +163,7 @@ def test_quantized_caches_refused_where_no_kernel_decodes_them(rng):
 # --------------------------------------------------------------------------- CuPy
 def _cupy_configs(dtype, quant=False):
     from iokernels import cupy_raw
-    versions = ("v1", "v3") if quant else ("v1", "v2", "v3")
+    versions = ("v1", "v3") if quant else ("v1", "v2", "v3") + (("v4",) if dtype in ("float16", "bfloat16") else ())
     return [None] + [cupy_raw.DecodeConfig(v) for v in versions] + \
         [cupy_raw.DecodeConfig("v3", fused=False, num_warps=4)]
 
