@@ -61,7 +61,8 @@ def _configs(backend):
     if backend == "numba":
         return [None]
     from iokernels import cupy_raw
-    # None: the registry's default (v4 for 16-bit unquantized caches, v3 for quantized ones)
+    # None: the registry's default (v4 for 16-bit unquantized caches, v3 for quantized ones
+    # and float32); v3 explicitly where it runs (rows of whole 16-byte chunks, at most 32)
     return [None, cupy_raw.DecodeConfig("v3"), cupy_raw.DecodeConfig("v1")]
 
 
@@ -109,6 +110,8 @@ def check_part(checks: Checks):
             for dtype in ("float64", "float16", "bfloat16"):
                 if backend == "numba" and dtype == "bfloat16":
                     continue
+                if cfg is not None and cfg.version == "v3" and dtype == "float64":
+                    continue                     # 1 KB rows: more than v3's 32 chunks a row
                 q, k, v, lens, cache, sids, kh, vh = _filled(rng, 3, 8, 2, 700, 128, dtype)
 
                 def windowed(q=q, k=k, v=v, lens=lens, cache=cache, sids=sids, kh=kh, vh=vh, dtype=dtype):
