@@ -360,9 +360,9 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem):
                 if kernel.version in ("v3", "v4"):
                     st = cfg.ring_stages(d, dtype, group, smem)
                     rows = cfg.v4_tile_rows() if kernel.version == "v4" else C.decode_v2_geometry(d, dtype)["tile_rows"]
-                    assert C.RING_SMEM[kernel.version](d, dtype, group, st, rows, cfg.ring_warps(),
-                                                       C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP)[0] <= smem
                     defines = cfg.defines(d, dtype, group, True, 16, smem_limit=smem)
+                    assert C.RING_SMEM[kernel.version](d, dtype, group, st, rows, defines["NUM_WARPS"],
+                                                       C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP)[0] <= smem
                     assert defines["STAGES"] == st and defines["TILE_ROWS"] == rows
                 else:
                     assert kernel.version == "v1"
@@ -423,15 +423,15 @@ def test_num_splits_heuristic_properties():
 
 
 def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run():
-    """DecodeConfig() resolves to decode_v4.cu (4 warps x 3 stages x 16 key rows) for 16-bit
+    """DecodeConfig() resolves to decode_v4.cu (8 warps x 3 stages x 16 key rows) for 16-bit
     rows of whole mma k-steps, to decode_v3.cu (8 warps x 4 stages) on other rows of whole
     16-byte chunks, 16-byte aligned; other rows (d = 59 in float16, unaligned views) run
     decode.cu.  Settings a version does not have are refused naming the field."""
     cfg = cr.DecodeConfig()
     assert (cfg.version, cfg.num_warps, cfg.stages) == (None, None, None)
 
-    def default(dtype, d, aligned):
-        return cr.REGISTRY.resolve("decode", None, _need(dtype, d, 90, aligned16=aligned))[0].version
+    def default(dtype, d, aligned, smem=None):
+        return cr.REGISTRY.resolve("decode", None, _need(dtype, d, 90, smem, aligned16=aligned))[0].version
     assert default("bfloat16", 128, True) == "v4"
     assert default("float32", 128, True) == "v3"
     assert default("bfloat16", 128, False) == "v1"
@@ -441,6 +441,11 @@ def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run
     defines = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, False, 0, smem_limit=227 * 1024)
     assert (defines["NUM_WARPS"], defines["STAGES"], defines["TILE_ROWS"]) == (
         C.DECODE_V4_WARPS, C.DECODE_V4_STAGES, C.DECODE_V4_TILE_ROWS)
+    small = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, smem_limit=99 * 1024)   # sm_86
+    assert small["NUM_WARPS"] == C.DECODE_V4_SMALL_WARPS and small["DECODE_MIN_BLOCKS"] == 2
+    assert C.decode_v4_smem(128, "bfloat16", 4, small["STAGES"], 16, small["NUM_WARPS"], C.DECODE_MAX_SPLITS,
+                            True, C.DECODE_V3_TABLE_CAP)[0] <= 99 * 1024
+    assert default("bfloat16", 128, True, smem=99 * 1024) == "v4"
     with pytest.raises(ValueError, match="num_warps"):
         cr.DecodeConfig(version="v2", num_warps=8)
     with pytest.raises(ValueError, match="config.tile_rows"):

@@ -225,9 +225,9 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert _one(launches, "attention None float64 128", "fa_v1")
     dec = _one(launches, "decode v3 {} bfloat16 128 5", "decode_split_v3")
     assert (_defines(dec)["NUM_WARPS"], _defines(dec)["STAGES"], _defines(dec)["FUSED"]) == ("8", "4", "1")
-    # 16-bit rows of whole mma k-steps: v4, 4 warps x 3 stages x 16 key rows, fused (one launch)
+    # 16-bit rows of whole mma k-steps: v4, 8 warps x 3 stages x 16 key rows, fused (one launch)
     dec = _one(launches, "decode None {} bfloat16 128 5", "decode_split_v4")
-    assert tuple(_defines(dec)[k] for k in ("NUM_WARPS", "STAGES", "TILE_ROWS", "FUSED")) == ("4", "3", "16", "1")
+    assert tuple(_defines(dec)[k] for k in ("NUM_WARPS", "STAGES", "TILE_ROWS", "FUSED")) == ("8", "3", "16", "1")
     assert [L["name"] for L in launches["decode None {} bfloat16 128 5"]] == ["decode_split_v4"]
     assert [L["name"] for L in launches["decode v4 {'fused': False} float16 128 5"]] == ["decode_split_v4",
                                                                                          "decode_combine"]

@@ -57,12 +57,12 @@ DECODE_ROWS = (
     # v4 (tensor cores): rows padded to 272 B at bf16 d=128, so a 16-row stage of K and V is
     # 8.5 KB a warp: 4 warps x 3 stages 102 KB (two blocks an SM), 4 x 4 136 KB, 8 x 3 204 KB
     ("v4", dict(version="v4"), None),
-    ("v4 4w x 2", dict(version="v4", stages=2), None),
-    ("v4 4w x 4", dict(version="v4", stages=4), None),
+    ("v4 4w x 2", dict(version="v4", num_warps=4, stages=2), None),
+    ("v4 4w x 3", dict(version="v4", num_warps=4, stages=3), None),
+    ("v4 4w x 4", dict(version="v4", num_warps=4, stages=4), None),
     ("v4 8w x 2", dict(version="v4", num_warps=8, stages=2), None),
-    ("v4 8w x 3", dict(version="v4", num_warps=8, stages=3), None),
-    ("v4 4w x 2 tile=32", dict(version="v4", stages=2, tile_rows=32), None),
-    ("v4 4w x 3 tile=32", dict(version="v4", stages=3, tile_rows=32), None),
+    ("v4 4w x 2 tile=32", dict(version="v4", num_warps=4, stages=2, tile_rows=32), None),
+    ("v4 4w x 3 tile=32", dict(version="v4", num_warps=4, stages=3, tile_rows=32), None),
     ("v4 S=32", dict(version="v4"), 32),
     ("v4 unfused", dict(version="v4", fused=False), None),
 )

@@ -100,13 +100,16 @@ DECODE_V3_TABLE_CAP = 1024
 #: decode v4 (the GQA group on the tensor cores): v3's ring and combine with K_j, V_j tiles of
 #: Bc = DECODE_V4_TILE_ROWS keys, the k depth of one m16n8k16 P V step (a multiple of
 #: MMA_ROWS); each SRAM row is padded by V4_ROW_PAD_BYTES so ldmatrix's 8 rows hit 8 bank
-#: groups.  4 warps x 3 stages at bf16 d=128 take 102 KB a block (rows of 272 B), so two
-#: blocks share a Hopper SM (the registers are capped for DECODE_V4_MIN_BLOCKS), 16 tiles of
-#: K and V in flight an SM; the tuning sweep (iokernels.bench.sweeps_cupy) times the others
-DECODE_V4_WARPS = 4
+#: groups.  8 warps x 3 stages at bf16 d=128 take 204 KB a block (rows of 272 B): one block
+#: an SM (the registers are capped for DECODE_V4_MIN_BLOCKS at 8 warps, twice that at 4), 16
+#: tiles of K and V in flight an SM, the best of the serving-shape rows of the tuning sweep
+#: (iokernels.bench.sweeps_cupy, which times 4 and 8 warps, 2 to 4 stages, 16- and 32-row tiles)
+DECODE_V4_WARPS = 8
+#: ... and where 8 warps' shallowest ring does not fit the SRAM (e.g. 99 KB on sm_86), 4
+DECODE_V4_SMALL_WARPS = 4
 DECODE_V4_STAGES = 3
 DECODE_V4_TILE_ROWS = 16
-DECODE_V4_MIN_BLOCKS = 2
+DECODE_V4_MIN_BLOCKS = 1
 V4_ROW_PAD_BYTES = 16
 #: v4's limits: the g query heads are the 16 rows of one mma A operand; head dims are whole
 #: 16-deep k-steps, and O (d / 8 x 4 float32 a lane) stays in registers up to d = 256
@@ -386,13 +389,27 @@ class DecodeConfig:
                              f"P V product), got {rows}")
         return rows
 
+    def _v4_fits(self, head_dim, dtype, group, stages, warps, smem_limit) -> bool:
+        """Whether v4's ring of ``stages`` x ``warps``, the fused combine's weights at
+        DECODE_MAX_SPLITS and a full staged block table fit ``smem_limit`` (None: no limit)."""
+        need = decode_v4_smem(head_dim, dtype, group, stages, self.v4_tile_rows(), warps, DECODE_MAX_SPLITS,
+                              True, DECODE_V3_TABLE_CAP)[0]
+        return smem_limit is None or need <= smem_limit
+
+    def _v4_warps(self, head_dim, dtype, group, smem_limit) -> int:
+        """v4's warps a block: the given ones, or DECODE_V4_WARPS where its shallowest ring
+        fits, else DECODE_V4_SMALL_WARPS."""
+        if self.num_warps is not None:
+            return self.num_warps
+        fits = self._v4_fits(head_dim, dtype, group, MIN_STAGES, DECODE_V4_WARPS, smem_limit)
+        return DECODE_V4_WARPS if fits else DECODE_V4_SMALL_WARPS
+
     def _v4_stages(self, head_dim, dtype, group, smem_limit) -> int:
         """v4's default ring depth: DECODE_V4_STAGES, made shallower until the ring, the fused
         combine's weights at DECODE_MAX_SPLITS and a full staged block table fit."""
+        warps = self._v4_warps(head_dim, dtype, group, smem_limit)
         for st in range(DECODE_V4_STAGES, MIN_STAGES - 1, -1):
-            need = decode_v4_smem(head_dim, dtype, group, st, self.v4_tile_rows(), self.ring_warps(),
-                                  DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP)[0]
-            if smem_limit is None or need <= smem_limit:
+            if self._v4_fits(head_dim, dtype, group, st, warps, smem_limit):
                 return st
         return MIN_STAGES
 
@@ -406,8 +423,8 @@ class DecodeConfig:
         if group > DECODE_V4_MAX_GROUP:
             raise ValueError(f"config.version: v4 packs at most {DECODE_V4_MAX_GROUP} query heads a KV head "
                              f"(one mma row block), got {group} (use 'v3')")
-        nw = self.ring_warps()                  # the registers a thread may use stay those of 4 warps x 2
-        mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)
+        nw = self._v4_warps(d, dtype, group, smem_limit)   # the registers a thread may use: those of
+        mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)   # 8 warps x 1 block
         return dict(base, NUM_WARPS=nw, STAGES=self.ring_stages(d, dtype, group, smem_limit),
                     TILE_ROWS=self.v4_tile_rows(), DECODE_MIN_BLOCKS=mb, FUSED=int(self.fused))
 
@@ -498,7 +515,7 @@ def ring_smem_bound(version: str, head_dim: int, dtype: str, group: int, num_war
     table.  A registry check compares it with the GPU's limit.  ``kv``: a quantized cache's
     code format (its rows are d bytes)."""
     if version == "v4":
-        return decode_v4_smem(head_dim, dtype, group, stages, DECODE_V4_TILE_ROWS, num_warps or DECODE_V4_WARPS,
+        return decode_v4_smem(head_dim, dtype, group, stages, DECODE_V4_TILE_ROWS, num_warps or DECODE_V4_SMALL_WARPS,
                               DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP, kv)[0]
     rows = decode_v2_geometry(head_dim, dtype, None, kv)["tile_rows"]
     if version == "v2":
