@@ -127,7 +127,7 @@ def _paged_cache(rng, d, dtype, **quant):
 def _contiguous_of(cache, sids):
     ks, vs = zip(*(cache.gather(s, backend="numpy") for s in sids))
     n = max(PAGED_LENS)
-    k = np.zeros((len(sids), cache.num_kv_heads, n, cache.head_dim), cache.k_pool.dtype)
+    k = np.zeros((len(sids), cache.num_kv_heads, n, cache.head_dim), cache.dtype)   # values, not codes
     v = np.zeros_like(k)
     for b, (kb, vb) in enumerate(zip(ks, vs)):
         k[b, :, :kb.shape[1]], v[b, :, :vb.shape[1]] = kb, vb

@@ -22,9 +22,11 @@ Three kernels:
    block owns key row c of the tile: its dK_c and dV_c accumulate in registers over every
    query head of the GQA group and every Q tile (so dK, dV are summed over the group with
    no atomics, and written once).  Per Q tile: load Q_i, dO_i, LSE_i, D_i -> SRAM; each
-   thread recomputes its column of S_ij and P_ij, accumulates dV_c and dK_c and leaves its
-   column of dS_ij in SRAM; then the block computes dS_ij K_j (one thread per element of
-   dQ_i) and adds it to dQ.
+   thread recomputes its column of S_ij and P_ij, sums the tile's Br contributions to dV_c
+   and dK_c apart and then adds them in (two-level sums: in float32 a single running sum
+   over all N query rows loses more bits than the naive backward's blocked matmuls), and
+   leaves its column of dS_ij in SRAM; then the block computes dS_ij K_j (one thread per
+   element of dQ_i) and adds it to dQ.
 3. dQ as the caller's dtype.
 
 dQ is where the thread blocks meet: every K/V tile adds to every dQ_i it sees.  Two modes:
@@ -118,6 +120,8 @@ def _make_kernels(D: int, BR: int, BC: int, acc_name: str, deterministic: bool):
         Ds = cuda.shared.array(BR, acc)
         dk_c = cuda.local.array(D, acc)                      # dK_c, dV_c: registers
         dv_c = cuda.local.array(D, acc)
+        dk_t = cuda.local.array(D, acc)                      # this Q tile's share of them
+        dv_t = cuda.local.array(D, acc)
         for x in range(D):
             dk_c[x] = 0
             dv_c[x] = 0
@@ -161,6 +165,9 @@ def _make_kernels(D: int, BR: int, BC: int, acc_name: str, deterministic: bool):
                 cuda.syncthreads()
                 if tid < BC:                                 # thread c: column c of S, P, dP, dS
                     c = tid
+                    for x in range(D):
+                        dk_t[x] = 0
+                        dv_t[x] = 0
                     for r in range(BR):
                         p = acc(0)
                         if c < nk_tile and r < nq_tile and Ls[r] != -math.inf and \
@@ -175,8 +182,11 @@ def _make_kernels(D: int, BR: int, BC: int, acc_name: str, deterministic: bool):
                         ds = p * (dp - Ds[r])                # dS_ij
                         dSs[r, c] = ds
                         for x in range(D):
-                            dv_c[x] += p * dOs[r, x]         # dV_j += P^T dO
-                            dk_c[x] += ds * Qs[r, x]         # dK_j += dS^T Q (scale at the end)
+                            dv_t[x] += p * dOs[r, x]         # dV_j += P^T dO
+                            dk_t[x] += ds * Qs[r, x]         # dK_j += dS^T Q (scale at the end)
+                    for x in range(D):                       # two-level sums: a tile's Br rows,
+                        dv_c[x] += dv_t[x]                   # then the tiles, so the rounding
+                        dk_c[x] += dk_t[x]                   # grows with Br + Tr, not N
                 cuda.syncthreads()
                 for e in range(tid, BR * D, NT):             # dQ_i += scale * dS_ij K_j
                     r, x = e // D, e % D
