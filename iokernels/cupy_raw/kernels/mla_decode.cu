@@ -167,6 +167,7 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
                               key0 + BLOCK_N, b, block_table, max_blocks);
             }
             mbar_wait(&full[s], parity);
+            __syncwarp();                                    // the spin may leave lanes apart; wgmma is .aligned
             // S = Q KV^T (64 heads x 64 rows), 36 k-steps, both operands K-major from SRAM
             float sacc[S_REGS];
             wgmma_fence();
@@ -227,10 +228,12 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
                 }
             }
             fence_proxy_async();                             // generic stores -> visible to wgmma
-            named_bar_sync(BAR_P, NTHREADS);
+            __syncwarp();                                    // bar.sync is .aligned: a whole warp,
+            named_bar_sync(BAR_P, NTHREADS);                 // reconverged after the t == 0 / tail stores
         } else {
             named_bar_sync(BAR_P, NTHREADS);                 // P_j, alpha in SRAM
             mbar_wait(&full[s], parity);                     // (completed: warpgroup 0 saw it)
+            __syncwarp();
         }
         // both warpgroups: O_half = alpha O_half + P V_half  (V = the tile's first LATENT columns)
         const float a0 = s_alpha[ra], a1 = s_alpha[rb];
@@ -253,6 +256,7 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
         const float la = quad_sum(l[0]), lb = quad_sum(l[1]);
         if (t == 0) { s_l[ra] = la; s_l[rb] = lb; s_m[ra] = m[0]; s_m[rb] = m[1]; }
     }
+    __syncwarp();                                            // reconverged before the aligned barrier
     named_bar_sync(BAR_P, NTHREADS);
     const long long rows = (long long)gridDim.z * heads_q;   // batch * heads_q
 #pragma unroll
