@@ -20,7 +20,9 @@
 // registers, writes P_j and the rescale factors alpha to SRAM; then both warpgroups rescale their
 // half of O and add P_j V_j (wgmma m64n256k16): warpgroup c owns O's columns [256 c, 256 c + 256)
 // (128 float32 registers a thread).  Thread 0 issues the TMA copies: Q once, tiles 0 and 1 up
-// front, then tile j + 1 as soon as both warpgroups are done with tile j - 1 (its stage is free).
+// front, then tile j + 2 as soon as both warpgroups are done with tile j (its stage is free).
+// Each named barrier is one instruction that both warpgroups execute (bar.sync is .aligned, and
+// a barrier reached from two branches is divergent to compute-sanitizer's synccheck).
 //
 // Notation (FlashAttention's):
 //   Br = 64       query heads a block owns (the rows of S and O)
@@ -38,7 +40,7 @@
 // block table (batch, max_blocks); row n of sequence b is row n % PAGE_SIZE of block
 // table[b][n / PAGE_SIZE].  PAGE_SIZE is a multiple of Bc.
 //
-// Frank notes: the S product runs on warpgroup 0 alone while warpgroup 1 waits, and the softmax
+// Left out: the S product runs on warpgroup 0 alone while warpgroup 1 waits, and the softmax
 // is not overlapped with a product (FlashMLA overlaps both); the ring has two stages because
 // Q and two tiles fill the SRAM a block may have.
 //
@@ -160,12 +162,6 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
         const int key0 = n_begin + it * BLOCK_N;
         unsigned char* tile = skv + s * TILE_BYTES;
         if (wg == 0) {
-            if (it > 0) {
-                named_bar_sync(BAR_FREE, NTHREADS);          // both are done with tile it - 1
-                if (threadIdx.x == 0 && it + 1 < n_tiles)    // load KV_{it+1} -> SRAM, into its stage
-                    load_tile(skv + ((it + 1) % STAGES) * TILE_BYTES, &map_kv, &full[(it + 1) % STAGES],
-                              key0 + BLOCK_N, b, block_table, max_blocks);
-            }
             mbar_wait(&full[s], parity);
             __syncwarp();                                    // the spin may leave lanes apart; wgmma is .aligned
             // S = Q KV^T (64 heads x 64 rows), 36 k-steps, both operands K-major from SRAM
@@ -228,10 +224,11 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
                 }
             }
             fence_proxy_async();                             // generic stores -> visible to wgmma
-            __syncwarp();                                    // bar.sync is .aligned: a whole warp,
-            named_bar_sync(BAR_P, NTHREADS);                 // reconverged after the t == 0 / tail stores
-        } else {
-            named_bar_sync(BAR_P, NTHREADS);                 // P_j, alpha in SRAM
+            __syncwarp();                                    // bar.sync is .aligned: whole warps,
+        }                                                    // reconverged after the t == 0 / tail stores
+        // every barrier is one instruction both warpgroups execute (none in a warpgroup's branch)
+        named_bar_sync(BAR_P, NTHREADS);                     // P_j, alpha in SRAM
+        if (wg == 1) {
             mbar_wait(&full[s], parity);                     // (completed: warpgroup 0 saw it)
             __syncwarp();
         }
@@ -248,7 +245,11 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(o);
-        if (wg == 1 && it + 1 < n_tiles) named_bar_arrive(BAR_FREE, NTHREADS);
+        if (it + 1 < n_tiles) {
+            named_bar_sync(BAR_FREE, NTHREADS);              // both are done with tile it and P_j
+            if (threadIdx.x == 0 && it + STAGES < n_tiles)   // load KV_{it+STAGES} -> SRAM, into its stage
+                load_tile(tile, &map_kv, &full[s], key0 + STAGES * BLOCK_N, b, block_table, max_blocks);
+        }
     }
 
     // epilogue: warpgroup 0's row sums and maxima -> SRAM, then each writes its half of O
