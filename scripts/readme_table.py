@@ -139,7 +139,7 @@ def _default_runner(rows, family: str) -> str:
 
 
 def decode_table(rec) -> list[str]:
-    rows = recorded.bench_rows(rec, section="decode")
+    rows = [r for r in recorded.bench_rows(rec, section="decode") if r.get("best_sdpa")]   # not the cache rows
     if not rows:
         return []
     nb, cu = _default_runner(rows, "numba"), _default_runner(rows, "cupy")
@@ -164,6 +164,41 @@ def decode_table(rec) -> list[str]:
             ratios.append(f"{c['ms'] / p['ms']:.2f}" if c and p else "–")
         lines.append(f"| {dt} | {B} | {N} | {best} | {b['rate']:.2f} | " + " | ".join(cells) + " | "
                      + ", ".join(ratios) + " |")
+    return lines + [""]
+
+
+def cache_table(rec) -> list[str]:
+    """Paged decode over quantized caches and a sliding window, next to the 16-bit cache."""
+    cases = [c for c in rec.get("bench", {}).get("cases", []) if c.get("section") == "decode" and "kv_dtype" in c]
+    if not cases:
+        return []
+    lines = ["**Paged decode over a quantized cache and a sliding window** (GQA 32/8, d=128, N=32768, "
+             "bfloat16 queries; TB/s of the bytes the cache holds; speed vs the 16-bit cache, whole window)", "",
+             "| B | cache | window | runner | ms | TB/s | speed vs 16-bit cache |", "|---|---|---|---|---|---|---|"]
+    for c in cases:
+        ok = [x for x in c["results"] if x.get("ms")]
+        base = next((x["ms"] for b in cases if b["shape"] == c["shape"] and b["kv_dtype"] == c["dtype"]
+                     and not b.get("window") for x in b["results"] if x.get("ms") and x["group"] == "cupy"), None)
+        for x in ok:
+            win = f"{c['window'][0]} keys" if c.get("window") else "all"
+            speed = f"{base / x['ms']:.2f}" if base else ""
+            lines.append(f"| {c['shape']['batch']} | {c['kv_dtype']} | {win} | {x['group']} default | "
+                         f"{x['ms']:.3f} | {x['rate']:.2f} | {speed} |")
+    return lines + [""]
+
+
+def mla_table(rec) -> list[str]:
+    """MLA decode (absorbed form) next to torch implementations of the same math."""
+    rows = recorded.bench_rows(rec, section="mla")
+    if not rows:
+        return []
+    lines = ["**MLA decode, absorbed form** (bfloat16, 128 query heads, latent 512 + rope 64; TFLOP/s, TB/s of "
+             "latent cache read, fraction of the roofline bound of the shape, speed vs torch matmuls)", "",
+             "| B | N | runner | ms | TFLOP/s | cache TB/s | of roofline bound | speed vs torch:matmul |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['seqlen']} | {r['runner']} | {r['ms']:.4f} | {r['tflops']:.0f} | "
+                     f"{r['cache_TBps']:.2f} | {r['roofline_fraction']:.2f} | {r['speed_vs_torch_matmul']:.2f} |")
     return lines + [""]
 
 
@@ -255,9 +290,10 @@ def section_text() -> str:
              f"{rec['label']}.", ""]
     if rec.get("bench", {}).get("note"):
         lines += [f"({rec['bench']['note']}.)", ""]
-    parts = [lambda p=p: p(rec) for p in (prefill_table, compare_table, decode_table, gather_table,
-                                          backward_table, traffic_table)] + [hopper_table]
-    for part, name in zip(parts, ("prefill", "compare", "decode", "gather", "backward", "traffic", "hopper")):
+    tables = (prefill_table, compare_table, decode_table, cache_table, mla_table, gather_table, backward_table,
+              traffic_table)
+    parts = [lambda p=p: p(rec) for p in tables] + [hopper_table]
+    for part, name in zip(parts, [t.__name__.replace("_table", "") for t in tables] + ["hopper"]):
         try:
             lines += part()
         except Exception as e:  # a partial record still gives the other tables

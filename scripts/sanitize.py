@@ -194,7 +194,8 @@ def summarize(log_dir, env_line="") -> str:
             rc = open(path[:-4] + ".rc").read().strip() if os.path.exists(path[:-4] + ".rc") else "?"
             # memcheck/synccheck/initcheck end with "ERROR SUMMARY: N errors"; racecheck with
             # "RACECHECK SUMMARY: H hazards displayed (E errors, W warnings)"
-            m = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+            # (a second "ERROR SUMMARY: N errors were not printed" line counts the unprinted ones)
+            m = re.findall(r"ERROR SUMMARY: (\d+) errors?\s*$", text, flags=re.M)
             r = re.findall(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text)
             errors = int(m[-1]) if m else (int(r[-1][0]) if r else None)
             cases = re.findall(r"case (\S+): ok", text)

@@ -186,6 +186,11 @@ def test_sanitizer_summary(tmp_path):
         "========= ERROR SUMMARY: 0 errors\n")
     (tmp_path / "sanitize_memcheck.rc").write_text("0\n")
     (tmp_path / "sanitize_initcheck_cupy.log").write_text("========= ERROR SUMMARY: 0 errors\n")
+    # past --print-limit a second line counts the errors not printed (seen on the H200)
+    (tmp_path / "sanitize_memcheck_cupy.log").write_text(
+        "========= ERROR SUMMARY: 352 errors\n========= ERROR SUMMARY: 302 errors were not printed. Use "
+        "--print-limit option to adjust the number of printed errors\n")
+    (tmp_path / "sanitize_memcheck_cupy.rc").write_text("99\n")
     (tmp_path / "sanitize_racecheck.log").write_text(
         "========= COMPUTE-SANITIZER\n========= Error: Race reported between Write access ...\n"
         "[ 1.0s] case cupy:decode: FAILED AssertionError: x\n========= ERROR SUMMARY: 2 errors\n")
@@ -198,7 +203,8 @@ def test_sanitizer_summary(tmp_path):
     text = sz.summarize(str(tmp_path), "recorded on X")
     assert "memcheck           0 errors" in text and "racecheck          2 errors" in text
     assert "racecheck_numba    0 errors" in text
-    assert "synccheck  not run" in text and "total sanitizer errors: 2" in text
+    assert "memcheck_cupy      352 errors" in text
+    assert "synccheck  not run" in text and "total sanitizer errors: 354" in text
     assert "initcheck_cupy     0 errors" in text
     assert "INCOMPLETE: synccheck did not finish" in text
     assert "FAILED: cupy:decode:" in text or "FAILED: cupy:decode" in text
