@@ -88,18 +88,28 @@ note "traffic (ncu, limit ${T_TRAFFIC}s), then pytest; sanitizers alongside"
   for f in tests/test_conformance.py tests/test_numba*.py tests/test_cupy*.py tests/test_hopper*.py tests/test_gpu_*.py \
            tests/test_autograd.py tests/test_torch_sdpa.py tests/test_bench.py; do
     [ -f "$f" ] && files="$files $f"; done
-  {
-    # whole output (failures with short tracebacks, no warning summary): a failure on the
-    # GPU must be readable from the record without another device call
-    echo "== python3 -m pytest -m gpu tests (tests marked gpu)"
-    timeout --kill-after=5 $(left $T_CHECKS) $PY -m pytest -q -rfE --tb=short -p no:warnings \
-      -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1
-    if [ -n "$files" ] && [ -z "${GPU_TESTS:-}" ]; then
-      echo "== python3 -m pytest -m 'not gpu'$files (the simulator-capable tests, on the GPU)"
-      timeout --kill-after=5 $(left $T_CHECKS) $PY -m pytest -q -rfE --tb=short -p no:warnings \
-        -m "not gpu" -p no:cacheprovider $files 2>&1
+  # whole output (failures with short tracebacks, no warning summary): a failure on the
+  # GPU must be readable from the record without another device call.  Three pytest
+  # processes side by side (the GPU has room; NVRTC and Numba compiles are CPU-bound):
+  # test_cupy.py's GPU tests, every other GPU test, the simulator-capable files.
+  PT="$PY -m pytest -q -rfE --tb=short -p no:warnings -p no:cacheprovider"
+  T_PT=$(left $T_CHECKS)
+  rm -f "$LOGS"/pytest_*.log
+  if [ -n "${GPU_TESTS:-}" ]; then
+    { echo "== python3 -m pytest -m gpu $GPU_TESTS"; timeout --kill-after=5 $T_PT $PT -m gpu $GPU_TESTS 2>&1; } \
+      > "$LOGS/pytest_1.log" 2>&1
+  else
+    { echo "== python3 -m pytest -m gpu tests/test_cupy.py"
+      timeout --kill-after=5 $T_PT $PT -m gpu tests/test_cupy.py 2>&1; } > "$LOGS/pytest_1.log" 2>&1 &
+    { echo "== python3 -m pytest -m gpu tests --ignore=tests/test_cupy.py (the other tests marked gpu)"
+      timeout --kill-after=5 $T_PT $PT -m gpu tests --ignore=tests/test_cupy.py 2>&1; } > "$LOGS/pytest_2.log" 2>&1 &
+    if [ -n "$files" ]; then
+      { echo "== python3 -m pytest -m 'not gpu'$files (the simulator-capable tests, on the GPU)"
+        timeout --kill-after=5 $T_PT $PT -m "not gpu" $files 2>&1; } > "$LOGS/pytest_3.log" 2>&1 &
     fi
-  } > "$LOGS/pytest.log" 2>&1
+    wait
+  fi
+  cat "$LOGS"/pytest_*.log > "$LOGS/pytest.log"
   echo "[$(( $(date +%s) - T0 ))s] pytest done" >> "$LOGS/stages.txt"
 ) &
 PIDS="$!"
