@@ -1,4 +1,4 @@
-// mma.cuh -- the 16-bit tensor-core helpers of the CuPy kernels (fa_v2.cu, decode_v4.cu).
+// mma.cuh -- the 16-bit tensor-core helpers of the CuPy kernels (fa_v2.cu, bwd_v2.cu, decode_v4.cu).
 //
 // ldmatrix loads 8x8 tiles of 16-bit values from SRAM straight into the fragment layout
 // of mma.sync (".trans": transposed on the way in); mma16816 is one m16n8k16 product with
