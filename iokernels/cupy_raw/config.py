@@ -320,8 +320,7 @@ class DecodeConfig:
 
     # -- v2 / v3: the ring
     def ring_warps(self) -> int:
-        if self.version == "v4":
-            return self.num_warps or DECODE_V4_WARPS
+        """v2's / v3's warps a block (v4's depend on the SRAM: :meth:`_v4_warps`)."""
         return (self.num_warps or DECODE_V3_WARPS) if self.version == "v3" else DECODE_WARPS
 
     def ring_stages(self, head_dim: int, dtype: str, group: int, smem_limit: int | None = None,
