@@ -62,30 +62,8 @@ __device__ __forceinline__ u32 smem_u32(const void* p) {
 }
 
 // ----------------------------------------------------------------------------- mbarrier
-__device__ __forceinline__ void mbar_init(u64* bar, u32 arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(smem_u32(bar)), "r"(arrivals));
-}
-// make the initialised barriers visible to the copy engine (the async proxy) and other threads
-__device__ __forceinline__ void mbar_fence_init() {
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-// one arrival that also announces `bytes` still to come from the copy engine
-__device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
-                 :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(smem_u32(bar)) : "memory");
-}
-// spin until the phase with parity `parity` has completed
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred done;\n"
-        "WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT;\n}\n"
-        :: "r"(smem_u32(bar)), "r"(parity) : "memory");
-}
+// mbar_init, mbar_fence_init, mbar_arrive_expect_tx, mbar_arrive, mbar_wait: mbarrier.cuh
+#include "mbarrier.cuh"
 
 // ----------------------------------------------------------------------------- TMA
 // Ask the copy engine for one box of the tensor described by `map` at coordinates (c0 innermost);
