@@ -1,5 +1,5 @@
 // decode_common.cuh -- the end of a split-KV decode block: write its partial, and the fused
-// combine (decode_v4.cu; the same steps as the end of decode_v3.cu).
+// combine (decode_v3.cu and decode_v4.cu).
 //
 // Notation: S = num_splits, g = GROUP query heads of one KV head, O_s / LSE_s the
 // normalised partial output of split s and its log-sum-exp.  The including kernel defines
@@ -22,6 +22,11 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+__device__ __forceinline__ double ld_cg(const double* p) {
+    double v;
+    asm volatile("ld.global.cg.f64 %0, [%1];" : "=d"(v) : "l"(p));
+    return v;
+}
 
 // write this split's O_s (normalised) and LSE_s -> HBM (the final O, LSE when S == 1);
 // then, FUSED, the last block of the (batch, kv head) merges the S partials -> HBM.
@@ -32,7 +37,6 @@ __device__ __forceinline__ void decode_finish(const acc_t (*red_m)[GROUP], const
                                               int num_splits, acc_t* __restrict__ O_part,
                                               acc_t* __restrict__ LSE_part, int* __restrict__ counters,
                                               elem_t* __restrict__ O, acc_t* __restrict__ LSE) {
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const long long row = (long long)b * heads_q + hk * GROUP;   // first query head's row
     const long long rows = (long long)gridDim.z * heads_q;       // batch * heads_q
     for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += NTHREADS) {   // write O_s, LSE_s -> HBM
@@ -58,6 +62,7 @@ __device__ __forceinline__ void decode_finish(const acc_t (*red_m)[GROUP], const
     __shared__ int is_last;
     __shared__ acc_t lse_out[GROUP];
     if (num_splits == 1) return;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     __threadfence();                                // this block's partial -> visible to all
     __syncthreads();                                // every thread's writes fenced
     if (threadIdx.x == 0) {

@@ -1,8 +1,10 @@
 // decode_v3.cu -- Flash-Decoding, version 3: decode_v2's cp.async ring, with the combine
 // fused into the split kernel and the paged block table staged in SRAM.
 //
-// The default decode kernel (8 warps x 4 stages; the tuning sweep in
-// iokernels/bench/sweeps_cupy.py times the shapes around it).
+// The default decode kernel where decode_v4.cu (the tensor-core version) does not run:
+// float32 and float64 rows, head dims that are not whole 16-deep mma steps, GQA groups
+// above 16 (8 warps x 4 stages; the tuning sweep in iokernels/bench/sweeps_cupy.py times
+// the shapes around it).
 //
 // What changed against decode_v2.cu (version 2), and why.  A decode call reads the whole
 // cache once and is short, so the second launch of version 2 (decode.cu's combine), with
@@ -18,6 +20,8 @@
 //     the next call needs no memset: the counters are a workspace the launcher keeps one
 //     of per device and stream (cupy_raw/decode.py, _decode_counters).  FUSED=0 keeps v2's structure
 //     (a separate combine launch, the Flash-Decoding paper's two kernels) for comparison.
+//     The partial's write and the combine are decode_finish (decode_common.cuh), which
+//     decode_v4.cu ends with too.
 //   * NUM_WARPS is a setting (4 or 8 a block): more warps, more bytes in flight a block.
 //   * paged: the block-table entries of the block's split are copied into SRAM once, at
 //     the start (one coalesced read), when they fit the space the launcher gives
@@ -122,17 +126,7 @@ typedef elem_t kv_t;
 // the block table (paged) lives after the rings / merge buffer / combine weights; the
 // launcher passes its byte offset (the weights' size depends on num_splits, a run-time value)
 
-// a load that goes to L2 (skips this SM's L1): partials other blocks wrote this launch
-__device__ __forceinline__ float ld_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-__device__ __forceinline__ double ld_cg(const double* p) {
-    double v;
-    asm volatile("ld.global.cg.f64 %0, [%1];" : "=d"(v) : "l"(p));
-    return v;
-}
+#include "decode_common.cuh"                         // decode_finish: write O_s, the fused combine
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)
 decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous
@@ -159,7 +153,6 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ acc_t red_m[NUM_WARPS][GROUP];
     __shared__ acc_t red_l[NUM_WARPS][GROUP];
-    __shared__ int is_last;
 
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -388,80 +381,8 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     }
     __syncthreads();
 
-    // write this split's O (normalised) and LSE -> HBM (the final O, LSE when num_splits == 1)
-    const long long row = (long long)b * heads_q + hk * GROUP;   // first query head's row
-    const long long rows = (long long)gridDim.z * heads_q;       // batch * heads_q
-    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += NTHREADS) {
-        const int gq = i / HEAD_DIM, c = i % HEAD_DIM;
-        acc_t M = neg_inf();
-        for (int w = 0; w < NUM_WARPS; ++w) M = ik_max(M, red_m[w][gq]);
-        const acc_t bs = (M == neg_inf()) ? (acc_t)0 : M;
-        acc_t L = 0, sum = 0;
-        for (int w = 0; w < NUM_WARPS; ++w) {
-            L += red_l[w][gq] * ik_exp2(red_m[w][gq] - bs);
-            sum += red_o[(w * GROUP + gq) * HEAD_DIM + c];
-        }
-        const acc_t inv = L > 0 ? (acc_t)1 / L : (acc_t)0;
-        if (num_splits == 1) O[(row + gq) * HEAD_DIM + c] = from_acc(sum * inv);
-        else O_part[((long long)split * rows + row + gq) * HEAD_DIM + c] = sum * inv;
-        if (c == 0) {
-            const acc_t lse = L > 0 ? (M + ik_log2(L)) * (acc_t)0.6931471805599453 : neg_inf();
-            if (num_splits == 1) LSE[row + gq] = lse;
-            else LSE_part[(long long)split * rows + row + gq] = lse;
-        }
-    }
-#if FUSED
-    if (num_splits == 1) return;
-    // ---- the fused combine: the last split block of this (batch, kv head) merges them all
-    __threadfence();                                // this block's partial -> visible to all
-    __syncthreads();                                // every thread's writes fenced
-    if (threadIdx.x == 0) {
-        const int arrived = atomicAdd(counters + b * heads_kv + hk, 1);
-        is_last = arrived == num_splits - 1;
-    }
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();                                // order: the count before the partials' reads
-
-    // weights w_s = exp(LSE_s - LSE) for each head, -> SRAM (the rings' space, idle now);
-    // warp w takes heads w, w + NUM_WARPS, ...; its lanes take splits lane, lane + 32, ...
-    acc_t* wts = reinterpret_cast<acc_t*>(smem_raw);              // [GROUP][num_splits]
-    __shared__ acc_t lse_out[GROUP];
-    for (int gq = warp; gq < GROUP; gq += NUM_WARPS) {
-        acc_t M = neg_inf();
-        for (int s = lane; s < num_splits; s += 32) {
-            const acc_t x = ld_cg(LSE_part + (long long)s * rows + row + gq);
-            wts[gq * num_splits + s] = x;
-            M = ik_max(M, x);
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) M = ik_max(M, shfl_xor(M, off));
-        const acc_t bs = (M == neg_inf()) ? (acc_t)0 : M;
-        acc_t L = 0;
-        for (int s = lane; s < num_splits; s += 32) {
-            const acc_t w = ik_exp(wts[gq * num_splits + s] - bs);   // exp(-inf) = 0: an empty split
-            wts[gq * num_splits + s] = w;
-            L += w;
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off /= 2) L += shfl_xor(L, off);
-        const acc_t inv = L > 0 ? (acc_t)1 / L : (acc_t)0;
-        for (int s = lane; s < num_splits; s += 32) wts[gq * num_splits + s] *= inv;
-        if (lane == 0) lse_out[gq] = L > 0 ? M + ik_log(L) : neg_inf();
-    }
-    __syncthreads();
-    // O = sum_s w_s O_s -> HBM (the partials read from L2; independent loads, unrolled)
-    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += NTHREADS) {
-        const int gq = i / HEAD_DIM, c = i % HEAD_DIM;
-        const acc_t* w = wts + gq * num_splits;
-        const acc_t* src = O_part + (row + gq) * HEAD_DIM + c;
-        const long long step = rows * HEAD_DIM;
-        acc_t sum = 0;
-#pragma unroll 8
-        for (int s = 0; s < num_splits; ++s) sum += w[s] * ld_cg(src + s * step);
-        O[(row + gq) * HEAD_DIM + c] = from_acc(sum);
-        if (c == 0) LSE[row + gq] = lse_out[gq];
-    }
-    if (threadIdx.x == 0) counters[b * heads_kv + hk] = 0;   // ready for the next call
-#endif
+    // write O_s, LSE_s -> HBM; FUSED: the last split block merges the group's partials
+    // (the weights in the rings' space, idle now)
+    decode_finish(red_m, red_l, red_o, red_o, split, b, hk, heads_q, heads_kv, num_splits,
+                  O_part, LSE_part, counters, O, LSE);
 }
