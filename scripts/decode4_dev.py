@@ -11,7 +11,8 @@ LSE = -inf.
 
 Part 2 times, at the serving shapes (GQA 32/8, d=128, B in 1, 8, 64 x N in 4096, 32768,
 float16 and bfloat16), torch SDPA's cuDNN and FLASH backends (enable_gqa) and the CuPy
-decode v3 and v4 over a contiguous cache and over paged pools (a shuffled block table,
+decode v4 in the settings of V4_TIMED (bulk copies and cp.async) over a contiguous cache
+and over paged pools (a shuffled block table,
 iokernels.bench.device_pages), each with iokernels.bench.time_cuda (CUDA events, L2
 flushed), and prints TB/s of K/V read, v4's ratio to the best SDPA backend and paged over
 contiguous.  Exits 1 when a correctness case fails.
@@ -36,7 +37,14 @@ CASES = (
     ("bfloat16", 128, 32, 2, (203, 0, 64, 1), 16, dict(fused=False)),
     ("float16", 112, 24, 2, (203, 0, 64, 1), 5, dict(tile_rows=48, stages=2)),
     ("float16", 256, 16, 2, (777, 0, 64, 1), 16, {}),
+    ("bfloat16", 128, 32, 8, (1000, 0, 333, 5), 16, dict(load_bulk=False)),
+    ("float16", 64, 16, 2, (517, 0, 1, 130), 7, dict(num_warps=8, tile_rows=32, load_bulk=False)),
 )
+#: the v4 settings timed next to SDPA (the first is the default; on sm_90 it loads with bulk
+#: copies); the paged pools are timed for those marked True
+V4_TIMED = (("v4", {}, True), ("v4 cp.async", dict(load_bulk=False), True),
+            ("v4 4w x 4", dict(num_warps=4, stages=4), False), ("v4 8w x 2", dict(num_warps=8, stages=2), False),
+            ("v4 4w x 3 tile=32", dict(num_warps=4, stages=3, tile_rows=32), False))
 SPLITS = (None, 1, 7)
 #: the serving shapes of the timing part
 SERVING = tuple((B, N) for B in (1, 8, 64) for N in (4096, 32768))
@@ -91,7 +99,7 @@ def correctness(torch, cr, reference, check, as_numpy, naive, rng) -> int:
 
 
 def timings(torch, cr, reps: int) -> None:
-    """Part 2: the serving shapes, SDPA cuDNN / FLASH and CuPy v3 / v4, contiguous and paged."""
+    """Part 2: the serving shapes, SDPA cuDNN / FLASH and CuPy v4's settings, contiguous and paged."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -114,10 +122,11 @@ def timings(torch, cr, reps: int) -> None:
                     return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
             runs = {"sdpa CUDNN": (sdpa, (SDPBackend.CUDNN_ATTENTION,), {}),
                     "sdpa FLASH": (sdpa, (SDPBackend.FLASH_ATTENTION,), {})}
-            for version in ("v3", "v4"):
-                cfg = cr.DecodeConfig(version=version)
-                runs[f"cupy {version}"] = (cr.decode, (q, k, v), dict(config=cfg))
-                runs[f"cupy {version} paged"] = (cr.paged_decode_pools, (q, kp, vp, tables, lens), dict(config=cfg))
+            for label, kw, paged in V4_TIMED:
+                cfg = cr.DecodeConfig(version="v4", **kw)
+                runs[f"cupy {label}"] = (cr.decode, (q, k, v), dict(config=cfg))
+                if paged:
+                    runs[f"cupy {label} paged"] = (cr.paged_decode_pools, (q, kp, vp, tables, lens), dict(config=cfg))
             for name, (fn, args, kw) in runs.items():
                 try:
                     r = fn(*args, **kw)
@@ -129,7 +138,7 @@ def timings(torch, cr, reps: int) -> None:
             ref = next((out[n] for n in ("sdpa CUDNN", "sdpa FLASH") if n in out), None)
             for name in ms:
                 tbps = kv_bytes / ms[name] / 1e9
-                line = f"  {dtype} B={B:2d} N={N:5d} {name:16s} {ms[name]:8.4f} ms {tbps:6.2f} TB/s"
+                line = f"  {dtype} B={B:2d} N={N:5d} {name:28s} {ms[name]:8.4f} ms {tbps:6.2f} TB/s"
                 if best and name.startswith("cupy"):
                     line += f"  ratio to best SDPA {best / ms[name]:.3f}"
                 if name.endswith("paged") and name[:-6] in ms:
@@ -156,7 +165,7 @@ def main(argv=None) -> int:
     dev = cr.device_info()
     print(f"# device cc {dev['cc']}, {dev['sms']} SMs, {dev['smem_optin']:,} B SRAM a block; "
           f"decode v4 default defines at bf16 d=128 g=4: "
-          f"{cr.DecodeConfig('v4').defines(128, 'bfloat16', 4, False, 0, smem_limit=dev['smem_optin'])}")
+          f"{cr.DecodeConfig('v4').defines(128, 'bfloat16', 4, False, 0, smem_limit=dev['smem_optin'], cc=dev['cc'])}")
     failures = correctness(torch, cr, reference, check, as_numpy, naive_attention, np.random.default_rng(0))
     print(f"# correctness: {failures} failing case(s), {time.time() - t0:.1f} s", flush=True)
     if not a.no_timing:

@@ -415,6 +415,8 @@ def test_decode_v3_configs(rng, dtype, d, group, block_size, kw):
     ("bfloat16", 128, 16, 16, dict(fused=False)),                   # rows 8..15 used; two launches
     ("float16", 112, 12, 5, dict(tile_rows=48, stages=2)),          # 12 of 16 rows, odd page size
     ("float16", 256, 8, 16, dict()),                                # the largest head dim
+    ("bfloat16", 128, 4, 16, dict(load_bulk=False)),                # cp.async chunks on sm_90 too
+    ("float16", 112, 12, 5, dict(tile_rows=48, stages=2, load_bulk=False)),
 ])
 def test_decode_v4_configs(rng, dtype, d, group, block_size, kw):
     """decode v4 (tensor cores) across groups 1..16, head dims 64..256, tiles, warps, ring

@@ -51,7 +51,7 @@ def _jobs():
         jobs.append((f"decode_v3 {dtype} d={d} paged={paged} g={group} kv={kv} {kw}", "decode_v3", defines, arch))
 
     def dec4(dtype, d, paged, arch, group=4, block_size=16, **kw):
-        defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size)
+        defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)   # sm_90: bulk
         jobs.append((f"decode_v4 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v4", defines, arch))
 
     def bwd(dtype, d, arch, **kw):
@@ -107,7 +107,7 @@ def _jobs():
     dec4("float16", 64, True, 90, group=8, block_size=7, num_warps=8, stages=2, tile_rows=32)
     dec4("bfloat16", 256, False, 80, group=16)           # rows 8..15 of the A operand used
     dec4("float16", 16, True, 90, group=1, block_size=5)  # MHA, two chunks a row
-    dec4("bfloat16", 112, False, 90, group=12, tile_rows=48)
+    dec4("bfloat16", 112, False, 90, group=12, tile_rows=48, load_bulk=False)   # sm_90 with cp.async
     bwd("bfloat16", 128, 90)
     bwd("float64", 128, 80)                             # float64 atomics, Bc shrunk to fit
     bwd("float32", 59, 90, lanes_per_key=4, deterministic=True)
@@ -453,6 +453,24 @@ def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run
     for dtype, d, group in (("float32", 128, 4), ("float16", 72, 4), ("float16", 128, 32)):
         with pytest.raises(ValueError, match="config.version"):
             cr.DecodeConfig(version="v4").defines(d, dtype, group, False, 0)
+
+
+def test_decode_v4_loads_with_bulk_copies_where_the_gpu_has_them():
+    """load_bulk None: bulk copies (LOAD_BULK=1) on compute capability 9.0+ (DECODE_V4_BULK),
+    cp.async chunks below it or when the GPU is unknown; True on an older GPU, a non-bool, or
+    the setting on another version is refused naming config.load_bulk."""
+    def bulk(cc, **kw):
+        return cr.DecodeConfig("v4", **kw).defines(128, "bfloat16", 4, True, 16, cc=cc)["LOAD_BULK"]
+    assert bulk(90) == int(C.DECODE_V4_BULK) and bulk(100) == int(C.DECODE_V4_BULK)
+    assert bulk(80) == 0 and bulk(None) == 0 and bulk(86, load_bulk=False) == 0
+    assert bulk(90, load_bulk=False) == 0 and bulk(90, load_bulk=True) == 1 and bulk(None, load_bulk=True) == 1
+    with pytest.raises(ValueError, match="config.load_bulk.*9.0"):
+        bulk(89, load_bulk=True)
+    with pytest.raises(ValueError, match="config.load_bulk"):
+        cr.DecodeConfig("v4", load_bulk=1)
+    with pytest.raises(ValueError, match="config.load_bulk"):
+        cr.DecodeConfig("v3", load_bulk=True)
+    assert "LOAD_BULK" not in cr.DecodeConfig("v3").defines(128, "bfloat16", 4, True, 16, cc=90)
 
 
 def test_tuning_sweep_rows_are_registered_versions():

@@ -111,6 +111,10 @@ DECODE_V4_STAGES = 3
 DECODE_V4_TILE_ROWS = 16
 DECODE_V4_MIN_BLOCKS = 1
 V4_ROW_PAD_BYTES = 16
+#: v4 on sm_90 and newer loads each K/V row with one bulk copy through the copy engine
+#: (-DLOAD_BULK, decode_v4.cu) rather than 16-byte cp.async chunks
+DECODE_V4_BULK = True
+CC_BULK = 90
 #: v4's limits: the g query heads are the 16 rows of one mma A operand; head dims are whole
 #: 16-deep k-steps, and O (d / 8 x 4 float32 a lane) stays in registers up to d = 256
 DECODE_V4_MAX_GROUP = 16
@@ -286,7 +290,9 @@ class DecodeConfig:
     min_blocks: blocks an SM the registers are capped for (None: DECODE_MIN_BLOCKS for v1,
     DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8; v4: DECODE_V4_MIN_BLOCKS at 4 warps,
     half that at 8).  unroll (v1): rows of K and V each
-    sub-group keeps in flight (None: DECODE_UNROLL).
+    sub-group keeps in flight (None: DECODE_UNROLL).  load_bulk (v4): rows loaded by the
+    copy engine, one bulk copy a row (True, compute capability 9.0+) or by cp.async 16-byte
+    chunks (False); None: DECODE_V4_BULK where the GPU has bulk copies.
     """
 
     version: str | None = None
@@ -296,6 +302,7 @@ class DecodeConfig:
     fused: bool = True
     min_blocks: int | None = None
     unroll: int | None = None
+    load_bulk: bool | None = None
 
     def __post_init__(self):
         _version(self, DECODE_VERSIONS)
@@ -314,6 +321,11 @@ class DecodeConfig:
                 raise ValueError(f"config.{name}: a setting of the v2/v3 ring; version 'v1' has none")
         if self.unroll is not None and self.version not in (None, "v1"):
             raise ValueError(f"config.unroll: a v1 setting; version {self.version!r} streams a ring")
+        if self.load_bulk is not None:
+            if not isinstance(self.load_bulk, bool):
+                raise ValueError(f"config.load_bulk: must be True, False or None, got {self.load_bulk!r}")
+            if self.version not in (None, "v4"):
+                raise ValueError(f"config.load_bulk: a v4 setting; version {self.version!r} loads with cp.async")
 
     def replace(self, **changes) -> "DecodeConfig":
         return replace(self, **changes)
@@ -344,11 +356,13 @@ class DecodeConfig:
         return MIN_STAGES
 
     def defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int, *,
-                aligned: bool = True, smem_limit: int | None = None, kv: str | None = None) -> dict:
+                aligned: bool = True, smem_limit: int | None = None, kv: str | None = None,
+                cc: int | None = None) -> dict:
         """The -D defines of this version's split kernel (v1's also compile decode.cu's combine).
 
         ``kv``: a quantized (paged) cache's code format, "int8" or "float8_e4m3fn" (-DKV_QUANT;
-        the rows are then d bytes); ``dtype`` stays the queries' and outputs' dtype."""
+        the rows are then d bytes); ``dtype`` stays the queries' and outputs' dtype.  ``cc``:
+        the GPU's compute capability x 10 (v4's load_bulk default; None: no bulk copies)."""
         d = head_dim
         if kv is not None and (not paged or self.version in ("v2", "v4")):
             raise ValueError(f"kv_dtype: a {kv} cache is read by the paged decode of versions v1 and v3, "
@@ -359,7 +373,7 @@ class DecodeConfig:
         if paged:
             base["BLOCK_SIZE"] = block_size
         if self.version == "v4":
-            return self._v4_defines(base, d, dtype, group, smem_limit)
+            return self._v4_defines(base, d, dtype, group, smem_limit, cc)
         if self.version in (None, "v1"):
             itemsize = kv_itemsize(dtype, kv)
             load = CHUNK_BYTES if kv is None else QUANT_UNIT_BYTES
@@ -412,7 +426,17 @@ class DecodeConfig:
                 return st
         return MIN_STAGES
 
-    def _v4_defines(self, base, d, dtype, group, smem_limit) -> dict:
+    def v4_load_bulk(self, cc: int | None) -> bool:
+        """Whether v4 loads with bulk copies: the given load_bulk (True needs cc >= CC_BULK),
+        or DECODE_V4_BULK where ``cc`` (compute capability x 10; None: unknown) has them."""
+        if self.load_bulk is None:
+            return DECODE_V4_BULK and cc is not None and cc >= CC_BULK
+        if self.load_bulk and cc is not None and cc < CC_BULK:
+            raise ValueError(f"config.load_bulk: bulk copies (cp.async.bulk) need compute capability "
+                             f"{CC_BULK / 10:.1f}; this GPU is {cc / 10:.1f}")
+        return self.load_bulk
+
+    def _v4_defines(self, base, d, dtype, group, smem_limit, cc=None) -> dict:
         if dtype not in ("float16", "bfloat16"):
             raise ValueError(f"config.version: v4 is the float16/bfloat16 tensor-core decode, got {dtype} "
                              f"(use 'v3')")
@@ -425,7 +449,8 @@ class DecodeConfig:
         nw = self._v4_warps(d, dtype, group, smem_limit)   # the registers a thread may use: those of
         mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)   # 8 warps x 1 block
         return dict(base, NUM_WARPS=nw, STAGES=self.ring_stages(d, dtype, group, smem_limit),
-                    TILE_ROWS=self.v4_tile_rows(), DECODE_MIN_BLOCKS=mb, FUSED=int(self.fused))
+                    TILE_ROWS=self.v4_tile_rows(), DECODE_MIN_BLOCKS=mb, FUSED=int(self.fused),
+                    LOAD_BULK=int(self.v4_load_bulk(cc)))
 
     def combine_defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int,
                         aligned: bool = True) -> dict:

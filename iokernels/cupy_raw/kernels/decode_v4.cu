@@ -31,6 +31,17 @@
 // A sliding window (window_left >= 0) splits only the visible keys [n - 1 - window_left, n),
 // as v3 does: keys before them are never read.
 //
+// The loads, two ways (-DLOAD_BULK).  0 (any GPU from sm_80): every lane copies 16-byte
+// chunks with cp.async, CPL of K and CPL of V a tile, and waits on its own copy groups.
+// 1 (sm_90): Hopper's copy engine.  Lane r asks for one whole row (d x 2 bytes) with one bulk
+// copy (cp.async.bulk), K's rows from lanes 0..Bc-1 and V's from the next Bc, into the same
+// padded SRAM rows; the rows of a stage complete on one mbarrier of the warp's ring (lane 0
+// announces the stage's bytes, mbarrier.cuh), which the warp polls before it reads the stage.
+// One instruction a lane a tile instead of 2 x CPL, and 256-byte requests instead of 16-byte
+// ones: fewer issue slots and more bytes in flight per instruction, which is how Hopper's
+// decode kernels (cuDNN's, FlashInfer's) keep HBM busy.  Rows past the split's end are not
+// copied; their lane zero-fills them (V's rows must be finite, as P = 0 multiplies them).
+//
 // Notation (Flash-Decoding, Dao et al., 2023; FlashAttention-2, Dao, 2023):
 //   S        splits of the key axis (num_splits), one thread block per (split, kv head, b)
 //   g        GROUP, query heads per KV head: the A operand's rows (at most 16)
@@ -44,7 +55,7 @@
 // k8 products there, cp.async a plain copy), float16 only.
 //
 // Compile-time settings: HEAD_DIM, GROUP, IK_DTYPE, PAGED, BLOCK_SIZE (paged), NUM_WARPS,
-// STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED.
+// STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED, LOAD_BULK.
 // Dynamic SRAM (decode_v4_smem, cupy_raw/config.py): max(rings NUM_WARPS x STAGES x 2 x Bc x
 // SROW 16-bit, the warps' merge buffer, the fused combine's weights g x S acc_t), then
 // table_cap int32 entries.
@@ -78,6 +89,9 @@
 #ifndef FUSED
 #define FUSED 1
 #endif
+#ifndef LOAD_BULK
+#define LOAD_BULK 0
+#endif
 
 #if IK_DTYPE != IK_F16 && IK_DTYPE != IK_BF16
 #error "decode_v4 is the 16-bit tensor-core decode: IK_DTYPE must be 1 (float16) or 2 (bfloat16)"
@@ -94,6 +108,9 @@
 #if STAGES < 2
 #error "decode_v4: STAGES must be at least 2 (one tile in use, one in flight)"
 #endif
+#if LOAD_BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "decode_v4: LOAD_BULK=1 needs sm_90 (cp.async.bulk and mbarrier transaction counts)"
+#endif
 
 #define NTHREADS (32 * NUM_WARPS)
 #define VEC 8                                         // 16-bit elements in one 16-byte chunk
@@ -107,8 +124,13 @@
 #define NT_O (HEAD_DIM / 8)                           // 8-column n-tiles of O
 #define KT_Q (HEAD_DIM / 16)                          // 16-deep k-steps of Q K^T
 #define HI_ROWS (GROUP > 8)                           // rows 8..15 of the A operand hold heads
+#define ROW_BYTES (HEAD_DIM * 2)                      // one K (or V) row in HBM
+#define CPL_BULK ((2 * TILE_ROWS + 31) / 32)          // rows (K's, then V's) a lane copies a tile, bulk
 
 #include "decode_common.cuh"
+#if LOAD_BULK
+#include "mbarrier.cuh"
+#endif
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)
 decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous
@@ -130,6 +152,9 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ float red_m[NUM_WARPS][GROUP];
     __shared__ float red_l[NUM_WARPS][GROUP];
+#if LOAD_BULK
+    __shared__ unsigned long long full[NUM_WARPS][STAGES];   // stage s of warp w's ring has landed
+#endif
 
     const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -179,6 +204,18 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         tb = tsm;                                   // a generic pointer: SRAM from here on
     }
     // entries of the rows this lane copies in its next tile (read one tile ahead)
+#if LOAD_BULK
+    int blk_next[CPL_BULK];
+    auto load_blocks = [&](int tile) {
+        const int start = n_begin + (warp + tile * NUM_WARPS) * TILE_ROWS;
+#pragma unroll
+        for (int i = 0; i < CPL_BULK; ++i) {
+            const int n = start + (lane + 32 * i) % TILE_ROWS;
+            const bool ok = tile < my_tiles && (lane + 32 * i) < 2 * TILE_ROWS && n < n_end;
+            blk_next[i] = ok ? tb[n / BLOCK_SIZE - e0] : 0;
+        }
+    };
+#else
     int blk_next[CPL];
     auto load_blocks = [&](int tile) {
         const int start = n_begin + (warp + tile * NUM_WARPS) * TILE_ROWS;
@@ -189,12 +226,59 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
             blk_next[i] = ok ? tb[n / BLOCK_SIZE - e0] : 0;
         }
     };
+#endif
     load_blocks(0);
 #else
     const elem_t* Kb = K + b * skb + hk * skh;
     const elem_t* Vb = V + b * svb + hk * svh;
 #endif
 
+#if LOAD_BULK
+    if (lane == 0) {
+        for (int st = 0; st < STAGES; ++st) mbar_init(&full[warp][st], 1);
+        mbar_fence_init();
+    }
+    __syncwarp();
+    // load K_j, V_j -> SRAM (bulk copies, one row a copy): this warp's tile `tile` into stage
+    // tile % STAGES, completing on full[warp][stage]
+    auto issue = [&](int tile) {
+        if (tile < my_tiles) {
+            const int stage = tile % STAGES;
+            u16* Ks = ring + stage * STAGE_ELEMS;
+            const int start = n_begin + (warp + tile * NUM_WARPS) * TILE_ROWS;
+            const int rows = min(TILE_ROWS, n_end - start);        // rows of this tile that exist
+            if (lane == 0) mbar_arrive_expect_tx(&full[warp][stage], 2u * rows * ROW_BYTES);
+            __syncwarp();                                          // the bytes announced first
+#pragma unroll
+            for (int i = 0; i < CPL_BULK; ++i) {
+                const int c = lane + 32 * i;
+                if (c < 2 * TILE_ROWS) {
+                    const int r = c % TILE_ROWS, is_v = c / TILE_ROWS;
+                    u16* dst = Ks + is_v * TILE_ELEMS + r * SROW;
+                    if (r < rows) {
+                        const int n = start + r;
+#if PAGED
+                        const long long off = (long long)blk_next[i] * s_blk
+                                              + (long long)(n % BLOCK_SIZE) * s_row + hk * s_head;
+                        const elem_t* src = (is_v ? V : K) + off;
+#else
+                        const elem_t* src = is_v ? Vb + (long long)n * svn : Kb + (long long)n * skn;
+#endif
+                        fence_proxy_async_smem();                  // this stage's last reads come first
+                        bulk_copy_g2s(dst, src, ROW_BYTES, &full[warp][stage]);
+                    } else {                                       // past the split: a zero row
+#pragma unroll
+                        for (int ch = 0; ch < CPR; ++ch)
+                            *reinterpret_cast<uint4*>(dst + ch * VEC) = make_uint4(0u, 0u, 0u, 0u);
+                    }
+                }
+            }
+#if PAGED
+            load_blocks(tile + 1);
+#endif
+        }
+    };
+#else
     // load K_j, V_j -> SRAM (cp.async ring): this warp's tile `tile` into stage tile % STAGES
     auto issue = [&](int tile) {
         if (tile < my_tiles) {
@@ -225,13 +309,18 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         }
         cp_async_commit();
     };
+#endif
 
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) issue(s);
 
     for (int j = 0; j < my_tiles; ++j) {            // loop over this warp's K_j, V_j tiles (SRAM)
         issue(j + STAGES - 1);
+#if LOAD_BULK
+        mbar_wait(&full[warp][j % STAGES], (j / STAGES) & 1);
+#else
         cp_async_wait<STAGES - 1>();
+#endif
         __syncwarp();
         const u16* Kt = ring + (j % STAGES) * STAGE_ELEMS;
         const u16* Vt = Kt + TILE_ELEMS;
@@ -258,7 +347,9 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         mma_pv<TILE_ROWS / 16, NT_O, HI_ROWS>(o, s, Vt, SROW, lane);
         __syncwarp();                               // every lane is done with this stage
     }
+#if !LOAD_BULK
     cp_async_wait<0>();
+#endif
 
     // merge the warps (through SRAM): l over the quad, then each warp's m, l and its O rows
     // rescaled to the block's max -> SRAM (the rings' space, idle now)
