@@ -293,3 +293,31 @@ def test_simulated_ring_low_precision_follows_the_2x_rule(rng, backend, dtype):
     ik.testing.assert_close(r["o"], O, bo, dtype=dtype, name="o")
     ik.testing.assert_close(r["lse"], L, bl, dtype=dtype, name="lse")
     assert ik.conventions.dtype_name(r["o"]) == dtype
+
+
+#: the NCCL cases one GPU can hold: head dims the fused SDPA kernels take, lengths that split
+#: unevenly, GQA, causal zig-zag and contiguous, a non-causal Nk != Nq
+GPU_CASES = [
+    dict(batch=1, heads_q=4, heads_kv=2, seqlen=301, head_dim=64, causal=True, split="zigzag", seed=4),
+    dict(batch=2, heads_q=2, heads_kv=2, seqlen=130, head_dim=128, causal=True, split="contiguous", seed=5),
+    dict(batch=1, heads_q=4, heads_kv=1, seqlen=77, seqlen_k=203, head_dim=64, causal=False, split="zigzag",
+         seed=6),
+]
+
+
+@pytest.mark.gpu
+def test_nccl_world_of_one_on_a_gpu():
+    """The NCCL path on the one GPU a single-GPU machine has: a world of one rank (NCCL
+    initialised, the local kernel torch_fused in bfloat16 on the GPU, no ring messages),
+    forward and backward against the float64 oracle by the 2x rule, and nothing left running.
+    The two-rank ring over NCCL needs two GPUs (NCCL does not put two ranks on one device)."""
+    from iokernels import gpu as ik_gpu
+    if not ik_gpu.torch_gpu():
+        pytest.skip("needs torch with a CUDA GPU")
+    from iokernels import ring_launch
+    cases = [dict(c, dtype="bfloat16", backend="torch_fused") for c in GPU_CASES]
+    res = ring_launch.run_checks(cases, 1, dist_backend="nccl", timeout=240)
+    for case, r in zip(cases, res):
+        assert all(r["checks"]), (case, [str(c) for c in r["checks"]])
+        assert r["bytes_ok"], (case, r["counted"], r["model"])
+    assert not _children()
