@@ -415,15 +415,15 @@ def test_decode_v3_configs(rng, dtype, d, group, block_size, kw):
     ("bfloat16", 128, 16, 16, dict(fused=False)),                   # rows 8..15 used; two launches
     ("float16", 112, 12, 5, dict(tile_rows=48, stages=2)),          # 12 of 16 rows, odd page size
     ("float16", 256, 8, 16, dict()),                                # the largest head dim
-    ("bfloat16", 128, 4, 16, dict(load_bulk=False)),                # cp.async chunks on sm_90 too
-    ("float16", 112, 12, 5, dict(tile_rows=48, stages=2, load_bulk=False)),
+    ("bfloat16", 128, 4, 16, dict(load_bulk=True)),                 # bulk copies (sm_90)
+    ("float16", 112, 12, 5, dict(tile_rows=48, stages=2, load_bulk=True)),
 ])
 def test_decode_v4_configs(rng, dtype, d, group, block_size, kw):
     """decode v4 (tensor cores) across groups 1..16, head dims 64..256, tiles, warps, ring
     depths and page sizes, as v3's test: contiguous and paged against the oracle, ragged
     lengths incl. 0 and 1, splits 1, 6 and 37; the errors printed per case."""
-    if _cc() < 80:
-        pytest.skip("decode v4 needs sm_80")
+    if _cc() < (90 if kw.get("load_bulk") else 80):
+        pytest.skip("decode v4 needs sm_80 (its bulk copies sm_90)")
     _check_ring_config(rng, dict(version="v4", **kw), dtype, d, group, block_size)
 
 

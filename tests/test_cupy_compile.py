@@ -51,7 +51,7 @@ def _jobs():
         jobs.append((f"decode_v3 {dtype} d={d} paged={paged} g={group} kv={kv} {kw}", "decode_v3", defines, arch))
 
     def dec4(dtype, d, paged, arch, group=4, block_size=16, **kw):
-        defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)   # sm_90: bulk
+        defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
         jobs.append((f"decode_v4 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v4", defines, arch))
 
     def bwd(dtype, d, arch, **kw):
@@ -104,10 +104,10 @@ def _jobs():
     dec3("float64", 64, True, 90, group=2)                # float64 fused combine
     dec3("float16", 72, True, 90, group=8, block_size=7, stages=4, tile_rows=8)
     dec3("bfloat16", 128, False, 90, stages=6, tile_rows=16, num_warps=8)
-    dec4("float16", 64, True, 90, group=8, block_size=7, num_warps=8, stages=2, tile_rows=32)
+    dec4("float16", 64, True, 90, group=8, block_size=7, num_warps=8, stages=2, tile_rows=32, load_bulk=True)
     dec4("bfloat16", 256, False, 80, group=16)           # rows 8..15 of the A operand used
     dec4("float16", 16, True, 90, group=1, block_size=5)  # MHA, two chunks a row
-    dec4("bfloat16", 112, False, 90, group=12, tile_rows=48, load_bulk=False)   # sm_90 with cp.async
+    dec4("bfloat16", 112, False, 90, group=12, tile_rows=48, load_bulk=True)   # bulk copies, 3 rows a lane
     bwd("bfloat16", 128, 90)
     bwd("float64", 128, 80)                             # float64 atomics, Bc shrunk to fit
     bwd("float32", 59, 90, lanes_per_key=4, deterministic=True)
@@ -456,9 +456,9 @@ def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run
 
 
 def test_decode_v4_loads_with_bulk_copies_where_the_gpu_has_them():
-    """load_bulk None: bulk copies (LOAD_BULK=1) on compute capability 9.0+ (DECODE_V4_BULK),
-    cp.async chunks below it or when the GPU is unknown; True on an older GPU, a non-bool, or
-    the setting on another version is refused naming config.load_bulk."""
+    """load_bulk None: DECODE_V4_BULK on compute capability 9.0+ (bulk copies, LOAD_BULK=1,
+    when it is set), cp.async chunks below it or when the GPU is unknown; True on an older
+    GPU, a non-bool, or the setting on another version is refused naming config.load_bulk."""
     def bulk(cc, **kw):
         return cr.DecodeConfig("v4", **kw).defines(128, "bfloat16", 4, True, 16, cc=cc)["LOAD_BULK"]
     assert bulk(90) == int(C.DECODE_V4_BULK) and bulk(100) == int(C.DECODE_V4_BULK)

@@ -111,9 +111,11 @@ DECODE_V4_STAGES = 3
 DECODE_V4_TILE_ROWS = 16
 DECODE_V4_MIN_BLOCKS = 1
 V4_ROW_PAD_BYTES = 16
-#: v4 on sm_90 and newer loads each K/V row with one bulk copy through the copy engine
-#: (-DLOAD_BULK, decode_v4.cu) rather than 16-byte cp.async chunks
-DECODE_V4_BULK = True
+#: v4 on sm_90 and newer may load each K/V row with one bulk copy through the copy engine
+#: (-DLOAD_BULK, decode_v4.cu) rather than 16-byte cp.async chunks; off by default, as the
+#: row copies stream no faster over a contiguous cache and slower over pages (decode4_dev's
+#: timings, recorded with the bench)
+DECODE_V4_BULK = False
 CC_BULK = 90
 #: v4's limits: the g query heads are the 16 rows of one mma A operand; head dims are whole
 #: 16-deep k-steps, and O (d / 8 x 4 float32 a lane) stays in registers up to d = 256
@@ -292,7 +294,7 @@ class DecodeConfig:
     half that at 8).  unroll (v1): rows of K and V each
     sub-group keeps in flight (None: DECODE_UNROLL).  load_bulk (v4): rows loaded by the
     copy engine, one bulk copy a row (True, compute capability 9.0+) or by cp.async 16-byte
-    chunks (False); None: DECODE_V4_BULK where the GPU has bulk copies.
+    chunks (False); None: DECODE_V4_BULK where the GPU has bulk copies (cp.async by default).
     """
 
     version: str | None = None

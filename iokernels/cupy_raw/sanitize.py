@@ -23,6 +23,8 @@ from ..core import reference
 from ..core.testing import check, make_inputs, numpy_dtype
 from ..core.testing import GRADIENT_FACTOR
 from .registry import REGISTRY, need
+from . import config as C
+from .launch import device_info
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 #: forward shapes: (head_dim, causal, window)
@@ -42,9 +44,9 @@ QUANT_CASES = (("int8", "block_head"), ("float8_e4m3fn", "block"))
 #: settings run next to each version's default config (kwargs of its config class)
 VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
-            # v4's default loads with bulk copies on sm_90; the variant with cp.async chunks
-            ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": False}),
-            ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": False}),
+            # v4's default loads with cp.async chunks; the variant with bulk copies (sm_90)
+            ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": True}),
+            ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": True}),
             ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32}),
             # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
             ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16})}
@@ -251,6 +253,8 @@ def sanitize_cases(seed: int = 0, verbose: bool = True, kernels=None) -> list:
         if kernels is not None and f"{kernel.op}:{kernel.version}" not in kernels:
             continue
         for kw in VARIANTS.get((kernel.op, kernel.version), ({},)):
+            if kw.get("load_bulk") and device_info()["cc"] < C.CC_BULK:
+                continue                            # bulk copies: sm_90 and newer
             cfg = kernel.config_class(version=kernel.version, **kw)
             for dtype in DTYPES:
                 label = f"{kernel.op} {kernel.version}{' ' + repr(kw) if kw else ''} {dtype}"

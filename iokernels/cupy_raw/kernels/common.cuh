@@ -148,6 +148,21 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
     *reinterpret_cast<uint4*>(smem) = v;
 #endif
 }
+// The copy decode_v4.cu streams K and V with (sm_80+): a row chunk that exists is copied by
+// the plain 16-byte cp.async (no src-size operand) carrying the L2::128B prefetch hint, so a
+// miss brings the whole 128-byte line from HBM in one request; a chunk past the end (pred
+// false) is a zero store to SRAM, not a zero-byte copy.  sm_75: cp_async16.
+__device__ __forceinline__ void cp_async16_line(void* smem, const void* gmem, bool pred) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (pred)
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n"
+                     :: "r"(smem_addr(smem)), "l"(gmem) : "memory");
+    else
+        *reinterpret_cast<uint4*>(smem) = make_uint4(0u, 0u, 0u, 0u);
+#else
+    cp_async16(smem, gmem, pred);
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::: "memory");

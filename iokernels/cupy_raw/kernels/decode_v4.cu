@@ -26,13 +26,17 @@
 // NUM_WARPS, ...) through its own cp.async ring of STAGES tiles with only __syncwarp in
 // the key loop, and its own m, l, O; the warps merge through SRAM at the end; the split-KV
 // grid and the fused combine (decode_common.cuh); a paged split's block-table entries
-// staged in SRAM when they fit table_cap; ragged lengths, tail rows zero-filled by
-// cp.async and masked to -inf, a length-0 sequence gives O = 0 and LSE = -inf.
+// staged in SRAM when they fit table_cap; ragged lengths, tail rows zero in SRAM
+// and masked to -inf, a length-0 sequence gives O = 0 and LSE = -inf.
 // A sliding window (window_left >= 0) splits only the visible keys [n - 1 - window_left, n),
 // as v3 does: keys before them are never read.
 //
-// The loads, two ways (-DLOAD_BULK).  0 (any GPU from sm_80): every lane copies 16-byte
-// chunks with cp.async, CPL of K and CPL of V a tile, and waits on its own copy groups.
+// The loads, two ways (-DLOAD_BULK).  0 (the default; any GPU from sm_80): every lane copies
+// 16-byte chunks with cp.async, CPL of K and CPL of V a tile, and waits on its own copy
+// groups (cp_async16_line, common.cuh): each copy carries the L2::128B prefetch hint, so a
+// miss brings the whole 128-byte line from HBM in one request rather than sector by sector,
+// and the chunks of rows past the split's end are zero stores, so every copy is a whole,
+// unpredicated 16 bytes.
 // 1 (sm_90): Hopper's copy engine.  Lane r asks for one whole row (d x 2 bytes) with one bulk
 // copy (cp.async.bulk), K's rows from lanes 0..Bc-1 and V's from the next Bc, into the same
 // padded SRAM rows; the rows of a stage complete on one mbarrier of the warp's ring (lane 0
@@ -41,6 +45,9 @@
 // ones: fewer issue slots and more bytes in flight per instruction, which is how Hopper's
 // decode kernels (cuDNN's, FlashInfer's) keep HBM busy.  Rows past the split's end are not
 // copied; their lane zero-fills them (V's rows must be finite, as P = 0 multiplies them).
+// It stays a setting, not the default: in the benchmark record the row copies stream no
+// faster than the hinted cp.async chunks over a contiguous cache and slower over pages, so
+// at this shape the number of load instructions is not what limits the kernel.
 //
 // Notation (Flash-Decoding, Dao et al., 2023; FlashAttention-2, Dao, 2023):
 //   S        splits of the key axis (num_splits), one thread block per (split, kv head, b)
@@ -295,11 +302,11 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 #if PAGED
                     const long long off = (long long)blk_next[i] * s_blk + (long long)(n % BLOCK_SIZE) * s_row
                                           + hk * s_head + ch * VEC;
-                    cp_async16(Ks + r * SROW + ch * VEC, ok ? K + off : K, ok);
-                    cp_async16(Vs + r * SROW + ch * VEC, ok ? V + off : V, ok);
+                    cp_async16_line(Ks + r * SROW + ch * VEC, K + off, ok);
+                    cp_async16_line(Vs + r * SROW + ch * VEC, V + off, ok);
 #else
-                    cp_async16(Ks + r * SROW + ch * VEC, ok ? Kb + (long long)n * skn + ch * VEC : Kb, ok);
-                    cp_async16(Vs + r * SROW + ch * VEC, ok ? Vb + (long long)n * svn + ch * VEC : Vb, ok);
+                    cp_async16_line(Ks + r * SROW + ch * VEC, Kb + (long long)n * skn + ch * VEC, ok);
+                    cp_async16_line(Vs + r * SROW + ch * VEC, Vb + (long long)n * svn + ch * VEC, ok);
 #endif
                 }
             }
@@ -329,7 +336,7 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         // S = Q_g K_j^T on the tensor cores (registers); K_j's rows are the B operand as stored
         float s[NT_S][4];
         mma_qkt<KT_Q, NT_S>(s, qf, Kt, SROW, lane);
-        // scale (log2 units); keys at or past the split's end (zero-filled rows) -> -inf
+        // scale (log2 units); keys at or past the split's end (zero rows) -> -inf
         const bool tail = start + TILE_ROWS > n_end;
 #pragma unroll
         for (int n = 0; n < NT_S; ++n)
