@@ -62,6 +62,7 @@ __device__ __forceinline__ void decode_finish(const acc_t (*red_m)[GROUP], const
     __shared__ int is_last;
     __shared__ acc_t lse_out[GROUP];
     if (num_splits == 1) return;
+    // ---- the fused combine: the last split block of this (batch, kv head) merges them all
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     __threadfence();                                // this block's partial -> visible to all
     __syncthreads();                                // every thread's writes fenced
