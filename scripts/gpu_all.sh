@@ -6,6 +6,7 @@
 # Stages, each time-boxed with `timeout`; a failing stage is logged, never fatal:
 #   1. env        nvidia-smi, driver, CUDA, python / torch / numba / cupy / numpy versions, date
 #   2. bench      python -m iokernels bench  (alone on the GPU: it times things)   -> bench.json
+#   2b. ring      python -m iokernels ring --world-size 1 --device cuda --bench (NCCL, one rank)
 #   3. traffic    ncu DRAM bytes vs the traffic model                              -> traffic.json
 #   4. checks     GPU pytest and compute-sanitizer memcheck / racecheck / synccheck / initcheck
 #                 over scripts/sanitize.py, one process per (tool, kernel family)
@@ -71,6 +72,17 @@ timeout --kill-after=10 $T_BENCH $PY -m iokernels bench --no-progress --out "$OU
 note "bench exit $?"
 grep -v '^USDT' "$LOGS/bench.log" | sed -n '/^recorded on/,$p' > "$OUT/bench.txt"
 [ -s "$OUT/bench.txt" ] || tail -60 "$LOGS/bench.log" > "$OUT/bench.txt"
+
+# ---------------------------------------------------------------- 2b. ring attention on this one GPU
+# A world of one rank over NCCL (a ring of two needs two GPUs): the time of a ring step at long
+# sequences with the fused local kernel, the single-GPU side of a multi-GPU comparison.
+note "ring, one GPU (limit $(left ${T_RING:-60})s)"
+timeout --kill-after=5 $(left ${T_RING:-60}) bash -c '
+  for n in 32768 131072; do
+    '"$PY"' -m iokernels ring --world-size 1 --device cuda --bench --reps 3 --causal --seqlen $n \
+      --heads 16 --heads-kv 8 --head-dim 128 --timeout 50 2>&1
+  done' > "$LOGS/ring_single_gpu.txt" 2>&1
+note "ring exit $?"
 
 # ---------------------------------------------------------------- 3 + 4. traffic and checks, in parallel
 # The device lease is short, so the profiler shares the GPU with the sanitized runs, whose
@@ -151,6 +163,8 @@ note "summary"
   echo "== pytest (last lines)"; grep -E "passed|failed|error|no tests ran" "$OUT/pytest.txt" | tail -4
   echo
   echo "== traffic (measured DRAM bytes vs model)"; sed -n '/^case /,$p' "$LOGS/traffic.log" | head -100
+  echo
+  echo "== ring attention, one GPU (NCCL world of one)"; grep -E "ring bench|rank 0|ring:" "$LOGS/ring_single_gpu.txt" | head -6
   echo
   echo "== bench: silent fall-backs and suspect rows"
   grep -E "silent fall-back|SUSPECT" "$OUT/bench.txt" | head -20
