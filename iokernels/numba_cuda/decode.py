@@ -591,6 +591,8 @@ def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     scale = cv.resolve_scale(scale, d)
     Hkv = int(k.shape[2] if paged else k.shape[1])
     acc = acc_dtype(dtype)
+    if paged and cfg.version == "v3":
+        d3.paged_addressing(cfg, block_n, left)           # an explicit "page" that cannot run raises
     dq, dk, dv = (ln.device_in(call, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if cfg.version == "v3" and not all(ln.c_contiguous(x) for x in (dk, dv)):
         raise ValueError("k, v: decode v3 reads the cache through flat views and needs C-contiguous K and V "
