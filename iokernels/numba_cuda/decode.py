@@ -51,7 +51,8 @@ The versions of the split kernel (``DecodeConfig(version=...)``):
   the next step's loads start only after this step's math.
 * **v3** (the default for C-contiguous K/V, :mod:`.decode_v3`) software-pipelined: the
   next step's words are loaded before this step's math; a reduce-scatter lane sum needs
-  far fewer shuffles; flat raw-pointer addressing.
+  far fewer shuffles; flat raw-pointer addressing; over a paged cache, one block-table
+  lookup per key group and step instead of one per key (``paged_addressing="page"``).
 
 Host side of a call: every buffer (O, LSE, O_s, LSE_s) comes from the caller's library
 through :class:`iokernels.core.arrays.Call` (torch's caching allocator for a torch caller),

@@ -12,6 +12,9 @@ R          scores one lane sums per iteration: KPI keys x g query heads, padded 
            the next power of two (padding lanes sum zeros)
 row        the flat index of a K/V row in the word view (rows, W) of the cache:
            contiguous (b * Hkv + h) * N + c; paged (table[c // Bn] * Bn + c % Bn) * Hkv + h
+GS, KS     the key a group takes: base + kg * GS + e * KS (e < KPI) at a step whose first
+           key is base; contiguous GS = 1, KS = KG (interleaved); paged GS = KPI, KS = 1
+           (each group KPI consecutive keys)
 kn, vn     the *next* iteration's words (in flight); kc, vc this iteration's
 s_K, s_V   a quantized cache's scales of a key's block (per KV head or per block): a
            stored code c stands for c * s
@@ -24,6 +27,28 @@ block scales s_K, s_V loaded with its words (into the same two-deep pipeline); a
 c * s, exactly what :func:`iokernels.paged.dequantize` gives, so the kernel agrees with the
 NumPy paged decode to float32 rounding.  A sliding window (``left`` >= 0) splits only the
 visible keys [n - 1 - left, n), tiled as :func:`iokernels.decode.split_ranges` tiles them.
+
+Paged addressing (``DecodeConfig.paged_addressing``).  Over a contiguous cache a key's row
+is one add away from the last.  Over a paged cache, looked up key by key, it costs a
+division and a remainder by Bn (Numba's signed ``//`` and ``%`` each add a floor
+correction), a shared-memory load of the table entry and a 64-bit multiply: per key, in a
+main loop whose math is scalar float32, so the kernel is issuing instructions more than it
+is waiting on HBM, and that work slows it against the contiguous kernel.  Two ways:
+
+* **"page"** (the default where it applies): over a paged cache each key group takes KPI
+  *consecutive* keys of a step (GS, KS above).  With Bn a multiple of KPI and every step
+  starting on a multiple of KPI (no window), those keys are consecutive slots of one page:
+  the group looks its page up once per step, and its e-th row is the first + e * Hkv, an
+  add, as over a contiguous cache.
+* **"key"**: a table lookup per key; any block size, and a sliding window, whose first
+  split starts mid-page.  A power-of-two Bn turns its ``//`` and ``%`` into a shift and a
+  mask.
+
+Both read the same rows in the same order and give the same bits.  The table is staged
+:data:`TABLE_STAGE_V3` entries at a time, so a long split seldom restarts its pipeline (a
+barrier, then a table load, then the first K/V loads); the first stage loads next to Q,
+behind the barrier that publishes Q, so a short split waits for one round trip to HBM
+before its first K/V loads, not two.
 
 What changes from v2, and why (from reading v2's PTX):
 
