@@ -70,7 +70,7 @@ def _check(o, lse, q, kk, vv, lens, window=None):
     (5, 5, 1, "float64", 4, 2, 1, [23, 11, 0], 3),      # 5 = KPI: "page" with Bn not a power of two
     (16, 2, 2, "float16", 12, 4, 2, [37, 0, 16], 1),    # 16: a step (4 keys) inside a page; words
     (16, 4, 1, "float32", 6, 3, 1, [50, 0], 3),         # g = 3; splits of one and two pages
-    (64, 2, 1, "float64", 7, 2, 2, [70, 0], 2),         # 64: a split inside each page, g = 1
+    (64, 2, 1, "float64", 7, 2, 2, [70, 0], 2),         # 64: 16 steps a page, a 6-key split, g = 1
 ])
 def test_paged_addressing_matches_oracle(rng, bs, kpi, lanes, dtype, d, hq, hkv, lens, S):
     """Each addressing the block size allows against the oracle (1e-12 in float64, the 2x rule
@@ -105,8 +105,9 @@ def test_paged_decode_over_several_table_stages(rng, bs, kpi):
 
 
 def test_windowed_paged_decode_takes_key_addressing(rng):
-    """A sliding window starts the first split mid-page, which "page" addressing cannot read:
-    None picks "key", which matches the oracle; an explicit "page" raises, naming the field."""
+    """A sliding window starts the first split mid-page (a split boundary inside a page), which
+    "page" addressing cannot read: None picks "key", which matches the oracle; an explicit
+    "page" raises, naming the field."""
     lens, bs, window = [29, 0, 6], 4, (9, 0)
     k_pool, v_pool, tables, kk, vv = _pools(rng, lens, bs, 1, 5, np.float64)
     q = rng.standard_normal((3, 2, 5))
