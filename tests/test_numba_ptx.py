@@ -163,6 +163,19 @@ def test_decode_v3_pipeline_and_reduce_scatter_in_the_ptx(report_v3, cc):
         assert r["local"] <= 4 * (128 // LANES_PER_KEY_V3 + 2), r
 
 
+@pytest.mark.parametrize("cc", ["sm_75", "sm_90"])
+def test_decode_v3_paged_looks_a_page_up_once_per_step(report_v3, cc):
+    """Page addressing (the default at block size 16): a key group reads one block-table entry
+    from SRAM per step, in the two places that issue loads (the prologue and the in-loop
+    prefetch), plus n_b once -- 3 integer SRAM loads, where a lookup per key would be
+    1 + 2 x KPI; the contiguous kernel reads only n_b."""
+    from iokernels.numba_cuda.decode_v3 import KEYS_PER_ITER_V3
+    assert KEYS_PER_ITER_V3 > 1
+    paged = report_v3[f"decode_v3_split_paged_d128/float16/{cc}"]
+    assert paged["ld_shared_i32"] == 1 + 2, paged
+    assert report_v3[f"decode_v3_split_d128/float16/{cc}"]["ld_shared_i32"] == 1
+
+
 def test_gather_v3_loads_words_before_storing(report_v3):
     """UN u64 loads of K and of V, UN u64 stores of each, no local memory."""
     from iokernels.numba_cuda.gather import GATHER3_UNROLL

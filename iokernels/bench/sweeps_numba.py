@@ -69,6 +69,7 @@ DECODE_GATHER = Sweep("decode_gather", dict(B=1, Hq=32, Hkv=8, N=32768, d=128, N
     ("numba v3-K8G4 S=32", *_dec("decode", "v3", 32, keys_per_iter=8, key_groups=4)),
     ("numba v3 paged S=None", *_dec("paged_decode", "v3")),
     ("numba v3 paged S=32", *_dec("paged_decode", "v3", 32)),
+    ("numba v3 paged key addressing S=None", *_dec("paged_decode", "v3", paged_addressing="key")),
     ("numba v3-K8G4 paged S=None", *_dec("paged_decode", "v3", keys_per_iter=8, key_groups=4)),
     ("numba gather v1", "paged_gather", dict(version="v1"), None),
     ("numba gather v1 elements", "paged_gather", dict(version="v1", words=False), None),

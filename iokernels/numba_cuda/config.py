@@ -52,6 +52,8 @@ V4_KEYS_PER_STEP = 4
 FORWARD_VERSIONS = ("v1", "v2", "v3", "v4")
 DECODE_VERSIONS = ("v1", "v2", "v3")
 GATHER_VERSIONS = ("v1", "v3")
+#: decode v3's ways of finding a key's row in a paged cache (DecodeConfig.paged_addressing)
+PAGED_ADDRESSING = ("page", "key")
 
 
 def acc_dtype(dtype: str):
@@ -201,12 +203,17 @@ class DecodeConfig:
     default (v3 when K and V are C-contiguous, else v1).  lanes_per_key (L), keys_per_iter
     (KPI): v2's and v3's split tiling; key_groups (KG): v3's key groups per block (v1 and v2
     use a fixed KG); None: the version's defaults.  v1 ignores them all.
+    paged_addressing: how v3 finds a key's row in a paged cache: "page" (a key group's KPI
+    keys of a step are consecutive slots of one page: one block-table lookup for them; needs
+    a block size that is a multiple of KPI and no sliding window), "key" (a lookup per key,
+    any block size); None: "page" where it applies, else "key".  Contiguous K/V ignore it.
     """
 
     version: str | None = None
     lanes_per_key: int | None = None
     keys_per_iter: int | None = None
     key_groups: int | None = None
+    paged_addressing: str | None = None
 
     def __post_init__(self):
         _check_version(self.version, DECODE_VERSIONS, "decode")
@@ -217,6 +224,11 @@ class DecodeConfig:
         _check_int(self.key_groups, "key_groups", 1, 32)
         if self.version not in (None, "v3") and self.key_groups is not None:
             raise ValueError("config.key_groups: a v3 setting (version='v3')")
+        if self.paged_addressing not in (None,) + PAGED_ADDRESSING:
+            raise ValueError(f"config.paged_addressing: one of {', '.join(map(repr, PAGED_ADDRESSING))} or None, "
+                             f"got {self.paged_addressing!r}")
+        if self.version not in (None, "v3") and self.paged_addressing is not None:
+            raise ValueError("config.paged_addressing: a v3 setting (version='v3')")
 
     def replace(self, **changes) -> "DecodeConfig":
         return replace(self, **changes)

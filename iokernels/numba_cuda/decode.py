@@ -51,7 +51,8 @@ The versions of the split kernel (``DecodeConfig(version=...)``):
   the next step's loads start only after this step's math.
 * **v3** (the default for C-contiguous K/V, :mod:`.decode_v3`) software-pipelined: the
   next step's words are loaded before this step's math; a reduce-scatter lane sum needs
-  far fewer shuffles; flat raw-pointer addressing.
+  far fewer shuffles; flat raw-pointer addressing; over a paged cache, one block-table
+  lookup per key group and step instead of one per key (``paged_addressing="page"``).
 
 Host side of a call: every buffer (O, LSE, O_s, LSE_s) comes from the caller's library
 through :class:`iokernels.core.arrays.Call` (torch's caching allocator for a torch caller),
@@ -591,6 +592,8 @@ def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     scale = cv.resolve_scale(scale, d)
     Hkv = int(k.shape[2] if paged else k.shape[1])
     acc = acc_dtype(dtype)
+    if paged and cfg.version == "v3":
+        d3.paged_addressing(cfg, block_n, left)           # an explicit "page" that cannot run raises
     dq, dk, dv = (ln.device_in(call, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if cfg.version == "v3" and not all(ln.c_contiguous(x) for x in (dk, dv)):
         raise ValueError("k, v: decode v3 reads the cache through flat views and needs C-contiguous K and V "

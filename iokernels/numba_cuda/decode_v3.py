@@ -12,6 +12,9 @@ R          scores one lane sums per iteration: KPI keys x g query heads, padded 
            the next power of two (padding lanes sum zeros)
 row        the flat index of a K/V row in the word view (rows, W) of the cache:
            contiguous (b * Hkv + h) * N + c; paged (table[c // Bn] * Bn + c % Bn) * Hkv + h
+GS, KS     the key a group takes: base + kg * GS + e * KS (e < KPI) at a step whose first
+           key is base; contiguous GS = 1, KS = KG (interleaved); paged GS = KPI, KS = 1
+           (each group KPI consecutive keys)
 kn, vn     the *next* iteration's words (in flight); kc, vc this iteration's
 s_K, s_V   a quantized cache's scales of a key's block (per KV head or per block): a
            stored code c stands for c * s
@@ -24,6 +27,28 @@ block scales s_K, s_V loaded with its words (into the same two-deep pipeline); a
 c * s, exactly what :func:`iokernels.paged.dequantize` gives, so the kernel agrees with the
 NumPy paged decode to float32 rounding.  A sliding window (``left`` >= 0) splits only the
 visible keys [n - 1 - left, n), tiled as :func:`iokernels.decode.split_ranges` tiles them.
+
+Paged addressing (``DecodeConfig.paged_addressing``).  Over a contiguous cache a key's row
+is one add away from the last.  Over a paged cache, looked up key by key, it costs a
+division and a remainder by Bn (Numba's signed ``//`` and ``%`` each add a floor
+correction), a shared-memory load of the table entry and a 64-bit multiply: per key, in a
+main loop whose math is scalar float32, so the kernel is issuing instructions more than it
+is waiting on HBM, and that work slows it against the contiguous kernel.  Two ways:
+
+* **"page"** (the default where it applies): over a paged cache each key group takes KPI
+  *consecutive* keys of a step (GS, KS above).  With Bn a multiple of KPI and every step
+  starting on a multiple of KPI (no window), those keys are consecutive slots of one page:
+  the group looks its page up once per step, and its e-th row is the first + e * Hkv, an
+  add, as over a contiguous cache.
+* **"key"**: a table lookup per key; any block size, and a sliding window, whose first
+  split starts mid-page.  A power-of-two Bn turns its ``//`` and ``%`` into a shift and a
+  mask.
+
+Both read the same rows in the same order and give the same bits.  The table is staged
+:data:`TABLE_STAGE_V3` entries at a time, so a long split seldom restarts its pipeline (a
+barrier, then a table load, then the first K/V loads); the first stage loads next to Q,
+behind the barrier that publishes Q, so a short split waits for one round trip to HBM
+before its first K/V loads, not two.
 
 What changes from v2, and why (from reading v2's PTX):
 
@@ -90,18 +115,23 @@ from numba import int32  # noqa: E402
 LANES_PER_KEY_V3 = 32
 KEY_GROUPS_V3 = 8
 KEYS_PER_ITER_V3 = 4
-#: block-table entries staged in shared memory per barrier (as v2)
-TABLE_STAGE_V3 = 128
+#: block-table entries staged in shared memory per barrier (2 KiB): 8192 keys at Bn = 16, so a
+#: long split restarts its load pipeline (a barrier, a table load, then the first K/V loads)
+#: rarely
+TABLE_STAGE_V3 = 512
 
 
 # --------------------------------------------------------------------------- split v3
 @functools.lru_cache(maxsize=None)
 def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: bool, store_name: str,
-                  word_name: str, acc_name: str, simulated: bool, quant: str | None = None):
+                  word_name: str, acc_name: str, simulated: bool, quant: str | None = None,
+                  addressing: str = "key"):
     """Split kernel v3 for head_dim D, g = G, L lanes a key, KPI keys a group and step, KG key
     groups, Bn = BN keys a tile (the block size if paged); K and V come as flat (1-D) views of
     ``word_name`` words (rows of W words).  ``quant``: a quantized paged cache's code format
-    (``store_name`` is then "uint8", the codes' bytes)."""
+    (``store_name`` is then "uint8", the codes' bytes).  ``addressing`` (paged): "page", one
+    table lookup per key group and step (needs Bn % KPI == 0 and steps that start on a page),
+    or "key", one per key (:func:`paged_addressing` chooses)."""
     ACC = getattr(numba, acc_name)
     NEG_INF, ZERO = (np.dtype(acc_name).type(x) for x in (-np.inf, 0))
     EPW = np.dtype(word_name).itemsize // np.dtype(store_name).itemsize
@@ -118,6 +148,9 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
     XCH = (NT,) if simulated else (1,)
     STAGE = TABLE_STAGE_V3
     PAGED = paged
+    PAGE = paged and addressing == "page"                     # else a table lookup per key
+    GS, KS = (KPI, 1) if paged else (1, KG)                   # key kg*GS + e*KS of a step
+    POW2, LOG2_BN = BN & (BN - 1) == 0, BN.bit_length() - 1
     allreduce = make_lane_allreduce(L, RP, simulated, warp_mask(NT))
     QUANT = quant is not None
     if QUANT:
@@ -128,17 +161,39 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
     merge = make_group_merge(D, G, L, KG, NT, WPL, EPW, acc_name)
 
     @cuda.jit(device=True)
+    def page_slot(x):
+        """(x // Bn, x % Bn) of a key offset x >= 0 into a stage: a shift and a mask when Bn is
+        a power of two (Numba's signed // and % add a floor correction each)."""
+        if POW2:
+            return x >> LOG2_BN, x & (BN - 1)
+        return x // BN, x % BN
+
+    @cuda.jit(device=True)
     def fetch(k, v, kn, vn, ksn, vsn, k_scale, v_scale, sb, sh, first, pa, p1, row0, hkv, tbl, kg, lane):
         """Issue the loads of the step whose first key is ``first`` into kn, vn (and, for a
         quantized cache, its keys' scales into ksn, vsn)."""
+        rowp = -1                                         # page addressing: the group's first row
+        ksp = vsp = ZERO
+        if PAGE and first + kg * KPI < p1:                # its KPI keys lie in one page:
+            pg, slot = page_slot(first + kg * KPI - pa)   # one table lookup a step (SRAM)
+            blk = tbl[pg]
+            rowp = (blk * BN + slot) * hkv + row0
+            if QUANT:                                     # load the block's s_K, s_V -> registers
+                ksp = k_scale[blk * sb + row0 * sh]
+                vsp = v_scale[blk * sb + row0 * sh]
         for e in range(KPI):
-            c = first + kg + e * KG
+            c = first + kg * GS + e * KS
             row = -1
             if c < p1:
-                if PAGED:
-                    blk = tbl[(c - pa) // BN]
-                    row = (blk * BN + (c - pa) % BN) * hkv + row0
-                    if QUANT:                                 # load the block's s_K, s_V -> registers
+                if PAGE:
+                    row = rowp + e * hkv                  # the next slot of the same page
+                    ksn[e] = ksp
+                    vsn[e] = vsp
+                elif PAGED:                               # key addressing: a lookup a key
+                    pg, slot = page_slot(c - pa)
+                    blk = tbl[pg]
+                    row = (blk * BN + slot) * hkv + row0
+                    if QUANT:                             # load the block's s_K, s_V -> registers
                         ksn[e] = k_scale[blk * sb + row0 * sh]
                         vsn[e] = v_scale[blk * sb + row0 * sh]
                 else:
@@ -150,6 +205,12 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
                 if row >= 0 and w < W:
                     kn[e, u] = held(load(k, row * W + w))   # load K, V words -> registers
                     vn[e, u] = held(load(v, row * W + w))
+
+    @cuda.jit(device=True)
+    def stage_entries(tables, tbl, b, pa, p1, tid):
+        """Load the block-table entries of keys [pa, p1) -> SRAM (pa on a page boundary)."""
+        for e in range(tid, (p1 - pa + BN - 1) // BN, NT):
+            tbl[e] = tables[b, pa // BN + e]
 
     def split_v3(q, k, v, tables, lens, o, lse, o_part, lse_part, scale, nsplit, hkv, n_max, left,
                  k_scale, v_scale, sb, sh):
@@ -171,6 +232,11 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
         red_l = cuda.shared.array(KG, ACC)
         red_o = cuda.shared.array((KG, DPAD), ACC)
         xch = cuda.shared.array(XCH, ACC)                     # the simulator's shuffles
+        row0 = hk if PAGED else (b * hkv + hk) * n_max        # paged: + (blk*Bn + slot)*Hkv
+        chunk = STAGE * BN if PAGED else max(end - start, 1)
+        lo = start - start % BN if PAGED else start           # stages start on a page
+        if PAGED and lo < end:                                # the first stage's entries, behind
+            stage_entries(tables, tbl, b, lo, min(lo + chunk, end), tid)   # the same barrier as Q
         for e in range(tid, G * DPAD, NT):                    # load Q group -> SRAM (if busy)
             g, dd = e // DPAD, e % DPAD
             Q_s[g, dd] = ZERO
@@ -199,14 +265,11 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
                 for ee in range(EPW):                         # word lane + L*u, element ee
                     q_r[g, u * EPW + ee] = Q_s[g, (lane + L * u) * EPW + ee]
                     o_r[g, u * EPW + ee] = ZERO
-        row0 = hk if PAGED else (b * hkv + hk) * n_max        # paged: + (blk*Bn + slot)*Hkv
-        chunk = STAGE * BN if PAGED else max(end - start, 1)
-        lo = start - start % BN if PAGED else start           # stages start on a page
         for pa in range(lo, end, chunk):                      # paged: a stage of table entries
             p0, p1 = max(pa, start), min(pa + chunk, end)
-            if PAGED:
-                for e in range(tid, (p1 - pa + BN - 1) // BN, NT):
-                    tbl[e] = tables[b, pa // BN + e]          # load table entries -> SRAM
+            if PAGED and pa > lo:
+                cuda.syncthreads()                            # every group done with the last stage
+                stage_entries(tables, tbl, b, pa, p1, tid)    # load table entries -> SRAM
                 cuda.syncthreads()
             fetch(k, v, kn, vn, ksn, vsn, k_scale, v_scale, sb, sh, p0, pa, p1, row0, hkv, tbl, kg,
                   lane)                                       # prologue: step 0
@@ -233,7 +296,7 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
                 for g in range(G):                            # online softmax over the KPI keys
                     m_new = m[g]
                     for e in range(KPI):
-                        if base + kg + e * KG < p1:
+                        if base + kg * GS + e * KS < p1:
                             m_new = max(m_new, sc[e * G + g])
                     if m_new == NEG_INF:                      # no key here: P = 0
                         for e in range(KPI):
@@ -243,7 +306,7 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
                         row_sum = ZERO
                         for e in range(KPI):
                             p = ZERO
-                            if base + kg + e * KG < p1:
+                            if base + kg * GS + e * KS < p1:
                                 p = math.exp(sc[e * G + g] - m_new)
                             sc[e * G + g] = p
                             row_sum += p
@@ -259,8 +322,6 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
                                 vv *= vsc[e]                  # c * s_V
                             for g in range(G):
                                 o_r[g, u * EPW + ee] += sc[e * G + g] * vv
-            if PAGED:
-                cuda.syncthreads()                            # before the next stage's entries
         merge(m, l, o_r, red_m, red_l, red_o, o, lse, o_part, lse_part, sp, b, hk, kg, lane, tid,
               nsplit)                                  # merge the KG groups -> O_s, LSE_s
 
@@ -280,16 +341,32 @@ def split_v3_tiling(head_dim: int, dtype: str, word_name: str, config=None):
     return L, KPI, KG
 
 
+def paged_addressing(config, block_n: int, left: int = -1) -> str:
+    """How paged split v3 finds a key's row: the config's ``paged_addressing``, or "page"
+    where it applies (the block size a multiple of keys_per_iter and no sliding window, whose
+    first split may start mid-page), else "key".  ValueError for "page" where it cannot run."""
+    kpi = (config.keys_per_iter if config is not None else None) or KEYS_PER_ITER_V3
+    fits = block_n % kpi == 0 and left < 0
+    want = getattr(config, "paged_addressing", None)
+    if want == "page" and not fits:
+        why = "a sliding window" if left >= 0 else f"block_size {block_n}"
+        raise ValueError(f"config.paged_addressing: 'page' needs a block size that is a multiple of keys_per_iter "
+                         f"({kpi}) and no sliding window; got {why} (use 'key' or None)")
+    return want or ("page" if fits else "key")
+
+
 def split_v3_kernel_function(head_dim, g, dtype, paged, block_n, word_name, config=None, simulated=None,
-                             quant=None):
-    """``dtype``: q's and O's; ``quant``: a quantized cache's code format (K/V are then bytes)."""
+                             quant=None, left=-1):
+    """``dtype``: q's and O's; ``quant``: a quantized cache's code format (K/V are then bytes);
+    ``left``: the sliding window's left extent (-1: none), which the paged addressing needs."""
     if simulated is None:
         simulated = ln.simulated()
     store = dtype if quant is None else "uint8"
     L, KPI, KG = split_v3_tiling(head_dim, store, word_name, config)
     acc_name = np.dtype(acc_dtype(dtype)).name
+    addressing = paged_addressing(config, int(block_n), left) if paged else "key"
     return make_split_v3(head_dim, g, L, KPI, KG, int(block_n), paged, store, word_name, acc_name, simulated,
-                         quant)
+                         quant, addressing)
 
 
 def launch_split_v3(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config=None,
@@ -306,7 +383,8 @@ def launch_split_v3(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, b
     S = int(lse_part.shape[0])
     kv = None if quant is None else quant["kv"]
     L, _, KG = split_v3_tiling(d, dtype if kv is None else "uint8", word, config)
-    kern = ln.jitted(split_v3_kernel_function(d, Hq // Hkv, dtype, paged, block_n, word, config, quant=kv))
+    kern = ln.jitted(split_v3_kernel_function(d, Hq // Hkv, dtype, paged, block_n, word, config, quant=kv,
+                                              left=int(left)))
     size = int(np.prod(k.shape))
     if quant is None:
         ks = vs = lens                                        # not read: any int array of the launch

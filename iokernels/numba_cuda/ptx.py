@@ -121,7 +121,8 @@ def _ptx_counts(ptx: str) -> dict:
             "local": len(LOCAL_ACCESS.findall(ptx)),            # ld.local / st.local lines
             "ld_u64": len(re.findall(r"ld\.global(?:\.nc)?\.u64", ptx)),
             "st_u64": len(re.findall(r"st\.global\.u64", ptx)),
-            "ld_u16": len(re.findall(r"ld\.global(?:\.nc)?\.(?:u16|b16|f16)", ptx))}
+            "ld_u16": len(re.findall(r"ld\.global(?:\.nc)?\.(?:u16|b16|f16)", ptx)),
+            "ld_shared_i32": len(re.findall(r"ld\.shared\.[us]32", ptx))}   # decode v3: n_b, table entries
 
 
 def _compile(signatures, ccs, dump):
@@ -167,9 +168,10 @@ def _no_device_for_device_functions(cc):
 def compile_all(ccs=((7, 5), (9, 0)), dtypes=("float32", "float16", "float64"), head_dims=HEAD_DIMS,
                 only=None, dump=None) -> dict:
     """{f"{name}/{dtype}/sm_{cc}": {"f64": [lines], "bytes": n, "shfl": n, "local": n, "ld_u64": n,
-    "st_u64": n, "ld_u16": n}} per kernel of :func:`kernel_signatures` and cc: float64 lines, PTX
-    size, shuffles, local-memory accesses (per-thread arrays that did not stay in registers),
-    8-byte global loads and stores, 2-byte global loads.
+    "st_u64": n, "ld_u16": n, "ld_shared_i32": n}} per kernel of :func:`kernel_signatures` and cc:
+    float64 lines, PTX size, shuffles, local-memory accesses (per-thread arrays that did not stay
+    in registers), 8-byte global loads and stores, 2-byte global loads, 32-bit integer loads
+    from shared memory (in decode v3: the sequence length and the block-table entries).
 
     ``only``: a regular expression a kernel's name must contain (None: all); ``dump``: a folder to write
     each PTX to (for ``ptxas -v``)."""
