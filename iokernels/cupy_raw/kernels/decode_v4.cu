@@ -39,14 +39,15 @@
 //   O_s      split s's normalised partial output; LSE_s its log-sum-exp (natural log)
 //
 // Limits (the registry's check_decode_v4 refuses the rest; v3 takes them): float16 or
-// bfloat16, head_dim a multiple of 16 up to 256, g <= 16, rows 16-byte aligned,
-// compute capability 8.0 or newer.  The file still compiles for sm_75 (mma16816 is two
-// k8 products there, cp.async a plain copy), float16 only.
+// bfloat16, head_dim a multiple of 16 up to 256 (a quantized cache: 64, 128 or 256), g <= 16,
+// rows 16-byte aligned, compute capability 8.0 or newer.  The file still compiles for sm_75
+// (mma16816 is two k8 products there, cp.async a plain copy), float16 only.
 //
 // Quantized paged caches (KV_QUANT = 1 int8, 2 float8 e4m3; common.cuh).  Version 3 decodes
-// each code to float32 in registers and multiplies it on the CUDA cores: four or five
-// instructions a code, at 1 byte a code twice the instructions a byte of the 16-bit cache,
-// so there the 1-byte caches are bound by instruction issue, not by memory.  Here the codes
+// each code to float32 in registers (several integer and float instructions a code) and
+// multiplies it on the CUDA cores; at 1 byte a code that is about twice the instructions a
+// byte of the 16-bit cache, so there the 1-byte caches are bound by instruction issue, not
+// by memory, and halving the bytes does not halve the time.  Here the codes
 // become float16 mma operands (mma_codes.cuh): the cp.async ring copies the 1-byte rows as
 // they are stored (a 16-bit row's bytes carry twice the keys), each row's two float32
 // power-of-two scales ride along into the stage (cp.async, 4 bytes each), and about two
