@@ -119,7 +119,6 @@ def test_cupy_v4_quantized_paged_decode(rng, case):
 def make_wide_scale_inputs(rng, dtype, kv, gran, span, d=128, hq=16, hkv=4, N=160, bs=16):
     """A cache whose blocks' values differ by powers of two up to 2^+-span (block b of a
     sequence times 2^e_b), so its scales (and s_V / sigma) span 2^(2 span)."""
-    from iokernels.paged import PagedKVCache
     q, k, v = testing.make_inputs(rng, batch=3, heads_q=hq, heads_kv=hkv, seqlen_q=1, seqlen_k=N, head_dim=d,
                                   dtype="float32")
     q = q[:, :, 0].astype(testing.numpy_dtype(dtype))
@@ -128,15 +127,7 @@ def make_wide_scale_inputs(rng, dtype, kv, gran, span, d=128, hq=16, hkv=4, N=16
     k = (k * np.minimum(f, 1.0)).astype(testing.numpy_dtype(dtype))      # scores stay O(1)
     v = (v * f).astype(testing.numpy_dtype(dtype))
     lens = np.array([0, N - 37, N])
-    cache = PagedKVCache(3 * (-(-N // bs)) + 2, bs, num_kv_heads=hkv, head_dim=d, dtype=dtype, kv_dtype=kv,
-                         scale_granularity=gran)
-    sids = [cache.new_sequence() for _ in range(3)]
-    k_hat, v_hat = np.zeros(k.shape), np.zeros(v.shape)
-    for b, (sid, n) in enumerate(zip(sids, lens)):
-        if n:
-            cache.append(sid, k[b, :, :n].transpose(1, 0, 2).copy(), v[b, :, :n].transpose(1, 0, 2).copy())
-            k_hat[b, :, :n], v_hat[b, :, :n] = cache.gather(sid)
-    return q, k, v, lens, cache, sids, k_hat, v_hat
+    return (q, k, v, lens, *testing.paged_cache_of(k, v, lens, dtype, kv, gran, bs))
 
 
 @cupy_ok
