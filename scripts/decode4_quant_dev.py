@@ -13,7 +13,7 @@ empty sequence gave O = 0 and LSE = -inf.
 
 Part 2 times, at B in 8, 64, N = 32768, GQA 32/8, d = 128, a bfloat16 cache and the fp8 and
 int8 caches of the same values (iokernels.bench.device_pages, device_quant_pages), read by
-CuPy decode v4 and v3, next to torch SDPA (cuDNN, FLASH) on the contiguous bfloat16 cache,
+CuPy decode v4 and v3 (and v4 with 16-key tiles x 6 stages on the 1-byte caches), next to torch SDPA (cuDNN, FLASH) on the contiguous bfloat16 cache,
 each with iokernels.bench.time_cuda (CUDA events, L2 flushed); prints TB/s of cache read
 (codes or 16-bit values, K and V) and each row's speed-up over the bfloat16 cache with the
 same version.  Exits 1 when a correctness case fails.
@@ -45,6 +45,10 @@ WINDOWS = (None, (20, 0))
 #: float32 ulps two decodes' sums may differ by; O's rounding to its dtype (one ulp)
 AGREE_ULPS = 512
 OUT_ULP = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+#: the CuPy rows timed: v4's default, v3's, and v4 with 16-key tiles in a 6-deep ring (as many
+#: bytes in flight as the default 32-key tiles x 3 stages) on the 1-byte caches
+RUNS = (("cupy v4", dict(version="v4")), ("cupy v3", dict(version="v3")),
+        ("cupy v4 16x6", dict(version="v4", tile_rows=16, stages=6)))
 #: the timed shapes (the benchmark's DECODE_QUANT section)
 SERVING = ((8, 32768), (64, 32768))
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
@@ -117,10 +121,12 @@ def timings(torch, cr, reps: int) -> None:
                 return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
         runs = {("sdpa CUDNN", "bfloat16"): (sdpa, (SDPBackend.CUDNN_ATTENTION,), {}),
                 ("sdpa FLASH", "bfloat16"): (sdpa, (SDPBackend.FLASH_ATTENTION,), {})}
-        for version in ("v4", "v3"):
+        for row, kw in RUNS:
             for name, (kc, vc, quant) in caches.items():
-                runs[f"cupy {version}", name] = (cr.paged_decode_pools, (q, kc, vc, tables, lens),
-                                                 dict(config=cr.DecodeConfig(version), quant=quant))
+                if quant is None and kw.get("tile_rows"):
+                    continue                                # a 1-byte-cache setting
+                runs[row, name] = (cr.paged_decode_pools, (q, kc, vc, tables, lens),
+                                   dict(config=cr.DecodeConfig(**kw), quant=quant))
         ref = None
         for (row, cache), (fn, args, kw) in runs.items():
             try:
@@ -131,9 +137,10 @@ def timings(torch, cr, reps: int) -> None:
                 ms[row, cache] = bench.time_cuda(fn, *args, reps=reps, **kw).median_ms
                 itemsize = 2 if cache == "bfloat16" else 1
                 tbps = 2.0 * B * HEADS_KV * N * HEAD_DIM * itemsize / ms[row, cache] / 1e9
-                line = f"  B={B:2d} N={N:5d} {row:10s} {cache:14s} {ms[row, cache]:8.4f} ms {tbps:6.2f} TB/s"
-                if (row, "bfloat16") in ms and cache != "bfloat16":
-                    line += f"  x bf16 {ms[row, 'bfloat16'] / ms[row, cache]:.3f}"
+                line = f"  B={B:2d} N={N:5d} {row:12s} {cache:14s} {ms[row, cache]:8.4f} ms {tbps:6.2f} TB/s"
+                base = (row if (row, "bfloat16") in runs else "cupy v4", "bfloat16")   # 16x6: v4's default
+                if base in ms and cache != "bfloat16":
+                    line += f"  x bf16 {ms[base] / ms[row, cache]:.3f}"
                 if ref is not None and row.startswith("cupy"):
                     line += f"  max|O - SDPA(bf16)| {float((o - ref).abs().max()):.3g}"
                 print(line, flush=True)
