@@ -436,6 +436,7 @@ def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
     next to the 16-bit paged decode of the same values (numba's default version; cupy's
     ``spec["cupy_versions"]``, None: its default)."""
     import torch
+    from ..cupy_raw.config import DecodeConfig as CupyDecodeConfig
     cases = []
     Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
     for dtype in spec["dtypes"]:
@@ -467,12 +468,10 @@ def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
                     rows = []
                     runs = [("numba", None)] + [("cupy", v) for v in spec.get("cupy_versions", (None,))]
                     for backend, version in runs:
-                        def fn(backend=backend, version=version, kp=kp, vp=vp, quant=quant, window=window):
+                        cfg = None if version is None else CupyDecodeConfig(version)
+
+                        def fn(backend=backend, cfg=cfg, kp=kp, vp=vp, quant=quant, window=window):
                             f = _pool_fn(backend, "paged_decode_pools")
-                            cfg = None
-                            if version is not None:
-                                from ..cupy_raw import DecodeConfig
-                                cfg = DecodeConfig(version)
                             return f(q, kp, vp, pages[2], pages[3], scale=scale, window=window, quant=quant,
                                      config=cfg)
                         name = backend if version is None else f"{backend} {version}"

@@ -118,10 +118,10 @@ DECODE_V4_MAX_HEAD_DIM = 256
 #: v4 on a quantized cache (1-byte codes, mma_codes.cuh): unpadded rows whose 16-byte chunks
 #: are swizzled, which takes rows of 64 bytes or whole 128-byte lines
 DECODE_V4_QUANT_HEAD_DIMS = (64, 128, 256)
-#: ... tiles of 32 keys (half the bytes of a 16-bit 32-row tile, so the same ring depth keeps as
-#: many bytes in flight as the 16-bit default, and the per-tile softmax work is spread over
-#: twice the keys) up to head_dim DECODE_V4_QUANT_WIDE_MAX_DIM, where S, O and the 4 V rows
-#: a lane transposes still fit the registers; 16 keys beyond
+#: ... tiles of 32 keys (the bytes of the 16-bit default's 16-key tile, so the same ring depth
+#: keeps as many bytes in flight, and each tile's softmax work -- O's rescale -- is spread over
+#: twice the keys) up to head_dim DECODE_V4_QUANT_WIDE_MAX_DIM, where S, O and the 4 V rows a
+#: lane transposes still fit the registers; 16 keys beyond
 DECODE_V4_QUANT_TILE_ROWS = 32
 DECODE_V4_QUANT_WIDE_MAX_DIM = 128
 #: ... and each stage holds its rows' scales next to the codes: one float32 s_K and one s_V a row

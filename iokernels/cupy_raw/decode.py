@@ -14,7 +14,8 @@ A quantized :class:`~iokernels.paged.PagedKVCache` (``kv_dtype`` "int8" or "floa
 is read by v1, v3 and v4 as it is stored: 1-byte codes and the float32 scale of each row's
 block (per KV head or per block), so K and V cross HBM at 1 byte a value.  v1 and v3 decode
 the codes to float32 in registers; v4 turns them into float16 tensor-core operands
-(decode_v4.cu, mma_codes.cuh), with the scales applied to S's and P's columns.  ``window=(left, right)``: the query is the last key n - 1, so it sees keys
+(decode_v4.cu, mma_codes.cuh), with the scales applied to S's and P's columns.
+``window=(left, right)``: the query is the last key n - 1, so it sees keys
 [n - 1 - left, n); only those are split among the blocks (and counted by the split
 heuristic), keys before them are never read.
 
