@@ -50,9 +50,9 @@ def _jobs():
         defines = cr.DecodeConfig("v3", **kw).defines(d, dtype, group, paged, block_size, kv=kv)
         jobs.append((f"decode_v3 {dtype} d={d} paged={paged} g={group} kv={kv} {kw}", "decode_v3", defines, arch))
 
-    def dec4(dtype, d, paged, arch, group=4, block_size=16, **kw):
-        defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
-        jobs.append((f"decode_v4 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v4", defines, arch))
+    def dec4(dtype, d, paged, arch, group=4, block_size=16, kv=None, **kw):
+        defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, kv=kv, cc=arch)
+        jobs.append((f"decode_v4 {dtype} d={d} paged={paged} g={group} kv={kv} {kw}", "decode_v4", defines, arch))
 
     def bwd(dtype, d, arch, **kw):
         jobs.append((f"bwd_v1 {dtype} d={d} {kw}", "bwd_v1", cr.BackwardConfig(**kw).defines(d, dtype), arch))
@@ -126,6 +126,16 @@ def _jobs():
     dec3("float64", 256, True, 90, kv="int8", group=1)    # 32 lanes of 8 codes a row
     dec("bfloat16", 59, True, 80, kv="float8_e4m3fn")     # rows not whole 8-byte words: scalar codes
     dec("float64", 128, True, 90, kv="int8", group=2)
+    # decode v4 on quantized caches (paged only): both code formats on every arch (sm_75: float16
+    # only, as v4 already is; the registry offers v4 from sm_80), head dims 64 / 128 / 256, groups
+    # 1 to 16, odd page sizes, both tile heights
+    for arch, kv in zip(ARCHS, ("float8_e4m3fn", "int8", "float8_e4m3fn")):
+        dec4("float16", 128, True, arch, kv=kv)
+    dec4("bfloat16", 128, True, 80, kv="float8_e4m3fn", group=8)
+    dec4("bfloat16", 128, True, 90, kv="int8", fused=False)
+    dec4("float16", 64, True, 90, kv="int8", group=1, block_size=7)       # rows of 4 chunks share a swizzle group
+    dec4("bfloat16", 256, True, 90, kv="float8_e4m3fn", group=16, block_size=5)
+    dec4("float16", 128, True, 80, kv="int8", group=16, tile_rows=16, num_warps=4)
     return jobs
 
 
@@ -170,6 +180,10 @@ def test_candidates_refuse_what_they_cannot_run(tmp_path):
                        (dict(IK_DTYPE=0), "16-bit tensor-core decode"), (dict(TILE_ROWS=8), "TILE_ROWS")):
         rc, err = _compile(tmp_path, "decode_v4", dict(d4, **bad), 90)
         assert rc != 0 and words in err, (bad, err[:300])
+    d4q = cr.DecodeConfig("v4").defines(128, "float16", 4, True, 16, kv="int8")
+    for bad, words in ((dict(HEAD_DIM=192), "head_dim 64, 128 or 256"), (dict(PAGED=0), "is paged")):
+        rc, err = _compile(tmp_path, "decode_v4", dict(d4q, **bad), 90)
+        assert rc != 0 and words in err, (bad, err[:300])
 
 
 def test_candidates_stay_in_registers(tmp_path):
@@ -195,11 +209,13 @@ def test_candidates_stay_in_registers(tmp_path):
 
 def test_decode_v4_stays_in_registers(tmp_path):
     """ptxas -v: decode v4's default at bf16 d=128 (O is 64 float32 a lane, Q_g's A fragments
-    32 registers), at d=256, g=16, and at 8 warps uses no local memory within its launch
-    bounds' cap."""
+    32 registers), at d=256, g=16, and at 8 warps, and its quantized default (int8, fp8) at
+    d=128, use no local memory within their launch bounds' cap."""
     jobs = [(cr.DecodeConfig("v4").defines(d, "bfloat16", g, paged, 16), d, g)
             for d, g, paged in ((128, 4, False), (128, 4, True), (256, 16, False))]
     jobs.append((cr.DecodeConfig("v4", num_warps=8).defines(128, "bfloat16", 8, True, 16), 128, 8))
+    for kv in ("int8", "float8_e4m3fn"):                  # the quantized default: 32-key tiles at d=128
+        jobs.append((cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, kv=kv), 128, 4))
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(tmp_path, "decode_v4", j[0], 90, extra=("-Xptxas", "-v")), jobs))
     for (defines, d, g), (rc, err) in zip(jobs, results):
@@ -471,6 +487,42 @@ def test_decode_v4_loads_with_bulk_copies_where_the_gpu_has_them():
     with pytest.raises(ValueError, match="config.load_bulk"):
         cr.DecodeConfig("v3", load_bulk=True)
     assert "LOAD_BULK" not in cr.DecodeConfig("v3").defines(128, "bfloat16", 4, True, 16, cc=90)
+
+
+def test_quantized_paged_caches_default_to_v4_where_it_reads_them():
+    """A quantized paged cache (int8 / fp8 codes, float16 or bfloat16 compute dtype) resolves to
+    decode v4 on compute capability 8.0+ at head dims 64, 128, 256, to v3 at other head dims
+    and on sm_75; v4 refuses other head dims, contiguous caches and float32 by name; its SRAM
+    counts 1-byte rows and their scales (and fits sm_86's 99 KB with 4 warps)."""
+    def default(dtype, d, cc, kv="int8", gran="block_head", smem=227 * 1024):
+        n = _need(dtype, d, cc, smem, aligned16=True, group=4, kv_dtype=kv, scale_granularity=gran)
+        return cr.REGISTRY.resolve("paged_decode", None, n)[0].version
+    for dtype in ("float16", "bfloat16"):
+        for kv in ("int8", "float8_e4m3fn"):
+            for gran in ("block_head", "block"):
+                for d in C.DECODE_V4_QUANT_HEAD_DIMS:
+                    assert default(dtype, d, 90, kv, gran) == "v4", (dtype, kv, gran, d)
+    assert default("bfloat16", 128, 86, smem=99 * 1024) == "v4"
+    assert default("float16", 96, 90) == "v3"
+    assert default("float16", 128, 75, smem=64 * 1024) == "v3"
+    assert default("float32", 128, 90) == "v3"
+    why = cr.registry.check_decode_v4(_need("float16", 96, 90, 227 * 1024, group=4, kv_dtype="int8",
+                                            scale_granularity="block"))
+    assert why and why.startswith("kv_dtype")
+    with pytest.raises(ValueError, match="kv_dtype"):
+        cr.DecodeConfig("v4").defines(128, "float16", 4, False, 0, kv="int8")          # contiguous
+    with pytest.raises(ValueError, match="config.version"):
+        cr.DecodeConfig("v4").defines(96, "float16", 4, True, 16, kv="int8")
+    de = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, smem_limit=227 * 1024, kv="float8_e4m3fn")
+    assert (de["KV_QUANT"], de["NUM_WARPS"], de["STAGES"], de["TILE_ROWS"]) == (
+        2, C.DECODE_V4_WARPS, C.DECODE_V4_STAGES, C.DECODE_V4_QUANT_TILE_ROWS)
+    assert cr.DecodeConfig("v4").defines(256, "float16", 4, True, 16, kv="int8")["TILE_ROWS"] == 16
+    # a stage: K and V codes (Bc x d bytes each) and a float32 s_K, s_V a row
+    total, offset = C.decode_v4_smem(128, "bfloat16", 4, 3, 32, 8, 1, True, 0, "int8")
+    assert total == offset == 8 * 3 * (2 * 32 * 128 + 2 * 32 * 4)
+    small = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, smem_limit=99 * 1024, kv="int8")
+    assert C.decode_v4_smem(128, "bfloat16", 4, small["STAGES"], small["TILE_ROWS"], small["NUM_WARPS"],
+                            C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP, "int8")[0] <= 99 * 1024
 
 
 def test_tuning_sweep_rows_are_registered_versions():

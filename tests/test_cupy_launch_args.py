@@ -235,7 +235,13 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert _one(launches, "decode None {} float16 59 5", "decode_split")      # rows not 16-byte chunks: v1
     assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
     assert _one(launches, "paged_decode None float16 128", "decode_split_v4")
-    quant = _defines(_one(launches, "quant paged_decode None float8_e4m3fn block float16 128 3", "decode_split_v3"))
+    # a quantized cache: v4 by default (codes as float16 mma operands), 8 warps x 3 stages x 32 keys
+    quant = _defines(_one(launches, "quant paged_decode None float8_e4m3fn block float16 128 3", "decode_split_v4"))
+    assert tuple(quant[k] for k in ("KV_QUANT", "NUM_WARPS", "STAGES", "TILE_ROWS")) == ("2", "8", "3", "32")
+    quant = _one(launches, "quant paged_decode v4 int8 block_head float16 128 1", "decode_split_v4")
+    assert _defines(quant)["KV_QUANT"] == "1" and quant["smem"] >= 8 * 3 * (2 * 32 * 128 + 2 * 32 * 4)   # codes, scales
+    assert "quant paged_decode v4 int8 block_head float16 59 1" not in launches     # d=59: no v4 codes path
+    quant = _defines(_one(launches, "quant paged_decode v3 float8_e4m3fn block float16 128 3", "decode_split_v3"))
     assert (quant["KV_QUANT"], quant["STAGES"], quant["TILE_ROWS"]) == ("2", "8", "8")   # 1-byte rows: 8 x 1 KB
     assert _one(launches, "quant paged_decode v1 int8 block_head float32 59 3", "decode_split")
     bwd = _one(launches, "attention_backward v2 bfloat16 128 deterministic=False", "bwd_v2_main")

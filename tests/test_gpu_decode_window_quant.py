@@ -10,7 +10,8 @@ a GPU), each against:
 * the NumPy paged decode of the same quantized cache (backend "tiled"): the kernels read
   the same 1-byte codes and scales, and a value c * s is exact in float32 (s is a power of
   two), so the two differ only by the order of their float32 sums: within
-  QUANT_AGREE_ULPS float32 ulps of max|V| (float64 caches: 1e-12);
+  QUANT_AGREE_ULPS float32 ulps of max|V| (float64 caches: 1e-12); CuPy's v4 also rounds
+  P s_V / sigma to float16 (cupy_raw.decode.v4_quant_rounding_bound);
 * the float64 oracle on the values *before* quantization, within
   :func:`iokernels.decode.perturbed_decode_error_bound` of the cache's own values
   (which :func:`iokernels.paged.quantization_error_bound` bounds), plus float32 rounding.
@@ -34,6 +35,12 @@ GRAN = ["block_head", "block"]
 QUANT_AGREE_ULPS = 512
 #: the float32 arithmetic the quantized-vs-exact bound leaves out (O(1) values)
 F32_ARITH = 1e-5
+
+
+def _v4_p_rounding(v_hat_max, keys):
+    """CuPy decode v4's float16 rounding of P s_V / sigma on a quantized cache (its docstring)."""
+    from iokernels.cupy_raw.decode import v4_quant_rounding_bound
+    return float(v4_quant_rounding_bound(v_hat_max, keys))
 
 numba_ok = pytest.mark.skipif(not gpu.simulator_enabled() and not gpu.has_gpu(),
                               reason="needs Numba's CUDA simulator or a GPU")
@@ -102,6 +109,8 @@ def _quantized(rng, backend, dtype, configs, d=64, hq=8, hkv=2, N=45, splits=(1,
                     no, nl = np.asarray(no, np.float64), np.asarray(nl, np.float64)
                     if dtype in ("float16", "bfloat16"):   # O rounded to 16 bits: one ulp apart at most
                         tol = agree + 2.0 ** -(7 if dtype == "bfloat16" else 10) * np.abs(no).max()
+                        if backend == "cupy" and getattr(cfg, "version", None) in (None, "v4"):
+                            tol += _v4_p_rounding(np.abs(v_hat).max(), N)   # v4 rounds P s_V / sigma to float16
                     else:
                         tol = agree
                     err = np.abs(o - no).max()
@@ -163,7 +172,8 @@ def test_quantized_caches_refused_where_no_kernel_decodes_them(rng):
 # --------------------------------------------------------------------------- CuPy
 def _cupy_configs(dtype, quant=False):
     from iokernels import cupy_raw
-    versions = ("v1", "v3") if quant else ("v1", "v2", "v3") + (("v4",) if dtype in ("float16", "bfloat16") else ())
+    v4 = ("v4",) if dtype in ("float16", "bfloat16") else ()
+    versions = ("v1", "v3") + v4 if quant else ("v1", "v2", "v3") + v4
     return [None] + [cupy_raw.DecodeConfig(v) for v in versions] + \
         [cupy_raw.DecodeConfig("v3", fused=False, num_warps=4)]
 

@@ -56,7 +56,8 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
         elif s == "decode":
             total += len(p["batches"]) * len(p["seqlens"]) * len(p["dtypes"]) * 9
         elif s == "decode_quant":
-            total += len(p["batches"]) * len(p["seqlens"]) * len(p["dtypes"]) * len(p["variants"]) * 2
+            total += (len(p["batches"]) * len(p["seqlens"]) * len(p["dtypes"]) * len(p["variants"])
+                      * (1 + len(p.get("cupy_versions", (None,)))))
         elif s == "backward":
             total += len(p["seqlens"]) * len(p["causal"]) * len(p["dtypes"]) * 2
         elif s == "mla":

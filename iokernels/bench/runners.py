@@ -433,8 +433,10 @@ def device_quant_pages(k_pool, v_pool, kv_dtype):
 
 def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
     """Paged decode over a quantized cache (1-byte codes + scales) and with a sliding window,
-    next to the 16-bit paged decode of the same values (numba and cupy default versions)."""
+    next to the 16-bit paged decode of the same values (numba's default version; cupy's
+    ``spec["cupy_versions"]``, None: its default)."""
     import torch
+    from ..cupy_raw.config import DecodeConfig as CupyDecodeConfig
     cases = []
     Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
     for dtype in spec["dtypes"]:
@@ -464,11 +466,16 @@ def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
                         kp, vp, ks, vs = device_quant_pages(pages[0], pages[1], kv)
                         quant = dict(kv=kv, k_scale=ks, v_scale=vs)
                     rows = []
-                    for backend in ("numba", "cupy"):
-                        def fn(backend=backend, kp=kp, vp=vp, quant=quant, window=window):
+                    runs = [("numba", None)] + [("cupy", v) for v in spec.get("cupy_versions", (None,))]
+                    for backend, version in runs:
+                        cfg = None if version is None else CupyDecodeConfig(version)
+
+                        def fn(backend=backend, cfg=cfg, kp=kp, vp=vp, quant=quant, window=window):
                             f = _pool_fn(backend, "paged_decode_pools")
-                            return f(q, kp, vp, pages[2], pages[3], scale=scale, window=window, quant=quant)
-                        label = f"{backend} paged {kv or dtype}{'' if window is None else f' window {window[0]}'}"
+                            return f(q, kp, vp, pages[2], pages[3], scale=scale, window=window, quant=quant,
+                                     config=cfg)
+                        name = backend if version is None else f"{backend} {version}"
+                        label = f"{name} paged {kv or dtype}{'' if window is None else f' window {window[0]}'}"
                         rows.append(_measure(label, backend, fn, work=kv_bytes, unit="TB/s", ref=ref, dtype=dtype,
                                              target_ms=target_ms))
                         progress.update(1)

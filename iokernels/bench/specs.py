@@ -19,10 +19,13 @@ DECODE_EXTRA = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1,), seqlens=
                     dtypes=("bfloat16",))
 #: quantized paged caches (1-byte codes + block scales) against the 16-bit paged cache of the
 #: same values, and a sliding window against the full cache: (kv_dtype, window) per row,
-#: None = the bfloat16 pools / no window
+#: None = the bfloat16 pools / no window.  The CuPy rows run each of cupy_versions (None: the
+#: registry's default): decode v4 (codes as tensor-core operands) next to v3 (codes decoded
+#: on the CUDA cores), each on the 1-byte and on the 16-bit cache
 DECODE_QUANT = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(8, 64), seqlens=(32768,), dtypes=("bfloat16",),
                     variants=((None, None), ("float8_e4m3fn", None), ("int8", None), (None, (4096, 0)),
-                              ("float8_e4m3fn", (4096, 0))))
+                              ("float8_e4m3fn", (4096, 0))),
+                    cupy_versions=("v4", "v3"))
 GATHER_SIZES = dict(heads_kv=8, head_dim=128, seqlens=(4096, 131072), dtype="float16")
 #: --quick: tiny shapes that run everywhere in seconds (also on a CPU, NumPy only)
 QUICK = dict(prefill=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=(True,),

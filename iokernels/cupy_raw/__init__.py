@@ -74,7 +74,10 @@ and the kernel's occupancy (one full wave).
   al., 2024-2025, runs GQA decode through its tensor-core prefill kernels); K_j through ``ldmatrix``,
   V_j through ``ldmatrix.trans``, P converted to A fragments in registers.  The padding
   wastes (16 - g) / 16 of the tensor cores' work and frees the CUDA cores, which v3 keeps
-  busy with 2 x g x d FMAs for every K/V row.
+  busy with 2 x g x d FMAs for every K/V row.  A quantized paged cache (int8, float8 e4m3;
+  head dims 64, 128, 256) is read as its 1-byte codes: integer bit tricks turn them into
+  float16 operands (``mma_codes.cuh``), V's transpose is done in registers (PRMT), and the
+  per-key power-of-two scales multiply S's and P's columns, not the values.
 
 FlashAttention-2 backward (``attention_backward``, ``config=BackwardConfig(...)``): D_i =
 rowsum(dO_i * O_i), a main loop with one block per K/V tile (dK_j, dV_j in registers, summed

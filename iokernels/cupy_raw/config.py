@@ -121,6 +121,17 @@ CC_BULK = 90
 #: 16-deep k-steps, and O (d / 8 x 4 float32 a lane) stays in registers up to d = 256
 DECODE_V4_MAX_GROUP = 16
 DECODE_V4_MAX_HEAD_DIM = 256
+#: v4 on a quantized cache (1-byte codes, mma_codes.cuh): unpadded rows whose 16-byte chunks
+#: are swizzled, which takes rows of 64 bytes or whole 128-byte lines
+DECODE_V4_QUANT_HEAD_DIMS = (64, 128, 256)
+#: ... tiles of 32 keys (the bytes of the 16-bit default's 16-key tile, so the same ring depth
+#: keeps as many bytes in flight, and each tile's softmax work -- O's rescale -- is spread over
+#: twice the keys) up to head_dim DECODE_V4_QUANT_WIDE_MAX_DIM, where S, O and the 4 V rows a
+#: lane transposes still fit the registers; 16 keys beyond
+DECODE_V4_QUANT_TILE_ROWS = 32
+DECODE_V4_QUANT_WIDE_MAX_DIM = 128
+#: ... and each stage holds its rows' scales next to the codes: one float32 s_K and one s_V a row
+V4_SCALE_BYTES = 4
 
 # --------------------------------------------------------------------------- gather constants
 #: paged gather: threads a block, and blocks per SM the grid-stride loop launches
@@ -345,7 +356,7 @@ class DecodeConfig:
         if self.stages is not None:
             return self.stages
         if self.version == "v4":
-            return self._v4_stages(head_dim, dtype, group, smem_limit)
+            return self._v4_stages(head_dim, dtype, group, smem_limit, kv)
         if self.version != "v3":
             return DECODE_V2_STAGES
         rows = decode_v2_geometry(head_dim, dtype, self.tile_rows, kv)["tile_rows"]
@@ -366,8 +377,8 @@ class DecodeConfig:
         the rows are then d bytes); ``dtype`` stays the queries' and outputs' dtype.  ``cc``:
         the GPU's compute capability x 10 (v4's load_bulk default; None: no bulk copies)."""
         d = head_dim
-        if kv is not None and (not paged or self.version in ("v2", "v4")):
-            raise ValueError(f"kv_dtype: a {kv} cache is read by the paged decode of versions v1 and v3, "
+        if kv is not None and (not paged or self.version == "v2"):
+            raise ValueError(f"kv_dtype: a {kv} cache is read by the paged decode of versions v1, v3 and v4, "
                              f"not {'a contiguous cache' if not paged else 'version v2'}")
         base = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged))
         if kv is not None:
@@ -375,7 +386,7 @@ class DecodeConfig:
         if paged:
             base["BLOCK_SIZE"] = block_size
         if self.version == "v4":
-            return self._v4_defines(base, d, dtype, group, smem_limit, cc)
+            return self._v4_defines(base, d, dtype, group, smem_limit, kv, cc)
         if self.version in (None, "v1"):
             itemsize = kv_itemsize(dtype, kv)
             load = CHUNK_BYTES if kv is None else QUANT_UNIT_BYTES
@@ -396,49 +407,59 @@ class DecodeConfig:
                     FUSED=int(self.fused))
 
     # -- v4: the tensor-core decode
-    def v4_tile_rows(self) -> int:
-        """Bc of decode v4: the given tile_rows (a multiple of 16) or DECODE_V4_TILE_ROWS."""
-        rows = self.tile_rows or DECODE_V4_TILE_ROWS
+    def v4_tile_rows(self, head_dim: int | None = None, kv: str | None = None) -> int:
+        """Bc of decode v4: the given tile_rows (a multiple of 16) or DECODE_V4_TILE_ROWS
+        (a quantized cache, ``kv``: DECODE_V4_QUANT_TILE_ROWS up to head_dim
+        DECODE_V4_QUANT_WIDE_MAX_DIM, else 16)."""
+        default = DECODE_V4_TILE_ROWS
+        if kv is not None:
+            default = DECODE_V4_QUANT_TILE_ROWS if (head_dim or 0) <= DECODE_V4_QUANT_WIDE_MAX_DIM else MMA_ROWS
+        rows = self.tile_rows or default
         if rows % MMA_ROWS:
             raise ValueError(f"config.tile_rows: decode v4 takes multiples of {MMA_ROWS} (the k depth of one "
                              f"P V product), got {rows}")
         return rows
 
-    def _v4_fits(self, head_dim, dtype, group, stages, warps, smem_limit) -> bool:
+    def _v4_fits(self, head_dim, dtype, group, stages, warps, smem_limit, kv=None) -> bool:
         """Whether v4's ring of ``stages`` x ``warps``, the fused combine's weights at
-        DECODE_MAX_SPLITS and a full staged block table fit ``smem_limit`` (None: no limit)."""
-        need = decode_v4_smem(head_dim, dtype, group, stages, self.v4_tile_rows(), warps, DECODE_MAX_SPLITS,
-                              True, DECODE_V3_TABLE_CAP)[0]
+        DECODE_MAX_SPLITS and a full staged block table fit ``smem_limit`` (None: no limit).
+        ``kv``: a quantized cache's code format (1-byte rows and their scales)."""
+        need = decode_v4_smem(head_dim, dtype, group, stages, self.v4_tile_rows(head_dim, kv), warps,
+                              DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP, kv)[0]
         return smem_limit is None or need <= smem_limit
 
-    def _v4_warps(self, head_dim, dtype, group, smem_limit) -> int:
+    def _v4_warps(self, head_dim, dtype, group, smem_limit, kv=None) -> int:
         """v4's warps a block: the given ones, or DECODE_V4_WARPS where its shallowest ring
         fits, else DECODE_V4_SMALL_WARPS."""
         if self.num_warps is not None:
             return self.num_warps
-        fits = self._v4_fits(head_dim, dtype, group, MIN_STAGES, DECODE_V4_WARPS, smem_limit)
+        fits = self._v4_fits(head_dim, dtype, group, MIN_STAGES, DECODE_V4_WARPS, smem_limit, kv)
         return DECODE_V4_WARPS if fits else DECODE_V4_SMALL_WARPS
 
-    def _v4_stages(self, head_dim, dtype, group, smem_limit) -> int:
+    def _v4_stages(self, head_dim, dtype, group, smem_limit, kv=None) -> int:
         """v4's default ring depth: DECODE_V4_STAGES, made shallower until the ring, the fused
         combine's weights at DECODE_MAX_SPLITS and a full staged block table fit."""
-        warps = self._v4_warps(head_dim, dtype, group, smem_limit)
+        warps = self._v4_warps(head_dim, dtype, group, smem_limit, kv)
         for st in range(DECODE_V4_STAGES, MIN_STAGES - 1, -1):
-            if self._v4_fits(head_dim, dtype, group, st, warps, smem_limit):
+            if self._v4_fits(head_dim, dtype, group, st, warps, smem_limit, kv):
                 return st
         return MIN_STAGES
 
-    def v4_load_bulk(self, cc: int | None) -> bool:
-        """Whether v4 loads with bulk copies: the given load_bulk (True needs cc >= CC_BULK),
-        or DECODE_V4_BULK where ``cc`` (compute capability x 10; None: unknown) has them."""
+    def v4_load_bulk(self, cc: int | None, kv: str | None = None) -> bool:
+        """Whether v4 loads with bulk copies: the given load_bulk (True needs cc >= CC_BULK and
+        16-bit rows), or DECODE_V4_BULK where ``cc`` (compute capability x 10; None: unknown)
+        has them and the rows are 16-bit (``kv`` None)."""
         if self.load_bulk is None:
-            return DECODE_V4_BULK and cc is not None and cc >= CC_BULK
+            return DECODE_V4_BULK and kv is None and cc is not None and cc >= CC_BULK
+        if self.load_bulk and kv is not None:
+            raise ValueError(f"config.load_bulk: v4's bulk copies read 16-bit rows; a {kv} cache loads "
+                             f"with cp.async (load_bulk=None or False)")
         if self.load_bulk and cc is not None and cc < CC_BULK:
             raise ValueError(f"config.load_bulk: bulk copies (cp.async.bulk) need compute capability "
                              f"{CC_BULK / 10:.1f}; this GPU is {cc / 10:.1f}")
         return self.load_bulk
 
-    def _v4_defines(self, base, d, dtype, group, smem_limit, cc=None) -> dict:
+    def _v4_defines(self, base, d, dtype, group, smem_limit, kv=None, cc=None) -> dict:
         if dtype not in ("float16", "bfloat16"):
             raise ValueError(f"config.version: v4 is the float16/bfloat16 tensor-core decode, got {dtype} "
                              f"(use 'v3')")
@@ -448,11 +469,14 @@ class DecodeConfig:
         if group > DECODE_V4_MAX_GROUP:
             raise ValueError(f"config.version: v4 packs at most {DECODE_V4_MAX_GROUP} query heads a KV head "
                              f"(one mma row block), got {group} (use 'v3')")
-        nw = self._v4_warps(d, dtype, group, smem_limit)   # the registers a thread may use: those of
+        if kv is not None and d not in DECODE_V4_QUANT_HEAD_DIMS:
+            raise ValueError(f"config.version: v4 reads {kv} codes at head dims "
+                             f"{', '.join(map(str, DECODE_V4_QUANT_HEAD_DIMS))}, got {d} (use 'v3')")
+        nw = self._v4_warps(d, dtype, group, smem_limit, kv)   # the registers a thread may use: those of
         mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)   # 8 warps x 1 block
-        return dict(base, NUM_WARPS=nw, STAGES=self.ring_stages(d, dtype, group, smem_limit),
-                    TILE_ROWS=self.v4_tile_rows(), DECODE_MIN_BLOCKS=mb, FUSED=int(self.fused),
-                    LOAD_BULK=int(self.v4_load_bulk(cc)))
+        return dict(base, NUM_WARPS=nw, STAGES=self.ring_stages(d, dtype, group, smem_limit, kv),
+                    TILE_ROWS=self.v4_tile_rows(d, kv), DECODE_MIN_BLOCKS=mb, FUSED=int(self.fused),
+                    LOAD_BULK=int(self.v4_load_bulk(cc, kv)))
 
     def combine_defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int,
                         aligned: bool = True) -> dict:
@@ -518,12 +542,14 @@ def decode_v4_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows
                    num_splits: int = 1, fused: bool = True, table_cap: int = 0, kv: str | None = None) -> tuple:
     """decode_v4.cu's dynamic SRAM a block, as (total bytes, byte offset of the block table):
     max(the rings -- rows padded by V4_ROW_PAD_BYTES --, the warps' float32 merge buffer, the
-    fused combine's weights), then ``table_cap`` int32 block-table entries (paged).  v4 reads
-    16-bit rows only: ``kv`` (a quantized cache's code format) must be None."""
-    if kv is not None:
-        raise ValueError(f"kv_dtype: decode v4 reads 16-bit K/V rows, not {kv} codes (use version 'v3')")
-    row = head_dim * cv.itemsize_of(dtype) + V4_ROW_PAD_BYTES
-    ring = num_warps * stages * 2 * tile_rows * row
+    fused combine's weights), then ``table_cap`` int32 block-table entries (paged).  ``kv``: a
+    quantized cache's code format: its rows are head_dim bytes, unpadded (their chunks are
+    swizzled), and each stage also holds its rows' float32 s_K and s_V."""
+    if kv is None:
+        stage = 2 * tile_rows * (head_dim * cv.itemsize_of(dtype) + V4_ROW_PAD_BYTES)
+    else:
+        stage = 2 * tile_rows * (head_dim * kv_itemsize(dtype, kv) + V4_SCALE_BYTES)
+    ring = num_warps * stages * stage
     merge = num_warps * group * head_dim * 4
     weights = group * num_splits * 4 if fused and num_splits > 1 else 0
     offset = round_up(max(ring, merge, weights), 16)
@@ -541,7 +567,8 @@ def ring_smem_bound(version: str, head_dim: int, dtype: str, group: int, num_war
     table.  A registry check compares it with the GPU's limit.  ``kv``: a quantized cache's
     code format (its rows are d bytes)."""
     if version == "v4":
-        return decode_v4_smem(head_dim, dtype, group, stages, DECODE_V4_TILE_ROWS, num_warps or DECODE_V4_SMALL_WARPS,
+        return decode_v4_smem(head_dim, dtype, group, stages, DecodeConfig("v4").v4_tile_rows(head_dim, kv),
+                              num_warps or DECODE_V4_SMALL_WARPS,
                               DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP, kv)[0]
     rows = decode_v2_geometry(head_dim, dtype, None, kv)["tile_rows"]
     if version == "v2":

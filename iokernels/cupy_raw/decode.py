@@ -11,9 +11,11 @@ merge runs (decode.cu's combine kernel, or inside v3's and v4's split kernels), 
 which cores compute q . k and p v (CUDA cores; v4: the tensor cores).
 
 A quantized :class:`~iokernels.paged.PagedKVCache` (``kv_dtype`` "int8" or "float8_e4m3fn")
-is read by v1 and v3 as it is stored: 1-byte codes, decoded in registers, and the float32
-scale of each row's block (per KV head or per block), so K and V cross HBM at 1 byte a
-value.  ``window=(left, right)``: the query is the last key n - 1, so it sees keys
+is read by v1, v3 and v4 as it is stored: 1-byte codes and the float32 scale of each row's
+block (per KV head or per block), so K and V cross HBM at 1 byte a value.  v1 and v3 decode
+the codes to float32 in registers; v4 turns them into float16 tensor-core operands
+(decode_v4.cu, mma_codes.cuh), with the scales applied to S's and P's columns.
+``window=(left, right)``: the query is the last key n - 1, so it sees keys
 [n - 1 - left, n); only those are split among the blocks (and counted by the split
 heuristic), keys before them are never read.
 
@@ -65,6 +67,20 @@ SUMMARIES = {
           "m16n8k16, the g query heads as the rows of the A operand, P kept in registers)",
 }
 CHECKS = {"v1": check_decode_v1, "v2": check_decode_v2, "v3": check_decode_v3, "v4": check_decode_v4}
+
+
+#: decode v4 over a quantized cache rounds P' = P s_V / sigma (<= 1) to float16: a relative
+#: half-ulp and the subnormal half-step (mma_codes.cuh)
+V4_QUANT_P_REL = 2.0 ** -11
+V4_QUANT_P_SUB = 2.0 ** -25
+
+
+def v4_quant_rounding_bound(v_hat_max: float, keys) -> np.ndarray:
+    """How far decode v4's O over a quantized cache can be from the exact decode of the values
+    the cache holds, from rounding P' to float16: (2^-11 + 2 n 2^-25) max|V| for a row over
+    n = ``keys`` keys (sigma times the largest code is below twice its block's largest value).
+    The float32 sums' order and O's rounding to its dtype come on top."""
+    return (V4_QUANT_P_REL + 2 * np.asarray(keys, np.float64) * V4_QUANT_P_SUB) * float(v_hat_max)
 
 
 def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int,
@@ -252,7 +268,7 @@ def run_paged_decode(q, cache, seq_ids, *, num_splits, scale, config, window=Non
 
 def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None, window=None):
     """Decode over a :class:`~iokernels.paged.PagedKVCache` (``config``: a :class:`DecodeConfig`;
-    a quantized cache is read as its codes and scales, by v1 and v3)."""
+    a quantized cache is read as its codes and scales, by v1, v3 and v4)."""
     _check_decode_q(q, cache.num_kv_heads, cache.head_dim, np.dtype(cache.dtype).name)
     kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, cache=cache))
     return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg, window=window)

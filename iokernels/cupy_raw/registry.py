@@ -107,7 +107,7 @@ def check_v2(n: Need) -> str | None:
     return _bf16_cc(n) or _forward_fits("v2", n)
 
 
-#: the quantized caches decode v1 and v3 read: code formats and scale granularities
+#: the quantized caches decode v1, v3 and v4 read: code formats and scale granularities
 QUANT_KV = tuple(k for k in C.KV_QUANT_IDS if k is not None)
 QUANT_GRANULARITIES = ("block_head", "block")
 
@@ -116,12 +116,15 @@ def _check_quant(version: str, n: Need) -> str | None:
     kv, gran = n.extra.get("kv_dtype"), n.extra.get("scale_granularity")
     if kv is None:
         return None
-    if version in ("v2", "v4"):
-        return f"kv_dtype: reads unquantized pools; a {kv} cache is read by v1 and v3"
+    if version == "v2":
+        return f"kv_dtype: reads unquantized pools; a {kv} cache is read by v1, v3 and v4"
     if kv not in QUANT_KV:
         return f"kv_dtype: {kv} codes are not decoded by this kernel (it decodes {', '.join(QUANT_KV)})"
     if gran not in QUANT_GRANULARITIES:
         return f"scale_granularity: {gran!r} scales are not read (it reads {', '.join(QUANT_GRANULARITIES)})"
+    if version == "v4" and n.head_dim not in C.DECODE_V4_QUANT_HEAD_DIMS:
+        return (f"kv_dtype: reads {kv} codes at head dims {', '.join(map(str, C.DECODE_V4_QUANT_HEAD_DIMS))} "
+                f"(the swizzle of its unpadded 1-byte rows), got {n.head_dim}; v3 reads the rest")
     return None
 
 
@@ -157,7 +160,10 @@ def check_decode_v3(n: Need) -> str | None:
 
 def check_decode_v4(n: Need) -> str | None:
     """The tensor-core decode: 16-bit inputs, head dims of whole mma k-steps, the GQA group
-    within one 16-row A operand, mma.sync m16n8k16 and cp.async (compute capability 8.0)."""
+    within one 16-row A operand, mma.sync m16n8k16 and cp.async (compute capability 8.0).
+    A quantized paged cache (int8 / float8 e4m3 codes, float16/bfloat16 compute dtype) at
+    head dims DECODE_V4_QUANT_HEAD_DIMS; its codes become float16 operands with integer
+    instructions every such GPU has."""
     if n.dtype not in ("float16", "bfloat16"):
         return f"the float16/bfloat16 tensor-core decode, got {n.dtype}"
     if n.head_dim % C.MMA_ROWS or n.head_dim > C.DECODE_V4_MAX_HEAD_DIM:
@@ -175,7 +181,7 @@ def check_decode_v4(n: Need) -> str | None:
 RANKS = {
     ("attention", "v2"): 30, ("attention", "v1b"): 20, ("attention", "v1"): 10,
     # decode v2 is v3 without its two additions: it is never the default
-    # decode v4 (tensor cores) where its check passes, else v3
+    # decode v4 (tensor cores) where its check passes (quantized paged caches too), else v3
     ("decode", "v4"): 40, ("decode", "v3"): 30, ("decode", "v1"): 10, ("decode", "v2"): 0,
     ("paged_gather", "v1"): 10,
     # the tensor-core backward first where it runs (16-bit, d <= 128, sm_80+), v1 elsewhere

@@ -6,7 +6,8 @@ version) runs for every dtype its check accepts, at shapes that are multiples of
 (Nq = 37, Nk = 77, head dims 64, 72 and 59 -- 59 takes the element-wise copy paths of the
 versions that have word paths --, GQA 4/2, a window, ragged decode lengths with an empty
 sequence, a paged cache with a partial last block, in the dtypes a PagedKVCache holds,
-a sliding-window decode, quantized paged caches of :data:`QUANT_CASES`; MLA decode at 80
+a sliding-window decode, quantized paged caches of :data:`QUANT_CASES` (read by v1, v3 and
+v4's codes path); MLA decode at 80
 query heads, contiguous and paged), plus the settings in :data:`VARIANTS`.  A quantized
 cache's decode is held against the oracle on the values the cache holds (its codes times
 its scales, :meth:`PagedKVCache.gather`).
@@ -39,14 +40,19 @@ BLOCK_SIZE = 16
 #: the sliding window of the windowed decode cases: it starts inside the first split of 5
 #: and leaves the splits before it without keys
 DECODE_WINDOW = (100, 0)
-#: quantized paged caches: (code format, scale granularity)
+#: quantized paged caches: (code format, scale granularity), at these head dims (decode v4 reads
+#: the codes at 64 -- rows of 4 chunks, swizzled in pairs -- and 128 -- rows of 8 --; v1 and v3
+#: at 59 too)
 QUANT_CASES = (("int8", "block_head"), ("float8_e4m3fn", "block"))
+QUANT_DIMS = (64, 128, 59)
 #: settings run next to each version's default config (kwargs of its config class)
 VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             # v4's default loads with cp.async chunks; the variant with bulk copies (sm_90)
             ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": True}),
-            ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": True}),
+            # and 16-key tiles with a 2-deep ring (a quantized cache's default tile is 32 keys)
+            ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": True},
+                                     {"tile_rows": 16, "stages": 2}),
             ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32}),
             # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
             ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16})}
@@ -139,11 +145,12 @@ def _contiguous_of(cache, sids):
 
 def _paged_caches(rng, dtype, quant=False):
     """(head_dim, cache, sequence ids) for each of DECODE_DIMS, in the dtypes a cache holds;
-    ``quant``: the quantized caches of QUANT_CASES too."""
+    ``quant``: the quantized caches of QUANT_CASES at QUANT_DIMS too."""
     if dtype in PAGED_DTYPES:
         for d in DECODE_DIMS:
             yield (d, *_paged_cache(rng, d, dtype))
-            for kv, gran in QUANT_CASES if quant else ():
+        for d in QUANT_DIMS if quant else ():
+            for kv, gran in QUANT_CASES:
                 yield (d, *_paged_cache(rng, d, dtype, kv_dtype=kv, scale_granularity=gran))
 
 
@@ -154,6 +161,8 @@ def _paged_decode(kernel, cfg, dtype, rng, label):
                         dtype=dtype)[0][:, :, 0]
         if kernel.unavailable(need("paged_decode", q=q, cache=cache)) is not None:
             continue
+        if cache.quantized and getattr(cfg, "load_bulk", None):
+            continue                                        # bulk copies read 16-bit rows only
         k, v = _contiguous_of(cache, sids)                  # what the cache holds (dequantized)
         kind = f" {cache.kv_dtype} {cache.scale_granularity}" if cache.quantized else ""
         for splits in PAGED_SPLITS:

@@ -163,6 +163,17 @@ __device__ __forceinline__ void cp_async16_line(void* smem, const void* gmem, bo
     cp_async16(smem, gmem, pred);
 #endif
 }
+// Copy 4 bytes HBM -> SRAM (one float32: a quantized row's scale), as cp_async16: zero-filled
+// when `pred` is false; sm_75: an ordinary load and store.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool pred) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    int src_bytes = pred ? 4 : 0;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :: "r"(smem_addr(smem)), "l"(gmem), "r"(src_bytes) : "memory");
+#else
+    *reinterpret_cast<u32*>(smem) = pred ? *reinterpret_cast<const u32*>(gmem) : 0u;
+#endif
+}
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::: "memory");

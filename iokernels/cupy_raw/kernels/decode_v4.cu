@@ -57,15 +57,36 @@
 //   O_s      split s's normalised partial output; LSE_s its log-sum-exp (natural log)
 //
 // Limits (the registry's check_decode_v4 refuses the rest; v3 takes them): float16 or
-// bfloat16, head_dim a multiple of 16 up to 256, g <= 16, rows 16-byte aligned,
-// compute capability 8.0 or newer.  The file still compiles for sm_75 (mma16816 is two
-// k8 products there, cp.async a plain copy), float16 only.
+// bfloat16, head_dim a multiple of 16 up to 256 (a quantized cache: 64, 128 or 256), g <= 16,
+// rows 16-byte aligned, compute capability 8.0 or newer.  The file still compiles for sm_75
+// (mma16816 is two k8 products there, cp.async a plain copy), float16 only.
+//
+// Quantized paged caches (KV_QUANT = 1 int8, 2 float8 e4m3; common.cuh).  Version 3 decodes
+// each code to float32 in registers (several integer and float instructions a code) and
+// multiplies it on the CUDA cores; at 1 byte a code that is about twice the instructions a
+// byte of the 16-bit cache, so there the 1-byte caches are bound by instruction issue, not
+// by memory, and halving the bytes does not halve the time.  Here the codes
+// become float16 mma operands (mma_codes.cuh): the cp.async ring copies the 1-byte rows as
+// they are stored (a 16-bit row's bytes carry twice the keys), each row's two float32
+// power-of-two scales ride along into the stage (cp.async, 4 bytes each), and about two
+// integer instructions a code turn 4 codes into two float16x2 operands (one PRMT and a few
+// bit operations; no conversion instruction, so every architecture runs the same code).
+// The scales are per key, so they multiply after the products, never per element: s_K
+// scales S's columns (with scale_log2, one multiply an accumulator), s_V scales P's columns
+// before P is rounded to float16, relative to the largest s_V seen (O is kept in those units;
+// mma_codes.cuh states the rounding).  The products are float16 x float16 for either compute
+// dtype: a bfloat16 query is moved to float16 with a power-of-two row scale, undone on S
+// (exact down to 2^-28 of the row's largest element), because bfloat16 has no exact
+// equivalent of the codes' float16 bit tricks.  P V contracts over keys, which the 1-byte
+// V rows hold across rows, not along them: instead of ldmatrix.trans (16-bit only) a lane
+// reads 4 key rows and transposes their codes in registers with PRMT.  Head dims 64, 128,
+// 256 (the swizzle of the unpadded rows); the 16-bit path below is unchanged by KV_QUANT = 0.
 //
 // Compile-time settings: HEAD_DIM, GROUP, IK_DTYPE, PAGED, BLOCK_SIZE (paged), NUM_WARPS,
-// STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED, LOAD_BULK.
+// STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED, LOAD_BULK, KV_QUANT (paged only).
 // Dynamic SRAM (decode_v4_smem, cupy_raw/config.py): max(rings NUM_WARPS x STAGES x 2 x Bc x
-// SROW 16-bit, the warps' merge buffer, the fused combine's weights g x S acc_t), then
-// table_cap int32 entries.
+// SROW 16-bit (KV_QUANT: x HEAD_DIM bytes, plus 2 x Bc float32 scales a stage), the warps'
+// merge buffer, the fused combine's weights g x S acc_t), then table_cap int32 entries.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -118,15 +139,30 @@
 #if LOAD_BULK && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "decode_v4: LOAD_BULK=1 needs sm_90 (cp.async.bulk and mbarrier transaction counts)"
 #endif
+#if LOAD_BULK && KV_QUANT
+#error "decode_v4: the bulk copies read 16-bit rows; a quantized cache loads with cp.async"
+#endif
 
 #define NTHREADS (32 * NUM_WARPS)
+#if KV_QUANT
+#if !PAGED
+#error "decode_v4: a quantized cache is paged (its scales belong to the pool's blocks)"
+#endif
+typedef unsigned char kv_t;                           // K/V as stored: 1-byte codes
+#define VEC 16                                        // codes in one 16-byte chunk
+#define CPR (HEAD_DIM / VEC)                          // chunks a row
+#define TILE_BYTES (TILE_ROWS * HEAD_DIM)             // codes of K (or V) a tile: unpadded rows, swizzled chunks
+#define STAGE_BYTES (2 * TILE_BYTES + 2 * TILE_ROWS * 4)   // K, V, then the rows' s_K and s_V
+#else
+typedef elem_t kv_t;
 #define VEC 8                                         // 16-bit elements in one 16-byte chunk
 #define CPR (HEAD_DIM / VEC)                          // chunks a row
 #define SROW (HEAD_DIM + VEC)                         // SRAM row stride (16-bit): +16 B, no bank conflicts
-#define TILE_CHUNKS (TILE_ROWS * CPR)                 // 16-byte chunks of K (or V) in a tile
-#define CPL ((TILE_CHUNKS + 31) / 32)                 // chunks of K (or V) a lane copies a tile
 #define TILE_ELEMS (TILE_ROWS * SROW)                 // 16-bit elements of K (or V) in SRAM a tile
 #define STAGE_ELEMS (2 * TILE_ELEMS)                  // K then V
+#endif
+#define TILE_CHUNKS (TILE_ROWS * CPR)                 // 16-byte chunks of K (or V) in a tile
+#define CPL ((TILE_CHUNKS + 31) / 32)                 // chunks of K (or V) a lane copies a tile
 #define NT_S (TILE_ROWS / 8)                          // 8-key n-tiles of S
 #define NT_O (HEAD_DIM / 8)                           // 8-column n-tiles of O
 #define KT_Q (HEAD_DIM / 16)                          // 16-deep k-steps of Q K^T
@@ -138,14 +174,22 @@
 #if LOAD_BULK
 #include "mbarrier.cuh"
 #endif
+#if KV_QUANT
+#include "mma_codes.cuh"
+#endif
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)
 decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim), contiguous
-                const elem_t* __restrict__ K, const elem_t* __restrict__ V,
+                const kv_t* __restrict__ K, const kv_t* __restrict__ V,
 #if PAGED
                 const int* __restrict__ block_table, int max_blocks,
                 long long s_blk, long long s_row, long long s_head,   // pool strides (elements)
                 int table_cap, int table_offset,                      // SRAM table: entries, byte offset
+#if KV_QUANT
+                const float* __restrict__ K_scale, const float* __restrict__ V_scale,
+                int scale_blk, int scale_head,                        // scale of block blk, head h:
+                                                                      // [blk * scale_blk + h * scale_head]
+#endif
 #else
                 long long skb, long long skh, long long skn,
                 long long svb, long long svh, long long svn,
@@ -175,6 +219,18 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 
     const int n_tiles = (n_end - n_begin + TILE_ROWS - 1) / TILE_ROWS;
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
+#if KV_QUANT
+    unsigned char* ring = smem_raw + warp * (STAGES * STAGE_BYTES);
+    // load Q_g -> registers as A fragments in float16, d permuted as K's codes are read
+    // (mma_codes.cuh), once; S's rows are multiplied by kl2 (scale_log2, the codes' fold and
+    // a bfloat16 row's power-of-two scale)
+    u32 qf[KT_Q][4];
+    float kl2[2];
+    load_q_codes_layout<KT_Q, HI_ROWS>(qf, kl2, Q + ((long long)b * heads_q + hk * GROUP) * HEAD_DIM, GROUP, lane);
+    kl2[0] *= scale * 1.4426950408889634f * CODE_FOLD;
+    kl2[1] *= scale * 1.4426950408889634f * CODE_FOLD;
+    float sigma = 0.f;                              // O's unit: the largest s_V (times CODE_FOLD) seen
+#else
     u16* ring = reinterpret_cast<u16*>(smem_raw) + warp * (STAGES * STAGE_ELEMS);
 
     // load Q_g -> registers as A fragments (rows g..15 zero), once: row g / g + 8 of the
@@ -193,6 +249,7 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         }
     }
     const float scale_log2 = scale * 1.4426950408889634f;   // scores in log2 units
+#endif
 
     float o[NT_O][4];
 #pragma unroll
@@ -285,6 +342,39 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 #endif
         }
     };
+#elif KV_QUANT
+    // load K_j, V_j codes and their rows' scales -> SRAM (cp.async ring): this warp's tile
+    // `tile` into stage tile % STAGES, chunks placed by swz_chunk; rows past n_end zero (codes by zero stores, scales by
+    // zero-filled 4-byte copies)
+    auto issue = [&](int tile) {
+        if (tile < my_tiles) {
+            unsigned char* Ks = ring + (tile % STAGES) * STAGE_BYTES;
+            unsigned char* Vs = Ks + TILE_BYTES;
+            float* scs = reinterpret_cast<float*>(Vs + TILE_BYTES);
+            const int start = n_begin + (warp + tile * NUM_WARPS) * TILE_ROWS;
+#pragma unroll
+            for (int i = 0; i < CPL; ++i) {
+                const int c = lane + 32 * i;
+                if (c < TILE_CHUNKS) {
+                    const int r = c / CPR, ch = c % CPR;
+                    const int n = start + r;
+                    const bool ok = n < n_end;
+                    const long long off = (long long)blk_next[i] * s_blk + (long long)(n % BLOCK_SIZE) * s_row
+                                          + hk * s_head + ch * VEC;
+                    const int dst = 16 * swz_chunk(r, ch);
+                    cp_async16_line(Ks + dst, K + off, ok);
+                    cp_async16_line(Vs + dst, V + off, ok);
+                    if (ch == 0) {                  // one lane a row: its block's s_K, s_V
+                        const long long si = (long long)blk_next[i] * scale_blk + hk * scale_head;
+                        cp_async4(scs + r, ok ? K_scale + si : K_scale, ok);
+                        cp_async4(scs + TILE_ROWS + r, ok ? V_scale + si : V_scale, ok);
+                    }
+                }
+            }
+            load_blocks(tile + 1);
+        }
+        cp_async_commit();
+    };
 #else
     // load K_j, V_j -> SRAM (cp.async ring): this warp's tile `tile` into stage tile % STAGES
     auto issue = [&](int tile) {
@@ -329,6 +419,58 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         cp_async_wait<STAGES - 1>();
 #endif
         __syncwarp();
+#if KV_QUANT
+        const unsigned char* Kt = ring + (j % STAGES) * STAGE_BYTES;
+        const unsigned char* Vt = Kt + TILE_BYTES;
+        const float* Ksc = reinterpret_cast<const float*>(Vt + TILE_BYTES);   // the rows' s_K ...
+        const float* Vsc = Ksc + TILE_ROWS;                                   // ... and s_V
+        const int start = n_begin + (warp + j * NUM_WARPS) * TILE_ROWS;
+
+        // S = Q_g K_j'^T on the tensor cores from the codes (registers)
+        float s[NT_S][4];
+        mma_qkt_codes<KT_Q, NT_S>(s, qf, Kt, lane);
+        // this lane's keys of 16-key step kk are 16kk + 4t + 0..3 (key_of): their scales <- SRAM
+        float4 ks[TILE_ROWS / 16], vs[TILE_ROWS / 16];
+        float vmax = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < TILE_ROWS / 16; ++kk) {
+            ks[kk] = *reinterpret_cast<const float4*>(Ksc + 16 * kk + 4 * t);
+            vs[kk] = *reinterpret_cast<const float4*>(Vsc + 16 * kk + 4 * t);
+            vmax = fmaxf(vmax, fmaxf(fmaxf(vs[kk].x, vs[kk].y), fmaxf(vs[kk].z, vs[kk].w)));
+        }
+        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));   // the quad holds the tile's keys
+        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));
+        const float sigma_new = fmaxf(sigma, vmax * CODE_FOLD);
+        const float o_rescale = sigma / sigma_new;  // powers of two: exact; 0 before the first tile
+        const float v_unit = CODE_FOLD / sigma_new;
+        sigma = sigma_new;
+        // S times s_K (its column) and kl2 (its row), log2 units; keys at or past the split's
+        // end (zero rows) -> -inf
+        const bool tail = start + TILE_ROWS > n_end;
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float4 k4 = ks[n >> 1];
+                const float sk = (n & 1) ? ((e & 1) ? k4.w : k4.z) : ((e & 1) ? k4.y : k4.x);
+                const float x = s[n][e] * sk * kl2[e >> 1];
+                const int key = start + 16 * (n >> 1) + 4 * t + 2 * (n & 1) + (e & 1);
+                s[n][e] = (tail && key >= n_end) ? neg_inf_f() : x;
+            }
+#pragma unroll
+        for (int r = 0; r < 1 + HI_ROWS; ++r) online_softmax_row<NT_S, NT_O>(s, o, m[r], l[r], r, o_rescale);
+        // P' = P s_V / sigma (<= 1), column by column (l summed P itself)
+#pragma unroll
+        for (int n = 0; n < NT_S; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float4 v4 = vs[n >> 1];
+                const float sv = (n & 1) ? ((e & 1) ? v4.w : v4.z) : ((e & 1) ? v4.y : v4.x);
+                s[n][e] *= sv * v_unit;
+            }
+        // O += P' V_j' on the tensor cores, V's codes transposed in registers
+        mma_pv_codes<TILE_ROWS / 16, NT_O, HI_ROWS>(o, s, Vt, lane);
+#else
         const u16* Kt = ring + (j % STAGES) * STAGE_ELEMS;
         const u16* Vt = Kt + TILE_ELEMS;
         const int start = n_begin + (warp + j * NUM_WARPS) * TILE_ROWS;
@@ -352,6 +494,7 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 
         // O += P V_j on the tensor cores; P's accumulators become A fragments in registers
         mma_pv<TILE_ROWS / 16, NT_O, HI_ROWS>(o, s, Vt, SROW, lane);
+#endif
         __syncwarp();                               // every lane is done with this stage
     }
 #if !LOAD_BULK
@@ -380,12 +523,23 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
             float M = neg_inf_f();
             for (int w = 0; w < NUM_WARPS; ++w) M = fmaxf(M, red_m[w][gq]);
             const float f = ik_exp2(m[r] - ((M == neg_inf_f()) ? 0.f : M));
+#if KV_QUANT
+            // O's columns back in order (col_of), out of units of sigma
+            float* dst = red_o + (warp * GROUP + gq) * HEAD_DIM;
+            const float fs = f * sigma;
+#pragma unroll
+            for (int n = 0; n < NT_O; ++n) {
+                dst[col_of(n, 2 * t)] = o[n][2 * r] * fs;
+                dst[col_of(n, 2 * t + 1)] = o[n][2 * r + 1] * fs;
+            }
+#else
             float* dst = red_o + (warp * GROUP + gq) * HEAD_DIM + 2 * t;
 #pragma unroll
             for (int n = 0; n < NT_O; ++n) {
                 dst[n * 8] = o[n][2 * r] * f;
                 dst[n * 8 + 1] = o[n][2 * r + 1] * f;
             }
+#endif
         }
     }
     __syncthreads();

@@ -23,20 +23,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
 
-// d[4] += A (16x16, 4 regs) * B (16x8, 2 regs), float32 accumulators.
-__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
+// d[4] += A (16x16, 4 regs) * B (16x8, 2 regs), float16 operands whatever IK_DTYPE is
+// (decode_v4.cu's quantized path computes in float16 for either compute dtype),
+// float32 accumulators.
+__device__ __forceinline__ void mma16816_f16(float* d, const u32* a, u32 b0, u32 b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-#if IK_DTYPE == IK_BF16
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
 #else
     // sm_75 (Turing) has m16n8k8 only: the k16 product is two k8 products; registers
     // a0,a1 / b0 hold k 0..7 and a2,a3 / b1 hold k 8..15 in both shapes.
@@ -51,9 +46,26 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
 #endif
 }
 
+// d[4] += A (16x16, 4 regs) * B (16x8, 2 regs) in IK_DTYPE (float16 or bfloat16), float32
+// accumulators.
+__device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1) {
+#if IK_DTYPE == IK_BF16 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    mma16816_f16(d, a, b0, b1);
+#endif
+}
+
 // two float32 -> one register of two 16-bit values (lo = the lower column)
 __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return (u32)from_acc(lo) | ((u32)from_acc(hi) << 16);
+}
+// ... of two float16 values, whatever IK_DTYPE is
+__device__ __forceinline__ u32 pack2_f16(float lo, float hi) {
+    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -88,9 +100,11 @@ __device__ __forceinline__ void mma_qkt(float (*s)[4], const u32 (*qf)[4], const
 
 // online softmax of one row of the lane's two (r = 0: row g, elements 0, 1; r = 1: row
 // g + 8, elements 2, 3), S in log2 units: the row max over the quad (two shuffles), S -> P
-// in place, O's row rescaled by exp2(m_old - m_new), l kept as this lane's partial sum
+// in place, O's row rescaled by exp2(m_old - m_new) (times o_scale: a change of the units O is
+// kept in, decode_v4.cu's quantized path), l kept as this lane's partial sum
 template <int NT_S, int NT_O>
-__device__ __forceinline__ void online_softmax_row(float (*s)[4], float (*o)[4], float& m, float& l, int r) {
+__device__ __forceinline__ void online_softmax_row(float (*s)[4], float (*o)[4], float& m, float& l, int r,
+                                                   float o_scale = 1.f) {
     float mx = neg_inf_f();
 #pragma unroll
     for (int n = 0; n < NT_S; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
@@ -108,6 +122,7 @@ __device__ __forceinline__ void online_softmax_row(float (*s)[4], float (*o)[4],
     }
     l = l * alpha + rs;                          // this lane's partial row sum
     m = m_new;
+    alpha *= o_scale;
 #pragma unroll
     for (int n = 0; n < NT_O; ++n) { o[n][2 * r] *= alpha; o[n][2 * r + 1] *= alpha; }
 }
