@@ -487,6 +487,10 @@ def test_decode_v4_loads_with_bulk_copies_where_the_gpu_has_them():
     with pytest.raises(ValueError, match="config.load_bulk"):
         cr.DecodeConfig("v3", load_bulk=True)
     assert "LOAD_BULK" not in cr.DecodeConfig("v3").defines(128, "bfloat16", 4, True, 16, cc=90)
+    # a quantized cache's 1-byte rows load with cp.async: never bulk, refused when asked
+    assert cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, cc=90, kv="int8")["LOAD_BULK"] == 0
+    with pytest.raises(ValueError, match="config.load_bulk.*int8"):
+        cr.DecodeConfig("v4", load_bulk=True).defines(128, "bfloat16", 4, True, 16, cc=90, kv="int8")
 
 
 def test_quantized_paged_caches_default_to_v4_where_it_reads_them():
