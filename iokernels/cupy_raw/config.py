@@ -99,8 +99,9 @@ DECODE_V3_QUANT_STAGES = 8
 DECODE_V3_TABLE_CAP = 1024
 #: decode v4 (the GQA group on the tensor cores): v3's ring and combine with K_j, V_j tiles of
 #: Bc = DECODE_V4_TILE_ROWS keys, the k depth of one m16n8k16 P V step (a multiple of
-#: MMA_ROWS); each SRAM row is padded by V4_ROW_PAD_BYTES so ldmatrix's 8 rows hit 8 bank
-#: groups.  8 warps x 3 stages at bf16 d=128 take 204 KB a block (rows of 272 B): one block
+#: MMA_ROWS); SRAM rows are counted padded by V4_ROW_PAD_BYTES (so ldmatrix's 8 rows hit 8
+#: bank groups; rows of whole 128-byte halves use the XOR swizzle instead and take less, an
+#: upper bound either way).  8 warps x 3 stages at bf16 d=128 take 204 KB a block: one block
 #: an SM (the registers are capped for DECODE_V4_MIN_BLOCKS at 8 warps, twice that at 4), 16
 #: tiles of K and V in flight an SM, the best of the serving-shape rows of the tuning sweep
 #: (iokernels.bench.sweeps_cupy, which times 4 and 8 warps, 2 to 4 stages, 16- and 32-row tiles)
@@ -541,7 +542,8 @@ def decode_v3_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows
 def decode_v4_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows: int, num_warps: int,
                    num_splits: int = 1, fused: bool = True, table_cap: int = 0, kv: str | None = None) -> tuple:
     """decode_v4.cu's dynamic SRAM a block, as (total bytes, byte offset of the block table):
-    max(the rings -- rows padded by V4_ROW_PAD_BYTES --, the warps' float32 merge buffer, the
+    max(the rings -- rows counted padded by V4_ROW_PAD_BYTES, what the bulk copies and rows
+    that are not whole 128-byte halves use; swizzled rows use less --, the warps' float32 merge buffer, the
     fused combine's weights), then ``table_cap`` int32 block-table entries (paged).  ``kv``: a
     quantized cache's code format: its rows are head_dim bytes, unpadded (their chunks are
     swizzled), and each stage also holds its rows' float32 s_K and s_V."""

@@ -16,8 +16,14 @@
 //     which only do the online softmax on the accumulator fragments;
 //   * K_j's rows (row-major [key][d] in SRAM) are B fragments as they lie (ldmatrix, no
 //     transpose); V_j's go through ldmatrix.trans (FlashAttention-2's kernel, fa_v2.cu,
-//     does the same); a row of SRAM is d + 8 elements, so the 8 rows one ldmatrix reads
-//     fall in 8 different bank groups;
+//     does the same).  The 8 rows one ldmatrix reads must fall in 8 different bank groups:
+//     rows of whole 128-byte halves (d = 64, 128, 192, 256) are stored unpadded with the
+//     XOR swizzle (16-byte chunk c of row r at chunk c ^ (r % 8); mma.cuh's tile_offset),
+//     other rows padded to d + 8 elements.  The swizzle also keeps the copies whole: the 8
+//     lanes that copy 128 contiguous bytes of a row write one 128-byte bank window of SRAM,
+//     where a padded row's 16-byte shift split them, and Nsight Compute then counted half
+//     again as many L2 sector requests as the tile has sectors (SWIZZLE=0 keeps the padded
+//     rows, for comparison);
 //   * the online softmax works on the accumulators: a row's max and sum are reduced over
 //     the 4 lanes of a quad with two shuffles; P is converted to 16-bit A fragments in
 //     registers (no SRAM round trip: FlashAttention-2's register reuse).  P is rounded to
@@ -39,7 +45,7 @@
 // unpredicated 16 bytes.
 // 1 (sm_90): Hopper's copy engine.  Lane r asks for one whole row (d x 2 bytes) with one bulk
 // copy (cp.async.bulk), K's rows from lanes 0..Bc-1 and V's from the next Bc, into the same
-// padded SRAM rows; the rows of a stage complete on one mbarrier of the warp's ring (lane 0
+// padded SRAM rows (a whole-row copy cannot swizzle); the rows of a stage complete on one mbarrier of the warp's ring (lane 0
 // announces the stage's bytes, mbarrier.cuh), which the warp polls before it reads the stage.
 // One instruction a lane a tile instead of 2 x CPL, and 256-byte requests instead of 16-byte
 // ones: fewer issue slots and more bytes in flight per instruction, which is how Hopper's
@@ -157,7 +163,15 @@ typedef unsigned char kv_t;                           // K/V as stored: 1-byte c
 typedef elem_t kv_t;
 #define VEC 8                                         // 16-bit elements in one 16-byte chunk
 #define CPR (HEAD_DIM / VEC)                          // chunks a row
-#define SROW (HEAD_DIM + VEC)                         // SRAM row stride (16-bit): +16 B, no bank conflicts
+// rows of whole 128-byte halves (d = 64, 128, 192, 256) are stored unpadded with the XOR
+// swizzle (mma.cuh, tile_offset), other rows (and the bulk copies' whole-row writes) padded
+#ifndef SWIZZLE
+#define SWIZZLE (CPR % 8 == 0 && !LOAD_BULK)
+#endif
+#if SWIZZLE && (CPR % 8 != 0 || LOAD_BULK)
+#error "decode_v4: the swizzle needs rows of whole 128-byte halves, loaded in 16-byte chunks"
+#endif
+#define SROW (SWIZZLE ? HEAD_DIM : HEAD_DIM + VEC)    // SRAM row stride (16-bit)
 #define TILE_ELEMS (TILE_ROWS * SROW)                 // 16-bit elements of K (or V) in SRAM a tile
 #define STAGE_ELEMS (2 * TILE_ELEMS)                  // K then V
 #endif
@@ -392,11 +406,11 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 #if PAGED
                     const long long off = (long long)blk_next[i] * s_blk + (long long)(n % BLOCK_SIZE) * s_row
                                           + hk * s_head + ch * VEC;
-                    cp_async16_line(Ks + r * SROW + ch * VEC, K + off, ok);
-                    cp_async16_line(Vs + r * SROW + ch * VEC, V + off, ok);
+                    cp_async16_line(Ks + tile_offset<SWIZZLE>(r, ch * VEC, SROW), K + off, ok);
+                    cp_async16_line(Vs + tile_offset<SWIZZLE>(r, ch * VEC, SROW), V + off, ok);
 #else
-                    cp_async16_line(Ks + r * SROW + ch * VEC, Kb + (long long)n * skn + ch * VEC, ok);
-                    cp_async16_line(Vs + r * SROW + ch * VEC, Vb + (long long)n * svn + ch * VEC, ok);
+                    cp_async16_line(Ks + tile_offset<SWIZZLE>(r, ch * VEC, SROW), Kb + (long long)n * skn + ch * VEC, ok);
+                    cp_async16_line(Vs + tile_offset<SWIZZLE>(r, ch * VEC, SROW), Vb + (long long)n * svn + ch * VEC, ok);
 #endif
                 }
             }
@@ -477,7 +491,7 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 
         // S = Q_g K_j^T on the tensor cores (registers); K_j's rows are the B operand as stored
         float s[NT_S][4];
-        mma_qkt<KT_Q, NT_S>(s, qf, Kt, SROW, lane);
+        mma_qkt<KT_Q, NT_S, SWIZZLE>(s, qf, Kt, SROW, lane);
         // scale (log2 units); keys at or past the split's end (zero rows) -> -inf
         const bool tail = start + TILE_ROWS > n_end;
 #pragma unroll
@@ -493,7 +507,7 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         for (int r = 0; r < 1 + HI_ROWS; ++r) online_softmax_row<NT_S, NT_O>(s, o, m[r], l[r], r);
 
         // O += P V_j on the tensor cores; P's accumulators become A fragments in registers
-        mma_pv<TILE_ROWS / 16, NT_O, HI_ROWS>(o, s, Vt, SROW, lane);
+        mma_pv<TILE_ROWS / 16, NT_O, HI_ROWS, SWIZZLE>(o, s, Vt, SROW, lane);
 #endif
         __syncwarp();                               // every lane is done with this stage
     }

@@ -78,10 +78,21 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // ----------------------------------------------------------------------------- a warp's tile products
 // One warp's 16 query rows against one K_j / V_j tile in SRAM (row-major [key][d], row
 // stride `ld` 16-bit elements), FlashAttention-2's inner loop (fa_v2.cu, decode_v4.cu).
+// SWZ = 0: element (row, col) at row * ld + col (rows padded so ldmatrix's 8 rows fall in 8
+// bank groups).  SWZ = 1: rows unpadded (ld = the row's elements, a multiple of 64) and
+// 16-byte chunk c of row r stored at chunk c ^ (r % 8), the XOR swizzle: ldmatrix's 8 rows
+// still hit 8 bank groups, and 8 lanes that copy a row's 128 contiguous bytes write one
+// whole 128-byte bank window (decode_v4.cu's cp.async ring).
+
+// the SRAM offset (16-bit elements) of (row, col), col a multiple of 8 (one 16-byte chunk)
+template <int SWZ>
+__device__ __forceinline__ int tile_offset(int row, int col, int ld) {
+    return SWZ ? row * ld + ((((col >> 3) ^ (row & 7))) << 3) : row * ld + col;
+}
 
 // S (16 x 8 NT) = Q (16 x 16 KT: A fragments qf) K_j^T: K_j's rows are the B operand as
 // stored (ldmatrix, no transpose), two 8-key n-tiles a load
-template <int KT, int NT>
+template <int KT, int NT, int SWZ = 0>
 __device__ __forceinline__ void mma_qkt(float (*s)[4], const u32 (*qf)[4], const u16* Kt, int ld, int lane) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -90,8 +101,8 @@ __device__ __forceinline__ void mma_qkt(float (*s)[4], const u32 (*qf)[4], const
 #pragma unroll
         for (int nn = 0; nn < NT / 2; ++nn) {
             u32 kb[4];   // two n-tiles (keys nn*16 .. +15) x 16 dims
-            ldmatrix_x4(kb, Kt + (nn * 16 + (lane % 8) + (lane / 16) * 8) * ld
-                               + kk * 16 + ((lane / 8) % 2) * 8);
+            ldmatrix_x4(kb, Kt + tile_offset<SWZ>(nn * 16 + (lane % 8) + (lane / 16) * 8,
+                                                  kk * 16 + ((lane / 8) % 2) * 8, ld));
             mma16816(s[2 * nn], qf[kk], kb[0], kb[1]);
             mma16816(s[2 * nn + 1], qf[kk], kb[2], kb[3]);
         }
@@ -130,7 +141,7 @@ __device__ __forceinline__ void online_softmax_row(float (*s)[4], float (*o)[4],
 // O (16 x 8 NT) += P (16 x 16 KS, the accumulators of mma_qkt) V_j: P's accumulators become
 // A fragments in registers (pack2), V_j's rows go through ldmatrix.trans.  HI = false:
 // rows 8..15 of P are known to be unused and enter as zeros
-template <int KS, int NT, bool HI>
+template <int KS, int NT, bool HI, int SWZ = 0>
 __device__ __forceinline__ void mma_pv(float (*o)[4], const float (*p)[4], const u16* Vt, int ld, int lane) {
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
@@ -142,8 +153,8 @@ __device__ __forceinline__ void mma_pv(float (*o)[4], const float (*p)[4], const
 #pragma unroll
         for (int dn = 0; dn < NT / 2; ++dn) {
             u32 vb[4];   // 16 keys x two n-tiles of 8 dims, transposed on the way in
-            ldmatrix_x4_trans(vb, Vt + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * ld
-                                     + dn * 16 + (lane / 16) * 8);
+            ldmatrix_x4_trans(vb, Vt + tile_offset<SWZ>(kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8,
+                                                        dn * 16 + (lane / 16) * 8, ld));
             mma16816(o[2 * dn], pa, vb[0], vb[1]);
             mma16816(o[2 * dn + 1], pa, vb[2], vb[3]);
         }
