@@ -433,6 +433,12 @@ def _torch_block_backward(do, q, k, v, o, lse, causal, scale):
     return dq, dk.view(B, Hkv, g, nk, d).sum(2), dv.view(B, Hkv, g, nk, d).sum(2)
 
 
+def _torch_backward_for(q) -> bool:
+    """Whether a block's gradients come from :func:`_torch_block_backward` (CUDA tensors: the
+    GPU has no other backward for a ring block) rather than the package's attention_backward."""
+    return bool(q.is_cuda)
+
+
 def _block_backward(do, q, o, lse, kv, calls, scale, backend, config, stats):
     """dQ (rank's rows) and dK_c, dV_c (packed, accumulator dtype) of one block."""
     import torch
@@ -445,8 +451,9 @@ def _block_backward(do, q, o, lse, kv, calls, scale, backend, config, stats):
         sel = [_rows(x, qrows) for x in (do, q, o)]
         lsex = _rows(lse.unsqueeze(-1), qrows)[..., 0]
         kx, vx = _rows(kv[0], krows), _rows(kv[1], krows)
-        if q.is_cuda:
-            g = _torch_block_backward(*sel, kx, vx, lsex, causal, scale)
+        if _torch_backward_for(q):
+            do_x, q_x, o_x = sel
+            g = _torch_block_backward(do_x, q_x, kx, vx, o_x, lsex, causal, scale)
         else:
             args = [_to_backend(x, bwd) for x in (*sel[:2], kx, vx, sel[2])] + [_to_backend(lsex, bwd)]
             g = attention_backward(*args, causal=causal, scale=scale, backend=bwd,

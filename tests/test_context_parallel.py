@@ -283,6 +283,21 @@ def test_torch_block_backward_matches_oracle(rng, monkeypatch, causal):
         ik.testing.assert_close(g.numpy(), ref, dtype="float64", name=name)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_backward_through_the_torch_block_path(rng, monkeypatch, causal):
+    """The ring backward as CUDA tensors run it (each block's gradients from
+    _torch_block_backward, reached through _block_backward), here on CPU tensors: a GQA
+    ring of 3 ranks, Nq != Nk when not causal, against the float64 oracle."""
+    monkeypatch.setattr(cp, "_torch_backward_for", lambda q: True)
+    monkeypatch.setattr(cp, "TORCH_BWD_BLOCK_BYTES", 2 * 6 * 23 * 8 * 4)   # a few rows a chunk
+    nk = 19 if causal else 29
+    q, k, v, do = ik.testing.make_inputs(rng, batch=2, heads_q=6, heads_kv=2, seqlen_q=19, seqlen_k=nk,
+                                         head_dim=9, with_grad=True)
+    r = cp.simulate(q, k, v, 3, do=do, causal=causal, backend="tiled")
+    for name, ref in zip(("dq", "dk", "dv"), ik.reference.attention_backward(do, q, k, v, causal=causal)):
+        ik.testing.assert_close(r[name], ref, dtype="float64", name=name)
+
+
 @pytest.mark.parametrize("backend", ["tiled", "torch_fused"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_simulated_ring_low_precision_follows_the_2x_rule(rng, backend, dtype):
