@@ -3,6 +3,11 @@
 Numba's CUDA simulator must be switched on before numba is first imported, so it is
 decided here, once, before any test module loads: with no NVIDIA device on the machine,
 the Numba kernels run on the simulator (slow: tests keep sizes tiny).
+
+The order of the test files: ``bash dev.sh test`` runs the suite on two workers
+(pytest-xdist, ``--dist loadfile --no-loadscope-reorder``), which take whole files in the
+order collected here.  The long files (LONG_FILES) come first, longest first, so that the
+short ones fill in around them and neither worker is left with a long file at the end.
 """
 import os
 import shutil
@@ -18,6 +23,17 @@ def _nvidia_device_present() -> bool:
 
 if not _nvidia_device_present():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+#: the files that take a minute or more on two cores without a GPU, longest first (the
+#: simulator, nvcc, NVVM, the notebooks); every other file keeps its place after them
+LONG_FILES = ("test_numba_ptx.py", "test_notebooks.py", "test_gpu_decode_window_quant.py",
+              "test_cupy_compile.py", "test_numba.py", "test_labs.py", "test_conformance.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The long files first (LONG_FILES' order), then the rest as collected (a stable sort)."""
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
 
 
 @pytest.fixture
