@@ -3,7 +3,8 @@
 # a few seconds when already done), then runs:
 #
 #   bash dev.sh tour      the progression on a small problem; figures -> figures/   (README step 1)
-#   bash dev.sh test      the whole test suite, notebooks and browser test included  (README step 2)
+#   bash dev.sh test      the whole test suite, notebooks and browser test included, on two
+#                         cores (pytest-xdist)                                       (README step 2)
 #   bash dev.sh figures   regenerate figures/ from fixed seeds
 #   bash dev.sh lab       JupyterLab on the notebooks (simulator on without a GPU, no news pop-up)
 #   bash dev.sh strip     strip outputs from every notebook, in place (before committing one)
@@ -28,6 +29,12 @@ VENV=.venv
 TORCH_PIN="torch==2.13.0"      # the CPU build pip finds locally; the GPU machine brings its own
 STAMP="$VENV/.iokernels-setup"
 SETUP=${IOKERNELS_SETUP:-full}  # full | cpu
+# `dev.sh test` runs the suite on two cores (pytest-xdist): each test file stays on one worker
+# (--dist loadfile), so a file's module fixtures (a pool of notebooks, a JupyterLab server, a
+# PTX report) run once; files are handed out in the order tests/conftest.py gives them (the
+# long ones first: see LONG_FILES there).  `-n auto` or `-n 0` among the extra arguments
+# overrides the worker count (0: one process, no workers).
+TEST_PARALLEL=(-n 2 --dist loadfile --no-loadscope-reorder)
 
 setup() {
     if [ ! -x "$VENV/bin/python" ]; then
@@ -69,7 +76,7 @@ case "$cmd" in
     setup)   setup ;;
     tour)    setup; exec "$VENV/bin/python" -m iokernels tour "$@" ;;
     figures) setup; exec "$VENV/bin/python" -m iokernels figures "$@" ;;
-    test)    setup; exec "$VENV/bin/python" -m pytest -p no:cacheprovider --timeout=600 "$@" ;;
+    test)    setup; exec "$VENV/bin/python" -m pytest -p no:cacheprovider --timeout=600 "${TEST_PARALLEL[@]}" "$@" ;;
     lab)     setup; unset MPLBACKEND
              root_flag=(); [ "$(id -u)" = 0 ] && root_flag=(--allow-root)   # Jupyter refuses root otherwise
              # no news pop-up and no update check: a course opens on the notebooks, nothing else

@@ -1,8 +1,9 @@
 """Compile the Numba kernels to PTX for compute capability 7.5 and 9.0 with the simulator
-off (no GPU needed: NVVM comes with numba-cuda's pip packages), in a subprocess because the
-simulator is chosen when numba is first imported.  A float32 (or float16) kernel whose PTX
-computes in float64 fails: a stray Python float (0.0, 1.0 / l) promotes silently and runs
-at a fraction of the float32 rate.
+off (no GPU needed: NVVM comes with numba-cuda's pip packages), in subprocesses (the
+simulator is chosen when numba is first imported): one compiles every report the tests
+read, one runs the command line (``python -m iokernels.numba_cuda.ptx``).  A float32 (or
+float16) kernel whose PTX computes in float64 fails: a stray Python float (0.0, 1.0 / l)
+promotes silently and runs at a fraction of the float32 rate.
 """
 import json
 import os
@@ -15,10 +16,44 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _compile(*args):
+#: every report the tests read, compiled in one process (each device function is compiled
+#: once there and shared by the kernels that call it): {report name: [(ccs, dtypes, head dims,
+#: only), ...]} for ``ptx.compile_all``; "v3" is ``ptx.ptx_report``'s (ccs, dtypes, head dims)
+_REPORTS = r"""
+import json
+from iokernels.numba_cuda import ptx
+plan = {
+    # every kernel, float32 at sm_90 (the version-1..3 kernels at sm_75 too), float16 at sm_90
+    # (d = 128, and ragged 59 for the forward v3 and decode v2, whose lanes own padded dims);
+    # decode v2 and forward v4 skip sm_75 to keep this file quick
+    "report": [(((9, 0),), ("float32",), (128,), None),
+               (((7, 5),), ("float32",), (128,), "^(fwd_v[1-3]|decode_split|decode_combine|gather$)"),
+               (((9, 0),), ("float16",), (128,), None),
+               (((9, 0),), ("float32",), (59,), "v3"),
+               (((9, 0),), ("float16",), (59,), "decode_v2")],        # v2's one-element-a-word path
+    "float64": [(((9, 0),), ("float64",), (59,), "decode_v2")],       # decode v2's element path
+}
+out = {name: {} for name in plan}
+for name, calls in plan.items():
+    for ccs, dtypes, dims, only in calls:
+        out[name].update(ptx.compile_all(ccs, dtypes, dims, only))
+# the v3 kernels (defaults): float16 d=128 at sm_75 and sm_90, float32 d=128 at sm_90, and the
+# one-element-a-word paths (float16 d=59, float64 d=59) at sm_90
+out["v3"] = ptx.ptx_report(ccs=((7, 5), (9, 0)), dtypes=("float16",), head_dims=(128,))
+out["v3"].update(ptx.ptx_report(ccs=((9, 0),), dtypes=("float32",), head_dims=(128,)))
+out["v3"].update(ptx.ptx_report(ccs=((9, 0),), dtypes=("float16", "float64"), head_dims=(59,)))
+print(json.dumps(out))
+"""
+#: seconds a compiling process may take before the test fails (the reports' one compiles
+#: about sixty kernels)
+COMPILE_TIMEOUT_S = 600
+
+
+def _python(*args):
+    """Run ``python *args`` with the simulator off; its last line of output, read as JSON."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-m", "iokernels.numba_cuda.ptx", *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=COMPILE_TIMEOUT_S)
     if r.returncode != 0:
         if "NVVM" in r.stderr and "not found" in r.stderr.lower():
             pytest.skip("NVVM (numba-cuda's compiler library) is not installed")
@@ -27,16 +62,19 @@ def _compile(*args):
 
 
 @pytest.fixture(scope="module")
-def report():
-    """Every kernel, float32 at sm_90 (the version-1..3 kernels at sm_75 too), float16 at sm_90
-    (d = 128, and ragged 59 for the forward v3 and decode v2, whose lanes own padded dims).
-    Decode v2 and forward v4 skip sm_75 to keep this file quick."""
-    out = _compile("90", "float32", "d=128")
-    out.update(_compile("75", "float32", "d=128", "only=^(fwd_v[1-3]|decode_split|decode_combine|gather$)"))
-    out.update(_compile("90", "float16", "d=128"))
-    out.update(_compile("90", "float32", "d=59", "only=v3"))
-    out.update(_compile("90", "float16", "d=59", "only=decode_v2"))   # v2's one-element-a-word path
-    return out
+def reports():
+    """{"report", "float64", "v3": {f"{kernel}/{dtype}/sm_{cc}": counts}}, from one process."""
+    return _python("-c", _REPORTS)
+
+
+@pytest.fixture(scope="module")
+def report(reports):
+    return reports["report"]
+
+
+@pytest.fixture(scope="module")
+def report_v3(reports):
+    return reports["v3"]
 
 
 def test_every_kernel_compiled_for_both_targets(report):
@@ -96,42 +134,18 @@ def test_v2_element_path_compiles(report):
         assert r["ld_u64"] == 0 and r["ld_u16"] > 0 and r["shfl"], r
 
 
-def test_float64_v2_kernels_compile():
-    out = _compile("90", "float64", "d=59", "only=decode_v2")
-    assert {"decode_v2_split_d59/float64/sm_90", "decode_v2_split_paged_d59/float64/sm_90"} <= set(out)
+def test_float64_v2_kernels_compile(reports):
+    assert {"decode_v2_split_d59/float64/sm_90", "decode_v2_split_paged_d59/float64/sm_90"} <= set(reports["float64"])
 
 
 def test_the_float64_detector_finds_float64():
-    """The check can fail: the float64 combine kernel's PTX is full of .f64 arithmetic."""
-    out = _compile("90", "float64", "d=128", "only=combine")
+    """The check can fail: the float64 combine kernel's PTX is full of .f64 arithmetic (compiled
+    through the command line, ``python -m iokernels.numba_cuda.ptx``)."""
+    out = _python("-m", "iokernels.numba_cuda.ptx", "90", "float64", "d=128", "only=combine")
     assert out and all(v["f64"] for v in out.values())
 
 
 # --------------------------------------------------------------------------- decode / gather v3
-_V3_REPORT = """
-import json
-from iokernels.numba_cuda import ptx
-out = ptx.ptx_report(ccs=((7, 5), (9, 0)), dtypes=("float16",), head_dims=(128,))
-out.update(ptx.ptx_report(ccs=((9, 0),), dtypes=("float32",), head_dims=(128,)))
-out.update(ptx.ptx_report(ccs=((9, 0),), dtypes=("float16", "float64"), head_dims=(59,)))
-print(json.dumps(out))
-"""
-
-
-@pytest.fixture(scope="module")
-def report_v3():
-    """The v3 kernels (defaults): float16 d=128 at sm_75 and sm_90, float32 d=128 at sm_90,
-    and the one-element-a-word paths (float16 d=59, float64 d=59) at sm_90."""
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", _V3_REPORT], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    if r.returncode != 0:
-        if "NVVM" in r.stderr and "not found" in r.stderr.lower():
-            pytest.skip("NVVM (numba-cuda's compiler library) is not installed")
-        raise AssertionError(r.stderr[-4000:])
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
 def test_v3_kernels_compile_without_float64(report_v3):
     names = {k.split("/")[0] for k in report_v3}
     assert {"decode_v3_split_d128", "decode_v3_split_paged_d128", "gather_v3_d128", "decode_v3_split_d59",

@@ -163,3 +163,14 @@ def test_dev_script_installs_torch_pin_first():
 @pytest.mark.parametrize("marker", ["<!-- recorded-results:start -->", "<!-- recorded-results:end -->"])
 def test_readme_keeps_recorded_results_markers(marker):
     assert (ROOT / "README.md").read_text().count(marker) == 1
+
+
+def test_long_test_files_exist_and_the_suite_runs_them_first():
+    """tests/conftest.py's LONG_FILES (handed to the two workers first) are files of tests/,
+    and ``dev.sh test`` keeps each file on one worker in that order."""
+    import conftest
+    assert conftest.LONG_FILES and len(set(conftest.LONG_FILES)) == len(conftest.LONG_FILES)
+    missing = [name for name in conftest.LONG_FILES if not (ROOT / "tests" / name).exists()]
+    assert not missing, f"LONG_FILES names files that do not exist: {missing}"
+    parallel = re.search(r"^TEST_PARALLEL=\((.*)\)$", (ROOT / "dev.sh").read_text(), re.M)
+    assert parallel and "--dist loadfile --no-loadscope-reorder" in parallel.group(1), "dev.sh: TEST_PARALLEL"
