@@ -329,6 +329,24 @@ MLA_RECORD_COLUMNS = ("batch", "seqlen", "runner", "ms", "tflops", "cache_TBps",
                       "speed_vs_torch_matmul")
 
 
+def recorded_cache_rows(results_dir=None) -> str:
+    """The quantized- and windowed-cache decode rows of the latest benchmark record
+    (:func:`iokernels.core.recorded.cache_rows`: each runner over int8 / fp8 / bfloat16 pools
+    and its speed against its own 16-bit cache), under the record's label; or a sentence saying
+    there are none.  Reads files only, touches no GPU."""
+    from .core import recorded
+    try:
+        rec = recorded.load("h200", results_dir)
+    except FileNotFoundError:
+        return "No benchmark record in this checkout (python -m iokernels bench on a GPU writes one)."
+    rows = recorded.cache_rows(rec)
+    if not rows:
+        return ("The latest benchmark record has no quantized-cache decode rows: python -m iokernels bench "
+                "--sections decode on a GPU records them.")
+    return (recorded.label(rec) + "  (rate: TB/s of the bytes the cache holds)\n"
+            + recorded.format_rows(rows, ("batch", "cache", "window", "runner", "ms", "rate", "speed_vs_16bit")))
+
+
 def recorded_mla_rows(results_dir=None) -> str:
     """The MLA decode rows of the latest benchmark record (section "mla": the Hopper kernel of
     :mod:`iokernels.cupy_raw.mla` next to torch formulations of the same absorbed form), under the

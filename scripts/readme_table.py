@@ -169,28 +169,16 @@ def decode_table(rec) -> list[str]:
 
 def cache_table(rec) -> list[str]:
     """Paged decode over quantized caches and a sliding window, next to the 16-bit cache."""
-    cases = [c for c in rec.get("bench", {}).get("cases", []) if c.get("section") == "decode" and "kv_dtype" in c]
-    if not cases:
+    rows = recorded.cache_rows(rec)
+    if not rows:
         return []
     lines = ["**Paged decode over a quantized cache and a sliding window** (GQA 32/8, d=128, N=32768, "
              "bfloat16 queries; TB/s of the bytes the cache holds; speed vs the 16-bit cache, whole window)", "",
              "| B | cache | window | runner | ms | TB/s | speed vs 16-bit cache |", "|---|---|---|---|---|---|---|"]
-    def runner(x):
-        """The row's backend and version ("cupy v4"), or "<backend> default" (rows without a version)."""
-        words = x["runner"].split(" paged ")[0]
-        return words if words != x["group"] else f"{x['group']} default"
-
-    for c in cases:
-        ok = [x for x in c["results"] if x.get("ms")]
-        for x in ok:
-            # the 16-bit cache, whole window, same runner (backend and version)
-            base = next((y["ms"] for b in cases if b["shape"] == c["shape"] and b["kv_dtype"] == c["dtype"]
-                         and not b.get("window") for y in b["results"] if y.get("ms") and runner(y) == runner(x)),
-                        None)
-            win = f"{c['window'][0]} keys" if c.get("window") else "all"
-            speed = f"{base / x['ms']:.2f}" if base else ""
-            lines.append(f"| {c['shape']['batch']} | {c['kv_dtype']} | {win} | {runner(x)} | "
-                         f"{x['ms']:.3f} | {x['rate']:.2f} | {speed} |")
+    for r in rows:
+        speed = "" if r["speed_vs_16bit"] is None else f"{r['speed_vs_16bit']:.2f}"
+        lines.append(f"| {r['batch']} | {r['cache']} | {r['window']} | {r['runner']} | "
+                     f"{r['ms']:.3f} | {r['rate']:.2f} | {speed} |")
     return lines + [""]
 
 

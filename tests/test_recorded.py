@@ -76,3 +76,27 @@ def test_the_hopper_record_gives_the_gemm_rows():
     rows = recorded.hopper_gemm_rows(recorded.load("hopper"))
     assert rows and all(r["ours_ms"] > 0 and r["torch_ms"] > 0 for r in rows)
     assert all(abs(r["ratio"] - r["torch_ms"] / r["ours_ms"]) < 1e-9 for r in rows)
+
+
+def test_cache_rows_compare_each_runner_with_its_own_16bit_cache(rng):
+    """recorded.cache_rows: every timed runner of a quantized or windowed case, its speed the
+    same runner's time over the 16-bit, whole-window cache of that shape over its own; rows
+    without a time are left out, and a runner with no 16-bit row gets no speed."""
+    ms = {k: float(x) for k, x in zip(("v4_16", "v3_16", "v4_8", "v3_8", "v4_w"), rng.uniform(0.1, 3.0, 5))}
+    shape = dict(batch=8, heads_q=32, heads_kv=8, seqlen=32768, head_dim=128)
+
+    def case(kv, window, results):
+        return dict(section="decode", kind="decode", dtype="bfloat16", kv_dtype=kv, window=window, shape=shape,
+                    results=[dict(runner=f"cupy {v} paged {kv}", group="cupy", ms=m, rate=1.0 / m) for v, m in results]
+                    + [dict(runner="cupy v2 paged", group="cupy", status="unavailable: x")])
+    rec = {"bench": {"cases": [case("bfloat16", None, [("v4", ms["v4_16"]), ("v3", ms["v3_16"])]),
+                               case("int8", None, [("v4", ms["v4_8"]), ("v3", ms["v3_8"]), ("v9", 1.0)]),
+                               case("bfloat16", [4096, 0], [("v4", ms["v4_w"])])]}}
+    rows = {(r["cache"], r["window"], r["runner"]): r for r in recorded.cache_rows(rec)}
+    assert len(rows) == 6
+    assert rows[("bfloat16", "all", "cupy v4")]["speed_vs_16bit"] == 1.0
+    assert rows[("int8", "all", "cupy v4")]["speed_vs_16bit"] == pytest.approx(ms["v4_16"] / ms["v4_8"])
+    assert rows[("int8", "all", "cupy v3")]["speed_vs_16bit"] == pytest.approx(ms["v3_16"] / ms["v3_8"])
+    assert rows[("bfloat16", "4096 keys", "cupy v4")]["speed_vs_16bit"] == pytest.approx(ms["v4_16"] / ms["v4_w"])
+    assert rows[("int8", "all", "cupy v9")]["speed_vs_16bit"] is None
+    assert "speed_vs_16bit" in recorded.format_rows(list(rows.values()), ("cache", "runner", "speed_vs_16bit"))

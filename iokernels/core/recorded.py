@@ -228,13 +228,43 @@ def table(rec: dict, section: str, columns=("dtype", "causal", "batch", "seqlen"
     rows = bench_rows(rec, section=section, **filters)
     if filters.get("vs") and f"speed_vs_{filters['vs']}" not in columns:
         columns = (*columns, f"speed_vs_{filters['vs']}")
+    return format_rows(rows, columns)
+
+
+def format_rows(rows: list[dict], columns) -> str:
+    """Rows (dicts) as a plain-text table of ``columns``: floats to 4 significant digits, a
+    missing value or None as an empty cell."""
     def cell(r, c):
-        v = r.get(c, "")
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
+        v = r.get(c)
+        return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
     widths = [max(len(c), *(len(cell(r, c)) for r in rows)) if rows else len(c) for c in columns]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(cell(r, c).ljust(w) for c, w in zip(columns, widths)) for r in rows]
     return "\n".join(lines)
+
+
+def cache_rows(rec: dict) -> list[dict]:
+    """The paged decode rows over quantized caches and sliding windows (the bench's decode
+    cases that name a ``kv_dtype``), one dict a timed runner: batch, cache (its kv_dtype),
+    window ("all" or "<left> keys"), runner (backend and version, "cupy v4"; "<backend>
+    default" for rows without a version), ms, rate (TB/s of the bytes the cache holds) and
+    speed_vs_16bit (the same runner's time over the 16-bit cache, whole window, over this one)."""
+    cases = [c for c in rec.get("bench", rec).get("cases", []) if c.get("section") == "decode" and "kv_dtype" in c]
+
+    def runner(x):
+        words = x["runner"].split(" paged ")[0]
+        return words if words != x["group"] else f"{x['group']} default"
+
+    out = []
+    for c in cases:
+        for x in (x for x in c["results"] if x.get("ms")):
+            base = next((y["ms"] for b in cases if b["shape"] == c["shape"] and b["kv_dtype"] == c["dtype"]
+                         and not b.get("window") for y in b["results"] if y.get("ms") and runner(y) == runner(x)),
+                        None)
+            out.append(dict(batch=c["shape"]["batch"], cache=c["kv_dtype"],
+                            window=f"{c['window'][0]} keys" if c.get("window") else "all", runner=runner(x),
+                            ms=x["ms"], rate=x["rate"], speed_vs_16bit=base / x["ms"] if base else None))
+    return out
 
 
 def fallback_report(rec: dict) -> str:
