@@ -44,12 +44,12 @@
 // and the chunks of rows past the split's end are zero stores, so every copy is a whole,
 // unpredicated 16 bytes.
 // 1 (sm_90): Hopper's copy engine.  Lane r asks for one whole row (d x 2 bytes) with one bulk
-// copy (cp.async.bulk), K's rows from lanes 0..Bc-1 and V's from the next Bc, into the same
-// padded SRAM rows (a whole-row copy cannot swizzle); the rows of a stage complete on one mbarrier of the warp's ring (lane 0
-// announces the stage's bytes, mbarrier.cuh), which the warp polls before it reads the stage.
-// One instruction a lane a tile instead of 2 x CPL, and 256-byte requests instead of 16-byte
-// ones: fewer issue slots and more bytes in flight per instruction, which is how Hopper's
-// decode kernels (cuDNN's, FlashInfer's) keep HBM busy.  Rows past the split's end are not
+// copy (cp.async.bulk), K's rows from lanes 0..Bc-1 and V's from the next Bc, into padded
+// SRAM rows (a whole-row copy cannot swizzle); the rows of a stage complete on one mbarrier
+// of the warp's ring (lane 0 announces the stage's bytes, mbarrier.cuh), which the warp
+// polls before it reads the stage.  One instruction a lane a tile instead of 2 x CPL, and
+// 256-byte requests instead of 16-byte ones: fewer issue slots and more bytes in flight per
+// instruction, the copy engine's promise on Hopper.  Rows past the split's end are not
 // copied; their lane zero-fills them (V's rows must be finite, as P = 0 multiplies them).
 // It stays a setting, not the default: in the benchmark record the row copies stream no
 // faster than the hinted cp.async chunks over a contiguous cache and slower over pages, so
@@ -89,7 +89,8 @@
 // 256 (the swizzle of the unpadded rows); the 16-bit path below is unchanged by KV_QUANT = 0.
 //
 // Compile-time settings: HEAD_DIM, GROUP, IK_DTYPE, PAGED, BLOCK_SIZE (paged), NUM_WARPS,
-// STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED, LOAD_BULK, KV_QUANT (paged only).
+// STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED, LOAD_BULK, KV_QUANT (paged only), SWIZZLE
+// (16-bit rows; default: on where the rows allow it).
 // Dynamic SRAM (decode_v4_smem, cupy_raw/config.py): max(rings NUM_WARPS x STAGES x 2 x Bc x
 // SROW 16-bit (KV_QUANT: x HEAD_DIM bytes, plus 2 x Bc float32 scales a stage), the warps'
 // merge buffer, the fused combine's weights g x S acc_t), then table_cap int32 entries.
