@@ -21,9 +21,9 @@
 //     XOR swizzle (16-byte chunk c of row r at chunk c ^ (r % 8); mma.cuh's tile_offset),
 //     other rows padded to d + 8 elements.  The swizzle also keeps the copies whole: the 8
 //     lanes that copy 128 contiguous bytes of a row write one 128-byte bank window of SRAM,
-//     where a padded row's 16-byte shift split them, and Nsight Compute then counted half
-//     again as many L2 sector requests as the tile has sectors (SWIZZLE=0 keeps the padded
-//     rows, for comparison);
+//     where a padded row's 16-byte shift split them and Nsight Compute counted more L2
+//     sector requests than the tile has sectors (benchmarks/results/sweeps has the counts;
+//     SWIZZLE=0 keeps the padded rows, for comparison);
 //   * the online softmax works on the accumulators: a row's max and sum are reduced over
 //     the 4 lanes of a quad with two shuffles; P is converted to 16-bit A fragments in
 //     registers (no SRAM round trip: FlashAttention-2's register reuse).  P is rounded to
