@@ -151,17 +151,32 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
 // The copy decode_v4.cu streams K and V with (sm_80+): a row chunk that exists is copied by
 // the plain 16-byte cp.async (no src-size operand) carrying the L2::128B prefetch hint, so a
 // miss brings the whole 128-byte line from HBM in one request; a chunk past the end (pred
-// false) is a zero store to SRAM, not a zero-byte copy.  sm_75: cp_async16.
-__device__ __forceinline__ void cp_async16_line(void* smem, const void* gmem, bool pred) {
+// false) is a zero store to SRAM, not a zero-byte copy.  VIA_L1 picks the cache operator:
+// false .cg (the copy bypasses L1), true .ca (it passes through L1).  The SRAM side is a
+// shared-space address (smem_addr), so a loop of copies converts its base pointer once.
+// sm_75: an ordinary load and store.
+template <bool VIA_L1 = false>
+__device__ __forceinline__ void cp_async16_line_at(u32 saddr, const void* gmem, bool pred) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    if (pred)
-        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n"
-                     :: "r"(smem_addr(smem)), "l"(gmem) : "memory");
-    else
-        *reinterpret_cast<uint4*>(smem) = make_uint4(0u, 0u, 0u, 0u);
+    if (pred) {
+        if (VIA_L1)
+            asm volatile("cp.async.ca.shared.global.L2::128B [%0], [%1], 16;\n"
+                         :: "r"(saddr), "l"(gmem) : "memory");
+        else
+            asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n"
+                         :: "r"(saddr), "l"(gmem) : "memory");
+        return;
+    }
+    const uint4 v = make_uint4(0u, 0u, 0u, 0u);
 #else
-    cp_async16(smem, gmem, pred);
+    const uint4 v = pred ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0u, 0u, 0u, 0u);
 #endif
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n"
+                 :: "r"(saddr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+template <bool VIA_L1 = false>
+__device__ __forceinline__ void cp_async16_line(void* smem, const void* gmem, bool pred) {
+    cp_async16_line_at<VIA_L1>(smem_addr(smem), gmem, pred);
 }
 // Copy 4 bytes HBM -> SRAM (one float32: a quantized row's scale), as cp_async16: zero-filled
 // when `pred` is false; sm_75: an ordinary load and store.

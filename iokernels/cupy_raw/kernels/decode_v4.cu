@@ -37,23 +37,39 @@
 // A sliding window (window_left >= 0) splits only the visible keys [n - 1 - window_left, n),
 // as v3 does: keys before them are never read.
 //
-// The loads, two ways (-DLOAD_BULK).  0 (the default; any GPU from sm_80): every lane copies
-// 16-byte chunks with cp.async, CPL of K and CPL of V a tile, and waits on its own copy
-// groups (cp_async16_line, common.cuh): each copy carries the L2::128B prefetch hint, so a
-// miss brings the whole 128-byte line from HBM in one request rather than sector by sector,
-// and the chunks of rows past the split's end are zero stores, so every copy is a whole,
-// unpredicated 16 bytes.
-// 1 (sm_90): Hopper's copy engine.  Lane r asks for one whole row (d x 2 bytes) with one bulk
-// copy (cp.async.bulk), K's rows from lanes 0..Bc-1 and V's from the next Bc, into padded
-// SRAM rows (a whole-row copy cannot swizzle); the rows of a stage complete on one mbarrier
-// of the warp's ring (lane 0 announces the stage's bytes, mbarrier.cuh), which the warp
-// polls before it reads the stage.  One instruction a lane a tile instead of 2 x CPL, and
-// 256-byte requests instead of 16-byte ones: fewer issue slots and more bytes in flight per
-// instruction, the copy engine's promise on Hopper.  Rows past the split's end are not
-// copied; their lane zero-fills them (V's rows must be finite, as P = 0 multiplies them).
-// It stays a setting, not the default: in the benchmark record the row copies stream no
-// faster than the hinted cp.async chunks over a contiguous cache and slower over pages, so
-// at this shape the number of load instructions is not what limits the kernel.
+// The loads.  Every lane copies 16-byte chunks with cp.async (any GPU from sm_80), CPL of K
+// and CPL of V a tile, and waits on its own copy groups (cp_async16_line, common.cuh): each
+// copy carries the L2::128B prefetch hint, so a miss brings the whole 128-byte line from HBM
+// in one request rather than sector by sector, and the chunks of rows past the split's end
+// are zero stores, so every copy is a whole, unpredicated 16 bytes.
+//   * The addresses.  Over a contiguous cache whose rows are 2^k chunks (d = 16, 32, 64, 128,
+//     256), one warp-wide copy covers RPI = 32 / CPR whole rows, so a lane copies the same
+//     chunk of every row it copies: its SRAM offsets are fixed for the whole loop, its
+//     sources step by RPI rows a copy, and only the split's last tile tests its rows against
+//     n_end.  Finding each copy's row, chunk, swizzled offset and 64-bit address afresh (the
+//     paged path and other head dims still do) costs about a dozen instructions a copy, a
+//     large share of all the instructions the kernel issues at 16 copies a tile.
+//   * The cache operator (-DLOAD_L1).  0: cp.async.cg, the copy bypasses L1.  1: cp.async.ca,
+//     it passes through L1.  Nsight Compute counts one L2 request a 128-byte line for this
+//     kernel's .ca copies and two for its .cg copies (a stand-alone copy loop's .cg copies
+//     make one; benchmarks/results/sweeps has both).  A line in flight holds L1 space, and L1
+//     is what the SM's SRAM leaves beside the shared memory, so .ca goes with a shallow ring
+//     (DecodeConfig's default: 2 stages over a contiguous cache; a 3-stage ring leaves L1
+//     too small for the tiles in flight, and .ca is then slower than .cg).
+//   * Bulk copies (-DLOAD_BULK=1, sm_90): Hopper's copy engine.  Lane r asks for one whole
+//     row (d x 2 bytes) with one bulk copy (cp.async.bulk), K's rows from lanes 0..Bc-1 and
+//     V's from the next Bc, into padded SRAM rows (a whole-row copy cannot swizzle); the rows
+//     of a stage complete on one mbarrier of the warp's ring (lane 0 announces the stage's
+//     bytes, mbarrier.cuh), which the warp polls before it reads the stage.  One instruction
+//     a lane a tile instead of 2 x CPL, and 256-byte requests instead of 16-byte ones: fewer
+//     issue slots and more bytes in flight per instruction, the copy engine's promise on
+//     Hopper.  Rows past the split's end are not copied; their lane zero-fills them (V's rows
+//     must be finite, as P = 0 multiplies them).  It stays a setting, not the default: in the
+//     benchmark record the row copies stream no faster than the hinted cp.async chunks over a
+//     contiguous cache and slower over pages.
+// Block shape (DecodeConfig): 8 warps, one block an SM; over a contiguous cache, when the
+// batch's (b, kv head) pairs give every SM two or more, 4-warp blocks two an SM, so one
+// block's start and end overlap the other's streaming.
 //
 // Notation (Flash-Decoding, Dao et al., 2023; FlashAttention-2, Dao, 2023):
 //   S        splits of the key axis (num_splits), one thread block per (split, kv head, b)
@@ -89,8 +105,8 @@
 // 256 (the swizzle of the unpadded rows); the 16-bit path below is unchanged by KV_QUANT = 0.
 //
 // Compile-time settings: HEAD_DIM, GROUP, IK_DTYPE, PAGED, BLOCK_SIZE (paged), NUM_WARPS,
-// STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED, LOAD_BULK, KV_QUANT (paged only), SWIZZLE
-// (16-bit rows; default: on where the rows allow it).
+// STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED, LOAD_BULK, LOAD_L1, KV_QUANT (paged only),
+// SWIZZLE (16-bit rows; default: on where the rows allow it).
 // Dynamic SRAM (decode_v4_smem, cupy_raw/config.py): max(rings NUM_WARPS x STAGES x 2 x Bc x
 // SROW 16-bit (KV_QUANT: x HEAD_DIM bytes, plus 2 x Bc float32 scales a stage), the warps'
 // merge buffer, the fused combine's weights g x S acc_t), then table_cap int32 entries.
@@ -126,6 +142,9 @@
 #endif
 #ifndef LOAD_BULK
 #define LOAD_BULK 0
+#endif
+#ifndef LOAD_L1
+#define LOAD_L1 0                                     // 1: cp.async.ca (through L1), 0: .cg
 #endif
 
 #if IK_DTYPE != IK_F16 && IK_DTYPE != IK_BF16
@@ -377,8 +396,8 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
                     const long long off = (long long)blk_next[i] * s_blk + (long long)(n % BLOCK_SIZE) * s_row
                                           + hk * s_head + ch * VEC;
                     const int dst = 16 * swz_chunk(r, ch);
-                    cp_async16_line(Ks + dst, K + off, ok);
-                    cp_async16_line(Vs + dst, V + off, ok);
+                    cp_async16_line<LOAD_L1>(Ks + dst, K + off, ok);
+                    cp_async16_line<LOAD_L1>(Vs + dst, V + off, ok);
                     if (ch == 0) {                  // one lane a row: its block's s_K, s_V
                         const long long si = (long long)blk_next[i] * scale_blk + hk * scale_head;
                         cp_async4(scs + r, ok ? K_scale + si : K_scale, ok);
@@ -390,8 +409,43 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         }
         cp_async_commit();
     };
+#elif !PAGED && 32 % CPR == 0
+    // load K_j, V_j -> SRAM (cp.async ring): this warp's tile `tile` into stage tile % STAGES.
+    // A warp-wide copy covers RPI whole rows, so a lane's chunk of a row is the same in every
+    // copy and every tile: its SRAM offsets are fixed, its sources step by RPI rows a copy,
+    // and only a tile that runs past the split's end checks its rows
+    constexpr int RPI = 32 / CPR;                    // rows one warp-wide copy covers
+    const int r0 = lane / CPR, ch0 = lane % CPR;     // this lane's first row of a tile, its chunk
+    u32 soff[CPL];                                   // byte offsets of its chunks in a stage's K
+#pragma unroll
+    for (int i = 0; i < CPL; ++i) soff[i] = 2 * tile_offset<SWIZZLE>(r0 + i * RPI, ch0 * VEC, SROW);
+    const u32 ring_addr = smem_addr(ring);
+    auto issue = [&](int tile) {
+        if (tile < my_tiles) {
+            const u32 ks = ring_addr + (tile % STAGES) * (2 * STAGE_ELEMS), vs = ks + 2 * TILE_ELEMS;
+            const int start = n_begin + (warp + tile * NUM_WARPS) * TILE_ROWS;
+            const elem_t* kp = Kb + (long long)(start + r0) * skn + ch0 * VEC;
+            const elem_t* vp = Vb + (long long)(start + r0) * svn + ch0 * VEC;
+            if (start + TILE_ROWS <= n_end) {        // a whole tile: every copy reads
+#pragma unroll
+                for (int i = 0; i < CPL; ++i, kp += RPI * skn, vp += RPI * svn) {
+                    cp_async16_line_at<LOAD_L1>(ks + soff[i], kp, true);
+                    cp_async16_line_at<LOAD_L1>(vs + soff[i], vp, true);
+                }
+            } else {                                 // the split's last tile: rows past n_end zero
+#pragma unroll
+                for (int i = 0; i < CPL; ++i, kp += RPI * skn, vp += RPI * svn) {
+                    const bool ok = start + r0 + i * RPI < n_end;
+                    cp_async16_line_at<LOAD_L1>(ks + soff[i], kp, ok);
+                    cp_async16_line_at<LOAD_L1>(vs + soff[i], vp, ok);
+                }
+            }
+        }
+        cp_async_commit();
+    };
 #else
     // load K_j, V_j -> SRAM (cp.async ring): this warp's tile `tile` into stage tile % STAGES
+    // (pages, or rows whose chunks do not divide a warp: each copy finds its row)
     auto issue = [&](int tile) {
         if (tile < my_tiles) {
             u16* Ks = ring + (tile % STAGES) * STAGE_ELEMS;
@@ -407,11 +461,11 @@ decode_split_v4(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 #if PAGED
                     const long long off = (long long)blk_next[i] * s_blk + (long long)(n % BLOCK_SIZE) * s_row
                                           + hk * s_head + ch * VEC;
-                    cp_async16_line(Ks + tile_offset<SWIZZLE>(r, ch * VEC, SROW), K + off, ok);
-                    cp_async16_line(Vs + tile_offset<SWIZZLE>(r, ch * VEC, SROW), V + off, ok);
+                    cp_async16_line<LOAD_L1>(Ks + tile_offset<SWIZZLE>(r, ch * VEC, SROW), K + off, ok);
+                    cp_async16_line<LOAD_L1>(Vs + tile_offset<SWIZZLE>(r, ch * VEC, SROW), V + off, ok);
 #else
-                    cp_async16_line(Ks + tile_offset<SWIZZLE>(r, ch * VEC, SROW), Kb + (long long)n * skn + ch * VEC, ok);
-                    cp_async16_line(Vs + tile_offset<SWIZZLE>(r, ch * VEC, SROW), Vb + (long long)n * svn + ch * VEC, ok);
+                    cp_async16_line<LOAD_L1>(Ks + tile_offset<SWIZZLE>(r, ch * VEC, SROW), Kb + (long long)n * skn + ch * VEC, ok);
+                    cp_async16_line<LOAD_L1>(Vs + tile_offset<SWIZZLE>(r, ch * VEC, SROW), Vb + (long long)n * svn + ch * VEC, ok);
 #endif
                 }
             }
