@@ -417,6 +417,9 @@ def test_decode_v3_configs(rng, dtype, d, group, block_size, kw):
     ("float16", 256, 8, 16, dict()),                                # the largest head dim
     ("bfloat16", 128, 4, 16, dict(load_bulk=True)),                 # bulk copies (sm_90)
     ("float16", 112, 12, 5, dict(tile_rows=48, stages=2, load_bulk=True)),
+    ("bfloat16", 128, 4, 16, dict(load_l1=False)),                 # contiguous: fixed offsets, .cg, 3 stages
+    ("float16", 112, 12, 5, dict(load_l1=True)),                   # .ca on the per-copy path; pages too
+    ("float16", 64, 2, 16, dict(num_warps=4, min_blocks=2)),       # the two-an-SM block of large batches
 ])
 def test_decode_v4_configs(rng, dtype, d, group, block_size, kw):
     """decode v4 (tensor cores) across groups 1..16, head dims 64..256, tiles, warps, ring
@@ -556,6 +559,42 @@ def test_decode_large_b1(rng, version):
         assert torch.allclose(l_p, l_c, rtol=0, atol=1e-5), splits
         c = check(o_p, ref_o, base, dtype=dtype)
         assert c, (splits, str(c))
+
+
+def test_decode_v4_default_at_a_batch_that_fills_the_sms_twice(rng):
+    """A batch whose (b, kv head) pairs give every SM two (the default then runs 4-warp blocks,
+    two an SM): ragged lengths incl. 0 and 1 with NaN past each sequence's end (a kernel that
+    reads a row it should not fails), against the float64 oracle by the 2x rule, and close to
+    the 8-warp block's result (the same keys, merged over more warps)."""
+    if _cc() < 80:
+        pytest.skip("decode v4 needs sm_80")
+    torch = _torch()
+    cr = _cr()
+    Hq, Hkv, d = 32, 8, 128
+    B = -(-cupy_raw.config.DECODE_V4_PAIRS_SPLIT_BLOCK * cr.device_info()["sms"] // Hkv) + 1
+    lens = rng.integers(2, 300, size=B)
+    lens[:2] = (0, 1)
+    N = int(lens.max())
+    q = rng.standard_normal((B, Hq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((B, Hkv, N, d)).astype(np.float32) for _ in range(2))
+    past = np.arange(N)[None, None, :] >= lens[:, None, None]
+    k[np.broadcast_to(past, (B, Hkv, N))] = np.nan
+    v[np.broadcast_to(past, (B, Hkv, N))] = np.nan
+    tq, tk, tv = (torch.from_numpy(x).cuda().bfloat16() for x in (q, k, v))
+    ref_o, ref_l = reference.decode(tq, tk, tv, seq_lens=lens)
+    masked = ~np.isfinite(ref_l)[..., None]
+    o, lse = cr.decode(tq, tk, tv, seq_lens=lens)
+    base = torch.zeros_like(tq)
+    for b, n in enumerate(lens):
+        if n:
+            base[b] = cr_naive(tq[b:b + 1, :, None], tk[b:b + 1, :, :n], tv[b:b + 1, :, :n])[0, :, 0]
+    c = check(o, ref_o, base, dtype="bfloat16", masked_rows=masked)
+    assert c, str(c)
+    fin = np.isfinite(ref_l)
+    assert np.all(np.isneginf(as_numpy(lse)[0])) and np.all(as_numpy(o)[0].astype(np.float64) == 0)
+    assert np.max(np.abs(as_numpy(lse)[fin] - ref_l[fin])) < 2e-2
+    o8, _ = cr.decode(tq, tk, tv, seq_lens=lens, config=cr.DecodeConfig("v4", num_warps=8))
+    assert torch.allclose(o.float(), o8.float(), rtol=2e-2, atol=2e-3)
 
 
 def test_sanitize_cases_run():

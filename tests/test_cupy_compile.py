@@ -108,6 +108,9 @@ def _jobs():
     dec4("bfloat16", 256, False, 80, group=16)           # rows 8..15 of the A operand used
     dec4("float16", 16, True, 90, group=1, block_size=5)  # MHA, two chunks a row
     dec4("bfloat16", 112, False, 90, group=12, tile_rows=48, load_bulk=True)   # bulk copies, 3 rows a lane
+    dec4("float16", 48, False, 75, load_l1=True)         # .ca on the per-copy path; sm_75's plain copies
+    dec4("bfloat16", 128, True, 80, load_l1=True)        # pages through L1
+    dec4("float16", 128, False, 80, load_l1=False)       # the fixed-offset issue with .cg
     bwd("bfloat16", 128, 90)
     bwd("float64", 128, 80)                             # float64 atomics, Bc shrunk to fit
     bwd("float32", 59, 90, lanes_per_key=4, deterministic=True)
@@ -214,6 +217,7 @@ def test_decode_v4_stays_in_registers(tmp_path):
     jobs = [(cr.DecodeConfig("v4").defines(d, "bfloat16", g, paged, 16), d, g)
             for d, g, paged in ((128, 4, False), (128, 4, True), (256, 16, False))]
     jobs.append((cr.DecodeConfig("v4", num_warps=8).defines(128, "bfloat16", 8, True, 16), 128, 8))
+    jobs.append((cr.DecodeConfig("v4").defines(128, "bfloat16", 4, False, 16, pairs=512, sms=132), 128, 4))
     for kv in ("int8", "float8_e4m3fn"):                  # the quantized default: 32-key tiles at d=128
         jobs.append((cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, kv=kv), 128, 4))
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -439,8 +443,8 @@ def test_num_splits_heuristic_properties():
 
 
 def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run():
-    """DecodeConfig() resolves to decode_v4.cu (8 warps x 3 stages x 16 key rows) for 16-bit
-    rows of whole mma k-steps, to decode_v3.cu (8 warps x 4 stages) on other rows of whole
+    """DecodeConfig() resolves to decode_v4.cu (8 warps x 3 stages x 16 key rows over pages, 2
+    stages copied through L1 over a contiguous cache) for 16-bit rows of whole mma k-steps, to decode_v3.cu (8 warps x 4 stages) on other rows of whole
     16-byte chunks, 16-byte aligned; other rows (d = 59 in float16, unaligned views) run
     decode.cu.  Settings a version does not have are refused naming the field."""
     cfg = cr.DecodeConfig()
@@ -454,9 +458,12 @@ def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run
     assert default("float16", 59, True) == "v1"
     defines = cr.DecodeConfig("v3").defines(128, "bfloat16", 4, False, 0)
     assert (defines["NUM_WARPS"], defines["STAGES"]) == (C.DECODE_V3_WARPS, C.DECODE_V3_STAGES)
-    defines = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, False, 0, smem_limit=227 * 1024)
+    defines = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, smem_limit=227 * 1024)
     assert (defines["NUM_WARPS"], defines["STAGES"], defines["TILE_ROWS"]) == (
         C.DECODE_V4_WARPS, C.DECODE_V4_STAGES, C.DECODE_V4_TILE_ROWS)
+    defines = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, False, 0, smem_limit=227 * 1024)
+    assert (defines["NUM_WARPS"], defines["STAGES"], defines["TILE_ROWS"], defines["LOAD_L1"]) == (
+        C.DECODE_V4_WARPS, C.DECODE_V4_L1_STAGES, C.DECODE_V4_TILE_ROWS, 1)
     small = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, smem_limit=99 * 1024)   # sm_86
     assert small["NUM_WARPS"] == C.DECODE_V4_SMALL_WARPS and small["DECODE_MIN_BLOCKS"] == 2
     assert C.decode_v4_smem(128, "bfloat16", 4, small["STAGES"], 16, small["NUM_WARPS"], C.DECODE_MAX_SPLITS,
@@ -491,6 +498,52 @@ def test_decode_v4_loads_with_bulk_copies_where_the_gpu_has_them():
     assert cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, cc=90, kv="int8")["LOAD_BULK"] == 0
     with pytest.raises(ValueError, match="config.load_bulk.*int8"):
         cr.DecodeConfig("v4", load_bulk=True).defines(128, "bfloat16", 4, True, 16, cc=90, kv="int8")
+
+
+def test_decode_v4_copies_through_l1_over_a_contiguous_cache():
+    """load_l1 None: a contiguous 16-bit cache of 2^k-chunk rows copies through L1 (LOAD_L1=1)
+    with a DECODE_V4_L1_STAGES ring; pages, quantized codes, bulk copies, rows of other chunk
+    counts (d = 48, 96) and rings over DECODE_V4_L1_MAX_RING (d = 192 at 8 warps) keep .cg and
+    the deeper ring; an explicit stages or load_l1 is kept; a non-bool, load_l1 on another
+    version, or with bulk copies is refused naming config.load_l1."""
+    big = 227 * 1024
+
+    def dfn(d=128, paged=False, kv=None, cc=90, **kw):
+        return cr.DecodeConfig("v4", **kw).defines(d, "bfloat16", 4, paged, 16, smem_limit=big, kv=kv, cc=cc)
+    for d in (16, 32, 64, 128, 256):
+        got = dfn(d)
+        assert (got["LOAD_L1"], got["STAGES"]) == (1, C.DECODE_V4_L1_STAGES), d
+        ring = got["NUM_WARPS"] * got["STAGES"] * 2 * got["TILE_ROWS"] * d * 2
+        assert ring <= C.DECODE_V4_L1_MAX_RING, d
+    deep = cr.DecodeConfig("v4").ring_stages(128, "bfloat16", 4, big)
+    assert deep > C.DECODE_V4_L1_STAGES
+    for got in (dfn(paged=True), dfn(paged=True, kv="int8"), dfn(48), dfn(96), dfn(192), dfn(load_bulk=True)):
+        assert got["LOAD_L1"] == 0
+    assert dfn(paged=True)["STAGES"] == deep and dfn(load_l1=False)["STAGES"] == deep
+    assert dfn(load_l1=False)["LOAD_L1"] == 0 and dfn(stages=3)["STAGES"] == 3 and dfn(stages=3)["LOAD_L1"] == 1
+    assert dfn(paged=True, load_l1=True)["LOAD_L1"] == 1 and dfn(96, load_l1=True)["LOAD_L1"] == 1
+    with pytest.raises(ValueError, match="config.load_l1"):
+        cr.DecodeConfig("v4", load_l1=1)
+    with pytest.raises(ValueError, match="config.load_l1"):
+        cr.DecodeConfig("v3", load_l1=True)
+    with pytest.raises(ValueError, match="config.load_l1"):
+        cr.DecodeConfig("v4", load_l1=True, load_bulk=True)
+    assert "LOAD_L1" not in cr.DecodeConfig("v3").defines(128, "bfloat16", 4, False, 16, cc=90)
+
+
+def test_decode_v4_blocks_halve_when_the_batch_fills_the_sms_twice():
+    """Over a contiguous cache, (b, kv head) pairs of at least DECODE_V4_PAIRS_SPLIT_BLOCK x SMs
+    give 4-warp blocks capped for two an SM (the same warps an SM); fewer pairs, an unknown
+    batch, a paged cache or a given num_warps keep the 8-warp block."""
+    def shape(pairs, paged=False, **kw):
+        got = cr.DecodeConfig("v4", **kw).defines(128, "bfloat16", 4, paged, 16, smem_limit=227 * 1024, cc=90,
+                                                  pairs=pairs, sms=132)
+        return got["NUM_WARPS"], got["DECODE_MIN_BLOCKS"]
+    two = C.DECODE_V4_PAIRS_SPLIT_BLOCK * 132
+    assert shape(two) == shape(4 * two) == (C.DECODE_V4_SMALL_WARPS, 2)
+    assert shape(two - 1) == shape(8) == shape(None) == (C.DECODE_V4_WARPS, 1)
+    assert shape(two, paged=True) == (C.DECODE_V4_WARPS, 1) and shape(two, num_warps=8) == (8, 1)
+    assert C.DECODE_V4_SMALL_WARPS * 2 == C.DECODE_V4_WARPS
 
 
 def test_quantized_paged_caches_default_to_v4_where_it_reads_them():

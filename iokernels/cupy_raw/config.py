@@ -105,6 +105,7 @@ DECODE_V3_TABLE_CAP = 1024
 #: an SM (the registers are capped for DECODE_V4_MIN_BLOCKS at 8 warps, twice that at 4), 16
 #: tiles of K and V in flight an SM, the best of the serving-shape rows of the tuning sweep
 #: (iokernels.bench.sweeps_cupy, which times 4 and 8 warps, 2 to 4 stages, 16- and 32-row tiles)
+#: for copies that bypass L1 (a paged cache; a contiguous one copies through L1: DECODE_V4_L1)
 DECODE_V4_WARPS = 8
 #: ... and where 8 warps' shallowest ring does not fit the SRAM (e.g. 99 KB on sm_86), 4
 DECODE_V4_SMALL_WARPS = 4
@@ -118,6 +119,23 @@ V4_ROW_PAD_BYTES = 16
 #: timings, recorded with the bench)
 DECODE_V4_BULK = False
 CC_BULK = 90
+#: v4 over a contiguous 16-bit cache copies through L1 (cp.async.ca, -DLOAD_L1) rather than
+#: around it (.cg): the copies then reach L2 as whole-line requests.  A line in flight holds
+#: L1 space, so this goes with a ring of DECODE_V4_L1_STAGES stages of at most
+#: DECODE_V4_L1_MAX_RING bytes, which leaves L1 (on Hopper, what remains of an SM's 256 KB
+#: of combined L1 and shared memory) room for every warp's tile in flight; three stages
+#: would leave it a quarter of that.  Only where a lane's chunks are fixed (rows of 2^k
+#: chunks, 32 % chunks == 0: decode_v4.cu's contiguous issue); a paged cache, whose copies
+#: find their rows one by one, keeps .cg and the deeper DECODE_V4_STAGES ring
+DECODE_V4_L1 = True
+DECODE_V4_L1_STAGES = 2
+DECODE_V4_L1_MAX_RING = 128 * 1024
+#: ... and when the batch's (b, kv head) pairs give every SM at least DECODE_V4_PAIRS_SPLIT_BLOCK
+#: of them, a block is DECODE_V4_SMALL_WARPS warps and two share an SM (the same warps and
+#: ring bytes an SM): one block's start (its first tiles' latency) and end (the warps' merge,
+#: the write of O) then overlap the other's streaming, where one 8-warp block an SM leaves the
+#: SM idle for both, once per (b, kv head)
+DECODE_V4_PAIRS_SPLIT_BLOCK = 2
 #: v4's limits: the g query heads are the 16 rows of one mma A operand; head dims are whole
 #: 16-deep k-steps, and O (d / 8 x 4 float32 a lane) stays in registers up to d = 256
 DECODE_V4_MAX_GROUP = 16
@@ -307,6 +325,9 @@ class DecodeConfig:
     sub-group keeps in flight (None: DECODE_UNROLL).  load_bulk (v4): rows loaded by the
     copy engine, one bulk copy a row (True, compute capability 9.0+) or by cp.async 16-byte
     chunks (False); None: DECODE_V4_BULK where the GPU has bulk copies (cp.async by default).
+    load_l1 (v4): the cp.async chunks pass through L1 (True, .ca) or bypass it (False, .cg);
+    None: DECODE_V4_L1 over a contiguous 16-bit cache (with a DECODE_V4_L1_STAGES ring unless
+    stages is given), .cg over pages, quantized codes and bulk copies.
     """
 
     version: str | None = None
@@ -317,6 +338,7 @@ class DecodeConfig:
     min_blocks: int | None = None
     unroll: int | None = None
     load_bulk: bool | None = None
+    load_l1: bool | None = None
 
     def __post_init__(self):
         _version(self, DECODE_VERSIONS)
@@ -340,6 +362,13 @@ class DecodeConfig:
                 raise ValueError(f"config.load_bulk: must be True, False or None, got {self.load_bulk!r}")
             if self.version not in (None, "v4"):
                 raise ValueError(f"config.load_bulk: a v4 setting; version {self.version!r} loads with cp.async")
+        if self.load_l1 is not None:
+            if not isinstance(self.load_l1, bool):
+                raise ValueError(f"config.load_l1: must be True, False or None, got {self.load_l1!r}")
+            if self.version not in (None, "v4"):
+                raise ValueError(f"config.load_l1: a v4 setting; version {self.version!r} copies around L1")
+            if self.load_l1 and self.load_bulk:
+                raise ValueError("config.load_l1: bulk copies (load_bulk=True) do not pass through L1")
 
     def replace(self, **changes) -> "DecodeConfig":
         return replace(self, **changes)
@@ -353,7 +382,8 @@ class DecodeConfig:
                     kv: str | None = None) -> int:
         """The ring depth: the given one, or the default (v3: made shallower until the ring, the
         fused combine's weights at DECODE_MAX_SPLITS and a full staged block table fit
-        ``smem_limit``, down to MIN_STAGES).  ``kv``: a quantized cache's code format."""
+        ``smem_limit``, down to MIN_STAGES).  ``kv``: a quantized cache's code format.  v4's
+        copies through L1 take DECODE_V4_L1_STAGES instead (:meth:`defines` picks them)."""
         if self.stages is not None:
             return self.stages
         if self.version == "v4":
@@ -371,12 +401,14 @@ class DecodeConfig:
 
     def defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int, *,
                 aligned: bool = True, smem_limit: int | None = None, kv: str | None = None,
-                cc: int | None = None) -> dict:
+                cc: int | None = None, pairs: int | None = None, sms: int | None = None) -> dict:
         """The -D defines of this version's split kernel (v1's also compile decode.cu's combine).
 
         ``kv``: a quantized (paged) cache's code format, "int8" or "float8_e4m3fn" (-DKV_QUANT;
         the rows are then d bytes); ``dtype`` stays the queries' and outputs' dtype.  ``cc``:
-        the GPU's compute capability x 10 (v4's load_bulk default; None: no bulk copies)."""
+        the GPU's compute capability x 10 (v4's load_bulk default; None: no bulk copies).
+        ``pairs``, ``sms``: the batch's (b, kv head) pairs and the GPU's SMs (v4's block size
+        default, DECODE_V4_PAIRS_SPLIT_BLOCK; None: 8-warp blocks)."""
         d = head_dim
         if kv is not None and (not paged or self.version == "v2"):
             raise ValueError(f"kv_dtype: a {kv} cache is read by the paged decode of versions v1, v3 and v4, "
@@ -387,7 +419,7 @@ class DecodeConfig:
         if paged:
             base["BLOCK_SIZE"] = block_size
         if self.version == "v4":
-            return self._v4_defines(base, d, dtype, group, smem_limit, kv, cc)
+            return self._v4_defines(base, d, dtype, group, smem_limit, kv, cc, pairs, sms)
         if self.version in (None, "v1"):
             itemsize = kv_itemsize(dtype, kv)
             load = CHUNK_BYTES if kv is None else QUANT_UNIT_BYTES
@@ -460,7 +492,7 @@ class DecodeConfig:
                              f"{CC_BULK / 10:.1f}; this GPU is {cc / 10:.1f}")
         return self.load_bulk
 
-    def _v4_defines(self, base, d, dtype, group, smem_limit, kv=None, cc=None) -> dict:
+    def _v4_defines(self, base, d, dtype, group, smem_limit, kv=None, cc=None, pairs=None, sms=None) -> dict:
         if dtype not in ("float16", "bfloat16"):
             raise ValueError(f"config.version: v4 is the float16/bfloat16 tensor-core decode, got {dtype} "
                              f"(use 'v3')")
@@ -473,11 +505,32 @@ class DecodeConfig:
         if kv is not None and d not in DECODE_V4_QUANT_HEAD_DIMS:
             raise ValueError(f"config.version: v4 reads {kv} codes at head dims "
                              f"{', '.join(map(str, DECODE_V4_QUANT_HEAD_DIMS))}, got {d} (use 'v3')")
-        nw = self._v4_warps(d, dtype, group, smem_limit, kv)   # the registers a thread may use: those of
-        mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)   # 8 warps x 1 block
-        return dict(base, NUM_WARPS=nw, STAGES=self.ring_stages(d, dtype, group, smem_limit, kv),
-                    TILE_ROWS=self.v4_tile_rows(d, kv), DECODE_MIN_BLOCKS=mb, FUSED=int(self.fused),
-                    LOAD_BULK=int(self.v4_load_bulk(cc, kv)))
+        nw = self._v4_warps(d, dtype, group, smem_limit, kv)
+        bulk = self.v4_load_bulk(cc, kv)
+        l1 = self.v4_load_l1(bool(base["PAGED"]), kv, bulk, d, nw)
+        if (l1 and self.num_warps is None and nw == DECODE_V4_WARPS and pairs is not None and sms
+                and pairs >= DECODE_V4_PAIRS_SPLIT_BLOCK * sms):
+            nw = DECODE_V4_SMALL_WARPS                       # two blocks an SM (DECODE_V4_PAIRS_SPLIT_BLOCK)
+        # the registers a thread may use: those of 8 warps x 1 block an SM
+        mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)
+        stages = DECODE_V4_L1_STAGES if l1 and self.stages is None else self.ring_stages(d, dtype, group, smem_limit, kv)
+        return dict(base, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=self.v4_tile_rows(d, kv), DECODE_MIN_BLOCKS=mb,
+                    FUSED=int(self.fused), LOAD_BULK=int(bulk), LOAD_L1=int(l1))
+
+    def v4_load_l1(self, paged: bool, kv: str | None = None, bulk: bool = False, head_dim: int = 128,
+                   warps: int = DECODE_V4_WARPS) -> bool:
+        """Whether v4's cp.async chunks pass through L1: the given load_l1 (True: not with bulk
+        copies), or DECODE_V4_L1 over a contiguous 16-bit cache loaded by cp.async whose rows
+        are 2^k 16-byte chunks (at most 32) and whose DECODE_V4_L1_STAGES ring of ``warps``
+        warps takes at most DECODE_V4_L1_MAX_RING bytes."""
+        if self.load_l1 is None:
+            chunks = head_dim * 2 // CHUNK_BYTES
+            ring = warps * DECODE_V4_L1_STAGES * 2 * self.v4_tile_rows(head_dim) * head_dim * 2
+            return (DECODE_V4_L1 and not paged and kv is None and not bulk and 32 % chunks == 0
+                    and ring <= DECODE_V4_L1_MAX_RING)
+        if self.load_l1 and bulk:
+            raise ValueError("config.load_l1: bulk copies (load_bulk=True) do not pass through L1")
+        return self.load_l1
 
     def combine_defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int,
                         aligned: bool = True) -> dict:

@@ -409,7 +409,7 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     longest = nk if longest is None else longest
     kv = None if quant is None else quant["kv"]
     defines = config.defines(d, dtype, group, paged is not None, block_size, aligned=aligned,
-                             smem_limit=dev["smem_optin"], kv=kv, cc=dev["cc"])
+                             smem_limit=dev["smem_optin"], kv=kv, cc=dev["cc"], pairs=B * Hkv, sms=dev["sms"])
     file, kernel = SPLIT_KERNELS[config.version]
     threads = 32 * defines["NUM_WARPS"]
     fused = bool(defines.get("FUSED", 0))

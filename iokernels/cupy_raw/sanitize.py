@@ -48,11 +48,15 @@ QUANT_DIMS = (64, 128, 59)
 #: settings run next to each version's default config (kwargs of its config class)
 VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
-            # v4's default loads with cp.async chunks; the variant with bulk copies (sm_90)
-            ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": True}),
-            # and 16-key tiles with a 2-deep ring (a quantized cache's default tile is 32 keys)
+            # v4's default loads with cp.async chunks (through L1 over a contiguous cache); the
+            # variants: bulk copies (sm_90), .cg with the 3-stage ring, the 4-warp block of
+            # large batches
+            ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": True},
+                               {"load_l1": False}, {"num_warps": 4, "min_blocks": 2}),
+            # and 16-key tiles with a 2-deep ring (a quantized cache's default tile is 32 keys),
+            # and pages copied through L1
             ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": True},
-                                     {"tile_rows": 16, "stages": 2}),
+                                     {"tile_rows": 16, "stages": 2}, {"load_l1": True}),
             ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32}),
             # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
             ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16})}
