@@ -1,5 +1,5 @@
 // decode_common.cuh -- the end of a split-KV decode block: write its partial, and the fused
-// combine (decode_v3.cu and decode_v4.cu).
+// combine (decode_v3.cu and decode_v4.cu; decode_v2.cu, unfused, only the write).
 //
 // Notation: S = num_splits, g = GROUP query heads of one KV head, O_s / LSE_s the
 // normalised partial output of split s and its log-sum-exp.  The including kernel defines

@@ -65,6 +65,8 @@
 #endif
 
 #define NTHREADS (32 * NUM_WARPS)
+#define FUSED 0                                       // the combine is decode.cu's second launch
+#include "decode_common.cuh"                         // decode_finish: write O_s, LSE_s
 #define VEC (16 / IK_ELEM_BYTES)                      // elements in one 16-byte chunk
 #define CPR (HEAD_DIM / VEC)                          // chunks a row
 // lanes per key row: CPR rounded up to a power of two (a row's lanes are an aligned
@@ -302,25 +304,8 @@ decode_split_v2(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     }
     __syncthreads();
 
-    // write this chunk's O (normalised) and LSE -> HBM
-    const long long row = (long long)b * heads_q + hk * GROUP;   // first query head's row
-    for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += NTHREADS) {
-        const int gq = i / HEAD_DIM, c = i % HEAD_DIM;
-        acc_t M = neg_inf();
-        for (int w = 0; w < NUM_WARPS; ++w) M = ik_max(M, red_m[w][gq]);
-        const acc_t bs = (M == neg_inf()) ? (acc_t)0 : M;
-        acc_t L = 0, sum = 0;
-        for (int w = 0; w < NUM_WARPS; ++w) {
-            L += red_l[w][gq] * ik_exp2(red_m[w][gq] - bs);
-            sum += red_o[(w * GROUP + gq) * HEAD_DIM + c];
-        }
-        const acc_t inv = L > 0 ? (acc_t)1 / L : (acc_t)0;
-        if (num_splits == 1) O[(row + gq) * HEAD_DIM + c] = from_acc(sum * inv);
-        else O_part[((long long)split * gridDim.z * heads_q + row + gq) * HEAD_DIM + c] = sum * inv;
-        if (c == 0) {
-            const acc_t lse = L > 0 ? (M + ik_log2(L)) * (acc_t)0.6931471805599453 : neg_inf();
-            if (num_splits == 1) LSE[row + gq] = lse;
-            else LSE_part[(long long)split * gridDim.z * heads_q + row + gq] = lse;
-        }
-    }
+    // write this split's O (normalised) and LSE -> HBM (decode_common.cuh: O and LSE when
+    // S == 1, else O_s and LSE_s for decode.cu's combine launch)
+    decode_finish(red_m, red_l, red_o, red_o, split, b, hk, heads_q, heads_kv, num_splits,
+                  O_part, LSE_part, nullptr, O, LSE);
 }
