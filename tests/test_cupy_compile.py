@@ -217,7 +217,7 @@ def test_decode_v4_stays_in_registers(tmp_path):
     jobs = [(cr.DecodeConfig("v4").defines(d, "bfloat16", g, paged, 16), d, g)
             for d, g, paged in ((128, 4, False), (128, 4, True), (256, 16, False))]
     jobs.append((cr.DecodeConfig("v4", num_warps=8).defines(128, "bfloat16", 8, True, 16), 128, 8))
-    jobs.append((cr.DecodeConfig("v4").defines(128, "bfloat16", 4, False, 16, pairs=512, sms=132), 128, 4))
+    jobs.append((cr.DecodeConfig("v4").defines(128, "bfloat16", 4, False, 16, cc=90, pairs=512, sms=132), 128, 4))
     for kv in ("int8", "float8_e4m3fn"):                  # the quantized default: 32-key tiles at d=128
         jobs.append((cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, kv=kv), 128, 4))
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -443,8 +443,8 @@ def test_num_splits_heuristic_properties():
 
 
 def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run():
-    """DecodeConfig() resolves to decode_v4.cu (8 warps x 3 stages x 16 key rows over pages, 2
-    stages copied through L1 over a contiguous cache) for 16-bit rows of whole mma k-steps, to decode_v3.cu (8 warps x 4 stages) on other rows of whole
+    """DecodeConfig() resolves to decode_v4.cu (8 warps x 3 stages x 16 key rows, copied through
+    L1 over a contiguous cache on sm_90) for 16-bit rows of whole mma k-steps, to decode_v3.cu (8 warps x 4 stages) on other rows of whole
     16-byte chunks, 16-byte aligned; other rows (d = 59 in float16, unaligned views) run
     decode.cu.  Settings a version does not have are refused naming the field."""
     cfg = cr.DecodeConfig()
@@ -461,9 +461,9 @@ def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run
     defines = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, smem_limit=227 * 1024)
     assert (defines["NUM_WARPS"], defines["STAGES"], defines["TILE_ROWS"]) == (
         C.DECODE_V4_WARPS, C.DECODE_V4_STAGES, C.DECODE_V4_TILE_ROWS)
-    defines = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, False, 0, smem_limit=227 * 1024)
+    defines = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, False, 0, smem_limit=227 * 1024, cc=90)
     assert (defines["NUM_WARPS"], defines["STAGES"], defines["TILE_ROWS"], defines["LOAD_L1"]) == (
-        C.DECODE_V4_WARPS, C.DECODE_V4_L1_STAGES, C.DECODE_V4_TILE_ROWS, 1)
+        C.DECODE_V4_WARPS, C.DECODE_V4_STAGES, C.DECODE_V4_TILE_ROWS, 1)
     small = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, smem_limit=99 * 1024)   # sm_86
     assert small["NUM_WARPS"] == C.DECODE_V4_SMALL_WARPS and small["DECODE_MIN_BLOCKS"] == 2
     assert C.decode_v4_smem(128, "bfloat16", 4, small["STAGES"], 16, small["NUM_WARPS"], C.DECODE_MAX_SPLITS,
@@ -501,27 +501,27 @@ def test_decode_v4_loads_with_bulk_copies_where_the_gpu_has_them():
 
 
 def test_decode_v4_copies_through_l1_over_a_contiguous_cache():
-    """load_l1 None: a contiguous 16-bit cache of 2^k-chunk rows copies through L1 (LOAD_L1=1)
-    with a DECODE_V4_L1_STAGES ring; pages, quantized codes, bulk copies, rows of other chunk
-    counts (d = 48, 96) and rings over DECODE_V4_L1_MAX_RING (d = 192 at 8 warps) keep .cg and
-    the deeper ring; an explicit stages or load_l1 is kept; a non-bool, load_l1 on another
-    version, or with bulk copies is refused naming config.load_l1."""
+    """load_l1 None: on compute capability CC_L1+, a contiguous 16-bit cache of 2^k-chunk rows
+    copies through L1 (LOAD_L1=1) with the default ring, which fits DECODE_V4_L1_MAX_RING;
+    older or unknown GPUs, pages, quantized codes, bulk copies, rows of other chunk counts
+    (d = 48, 96) and rings over the cap keep .cg; an explicit load_l1 is kept; a non-bool,
+    load_l1 on another version, or with bulk copies is refused naming config.load_l1."""
     big = 227 * 1024
 
     def dfn(d=128, paged=False, kv=None, cc=90, **kw):
         return cr.DecodeConfig("v4", **kw).defines(d, "bfloat16", 4, paged, 16, smem_limit=big, kv=kv, cc=cc)
     for d in (16, 32, 64, 128, 256):
         got = dfn(d)
-        assert (got["LOAD_L1"], got["STAGES"]) == (1, C.DECODE_V4_L1_STAGES), d
+        assert got["LOAD_L1"] == 1, d
+        assert got["STAGES"] == cr.DecodeConfig("v4").ring_stages(d, "bfloat16", 4, big), d
         ring = got["NUM_WARPS"] * got["STAGES"] * 2 * got["TILE_ROWS"] * d * 2
         assert ring <= C.DECODE_V4_L1_MAX_RING, d
-    deep = cr.DecodeConfig("v4").ring_stages(128, "bfloat16", 4, big)
-    assert deep > C.DECODE_V4_L1_STAGES
-    for got in (dfn(paged=True), dfn(paged=True, kv="int8"), dfn(48), dfn(96), dfn(192), dfn(load_bulk=True)):
+    assert dfn()["STAGES"] == C.DECODE_V4_STAGES
+    for got in (dfn(cc=80), dfn(cc=None), dfn(paged=True), dfn(paged=True, kv="int8"), dfn(48), dfn(96),
+                dfn(load_bulk=True), dfn(stages=4)):
         assert got["LOAD_L1"] == 0
-    assert dfn(paged=True)["STAGES"] == deep and dfn(load_l1=False)["STAGES"] == deep
-    assert dfn(load_l1=False)["LOAD_L1"] == 0 and dfn(stages=3)["STAGES"] == 3 and dfn(stages=3)["LOAD_L1"] == 1
-    assert dfn(paged=True, load_l1=True)["LOAD_L1"] == 1 and dfn(96, load_l1=True)["LOAD_L1"] == 1
+    assert dfn(load_l1=False)["LOAD_L1"] == 0 and dfn(load_l1=False)["STAGES"] == C.DECODE_V4_STAGES
+    assert dfn(paged=True, load_l1=True)["LOAD_L1"] == 1 and dfn(96, load_l1=True, cc=80)["LOAD_L1"] == 1
     with pytest.raises(ValueError, match="config.load_l1"):
         cr.DecodeConfig("v4", load_l1=1)
     with pytest.raises(ValueError, match="config.load_l1"):
@@ -529,6 +529,23 @@ def test_decode_v4_copies_through_l1_over_a_contiguous_cache():
     with pytest.raises(ValueError, match="config.load_l1"):
         cr.DecodeConfig("v4", load_l1=True, load_bulk=True)
     assert "LOAD_L1" not in cr.DecodeConfig("v3").defines(128, "bfloat16", 4, False, 16, cc=90)
+
+
+def test_decode_v4_sram_is_exact_for_swizzled_rows():
+    """decode_v4_smem counts swizzled rows (d a multiple of 64, cp.async chunks) exactly --
+    warps x stages x 2 x rows x d x 2 bytes, what decode_v4.cu's unpadded rows take -- and
+    padded rows by V4_ROW_PAD_BYTES, an upper bound; bulk copies and other head dims pad."""
+    for d in (64, 128, 192, 256):
+        assert C.decode_v4_swizzled(d) and not C.decode_v4_swizzled(d, bulk=True)
+        for stages, rows, warps in ((3, 16, 8), (2, 32, 4)):
+            exact = C.decode_v4_smem(d, "float16", 4, stages, rows, warps, swizzled=True)[0]
+            padded = C.decode_v4_smem(d, "float16", 4, stages, rows, warps)[0]
+            assert exact == warps * stages * 2 * rows * d * 2
+            assert padded == warps * stages * 2 * rows * (d * 2 + C.V4_ROW_PAD_BYTES) > exact
+    for d in (16, 48, 96, 112):
+        assert not C.decode_v4_swizzled(d)
+    # the merge buffer still bounds a tiny ring from below
+    assert C.decode_v4_smem(128, "float16", 16, 2, 16, 8, swizzled=True)[0] >= 8 * 16 * 128 * 4
 
 
 def test_decode_v4_blocks_halve_when_the_batch_fills_the_sms_twice():

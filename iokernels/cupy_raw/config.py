@@ -99,13 +99,14 @@ DECODE_V3_QUANT_STAGES = 8
 DECODE_V3_TABLE_CAP = 1024
 #: decode v4 (the GQA group on the tensor cores): v3's ring and combine with K_j, V_j tiles of
 #: Bc = DECODE_V4_TILE_ROWS keys, the k depth of one m16n8k16 P V step (a multiple of
-#: MMA_ROWS); SRAM rows are counted padded by V4_ROW_PAD_BYTES (so ldmatrix's 8 rows hit 8
-#: bank groups; rows of whole 128-byte halves use the XOR swizzle instead and take less, an
-#: upper bound either way).  8 warps x 3 stages at bf16 d=128 take 204 KB a block: one block
-#: an SM (the registers are capped for DECODE_V4_MIN_BLOCKS at 8 warps, twice that at 4), 16
-#: tiles of K and V in flight an SM, the best of the serving-shape rows of the tuning sweep
-#: (iokernels.bench.sweeps_cupy, which times 4 and 8 warps, 2 to 4 stages, 16- and 32-row tiles)
-#: for copies that bypass L1 (a paged cache; a contiguous one copies through L1: DECODE_V4_L1)
+#: MMA_ROWS); the defaults are chosen with SRAM rows counted padded by V4_ROW_PAD_BYTES (so
+#: ldmatrix's 8 rows hit 8 bank groups; rows of whole 128-byte halves use the XOR swizzle
+#: instead and take less, an upper bound either way; the launcher allocates what the rows
+#: take).  8 warps x 3 stages at bf16 d=128 take 192 KB a block (204 KB counted padded): one
+#: block an SM (the registers are capped for DECODE_V4_MIN_BLOCKS at 8 warps, twice that at
+#: 4), 16 tiles of K and V in flight an SM, the best of the serving-shape rows of the tuning
+#: sweep (iokernels.bench.sweeps_cupy, which times 4 and 8 warps, 2 to 4 stages, 16- and
+#: 32-row tiles)
 DECODE_V4_WARPS = 8
 #: ... and where 8 warps' shallowest ring does not fit the SRAM (e.g. 99 KB on sm_86), 4
 DECODE_V4_SMALL_WARPS = 4
@@ -120,16 +121,19 @@ V4_ROW_PAD_BYTES = 16
 DECODE_V4_BULK = False
 CC_BULK = 90
 #: v4 over a contiguous 16-bit cache copies through L1 (cp.async.ca, -DLOAD_L1) rather than
-#: around it (.cg): the copies then reach L2 as whole-line requests.  A line in flight holds
-#: L1 space, so this goes with a ring of DECODE_V4_L1_STAGES stages of at most
-#: DECODE_V4_L1_MAX_RING bytes, which leaves L1 (on Hopper, what remains of an SM's 256 KB
-#: of combined L1 and shared memory) room for every warp's tile in flight; three stages
-#: would leave it a quarter of that.  Only where a lane's chunks are fixed (rows of 2^k
-#: chunks, 32 % chunks == 0: decode_v4.cu's contiguous issue); a paged cache, whose copies
-#: find their rows one by one, keeps .cg and the deeper DECODE_V4_STAGES ring
+#: around it (.cg): the copies then reach L2 as whole-line requests.  A missed line is
+#: allocated in L1, which is what remains of the SM's combined L1 and shared memory (256 KB
+#: on Hopper) beside the blocks' SRAM, so this needs the rings' SRAM sized exactly
+#: (decode_v4_smem with swizzled rows): the default 3-stage ring of 8 warps then takes
+#: 192 KB and leaves L1 60 KB; the same ring allocated for padded rows leaves it 28 KB, and
+#: there .ca is slower than .cg (benchmarks/results/sweeps).  The default wherever a block's ring
+#: is at most DECODE_V4_L1_MAX_RING, on compute capability CC_L1 and newer (where it was
+#: measured), and a lane's chunks are fixed (rows of 2^k chunks, 32 % chunks == 0:
+#: decode_v4.cu's contiguous issue); a paged cache, whose copies find their rows one by one,
+#: keeps .cg
 DECODE_V4_L1 = True
-DECODE_V4_L1_STAGES = 2
-DECODE_V4_L1_MAX_RING = 128 * 1024
+DECODE_V4_L1_MAX_RING = 192 * 1024
+CC_L1 = 90
 #: ... and when the batch's (b, kv head) pairs give every SM at least DECODE_V4_PAIRS_SPLIT_BLOCK
 #: of them, a block is DECODE_V4_SMALL_WARPS warps and two share an SM (the same warps and
 #: ring bytes an SM): one block's start (its first tiles' latency) and end (the warps' merge,
@@ -326,8 +330,8 @@ class DecodeConfig:
     copy engine, one bulk copy a row (True, compute capability 9.0+) or by cp.async 16-byte
     chunks (False); None: DECODE_V4_BULK where the GPU has bulk copies (cp.async by default).
     load_l1 (v4): the cp.async chunks pass through L1 (True, .ca) or bypass it (False, .cg);
-    None: DECODE_V4_L1 over a contiguous 16-bit cache (with a DECODE_V4_L1_STAGES ring unless
-    stages is given), .cg over pages, quantized codes and bulk copies.
+    None: DECODE_V4_L1 over a contiguous 16-bit cache on compute capability CC_L1+, .cg over
+    pages, quantized codes and bulk copies.
     """
 
     version: str | None = None
@@ -382,8 +386,7 @@ class DecodeConfig:
                     kv: str | None = None) -> int:
         """The ring depth: the given one, or the default (v3: made shallower until the ring, the
         fused combine's weights at DECODE_MAX_SPLITS and a full staged block table fit
-        ``smem_limit``, down to MIN_STAGES).  ``kv``: a quantized cache's code format.  v4's
-        copies through L1 take DECODE_V4_L1_STAGES instead (:meth:`defines` picks them)."""
+        ``smem_limit``, down to MIN_STAGES).  ``kv``: a quantized cache's code format."""
         if self.stages is not None:
             return self.stages
         if self.version == "v4":
@@ -507,27 +510,27 @@ class DecodeConfig:
                              f"{', '.join(map(str, DECODE_V4_QUANT_HEAD_DIMS))}, got {d} (use 'v3')")
         nw = self._v4_warps(d, dtype, group, smem_limit, kv)
         bulk = self.v4_load_bulk(cc, kv)
-        l1 = self.v4_load_l1(bool(base["PAGED"]), kv, bulk, d, nw)
+        stages = self.ring_stages(d, dtype, group, smem_limit, kv)
+        l1 = self.v4_load_l1(bool(base["PAGED"]), kv, bulk, d, nw, stages, cc)
         if (l1 and self.num_warps is None and nw == DECODE_V4_WARPS and pairs is not None and sms
                 and pairs >= DECODE_V4_PAIRS_SPLIT_BLOCK * sms):
             nw = DECODE_V4_SMALL_WARPS                       # two blocks an SM (DECODE_V4_PAIRS_SPLIT_BLOCK)
         # the registers a thread may use: those of 8 warps x 1 block an SM
         mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)
-        stages = DECODE_V4_L1_STAGES if l1 and self.stages is None else self.ring_stages(d, dtype, group, smem_limit, kv)
         return dict(base, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=self.v4_tile_rows(d, kv), DECODE_MIN_BLOCKS=mb,
                     FUSED=int(self.fused), LOAD_BULK=int(bulk), LOAD_L1=int(l1))
 
     def v4_load_l1(self, paged: bool, kv: str | None = None, bulk: bool = False, head_dim: int = 128,
-                   warps: int = DECODE_V4_WARPS) -> bool:
+                   warps: int = DECODE_V4_WARPS, stages: int = DECODE_V4_STAGES, cc: int | None = None) -> bool:
         """Whether v4's cp.async chunks pass through L1: the given load_l1 (True: not with bulk
-        copies), or DECODE_V4_L1 over a contiguous 16-bit cache loaded by cp.async whose rows
-        are 2^k 16-byte chunks (at most 32) and whose DECODE_V4_L1_STAGES ring of ``warps``
-        warps takes at most DECODE_V4_L1_MAX_RING bytes."""
+        copies), or DECODE_V4_L1 on compute capability ``cc`` >= CC_L1 over a contiguous 16-bit
+        cache loaded by cp.async whose rows are 2^k 16-byte chunks (at most 32) and whose ring
+        of ``warps`` x ``stages`` takes at most DECODE_V4_L1_MAX_RING bytes."""
         if self.load_l1 is None:
             chunks = head_dim * 2 // CHUNK_BYTES
-            ring = warps * DECODE_V4_L1_STAGES * 2 * self.v4_tile_rows(head_dim) * head_dim * 2
-            return (DECODE_V4_L1 and not paged and kv is None and not bulk and 32 % chunks == 0
-                    and ring <= DECODE_V4_L1_MAX_RING)
+            ring = warps * stages * 2 * self.v4_tile_rows(head_dim) * head_dim * 2
+            return (DECODE_V4_L1 and cc is not None and cc >= CC_L1 and not paged and kv is None and not bulk
+                    and 32 % chunks == 0 and ring <= DECODE_V4_L1_MAX_RING)
         if self.load_l1 and bulk:
             raise ValueError("config.load_l1: bulk copies (load_bulk=True) do not pass through L1")
         return self.load_l1
@@ -592,16 +595,26 @@ def decode_v3_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows
     return offset + 4 * table_cap, offset
 
 
+def decode_v4_swizzled(head_dim: int, bulk: bool = False) -> bool:
+    """decode_v4.cu's SWIZZLE default for 16-bit rows: rows of whole 128-byte halves (d a
+    multiple of 64) loaded in 16-byte chunks are stored unpadded with the XOR swizzle."""
+    return head_dim % 64 == 0 and not bulk
+
+
 def decode_v4_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows: int, num_warps: int,
-                   num_splits: int = 1, fused: bool = True, table_cap: int = 0, kv: str | None = None) -> tuple:
+                   num_splits: int = 1, fused: bool = True, table_cap: int = 0, kv: str | None = None,
+                   swizzled: bool = False) -> tuple:
     """decode_v4.cu's dynamic SRAM a block, as (total bytes, byte offset of the block table):
-    max(the rings -- rows counted padded by V4_ROW_PAD_BYTES, what the bulk copies and rows
-    that are not whole 128-byte halves use; swizzled rows use less --, the warps' float32 merge buffer, the
-    fused combine's weights), then ``table_cap`` int32 block-table entries (paged).  ``kv``: a
-    quantized cache's code format: its rows are head_dim bytes, unpadded (their chunks are
-    swizzled), and each stage also holds its rows' float32 s_K and s_V."""
+    max(the rings, the warps' float32 merge buffer, the fused combine's weights), then
+    ``table_cap`` int32 block-table entries (paged).  16-bit rows are counted padded by
+    V4_ROW_PAD_BYTES (what bulk copies and rows that are not whole 128-byte halves take: an
+    upper bound for every layout), or exactly when ``swizzled`` (:func:`decode_v4_swizzled`;
+    the launcher allocates that, so the L1 beside it keeps what the ring does not use).
+    ``kv``: a quantized cache's code format: its rows are head_dim bytes, unpadded (their
+    chunks are swizzled), and each stage also holds its rows' float32 s_K and s_V."""
     if kv is None:
-        stage = 2 * tile_rows * (head_dim * cv.itemsize_of(dtype) + V4_ROW_PAD_BYTES)
+        pad = 0 if swizzled else V4_ROW_PAD_BYTES
+        stage = 2 * tile_rows * (head_dim * cv.itemsize_of(dtype) + pad)
     else:
         stage = 2 * tile_rows * (head_dim * kv_itemsize(dtype, kv) + V4_SCALE_BYTES)
     ring = num_warps * stages * stage

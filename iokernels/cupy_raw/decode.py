@@ -413,10 +413,14 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     file, kernel = SPLIT_KERNELS[config.version]
     threads = 32 * defines["NUM_WARPS"]
     fused = bool(defines.get("FUSED", 0))
+    # v4's swizzled rows are allocated exactly: the L1 beside the SRAM keeps the rest
+    exact = dict(swizzled=kv is None and C.decode_v4_swizzled(d, bool(defines.get("LOAD_BULK"))))
+    if config.version != "v4":
+        exact = {}
     if config.version in RING_FUSED:
         # compiled once per defines; its SRAM is sized a launch (at least the rings)
         base_smem, _ = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
-                                                   defines["NUM_WARPS"], kv=kv)
+                                                   defines["NUM_WARPS"], kv=kv, **exact)
         if base_smem > dev["smem_optin"]:
             raise ValueError(f"config: decode {config.version} with {defines['NUM_WARPS']} warps x "
                              f"{defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs {base_smem:,} B of shared memory a block at "
@@ -442,7 +446,7 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
             want = -(-per_split // block_size) + 1          # a split may straddle one more page
             table_cap = want if want <= C.DECODE_V3_TABLE_CAP else 0
         smem, table_offset = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
-                                                         defines["NUM_WARPS"], S, fused, table_cap, kv)
+                                                         defines["NUM_WARPS"], S, fused, table_cap, kv, **exact)
         if smem > dev["smem_optin"]:
             raise ValueError(f"config: decode {config.version} needs {smem:,} B of shared memory a block, more "
                              f"than this GPU's {dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")

@@ -52,10 +52,12 @@
 //   * The cache operator (-DLOAD_L1).  0: cp.async.cg, the copy bypasses L1.  1: cp.async.ca,
 //     it passes through L1.  Nsight Compute counts one L2 request a 128-byte line for this
 //     kernel's .ca copies and two for its .cg copies (a stand-alone copy loop's .cg copies
-//     make one; benchmarks/results/sweeps has both).  A line in flight holds L1 space, and L1
-//     is what the SM's SRAM leaves beside the shared memory, so .ca goes with a shallow ring
-//     (DecodeConfig's default: 2 stages over a contiguous cache; a 3-stage ring leaves L1
-//     too small for the tiles in flight, and .ca is then slower than .cg).
+//     make one; benchmarks/results/sweeps has both).  A missed line is allocated in L1, and
+//     L1 is what the SM's 256 KB of SRAM (on Hopper) leaves beside the shared memory, so the
+//     launcher allocates the rings exactly (decode_v4_smem, swizzled rows unpadded): the
+//     default 3-stage ring of 8 warps then leaves L1 60 KB.  Allocated for padded rows it
+//     leaves 28 KB, and there .ca is slower than .cg.  DecodeConfig's default: .ca over a
+//     contiguous cache on sm_90, .cg elsewhere.
 //   * Bulk copies (-DLOAD_BULK=1, sm_90): Hopper's copy engine.  Lane r asks for one whole
 //     row (d x 2 bytes) with one bulk copy (cp.async.bulk), K's rows from lanes 0..Bc-1 and
 //     V's from the next Bc, into padded SRAM rows (a whole-row copy cannot swizzle); the rows
