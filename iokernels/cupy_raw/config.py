@@ -134,11 +134,11 @@ CC_BULK = 90
 DECODE_V4_L1 = True
 DECODE_V4_L1_MAX_RING = 192 * 1024
 CC_L1 = 90
-#: ... and when the batch's (b, kv head) pairs give every SM at least DECODE_V4_PAIRS_SPLIT_BLOCK
-#: of them, a block is DECODE_V4_SMALL_WARPS warps and two share an SM (the same warps and
-#: ring bytes an SM): one block's start (its first tiles' latency) and end (the warps' merge,
-#: the write of O) then overlap the other's streaming, where one 8-warp block an SM leaves the
-#: SM idle for both, once per (b, kv head)
+#: ... and there, when the batch's (b, kv head) pairs give every SM at least
+#: DECODE_V4_PAIRS_SPLIT_BLOCK of them, a block is DECODE_V4_SMALL_WARPS warps and two share
+#: an SM (the same warps and ring bytes an SM): one block's start (its first tiles' latency)
+#: and end (the warps' merge, the write of O) then overlap the other's streaming, where one
+#: 8-warp block an SM leaves the SM idle for both, once per (b, kv head)
 DECODE_V4_PAIRS_SPLIT_BLOCK = 2
 #: v4's limits: the g query heads are the 16 rows of one mma A operand; head dims are whole
 #: 16-deep k-steps, and O (d / 8 x 4 float32 a lane) stays in registers up to d = 256

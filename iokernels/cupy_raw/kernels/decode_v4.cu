@@ -69,9 +69,9 @@
 //     must be finite, as P = 0 multiplies them).  It stays a setting, not the default: in the
 //     benchmark record the row copies stream no faster than the hinted cp.async chunks over a
 //     contiguous cache and slower over pages.
-// Block shape (DecodeConfig): 8 warps, one block an SM; over a contiguous cache, when the
-// batch's (b, kv head) pairs give every SM two or more, 4-warp blocks two an SM, so one
-// block's start and end overlap the other's streaming.
+// Block shape (DecodeConfig): 8 warps, one block an SM; where the copies pass through L1,
+// when the batch's (b, kv head) pairs give every SM two or more, 4-warp blocks two an SM, so
+// one block's start and end overlap the other's streaming.
 //
 // Notation (Flash-Decoding, Dao et al., 2023; FlashAttention-2, Dao, 2023):
 //   S        splits of the key axis (num_splits), one thread block per (split, kv head, b)
