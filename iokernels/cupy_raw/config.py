@@ -126,8 +126,8 @@ CC_BULK = 90
 #: on Hopper) beside the blocks' SRAM, so this needs the rings' SRAM sized exactly
 #: (decode_v4_smem with swizzled rows): the default 3-stage ring of 8 warps then takes
 #: 192 KB and leaves L1 60 KB; the same ring allocated for padded rows leaves it 28 KB, and
-#: there .ca is slower than .cg (benchmarks/results/sweeps).  The default wherever a block's ring
-#: is at most DECODE_V4_L1_MAX_RING, on compute capability CC_L1 and newer (where it was
+#: there .ca is slower than .cg (benchmarks/results/sweeps).  The default wherever a block's
+#: ring is at most DECODE_V4_L1_MAX_RING, on compute capability CC_L1 and newer (where it was
 #: measured), and a lane's chunks are fixed (rows of 2^k chunks, 32 % chunks == 0:
 #: decode_v4.cu's contiguous issue); a paged cache, whose copies find their rows one by one,
 #: keeps .cg
