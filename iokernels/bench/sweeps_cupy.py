@@ -54,9 +54,14 @@ DECODE_ROWS = (
     ("v3 8w x 6", dict(version="v3", stages=6), None),
     ("v3 8w x 3 tile=16", dict(version="v3", stages=3, tile_rows=16), None),
     ("v3 8w x 4 unfused", dict(version="v3", fused=False), None),
-    # v4 (tensor cores): rows padded to 272 B at bf16 d=128, so a 16-row stage of K and V is
-    # 8.5 KB a warp: 4 warps x 3 stages 102 KB (two blocks an SM), 4 x 4 136 KB, 8 x 3 204 KB
+    # v4 (tensor cores): swizzled 256-byte rows at bf16 d=128, so a 16-row stage of K and V is
+    # 8 KB a warp: 4 warps x 3 stages 96 KB (two blocks an SM), 4 x 4 128 KB, 8 x 3 192 KB.
+    # The default copies a contiguous cache through L1 on sm_90 (.ca) and picks 4-warp blocks
+    # when the batch fills the SMs twice; the rows after it take each of those away
     ("v4", dict(version="v4"), None),
+    ("v4 .cg", dict(version="v4", load_l1=False), None),
+    ("v4 8w", dict(version="v4", num_warps=8), None),
+    ("v4 .ca 8w x 2", dict(version="v4", num_warps=8, stages=2, load_l1=True), None),
     ("v4 4w x 2", dict(version="v4", num_warps=4, stages=2), None),
     ("v4 4w x 3", dict(version="v4", num_warps=4, stages=3), None),
     ("v4 4w x 4", dict(version="v4", num_warps=4, stages=4), None),
