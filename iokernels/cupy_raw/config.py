@@ -528,7 +528,8 @@ class DecodeConfig:
         of ``warps`` x ``stages`` takes at most DECODE_V4_L1_MAX_RING bytes."""
         if self.load_l1 is None:
             chunks = head_dim * 2 // CHUNK_BYTES
-            ring = warps * stages * 2 * self.v4_tile_rows(head_dim) * head_dim * 2
+            ring = decode_v4_smem(head_dim, "float16", 1, stages, self.v4_tile_rows(head_dim), warps,
+                                  swizzled=True)[0]        # what the launcher allocates
             return (DECODE_V4_L1 and cc is not None and cc >= CC_L1 and not paged and kv is None and not bulk
                     and 32 % chunks == 0 and ring <= DECODE_V4_L1_MAX_RING)
         if self.load_l1 and bulk:
