@@ -522,8 +522,8 @@ class DecodeConfig:
 
     def v4_load_l1(self, paged: bool, kv: str | None = None, bulk: bool = False, head_dim: int = 128,
                    warps: int = DECODE_V4_WARPS, stages: int = DECODE_V4_STAGES, cc: int | None = None) -> bool:
-        """Whether v4's cp.async chunks pass through L1: the given load_l1 (True: not with bulk
-        copies), or DECODE_V4_L1 on compute capability ``cc`` >= CC_L1 over a contiguous 16-bit
+        """Whether v4's cp.async chunks pass through L1: the given load_l1 (__post_init__ refuses
+        it with load_bulk=True), or DECODE_V4_L1 on compute capability ``cc`` >= CC_L1 over a contiguous 16-bit
         cache loaded by cp.async whose rows are 2^k 16-byte chunks (at most 32) and whose ring
         of ``warps`` x ``stages`` takes at most DECODE_V4_L1_MAX_RING bytes."""
         if self.load_l1 is None:
@@ -532,8 +532,6 @@ class DecodeConfig:
                                   swizzled=True)[0]        # what the launcher allocates
             return (DECODE_V4_L1 and cc is not None and cc >= CC_L1 and not paged and kv is None and not bulk
                     and 32 % chunks == 0 and ring <= DECODE_V4_L1_MAX_RING)
-        if self.load_l1 and bulk:
-            raise ValueError("config.load_l1: bulk copies (load_bulk=True) do not pass through L1")
         return self.load_l1
 
     def combine_defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int,
