@@ -11,7 +11,7 @@
 #   4. checks     GPU pytest and compute-sanitizer memcheck / racecheck / synccheck / initcheck
 #                 over scripts/sanitize.py, one process per (tool, kernel family)
 #                 3 and 4 run in parallel, after the bench (correctness only, no timing)
-# Time: DEADLINE (default 550 s) bounds the whole script; every stage gets what is left.
+# Time: DEADLINE (default 580 s) bounds the whole script; every stage gets what is left.
 # With a short device lease: DEADLINE=300 scripts/gpu_all.sh OUTDIR (the bench then runs
 # first and whole, the sanitizers get what remains); BENCH_SECTIONS=decode,gather times only
 # those sections; GPU_TESTS="tests/test_cupy.py ..." runs only those files' GPU tests.
@@ -35,10 +35,10 @@ LOGS=$(mktemp -d)
 T0=$(date +%s)
 
 # per-stage limits in seconds (total well under 600)
-T_ENV=30 T_BENCH=${T_BENCH:-230} T_TRAFFIC=${T_TRAFFIC:-90} T_CHECKS=${T_CHECKS:-270}
+T_ENV=30 T_BENCH=${T_BENCH:-280} T_TRAFFIC=${T_TRAFFIC:-50} T_CHECKS=${T_CHECKS:-270}
 
 # the whole script must end before DEADLINE seconds (the device tool allows 600 per call)
-DEADLINE=${DEADLINE:-550}
+DEADLINE=${DEADLINE:-580}
 left() { local l=$(( DEADLINE - 25 - ($(date +%s) - T0) )); [ $l -lt 5 ] && l=5; [ $l -gt $1 ] && l=$1; echo $l; }
 note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOGS/stages.txt"; }
 
@@ -76,8 +76,8 @@ grep -v '^USDT' "$LOGS/bench.log" | sed -n '/^recorded on/,$p' > "$OUT/bench.txt
 # ---------------------------------------------------------------- 2b. ring attention on this one GPU
 # A world of one rank over NCCL (a ring of two needs two GPUs): the time of a ring step at long
 # sequences with the fused local kernel, the single-GPU side of a multi-GPU comparison.
-note "ring, one GPU (limit $(left ${T_RING:-60})s)"
-timeout --kill-after=5 $(left ${T_RING:-60}) bash -c '
+note "ring, one GPU (limit $(left ${T_RING:-30})s)"
+timeout --kill-after=5 $(left ${T_RING:-30}) bash -c '
   for n in 32768 131072; do
     '"$PY"' -m iokernels ring --world-size 1 --device cuda --bench --reps 3 --causal --seqlen $n \
       --heads 16 --heads-kv 8 --head-dim 128 --timeout 50 2>&1
@@ -105,8 +105,12 @@ note "traffic (ncu, limit ${T_TRAFFIC}s), then pytest; sanitizers alongside"
   # whole output (failures with short tracebacks, no warning summary): a failure on the
   # GPU must be readable from the record without another device call.  Three pytest
   # processes side by side (the GPU has room; NVRTC and Numba compiles are CPU-bound):
-  # test_cupy.py's GPU tests, every other GPU test, the simulator-capable files.
+  # test_cupy.py's GPU tests, every other GPU test, the simulator-capable files; each in
+  # PT_WORKERS pytest-xdist workers where xdist is installed (the compiles run in parallel).
   PT="$PY -m pytest -q -rfE --tb=short -p no:warnings -p no:cacheprovider"
+  if [ "${PT_WORKERS:-4}" -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then
+    PT="$PT -n ${PT_WORKERS:-4}"
+  fi
   T_PT=$(left $T_CHECKS)
   rm -f "$LOGS"/pytest_*.log
   if [ -n "${GPU_TESTS:-}" ]; then

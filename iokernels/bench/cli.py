@@ -4,7 +4,7 @@ from __future__ import annotations
 from .environment import environment, label
 from .runners import (Unavailable, backward_cases, decode_cases, gather_cases, mla_cases,  # noqa: F401
                       prefill_cases, quant_decode_cases, _numpy_only_cases)
-from .specs import (BACKWARD, BACKWARD_FP32, DECODE_EXTRA, DECODE_QUANT, DECODE_SWEEP, GATHER_SIZES, MLA,
+from .specs import (BACKWARD, BACKWARD_FP32, DECODE_QUANT, DECODE_SWEEP, GATHER_SIZES, MLA,
                     PREFILL_COMPARE, PREFILL_SWEEP, QUICK, SECTIONS, TARGET_MS_PER_RUNNER)
 from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
 
@@ -42,7 +42,7 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
             elif s == "compare":
                 plan.append(("compare", PREFILL_COMPARE))
             elif s == "decode":
-                plan += [("decode", DECODE_SWEEP), ("decode", DECODE_EXTRA), ("decode_quant", DECODE_QUANT)]
+                plan += [("decode", DECODE_SWEEP), ("decode_quant", DECODE_QUANT)]
             elif s == "gather":
                 plan.append(("gather", GATHER_SIZES))
             elif s == "backward":

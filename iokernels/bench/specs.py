@@ -14,9 +14,7 @@ PREFILL_SWEEP = dict(batch=4, heads=16, head_dim=128, seqlens=(1024, 2048, 4096,
 PREFILL_COMPARE = dict(batch=8, heads=16, head_dim=128, seqlens=(4096,), causal=(False, True),
                        dtypes=("bfloat16", "float32"))
 DECODE_SWEEP = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1, 8, 64), seqlens=(4096, 32768),
-                    dtypes=("float16",))
-DECODE_EXTRA = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(1,), seqlens=(32768,),
-                    dtypes=("bfloat16",))
+                    dtypes=("float16", "bfloat16"))
 #: quantized paged caches (1-byte codes + block scales) against the 16-bit paged cache of the
 #: same values, and a sliding window against the full cache: (kv_dtype, window) per row,
 #: None = the bfloat16 pools / no window.  The CuPy rows run each of cupy_versions (None: the
