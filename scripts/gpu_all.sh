@@ -102,12 +102,12 @@ note "traffic (ncu, limit ${T_TRAFFIC}s), then pytest; sanitizers alongside"
   for f in tests/test_conformance.py tests/test_numba*.py tests/test_gpu_*.py \
            tests/test_autograd.py tests/test_torch_sdpa.py; do
     [ -f "$f" ] && files="$files $f"; done
-  # whole output (failures with short tracebacks, no warning summary): a failure on the
+  # whole output (failures with short tracebacks, skip reasons, no warning summary): a failure on the
   # GPU must be readable from the record without another device call.  Three pytest
   # processes side by side (the GPU has room; NVRTC and Numba compiles are CPU-bound):
   # test_cupy.py's GPU tests, every other GPU test, the simulator-capable files; each in
   # PT_WORKERS pytest-xdist workers where xdist is installed (the compiles run in parallel).
-  PT="$PY -m pytest -q -rfE --tb=short -p no:warnings -p no:cacheprovider"
+  PT="$PY -m pytest -q -rfEs --tb=short -p no:warnings -p no:cacheprovider -p no:benchmark"
   if [ "${PT_WORKERS:-4}" -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then
     PT="$PT -n ${PT_WORKERS:-4}"
   fi
