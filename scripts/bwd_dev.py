@@ -100,7 +100,7 @@ def _time_part(seed):
     import iokernels as ik
     from iokernels import cupy_raw as cr
     from iokernels import torch_sdpa as ts
-    from iokernels.bench import time_cuda
+    from iokernels.bench import release_device_cache, time_cuda
     B, H, N, d = (TIME_SHAPE[x] for x in ("batch", "heads", "seqlen", "head_dim"))
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, do = (torch.randn((B, H, N, d), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
@@ -163,7 +163,7 @@ def _time_part(seed):
         if flash and ours:
             print(f"  ratio (ours fwd + v2 bwd) / (FLASH fwd + bwd) = {ours / flash:.3f}")
         del leaves
-        torch.cuda.empty_cache()
+        release_device_cache()
 
 
 def main(argv=None) -> int:

@@ -166,7 +166,7 @@ def timings(torch, cr, reps: int, rounds: int = 1) -> None:
                     line += f"  max|diff vs SDPA| {float((out[name] - ref).abs().max()):.3g}"
                 print(line, flush=True)
             del q, k, v, kp, vp, q4, out
-            torch.cuda.empty_cache()
+            bench.release_device_cache()
 
 
 def main(argv=None) -> int:

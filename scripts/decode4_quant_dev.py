@@ -147,7 +147,7 @@ def timings(torch, cr, reps: int) -> None:
             except Exception as e:                          # a row that cannot run: say so
                 print(f"  B={B} N={N} {row} {cache}: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
         del q, k, v, kp, vp, caches, q4, ref
-        torch.cuda.empty_cache()
+        bench.release_device_cache()
 
 
 def main(argv=None) -> int:

@@ -142,7 +142,7 @@ def time_part():
     import torch
     import iokernels as ik  # noqa: F401
     from iokernels.bench.runners import device_pages, device_quant_pages
-    from iokernels.bench.timer import time_cuda
+    from iokernels.bench.timer import release_device_cache, time_cuda
     from iokernels import cupy_raw, numba_cuda
     rows = []
     for B in TIME_BATCHES:
@@ -183,7 +183,7 @@ def time_part():
                                  nbytes))
             del pk, pv, quant
         del q, k, v, kp, vp
-        torch.cuda.empty_cache()
+        release_device_cache()
     print(f"\n{'B':>3}  {'runner':<46} {'ms':>9} {'TB/s':>7}")
     for B, name, ms, nbytes in rows:
         if ms is None:

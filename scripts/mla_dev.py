@@ -92,7 +92,7 @@ def part_check():
 def part_time():
     import torch
     from iokernels import torch_sdpa as ts
-    from iokernels.bench import time_cuda
+    from iokernels.bench import release_device_cache, time_cuda
     from iokernels.bench.runners import mla_roofline
     from iokernels.cupy_raw import mla as cm
     rows = []
@@ -125,7 +125,7 @@ def part_time():
                 print(f"{B:>3} {N:>6} {name:<14}  {r['error']}", flush=True)
         rows.append(dict(batch=B, seqlen=N, roofline=roof, rows=case))
         del q, kv
-        torch.cuda.empty_cache()
+        release_device_cache()
     print(f"roofline: {rows[0]['roofline']['gpu']}; bound = max(FLOPs / matmul ceiling, bytes / copy ceiling)")
     return dict(timings=rows)
 

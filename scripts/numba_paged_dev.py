@@ -55,7 +55,7 @@ def check_part() -> int:
     import torch
     import iokernels as ik
     from iokernels import reference, testing
-    from iokernels.bench import device_pages
+    from iokernels.bench import device_pages, release_device_cache
     from iokernels import numba_cuda as nc
     failed = 0
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -97,14 +97,14 @@ def check_part() -> int:
                 same = all(torch.equal(x, y) for x, y in zip(outs["paged page"], outs["paged key"]))
                 print(f"     {dtype} block {bs} num_splits={S}: page and key outputs bit-equal: {same}")
         del q, k, v, kp, vp
-        torch.cuda.empty_cache()
+        release_device_cache()
     return failed
 
 
 def time_part():
     import torch
     from iokernels import torch_sdpa as ts
-    from iokernels.bench import device_pages, time_cuda
+    from iokernels.bench import device_pages, release_device_cache, time_cuda
     from iokernels import numba_cuda as nc
     F = torch.nn.functional
     print(f"\n{'B':>3} {'N':>6}  {'sdpa flash':>10} {'contig':>9} {'page':>9} {'key':>9}  {'page/contig':>11} "
@@ -141,7 +141,7 @@ def time_part():
             sd = f"{ms['sdpa']:10.4f}" if ms["sdpa"] else f"{'-':>10}"
             print(f"{B:>3} {N:>6}  {sd} {cells}  {r['page']:11.3f} {r['key']:10.3f}", flush=True)
             del q, k, v, kp, vp, q4
-            torch.cuda.empty_cache()
+            release_device_cache()
     print(f"worst page/contig ratio: {worst:.3f} ({'meets' if worst >= TARGET_RATIO else 'BELOW'} the "
           f"{TARGET_RATIO} target)")
 

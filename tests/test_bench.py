@@ -52,6 +52,47 @@ def test_time_cuda_needs_a_gpu():
         bench.time_cuda(lambda: None)
 
 
+class _FakeCuda:
+    """torch.cuda as release_device_cache sees it: a cache holding ``held`` bytes of which
+    ``kept`` stay reserved after empty_cache."""
+
+    def __init__(self, held, kept):
+        self.reserved, self.kept, self.calls = held, kept, []
+
+    def synchronize(self):
+        self.calls.append("synchronize")
+
+    def memory_reserved(self):
+        return self.reserved
+
+    def empty_cache(self):
+        self.calls.append("empty_cache")
+        self.reserved = self.kept
+
+
+@pytest.mark.parametrize("held_gib, kept_gib", [(0.0, 0.0), (9.0, 8.0), (120.5, 8.5), (900.0, 0.0)])
+def test_release_device_cache_pauses_only_after_a_large_release(monkeypatch, held_gib, kept_gib):
+    timer = bench.timer
+    held, kept = int(held_gib * 2**30), int(kept_gib * 2**30)
+    fake = _FakeCuda(held, kept)
+    monkeypatch.setattr(timer, "_torch_cuda", lambda: type("T", (), {"cuda": fake})())
+    slept = []
+    freed = timer.release_device_cache(sleep=slept.append)
+    assert freed == held - kept
+    assert fake.calls == ["synchronize", "empty_cache"]           # the queue drained before the release
+    if freed > timer.RELEASE_SETTLE_BYTES:
+        want = min(timer.RELEASE_SETTLE_MAX_S, timer.RELEASE_SETTLE_S_PER_GIB * freed / 2**30)
+        assert slept == [pytest.approx(want)] and 0 < slept[0] <= timer.RELEASE_SETTLE_MAX_S
+    else:
+        assert slept == []
+
+
+def test_release_device_cache_without_a_gpu_does_nothing(monkeypatch):
+    monkeypatch.setattr(bench.timer, "_torch_cuda", lambda: None)
+    slept = []
+    assert bench.release_device_cache(sleep=slept.append) == 0 and slept == []
+
+
 def test_finish_case_ratios_and_silent_fallback():
     rows = [dict(runner="sdpa:flash", group="sdpa", status="unavailable: No available kernel"),
             dict(runner="sdpa:efficient", group="sdpa", status="ok", ms=2.0),

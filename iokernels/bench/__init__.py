@@ -19,7 +19,8 @@ from .cli import main, run, table
 from .environment import environment, label
 from .runners import Unavailable, device_pages
 from .specs import SECTIONS
-from .timer import DEFAULT_REPS, DEFAULT_WARMUP, Timing, l2_cache_bytes, peak_memory, time_cpu, time_cuda
+from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, Timing, l2_cache_bytes, peak_memory, release_device_cache, time_cpu,
+                    time_cuda)
 
-__all__ = ["time_cuda", "time_cpu", "peak_memory", "Timing", "l2_cache_bytes", "environment", "label",
+__all__ = ["time_cuda", "time_cpu", "peak_memory", "release_device_cache", "Timing", "l2_cache_bytes", "environment", "label",
            "run", "table", "main", "device_pages", "Unavailable", "SECTIONS", "DEFAULT_REPS", "DEFAULT_WARMUP"]

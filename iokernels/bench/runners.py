@@ -14,7 +14,8 @@ import numpy as np
 import iokernels as ik
 
 from .specs import CHECK_TOL, NUMPY_MAX_FLOPS, PAGED_BLOCK, SDPA_NAMES, SLOW_CALL_MS, TARGET_MS_PER_RUNNER
-from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _Device, _torch_cuda, host_ms, peak_memory, time_cpu, time_cuda
+from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, _Device, host_ms, peak_memory,
+                    release_device_cache, time_cpu, time_cuda)
 
 
 class Unavailable(Exception):
@@ -169,9 +170,7 @@ def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=T
     except Exception as e:  # a kernel helper's bug must not stop the sweep
         row["status"] = f"failed: {type(e).__name__}: {_first_line(e)}"
     finally:
-        torch = _torch_cuda()
-        if torch is not None:
-            torch.cuda.empty_cache()
+        release_device_cache()
     return row
 
 
@@ -277,7 +276,7 @@ def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section
                 case["results"] = rows
                 cases.append(_finish_case(case))
                 del q, k, v, ref
-                torch.cuda.empty_cache()
+                release_device_cache()
     return cases
 
 
@@ -402,7 +401,7 @@ def decode_cases(spec, seed, progress, section="decode", target_ms=None):
                 case["results"] = rows
                 cases.append(_finish_case(case))
                 del q, k, v, q4, ref4, ref, pages
-                torch.cuda.empty_cache()
+                release_device_cache()
     return cases
 
 
@@ -483,7 +482,7 @@ def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
                     cases.append(_finish_case(case))
                     del kp, vp, quant
                 del q, k, v, pages
-                torch.cuda.empty_cache()
+                release_device_cache()
     return cases
 
 
@@ -532,7 +531,7 @@ def gather_cases(spec, seed, progress, section="gather", target_ms=None):
         case["results"] = rows
         cases.append(case)
         del k, v, dst_k, dst_v, pages
-        torch.cuda.empty_cache()
+        release_device_cache()
     return cases
 
 
@@ -625,7 +624,7 @@ def backward_cases(spec, seed, progress, section="backward", target_ms=None):
                 case["results"] = rows
                 cases.append(_finish_case(case))
                 del q, k, v, do, leaves
-                torch.cuda.empty_cache()
+                release_device_cache()
     return cases
 
 
@@ -734,5 +733,5 @@ def mla_cases(spec, seed, progress, section="mla", target_ms=None):
             case["results"] = rows
             cases.append(case)
             del q, kv, ref
-            torch.cuda.empty_cache()
+            release_device_cache()
     return cases

@@ -164,7 +164,7 @@ def sweep_prefill(out_path=None, reps=REPS):
                 except Exception as e:                 # a config that does not fit: say so, go on
                     print(f"# {group} cupy {label}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         del q, k, v
-        torch.cuda.empty_cache()
+        bench.release_device_cache()
     return _save(out_path, rows)
 
 
@@ -172,12 +172,12 @@ def sweep_decode(out_path=None, reps=REPS, shapes=(DECODE_SHAPE,), only=None):
     """Decode settings at bf16 GQA 32/8 d=128 (``shapes``: DECODE_SHAPE, or e.g. SERVING_SHAPES),
     contiguous and paged, next to cuDNN's SDPA (enable_gqa).  Paged rows also give their ratio
     to the same row contiguous.  ``only``: the versions to time (None: every row)."""
-    import torch
+    from iokernels import bench
 
     rows = []
     for shape in shapes:
         _sweep_decode_shape(rows, shape, reps, only)
-        torch.cuda.empty_cache()
+        bench.release_device_cache()
     return _save(out_path, rows)
 
 
@@ -314,7 +314,7 @@ def paged_serving_probe(out_path=None, reps=REPS, versions=None):
                                      vs_contiguous=round(base / ms, 3)))
                     del kp, vp
         del q, k, v
-        torch.cuda.empty_cache()
+        bench.release_device_cache()
     return _save(out_path, rows)
 
 

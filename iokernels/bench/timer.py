@@ -23,6 +23,12 @@ Peak memory: :func:`peak_memory` reports the most device memory the torch cachin
 allocator and CuPy's memory pool held during one call.  Numba's own allocations
 (``cuda.device_array``) go through neither and are not counted: a frank gap.
 
+Handing memory back: :func:`release_device_cache` empties torch's cache between runners
+and cases, and pauses after a release of many GB.  Memory handed back to the driver in
+bulk leaves the GPU's next kernels slower for a moment (most likely the driver clearing
+the released pages while they run, which takes HBM bandwidth), so a memory-bound runner
+timed right after a large unfused one would read slow through no fault of its own.
+
 Speeds are always reported next to a baseline measured in the same run (ratios), never
 as absolute claims in tests.
 """
@@ -52,6 +58,11 @@ FALLBACK_L2_BYTES = 64 * 1024 * 1024
 LAUNCH_SLACK_US = 3000
 #: the spin kernel counts SM clock cycles; the H200 runs at up to 1.98 GHz
 SPIN_CYCLES_PER_US = 1980
+#: release_device_cache pauses when torch's cache hands back more than this many bytes:
+#: RELEASE_SETTLE_S_PER_GIB seconds a GiB released, at most RELEASE_SETTLE_MAX_S
+RELEASE_SETTLE_BYTES = 4 * 2**30
+RELEASE_SETTLE_S_PER_GIB = 0.015
+RELEASE_SETTLE_MAX_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -312,3 +323,22 @@ def host_ms(fn, *args, reps: int = 5, **kwargs) -> float:
         fn(*args, **kwargs)
         samples.append((time.perf_counter() - t0) * 1e3)
     return float(statistics.median(samples))
+
+
+def release_device_cache(sleep=time.sleep) -> int:
+    """Empty torch's caching allocator; returns the bytes it handed back to the driver.
+
+    After a release larger than RELEASE_SETTLE_BYTES it waits (RELEASE_SETTLE_S_PER_GIB a
+    GiB, at most RELEASE_SETTLE_MAX_S) before returning, so that whatever is timed next
+    does not share the GPU with the aftermath of the release.  Without torch's CUDA it
+    does nothing and returns 0."""
+    torch = _torch_cuda()
+    if torch is None:
+        return 0
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    freed = max(0, int(before) - int(torch.cuda.memory_reserved()))
+    if freed > RELEASE_SETTLE_BYTES:
+        sleep(min(RELEASE_SETTLE_MAX_S, RELEASE_SETTLE_S_PER_GIB * freed / 2**30))
+    return freed
