@@ -414,9 +414,8 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     threads = 32 * defines["NUM_WARPS"]
     fused = bool(defines.get("FUSED", 0))
     # v4's swizzled rows are allocated exactly: the L1 beside the SRAM keeps the rest
-    exact = dict(swizzled=kv is None and C.decode_v4_swizzled(d, bool(defines.get("LOAD_BULK"))))
-    if config.version != "v4":
-        exact = {}
+    exact = (dict(swizzled=kv is None and C.decode_v4_swizzled(d, bool(defines.get("LOAD_BULK"))))
+             if config.version == "v4" else {})
     if config.version in RING_FUSED:
         # compiled once per defines; its SRAM is sized a launch (at least the rings)
         base_smem, _ = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
