@@ -1,6 +1,7 @@
 """Decode v4 (the GQA group on the tensor cores) end to end on one GPU: correctness, then speed.
 
     python scripts/decode4_dev.py [--no-timing | --no-correctness] [--reps N] [--rounds R]
+                                  [--batches B ...] [--seqlens N ...] [--default-only]
 
 Part 1 holds decode v4 against the float64 oracle (iokernels.core.reference) at awkward
 shapes -- ragged lengths with an empty sequence, GQA groups 1 to 16, head dims 64 to 256,
@@ -18,7 +19,9 @@ flushed), and prints TB/s of K/V read, v4's ratio to the best SDPA backend and p
 contiguous.  With ``--rounds R`` the runners take turns R times (a drift of clocks or
 temperature then falls on all of them alike) and each time is the median of its rounds;
 near a tie, at the shapes where both kernels stream at the HBM ceiling, one pass can come
-out either way.  Exits 1 when a correctness case fails.
+out either way.  ``--batches`` and ``--seqlens`` time other shapes (e.g. batches 17, 24 and
+32, whose (b, KV head) pairs overfill one wave of blocks), ``--default-only`` only v4's default
+settings.  Exits 1 when a correctness case fails.
 """
 from __future__ import annotations
 
@@ -102,7 +105,7 @@ def correctness(torch, cr, reference, check, as_numpy, naive, rng) -> int:
     return failures
 
 
-def timings(torch, cr, reps: int, rounds: int = 1) -> None:
+def timings(torch, cr, reps: int, rounds: int = 1, shapes=SERVING, settings=V4_TIMED) -> None:
     """Part 2: the serving shapes, SDPA cuDNN / FLASH and CuPy v4's settings, contiguous and paged.
 
     Each runner is timed ``rounds`` times, the runners taking turns; its time is the median
@@ -116,7 +119,7 @@ def timings(torch, cr, reps: int, rounds: int = 1) -> None:
           "ratio = best SDPA ms / v4 ms")
     for dtype in ("float16", "bfloat16"):
         tdt = getattr(torch, dtype)
-        for B, N in SERVING:
+        for B, N in shapes:
             gen = torch.Generator(device="cuda").manual_seed(B * 7 + N)
             q = torch.randn((B, HEADS_Q, HEAD_DIM), device="cuda", dtype=tdt, generator=gen)
             k, v = (torch.randn((B, HEADS_KV, N, HEAD_DIM), device="cuda", dtype=tdt, generator=gen)
@@ -131,7 +134,7 @@ def timings(torch, cr, reps: int, rounds: int = 1) -> None:
                     return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
             runs = {"sdpa CUDNN": (sdpa, (SDPBackend.CUDNN_ATTENTION,), {}),
                     "sdpa FLASH": (sdpa, (SDPBackend.FLASH_ATTENTION,), {})}
-            for label, kw, paged in V4_TIMED:
+            for label, kw, paged in settings:
                 cfg = cr.DecodeConfig(version="v4", **kw)
                 runs[f"cupy {label}"] = (cr.decode, (q, k, v), dict(config=cfg))
                 if paged:
@@ -176,9 +179,16 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="interleaved rounds: every runner timed once a round, the median of rounds kept")
     p.add_argument("--no-correctness", action="store_true", help="timing only")
+    p.add_argument("--batches", type=int, nargs="+", default=sorted({b for b, _ in SERVING}),
+                   help="batch sizes of the timing part")
+    p.add_argument("--seqlens", type=int, nargs="+", default=sorted({n for _, n in SERVING}),
+                   help="cache lengths of the timing part")
+    p.add_argument("--default-only", action="store_true", help="time v4's default settings only")
     a = p.parse_args(argv)
     if a.reps < 1 or a.rounds < 1:
         p.error(f"--reps, --rounds: need at least 1, got {a.reps}, {a.rounds}")
+    if min(a.batches) < 1 or min(a.seqlens) < 1:
+        p.error(f"--batches, --seqlens: need sizes of at least 1, got {a.batches}, {a.seqlens}")
     import torch
 
     from iokernels import cupy_raw as cr
@@ -195,7 +205,8 @@ def main(argv=None) -> int:
         failures = correctness(torch, cr, reference, check, as_numpy, naive_attention, np.random.default_rng(0))
         print(f"# correctness: {failures} failing case(s), {time.time() - t0:.1f} s", flush=True)
     if not a.no_timing:
-        timings(torch, cr, a.reps, a.rounds)
+        timings(torch, cr, a.reps, a.rounds, tuple((B, N) for B in a.batches for N in a.seqlens),
+                V4_TIMED[:1] if a.default_only else V4_TIMED)
     print(f"# done in {time.time() - t0:.1f} s")
     return 1 if failures else 0
 

@@ -411,35 +411,50 @@ def test_forward_fit_shrinks_only_the_sizes_left_open():
 def test_num_splits_heuristic_properties():
     """num_splits_heuristic is pure Python: its promises, over a grid of shapes (no GPU).
 
-    One wave: batch * heads_kv * splits <= num_sms * blocks_per_sm unless splits == 1; at
-    least DECODE_MIN_KEYS_PER_SPLIT keys a split (unless splits == 1); at most
-    DECODE_MAX_SPLITS; never fewer splits for a longer sequence; 1 for an empty one.
+    At least DECODE_MIN_KEYS_PER_SPLIT keys a split (unless splits == 1); at most
+    DECODE_MAX_SPLITS; never fewer splits for a longer sequence; 1 for an empty one.  Where
+    the pairs fit one wave of slots = num_sms * blocks_per_sm, never fewer splits than the
+    one-wave fill slots // pairs (within the caps), and exactly that fill where it keeps
+    DECODE_SATURATING_FRACTION of the slots busy.
     """
     lo, cap = C.DECODE_MIN_KEYS_PER_SPLIT, C.DECODE_MAX_SPLITS
     for sms in (40, 108, 132):
         for bps in (1, 2, 3, 4, 8):
-            slots = C.DECODE_WAVES * sms * bps
-            for batch in (1, 2, 8, 64, 1000):
+            slots = sms * bps
+            for batch in (1, 2, 3, 8, 17, 64, 1000):
                 for hkv in (1, 2, 8, 32):
-                    prev = 0
+                    prev, pairs = 0, batch * hkv
                     for n in (0, 1, 100, 255, 256, 257, 1000, 4096, 32768, 131072, 10 ** 6):
+                        at = (batch, hkv, n, sms, bps)
                         s = cr.num_splits_heuristic(batch, hkv, n, sms, bps)
-                        assert isinstance(s, int) and 1 <= s <= cap, (batch, hkv, n, sms, bps, s)
+                        assert isinstance(s, int) and 1 <= s <= cap, (at, s)
                         if n == 0:
                             assert s == 1
                         if s > 1:
-                            assert batch * hkv * s <= slots, (batch, hkv, n, sms, bps, s)
-                            assert n // s >= lo, (batch, hkv, n, sms, bps, s)
-                        assert s >= prev, f"not monotone in seq_len at {(batch, hkv, n, sms, bps)}: {prev} -> {s}"
+                            assert n // s >= lo, (at, s)
+                        assert s >= prev, f"not monotone in seq_len at {at}: {prev} -> {s}"
                         prev = s
+                        fill = max(1, min(slots // pairs, n // lo, cap)) if pairs <= slots else None
+                        if fill is not None:
+                            assert s >= fill, (at, s, fill)
+                            if pairs * fill >= C.DECODE_SATURATING_FRACTION * slots:
+                                assert s == fill, (at, s, fill)
                     # a long sequence with room on the GPU uses the room (more than one split)
-                    if batch * hkv * 2 <= slots:
+                    if pairs * 2 <= slots:
                         assert cr.num_splits_heuristic(batch, hkv, 10 ** 6, sms, bps) > 1
-    # a grid that already fills the GPU gets no splits; one that does not is filled, up to the caps
-    assert cr.num_splits_heuristic(64, 8, 32768, 132, 4) == 1          # 512 blocks of 528 slots
-    for hkv in (1, 8):
-        want = min(C.DECODE_WAVES * 132 * 4 // hkv, 32768 // lo, cap)
-        assert cr.num_splits_heuristic(1, hkv, 32768, 132, 4) == want
+    # the serving shapes on 132 SMs (8 KV heads): one wave filled ...
+    assert cr.num_splits_heuristic(1, 8, 32768, 132, 1) == 16            # 128 blocks
+    assert cr.num_splits_heuristic(8, 8, 32768, 132, 1) == 2             # 128 blocks
+    assert cr.num_splits_heuristic(64, 8, 32768, 132, 2) == 1            # 512 blocks, 264 slots
+    # ... and past one wave: 136 pairs do not run as 132 blocks and then 4 (a second wave that
+    # leaves the GPU nearly idle), 192 take two splits (3 waves nearly full), 256 none (2 waves
+    # of 132 and 124); a shorter sequence takes fewer splits, where each wave's fixed cost counts
+    assert 8 <= cr.num_splits_heuristic(17, 8, 32768, 132, 1) <= 16
+    assert cr.num_splits_heuristic(24, 8, 32768, 132, 1) == 2
+    assert cr.num_splits_heuristic(32, 8, 32768, 132, 1) == 1
+    assert 2 <= cr.num_splits_heuristic(17, 8, 4096, 132, 1) < cr.num_splits_heuristic(17, 8, 32768, 132, 1)
+    # a key's K and V rows set the wave's cost in keys: 1-byte codes make it twice as many
+    assert cr.num_splits_heuristic(17, 8, 4096, 132, 1, row_bytes=256) < cr.num_splits_heuristic(17, 8, 4096, 132, 1)
 
 
 def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run():

@@ -60,9 +60,17 @@ DECODE_VERSIONS = ("v1", "v2", "v3", "v4")
 DECODE_WARPS = 4
 DECODE_UNROLL = 4
 DECODE_MIN_BLOCKS = 3
-#: num_splits heuristic: this many full waves of decode blocks over the SMs ...
-DECODE_WAVES = 1
-#: ... but keep at least this many keys a split (its partial O write is amortized) ...
+#: num_splits heuristic, a cost model of the split kernel's waves (blocks_per_sm x SMs blocks
+#: run at once): a wave of n blocks of k keys streams for about k x max(n, rho) key-times, as
+#: rho = DECODE_SATURATING_FRACTION of a full wave's blocks already keep HBM busy (fewer
+#: stream at their own rate, more share it), and each wave adds what rho blocks take to
+#: stream DECODE_WAVE_COST_BYTES of K and V (its blocks' first tiles in flight, the warps'
+#: merge, the partials and the fused combine); fitted to decode v4's timings at batch 1 to 32
+#: on the H200 (iokernels.bench sweeps), where one split per SM's worth of pairs, two waves
+#: whose second is nearly empty, and splits that leave a sliver of a last wave all occur
+DECODE_SATURATING_FRACTION = 0.7
+DECODE_WAVE_COST_BYTES = 160 * 1024
+#: ... keep at least this many keys a split (its partial O write is amortized) ...
 DECODE_MIN_KEYS_PER_SPLIT = 256
 #: ... and at most this many splits (the combine reads them all)
 DECODE_MAX_SPLITS = 128

@@ -84,20 +84,34 @@ def v4_quant_rounding_bound(v_hat_max: float, keys) -> np.ndarray:
 
 
 def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int,
-                         blocks_per_sm: int = 4) -> int:
-    """Splits of the key axis so one wave of decode blocks fills the GPU.
+                         blocks_per_sm: int = 4, row_bytes: int = 512) -> int:
+    """Splits of the key axis for the whole batch: the S of least modelled time.
 
-    There are batch * heads_kv * splits blocks, ``blocks_per_sm`` fit on an SM at once
-    (the launcher asks the driver for its kernel's occupancy): a whole number of waves
-    wastes nothing, and with DECODE_WAVES = 1 a sequence's keys are read in one wave.
-    Each split keeps at least DECODE_MIN_KEYS_PER_SPLIT keys; at most DECODE_MAX_SPLITS.
+    There are batch * heads_kv * S blocks, ``blocks_per_sm`` fit on an SM at once (the
+    launcher asks the driver for its kernel's occupancy), so they run in waves of
+    slots = num_sms * blocks_per_sm.  A wave of n blocks of k = seq_len / S keys costs
+    k * max(n, rho) with rho = DECODE_SATURATING_FRACTION * slots, plus rho * w for the wave
+    itself, w = DECODE_WAVE_COST_BYTES / ``row_bytes`` keys (``row_bytes``: a key's K and V
+    row in HBM).  Where the pairs fit one wave this is the one-wave fill, slots // pairs
+    splits; where they do not, it weighs a nearly empty last wave against more, shorter
+    waves.  Ties go to more splits.  Each split keeps at least DECODE_MIN_KEYS_PER_SPLIT
+    keys; at most DECODE_MAX_SPLITS.
     """
     if seq_len <= 0:
         return 1
-    slots = C.DECODE_WAVES * num_sms * max(1, blocks_per_sm)
-    want = max(1, slots // max(1, batch * heads_kv))
-    cap = max(1, seq_len // C.DECODE_MIN_KEYS_PER_SPLIT)
-    return int(max(1, min(want, cap, C.DECODE_MAX_SPLITS)))
+    pairs = max(1, batch * heads_kv)
+    slots = num_sms * max(1, blocks_per_sm)
+    rho = max(1.0, C.DECODE_SATURATING_FRACTION * slots)
+    wave = rho * C.DECODE_WAVE_COST_BYTES / max(1, row_bytes)
+    cap = max(1, min(seq_len // C.DECODE_MIN_KEYS_PER_SPLIT, C.DECODE_MAX_SPLITS))
+    best_s, best = 1, None
+    for s in range(1, cap + 1):
+        keys = seq_len / s
+        full, rest = divmod(pairs * s, slots)
+        cost = keys * (full * slots + (max(rest, rho) if rest else 0)) + (full + (rest > 0)) * wave
+        if best is None or cost <= best * (1 + 1e-9):
+            best_s, best = s, cost if best is None else min(best, cost)
+    return int(best_s)
 
 
 #: decode v3's fused-combine counters: one int32 workspace per (device, stream), zero between
@@ -436,7 +450,8 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
         base_smem = 0
         fn = function(file, kernel, defines)
     if num_splits is None:
-        num_splits = num_splits_heuristic(B, Hkv, longest, dev["sms"], blocks_per_sm(fn, threads, base_smem))
+        num_splits = num_splits_heuristic(B, Hkv, longest, dev["sms"], blocks_per_sm(fn, threads, base_smem),
+                                          2 * d * C.kv_itemsize(dtype, kv))
     S = int(num_splits)
     smem, table_cap, table_offset = base_smem, 0, 0
     if config.version in RING_FUSED:

@@ -7,12 +7,17 @@
 // red_m / red_l (each warp's running max, log2 units, and sum a head) and red_o (each
 // warp's O rows, already rescaled to the block's max) before calling decode_finish.
 //
-// The fused combine: each split block writes (O_s, LSE_s), `__threadfence()` (visible
-// device-wide), one atomicAdd on the counter of its (batch, kv head); the block that brings
-// it to S is the last of its group: every partial is in L2 by then, so it reads them with
-// ld.global.cg (skipping its own L1, where a stale line could sit), merges
-// O = sum_s exp(LSE_s - LSE) O_s, LSE = log sum_s exp(LSE_s), and sets the counter back to
-// 0 for the next call (the launcher keeps one zeroed workspace per device and stream).
+// The fused combine: each split block writes (O_s, LSE_s), then one thread adds 1 to the
+// counter of its (batch, kv head) with an acquire-release atomic after a block barrier (the
+// release publishes every thread's partial device-wide, the acquire makes the others'
+// visible to the block that reads them: one round trip to L2, not a fence on either side);
+// the block that brings the counter to S is the last of its group: every partial is in L2
+// by then, so it reads them with ld.global.cg (skipping its own L1, where a stale line could
+// sit), merges O = sum_s exp(LSE_s - LSE) O_s, LSE = log sum_s exp(LSE_s), and sets the
+// counter back to 0 for the next call (the launcher keeps one zeroed workspace per device
+// and stream).  Up to COMBINE_REG_SPLITS splits a thread loads its column's S pairs
+// (LSE_s, O_s) at once into registers and merges them there: the last block's tail is then
+// one more round trip, where the general path reads the LSEs, then the O rows.
 #pragma once
 #include "common.cuh"
 
@@ -27,6 +32,15 @@ __device__ __forceinline__ double ld_cg(const double* p) {
     asm volatile("ld.global.cg.f64 %0, [%1];" : "=d"(v) : "l"(p));
     return v;
 }
+// counter += 1 at GPU scope, acquire-release (sm_70+): returns the old count
+__device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+#ifndef COMBINE_REG_SPLITS
+#define COMBINE_REG_SPLITS 16                         // splits the register merge takes at once
+#endif
 
 // write this split's O_s (normalised) and LSE_s -> HBM (the final O, LSE when S == 1);
 // then, FUSED, the last block of the (batch, kv head) merges the S partials -> HBM.
@@ -64,15 +78,43 @@ __device__ __forceinline__ void decode_finish(const acc_t (*red_m)[GROUP], const
     if (num_splits == 1) return;
     // ---- the fused combine: the last split block of this (batch, kv head) merges them all
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    __threadfence();                                // this block's partial -> visible to all
-    __syncthreads();                                // every thread's writes fenced
-    if (threadIdx.x == 0) {
-        const int arrived = atomicAdd(counters + b * heads_kv + hk, 1);
+    __syncthreads();                                // every thread's partial written ...
+    if (threadIdx.x == 0) {                         // ... released with the count, and the
+        const int arrived = atom_add_acq_rel(counters + b * heads_kv + hk, 1);   // others' acquired
         is_last = arrived == num_splits - 1;
     }
     __syncthreads();
     if (!is_last) return;
-    __threadfence();                                // order: the count before the partials' reads
+
+    if (num_splits <= COMBINE_REG_SPLITS) {
+        // read (LSE_s, O_s) of a column for every split at once <- L2, merge in registers,
+        // write O and LSE -> HBM
+        const long long step = rows * HEAD_DIM;
+        for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += NTHREADS) {
+            const int gq = i / HEAD_DIM, c = i % HEAD_DIM;
+            acc_t x[COMBINE_REG_SPLITS], y[COMBINE_REG_SPLITS];
+#pragma unroll
+            for (int s = 0; s < COMBINE_REG_SPLITS; ++s) {
+                x[s] = s < num_splits ? ld_cg(LSE_part + (long long)s * rows + row + gq) : neg_inf();
+                y[s] = s < num_splits ? ld_cg(O_part + s * step + (row + gq) * HEAD_DIM + c) : (acc_t)0;
+            }
+            acc_t M = neg_inf();
+#pragma unroll
+            for (int s = 0; s < COMBINE_REG_SPLITS; ++s) M = ik_max(M, x[s]);
+            const acc_t bs = (M == neg_inf()) ? (acc_t)0 : M;
+            acc_t L = 0, sum = 0;
+#pragma unroll
+            for (int s = 0; s < COMBINE_REG_SPLITS; ++s) {
+                const acc_t w = ik_exp(x[s] - bs);   // exp(-inf) = 0: an empty split, or s >= S
+                L += w;
+                sum += w * y[s];
+            }
+            O[(row + gq) * HEAD_DIM + c] = from_acc(L > 0 ? sum / L : (acc_t)0);
+            if (c == 0) LSE[row + gq] = L > 0 ? M + ik_log(L) : neg_inf();
+        }
+        if (threadIdx.x == 0) counters[b * heads_kv + hk] = 0;   // ready for the next call
+        return;
+    }
 
     // weights w_s = exp(LSE_s - LSE) for each head -> SRAM; warp w takes heads w,
     // w + NUM_WARPS, ...; its lanes take splits lane, lane + 32, ...
