@@ -1,6 +1,6 @@
 """When each block of CuPy decode v4 starts, gets its first tile, ends its key loop and ends.
 
-    python scripts/decode_timeline.py [--shapes BxN ...] [--dtype float16] [--reps R] [--save DIR]
+    python scripts/decode_timeline.py [--shapes BxN ...] [--dtype float16] [--reps R] [--no-flush] [--save DIR]
 
 A timing says how long a launch took; it cannot say where inside the launch the time went.
 This script compiles a copy of decode_v4.cu with clock reads added (the package's kernel is
@@ -8,8 +8,8 @@ not changed): thread 0 of every block stores the GPU's global timer (%globaltime
 the same clock on every SM) when the block starts, when warp 0's first K/V tile has landed,
 before the partial's write and the fused combine (decode_common.cuh's decode_finish), and
 at the block's end; lane 0 of every warp stores it when the warp's key loop is done.  Each
-repetition flushes L2 (as iokernels.bench.time_cuda does) and launches once at the default
-settings (GQA 32/8, head_dim 128); printed per shape, medians over the repetitions, in us
+repetition flushes L2 (as iokernels.bench.time_cuda does; ``--no-flush``: it does not, and
+the previous launch's K and V partly sit in L2) and launches once at the default settings (GQA 32/8, head_dim 128); printed per shape, medians over the repetitions, in us
 from the first block's start:
 
     span          the last block's end
@@ -85,6 +85,7 @@ def main(argv=None) -> int:
                    help="BxN: batch x cache length")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     p.add_argument("--reps", type=int, default=9, help="launches a shape (medians over them)")
+    p.add_argument("--no-flush", action="store_true", help="leave L2 as the previous launch left it")
     p.add_argument("--save", type=pathlib.Path, help="directory for the raw stamps (.npy)")
     a = p.parse_args(argv)
     try:
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
     flush = torch.empty(bench.timer.L2_FLUSH_FACTOR * bench.timer.l2_cache_bytes(), dtype=torch.uint8, device="cuda")
     tdt = getattr(torch, a.dtype)
     print(f"# decode v4 timeline, {a.dtype}, GQA {HEADS_Q}/{HEADS_KV}, d={HEAD_DIM}; us from the first block's start, "
-          f"medians of {a.reps} launches (L2 flushed before each)")
+          f"medians of {a.reps} launches ({'L2 as the previous launch left it' if a.no_flush else 'L2 flushed before each'})")
     for B, N in shapes:
         gen = torch.Generator(device="cuda").manual_seed(B * 7 + N)
         q = torch.randn((B, HEADS_Q, HEAD_DIM), device="cuda", dtype=tdt, generator=gen)
@@ -141,10 +142,11 @@ def main(argv=None) -> int:
             print(f"B={B} N={N}: more than {MAX_BLOCKS} blocks; skipped")
             continue
         warps = defines["NUM_WARPS"]
-        plain = bench.time_cuda(call, reps=20).median_ms * 1e3
+        plain = bench.time_cuda(call, reps=20, flush_l2=not a.no_flush).median_ms * 1e3
         runs, rows = [], []
         for _ in range(a.reps):
-            flush.zero_()
+            if not a.no_flush:
+                flush.zero_()
             call()
             torch.cuda.synchronize()
             t = stamps.get().reshape(MAX_BLOCKS, SLOTS)[:blocks].astype(np.int64)
