@@ -65,9 +65,9 @@ DECODE_MIN_BLOCKS = 3
 #: rho = DECODE_SATURATING_FRACTION of a full wave's blocks already keep HBM busy (fewer
 #: stream at their own rate, more share it), and each wave adds what rho blocks take to
 #: stream DECODE_WAVE_COST_BYTES of K and V (its blocks' first tiles in flight, the warps'
-#: merge, the partials and the fused combine); fitted to decode v4's timings at batch 1 to 32
-#: on the H200 (iokernels.bench sweeps), where one split per SM's worth of pairs, two waves
-#: whose second is nearly empty, and splits that leave a sliver of a last wave all occur
+#: merge, the partials and the fused combine); fitted to decode v4's timings at batches 1 to
+#: 32 on the H200 (benchmarks/results/sweeps), which hold one full wave, two waves whose second
+#: is nearly empty, and split counts that leave a sliver of a last wave
 DECODE_SATURATING_FRACTION = 0.7
 DECODE_WAVE_COST_BYTES = 160 * 1024
 #: ... keep at least this many keys a split (its partial O write is amortized) ...

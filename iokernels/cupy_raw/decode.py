@@ -109,8 +109,9 @@ def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int,
         keys = seq_len / s
         full, rest = divmod(pairs * s, slots)
         cost = keys * (full * slots + (max(rest, rho) if rest else 0)) + (full + (rest > 0)) * wave
-        if best is None or cost <= best * (1 + 1e-9):
-            best_s, best = s, cost if best is None else min(best, cost)
+        if best is None or cost <= best * (1 + 1e-9):          # a tie goes to the larger S
+            best_s = s
+            best = cost if best is None else min(best, cost)
     return int(best_s)
 
 
