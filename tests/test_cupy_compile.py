@@ -453,6 +453,15 @@ def test_num_splits_heuristic_properties():
     assert cr.num_splits_heuristic(24, 8, 32768, 132, 1) == 2
     assert cr.num_splits_heuristic(32, 8, 32768, 132, 1) == 1
     assert 2 <= cr.num_splits_heuristic(17, 8, 4096, 132, 1) < cr.num_splits_heuristic(17, 8, 32768, 132, 1)
+    # split_cost is the model the heuristic minimises, as its docstring writes it: 136 pairs
+    # unsplit on 132 slots are a full wave and one of 4 blocks, costed as rho of them
+    slots, rho = 132, C.DECODE_SATURATING_FRACTION * 132
+    want = 32768 * (slots + rho) + 2 * rho * C.DECODE_WAVE_COST_BYTES / 512
+    assert cr.split_cost(136, 32768, 1, 132, 1, 512) == pytest.approx(want, rel=1e-12)
+    for batch, n in ((1, 32768), (8, 4096), (17, 32768), (24, 32768), (64, 4096)):
+        s = cr.num_splits_heuristic(batch, 8, n, 132, 1)
+        costs = [cr.split_cost(batch * 8, n, t, 132, 1) for t in range(1, min(n // lo, cap) + 1)]
+        assert cr.split_cost(batch * 8, n, s, 132, 1) <= min(costs) * (1 + 1e-9), (batch, n, s)
     # a key's K and V rows set the wave's cost in keys: 1-byte codes make it twice as many
     assert cr.num_splits_heuristic(17, 8, 4096, 132, 1, row_bytes=256) < cr.num_splits_heuristic(17, 8, 4096, 132, 1)
 

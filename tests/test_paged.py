@@ -397,5 +397,9 @@ def test_explorer_actions_and_figures():
     shared = np.flatnonzero(cache.ref_counts() > 1)
     assert len(shared) == 1 and set(labels.values()) == {"A", "B"}
     assert isinstance(vp.block_table_figure(), Figure)
+    fig = vp.split_cost_figure(batches=(8, 17), max_splits=20)
+    assert isinstance(fig, Figure) and len(fig.axes[0].lines) == 4      # a curve and a circle each
+    for line in fig.axes[0].lines[::2]:
+        assert min(line.get_ydata()) == 1.0                                # relative to the best S
     ex1 = vp.split_kv_example(seqlen=100, num_splits=7, seed=2)
     assert ex1["o_error"] < 1e-12 and abs(ex1["weights"].sum() - 1) < 1e-12

@@ -123,7 +123,7 @@ from .config import (DecodeConfig, ForwardConfig, GatherConfig, decode_v2_geomet
 from .launch import KERNEL_DIR, SOURCES, device_info, source  # noqa: F401
 from .registry import REGISTRY, need  # noqa: F401
 from .forward import attention, launch_attention, nonmatmul_budget, v2_registers  # noqa: F401
-from .decode import (decode, launch_decode, num_splits_heuristic, paged_decode,  # noqa: F401
+from .decode import (decode, launch_decode, num_splits_heuristic, paged_decode, split_cost,  # noqa: F401
                      paged_decode_pools)
 from .gather import gather_pools, launch_gather, paged_gather  # noqa: F401
 from .backward import attention_backward  # noqa: F401

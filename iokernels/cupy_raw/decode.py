@@ -83,32 +83,39 @@ def v4_quant_rounding_bound(v_hat_max: float, keys) -> np.ndarray:
     return (V4_QUANT_P_REL + 2 * np.asarray(keys, np.float64) * V4_QUANT_P_SUB) * float(v_hat_max)
 
 
+def split_cost(pairs: int, seq_len: int, splits: int, num_sms: int, blocks_per_sm: int = 4,
+               row_bytes: int = 512) -> float:
+    """:func:`num_splits_heuristic`'s modelled time of ``splits`` splits of ``pairs`` (b, kv
+    head) pairs over ``seq_len`` keys, in key-times of one block (only ratios mean anything).
+
+    The blocks run in waves of slots = num_sms * blocks_per_sm.  A wave of n blocks of
+    k = seq_len / splits keys costs k * max(n, rho), rho = DECODE_SATURATING_FRACTION * slots
+    (that many blocks already keep HBM busy: fewer stream at their own rate, more share it),
+    plus rho * w for the wave itself, w = DECODE_WAVE_COST_BYTES / ``row_bytes`` keys
+    (``row_bytes``: one key's K and V rows in HBM)."""
+    slots = num_sms * max(1, blocks_per_sm)
+    rho = max(1.0, C.DECODE_SATURATING_FRACTION * slots)
+    full, rest = divmod(max(1, pairs) * splits, slots)
+    stream = seq_len / splits * (full * slots + (max(rest, rho) if rest else 0))
+    return stream + (full + (rest > 0)) * rho * C.DECODE_WAVE_COST_BYTES / max(1, row_bytes)
+
+
 def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int,
                          blocks_per_sm: int = 4, row_bytes: int = 512) -> int:
-    """Splits of the key axis for the whole batch: the S of least modelled time.
+    """Splits of the key axis for the whole batch: the S of least :func:`split_cost`.
 
     There are batch * heads_kv * S blocks, ``blocks_per_sm`` fit on an SM at once (the
-    launcher asks the driver for its kernel's occupancy), so they run in waves of
-    slots = num_sms * blocks_per_sm.  A wave of n blocks of k = seq_len / S keys costs
-    k * max(n, rho) with rho = DECODE_SATURATING_FRACTION * slots, plus rho * w for the wave
-    itself, w = DECODE_WAVE_COST_BYTES / ``row_bytes`` keys (``row_bytes``: a key's K and V
-    row in HBM).  Where the pairs fit one wave this is the one-wave fill, slots // pairs
-    splits; where they do not, it weighs a nearly empty last wave against more, shorter
-    waves.  Ties go to more splits.  Each split keeps at least DECODE_MIN_KEYS_PER_SPLIT
-    keys; at most DECODE_MAX_SPLITS.
+    launcher asks the driver for its kernel's occupancy).  Where the pairs fit one wave this
+    is the one-wave fill, slots // pairs splits; where they do not, it weighs a nearly empty
+    last wave against more, shorter waves.  A tie goes to more splits.  Each split keeps at
+    least DECODE_MIN_KEYS_PER_SPLIT keys; at most DECODE_MAX_SPLITS.
     """
     if seq_len <= 0:
         return 1
-    pairs = max(1, batch * heads_kv)
-    slots = num_sms * max(1, blocks_per_sm)
-    rho = max(1.0, C.DECODE_SATURATING_FRACTION * slots)
-    wave = rho * C.DECODE_WAVE_COST_BYTES / max(1, row_bytes)
     cap = max(1, min(seq_len // C.DECODE_MIN_KEYS_PER_SPLIT, C.DECODE_MAX_SPLITS))
     best_s, best = 1, None
     for s in range(1, cap + 1):
-        keys = seq_len / s
-        full, rest = divmod(pairs * s, slots)
-        cost = keys * (full * slots + (max(rest, rho) if rest else 0)) + (full + (rest > 0)) * wave
+        cost = split_cost(batch * heads_kv, seq_len, s, num_sms, blocks_per_sm, row_bytes)
         if best is None or cost <= best * (1 + 1e-9):          # a tie goes to the larger S
             best_s = s
             best = cost if best is None else min(best, cost)

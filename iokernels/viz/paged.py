@@ -11,6 +11,7 @@ imported inside the functions.
 * :func:`fragmentation_figure`, :func:`block_size_figure`   reservation vs paging
 * :func:`split_kv_figure`       the article's Figure 4: split the keys, merge by LSE
 * :func:`occupancy_figure`, :func:`heuristic_figure`        why decode starves a GPU
+* :func:`split_cost_figure`     the GPU launcher's wave model: modelled time against splits
 """
 from __future__ import annotations
 
@@ -463,5 +464,34 @@ def heuristic_figure(heads_kv=8, num_sms=132, block_n=128, seqlens=None, batches
     b.set_xlim(0, min(len(eff), 64) + 1)
     b.set_title(f"batch {batches[0]}, {seqlens[-1]} keys: picks {s} (red)", fontsize=10)
     b.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def split_cost_figure(batches=(1, 8, 17, 24, 32), seq_len=32768, heads_kv=8, num_sms=132, blocks_per_sm=1,
+                      max_splits=24, row_bytes=512, ax=None):
+    """The CuPy decode launcher's wave model (iokernels.cupy_raw.split_cost): modelled time of
+    S splits over the best S, one curve per batch size, the heuristic's choice circled.
+    Defaults: decode v4's 8-warp blocks (one an SM) on a 132-SM GPU, 16-bit rows of d = 128."""
+    import matplotlib.pyplot as plt
+
+    cr = importlib.import_module("iokernels.cupy_raw")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    else:
+        fig = ax.figure
+    splits = np.arange(1, max_splits + 1)
+    for bsz in batches:
+        cost = np.array([cr.split_cost(bsz * heads_kv, seq_len, int(s), num_sms, blocks_per_sm, row_bytes)
+                         for s in splits])
+        pick = cr.num_splits_heuristic(bsz, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
+        line, = ax.plot(splits, cost / cost.min(), "o-", ms=3, label=f"batch {bsz} ({bsz * heads_kv} pairs): S = {pick}")
+        if pick <= max_splits:
+            ax.plot([pick], [cost[pick - 1] / cost.min()], "o", ms=10, mfc="none", color=line.get_color())
+    ax.set_xlabel("num_splits S")
+    ax.set_ylabel("modelled time / best")
+    ax.set_ylim(0.95, 2.0)
+    ax.set_title(f"{seq_len} keys, {heads_kv} KV heads, {num_sms} SMs x {blocks_per_sm} block(s)", fontsize=10)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
