@@ -41,41 +41,36 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 SLOTS, MAX_BLOCKS = 16, 16384
 CLOCK = ('static __device__ __forceinline__ unsigned long long ik_clock() {\n'
          '    unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }\n')
-#: (anchor in decode_v4.cu, text inserted after it); the anchors are asserted present
+#: where the stamps go in decode_v4.cu (each anchor must occur once): (anchor, its replacement)
 ENTRY = 'extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)\ndecode_split_v4('
-STAMPS = (
-    ("    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;\n"
-     "    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;\n",
-     f"    unsigned long long* ik_my = ik_stamps + {SLOTS}ull * ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);\n"
+BLOCK_IDS = ("    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;\n"
+             "    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;\n")
+FIRST_TILE = "        __syncwarp();\n#if KV_QUANT\n        const unsigned char* Kt"
+LOOP_END = "#if !LOAD_BULK\n    cp_async_wait<0>();\n#endif\n"
+FINISH = ("    decode_finish(red_m, red_l, red_o, red_o, split, b, hk, heads_q, heads_kv, num_splits,\n"
+          "                  O_part, LSE_part, counters, O, LSE);\n}")
+EDITS = (
+    (ENTRY, f"__device__ unsigned long long ik_stamps[{MAX_BLOCKS * SLOTS}];\n" + CLOCK + ENTRY),
+    (BLOCK_IDS, BLOCK_IDS
+     + f"    unsigned long long* ik_my = ik_stamps + {SLOTS}ull * ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);\n"
      "    if (threadIdx.x == 0) {\n"
      "        unsigned smid; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
      "        ik_my[0] = ik_clock(); ik_my[12] = smid;\n"
      "    }\n"),
-    ("        __syncwarp();\n#if KV_QUANT\n        const unsigned char* Kt",
-     None),                                       # first tile: inserted before the #if
-    ("#if !LOAD_BULK\n    cp_async_wait<0>();\n#endif\n",
-     "    if (lane == 0) ik_my[2 + warp % 8] = ik_clock();\n"),
+    (FIRST_TILE, FIRST_TILE.replace("#if KV_QUANT", "        if (j == 0 && threadIdx.x == 0) ik_my[1] = ik_clock();\n#if KV_QUANT")),
+    (LOOP_END, LOOP_END + "    if (lane == 0) ik_my[2 + warp % 8] = ik_clock();\n"),
+    (FINISH, "    if (threadIdx.x == 0) ik_my[10] = ik_clock();\n" + FINISH[:-1]
+     + "    __syncthreads();\n    if (threadIdx.x == 0) ik_my[11] = ik_clock();\n}"),
 )
-FINISH = ("    decode_finish(red_m, red_l, red_o, red_o, split, b, hk, heads_q, heads_kv, num_splits,\n"
-          "                  O_part, LSE_part, counters, O, LSE);\n}")
 
 
 def stamped_source(launch) -> str:
     """decode_v4.cu (includes inlined) with the clock reads added."""
     s = launch.source("decode_v4")
-    for anchor in (ENTRY, FINISH, *(a for a, _ in STAMPS)):
+    for anchor, text in EDITS:
         if s.count(anchor) != 1:
             raise RuntimeError(f"decode_timeline: decode_v4.cu changed; anchor not found once: {anchor[:60]!r}")
-    s = s.replace(ENTRY, f"__device__ unsigned long long ik_stamps[{MAX_BLOCKS * SLOTS}];\n" + CLOCK + ENTRY)
-    first, _ = STAMPS[0]
-    s = s.replace(first, first + STAMPS[0][1])
-    tile, _ = STAMPS[1]
-    s = s.replace(tile, "        __syncwarp();\n        if (j == 0 && threadIdx.x == 0) ik_my[1] = ik_clock();\n"
-                  + tile[len("        __syncwarp();\n"):])
-    loop, text = STAMPS[2]
-    s = s.replace(loop, loop + text)
-    s = s.replace(FINISH, "    if (threadIdx.x == 0) ik_my[10] = ik_clock();\n" + FINISH[:-1]
-                  + "    __syncthreads();\n    if (threadIdx.x == 0) ik_my[11] = ik_clock();\n}")
+        s = s.replace(anchor, text)
     return s
 
 
