@@ -32,6 +32,7 @@ s_K, s_V a quantized block's scales: a stored code c stands for c * s
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -100,6 +101,7 @@ def split_cost(pairs: int, seq_len: int, splits: int, num_sms: int, blocks_per_s
     return stream + (full + (rest > 0)) * rho * C.DECODE_WAVE_COST_BYTES / max(1, row_bytes)
 
 
+@functools.lru_cache(maxsize=4096)      # pure, and on every launch's host path: a shape is costed once
 def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int,
                          blocks_per_sm: int = 4, row_bytes: int = 512) -> int:
     """Splits of the key axis for the whole batch: the S of least :func:`split_cost`.
