@@ -143,3 +143,20 @@ def test_lesson_modules_import_no_plotting(module):
             for n in names:
                 assert not any(part in ("viz", "bench", "labs", "matplotlib") for part in n.replace(".", " ").split()), \
                     f"{path} imports {n}"
+
+
+def test_chapter_tables_carry_the_numbers(rng):
+    pytest.importorskip("matplotlib")
+    from iokernels.viz import decode_models as dm
+    t = dm.model_table(context=32768)
+    llama2 = next(r for r in t.rows if r[0] == "Llama-2-7B")
+    assert llama2[6] == "512.0 KiB" and len(t.rows) == len(models.MODELS)
+    assert [r[1] for r in dm.source_table().rows] == [m.source for m in models.MODELS.values()]
+    c = models.mla_comparison(rng, seqlen=40, batch=2, shape=dict(latent_dim=24, rope_dim=8, head_dim=8,
+                                                                 v_head_dim=8, heads=4))
+    small, full = dm.mla_comparison_tables(c)
+    assert [r[0] for r in small.rows] == list(c["errors"]) and {r[2] for r in small.rows} <= {"yes", "not counted"}
+    assert [r[0] for r in full.rows] == list(c["full"])
+    rows = models.kv_quant_accuracy(rng, lengths=(16,), heads_q=2, heads_kv=1, head_dim=16)
+    q = dm.kv_quant_table(rows)
+    assert len(q.rows) == len(rows) and all((r[4] == "") == (x["bound"] is None) for r, x in zip(q.rows, rows))

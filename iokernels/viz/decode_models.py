@@ -5,6 +5,8 @@
 :func:`kv_quant_figure`        decode error against N per cache kind, bounds dashed
 :func:`recorded_mla_figure`    the recorded MLA decode runs: TFLOP/s per runner
 :func:`recorded_cache_figure`  the recorded quantized-cache runs: speed vs 16 bits
+:func:`ridge_table`, :func:`model_table`, :func:`source_table`, :func:`mla_comparison_tables`
+                               the chapter's numbers as tables
 :class:`Table`                 a small table that shows as HTML in a notebook
 =============================  ====================================================
 """
@@ -183,3 +185,39 @@ def recorded_cache_figure(label, rows):
     axes[-1].legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     fig.suptitle(label, fontsize=7)
     return fig
+
+
+def model_table(context=32768, gpu=models.DEFAULT_GPU) -> Table:
+    """:func:`iokernels.models.model_table` as a table (the sources go in :func:`source_table`)."""
+    rows = models.model_table(context=context, gpu=gpu)
+    return Table(["model", "kind", "L", "Hq", "Hkv", "values/layer", "KV/token", f"cache @{context // 1024}K",
+                  f"read once ({gpu})"],
+                 [[r["model"], r["kind"], r["layers"], r["heads_q"], r["heads_kv"], f"{r['values_per_layer']:,}",
+                   f"{r['bytes_per_token'] / 1024:.1f} KiB", f"{r['cache_bytes'] / 1e9:.2f} GB",
+                   f"{r['read_s'] * 1e3:.2f} ms"] for r in rows])
+
+
+def source_table() -> Table:
+    """Where each model's shape comes from (paper or model card, and its config.json)."""
+    return Table(["model", "source"], [[m.name, m.source] for m in models.MODELS.values()])
+
+
+def mla_comparison_tables(c) -> tuple[Table, Table]:
+    """:func:`iokernels.models.mla_comparison`'s result as two tables: the small problem's
+    exactness and counted traffic, and the full-size bytes and FLOPs of the two forms."""
+    small = Table(["form", "max |O - O_float64|", "counted == modelled bytes"],
+                  [[f, f"{e:.1e}", ("yes" if c["counted"][f]["equal"] else "NO") if f in c["counted"] else "not counted"]
+                   for f, e in c["errors"].items()],
+                  caption="a scaled-down MLA problem in float64")
+    full = Table(["form", "MB moved", "GFLOP", "of which attention", "FLOP/byte"],
+                 [[f, f"{r['bytes'] / 1e6:,.1f}", f"{r['flops'] / 1e9:,.2f}", f"{r['attention_flops'] / 1e9:,.2f}",
+                   f"{r['intensity']:.0f}"] for f, r in c["full"].items()],
+                 caption="DeepSeek-V3's shapes, one layer, one sequence (closed-form models)")
+    return small, full
+
+
+def kv_quant_table(rows) -> Table:
+    """:func:`iokernels.models.kv_quant_accuracy`'s rows as a table."""
+    return Table(["N", "cache", "B/token", "max |O err|", "stated bound", "|LSE err|"],
+                 [[r["N"], r["cache"], f"{r['bytes_per_token']:g}", f"{r['o_error']:.1e}",
+                   "" if r["bound"] is None else f"{r['bound']:.3f}", f"{r['lse_error']:.1e}"] for r in rows])
