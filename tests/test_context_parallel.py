@@ -273,7 +273,7 @@ def test_cli_rejects_bad_sizes_before_launching(capsys):
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_block_backward_matches_oracle(rng, monkeypatch, causal):
     """The block backward that CUDA tensors use, run here on CPU tensors, a few rows at a time."""
-    monkeypatch.setattr(cp, "TORCH_BWD_BLOCK_BYTES", 2 * 6 * 17 * 8 * 5)   # 5 rows a chunk, the last short
+    monkeypatch.setattr(cp.steps, "TORCH_BWD_BLOCK_BYTES", 2 * 6 * 17 * 8 * 5)   # 5 rows a chunk, the last short
     q, k, v, do = ik.testing.make_inputs(rng, batch=2, heads_q=6, heads_kv=2, seqlen_q=17, head_dim=9,
                                          with_grad=True)
     O, L = ik.reference.attention(q, k, v, causal=causal)
@@ -288,8 +288,8 @@ def test_ring_backward_through_the_torch_block_path(rng, monkeypatch, causal):
     """The ring backward as CUDA tensors run it (each block's gradients from
     _torch_block_backward, reached through _block_backward), here on CPU tensors: a GQA
     ring of 3 ranks, Nq != Nk when not causal, against the float64 oracle."""
-    monkeypatch.setattr(cp, "_torch_backward_for", lambda q: True)
-    monkeypatch.setattr(cp, "TORCH_BWD_BLOCK_BYTES", 2 * 6 * 23 * 8 * 4)   # a few rows a chunk
+    monkeypatch.setattr(cp.steps, "_torch_backward_for", lambda q: True)
+    monkeypatch.setattr(cp.steps, "TORCH_BWD_BLOCK_BYTES", 2 * 6 * 23 * 8 * 4)   # a few rows a chunk
     nk = 19 if causal else 29
     q, k, v, do = ik.testing.make_inputs(rng, batch=2, heads_q=6, heads_kv=2, seqlen_q=19, seqlen_k=nk,
                                          head_dim=9, with_grad=True)
