@@ -1,6 +1,7 @@
 """Step 8c: context parallelism: ring attention over torch.distributed.
 
-A long context outgrows one GPU's memory before it outgrows its compute.  Ring attention
+Splitting a long sequence over W devices divides both the memory its K/V need and the
+attention compute (each device does about 1/W of the FLOPs).  Ring attention
 (Liu, Zaharia and Abbeel, 2023) splits the *sequence* across W devices: rank r holds the
 queries, keys and values of its positions.  The K/V blocks then travel round a ring:
 at step s rank r holds the K/V block of rank (r - s) mod W, computes attention of its
@@ -73,8 +74,10 @@ A rank's algorithm is a generator (:func:`_forward_steps`, :func:`_backward_step
 that yields its communication requests (``_Send``: post a batched send/receive;
 ``_Wait``: wait for it and take the received tensor).  :func:`ring_attention` drives it
 over a real process group (gloo on CPU processes, NCCL on GPUs); :func:`simulate` drives
-W such generators in lockstep in one process, passing the tensors round by hand, so a
-notebook can run the ring without launching processes, through the same code.
+W such generators in lockstep in one process, passing the arrays round by hand, so a
+notebook can run the ring without launching processes, through the same code.  The steps
+are written once for NumPy arrays and torch tensors (:mod:`.arrays`): the simulation runs
+on NumPy arrays and needs no torch, unless a torch local kernel asks for tensors.
 
 Local kernels
 =============
@@ -109,8 +112,9 @@ Modules
 ==========================================  ==================================================
 :mod:`~iokernels.context_parallel.split`    the splits and the causal block schedule (NumPy)
 :mod:`~iokernels.context_parallel.merge`    the pairwise merge (NumPy or torch)
-:mod:`~iokernels.context_parallel.steps`    a rank's step generators and local blocks (torch)
-:mod:`~iokernels.context_parallel.drivers`  the process-group and in-process drivers (torch)
+:mod:`~iokernels.context_parallel.arrays`   the array operations the steps use (NumPy or torch)
+:mod:`~iokernels.context_parallel.steps`    a rank's step generators and local blocks
+:mod:`~iokernels.context_parallel.drivers`  the process-group driver (torch) and the simulation
 :mod:`~iokernels.context_parallel.costs`    closed-form bytes, memory, timeline; experiments
 ==========================================  ==================================================
 """

@@ -1,11 +1,13 @@
 """The two drivers of a rank's steps: a torch.distributed process group
 (:func:`ring_attention`, :func:`ring_attention_backward`) and W logical ranks in one
-process (:func:`simulate`).  Needs torch."""
+process (:func:`simulate`).  The process group needs torch; the simulation runs on NumPy
+arrays (no torch needed) unless a torch local kernel or ``arrays="torch"`` asks for tensors."""
 from __future__ import annotations
 
 import numpy as np
 
 from ..core import conventions as cv
+from . import arrays as xa
 from .split import _length, shard, split_positions, unshard
 from .steps import _TAG_NAME, RingStats, _backward_steps, _forward_steps, _nbytes, _Send
 
@@ -69,10 +71,10 @@ def _drive(gen, comm):
         return done.value
 
 
-def _problem(q, k, v, seqlen_q, seqlen_k, W, split, causal, scale):
+def _problem(q, k, v, seqlen_q, seqlen_k, W, split, causal, scale, torch_only=True):
     """Check the arguments; returns (q_pos, kv_pos, scale, causal) of the split."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not type(x).__module__.startswith("torch"):
+        if torch_only and not xa.is_torch(x):
             raise ValueError(f"{name}: ring attention takes torch tensors (the process group's), got "
                              f"{type(x).__module__}.{type(x).__name__}")
     info = cv.check_qkv(q, k, v)
@@ -104,10 +106,18 @@ def _on_this_rank(q, k, v, seqlen_q, seqlen_k, split, causal, scale, group, back
 PARTIAL_DTYPES = (None, "float32", "bfloat16", "float16")
 
 
-def _partial_dtype(name):
-    import torch
+#: how :func:`simulate` holds the ranks' arrays: NumPy (no torch needed) or torch tensors
+SIM_ARRAYS = ("numpy", "torch")
+#: the local kernels that take torch tensors only
+TORCH_BACKENDS = ("torch", "torch_fused")
+
+
+def _partial_dtype(name, like=None):
     cv.check_choice(name, "partial_dtype", PARTIAL_DTYPES)
-    return None if name is None else getattr(torch, name)
+    if like is None:
+        import torch
+        like = torch.empty(0)
+    return xa.storage_dtype(name, like)
 
 
 def ring_attention(q, k, v, *, seqlen_q, seqlen_k=None, causal=False, scale=None, split="zigzag",
@@ -161,10 +171,10 @@ def _lockstep(gens, stats):
         for r, req in reqs.items():
             name = _TAG_NAME[req.tag]
             if isinstance(req, _Send):
-                t = req.tensor.clone()
+                t = xa.copy(req.tensor)
                 mailbox[(req.tag, (r + 1) % W)] = t
                 stats[r].sent[name] += _nbytes(t)
-                stats[r].received[name] += int(np.prod(req.shape)) * t.element_size()
+                stats[r].received[name] += int(np.prod(req.shape)) * xa.itemsize(t)
                 replies[r] = None
             else:
                 replies[r] = mailbox.pop((req.tag, r))
@@ -172,30 +182,40 @@ def _lockstep(gens, stats):
 
 
 def simulate(q, k, v, world_size, *, do=None, causal=False, scale=None, split="zigzag", backend="tiled",
-             config=None, partial_dtype=None):
+             config=None, partial_dtype=None, arrays=None):
     """Run the ring with ``world_size`` logical ranks in this process, sequentially.
 
     q, k, v (and ``do`` for the backward) are the full NumPy arrays; each logical rank
-    gets its shard and runs the same step generators as :func:`ring_attention`.  Returns
-    a dict with o, lse (full, NumPy) and, with ``do``, dq, dk, dv; plus ``stats`` (one
-    :class:`RingStats` per rank for the forward) and ``bwd_stats``.
+    gets its shard and runs the same step generators as :func:`ring_attention`.  ``arrays``:
+    "numpy" (the default for the package's NumPy-facing backends: no torch needed) or
+    "torch" (CPU tensors, as the process group passes them; the default for the "torch"
+    and "torch_fused" local kernels, which need it).  Returns a dict with o, lse (full,
+    NumPy) and, with ``do``, dq, dk, dv; plus ``stats`` (one :class:`RingStats` per rank for
+    the forward) and ``bwd_stats``.
     """
-    import torch
-    from ..torch_sdpa import _to_torch as np_to_torch
     cv.check_choice(backend, "backend", RING_BACKENDS)
+    arrays = ("torch" if backend in TORCH_BACKENDS else "numpy") if arrays is None else arrays
+    cv.check_choice(arrays, "arrays", SIM_ARRAYS)
+    if arrays == "numpy" and backend in TORCH_BACKENDS:
+        raise ValueError(f"arrays: the {backend!r} local kernel takes torch tensors; pass arrays='torch'")
+    if arrays == "torch":
+        from ..torch_sdpa import _to_torch as convert
+    else:
+        convert = np.asarray
     W = world_size
-    tq, tk, tv = (np_to_torch(np.ascontiguousarray(x)) for x in (q, k, v))
-    q_pos, kv_pos, scale, causal = _problem(tq, tk, tv, tq.shape[2], tk.shape[2], W, split, causal, scale)
+    tq, tk, tv = (convert(np.ascontiguousarray(x)) for x in (q, k, v))
+    q_pos, kv_pos, scale, causal = _problem(tq, tk, tv, tq.shape[2], tk.shape[2], W, split, causal, scale,
+                                            torch_only=arrays == "torch")
+    pd = _partial_dtype(partial_dtype, tq)
     qs = [shard(tq, q_pos[r]) for r in range(W)]
-    kvs = [torch.stack([shard(tk, kv_pos[r]), shard(tv, kv_pos[r])]) for r in range(W)]
-    pd = _partial_dtype(partial_dtype)
+    kvs = [xa.stack([shard(tk, kv_pos[r]), shard(tv, kv_pos[r])]) for r in range(W)]
     stats = [RingStats(rank=r) for r in range(W)]
     out = _lockstep([_forward_steps(qs[r], kvs[r], r, W, kv_pos, q_pos, causal, scale, backend, config, pd,
                                     stats[r]) for r in range(W)], stats)
     res = dict(o=unshard([_np(o) for o, _ in out], q_pos), lse=unshard([_np(l) for _, l in out], q_pos),
                stats=stats, q_pos=q_pos, kv_pos=kv_pos)
     if do is not None:
-        tdo = np_to_torch(np.ascontiguousarray(do))
+        tdo = convert(np.ascontiguousarray(do))
         bstats = [RingStats(rank=r) for r in range(W)]
         grads = _lockstep([_backward_steps(shard(tdo, q_pos[r]), qs[r], out[r][0], out[r][1], kvs[r], r, W,
                                            kv_pos, q_pos, causal, scale, backend, config, bstats[r])
@@ -206,5 +226,7 @@ def simulate(q, k, v, world_size, *, do=None, causal=False, scale=None, split="z
 
 
 def _np(t):
+    if not xa.is_torch(t):
+        return np.asarray(t)
     from ..torch_sdpa import _to_like
     return _to_like(t.detach().cpu(), np.empty(0))

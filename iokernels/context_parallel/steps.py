@@ -2,7 +2,9 @@
 
 The statistics a rank keeps (:class:`RingStats`), the requests it yields (``_Send``,
 ``_Wait``), the block forward and backward through the package's backends or torch, and
-the forward and backward step generators that both drivers run.  Needs torch.
+the forward and backward step generators that both drivers run.  The steps run on NumPy
+arrays or torch tensors (:mod:`iokernels.context_parallel.arrays`); the "torch" and
+"torch_fused" local kernels, and the process group, need torch tensors.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core import conventions as cv
+from . import arrays as xa
 from .merge import merge_pair
 from .split import _length, _pairs, block_schedule
 
@@ -79,13 +82,10 @@ class _Wait:
 
 
 # --------------------------------------------------------------------------- local blocks
-def _acc_torch(dtype):
-    import torch
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _to_backend(t, backend):
-    """A torch tensor as the local kernel wants it: torch/CUDA tensors as they are, else NumPy."""
+    """An array as the local kernel wants it: torch/CUDA tensors as they are, else NumPy."""
+    if not xa.is_torch(t):
+        return np.ascontiguousarray(t)
     if backend == "torch" or t.is_cuda:
         return t.contiguous()
     from ..torch_sdpa import _to_like
@@ -93,6 +93,10 @@ def _to_backend(t, backend):
 
 
 def _to_torch(x, like):
+    """``x`` (a kernel's result) as an array of ``like``'s kind: NumPy, or torch on its device."""
+    if not xa.is_torch(like):
+        from ..core.testing import as_numpy
+        return np.asarray(as_numpy(x))
     import torch
     from ..torch_sdpa import _to_torch as np_to_torch
     t = x if isinstance(x, torch.Tensor) else np_to_torch(np.ascontiguousarray(x))
@@ -100,19 +104,17 @@ def _to_torch(x, like):
 
 
 def _rows(x, ranges, axis=2):
-    import torch
-    parts = [x.narrow(axis, a, b - a) for a, b in ranges]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, axis)
+    parts = [x[(slice(None),) * axis + (slice(a, b),)] for a, b in ranges]
+    return parts[0] if len(parts) == 1 else xa.cat(parts, axis)
 
 
 def _block_forward(q, kv, calls, scale, backend, config, stats):
     """O_b, LSE_b (accumulator dtype) of the rank's queries against one K/V block."""
-    import torch
     from ..core.api import attention
-    acc = _acc_torch(q.dtype)
+    acc = xa.accumulator(q)
     B, Hq, nq, d = q.shape
-    o_b = torch.zeros((B, Hq, nq, d), dtype=acc, device=q.device)
-    lse_b = torch.full((B, Hq, nq), -math.inf, dtype=acc, device=q.device)
+    o_b = xa.zeros((B, Hq, nq, d), acc, q)
+    lse_b = xa.full((B, Hq, nq), -math.inf, acc, q)
     for qrows, krows, causal in calls:                         # load Q rows, K_c, V_c -> the kernel
         qx, kx, vx = _rows(q, qrows), _rows(kv[0], krows), _rows(kv[1], krows)
         if backend == "torch_fused":
@@ -121,8 +123,8 @@ def _block_forward(q, kv, calls, scale, backend, config, stats):
             o, lse = attention(_to_backend(qx, backend), _to_backend(kx, backend), _to_backend(vx, backend),
                                causal=causal, scale=scale, backend=backend, config=config, return_lse=True)
         (a, b), = qrows
-        o_b[:, :, a:b] = _to_torch(o, q).to(acc)
-        lse_b[:, :, a:b] = _to_torch(lse, q).to(acc)
+        o_b[:, :, a:b] = xa.cast(_to_torch(o, q), acc)
+        lse_b[:, :, a:b] = xa.cast(_to_torch(lse, q), acc)
         stats.pairs += _pairs(qx.shape[2], kx.shape[2], causal)
     return o_b, lse_b
 
@@ -149,7 +151,7 @@ def _torch_fused_block(q, k, v, causal, scale):
     with nk > nq (earlier chunks, then the diagonal) is two calls, merged: the first nk - nq
     keys fully visible, the last nq causal.
     """
-    acc = _acc_torch(q.dtype)
+    acc = xa.accumulator(q)
     g = q.shape[1] // k.shape[1]
     if g > 1:
         k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
@@ -169,7 +171,7 @@ def _torch_block_backward(do, q, k, v, o, lse, causal, scale):
     block stays under TORCH_BWD_BLOCK_BYTES).
     """
     import torch
-    acc = _acc_torch(q.dtype)
+    acc = xa.accumulator(q)
     B, Hq, nq, d = q.shape
     Hkv, nk = k.shape[1], k.shape[2]
     g = Hq // Hkv
@@ -197,20 +199,19 @@ def _torch_block_backward(do, q, k, v, o, lse, causal, scale):
 def _torch_backward_for(q) -> bool:
     """Whether a block's gradients come from :func:`_torch_block_backward` (CUDA tensors: the
     GPU has no other backward for a ring block) rather than the package's attention_backward."""
-    return bool(q.is_cuda)
+    return xa.is_cuda(q)
 
 
 def _block_backward(do, q, o, lse, kv, calls, scale, backend, config, stats):
     """dQ (rank's rows) and dK_c, dV_c (packed, accumulator dtype) of one block."""
-    import torch
     from ..core.api import attention_backward
-    acc = _acc_torch(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
+    acc = xa.accumulator(q)
+    dq = xa.zeros(q.shape, acc, q)
+    dkv = xa.zeros(kv.shape, acc, q)
     bwd = "naive" if backend == "naive" else "tiled"
     for qrows, krows, causal in calls:
         sel = [_rows(x, qrows) for x in (do, q, o)]
-        lsex = _rows(lse.unsqueeze(-1), qrows)[..., 0]
+        lsex = _rows(lse[..., None], qrows)[..., 0]
         kx, vx = _rows(kv[0], krows), _rows(kv[1], krows)
         if _torch_backward_for(q):
             do_x, q_x, o_x = sel
@@ -219,7 +220,7 @@ def _block_backward(do, q, o, lse, kv, calls, scale, backend, config, stats):
             args = [_to_backend(x, bwd) for x in (*sel[:2], kx, vx, sel[2])] + [_to_backend(lsex, bwd)]
             g = attention_backward(*args, causal=causal, scale=scale, backend=bwd,
                                    config=config if bwd == backend else None)
-        dqx, dkx, dvx = (_to_torch(x, q).to(acc) for x in g)
+        dqx, dkx, dvx = (xa.cast(_to_torch(x, q), acc) for x in g)
         (a, b), = qrows
         dq[:, :, a:b] += dqx
         off = 0
@@ -233,17 +234,16 @@ def _block_backward(do, q, o, lse, kv, calls, scale, backend, config, stats):
 
 def _round(x, dtype):
     """Store ``x`` in ``dtype`` between steps (None: keep), computing on in its own dtype."""
-    return x if dtype is None else x.to(dtype).to(x.dtype)
+    return x if dtype is None else xa.cast(xa.cast(x, dtype), x.dtype)
 
 
 # --------------------------------------------------------------------------- one rank's steps
 def _forward_steps(q, kv, rank, W, kv_pos, q_pos, causal, scale, backend, config, partial_dtype, stats):
     """One rank's ring forward as a generator of communication requests; returns (O, LSE)."""
-    import torch
-    acc = _acc_torch(q.dtype)
+    acc = xa.accumulator(q)
     B, Hq, nq, d = q.shape
-    o = torch.zeros((B, Hq, nq, d), dtype=acc, device=q.device)
-    lse = torch.full((B, Hq, nq), -math.inf, dtype=acc, device=q.device)
+    o = xa.zeros((B, Hq, nq, d), acc, q)
+    lse = xa.full((B, Hq, nq), -math.inf, acc, q)
     stats.resident_bytes = _nbytes(q, kv, o, lse) + _nbytes(kv) * (W > 1)   # + the block arriving
     for step in range(W):                                       # the ring: W steps, K_c, V_c in HBM
         c = (rank - step) % W                                   # K_c, V_c in hand
@@ -258,17 +258,16 @@ def _forward_steps(q, kv, rank, W, kv_pos, q_pos, causal, scale, backend, config
         stats.events.append(("compute", step, t0, stats.now()))
         if step < W - 1:
             kv = yield _Wait(KV_TAG, step)                      # K_c-1, V_c-1 have arrived
-    return o.to(q.dtype), lse
+    return xa.cast(o, q.dtype), lse
 
 
 def _backward_steps(do, q, o, lse, kv, rank, W, kv_pos, q_pos, causal, scale, backend, config, stats):
     """One rank's ring backward: K/V travel as in the forward, dK/dV travel with them."""
-    import torch
-    acc = _acc_torch(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    acc = xa.accumulator(q)
+    dq = xa.zeros(q.shape, acc, q)
     dkv = None
     stats.resident_bytes = _nbytes(do, q, o, lse, dq) + _nbytes(kv) * (1 + (W > 1)) + \
-        2 * kv.numel() * dq.element_size() * (W > 1)
+        2 * xa.nbytes(kv) // xa.itemsize(kv) * xa.itemsize(dq) * (W > 1)
     for step in range(W):                                       # the ring: K_c, V_c, dK_c, dV_c in HBM
         c = (rank - step) % W
         nxt = (c - 1) % W
@@ -289,8 +288,8 @@ def _backward_steps(do, q, o, lse, kv, rank, W, kv_pos, q_pos, causal, scale, ba
             kv = yield _Wait(KV_TAG, step)
     if W > 1:
         dkv = yield _Wait(DKV_TAG, W)                           # my own block's dK, dV, complete
-    return dq.to(q.dtype), dkv[0].to(q.dtype), dkv[1].to(q.dtype)
+    return xa.cast(dq, q.dtype), xa.cast(dkv[0], q.dtype), xa.cast(dkv[1], q.dtype)
 
 
 def _nbytes(*ts) -> int:
-    return int(sum(t.numel() * t.element_size() for t in ts))
+    return xa.nbytes(*ts)
