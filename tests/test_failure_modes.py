@@ -120,3 +120,18 @@ def test_plots_draw(rng):
     assert vf.drift_figure(d).axes
     r = fm.bias_vs_score_mod(rng, seqlen=64, head_dim=8, heads=1, docs=2, block=16)
     assert vf.block_mask_figure(r["blocks"], r["doc_ids"]).axes
+
+
+def test_accuracy_report_runs_torch_inside_the_callers_quiet_block(rng):
+    pytest.importorskip("torch")
+    import contextlib
+    entered = []
+
+    @contextlib.contextmanager
+    def quiet():
+        entered.append(True)
+        yield
+
+    rows = fm.accuracy_report(rng, backends=("naive", "torch"), seqlen=24, head_dim=16, quiet=quiet)
+    assert entered == [True]                                  # once, around the torch run only
+    assert rows[1]["backend"] == "torch" and rows[1]["check"]
