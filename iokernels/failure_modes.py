@@ -12,7 +12,7 @@ numbers (plots come from :mod:`iokernels.viz.failure_modes`).
 :func:`dq_contributions`, :func:`accumulate_dq`
                                        dQ = sum over K/V tiles, added in a shuffled order
                                        (as atomics do) or a fixed one
-:func:`deterministic_dq_cost`          the memory and HBM bytes of a deterministic dQ
+:func:`deterministic_dq_cost`          the memory and HBM bytes of FA2's deterministic dQ
 :func:`bias_vs_score_mod`              a dense bias in HBM against a score_mod computed
                                        in the tile loop, and a document mask's skipped tiles
 :func:`textbook_softmax`               the softmax of a fully masked row: NaN
@@ -25,6 +25,8 @@ Notation as in :mod:`iokernels.tiled`: Br, Bc tile rows; m, l, O the running sta
 LSE the row log-sum-exp; dQ, dS, K as in :mod:`iokernels.backward`.
 """
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -47,6 +49,9 @@ DRIFT_QUERIES = 16
 DRIFT_VALUE_OFFSET = 1.0
 #: float32 bytes of one dQ accumulator element
 _F32 = 4
+#: streaming multiprocessors of an H100 SXM (datasheet): FlashAttention-2's deterministic
+#: backward sizes its dQ accumulators from the SM count
+H100_SMS = 132
 
 
 # --------------------------------------------------------------------------- accumulation drift
@@ -155,21 +160,36 @@ def accumulate_dq(parts, order=None) -> np.ndarray:
 
 
 def deterministic_dq_cost(*, seqlen_q: int, seqlen_k: int, head_dim: int, block_k: int,
-                          batch: int = 1, heads: int = 1) -> dict:
-    """Memory and HBM bytes of dQ with atomics against one deterministic way to get it.
+                          batch: int = 1, heads: int = 1, num_sms: int = H100_SMS) -> dict:
+    """Memory and HBM bytes of dQ with atomics against FlashAttention-2's deterministic mode.
 
-    Atomics: one float32 dQaccum (Nq x d), read-modified-written once per K/V tile.  The
-    deterministic way here: each K/V tile writes its own partial dQ_j (Tc buffers), and a
-    last pass reads them back in a fixed order.  FlashAttention's ``deterministic=True``
-    backward is documented as "slightly slower and uses more memory"; this is the
-    simplest version of that trade, counted.
+    Atomics: one float32 dQaccum (B x H x Nq x d), read-modified-written once per K/V tile,
+    the Tc tiles of a head adding in whatever order their thread blocks finish.
+
+    Deterministic (FlashAttention-2's ``deterministic=True``; code: ``mha_bwd`` in
+    csrc/flash_attn/flash_api.cpp): the backward launches only ``splits`` =
+    ceil(#SMs / (B x H)) thread blocks per head, each owning one dQaccum of its own and
+    walking its share of the K/V tiles one after another (a fixed order); a last pass
+    reads the ``splits`` accumulators back and adds them in a fixed order.  So the memory
+    is ``splits`` accumulators (not one per K/V tile), the read-modify-write bytes are those
+    of the atomic version, and the price is the extra pass and the lost parallelism: Tc
+    thread blocks per head become ``splits`` (returned as ``blocks_per_head``).
+    FlashAttention-3 keeps one accumulator and orders its atomic adds with semaphores
+    instead (code: hopper/ in the same repository); that variant is not modelled here.
     """
+    for name, val in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("head_dim", head_dim),
+                      ("block_k", block_k), ("batch", batch), ("heads", heads), ("num_sms", num_sms)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {val!r}")
     tc = -(-seqlen_k // block_k)
+    splits = -(-num_sms // (batch * heads))
     one = batch * heads * seqlen_q * head_dim * _F32
-    return {"Tc": tc,
-            "atomic_memory": one, "atomic_bytes": 2 * tc * one,            # read + write per tile
-            "deterministic_memory": tc * one + one,                        # Tc partials + the sum
-            "deterministic_bytes": tc * one + tc * one + one}             # write, read back, write dQ
+    rmw = 2 * tc * one                                                  # read + write per K/V tile
+    return {"Tc": tc, "splits": splits,
+            "atomic_memory": one, "atomic_bytes": rmw,
+            "deterministic_memory": splits * one,                          # one dQaccum per split
+            "deterministic_bytes": rmw + splits * one,                     # + the fixed-order sum reads them
+            "blocks_per_head": {"atomic": tc, "deterministic": min(tc, splits)}}
 
 
 # --------------------------------------------------------------------------- masks and biases
@@ -260,12 +280,15 @@ def check_varlen_per_sequence(o, q, k, v, seqlens, *, causal: bool = False, base
 
 
 # --------------------------------------------------------------------------- version churn
-def accuracy_report(rng, backends=("naive", "tiled", "torch"), seqlen: int = 96, head_dim: int = 64) -> list:
+def accuracy_report(rng, backends=("naive", "tiled", "torch"), seqlen: int = 96, head_dim: int = 64,
+                    quiet=contextlib.nullcontext) -> list:
     """For each backend that can run here: which kernel ran, the versions, and the 2x-rule check.
 
     float32 inputs, causal.  For "torch" the SDPA kernel that actually ran is read off the
-    profiler (:func:`iokernels.torch_sdpa.backend_that_ran`).  A row per backend: dict with
-    backend, ran, check (or "unavailable: <reason>").
+    profiler (:func:`iokernels.torch_sdpa.backend_that_ran`), inside ``quiet()`` (a context
+    manager: a notebook passes :func:`iokernels.viz.native_stderr_silenced` to hide the
+    profiler's trace markers).  A row per backend: dict with backend, ran, check (or
+    "unavailable: <reason>").
     """
     import iokernels as ik
     q, k, v = testing.make_inputs(rng, heads_q=2, seqlen_q=seqlen, head_dim=head_dim, dtype="float32")
@@ -277,9 +300,8 @@ def accuracy_report(rng, backends=("naive", "tiled", "torch"), seqlen: int = 96,
             if name == "torch":
                 import torch
                 from . import torch_sdpa as ts
-                from .viz import native_stderr_silenced
                 tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
-                with native_stderr_silenced():
+                with quiet():
                     o, ran = ts.backend_that_ran(ik.attention, tq, tk, tv, causal=True, backend="torch")
                 o, ran = o.numpy(), ", ".join(ran) or "?"
             else:

@@ -26,7 +26,7 @@ oracle :func:`reference_mla`:
   themselves and its d_c-wide output is up-projected once.  What is left is multi-query
   attention with one KV head: the key is the whole row [c_t | k_R,t], the value its first
   d_c columns, and one load of the row serves all H heads.  In the model W_UK and W_UV are
-  folded into the query and output projections (DeepSeek-V2, section 2.1.3).
+  folded into the query and output projections (DeepSeek-V2 paper, section 2.1.2).
   :func:`paged_mla_decode` is the same over a keys-only :class:`iokernels.paged.PagedKVCache`
   (num_kv_heads 1, head_dim d_c + d_R), quantized or not.
 

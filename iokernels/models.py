@@ -8,12 +8,15 @@ comes from) and places them on the roofline of :mod:`iokernels.core.roofline`'s 
 * MHA (Llama-2-7B): every query head has its own K and V head: g = 1 query head per
   cached row, about 1 FLOP per byte at 16 bits.
 * GQA (Llama-3-8B, -70B; Mistral-7B): g = 4 or 8 query heads share a KV head: about g
-  FLOP/byte, still a hundred times below an H200's ridge (about 206): memory-bound, and
-  the time per token is the cache's bytes over the bandwidth.
+  FLOP/byte, 25-50x below an H200's ridge (about 206: 206 / 8 ~ 26, 206 / 4 ~ 52):
+  memory-bound, and the time per token is the cache's bytes over the bandwidth.
 * MQA (Falcon-7B): one KV head for all 71 query heads: g = 71.
 * MLA (DeepSeek-V3, :mod:`iokernels.mla`): one 576-value latent row per token serves all
   128 heads as key (576 wide) and value (its first 512): 2 * 128 * (576 + 512) FLOPs per
-  1,152 bytes, about 242 FLOP/byte, past the H200's ridge: decode moves to the compute roof.
+  1,152 bytes, about 242 FLOP/byte: past the H200's ridge (about 206), so decode moves to
+  the compute roof there, but short of the H100 SXM's (about 295; the H800 has the same
+  compute and bandwidth) and the B200's (about 292), where it stays memory-bound
+  (:func:`ridge_table`; datasheet figures in :mod:`iokernels.core.roofline`).
 
 Notation
 ========
@@ -47,11 +50,16 @@ import numpy as np
 from .core import roofline as rl
 
 __all__ = ["ModelShape", "MODELS", "kv_values_per_token", "kv_bytes_per_token", "decode_step", "model_table",
-           "roofline_placement", "roofline_figure", "kv_quant_accuracy", "kv_quant_figure", "mla_comparison",
-           "window_traffic", "recorded_mla_rows", "DEFAULT_GPU"]
+           "roofline_placement", "ridge_table", "roofline_points", "kv_quant_accuracy", "mla_comparison",
+           "window_traffic", "recorded_mla_rows", "recorded_mla_data", "recorded_cache_data", "DEFAULT_GPU",
+           "RIDGE_GPUS"]
 
 #: the GPU the chapter places models on (datasheet row of the roofline table)
 DEFAULT_GPU = "H200"
+#: the GPUs whose ridges the chapter compares: MLA decode crosses the middle one only
+RIDGE_GPUS = ("H100 SXM", "H200", "B200")
+#: the points the roofline adds to the models' own: (bytes per value, model, query tokens)
+ROOFLINE_EXTRA = ((1, "Llama-3-8B", 1), (1, "DeepSeek-V3", 2))
 
 
 @dataclass(frozen=True)
@@ -168,33 +176,42 @@ def model_table(context=32768, gpu=DEFAULT_GPU, itemsize=2) -> list[dict]:
     return rows
 
 
-def roofline_figure(gpu=DEFAULT_GPU, itemsize=2, extra=((1, "Llama-3-8B", 1), (1, "DeepSeek-V3", 2)), ax=None):
-    """The decode intensities of :data:`MODELS` on ``gpu``'s bf16 roofline.
+def ridge_table(models=None, gpus=RIDGE_GPUS, itemsize=2, query_tokens=1) -> list[dict]:
+    """Each model's decode intensity against several GPUs' ridges (bf16 datasheet figures).
 
-    ``extra``: (bytes per value, model, query tokens) points to add, e.g. a 1-byte cache or
-    two query tokens per step (speculative decoding), which move a model right.
+    One row per model: model, kind, group, intensity, and ``by_gpu`` {gpu: dict(ridge, bound,
+    peak_fraction)}.  DeepSeek-V3's MLA (about 242 FLOP/byte) is compute-bound on an H200
+    only: the H100 SXM's ridge (about 295) and the B200's (about 292) lie past it.
     """
-    from .viz.figures import _figure, draw_roof
-    g = rl.get_gpu(gpu)
-    fig = None
-    if ax is None:
-        fig = _figure((7.6, 4.8))
-        ax = fig.add_subplot()
-    peak = draw_roof(ax, gpu, "bf16", np.logspace(-0.5, 3.3, 200))
-    colours = {"MHA": "#c0392b", "GQA": "#1f77b4", "MQA": "#8e44ad", "MLA": "#27ae60"}
-    points = [(itemsize, name, 1) for name in MODELS] + list(extra)
-    for size, name, t in points:
+    per_gpu = {g: roofline_placement(models, gpu=g, itemsize=itemsize, query_tokens=query_tokens) for g in gpus}
+    rows = []
+    for i, r in enumerate(per_gpu[gpus[0]]):
+        rows.append(dict(model=r["model"], kind=r["kind"], group=r["group"], intensity=r["intensity"],
+                         by_gpu={g: {k: per_gpu[g][i][k] for k in ("ridge", "bound", "peak_fraction")}
+                                 for g in gpus}))
+    return rows
+
+
+def roofline_points(itemsize=2, extra=ROOFLINE_EXTRA) -> list[dict]:
+    """The points a decode roofline shows, models with equal intensity joined into one.
+
+    One dict per distinct (intensity, kind): intensity, kind, names (the models there, each
+    with its variant, e.g. "Llama-3-8B, 1-byte cache"), variant (None for the plain
+    ``itemsize`` cache and one query token).  ``extra``: (bytes per value, model, query
+    tokens) variants to add, e.g. a 1-byte cache or two query tokens per step.
+    """
+    points = {}
+    for size, name, t in [(itemsize, n, 1) for n in MODELS] + list(extra):
         m = _model(name)
         i = decode_step(m, 1, itemsize=size, query_tokens=t)["intensity"]
-        tag = "" if (size, t) == (itemsize, 1) else f" ({size}-byte cache, {t} query tokens)"
-        ax.plot([i], [min(peak, i * g["hbm_tbps"])], "o" if not tag else "s", color=colours[m.kind], ms=8,
-                mfc=colours[m.kind] if not tag else "none", label=f"{m.name} {m.kind}{tag}: {i:.0f} FLOP/B")
-    ax.set_xlabel("decode intensity (FLOP per byte of KV cache read)")
-    ax.set_ylabel("attainable TFLOP/s")
-    ax.set_title(f"Decode attention on the roofline ({itemsize}-byte cache, one query token per step)", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
-    return fig if fig is not None else ax
+        variant = None if (size, t) == (itemsize, 1) else ", ".join(
+            x for x in (f"{size}-byte cache" if size != itemsize else "",
+                        f"{t} query tokens" if t != 1 else "") if x)
+        label = m.name if variant is None else f"{m.name} ({variant})"
+        key = (round(i, 9), m.kind, variant is None)
+        p = points.setdefault(key, dict(intensity=i, kind=m.kind, names=[], variant=variant))
+        p["names"].append(label)
+    return sorted(points.values(), key=lambda p: p["intensity"])
 
 
 # --------------------------------------------------------------------------- quantized caches
@@ -236,31 +253,6 @@ def kv_quant_accuracy(rng, lengths=(16, 64, 256, 1024), heads_q=8, heads_kv=2, h
                              lse_error=float(np.abs(lse - rl_).max()), bound=bound,
                              bytes_per_token=cache.bytes_per_token()))
     return rows
-
-
-def kv_quant_figure(rows, ax=None):
-    """Error of decode against the oracle vs N for each cache (from :func:`kv_quant_accuracy`),
-    with the 1-byte caches' stated bounds dashed."""
-    fig = None
-    if ax is None:
-        from .viz.figures import _figure
-        fig = _figure((7.0, 4.2))
-        ax = fig.add_subplot()
-    colours = dict(zip([c[0] for c in QUANT_CASES], ("#555555", "#1f77b4", "#c0392b", "#27ae60")))
-    for label in dict.fromkeys(r["cache"] for r in rows):
-        mine = [r for r in rows if r["cache"] == label]
-        ns = [r["N"] for r in mine]
-        c = colours.get(label)
-        bpt = mine[0]["bytes_per_token"]
-        ax.loglog(ns, [r["o_error"] for r in mine], "o-", color=c, label=f"{label} cache ({bpt:g} B/token): error")
-        if mine[0]["bound"] is not None:
-            ax.loglog(ns, [r["bound"] for r in mine], "--", color=c, lw=1, label=f"{label}: stated bound")
-    ax.set_xlabel("cache length N (tokens)")
-    ax.set_ylabel("max |O - O_float64|")
-    ax.set_title("Paged decode over quantized caches against the float64 oracle", fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    return fig if fig is not None else ax
 
 
 # --------------------------------------------------------------------------- MLA
@@ -327,6 +319,43 @@ def window_traffic(rng, lengths=(64, 256, 1024), window=(127, 0), heads_q=4, hea
 #: the columns of the recorded MLA decode rows (benchmark section "mla")
 MLA_RECORD_COLUMNS = ("batch", "seqlen", "runner", "ms", "tflops", "cache_TBps", "roofline_fraction",
                       "speed_vs_torch_matmul")
+
+
+def _latest_record(results_dir):
+    from .core import recorded
+    try:
+        return recorded.load("h200", results_dir)
+    except FileNotFoundError:
+        return None
+
+
+def recorded_cache_data(results_dir=None):
+    """(label, rows) of :func:`iokernels.core.recorded.cache_rows` in the latest benchmark
+    record, for a plot; (None, a sentence saying why not) when there are none."""
+    from .core import recorded
+    rec = _latest_record(results_dir)
+    if rec is None:
+        return None, "No benchmark record in this checkout (python -m iokernels bench on a GPU writes one)."
+    rows = recorded.cache_rows(rec)
+    if not rows:
+        return None, ("The latest benchmark record has no quantized-cache decode rows: python -m iokernels bench "
+                      "--sections decode on a GPU records them.")
+    return recorded.label(rec), rows
+
+
+def recorded_mla_data(results_dir=None):
+    """(label, rows) of the MLA decode rows (section "mla") of the latest benchmark record,
+    each with batch, seqlen, runner, ms, tflops, cache_TBps, roofline_fraction; (None, a
+    sentence saying why not) when there are none."""
+    from .core import recorded
+    rec = _latest_record(results_dir)
+    if rec is None:
+        return None, "No benchmark record in this checkout (python -m iokernels bench on a GPU writes one)."
+    rows = recorded.bench_rows(rec, section="mla")
+    if not rows:
+        return None, ("The latest benchmark record has no MLA decode rows: python -m iokernels bench --sections mla "
+                      "on a Hopper GPU records them.")
+    return recorded.label(rec), rows
 
 
 def recorded_cache_rows(results_dir=None) -> str:

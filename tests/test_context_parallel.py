@@ -273,7 +273,7 @@ def test_cli_rejects_bad_sizes_before_launching(capsys):
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_block_backward_matches_oracle(rng, monkeypatch, causal):
     """The block backward that CUDA tensors use, run here on CPU tensors, a few rows at a time."""
-    monkeypatch.setattr(cp, "TORCH_BWD_BLOCK_BYTES", 2 * 6 * 17 * 8 * 5)   # 5 rows a chunk, the last short
+    monkeypatch.setattr(cp.steps, "TORCH_BWD_BLOCK_BYTES", 2 * 6 * 17 * 8 * 5)   # 5 rows a chunk, the last short
     q, k, v, do = ik.testing.make_inputs(rng, batch=2, heads_q=6, heads_kv=2, seqlen_q=17, head_dim=9,
                                          with_grad=True)
     O, L = ik.reference.attention(q, k, v, causal=causal)
@@ -288,12 +288,12 @@ def test_ring_backward_through_the_torch_block_path(rng, monkeypatch, causal):
     """The ring backward as CUDA tensors run it (each block's gradients from
     _torch_block_backward, reached through _block_backward), here on CPU tensors: a GQA
     ring of 3 ranks, Nq != Nk when not causal, against the float64 oracle."""
-    monkeypatch.setattr(cp, "_torch_backward_for", lambda q: True)
-    monkeypatch.setattr(cp, "TORCH_BWD_BLOCK_BYTES", 2 * 6 * 23 * 8 * 4)   # a few rows a chunk
+    monkeypatch.setattr(cp.steps, "_torch_backward_for", lambda q: True)
+    monkeypatch.setattr(cp.steps, "TORCH_BWD_BLOCK_BYTES", 2 * 6 * 23 * 8 * 4)   # a few rows a chunk
     nk = 19 if causal else 29
     q, k, v, do = ik.testing.make_inputs(rng, batch=2, heads_q=6, heads_kv=2, seqlen_q=19, seqlen_k=nk,
                                          head_dim=9, with_grad=True)
-    r = cp.simulate(q, k, v, 3, do=do, causal=causal, backend="tiled")
+    r = cp.simulate(q, k, v, 3, do=do, causal=causal, backend="tiled", arrays="torch")
     for name, ref in zip(("dq", "dk", "dv"), ik.reference.attention_backward(do, q, k, v, causal=causal)):
         ik.testing.assert_close(r[name], ref, dtype="float64", name=name)
 
@@ -336,3 +336,55 @@ def test_nccl_world_of_one_on_a_gpu():
         assert all(r["checks"]), (case, [str(c) for c in r["checks"]])
         assert r["bytes_ok"], (case, r["counted"], r["model"])
     assert not _children()
+
+
+@pytest.mark.parametrize("arrays", ["numpy", "torch"])
+def test_simulated_ring_on_numpy_and_torch_arrays_agree(rng, arrays):
+    """The simulation runs on NumPy arrays (no torch) or torch tensors: the same steps, the same
+    bytes, both exact against the float64 oracle."""
+    q, k, v, do = ik.testing.make_inputs(rng, batch=1, heads_q=4, heads_kv=2, seqlen_q=37, head_dim=8,
+                                         with_grad=True)
+    r = cp.simulate(q, k, v, 3, do=do, causal=True, split="zigzag", arrays=arrays)
+    O, L = ik.reference.attention(q, k, v, causal=True)
+    for name, ref in zip(("o", "lse", "dq", "dk", "dv"), (O, L) + ik.reference.attention_backward(do, q, k, v,
+                                                                                                 causal=True)):
+        ik.testing.assert_close(r[name], ref, dtype="float64", name=name)
+    model = cp.comm_model(37, 3, "zigzag", batch=1, heads_kv=2, head_dim=8, dtype="float64", backward=True)
+    assert [s.bytes_sent for s in r["bwd_stats"]] == [m["bytes_sent"] for m in model]
+
+
+def test_simulation_needs_no_torch(rng):
+    """With torch made unimportable, the simulated ring, its merge and its costs still run."""
+    import subprocess
+    import sys
+    code = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is hidden in this test")
+sys.meta_path.insert(0, _NoTorch())
+import numpy as np
+import iokernels as ik
+from iokernels import context_parallel as cp
+rng = np.random.default_rng(0)
+q, k, v = ik.testing.make_inputs(rng, heads_q=2, seqlen_q=24, head_dim=8)
+r = cp.simulate(q, k, v, 3, causal=True, partial_dtype="bfloat16")
+ref, _ = ik.reference.attention(q, k, v, causal=True)
+assert np.abs(r["o"] - ref).max() < 1e-2, np.abs(r["o"] - ref).max()
+r = cp.simulate(q, k, v, 3, causal=True)
+assert np.abs(r["o"] - ref).max() < 1e-12
+cp.work_per_rank(rng, seqlen=32, world_size=2)
+assert "torch" not in sys.modules
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_simulate_refuses_numpy_arrays_for_a_torch_kernel(rng):
+    q, k, v = ik.testing.make_inputs(rng, heads_q=2, seqlen_q=12, head_dim=8)
+    with pytest.raises(ValueError, match="arrays"):
+        cp.simulate(q, k, v, 2, backend="torch", arrays="numpy")
+    with pytest.raises(ValueError, match="arrays"):
+        cp.simulate(q, k, v, 2, arrays="jax")

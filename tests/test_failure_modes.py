@@ -49,9 +49,28 @@ def test_shuffled_dq_is_not_bitwise_reproducible_fixed_order_is(rng):
 
 def test_deterministic_dq_costs_memory():
     c = fm.deterministic_dq_cost(seqlen_q=1000, seqlen_k=1000, head_dim=64, block_k=128)
-    assert c["Tc"] == 8
-    assert c["atomic_memory"] == 1000 * 64 * 4 and c["deterministic_memory"] == 9 * c["atomic_memory"]
-    assert c["deterministic_bytes"] == (2 * 8 + 1) * c["atomic_memory"]
+    one = 1000 * 64 * 4
+    assert c["Tc"] == 8 and c["atomic_memory"] == one and c["atomic_bytes"] == 2 * 8 * one
+    # one head on 132 SMs: ceil(132 / 1) = 132 splits, but only Tc = 8 of them have a tile to walk
+    assert c["splits"] == 132 and c["deterministic_memory"] == 132 * one
+    assert c["blocks_per_head"] == {"atomic": 8, "deterministic": 8}
+    assert c["deterministic_bytes"] == 2 * 8 * one + 132 * one
+
+
+def test_deterministic_dq_splits_follow_the_sm_count_not_the_tiles():
+    # FlashAttention-2's flash_api.cpp: ceil(#SMs / (batch * heads)) accumulators
+    big = fm.deterministic_dq_cost(seqlen_q=4096, seqlen_k=4096, head_dim=128, block_k=128, batch=8, heads=16)
+    assert big["Tc"] == 32 and big["splits"] == 2                       # ceil(132 / 128)
+    assert big["deterministic_memory"] == 2 * big["atomic_memory"]
+    assert big["blocks_per_head"] == {"atomic": 32, "deterministic": 2}
+    few = fm.deterministic_dq_cost(seqlen_q=4096, seqlen_k=4096, head_dim=128, block_k=128, batch=1, heads=4,
+                                   num_sms=108)
+    assert few["splits"] == 27 and few["deterministic_memory"] == 27 * few["atomic_memory"]
+    many = fm.deterministic_dq_cost(seqlen_q=64, seqlen_k=64, head_dim=16, block_k=64, batch=64, heads=32)
+    assert many["splits"] == 1 and many["deterministic_memory"] == many["atomic_memory"]
+    for bad in (dict(num_sms=0), dict(batch=0), dict(block_k=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            fm.deterministic_dq_cost(**{**dict(seqlen_q=64, seqlen_k=64, head_dim=16, block_k=64), **bad})
 
 
 def test_bias_costs_n_squared_score_mod_nothing(rng):
@@ -101,3 +120,18 @@ def test_plots_draw(rng):
     assert vf.drift_figure(d).axes
     r = fm.bias_vs_score_mod(rng, seqlen=64, head_dim=8, heads=1, docs=2, block=16)
     assert vf.block_mask_figure(r["blocks"], r["doc_ids"]).axes
+
+
+def test_accuracy_report_runs_torch_inside_the_callers_quiet_block(rng):
+    pytest.importorskip("torch")
+    import contextlib
+    entered = []
+
+    @contextlib.contextmanager
+    def quiet():
+        entered.append(True)
+        yield
+
+    rows = fm.accuracy_report(rng, backends=("naive", "torch"), seqlen=24, head_dim=16, quiet=quiet)
+    assert entered == [True]                                  # once, around the torch run only
+    assert rows[1]["backend"] == "torch" and rows[1]["check"]

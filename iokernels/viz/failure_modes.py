@@ -26,7 +26,8 @@ def drift_figure(drift: dict, ax=None):
 
 
 def block_mask_figure(blocks, doc_ids, ax=None):
-    """The block mask of one head: skipped (never loaded), partial and full tiles."""
+    """The block mask of head 0 (every head has the same document mask): skipped (never
+    loaded), partial and full tiles.  The title counts this one head's tiles, and says so."""
     from matplotlib.colors import ListedColormap
     fig = None
     if ax is None:
@@ -36,6 +37,9 @@ def block_mask_figure(blocks, doc_ids, ax=None):
     ax.imshow(states, cmap=ListedColormap(["#eeeeee", "#f9e79f", "#aed6f1"]), vmin=0, vmax=2)
     ax.set_xlabel(f"K/V tile j (Bc = {blocks.block_k})")
     ax.set_ylabel(f"query tile i (Br = {blocks.block_q})")
-    ax.set_title(f"document mask, {len(np.unique(doc_ids))} documents: {int((states == 0).sum())} of "
-                 f"{states.size} tiles skipped\ngrey: skipped; yellow: masked inside; blue: full", fontsize=9)
+    heads = blocks.states.shape[0] * blocks.states.shape[1]
+    ax.set_title(f"document mask, {len(np.unique(doc_ids))} documents\n"
+                 f"head 0: {int((states == 0).sum())} of {states.size} tiles skipped "
+                 f"(all {heads} heads: {blocks.num_skipped} of {blocks.states.size})\n"
+                 "grey: skipped; yellow: masked inside; blue: full", fontsize=9)
     return fig if fig is not None else ax
