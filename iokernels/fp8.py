@@ -67,7 +67,8 @@ import numpy as np
 
 from .core import reference
 
-__all__ = ["FORMATS", "MANTISSA_BITS", "P_SCALE", "rounding_error", "threshold_headroom", "threshold_experiment", "PAPER_RMSE", "hadamard_matrix", "fwht", "random_signs",
+__all__ = ["FORMATS", "MANTISSA_BITS", "P_SCALE", "rounding_error", "threshold_headroom", "threshold_experiment",
+           "PAPER_RMSE", "hadamard_matrix", "fwht", "random_signs",
            "randomized_hadamard", "smooth_k", "quantize", "outlier_inputs", "fp8_attention",
            "fp16_attention", "rmse", "accuracy_experiment", "ExperimentRow", "error_ratio",
            "ratio_over_seeds", "experiment_table"]

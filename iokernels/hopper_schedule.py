@@ -4,10 +4,11 @@ An SM has separate units that can work at the same time: a copy engine (Hopper's
 Memory Accelerator, TMA) moving tiles from HBM into shared memory, the tensor cores
 (matmuls), the special-function units (SFU: the exponentials of the softmax), and the
 CUDA cores (everything else: row maxima, sums, conversions, the rescale of O).  A kernel
-is fast when the tensor cores never wait.  FlashAttention-2 runs each step in turn, so
-the tensor cores idle while the softmax runs; FlashAttention-3 (Shah, Bikshandi, Zhang,
-Thakkar, Ramani, Dao, 2024) overlaps them.  This module schedules the ops of one thread
-block's tile loop on the four units and reports how busy the tensor cores are.
+is fast when the tensor cores never wait.  FlashAttention-2 prefetches its loads but runs
+the softmax between its two matmuls, so the tensor cores idle while the softmax runs;
+FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, 2024) overlaps them.  This
+module schedules the ops of one thread block's tile loop on the four units and reports how
+busy the tensor cores are.
 
 Notation (the papers' names):
 

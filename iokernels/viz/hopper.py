@@ -193,7 +193,8 @@ def blog_table(problem: hs.Problem | None = None, gpu="H100 SXM", l2_reuse=hs.L2
     """The FlashAttention-3 blog post's steps beside the model, with each step's gain."""
     rows = []
     for r in hs.blog_comparison(problem, gpu, l2_reuse):
-        reported = f"{r['blog_low']:.0f}" if r["blog_low"] == r["blog_high"] else f"{r['blog_low']:.0f}-{r['blog_high']:.0f}"
+        lo, hi = r["blog_low"], r["blog_high"]
+        reported = f"{lo:.0f}" if lo == hi else f"{lo:.0f}-{hi:.0f}"
         gain = "" if r["blog_gain"] is None else f"{r['blog_gain'][0]:.2f}-{r['blog_gain'][1]:.2f}x"
         mgain = "" if r["model_gain"] is None else f"{r['model_gain']:.2f}x"
         rows.append((r["step"], reported, gain, r["label"], f"{r['model_utilisation']:.1%}", mgain))
