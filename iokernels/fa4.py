@@ -8,7 +8,9 @@ d = 128 the exponentials alone take about as long as the matmuls
 - **Software exp2.**  Compute 2^x for part of the elements on the FMA units instead of the
   SFU: clamp x, split it into an integer n = floor(x) and a fraction f = x - n in [0, 1),
   approximate 2^f with a degree-3 polynomial (Horner's rule: 3 FMAs), and add n to the
-  exponent bits of the result with one integer add.  Its relative error only needs to be
+  exponent bits of the result with one integer add.  The paper gives the method and its
+  error; the coefficients are in the code (``POLY_EX2`` in flash_attn/cute/utils.py of the
+  FlashAttention repository, fitted there with Sollya's fpminimax).  Its relative error only needs to be
   below what rounding P to bfloat16 for the next matmul loses anyway.
 - **Conditional rescaling.**  Only move the running maximum, and rescale O and l, when the
   maximum has grown by more than a threshold (8 in log2 units for 16-bit inputs); the
@@ -37,15 +39,16 @@ import numpy as np
 __all__ = ["FA4_EXP2_COEFFS", "BF16_HALF_ULP", "EXP2_MIN", "EXP2_MAX", "software_exp2", "fit_exp2_poly",
            "exp2_max_rel_error", "rescale_survey"]
 
-#: the degree-3 polynomial for 2^f on [0, 1) that FlashAttention-4 uses, rounded as the
-#: paper prints it (c0 .. c3)
+#: the degree-3 polynomial for 2^f on [0, 1) that FlashAttention-4 uses (c0 .. c3), rounded to
+#: four digits: from the code, POLY_EX2 in flash_attn/cute/utils.py (a Sollya fpminimax fit),
+#: not from the paper, which gives the method and the error bound
 FA4_EXP2_COEFFS = (1.0, 0.6951, 0.2276, 0.0771)
-#: the smallest relative half-ulp of bfloat16 (8 significand bits: the spacing is 2^-7 of
-#: the binade's bottom, so half of it, near the binade's top, is 2^-8 / 2 = 2^-9 relative)
+#: the smallest relative half-ulp of bfloat16 (7 mantissa bits: the spacing is 2^-7 of the
+#: binade's bottom, so half of it, near the binade's top, is 2^-8 / 2 = 2^-9 relative)
 BF16_HALF_ULP = 2.0 ** -9
 #: clamp range of x: n = floor(x) in [-126, 127] keeps 2^n a normal float32 (exponent field 1 .. 254)
 EXP2_MIN, EXP2_MAX = -126.0, 127.0
-#: float32's significand bits: the exponent field starts at bit 23
+#: float32's mantissa bits (stored fraction bits): the exponent field starts at bit 23
 F32_MANTISSA_BITS = 23
 
 

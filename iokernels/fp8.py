@@ -2,8 +2,15 @@
 
 FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, 2024) runs the two matmuls
 of attention in FP8 on Hopper's tensor cores, which doubles their throughput over FP16.
-FP8 keeps only 3 (e4m3) or 2 (e5m2) significand bits, so the paper adds two techniques and
+FP8 keeps only 3 (e4m3) or 2 (e5m2) mantissa bits, so the paper adds two techniques and
 measures them on inputs with rare large outliers, as activations of large models have:
+
+**Bits are counted as mantissa bits** here and in the notebooks: the fraction bits a format
+stores, without the implicit leading 1 of a normal number (:data:`MANTISSA_BITS`: e4m3 3,
+e5m2 2, bfloat16 7, float16 10, float32 23; the names e4m3 and e5m2 count the same way).
+Round to nearest then errs by at most half a unit in the last place, 2^-(m + 1) relative
+to the bottom of a binade: 6.25% for e4m3, the worst case; :func:`rounding_error` measures
+the typical error beside it.
 
 - **Block quantization**: one scale per tile (Br rows of Q, Bc rows of K and V) instead of
   one per tensor, so an outlier only coarsens the scale of its own tile.
@@ -18,7 +25,7 @@ Q, K, V rounded to FP8 with their scales, S = Q K^T and O = P V accumulated in f
 the tensor cores do), the softmax in float32, and P rounded to FP8 before the second
 matmul.  P is in (0, 1] after subtracting the row maximum, and e4m3's normal range starts
 at 2^-6: most probabilities of a long row are smaller and would fall into the subnormals
-(1 to 3 significand bits) or flush to 0.  The kernel therefore multiplies P by 2^8 before
+(fewer than 3 mantissa bits left) or flush to 0.  The kernel therefore multiplies P by 2^8 before
 the cast (the largest power of two that keeps P <= 448, e4m3's largest value) and divides
 it back out of O.  SageAttention (Zhang et al., 2024-25) adds a third technique, smoothing
 K: subtract the mean key over the tokens before quantizing; exact, because q . mean(K) is
@@ -40,6 +47,12 @@ RMSE       sqrt(mean((O - O_ref)^2)) against a float64 reference
 :func:`accuracy_experiment` reproduces the paper's experiment and sets the measured RMSE
 beside the paper's figures (:data:`PAPER_RMSE`).
 
+The experiment is the paper's, not the released kernel's: the shipped FlashAttention-3 FP8
+forward takes per-(batch, KV head) descale factors for Q, K and V and applies no Hadamard
+transform (code: hopper/flash_api.cpp in the FlashAttention repository); block quantization
+and incoherent processing are what the paper measured, and a caller who wants the transform
+applies it to Q and K before the call.
+
 Frank notes: this is a model of the arithmetic, not of the kernel: the softmax uses each
 row's exact maximum (the kernel's running maximum changes P's scale slightly), rounding
 is NumPy's, and every variant is a few full-size matmuls on the CPU.  The paper does not
@@ -54,14 +67,19 @@ import numpy as np
 
 from .core import reference
 
-__all__ = ["FORMATS", "P_SCALE", "PAPER_RMSE", "hadamard_matrix", "fwht", "random_signs",
+__all__ = ["FORMATS", "MANTISSA_BITS", "P_SCALE", "rounding_error", "threshold_headroom", "threshold_experiment",
+           "PAPER_RMSE", "hadamard_matrix", "fwht", "random_signs",
            "randomized_hadamard", "smooth_k", "quantize", "outlier_inputs", "fp8_attention",
            "fp16_attention", "rmse", "accuracy_experiment", "ExperimentRow", "error_ratio",
            "ratio_over_seeds", "experiment_table"]
 
 #: FP8 formats: the ml_dtypes type and its largest finite value (the OCP FP8 specification:
-#: e4m3 keeps 3 significand bits and reaches 448; e5m2 keeps 2 and reaches 57344).
+#: e4m3 keeps 3 mantissa bits and reaches 448; e5m2 keeps 2 and reaches 57344).
 FORMATS = {"e4m3": ("float8_e4m3fn", 448.0), "e5m2": ("float8_e5m2", 57344.0)}
+#: mantissa bits (stored fraction bits, the implicit leading 1 not counted) per format, and the
+#: smallest normal number's exponent (OCP FP8 specification; IEEE 754 for the 16- and 32-bit ones)
+MANTISSA_BITS = {"e4m3": 3, "e5m2": 2, "bfloat16": 7, "float16": 10, "float32": 23}
+MIN_NORMAL_EXP = {"e4m3": -6, "e5m2": -14}
 
 #: P is multiplied by this before its FP8 cast: 2^8 maps P in (0, 1] to (0, 256], inside
 #: e4m3's range (<= 448), and lifts probabilities down to 2^-14 out of the subnormals.
@@ -175,16 +193,97 @@ def quantize(x, fmt: str = "e4m3", block: int | None = None) -> np.ndarray:
     return (x / scale).astype(dt).astype(np.float32) * scale
 
 
+def rounding_error(fmt: str = "e4m3", rng: np.random.Generator | None = None, n: int = 1 << 16) -> dict:
+    """One cast's relative rounding error on random data, beside its worst case.
+
+    ``n`` values from N(0, 1), quantized per tensor (:func:`quantize`: the largest lands on
+    the format's largest value).  Over the values that land in the normal range: the largest
+    relative error seen and its mean and root mean square; the worst case is half an ulp
+    over the bottom of a binade, 2^-(m + 1) for m mantissa bits (6.25% for e4m3; a value
+    half an ulp above the binade's bottom errs by 2^-(m + 1) / (1 + 2^-(m + 1)), 5.9%, the
+    most any normal value can).  ``flushed``: the share of values
+    that became 0 (too small even for a subnormal); ``subnormal``: the share below the normal
+    range, whose relative error can exceed the worst case above.
+    """
+    dt, largest = _format(fmt)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"n: expected an int >= 2, got {n!r}")
+    rng = np.random.default_rng(0) if rng is None else rng
+    x = rng.standard_normal(n)
+    x = x[x != 0]
+    q = quantize(x[None, :], fmt)[0].astype(np.float64)
+    scale = np.max(np.abs(x)) / largest
+    normal = np.abs(x) / scale >= 2.0 ** MIN_NORMAL_EXP[fmt]
+    rel = np.abs(q - x)[normal] / np.abs(x)[normal]
+    m = MANTISSA_BITS[fmt]
+    return dict(format=fmt, mantissa_bits=m, worst_case=2.0 ** -(m + 1), max=float(rel.max()),
+                mean=float(rel.mean()), rms=float(np.sqrt(np.mean(rel ** 2))),
+                flushed=float(np.mean(q == 0)), subnormal=float(np.mean(~normal)))
+
+
+def threshold_headroom(threshold: float, fmt: str = "e4m3", p_scale: float = P_SCALE) -> dict:
+    """FlashAttention-4's rescale threshold against an FP8 cast of P (worked out here, not a
+    paper's figure): with the running maximum up to ``threshold`` log2 units stale, P reaches
+    2^threshold, so the scaled P reaches p_scale x 2^threshold, which must stay at or below the
+    format's largest value (448 for e4m3; ml_dtypes turns anything above into NaN).
+
+    Returns the largest scaled P, whether it fits, the largest threshold that fits at this
+    ``p_scale``, and the largest ``p_scale`` that fits at this threshold (the smaller it is, the
+    more small probabilities fall below the normal range).
+    """
+    _, largest = _format(fmt)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
+        raise ValueError(f"threshold: expected a number >= 0 (log2 units), got {threshold!r}")
+    if not p_scale > 0:
+        raise ValueError(f"p_scale: must be positive, got {p_scale!r}")
+    top = p_scale * 2.0 ** threshold
+    return dict(threshold=float(threshold), fmt=fmt, p_scale=float(p_scale), largest_scaled_p=top,
+                fits=top <= largest, max_threshold=float(np.log2(largest / p_scale)),
+                max_p_scale=largest / 2.0 ** threshold)
+
+
+def threshold_experiment(rng: np.random.Generator, thresholds=(0.0, 1.0, 8.0), fmt: str = "e4m3", seqlen_q=64,
+                         seqlen_k=2048, head_dim=64) -> list[dict]:
+    """FP8 attention with a running maximum up to tau log2 units stale, measured.
+
+    For each threshold tau and two choices of P's scale (the default ``P_SCALE``, and the
+    largest that cannot overflow, 448 / 2^tau), run :func:`fp8_attention` with the maximum
+    fresh (lag 0) and stale by the whole threshold (lag tau), on N(0, 1) inputs: RMSE against
+    float64 and the share of NaN outputs.  A stale maximum multiplies P by up to 2^tau, so the
+    cast sees p_scale x 2^lag: too large overflows, too small pushes probabilities below the
+    normal range.
+    """
+    q, k, v = (rng.standard_normal((1, 1, n, head_dim)) for n in (seqlen_q, seqlen_k, seqlen_k))
+    ref, _ = reference.attention(q, k, v)
+    rows = []
+    for tau in thresholds:
+        safe = threshold_headroom(tau, fmt)["max_p_scale"]
+        for p_scale in dict.fromkeys((P_SCALE, safe)):
+            for lag in dict.fromkeys((0.0, float(tau))):
+                with np.errstate(invalid="ignore"):
+                    o = fp8_attention(q, k, v, fmt=fmt, p_scale=p_scale, stale_by=lag)
+                nan = float(np.mean(np.isnan(o)))
+                rows.append(dict(threshold=float(tau), p_scale=float(p_scale), lag=lag,
+                                 rmse=rmse(o, ref) if nan == 0 else float("nan"), nan_share=nan))
+    return rows
+
+
 # --------------------------------------------------------------------------- the kernels' arithmetic
 def fp8_attention(q, k, v, *, fmt: str = "e4m3", block_q: int | None = None, block_k: int | None = None,
-                  signs=None, smooth: bool = False, p_scale: float = P_SCALE, scale=None) -> np.ndarray:
+                  signs=None, smooth: bool = False, p_scale: float = P_SCALE, scale=None,
+                  stale_by: float = 0.0) -> np.ndarray:
     """Attention with FP8 matmul inputs, simulated: returns O (float64 array).
 
     ``block_q``/``block_k``: per-block scales for Q, and for K and V (None: per tensor).
     ``signs``: the random signs of incoherent processing (None: no transform).  ``smooth``:
     SageAttention's K smoothing.  ``p_scale``: the factor P is multiplied by before its FP8
-    cast (1.0 shows what the scaling is for).  No mask; layout (batch, heads, N, d).
+    cast (1.0 shows what the scaling is for).  ``stale_by``: the softmax subtracts a maximum that
+    lags the row's true maximum by this many log2 units, as FlashAttention-4's conditional
+    rescaling allows up to its threshold; P then reaches 2^stale_by.  No mask; layout
+    (batch, heads, N, d).
     """
+    if isinstance(stale_by, bool) or not isinstance(stale_by, (int, float)) or not stale_by >= 0:
+        raise ValueError(f"stale_by: expected a number >= 0 (log2 units), got {stale_by!r}")
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     if not (q.ndim == k.ndim == v.ndim == 4) or k.shape != v.shape or q.shape[:2] != k.shape[:2] \
             or q.shape[-1] != k.shape[-1]:
@@ -201,7 +300,8 @@ def fp8_attention(q, k, v, *, fmt: str = "e4m3", block_q: int | None = None, blo
     out = np.empty(q.shape, np.float64)
     for r0 in range(0, q.shape[-2], ROWS_PER_PASS):      # query rows in passes (memory only)
         s = (qq[..., r0:r0 + ROWS_PER_PASS, :] @ kq.swapaxes(-1, -2)) * np.float32(scale)  # fp32 accumulate
-        p = np.exp(s - s.max(axis=-1, keepdims=True))    # softmax in float32, P in (0, 1]
+        m = s.max(axis=-1, keepdims=True) - np.float32(stale_by * np.log(2.0))   # a stale maximum, if asked
+        p = np.exp(s - m)                                # softmax in float32, P in (0, 2^stale_by]
         l = p.sum(axis=-1, keepdims=True)
         p8 = (p * np.float32(p_scale)).astype(p_dt).astype(np.float32)   # P -> FP8, scaled first
         out[..., r0:r0 + ROWS_PER_PASS, :] = (p8 @ vq) / (np.float32(p_scale) * l)

@@ -9,7 +9,9 @@ Sources: Dao, Fu, Ermon, Rudra, Re, "FlashAttention" (2022); Dao, "FlashAttentio
 (2023); Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, "FlashAttention-3" (2024);
 Zadouri, Hoehnerbach, Shah, Liu, Thakkar, Dao, "FlashAttention-4" (2026); the support
 notes of the FlashAttention repository as summarised by the source article
-("FlashAttention-3 and PagedAttention: IO-Aware Attention Kernels", 2026).
+("FlashAttention-3 and PagedAttention: IO-Aware Attention Kernels", 2026); the FlashAttention-3
+blog post (PyTorch blog, 2024-07-11) for FlashAttention-2's throughput on an H100; the
+repository's setup.py for what builds on Blackwell.
 """
 from __future__ import annotations
 
@@ -48,13 +50,16 @@ ARCHITECTURES = ("Turing", "Ampere", "Ada", "Hopper", "Blackwell")
 #: generation -> {architecture: support}; "" = not supported
 HARDWARE = {
     "FlashAttention-2": {"Turing": "community fork", "Ampere": "yes", "Ada": "yes", "Hopper": "yes",
-                         "Blackwell": ""},
+                         "Blackwell": "builds; not listed"},
     "FlashAttention-3": {"Turing": "", "Ampere": "", "Ada": "", "Hopper": "yes (CUDA >= 12.3)",
                          "Blackwell": ""},
     "FlashAttention-4": {"Turing": "", "Ampere": "", "Ada": "", "Hopper": "yes", "Blackwell": "yes"},
 }
 #: what the matrix cannot say in one cell
 HARDWARE_NOTES = ("FlashAttention-2: FP16/BF16, head dim up to 256.",
+                  "FlashAttention-2 on Blackwell: the repository's build (code: setup.py) adds the "
+                  "Blackwell targets when CUDA >= 12.8 compiles it, but its list of supported GPUs does "
+                  "not name Blackwell: it builds, it is not listed as supported.",
                   "FlashAttention (the first) lives on in the same library as FlashAttention-2.",
                   "Turing support comes from a community fork, not the upstream repository.")
 

@@ -4,10 +4,11 @@ An SM has separate units that can work at the same time: a copy engine (Hopper's
 Memory Accelerator, TMA) moving tiles from HBM into shared memory, the tensor cores
 (matmuls), the special-function units (SFU: the exponentials of the softmax), and the
 CUDA cores (everything else: row maxima, sums, conversions, the rescale of O).  A kernel
-is fast when the tensor cores never wait.  FlashAttention-2 runs each step in turn, so
-the tensor cores idle while the softmax runs; FlashAttention-3 (Shah, Bikshandi, Zhang,
-Thakkar, Ramani, Dao, 2024) overlaps them.  This module schedules the ops of one thread
-block's tile loop on the four units and reports how busy the tensor cores are.
+is fast when the tensor cores never wait.  FlashAttention-2 prefetches its loads but runs
+the softmax between its two matmuls, so the tensor cores idle while the softmax runs;
+FlashAttention-3 (Shah, Bikshandi, Zhang, Thakkar, Ramani, Dao, 2024) overlaps them.  This
+module schedules the ops of one thread block's tile loop on the four units and reports how
+busy the tensor cores are.
 
 Notation (the papers' names):
 
@@ -22,23 +23,36 @@ warpgroup  4 warps (128 threads) issuing one wgmma; "consumers" compute, a
            "producer" only issues TMA loads (warp specialization)
 =========  ==================================================================
 
-The schedules (:data:`SCHEDULES`), each one idea more than the last:
+The schedules (:data:`SCHEDULES`), each one idea more than the last, with a readable name
+(``SCHEDULES[kind].label``) for plots and tables:
 
-- ``fa2``: FlashAttention-2's lockstep: load K_j, V_j, GEMM0, softmax, GEMM1, in turn, one
-  warpgroup doing all of it, with Ampere's mma.sync instructions, which reach only about
-  two thirds of Hopper's tensor-core peak (FlashAttention-3 paper).
-- ``lockstep``: the same order with wgmma (full rate): the instruction, no overlap yet.
-- ``warp_specialized``: a producer warp issues the loads into a ring of ``stages`` shared-
-  memory buffers while the consumer computes; loads leave the critical path, the softmax
-  does not.
-- ``intra_wg_no_ws``: one warpgroup, no producer; it issues the next tile's loads itself
-  (asynchronously) and overlaps its softmax of tile j with GEMM1 of tile j - 1 (the
-  paper's "GEMM-softmax pipelining" without warp specialization).
-- ``pingpong``: a producer and two consumer warpgroups of Br / 2 rows each; while one
-  runs its softmax the other's GEMMs keep the tensor cores busy.
-- ``intra_wg``: a producer and one consumer with the intra-warpgroup overlap above.
-- ``fa3``: a producer and two consumers, each with the intra-warpgroup overlap: the
-  full FlashAttention-3 schedule.
+- ``fa2_serial`` "FA2 without prefetch: load, then compute": loads K_j, V_j, GEMM0, softmax,
+  GEMM1, strictly in turn, with Ampere's mma.sync.  Not what FlashAttention-2 does: a
+  counterfactual, kept to show what the prefetch is worth.
+- ``fa2`` "FA2: cp.async prefetch, mma.sync": FlashAttention-2's kernel as its code runs it
+  (flash_fwd_kernel.h in the FlashAttention repository): one warpgroup, one shared-memory
+  buffer each for K and V; it waits for K_j, issues the copy of V_j, runs GEMM0 while V_j
+  arrives, waits for V_j, issues the copy of K_{j+1} (its buffer is free once GEMM0 has read
+  it), then runs the softmax and GEMM1 while K_{j+1} arrives.  The loads overlap compute;
+  the softmax does not overlap the matmuls.  mma.sync reaches only about two thirds of
+  Hopper's tensor-core peak (a footnote of the FlashAttention-3 blog post, citing Luo et al.
+  2024, arXiv 2402.13499).
+- ``lockstep`` "wgmma in FA2's order": the same order with wgmma (full rate): the new
+  instruction, no new overlap.
+- ``warp_specialized`` "FA3: warp-specialized": a producer warp issues the loads into a ring
+  of ``stages`` shared-memory buffers while the consumer computes; the softmax still sits
+  between the GEMMs.
+- ``intra_wg_no_ws`` "FA3: intra-warpgroup overlap, no producer": one warpgroup, no producer;
+  it issues the next tile's loads itself (asynchronously) and overlaps its softmax of tile j
+  with GEMM1 of tile j - 1 (the paper's "GEMM-softmax pipelining" without warp specialization).
+- ``pingpong`` "FA3: ping-pong": a producer and two consumer warpgroups of Br / 2 rows each;
+  while one runs its softmax the other's GEMMs keep the tensor cores busy.
+- ``intra_wg`` "FA3: intra-warpgroup overlap": a producer and one consumer with the
+  intra-warpgroup overlap above.
+- ``fa3`` "FA3: ping-pong + intra-warpgroup overlap": the full FlashAttention-3 schedule.
+
+:func:`sensitivity` reruns the schedules over a range of ``l2_reuse`` factors: the model's
+one free constant, and the check of how far its conclusions can be trusted.
 
 ``Problem(sw_exp_fraction=f)`` adds FlashAttention-4's answer to a slow SFU: a share f of
 the exponentials is computed by the polynomial on the CUDA cores, at the same time as the
@@ -61,19 +75,26 @@ at ``l2_reuse`` times the SM's share of HBM bandwidth: the other query tiles of 
 head read the same K/V tiles about the same time, so L2 serves most of them; the factor
 is an assumption, not a measurement), and the softmax is three ops instead of
 instructions interleaved by the compiler.  So it predicts higher utilisations than the
-paper measures, and the ordering of the schedules, not their values, is what to compare.
+paper measures, and it does not even get every ordering right: at the default
+``L2_REUSE`` warp specialization alone comes out a hair below the intra-warpgroup overlap
+without a producer, the reverse of the paper's Table 2 (582 against 570 TFLOP/s); ping-pong
+alone takes the model from about 55% to about 95% and the intra-warpgroup overlap adds
+nothing on top, where the blog post reports about 570 -> 620-640 TFLOP/s for ping-pong and
+620 -> 640-660 for the intra-warpgroup overlap.  What it shows is the mechanism: which unit
+waits for which.
 On an A100 (no wgmma, no TMA) and a B200 (tcgen05 instead of wgmma) the schedules after
 ``fa2`` stand for "the same overlap with that GPU's full-rate matmul and copy engine".
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .core import roofline as rl
 
-__all__ = ["SMRates", "Problem", "Op", "Schedule", "SCHEDULES", "simulate", "run_all",
-           "exp_budget", "sfu_share_table", "PAPER_ABLATION", "ablation_comparison",
-           "lockstep_bound"]
+__all__ = ["SMRates", "Problem", "Op", "Schedule", "ScheduleSpec", "SCHEDULES", "simulate", "run_all",
+           "label", "exp_budget", "sfu_share_table", "PAPER_TABLE2", "PAPER_TABLE2_SETTING", "BLOG_STEPS",
+           "ablation_comparison", "blog_comparison", "lockstep_bound", "sensitivity", "SENSITIVITY_REUSE"]
 
 #: dense FP16/BF16 tensor-core FLOP per clock per SM, by architecture: Ampere 1024 FMA
 #: (NVIDIA A100 Tensor Core GPU Architecture whitepaper), Hopper twice that clock for clock
@@ -83,7 +104,8 @@ TENSOR_FLOP_PER_CLOCK_PER_SM = {"Ampere": 2048, "Hopper": 4096, "Blackwell": 819
 #: exponentials (ex2) per clock per SM: 16 (CUDA C++ Programming Guide, arithmetic
 #: instruction throughput, compute capability 8.0 to 10.0)
 SFU_PER_CLOCK_PER_SM = 16
-#: mma.sync reaches about two thirds of Hopper's tensor-core peak (FlashAttention-3 paper)
+#: mma.sync reaches about two thirds of Hopper's tensor-core peak (a footnote of the
+#: FlashAttention-3 blog post, PyTorch blog 2024-07-11, citing Luo et al. 2024, arXiv 2402.13499)
 MMA_SYNC_FRACTION = 2 / 3
 #: the share of the peak mma.sync reaches, by architecture: Ampere's native instruction (full
 #: rate); Hopper's two thirds; Blackwell has no figure here, so the model assumes Hopper's
@@ -184,23 +206,55 @@ class Schedule:
 
 
 UNITS = ("copy", "tensor", "sfu", "cuda")
-#: schedule name -> (description, consumers, producer, intra-warpgroup overlap, mma.sync)
+
+
+class ScheduleSpec(NamedTuple):
+    """One schedule's ingredients: its readable name and what it adds, then the switches."""
+    label: str           # the readable name plots and tables use
+    adds: str            # the one idea it adds
+    consumers: int       # consumer warpgroups (2: ping-pong)
+    producer: bool       # a producer warp issues the loads (warp specialization)
+    intra: bool          # softmax of tile j overlaps GEMM1 of tile j - 1
+    mma_sync: bool       # Ampere's mma.sync (about 2/3 of Hopper's peak) instead of wgmma
+    prefetch: bool       # FA2's order: each load issued asynchronously a step ahead
+
+
+#: schedule name -> :class:`ScheduleSpec`, in the order of the ideas
 SCHEDULES = {
-    "fa2": ("FlashAttention-2 lockstep (mma.sync)", 1, False, False, True),
-    "lockstep": ("lockstep with wgmma", 1, False, False, False),
-    "warp_specialized": ("warp specialization (producer + 1 consumer)", 1, True, False, False),
-    "intra_wg_no_ws": ("intra-warpgroup overlap, no producer", 1, False, True, False),
-    "pingpong": ("ping-pong (producer + 2 consumers)", 2, True, False, False),
-    "intra_wg": ("intra-warpgroup overlap (producer + 1 consumer)", 1, True, True, False),
-    "fa3": ("FlashAttention-3: ping-pong + intra-warpgroup", 2, True, True, False),
+    "fa2_serial": ScheduleSpec("FA2 without prefetch: load, then compute",
+                               "a counterfactual: every load waited for before any compute",
+                               1, False, False, True, False),
+    "fa2": ScheduleSpec("FA2: cp.async prefetch, mma.sync",
+                        "FlashAttention-2's kernel: the next K/V copies overlap compute", 1, False, False, True, True),
+    "lockstep": ScheduleSpec("wgmma in FA2's order", "Hopper's full-rate matmul instruction",
+                             1, False, False, False, True),
+    "warp_specialized": ScheduleSpec("FA3: warp-specialized", "a producer warp issues TMA loads into a ring of buffers",
+                                     1, True, False, False, False),
+    "intra_wg_no_ws": ScheduleSpec("FA3: intra-warpgroup overlap, no producer",
+                                   "softmax of tile j under GEMM1 of tile j-1, loads issued by the consumer",
+                                   1, False, True, False, False),
+    "pingpong": ScheduleSpec("FA3: ping-pong", "two consumer warpgroups take turns at the tensor cores",
+                             2, True, False, False, False),
+    "intra_wg": ScheduleSpec("FA3: intra-warpgroup overlap", "a producer, and one consumer with the overlap",
+                             1, True, True, False, False),
+    "fa3": ScheduleSpec("FA3: ping-pong + intra-warpgroup overlap", "both overlaps: the full FlashAttention-3",
+                        2, True, True, False, False),
 }
+
+
+def label(kind: str) -> str:
+    """The readable name of schedule ``kind`` ("fa3" -> "FA3: ping-pong + intra-warpgroup overlap")."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {kind!r}")
+    return SCHEDULES[kind].label
 
 
 def _build(kind: str, p: Problem, r: SMRates) -> list:
     """The ops of one schedule, each agent's in program order."""
     if kind not in SCHEDULES:
         raise ValueError(f"schedule: expected one of {', '.join(SCHEDULES)}, got {kind!r}")
-    _, consumers, producer, intra, mma_sync = SCHEDULES[kind]
+    spec = SCHEDULES[kind]
+    consumers, producer, intra, mma_sync = spec.consumers, spec.producer, spec.intra, spec.mma_sync
     rows = p.block_q / consumers                                   # each consumer's share of Br
     d, Bc, n = p.head_dim, p.block_k, p.n_tiles
     rate = r.tensor_flops * (r.mma_sync_fraction if mma_sync else 1.0)
@@ -223,6 +277,8 @@ def _build(kind: str, p: Problem, r: SMRates) -> list:
                     add(Op(f"load V{j}", agent, "copy", t_load, j, list(deps_v), sync)))
 
     gemm0, gemm1 = {}, {}                                         # (consumer, j) -> op
+    if spec.prefetch:
+        return _build_prefetch(cnames[0], p, t_load, t_gemm, t_pre, t_exp, t_sw, t_post)
     if producer:                                                  # the producer runs ahead, ring-limited
         for j in range(n):
             emit_loads("producer", j, False)
@@ -263,6 +319,32 @@ def _build(kind: str, p: Problem, r: SMRates) -> list:
     for j in range(p.stages, n):                                  # a buffer is refilled once consumed
         loads[j][0].deps += [gemm0[(c, j - p.stages)] for c in range(consumers)]
         loads[j][1].deps += [gemm1[(c, j - p.stages)] for c in range(consumers)]
+    return ops
+
+
+def _build_prefetch(ag, p, t_load, t_gemm, t_pre, t_exp, t_sw, t_post) -> list:
+    """FlashAttention-2's tile loop as flash_fwd_kernel.h orders it: one buffer each for K and V,
+    each copy issued asynchronously (cp.async) one step ahead and waited for before its use."""
+    ops = []
+
+    def op(*a, **kw):
+        ops.append(Op(*a, **kw))
+        return ops[-1]
+
+    k_j = op("load K0", ag, "copy", t_load, 0, [], sync=False)          # the prologue's copy
+    last = None                                                          # GEMM1 of the tile before
+    for j in range(p.n_tiles):
+        after = [last] if last else []
+        v_j = op(f"load V{j}", ag, "copy", t_load, j, [k_j] + after, sync=False)   # once K_j is in
+        g0 = op(f"S{j} = Q K{j}^T", ag, "tensor", t_gemm, j, [k_j] + after)
+        if j + 1 < p.n_tiles:                            # wait for V_j, then K_{j+1} into K_j's buffer
+            k_j = op(f"load K{j + 1}", ag, "copy", t_load, j + 1, [g0, v_j], sync=False)
+        pre = op(f"max, scale {j}", ag, "cuda", t_pre, j, [g0, v_j])
+        ex = [op(f"exp {j}", ag, "sfu", t_exp, j, [pre], sync=not t_sw)]
+        if t_sw:
+            ex.append(op(f"software exp2 {j}", ag, "cuda", t_sw, j, [pre]))
+        post = op(f"sum, convert, rescale {j}", ag, "cuda", t_post, j, ex)
+        last = op(f"O += P{j} V{j}", ag, "tensor", t_gemm, j, [post, v_j])
     return ops
 
 
@@ -311,19 +393,27 @@ def run_all(problem: Problem | None = None, rates: SMRates | None = None) -> dic
     return {k: simulate(k, problem, rates) for k in SCHEDULES}
 
 
-def lockstep_bound(problem: Problem, rates: SMRates, mma_sync: bool = False) -> float:
-    """The lockstep schedules' utilisation in closed form: nothing overlaps (but the SFU's and
-    the software share of the exps), so each tile costs the sum of its ops, and utilisation =
-    ideal GEMM time / that sum."""
+def lockstep_bound(problem: Problem, rates: SMRates, mma_sync: bool = False, prefetch: bool = False) -> float:
+    """The lockstep schedules' utilisation in closed form (nothing overlaps but the SFU's and the
+    software share of the exps): utilisation = ideal GEMM time / the time the loop takes.
+
+    ``prefetch`` False (``fa2_serial``): each tile costs the sum of its ops, loads included.
+    ``prefetch`` True (``fa2``, ``lockstep``): each tile costs its compute alone, plus the one
+    exposed copy of K_0 before the loop; exact while every copy is shorter than the compute it
+    hides under (V_j under GEMM0, K_{j+1} under the softmax and GEMM1), an upper bound otherwise.
+    """
     p, r = problem, rates
     f = r.mma_sync_fraction if mma_sync else 1.0
     scores = p.block_q * p.block_k
     gemm = 4 * scores * p.head_dim / r.tensor_flops
     exps = max((1 - p.sw_exp_fraction) * scores / r.sfu_ops,
                p.sw_exp_fraction * scores * SOFTWARE_EXP2_OPS / r.cuda_ops)
-    tile = (2 * p.block_k * p.head_dim * p.itemsize / r.copy_bytes + gemm / f + exps
-            + ((OPS_BEFORE_EXP + OPS_AFTER_EXP) * scores + p.block_q * p.head_dim) / r.cuda_ops)
-    return gemm / tile
+    load = p.block_k * p.head_dim * p.itemsize / r.copy_bytes
+    compute = (gemm / f + exps
+               + ((OPS_BEFORE_EXP + OPS_AFTER_EXP) * scores + p.block_q * p.head_dim) / r.cuda_ops)
+    if prefetch:
+        return gemm * p.n_tiles / (load + p.n_tiles * compute)
+    return gemm / (2 * load + compute)
 
 
 # --------------------------------------------------------------------------- the exp budget
@@ -352,24 +442,88 @@ def sfu_share_table(gpus=("H100 SXM", "H200", "B200"), head_dims=(64, 128, 256))
     return rows
 
 
-# --------------------------------------------------------------------------- the paper's ablation
-#: FlashAttention-3 paper, ablation on an H100 SXM (FP16, d = 128): TFLOP/s per configuration,
-#: beside the schedule of this model that has the same ingredients
-PAPER_ABLATION = [
-    ("FlashAttention-2", 350.0, "fa2"),
-    ("GEMM-softmax pipelining, no warp specialization", 570.0, "intra_wg_no_ws"),
-    ("warp specialization, no GEMM-softmax pipelining", 582.0, "warp_specialized"),
-    ("FlashAttention-3 (both)", 661.0, "fa3"),
+# --------------------------------------------------------------------------- the paper and the blog post
+#: the setting of the FlashAttention-3 paper's ablation (its Table 2)
+PAPER_TABLE2_SETTING = "H100 SXM5, FP16, batch 4, sequence length 8448, 16 heads, head dim 128, non-causal"
+#: the FlashAttention-3 paper's Table 2, its three rows: (configuration, TFLOP/s, the model
+#: schedule with the same ingredients)
+PAPER_TABLE2 = [
+    ("FlashAttention-3", 661.0, "fa3"),
+    ("no GEMM-softmax pipelining (warp specialization kept)", 582.0, "warp_specialized"),
+    ("no warp specialization (GEMM-softmax pipelining kept)", 570.0, "intra_wg_no_ws"),
+]
+#: the FlashAttention-3 blog post (PyTorch blog, 2024-07-11), step by step on an H100, FP16:
+#: (step, TFLOP/s low, high, the model schedule with the same ingredients).  The blog post,
+#: not the paper, is the source of "FlashAttention-2 about 350"; the paper's text says FA2
+#: reaches about 35% of the H100's peak.
+BLOG_STEPS = [
+    ("FlashAttention-2", 350.0, 350.0, "fa2"),
+    ("wgmma + TMA rewrite", 540.0, 570.0, "warp_specialized"),
+    ("+ ping-pong scheduling", 620.0, 640.0, "pingpong"),
+    ("+ intra-warpgroup overlap", 640.0, 660.0, "fa3"),
 ]
 
 
-def ablation_comparison(problem: Problem | None = None, gpu="H100 SXM") -> list[dict]:
-    """The paper's ablation beside the model: measured fraction of peak vs predicted utilisation."""
-    r = SMRates.from_gpu(gpu)
+def ablation_comparison(problem: Problem | None = None, gpu="H100 SXM", l2_reuse: float = L2_REUSE) -> list[dict]:
+    """The paper's Table 2 beside the model: measured fraction of peak vs predicted utilisation."""
+    r = SMRates.from_gpu(gpu, l2_reuse)
     peak = rl.get_gpu(gpu)["fp16_tflops"]
     out = []
-    for label, tflops, kind in PAPER_ABLATION:
+    for config, tflops, kind in PAPER_TABLE2:
         s = simulate(kind, problem, r)
-        out.append(dict(paper=label, paper_tflops=tflops, paper_fraction=tflops / peak, schedule=kind,
-                        model_utilisation=s.utilisation))
+        out.append(dict(paper=config, paper_tflops=tflops, paper_fraction=tflops / peak, schedule=kind,
+                        label=label(kind), model_utilisation=s.utilisation))
     return out
+
+
+def blog_comparison(problem: Problem | None = None, gpu="H100 SXM", l2_reuse: float = L2_REUSE) -> list[dict]:
+    """The blog post's steps beside the model: each step's reported range as a fraction of peak,
+    the model's utilisation, and each one's gain over the step before (the blog's as a range:
+    lowest over highest, highest over lowest)."""
+    r = SMRates.from_gpu(gpu, l2_reuse)
+    peak = rl.get_gpu(gpu)["fp16_tflops"]
+    out = []
+    for step, lo, hi, kind in BLOG_STEPS:
+        u = simulate(kind, problem, r).utilisation
+        prev = out[-1] if out else None
+        out.append(dict(step=step, blog_low=lo, blog_high=hi, blog_fraction=(lo / peak, hi / peak), schedule=kind,
+                        label=label(kind), model_utilisation=u,
+                        blog_gain=None if prev is None else (lo / prev["blog_high"], hi / prev["blog_low"]),
+                        model_gain=None if prev is None else u / prev["model_utilisation"]))
+    return out
+
+
+# --------------------------------------------------------------------------- trusting the model
+#: the L2 reuse factors :func:`sensitivity` tries by default: from no reuse at all (1) to four
+#: times the default
+SENSITIVITY_REUSE = (1, 2, 3, 4, 6, 8, 16)
+#: the schedules :func:`sensitivity` reports by default: both FA2 models and Table 2's rows
+SENSITIVITY_KINDS = ("fa2_serial", "fa2", "warp_specialized", "intra_wg_no_ws", "pingpong", "fa3")
+
+
+def sensitivity(l2_reuses=SENSITIVITY_REUSE, kinds=SENSITIVITY_KINDS, problem: Problem | None = None,
+                gpu="H100 SXM") -> list[dict]:
+    """The model's utilisation per schedule for each L2 reuse factor: one dict per factor,
+    {"l2_reuse": x, kind: utilisation, ..., "table2_order_holds": bool}, the last saying
+    whether Table 2's ordering (warp specialization alone above the pipelining alone) holds.
+
+    The factor is the model's one unmeasured constant: a conclusion that flips inside a
+    plausible range of it is not a conclusion of the model.
+    """
+    l2_reuses = tuple(l2_reuses)
+    if not l2_reuses or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0
+                            for x in l2_reuses):
+        raise ValueError(f"l2_reuses: expected positive numbers, got {l2_reuses!r}")
+    kinds = tuple(kinds)
+    for k in kinds:
+        label(k)                                          # raises on an unknown schedule
+    rows = []
+    for x in l2_reuses:
+        r = SMRates.from_gpu(gpu, x)
+        row = {"l2_reuse": x}
+        row.update({k: simulate(k, problem, r).utilisation for k in kinds})
+        ws = simulate("warp_specialized", problem, r).utilisation
+        pipe = simulate("intra_wg_no_ws", problem, r).utilisation
+        row["table2_order_holds"] = ws > pipe
+        rows.append(row)
+    return rows

@@ -14,7 +14,7 @@ def test_software_exp2_is_within_a_tenth_of_a_bf16_half_ulp(rng):
     assert fa4.BF16_HALF_ULP == pytest.approx(1.953125e-3)
 
 
-def test_fitted_polynomial_matches_the_papers_coefficients():
+def test_fitted_polynomial_matches_the_codes_coefficients():
     c = fa4.fit_exp2_poly(3)
     np.testing.assert_allclose(c, fa4.FA4_EXP2_COEFFS, atol=6e-4)
     assert fa4.exp2_max_rel_error(c) <= fa4.exp2_max_rel_error()      # unrounded is no worse

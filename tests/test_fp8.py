@@ -122,3 +122,51 @@ def test_experiment_key_offset_is_what_smoothing_removes():
     plain0, _ = (r.rmse for r in fp8.accuracy_experiment(**kw))
     plain5, smooth5 = (r.rmse for r in fp8.accuracy_experiment(key_offset=5.0, **kw))
     assert plain5 > plain0 and smooth5 < 0.9 * plain5
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_rounding_error_typical_against_worst_case(rng, fmt):
+    """Half an ulp over the binade's bottom bounds every normal value; the mean is far below it."""
+    s = fp8.rounding_error(fmt, rng)
+    m = fp8.MANTISSA_BITS[fmt]
+    assert s["mantissa_bits"] == m and s["worst_case"] == 2.0 ** -(m + 1)
+    sup = s["worst_case"] / (1 + s["worst_case"])          # a value half an ulp above a binade's bottom
+    assert 0.9 * sup < s["max"] <= sup * (1 + 1e-6)
+    assert 0.25 * s["worst_case"] < s["mean"] < 0.5 * s["worst_case"] and s["mean"] < s["rms"] < s["max"]
+    assert s["flushed"] <= s["subnormal"] < 1e-3
+
+
+def test_e4m3_typical_error_is_two_to_three_percent(rng):
+    s = fp8.rounding_error("e4m3", rng, n=1 << 15)
+    assert s["worst_case"] == 0.0625
+    assert 0.02 <= s["mean"] <= 0.03 and 0.02 <= s["rms"] <= 0.03
+    assert fp8.rounding_error("e5m2", rng)["mean"] > s["mean"]           # one bit fewer: about twice
+
+
+def test_rounding_error_bad_input():
+    with pytest.raises(ValueError, match="fmt"):
+        fp8.rounding_error("e3m4")
+    with pytest.raises(ValueError, match="n"):
+        fp8.rounding_error("e4m3", n=1)
+
+
+def test_threshold_headroom_and_a_stale_maximum(rng):
+    h = fp8.threshold_headroom(8.0)
+    assert not h["fits"] and h["largest_scaled_p"] == 256.0 * 256.0
+    assert h["max_threshold"] == pytest.approx(np.log2(448 / 256)) and h["max_p_scale"] == pytest.approx(1.75)
+    assert fp8.threshold_headroom(h["max_threshold"])["fits"]
+    for r in fp8.threshold_experiment(rng, thresholds=(0.0, 0.5, 2.0), seqlen_q=16, seqlen_k=256, head_dim=32):
+        overflow = r["p_scale"] * 2.0 ** r["lag"] > 448 * (1 + 1e-9)
+        assert (r["nan_share"] == 1.0) == overflow and (r["nan_share"] == 0.0) != overflow, r
+        if not overflow:
+            assert r["rmse"] < 0.05
+    q, k, v = (rng.standard_normal((1, 1, n, 16)) for n in (8, 40, 40))
+    ref, _ = reference.attention(q, k, v)
+    # a stale maximum is a scale of P: with P's scale shrunk by the same factor, the cast sees the same values
+    a = fp8.fp8_attention(q, k, v, stale_by=3.0, p_scale=32.0)
+    b = fp8.fp8_attention(q, k, v, p_scale=256.0)
+    assert fp8.rmse(a, ref) == pytest.approx(fp8.rmse(b, ref), rel=1e-3)
+    with pytest.raises(ValueError, match="stale_by"):
+        fp8.fp8_attention(q, k, v, stale_by=-1.0)
+    with pytest.raises(ValueError, match="threshold"):
+        fp8.threshold_headroom(-1.0)

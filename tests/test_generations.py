@@ -26,3 +26,10 @@ def test_hardware_matrix_covers_every_architecture():
     m = g.hardware_matrix()
     assert all(a in m for a in g.ARCHITECTURES) and "community fork" in m
     assert len(g.CAVEATS) >= 4
+
+
+def test_fa2_builds_for_blackwell_but_is_not_listed():
+    assert g.HARDWARE["FlashAttention-2"]["Blackwell"] == "builds; not listed"
+    assert any("12.8" in n and "Blackwell" in n for n in g.HARDWARE_NOTES)
+    fa2 = next(x for x in g.GENERATIONS if x.name == "FlashAttention-2")
+    assert any("350" in claim and "blog post" in claim for claim, _ in fa2.reported)

@@ -1,16 +1,27 @@
-"""Notebook 09's plots and widget: Gantt charts of the SM schedule model, the exp budget.
+"""Notebooks 09a and 09b's plots, tables and widget: the SM schedule model, the exp budget, FP8.
 
 ==============================  ========================================================
+:func:`reading_guide_figure`    one small labelled timing diagram: how to read the charts
 :func:`gantt`                   one schedule's ops on the SM's four units, by agent
 :func:`schedule_figure`         a Gantt chart per schedule, one problem and GPU
 :func:`schedule_report`         the predicted tensor-core utilisation per schedule (HTML)
 :func:`schedule_explorer`       d, Br, Bc and the GPU in; the report and the charts out
-:func:`ablation_table`          the FlashAttention-3 paper's ablation beside the model
+:func:`sfu_table`               the exp budget per GPU and head dim
+:func:`ablation_table`          the FlashAttention-3 paper's Table 2 beside the model
+:func:`blog_table`              the FlashAttention-3 blog post's steps beside the model
+:func:`sensitivity_table`       the model's utilisations over its L2 reuse factor
+:func:`sensitivity_figure`      the same as a plot
+:func:`fp8_table`               the FP8 accuracy experiment beside the paper's figures
+:func:`seed_table`              the error ratio per seed
+:func:`rounding_table`          worst-case and typical rounding error per format
+:func:`generations_tables`      FlashAttention 1-4, the hardware matrix, the caveats
 :func:`hopper_kernel_record`    the recorded results of the Hopper kernel, if there are any
+:func:`hopper_ablation_record`  the recorded ablation of the Hopper kernels, if any
 ==============================  ========================================================
 
-The numbers come from :mod:`iokernels.hopper_schedule`; matplotlib and ipywidgets are
-imported inside the functions.
+The numbers come from :mod:`iokernels.hopper_schedule`, :mod:`iokernels.fp8` and
+:mod:`iokernels.generations`; tables are :class:`iokernels.viz.htmltable.Table` (HTML in
+a notebook, text elsewhere); matplotlib and ipywidgets are imported inside the functions.
 """
 from __future__ import annotations
 
@@ -18,10 +29,13 @@ import html
 
 from .. import hopper_schedule as hs
 from ..core import roofline as rl
+from .htmltable import Table
 from .widgets import _table
 
-__all__ = ["gantt", "schedule_figure", "schedule_report", "schedule_explorer", "ablation_table",
-           "hopper_kernel_record"]
+__all__ = ["reading_guide_figure", "gantt", "schedule_figure", "schedule_report", "schedule_explorer",
+           "sfu_table", "ablation_table", "blog_table", "sensitivity_table", "sensitivity_figure", "fp8_table",
+           "seed_table", "rounding_table", "generations_tables", "hopper_kernel_record",
+           "hopper_ablation_record"]
 
 #: the GPUs the model knows the per-clock rates of (the widget's choices)
 GPUS = ("H100 SXM", "H200", "H100 PCIe", "A100 80GB SXM", "B200")
@@ -46,7 +60,7 @@ def gantt(schedule: hs.Schedule, ax=None, title: str | None = None):
     ax.set_yticklabels([_UNIT_LABELS[u] for u in reversed(units)], fontsize=8)
     ax.set_xlim(0, schedule.makespan * 1e6)
     ax.set_xlabel("time (us, modelled)", fontsize=8)
-    ax.set_title(title or f"{hs.SCHEDULES[schedule.name][0]}: tensor cores busy "
+    ax.set_title(title or f"{hs.label(schedule.name)}: tensor cores busy "
                  f"{schedule.utilisation:.0%} of peak", fontsize=9)
     return ax
 
@@ -84,7 +98,7 @@ def schedule_report(head_dim=128, block_q=128, block_k=128, gpu="H100 SXM", n_ti
             + ("" if smem <= limit else " -- does not fit: a real kernel could not use these tiles"))
     rows = []
     for kind, s in hs.run_all(p, rates).items():
-        rows.append((hs.SCHEDULES[kind][0], f"{s.utilisation:.1%}",
+        rows.append((hs.label(kind), f"{s.utilisation:.1%}",
                      *(f"{s.busy[u]:.0%}" for u in hs.UNITS)))
     share = rates.tensor_flops / (hs.exp_budget(head_dim) * rates.sfu_ops)
     return (f"<p>{html.escape(fits)}; exp time = {share:.2f} x matmul time at d = {head_dim}</p>"
@@ -122,66 +136,200 @@ def schedule_explorer(head_dim=128, block_q=128, block_k=128, gpu="H100 SXM"):
     return w.VBox([w.HBox([d, g]), w.HBox([br, bc, sw]), numbers, plot])
 
 
-def ablation_table(problem: hs.Problem | None = None, gpu="H100 SXM") -> str:
-    """The FlashAttention-3 paper's ablation (H100 SXM, FP16, d = 128) beside the model, as text."""
-    rows = hs.ablation_comparison(problem, gpu)
-    lines = [f"{'paper configuration':<50}{'TFLOP/s':>9}{'of peak':>9}{'vs FA2':>8}   {'model schedule':<17}"
-             f"{'modelled':>9}{'vs fa2':>8}"]
-    for r in rows:
-        lines.append(f"{r['paper']:<50}{r['paper_tflops']:>9.0f}{r['paper_fraction']:>9.0%}"
-                     f"{r['paper_tflops'] / rows[0]['paper_tflops']:>7.2f}x   {r['schedule']:<17}"
-                     f"{r['model_utilisation']:>9.0%}{r['model_utilisation'] / rows[0]['model_utilisation']:>7.2f}x")
-    return "\n".join(lines)
+def reading_guide_figure():
+    """How to read a Gantt chart: FA2's first two tiles on an H100 SXM, every bar named, the
+    idle gaps and one dependency pointed out.  Returns the figure."""
+    import matplotlib.pyplot as plt
+    s = hs.simulate("fa2", hs.Problem(n_tiles=2))
+    fig, ax = plt.subplots(figsize=(10, 3.4))
+    gantt(s, ax, title=f"how to read the charts: {hs.label('fa2')}, two K/V tiles, one SM of an H100 SXM")
+    units = list(hs.UNITS)
+    short = {"cuda": {"max, scale": "max", "sum, convert, rescale": "sum/cvt"}}
+    for op in s.ops:
+        y = len(units) - 1 - units.index(op.unit)
+        name = op.name.split(" = ")[0] if op.unit == "tensor" else op.name
+        for long, brief in short.get(op.unit, {}).items():
+            name = name.replace(long, brief)
+        if op.seconds > 0.04 * s.makespan:
+            ax.text((op.start + op.seconds / 2) * 1e6, y, name, ha="center", va="center", fontsize=7, color="white")
+    tensor = sorted((o for o in s.ops if o.unit == "tensor"), key=lambda o: o.start)
+    gap = max(zip(tensor, tensor[1:]), key=lambda ab: ab[1].start - ab[0].end)
+    y_t = len(units) - 1 - units.index("tensor")
+    ax.annotate("", xy=(gap[1].start * 1e6, y_t - 0.2), xytext=(gap[0].end * 1e6, y_t - 0.2),
+                arrowprops=dict(arrowstyle="<->", color="black"))
+    ax.text((gap[0].end + gap[1].start) / 2 * 1e6, y_t + 0.1, "idle: softmax", ha="center", va="center", fontsize=8)
+    load = next(o for o in s.ops if o.name == "load K1")
+    ax.annotate("load K1 was issued early: it runs under the softmax and the matmul (prefetch)",
+                xy=((load.start + load.seconds / 2) * 1e6, len(units) - 1 + 0.4),
+                xytext=(load.start * 1e6, len(units) + 0.15), fontsize=8, va="center",
+                arrowprops=dict(arrowstyle="->", color="black"))
+    ax.set_ylim(-0.6, len(units) + 0.4)
+    ax.set_xlabel("time (us, modelled): one row per unit, one bar per op, colour = the warpgroup that issued it",
+                  fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def sfu_table(gpus=("H100 SXM", "H200", "B200"), head_dims=(64, 128, 256)) -> Table:
+    """:func:`iokernels.hopper_schedule.sfu_share_table` as a table."""
+    rows = [(r["gpu"], r["head_dim"], r["flop_per_exp"], f"{r['tensor_tflops']:,.1f}", f"{r['exp_tops']:.2f}",
+             f"{r['exp_fraction_of_matmul']:.2f}") for r in hs.sfu_share_table(gpus, head_dims)]
+    return Table(("GPU", "d", "matmul FLOP per exp", "matmul TFLOP/s (datasheet)", "exp T/s (16 per clock per SM)",
+                  "exp time / matmul time"), rows,
+                 caption="The exp budget: how long the exponentials take next to the matmuls, if nothing overlaps")
+
+
+def ablation_table(problem: hs.Problem | None = None, gpu="H100 SXM", l2_reuse=hs.L2_REUSE) -> Table:
+    """The FlashAttention-3 paper's Table 2 (its three rows) beside the model."""
+    rows = hs.ablation_comparison(problem, gpu, l2_reuse)
+    return Table(("paper, Table 2", "TFLOP/s", "of peak", "model schedule", "modelled utilisation"),
+                 [(r["paper"], f"{r['paper_tflops']:.0f}", f"{r['paper_fraction']:.0%}", r["label"],
+                   f"{r['model_utilisation']:.1%}") for r in rows],
+                 caption=f"FlashAttention-3 paper, Table 2 ({hs.PAPER_TABLE2_SETTING}); model at "
+                         f"L2 reuse {l2_reuse:g}")
+
+
+def blog_table(problem: hs.Problem | None = None, gpu="H100 SXM", l2_reuse=hs.L2_REUSE) -> Table:
+    """The FlashAttention-3 blog post's steps beside the model, with each step's gain."""
+    rows = []
+    for r in hs.blog_comparison(problem, gpu, l2_reuse):
+        lo, hi = r["blog_low"], r["blog_high"]
+        reported = f"{lo:.0f}" if lo == hi else f"{lo:.0f}-{hi:.0f}"
+        gain = "" if r["blog_gain"] is None else f"{r['blog_gain'][0]:.2f}-{r['blog_gain'][1]:.2f}x"
+        mgain = "" if r["model_gain"] is None else f"{r['model_gain']:.2f}x"
+        rows.append((r["step"], reported, gain, r["label"], f"{r['model_utilisation']:.1%}", mgain))
+    return Table(("blog post step", "TFLOP/s", "gain", "model schedule", "modelled utilisation", "model gain"), rows,
+                 caption=f"FlashAttention-3 blog post (PyTorch blog, 2024-07-11), H100, FP16; model at "
+                         f"L2 reuse {l2_reuse:g}")
+
+
+def sensitivity_table(rows=None) -> Table:
+    """:func:`iokernels.hopper_schedule.sensitivity` as a table (computed when ``rows`` is None)."""
+    rows = hs.sensitivity() if rows is None else rows
+    kinds = [k for k in rows[0] if k in hs.SCHEDULES]
+    return Table(("L2 reuse", *(hs.label(k) for k in kinds), "Table 2 order (582 > 570) holds"),
+                 [(f"{r['l2_reuse']:g}" + (" (default)" if r["l2_reuse"] == hs.L2_REUSE else ""),
+                   *(f"{r[k]:.1%}" for k in kinds), "yes" if r["table2_order_holds"] else "no") for r in rows],
+                 caption="Modelled tensor-core utilisation against the model's one free constant")
+
+
+def sensitivity_figure(rows=None):
+    """The utilisations of :func:`iokernels.hopper_schedule.sensitivity` against the L2 reuse factor."""
+    import matplotlib.pyplot as plt
+    rows = hs.sensitivity() if rows is None else rows
+    kinds = [k for k in rows[0] if k in hs.SCHEDULES]
+    xs = [r["l2_reuse"] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for k in kinds:
+        ax.plot(xs, [r[k] for r in rows], marker="o", label=hs.label(k),
+                linestyle="--" if k == "fa2_serial" else "-")
+    ax.axvline(hs.L2_REUSE, color="grey", linewidth=0.8)
+    ax.text(hs.L2_REUSE, 0.02, " default", color="grey", fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("L2 reuse factor (copy rate = L2 reuse x the SM's share of HBM bandwidth)")
+    ax.set_ylabel("modelled tensor-core utilisation")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def fp8_table(rows) -> Table:
+    """The rows of :func:`iokernels.fp8.accuracy_experiment` beside the paper's figures."""
+    return Table(("variant", "RMSE (measured here)", "FlashAttention-3 paper", "paper's row"),
+                 [(r.name, f"{r.rmse:.2e}", "-" if r.paper is None else f"{r.paper:.1e}", r.paper_label or "-")
+                  for r in rows], caption="RMSE against a float64 reference, inputs with rare outliers")
+
+
+def seed_table(seeds, ratios) -> Table:
+    """The error ratio (per-tensor FP8 / FP8 after the Hadamard transform) for each seed."""
+    seeds, ratios = list(seeds), list(ratios)
+    if len(seeds) != len(ratios):
+        raise ValueError(f"ratios: expected one per seed ({len(seeds)}), got {len(ratios)}")
+    return Table(("seed", "RMSE per tensor / RMSE after the Hadamard transform"),
+                 [(s, f"{r:.2f}x") for s, r in zip(seeds, ratios)],
+                 caption="The error ratio, redrawn with other seeds")
+
+
+def rounding_table(stats) -> Table:
+    """The rows of :func:`iokernels.fp8.rounding_error` (one per format)."""
+    return Table(("format", "mantissa bits", "worst case (half an ulp)", "largest seen", "mean", "RMS",
+                  "flushed to 0"),
+                 [(s["format"], s["mantissa_bits"], f"{s['worst_case']:.2%}", f"{s['max']:.2%}",
+                   f"{s['mean']:.2%}", f"{s['rms']:.2%}", f"{s['flushed']:.2%}") for s in stats],
+                 caption="Relative rounding error of one cast, on random data scaled to the format's range")
+
+
+def generations_tables():
+    """(generations, hardware matrix, caveats) from :mod:`iokernels.generations`, as tables."""
+    from .. import generations as gen
+    rows = []
+    for g in gen.GENERATIONS:
+        rows.append((g.name, g.paper, "; ".join(g.changed),
+                     "; ".join(f"{claim} ({where})" for claim, where in g.reported), g.status or "-"))
+    gens = Table(("generation", "paper", "what changed", "what it reported (with its framing)", "status"), rows,
+                 caption="FlashAttention 1 to 4, as their papers report them")
+    hw = Table(("", *gen.ARCHITECTURES),
+               [(name, *(row[a] or "-" for a in gen.ARCHITECTURES)) for name, row in gen.HARDWARE.items()],
+               caption="Where each runs", note=" ".join(gen.HARDWARE_NOTES))
+    cav = Table(("", "read every number above with this in mind"),
+                [(i + 1, c) for i, c in enumerate(gen.CAVEATS)], caption="Caveats")
+    return gens, hw, cav
 
 
 #: the Hopper forward kernels of :mod:`iokernels.cupy_raw` (wgmma, TMA, warp specialization)
 HOPPER_RUNNERS = ("cupy:v3*", "cupy:v4*", "cupy:v5*")
 
 
-def hopper_kernel_record(results_dir=None) -> str:
+def hopper_kernel_record(results_dir=None) -> Table:
     """The recorded results of the Hopper forward kernels (cupy_raw v3-v5) beside SDPA's FLASH
-    and cuDNN kernels, labelled with the record; or a line saying that none is recorded yet."""
+    and cuDNN kernels, labelled with the record; or a note saying that none is recorded yet."""
     from ..core import recorded
     pending = ("no recorded results of the Hopper forward kernels (iokernels.cupy_raw, versions v3-v5) "
                "yet: they appear here once a GPU run has recorded them")
     try:
         rec = recorded.load(results_dir=results_dir)
     except FileNotFoundError:
-        return pending
+        return Table(("",), [], note=pending)
     if not recorded.bench_rows(rec, runners=HOPPER_RUNNERS):
-        return pending
-    return recorded.label(rec) + "\n" + recorded.table(
-        rec, "prefill", runners=("sdpa:cudnn", "sdpa:flash", *HOPPER_RUNNERS), vs="sdpa:flash",
-        columns=("dtype", "causal", "batch", "seqlen", "runner", "ms", "rate", "unit"))
+        return Table(("",), [], note=pending)
+    rows = recorded.bench_rows(rec, section="prefill", runners=("sdpa:cudnn", "sdpa:flash", *HOPPER_RUNNERS),
+                               vs="sdpa:flash")
+    return Table(("dtype", "causal", "batch", "N", "kernel", "ms", "rate", "unit", "speed vs sdpa:flash"),
+                 [(r.get("dtype"), "causal" if r.get("causal") else "non-causal", r.get("batch"), r.get("seqlen"),
+                   r["runner"], f"{r['ms']:.4g}", f"{r['rate']:.4g}", r.get("unit"),
+                   "" if r.get("speed_vs_sdpa:flash") is None else f"{r['speed_vs_sdpa:flash']:.2f}x")
+                  for r in rows], caption=recorded.label(rec))
 
 
-def hopper_ablation_record(results_dir=None) -> str:
+def hopper_ablation_record(results_dir=None) -> Table:
     """FlashAttention-3's ablation redone on the recorded GPU: our Hopper versions (v3 TMA +
     wgmma, v4 warp specialization, v5 ping-pong) beside the Ampere-style v2 and SDPA's FLASH
     and cuDNN kernels, in TFLOP/s, for each head dim and mask over N (B * N fixed); the last
-    line of each block is v5's ratio to FLASH.  Or a line saying that none is recorded yet."""
+    row of each block is v5's ratio to FLASH.  Or a note saying that none is recorded yet."""
     from ..core import recorded
     pending = ("no recorded ablation of the Hopper forward kernels yet: it appears here once "
                "scripts/hopper_bench.py --parts ablation has run on a GPU and been filed")
     try:
         rows, env = recorded.hopper_ablation_rows(recorded.load("hopper", results_dir=results_dir))
     except FileNotFoundError:
-        return pending
+        return Table(("",), [], note=pending)
     if not rows:
-        return pending
+        return Table(("",), [], note=pending)
     lengths = sorted({r["seqlen"] for r in rows})
-    out = [f"recorded: {env.get('gpu')}, {env.get('date')}, torch {env.get('torch')}, CUDA {env.get('cuda')}; "
-           "bf16, B x N = " + f"{rows[0]['batch'] * rows[0]['seqlen']:,} tokens, TFLOP/s (causal counts the visible half)"]
+    out = []
     for d in sorted({r["head_dim"] for r in rows}):
         for causal in (False, True):
             block = {r["seqlen"]: r for r in rows if r["head_dim"] == d and r["causal"] == causal}
             heads = next(iter(block.values()))["heads"]
-            out.append("")
-            out.append(f"d = {d}, H = {heads}, {'causal' if causal else 'non-causal'}".ljust(28)
-                       + "".join(f"{f'N={n}':>9}" for n in lengths))
+            setting = f"d = {d}, H = {heads}, {'causal' if causal else 'non-causal'}"
             for name in recorded.ABLATION_RUNNERS:
                 cells = [block.get(n, {}).get(name, {}).get("tflops") for n in lengths]
-                out.append(f"  {name:<26}" + "".join(f"{c:>9.0f}" if c is not None else f"{'-':>9}" for c in cells))
+                out.append((setting, name, *(f"{c:.0f}" if c is not None else "-" for c in cells)))
             ratio = [block.get(n, {}).get("v5", {}).get("x_flash") for n in lengths]
-            out.append(f"  {'v5 / FLASH':<26}" + "".join(f"{c:>8.2f}x" if c else f"{'-':>9}" for c in ratio))
-    return "\n".join(out)
+            out.append((setting, "v5 / FLASH", *(f"{c:.2f}x" if c else "-" for c in ratio)))
+    caption = (f"recorded: {env.get('gpu')}, {env.get('date')}, torch {env.get('torch')}, CUDA {env.get('cuda')}; "
+               f"bf16, B x N = {rows[0]['batch'] * rows[0]['seqlen']:,} tokens, TFLOP/s "
+               "(causal counts the visible half)")
+    return Table(("setting", "kernel", *(f"N={n}" for n in lengths)), out, caption=caption)
