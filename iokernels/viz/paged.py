@@ -484,7 +484,7 @@ def split_cost_figure(batches=(1, 8, 17, 24, 32), seq_len=32768, heads_kv=8, num
     for bsz in batches:
         cost = np.array([cr.split_cost(bsz * heads_kv, seq_len, int(s), num_sms, blocks_per_sm, row_bytes)
                          for s in splits])
-        pick = cr.num_splits_heuristic(bsz, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
+        pick = cr.decode_wave_splits(bsz, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
         line, = ax.plot(splits, cost / cost.min(), "o-", ms=3, label=f"batch {bsz} ({bsz * heads_kv} pairs): S = {pick}")
         if pick <= max_splits:
             ax.plot([pick], [cost[pick - 1] / cost.min()], "o", ms=10, mfc="none", color=line.get_color())
