@@ -41,6 +41,8 @@ DECODE_VERSIONS = ("v1", "v2", "v3", "v4", "v5")
 #: combine), and those of them on the tensor cores
 RING_FUSED = ("v3", "v4", "v5")
 TENSOR_CORE = ("v4", "v5")
+#: the versions whose kernels read a quantized cache's codes (-DKV_QUANT; None resolves as v1)
+READS_CODES = (None, "v1", "v3", "v5")
 #: decode v1 and v2: 4 warps a block; each v1 sub-group keeps UNROLL rows of K and V in
 #: flight; the compiler is asked to fit DECODE_MIN_BLOCKS blocks an SM (__launch_bounds__)
 DECODE_WARPS = 4
@@ -233,7 +235,7 @@ class DecodeConfig:
             raise ValueError(f"kv_dtype: a {kv} cache is read by the paged decode of versions v1, v3 and v5, "
                              f"not {'a contiguous cache' if not paged else 'version v2'}")
         base = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged))
-        if kv is not None:
+        if self.version in READS_CODES:                  # the kernels that can read codes: which (0: none)
             base["KV_QUANT"] = KV_QUANT_IDS[kv]
         if paged:
             base["BLOCK_SIZE"] = block_size

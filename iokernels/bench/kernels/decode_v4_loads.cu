@@ -20,6 +20,7 @@
 // NUM_WARPS, STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED, LOAD_L1, COMBINE_REG_SPLITS), and
 // LOAD_BULK, SWIZZLE.
 #include "common.cuh"
+#include "splits.cuh"
 #include "mma.cuh"
 
 #ifndef HEAD_DIM
@@ -134,9 +135,8 @@ decode_split_v4_loads(const elem_t* __restrict__ Q,          // (batch, heads_q,
     const int len = seq_lens ? seq_lens[b] : nk;
     // the visible keys [first, len) are split (a sliding window hides the ones before first);
     // a split past them is empty (LSE_s = -inf)
-    const int first = window_left < 0 ? 0 : max(len - 1 - window_left, 0);
-    const int per_split = (len - first + num_splits - 1) / num_splits;
-    const int n_begin = min(first + split * per_split, len), n_end = min(n_begin + per_split, len);
+    const int3 keys = decode_split_keys(len, window_left, num_splits, split);   // splits.cuh
+    const int n_begin = keys.y, n_end = keys.z;
 
     const int n_tiles = (n_end - n_begin + TILE_ROWS - 1) / TILE_ROWS;
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;

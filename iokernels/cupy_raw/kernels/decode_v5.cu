@@ -43,6 +43,7 @@
 // (2 x Bc x HEAD_DIM bytes + 2 x Bc float32 scales), the warps' merge buffer, the fused
 // combine's weights g x S acc_t), then table_cap int32 entries.
 #include "common.cuh"
+#include "splits.cuh"
 #include "mma.cuh"
 
 #ifndef HEAD_DIM
@@ -136,9 +137,8 @@ decode_split_v5(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     const int len = seq_lens ? seq_lens[b] : nk;
     // the visible keys [first, len) are split (a sliding window hides the ones before first);
     // a split past them is empty (LSE_s = -inf)
-    const int first = window_left < 0 ? 0 : max(len - 1 - window_left, 0);
-    const int per_split = (len - first + num_splits - 1) / num_splits;
-    const int n_begin = min(first + split * per_split, len), n_end = min(n_begin + per_split, len);
+    const int3 keys = decode_split_keys(len, window_left, num_splits, split);   // splits.cuh
+    const int n_begin = keys.y, n_end = keys.z;
 
     const int n_tiles = (n_end - n_begin + TILE_ROWS - 1) / TILE_ROWS;
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;
