@@ -63,7 +63,7 @@ Frank notes
 * The split kernel writes S partial results per (sequence, head) and reads them back:
   S * B * Hq * (d + 1) accumulator values each way.  For short caches or large batches that
   overhead is not worth it, which is why the heuristic picks S = 1 there.
-* :func:`num_splits_heuristic` is modelled on FlashAttention-2's occupancy rule (see its
+* :func:`occupancy_splits` is modelled on FlashAttention-2's occupancy rule (see its
   docstring); the default SM count is an H100's, a named assumption, not a measurement.
 """
 from __future__ import annotations
@@ -75,10 +75,11 @@ import numpy as np
 
 from .core import conventions as cv
 from .core.traffic import HBM, Traffic
+from .core.splits import split_range, visible_first
 from .paged import SCALE_ITEMSIZE, dequantize, storage_dtype
 
 __all__ = ["decode_naive", "decode_split_kv", "paged_decode_split_kv", "split_kv_grid", "paged_tile_loader",
-           "merge_states", "merge_kernel", "num_splits_heuristic", "split_ranges", "visible_start",
+           "merge_states", "merge_kernel", "occupancy_splits", "split_ranges", "visible_start",
            "traffic_model", "traffic_model_paged", "traffic_model_naive", "split_kv_model",
            "perturbed_decode_error_bound", "decode_bytes_per_token", "decode_flops", "decode_time_bound",
            "DEFAULT_NUM_SMS", "DEFAULT_BLOCK_N", "MAX_SPLITS"]
@@ -97,7 +98,7 @@ EFFICIENCY_FRACTION = 0.85
 
 
 # --------------------------------------------------------------------------- the heuristic
-def num_splits_heuristic(batch, heads_kv, seqlen, num_sms=DEFAULT_NUM_SMS, *, block_n=DEFAULT_BLOCK_N,
+def occupancy_splits(batch, heads_kv, seqlen, num_sms=DEFAULT_NUM_SMS, *, block_n=DEFAULT_BLOCK_N,
                          max_splits=MAX_SPLITS, q_tiles=1, return_efficiency=False):
     """How many ways to split the keys: FlashAttention-2's occupancy rule, written out.
 
@@ -150,16 +151,10 @@ def split_ranges(seq_len, num_splits, block_n=DEFAULT_BLOCK_N, start=0):
     first tile is the partial block holding ``start``).  They are dealt out in contiguous
     runs of ceil(Tc / S); trailing splits may be empty (start == stop), as in
     FlashAttention-2.  Keys before ``start`` belong to no split: they are never read.
+    This is :func:`iokernels.core.splits.split_range` with granule Bc, the contract every
+    backend shares (the CUDA kernels deal single keys: granule 1).
     """
-    t0, t1 = start // block_n, -(-seq_len // block_n)
-    tiles = max(t1 - t0, 0)
-    per = -(-tiles // num_splits) if tiles else 0
-    out = []
-    for s in range(num_splits):
-        a = min(max((t0 + s * per) * block_n, start), seq_len)
-        b = min((t0 + (s + 1) * per) * block_n, seq_len)
-        out.append((a, max(a, b)))
-    return out
+    return [split_range(seq_len, num_splits, s, block_n, start) for s in range(num_splits)]
 
 
 def visible_start(seq_len, window=None):
@@ -169,13 +164,12 @@ def visible_start(seq_len, window=None):
     window (left, right) it sees key j iff j >= seq_len - 1 - left; ``right`` cannot
     reach past the end, and left = -1 (unbounded) gives 0.
     """
-    left, _ = cv.resolve_window(window)
-    return 0 if left < 0 else max(seq_len - 1 - left, 0)
+    return visible_first(seq_len, cv.resolve_window(window)[0])
 
 
 def _resolve_splits(num_splits, batch, heads_kv, max_len, block_n):
     if num_splits is None:
-        return num_splits_heuristic(batch, heads_kv, max_len, DEFAULT_NUM_SMS, block_n=block_n)
+        return occupancy_splits(batch, heads_kv, max_len, DEFAULT_NUM_SMS, block_n=block_n)
     return int(num_splits)
 
 
@@ -384,7 +378,7 @@ def decode_split_kv(q, k, v, *, seq_lens=None, num_splits=None, scale=None, wind
     """v2: Flash-Decoding over a contiguous cache: split-KV workers, then the merge kernel.
 
     q (B, Hq, d); k, v (B, Hkv, N, d); sequence b uses keys [0, seq_lens[b]).
-    num_splits None: :func:`num_splits_heuristic` (with DEFAULT_NUM_SMS).  With one split the
+    num_splits None: :func:`occupancy_splits` (with DEFAULT_NUM_SMS).  With one split the
     workers write O and LSE directly and no merge runs.  ``window`` (left, right): only the
     keys [:func:`visible_start`, n) are split and read, so a sliding window's traffic
     grows with the window, not with n.  Keys per tile: ``block_n``, else ``config.block_k``

@@ -6,7 +6,7 @@ Part 1 runs CuPy decode v4 over small quantized PagedKVCaches at awkward shapes 
 lengths with an empty sequence, GQA groups 1 to 16, head dims 64 / 128 / 256, pages of 16,
 7 and 5 rows, 1 / 7 / heuristic splits, a window, both scale granularities, float16 and
 bfloat16 queries) and prints one line a case: max |O - ref| against the float64 oracle on
-the values the cache holds (bound: cupy_raw.decode.v4_quant_rounding_bound, float32 sum
+the values the cache holds (bound: cupy_raw.decode.v5_rounding_bound, float32 sum
 order and O's rounding) and against the oracle on the values before quantization (bound:
 iokernels.decode.perturbed_decode_error_bound on top), max |LSE - ref|, and whether the
 empty sequence gave O = 0 and LSE = -inf.
@@ -56,7 +56,7 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 
 def correctness(ik, cr, reference, testing, rng) -> int:
     """Part 1: one printed line a call; returns the number of failures."""
-    from iokernels.cupy_raw.decode import v4_quant_rounding_bound
+    from iokernels.cupy_raw.decode import v5_rounding_bound
     dec = importlib.import_module("iokernels.decode")
     failures = 0
     for dtype, kv, gran, d, hq, hkv, N, bs, kw in CASES:
@@ -70,7 +70,7 @@ def correctness(ik, cr, reference, testing, rng) -> int:
             ob, _ = dec.perturbed_decode_error_bound(q, k, v, k_hat, v_hat, seq_lens=lens, window=window)
             seen = lens if window is None else np.minimum(lens, window[0] + 1)
             same = (AGREE_ULPS * 2.0 ** -23 * max(1.0, vmax) + OUT_ULP[dtype] * np.abs(ro).max(axis=-1)
-                    + v4_quant_rounding_bound(vmax, np.repeat(seen[:, None], hq, axis=1)))
+                    + v5_rounding_bound(vmax, np.repeat(seen[:, None], hq, axis=1)))
             fin = np.isfinite(rl)
             for S in SPLITS:
                 label = f"{dtype} {kv} {gran} d={d} g={hq // hkv} bs={bs} {kw} window={window} S={S}"

@@ -415,8 +415,6 @@ def test_decode_v3_configs(rng, dtype, d, group, block_size, kw):
     ("bfloat16", 128, 16, 16, dict(fused=False)),                   # rows 8..15 used; two launches
     ("float16", 112, 12, 5, dict(tile_rows=48, stages=2)),          # 12 of 16 rows, odd page size
     ("float16", 256, 8, 16, dict()),                                # the largest head dim
-    ("bfloat16", 128, 4, 16, dict(load_bulk=True)),                 # bulk copies (sm_90)
-    ("float16", 112, 12, 5, dict(tile_rows=48, stages=2, load_bulk=True)),
     ("bfloat16", 128, 4, 16, dict(load_l1=False)),                 # contiguous: fixed offsets, .cg, 3 stages
     ("float16", 112, 12, 5, dict(load_l1=True)),                   # .ca on the per-copy path; pages too
     ("float16", 64, 2, 16, dict(num_warps=4, min_blocks=2)),       # the two-an-SM block of large batches
@@ -425,9 +423,46 @@ def test_decode_v4_configs(rng, dtype, d, group, block_size, kw):
     """decode v4 (tensor cores) across groups 1..16, head dims 64..256, tiles, warps, ring
     depths and page sizes, as v3's test: contiguous and paged against the oracle, ragged
     lengths incl. 0 and 1, splits 1, 6 and 37; the errors printed per case."""
-    if _cc() < (90 if kw.get("load_bulk") else 80):
-        pytest.skip("decode v4 needs sm_80 (its bulk copies sm_90)")
+    if _cc() < 80:
+        pytest.skip("decode v4 needs sm_80")
     _check_ring_config(rng, dict(version="v4", **kw), dtype, d, group, block_size)
+
+
+@pytest.mark.parametrize("load,dtype,d,group,kw", [
+    ("same", "bfloat16", 128, 4, dict()),
+    ("same", "float16", 112, 12, dict(tile_rows=48, stages=2)),
+    ("padded", "bfloat16", 128, 4, dict()),
+    ("bulk", "bfloat16", 128, 4, dict()),                          # bulk copies (sm_90)
+    ("bulk", "float16", 112, 12, dict(tile_rows=48, stages=2)),     # 3 rows a lane, odd page size
+])
+def test_decode_v4_load_experiments(rng, load, dtype, d, group, kw):
+    """The sweeps' load experiments (iokernels.bench.decode_loads, decode_v4_loads.cu) change
+    only where the bytes land in SRAM, never the products: each gives decode v4's output bit
+    for bit, contiguous and paged (pages of 5 rows), ragged lengths incl. 0, splits 1 and 6."""
+    if _cc() < (90 if load == "bulk" else 80):
+        pytest.skip("decode v4 needs sm_80 (its bulk copies sm_90)")
+    torch = _torch()
+    cr = _cr()
+    from iokernels import bench
+    from iokernels.bench import decode_loads as dl
+    B, Hkv, N = 3, 2, 335
+    tdt = getattr(torch, dtype)
+    q = torch.from_numpy(rng.standard_normal((B, Hkv * group, d)).astype(np.float32)).cuda().to(tdt)
+    k, v = (torch.from_numpy(rng.standard_normal((B, Hkv, N, d)).astype(np.float32)).cuda().to(tdt) for _ in range(2))
+    lens = np.array([N, 0, 200])
+    kp, vp, tables, _ = bench.device_pages(k, v, seed=0, block_size=5)
+    cfg = cr.DecodeConfig("v4", **kw)
+    ref_o, _ = reference.decode(q, k, v, seq_lens=lens)
+    for splits in (1, 6):
+        got = {"contiguous": dl.decode(q, k, v, load, seq_lens=lens, num_splits=splits, config=cfg),
+               "paged": dl.paged_decode_pools(q, kp, vp, tables, lens, load, num_splits=splits, config=cfg)}
+        want = {"contiguous": cr.decode(q, k, v, seq_lens=lens, num_splits=splits, config=cfg),
+                "paged": cr.paged_decode_pools(q, kp, vp, tables, lens, num_splits=splits, config=cfg)}
+        for name in got:
+            label = f"{load} {name} splits={splits}"
+            assert torch.equal(got[name][0], want[name][0]) and torch.equal(got[name][1], want[name][1]), label
+            err = np.max(np.abs(as_numpy(got[name][0]).astype(np.float64) - ref_o))
+            assert err < 2e-2, f"{label}: max |O - ref| = {err:.3g}"
 
 
 def test_decode_v4_strided_cache(rng):
@@ -519,7 +554,7 @@ def test_paged_gather_is_exact(rng):
         assert np.array_equal(kd.get(), cache.gather(sids[0], backend="numpy")[0])
 
 
-# num_splits_heuristic is pure Python: tests/test_cupy_compile.py tests its properties without a GPU.
+# decode_wave_splits (cupy_raw.policy) is pure Python: tests/test_cupy_compile.py tests its properties without a GPU.
 
 
 @pytest.mark.parametrize("version", ["v2", "v3", "v4"])
@@ -549,7 +584,7 @@ def test_decode_large_b1(rng, version):
     assert np.max(np.abs(as_numpy(l1) - ref_l)) < 2e-2
     kp, vp, tables, lens = bench.device_pages(tk, tv, seed=int(rng.integers(1 << 30)))
     assert not np.array_equal(tables[0], np.arange(tables.shape[1])), "the table should be shuffled"
-    S = cr.num_splits_heuristic(B, Hkv, N, cr.device_info()["sms"])
+    S = cr.decode_wave_splits(B, Hkv, N, cr.device_info()["sms"])
     for splits in (S, 1, 128):
         o_c, l_c = cr.decode(tq, tk, tv, num_splits=splits, config=config)
         o_p, l_p = cr.paged_decode_pools(tq, kp, vp, tables, lens, num_splits=splits, config=config)

@@ -11,6 +11,7 @@ them is to stay within registers.  The host-side arithmetic needs no GPU and is 
 too: the decode split heuristic, the registry's defaults and checks, and the shared-memory
 fit of every default config for every dtype and head dim on every GPU size.
 """
+import pathlib
 import re
 import shutil
 import subprocess
@@ -20,7 +21,9 @@ import pytest
 
 from iokernels import cupy_raw as cr
 from iokernels.core.registry import Need
-from iokernels.cupy_raw import config as C
+from iokernels.bench import decode_loads
+from iokernels.cupy_raw import decode_config as C
+from iokernels.cupy_raw import policy
 
 NVCC = shutil.which("nvcc") or "/usr/local/bin/nvcc"
 ARCHS = (75, 80, 90)
@@ -50,9 +53,19 @@ def _jobs():
         defines = cr.DecodeConfig("v3", **kw).defines(d, dtype, group, paged, block_size, kv=kv)
         jobs.append((f"decode_v3 {dtype} d={d} paged={paged} g={group} kv={kv} {kw}", "decode_v3", defines, arch))
 
-    def dec4(dtype, d, paged, arch, group=4, block_size=16, kv=None, **kw):
-        defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, kv=kv, cc=arch)
-        jobs.append((f"decode_v4 {dtype} d={d} paged={paged} g={group} kv={kv} {kw}", "decode_v4", defines, arch))
+    def dec4(dtype, d, paged, arch, group=4, block_size=16, **kw):
+        defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
+        jobs.append((f"decode_v4 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v4", defines, arch))
+
+    def dec5(dtype, d, arch, kv, group=4, block_size=16, **kw):
+        defines = cr.DecodeConfig("v5", **kw).defines(d, dtype, group, True, block_size, kv=kv, cc=arch)
+        jobs.append((f"decode_v5 {dtype} d={d} g={group} kv={kv} {kw}", "decode_v5", defines, arch))
+
+    def loads(load, dtype, d, paged, arch, group=4, block_size=16, **kw):
+        defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
+        defines.update(decode_loads.loads_kernel(load, d).extra_defines)
+        jobs.append((f"decode_v4_loads {load} {dtype} d={d} paged={paged} g={group} {kw}", "decode_v4_loads",
+                     defines, arch))
 
     def bwd(dtype, d, arch, **kw):
         jobs.append((f"bwd_v1 {dtype} d={d} {kw}", "bwd_v1", cr.BackwardConfig(**kw).defines(d, dtype), arch))
@@ -104,10 +117,13 @@ def _jobs():
     dec3("float64", 64, True, 90, group=2)                # float64 fused combine
     dec3("float16", 72, True, 90, group=8, block_size=7, stages=4, tile_rows=8)
     dec3("bfloat16", 128, False, 90, stages=6, tile_rows=16, num_warps=8)
-    dec4("float16", 64, True, 90, group=8, block_size=7, num_warps=8, stages=2, tile_rows=32, load_bulk=True)
+    loads("bulk", "float16", 64, True, 90, group=8, block_size=7, num_warps=8, stages=2, tile_rows=32)
     dec4("bfloat16", 256, False, 80, group=16)           # rows 8..15 of the A operand used
     dec4("float16", 16, True, 90, group=1, block_size=5)  # MHA, two chunks a row
-    dec4("bfloat16", 112, False, 90, group=12, tile_rows=48, load_bulk=True)   # bulk copies, 3 rows a lane
+    loads("bulk", "bfloat16", 112, False, 90, group=12, tile_rows=48)   # bulk copies, 3 rows a lane
+    loads("padded", "bfloat16", 128, False, 90)         # padded rows where v4 swizzles; fixed offsets, .ca
+    loads("padded", "float16", 128, True, 80)
+    loads("same", "bfloat16", 128, False, 90)
     dec4("float16", 48, False, 75, load_l1=True)         # .ca on the per-copy path; sm_75's plain copies
     dec4("bfloat16", 128, True, 80, load_l1=True)        # pages through L1
     dec4("float16", 128, False, 80, load_l1=False)       # the fixed-offset issue with .cg
@@ -129,22 +145,22 @@ def _jobs():
     dec3("float64", 256, True, 90, kv="int8", group=1)    # 32 lanes of 8 codes a row
     dec("bfloat16", 59, True, 80, kv="float8_e4m3fn")     # rows not whole 8-byte words: scalar codes
     dec("float64", 128, True, 90, kv="int8", group=2)
-    # decode v4 on quantized caches (paged only): both code formats on every arch (sm_75: float16
-    # only, as v4 already is; the registry offers v4 from sm_80), head dims 64 / 128 / 256, groups
-    # 1 to 16, odd page sizes, both tile heights
+    # decode v5 (v4 on quantized caches, paged only): both code formats on every arch (sm_75:
+    # float16 only, as v4 already is; the registry offers v5 from sm_80), head dims 64 / 128 /
+    # 256, groups 1 to 16, odd page sizes, both tile heights
     for arch, kv in zip(ARCHS, ("float8_e4m3fn", "int8", "float8_e4m3fn")):
-        dec4("float16", 128, True, arch, kv=kv)
-    dec4("bfloat16", 128, True, 80, kv="float8_e4m3fn", group=8)
-    dec4("bfloat16", 128, True, 90, kv="int8", fused=False)
-    dec4("float16", 64, True, 90, kv="int8", group=1, block_size=7)       # rows of 4 chunks share a swizzle group
-    dec4("bfloat16", 256, True, 90, kv="float8_e4m3fn", group=16, block_size=5)
-    dec4("float16", 128, True, 80, kv="int8", group=16, tile_rows=16, num_warps=4)
+        dec5("float16", 128, arch, kv)
+    dec5("bfloat16", 128, 80, "float8_e4m3fn", group=8)
+    dec5("bfloat16", 128, 90, "int8", fused=False)
+    dec5("float16", 64, 90, "int8", group=1, block_size=7)       # rows of 4 chunks share a swizzle group
+    dec5("bfloat16", 256, 90, "float8_e4m3fn", group=16, block_size=5)
+    dec5("float16", 128, 80, "int8", group=16, tile_rows=16, num_warps=4)
     return jobs
 
 
 def _compile(tmp_path, name, defines, arch, extra=()):
     src = tmp_path / f"{name}_{arch}_{abs(hash(tuple(sorted(defines.items()))))}.cu"
-    src.write_text(cr.source(name))
+    src.write_text(cr.source(name, decode_loads.SOURCES if name in decode_loads.SOURCES else None))
     cmd = [NVCC, "-cubin", f"-arch=sm_{arch}", "-std=c++17", *extra,
            *(f"-D{k}={v}" for k, v in sorted(defines.items())),
            str(src), "-o", str(src.with_suffix(".cubin"))]
@@ -179,14 +195,37 @@ def test_candidates_refuse_what_they_cannot_run(tmp_path):
     rc, err = _compile(tmp_path, "decode_v3", dict(d3, HEAD_DIM=59), 90)
     assert rc != 0 and "16-byte chunks" in err
     d4 = cr.DecodeConfig("v4").defines(64, "float16", 4, False, 16)
-    for bad, words in ((dict(HEAD_DIM=72), "multiple of 16"), (dict(GROUP=17), "16 rows"),
+    for bad, words in ((dict(HEAD_DIM=72), "multiple of 16"), (dict(GROUP=17), "group 1..16"),
                        (dict(IK_DTYPE=0), "16-bit tensor-core decode"), (dict(TILE_ROWS=8), "TILE_ROWS")):
         rc, err = _compile(tmp_path, "decode_v4", dict(d4, **bad), 90)
         assert rc != 0 and words in err, (bad, err[:300])
-    d4q = cr.DecodeConfig("v4").defines(128, "float16", 4, True, 16, kv="int8")
-    for bad, words in ((dict(HEAD_DIM=192), "head_dim 64, 128 or 256"), (dict(PAGED=0), "is paged")):
-        rc, err = _compile(tmp_path, "decode_v4", dict(d4q, **bad), 90)
+    d5 = cr.DecodeConfig("v5").defines(128, "float16", 4, True, 16, kv="int8")
+    for bad, words in ((dict(HEAD_DIM=192), "head_dim 64, 128 or 256"), (dict(PAGED=0), "is paged"),
+                       (dict(KV_QUANT=0), "code format")):
+        rc, err = _compile(tmp_path, "decode_v5", dict(d5, **bad), 90)
         assert rc != 0 and words in err, (bad, err[:300])
+
+
+#: every decode kernel file and the config that passes its defines (none has a default in the .cu)
+_DECODE_DEFINES = {
+    "decode": lambda: cr.DecodeConfig("v1").defines(128, "float16", 4, True, 16),
+    "decode_v2": lambda: cr.DecodeConfig("v2").defines(128, "float16", 4, True, 16),
+    "decode_v3": lambda: cr.DecodeConfig("v3").defines(128, "float16", 4, True, 16),
+    "decode_v4": lambda: cr.DecodeConfig("v4").defines(128, "float16", 4, True, 16),
+    "decode_v5": lambda: cr.DecodeConfig("v5").defines(128, "float16", 4, True, 16, kv="int8"),
+}
+
+
+@pytest.mark.parametrize("name", ["decode_v4", "decode_v5"])
+def test_a_missing_define_is_a_compile_error_naming_it(tmp_path, name):
+    """decode v4 and v5 hold no tuning defaults: every define the config passes is needed, and
+    leaving one out is an #error that names it."""
+    full = _DECODE_DEFINES[name]()
+    for key in sorted(full):
+        if key in ("IK_DTYPE", "KV_QUANT"):          # common.cuh's (their dtype / format tables)
+            continue
+        rc, err = _compile(tmp_path, name, {k: v for k, v in full.items() if k != key}, 90)
+        assert rc != 0 and f"-D{key} is missing" in err, (name, key, err[:300])
 
 
 def test_candidates_stay_in_registers(tmp_path):
@@ -218,10 +257,11 @@ def test_decode_v4_stays_in_registers(tmp_path):
             for d, g, paged in ((128, 4, False), (128, 4, True), (256, 16, False))]
     jobs.append((cr.DecodeConfig("v4", num_warps=8).defines(128, "bfloat16", 8, True, 16), 128, 8))
     jobs.append((cr.DecodeConfig("v4").defines(128, "bfloat16", 4, False, 16, cc=90, pairs=512, sms=132), 128, 4))
-    for kv in ("int8", "float8_e4m3fn"):                  # the quantized default: 32-key tiles at d=128
-        jobs.append((cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, kv=kv), 128, 4))
+    for kv in ("int8", "float8_e4m3fn"):                  # v5's default: 32-key tiles at d=128
+        jobs.append((cr.DecodeConfig("v5").defines(128, "bfloat16", 4, True, 16, kv=kv), 128, 4))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda j: _compile(tmp_path, "decode_v4", j[0], 90, extra=("-Xptxas", "-v")), jobs))
+        results = list(pool.map(lambda j: _compile(tmp_path, "decode_v5" if "KV_QUANT" in j[0] else "decode_v4",
+                                                   j[0], 90, extra=("-Xptxas", "-v")), jobs))
     for (defines, d, g), (rc, err) in zip(jobs, results):
         assert rc == 0, err[:400]
         frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
@@ -256,7 +296,9 @@ def test_every_source_file_is_covered():
     assert cr.KERNEL_DIR.name == "kernels" and (cr.KERNEL_DIR / "common.cuh").exists()
     assert not set(cr.SOURCES) & set(cr.hopper.SOURCES)
     assert on_disk == set(cr.SOURCES) | set(cr.hopper.SOURCES)
-    assert set(cr.SOURCES) == {j[1] for j in _jobs()}
+    assert set(cr.SOURCES) | set(decode_loads.SOURCES) == {j[1] for j in _jobs()}
+    bench_dir = pathlib.Path(decode_loads.__file__).parent / "kernels"
+    assert {p.stem for p in bench_dir.glob("*.cu")} == set(decode_loads.SOURCES)
 
 
 def test_config_checks_need_no_gpu():
@@ -340,7 +382,7 @@ def test_default_forward_fits_every_dtype_and_head_dim(smem, cc):
             n = _need(dtype, d, cc, smem)
             fits = [v for v in cr.REGISTRY.versions("attention")
                     if cr.REGISTRY.get("attention", v).unavailable(_need(dtype, d, cc)) is None
-                    and C.min_forward_smem(v, d, dtype) <= smem]
+                    and cr.config.min_forward_smem(v, d, dtype) <= smem]
             if not fits:
                 with pytest.raises(ValueError, match="q: no cupy attention kernel.*shared memory"):
                     cr.REGISTRY.resolve("attention", None, n)
@@ -408,8 +450,8 @@ def test_forward_fit_shrinks_only_the_sizes_left_open():
 
 
 # --------------------------------------------------------------------------- decode split heuristic
-def test_num_splits_heuristic_properties():
-    """num_splits_heuristic is pure Python: its promises, over a grid of shapes (no GPU).
+def test_decode_wave_splits_properties():
+    """policy.decode_wave_splits is pure Python: its promises, over a grid of shapes (no GPU).
 
     At least DECODE_MIN_KEYS_PER_SPLIT keys a split (unless splits == 1); at most
     DECODE_MAX_SPLITS; never fewer splits for a longer sequence; 1 for an empty one.  Where
@@ -426,7 +468,7 @@ def test_num_splits_heuristic_properties():
                     prev, pairs = 0, batch * hkv
                     for n in (0, 1, 100, 255, 256, 257, 1000, 4096, 32768, 131072, 10 ** 6):
                         at = (batch, hkv, n, sms, bps)
-                        s = cr.num_splits_heuristic(batch, hkv, n, sms, bps)
+                        s = policy.decode_wave_splits(batch, hkv, n, sms, bps)
                         assert isinstance(s, int) and 1 <= s <= cap, (at, s)
                         if n == 0:
                             assert s == 1
@@ -441,29 +483,29 @@ def test_num_splits_heuristic_properties():
                                 assert s == fill, (at, s, fill)
                     # a long sequence with room on the GPU uses the room (more than one split)
                     if pairs * 2 <= slots:
-                        assert cr.num_splits_heuristic(batch, hkv, 10 ** 6, sms, bps) > 1
+                        assert policy.decode_wave_splits(batch, hkv, 10 ** 6, sms, bps) > 1
     # the serving shapes on 132 SMs (8 KV heads): one wave filled ...
-    assert cr.num_splits_heuristic(1, 8, 32768, 132, 1) == 16            # 128 blocks
-    assert cr.num_splits_heuristic(8, 8, 32768, 132, 1) == 2             # 128 blocks
-    assert cr.num_splits_heuristic(64, 8, 32768, 132, 2) == 1            # 512 blocks, 264 slots
+    assert policy.decode_wave_splits(1, 8, 32768, 132, 1) == 16            # 128 blocks
+    assert policy.decode_wave_splits(8, 8, 32768, 132, 1) == 2             # 128 blocks
+    assert policy.decode_wave_splits(64, 8, 32768, 132, 2) == 1            # 512 blocks, 264 slots
     # ... and past one wave: 136 pairs do not run as 132 blocks and then 4 (a second wave that
     # leaves the GPU nearly idle), 192 take two splits (3 waves nearly full), 256 none (2 waves
     # of 132 and 124); a shorter sequence takes fewer splits, where each wave's fixed cost counts
-    assert 8 <= cr.num_splits_heuristic(17, 8, 32768, 132, 1) <= 16
-    assert cr.num_splits_heuristic(24, 8, 32768, 132, 1) == 2
-    assert cr.num_splits_heuristic(32, 8, 32768, 132, 1) == 1
-    assert 2 <= cr.num_splits_heuristic(17, 8, 4096, 132, 1) < cr.num_splits_heuristic(17, 8, 32768, 132, 1)
+    assert 8 <= policy.decode_wave_splits(17, 8, 32768, 132, 1) <= 16
+    assert policy.decode_wave_splits(24, 8, 32768, 132, 1) == 2
+    assert policy.decode_wave_splits(32, 8, 32768, 132, 1) == 1
+    assert 2 <= policy.decode_wave_splits(17, 8, 4096, 132, 1) < policy.decode_wave_splits(17, 8, 32768, 132, 1)
     # split_cost is the model the heuristic minimises, as its docstring writes it: 136 pairs
     # unsplit on 132 slots are a full wave and one of 4 blocks, costed as rho of them
     slots, rho = 132, C.DECODE_SATURATING_FRACTION * 132
     want = 32768 * (slots + rho) + 2 * rho * C.DECODE_WAVE_COST_BYTES / 512
-    assert cr.split_cost(136, 32768, 1, 132, 1, 512) == pytest.approx(want, rel=1e-12)
+    assert policy.split_cost(136, 32768, 1, 132, 1, 512) == pytest.approx(want, rel=1e-12)
     for batch, n in ((1, 32768), (8, 4096), (17, 32768), (24, 32768), (64, 4096)):
-        s = cr.num_splits_heuristic(batch, 8, n, 132, 1)
-        costs = [cr.split_cost(batch * 8, n, t, 132, 1) for t in range(1, min(n // lo, cap) + 1)]
-        assert cr.split_cost(batch * 8, n, s, 132, 1) <= min(costs) * (1 + 1e-9), (batch, n, s)
+        s = policy.decode_wave_splits(batch, 8, n, 132, 1)
+        costs = [policy.split_cost(batch * 8, n, t, 132, 1) for t in range(1, min(n // lo, cap) + 1)]
+        assert policy.split_cost(batch * 8, n, s, 132, 1) <= min(costs) * (1 + 1e-9), (batch, n, s)
     # a key's K and V rows set the wave's cost in keys: 1-byte codes make it twice as many
-    assert cr.num_splits_heuristic(17, 8, 4096, 132, 1, row_bytes=256) < cr.num_splits_heuristic(17, 8, 4096, 132, 1)
+    assert policy.decode_wave_splits(17, 8, 4096, 132, 1, row_bytes=256) < policy.decode_wave_splits(17, 8, 4096, 132, 1)
 
 
 def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run():
@@ -502,38 +544,32 @@ def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run
             cr.DecodeConfig(version="v4").defines(d, dtype, group, False, 0)
 
 
-def test_decode_v4_loads_with_bulk_copies_where_the_gpu_has_them():
-    """load_bulk None: DECODE_V4_BULK on compute capability 9.0+ (bulk copies, LOAD_BULK=1,
-    when it is set), cp.async chunks below it or when the GPU is unknown; True on an older
-    GPU, a non-bool, or the setting on another version is refused naming config.load_bulk."""
-    def bulk(cc, **kw):
-        return cr.DecodeConfig("v4", **kw).defines(128, "bfloat16", 4, True, 16, cc=cc)["LOAD_BULK"]
-    assert bulk(90) == int(C.DECODE_V4_BULK) and bulk(100) == int(C.DECODE_V4_BULK)
-    assert bulk(80) == 0 and bulk(None) == 0 and bulk(86, load_bulk=False) == 0
-    assert bulk(90, load_bulk=False) == 0 and bulk(90, load_bulk=True) == 1 and bulk(None, load_bulk=True) == 1
-    with pytest.raises(ValueError, match="config.load_bulk.*9.0"):
-        bulk(89, load_bulk=True)
-    with pytest.raises(ValueError, match="config.load_bulk"):
-        cr.DecodeConfig("v4", load_bulk=1)
-    with pytest.raises(ValueError, match="config.load_bulk"):
-        cr.DecodeConfig("v3", load_bulk=True)
-    assert "LOAD_BULK" not in cr.DecodeConfig("v3").defines(128, "bfloat16", 4, True, 16, cc=90)
-    # a quantized cache's 1-byte rows load with cp.async: never bulk, refused when asked
-    assert cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, cc=90, kv="int8")["LOAD_BULK"] == 0
-    with pytest.raises(ValueError, match="config.load_bulk.*int8"):
-        cr.DecodeConfig("v4", load_bulk=True).defines(128, "bfloat16", 4, True, 16, cc=90, kv="int8")
+def test_decode_v4_has_one_load_path():
+    """decode v4's config has no bulk-copy setting any more (the sweeps' decode_v4_loads.cu
+    has it) and passes no LOAD_BULK or SWIZZLE define; the sweeps' experiments add theirs."""
+    with pytest.raises(TypeError):
+        cr.DecodeConfig("v4", load_bulk=True)
+    for paged in (False, True):
+        got = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, paged, 16, cc=90)
+        assert "LOAD_BULK" not in got and "SWIZZLE" not in got
+    assert decode_loads.loads_kernel("bulk", 128).extra_defines == dict(LOAD_BULK=1, SWIZZLE=0, LOAD_L1=0)
+    assert decode_loads.loads_kernel("same", 128).extra_defines["SWIZZLE"] == 1
+    assert decode_loads.loads_kernel("same", 96).extra_defines["SWIZZLE"] == 0
+    with pytest.raises(ValueError, match="load"):
+        decode_loads.loads_kernel("tma", 128)
 
 
 def test_decode_v4_copies_through_l1_over_a_contiguous_cache():
     """load_l1 None: on compute capability CC_L1+, a contiguous 16-bit cache of 2^k-chunk rows
     copies through L1 (LOAD_L1=1) with the default ring, which fits DECODE_V4_L1_MAX_RING;
-    older or unknown GPUs, pages, quantized codes, bulk copies, rows of other chunk counts
-    (d = 48, 96) and rings over the cap keep .cg; an explicit load_l1 is kept; a non-bool,
-    load_l1 on another version, or with bulk copies is refused naming config.load_l1."""
+    older or unknown GPUs, pages, quantized codes (v5), rows of other chunk counts (d = 48, 96)
+    and rings over the cap keep .cg; an explicit load_l1 is kept; a non-bool or load_l1 on
+    another version is refused naming config.load_l1."""
     big = 227 * 1024
 
     def dfn(d=128, paged=False, kv=None, cc=90, **kw):
-        return cr.DecodeConfig("v4", **kw).defines(d, "bfloat16", 4, paged, 16, smem_limit=big, kv=kv, cc=cc)
+        version = "v4" if kv is None else "v5"
+        return cr.DecodeConfig(version, **kw).defines(d, "bfloat16", 4, paged, 16, smem_limit=big, kv=kv, cc=cc)
     for d in (16, 32, 64, 128, 256):
         got = dfn(d)
         assert got["LOAD_L1"] == 1, d
@@ -542,7 +578,7 @@ def test_decode_v4_copies_through_l1_over_a_contiguous_cache():
         assert ring <= C.DECODE_V4_L1_MAX_RING, d
     assert dfn()["STAGES"] == C.DECODE_V4_STAGES
     for got in (dfn(cc=80), dfn(cc=None), dfn(paged=True), dfn(paged=True, kv="int8"), dfn(48), dfn(96),
-                dfn(load_bulk=True), dfn(stages=4)):
+                dfn(stages=4)):
         assert got["LOAD_L1"] == 0
     assert dfn(load_l1=False)["LOAD_L1"] == 0 and dfn(load_l1=False)["STAGES"] == C.DECODE_V4_STAGES
     assert dfn(paged=True, load_l1=True)["LOAD_L1"] == 1 and dfn(96, load_l1=True, cc=80)["LOAD_L1"] == 1
@@ -550,17 +586,15 @@ def test_decode_v4_copies_through_l1_over_a_contiguous_cache():
         cr.DecodeConfig("v4", load_l1=1)
     with pytest.raises(ValueError, match="config.load_l1"):
         cr.DecodeConfig("v3", load_l1=True)
-    with pytest.raises(ValueError, match="config.load_l1"):
-        cr.DecodeConfig("v4", load_l1=True, load_bulk=True)
     assert "LOAD_L1" not in cr.DecodeConfig("v3").defines(128, "bfloat16", 4, False, 16, cc=90)
 
 
 def test_decode_v4_sram_is_exact_for_swizzled_rows():
     """decode_v4_smem counts swizzled rows (d a multiple of 64, cp.async chunks) exactly --
     warps x stages x 2 x rows x d x 2 bytes, what decode_v4.cu's unpadded rows take -- and
-    padded rows by V4_ROW_PAD_BYTES, an upper bound; bulk copies and other head dims pad."""
+    padded rows by V4_ROW_PAD_BYTES, an upper bound; other head dims pad."""
     for d in (64, 128, 192, 256):
-        assert C.decode_v4_swizzled(d) and not C.decode_v4_swizzled(d, bulk=True)
+        assert C.decode_v4_swizzled(d)
         for stages, rows, warps in ((3, 16, 8), (2, 32, 4)):
             exact = C.decode_v4_smem(d, "float16", 4, stages, rows, warps, swizzled=True)[0]
             padded = C.decode_v4_smem(d, "float16", 4, stages, rows, warps)[0]
@@ -587,39 +621,45 @@ def test_decode_v4_blocks_halve_when_the_batch_fills_the_sms_twice():
     assert C.DECODE_V4_SMALL_WARPS * 2 == C.DECODE_V4_WARPS
 
 
-def test_quantized_paged_caches_default_to_v4_where_it_reads_them():
+def test_quantized_paged_caches_default_to_v5_where_it_reads_them():
     """A quantized paged cache (int8 / fp8 codes, float16 or bfloat16 compute dtype) resolves to
-    decode v4 on compute capability 8.0+ at head dims 64, 128, 256, to v3 at other head dims
-    and on sm_75; v4 refuses other head dims, contiguous caches and float32 by name; its SRAM
-    counts 1-byte rows and their scales (and fits sm_86's 99 KB with 4 warps)."""
+    decode v5 (where v4's quantized path was: the same checks) on compute capability 8.0+ at
+    head dims 64, 128, 256, to v3 at other head dims and on sm_75; v5 refuses other head dims,
+    contiguous caches, 16-bit caches and float32 by name, v4 refuses codes; v5's SRAM counts
+    1-byte rows and their scales (and fits sm_86's 99 KB with 4 warps)."""
     def default(dtype, d, cc, kv="int8", gran="block_head", smem=227 * 1024):
         n = _need(dtype, d, cc, smem, aligned16=True, group=4, kv_dtype=kv, scale_granularity=gran)
         return cr.REGISTRY.resolve("paged_decode", None, n)[0].version
     for dtype in ("float16", "bfloat16"):
         for kv in ("int8", "float8_e4m3fn"):
             for gran in ("block_head", "block"):
-                for d in C.DECODE_V4_QUANT_HEAD_DIMS:
-                    assert default(dtype, d, 90, kv, gran) == "v4", (dtype, kv, gran, d)
-    assert default("bfloat16", 128, 86, smem=99 * 1024) == "v4"
+                for d in C.DECODE_V5_HEAD_DIMS:
+                    assert default(dtype, d, 90, kv, gran) == "v5", (dtype, kv, gran, d)
+    assert default("bfloat16", 128, 86, smem=99 * 1024) == "v5"
     assert default("float16", 96, 90) == "v3"
     assert default("float16", 128, 75, smem=64 * 1024) == "v3"
     assert default("float32", 128, 90) == "v3"
-    why = cr.registry.check_decode_v4(_need("float16", 96, 90, 227 * 1024, group=4, kv_dtype="int8",
+    for d in (96, 128):
+        why = cr.registry.check_decode_v5(_need("float16", d, 90, 227 * 1024, group=4, kv_dtype=None
+                                                if d == 128 else "int8", scale_granularity="block"))
+        assert why and why.startswith("kv_dtype"), (d, why)
+    why = cr.registry.check_decode_v4(_need("float16", 128, 90, 227 * 1024, group=4, kv_dtype="int8",
                                             scale_granularity="block"))
-    assert why and why.startswith("kv_dtype")
+    assert why and why.startswith("kv_dtype") and "v5" in why
     with pytest.raises(ValueError, match="kv_dtype"):
-        cr.DecodeConfig("v4").defines(128, "float16", 4, False, 0, kv="int8")          # contiguous
-    with pytest.raises(ValueError, match="config.version"):
-        cr.DecodeConfig("v4").defines(96, "float16", 4, True, 16, kv="int8")
-    de = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, smem_limit=227 * 1024, kv="float8_e4m3fn")
+        cr.DecodeConfig("v5").defines(128, "float16", 4, False, 0, kv="int8")          # contiguous
+    for version, d, kv in (("v5", 96, "int8"), ("v4", 128, "int8"), ("v5", 128, None)):
+        with pytest.raises(ValueError, match="config.version"):
+            cr.DecodeConfig(version).defines(d, "float16", 4, True, 16, kv=kv)
+    de = cr.DecodeConfig("v5").defines(128, "bfloat16", 4, True, 16, smem_limit=227 * 1024, kv="float8_e4m3fn")
     assert (de["KV_QUANT"], de["NUM_WARPS"], de["STAGES"], de["TILE_ROWS"]) == (
-        2, C.DECODE_V4_WARPS, C.DECODE_V4_STAGES, C.DECODE_V4_QUANT_TILE_ROWS)
-    assert cr.DecodeConfig("v4").defines(256, "float16", 4, True, 16, kv="int8")["TILE_ROWS"] == 16
+        2, C.DECODE_V4_WARPS, C.DECODE_V4_STAGES, C.DECODE_V5_TILE_ROWS)
+    assert cr.DecodeConfig("v5").defines(256, "float16", 4, True, 16, kv="int8")["TILE_ROWS"] == 16
     # a stage: K and V codes (Bc x d bytes each) and a float32 s_K, s_V a row
-    total, offset = C.decode_v4_smem(128, "bfloat16", 4, 3, 32, 8, 1, True, 0, "int8")
+    total, offset = C.decode_v5_smem(128, "bfloat16", 4, 3, 32, 8, 1, True, 0, "int8")
     assert total == offset == 8 * 3 * (2 * 32 * 128 + 2 * 32 * 4)
-    small = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, True, 16, smem_limit=99 * 1024, kv="int8")
-    assert C.decode_v4_smem(128, "bfloat16", 4, small["STAGES"], small["TILE_ROWS"], small["NUM_WARPS"],
+    small = cr.DecodeConfig("v5").defines(128, "bfloat16", 4, True, 16, smem_limit=99 * 1024, kv="int8")
+    assert C.decode_v5_smem(128, "bfloat16", 4, small["STAGES"], small["TILE_ROWS"], small["NUM_WARPS"],
                             C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP, "int8")[0] <= 99 * 1024
 
 

@@ -77,13 +77,18 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
         for kern in [None] + cr.REGISTRY.kernels("decode"):
             if kern is not None and kern.unavailable(cr.need("decode", q=q, k=k, v=v)) is not None:
                 continue
-            for extra in (({}, {"fused": False}) if kern is not None and kern.version in ("v3", "v4") else ({},)):
+            for extra in (({}, {"fused": False}) if kern is not None and kern.version in ("v3", "v4", "v5") else ({},)):
                 cfg = None if kern is None else cr.DecodeConfig(kern.version, **extra)
                 for splits in (1, 5):
                     rec(f"decode {cfg and cfg.version} {extra} {dt} {d} {splits}",
                         lambda: cr.decode(q, k, v, seq_lens=np.array([301, 0, 7]), num_splits=splits, config=cfg))
                 rec(f"decode window {cfg and cfg.version} {extra} {dt} {d}",
                     lambda: cr.decode(q, k, v, seq_lens=np.array([301, 0, 7]), config=cfg, window=(100, 0)))
+        if dt in ("float16", "bfloat16") and d == 128:      # the sweeps' v4 load experiments
+            from iokernels.bench import decode_loads as DL
+            for load in DL.LOADS:
+                rec(f"loads {load} {dt} {d}", lambda: DL.decode(q, k, v, load, seq_lens=np.array([301, 0, 7]),
+                                                                num_splits=5))
         if dt in S.PAGED_DTYPES:
             cache, sids = S._paged_cache(rng, d, dt)
             q2 = q[:2]
@@ -138,7 +143,8 @@ json.dump(out, sys.stdout)
 #: the kernel file each kernel function lives in
 FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split": "decode",
          "decode_combine": "decode", "decode_split_v2": "decode_v2", "decode_split_v3": "decode_v3",
-         "decode_split_v4": "decode_v4",
+         "decode_split_v4": "decode_v4", "decode_split_v5": "decode_v5",
+         "decode_split_v4_loads": "decode_v4_loads",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
          "bwd_v2_main": "bwd_v2", "mla_decode": "mla_decode"}
 
@@ -153,8 +159,10 @@ def launches():
 
 def _signature(name, options):
     """The parameter list of kernel ``name`` after the preprocessor, at these -D options."""
+    from iokernels.bench import decode_loads
     from iokernels.cupy_raw import hopper, launch
-    src = launch.source(FILES[name], hopper.SOURCES if FILES[name] in hopper.SOURCES else None)
+    tables = (hopper.SOURCES, decode_loads.SOURCES)
+    src = launch.source(FILES[name], next((t for t in tables if FILES[name] in t), None))
     r = subprocess.run([NVCC, "-E", "-arch=sm_90", "-x", "cu", *[o for o in options if o.startswith("-D")], "-"],
                        input=src, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-400:]
@@ -235,12 +243,20 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert _one(launches, "decode None {} float16 59 5", "decode_split")      # rows not 16-byte chunks: v1
     assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
     assert _one(launches, "paged_decode None float16 128", "decode_split_v4")
-    # a quantized cache: v4 by default (codes as float16 mma operands), 8 warps x 3 stages x 32 keys
-    quant = _defines(_one(launches, "quant paged_decode None float8_e4m3fn block float16 128 3", "decode_split_v4"))
+    # a quantized cache: v5 by default (codes as float16 mma operands), 8 warps x 3 stages x 32 keys
+    quant = _defines(_one(launches, "quant paged_decode None float8_e4m3fn block float16 128 3", "decode_split_v5"))
     assert tuple(quant[k] for k in ("KV_QUANT", "NUM_WARPS", "STAGES", "TILE_ROWS")) == ("2", "8", "3", "32")
-    quant = _one(launches, "quant paged_decode v4 int8 block_head float16 128 1", "decode_split_v4")
+    quant = _one(launches, "quant paged_decode v5 int8 block_head float16 128 1", "decode_split_v5")
     assert _defines(quant)["KV_QUANT"] == "1" and quant["smem"] >= 8 * 3 * (2 * 32 * 128 + 2 * 32 * 4)   # codes, scales
-    assert "quant paged_decode v4 int8 block_head float16 59 1" not in launches     # d=59: no v4 codes path
+    assert "quant paged_decode v5 int8 block_head float16 59 1" not in launches     # d=59: no v5
+    assert "quant paged_decode v4 int8 block_head float16 128 1" not in launches    # v4 reads 16-bit caches
+    assert "paged_decode v5 float16 128" not in launches                            # v5 reads codes only
+    # the load experiments: v4's defines plus their own, one launch each (fused)
+    for load, extra in (("bulk", dict(LOAD_BULK="1", SWIZZLE="0", LOAD_L1="0")), ("padded", dict(SWIZZLE="0")),
+                        ("same", dict(SWIZZLE="1"))):
+        got = _defines(_one(launches, f"loads {load} bfloat16 128", "decode_split_v4_loads"))
+        v4 = _defines(_one(launches, "decode v4 {} bfloat16 128 5", "decode_split_v4"))
+        assert got == dict(v4, **dict(dict(LOAD_BULK="0"), **extra)), load
     quant = _defines(_one(launches, "quant paged_decode v3 float8_e4m3fn block float16 128 3", "decode_split_v3"))
     assert (quant["KV_QUANT"], quant["STAGES"], quant["TILE_ROWS"]) == ("2", "8", "8")   # 1-byte rows: 8 x 1 KB
     assert _one(launches, "quant paged_decode v1 int8 block_head float32 59 3", "decode_split")

@@ -193,9 +193,9 @@ def test_merge_states_shape_errors(rng):
 # --------------------------------------------------------------------------- the heuristic
 @pytest.mark.parametrize("batch,heads_kv,seqlen,sms", [(1, 8, 32768, 132), (1, 32, 4096, 132), (2, 2, 1000, 108),
                                                         (4, 32, 8192, 132), (1, 1, 16, 132), (3, 5, 777, 80)])
-def test_num_splits_heuristic_follows_its_rule(batch, heads_kv, seqlen, sms):
+def test_occupancy_splits_follows_its_rule(batch, heads_kv, seqlen, sms):
     bn = 128
-    s, eff = dec.num_splits_heuristic(batch, heads_kv, seqlen, sms, block_n=bn, return_efficiency=True)
+    s, eff = dec.occupancy_splits(batch, heads_kv, seqlen, sms, block_n=bn, return_efficiency=True)
     tiles = -(-seqlen // bn)
     blocks = batch * heads_kv
     if blocks >= 0.8 * sms or tiles <= 1:
@@ -208,12 +208,12 @@ def test_num_splits_heuristic_follows_its_rule(batch, heads_kv, seqlen, sms):
     assert all(e < 0.85 * max(eff) for e in eff[:s - 1] if e > 0)  # no smaller S would do
 
 
-def test_num_splits_heuristic_splits_small_grids_and_not_full_ones():
-    assert dec.num_splits_heuristic(1, 8, 32768, 132, block_n=128) > 4       # 8 blocks on 132 SMs
-    assert dec.num_splits_heuristic(16, 8, 32768, 132, block_n=128) == 1     # 128 blocks: full
-    assert dec.num_splits_heuristic(1, 8, 100, 132, block_n=128) == 1        # one tile: nothing to split
+def test_occupancy_splits_splits_small_grids_and_not_full_ones():
+    assert dec.occupancy_splits(1, 8, 32768, 132, block_n=128) > 4       # 8 blocks on 132 SMs
+    assert dec.occupancy_splits(16, 8, 32768, 132, block_n=128) == 1     # 128 blocks: full
+    assert dec.occupancy_splits(1, 8, 100, 132, block_n=128) == 1        # one tile: nothing to split
     with pytest.raises(ValueError, match="num_sms"):
-        dec.num_splits_heuristic(1, 8, 100, 0)
+        dec.occupancy_splits(1, 8, 100, 0)
 
 
 def test_split_ranges_cover_the_sequence_in_whole_tiles():

@@ -10,8 +10,8 @@ a GPU), each against:
 * the NumPy paged decode of the same quantized cache (backend "tiled"): the kernels read
   the same 1-byte codes and scales, and a value c * s is exact in float32 (s is a power of
   two), so the two differ only by the order of their float32 sums: within
-  QUANT_AGREE_ULPS float32 ulps of max|V| (float64 caches: 1e-12); CuPy's v4 also rounds
-  P s_V / sigma to float16 (cupy_raw.decode.v4_quant_rounding_bound);
+  QUANT_AGREE_ULPS float32 ulps of max|V| (float64 caches: 1e-12); CuPy's v5 also rounds
+  P s_V / sigma to float16 (cupy_raw.decode.v5_rounding_bound);
 * the float64 oracle on the values *before* quantization, within
   :func:`iokernels.decode.perturbed_decode_error_bound` of the cache's own values
   (which :func:`iokernels.paged.quantization_error_bound` bounds), plus float32 rounding.
@@ -37,10 +37,10 @@ QUANT_AGREE_ULPS = 512
 F32_ARITH = 1e-5
 
 
-def _v4_p_rounding(v_hat_max, keys):
-    """CuPy decode v4's float16 rounding of P s_V / sigma on a quantized cache (its docstring)."""
-    from iokernels.cupy_raw.decode import v4_quant_rounding_bound
-    return float(v4_quant_rounding_bound(v_hat_max, keys))
+def _v5_p_rounding(v_hat_max, keys):
+    """CuPy decode v5's float16 rounding of P s_V / sigma on a quantized cache (its docstring)."""
+    from iokernels.cupy_raw.decode import v5_rounding_bound
+    return float(v5_rounding_bound(v_hat_max, keys))
 
 numba_ok = pytest.mark.skipif(not gpu.simulator_enabled() and not gpu.has_gpu(),
                               reason="needs Numba's CUDA simulator or a GPU")
@@ -109,8 +109,8 @@ def _quantized(rng, backend, dtype, configs, d=64, hq=8, hkv=2, N=45, splits=(1,
                     no, nl = np.asarray(no, np.float64), np.asarray(nl, np.float64)
                     if dtype in ("float16", "bfloat16"):   # O rounded to 16 bits: one ulp apart at most
                         tol = agree + 2.0 ** -(7 if dtype == "bfloat16" else 10) * np.abs(no).max()
-                        if backend == "cupy" and getattr(cfg, "version", None) in (None, "v4"):
-                            tol += _v4_p_rounding(np.abs(v_hat).max(), N)   # v4 rounds P s_V / sigma to float16
+                        if backend == "cupy" and getattr(cfg, "version", None) in (None, "v5"):
+                            tol += _v5_p_rounding(np.abs(v_hat).max(), N)   # v5 rounds P s_V / sigma to float16
                     else:
                         tol = agree
                     err = np.abs(o - no).max()
@@ -172,8 +172,9 @@ def test_quantized_caches_refused_where_no_kernel_decodes_them(rng):
 # --------------------------------------------------------------------------- CuPy
 def _cupy_configs(dtype, quant=False):
     from iokernels import cupy_raw
-    v4 = ("v4",) if dtype in ("float16", "bfloat16") else ()
-    versions = ("v1", "v3") + v4 if quant else ("v1", "v2", "v3") + v4
+    tc = ("v5",) if quant else ("v4",)              # the tensor-core version of each cache
+    tc = tc if dtype in ("float16", "bfloat16") else ()
+    versions = ("v1", "v3") + tc if quant else ("v1", "v2", "v3") + tc
     return [None] + [cupy_raw.DecodeConfig(v) for v in versions] + \
         [cupy_raw.DecodeConfig("v3", fused=False, num_warps=4)]
 

@@ -71,6 +71,14 @@ DECODE_ROWS = (
     ("v4 S=32", dict(version="v4"), 32),
     ("v4 unfused", dict(version="v4", fused=False), None),
 )
+#: v4's load experiments (iokernels.bench.decode_loads, kernels/decode_v4_loads.cu): (label,
+#: load path); "same" is decode_v4.cu's own path compiled from that file, so a row's ratio to
+#: it is the experiment's alone
+DECODE_LOAD_ROWS = (
+    ("v4 loads: same", "same"),
+    ("v4 loads: bulk copies", "bulk"),          # sm_90: the copy engine, one row a copy
+    ("v4 loads: padded rows", "padded"),        # d + 8 rows where v4 swizzles
+)
 DECODE_SHAPE = dict(batch=1, heads_q=32, heads_kv=8, seqlen=32768, head_dim=128)
 #: the serving shapes the decode kernels are held to cuDNN's at: GQA 32/8, d=128,
 #: B in (1, 8, 64) x N in (4096, 32768)
@@ -99,7 +107,7 @@ def decode_cases(only=None) -> list:
     """(label, DecodeConfig, num_splits) of the decode sweep; builds without a GPU.
     ``only``: version names ("v3", "v4", ...) to keep, None for every row."""
     from iokernels.cupy_raw import DecodeConfig
-    from iokernels.cupy_raw.config import DECODE_MAX_SPLITS
+    from iokernels.cupy_raw.decode_config import DECODE_MAX_SPLITS
     return [(label, DecodeConfig(**kw), None if s is None else min(s, DECODE_MAX_SPLITS))
             for label, kw, s in DECODE_ROWS if only is None or kw["version"] in only]
 
@@ -222,6 +230,26 @@ def _sweep_decode_shape(rows, shape, reps, only):
                     contiguous[label] = ms
                 _emit(rows, row)
             except Exception as e:                     # a config that does not fit: say so, go on
+                print(f"# {group} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+    if only is None or "v4" in only:
+        _sweep_decode_loads(rows, group, (q, k, v), (q, kp, vp, tables, lens), ref, cudnn_ms, kv_bytes, reps)
+
+
+def _sweep_decode_loads(rows, group, contiguous_args, paged_args, ref, cudnn_ms, kv_bytes, reps):
+    """The rows of DECODE_LOAD_ROWS, contiguous and paged, as _sweep_decode_shape's."""
+    from iokernels import bench
+    from iokernels.bench import decode_loads as dl
+    for label, load in DECODE_LOAD_ROWS:
+        for paged in (False, True):
+            name = f"cupy {label}" + (" paged" if paged else "")
+            fn, args = (dl.paged_decode_pools, paged_args) if paged else (dl.decode, contiguous_args)
+            try:
+                o, _ = fn(*args, load)
+                err = float((o.float() - ref).abs().max())
+                ms = bench.time_cuda(fn, *args, load, reps=reps).median_ms
+                _emit(rows, dict(group=group, runner=name, ms=round(ms, 5), tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3),
+                                 ratio_to_cudnn=round(cudnn_ms / ms, 3), max_abs_diff_vs_sdpa=err, load=load))
+            except Exception as e:                     # bulk copies off sm_90, say: say so, go on
                 print(f"# {group} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
 
 

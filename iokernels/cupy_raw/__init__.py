@@ -48,8 +48,8 @@ FlashAttention forward (``attention``):
 
 Decode (``decode`` and ``paged_decode``): Flash-Decoding's split kernel, GQA packed (one
 block reads a K/V row once for all g query heads of its group), over a contiguous or a
-paged cache, and the exact LSE combine; :func:`num_splits_heuristic` from the SM count
-and the kernel's occupancy (one full wave).
+paged cache, and the exact LSE combine; the split count from the SM count and the kernel's
+occupancy (:func:`.policy.decode_wave_splits`, a cost model of the split kernel's waves).
 
 * **v1** ``decode.cu``: each warp walks its keys with plain 16-byte loads into registers,
   four rows a lane in flight and the math in between; a separate combine kernel merges
@@ -62,9 +62,11 @@ and the kernel's occupancy (one full wave).
   zero-filled by cp.async's src-size form.  At v1's 4 warps a block, the deeper queue
   alone does not fill the memory system.
 * **v3** ``decode_v3.cu`` (the default where v4 cannot run): v2's ring at 8 warps a block x 4 stages, and the
-  combine fused into the split kernel -- each split block writes its partial,
-  ``__threadfence()``, bumps an atomic counter of its (batch, kv head); the last block to
-  arrive merges the S partials and resets the counter (one launch instead of two; the
+  combine fused into the split kernel -- each split block writes its partial, waits at a
+  block barrier, and one thread bumps the atomic counter of its (batch, kv head) with an
+  acquire-release add at GPU scope (the release publishes the block's partial, the acquire
+  makes the others' visible); the last block to arrive reads the S partials from L2
+  (``ld.global.cg``), merges them and resets the counter (one launch instead of two; the
   counters are a per-stream workspace); ``fused=False`` keeps the paper's two kernels.
   Paged splits stage their block-table entries in SRAM once.
 * **v4** ``decode_v4.cu`` (the default for float16/bfloat16, head dims multiples of 16 up
@@ -74,10 +76,14 @@ and the kernel's occupancy (one full wave).
   al., 2024-2025, runs GQA decode through its tensor-core prefill kernels); K_j through ``ldmatrix``,
   V_j through ``ldmatrix.trans``, P converted to A fragments in registers.  The padding
   wastes (16 - g) / 16 of the tensor cores' work and frees the CUDA cores, which v3 keeps
-  busy with 2 x g x d FMAs for every K/V row.  A quantized paged cache (int8, float8 e4m3;
-  head dims 64, 128, 256) is read as its 1-byte codes: integer bit tricks turn them into
-  float16 operands (``mma_codes.cuh``), V's transpose is done in registers (PRMT), and the
-  per-key power-of-two scales multiply S's and P's columns, not the values.
+  busy with 2 x g x d FMAs for every K/V row.  One load path: 16-byte ``cp.async`` chunks,
+  through L1 (``.ca``) over a contiguous cache on compute capability 9.0, around it
+  (``.cg``) elsewhere.
+* **v5** ``decode_v5.cu`` (the default for a quantized paged cache -- int8, float8 e4m3 --
+  at head dims 64, 128, 256 where v4's limits hold): v4 reading the cache as its 1-byte
+  codes: integer bit tricks turn them into float16 operands (``mma_codes.cuh``), V's
+  transpose is done in registers (PRMT), and the per-key power-of-two scales multiply S's
+  and P's columns, not the values.
 
 FlashAttention-2 backward (``attention_backward``, ``config=BackwardConfig(...)``): D_i =
 rowsum(dO_i * O_i), a main loop with one block per K/V tile (dK_j, dV_j in registers, summed
@@ -116,15 +122,16 @@ bfloat16 dtype).  Rows must have unit stride on head_dim (other strides are fine
 otherwise one copy is made.
 
 Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`) and
-decode v3's and v4's counters are the only state the package holds.
+the fused decode combine's counters (v3 to v5) are the only state the package holds.
 """
-from .config import (DecodeConfig, ForwardConfig, GatherConfig, decode_v2_geometry,  # noqa: F401
-                     decode_v2_smem, decode_v3_smem, decode_v4_smem, fit_config)
+from .config import ForwardConfig, GatherConfig, fit_config  # noqa: F401
+from .decode_config import (DecodeConfig, decode_v2_geometry, decode_v2_smem, decode_v3_smem,  # noqa: F401
+                            decode_v4_smem, decode_v5_smem)
 from .launch import KERNEL_DIR, SOURCES, device_info, source  # noqa: F401
 from .registry import REGISTRY, need  # noqa: F401
 from .forward import attention, launch_attention, nonmatmul_budget, v2_registers  # noqa: F401
-from .decode import (decode, launch_decode, num_splits_heuristic, paged_decode, split_cost,  # noqa: F401
-                     paged_decode_pools)
+from .decode import decode, launch_decode, paged_decode, paged_decode_pools  # noqa: F401
+from .policy import decode_wave_splits, split_cost  # noqa: F401
 from .gather import gather_pools, launch_gather, paged_gather  # noqa: F401
 from .backward import attention_backward  # noqa: F401
 from . import hopper  # noqa: E402

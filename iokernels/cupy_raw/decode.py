@@ -1,4 +1,4 @@
-"""Flash-Decoding in CUDA C++: the launchers of decode.cu, decode_v2.cu, decode_v3.cu and decode_v4.cu.
+"""Flash-Decoding in CUDA C++: the launchers of decode.cu and decode_v2.cu ... decode_v5.cu.
 
 One new query token per sequence over a contiguous cache (B, Hkv, N, d) or a paged pool
 (num_blocks, block_size, Hkv, d) read through a block table.  Every version splits each
@@ -7,14 +7,14 @@ packed: a block reads each K/V row once for all g query heads of its group), wri
 normalised partial O_s and its LSE_s, and merges them exactly:
 O = sum_s exp(LSE_s - LSE) O_s, LSE = log sum_s exp(LSE_s).  The versions differ in how
 the K/V bytes reach the block (:mod:`iokernels.cupy_raw` has the table) and where the
-merge runs (decode.cu's combine kernel, or inside v3's and v4's split kernels), and
-which cores compute q . k and p v (CUDA cores; v4: the tensor cores).
+merge runs (decode.cu's combine kernel, or inside the split kernels of v3 to v5), and
+which cores compute q . k and p v (CUDA cores; v4, v5: the tensor cores).
 
 A quantized :class:`~iokernels.paged.PagedKVCache` (``kv_dtype`` "int8" or "float8_e4m3fn")
-is read by v1, v3 and v4 as it is stored: 1-byte codes and the float32 scale of each row's
+is read by v1, v3 and v5 as it is stored: 1-byte codes and the float32 scale of each row's
 block (per KV head or per block), so K and V cross HBM at 1 byte a value.  v1 and v3 decode
-the codes to float32 in registers; v4 turns them into float16 tensor-core operands
-(decode_v4.cu, mma_codes.cuh), with the scales applied to S's and P's columns.
+the codes to float32 in registers; v5 turns them into float16 tensor-core operands
+(decode_v5.cu, mma_codes.cuh), with the scales applied to S's and P's columns.
 ``window=(left, right)``: the query is the last key n - 1, so it sees keys
 [n - 1 - left, n); only those are split among the blocks (and counted by the split
 heuristic), keys before them are never read.
@@ -22,7 +22,7 @@ heuristic), keys before them are never read.
 Notation (Flash-Decoding, Dao et al., 2023; PagedAttention, Kwon et al., 2023):
 
 =======  ===========================================================================
-S        splits of the key axis (num_splits); :func:`num_splits_heuristic` picks it
+S        splits of the key axis (num_splits); :func:`.policy.decode_wave_splits` picks it
 g        query heads per KV head (GQA group)
 O_s      the partial output of split s, normalised, in the accumulator dtype (HBM)
 LSE_s    its log-sum-exp (natural log); a split with no keys has LSE_s = -inf
@@ -32,24 +32,19 @@ s_K, s_V a quantized block's scales: a stored code c stands for c * s
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
-from . import config as C
-from .config import DecodeConfig
+from . import decode_config as C
+from .decode_config import RING_FUSED, DecodeConfig
 from .launch import blocks_per_sm, cupy, device_info, function, on_stream, round_up, unit_rows
+from .policy import decode_wave_splits
 from .registry import (REGISTRY, RANKS, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
-                       need)
-
-#: the split kernel (file, function) of each version
-SPLIT_KERNELS = {"v1": ("decode", "decode_split"), "v2": ("decode_v2", "decode_split_v2"),
-                 "v3": ("decode_v3", "decode_split_v3"), "v4": ("decode_v4", "decode_split_v4")}
-#: the versions with v3's launch: SRAM sized a launch, the staged block table, the fused combine
-RING_FUSED = ("v3", "v4")
+                       check_decode_v5, need)
 #: threads a block of decode.cu's combine: one per element of a row, up to this many
 COMBINE_MAX_THREADS = 256
 #: at least this many counters are allocated, so a workspace is rarely regrown
@@ -66,62 +61,25 @@ SUMMARIES = {
           "a group merges), paged block-table entries staged in SRAM",
     "v4": "v3's ring and fused combine with S = Q_g K^T and O += P V on the tensor cores (mma.sync "
           "m16n8k16, the g query heads as the rows of the A operand, P kept in registers)",
+    "v5": "v4 reading a quantized paged cache as it is stored: 1-byte codes turned into float16 "
+          "tensor-core operands in registers, the per-key scales applied to S's and P's columns",
 }
-CHECKS = {"v1": check_decode_v1, "v2": check_decode_v2, "v3": check_decode_v3, "v4": check_decode_v4}
+CHECKS = {"v1": check_decode_v1, "v2": check_decode_v2, "v3": check_decode_v3, "v4": check_decode_v4,
+          "v5": check_decode_v5}
 
 
-#: decode v4 over a quantized cache rounds P' = P s_V / sigma (<= 1) to float16: a relative
+#: decode v5 (a quantized cache) rounds P' = P s_V / sigma (<= 1) to float16: a relative
 #: half-ulp and the subnormal half-step (mma_codes.cuh)
-V4_QUANT_P_REL = 2.0 ** -11
-V4_QUANT_P_SUB = 2.0 ** -25
+V5_P_REL = 2.0 ** -11
+V5_P_SUB = 2.0 ** -25
 
 
-def v4_quant_rounding_bound(v_hat_max: float, keys) -> np.ndarray:
-    """How far decode v4's O over a quantized cache can be from the exact decode of the values
+def v5_rounding_bound(v_hat_max: float, keys) -> np.ndarray:
+    """How far decode v5's O over a quantized cache can be from the exact decode of the values
     the cache holds, from rounding P' to float16: (2^-11 + 2 n 2^-25) max|V| for a row over
     n = ``keys`` keys (sigma times the largest code is below twice its block's largest value).
     The float32 sums' order and O's rounding to its dtype come on top."""
-    return (V4_QUANT_P_REL + 2 * np.asarray(keys, np.float64) * V4_QUANT_P_SUB) * float(v_hat_max)
-
-
-def split_cost(pairs: int, seq_len: int, splits: int, num_sms: int, blocks_per_sm: int = 4,
-               row_bytes: int = 512) -> float:
-    """:func:`num_splits_heuristic`'s modelled time of ``splits`` splits of ``pairs`` (b, kv
-    head) pairs over ``seq_len`` keys, in key-times of one block (only ratios mean anything).
-
-    The blocks run in waves of slots = num_sms * blocks_per_sm.  A wave of n blocks of
-    k = seq_len / splits keys costs k * max(n, rho), rho = DECODE_SATURATING_FRACTION * slots
-    (that many blocks already keep HBM busy: fewer stream at their own rate, more share it),
-    plus rho * w for the wave itself, w = DECODE_WAVE_COST_BYTES / ``row_bytes`` keys
-    (``row_bytes``: one key's K and V rows in HBM)."""
-    slots = num_sms * max(1, blocks_per_sm)
-    rho = max(1.0, C.DECODE_SATURATING_FRACTION * slots)
-    full, rest = divmod(max(1, pairs) * splits, slots)
-    stream = seq_len / splits * (full * slots + (max(rest, rho) if rest else 0))
-    return stream + (full + (rest > 0)) * rho * C.DECODE_WAVE_COST_BYTES / max(1, row_bytes)
-
-
-@functools.lru_cache(maxsize=4096)      # pure, and on every launch's host path: a shape is costed once
-def num_splits_heuristic(batch: int, heads_kv: int, seq_len: int, num_sms: int,
-                         blocks_per_sm: int = 4, row_bytes: int = 512) -> int:
-    """Splits of the key axis for the whole batch: the S of least :func:`split_cost`.
-
-    There are batch * heads_kv * S blocks, ``blocks_per_sm`` fit on an SM at once (the
-    launcher asks the driver for its kernel's occupancy).  Where the pairs fit one wave this
-    is the one-wave fill, slots // pairs splits; where they do not, it weighs a nearly empty
-    last wave against more, shorter waves.  A tie goes to more splits.  Each split keeps at
-    least DECODE_MIN_KEYS_PER_SPLIT keys; at most DECODE_MAX_SPLITS.
-    """
-    if seq_len <= 0:
-        return 1
-    cap = max(1, min(seq_len // C.DECODE_MIN_KEYS_PER_SPLIT, C.DECODE_MAX_SPLITS))
-    best_s, best = 1, None
-    for s in range(1, cap + 1):
-        cost = split_cost(batch * heads_kv, seq_len, s, num_sms, blocks_per_sm, row_bytes)
-        if best is None or cost <= best * (1 + 1e-9):          # a tie goes to the larger S
-            best_s = s
-            best = cost if best is None else min(best, cost)
-    return int(best_s)
+    return (V5_P_REL + 2 * np.asarray(keys, np.float64) * V5_P_SUB) * float(v_hat_max)
 
 
 #: decode v3's fused-combine counters: one int32 workspace per (device, stream), zero between
@@ -232,9 +190,13 @@ def _check_cache(q, k, v):
 
 
 # --------------------------------------------------------------------------- contiguous cache
+#: the versions of each op: v5 reads quantized caches, which are paged only
+VERSIONS = {"decode": ("v4", "v3", "v2", "v1"), "paged_decode": ("v5", "v4", "v3", "v2", "v1")}
+
+
 def _register(op):
     def deco(fn):
-        for version in ("v4", "v3", "v2", "v1"):
+        for version in VERSIONS[op]:
             REGISTRY.register(op, version, config=DecodeConfig, summary=SUMMARIES[version],
                               check=CHECKS[version], default_rank=RANKS["decode", version])(fn)
         return fn
@@ -242,8 +204,9 @@ def _register(op):
 
 
 @_register("decode")
-def run_decode(q, k, v, *, seq_lens, num_splits, scale, config, window=None):
-    """Decode over a contiguous cache with a resolved config: (O, LSE) of q's kind."""
+def run_decode(q, k, v, *, seq_lens, num_splits, scale, config, window=None, kernel=None):
+    """Decode over a contiguous cache with a resolved config: (O, LSE) of q's kind (``kernel``:
+    launch_decode's)."""
     B, Hkv, N, d, dtype = _check_cache(q, k, v)
     lens = None
     if seq_lens is not None:
@@ -261,7 +224,7 @@ def run_decode(q, k, v, *, seq_lens, num_splits, scale, config, window=None):
         longest = int(_visible(np.full(B, N) if lens is None else lens, left).max(initial=0))
         o, lse = call.empty(q.shape, dtype), call.empty(q.shape[:2], acc)
         launch_decode(qd, kd, vd, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits,
-                      longest=longest, nk=N, config=config, window_left=left)
+                      longest=longest, nk=N, config=config, window_left=left, kernel=kernel)
     return call.finish(o, dtype), call.finish(lse, acc)
 
 
@@ -292,7 +255,7 @@ def run_paged_decode(q, cache, seq_ids, *, num_splits, scale, config, window=Non
 
 def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None, window=None):
     """Decode over a :class:`~iokernels.paged.PagedKVCache` (``config``: a :class:`DecodeConfig`;
-    a quantized cache is read as its codes and scales, by v1, v3 and v4)."""
+    a quantized cache is read as its codes and scales, by v1, v3 and v5)."""
     _check_decode_q(q, cache.num_kv_heads, cache.head_dim, np.dtype(cache.dtype).name)
     kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, cache=cache))
     return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg, window=window)
@@ -334,7 +297,8 @@ def _quant_pools(k_pool, v_pool, quant):
     return (*ps, quant["dtype"])
 
 
-def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale, config, window=None, quant=None):
+def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale, config, window=None, quant=None,
+                 kernel=None):
     nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool) if quant is None else _quant_pools(k_pool, v_pool, quant)
     _check_decode_q(q, Hkv, d, dtype)
     B = q.shape[0]
@@ -359,7 +323,7 @@ def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale
         launch_decode(qd, kp, vp, _offset(packed, 0, (B,)), o, lse, dtype=dtype, scale=scale,
                       num_splits=num_splits, paged=(_offset(packed, B, tables.shape), bs),
                       longest=int(_visible(lens, left).max(initial=0)), nk=0, config=config,
-                      window_left=left, quant=kv)
+                      window_left=left, quant=kv, kernel=kernel)
     return call.finish(o, dtype), call.finish(lse, acc)
 
 
@@ -396,9 +360,89 @@ def _offset(a, start: int, shape: tuple):
     return type(a)(a.ptr + 4 * start, tuple(shape), tuple(reversed(strides)), a.dtype, a.itemsize, a.owner)
 
 
+
+# --------------------------------------------------------------------------- the split kernels
+@dataclass(frozen=True)
+class SplitArgs:
+    """One launch's kernel arguments, grouped as the kernels' parameter lists are:
+    head (Q, K, V), cache (a contiguous cache's 6 strides, or a paged one's block table,
+    its width and the pool's 3 strides), table (a paged ring's staged-table capacity and SRAM
+    offset; empty for a contiguous cache), scales (a quantized cache's K_scale, V_scale and
+    their strides; empty for a 16-bit one), tail (lengths, nk, heads, scale, splits, the
+    window, the partials), counters (the fused combine's), out (O, LSE)."""
+
+    head: tuple
+    cache: tuple
+    table: tuple
+    scales: tuple
+    tail: tuple
+    counters: tuple
+    out: tuple
+
+
+def _args_v1(a: SplitArgs) -> tuple:      # decode.cu: decode_split
+    return (*a.head, *a.cache, *a.scales, *a.tail, *a.out)
+
+
+def _args_v2(a: SplitArgs) -> tuple:      # decode_v2.cu: decode_split_v2 (16-bit caches only)
+    return (*a.head, *a.cache, *a.tail, *a.out)
+
+
+def _args_v3(a: SplitArgs) -> tuple:      # decode_v3.cu: decode_split_v3
+    return (*a.head, *a.cache, *a.table, *a.scales, *a.tail, *a.counters, *a.out)
+
+
+def _args_v4(a: SplitArgs) -> tuple:      # decode_v4.cu: decode_split_v4 (16-bit caches only)
+    return (*a.head, *a.cache, *a.table, *a.tail, *a.counters, *a.out)
+
+
+def _args_v5(a: SplitArgs) -> tuple:      # decode_v5.cu: decode_split_v5 (quantized paged caches only)
+    return (*a.head, *a.cache, *a.table, *a.scales, *a.tail, *a.counters, *a.out)
+
+
+def _smem_v3(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0):
+    return C.decode_v3_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"], defines["NUM_WARPS"],
+                            num_splits, fused, table_cap, kv)
+
+
+def _smem_v4(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0):
+    # the swizzled rows are allocated exactly: the L1 beside the SRAM keeps the rest
+    return C.decode_v4_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"], defines["NUM_WARPS"],
+                            num_splits, fused, table_cap, swizzled=C.decode_v4_swizzled(d))
+
+
+def _smem_v5(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0):
+    return C.decode_v5_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"], defines["NUM_WARPS"],
+                            num_splits, fused, table_cap, kv)
+
+
+@dataclass(frozen=True)
+class SplitKernel:
+    """A split kernel: its file (a key of ``sources``, default launch.SOURCES) and function,
+    its argument builder, whether it has v3's launch (ring_fused: SRAM sized a launch by
+    ``smem``, the staged block table, the fused combine), and defines it adds to the config's."""
+
+    file: str
+    name: str
+    args: Callable[[SplitArgs], tuple]
+    ring_fused: bool = False
+    smem: Callable | None = None
+    extra_defines: dict = field(default_factory=dict)
+    sources: dict | None = None
+
+
+#: the split kernel of each version
+SPLIT_KERNELS = {
+    "v1": SplitKernel("decode", "decode_split", _args_v1),
+    "v2": SplitKernel("decode_v2", "decode_split_v2", _args_v2),
+    "v3": SplitKernel("decode_v3", "decode_split_v3", _args_v3, True, _smem_v3),
+    "v4": SplitKernel("decode_v4", "decode_split_v4", _args_v4, True, _smem_v4),
+    "v5": SplitKernel("decode_v5", "decode_split_v5", _args_v5, True, _smem_v5),
+}
+
 # --------------------------------------------------------------------------- the launch
 def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, paged=None,
-                  longest=None, nk=None, config, window_left=-1, quant=None):
+                  longest=None, nk=None, config, window_left=-1, quant=None, kernel=None):
     """Split kernel (+ combine when num_splits > 1 and the version does not fuse it) on
     device arrays.
 
@@ -410,9 +454,11 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     ``lens_d``: int32 device lengths (B,), or None when every sequence uses all ``nk`` keys.
     ``paged``: None for a contiguous cache, else (block_tables int32 device array (B, max_blocks),
     block_size): then kd, vd are the pools (num_blocks, block_size, Hkv, d).
-    ``num_splits`` None: :func:`num_splits_heuristic` for ``longest`` keys at the kernel's
-    occupancy.  ``config``: a :class:`DecodeConfig` with its version set.  Scratch (the
-    partials) comes from the library that owns ``o``.
+    ``num_splits`` None: :func:`.policy.decode_wave_splits` for ``longest`` keys at the
+    kernel's occupancy.  ``config``: a :class:`DecodeConfig` with its version set.  Scratch
+    (the partials) comes from the library that owns ``o``.  ``kernel``: a :class:`SplitKernel`
+    to launch instead of the version's (the sweeps' load experiments; its defines are the
+    version's plus its own).
     """
     qd, kd, vd, o, lse = (device_array(a) for a in (qd, kd, vd, o, lse))
     B, Hq, d = qd.shape
@@ -434,48 +480,47 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     kv = None if quant is None else quant["kv"]
     defines = config.defines(d, dtype, group, paged is not None, block_size, aligned=aligned,
                              smem_limit=dev["smem_optin"], kv=kv, cc=dev["cc"], pairs=B * Hkv, sms=dev["sms"])
-    file, kernel = SPLIT_KERNELS[config.version]
+    spec = kernel or SPLIT_KERNELS[config.version]
+    defines = dict(defines, **spec.extra_defines)
     threads = 32 * defines["NUM_WARPS"]
     fused = bool(defines.get("FUSED", 0))
-    # v4's swizzled rows are allocated exactly: the L1 beside the SRAM keeps the rest
-    exact = (dict(swizzled=kv is None and C.decode_v4_swizzled(d, bool(defines.get("LOAD_BULK"))))
-             if config.version == "v4" else {})
-    if config.version in RING_FUSED:
+    if spec.ring_fused:
         # compiled once per defines; its SRAM is sized a launch (at least the rings)
-        base_smem, _ = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
-                                                   defines["NUM_WARPS"], kv=kv, **exact)
+        base_smem, _ = spec.smem(d, dtype, group, defines, kv)
         if base_smem > dev["smem_optin"]:
             raise ValueError(f"config: decode {config.version} with {defines['NUM_WARPS']} warps x "
                              f"{defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs {base_smem:,} B of shared memory a block at "
                              f"head_dim={d} ({dtype}), more than this GPU's {dev['smem_optin']:,} (fewer stages, "
                              f"warps or tile rows)")
-        fn = function(file, kernel, defines, max(base_smem, V3_COMPILE_SMEM))
+        fn = function(spec.file, spec.name, defines, max(base_smem, V3_COMPILE_SMEM), sources=spec.sources)
     elif config.version == "v2":
         base_smem = C.decode_v2_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"])
         if base_smem > dev["smem_optin"]:
             raise ValueError(f"config: decode v2 with {defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs "
                              f"{base_smem:,} B of shared memory a block, more than this GPU's {dev['smem_optin']:,}")
-        fn = function(file, kernel, defines, base_smem)
+        fn = function(spec.file, spec.name, defines, base_smem, sources=spec.sources)
     else:
         base_smem = 0
-        fn = function(file, kernel, defines)
+        fn = function(spec.file, spec.name, defines, sources=spec.sources)
     if num_splits is None:
-        num_splits = num_splits_heuristic(B, Hkv, longest, dev["sms"], blocks_per_sm(fn, threads, base_smem),
-                                          2 * d * C.kv_itemsize(dtype, kv))
+        num_splits = decode_wave_splits(B, Hkv, longest, dev["sms"], blocks_per_sm(fn, threads, base_smem),
+                                        2 * d * C.kv_itemsize(dtype, kv))
     S = int(num_splits)
-    smem, table_cap, table_offset = base_smem, 0, 0
-    if config.version in RING_FUSED:
+    smem, table = base_smem, ()
+    if spec.ring_fused:
+        table_cap = 0
         if paged is not None:
             per_split = -(-max(longest, 1) // S)
             want = -(-per_split // block_size) + 1          # a split may straddle one more page
             table_cap = want if want <= C.DECODE_V3_TABLE_CAP else 0
-        smem, table_offset = C.RING_SMEM[config.version](d, dtype, group, defines["STAGES"], defines["TILE_ROWS"],
-                                                         defines["NUM_WARPS"], S, fused, table_cap, kv, **exact)
+        smem, table_offset = spec.smem(d, dtype, group, defines, kv, S, fused, table_cap)
         if smem > dev["smem_optin"]:
             raise ValueError(f"config: decode {config.version} needs {smem:,} B of shared memory a block, more "
                              f"than this GPU's {dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")
         if smem > V3_COMPILE_SMEM:
             fn.max_dynamic_shared_size_bytes = int(smem)
+        if paged is not None:
+            table = (np.int32(table_cap), np.int32(table_offset))
     acc = np.float64 if dtype == "float64" else np.float32
     i32, i64 = np.int32, np.int64
     if S > 1:
@@ -486,20 +531,18 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     else:
         parts = (np.uint64(0), np.uint64(0))           # unused by the kernel when S == 1
     if paged is None:
-        layout = (*map(i64, kd.strides[:3]), *map(i64, vd.strides[:3]))
+        cache = (*map(i64, kd.strides[:3]), *map(i64, vd.strides[:3]))
     else:
         tables = device_array(paged[0])
-        layout = (tables.arg, i32(tables.shape[1]), *map(i64, kd.strides[:3]))
-        if config.version in RING_FUSED:
-            layout += (i32(table_cap), i32(table_offset))
-        if quant is not None:
-            layout += (quant["k_scale"].arg, quant["v_scale"].arg, i32(quant["scale_blk"]), i32(quant["scale_head"]))
+        cache = (tables.arg, i32(tables.shape[1]), *map(i64, kd.strides[:3]))
+    scales = () if quant is None else (quant["k_scale"].arg, quant["v_scale"].arg, i32(quant["scale_blk"]),
+                                       i32(quant["scale_head"]))
     lens_arg = device_array(lens_d).arg if lens_d is not None else np.uint64(0)
-    args = (qd.arg, kd.arg, vd.arg, *layout, lens_arg, i32(nk), i32(Hq), i32(Hkv), acc(scale), i32(S),
-            i32(window_left), *parts)
-    if config.version in RING_FUSED:
-        args += (_decode_counters(B * Hkv) if fused and S > 1 else np.uint64(0),)
-    fn((S, Hkv, B), (threads,), args + (o.arg, lse.arg), shared_mem=smem)
+    counters = _decode_counters(B * Hkv) if fused and S > 1 else np.uint64(0)
+    a = SplitArgs(head=(qd.arg, kd.arg, vd.arg), cache=cache, table=table, scales=scales,
+                  tail=(lens_arg, i32(nk), i32(Hq), i32(Hkv), acc(scale), i32(S), i32(window_left), *parts),
+                  counters=(counters,), out=(o.arg, lse.arg))
+    fn((S, Hkv, B), (threads,), spec.args(a), shared_mem=smem)
     if S > 1 and not fused:                            # decode.cu's combine
         comb = function("decode", "decode_combine",
                         config.combine_defines(d, dtype, group, paged is not None, block_size, aligned))

@@ -17,6 +17,7 @@ KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
 #: every kernel file, by name (tests/test_cupy_compile.py compiles each one for every arch)
 SOURCES = {"fa_v1": "fa_v1.cu", "fa_v1b": "fa_v1b.cu", "fa_v2": "fa_v2.cu", "decode": "decode.cu",
            "decode_v2": "decode_v2.cu", "decode_v3": "decode_v3.cu", "decode_v4": "decode_v4.cu",
+           "decode_v5": "decode_v5.cu",
            "paged_gather": "paged_gather.cu",
            "bwd_v1": "bwd_v1.cu", "bwd_v2": "bwd_v2.cu"}
 #: -DIK_DTYPE values (common.cuh)

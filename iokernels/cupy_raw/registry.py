@@ -12,6 +12,7 @@ from ..core import conventions as cv
 from ..core.arrays import DeviceArray, device_array
 from ..core.registry import Need, Registry
 from . import config as C
+from . import decode_config as D
 from .launch import cupy_ok, device_info
 
 REGISTRY = Registry("cupy")
@@ -107,7 +108,7 @@ def check_v2(n: Need) -> str | None:
     return _bf16_cc(n) or _forward_fits("v2", n)
 
 
-#: the quantized caches decode v1, v3 and v4 read: code formats and scale granularities
+#: the quantized caches decode v1, v3 and v5 read: code formats and scale granularities
 QUANT_KV = tuple(k for k in C.KV_QUANT_IDS if k is not None)
 QUANT_GRANULARITIES = ("block_head", "block")
 
@@ -117,14 +118,11 @@ def _check_quant(version: str, n: Need) -> str | None:
     if kv is None:
         return None
     if version == "v2":
-        return f"kv_dtype: reads unquantized pools; a {kv} cache is read by v1, v3 and v4"
+        return f"kv_dtype: reads unquantized pools; a {kv} cache is read by v1, v3 and v5"
     if kv not in QUANT_KV:
         return f"kv_dtype: {kv} codes are not decoded by this kernel (it decodes {', '.join(QUANT_KV)})"
     if gran not in QUANT_GRANULARITIES:
         return f"scale_granularity: {gran!r} scales are not read (it reads {', '.join(QUANT_GRANULARITIES)})"
-    if version == "v4" and n.head_dim not in C.DECODE_V4_QUANT_HEAD_DIMS:
-        return (f"kv_dtype: reads {kv} codes at head dims {', '.join(map(str, C.DECODE_V4_QUANT_HEAD_DIMS))} "
-                f"(the swizzle of its unpadded 1-byte rows), got {n.head_dim}; v3 reads the rest")
     return None
 
 
@@ -158,31 +156,42 @@ def check_decode_v3(n: Need) -> str | None:
     return _check_ring("v3", n)
 
 
-def check_decode_v4(n: Need) -> str | None:
-    """The tensor-core decode: 16-bit inputs, head dims of whole mma k-steps, the GQA group
-    within one 16-row A operand, mma.sync m16n8k16 and cp.async (compute capability 8.0).
-    A quantized paged cache (int8 / float8 e4m3 codes, float16/bfloat16 compute dtype) at
-    head dims DECODE_V4_QUANT_HEAD_DIMS; its codes become float16 operands with integer
-    instructions every such GPU has."""
-    if n.dtype not in ("float16", "bfloat16"):
-        return f"the float16/bfloat16 tensor-core decode, got {n.dtype}"
-    if n.head_dim % C.MMA_ROWS or n.head_dim > C.DECODE_V4_MAX_HEAD_DIM:
-        return (f"head_dim must be a multiple of {C.MMA_ROWS} up to {C.DECODE_V4_MAX_HEAD_DIM} "
-                f"(whole mma k-steps, O in registers), got {n.head_dim}")
-    group = n.extra.get("group", 1)
-    if group > C.DECODE_V4_MAX_GROUP:
-        return f"group: at most {C.DECODE_V4_MAX_GROUP} query heads a KV head (one mma row block), got {group}"
+def _check_tensor_core(version: str, n: Need) -> str | None:
+    """decode v4 / v5: v4's limits (decode_config.v4_limits), the cache each reads, mma.sync
+    m16n8k16 and cp.async (compute capability 8.0), then the ring's checks."""
+    why = D.v4_limits(n.dtype, n.head_dim, n.extra.get("group", 1))
+    if why:
+        return why
+    kv = n.extra.get("kv_dtype")
+    if kv is not None and kv not in QUANT_KV:
+        return _check_quant(version, n)
+    why = D._v5_cache(version, n.head_dim, kv)
+    if why:
+        return why
     if n.cc is not None and n.cc < CC_AMPERE:
         return f"mma.sync m16n8k16 and cp.async need compute capability 8.0 or newer; this GPU is {n.cc / 10:.1f}"
-    return _check_ring("v4", n)
+    return _check_ring(version, n)
+
+
+def check_decode_v4(n: Need) -> str | None:
+    """The tensor-core decode over a 16-bit cache (decode_v4.cu)."""
+    return _check_tensor_core("v4", n)
+
+
+def check_decode_v5(n: Need) -> str | None:
+    """v4 over a quantized paged cache (int8 / float8 e4m3 codes, float16/bfloat16 compute
+    dtype) at head dims DECODE_V5_HEAD_DIMS (decode_v5.cu); its codes become float16
+    operands with integer instructions every such GPU has."""
+    return _check_tensor_core("v5", n)
 
 
 #: default ranks (higher wins among the versions whose check passes)
 RANKS = {
     ("attention", "v2"): 30, ("attention", "v1b"): 20, ("attention", "v1"): 10,
     # decode v2 is v3 without its two additions: it is never the default
-    # decode v4 (tensor cores) where its check passes (quantized paged caches too), else v3
-    ("decode", "v4"): 40, ("decode", "v3"): 30, ("decode", "v1"): 10, ("decode", "v2"): 0,
+    # decode v5 (tensor cores, 1-byte codes) for a quantized paged cache where its check passes,
+    # v4 (tensor cores, 16-bit) for a 16-bit cache, else v3; v5 and v4 never both pass
+    ("decode", "v5"): 50, ("decode", "v4"): 40, ("decode", "v3"): 30, ("decode", "v1"): 10, ("decode", "v2"): 0,
     ("paged_gather", "v1"): 10,
     # the tensor-core backward first where it runs (16-bit, d <= 128, sm_80+), v1 elsewhere
     ("attention_backward", "v2"): 20, ("attention_backward", "v1"): 10,

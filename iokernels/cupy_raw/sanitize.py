@@ -24,8 +24,6 @@ from ..core import reference
 from ..core.testing import check, make_inputs, numpy_dtype
 from ..core.testing import GRADIENT_FACTOR
 from .registry import REGISTRY, need
-from . import config as C
-from .launch import device_info
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 #: forward shapes: (head_dim, causal, window)
@@ -40,7 +38,7 @@ BLOCK_SIZE = 16
 #: the sliding window of the windowed decode cases: it starts inside the first split of 5
 #: and leaves the splits before it without keys
 DECODE_WINDOW = (100, 0)
-#: quantized paged caches: (code format, scale granularity), at these head dims (decode v4 reads
+#: quantized paged caches: (code format, scale granularity), at these head dims (decode v5 reads
 #: the codes at 64 -- rows of 4 chunks, swizzled in pairs -- and 128 -- rows of 8 --; v1 and v3
 #: at 59 too)
 QUANT_CASES = (("int8", "block_head"), ("float8_e4m3fn", "block"))
@@ -49,19 +47,21 @@ QUANT_DIMS = (64, 128, 59)
 VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             # v4's default loads with cp.async chunks (through L1 over a contiguous cache); the
-            # variants: bulk copies (sm_90), .cg with the 3-stage ring, the 4-warp block of
-            # large batches
-            ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": True},
+            # variants: unfused 8 warps of 32-key tiles, .cg with the 3-stage ring, the 4-warp
+            # block of large batches
+            ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32},
                                {"load_l1": False}, {"num_warps": 4, "min_blocks": 2}),
-            # and 16-key tiles with a 2-deep ring (a quantized cache's default tile is 32 keys),
-            # and pages copied through L1
-            ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32, "load_bulk": True},
+            # and a 2-deep ring, and pages copied through L1
+            ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32},
                                      {"tile_rows": 16, "stages": 2}, {"load_l1": True}),
+            # v5 (quantized caches): 16-key tiles with a 2-deep ring (the default tile is 32 keys
+            # up to d = 128), and the codes copied through L1
+            ("paged_decode", "v5"): ({}, {"tile_rows": 16, "stages": 2}, {"load_l1": True}),
             ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32}),
             # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
             ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16})}
-#: calls a version makes twice in a row (v3's and v4's counters must be back at 0 after a call)
-TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4")}
+#: calls a version makes twice in a row (the fused combine's counters must be back at 0 after a call)
+TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4"), ("paged_decode", "v5")}
 
 
 def _ok(c, label):
@@ -165,8 +165,6 @@ def _paged_decode(kernel, cfg, dtype, rng, label):
                         dtype=dtype)[0][:, :, 0]
         if kernel.unavailable(need("paged_decode", q=q, cache=cache)) is not None:
             continue
-        if cache.quantized and getattr(cfg, "load_bulk", None):
-            continue                                        # bulk copies read 16-bit rows only
         k, v = _contiguous_of(cache, sids)                  # what the cache holds (dequantized)
         kind = f" {cache.kv_dtype} {cache.scale_granularity}" if cache.quantized else ""
         for splits in PAGED_SPLITS:
@@ -266,8 +264,6 @@ def sanitize_cases(seed: int = 0, verbose: bool = True, kernels=None) -> list:
         if kernels is not None and f"{kernel.op}:{kernel.version}" not in kernels:
             continue
         for kw in VARIANTS.get((kernel.op, kernel.version), ({},)):
-            if kw.get("load_bulk") and device_info()["cc"] < C.CC_BULK:
-                continue                            # bulk copies: sm_90 and newer
             cfg = kernel.config_class(version=kernel.version, **kw)
             for dtype in DTYPES:
                 label = f"{kernel.op} {kernel.version}{' ' + repr(kw) if kw else ''} {dtype}"

@@ -86,8 +86,9 @@ import math
 import numpy as np
 
 from ..core import conventions as cv
-from ..decode import DEFAULT_BLOCK_N, MAX_SPLITS, num_splits_heuristic
+from ..decode import DEFAULT_BLOCK_N, MAX_SPLITS, occupancy_splits
 from . import decode_v3 as d3
+from .decode_v3 import split_range_dev, visible_first_dev
 from . import launch as ln
 from .config import SHARED_LIMIT_BYTES, DecodeConfig, acc_dtype
 from .device import WORD_BYTES, make_group_merge, make_lane_sum, make_unpack, warp_mask, word_layout
@@ -162,10 +163,8 @@ def make_split(D: int, G: int, L: int, paged: bool, acc_name: str, simulated: bo
             n_s[0] = lens[b]                                  # read n_b (once per block)
         cuda.syncthreads()
         n = n_s[0]
-        a = 0 if left < 0 else max(n - 1 - left, 0)           # the first key the query sees
-        t0 = a // bn                                          # split_ranges over the visible
-        per = ((n + bn - 1) // bn - t0 + nsplit - 1) // nsplit  # tiles [t0, ceil(n / bn))
-        start, end = min(max((t0 + sp * per) * bn, a), n), min((t0 + (sp + 1) * per) * bn, n)
+        a = visible_first_dev(n, left)                          # the first key the query sees
+        start, end = split_range_dev(n, nsplit, sp, bn, a)     # its tiles of [a, n) (core/splits.py)
         Q_s = cuda.shared.array((G, DPAD), ACC)               # SRAM: the g query rows
         tbl = cuda.shared.array(STAGE, int32)                 # SRAM: block-table entries
         red_m = cuda.shared.array(KG, ACC)                    # SRAM: per-group states to merge
@@ -281,10 +280,8 @@ def make_split_v2(D: int, G: int, L: int, KPI: int, BN: int, paged: bool, store_
             n_s[0] = lens[b]                                  # read n_b (once per block)
         cuda.syncthreads()
         n = n_s[0]
-        a = 0 if left < 0 else max(n - 1 - left, 0)           # the first key the query sees
-        t0 = a // BN                                          # split_ranges over the visible
-        per = ((n + BN - 1) // BN - t0 + nsplit - 1) // nsplit  # tiles [t0, ceil(n / BN))
-        start, end = min(max((t0 + sp * per) * BN, a), n), min((t0 + (sp + 1) * per) * BN, n)
+        a = visible_first_dev(n, left)                          # the first key the query sees
+        start, end = split_range_dev(n, nsplit, sp, BN, a)     # its tiles of [a, n) (core/splits.py)
         Q_s = cuda.shared.array((G, DPAD), ACC)               # SRAM: the g query rows
         tbl = cuda.shared.array(STAGE, int32)                 # SRAM: block-table entries
         red_m = cuda.shared.array(KG, ACC)
@@ -496,13 +493,13 @@ def combine_kernel_function(head_dim, dtype):
 # --------------------------------------------------------------------------- split counts
 @functools.lru_cache(maxsize=1024)
 def default_num_splits(batch, heads_kv, max_len, block_n, version="v3") -> int:
-    """decode.num_splits_heuristic, counting the split kernel's block slots per SM
+    """decode.occupancy_splits, counting the split kernel's block slots per SM
     (RESIDENT_BLOCKS_PER_SM for v1, RESIDENT_BLOCKS_PER_SM_V3 for v2 and v3, whose split
     count is then made even); cached, since a decode loop asks for the same shapes."""
     if version == "v1":
-        return num_splits_heuristic(batch, heads_kv, max_len, ln.num_sms() * RESIDENT_BLOCKS_PER_SM,
+        return occupancy_splits(batch, heads_kv, max_len, ln.num_sms() * RESIDENT_BLOCKS_PER_SM,
                                     block_n=block_n)
-    s0 = num_splits_heuristic(batch, heads_kv, max_len, ln.num_sms() * RESIDENT_BLOCKS_PER_SM_V3, block_n=block_n)
+    s0 = occupancy_splits(batch, heads_kv, max_len, ln.num_sms() * RESIDENT_BLOCKS_PER_SM_V3, block_n=block_n)
     return even_splits(s0, -(-max_len // block_n))
 
 

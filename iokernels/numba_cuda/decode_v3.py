@@ -101,6 +101,7 @@ import math
 
 import numpy as np
 
+from ..core.splits import split_range, visible_first
 from . import launch as ln
 from .config import acc_dtype
 from .device import (make_code_unpack, make_flat_access, make_group_merge, make_lane_allreduce, make_unpack,
@@ -108,6 +109,11 @@ from .device import (make_code_unpack, make_flat_access, make_group_merge, make_
 from .launch import cuda
 import numba  # noqa: E402
 from numba import int32  # noqa: E402
+
+#: the split-range contract (iokernels.core.splits, written once) as device functions: which
+#: keys a split owns, in tiles of Bn keys, and the first key a window leaves visible
+split_range_dev = cuda.jit(device=True)(split_range)
+visible_first_dev = cuda.jit(device=True)(visible_first)
 
 #: split v3 defaults: lanes per key, key groups per block, keys a group loads per step.
 #: 32 lanes x 4 keys x 8 groups: one word a lane at d=128 float16, 2 blocks of 256 threads
@@ -222,10 +228,8 @@ def make_split_v3(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
             n_s[0] = lens[b]                                  # read n_b (once per block)
         cuda.syncthreads()
         n = n_s[0]
-        a = 0 if left < 0 else max(n - 1 - left, 0)           # the first key the query sees
-        t0 = a // BN                                          # split_ranges over the visible
-        per = ((n + BN - 1) // BN - t0 + nsplit - 1) // nsplit  # tiles [t0, ceil(n / BN))
-        start, end = min(max((t0 + sp * per) * BN, a), n), min((t0 + (sp + 1) * per) * BN, n)
+        a = visible_first_dev(n, left)                          # the first key the query sees
+        start, end = split_range_dev(n, nsplit, sp, BN, a)     # its tiles of [a, n) (core/splits.py)
         Q_s = cuda.shared.array((G, DPAD), ACC)               # SRAM: the g query rows
         tbl = cuda.shared.array(STAGE, int32)                 # SRAM: block-table entries
         red_m = cuda.shared.array(KG, ACC)

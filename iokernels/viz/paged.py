@@ -447,14 +447,14 @@ def heuristic_figure(heads_kv=8, num_sms=132, block_n=128, seqlens=None, batches
     seqlens = seqlens if seqlens is not None else [2 ** p for p in range(7, 18)]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.6))
     for bsz in batches:
-        a.plot(seqlens, [dec.num_splits_heuristic(bsz, heads_kv, n, num_sms, block_n=block_n) for n in seqlens],
+        a.plot(seqlens, [dec.occupancy_splits(bsz, heads_kv, n, num_sms, block_n=block_n) for n in seqlens],
                "o-", ms=3, label=f"batch {bsz}")
     a.set_xscale("log", base=2)
     a.set_xlabel("context length (keys)")
     a.set_ylabel("num_splits chosen")
     a.set_title(f"{heads_kv} KV heads, {num_sms} SMs, tiles of {block_n}", fontsize=10)
     a.legend(fontsize=7)
-    s, eff = dec.num_splits_heuristic(batches[0], heads_kv, seqlens[-1], num_sms, block_n=block_n,
+    s, eff = dec.occupancy_splits(batches[0], heads_kv, seqlens[-1], num_sms, block_n=block_n,
                                       return_efficiency=True)
     xs = np.arange(1, len(eff) + 1)
     b.bar(xs, eff, color=["C3" if x == s else "C0" for x in xs])
@@ -484,7 +484,7 @@ def split_cost_figure(batches=(1, 8, 17, 24, 32), seq_len=32768, heads_kv=8, num
     for bsz in batches:
         cost = np.array([cr.split_cost(bsz * heads_kv, seq_len, int(s), num_sms, blocks_per_sm, row_bytes)
                          for s in splits])
-        pick = cr.num_splits_heuristic(bsz, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
+        pick = cr.decode_wave_splits(bsz, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
         line, = ax.plot(splits, cost / cost.min(), "o-", ms=3, label=f"batch {bsz} ({bsz * heads_kv} pairs): S = {pick}")
         if pick <= max_splits:
             ax.plot([pick], [cost[pick - 1] / cost.min()], "o", ms=10, mfc="none", color=line.get_color())

@@ -35,19 +35,19 @@
 #include "common.cuh"
 
 #ifndef HEAD_DIM
-#define HEAD_DIM 64
+#error "bwd_v1.cu: -DHEAD_DIM is missing (BackwardConfig.defines passes it)"
 #endif
 #ifndef BC
-#define BC 32                                    // keys per K/V tile (one block)
+#error "bwd_v1.cu: -DBC is missing (BackwardConfig.defines passes it)"
 #endif
 #ifndef BR
-#define BR 32                                    // query rows per Q tile
+#error "bwd_v1.cu: -DBR is missing (BackwardConfig.defines passes it)"
 #endif
 #ifndef LPK
-#define LPK 8                                    // lanes per key row
+#error "bwd_v1.cu: -DLPK is missing (BackwardConfig.defines passes it)"
 #endif
 #ifndef DETERMINISTIC
-#define DETERMINISTIC 0
+#error "bwd_v1.cu: -DDETERMINISTIC is missing (BackwardConfig.defines passes it)"
 #endif
 
 #define NTHREADS (BC * LPK)

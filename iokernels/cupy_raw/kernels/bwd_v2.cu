@@ -60,22 +60,22 @@
 #include "common.cuh"
 
 #ifndef HEAD_DIM
-#define HEAD_DIM 128
+#error "bwd_v2.cu: -DHEAD_DIM is missing (BackwardConfig.defines passes it)"
 #endif
 #ifndef D_PAD
-#define D_PAD (((HEAD_DIM) + 15) / 16 * 16)
+#error "bwd_v2.cu: -DD_PAD is missing (BackwardConfig.defines passes it)"
 #endif
 #ifndef NUM_WARPS
-#define NUM_WARPS 8
+#error "bwd_v2.cu: -DNUM_WARPS is missing (BackwardConfig.defines passes it)"
 #endif
 #ifndef BLOCK_Q
-#define BLOCK_Q 64
+#error "bwd_v2.cu: -DBLOCK_Q is missing (BackwardConfig.defines passes it)"
 #endif
 #ifndef VEC_IO
-#define VEC_IO ((HEAD_DIM % 8) == 0)
+#error "bwd_v2.cu: -DVEC_IO is missing (BackwardConfig.defines passes it)"
 #endif
 #ifndef DETERMINISTIC
-#define DETERMINISTIC 0
+#error "bwd_v2.cu: -DDETERMINISTIC is missing (BackwardConfig.defines passes it)"
 #endif
 
 #if IK_DTYPE != IK_F16 && IK_DTYPE != IK_BF16

@@ -16,7 +16,7 @@
 #define IK_F64 3
 
 #ifndef IK_DTYPE
-#define IK_DTYPE IK_F32
+#error "common.cuh: -DIK_DTYPE is missing (every config's defines passes it)"
 #endif
 
 #if IK_DTYPE == IK_BF16 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
@@ -227,9 +227,6 @@ __device__ __forceinline__ acc_t chunk_elem(const uint4& u, int e) {
 #define IK_KV_NONE 0
 #define IK_KV_INT8 1
 #define IK_KV_FP8E4M3 2
-#ifndef KV_QUANT
-#define KV_QUANT IK_KV_NONE
-#endif
 
 // float8 e4m3 code -> float32, exactly.  A normal code (exponent field e > 0) keeps its 3
 // mantissa bits as float32's top 3 and moves its exponent from bias 7 to float32's bias 127

@@ -34,24 +34,28 @@
 // What limits it: the rows in flight are held in registers (UNROLL rows a lane), so few
 // blocks fit an SM and few bytes are in flight; decode_v2.cu moves them into SRAM.
 #include "common.cuh"
+#include "splits.cuh"
 
+#ifndef KV_QUANT
+#error "decode.cu: -DKV_QUANT is missing (DecodeConfig.defines passes it: 0 for a 16-bit cache)"
+#endif
 #ifndef HEAD_DIM
-#define HEAD_DIM 128
+#error "decode.cu: -DHEAD_DIM is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef GROUP
-#define GROUP 4
+#error "decode.cu: -DGROUP is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef PAGED
-#define PAGED 0
+#error "decode.cu: -DPAGED is missing (DecodeConfig.defines passes it)"
 #endif
-#ifndef BLOCK_SIZE
-#define BLOCK_SIZE 16
+#if PAGED && !defined(BLOCK_SIZE)
+#error "decode.cu: -DBLOCK_SIZE is missing (DecodeConfig.defines passes it for a paged cache)"
 #endif
 #ifndef NUM_WARPS
-#define NUM_WARPS 4
+#error "decode.cu: -DNUM_WARPS is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef UNROLL
-#define UNROLL 4
+#error "decode.cu: -DUNROLL is missing (DecodeConfig.defines passes it)"
 #endif
 #if KV_QUANT
 #if !PAGED
@@ -66,14 +70,14 @@ typedef elem_t kv_t;
 #define LOAD_BYTES 16
 #endif
 #ifndef VEC_IO
-#define VEC_IO ((HEAD_DIM * KV_BYTES) % LOAD_BYTES == 0 && HEAD_DIM * KV_BYTES <= 32 * LOAD_BYTES)
+#error "decode.cu: -DVEC_IO is missing (DecodeConfig.defines passes it)"
 #endif
 
 #define NTHREADS (32 * NUM_WARPS)
 // ask the compiler to fit 4 blocks an SM (at most 128 registers a thread): more blocks,
 // more loads in flight, which is what a memory-bound kernel lives on
 #ifndef DECODE_MIN_BLOCKS
-#define DECODE_MIN_BLOCKS 4
+#error "decode.cu: -DDECODE_MIN_BLOCKS is missing (DecodeConfig.defines passes it)"
 #endif
 #define VEC (LOAD_BYTES / KV_BYTES)                   // K/V elements in one vector load
 
@@ -165,9 +169,8 @@ decode_split(const elem_t* __restrict__ Q,          // (batch, heads_q, head_dim
     const int slot = threadIdx.x / LANES;           // which row of the SLOTS side by side
     const int len = seq_lens ? seq_lens[b] : nk;
     // the visible keys [first, len) are split; a split past them is empty (LSE_s = -inf)
-    const int first = window_left < 0 ? 0 : max(len - 1 - window_left, 0);
-    const int per_split = (len - first + num_splits - 1) / num_splits;
-    const int n_begin = min(first + split * per_split, len), n_end = min(n_begin + per_split, len);
+    const int3 keys = decode_split_keys(len, window_left, num_splits, split);   // splits.cuh
+    const int n_begin = keys.y, n_end = keys.z;
 
     // the g query rows of this kv head, pre-scaled by scale * log2(e): scores in log2 units
     const acc_t qscale = scale * (acc_t)1.4426950408889634;

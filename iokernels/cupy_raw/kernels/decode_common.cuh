@@ -38,8 +38,9 @@ __device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
     return old;
 }
-#ifndef COMBINE_REG_SPLITS
-#define COMBINE_REG_SPLITS 16                         // splits the register merge takes at once
+// COMBINE_REG_SPLITS: splits the register merge takes at once (DecodeConfig.defines passes it)
+#if FUSED && !defined(COMBINE_REG_SPLITS)
+#error "decode_common.cuh: -DCOMBINE_REG_SPLITS is missing (DecodeConfig.defines passes it)"
 #endif
 
 // write this split's O_s (normalised) and LSE_s -> HBM (the final O, LSE when S == 1);

@@ -41,27 +41,28 @@
 // Dynamic SRAM (the launcher's decode_v2_smem, cupy_raw/config.py): max(the rings, NUM_WARPS * GROUP * HEAD_DIM
 // acc_t for the final merge of the warps, which reuses the rings' space).
 #include "common.cuh"
+#include "splits.cuh"
 
 #ifndef HEAD_DIM
-#define HEAD_DIM 128
+#error "decode_v2.cu: -DHEAD_DIM is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef GROUP
-#define GROUP 4
+#error "decode_v2.cu: -DGROUP is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef PAGED
-#define PAGED 0
+#error "decode_v2.cu: -DPAGED is missing (DecodeConfig.defines passes it)"
 #endif
-#ifndef BLOCK_SIZE
-#define BLOCK_SIZE 16
+#if PAGED && !defined(BLOCK_SIZE)
+#error "decode_v2.cu: -DBLOCK_SIZE is missing (DecodeConfig.defines passes it for a paged cache)"
 #endif
 #ifndef NUM_WARPS
-#define NUM_WARPS 4
+#error "decode_v2.cu: -DNUM_WARPS is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef STAGES
-#define STAGES 3
+#error "decode_v2.cu: -DSTAGES is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef DECODE_MIN_BLOCKS
-#define DECODE_MIN_BLOCKS 4
+#error "decode_v2.cu: -DDECODE_MIN_BLOCKS is missing (DecodeConfig.defines passes it)"
 #endif
 
 #define NTHREADS (32 * NUM_WARPS)
@@ -83,8 +84,7 @@
 #endif
 
 #ifndef TILE_ROWS
-// about 2 KB of K a tile (and 2 KB of V), a whole number of RPW rows
-#define TILE_ROWS ((2048 / (CPR * 16)) < RPW ? RPW : (2048 / (CPR * 16)) / RPW * RPW)
+#error "decode_v2.cu: -DTILE_ROWS is missing (DecodeConfig.defines passes it)"
 #endif
 #if TILE_ROWS % RPW != 0
 #error "decode_v2: TILE_ROWS must be a multiple of the rows a warp reads side by side"
@@ -120,9 +120,8 @@ decode_split_v2(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     const bool has_chunk = sub < CPR;               // LANES > CPR: the extra lanes hold zeros
     const int len = seq_lens ? seq_lens[b] : nk;
     // the visible keys [first, len) are split; a split past them is empty (LSE_s = -inf)
-    const int first = window_left < 0 ? 0 : max(len - 1 - window_left, 0);
-    const int per_split = (len - first + num_splits - 1) / num_splits;
-    const int n_begin = min(first + split * per_split, len), n_end = min(n_begin + per_split, len);
+    const int3 keys = decode_split_keys(len, window_left, num_splits, split);   // splits.cuh
+    const int n_begin = keys.y, n_end = keys.z;
 
     // this warp's tiles: tile i of the split covers keys [n_begin + i * TILE_ROWS, ...);
     // warp w takes tiles w, w + NUM_WARPS, ...  (my_tiles is the same for all its lanes)

@@ -11,17 +11,19 @@
 // its own ramp-up and tail, is a visible part of the call's time; and at 4 warps a block
 // too few bytes are in flight.  So:
 //   * FUSED=1: the combine runs inside the split kernel.  Each split block writes its
-//     partial (O_s normalised, LSE_s) as before, then `__threadfence()` (its writes are
-//     visible device-wide before anything that follows) and one atomicAdd on a counter of
-//     its (batch, kv head).  The block that brings the counter to num_splits is the last
-//     of its group: every partial is in L2 by then, so it merges the S partials of its g
-//     query heads (reading them with ld.global.cg, which skips the SM's own L1, where a
-//     stale line could sit) and writes O and LSE.  It then sets the counter back to 0, so
+//     partial (O_s normalised, LSE_s) as before, waits at a block barrier, and then one
+//     thread adds 1 to a counter of its (batch, kv head) with an acquire-release atomic at
+//     GPU scope (atom.acq_rel.gpu: the release publishes every thread's partial, ordered
+//     before it by the barrier, and the acquire makes the other blocks' partials visible to
+//     this one).  The block that brings the counter to num_splits is the last of its
+//     group: every partial is in L2 by then, so it merges the S partials of its g query
+//     heads (reading them with ld.global.cg, which skips the SM's own L1, where a stale
+//     line could sit) and writes O and LSE.  It then sets the counter back to 0, so
 //     the next call needs no memset: the counters are a workspace the launcher keeps one
 //     of per device and stream (cupy_raw/decode.py, _decode_counters).  FUSED=0 keeps v2's structure
 //     (a separate combine launch, the Flash-Decoding paper's two kernels) for comparison.
 //     The partial's write and the combine are decode_finish (decode_common.cuh), which
-//     decode_v4.cu ends with too.
+//     decode_v4.cu and decode_v5.cu end with too.
 //   * NUM_WARPS is a setting (4 or 8 a block): more warps, more bytes in flight a block.
 //   * paged: the block-table entries of the block's split are copied into SRAM once, at
 //     the start (one coalesced read), when they fit the space the launcher gives
@@ -52,35 +54,40 @@
 // Per-warp pipeline: as decode_v2.cu (prologue issues tiles 0 .. STAGES-2; loop t issues
 // t+STAGES-1, waits for t, computes t).
 //
-// Compile-time settings: HEAD_DIM, GROUP (g), IK_DTYPE, PAGED, BLOCK_SIZE (paged),
-// NUM_WARPS, STAGES, TILE_ROWS, DECODE_MIN_BLOCKS, FUSED, KV_QUANT (paged only).
-// Dynamic SRAM (the launcher's decode_v3_smem, cupy_raw/config.py): max(rings, the warps' merge buffer,
+// Compile-time settings, every one passed by DecodeConfig.defines (none has a default here):
+// HEAD_DIM, GROUP (g), IK_DTYPE, PAGED, BLOCK_SIZE (paged), NUM_WARPS, STAGES, TILE_ROWS,
+// DECODE_MIN_BLOCKS, FUSED, COMBINE_REG_SPLITS (decode_common.cuh), KV_QUANT (paged only).
+// Dynamic SRAM (the launcher's decode_v3_smem, cupy_raw/decode_config.py): max(rings, the warps' merge buffer,
 // the fused combine's weights GROUP * num_splits acc_t), then table_cap int32 entries.
 #include "common.cuh"
+#include "splits.cuh"
 
+#ifndef KV_QUANT
+#error "decode_v3.cu: -DKV_QUANT is missing (DecodeConfig.defines passes it: 0 for a 16-bit cache)"
+#endif
 #ifndef HEAD_DIM
-#define HEAD_DIM 128
+#error "decode_v3.cu: -DHEAD_DIM is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef GROUP
-#define GROUP 4
+#error "decode_v3.cu: -DGROUP is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef PAGED
-#define PAGED 0
+#error "decode_v3.cu: -DPAGED is missing (DecodeConfig.defines passes it)"
 #endif
-#ifndef BLOCK_SIZE
-#define BLOCK_SIZE 16
+#if PAGED && !defined(BLOCK_SIZE)
+#error "decode_v3.cu: -DBLOCK_SIZE is missing (DecodeConfig.defines passes it for a paged cache)"
 #endif
 #ifndef NUM_WARPS
-#define NUM_WARPS 4
+#error "decode_v3.cu: -DNUM_WARPS is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef STAGES
-#define STAGES 3
+#error "decode_v3.cu: -DSTAGES is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef DECODE_MIN_BLOCKS
-#define DECODE_MIN_BLOCKS 4
+#error "decode_v3.cu: -DDECODE_MIN_BLOCKS is missing (DecodeConfig.defines passes it)"
 #endif
 #ifndef FUSED
-#define FUSED 1
+#error "decode_v3.cu: -DFUSED is missing (DecodeConfig.defines passes it)"
 #endif
 
 #define NTHREADS (32 * NUM_WARPS)
@@ -112,7 +119,7 @@ typedef elem_t kv_t;
 #endif
 
 #ifndef TILE_ROWS
-#define TILE_ROWS ((2048 / (CPR * 16)) < RPW ? RPW : (2048 / (CPR * 16)) / RPW * RPW)
+#error "decode_v3.cu: -DTILE_ROWS is missing (DecodeConfig.defines passes it)"
 #endif
 #if TILE_ROWS % RPW != 0
 #error "decode_v3: TILE_ROWS must be a multiple of the rows a warp reads side by side"
@@ -161,9 +168,8 @@ decode_split_v3(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
     const bool has_chunk = sub < UPR;
     const int len = seq_lens ? seq_lens[b] : nk;
     // the visible keys [first, len) are split; a split past them is empty (LSE_s = -inf)
-    const int first = window_left < 0 ? 0 : max(len - 1 - window_left, 0);
-    const int per_split = (len - first + num_splits - 1) / num_splits;
-    const int n_begin = min(first + split * per_split, len), n_end = min(n_begin + per_split, len);
+    const int3 keys = decode_split_keys(len, window_left, num_splits, split);   // splits.cuh
+    const int n_begin = keys.y, n_end = keys.z;
 
     const int n_tiles = (n_end - n_begin + TILE_ROWS - 1) / TILE_ROWS;
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + NUM_WARPS - 1) / NUM_WARPS : 0;

@@ -25,13 +25,13 @@
 #include "common.cuh"
 
 #ifndef HEAD_DIM
-#define HEAD_DIM 64
+#error "fa_v1.cu: -DHEAD_DIM is missing (ForwardConfig.defines passes it)"
 #endif
 #ifndef RM
-#define RM 4
+#error "fa_v1.cu: -DRM is missing (ForwardConfig.defines passes it)"
 #endif
 #ifndef RN
-#define RN 4
+#error "fa_v1.cu: -DRN is missing (ForwardConfig.defines passes it)"
 #endif
 
 #define TX 16

@@ -50,20 +50,20 @@
 #endif
 
 #ifndef HEAD_DIM
-#define HEAD_DIM 64
+#error "fa_v1b.cu: -DHEAD_DIM is missing (ForwardConfig.defines passes it)"
 #endif
 #ifndef RM
-#define RM 4
+#error "fa_v1b.cu: -DRM is missing (ForwardConfig.defines passes it)"
 #endif
 #ifndef RN
-#define RN 4
+#error "fa_v1b.cu: -DRN is missing (ForwardConfig.defines passes it)"
 #endif
 #ifndef VEC_IO
-#define VEC_IO ((HEAD_DIM % 4) == 0)
+#error "fa_v1b.cu: -DVEC_IO is missing (ForwardConfig.defines passes it)"
 #endif
 // blocks an SM the register budget must allow (two at Br = Bc = 64, d = 128: 112 KB each)
 #ifndef V1B_MIN_BLOCKS
-#define V1B_MIN_BLOCKS 2
+#error "fa_v1b.cu: -DV1B_MIN_BLOCKS is missing (ForwardConfig.defines passes it)"
 #endif
 
 #define TX 16

@@ -31,19 +31,19 @@
 #include "mma.cuh"
 
 #ifndef HEAD_DIM
-#define HEAD_DIM 128
+#error "fa_v2.cu: -DHEAD_DIM is missing (ForwardConfig.defines passes it)"
 #endif
 #ifndef D_PAD
-#define D_PAD (((HEAD_DIM) + 15) / 16 * 16)
+#error "fa_v2.cu: -DD_PAD is missing (ForwardConfig.defines passes it)"
 #endif
 #ifndef NUM_WARPS
-#define NUM_WARPS 4
+#error "fa_v2.cu: -DNUM_WARPS is missing (ForwardConfig.defines passes it)"
 #endif
 #ifndef BLOCK_K
-#define BLOCK_K 64
+#error "fa_v2.cu: -DBLOCK_K is missing (ForwardConfig.defines passes it)"
 #endif
 #ifndef VEC_IO
-#define VEC_IO ((HEAD_DIM % 8) == 0)
+#error "fa_v2.cu: -DVEC_IO is missing (ForwardConfig.defines passes it)"
 #endif
 
 #if IK_DTYPE != IK_F16 && IK_DTYPE != IK_BF16

@@ -24,7 +24,7 @@
 // Compile-time settings (-D from hopper.py): HEAD_DIM (64, 128), BLOCK_M (64 per warpgroup),
 // BLOCK_N (64, 128), STAGES, IK_DTYPE.
 #ifndef STAGES
-#define STAGES 2
+#error "fa_v3.cu: -DSTAGES is missing (HopperConfig.defines passes it)"
 #endif
 #include "hopper_attention.cuh"
 

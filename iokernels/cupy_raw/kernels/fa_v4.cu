@@ -16,7 +16,7 @@
 // Block: 1 producer warpgroup + BLOCK_M / 64 consumer warpgroups (64 query rows each).
 // Compile-time settings as fa_v3.cu.
 #ifndef STAGES
-#define STAGES 2
+#error "fa_v4.cu: -DSTAGES is missing (HopperConfig.defines passes it)"
 #endif
 #include "hopper_attention.cuh"
 

@@ -20,12 +20,12 @@
 // warpgroup, to measure what each of the two adds).  STAGES >= 2: a consumer holds K_j and
 // V_{j-1} at once, so only STAGES - 2 further tiles can be on their way while it computes.
 #ifndef STAGES
-#define STAGES 3
+#error "fa_v5.cu: -DSTAGES is missing (HopperConfig.defines passes it)"
 #endif
 #include "hopper_attention.cuh"
 
 #ifndef PINGPONG
-#define PINGPONG 1
+#error "fa_v5.cu: -DPINGPONG is missing (HopperConfig.defines passes it)"
 #endif
 #if BLOCK_M != 128
 #error "fa_v5: ping-pong takes exactly two consumer warpgroups (BLOCK_M = 128)"

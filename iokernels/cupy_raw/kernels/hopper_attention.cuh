@@ -21,13 +21,13 @@
 #include "hopper_common.cuh"
 
 #ifndef HEAD_DIM
-#define HEAD_DIM 128
+#error "hopper_attention.cuh: -DHEAD_DIM is missing (HopperConfig.defines passes it)"
 #endif
 #ifndef BLOCK_M
-#define BLOCK_M 128
+#error "hopper_attention.cuh: -DBLOCK_M is missing (HopperConfig.defines passes it)"
 #endif
 #ifndef BLOCK_N
-#define BLOCK_N 128
+#error "hopper_attention.cuh: -DBLOCK_N is missing (HopperConfig.defines passes it)"
 #endif
 #ifndef STAGES
 #error "each kernel file sets its default STAGES before including hopper_attention.cuh"

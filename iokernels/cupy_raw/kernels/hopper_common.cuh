@@ -28,7 +28,7 @@
 #define IK_F16 1
 #define IK_BF16 2
 #ifndef IK_DTYPE
-#define IK_DTYPE IK_BF16
+#error "hopper_common.cuh: -DIK_DTYPE is missing (every Hopper kernel's defines passes it)"
 #endif
 #if IK_DTYPE == IK_BF16
 #define IK_WG_AB "bf16"

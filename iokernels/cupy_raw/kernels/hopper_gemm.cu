@@ -21,19 +21,19 @@
 #include "hopper_common.cuh"
 
 #ifndef BM
-#define BM 128
+#error "hopper_gemm.cu: -DBM is missing (hopper.gemm_defines passes it)"
 #endif
 #ifndef BN
-#define BN 256
+#error "hopper_gemm.cu: -DBN is missing (hopper.gemm_defines passes it)"
 #endif
 #ifndef BK
-#define BK 64
+#error "hopper_gemm.cu: -DBK is missing (hopper.gemm_defines passes it)"
 #endif
 #ifndef STAGES
-#define STAGES 4
+#error "hopper_gemm.cu: -DSTAGES is missing (hopper.gemm_defines passes it)"
 #endif
 #ifndef GROUP_M
-#define GROUP_M 8
+#error "hopper_gemm.cu: -DGROUP_M is missing (hopper.gemm_defines passes it)"
 #endif
 
 #if BK != PANEL

@@ -49,16 +49,16 @@
 #include "hopper_common.cuh"
 
 #ifndef LATENT
-#define LATENT 512
+#error "mla_decode.cu: -DLATENT is missing (MLADecodeConfig.defines passes it)"
 #endif
 #ifndef ROPE
-#define ROPE 64
+#error "mla_decode.cu: -DROPE is missing (MLADecodeConfig.defines passes it)"
 #endif
 #ifndef PAGED
-#define PAGED 0
+#error "mla_decode.cu: -DPAGED is missing (MLADecodeConfig.defines passes it)"
 #endif
-#ifndef PAGE_SIZE
-#define PAGE_SIZE 64
+#if PAGED && !defined(PAGE_SIZE)
+#error "mla_decode.cu: -DPAGE_SIZE is missing (MLADecodeConfig.defines passes it for a paged cache)"
 #endif
 #if LATENT != 512 || ROPE != 64
 #error "mla_decode: LATENT 512 and ROPE 64 only (two warpgroups of 256 output columns, 9 panels)"

@@ -8,14 +8,14 @@
 // through the block table: token n lives in block table[n / BLOCK_SIZE], row n % BLOCK_SIZE.
 //
 // Compile-time settings: BLOCK_SIZE, CHUNK_BYTES (16, 8, 4 or 2), CHUNKS_PER_ROW.
-#ifndef BLOCK_SIZE
-#define BLOCK_SIZE 16
+#if PAGED && !defined(BLOCK_SIZE)
+#error "paged_gather.cu: -DBLOCK_SIZE is missing (cupy_raw/gather.py passes it for a paged cache)"
 #endif
 #ifndef CHUNK_BYTES
-#define CHUNK_BYTES 16
+#error "paged_gather.cu: -DCHUNK_BYTES is missing (cupy_raw/gather.py passes it)"
 #endif
 #ifndef CHUNKS_PER_ROW
-#define CHUNKS_PER_ROW 16
+#error "paged_gather.cu: -DCHUNKS_PER_ROW is missing (cupy_raw/gather.py passes it)"
 #endif
 
 #if CHUNK_BYTES == 16

@@ -1,10 +1,10 @@
-"""Decode v4 (tensor cores) over quantized paged caches: int8 and float8 e4m3 codes as float16
-mma operands (decode_v4.cu, mma_codes.cuh).  CuPy: skipped without a GPU.
+"""Decode v5 (v4's tensor cores over quantized paged caches): int8 and float8 e4m3 codes as
+float16 mma operands (decode_v5.cu, mma_codes.cuh).  CuPy: skipped without a GPU.
 
 Each call is held against two references, with bounds stated here:
 
 * the float64 oracle on the values the cache holds (its codes times its scales, ``k_hat``,
-  ``v_hat``) and the NumPy paged decode of the same cache.  v4's products of codes are exact
+  ``v_hat``) and the NumPy paged decode of the same cache.  v5's products of codes are exact
   (float16 x float16 into float32); what differs is P rounded to float16 after s_V / sigma is
   folded in -- at most 2^-11 P + 2^-25 a weight, so (2^-11 + 2 n 2^-25) max|V| a row over n keys
   (sigma times the largest code is below twice its block's largest value) --, the order of
@@ -29,7 +29,7 @@ import pytest
 import iokernels as ik
 from iokernels import gpu, reference, testing
 
-from iokernels.cupy_raw.decode import v4_quant_rounding_bound
+from iokernels.cupy_raw.decode import v5_rounding_bound
 
 dec = importlib.import_module("iokernels.decode")
 #: float32 ulps (of max|V| or max|LSE|) two decodes of the same codes may differ by (orders of sums)
@@ -63,7 +63,7 @@ def _lens_per_row(lens, hq, window):
     return np.repeat(seen[:, None], hq, axis=1)
 
 
-def check_v4_quant(q, k, v, lens, cache, sids, k_hat, v_hat, dtype, label, cfg, scale=None):
+def check_v5(q, k, v, lens, cache, sids, k_hat, v_hat, dtype, label, cfg, scale=None):
     """Every split count and window of one case; returns the printed lines (one a call)."""
     lines = []
     hq = q.shape[1]
@@ -75,7 +75,7 @@ def check_v4_quant(q, k, v, lens, cache, sids, k_hat, v_hat, dtype, label, cfg, 
         ob, lb = dec.perturbed_decode_error_bound(q, k, v, k_hat, v_hat, seq_lens=lens, window=window, scale=scale)
         n = _lens_per_row(lens, hq, window)
         fin = np.isfinite(rl)
-        p_bound = v4_quant_rounding_bound(vmax, n)                          # (B, Hq)
+        p_bound = v5_rounding_bound(vmax, n)                          # (B, Hq)
         same = agree + OUT_ULP[dtype] * np.abs(ro).max(axis=-1) + p_bound
         for ns in SPLITS:
             name = f"{label} window={window} num_splits={ns}"
@@ -106,13 +106,13 @@ def check_v4_quant(q, k, v, lens, cache, sids, k_hat, v_hat, dtype, label, cfg, 
 
 @cupy_ok
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}-d{c[3]}-g{c[4] // c[5]}-bs{c[7]}" for c in CASES])
-def test_cupy_v4_quantized_paged_decode(rng, case):
+def test_cupy_v5_quantized_paged_decode(rng, case):
     from iokernels import cupy_raw
     dtype, kv, gran, d, hq, hkv, N, bs, kw = case
     q, k, v, lens, cache, sids, k_hat, v_hat = testing.make_paged_decode_inputs(rng, 4, hq, hkv, N, d, dtype, kv,
                                                                                  gran, bs)
-    cfg = cupy_raw.DecodeConfig("v4", **kw)
-    check_v4_quant(q, k, v, lens, cache, sids, k_hat, v_hat, dtype, f"v4 {dtype} {kv} {gran} d={d} g={hq // hkv} "
+    cfg = cupy_raw.DecodeConfig("v5", **kw)
+    check_v5(q, k, v, lens, cache, sids, k_hat, v_hat, dtype, f"v5 {dtype} {kv} {gran} d={d} g={hq // hkv} "
                    f"bs={bs} {kw}", cfg)
 
 
@@ -133,17 +133,17 @@ def make_wide_scale_inputs(rng, dtype, kv, gran, span, d=128, hq=16, hkv=4, N=16
 @cupy_ok
 @pytest.mark.parametrize("dtype,kv,span", [("float16", "float8_e4m3fn", 12), ("bfloat16", "int8", 24),
                                            ("bfloat16", "float8_e4m3fn", 24)])
-def test_cupy_v4_quantized_scales_spanning_many_powers_of_two(rng, dtype, kv, span):
+def test_cupy_v5_quantized_scales_spanning_many_powers_of_two(rng, dtype, kv, span):
     """V blocks 2^-span .. 2^span apart: P' = P s_V / sigma stays in float16's range (sigma the
     largest s_V seen, O rescaled when it grows); a block far below sigma is lost only to the
     bound's subnormal term."""
     from iokernels import cupy_raw
     inputs = make_wide_scale_inputs(rng, dtype, kv, "block_head", span)
-    check_v4_quant(*inputs, dtype, f"v4 {dtype} {kv} scales 2^+-{span}", cupy_raw.DecodeConfig("v4"))
+    check_v5(*inputs, dtype, f"v5 {dtype} {kv} scales 2^+-{span}", cupy_raw.DecodeConfig("v5"))
 
 
 @cupy_ok
-def test_cupy_v4_quantized_tiny_bfloat16_query_keeps_its_bits(rng):
+def test_cupy_v5_quantized_tiny_bfloat16_query_keeps_its_bits(rng):
     """A bfloat16 query 2^-20 times smaller (scale 2^20 times larger): without its power-of-two
     row scale its float16 copy would be subnormal or zero; with it the scores are exact."""
     from iokernels import cupy_raw
@@ -151,22 +151,22 @@ def test_cupy_v4_quantized_tiny_bfloat16_query_keeps_its_bits(rng):
                                                                                  "float8_e4m3fn", "block_head")
     q = (q.astype(np.float64) * 2.0 ** -20).astype(q.dtype)                    # exact: a power of two
     scale = 2.0 ** 20 / np.sqrt(128)
-    check_v4_quant(q, k, v, lens, cache, sids, k_hat, v_hat, "bfloat16", "v4 bf16 query 2^-20", cupy_raw.DecodeConfig("v4"),
+    check_v5(q, k, v, lens, cache, sids, k_hat, v_hat, "bfloat16", "v5 bf16 query 2^-20", cupy_raw.DecodeConfig("v5"),
                    scale=scale)
 
 
 @cupy_ok
-def test_cupy_default_reads_a_quantized_cache_with_v4(rng):
-    """The registry's default for a quantized paged cache on compute capability 8.0+ is v4 (it
-    ranks above v3); head dims v4's quantized path has no swizzle for go to v3, by name."""
+def test_cupy_default_reads_a_quantized_cache_with_v5(rng):
+    """The registry's default for a quantized paged cache on compute capability 8.0+ is v5 (it
+    ranks above v3); head dims v5 has no swizzle for go to v3, and v5 refuses them by name."""
     from iokernels import cupy_raw
     from iokernels.cupy_raw.launch import device_info
     if device_info()["cc"] < 80:
-        pytest.skip("v4 needs compute capability 8.0")
-    for kv, d, want in (("int8", 128, "v4"), ("float8_e4m3fn", 64, "v4"), ("int8", 96, "v3")):
+        pytest.skip("v5 needs compute capability 8.0")
+    for kv, d, want in (("int8", 128, "v5"), ("float8_e4m3fn", 64, "v5"), ("int8", 96, "v3")):
         q, _, _, _, cache, sids, _, _ = testing.make_paged_decode_inputs(rng, 2, 8, 2, 40, d, "float16", kv)
         kernel, _ = cupy_raw.REGISTRY.resolve("paged_decode", None, cupy_raw.need("paged_decode", q=q, cache=cache))
         assert kernel.version == want, (kv, d, kernel.version)
         if want == "v3":
             with pytest.raises(ValueError, match="kv_dtype"):
-                ik.paged_decode(q, cache, sids, backend="cupy", config=cupy_raw.DecodeConfig("v4"))
+                ik.paged_decode(q, cache, sids, backend="cupy", config=cupy_raw.DecodeConfig("v5"))
