@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import api
+from . import api
 from .core import conventions as cv
 
 

@@ -347,7 +347,7 @@ def _rows(x, ranges, axis=2):
 def _block_forward(q, kv, calls, scale, backend, config, stats):
     """O_b, LSE_b (accumulator dtype) of the rank's queries against one K/V block."""
     import torch
-    from .core.api import attention
+    from .api import attention
     acc = _acc_torch(q.dtype)
     B, Hq, nq, d = q.shape
     o_b = torch.zeros((B, Hq, nq, d), dtype=acc, device=q.device)
@@ -442,7 +442,7 @@ def _torch_backward_for(q) -> bool:
 def _block_backward(do, q, o, lse, kv, calls, scale, backend, config, stats):
     """dQ (rank's rows) and dK_c, dV_c (packed, accumulator dtype) of one block."""
     import torch
-    from .core.api import attention_backward
+    from .api import attention_backward
     acc = _acc_torch(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)

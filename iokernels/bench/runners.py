@@ -70,7 +70,7 @@ def _visible_pairs(nq, nk, causal) -> int:
 
 def _resolve_backend(backend, op):
     """The backend function for (backend, op), or Unavailable with the reason."""
-    from ..core import api
+    from .. import api
     if backend == "numba":
         from ..core.gpu import simulator_enabled
         if simulator_enabled():
@@ -91,7 +91,7 @@ def registry_versions(backend, op, **need_args) -> list:
     """
     import importlib
 
-    from ..core import api
+    from .. import api
     try:
         _resolve_backend(backend, "attention")              # refuses the Numba simulator
         mod = importlib.import_module(api.GPU_BACKENDS[backend])
@@ -293,7 +293,7 @@ def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, targ
                          "status": f"skipped: {flops:.3g} FLOP > {numpy_max_flops:.3g} (too slow on a CPU)"})
             continue
         hq, hk, hv = (x.detach().cpu().numpy() for x in (q, k, v))
-        from ..core import api
+        from .. import api
         f = api._resolve(backend, "attention")
         rows.append(_measure(name, "numpy", lambda f=f: f(hq, hk, hv, causal=causal, scale=scale,
                                                           window=(-1, -1), config=None),
@@ -548,7 +548,7 @@ def _numpy_only_cases(spec, seed):
                 q, k, v = make_inputs(rng, batch=B, heads_q=H, seqlen_q=N, head_dim=d, dtype=dtype)
                 rows = []
                 for backend in ("naive", "tiled"):
-                    from ..core import api
+                    from .. import api
                     f = api._resolve(backend, "attention")
                     rows.append(_measure(f"numpy {backend}", "numpy",
                                          lambda f=f: f(q, k, v, causal=causal, scale=1 / np.sqrt(d),
