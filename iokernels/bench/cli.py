@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from .environment import environment, label
-from .runners import (Unavailable, backward_cases, decode_cases, gather_cases, mla_cases,  # noqa: F401
+from .runners import (Unavailable, backward_cases, decode_cases, gather_cases,  # noqa: F401
                       prefill_cases, quant_decode_cases, _numpy_only_cases)
+from .runners_mla import mla_cases
 from .specs import (BACKWARD, BACKWARD_FP32, DECODE_QUANT, DECODE_SWEEP, GATHER_SIZES, MLA,
                     PREFILL_COMPARE, PREFILL_SWEEP, QUICK, SECTIONS, TARGET_MS_PER_RUNNER)
 from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
@@ -146,7 +147,8 @@ def table(record) -> str:
     lines.append("ms: median of CUDA-event timings, L2 flushed between runs.  rate: TFLOP/s (prefill, "
                  "visible pairs only) or TB/s (decode: K+V bytes read; gather: read+write).  "
                  "MiB+: device memory above the inputs during one call.  vs best: best SDPA time / this "
-                 "time (1 = as fast as the best SDPA kernel; gather rows: vs the device copy; mla rows: vs torch:matmul, "
+                 "time (1 = as fast as the best SDPA kernel; gather rows: vs the device copy; mla rows: "
+                 "vs torch:matmul, "
                  "and the fraction of the roofline bound max(FLOPs / matmul peak, cache bytes / bandwidth)).")
     return "\n".join(lines)
 

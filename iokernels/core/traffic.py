@@ -113,12 +113,12 @@ class HBM:
     reaching it is visibly deliberate, and the labs' grader refuses code that does.
     """
 
-    __slots__ = ("_HBM__store", "name", "_output")
+    __slots__ = ("__store", "name", "_output")       # "__store" is stored as _HBM__store
 
     def __init__(self, data: np.ndarray, name: str, *, output: bool = False):
         if isinstance(data, HBM):
             raise TypeError(f"{name}: already an HBM array ({data.name})")
-        self.__store = np.asarray(data)
+        self.__store: np.ndarray | None = np.asarray(data)
         self.name = name
         self._output = bool(output)
 
