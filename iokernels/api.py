@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-
 from . import backward, naive, tiled, torch_sdpa
 from . import decode as _decode
 from .core import api as _core

@@ -43,11 +43,14 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import api, paged_inputs
+from .. import torch_sdpa as ts
 from ..core import conventions as cv
 from ..core import reference, testing
 from ..core.config import TileConfig
 from ..core.gpu import has_gpu, simulator_enabled
 from ..core.registry import OPS
+from ..mla import reference_latent
+from ..torch_sdpa import _to_torch, mla_decode_matmul
 from .timer import release_device_cache, time_cpu, time_cuda
 
 #: shape keys and what they mean (Hkv defaults to Hq, Nq to N; dc, dr: MLA's latent and rope widths)
@@ -179,7 +182,6 @@ def make_problem(op: str, shape: dict, dtype: str, *, causal: bool = False, kv_d
         return Problem(op, dtype, shape, False, (q, cache, sids), dict(return_lse=True), dict(o=ro, lse=rl),
                        base, contiguous=(q[:, :, None], k, v), work=kv_bytes, unit="TB/s")
     # mla_decode: q (B, Hq, dc + dr) over a latent cache (B, N, dc + dr)
-    from ..mla import reference_latent
     dc, row = shape["dc"], shape["dc"] + shape["dr"]
     dt = testing.numpy_dtype(dtype)
     q = rng.standard_normal((B, Hq, row)).astype(dt)
@@ -194,7 +196,6 @@ def _on_device(x):
     """A NumPy array as a torch CUDA tensor (bfloat16 bit-exact); anything else unchanged."""
     if not isinstance(x, np.ndarray):
         return x
-    from ..torch_sdpa import _to_torch
     return _to_torch(x).cuda()
 
 
@@ -235,7 +236,6 @@ def public_call(p: Problem, backend: str, config, device: bool) -> Callable[[], 
 def _sdpa_call(p: Problem, kernel: str) -> Callable[[], Any]:
     import torch
 
-    from .. import torch_sdpa as ts
     if p.op not in ("attention", "decode", "paged_decode"):
         raise ValueError(f"against: sdpa runs attention and decode, not {p.op}")
     q, k, v = (_on_device(x) for x in p.contiguous)
@@ -259,7 +259,6 @@ def runner(spec: str, p: Problem, device: bool) -> Callable[[], Any]:
     if spec == "torch:matmul":
         if p.op != "mla_decode":
             raise ValueError("against: torch:matmul is MLA's baseline (op mla_decode)")
-        from ..torch_sdpa import mla_decode_matmul
         q, kv = (_on_device(x) for x in p.args)
         return lambda: mla_decode_matmul(q, kv, latent_dim=p.shape["dc"])
     cv.check_choice(head, "against (backend)", api.BACKENDS)

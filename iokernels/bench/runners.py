@@ -9,14 +9,22 @@ registries (:mod:`iokernels.core.registry`): one row per registered version, nam
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import numpy as np
 
 import iokernels as ik
 
-from .. import api
+from .. import api, autograd
+from .. import torch_sdpa as ts
+from ..core.conventions import key_range
+from ..core.gpu import simulator_enabled
+from ..core.testing import make_inputs
+from ..paged import MIN_SCALE, QUANT_FORMATS
 from .specs import CHECK_TOL, NUMPY_MAX_FLOPS, PAGED_BLOCK, SDPA_NAMES, SLOW_CALL_MS, TARGET_MS_PER_RUNNER
-from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, _Device, host_ms, peak_memory,
-                    release_device_cache, time_cpu, time_cuda)
+from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, _Device, host_ms, peak_memory, release_device_cache,
+                    time_cpu, time_cuda)
 
 
 class Unavailable(Exception):
@@ -64,7 +72,6 @@ def _torch_dtype(name):
 
 
 def _visible_pairs(nq, nk, causal) -> int:
-    from ..core.conventions import key_range
     lo, hi = key_range(np.arange(nq), nq, nk, causal, None)
     return int(np.sum(hi - lo))
 
@@ -72,7 +79,6 @@ def _visible_pairs(nq, nk, causal) -> int:
 def _resolve_backend(backend, op):
     """The backend function for (backend, op), or Unavailable with the reason."""
     if backend == "numba":
-        from ..core.gpu import simulator_enabled
         if simulator_enabled():
             raise Unavailable("NUMBA_ENABLE_CUDASIM is set: the Numba kernels would run on the "
                               "CPU simulator, not the GPU")
@@ -89,7 +95,6 @@ def registry_versions(backend, op, **need_args) -> list:
     the public function picks for these inputs.  A backend that cannot be imported gives one
     row whose config is the Unavailable reason.
     """
-    import importlib
 
     try:
         _resolve_backend(backend, "attention")              # refuses the Numba simulator
@@ -193,7 +198,6 @@ def _finish_case(case: dict) -> dict:
 
 # --------------------------------------------------------------------------- sections
 def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa, target_ms=None):
-    from .. import torch_sdpa as ts
     import torch
     F = torch.nn.functional
     rows = []
@@ -224,7 +228,6 @@ def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa, ta
 
 def _reference(q, k, v, causal, is_decode, gqa):
     """SDPA's output from the first kernel that runs (cudnn, flash, efficient, math)."""
-    from .. import torch_sdpa as ts
     import torch
     for name in ("cudnn", "flash", "efficient", "math"):
         try:
@@ -275,7 +278,6 @@ def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section
 
 
 def _prefill_rows(case, seed, progress, numpy_max_flops, target_ms):
-    from .. import torch_sdpa as ts
     dtype, causal, flops = case["dtype"], case["causal"], case["work"]["flops"]
     q, k, v = _prefill_inputs(case, seed, 3)
     ref = _reference(q, k, v, causal, False, False)
@@ -346,7 +348,6 @@ def device_pages(k, v, seed=0, block_size=PAGED_BLOCK, scattered=True):
 
 
 def _gpu_module(backend):
-    import importlib
     if backend == "numba":
         _resolve_backend("numba", "attention")             # refuses the simulator
     mod = "iokernels.numba_cuda" if backend == "numba" else "iokernels.cupy_raw"
@@ -431,7 +432,6 @@ def device_quant_pages(k_pool, v_pool, kv_dtype):
     to the format.  Returns (k_codes, v_codes, k_scale, v_scale): uint8 views of the codes
     (num_blocks, block_size, Hkv, d) and float32 scales (num_blocks, Hkv)."""
     import torch
-    from ..paged import MIN_SCALE, QUANT_FORMATS
     qmax = QUANT_FORMATS[kv_dtype]
     out = []
     for pool in (k_pool, v_pool):
@@ -454,6 +454,7 @@ def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
     next to the 16-bit paged decode of the same values (numba's default version; cupy's
     ``spec["cupy_versions"]``, None: its default)."""
     import torch
+
     from ..cupy_raw.config import DecodeConfig as CupyDecodeConfig
     cases = []
     Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
@@ -556,7 +557,6 @@ def gather_cases(spec, seed, progress, section="gather", target_ms=None):
 
 def _numpy_only_cases(spec, seed):
     """Without a GPU: the NumPy rows of the (quick) prefill shapes, so the harness still runs."""
-    from ..core.testing import make_inputs
     cases = []
     rng = np.random.default_rng(seed)
     for case in _prefill_grid(spec, "cpu", None, 4.0):
@@ -603,8 +603,6 @@ def backward_cases(spec, seed, progress, section="backward", target_ms=None):
 
 
 def _backward_rows(case, seed, progress, target_ms):
-    from .. import autograd
-    from .. import torch_sdpa as ts
     dtype, causal, flops = case["dtype"], case["causal"], case["work"]["flops"]
     q, k, v, do = _prefill_inputs(case, seed, 4)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -639,8 +637,6 @@ def _sdpa_step(ts, step, name, causal):
 def _determinism_rows(backend, q, k, v, do, causal, dtype, target_ms):
     """Backward alone, atomic and deterministic, for each registered version with a
     ``deterministic`` setting: time, and dQ's differing elements between two runs."""
-    import dataclasses
-    import iokernels as ik
     rows = []
     o = lse = None
     for name, cfg, _ in registry_versions(backend, "attention_backward", q=q, k=k, v=v):

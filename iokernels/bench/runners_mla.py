@@ -4,15 +4,16 @@ Split from :mod:`iokernels.bench.runners` (the measuring helpers live there).
 """
 from __future__ import annotations
 
+from .. import torch_sdpa as ts
+from ..core import roofline as rl
 from .runners import _first_line, _gpu_module, _gpu_rows, _measure, _torch_dtype
+from .specs import MLA_ROOFLINE_GPU
 from .timer import release_device_cache
 
 
 def mla_roofline(flops: float, cache_bytes: float, gpu=None) -> dict:
     """The time bound of one MLA decode call on the roofline: the first of MLA_ROOFLINE_GPU in the
     roofline table (the measured ceilings when recorded), or ``gpu``.  dict(gpu, bound_ms, bound)."""
-    from ..core import roofline as rl
-    from .specs import MLA_ROOFLINE_GPU
     table = {**rl.GPUS, **rl.MEASURED}
     name = gpu or next(n for n in MLA_ROOFLINE_GPU if n in table)
     tb = rl.time_bounds(flops, cache_bytes, name, "bf16")
@@ -33,7 +34,6 @@ def mla_cases(spec, seed, progress, section="mla", target_ms=None):
     torch formulations (:func:`iokernels.torch_sdpa.mla_decode_matmul`, :func:`mla_decode_sdpa`)
     on the same inputs.  Work: FLOPs 2 B Hq N (row + latent); bytes: the cache, read once."""
     import torch
-    from .. import torch_sdpa as ts
     cases = []
     Hq, dc, dr = spec["heads_q"], spec["latent_dim"], spec["rope_dim"]
     row_w = dc + dr

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import conventions as cv
+from .testing import numpy_dtype
 
 KINDS = ("numpy", "torch", "cupy", "numba")
 
 
 def _numpy_dtype(name):
-    from .testing import numpy_dtype
     return numpy_dtype(name)
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import conventions as cv
+from . import reference
+from .reference import _f64
 
 #: float64 runs must match the float64 oracle to about this (scaled by max(1, max|ref|)).
 FLOAT64_TOL = 1e-12
@@ -30,7 +32,6 @@ LOW_PRECISION_ATOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-6}
 
 def as_numpy(x) -> np.ndarray:
     """Any array (NumPy, CuPy, Numba device, torch incl. bfloat16) as a float64 NumPy array."""
-    from .reference import _f64
     return _f64(x)
 
 
@@ -93,7 +94,6 @@ def oracle_by_head(do, q, k, v, causal=False, window=None):
     head's N_q x N_k matrices at a time keeps large N (4096 and up) in memory.  dK, dV are
     summed over each GQA group.
     """
-    from . import reference
     do, q, k, v = (as_numpy(x) for x in (do, q, k, v))
     B, Hq, Nq, d = q.shape
     Hkv = k.shape[1]
