@@ -4,7 +4,7 @@ A backend (:mod:`iokernels.numba_cuda`, :mod:`iokernels.cupy_raw`) owns one
 :class:`Registry`.  Each entry is a :class:`Kernel`: the launcher that runs that version,
 the config class it takes, one line saying what the version adds, and a check that says
 whether it can run here (dtype, head dim, compute capability, contiguity) and, if not,
-why.  The public functions (:mod:`iokernels.api`) dispatch through it; the benchmark,
+why.  The public functions (:mod:`iokernels.core.api`) dispatch through it; the benchmark,
 the sanitizer cases, the GPU tests and the conformance suite iterate it instead of
 repeating lists of versions.
 
