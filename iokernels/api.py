@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from . import backward, naive, tiled, torch_sdpa
+from . import backward, naive, paged, tiled, torch_sdpa
 from . import decode as _decode
 from .core import api as _core
 from .core import conventions as cv
+from .core import traffic as _traffic
 from .core.api import BACKENDS, GPU_BACKENDS, NUMPY_BACKENDS, QUANT_DECODE_BACKENDS, registry_of
 from .paged import PagedKVCache
 
@@ -40,6 +41,15 @@ _DISPATCH: dict[tuple[str, str], Callable[..., Any]] = {
     ("torch", "decode"): torch_sdpa.decode,
     ("tiled", "paged_decode"): _decode.paged_decode_split_kv,
 }
+
+
+# Each kernel module's closed-form traffic, by the kind ik.traffic.model takes.
+_traffic.register_models(
+    naive=naive.traffic_model, naive_backward=backward.traffic_model_naive,
+    fa1=tiled.traffic_model_fa1, fa2=tiled.traffic_model_fa2,
+    fa2_backward=backward.traffic_model_tiled, gpu_backward=backward.traffic_model_gpu,
+    decode=_decode.traffic_model, paged_decode=_decode.traffic_model_paged,
+    paged_gather=paged.traffic_model_gather)
 
 
 def _implements(backend: str, op: str) -> bool:

@@ -7,11 +7,13 @@
 - no module in iokernels/ is over MAX_LINES lines.
 
 Imports are parsed with :mod:`ast` (``import``, ``from ... import``, and
-``importlib.import_module`` with a literal name), so nothing is imported to find them.
+``importlib.import_module`` with a literal name), so nothing is imported to find them; the
+core may not name a lesson module in a string either (a table of names to import later).
 """
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -116,6 +118,23 @@ def test_core_imports_no_lesson():
 
 def _known(mod: str, target: str) -> bool:
     return any(mod == m and (target == p or target.startswith(p + ".")) for m, p in KNOWN_LESSON_IMPORTS)
+
+
+_MODULE_STRING = re.compile(r"iokernels\.[A-Za-z_][\w.]*(:\w+)?")
+
+
+def test_core_names_no_lesson_for_a_dynamic_import():
+    """No table of "iokernels.<lesson>[:function]" strings in the core either (an import by name)."""
+    bad = []
+    for mod, path in MODULES.items():
+        if not mod.startswith("iokernels.core"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.fullmatch(node.value):
+                target = _target(node.value.split(":")[0])
+                if target and _is_lesson(target):
+                    bad.append((mod, node.value))
+    assert not bad, f"the core names lesson modules to import: {bad}"
 
 
 def test_lessons_import_no_plotting_bench_labs_or_gpu_backend():
