@@ -124,3 +124,25 @@ def test_command_line_entry(capsys):
     assert main(["dev", "decode", "--backend", "naive", "--dtype", "float32", "--shape", "B=1,Hq=2,N=9,d=4",
                  "--no-timing"]) == 0
     assert "check naive o:" in capsys.readouterr().out
+
+
+def _numba_versions():
+    from iokernels.numba_cuda import REGISTRY
+    return [(k.op, k.version) for k in REGISTRY]
+
+
+@pytest.mark.parametrize("op, version", _numba_versions())
+def test_every_registered_numba_version_checks_on_the_simulator(op, version):
+    """The tool iterates the registry generically: each (op, version) at a tiny GQA shape, float32."""
+    shape = "B=2,Hq=4,Hkv=2,N=24,Nq=9,d=16" if op.startswith("attention") else "B=2,Hq=4,Hkv=2,N=24,d=16"
+    rec = dev.run(op, backend="numba", version=version, shape=shape, dtype="float32", timing=False,
+                  out=lambda s: None)
+    assert rec["ok"], rec["checks"]
+    assert rec["config"]["version"] == version and len(rec["checks"]) == len(dev._names(op))
+
+
+def test_mla_is_a_cupy_op():
+    p = dev.make_problem("mla_decode", dev.parse_shape("B=1,Hq=2,N=8,dc=16,dr=4"), "float32")
+    assert p.refs["o"].shape == (1, 2, 16) and p.refs["lse"].shape == (1, 2)
+    with pytest.raises(ValueError, match="mla_decode is a CuPy kernel"):
+        dev.public_call(p, "tiled", None, device=False)
