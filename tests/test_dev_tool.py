@@ -146,3 +146,15 @@ def test_mla_is_a_cupy_op():
     assert p.refs["o"].shape == (1, 2, 16) and p.refs["lse"].shape == (1, 2)
     with pytest.raises(ValueError, match="mla_decode is a CuPy kernel"):
         dev.public_call(p, "tiled", None, device=False)
+
+
+@pytest.mark.parametrize("op, kv", [("paged_decode", None), ("paged_decode", "int8"), ("paged_gather", None)])
+def test_paged_ops_over_pools_match_the_public_call(op, kv, monkeypatch):
+    """On a GPU the tool times the paged ops over pools moved once (the pools path of the backend);
+    that path checks the same as the public call (here both run on the simulator)."""
+    monkeypatch.setattr(dev, "_on_device", lambda x: x)           # no torch CUDA here: arrays stay put
+    p = dev.make_problem(op, dev.parse_shape("B=2,Hq=4,Hkv=2,N=20,d=16"), "float32", kv_dtype=kv)
+    pools = dev._paged_on_device(p, "numba", None)()
+    public = dev.public_call(p, "numba", None, device=False)()
+    assert all(dev.check(p, pools)) and all(dev.check(p, public))
+    np.testing.assert_allclose(dev.testing.as_numpy(pools[0]), dev.testing.as_numpy(public[0]), rtol=1e-6, atol=1e-6)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import statistics
 import sys
@@ -219,8 +220,36 @@ def config_for(backend: str, op: str, version: str | None, overrides: dict):
     return None
 
 
+def _device_pools(cache):
+    """A paged cache's pools (1-byte codes as uint8) and scales as torch CUDA tensors, moved once."""
+    pools = [np.asarray(x).view(np.uint8) if cache.quantized else x for x in (cache.k_pool, cache.v_pool)]
+    quant = None
+    if cache.quantized:
+        quant = dict(kv=cache.kv_dtype, k_scale=_on_device(cache.k_scale), v_scale=_on_device(cache.v_scale))
+    return _on_device(pools[0]), _on_device(pools[1]), quant
+
+
+def _paged_on_device(p: Problem, backend: str, config) -> Callable[[], Any]:
+    """Paged decode / gather on a GPU over pools moved to the device once: the public call would
+    hand the backend the cache's NumPy pools, which it copies in at every call."""
+    module = importlib.import_module(api.GPU_BACKENDS[backend])
+    if p.op == "paged_gather":
+        cache, sid = p.args
+        kp, vp, _ = _device_pools(cache)
+        table = np.asarray(cache.block_table(sid), dtype=np.int32)
+        n = int(cache.seq_len(sid))
+        return lambda: module.gather_pools(kp, vp, table, n, config=config)
+    q, cache, sids = p.args
+    qd = _on_device(q)
+    kp, vp, quant = _device_pools(cache)
+    tables, lens = cache.block_tables_array(list(sids))
+    return lambda: module.paged_decode_pools(qd, kp, vp, tables, lens, config=config, quant=quant)
+
+
 def public_call(p: Problem, backend: str, config, device: bool) -> Callable[[], Any]:
     """The public function of ``p.op`` on ``backend`` as a no-argument call (inputs moved once)."""
+    if device and backend in api.GPU_BACKENDS and p.op in ("paged_decode", "paged_gather"):
+        return _paged_on_device(p, backend, config)
     args = tuple(_on_device(a) for a in p.args) if device and backend in ("numba", "cupy", "torch") else p.args
     if p.op == "mla_decode":
         if backend != "cupy":
