@@ -5,6 +5,7 @@
 #   bash dev.sh tour      the progression on a small problem; figures -> figures/   (README step 1)
 #   bash dev.sh test      the whole test suite, notebooks and browser test included, on two
 #                         cores (pytest-xdist)                                       (README step 2)
+#   bash dev.sh lint      ruff check (lint) and mypy (types of the core and the public API)
 #   bash dev.sh figures   regenerate figures/ from fixed seeds
 #   bash dev.sh lab       JupyterLab on the notebooks (simulator on without a GPU, no news pop-up)
 #   bash dev.sh strip     strip outputs from every notebook, in place (before committing one)
@@ -101,5 +102,7 @@ for path in paths:
         print(f"stripped {path}")
 PY
              ;;
-    *) echo "usage: bash dev.sh {tour|test|figures|lab|strip|setup} [args...]" >&2; exit 2 ;;
+    lint)    setup   # ruff (pyproject.toml [tool.ruff]) over the tree, mypy (its [tool.mypy] files)
+             "$VENV/bin/python" -m ruff check . && exec "$VENV/bin/python" -m mypy "$@" ;;
+    *) echo "usage: bash dev.sh {tour|test|lint|figures|lab|strip|setup} [args...]" >&2; exit 2 ;;
 esac

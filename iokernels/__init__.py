@@ -34,11 +34,10 @@ from __future__ import annotations
 import importlib
 
 from .core import conventions, reference, testing, traffic
-# The submodule iokernels.decode is imported here, before the function of the same name:
-# importing a submodule for the first time sets it as a package attribute, which would
-# otherwise replace ik.decode (the function) by the module on the first decode call.
-from . import decode as _decode_module  # noqa: F401,E402
-from .core.api import (BACKENDS, attention, attention_backward, attention_varlen, decode, merge_states,
+# iokernels.api imports the submodule iokernels.decode before the function of the same name
+# is bound here: importing a submodule sets it as a package attribute, and binding the
+# function afterwards keeps ik.decode the function.
+from .api import (BACKENDS, attention, attention_backward, attention_varlen, decode, merge_states,
                   paged_decode)
 from .core.config import TileConfig
 
@@ -51,7 +50,7 @@ _LAZY = {
     "recorded": ("iokernels.core.recorded", None),
     "gpu": ("iokernels.core.gpu", None),
     "config": ("iokernels.core.config", None),
-    "api": ("iokernels.core.api", None),
+    "api": ("iokernels.api", None),
     "naive": ("iokernels.naive", None),
     "tiled": ("iokernels.tiled", None),
     "online_softmax": ("iokernels.online_softmax", None),

@@ -1,10 +1,12 @@
-"""The command line: ``python -m iokernels {tour,figures,bench,ring,labs}``.
+"""The command line: ``python -m iokernels {tour,figures,bench,dev,ring,labs}``.
 
 tour      run the progression on a small embedded problem and print, per step and backend,
           the error against the float64 oracle, counted and modelled HBM bytes, and time;
           writes the figures to figures/ (see :mod:`iokernels.tour`)
 figures   regenerate figures/ from fixed seeds (see :mod:`iokernels.viz.figures`)
 bench     the side-by-side GPU benchmark (see :mod:`iokernels.bench`)
+dev       check one op, version and shape against the float64 oracle and time it next to torch
+          (see :mod:`iokernels.bench.dev`)
 ring      ring attention on W local processes over torch.distributed, checked against the
           float64 oracle, bytes per rank counted and modelled (see :mod:`iokernels.ring_launch`)
 labs      lab notebooks: ``labs student OUTDIR`` writes learner copies, ``labs grade PATH``
@@ -67,6 +69,13 @@ def main(argv=None) -> int:
 
     sub.add_parser("bench", help="the GPU benchmark (options: python -m iokernels bench --help)",
                    add_help=False)
+
+    sub.add_parser("dev", help="check and time one op/version/shape (options: python -m iokernels dev --help)",
+                   add_help=False)
+    if argv and argv[0] == "dev":       # the development tool parses its own options
+        _prepare_environment()
+        from .bench import dev
+        return int(dev.main(argv[1:]))
 
     sub.add_parser("ring", help="ring attention over W processes (options: python -m iokernels ring --help)",
                    add_help=False)

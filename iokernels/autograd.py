@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import api
+from . import api
 from .core import conventions as cv
+from .core.testing import numpy_dtype
 
 
 def _torch():
@@ -37,7 +38,6 @@ def _to_backend(t, backend):
         x = t.detach().cpu().contiguous()
         torch = _torch()
         if x.dtype == torch.bfloat16:
-            from .core.testing import numpy_dtype
             return x.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
         return x.numpy()
     return t.detach()

@@ -73,6 +73,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .core import conventions as cv
+from .core.api import GPU_BACKENDS, gpu_gather
 from .core.traffic import HBM, Traffic
 
 __all__ = ["PagedKVCache", "OutOfBlocks", "DEFAULT_BLOCK_SIZE", "paged_gather", "check_block_table",
@@ -517,10 +518,15 @@ class PagedKVCache:
         returns (K, None).
 
         backend "numpy" (counted HBM traffic), or "numba" / "cupy" (their gather kernels,
-        the version chosen by ``config`` like every GPU op: :func:`iokernels.core.api.paged_gather`).
+        the version chosen by ``config`` like every GPU op: :func:`iokernels.core.api.gpu_gather`).
         """
-        from .core.api import paged_gather as _dispatch
-        return _dispatch(self, sid, backend=backend, config=config)
+        sid = self._check_sid(sid)
+        cv.check_choice(backend, "backend", ("numpy", "tiled") + tuple(GPU_BACKENDS))
+        if backend in GPU_BACKENDS:
+            return gpu_gather(self, sid, backend, config)
+        if config is not None:
+            raise ValueError(f"config: the NumPy gather has no config, got {type(config).__name__}")
+        return self._gather_numpy(sid)
 
     def _gather_numpy(self, sid):
         """The NumPy gather (counted); what the dispatch runs for backend "numpy"."""

@@ -166,7 +166,7 @@ def check_results(case, world_size, shards):
     base = {}
     low = case["dtype"] != "float64"
     if low:
-        from .core.api import attention, attention_backward
+        from .api import attention, attention_backward
         bo, bl = attention(q, k, v, causal=case["causal"], backend="naive", return_lse=True)
         base.update(o=bo, lse=bl)
     backward = "dq" in shards[0]

@@ -9,7 +9,8 @@ the same clock on every SM) when the block starts, when warp 0's first K/V tile 
 before the partial's write and the fused combine (decode_common.cuh's decode_finish), and
 at the block's end; lane 0 of every warp stores it when the warp's key loop is done.  Each
 repetition flushes L2 (as iokernels.bench.time_cuda does; ``--no-flush``: it does not, and
-the previous launch's K and V partly sit in L2) and launches once at the default settings (GQA 32/8, head_dim 128); printed per shape, medians over the repetitions, in us
+the previous launch's K and V partly sit in L2) and launches once at the default settings
+(GQA 32/8, head_dim 128); printed per shape, medians over the repetitions, in us
 from the first block's start:
 
     span          the last block's end
@@ -52,12 +53,14 @@ FINISH = ("    decode_finish(red_m, red_l, red_o, red_o, split, b, hk, heads_q, 
 EDITS = (
     (ENTRY, f"__device__ unsigned long long ik_stamps[{MAX_BLOCKS * SLOTS}];\n" + CLOCK + ENTRY),
     (BLOCK_IDS, BLOCK_IDS
-     + f"    unsigned long long* ik_my = ik_stamps + {SLOTS}ull * ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);\n"
+     + f"    unsigned long long* ik_my = ik_stamps + {SLOTS}ull"
+     " * ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);\n"
      "    if (threadIdx.x == 0) {\n"
      "        unsigned smid; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
      "        ik_my[0] = ik_clock(); ik_my[12] = smid;\n"
      "    }\n"),
-    (FIRST_TILE, FIRST_TILE.replace("#if KV_QUANT", "        if (j == 0 && threadIdx.x == 0) ik_my[1] = ik_clock();\n#if KV_QUANT")),
+    (FIRST_TILE, FIRST_TILE.replace("#if KV_QUANT",
+                                    "        if (j == 0 && threadIdx.x == 0) ik_my[1] = ik_clock();\n#if KV_QUANT")),
     (LOOP_END, LOOP_END + "    if (lane == 0) ik_my[2 + warp % 8] = ik_clock();\n"),
     (FINISH, "    if (threadIdx.x == 0) ik_my[10] = ik_clock();\n" + FINISH[:-1]
      + "    __syncthreads();\n    if (threadIdx.x == 0) ik_my[11] = ik_clock();\n}"),
@@ -117,7 +120,8 @@ def main(argv=None) -> int:
     flush = torch.empty(bench.timer.L2_FLUSH_FACTOR * bench.timer.l2_cache_bytes(), dtype=torch.uint8, device="cuda")
     tdt = getattr(torch, a.dtype)
     print(f"# decode v4 timeline, {a.dtype}, GQA {HEADS_Q}/{HEADS_KV}, d={HEAD_DIM}; us from the first block's start, "
-          f"medians of {a.reps} launches ({'L2 as the previous launch left it' if a.no_flush else 'L2 flushed before each'})")
+          f"medians of {a.reps} launches "
+          f"({'L2 as the previous launch left it' if a.no_flush else 'L2 flushed before each'})")
     for B, N in shapes:
         gen = torch.Generator(device="cuda").manual_seed(B * 7 + N)
         q = torch.randn((B, HEADS_Q, HEAD_DIM), device="cuda", dtype=tdt, generator=gen)
@@ -160,7 +164,7 @@ def main(argv=None) -> int:
         if a.save is not None:
             a.save.mkdir(parents=True, exist_ok=True)
             np.save(a.save / f"timeline_B{B}_N{N}.npy", np.stack(runs))
-        del q, k, v
+        q = k = v = None                  # drop the tensors (call() closes over them)
         bench.release_device_cache()
     return 0
 

@@ -1,7 +1,8 @@
 """Tuning sweeps on a GPU: alternative tilings of the Numba and CuPy kernels, each next to its
 torch baseline in the same run, before a winner becomes a default.
 
-    python scripts/gpu_sweep.py OUTDIR [numba_fwd] [numba_decode] [cupy_decode] [cupy_prefill] [cupy_paged_layout] [cupy_paged_serving]
+    python scripts/gpu_sweep.py OUTDIR [numba_fwd] [numba_decode] [cupy_decode] [cupy_prefill]
+                                       [cupy_paged_layout] [cupy_paged_serving]
 
 The CuPy sweeps are declared as data in iokernels/bench/sweeps_cupy.py.
 

@@ -411,7 +411,8 @@ def _final_table(summary):
     if g:
         print(f"gemm checks: {sum(c['ok'] for c in g['checks'])}/{len(g['checks'])} pass")
         for t in g["timings"]:
-            print(f"gemm {t['n']}^3: {t['ours_tflops']:.0f} vs torch {t['torch_tflops']:.0f} TFLOP/s = {t['ratio']:.3f}x")
+            print(f"gemm {t['n']}^3: {t['ours_tflops']:.0f} vs torch {t['torch_tflops']:.0f} TFLOP/s "
+                  f"= {t['ratio']:.3f}x")
     for r in (summary.get("time") or {}).get("result") or []:
         _print_case(r)
     for k, s in (summary.get("sanitize") or {}).items():

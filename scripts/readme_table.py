@@ -118,7 +118,8 @@ def compare_table(rec) -> list[str]:
         return []
     lines = ["**Our kernels vs the best SDPA kernel, prefill B=8 H=16 N=4096 d=128** "
              "(speed = best SDPA time / this time)", "",
-             "| dtype | causal | best SDPA | kernel | ms | TFLOP/s | speed vs best SDPA |", "|---|---|---|---|---|---|---|"]
+             "| dtype | causal | best SDPA | kernel | ms | TFLOP/s | speed vs best SDPA |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["group"] in ("numba", "cupy", "torch"):
             lines.append(f"| {r['dtype']} | {r['causal']} | {r['best_sdpa']} | {r['runner']} | {r['ms']:.3f} | "

@@ -137,7 +137,8 @@ def test_torch_naive_backward_is_the_numpy_naive_backward(rng, causal):
     o64, lse64 = reference.attention(q, k, v, causal=causal)
     for dtype, tol in (("float16", 0.0), ("bfloat16", 0.0), ("float32", 1e-6), ("float64", 1e-12)):
         nd = testing.numpy_dtype(dtype)
-        args = [x.astype(nd) for x in (do, q, k, v, o64)] + [lse64.astype(np.float64 if dtype == "float64" else np.float32)]
+        lse_dt = np.float64 if dtype == "float64" else np.float32
+        args = [x.astype(nd) for x in (do, q, k, v, o64)] + [lse64.astype(lse_dt)]
         want = ik.attention_backward(*args, causal=causal, backend="naive")
         tt = [torch.from_numpy(np.asarray(x, np.float32)).to(getattr(torch, dtype)) if dtype != "float64"
               else torch.from_numpy(x) for x in args[:5]] + [torch.from_numpy(args[5])]

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import iokernels as ik
-from iokernels.core import api, reference, testing
+from iokernels import api
+from iokernels.core import reference, testing
 from iokernels.core.gpu import cupy_gpu, simulator_enabled, torch_gpu
 
 #: what each backend can be run on here; the simulator is tiny, so its shapes are tiny

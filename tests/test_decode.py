@@ -352,7 +352,7 @@ def test_window_errors_name_the_argument(rng):
 
 def test_window_on_a_backend_without_it_is_a_clear_error(rng, monkeypatch):
     """A backend whose decode takes no ``window`` is refused by name; unbounded windows pass it nothing."""
-    from iokernels.core import api
+    from iokernels import api
     calls = []
 
     def plain(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None):

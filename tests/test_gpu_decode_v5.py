@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import iokernels as ik
-from iokernels import gpu, reference, testing
+from iokernels import gpu, paged_inputs, reference, testing
 
 from iokernels.cupy_raw.decode import v5_rounding_bound
 
@@ -109,7 +109,7 @@ def check_v5(q, k, v, lens, cache, sids, k_hat, v_hat, dtype, label, cfg, scale=
 def test_cupy_v5_quantized_paged_decode(rng, case):
     from iokernels import cupy_raw
     dtype, kv, gran, d, hq, hkv, N, bs, kw = case
-    q, k, v, lens, cache, sids, k_hat, v_hat = testing.make_paged_decode_inputs(rng, 4, hq, hkv, N, d, dtype, kv,
+    q, k, v, lens, cache, sids, k_hat, v_hat = paged_inputs.make_paged_decode_inputs(rng, 4, hq, hkv, N, d, dtype, kv,
                                                                                  gran, bs)
     cfg = cupy_raw.DecodeConfig("v5", **kw)
     check_v5(q, k, v, lens, cache, sids, k_hat, v_hat, dtype, f"v5 {dtype} {kv} {gran} d={d} g={hq // hkv} "
@@ -127,7 +127,7 @@ def make_wide_scale_inputs(rng, dtype, kv, gran, span, d=128, hq=16, hkv=4, N=16
     k = (k * np.minimum(f, 1.0)).astype(testing.numpy_dtype(dtype))      # scores stay O(1)
     v = (v * f).astype(testing.numpy_dtype(dtype))
     lens = np.array([0, N - 37, N])
-    return (q, k, v, lens, *testing.paged_cache_of(k, v, lens, dtype, kv, gran, bs))
+    return (q, k, v, lens, *paged_inputs.paged_cache_of(k, v, lens, dtype, kv, gran, bs))
 
 
 @cupy_ok
@@ -147,7 +147,7 @@ def test_cupy_v5_quantized_tiny_bfloat16_query_keeps_its_bits(rng):
     """A bfloat16 query 2^-20 times smaller (scale 2^20 times larger): without its power-of-two
     row scale its float16 copy would be subnormal or zero; with it the scores are exact."""
     from iokernels import cupy_raw
-    q, k, v, lens, cache, sids, k_hat, v_hat = testing.make_paged_decode_inputs(rng, 4, 32, 8, 120, 128, "bfloat16",
+    q, k, v, lens, cache, sids, k_hat, v_hat = paged_inputs.make_paged_decode_inputs(rng, 4, 32, 8, 120, 128, "bfloat16",
                                                                                  "float8_e4m3fn", "block_head")
     q = (q.astype(np.float64) * 2.0 ** -20).astype(q.dtype)                    # exact: a power of two
     scale = 2.0 ** 20 / np.sqrt(128)
@@ -164,7 +164,7 @@ def test_cupy_default_reads_a_quantized_cache_with_v5(rng):
     if device_info()["cc"] < 80:
         pytest.skip("v5 needs compute capability 8.0")
     for kv, d, want in (("int8", 128, "v5"), ("float8_e4m3fn", 64, "v5"), ("int8", 96, "v3")):
-        q, _, _, _, cache, sids, _, _ = testing.make_paged_decode_inputs(rng, 2, 8, 2, 40, d, "float16", kv)
+        q, _, _, _, cache, sids, _, _ = paged_inputs.make_paged_decode_inputs(rng, 2, 8, 2, 40, d, "float16", kv)
         kernel, _ = cupy_raw.REGISTRY.resolve("paged_decode", None, cupy_raw.need("paged_decode", q=q, cache=cache))
         assert kernel.version == want, (kv, d, kernel.version)
         if want == "v3":

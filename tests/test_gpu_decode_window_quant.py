@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import iokernels as ik
-from iokernels import gpu, reference, testing
+from iokernels import gpu, paged_inputs, reference, testing
 
 dec = importlib.import_module("iokernels.decode")
 QUANT = ["int8", "float8_e4m3fn"]
@@ -57,7 +57,7 @@ def _windows(n):
 
 def _filled(rng, B, hq, hkv, N, d, dtype, kv_dtype=None, gran="block_head", bs=8):
     """q, the exact k, v, ragged lengths (one empty), the cache, its ids, and what it holds."""
-    return testing.make_paged_decode_inputs(rng, B, hq, hkv, N, d, dtype, kv_dtype, gran, bs)
+    return paged_inputs.make_paged_decode_inputs(rng, B, hq, hkv, N, d, dtype, kv_dtype, gran, bs)
 
 
 def _check_oracle(o, lse, q, k, v, lens, window, dtype, label):

@@ -1,6 +1,5 @@
 """The decode-for-real-models chapter: KV bytes per token and decode intensity from real
 configurations, their roofline placement, and the notebook's report functions."""
-import numpy as np
 import pytest
 
 from iokernels import mla, models
@@ -36,7 +35,8 @@ def test_gqa_stays_memory_bound_and_mla_reaches_the_compute_roof():
     assert rows["DeepSeek-V3"]["bound"] == "compute" and rows["DeepSeek-V3"]["peak_fraction"] == 1.0
     assert rows["DeepSeek-V3"]["intensity"] == pytest.approx(2 * 128 * (576 + 512) / 1152)
     v3 = mla.DEEPSEEK_V3_MLA                                     # the same count as the MLA module's
-    assert models.decode_step("DeepSeek-V3", 1)["flops"] == 61 * mla.mla_flops("absorbed", seq_lens=[1], **v3)["attention"]
+    per_layer = mla.mla_flops("absorbed", seq_lens=[1], **v3)["attention"]
+    assert models.decode_step("DeepSeek-V3", 1)["flops"] == 61 * per_layer
     on_a100 = {r["model"]: r for r in models.roofline_placement(gpu="A100 80GB SXM")}
     assert on_a100["DeepSeek-V3"]["bound"] == "compute"
 

@@ -109,7 +109,8 @@ for attempt in (1, 2):
         on_notebook_start=lambda notebook: report.__setitem__("startup_s", time.perf_counter() - t0),
         on_cell_start=lambda cell, cell_index: started.__setitem__(cell_index, time.perf_counter()),
         on_cell_executed=lambda cell, cell_index, execute_reply: report["cells"].append(
-            [cell_index, round(time.perf_counter() - started[cell_index], 2), (cell.source.splitlines() or [""])[0][:60]]))
+            [cell_index, round(time.perf_counter() - started[cell_index], 2),
+             (cell.source.splitlines() or [""])[0][:60]]))
     try:
         client.execute()
         break

@@ -3,7 +3,6 @@
 2x rule) are computed with torch on the device, on a few (b, h) slices, because the N x N
 float64 matrices of every head would not fit.  Speed is not tested here: see the benchmark.
 """
-import os
 
 import numpy as np
 import pytest
@@ -119,7 +118,7 @@ def test_decode_real_sizes(B, Hq, Hkv, N, d, dtype):
     q = torch.randn((B, Hq, d), device="cuda", generator=g).to(tdt)
     k = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
     v = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
-    from iokernels.numba_cuda import DecodeConfig, decode
+    from iokernels.numba_cuda import decode
     lens = np.array([N - 17 * b for b in range(B)], np.int32)
     ro, rl = reference.decode(q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(), seq_lens=lens)
     qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))

@@ -80,7 +80,8 @@ def report_v3(reports):
 def test_every_kernel_compiled_for_both_targets(report):
     names = {k.split("/")[0] for k in report}
     assert {"fwd_v1_d128", "fwd_v2_d128", "fwd_v3_d128", "fwd_v4_d128", "decode_split_d128", "decode_split_paged_d128",
-            "decode_combine_d128", "gather", "fwd_v3_d59", "decode_v2_split_d128", "decode_v2_split_paged_d128"} <= names
+            "decode_combine_d128", "gather", "fwd_v3_d59", "decode_v2_split_d128",
+            "decode_v2_split_paged_d128"} <= names
     assert sum(k.endswith("sm_75") for k in report) >= 7
     assert sum(k.endswith("sm_90") for k in report) >= 11
     assert all(v["bytes"] > 1000 for v in report.values())

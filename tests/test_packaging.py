@@ -174,3 +174,19 @@ def test_long_test_files_exist_and_the_suite_runs_them_first():
     assert not missing, f"LONG_FILES names files that do not exist: {missing}"
     parallel = re.search(r"^TEST_PARALLEL=\((.*)\)$", (ROOT / "dev.sh").read_text(), re.M)
     assert parallel and "--dist loadfile --no-loadscope-reorder" in parallel.group(1), "dev.sh: TEST_PARALLEL"
+
+
+def test_ci_runs_the_linter_and_type_check_installed_by_the_setup():
+    """.ci/run runs ``bash dev.sh lint`` before the tests; dev.sh's lint runs ruff and mypy,
+    both in the dev extra (and so in environment.yml, by the test above), both configured."""
+    cmds = ci_commands()
+    assert any(c.startswith("bash dev.sh lint") for c in cmds), cmds
+    assert cmds.index(next(c for c in cmds if c.startswith("bash dev.sh lint"))) < cmds.index("bash dev.sh test")
+    script = (ROOT / "dev.sh").read_text()
+    lint = re.search(r"^\s*lint\)(.*?);;", script, re.S | re.M)
+    assert lint and "-m ruff check" in lint.group(1) and "-m mypy" in lint.group(1)
+    dev = {_parse_req(r)[0] for r in tomllib.loads((ROOT / "pyproject.toml").read_text())
+           ["project"]["optional-dependencies"]["dev"]}
+    assert {"ruff", "mypy"} <= dev
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    assert {"E", "F", "W"} <= set(tool["ruff"]["lint"]["select"]) and tool["mypy"]["files"]

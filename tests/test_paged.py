@@ -149,7 +149,8 @@ class CacheMachine(RuleBasedStateMachine):
                 if not self.cache.quantized:
                     assert np.array_equal(got, want)
                     continue
-                per_token = scales[np.repeat(np.asarray(table, dtype=np.int64), bs)[:n]].T[:, :, None]    # each value's block scale
+                # each value's block scale
+                per_token = scales[np.repeat(np.asarray(table, dtype=np.int64), bs)[:n]].T[:, :, None]
                 err = np.abs(got.astype(np.float64) - want.astype(np.float64))
                 assert np.all(err <= paged.quantization_error_bound(want, per_token, self.cache.kv_dtype))
 

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CITED_DATA = {"iokernels/core/roofline.py", "iokernels/models.py",
               "iokernels/hopper_schedule.py", "iokernels/fp8.py"}
 
-MEASURED = re.compile(r"\b\d+(\.\d+)?\s*(TFLOP/s|TB/s|GB/s)|\b0\.\d{2,3}x\b|\b\d+(\.\d+)?\s*(ms|us|µs)\b(?! [a-z]*budget)")
+MEASURED = re.compile(r"\b\d+(\.\d+)?\s*(TFLOP/s|TB/s|GB/s)|\b0\.\d{2,3}x\b"
+                      r"|\b\d+(\.\d+)?\s*(ms|us|µs)\b(?! [a-z]*budget)")
 RATIO_OR_TIME = re.compile(r"\b0\.\d{2,3}x\b|\b\d+\.\d+\s*ms\b")
 BUILDER_VOICE = re.compile(r"\bthe issue\b|\bissue #?\d|\bbars? (met|short|missed)\b|\.\./shared|DESIGN\.md"
                            r"|\b\d\d:\d\d UTC\b|\bticket\b", re.I)

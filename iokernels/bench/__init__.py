@@ -22,5 +22,6 @@ from .specs import SECTIONS
 from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, Timing, l2_cache_bytes, peak_memory, release_device_cache, time_cpu,
                     time_cuda)
 
-__all__ = ["time_cuda", "time_cpu", "peak_memory", "release_device_cache", "Timing", "l2_cache_bytes", "environment", "label",
-           "run", "table", "main", "device_pages", "Unavailable", "SECTIONS", "DEFAULT_REPS", "DEFAULT_WARMUP"]
+__all__ = ["time_cuda", "time_cpu", "peak_memory", "release_device_cache", "Timing", "l2_cache_bytes",
+           "environment", "label", "run", "table", "main", "device_pages", "Unavailable", "SECTIONS",
+           "DEFAULT_REPS", "DEFAULT_WARMUP"]

@@ -1,11 +1,17 @@
 """``python -m iokernels bench``: run the declared sections, print the table, write the record."""
 from __future__ import annotations
 
+import argparse
+import json
+import time as _time
+from pathlib import Path
+
 from .environment import environment, label
-from .runners import (Unavailable, backward_cases, decode_cases, gather_cases, mla_cases,  # noqa: F401
-                      prefill_cases, quant_decode_cases, _numpy_only_cases)
-from .specs import (BACKWARD, BACKWARD_FP32, DECODE_QUANT, DECODE_SWEEP, GATHER_SIZES, MLA,
-                    PREFILL_COMPARE, PREFILL_SWEEP, QUICK, SECTIONS, TARGET_MS_PER_RUNNER)
+from .runners import (Unavailable, _numpy_only_cases, backward_cases, decode_cases, gather_cases,  # noqa: F401
+                      prefill_cases, quant_decode_cases)
+from .runners_mla import mla_cases
+from .specs import (BACKWARD, BACKWARD_FP32, DECODE_QUANT, DECODE_SWEEP, GATHER_SIZES, MLA, PREFILL_COMPARE,
+                    PREFILL_SWEEP, QUICK, SECTIONS, TARGET_MS_PER_RUNNER)
 from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
 
 
@@ -15,7 +21,6 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
     ``target_ms``: device time each runner's timed loop aims at (repetitions adapt to it,
     between 3 and DEFAULT_REPS); lower it to fit a tight time box.
     """
-    import time as _time
     t0 = _time.perf_counter()
     env = environment()
     record = {"env": env, "label": label(env), "quick": bool(quick), "seed": seed,
@@ -146,16 +151,14 @@ def table(record) -> str:
     lines.append("ms: median of CUDA-event timings, L2 flushed between runs.  rate: TFLOP/s (prefill, "
                  "visible pairs only) or TB/s (decode: K+V bytes read; gather: read+write).  "
                  "MiB+: device memory above the inputs during one call.  vs best: best SDPA time / this "
-                 "time (1 = as fast as the best SDPA kernel; gather rows: vs the device copy; mla rows: vs torch:matmul, "
+                 "time (1 = as fast as the best SDPA kernel; gather rows: vs the device copy; mla rows: "
+                 "vs torch:matmul, "
                  "and the fraction of the roofline bound max(FLOPs / matmul peak, cache bytes / bandwidth)).")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     """``python -m iokernels bench [--quick] [--sections ...] [--out FILE] [--no-progress]``."""
-    import argparse
-    import json
-    from pathlib import Path
     p = argparse.ArgumentParser(prog="python -m iokernels bench",
                                 description="Every available backend next to torch SDPA, on the same "
                                             "shapes, in one process; a table and a JSON record.")

@@ -1,16 +1,16 @@
 """What every recorded number is labelled with: GPU, driver, CUDA, library versions, date."""
 from __future__ import annotations
 
+import datetime
 import os
+import platform
+import subprocess
 
 from .timer import _torch_cuda
 
 
 def environment() -> dict:
     """GPU, driver, CUDA and library versions, and the date: the label of every recorded number."""
-    import datetime
-    import platform
-    import subprocess
     env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "python": platform.python_version()}
     for mod in ("numpy", "torch", "numba", "numba_cuda", "cupy"):

@@ -9,13 +9,22 @@ registries (:mod:`iokernels.core.registry`): one row per registered version, nam
 """
 from __future__ import annotations
 
+import dataclasses
+import importlib
+
 import numpy as np
 
 import iokernels as ik
 
+from .. import api, autograd
+from .. import torch_sdpa as ts
+from ..core.conventions import key_range
+from ..core.gpu import simulator_enabled
+from ..core.testing import make_inputs
+from ..paged import MIN_SCALE, QUANT_FORMATS
 from .specs import CHECK_TOL, NUMPY_MAX_FLOPS, PAGED_BLOCK, SDPA_NAMES, SLOW_CALL_MS, TARGET_MS_PER_RUNNER
-from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, _Device, host_ms, peak_memory,
-                    release_device_cache, time_cpu, time_cuda)
+from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, _Device, host_ms, peak_memory, release_device_cache,
+                    time_cpu, time_cuda)
 
 
 class Unavailable(Exception):
@@ -63,16 +72,13 @@ def _torch_dtype(name):
 
 
 def _visible_pairs(nq, nk, causal) -> int:
-    from ..core.conventions import key_range
     lo, hi = key_range(np.arange(nq), nq, nk, causal, None)
     return int(np.sum(hi - lo))
 
 
 def _resolve_backend(backend, op):
     """The backend function for (backend, op), or Unavailable with the reason."""
-    from ..core import api
     if backend == "numba":
-        from ..core.gpu import simulator_enabled
         if simulator_enabled():
             raise Unavailable("NUMBA_ENABLE_CUDASIM is set: the Numba kernels would run on the "
                               "CPU simulator, not the GPU")
@@ -89,9 +95,7 @@ def registry_versions(backend, op, **need_args) -> list:
     the public function picks for these inputs.  A backend that cannot be imported gives one
     row whose config is the Unavailable reason.
     """
-    import importlib
 
-    from ..core import api
     try:
         _resolve_backend(backend, "attention")              # refuses the Numba simulator
         mod = importlib.import_module(api.GPU_BACKENDS[backend])
@@ -194,7 +198,6 @@ def _finish_case(case: dict) -> dict:
 
 # --------------------------------------------------------------------------- sections
 def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa, target_ms=None):
-    from .. import torch_sdpa as ts
     import torch
     F = torch.nn.functional
     rows = []
@@ -225,7 +228,6 @@ def _sdpa_rows(case, q, k, v, causal, ref, dtype, is_decode, work, unit, gqa, ta
 
 def _reference(q, k, v, causal, is_decode, gqa):
     """SDPA's output from the first kernel that runs (cudnn, flash, efficient, math)."""
-    from .. import torch_sdpa as ts
     import torch
     for name in ("cudnn", "flash", "efficient", "math"):
         try:
@@ -238,46 +240,62 @@ def _reference(q, k, v, causal, is_decode, gqa):
     return None
 
 
-def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section="prefill",
-                  target_ms=None):
-    import torch
-    from .. import torch_sdpa as ts
-    cases = []
+def _prefill_grid(spec, section, progress, flops_per_pair):
+    """The prefill cases of ``spec`` (dtype x causal x N), each an empty case dict; FLOPs are
+    ``flops_per_pair`` x B H d x the visible (query, key) pairs."""
     B, H, d = spec["batch"], spec["heads"], spec["head_dim"]
     for dtype in spec["dtypes"]:
         for causal in spec["causal"]:
             for N in spec["seqlens"]:
-                flops = 4.0 * B * H * _visible_pairs(N, N, causal) * d
-                case = dict(section=section, kind="prefill", dtype=dtype, causal=causal,
-                            shape=dict(batch=B, heads=H, seqlen=N, head_dim=d),
-                            work=dict(flops=flops), unit="TFLOP/s", results=[])
-                progress.set_description(f"{section} {dtype} N={N} causal={causal}")
-                gen = torch.Generator(device="cuda").manual_seed(seed)
-                tdt = _torch_dtype(dtype)
-                q, k, v = (torch.randn((B, H, N, d), device="cuda", dtype=tdt, generator=gen)
-                           for _ in range(3))
-                ref = _reference(q, k, v, causal, False, False)
-                scale = 1.0 / np.sqrt(d)
-                rows = _sdpa_rows(case, q, k, v, causal, ref, dtype, False, flops, "TFLOP/s", False, target_ms)
-                progress.update(5)
-                rows.append(_measure("torch naive", "torch",
-                                     lambda: ts.naive_attention(q, k, v, causal=causal),
-                                     work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms))
-                progress.update(1)
-                for backend in ("numba", "cupy"):
-                    rows += _gpu_rows(backend, "attention",
-                                      lambda cfg, backend=backend: ik.attention(
-                                          q, k, v, causal=causal, scale=scale, backend=backend, config=cfg,
-                                          return_lse=True),
-                                      need=dict(q=q, k=k, v=v), work=flops, unit="TFLOP/s", ref=ref,
-                                      dtype=dtype, target_ms=target_ms)
-                    progress.update(1)
-                rows += _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, target_ms)
-                case["results"] = rows
-                cases.append(_finish_case(case))
-                del q, k, v, ref
-                release_device_cache()
+                flops = flops_per_pair * B * H * _visible_pairs(N, N, causal) * d
+                if progress is not None:
+                    progress.set_description(f"{section} {dtype} N={N} causal={causal}")
+                yield dict(section=section, kind="prefill", dtype=dtype, causal=causal,
+                           shape=dict(batch=B, heads=H, seqlen=N, head_dim=d),
+                           work=dict(flops=flops), unit="TFLOP/s", results=[])
+
+
+def _device_randn(seed, dtype, *shapes):
+    """Seeded standard-normal CUDA tensors of ``shapes``, one generator in order."""
+    import torch
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(s, device="cuda", dtype=_torch_dtype(dtype), generator=gen) for s in shapes)
+
+
+def _prefill_inputs(case, seed, count):
+    s = case["shape"]
+    return _device_randn(seed, case["dtype"], *[(s["batch"], s["heads"], s["seqlen"], s["head_dim"])] * count)
+
+
+def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section="prefill",
+                  target_ms=None):
+    cases = []
+    for case in _prefill_grid(spec, section, progress, 4.0):
+        case["results"] = _prefill_rows(case, seed, progress, numpy_max_flops, target_ms)
+        cases.append(_finish_case(case))
+        release_device_cache()          # the case's tensors died with _prefill_rows' frame
     return cases
+
+
+def _prefill_rows(case, seed, progress, numpy_max_flops, target_ms):
+    dtype, causal, flops = case["dtype"], case["causal"], case["work"]["flops"]
+    q, k, v = _prefill_inputs(case, seed, 3)
+    ref = _reference(q, k, v, causal, False, False)
+    scale = 1.0 / np.sqrt(case["shape"]["head_dim"])
+    rows = _sdpa_rows(case, q, k, v, causal, ref, dtype, False, flops, "TFLOP/s", False, target_ms)
+    progress.update(5)
+    rows.append(_measure("torch naive", "torch", lambda: ts.naive_attention(q, k, v, causal=causal),
+                         work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms))
+    progress.update(1)
+    for backend in ("numba", "cupy"):
+        rows += _gpu_rows(backend, "attention",
+                          lambda cfg, backend=backend: ik.attention(
+                              q, k, v, causal=causal, scale=scale, backend=backend, config=cfg, return_lse=True),
+                          need=dict(q=q, k=k, v=v), work=flops, unit="TFLOP/s", ref=ref,
+                          dtype=dtype, target_ms=target_ms)
+        progress.update(1)
+    rows += _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, target_ms)
+    return rows
 
 
 def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, target_ms=None):
@@ -293,7 +311,6 @@ def _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, targ
                          "status": f"skipped: {flops:.3g} FLOP > {numpy_max_flops:.3g} (too slow on a CPU)"})
             continue
         hq, hk, hv = (x.detach().cpu().numpy() for x in (q, k, v))
-        from ..core import api
         f = api._resolve(backend, "attention")
         rows.append(_measure(name, "numpy", lambda f=f: f(hq, hk, hv, causal=causal, scale=scale,
                                                           window=(-1, -1), config=None),
@@ -331,7 +348,6 @@ def device_pages(k, v, seed=0, block_size=PAGED_BLOCK, scattered=True):
 
 
 def _gpu_module(backend):
-    import importlib
     if backend == "numba":
         _resolve_backend("numba", "attention")             # refuses the simulator
     mod = "iokernels.numba_cuda" if backend == "numba" else "iokernels.cupy_raw"
@@ -354,55 +370,59 @@ QUANT_CHUNK_BLOCKS = 8192
 
 
 def decode_cases(spec, seed, progress, section="decode", target_ms=None):
-    import torch
     cases = []
     Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
     for dtype in spec["dtypes"]:
         for B in spec["batches"]:
             for N in spec["seqlens"]:
-                tdt = _torch_dtype(dtype)
-                kv_bytes = 2.0 * B * Hkv * N * d * tdt.itemsize
+                kv_bytes = 2.0 * B * Hkv * N * d * _torch_dtype(dtype).itemsize
                 case = dict(section=section, kind="decode", dtype=dtype, causal=False,
                             shape=dict(batch=B, heads_q=Hq, heads_kv=Hkv, seqlen=N, head_dim=d),
                             work=dict(kv_bytes=kv_bytes), unit="TB/s", results=[])
                 progress.set_description(f"{section} {dtype} B={B} N={N}")
-                gen = torch.Generator(device="cuda").manual_seed(seed)
-                q = torch.randn((B, Hq, d), device="cuda", dtype=tdt, generator=gen)
-                k = torch.randn((B, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
-                v = torch.randn((B, Hkv, N, d), device="cuda", dtype=tdt, generator=gen)
-                q4 = q[:, :, None, :]
-                ref4 = _reference(q4, k, v, False, True, Hq != Hkv)
-                ref = None if ref4 is None else ref4[:, :, 0, :]
-                rows = _sdpa_rows(case, q4, k, v, False, ref4, dtype, True, kv_bytes, "TB/s", Hq != Hkv,
-                                  target_ms)
-                progress.update(5)
-                scale = 1.0 / np.sqrt(d)
-                for backend in ("numba", "cupy"):
-                    rows += _gpu_rows(backend, "decode",
-                                      lambda cfg, backend=backend: ik.decode(
-                                          q, k, v, scale=scale, backend=backend, config=cfg, return_lse=True),
-                                      need=dict(q=q, k=k, v=v), work=kv_bytes, unit="TB/s", ref=ref,
-                                      dtype=dtype, target_ms=target_ms)
-                    progress.update(1)
-                try:
-                    pages = device_pages(k, v, seed)
-                except (Unavailable, RuntimeError) as e:   # e.g. out of device memory
-                    pages = e
-                for backend in ("numba", "cupy"):
-                    def fn(cfg, backend=backend):
-                        if isinstance(pages, Exception):
-                            raise Unavailable(f"paged pools: {_first_line(pages)}")
-                        f = _pool_fn(backend, "paged_decode_pools")
-                        return f(q, pages[0], pages[1], pages[2], pages[3], num_splits=None, scale=scale,
-                                 config=cfg)
-                    rows += _gpu_rows(backend, "paged_decode", fn, suffix=" paged", need=dict(q=q, k=k, v=v),
-                                      work=kv_bytes, unit="TB/s", ref=ref, dtype=dtype, target_ms=target_ms)
-                    progress.update(1)
-                case["results"] = rows
+                case["results"] = _decode_rows(case, seed, progress, target_ms)
                 cases.append(_finish_case(case))
-                del q, k, v, q4, ref4, ref, pages
                 release_device_cache()
     return cases
+
+
+def _decode_inputs(case, seed):
+    s = case["shape"]
+    B, Hq, Hkv, N, d = s["batch"], s["heads_q"], s["heads_kv"], s["seqlen"], s["head_dim"]
+    return _device_randn(seed, case["dtype"], (B, Hq, d), (B, Hkv, N, d), (B, Hkv, N, d))
+
+
+def _decode_rows(case, seed, progress, target_ms):
+    dtype, kv_bytes = case["dtype"], case["work"]["kv_bytes"]
+    q, k, v = _decode_inputs(case, seed)
+    gqa = q.shape[1] != k.shape[1]
+    q4 = q[:, :, None, :]
+    ref4 = _reference(q4, k, v, False, True, gqa)
+    ref = None if ref4 is None else ref4[:, :, 0, :]
+    rows = _sdpa_rows(case, q4, k, v, False, ref4, dtype, True, kv_bytes, "TB/s", gqa, target_ms)
+    progress.update(5)
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    for backend in ("numba", "cupy"):
+        rows += _gpu_rows(backend, "decode",
+                          lambda cfg, backend=backend: ik.decode(
+                              q, k, v, scale=scale, backend=backend, config=cfg, return_lse=True),
+                          need=dict(q=q, k=k, v=v), work=kv_bytes, unit="TB/s", ref=ref,
+                          dtype=dtype, target_ms=target_ms)
+        progress.update(1)
+    try:
+        pages = device_pages(k, v, seed)
+    except (Unavailable, RuntimeError) as e:   # e.g. out of device memory
+        pages = e
+    for backend in ("numba", "cupy"):
+        def fn(cfg, backend=backend):
+            if isinstance(pages, Exception):
+                raise Unavailable(f"paged pools: {_first_line(pages)}")
+            f = _pool_fn(backend, "paged_decode_pools")
+            return f(q, pages[0], pages[1], pages[2], pages[3], num_splits=None, scale=scale, config=cfg)
+        rows += _gpu_rows(backend, "paged_decode", fn, suffix=" paged", need=dict(q=q, k=k, v=v),
+                          work=kv_bytes, unit="TB/s", ref=ref, dtype=dtype, target_ms=target_ms)
+        progress.update(1)
+    return rows
 
 
 def device_quant_pages(k_pool, v_pool, kv_dtype):
@@ -412,7 +432,6 @@ def device_quant_pages(k_pool, v_pool, kv_dtype):
     to the format.  Returns (k_codes, v_codes, k_scale, v_scale): uint8 views of the codes
     (num_blocks, block_size, Hkv, d) and float32 scales (num_blocks, Hkv)."""
     import torch
-    from ..paged import MIN_SCALE, QUANT_FORMATS
     qmax = QUANT_FORMATS[kv_dtype]
     out = []
     for pool in (k_pool, v_pool):
@@ -435,6 +454,7 @@ def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
     next to the 16-bit paged decode of the same values (numba's default version; cupy's
     ``spec["cupy_versions"]``, None: its default)."""
     import torch
+
     from ..cupy_raw.config import DecodeConfig as CupyDecodeConfig
     cases = []
     Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
@@ -481,7 +501,7 @@ def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
                     case["results"] = rows
                     cases.append(_finish_case(case))
                     del kp, vp, quant
-                del q, k, v, pages
+                q = k = v = pages = None       # drop the case's tensors (the runners close over them)
                 release_device_cache()
     return cases
 
@@ -530,38 +550,32 @@ def gather_cases(spec, seed, progress, section="gather", target_ms=None):
                 r["speed_vs_copy"] = round(base["ms"] / r["ms"], 4)
         case["results"] = rows
         cases.append(case)
-        del k, v, dst_k, dst_v, pages
+        k = v = dst_k = dst_v = pages = None   # drop the case's tensors (the runners close over them)
         release_device_cache()
     return cases
 
 
 def _numpy_only_cases(spec, seed):
     """Without a GPU: the NumPy rows of the (quick) prefill shapes, so the harness still runs."""
-    from ..core.testing import make_inputs
     cases = []
     rng = np.random.default_rng(seed)
-    for dtype in spec["dtypes"]:
-        for causal in spec["causal"]:
-            for N in spec["seqlens"]:
-                B, H, d = spec["batch"], spec["heads"], spec["head_dim"]
-                flops = 4.0 * B * H * _visible_pairs(N, N, causal) * d
-                q, k, v = make_inputs(rng, batch=B, heads_q=H, seqlen_q=N, head_dim=d, dtype=dtype)
-                rows = []
-                for backend in ("naive", "tiled"):
-                    from ..core import api
-                    f = api._resolve(backend, "attention")
-                    rows.append(_measure(f"numpy {backend}", "numpy",
-                                         lambda f=f: f(q, k, v, causal=causal, scale=1 / np.sqrt(d),
-                                                       window=(-1, -1), config=None),
-                                         work=flops, unit="TFLOP/s", device=False, cpu_reps=3))
-                base = rows[0] if rows[0].get("status") == "ok" else None
-                for r in rows:
-                    if base and r.get("status") == "ok":
-                        r["speed_vs_numpy_naive"] = round(base["ms"] / r["ms"], 4)
-                cases.append(dict(section="cpu", kind="prefill", dtype=dtype, causal=causal,
-                                  shape=dict(batch=B, heads=H, seqlen=N, head_dim=d),
-                                  work=dict(flops=flops), unit="TFLOP/s", results=rows,
-                                  note="no CUDA GPU here: only the NumPy rows ran"))
+    for case in _prefill_grid(spec, "cpu", None, 4.0):
+        s, causal = case["shape"], case["causal"]
+        q, k, v = make_inputs(rng, batch=s["batch"], heads_q=s["heads"], seqlen_q=s["seqlen"],
+                              head_dim=s["head_dim"], dtype=case["dtype"])
+        rows = []
+        for backend in ("naive", "tiled"):
+            f = api._resolve(backend, "attention")
+            rows.append(_measure(f"numpy {backend}", "numpy",
+                                 lambda f=f: f(q, k, v, causal=causal, scale=1 / np.sqrt(s["head_dim"]),
+                                               window=(-1, -1), config=None),
+                                 work=case["work"]["flops"], unit="TFLOP/s", device=False, cpu_reps=3))
+        base = rows[0] if rows[0].get("status") == "ok" else None
+        for r in rows:
+            if base and r.get("status") == "ok":
+                r["speed_vs_numpy_naive"] = round(base["ms"] / r["ms"], 4)
+        case.update(results=rows, note="no CUDA GPU here: only the NumPy rows ran")
+        cases.append(case)
     return cases
 
 
@@ -579,53 +593,40 @@ def backward_cases(spec, seed, progress, section="backward", target_ms=None):
     SDPA's kernels through torch autograd; then each registered backward version's atomic and
     deterministic modes, run twice: the bits of dQ that differ between two runs, and the cost
     of determinism (same-run time ratio)."""
-    import torch
-    from .. import autograd
-    from .. import torch_sdpa as ts
     cases = []
-    B, H, d = spec["batch"], spec["heads"], spec["head_dim"]
-    for dtype in spec["dtypes"]:
-        for causal in spec["causal"]:
-            for N in spec["seqlens"]:
-                # forward 4 N^2 d (2 matmuls) + backward 10 N^2 d (5 matmuls), visible pairs only
-                flops = 14.0 * B * H * _visible_pairs(N, N, causal) * d
-                case = dict(section=section, kind="prefill", dtype=dtype, causal=causal,
-                            shape=dict(batch=B, heads=H, seqlen=N, head_dim=d),
-                            work=dict(flops=flops), unit="TFLOP/s", results=[])
-                progress.set_description(f"{section} {dtype} N={N} causal={causal}")
-                gen = torch.Generator(device="cuda").manual_seed(seed)
-                tdt = _torch_dtype(dtype)
-                q, k, v, do = (torch.randn((B, H, N, d), device="cuda", dtype=tdt, generator=gen)
-                               for _ in range(4))
-                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-
-                def step(attn):
-                    for x in leaves:
-                        x.grad = None
-                    o = attn(*leaves)
-                    o.backward(do)
-                    return leaves[0].grad
-
-                rows = []
-                for name in SDPA_NAMES:
-                    rows.append(_measure(f"sdpa:{name} fwd+bwd", "sdpa",
-                                         lambda name=name: _sdpa_step(ts, step, name, causal),
-                                         work=flops, unit="TFLOP/s", dtype=dtype, check=False,
-                                         target_ms=target_ms))
-                ref = None                                    # outputs are gradients: compared in the tests
-                for backend in ("numba", "cupy"):
-                    rows += _gpu_rows(backend, "attention_backward",
-                                      lambda cfg, backend=backend: step(lambda a, b, c: autograd.attention(
-                                          a, b, c, causal=causal, backend=backend, backward_config=cfg)),
-                                      suffix=" fwd+bwd", need=dict(q=q, k=k, v=v), work=flops, unit="TFLOP/s",
-                                      ref=ref, dtype=dtype, target_ms=target_ms, check=False)
-                    rows += _determinism_rows(backend, q, k, v, do, causal, dtype, target_ms)
-                    progress.update(1)
-                case["results"] = rows
-                cases.append(_finish_case(case))
-                del q, k, v, do, leaves
-                release_device_cache()
+    # forward 4 N^2 d (2 matmuls) + backward 10 N^2 d (5 matmuls), visible pairs only
+    for case in _prefill_grid(spec, section, progress, 14.0):
+        case["results"] = _backward_rows(case, seed, progress, target_ms)
+        cases.append(_finish_case(case))
+        release_device_cache()
     return cases
+
+
+def _backward_rows(case, seed, progress, target_ms):
+    dtype, causal, flops = case["dtype"], case["causal"], case["work"]["flops"]
+    q, k, v, do = _prefill_inputs(case, seed, 4)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def step(attn):
+        for x in leaves:
+            x.grad = None
+        o = attn(*leaves)
+        o.backward(do)
+        return leaves[0].grad
+
+    rows = []
+    for name in SDPA_NAMES:
+        rows.append(_measure(f"sdpa:{name} fwd+bwd", "sdpa", lambda name=name: _sdpa_step(ts, step, name, causal),
+                             work=flops, unit="TFLOP/s", dtype=dtype, check=False, target_ms=target_ms))
+    for backend in ("numba", "cupy"):               # outputs are gradients: compared in the tests
+        rows += _gpu_rows(backend, "attention_backward",
+                          lambda cfg, backend=backend: step(lambda a, b, c: autograd.attention(
+                              a, b, c, causal=causal, backend=backend, backward_config=cfg)),
+                          suffix=" fwd+bwd", need=dict(q=q, k=k, v=v), work=flops, unit="TFLOP/s",
+                          dtype=dtype, target_ms=target_ms, check=False)
+        rows += _determinism_rows(backend, q, k, v, do, causal, dtype, target_ms)
+        progress.update(1)
+    return rows
 
 
 def _sdpa_step(ts, step, name, causal):
@@ -636,8 +637,6 @@ def _sdpa_step(ts, step, name, causal):
 def _determinism_rows(backend, q, k, v, do, causal, dtype, target_ms):
     """Backward alone, atomic and deterministic, for each registered version with a
     ``deterministic`` setting: time, and dQ's differing elements between two runs."""
-    import dataclasses
-    import iokernels as ik
     rows = []
     o = lse = None
     for name, cfg, _ in registry_versions(backend, "attention_backward", q=q, k=k, v=v):
@@ -651,7 +650,8 @@ def _determinism_rows(backend, q, k, v, do, causal, dtype, target_ms):
             return rows
         for det in (False, True):
             c = cfg.replace(deterministic=det)
-            fn = lambda c=c: ik.attention_backward(do, q, k, v, o, lse, causal=causal, backend=backend, config=c)
+            def fn(c=c):
+                return ik.attention_backward(do, q, k, v, o, lse, causal=causal, backend=backend, config=c)
             row = _measure(f"{name} bwd {'deterministic' if det else 'atomic'}", backend, fn,
                            work=10.0 * q.shape[0] * q.shape[1] * _visible_pairs(q.shape[2], k.shape[2], causal)
                            * q.shape[3], unit="TFLOP/s", dtype=dtype, check=False, target_ms=target_ms)
@@ -662,76 +662,3 @@ def _determinism_rows(backend, q, k, v, do, causal, dtype, target_ms):
                     row["determinism_check"] = f"failed: {_first_line(e)}"
             rows.append(row)
     return rows
-
-
-# --------------------------------------------------------------------------- MLA decode
-def mla_roofline(flops: float, cache_bytes: float, gpu=None) -> dict:
-    """The time bound of one MLA decode call on the roofline: the first of MLA_ROOFLINE_GPU in the
-    roofline table (the measured ceilings when recorded), or ``gpu``.  dict(gpu, bound_ms, bound)."""
-    from ..core import roofline as rl
-    from .specs import MLA_ROOFLINE_GPU
-    table = {**rl.GPUS, **rl.MEASURED}
-    name = gpu or next(n for n in MLA_ROOFLINE_GPU if n in table)
-    tb = rl.time_bounds(flops, cache_bytes, name, "bf16")
-    return dict(gpu=name, bound_ms=tb["time_s"] * 1e3, bound=tb["bound"])
-
-
-def _mla_rates(row, flops, cache_bytes, bound_ms):
-    """Add TFLOP/s, cache TB/s and the fraction of the roofline bound to an "ok" row."""
-    if row.get("status") == "ok":
-        s = row["ms"] * 1e-3
-        row.update(tflops=round(flops / s / 1e12, 2), cache_TBps=round(cache_bytes / s / 1e12, 3),
-                   roofline_fraction=round(bound_ms / row["ms"], 3))
-    return row
-
-
-def mla_cases(spec, seed, progress, section="mla", target_ms=None):
-    """MLA decode (absorbed form): the CuPy kernels of the registry's op "mla_decode" and the
-    torch formulations (:func:`iokernels.torch_sdpa.mla_decode_matmul`, :func:`mla_decode_sdpa`)
-    on the same inputs.  Work: FLOPs 2 B Hq N (row + latent); bytes: the cache, read once."""
-    import torch
-    from .. import torch_sdpa as ts
-    cases = []
-    Hq, dc, dr = spec["heads_q"], spec["latent_dim"], spec["rope_dim"]
-    row_w = dc + dr
-    for dtype in spec["dtypes"]:
-        tdt = _torch_dtype(dtype)
-        for B, N in spec["shapes"]:
-            flops = 2.0 * B * Hq * N * (row_w + dc)
-            cache_bytes = float(B * N * row_w * tdt.itemsize)
-            roof = mla_roofline(flops, cache_bytes)
-            case = dict(section=section, kind="mla", dtype=dtype, causal=False,
-                        shape=dict(batch=B, heads_q=Hq, seqlen=N, latent_dim=dc, rope_dim=dr),
-                        work=dict(flops=flops, cache_bytes=cache_bytes), unit="TFLOP/s",
-                        roofline=roof, results=[])
-            progress.set_description(f"{section} {dtype} B={B} N={N}")
-            gen = torch.Generator(device="cuda").manual_seed(seed)
-            q = torch.randn((B, Hq, row_w), device="cuda", dtype=tdt, generator=gen)
-            kv = torch.randn((B, N, row_w), device="cuda", dtype=tdt, generator=gen)
-            ref, _ = ts.mla_decode_matmul(q, kv, latent_dim=dc)
-            rows = [_measure("torch:matmul", "torch", lambda: ts.mla_decode_matmul(q, kv, latent_dim=dc),
-                             work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms),
-                    _measure("torch:sdpa", "torch", lambda: ts.mla_decode_sdpa(q, kv, latent_dim=dc),
-                             work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms)]
-            try:
-                _, ran = ts.backend_that_ran(ts.mla_decode_sdpa, q, kv, latent_dim=dc)
-                rows[1]["ran"] = ran[0] if ran else "unknown"
-            except Exception as e:
-                rows[1]["ran"] = f"unknown ({_first_line(e)})"
-            progress.update(2)
-            rows += _gpu_rows("cupy", "mla_decode",
-                              lambda cfg: _gpu_module("cupy").mla_decode(q, kv, config=cfg),
-                              need=dict(q=q, k=kv), work=flops, unit="TFLOP/s", ref=ref, dtype=dtype,
-                              target_ms=target_ms)
-            progress.update(1)
-            for r in rows:
-                _mla_rates(r, flops, cache_bytes, roof["bound_ms"])
-            base = next((r for r in rows if r["runner"] == "torch:matmul" and r.get("status") == "ok"), None)
-            for r in rows:
-                if base and r.get("status") == "ok":
-                    r["speed_vs_torch_matmul"] = round(base["ms"] / r["ms"], 4)
-            case["results"] = rows
-            cases.append(case)
-            del q, kv, ref
-            release_device_cache()
-    return cases

@@ -171,7 +171,7 @@ def sweep_prefill(out_path=None, reps=REPS):
                                      max_abs_diff_vs_sdpa=err))
                 except Exception as e:                 # a config that does not fit: say so, go on
                     print(f"# {group} cupy {label}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-        del q, k, v
+        q = k = v = None                # drop the tensors (sdpa() above closes over them)
         bench.release_device_cache()
     return _save(out_path, rows)
 
@@ -337,7 +337,8 @@ def paged_serving_probe(out_path=None, reps=REPS, versions=None):
                     kp, vp, tables, lens = bench.device_pages(k, v, seed=0, block_size=bs, scattered=scattered)
                     ms = bench.time_cuda(cr.paged_decode_pools, q, kp, vp, tables, lens, config=cfg,
                                          reps=reps).median_ms
-                    _emit(rows, dict(shape=shape, runner=f"{version} paged {bs} {'scattered' if scattered else 'in order'}",
+                    order = "scattered" if scattered else "in order"
+                    _emit(rows, dict(shape=shape, runner=f"{version} paged {bs} {order}",
                                      ms=round(ms, 5), tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3),
                                      vs_contiguous=round(base / ms, 3)))
                     del kp, vp

@@ -35,6 +35,7 @@ as absolute claims in tests.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -199,7 +200,6 @@ class _Device:
 
 
 def _cupy_loaded() -> bool:
-    import sys
     return "cupy" in sys.modules
 
 

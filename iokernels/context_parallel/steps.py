@@ -110,7 +110,7 @@ def _rows(x, ranges, axis=2):
 
 def _block_forward(q, kv, calls, scale, backend, config, stats):
     """O_b, LSE_b (accumulator dtype) of the rank's queries against one K/V block."""
-    from ..core.api import attention
+    from ..api import attention
     acc = xa.accumulator(q)
     B, Hq, nq, d = q.shape
     o_b = xa.zeros((B, Hq, nq, d), acc, q)
@@ -204,7 +204,7 @@ def _torch_backward_for(q) -> bool:
 
 def _block_backward(do, q, o, lse, kv, calls, scale, backend, config, stats):
     """dQ (rank's rows) and dK_c, dV_c (packed, accumulator dtype) of one block."""
-    from ..core.api import attention_backward
+    from ..api import attention_backward
     acc = xa.accumulator(q)
     dq = xa.zeros(q.shape, acc, q)
     dkv = xa.zeros(kv.shape, acc, q)

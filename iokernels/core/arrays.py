@@ -33,12 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import conventions as cv
+from .testing import numpy_dtype
 
 KINDS = ("numpy", "torch", "cupy", "numba")
 
 
 def _numpy_dtype(name):
-    from .testing import numpy_dtype
     return numpy_dtype(name)
 
 
@@ -133,11 +133,11 @@ def device_array(x, dtype: str | None = None) -> DeviceArray:
     item = np.dtype(cai["typestr"]).itemsize
     shape = tuple(cai["shape"])
     if cai.get("strides") is None:
-        strides, acc = [], 1
+        elems, acc = [], 1
         for n in reversed(shape):
-            strides.append(acc)
+            elems.append(acc)
             acc *= n
-        strides = tuple(reversed(strides))
+        strides = tuple(reversed(elems))
     else:
         strides = tuple(s // item for s in cai["strides"])
     return DeviceArray(int(cai["data"][0]), shape, strides, dtype or np.dtype(cai["typestr"]).name, item, x)

@@ -229,7 +229,8 @@ def check_finite(x, name: str) -> None:
         af = a.astype(np.float32) if a.dtype.name == "bfloat16" else a
         if not np.all(np.isfinite(af)):
             bad = np.argwhere(~np.isfinite(af))[0]
-            raise ValueError(f"{name}: holds a non-finite value ({af[tuple(bad)]}) at index {tuple(int(i) for i in bad)}; "
+            raise ValueError(f"{name}: holds a non-finite value ({af[tuple(bad)]}) at index "
+                             f"{tuple(int(i) for i in bad)}; "
                              f"attention inputs must be finite")
 
 

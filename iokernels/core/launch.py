@@ -23,6 +23,7 @@ import os
 import queue as _queue
 import time
 import traceback
+from typing import Any
 
 #: seconds a terminated rank is given to exit before it is killed
 TERMINATE_GRACE_S = 5.0
@@ -51,7 +52,7 @@ def _rank_main(rank, world_size, port, backend, fn, payload, results, timeout):
             torch.cuda.set_device(rank % torch.cuda.device_count())
             device = torch.device("cuda", torch.cuda.current_device())
         store = dist.TCPStore(HOST, port, None, False, datetime.timedelta(seconds=timeout))
-        kw = dict(device_id=device) if backend == "nccl" else {}
+        kw: dict[str, Any] = dict(device_id=device) if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout), **kw)
         out = fn(rank, world_size, device, payload)
@@ -103,8 +104,11 @@ def launch(fn, world_size: int, payload=None, *, backend: str = "gloo", timeout:
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, store.port, backend, fn, payload, results,
                                                   timeout), daemon=True)
              for r in range(world_size)]
-    out, errors, failure = {}, {}, None
+    out: dict[int, Any] = {}
+    errors: dict[int, Any] = {}
+    failure = None
     deadline = time.monotonic() + timeout
+    gather_until = float("inf")       # set when the first error arrives: then wait GATHER_S for the rest
     try:
         for p in procs:
             p.start()

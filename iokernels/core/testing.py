@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import conventions as cv
+from . import reference
+from .reference import _f64
 
 #: float64 runs must match the float64 oracle to about this (scaled by max(1, max|ref|)).
 FLOAT64_TOL = 1e-12
@@ -30,7 +32,6 @@ LOW_PRECISION_ATOL = {"float16": 1e-4, "bfloat16": 1e-3, "float32": 1e-6}
 
 def as_numpy(x) -> np.ndarray:
     """Any array (NumPy, CuPy, Numba device, torch incl. bfloat16) as a float64 NumPy array."""
-    from .reference import _f64
     return _f64(x)
 
 
@@ -93,7 +94,6 @@ def oracle_by_head(do, q, k, v, causal=False, window=None):
     head's N_q x N_k matrices at a time keeps large N (4096 and up) in memory.  dK, dV are
     summed over each GQA group.
     """
-    from . import reference
     do, q, k, v = (as_numpy(x) for x in (do, q, k, v))
     B, Hq, Nq, d = q.shape
     Hkv = k.shape[1]
@@ -142,40 +142,6 @@ class Check:
 
     def __bool__(self) -> bool:
         return self.ok
-
-
-def make_paged_decode_inputs(rng: np.random.Generator, batch, heads_q, heads_kv, seqlen, head_dim, dtype,
-                             kv_dtype=None, scale_granularity="block_head", block_size=16):
-    """A decode problem over a filled :class:`~iokernels.paged.PagedKVCache`: ragged lengths
-    (the first sequence empty, the last ``seqlen`` long), optionally quantized.
-
-    Returns (q (B, Hq, d), k, v (B, Hkv, N, d) the exact values, lens, cache, seq ids,
-    k_hat, v_hat): k_hat, v_hat (float64) are what the cache holds (its codes times its
-    scales when quantized; zeros past each length).
-    """
-    q, k, v = make_inputs(rng, batch=batch, heads_q=heads_q, heads_kv=heads_kv, seqlen_q=1, seqlen_k=seqlen,
-                          head_dim=head_dim, dtype=dtype)
-    q = q[:, :, 0]
-    lens = rng.integers(1, seqlen + 1, size=batch)
-    lens[0], lens[-1] = 0, seqlen
-    return (q, k, v, lens, *paged_cache_of(k, v, lens, dtype, kv_dtype, scale_granularity, block_size))
-
-
-def paged_cache_of(k, v, lens, dtype, kv_dtype=None, scale_granularity="block_head", block_size=16):
-    """A :class:`~iokernels.paged.PagedKVCache` holding sequence b's first lens[b] rows of k, v
-    (B, Hkv, N, d), one append each: (cache, seq ids, k_hat, v_hat), k_hat and v_hat (float64)
-    what it holds (zeros past each length)."""
-    from ..paged import PagedKVCache
-    batch, heads_kv, seqlen, head_dim = k.shape
-    cache = PagedKVCache(batch * (-(-seqlen // block_size)) + 2, block_size, num_kv_heads=heads_kv,
-                         head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype, scale_granularity=scale_granularity)
-    sids = [cache.new_sequence() for _ in range(batch)]
-    k_hat, v_hat = np.zeros(k.shape), np.zeros(v.shape)
-    for b, (sid, n) in enumerate(zip(sids, lens)):
-        if n:
-            cache.append(sid, k[b, :, :n].transpose(1, 0, 2).copy(), v[b, :, :n].transpose(1, 0, 2).copy())
-            k_hat[b, :, :n], v_hat[b, :, :n] = cache.gather(sid)
-    return cache, sids, k_hat, v_hat
 
 
 def _max_err(out, ref):
