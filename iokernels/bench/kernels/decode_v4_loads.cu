@@ -236,7 +236,7 @@ decode_split_v4_loads(const elem_t* __restrict__ Q,          // (batch, heads_q,
 #else
                         const elem_t* src = is_v ? Vb + (long long)n * svn : Kb + (long long)n * skn;
 #endif
-                        fence_proxy_async_smem();                  // this stage's last reads come first
+                        fence_proxy_async();                  // this stage's last reads come first
                         bulk_copy_g2s(dst, src, ROW_BYTES, &full[warp][stage]);
                     } else {                                       // past the split: a zero row
 #pragma unroll

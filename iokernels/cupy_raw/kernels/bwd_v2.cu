@@ -241,14 +241,14 @@ bwd_v2_main(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const el
 #pragma unroll
         for (int kk = 0; kk < BLOCK_Q / 16; ++kk) {
             u32 pa[4], sa[4];
-            pa[0] = pack2(s[2 * kk][0], s[2 * kk][1]);
-            pa[1] = pack2(s[2 * kk][2], s[2 * kk][3]);
-            pa[2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            pa[3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            sa[0] = pack2(dp[2 * kk][0], dp[2 * kk][1]);
-            sa[1] = pack2(dp[2 * kk][2], dp[2 * kk][3]);
-            sa[2] = pack2(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-            sa[3] = pack2(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
+            pa[0] = pack2_cvt_each(s[2 * kk][0], s[2 * kk][1]);
+            pa[1] = pack2_cvt_each(s[2 * kk][2], s[2 * kk][3]);
+            pa[2] = pack2_cvt_each(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            pa[3] = pack2_cvt_each(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            sa[0] = pack2_cvt_each(dp[2 * kk][0], dp[2 * kk][1]);
+            sa[1] = pack2_cvt_each(dp[2 * kk][2], dp[2 * kk][3]);
+            sa[2] = pack2_cvt_each(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+            sa[3] = pack2_cvt_each(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
             // write dS_ij^T -> SRAM (16 bits; this warp's 16 key rows) for the dQ product
             u16* w = dSs + (warp * 16 + g) * DSROW + kk * 16 + 2 * t;
             *reinterpret_cast<u32*>(w) = sa[0];

@@ -9,22 +9,11 @@
 //   0 float32, 1 float16, 2 bfloat16, 3 float64.
 // 16-bit values are kept as raw `unsigned short` bit patterns and converted with PTX.
 #pragma once
-
-#define IK_F32 0
-#define IK_F16 1
-#define IK_BF16 2
-#define IK_F64 3
-
-#ifndef IK_DTYPE
-#error "common.cuh: -DIK_DTYPE is missing (every config's defines passes it)"
-#endif
+#include "base.cuh"                     // IK_F32 .. IK_F64, u16 / u32, smem_addr, fast_exp2
 
 #if IK_DTYPE == IK_BF16 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
 #error "bfloat16 kernels need compute capability 8.0 or newer (bf16 conversions and mma)"
 #endif
-
-typedef unsigned short u16;
-typedef unsigned int u32;
 
 // ----------------------------------------------------------------------------- dtypes
 // elem_t: what lives in HBM.  acc_t: what S, m, l and O accumulate in (float32, or
@@ -127,12 +116,6 @@ __device__ __forceinline__ int key_hi(int i, int nq, int nk, int right) {
 }
 
 // ----------------------------------------------------------------------------- shared memory
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
 // Copy 16 bytes HBM -> SRAM.  sm_80+: asynchronous (cp.async, completes at cp_async_wait);
 // when `pred` is false the 16 bytes are zero-filled (src-size 0) and nothing is read.
 // sm_75: an ordinary load and store (synchronous; the waits below are no-ops).

@@ -176,8 +176,8 @@ fa_v2(const elem_t* __restrict__ Q, const elem_t* __restrict__ K, const elem_t* 
     u16* Ow = Qs + warp * 16 * SROW;
 #pragma unroll
     for (int n = 0; n < NT_O; ++n) {
-        *reinterpret_cast<u32*>(Ow + g * SROW + n * 8 + 2 * t) = pack2(o[n][0] * inv[0], o[n][1] * inv[0]);
-        *reinterpret_cast<u32*>(Ow + (g + 8) * SROW + n * 8 + 2 * t) = pack2(o[n][2] * inv[1], o[n][3] * inv[1]);
+        *reinterpret_cast<u32*>(Ow + g * SROW + n * 8 + 2 * t) = pack2_cvt_each(o[n][0] * inv[0], o[n][1] * inv[0]);
+        *reinterpret_cast<u32*>(Ow + (g + 8) * SROW + n * 8 + 2 * t) = pack2_cvt_each(o[n][2] * inv[1], o[n][3] * inv[1]);
     }
     __syncwarp();
     elem_t* Ob = O + ((long long)b * heads_q + h) * nq * HEAD_DIM;

@@ -48,8 +48,6 @@
 #define Q_PANEL_BYTES (BLOCK_M * PANEL_BYTES)
 #define KV_TILE_BYTES (BLOCK_N * HEAD_DIM * ELEM_BYTES)
 #define KV_PANEL_BYTES (BLOCK_N * PANEL_BYTES)
-#define NEG_INF (-__int_as_float(0x7f800000))
-#define LN2 0.6931471805599453f
 
 #if BLOCK_N == 128
 #define WGMMA_S wgmma_ss_n128<0>
@@ -187,10 +185,10 @@ __device__ __forceinline__ void rescale_o(float (&o)[O_REGS], const float (&alph
 __device__ __forceinline__ void p_fragments(const float (&s)[S_REGS], u32 (&pa)[PV_STEPS][4]) {
 #pragma unroll
     for (int kk = 0; kk < PV_STEPS; ++kk) {
-        pa[kk][0] = pack2(s[8 * kk + 0], s[8 * kk + 1]);   // row a, keys 16kk + 2t, +1
-        pa[kk][1] = pack2(s[8 * kk + 2], s[8 * kk + 3]);   // row b
-        pa[kk][2] = pack2(s[8 * kk + 4], s[8 * kk + 5]);   // row a, keys 16kk + 8 + 2t, +1
-        pa[kk][3] = pack2(s[8 * kk + 6], s[8 * kk + 7]);   // row b
+        pa[kk][0] = pack2_cvt_x2(s[8 * kk + 0], s[8 * kk + 1]);   // row a, keys 16kk + 2t, +1
+        pa[kk][1] = pack2_cvt_x2(s[8 * kk + 2], s[8 * kk + 3]);   // row b
+        pa[kk][2] = pack2_cvt_x2(s[8 * kk + 4], s[8 * kk + 5]);   // row a, keys 16kk + 8 + 2t, +1
+        pa[kk][3] = pack2_cvt_x2(s[8 * kk + 6], s[8 * kk + 7]);   // row b
     }
 }
 
@@ -263,7 +261,7 @@ __device__ __forceinline__ void write_o_lse(const float (&o)[O_REGS], RowState& 
             u16* dst = o_out + ((size_t)bh * p.nq + row) * HEAD_DIM + 2 * t;
 #pragma unroll
             for (int j = 0; j < HEAD_DIM / 8; ++j)
-                *(u32*)(dst + 8 * j) = pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+                *(u32*)(dst + 8 * j) = pack2_cvt_x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
             if (t == 0) lse_out[(size_t)bh * p.nq + row] = l > 0.f ? (st.m[r] + fast_log2(l)) * LN2 : NEG_INF;
         }
     }

@@ -1,7 +1,9 @@
 // hopper_common.cuh -- the Hopper (sm_90a) building blocks the wgmma kernels share.
 //
 // Everything here is a thin, named wrapper around one PTX instruction (no CUDA headers, no
-// CUTLASS), so a reader can match each line of a kernel to the PTX ISA manual:
+// CUTLASS), so a reader can match each line of a kernel to the PTX ISA manual.  What the
+// portable kernels share too (the word typedefs, smem_addr, fast_exp2, fence_proxy_async)
+// is base.cuh's, included first.
 //
 //   TmaMap            the 128-byte tensor map (CUtensorMap) the host encodes with the driver's
 //                     cuTensorMapEncodeTiled; kernels take it as a __grid_constant__ parameter
@@ -24,12 +26,8 @@
 //
 // Storage dtype (-DIK_DTYPE): 1 float16, 2 bfloat16; accumulation is always float32.
 #pragma once
+#include "base.cuh"            // IK_F16 / IK_BF16, u16 / u32 / u64, smem_addr, fast_exp2, fence_proxy_async
 
-#define IK_F16 1
-#define IK_BF16 2
-#ifndef IK_DTYPE
-#error "hopper_common.cuh: -DIK_DTYPE is missing (every Hopper kernel's defines passes it)"
-#endif
 #if IK_DTYPE == IK_BF16
 #define IK_WG_AB "bf16"
 #elif IK_DTYPE == IK_F16
@@ -37,10 +35,6 @@
 #else
 #error "the Hopper kernels take IK_DTYPE 1 (float16) or 2 (bfloat16)"
 #endif
-
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
 
 //: a 16-bit element's bytes, and one swizzle panel's width in elements (128 bytes)
 #define ELEM_BYTES 2
@@ -54,13 +48,6 @@ struct __align__(64) TmaMap {
     u64 opaque[16];
 };
 
-// a generic pointer into SRAM -> the 32-bit shared-window address PTX instructions take
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    u32 a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
-
 // ----------------------------------------------------------------------------- mbarrier
 // mbar_init, mbar_fence_init, mbar_arrive_expect_tx, mbar_arrive, mbar_wait: mbarrier.cuh
 #include "mbarrier.cuh"
@@ -73,15 +60,15 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, u64* b
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         " [%0], [%1, {%2, %3}], [%4];\n"
-        :: "r"(smem_u32(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+        :: "r"(smem_addr(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(smem_addr(bar))
         : "memory");
 }
 __device__ __forceinline__ void tma_load_3d(void* dst, const TmaMap* map, u64* bar, int c0, int c1, int c2) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         " [%0], [%1, {%2, %3, %4}], [%5];\n"
-        :: "r"(smem_u32(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2),
-           "r"(smem_u32(bar))
+        :: "r"(smem_addr(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2),
+           "r"(smem_addr(bar))
         : "memory");
 }
 __device__ __forceinline__ void tma_prefetch_map(const TmaMap* map) {
@@ -98,14 +85,14 @@ __device__ __forceinline__ u64 desc_field(u32 bytes) { return (u64)((bytes & 0x3
 // 16-wide k-step lies inside a 128-byte swizzled row; the next 8-row group is 1024 bytes on.
 // The leading offset is unused for this layout (set to 16 bytes by convention).
 __device__ __forceinline__ u64 smem_desc_k_major(const void* tile) {
-    return desc_field(smem_u32(tile)) | (desc_field(16) << 16) | (desc_field(SWIZZLE_ATOM_BYTES) << 32)
+    return desc_field(smem_addr(tile)) | (desc_field(16) << 16) | (desc_field(SWIZZLE_ATOM_BYTES) << 32)
            | DESC_SWIZZLE_128B;
 }
 // MN-major B operand (rows are the reduction dimension, columns contiguous: V, GEMM's B as it
 // lies in HBM): 8 reduction rows make one 1024-byte atom (stride offset); the next 64 columns
 // are the next panel, `panel_bytes` on (leading offset).
 __device__ __forceinline__ u64 smem_desc_mn_major(const void* tile, u32 panel_bytes) {
-    return desc_field(smem_u32(tile)) | (desc_field(panel_bytes) << 16)
+    return desc_field(smem_addr(tile)) | (desc_field(panel_bytes) << 16)
            | (desc_field(SWIZZLE_ATOM_BYTES) << 32) | DESC_SWIZZLE_128B;
 }
 
@@ -124,8 +111,8 @@ __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i]) :: "memory");
 }
-// SRAM written by ordinary stores, read next by the async proxy (wgmma, TMA)
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// SRAM written by ordinary stores, read next by the async proxy (wgmma, TMA): base.cuh's
+// fence_proxy_async
 
 // ----------------------------------------------------------------------------- registers, barriers
 template <int N>
@@ -140,8 +127,14 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
 }
 
 // ----------------------------------------------------------------------------- numbers
-// two float32 -> one 32-bit word of two 16-bit values (lo in the low half)
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
+// the mask value (a masked score vanishes exactly after exp2) and ln 2 (log2 units -> LSE)
+#define NEG_INF (-__int_as_float(0x7f800000))
+#define LN2 0.6931471805599453f
+
+// two float32 -> one 32-bit word of two 16-bit values (lo in the low half) by one paired
+// conversion, cvt.rn.{bf16x2,f16x2}.f32 (sm_80+); mma.cuh's pack2_cvt_each is the two-cvt
+// form the portable kernels need for sm_75.  Both round to nearest even.
+__device__ __forceinline__ u32 pack2_cvt_x2(float lo, float hi) {
     u32 r;
 #if IK_DTYPE == IK_BF16
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
@@ -149,11 +142,6 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
 #endif
     return r;
-}
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
 }
 
 // a row's max and sum over the 4 lanes (t = lane % 4) of a quad that share it in the wgmma

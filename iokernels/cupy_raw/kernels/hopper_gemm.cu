@@ -146,8 +146,8 @@ hopper_gemm(const __grid_constant__ TmaMap map_a, const __grid_constant__ TmaMap
         for (int j = 0; j < BN / 8; ++j) {
             const int col = tile_n * BN + 8 * j + 2 * t;
             if (col < N) {      // N is even (row strides of 16 bytes), so col + 1 < N too
-                if (r_a < M) *(u32*)(c + (size_t)r_a * N + col) = pack2(acc[4 * j + 0], acc[4 * j + 1]);
-                if (r_b < M) *(u32*)(c + (size_t)r_b * N + col) = pack2(acc[4 * j + 2], acc[4 * j + 3]);
+                if (r_a < M) *(u32*)(c + (size_t)r_a * N + col) = pack2_cvt_x2(acc[4 * j + 0], acc[4 * j + 1]);
+                if (r_b < M) *(u32*)(c + (size_t)r_b * N + col) = pack2_cvt_x2(acc[4 * j + 2], acc[4 * j + 3]);
             }
         }
     }

@@ -88,8 +88,6 @@
 //: BAR_P opens when P_j and alpha are in SRAM; BAR_FREE when warpgroup 1 is done with tile j
 #define BAR_P 1
 #define BAR_FREE 2
-#define NEG_INF (-__int_as_float(0x7f800000))
-#define LN2 0.6931471805599453f
 
 // load cache rows [key0, key0 + 64) of sequence b -> SRAM tile `dst` (9 boxes of 64 x 64)
 __device__ __forceinline__ void load_tile(unsigned char* dst, const TmaMap* map, u64* bar, int key0, int b,
@@ -209,7 +207,7 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
                 for (int r = 0; r < 2; ++r) {
                     const int row = r ? rb : ra;
                     *(u32*)(sp + row * PANEL_BYTES + ((j ^ (row % 8)) * 16) + 4 * t) =
-                        pack2(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]);
+                        pack2_cvt_x2(sacc[4 * j + 2 * r], sacc[4 * j + 2 * r + 1]);
                 }
             }
             if (t == 0) { s_alpha[ra] = alpha[0]; s_alpha[rb] = alpha[1]; }
@@ -272,7 +270,7 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
             u16* dst = O + orow * LATENT + wg * HALF + 2 * t;
 #pragma unroll
             for (int j = 0; j < HALF / 8; ++j)
-                *(u32*)(dst + 8 * j) = pack2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+                *(u32*)(dst + 8 * j) = pack2_cvt_x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
             if (wg == 0 && t == 0) LSE[orow] = lse;
         } else {                                              // write O_s, LSE_s -> HBM
             float* dst = O_part + ((long long)split * rows + orow) * LATENT + wg * HALF + 2 * t;

@@ -2,9 +2,9 @@
 //
 // ldmatrix loads 8x8 tiles of 16-bit values from SRAM straight into the fragment layout
 // of mma.sync (".trans": transposed on the way in); mma16816 is one m16n8k16 product with
-// float32 accumulators (two m16n8k8 products on sm_75, which has no k16 shape); pack2
-// turns two float32 accumulators into one register of a 16-bit A fragment; fast_exp2 is
-// the hardware's exp2 (ex2.approx: exp2(-inf) = +0, which the online softmax relies on).
+// float32 accumulators (two m16n8k8 products on sm_75, which has no k16 shape); pack2_cvt_each
+// turns two float32 accumulators into one register of a 16-bit A fragment; the online
+// softmax's exp2 is base.cuh's fast_exp2.
 // Fragment coordinates of m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"): lane
 // = 4 * g + t; A regs a0..a3 hold (row g, k 2t..2t+1), (row g+8, k 2t..), (row g, k 2t+8..),
 // (row g+8, k 2t+8..); B regs b0, b1 hold (k 2t.., col g), (k 2t+8.., col g); the
@@ -24,7 +24,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* p) {
 }
 
 // d[4] += A (16x16, 4 regs) * B (16x8, 2 regs), float16 operands whatever IK_DTYPE is
-// (decode_v4.cu's quantized path computes in float16 for either compute dtype),
+// (decode_v5.cu's 1-byte codes are float16 operands for either compute dtype),
 // float32 accumulators.
 __device__ __forceinline__ void mma16816_f16(float* d, const u32* a, u32 b0, u32 b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -59,19 +59,15 @@ __device__ __forceinline__ void mma16816(float* d, const u32* a, u32 b0, u32 b1)
 #endif
 }
 
-// two float32 -> one register of two 16-bit values (lo = the lower column)
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
+// two float32 -> one register of two 16-bit IK_DTYPE values (lo = the lower column), each
+// value rounded by its own cvt (cvt.rn.f16.f32 / cvt.rn.bf16.f32), then shifted and or-ed:
+// sm_75 has no paired cvt.  hopper_common.cuh's pack2_cvt_x2 is the one-instruction form.
+__device__ __forceinline__ u32 pack2_cvt_each(float lo, float hi) {
     return (u32)from_acc(lo) | ((u32)from_acc(hi) << 16);
 }
 // ... of two float16 values, whatever IK_DTYPE is
 __device__ __forceinline__ u32 pack2_f16(float lo, float hi) {
     return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
-}
-
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
 }
 
 
@@ -112,7 +108,7 @@ __device__ __forceinline__ void mma_qkt(float (*s)[4], const u32 (*qf)[4], const
 // online softmax of one row of the lane's two (r = 0: row g, elements 0, 1; r = 1: row
 // g + 8, elements 2, 3), S in log2 units: the row max over the quad (two shuffles), S -> P
 // in place, O's row rescaled by exp2(m_old - m_new) (times o_scale: a change of the units O is
-// kept in, decode_v4.cu's quantized path), l kept as this lane's partial sum
+// kept in, decode_v5.cu's quantized cache), l kept as this lane's partial sum
 template <int NT_S, int NT_O>
 __device__ __forceinline__ void online_softmax_row(float (*s)[4], float (*o)[4], float& m, float& l, int r,
                                                    float o_scale = 1.f) {
@@ -139,17 +135,17 @@ __device__ __forceinline__ void online_softmax_row(float (*s)[4], float (*o)[4],
 }
 
 // O (16 x 8 NT) += P (16 x 16 KS, the accumulators of mma_qkt) V_j: P's accumulators become
-// A fragments in registers (pack2), V_j's rows go through ldmatrix.trans.  HI = false:
+// A fragments in registers (pack2_cvt_each), V_j's rows go through ldmatrix.trans.  HI = false:
 // rows 8..15 of P are known to be unused and enter as zeros
 template <int KS, int NT, bool HI, int SWZ = 0>
 __device__ __forceinline__ void mma_pv(float (*o)[4], const float (*p)[4], const u16* Vt, int ld, int lane) {
 #pragma unroll
     for (int kk = 0; kk < KS; ++kk) {
         u32 pa[4];
-        pa[0] = pack2(p[2 * kk][0], p[2 * kk][1]);
-        pa[1] = HI ? pack2(p[2 * kk][2], p[2 * kk][3]) : 0u;
-        pa[2] = pack2(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-        pa[3] = HI ? pack2(p[2 * kk + 1][2], p[2 * kk + 1][3]) : 0u;
+        pa[0] = pack2_cvt_each(p[2 * kk][0], p[2 * kk][1]);
+        pa[1] = HI ? pack2_cvt_each(p[2 * kk][2], p[2 * kk][3]) : 0u;
+        pa[2] = pack2_cvt_each(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        pa[3] = HI ? pack2_cvt_each(p[2 * kk + 1][2], p[2 * kk + 1][3]) : 0u;
 #pragma unroll
         for (int dn = 0; dn < NT / 2; ++dn) {
             u32 vb[4];   // 16 keys x two n-tiles of 8 dims, transposed on the way in

@@ -1,0 +1,117 @@
+"""Check that the kernel sources of this checkout compile to the same PTX as those of a git ref.
+
+A rename of a helper, a moved #define or a comment must not change what a kernel does; the
+proof is that nvcc emits the same PTX for it.  For every compile the tests make
+(tests/test_cupy_compile.py's jobs on sm_75/80/90, tests/test_hopper.py's on sm_90a), this
+script inlines the headers exactly as the launcher does, once from this checkout's kernel
+folders and once from ``--ref`` (default main), runs ``nvcc -ptx`` on both with the same
+defines, drops comments and ``.file`` / ``.loc`` lines, and compares.
+
+    python scripts/ptx_same.py [--ref main] [-k SUBSTRING] [--workers 2]
+
+Exit status 0 when every PTX is identical; otherwise the differing jobs are listed with the
+first differing lines.  Needs nvcc, no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import pathlib
+import re
+import subprocess
+import sys
+import tarfile
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from io import BytesIO
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+KERNELS = "iokernels/cupy_raw/kernels"
+BENCH_KERNELS = "iokernels/bench/kernels"
+NVCC = "nvcc"
+
+
+def _jobs():
+    """(label, kernel file name, defines, arch flag): the tests' own compile lists."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    import test_cupy_compile as tc
+    import test_hopper as th
+    jobs = [(f"sm_{arch} {label}", name, defines, f"-arch=sm_{arch}") for label, name, defines, arch in tc._jobs()]
+    jobs += [(f"sm_90a {label}", name, defines, "-arch=sm_90a") for label, name, defines in th._jobs()]
+    return jobs
+
+
+def _inline(root: pathlib.Path, name: str) -> str:
+    """The source of kernel file ``name`` under ``root`` with its headers inlined, each once
+    (launch.source's rule: headers live in the portable kernels' folder)."""
+    kdir = root / KERNELS
+    path = kdir / f"{name}.cu"
+    if not path.exists():
+        path = root / BENCH_KERNELS / f"{name}.cu"
+    seen = set()
+
+    def inline(text):
+        def sub(m):
+            if m.group(1) in seen:
+                return ""
+            seen.add(m.group(1))
+            return inline((kdir / m.group(1)).read_text().replace("#pragma once", ""))
+        return re.sub(r'#include "([a-z_0-9]+\.cuh)"', sub, text)
+
+    return inline(path.read_text())
+
+
+def _ptx(src: str, defines: dict, arch: str, work: pathlib.Path, tag: str) -> str:
+    cu = work / f"{tag}.cu"          # same name for both trees: nothing of the path reaches the PTX
+    cu.write_text(src)
+    out = work / f"{tag}.ptx"
+    cmd = [NVCC, "-ptx", arch, "-std=c++17", *(f"-D{k}={v}" for k, v in sorted(defines.items())),
+           str(cu), "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
+    if r.returncode:
+        return f"<compile failed>\n{r.stderr}"
+    keep = []
+    for line in out.read_text().splitlines():
+        s = line.strip()
+        if not s or s.startswith("//") or s.startswith(".file") or s.startswith(".loc"):
+            continue
+        keep.append(line)
+    return "\n".join(keep)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ref", default="main", help="the git ref to compare against (default main)")
+    ap.add_argument("-k", default="", help="only jobs whose label contains this")
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args(argv)
+    jobs = [j for j in _jobs() if args.k in j[0]]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        old = tmp / "ref"
+        blob = subprocess.run(["git", "archive", args.ref, KERNELS, BENCH_KERNELS], cwd=ROOT,
+                              capture_output=True, check=True).stdout
+        tarfile.open(fileobj=BytesIO(blob)).extractall(old, filter="data")
+
+        def one(i_job):
+            i, (label, name, defines, arch) = i_job
+            work = tmp / f"w{i}"
+            work.mkdir()
+            a = _ptx(_inline(old, name), defines, arch, work, "kernel")
+            b = _ptx(_inline(ROOT, name), defines, arch, work, "kernel")
+            return label, a, b
+
+        with ThreadPoolExecutor(max_workers=args.workers) as pool:
+            results = list(pool.map(one, enumerate(jobs)))
+    bad = 0
+    for label, a, b in results:
+        if a != b or a.startswith("<compile failed>"):
+            bad += 1
+            diff = list(difflib.unified_diff(a.splitlines(), b.splitlines(), args.ref, "this tree", lineterm="", n=1))
+            print(f"DIFFERS {label}\n  " + "\n  ".join(diff[:20] or a.splitlines()[:10]))
+    print(f"{len(results) - bad} of {len(results)} compiles: identical PTX against {args.ref}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
