@@ -60,11 +60,11 @@
 #if IK_DTYPE != IK_F16 && IK_DTYPE != IK_BF16
 #error "decode_v4 is the 16-bit tensor-core decode: IK_DTYPE must be 1 (float16) or 2 (bfloat16)"
 #endif
-#if HEAD_DIM % 16 != 0 || HEAD_DIM > 256
-#error "decode_v4_loads: head_dim must be a multiple of 16, at most 256 (use decode_v3.cu)"
+#if HEAD_DIM % 16 != 0
+#error "decode_v4_loads: HEAD_DIM must be a multiple of 16 (whole mma k-steps; policy: decode_config.v4_limits)"
 #endif
 #if GROUP < 1 || GROUP > 16
-#error "decode_v4_loads: the GQA group must fit the 16 rows of one mma A operand (use decode_v3.cu)"
+#error "decode_v4_loads: group 1..16 (the rows of one 16-row mma A operand; policy: decode_config.v4_limits)"
 #endif
 #if TILE_ROWS % 16 != 0
 #error "decode_v4_loads: TILE_ROWS must be a multiple of 16 (the k depth of the P V product)"

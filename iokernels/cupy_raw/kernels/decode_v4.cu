@@ -47,9 +47,11 @@
 //   m, l     running max (log2 units) and sum of a query row; O its unnormalised output
 //   O_s      split s's normalised partial output; LSE_s its log-sum-exp (natural log)
 //
-// Limits: the registry's check (cupy_raw.decode_config.DECODE_V4_LIMITS) refuses the rest,
-// which v3 takes; the #errors below only guard the compile.  The file still compiles for
-// sm_75 (mma16816 is two k8 products there, cp.async a plain copy), float16 only.
+// Limits: their one home is v4_limits in iokernels/cupy_raw/decode_config.py (the registry's
+// check and DecodeConfig.defines call it; v3 takes what it refuses).  The #errors below refuse
+// only a compile this kernel cannot be: a non-16-bit dtype, head dims that are not whole
+// 16-deep k-steps, a group that does not fit one 16-row A operand.  The file still compiles
+// for sm_75 (mma16816 is two k8 products there, cp.async a plain copy), float16 only.
 //
 // Compile-time settings, every one passed by DecodeConfig.defines (none has a default here):
 // IK_DTYPE, HEAD_DIM, GROUP, PAGED, BLOCK_SIZE (paged), NUM_WARPS, STAGES, TILE_ROWS,
@@ -95,8 +97,11 @@
 #if IK_DTYPE != IK_F16 && IK_DTYPE != IK_BF16
 #error "decode_v4 is the 16-bit tensor-core decode: IK_DTYPE must be 1 (float16) or 2 (bfloat16)"
 #endif
-#if HEAD_DIM % 16 != 0 || HEAD_DIM > 256 || GROUP < 1 || GROUP > 16
-#error "decode_v4: head_dim a multiple of 16 up to 256, group 1..16 (DECODE_V4_LIMITS; use decode_v3.cu)"
+#if HEAD_DIM % 16 != 0
+#error "decode_v4: HEAD_DIM must be a multiple of 16 (whole mma k-steps; policy: decode_config.v4_limits)"
+#endif
+#if GROUP < 1 || GROUP > 16
+#error "decode_v4: group 1..16 (the rows of one 16-row mma A operand; policy: decode_config.v4_limits)"
 #endif
 #if TILE_ROWS % 16 != 0
 #error "decode_v4: TILE_ROWS must be a multiple of 16 (the k depth of the P V product)"

@@ -32,8 +32,10 @@
 //
 // Notation: as decode_v4.cu; s_K, s_V a row's scales; sigma O's unit (the largest s_V seen).
 //
-// Limits: the registry's check (cupy_raw.decode_config.DECODE_V5_LIMITS) refuses the rest,
-// which v3 takes: v4's, head dims 64, 128 or 256 (the swizzle of the unpadded 1-byte rows).
+// Limits: their one home is iokernels/cupy_raw/decode_config.py (v4_limits, which v5 shares,
+// and the head dims 64, 128 or 256 of DECODE_V5_HEAD_DIMS: the swizzle of the unpadded 1-byte
+// rows); the registry's check and DecodeConfig.defines call them, and v3 takes what they
+// refuse.  The #errors below (and mma_codes.cuh's) refuse only a compile this kernel cannot be.
 //
 // Compile-time settings, every one passed by DecodeConfig.defines (none has a default here):
 // IK_DTYPE (the queries' and outputs' dtype), KV_QUANT, HEAD_DIM, GROUP, PAGED (1),
@@ -80,8 +82,8 @@
 #if IK_DTYPE != IK_F16 && IK_DTYPE != IK_BF16
 #error "decode_v5 is the 16-bit tensor-core decode: IK_DTYPE must be 1 (float16) or 2 (bfloat16)"
 #endif
-#if HEAD_DIM % 16 != 0 || HEAD_DIM > 256 || GROUP < 1 || GROUP > 16
-#error "decode_v5: head_dim a multiple of 16 up to 256, group 1..16 (DECODE_V5_LIMITS; use decode_v3.cu)"
+#if GROUP < 1 || GROUP > 16
+#error "decode_v5: group 1..16 (the rows of one 16-row mma A operand; policy: decode_config.v4_limits)"
 #endif
 #if TILE_ROWS % 16 != 0
 #error "decode_v5: TILE_ROWS must be a multiple of 16 (the k depth of the P V product)"

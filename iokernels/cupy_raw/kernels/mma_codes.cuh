@@ -1,5 +1,5 @@
-// mma_codes.cuh -- 1-byte KV codes (int8, float8 e4m3) as float16 mma.sync operands: the
-// quantized path of decode_v4.cu (-DKV_QUANT=1 int8, 2 float8 e4m3; common.cuh).
+// mma_codes.cuh -- 1-byte KV codes (int8, float8 e4m3) as float16 mma.sync operands: what
+// decode_v5.cu (v4 on a quantized cache) adds to v4 (-DKV_QUANT=1 int8, 2 float8 e4m3; common.cuh).
 //
 // A tile of K_j (or V_j) lies in SRAM as it is stored: TILE_ROWS rows of HEAD_DIM 1-byte codes,
 // no padding, its 16-byte chunks placed by swz_chunk (an XOR swizzle, below) so that the two
@@ -48,7 +48,7 @@
 #include "mma.cuh"
 
 #if !(HEAD_DIM == 64 || (HEAD_DIM % 128 == 0 && HEAD_DIM <= 256))
-#error "decode_v4 KV_QUANT: head_dim 64, 128 or 256 (rows of 64 bytes or whole 128-byte lines: the swizzle)"
+#error "mma_codes.cuh: head_dim 64, 128 or 256 (rows of 64 bytes or whole 128-byte lines: the swizzle; policy: decode_config.DECODE_V5_HEAD_DIMS)"
 #endif
 
 #if KV_QUANT == IK_KV_FP8E4M3
