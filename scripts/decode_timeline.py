@@ -42,12 +42,15 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 SLOTS, MAX_BLOCKS = 16, 16384
 CLOCK = ('static __device__ __forceinline__ unsigned long long ik_clock() {\n'
          '    unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }\n')
-#: where the stamps go in decode_v4.cu (each anchor must occur once): (anchor, its replacement)
+#: where the stamps go in decode_v4.cu, the registered v4 with its one load path (each anchor
+#: must occur once in the inlined source; tests/test_cupy_compile.py checks that they do and
+#: that the stamped copy compiles): (anchor, its replacement).  The sweeps' load experiments
+#: (iokernels/bench/kernels/decode_v4_loads.cu) are not stamped: they are timed by the sweeps.
 ENTRY = 'extern "C" __global__ void __launch_bounds__(NTHREADS, DECODE_MIN_BLOCKS)\ndecode_split_v4('
 BLOCK_IDS = ("    const int split = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;\n"
              "    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;\n")
-FIRST_TILE = "        __syncwarp();\n#if KV_QUANT\n        const unsigned char* Kt"
-LOOP_END = "#if !LOAD_BULK\n    cp_async_wait<0>();\n#endif\n"
+FIRST_TILE = "        __syncwarp();\n        const u16* Kt = ring + (j % STAGES) * STAGE_ELEMS;\n"
+LOOP_END = "    cp_async_wait<0>();\n\n    // merge the warps (through SRAM)"
 FINISH = ("    decode_finish(red_m, red_l, red_o, red_o, split, b, hk, heads_q, heads_kv, num_splits,\n"
           "                  O_part, LSE_part, counters, O, LSE);\n}")
 EDITS = (
@@ -59,9 +62,10 @@ EDITS = (
      "        unsigned smid; asm volatile(\"mov.u32 %0, %%smid;\" : \"=r\"(smid));\n"
      "        ik_my[0] = ik_clock(); ik_my[12] = smid;\n"
      "    }\n"),
-    (FIRST_TILE, FIRST_TILE.replace("#if KV_QUANT",
-                                    "        if (j == 0 && threadIdx.x == 0) ik_my[1] = ik_clock();\n#if KV_QUANT")),
-    (LOOP_END, LOOP_END + "    if (lane == 0) ik_my[2 + warp % 8] = ik_clock();\n"),
+    (FIRST_TILE, FIRST_TILE.replace("        const u16* Kt",
+                                    "        if (j == 0 && threadIdx.x == 0) ik_my[1] = ik_clock();\n"
+                                    "        const u16* Kt")),
+    (LOOP_END, LOOP_END.replace("\n\n", "\n    if (lane == 0) ik_my[2 + warp % 8] = ik_clock();\n\n")),
     (FINISH, "    if (threadIdx.x == 0) ik_my[10] = ik_clock();\n" + FINISH[:-1]
      + "    __syncthreads();\n    if (threadIdx.x == 0) ik_my[11] = ik_clock();\n}"),
 )

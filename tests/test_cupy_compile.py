@@ -199,6 +199,8 @@ def test_candidates_refuse_what_they_cannot_run(tmp_path):
                        (dict(IK_DTYPE=0), "16-bit tensor-core decode"), (dict(TILE_ROWS=8), "TILE_ROWS")):
         rc, err = _compile(tmp_path, "decode_v4", dict(d4, **bad), 90)
         assert rc != 0 and words in err, (bad, err[:300])
+        if "HEAD_DIM" in bad or "GROUP" in bad:          # the policy's one home, named
+            assert "decode_config.v4_limits" in err, (bad, err[:300])
     d5 = cr.DecodeConfig("v5").defines(128, "float16", 4, True, 16, kv="int8")
     for bad, words in ((dict(HEAD_DIM=192), "head_dim 64, 128 or 256"), (dict(PAGED=0), "is paged"),
                        (dict(KV_QUANT=0), "code format")):
@@ -729,3 +731,72 @@ def test_backward_defaults_and_refusals():
         cr.BackwardConfig("v2", block_k=32).resolve(64, "float16")
     with pytest.raises(ValueError, match="config.lanes_per_key"):
         cr.BackwardConfig("v2", lanes_per_key=4)
+
+
+def _script(name):
+    import importlib.util
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_decode_timeline_stamps_the_current_decode_v4(tmp_path):
+    """scripts/decode_timeline.py's anchors each occur once in decode_v4.cu as the launcher
+    inlines it, and the stamped copy compiles (contiguous and paged, sm_80 and sm_90) with a
+    stamp at every place it names: block start, first tile, loop end, finish, block end."""
+    tl = _script("decode_timeline")
+    src = cr.source("decode_v4")
+    for anchor, _ in tl.EDITS:
+        assert src.count(anchor) == 1, anchor[:80]
+    stamped = tl.stamped_source(cr.launch)
+    for slot in ("ik_my[0]", "ik_my[1]", "ik_my[2 + warp % 8]", "ik_my[10]", "ik_my[11]", "ik_my[12]"):
+        assert stamped.count(slot) == 1, slot
+    path = tmp_path / "decode_v4_stamped.cu"
+    path.write_text(stamped)
+    for paged, arch in ((False, 90), (True, 80)):
+        defines = cr.DecodeConfig("v4").defines(tl.HEAD_DIM, "float16", tl.HEADS_Q // tl.HEADS_KV, paged, 16, cc=arch)
+        r = subprocess.run([NVCC, "-cubin", f"-arch=sm_{arch}", "-std=c++17",
+                            *(f"-D{k}={v}" for k, v in sorted(defines.items())), str(path),
+                            "-o", str(tmp_path / f"stamped_{arch}.cubin")], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[:600]
+
+
+_DEVICE_FN = re.compile(r"^(?:template\s*<[^>]*>\s*)?__(?:host__\s+__)?device__\s+(?:__forceinline__\s+)?"
+                        r"[\w:<>]+[\s*&]+(\w+)\s*\(", re.M)
+
+
+def test_every_device_helper_has_one_home():
+    """A device function that a header defines is defined in no other header (overloads in one
+    file are one helper), and the retired names of the shared-memory address conversion, the
+    async-proxy fence and the 16-bit packing do not come back: one name each (base.cuh's
+    smem_addr, fast_exp2, fence_proxy_async; mma.cuh's pack2_cvt_each and hopper_common.cuh's
+    pack2_cvt_x2, which are different instructions)."""
+    bench_dir = pathlib.Path(decode_loads.__file__).parent / "kernels"
+    files = sorted(cr.KERNEL_DIR.glob("*.cu*")) + sorted(bench_dir.glob("*.cu"))
+    homes = {}
+    for f in files:
+        if f.suffix == ".cuh":
+            for name in set(_DEVICE_FN.findall(f.read_text())):
+                homes.setdefault(name, []).append(f.name)
+    forked = {n: fs for n, fs in homes.items() if len(fs) > 1}
+    assert not forked, forked
+    for name, home in (("smem_addr", "base.cuh"), ("fast_exp2", "base.cuh"), ("fence_proxy_async", "base.cuh"),
+                       ("pack2_cvt_each", "mma.cuh"), ("pack2_cvt_x2", "hopper_common.cuh")):
+        assert homes.get(name) == [home], (name, homes.get(name))
+    text = "\n".join(f.read_text() for f in files)
+    for retired in ("smem_u32", "mbar_addr", "fence_proxy_async_smem", "pack2("):
+        assert not re.search(rf"\b{re.escape(retired)}", text), retired
+    def included(text, seen):
+        for h in re.findall(r'#include "(\w+\.cuh)"', text):
+            if h not in seen:
+                seen.add(h)
+                included((cr.KERNEL_DIR / h).read_text(), seen)
+        return seen
+    for kernel in files:               # and no kernel file defines again a helper of a header it includes
+        if kernel.suffix == ".cu":
+            text = kernel.read_text()
+            theirs = {n for h in included(text, set()) for n in _DEVICE_FN.findall((cr.KERNEL_DIR / h).read_text())}
+            again = set(_DEVICE_FN.findall(text)) & theirs
+            assert not again, (kernel.name, again)
