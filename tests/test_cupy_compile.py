@@ -770,9 +770,9 @@ _DEVICE_FN = re.compile(r"^(?:template\s*<[^>]*>\s*)?__(?:host__\s+__)?device__\
 def test_every_device_helper_has_one_home():
     """A device function that a header defines is defined in no other header (overloads in one
     file are one helper), and the retired names of the shared-memory address conversion, the
-    async-proxy fence and the 16-bit packing do not come back: one name each (base.cuh's
-    smem_addr, fast_exp2, fence_proxy_async; mma.cuh's pack2_cvt_each and hopper_common.cuh's
-    pack2_cvt_x2, which are different instructions)."""
+    async-proxy fence, the float32 mask value and the 16-bit packing do not come back: one name
+    each (base.cuh's smem_addr, fast_exp2, fence_proxy_async, neg_inf_f; mma.cuh's
+    pack2_cvt_each and hopper_common.cuh's pack2_cvt_x2, which are different instructions)."""
     bench_dir = pathlib.Path(decode_loads.__file__).parent / "kernels"
     files = sorted(cr.KERNEL_DIR.glob("*.cu*")) + sorted(bench_dir.glob("*.cu"))
     homes = {}
@@ -783,10 +783,11 @@ def test_every_device_helper_has_one_home():
     forked = {n: fs for n, fs in homes.items() if len(fs) > 1}
     assert not forked, forked
     for name, home in (("smem_addr", "base.cuh"), ("fast_exp2", "base.cuh"), ("fence_proxy_async", "base.cuh"),
+                       ("neg_inf_f", "base.cuh"),
                        ("pack2_cvt_each", "mma.cuh"), ("pack2_cvt_x2", "hopper_common.cuh")):
         assert homes.get(name) == [home], (name, homes.get(name))
     text = "\n".join(f.read_text() for f in files)
-    for retired in ("smem_u32", "mbar_addr", "fence_proxy_async_smem", "pack2("):
+    for retired in ("smem_u32", "mbar_addr", "fence_proxy_async_smem", "pack2(", "NEG_INF"):
         assert not re.search(rf"\b{re.escape(retired)}", text), retired
     def included(text, seen):
         for h in re.findall(r'#include "(\w+\.cuh)"', text):

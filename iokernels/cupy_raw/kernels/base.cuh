@@ -5,6 +5,7 @@
 //                      it takes: common.cuh all four, hopper_common.cuh the 16-bit two)
 //   u16, u32, u64      raw words: 16-bit values are kept as bit patterns and converted in PTX
 //   smem_addr          a generic pointer into SRAM -> the 32-bit shared-window address
+//   neg_inf_f          float32 minus infinity, the mask value
 //   fast_exp2          the hardware's exp2 (ex2.approx.ftz: exp2(-inf) = +0, which the
 //                      online softmax relies on)
 //   fence_proxy_async  order ordinary (generic-proxy) SRAM accesses against the async proxy's
@@ -33,6 +34,9 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
 }
+
+// minus infinity in float32, the mask value (a masked score vanishes exactly after exp2)
+__device__ __forceinline__ float neg_inf_f() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;

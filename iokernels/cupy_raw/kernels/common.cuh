@@ -79,7 +79,7 @@ __device__ __forceinline__ elem_t from_acc(acc_t x) {
 
 // Minus infinity: the mask value.  A masked score must vanish exactly after exp(),
 // and a row whose scores are all masked must be recognisable (its max stays -inf).
-__device__ __forceinline__ float neg_inf_f() { return __int_as_float(0xff800000); }
+// neg_inf_f (float) is base.cuh's.
 __device__ __forceinline__ double neg_inf_d() { return __longlong_as_double(0xfff0000000000000LL); }
 __device__ __forceinline__ acc_t neg_inf() {
 #if IK_DTYPE == IK_F64

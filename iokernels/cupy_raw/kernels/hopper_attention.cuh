@@ -134,7 +134,7 @@ struct RowState {
     float l[2];   // running sum of this thread's columns (reduced over the quad at the end)
 };
 __device__ __forceinline__ void row_state_init(RowState& st) {
-    st.m[0] = st.m[1] = NEG_INF;
+    st.m[0] = st.m[1] = neg_inf_f();
     st.l[0] = st.l[1] = 0.f;
 }
 
@@ -146,12 +146,12 @@ template <bool MASK>
 __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
                                              const AttnShape& p, int row_a, int col0) {
     const int t = threadIdx.x % 4;
-    float mx[2] = {NEG_INF, NEG_INF};
+    float mx[2] = {neg_inf_f(), neg_inf_f()};
 #pragma unroll
     for (int i = 0; i < S_REGS; ++i) {
         const int r = i % 4 < 2 ? 0 : 1;
         float x = s[i] * p.scale_log2;
-        if (MASK && !visible(p, row_a + 8 * r, col0 + 8 * (i / 4) + 2 * t + i % 2)) x = NEG_INF;
+        if (MASK && !visible(p, row_a + 8 * r, col0 + 8 * (i / 4) + 2 * t + i % 2)) x = neg_inf_f();
         s[i] = x;
         mx[r] = fmaxf(mx[r], x);
     }
@@ -159,7 +159,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], RowState& st, f
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float m_new = fmaxf(st.m[r], quad_max(mx[r]));
-        base[r] = m_new == NEG_INF ? 0.f : m_new;         // a row with nothing visible yet: P = 0, not NaN
+        base[r] = m_new == neg_inf_f() ? 0.f : m_new;         // a row with nothing visible yet: P = 0, not NaN
         alpha[r] = fast_exp2(st.m[r] - base[r]);          // exp2(-inf) = 0 on the first visible tile
         st.m[r] = m_new;
     }
@@ -262,7 +262,7 @@ __device__ __forceinline__ void write_o_lse(const float (&o)[O_REGS], RowState& 
 #pragma unroll
             for (int j = 0; j < HEAD_DIM / 8; ++j)
                 *(u32*)(dst + 8 * j) = pack2_cvt_x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-            if (t == 0) lse_out[(size_t)bh * p.nq + row] = l > 0.f ? (st.m[r] + fast_log2(l)) * LN2 : NEG_INF;
+            if (t == 0) lse_out[(size_t)bh * p.nq + row] = l > 0.f ? (st.m[r] + fast_log2(l)) * LN2 : neg_inf_f();
         }
     }
 }

@@ -2,8 +2,8 @@
 //
 // Everything here is a thin, named wrapper around one PTX instruction (no CUDA headers, no
 // CUTLASS), so a reader can match each line of a kernel to the PTX ISA manual.  What the
-// portable kernels share too (the word typedefs, smem_addr, fast_exp2, fence_proxy_async)
-// is base.cuh's, included first.
+// portable kernels share too (the word typedefs, smem_addr, neg_inf_f, fast_exp2,
+// fence_proxy_async) is base.cuh's, included first.
 //
 //   TmaMap            the 128-byte tensor map (CUtensorMap) the host encodes with the driver's
 //                     cuTensorMapEncodeTiled; kernels take it as a __grid_constant__ parameter
@@ -26,7 +26,7 @@
 //
 // Storage dtype (-DIK_DTYPE): 1 float16, 2 bfloat16; accumulation is always float32.
 #pragma once
-#include "base.cuh"            // IK_F16 / IK_BF16, u16 / u32 / u64, smem_addr, fast_exp2, fence_proxy_async
+#include "base.cuh"            // IK_F16 / IK_BF16, u16 / u32 / u64, smem_addr, neg_inf_f, fast_exp2, fence_proxy_async
 
 #if IK_DTYPE == IK_BF16
 #define IK_WG_AB "bf16"
@@ -127,8 +127,7 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
 }
 
 // ----------------------------------------------------------------------------- numbers
-// the mask value (a masked score vanishes exactly after exp2) and ln 2 (log2 units -> LSE)
-#define NEG_INF (-__int_as_float(0x7f800000))
+// ln 2 (log2 units -> LSE); the mask value is base.cuh's neg_inf_f
 #define LN2 0.6931471805599453f
 
 // two float32 -> one 32-bit word of two 16-bit values (lo in the low half) by one paired

@@ -151,7 +151,7 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
     float o[O_REGS];
 #pragma unroll
     for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};     // warpgroup 0's softmax state
+    float m[2] = {neg_inf_f(), neg_inf_f()}, l[2] = {0.f, 0.f};     // warpgroup 0's softmax state
     mbar_wait(q_full, 0);
 
     for (int it = 0; it < n_tiles; ++it) {                  // loop over KV tiles (stage s in SRAM)
@@ -175,11 +175,11 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
             wgmma_wait<0>();
             fence_regs(sacc);
             // online softmax of this thread's two rows; rows at or past the length are masked
-            float mx[2] = {NEG_INF, NEG_INF};
+            float mx[2] = {neg_inf_f(), neg_inf_f()};
 #pragma unroll
             for (int i = 0; i < S_REGS; ++i) {
                 const int col = key0 + 8 * (i / 4) + 2 * t + (i % 2);
-                const float x = col < n_end ? sacc[i] * scale_log2 : NEG_INF;
+                const float x = col < n_end ? sacc[i] * scale_log2 : neg_inf_f();
                 sacc[i] = x;
                 mx[(i % 4) / 2] = fmaxf(mx[(i % 4) / 2], x);
             }
@@ -187,7 +187,7 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const float m_new = fmaxf(m[r], quad_max(mx[r]));
-                base[r] = m_new == NEG_INF ? 0.f : m_new;
+                base[r] = m_new == neg_inf_f() ? 0.f : m_new;
                 alpha[r] = fast_exp2(m[r] - base[r]);        // 0 on the first tile (m = -inf)
                 m[r] = m_new;
             }
@@ -264,7 +264,7 @@ mla_decode(const __grid_constant__ TmaMap map_q,     // q (batch, heads_q, ROW) 
         if (h >= heads_q) continue;
         const float L = s_l[row];
         const float inv = L > 0.f ? 1.f / L : 0.f;
-        const float lse = L > 0.f ? (s_m[row] + fast_log2(L)) * LN2 : NEG_INF;
+        const float lse = L > 0.f ? (s_m[row] + fast_log2(L)) * LN2 : neg_inf_f();
         const long long orow = (long long)b * heads_q + h;
         if (num_splits == 1) {                                // write O, LSE -> HBM
             u16* dst = O + orow * LATENT + wg * HALF + 2 * t;
