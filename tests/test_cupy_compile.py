@@ -63,7 +63,7 @@ def _jobs():
 
     def loads(load, dtype, d, paged, arch, group=4, block_size=16, **kw):
         defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
-        defines.update(decode_loads.loads_kernel(load, d).extra_defines)
+        defines.update(decode_loads.loads_kernel(load, d).extra["defines"])
         jobs.append((f"decode_v4_loads {load} {dtype} d={d} paged={paged} g={group} {kw}", "decode_v4_loads",
                      defines, arch))
 
@@ -552,9 +552,9 @@ def test_decode_v4_has_one_load_path():
     for paged in (False, True):
         got = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, paged, 16, cc=90)
         assert "LOAD_BULK" not in got and "SWIZZLE" not in got
-    assert decode_loads.loads_kernel("bulk", 128).extra_defines == dict(LOAD_BULK=1, SWIZZLE=0, LOAD_L1=0)
-    assert decode_loads.loads_kernel("same", 128).extra_defines["SWIZZLE"] == 1
-    assert decode_loads.loads_kernel("same", 96).extra_defines["SWIZZLE"] == 0
+    assert decode_loads.loads_kernel("bulk", 128).extra["defines"] == dict(LOAD_BULK=1, SWIZZLE=0, LOAD_L1=0)
+    assert decode_loads.loads_kernel("same", 128).extra["defines"]["SWIZZLE"] == 1
+    assert decode_loads.loads_kernel("same", 96).extra["defines"]["SWIZZLE"] == 0
     with pytest.raises(ValueError, match="load"):
         decode_loads.loads_kernel("tma", 128)
 

@@ -22,11 +22,12 @@ DECODE_WAVE_COST_BYTES = 160 * 1024
 DECODE_MIN_KEYS_PER_SPLIT = 256
 #: ... and at most this many splits (the combine reads them all)
 DECODE_MAX_SPLITS = 128
-#: decode v4's block shape where its copies pass through L1 (DecodeConfig.v4_load_l1): when the batch's (b, kv head) pairs give every SM at least
-#: DECODE_V4_PAIRS_SPLIT_BLOCK of them, a block is DECODE_V4_SMALL_WARPS warps and two share
-#: an SM (the same warps and ring bytes an SM): one block's start (its first tiles' latency)
-#: and end (the warps' merge, the write of O) then overlap the other's streaming, where one
-#: 8-warp block an SM leaves the SM idle for both, once per (b, kv head)
+#: decode v4's block shape where its copies pass through L1 (DecodeConfig.v4_load_l1): when
+#: the batch's (b, kv head) pairs give every SM at least DECODE_V4_PAIRS_SPLIT_BLOCK of them,
+#: a block is DECODE_V4_SMALL_WARPS warps and two share an SM (the same warps and ring bytes
+#: an SM): one block's start (its first tiles' latency) and end (the warps' merge, the write
+#: of O) then overlap the other's streaming, where one 8-warp block an SM leaves the SM idle
+#: for both, once per (b, kv head)
 DECODE_V4_PAIRS_SPLIT_BLOCK = 2
 
 
@@ -80,3 +81,17 @@ def decode_v4_block_warps(warps: int, small_warps: int, via_l1: bool, pairs: int
             and pairs >= DECODE_V4_PAIRS_SPLIT_BLOCK * sms):
         return small_warps
     return warps
+
+
+# =========================================================================== MLA decode
+def mla_num_splits(batch: int, heads_q: int, longest: int, num_sms: int, *, min_keys: int, heads_block: int,
+                   max_splits: int) -> int:
+    """MLA decode's splits of the key axis: enough that one wave of blocks (one an SM: Q and
+    the ring fill its SRAM) covers the GPU, batch * ceil(heads_q / heads_block) * S blocks,
+    each split at least ``min_keys`` rows, at most ``max_splits``; 1 for an empty cache."""
+    if longest <= 0:
+        return 1
+    blocks = batch * -(-heads_q // heads_block)
+    want = max(1, num_sms // max(1, blocks))
+    cap = max(1, -(-longest // min_keys))
+    return int(max(1, min(want, cap, max_splits)))
