@@ -92,14 +92,14 @@ def _marker(tag: str) -> tuple[str, str]:
 def between(text: str, tag: str) -> str | None:
     """What ``text`` holds between the lines with the markers of ``tag`` (None: no markers)."""
     begin, end = _marker(tag)
-    m = re.search(rf"^.*{re.escape(begin)}.*\n(.*?)^.*{re.escape(end)}", text, re.S | re.M)
+    m = re.search(rf"^[^\n]*{re.escape(begin)}[^\n]*\n(.*?)^[^\n]*{re.escape(end)}", text, re.S | re.M)
     return None if m is None else m.group(1).rstrip("\n")
 
 
 def replace_between(text: str, tag: str, body: str) -> str:
     """``text`` with what lies between the markers of ``tag`` replaced by ``body``."""
     begin, end = _marker(tag)
-    pat = re.compile(rf"(^.*{re.escape(begin)}.*\n)(.*?)(^.*{re.escape(end)})", re.S | re.M)
+    pat = re.compile(rf"(^[^\n]*{re.escape(begin)}[^\n]*\n)(.*?)(^[^\n]*{re.escape(end)})", re.S | re.M)
     if not pat.search(text):
         raise ValueError(f"tag: no {begin} / {end} markers")
     return pat.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1)
