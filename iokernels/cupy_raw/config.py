@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from ..core import conventions as cv
 from .config_checks import check_positive, check_version
 from .launch import DTYPE_IDS, round_up
+from .policy import backward_v1_tiles, v2_default_block_k
 
 # --------------------------------------------------------------------------- forward constants
 #: the versions ForwardConfig describes (their sizes, SRAM and defines are below)
@@ -43,8 +44,6 @@ V2_DEFAULT_WARPS = 8
 V2_WARP_CHOICES = (1, 2, 4, 8)
 #: v2's key tiles: multiples of the 16 keys of one mma k-step
 V2_BLOCK_K_CHOICES = (16, 32, 64, 128)
-#: v2's default Bc: 64 keys up to d = 128; 32 above (the S/P tile and O share the registers)
-V2_DEFAULT_BLOCK_K = {128: 64, 256: 32}
 #: v2 keeps O for d <= 256 in registers (d / 8 * 4 floats a lane); larger d would spill
 V2_MAX_HEAD_DIM = 256
 #: fa_v1b: registers capped so this many blocks fit an SM (its SRAM at 64 x 64 allows two)
@@ -104,7 +103,7 @@ class ForwardConfig:
             bq = self.block_q or MMA_ROWS * nw
             if bq != MMA_ROWS * nw:
                 raise ValueError(f"config.block_q: v2 needs block_q == 16 * num_warps ({MMA_ROWS * nw}), got {bq}")
-            bk = self.block_k or V2_DEFAULT_BLOCK_K[128 if head_dim <= 128 else 256]
+            bk = self.block_k or v2_default_block_k(head_dim)
             if bk not in V2_BLOCK_K_CHOICES:
                 raise ValueError(f"config.block_k: v2 takes 16, 32, 64 or 128, got {bk}")
             return ForwardConfig("v2", bq, bk, nw)
@@ -293,16 +292,14 @@ class BackwardConfig:
         if self.version == "v2":
             return self._resolve_v2(head_dim, dtype, smem_limit)
         lpk = self.lanes_per_key or BWD_LANES_PER_KEY
-        bq, bk = self.block_q or BWD_DEFAULT_BLOCK_Q, self.block_k or BWD_DEFAULT_BLOCK_K
-        while self.smem_bytes(bq, bk, head_dim, dtype) > STATIC_SMEM_BYTES:
-            if self.block_q is None and bq > 8:
-                bq //= 2
-            elif self.block_k is None and bk > 8:
-                bk //= 2
-            else:
-                raise ValueError(f"config: Br={bq}, Bc={bk} at head_dim={head_dim} ({dtype}) need "
-                                 f"{self.smem_bytes(bq, bk, head_dim, dtype):,} B of SRAM, more than the "
-                                 f"{STATIC_SMEM_BYTES:,} B a block may declare")
+        tiles = backward_v1_tiles(self.block_q, self.block_k, lambda q, k: self.smem_bytes(q, k, head_dim, dtype),
+                                  STATIC_SMEM_BYTES, (BWD_DEFAULT_BLOCK_Q, BWD_DEFAULT_BLOCK_K))
+        if tiles is None:
+            bq, bk = self.block_q or 8, self.block_k or 8
+            raise ValueError(f"config: Br={bq}, Bc={bk} at head_dim={head_dim} ({dtype}) need "
+                             f"{self.smem_bytes(bq, bk, head_dim, dtype):,} B of SRAM, more than the "
+                             f"{STATIC_SMEM_BYTES:,} B a block may declare")
+        bq, bk = tiles
         if bk * lpk > 1024:
             raise ValueError(f"config: block_k x lanes_per_key = {bk * lpk} threads, more than 1024")
         return self.replace(version=self.version or "v1", block_q=bq, block_k=bk, lanes_per_key=lpk)

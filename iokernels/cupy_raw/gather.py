@@ -16,11 +16,8 @@ from . import config as C
 from .config import GatherConfig
 from .decode import _check_tables, _host, check_pools
 from .launch import contiguous, device_info, function, on_stream
+from .policy import gather_chunk_bytes
 from .registry import REGISTRY, need
-
-#: chunk sizes a row may be moved in, widest first (a row of 1-byte elements does not occur)
-CHUNK_CHOICES = (16, 8, 4, 2)
-
 
 def run_paged_gather(cache, sid, *, config):
     """What ``cache.gather(sid, backend="cupy")`` calls: NumPy pools in, NumPy K, V out."""
@@ -74,8 +71,7 @@ def launch_gather(kp, vp, t_d, k_out, v_out, seq_len, *, config=GatherConfig()):
     if seq_len == 0 or hkv * d == 0:
         return
     row_bytes = d * kp.itemsize
-    fits = [c for c in CHUNK_CHOICES if row_bytes % c == 0 and all(a.ptr % c == 0 for a in (kp, vp, k_out, v_out))]
-    chunk = fits[0] if fits else kp.itemsize
+    chunk = gather_chunk_bytes(row_bytes, kp.itemsize, tuple(a.ptr for a in (kp, vp, k_out, v_out)))
     defines = dict(BLOCK_SIZE=bs, CHUNK_BYTES=chunk, CHUNKS_PER_ROW=row_bytes // chunk)
     rec = REGISTRY.get("paged_gather", config.version or "v1")
     fn = function(rec.file, rec.kernel, defines)

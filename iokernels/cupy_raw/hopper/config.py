@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace as _dc_replace
 
 from ...core import conventions as cv
 from ..launch import DTYPE_IDS
+from ..policy import hopper_tiles
 
 VERSIONS = ("v3", "v4", "v5")
 DTYPES = ("float16", "bfloat16")
@@ -21,12 +22,6 @@ MBARRIER_BYTES = 8
 BLOCK_M = 128
 #: threads: v3 has only the two computing warpgroups; v4, v5 add a producer warpgroup
 THREADS = {"v3": 256, "v4": 384, "v5": 384}
-#: default K/V tile (Bc): one m64n128 wgmma for S
-DEFAULT_BLOCK_N = 128
-#: default pipeline depth: v3, v4 use one tile while the next lands (Q + 2 x (K + V) = 160 KB at
-#: d = 128); a v5 consumer holds two tiles at once (K_j and V_{j-1}), so a third stage is the one
-#: that lands meanwhile (Q + 3 x (K + V) = 224 KB at d = 128, inside the 227 KB a block may have)
-DEFAULT_STAGES = {"v3": 2, "v4": 2, "v5": 3}
 BLOCK_N_CHOICES = (64, 128)
 MAX_STAGES = 4
 #: the GEMM's tile: 128 x 256 (two consumer warpgroups of 64 x 256), 64 deep (one panel),
@@ -42,9 +37,9 @@ class HopperConfig:
     """Tile settings of the Hopper attention kernels.
 
     version: "v3", "v4", "v5" or None (the default: :data:`DEFAULT_VERSION`).
-    block_n (Bc): keys a K/V tile holds, 64 or 128 (None: :data:`DEFAULT_BLOCK_N`).
+    block_n (Bc): keys a K/V tile holds, 64 or 128 (None: :data:`~iokernels.cupy_raw.policy.HOPPER_BLOCK_N`).
     stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 at least 2; None: the version's
-    default, :data:`DEFAULT_STAGES`).
+    default, :func:`~iokernels.cupy_raw.policy.hopper_tiles`).
     pingpong: v5 only; False keeps v5's overlap inside a warpgroup but lets the two consumer
     warpgroups issue their products whenever they are ready (to measure what ping-pong adds).
     The query tile is fixed at BLOCK_M = 128 rows (two consumer warpgroups).
@@ -71,8 +66,7 @@ class HopperConfig:
     def resolve(self) -> "HopperConfig":
         """Every None filled with its default."""
         version = self.version or DEFAULT_VERSION
-        return HopperConfig(version, self.block_n or DEFAULT_BLOCK_N, self.stages or DEFAULT_STAGES[version],
-                            self.pingpong)
+        return HopperConfig(version, *hopper_tiles(version, self.block_n, self.stages), self.pingpong)
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic SRAM a block asks for: Q_i, stages x (K_j + V_j), the mbarriers, alignment slack."""
