@@ -75,14 +75,16 @@ def _markdown(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
 
 def version_table(records: Iterable[Record], fmt: str = "rst") -> str:
     """The version table of ``records`` (op, version, file, rank, summary), in reStructuredText
-    (``fmt="rst"``, for docstrings) or Markdown (``"md"``, for the README)."""
-    recs = list(records)
+    (``fmt="rst"``, for docstrings) or Markdown (``"md"``, for the README).  One kernel serving
+    several ops (decode over a contiguous and a paged cache) is one row naming them all."""
+    rows: dict[tuple, list[str]] = {}
+    for r in records:
+        rows.setdefault((r.version, r.file, r.kernel, r.rank, r.summary), []).append(r.op)
     header = ("op", "version", "file", "rank", "what it adds")
-    if fmt == "md":
-        rows = [(r.op, r.version, f"`{r.file}`", str(r.rank), r.summary) for r in recs]
-        return _markdown(rows, header)
-    rows = [(r.op, r.version, r.file, str(r.rank), r.summary) for r in recs]
-    return _rst(rows, header)
+    quote = "`" if fmt == "md" else ""
+    table = [(", ".join(ops), v, f"{quote}{file}{quote}", str(rank), summary)
+             for (v, file, _, rank, summary), ops in rows.items()]
+    return _markdown(table, header) if fmt == "md" else _rst(table, header)
 
 
 def _marker(tag: str) -> tuple[str, str]:
