@@ -82,8 +82,8 @@ def version_table(records: Iterable[Record], fmt: str = "rst") -> str:
         rows.setdefault((r.version, r.file, r.kernel, r.rank, r.summary), []).append(r.op)
     header = ("op", "version", "file", "rank", "what it adds")
     quote = "`" if fmt == "md" else ""
-    table = [(", ".join(ops), v, f"{quote}{file}{quote}", str(rank), summary)
-             for (v, file, _, rank, summary), ops in rows.items()]
+    table: list[tuple[str, ...]] = [(", ".join(ops), v, f"{quote}{file}{quote}", str(rank), summary)
+                                    for (v, file, _, rank, summary), ops in rows.items()]
     return _markdown(table, header) if fmt == "md" else _rst(table, header)
 
 

@@ -29,19 +29,11 @@ from ..core import conventions as cv
 from ..core.arrays import Call, device_array
 from ..core.records import Record
 from .config import BackwardConfig
-from .launch import contiguous, device_info, function, on_stream, unit_rows
+from .launch import contiguous, device_info, fill, function, on_stream, unit_rows
 from .registry import REGISTRY, check_backward_v1, check_backward_v2, need
 
 #: threads of the row-wise kernels (bwd_rowsum, bwd_finish); the .cu file's ROW_THREADS
 ROW_THREADS = 128
-
-
-def _zero(x):
-    """Zero a device buffer of the caller's library (the allocators hand out uninitialised memory)."""
-    if type(x).__module__.split(".")[0] == "torch":
-        x.zero_()
-    else:
-        x.fill(0)
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, window=None, config=None):
@@ -87,7 +79,7 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
         dq, dk, dv = (call.empty(s, dtype) for s in ((B, Hq, Nq, d), (B, Hkv, Nk, d), (B, Hkv, Nk, d)))
         dvec = call.empty((B, Hq, Nq), acc.name)
         dq_acc = call.empty(((tiles,) if cfg.deterministic else ()) + (B, Hq, Nq, d), acc.name)
-        _zero(dq_acc)
+        fill(dq_acc, 0)
         rows = B * Hq * Nq
         if rows and d:
             f = function("bwd_v1", "bwd_rowsum", row_defines)
@@ -96,8 +88,8 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
                *map(np.int64, dod.strides[:3]), *map(np.int64, od.strides[:3])))
         if B * Hkv * Nk and d:
             if rows == 0:
-                _zero(dk)
-                _zero(dv)
+                fill(dk, 0)
+                fill(dv, 0)
             else:
                 args = rec.args(qd, kd, vd, dod, lsed, *(device_array(x) for x in (dvec, dk, dv, dq_acc)),
                                 scale=acc.type(scale), window=(left, right))

@@ -41,7 +41,7 @@ from ..core.arrays import Call, device_array
 from ..core.records import Record
 from . import decode_config as C
 from .decode_config import DecodeConfig
-from .launch import blocks_per_sm, contiguous, cupy, device_info, function, on_stream, round_up, unit_rows
+from .launch import blocks_per_sm, contiguous, cupy, current_stream_ptr, device_info, function, on_stream, round_up, unit_rows
 from .policy import decode_wave_splits
 from .registry import (REGISTRY, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
                        check_decode_v5, need)
@@ -74,9 +74,10 @@ _DECODE_COUNTERS: dict = {}
 
 
 def _decode_counters(n: int):
-    """At least ``n`` zeroed int32 counters for decode v3 on the current device and stream."""
+    """At least ``n`` zeroed int32 counters for decode v3 on the current device and stream
+    (the caller's: the launch runs inside :func:`.launch.on_stream`)."""
     cp = cupy()
-    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    key = (cp.cuda.Device().id, current_stream_ptr())
     buf = _DECODE_COUNTERS.get(key)
     if buf is None or buf.size < n:
         buf = cp.zeros(max(n, COUNTERS_MIN), dtype=np.int32)     # zeroed once, on this stream

@@ -108,8 +108,9 @@ def blocks_per_sm(fn, threads, smem=0) -> int:
 
 
 def on_stream(stream_ptr: int):
-    """A context that makes CuPy launch (and allocate) on the caller's stream ``stream_ptr``
-    (0: CuPy's current stream, left as it is)."""
+    """The one stream rule: every launch (and allocation) runs inside this context, which makes
+    CuPy launch on the caller's stream ``stream_ptr`` (from ``Call.stream_ptr()``; 0: CuPy's
+    current stream, left as it is)."""
     if not stream_ptr:
         return contextlib.nullcontext()
     return cupy().cuda.ExternalStream(stream_ptr)
@@ -126,6 +127,20 @@ def contiguous(x, align: int = 1):
         return x.contiguous() if not x.is_contiguous() else x.clone()
     cp = cupy()
     return cp.array(cp.asarray(x), order="C", copy=True)
+
+
+def fill(x, value) -> None:
+    """Fill a device buffer of the caller's library (torch or CuPy) in place, on the current
+    stream (the allocators hand out uninitialised memory)."""
+    if type(x).__module__.split(".")[0] == "torch":
+        x.fill_(value)
+    else:
+        x.fill(value)
+
+
+def current_stream_ptr() -> int:
+    """CuPy's current stream (inside :func:`on_stream`: the caller's), as a pointer."""
+    return int(cupy().cuda.get_current_stream().ptr)
 
 
 def unit_rows(x):

@@ -46,7 +46,7 @@ from . import config as C
 from . import hopper as hp
 from .config import MLADecodeConfig
 from ..core.records import Record
-from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, device_info, function, on_stream
+from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, device_info, fill, function, on_stream
 from .policy import mla_num_splits
 from .registry import REGISTRY, need
 
@@ -245,8 +245,8 @@ def launch_mla(qd, kvd, lens_d, o, lse, *, dtype, scale, num_splits=None, longes
         raise ValueError("q: MLA decode needs a contiguous (batch, heads_q, 576) q on 16 bytes")
     _rows_16b(kvd, "pool" if paged else "kv")
     if paged is None and kvd.shape[1] == 0:            # no rows at all: every row is fully masked
-        hp._fill(o.owner, 0)
-        hp._fill(lse.owner, -math.inf)
+        fill(o.owner, 0)
+        fill(lse.owner, -math.inf)
         return
     dev = device_info()
     cfg = config if config.version is not None else config.replace(version="v1")

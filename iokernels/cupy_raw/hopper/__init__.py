@@ -72,7 +72,7 @@ from .config import (BLOCK_M, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES,  # noqa:
                      HopperConfig)
 from .checks import available, check, require_available  # noqa: F401
 from .tensor_maps import tensor_map  # noqa: F401
-from .attention import _fill, attention, attention_args, launch_attention  # noqa: F401
+from .attention import attention, attention_args, launch_attention  # noqa: F401
 from .gemm import gemm, gemm_defines, gemm_smem_bytes  # noqa: F401
 from .records import RECORDS  # noqa: F401
 from .oracle import gemm_check, oracle_check  # noqa: F401

@@ -7,19 +7,11 @@ import numpy as np
 
 from ...core import conventions as cv
 from ...core.arrays import Call, device_array
-from ..launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, function, on_stream
+from ..launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream
 from ..registry import REGISTRY
 from .checks import require_available
 from .config import BLOCK_M, DTYPES, HEAD_DIMS, PANEL, THREADS, HopperConfig
 from .tensor_maps import tensor_map
-
-
-def _fill(x, value):
-    """Fill a torch tensor or CuPy array in place (on the current stream)."""
-    if type(x).__module__.split(".")[0] == "torch":
-        x.fill_(value)
-    else:
-        x.fill(value)
 
 
 def _qkv_map(x, dtype, rows_box):
@@ -73,8 +65,8 @@ def launch_attention(q, k, v, o, lse, *, dtype, scale, window, config):
     if B * Hq * Nq == 0:
         return
     if Nk == 0:                                   # no keys: every row is fully masked
-        _fill(o, 0)
-        _fill(lse, -math.inf)
+        fill(o, 0)
+        fill(lse, -math.inf)
         return
     od, ld = device_array(o, dtype), device_array(lse, "float32")
     left, right = window

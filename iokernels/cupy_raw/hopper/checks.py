@@ -1,7 +1,7 @@
 """Whether the Hopper kernels can run here, and the registry check of a call."""
 from __future__ import annotations
 
-from ..launch import device_info
+from ..launch import cupy_ok, device_info
 from .config import DTYPES, HEAD_DIMS, HOPPER_CC
 
 
@@ -9,8 +9,7 @@ def available() -> str | None:
     """None when these kernels can run here, else why not (no CuPy / GPU, cc != 9.0, no
     cuda-python)."""
     try:
-        import cupy
-        if not cupy.is_available():
+        if not cupy_ok():
             return "no CUDA device visible to CuPy"
         cc = device_info()["cc"]
     except Exception as e:  # ImportError, or a broken CUDA install

@@ -5,8 +5,7 @@ import numpy as np
 
 from ...core import conventions as cv
 from ...core.arrays import Call, device_array
-from ..launch import DTYPE_IDS, HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, function, on_stream
-from .attention import _fill
+from ..launch import DTYPE_IDS, HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, fill, function, on_stream
 from .checks import require_available
 from .config import (DTYPES, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_GROUP_M, GEMM_STAGES, GEMM_THREADS, MBARRIER_BYTES,
                      PANEL, SMEM_ALIGN)
@@ -47,7 +46,7 @@ def gemm(a, b):
         if M * N == 0:
             return call.finish(c, dtype)
         if K == 0:
-            _fill(c, 0)
+            fill(c, 0)
             return call.finish(c, dtype)
         cd = device_array(c, dtype)
         smem = gemm_smem_bytes()
