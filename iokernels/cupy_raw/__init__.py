@@ -10,8 +10,12 @@ to the NumPy step it implements (:mod:`iokernels.tiled`, :mod:`iokernels.decode`
 ==============  ================================================================
 module          what it holds
 ==============  ================================================================
-config.py       ForwardConfig, GatherConfig, BackwardConfig, MLADecodeConfig: sizes, SRAM, defines
+config.py       every config class and its constants, re-exported from their homes:
+forward_config  ForwardConfig, fit_config (fa_v1.cu .. fa_v2.cu: sizes, SRAM, defines)
 decode_config   DecodeConfig and the decode kernels' SRAM arithmetic
+backward_config BackwardConfig (bwd_v1.cu, bwd_v2.cu)
+gather_config   GatherConfig (paged_gather.cu)
+mla_config      MLADecodeConfig (mla_decode.cu)
 config_checks   the field checks every config class uses
 policy.py       every choose-a-size rule (decode splits, the v4 block shape, MLA splits)
 launch.py       the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
