@@ -423,8 +423,9 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem):
                     st = cfg.ring_stages(d, dtype, group, smem)
                     rows = cfg.v4_tile_rows() if kernel.version == "v4" else C.decode_v2_geometry(d, dtype)["tile_rows"]
                     defines = cfg.defines(d, dtype, group, True, 16, smem_limit=smem)
-                    assert C.RING_SMEM[kernel.version](d, dtype, group, st, rows, defines["NUM_WARPS"],
-                                                       C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP)[0] <= smem
+                    ring_smem = kernel.extra["smem"]            # the record's: what the launch sizes
+                    assert ring_smem(d, dtype, group, defines, None, C.DECODE_MAX_SPLITS, True,
+                                     C.DECODE_V3_TABLE_CAP)[0] <= smem
                     assert defines["STAGES"] == st and defines["TILE_ROWS"] == rows
                 else:
                     assert kernel.version == "v1"
