@@ -79,6 +79,11 @@ def source(name: str, sources: dict | None = None) -> str:
     return inline((KERNEL_DIR / (sources or SOURCES)[name]).read_text())
 
 
+def hopper_source(name: str) -> str:
+    """:func:`source` of a Hopper kernel file (a key of :data:`HOPPER_SOURCES`)."""
+    return source(name, HOPPER_SOURCES)
+
+
 def function(name: str, kernel: str, defines: dict, smem: int = 0, *, options=(), sources=None):
     """Compile (once) and return ``kernel`` from file ``name`` with ``defines``; ``options``:
     more NVRTC flags (the Hopper kernels add ``-arch=sm_90a``), ``sources``: the file table

@@ -65,7 +65,7 @@ oracle          :func:`oracle_check`, :func:`gemm_check` (on a GPU)
 """
 from ..launch import HOPPER_OPTIONS as NVRTC_OPTIONS  # noqa: F401
 from ..launch import HOPPER_SOURCES as SOURCES  # noqa: F401
-from ..launch import KERNEL_DIR, source as _source  # noqa: F401
+from ..launch import KERNEL_DIR, hopper_source as source  # noqa: F401
 from .config import (BLOCK_M, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES,  # noqa: F401
                      FALLBACK_SMEM_OPTIN, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_GROUP_M, GEMM_STAGES, GEMM_THREADS,
                      HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, SMEM_ALIGN, THREADS, VERSIONS,
@@ -77,7 +77,3 @@ from .gemm import gemm, gemm_defines, gemm_smem_bytes  # noqa: F401
 from .records import RECORDS  # noqa: F401
 from .oracle import gemm_check, oracle_check  # noqa: F401
 
-
-def source(name: str) -> str:
-    """The CUDA source of Hopper kernel ``name`` with its #include "...cuh" files inlined (each once)."""
-    return _source(name, SOURCES)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace as _dc_replace
 
 from ...core import conventions as cv
+from ..config_checks import check_version
 from ..launch import DTYPE_IDS
 from ..policy import hopper_tiles
 
@@ -51,8 +52,7 @@ class HopperConfig:
     pingpong: bool = True
 
     def __post_init__(self):
-        if self.version is not None:
-            cv.check_choice(self.version, "config.version", VERSIONS)
+        check_version(self, VERSIONS)
         if self.block_n is not None and self.block_n not in BLOCK_N_CHOICES:
             raise ValueError(f"config.block_n: expected one of {BLOCK_N_CHOICES} or None, got {self.block_n!r}")
         if self.stages is not None and (isinstance(self.stages, bool) or not isinstance(self.stages, int)
