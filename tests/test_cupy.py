@@ -131,7 +131,7 @@ def _versions(dtype, d=128):
     GPU, the default first (the registry); the Hopper versions are tests/test_hopper.py's."""
     n = Need(dtype=dtype, head_dim=d, cc=_cc(), extra=dict(smem=_cr().device_info()["smem_optin"]))
     ks = sorted((k for k in _cr().REGISTRY.kernels("attention") if k.config_class is _cr().ForwardConfig),
-                key=lambda k: -k.default_rank)
+                key=lambda k: -k.rank)
     return tuple(k.version for k in ks if k.unavailable(n) is None)
 
 

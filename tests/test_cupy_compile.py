@@ -63,7 +63,7 @@ def _jobs():
 
     def loads(load, dtype, d, paged, arch, group=4, block_size=16, **kw):
         defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
-        defines.update(decode_loads.loads_kernel(load, d).extra_defines)
+        defines.update(decode_loads.loads_kernel(load, d).extra["defines"])
         jobs.append((f"decode_v4_loads {load} {dtype} d={d} paged={paged} g={group} {kw}", "decode_v4_loads",
                      defines, arch))
 
@@ -425,8 +425,9 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem):
                     st = cfg.ring_stages(d, dtype, group, smem)
                     rows = cfg.v4_tile_rows() if kernel.version == "v4" else C.decode_v2_geometry(d, dtype)["tile_rows"]
                     defines = cfg.defines(d, dtype, group, True, 16, smem_limit=smem)
-                    assert C.RING_SMEM[kernel.version](d, dtype, group, st, rows, defines["NUM_WARPS"],
-                                                       C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP)[0] <= smem
+                    ring_smem = kernel.extra["smem"]            # the record's: what the launch sizes
+                    assert ring_smem(d, dtype, group, defines, None, C.DECODE_MAX_SPLITS, True,
+                                     C.DECODE_V3_TABLE_CAP)[0] <= smem
                     assert defines["STAGES"] == st and defines["TILE_ROWS"] == rows
                 else:
                     assert kernel.version == "v1"
@@ -554,9 +555,9 @@ def test_decode_v4_has_one_load_path():
     for paged in (False, True):
         got = cr.DecodeConfig("v4").defines(128, "bfloat16", 4, paged, 16, cc=90)
         assert "LOAD_BULK" not in got and "SWIZZLE" not in got
-    assert decode_loads.loads_kernel("bulk", 128).extra_defines == dict(LOAD_BULK=1, SWIZZLE=0, LOAD_L1=0)
-    assert decode_loads.loads_kernel("same", 128).extra_defines["SWIZZLE"] == 1
-    assert decode_loads.loads_kernel("same", 96).extra_defines["SWIZZLE"] == 0
+    assert decode_loads.loads_kernel("bulk", 128).extra["defines"] == dict(LOAD_BULK=1, SWIZZLE=0, LOAD_L1=0)
+    assert decode_loads.loads_kernel("same", 128).extra["defines"]["SWIZZLE"] == 1
+    assert decode_loads.loads_kernel("same", 96).extra["defines"]["SWIZZLE"] == 0
     with pytest.raises(ValueError, match="load"):
         decode_loads.loads_kernel("tma", 128)
 

@@ -36,7 +36,7 @@ from iokernels import cupy_raw as cr
 from iokernels.core.testing import make_inputs
 # the stand-in device calls itself an H200, but it cannot encode TMA descriptors: the Hopper
 # versions (tests/test_hopper.py) are out of this test's scope
-cr.hopper.available = lambda: "the stand-in CuPy has no TMA"
+cr.hopper.available = cr.hopper.checks.available = lambda: "the stand-in CuPy has no TMA"
 from iokernels.cupy_raw import sanitize as S
 
 rng = np.random.default_rng(0)

@@ -47,14 +47,6 @@ def test_split_plan_covers_every_row_in_whole_tiles(longest, splits):
     assert launched * per >= longest > (launched - 1) * per       # every row once, no empty split
 
 
-def test_split_heuristic_fills_one_wave():
-    assert cm.num_splits_heuristic(64, 128, 8192, 132) == 1         # 128 blocks already
-    assert cm.num_splits_heuristic(8, 128, 8192, 132) == 8          # 16 blocks x 8
-    assert cm.num_splits_heuristic(1, 128, 8192, 132) == 64         # 2 blocks; 128 rows a split at least
-    assert cm.num_splits_heuristic(1, 16, 100, 132) == 1
-    assert cm.num_splits_heuristic(3, 128, 0, 132) == 1
-
-
 def test_registry_check_says_why_not():
     ok = dict(dtype="bfloat16", head_dim=ROW, cc=90)
     assert "float16 / bfloat16" in cm.check_v1(Need(**dict(ok, dtype="float32")))

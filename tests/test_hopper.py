@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from iokernels.core.registry import Need, Registry
+from iokernels.core.registry import Need
 from iokernels.cupy_raw import hopper as hp
 
 NVCC = shutil.which("nvcc")
@@ -138,31 +138,22 @@ def test_bad_inputs_raise_naming_the_argument(rng):
 
 def test_registry_check_says_why_not():
     ok = Need(dtype="bfloat16", head_dim=128, cc=90)
-    assert hp._check(Need(dtype="bfloat16", head_dim=128, cc=80)).startswith("needs compute capability 9.0")
-    assert "float16 / bfloat16" in hp._check(Need(dtype="float32", head_dim=128, cc=90))
-    assert "head_dim" in hp._check(Need(dtype="float16", head_dim=96, cc=90))
-    assert "simulator" in hp._check(Need(dtype="float16", head_dim=64, simulator=True))
-    assert hp._check(ok) == hp.available()                # the rest is what this machine has
+    assert hp.check(Need(dtype="bfloat16", head_dim=128, cc=80)).startswith("needs compute capability 9.0")
+    assert "float16 / bfloat16" in hp.check(Need(dtype="float32", head_dim=128, cc=90))
+    assert "head_dim" in hp.check(Need(dtype="float16", head_dim=96, cc=90))
+    assert "simulator" in hp.check(Need(dtype="float16", head_dim=64, simulator=True))
+    assert hp.check(ok) == hp.available()                # the rest is what this machine has
 
 
-def test_register_ranks_above_the_portable_versions():
-    reg = Registry("cupy")
-
-    class Cfg:
-        def __init__(self, version=None):
-            self.version = version
-
-        def replace(self, **kw):
-            return Cfg(**kw)
-
-    reg.register("attention", "v2", config=Cfg, summary="portable", default_rank=7)(lambda *a, **k: None)
-    hp.register(reg)
-    assert reg.versions("attention") == ["v2", "v3", "v4", "v5"]
-    ranks = {k.version: k.default_rank for k in reg.kernels("attention")}
-    assert min(ranks[v] for v in hp.VERSIONS) > ranks["v2"]
+def test_records_rank_above_the_portable_versions():
+    from iokernels.cupy_raw import REGISTRY
+    ranks = {k.version: k.rank for k in REGISTRY.kernels("attention")}
+    portable = [k.version for k in REGISTRY.kernels("attention") if k.config_class is not hp.HopperConfig]
+    assert [r.version for r in hp.RECORDS] == list(hp.VERSIONS) and portable
+    assert min(ranks[v] for v in hp.VERSIONS) > max(ranks[v] for v in portable)
     assert max(ranks, key=ranks.get) == hp.DEFAULT_VERSION
     # on a GPU that is not Hopper the default stays the portable version, with the reasons
-    k = reg.default("attention", Need(dtype="bfloat16", head_dim=128, cc=80))
+    k = REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=128, cc=80))
     assert k.version == "v2"
 
 

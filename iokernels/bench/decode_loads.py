@@ -11,6 +11,7 @@ import importlib
 import pathlib
 from dataclasses import replace
 
+from ..core.records import Record
 from ..cupy_raw import decode_config as D
 
 #: the launcher module (``cupy_raw.decode`` the attribute is the decode function)
@@ -35,15 +36,16 @@ def _smem(swizzle: bool):
     return smem
 
 
-def loads_kernel(load: str, head_dim: int) -> cd.SplitKernel:
+def loads_kernel(load: str, head_dim: int) -> Record:
     """The split kernel of experiment ``load`` (a key of :data:`LOADS`) at ``head_dim``."""
     if load not in LOADS:
         raise ValueError(f"load: one of {', '.join(LOADS)}, got {load!r}")
     extra = dict(LOADS[load])
     if extra["SWIZZLE"] is None:
         extra["SWIZZLE"] = int(D.decode_v4_swizzled(head_dim))
-    return replace(cd.SPLIT_KERNELS["v4"], file="decode_v4_loads", name="decode_split_v4_loads",
-                   smem=_smem(bool(extra["SWIZZLE"])), extra_defines=extra, sources=SOURCES)
+    v4 = cd.REGISTRY.get("decode", "v4")
+    return replace(v4, file="decode_v4_loads", kernel="decode_split_v4_loads",
+                   extra=dict(v4.extra, smem=_smem(bool(extra["SWIZZLE"])), defines=extra, sources=SOURCES))
 
 
 def decode(q, k, v, load: str, *, seq_lens=None, num_splits=None, config=None):

@@ -98,13 +98,20 @@ class TileConfig:
 
     @classmethod
     def from_sram(cls, sram_bytes: int, head_dim: int, dtype: str = "float32", **kw) -> "TileConfig":
-        """The paper's choice, Bc = ceil(M / 4d), Br = min(Bc, d) (M in elements), shrunk until
-        the tile set fits ``sram_bytes``."""
-        m_elems = sram_bytes // cv.itemsize_of(dtype)
-        bc = max(1, math.ceil(m_elems / (4 * head_dim)))
+        """The paper's choice (:func:`paper_tiles`): Bc = ceil(M / 4d), Br = min(Bc, d), M in
+        elements, Bc halved until the tile set fits ``sram_bytes``."""
+        br, bc = paper_tiles(sram_bytes, head_dim, dtype)
+        return cls(block_q=br, block_k=bc, sram_bytes=sram_bytes, **kw)
+
+
+def paper_tiles(sram_bytes: int, head_dim: int, dtype: str = "float32") -> tuple[int, int]:
+    """(Br, Bc) by FlashAttention's Algorithm 1 (Dao et al., 2022, line 1): Bc = ceil(M / 4d)
+    and Br = min(Bc, d) with M the SRAM in elements of ``dtype``; where that tile set does not
+    fit ``sram_bytes`` (this package also counts S_ij, O_i and the statistics on chip), Bc is
+    halved and Br recomputed from it, so Br = min(Bc, d) holds for the tiles returned."""
+    bc = max(1, math.ceil(sram_bytes // cv.itemsize_of(dtype) / (4 * head_dim)))
+    while True:
         br = max(1, min(bc, head_dim))
-        cfg = cls(block_q=br, block_k=bc, sram_bytes=sram_bytes, **kw)
-        while cfg.sram_usage(head_dim, dtype) > sram_bytes and (cfg.block_q > 1 or cfg.block_k > 1):
-            cfg = cfg.replace(block_q=max(1, cfg.block_q // 2) if cfg.block_q >= cfg.block_k else cfg.block_q,
-                              block_k=max(1, cfg.block_k // 2) if cfg.block_k > cfg.block_q else cfg.block_k)
-        return cfg
+        if bc == 1 or TileConfig(br, bc, sram_bytes=sram_bytes).sram_usage(head_dim, dtype) <= sram_bytes:
+            return br, bc
+        bc = max(1, bc // 2)

@@ -1,12 +1,13 @@
 """One registry per GPU backend: every kernel version, keyed by (op, version).
 
 A backend (:mod:`iokernels.numba_cuda`, :mod:`iokernels.cupy_raw`) owns one
-:class:`Registry`.  Each entry is a :class:`Kernel`: the launcher that runs that version,
-the config class it takes, one line saying what the version adds, and a check that says
-whether it can run here (dtype, head dim, compute capability, contiguity) and, if not,
-why.  The public functions (:mod:`iokernels.core.api`) dispatch through it; the benchmark,
-the sanitizer cases, the GPU tests and the conformance suite iterate it instead of
-repeating lists of versions.
+:class:`Registry`, filled with :meth:`Registry.add` from the ``RECORDS`` each family module
+ends with: one :class:`~iokernels.core.records.Record` per version, holding its launcher,
+the config class it takes, one line saying what the version adds, its rank, and a check
+that says whether it can run here (dtype, head dim, compute capability, contiguity) and,
+if not, why.  The public functions (:mod:`iokernels.api`) dispatch through it; the
+benchmark, the sanitizer cases, the GPU tests, the conformance suite and the version tables
+iterate it instead of repeating lists of versions.
 
 Ops (the same names as the public functions):
 
@@ -24,8 +25,11 @@ what the call needs (:meth:`Registry.resolve`).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Iterator
+
+from .records import Record, version_table
 
 OPS = ("attention", "attention_backward", "decode", "paged_decode", "paged_gather", "mla_decode")
 
@@ -42,47 +46,39 @@ class Need:
     extra: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Kernel:
-    """One version of one op of one backend."""
-
-    backend: str
-    op: str
-    version: str
-    launcher: Callable
-    config_class: type
-    summary: str
-    check: Callable[[Need], str | None] | None = None
-    default_rank: int = 0          # higher wins among the versions that can run
-
-    def unavailable(self, need: Need) -> str | None:
-        """None when this version can run the call described by ``need``, else why not."""
-        return self.check(need) if self.check is not None else None
-
-    @property
-    def name(self) -> str:
-        return f"{self.backend}:{self.op}:{self.version}"
-
-
 class Registry:
-    """The kernels of one backend.  ``register`` is a decorator for launchers."""
+    """The records of one backend, keyed by (op, version)."""
 
     def __init__(self, backend: str):
         self.backend = backend
-        self._kernels: dict[tuple[str, str], Kernel] = {}
+        self._kernels: dict[tuple[str, str], Record] = {}
 
-    def register(self, op: str, version: str, *, config: type, summary: str, check=None,
-                 default_rank: int = 0):
-        if op not in OPS:
-            raise ValueError(f"op: expected one of {', '.join(OPS)}, got {op!r}")
+    def add(self, *records: Record) -> None:
+        """Register ``records`` (all checked first: a bad one adds none)."""
+        seen = set()
+        for r in records:
+            if not isinstance(r, Record):
+                raise ValueError(f"records: expected Record objects, got {type(r).__name__}")
+            if r.backend != self.backend:
+                raise ValueError(f"record.backend: this registry is {self.backend!r}, got {r.backend!r}")
+            if r.op not in OPS:
+                raise ValueError(f"record.op: expected one of {', '.join(OPS)}, got {r.op!r}")
+            key = (r.op, r.version)
+            if key in self._kernels or key in seen:
+                raise ValueError(f"record.version: {self.backend} {r.op} {r.version} is registered twice")
+            seen.add(key)
+        for r in records:
+            self._kernels[(r.op, r.version)] = r
 
-        def deco(fn):
-            key = (op, version)
-            if key in self._kernels:
-                raise ValueError(f"version: {self.backend} {op} {version} is registered twice")
-            self._kernels[key] = Kernel(self.backend, op, version, fn, config, summary, check, default_rank)
-            return fn
-        return deco
+    @contextlib.contextmanager
+    def added(self, *records: Record) -> Iterator["Registry"]:
+        """``records`` registered inside the ``with`` block only (a toy version in a test)."""
+        self.add(*records)
+        try:
+            yield self
+        finally:
+            for r in records:
+                self._kernels.pop((r.op, r.version), None)
 
     # -- lookup
     def __iter__(self):
@@ -97,10 +93,10 @@ class Registry:
     def versions(self, op: str) -> list[str]:
         return [v for (o, v) in self._kernels if o == op]
 
-    def kernels(self, op: str | None = None) -> list[Kernel]:
+    def kernels(self, op: str | None = None) -> list[Record]:
         return [k for k in self._kernels.values() if op is None or k.op == op]
 
-    def get(self, op: str, version: str) -> Kernel:
+    def get(self, op: str, version: str) -> Record:
         k = self._kernels.get((op, version))
         if k is None:
             have = ", ".join(self.versions(op)) or "none"
@@ -108,9 +104,9 @@ class Registry:
                              f"available: {have}")
         return k
 
-    def default(self, op: str, need: Need) -> Kernel:
+    def default(self, op: str, need: Need) -> Record:
         """The highest-ranked version that can run ``need``; ValueError with each reason."""
-        ranked = sorted(self.kernels(op), key=lambda k: -k.default_rank)
+        ranked = sorted(self.kernels(op), key=lambda k: -k.rank)
         reasons = []
         for k in ranked:
             why = k.unavailable(need)
@@ -124,10 +120,6 @@ class Registry:
         """(kernel, config) for one call.  ``config`` None or with version None: the default
         version, with its config class's defaults; a config naming a version: that version,
         or a ValueError saying why it cannot run here."""
-        classes = tuple({k.config_class for k in self.kernels(op)})
-        if config is not None and classes and not isinstance(config, classes):
-            names = " or ".join(sorted(c.__name__ for c in classes))
-            raise ValueError(f"config: {self.backend} {op} takes a {names} or None, got {type(config).__name__}")
         version = getattr(config, "version", None) if config is not None else None
         classes = {k.config_class for k in self.kernels(op)}
         if config is not None and not isinstance(config, tuple(classes)):
@@ -150,6 +142,13 @@ class Registry:
         return k, config
 
     def table(self) -> list[dict]:
-        """One row per kernel: backend, op, version, config class, summary (for docs)."""
-        return [dict(backend=k.backend, op=k.op, version=k.version, config=k.config_class.__name__,
-                     summary=k.summary) for k in self]
+        """One row per record: backend, op, version, file, kernel, config class, rank, summary."""
+        return [dict(backend=k.backend, op=k.op, version=k.version, file=k.file, kernel=k.kernel,
+                     config=k.config_class.__name__, rank=k.rank, summary=k.summary) for k in self]
+
+    def version_table(self, ops: tuple[str, ...] | None = None, fmt: str = "rst") -> str:
+        """The generated version table (:func:`iokernels.core.records.version_table`) of ``ops``
+        (None: every op), in op order, the highest rank first within an op."""
+        recs = [k for op in OPS if ops is None or op in ops
+                for k in sorted(self.kernels(op), key=lambda k: -k.rank)]
+        return version_table(recs, fmt)

@@ -10,103 +10,92 @@ to the NumPy step it implements (:mod:`iokernels.tiled`, :mod:`iokernels.decode`
 ==============  ================================================================
 module          what it holds
 ==============  ================================================================
-config.py       ForwardConfig, DecodeConfig, GatherConfig, BackwardConfig: sizes, SRAM, defines
-launch.py       the .cu sources, NVRTC compile cache, device info, streams
+config.py       every config class and its constants, re-exported from their homes:
+forward_config  ForwardConfig, fit_config (fa_v1.cu .. fa_v2.cu: sizes, SRAM, defines)
+decode_config   DecodeConfig and the decode kernels' SRAM arithmetic
+backward_config BackwardConfig (bwd_v1.cu, bwd_v2.cu)
+gather_config   GatherConfig (paged_gather.cu)
+mla_config      MLADecodeConfig (mla_decode.cu)
+config_checks   the field checks every config class uses
+policy.py       every choose-a-size rule (decode splits, the v4 block shape, MLA splits)
+launch.py       the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
 forward.py      attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
-decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v4.cu
+decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v5.cu
 gather.py       paged gather: paged_gather.cu
-hopper.py       the Hopper (sm_90a) attention kernels and their tensor maps
+hopper/         the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
 mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
 backward.py     attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers)
-registry.py     REGISTRY (every (op, version)), need(): what a call needs
+registry.py     REGISTRY (every (op, version)), need(), the checks
 sanitize.py     sanitize_cases(): every registered kernel at ragged shapes
 ==============  ================================================================
 
-The versions (``REGISTRY``; ``config=ForwardConfig(version=...)`` etc.; None: the default)
-----------------------------------------------------------------------------------------
-FlashAttention forward (``attention``):
+The versions
+------------
+Each family module ends with one record per version (:class:`iokernels.core.records.Record`:
+file, kernel, config class, check, rank, summary, argument builder) and
+``REGISTRY.add(*RECORDS)``; ``config=ForwardConfig(version=...)`` etc. picks one, None the
+highest-ranked version whose check passes for the call.  Each .cu file's header says what
+its version changes against the one before, why, and what limits it.  The table is
+generated from the records (``REGISTRY.version_table()``; tests/test_records.py keeps it in
+step):
 
-* **v1** ``fa_v1.cu``: CUDA cores, any dtype (float64 matches the oracle to about 1e-12;
-  float16/bfloat16 load and store 16 bits and compute in float32).  A block owns Q_i, loads
-  K_j, V_j into SRAM, ``__syncthreads``, folds the tile into (m, l, O); 256 threads as a
-  16 x 16 grid, each owning Br/16 rows x Bc/16 keys of S_ij (register tiling); Q_i and K_j
-  stored transposed so the inner loop reads vectors.  What limits it: its tile loads are
-  synchronous, so the block waits for memory every tile with nothing else to do.  The
-  default for float64, and for float32 where cp.async does not exist (sm_75).
-* **v1b** ``fa_v1b.cu`` (float32, compute capability 8.0+; the float32 default there):
-  v1 with every tile in HBM's row layout, copied as coalesced 16-byte chunks by
-  ``cp.async``; K_j+1 is copied while O += P V_j runs and V_j+1 while S_j+1 = Q K_j+1^T
-  runs, so each load hides behind a product while SRAM holds one K and one V tile;
-  XOR-swizzled K and P^T chunks avoid bank conflicts without padding; exp2 with the scale
-  folded in.
-* **v2** ``fa_v2.cu`` (float16/bfloat16; their default): the tensor cores through inline-PTX
-  ``mma.sync.m16n8k16`` and ``ldmatrix``, FlashAttention-2's structure: each warp owns 16
-  query rows, S and P never leave registers, online softmax in registers with exp2, K_j /
-  V_j double-buffered with ``cp.async`` (synchronous copies and two m16n8k8 steps a
-  product on sm_75), causal/window tile skipping.  What it leaves out: Hopper's wgmma and
-  TMA (asynchronous warpgroup products and bulk copies).
+.. versions:cupy:begin
+====================  =======  ===============  ====  ========================================================
+op                    version  file             rank  what it adds
+====================  =======  ===============  ====  ========================================================
+attention             v5       fa_v5.cu         120   Hopper: v4 + ping-pong between consumer warpgroups,
+                                                      softmax overlapped with P V
+attention             v4       fa_v4.cu         110   Hopper: v3 + a producer warpgroup (warp specialization),
+                                                      setmaxnreg
+attention             v3       fa_v3.cu         100   Hopper: wgmma from SRAM, TMA tile loads, an mbarrier a
+                                                      stage
+attention             v2       fa_v2.cu         30    tensor cores (mma.sync, ldmatrix) for float16/bfloat16,
+                                                      FlashAttention-2's warp-per-16-rows structure, S and P
+                                                      in registers, cp.async double buffering
+attention             v1b      fa_v1b.cu        20    float32: tiles in row layout copied by cp.async, K_j+1
+                                                      and V_j+1 in flight behind the two products, swizzled
+                                                      SRAM, exp2
+attention             v1       fa_v1.cu         10    CUDA cores, any dtype: a block owns Q_i, loads K_j, V_j
+                                                      into SRAM, register-tiled 16 x 16 threads
+attention_backward    v2       bwd_v2.cu        20    FlashAttention-2's backward on the tensor cores
+                                                      (mma.sync, ldmatrix): a warp owns 16 keys, P^T/dS^T feed
+                                                      dV/dK from registers, dS^T through SRAM for dQ, Q/dO
+                                                      tiles by cp.async
+attention_backward    v1       bwd_v1.cu        10    FlashAttention-2's backward on CUDA cores: K/V tile per
+                                                      block, dK/dV in registers, P recomputed from LSE, dQ by
+                                                      atomic adds or deterministic per-tile partials
+decode, paged_decode  v4       decode_v4.cu     40    v3's ring and fused combine with S = Q_g K^T and O += P
+                                                      V on the tensor cores (mma.sync m16n8k16, the g query
+                                                      heads as the rows of the A operand, P kept in registers)
+decode, paged_decode  v3       decode_v3.cu     30    v2's ring at 8 warps x 4 stages, the combine fused into
+                                                      the split kernel (the last block of a group merges),
+                                                      paged block-table entries staged in SRAM
+decode, paged_decode  v1       decode.cu        10    each warp reads its key rows with plain 16-byte loads
+                                                      into registers, four rows a lane in flight; decode.cu's
+                                                      combine kernel merges the splits
+decode, paged_decode  v2       decode_v2.cu     0     K/V tiles stream through a per-warp cp.async ring in
+                                                      SRAM (copies in flight hold no registers), only
+                                                      __syncwarp in the key loop
+paged_decode          v5       decode_v5.cu     50    v4 reading a quantized paged cache as it is stored:
+                                                      1-byte codes turned into float16 tensor-core operands in
+                                                      registers, the per-key scales applied to S's and P's
+                                                      columns
+paged_gather          v1       paged_gather.cu  10    16-byte chunks through the block table, one output chunk
+                                                      a thread (coalesced stores), a grid-stride loop over the
+                                                      sequence
+mla_decode            v1       mla_decode.cu    10    Hopper: wgmma S = Q C^T with Q resident, a 2-stage TMA
+                                                      ring of 64 cache rows, P via SRAM, O split over two
+                                                      warpgroups; split-KV with decode.cu's combine
+====================  =======  ===============  ====  ========================================================
+.. versions:cupy:end
 
-Decode (``decode`` and ``paged_decode``): Flash-Decoding's split kernel, GQA packed (one
-block reads a K/V row once for all g query heads of its group), over a contiguous or a
-paged cache, and the exact LSE combine; the split count from the SM count and the kernel's
-occupancy (:func:`.policy.decode_wave_splits`, a cost model of the split kernel's waves).
-
-* **v1** ``decode.cu``: each warp walks its keys with plain 16-byte loads into registers,
-  four rows a lane in flight and the math in between; a separate combine kernel merges
-  the splits.  What limits it: the loads in flight hold registers, so few bytes are in
-  flight per SM.  The default where v3 cannot run (rows that are not whole 16-byte chunks,
-  more than 32 of them, or not 16-byte aligned).
-* **v2** ``decode_v2.cu``: each warp streams its tiles of K/V rows through a private ring of
-  stages in SRAM with ``cp.async`` (copies in flight hold no registers), only
-  ``__syncwarp`` in the key loop; block-table entries loaded a tile ahead; tail rows
-  zero-filled by cp.async's src-size form.  At v1's 4 warps a block, the deeper queue
-  alone does not fill the memory system.
-* **v3** ``decode_v3.cu`` (the default where v4 cannot run): v2's ring at 8 warps a block x 4 stages, and the
-  combine fused into the split kernel -- each split block writes its partial, waits at a
-  block barrier, and one thread bumps the atomic counter of its (batch, kv head) with an
-  acquire-release add at GPU scope (the release publishes the block's partial, the acquire
-  makes the others' visible); the last block to arrive reads the S partials from L2
-  (``ld.global.cg``), merges them and resets the counter (one launch instead of two; the
-  counters are a per-stream workspace); ``fused=False`` keeps the paper's two kernels.
-  Paged splits stage their block-table entries in SRAM once.
-* **v4** ``decode_v4.cu`` (the default for float16/bfloat16, head dims multiples of 16 up
-  to 256, g <= 16, compute capability 8.0+): v3's ring, split grid and fused combine, with
-  S = Q_g K_j^T and O += P V_j on the tensor cores (``mma.sync.m16n8k16``) -- the g query
-  heads of a GQA group are the rows of the A operand, padded to 16 (FlashInfer, Ye et
-  al., 2024-2025, runs GQA decode through its tensor-core prefill kernels); K_j through ``ldmatrix``,
-  V_j through ``ldmatrix.trans``, P converted to A fragments in registers.  The padding
-  wastes (16 - g) / 16 of the tensor cores' work and frees the CUDA cores, which v3 keeps
-  busy with 2 x g x d FMAs for every K/V row.  One load path: 16-byte ``cp.async`` chunks,
-  through L1 (``.ca``) over a contiguous cache on compute capability 9.0, around it
-  (``.cg``) elsewhere.
-* **v5** ``decode_v5.cu`` (the default for a quantized paged cache -- int8, float8 e4m3 --
-  at head dims 64, 128, 256 where v4's limits hold): v4 reading the cache as its 1-byte
-  codes: integer bit tricks turn them into float16 operands (``mma_codes.cuh``), V's
-  transpose is done in registers (PRMT), and the per-key power-of-two scales multiply S's
-  and P's columns, not the values.
-
-FlashAttention-2 backward (``attention_backward``, ``config=BackwardConfig(...)``): D_i =
-rowsum(dO_i * O_i), a main loop with one block per K/V tile (dK_j, dV_j in registers, summed
-over the GQA group; S and P recomputed from the saved LSE), dQ by float32 atomic adds or, with
-``deterministic=True``, per-tile partials summed in tile order.
-
-* **v1** ``bwd_v1.cu``: CUDA cores, every dtype; a key row a group of lanes, dot products
-  joined by warp shuffles.  What limits it: the shuffles and SRAM reads per multiply-add.
-  The default for float32 and float64, and for 16-bit inputs where v2 cannot run.
-* **v2** ``bwd_v2.cu`` (float16/bfloat16, head_dim <= 128, compute capability 8.0+; their
-  default): every product on the tensor cores (``mma.sync.m16n8k16``, ``ldmatrix``); a warp
-  owns 16 keys, so S^T, P^T, dP^T and dS^T sit in the accumulator layout that is the A
-  operand of dV_j += P^T dO_i and dK_j += dS^T Q_i, straight from registers; dS^T goes
-  through SRAM once, in 16 bits, for dQ_i += dS_ij K_j; Q_i, dO_i double-buffered with
-  ``cp.async``.  What it leaves out: wgmma/TMA, and the dQ atomics are FlashAttention-2's
-  (one float32 add per element per K/V tile).
-
-Paged gather (``paged_gather``): **v1** ``paged_gather.cu``, 16-byte chunks through the
-block table, one output chunk a thread.
-
-MLA decode (``mla_decode``, :mod:`.mla`): **v1** ``mla_decode.cu`` (Hopper only), the absorbed
-form of multi-head latent attention -- one shared 576-value row a token for all query heads --
-on wgmma with the query heads as the rows of S, TMA tiles of cache rows and split-KV.
+Decode is Flash-Decoding's split kernel, GQA packed (one block reads a K/V row once for all
+g query heads of its group), over a contiguous or a paged cache, with the exact LSE combine;
+the split count comes from the SM count and the kernel's occupancy
+(:func:`.policy.decode_wave_splits`, a cost model of the split kernel's waves).  The
+backward computes D_i = rowsum(dO_i * O_i), then one block per K/V tile (dK_j, dV_j in
+registers, summed over the GQA group; S and P recomputed from the saved LSE), dQ by float32
+atomic adds or, with ``deterministic=True``, per-tile partials summed in tile order.
 
 The measured speed of each version, next to torch's SDPA in the same run, is in the
 benchmark records (``python -m iokernels bench``; :mod:`iokernels.core.recorded`); the
@@ -124,20 +113,17 @@ otherwise one copy is made.
 Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`) and
 the fused decode combine's counters (v3 to v5) are the only state the package holds.
 """
-from .config import ForwardConfig, GatherConfig, fit_config  # noqa: F401
+from .config import BackwardConfig, ForwardConfig, GatherConfig, MLADecodeConfig, fit_config  # noqa: F401
 from .decode_config import (DecodeConfig, decode_v2_geometry, decode_v2_smem, decode_v3_smem,  # noqa: F401
                             decode_v4_smem, decode_v5_smem)
 from .launch import KERNEL_DIR, SOURCES, device_info, source  # noqa: F401
 from .registry import REGISTRY, need  # noqa: F401
 from .forward import attention, launch_attention, nonmatmul_budget, v2_registers  # noqa: F401
 from .decode import decode, launch_decode, paged_decode, paged_decode_pools  # noqa: F401
-from .policy import decode_wave_splits, split_cost  # noqa: F401
+from .policy import decode_wave_splits, mla_num_splits, split_cost  # noqa: F401
 from .gather import gather_pools, launch_gather, paged_gather  # noqa: F401
 from .backward import attention_backward  # noqa: F401
-from . import hopper  # noqa: E402
-from .config import BackwardConfig  # noqa: F401
-hopper.register(REGISTRY)          # after the portable versions: ranks above them, on Hopper only
-from . import mla  # noqa: E402,F401  (registers mla_decode v1)
-from .config import MLADecodeConfig  # noqa: F401
+from . import hopper  # noqa: F401  (its records rank above the portable versions, on Hopper only)
+from . import mla  # noqa: F401
 from .mla import mla_decode, paged_mla_decode  # noqa: F401
 from .sanitize import sanitize_cases  # noqa: F401

@@ -27,35 +27,33 @@ import numpy as np
 
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
+from ..core.records import Record
 from .config import BackwardConfig
-from .launch import device_info, function, on_stream, unit_rows
-from .registry import REGISTRY, RANKS, check_backward_v1, check_backward_v2
+from .launch import contiguous, device_info, fill, function, on_stream, unit_rows
+from .registry import REGISTRY, check_backward_v1, check_backward_v2, need
 
 #: threads of the row-wise kernels (bwd_rowsum, bwd_finish); the .cu file's ROW_THREADS
 ROW_THREADS = 128
 
 
-def _zero(x):
-    """Zero a device buffer of the caller's library (the allocators hand out uninitialised memory)."""
-    if type(x).__module__.split(".")[0] == "torch":
-        x.zero_()
-    else:
-        x.fill(0)
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, window=None, config=None):
+    """FlashAttention-2's backward on the GPU: (dq, dk, dv) of q's kind and dtype, dK and dV
+    summed over each GQA group.  ``config``: a :class:`BackwardConfig` (None, or version None:
+    the registry's default for the call; a version: that one, or a ValueError saying why not)."""
+    cv.check_qkv(q, k, v)
+    kernel, cfg = REGISTRY.resolve("attention_backward", config, need("attention_backward", q=q, k=k, v=v))
+    return kernel.launcher(do, q, k, v, o, lse, causal=causal, scale=scale, window=window, config=cfg)
 
 
-def _contiguous(x):
-    if type(x).__module__.split(".")[0] == "torch":
-        return x.contiguous()
-    import cupy
-    return cupy.ascontiguousarray(x)
-
-
-def _run(version, do, q, k, v, o, lse, causal, scale, window, config):
-    """The three launches of either version: rowsum, the main loop of ``version``, finish."""
+def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config):
+    """The three launches of the version ``config`` names (resolved): rowsum, its main loop, finish."""
     info = cv.check_qkv(q, k, v)
     dtype, d = info["dtype"], info["head_dim"]
     B, Hq, Nq, Hkv, Nk = info["batch"], info["heads_q"], info["seqlen_q"], info["heads_kv"], info["seqlen_k"]
-    cfg = (config or BackwardConfig()).replace(version=version)
+    if config is None or config.version is None:
+        raise ValueError("config.version: run_attention_backward needs a resolved config (REGISTRY.resolve)")
+    version, cfg = config.version, config
+    rec = REGISTRY.get("attention_backward", version)
     smem = 0
     if version == "v2":
         cfg = cfg.resolve(d, dtype, device_info()["smem_optin"])
@@ -77,11 +75,11 @@ def _run(version, do, q, k, v, o, lse, causal, scale, window, config):
         qd, kd, vd, dod, od = (unit_rows(call.to_device(x, n)) for x, n in
                                ((q, "q"), (k, "k"), (v, "v"), (do, "do"), (o, "o")))
         lse_dev = call.to_device(lse, "lse")
-        lsed = device_array(lse_dev if device_array(lse_dev).c_contiguous() else _contiguous(lse_dev))
+        lsed = device_array(lse_dev if device_array(lse_dev).c_contiguous() else contiguous(lse_dev))
         dq, dk, dv = (call.empty(s, dtype) for s in ((B, Hq, Nq, d), (B, Hkv, Nk, d), (B, Hkv, Nk, d)))
         dvec = call.empty((B, Hq, Nq), acc.name)
         dq_acc = call.empty(((tiles,) if cfg.deterministic else ()) + (B, Hq, Nq, d), acc.name)
-        _zero(dq_acc)
+        fill(dq_acc, 0)
         rows = B * Hq * Nq
         if rows and d:
             f = function("bwd_v1", "bwd_rowsum", row_defines)
@@ -90,20 +88,14 @@ def _run(version, do, q, k, v, o, lse, causal, scale, window, config):
                *map(np.int64, dod.strides[:3]), *map(np.int64, od.strides[:3])))
         if B * Hkv * Nk and d:
             if rows == 0:
-                _zero(dk)
-                _zero(dv)
+                fill(dk, 0)
+                fill(dv, 0)
             else:
-                args = (qd.arg, kd.arg, vd.arg, dod.arg, lsed.arg, device_array(dvec).arg, device_array(dk).arg,
-                        device_array(dv).arg, device_array(dq_acc).arg, np.int32(Nq), np.int32(Nk), np.int32(Hq),
-                        np.int32(Hkv), *map(np.int64, qd.strides[:3]), *map(np.int64, kd.strides[:3]),
-                        *map(np.int64, vd.strides[:3]), *map(np.int64, dod.strides[:3]), acc.type(scale),
-                        np.int32(left), np.int32(right))
-                if version == "v2":
-                    f = function("bwd_v2", "bwd_v2_main", defines, smem)
-                    f((tiles, Hkv, B), (32 * cfg.num_warps,), args, shared_mem=smem)
-                else:
-                    f = function("bwd_v1", "bwd_main", defines)
-                    f((tiles, Hkv, B), (cfg.block_k * cfg.lanes_per_key,), args)
+                args = rec.args(qd, kd, vd, dod, lsed, *(device_array(x) for x in (dvec, dk, dv, dq_acc)),
+                                scale=acc.type(scale), window=(left, right))
+                threads = 32 * cfg.num_warps if version == "v2" else cfg.block_k * cfg.lanes_per_key
+                f = function(rec.file, rec.kernel, defines, smem)
+                f((tiles, Hkv, B), (threads,), args, shared_mem=smem)
         if rows and d:
             n = rows * d
             f = function("bwd_v1", "bwd_finish", row_defines)
@@ -112,19 +104,24 @@ def _run(version, do, q, k, v, o, lse, causal, scale, window, config):
     return call.finish(dq, dtype), call.finish(dk, dtype), call.finish(dv, dtype)
 
 
-@REGISTRY.register("attention_backward", "v1", config=BackwardConfig, check=check_backward_v1,
-                   default_rank=RANKS["attention_backward", "v1"],
-                   summary="FlashAttention-2's backward on CUDA cores: K/V tile per block, dK/dV in registers, "
-                           "P recomputed from LSE, dQ by atomic adds or deterministic per-tile partials")
-def attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config=None):
-    """(dq, dk, dv) of q's kind and dtype; dK, dV summed over each GQA group."""
-    return _run("v1", do, q, k, v, o, lse, causal, scale, window, config)
+def backward_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, *, scale, window) -> tuple:
+    """bwd_v1.cu's bwd_main and bwd_v2.cu's bwd_v2_main: pointers, sizes, strides in elements
+    (q, k, v, do), the scale in the accumulator dtype, the window."""
+    (_, Hq, Nq, _), (_, Hkv, Nk, _) = qd.shape, kd.shape
+    i32, i64 = np.int32, np.int64
+    return (qd.arg, kd.arg, vd.arg, dod.arg, lsed.arg, dvec.arg, dk.arg, dv.arg, dq_acc.arg, i32(Nq), i32(Nk),
+            i32(Hq), i32(Hkv), *map(i64, qd.strides[:3]), *map(i64, kd.strides[:3]), *map(i64, vd.strides[:3]),
+            *map(i64, dod.strides[:3]), scale, i32(window[0]), i32(window[1]))
 
 
-@REGISTRY.register("attention_backward", "v2", config=BackwardConfig, check=check_backward_v2,
-                   default_rank=RANKS["attention_backward", "v2"],
-                   summary="FlashAttention-2's backward on the tensor cores (mma.sync, ldmatrix): a warp owns 16 keys, "
-                           "P^T/dS^T feed dV/dK from registers, dS^T through SRAM for dQ, Q/dO tiles by cp.async")
-def attention_backward_v2(do, q, k, v, o, lse, *, causal, scale, window, config=None):
-    """(dq, dk, dv) of q's kind and dtype (float16/bfloat16); dK, dV summed over each GQA group."""
-    return _run("v2", do, q, k, v, o, lse, causal, scale, window, config)
+# --------------------------------------------------------------------------- the records
+RECORDS = (
+    Record("cupy", "attention_backward", "v1", "bwd_v1.cu", "bwd_main", BackwardConfig, run_attention_backward,
+           "FlashAttention-2's backward on CUDA cores: K/V tile per block, dK/dV in registers, P recomputed from "
+           "LSE, dQ by atomic adds or deterministic per-tile partials", check_backward_v1, 10, backward_args),
+    Record("cupy", "attention_backward", "v2", "bwd_v2.cu", "bwd_v2_main", BackwardConfig, run_attention_backward,
+           "FlashAttention-2's backward on the tensor cores (mma.sync, ldmatrix): a warp owns 16 keys, P^T/dS^T "
+           "feed dV/dK from registers, dS^T through SRAM for dQ, Q/dO tiles by cp.async", check_backward_v2, 20,
+           backward_args),
+)
+REGISTRY.add(*RECORDS)

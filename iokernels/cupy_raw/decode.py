@@ -32,18 +32,18 @@ s_K, s_V a quantized block's scales: a stored code c stands for c * s
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
+from ..core.records import Record
 from . import decode_config as C
-from .decode_config import RING_FUSED, DecodeConfig
-from .launch import blocks_per_sm, cupy, device_info, function, on_stream, round_up, unit_rows
+from .decode_config import DecodeConfig
+from .launch import blocks_per_sm, contiguous, cupy, current_stream_ptr, device_info, function, on_stream, round_up, unit_rows
 from .policy import decode_wave_splits
-from .registry import (REGISTRY, RANKS, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
+from .registry import (REGISTRY, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
                        check_decode_v5, need)
 #: threads a block of decode.cu's combine: one per element of a row, up to this many
 COMBINE_MAX_THREADS = 256
@@ -51,21 +51,6 @@ COMBINE_MAX_THREADS = 256
 COUNTERS_MIN = 1024
 #: v3's kernel is compiled with at least this much dynamic shared memory opted in
 V3_COMPILE_SMEM = 48 * 1024
-
-SUMMARIES = {
-    "v1": "each warp reads its key rows with plain 16-byte loads into registers, four rows a lane in "
-          "flight; decode.cu's combine kernel merges the splits",
-    "v2": "K/V tiles stream through a per-warp cp.async ring in SRAM (copies in flight hold no "
-          "registers), only __syncwarp in the key loop",
-    "v3": "v2's ring at 8 warps x 4 stages, the combine fused into the split kernel (the last block of "
-          "a group merges), paged block-table entries staged in SRAM",
-    "v4": "v3's ring and fused combine with S = Q_g K^T and O += P V on the tensor cores (mma.sync "
-          "m16n8k16, the g query heads as the rows of the A operand, P kept in registers)",
-    "v5": "v4 reading a quantized paged cache as it is stored: 1-byte codes turned into float16 "
-          "tensor-core operands in registers, the per-key scales applied to S's and P's columns",
-}
-CHECKS = {"v1": check_decode_v1, "v2": check_decode_v2, "v3": check_decode_v3, "v4": check_decode_v4,
-          "v5": check_decode_v5}
 
 
 #: decode v5 (a quantized cache) rounds P' = P s_V / sigma (<= 1) to float16: a relative
@@ -89,9 +74,10 @@ _DECODE_COUNTERS: dict = {}
 
 
 def _decode_counters(n: int):
-    """At least ``n`` zeroed int32 counters for decode v3 on the current device and stream."""
+    """At least ``n`` zeroed int32 counters for decode v3 on the current device and stream
+    (the caller's: the launch runs inside :func:`.launch.on_stream`)."""
     cp = cupy()
-    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    key = (cp.cuda.Device().id, current_stream_ptr())
     buf = _DECODE_COUNTERS.get(key)
     if buf is None or buf.size < n:
         buf = cp.zeros(max(n, COUNTERS_MIN), dtype=np.int32)     # zeroed once, on this stream
@@ -115,17 +101,6 @@ def _host(x) -> np.ndarray:
     if type(x).__module__.split(".")[0] == "torch":
         return x.detach().cpu().numpy()
     return np.asarray(x)
-
-
-def _contiguous(call, x):
-    """q of decode, contiguous (it is small: one token a sequence; copied when it is not)."""
-    if hasattr(x, "is_contiguous"):
-        return x if x.is_contiguous() else x.contiguous()
-    a = device_array(x)
-    if a.c_contiguous():
-        return x
-    cp = cupy()
-    return cp.ascontiguousarray(cp.asarray(x))
 
 
 def _window_left(window) -> int:
@@ -190,20 +165,6 @@ def _check_cache(q, k, v):
 
 
 # --------------------------------------------------------------------------- contiguous cache
-#: the versions of each op: v5 reads quantized caches, which are paged only
-VERSIONS = {"decode": ("v4", "v3", "v2", "v1"), "paged_decode": ("v5", "v4", "v3", "v2", "v1")}
-
-
-def _register(op):
-    def deco(fn):
-        for version in VERSIONS[op]:
-            REGISTRY.register(op, version, config=DecodeConfig, summary=SUMMARIES[version],
-                              check=CHECKS[version], default_rank=RANKS["decode", version])(fn)
-        return fn
-    return deco
-
-
-@_register("decode")
 def run_decode(q, k, v, *, seq_lens, num_splits, scale, config, window=None, kernel=None):
     """Decode over a contiguous cache with a resolved config: (O, LSE) of q's kind (``kernel``:
     launch_decode's)."""
@@ -217,7 +178,7 @@ def run_decode(q, k, v, *, seq_lens, num_splits, scale, config, window=None, ker
     call = Call(q)
     acc = cv.accum_dtype(dtype).name
     with on_stream(call.stream_ptr()):
-        qd = unit_rows(_contiguous(call, call.to_device(q, "q")))
+        qd = unit_rows(contiguous(call.to_device(q, "q")))
         kd, vd = unit_rows(call.to_device(k, "k")), unit_rows(call.to_device(v, "v"))
         lens_d = None if lens is None else call.constant(lens.astype(np.int32))
         left = _window_left(window)
@@ -240,7 +201,6 @@ def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, 
 
 
 # --------------------------------------------------------------------------- paged cache
-@_register("paged_decode")
 def run_paged_decode(q, cache, seq_ids, *, num_splits, scale, config, window=None):
     """Decode over a PagedKVCache with a resolved config.  Its pools (and a quantized cache's
     scales) are NumPy arrays: they are copied to the device on every call
@@ -308,7 +268,7 @@ def _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits, scale
     call = Call(q)
     acc = cv.accum_dtype(dtype).name
     with on_stream(call.stream_ptr()):
-        qd = unit_rows(_contiguous(call, call.to_device(q, "q")))
+        qd = unit_rows(contiguous(call.to_device(q, "q")))
         kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
         kv = None
         if quant is not None:                       # the scales travel as the pools do
@@ -416,30 +376,6 @@ def _smem_v5(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0
                             num_splits, fused, table_cap, kv)
 
 
-@dataclass(frozen=True)
-class SplitKernel:
-    """A split kernel: its file (a key of ``sources``, default launch.SOURCES) and function,
-    its argument builder, whether it has v3's launch (ring_fused: SRAM sized a launch by
-    ``smem``, the staged block table, the fused combine), and defines it adds to the config's."""
-
-    file: str
-    name: str
-    args: Callable[[SplitArgs], tuple]
-    ring_fused: bool = False
-    smem: Callable | None = None
-    extra_defines: dict = field(default_factory=dict)
-    sources: dict | None = None
-
-
-#: the split kernel of each version
-SPLIT_KERNELS = {
-    "v1": SplitKernel("decode", "decode_split", _args_v1),
-    "v2": SplitKernel("decode_v2", "decode_split_v2", _args_v2),
-    "v3": SplitKernel("decode_v3", "decode_split_v3", _args_v3, True, _smem_v3),
-    "v4": SplitKernel("decode_v4", "decode_split_v4", _args_v4, True, _smem_v4),
-    "v5": SplitKernel("decode_v5", "decode_split_v5", _args_v5, True, _smem_v5),
-}
-
 # --------------------------------------------------------------------------- the launch
 def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, paged=None,
                   longest=None, nk=None, config, window_left=-1, quant=None, kernel=None):
@@ -456,9 +392,9 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     block_size): then kd, vd are the pools (num_blocks, block_size, Hkv, d).
     ``num_splits`` None: :func:`.policy.decode_wave_splits` for ``longest`` keys at the
     kernel's occupancy.  ``config``: a :class:`DecodeConfig` with its version set.  Scratch
-    (the partials) comes from the library that owns ``o``.  ``kernel``: a :class:`SplitKernel`
-    to launch instead of the version's (the sweeps' load experiments; its defines are the
-    version's plus its own).
+    (the partials) comes from the library that owns ``o``.  ``kernel``: a
+    :class:`~iokernels.core.records.Record` to launch instead of the version's (the sweeps'
+    load experiments; its defines are the version's plus its ``extra["defines"]``).
     """
     qd, kd, vd, o, lse = (device_array(a) for a in (qd, kd, vd, o, lse))
     B, Hq, d = qd.shape
@@ -480,40 +416,41 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     kv = None if quant is None else quant["kv"]
     defines = config.defines(d, dtype, group, paged is not None, block_size, aligned=aligned,
                              smem_limit=dev["smem_optin"], kv=kv, cc=dev["cc"], pairs=B * Hkv, sms=dev["sms"])
-    spec = kernel or SPLIT_KERNELS[config.version]
-    defines = dict(defines, **spec.extra_defines)
+    spec = kernel or REGISTRY.get("paged_decode" if paged is not None else "decode", config.version)
+    ring_fused, ring_smem, sources = (spec.extra.get(x) for x in ("ring_fused", "smem", "sources"))
+    defines = dict(defines, **spec.extra.get("defines", {}))
     threads = 32 * defines["NUM_WARPS"]
     fused = bool(defines.get("FUSED", 0))
-    if spec.ring_fused:
+    if ring_fused:
         # compiled once per defines; its SRAM is sized a launch (at least the rings)
-        base_smem, _ = spec.smem(d, dtype, group, defines, kv)
+        base_smem, _ = ring_smem(d, dtype, group, defines, kv)
         if base_smem > dev["smem_optin"]:
             raise ValueError(f"config: decode {config.version} with {defines['NUM_WARPS']} warps x "
                              f"{defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs {base_smem:,} B of shared memory a block at "
                              f"head_dim={d} ({dtype}), more than this GPU's {dev['smem_optin']:,} (fewer stages, "
                              f"warps or tile rows)")
-        fn = function(spec.file, spec.name, defines, max(base_smem, V3_COMPILE_SMEM), sources=spec.sources)
+        fn = function(spec.file, spec.kernel, defines, max(base_smem, V3_COMPILE_SMEM), sources=sources)
     elif config.version == "v2":
         base_smem = C.decode_v2_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"])
         if base_smem > dev["smem_optin"]:
             raise ValueError(f"config: decode v2 with {defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs "
                              f"{base_smem:,} B of shared memory a block, more than this GPU's {dev['smem_optin']:,}")
-        fn = function(spec.file, spec.name, defines, base_smem, sources=spec.sources)
+        fn = function(spec.file, spec.kernel, defines, base_smem, sources=sources)
     else:
         base_smem = 0
-        fn = function(spec.file, spec.name, defines, sources=spec.sources)
+        fn = function(spec.file, spec.kernel, defines, sources=sources)
     if num_splits is None:
         num_splits = decode_wave_splits(B, Hkv, longest, dev["sms"], blocks_per_sm(fn, threads, base_smem),
                                         2 * d * C.kv_itemsize(dtype, kv))
     S = int(num_splits)
     smem, table = base_smem, ()
-    if spec.ring_fused:
+    if ring_fused:
         table_cap = 0
         if paged is not None:
             per_split = -(-max(longest, 1) // S)
             want = -(-per_split // block_size) + 1          # a split may straddle one more page
             table_cap = want if want <= C.DECODE_V3_TABLE_CAP else 0
-        smem, table_offset = spec.smem(d, dtype, group, defines, kv, S, fused, table_cap)
+        smem, table_offset = ring_smem(d, dtype, group, defines, kv, S, fused, table_cap)
         if smem > dev["smem_optin"]:
             raise ValueError(f"config: decode {config.version} needs {smem:,} B of shared memory a block, more "
                              f"than this GPU's {dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")
@@ -548,3 +485,37 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
                         config.combine_defines(d, dtype, group, paged is not None, block_size, aligned))
         comb((B * Hq,), (min(COMBINE_MAX_THREADS, round_up(d, 32)),),
              (o_part.arg, lse_part.arg, i32(S), i32(B * Hq), o.arg, lse.arg))
+
+
+# --------------------------------------------------------------------------- the records
+def _records(version, file, kernel, args, check, rank, summary, ops=("decode", "paged_decode"), **extra):
+    """One version's records: the same kernel over a contiguous cache and a paged one."""
+    return tuple(Record("cupy", op, version, file, kernel, DecodeConfig,
+                        run_decode if op == "decode" else run_paged_decode, summary, check, rank, args, extra)
+                 for op in ops)
+
+
+#: ranks: v5 (tensor cores, 1-byte codes) for a quantized paged cache where its check passes, v4
+#: (tensor cores, 16-bit) for a 16-bit cache, else v3; v5 and v4 never both pass; v2 is v3
+#: without its two additions: it is never the default
+RECORDS = (
+    *_records("v1", "decode.cu", "decode_split", _args_v1, check_decode_v1, 10,
+              "each warp reads its key rows with plain 16-byte loads into registers, four rows a lane in "
+              "flight; decode.cu's combine kernel merges the splits"),
+    *_records("v2", "decode_v2.cu", "decode_split_v2", _args_v2, check_decode_v2, 0,
+              "K/V tiles stream through a per-warp cp.async ring in SRAM (copies in flight hold no "
+              "registers), only __syncwarp in the key loop"),
+    *_records("v3", "decode_v3.cu", "decode_split_v3", _args_v3, check_decode_v3, 30,
+              "v2's ring at 8 warps x 4 stages, the combine fused into the split kernel (the last block of "
+              "a group merges), paged block-table entries staged in SRAM", ring_fused=True, smem=_smem_v3),
+    *_records("v4", "decode_v4.cu", "decode_split_v4", _args_v4, check_decode_v4, 40,
+              "v3's ring and fused combine with S = Q_g K^T and O += P V on the tensor cores (mma.sync "
+              "m16n8k16, the g query heads as the rows of the A operand, P kept in registers)",
+              ring_fused=True, smem=_smem_v4),
+    # v5 reads quantized caches, which are paged only
+    *_records("v5", "decode_v5.cu", "decode_split_v5", _args_v5, check_decode_v5, 50,
+              "v4 reading a quantized paged cache as it is stored: 1-byte codes turned into float16 "
+              "tensor-core operands in registers, the per-key scales applied to S's and P's columns",
+              ops=("paged_decode",), ring_fused=True, smem=_smem_v5),
+)
+REGISTRY.add(*RECORDS)

@@ -29,7 +29,20 @@ from .launch import DTYPE_IDS, round_up
 from .policy import (DECODE_MAX_SPLITS, DECODE_MIN_KEYS_PER_SPLIT, DECODE_SATURATING_FRACTION,  # noqa: F401
                      DECODE_V4_PAIRS_SPLIT_BLOCK, DECODE_WAVE_COST_BYTES, decode_v4_block_warps)
 
-__all__ = ["CC_L1", "CHUNK_BYTES", "COMBINE_REG_SPLITS", "DECODE_MAX_SPLITS", "DECODE_MIN_BLOCKS", "DECODE_MIN_KEYS_PER_SPLIT", "DECODE_SATURATING_FRACTION", "DECODE_UNROLL", "DECODE_V2_MIN_BLOCKS", "DECODE_V2_STAGES", "DECODE_V2_TILE_BYTES", "DECODE_V3_QUANT_STAGES", "DECODE_V3_QUANT_TILE_BYTES", "DECODE_V3_STAGES", "DECODE_V3_TABLE_CAP", "DECODE_V3_WARPS", "DECODE_V3_WARP_CHOICES", "DECODE_V4_L1", "DECODE_V4_L1_MAX_RING", "DECODE_V4_MAX_GROUP", "DECODE_V4_MAX_HEAD_DIM", "DECODE_V4_MIN_BLOCKS", "DECODE_V4_PAIRS_SPLIT_BLOCK", "DECODE_V4_SMALL_WARPS", "DECODE_V4_STAGES", "DECODE_V4_TILE_ROWS", "DECODE_V4_WARPS", "DECODE_V5_HEAD_DIMS", "DECODE_V5_TILE_ROWS", "DECODE_V5_WIDE_MAX_DIM", "DECODE_VERSIONS", "DECODE_WARPS", "DECODE_WAVE_COST_BYTES", "DecodeConfig", "KV_QUANT_IDS", "MAX_ROW_CHUNKS", "MIN_STAGES", "MMA_K", "QUANT_UNIT_BYTES", "RING_FUSED", "RING_SMEM", "TENSOR_CORE", "V4_ROW_PAD_BYTES", "V5_SCALE_BYTES", "decode_v2_geometry", "decode_v2_smem", "decode_v3_smem", "decode_v4_smem", "decode_v4_swizzled", "decode_v5_smem", "kv_itemsize", "ring_smem_bound", "tc_smem", "v4_limits"]
+__all__ = [
+    "CC_L1", "CHUNK_BYTES", "COMBINE_REG_SPLITS", "DECODE_MAX_SPLITS", "DECODE_MIN_BLOCKS",
+    "DECODE_MIN_KEYS_PER_SPLIT", "DECODE_SATURATING_FRACTION", "DECODE_UNROLL", "DECODE_V2_MIN_BLOCKS",
+    "DECODE_V2_STAGES", "DECODE_V2_TILE_BYTES", "DECODE_V3_QUANT_STAGES", "DECODE_V3_QUANT_TILE_BYTES",
+    "DECODE_V3_STAGES", "DECODE_V3_TABLE_CAP", "DECODE_V3_WARPS", "DECODE_V3_WARP_CHOICES", "DECODE_V4_L1",
+    "DECODE_V4_L1_MAX_RING", "DECODE_V4_MAX_GROUP", "DECODE_V4_MAX_HEAD_DIM", "DECODE_V4_MIN_BLOCKS",
+    "DECODE_V4_PAIRS_SPLIT_BLOCK", "DECODE_V4_SMALL_WARPS", "DECODE_V4_STAGES", "DECODE_V4_TILE_ROWS",
+    "DECODE_V4_WARPS", "DECODE_V5_HEAD_DIMS", "DECODE_V5_TILE_ROWS", "DECODE_V5_WIDE_MAX_DIM",
+    "DECODE_VERSIONS", "DECODE_WARPS", "DECODE_WAVE_COST_BYTES", "DecodeConfig", "KV_QUANT_IDS",
+    "MAX_ROW_CHUNKS", "MIN_STAGES", "MMA_K", "QUANT_UNIT_BYTES", "RING_FUSED", "TENSOR_CORE",
+    "V4_ROW_PAD_BYTES", "V5_SCALE_BYTES", "decode_v2_geometry", "decode_v2_smem", "decode_v3_smem",
+    "decode_v4_smem", "decode_v4_swizzled", "decode_v5_smem", "kv_itemsize", "ring_smem_bound", "tc_smem",
+    "v4_limits",
+]
 
 #: the k depth of one m16n8k16 tensor-core step (decode v4 / v5 tile rows and head dims are
 #: multiples of it)
@@ -438,10 +451,6 @@ def tc_smem(head_dim, dtype, group, stages, tile_rows, num_warps, num_splits=1, 
     """v4's SRAM for a 16-bit cache (rows counted padded), v5's for a quantized one (``kv``)."""
     fn = decode_v4_smem if kv is None else decode_v5_smem
     return fn(head_dim, dtype, group, stages, tile_rows, num_warps, num_splits, fused, table_cap, kv)
-
-
-#: the dynamic SRAM function of each ring version with a fused combine (v3, v4, v5)
-RING_SMEM = {"v3": decode_v3_smem, "v4": decode_v4_smem, "v5": decode_v5_smem}
 
 
 def ring_smem_bound(version: str, head_dim: int, dtype: str, group: int, num_warps: int | None = None,

@@ -24,25 +24,13 @@ import numpy as np
 
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
+from ..core.records import Record
 from . import config as C
 from .config import ForwardConfig, fit_config
 from .launch import device_info, function, on_stream, round_up, unit_rows
-from .registry import REGISTRY, RANKS, check_v1, check_v1b, check_v2, need
-
-#: the kernel file (and function) of each version
-FA_KERNELS = {"v1": "fa_v1", "v1b": "fa_v1b", "v2": "fa_v2"}
+from .registry import REGISTRY, check_v1, check_v1b, check_v2, need
 
 
-@REGISTRY.register("attention", "v2", config=ForwardConfig, check=check_v2, default_rank=RANKS["attention", "v2"],
-                   summary="tensor cores (mma.sync, ldmatrix) for float16/bfloat16, FlashAttention-2's "
-                           "warp-per-16-rows structure, S and P in registers, cp.async double buffering")
-@REGISTRY.register("attention", "v1b", config=ForwardConfig, check=check_v1b,
-                   default_rank=RANKS["attention", "v1b"],
-                   summary="float32: tiles in row layout copied by cp.async, K_j+1 and V_j+1 in flight "
-                           "behind the two products, swizzled SRAM, exp2")
-@REGISTRY.register("attention", "v1", config=ForwardConfig, check=check_v1, default_rank=RANKS["attention", "v1"],
-                   summary="CUDA cores, any dtype: a block owns Q_i, loads K_j, V_j into SRAM, register-tiled "
-                           "16 x 16 threads")
 def run_attention(q, k, v, *, causal, scale, window, config):
     """One forward call with a resolved config (its version set): (O, LSE) of q's kind."""
     info = cv.check_qkv(q, k, v)
@@ -76,7 +64,6 @@ def launch_attention(qd, kd, vd, o, lse, *, dtype, scale, window, config):
     and fitted (:func:`fit_config`)."""
     qd, kd, vd, o, lse = (device_array(a) for a in (qd, kd, vd, o, lse))
     B, Hq, Nq, d = qd.shape
-    Hkv, Nk = kd.shape[1], kd.shape[2]
     if B * Hq * Nq == 0:
         return
     cfg = config
@@ -84,15 +71,20 @@ def launch_attention(qd, kd, vd, o, lse, *, dtype, scale, window, config):
     if cfg.version in ("v2", "v1b") and not all(a.aligned(C.CHUNK_BYTES) for a in (qd, kd, vd)):
         defines["VEC_IO"] = 0                            # rows not 16-byte aligned: element copies
     smem = cfg.smem_bytes(d, dtype)
-    name = FA_KERNELS[cfg.version]
-    fn = function(name, name, defines, smem)
+    rec = REGISTRY.get("attention", cfg.version)
+    fn = function(rec.file, rec.kernel, defines, smem)
+    grid = (-(-Nq // cfg.block_q), Hq, B)
+    fn(grid, (cfg.threads(),), rec.args(qd, kd, vd, o, lse, dtype=dtype, scale=scale, window=window), shared_mem=smem)
+
+
+def forward_args(qd, kd, vd, o, lse, *, dtype, scale, window) -> tuple:
+    """fa_v1.cu, fa_v1b.cu, fa_v2.cu: pointers, sizes, strides in elements, scale, window."""
+    (_, Hq, Nq, _), (_, Hkv, Nk, _) = qd.shape, kd.shape
     acc_t = np.float64 if dtype == "float64" else np.float32
     i32, i64 = np.int32, np.int64
-    args = (qd.arg, kd.arg, vd.arg, o.arg, lse.arg, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
+    return (qd.arg, kd.arg, vd.arg, o.arg, lse.arg, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
             *map(i64, qd.strides[:3]), *map(i64, kd.strides[:3]), *map(i64, vd.strides[:3]),
             acc_t(scale), i32(window[0]), i32(window[1]))
-    grid = (-(-Nq // cfg.block_q), Hq, B)
-    fn(grid, (cfg.threads(),), args, shared_mem=smem)
 
 
 # --------------------------------------------------------------------------- for notebook 06
@@ -117,3 +109,20 @@ def v2_registers(head_dim: int, block_k: int) -> dict:
     s = block_k // 8 * 4      # NT_S n-tiles x 4 floats
     q = d // 16 * 4           # KT_Q k-steps x 4 registers of two 16-bit values
     return dict(O=o, S_P=s, Q=q, m_l=4, total=o + s + q + 4)
+
+
+# --------------------------------------------------------------------------- the records
+def _record(version, file, check, rank, summary):
+    return Record("cupy", "attention", version, file, file.removesuffix(".cu"), ForwardConfig, run_attention,
+                  summary, check, rank, forward_args)
+
+
+RECORDS = (
+    _record("v1", "fa_v1.cu", check_v1, 10, "CUDA cores, any dtype: a block owns Q_i, loads K_j, V_j into SRAM, "
+            "register-tiled 16 x 16 threads"),
+    _record("v1b", "fa_v1b.cu", check_v1b, 20, "float32: tiles in row layout copied by cp.async, K_j+1 and V_j+1 "
+            "in flight behind the two products, swizzled SRAM, exp2"),
+    _record("v2", "fa_v2.cu", check_v2, 30, "tensor cores (mma.sync, ldmatrix) for float16/bfloat16, "
+            "FlashAttention-2's warp-per-16-rows structure, S and P in registers, cp.async double buffering"),
+)
+REGISTRY.add(*RECORDS)

@@ -11,19 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.arrays import Call, device_array
+from ..core.records import Record
 from . import config as C
 from .config import GatherConfig
 from .decode import _check_tables, _host, check_pools
-from .launch import device_info, function, on_stream
-from .registry import REGISTRY, RANKS, need
+from .launch import contiguous, device_info, function, on_stream
+from .policy import gather_chunk_bytes
+from .registry import REGISTRY, need
 
-#: chunk sizes a row may be moved in, widest first (a row of 1-byte elements does not occur)
-CHUNK_CHOICES = (16, 8, 4, 2)
-
-
-@REGISTRY.register("paged_gather", "v1", config=GatherConfig, default_rank=RANKS["paged_gather", "v1"],
-                   summary="16-byte chunks through the block table, one output chunk a thread "
-                           "(coalesced stores), a grid-stride loop over the sequence")
 def run_paged_gather(cache, sid, *, config):
     """What ``cache.gather(sid, backend="cupy")`` calls: NumPy pools in, NumPy K, V out."""
     return _gather(cache.k_pool, cache.v_pool, cache.block_table(sid), cache.seq_len(sid), config)
@@ -60,22 +55,13 @@ def _gather(k_pool, v_pool, block_table, seq_len, config):
     _check_tables(table[None], np.array([seq_len]), nb, bs, "block_table")
     call = Call(k_pool, name="k_pool")
     with on_stream(call.stream_ptr()):
-        kp = device_array(_contiguous_pool(call.to_device(k_pool, "k_pool")))
-        vp = device_array(_contiguous_pool(call.to_device(v_pool, "v_pool")))
+        # the gather reads pools as contiguous (num_blocks, block_size, Hkv, d): any other is copied
+        kp = device_array(contiguous(call.to_device(k_pool, "k_pool")))
+        vp = device_array(contiguous(call.to_device(v_pool, "v_pool")))
         k_out, v_out = call.empty((hkv, seq_len, d), dtype), call.empty((hkv, seq_len, d), dtype)
         t_d = call.constant(table.astype(np.int32) if len(table) else np.zeros(1, np.int32))
         launch_gather(kp, vp, t_d, k_out, v_out, seq_len, config=config)
     return call.finish(k_out, dtype), call.finish(v_out, dtype)
-
-
-def _contiguous_pool(x):
-    """The gather reads pools as contiguous (num_blocks, block_size, Hkv, d): copy any other."""
-    if device_array(x).c_contiguous():
-        return x
-    if type(x).__module__.split(".")[0] == "torch":
-        return x.contiguous()
-    import cupy
-    return cupy.ascontiguousarray(cupy.asarray(x))
 
 
 def launch_gather(kp, vp, t_d, k_out, v_out, seq_len, *, config=GatherConfig()):
@@ -85,14 +71,26 @@ def launch_gather(kp, vp, t_d, k_out, v_out, seq_len, *, config=GatherConfig()):
     if seq_len == 0 or hkv * d == 0:
         return
     row_bytes = d * kp.itemsize
-    fits = [c for c in CHUNK_CHOICES if row_bytes % c == 0 and all(a.ptr % c == 0 for a in (kp, vp, k_out, v_out))]
-    chunk = fits[0] if fits else kp.itemsize
+    chunk = gather_chunk_bytes(row_bytes, kp.itemsize, tuple(a.ptr for a in (kp, vp, k_out, v_out)))
     defines = dict(BLOCK_SIZE=bs, CHUNK_BYTES=chunk, CHUNKS_PER_ROW=row_bytes // chunk)
-    fn = function("paged_gather", "paged_gather", defines)
+    rec = REGISTRY.get("paged_gather", config.version or "v1")
+    fn = function(rec.file, rec.kernel, defines)
     threads = config.threads or C.GATHER_THREADS
     per_sm = config.blocks_per_sm or C.GATHER_BLOCKS_PER_SM
     total = hkv * seq_len * (row_bytes // chunk)
     grid = max(1, min(-(-total // threads), per_sm * device_info()["sms"]))
-    fn((grid,), (threads,), (kp.arg, vp.arg, t_d.arg, np.int32(seq_len), np.int32(hkv), k_out.arg, v_out.arg))
+    fn((grid,), (threads,), rec.args(kp, vp, t_d, k_out, v_out, seq_len))
 
 
+def gather_args(kp, vp, t_d, k_out, v_out, seq_len) -> tuple:
+    """paged_gather.cu: the pools, the block table, the length, the KV heads, the outputs."""
+    return (kp.arg, vp.arg, t_d.arg, np.int32(seq_len), np.int32(kp.shape[2]), k_out.arg, v_out.arg)
+
+
+# --------------------------------------------------------------------------- the records
+RECORDS = (
+    Record("cupy", "paged_gather", "v1", "paged_gather.cu", "paged_gather", GatherConfig, run_paged_gather,
+           "16-byte chunks through the block table, one output chunk a thread (coalesced stores), a "
+           "grid-stride loop over the sequence", rank=10, args=gather_args),
+)
+REGISTRY.add(*RECORDS)

@@ -14,12 +14,14 @@ import re
 
 #: where the CUDA C++ sources live (this package's kernels/ folder)
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
-#: every kernel file, by name (tests/test_cupy_compile.py compiles each one for every arch)
-SOURCES = {"fa_v1": "fa_v1.cu", "fa_v1b": "fa_v1b.cu", "fa_v2": "fa_v2.cu", "decode": "decode.cu",
-           "decode_v2": "decode_v2.cu", "decode_v3": "decode_v3.cu", "decode_v4": "decode_v4.cu",
-           "decode_v5": "decode_v5.cu",
-           "paged_gather": "paged_gather.cu",
-           "bwd_v1": "bwd_v1.cu", "bwd_v2": "bwd_v2.cu"}
+#: the Hopper kernel files (sm_90a only: compiled with :data:`HOPPER_OPTIONS`)
+HOPPER_FILES = ("fa_v3", "fa_v4", "fa_v5", "hopper_gemm", "mla_decode")
+#: every portable kernel file, by name, found in kernels/ (tests/test_cupy_compile.py compiles
+#: each one for every arch); :data:`HOPPER_SOURCES` the Hopper ones
+SOURCES = {p.stem: p.name for p in sorted(KERNEL_DIR.glob("*.cu")) if p.stem not in HOPPER_FILES}
+HOPPER_SOURCES = {p.stem: p.name for p in sorted(KERNEL_DIR.glob("*.cu")) if p.stem in HOPPER_FILES}
+#: NVRTC options of the Hopper kernels (wgmma, setmaxnreg need sm_90a)
+HOPPER_OPTIONS = ("-arch=sm_90a",)
 #: -DIK_DTYPE values (common.cuh)
 DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 #: above this much dynamic shared memory a kernel must opt in to more (48 KB less the
@@ -60,8 +62,10 @@ def _device_info(dev_id: int) -> dict:
 
 
 def source(name: str, sources: dict | None = None) -> str:
-    """The CUDA source of kernel file ``name`` (a key of ``sources``, default :data:`SOURCES`)
-    with its ``#include "....cuh"`` files inlined, each once (what NVRTC compiles)."""
+    """The CUDA source of kernel file ``name`` (a key of ``sources``, default :data:`SOURCES`,
+    with or without ``.cu``) with its ``#include "....cuh"`` files inlined, each once (what
+    NVRTC compiles)."""
+    name = name.removesuffix(".cu")
     seen = set()
 
     def inline(text):
@@ -75,11 +79,17 @@ def source(name: str, sources: dict | None = None) -> str:
     return inline((KERNEL_DIR / (sources or SOURCES)[name]).read_text())
 
 
+def hopper_source(name: str) -> str:
+    """:func:`source` of a Hopper kernel file (a key of :data:`HOPPER_SOURCES`)."""
+    return source(name, HOPPER_SOURCES)
+
+
 def function(name: str, kernel: str, defines: dict, smem: int = 0, *, options=(), sources=None):
     """Compile (once) and return ``kernel`` from file ``name`` with ``defines``; ``options``:
     more NVRTC flags (the Hopper kernels add ``-arch=sm_90a``), ``sources``: the file table
     ``name`` is looked up in (default :data:`SOURCES`)."""
     cp = cupy()
+    name = name.removesuffix(".cu")
     dev = cp.cuda.Device().id
     key = (name, kernel, tuple(sorted(defines.items())), tuple(options), dev)
     fn = _MODULES.get(key)
@@ -103,11 +113,39 @@ def blocks_per_sm(fn, threads, smem=0) -> int:
 
 
 def on_stream(stream_ptr: int):
-    """A context that makes CuPy launch (and allocate) on the caller's stream ``stream_ptr``
-    (0: CuPy's current stream, left as it is)."""
+    """The one stream rule: every launch (and allocation) runs inside this context, which makes
+    CuPy launch on the caller's stream ``stream_ptr`` (from ``Call.stream_ptr()``; 0: CuPy's
+    current stream, left as it is)."""
     if not stream_ptr:
         return contextlib.nullcontext()
     return cupy().cuda.ExternalStream(stream_ptr)
+
+
+def contiguous(x, align: int = 1):
+    """``x`` (a device object) C-contiguous and starting on ``align`` bytes: x itself when it
+    is, else one contiguous copy made by x's own library (torch, CuPy)."""
+    from ..core.arrays import device_array
+    a = device_array(x)
+    if a.c_contiguous() and a.ptr % align == 0:
+        return x
+    if type(x).__module__.split(".")[0] == "torch":
+        return x.contiguous() if not x.is_contiguous() else x.clone()
+    cp = cupy()
+    return cp.array(cp.asarray(x), order="C", copy=True)
+
+
+def fill(x, value) -> None:
+    """Fill a device buffer of the caller's library (torch or CuPy) in place, on the current
+    stream (the allocators hand out uninitialised memory)."""
+    if type(x).__module__.split(".")[0] == "torch":
+        x.fill_(value)
+    else:
+        x.fill(value)
+
+
+def current_stream_ptr() -> int:
+    """CuPy's current stream (inside :func:`on_stream`: the caller's), as a pointer."""
+    return int(cupy().cuda.get_current_stream().ptr)
 
 
 def unit_rows(x):

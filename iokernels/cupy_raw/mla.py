@@ -45,8 +45,10 @@ from ..core.arrays import Call, device_array
 from . import config as C
 from . import hopper as hp
 from .config import MLADecodeConfig
-from .launch import device_info, function, on_stream
-from .registry import REGISTRY
+from ..core.records import Record
+from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, device_info, fill, function, on_stream
+from .policy import mla_num_splits
+from .registry import REGISTRY, need
 
 ROW = C.MLA_LATENT + C.MLA_ROPE
 DTYPES = ("float16", "bfloat16")
@@ -54,9 +56,6 @@ DTYPES = ("float16", "bfloat16")
 THREADS = 256
 #: threads a block of decode.cu's combine (one a column of a 512-wide row, two passes)
 COMBINE_THREADS = 256
-
-SUMMARY = ("Hopper: wgmma S = Q C^T with Q resident, a 2-stage TMA ring of 64 cache rows, P via SRAM, "
-           "O split over two warpgroups; split-KV with decode.cu's combine")
 
 
 def default_scale() -> float:
@@ -140,24 +139,10 @@ def _config(config) -> MLADecodeConfig:
 
 
 def _need(q, kv):
-    from .registry import need
     return need("mla_decode", q=q, k=kv)
 
 
 # --------------------------------------------------------------------------- splits
-def num_splits_heuristic(batch: int, heads_q: int, longest: int, num_sms: int,
-                         min_keys: int = C.MLA_MIN_KEYS_PER_SPLIT) -> int:
-    """Splits of the key axis so one wave of blocks (one an SM: Q and the ring fill its SRAM)
-    covers the GPU: batch * ceil(Hq / 64) * S blocks, each at least ``min_keys`` rows, at most
-    MLA_MAX_SPLITS splits."""
-    if longest <= 0:
-        return 1
-    blocks = batch * -(-heads_q // C.MLA_HEADS_BLOCK)
-    want = max(1, num_sms // max(1, blocks))
-    cap = max(1, -(-longest // min_keys))
-    return int(max(1, min(want, cap, C.MLA_MAX_SPLITS)))
-
-
 def split_plan(longest: int, num_splits: int) -> tuple[int, int]:
     """(splits launched, rows a split): the rows a split are rounded up to whole tiles of Bc,
     so a tile never straddles two splits (nor, paged, two pages); splits left with no rows of
@@ -170,7 +155,6 @@ def split_plan(longest: int, num_splits: int) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- public calls
-@REGISTRY.register("mla_decode", "v1", config=MLADecodeConfig, summary=SUMMARY, check=check_v1, default_rank=10)
 def run_mla_decode(q, kv, *, seq_lens, num_splits, scale, config):
     """MLA decode over a contiguous latent cache with a resolved config: (O, LSE) of q's kind."""
     B, Hq, N, dtype = _check_cache(q, kv)
@@ -182,7 +166,7 @@ def mla_decode(q, kv, *, seq_lens=None, num_splits=None, scale=None, config=None
     """MLA decode (absorbed form): q (B, Hq, 576), kv (B, N, 576) -> (O (B, Hq, 512), LSE (B, Hq)).
 
     ``seq_lens`` (B,) int: sequence b uses rows [0, seq_lens[b]) (None: all N).
-    ``num_splits``: splits of the key axis (None: :func:`num_splits_heuristic`).  ``scale``
+    ``num_splits``: splits of the key axis (None: :func:`.policy.mla_num_splits`).  ``scale``
     None: DeepSeek-V3's (:func:`default_scale`).  ``config``: an :class:`MLADecodeConfig`.
     O has q's dtype; LSE is float32, natural log.
     """
@@ -261,17 +245,19 @@ def launch_mla(qd, kvd, lens_d, o, lse, *, dtype, scale, num_splits=None, longes
         raise ValueError("q: MLA decode needs a contiguous (batch, heads_q, 576) q on 16 bytes")
     _rows_16b(kvd, "pool" if paged else "kv")
     if paged is None and kvd.shape[1] == 0:            # no rows at all: every row is fully masked
-        hp._fill(o.owner, 0)
-        hp._fill(lse.owner, -math.inf)
+        fill(o.owner, 0)
+        fill(lse.owner, -math.inf)
         return
     dev = device_info()
     cfg = config if config.version is not None else config.replace(version="v1")
     if num_splits is None:
-        num_splits = num_splits_heuristic(B, Hq, longest, dev["sms"], cfg.keys_per_split())
+        num_splits = mla_num_splits(B, Hq, longest, dev["sms"], min_keys=cfg.keys_per_split(),
+                                    heads_block=C.MLA_HEADS_BLOCK, max_splits=C.MLA_MAX_SPLITS)
     splits, per_split = split_plan(longest, num_splits)
     smem = C.MLADecodeConfig.smem_bytes()
     defines = cfg.defines(dtype, paged is not None, paged[1] if paged is not None else C.MLA_BLOCK_N)
-    fn = function("mla_decode", "mla_decode", defines, smem, options=hp.NVRTC_OPTIONS, sources=hp.SOURCES)
+    rec = REGISTRY.get("mla_decode", cfg.version)
+    fn = function(rec.file, rec.kernel, defines, smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
     if splits > 1:
         scratch = Call(o.owner, name="o")
         o_part = device_array(scratch.empty((splits, B, Hq, C.MLA_LATENT), "float32"))
@@ -279,7 +265,7 @@ def launch_mla(qd, kvd, lens_d, o, lse, *, dtype, scale, num_splits=None, longes
         parts = (o_part.arg, lse_part.arg)
     else:
         parts = (np.uint64(0), np.uint64(0))           # unused by the kernel when splits == 1
-    args = kernel_args(qd, kvd, lens_d, o, lse, parts, dtype=dtype, scale=scale, splits=splits,
+    args = rec.args(qd, kvd, lens_d, o, lse, parts, dtype=dtype, scale=scale, splits=splits,
                        per_split=per_split, nk=nk, paged=paged)
     grid = (-(-Hq // C.MLA_HEADS_BLOCK), splits, B)
     fn(grid, (THREADS,), args, shared_mem=smem)
@@ -288,6 +274,15 @@ def launch_mla(qd, kvd, lens_d, o, lse, *, dtype, scale, num_splits=None, longes
                         C.DecodeConfig("v1").combine_defines(C.MLA_LATENT, dtype, 1, False, 16))
         comb((B * Hq,), (COMBINE_THREADS,), (o_part.arg, lse_part.arg, np.int32(splits), np.int32(B * Hq),
                                              o.arg, lse.arg))
+
+
+# --------------------------------------------------------------------------- the records
+RECORDS = (
+    Record("cupy", "mla_decode", "v1", "mla_decode.cu", "mla_decode", MLADecodeConfig, run_mla_decode,
+           "Hopper: wgmma S = Q C^T with Q resident, a 2-stage TMA ring of 64 cache rows, P via SRAM, O split "
+           "over two warpgroups; split-KV with decode.cu's combine", check_v1, 10, kernel_args),
+)
+REGISTRY.add(*RECORDS)
 
 
 # --------------------------------------------------------------------------- checks on a GPU

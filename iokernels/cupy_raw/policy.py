@@ -6,6 +6,7 @@ size; the config classes and launchers call them, and no .cu file holds a defaul
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 # =========================================================================== decode
 #: decode_wave_splits, a cost model of the split kernel's waves (blocks_per_sm x SMs blocks
@@ -22,11 +23,12 @@ DECODE_WAVE_COST_BYTES = 160 * 1024
 DECODE_MIN_KEYS_PER_SPLIT = 256
 #: ... and at most this many splits (the combine reads them all)
 DECODE_MAX_SPLITS = 128
-#: decode v4's block shape where its copies pass through L1 (DecodeConfig.v4_load_l1): when the batch's (b, kv head) pairs give every SM at least
-#: DECODE_V4_PAIRS_SPLIT_BLOCK of them, a block is DECODE_V4_SMALL_WARPS warps and two share
-#: an SM (the same warps and ring bytes an SM): one block's start (its first tiles' latency)
-#: and end (the warps' merge, the write of O) then overlap the other's streaming, where one
-#: 8-warp block an SM leaves the SM idle for both, once per (b, kv head)
+#: decode v4's block shape where its copies pass through L1 (DecodeConfig.v4_load_l1): when
+#: the batch's (b, kv head) pairs give every SM at least DECODE_V4_PAIRS_SPLIT_BLOCK of them,
+#: a block is DECODE_V4_SMALL_WARPS warps and two share an SM (the same warps and ring bytes
+#: an SM): one block's start (its first tiles' latency) and end (the warps' merge, the write
+#: of O) then overlap the other's streaming, where one 8-warp block an SM leaves the SM idle
+#: for both, once per (b, kv head)
 DECODE_V4_PAIRS_SPLIT_BLOCK = 2
 
 
@@ -80,3 +82,72 @@ def decode_v4_block_warps(warps: int, small_warps: int, via_l1: bool, pairs: int
             and pairs >= DECODE_V4_PAIRS_SPLIT_BLOCK * sms):
         return small_warps
     return warps
+
+
+# =========================================================================== MLA decode
+def mla_num_splits(batch: int, heads_q: int, longest: int, num_sms: int, *, min_keys: int, heads_block: int,
+                   max_splits: int) -> int:
+    """MLA decode's splits of the key axis: enough that one wave of blocks (one an SM: Q and
+    the ring fill its SRAM) covers the GPU, batch * ceil(heads_q / heads_block) * S blocks,
+    each split at least ``min_keys`` rows, at most ``max_splits``; 1 for an empty cache."""
+    if longest <= 0:
+        return 1
+    blocks = batch * -(-heads_q // heads_block)
+    want = max(1, num_sms // max(1, blocks))
+    cap = max(1, -(-longest // min_keys))
+    return int(max(1, min(want, cap, max_splits)))
+
+
+# =========================================================================== forward
+#: fa_v2's default Bc: 64 keys up to d = 128; 32 above (the S/P tile and O share the registers)
+V2_BLOCK_K_UP_TO_128, V2_BLOCK_K_ABOVE_128 = 64, 32
+
+
+def v2_default_block_k(head_dim: int) -> int:
+    """fa_v2.cu's default K/V tile (Bc) at ``head_dim``: 64 keys up to d = 128, 32 above, where
+    the S/P tile and the O accumulator share a lane's registers."""
+    return V2_BLOCK_K_UP_TO_128 if head_dim <= 128 else V2_BLOCK_K_ABOVE_128
+
+
+# =========================================================================== backward
+def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callable[[int, int], int], limit: int,
+                      start: tuple[int, int], floor: int = 8) -> tuple[int, int] | None:
+    """bwd_v1.cu's (Br, Bc): the given sizes, and for each None the largest of ``start``
+    halved (Br first, down to ``floor``) until ``smem_of(Br, Bc)`` fits ``limit`` bytes; None
+    when no such tile set fits."""
+    bq, bk = block_q or start[0], block_k or start[1]
+    while smem_of(bq, bk) > limit:
+        if block_q is None and bq > floor:
+            bq //= 2
+        elif block_k is None and bk > floor:
+            bk //= 2
+        else:
+            return None
+    return bq, bk
+
+
+# =========================================================================== paged gather
+#: chunk sizes a row may be moved in, widest first (a row of 1-byte elements does not occur)
+GATHER_CHUNK_CHOICES = (16, 8, 4, 2)
+
+
+def gather_chunk_bytes(row_bytes: int, itemsize: int, pointers: tuple[int, ...]) -> int:
+    """paged_gather.cu's copy unit: the widest of GATHER_CHUNK_CHOICES that divides a row and
+    every pointer, else the element size."""
+    fits = [c for c in GATHER_CHUNK_CHOICES if row_bytes % c == 0 and all(p % c == 0 for p in pointers)]
+    return fits[0] if fits else itemsize
+
+
+# =========================================================================== Hopper attention
+#: default K/V tile (Bc): one m64n128 wgmma for S
+HOPPER_BLOCK_N = 128
+#: default pipeline depth: v3, v4 use one tile while the next lands (Q + 2 x (K + V) = 160 KB at
+#: d = 128); a v5 consumer holds two tiles at once (K_j and V_{j-1}), so a third stage is the one
+#: that lands meanwhile (Q + 3 x (K + V) = 224 KB at d = 128, inside the 227 KB a block may have)
+HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3}
+
+
+def hopper_tiles(version: str, block_n: int | None = None, stages: int | None = None) -> tuple[int, int]:
+    """(Bc, stages) of Hopper attention ``version``: the given ones, else HOPPER_BLOCK_N and the
+    version's HOPPER_STAGES."""
+    return block_n or HOPPER_BLOCK_N, stages or HOPPER_STAGES[version]

@@ -1,10 +1,11 @@
 """The CuPy backend's kernels, keyed by (op, version), and what a call needs of them.
 
-:data:`REGISTRY` is filled where the launchers live (forward.py, decode.py, gather.py:
-``@REGISTRY.register(...)``); each entry has a check that says whether the version can
-run a call, described by :func:`need`, and a default rank (the highest-ranked version
-whose check passes is the default).  The checks below are the whole of "which kernel runs
-where": dtype, head dim, compute capability, row alignment and shared memory.
+:data:`REGISTRY` is filled where the launchers live: each family module (forward.py,
+decode.py, gather.py, backward.py, mla.py, hopper/records.py) ends with its ``RECORDS`` and
+``REGISTRY.add(*RECORDS)``.  A record's check says whether the version can run a call,
+described by :func:`need`, and its rank picks the default (the highest-ranked version whose
+check passes).  The checks below are the whole of "which kernel runs where": dtype, head
+dim, compute capability, row alignment and shared memory.
 """
 from __future__ import annotations
 
@@ -183,19 +184,6 @@ def check_decode_v5(n: Need) -> str | None:
     dtype) at head dims DECODE_V5_HEAD_DIMS (decode_v5.cu); its codes become float16
     operands with integer instructions every such GPU has."""
     return _check_tensor_core("v5", n)
-
-
-#: default ranks (higher wins among the versions whose check passes)
-RANKS = {
-    ("attention", "v2"): 30, ("attention", "v1b"): 20, ("attention", "v1"): 10,
-    # decode v2 is v3 without its two additions: it is never the default
-    # decode v5 (tensor cores, 1-byte codes) for a quantized paged cache where its check passes,
-    # v4 (tensor cores, 16-bit) for a 16-bit cache, else v3; v5 and v4 never both pass
-    ("decode", "v5"): 50, ("decode", "v4"): 40, ("decode", "v3"): 30, ("decode", "v1"): 10, ("decode", "v2"): 0,
-    ("paged_gather", "v1"): 10,
-    # the tensor-core backward first where it runs (16-bit, d <= 128, sm_80+), v1 elsewhere
-    ("attention_backward", "v2"): 20, ("attention_backward", "v1"): 10,
-}
 
 
 def check_backward_v1(n: Need) -> str | None:

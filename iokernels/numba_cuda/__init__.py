@@ -20,36 +20,38 @@ ptx            compile to PTX without a GPU (tests look for float64 and local me
 sanitize       every registered kernel at ragged shapes (for compute-sanitizer)
 =============  ==================================================================
 
-The versions, each changing one thing from the one before:
+The versions, each changing one thing from the one before (generated from the records in
+:mod:`.registry`; ``REGISTRY.version_table()``; the highest rank whose check passes is the
+default, and :mod:`.registry` says when each one's check fails):
 
-=============  =======  ====================================================================
-op             version  what it changes, and why
-=============  =======  ====================================================================
-attention      v1       one thread per query row reading K and V from global memory: the
-                        loop of the NumPy kernel, one row a thread
-attention      v2       the block loads K_j, V_j into shared memory once for all its rows
-                        (FlashAttention-2's loop order), so HBM traffic drops to the model's
-attention      v3       several lanes share a row and a thread keeps several rows, so one
-                        shared-memory load feeds several multiply-adds; warp-shuffle sums
-attention      v4       (default) a 4-key step that NVVM unrolls, so the step's scores stay
-                        in registers, and one butterfly for all of a step's partial sums
-decode         v1       split-KV with GQA packing: a key's dims over a group of lanes,
-                        element loads, split + combine
-decode         v2       8-byte word loads unpacked in registers, so each load moves four
-                        times the bytes; unrolled loops keep the state in registers
-decode         v3       (default for C-contiguous K/V) the next step's loads issued before
-                        this step's math, a reduce-scatter lane sum with fewer shuffles,
-                        flat raw-pointer addressing
-paged_gather   v1       (default) a thread block per logical block, words when rows allow
-paged_gather   v3       a thread block per pool block copying flat runs of 8-byte words,
-                        several loads in flight before the stores (C-contiguous pools)
-attention_     v1       FlashAttention-2's backward (:mod:`.backward`): a block per K/V tile,
-backward                dK/dV in registers, P recomputed from LSE, dQ by atomic adds or
-                        deterministic per-tile partials
-=============  =======  ====================================================================
-
-``paged_decode`` has the decode versions, over the block pool.  ``REGISTRY.table()`` lists
-them with one line each; :mod:`.registry` says how the default is chosen.
+.. versions:numba:begin
+====================  =======  =======================  ====  ================================================
+op                    version  file                     rank  what it adds
+====================  =======  =======================  ====  ================================================
+attention             v4       numba_cuda/forward.py    4     v3 with a 4-key step NVVM unrolls (scores in
+                                                              registers) and batched butterflies
+attention             v3       numba_cuda/forward.py    3     several lanes a row and several rows a thread
+                                                              (register tiling), warp-shuffle sums
+attention             v2       numba_cuda/forward.py    2     the block stages K_j, V_j in shared memory once
+                                                              for all its rows (FlashAttention-2's loop)
+attention             v1       numba_cuda/forward.py    1     one thread per query row, K and V read from
+                                                              global memory by every row
+attention_backward    v1       numba_cuda/backward.py   1     FlashAttention-2's backward: K/V tile per block,
+                                                              dK/dV in registers over the GQA group, P
+                                                              recomputed from LSE, dQ by atomics or
+                                                              deterministic partials
+decode, paged_decode  v3       numba_cuda/decode_v3.py  3     software-pipelined word loads, reduce-scatter
+                                                              lane sums, flat raw-pointer loads
+decode, paged_decode  v1       numba_cuda/decode.py     2     a key's dims over L lanes, element loads, split
+                                                              + combine
+decode, paged_decode  v2       numba_cuda/decode.py     1     8-byte word loads unpacked by bit-casts in
+                                                              registers, unrolled loops
+paged_gather          v1       numba_cuda/gather.py     2     a thread block per logical block, 8- or 4-byte
+                                                              words, loads before stores
+paged_gather          v3       numba_cuda/gather.py     1     a thread block per pool block, flat runs of
+                                                              8-byte words, UN loads before stores
+====================  =======  =======================  ====  ================================================
+.. versions:numba:end
 
 Public functions (``ik.attention(..., backend="numba")`` etc. dispatch here):
 :func:`attention`, :func:`decode`, :func:`paged_decode`, :func:`paged_gather`, and on device

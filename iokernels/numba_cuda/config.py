@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..core import conventions as cv
+from .policy import backward_block, forward_block_k
 
 #: Static shared memory a thread block may use without an opt-in: 48 KiB on every CUDA GPU
 #: (more needs dynamic shared memory and cudaFuncSetAttribute, which these kernels avoid).
@@ -161,11 +162,9 @@ class ForwardConfig:
             raise ValueError("config.version: resolve the default version first (REGISTRY.resolve)")
         br = DEFAULT_BLOCK_Q if self.block_q is None else self.block_q
         bc = self.block_k
-        if bc is None:     # the largest power of two <= DEFAULT_BLOCK_K whose K_j, V_j tiles fit
-            bc = DEFAULT_BLOCK_K   # (the same Bc for every version at a given d and dtype)
-            acc = np.dtype(acc_dtype(dtype)).itemsize
-            while bc > KEYS_PER_STEP and 2 * bc * self.padded_head_dim(head_dim) * acc > SHARED_LIMIT_BYTES:
-                bc //= 2
+        if bc is None:
+            bc = forward_block_k(DEFAULT_BLOCK_K, KEYS_PER_STEP, self.padded_head_dim(head_dim),
+                                 np.dtype(acc_dtype(dtype)).itemsize, SHARED_LIMIT_BYTES)
         cfg = self.replace(block_q=br, block_k=bc)
         cfg.check(head_dim, dtype)
         return cfg
@@ -299,9 +298,8 @@ class BackwardConfig:
         explicit tile set that does not fit raises."""
         cfg = self
         if cfg.block_q is None or cfg.block_k is None:
-            b = BACKWARD_BLOCK
-            while b > 1 and self.replace(block_q=b, block_k=b).smem_bytes(head_dim, dtype) > SHARED_LIMIT_BYTES:
-                b //= 2
+            b = backward_block(BACKWARD_BLOCK, lambda b: self.replace(block_q=b, block_k=b).smem_bytes(head_dim, dtype),
+                               SHARED_LIMIT_BYTES)
             cfg = cfg.replace(block_q=cfg.block_q or b, block_k=cfg.block_k or b)
         need = cfg.smem_bytes(head_dim, dtype)
         if need > SHARED_LIMIT_BYTES:

@@ -99,7 +99,8 @@ def _count_decode(q, k, v, tables, lens, num_splits, scale, block_n, paged, name
     op = c(np.zeros((S, B, Hq, d) if S > 1 else (1, 1, 1, 1), acc), "O_partial")
     lp = c(np.zeros((S, B, Hq) if S > 1 else (1, 1, 1), acc), "LSE_partial")
     launch_decode(c(q, "Q"), c(k, names[0]), c(v, names[1]), c(tables, "block_table"), c(lens, "seq_lens"),
-                  o, lse, op, lp, scale=scale, block_n=block_n, paged=paged, config=cfg)
+                  o, lse, op, lp, scale=scale, block_n=block_n, paged=paged, config=cfg,
+                  split=REGISTRY.get("paged_decode" if paged else "decode", cfg.version).args)
     return o.data, lse.data, c.traffic
 
 

@@ -523,7 +523,7 @@ def resolve_splits(num_splits, B, Hkv, max_len, block_n, version):
 
 
 # --------------------------------------------------------------------------- launch
-def _launch_split_v1(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream,
+def launch_split_v1(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream,
                      left=-1, quant=None):
     B, Hq, d = q.shape
     Hkv = k.shape[2] if paged else k.shape[1]
@@ -534,7 +534,7 @@ def _launch_split_v1(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, 
         int(left))
 
 
-def _launch_split_v2(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream,
+def launch_split_v2(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream,
                      left=-1, quant=None):
     B, Hq, d = q.shape
     Hkv = k.shape[2] if paged else k.shape[1]
@@ -545,25 +545,21 @@ def _launch_split_v2(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, 
         q, k, v, tables, lens, o, lse, o_part, lse_part, acc_dtype(dtype)(scale), S, int(left))
 
 
-#: each version's split launcher (the combine is the same for all)
-SPLIT_LAUNCHERS = {"v1": _launch_split_v1, "v2": _launch_split_v2, "v3": d3.launch_split_v3}
-
-
-def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, stream=0,
-                  left=-1, quant=None):
+def launch_decode(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config, split,
+                  stream=0, left=-1, quant=None):
     """Launch split (+ combine when S > 1) on device or counting arrays already allocated, on
     ``stream``.  o_part / lse_part: (S, B, Hq, d) / (S, B, Hq) float32 scratch (any shape when
     S == 1).  v2, v3: k and v are the word views of :func:`kv_words`.  ``left``: the sliding
     window's left extent (-1: none); ``quant`` (v3, paged): None or dict(kv=code format,
-    k_scale, v_scale), k and v then the code pools' words."""
+    k_scale, v_scale), k and v then the code pools' words.  ``split``: the version's split
+    launcher (its record's ``args``); the combine is the same for all."""
     B, Hq, d = q.shape
     if B == 0:
         return
     if quant is not None and config.version != "v3":
         raise ValueError(f"config.version: a {quant['kv']} cache is read by split kernel v3, not {config.version}")
-    SPLIT_LAUNCHERS[config.version](q, k, v, tables, lens, o, lse, o_part, lse_part, scale=scale,
-                                    block_n=block_n, paged=paged, config=config, stream=stream, left=left,
-                                    quant=quant)
+    split(q, k, v, tables, lens, o, lse, o_part, lse_part, scale=scale,
+          block_n=block_n, paged=paged, config=config, stream=stream, left=left, quant=quant)
     if int(lse_part.shape[0]) > 1:
         comb = ln.jitted(combine_kernel_function(d, str(np.dtype(o.dtype))))
         comb[B * Hq, COMBINE_THREADS, stream](o_part, lse_part, o, lse)
@@ -579,8 +575,8 @@ def kv_words(k, v, head_dim, dtype):
     return k.view(np.dtype(word)), v.view(np.dtype(word)), word
 
 
-def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, paged, max_len, cfg, window=None,
-                   quant=None):
+def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, paged, max_len, cfg, split,
+                   window=None, quant=None):
     dtype = ln.check_dtype(q, "q")
     left = cv.resolve_window(window)[0]
     if left >= 0:                                         # the heuristic counts the visible keys
@@ -617,14 +613,15 @@ def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
         qd = dict(kv=quant["kv"], k_scale=ln.device_in(call, quant["k_scale"], "k_scale"),
                   v_scale=ln.device_in(call, quant["v_scale"], "v_scale"))
     launch_decode(dq, dk, dv, tables, lens, o_d, lse_d, op, lp, scale=scale, block_n=block_n, paged=paged,
-                  config=cfg, stream=ln.stream(call), left=left, quant=qd)
+                  config=cfg, split=split, stream=ln.stream(call), left=left, quant=qd)
     return call.finish(o_h, dtype), call.finish(lse_h, np.dtype(acc).name)
 
 
-def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config, window=None):
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config, split, window=None):
     """The decode launcher (every version): Flash-Decoding over a contiguous (ragged) cache,
     (o, lse).  ``config``: a :class:`DecodeConfig` naming its version; ``window`` (left,
-    right): the query (key n - 1) sees keys [n - 1 - left, n)."""
+    right): the query (key n - 1) sees keys [n - 1 - left, n); ``split``: the version's split
+    launcher (the record binds it)."""
     call = ln.call_for(q)
     call.check(k, "k")
     call.check(v, "v")
@@ -632,10 +629,10 @@ def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config, windo
     lens = np.full(B, N, np.int32) if seq_lens is None else np.asarray(seq_lens, np.int32)
     dummy_table = np.zeros((1, 1), np.int32)
     return _decode_common(call, q, k, v, dummy_table, lens, num_splits, scale, DEFAULT_BLOCK_N, False,
-                          int(lens.max(initial=0)), config, window)
+                          int(lens.max(initial=0)), config, split, window)
 
 
-def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config,
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config, split,
                        window=None, quant=None):
     """Paged Flash-Decoding over pools (num_blocks, block_size, Hkv, d) of any array kind.
 
@@ -653,7 +650,7 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     if tables.size == 0:
         tables = np.zeros((q.shape[0], 1), np.int32)
     return _decode_common(call, q, k_pool, v_pool, tables, lens, num_splits, scale, int(k_pool.shape[1]),
-                          True, int(lens.max(initial=0)), config, window, quant)
+                          True, int(lens.max(initial=0)), config, split, window, quant)
 
 
 def host_like(call, arrays):
@@ -678,7 +675,7 @@ def pools_like(call, cache):
     return host_like(call, pools)
 
 
-def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config, window=None):
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config, split, window=None):
     """The paged decode launcher (every version): decode over a PagedKVCache (its NumPy pools,
     and a quantized cache's scales, are copied to the device)."""
     tables, lens = cache.block_tables_array(list(seq_ids))
@@ -689,4 +686,4 @@ def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config, wind
         ks, vs = host_like(call, (cache.k_scale, cache.v_scale))
         quant = dict(kv=cache.kv_dtype, k_scale=ks, v_scale=vs)
     return paged_decode_pools(q, k_pool, v_pool, tables, lens, num_splits=num_splits, scale=scale, config=config,
-                              window=window, quant=quant)
+                              split=split, window=window, quant=quant)

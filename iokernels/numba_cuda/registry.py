@@ -1,9 +1,10 @@
 """The Numba backend's kernels, keyed by (op, version), and the calls that dispatch through them.
 
-:data:`REGISTRY` holds one :class:`iokernels.core.registry.Kernel` per (op, version): its
-launcher, its config class, one line on what the version adds, and a check that says
-whether it can run a call (:func:`need` describes the call).  The default for a call is the
-highest-ranked version whose check passes:
+:data:`REGISTRY` holds one :class:`iokernels.core.records.Record` per (op, version), all
+written in :data:`RECORDS` below: its module and kernel, its launcher, its config class, one
+line on what the version adds, its rank, a check that says whether it can run a call
+(:func:`need` describes the call) and, for decode, its split launcher (``args``, bound into
+the launcher).  The default for a call is the highest-ranked version whose check passes:
 
 ============  =======================================================================
 op            default
@@ -24,17 +25,20 @@ runs it) and says so.  The module-level :func:`attention`, :func:`decode`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from ..core import conventions as cv
+from ..core.records import Record
 from ..core.registry import Need, Registry
-from .decode import decode as _decode_launcher, paged_decode as _paged_launcher
-from .decode import paged_decode_pools as _pools_launcher, smem_reason
 from . import backward as bwd
+from . import decode as dec
+from . import decode_v3 as d3
 from . import forward as fwd
 from . import gather as gat
 from . import launch as ln
+from .decode import smem_reason
 from .config import NUMBA_DTYPES, BackwardConfig, DecodeConfig, ForwardConfig, GatherConfig
 
 REGISTRY = Registry("numba")
@@ -127,37 +131,6 @@ def _gather_check(needs_contiguous):
     return check
 
 
-_FORWARD = {
-    "v1": "one thread per query row, K and V read from global memory by every row",
-    "v2": "the block stages K_j, V_j in shared memory once for all its rows (FlashAttention-2's loop)",
-    "v3": "several lanes a row and several rows a thread (register tiling), warp-shuffle sums",
-    "v4": "v3 with a 4-key step NVVM unrolls (scores in registers) and batched butterflies",
-}
-for _rank, (_v, _summary) in enumerate(_FORWARD.items(), start=1):
-    REGISTRY.register("attention", _v, config=ForwardConfig, summary=_summary, check=_forward_check(_v),
-                      default_rank=_rank)(fwd.attention)
-
-#: decode ranks: v3 first; where v3 cannot run (strided K/V) v1, the kernel written for any
-#: strides; v2 on request (on strided K/V it loads elements, as v1 does).
-_DECODE = {
-    "v1": (2, False, "a key's dims over L lanes, element loads, split + combine"),
-    "v2": (1, False, "8-byte word loads unpacked by bit-casts in registers, unrolled loops"),
-    "v3": (3, True, "software-pipelined word loads, reduce-scatter lane sums, flat raw-pointer loads"),
-}
-for _v, (_rank, _contig, _summary) in _DECODE.items():
-    for _op, _fn in (("decode", _decode_launcher), ("paged_decode", _paged_launcher)):
-        REGISTRY.register(_op, _v, config=DecodeConfig, summary=_summary, check=_decode_check(_v, _contig),
-                          default_rank=_rank)(_fn)
-
-REGISTRY.register("paged_gather", "v1", config=GatherConfig, default_rank=2, check=_gather_check(False),
-                  summary="a thread block per logical block, 8- or 4-byte words, loads before stores")(gat.paged_gather)
-REGISTRY.register("paged_gather", "v3", config=GatherConfig, default_rank=1, check=_gather_check(True),
-                  summary="a thread block per pool block, flat runs of 8-byte words, UN loads before stores"
-                  )(gat.paged_gather)
-
-
-
-
 def _backward_check(n: Need):
     why = _dtype_reason(n)
     if why is None:
@@ -168,10 +141,47 @@ def _backward_check(n: Need):
     return why
 
 
-REGISTRY.register("attention_backward", "v1", config=BackwardConfig, default_rank=1, check=_backward_check,
-                  summary="FlashAttention-2's backward: K/V tile per block, dK/dV in registers over the GQA "
-                          "group, P recomputed from LSE, dQ by atomics or deterministic partials"
-                  )(bwd.attention_backward)
+# --------------------------------------------------------------------------- the records
+def _forward(version, rank, summary):
+    kernel = "fwd_v3" if version == "v4" else f"fwd_{version}"          # v4: make_v3 with a 4-key step
+    return Record("numba", "attention", version, "numba_cuda/forward.py", kernel, ForwardConfig,
+                  fwd.attention, summary, _forward_check(version), rank)
+
+
+def _decode(version, split, rank, needs_contiguous, summary):
+    """One split kernel's records: decode over a contiguous cache and over the pools."""
+    file = "numba_cuda/decode_v3.py" if version == "v3" else "numba_cuda/decode.py"
+    name = "split_v3" if version == "v3" else ("split" if version == "v1" else "split_v2")
+    check = _decode_check(version, needs_contiguous)
+    return tuple(Record("numba", op, version, file, name, DecodeConfig, functools.partial(fn, split=split), summary,
+                        check, rank, split) for op, fn in (("decode", dec.decode), ("paged_decode", dec.paged_decode)))
+
+
+def _gather(version, rank, needs_contiguous, summary):
+    kernel = "gather" if version == "v1" else "gather_v3"
+    return Record("numba", "paged_gather", version, "numba_cuda/gather.py", kernel, GatherConfig, gat.paged_gather,
+                  summary, _gather_check(needs_contiguous), rank)
+
+
+#: decode ranks: v3 first; where v3 cannot run (strided K/V) v1, the kernel written for any
+#: strides; v2 on request (on strided K/V it loads elements, as v1 does)
+RECORDS = (
+    _forward("v1", 1, "one thread per query row, K and V read from global memory by every row"),
+    _forward("v2", 2, "the block stages K_j, V_j in shared memory once for all its rows (FlashAttention-2's loop)"),
+    _forward("v3", 3, "several lanes a row and several rows a thread (register tiling), warp-shuffle sums"),
+    _forward("v4", 4, "v3 with a 4-key step NVVM unrolls (scores in registers) and batched butterflies"),
+    *_decode("v1", dec.launch_split_v1, 2, False, "a key's dims over L lanes, element loads, split + combine"),
+    *_decode("v2", dec.launch_split_v2, 1, False,
+             "8-byte word loads unpacked by bit-casts in registers, unrolled loops"),
+    *_decode("v3", d3.launch_split_v3, 3, True,
+             "software-pipelined word loads, reduce-scatter lane sums, flat raw-pointer loads"),
+    _gather("v1", 2, False, "a thread block per logical block, 8- or 4-byte words, loads before stores"),
+    _gather("v3", 1, True, "a thread block per pool block, flat runs of 8-byte words, UN loads before stores"),
+    Record("numba", "attention_backward", "v1", "numba_cuda/backward.py", "main_kernel", BackwardConfig,
+           bwd.attention_backward, "FlashAttention-2's backward: K/V tile per block, dK/dV in registers over the "
+           "GQA group, P recomputed from LSE, dQ by atomics or deterministic partials", _backward_check, 1),
+)
+REGISTRY.add(*RECORDS)
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -203,9 +213,9 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     if quant is not None:
         gran = "block_head" if int(quant["k_scale"].shape[1]) == int(k_pool.shape[2]) else "block"
         n = dataclasses.replace(n, extra=dict(n.extra, kv_dtype=quant["kv"], scale_granularity=gran))
-    _, cfg = REGISTRY.resolve("paged_decode", config, n)
-    return _pools_launcher(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
-                           config=cfg, window=window, quant=quant)
+    kernel, cfg = REGISTRY.resolve("paged_decode", config, n)
+    return dec.paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
+                                  config=cfg, split=kernel.args, window=window, quant=quant)
 
 
 def paged_gather(cache, sid, *, config=None):

@@ -1,0 +1,153 @@
+"""BackwardConfig: the tiles of bwd_v1.cu and bwd_v2.cu."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..core import conventions as cv
+from .config_checks import check_positive, check_version
+from .launch import DTYPE_IDS, round_up
+from .policy import backward_v1_tiles
+
+# =========================================================================== backward
+#: v1: CUDA cores, every dtype; v2: tensor cores, float16/bfloat16 (bwd_v2.cu)
+BACKWARD_VERSIONS = ("v1", "v2")
+#: bwd_v1: keys per tile and query rows per tile, shrunk (Br first) until the static SRAM fits
+BWD_DEFAULT_BLOCK_K = 32
+BWD_DEFAULT_BLOCK_Q = 32
+#: lanes that share one key row (its dot products joined by warp shuffles)
+BWD_LANES_PER_KEY = 8
+#: static shared memory a block may declare without an opt-in, on every GPU
+STATIC_SMEM_BYTES = 48 * 1024
+#: bwd_v2 keeps dK_j, dV_j (D_PAD / 2 floats each a lane) in registers: head dims up to 128
+BWD_V2_MAX_HEAD_DIM = 128
+#: bwd_v2's Bc = 16 keys a warp x num_warps; 8 warps (Bc = 128, FlashAttention-2's) first
+BWD_V2_WARP_CHOICES = (8, 4)
+#: bwd_v2's Br: multiples of the 16 queries of one mma k-step
+BWD_V2_BLOCK_Q_CHOICES = (16, 32, 64, 128)
+#: bwd_v2: the accumulator floats a lane (dK_j + dV_j: D_PAD, S^T + dP^T: Br) the default
+#: allows; the default Br (BWD_V2_BLOCK_Q) is 64 while D_PAD + 64 stays within it (d <= 128),
+#: else 32.  At d = 128, Br = 64 ptxas spills a few bytes of 255 registers, and it still beats
+#: Br = 32: half the Q-tile steps, so half the barriers, LSE/D loads and loop overhead per key
+#: (the backward sweep rows of scripts/bwd_dev.py time both)
+BWD_V2_ACC_FLOATS = 192
+BWD_V2_BLOCK_Q = (64, 32)
+
+
+@dataclass(frozen=True)
+class BackwardConfig:
+    """The CuPy backward: version "v1" (bwd_v1.cu, CUDA cores, every dtype) or "v2"
+    (bwd_v2.cu, tensor cores, float16/bfloat16, head_dim <= 128); None: the registry's default.
+
+    block_q (Br), block_k (Bc): Q-tile rows and K/V-tile keys.  v1: None means the largest
+    that fit 48 KB of static SRAM, from 32 x 32.  v2: block_k = 16 * num_warps (64 or 128),
+    block_q a multiple of 16 up to 128; None: Bc = 128 and Br = 64 (32 above d = 96), shrunk
+    (Bc first, then Br) until the SRAM fits the GPU (``resolve(..., smem_limit=)``).
+    num_warps: v2 only (4 or 8).  lanes_per_key: v1 only, threads per key row (a power of two
+    up to 32).  deterministic: dQ by per-tile partials summed in tile order (the same bits
+    every run) instead of atomic adds.
+    """
+
+    version: str | None = None
+    block_q: int | None = None
+    block_k: int | None = None
+    lanes_per_key: int | None = None
+    deterministic: bool = False
+    num_warps: int | None = None
+
+    def __post_init__(self):
+        check_version(self, BACKWARD_VERSIONS)
+        check_positive(self, ("block_q", "block_k", "lanes_per_key", "num_warps"))
+        lpk = self.lanes_per_key
+        if lpk is not None and (lpk & (lpk - 1) or lpk > 32):
+            raise ValueError(f"config.lanes_per_key: a power of two up to 32, got {lpk}")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"config.deterministic: True or False, got {self.deterministic!r}")
+        if self.version == "v2" and lpk is not None:
+            raise ValueError("config.lanes_per_key: a v1 setting; v2 gives each warp 16 keys")
+        if self.version == "v1" and self.num_warps is not None:
+            raise ValueError("config.num_warps: a v2 setting; v1 runs block_k x lanes_per_key threads")
+
+    def replace(self, **changes) -> "BackwardConfig":
+        return replace(self, **changes)
+
+    @staticmethod
+    def smem_bytes(block_q: int, block_k: int, head_dim: int, dtype: str, version: str = "v1") -> int:
+        """v1: Q_i, dO_i, K_j, dS_ij (padded a column), LSE_i, D_i in the accumulator type.
+        v2 (bwd_v2.cu): K_j, V_j, 2 x (Q_i, dO_i) rows of SROW 16-bit values, dS_ij^T
+        [Bc][Br + 8] in 16 bits, 2 x (LSE_i, D_i) in float32."""
+        if version == "v2":
+            srow = round_up(head_dim, 16) + 8
+            return 2 * (2 * block_k * srow + 4 * block_q * srow + block_k * (block_q + 8)) + 4 * 4 * block_q
+        acc = cv.accum_dtype(dtype).itemsize
+        return (2 * block_q * head_dim + block_k * head_dim + block_q * (block_k + 1) + 2 * block_q) * acc
+
+    def resolve(self, head_dim: int, dtype: str, smem_limit: int | None = None) -> "BackwardConfig":
+        """Concrete sizes: the given ones (checked), the largest defaults that fit otherwise
+        (v2: that fit ``smem_limit`` bytes of SRAM a block, when given).  Version None
+        resolves as v1 (the registry picks the version before this)."""
+        if self.version == "v2":
+            return self._resolve_v2(head_dim, dtype, smem_limit)
+        lpk = self.lanes_per_key or BWD_LANES_PER_KEY
+        tiles = backward_v1_tiles(self.block_q, self.block_k, lambda q, k: self.smem_bytes(q, k, head_dim, dtype),
+                                  STATIC_SMEM_BYTES, (BWD_DEFAULT_BLOCK_Q, BWD_DEFAULT_BLOCK_K))
+        if tiles is None:
+            bq, bk = self.block_q or 8, self.block_k or 8
+            raise ValueError(f"config: Br={bq}, Bc={bk} at head_dim={head_dim} ({dtype}) need "
+                             f"{self.smem_bytes(bq, bk, head_dim, dtype):,} B of SRAM, more than the "
+                             f"{STATIC_SMEM_BYTES:,} B a block may declare")
+        bq, bk = tiles
+        if bk * lpk > 1024:
+            raise ValueError(f"config: block_k x lanes_per_key = {bk * lpk} threads, more than 1024")
+        return self.replace(version=self.version or "v1", block_q=bq, block_k=bk, lanes_per_key=lpk)
+
+    def _v2_candidates(self, head_dim: int):
+        """(Br, Bc, warps) tile sets, largest first, keeping the sizes the config gives."""
+        if self.num_warps is not None and self.num_warps not in BWD_V2_WARP_CHOICES:
+            raise ValueError(f"config.num_warps: v2 runs 4 or 8 warps, got {self.num_warps}")
+        if self.block_k is not None and self.block_k not in tuple(16 * w for w in BWD_V2_WARP_CHOICES):
+            raise ValueError(f"config.block_k: v2 takes 64 or 128 (16 keys a warp), got {self.block_k}")
+        if self.block_k is not None and self.num_warps is not None and self.block_k != 16 * self.num_warps:
+            raise ValueError(f"config.block_k: v2 needs block_k == 16 * num_warps ({16 * self.num_warps}), "
+                             f"got {self.block_k}")
+        if self.block_q is not None and self.block_q not in BWD_V2_BLOCK_Q_CHOICES:
+            raise ValueError(f"config.block_q: v2 takes 16, 32, 64 or 128, got {self.block_q}")
+        fixed_w = self.num_warps or (self.block_k // 16 if self.block_k else None)
+        warps = (fixed_w,) if fixed_w else BWD_V2_WARP_CHOICES
+        d_pad = round_up(head_dim, 16)
+        first = BWD_V2_BLOCK_Q[0] if d_pad + BWD_V2_BLOCK_Q[0] <= BWD_V2_ACC_FLOATS else BWD_V2_BLOCK_Q[1]
+        rows = (self.block_q,) if self.block_q else tuple(sorted({b for b in (first, 32, 16) if b <= first},
+                                                                  reverse=True))
+        for bq in rows:
+            for w in warps:
+                yield bq, 16 * w, w
+
+    def _resolve_v2(self, head_dim: int, dtype: str, smem_limit: int | None) -> "BackwardConfig":
+        if dtype not in ("float16", "bfloat16"):
+            raise ValueError(f"config.version: 'v2' is the tensor-core backward for float16/bfloat16, "
+                             f"got dtype {dtype} (use version 'v1')")
+        if head_dim > BWD_V2_MAX_HEAD_DIM:
+            raise ValueError(f"config.version: 'v2' keeps dK_j, dV_j in registers up to head_dim "
+                             f"{BWD_V2_MAX_HEAD_DIM}, got {head_dim} (use version 'v1')")
+        tried = []
+        for bq, bk, w in self._v2_candidates(head_dim):
+            need = self.smem_bytes(bq, bk, head_dim, dtype, "v2")
+            cfg = self.replace(block_q=bq, block_k=bk, num_warps=w)
+            if smem_limit is None or need <= smem_limit:
+                return cfg
+            tried.append(f"Br={bq}, Bc={bk}: {need:,} B")
+        raise ValueError(f"config: v2 at head_dim={head_dim} ({dtype}) does not fit this GPU's {smem_limit:,} B "
+                         f"of shared memory a block ({'; '.join(tried)})")
+
+    def v2_min_smem(self, head_dim: int, dtype: str) -> int:
+        """SRAM of v2's smallest tile set for this config (what a GPU must offer at least)."""
+        bq, bk, _ = list(self._v2_candidates(head_dim))[-1]
+        return self.smem_bytes(bq, bk, head_dim, dtype, "v2")
+
+    def defines(self, head_dim: int, dtype: str, smem_limit: int | None = None) -> dict:
+        c = self.resolve(head_dim, dtype, smem_limit)
+        if c.version == "v2":
+            return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, D_PAD=round_up(head_dim, 16),
+                        NUM_WARPS=c.num_warps, BLOCK_Q=c.block_q, VEC_IO=int(head_dim % 8 == 0),
+                        DETERMINISTIC=int(c.deterministic))
+        return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BR=c.block_q, BC=c.block_k,
+                    LPK=c.lanes_per_key, DETERMINISTIC=int(c.deterministic))

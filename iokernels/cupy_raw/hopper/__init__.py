@@ -1,0 +1,79 @@
+"""FlashAttention for Hopper (compute capability 9.0) in CUDA C++: wgmma, TMA, warp specialization.
+
+The kernels (``kernels/*.cu``, compiled for sm_90a by NVRTC through ``cupy.RawModule``) and
+their launchers.  Each version adds one idea to the one before (FlashAttention-3: Shah,
+Bikshandi, Zhang, Thakkar, Ramani and Dao, 2024):
+
+=======  =================  ===================================================================
+version  file               what it changes, and why
+=======  =================  ===================================================================
+gemm     hopper_gemm.cu     C = A B with TMA, an mbarrier pipeline, wgmma and a producer
+                            warpgroup: the tensor-core ceiling the attention kernels are held to
+v3       fa_v3.cu           wgmma instead of mma.sync (Q, K_j, V_j read by the tensor cores from
+                            SRAM), TMA tile loads into 128-byte-swizzled SRAM, one mbarrier a
+                            stage.  Limits: every warpgroup loads and computes, a __syncthreads
+                            a tile gates each refill, and S, softmax, P V run one after another
+v4       fa_v4.cu           warp specialization: a producer warpgroup issues every TMA copy,
+                            consumers only compute; stages handed back by "empty" mbarriers;
+                            setmaxnreg moves the producer's registers to the consumers.  Limit:
+                            the tensor cores still idle while a warpgroup computes its softmax
+v5       fa_v5.cu           ping-pong: the two consumer warpgroups take turns on the tensor cores
+                            (named barriers), and inside each, softmax(S_j) runs while
+                            P_{j-1} V_{j-1} is still being multiplied.  A consumer now holds two
+                            tiles (K_j, V_{j-1}), so it takes three stages: with two, the tile it
+                            frees is refilled only once it is already needed
+=======  =================  ===================================================================
+
+The default (``HopperConfig()``) is v5, the fastest on the H200 (benchmarks/results); the
+registry ranks v5 > v4 > v3, all above the portable versions.
+
+Notation (the papers' names):
+
+=======  ===========================================================================
+Br, Bc   query rows a block owns (BLOCK_M = 128: two consumer warpgroups of 64 rows),
+         keys a K/V tile holds (``HopperConfig.block_n``)
+Tr, Tc   ceil(Nq / Br) query tiles (the grid's x), the K/V tiles a block visits
+S, P     S_ij = Q_i K_j^T (float32 wgmma accumulators), P_ij = exp2(S_ij scale log2(e) - m)
+m, l     running row max and row sum of the online softmax, in registers
+O        output accumulator (float32 registers), written once to HBM; LSE = m + log(l)
+SRAM     shared memory; HBM device memory; TMA the copy engine (cp.async.bulk.tensor)
+=======  ===========================================================================
+
+Tensor maps: one per operand, encoded on the host by the driver's ``cuTensorMapEncodeTiled``
+(cuda-python's ``cuda.bindings.driver``) and passed to the kernel by value as a
+``__grid_constant__`` parameter.  Q, K and V are seen as 3-D tensors (head_dim, seq,
+batch * heads) so that a tile never runs into the next head: rows past the sequence arrive
+as zeros.  Boxes are 64 elements (128 bytes) wide with the 128-byte swizzle, the swizzle the
+wgmma descriptors in ``hopper_common.cuh`` name.
+
+Scope: float16 and bfloat16; head_dim 64 and 128; causal (bottom-right) and windows, tiles no
+row can see skipped; GQA/MQA; Nq != Nk; any lengths; LSE returned (float32).  Nothing here
+touches a GPU at import; compiled kernels (in :mod:`.launch`'s cache, keyed by kernel, defines and device) and
+the device facts (:func:`~iokernels.cupy_raw.launch.device_info`) are the only state.
+
+==============  ============================================================
+module          what it holds
+==============  ============================================================
+config          the constants and :class:`HopperConfig`
+checks          :func:`available`, the registry check
+tensor_maps     :func:`tensor_map` (cuTensorMapEncodeTiled)
+attention       the attention launch and its argument builder
+gemm            :func:`gemm` (hopper_gemm.cu)
+records         the records of v3, v4, v5
+oracle          :func:`oracle_check`, :func:`gemm_check` (on a GPU)
+==============  ============================================================
+"""
+from ..launch import HOPPER_OPTIONS as NVRTC_OPTIONS  # noqa: F401
+from ..launch import HOPPER_SOURCES as SOURCES  # noqa: F401
+from ..launch import KERNEL_DIR, hopper_source as source  # noqa: F401
+from .config import (BLOCK_M, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES,  # noqa: F401
+                     FALLBACK_SMEM_OPTIN, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_GROUP_M, GEMM_STAGES, GEMM_THREADS,
+                     HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, SMEM_ALIGN, THREADS, VERSIONS,
+                     HopperConfig)
+from .checks import available, check, require_available  # noqa: F401
+from .tensor_maps import tensor_map  # noqa: F401
+from .attention import attention, attention_args, launch_attention  # noqa: F401
+from .gemm import gemm, gemm_defines, gemm_smem_bytes  # noqa: F401
+from .records import RECORDS  # noqa: F401
+from .oracle import gemm_check, oracle_check  # noqa: F401
+

@@ -1,0 +1,91 @@
+"""The Hopper attention launch (fa_v3.cu .. fa_v5.cu) and its argument builder."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...core import conventions as cv
+from ...core.arrays import Call, device_array
+from ..launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream
+from ..registry import REGISTRY
+from .checks import require_available
+from .config import BLOCK_M, DTYPES, HEAD_DIMS, PANEL, THREADS, HopperConfig
+from .tensor_maps import tensor_map
+
+
+def _qkv_map(x, dtype, rows_box):
+    """The 3-D map (head_dim, seq, batch * heads) of a contiguous (B, H, N, d) device array."""
+    B, H, N, d = x.shape
+    return tensor_map(x.ptr, dtype, (d, N, B * H), (2 * d, 2 * d * N), (PANEL, rows_box, 1))
+
+
+def _check_attention_inputs(q, k, v, causal, scale, window, config):
+    info = cv.check_qkv(q, k, v, allowed=DTYPES)
+    if info["head_dim"] not in HEAD_DIMS:
+        raise ValueError(f"q: the Hopper kernels take head_dim in {HEAD_DIMS}, got {info['head_dim']}")
+    if config is None:
+        config = HopperConfig()
+    if not isinstance(config, HopperConfig):
+        raise ValueError(f"config: expected a HopperConfig or None, got {type(config).__name__}")
+    scale = cv.resolve_scale(scale, info["head_dim"])
+    left, right = cv.effective_window(bool(causal), window)
+    return info, scale, (left, right), config.resolve()
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
+    """FlashAttention forward on Hopper: (O, LSE).  ``config``: a :class:`HopperConfig`.
+
+    q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d), float16 or bfloat16, d in (64, 128): torch CUDA
+    tensors or CuPy arrays (used in place when contiguous) or NumPy arrays (copied).  O has q's
+    dtype; LSE is float32 (B, Hq, Nq), natural log; rows that see no key give O = 0, LSE = -inf.
+    """
+    info, scale, win, cfg = _check_attention_inputs(q, k, v, causal, scale, window, config)
+    require_available()
+    cfg.check_fits(info["head_dim"], device_info()["smem_optin"])
+    call = Call(q, name="q")
+    dtype = info["dtype"]
+    B, Hq, Nq, d = info["batch"], info["heads_q"], info["seqlen_q"], info["head_dim"]
+    with on_stream(call.stream_ptr()):
+        qd, kd, vd = (call.to_device(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        o = call.empty((B, Hq, Nq, d), dtype)
+        lse = call.empty((B, Hq, Nq), "float32")
+        launch_attention(qd, kd, vd, o, lse, dtype=dtype, scale=scale, window=win, config=cfg)
+    return call.finish(o, dtype), call.finish(lse, "float32")
+
+
+def launch_attention(q, k, v, o, lse, *, dtype, scale, window, config):
+    """Launch one version on device arrays, on CuPy's current stream (the caller's, through
+    :func:`~iokernels.cupy_raw.launch.on_stream`); ``o`` (B, Hq, Nq, d) and ``lse`` (B, Hq, Nq)
+    are preallocated and contiguous (the checks poison them first)."""
+    cfg = config.resolve()
+    qd, kd, vd = (device_array(contiguous(x, 16), dtype) for x in (q, k, v))
+    B, Hq, Nq, d = qd.shape
+    Nk = kd.shape[2]
+    if B * Hq * Nq == 0:
+        return
+    if Nk == 0:                                   # no keys: every row is fully masked
+        fill(o, 0)
+        fill(lse, -math.inf)
+        return
+    od, ld = device_array(o, dtype), device_array(lse, "float32")
+    left, right = window
+    # causal / right-bounded: later query tiles see more keys; start those first
+    heavy_first = right >= 0 and Nq > BLOCK_M
+    rec = REGISTRY.get("attention", cfg.version)
+    smem = cfg.smem_bytes(d)
+    fn = function(rec.file, rec.kernel, cfg.defines(d, dtype), smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
+    args = rec.args(qd, kd, vd, od, ld, dtype=dtype, block_n=cfg.block_n, scale=scale, window=window,
+                    heavy_first=heavy_first)
+    grid = (-(-Nq // BLOCK_M), Hq, B)
+    fn(grid, (THREADS[cfg.version],), args, shared_mem=smem)
+
+
+def attention_args(qd, kd, vd, od, ld, *, dtype, block_n, scale, window, heavy_first) -> tuple:
+    """fa_v3.cu .. fa_v5.cu: the tensor maps of Q, K, V, the outputs, sizes, the scale in log2
+    units, the window, whether the heavy (later) query tiles start first."""
+    (_, Hq, Nq, _), (_, Hkv, Nk, _) = qd.shape, kd.shape
+    maps = (_qkv_map(qd, dtype, BLOCK_M), _qkv_map(kd, dtype, block_n), _qkv_map(vd, dtype, block_n))
+    i32 = np.int32
+    return (*maps, od.arg, ld.arg, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
+            np.float32(scale * math.log2(math.e)), i32(window[0]), i32(window[1]), i32(heavy_first))

@@ -1,0 +1,42 @@
+"""Whether the Hopper kernels can run here, and the registry check of a call."""
+from __future__ import annotations
+
+from ..launch import cupy_ok, device_info
+from .config import DTYPES, HEAD_DIMS, HOPPER_CC
+
+
+def available() -> str | None:
+    """None when these kernels can run here, else why not (no CuPy / GPU, cc != 9.0, no
+    cuda-python)."""
+    try:
+        if not cupy_ok():
+            return "no CUDA device visible to CuPy"
+        cc = device_info()["cc"]
+    except Exception as e:  # ImportError, or a broken CUDA install
+        return f"CuPy with a CUDA device is needed ({type(e).__name__}: {e})"
+    if cc != HOPPER_CC:
+        return f"needs compute capability 9.0 (Hopper: wgmma, TMA, sm_90a); this GPU is {cc / 10:.1f}"
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return "needs cuda-python (cuda.bindings.driver) to encode the TMA tensor maps"
+    return None
+
+
+def require_available():
+    why = available()
+    if why is not None:
+        raise ValueError(f"config.version: the Hopper kernels cannot run here: {why}")
+
+
+def check(need) -> str | None:
+    """The registry check: why a call cannot run on these kernels, or None."""
+    if need.simulator:
+        return "runs on a GPU only (not the simulator)"
+    if need.cc is not None and need.cc != HOPPER_CC:
+        return f"needs compute capability 9.0 (sm_90a), this GPU is {need.cc / 10:.1f}"
+    if need.dtype not in DTYPES:
+        return f"takes float16 / bfloat16, not {need.dtype}"
+    if need.head_dim not in HEAD_DIMS:
+        return f"takes head_dim in {HEAD_DIMS}, not {need.head_dim}"
+    return available()

@@ -1,0 +1,144 @@
+"""Every choose-a-size rule is a small named pure function; each is held to its rule here.
+
+The homes: iokernels/core/config.py (the NumPy tiles), iokernels/cupy_raw/policy.py (the
+CuPy sizes), iokernels/numba_cuda/policy.py (the Numba sizes), iokernels/decode.py (the
+lesson's split rule, tested in tests/test_decode.py).
+"""
+from __future__ import annotations
+
+import ast
+import math
+from pathlib import Path
+
+import pytest
+
+from iokernels.core import conventions as cv
+from iokernels.core.config import DEFAULT_SRAM_BYTES, TileConfig, paper_tiles
+from iokernels.cupy_raw import config as C
+from iokernels.cupy_raw import policy as P
+from iokernels.cupy_raw.hopper import HopperConfig
+from iokernels.numba_cuda import config as NC
+from iokernels.numba_cuda import policy as NP
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY_HOMES = ("iokernels/core/config.py", "iokernels/cupy_raw/policy.py", "iokernels/numba_cuda/policy.py",
+                "iokernels/decode.py")
+
+
+# --------------------------------------------------------------------------- one name a rule
+def test_every_policy_function_has_its_own_name():
+    seen: dict[str, str] = {}
+    for rel in POLICY_HOMES:
+        tree = ast.parse((ROOT / rel).read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                assert node.name not in seen, f"{node.name} in {rel} and {seen[node.name]}"
+                seen[node.name] = rel
+    names = [p.name for p in (ROOT / "iokernels").rglob("*.py")
+             if "def num_splits_heuristic(" in p.read_text()]
+    assert not names, f"num_splits_heuristic defined in {names}: each split rule has its own name"
+
+
+# --------------------------------------------------------------------------- NumPy tiles
+@pytest.mark.parametrize("sram", [DEFAULT_SRAM_BYTES, 100 * 1024, 48 * 1024, 16 * 1024])
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_paper_tiles_keep_br_min_bc_d_and_fit(sram, d, dtype):
+    br, bc = paper_tiles(sram, d, dtype)
+    assert br == min(bc, d)                                         # Algorithm 1, line 1
+    cfg = TileConfig.from_sram(sram, d, dtype)
+    assert (cfg.block_q, cfg.block_k) == (br, bc)
+    if bc > 1:
+        assert cfg.sram_usage(d, dtype) <= sram
+        # the first of the paper's Bc, halved, that fits: every one before it did not
+        b = math.ceil(sram // cv.itemsize_of(dtype) / (4 * d))
+        while b != bc:
+            assert TileConfig(min(b, d), b, sram_bytes=sram).sram_usage(d, dtype) > sram
+            b //= 2
+
+
+def test_paper_tiles_at_228_kib_d128_float16():
+    # Bc = ceil(116736 / 512) = 228 does not fit with Br = 128; Bc = 114 does, and then Br = 114
+    assert paper_tiles(228 * 1024, 128, "float16") == (114, 114)
+    cfg = TileConfig.from_sram(228 * 1024, 128, "float16")
+    assert cfg.block_q == min(cfg.block_k, 128) == 114
+
+
+def test_default_tiles_halve_the_larger_side_until_they_fit():
+    assert (TileConfig.default(64).block_q, TileConfig.default(64).block_k) == (64, 64)
+    cfg = TileConfig.default(128, "float64")                        # 64 x 64 does not fit: Bc halves first
+    assert (cfg.block_q, cfg.block_k) == (64, 32) and cfg.sram_usage(128, "float64") <= DEFAULT_SRAM_BYTES
+    assert TileConfig(64, 64).sram_usage(128, "float64") > DEFAULT_SRAM_BYTES
+
+
+# --------------------------------------------------------------------------- CuPy sizes
+def test_v2_default_block_k_and_the_forward_config_use_it():
+    assert [P.v2_default_block_k(d) for d in (32, 64, 128, 129, 256)] == [64, 64, 64, 32, 32]
+    assert C.ForwardConfig("v2").resolve(128, "float16").block_k == 64
+    assert C.ForwardConfig("v2").resolve(192, "bfloat16").block_k == 32
+
+
+def test_backward_v1_tiles_shrink_br_first_and_keep_given_sizes():
+    def smem(q, k):
+        return 100 * q * k
+    assert P.backward_v1_tiles(None, None, smem, 100 * 32 * 32, (32, 32)) == (32, 32)
+    assert P.backward_v1_tiles(None, None, smem, 100 * 16 * 32, (32, 32)) == (16, 32)
+    assert P.backward_v1_tiles(None, None, smem, 100 * 8 * 16, (32, 32)) == (8, 16)
+    assert P.backward_v1_tiles(32, None, smem, 100 * 32 * 8, (32, 32)) == (32, 8)
+    assert P.backward_v1_tiles(32, 32, smem, 100, (32, 32)) is None
+    cfg = C.BackwardConfig("v1").resolve(256, "float32")
+    assert C.BackwardConfig.smem_bytes(cfg.block_q, cfg.block_k, 256, "float32") <= C.STATIC_SMEM_BYTES
+    assert (cfg.block_q, cfg.block_k) != (C.BWD_DEFAULT_BLOCK_Q, C.BWD_DEFAULT_BLOCK_K)    # it shrank
+
+
+def test_gather_chunk_is_the_widest_that_divides_rows_and_pointers():
+    assert P.gather_chunk_bytes(256, 2, (0, 4096, 8192)) == 16
+    assert P.gather_chunk_bytes(24, 2, (0, 4096)) == 8                # 24-byte rows: 8-byte chunks
+    assert P.gather_chunk_bytes(256, 2, (0, 4100)) == 4                # a pointer on 4 bytes
+    assert P.gather_chunk_bytes(6, 2, (0, 2)) == 2
+    assert P.gather_chunk_bytes(3, 1, (0,)) == 1                        # the element size
+
+
+@pytest.mark.parametrize("pairs, seq_len", [(1, 4096), (8, 32768), (256, 1000), (32, 128)])
+def test_decode_wave_splits_is_the_cheapest_split_count(pairs, seq_len):
+    s = P.decode_wave_splits(pairs, 1, seq_len, 132, 4, 512)
+    assert 1 <= s <= P.DECODE_MAX_SPLITS
+    cost = P.split_cost(pairs, seq_len, s, 132, 4, 512)
+    assert all(cost <= P.split_cost(pairs, seq_len, t, 132, 4, 512) * (1 + 1e-9)
+               for t in range(1, s) if seq_len / t >= P.DECODE_MIN_KEYS_PER_SPLIT)
+
+
+def test_mla_num_splits_fills_one_wave():
+    kw = dict(min_keys=C.MLA_MIN_KEYS_PER_SPLIT, heads_block=C.MLA_HEADS_BLOCK, max_splits=C.MLA_MAX_SPLITS)
+    assert P.mla_num_splits(64, 128, 8192, 132, **kw) == 1         # 128 blocks already
+    assert P.mla_num_splits(8, 128, 8192, 132, **kw) == 8          # 16 blocks x 8
+    assert P.mla_num_splits(1, 128, 8192, 132, **kw) == 64         # 2 blocks; 128 rows a split at least
+    assert P.mla_num_splits(1, 16, 100, 132, **kw) == 1
+    assert P.mla_num_splits(3, 128, 0, 132, **kw) == 1
+    assert P.mla_num_splits(1, 64, 10 ** 7, 1000, **kw) == C.MLA_MAX_SPLITS
+
+
+def test_hopper_tiles_and_the_config_that_uses_them():
+    assert P.hopper_tiles("v3") == (128, 2) and P.hopper_tiles("v4") == (128, 2) and P.hopper_tiles("v5") == (128, 3)
+    assert P.hopper_tiles("v5", 64, 4) == (64, 4)
+    c = HopperConfig("v5").resolve()
+    assert (c.block_n, c.stages) == P.hopper_tiles("v5")
+    # the defaults fit the 227 KB a Hopper block may have at head_dim 128
+    assert all(HopperConfig(v).smem_bytes(128) <= 232448 for v in ("v3", "v4", "v5"))
+
+
+# --------------------------------------------------------------------------- Numba sizes
+def test_numba_forward_block_k_halves_until_k_and_v_fit():
+    assert NP.forward_block_k(32, 8, 64, 4, 48 * 1024) == 32
+    assert NP.forward_block_k(32, 8, 256, 8, 48 * 1024) == 8           # 2 x 16 x 256 x 8 > 48 KB
+    assert NP.forward_block_k(32, 8, 1024, 8, 48 * 1024) == 8          # never below one step
+    cfg = NC.ForwardConfig("v2").resolved(128, "float64")
+    assert 2 * cfg.block_k * cfg.padded_head_dim(128) * 8 <= NC.SHARED_LIMIT_BYTES
+
+
+def test_numba_backward_block_halves_until_it_fits():
+    assert NP.backward_block(16, lambda b: b * 1000, 16000) == 16
+    assert NP.backward_block(16, lambda b: b * 1000, 15999) == 8
+    assert NP.backward_block(16, lambda b: 10 ** 9, 1) == 1
+    cfg = NC.BackwardConfig().resolved(256, "float64")
+    assert cfg.block_q == cfg.block_k and cfg.smem_bytes(256, "float64") <= NC.SHARED_LIMIT_BYTES
