@@ -2,11 +2,12 @@
 # The project's one entry point.  Each command first sets everything up (idempotent,
 # a few seconds when already done), then runs:
 #
-#   bash dev.sh tour      the progression on a small problem; figures -> figures/   (README step 1)
+#   bash dev.sh tour      the progression on a small problem; figures -> out/figures/ (ignored
+#                         by git: a tour leaves a clean checkout clean)          (README step 1)
 #   bash dev.sh test      the whole test suite, notebooks and browser test included, on two
 #                         cores (pytest-xdist)                                       (README step 2)
 #   bash dev.sh lint      ruff check (lint) and mypy (types of the core and the public API)
-#   bash dev.sh figures   regenerate figures/ from fixed seeds
+#   bash dev.sh figures   regenerate the committed figures/ from fixed seeds (the only command that does)
 #   bash dev.sh lab       JupyterLab on the notebooks (simulator on without a GPU, no news pop-up)
 #   bash dev.sh strip     strip outputs from every notebook, in place (before committing one)
 #   bash dev.sh setup     only the set-up
