@@ -10,7 +10,8 @@
 #   bash dev.sh lint      ruff check (lint) and mypy (types of the core and the public API)
 #   bash dev.sh figures   regenerate the committed figures/ from fixed seeds (the only command that does)
 #   bash dev.sh lab       JupyterLab on the notebooks (simulator on without a GPU, no news pop-up)
-#   bash dev.sh strip     strip outputs from every notebook, in place (before committing one)
+#   bash dev.sh strip     strip outputs from every notebook, in place, and set its kernel metadata
+#                         to what JupyterLab writes on open (before committing one)
 #   bash dev.sh setup     only the set-up
 #
 # Extra arguments go to the command (e.g. `bash dev.sh test tests/test_cli.py -x`).
@@ -128,7 +129,7 @@ sys.exit(f"NumPy ignored NPY_DISABLE_CPU_FEATURES for {on}" if on else 0)' $feat
                  --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate notebooks/ "$@" ;;
     strip)   setup
              # every code cell: no outputs, no execution count; notebook-level widget state dropped
-             exec "$VENV/bin/python" - "${@:-notebooks}" <<'PY'
+             "$VENV/bin/python" - "${@:-notebooks}" <<'PY'
 import sys
 from pathlib import Path
 import nbformat
@@ -144,7 +145,8 @@ for path in paths:
         nbformat.write(nb, path)
         print(f"stripped {path}")
 PY
-             ;;
+             # kernel metadata as JupyterLab writes it on open: the notebook opens unmodified
+             exec "$VENV/bin/python" -m iokernels.notebook_meta "${@:-notebooks}" ;;
     lint)    setup   # ruff (pyproject.toml [tool.ruff]) over the tree, mypy (its [tool.mypy] files)
              "$VENV/bin/python" -m ruff check . && exec "$VENV/bin/python" -m mypy "$@" ;;
     *) echo "usage: bash dev.sh {tour|test|test-nosimd|lint|figures|lab|strip|setup} [args...]" >&2; exit 2 ;;
