@@ -26,7 +26,8 @@ Infrastructure lives in :mod:`iokernels.core` (the public functions, conventions
 oracle, the shared checker and input factory, the traffic counter, tile configs, the
 roofline table, recorded results, the array layer, the kernel registry, the GPU probe);
 timing and the benchmark in :mod:`iokernels.bench`; plots and widgets in
-:mod:`iokernels.viz`; the graded labs in :mod:`iokernels.labs`.
+:mod:`iokernels.viz`; the graded labs in :mod:`iokernels.labs`; notebooks' kernel metadata, as
+JupyterLab writes it on open, in :mod:`iokernels.notebook_meta`.
 
 Importing the package is light: nothing touches a GPU, and heavy modules load on first use.
 """
