@@ -12,9 +12,10 @@ The progression (one module a step, in the order of the notebooks):
 :mod:`iokernels.cupy_raw`               the kernels in CUDA C++, up to Hopper's wgmma and TMA (06)
 :mod:`iokernels.paged`                  PagedAttention's block pool and block tables (07)
 :mod:`iokernels.decode`                 Flash-Decoding: split-KV with an exact LSE merge (08)
-:mod:`iokernels.hopper_schedule`,       FlashAttention-3 and -4 on a CPU (09)
-:mod:`iokernels.fp8`, :mod:`.fa4`,
-:mod:`.generations`
+:mod:`iokernels.hopper_schedule`,       FlashAttention-3 and -4's asynchrony on a CPU: the SM model,
+:mod:`.fa4`                             FA4's software exp2 and conditional rescaling (09a)
+:mod:`iokernels.fp8`,                   low precision: FP8, Hadamard, K smoothing; the generations
+:mod:`.generations`                     FA1-4 and where they run (09b)
 :mod:`iokernels.torch_sdpa`             the comparison with PyTorch (10)
 :mod:`iokernels.failure_modes`          what goes wrong (11)
 :mod:`iokernels.context_parallel`       ring attention over torch.distributed (12)
@@ -25,7 +26,8 @@ Infrastructure lives in :mod:`iokernels.core` (the public functions, conventions
 oracle, the shared checker and input factory, the traffic counter, tile configs, the
 roofline table, recorded results, the array layer, the kernel registry, the GPU probe);
 timing and the benchmark in :mod:`iokernels.bench`; plots and widgets in
-:mod:`iokernels.viz`; the graded labs in :mod:`iokernels.labs`.
+:mod:`iokernels.viz`; the graded labs in :mod:`iokernels.labs`; notebooks' kernel metadata, as
+JupyterLab writes it on open, in :mod:`iokernels.notebook_meta`.
 
 Importing the package is light: nothing touches a GPU, and heavy modules load on first use.
 """

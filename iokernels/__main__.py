@@ -2,8 +2,9 @@
 
 tour      run the progression on a small embedded problem and print, per step and backend,
           the error against the float64 oracle, counted and modelled HBM bytes, and time;
-          writes the figures to figures/ (see :mod:`iokernels.tour`)
-figures   regenerate figures/ from fixed seeds (see :mod:`iokernels.viz.figures`)
+          writes its figures to out/figures/, a folder git ignores, so running it never
+          changes a tracked file (see :mod:`iokernels.tour`)
+figures   regenerate the committed figures/ from fixed seeds (see :mod:`iokernels.viz.figures`)
 bench     the side-by-side GPU benchmark (see :mod:`iokernels.bench`)
 dev       check one op, version and shape against the float64 oracle and time it next to torch
           (see :mod:`iokernels.bench.dev`)
@@ -22,8 +23,14 @@ import os
 import sys
 from pathlib import Path
 
-#: figures/ at the repository root when run from a checkout, else ./figures
-DEFAULT_FIGURES = Path(__file__).resolve().parents[1] / "figures"
+#: the repository root when run from a checkout (it holds pyproject.toml), else the current folder
+ROOT = Path(__file__).resolve().parents[1]
+ROOT = ROOT if (ROOT / "pyproject.toml").is_file() else Path.cwd()
+#: where ``figures`` writes: the committed figures/
+DEFAULT_FIGURES = ROOT / "figures"
+#: where ``tour`` writes its figures: out/figures/, ignored by git (.gitignore's /out/), so a
+#: tour leaves a clean checkout clean whatever the CPU draws
+TOUR_FIGURES = ROOT / "out" / "figures"
 
 
 def _prepare_environment() -> None:
@@ -59,12 +66,13 @@ def main(argv=None) -> int:
     t = sub.add_parser("tour", help="run the progression on a small problem and print what each step does")
     t.add_argument("--small", action="store_true", help="an even smaller problem (seconds)")
     t.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
-    t.add_argument("--out", default=str(DEFAULT_FIGURES), help="where figures go (default: figures/)")
+    t.add_argument("--out", default=str(TOUR_FIGURES), help="where figures go (default: out/figures/, "
+                   "ignored by git; `figures` rewrites the committed figures/)")
     t.add_argument("--no-figures", action="store_true", help="do not write figures")
     t.add_argument("--no-times", action="store_true", help="print '-' for the times (an output that repeats)")
 
     f = sub.add_parser("figures", help="regenerate the figures from fixed seeds")
-    f.add_argument("--out", default=str(DEFAULT_FIGURES), help="output folder (default: figures/)")
+    f.add_argument("--out", default=str(DEFAULT_FIGURES), help="output folder (default: the committed figures/)")
     f.add_argument("--quiet", action="store_true", help="no progress bar")
 
     sub.add_parser("bench", help="the GPU benchmark (options: python -m iokernels bench --help)",

@@ -18,10 +18,10 @@ time               wall-clock seconds of that one call on this machine (NumPy, w
                    (``python -m iokernels bench`` times kernels properly)
 =================  ==========================================================
 
-Each step is labelled with the number of the notebook that teaches it (00-10).
+Each step is labelled with the number of the notebook that teaches it (01-10, 09a).
 
 Steps: naive forward; tiled forward in FlashAttention-1 and -2 loop orders, and with
-FlashAttention-4's conditional rescaling (notebook 09; the note counts the skipped rescales); backward
+FlashAttention-4's conditional rescaling (notebook 09a; the note counts the skipped rescales); backward
 (naive and tiled); paged gather; split-KV decode and paged decode; then the GPU
 backends: Numba CUDA (on the simulator at a tiny size when there is no GPU), CuPy
 (GPU only), torch SDPA.  A backend that cannot run on this machine prints
@@ -31,7 +31,10 @@ exits non-zero at the end.
 The GPU backends do not count traffic (there are no HBM wrappers on a device); their
 modelled bytes are left out.  Under each step, a line starting ``->`` says what to read
 off it (:func:`conclusion`), e.g. how many of naive attention's bytes the tiled kernel
-moves, and why.  Figures go to ``figures/`` unless ``--no-figures``.
+moves, and why.  Figures go to ``out/figures/`` (``--out`` to change it, ``--no-figures``
+for none), a folder git ignores: the tour never changes a tracked file.  ``python -m
+iokernels figures`` (``bash dev.sh figures``) is the one command that rewrites the
+committed ``figures/``.
 """
 from __future__ import annotations
 
@@ -409,7 +412,7 @@ def _steps(case: _Case, small_case):
         ("01 naive forward", "naive", lambda: _forward(case, "naive", model="naive"), None),
         ("03 tiled forward FA1", "tiled", lambda: _forward(case, "tiled", "fa1", model="fa1"), None),
         ("03 tiled forward FA2", "tiled", lambda: _forward(case, "tiled", "fa2", model="fa2"), None),
-        ("09 FA2, FA4 rescaling", "tiled", lambda: _conditional_rescale(case), None),
+        ("09a FA2, FA4 rescaling", "tiled", lambda: _conditional_rescale(case), None),
         ("04 backward naive", "naive", lambda: _backward(case, "naive", "naive_backward"), None),
         ("04 backward tiled (FA2)", "tiled", lambda: _backward(case, "tiled", "fa2_backward"), None),
         ("07 paged gather", "tiled", lambda: _paged_gather(case), None),
@@ -430,7 +433,7 @@ def run(problem: Problem = DEFAULT, *, seed: int = 0, figures_dir=None, file=Non
     """
     out = sys.stdout if file is None else file
     print(f"iokernels tour: {problem.describe()}; seed {seed}", file=out)
-    print("(each step is labelled with the notebook that teaches it, notebooks/NN_*.ipynb)", file=out)
+    print("(each step is labelled with the notebook that teaches it, notebooks/<label>_*.ipynb)", file=out)
     print("(counted = HBM bytes counted while running; modelled = closed-form formula; "
           "'=' when they agree exactly)", file=out)
     print(_HEADER, file=out, flush=True)

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: every step the tour must print, in order
-TOUR_STEPS = ["01 naive forward", "03 tiled forward FA1", "03 tiled forward FA2", "09 FA2, FA4 rescaling",
+TOUR_STEPS = ["01 naive forward", "03 tiled forward FA1", "03 tiled forward FA2", "09a FA2, FA4 rescaling",
               "04 backward naive", "04 backward tiled (FA2)", "07 paged gather", "08 decode (split-KV)",
               "08 paged decode", "05 Numba CUDA forward", "06 CuPy forward", "10 torch SDPA forward"]
 #: the figures `figures` must write (the paged ones come from iokernels.viz.paged)
@@ -81,3 +81,20 @@ def test_figures_are_reproducible(tmp_path):
 def test_bad_command_line_exits_with_usage(argv):
     r = _run(*argv, timeout=60)
     assert r.returncode == 2 and "usage" in r.stderr.lower()
+
+
+def test_the_tour_writes_outside_tracked_files_and_figures_rewrites_figures():
+    """The tour's default folder is one git ignores (a tour never dirties a clean checkout);
+    `figures` alone writes the committed figures/."""
+    import shutil
+
+    from iokernels import __main__ as cli
+    assert cli.DEFAULT_FIGURES == ROOT / "figures"
+    assert cli.TOUR_FIGURES.is_relative_to(ROOT / "out")
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    probe = cli.TOUR_FIGURES / "traffic_vs_n.png"
+    r = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=ROOT)
+    assert r.returncode == 0, f"{probe} is not ignored by git: a tour would leave the checkout modified"
+    r = subprocess.run(["git", "check-ignore", "-q", str(ROOT / "figures" / "traffic_vs_n.png")], cwd=ROOT)
+    assert r.returncode == 1, "figures/ must stay tracked"

@@ -1,4 +1,6 @@
 """FlashAttention-4's software exp2 (error bound, bit trick) and the rescale survey."""
+import math
+
 import numpy as np
 import pytest
 
@@ -23,8 +25,14 @@ def test_fitted_polynomial_matches_the_codes_coefficients():
 
 
 def test_exact_on_integers_and_clamped_to_normal_floats(rng):
-    n = rng.integers(-126, 128, 50).astype(np.float32)
-    np.testing.assert_array_equal(fa4.software_exp2(n), np.exp2(n))     # f = 0: p(0) = 1 exactly
+    # Every integer of the clamp range, and a random sample again: 2^n is a power of two, so
+    # the expected value is built exactly (math.ldexp), never by a library's exp2, whose last
+    # bit depends on its SIMD path (NumPy's AVX-512 np.exp2(float32(127)) is one ulp above 2^127).
+    n = np.concatenate([np.arange(-126, 128), rng.integers(-126, 128, 50)]).astype(np.float32)
+    exact = np.array([math.ldexp(1.0, int(k)) for k in n], dtype=np.float32)
+    got = fa4.software_exp2(n)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.int32), exact.view(np.int32))   # f = 0: p(0) = 1, bit for bit
     low = fa4.software_exp2(np.array([-1e4, -127.5], np.float32))
     np.testing.assert_array_equal(low, np.float32(2.0 ** -126))        # clamped: normal, never garbage
     assert np.isfinite(fa4.software_exp2(np.array([1e4], np.float32))).all()

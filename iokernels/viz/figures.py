@@ -31,6 +31,7 @@ import numpy as np
 
 from ..core import conventions as cv
 from ..core import roofline as rl
+from . import exact_log
 
 #: dots per inch of the committed PNGs: readable on a screen, small in git.
 DPI = 110
@@ -315,7 +316,7 @@ def measured_vs_model(rec=None, size: str = "large", ax=None):
         ticks.append(y)
         labels.append(f"{r['case']}\nB={p['B']} H={p['H']} N={p['N']} d={p['d']} {p['dtype']}")
         y -= 1.2
-    ax.set_xscale("log")
+    exact_log.set_log(ax, "x")
     ax.set_yticks(ticks, labels, fontsize=7)
     from matplotlib.patches import Patch
     handles = [Patch(color=_PART_COLORS[part], label=f"model as written: {part}")
@@ -346,19 +347,19 @@ def traffic_vs_n(seqlens=TRAFFIC_SEQLENS, head_dim: int = 64, dtype: str = "floa
         axes = fig.subplots(1, 2, width_ratios=(1.25, 1))
     ax = axes[0]
     N = np.array(parts["N"])
-    ax.loglog(N, np.array(parts["mandatory"]) / MB, "--", color=_FLOOR_COLOR,
+    exact_log.loglog(ax, N, np.array(parts["mandatory"]) / MB, "--", color=_FLOOR_COLOR,
               label="mandatory: read Q, K, V and write O once (~N d)")
-    ax.loglog(N, np.array(parts["S and P"]) / MB, color=_NAIVE_COLOR, lw=2,
+    exact_log.loglog(ax, N, np.array(parts["S and P"]) / MB, color=_NAIVE_COLOR, lw=2,
               label="naive: write and read S and P (~N^2)")
     for order, colour, what in (("fa2", _FLASH_COLOR, "FA2 re-reads K, V"), ("fa1", _FA1_COLOR, "FA1 re-reads Q, O, m, l")):
         for m, entry in parts[order].items():
             cfg = entry["config"]
-            ax.loglog(N, np.array(entry["tile re-reads"]) / MB, _M_STYLES.get(m, "-"), color=colour,
+            exact_log.loglog(ax, N, np.array(entry["tile re-reads"]) / MB, _M_STYLES.get(m, "-"), color=colour,
                       label=f"{what}: M={m} KiB (Br={cfg.block_q}, Bc={cfg.block_k})")
     if counted:
         for kind, key, colour in (("naive", "S and P", _NAIVE_COLOR), ("fa2", "tile re-reads", _FLASH_COLOR),
                                   ("fa1", "tile re-reads", _FA1_COLOR)):
-            ax.loglog(counted["N"], [p[key] / MB for p in counted["parts"][kind]], "o", color=colour,
+            exact_log.loglog(ax, counted["N"], [p[key] / MB for p in counted["parts"][kind]], "o", color=colour,
                       mfc="none", ms=8)
         ax.plot([], [], "o", color="black", mfc="none", label="counted while running (NumPy, M=228 KiB)")
     ax.set_xlabel("sequence length N (= Nq = Nk)")
@@ -450,7 +451,7 @@ def draw_roof(ax, gpu: str, dtype: str, intensities):
     g = rl.get_gpu(gpu)
     ridge = rl.ridge_point(gpu, dtype)
     peak = ridge * g["hbm_tbps"]
-    ax.loglog(intensities, np.minimum(peak, intensities * g["hbm_tbps"]), color="black", lw=2,
+    exact_log.loglog(ax, intensities, np.minimum(peak, intensities * g["hbm_tbps"]), color="black", lw=2,
               label=f"{gpu}: {g['hbm_tbps']} TB/s, {peak:.0f} TFLOP/s ({dtype})")
     ax.axvline(ridge, color="grey", ls=":", lw=1)
     ax.text(ridge * 1.08, peak * 0.04, f"ridge {ridge:.0f} FLOP/B", fontsize=8, color="grey")
@@ -471,7 +472,7 @@ def roofline(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float16", gp
     if ax is None:
         fig = _figure((7.0, 4.6))
         ax = fig.add_subplot()
-    peak = draw_roof(ax, gpu, dtype, np.logspace(0, 4, 200))
+    peak = draw_roof(ax, gpu, dtype, exact_log.logspace(0, 4, 200))
     cfg = pts["config"]
     rereads = pts["fa2"]["parts"]["tile re-reads"] / pts["fa2"]["bytes"]
     points = [("naive", _NAIVE_COLOR, "o", "naive (S and P through HBM)"),
