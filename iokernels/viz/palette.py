@@ -32,13 +32,13 @@ RUNNER_COLOURS = {
     "numba:v2": "#f57c20",
     "numba:v3": "#d95f02",
     "numba:v4": "#8c3a00",
-    "cupy": "#a8267f",
-    "cupy:v1": "#f08bc3",
-    "cupy:v1b": "#e066b0",
-    "cupy:v2": "#c9409c",
-    "cupy:v3": "#a8267f",
-    "cupy:v4": "#861a66",
-    "cupy:v5": "#5c0f47",
+    "cupy": "#a81a74",
+    "cupy:v1": "#f58cc8",
+    "cupy:v1b": "#e95fae",
+    "cupy:v2": "#d12f8f",
+    "cupy:v3": "#a81a74",
+    "cupy:v4": "#730d50",
+    "cupy:v5": "#45052f",
 }
 
 #: the colour of a runner this table does not name
