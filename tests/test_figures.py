@@ -198,3 +198,22 @@ def test_the_legend_check_sees_a_legend_on_the_data():
     ax.legend(loc="center")
     assert _covered(fig) > 0
     plt.close(fig)
+
+
+def test_decode_roofline_models_have_their_own_colours_and_labels_do_not_collide():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from iokernels.viz import decode_models as dm
+    styles = list(dm.MODEL_STYLE.values())
+    assert len({c for c, _ in styles}) == len(styles) and len({m for _, m in styles}) == len(styles)
+    assert not {c for c, _ in styles} & {c for c, _ in dm.GPU_STYLE.values()}     # a point is never a roof's colour
+    fig = dm.roofline_figure()
+    FigureCanvasAgg(fig).draw()
+    r = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    boxes = [t.get_window_extent(r) for t in ax.texts]
+    assert len(boxes) >= 6
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b), "two labels of the decode roofline overlap"
+    assert _covered(fig) == 0

@@ -22,8 +22,8 @@ from .figures import _figure
 from .palette import colour as runner_colour
 
 #: one colour and one marker per model (the same in every figure of the chapter)
-MODEL_STYLE = {"Llama-2-7B": ("#c0392b", "o"), "Llama-3-8B": ("#1f77b4", "s"), "Mistral-7B": ("#1f77b4", "s"),
-               "Llama-3-70B": ("#17becf", "D"), "Falcon-7B": ("#8e44ad", "^"), "DeepSeek-V3": ("#27ae60", "*")}
+MODEL_STYLE = {"Llama-2-7B": ("#ff7f0e", "o"), "Llama-3-8B": ("#1f77b4", "s"), "Mistral-7B": ("#17becf", "P"),
+               "Llama-3-70B": ("#9467bd", "D"), "Falcon-7B": ("#8c564b", "^"), "DeepSeek-V3": ("#2ca02c", "*")}
 #: one line style per GPU roof
 GPU_STYLE = {"H100 SXM": ("#7f7f7f", "--"), "H200": ("black", "-"), "B200": ("#d62728", ":")}
 #: one colour per cache kind
