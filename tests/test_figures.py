@@ -99,12 +99,12 @@ def _runner_artists(fig):
 def _runner_figures():
     import matplotlib.pyplot as plt
 
-    from iokernels import models, recorded
+    from iokernels import models
     from iokernels.viz import decode_models as dm
     from iokernels.viz import sdpa
     rec = _rec()
-    figs = {"prefill bf16": recorded.plot_prefill(rec, "bfloat16")[0].figure,
-            "prefill fp32": recorded.plot_prefill(rec, "float32")[0].figure,
+    figs = {"prefill bf16": sdpa.plot_prefill(rec, "bfloat16")[0].figure,
+            "prefill fp32": sdpa.plot_prefill(rec, "float32")[0].figure,
             "decode summary": figures.recorded_decode_summary(rec, dtype="float16"),
             "traffic": sdpa.plot_traffic(rec)}
     label, runs = models.recorded_mla_data()

@@ -164,12 +164,12 @@ def short_label(rec: dict) -> str:
     return f"recorded on {env.get('gpu', '?')}, {env.get('date_utc', '?')[:10]}, torch {env.get('torch', '?')}"
 
 
-def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", axes=None):
-    """Time and extra device memory vs N, one line per runner (naive, each SDPA kernel, ours),
-    each in its colour of :mod:`iokernels.viz.palette`; the legend to the right of the axes."""
+def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", axes=None, colour=None):
+    """Time and extra device memory vs N, one line per runner (naive, each SDPA kernel, ours);
+    the legend to the right of the axes.  ``colour``: runner name -> colour (the core imports
+    no plotting module: :func:`iokernels.viz.sdpa.plot_prefill` passes the palette's);
+    None: matplotlib's colour cycle."""
     import matplotlib.pyplot as plt
-
-    from ..viz.palette import colour
     rows = bench_rows(rec, section=section, dtype=dtype)
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw=dict(right=0.84, wspace=0.25))
@@ -179,10 +179,11 @@ def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", a
         rs = sorted((x for x in rows if x["runner"] == rn), key=lambda x: x["seqlen"])
         N = [x["seqlen"] for x in rs]
         style = _STYLE.get(rn, "--")          # a version not named above: dashed, like our kernels
-        axes[0].plot(N, [x["ms"] for x in rs], style, color=colour(rn), label=rn)
+        c = colour(rn) if colour is not None else None
+        axes[0].plot(N, [x["ms"] for x in rs], style, color=c, label=rn)
         mem = [(x["seqlen"], x["extra_MiB"]) for x in rs if x.get("extra_MiB") is not None and x["group"] != "numba"]
         if mem:
-            axes[1].plot(*zip(*mem), style, color=colour(rn), label=rn)
+            axes[1].plot(*zip(*mem), style, color=c or axes[0].get_lines()[-1].get_color(), label=rn)
     for ax, yl in zip(axes, ("time per call (ms, median)", "device memory above the inputs (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

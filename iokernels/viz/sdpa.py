@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..core import recorded
 from .htmltable import Table
-from .palette import traffic_colour
+from .palette import colour, traffic_colour
 
 __all__ = ["plot_prefill", "traffic_groups", "plot_traffic", "traffic_table", "compare_table",
            "fallback_table", "decode_table", "backend_status_table"]
@@ -16,7 +16,7 @@ __all__ = ["plot_prefill", "traffic_groups", "plot_traffic", "traffic_table", "c
 
 def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", axes=None):
     """Time and extra device memory vs N, one line per runner, in the runner's palette colour."""
-    return recorded.plot_prefill(rec, dtype, section=section, axes=axes)
+    return recorded.plot_prefill(rec, dtype, section=section, axes=axes, colour=colour)
 
 
 # --------------------------------------------------------------------------- traffic
@@ -112,7 +112,8 @@ def traffic_table(rec: dict) -> Table:
                          _ratio(s.get("over_model")), _ratio(large.get("over_model")),
                          _ratio(s.get("over_mandatory")), _ratio(large.get("over_mandatory"))))
     return Table(("what", "kernel", "small / model", "large / model", "small / minimum", "large / minimum"),
-                 rows, caption=f"Measured DRAM bytes over the model's and over the mandatory minimum -- {recorded.short_label(rec)}",
+                 rows, caption=("Measured DRAM bytes over the model's and over the mandatory minimum -- "
+                                + recorded.short_label(rec)),
                  note="'-': that size was not profiled for this kernel.")
 
 
