@@ -220,19 +220,21 @@ def test_decode_roofline_models_have_their_own_colours_and_labels_do_not_collide
 
 
 def test_chapter_figures_keep_their_legends_off_the_data(rng):
-    """Notebooks 09a, 11 and 13's figures with a legend: none covers a data point."""
+    """Notebooks 09a, 10, 11 and 13's other figures with a legend: none covers a data point."""
     import matplotlib.pyplot as plt
 
     from iokernels import models
     from iokernels.viz import decode_models as dm
     from iokernels.viz import failure_modes as vf
     from iokernels.viz import hopper as vh
+    from iokernels.viz import sdpa
     n = [256, 1024, 4096, 16384]
     drift = {"N": n, "float32": [3e-7, 3e-7, 5e-7, 1e-6], "bfloat16": [6e-3, 1.5e-2, 3.4e-2, 7.7e-2],
              "float16": [8e-4, 2e-3, 4.6e-3, 9.5e-3]}
     rows = models.kv_quant_accuracy(rng, lengths=(16, 64), heads_q=4, heads_kv=2, head_dim=32)
     made = {"drift": vf.drift_figure(drift), "kv caches": dm.kv_quant_figure(rows),
-            "sensitivity": vh.sensitivity_figure(), "schedules": vh.schedule_figure()}
+            "sensitivity": vh.sensitivity_figure(), "schedules": vh.schedule_figure(),
+            "traffic parts": sdpa.measured_parts_figure(_rec())}
     for name, fig in made.items():
         fig = fig if hasattr(fig, "axes") else fig.figure
         assert _covered(fig) == 0, f"{name}: the legend covers {_covered(fig)} data points"

@@ -216,3 +216,20 @@ def backend_status_table(status: dict) -> Table:
     note = " ".join(f"Reason {i + 1}: {r}" for i, r in enumerate(reasons))
     return Table(("kernel forced alone", "result", "why"), rows,
                  caption=f"default dispatch ran: {status.get('default', 'not asked')}", note=note or None)
+
+
+def measured_parts_figure(rec: dict):
+    """:func:`iokernels.viz.figures.measured_vs_model` on a figure of its own, its legend moved
+    below the axes (off the bars)."""
+    from .figures import _figure, measured_vs_model
+    fig = _figure((7.0, 5.0))
+    ax = fig.add_subplot()
+    measured_vs_model(rec, ax=ax)
+    legend = ax.get_legend()
+    if legend is not None:
+        handles = legend.legend_handles
+        labels = [t.get_text() for t in legend.get_texts()]
+        legend.remove()
+        ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.14), ncol=2,
+                  frameon=False)
+    return fig
