@@ -203,7 +203,8 @@ def mla_comparison_tables(c) -> tuple[Table, Table]:
     """:func:`iokernels.models.mla_comparison`'s result as two tables: the small problem's
     exactness and counted traffic, and the full-size bytes and FLOPs of the two forms."""
     small = Table(["form", "max |O - O_float64|", "counted == modelled bytes"],
-                  [[f, f"{e:.1e}", ("yes" if c["counted"][f]["equal"] else "NO") if f in c["counted"] else "not counted"]
+                  [[f, f"{e:.1e}",
+                    ("yes" if c["counted"][f]["equal"] else "NO") if f in c["counted"] else "not counted"]
                    for f, e in c["errors"].items()],
                   caption="a scaled-down MLA problem in float64")
     full = Table(["form", "MB moved", "GFLOP", "of which attention", "FLOP/byte"],
