@@ -34,3 +34,25 @@ def test_answers_are_the_recorded_run():
     assert reveal("sdpa_flash_dram", flash["measured_over_mandatory"]).correct
     # the model's answer (K and V once per query tile) is far off: the L2 serves the re-reads
     assert not reveal("sdpa_flash_dram", flash["measured_over_mandatory"] / flash["measured_over_model"]).correct
+
+
+@pytest.mark.parametrize("stem", ["09a_hopper_asynchrony", "09b_low_precision", "10_pytorch_sdpa",
+                                  "11_what_goes_wrong", "12_context_parallel", "13_decode_for_real_models"])
+def test_every_later_notebook_has_two_predictions_that_exist(stem):
+    """Notebooks 09a-13 each ask at least two predict-then-check questions, each one registered,
+    and each cell starts with the learner's prediction still None (the answer hidden)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from iokernels.labs import predict_chapters, predict_hopper, predict_sdpa  # noqa: F401  (they register)
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / f"{stem}.ipynb").read_text())
+    asked = []
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code":
+            for key, var in re.findall(r'reveal\("([a-z0-9_]+)",\s*([A-Za-z_]\w*)\)', src):
+                assert re.search(rf"^{var}\s*=\s*None", src, re.M), f"{stem}: {var} is not None before the reveal"
+                asked.append(key)
+    assert len(asked) >= 2, f"{stem} asks {len(asked)} predict-then-check questions"
+    assert all(k in predict.QUESTIONS for k in asked), asked
