@@ -71,7 +71,8 @@ SDPA_QUESTIONS = {
         _math_slowdown,
         lambda a: (f"{a['slowdown']:.0f}x (recorded run): the math path writes S and P, 2 x B x H x N^2 values, "
                    "to HBM and reads them back, and runs softmax as separate kernels, while the fused kernel keeps "
-                   "them on chip and is bound by the tensor cores."),
+                   "them on chip and is bound by the tensor cores (code: _scaled_dot_product_attention_math in "
+                   "PyTorch's aten/src/ATen/native/transformers/attention.cpp)."),
         rel_tol=0.3),
     "sdpa_flash_dram": Question(
         "sdpa_flash_dram",
@@ -81,7 +82,7 @@ SDPA_QUESTIONS = {
         lambda a: (f"{a['over_minimum']:.2f} (Nsight Compute, recorded run), while the model, which reads K and V "
                    f"once per query tile, predicts {1 / _flash_dram()['over_model'] * a['over_minimum']:.0f}x the "
                    "minimum: the thread blocks of one head share K/V tiles through L2, so DRAM sees K and V "
-                   "about once."),
+                   "about once (the recorded measurements, discussed in benchmarks/NOTES.md)."),
         rel_tol=0.25),
 }
 
