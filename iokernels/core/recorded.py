@@ -164,61 +164,38 @@ def short_label(rec: dict) -> str:
     return f"recorded on {env.get('gpu', '?')}, {env.get('date_utc', '?')[:10]}, torch {env.get('torch', '?')}"
 
 
-def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", axes=None):
-    """Time and extra device memory vs N, one line per runner (naive, each SDPA kernel, ours)."""
+def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", axes=None, colour=None):
+    """Time and extra device memory vs N, one line per runner (naive, each SDPA kernel, ours);
+    the legend to the right of the axes.  ``colour``: runner name -> colour (the core imports
+    no plotting module: :func:`iokernels.viz.sdpa.plot_prefill` passes the palette's);
+    None: matplotlib's colour cycle."""
     import matplotlib.pyplot as plt
     rows = bench_rows(rec, section=section, dtype=dtype)
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(11, 4))
+        _, axes = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw=dict(right=0.84, wspace=0.25))
     runners = [r for r in _STYLE if any(x["runner"] == r for x in rows)]
     runners += sorted({x["runner"] for x in rows if x["group"] in ("numba", "cupy")} - set(runners))
     for rn in runners:
         rs = sorted((x for x in rows if x["runner"] == rn), key=lambda x: x["seqlen"])
         N = [x["seqlen"] for x in rs]
         style = _STYLE.get(rn, "--")          # a version not named above: dashed, like our kernels
-        axes[0].plot(N, [x["ms"] for x in rs], style, label=rn)
+        c = colour(rn) if colour is not None else None
+        axes[0].plot(N, [x["ms"] for x in rs], style, color=c, label=rn)
         mem = [(x["seqlen"], x["extra_MiB"]) for x in rs if x.get("extra_MiB") is not None and x["group"] != "numba"]
         if mem:
-            axes[1].plot(*zip(*mem), style, label=rn)
+            axes[1].plot(*zip(*mem), style, color=c or axes[0].get_lines()[-1].get_color(), label=rn)
     for ax, yl in zip(axes, ("time per call (ms, median)", "device memory above the inputs (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length N")
         ax.set_ylabel(yl)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[-1].legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                    frameon=False)
     shape = rows[0] if rows else {}
     axes[0].figure.suptitle(f"{dtype}, B={shape.get('batch')} H={shape.get('heads')} d={shape.get('head_dim')}"
                             f"{', causal' if shape.get('causal') else ''} -- {short_label(rec)}", fontsize=9)
     return axes
-
-
-def plot_traffic(rec: dict, ax=None):
-    """Measured DRAM bytes (Nsight Compute) next to the model's, per kernel and size (log scale)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-    rows = traffic_rows(rec)
-    if ax is None:
-        _, ax = plt.subplots(figsize=(11, 4))
-    if not rows:
-        ax.text(0.5, 0.5, "no traffic measurements in this record", ha="center", va="center",
-                transform=ax.transAxes)
-        return ax
-    x = np.arange(len(rows))
-    meas = [(r["measured_read"] + r["measured_written"]) / 1e6 for r in rows]
-    model = [((r.get("model_read") or 0) + (r.get("model_written") or 0)) / 1e6 for r in rows]
-    ax.bar(x - 0.2, model, 0.4, label="model (as written, no caches)")
-    ax.bar(x + 0.2, meas, 0.4, label="measured DRAM read + write")
-    for xi, m, p in zip(x, meas, model):
-        if p:
-            ax.text(xi, max(m, p) * 1.15, f"{m / p:.2f}x", ha="center", fontsize=7)
-    ax.set_xticks(x)
-    ax.set_xticklabels([f"{r['case']}\n{r['size']}" for r in rows], rotation=60, ha="right", fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("MB moved per call")
-    ax.legend(fontsize=8)
-    ax.set_title(f"DRAM bytes: model vs Nsight Compute -- {short_label(rec)}", fontsize=9)
-    return ax
 
 
 def table(rec: dict, section: str, columns=("dtype", "causal", "batch", "seqlen", "runner", "ms", "rate",
@@ -268,7 +245,11 @@ def cache_rows(rec: dict) -> list[dict]:
 
 
 def fallback_report(rec: dict) -> str:
-    """Per case: the kernel SDPA's default dispatch ran, and which forced kernels were unavailable."""
+    """Per case: the kernel SDPA's default dispatch ran, and which forced kernels were unavailable.
+
+    "not recorded": the case did not ask the default dispatch (the backward times forced
+    kernels only; the quantized-cache decode cases time no SDPA kernel).
+    ``iokernels.viz.sdpa.fallback_table`` shows the same, grouped, as a table."""
     lines = []
     for c in rec.get("bench", rec).get("cases", []):
         if c.get("kind") not in ("prefill", "decode"):
@@ -276,8 +257,8 @@ def fallback_report(rec: dict) -> str:
         unavailable = [r["runner"].split(":")[1] for r in c["results"]
                        if r["group"] == "sdpa" and r.get("status", "").startswith("unavailable")]
         s = c["shape"]
-        lines.append(f"{c['section']:<8}{c['dtype']:<9}N={s.get('seqlen'):<6} B={s.get('batch'):<3} "
-                     f"default ran: {c.get('default_ran', '?'):<10} refused when forced: "
+        lines.append(f"{c['section']:<9}{c['dtype']:<9} N={s.get('seqlen'):<6} B={s.get('batch'):<3} "
+                     f"default ran: {c.get('default_ran') or 'not recorded':<12} refused when forced: "
                      f"{', '.join(unavailable) or 'none'}"
                      + (f"   !! {c['silent_fallback']}" if c.get("silent_fallback") else ""))
     return "\n".join(lines)

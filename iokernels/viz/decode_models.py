@@ -19,15 +19,13 @@ import numpy as np
 from .. import models
 from ..core import roofline as rl
 from .figures import _figure
+from .palette import colour as runner_colour
 
 #: one colour and one marker per model (the same in every figure of the chapter)
-MODEL_STYLE = {"Llama-2-7B": ("#c0392b", "o"), "Llama-3-8B": ("#1f77b4", "s"), "Mistral-7B": ("#1f77b4", "s"),
-               "Llama-3-70B": ("#17becf", "D"), "Falcon-7B": ("#8e44ad", "^"), "DeepSeek-V3": ("#27ae60", "*")}
+MODEL_STYLE = {"Llama-2-7B": ("#ff7f0e", "o"), "Llama-3-8B": ("#1f77b4", "s"), "Mistral-7B": ("#17becf", "P"),
+               "Llama-3-70B": ("#9467bd", "D"), "Falcon-7B": ("#8c564b", "^"), "DeepSeek-V3": ("#2ca02c", "*")}
 #: one line style per GPU roof
 GPU_STYLE = {"H100 SXM": ("#7f7f7f", "--"), "H200": ("black", "-"), "B200": ("#d62728", ":")}
-#: one colour per runner in the recorded figures
-RUNNER_COLOURS = {"torch:matmul": "#7f7f7f", "torch:sdpa": "#ff7f0e", "cupy:v1": "#2ca02c",
-                  "cupy v3": "#9467bd", "cupy v4": "#2ca02c"}
 #: one colour per cache kind
 CACHE_COLOURS = {"float32": "#555555", "bfloat16": "#1f77b4", "float8_e4m3fn": "#c0392b", "int8": "#27ae60"}
 
@@ -137,11 +135,12 @@ def kv_quant_figure(rows, ax=None):
     return fig if fig is not None else ax
 
 
-def _grouped_bars(ax, groups, runners, value, colours):
+def _grouped_bars(ax, groups, runners, value):
+    """One bar per runner in each group, in the runner's colour of :mod:`iokernels.viz.palette`."""
     width = 0.8 / max(1, len(runners))
     for j, run in enumerate(runners):
         xs = [i + (j - (len(runners) - 1) / 2) * width for i in range(len(groups))]
-        ax.bar(xs, [value(g, run) for g in groups], width, color=colours.get(run, "#bbbbbb"), label=run)
+        ax.bar(xs, [value(g, run) for g in groups], width, color=runner_colour(run), label=run)
     ax.set_xticks(range(len(groups)))
 
 
@@ -154,8 +153,7 @@ def recorded_mla_figure(label, rows):
     fig = _figure((9.0, 3.8))
     axes = fig.subplots(1, 2)
     for ax, key, ylabel in ((axes[0], "tflops", "TFLOP/s"), (axes[1], "roofline_fraction", "share of the roofline")):
-        _grouped_bars(ax, groups, runners, lambda g, run: (cell.get((*g, run)) or {}).get(key) or 0.0,
-                      RUNNER_COLOURS)
+        _grouped_bars(ax, groups, runners, lambda g, run: (cell.get((*g, run)) or {}).get(key) or 0.0)
         ax.set_xticklabels([f"B={b}\nN={n // 1024}K" for b, n in groups], fontsize=7.5)
         ax.set_ylabel(ylabel)
         ax.grid(True, axis="y", alpha=0.3)
@@ -175,8 +173,7 @@ def recorded_cache_figure(label, rows):
         mine = [r for r in rows if r["batch"] == b]
         groups = list(dict.fromkeys((r["cache"], r["window"]) for r in mine))
         cell = {(r["cache"], r["window"], r["runner"]): r for r in mine}
-        _grouped_bars(ax, groups, runners, lambda g, run: (cell.get((*g, run)) or {}).get("speed_vs_16bit") or 0.0,
-                      RUNNER_COLOURS)
+        _grouped_bars(ax, groups, runners, lambda g, run: (cell.get((*g, run)) or {}).get("speed_vs_16bit") or 0.0)
         ax.set_xticklabels([f"{c.replace('float8_e4m3fn', 'fp8')}\n{w}" for c, w in groups], fontsize=7)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_title(f"batch {b}", fontsize=9)
@@ -206,7 +203,8 @@ def mla_comparison_tables(c) -> tuple[Table, Table]:
     """:func:`iokernels.models.mla_comparison`'s result as two tables: the small problem's
     exactness and counted traffic, and the full-size bytes and FLOPs of the two forms."""
     small = Table(["form", "max |O - O_float64|", "counted == modelled bytes"],
-                  [[f, f"{e:.1e}", ("yes" if c["counted"][f]["equal"] else "NO") if f in c["counted"] else "not counted"]
+                  [[f, f"{e:.1e}",
+                    ("yes" if c["counted"][f]["equal"] else "NO") if f in c["counted"] else "not counted"]
                    for f, e in c["errors"].items()],
                   caption="a scaled-down MLA problem in float64")
     full = Table(["form", "MB moved", "GFLOP", "of which attention", "FLOP/byte"],

@@ -12,7 +12,7 @@ def drift_figure(drift: dict, ax=None):
     """Relative error against N on log-log axes, one line per accumulator dtype."""
     fig = None
     if ax is None:
-        fig = _figure((6.5, 4.2))
+        fig = _figure((8.2, 4.2))
         ax = fig.add_subplot()
     for name, errs in drift.items():
         if name != "N":
@@ -21,7 +21,7 @@ def drift_figure(drift: dict, ax=None):
     ax.set_ylabel("max |O - O_ref64| / max |O_ref64|")
     ax.set_title("Low-precision accumulators drift as N grows", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)   # off the lines
     return fig if fig is not None else ax
 
 

@@ -382,6 +382,7 @@ def recorded_decode_summary(rec=None, dtype: str = "float16", runners=DECODE_SUM
     """Decode speed of each kernel as a share of the best SDPA backend of the same case, one
     group of bars per (batch, seqlen) case of the recorded GPU run, labelled with the record."""
     from ..core import recorded
+    from .palette import colour
     rec = recorded.load() if rec is None else rec
     rows = recorded.bench_rows(rec, section="decode", dtype=dtype, runners=runners)
     cases = sorted({(r["batch"], r["seqlen"]) for r in rows})
@@ -394,7 +395,8 @@ def recorded_decode_summary(rec=None, dtype: str = "float16", runners=DECODE_SUM
     for k, rn in enumerate(present):
         speed = {(r["batch"], r["seqlen"]): r.get("speed_vs_best_sdpa") for r in rows if r["runner"] == rn}
         ax.bar(np.arange(len(cases)) + (k - (len(present) - 1) / 2) * width,
-               [speed.get(c) or 0.0 for c in cases], width, label=rn, hatch="//" if "paged" in rn else None)
+               [speed.get(c) or 0.0 for c in cases], width, label=rn, color=colour(rn),
+               hatch="//" if "paged" in rn else None)
     ax.axhline(1.0, color="grey", lw=1, ls=":")
     ax.set_xticks(np.arange(len(cases)), [f"B={b}, N={n}" for b, n in cases], fontsize=8)
     ax.set_ylabel("speed / best SDPA backend\n(same case, same run)")
