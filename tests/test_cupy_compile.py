@@ -508,14 +508,16 @@ def test_decode_wave_splits_properties():
         costs = [policy.split_cost(batch * 8, n, t, 132, 1) for t in range(1, min(n // lo, cap) + 1)]
         assert policy.split_cost(batch * 8, n, s, 132, 1) <= min(costs) * (1 + 1e-9), (batch, n, s)
     # a key's K and V rows set the wave's cost in keys: 1-byte codes make it twice as many
-    assert policy.decode_wave_splits(17, 8, 4096, 132, 1, row_bytes=256) < policy.decode_wave_splits(17, 8, 4096, 132, 1)
+    narrow = policy.decode_wave_splits(17, 8, 4096, 132, 1, row_bytes=256)
+    assert narrow < policy.decode_wave_splits(17, 8, 4096, 132, 1)
 
 
 def test_default_decode_is_v4_then_v3_and_falls_back_to_v1_where_they_cannot_run():
     """DecodeConfig() resolves to decode_v4.cu (8 warps x 3 stages x 16 key rows, copied through
-    L1 over a contiguous cache on sm_90) for 16-bit rows of whole mma k-steps, to decode_v3.cu (8 warps x 4 stages) on other rows of whole
-    16-byte chunks, 16-byte aligned; other rows (d = 59 in float16, unaligned views) run
-    decode.cu.  Settings a version does not have are refused naming the field."""
+    L1 over a contiguous cache on sm_90) for 16-bit rows of whole mma k-steps, to decode_v3.cu
+    (8 warps x 4 stages) on other rows of whole 16-byte chunks, 16-byte aligned; other rows
+    (d = 59 in float16, unaligned views) run decode.cu.
+    Settings a version does not have are refused naming the field."""
     cfg = cr.DecodeConfig()
     assert (cfg.version, cfg.num_warps, cfg.stages) == (None, None, None)
 

@@ -5,8 +5,8 @@ memory, a device with an H200's attributes, kernels that record their launches i
 running).  Each distinct compiled kernel's signature is read from the source the launcher
 hands NVRTC, preprocessed by ``nvcc -E`` with the launch's own ``-D`` options, and every
 argument of every launch is held against it: the count, and pointer / int / long long /
-float / double as the parameter says (a CuPy array is a pointer argument).  A wrong argument in a code path only a GPU reaches
-fails here.  The defaults of the shapes the kernels were tuned at are pinned too (v2 at 8
+float / double as the parameter says (a CuPy array is a pointer argument).  A wrong argument in
+a code path only a GPU reaches fails here.  The defaults of the shapes the kernels were tuned at are pinned too (v2 at 8
 warps x Bc 64 for bfloat16 d=128, v1b at 64 x 64 for float32, decode v3 at 8 warps x 4
 stages, backward v2 at 8 warps (Bc 128) x Br 32 for bfloat16 d=128), so a reshuffle of the
 configs cannot move them silently.

@@ -147,8 +147,8 @@ def test_cupy_v5_quantized_tiny_bfloat16_query_keeps_its_bits(rng):
     """A bfloat16 query 2^-20 times smaller (scale 2^20 times larger): without its power-of-two
     row scale its float16 copy would be subnormal or zero; with it the scores are exact."""
     from iokernels import cupy_raw
-    q, k, v, lens, cache, sids, k_hat, v_hat = paged_inputs.make_paged_decode_inputs(rng, 4, 32, 8, 120, 128, "bfloat16",
-                                                                                 "float8_e4m3fn", "block_head")
+    q, k, v, lens, cache, sids, k_hat, v_hat = paged_inputs.make_paged_decode_inputs(
+        rng, 4, 32, 8, 120, 128, "bfloat16", "float8_e4m3fn", "block_head")
     q = (q.astype(np.float64) * 2.0 ** -20).astype(q.dtype)                    # exact: a power of two
     scale = 2.0 ** 20 / np.sqrt(128)
     check_v5(q, k, v, lens, cache, sids, k_hat, v_hat, "bfloat16", "v5 bf16 query 2^-20", cupy_raw.DecodeConfig("v5"),

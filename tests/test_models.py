@@ -120,7 +120,8 @@ def test_decode_figures_draw_and_tables_show():
 
 
 def test_recorded_data_says_why_when_there_is_none(tmp_path):
-    assert models.recorded_mla_data(tmp_path)[0] is None and "No benchmark record" in models.recorded_mla_data(tmp_path)[1]
+    data, why = models.recorded_mla_data(tmp_path)
+    assert data is None and "No benchmark record" in why
     assert models.recorded_cache_data(tmp_path)[0] is None
 
 
@@ -141,8 +142,8 @@ def test_lesson_modules_import_no_plotting(module):
             else:
                 continue
             for n in names:
-                assert not any(part in ("viz", "bench", "labs", "matplotlib") for part in n.replace(".", " ").split()), \
-                    f"{path} imports {n}"
+                parts = n.replace(".", " ").split()
+                assert not any(part in ("viz", "bench", "labs", "matplotlib") for part in parts), f"{path} imports {n}"
 
 
 def test_chapter_tables_carry_the_numbers(rng):

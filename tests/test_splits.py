@@ -106,10 +106,13 @@ def test_the_cuda_kernels_deal_keys_by_the_contract(tmp_path):
                     'int main() {\n'
                     '  for (int i = 0; i < (int)(sizeof(CASES) / sizeof(int)); i += 3) {\n'
                     '    const int n = CASES[i], left = CASES[i + 1], S = CASES[i + 2];\n'
-                    '    for (int s = 0; s < S; ++s) { int3 r = decode_split_keys(n, left, S, s); printf("%d %d %d\\n", r.x, r.y, r.z); }\n'
+                    '    for (int s = 0; s < S; ++s) {\n'
+                    '      int3 r = decode_split_keys(n, left, S, s); printf("%d %d %d\\n", r.x, r.y, r.z);\n'
+                    '    }\n'
                     '  }\n  return 0;\n}\n')
     exe = tmp_path / "splits_host"
-    r = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", str(prog), "-o", str(exe)], capture_output=True, text=True)
+    r = subprocess.run([NVCC, "-std=c++17", f"-I{KERNEL_DIR}", str(prog), "-o", str(exe)],
+                       capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-600:]
     got = [tuple(map(int, line.split())) for line in subprocess.run([str(exe)], capture_output=True, text=True,
                                                                     check=True).stdout.splitlines()]
@@ -119,5 +122,6 @@ def test_the_cuda_kernels_deal_keys_by_the_contract(tmp_path):
     bench = pathlib.Path(importlib.import_module("iokernels.bench.decode_loads").__file__).parent / "kernels"
     for f in sorted(KERNEL_DIR.glob("decode*.cu")) + sorted(bench.glob("decode*.cu")):
         src = f.read_text()
-        assert '#include "splits.cuh"' in src and "decode_split_keys(len, window_left, num_splits, split)" in src, f.name
+        assert '#include "splits.cuh"' in src, f.name
+        assert "decode_split_keys(len, window_left, num_splits, split)" in src, f.name
         assert "per_split = (len" not in src, f.name

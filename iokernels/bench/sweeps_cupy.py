@@ -247,7 +247,8 @@ def _sweep_decode_loads(rows, group, contiguous_args, paged_args, ref, cudnn_ms,
                 o, _ = fn(*args, load)
                 err = float((o.float() - ref).abs().max())
                 ms = bench.time_cuda(fn, *args, load, reps=reps).median_ms
-                _emit(rows, dict(group=group, runner=name, ms=round(ms, 5), tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3),
+                tbps = round(kv_bytes / (ms * 1e-3) / 1e12, 3)
+                _emit(rows, dict(group=group, runner=name, ms=round(ms, 5), tbps=tbps,
                                  ratio_to_cudnn=round(cudnn_ms / ms, 3), max_abs_diff_vs_sdpa=err, load=load))
             except Exception as e:                     # bulk copies off sm_90, say: say so, go on
                 print(f"# {group} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)

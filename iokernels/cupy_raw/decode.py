@@ -41,7 +41,8 @@ from ..core.arrays import Call, device_array
 from ..core.records import Record
 from . import decode_config as C
 from .decode_config import DecodeConfig
-from .launch import blocks_per_sm, contiguous, cupy, current_stream_ptr, device_info, function, on_stream, round_up, unit_rows
+from .launch import (blocks_per_sm, contiguous, cupy, current_stream_ptr, device_info, function, on_stream, round_up,
+                     unit_rows)
 from .policy import decode_wave_splits
 from .registry import (REGISTRY, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
                        check_decode_v5, need)
@@ -426,7 +427,8 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
         base_smem, _ = ring_smem(d, dtype, group, defines, kv)
         if base_smem > dev["smem_optin"]:
             raise ValueError(f"config: decode {config.version} with {defines['NUM_WARPS']} warps x "
-                             f"{defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs {base_smem:,} B of shared memory a block at "
+                             f"{defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs "
+                             f"{base_smem:,} B of shared memory a block at "
                              f"head_dim={d} ({dtype}), more than this GPU's {dev['smem_optin']:,} (fewer stages, "
                              f"warps or tile rows)")
         fn = function(spec.file, spec.kernel, defines, max(base_smem, V3_COMPILE_SMEM), sources=sources)

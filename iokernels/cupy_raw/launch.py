@@ -22,7 +22,7 @@ SOURCES = {p.stem: p.name for p in sorted(KERNEL_DIR.glob("*.cu")) if p.stem not
 HOPPER_SOURCES = {p.stem: p.name for p in sorted(KERNEL_DIR.glob("*.cu")) if p.stem in HOPPER_FILES}
 #: NVRTC options of the Hopper kernels (wgmma, setmaxnreg need sm_90a)
 HOPPER_OPTIONS = ("-arch=sm_90a",)
-#: -DIK_DTYPE values (common.cuh)
+#: -DIK_DTYPE values (base.cuh, shared by the portable and the Hopper kernels)
 DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 #: above this much dynamic shared memory a kernel must opt in to more (48 KB less the
 #: static shared memory some kernels also declare); opting in early costs nothing

@@ -72,7 +72,8 @@ CHAPTER_QUESTIONS = {
         _contiguous_imbalance,
         lambda a: (f"{a['busiest_over_mean']:.2f}: the last rank computes W - 1 full blocks and a diagonal, "
                    "(2W - 1) half-blocks, while the mean is W half-blocks (the triangle's W^2 / 2 blocks over W "
-                   "ranks), so (2W - 1) / W, which tends to 2 as W grows; every ring step waits for it, which is what the zig-zag split removes."),
+                   "ranks), so (2W - 1) / W, which tends to 2 as W grows; every ring step waits for it, "
+                   "which is what the zig-zag split removes."),
         rel_tol=0.05),
     "ring_memory_share": Question(
         "ring_memory_share",

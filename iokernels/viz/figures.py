@@ -351,7 +351,8 @@ def traffic_vs_n(seqlens=TRAFFIC_SEQLENS, head_dim: int = 64, dtype: str = "floa
               label="mandatory: read Q, K, V and write O once (~N d)")
     exact_log.loglog(ax, N, np.array(parts["S and P"]) / MB, color=_NAIVE_COLOR, lw=2,
               label="naive: write and read S and P (~N^2)")
-    for order, colour, what in (("fa2", _FLASH_COLOR, "FA2 re-reads K, V"), ("fa1", _FA1_COLOR, "FA1 re-reads Q, O, m, l")):
+    orders = (("fa2", _FLASH_COLOR, "FA2 re-reads K, V"), ("fa1", _FA1_COLOR, "FA1 re-reads Q, O, m, l"))
+    for order, colour, what in orders:
         for m, entry in parts[order].items():
             cfg = entry["config"]
             exact_log.loglog(ax, N, np.array(entry["tile re-reads"]) / MB, _M_STYLES.get(m, "-"), color=colour,
@@ -481,9 +482,10 @@ def roofline(seqlen: int = 4096, head_dim: int = 128, dtype: str = "float16", gp
               ("fa2", _FLASH_COLOR, "o", f"FlashAttention-2 as written, Br={cfg.block_q}, Bc={cfg.block_k}:\n"
                                          f"  {rereads:.0%} of its bytes are K/V re-reads (no L2)")]
     if "measured" in pts:
+        m = pts["measured"]
         points.append(("measured", _FLASH_COLOR, "*", f"FlashAttention-2, measured DRAM bytes\n"
-                                                      f"  ({pts['measured']['ratio']:.2f}x mandatory at N={pts['measured']['problem']['N']}; "
-                                                      f"{pts['measured']['label']})"))
+                                                      f"  ({m['ratio']:.2f}x mandatory at N={m['problem']['N']}; "
+                                                      f"{m['label']})"))
     points.append(("ideal", _FLOOR_COLOR, "o", "mandatory bytes only"))
     for key, colour, marker, label in points:
         p = pts[key]

@@ -485,7 +485,8 @@ def split_cost_figure(batches=(1, 8, 17, 24, 32), seq_len=32768, heads_kv=8, num
         cost = np.array([cr.split_cost(bsz * heads_kv, seq_len, int(s), num_sms, blocks_per_sm, row_bytes)
                          for s in splits])
         pick = cr.decode_wave_splits(bsz, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
-        line, = ax.plot(splits, cost / cost.min(), "o-", ms=3, label=f"batch {bsz} ({bsz * heads_kv} pairs): S = {pick}")
+        label = f"batch {bsz} ({bsz * heads_kv} pairs): S = {pick}"
+        line, = ax.plot(splits, cost / cost.min(), "o-", ms=3, label=label)
         if pick <= max_splits:
             ax.plot([pick], [cost[pick - 1] / cost.min()], "o", ms=10, mfc="none", color=line.get_color())
     ax.set_xlabel("num_splits S")
