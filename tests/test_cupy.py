@@ -639,8 +639,8 @@ def test_sanitize_cases_run():
     for k in _cr().REGISTRY:
         assert any(r.startswith(f"{k.op} {k.version} ") for r in ran), k.name
     assert any("unfused" in r or "'fused': False" in r for r in ran)
-    for kv in ("int8", "float8_e4m3fn"):                 # decode v4's codes path, both formats
-        assert any(r.startswith("paged_decode v4") and f" {kv} " in r for r in ran), kv
+    for kv in ("int8", "float8_e4m3fn"):                 # decode v5, the quantized codes, both formats
+        assert any(r.startswith("paged_decode v5") and f" {kv} " in r for r in ran), kv
 
 
 @pytest.mark.parametrize("version", DECODE_VERSIONS)
