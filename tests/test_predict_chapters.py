@@ -30,3 +30,13 @@ def test_answers_are_the_closed_forms():
     lens = [37, 512, 5, 130, 260, 64]
     assert a["varlen_flops_saved"]["flops_saved"] == pytest.approx(1 - sum(n * n for n in lens) / (6 * 512 ** 2))
     assert models.kv_bytes_per_token("Llama-3-8B") == 128 * 1024
+
+
+def test_a_printed_prompt_wraps_between_words():
+    """A question's text prints in lines of at most predict.WIDTH characters, no word cut."""
+    from iokernels.labs import predict
+    words = ["predict"] * 60
+    r = predict.Revealed("k", None, {}, " ".join(words) + "\nshort line")
+    lines = str(r).splitlines()
+    assert len(lines) > 2 and all(len(line) <= predict.WIDTH for line in lines)
+    assert " ".join(str(r).split()) == r.text.replace("\n", " ") and lines[-1] == "short line"

@@ -10,10 +10,14 @@ package (never a hard-coded number), the tolerance, and the explanation.
 """
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 from typing import Callable
 
 __all__ = ["Question", "QUESTIONS", "reveal", "Revealed"]
+
+#: printed lines are wrapped to this many characters (a notebook's output wraps mid-word past it)
+WIDTH = 96
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,10 @@ class Revealed:
     text: str
 
     def __str__(self) -> str:
-        return self.text
+        # printed in a notebook: long lines wrapped between words, the text's own breaks kept
+        return "\n".join(textwrap.fill(line, WIDTH, break_long_words=False, break_on_hyphens=False,
+                                        subsequent_indent=line[:len(line) - len(line.lstrip())])
+                          if len(line) > WIDTH else line for line in self.text.splitlines())
 
     __repr__ = __str__
 
