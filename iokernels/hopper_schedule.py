@@ -77,10 +77,11 @@ is an assumption, not a measurement), and the softmax is three ops instead of
 instructions interleaved by the compiler.  So it predicts higher utilisations than the
 paper measures, and it does not even get every ordering right: at the default
 ``L2_REUSE`` warp specialization alone comes out a hair below the intra-warpgroup overlap
-without a producer, the reverse of the paper's Table 2 (582 against 570 TFLOP/s); ping-pong
-alone takes the model from about 55% to about 95% and the intra-warpgroup overlap adds
-nothing on top, where the blog post reports about 570 -> 620-640 TFLOP/s for ping-pong and
-620 -> 640-660 for the intra-warpgroup overlap.  What it shows is the mechanism: which unit
+without a producer, the reverse of the paper's Table 2 (:data:`PAPER_TABLE2`); ping-pong
+alone takes the model nearly all the way from ``fa2`` to the full schedule and the
+intra-warpgroup overlap adds nothing on top, where the blog post reports a gain for each
+step (:data:`BLOG_STEPS`; :func:`sensitivity` shows how the model's numbers move with
+``L2_REUSE`` and FA2's prefetch).  What it shows is the mechanism: which unit
 waits for which.
 On an A100 (no wgmma, no TMA) and a B200 (tcgen05 instead of wgmma) the schedules after
 ``fa2`` stand for "the same overlap with that GPU's full-rate matmul and copy engine".

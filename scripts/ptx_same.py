@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import pathlib
-import re
 import subprocess
 import sys
 import tarfile
@@ -29,6 +28,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNELS = "iokernels/cupy_raw/kernels"
 BENCH_KERNELS = "iokernels/bench/kernels"
 NVCC = "nvcc"
+
+sys.path.insert(0, str(ROOT))
+from iokernels.cupy_raw.launch import inline_headers  # noqa: E402  (this checkout's rule, applied to both trees)
 
 
 def _jobs():
@@ -48,17 +50,7 @@ def _inline(root: pathlib.Path, name: str) -> str:
     path = kdir / f"{name}.cu"
     if not path.exists():
         path = root / BENCH_KERNELS / f"{name}.cu"
-    seen = set()
-
-    def inline(text):
-        def sub(m):
-            if m.group(1) in seen:
-                return ""
-            seen.add(m.group(1))
-            return inline((kdir / m.group(1)).read_text().replace("#pragma once", ""))
-        return re.sub(r'#include "([a-z_0-9]+\.cuh)"', sub, text)
-
-    return inline(path.read_text())
+    return inline_headers(path.read_text(), kdir)
 
 
 def _ptx(src: str, defines: dict, arch: str, work: pathlib.Path, tag: str) -> str:

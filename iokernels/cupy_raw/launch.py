@@ -66,6 +66,12 @@ def source(name: str, sources: dict | None = None) -> str:
     with or without ``.cu``) with its ``#include "....cuh"`` files inlined, each once (what
     NVRTC compiles)."""
     name = name.removesuffix(".cu")
+    return inline_headers((KERNEL_DIR / (sources or SOURCES)[name]).read_text(), KERNEL_DIR)
+
+
+def inline_headers(text: str, header_dir: pathlib.Path) -> str:
+    """``text`` with each ``#include "....cuh"`` replaced by that header from ``header_dir``,
+    itself inlined, each header once."""
     seen = set()
 
     def inline(text):
@@ -73,10 +79,10 @@ def source(name: str, sources: dict | None = None) -> str:
             if m.group(1) in seen:
                 return ""
             seen.add(m.group(1))
-            return inline((KERNEL_DIR / m.group(1)).read_text().replace("#pragma once", ""))
+            return inline((header_dir / m.group(1)).read_text().replace("#pragma once", ""))
         return re.sub(r'#include "([a-z_0-9]+\.cuh)"', sub, text)
 
-    return inline((KERNEL_DIR / (sources or SOURCES)[name]).read_text())
+    return inline(text)
 
 
 def hopper_source(name: str) -> str:
