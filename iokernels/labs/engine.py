@@ -159,7 +159,10 @@ class Exercise:
 
     ``grade_case(solution, case, rng) -> CaseReport`` raises :class:`LabFailure` to fail
     the case.  ``cases()`` returns the hidden cases (deterministic).  ``entry`` is the
-    name the learner's notebook gives the function or kernel.
+    name the learner's notebook gives the function or kernel.  ``references`` names the
+    package's own implementations of what the learner writes (dotted paths such as
+    ``"iokernels.decode.merge_states"``): while the learner's code runs they must not
+    be reachable from it.
     """
 
     name: str
@@ -171,6 +174,7 @@ class Exercise:
     seed: int
     hint: str = ""
     mistakes: tuple = ()
+    references: tuple = ()
 
     def rng(self, index: int) -> np.random.Generator:
         """The generator of hidden case ``index``: seeded, so every run sees the same inputs."""
