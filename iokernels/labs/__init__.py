@@ -24,6 +24,8 @@ lab   exercise           what is graded
 07    numba_forward      a Numba CUDA kernel: oracle, global bytes per tile, no races
 07    barrier_hunt       the same kernel family with a missing barrier, found and fixed
 08    cupy_online        (GPU) the online-softmax update of a CUDA C++ tile loop
+09    fwht               (ch. 09b) the fast Walsh-Hadamard transform, exact, in O(d log d)
+10    merge_pair         (ch. 12) ring attention's pairwise (O, LSE) merge, empty blocks
 ====  =================  ===========================================================
 
 The grading engine is :mod:`iokernels.labs.engine`; notebooks are turned into learner
@@ -36,6 +38,8 @@ import os
 from .engine import Exercise, Result, collect, grade
 from .exercises import EXERCISES as _NUMPY_EXERCISES
 from .exercises import LOOP_ORDER_SHAPES, loop_order_traffic
+from .exercises_hopper import EXERCISES as _HOPPER_EXERCISES
+from .exercises_scale import EXERCISES as _SCALE_EXERCISES
 from .gpu_exercises import GPU_EXERCISES
 from .predict import reveal
 
@@ -47,7 +51,7 @@ __all__ = ["check", "EXERCISES", "STRICT_ENV", "Exercise", "Result", "collect", 
 STRICT_ENV = "IOKERNELS_LABS_STRICT"
 
 #: every exercise by name, in the order of the labs (the GPU ones import numba only when graded)
-EXERCISES = {e.name: e for e in _NUMPY_EXERCISES + GPU_EXERCISES}
+EXERCISES = {e.name: e for e in _NUMPY_EXERCISES + GPU_EXERCISES + _SCALE_EXERCISES + _HOPPER_EXERCISES}
 
 
 def spec(name: str) -> str:
