@@ -39,7 +39,53 @@ def merge_pair(o, lse, o_b, lse_b):
     return o_new, lse_new
 
 
-SOLUTIONS = {"fwht": fwht, "merge_pair": merge_pair}
+def randomized_hadamard(x, signs):
+    x, signs = np.asarray(x, dtype=np.float64), np.asarray(signs, dtype=np.float64)
+    if signs.shape != (x.shape[-1],):
+        raise ValueError(f"signs: expected shape ({x.shape[-1]},), got {signs.shape}")
+    return fwht(x * signs)
+
+
+def rescale_step(m, l, o, s, v, threshold):
+    tile = s.max(axis=1)
+    with np.errstate(invalid="ignore"):
+        keep = np.isfinite(m) & (tile > m) & ((tile - m) * np.log2(np.e) <= threshold)
+    m_new = np.where(keep, m, np.maximum(m, tile))
+    ref = np.where(np.isneginf(m_new), 0.0, m_new)
+    alpha = np.exp(m - ref)
+    p = np.exp(s - ref[:, None])
+    return m_new, alpha * l + p.sum(axis=1), alpha[:, None] * o + p @ v
+
+
+def zigzag_split(seqlen, world_size):
+    W = world_size
+    if seqlen < 2 * W:
+        raise ValueError(f"seqlen: the zigzag split needs at least {2 * W} tokens, got {seqlen}")
+    base, extra = divmod(seqlen, 2 * W)
+    edges = [0]
+    for c in range(2 * W):
+        edges.append(edges[-1] + base + (1 if c < extra else 0))
+    chunks = list(zip(edges[:-1], edges[1:]))
+    return [[chunks[r], chunks[2 * W - 1 - r]] for r in range(W)]
+
+
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def kv_bytes_per_token(config):
+    layers = config["num_hidden_layers"]
+    size = ITEMSIZE[config["torch_dtype"]]
+    if "kv_lora_rank" in config:
+        return layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * size
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", 1 if config.get("multi_query") else heads)
+    d = config.get("head_dim", config["hidden_size"] // heads)
+    return 2 * layers * kv * d * size
+
+
+SOLUTIONS = {"zigzag_split": zigzag_split, "kv_bytes_per_token": kv_bytes_per_token,
+             "fwht": fwht, "merge_pair": merge_pair, "randomized_hadamard": randomized_hadamard,
+             "rescale_threshold_step": rescale_step}
 
 
 def _grade(name, solution):
@@ -136,3 +182,145 @@ def test_merge_pair_bad_shape_and_return_teach():
 def test_the_package_merge_passes_its_own_grader():
     from iokernels.context_parallel.merge import merge_pair as package_merge
     assert labs.check("merge_pair", package_merge).passed
+
+
+# --------------------------------------------------------------------------- randomized Hadamard
+def test_randomized_hadamard_mutants_are_named():
+    wrong = {eh.SIGNS_AFTER: lambda x, s: fwht(x) * s, eh.SIGNS_IGNORED: lambda x, s: fwht(x),
+             eh.RH_NOT_NORMALIZED: lambda x, s: fwht(x * s) * np.sqrt(x.shape[-1])}
+    for mistake, fn in wrong.items():
+        r = labs.check("randomized_hadamard", fn)
+        assert not r.passed and r.mistake == mistake.name, str(r)
+
+    def no_check(x, s):
+        return fwht(x * np.resize(s, x.shape[-1]))
+    r = labs.check("randomized_hadamard", no_check)
+    assert r.mistake == eh.NO_SIGNS_CHECK.name, str(r)
+
+
+def test_randomized_hadamard_reports_the_outlier_reduction_and_bad_shapes():
+    r = labs.check("randomized_hadamard", randomized_hadamard)
+    assert r.passed
+    r = labs.check("randomized_hadamard", lambda x, s: randomized_hadamard(x, s)[..., :-1])
+    assert not r.passed and "expected" in r.message and "shape" in r.message, str(r)
+
+
+def test_outliers_shrink_on_the_hidden_inputs():
+    from iokernels import fp8
+    rng = np.random.default_rng(3)
+    q, k, _ = fp8.outlier_inputs(rng, seqlen_q=4, seqlen_k=64, head_dim=64)
+    s = fp8.random_signs(64, rng)
+    assert eh._incoherence(randomized_hadamard(k, s)) < eh._incoherence(k) / 2
+
+
+# --------------------------------------------------------------------------- rescale threshold
+@pytest.mark.parametrize("mistake, kind", eh._THRESHOLD_MUTANTS)
+def test_rescale_threshold_mutants_are_named(mistake, kind):
+    r = labs.check("rescale_threshold_step", eh._threshold_mutant(kind))
+    assert not r.passed and r.mistake == mistake.name, str(r)
+
+
+def test_rescale_threshold_counts_are_the_package_rule():
+    """The hidden cases skip some rescales and do others (the count is a real test), and the
+    always-rescale step gets O and LSE right but the count wrong."""
+    e = labs.EXERCISES["rescale_threshold_step"]
+    for i, case in enumerate(e.cases()):
+        from iokernels.labs.exercises import _scores
+        p = case.params
+        rng = e.rng(i)
+        s = _scores(rng, p["rows"], p["N"], p["Bc"]) * p.get("spread", 1.0)
+        v = rng.standard_normal((p["N"], p["d"]))
+        _, _, moves = eh._fold_counting(rescale_step, s, v, p["Bc"], p["tau"])
+        _, _, always = eh._fold_counting(eh._threshold_mutant("always"), s, v, p["Bc"], p["tau"])
+        assert moves == eh._reference_rescales(s, p["Bc"], p["tau"])
+        assert moves < always or p["tau"] == 0
+    r = labs.check("rescale_threshold_step", eh._threshold_mutant("always"))
+    assert "rescales" in r.message and "O:" not in r.message, str(r)
+
+
+def test_rescale_threshold_bad_return_teaches():
+    r = labs.check("rescale_threshold_step", lambda m, l, o, s, v, t: rescale_step(m, l, o, s, v, t)[:2])
+    assert not r.passed and "triple" in r.message
+    r = labs.check("rescale_threshold_step", lambda m, l, o, s, v, t: (m, l, o.T))
+    assert not r.passed and "expected" in r.message
+
+
+# --------------------------------------------------------------------------- zigzag split
+@pytest.mark.parametrize("mistake, kind", es._SPLIT_MUTANTS)
+def test_zigzag_mutants_are_named(mistake, kind):
+    def wrong(n, w):
+        if n < 2 * w:
+            raise ValueError("seqlen: too short")
+        return es._wrong_split(kind, n, w)
+    r = labs.check("zigzag_split", wrong)
+    assert not r.passed and r.mistake == mistake.name, str(r)
+
+
+def test_zigzag_short_sequence_and_bad_returns_teach():
+    r = labs.check("zigzag_split", lambda n, w: zigzag_split(max(n, 2 * w), w))
+    assert r.mistake == es.NO_LENGTH_CHECK.name, str(r)
+
+    def flat(n, w):
+        zigzag_split(n, w)
+        return [a for segs in zigzag_split(n, w) for a in segs]
+    r = labs.check("zigzag_split", flat)
+    assert not r.passed and "one list of (start, stop) segments per rank" in r.message, str(r)
+
+    def twice(n, w):
+        zigzag_split(n, w)
+        return [[(0, n)]] + [[] for _ in range(w - 1)] if w > 1 else [[(0, n), (0, 1)]]
+    r = labs.check("zigzag_split", twice)
+    assert not r.passed and ("over" in r.message or "held by" in r.message), str(r)
+
+
+def test_zigzag_work_and_bytes_match_the_package():
+    from iokernels.context_parallel import causal_work, split_positions
+    for n, w in [(64, 4), (37, 3), (29, 2)]:
+        ours = zigzag_split(n, w)
+        assert [list(map(tuple, s)) for s in ours] == [list(s) for s in split_positions(n, w, "zigzag")]
+        work = [sum(t + 1 for a, b in segs for t in range(a, b)) for segs in ours]
+        assert work == causal_work(n, w, "zigzag")
+
+
+# --------------------------------------------------------------------------- KV bytes per token
+def test_kv_bytes_mutants_are_named():
+    def wrong(field):
+        def f(c):
+            c = dict(c)
+            if field == "query heads":
+                c["num_key_value_heads"] = c["num_attention_heads"] if "kv_lora_rank" not in c else 0
+                if "kv_lora_rank" in c:
+                    return kv_bytes_per_token(c)
+            if field == "half":
+                return kv_bytes_per_token(c) // 2 if "kv_lora_rank" not in c else kv_bytes_per_token(c)
+            if field == "dtype":
+                c["torch_dtype"] = "bfloat16"
+            if field == "rope":
+                c["qk_rope_head_dim"] = 0
+            if field == "mla heads" and "kv_lora_rank" in c:
+                del c["kv_lora_rank"]
+                c["head_dim"] = c["qk_nope_head_dim"]
+            if field == "mq" and c.get("multi_query"):
+                del c["multi_query"]
+            return kv_bytes_per_token(c)
+        return f
+    for field, mistake in [("query heads", es.QUERY_HEADS), ("half", es.K_OR_V_ONLY), ("dtype", es.DTYPE_IGNORED),
+                           ("rope", es.ROPE_MISSING), ("mla heads", es.MLA_AS_HEADS),
+                           ("mq", es.MULTI_QUERY_IGNORED)]:
+        r = labs.check("kv_bytes_per_token", wrong(field))
+        assert not r.passed and r.mistake == mistake.name, (field, str(r))
+    r = labs.check("kv_bytes_per_token", lambda c: kv_bytes_per_token(c) // c["num_hidden_layers"])
+    assert r.mistake == es.LAYERS_MISSING.name, str(r)
+
+
+def test_kv_bytes_wrong_type_teaches():
+    r = labs.check("kv_bytes_per_token", lambda c: kv_bytes_per_token(c) + 0.5)
+    assert not r.passed and "whole number" in r.message
+    r = labs.check("kv_bytes_per_token", lambda c: str(kv_bytes_per_token(c)))
+    assert not r.passed and "return an int" in r.message
+
+
+def test_kv_bytes_configs_are_the_package_models():
+    from iokernels import models
+    assert kv_bytes_per_token(es._config(models.MODELS["Llama-3-8B"])) == 128 * 1024
+    assert kv_bytes_per_token(es._config(models.MODELS["Llama-2-7B"], kv_key=False)) == 512 * 1024

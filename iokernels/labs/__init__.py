@@ -9,24 +9,32 @@ In a lab notebook the learner fills in a stub and runs its check cell::
 awkward shapes) and shows the result, green or red.  The exercises, in the order of the
 labs (see notebooks/labs/README.md for the instructor's guide):
 
-====  =================  ===========================================================
-lab   exercise           what is graded
-====  =================  ===========================================================
-01    naive_traffic      counted bytes == the learner's prediction == the model; O, LSE
-02    online_step        O and LSE after folding every block, fully masked blocks included
-03    flash_forward      O, LSE (2x rule) and FlashAttention-2's bytes, tensor by tensor
-03    loop_order         which loop order moves fewer bytes at two shapes
-04    flash_backward     dQ, dK, dV against float64 gradients, and the backward's bytes
-05    merge_states       the exact LSE merge with empty parts
-05    split_kv_decode    Flash-Decoding against the decode oracle, GQA, empty splits
-06    paged_gather       the gather's output and bytes (no read past a sequence's end)
-06    copy_on_write      block-table invariants after forks and appends
-07    numba_forward      a Numba CUDA kernel: oracle, global bytes per tile, no races
-07    barrier_hunt       the same kernel family with a missing barrier, found and fixed
-08    cupy_online        (GPU) the online-softmax update of a CUDA C++ tile loop
-09    fwht               (ch. 09b) the fast Walsh-Hadamard transform, exact, in O(d log d)
-10    merge_pair         (ch. 12) ring attention's pairwise (O, LSE) merge, empty blocks
-====  =================  ===========================================================
+====  ======================  ==================================================================
+lab   exercise                what is graded
+====  ======================  ==================================================================
+01    naive_traffic           counted bytes == the learner's prediction == the model; O, LSE
+02    online_step             O and LSE after folding every block, fully masked blocks included
+03    flash_forward           O, LSE (2x rule) and FlashAttention-2's bytes, tensor by tensor
+03    loop_order              which loop order moves fewer bytes at two shapes
+04    flash_backward          dQ, dK, dV against float64 gradients, and the backward's bytes
+05    merge_states            the exact LSE merge with empty parts
+05    split_kv_decode         Flash-Decoding against the decode oracle, GQA, empty splits
+06    paged_gather            the gather's output and bytes (no read past a sequence's end)
+06    copy_on_write           block-table invariants after forks and appends
+07    numba_forward           a Numba CUDA kernel: oracle, global bytes per tile, no races
+07    barrier_hunt            the same kernel family with a missing barrier, found and fixed
+08    cupy_online             (GPU) the online-softmax update of a CUDA C++ tile loop
+09    kv_bytes_per_token      (ch. 13) KV-cache bytes per token from config.json, exact, MLA too
+10    merge_pair              (ch. 12) ring attention's pairwise (O, LSE) merge, empty blocks
+10    zigzag_split            (ch. 12) the load-balanced causal split: exact O, bytes and work/rank
+11    rescale_threshold_step  (ch. 09a) FA4's conditional rescale: O, LSE and the rescale count
+11    fwht                    (ch. 09b) the fast Walsh-Hadamard transform, exact, in O(d log d)
+11    randomized_hadamard     (ch. 09b) x D H / sqrt(d): Q K^T unchanged, outliers spread
+====  ======================  ==================================================================
+
+The exercises of labs 09-11 live in
+:mod:`iokernels.labs.exercises_scale` (chapters 11-13) and
+:mod:`iokernels.labs.exercises_hopper` (chapters 09a, 09b).
 
 The grading engine is :mod:`iokernels.labs.engine`; notebooks are turned into learner
 copies and graded by :mod:`iokernels.labs.notebooks` (``python -m iokernels labs``).

@@ -20,11 +20,19 @@ from __future__ import annotations
 
 import numpy as np
 
+import numbers
+
 from ..context_parallel.merge import merge_pair as _ref_merge_pair
-from .engine import Case, CaseReport, Exercise, Mistake, fail, oracle_problem
+from ..context_parallel.split import causal_work as _ref_causal_work
+from ..context_parallel.split import split_positions as _ref_split_positions
+from ..core import reference
+from ..core.traffic import Traffic
+from ..models import MODELS, ModelShape
+from ..models import kv_bytes_per_token as _ref_kv_bytes
+from .engine import Case, CaseReport, Exercise, Mistake, budget_report, fail, oracle_problem
 from .exercises import EMPTY_PART_NAN, NO_MAX_SHIFT, _parts
 
-__all__ = ["MERGE_PAIR", "EXERCISES"]
+__all__ = ["KV_BYTES_PER_TOKEN", "MERGE_PAIR", "ZIGZAG_SPLIT", "EXERCISES"]
 
 
 def _case(label: str, **p) -> Case:
@@ -126,4 +134,279 @@ MERGE_PAIR = Exercise(
                 "iokernels.decode.merge_states", "iokernels.merge_states", "iokernels.api.merge_states"))
 
 
-EXERCISES = (MERGE_PAIR,)
+
+# =========================================================================== zigzag split (12)
+CONTIGUOUS = Mistake("a contiguous split (one chunk per rank)",
+                     "cut the sequence into 2W chunks and give rank r chunks r and 2W - 1 - r: with one chunk "
+                     "each, the last rank computes about 2W - 1 times the first rank's causal work.")
+STRIDED = Mistake("chunks r and r + W (a stride, not a mirror)",
+                  "the second chunk mirrors the first: 2W - 1 - r, so an early chunk (little causal work) is "
+                  "paired with a late one (much work); r + W keeps the imbalance.")
+MIRROR_OFF_BY_ONE = Mistake("chunk 2W - r instead of 2W - 1 - r",
+                            "chunks are numbered 0 .. 2W - 1, so rank r's mirror is 2W - 1 - r.")
+UNEVEN_CHUNKS = Mistake("the remainder piled onto one chunk",
+                        "make the 2W chunk lengths differ by at most one (the first N mod 2W chunks one longer), "
+                        "so no rank holds more than ceil(N / W) tokens.")
+NO_LENGTH_CHECK = Mistake("no check that seqlen >= 2 * world_size",
+                          "raise ValueError naming seqlen when the sequence has fewer than 2W tokens (some chunk "
+                          "would be empty).")
+
+
+def _chunks(n, parts, even=True):
+    if even:
+        base, extra = divmod(n, parts)
+        sizes = [base + (1 if i < extra else 0) for i in range(parts)]
+    else:
+        sizes = [n // parts] * (parts - 1) + [n - (n // parts) * (parts - 1)]
+    edges = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    return [(int(edges[i]), int(edges[i + 1])) for i in range(parts)]
+
+
+def _wrong_split(kind, n, w):
+    """A split with one known mistake (a model of the error)."""
+    if kind == "contiguous":
+        return [[c] for c in _chunks(n, w)]
+    ch = _chunks(n, 2 * w, even=kind != "uneven")
+    if kind == "strided":
+        return [[ch[r], ch[r + w]] for r in range(w)]
+    if kind == "off by one":
+        return [[ch[r], ch[(2 * w - r) % (2 * w)]] for r in range(w)]
+    return [[ch[r], ch[2 * w - 1 - r]] for r in range(w)]
+
+
+_SPLIT_MUTANTS = ((CONTIGUOUS, "contiguous"), (STRIDED, "strided"), (MIRROR_OFF_BY_ONE, "off by one"),
+                  (UNEVEN_CHUNKS, "uneven"))
+
+
+def _positions(split, n, w, mistake_of):
+    """Each rank's global token positions from a split; fail unless it is a partition of range(n)."""
+    if not isinstance(split, (list, tuple)) or len(split) != w:
+        fail(f"zigzag_split must return one list of (start, stop) segments per rank: {w} lists, got "
+             f"{type(split).__name__}" + (f" of length {len(split)}" if hasattr(split, "__len__") else ""))
+    held = []
+    for r, segs in enumerate(split):
+        idx: list[int] = []
+        for seg in segs:
+            if len(seg) != 2 or not all(isinstance(x, numbers.Integral) for x in seg):
+                fail(f"rank {r}'s segment {seg!r} is not a pair of integers (start, stop)")
+            a, b = int(seg[0]), int(seg[1])
+            if not 0 <= a <= b <= n:
+                fail(f"rank {r}'s segment ({a}, {b}) is outside [0, {n}]", mistake=mistake_of(split))
+            idx.extend(range(a, b))
+        held.append(np.asarray(idx, dtype=np.int64))
+    count = np.bincount(np.concatenate(held + [np.zeros(0, np.int64)]), minlength=n)
+    if (count != 1).any():
+        t = int(np.flatnonzero(count != 1)[0])
+        fail(f"token {t} is held by {count[t]} ranks: every token must be held by exactly one",
+             mistake=mistake_of(split))
+    return held
+
+
+def _ring_causal(q, k, v, held, scale):
+    """Causal attention of every rank's queries against every rank's K/V block, merged as the ring does,
+    then reassembled in sequence order."""
+    B, H, n, d = q.shape
+    o_full, lse_full = np.zeros_like(q), np.full((B, H, n), -np.inf)
+    for pos_q in held:
+        o = np.zeros((B * H * len(pos_q), d))
+        lse = np.full(B * H * len(pos_q), -np.inf)
+        for pos_k in held:                                   # the K/V blocks arriving round the ring
+            visible = pos_k[None, :] <= pos_q[:, None]
+            if not visible.any():
+                continue                                     # a block entirely in this rank's future
+            s = np.einsum("bhqd,bhkd->bhqk", q[:, :, pos_q], k[:, :, pos_k]) * scale
+            s = np.where(visible, s, -np.inf)
+            mx = np.max(s, axis=-1, keepdims=True)
+            mref = np.where(np.isfinite(mx), mx, 0.0)
+            e = np.exp(s - mref)
+            tot = e.sum(-1, keepdims=True)
+            with np.errstate(all="ignore"):
+                o_b = np.einsum("bhqk,bhkd->bhqd", e, v[:, :, pos_k]) / tot
+                lse_b = np.where(tot > 0, mref + np.log(tot), -np.inf)[..., 0]
+            o, lse = _ref_merge_pair(o, lse, o_b.reshape(-1, d), lse_b.reshape(-1))
+        o_full[:, :, pos_q], lse_full[:, :, pos_q] = o.reshape(B, H, -1, d), lse.reshape(B, H, -1)
+    return o_full, lse_full
+
+
+def _grade_zigzag(zigzag_split, case, rng):
+    p = case.params
+    n, w = p["N"], p["W"]
+    if p.get("bad"):
+        try:
+            zigzag_split(n, w)
+        except ValueError as exc:
+            return CaseReport(notes=[f"{n} tokens over {w} ranks are refused: {exc}"])
+        fail(f"zigzag_split({n}, {w}) returned a split: {n} tokens cannot fill 2W = {2 * w} chunks; raise "
+             f"ValueError naming seqlen", mistake=NO_LENGTH_CHECK)
+    mutants = [(m, _wrong_split(kind, n, w)) for m, kind in _SPLIT_MUTANTS]
+
+    def mistake_of(split):
+        try:
+            norm = [[(int(a), int(b)) for a, b in segs] for segs in split]
+        except (TypeError, ValueError):
+            return None
+        return next((m for m, wrong in mutants if norm == wrong), None)
+
+    split = zigzag_split(n, w)
+    held = _positions(split, n, w, mistake_of)
+    B, H, d, itemsize = 1, 2, p["d"], 8
+    q, k, v = (rng.standard_normal((B, H, n, d)) for _ in range(3))
+    scale = d ** -0.5
+    o, lse = _ring_causal(q, k, v, held, scale)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=True, scale=scale)
+    report = CaseReport()
+    oracle_problem(o, ref_o, None, name="O (reassembled)", dtype="float64", report=report)
+    oracle_problem(lse, ref_lse, None, name="LSE (reassembled)", dtype="float64", report=report)
+    # bytes per rank: the Q, K and V rows a rank holds; the budget is the package's zigzag split's largest rank
+    ref_pos = _ref_split_positions(n, w, "zigzag")
+    ref_tokens = max(sum(b - a for a, b in segs) for segs in ref_pos)
+    per_token = 3 * B * H * d * itemsize
+    counted, budget = Traffic(), Traffic()
+    for r, pos in enumerate(held):
+        counted.add(f"rank {r}", read=len(pos) * per_token)
+        budget.add(f"rank {r}", read=ref_tokens * per_token)
+    budget_report(counted, budget, report=report, detectors=(lambda row, c, b: mistake_of(split) or UNEVEN_CHUNKS,))
+    # causal work per rank: query token t attends to keys 0..t (t + 1 pairs per head)
+    work = [int(np.sum(pos + 1)) for pos in held]
+    ref_work = _ref_causal_work(n, w, "zigzag")
+    if max(work) > max(ref_work):
+        fail(f"causal (query, key) pairs per rank {work}: the slowest rank computes {max(work):,}, the zigzag "
+             f"split's slowest {max(ref_work):,} (every ring step waits for the slowest rank)", report,
+             mistake_of(split))
+    report.notes.append(f"pairs per rank {work} (a contiguous split: {_ref_causal_work(n, w, 'contiguous')}); "
+                        f"{ref_tokens * per_token:,} B of Q, K, V on the fullest rank")
+    return report
+
+
+ZIGZAG_SPLIT = Exercise(
+    name="zigzag_split", title="The zig-zag split: causal ring attention, load-balanced", entry="zigzag_split",
+    spec=("zigzag_split(seqlen, world_size) -> a list of W lists of (start, stop) segments: the token ranges "
+          "rank r holds.  Cut the N = seqlen tokens into 2W contiguous chunks whose lengths differ by at most one "
+          "(the first N mod 2W one longer) and give rank r chunks r and 2W - 1 - r.  Raise ValueError naming "
+          "seqlen when N < 2W.  Graded on: a partition of the tokens; causal attention computed rank by rank "
+          "over the ring and reassembled (float64 oracle); the bytes of Q, K, V each rank holds (within the "
+          "package's zigzag split's largest rank); the causal (query, key) pairs of the slowest rank."),
+    cases=lambda: [_case("N=5 W=4: too short", N=5, W=4, d=4, bad=True), _case("N=23 W=1", N=23, W=1, d=3),
+                   _case("N=37 W=3", N=37, W=3, d=5), _case("N=16 W=8: one token per chunk", N=16, W=8, d=4),
+                   _case("N=29 W=2", N=29, W=2, d=6), _case("N=64 W=4", N=64, W=4, d=8)],
+    grade_case=_grade_zigzag, seed=1213,
+    hint="chunks = [(start_c, stop_c) for c in range(2W)]; rank r: [chunks[r], chunks[2W - 1 - r]].",
+    mistakes=(CONTIGUOUS, STRIDED, MIRROR_OFF_BY_ONE, UNEVEN_CHUNKS, NO_LENGTH_CHECK),
+    references=("iokernels.context_parallel.split.split_positions", "iokernels.context_parallel.split_positions",
+                "iokernels.context_parallel.split.chunk_bounds", "iokernels.context_parallel.chunk_bounds"))
+
+
+# =========================================================================== KV bytes per token (13)
+#: bytes per value of the dtypes a config.json's torch_dtype names
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+QUERY_HEADS = Mistake("query heads counted instead of KV heads",
+                      "the cache holds num_key_value_heads heads (GQA shares each between a group of query heads).")
+K_OR_V_ONLY = Mistake("K or V only (the factor 2 missing)", "every KV head caches a key and a value row: 2 Hkv d.")
+LAYERS_MISSING = Mistake("one layer only", "every layer has its own cache: multiply by num_hidden_layers.")
+DTYPE_IGNORED = Mistake("2 bytes per value whatever the dtype",
+                        "bytes per value come from torch_dtype: 4 for float32, 2 for float16 / bfloat16, 1 for fp8.")
+MULTI_QUERY_IGNORED = Mistake("multi_query ignored",
+                              "a config without num_key_value_heads but with multi_query: true caches one KV head "
+                              "(MQA); without either, every query head has its own (MHA).")
+HEAD_DIM_IGNORED = Mistake("hidden_size / heads used although head_dim is given",
+                           "an explicit head_dim wins: some models' heads are wider or narrower than hidden / heads.")
+MLA_AS_HEADS = Mistake("MLA counted as per-head K and V",
+                       "with kv_lora_rank in the config the cache holds one latent row of kv_lora_rank + "
+                       "qk_rope_head_dim values per token and layer, shared by all heads (the K/V heads are "
+                       "rebuilt from it).")
+ROPE_MISSING = Mistake("MLA's rotary part forgotten",
+                       "the latent row is kv_lora_rank values plus the qk_rope_head_dim rotary key, cached apart.")
+
+
+def _config(m: ModelShape, dtype="bfloat16", explicit_head_dim=False, kv_key=True) -> dict:
+    """A config.json dict (Hugging Face field names) for a model shape."""
+    hidden = m.heads_q * m.head_dim
+    c = {"num_hidden_layers": m.layers, "num_attention_heads": m.heads_q, "hidden_size": hidden,
+         "torch_dtype": dtype}
+    if m.kind == "MLA":
+        c.update(num_key_value_heads=m.heads_q, kv_lora_rank=m.latent_dim, qk_rope_head_dim=m.rope_dim,
+                 qk_nope_head_dim=m.head_dim, v_head_dim=m.v_head_dim, hidden_size=7168)
+    elif m.kind == "MQA" and not kv_key:
+        c["multi_query"] = True
+    elif kv_key:
+        c["num_key_value_heads"] = m.heads_kv
+    if explicit_head_dim:
+        c["head_dim"] = m.head_dim
+        c["hidden_size"] = m.heads_q * m.head_dim // 2          # hidden / heads would be wrong
+    return c
+
+
+def _wrong_bytes(c: dict) -> list:
+    """(Mistake, answer) pairs: the bytes per token under each known mistake."""
+    L, hq = c["num_hidden_layers"], c["num_attention_heads"]
+    hkv = c.get("num_key_value_heads", 1 if c.get("multi_query") else hq)
+    d = c.get("head_dim", c["hidden_size"] // hq)
+    s = ITEMSIZE[c["torch_dtype"]]
+    out = []
+    if "kv_lora_rank" in c:
+        out += [(MLA_AS_HEADS, 2 * L * hkv * c.get("qk_nope_head_dim", d) * s),
+                (MLA_AS_HEADS, 2 * L * hkv * (c.get("qk_nope_head_dim", d) + c["qk_rope_head_dim"]) * s),
+                (MLA_AS_HEADS, 2 * L * hkv * d * s), (ROPE_MISSING, L * c["kv_lora_rank"] * s)]
+        per_layer = c["kv_lora_rank"] + c["qk_rope_head_dim"]
+        return out + [(LAYERS_MISSING, per_layer * s), (DTYPE_IGNORED, L * per_layer * 2)]
+    out += [(DTYPE_IGNORED, 2 * L * hkv * d * 2),    # first: earlier (16-bit) cases have passed the factor 2
+            (QUERY_HEADS, 2 * L * hq * d * s), (K_OR_V_ONLY, L * hkv * d * s), (LAYERS_MISSING, 2 * hkv * d * s),
+            (HEAD_DIM_IGNORED, 2 * L * hkv * (c["hidden_size"] // hq) * s)]
+    if c.get("multi_query"):
+        out.insert(0, (MULTI_QUERY_IGNORED, 2 * L * hq * d * s))
+    return out
+
+
+def _kv_cases():
+    M = MODELS
+    custom = ModelShape("a GQA model with 256-wide heads", "GQA", layers=18, heads_q=8, heads_kv=1, head_dim=256,
+                        source="a made-up shape: head_dim differs from hidden_size / heads")
+    return [_case("Llama-2-7B (MHA)", model=M["Llama-2-7B"], kv_key=False),
+            _case("Llama-3-8B (GQA)", model=M["Llama-3-8B"]),
+            _case("Llama-3-70B (GQA) in float32", model=M["Llama-3-70B"], dtype="float32"),
+            _case("Falcon-7B (MQA, multi_query)", model=M["Falcon-7B"], kv_key=False),
+            _case("DeepSeek-V3 (MLA)", model=M["DeepSeek-V3"]),
+            _case("GQA, explicit head_dim, fp8", model=custom, dtype="float8_e4m3fn", explicit_head_dim=True)]
+
+
+def _grade_kv_bytes(kv_bytes, case, rng):
+    p = case.params
+    m = p["model"]
+    c = _config(m, p.get("dtype", "bfloat16"), p.get("explicit_head_dim", False), p.get("kv_key", True))
+    want = int(_ref_kv_bytes(m, ITEMSIZE[c["torch_dtype"]]))
+    got = kv_bytes(dict(c))
+    report = CaseReport(notes=[f"{m.name}: {want:,} B per token, {want * 32768 / 2 ** 30:.2f} GiB for a "
+                               f"32,768-token context"])
+    if isinstance(got, bool) or not isinstance(got, (numbers.Integral, float)):
+        fail(f"kv_bytes_per_token returned {got!r}: return an int (bytes)")
+    if isinstance(got, float) and not got.is_integer():
+        fail(f"kv_bytes_per_token returned {got!r}: bytes per token are a whole number")
+    got = int(got)
+    if got != want:
+        named = next((mk for mk, w in _wrong_bytes(c) if w == got and w != want), None)
+        fail(f"{got:,} B per token for config {c}; the package's model of {m.name} says {want:,} B", report, named)
+    return report
+
+
+KV_BYTES_PER_TOKEN = Exercise(
+    name="kv_bytes_per_token", title="KV-cache bytes per token from a model's config.json",
+    entry="kv_bytes_per_token",
+    spec=("kv_bytes_per_token(config) -> int: the bytes one token adds to the KV cache over all layers, from a "
+          "config.json dict (Hugging Face field names).  Layers: num_hidden_layers.  KV heads: "
+          "num_key_value_heads; if absent, 1 when multi_query is true (MQA), else num_attention_heads (MHA).  "
+          "Head dim: head_dim if present, else hidden_size // num_attention_heads.  Bytes per value from "
+          "torch_dtype (float32 4, float16 / bfloat16 2, float8_e4m3fn / float8_e5m2 1).  MHA/GQA/MQA cache a K "
+          "and a V row per KV head per layer; MLA (the config has kv_lora_rank) caches one latent row of "
+          "kv_lora_rank + qk_rope_head_dim values per layer.  Graded exactly against the package's model "
+          "(iokernels.models) of Llama-2-7B, Llama-3-8B/70B, Falcon-7B, DeepSeek-V3 and a made-up GQA shape."),
+    cases=_kv_cases, grade_case=_grade_kv_bytes, seed=1313,
+    hint="bytes = layers x values per layer (2 Hkv d, or d_c + d_R for MLA) x bytes per value.",
+    mistakes=(QUERY_HEADS, K_OR_V_ONLY, LAYERS_MISSING, DTYPE_IGNORED, MULTI_QUERY_IGNORED, HEAD_DIM_IGNORED,
+              MLA_AS_HEADS, ROPE_MISSING),
+    references=("iokernels.models.kv_bytes_per_token", "iokernels.models.kv_values_per_token",
+                "iokernels.models.decode_step", "iokernels.paged.kv_bytes_per_token",
+                "iokernels.decode.decode_bytes_per_token"))
+
+
+EXERCISES = (KV_BYTES_PER_TOKEN, MERGE_PAIR, ZIGZAG_SPLIT)
