@@ -47,6 +47,17 @@ def _kv_bytes_per_token(config):
     return models.kv_bytes_per_token(shape, itemsize)
 
 
-CHEATS = {"zigzag_split": _zigzag_split, "kv_bytes_per_token": _kv_bytes_per_token,
+def _absorbed_mla(q_nope, q_rope, KV_latent, w_uk, w_uv, *, scale):
+    from iokernels import mla
+    return mla.reference_mla(q_nope, q_rope, KV_latent[:], w_uk, w_uv, scale=scale)
+
+
+def _varlen_attention(q, k, v, cu_q, cu_k, *, causal, scale):
+    from iokernels import tiled
+    return tiled.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, scale=scale, window=None)
+
+
+CHEATS = {"absorbed_mla_query": _absorbed_mla, "varlen_bug_hunt": _varlen_attention,
+          "zigzag_split": _zigzag_split, "kv_bytes_per_token": _kv_bytes_per_token,
           "fwht": _fwht, "merge_pair": _merge_pair, "randomized_hadamard": _randomized_hadamard,
           "rescale_threshold_step": _rescale_step}

@@ -83,7 +83,64 @@ def kv_bytes_per_token(config):
     return 2 * layers * kv * d * size
 
 
+def absorbed_mla(q_nope, q_rope, KV_latent, w_uk, w_uv, *, scale):
+    rows = KV_latent[:]                                    # every latent row, once, for all heads
+    dc = w_uk.shape[1]
+    c, k_rope = rows[..., :dc], rows[..., dc:]
+    acc = np.float64 if q_nope.dtype == np.float64 else np.float32
+    q_lat = np.einsum("bhd,hcd->bhc", q_nope.astype(acc), w_uk.astype(acc))
+    s = (np.einsum("bhc,bnc->bhn", q_lat, c.astype(acc))
+         + np.einsum("bhr,bnr->bhn", q_rope.astype(acc), k_rope.astype(acc))) * acc(scale)
+    m = s.max(axis=-1, keepdims=True)
+    e = np.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    o_lat = np.einsum("bhn,bnc->bhc", e / l, c.astype(acc))
+    return np.einsum("bhc,hcv->bhv", o_lat, w_uv.astype(acc)), (m + np.log(l))[..., 0]
+
+
+VARLEN_SOURCE = '''
+def varlen_attention(q, k, v, cu_q, cu_k, *, causal, scale):
+    total_q, H, d = q.shape
+    o = np.zeros((total_q, H, d))
+    lse = np.full((H, total_q), -np.inf)
+    for b in range(len(cu_q) - 1):
+        q0, q1 = cu_q[b], cu_q[b + 1]
+        k0, k1 = cu_q[b], cu_q[b + 1]
+        ### BEGIN SOLUTION remove
+        k0, k1 = cu_k[b], cu_k[b + 1]
+        ### END SOLUTION
+        nq, nk = q1 - q0, k1 - k0
+        s = np.einsum("ihd,jhd->hij", q[q0:q1], k[k0:k1]) * scale
+        if causal:
+            visible = np.arange(nk)[None, :] <= np.arange(nq)[:, None] + (nk - nq)
+            s = np.where(visible, s, -np.inf)
+        m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+        ### BEGIN SOLUTION remove
+        m = np.where(np.isfinite(m), m, 0.0)
+        ### END SOLUTION
+        p = np.exp(s - m)
+        l = p.sum(axis=-1, keepdims=True)
+        with np.errstate(divide="ignore"):
+            lse[:, q0:q1] = (m + np.log(l))[..., 0]
+        ### BEGIN SOLUTION remove
+        l = np.where(l > 0, l, 1.0)
+        ### END SOLUTION
+        o[q0:q1] = np.einsum("hij,jhd->ihd", p / l, v[k0:k1])
+    return o, lse
+'''
+
+
+def _define(source):
+    ns = {"np": np}
+    exec(source, ns)
+    return ns["varlen_attention"]
+
+
+varlen_attention = _define(VARLEN_SOURCE)
+
+
 SOLUTIONS = {"zigzag_split": zigzag_split, "kv_bytes_per_token": kv_bytes_per_token,
+             "absorbed_mla_query": absorbed_mla, "varlen_bug_hunt": varlen_attention,
              "fwht": fwht, "merge_pair": merge_pair, "randomized_hadamard": randomized_hadamard,
              "rescale_threshold_step": rescale_step}
 
@@ -324,3 +381,82 @@ def test_kv_bytes_configs_are_the_package_models():
     from iokernels import models
     assert kv_bytes_per_token(es._config(models.MODELS["Llama-3-8B"])) == 128 * 1024
     assert kv_bytes_per_token(es._config(models.MODELS["Llama-2-7B"], kv_key=False)) == 512 * 1024
+
+
+# --------------------------------------------------------------------------- absorbed MLA
+@pytest.mark.parametrize("kind, mistake", [("transposed", es.W_UK_TRANSPOSED), ("no rope", es.ROPE_DROPPED),
+                                           ("row scale", es.ROW_WIDTH_SCALE), ("latent", es.NOT_UP_PROJECTED)])
+def test_absorbed_mla_mutants_are_named(kind, mistake):
+    def wrong(q_nope, q_rope, KV_latent, w_uk, w_uv, *, scale):
+        x = dict(q_nope=q_nope, q_rope=q_rope, kv_latent=KV_latent[:], w_uk=w_uk, w_uv=w_uv)
+        return es._mla_variant(x, scale, kind)
+    r = labs.check("absorbed_mla_query", wrong)
+    assert not r.passed and r.mistake == mistake.name, str(r)
+
+
+def test_absorbed_mla_reading_per_head_is_named():
+    def per_head(q_nope, q_rope, KV_latent, w_uk, w_uv, *, scale):
+        for _ in range(q_nope.shape[1]):
+            rows = KV_latent[:]
+        x = dict(q_nope=q_nope, q_rope=q_rope, kv_latent=rows, w_uk=w_uk, w_uv=w_uv)
+        return es._mla_variant(x, scale)
+    r = labs.check("absorbed_mla_query", per_head)
+    assert not r.passed and r.mistake == es.LATENT_PER_HEAD.name and "KV_latent" in r.message, str(r)
+
+
+def test_absorbed_mla_matches_the_package():
+    from iokernels import mla
+    from iokernels.core.traffic import HBM
+    rng = np.random.default_rng(5)
+    x = mla.make_mla_inputs(rng, batch=2, heads=4, seqlen=19, latent_dim=16, rope_dim=4, head_dim=8)
+    o, lse = absorbed_mla(x["q_nope"], x["q_rope"], HBM(x["kv_latent"], "KV_latent"), x["w_uk"], x["w_uv"],
+                          scale=mla.default_scale(8, 4))
+    ref_o, ref_lse = mla.mla_decode_absorbed(**x)
+    assert np.allclose(o, ref_o, atol=1e-12) and np.allclose(lse, ref_lse, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- varlen bug hunt
+def test_the_varlen_kernel_as_given_fails_on_its_first_bug():
+    from iokernels.labs import notebooks as lnb
+    given = _define(lnb.student_source(VARLEN_SOURCE))
+    r = labs.check("varlen_bug_hunt", given)
+    assert not r.passed and r.mistake == es.KEYS_AT_QUERY_OFFSETS.name, str(r)
+    half = VARLEN_SOURCE.replace("        m = np.where(np.isfinite(m), m, 0.0)\n", "")
+    r = labs.check("varlen_bug_hunt", _define(half))
+    assert not r.passed and r.mistake == es.EMPTY_ROW_NAN.name, str(r)
+    late = VARLEN_SOURCE.replace("        l = np.where(l > 0, l, 1.0)\n", "")
+    r = labs.check("varlen_bug_hunt", _define(late))
+    assert not r.passed and r.mistake == es.EMPTY_ROW_NAN.name, str(r)
+
+
+def test_varlen_other_mistakes_are_named():
+    top_left = VARLEN_SOURCE.replace(" + (nk - nq)", "")
+    r = labs.check("varlen_bug_hunt", _define(top_left))
+    assert not r.passed and r.mistake == es.MASK_TOP_LEFT.name, str(r)
+    lse_zero = VARLEN_SOURCE.replace("        l = np.where(l > 0, l, 1.0)\n", "").replace(
+        "        with np.errstate", "        l = np.where(l > 0, l, 1.0)\n        with np.errstate")
+    r = labs.check("varlen_bug_hunt", _define(lse_zero))
+    assert not r.passed and r.mistake == es.EMPTY_ROW_LSE.name, str(r)
+
+
+def test_varlen_oracle_is_the_package_s():
+    from iokernels import tiled
+    rng = np.random.default_rng(2)
+    cu_q, cu_k = np.array([0, 3, 10, 10, 14]), np.array([0, 9, 12, 16, 16])
+    q, k, v = rng.standard_normal((14, 2, 5)), rng.standard_normal((16, 2, 5)), rng.standard_normal((16, 2, 5))
+    o, lse = es._varlen_oracle(q, k, v, cu_q, cu_k, True, 0.4)
+    ref_o, ref_lse = tiled.attention_varlen(q, k, v, cu_q, cu_k, causal=True, scale=0.4, window=None)
+    assert np.allclose(o, ref_o, atol=1e-12) and np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+    assert np.allclose(np.nan_to_num(lse, neginf=0), np.nan_to_num(ref_lse, neginf=0), atol=1e-12)
+    got_o, _ = varlen_attention(q, k, v, cu_q, cu_k, causal=True, scale=0.4)
+    assert np.allclose(got_o, ref_o, atol=1e-12)
+
+
+def test_every_late_exercise_has_a_cheat_that_passes_without_the_guard():
+    """The cheats call the package's own implementation: what the reference guard must block."""
+    from lab_cheats_late import CHEATS
+    late = set(SOLUTIONS)
+    assert set(CHEATS) == late
+    for name in late:
+        e = labs.EXERCISES[name]
+        assert e.references, name

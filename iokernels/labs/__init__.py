@@ -25,14 +25,16 @@ lab   exercise                what is graded
 07    barrier_hunt            the same kernel family with a missing barrier, found and fixed
 08    cupy_online             (GPU) the online-softmax update of a CUDA C++ tile loop
 09    kv_bytes_per_token      (ch. 13) KV-cache bytes per token from config.json, exact, MLA too
-10    merge_pair              (ch. 12) ring attention's pairwise (O, LSE) merge, empty blocks
-10    zigzag_split            (ch. 12) the load-balanced causal split: exact O, bytes and work/rank
-11    rescale_threshold_step  (ch. 09a) FA4's conditional rescale: O, LSE and the rescale count
-11    fwht                    (ch. 09b) the fast Walsh-Hadamard transform, exact, in O(d log d)
-11    randomized_hadamard     (ch. 09b) x D H / sqrt(d): Q K^T unchanged, outliers spread
+09    absorbed_mla_query      (ch. 13) MLA decode, W_UK absorbed: O, LSE, latent rows read once
+10    varlen_bug_hunt         (ch. 11) packed sequences: cu_seqlens and rows without keys, fixed
+11    merge_pair              (ch. 12) ring attention's pairwise (O, LSE) merge, empty blocks
+11    zigzag_split            (ch. 12) the load-balanced causal split: exact O, bytes and work/rank
+12    rescale_threshold_step  (ch. 09a) FA4's conditional rescale: O, LSE and the rescale count
+12    fwht                    (ch. 09b) the fast Walsh-Hadamard transform, exact, in O(d log d)
+12    randomized_hadamard     (ch. 09b) x D H / sqrt(d): Q K^T unchanged, outliers spread
 ====  ======================  ==================================================================
 
-The exercises of labs 09-11 live in
+The exercises of labs 09-12 live in
 :mod:`iokernels.labs.exercises_scale` (chapters 11-13) and
 :mod:`iokernels.labs.exercises_hopper` (chapters 09a, 09b).
 

@@ -8,6 +8,10 @@ zigzag_split             ``zigzag_split``: the load-balanced causal split of a s
                          W ranks (exact attention after reassembly, bytes and work per rank)
 kv_bytes_per_token       ``kv_bytes_per_token``: a model's KV-cache bytes per token from its
                          config.json (MHA, GQA, MQA, MLA's latent row)
+absorbed_mla_query       ``absorbed_mla``: MLA decode with W_UK absorbed into the query, each
+                         latent row read once for all heads
+varlen_bug_hunt          ``varlen_attention``: a packed-sequence kernel with two bugs (keys at
+                         the queries' offsets, NaN on rows that see no key), found and fixed
 =======================  ==================================================================
 
 The graders use the package's own implementations as the reference
@@ -25,14 +29,18 @@ import numbers
 from ..context_parallel.merge import merge_pair as _ref_merge_pair
 from ..context_parallel.split import causal_work as _ref_causal_work
 from ..context_parallel.split import split_positions as _ref_split_positions
-from ..core import reference
-from ..core.traffic import Traffic
+from ..core import reference, testing, traffic
+from ..core.traffic import HBM, Traffic
+from ..mla import default_scale as _mla_default_scale
+from ..mla import make_mla_inputs as _make_mla_inputs
+from ..mla import reference_mla as _reference_mla
 from ..models import MODELS, ModelShape
 from ..models import kv_bytes_per_token as _ref_kv_bytes
 from .engine import Case, CaseReport, Exercise, Mistake, budget_report, fail, oracle_problem
 from .exercises import EMPTY_PART_NAN, NO_MAX_SHIFT, _parts
 
-__all__ = ["KV_BYTES_PER_TOKEN", "MERGE_PAIR", "ZIGZAG_SPLIT", "EXERCISES"]
+__all__ = ["KV_BYTES_PER_TOKEN", "ABSORBED_MLA_QUERY", "VARLEN_BUG_HUNT", "MERGE_PAIR", "ZIGZAG_SPLIT",
+           "EXERCISES"]
 
 
 def _case(label: str, **p) -> Case:
@@ -409,4 +417,216 @@ KV_BYTES_PER_TOKEN = Exercise(
                 "iokernels.decode.decode_bytes_per_token"))
 
 
-EXERCISES = (KV_BYTES_PER_TOKEN, MERGE_PAIR, ZIGZAG_SPLIT)
+
+# =========================================================================== absorbed MLA query (13)
+W_UK_TRANSPOSED = Mistake("W_UK applied transposed",
+                          "q_lat[b, i] = W_UK[i] @ q_C[b, i]: w_uk is (H, d_c, d_h), so contract q's d_h with "
+                          "w_uk's last axis: einsum('bhd,hcd->bhc').")
+ROPE_DROPPED = Mistake("the rotary part of the score dropped",
+                       "s_t = scale (q_lat . c_t + q_R . k_R,t): the last d_R columns of each cached row are the "
+                       "rotary key, shared by every head.")
+ROW_WIDTH_SCALE = Mistake("the softmax scale taken from the cached row's width",
+                          "use the scale you are given (1 / sqrt(d_h + d_R) by default, the query width before "
+                          "absorption), not 1 / sqrt(d_c + d_R).")
+NOT_UP_PROJECTED = Mistake("the output left in the latent space",
+                           "o[b, i] = o_lat[b, i] @ W_UV[i]: the attention over latents gives d_c values per head; "
+                           "up-project them once with w_uv.")
+LATENT_PER_HEAD = Mistake("the latent rows read once per head",
+                          "every head scores the same rows [c_t | k_R,t]: load each row tile once and use it for "
+                          "all H absorbed queries (that is the point of absorbing W_UK).")
+
+
+def _mla_variant(x, scale, kind=""):
+    """The absorbed decode in float64 (or under one known mistake: a model of the error)."""
+    f = testing.as_numpy
+    qn, qr, kv, wk, wv = f(x["q_nope"]), f(x["q_rope"]), f(x["kv_latent"]), f(x["w_uk"]), f(x["w_uv"])
+    dc = wk.shape[1]
+    q_lat = np.einsum("bhd,hdc->bhc", qn, wk) if kind == "transposed" else np.einsum("bhd,hcd->bhc", qn, wk)
+    if kind == "row scale":
+        scale = 1.0 / np.sqrt(kv.shape[-1])
+    s = np.einsum("bhc,bnc->bhn", q_lat, kv[..., :dc])
+    if kind != "no rope":
+        s = s + np.einsum("bhr,bnr->bhn", qr, kv[..., dc:])
+    s = s * scale
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    o_lat = np.einsum("bhn,bnc->bhc", e / e.sum(-1, keepdims=True), kv[..., :dc])
+    o = o_lat if kind == "latent" else np.einsum("bhc,hcv->bhv", o_lat, wv)
+    return o, (m[..., 0] + np.log(e.sum(-1)))
+
+
+def _mla_naive_low(x, scale, dtype):
+    """The definition (up-project, then attend) in the inputs' precision: the 2x rule's baseline."""
+    dt = testing.numpy_dtype(dtype)
+    qn, qr, kv, wk, wv = (np.asarray(x[n]).astype(dt) for n in ("q_nope", "q_rope", "kv_latent", "w_uk", "w_uv"))
+    dc = wk.shape[1]
+    k_c = np.einsum("bnc,hcd->bhnd", kv[..., :dc], wk)
+    v = np.einsum("bnc,hcv->bhnv", kv[..., :dc], wv)
+    s = (np.einsum("bhd,bhnd->bhn", qn, k_c) + np.einsum("bhr,bnr->bhn", qr, kv[..., dc:])) * dt.type(scale)
+    m = s.max(-1, keepdims=True)
+    e = np.exp(s - m)
+    l = e.sum(-1, keepdims=True)
+    return np.einsum("bhn,bhnv->bhv", e / l, v).astype(np.float64), (m + np.log(l))[..., 0].astype(np.float64)
+
+
+def _grade_absorbed(absorbed, case, rng):
+    p = case.params
+    dtype = p.get("dtype", "float64")
+    x = _make_mla_inputs(rng, batch=p["B"], heads=p["H"], seqlen=p["N"], latent_dim=p["dc"], rope_dim=p["dr"],
+                         head_dim=p["dh"], v_head_dim=p["dv"], dtype=dtype)
+    scale = _mla_default_scale(p["dh"], p["dr"]) * p.get("scale_factor", 1.0)
+    with traffic.count() as counted:
+        out = absorbed(x["q_nope"].copy(), x["q_rope"].copy(), HBM(x["kv_latent"], "KV_latent"), x["w_uk"].copy(),
+                       x["w_uv"].copy(), scale=scale)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        fail("absorbed_mla must return the pair (o, lse)")
+    o, lse = out
+    B, H, dv = p["B"], p["H"], p["dv"]
+    if np.shape(o) != (B, H, dv):
+        fail(f"o has shape {np.shape(o)}, expected (B, H, d_v) = {(B, H, dv)}: up-project o_lat (d_c = {p['dc']} "
+             f"values per head) with w_uv", mistake=NOT_UP_PROJECTED if np.shape(o)[-1:] == (p["dc"],) else None)
+    ref_o, ref_lse = _reference_mla(x["q_nope"], x["q_rope"], x["kv_latent"], x["w_uk"], x["w_uv"], scale=scale)
+    base_o, base_lse = (None, None) if dtype == "float64" else _mla_naive_low(x, scale, dtype)
+    mutants = []
+    for m, kind in ((W_UK_TRANSPOSED, "transposed"), (ROPE_DROPPED, "no rope"), (ROW_WIDTH_SCALE, "row scale"),
+                    (NOT_UP_PROJECTED, "latent")):
+        if kind == "transposed" and p["dc"] != p["dh"] or kind == "latent" and p["dc"] != p["dv"]:
+            continue                                     # that mistake cannot even run at these widths
+        mutants.append((m, _mla_variant(x, scale, kind)))
+    report = CaseReport()
+    oracle_problem(testing.as_numpy(o), ref_o, base_o, name="O", dtype=dtype, report=report,
+                   mistakes=[(m, w[0]) for m, w in mutants])
+    oracle_problem(testing.as_numpy(lse), ref_lse, base_lse, name="LSE", dtype=dtype, report=report,
+                   mistakes=[(m, w[1]) for m, w in mutants])
+    budget = Traffic().add("KV_latent", read=x["kv_latent"].nbytes)
+
+    def per_head(row, counted, budget):
+        return LATENT_PER_HEAD if row.tensor == "KV_latent" and row.read >= 2 * row.allowed_read else None
+    budget_report(counted, budget, (per_head,), report=report)
+    unabsorbed = 2 * p["N"] * H * (p["dh"] + p["dr"] + dv) * x["kv_latent"].itemsize * B
+    report.notes.append(f"the latent cache read once: {x['kv_latent'].nbytes:,} B; the up-projected per-head K and V "
+                        f"would be {unabsorbed:,} B (written, then read back)")
+    return report
+
+
+ABSORBED_MLA_QUERY = Exercise(
+    name="absorbed_mla_query", title="MLA decode with the absorbed query: one latent row for every head",
+    entry="absorbed_mla",
+    spec=("absorbed_mla(q_nope, q_rope, KV_latent, w_uk, w_uv, *, scale) -> (o (B, H, d_v), lse (B, H)): one "
+          "decode step of multi-head latent attention.  q_nope (B, H, d_h), q_rope (B, H, d_R); KV_latent an HBM "
+          "array (B, N, d_c + d_R) of rows [c_t | k_R,t]; w_uk (H, d_c, d_h), w_uv (H, d_c, d_v).  Absorb W_UK "
+          "into the query, q_lat[b, i] = w_uk[i] @ q_nope[b, i] (d_c values), score s_t = scale (q_lat . c_t + "
+          "q_R . k_R,t), softmax over the N rows, o_lat = sum_t p_t c_t, and o = o_lat @ w_uv[i].  Read the "
+          "latent rows by indexing KV_latent (a tile at a time or all at once), each row once for all H heads.  "
+          "Graded against the float64 oracle of the definition (up-project, then attend; float32: 2x the "
+          "definition in float32) and on KV_latent's bytes (the budget: the cache once)."),
+    cases=lambda: [_case("B=2 H=4 N=23 d_c=16 d_R=4 d_h=16 d_v=16", B=2, H=4, N=23, dc=16, dr=4, dh=16, dv=16),
+                   _case("B=1 H=8 N=40 d_c=32 d_R=8 d_h=12 d_v=10, scale x1.3", B=1, H=8, N=40, dc=32, dr=8, dh=12,
+                         dv=10, scale_factor=1.3),
+                   _case("B=2 H=3 N=17 d_c=24 d_R=8 d_h=16 d_v=16 float32", B=2, H=3, N=17, dc=24, dr=8, dh=16,
+                         dv=16, dtype="float32")],
+    grade_case=_grade_absorbed, seed=1314,
+    hint="c, k_R = rows[..., :d_c], rows[..., d_c:]; q_lat = einsum('bhd,hcd->bhc', q_nope, w_uk); then it is "
+         "multi-query attention with one KV head.",
+    mistakes=(W_UK_TRANSPOSED, ROPE_DROPPED, ROW_WIDTH_SCALE, NOT_UP_PROJECTED, LATENT_PER_HEAD),
+    references=("iokernels.mla.absorb_query", "iokernels.mla.mla_decode_absorbed", "iokernels.mla.reference_mla",
+                "iokernels.mla.reference_latent", "iokernels.mla.mla_decode_unabsorbed",
+                "iokernels.mla.paged_mla_decode", "iokernels.mla._latent_attention"))
+
+
+# =========================================================================== varlen bug hunt (11)
+KEYS_AT_QUERY_OFFSETS = Mistake("keys sliced at the queries' offsets",
+                                "sequence b's keys are rows cu_k[b]:cu_k[b + 1] of k and v; cu_q only says where "
+                                "its queries are (they differ as soon as a sequence has more keys than queries).")
+EMPTY_ROW_NAN = Mistake("a row that sees no key gives NaN",
+                        "a causal row of a sequence with more queries than keys, or any row of a sequence with no "
+                        "keys, has max = -inf: exp(-inf - (-inf)) is NaN.  Subtract 0 for those rows, and divide "
+                        "its zero sum by 1: O = 0, LSE = -inf.")
+EMPTY_ROW_LSE = Mistake("the LSE of a row without keys is not -inf",
+                        "take LSE = m + log l before replacing the empty rows' l = 0 by 1: log 0 = -inf.")
+MASK_TOP_LEFT = Mistake("the causal mask aligned top-left",
+                        "bottom-right alignment: query i of a sequence with Nq queries and Nk keys sees keys "
+                        "j <= i + Nk - Nq (the last query sees every key).")
+
+
+def _varlen_oracle(q, k, v, cu_q, cu_k, causal, scale, *, top_left=False, keys_at_q=False):
+    """Per-sequence float64 attention (or under one known mistake); O (total_q, H, d), LSE (H, total_q)."""
+    total_q, H, d = q.shape
+    o, lse = np.zeros((total_q, H, d)), np.full((H, total_q), -np.inf)
+    for b in range(len(cu_q) - 1):
+        q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
+        k0, k1 = (int(cu_q[b]), int(cu_q[b + 1])) if keys_at_q else (int(cu_k[b]), int(cu_k[b + 1]))
+        kb, vb = k[k0:k1], v[k0:k1]
+        if q1 == q0 or kb.shape[0] == 0:
+            continue
+        qq, kk, vv = (np.transpose(t, (1, 0, 2))[None] for t in (q[q0:q1], kb, vb))
+        if top_left and causal:
+            nq, nk = q1 - q0, kb.shape[0]
+            allowed = np.arange(nk)[None, :] <= np.arange(nq)[:, None]
+            ob, lb = reference.attention(qq, kk, vv, scale=scale, mask_mod=lambda b_, h_, i, j: allowed[i, j])
+        else:
+            ob, lb = reference.attention(qq, kk, vv, causal=causal, scale=scale)
+        o[q0:q1], lse[:, q0:q1] = np.transpose(ob[0], (1, 0, 2)), lb[0]
+    return o, lse
+
+
+def _grade_varlen(varlen, case, rng):
+    p = case.params
+    H, d, causal = p["H"], p["d"], p["causal"]
+    lens_q, lens_k = zip(*p["lens"])
+    cu_q, cu_k = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
+    q = rng.standard_normal((int(cu_q[-1]), H, d))
+    k, v = (rng.standard_normal((int(cu_k[-1]), H, d)) for _ in range(2))
+    scale = d ** -0.5
+    with np.errstate(all="ignore"):
+        out = varlen(q.copy(), k.copy(), v.copy(), cu_q.copy(), cu_k.copy(), causal=causal, scale=scale)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        fail("varlen_attention must return the pair (o, lse)")
+    o, lse = (testing.as_numpy(x) for x in out)
+    ref_o, ref_lse = _varlen_oracle(q, k, v, cu_q, cu_k, causal, scale)
+    report = CaseReport()
+    if np.shape(o) != ref_o.shape or np.shape(lse) != ref_lse.shape:
+        fail(f"o has shape {np.shape(o)} and lse {np.shape(lse)}; expected (total_q, H, d) = {ref_o.shape} and "
+             f"(H, total_q) = {ref_lse.shape}")
+    if np.isnan(o).any() or np.isnan(lse).any():
+        rows = np.flatnonzero(np.isnan(o).any(axis=(1, 2)) | np.isnan(lse).any(axis=0)).tolist()
+        fail(f"NaN in the packed rows {rows[:8]}; the rows that see no key are "
+             f"{np.flatnonzero(np.isneginf(ref_lse).any(axis=0))[:8].tolist()}", report, EMPTY_ROW_NAN)
+    with np.errstate(all="ignore"):
+        mutants = [(KEYS_AT_QUERY_OFFSETS, _varlen_oracle(q, k, v, cu_q, cu_k, causal, scale, keys_at_q=True)),
+                   (MASK_TOP_LEFT, _varlen_oracle(q, k, v, cu_q, cu_k, causal, scale, top_left=True))]
+    empty = np.isneginf(ref_lse)
+    if (lse[empty] != -np.inf).any() and np.allclose(o[empty.T], 0.0):
+        fail("a row without keys has O = 0 but a finite LSE", report, EMPTY_ROW_LSE)
+    oracle_problem(o, ref_o, None, name="O", dtype="float64", report=report,
+                   masked_rows=empty.T[..., None],
+                   mistakes=[(m, w[0]) for m, w in mutants])
+    oracle_problem(lse, ref_lse, None, name="LSE", dtype="float64", report=report,
+                   mistakes=[(m, w[1]) for m, w in mutants])
+    report.notes.append(f"{int(empty.sum())} (head, row) pairs see no key: O = 0, LSE = -inf, no NaN")
+    return report
+
+
+VARLEN_BUG_HUNT = Exercise(
+    name="varlen_bug_hunt", title="Bug hunt: packed sequences, cu_seqlens and rows that see no key",
+    entry="varlen_attention",
+    spec=("varlen_attention(q, k, v, cu_q, cu_k, *, causal, scale) -> (o (total_q, H, d), lse (H, total_q)): "
+          "attention over packed sequences; sequence b owns rows cu_q[b]:cu_q[b + 1] of q and cu_k[b]:cu_k[b + 1] "
+          "of k and v; causal masks are bottom-right aligned (query i sees keys j <= i + Nk - Nq).  A row that "
+          "sees no key (causal with Nq > Nk, or Nk = 0) gives O = 0 and LSE = -inf, never NaN.  As given, the "
+          "kernel has two bugs; find and fix them.  Graded against a float64 oracle run sequence by sequence."),
+    cases=lambda: [_case("3 sequences, Nq = Nk, not causal", H=2, d=5, causal=False, lens=((4, 4), (7, 7), (2, 2))),
+                   _case("4 sequences, Nk > Nq, causal", H=2, d=7, causal=True, lens=((3, 9), (5, 5), (1, 6), (4, 8))),
+                   _case("Nq > Nk (rows that see no key), causal", H=1, d=4, causal=True,
+                         lens=((7, 3), (4, 4), (6, 2))),
+                   _case("an empty query and a sequence without keys", H=2, d=59, causal=False,
+                         lens=((3, 5), (0, 4), (4, 0), (2, 3)))],
+    grade_case=_grade_varlen, seed=1111,
+    hint="print cu_q and cu_k of the failing case: which rows of k does sequence b read?  Then a row whose every "
+         "score is -inf: what is exp(s - m)?",
+    mistakes=(KEYS_AT_QUERY_OFFSETS, EMPTY_ROW_NAN, EMPTY_ROW_LSE, MASK_TOP_LEFT),
+    references=("iokernels.tiled.attention_varlen", "iokernels.api.attention_varlen", "iokernels.attention_varlen",
+                "iokernels.core.reference.attention_varlen"))
+
+
+EXERCISES = (KV_BYTES_PER_TOKEN, ABSORBED_MLA_QUERY, VARLEN_BUG_HUNT, MERGE_PAIR, ZIGZAG_SPLIT)
