@@ -135,7 +135,7 @@ FWHT = Exercise(
                    _case("x (6, 2)", shape=(6, 2)),
                    _case("x (2, 128) float32", shape=(2, 128), dtype="float32"),
                    _case("x (3, 12): not a power of two", shape=(3, 12), bad=True)],
-    grade_case=_grade_fwht, seed=909,
+    grade_case=_grade_fwht, seed=939,
     hint="one stage per bit of d; each stage touches every element once; divide by sqrt(d) at the end.",
     mistakes=(NOT_NORMALIZED, DIVIDED_BY_D, PAIR_OVERWRITTEN, SWAPPED_DIFFERENCE, INPUT_OVERWRITTEN,
               NO_POWER_CHECK),
