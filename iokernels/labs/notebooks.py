@@ -202,12 +202,13 @@ def _num(x, fmt):
 
 def score_table(grades) -> str:
     """The score table: notebook, exercise, passed, error vs bound, bytes vs budget."""
-    head = f"{'notebook':<28}{'exercise':<18}{'result':<9}{'error':>10}{'bound':>10}{'bytes':>13}{'budget':>13}"
+    w = max([18] + [len(r.exercise) + 2 for g in grades for r in g.results])      # the exercise column
+    head = f"{'notebook':<28}{'exercise':<{w}}{'result':<9}{'error':>10}{'bound':>10}{'bytes':>13}{'budget':>13}"
     lines = [head, "-" * len(head)]
     passed = graded = 0
     for g in grades:
         for r in g.results:
-            lines.append(f"{g.path.stem[:27]:<28}{r.exercise:<18}{r.status:<9}{_num(r.error, '.2g'):>10}"
+            lines.append(f"{g.path.stem[:27]:<28}{r.exercise:<{w}}{r.status:<9}{_num(r.error, '.2g'):>10}"
                          f"{_num(r.bound, '.2g'):>10}{_num(r.bytes, ','):>13}{_num(r.allowed, ','):>13}")
             if r.status != "skipped":
                 graded += 1
