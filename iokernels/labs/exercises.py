@@ -35,6 +35,7 @@ from ..core import conventions as cv
 from ..core import reference, testing, traffic
 from ..core.config import TileConfig
 from ..core.traffic import HBM
+from . import references as refs
 from .engine import CaseReport, Case, Exercise, Mistake, budget_report, fail, oracle_problem
 
 
@@ -127,7 +128,7 @@ NAIVE_TRAFFIC = Exercise(
                    _case(Nq=33, Nk=17, d=59, dtype="float16")],
     grade_case=_grade_naive, seed=101,
     hint="each kernel reads its inputs from HBM and writes its result back; nothing stays on chip between them.",
-    mistakes=(S_READ_TWICE, P_NOT_STORED, PREDICTION_MISSING))
+    mistakes=(S_READ_TWICE, P_NOT_STORED, PREDICTION_MISSING), references=refs.FORWARD + refs.NAIVE_MODEL)
 
 
 # =========================================================================== 2 online softmax step
@@ -217,7 +218,7 @@ ONLINE_STEP = Exercise(
                    _case(rows=5, N=23, Bc=4, d=59)],
     grade_case=_grade_online_step, seed=202,
     hint="alpha = exp(m_old - m_new) rescales the old l and O once; fully masked rows must never give NaN.",
-    mistakes=tuple(m for m, _ in _STEP_MUTANTS))
+    mistakes=tuple(m for m, _ in _STEP_MUTANTS), references=refs.ONLINE_STEP + refs.FORWARD)
 
 
 # =========================================================================== 3 FA2 forward under a budget
@@ -294,7 +295,7 @@ FLASH_FORWARD = Exercise(
     grade_case=_grade_forward, seed=303,
     hint=("accumulate in LSE.dtype (float32 for float16 inputs); causal is bottom-right aligned: query i sees "
           "keys j <= i + Nk - Nq."),
-    mistakes=(Q_REREAD, O_INNER_WRITE, MASKED_TILES_LOADED, KV_REREAD, SP_IN_HBM, GQA_KV))
+    mistakes=(Q_REREAD, O_INNER_WRITE, MASKED_TILES_LOADED, KV_REREAD, SP_IN_HBM, GQA_KV), references=refs.FORWARD)
 
 
 # =========================================================================== 4 FA1 vs FA2
@@ -340,7 +341,8 @@ LOOP_ORDER = Exercise(
     cases=lambda: [Case(f"shape {n}: N={s['N']} d={s['d']} SRAM={s['sram_bytes'] // 1024} KiB fp16",
                         dict(shape=n)) for n, s in LOOP_ORDER_SHAPES.items()],
     grade_case=_grade_loop_order, seed=404,
-    hint="the tiles come from the SRAM size: Bc = ceil(M / 4d), Br = min(Bc, d) (M in elements).")
+    hint="the tiles come from the SRAM size: Bc = ceil(M / 4d), Br = min(Bc, d) (M in elements).",
+    kind="prediction")        # a value, not code: nothing of the learner's runs, so no references
 
 
 # =========================================================================== 5 backward
@@ -420,7 +422,7 @@ FLASH_BACKWARD = Exercise(
                    _case(B=1, Hq=4, Hkv=2, Nq=24, Nk=17, d=16, Br=8, Bc=8, dtype="float32", causal=True)],
     grade_case=_grade_backward, seed=505,
     hint="P_ij = exp(S_ij - LSE_i) needs no row max; dS_ij = P_ij * (dP_ij - D_i); dQaccum_i += dS_ij K_j.",
-    mistakes=(P_IN_HBM, KV_REREAD_BWD, DKV_INNER_WRITE, NO_D, NO_SCALE))
+    mistakes=(P_IN_HBM, KV_REREAD_BWD, DKV_INNER_WRITE, NO_D, NO_SCALE), references=refs.BACKWARD)
 
 
 # =========================================================================== 6 merge and split-KV decode
@@ -501,7 +503,7 @@ MERGE_STATES = Exercise(
     cases=lambda: [_case(rows=6, N=40, parts=4, d=59), _case(rows=5, N=31, parts=3, d=7, boost=400.0)],
     grade_case=_grade_merge, seed=606,
     hint="LSE = m + log sum_s exp(LSE_s - m) with m = max_s LSE_s; O = sum_s exp(LSE_s - LSE) O_s.",
-    mistakes=(EMPTY_PART_NAN, NO_MAX_SHIFT, NOT_NORMALIZED))
+    mistakes=(EMPTY_PART_NAN, NO_MAX_SHIFT, NOT_NORMALIZED), references=refs.MERGE)
 
 
 def _grade_decode(decode_fn, case, rng):
@@ -530,7 +532,8 @@ SPLIT_KV_DECODE = Exercise(
     cases=lambda: [_case(B=2, Hq=4, Hkv=2, N=37, d=59, splits=3, dtype="float64"),
                    _case(B=1, Hq=4, Hkv=1, N=5, d=16, splits=8, dtype="float32")],
     grade_case=_grade_decode, seed=616,
-    hint="query head h reads KV head h // (Hq // Hkv); more splits than keys leaves some splits empty.")
+    hint="query head h reads KV head h // (Hq // Hkv); more splits than keys leaves some splits empty.",
+    references=refs.DECODE)
 
 
 # =========================================================================== 7 paged KV cache
@@ -595,7 +598,7 @@ PAGED_GATHER = Exercise(
                    _case(blocks=30, block_size=16, Hkv=1, d=59, lens=(17, 14))],
     grade_case=_grade_gather, seed=707,
     hint="loop over the logical blocks; the last one may be partly filled.",
-    mistakes=(TAIL_READ, TABLE_REREAD))
+    mistakes=(TAIL_READ, TABLE_REREAD), references=refs.PAGED_GATHER)
 
 
 NO_COW = Mistake("no copy-on-write",
@@ -682,7 +685,7 @@ COPY_ON_WRITE = Exercise(
                                                           (2, 2), (5, 1)))],
     grade_case=_grade_cow, seed=717,
     hint="three cases: the last block is full (take a new one), shared (copy it first), or private (write).",
-    mistakes=(NO_COW, REF_NOT_DECREMENTED, COPY_INCOMPLETE, COPY_AT_BOUNDARY))
+    mistakes=(NO_COW, REF_NOT_DECREMENTED, COPY_INCOMPLETE, COPY_AT_BOUNDARY), references=refs.PAGED_APPEND)
 
 EXERCISES = (NAIVE_TRAFFIC, ONLINE_STEP, FLASH_FORWARD, LOOP_ORDER, FLASH_BACKWARD, MERGE_STATES,
              SPLIT_KV_DECODE, PAGED_GATHER, COPY_ON_WRITE)
