@@ -253,7 +253,8 @@ PACKAGE_CALLED = Mistake("the package's implementation called",
 
 def _reached_message(exercise: Exercise, exc: ReferenceReached, index: int, n: int, case: Case) -> str:
     path = getattr(exc, "path", None) or str(exc)
-    return (f"case {index + 1} of {n} ({case.label}): {exercise.entry} called {path}, the package's own "
+    who = exercise.entry if "," not in exercise.entry else f"your code ({exercise.entry})"
+    return (f"case {index + 1} of {n} ({case.label}): {who} called {path}, the package's own "
             f"implementation: the grader needs your code, so that function is out of reach while yours runs "
             f"(it raises, and catching the error does not help).\nlikely mistake: {PACKAGE_CALLED.name}. "
             f"Fix: {PACKAGE_CALLED.hint}")

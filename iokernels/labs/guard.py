@@ -41,17 +41,29 @@ _ACTIVE: list = []           # the active guards' records
 
 
 class ReferenceReached(RuntimeError):
-    """The learner's code called one of the package's reference implementations."""
+    """The learner's code called one of the package's reference implementations (``path``)."""
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path
+
+
+class _Record:
+    """One active guard: the references it holds, and those the code inside reached."""
+
+    def __init__(self, paths):
+        self.paths: set = set(paths)
+        self.reached: list = []
 
 
 def reached(path: str):
     """Called by a stubbed reference: record the call in every active guard, then raise."""
     with _LOCK:
         for record in _ACTIVE:
-            if path in record["paths"] and path not in record["reached"]:
-                record["reached"].append(path)
+            if path in record.paths and path not in record.reached:
+                record.reached.append(path)
     raise ReferenceReached(f"{path} is the package's own implementation; it is not available to the code "
-                           f"being graded")
+                           f"being graded", path)
 
 
 def _stub_code(path: str, nfree: int) -> types.CodeType:
@@ -138,14 +150,14 @@ def _resolve_all(paths) -> list:
 
 @contextlib.contextmanager
 def guard(paths):
-    """Within the block every reference in ``paths`` raises; yields the record (``reached``: paths called).
+    """Within the block every reference in ``paths`` raises; yields the record (``.reached``: paths called).
 
     On leaving, the references are restored (when no other guard holds them), and if the
     code inside reached one -- even one whose exception it caught -- :class:`ReferenceReached`
     is raised naming the first.
     """
     targets = _resolve_all(paths)
-    record = {"paths": {p for p, _ in targets}, "reached": []}
+    record = _Record(p for p, _ in targets)
     with _LOCK:
         for path, fn in targets:
             entry = _PATCHED.get(id(fn))
@@ -165,10 +177,8 @@ def guard(paths):
                 if entry[2] == 0:
                     fn.__code__ = entry[1]
                     del _PATCHED[id(fn)]
-        if record["reached"]:
-            exc = ReferenceReached(record["reached"][0])
-            exc.path = record["reached"][0]
-            raise exc
+        if record.reached:
+            raise ReferenceReached(record.reached[0], record.reached[0])
 
 
 class Guarded:
