@@ -52,6 +52,18 @@ class Case:
     params: dict
 
 
+#: the parameters a case's label shows, in this order
+LABEL_KEYS = ("B", "Hq", "Hkv", "rows", "Nq", "Nk", "N", "d", "Br", "Bc", "parts", "splits", "block_size", "dtype")
+
+
+def case(**p) -> Case:
+    """A case whose label names its shape (the keys of :data:`LABEL_KEYS` it has, and "causal")."""
+    parts = [f"{k}={p[k]}" for k in LABEL_KEYS if k in p]
+    if p.get("causal"):
+        parts.append("causal")
+    return Case(" ".join(parts), p)
+
+
 @dataclass(frozen=True)
 class Mistake:
     """A known wrong idea: its name, how it shows, and what to do instead."""
