@@ -218,17 +218,32 @@ O_INNER_WRITE = Mistake("O written inside the K/V tile loop",
                         "keep the O accumulator (and m, l) on chip; write O_i and LSE_i once, after the last tile.")
 MASKED_TILES_LOADED = Mistake("fully masked tiles loaded",
                               "skip the K/V tiles that no query row of the tile can see "
-                              "(iokernels.conventions.tile_state(...) == 'skip'); with every tile skipped, "
-                              "write O_i = 0 and LSE_i = -inf without loading Q_i.")
+                              "(iokernels.conventions.tile_state(...) == 'skip').")
+Q_FOR_MASKED_TILE = Mistake("Q loaded for a query tile that sees no key",
+                            "find the tile's visible K/V tiles first; when there are none, write O_i = 0 and "
+                            "LSE_i = -inf and go on without loading Q_i (the budget has no Q bytes for it).")
 KV_REREAD = Mistake("K_j, V_j read more than once per query tile", "load each K/V tile once per query tile.")
 SP_IN_HBM = Mistake("S or P stored in HBM", "S_ij and P_ij live on chip only; FlashAttention never writes them.")
 GQA_KV = Mistake("K/V of the wrong head (GQA)",
                  "query head h reads KV head h // (Hq // Hkv) (iokernels.conventions.kv_head).")
+MASKED_ROW_NAN = Mistake("a fully masked row gives NaN",
+                         "a row of the tile that sees no key of this K/V tile (nor of any before) has m_new = -inf, "
+                         "and exp(-inf - (-inf)) is NaN: subtract 0 instead of m_new for those rows, so their l "
+                         "stays 0 and they end with O = 0, LSE = -inf.")
 
 
-def _forward_detectors(causal):
+def _q_bytes_all_tiles(p):
+    """The Q bytes of reading every query tile once, the ones that see no key included."""
+    return p["B"] * p["Hq"] * p["Nq"] * p["d"] * testing.numpy_dtype(p["dtype"]).itemsize
+
+
+def _forward_detectors(p):
+    causal = p["causal"]
+
     def detect(row, counted, budget):
         ratio = row.read / max(1, row.allowed_read)
+        if row.tensor == "Q" and causal and row.read == _q_bytes_all_tiles(p) > row.allowed_read:
+            return Q_FOR_MASKED_TILE
         if row.tensor == "Q" and ratio > 1.5:
             return Q_REREAD
         if row.tensor == "Q" and row.read > row.allowed_read and causal:
@@ -241,6 +256,66 @@ def _forward_detectors(causal):
             return SP_IN_HBM
         return None
     return detect
+
+
+def _forward_mutant(q, k, v, p, scale, acc, rescale_l=1, rescale_o=1, guard=True, kv_map=None):
+    """FlashAttention-2's tile loop with one known mistake (a model of the error, not the kernel):
+    l or O rescaled 0 or 2 times, no guard for rows that see nothing yet, a wrong KV head map."""
+    B, Hq, Nq, d = q.shape
+    Nk, Br, Bc = k.shape[2], p["Br"], p["Bc"]
+    kv_map = np.arange(Hq) // (Hq // k.shape[1]) if kv_map is None else kv_map
+    o_out, lse_out = np.zeros(q.shape, acc), np.full(q.shape[:3], -np.inf, acc)
+    with np.errstate(all="ignore"):
+        for b in range(B):
+            for h in range(Hq):
+                for r0 in range(0, Nq, Br):
+                    r1 = min(r0 + Br, Nq)
+                    qi = q[b, h, r0:r1].astype(acc)
+                    m, l, o = np.full(r1 - r0, -np.inf, acc), np.zeros(r1 - r0, acc), np.zeros((r1 - r0, d), acc)
+                    for c0 in range(0, Nk, Bc):
+                        c1 = min(c0 + Bc, Nk)
+                        if cv.tile_state(r0, r1, c0, c1, Nq, Nk, p["causal"]) == "skip":
+                            continue
+                        kj, vj = k[b, kv_map[h], c0:c1].astype(acc), v[b, kv_map[h], c0:c1].astype(acc)
+                        s = np.where(cv.mask(Nq, Nk, p["causal"], rows=(r0, r1), cols=(c0, c1)),
+                                     (qi @ kj.T) * acc.type(scale), -np.inf)
+                        m_new = np.maximum(m, s.max(axis=1))
+                        m_ref = np.where(np.isneginf(m_new), 0.0, m_new).astype(acc) if guard else m_new
+                        alpha = np.exp(m - m_ref)
+                        pij = np.exp(s - m_ref[:, None])
+                        l = alpha ** rescale_l * l + pij.sum(axis=1)
+                        o = alpha[:, None] ** rescale_o * o + pij @ vj
+                        m = m_new
+                    empty = l == 0
+                    o_out[b, h, r0:r1] = np.where(empty[:, None], 0.0, o / np.where(empty, 1, l)[:, None])
+                    lse_out[b, h, r0:r1] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1, l)))
+    return o_out, lse_out
+
+
+def _wrong_head_maps(Hq, Hkv):
+    """KV head maps a learner might write instead of h // (Hq // Hkv), those in range and different."""
+    right = np.arange(Hq) // (Hq // Hkv)
+    maps = [np.arange(Hq) % Hkv, np.arange(Hq) // Hkv, np.minimum(np.arange(Hq), Hkv - 1)]
+    out = []
+    for m in maps:
+        if m.max() < Hkv and not np.array_equal(m, right) and not any(np.array_equal(m, x) for x in out):
+            out.append(m)
+    return out
+
+
+def _forward_mutants(q, k, v, p, scale, acc):
+    """(Mistake, (O, LSE)) for each known mistake, computed when first needed."""
+    knobs = [(NO_RESCALE_L, dict(rescale_l=0)), (RESCALE_TWICE, dict(rescale_l=2)),
+             (RESCALE_TWICE, dict(rescale_o=2)), (RESCALE_TWICE, dict(rescale_l=2, rescale_o=2)),
+             (NO_RESCALE_O, dict(rescale_o=0)), (MASKED_ROW_NAN, dict(guard=False))]
+    knobs += [(GQA_KV, dict(kv_map=m)) for m in _wrong_head_maps(p["Hq"], p["Hkv"])]
+    cache: list = []
+
+    def lazy(which):
+        if not cache:
+            cache.extend((m, _forward_mutant(q, k, v, p, scale, acc, **kw)) for m, kw in knobs)
+        return ((m, out[which]) for m, out in cache)
+    return lazy
 
 
 def _inputs(rng, p, with_grad=False):
@@ -257,20 +332,23 @@ def _grade_forward(kernel, case, rng):
     O = HBM.full(q.shape, np.nan, q.dtype, "O")
     LSE = HBM.full(q.shape[:3], np.nan, acc, "LSE")
     with traffic.count() as counted:
-        kernel(Q, K, V, O, LSE, Br=p["Br"], Bc=p["Bc"], causal=causal, scale=scale)
+        try:
+            kernel(Q, K, V, O, LSE, Br=p["Br"], Bc=p["Bc"], causal=causal, scale=scale)
+        except IndexError as exc:           # K[b, h] with h >= Hkv: the query head used as the KV head
+            if p["Hq"] == p["Hkv"]:
+                raise
+            fail(f"{type(exc).__name__}: {exc} (Hq={p['Hq']} query heads share Hkv={p['Hkv']} KV heads)",
+                 mistake=GQA_KV)
     budget = tiled.traffic_model_fa2(batch=p["B"], heads_q=p["Hq"], heads_kv=p["Hkv"], seqlen_q=p["Nq"],
                                      seqlen_k=p["Nk"], head_dim=p["d"], dtype=dtype, causal=causal, config=cfg)
     ref_o, ref_lse = reference.attention(q, k, v, causal)
     base_o, base_lse = naive.attention(q, k, v, causal=causal, scale=scale, window=None)
     report = CaseReport()
-    mistakes = []
-    if p["Hq"] != p["Hkv"]:       # head h reading KV head h % Hkv instead of h // g: name it
-        modulo = np.arange(p["Hq"]) % p["Hkv"]
-        mistakes.append((GQA_KV, reference.attention(q, k[:, modulo], v[:, modulo], causal)[0]))
+    mutants = _forward_mutants(q, k, v, p, scale, acc)
     oracle_problem(O.result(), ref_o, base_o, name="O", dtype=dtype, report=report,
-                   masked_rows=_masked_rows(p["Nq"], p["Nk"], causal), mistakes=mistakes)
-    oracle_problem(LSE.result(), ref_lse, base_lse, name="LSE", dtype=dtype, report=report)
-    budget_report(counted, budget, (_forward_detectors(causal),), report=report)
+                   masked_rows=_masked_rows(p["Nq"], p["Nk"], causal), mistakes=mutants(0))
+    oracle_problem(LSE.result(), ref_lse, base_lse, name="LSE", dtype=dtype, report=report, mistakes=mutants(1))
+    budget_report(counted, budget, (_forward_detectors(p),), report=report)
     return report
 
 
@@ -280,12 +358,15 @@ FLASH_FORWARD = Exercise(
           "K, V (B, Hkv, Nk, d), O like Q, LSE (B, Hq, Nq) in the accumulator dtype.  Q tiles outer, K/V "
           "tiles inner, bottom-right causal; the budget is FlashAttention-2's traffic at these tiles."),
     cases=lambda: [_case(B=1, Hq=2, Hkv=2, Nq=37, Nk=45, d=59, Br=16, Bc=16, dtype="float64", causal=False),
-                   _case(B=1, Hq=2, Hkv=1, Nq=45, Nk=29, d=16, Br=8, Bc=16, dtype="float32", causal=True),
-                   _case(B=2, Hq=4, Hkv=2, Nq=20, Nk=33, d=8, Br=8, Bc=8, dtype="float16", causal=True)],
+                   # rows 0-15 see no key; the query tile of rows 15-19 mixes a masked row with visible ones
+                   _case(B=1, Hq=2, Hkv=1, Nq=45, Nk=29, d=16, Br=5, Bc=16, dtype="float32", causal=True),
+                   _case(B=2, Hq=4, Hkv=2, Nq=20, Nk=33, d=8, Br=8, Bc=8, dtype="float16", causal=True),
+                   _case(B=1, Hq=1, Hkv=1, Nq=21, Nk=7, d=5, Br=4, Bc=4, dtype="float64", causal=True)],
     grade_case=_grade_forward, seed=303,
     hint=("accumulate in LSE.dtype (float32 for float16 inputs); causal is bottom-right aligned: query i sees "
           "keys j <= i + Nk - Nq."),
-    mistakes=(Q_REREAD, O_INNER_WRITE, MASKED_TILES_LOADED, KV_REREAD, SP_IN_HBM, GQA_KV), references=refs.FORWARD)
+    mistakes=(Q_REREAD, O_INNER_WRITE, MASKED_TILES_LOADED, Q_FOR_MASKED_TILE, KV_REREAD, SP_IN_HBM, GQA_KV,
+              MASKED_ROW_NAN, NO_RESCALE_L, RESCALE_TWICE, NO_RESCALE_O), references=refs.FORWARD)
 
 
 # =========================================================================== 4 FA1 vs FA2
@@ -314,11 +395,12 @@ def _grade_loop_order(prediction, case, rng):
     moved = loop_order_traffic(**shape)
     best = min(moved, key=moved.get)
     cfg = TileConfig.from_sram(shape["sram_bytes"], shape["d"], "float16")
-    if guess != best:
-        fail(f"shape {name}: you predicted {guess}; the model says FA1 moves {moved['fa1']:,} B and FA2 "
-             f"{moved['fa2']:,} B at Br={cfg.block_q}, Bc={cfg.block_k}.  FA2 re-reads K and V once per query "
-             f"tile (Tr = N / Br times), FA1 re-reads Q and O (and m, l) once per K/V tile (Tc = N / Bc times): "
-             f"compare Br with Bc")
+    if guess != best:                   # say how to work it out, not the answer (nor the bytes that give it)
+        fail(f"shape {name}: you predicted {guess}, and that is not what the model counts.  Work it out: M = "
+             f"SRAM bytes / 2 (the fp16 elements the SRAM holds), Bc = ceil(M / 4d), Br = min(Bc, d), with Bc "
+             f"halved while the tiles do not fit (TileConfig.from_sram gives both).  FA2 re-reads K and V once "
+             f"per query tile (N / Br times), FA1 re-reads Q and O (and m, l) once per K/V tile (N / Bc times): "
+             f"compare the bytes of the two, then predict again")
     report = CaseReport()
     report.notes.append(f"shape {name}: FA1 {moved['fa1']:,} B, FA2 {moved['fa2']:,} B "
                         f"(Br={cfg.block_q}, Bc={cfg.block_k})")
@@ -327,11 +409,13 @@ def _grade_loop_order(prediction, case, rng):
 
 LOOP_ORDER = Exercise(
     name="loop_order", title="FlashAttention-1 or -2: which moves fewer bytes?", entry="prediction",
-    spec="prediction = {'A': 'fa1' | 'fa2', 'B': 'fa1' | 'fa2'} for the shapes in LOOP_ORDER_SHAPES.",
+    spec=("prediction = {'A': 'fa1' | 'fa2', 'B': 'fa1' | 'fa2'} for the shapes in LOOP_ORDER_SHAPES (fp16, SRAM in "
+          "bytes; the paper's M is in elements: M = sram_bytes / 2)."),
     cases=lambda: [Case(f"shape {n}: N={s['N']} d={s['d']} SRAM={s['sram_bytes'] // 1024} KiB fp16",
                         dict(shape=n)) for n, s in LOOP_ORDER_SHAPES.items()],
     grade_case=_grade_loop_order, seed=404,
-    hint="the tiles come from the SRAM size: Bc = ceil(M / 4d), Br = min(Bc, d) (M in elements).",
+    hint=("the tiles come from the SRAM size: Bc = ceil(M / 4d), Br = min(Bc, d), where M = SRAM bytes / itemsize "
+          "(2 B for fp16: M counts elements, not bytes)."),
     kind="prediction")        # a value, not code: nothing of the learner's runs, so no references
 
 
@@ -346,6 +430,9 @@ DKV_INNER_WRITE = Mistake("dK_j / dV_j written per Q tile",
 NO_D = Mistake("D forgotten (dS = P * dP)",
                "dS_ij = P_ij * (dP_ij - D_i) with D_i = rowsum(dO_i * O_i), computed before the main loop.")
 NO_SCALE = Mistake("softmax scale missing from dQ and dK", "dQ = scale * dS K and dK = scale * dS^T Q.")
+DQACC_NOT_ZEROED = Mistake("dQaccum not zeroed",
+                           "dQaccum arrives holding whatever was in HBM (here NaN): set dQaccum_i = 0 before the "
+                           "main loop (in the pass that computes D) and only then accumulate into it.")
 
 
 def _backward_detectors(row, counted, budget):
@@ -395,8 +482,13 @@ def _grade_backward(kernel, case, rng):
     base = bw.attention_backward_naive(do, q, k, v, o, lse, causal=causal, scale=scale, window=None)
     wrong = _wrong_gradients(*(testing.as_numpy(x) for x in (do, q, k, v)), causal, scale)
     report = CaseReport()
+    out = {name: testing.as_numpy(arrays[name].result()) for name in ("dQ", "dK", "dV", "dQaccum")}
+    if np.isnan(out["dQ"]).any() and np.isnan(out["dQaccum"]).any() and not (
+            np.isnan(out["dK"]).any() or np.isnan(out["dV"]).any()):
+        fail("dQ has NaN where dK and dV have none, and dQaccum still holds NaN after the kernel: dQ was "
+             "accumulated into the scratch buffer as it arrived", report, DQACC_NOT_ZEROED)
     for name, ref, b in zip(("dQ", "dK", "dV"), refs, base):
-        oracle_problem(arrays[name].result(), ref, b, name=name, dtype=dtype, factor=testing.GRADIENT_FACTOR,
+        oracle_problem(out[name], ref, b, name=name, dtype=dtype, factor=testing.GRADIENT_FACTOR,
                        report=report, mistakes=wrong[name])
     budget_report(counted, budget, (_backward_detectors,), report=report)
     return report
@@ -405,14 +497,15 @@ def _grade_backward(kernel, case, rng):
 FLASH_BACKWARD = Exercise(
     name="flash_backward", title="The backward tile loop with recomputation", entry="flash_backward",
     spec=("flash_backward(Q, K, V, O, dO, LSE, D, dQaccum, dQ, dK, dV, *, Br, Bc, causal, scale) on HBM "
-          "arrays: D (B, Hq, Nq) and dQaccum (like Q) in the accumulator dtype are scratch; dQ, dK, dV are the "
-          "outputs.  D first, then K/V tiles outer with the GQA group and the Q tiles inside, then dQ = "
-          "scale * dQaccum.  The budget is the package's FlashAttention-2 backward traffic at these tiles."),
+          "arrays: D (B, Hq, Nq) and dQaccum (like Q) in the accumulator dtype are scratch (dQaccum arrives "
+          "NaN-filled: zero it before accumulating); dQ, dK, dV are the outputs.  D first (and dQaccum = 0), "
+          "then K/V tiles outer with the GQA group and the Q tiles inside, then dQ = scale * dQaccum.  The "
+          "budget is the package's FlashAttention-2 backward traffic at these tiles."),
     cases=lambda: [_case(B=1, Hq=2, Hkv=2, Nq=19, Nk=27, d=59, Br=8, Bc=16, dtype="float64", causal=False),
                    _case(B=1, Hq=4, Hkv=2, Nq=24, Nk=17, d=16, Br=8, Bc=8, dtype="float32", causal=True)],
     grade_case=_grade_backward, seed=505,
     hint="P_ij = exp(S_ij - LSE_i) needs no row max; dS_ij = P_ij * (dP_ij - D_i); dQaccum_i += dS_ij K_j.",
-    mistakes=(P_IN_HBM, KV_REREAD_BWD, DKV_INNER_WRITE, NO_D, NO_SCALE), references=refs.BACKWARD)
+    mistakes=(P_IN_HBM, KV_REREAD_BWD, DKV_INNER_WRITE, NO_D, NO_SCALE, DQACC_NOT_ZEROED), references=refs.BACKWARD)
 
 
 # =========================================================================== 6 merge and split-KV decode

@@ -93,6 +93,15 @@ REF_NOT_DECREMENTED = Mistake("the shared block's count not decremented",
                               "after the copy, the old block is held by one table fewer.")
 COPY_INCOMPLETE = Mistake("the copy misses the earlier slots",
                           "copy every filled slot (0 .. seq_len % block_size - 1) of the shared block, in K and V.")
+COPY_WHOLE_BLOCK = Mistake("the whole block copied",
+                           "copy only the filled slots 0 .. seq_len % block_size - 1 of the shared block: the rest "
+                           "of it holds nothing of this sequence (and on a GPU every slot copied is HBM traffic).")
+FREE_LIST_ORDER = Mistake("free blocks taken from the wrong end",
+                          "take free_list.pop(0): the front of the free list is the block freed longest ago, the "
+                          "order the pool hands blocks out in (iokernels.paged.PagedKVCache), so a block just freed "
+                          "-- whose prefix may still be cached -- is reused last; pop() takes the newest.")
+#: what the grader writes into a held block's unfilled slots before each call (a copy of it shows)
+UNFILLED = np.float32(-1.0e30)
 COPY_AT_BOUNDARY = Mistake("a copy at a block boundary",
                            "when seq_len % block_size == 0 the token starts a new block: there is nothing to copy.")
 
@@ -111,6 +120,36 @@ def _check_invariants(tables, ref_counts, free_list, num_blocks, where):
         if (held[b] == 0) != (b in free_list):
             fail(f"{where}: block {b} is {'held' if held[b] else 'unheld'} yet "
                  f"{'in' if b in free_list else 'not in'} the free list")
+
+
+def _mark_unfilled(pools, tables, lens, bs):
+    """Free blocks NaN; each held block's slots past its filled ones UNFILLED (so copying them shows)."""
+    filled = {}
+    for s, t in tables.items():
+        for j, b in enumerate(t):
+            filled[b] = max(filled.get(b, 0), min(bs, lens[s] - j * bs))
+    for pool in pools:
+        held = np.zeros(pool.shape[0], bool)
+        held[list(filled)] = True
+        pool[~held] = np.nan
+        for b, n in filled.items():
+            pool[b, n:] = UNFILLED
+
+
+def _check_append(before_free, free_list, table, old_table, seq_len, shared, pools, bs, where):
+    """The blocks taken come from the front of the free list; a copy-on-write copies only filled slots."""
+    taken = [b for b in before_free if b not in free_list]
+    if taken and taken != before_free[:len(taken)]:
+        fail(f"{where}: append_token took block {taken[0]} from the free list {before_free}, where "
+             f"free_list.pop(0) takes block {before_free[0]}", mistake=FREE_LIST_ORDER)
+    slot, j = seq_len % bs, seq_len // bs
+    if slot and shared and len(table) > j and table[j] != old_table[j]:
+        new = int(table[j])
+        for pool in pools:
+            if np.any(pool[new, slot + 1:] == UNFILLED):
+                fail(f"{where}: the copy of shared block {old_table[j]} into block {new} also copied its unfilled "
+                     f"slots {slot + 1}..{bs - 1} (the sequence had filled {slot} of its {bs} slots)",
+                     mistake=COPY_WHOLE_BLOCK)
 
 
 def _grade_cow(append_token, case, rng):
@@ -132,10 +171,16 @@ def _grade_cow(append_token, case, rng):
         else:
             for _ in range(op):                            # append `op` tokens, one call each
                 kt, vt = rng.standard_normal((2, H, d)).astype(np.float32)
+                _mark_unfilled(pools, tables, lens, bs)
+                before_free, old_table = list(free_list), list(tables[sid])
+                last = old_table[lens[sid] // bs] if len(old_table) > lens[sid] // bs else None
+                shared = last is not None and ref_counts[last] > 1
                 table = append_token(list(tables[sid]), lens[sid], ref_counts, free_list, pools[0], pools[1],
                                      kt, vt)
                 if table is None:
                     fail("append_token must return the (new) block table of the sequence")
+                _check_append(before_free, free_list, [int(b) for b in table], old_table, lens[sid], shared, pools,
+                              bs, where)
                 blk = int(table[lens[sid] // bs]) if len(table) > lens[sid] // bs else None
                 others = [s for s in tables if s != sid and blk in tables[s]]
                 if others:
@@ -163,11 +208,13 @@ def _grade_cow(append_token, case, rng):
 COPY_ON_WRITE = Exercise(
     name="copy_on_write", title="Block tables: append with copy-on-write after a fork", entry="append_token",
     spec=("append_token(table, seq_len, ref_counts, free_list, k_pool, v_pool, k_tok, v_tok) -> table: write "
-          "one token (k_tok, v_tok: (Hkv, d)) at position seq_len; take new blocks with free_list.pop(0) and set "
-          "their count to 1; copy a shared (count > 1) partly filled last block before writing into it."),
+          "one token (k_tok, v_tok: (Hkv, d)) at position seq_len; take new blocks with free_list.pop(0) (the "
+          "front: the block freed longest ago) and set their count to 1; copy a shared (count > 1) partly filled "
+          "last block before writing into it, only its filled slots."),
     cases=lambda: [_case(block_size=4, blocks=12, script=((6, 0), ("fork", 0), (1, 1), (3, 0), (2, 1))),
                    _case(block_size=4, blocks=12, script=((8, 0), ("fork", 0), (1, 1), (1, 0), ("fork", 1),
                                                           (2, 2), (5, 1)))],
     grade_case=_grade_cow, seed=717,
     hint="three cases: the last block is full (take a new one), shared (copy it first), or private (write).",
-    mistakes=(NO_COW, REF_NOT_DECREMENTED, COPY_INCOMPLETE, COPY_AT_BOUNDARY), references=refs.PAGED_APPEND)
+    mistakes=(NO_COW, REF_NOT_DECREMENTED, COPY_INCOMPLETE, COPY_AT_BOUNDARY, COPY_WHOLE_BLOCK, FREE_LIST_ORDER),
+    references=refs.PAGED_APPEND)
