@@ -177,3 +177,30 @@ def test_a_bound_method_fetched_before_grading_is_caught():
     _assert_caught(_grade("copy_on_write", append_token), "iokernels.paged.PagedKVCache.append")
     cache.append(sid, np.ones((1, 2, 3), np.float32), np.ones((1, 2, 3), np.float32))
     assert cache.seq_len(sid) == 1
+
+
+def test_a_numba_kernel_launched_with_a_grid_runs_under_the_guard():
+    from iokernels.core import gpu, reference
+    if not gpu.simulator_enabled():        # compiled for a GPU, the kernel could not call Python at all
+        pytest.skip("needs Numba's CUDA simulator (a kernel that calls Python runs only there)")
+    from numba import cuda                 # the simulator without a GPU (tests/conftest.py)
+
+    def kernel(out):
+        out[0] = reference.attention(np.ones((1, 1, 1, 2)), np.ones((1, 1, 1, 2)), np.ones((1, 1, 1, 2)))[1][0, 0, 0]
+
+    launched = G.guarded(cuda.jit(kernel), R.ORACLE)
+    assert launched.py_func is kernel
+    with pytest.raises(G.ReferenceReached) as caught:
+        launched[1, 1](np.zeros(1))
+    assert caught.value.path == "iokernels.core.reference.attention"
+    out = np.zeros(1)
+    cuda.jit(kernel)[1, 1](out)            # outside the guard the same kernel runs
+    assert np.isclose(out[0], 2.0 / np.sqrt(2.0))
+
+
+def test_a_stale_reference_path_is_an_error_for_the_tests_not_for_grading():
+    with pytest.raises(ValueError, match="path"):
+        G.resolve("iokernels.decode.no_such_function")
+    with G.guard(("iokernels.decode.no_such_function",) + R.MERGE) as record:
+        pass
+    assert record.paths == set(R.MERGE)
