@@ -17,6 +17,11 @@ allowed, the tensor over budget and by how many bytes, and a hint.  A mistake de
 (:class:`Mistake`) names a known error when the evidence fits it ("rescale applied
 twice", "Q re-read inside the tile loop").
 
+The grader grades the learner, not the package: while the learner's code runs, the
+package's own implementations of the answer (the exercise's ``references``: the oracle,
+the tiled loops, the merge, ...) raise, and a solution that reaches one fails with a
+message naming it (:mod:`iokernels.labs.guard`).
+
 Hidden cases are seeded: the seed of case c of exercise e is ``[e.seed, c]``, so a
 correct solution passes every time and a wrong one fails every time.
 
