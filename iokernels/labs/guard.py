@@ -37,6 +37,7 @@ IMPORTED_ONLY = ("iokernels.numba_cuda",)
 
 _LOCK = threading.RLock()
 _PATCHED: dict = {}          # id(function) -> [function, original code, count]
+_PATCHED_AS: dict = {}       # the path a stub was made for -> id(function)
 _ACTIVE: list = []           # the active guards' records
 
 
@@ -51,17 +52,20 @@ class ReferenceReached(RuntimeError):
 class _Record:
     """One active guard: the references it holds, and those the code inside reached."""
 
-    def __init__(self, paths):
-        self.paths: set = set(paths)
+    def __init__(self, targets):
+        self.paths: set = {p for p, _ in targets}
+        self.names: dict = {id(fn): p for p, fn in targets}       # this guard's name for each function
         self.reached: list = []
 
 
 def reached(path: str):
     """Called by a stubbed reference: record the call in every active guard, then raise."""
     with _LOCK:
+        fid = _PATCHED_AS.get(path)
         for record in _ACTIVE:
-            if path in record.paths and path not in record.reached:
-                record.reached.append(path)
+            name = record.names.get(fid)
+            if name is not None and name not in record.reached:
+                record.reached.append(name)
     raise ReferenceReached(f"{path} is the package's own implementation; it is not available to the code "
                            f"being graded", path)
 
@@ -164,13 +168,14 @@ def guard(paths):
     is raised naming the first.
     """
     targets = _resolve_all(paths)
-    record = _Record(p for p, _ in targets)
+    record = _Record(targets)
     with _LOCK:
         for path, fn in targets:
             entry = _PATCHED.get(id(fn))
             if entry is None:
                 entry = _PATCHED[id(fn)] = [fn, fn.__code__, 0]
                 fn.__code__ = _stub_code(path, len(fn.__code__.co_freevars))
+                _PATCHED_AS[path] = id(fn)
             entry[2] += 1
         _ACTIVE.append(record)
     try:
@@ -184,6 +189,8 @@ def guard(paths):
                 if entry[2] == 0:
                     fn.__code__ = entry[1]
                     del _PATCHED[id(fn)]
+                    for p in [p for p, i in _PATCHED_AS.items() if i == id(fn)]:
+                        del _PATCHED_AS[p]
         if record.reached:
             raise ReferenceReached(record.reached[0], record.reached[0])
 
