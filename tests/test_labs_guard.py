@@ -219,3 +219,29 @@ def test_an_inner_guard_naming_a_function_another_way_still_sees_the_call():
             assert inner.value.path == "iokernels.merge_states"
     assert outer.value.path == "iokernels.api.merge_states"
     assert ik.merge_states(o, lse)[1].shape == (3,)
+
+
+def test_a_learner_copy_that_calls_the_package_scores_zero(tmp_path):
+    """The lab 05 learner copy with ik.merge_states and ik.decode as its answers: zero, and the summary says why."""
+    import json
+    from iokernels.labs import notebooks as lnb
+    from test_notebooks import ROOT
+    lnb.write_student_copies(ROOT / "notebooks" / "labs", tmp_path)
+    path = tmp_path / "05_flash_decoding.ipynb"
+    nb = json.loads(path.read_text())
+    answers = iter(["return ik.merge_states(o_parts, lse_parts)",
+                    "return ik.decode(q, k, v, num_splits=num_splits, scale=scale, return_lse=True)"])
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if "raise NotImplementedError(" in src:
+            stub = next(ln for ln in src.split("\n") if "raise NotImplementedError(" in ln)
+            cell["source"] = src.replace(stub.strip(), next(answers))
+    path.write_text(json.dumps(nb))
+    grade = lnb.grade_notebook(path)
+    by_name = {r.exercise: r for r in grade.results}
+    assert set(by_name) == {"merge_states", "split_kv_decode"} and not grade.cell_errors
+    assert "called iokernels.api.merge_states," in by_name["merge_states"].message
+    assert "called iokernels.api.decode," in by_name["split_kv_decode"].message
+    table = lnb.score_table([grade])
+    assert "score: 0 / 2 exercises passed" in table
+    assert table.count("likely mistake: the package's implementation called") == 2, table
