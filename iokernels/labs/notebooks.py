@@ -214,10 +214,12 @@ def score_table(grades) -> str:
                 graded += 1
                 passed += r.passed
     lines.append("-" * len(head))
-    for g in grades:                     # why each failure failed: the grader's first line
+    for g in grades:                     # why each failure failed: the grader's story, as the check cell shows it
         for r in g.results:
             if r.status == "failed":
-                lines.append(f"{g.path.stem}/{r.exercise}: {r.message.splitlines()[0]}")
+                story = r.message.splitlines() or [""]
+                lines.append(f"{g.path.stem}/{r.exercise}: {story[0]}")
+                lines.extend(f"    {ln}" for ln in story[1:] if ln.startswith(("likely mistake:", "hint:")))
     lines.append(f"score: {passed} / {graded} exercises passed"
                  + (" (skipped ones, e.g. GPU-only without a GPU, are not counted)" if any(
                      r.status == "skipped" for g in grades for r in g.results) else ""))
