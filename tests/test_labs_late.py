@@ -236,9 +236,16 @@ def test_merge_pair_bad_shape_and_return_teach():
     assert not r.passed and "expected" in r.message and "shape" in r.message, str(r)
 
 
-def test_the_package_merge_passes_its_own_grader():
+def test_the_package_merge_passes_its_own_grader_and_is_refused_as_an_answer():
+    import types
+
     from iokernels.context_parallel.merge import merge_pair as package_merge
-    assert labs.check("merge_pair", package_merge).passed
+    r = labs.check("merge_pair", package_merge)
+    assert not r.passed and "the package's own implementation" in r.message, str(r)
+    # the same code as a function of its own (not the guarded object): the grader agrees with it
+    clone = types.FunctionType(package_merge.__code__, package_merge.__globals__, "merge_pair",
+                               package_merge.__defaults__, package_merge.__closure__)
+    assert labs.check("merge_pair", clone).passed
 
 
 # --------------------------------------------------------------------------- randomized Hadamard

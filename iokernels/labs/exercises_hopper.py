@@ -329,7 +329,7 @@ RESCALE_THRESHOLD_STEP = Exercise(
     grade_case=_grade_threshold, seed=929,
     hint="keep = (m finite) & (rowmax(s) > m) & ((rowmax(s) - m) * log2(e) <= tau); m_new = where(keep, m, max).",
     mistakes=(ALWAYS_RESCALE, NATURAL_UNITS, TEST_REVERSED, STALE_P, MASKED_NAN),
-    references=("iokernels.tiled._Rescale", "iokernels.tiled._online_step", "iokernels.tiled.forward_fa2",
+    references=("iokernels.tiled._Rescale.new_max", "iokernels.tiled._online_step", "iokernels.tiled.forward_fa2",
                 "iokernels.tiled.forward_fa1", "iokernels.tiled.attention", "iokernels.fa4.rescale_survey"))
 
 
