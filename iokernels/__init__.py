@@ -40,7 +40,7 @@ from .core import conventions, reference, testing, traffic
 # is bound here: importing a submodule sets it as a package attribute, and binding the
 # function afterwards keeps ik.decode the function.
 from .api import (BACKENDS, attention, attention_backward, attention_varlen, decode, merge_states,
-                  paged_decode)
+                  paged_decode, paged_prefill)
 from .core.config import TileConfig
 
 __version__ = "0.1.0"
@@ -73,6 +73,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'iokernels' has no attribute {name!r}")
 
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "paged_decode",
+__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "paged_decode", "paged_prefill",
            "merge_states", "PagedKVCache", "OutOfBlocks", "TileConfig", "traffic", "reference",
            "testing", "conventions", "roofline", "BACKENDS"]
