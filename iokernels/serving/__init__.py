@@ -1,0 +1,23 @@
+"""Serving: continuous batching over the paged cache, read top to bottom.
+
+PagedAttention exists to serve many requests from one device's memory (Kwon et al., SOSP
+2023, paper).  This package is a small serving engine in plain Python and torch that
+shows why, with the pieces in the order a request meets them:
+
+==================================  ==========================================================
+:mod:`.requests`                    a request, its samples, how a token is drawn
+:mod:`.engine`                      the queue and the step: continuous batching, chunked
+                                    prefill under a token budget, preemption by recomputation
+:mod:`.memory`                      paged blocks (one PagedKVCache per layer) against
+                                    contiguous reservations, and the block pool's invariants
+:mod:`.fake`                        a checksum model that tests the scheduler exactly
+==================================  ==========================================================
+"""
+from __future__ import annotations
+
+from .engine import Engine, Results, StepRecord
+from .memory import ContiguousMemory, PagedMemory, pool_invariants
+from .requests import Group, Request, Sequence, sample_token
+
+__all__ = ["Engine", "Results", "StepRecord", "ContiguousMemory", "PagedMemory", "pool_invariants",
+           "Group", "Request", "Sequence", "sample_token"]
