@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     sub.add_parser("serve-bench", help="serve a trace paged and contiguous at the same KV memory "
                    "(options: python -m iokernels serve-bench --help)", add_help=False)
     if argv and argv[0] == "serve-bench":   # the serving benchmark parses its own options
+        _prepare_environment()
         from .serving import bench as serve_bench
         return int(serve_bench.main(argv[1:]))
 

@@ -25,8 +25,8 @@ from .core.api import BACKENDS, GPU_BACKENDS, NUMPY_BACKENDS, QUANT_DECODE_BACKE
 from .paged import PagedKVCache
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "decode", "paged_decode", "paged_prefill",
-           "paged_gather",
-           "merge_states", "BACKENDS", "NUMPY_BACKENDS", "GPU_BACKENDS", "QUANT_DECODE_BACKENDS", "registry_of"]
+           "paged_gather", "merge_states", "backends_implementing", "BACKENDS", "NUMPY_BACKENDS", "GPU_BACKENDS",
+           "QUANT_DECODE_BACKENDS", "registry_of"]
 
 #: (backend, operation) -> function.  One table, so what exists is visible.
 _DISPATCH: dict[tuple[str, str], Callable[..., Any]] = {
@@ -56,6 +56,12 @@ _traffic.register_models(
 
 def _implements(backend: str, op: str) -> bool:
     return (backend, op) in _DISPATCH or _core.gpu_implements(backend, op)
+
+
+def backends_implementing(op: str) -> list[str]:
+    """The backends that run ``op`` ("attention_varlen" also runs on every backend with "attention")."""
+    ops = (op, "attention") if op == "attention_varlen" else (op,)
+    return [b for b in BACKENDS if any(_implements(b, o) for o in ops)]
 
 
 def _resolve(backend: str, op: str) -> Callable[..., Any]:

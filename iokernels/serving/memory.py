@@ -24,10 +24,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..api import attention_varlen, paged_prefill
+from ..api import attention_varlen, backends_implementing, paged_prefill
 from ..paged import PagedKVCache, blocks_needed
 
 __all__ = ["PagedMemory", "ContiguousMemory", "pool_invariants"]
+
+
+def _check_backend(backend, op):
+    if backend == "tiled":                            # the NumPy kernels run both ops
+        return backend
+    have = backends_implementing(op)
+    if backend not in have:
+        raise ValueError(f"backend: {op} runs on {', '.join(map(repr, have))}; got {backend!r}")
+    return backend
 
 
 def _packed_offsets(lengths):
@@ -41,6 +50,7 @@ class PagedMemory:
 
     def __init__(self, num_blocks, block_size, *, layers, kv_heads, head_dim, dtype="float64",
                  backend="tiled"):
+        _check_backend(backend, "paged_prefill")
         self.caches = [PagedKVCache(num_blocks, block_size, num_kv_heads=kv_heads, head_dim=head_dim,
                                     dtype=dtype) for _ in range(layers)]
         self.num_blocks, self.block_size, self.backend = num_blocks, block_size, backend
@@ -126,7 +136,7 @@ class ContiguousMemory:
     kind = "contiguous"
 
     def __init__(self, capacity_slots, *, layers, kv_heads, head_dim, dtype="float64", backend="tiled"):
-        self.capacity_slots, self.backend = int(capacity_slots), backend
+        self.capacity_slots, self.backend = int(capacity_slots), _check_backend(backend, "attention_varlen")
         shape = (self.capacity_slots, kv_heads, head_dim)
         self.k = [np.full(shape, np.nan, dtype=dtype) for _ in range(layers)]
         self.v = [np.full(shape, np.nan, dtype=dtype) for _ in range(layers)]
