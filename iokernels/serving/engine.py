@@ -20,6 +20,7 @@ of the whole batch waiting for its longest member.  One step, top to bottom:
    ``iokernels.serving`` logger);
 4. **admission**: waiting requests join in arrival order while the budget, ``max_seqs``
    and memory allow (head of line first: a request that does not fit stops the line);
+   none joins in a step that had to preempt, so a victim is not readmitted at once;
 5. **the model runs once** on the batch of chunks; each sequence whose chunk reached its
    last token samples one new token.  A request with ``n`` samples forks after its prompt
    (the samples share the prompt's blocks; copy-on-write splits the last one), and a
@@ -218,7 +219,7 @@ class Engine:
                 reserved += need
                 budget -= c
         budget = self.token_budget - sum(c for c, _ in plan.values())
-        while self.waiting and budget > 0:                          # 4. admission, in arrival order
+        while self.waiting and budget > 0 and not preempted:        # 4. admission, in arrival order
             group = self.waiting[0]
             if sum(len(g.live) for g in self.running) + len(group.live) > self.max_seqs \
                     or not self.memory.admit(group):
