@@ -127,3 +127,21 @@ def test_bad_requests_raise_and_lose_nothing(memory):
         Request("s", [1], 3, stop_after=4)
     assert (list(engine.pending), set(engine._ids)) == before
     assert engine.run().outputs["ok"][0] and len(engine.results.outputs) == 1
+
+
+def test_trace_is_seeded_and_sharegpt_shaped():
+    from iokernels.serving.trace import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, sharegpt_like_trace
+    a = sharegpt_like_trace(4000, seed=5, max_prompt=10 ** 6, max_new_tokens=10 ** 6, rate=4.0)
+    assert a == sharegpt_like_trace(4000, seed=5, max_prompt=10 ** 6, max_new_tokens=10 ** 6, rate=4.0)
+    assert np.mean([len(r.prompt) for r in a]) == pytest.approx(SHAREGPT_MEAN_PROMPT, rel=0.08)
+    assert np.mean([r.stop_after for r in a]) == pytest.approx(SHAREGPT_MEAN_OUTPUT, rel=0.08)
+    gaps = np.diff([0.0] + [r.arrival for r in a])
+    assert gaps.mean() == pytest.approx(0.25, rel=0.08) and gaps.std() == pytest.approx(0.25, rel=0.1)
+
+
+def test_decode_throughput_model():
+    from iokernels.serving.lesson import decode_throughput, weights
+    assert weights()["total"] == 8_030_261_248          # the parameters Llama-3-8B's shapes add up to
+    c = decode_throughput([1, 4, 16, 64, 256])
+    assert np.all(np.diff(c["tokens_per_s"]) > 0) and np.all(np.diff(c["kv_fraction"]) > 0)
+    assert np.all(c["memory_s"] > c["compute_s"])        # decode stays memory-bound at these batches
