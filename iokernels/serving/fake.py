@@ -4,7 +4,8 @@
 reads the whole sequence back from the memory and draws its logits from a checksum of
 what it read.  So the next token depends on every token the cache holds, in order: a
 block lost, shared by mistake, copied wrong or recomputed wrong changes the tokens of
-the run (and a position out of place raises at once).  It costs microseconds a token.
+the run (and a position out of place raises at once).  It does no arithmetic to speak of,
+so a test can serve a thousand requests.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What notebook 14 ("Serving: why paging pays") computes: small traces, step tables, sweeps, models.
 
-Everything here runs on a CPU in seconds: the scheduling experiments use the checksum
+Everything here runs on a CPU: the scheduling experiments use the checksum
 model (:mod:`.fake`), whose tokens depend on every cached token, so each run still proves
 that paging changed nothing but the memory; :func:`paged_vs_contiguous` runs the tiny Llama.
 """

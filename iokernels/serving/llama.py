@@ -9,8 +9,10 @@ its ``config.json``, 2024, code/config), one layer::
 * **RMSNorm** (Zhang and Sennrich, 2019, paper): x / sqrt(mean(x^2) + eps) * w, no mean
   subtracted, no bias;
 * **RoPE** (Su et al., RoFormer, 2021, paper): each query and key is rotated by angles
-  position * theta^(-2i/d), pair (i, i + d/2) as Llama's code pairs them, so that q·k
-  depends on the distance between the positions only;
+  position * theta^(-2i/d), so that q·k depends on the distance between the positions
+  only.  Values i and i + d/2 form a pair, as Hugging Face transformers' Llama code pairs
+  them (code); Meta's reference code pairs neighbours 2i, 2i + 1, the same rotation up to
+  a permutation of the weights' rows;
 * **GQA** (Ainslie et al., 2023, paper): ``kv_heads`` < ``heads``; each KV head serves
   heads / kv_heads query heads, so the cache is that many times smaller;
 * **SwiGLU** (Shazeer, 2020, paper): the gated MLP above.
@@ -56,7 +58,7 @@ class LlamaShape:
         return self.dim // self.heads
 
 
-#: a model small enough to serve hundreds of tokens a second through the NumPy kernels
+#: a model small enough to serve a trace through the NumPy kernels on a CPU
 TINY = LlamaShape("tiny", vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=128)
 #: Llama-3-8B's shapes (meta-llama/Meta-Llama-3-8B config.json, code/config): hidden 4096,
 #: 32 layers, 32 query and 8 KV heads of 128, MLP 14336, vocabulary 128256, RoPE base 500000
