@@ -17,7 +17,8 @@ of the whole batch waiting for its longest member.  One step, top to bottom:
    to the front of the queue with every token it has generated, and when it is admitted
    again its tokens are computed again as a prompt (vLLM's default for a request with one
    sequence; here a request's parallel samples are recomputed too, each as a sequence of
-   its own, and the prefix cache finds their common prompt blocks while they are cached).  The victim and the reason are logged (``engine.preemptions``, and the
+   its own, and the prefix cache finds their common prompt blocks while they are cached).
+   The victim and the reason are logged (``engine.preemptions``, and the
    ``iokernels.serving`` logger);
 4. **admission**: waiting requests join in arrival order while the budget, ``max_seqs``
    and memory allow (head of line first: a request that does not fit stops the line);
