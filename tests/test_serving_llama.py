@@ -78,7 +78,7 @@ def test_shapes():
 def test_serve_bench_small(tmp_path):
     out = tmp_path / "serve.json"
     rc = cli(["serve-bench", "--model", "tiny", "--backend", "tiled", "--requests", "10", "--kv-slots", "512",
-              "--quiet", "--json", str(out)])
+              "--step-time", "0.01", "--quiet", "--json", str(out)])
     res = json.loads(out.read_text())
     assert rc == 0 and res["tokens_equal"] is True
     for side in ("paged", "contiguous"):

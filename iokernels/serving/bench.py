@@ -38,7 +38,8 @@ PRESETS = {
 
 
 def _run(model, memory, trace, label, preset, progress):
-    engine = Engine(model, memory, token_budget=preset["token_budget"], max_seqs=preset["max_seqs"])
+    engine = Engine(model, memory, token_budget=preset["token_budget"], max_seqs=preset["max_seqs"],
+                    step_time=preset.get("step_time"))
     for r in trace:
         engine.submit(r)
     bar = None
@@ -58,7 +59,12 @@ def _run(model, memory, trace, label, preset, progress):
 
 def serve_bench(model="tiny", backend="tiled", requests=64, *, seed=0, block_size=16, kv_slots=None,
                 layers=2, progress=False, **overrides) -> dict:
-    """Serve one trace twice, paged and contiguous, at the same KV memory; the JSON's dict."""
+    """Serve one trace twice, paged and contiguous, at the same KV memory; the JSON's dict.
+
+    ``overrides`` replace the model's :data:`PRESETS` entries (``rate``, ``token_budget``,
+    ...); ``step_time`` (seconds) makes the clock advance by that much a step instead of by
+    the step's wall time, so arrivals, and the whole schedule, no longer depend on speed.
+    """
     if model not in MODELS:
         raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
     preset = dict(PRESETS[model], **overrides)
@@ -82,7 +88,8 @@ def serve_bench(model="tiny", backend="tiled", requests=64, *, seed=0, block_siz
             "setup": dict(model=shape.name, backend=backend, requests=requests, seed=seed, kv_slots=kv_slots,
                           kv_bytes=kv_bytes, block_size=block_size, dtype=str(preset["dtype"]).replace("torch.", ""),
                           trace="ShareGPT-like (Kwon et al., SOSP 2023, Fig. 11 means)",
-                          scale=preset["scale"], max_new_tokens=preset["max_new_tokens"], rate=preset["rate"])}
+                          scale=preset["scale"], max_new_tokens=preset["max_new_tokens"], rate=preset["rate"],
+                          step_time=preset.get("step_time"))}
 
 
 def main(argv=None) -> int:
@@ -96,13 +103,17 @@ def main(argv=None) -> int:
     p.add_argument("--kv-slots", type=int, default=None, help="KV slots per layer of the budget (default: the "
                    "model's preset)")
     p.add_argument("--layers", type=int, default=2, help="layers of the llama3-8b-shape model (default 2)")
+    p.add_argument("--rate", type=float, default=None, help="arrivals per second (default: the model's preset)")
+    p.add_argument("--step-time", type=float, default=None, help="advance the clock this many seconds a step "
+                   "(a schedule that does not depend on speed); default: each step's wall time")
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     if a.requests < 1:
         p.error("--requests: expected at least 1")
+    extra = {k: v for k, v in (("rate", a.rate), ("step_time", a.step_time)) if v is not None}
     out = serve_bench(a.model, a.backend, a.requests, seed=a.seed, block_size=a.block_size, kv_slots=a.kv_slots,
-                      layers=a.layers, progress=not a.quiet)
+                      layers=a.layers, progress=not a.quiet, **extra)
     text = json.dumps(out, indent=2)
     if a.json:
         Path(a.json).write_text(text + "\n")

@@ -140,7 +140,7 @@ def decode_throughput(batches, *, context=1024, shape: LlamaShape = LLAMA3_8B, g
 
 def paged_vs_contiguous(requests=12, kv_slots=512, seed=0):
     """:func:`~.bench.serve_bench` with the tiny Llama on the CPU, small enough for a notebook."""
-    return serve_bench("tiny", "tiled", requests, seed=seed, kv_slots=kv_slots)
+    return serve_bench("tiny", "tiled", requests, seed=seed, kv_slots=kv_slots, step_time=0.01)
 
 
 def recorded_serving():
