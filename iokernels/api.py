@@ -14,6 +14,7 @@ in one table (:data:`_DISPATCH`); the GPU backends through their kernel registri
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from . import backward, naive, paged, paged_prefill as _prefill, tiled, torch_sdpa
@@ -42,6 +43,8 @@ _DISPATCH: dict[tuple[str, str], Callable[..., Any]] = {
     ("torch", "decode"): torch_sdpa.decode,
     ("tiled", "paged_decode"): _decode.paged_decode_split_kv,
     ("tiled", "paged_prefill"): _prefill.paged_prefill_tiled,
+    ("naive", "paged_prefill"): functools.partial(_prefill.gather_then_attend, naive.attention),
+    ("torch", "paged_prefill"): functools.partial(_prefill.gather_then_attend, torch_sdpa.attention),
 }
 
 
@@ -196,7 +199,10 @@ def paged_prefill(q, cache, seq_ids, cu_seqlens_q, causal: bool = True, scale: f
     a sequence holding n tokens sits at position n - n_q + i and sees keys 0..that
     position.  A chunk of one row is a decode step; an empty chunk is allowed.  ``config``:
     a TileConfig whose block_q is the Q tile rows (its block_k must be the cache's block
-    size); None: the default.  LSE has shape (Hq, total_q).  See :mod:`iokernels.paged_prefill`.
+    size); None: the default.  LSE has shape (Hq, total_q).  Backends: "tiled" reads the
+    blocks in the kernel; "naive" and "torch" gather each sequence out of the pool first and
+    attend on the copy (:func:`iokernels.paged_prefill.gather_then_attend`).  See
+    :mod:`iokernels.paged_prefill`.
     """
     _check_cache(cache)
     seq_ids, cq = _core.check_paged_prefill(q, cache, seq_ids, cu_seqlens_q, backend)
@@ -205,7 +211,7 @@ def paged_prefill(q, cache, seq_ids, cu_seqlens_q, causal: bool = True, scale: f
     scale = cv.resolve_scale(scale, cache.head_dim)
     fn = _resolve(backend, "paged_prefill")
     _core.numpy_only(backend, q=q)
-    if backend not in GPU_BACKENDS:
+    if backend == "tiled":
         _prefill.block_q_of(config, cache.block_size)         # a bad config fails before any work
     o, lse = _core.call(fn, backend, dict(q=q, cache=cache), q, cache, seq_ids, cq, causal=causal,
                         scale=scale, config=config)

@@ -43,7 +43,8 @@ from .core.traffic import HBM, Traffic
 from .decode import _tiles, paged_tile_loader
 from .paged import SCALE_ITEMSIZE, storage_dtype
 
-__all__ = ["DEFAULT_BLOCK_Q", "paged_prefill_tiled", "traffic_model", "chunk_tiles", "block_q_of"]
+__all__ = ["DEFAULT_BLOCK_Q", "paged_prefill_tiled", "gather_then_attend", "traffic_model", "chunk_tiles",
+           "block_q_of"]
 
 #: chunk rows per Q tile when no config is given
 DEFAULT_BLOCK_Q = 32
@@ -107,6 +108,30 @@ def paged_prefill_tiled(q, cache, seq_ids, cu_seqlens_q, *, causal=True, scale=N
                 O[rows, heads] = o.reshape(m_rows, g, d).astype(q.dtype)      # write O -> HBM
                 LSE[heads, rows] = lse.reshape(m_rows, g).T                   # write LSE -> HBM
     return O.result(), LSE.result()
+
+
+def gather_then_attend(attention, q, cache, seq_ids, cu_seqlens_q, *, causal=True, scale=None, config=None):
+    """The paged prefill of a backend without a paged kernel: gather, then attend contiguously.
+
+    Each sequence's K and V are copied out of the pool (:meth:`PagedKVCache.gather`) and
+    ``attention`` (a backend's (q, k, v, causal, scale, window, config) -> (O, LSE)) runs on
+    the contiguous copy, bottom-right causal.  The copy is the cost paging avoids in a
+    paged kernel: it writes every cached row once more and reads it back.
+    """
+    total_q, Hq, d = q.shape
+    scale = cv.default_scale(d) if scale is None else scale
+    o = np.zeros_like(q)
+    lse = np.full((Hq, total_q), -np.inf, dtype=cv.accum_dtype(np.dtype(q.dtype).name))
+    for b, sid in enumerate(seq_ids):
+        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        if rows.stop == rows.start:
+            continue
+        k, v = cache.gather(sid)
+        ob, lb = attention(np.ascontiguousarray(q[rows].transpose(1, 0, 2))[None], k[None], v[None], causal=causal,
+                           scale=scale, window=(-1, -1), config=config)
+        o[rows] = np.asarray(ob)[0].transpose(1, 0, 2)
+        lse[:, rows] = np.asarray(lb)[0]
+    return o, lse
 
 
 def _online_softmax(q_tile, pos, tiles, load_tile, scale, acc, causal):

@@ -132,7 +132,7 @@ def test_bad_arguments_raise_and_change_nothing():
         (dict(seq_ids=[0, 9]), "seq_id: unknown"),
         (dict(cache="nope"), "cache: expected a PagedKVCache"),
         (dict(causal=1), "causal"),
-        (dict(backend="torch"), "backend"),
+        (dict(backend="nope"), "backend"),
         (dict(config=TileConfig(block_q=4)), "config: block_k"),
         (dict(config="x"), "config: expected None or a TileConfig"),
     ]
@@ -146,3 +146,16 @@ def test_bad_arguments_raise_and_change_nothing():
     with pytest.raises(ValueError, match="q: holds a non-finite"):
         ik.paged_prefill(bad, cache, sids, good)
     assert cache.snapshot() == before
+
+
+@pytest.mark.parametrize("backend", ["naive", "torch"])
+def test_gather_then_attend_backends_match_the_kernel(backend):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    cache, sids = _filled(rng, [6, 13, 1], 2, 4)
+    cq = np.array([0, 2, 15, 16], np.int32)
+    q = rng.standard_normal((16, 4, 4))
+    o, lse = ik.paged_prefill(q, cache, sids, cq, backend=backend, return_lse=True)
+    ro, rl = _oracle(q, cache, sids, cq)
+    assert np.max(np.abs(o - ro)) <= 1e-12 and np.max(np.abs(lse - rl)) <= 1e-12

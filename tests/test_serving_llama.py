@@ -85,3 +85,13 @@ def test_serve_bench_small(tmp_path):
         assert {"max_concurrent", "tokens_per_s", "waste_fraction", "p50_ms", "p99_ms"} <= set(res[side])
     assert res["paged"]["max_concurrent"] >= 2 * res["contiguous"]["max_concurrent"]
     assert res["paged"]["waste_fraction"] < res["contiguous"]["waste_fraction"]
+
+
+def test_torch_backend_serves_the_same_tokens():
+    """SDPA on both sides (the paged side gathers each sequence first): the tiled run's tokens."""
+    rng = np.random.default_rng(1)
+    reqs = [Request(i, rng.integers(0, TINY.vocab, int(n)).tolist(), 4) for i, n in enumerate([4, 11, 7])]
+    ms = MODEL.memory_shape()
+    tiled = _serve(PagedMemory(12, 4, **ms), reqs).outputs
+    assert _serve(PagedMemory(12, 4, backend="torch", **ms), reqs).outputs == tiled
+    assert _serve(ContiguousMemory(64, backend="torch", **ms), reqs).outputs == tiled
