@@ -121,6 +121,8 @@ def test_bad_requests_raise_and_lose_nothing(memory):
         engine.submit(Request("huge", [1] * 100, 100))
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         engine.submit(Request("v", [64], 3))
+    with pytest.raises(ValueError, match="257 samples; the engine runs at most max_seqs=256"):
+        engine.submit(Request("many", [1], 1, n=257))
     with pytest.raises(ValueError, match="max_new_tokens"):
         Request("m", [1], 0)
     with pytest.raises(ValueError, match="stop_after"):

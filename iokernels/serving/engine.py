@@ -138,6 +138,9 @@ class Engine:
         if bad:
             raise ValueError(f"prompt: request {request.rid!r} holds token {bad[0]}, outside the model's "
                              f"vocabulary of {self.model.vocab}")
+        if request.n > self.max_seqs:
+            raise ValueError(f"request: {request.rid!r} asks for {request.n} samples; the engine runs at most "
+                             f"max_seqs={self.max_seqs} sequences, so it can never be served")
         why = self.memory.fits(request)
         if why is not None:
             raise ValueError(f"request: {why}, so it can never be served")
