@@ -208,3 +208,12 @@ def test_cli_table_and_sections_know_the_new_kinds():
     assert "planned 576" in text
     assert set(bench.SECTIONS) >= {"cliff", "captured"}
     assert not {"cliff", "captured"} & set(bench.specs.DEFAULT_SECTIONS)
+
+
+def test_captured_text():
+    rec = _record()
+    case = next(c for c in rec["bench"]["cases"] if c["section"] == "captured")
+    text = cliff.captured_text(case)
+    assert "32 layers, B=8, GQA 32/8" in text and "failed: capture" in text
+    assert "sdpa captured" in text and "1.00" in text
+    assert "No run" in cliff.captured_text(None)

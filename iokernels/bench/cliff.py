@@ -339,3 +339,21 @@ def captured_cases(spec=CAPTURED, seed=0, progress=None, *, target_ms=None) -> l
     if progress is not None:
         progress.update(1)
     return [case]
+
+
+def captured_text(case) -> str:
+    """A captured-section case as a few lines of text (None: says that no run is recorded)."""
+    if case is None:
+        return ("No run of the captured section is recorded yet: on a GPU, "
+                "`python -m iokernels bench --sections captured` times one.")
+    s = case["shape"]
+    lines = [f"decode step: {s['layers']} layers, B={s['batch']}, GQA {s['heads_q']}/{s['heads_kv']}, "
+             f"N={s['seqlen']}, d={s['head_dim']}, {case['dtype']}",
+             f"{'runner':<16}{'ms':>9}{'host ms':>10}{'vs SDPA captured':>18}  note"]
+    for r in case["results"]:
+        ok = r.get("status") == "ok"
+        ms = f"{r['ms']:.3f}" if ok else "-"
+        host = f"{r['host_ms']:.3f}" if ok and r.get("host_ms") is not None else "-"
+        speed = f"{r['speed_vs_sdpa_captured']:.2f}" if r.get("speed_vs_sdpa_captured") is not None else "-"
+        lines.append(f"{r['runner']:<16}{ms:>9}{host:>10}{speed:>18}  {'' if ok else r.get('status', '')[:100]}")
+    return "\n".join(lines)
