@@ -115,7 +115,7 @@ bfloat16 dtype).  Rows must have unit stride on head_dim (other strides are fine
 otherwise one copy is made.
 
 Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`) and
-the fused decode combine's counters (v3 to v5) are the only state the package holds.
+the fused decode combine's counters (v3 to v6) are the only state the package holds.
 """
 from .config import BackwardConfig, ForwardConfig, GatherConfig, MLADecodeConfig, fit_config  # noqa: F401
 from .decode_config import (DecodeConfig, decode_v2_geometry, decode_v2_smem, decode_v3_smem,  # noqa: F401
