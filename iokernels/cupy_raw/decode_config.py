@@ -37,11 +37,11 @@ __all__ = [
     "DECODE_V4_L1_MAX_RING", "DECODE_V4_MAX_GROUP", "DECODE_V4_MAX_HEAD_DIM", "DECODE_V4_MIN_BLOCKS",
     "DECODE_V4_PAIRS_SPLIT_BLOCK", "DECODE_V4_SMALL_WARPS", "DECODE_V4_STAGES", "DECODE_V4_TILE_ROWS",
     "DECODE_V4_WARPS", "DECODE_V5_HEAD_DIMS", "DECODE_V5_TILE_ROWS", "DECODE_V5_WIDE_MAX_DIM",
-    "DECODE_VERSIONS", "DECODE_WARPS", "GROUP_TEAMS", "VERSION_RULES", "DECODE_WAVE_COST_BYTES", "DecodeConfig", "KV_QUANT_IDS",
+    "DECODE_VERSIONS", "DECODE_WARPS", "DECODE_WAVE_COST_BYTES", "DecodeConfig", "GROUP_TEAMS", "KV_QUANT_IDS",
     "MAX_ROW_CHUNKS", "MIN_STAGES", "MMA_K", "QUANT_UNIT_BYTES", "RING_FUSED", "TENSOR_CORE",
     "V4_ROW_PAD_BYTES", "V5_SCALE_BYTES", "decode_v2_geometry", "decode_v2_smem", "decode_v3_smem",
     "decode_v4_smem", "decode_v4_swizzled", "decode_v5_smem", "kv_itemsize", "ring_smem_bound", "tc_smem",
-    "v4_limits",
+    "v4_limits", "VERSION_RULES",
 ]
 
 #: the k depth of one m16n8k16 tensor-core step (decode v4 / v5 tile rows and head dims are
@@ -165,7 +165,7 @@ class DecodeConfig:
     16 query heads split across teams of warps; :mod:`.decode_v6_config`); None: the registry's
     default (v5 for a quantized cache where it applies, v4 for a 16-bit one, v6 for a 16-bit
     one whose group v4 refuses, else v3 where its rows and ring fit, else
-    v1).  v2 to v5 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned.
+    v1).  v2 to v6 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned.
     stages (v2 to v5): the ring depth (>= 2; None: DECODE_V2_STAGES, or DECODE_V3_STAGES /
     DECODE_V4_STAGES made shallower until the ring fits).  tile_rows (v2 to v5): key rows a
     tile (v2, v3: a multiple of the rows a warp reads side by side, None: about
