@@ -228,6 +228,66 @@ def traffic_table(rec) -> list[str]:
     return lines + [""]
 
 
+def _cliff_shape(r) -> str:
+    if r["kind"] == "decode":
+        return f"B={r['batch']} {r['heads_q']}/{r['heads_kv']} N={r['seqlen']} d={r['head_dim']}"
+    gqa = f"{r['heads']}/{r['heads_kv']}" if r.get("heads_kv", r["heads"]) != r["heads"] else f"H={r['heads']}"
+    return f"B={r['batch']} {gqa} N={r['seqlen']} d={r['head_dim']}" + (" causal" if r.get("causal") else "")
+
+
+def cliff_table(rec) -> list[str]:
+    """The cliff sweep: for each family (decode, prefill), our default's worst and median speed
+    vs the best SDPA kernel of the same case, where the worst one is, and the median host cost
+    of a call next to the best SDPA kernel's."""
+    rows = [r for r in recorded.bench_rows(rec, section="cliff") if r.get("default")
+            and r.get("speed_vs_best_sdpa") is not None]
+    if not rows:
+        return []
+    summary = next((c["summary"] for c in rec.get("bench", rec).get("cases", [])
+                    if c.get("section") == "cliff" and c.get("summary")), {})
+    lines = ["**Cliff sweep: our default vs the best SDPA kernel of each case** (bfloat16; speed = best SDPA "
+             "time / ours, device time; host = median Python cost of one call, ours / the best SDPA kernel's)", "",
+             "| family | cases | worst speed | at | median speed | median host ms (ours / SDPA) |",
+             "|---|---|---|---|---|---|"]
+    for kind in ("decode", "prefill"):
+        rs = [r for r in rows if r["kind"] == kind]
+        if not rs:
+            continue
+        worst = min(rs, key=lambda r: r["speed_vs_best_sdpa"])
+        speeds = sorted(r["speed_vs_best_sdpa"] for r in rs)
+        ours = sorted(r["host_ms"] for r in rs if r.get("host_ms") is not None)
+        sdpa = sorted(b["host_ms"] for b in recorded.bench_rows(rec, section="cliff", kind=kind)
+                      if b["runner"] == b.get("best_sdpa") and b.get("host_ms") is not None)
+        host = (f"{ours[len(ours) // 2]:.3f} / {sdpa[len(sdpa) // 2]:.3f}" if ours and sdpa else "–")
+        lines.append(f"| {kind} | {len(rs)} | {worst['speed_vs_best_sdpa']:.2f} ({worst['runner']}) | "
+                     f"{_cliff_shape(worst)} | {speeds[len(speeds) // 2]:.2f} | {host} |")
+    if summary:
+        lines += ["", f"({summary.get('ran')} of {summary.get('planned')} planned cases ran in the "
+                      f"{summary.get('budget_s'):.0f} s time box, {summary.get('skipped_memory')} skipped for "
+                      f"memory; the order: {summary.get('order')}.)"]
+    return lines + [""]
+
+
+def captured_table(rec) -> list[str]:
+    """The 32-layer decode step, eager and captured as a CUDA graph, ours next to SDPA's."""
+    cases = [c for c in rec.get("bench", rec).get("cases", []) if c.get("section") == "captured"]
+    if not cases:
+        return []
+    c = cases[0]
+    s = c["shape"]
+    lines = [f"**A decode step of {s['layers']} layers** (B={s['batch']}, GQA {s['heads_q']}/{s['heads_kv']}, "
+             f"N={s['seqlen']}, d={s['head_dim']}, {c['dtype']}; speed = SDPA's captured step time / this one)", "",
+             "| runner | ms | host ms | speed vs SDPA captured | note |", "|---|---|---|---|---|"]
+    for r in c["results"]:
+        ok = r.get("status") == "ok"
+        ms = f"{r['ms']:.3f}" if ok else "–"
+        host = f"{r['host_ms']:.3f}" if ok and r.get("host_ms") is not None else "–"
+        speed = "" if r.get("speed_vs_sdpa_captured") is None else f"{r['speed_vs_sdpa_captured']:.2f}"
+        note = "" if ok else r.get("status", "")[:120].replace("|", "/")
+        lines.append(f"| {r['runner']} | {ms} | {host} | {speed} | {note} |")
+    return lines + [""]
+
+
 def sanitizer_lines() -> list[str]:
     try:
         text = recorded.load("sanitizer")
@@ -286,8 +346,8 @@ def section_text() -> str:
              f"{rec['label']}.", ""]
     if rec.get("bench", {}).get("note"):
         lines += [f"({rec['bench']['note']}.)", ""]
-    tables = (prefill_table, compare_table, decode_table, cache_table, mla_table, gather_table, backward_table,
-              traffic_table)
+    tables = (prefill_table, compare_table, decode_table, cliff_table, captured_table, cache_table, mla_table,
+              gather_table, backward_table, traffic_table)
     parts = [lambda p=p: p(rec) for p in tables] + [hopper_table]
     for part, name in zip(parts, [t.__name__.replace("_table", "") for t in tables] + ["hopper"]):
         try:

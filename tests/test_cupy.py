@@ -309,7 +309,8 @@ def test_decode_against_oracle(rng, d, version):
             run_config = None
         rows_fit = cr.decode_v2_geometry(d, dtype) is not None
         assert refused == {"v1": False, "v2": not rows_fit, "v3": not rows_fit,
-                           "v4": dtype not in ("float16", "bfloat16")}.get(version, refused), (version, dtype)
+                           "v4": dtype not in ("float16", "bfloat16"),
+                           "v6": dtype not in ("float16", "bfloat16")}.get(version, refused), (version, dtype)
         for S in (None, 1, 7):
             o, lse = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=S, scale=None, config=run_config)
             masked = ~np.isfinite(ref_l)[..., None]
@@ -353,7 +354,7 @@ def test_paged_decode_matches_contiguous(rng, d, version):
         cache, sids = _paged_cache(rng, lens, 2, d, dtype)
         q = rng.standard_normal((3, 8, d)).astype(dtype)
         config = cr.DecodeConfig(version=version)
-        if version == "v4" and dtype == "float32":      # v4 is 16-bit only: refused, the default runs
+        if version in ("v4", "v6") and dtype == "float32":   # 16-bit only: refused, the default runs
             with pytest.raises(ValueError, match="config.version"):
                 cr.paged_decode(q, cache, sids, config=config)
             config = None

@@ -23,6 +23,7 @@ from iokernels import cupy_raw as cr
 from iokernels.core.registry import Need
 from iokernels.bench import decode_loads
 from iokernels.cupy_raw import decode_config as C
+from iokernels.cupy_raw import decode_v6_config as V6
 from iokernels.cupy_raw import policy
 
 NVCC = shutil.which("nvcc") or "/usr/local/bin/nvcc"
@@ -60,6 +61,10 @@ def _jobs():
     def dec5(dtype, d, arch, kv, group=4, block_size=16, **kw):
         defines = cr.DecodeConfig("v5", **kw).defines(d, dtype, group, True, block_size, kv=kv, cc=arch)
         jobs.append((f"decode_v5 {dtype} d={d} g={group} kv={kv} {kw}", "decode_v5", defines, arch))
+
+    def dec6(dtype, d, paged, arch, group=32, block_size=16, **kw):
+        defines = cr.DecodeConfig("v6", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
+        jobs.append((f"decode_v6 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v6", defines, arch))
 
     def loads(load, dtype, d, paged, arch, group=4, block_size=16, **kw):
         defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
@@ -136,6 +141,15 @@ def _jobs():
     bwd2("bfloat16", 59, 90)                            # rows not whole 16-byte chunks; D_PAD 64
     bwd2("float16", 72, 80, block_q=16, num_warps=4)    # 16-byte chunks past HEAD_DIM zero-filled
     bwd2("bfloat16", 96, 90, block_q=128, deterministic=True)
+    # decode v6 (groups past 16 query heads, teams of warps): every arch (sm_75: float16 only,
+    # never offered), teams of 2, 4 and 1 warps, both copy paths, a partial last slice (g = 40)
+    dec6("float16", 128, False, 75)
+    dec6("float16", 128, True, 80, group=64)
+    dec6("bfloat16", 128, False, 90, group=32)
+    dec6("bfloat16", 64, True, 90, group=64, block_size=7)
+    dec6("bfloat16", 256, False, 90, group=40, fused=False)
+    dec6("float16", 48, False, 80, group=24, load_l1=True)     # padded rows, the per-copy path
+    dec6("bfloat16", 128, True, 90, group=8, num_warps=4)       # one-warp teams (v4's shape)
     # quantized paged caches (1-byte codes): every code format on every arch, both versions
     for arch, kv in zip(ARCHS, ("int8", "float8_e4m3fn", "float8_e4m3fn")):
         dec3("float16", 128, True, arch, kv=kv)
@@ -215,10 +229,11 @@ _DECODE_DEFINES = {
     "decode_v3": lambda: cr.DecodeConfig("v3").defines(128, "float16", 4, True, 16),
     "decode_v4": lambda: cr.DecodeConfig("v4").defines(128, "float16", 4, True, 16),
     "decode_v5": lambda: cr.DecodeConfig("v5").defines(128, "float16", 4, True, 16, kv="int8"),
+    "decode_v6": lambda: cr.DecodeConfig("v6").defines(128, "float16", 32, True, 16),
 }
 
 
-@pytest.mark.parametrize("name", ["decode_v4", "decode_v5"])
+@pytest.mark.parametrize("name", ["decode_v4", "decode_v5", "decode_v6"])
 def test_a_missing_define_is_a_compile_error_naming_it(tmp_path, name):
     """decode v4 and v5 hold no tuning defaults: every define the config passes is needed, and
     leaving one out is an #error that names it."""
@@ -272,6 +287,78 @@ def test_decode_v4_stays_in_registers(tmp_path):
         assert frame.groups() == ("0", "0", "0"), f"d={d} g={g} paged={defines['PAGED']}: {frame.group(0)}"
         cap = 65536 // (32 * defines["NUM_WARPS"] * defines["DECODE_MIN_BLOCKS"])
         assert int(regs.group(1)) <= min(255, cap), f"d={d} g={g}: {regs.group(0)}"
+
+
+def test_decode_v6_refuses_what_it_cannot_run_and_stays_in_registers(tmp_path):
+    """decode v6's #errors name its limits (a group past 16 x TEAM_WARPS, partial teams), and its
+    defaults at g = 32 and 64 (teams of 2 and 4 warps), d = 64 / 128 / 256, contiguous and paged,
+    use no local memory within their launch bounds' cap (sm_90): each warp holds what a v4 warp
+    holds."""
+    d6 = cr.DecodeConfig("v6").defines(128, "bfloat16", 32, False, 16, cc=90)
+    assert (d6["TEAM_WARPS"], d6["NUM_WARPS"]) == (2, 8)
+    for bad, words in ((dict(GROUP=33), "16 x TEAM_WARPS"), (dict(NUM_WARPS=3), "whole teams"),
+                       (dict(TEAM_WARPS=3), "TEAM_WARPS must be"), (dict(IK_DTYPE=0), "16-bit")):
+        rc, err = _compile(tmp_path, "decode_v6", dict(d6, **bad), 90)
+        assert rc != 0 and words in err, (bad, err[:300])
+    jobs = [cr.DecodeConfig("v6").defines(d, "bfloat16", g, paged, 16, smem_limit=227 * 1024, cc=90)
+            for d, g, paged in ((128, 32, False), (128, 64, True), (64, 64, False), (256, 32, False))]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(tmp_path, "decode_v6", j, 90, extra=("-Xptxas", "-v")), jobs))
+    for defines, (rc, err) in zip(jobs, results):
+        assert rc == 0, err[:400]
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
+        regs = re.search(r"Used (\d+) registers", err)
+        assert frame and regs, err[:400]
+        assert frame.groups() == ("0", "0", "0"), f"{defines}: {frame.group(0)}"
+        cap = 65536 // (32 * defines["NUM_WARPS"] * defines["DECODE_MIN_BLOCKS"])
+        assert int(regs.group(1)) <= min(255, cap), f"{defines}: {regs.group(0)}"
+
+
+def test_decode_v6_config_is_v4s_shape_split_into_teams():
+    """The team is the smallest power of two of 16-row slices covering the group; the default
+    block is 8 warps (4 where 8 do not fit), whole teams, the ring deep enough to hold v4's
+    default key rows, shrunk to the SRAM; the SRAM arithmetic counts one ring and one merge row
+    block a team; bad settings are ValueErrors naming config."""
+    assert [policy.decode_v6_team_warps(g) for g in (1, 16, 17, 32, 33, 48, 64, 65)] == [1, 1, 2, 2, 4, 4, 4, 8]
+    with pytest.raises(ValueError, match="group"):
+        policy.decode_v6_team_warps(0)
+    assert policy.decode_v6_stages(384, 4, 32, 8) == 3 and policy.decode_v6_stages(384, 2, 32, 8) == 6
+    assert policy.decode_v6_stages(384, 8, 64, 8) == 2 and policy.decode_v6_stages(384, 1, 16, 8) == 8
+    big = 227 * 1024
+    for d in (64, 128, 256):
+        for g in (17, 32, 64):
+            for paged in (False, True):
+                df = cr.DecodeConfig("v6").defines(d, "bfloat16", g, paged, 16, smem_limit=big, cc=90)
+                team = df["TEAM_WARPS"]
+                assert 16 * team >= g > 8 * team and df["NUM_WARPS"] % team == 0
+                rows = df["NUM_WARPS"] // team * df["STAGES"] * df["TILE_ROWS"]
+                assert rows <= V6.DECODE_V6_RING_ROWS or df["STAGES"] == C.MIN_STAGES
+                total = V6.decode_v6_smem(d, "bfloat16", g, df["STAGES"], df["TILE_ROWS"], df["NUM_WARPS"],
+                                          C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP)[0]
+                assert total <= big, (d, g, total)
+    # SRAM: teams x stages x 2 x rows x d x 2 bytes (swizzled rows), the merge one g x d block a team
+    ring = 2 * 3 * 2 * 32 * 256
+    assert V6.decode_v6_smem(128, "float16", 64, 3, 32, 8, swizzled=True) == (ring, ring)
+    assert V6.decode_v6_smem(128, "float16", 64, 2, 16, 4, swizzled=True)[0] == 64 * 128 * 4   # the merge
+    small = cr.DecodeConfig("v6").defines(128, "bfloat16", 32, False, 0, smem_limit=99 * 1024)   # sm_86
+    assert small["NUM_WARPS"] == 4 and small["TEAM_WARPS"] == 2
+    with pytest.raises(ValueError, match="config.version"):
+        cr.DecodeConfig("v6").defines(128, "bfloat16", 65, False, 0)
+    with pytest.raises(ValueError, match="config.version"):
+        cr.DecodeConfig("v6").defines(128, "float32", 32, False, 0)
+    with pytest.raises(ValueError, match="config.tile_rows"):
+        cr.DecodeConfig("v6", tile_rows=24).defines(128, "float16", 32, False, 0)
+    assert cr.DecodeConfig("v6", load_l1=False).defines(128, "float16", 32, False, 0, cc=90)["LOAD_L1"] == 0
+    assert cr.DecodeConfig("v6").defines(128, "float16", 32, True, 16, cc=90)["LOAD_L1"] == 0   # pages: .cg
+    # the registry: v4 where it runs, v6 past 16 query heads a KV head, never a quantized cache
+    for g, want in ((16, "v4"), (17, "v6"), (32, "v6"), (64, "v6")):
+        n = _need("float16", 128, 90, big, group=g, aligned16=True)
+        assert cr.REGISTRY.resolve("decode", None, n)[0].version == want, g
+    v6 = cr.REGISTRY.get("paged_decode", "v6")
+    assert "kv_dtype" in v6.unavailable(_need("float16", 128, 90, big, group=32, kv_dtype="int8"))
+    assert "compute capability 8.0" in v6.unavailable(_need("float16", 128, 75, big, group=32))
+    assert "group" in v6.unavailable(_need("float16", 128, 90, big, group=128))
+    assert "shared memory" in v6.unavailable(_need("float16", 256, 90, 48 * 1024, group=64))
 
 
 def test_backward_v2_defaults_stay_in_registers(tmp_path):
@@ -411,19 +498,25 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem):
     else v1 (which needs only a little static SRAM); a ring's depth shrinks until it fits."""
     for dtype in DTYPES:
         for d in HEAD_DIMS:
-            for group in (1, 4, 8, 16, 32):
+            for group in (1, 4, 8, 16, 32, 64):
                 n = _need(dtype, d, 90, smem, group=group, aligned16=True)
                 kernel, cfg = cr.REGISTRY.resolve("decode", None, n)
                 if C.decode_v2_geometry(d, dtype) is None:
                     assert kernel.version == "v1", (dtype, d)
-                v4_shape = dtype in ("float16", "bfloat16") and d % 16 == 0 and d <= 256 and group <= 16
+                tc_shape = dtype in ("float16", "bfloat16") and d % 16 == 0 and d <= 256
+                v4_shape = tc_shape and group <= 16
                 if kernel.version == "v4":
                     assert v4_shape, (dtype, d, group)
                 elif v4_shape:                          # only SRAM may send a v4 shape elsewhere
                     assert C.ring_smem_bound("v4", d, dtype, group) > smem, (dtype, d, group, kernel.version)
-                if kernel.version in ("v3", "v4"):
+                if kernel.version == "v6":              # v6 takes the groups v4 refuses
+                    assert tc_shape and group > 16, (dtype, d, group)
+                elif tc_shape and group > 16:           # ... unless its smallest block does not fit
+                    assert V6.v6_smem_bound(d, dtype, group) > smem, (dtype, d, group, kernel.version)
+                if kernel.version in ("v3", "v4", "v6"):
                     st = cfg.ring_stages(d, dtype, group, smem)
-                    rows = cfg.v4_tile_rows() if kernel.version == "v4" else C.decode_v2_geometry(d, dtype)["tile_rows"]
+                    rows = (cfg.v4_tile_rows() if kernel.version == "v4" else V6.v6_tile_rows(cfg, d)
+                            if kernel.version == "v6" else C.decode_v2_geometry(d, dtype)["tile_rows"])
                     defines = cfg.defines(d, dtype, group, True, 16, smem_limit=smem)
                     ring_smem = kernel.extra["smem"]            # the record's: what the launch sizes
                     assert ring_smem(d, dtype, group, defines, None, C.DECODE_MAX_SPLITS, True,
@@ -434,7 +527,8 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem):
                     cfg.defines(d, dtype, group, False, 16)
     big = 227 * 1024
     assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 128, 90, big, group=4))[0].version == "v4"
-    assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=32))[0].version == "v3"
+    assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=32))[0].version == "v6"
+    assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=65))[0].version != "v6"
     assert cr.REGISTRY.resolve("decode", None, _need("float32", 128, 90, big, group=4))[0].version == "v3"
     assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 72, 90, big, group=4))[0].version == "v3"
     why = cr.REGISTRY.get("decode", "v4").unavailable(_need("float16", 128, 75, big, group=4))

@@ -7,6 +7,8 @@
 :mod:`.specs`      the benchmark's shapes, declared as data
 :mod:`.runners`    one row per registered kernel version and SDPA kernel
 :mod:`.cli`        ``python -m iokernels bench``: run, table, JSON record
+:mod:`.cliff`      the cliff sweep (shapes off the serving grid, time-boxed) and the
+                   captured decode step (eager against a CUDA graph)
 :mod:`.sweeps_numba`, :mod:`.sweeps_cupy`  tuning sweeps of alternative tilings
 =================  =============================================================
 
@@ -15,6 +17,7 @@ as absolute claims in tests.
 """
 from __future__ import annotations
 
+from . import cliff  # noqa: F401  (the cliff sweep and the captured decode step)
 from .cli import main, run, table
 from .environment import environment, label
 from .runners import Unavailable, device_pages

@@ -10,17 +10,20 @@ from .environment import environment, label
 from .runners import (Unavailable, _numpy_only_cases, backward_cases, decode_cases, gather_cases,  # noqa: F401
                       prefill_cases, quant_decode_cases)
 from .runners_mla import mla_cases
-from .specs import (BACKWARD, BACKWARD_FP32, DECODE_QUANT, DECODE_SWEEP, GATHER_SIZES, MLA, PREFILL_COMPARE,
-                    PREFILL_SWEEP, QUICK, SECTIONS, TARGET_MS_PER_RUNNER)
+from .specs import (BACKWARD, BACKWARD_FP32, DECODE_QUANT, DECODE_SWEEP, DEFAULT_SECTIONS, GATHER_SIZES, MLA,
+                    PREFILL_COMPARE, PREFILL_SWEEP, QUICK, SECTIONS, TARGET_MS_PER_RUNNER)
 from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
 
 
-def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARGET_MS_PER_RUNNER) -> dict:
+def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARGET_MS_PER_RUNNER,
+        cliff_budget_s=None) -> dict:
     """Run the benchmark; returns the record (env + cases).  See :func:`main`.
 
     ``target_ms``: device time each runner's timed loop aims at (repetitions adapt to it,
-    between 3 and DEFAULT_REPS); lower it to fit a tight time box.
+    between 3 and DEFAULT_REPS); lower it to fit a tight time box.  ``cliff_budget_s``: the
+    cliff sweep's time box (None: :data:`.cliff.CLIFF_BUDGET_S`).
     """
+    from . import cliff
     t0 = _time.perf_counter()
     env = environment()
     record = {"env": env, "label": label(env), "quick": bool(quick), "seed": seed,
@@ -54,6 +57,10 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
                 plan += [("backward", BACKWARD), ("backward", BACKWARD_FP32)]
             elif s == "mla":
                 plan.append(("mla", MLA))
+            elif s == "cliff":
+                plan.append(("cliff", cliff.CLIFF))
+            elif s == "captured":
+                plan.append(("captured", cliff.CAPTURED))
     total = 0
     for s, p in plan:
         if s in ("prefill", "compare"):
@@ -67,6 +74,10 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
             total += len(p["seqlens"]) * len(p["causal"]) * len(p["dtypes"]) * 2
         elif s == "mla":
             total += len(p["shapes"]) * len(p["dtypes"]) * 3
+        elif s == "cliff":
+            total += len(cliff.decode_plan(p)) + len(cliff.prefill_plan(p))
+        elif s == "captured":
+            total += 1
         else:
             total += len(p["seqlens"]) * 3
     try:
@@ -86,6 +97,11 @@ def run(sections=SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARG
                 record["cases"] += backward_cases(p, seed, bar, target_ms=target_ms)
             elif s == "mla":
                 record["cases"] += mla_cases(p, seed, bar, target_ms=target_ms)
+            elif s == "cliff":
+                record["cases"] += cliff.cliff_cases(p, seed, bar, target_ms=target_ms,
+                                                     budget_s=cliff_budget_s or cliff.CLIFF_BUDGET_S)
+            elif s == "captured":
+                record["cases"] += cliff.captured_cases(p, seed, bar, target_ms=target_ms)
             else:
                 record["cases"] += gather_cases(p, seed, bar, target_ms=target_ms)
     record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
@@ -109,10 +125,17 @@ class _NoBar:
 # --------------------------------------------------------------------------- the table
 def _shape_text(case) -> str:
     s = case["shape"]
+    if case["kind"] == "prefill" and s.get("heads_kv", s["heads"]) != s["heads"]:
+        return (f"B{s['batch']} {s['heads']}/{s['heads_kv']} N{s['seqlen']} d{s['head_dim']}"
+                + (" causal" if case["causal"] else ""))
     if case["kind"] == "prefill":
         return f"B{s['batch']} H{s['heads']} N{s['seqlen']} d{s['head_dim']}" + (" causal" if case["causal"] else "")
     if case["kind"] == "decode":
         return f"B{s['batch']} {s['heads_q']}/{s['heads_kv']} N{s['seqlen']} d{s['head_dim']}"
+    if case["kind"] == "decode_step":
+        return f"{s['layers']}x B{s['batch']} {s['heads_q']}/{s['heads_kv']} N{s['seqlen']} d{s['head_dim']}"
+    if case["kind"] == "cliff_budget":
+        return "summary"
     if case["kind"] == "mla":
         return f"B{s['batch']} H{s['heads_q']} N{s['seqlen']} {s['latent_dim']}+{s['rope_dim']}"
     return f"Hkv{s['heads_kv']} N{s['seqlen']} d{s['head_dim']} bs{s['block_size']}"
@@ -145,6 +168,11 @@ def table(record) -> str:
                 note += f" host-bound: {r['host_ms']:.4f} ms of Python a call"
             lines.append(f"{c['section']:<9}{c['dtype']:<10}{_shape_text(c):<30}{r['runner']:<22}{ms:>11}"
                          f"{rate:>17}{mem:>9}{ratio:>9}  {note.strip()[:90]}")
+        if c.get("status"):                 # a case that did not run (the cliff sweep's memory check)
+            lines.append(f"{c['section']:<9}{c['dtype']:<10}{_shape_text(c):<30}{c['status'][:110]}")
+        if c.get("summary"):
+            lines.append(f"{c['section']:<9}{'':<10}{'summary':<30}"
+                         + ", ".join(f"{k} {v}" for k, v in c["summary"].items())[:140])
         if c.get("silent_fallback"):
             lines.append(f"{'':<48}!! silent fall-back: {c['silent_fallback']}")
     lines.append("")
@@ -162,8 +190,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m iokernels bench",
                                 description="Every available backend next to torch SDPA, on the same "
                                             "shapes, in one process; a table and a JSON record.")
-    p.add_argument("--sections", default=",".join(SECTIONS),
-                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
+                   help=f"comma-separated subset of {','.join(SECTIONS)} (default: {','.join(DEFAULT_SECTIONS)})")
     p.add_argument("--quick", action="store_true", help="tiny shapes (seconds; runs on a CPU too)")
     p.add_argument("--out", default=None, help="write the JSON record here (a file, or a folder)")
     p.add_argument("--seed", type=int, default=0)
@@ -171,13 +199,15 @@ def main(argv=None) -> int:
     p.add_argument("--target-ms", type=float, default=TARGET_MS_PER_RUNNER,
                    help=f"device time each runner's timed loop aims at (default {TARGET_MS_PER_RUNNER:.0f}); "
                         "repetitions adapt, between 3 and 20")
+    p.add_argument("--cliff-budget-s", type=float, default=None,
+                   help="seconds the cliff sweep may take (default: iokernels.bench.cliff.CLIFF_BUDGET_S)")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         p.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
     record = run(sections, quick=args.quick, seed=args.seed, progress=not args.no_progress,
-                 target_ms=args.target_ms)
+                 target_ms=args.target_ms, cliff_budget_s=args.cliff_budget_s)
     print(table(record))
     if args.out:
         out = Path(args.out)

@@ -23,8 +23,8 @@ from ..core.gpu import simulator_enabled
 from ..core.testing import make_inputs
 from ..paged import MIN_SCALE, QUANT_FORMATS
 from .specs import CHECK_TOL, NUMPY_MAX_FLOPS, PAGED_BLOCK, SDPA_NAMES, SLOW_CALL_MS, TARGET_MS_PER_RUNNER
-from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, _Device, host_ms, peak_memory, release_device_cache,
-                    time_cpu, time_cuda)
+from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, _Device, host_calls, host_ms_loop, peak_memory,
+                    release_device_cache, time_cpu, time_cuda)
 
 
 class Unavailable(Exception):
@@ -150,8 +150,9 @@ def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=T
                 warmup = DEFAULT_WARMUP if probe.median_ms < SLOW_CALL_MS else 1
             t = time_cuda(fn, warmup=warmup, reps=n)
             if t.median_ms < SLOW_CALL_MS:      # host time per call: only short calls can be host-bound
-                row["host_ms"] = round(host_ms(fn), 5)
-                _Device().synchronize()
+                calls = host_calls(t.median_ms)         # a loop of calls, one synchronize at its end
+                row["host_ms"] = round(host_ms_loop(fn, calls, _Device().synchronize), 5)
+                row["host_calls"] = calls
             mem = peak_memory(fn)
             row.update(peak_MiB=round(mem["peak_bytes"] / 2**20, 1),
                        extra_MiB=round(mem["extra_bytes"] / 2**20, 1))

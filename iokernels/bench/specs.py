@@ -61,4 +61,8 @@ MLA = dict(heads_q=128, latent_dim=512, rope_dim=64,
 #: (iokernels.core.roofline.MEASURED), else the H200's datasheet row
 MLA_ROOFLINE_GPU = ("H200 (measured)", "H200")
 
-SECTIONS = ("prefill", "compare", "decode", "gather", "backward", "mla")
+#: what ``python -m iokernels bench`` runs without --sections
+DEFAULT_SECTIONS = ("prefill", "compare", "decode", "gather", "backward", "mla")
+#: every section; "cliff" (a time-boxed sweep of shapes off the serving grid) and "captured" (a
+#: 32-layer decode step, eager and as a CUDA graph) run when asked for (iokernels.bench.cliff)
+SECTIONS = DEFAULT_SECTIONS + ("cliff", "captured")

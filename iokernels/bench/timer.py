@@ -325,6 +325,34 @@ def host_ms(fn, *args, reps: int = 5, **kwargs) -> float:
     return float(statistics.median(samples))
 
 
+#: host_ms_loop: the loop of calls aims at about this much wall time, between HOST_MIN_CALLS and
+#: HOST_MAX_CALLS calls
+HOST_LOOP_MS = 50.0
+HOST_MIN_CALLS, HOST_MAX_CALLS = 10, 500
+
+
+def host_calls(device_ms: float, loop_ms: float = HOST_LOOP_MS) -> int:
+    """How many calls :func:`host_ms_loop` makes for a call of ``device_ms``: about ``loop_ms``
+    of them, between HOST_MIN_CALLS and HOST_MAX_CALLS."""
+    return int(min(HOST_MAX_CALLS, max(HOST_MIN_CALLS, loop_ms // max(device_ms, 1e-3))))
+
+
+def host_ms_loop(fn, calls: int, synchronize=None, clock=time.perf_counter) -> float:
+    """The Python cost of one call of ``fn``, as a program calling it in a loop pays it: ``calls``
+    calls back to back, then one ``synchronize`` (not timed), the loop's wall time / ``calls``.
+    Where the device is slower than the host the launch queue fills and this approaches the
+    device time; below that it is the host's cost per call (argument checks, the launch)."""
+    if calls < 1:
+        raise ValueError(f"calls: at least 1, got {calls}")
+    t0 = clock()
+    for _ in range(calls):
+        fn()
+    elapsed = clock() - t0
+    if synchronize is not None:
+        synchronize()
+    return 1e3 * elapsed / calls
+
+
 def release_device_cache(sleep=time.sleep) -> int:
     """Empty torch's caching allocator; returns the bytes it handed back to the driver.
 

@@ -12,7 +12,7 @@ module          what it holds
 ==============  ================================================================
 config.py       every config class and its constants, re-exported from their homes:
 forward_config  ForwardConfig, fit_config (fa_v1.cu .. fa_v2.cu: sizes, SRAM, defines)
-decode_config   DecodeConfig and the decode kernels' SRAM arithmetic
+decode_config   DecodeConfig and the decode kernels' SRAM arithmetic (v6's: decode_v6_config.py)
 backward_config BackwardConfig (bwd_v1.cu, bwd_v2.cu)
 gather_config   GatherConfig (paged_gather.cu)
 mla_config      MLADecodeConfig (mla_decode.cu)
@@ -20,7 +20,7 @@ config_checks   the field checks every config class uses
 policy.py       every choose-a-size rule (decode splits, the v4 block shape, MLA splits)
 launch.py       the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
 forward.py      attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
-decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v5.cu
+decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v6.cu
 gather.py       paged gather: paged_gather.cu
 hopper/         the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
 mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
@@ -67,6 +67,10 @@ attention_backward    v1       bwd_v1.cu        10    FlashAttention-2's backwar
 decode, paged_decode  v4       decode_v4.cu     40    v3's ring and fused combine with S = Q_g K^T and O += P
                                                       V on the tensor cores (mma.sync m16n8k16, the g query
                                                       heads as the rows of the A operand, P kept in registers)
+decode, paged_decode  v6       decode_v6.cu     35    v4 with a group of more than 16 query heads split across
+                                                      a team of warps (16 rows each) that shares each K/V tile
+                                                      of its cp.async ring: g = 32, 64 and MQA read K/V once a
+                                                      KV head
 decode, paged_decode  v3       decode_v3.cu     30    v2's ring at 8 warps x 4 stages, the combine fused into
                                                       the split kernel (the last block of a group merges),
                                                       paged block-table entries staged in SRAM
@@ -111,7 +115,7 @@ bfloat16 dtype).  Rows must have unit stride on head_dim (other strides are fine
 otherwise one copy is made.
 
 Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`) and
-the fused decode combine's counters (v3 to v5) are the only state the package holds.
+the fused decode combine's counters (v3 to v6) are the only state the package holds.
 """
 from .config import BackwardConfig, ForwardConfig, GatherConfig, MLADecodeConfig, fit_config  # noqa: F401
 from .decode_config import (DecodeConfig, decode_v2_geometry, decode_v2_smem, decode_v3_smem,  # noqa: F401

@@ -43,6 +43,7 @@ from . import decode_config as C
 from .decode_config import DecodeConfig
 from .launch import (blocks_per_sm, contiguous, cupy, current_stream_ptr, device_info, function, on_stream, round_up,
                      unit_rows)
+from .decode_v6_config import check_decode_v6, decode_v6_smem
 from .policy import decode_wave_splits
 from .registry import (REGISTRY, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
                        check_decode_v5, need)
@@ -372,6 +373,12 @@ def _smem_v4(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0
                             num_splits, fused, table_cap, swizzled=C.decode_v4_swizzled(d))
 
 
+def _smem_v6(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0):
+    # decode_v6.cu: the teams' rings (swizzled rows allocated exactly, as v4)
+    return decode_v6_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"], defines["NUM_WARPS"],
+                          num_splits, fused, table_cap, swizzled=C.decode_v4_swizzled(d))
+
+
 def _smem_v5(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0):
     return C.decode_v5_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"], defines["NUM_WARPS"],
                             num_splits, fused, table_cap, kv)
@@ -498,8 +505,8 @@ def _records(version, file, kernel, args, check, rank, summary, ops=("decode", "
 
 
 #: ranks: v5 (tensor cores, 1-byte codes) for a quantized paged cache where its check passes, v4
-#: (tensor cores, 16-bit) for a 16-bit cache, else v3; v5 and v4 never both pass; v2 is v3
-#: without its two additions: it is never the default
+#: (tensor cores, 16-bit) for a 16-bit cache, v6 where v4 refuses the group, else v3; v5 and v4
+#: never both pass; v2 is v3 without its two additions: it is never the default
 RECORDS = (
     *_records("v1", "decode.cu", "decode_split", _args_v1, check_decode_v1, 10,
               "each warp reads its key rows with plain 16-byte loads into registers, four rows a lane in "
@@ -519,5 +526,11 @@ RECORDS = (
               "v4 reading a quantized paged cache as it is stored: 1-byte codes turned into float16 "
               "tensor-core operands in registers, the per-key scales applied to S's and P's columns",
               ops=("paged_decode",), ring_fused=True, smem=_smem_v5),
+    # v6 ranks below v4 (which wins where both run, g <= 16) and above v3: the default where
+    # v4 refuses a group of more than 16 query heads; its arguments are v4's
+    *_records("v6", "decode_v6.cu", "decode_split_v6", _args_v4, check_decode_v6, 35,
+              "v4 with a group of more than 16 query heads split across a team of warps (16 rows each) that "
+              "shares each K/V tile of its cp.async ring: g = 32, 64 and MQA read K/V once a KV head",
+              ring_fused=True, smem=_smem_v6),
 )
 REGISTRY.add(*RECORDS)

@@ -37,11 +37,11 @@ __all__ = [
     "DECODE_V4_L1_MAX_RING", "DECODE_V4_MAX_GROUP", "DECODE_V4_MAX_HEAD_DIM", "DECODE_V4_MIN_BLOCKS",
     "DECODE_V4_PAIRS_SPLIT_BLOCK", "DECODE_V4_SMALL_WARPS", "DECODE_V4_STAGES", "DECODE_V4_TILE_ROWS",
     "DECODE_V4_WARPS", "DECODE_V5_HEAD_DIMS", "DECODE_V5_TILE_ROWS", "DECODE_V5_WIDE_MAX_DIM",
-    "DECODE_VERSIONS", "DECODE_WARPS", "DECODE_WAVE_COST_BYTES", "DecodeConfig", "KV_QUANT_IDS",
+    "DECODE_VERSIONS", "DECODE_WARPS", "DECODE_WAVE_COST_BYTES", "DecodeConfig", "GROUP_TEAMS", "KV_QUANT_IDS",
     "MAX_ROW_CHUNKS", "MIN_STAGES", "MMA_K", "QUANT_UNIT_BYTES", "RING_FUSED", "TENSOR_CORE",
     "V4_ROW_PAD_BYTES", "V5_SCALE_BYTES", "decode_v2_geometry", "decode_v2_smem", "decode_v3_smem",
     "decode_v4_smem", "decode_v4_swizzled", "decode_v5_smem", "kv_itemsize", "ring_smem_bound", "tc_smem",
-    "v4_limits",
+    "v4_limits", "VERSION_RULES",
 ]
 
 #: the k depth of one m16n8k16 tensor-core step (decode v4 / v5 tile rows and head dims are
@@ -49,11 +49,17 @@ __all__ = [
 MMA_K = 16
 # --------------------------------------------------------------------------- decode constants
 #: the versions DecodeConfig describes
-DECODE_VERSIONS = ("v1", "v2", "v3", "v4", "v5")
+DECODE_VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
 #: the versions with v3's launch (SRAM sized a launch, the staged block table, the fused
 #: combine), and those of them on the tensor cores
-RING_FUSED = ("v3", "v4", "v5")
+RING_FUSED = ("v3", "v4", "v5", "v6")
 TENSOR_CORE = ("v4", "v5")
+#: the tensor-core version whose group is split across teams of warps (decode_v6_config.py)
+GROUP_TEAMS = ("v6",)
+#: versions whose ring depth and defines live in their own module, which registers them here
+#: on import ({"stages": fn(config, head_dim, group, smem_limit), "defines": fn(config, base,
+#: head_dim, dtype, group, smem_limit, kv, cc)}; decode_v6_config.py: "v6")
+VERSION_RULES: dict = {}
 #: the versions whose kernels read a quantized cache's codes (-DKV_QUANT; None resolves as v1)
 READS_CODES = (None, "v1", "v3", "v5")
 #: decode v1 and v2: 4 warps a block; each v1 sub-group keeps UNROLL rows of K and V in
@@ -154,10 +160,12 @@ class DecodeConfig:
     cp.async ring of K/V tiles in SRAM), "v3" (decode_v3.cu: v2's ring with the combine
     fused into the split kernel, 8 warps x 4 stages), "v4" (decode_v4.cu: v3's ring and
     combine with the GQA group's products on the tensor cores, 16-bit caches; limits:
-    :func:`v4_limits`) or "v5" (decode_v5.cu: v4 reading a quantized paged cache's 1-byte
-    codes; head dims DECODE_V5_HEAD_DIMS); None: the registry's default (v5 for a quantized
-    cache where it applies, v4 for a 16-bit one, else v3 where its rows and ring fit, else
-    v1).  v2 to v5 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned.
+    :func:`v4_limits`), "v5" (decode_v5.cu: v4 reading a quantized paged cache's 1-byte
+    codes; head dims DECODE_V5_HEAD_DIMS) or "v6" (decode_v6.cu: v4 with a group of more than
+    16 query heads split across teams of warps; :mod:`.decode_v6_config`); None: the registry's
+    default (v5 for a quantized cache where it applies, v4 for a 16-bit one, v6 for a 16-bit
+    one whose group v4 refuses, else v3 where its rows and ring fit, else
+    v1).  v2 to v6 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned.
     stages (v2 to v5): the ring depth (>= 2; None: DECODE_V2_STAGES, or DECODE_V3_STAGES /
     DECODE_V4_STAGES made shallower until the ring fits).  tile_rows (v2 to v5): key rows a
     tile (v2, v3: a multiple of the rows a warp reads side by side, None: about
@@ -202,8 +210,8 @@ class DecodeConfig:
         if self.load_l1 is not None:
             if not isinstance(self.load_l1, bool):
                 raise ValueError(f"config.load_l1: must be True, False or None, got {self.load_l1!r}")
-            if self.version not in (None, *TENSOR_CORE):
-                raise ValueError(f"config.load_l1: a v4 / v5 setting; version {self.version!r} copies around L1")
+            if self.version not in (None, *TENSOR_CORE, *GROUP_TEAMS):
+                raise ValueError(f"config.load_l1: a v4 / v5 / v6 setting; version {self.version!r} copies around L1")
 
     def replace(self, **changes) -> "DecodeConfig":
         return replace(self, **changes)
@@ -220,6 +228,8 @@ class DecodeConfig:
         ``smem_limit``, down to MIN_STAGES).  ``kv``: a quantized cache's code format."""
         if self.stages is not None:
             return self.stages
+        if self.version in VERSION_RULES:
+            return VERSION_RULES[self.version]["stages"](self, head_dim, group, smem_limit)
         if self.version in TENSOR_CORE:
             return self._v4_stages(head_dim, dtype, group, smem_limit, kv)
         if self.version != "v3":
@@ -252,6 +262,8 @@ class DecodeConfig:
             base["KV_QUANT"] = KV_QUANT_IDS[kv]
         if paged:
             base["BLOCK_SIZE"] = block_size
+        if self.version in VERSION_RULES:
+            return VERSION_RULES[self.version]["defines"](self, base, d, dtype, group, smem_limit, kv, cc)
         if self.version in TENSOR_CORE:
             return self._v4_defines(base, d, dtype, group, smem_limit, kv, cc, pairs, sms)
         if self.version in (None, "v1"):

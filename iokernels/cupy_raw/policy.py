@@ -151,3 +151,27 @@ def hopper_tiles(version: str, block_n: int | None = None, stages: int | None = 
     """(Bc, stages) of Hopper attention ``version``: the given ones, else HOPPER_BLOCK_N and the
     version's HOPPER_STAGES."""
     return block_n or HOPPER_BLOCK_N, stages or HOPPER_STAGES[version]
+
+
+# =========================================================================== decode v6
+#: decode v6 (decode_v6.cu): each warp of a team holds 16 query rows of the group
+DECODE_V6_ROWS_A_WARP = 16
+
+
+def decode_v6_team_warps(group: int) -> int:
+    """decode v6's warps a team (a key stream whose tiles they share): the smallest power of two
+    whose 16-row slices cover the ``group`` query heads of a KV head (1 up to g = 16, 2 up to
+    32, 4 up to 64, 8 up to 128)."""
+    if group < 1:
+        raise ValueError(f"group: at least one query head a KV head, got {group}")
+    slices = -(-group // DECODE_V6_ROWS_A_WARP)
+    return 1 << (slices - 1).bit_length()
+
+
+def decode_v6_stages(ring_rows: int, teams: int, tile_rows: int, max_stages: int, min_stages: int = 2) -> int:
+    """decode v6's ring depth before the SRAM check: as many stages as keep ``ring_rows`` key
+    rows in the block's rings (``teams`` rings of ``tile_rows``-row tiles), so fewer, wider
+    teams keep as many bytes in flight as more one-warp streams; between ``min_stages`` and
+    ``max_stages``."""
+    want = ring_rows // max(1, teams * tile_rows)
+    return int(min(max_stages, max(min_stages, want)))

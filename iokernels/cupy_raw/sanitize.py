@@ -7,7 +7,7 @@ version) runs for every dtype its check accepts, at shapes that are multiples of
 versions that have word paths --, GQA 4/2, a window, ragged decode lengths with an empty
 sequence, a paged cache with a partial last block, in the dtypes a PagedKVCache holds,
 a sliding-window decode, quantized paged caches of :data:`QUANT_CASES` (read by v1, v3 and
-v4's codes path); MLA decode at 80
+v4's codes path), the larger groups of :data:`DECODE_HEADS` (decode v6); MLA decode at 80
 query heads, contiguous and paged), plus the settings in :data:`VARIANTS`.  A quantized
 cache's decode is held against the oracle on the values the cache holds (its codes times
 its scales, :meth:`PagedKVCache.gather`).
@@ -54,6 +54,9 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             # and a 2-deep ring, and pages copied through L1
             ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32},
                                      {"tile_rows": 16, "stages": 2}, {"load_l1": True}),
+            # v6 (teams of warps a group): unfused 4-warp blocks of 16-key tiles, a 2-deep ring
+            ("decode", "v6"): ({}, {"fused": False, "num_warps": 4, "tile_rows": 16}, {"stages": 2}),
+            ("paged_decode", "v6"): ({}, {"tile_rows": 16, "stages": 2}),
             # v5 (quantized caches): 16-key tiles with a 2-deep ring (the default tile is 32 keys
             # up to d = 128), and the codes copied through L1
             ("paged_decode", "v5"): ({}, {"tile_rows": 16, "stages": 2}, {"load_l1": True}),
@@ -61,7 +64,12 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
             ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16})}
 #: calls a version makes twice in a row (the fused combine's counters must be back at 0 after a call)
-TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4"), ("paged_decode", "v5")}
+TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4"), ("paged_decode", "v5"),
+         ("decode", "v6"), ("paged_decode", "v6")}
+#: decode: (query heads, KV heads) a version also runs at, beyond GQA 4/2 (v6: teams of 4 warps
+#: with an idle last warp, g = 40, and of 2 warps, g = 32); paged: query heads over the cache's 2
+DECODE_HEADS = {"v6": ((4, 2), (40, 1), (64, 2))}
+PAGED_HEADS_Q = {"v6": (4, 64)}
 
 
 def _ok(c, label):
@@ -86,9 +94,9 @@ def _forward(kernel, cfg, dtype, rng, label):
     return out
 
 
-def _decode_inputs(rng, d, dtype, lens):
-    q, k, v = make_inputs(rng, batch=len(lens), heads_q=4, heads_kv=2, seqlen_q=1, seqlen_k=max(lens),
-                          head_dim=d, dtype=dtype)
+def _decode_inputs(rng, d, dtype, lens, heads=(4, 2)):
+    q, k, v = make_inputs(rng, batch=len(lens), heads_q=heads[0], heads_kv=heads[1], seqlen_q=1,
+                          seqlen_k=max(lens), head_dim=d, dtype=dtype)
     return q[:, :, 0], k, v
 
 
@@ -101,20 +109,24 @@ def _check_decode(o, q, k, v, lens, dtype, name, window=None):
 
 def _decode(kernel, cfg, dtype, rng, label):
     out = []
-    for d in DECODE_DIMS:
-        q, k, v = _decode_inputs(rng, d, dtype, DECODE_LENS)
+    for d, heads in ((d, h) for h in DECODE_HEADS.get(kernel.version, ((4, 2),)) for d in DECODE_DIMS):
+        q, k, v = _decode_inputs(rng, d, dtype, DECODE_LENS, heads)
         if kernel.unavailable(need("decode", q=q, k=k, v=v)) is not None:
             continue
+        if heads != (4, 2):
+            label_h = f"{label} heads {heads[0]}/{heads[1]}"
+        else:
+            label_h = label
         for splits in DECODE_SPLITS:
             for _ in range(2 if ("decode", kernel.version) in TWICE else 1):
                 o, _ = kernel.launcher(q, k, v, seq_lens=np.array(DECODE_LENS), num_splits=splits, scale=None,
                                        config=cfg)
-                name = f"{label} d={d} splits={splits}"
+                name = f"{label_h} d={d} splits={splits}"
                 _check_decode(o, q, k, v, DECODE_LENS, dtype, name)
             out.append(name)
         o, _ = kernel.launcher(q, k, v, seq_lens=np.array(DECODE_LENS), num_splits=max(DECODE_SPLITS), scale=None,
                                config=cfg, window=DECODE_WINDOW)
-        name = f"{label} d={d} splits={max(DECODE_SPLITS)} window={DECODE_WINDOW}"
+        name = f"{label_h} d={d} splits={max(DECODE_SPLITS)} window={DECODE_WINDOW}"
         _check_decode(o, q, k, v, DECODE_LENS, dtype, name, DECODE_WINDOW)
         out.append(name)
     return out
@@ -160,13 +172,15 @@ def _paged_caches(rng, dtype, quant=False):
 
 def _paged_decode(kernel, cfg, dtype, rng, label):
     out = []
-    for d, cache, sids in _paged_caches(rng, dtype, quant=True):
-        q = make_inputs(rng, batch=len(sids), heads_q=4, heads_kv=2, seqlen_q=1, seqlen_k=1, head_dim=d,
+    for (d, cache, sids), hq in ((c, hq) for c in _paged_caches(rng, dtype, quant=True)
+                                 for hq in PAGED_HEADS_Q.get(kernel.version, (4,))):
+        q = make_inputs(rng, batch=len(sids), heads_q=hq, heads_kv=2, seqlen_q=1, seqlen_k=1, head_dim=d,
                         dtype=dtype)[0][:, :, 0]
         if kernel.unavailable(need("paged_decode", q=q, cache=cache)) is not None:
             continue
         k, v = _contiguous_of(cache, sids)                  # what the cache holds (dequantized)
         kind = f" {cache.kv_dtype} {cache.scale_granularity}" if cache.quantized else ""
+        kind += f" heads {hq}/2" if hq != 4 else ""
         for splits in PAGED_SPLITS:
             for window in (None, DECODE_WINDOW):
                 for _ in range(2 if ("paged_decode", kernel.version) in TWICE else 1):

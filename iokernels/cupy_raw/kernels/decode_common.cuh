@@ -1,5 +1,5 @@
 // decode_common.cuh -- the end of a split-KV decode block: write its partial, and the fused
-// combine (decode_v3.cu and decode_v4.cu; decode_v2.cu, unfused, only the write).
+// combine (decode_v3.cu to decode_v6.cu; decode_v2.cu, unfused, only the write).
 //
 // Notation: S = num_splits, g = GROUP query heads of one KV head, O_s / LSE_s the
 // normalised partial output of split s and its log-sum-exp.  The including kernel defines
@@ -39,6 +39,11 @@ __device__ __forceinline__ int atom_add_acq_rel(int* p, int v) {
     return old;
 }
 // COMBINE_REG_SPLITS: splits the register merge takes at once (DecodeConfig.defines passes it)
+// DECODE_MERGE_ROWS: the rows of red_m / red_l / red_o, each a state over the whole group:
+// one a warp (decode_v3.cu, decode_v4.cu), one a team of warps (decode_v6.cu defines it)
+#ifndef DECODE_MERGE_ROWS
+#define DECODE_MERGE_ROWS NUM_WARPS
+#endif
 #if FUSED && !defined(COMBINE_REG_SPLITS)
 #error "decode_common.cuh: -DCOMBINE_REG_SPLITS is missing (DecodeConfig.defines passes it)"
 #endif
@@ -57,10 +62,10 @@ __device__ __forceinline__ void decode_finish(const acc_t (*red_m)[GROUP], const
     for (int i = threadIdx.x; i < GROUP * HEAD_DIM; i += NTHREADS) {   // write O_s, LSE_s -> HBM
         const int gq = i / HEAD_DIM, c = i % HEAD_DIM;
         acc_t M = neg_inf();
-        for (int w = 0; w < NUM_WARPS; ++w) M = ik_max(M, red_m[w][gq]);
+        for (int w = 0; w < DECODE_MERGE_ROWS; ++w) M = ik_max(M, red_m[w][gq]);
         const acc_t bs = (M == neg_inf()) ? (acc_t)0 : M;
         acc_t L = 0, sum = 0;
-        for (int w = 0; w < NUM_WARPS; ++w) {
+        for (int w = 0; w < DECODE_MERGE_ROWS; ++w) {
             L += red_l[w][gq] * ik_exp2(red_m[w][gq] - bs);
             sum += red_o[(w * GROUP + gq) * HEAD_DIM + c];
         }
