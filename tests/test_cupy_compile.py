@@ -527,7 +527,10 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem):
                     cfg.defines(d, dtype, group, False, 16)
     big = 227 * 1024
     assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 128, 90, big, group=4))[0].version == "v4"
-    assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=32))[0].version == "v6"
+    # v6 runs groups past 16 when named; the default stays v3 until racecheck is clean on v6
+    assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=32))[0].version == "v3"
+    assert cr.REGISTRY.resolve("decode", cr.DecodeConfig("v6"), _need("float16", 128, 90, big, group=32))[0].version \
+        == "v6"
     assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=65))[0].version != "v6"
     assert cr.REGISTRY.resolve("decode", None, _need("float32", 128, 90, big, group=4))[0].version == "v3"
     assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 72, 90, big, group=4))[0].version == "v3"

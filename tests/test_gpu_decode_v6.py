@@ -7,7 +7,8 @@ lengths with a length-0 sequence (O = 0, LSE = -inf), 1 / 7 / the heuristic's sp
 sliding window, and partial slices (g = 24, 40: the last warp of a team holds fewer than 16
 heads).  O is held to FlashAttention's 2x rule (:func:`iokernels.core.testing.check`: at most
 twice the naive decode's error in the same dtype, on the GPU), LSE to the oracle's within
-LSE_TOL.  The default (config None) must pick v6 at these groups.
+LSE_TOL.  The default (config None) runs v3 at these groups: v6 is run by name until
+compute-sanitizer's racecheck is clean on it.
 """
 import numpy as np
 import pytest
@@ -80,7 +81,7 @@ def test_decode_v6_large_groups_against_oracle(rng, group, hkv, d, dtype):
     tq, tk, tv = _inputs(rng, torch, group, hkv, d, dtype)
     lens = np.array(LENS)
     n = cr.need("decode", q=tq, k=tk, v=tv)
-    assert cr.REGISTRY.resolve("decode", None, n)[0].version == "v6"
+    assert cr.REGISTRY.resolve("decode", None, n)[0].version == "v3"      # v6 is run by name only
     problems = []
     for window in (None, (40, 0)):
         ref_o, ref_l = reference.decode(tq, tk, tv, seq_lens=lens, window=window)
