@@ -96,6 +96,10 @@ class Registry:
     def kernels(self, op: str | None = None) -> list[Record]:
         return [k for k in self._kernels.values() if op is None or k.op == op]
 
+    def find(self, op: str, version: str) -> Record | None:
+        """The record of (op, version), or None."""
+        return self._kernels.get((op, version))
+
     def get(self, op: str, version: str) -> Record:
         k = self._kernels.get((op, version))
         if k is None:

@@ -418,7 +418,9 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     defines = config.defines(d, dtype, group, paged is not None, block_size, aligned=aligned,
                              smem_limit=dev["smem_optin"], kv=kv, cc=dev["cc"], pairs=B * Hkv, sms=dev["sms"])
     spec = kernel or REGISTRY.get("paged_decode" if paged is not None else "decode", config.version)
-    ring_fused, ring_smem, sources = (spec.extra.get(x) for x in ("ring_fused", "smem", "sources"))
+    layout = spec.extra.get("layout", "plain")
+    ring_fused = layout in ("ring_fused", "tensor_core")
+    ring_smem, sources = spec.extra.get("smem"), spec.extra.get("sources")
     defines = dict(defines, **spec.extra.get("defines", {}))
     threads = 32 * defines["NUM_WARPS"]
     fused = bool(defines.get("FUSED", 0))
@@ -432,7 +434,7 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
                              f"head_dim={d} ({dtype}), more than this GPU's {dev['smem_optin']:,} (fewer stages, "
                              f"warps or tile rows)")
         fn = function(spec.file, spec.kernel, defines, max(base_smem, V3_COMPILE_SMEM), sources=sources)
-    elif config.version == "v2":
+    elif layout == "ring":
         base_smem = C.decode_v2_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"])
         if base_smem > dev["smem_optin"]:
             raise ValueError(f"config: decode v2 with {defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs "
@@ -491,7 +493,9 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
 
 # --------------------------------------------------------------------------- the records
 def _records(version, file, kernel, args, check, rank, summary, ops=("decode", "paged_decode"), **extra):
-    """One version's records: the same kernel over a contiguous cache and a paged one."""
+    """One version's records: the same kernel over a contiguous cache and a paged one.
+    ``extra`` holds what DecodeConfig reads (:func:`.decode_config.decode_facts`: ``layout``,
+    the caches it ``reads``) and what the launch reads (``smem``: the SRAM of a ring-fused layout)."""
     return tuple(Record("cupy", op, version, file, kernel, DecodeConfig,
                         run_decode if op == "decode" else run_paged_decode, summary, check, rank, args, extra)
                  for op in ops)
@@ -503,21 +507,22 @@ def _records(version, file, kernel, args, check, rank, summary, ops=("decode", "
 RECORDS = (
     *_records("v1", "decode.cu", "decode_split", _args_v1, check_decode_v1, 10,
               "each warp reads its key rows with plain 16-byte loads into registers, four rows a lane in "
-              "flight; decode.cu's combine kernel merges the splits"),
+              "flight; decode.cu's combine kernel merges the splits", layout="plain", reads=("16-bit", "codes")),
     *_records("v2", "decode_v2.cu", "decode_split_v2", _args_v2, check_decode_v2, 0,
               "K/V tiles stream through a per-warp cp.async ring in SRAM (copies in flight hold no "
-              "registers), only __syncwarp in the key loop"),
+              "registers), only __syncwarp in the key loop", layout="ring", reads=("16-bit",)),
     *_records("v3", "decode_v3.cu", "decode_split_v3", _args_v3, check_decode_v3, 30,
               "v2's ring at 8 warps x 4 stages, the combine fused into the split kernel (the last block of "
-              "a group merges), paged block-table entries staged in SRAM", ring_fused=True, smem=_smem_v3),
+              "a group merges), paged block-table entries staged in SRAM",
+              layout="ring_fused", reads=("16-bit", "codes"), smem=_smem_v3),
     *_records("v4", "decode_v4.cu", "decode_split_v4", _args_v4, check_decode_v4, 40,
               "v3's ring and fused combine with S = Q_g K^T and O += P V on the tensor cores (mma.sync "
               "m16n8k16, the g query heads as the rows of the A operand, P kept in registers)",
-              ring_fused=True, smem=_smem_v4),
+              layout="tensor_core", reads=("16-bit",), smem=_smem_v4),
     # v5 reads quantized caches, which are paged only
     *_records("v5", "decode_v5.cu", "decode_split_v5", _args_v5, check_decode_v5, 50,
               "v4 reading a quantized paged cache as it is stored: 1-byte codes turned into float16 "
               "tensor-core operands in registers, the per-key scales applied to S's and P's columns",
-              ops=("paged_decode",), ring_fused=True, smem=_smem_v5),
+              ops=("paged_decode",), layout="tensor_core", reads=("codes",), smem=_smem_v5),
 )
 REGISTRY.add(*RECORDS)

@@ -280,7 +280,8 @@ def launch_mla(qd, kvd, lens_d, o, lse, *, dtype, scale, num_splits=None, longes
 RECORDS = (
     Record("cupy", "mla_decode", "v1", "mla_decode.cu", "mla_decode", MLADecodeConfig, run_mla_decode,
            "Hopper: wgmma S = Q C^T with Q resident, a 2-stage TMA ring of 64 cache rows, P via SRAM, O split "
-           "over two warpgroups; split-KV with decode.cu's combine", check_v1, 10, kernel_args),
+           "over two warpgroups; split-KV with decode.cu's combine", check_v1, 10, kernel_args,
+           dict(options=HOPPER_OPTIONS)),
 )
 REGISTRY.add(*RECORDS)
 
