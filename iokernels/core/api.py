@@ -51,6 +51,27 @@ def gpu_implements(backend: str, op: str) -> bool:
         return False
 
 
+_PLANNED: dict = {}
+
+
+def planned(backend: str, op: str) -> Callable | None:
+    """GPU backend ``backend``'s cached call of ``op`` (its package's ``PLANNED``: a plan cache
+    for device arrays that returns NotImplemented where it does not apply), or None.  Looked up
+    once per (backend, op)."""
+    try:
+        return _PLANNED[(backend, op)]
+    except (KeyError, TypeError):
+        pass
+    fn = None
+    if isinstance(backend, str) and backend in GPU_BACKENDS:
+        try:
+            fn = getattr(importlib.import_module(GPU_BACKENDS[backend]), "PLANNED", {}).get(op)
+        except ImportError:
+            fn = None
+        _PLANNED[(backend, op)] = fn
+    return fn
+
+
 class Registered:
     """A GPU backend's op as a callable: resolve the version for this call, then launch it."""
 

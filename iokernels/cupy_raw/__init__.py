@@ -24,6 +24,9 @@ decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v5.cu
 gather.py       paged gather: paged_gather.cu
 hopper/         the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
 mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
+plans.py        DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
+attention_plan  AttentionPlan (the portable and the Hopper forward)
+calls.py        the public attention, decode, paged_decode_pools: a cached plan, else eager
 backward.py     attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers)
 registry.py     REGISTRY (every (op, version)), need(), the checks
 sanitize.py     sanitize_cases(): every registered kernel at ragged shapes
@@ -118,8 +121,8 @@ from .decode_config import (DecodeConfig, decode_v2_geometry, decode_v2_smem, de
                             decode_v4_smem, decode_v5_smem)
 from .launch import KERNEL_DIR, SOURCES, device_info, source  # noqa: F401
 from .registry import REGISTRY, need  # noqa: F401
-from .forward import attention, launch_attention, nonmatmul_budget, v2_registers  # noqa: F401
-from .decode import decode, launch_decode, paged_decode, paged_decode_pools  # noqa: F401
+from .forward import launch_attention, nonmatmul_budget, v2_registers  # noqa: F401
+from .decode import launch_decode, paged_decode  # noqa: F401
 from .policy import decode_wave_splits, mla_num_splits, split_cost  # noqa: F401
 from .gather import gather_pools, launch_gather, paged_gather  # noqa: F401
 from .backward import attention_backward  # noqa: F401
@@ -127,3 +130,6 @@ from . import hopper  # noqa: F401  (its records rank above the portable version
 from . import mla  # noqa: F401
 from .mla import mla_decode, paged_mla_decode  # noqa: F401
 from .sanitize import sanitize_cases  # noqa: F401
+from .plans import PLANS, DecodePlan, PagedDecodePlan, PlanCache  # noqa: F401
+from .attention_plan import AttentionPlan  # noqa: F401
+from .calls import PLANNED, attention, decode, paged_decode_pools  # noqa: F401
