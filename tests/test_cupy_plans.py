@@ -121,6 +121,9 @@ for dtype, d in ((np.float16, 64), (np.float32, 128), (np.float64, 59)):
 n = len(cr.PLANS)
 for label, fn in (("k", lambda: cr.decode(q[:, :3], k, v)), ("seq_lens", lambda: cr.decode(q, k, v, seq_lens=[1, 2])),
                   ("num_splits", lambda: cr.decode(q, k, v, num_splits=0)),
+                  ("hit num_splits", lambda: cr.decode(q, k, v, num_splits=True)),      # True == 1: a plan's key
+                  ("hit causal", lambda: cr.attention(aq, ak, av, causal=1)),
+                  ("hit scale", lambda: cr.decode(q, k, v, scale=True)),
                   ("config", lambda: cr.decode(q, k, v, config=cr.ForwardConfig())),
                   ("hit seq_lens", lambda: cr.decode(q, k, v, seq_lens=np.array([302, 0, 7]))),
                   ("block_tables", lambda: cr.paged_decode_pools(q, *pools, tables + 30, plens, num_splits=2))):

@@ -58,12 +58,10 @@ def planned(backend: str, op: str) -> Callable | None:
     """GPU backend ``backend``'s cached call of ``op`` (its package's ``PLANNED``: a plan cache
     for device arrays that returns NotImplemented where it does not apply), or None.  Looked up
     once per (backend, op)."""
-    try:
-        return _PLANNED[(backend, op)]
-    except (KeyError, TypeError):
-        pass
-    fn = None
-    if isinstance(backend, str) and backend in GPU_BACKENDS:
+    if not isinstance(backend, str) or backend not in GPU_BACKENDS:
+        return None
+    fn = _PLANNED.get((backend, op), False)
+    if fn is False:
         try:
             fn = getattr(importlib.import_module(GPU_BACKENDS[backend]), "PLANNED", {}).get(op)
         except ImportError:

@@ -21,7 +21,7 @@ from .hopper import records as HR
 from .hopper.checks import require_available
 from .hopper.config import BLOCK_M, THREADS
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, unit_rows
-from .plans import PLANS, NotPlanned, _Alloc, _ptr, _ptrs, _stream_of, array_key
+from .plans import PLANS, NotPlanned, _Alloc, _ptr, _ptrs, _stream_of, _window_key, array_key
 from .registry import REGISTRY, need
 
 #: tensor-map sets (one per address triple of Q, K, V) a Hopper plan keeps
@@ -35,8 +35,8 @@ def attention_key(q, k, v, causal, scale, window, config):
     kq = array_key(q)
     if kq is None:
         return None
-    return ("attention", kq, array_key(k), array_key(v), bool(causal) if isinstance(causal, bool) else causal,
-            scale, None if window is None else tuple(window), config)
+    return ("attention", REGISTRY.generation, kq, array_key(k), array_key(v), type(causal), causal, type(scale),
+            scale, _window_key(window), config)
 
 
 def _slots(args: tuple, ids) -> list[int]:

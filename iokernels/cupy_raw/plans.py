@@ -10,7 +10,8 @@ FlashInfer's wrappers use (``plan`` then ``run``).
 The public functions (``iokernels.decode``, ``iokernels.attention``, :func:`.decode.decode`,
 :func:`.forward.attention`, :func:`.decode.paged_decode_pools`) keep their signatures and use
 :data:`PLANS`, a bounded cache of plans keyed by the call's shapes, dtypes, strides, device,
-16-byte alignment, array kinds and settings (:func:`decode_key`, :func:`attention_key`).  A
+16-byte alignment, array kinds, settings and the registry's generation (a record added or
+removed makes every key new: :func:`decode_key`, :func:`.attention_plan.attention_key`).  A
 miss builds a plan, which runs every check (a bad call raises a ValueError naming the
 argument, and nothing is cached); a hit compares one key tuple and launches.  NumPy inputs
 are copied in and out, so they take the eager path (no plan).
@@ -124,6 +125,13 @@ def _ptrs(torch: bool, *xs) -> tuple:
     return tuple(u(x.data_ptr()) for x in xs) if torch else tuple(u(x.data.ptr) for x in xs)
 
 
+# the keys hold a setting's type next to its value: True == 1 == 1.0, and a bool is refused where
+# an int is taken (num_splits), so a bad call never matches a good call's plan
+
+def _window_key(window):
+    return None if window is None else tuple((type(w), w) for w in window)
+
+
 def _lens_key(seq_lens):
     """None, ("host", shape) or the device array's key."""
     if seq_lens is None:
@@ -201,8 +209,8 @@ def decode_key(q, k, v, seq_lens, num_splits, scale, config, window):
     kq = array_key(q)
     if kq is None:
         return None
-    return ("decode", kq, array_key(k), array_key(v), _lens_key(seq_lens), num_splits, scale, config,
-            None if window is None else tuple(window))
+    return ("decode", REGISTRY.generation, kq, array_key(k), array_key(v), _lens_key(seq_lens),
+            type(num_splits), num_splits, type(scale), scale, config, _window_key(window))
 
 
 class DecodePlan:
@@ -344,8 +352,9 @@ def paged_key(q, k_pool, v_pool, block_tables, seq_lens, num_splits, scale, conf
     kq = array_key(q)
     if kq is None or quant is not None:
         return None
-    return ("paged_decode", kq, array_key(k_pool), array_key(v_pool), _lens_key(block_tables), _lens_key(seq_lens),
-            num_splits, scale, config, None if window is None else tuple(window))
+    return ("paged_decode", REGISTRY.generation, kq, array_key(k_pool), array_key(v_pool), _lens_key(block_tables),
+            _lens_key(seq_lens), type(num_splits), num_splits, type(scale), scale, config,
+            _window_key(window))
 
 
 class PagedDecodePlan:
