@@ -36,8 +36,9 @@ def gather_pools(k_pool, v_pool, block_table, seq_len, *, config=None):
     Device pools (CuPy / torch CUDA) give device outputs of the same kind, with no copy of
     the pools; NumPy pools are copied in and the result copied out.  ``block_table``: host
     ids (checked, uploaded once per distinct content) or, with device pools, a device int32
-    array used in place (its values are not read on the host: keep them in the pool), which
-    makes the call capturable in a CUDA graph and lets the table change between replays.
+    array used in place where it is contiguous int32 (its values are not read on the host: keep
+    them in the pool), which makes the call capturable in a CUDA graph and lets the table change
+    between replays.
     """
     check_pools(k_pool, v_pool)
     _, cfg = REGISTRY.resolve("paged_gather", config, need("paged_gather", k=k_pool, v=v_pool))
@@ -53,13 +54,12 @@ def _gather(k_pool, v_pool, block_table, seq_len, config):
     call = Call(k_pool, name="k_pool")
     device_table = not isinstance(block_table, (np.ndarray, list, tuple)) and call.kind != "numpy"
     if device_table:
-        # a device table is used in place (graph-safe: no host copy, no host read of its values)
+        # a contiguous int32 device table is used in place (graph-safe: no host copy, no host read
+        # of its values); any other is read on the host and checked there
         call.check(block_table, "block_table")
         t = device_array(block_table)
-        if len(t.shape) != 1 or t.dtype != "int32" or t.shape[0] < max(want, 1) or not t.c_contiguous():
-            raise ValueError(f"block_table: a device table must be contiguous int32 with at least {max(want, 1)} "
-                             f"block ids for {seq_len} tokens, got {t.dtype} {t.shape}")
-    else:
+        device_table = len(t.shape) == 1 and t.dtype == "int32" and t.shape[0] >= want and t.c_contiguous()
+    if not device_table:
         table = _host(block_table)
         if table.ndim != 1 or (table.size and table.dtype.kind not in "iu") or table.size < want:
             raise ValueError(f"block_table: expected at least {want} integer block ids for {seq_len} tokens, "

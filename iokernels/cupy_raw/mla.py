@@ -121,18 +121,17 @@ def _check_pool(q, pool, block_tables, seq_lens):
 
 
 def _lens(seq_lens, B, N, like=None):
-    """Host lengths (checked), a device int32 (B,) array of ``like``'s kind (used in place; its
-    values are not read on the host), or None."""
+    """Host lengths (checked), a contiguous device int32 (B,) array of ``like``'s kind (used in
+    place; its values are not read on the host), or None.  Other device lengths are read on
+    the host."""
     if seq_lens is None:
         return None
     from .decode import _host
     if like is not None and not isinstance(seq_lens, (np.ndarray, list, tuple)) and Call(like).kind != "numpy":
         Call(like).check(seq_lens, "seq_lens")
         a = device_array(seq_lens)
-        if a.shape != (B,) or a.dtype != "int32" or not a.c_contiguous():
-            raise ValueError(f"seq_lens: a device array of lengths must be contiguous int32 ({B},), got "
-                             f"{a.dtype} {a.shape}")
-        return a
+        if a.shape == (B,) and a.dtype == "int32" and a.c_contiguous():
+            return a                                   # else: read on the host, checked below
     lens = _host(seq_lens).astype(np.int64)
     if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > N):
         raise ValueError(f"seq_lens: expected {B} lengths in [0, {N}], got {lens.tolist()}")

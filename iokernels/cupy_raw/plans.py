@@ -194,13 +194,12 @@ class _Alloc:
         return buf
 
 
-def _device_lens(seq_lens, batch: int, name: str = "seq_lens"):
-    """A device int32 (batch,) contiguous array of the lengths (checked by shape and dtype only)."""
+def _device_lens(seq_lens, batch: int) -> None:
+    """Device lengths a plan uses in place: contiguous int32 (batch,).  Others (int64, strided,
+    another shape) take the eager path, which reads them on the host (and reports a bad one)."""
     a = device_array(seq_lens)
-    if a.shape != (batch,) or a.dtype not in ("int32",) or not a.c_contiguous():
-        raise ValueError(f"{name}: a device array of lengths must be int32 ({batch},) and contiguous, got "
-                         f"{a.dtype} {a.shape}")
-    return a
+    if a.shape != (batch,) or a.dtype != "int32" or not a.c_contiguous():
+        raise NotPlanned("seq_lens: device lengths other than contiguous int32 (batch,)")
 
 
 # =========================================================================== decode
@@ -217,9 +216,11 @@ class DecodePlan:
     """Decode over a contiguous cache, planned once: q (B, Hq, d), k, v (B, Hkv, N, d) device
     arrays (torch CUDA or CuPy) and the settings of :func:`iokernels.cupy_raw.decode`.
 
-    ``seq_lens``: None (every sequence all N keys), a device int32 (B,) array (used in place:
-    graph-safe; the split count is planned for N keys) or a NumPy array (checked and uploaded
-    on every run; the split count follows its longest sequence).  ``run(q, k, v, seq_lens)``
+    ``seq_lens``: None (every sequence all N keys), a contiguous device int32 (B,) array (used
+    in place: graph-safe; the split count is planned for N keys) or a NumPy array (checked and
+    uploaded once per distinct content; the split count follows its longest sequence).  Other
+    device lengths take the eager path (:func:`iokernels.cupy_raw.decode.decode`: read on the
+    host); constructing a plan for them raises :class:`NotPlanned`.  ``run(q, k, v, seq_lens)``
     launches on the caller's current stream and returns (O, LSE) of q's kind.
     """
 
@@ -236,7 +237,8 @@ class DecodePlan:
         self.left = D._window_left(window)
         self.lens_mode = None if seq_lens is None else ("host" if _kind(seq_lens) is None else "device")
         if self.lens_mode == "device":
-            call.check(seq_lens, "seq_lens")
+            if _kind(seq_lens) != _kind(q):
+                raise NotPlanned("seq_lens: device lengths of another kind than q's")
             _device_lens(seq_lens, B)
         spec, cfg = REGISTRY.resolve("decode", config, need("decode", q=q, k=k, v=v))
         if spec.launcher is not D.run_decode:
@@ -379,15 +381,13 @@ class PagedDecodePlan:
         call.check(v_pool, "v_pool")
         B = int(q.shape[0])
         device_tables = _kind(block_tables) is not None
-        if device_tables != (_kind(seq_lens) is not None):
-            raise ValueError("seq_lens: block_tables and seq_lens are both device arrays or both host arrays")
+        if device_tables != (_kind(seq_lens) is not None) or (device_tables and not (
+                _kind(block_tables) == _kind(seq_lens) == _kind(q))):
+            raise NotPlanned("block_tables, seq_lens: one on the device, one on the host, or of another kind")
         if device_tables:
-            call.check(block_tables, "block_tables")
-            call.check(seq_lens, "seq_lens")
             t = device_array(block_tables)
             if len(t.shape) != 2 or t.shape[0] != B or t.dtype != "int32" or not t.c_contiguous():
-                raise ValueError(f"block_tables: a device table must be int32 ({B}, max_blocks) and contiguous, "
-                                 f"got {t.dtype} {t.shape}")
+                raise NotPlanned("block_tables: device tables other than contiguous int32 (batch, max_blocks)")
             _device_lens(seq_lens, B)
             self.max_blocks = t.shape[1]
         else:
