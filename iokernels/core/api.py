@@ -12,6 +12,10 @@ config's ``version``, or the best default that can run) and its launcher runs it
 op dispatches the same way: attention, decode, paged decode and paged gather all take
 ``config=``.
 
+A GPU backend may also hold cached calls (its package's ``PLANNED``, found by
+:func:`planned`): the public functions ask them first, and they run a plan made once per
+shape for device arrays, or return NotImplemented, and the call goes the way above.
+
 Inputs: the NumPy backends check that q, k and v are finite (a ValueError names the
 array); the GPU backends do not scan device memory, and a non-finite input gives
 non-finite output rows there.

@@ -113,8 +113,20 @@ NumPy arrays are copied in and out.  bfloat16 travels as its 16-bit pattern (CuP
 bfloat16 dtype).  Rows must have unit stride on head_dim (other strides are fine);
 otherwise one copy is made.
 
-Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`) and
-the fused decode combine's counters (v3 to v5) are the only state the package holds.
+Plan once, run many times
+-------------------------
+For device arrays, :func:`attention`, :func:`decode` and :func:`paged_decode_pools` (and
+``iokernels.attention`` / ``iokernels.decode`` with ``backend="cupy"``) keep a plan per shape
+in :data:`PLANS` (:mod:`.plans`): the checks, the version, the compiled kernel, the split
+count and the workspaces are settled on the first call of a shape, and later calls compare
+one key and launch.  :class:`DecodePlan`, :class:`PagedDecodePlan` and
+:class:`AttentionPlan` are the same plans made by hand, for loops (one plan per decode step,
+reused by every layer).  With device lengths and block tables, a plan's ``run`` neither
+synchronizes the host nor copies host memory, so it can be captured in a CUDA graph.
+
+Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`), the plans
+(:data:`PLANS`, each with its workspaces) and the eager path's fused-combine counters (v3 to
+v5) are the only state the package holds.
 """
 from .config import BackwardConfig, ForwardConfig, GatherConfig, MLADecodeConfig, fit_config  # noqa: F401
 from .decode_config import (DecodeConfig, decode_v2_geometry, decode_v2_smem, decode_v3_smem,  # noqa: F401

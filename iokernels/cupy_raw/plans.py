@@ -4,8 +4,10 @@ A call of the CuPy kernels does two kinds of work.  Most of it depends only on t
 shapes, dtypes, strides, device and settings: checking the arguments, resolving the version
 and its config, the device facts, the defines, the compiled kernel, the split count, the
 shared memory, the workspaces.  The rest is one launch: the arrays' pointers packed in the
-kernel's order.  A plan does the first once, :meth:`run` the second on every call -- the split
-FlashInfer's wrappers use (``plan`` then ``run``).
+kernel's order.  A plan does the first once, ``run`` the second on every call: the split of
+FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``, whose ``plan`` is called once per batch
+and whose ``run`` once per layer, over a workspace buffer the wrapper owns (FlashInfer's API
+documentation, docs.flashinfer.ai/api/decode.html).
 
 The public functions (``iokernels.decode``, ``iokernels.attention``, :func:`.decode.decode`,
 :func:`.forward.attention`, :func:`.decode.paged_decode_pools`) keep their signatures and use
