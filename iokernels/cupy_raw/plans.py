@@ -135,11 +135,14 @@ def _window_key(window):
 
 
 def _lens_key(seq_lens):
-    """None, ("host", shape) or the device array's key."""
+    """None, ("host", shape, dtype) or the device array's key."""
     if seq_lens is None:
         return None
     a = array_key(seq_lens)
-    return a if a is not None else ("host", np.shape(seq_lens))
+    if a is not None:
+        return a
+    h = np.asarray(seq_lens)
+    return ("host", h.shape, h.dtype.str)
 
 
 _STREAMS: dict = {}
