@@ -16,8 +16,8 @@ from ..core import conventions as cv
 from ..core.arrays import Call, DeviceArray, device_array
 from . import forward as F
 from .config import CHUNK_BYTES, fit_config
-from .hopper import attention as HA
-from .hopper import records as HR
+from .hopper.attention import _check_attention_inputs
+from .hopper.records import run_attention as hopper_run_attention
 from .hopper.checks import require_available
 from .hopper.config import BLOCK_M, THREADS
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, unit_rows
@@ -63,7 +63,7 @@ class AttentionPlan:
         call.check(v, "v")
         causal = cv.check_bool(causal, "causal")
         spec, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v))
-        self.hopper = spec.launcher is HR.run_attention
+        self.hopper = spec.launcher is hopper_run_attention
         if not self.hopper and spec.launcher is not F.run_attention:
             raise NotPlanned("this version has its own launcher")
         dtype, d = info["dtype"], info["head_dim"]
@@ -74,7 +74,7 @@ class AttentionPlan:
         self.empty, self.no_keys = B * Hq * Nq == 0, Nk == 0
         qd, kd, vd = (device_array(x) for x in (q, k, v))
         if self.hopper:
-            _, scale, window, cfg = HA._check_attention_inputs(q, k, v, causal, scale, window, cfg)
+            _, scale, window, cfg = _check_attention_inputs(q, k, v, causal, scale, window, cfg)
             require_available()
             cfg.check_fits(d, device_info()["smem_optin"])
             self.acc = "float32"
