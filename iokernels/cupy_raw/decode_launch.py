@@ -112,6 +112,7 @@ class SplitStatic:
     smem_limit: int
     sms: int
     acc: type
+    blocks_per_sm: int | None = None     # the kernel's occupancy, asked of the driver once
 
 
 def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, paged, block_size, aligned, kv,
@@ -151,7 +152,9 @@ def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, pag
 
 def num_splits_for(st: SplitStatic, longest: int) -> int:
     """:func:`.policy.decode_wave_splits` for ``longest`` keys at the kernel's occupancy."""
-    return decode_wave_splits(st.batch, st.heads_kv, longest, st.sms, blocks_per_sm(st.fn, st.threads, st.base_smem),
+    if st.blocks_per_sm is None:
+        st.blocks_per_sm = blocks_per_sm(st.fn, st.threads, st.base_smem)
+    return decode_wave_splits(st.batch, st.heads_kv, longest, st.sms, st.blocks_per_sm,
                               2 * st.head_dim * C.kv_itemsize(st.dtype, st.kv))
 
 

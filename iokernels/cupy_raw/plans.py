@@ -53,6 +53,9 @@ from .registry import REGISTRY, need
 
 #: plans :data:`PLANS` keeps; the least recently used goes first
 PLAN_CACHE_ENTRIES = 64
+#: launch shapes (split count, shared memory) a plan keeps, one per longest sequence seen with
+#: host lengths; past this many they are forgotten and recomputed
+PLAN_LAUNCHES_KEPT = 256
 
 
 class NotPlanned(Exception):
@@ -277,6 +280,8 @@ class DecodePlan:
         """(splits, shared memory, table arguments) for a longest sequence of ``longest`` keys."""
         got = self._launches.get(longest)
         if got is None:
+            if len(self._launches) >= PLAN_LAUNCHES_KEPT:
+                self._launches.clear()
             S = self.num_splits or num_splits_for(self.st, longest)
             smem, table = split_dynamic(self.st, S, longest)
             got = self._launches[longest] = (S, smem, table)
