@@ -206,3 +206,6 @@ def test_a_cupy_toy_decode_needs_no_config_edit(tmp_path, monkeypatch):
     assert cr.REGISTRY.table() == before
     with pytest.raises(ValueError, match="no decode version"):
         D.DecodeConfig(CUPY_TOY)
+    bare = replace(rec, extra=dict(rec.extra, layout=None))                # a record must name its layout
+    with cr.REGISTRY.added(bare), pytest.raises(ValueError, match="record.extra: decode v98's record must name"):
+        D.DecodeConfig(CUPY_TOY)

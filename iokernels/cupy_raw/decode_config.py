@@ -160,7 +160,12 @@ def decode_facts(version: str | None) -> dict:
     for op in ("decode", "paged_decode"):
         rec = REGISTRY.find(op, version)
         if rec is not None and rec.config_class is DecodeConfig:
-            return dict(layout=rec.extra.get("layout", "plain"), reads=rec.extra.get("reads", ("16-bit",)))
+            layout, reads = rec.extra.get("layout"), rec.extra.get("reads")
+            if layout not in LAYOUTS or not reads or not set(reads) <= set(CACHE_KINDS):
+                raise ValueError(f"record.extra: decode {version}'s record must name its layout (one of "
+                                 f"{', '.join(LAYOUTS)}) and the caches it reads (of {', '.join(CACHE_KINDS)}); "
+                                 f"got layout={layout!r}, reads={reads!r}")
+            return dict(layout=layout, reads=tuple(reads))
     have = sorted({r.version for op in ("decode", "paged_decode") for r in REGISTRY.kernels(op)
                    if r.config_class is DecodeConfig})
     raise ValueError(f"config.version: no decode version {version!r}; expected one of {', '.join(have)}")

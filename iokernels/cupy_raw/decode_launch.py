@@ -122,7 +122,7 @@ def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, pag
     d, group = head_dim, heads_q // heads_kv
     defines = config.defines(d, dtype, group, paged, block_size, aligned=aligned, smem_limit=dev["smem_optin"],
                              kv=kv, cc=dev["cc"], pairs=batch * heads_kv, sms=dev["sms"])
-    layout = spec.extra.get("layout", "plain")
+    layout = C.layout_of(config.version) if "layout" not in spec.extra else spec.extra["layout"]
     ring_fused = layout in ("ring_fused", "tensor_core")
     ring_smem, sources = spec.extra.get("smem"), spec.extra.get("sources")
     defines = dict(defines, **spec.extra.get("defines", {}))
