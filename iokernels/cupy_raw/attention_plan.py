@@ -14,7 +14,7 @@ import numpy as np
 
 from ..core import conventions as cv
 from ..core.arrays import Call, DeviceArray, device_array
-from . import forward as F
+from .forward import run_attention
 from .config import CHUNK_BYTES, fit_config
 from .hopper.attention import _check_attention_inputs
 from .hopper.records import run_attention as hopper_run_attention
@@ -64,7 +64,7 @@ class AttentionPlan:
         causal = cv.check_bool(causal, "causal")
         spec, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v))
         self.hopper = spec.launcher is hopper_run_attention
-        if not self.hopper and spec.launcher is not F.run_attention:
+        if not self.hopper and spec.launcher is not run_attention:
             raise NotPlanned("this version has its own launcher")
         dtype, d = info["dtype"], info["head_dim"]
         B, Hq, Nq, Nk = info["batch"], info["heads_q"], info["seqlen_q"], info["seqlen_k"]

@@ -8,8 +8,9 @@ their own launchers through the eager path, which copies NumPy inputs in and out
 """
 from __future__ import annotations
 
-from . import decode as D
-from . import forward as F
+from .decode import decode as eager_decode
+from .decode import paged_decode_pools as eager_paged_decode_pools
+from .forward import attention as eager_attention
 from .attention_plan import cached_attention
 from .plans import cached_decode, cached_paged_decode_pools
 
@@ -17,7 +18,7 @@ from .plans import cached_decode, cached_paged_decode_pools
 def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     out = cached_attention(q, k, v, causal=causal, scale=scale, window=window, config=config)
     if out is NotImplemented:
-        return F.attention(q, k, v, causal=causal, scale=scale, window=window, config=config)
+        return eager_attention(q, k, v, causal=causal, scale=scale, window=window, config=config)
     return out
 
 
@@ -25,7 +26,7 @@ def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, 
     out = cached_decode(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=config,
                         window=window)
     if out is NotImplemented:
-        return D.decode(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=config,
+        return eager_decode(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=config,
                         window=window)
     return out
 
@@ -35,14 +36,14 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     out = cached_paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
                                     config=config, window=window, quant=quant)
     if out is NotImplemented:
-        return D.paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
+        return eager_paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
                                     config=config, window=window, quant=quant)
     return out
 
 
-attention.__doc__ = F.attention.__doc__
-decode.__doc__ = D.decode.__doc__
-paged_decode_pools.__doc__ = D.paged_decode_pools.__doc__
+attention.__doc__ = eager_attention.__doc__
+decode.__doc__ = eager_decode.__doc__
+paged_decode_pools.__doc__ = eager_paged_decode_pools.__doc__
 
 #: op -> its cached call (the public functions of :mod:`iokernels.api` ask it first)
 PLANNED = {"attention": cached_attention, "decode": cached_decode}

@@ -45,10 +45,11 @@ import numpy as np
 from ..core import api as core_api
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
-from . import decode as D
+from .decode import (_check_cache, _check_decode_q, _host, _visible, _window_left, check_paged_lengths,
+                     check_pools, run_decode)
 from . import decode_config as DC
 from .decode_launch import launch_combine, num_splits_for, pack, split_dynamic, split_static
-from .launch import cupy, device_info
+from .launch import contiguous, cupy, device_info, unit_rows
 from .registry import REGISTRY, need
 
 #: plans :data:`PLANS` keeps; the least recently used goes first
@@ -236,20 +237,20 @@ class DecodePlan:
         info, _ = core_api.check_decode(q, k, v, seq_lens if _kind(seq_lens) is None else None)
         if array_key(q) is None:
             raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
-        B, Hkv, N, d, dtype = D._check_cache(q, k, v)
+        B, Hkv, N, d, dtype = _check_cache(q, k, v)
         call = Call(q)
         call.check(k, "k")
         call.check(v, "v")
         self.num_splits = core_api.check_num_splits(num_splits)
         self.scale = cv.resolve_scale(scale, d)
-        self.left = D._window_left(window)
+        self.left = _window_left(window)
         self.lens_mode = None if seq_lens is None else ("host" if _kind(seq_lens) is None else "device")
         if self.lens_mode == "device":
             if _kind(seq_lens) != _kind(q):
                 raise NotPlanned("seq_lens: device lengths of another kind than q's")
             _device_lens(seq_lens, B)
         spec, cfg = REGISTRY.resolve("decode", config, need("decode", q=q, k=k, v=v))
-        if spec.launcher is not D.run_decode:
+        if spec.launcher is not run_decode:
             raise NotPlanned("this version has its own launcher")
         self.key = (array_key(q), array_key(k), array_key(v), _lens_key(seq_lens))
         self.B, self.Hq, self.Hkv, self.N, self.d, self.dtype = B, int(q.shape[1]), Hkv, N, d, dtype
@@ -258,9 +259,9 @@ class DecodePlan:
         self.copy_q = qd.strides != (self.Hq * d, d, 1)
         self.copy_kv = bool(kd.shape[-1] > 1 and (kd.strides[-1] != 1 or vd.strides[-1] != 1))
         if self.copy_q:
-            qd = D.unit_rows(D.contiguous(q))
+            qd = unit_rows(contiguous(q))
         if self.copy_kv:
-            kd, vd = D.unit_rows(k), D.unit_rows(v)
+            kd, vd = unit_rows(k), unit_rows(v)
         aligned = all(a.aligned(DC.CHUNK_BYTES) for a in (qd, kd, vd))
         if cfg.version != "v1" and not aligned:
             raise ValueError(f"config.version: {cfg.version} needs rows that start on 16 bytes (use 'v1')")
@@ -312,18 +313,18 @@ class DecodePlan:
         if self.empty:
             return o, lse
         if self.lens_mode == "host":
-            lens = D._host(seq_lens).astype(np.int64)
+            lens = _host(seq_lens).astype(np.int64)
             if np.any(lens < 0) or np.any(lens > self.N):
                 raise ValueError(f"seq_lens: expected {self.B} lengths in [0, {self.N}], got {lens.tolist()}")
-            longest = int(D._visible(lens, self.left).max(initial=0))
+            longest = int(_visible(lens, self.left).max(initial=0))
             lens_arg = _ptr(Call(q).constant(lens.astype(np.int32)))
         else:
             longest = int(min(self.N, self.left + 1) if self.left >= 0 else self.N)
             lens_arg = np.uint64(0) if seq_lens is None else _ptr(seq_lens)
         if self.copy_q:
-            q = D.contiguous(q)
+            q = contiguous(q)
         if self.copy_kv:
-            k, v = D.unit_rows(k).owner, D.unit_rows(v).owner
+            k, v = unit_rows(k).owner, unit_rows(v).owner
         S, smem, table = self._launch_for(longest)
         stream, sobj = _stream_of(q)
         pq, pk, pv, po, pl = _ptrs(self.alloc.torch, q, k, v, o, lse)
@@ -384,8 +385,8 @@ class PagedDecodePlan:
                  window=None):
         if array_key(q) is None:
             raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
-        nb, bs, Hkv, d, dtype = D.check_pools(k_pool, v_pool)
-        D._check_decode_q(q, Hkv, d, dtype)
+        nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
+        _check_decode_q(q, Hkv, d, dtype)
         call = Call(q)
         call.check(k_pool, "k_pool")
         call.check(v_pool, "v_pool")
@@ -401,12 +402,12 @@ class PagedDecodePlan:
             _device_lens(seq_lens, B)
             self.max_blocks = t.shape[1]
         else:
-            tables, _ = D.check_paged_lengths(block_tables, seq_lens, B, nb, bs)
+            tables, _ = check_paged_lengths(block_tables, seq_lens, B, nb, bs)
             self.max_blocks = tables.shape[1]
         self.device_tables = device_tables
         self.num_splits = core_api.check_num_splits(num_splits)
         self.scale = cv.resolve_scale(scale, d)
-        self.left = D._window_left(window)
+        self.left = _window_left(window)
         spec, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, k=k_pool, v=v_pool))
         self.key = (array_key(q), array_key(k_pool), array_key(v_pool), _lens_key(block_tables),
                     _lens_key(seq_lens))
@@ -416,9 +417,9 @@ class PagedDecodePlan:
         self.copy_q = qd.strides != (self.Hq * d, d, 1)
         self.copy_kv = bool(kd.shape[-1] > 1 and (kd.strides[-1] != 1 or vd.strides[-1] != 1))
         if self.copy_q:
-            qd = D.unit_rows(D.contiguous(q))
+            qd = unit_rows(contiguous(q))
         if self.copy_kv:
-            kd, vd = D.unit_rows(k_pool), D.unit_rows(v_pool)
+            kd, vd = unit_rows(k_pool), unit_rows(v_pool)
         aligned = all(a.aligned(DC.CHUNK_BYTES) for a in (qd, kd, vd))
         if cfg.version != "v1" and not aligned:
             raise ValueError(f"config.version: {cfg.version} needs rows that start on 16 bytes (use 'v1')")
@@ -453,18 +454,18 @@ class PagedDecodePlan:
             longest = self._capacity()
             tables_arg, lens_arg = _ptrs(self.alloc.torch, block_tables, seq_lens)
         else:
-            tables, lens = D.check_paged_lengths(block_tables, seq_lens, self.B, self.nb, self.bs)
+            tables, lens = check_paged_lengths(block_tables, seq_lens, self.B, self.nb, self.bs)
             if tables.shape[1] != self.max_blocks:
                 raise ValueError(f"block_tables: this plan was made for {self.max_blocks} blocks a sequence, got "
                                  f"{tables.shape[1]}")
-            longest = int(D._visible(lens, self.left).max(initial=0))
+            longest = int(_visible(lens, self.left).max(initial=0))
             packed = device_array(Call(q).constant(np.concatenate([lens.astype(np.int32),
                                                                    tables.astype(np.int32).ravel()])))
             lens_arg, tables_arg = packed.arg, np.uint64(packed.ptr + 4 * self.B)
         if self.copy_q:
-            q = D.contiguous(q)
+            q = contiguous(q)
         if self.copy_kv:
-            k_pool, v_pool = D.unit_rows(k_pool).owner, D.unit_rows(v_pool).owner
+            k_pool, v_pool = unit_rows(k_pool).owner, unit_rows(v_pool).owner
         S, smem, table = self._launch_for(longest)
         stream, sobj = _stream_of(q)
         pq, pk, pv, po, pl = _ptrs(self.alloc.torch, q, k_pool, v_pool, o, lse)
