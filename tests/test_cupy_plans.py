@@ -112,6 +112,11 @@ dt, dln = cupy.asarray(tables), cupy.asarray(plens)
 case("pools device tables", lambda: D.paged_decode_pools(q, *pools, dt, dln, num_splits=2),
      lambda: cr.paged_decode_pools(q, *pools, dt, dln, num_splits=2), dict(io_p, tables=dt, lens=dln))
 
+gt = cupy.asarray(np.array([3, 1, 4, 9, 0], np.int32))
+out["gather"] = launches(lambda: cr.gather_pools(*pools, gt, 70), dict(k=pools[0], v=pools[1], table=gt))
+out["gather host"] = launches(lambda: cr.gather_pools(*pools, np.array([3, 1, 4, 9, 0]), 70),
+                              dict(k=pools[0], v=pools[1], table=gt))
+
 for dtype, d in ((np.float16, 64), (np.float32, 128), (np.float64, 59)):
     aq, ak, av = arr(2, 4, 37, d, dtype=dtype), arr(2, 2, 77, d, dtype=dtype), arr(2, 2, 77, d, dtype=dtype)
     for kw in (dict(), dict(causal=True), dict(window=(5, 3), scale=0.2)):
@@ -183,9 +188,12 @@ def test_the_hopper_forward_is_planned_too(result):
     assert len(hop) == 3 and all(c["second"][0]["name"] == "fa_v5" for c in hop)
 
 
-def test_the_plans_own_lengths_and_tables_on_the_device(result):
+def test_device_lengths_and_tables_are_used_in_place(result):
     s = result["cases"]["pools device tables"]["second"][0]["args"]
     assert "tables" in s and "lens" in s                   # used in place: no host copy
+    (g,), (h,) = result["gather"], result["gather host"]
+    assert g["args"][:3] == ["k", "v", "table"] and h["args"][:3] == ["k", "v", "new"]
+    assert g["args"][3:] == h["args"][3:] and g["grid"] == h["grid"]
 
 
 def test_a_bad_call_raises_naming_the_argument_and_caches_nothing(result):
