@@ -21,6 +21,7 @@ policy.py       every choose-a-size rule (decode splits, the v4 block shape, MLA
 launch.py       the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
 forward.py      attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
 decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v5.cu
+decode_launch   the split kernels' launch: what a shape fixes, what a call packs
 gather.py       paged gather: paged_gather.cu
 hopper/         the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
 mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
