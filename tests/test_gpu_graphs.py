@@ -156,3 +156,24 @@ def test_the_second_call_of_a_shape_hits_the_plan_cache():
     assert torch.equal(o, ref_o) and torch.equal(lse, ref_lse)
     with pytest.raises(ValueError, match="q: this plan was made for"):
         plan.run(randn(3, 8, 128), k, v)
+
+
+def test_one_decode_plan_serves_every_layer_of_a_captured_step():
+    layers, B, Hq, Hkv, N, d = 4, 3, 32, 8, 2000, 128
+    qs = [randn(B, Hq, d) for _ in range(layers)]
+    ks = [randn(B, Hkv, N, d) for _ in range(layers)]
+    vs = [randn(B, Hkv, N, d) for _ in range(layers)]
+    lens = torch.tensor([2000, 5, 999], device=DEV, dtype=torch.int32)
+    plan = cr.DecodePlan(qs[0], ks[0], vs[0], seq_lens=lens)
+
+    def step():
+        return [x for i in range(layers) for x in plan.run(qs[i], ks[i], vs[i], seq_lens=lens)]
+
+    def refill(r):
+        _refill(*qs)(r)
+        lens.copy_(torch.tensor([[1, 2000, 64], [1999, 0, 1000]][r], device=DEV, dtype=torch.int32))
+    replay_equals_eager(step, refill)
+    o, lse = ik.decode(qs[1], ks[1], vs[1], seq_lens=lens, backend="cupy", return_lse=True)
+    mine = plan.run(qs[1], ks[1], vs[1], seq_lens=lens)
+    torch.cuda.synchronize()
+    assert torch.equal(o, mine[0]) and torch.equal(lse, mine[1])     # the public call runs the same plan
