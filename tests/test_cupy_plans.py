@@ -153,6 +153,20 @@ for label, fn in (("k", lambda: cr.decode(q[:, :3], k, v)), ("seq_lens", lambda:
         out["errors"][label] = str(e)
 out["unchanged"] = len(cr.PLANS) == n
 
+# under capture: host lengths are refused (a graph would bake them in), device ones pin the plan
+P = importlib.import_module("iokernels.cupy_raw.plans")
+host_plan, dev_plan = cr.DecodePlan(q, k, v, seq_lens=lens), cr.DecodePlan(q, k, v, seq_lens=dl)
+real = P._capturing
+P._capturing = lambda *a: True
+try:
+    host_plan.run(q, k, v, seq_lens=lens)
+    out["capture host"] = None
+except ValueError as e:
+    out["capture host"] = str(e)
+dev_plan.run(q, k, v, seq_lens=dl)
+P._capturing = real
+out["pinned"] = [host_plan.pinned, dev_plan.pinned]
+
 count("ik.decode", lambda: ik.decode(q, k, v, backend="cupy"))
 count("ik.attention", lambda: ik.attention(aq, ak, av, backend="cupy"))
 plan = cr.DecodePlan(q, k, v, seq_lens=dl)
@@ -201,6 +215,27 @@ def test_a_bad_call_raises_naming_the_argument_and_caches_nothing(result):
     for name, msg in errs.items():
         assert msg is not None and msg.startswith(name.split()[-1]), (name, msg)
     assert result["unchanged"]
+
+
+def test_under_capture_host_lengths_are_refused_and_device_ones_pin_the_plan(result):
+    assert result["capture host"].startswith("seq_lens: a CUDA graph reads the lengths")
+    assert result["pinned"] == [False, True]
+
+
+def test_the_plan_cache_is_bounded_and_keeps_pinned_plans():
+    from iokernels.cupy_raw.plans import PlanCache
+
+    class Plan:
+        def __init__(self, pinned=False):
+            self.pinned = pinned
+    c = PlanCache(maxsize=3)
+    c.put("a", Plan(pinned=True))
+    for key in "bcde":
+        c.put(key, Plan())
+    assert len(c) == 3 and c.get("a") is not None and c.get("b") is None and c.get("c") is None   # a is pinned
+    c.get("d")                                             # used: now the most recent
+    c.put("f", Plan())
+    assert c.get("e") is None and c.get("d") is not None and (c.hits, c.misses) == (3, 6)
 
 
 #: what a hit must not repeat: the checks, the device facts, the registry, the array views

@@ -79,10 +79,17 @@ class PlanCache:
         return plan
 
     def put(self, key, plan) -> None:
+        """Keep ``plan``; past ``maxsize`` the least recently used plan that no CUDA graph uses
+        goes (a pinned plan's workspaces are in a captured graph: freeing them would let the
+        graph write into memory handed to someone else)."""
         self.misses += 1
         self._plans[key] = plan
-        while len(self._plans) > self.maxsize:
-            self._plans.popitem(last=False)
+        if len(self._plans) > self.maxsize:
+            for old in list(self._plans):
+                if len(self._plans) <= self.maxsize:
+                    break
+                if not getattr(self._plans[old], "pinned", False):
+                    del self._plans[old]
 
     def clear(self) -> None:
         self._plans.clear()
@@ -174,6 +181,14 @@ class _NullStream:
 
     def __exit__(self, *exc):
         return False
+
+
+def _capturing(torch_kind: bool, stream_obj) -> bool:
+    """Whether the caller's current stream is capturing a CUDA graph."""
+    if torch_kind:
+        import torch
+        return bool(torch.cuda.is_current_stream_capturing())
+    return bool(getattr(stream_obj, "is_capturing", lambda: False)())
 
 
 class _Alloc:
@@ -272,6 +287,7 @@ class DecodePlan:
         self.cache_args = (*map(i64, kd.strides[:3]), *map(i64, vd.strides[:3]))
         self._launches: dict = {}
         self._ws: dict = {}
+        self.pinned = False                              # set once a CUDA graph captures a run
         if not self.empty:
             self.st = split_static(spec, cfg, batch=B, heads_q=self.Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
                                    paged=False, block_size=0, aligned=aligned, kv=None, dev=device_info())
@@ -312,6 +328,12 @@ class DecodePlan:
         lse = self.alloc.empty((self.B, self.Hq), self.acc)
         if self.empty:
             return o, lse
+        stream, sobj = _stream_of(q)
+        if not self.pinned and _capturing(self.alloc.torch, sobj):
+            if self.lens_mode == "host":
+                raise ValueError("seq_lens: a CUDA graph reads the lengths when it replays; pass them as a "
+                                 "device int32 array (host lengths are baked in at capture)")
+            self.pinned = True                          # its workspaces are in a graph from now on
         if self.lens_mode == "host":
             lens = _host(seq_lens).astype(np.int64)
             if np.any(lens < 0) or np.any(lens > self.N):
@@ -326,7 +348,6 @@ class DecodePlan:
         if self.copy_kv:
             k, v = unit_rows(k).owner, unit_rows(v).owner
         S, smem, table = self._launch_for(longest)
-        stream, sobj = _stream_of(q)
         pq, pk, pv, po, pl = _ptrs(self.alloc.torch, q, k, v, o, lse)
         with sobj:
             o_part, lse_part, counters = self._workspace(stream, S)
@@ -429,6 +450,7 @@ class PagedDecodePlan:
         self.kv_strides = tuple(np.int64(s) for s in kd.strides[:3])
         self._launches: dict = {}
         self._ws: dict = {}
+        self.pinned = False                              # set once a CUDA graph captures a run
         if not self.empty:
             self.st = split_static(spec, cfg, batch=B, heads_q=self.Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
                                    paged=True, block_size=bs, aligned=aligned, kv=None, dev=device_info())
@@ -450,6 +472,12 @@ class PagedDecodePlan:
         lse = self.alloc.empty((self.B, self.Hq), self.acc)
         if self.empty:
             return o, lse
+        stream, sobj = _stream_of(q)
+        if not self.pinned and _capturing(self.alloc.torch, sobj):
+            if not self.device_tables:
+                raise ValueError("block_tables: a CUDA graph reads the tables and lengths when it replays; pass "
+                                 "them as device int32 arrays (host ones are baked in at capture)")
+            self.pinned = True                          # its workspaces are in a graph from now on
         if self.device_tables:
             longest = self._capacity()
             tables_arg, lens_arg = _ptrs(self.alloc.torch, block_tables, seq_lens)
@@ -467,7 +495,6 @@ class PagedDecodePlan:
         if self.copy_kv:
             k_pool, v_pool = unit_rows(k_pool).owner, unit_rows(v_pool).owner
         S, smem, table = self._launch_for(longest)
-        stream, sobj = _stream_of(q)
         pq, pk, pv, po, pl = _ptrs(self.alloc.torch, q, k_pool, v_pool, o, lse)
         with sobj:
             o_part, lse_part, counters = self._workspace(stream, S)
