@@ -90,6 +90,12 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, window=
     Returns O (same kind of array and dtype as q), and LSE (batch, heads_q, seqlen_q) when
     ``return_lse``.  ``config`` is the backend's tile config (None: its default).
     """
+    fast = _core.planned(backend, "attention")      # device arrays: a cached plan (its checks ran once)
+    if fast is not None:
+        return_lse = cv.check_bool(return_lse, "return_lse")
+        out = fast(q, k, v, causal=causal, scale=scale, window=window, config=config)
+        if out is not NotImplemented:
+            return out if return_lse else out[0]
     info = cv.check_qkv(q, k, v)
     causal = cv.check_bool(causal, "causal")
     return_lse = cv.check_bool(return_lse, "return_lse")
@@ -151,6 +157,12 @@ def decode(q, k, v, num_splits: int | None = None, scale: float | None = None, b
     default).  ``window`` (left, right): the query is the last position n - 1 (bottom-right
     alignment), so it sees key j iff j >= n - 1 - left; ``right`` cannot reach past the end.
     """
+    fast = _core.planned(backend, "decode")         # device arrays: a cached plan (its checks ran once)
+    if fast is not None:
+        return_lse = cv.check_bool(return_lse, "return_lse")
+        out = fast(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=config, window=window)
+        if out is not NotImplemented:
+            return out if return_lse else out[0]
     info, lens = _core.check_decode(q, k, v, seq_lens)
     num_splits = _core.check_num_splits(num_splits)
     return_lse = cv.check_bool(return_lse, "return_lse")

@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     from iokernels import bench
     from iokernels import cupy_raw as cr
     from iokernels.cupy_raw import launch
-    dec = importlib.import_module("iokernels.cupy_raw.decode")
+    dec = importlib.import_module("iokernels.cupy_raw.decode_launch")     # where the split kernel is compiled
     source = stamped_source(launch)
     modules = {}
 

@@ -10,6 +10,7 @@ afterwards.
 """
 from __future__ import annotations
 
+import importlib
 import math
 import re
 from dataclasses import dataclass, replace
@@ -145,3 +146,66 @@ def test_without_the_toy_the_version_is_unknown(rng):
     assert TOY not in nc.REGISTRY.versions("decode")
     with pytest.raises(ValueError, match=f"no decode version '{TOY}'"):
         nc.REGISTRY.get("decode", TOY)
+
+
+# =========================================================================== the CuPy decode
+# A CuPy decode version is a .cu file, its record and its tests.  The record says which launch
+# layout the kernel has (``extra["layout"]``) and which caches it reads (``extra["reads"]``);
+# DecodeConfig asks the record, so the config module needs no edit.  Here the toy's kernel
+# file is decode_v4.cu with its kernel renamed (how a new version starts: a copy of the one
+# before), written where the record's ``extra["sources"]`` points.
+CUPY_TOY = "v98"
+
+
+def _cupy_toy(tmp_path):
+    cd = importlib.import_module("iokernels.cupy_raw.decode")     # (cupy_raw.decode is the function)
+    from iokernels.cupy_raw import launch as cl
+    from iokernels.cupy_raw.decode_config import DecodeConfig
+    src = (cl.KERNEL_DIR / "decode_v4.cu").read_text().replace("decode_split_v4", "decode_split_toy")
+    path = tmp_path / "decode_toy.cu"
+    path.write_text(src)
+    rec = Record("cupy", "decode", CUPY_TOY, "decode_toy.cu", "decode_split_toy", DecodeConfig, _cupy_run,
+                 "toy: v4's kernel under a new name", cd.check_decode_v4, 1000, cd._args_v4,
+                 dict(layout="tensor_core", reads=("16-bit",), smem=cd._smem_v4,
+                      sources={"decode_toy": str(path)}))
+    return rec
+
+
+def _cupy_run(q, k, v, *, seq_lens, num_splits, scale, config, window=None):
+    CALLS.append(config.version)
+    return "ran"
+
+
+def test_a_cupy_toy_decode_needs_no_config_edit(tmp_path, monkeypatch):
+    from iokernels import cupy_raw as cr
+    from iokernels.core.registry import Need
+    cd = importlib.import_module("iokernels.cupy_raw.decode")
+    from iokernels.cupy_raw import decode_config as D
+    with pytest.raises(ValueError, match=f"config.version: no decode version '{CUPY_TOY}'"):
+        D.DecodeConfig(CUPY_TOY)
+    rec = _cupy_toy(tmp_path)
+    CALLS.clear()
+    before = cr.REGISTRY.table()
+    with cr.REGISTRY.added(rec):
+        cfg = D.DecodeConfig(CUPY_TOY, num_warps=4, load_l1=True)      # v4's settings: the record's layout
+        assert cfg.layout == "tensor_core"
+        with pytest.raises(ValueError, match="config.unroll: a v1 setting"):
+            D.DecodeConfig(CUPY_TOY, unroll=2)
+        args = (128, "bfloat16", 4, False, 0)
+        kw = dict(smem_limit=232448, cc=90, pairs=8, sms=132)
+        assert D.DecodeConfig(CUPY_TOY).defines(*args, **kw) == D.DecodeConfig("v4").defines(*args, **kw)
+        assert D.ring_smem_bound(CUPY_TOY, 128, "bfloat16", 4) == D.ring_smem_bound("v4", 128, "bfloat16", 4)
+        assert "decode_split_toy" in cr.launch.source("decode_toy", rec.extra["sources"])
+        assert re.search(rf"^decode +{CUPY_TOY} +decode_toy.cu +1000 +toy: v4", cr.REGISTRY.version_table(), re.M)
+        assert "decode_toy" not in cr.launch.SOURCES and "decode_toy" not in cr.launch.HOPPER_SOURCES
+        monkeypatch.setattr(cd, "need", lambda op, **kw: Need(dtype="bfloat16", head_dim=128, cc=90,
+                                                              extra=dict(smem=232448, group=4, aligned16=True)))
+        q = np.zeros((2, 8, 128), np.float16)
+        k = v = np.zeros((2, 2, 16, 128), np.float16)
+        assert cr.decode(q, k, v) == "ran" and CALLS == [CUPY_TOY]          # the default: it outranks v4
+    assert cr.REGISTRY.table() == before
+    with pytest.raises(ValueError, match="no decode version"):
+        D.DecodeConfig(CUPY_TOY)
+    bare = replace(rec, extra=dict(rec.extra, layout=None))                # a record must name its layout
+    with cr.REGISTRY.added(bare), pytest.raises(ValueError, match="record.extra: decode v98's record must name"):
+        D.DecodeConfig(CUPY_TOY)

@@ -12,6 +12,10 @@ config's ``version``, or the best default that can run) and its launcher runs it
 op dispatches the same way: attention, decode, paged decode and paged gather all take
 ``config=``.
 
+A GPU backend may also hold cached calls (its package's ``PLANNED``, found by
+:func:`planned`): the public functions ask them first, and they run a plan made once per
+shape for device arrays, or return NotImplemented, and the call goes the way above.
+
 Inputs: the NumPy backends check that q, k and v are finite (a ValueError names the
 array); the GPU backends do not scan device memory, and a non-finite input gives
 non-finite output rows there.
@@ -49,6 +53,25 @@ def gpu_implements(backend: str, op: str) -> bool:
         return op in registry_of(backend).ops()
     except ImportError:
         return False
+
+
+_PLANNED: dict = {}
+
+
+def planned(backend: str, op: str) -> Callable | None:
+    """GPU backend ``backend``'s cached call of ``op`` (its package's ``PLANNED``: a plan cache
+    for device arrays that returns NotImplemented where it does not apply), or None.  Looked up
+    once per (backend, op)."""
+    if not isinstance(backend, str) or backend not in GPU_BACKENDS:
+        return None
+    fn = _PLANNED.get((backend, op), False)
+    if fn is False:
+        try:
+            fn = getattr(importlib.import_module(GPU_BACKENDS[backend]), "PLANNED", {}).get(op)
+        except ImportError:
+            fn = None
+        _PLANNED[(backend, op)] = fn
+    return fn
 
 
 class Registered:

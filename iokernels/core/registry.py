@@ -52,6 +52,8 @@ class Registry:
     def __init__(self, backend: str):
         self.backend = backend
         self._kernels: dict[tuple[str, str], Record] = {}
+        #: counts the changes of the records (a cache of resolved calls keys on it)
+        self.generation = 0
 
     def add(self, *records: Record) -> None:
         """Register ``records`` (all checked first: a bad one adds none)."""
@@ -69,6 +71,7 @@ class Registry:
             seen.add(key)
         for r in records:
             self._kernels[(r.op, r.version)] = r
+        self.generation += 1
 
     @contextlib.contextmanager
     def added(self, *records: Record) -> Iterator["Registry"]:
@@ -79,6 +82,7 @@ class Registry:
         finally:
             for r in records:
                 self._kernels.pop((r.op, r.version), None)
+            self.generation += 1
 
     # -- lookup
     def __iter__(self):
@@ -95,6 +99,10 @@ class Registry:
 
     def kernels(self, op: str | None = None) -> list[Record]:
         return [k for k in self._kernels.values() if op is None or k.op == op]
+
+    def find(self, op: str, version: str) -> Record | None:
+        """The record of (op, version), or None."""
+        return self._kernels.get((op, version))
 
     def get(self, op: str, version: str) -> Record:
         k = self._kernels.get((op, version))

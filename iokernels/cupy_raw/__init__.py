@@ -21,9 +21,13 @@ policy.py       every choose-a-size rule (decode splits, the v4 block shape, MLA
 launch.py       the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
 forward.py      attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
 decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v6.cu
+decode_launch   the split kernels' launch: what a shape fixes, what a call packs
 gather.py       paged gather: paged_gather.cu
 hopper/         the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
 mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
+plans.py        DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
+attention_plan  AttentionPlan (the portable and the Hopper forward)
+calls.py        the public attention, decode, paged_decode_pools: a cached plan, else eager
 backward.py     attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers)
 registry.py     REGISTRY (every (op, version)), need(), the checks
 sanitize.py     sanitize_cases(): every registered kernel at ragged shapes
@@ -67,16 +71,16 @@ attention_backward    v1       bwd_v1.cu        10    FlashAttention-2's backwar
 decode, paged_decode  v4       decode_v4.cu     40    v3's ring and fused combine with S = Q_g K^T and O += P
                                                       V on the tensor cores (mma.sync m16n8k16, the g query
                                                       heads as the rows of the A operand, P kept in registers)
-decode, paged_decode  v6       decode_v6.cu     35    v4 with a group of more than 16 query heads split across
-                                                      a team of warps (16 rows each) that shares each K/V tile
-                                                      of its cp.async ring: g = 32, 64 and MQA read K/V once a
-                                                      KV head
 decode, paged_decode  v3       decode_v3.cu     30    v2's ring at 8 warps x 4 stages, the combine fused into
                                                       the split kernel (the last block of a group merges),
                                                       paged block-table entries staged in SRAM
 decode, paged_decode  v1       decode.cu        10    each warp reads its key rows with plain 16-byte loads
                                                       into registers, four rows a lane in flight; decode.cu's
                                                       combine kernel merges the splits
+decode, paged_decode  v6       decode_v6.cu     5     v4 with a group of more than 16 query heads split across
+                                                      a team of warps (16 rows each) that shares each K/V tile
+                                                      of its cp.async ring: g = 32, 64 and MQA read K/V once a
+                                                      KV head
 decode, paged_decode  v2       decode_v2.cu     0     K/V tiles stream through a per-warp cp.async ring in
                                                       SRAM (copies in flight hold no registers), only
                                                       __syncwarp in the key loop
@@ -114,16 +118,28 @@ NumPy arrays are copied in and out.  bfloat16 travels as its 16-bit pattern (CuP
 bfloat16 dtype).  Rows must have unit stride on head_dim (other strides are fine);
 otherwise one copy is made.
 
-Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`) and
-the fused decode combine's counters (v3 to v6) are the only state the package holds.
+Plan once, run many times
+-------------------------
+For device arrays, :func:`attention`, :func:`decode` and :func:`paged_decode_pools` (and
+``iokernels.attention`` / ``iokernels.decode`` with ``backend="cupy"``) keep a plan per shape
+in :data:`PLANS` (:mod:`.plans`): the checks, the version, the compiled kernel, the split
+count and the workspaces are settled on the first call of a shape, and later calls compare
+one key and launch.  :class:`DecodePlan`, :class:`PagedDecodePlan` and
+:class:`AttentionPlan` are the same plans made by hand, for loops (one plan per decode step,
+reused by every layer).  With device lengths and block tables, a plan's ``run`` neither
+synchronizes the host nor copies host memory, so it can be captured in a CUDA graph.
+
+Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`), the plans
+(:data:`PLANS`, each with its workspaces) and the eager path's fused-combine counters (v3 to
+v6) are the only state the package holds.
 """
 from .config import BackwardConfig, ForwardConfig, GatherConfig, MLADecodeConfig, fit_config  # noqa: F401
 from .decode_config import (DecodeConfig, decode_v2_geometry, decode_v2_smem, decode_v3_smem,  # noqa: F401
                             decode_v4_smem, decode_v5_smem)
 from .launch import KERNEL_DIR, SOURCES, device_info, source  # noqa: F401
 from .registry import REGISTRY, need  # noqa: F401
-from .forward import attention, launch_attention, nonmatmul_budget, v2_registers  # noqa: F401
-from .decode import decode, launch_decode, paged_decode, paged_decode_pools  # noqa: F401
+from .forward import launch_attention, nonmatmul_budget, v2_registers  # noqa: F401
+from .decode import launch_decode, paged_decode  # noqa: F401
 from .policy import decode_wave_splits, mla_num_splits, split_cost  # noqa: F401
 from .gather import gather_pools, launch_gather, paged_gather  # noqa: F401
 from .backward import attention_backward  # noqa: F401
@@ -131,3 +147,6 @@ from . import hopper  # noqa: F401  (its records rank above the portable version
 from . import mla  # noqa: F401
 from .mla import mla_decode, paged_mla_decode  # noqa: F401
 from .sanitize import sanitize_cases  # noqa: F401
+from .plans import PLANS, DecodePlan, PagedDecodePlan, PlanCache  # noqa: F401
+from .attention_plan import AttentionPlan  # noqa: F401
+from .calls import PLANNED, attention, decode, paged_decode_pools  # noqa: F401

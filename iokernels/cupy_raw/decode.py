@@ -32,7 +32,7 @@ s_K, s_V a quantized block's scales: a stored code c stands for c * s
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -41,18 +41,13 @@ from ..core.arrays import Call, device_array
 from ..core.records import Record
 from . import decode_config as C
 from .decode_config import DecodeConfig
-from .launch import (blocks_per_sm, contiguous, cupy, current_stream_ptr, device_info, function, on_stream, round_up,
-                     unit_rows)
+from .decode_launch import (COMBINE_MAX_THREADS, COUNTERS_MIN, V3_COMPILE_SMEM, SplitArgs,  # noqa: F401
+                            _args_v1, _args_v2, _args_v3, _args_v4, _args_v5, _smem_v3, _smem_v4, _smem_v5,
+                            launch_combine, num_splits_for, pack, split_dynamic, split_static)
+from .launch import contiguous, current_stream_ptr, device_info, on_stream, unit_rows
 from .decode_v6_config import check_decode_v6, decode_v6_smem
-from .policy import decode_wave_splits
 from .registry import (REGISTRY, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
                        check_decode_v5, need)
-#: threads a block of decode.cu's combine: one per element of a row, up to this many
-COMBINE_MAX_THREADS = 256
-#: at least this many counters are allocated, so a workspace is rarely regrown
-COUNTERS_MIN = 1024
-#: v3's kernel is compiled with at least this much dynamic shared memory opted in
-V3_COMPILE_SMEM = 48 * 1024
 
 
 #: decode v5 (a quantized cache) rounds P' = P s_V / sigma (<= 1) to float16: a relative
@@ -71,19 +66,32 @@ def v5_rounding_bound(v_hat_max: float, keys) -> np.ndarray:
 
 #: decode v3's fused-combine counters: one int32 workspace per (device, stream), zero between
 #: calls (the last block of each group sets its counter back to 0).  Keyed by stream so two
-#: streams never share counts; the only state here besides the compiled modules.
+#: streams never share counts; allocated by the caller's library and zeroed on its stream.
+#: (A :class:`~iokernels.cupy_raw.plans.DecodePlan` owns its own.)
 _DECODE_COUNTERS: dict = {}
 
 
-def _decode_counters(n: int):
-    """At least ``n`` zeroed int32 counters for decode v3 on the current device and stream
-    (the caller's: the launch runs inside :func:`.launch.on_stream`)."""
-    cp = cupy()
-    key = (cp.cuda.Device().id, current_stream_ptr())
+def _decode_counters(n: int, like):
+    """At least ``n`` zeroed int32 counters for decode v3 on ``like``'s device and the current
+    stream (the caller's: the launch runs inside :func:`.launch.on_stream`), allocated by
+    ``like``'s library."""
+    dev = getattr(like, "device", None)
+    key = (type(like), getattr(dev, "id", getattr(dev, "index", None)), current_stream_ptr())
     buf = _DECODE_COUNTERS.get(key)
-    if buf is None or buf.size < n:
-        buf = cp.zeros(max(n, COUNTERS_MIN), dtype=np.int32)     # zeroed once, on this stream
+    if buf is None or device_array(buf).size < n:
+        buf = zeroed(Call(like, name="o"), max(n, COUNTERS_MIN))
         _DECODE_COUNTERS[key] = buf
+    return buf
+
+
+def zeroed(call, n: int):
+    """``n`` int32 zeros from ``call``'s library, zeroed on the current stream (a memset
+    kernel: no host copy)."""
+    buf = call.empty((n,), "int32")
+    if hasattr(buf, "zero_"):
+        buf.zero_()
+    else:
+        buf.fill(0)
     return buf
 
 
@@ -323,65 +331,10 @@ def _offset(a, start: int, shape: tuple):
 
 
 
-# --------------------------------------------------------------------------- the split kernels
-@dataclass(frozen=True)
-class SplitArgs:
-    """One launch's kernel arguments, grouped as the kernels' parameter lists are:
-    head (Q, K, V), cache (a contiguous cache's 6 strides, or a paged one's block table,
-    its width and the pool's 3 strides), table (a paged ring's staged-table capacity and SRAM
-    offset; empty for a contiguous cache), scales (a quantized cache's K_scale, V_scale and
-    their strides; empty for a 16-bit one), tail (lengths, nk, heads, scale, splits, the
-    window, the partials), counters (the fused combine's), out (O, LSE)."""
-
-    head: tuple
-    cache: tuple
-    table: tuple
-    scales: tuple
-    tail: tuple
-    counters: tuple
-    out: tuple
-
-
-def _args_v1(a: SplitArgs) -> tuple:      # decode.cu: decode_split
-    return (*a.head, *a.cache, *a.scales, *a.tail, *a.out)
-
-
-def _args_v2(a: SplitArgs) -> tuple:      # decode_v2.cu: decode_split_v2 (16-bit caches only)
-    return (*a.head, *a.cache, *a.tail, *a.out)
-
-
-def _args_v3(a: SplitArgs) -> tuple:      # decode_v3.cu: decode_split_v3
-    return (*a.head, *a.cache, *a.table, *a.scales, *a.tail, *a.counters, *a.out)
-
-
-def _args_v4(a: SplitArgs) -> tuple:      # decode_v4.cu: decode_split_v4 (16-bit caches only)
-    return (*a.head, *a.cache, *a.table, *a.tail, *a.counters, *a.out)
-
-
-def _args_v5(a: SplitArgs) -> tuple:      # decode_v5.cu: decode_split_v5 (quantized paged caches only)
-    return (*a.head, *a.cache, *a.table, *a.scales, *a.tail, *a.counters, *a.out)
-
-
-def _smem_v3(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0):
-    return C.decode_v3_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"], defines["NUM_WARPS"],
-                            num_splits, fused, table_cap, kv)
-
-
-def _smem_v4(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0):
-    # the swizzled rows are allocated exactly: the L1 beside the SRAM keeps the rest
-    return C.decode_v4_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"], defines["NUM_WARPS"],
-                            num_splits, fused, table_cap, swizzled=C.decode_v4_swizzled(d))
-
-
 def _smem_v6(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0):
     # decode_v6.cu: the teams' rings (swizzled rows allocated exactly, as v4)
     return decode_v6_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"], defines["NUM_WARPS"],
                           num_splits, fused, table_cap, swizzled=C.decode_v4_swizzled(d))
-
-
-def _smem_v5(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0):
-    return C.decode_v5_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"], defines["NUM_WARPS"],
-                            num_splits, fused, table_cap, kv)
 
 
 # --------------------------------------------------------------------------- the launch
@@ -414,65 +367,21 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
         raise ValueError("q: decode needs a contiguous (batch, heads_q, head_dim) q")
     if config.version is None:
         raise ValueError("config.version: launch_decode needs a resolved config (REGISTRY.resolve)")
-    group = Hq // Hkv
-    block_size = paged[1] if paged is not None else 0
     aligned = all(a.aligned(C.CHUNK_BYTES) for a in (qd, kd, vd))
     if config.version != "v1" and not aligned:
         raise ValueError(f"config.version: {config.version} needs rows that start on 16 bytes (use 'v1')")
-    dev = device_info()
     longest = nk if longest is None else longest
-    kv = None if quant is None else quant["kv"]
-    defines = config.defines(d, dtype, group, paged is not None, block_size, aligned=aligned,
-                             smem_limit=dev["smem_optin"], kv=kv, cc=dev["cc"], pairs=B * Hkv, sms=dev["sms"])
     spec = kernel or REGISTRY.get("paged_decode" if paged is not None else "decode", config.version)
-    ring_fused, ring_smem, sources = (spec.extra.get(x) for x in ("ring_fused", "smem", "sources"))
-    defines = dict(defines, **spec.extra.get("defines", {}))
-    threads = 32 * defines["NUM_WARPS"]
-    fused = bool(defines.get("FUSED", 0))
-    if ring_fused:
-        # compiled once per defines; its SRAM is sized a launch (at least the rings)
-        base_smem, _ = ring_smem(d, dtype, group, defines, kv)
-        if base_smem > dev["smem_optin"]:
-            raise ValueError(f"config: decode {config.version} with {defines['NUM_WARPS']} warps x "
-                             f"{defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs "
-                             f"{base_smem:,} B of shared memory a block at "
-                             f"head_dim={d} ({dtype}), more than this GPU's {dev['smem_optin']:,} (fewer stages, "
-                             f"warps or tile rows)")
-        fn = function(spec.file, spec.kernel, defines, max(base_smem, V3_COMPILE_SMEM), sources=sources)
-    elif config.version == "v2":
-        base_smem = C.decode_v2_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"])
-        if base_smem > dev["smem_optin"]:
-            raise ValueError(f"config: decode v2 with {defines['STAGES']} stages x {defines['TILE_ROWS']} rows needs "
-                             f"{base_smem:,} B of shared memory a block, more than this GPU's {dev['smem_optin']:,}")
-        fn = function(spec.file, spec.kernel, defines, base_smem, sources=sources)
-    else:
-        base_smem = 0
-        fn = function(spec.file, spec.kernel, defines, sources=sources)
-    if num_splits is None:
-        num_splits = decode_wave_splits(B, Hkv, longest, dev["sms"], blocks_per_sm(fn, threads, base_smem),
-                                        2 * d * C.kv_itemsize(dtype, kv))
-    S = int(num_splits)
-    smem, table = base_smem, ()
-    if ring_fused:
-        table_cap = 0
-        if paged is not None:
-            per_split = -(-max(longest, 1) // S)
-            want = -(-per_split // block_size) + 1          # a split may straddle one more page
-            table_cap = want if want <= C.DECODE_V3_TABLE_CAP else 0
-        smem, table_offset = ring_smem(d, dtype, group, defines, kv, S, fused, table_cap)
-        if smem > dev["smem_optin"]:
-            raise ValueError(f"config: decode {config.version} needs {smem:,} B of shared memory a block, more "
-                             f"than this GPU's {dev['smem_optin']:,} (fewer stages, smaller tiles or more splits)")
-        if smem > V3_COMPILE_SMEM:
-            fn.max_dynamic_shared_size_bytes = int(smem)
-        if paged is not None:
-            table = (np.int32(table_cap), np.int32(table_offset))
-    acc = np.float64 if dtype == "float64" else np.float32
+    st = split_static(spec, config, batch=B, heads_q=Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
+                      paged=paged is not None, block_size=paged[1] if paged is not None else 0, aligned=aligned,
+                      kv=None if quant is None else quant["kv"], dev=device_info())
+    S = int(num_splits) if num_splits is not None else num_splits_for(st, longest)
+    smem, table = split_dynamic(st, S, longest)
     i32, i64 = np.int32, np.int64
     if S > 1:
         scratch = Call(o.owner, name="o")
-        o_part = device_array(scratch.empty((S, B, Hq, d), np.dtype(acc).name))
-        lse_part = device_array(scratch.empty((S, B, Hq), np.dtype(acc).name))
+        o_part = device_array(scratch.empty((S, B, Hq, d), np.dtype(st.acc).name))
+        lse_part = device_array(scratch.empty((S, B, Hq), np.dtype(st.acc).name))
         parts = (o_part.arg, lse_part.arg)
     else:
         parts = (np.uint64(0), np.uint64(0))           # unused by the kernel when S == 1
@@ -484,21 +393,19 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     scales = () if quant is None else (quant["k_scale"].arg, quant["v_scale"].arg, i32(quant["scale_blk"]),
                                        i32(quant["scale_head"]))
     lens_arg = device_array(lens_d).arg if lens_d is not None else np.uint64(0)
-    counters = _decode_counters(B * Hkv) if fused and S > 1 else np.uint64(0)
-    a = SplitArgs(head=(qd.arg, kd.arg, vd.arg), cache=cache, table=table, scales=scales,
-                  tail=(lens_arg, i32(nk), i32(Hq), i32(Hkv), acc(scale), i32(S), i32(window_left), *parts),
-                  counters=(counters,), out=(o.arg, lse.arg))
-    fn((S, Hkv, B), (threads,), spec.args(a), shared_mem=smem)
-    if S > 1 and not fused:                            # decode.cu's combine
-        comb = function("decode", "decode_combine",
-                        config.combine_defines(d, dtype, group, paged is not None, block_size, aligned))
-        comb((B * Hq,), (min(COMBINE_MAX_THREADS, round_up(d, 32)),),
-             (o_part.arg, lse_part.arg, i32(S), i32(B * Hq), o.arg, lse.arg))
+    counters = device_array(_decode_counters(B * Hkv, o.owner)).arg if st.fused and S > 1 else np.uint64(0)
+    args = pack(st, S, table, q=qd.arg, k=kd.arg, v=vd.arg, cache=cache, scales=scales, lens=lens_arg, nk=nk,
+                scale=scale, window_left=window_left, parts=parts, counters=counters, o=o.arg, lse=lse.arg)
+    st.fn((S, Hkv, B), (st.threads,), args, shared_mem=smem)
+    if S > 1 and not st.fused:                         # decode.cu's combine
+        launch_combine(st, S, o_part.arg, lse_part.arg, o.arg, lse.arg)
 
 
 # --------------------------------------------------------------------------- the records
 def _records(version, file, kernel, args, check, rank, summary, ops=("decode", "paged_decode"), **extra):
-    """One version's records: the same kernel over a contiguous cache and a paged one."""
+    """One version's records: the same kernel over a contiguous cache and a paged one.
+    ``extra`` holds what DecodeConfig reads (:func:`.decode_config.decode_facts`: ``layout``,
+    the caches it ``reads``) and what the launch reads (``smem``: the SRAM of a ring-fused layout)."""
     return tuple(Record("cupy", op, version, file, kernel, DecodeConfig,
                         run_decode if op == "decode" else run_paged_decode, summary, check, rank, args, extra)
                  for op in ops)
@@ -510,28 +417,29 @@ def _records(version, file, kernel, args, check, rank, summary, ops=("decode", "
 RECORDS = (
     *_records("v1", "decode.cu", "decode_split", _args_v1, check_decode_v1, 10,
               "each warp reads its key rows with plain 16-byte loads into registers, four rows a lane in "
-              "flight; decode.cu's combine kernel merges the splits"),
+              "flight; decode.cu's combine kernel merges the splits", layout="plain", reads=("16-bit", "codes")),
     *_records("v2", "decode_v2.cu", "decode_split_v2", _args_v2, check_decode_v2, 0,
               "K/V tiles stream through a per-warp cp.async ring in SRAM (copies in flight hold no "
-              "registers), only __syncwarp in the key loop"),
+              "registers), only __syncwarp in the key loop", layout="ring", reads=("16-bit",)),
     *_records("v3", "decode_v3.cu", "decode_split_v3", _args_v3, check_decode_v3, 30,
               "v2's ring at 8 warps x 4 stages, the combine fused into the split kernel (the last block of "
-              "a group merges), paged block-table entries staged in SRAM", ring_fused=True, smem=_smem_v3),
+              "a group merges), paged block-table entries staged in SRAM",
+              layout="ring_fused", reads=("16-bit", "codes"), smem=_smem_v3),
     *_records("v4", "decode_v4.cu", "decode_split_v4", _args_v4, check_decode_v4, 40,
               "v3's ring and fused combine with S = Q_g K^T and O += P V on the tensor cores (mma.sync "
               "m16n8k16, the g query heads as the rows of the A operand, P kept in registers)",
-              ring_fused=True, smem=_smem_v4),
+              layout="tensor_core", reads=("16-bit",), smem=_smem_v4),
     # v5 reads quantized caches, which are paged only
     *_records("v5", "decode_v5.cu", "decode_split_v5", _args_v5, check_decode_v5, 50,
               "v4 reading a quantized paged cache as it is stored: 1-byte codes turned into float16 "
               "tensor-core operands in registers, the per-key scales applied to S's and P's columns",
-              ops=("paged_decode",), ring_fused=True, smem=_smem_v5),
+              ops=("paged_decode",), layout="tensor_core", reads=("codes",), smem=_smem_v5),
     # v6 ranks below every version that runs its shapes: it runs when asked for by name
     # (config=DecodeConfig("v6")) and becomes a default once compute-sanitizer's racecheck is
     # clean on it (it reports hazards on the ring the team of warps shares); its arguments are v4's
     *_records("v6", "decode_v6.cu", "decode_split_v6", _args_v4, check_decode_v6, 5,
               "v4 with a group of more than 16 query heads split across a team of warps (16 rows each) that "
               "shares each K/V tile of its cp.async ring: g = 32, 64 and MQA read K/V once a KV head",
-              ring_fused=True, smem=_smem_v6),
+              layout="tensor_core", reads=("16-bit",), smem=_smem_v6),
 )
 REGISTRY.add(*RECORDS)

@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..core import conventions as cv
-from .config_checks import check_positive, check_version
-from .launch import DTYPE_IDS, round_up
+from .config_checks import check_positive
+from .launch import DTYPE_IDS, REGISTRY, round_up
 # the choose-a-size rules and their constants (re-exported: the config's readers use them)
 from .policy import (DECODE_MAX_SPLITS, DECODE_MIN_KEYS_PER_SPLIT, DECODE_SATURATING_FRACTION,  # noqa: F401
                      DECODE_V4_PAIRS_SPLIT_BLOCK, DECODE_WAVE_COST_BYTES, decode_v4_block_warps)
@@ -37,31 +37,30 @@ __all__ = [
     "DECODE_V4_L1_MAX_RING", "DECODE_V4_MAX_GROUP", "DECODE_V4_MAX_HEAD_DIM", "DECODE_V4_MIN_BLOCKS",
     "DECODE_V4_PAIRS_SPLIT_BLOCK", "DECODE_V4_SMALL_WARPS", "DECODE_V4_STAGES", "DECODE_V4_TILE_ROWS",
     "DECODE_V4_WARPS", "DECODE_V5_HEAD_DIMS", "DECODE_V5_TILE_ROWS", "DECODE_V5_WIDE_MAX_DIM",
-    "DECODE_VERSIONS", "DECODE_WARPS", "DECODE_WAVE_COST_BYTES", "DecodeConfig", "GROUP_TEAMS", "KV_QUANT_IDS",
-    "MAX_ROW_CHUNKS", "MIN_STAGES", "MMA_K", "QUANT_UNIT_BYTES", "RING_FUSED", "TENSOR_CORE",
-    "V4_ROW_PAD_BYTES", "V5_SCALE_BYTES", "decode_v2_geometry", "decode_v2_smem", "decode_v3_smem",
-    "decode_v4_smem", "decode_v4_swizzled", "decode_v5_smem", "kv_itemsize", "ring_smem_bound", "tc_smem",
-    "v4_limits", "VERSION_RULES",
+    "DECODE_WARPS", "DECODE_WAVE_COST_BYTES", "DecodeConfig", "KV_QUANT_IDS",
+    "CACHE_KINDS", "LAYOUTS", "MAX_ROW_CHUNKS", "MIN_STAGES", "MMA_K", "QUANT_UNIT_BYTES",
+    "V4_ROW_PAD_BYTES", "V5_SCALE_BYTES", "VERSION_RULES", "code_readers", "decode_facts", "decode_v2_geometry",
+    "decode_v2_smem", "decode_v3_smem", "decode_v4_smem", "decode_v4_swizzled", "decode_v5_smem", "kv_itemsize",
+    "layout_of", "ring_smem_bound", "tc_smem", "v4_limits",
 ]
 
 #: the k depth of one m16n8k16 tensor-core step (decode v4 / v5 tile rows and head dims are
 #: multiples of it)
 MMA_K = 16
 # --------------------------------------------------------------------------- decode constants
-#: the versions DecodeConfig describes
-DECODE_VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
-#: the versions with v3's launch (SRAM sized a launch, the staged block table, the fused
-#: combine), and those of them on the tensor cores
-RING_FUSED = ("v3", "v4", "v5", "v6")
-TENSOR_CORE = ("v4", "v5")
-#: the tensor-core version whose group is split across teams of warps (decode_v6_config.py)
-GROUP_TEAMS = ("v6",)
+#: the launch layouts a decode version's record names (``extra["layout"]``), which fix the
+#: settings its config takes and the defines it is compiled with: "plain" (decode.cu: rows
+#: into registers, decode.cu's combine), "ring" (decode_v2.cu: a per-warp cp.async ring),
+#: "ring_fused" (decode_v3.cu: the ring with the fused combine, SRAM sized a launch, the staged
+#: block table), "tensor_core" (decode_v4.cu, decode_v5.cu: the ring-fused launch with the
+#: group's products on the tensor cores).  A record also says which caches its kernel reads
+#: (``extra["reads"]``: "16-bit", "codes"; -DKV_QUANT for a kernel that reads codes)
+LAYOUTS = ("plain", "ring", "ring_fused", "tensor_core")
+CACHE_KINDS = ("16-bit", "codes")
 #: versions whose ring depth and defines live in their own module, which registers them here
 #: on import ({"stages": fn(config, head_dim, group, smem_limit), "defines": fn(config, base,
 #: head_dim, dtype, group, smem_limit, kv, cc)}; decode_v6_config.py: "v6")
 VERSION_RULES: dict = {}
-#: the versions whose kernels read a quantized cache's codes (-DKV_QUANT; None resolves as v1)
-READS_CODES = (None, "v1", "v3", "v5")
 #: decode v1 and v2: 4 warps a block; each v1 sub-group keeps UNROLL rows of K and V in
 #: flight; the compiler is asked to fit DECODE_MIN_BLOCKS blocks an SM (__launch_bounds__)
 DECODE_WARPS = 4
@@ -151,6 +150,41 @@ DECODE_V5_WIDE_MAX_DIM = 128
 V5_SCALE_BYTES = 4
 
 
+# =========================================================================== the records' facts
+#: what a version without a record (None: the registry's default, resolved per call) is built as
+_NONE_FACTS = dict(layout="plain", reads=CACHE_KINDS)
+
+
+def decode_facts(version: str | None) -> dict:
+    """The facts DecodeConfig reads from decode ``version``'s record (the contiguous or the
+    paged one): ``layout`` (one of LAYOUTS) and ``reads`` (CACHE_KINDS it reads).  A
+    ValueError naming config.version for a version no record has."""
+    if version is None:
+        return _NONE_FACTS
+    for op in ("decode", "paged_decode"):
+        rec = REGISTRY.find(op, version)
+        if rec is not None and rec.config_class is DecodeConfig:
+            layout, reads = rec.extra.get("layout"), rec.extra.get("reads")
+            if layout not in LAYOUTS or not reads or not set(reads) <= set(CACHE_KINDS):
+                raise ValueError(f"record.extra: decode {version}'s record must name its layout (one of "
+                                 f"{', '.join(LAYOUTS)}) and the caches it reads (of {', '.join(CACHE_KINDS)}); "
+                                 f"got layout={layout!r}, reads={reads!r}")
+            return dict(layout=layout, reads=tuple(reads))
+    have = sorted({r.version for op in ("decode", "paged_decode") for r in REGISTRY.kernels(op)
+                   if r.config_class is DecodeConfig})
+    raise ValueError(f"config.version: no decode version {version!r}; expected one of {', '.join(have)}")
+
+
+def code_readers() -> list[str]:
+    """The paged decode versions whose records say they read a quantized cache's codes."""
+    return sorted(r.version for r in REGISTRY.kernels("paged_decode") if "codes" in r.extra.get("reads", ()))
+
+
+def layout_of(version: str | None) -> str:
+    """The launch layout of decode ``version`` (None: "plain", as v1)."""
+    return decode_facts(version)["layout"]
+
+
 # =========================================================================== decode
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -160,12 +194,10 @@ class DecodeConfig:
     cp.async ring of K/V tiles in SRAM), "v3" (decode_v3.cu: v2's ring with the combine
     fused into the split kernel, 8 warps x 4 stages), "v4" (decode_v4.cu: v3's ring and
     combine with the GQA group's products on the tensor cores, 16-bit caches; limits:
-    :func:`v4_limits`), "v5" (decode_v5.cu: v4 reading a quantized paged cache's 1-byte
-    codes; head dims DECODE_V5_HEAD_DIMS) or "v6" (decode_v6.cu: v4 with a group of more than
-    16 query heads split across teams of warps; :mod:`.decode_v6_config`); None: the registry's
-    default (v5 for a quantized cache where it applies, v4 for a 16-bit one, v6 for a 16-bit
-    one whose group v4 refuses, else v3 where its rows and ring fit, else
-    v1).  v2 to v6 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned.
+    :func:`v4_limits`) or "v5" (decode_v5.cu: v4 reading a quantized paged cache's 1-byte
+    codes; head dims DECODE_V5_HEAD_DIMS); None: the registry's default (v5 for a quantized
+    cache where it applies, v4 for a 16-bit one, else v3 where its rows and ring fit, else
+    v1).  v2 to v5 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned.
     stages (v2 to v5): the ring depth (>= 2; None: DECODE_V2_STAGES, or DECODE_V3_STAGES /
     DECODE_V4_STAGES made shallower until the ring fits).  tile_rows (v2 to v5): key rows a
     tile (v2, v3: a multiple of the rows a warp reads side by side, None: about
@@ -191,27 +223,33 @@ class DecodeConfig:
     load_l1: bool | None = None
 
     def __post_init__(self):
-        check_version(self, DECODE_VERSIONS)
+        layout = layout_of(self.version)                    # the record's facts, or a ValueError
         check_positive(self, ("stages", "tile_rows", "num_warps", "min_blocks", "unroll"))
         if self.stages is not None and self.stages < MIN_STAGES:
             raise ValueError(f"config.stages: must be at least 2 (one tile used, one in flight), got {self.stages}")
         if self.num_warps not in (None, *DECODE_V3_WARP_CHOICES):
             raise ValueError(f"config.num_warps: must be 4 or 8 (v3), got {self.num_warps}")
-        if self.num_warps not in (None, DECODE_WARPS) and self.version not in (None, *RING_FUSED):
+        sized = self.version is None or layout in ("ring_fused", "tensor_core")
+        if self.num_warps not in (None, DECODE_WARPS) and not sized:
             raise ValueError(f"config.num_warps: a v3 / v4 / v5 setting; version {self.version!r} runs {DECODE_WARPS}")
         if not isinstance(self.fused, bool):
             raise ValueError(f"config.fused: must be True or False, got {self.fused!r}")
         ring = ("stages", "tile_rows")
         for name in ring:
-            if self.version == "v1" and getattr(self, name) is not None:
-                raise ValueError(f"config.{name}: a setting of the v2/v3 ring; version 'v1' has none")
-        if self.unroll is not None and self.version not in (None, "v1"):
+            if self.version is not None and layout == "plain" and getattr(self, name) is not None:
+                raise ValueError(f"config.{name}: a setting of the v2/v3 ring; version {self.version!r} has none")
+        if self.unroll is not None and self.version is not None and layout != "plain":
             raise ValueError(f"config.unroll: a v1 setting; version {self.version!r} streams a ring")
         if self.load_l1 is not None:
             if not isinstance(self.load_l1, bool):
                 raise ValueError(f"config.load_l1: must be True, False or None, got {self.load_l1!r}")
-            if self.version not in (None, *TENSOR_CORE, *GROUP_TEAMS):
+            if self.version is not None and layout != "tensor_core":
                 raise ValueError(f"config.load_l1: a v4 / v5 / v6 setting; version {self.version!r} copies around L1")
+
+    @property
+    def layout(self) -> str:
+        """This version's launch layout (its record's ``extra["layout"]``; None: "plain")."""
+        return layout_of(self.version)
 
     def replace(self, **changes) -> "DecodeConfig":
         return replace(self, **changes)
@@ -219,7 +257,7 @@ class DecodeConfig:
     # -- v2 / v3: the ring
     def ring_warps(self) -> int:
         """v2's / v3's warps a block (v4's depend on the SRAM: :meth:`_v4_warps`)."""
-        return (self.num_warps or DECODE_V3_WARPS) if self.version == "v3" else DECODE_WARPS
+        return (self.num_warps or DECODE_V3_WARPS) if self.layout == "ring_fused" else DECODE_WARPS
 
     def ring_stages(self, head_dim: int, dtype: str, group: int, smem_limit: int | None = None,
                     kv: str | None = None) -> int:
@@ -230,9 +268,10 @@ class DecodeConfig:
             return self.stages
         if self.version in VERSION_RULES:
             return VERSION_RULES[self.version]["stages"](self, head_dim, group, smem_limit)
-        if self.version in TENSOR_CORE:
+        layout = self.layout
+        if layout == "tensor_core":
             return self._v4_stages(head_dim, dtype, group, smem_limit, kv)
-        if self.version != "v3":
+        if layout != "ring_fused":
             return DECODE_V2_STAGES
         rows = decode_v2_geometry(head_dim, dtype, self.tile_rows, kv)["tile_rows"]
         top = DECODE_V3_STAGES if kv is None else DECODE_V3_QUANT_STAGES
@@ -254,19 +293,22 @@ class DecodeConfig:
         ``pairs``, ``sms``: the batch's (b, kv head) pairs and the GPU's SMs (v4's block size
         default, DECODE_V4_PAIRS_SPLIT_BLOCK; None: 8-warp blocks)."""
         d = head_dim
-        if kv is not None and (not paged or self.version == "v2"):
-            raise ValueError(f"kv_dtype: a {kv} cache is read by the paged decode of versions v1, v3 and v5, "
-                             f"not {'a contiguous cache' if not paged else 'version v2'}")
+        facts = decode_facts(self.version)
+        layout = facts["layout"]
+        if kv is not None and (not paged or (layout != "tensor_core" and "codes" not in facts["reads"])):
+            raise ValueError(f"kv_dtype: a {kv} cache is read by the paged decode of versions "
+                             f"{', '.join(code_readers())}, not "
+                             f"{'a contiguous cache' if not paged else 'version ' + str(self.version)}")
         base = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=d, GROUP=group, PAGED=int(paged))
-        if self.version in READS_CODES:                  # the kernels that can read codes: which (0: none)
+        if "codes" in facts["reads"]:                    # the kernels that can read codes: which (0: none)
             base["KV_QUANT"] = KV_QUANT_IDS[kv]
         if paged:
             base["BLOCK_SIZE"] = block_size
         if self.version in VERSION_RULES:
             return VERSION_RULES[self.version]["defines"](self, base, d, dtype, group, smem_limit, kv, cc)
-        if self.version in TENSOR_CORE:
+        if layout == "tensor_core":
             return self._v4_defines(base, d, dtype, group, smem_limit, kv, cc, pairs, sms)
-        if self.version in (None, "v1"):
+        if layout == "plain":
             itemsize = kv_itemsize(dtype, kv)
             load = CHUNK_BYTES if kv is None else QUANT_UNIT_BYTES
             vec = int((d * itemsize) % load == 0 and d * itemsize <= MAX_ROW_CHUNKS * load and aligned)
@@ -277,7 +319,7 @@ class DecodeConfig:
             raise ValueError(f"config.version: {self.version} needs rows of whole 16-byte chunks, at most "
                              f"{MAX_ROW_CHUNKS}; head_dim={d} ({kv or dtype}) is not (use version 'v1')")
         stages = self.ring_stages(d, dtype, group, smem_limit, kv)
-        if self.version == "v2":
+        if layout == "ring":
             return dict(base, NUM_WARPS=DECODE_WARPS, STAGES=stages, TILE_ROWS=geo["tile_rows"],
                         DECODE_MIN_BLOCKS=self.min_blocks or DECODE_V2_MIN_BLOCKS)
         nw = self.ring_warps()
@@ -471,11 +513,12 @@ def ring_smem_bound(version: str, head_dim: int, dtype: str, group: int, num_war
     plus, for v3 to v5, the fused combine's weights at DECODE_MAX_SPLITS and a full staged
     block table.  A registry check compares it with the GPU's limit.  ``kv``: a quantized
     cache's code format (its rows are d bytes)."""
-    if version in TENSOR_CORE:
+    layout = layout_of(version)
+    if layout == "tensor_core":
         return tc_smem(head_dim, dtype, group, stages, DecodeConfig(version).v4_tile_rows(head_dim, kv),
                        num_warps or DECODE_V4_SMALL_WARPS, DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP, kv)[0]
     rows = decode_v2_geometry(head_dim, dtype, None, kv)["tile_rows"]
-    if version == "v2":
+    if layout == "ring":
         return decode_v2_smem(head_dim, dtype, group, stages, rows)
     return decode_v3_smem(head_dim, dtype, group, stages, rows, num_warps or DECODE_V3_WARPS,
                           DECODE_MAX_SPLITS, True, DECODE_V3_TABLE_CAP, kv)[0]
@@ -497,12 +540,14 @@ def v4_limits(dtype: str, head_dim: int, group: int) -> str | None:
 
 
 def _v5_cache(version: str, head_dim: int, kv: str | None) -> str | None:
-    """Why ``version`` (v4 or v5) does not read a cache of code format ``kv`` (None: 16-bit)."""
-    if version == "v4" and kv is not None:
+    """Why tensor-core ``version`` does not read a cache of code format ``kv`` (None: 16-bit),
+    from the caches its record says it reads; a reader of codes takes DECODE_V5_HEAD_DIMS."""
+    reads = decode_facts(version)["reads"]
+    if kv is not None and "codes" not in reads:
         return f"kv_dtype: reads 16-bit caches; a {kv} cache is read by v5"
-    if version == "v5" and kv is None:
+    if kv is None and "16-bit" not in reads:
         return "kv_dtype: reads a quantized cache's 1-byte codes (int8 or float8_e4m3fn); v4 reads 16-bit caches"
-    if version == "v5" and head_dim not in DECODE_V5_HEAD_DIMS:
+    if kv is not None and head_dim not in DECODE_V5_HEAD_DIMS:
         return (f"kv_dtype: reads {kv} codes at head dims {', '.join(map(str, DECODE_V5_HEAD_DIMS))} "
                 f"(the swizzle of its unpadded 1-byte rows), got {head_dim}; v3 reads the rest")
     return None

@@ -34,7 +34,11 @@ def gather_pools(k_pool, v_pool, block_table, seq_len, *, config=None):
     """Paged gather: pools (num_blocks, bs, Hkv, d) + a block table -> contiguous (Hkv, n, d) K, V.
 
     Device pools (CuPy / torch CUDA) give device outputs of the same kind, with no copy of
-    the pools; NumPy pools are copied in and the result copied out.
+    the pools; NumPy pools are copied in and the result copied out.  ``block_table``: host
+    ids (checked, uploaded once per distinct content) or, with device pools, a device int32
+    array used in place where it is contiguous int32 (its values are not read on the host: keep
+    them in the pool), which makes the call capturable in a CUDA graph and lets the table change
+    between replays.
     """
     check_pools(k_pool, v_pool)
     _, cfg = REGISTRY.resolve("paged_gather", config, need("paged_gather", k=k_pool, v=v_pool))
@@ -46,20 +50,31 @@ def _gather(k_pool, v_pool, block_table, seq_len, config):
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 0:
         raise ValueError(f"seq_len: expected an integer >= 0, got {seq_len!r}")
     seq_len = int(seq_len)
-    table = _host(block_table)
     want = -(-seq_len // bs)
-    if table.ndim != 1 or (table.size and table.dtype.kind not in "iu") or table.size < want:
-        raise ValueError(f"block_table: expected at least {want} integer block ids for {seq_len} tokens, "
-                         f"got shape {table.shape} dtype {table.dtype}")
-    table = table[:want]
-    _check_tables(table[None], np.array([seq_len]), nb, bs, "block_table")
     call = Call(k_pool, name="k_pool")
+    device_table = not isinstance(block_table, (np.ndarray, list, tuple)) and call.kind != "numpy"
+    if device_table:
+        # a contiguous int32 device table is used in place (graph-safe: no host copy, no host read
+        # of its values); any other is read on the host and checked there
+        call.check(block_table, "block_table")
+        t = device_array(block_table)
+        device_table = len(t.shape) == 1 and t.dtype == "int32" and t.shape[0] >= want and t.c_contiguous()
+    if not device_table:
+        table = _host(block_table)
+        if table.ndim != 1 or (table.size and table.dtype.kind not in "iu") or table.size < want:
+            raise ValueError(f"block_table: expected at least {want} integer block ids for {seq_len} tokens, "
+                             f"got shape {table.shape} dtype {table.dtype}")
+        table = table[:want]
+        _check_tables(table[None], np.array([seq_len]), nb, bs, "block_table")
     with on_stream(call.stream_ptr()):
         # the gather reads pools as contiguous (num_blocks, block_size, Hkv, d): any other is copied
         kp = device_array(contiguous(call.to_device(k_pool, "k_pool")))
         vp = device_array(contiguous(call.to_device(v_pool, "v_pool")))
         k_out, v_out = call.empty((hkv, seq_len, d), dtype), call.empty((hkv, seq_len, d), dtype)
-        t_d = call.constant(table.astype(np.int32) if len(table) else np.zeros(1, np.int32))
+        if device_table:
+            t_d = block_table
+        else:
+            t_d = call.constant(table.astype(np.int32) if len(table) else np.zeros(1, np.int32))
         launch_gather(kp, vp, t_d, k_out, v_out, seq_len, config=config)
     return call.finish(k_out, dtype), call.finish(v_out, dtype)
 

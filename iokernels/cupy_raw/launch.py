@@ -11,17 +11,57 @@ import contextlib
 import functools
 import pathlib
 import re
+from collections.abc import Mapping
 
+from ..core.registry import Registry
+
+#: the CuPy backend's records, keyed by (op, version): filled by the family modules
+#: (:mod:`.registry` re-exports it with the checks)
+REGISTRY = Registry("cupy")
 #: where the CUDA C++ sources live (this package's kernels/ folder)
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
-#: the Hopper kernel files (sm_90a only: compiled with :data:`HOPPER_OPTIONS`)
-HOPPER_FILES = ("fa_v3", "fa_v4", "fa_v5", "hopper_gemm", "mla_decode")
-#: every portable kernel file, by name, found in kernels/ (tests/test_cupy_compile.py compiles
-#: each one for every arch); :data:`HOPPER_SOURCES` the Hopper ones
-SOURCES = {p.stem: p.name for p in sorted(KERNEL_DIR.glob("*.cu")) if p.stem not in HOPPER_FILES}
-HOPPER_SOURCES = {p.stem: p.name for p in sorted(KERNEL_DIR.glob("*.cu")) if p.stem in HOPPER_FILES}
 #: NVRTC options of the Hopper kernels (wgmma, setmaxnreg need sm_90a)
 HOPPER_OPTIONS = ("-arch=sm_90a",)
+#: the record-less sm_90a files (the GEMM is a ceiling to compare with, not a registered op);
+#: every other Hopper file is a record's whose ``extra["options"]`` is HOPPER_OPTIONS
+HOPPER_UNRECORDED = ("hopper_gemm",)
+
+
+def hopper_files() -> frozenset:
+    """The stems of the sm_90a kernel files: those of the records compiled with
+    HOPPER_OPTIONS, and HOPPER_UNRECORDED."""
+    return frozenset({r.file.removesuffix(".cu") for r in REGISTRY if r.extra.get("options") == HOPPER_OPTIONS}
+                     | set(HOPPER_UNRECORDED))
+
+
+class KernelFiles(Mapping):
+    """The kernel files in kernels/ by stem (``hopper``: the sm_90a ones, else the portable
+    ones), read from the records when asked (so a new record's file is in the right table)."""
+
+    def __init__(self, hopper: bool):
+        self.hopper = hopper
+
+    def _table(self) -> dict:
+        hop = hopper_files()
+        return {p.stem: p.name for p in sorted(KERNEL_DIR.glob("*.cu")) if (p.stem in hop) == self.hopper}
+
+    def __getitem__(self, name):
+        return self._table()[name]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self):
+        return len(self._table())
+
+    def __repr__(self):
+        return f"KernelFiles({self._table()!r})"
+
+
+#: every portable kernel file, by name, found in kernels/ (tests/test_cupy_compile.py compiles
+#: each one for every arch); :data:`HOPPER_SOURCES` the Hopper ones
+SOURCES = KernelFiles(hopper=False)
+HOPPER_SOURCES = KernelFiles(hopper=True)
 #: -DIK_DTYPE values (base.cuh, shared by the portable and the Hopper kernels)
 DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 #: above this much dynamic shared memory a kernel must opt in to more (48 KB less the

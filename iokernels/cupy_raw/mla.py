@@ -120,10 +120,18 @@ def _check_pool(q, pool, block_tables, seq_lens):
     return B, Hq, page, tables, lens, dtype
 
 
-def _lens(seq_lens, B, N):
+def _lens(seq_lens, B, N, like=None):
+    """Host lengths (checked), a contiguous device int32 (B,) array of ``like``'s kind (used in
+    place; its values are not read on the host), or None.  Other device lengths are read on
+    the host."""
     if seq_lens is None:
         return None
     from .decode import _host
+    if like is not None and not isinstance(seq_lens, (np.ndarray, list, tuple)) and Call(like).kind != "numpy":
+        Call(like).check(seq_lens, "seq_lens")
+        a = device_array(seq_lens)
+        if a.shape == (B,) and a.dtype == "int32" and a.c_contiguous():
+            return a                                   # else: read on the host, checked below
     lens = _host(seq_lens).astype(np.int64)
     if lens.shape != (B,) or np.any(lens < 0) or np.any(lens > N):
         raise ValueError(f"seq_lens: expected {B} lengths in [0, {N}], got {lens.tolist()}")
@@ -158,7 +166,7 @@ def split_plan(longest: int, num_splits: int) -> tuple[int, int]:
 def run_mla_decode(q, kv, *, seq_lens, num_splits, scale, config):
     """MLA decode over a contiguous latent cache with a resolved config: (O, LSE) of q's kind."""
     B, Hq, N, dtype = _check_cache(q, kv)
-    lens = _lens(seq_lens, B, N)
+    lens = _lens(seq_lens, B, N, like=q)
     return _run(q, kv, lens, None, dtype=dtype, nk=N, scale=scale, num_splits=num_splits, config=config)
 
 
@@ -194,9 +202,11 @@ def _run(q, kv, lens, paged, *, dtype, nk, scale, num_splits, config):
         qd = call.to_device(q, "q")
         kvd = call.to_device(kv, "pool" if paged else "kv")
         o, lse = call.empty((B, Hq, C.MLA_LATENT), dtype), call.empty((B, Hq), "float32")
-        lens_d = None if lens is None else call.constant(lens.astype(np.int32))
+        if isinstance(lens, np.ndarray):
+            lens_d, longest = call.constant(lens.astype(np.int32)), int(lens.max(initial=0))
+        else:                                          # None, or device lengths: planned for all nk rows
+            lens_d, longest = lens, nk
         tables_d = None if paged is None else call.constant(paged[0].astype(np.int32))
-        longest = nk if lens is None else int(lens.max(initial=0))
         launch_mla(qd, kvd, lens_d, o, lse, dtype=dtype, scale=scale, num_splits=num_splits, longest=longest,
                    nk=nk, paged=None if paged is None else (tables_d, paged[1]), config=config)
     return call.finish(o, dtype), call.finish(lse, "float32")
@@ -280,7 +290,8 @@ def launch_mla(qd, kvd, lens_d, o, lse, *, dtype, scale, num_splits=None, longes
 RECORDS = (
     Record("cupy", "mla_decode", "v1", "mla_decode.cu", "mla_decode", MLADecodeConfig, run_mla_decode,
            "Hopper: wgmma S = Q C^T with Q resident, a 2-stage TMA ring of 64 cache rows, P via SRAM, O split "
-           "over two warpgroups; split-KV with decode.cu's combine", check_v1, 10, kernel_args),
+           "over two warpgroups; split-KV with decode.cu's combine", check_v1, 10, kernel_args,
+           dict(options=HOPPER_OPTIONS)),
 )
 REGISTRY.add(*RECORDS)
 

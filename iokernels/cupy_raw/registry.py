@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from ..core import conventions as cv
 from ..core.arrays import DeviceArray, device_array
-from ..core.registry import Need, Registry
+from ..core.registry import Need
 from . import config as C
 from . import decode_config as D
-from .launch import cupy_ok, device_info
+from .launch import REGISTRY, cupy_ok, device_info
 
-REGISTRY = Registry("cupy")
+__all__ = ["REGISTRY", "need"]
 
 #: compute capability (x 10) from which bfloat16 and cp.async exist
 CC_AMPERE = 80

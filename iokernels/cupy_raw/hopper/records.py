@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ...core.records import Record
+from ..launch import HOPPER_OPTIONS
 from ..registry import REGISTRY
 from .attention import attention, attention_args
 from .checks import check
@@ -15,7 +16,7 @@ def run_attention(q, k, v, *, causal, scale, window, config):
 
 def _record(version, rank, summary):
     return Record("cupy", "attention", version, f"fa_{version}.cu", f"fa_{version}", HopperConfig, run_attention,
-                  summary, check, rank, attention_args)
+                  summary, check, rank, attention_args, dict(options=HOPPER_OPTIONS))
 
 
 #: ranked above every portable attention version (so on Hopper the default is the best of

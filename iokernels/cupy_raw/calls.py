@@ -1,0 +1,49 @@
+"""The CuPy backend's public calls: a cached plan for device arrays, the eager path otherwise.
+
+Each function keeps the signature (and the docstring) of its eager implementation in
+:mod:`.decode` / :mod:`.forward`; device arrays (torch CUDA, CuPy) go through
+:data:`.plans.PLANS` (a hit checks one key and launches), NumPy arrays and versions with
+their own launchers through the eager path, which copies NumPy inputs in and out.
+:data:`PLANNED` is what :mod:`iokernels.api` asks first for ``backend="cupy"``.
+"""
+from __future__ import annotations
+
+from .decode import decode as eager_decode
+from .decode import paged_decode_pools as eager_paged_decode_pools
+from .forward import attention as eager_attention
+from .attention_plan import cached_attention
+from .plans import cached_decode, cached_paged_decode_pools
+
+
+def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
+    out = cached_attention(q, k, v, causal=causal, scale=scale, window=window, config=config)
+    if out is NotImplemented:
+        return eager_attention(q, k, v, causal=causal, scale=scale, window=window, config=config)
+    return out
+
+
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
+    out = cached_decode(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=config,
+                        window=window)
+    if out is NotImplemented:
+        return eager_decode(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=config,
+                        window=window)
+    return out
+
+
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None,
+                       window=None, quant=None):
+    out = cached_paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
+                                    config=config, window=window, quant=quant)
+    if out is NotImplemented:
+        return eager_paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
+                                    config=config, window=window, quant=quant)
+    return out
+
+
+attention.__doc__ = eager_attention.__doc__
+decode.__doc__ = eager_decode.__doc__
+paged_decode_pools.__doc__ = eager_paged_decode_pools.__doc__
+
+#: op -> its cached call (the public functions of :mod:`iokernels.api` ask it first)
+PLANNED = {"attention": cached_attention, "decode": cached_decode}

@@ -1,0 +1,179 @@
+"""Every GPU op of the CuPy backend captured in a CUDA graph replays bit for bit like eager calls.
+
+For attention, decode, paged decode, paged gather, the backward and MLA decode: the call is
+warmed up on a side stream (what ``torch.cuda.graph`` asks for: plans, compiled kernels and
+workspaces exist before capture), captured under ``torch.cuda.graph``, then the inputs are
+rewritten in place and the graph replayed; its outputs must equal, bit for bit, an eager
+call on the same inputs.  Paged decode and the gather read block tables that are rewritten
+in place between replays (as vLLM's decode steps do).  The captured calls run with torch's
+sync debug mode set to "error": a call that synchronized the host would raise.  Skipped
+without torch CUDA and CuPy.
+"""
+import importlib
+
+import numpy as np
+import pytest
+
+import iokernels as ik
+from iokernels import cupy_raw as cr
+from iokernels import gpu
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not (gpu.cupy_gpu() and gpu.torch_gpu()), reason="needs CuPy and torch CUDA")]
+mla = importlib.import_module("iokernels.cupy_raw.mla")
+DEV = "cuda"
+
+
+def capture(fn, warmup: int = 2):
+    """(graph, the outputs its replays write) of ``fn``, warmed up on a side stream first and
+    captured on it (so the plans' workspaces for that stream exist before capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(g, stream=side):
+            out = fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return g, out
+
+
+def replay_equals_eager(fn, refill, rounds: int = 2):
+    """Capture ``fn``, then ``rounds`` times: ``refill()`` rewrites the inputs in place, the graph
+    replays, and its outputs equal an eager ``fn()`` bit for bit."""
+    g, out = capture(fn)
+    for r in range(rounds):
+        refill(r)
+        g.replay()
+        want = fn()
+        torch.cuda.synchronize()
+        for got, ref in zip(out, want):
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            assert torch.equal(got, ref), f"round {r}: the replay differs from the eager call"
+
+
+def randn(*shape, dtype=torch.float16):
+    return torch.randn(*shape, device=DEV, dtype=dtype)
+
+
+def _refill(*tensors):
+    def refill(r):
+        gen = torch.Generator(device=DEV).manual_seed(100 + r)
+        for t in tensors:
+            t.copy_(torch.randn(t.shape, device=DEV, generator=gen, dtype=torch.float32).to(t.dtype))
+    return refill
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_replays_like_eager(dtype, causal):
+    q, k, v = randn(2, 8, 300, 64, dtype=dtype), randn(2, 4, 300, 64, dtype=dtype), randn(2, 4, 300, 64, dtype=dtype)
+    replay_equals_eager(lambda: ik.attention(q, k, v, causal=causal, backend="cupy", return_lse=True),
+                        _refill(q, k, v))
+
+
+@pytest.mark.parametrize("config", [None, cr.DecodeConfig("v1"), cr.DecodeConfig("v3"),
+                                    cr.DecodeConfig("v3", fused=False)])
+def test_decode_replays_like_eager(config):
+    q, k, v = randn(4, 32, 128), randn(4, 8, 3000, 128), randn(4, 8, 3000, 128)
+    lens = torch.tensor([3000, 17, 0, 1500], device=DEV, dtype=torch.int32)
+
+    def refill(r):
+        _refill(q, k, v)(r)
+        lens.copy_(torch.tensor([[5, 3000, 2999, 1], [0, 64, 3000, 700]][r], device=DEV, dtype=torch.int32))
+    replay_equals_eager(lambda: ik.decode(q, k, v, seq_lens=lens, backend="cupy", return_lse=True, config=config),
+                        refill)
+
+
+def test_paged_decode_replays_like_eager_with_tables_changed_in_place():
+    B, Hq, Hkv, d, bs, per = 3, 16, 4, 128, 16, 12
+    nb = B * per + 5
+    q, kp, vp = randn(B, Hq, d), randn(nb, bs, Hkv, d), randn(nb, bs, Hkv, d)
+    rng = np.random.default_rng(0)
+    tables = torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32)
+    lens = torch.tensor([per * bs, 100, 1], device=DEV, dtype=torch.int32)
+
+    def refill(r):
+        _refill(q)(r)
+        tables.copy_(torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32))
+        lens.copy_(torch.tensor([[7, per * bs, 33], [per * bs - 1, 0, 150]][r], device=DEV, dtype=torch.int32))
+    replay_equals_eager(lambda: cr.paged_decode_pools(q, kp, vp, tables, lens), refill)
+
+
+def test_paged_gather_replays_like_eager_with_the_table_changed_in_place():
+    bs, Hkv, d, n = 16, 4, 64, 200
+    nb = 40
+    kp, vp = randn(nb, bs, Hkv, d), randn(nb, bs, Hkv, d)
+    rng = np.random.default_rng(1)
+    table = torch.tensor(rng.permutation(nb)[:-(-n // bs)], device=DEV, dtype=torch.int32)
+
+    def refill(r):
+        _refill(kp, vp)(r)
+        table.copy_(torch.tensor(rng.permutation(nb)[:len(table)], device=DEV, dtype=torch.int32))
+    replay_equals_eager(lambda: cr.gather_pools(kp, vp, table, n), refill)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_backward_replays_like_eager(dtype):
+    q, k, v = randn(2, 8, 200, 64, dtype=dtype), randn(2, 2, 200, 64, dtype=dtype), randn(2, 2, 200, 64, dtype=dtype)
+    o, lse = ik.attention(q, k, v, causal=True, backend="cupy", return_lse=True)
+    do = randn(*q.shape, dtype=dtype)
+    cfg = cr.BackwardConfig(deterministic=True)          # the atomic adds' order is not fixed
+    replay_equals_eager(lambda: ik.attention_backward(do, q, k, v, o, lse, causal=True, backend="cupy", config=cfg),
+                        _refill(do, q, k, v))
+
+
+@pytest.mark.skipif(not gpu.cupy_gpu() or cr.hopper.available() is not None, reason="MLA decode needs Hopper")
+def test_mla_decode_replays_like_eager():
+    B, Hq, N = 2, 128, 1000
+    q, kv = randn(B, Hq, mla.ROW, dtype=torch.bfloat16), randn(B, N, mla.ROW, dtype=torch.bfloat16)
+    lens = torch.tensor([1000, 333], device=DEV, dtype=torch.int32)
+
+    def refill(r):
+        _refill(q, kv)(r)
+        lens.copy_(torch.tensor([[1, 1000], [640, 65]][r], device=DEV, dtype=torch.int32))
+    replay_equals_eager(lambda: cr.mla_decode(q, kv, seq_lens=lens), refill)
+
+
+def test_the_second_call_of_a_shape_hits_the_plan_cache():
+    q, k, v = randn(2, 8, 128), randn(2, 2, 1000, 128), randn(2, 2, 1000, 128)
+    ik.decode(q, k, v, backend="cupy")
+    n, hits = len(cr.PLANS), cr.PLANS.hits
+    for _ in range(3):
+        ik.decode(randn(2, 8, 128), k, v, backend="cupy")      # new arrays, the same shape
+    assert len(cr.PLANS) == n and cr.PLANS.hits == hits + 3
+    plan = cr.DecodePlan(q, k, v)
+    o, lse = plan.run(q, k, v)
+    ref_o, ref_lse = ik.decode(q, k, v, backend="cupy", return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(o, ref_o) and torch.equal(lse, ref_lse)
+    with pytest.raises(ValueError, match="q: this plan was made for"):
+        plan.run(randn(3, 8, 128), k, v)
+
+
+def test_one_decode_plan_serves_every_layer_of_a_captured_step():
+    layers, B, Hq, Hkv, N, d = 4, 3, 32, 8, 2000, 128
+    qs = [randn(B, Hq, d) for _ in range(layers)]
+    ks = [randn(B, Hkv, N, d) for _ in range(layers)]
+    vs = [randn(B, Hkv, N, d) for _ in range(layers)]
+    lens = torch.tensor([2000, 5, 999], device=DEV, dtype=torch.int32)
+    plan = cr.DecodePlan(qs[0], ks[0], vs[0], seq_lens=lens)
+
+    def step():
+        return [x for i in range(layers) for x in plan.run(qs[i], ks[i], vs[i], seq_lens=lens)]
+
+    def refill(r):
+        _refill(*qs)(r)
+        lens.copy_(torch.tensor([[1, 2000, 64], [1999, 0, 1000]][r], device=DEV, dtype=torch.int32))
+    replay_equals_eager(step, refill)
+    o, lse = ik.decode(qs[1], ks[1], vs[1], seq_lens=lens, backend="cupy", return_lse=True)
+    mine = plan.run(qs[1], ks[1], vs[1], seq_lens=lens)
+    torch.cuda.synchronize()
+    assert torch.equal(o, mine[0]) and torch.equal(lse, mine[1])     # the public call runs the same plan
