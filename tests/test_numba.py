@@ -574,20 +574,15 @@ def test_default_versions_per_operation_and_the_strided_fallback(rng):
         nc.decode(qd, ks, vs, seq_lens=lens, config=DecodeConfig(version="v3"))
 
 
-def test_even_splits_give_every_split_the_same_tiles():
-    from iokernels.numba_cuda.decode import EVEN_SPLIT_SLACK, MAX_SPLITS, default_num_splits, even_splits
-    for s0 in (1, 5, 37, 56, 100, 128):
-        for tiles in (1, 13, 64, 1000, 2048, 4099):
-            s = even_splits(s0, tiles)
-            assert 1 <= s <= MAX_SPLITS
-            if s != s0:                                  # moved only to an even split, nearby
-                assert tiles % s == 0 and abs(s - s0) <= EVEN_SPLIT_SLACK * s0
-            nearer = [t for t in range(1, MAX_SPLITS + 1) if tiles % t == 0 and abs(t - s0) < abs(s - s0)
-                      and abs(t - s0) <= EVEN_SPLIT_SLACK * s0]
-            assert not nearer or tiles % s0 == 0
+def test_default_num_splits_is_the_policy_rule_at_this_device():
+    """decode.default_num_splits adds the SM count to policy.numba_decode_splits (the rule and
+    its tests: tests/test_numba_policy.py)."""
+    from iokernels.numba_cuda import policy
+    from iokernels.numba_cuda.decode import default_num_splits
     assert default_num_splits(1, 8, 32768, 16) == 64     # 56 by occupancy, 64 divides 2048 tiles
-    v1 = default_num_splits(1, 8, 32768, 16, "v1")
-    assert v1 != 64 or 2048 % v1 == 0
+    for version in ("v1", "v2", "v3"):
+        assert default_num_splits(3, 8, 5000, 16, version) == policy.numba_decode_splits(
+            3, 8, 5000, 16, ln.num_sms(), policy.DECODE_SLOTS_PER_SM[version], version in policy.DECODE_EVEN_SPLITS)
 
 
 # --------------------------------------------------------------------------- registry, defaults, host side

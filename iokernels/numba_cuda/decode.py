@@ -86,11 +86,12 @@ import math
 import numpy as np
 
 from ..core import conventions as cv
-from ..decode import DEFAULT_BLOCK_N, MAX_SPLITS, occupancy_splits
+from ..decode import DEFAULT_BLOCK_N, MAX_SPLITS
 from . import decode_v3 as d3
 from .decode_v3 import split_range_dev, visible_first_dev
 from . import launch as ln
 from .config import SHARED_LIMIT_BYTES, DecodeConfig, acc_dtype
+from .policy import DECODE_EVEN_SPLITS, DECODE_SLOTS_PER_SM, lanes_per_row, numba_decode_splits
 from .device import WORD_BYTES, make_group_merge, make_lane_sum, make_unpack, warp_mask, word_layout
 from .launch import cuda
 import numba  # noqa: E402
@@ -117,23 +118,9 @@ COMBINE_THREADS = 128
 #: partial outputs O_s a combine thread loads before it adds them up (the loop over s is
 #: unrolled by this much, so the loads overlap; rolled, each load waits for the one before).
 COMBINE_UNROLL = 8
-#: the num_splits=None heuristic counts this many resident blocks per SM as "SMs" for v1:
-#: one 4-warp block per SM cannot keep enough loads in flight to stream HBM.
-RESIDENT_BLOCKS_PER_SM = 8
-#: ... and for the v2 / v3 split kernels, whose larger register counts fit 2-3 blocks an
-#: SM: 4 slots give one and a half to two waves of blocks.
-RESIDENT_BLOCKS_PER_SM_V3 = 4
-#: ... then rounded to a split count that divides the key tiles evenly, within this fraction
-#: (no straggler split holding up the combine).
-EVEN_SPLIT_SLACK = 0.25
-
-
 def lanes_for(head_dim: int) -> int:
     """v1's lanes per key: LANES_PER_KEY, fewer for small d (at least one dim per lane)."""
-    L = LANES_PER_KEY
-    while L > 1 and L > head_dim:
-        L //= 2
-    return L
+    return lanes_per_row(LANES_PER_KEY, head_dim)
 
 
 # --------------------------------------------------------------------------- split v1
@@ -435,10 +422,7 @@ def lanes_v2(head_dim, dtype, word_name, config=None):
     than lanes."""
     epw = np.dtype(word_name).itemsize // np.dtype(dtype).itemsize
     words = -(-head_dim // epw)
-    L = (config.lanes_per_key if config is not None else None) or LANES_PER_KEY_V2
-    while L > 1 and L > words:
-        L //= 2
-    return L
+    return lanes_per_row((config.lanes_per_key if config is not None else None) or LANES_PER_KEY_V2, words)
 
 
 def split_smem_bytes(config: DecodeConfig, head_dim: int, g: int, dtype: str, word_name: str,
@@ -491,25 +475,13 @@ def combine_kernel_function(head_dim, dtype):
 
 
 # --------------------------------------------------------------------------- split counts
-@functools.lru_cache(maxsize=1024)
 def default_num_splits(batch, heads_kv, max_len, block_n, version="v3") -> int:
-    """decode.occupancy_splits, counting the split kernel's block slots per SM
-    (RESIDENT_BLOCKS_PER_SM for v1, RESIDENT_BLOCKS_PER_SM_V3 for v2 and v3, whose split
-    count is then made even); cached, since a decode loop asks for the same shapes."""
-    if version == "v1":
-        return occupancy_splits(batch, heads_kv, max_len, ln.num_sms() * RESIDENT_BLOCKS_PER_SM,
-                                    block_n=block_n)
-    s0 = occupancy_splits(batch, heads_kv, max_len, ln.num_sms() * RESIDENT_BLOCKS_PER_SM_V3, block_n=block_n)
-    return even_splits(s0, -(-max_len // block_n))
-
-
-def even_splits(s0: int, tiles: int, slack: float = EVEN_SPLIT_SLACK) -> int:
-    """The split count within ``slack`` (a fraction) of ``s0`` that gives every split the same
-    number of key tiles (no straggler holding up the combine), the nearest one; ``s0`` when
-    none does."""
-    lo, hi = max(1, math.ceil(s0 * (1 - slack))), min(MAX_SPLITS, math.floor(s0 * (1 + slack)))
-    even = [s for s in range(lo, hi + 1) if tiles % s == 0]
-    return min(even, key=lambda s: (abs(s - s0), s)) if even else s0
+    """The ``num_splits=None`` split count of split kernel ``version``: the rule is
+    :func:`.policy.numba_decode_splits` (its slots per SM and evenness from
+    :data:`.policy.DECODE_SLOTS_PER_SM`, :data:`.policy.DECODE_EVEN_SPLITS`); this adds the
+    device's SM count."""
+    return numba_decode_splits(int(batch), int(heads_kv), int(max_len), int(block_n), ln.num_sms(),
+                               DECODE_SLOTS_PER_SM[version], version in DECODE_EVEN_SPLITS)
 
 
 def resolve_splits(num_splits, B, Hkv, max_len, block_n, version):
