@@ -12,6 +12,7 @@ registry       REGISTRY (every (op, version)), ``need``, the dispatching functio
 forward        FlashAttention forward v1-v4
 decode         Flash-Decoding split kernels v1, v2, the combine, the decode launchers
 decode_v3      split kernel v3
+decode_v4      split kernel v4 (16-byte loads)
 gather         the paged gather v1, v3
 device         device functions the versions share (lane sums, word loads, the group merge)
 launch         jit cache, the caller's stream, device views, constants uploaded once
@@ -40,6 +41,9 @@ attention_backward    v1       numba_cuda/backward.py   1     FlashAttention-2's
                                                               dK/dV in registers over the GQA group, P
                                                               recomputed from LSE, dQ by atomics or
                                                               deterministic partials
+decode, paged_decode  v4       numba_cuda/decode_v4.py  4     v3 with 16-byte loads (two words by one vector
+                                                              load): half the lanes a key, so half the lane
+                                                              sums and softmax work a key
 decode, paged_decode  v3       numba_cuda/decode_v3.py  3     software-pipelined word loads, reduce-scatter
                                                               lane sums, flat raw-pointer loads
 decode, paged_decode  v1       numba_cuda/decode.py     2     a key's dims over L lanes, element loads, split

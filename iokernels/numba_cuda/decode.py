@@ -53,6 +53,10 @@ The versions of the split kernel (``DecodeConfig(version=...)``):
   next step's words are loaded before this step's math; a reduce-scatter lane sum needs
   far fewer shuffles; flat raw-pointer addressing; over a paged cache, one block-table
   lookup per key group and step instead of one per key (``paged_addressing="page"``).
+* **v4** (the default for C-contiguous float16 / float32 K/V whose rows are whole 16-byte
+  pairs, :mod:`.decode_v4`) v3 with 16-byte loads: a lane reads two words with one vector
+  load, so a key needs half the lanes, and the lane sums and the online softmax that each
+  of a key's lanes repeats cost half as much per key.
 
 Host side of a call: every buffer (O, LSE, O_s, LSE_s) comes from the caller's library
 through :class:`iokernels.core.arrays.Call` (torch's caching allocator for a torch caller),
@@ -88,6 +92,7 @@ import numpy as np
 from ..core import conventions as cv
 from ..decode import DEFAULT_BLOCK_N, MAX_SPLITS
 from . import decode_v3 as d3
+from . import decode_v4 as d4
 from .decode_v3 import split_range_dev, visible_first_dev
 from . import launch as ln
 from .config import SHARED_LIMIT_BYTES, DecodeConfig, acc_dtype
@@ -437,6 +442,8 @@ def split_smem_bytes(config: DecodeConfig, head_dim: int, g: int, dtype: str, wo
     elif config.version == "v2":
         dpad, kg, stage = _padded(head_dim, dtype, word_name, lanes_v2(head_dim, dtype, word_name, config)), \
             KEY_GROUPS_V2, TABLE_STAGE_V2
+    elif config.version == "v4":
+        return d4.split_v4_smem_bytes(config, head_dim, g, dtype)
     else:
         L, _, kg = d3.split_v3_tiling(head_dim, store or dtype, word_name, config)
         dpad, stage = _padded(head_dim, store or dtype, word_name, L), d3.TABLE_STAGE_V3
@@ -557,12 +564,18 @@ def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     scale = cv.resolve_scale(scale, d)
     Hkv = int(k.shape[2] if paged else k.shape[1])
     acc = acc_dtype(dtype)
-    if paged and cfg.version == "v3":
+    if paged and cfg.version in ("v3", "v4"):
         d3.paged_addressing(cfg, block_n, left)           # an explicit "page" that cannot run raises
     dq, dk, dv = (ln.device_in(call, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    if cfg.version == "v3" and not all(ln.c_contiguous(x) for x in (dk, dv)):
-        raise ValueError("k, v: decode v3 reads the cache through flat views and needs C-contiguous K and V "
-                         "(call .contiguous() / np.ascontiguousarray, or use v1 or v2)")
+    if cfg.version in ("v3", "v4") and not all(ln.c_contiguous(x) for x in (dk, dv)):
+        raise ValueError(f"k, v: decode {cfg.version} reads the cache through flat views and needs C-contiguous "
+                         "K and V (call .contiguous() / np.ascontiguousarray, or use v1 or v2)")
+    if cfg.version == "v4":
+        why = d4.pair_reason(dtype, d) if quant is None else f"a {quant['kv']} cache is read by split kernel v3"
+        if why is None and not all(ln.aligned(x, WORD_BYTES) for x in (dk, dv)):
+            why = "K and V do not start on an 8-byte boundary (v3 reads them element by element)"
+        if why is not None:
+            raise ValueError(f"config.version: {why}")
     store = dtype if quant is None else "uint8"
     word = store
     if cfg.version != "v1":
