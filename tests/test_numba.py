@@ -240,7 +240,7 @@ def test_bad_inputs_raise_value_errors_naming_the_argument(rng):
     with pytest.raises(ValueError, match="config"):
         ik.attention(q, k, v, backend="numba", config=TileConfig())
     with pytest.raises(ValueError, match="config"):
-        ForwardConfig(version="v5")
+        ForwardConfig(version="v6")
     with pytest.raises(ValueError, match="block_k"):   # v4 steps over keys 4 at a time
         ik.attention(q, k, v, backend="numba", config=ForwardConfig(version="v4", block_k=6))
     with pytest.raises(ValueError, match="config"):
@@ -559,7 +559,7 @@ def test_default_versions_per_operation_and_the_strided_fallback(rng):
     assert cfg == DecodeConfig(version="v3", lanes_per_key=2)          # the fields the caller set stay
     cache, sids = _cache(rng, [5])
     assert R.resolve("paged_gather", None, nc.need("paged_gather", cache=cache))[1] == GatherConfig(version="v1")
-    assert R.resolve("attention", None, nc.need("attention", q=q[:, :, None], k=k, v=v))[1].version == "v4"
+    assert R.resolve("attention", None, nc.need("attention", q=q[:, :, None], k=k, v=v))[1].version == "v5"
     from numba import cuda
     q, k, v = _decode_inputs(rng, 2, 4, 2, 30, 5, np.float64)
     qd, kd, vd = cuda.to_device(q), cuda.to_device(k), cuda.to_device(v)
@@ -588,7 +588,7 @@ def test_default_num_splits_is_the_policy_rule_at_this_device():
 # --------------------------------------------------------------------------- registry, defaults, host side
 def test_registry_lists_every_version_with_a_reason_when_it_cannot_run(rng):
     R = nc.REGISTRY
-    assert R.versions("attention") == ["v1", "v2", "v3", "v4"]
+    assert R.versions("attention") == ["v1", "v2", "v3", "v4", "v5"]
     assert R.versions("decode") == R.versions("paged_decode") == ["v1", "v2", "v3", "v4"]
     assert R.versions("paged_gather") == ["v1", "v3"]
     assert all(row["summary"] for row in R.table())
@@ -613,11 +613,11 @@ def test_default_configs_fit_every_head_dim(dtype):
     limit) at head dims up to 256, for forward and decode (g = 4 query heads per KV head)."""
     dec = importlib.import_module("iokernels.numba_cuda.decode")
     for d in (8, 59, 64, 128, 256):
-        for version in ("v1", "v2", "v3", "v4"):
+        for version in ("v1", "v2", "v3", "v4", "v5"):
             cfg = ForwardConfig(version=version).resolved(d, dtype)
             assert cfg.shared_bytes(d, dtype) <= 48 * 1024
         need = nc.need("attention", q=np.zeros((1, 1, 1, d), dtype))
-        assert nc.REGISTRY.resolve("attention", None, need)[1].version == "v4"
+        assert nc.REGISTRY.resolve("attention", None, need)[1].version == "v5"
         for version in ("v1", "v2", "v3", "v4"):
             assert dec.smem_reason(DecodeConfig(version=version), d, 4, dtype) is None, (version, d)
         need = nc.need("decode", q=np.zeros((1, 4, d), dtype), k=np.zeros((1, 1, 2, d), dtype),
@@ -629,7 +629,7 @@ def test_default_configs_fit_every_head_dim(dtype):
 
 
 def test_default_forward_runs_at_head_dim_256_float64(rng):
-    """The default (v4, Bc shrunk to fit) on a tiny float64 problem at d = 256."""
+    """The default (v5, its tiles shrunk to fit) on a tiny float64 problem at d = 256."""
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=1, seqlen_q=3, seqlen_k=5, head_dim=256, dtype="float64")
     ro, rl = reference.attention(q, k, v, causal=True)
     o, lse = ik.attention(q, k, v, causal=True, backend="numba", return_lse=True)

@@ -271,3 +271,12 @@ def test_loop_local_accesses_finds_a_spilled_loop():
              "\tst.local.f32 [%rd4], %f1;")
     spilled = clean.replace("[%rd3];", "[%rd3];\n\tst.local.u64 [%rd5], %rd1;")
     assert loop_local_accesses(clean) == 0 and loop_local_accesses(spilled) == 1
+
+
+def test_forward_v5_keeps_its_blocks_in_registers(report):
+    """v5's S and O blocks stay in registers (no local memory: the P V loop is a device
+    function per key column, so every index into the S block is a constant), its shuffles are
+    the row max, the row sums and the P broadcast, and it computes in float32."""
+    for dtype in ("float32", "float16"):
+        r = report[f"fwd_v5_d128/{dtype}/sm_90"]
+        assert r["local"] == 0 and r["shfl"] > 0 and not r["f64"], r

@@ -10,6 +10,7 @@ backward_block          the backward's square tile
 lanes_per_row           lanes per key of the decode split kernels (no lane without a dim)
 even_tile_splits        a split count that deals every split the same number of tiles
 numba_decode_splits     the decode's ``num_splits=None`` split count (occupancy, then even)
+forward_v5_tiles        forward v5's (Br, Bc): the largest that hold Q_i and a K/V tile
 ======================  ===============================================================
 
 Which keys a split owns is not a size but a contract every backend shares:
@@ -87,3 +88,25 @@ def numba_decode_splits(batch: int, heads_kv: int, max_len: int, block_n: int, n
     Cached: a decode loop asks for the same shapes."""
     s0 = occupancy_splits(batch, heads_kv, max_len, num_sms * slots_per_sm, block_n=block_n)
     return even_tile_splits(s0, -(-max_len // block_n), MAX_SPLITS) if even else s0
+
+
+# --------------------------------------------------------------------------- forward v5 tiles
+#: forward v5's candidate tiles, tried in order: query rows Br (the most first: each K/V tile
+#: loaded into SRAM serves Br rows), then keys Bc
+FORWARD_V5_ROWS = (64, 32, 16, 8)
+FORWARD_V5_KEYS = (32, 24, 16, 8)
+
+
+def forward_v5_tiles(head_dim: int, itemsize: int, limit: int, lanes: int, rows_per_thread: int) -> tuple:
+    """(Br, Bc) of forward v5: the first candidate (:data:`FORWARD_V5_ROWS` x
+    :data:`FORWARD_V5_KEYS`) with Br a multiple of ``rows_per_thread``, Bc a multiple of
+    ``lanes``, whose Q_i and one K/V tile, rows of head_dim + 1 values of ``itemsize`` bytes,
+    fit ``limit`` bytes of shared memory; the smallest candidate when none fits (the
+    config's check then says why)."""
+    rows = [br for br in FORWARD_V5_ROWS if br % rows_per_thread == 0] or [rows_per_thread]
+    keys = [bc for bc in FORWARD_V5_KEYS if bc % lanes == 0] or [lanes]
+    for br in rows:
+        for bc in keys:
+            if (br + bc) * (head_dim + 1) * itemsize <= limit:
+                return br, bc
+    return rows[-1], keys[-1]

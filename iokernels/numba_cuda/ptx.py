@@ -41,6 +41,7 @@ def kernel_signatures(head_dims=HEAD_DIMS):
     from numba import types
     from .decode import combine_kernel_function, split_kernel_function, split_v2_kernel_function
     from . import forward as fwd
+    from . import forward_v5 as fv5
     from . import gather as gat
     from .config import ForwardConfig
     from .device import word_layout
@@ -53,6 +54,8 @@ def kernel_signatures(head_dims=HEAD_DIMS):
             for version in ("v1", "v2", "v3", "v4"):
                 fn = fwd.kernel_function(ForwardConfig(version=version), d, dtype, simulated=False)
                 out.append((f"fwd_{version}_d{d}", dtype, fn, fwd_sig))
+            fn = fv5.kernel_function(ForwardConfig(version="v5"), d, dtype, simulated=False)
+            out.append((f"fwd_v5_d{d}", dtype, fn, fwd_sig))
             for paged in (False, True):
                 sig = (_arr(st, 3), _arr(st, 4), _arr(st, 4), _arr(types.int32, 2), _arr(types.int32, 1),
                        _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64,

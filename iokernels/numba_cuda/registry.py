@@ -9,7 +9,7 @@ the launcher).  The default for a call is the highest-ranked version whose check
 ============  =======================================================================
 op            default
 ============  =======================================================================
-attention     v4 (every version runs every supported dtype and head dim)
+attention     v5 (every version runs every supported dtype and head dim)
 decode        v4 for C-contiguous float16 / float32 K/V with rows of whole 16-byte pairs
               (16-byte loads), else v3 when K and V are C-contiguous (it reads flat
               views), else v1 (any strides)
@@ -39,6 +39,7 @@ from . import decode as dec
 from . import decode_v3 as d3
 from . import decode_v4 as d4
 from . import forward as fwd
+from . import forward_v5 as fv5
 from . import gather as gat
 from . import launch as ln
 from .decode import smem_reason
@@ -180,6 +181,9 @@ RECORDS = (
     _forward("v2", 2, "the block stages K_j, V_j in shared memory once for all its rows (FlashAttention-2's loop)"),
     _forward("v3", 3, "several lanes a row and several rows a thread (register tiling), warp-shuffle sums"),
     _forward("v4", 4, "v3 with a 4-key step NVVM unrolls (scores in registers) and batched butterflies"),
+    Record("numba", "attention", "v5", "numba_cuda/forward_v5.py", "fwd_v5", ForwardConfig, fv5.attention,
+           "register tiling as a GEMM does it: each thread a TM x TN block of S and a TM-row block of O, "
+           "Q_i and K_j/V_j in shared memory, no lane sums", _forward_check("v5"), 5),
     *_decode("v1", dec.launch_split_v1, 2, False, "a key's dims over L lanes, element loads, split + combine"),
     *_decode("v2", dec.launch_split_v2, 1, False,
              "8-byte word loads unpacked by bit-casts in registers, unrolled loops"),
