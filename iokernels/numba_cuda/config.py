@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..core import conventions as cv
-from .policy import backward_block, forward_block_k, forward_v5_tiles
+from .policy import backward_block, forward_block_k, forward_v5_row, forward_v5_tiles
 
 #: Static shared memory a thread block may use without an opt-in: 48 KiB on every CUDA GPU
 #: (more needs dynamic shared memory and cudaFuncSetAttribute, which these kernels avoid).
@@ -155,8 +155,8 @@ class ForwardConfig:
         if self.version == "v1":
             return 0
         acc = np.dtype(acc_dtype(dtype)).itemsize
-        if self.version == "v5":                 # Q_i and one K/V tile, rows padded by one value
-            return (self.block_q + self.block_k) * (head_dim + 1) * acc
+        if self.version == "v5":                 # Q_i and one K/V tile, rows padded (forward_v5_row)
+            return (self.block_q + self.block_k) * forward_v5_row(head_dim, self.threads_per_row) * acc
         return 2 * self.block_k * self.padded_head_dim(head_dim) * acc
 
     def resolved(self, head_dim: int, dtype: str) -> "ForwardConfig":

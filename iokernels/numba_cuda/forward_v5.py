@@ -22,8 +22,11 @@ loaded after S is computed, while the softmax runs).  The online softmax works o
 tile: the row max over the tile is a 3-step butterfly over the L = 8 lanes of a row, the
 row sum stays a per-lane partial sum until the end, and each lane's probabilities reach
 the other lanes of its row by ``shfl_sync`` (on the simulator: through shared memory).
-Rows of the shared arrays are padded by one value, so the lanes' reads of K_j, V_j, Q_i
-and the transposing stores fall in different banks.
+Rows of the shared arrays are padded to an odd length (:func:`.policy.forward_v5_row`), so
+the lanes' reads of K_j, V_j and Q_i fall in different banks, and they are read through raw
+pointers into flat arrays (:func:`.device.make_flat_access`): a thread's rows and keys are
+constant offsets from one base, so the S loop is loads and FMAs, without the address
+arithmetic and negative-index wraparound code of 2-D indexing.
 
 What limits it: the S loop reads TM + TN values from shared memory per TM * TN FMAs (at the
 default 4 x 3, 7 loads per 12 FMAs) -- a GEMM kernel uses 8 x 8 blocks and 16-byte shared
@@ -46,9 +49,10 @@ import numpy as np
 from ..core import conventions as cv
 from . import launch as ln
 from .config import ForwardConfig, acc_dtype
-from .device import warp_mask
+from .device import make_flat_access, warp_mask
 from .forward import key_range, tile_span
 from .launch import cuda
+from .policy import forward_v5_row
 import numba  # noqa: E402
 from numba import int32  # noqa: E402
 
@@ -62,11 +66,15 @@ def make_v5(D: int, BR: int, BC: int, L: int, TM: int, acc_name: str, simulated:
     NT = BR // TM * L                                        # threads: Br / TM row groups of L lanes
     TN = BC // L                                             # keys of the S block
     DPL = -(-D // L)                                         # dims of the O block
-    DP = D + 1                                               # padded row (bank conflicts)
+    DP = forward_v5_row(D, L)                                # padded row (bank conflicts)
+    QROW, KROW = TM * DP, L * DP                             # flat offsets: a thread's next row, key
+    QN, KN = BR * DP, BC * DP                                # SRAM values of Q_i, of a K/V tile
     MASK = warp_mask(NT)
     SIM = simulated
     PS = (BR, BC) if simulated else (1, 1)                   # the simulator's P exchange
     XS = (NT,) if simulated else (1,)                        # ... and its row-max exchange
+    ld, st = make_flat_access(simulated)                     # raw-pointer SRAM access: no
+    #                                                          negative-index wraparound code
 
     def pv_step(T):
         """O block += P V for the keys lane' + L * T of the tile (lane' < L): a device function
@@ -80,8 +88,9 @@ def make_v5(D: int, BR: int, BC: int, L: int, TM: int, acc_name: str, simulated:
                         pv[rr] = P_s[grp * TM + rr, c]
                     else:
                         pv[rr] = cuda.shfl_sync(MASK, s[rr, T], base + w)
-                for u in range(DPL):
-                    vv = KV[c, lane + L * u] if lane + L * u < D else ZERO
+                vrow = c * DP + lane
+                for u in range(DPL):                         # dims past D: padding, never written out
+                    vv = ld(KV, vrow + L * u)
                     for rr in range(TM):
                         o_r[rr, u] += pv[rr] * vv
         return step
@@ -108,10 +117,11 @@ def make_v5(D: int, BR: int, BC: int, L: int, TM: int, acc_name: str, simulated:
         tid = cuda.threadIdx.x
         grp, lane = tid // L, tid % L                        # row group, lane within it
         base = (tid % 32) - lane                             # the group's first lane in the warp
+        qrow, krow = grp * QROW, lane * DP                   # flat index of its first row, first key
         r0 = cuda.blockIdx.x * BR
         kmin, kmax = tile_span(r0, min(r0 + BR, Nq), Nq, Nk, left, right)
-        Q_s = cuda.shared.array((BR, DP), ACC)               # SRAM: Q_i (scaled), once
-        KV = cuda.shared.array((BC, DP), ACC)                # SRAM: K_j, then V_j
+        Q_s = cuda.shared.array(QN, ACC)                     # SRAM: Q_i (scaled), once; rows of DP
+        KV = cuda.shared.array(KN, ACC)                      # SRAM: K_j, then V_j
         P_s = cuda.shared.array(PS, ACC)
         X_s = cuda.shared.array(XS, ACC)
         s = cuda.local.array((TM, TN), ACC)                  # registers: the S (then P) block
@@ -123,11 +133,12 @@ def make_v5(D: int, BR: int, BC: int, L: int, TM: int, acc_name: str, simulated:
         qv = cuda.local.array(TM, ACC)
         kv = cuda.local.array(TN, ACC)
         pv = cuda.local.array(TM, ACC)
-        for e in range(tid, BR * D, NT):                     # load Q_i -> SRAM (once)
-            r, dd = e // D, e % D
-            Q_s[r, dd] = ZERO
-            if r0 + r < Nq and kmax > kmin:
-                Q_s[r, dd] = ACC(q[b, h, r0 + r, dd]) * scale
+        for e in range(tid, BR * DP, NT):                    # load Q_i -> SRAM (once)
+            r, dd = e // DP, e % DP
+            x = ZERO
+            if r0 + r < Nq and dd < D and kmax > kmin:
+                x = ACC(q[b, h, r0 + r, dd]) * scale
+            st(Q_s, e, x)
         for rr in range(TM):
             i = r0 + grp * TM + rr
             m[rr], l[rr] = NEG_INF, ZERO
@@ -138,25 +149,25 @@ def make_v5(D: int, BR: int, BC: int, L: int, TM: int, acc_name: str, simulated:
                 o_r[rr, u] = ZERO
         for c0 in range((kmin // BC) * BC, kmax, BC):        # for each visible K/V tile j
             n = min(BC, Nk - c0)
-            for e in range(tid, BC * D, NT):                 # load K_j -> SRAM
-                r, dd = e // D, e % D
-                KV[r, dd] = ACC(k[b, hk, c0 + r, dd]) if r < n else ZERO
+            for e in range(tid, BC * DP, NT):                # load K_j -> SRAM
+                r, dd = e // DP, e % DP
+                st(KV, e, ACC(k[b, hk, c0 + r, dd]) if r < n and dd < D else ZERO)
             cuda.syncthreads()                               # K_j (and, the first time, Q_i) complete
             for rr in range(TM):
                 for t in range(TN):
                     s[rr, t] = ZERO
             for dd in range(D):                              # S block = Q K^T: TM + TN loads, TM*TN FMAs
                 for rr in range(TM):
-                    qv[rr] = Q_s[grp * TM + rr, dd]
+                    qv[rr] = ld(Q_s, qrow + rr * DP + dd)
                 for t in range(TN):
-                    kv[t] = KV[lane + L * t, dd]
+                    kv[t] = ld(KV, krow + t * KROW + dd)
                 for rr in range(TM):
                     for t in range(TN):
                         s[rr, t] += qv[rr] * kv[t]
             cuda.syncthreads()                               # everyone done with K_j
-            for e in range(tid, BC * D, NT):                 # load V_j -> SRAM (during the softmax)
-                r, dd = e // D, e % D
-                KV[r, dd] = ACC(v[b, hk, c0 + r, dd]) if r < n else ZERO
+            for e in range(tid, BC * DP, NT):                # load V_j -> SRAM (during the softmax)
+                r, dd = e // DP, e % DP
+                st(KV, e, ACC(v[b, hk, c0 + r, dd]) if r < n and dd < D else ZERO)
             for rr in range(TM):                             # the online softmax over the tile
                 mx = NEG_INF
                 for t in range(TN):
@@ -227,11 +238,6 @@ def make_v5(D: int, BR: int, BC: int, L: int, TM: int, acc_name: str, simulated:
                     lse[b, h, i] = m[rr] + math.log(l[rr]) if l[rr] > ZERO else NEG_INF
 
     return fwd_v5
-
-
-def shared_bytes(block_q: int, block_k: int, head_dim: int, itemsize: int) -> int:
-    """Static shared memory of a v5 block: Q_i and one K/V tile, rows padded by one value."""
-    return (block_q + block_k) * (head_dim + 1) * itemsize
 
 
 def kernel_function(cfg: ForwardConfig, head_dim: int, dtype: str, simulated: bool | None = None):

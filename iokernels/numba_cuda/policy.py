@@ -11,6 +11,7 @@ lanes_per_row           lanes per key of the decode split kernels (no lane witho
 even_tile_splits        a split count that deals every split the same number of tiles
 numba_decode_splits     the decode's ``num_splits=None`` split count (occupancy, then even)
 forward_v5_tiles        forward v5's (Br, Bc): the largest that hold Q_i and a K/V tile
+forward_v5_row          forward v5's padded row of its shared tiles
 ======================  ===============================================================
 
 Which keys a split owns is not a size but a contract every backend shares:
@@ -97,16 +98,24 @@ FORWARD_V5_ROWS = (64, 32, 16, 8)
 FORWARD_V5_KEYS = (32, 24, 16, 8)
 
 
+def forward_v5_row(head_dim: int, lanes: int) -> int:
+    """Values a row of forward v5's shared tiles holds: at least head_dim + 1 and the dims its
+    lanes own (lanes * ceil(head_dim / lanes)), made odd, so that lanes reading the same dim of
+    different rows fall in different banks."""
+    w = max(head_dim + 1, lanes * -(-head_dim // lanes))
+    return w if w % 2 else w + 1
+
+
 def forward_v5_tiles(head_dim: int, itemsize: int, limit: int, lanes: int, rows_per_thread: int) -> tuple:
     """(Br, Bc) of forward v5: the first candidate (:data:`FORWARD_V5_ROWS` x
     :data:`FORWARD_V5_KEYS`) with Br a multiple of ``rows_per_thread``, Bc a multiple of
-    ``lanes``, whose Q_i and one K/V tile, rows of head_dim + 1 values of ``itemsize`` bytes,
-    fit ``limit`` bytes of shared memory; the smallest candidate when none fits (the
+    ``lanes``, whose Q_i and one K/V tile, rows of :func:`forward_v5_row` values of
+    ``itemsize`` bytes, fit ``limit`` bytes of shared memory; the smallest candidate when none fits (the
     config's check then says why)."""
     rows = [br for br in FORWARD_V5_ROWS if br % rows_per_thread == 0] or [rows_per_thread]
     keys = [bc for bc in FORWARD_V5_KEYS if bc % lanes == 0] or [lanes]
     for br in rows:
         for bc in keys:
-            if (br + bc) * (head_dim + 1) * itemsize <= limit:
+            if (br + bc) * forward_v5_row(head_dim, lanes) * itemsize <= limit:
                 return br, bc
     return rows[-1], keys[-1]
