@@ -36,11 +36,18 @@ C-contiguous array that does not (a torch slice at an odd offset) runs the same 
 each pair read as two 8-byte loads (``aligned=False``, the same results).  float64 (one
 element a word in v3) and quantized caches are v3's.
 
-What it does not do, and why (Numba): the unpack of a word into float16 values is a shift
-and a convert per value (Numba has no ``half2`` registers to convert two at once), and there
-is no ``cp.async``, so the loads in flight are bounded by the registers of the two buffers
-(kc/vc and kn/vn: 2 x KPI x 2 x PPL pairs a thread).  The tiling (lanes_per_key,
-keys_per_iter, key_groups) are tuning points of :mod:`iokernels.bench.sweeps_numba`.
+A wide load is only cheaper if its values come out of the registers cheaply: v3 takes value
+e of a word by a 64-bit shift, a truncation and a convert; here :func:`_word_lane` bit-casts
+the word to a vector of 4 halves (or 2 floats) and takes element e, which NVVM emits as a
+register split (``mov.b64 {..}``) and a convert, no shift (tests/test_numba_ptx.py counts
+the shifts in the load loop).
+
+What it does not do, and why (Numba): there is no ``cp.async`` (nor any asynchronous copy
+to shared memory), so the loads in flight are bounded by the registers of the two buffers
+(kc/vc and kn/vn: 2 x KPI x 2 x PPL pairs a thread), and the q.k and p.v products are scalar
+float32 FMAs (no packed half2 arithmetic that would keep float32 accumulation).  The tilings
+(lanes_per_key, keys_per_iter, key_groups) and the split count are tuning points of
+:mod:`iokernels.bench.sweeps_numba`.
 
 Counted traffic (simulator): equal to ``traffic.model("decode" | "paged_decode")``, as v3.
 """
