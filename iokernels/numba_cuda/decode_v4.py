@@ -24,11 +24,14 @@ warp holds two keys' groups.  Per key that halves what v3 repeats on each of its
 * the lane sums: a warp's shuffles sum two keys' scores at once (each 16 lanes wide),
 * the online softmax, which every lane of a key computes (its max, exp, rescale),
 
-while the float32 FMAs, the unpacks and the bytes are the same.  Decode streams K and V
-once; at the serving shapes (B of 8 to 64, g = 4, d = 128) v3 issues about as many
-instructions per key as an SM can issue in the time HBM delivers that key, so the
-instructions saved per key are time saved.  And every load moves twice v3's bytes, so the
-same KPI keys of a step put twice the bytes in flight per thread.
+while the float32 FMAs, the converts and the bytes are the same.  Why that should matter:
+decode streams K and V once, and a Numba kernel does its math as scalar float32
+instructions, so at g = 4 and d = 128 the instructions an SM issues per key (the FMAs,
+converts, shuffles and softmax, read off the PTX of the load loop: tests/test_numba_ptx.py
+compiles it) come close to the time HBM takes to deliver that key; instructions saved per
+key are then time saved (the benchmark's decode section says whether they are).  And every
+load moves twice v3's bytes, so the same KPI keys of a step put twice the bytes in flight
+per thread.
 
 A pair needs a 16-byte aligned row start: rows of a multiple of 16 bytes (the check refuses
 others by name, and v3 runs them) in an array that starts on a 16-byte boundary.  A
