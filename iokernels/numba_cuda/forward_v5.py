@@ -31,10 +31,11 @@ arithmetic and negative-index wraparound code of 2-D indexing.
 What limits it: the S loop reads TM + TN values from shared memory per TM * TN FMAs (at the
 default 4 x 3, 7 loads per 12 FMAs) -- a GEMM kernel uses 8 x 8 blocks and 16-byte shared
 loads, which would need 128 accumulator registers for S and O each and a shared-memory
-layout whose transposing stores conflict; the 48 KiB static limit (Numba exposes no
-opt-in to more dynamic shared memory) caps the tiles at Br = 64, Bc = 24 for d = 128
-float32; and Numba exposes no tensor-core (mma) instructions, so float16 inputs compute in
-float32 FMAs like float32 ones.  Tiles: :func:`.policy.forward_v5_tiles`.
+layout whose transposing stores conflict; the 48 KiB of static shared memory these kernels
+keep to (:data:`.config.SHARED_LIMIT_BYTES`; more needs dynamic shared memory and a
+``cuFuncSetAttribute`` call on the compiled kernel) caps the tiles at Br = 64, Bc = 24 for
+d = 128 float32; and Numba exposes no tensor-core (mma) instructions, so float16 inputs
+compute in float32 FMAs like float32 ones.  Tiles: :func:`.policy.forward_v5_tiles`.
 
 Counted traffic (simulator): ``traffic.model("fa2")`` with Br = ``block_q``, Bc =
 ``block_k`` (Q once, each K/V tile once per query tile, O once).
