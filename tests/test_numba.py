@@ -240,7 +240,7 @@ def test_bad_inputs_raise_value_errors_naming_the_argument(rng):
     with pytest.raises(ValueError, match="config"):
         ik.attention(q, k, v, backend="numba", config=TileConfig())
     with pytest.raises(ValueError, match="config"):
-        ForwardConfig(version="v5")
+        ForwardConfig(version="v6")
     with pytest.raises(ValueError, match="block_k"):   # v4 steps over keys 4 at a time
         ik.attention(q, k, v, backend="numba", config=ForwardConfig(version="v4", block_k=6))
     with pytest.raises(ValueError, match="config"):
@@ -349,7 +349,7 @@ def test_v2_word_views_need_alignment_and_whole_words(rng):
 
 def test_decode_config_errors():
     with pytest.raises(ValueError, match="config"):
-        DecodeConfig(version="v4")
+        DecodeConfig(version="v5")
     with pytest.raises(ValueError, match="key_groups"):
         DecodeConfig(version="v3", key_groups=0)
     with pytest.raises(ValueError, match="key_groups"):
@@ -559,7 +559,7 @@ def test_default_versions_per_operation_and_the_strided_fallback(rng):
     assert cfg == DecodeConfig(version="v3", lanes_per_key=2)          # the fields the caller set stay
     cache, sids = _cache(rng, [5])
     assert R.resolve("paged_gather", None, nc.need("paged_gather", cache=cache))[1] == GatherConfig(version="v1")
-    assert R.resolve("attention", None, nc.need("attention", q=q[:, :, None], k=k, v=v))[1].version == "v4"
+    assert R.resolve("attention", None, nc.need("attention", q=q[:, :, None], k=k, v=v))[1].version == "v5"
     from numba import cuda
     q, k, v = _decode_inputs(rng, 2, 4, 2, 30, 5, np.float64)
     qd, kd, vd = cuda.to_device(q), cuda.to_device(k), cuda.to_device(v)
@@ -574,27 +574,22 @@ def test_default_versions_per_operation_and_the_strided_fallback(rng):
         nc.decode(qd, ks, vs, seq_lens=lens, config=DecodeConfig(version="v3"))
 
 
-def test_even_splits_give_every_split_the_same_tiles():
-    from iokernels.numba_cuda.decode import EVEN_SPLIT_SLACK, MAX_SPLITS, default_num_splits, even_splits
-    for s0 in (1, 5, 37, 56, 100, 128):
-        for tiles in (1, 13, 64, 1000, 2048, 4099):
-            s = even_splits(s0, tiles)
-            assert 1 <= s <= MAX_SPLITS
-            if s != s0:                                  # moved only to an even split, nearby
-                assert tiles % s == 0 and abs(s - s0) <= EVEN_SPLIT_SLACK * s0
-            nearer = [t for t in range(1, MAX_SPLITS + 1) if tiles % t == 0 and abs(t - s0) < abs(s - s0)
-                      and abs(t - s0) <= EVEN_SPLIT_SLACK * s0]
-            assert not nearer or tiles % s0 == 0
+def test_default_num_splits_is_the_policy_rule_at_this_device():
+    """decode.default_num_splits adds the SM count to policy.numba_decode_splits (the rule and
+    its tests: tests/test_numba_policy.py)."""
+    from iokernels.numba_cuda import policy
+    from iokernels.numba_cuda.decode import default_num_splits
     assert default_num_splits(1, 8, 32768, 16) == 64     # 56 by occupancy, 64 divides 2048 tiles
-    v1 = default_num_splits(1, 8, 32768, 16, "v1")
-    assert v1 != 64 or 2048 % v1 == 0
+    for version in ("v1", "v2", "v3", "v4"):
+        assert default_num_splits(3, 8, 5000, 16, version) == policy.numba_decode_splits(
+            3, 8, 5000, 16, ln.num_sms(), policy.DECODE_SLOTS_PER_SM[version], version in policy.DECODE_EVEN_SPLITS)
 
 
 # --------------------------------------------------------------------------- registry, defaults, host side
 def test_registry_lists_every_version_with_a_reason_when_it_cannot_run(rng):
     R = nc.REGISTRY
-    assert R.versions("attention") == ["v1", "v2", "v3", "v4"]
-    assert R.versions("decode") == R.versions("paged_decode") == ["v1", "v2", "v3"]
+    assert R.versions("attention") == ["v1", "v2", "v3", "v4", "v5"]
+    assert R.versions("decode") == R.versions("paged_decode") == ["v1", "v2", "v3", "v4"]
     assert R.versions("paged_gather") == ["v1", "v3"]
     assert all(row["summary"] for row in R.table())
     bf16 = nc.need("attention", q=np.zeros((1, 1, 2, 8), testing.numpy_dtype("bfloat16")))
@@ -618,22 +613,23 @@ def test_default_configs_fit_every_head_dim(dtype):
     limit) at head dims up to 256, for forward and decode (g = 4 query heads per KV head)."""
     dec = importlib.import_module("iokernels.numba_cuda.decode")
     for d in (8, 59, 64, 128, 256):
-        for version in ("v1", "v2", "v3", "v4"):
+        for version in ("v1", "v2", "v3", "v4", "v5"):
             cfg = ForwardConfig(version=version).resolved(d, dtype)
             assert cfg.shared_bytes(d, dtype) <= 48 * 1024
         need = nc.need("attention", q=np.zeros((1, 1, 1, d), dtype))
-        assert nc.REGISTRY.resolve("attention", None, need)[1].version == "v4"
-        for version in ("v1", "v2", "v3"):
+        assert nc.REGISTRY.resolve("attention", None, need)[1].version == "v5"
+        for version in ("v1", "v2", "v3", "v4"):
             assert dec.smem_reason(DecodeConfig(version=version), d, 4, dtype) is None, (version, d)
         need = nc.need("decode", q=np.zeros((1, 4, d), dtype), k=np.zeros((1, 1, 2, d), dtype),
                        v=np.zeros((1, 1, 2, d), dtype))
-        assert nc.REGISTRY.resolve("decode", None, need)[1].version == "v3"
+        pairs = dtype != "float64" and d * np.dtype(dtype).itemsize % 16 == 0       # v4's 16-byte rows
+        assert nc.REGISTRY.resolve("decode", None, need)[1].version == ("v4" if pairs else "v3")
     with pytest.raises(ValueError, match="config.block_k"):        # an explicit misfit still raises
         ForwardConfig(version="v2", block_k=64).resolved(256, dtype)
 
 
 def test_default_forward_runs_at_head_dim_256_float64(rng):
-    """The default (v4, Bc shrunk to fit) on a tiny float64 problem at d = 256."""
+    """The default (v5, its tiles shrunk to fit) on a tiny float64 problem at d = 256."""
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=1, seqlen_q=3, seqlen_k=5, head_dim=256, dtype="float64")
     ro, rl = reference.attention(q, k, v, causal=True)
     o, lse = ik.attention(q, k, v, causal=True, backend="numba", return_lse=True)

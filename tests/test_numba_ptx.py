@@ -42,6 +42,11 @@ for name, calls in plan.items():
 out["v3"] = ptx.ptx_report(ccs=((7, 5), (9, 0)), dtypes=("float16",), head_dims=(128,))
 out["v3"].update(ptx.ptx_report(ccs=((9, 0),), dtypes=("float32",), head_dims=(128,)))
 out["v3"].update(ptx.ptx_report(ccs=((9, 0),), dtypes=("float16", "float64"), head_dims=(59,)))
+# decode v4 (16-byte loads): float16 d=128 at sm_75 and sm_90, float32 d=128 at sm_90, and the
+# two-word form of arrays that do not start on 16 bytes
+out["v4"] = ptx.ptx_report_v4(ccs=((7, 5), (9, 0)), dtypes=("float16",))
+out["v4"].update(ptx.ptx_report_v4(ccs=((9, 0),), dtypes=("float32",)))
+out["v4"].update(ptx.ptx_report_v4(ccs=((9, 0),), dtypes=("float16",), aligned=False))
 print(json.dumps(out))
 """
 #: seconds a compiling process may take before the test fails (the reports' one compiles
@@ -63,7 +68,7 @@ def _python(*args):
 
 @pytest.fixture(scope="module")
 def reports():
-    """{"report", "float64", "v3": {f"{kernel}/{dtype}/sm_{cc}": counts}}, from one process."""
+    """{"report", "float64", "v3", "v4": {f"{kernel}/{dtype}/sm_{cc}": counts}}, from one process."""
     return _python("-c", _REPORTS)
 
 
@@ -217,3 +222,61 @@ def test_v3_quantized_kernels_load_words_of_codes(report_v3):
             r = report_v3[f"decode_v3_split_paged_{kv}_d128/float16/{cc}"]
             assert r["ld_u64"] == 2 * KEYS_PER_ITER_V3 * 2 and not r["f64"], r
             assert r["local"] <= 4 * (128 // 16 + 2) + 2 * KEYS_PER_ITER_V3, r
+
+
+# --------------------------------------------------------------------------- decode v4
+@pytest.fixture(scope="module")
+def report_v4(reports):
+    return reports["v4"]
+
+
+@pytest.mark.parametrize("dtype, cc", [("float16", "sm_75"), ("float16", "sm_90"), ("float32", "sm_90")])
+def test_decode_v4_loads_16_bytes_at_once(report_v4, dtype, cc):
+    """v4's one idea in its PTX: every K/V load is a 16-byte ``ld.global.v2.u64`` -- KPI keys x
+    K,V x pairs a lane, in the two places that issue loads (the prologue and the in-loop
+    prefetch) -- and none is an 8- or 2-byte K/V load (the few 2-byte loads read q); the main
+    loop keeps its arrays in registers; no float64."""
+    from iokernels.numba_cuda.decode_v4 import KEYS_PER_ITER_V4, split_v4_tiling
+    L = split_v4_tiling(128, dtype)[0]
+    pairs_per_lane = -(-(128 * (2 if dtype == "float16" else 4) // 16) // L)
+    for name in ("decode_v4_split_d128", "decode_v4_split_paged_d128"):
+        r = report_v4[f"{name}/{dtype}/{cc}"]
+        assert r["ld_v2_u64"] == 2 * KEYS_PER_ITER_V4 * 2 * pairs_per_lane, r
+        assert r["ld_u64"] == 0 and r["ld_u16"] <= 8 and not r["f64"], r
+        assert r["loop_local"] == 0 and r["shfl"], r
+
+
+def test_decode_v4_unaligned_form_loads_two_words(report_v4):
+    """Where K/V do not start on 16 bytes the same kernel reads each pair as two 8-byte loads."""
+    from iokernels.numba_cuda.decode_v4 import KEYS_PER_ITER_V4
+    for name in ("decode_v4_unaligned_split_d128", "decode_v4_unaligned_split_paged_d128"):
+        r = report_v4[f"{name}/float16/sm_90"]
+        assert r["ld_v2_u64"] == 0 and r["ld_u64"] == 2 * 2 * KEYS_PER_ITER_V4 * 2, r
+        assert r["loop_local"] == 0, r
+
+
+def test_decode_v4_unpacks_without_shifts(report_v4, report_v3):
+    """v4 unpacks a word into its values by a vector bit-cast (``mov.b64 {..}``), v3 by a
+    64-bit shift and a truncation a value: v3's load loop has a 64-bit shift for every value
+    but the lowest of each word (24 at 4 keys x K,V x one word of 4 values a lane), v4's (8
+    values a lane) next to none (what is left is index arithmetic)."""
+    v4, v3 = report_v4["decode_v4_split_d128/float16/sm_90"], report_v3["decode_v3_split_d128/float16/sm_90"]
+    assert v3["loop_shr_u64"] >= 24 and v4["loop_shr_u64"] * 8 < v3["loop_shr_u64"], (v4, v3)
+
+
+def test_loop_local_accesses_finds_a_spilled_loop():
+    """The detector can fail: a loop with a wide global load and a local store in it."""
+    from iokernels.numba_cuda.ptx import loop_local_accesses
+    clean = ("$L__BB0_1:\n\tld.global.v2.u64 \t{%rd1, %rd2}, [%rd3];\n\t@%p1 bra \t$L__BB0_1;\n"
+             "\tst.local.f32 [%rd4], %f1;")
+    spilled = clean.replace("[%rd3];", "[%rd3];\n\tst.local.u64 [%rd5], %rd1;")
+    assert loop_local_accesses(clean) == 0 and loop_local_accesses(spilled) == 1
+
+
+def test_forward_v5_keeps_its_blocks_in_registers(report):
+    """v5's S and O blocks stay in registers (no local memory: the P V loop is a device
+    function per key column, so every index into the S block is a constant), its shuffles are
+    the row max, the row sums and the P broadcast, and it computes in float32."""
+    for dtype in ("float32", "float16"):
+        r = report[f"fwd_v5_d128/{dtype}/sm_90"]
+        assert r["local"] == 0 and r["shfl"] > 0 and not r["f64"], r

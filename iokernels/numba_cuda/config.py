@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..core import conventions as cv
-from .policy import backward_block, forward_block_k
+from .policy import backward_block, forward_block_k, forward_v5_row, forward_v5_tiles
 
 #: Static shared memory a thread block may use without an opt-in: 48 KiB on every CUDA GPU
 #: (more needs dynamic shared memory and cudaFuncSetAttribute, which these kernels avoid).
@@ -50,8 +50,8 @@ KEYS_PER_STEP = 8
 #: is not unrolled and goes through local memory; tests/test_numba_ptx.py checks both).
 V4_KEYS_PER_STEP = 4
 
-FORWARD_VERSIONS = ("v1", "v2", "v3", "v4")
-DECODE_VERSIONS = ("v1", "v2", "v3")
+FORWARD_VERSIONS = ("v1", "v2", "v3", "v4", "v5")
+DECODE_VERSIONS = ("v1", "v2", "v3", "v4")
 GATHER_VERSIONS = ("v1", "v3")
 #: decode v3's ways of finding a key's row in a paged cache (DecodeConfig.paged_addressing)
 PAGED_ADDRESSING = ("page", "key")
@@ -82,10 +82,11 @@ def _check_int(value, name, lo=1, hi=None, allow_none=True):
 class ForwardConfig:
     """Launch shape of the Numba FlashAttention forward.
 
-    version: "v1" .. "v4" (None: the default, v4); block_q (Br), block_k (Bc): tile rows, None
+    version: "v1" .. "v5" (None: the default, v5); block_q (Br), block_k (Bc): tile rows, None
     for the default (Br = 64; Bc the largest of 32, 16, 8 whose K_j, V_j tiles fit the
-    static shared-memory limit at this head dim and dtype); threads_per_row, rows_per_thread:
-    v3/v4's register tiling (v1 and v2 use one thread per row); batched_lane_sums: v3/v4 sum
+    static shared-memory limit at this head dim and dtype; v5: :func:`.policy.forward_v5_tiles`);
+    threads_per_row, rows_per_thread: v3/v4's register tiling (v1 and v2 use one thread per
+    row), v5's lanes a row group and rows a thread (its S and O blocks); batched_lane_sums: v3/v4 sum
     the lanes' partial dot products of a whole step of keys in one butterfly (True) or key by
     key (False), None: the version's choice (v4 batched, v3 key by key); step_keys: keys per
     online-softmax step of v3/v4 (None: the version's, 8 for v3, 4 for v4).
@@ -118,8 +119,8 @@ class ForwardConfig:
 
     @property
     def _tiled(self) -> bool:
-        """v3 and v4: several lanes a row, several rows a thread."""
-        return self.version in ("v3", "v4")
+        """v3, v4 and v5: several lanes a row, several rows a thread."""
+        return self.version in ("v3", "v4", "v5")
 
     @property
     def keys_per_step(self) -> int:
@@ -153,7 +154,10 @@ class ForwardConfig:
         accumulator dtype; v1 uses none.  Needs block_k (see :meth:`resolved`)."""
         if self.version == "v1":
             return 0
-        return 2 * self.block_k * self.padded_head_dim(head_dim) * np.dtype(acc_dtype(dtype)).itemsize
+        acc = np.dtype(acc_dtype(dtype)).itemsize
+        if self.version == "v5":                 # Q_i and one K/V tile, rows padded (forward_v5_row)
+            return (self.block_q + self.block_k) * forward_v5_row(head_dim, self.threads_per_row) * acc
+        return 2 * self.block_k * self.padded_head_dim(head_dim) * acc
 
     def resolved(self, head_dim: int, dtype: str) -> "ForwardConfig":
         """This config with the default tiles filled in for ``head_dim`` and ``dtype``, checked.
@@ -162,6 +166,11 @@ class ForwardConfig:
             raise ValueError("config.version: resolve the default version first (REGISTRY.resolve)")
         br = DEFAULT_BLOCK_Q if self.block_q is None else self.block_q
         bc = self.block_k
+        if self.version == "v5":
+            tiles = forward_v5_tiles(head_dim, np.dtype(acc_dtype(dtype)).itemsize, SHARED_LIMIT_BYTES,
+                                     self.threads_per_row, self.rows_per_thread)
+            br = tiles[0] if self.block_q is None else self.block_q
+            bc = tiles[1] if bc is None else bc
         if bc is None:
             bc = forward_block_k(DEFAULT_BLOCK_K, KEYS_PER_STEP, self.padded_head_dim(head_dim),
                                  np.dtype(acc_dtype(dtype)).itemsize, SHARED_LIMIT_BYTES)
@@ -181,7 +190,10 @@ class ForwardConfig:
                                  f"({self.rows_per_thread}) for {v}")
             if self.threads % WARP_SIZE and self.threads > WARP_SIZE:
                 raise ValueError(f"config.block_q: {v} needs whole warps; {self.threads} threads")
-            if self.block_k % min(ch, self.block_k):
+            if v == "v5" and self.block_k % self.threads_per_row:
+                raise ValueError(f"config.block_k: {self.block_k} must be a multiple of threads_per_row "
+                                 f"({self.threads_per_row}) for v5 (the keys of a tile are dealt to the lanes)")
+            if v != "v5" and self.block_k % min(ch, self.block_k):
                 raise ValueError(f"config.block_k: {self.block_k} must be a multiple of {ch} for {v}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"config.block_q: {self.threads} threads per block, more than CUDA's {MAX_THREADS}")
@@ -198,11 +210,13 @@ class DecodeConfig:
     """Which split kernel a (paged) decode runs, and its tiling.
 
     version: "v1" (a thread group a key, element loads), "v2" (8-byte word loads, bit-cast
-    unpack), "v3" (software-pipelined word loads, reduce-scatter lane sums); None: the
-    default (v3 when K and V are C-contiguous, else v1).  lanes_per_key (L), keys_per_iter
-    (KPI): v2's and v3's split tiling; key_groups (KG): v3's key groups per block (v1 and v2
-    use a fixed KG); None: the version's defaults.  v1 ignores them all.
-    paged_addressing: how v3 finds a key's row in a paged cache: "page" (a key group's KPI
+    unpack), "v3" (software-pipelined word loads, reduce-scatter lane sums), "v4" (v3 with
+    16-byte loads: float16 / float32 rows of whole 16-byte pairs); None: the default (v4
+    where it applies, else v3 when K and V are C-contiguous, else v1).  lanes_per_key (L),
+    keys_per_iter (KPI): v2's, v3's and v4's split tiling; key_groups (KG): v3's and v4's key
+    groups per block (v1 and v2 use a fixed KG); None: the version's defaults.  v1 ignores
+    them all.
+    paged_addressing: how v3 (and v4) finds a key's row in a paged cache: "page" (a key group's KPI
     keys of a step are consecutive slots of one page: one block-table lookup for them; needs
     a block size that is a multiple of KPI and no sliding window), "key" (a lookup per key,
     any block size); None: "page" where it applies, else "key".  Contiguous K/V ignore it.
@@ -221,13 +235,13 @@ class DecodeConfig:
             raise ValueError(f"config.lanes_per_key: must divide {WARP_SIZE} (lanes of one warp), got {L!r}")
         _check_int(self.keys_per_iter, "keys_per_iter", 1, 16)
         _check_int(self.key_groups, "key_groups", 1, 32)
-        if self.version not in (None, "v3") and self.key_groups is not None:
-            raise ValueError("config.key_groups: a v3 setting (version='v3')")
+        if self.version not in (None, "v3", "v4") and self.key_groups is not None:
+            raise ValueError("config.key_groups: a v3 / v4 setting (version='v3' or 'v4')")
         if self.paged_addressing not in (None,) + PAGED_ADDRESSING:
             raise ValueError(f"config.paged_addressing: one of {', '.join(map(repr, PAGED_ADDRESSING))} or None, "
                              f"got {self.paged_addressing!r}")
-        if self.version not in (None, "v3") and self.paged_addressing is not None:
-            raise ValueError("config.paged_addressing: a v3 setting (version='v3')")
+        if self.version not in (None, "v3", "v4") and self.paged_addressing is not None:
+            raise ValueError("config.paged_addressing: a v3 / v4 setting (version='v3' or 'v4')")
 
     def replace(self, **changes) -> "DecodeConfig":
         return replace(self, **changes)

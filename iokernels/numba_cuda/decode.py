@@ -53,6 +53,10 @@ The versions of the split kernel (``DecodeConfig(version=...)``):
   next step's words are loaded before this step's math; a reduce-scatter lane sum needs
   far fewer shuffles; flat raw-pointer addressing; over a paged cache, one block-table
   lookup per key group and step instead of one per key (``paged_addressing="page"``).
+* **v4** (the default for C-contiguous float16 / float32 K/V whose rows are whole 16-byte
+  pairs, :mod:`.decode_v4`) v3 with 16-byte loads: a lane reads two words with one vector
+  load, so a key needs half the lanes, and the lane sums and the online softmax that each
+  of a key's lanes repeats cost half as much per key.
 
 Host side of a call: every buffer (O, LSE, O_s, LSE_s) comes from the caller's library
 through :class:`iokernels.core.arrays.Call` (torch's caching allocator for a torch caller),
@@ -86,11 +90,13 @@ import math
 import numpy as np
 
 from ..core import conventions as cv
-from ..decode import DEFAULT_BLOCK_N, MAX_SPLITS, occupancy_splits
+from ..decode import DEFAULT_BLOCK_N, MAX_SPLITS
 from . import decode_v3 as d3
+from . import decode_v4 as d4
 from .decode_v3 import split_range_dev, visible_first_dev
 from . import launch as ln
 from .config import SHARED_LIMIT_BYTES, DecodeConfig, acc_dtype
+from .policy import DECODE_EVEN_SPLITS, DECODE_SLOTS_PER_SM, lanes_per_row, numba_decode_splits
 from .device import WORD_BYTES, make_group_merge, make_lane_sum, make_unpack, warp_mask, word_layout
 from .launch import cuda
 import numba  # noqa: E402
@@ -117,23 +123,9 @@ COMBINE_THREADS = 128
 #: partial outputs O_s a combine thread loads before it adds them up (the loop over s is
 #: unrolled by this much, so the loads overlap; rolled, each load waits for the one before).
 COMBINE_UNROLL = 8
-#: the num_splits=None heuristic counts this many resident blocks per SM as "SMs" for v1:
-#: one 4-warp block per SM cannot keep enough loads in flight to stream HBM.
-RESIDENT_BLOCKS_PER_SM = 8
-#: ... and for the v2 / v3 split kernels, whose larger register counts fit 2-3 blocks an
-#: SM: 4 slots give one and a half to two waves of blocks.
-RESIDENT_BLOCKS_PER_SM_V3 = 4
-#: ... then rounded to a split count that divides the key tiles evenly, within this fraction
-#: (no straggler split holding up the combine).
-EVEN_SPLIT_SLACK = 0.25
-
-
 def lanes_for(head_dim: int) -> int:
     """v1's lanes per key: LANES_PER_KEY, fewer for small d (at least one dim per lane)."""
-    L = LANES_PER_KEY
-    while L > 1 and L > head_dim:
-        L //= 2
-    return L
+    return lanes_per_row(LANES_PER_KEY, head_dim)
 
 
 # --------------------------------------------------------------------------- split v1
@@ -435,10 +427,7 @@ def lanes_v2(head_dim, dtype, word_name, config=None):
     than lanes."""
     epw = np.dtype(word_name).itemsize // np.dtype(dtype).itemsize
     words = -(-head_dim // epw)
-    L = (config.lanes_per_key if config is not None else None) or LANES_PER_KEY_V2
-    while L > 1 and L > words:
-        L //= 2
-    return L
+    return lanes_per_row((config.lanes_per_key if config is not None else None) or LANES_PER_KEY_V2, words)
 
 
 def split_smem_bytes(config: DecodeConfig, head_dim: int, g: int, dtype: str, word_name: str,
@@ -453,6 +442,8 @@ def split_smem_bytes(config: DecodeConfig, head_dim: int, g: int, dtype: str, wo
     elif config.version == "v2":
         dpad, kg, stage = _padded(head_dim, dtype, word_name, lanes_v2(head_dim, dtype, word_name, config)), \
             KEY_GROUPS_V2, TABLE_STAGE_V2
+    elif config.version == "v4":
+        return d4.split_v4_smem_bytes(config, head_dim, g, dtype)
     else:
         L, _, kg = d3.split_v3_tiling(head_dim, store or dtype, word_name, config)
         dpad, stage = _padded(head_dim, store or dtype, word_name, L), d3.TABLE_STAGE_V3
@@ -491,25 +482,13 @@ def combine_kernel_function(head_dim, dtype):
 
 
 # --------------------------------------------------------------------------- split counts
-@functools.lru_cache(maxsize=1024)
 def default_num_splits(batch, heads_kv, max_len, block_n, version="v3") -> int:
-    """decode.occupancy_splits, counting the split kernel's block slots per SM
-    (RESIDENT_BLOCKS_PER_SM for v1, RESIDENT_BLOCKS_PER_SM_V3 for v2 and v3, whose split
-    count is then made even); cached, since a decode loop asks for the same shapes."""
-    if version == "v1":
-        return occupancy_splits(batch, heads_kv, max_len, ln.num_sms() * RESIDENT_BLOCKS_PER_SM,
-                                    block_n=block_n)
-    s0 = occupancy_splits(batch, heads_kv, max_len, ln.num_sms() * RESIDENT_BLOCKS_PER_SM_V3, block_n=block_n)
-    return even_splits(s0, -(-max_len // block_n))
-
-
-def even_splits(s0: int, tiles: int, slack: float = EVEN_SPLIT_SLACK) -> int:
-    """The split count within ``slack`` (a fraction) of ``s0`` that gives every split the same
-    number of key tiles (no straggler holding up the combine), the nearest one; ``s0`` when
-    none does."""
-    lo, hi = max(1, math.ceil(s0 * (1 - slack))), min(MAX_SPLITS, math.floor(s0 * (1 + slack)))
-    even = [s for s in range(lo, hi + 1) if tiles % s == 0]
-    return min(even, key=lambda s: (abs(s - s0), s)) if even else s0
+    """The ``num_splits=None`` split count of split kernel ``version``: the rule is
+    :func:`.policy.numba_decode_splits` (its slots per SM and evenness from
+    :data:`.policy.DECODE_SLOTS_PER_SM`, :data:`.policy.DECODE_EVEN_SPLITS`); this adds the
+    device's SM count."""
+    return numba_decode_splits(int(batch), int(heads_kv), int(max_len), int(block_n), ln.num_sms(),
+                               DECODE_SLOTS_PER_SM[version], version in DECODE_EVEN_SPLITS)
 
 
 def resolve_splits(num_splits, B, Hkv, max_len, block_n, version):
@@ -585,12 +564,18 @@ def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     scale = cv.resolve_scale(scale, d)
     Hkv = int(k.shape[2] if paged else k.shape[1])
     acc = acc_dtype(dtype)
-    if paged and cfg.version == "v3":
+    if paged and cfg.version in ("v3", "v4"):
         d3.paged_addressing(cfg, block_n, left)           # an explicit "page" that cannot run raises
     dq, dk, dv = (ln.device_in(call, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    if cfg.version == "v3" and not all(ln.c_contiguous(x) for x in (dk, dv)):
-        raise ValueError("k, v: decode v3 reads the cache through flat views and needs C-contiguous K and V "
-                         "(call .contiguous() / np.ascontiguousarray, or use v1 or v2)")
+    if cfg.version in ("v3", "v4") and not all(ln.c_contiguous(x) for x in (dk, dv)):
+        raise ValueError(f"k, v: decode {cfg.version} reads the cache through flat views and needs C-contiguous "
+                         "K and V (call .contiguous() / np.ascontiguousarray, or use v1 or v2)")
+    if cfg.version == "v4":
+        why = d4.pair_reason(dtype, d) if quant is None else f"a {quant['kv']} cache is read by split kernel v3"
+        if why is None and not all(ln.aligned(x, WORD_BYTES) for x in (dk, dv)):
+            why = "K and V do not start on an 8-byte boundary (v3 reads them element by element)"
+        if why is not None:
+            raise ValueError(f"config.version: {why}")
     store = dtype if quant is None else "uint8"
     word = store
     if cfg.version != "v1":

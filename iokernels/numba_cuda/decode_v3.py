@@ -104,6 +104,7 @@ import numpy as np
 from ..core.splits import split_range, visible_first
 from . import launch as ln
 from .config import acc_dtype
+from .policy import lanes_per_row
 from .device import (make_code_unpack, make_flat_access, make_group_merge, make_lane_allreduce, make_unpack,
                      pow2_at_least, warp_mask)
 from .launch import cuda
@@ -339,10 +340,7 @@ def split_v3_tiling(head_dim: int, dtype: str, word_name: str, config=None):
     KPI = (config.keys_per_iter if config is not None else None) or KEYS_PER_ITER_V3
     KG = (config.key_groups if config is not None else None) or KEY_GROUPS_V3
     epw = np.dtype(word_name).itemsize // np.dtype(dtype).itemsize
-    words = -(-head_dim // epw)
-    while L > 1 and L > words:
-        L //= 2
-    return L, KPI, KG
+    return lanes_per_row(L, -(-head_dim // epw)), KPI, KG
 
 
 def paged_addressing(config, block_n: int, left: int = -1) -> str:

@@ -40,7 +40,7 @@ The versions (``ForwardConfig(version=...)``; each changes one thing from the on
   recurrence with smaller tiles).  Counted traffic == ``traffic.model("fa2")``.
   What limits it: NVVM does not unroll its 8-key step, so the step's scores live in local
   memory instead of registers.
-* **v4** (the default) v3 with a step of ``V4_KEYS_PER_STEP`` = 4 keys whose R x 4 partial
+* **v4** (the default until v5, :mod:`.forward_v5`) v3 with a step of ``V4_KEYS_PER_STEP`` = 4 keys whose R x 4 partial
   dot products go through one butterfly together.  A step this small is unrolled, so its
   scores stay in registers (no local memory in the PTX, checked by tests/test_numba_ptx.py),
   and the butterfly's shuffles are independent of each other, so they overlap instead of

@@ -130,15 +130,21 @@ def num_sms() -> int:
     return _sms(_device_id())
 
 
-def compute_capability() -> int | None:
-    """The current device's compute capability x 10 (90 for an H100), None on the simulator."""
-    if simulated():
-        return None
+@functools.lru_cache(maxsize=None)
+def _cc(device_id: int) -> int | None:
     try:
         major, minor = cuda.get_current_device().compute_capability
         return 10 * major + minor
     except Exception:
         return None
+
+
+def compute_capability() -> int | None:
+    """The current device's compute capability x 10 (90 for an H100), None on the simulator
+    (read once per device: every call's registry need asks for it)."""
+    if simulated():
+        return None
+    return _cc(_device_id())
 
 
 def c_contiguous(x) -> bool:

@@ -41,6 +41,7 @@ def kernel_signatures(head_dims=HEAD_DIMS):
     from numba import types
     from .decode import combine_kernel_function, split_kernel_function, split_v2_kernel_function
     from . import forward as fwd
+    from . import forward_v5 as fv5
     from . import gather as gat
     from .config import ForwardConfig
     from .device import word_layout
@@ -53,6 +54,8 @@ def kernel_signatures(head_dims=HEAD_DIMS):
             for version in ("v1", "v2", "v3", "v4"):
                 fn = fwd.kernel_function(ForwardConfig(version=version), d, dtype, simulated=False)
                 out.append((f"fwd_{version}_d{d}", dtype, fn, fwd_sig))
+            fn = fv5.kernel_function(ForwardConfig(version="v5"), d, dtype, simulated=False)
+            out.append((f"fwd_v5_d{d}", dtype, fn, fwd_sig))
             for paged in (False, True):
                 sig = (_arr(st, 3), _arr(st, 4), _arr(st, 4), _arr(types.int32, 2), _arr(types.int32, 1),
                        _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64,
@@ -116,9 +119,72 @@ def kernel_signatures_v3(dtypes=("float16", "float32"), head_dims=(128,), config
     return out
 
 
+def kernel_signatures_v4(dtypes=("float16", "float32"), head_dims=(128,), configs=None, aligned=True):
+    """(name, storage dtype, python function, numba signature) for decode split v4 (contiguous
+    and paged) at the launch arguments' types; ``configs``: {name tag: DecodeConfig} (None:
+    the defaults); ``aligned``: the 16-byte load (True) or the two-word form."""
+    from numba import types
+    from . import decode_v4 as d4
+    from .config import DecodeConfig
+    configs = configs or {"": DecodeConfig(version="v4")}
+    out = []
+    for dtype in dtypes:
+        st = getattr(types, dtype)
+        acc = types.float64 if dtype == "float64" else types.float32
+        wt, i32 = _arr(types.uint64, 1), _arr(types.int32, 1)
+        for d in head_dims:
+            for tag, cfg in configs.items():
+                for paged in (False, True):
+                    sig = (_arr(st, 3), wt, wt, _arr(types.int32, 2), i32, _arr(st, 3), _arr(acc, 2), _arr(acc, 4),
+                           _arr(acc, 3), acc, types.int64, types.int64, types.int64, types.int64)
+                    fn = d4.split_v4_kernel_function(d, 4, dtype, paged, 16, cfg, simulated=False, aligned=aligned)
+                    name = f"decode_v4{tag}{'' if aligned else '_unaligned'}_split{'_paged' if paged else ''}_d{d}"
+                    out.append((name, dtype, fn, sig))
+    return out
+
+
+def ptx_report_v4(ccs=((9, 0),), dtypes=("float16", "float32"), head_dims=(128,), configs=None, aligned=True,
+                  dump=None) -> dict:
+    """:func:`compile_all`'s report for decode split v4 (:func:`kernel_signatures_v4`)."""
+    return _compile(kernel_signatures_v4(dtypes, head_dims, configs, aligned), ccs, dump)
+
+
+#: a global load of 8 or 16 bytes (the K/V words and pairs of decode v2-v4)
+WIDE_LOAD = re.compile(r"\bld\.global(?:\.nc)?\.(?:v2\.)?u64\b")
+
+
+def in_load_loops(ptx: str, pattern: re.Pattern) -> int:
+    """Lines matching ``pattern`` inside the loops that load K/V words: the most, over every
+    loop (a label and a branch back to it) with an 8- or 16-byte global load in it."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$\w+):", line))}
+    worst = 0
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$\w+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = "\n".join(lines[labels[m.group(1)]:i + 1])
+            if WIDE_LOAD.search(body):
+                worst = max(worst, len(pattern.findall(body)))
+    return worst
+
+
+#: a 64-bit shift (how decode v2/v3 take a value out of a word)
+SHIFT_64 = re.compile(r"\bshr\.[bus]64\b")
+
+
+def loop_local_accesses(ptx: str) -> int:
+    """ld.local / st.local lines inside the loops that load K/V words (:func:`in_load_loops`).
+    0: the main loop keeps its arrays in registers (the state handed to a merge after the loop
+    may still sit in a stack frame)."""
+    return in_load_loops(ptx, LOCAL_ACCESS)
+
+
 def _ptx_counts(ptx: str) -> dict:
     return {"f64": f64_lines(ptx)[:5], "bytes": len(ptx), "shfl": len(re.findall(r"\bshfl\.sync", ptx)),
             "local": len(LOCAL_ACCESS.findall(ptx)),            # ld.local / st.local lines
+            "loop_local": loop_local_accesses(ptx),
+            "loop_shr_u64": in_load_loops(ptx, SHIFT_64),           # 64-bit shifts in the load loops
+            "ld_v2_u64": len(re.findall(r"ld\.global(?:\.nc)?\.v2\.u64", ptx)),   # 16-byte loads
             "ld_u64": len(re.findall(r"ld\.global(?:\.nc)?\.u64", ptx)),
             "st_u64": len(re.findall(r"st\.global\.u64", ptx)),
             "ld_u16": len(re.findall(r"ld\.global(?:\.nc)?\.(?:u16|b16|f16)", ptx)),

@@ -9,8 +9,10 @@ the launcher).  The default for a call is the highest-ranked version whose check
 ============  =======================================================================
 op            default
 ============  =======================================================================
-attention     v4 (every version runs every supported dtype and head dim)
-decode        v3 when K and V are C-contiguous (it reads flat views), else v1 (any strides)
+attention     v5 (every version runs every supported dtype and head dim)
+decode        v4 for C-contiguous float16 / float32 K/V with rows of whole 16-byte pairs
+              (16-byte loads), else v3 when K and V are C-contiguous (it reads flat
+              views), else v1 (any strides)
 paged_decode  the same, on the pools
 paged_gather  v1 (any strides); v3 on request (C-contiguous pools)
 attention_    v1 (the one version: FlashAttention-2's backward, atomic or deterministic dQ)
@@ -35,10 +37,13 @@ from ..core.registry import Need, Registry
 from . import backward as bwd
 from . import decode as dec
 from . import decode_v3 as d3
+from . import decode_v4 as d4
 from . import forward as fwd
+from . import forward_v5 as fv5
 from . import gather as gat
 from . import launch as ln
 from .decode import smem_reason
+from .device import WORD_BYTES
 from .config import NUMBA_DTYPES, BackwardConfig, DecodeConfig, ForwardConfig, GatherConfig
 
 REGISTRY = Registry("numba")
@@ -64,6 +69,8 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
         if k is not None and op in ("decode", "paged_decode"):
             hkv = int(k.shape[2] if op == "paged_decode" else k.shape[1])
         contiguous = all(isinstance(a, np.ndarray) or ln.c_contiguous(a) for a in (k, v) if a is not None)
+        if k is not None and op in ("decode", "paged_decode"):        # NumPy input is copied aligned
+            extra["aligned"] = all(isinstance(a, np.ndarray) or ln.aligned(a, WORD_BYTES) for a in (k, v))
     if q is not None and hkv:
         extra["group"] = max(1, int(q.shape[1]) // hkv)
     return Need(dtype=dtype, head_dim=d, cc=ln.compute_capability(), contiguous=contiguous,
@@ -116,6 +123,10 @@ def _decode_check(version, needs_contiguous):
         why = _quant_reason(version, n) or _dtype_reason(n)
         if why is None and needs_contiguous and not n.contiguous:
             why = "k, v: not C-contiguous (this version reads K/V through flat views)"
+        if why is None and version == "v4":
+            why = d4.pair_reason(n.dtype, n.head_dim)
+            if why is None and not n.extra.get("aligned", True):
+                why = "k, v: not on an 8-byte boundary (v4 reads words; v3 reads such K/V element by element)"
         if why is None:
             why = smem_reason(DecodeConfig(version=version), n.head_dim, n.extra.get("group", 1), n.dtype)
         return why
@@ -150,8 +161,8 @@ def _forward(version, rank, summary):
 
 def _decode(version, split, rank, needs_contiguous, summary):
     """One split kernel's records: decode over a contiguous cache and over the pools."""
-    file = "numba_cuda/decode_v3.py" if version == "v3" else "numba_cuda/decode.py"
-    name = "split_v3" if version == "v3" else ("split" if version == "v1" else "split_v2")
+    file = f"numba_cuda/decode_{version}.py" if version in ("v3", "v4") else "numba_cuda/decode.py"
+    name = {"v1": "split", "v2": "split_v2", "v3": "split_v3", "v4": "split_v4"}[version]
     check = _decode_check(version, needs_contiguous)
     return tuple(Record("numba", op, version, file, name, DecodeConfig, functools.partial(fn, split=split), summary,
                         check, rank, split) for op, fn in (("decode", dec.decode), ("paged_decode", dec.paged_decode)))
@@ -163,18 +174,24 @@ def _gather(version, rank, needs_contiguous, summary):
                   summary, _gather_check(needs_contiguous), rank)
 
 
-#: decode ranks: v3 first; where v3 cannot run (strided K/V) v1, the kernel written for any
+#: decode ranks: v4 first, then v3; where v3 cannot run (strided K/V) v1, the kernel written for any
 #: strides; v2 on request (on strided K/V it loads elements, as v1 does)
 RECORDS = (
     _forward("v1", 1, "one thread per query row, K and V read from global memory by every row"),
     _forward("v2", 2, "the block stages K_j, V_j in shared memory once for all its rows (FlashAttention-2's loop)"),
     _forward("v3", 3, "several lanes a row and several rows a thread (register tiling), warp-shuffle sums"),
     _forward("v4", 4, "v3 with a 4-key step NVVM unrolls (scores in registers) and batched butterflies"),
+    Record("numba", "attention", "v5", "numba_cuda/forward_v5.py", "fwd_v5", ForwardConfig, fv5.attention,
+           "register tiling as a GEMM does it: each thread a TM x TN block of S and a TM-row block of O, "
+           "Q_i and K_j/V_j in shared memory, no lane sums", _forward_check("v5"), 5),
     *_decode("v1", dec.launch_split_v1, 2, False, "a key's dims over L lanes, element loads, split + combine"),
     *_decode("v2", dec.launch_split_v2, 1, False,
              "8-byte word loads unpacked by bit-casts in registers, unrolled loops"),
     *_decode("v3", d3.launch_split_v3, 3, True,
              "software-pipelined word loads, reduce-scatter lane sums, flat raw-pointer loads"),
+    *_decode("v4", d4.launch_split_v4, 4, True,
+             "v3 with 16-byte loads (two words by one vector load): half the lanes a key, so half the lane "
+             "sums and softmax work a key"),
     _gather("v1", 2, False, "a thread block per logical block, 8- or 4-byte words, loads before stores"),
     _gather("v3", 1, True, "a thread block per pool block, flat runs of 8-byte words, UN loads before stores"),
     Record("numba", "attention_backward", "v1", "numba_cuda/backward.py", "main_kernel", BackwardConfig,
