@@ -30,9 +30,6 @@ default, and :mod:`.registry` says when each one's check fails):
 ====================  =======  ========================  ====  ===============================================
 op                    version  file                      rank  what it adds
 ====================  =======  ========================  ====  ===============================================
-attention             v5       numba_cuda/forward_v5.py  5     register tiling as a GEMM does it: each thread
-                                                               a TM x TN block of S and a TM-row block of O,
-                                                               Q_i and K_j/V_j in shared memory, no lane sums
 attention             v4       numba_cuda/forward.py     4     v3 with a 4-key step NVVM unrolls (scores in
                                                                registers) and batched butterflies
 attention             v3       numba_cuda/forward.py     3     several lanes a row and several rows a thread
@@ -41,6 +38,9 @@ attention             v2       numba_cuda/forward.py     2     the block stages 
                                                                for all its rows (FlashAttention-2's loop)
 attention             v1       numba_cuda/forward.py     1     one thread per query row, K and V read from
                                                                global memory by every row
+attention             v5       numba_cuda/forward_v5.py  0     register tiling as a GEMM does it: each thread
+                                                               a TM x TN block of S and a TM-row block of O,
+                                                               Q_i and K_j/V_j in shared memory, no lane sums
 attention_backward    v1       numba_cuda/backward.py    1     FlashAttention-2's backward: K/V tile per
                                                                block, dK/dV in registers over the GQA group, P
                                                                recomputed from LSE, dQ by atomics or
