@@ -56,12 +56,13 @@ def test_forward_v5_low_precision_two_x_rule(rng, dtype):
     testing.assert_close(lse, rl, bl, name="lse")
 
 
-def test_forward_v5_is_the_default_and_runs_at_its_default_tiles(rng):
+def test_forward_v5_runs_by_name_at_its_default_tiles_and_v4_stays_the_default(rng):
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=1, seqlen_q=3, seqlen_k=30, head_dim=4, dtype="float64")
     need = nc.need("attention", q=q, k=k, v=v)
-    kern, cfg = nc.REGISTRY.resolve("attention", None, need)
+    assert nc.REGISTRY.resolve("attention", None, need)[1].version == "v4"
+    kern, cfg = nc.REGISTRY.resolve("attention", nc.ForwardConfig("v5"), need)
     assert cfg.version == "v5" and kern.file == "numba_cuda/forward_v5.py"
-    o, lse = ik.attention(q, k, v, backend="numba", return_lse=True)       # Br = 64, Bc = 32: one tile
+    o, lse = ik.attention(q, k, v, backend="numba", return_lse=True, config=nc.ForwardConfig("v5"))  # one tile
     ro, rl = reference.attention(q, k, v)
     testing.assert_close(o, ro)
     testing.assert_close(lse, rl, name="lse")
