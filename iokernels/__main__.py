@@ -1,4 +1,4 @@
-"""The command line: ``python -m iokernels {tour,figures,bench,dev,ring,labs}``.
+"""The command line: ``iokernels {tour,figures,bench,dev,ring,labs}`` (or ``python -m iokernels``).
 
 tour      run the progression on a small embedded problem and print, per step and backend,
           the error against the float64 oracle, counted and modelled HBM bytes, and time;
@@ -59,7 +59,9 @@ def _figures(args) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m iokernels",
+    # the console script `iokernels` (pyproject.toml's [project.scripts]) or `python -m iokernels`
+    prog = "iokernels" if Path(sys.argv[0]).name == "iokernels" else "python -m iokernels"
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="IO-aware attention kernels: the tour, the figures, the benchmark.")
     sub = parser.add_subparsers(dest="command", required=True)
 
