@@ -176,3 +176,53 @@ def test_installed_wheel_runs_from_outside_the_repository(venv, tmp_path):
     assert Path(got["results"]).resolve().parent.parent == site.parent, got["results"]
     assert got["label"].startswith("recorded on ") and "?" not in got["label"]
     assert got["kernels"] == sorted(p.name for p in (ROOT / "iokernels" / "cupy_raw" / "kernels").glob("*.cu"))
+
+
+# ---- the first cell on a free GPU notebook service (README and the instructor's guide) ----
+
+SMI_HEADER = ("+-----------------------------------------------------------------------------------------+\n"
+              "| NVIDIA-SMI {drv}              Driver Version: {drv}      CUDA Version: {cuda}     |\n")
+
+
+def _recipe(path: Path) -> str:
+    text = path.read_text()
+    section = re.search(r"^## On a free GPU notebook service\n(.*?)^## ", text, re.S | re.M)
+    assert section, f"{path.name} needs a '## On a free GPU notebook service' section"
+    blocks = re.findall(r"```python\n(.*?)```", section.group(1), re.S)
+    assert len(blocks) == 1, f"{path.name}: the section holds one python cell"
+    return blocks[0]
+
+
+def test_the_first_cell_is_the_same_in_the_readme_and_the_instructors_guide():
+    assert _recipe(ROOT / "README.md") == _recipe(ROOT / "notebooks" / "labs" / "README.md")
+
+
+@pytest.mark.parametrize("cuda, extra", [("12.4", "cuda12"), ("13.0", "cuda13")])
+def test_the_first_cell_installs_the_wheel_with_the_drivers_cuda_extras(tmp_path, monkeypatch, cuda, extra):
+    """The cell, run with a stand-in for subprocess.run: it asks nvidia-smi, then pip installs the
+    uploaded wheel with the extra of the driver's CUDA major version, an extra pyproject.toml has."""
+    wheel = f"iokernels-{_version()}-py3-none-any.whl"
+    (tmp_path / wheel).write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def run(cmd, **kw):
+        calls.append(cmd)
+        out = SMI_HEADER.format(drv="580.00", cuda=cuda) if cmd[0] == "nvidia-smi" else ""
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    exec(compile(_recipe(ROOT / "README.md"), "first-cell", "exec"), {})
+    assert calls[0] == ["nvidia-smi"]
+    assert calls[1] == [sys.executable, "-m", "pip", "install", "-q", f"{wheel}[{extra}]"]
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extra in extras
+
+
+def test_the_first_cell_refuses_a_driver_it_has_no_wheels_for(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "iokernels-0-py3-none-any.whl").write_bytes(b"")
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, stdout=SMI_HEADER.format(drv="470.00", cuda="11.4"), stderr=""))
+    with pytest.raises(AssertionError, match="CUDA 11"):
+        exec(compile(_recipe(ROOT / "README.md"), "first-cell", "exec"), {})
