@@ -43,6 +43,8 @@ nb_merge_streams = True
 nb_ipywidgets_js: dict = {}
 myst_enable_extensions = ["dollarmath", "amsmath", "colon_fence", "deflist"]
 myst_heading_anchors = 3
+# MathJax 2 below: MyST's MathJax 3 options would replace its configuration
+myst_update_mathjax = False
 suppress_warnings = ["mystnb.unknown_mime_type", "myst.header"]
 
 # ---- API reference
@@ -54,10 +56,17 @@ napoleon_numpy_docstring = True
 
 # ---- math: MathJax 2 from the site itself (the jupyter-server-mathjax package's copy, which
 # build_site.py puts in _static/mathjax/): the pages need no network
-mathjax_path = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML"
+mathjax_path = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"
 mathjax2_config = {"tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]],
                                "processRefs": False, "processEnvironments": False},
-                   "messageStyle": "none"}
+                   "messageStyle": "none",
+                   # the package ships the STIX web fonts only: no TeX fonts, no image fonts
+                   "HTML-CSS": {"availableFonts": [], "webFont": "STIX-Web", "imageFont": None,
+                                "preferredFont": None,
+                                # its blank test font: a local name, not url('about:blank'), which
+                                # Chromium refuses with a console error
+                                "styles": {"@font-face": {"font-family": "MathJax_Blank",
+                                                          "src": "local('MathJax_Blank')"}}}}
 
 # ---- HTML
 html_theme = "sphinx_book_theme"

@@ -144,7 +144,7 @@ def test_the_lessons_are_the_table_of_contents_in_reading_order(site):
     want = [f"lessons/{p.stem}.html" for p in build_site.ordered_lessons(order)]
     assert len(want) == len(list((ROOT / "notebooks").glob("*.ipynb")))
     index = (site / "index.html").read_text(encoding="utf-8")
-    nav = re.search(r'<nav class="bd-docs-nav.*?</nav>', index, re.S)
+    nav = re.search(r'<nav class="[^"]*bd-docs-nav[^"]*".*?</nav>', index, re.S)
     assert nav, "the sidebar's navigation"
     listed = [h for h in re.findall(r'href="([^"#]+)"', nav.group(0)) if h.startswith("lessons/")]
     assert listed == want
@@ -234,4 +234,19 @@ def test_the_search_box_finds_online_softmax(server, browser):
     hrefs = [results.nth(i).get_attribute("href") for i in range(results.count())]
     page.close()
     assert any("lessons/02_online_softmax" in h for h in hrefs), hrefs
+    assert not problems, problems
+
+
+def test_the_math_is_typeset_from_the_site_itself(site, server, browser):
+    """MathJax (served from _static/mathjax, no network) typesets the lesson with the most math."""
+    counts = {p: p.read_text(encoding="utf-8").count('class="math notranslate')
+              for p in (site / "lessons").glob("*.html")}
+    page_path = max(counts, key=counts.get)
+    assert counts[page_path] > 0, "no lesson page holds math"
+    page, problems = _open(browser, f"{server}/lessons/{page_path.name}")
+    page.wait_for_function("() => document.querySelectorAll('.MathJax, .MathJax_Display').length > 0",
+                           timeout=LOAD_TIMEOUT_MS)
+    typeset = page.evaluate("() => document.querySelectorAll('.MathJax, .MathJax_Display').length")
+    page.close()
+    assert typeset >= counts[page_path] // 2, (page_path.name, typeset, counts[page_path])
     assert not problems, problems
