@@ -126,6 +126,25 @@ def recorded_block(readme: str) -> str:
     return m.group(1).replace("benchmarks/NOTES.md", "`benchmarks/NOTES.md` in the repository").strip()
 
 
+# --------------------------------------------------------------------------- the API page
+def api_page(text: str) -> str:
+    """docs/pages/api.md with every public name of ``iokernels.__all__`` that it does not
+    document yet appended (a function added to the package appears without editing the page)."""
+    sys.path.insert(0, str(ROOT))
+    import iokernels
+    documented = set(re.findall(r"\.\. auto(?:function|class|data):: iokernels\.(\w+)", text))
+    rest = []
+    for name in iokernels.__all__:
+        obj = getattr(iokernels, name)
+        if name in documented or isinstance(obj, type(iokernels)):
+            continue                                        # documented above, or a module
+        kind = "autoclass" if isinstance(obj, type) else "autofunction" if callable(obj) else "autodata"
+        rest.append(f".. {kind}:: iokernels.{name}")
+    if not rest:
+        return text
+    return text.rstrip() + "\n\n## More of the public API\n\n```{eval-rst}\n" + "\n".join(rest) + "\n```\n"
+
+
 # --------------------------------------------------------------------------- labs
 def labs_pages(dest: Path) -> list:
     """labs/index.md (the instructor's guide, with the learner copies' table of contents) and
@@ -275,6 +294,7 @@ def stage(src: Path, jobs: int, only=None) -> None:
         if page.is_file():
             shutil.copy(page, src / page.name)
     (src / "index.md").write_text(index_page(readme), encoding="utf-8")
+    (src / "api.md").write_text(api_page((DOCS / "pages" / "api.md").read_text(encoding="utf-8")), encoding="utf-8")
     results = src / "results.md"
     results.write_text(results.read_text(encoding="utf-8").replace("{{README_RECORDED_RESULTS}}",
                                                                    recorded_block(readme)), encoding="utf-8")

@@ -23,6 +23,7 @@ import html
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
 import urllib.parse
@@ -212,14 +213,20 @@ def test_the_lab_pages_show_no_solution(site):
 
 
 def test_the_api_reference_documents_every_public_function(site):
-    import iokernels
+    # the public names of the package the site was built from (the checkout, as the build imports it)
+    probe = ("import json, types, iokernels as ik\n"
+             "print(json.dumps({'public': [n for n in ik.__all__ if callable(getattr(ik, n))\n"
+             "                             and not isinstance(getattr(ik, n), types.ModuleType)],\n"
+             "                  'doc': ik.attention.__doc__}))")
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
     ids = _ids(site / "api.html")
-    public = [n for n in iokernels.__all__ if callable(getattr(iokernels, n)) and not isinstance(getattr(iokernels, n),
-                                                                                              type(iokernels))]
-    missing = [n for n in public if f"iokernels.{n}" not in ids]
+    missing = [n for n in got["public"] if f"iokernels.{n}" not in ids]
     assert not missing, f"the API page lacks {missing}"
-    text = _text(site / "api.html")
-    assert iokernels.attention.__doc__.split("\n")[0].split(";")[0].strip() in " ".join(text.split())
+    text = " ".join(_text(site / "api.html").split())
+    assert " ".join(got["doc"].split("\n")[0].split(";")[0].split()) in text
 
 
 def test_the_search_box_finds_online_softmax(server, browser):
@@ -250,3 +257,43 @@ def test_the_math_is_typeset_from_the_site_itself(site, server, browser):
     page.close()
     assert typeset >= counts[page_path] // 2, (page_path.name, typeset, counts[page_path])
     assert not problems, problems
+
+
+# ---- the build's own parts, without a built site (fast: these run in the suite) ----
+
+def test_the_readme_reading_order_names_every_lesson_once():
+    parts = build_site.readme_sections((ROOT / "README.md").read_text(encoding="utf-8"))
+    lessons = build_site.ordered_lessons(parts["order"])
+    assert sorted(lessons) == sorted((ROOT / "notebooks").glob("*.ipynb"))
+    assert parts["order"][:2] == ["00", "01"] and parts["intro"] and "| step |" in parts["progression"]
+    with pytest.raises(ValueError, match="missing"):
+        build_site.ordered_lessons(parts["order"][1:])
+
+
+def test_the_index_links_each_notebook_of_the_progression_to_its_page():
+    page = build_site.index_page((ROOT / "README.md").read_text(encoding="utf-8"))
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        assert f"[{nb.stem}](lessons/{nb.stem}.ipynb)" in page
+        assert f"\nlessons/{nb.stem}\n" in page
+
+
+def test_widget_outputs_become_the_note_and_progress_bars_go():
+    widget = {"output_type": "display_data", "metadata": {},
+              "data": {build_site.WIDGET_MIME: {"model_id": "x"}, "text/plain": "VBox(children=(IntSlider(...),))"}}
+    bar = {"output_type": "display_data", "metadata": {},
+           "data": {build_site.WIDGET_MIME: {"model_id": "y"}, "text/plain": " 40%|####      | 4/10"}}
+    text = {"output_type": "stream", "name": "stdout", "text": "kept\n"}
+    nb = {"metadata": {"widgets": {}}, "cells": [{"cell_type": "code", "outputs": [widget, bar, text]}]}
+    assert build_site.static_outputs(nb) == 1
+    outs = nb["cells"][0]["outputs"]
+    assert len(outs) == 2 and outs[1] == text and "widgets" not in nb["metadata"]
+    assert "live kernel" in outs[0]["data"]["text/plain"] and build_site.WIDGET_MIME not in outs[0]["data"]
+
+
+def test_the_api_page_gains_any_public_name_it_does_not_document():
+    text = (ROOT / "docs" / "pages" / "api.md").read_text(encoding="utf-8")
+    assert build_site.api_page(text) == text or "## More of the public API" in build_site.api_page(text)
+    without = text.replace(".. autofunction:: iokernels.merge_states\n", "")
+    assert without != text
+    added = build_site.api_page(without).split("## More of the public API")[1]
+    assert ".. autofunction:: iokernels.merge_states" in added
