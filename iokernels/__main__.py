@@ -26,6 +26,9 @@ from pathlib import Path
 #: the repository root when run from a checkout (it holds pyproject.toml), else the current folder
 ROOT = Path(__file__).resolve().parents[1]
 ROOT = ROOT if (ROOT / "pyproject.toml").is_file() else Path.cwd()
+#: the lab notebooks an installed wheel carries (setup.py copies notebooks/labs there); a
+#: checkout's ``labs student`` reads notebooks/labs itself
+PACKAGED_LABS = Path(__file__).resolve().parent / "data" / "labs"
 #: where ``figures`` writes: the committed figures/
 DEFAULT_FIGURES = ROOT / "figures"
 #: where ``tour`` writes its figures: out/figures/, ignored by git (.gitignore's /out/), so a
@@ -107,6 +110,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _prepare_environment()
     if args.command == "labs":
+        if getattr(args, "source", None) == str(labs_cli.DEFAULT_SOURCE) and not labs_cli.DEFAULT_SOURCE.is_dir():
+            args.source = str(PACKAGED_LABS)    # an installed wheel: its copy of notebooks/labs
         return labs_cli.run(args)
     return {"tour": _tour, "figures": _figures}[args.command](args)
 

@@ -158,6 +158,14 @@ def test_installed_wheel_runs_from_outside_the_repository(venv, tmp_path):
     assert "01 naive forward" in r.stdout and "08 paged decode" in r.stdout
     assert sorted((cwd / "out" / "figures").glob("*.png")), "the tour writes its figures under ./out/figures"
 
+    r = subprocess.run([str(venv / "iokernels"), "labs", "student", "learner"], cwd=cwd, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{r.stdout}\n{r.stderr}"
+    labs = sorted(p.name for p in (ROOT / "notebooks" / "labs").glob("*.ipynb"))
+    assert sorted(p.name for p in (cwd / "learner").glob("*.ipynb")) == labs
+    learner = (cwd / "learner" / labs[0]).read_text(encoding="utf-8")
+    assert "BEGIN SOLUTION" not in learner and "NotImplementedError" in learner
+
     probe = ("import json, iokernels\n"
              "from iokernels.core import recorded\n"
              "from iokernels.cupy_raw import launch\n"
