@@ -67,8 +67,8 @@ setup() {
         case "$SETUP" in
             full) echo "[dev.sh] installing iokernels[all] (editable)"
                   "$VENV/bin/python" -m pip install --quiet -e ".[all]" ;;
-            cpu)  echo "[dev.sh] installing iokernels[torch,notebooks,dev] (editable), numba, numba-cuda"
-                  "$VENV/bin/python" -m pip install --quiet -e ".[torch,notebooks,dev]" "numba>=0.60" "numba-cuda>=0.30" ;;
+            cpu)  echo "[dev.sh] installing iokernels[torch,notebooks,dev,hf] (editable), numba, numba-cuda"
+                  "$VENV/bin/python" -m pip install --quiet -e ".[torch,notebooks,dev,hf]" "numba>=0.60" "numba-cuda>=0.30" ;;
             *)    echo "IOKERNELS_SETUP must be full or cpu, got '$SETUP'" >&2; exit 2 ;;
         esac
         echo "$want" > "$STAMP"

@@ -20,6 +20,8 @@ The progression (one module a step, in the order of the notebooks):
 :mod:`iokernels.failure_modes`          what goes wrong (11)
 :mod:`iokernels.context_parallel`       ring attention over torch.distributed (12)
 :mod:`iokernels.models`, :mod:`.mla`    decode for real model shapes, MLA (13)
+:mod:`iokernels.serving`,               serving: continuous batching over the paged cache, chunked
+:mod:`.paged_prefill`                   prefill on paged KV, a Llama-shaped model, paged vs contiguous (14)
 ======================================  ============================================================
 
 Infrastructure lives in :mod:`iokernels.core` (the public functions, conventions, the float64
@@ -27,7 +29,8 @@ oracle, the shared checker and input factory, the traffic counter, tile configs,
 roofline table, recorded results, the array layer, the kernel registry, the GPU probe);
 timing and the benchmark in :mod:`iokernels.bench`; plots and widgets in
 :mod:`iokernels.viz`; the graded labs in :mod:`iokernels.labs`; notebooks' kernel metadata, as
-JupyterLab writes it on open, in :mod:`iokernels.notebook_meta`.
+JupyterLab writes it on open, in :mod:`iokernels.notebook_meta`; iokernels as a Hugging Face
+transformers attention implementation in :mod:`iokernels.hf_attention`.
 
 Importing the package is light: nothing touches a GPU, and heavy modules load on first use.
 """
@@ -40,7 +43,7 @@ from .core import conventions, reference, testing, traffic
 # is bound here: importing a submodule sets it as a package attribute, and binding the
 # function afterwards keeps ik.decode the function.
 from .api import (BACKENDS, attention, attention_backward, attention_varlen, decode, merge_states,
-                  paged_decode)
+                  paged_decode, paged_prefill)
 from .core.config import TileConfig
 
 __version__ = "0.1.0"
@@ -59,6 +62,7 @@ _LAZY = {
     "paged": ("iokernels.paged", None),
     "bench": ("iokernels.bench", None),
     "context_parallel": ("iokernels.context_parallel", None),
+    "serving": ("iokernels.serving", None),
     "viz": ("iokernels.viz", None),
 }
 
@@ -73,6 +77,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'iokernels' has no attribute {name!r}")
 
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "paged_decode",
+__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "paged_decode", "paged_prefill",
            "merge_states", "PagedKVCache", "OutOfBlocks", "TileConfig", "traffic", "reference",
            "testing", "conventions", "roofline", "BACKENDS"]

@@ -1,4 +1,4 @@
-"""The command line: ``iokernels {tour,figures,bench,dev,ring,labs}`` (or ``python -m iokernels``).
+"""The command line: ``iokernels {tour,figures,bench,dev,ring,serve-bench,labs}`` (or ``python -m iokernels``).
 
 tour      run the progression on a small embedded problem and print, per step and backend,
           the error against the float64 oracle, counted and modelled HBM bytes, and time;
@@ -10,6 +10,8 @@ dev       check one op, version and shape against the float64 oracle and time it
           (see :mod:`iokernels.bench.dev`)
 ring      ring attention on W local processes over torch.distributed, checked against the
           float64 oracle, bytes per rank counted and modelled (see :mod:`iokernels.ring_launch`)
+serve-bench  serve a seeded chat-like trace with continuous batching, paged against contiguous
+          at the same KV memory (see :mod:`iokernels.serving.bench`)
 labs      lab notebooks: ``labs student OUTDIR`` writes learner copies, ``labs grade PATH``
           grades them (see :mod:`iokernels.labs.cli`)
 
@@ -95,6 +97,13 @@ def main(argv=None) -> int:
     if argv and argv[0] == "ring":      # the ring launcher parses its own options
         from . import ring_launch
         return int(ring_launch.main(argv[1:]))
+
+    sub.add_parser("serve-bench", help="serve a trace paged and contiguous at the same KV memory "
+                   "(options: python -m iokernels serve-bench --help)", add_help=False)
+    if argv and argv[0] == "serve-bench":   # the serving benchmark parses its own options
+        _prepare_environment()
+        from .serving import bench as serve_bench
+        return int(serve_bench.main(argv[1:]))
 
     if argv and argv[0] == "bench":     # the benchmark parses its own options
         _prepare_environment()

@@ -14,9 +14,10 @@ in one table (:data:`_DISPATCH`); the GPU backends through their kernel registri
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
-from . import backward, naive, paged, tiled, torch_sdpa
+from . import backward, naive, paged, paged_prefill as _prefill, tiled, torch_sdpa
 from . import decode as _decode
 from .core import api as _core
 from .core import conventions as cv
@@ -24,8 +25,9 @@ from .core import traffic as _traffic
 from .core.api import BACKENDS, GPU_BACKENDS, NUMPY_BACKENDS, QUANT_DECODE_BACKENDS, registry_of
 from .paged import PagedKVCache
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "paged_decode", "paged_gather",
-           "merge_states", "BACKENDS", "NUMPY_BACKENDS", "GPU_BACKENDS", "QUANT_DECODE_BACKENDS", "registry_of"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "paged_decode", "paged_prefill",
+           "paged_gather", "merge_states", "backends_implementing", "BACKENDS", "NUMPY_BACKENDS", "GPU_BACKENDS",
+           "QUANT_DECODE_BACKENDS", "registry_of"]
 
 #: (backend, operation) -> function.  One table, so what exists is visible.
 _DISPATCH: dict[tuple[str, str], Callable[..., Any]] = {
@@ -40,6 +42,9 @@ _DISPATCH: dict[tuple[str, str], Callable[..., Any]] = {
     ("tiled", "decode"): _decode.decode_split_kv,
     ("torch", "decode"): torch_sdpa.decode,
     ("tiled", "paged_decode"): _decode.paged_decode_split_kv,
+    ("tiled", "paged_prefill"): _prefill.paged_prefill_tiled,
+    ("naive", "paged_prefill"): functools.partial(_prefill.gather_then_attend, naive.attention),
+    ("torch", "paged_prefill"): functools.partial(_prefill.gather_then_attend, torch_sdpa.attention),
 }
 
 
@@ -49,11 +54,17 @@ _traffic.register_models(
     fa1=tiled.traffic_model_fa1, fa2=tiled.traffic_model_fa2,
     fa2_backward=backward.traffic_model_tiled, gpu_backward=backward.traffic_model_gpu,
     decode=_decode.traffic_model, paged_decode=_decode.traffic_model_paged,
-    paged_gather=paged.traffic_model_gather)
+    paged_gather=paged.traffic_model_gather, paged_prefill=_prefill.traffic_model)
 
 
 def _implements(backend: str, op: str) -> bool:
     return (backend, op) in _DISPATCH or _core.gpu_implements(backend, op)
+
+
+def backends_implementing(op: str) -> list[str]:
+    """The backends that run ``op`` ("attention_varlen" also runs on every backend with "attention")."""
+    ops = (op, "attention") if op == "attention_varlen" else (op,)
+    return [b for b in BACKENDS if any(_implements(b, o) for o in ops)]
 
 
 def _resolve(backend: str, op: str) -> Callable[..., Any]:
@@ -175,6 +186,35 @@ def paged_decode(q, cache, seq_ids, num_splits: int | None = None, scale: float 
     _core.numpy_only(backend, q=q)
     o, lse = _core.call(fn, backend, dict(q=q, cache=cache), q, cache, seq_ids, num_splits=num_splits,
                         scale=scale, config=config, **extra)
+    return (o, lse) if return_lse else o
+
+
+def paged_prefill(q, cache, seq_ids, cu_seqlens_q, causal: bool = True, scale: float | None = None,
+                  backend: str = "tiled", return_lse: bool = False, config=None):
+    """Chunked prefill over a :class:`PagedKVCache`: each sequence's new queries attend to its cache.
+
+    q (total_q, Hq, d) packed as in :func:`attention_varlen`: sequence seq_ids[b]'s chunk is
+    rows cu_seqlens_q[b]:cu_seqlens_q[b+1].  The chunk's K and V must already be appended
+    (they are the sequence's last rows), and ``causal`` masks bottom-right: chunk row i of
+    a sequence holding n tokens sits at position n - n_q + i and sees keys 0..that
+    position.  A chunk of one row is a decode step; an empty chunk is allowed.  ``config``:
+    a TileConfig whose block_q is the Q tile rows (its block_k must be the cache's block
+    size); None: the default.  LSE has shape (Hq, total_q).  Backends: "tiled" reads the
+    blocks in the kernel; "naive" and "torch" gather each sequence out of the pool first and
+    attend on the copy (:func:`iokernels.paged_prefill.gather_then_attend`).  See
+    :mod:`iokernels.paged_prefill`.
+    """
+    _check_cache(cache)
+    seq_ids, cq = _core.check_paged_prefill(q, cache, seq_ids, cu_seqlens_q, backend)
+    causal = cv.check_bool(causal, "causal")
+    return_lse = cv.check_bool(return_lse, "return_lse")
+    scale = cv.resolve_scale(scale, cache.head_dim)
+    fn = _resolve(backend, "paged_prefill")
+    _core.numpy_only(backend, q=q)
+    if backend == "tiled":
+        _prefill.block_q_of(config, cache.block_size)         # a bad config fails before any work
+    o, lse = _core.call(fn, backend, dict(q=q, cache=cache), q, cache, seq_ids, cq, causal=causal,
+                        scale=scale, config=config)
     return (o, lse) if return_lse else o
 
 

@@ -6,7 +6,7 @@ off) and no "modified" mark on the notebook (its kernel metadata is what Jupyter
 on open: :mod:`iokernels.notebook_meta`).  Then Run All Cells, wait until every code cell
 has run, and check that no cell shows an error.
 
-The JupyterLab server and Chromium come from tests/test_browser.py's fixtures (one server
+The JupyterLab server and Chromium come from tests/browser_support.py (one server
 for the module; Debian's Chromium through Playwright's executable_path, never a downloaded
 browser).  Each notebook is uploaded as committed, through the server's contents API.  With
 a Python other than the one the notebooks name (notebook_meta.PYTHON_VERSION), JupyterLab
@@ -22,8 +22,7 @@ import pytest
 
 from iokernels import notebook_meta as nm
 
-from test_browser import CHROMIUM_FLAGS, ROOT, chromium, lab  # noqa: F401 (fixtures)
-from test_browser_labs import _WAIT_IDLE, _upload
+from browser_support import ROOT, WAIT_IDLE, browser_page, chromium, lab, upload  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -83,20 +82,13 @@ def test_the_setup_switches_jupyterlabs_news_off():
 
 @pytest.mark.parametrize("name", COURSE)
 def test_notebook_opens_clean_and_runs_without_error(chromium, lab, tmp_path, name):  # noqa: F811
-    sync_api = pytest.importorskip("playwright.sync_api")
-    _upload(lab, f"{name}.ipynb", _upload_text(name))
-    profile = tmp_path / "chromium-profile"
-    profile.mkdir()
-    with sync_api.sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(str(profile), executable_path=chromium, headless=True,
-                                                    args=CHROMIUM_FLAGS)
+    upload(lab, f"{name}.ipynb", _upload_text(name))
+    with browser_page(chromium, tmp_path / "chromium-profile", OPEN_TIMEOUT_MS) as page:
         try:
-            page = ctx.new_page()
-            page.set_default_timeout(OPEN_TIMEOUT_MS)
             # ?reset: a fresh workspace, so the notebooks of earlier tests do not reopen beside it
             page.goto(f"{lab['url']}/lab/tree/{name}.ipynb?reset&token={lab['token']}")
             page.wait_for_function(_CURRENT, arg=f"{name}.ipynb")
-            page.wait_for_function(_WAIT_IDLE)
+            page.wait_for_function(WAIT_IDLE)
             page.wait_for_timeout(SETTLE_MS)
             state = page.evaluate(_STATE)
             assert not [t for t in state["toasts"] if "news" in t.lower()], f"news pop-up: {state['toasts']}"
@@ -113,4 +105,3 @@ def test_notebook_opens_clean_and_runs_without_error(chromium, lab, tmp_path, na
                 page.evaluate("() => window.jupyterapp.commands.execute('application:close-all')")
             except Exception:
                 pass
-            ctx.close()

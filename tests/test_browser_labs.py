@@ -5,20 +5,19 @@ NOT YET (red), write the online-softmax step into the stub, run again, and see P
 The stub is filled in through JupyterLab's own notebook model (``window.jupyterapp``), the
 way an editor change reaches the kernel; the check cell's output is then read from the page.
 
-The JupyterLab server and Chromium come from tests/test_browser.py's fixtures (Debian's
+The JupyterLab server and Chromium come from tests/browser_support.py (Debian's
 Chromium through Playwright's executable_path; never a downloaded browser). The learner copy
 is uploaded through the server's contents API.
 """
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 
 from iokernels.labs import notebooks as lnb
 
-from test_browser import CHROMIUM_FLAGS, ROOT, UI_TIMEOUT_MS, chromium, lab  # noqa: F401 (fixtures)
+from browser_support import ROOT, WAIT_IDLE, browser_page, chromium, lab, upload  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -36,19 +35,6 @@ def _solution_of(nb: dict, marker: str) -> str:
     return next(s for s in sources if marker in s)
 
 
-def _upload(lab_server, name: str, nb: dict) -> None:
-    body = json.dumps({"type": "notebook", "format": "json", "content": nb}).encode()
-    req = urllib.request.Request(f"{lab_server['url']}/api/contents/{name}?token={lab_server['token']}", data=body,
-                                 method="PUT", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        assert r.status in (200, 201)
-
-
-_WAIT_IDLE = """() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
-                       return w && w.sessionContext && w.sessionContext.session &&
-                              w.sessionContext.session.kernel &&
-                              w.sessionContext.session.kernel.status === 'idle'; }"""
-
 _FILL_STUB = """(src) => { const nb = window.jupyterapp.shell.currentWidget.content;
     for (const cell of nb.widgets) {
         const s = cell.model.sharedModel.getSource();
@@ -58,37 +44,27 @@ _FILL_STUB = """(src) => { const nb = window.jupyterapp.shell.currentWidget.cont
 
 
 def test_lab_stub_filled_in_turns_the_check_green(chromium, lab, tmp_path):  # noqa: F811
-    sync_api = pytest.importorskip("playwright.sync_api")
     solution_nb = json.loads(LAB.read_text())
     learner_nb = lnb.student_notebook(solution_nb)
     assert "NotImplementedError" in json.dumps(learner_nb)
-    _upload(lab, NAME, learner_nb)
+    upload(lab, NAME, learner_nb)
     solution = _solution_of(solution_nb, "def online_step")
-    profile = tmp_path / "chromium-profile"
-    profile.mkdir()
-    with sync_api.sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(str(profile), executable_path=chromium, headless=True,
-                                                    args=CHROMIUM_FLAGS)
-        try:
-            page = ctx.new_page()
-            page.set_default_timeout(UI_TIMEOUT_MS)
-            page.goto(f"{lab['url']}/lab/tree/{NAME}?token={lab['token']}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell")
-            page.wait_for_function(_WAIT_IDLE)
-            page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-            page.wait_for_selector(FAILED)                       # the stub: NOT YET, in red
-            assert "not written yet" in page.locator(FAILED).first.inner_text()
-            assert page.locator(PASSED).count() == 0
+    with browser_page(chromium, tmp_path / "chromium-profile") as page:
+        page.goto(f"{lab['url']}/lab/tree/{NAME}?token={lab['token']}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell")
+        page.wait_for_function(WAIT_IDLE)
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        page.wait_for_selector(FAILED)                       # the stub: NOT YET, in red
+        assert "not written yet" in page.locator(FAILED).first.inner_text()
+        assert page.locator(PASSED).count() == 0
 
-            assert page.evaluate(_FILL_STUB, solution), "no stub cell found in the learner copy"
-            page.wait_for_function(_WAIT_IDLE)
-            page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-            page.wait_for_selector(PASSED)                       # filled in: PASSED, in green
-            out = page.locator(PASSED).first
-            assert "PASSED" in out.inner_text() and "online_step" in out.inner_text()
-            assert out.evaluate("e => getComputedStyle(e).backgroundColor") == GREEN
-            assert page.locator(FAILED).count() == 0
-            assert not page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
-                                    has_text="Traceback").count()
-        finally:
-            ctx.close()
+        assert page.evaluate(_FILL_STUB, solution), "no stub cell found in the learner copy"
+        page.wait_for_function(WAIT_IDLE)
+        page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        page.wait_for_selector(PASSED)                       # filled in: PASSED, in green
+        out = page.locator(PASSED).first
+        assert "PASSED" in out.inner_text() and "online_step" in out.inner_text()
+        assert out.evaluate("e => getComputedStyle(e).backgroundColor") == GREEN
+        assert page.locator(FAILED).count() == 0
+        assert not page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']",
+                                has_text="Traceback").count()

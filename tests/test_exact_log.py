@@ -106,3 +106,14 @@ def test_a_log_log_figure_is_the_same_png_with_numpys_simd_paths_off(tmp_path):
                        timeout=120)
         pngs.append(out.read_bytes())
     assert pngs[0] == pngs[1], f"traffic_vs_n drawn with and without NumPy's {features} differs"
+
+
+def test_every_log_axis_of_the_package_uses_the_exact_scale():
+    """matplotlib's own log scale goes through NumPy's SIMD logarithm: no figure may use it."""
+    import re
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "iokernels"
+    pattern = re.compile(r"""set_[xy]scale\(\s*["']log["']|(?<!exact_log)\.(loglog|semilogx|semilogy)\(""")
+    found = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py") if p.name != "exact_log.py"
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert not found, f"matplotlib's log scale used at {found}: use iokernels.viz.exact_log"

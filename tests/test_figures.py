@@ -226,6 +226,7 @@ def test_chapter_figures_keep_their_legends_off_the_data(rng):
     from iokernels import models
     from iokernels.viz import decode_models as dm
     from iokernels.viz import failure_modes as vf
+    from iokernels.viz import figures
     from iokernels.viz import hopper as vh
     from iokernels.viz import sdpa
     n = [256, 1024, 4096, 16384]
@@ -234,7 +235,8 @@ def test_chapter_figures_keep_their_legends_off_the_data(rng):
     rows = models.kv_quant_accuracy(rng, lengths=(16, 64), heads_q=4, heads_kv=2, head_dim=32)
     made = {"drift": vf.drift_figure(drift), "kv caches": dm.kv_quant_figure(rows),
             "sensitivity": vh.sensitivity_figure(), "schedules": vh.schedule_figure(),
-            "traffic parts": sdpa.measured_parts_figure(_rec())}
+            "traffic parts": sdpa.measured_parts_figure(_rec()),
+            "traffic vs N": figures.traffic_vs_n(rec=_rec())}
     for name, fig in made.items():
         fig = fig if hasattr(fig, "axes") else fig.figure
         assert _covered(fig) == 0, f"{name}: the legend covers {_covered(fig)} data points"

@@ -128,7 +128,8 @@ def test_learner_notebook_runs_and_every_check_teaches(path, executed):
             assert o.get("output_type") != "error", f"learner copy of {path.name}: {o.get('ename')}"
     for name, text in _check_outputs(out):
         assert "NOT YET" in text and "PASSED" not in text, f"{name}: {text}"
-        assert re.search(r"not written yet|nothing to grade yet|race on shared", text), f"{name}: {text}"
+        assert re.search(r"not written yet|nothing to grade yet|race on shared|keys sliced at the queries",
+                         text), f"{name}: {text}"
 
 
 def _cli(*args):
@@ -197,6 +198,26 @@ WRONG = [
      [('!= "skip"]', ']')], "fully masked tiles loaded"),
     ("03_flash_forward.ipynb", "flash_forward", ("flash_forward",),
      [("hk = ik.conventions.kv_head(h, Hq, Hkv)", "hk = h % Hkv")], "K/V of the wrong head (GQA)"),
+    ("03_flash_forward.ipynb", "flash_forward", ("flash_forward",),
+     [("m_ref = np.where(np.isneginf(m_new), 0.0, m_new).astype(acc)", "m_ref = m_new")],
+     "a fully masked row gives NaN"),
+    ("03_flash_forward.ipynb", "flash_forward", ("flash_forward",),
+     [("l = alpha * l + p.sum(axis=1)", "l = l + p.sum(axis=1)")], "l not rescaled"),
+    ("03_flash_forward.ipynb", "flash_forward", ("flash_forward",),
+     [("l = alpha * l + p.sum(axis=1)", "l = alpha * alpha * l + p.sum(axis=1)"),
+      ("o = alpha[:, None] * o + p @ v", "o = alpha[:, None] * alpha[:, None] * o + p @ v")], "rescale applied twice"),
+    ("03_flash_forward.ipynb", "flash_forward", ("flash_forward",),
+     [("o = alpha[:, None] * o + p @ v", "o = alpha[:, None] * alpha[:, None] * o + p @ v")],
+     "rescale applied twice"),
+    ("03_flash_forward.ipynb", "flash_forward", ("flash_forward",),
+     [("hk = ik.conventions.kv_head(h, Hq, Hkv)", "hk = h")], "K/V of the wrong head (GQA)"),
+    ("03_flash_forward.ipynb", "flash_forward", ("flash_forward",),
+     [("hk = ik.conventions.kv_head(h, Hq, Hkv)", "hk = h // Hkv")], "K/V of the wrong head (GQA)"),
+    ("03_flash_forward.ipynb", "flash_forward", ("flash_forward",),
+     [("                if not tiles:  ",
+       "                q = Q[b, h, r0:r1].astype(acc)\n                if not tiles:  "),
+      ("                q = Q[b, h, r0:r1].astype(acc)                        # load Q_i", "                # Q_i")],
+     "Q loaded for a query tile that sees no key"),
     ("03_flash_forward.ipynb", "loop_order", ("prediction",),
      [('prediction = {"A": "fa1"', 'prediction = {"A": "fa2"')], "shape A: you predicted fa2"),
     ("04_backward.ipynb", "flash_backward", ("flash_backward",),
@@ -204,6 +225,8 @@ WRONG = [
     ("04_backward.ipynb", "flash_backward", ("flash_backward",),
      [("dv += p.T @ do", "dv += p.T @ do\n                        k = K[b, hk, c0:c1].astype(acc)")],
      "K_j, V_j re-read inside the Q loop"),
+    ("04_backward.ipynb", "flash_backward", ("flash_backward",),
+     [("                dQaccum[b, h, r0:r1] = 0.0\n", "")], "dQaccum not zeroed"),
     ("05_flash_decoding.ipynb", "merge_states", ("merge_states",),
      [("np.where(live[..., None], o_parts, 0.0)", "o_parts")], "an empty part leaks NaN"),
     ("05_flash_decoding.ipynb", "merge_states", ("merge_states",),
@@ -218,6 +241,13 @@ WRONG = [
      [("if ref_counts[blk] > 1:", "if False:")], "no copy-on-write"),
     ("06_paged_kv_cache.ipynb", "copy_on_write", ("append_token",),
      [("            ref_counts[blk] -= 1\n", "")], "the shared block's count not decremented"),
+    ("06_paged_kv_cache.ipynb", "copy_on_write", ("append_token",),
+     [("k_pool[new, :slot] = k_pool[blk, :slot]", "k_pool[new] = k_pool[blk]"),
+      ("v_pool[new, :slot] = v_pool[blk, :slot]", "v_pool[new] = v_pool[blk]")], "the whole block copied"),
+    ("06_paged_kv_cache.ipynb", "copy_on_write", ("append_token",),
+     [("blk = free_list.pop(0)", "blk = free_list.pop()")], "free blocks taken from the wrong end"),
+    ("06_paged_kv_cache.ipynb", "copy_on_write", ("append_token",),
+     [("new = free_list.pop(0)", "new = free_list.pop()")], "free blocks taken from the wrong end"),
     ("07_numba_cuda.ipynb", "numba_forward", ("flash_fwd_kernel",),
      [("dot += q_i[dd] * K_j[j - c0, dd]\n                m_new", "dot += q[b, h, i, dd] * K_j[j - c0, dd]\n"
        "                m_new")], "q_i re-read from global memory inside the tile loop"),
@@ -242,9 +272,63 @@ def test_wrong_solution_fails_and_names_the_mistake(lab, exercise, entries, plan
     assert again.status == "failed" and again.message == result.message
 
 
-def test_the_package_merge_passes_its_own_exercise():
+def test_the_package_merge_is_not_an_answer_to_its_own_exercise():
     import iokernels as ik
-    assert labs.check("merge_states", ik.merge_states).passed
+    r = labs.check("merge_states", ik.merge_states)
+    assert r.status == "failed" and "called iokernels.api.merge_states" in r.message, r.message
+
+
+def test_a_fully_masked_row_shares_a_query_tile_with_visible_rows():
+    """A hidden case where a query tile holds a row that sees no key next to rows that do."""
+    import numpy as np
+    from iokernels.core import conventions as cv
+    mixed = []
+    for case in labs.EXERCISES["flash_forward"].cases():
+        p = case.params
+        if p["causal"]:
+            lo, hi = cv.key_range(np.arange(p["Nq"]), p["Nq"], p["Nk"], True)
+            blind = hi <= lo
+            mixed += [r0 for r0 in range(0, p["Nq"], p["Br"]) if blind[r0:r0 + p["Br"]].any()
+                      and not blind[r0:r0 + p["Br"]].all()]
+    assert mixed, "no hidden case mixes a fully masked row with visible rows in one query tile"
+    assert any(c.params["Nq"] == 45 and c.params["Nk"] == 29 and c.params["Br"] == 5
+               for c in labs.EXERCISES["flash_forward"].cases())
+
+
+def test_dqaccum_must_be_zeroed_says_the_spec_and_the_lab():
+    assert "zero it" in labs.spec("flash_backward")
+    text = "".join("".join(c["source"]) for c in json.loads((LAB_DIR / "04_backward.ipynb").read_text())["cells"]
+                   if c["cell_type"] == "markdown")
+    assert "dQaccum" in text and "Set it to 0" in text
+
+
+def test_a_wrong_loop_order_guess_does_not_print_the_answer():
+    from iokernels.labs.exercises import LOOP_ORDER_SHAPES, loop_order_traffic
+    r = labs.check("loop_order", {"A": "fa2", "B": "fa1"})
+    assert r.status == "failed" and "shape A: you predicted fa2" in r.message
+    moved = loop_order_traffic(**LOOP_ORDER_SHAPES["A"])
+    for n in moved.values():
+        assert f"{n:,}" not in r.message and str(n) not in r.message, r.message
+    assert not re.search(r"Br=\d|Bc=\d", r.message), r.message
+    for text in (labs.spec("loop_order"), labs.EXERCISES["loop_order"].hint):
+        assert "/ 2" in text or "/ itemsize" in text, text      # M's unit, stated for fp16
+    lab = "".join("".join(c["source"]) for c in json.loads((LAB_DIR / "03_flash_forward.ipynb").read_text())["cells"])
+    assert "M in elements" not in lab and "M = SRAM bytes / 2 for fp16" in lab
+
+
+def test_grade_summary_shows_the_likely_mistake_and_the_hint(tmp_path):
+    ns = _solution_namespace("02_online_softmax_step.ipynb",
+                             [("m_ref = np.where(np.isneginf(m_new), 0.0, m_new)", "m_ref = m_new")])
+    named = labs.check("online_step", ns["online_step"])
+    hinted = labs.check("loop_order", {"A": "fa2", "B": "fa2"})
+    table = lnb.score_table([lnb.NotebookGrade(tmp_path / "02_x.ipynb", [named], [], 0.0),
+                             lnb.NotebookGrade(tmp_path / "03_x.ipynb", [hinted], [], 0.0)])
+    assert "likely mistake: a fully masked block gives NaN. Fix:" in table, table
+    assert "hint: the tiles come from the SRAM size" in table, table
+    for r in (named, hinted):          # the same lines the check cell shows
+        for line in r.message.splitlines():
+            if line.startswith(("likely mistake:", "hint:")):
+                assert line in table
 
 
 def test_wrong_cuda_update_does_not_compile_or_is_skipped():

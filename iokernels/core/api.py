@@ -56,6 +56,7 @@ class Registered:
 
     #: where each op's arrays sit in its positional arguments (what ``need`` describes)
     _NEED_ARGS = {"attention": ("q", "k", "v"), "decode": ("q", "k", "v"), "paged_decode": ("q", "cache"),
+                  "paged_prefill": ("q", "cache"),
                   "paged_gather": ("cache",), "attention_backward": (None, "q", "k", "v")}
 
     def __init__(self, backend: str, op: str):
@@ -204,6 +205,38 @@ def check_paged_decode(q, cache, seq_ids, backend: str) -> list:
     if cv.dtype_name(q) != np.dtype(cache.dtype).name:
         raise ValueError(f"q: dtype must equal the cache's {np.dtype(cache.dtype).name}, got {cv.dtype_name(q)}")
     return seq_ids
+
+
+def check_paged_prefill(q, cache, seq_ids, cu_seqlens_q, backend: str) -> tuple:
+    """The checks of a paged prefill call: (seq ids as a list, cu_seqlens_q as a NumPy array).
+
+    Sequence b's chunk (rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q) must already be the
+    last rows the cache holds for seq_ids[b], so it can be no longer than that sequence.
+    """
+    if cache.keys_only:
+        raise ValueError("cache: a keys-only cache (multi-head latent attention's) holds no V pool")
+    if cache.quantized and backend not in QUANT_DECODE_BACKENDS:
+        raise ValueError(f"cache: a {cache.kv_dtype} cache is dequantized by the "
+                         f"{', '.join(map(repr, QUANT_DECODE_BACKENDS))} backends; the {backend!r} backend "
+                         f"reads unquantized pools")
+    seq_ids = list(seq_ids)
+    for sid in seq_ids:
+        cache._check_sid(sid)
+    qs = tuple(getattr(q, "shape", ()) or ())
+    if len(qs) != 3 or qs[2] != cache.head_dim or qs[1] < 1 or qs[1] % cache.num_kv_heads:
+        raise ValueError(f"q: expected shape (total_q, a multiple of {cache.num_kv_heads} heads, "
+                         f"{cache.head_dim}), got {qs}")
+    if cv.dtype_name(q) != np.dtype(cache.dtype).name:
+        raise ValueError(f"q: dtype must equal the cache's {np.dtype(cache.dtype).name}, got {cv.dtype_name(q)}")
+    cq = cv.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", qs[0])
+    if len(cq) != len(seq_ids) + 1:
+        raise ValueError(f"cu_seqlens_q: expected len(seq_ids) + 1 = {len(seq_ids) + 1} offsets, got {len(cq)}")
+    for b, sid in enumerate(seq_ids):
+        n_q, n = int(cq[b + 1] - cq[b]), cache.seq_len(sid)
+        if n_q > n:
+            raise ValueError(f"cu_seqlens_q: sequence {sid} has a chunk of {n_q} queries but the cache holds "
+                             f"{n} of its tokens; append the chunk's K and V before attending")
+    return seq_ids, cq
 
 
 def gpu_gather(cache, sid, backend: str, config=None):

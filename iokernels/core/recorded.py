@@ -126,14 +126,7 @@ def traffic_rows(rec: dict, ok_only=True) -> list[dict]:
     return [c for c in cases if not ok_only or "measured_read" in c]
 
 
-# --------------------------------------------------------------------------- plots and tables
-#: line styles of the runners in the plots (our kernels dashed)
-_STYLE = {"sdpa:cudnn": "o-", "sdpa:flash": "s-", "sdpa:efficient": "^-", "sdpa:math": "x-",
-          "torch naive": "D-", "numba": "v--", "numba:v1": "1--", "numba:v2": "2--", "numba:v3": "v--",
-          "cupy": "<--", "cupy:v1": "<--", "cupy:v2": ">--"}
-
-
-
+# --------------------------------------------------------------------------- tables
 def backward_traffic_table(rec: dict) -> str:
     """The GPU backward's DRAM bytes per kernel: Nsight Compute's next to the model's, in MB.
 
@@ -165,40 +158,6 @@ def backward_traffic_table(rec: dict) -> str:
 def short_label(rec: dict) -> str:
     env = rec.get("env", rec)
     return f"recorded on {env.get('gpu', '?')}, {env.get('date_utc', '?')[:10]}, torch {env.get('torch', '?')}"
-
-
-def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", axes=None, colour=None):
-    """Time and extra device memory vs N, one line per runner (naive, each SDPA kernel, ours);
-    the legend to the right of the axes.  ``colour``: runner name -> colour (the core imports
-    no plotting module: :func:`iokernels.viz.sdpa.plot_prefill` passes the palette's);
-    None: matplotlib's colour cycle."""
-    import matplotlib.pyplot as plt
-    rows = bench_rows(rec, section=section, dtype=dtype)
-    if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw=dict(right=0.84, wspace=0.25))
-    runners = [r for r in _STYLE if any(x["runner"] == r for x in rows)]
-    runners += sorted({x["runner"] for x in rows if x["group"] in ("numba", "cupy")} - set(runners))
-    for rn in runners:
-        rs = sorted((x for x in rows if x["runner"] == rn), key=lambda x: x["seqlen"])
-        N = [x["seqlen"] for x in rs]
-        style = _STYLE.get(rn, "--")          # a version not named above: dashed, like our kernels
-        c = colour(rn) if colour is not None else None
-        axes[0].plot(N, [x["ms"] for x in rs], style, color=c, label=rn)
-        mem = [(x["seqlen"], x["extra_MiB"]) for x in rs if x.get("extra_MiB") is not None and x["group"] != "numba"]
-        if mem:
-            axes[1].plot(*zip(*mem), style, color=c or axes[0].get_lines()[-1].get_color(), label=rn)
-    for ax, yl in zip(axes, ("time per call (ms, median)", "device memory above the inputs (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length N")
-        ax.set_ylabel(yl)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[-1].legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0),
-                    frameon=False)
-    shape = rows[0] if rows else {}
-    axes[0].figure.suptitle(f"{dtype}, B={shape.get('batch')} H={shape.get('heads')} d={shape.get('head_dim')}"
-                            f"{', causal' if shape.get('causal') else ''} -- {short_label(rec)}", fontsize=9)
-    return axes
 
 
 def table(rec: dict, section: str, columns=("dtype", "causal", "batch", "seqlen", "runner", "ms", "rate",

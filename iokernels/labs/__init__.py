@@ -9,22 +9,34 @@ In a lab notebook the learner fills in a stub and runs its check cell::
 awkward shapes) and shows the result, green or red.  The exercises, in the order of the
 labs (see notebooks/labs/README.md for the instructor's guide):
 
-====  =================  ===========================================================
-lab   exercise           what is graded
-====  =================  ===========================================================
-01    naive_traffic      counted bytes == the learner's prediction == the model; O, LSE
-02    online_step        O and LSE after folding every block, fully masked blocks included
-03    flash_forward      O, LSE (2x rule) and FlashAttention-2's bytes, tensor by tensor
-03    loop_order         which loop order moves fewer bytes at two shapes
-04    flash_backward     dQ, dK, dV against float64 gradients, and the backward's bytes
-05    merge_states       the exact LSE merge with empty parts
-05    split_kv_decode    Flash-Decoding against the decode oracle, GQA, empty splits
-06    paged_gather       the gather's output and bytes (no read past a sequence's end)
-06    copy_on_write      block-table invariants after forks and appends
-07    numba_forward      a Numba CUDA kernel: oracle, global bytes per tile, no races
-07    barrier_hunt       the same kernel family with a missing barrier, found and fixed
-08    cupy_online        (GPU) the online-softmax update of a CUDA C++ tile loop
-====  =================  ===========================================================
+====  ======================  ==================================================================
+lab   exercise                what is graded
+====  ======================  ==================================================================
+01    naive_traffic           counted bytes == the learner's prediction == the model; O, LSE
+02    online_step             O and LSE after folding every block, fully masked blocks included
+03    flash_forward           O, LSE (2x rule) and FlashAttention-2's bytes, tensor by tensor
+03    loop_order              which loop order moves fewer bytes at two shapes
+04    flash_backward          dQ, dK, dV against float64 gradients, and the backward's bytes
+05    merge_states            the exact LSE merge with empty parts
+05    split_kv_decode         Flash-Decoding against the decode oracle, GQA, empty splits
+06    paged_gather            the gather's output and bytes (no read past a sequence's end)
+06    copy_on_write           block-table invariants after forks and appends
+07    numba_forward           a Numba CUDA kernel: oracle, global bytes per tile, no races
+07    barrier_hunt            the same kernel family with a missing barrier, found and fixed
+08    cupy_online             (GPU) the online-softmax update of a CUDA C++ tile loop
+09    kv_bytes_per_token      (ch. 13) KV-cache bytes per token from config.json, exact, MLA too
+09    absorbed_mla_query      (ch. 13) MLA decode, W_UK absorbed: O, LSE, latent rows read once
+10    varlen_bug_hunt         (ch. 11) packed sequences: cu_seqlens and rows without keys, fixed
+11    merge_pair              (ch. 12) ring attention's pairwise (O, LSE) merge, empty blocks
+11    zigzag_split            (ch. 12) the load-balanced causal split: exact O, bytes and work/rank
+12    rescale_threshold_step  (ch. 09a) FA4's conditional rescale: O, LSE and the rescale count
+12    fwht                    (ch. 09b) the fast Walsh-Hadamard transform, exact, in O(d log d)
+12    randomized_hadamard     (ch. 09b) x D H / sqrt(d): Q K^T unchanged, outliers spread
+====  ======================  ==================================================================
+
+The exercises of labs 09-12 live in
+:mod:`iokernels.labs.exercises_scale` (chapters 11-13) and
+:mod:`iokernels.labs.exercises_hopper` (chapters 09a, 09b).
 
 The grading engine is :mod:`iokernels.labs.engine`; notebooks are turned into learner
 copies and graded by :mod:`iokernels.labs.notebooks` (``python -m iokernels labs``).
@@ -36,6 +48,8 @@ import os
 from .engine import Exercise, Result, collect, grade
 from .exercises import EXERCISES as _NUMPY_EXERCISES
 from .exercises import LOOP_ORDER_SHAPES, loop_order_traffic
+from .exercises_hopper import EXERCISES as _HOPPER_EXERCISES
+from .exercises_scale import EXERCISES as _SCALE_EXERCISES
 from .gpu_exercises import GPU_EXERCISES
 from .predict import reveal
 
@@ -47,7 +61,7 @@ __all__ = ["check", "EXERCISES", "STRICT_ENV", "Exercise", "Result", "collect", 
 STRICT_ENV = "IOKERNELS_LABS_STRICT"
 
 #: every exercise by name, in the order of the labs (the GPU ones import numba only when graded)
-EXERCISES = {e.name: e for e in _NUMPY_EXERCISES + GPU_EXERCISES}
+EXERCISES = {e.name: e for e in _NUMPY_EXERCISES + GPU_EXERCISES + _SCALE_EXERCISES + _HOPPER_EXERCISES}
 
 
 def spec(name: str) -> str:

@@ -17,6 +17,11 @@ allowed, the tensor over budget and by how many bytes, and a hint.  A mistake de
 (:class:`Mistake`) names a known error when the evidence fits it ("rescale applied
 twice", "Q re-read inside the tile loop").
 
+The grader grades the learner, not the package: while the learner's code runs, the
+package's own implementations of the answer (the exercise's ``references``: the oracle,
+the tiled loops, the merge, ...) raise, and a solution that reaches one fails with a
+message naming it (:mod:`iokernels.labs.guard`).
+
 Hidden cases are seeded: the seed of case c of exercise e is ``[e.seed, c]``, so a
 correct solution passes every time and a wrong one fails every time.
 
@@ -37,6 +42,7 @@ import numpy as np
 
 from ..core import testing
 from ..core.traffic import Traffic
+from .guard import ReferenceReached, guarded
 
 __all__ = ["Case", "Mistake", "CaseReport", "BudgetRow", "Result", "Exercise", "LabFailure",
            "grade", "collect", "budget_report", "oracle_problem", "first_mistake"]
@@ -49,6 +55,18 @@ class Case:
 
     label: str
     params: dict
+
+
+#: the parameters a case's label shows, in this order
+LABEL_KEYS = ("B", "Hq", "Hkv", "rows", "Nq", "Nk", "N", "d", "Br", "Bc", "parts", "splits", "block_size", "dtype")
+
+
+def case(**p) -> Case:
+    """A case whose label names its shape (the keys of :data:`LABEL_KEYS` it has, and "causal")."""
+    parts = [f"{k}={p[k]}" for k in LABEL_KEYS if k in p]
+    if p.get("causal"):
+        parts.append("causal")
+    return Case(" ".join(parts), p)
 
 
 @dataclass(frozen=True)
@@ -162,7 +180,9 @@ class Exercise:
     name the learner's notebook gives the function or kernel.  ``references`` names the
     package's own implementations of what the learner writes (dotted paths such as
     ``"iokernels.decode.merge_states"``): while the learner's code runs they must not
-    be reachable from it.
+    be reachable from it (:mod:`iokernels.labs.guard`).  ``kind`` is "code" (the learner
+    writes a function or kernel: it must name references) or "prediction" (a value, such as
+    ``loop_order``'s dict: no code of the learner's runs, so there is nothing to guard).
     """
 
     name: str
@@ -175,6 +195,7 @@ class Exercise:
     hint: str = ""
     mistakes: tuple = ()
     references: tuple = ()
+    kind: str = "code"
 
     def rng(self, index: int) -> np.random.Generator:
         """The generator of hidden case ``index``: seeded, so every run sees the same inputs."""
@@ -241,6 +262,21 @@ def reaches_around_the_counter(solution) -> str | None:
     return None
 
 
+#: the learner's code called the package's own implementation of the exercise
+PACKAGE_CALLED = Mistake("the package's implementation called",
+                         "write the computation yourself (NumPy and the HBM arrays are yours to use); the "
+                         "package's own version is what your result is checked against, not part of the answer.")
+
+
+def _reached_message(exercise: Exercise, exc: ReferenceReached, index: int, n: int, case: Case) -> str:
+    path = getattr(exc, "path", None) or str(exc)
+    who = exercise.entry if "," not in exercise.entry else f"your code ({exercise.entry})"
+    return (f"case {index + 1} of {n} ({case.label}): {who} called {path}, the package's own "
+            f"implementation: the grader needs your code, so that function is out of reach while yours runs "
+            f"(it raises, and catching the error does not help).\nlikely mistake: {PACKAGE_CALLED.name}. "
+            f"Fix: {PACKAGE_CALLED.hint}")
+
+
 def grade(exercise: Exercise, solution) -> Result:
     """Run ``solution`` on every hidden case of ``exercise``; the first failure is the result."""
     if solution is None:
@@ -257,9 +293,13 @@ def grade(exercise: Exercise, solution) -> Result:
         return result
     cases = exercise.cases()
     report = CaseReport()
+    learner = guarded(solution, exercise.references)
     for index, case in enumerate(cases):
         try:
-            report = exercise.grade_case(solution, case, exercise.rng(index))
+            report = exercise.grade_case(learner, case, exercise.rng(index))
+        except ReferenceReached as exc:
+            result = Result(exercise.name, "failed", _reached_message(exercise, exc, index, len(cases), case),
+                            case.label, mistake=PACKAGE_CALLED.name, cases_run=index)
         except NotImplementedError as exc:
             result = Result(exercise.name, "failed", f"not written yet: {_stub_message(exc)}", case.label,
                             cases_run=index)

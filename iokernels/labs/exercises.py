@@ -18,7 +18,8 @@ flash_backward     ``flash_backward``: the tiled backward with recomputation (la
 merge_states       ``merge_states``: the exact LSE merge with empty parts (lab 05)
 split_kv_decode    ``split_kv_decode``: Flash-Decoding built on that merge (lab 05)
 paged_gather       ``paged_gather``: read a sequence through its block table (lab 06)
-copy_on_write      ``append_token``: a block table's append with copy-on-write (lab 06)
+copy_on_write      ``append_token``: a block table's append with copy-on-write (lab 06; both in
+                   :mod:`iokernels.labs.paged_exercises`)
 =================  ==========================================================
 
 Notation as in the package: Q, K, V, O, LSE; Br, Bc tile rows; Tr, Tc tile counts; m, l the
@@ -30,25 +31,15 @@ import numpy as np
 
 from .. import backward as bw
 from ..decode import decode_naive
-from .. import naive, paged, tiled
+from .. import naive, tiled
 from ..core import conventions as cv
 from ..core import reference, testing, traffic
 from ..core.config import TileConfig
 from ..core.traffic import HBM
+from . import references as refs
 from .engine import CaseReport, Case, Exercise, Mistake, budget_report, fail, oracle_problem
-
-
-def _label(**p) -> str:
-    """A case as a failure message names it."""
-    keys = ("B", "Hq", "Hkv", "rows", "Nq", "Nk", "N", "d", "Br", "Bc", "parts", "splits", "block_size", "dtype")
-    parts = [f"{k}={p[k]}" for k in keys if k in p]
-    if p.get("causal"):
-        parts.append("causal")
-    return " ".join(parts)
-
-
-def _case(**p) -> Case:
-    return Case(_label(**p), p)
+from .engine import case as _case
+from .paged_exercises import COPY_ON_WRITE, PAGED_GATHER
 
 
 def _masked_rows(Nq, Nk, causal):
@@ -127,7 +118,7 @@ NAIVE_TRAFFIC = Exercise(
                    _case(Nq=33, Nk=17, d=59, dtype="float16")],
     grade_case=_grade_naive, seed=101,
     hint="each kernel reads its inputs from HBM and writes its result back; nothing stays on chip between them.",
-    mistakes=(S_READ_TWICE, P_NOT_STORED, PREDICTION_MISSING))
+    mistakes=(S_READ_TWICE, P_NOT_STORED, PREDICTION_MISSING), references=refs.FORWARD + refs.NAIVE_MODEL)
 
 
 # =========================================================================== 2 online softmax step
@@ -217,7 +208,7 @@ ONLINE_STEP = Exercise(
                    _case(rows=5, N=23, Bc=4, d=59)],
     grade_case=_grade_online_step, seed=202,
     hint="alpha = exp(m_old - m_new) rescales the old l and O once; fully masked rows must never give NaN.",
-    mistakes=tuple(m for m, _ in _STEP_MUTANTS))
+    mistakes=tuple(m for m, _ in _STEP_MUTANTS), references=refs.ONLINE_STEP + refs.FORWARD)
 
 
 # =========================================================================== 3 FA2 forward under a budget
@@ -227,17 +218,32 @@ O_INNER_WRITE = Mistake("O written inside the K/V tile loop",
                         "keep the O accumulator (and m, l) on chip; write O_i and LSE_i once, after the last tile.")
 MASKED_TILES_LOADED = Mistake("fully masked tiles loaded",
                               "skip the K/V tiles that no query row of the tile can see "
-                              "(iokernels.conventions.tile_state(...) == 'skip'); with every tile skipped, "
-                              "write O_i = 0 and LSE_i = -inf without loading Q_i.")
+                              "(iokernels.conventions.tile_state(...) == 'skip').")
+Q_FOR_MASKED_TILE = Mistake("Q loaded for a query tile that sees no key",
+                            "find the tile's visible K/V tiles first; when there are none, write O_i = 0 and "
+                            "LSE_i = -inf and go on without loading Q_i (the budget has no Q bytes for it).")
 KV_REREAD = Mistake("K_j, V_j read more than once per query tile", "load each K/V tile once per query tile.")
 SP_IN_HBM = Mistake("S or P stored in HBM", "S_ij and P_ij live on chip only; FlashAttention never writes them.")
 GQA_KV = Mistake("K/V of the wrong head (GQA)",
                  "query head h reads KV head h // (Hq // Hkv) (iokernels.conventions.kv_head).")
+MASKED_ROW_NAN = Mistake("a fully masked row gives NaN",
+                         "a row of the tile that sees no key of this K/V tile (nor of any before) has m_new = -inf, "
+                         "and exp(-inf - (-inf)) is NaN: subtract 0 instead of m_new for those rows, so their l "
+                         "stays 0 and they end with O = 0, LSE = -inf.")
 
 
-def _forward_detectors(causal):
+def _q_bytes_all_tiles(p):
+    """The Q bytes of reading every query tile once, the ones that see no key included."""
+    return p["B"] * p["Hq"] * p["Nq"] * p["d"] * testing.numpy_dtype(p["dtype"]).itemsize
+
+
+def _forward_detectors(p):
+    causal = p["causal"]
+
     def detect(row, counted, budget):
         ratio = row.read / max(1, row.allowed_read)
+        if row.tensor == "Q" and causal and row.read == _q_bytes_all_tiles(p) > row.allowed_read:
+            return Q_FOR_MASKED_TILE
         if row.tensor == "Q" and ratio > 1.5:
             return Q_REREAD
         if row.tensor == "Q" and row.read > row.allowed_read and causal:
@@ -250,6 +256,66 @@ def _forward_detectors(causal):
             return SP_IN_HBM
         return None
     return detect
+
+
+def _forward_mutant(q, k, v, p, scale, acc, rescale_l=1, rescale_o=1, guard=True, kv_map=None):
+    """FlashAttention-2's tile loop with one known mistake (a model of the error, not the kernel):
+    l or O rescaled 0 or 2 times, no guard for rows that see nothing yet, a wrong KV head map."""
+    B, Hq, Nq, d = q.shape
+    Nk, Br, Bc = k.shape[2], p["Br"], p["Bc"]
+    kv_map = np.arange(Hq) // (Hq // k.shape[1]) if kv_map is None else kv_map
+    o_out, lse_out = np.zeros(q.shape, acc), np.full(q.shape[:3], -np.inf, acc)
+    with np.errstate(all="ignore"):
+        for b in range(B):
+            for h in range(Hq):
+                for r0 in range(0, Nq, Br):
+                    r1 = min(r0 + Br, Nq)
+                    qi = q[b, h, r0:r1].astype(acc)
+                    m, l, o = np.full(r1 - r0, -np.inf, acc), np.zeros(r1 - r0, acc), np.zeros((r1 - r0, d), acc)
+                    for c0 in range(0, Nk, Bc):
+                        c1 = min(c0 + Bc, Nk)
+                        if cv.tile_state(r0, r1, c0, c1, Nq, Nk, p["causal"]) == "skip":
+                            continue
+                        kj, vj = k[b, kv_map[h], c0:c1].astype(acc), v[b, kv_map[h], c0:c1].astype(acc)
+                        s = np.where(cv.mask(Nq, Nk, p["causal"], rows=(r0, r1), cols=(c0, c1)),
+                                     (qi @ kj.T) * acc.type(scale), -np.inf)
+                        m_new = np.maximum(m, s.max(axis=1))
+                        m_ref = np.where(np.isneginf(m_new), 0.0, m_new).astype(acc) if guard else m_new
+                        alpha = np.exp(m - m_ref)
+                        pij = np.exp(s - m_ref[:, None])
+                        l = alpha ** rescale_l * l + pij.sum(axis=1)
+                        o = alpha[:, None] ** rescale_o * o + pij @ vj
+                        m = m_new
+                    empty = l == 0
+                    o_out[b, h, r0:r1] = np.where(empty[:, None], 0.0, o / np.where(empty, 1, l)[:, None])
+                    lse_out[b, h, r0:r1] = np.where(empty, -np.inf, m + np.log(np.where(empty, 1, l)))
+    return o_out, lse_out
+
+
+def _wrong_head_maps(Hq, Hkv):
+    """KV head maps a learner might write instead of h // (Hq // Hkv), those in range and different."""
+    right = np.arange(Hq) // (Hq // Hkv)
+    maps = [np.arange(Hq) % Hkv, np.arange(Hq) // Hkv, np.minimum(np.arange(Hq), Hkv - 1)]
+    out = []
+    for m in maps:
+        if m.max() < Hkv and not np.array_equal(m, right) and not any(np.array_equal(m, x) for x in out):
+            out.append(m)
+    return out
+
+
+def _forward_mutants(q, k, v, p, scale, acc):
+    """(Mistake, (O, LSE)) for each known mistake, computed when first needed."""
+    knobs = [(NO_RESCALE_L, dict(rescale_l=0)), (RESCALE_TWICE, dict(rescale_l=2)),
+             (RESCALE_TWICE, dict(rescale_o=2)), (RESCALE_TWICE, dict(rescale_l=2, rescale_o=2)),
+             (NO_RESCALE_O, dict(rescale_o=0)), (MASKED_ROW_NAN, dict(guard=False))]
+    knobs += [(GQA_KV, dict(kv_map=m)) for m in _wrong_head_maps(p["Hq"], p["Hkv"])]
+    cache: list = []
+
+    def lazy(which):
+        if not cache:
+            cache.extend((m, _forward_mutant(q, k, v, p, scale, acc, **kw)) for m, kw in knobs)
+        return ((m, out[which]) for m, out in cache)
+    return lazy
 
 
 def _inputs(rng, p, with_grad=False):
@@ -266,20 +332,23 @@ def _grade_forward(kernel, case, rng):
     O = HBM.full(q.shape, np.nan, q.dtype, "O")
     LSE = HBM.full(q.shape[:3], np.nan, acc, "LSE")
     with traffic.count() as counted:
-        kernel(Q, K, V, O, LSE, Br=p["Br"], Bc=p["Bc"], causal=causal, scale=scale)
+        try:
+            kernel(Q, K, V, O, LSE, Br=p["Br"], Bc=p["Bc"], causal=causal, scale=scale)
+        except IndexError as exc:           # K[b, h] with h >= Hkv: the query head used as the KV head
+            if p["Hq"] == p["Hkv"] or "axis 1" not in str(exc):
+                raise
+            fail(f"{type(exc).__name__}: {exc} (Hq={p['Hq']} query heads share Hkv={p['Hkv']} KV heads)",
+                 mistake=GQA_KV)
     budget = tiled.traffic_model_fa2(batch=p["B"], heads_q=p["Hq"], heads_kv=p["Hkv"], seqlen_q=p["Nq"],
                                      seqlen_k=p["Nk"], head_dim=p["d"], dtype=dtype, causal=causal, config=cfg)
     ref_o, ref_lse = reference.attention(q, k, v, causal)
     base_o, base_lse = naive.attention(q, k, v, causal=causal, scale=scale, window=None)
     report = CaseReport()
-    mistakes = []
-    if p["Hq"] != p["Hkv"]:       # head h reading KV head h % Hkv instead of h // g: name it
-        modulo = np.arange(p["Hq"]) % p["Hkv"]
-        mistakes.append((GQA_KV, reference.attention(q, k[:, modulo], v[:, modulo], causal)[0]))
+    mutants = _forward_mutants(q, k, v, p, scale, acc)
     oracle_problem(O.result(), ref_o, base_o, name="O", dtype=dtype, report=report,
-                   masked_rows=_masked_rows(p["Nq"], p["Nk"], causal), mistakes=mistakes)
-    oracle_problem(LSE.result(), ref_lse, base_lse, name="LSE", dtype=dtype, report=report)
-    budget_report(counted, budget, (_forward_detectors(causal),), report=report)
+                   masked_rows=_masked_rows(p["Nq"], p["Nk"], causal), mistakes=mutants(0))
+    oracle_problem(LSE.result(), ref_lse, base_lse, name="LSE", dtype=dtype, report=report, mistakes=mutants(1))
+    budget_report(counted, budget, (_forward_detectors(p),), report=report)
     return report
 
 
@@ -289,12 +358,15 @@ FLASH_FORWARD = Exercise(
           "K, V (B, Hkv, Nk, d), O like Q, LSE (B, Hq, Nq) in the accumulator dtype.  Q tiles outer, K/V "
           "tiles inner, bottom-right causal; the budget is FlashAttention-2's traffic at these tiles."),
     cases=lambda: [_case(B=1, Hq=2, Hkv=2, Nq=37, Nk=45, d=59, Br=16, Bc=16, dtype="float64", causal=False),
-                   _case(B=1, Hq=2, Hkv=1, Nq=45, Nk=29, d=16, Br=8, Bc=16, dtype="float32", causal=True),
-                   _case(B=2, Hq=4, Hkv=2, Nq=20, Nk=33, d=8, Br=8, Bc=8, dtype="float16", causal=True)],
+                   # rows 0-15 see no key; the query tile of rows 15-19 mixes a masked row with visible ones
+                   _case(B=1, Hq=2, Hkv=1, Nq=45, Nk=29, d=16, Br=5, Bc=16, dtype="float32", causal=True),
+                   _case(B=2, Hq=4, Hkv=2, Nq=20, Nk=33, d=8, Br=8, Bc=8, dtype="float16", causal=True),
+                   _case(B=1, Hq=1, Hkv=1, Nq=21, Nk=7, d=5, Br=4, Bc=4, dtype="float64", causal=True)],
     grade_case=_grade_forward, seed=303,
     hint=("accumulate in LSE.dtype (float32 for float16 inputs); causal is bottom-right aligned: query i sees "
           "keys j <= i + Nk - Nq."),
-    mistakes=(Q_REREAD, O_INNER_WRITE, MASKED_TILES_LOADED, KV_REREAD, SP_IN_HBM, GQA_KV))
+    mistakes=(Q_REREAD, O_INNER_WRITE, MASKED_TILES_LOADED, Q_FOR_MASKED_TILE, KV_REREAD, SP_IN_HBM, GQA_KV,
+              MASKED_ROW_NAN, NO_RESCALE_L, RESCALE_TWICE, NO_RESCALE_O), references=refs.FORWARD)
 
 
 # =========================================================================== 4 FA1 vs FA2
@@ -323,11 +395,12 @@ def _grade_loop_order(prediction, case, rng):
     moved = loop_order_traffic(**shape)
     best = min(moved, key=moved.get)
     cfg = TileConfig.from_sram(shape["sram_bytes"], shape["d"], "float16")
-    if guess != best:
-        fail(f"shape {name}: you predicted {guess}; the model says FA1 moves {moved['fa1']:,} B and FA2 "
-             f"{moved['fa2']:,} B at Br={cfg.block_q}, Bc={cfg.block_k}.  FA2 re-reads K and V once per query "
-             f"tile (Tr = N / Br times), FA1 re-reads Q and O (and m, l) once per K/V tile (Tc = N / Bc times): "
-             f"compare Br with Bc")
+    if guess != best:                   # say how to work it out, not the answer (nor the bytes that give it)
+        fail(f"shape {name}: you predicted {guess}, and that is not what the model counts.  Work it out: M = "
+             f"SRAM bytes / 2 (the fp16 elements the SRAM holds), Bc = ceil(M / 4d), Br = min(Bc, d), with Bc "
+             f"halved while the tiles do not fit (TileConfig.from_sram gives both).  FA2 re-reads K and V once "
+             f"per query tile (N / Br times), FA1 re-reads Q and O (and m, l) once per K/V tile (N / Bc times): "
+             f"compare the bytes of the two, then predict again")
     report = CaseReport()
     report.notes.append(f"shape {name}: FA1 {moved['fa1']:,} B, FA2 {moved['fa2']:,} B "
                         f"(Br={cfg.block_q}, Bc={cfg.block_k})")
@@ -336,11 +409,14 @@ def _grade_loop_order(prediction, case, rng):
 
 LOOP_ORDER = Exercise(
     name="loop_order", title="FlashAttention-1 or -2: which moves fewer bytes?", entry="prediction",
-    spec="prediction = {'A': 'fa1' | 'fa2', 'B': 'fa1' | 'fa2'} for the shapes in LOOP_ORDER_SHAPES.",
+    spec=("prediction = {'A': 'fa1' | 'fa2', 'B': 'fa1' | 'fa2'} for the shapes in LOOP_ORDER_SHAPES (fp16, SRAM in "
+          "bytes; the paper's M is in elements: M = sram_bytes / 2)."),
     cases=lambda: [Case(f"shape {n}: N={s['N']} d={s['d']} SRAM={s['sram_bytes'] // 1024} KiB fp16",
                         dict(shape=n)) for n, s in LOOP_ORDER_SHAPES.items()],
     grade_case=_grade_loop_order, seed=404,
-    hint="the tiles come from the SRAM size: Bc = ceil(M / 4d), Br = min(Bc, d) (M in elements).")
+    hint=("the tiles come from the SRAM size: Bc = ceil(M / 4d), Br = min(Bc, d), where M = SRAM bytes / itemsize "
+          "(2 B for fp16: M counts elements, not bytes)."),
+    kind="prediction")        # a value, not code: nothing of the learner's runs, so no references
 
 
 # =========================================================================== 5 backward
@@ -354,6 +430,9 @@ DKV_INNER_WRITE = Mistake("dK_j / dV_j written per Q tile",
 NO_D = Mistake("D forgotten (dS = P * dP)",
                "dS_ij = P_ij * (dP_ij - D_i) with D_i = rowsum(dO_i * O_i), computed before the main loop.")
 NO_SCALE = Mistake("softmax scale missing from dQ and dK", "dQ = scale * dS K and dK = scale * dS^T Q.")
+DQACC_NOT_ZEROED = Mistake("dQaccum not zeroed",
+                           "dQaccum arrives holding whatever was in HBM (here NaN): set dQaccum_i = 0 before the "
+                           "main loop (in the pass that computes D) and only then accumulate into it.")
 
 
 def _backward_detectors(row, counted, budget):
@@ -403,8 +482,13 @@ def _grade_backward(kernel, case, rng):
     base = bw.attention_backward_naive(do, q, k, v, o, lse, causal=causal, scale=scale, window=None)
     wrong = _wrong_gradients(*(testing.as_numpy(x) for x in (do, q, k, v)), causal, scale)
     report = CaseReport()
+    out = {name: testing.as_numpy(arrays[name].result()) for name in ("dQ", "dK", "dV", "dQaccum")}
+    if np.isnan(out["dQ"]).any() and np.isnan(out["dQaccum"]).any() and not (
+            np.isnan(out["dK"]).any() or np.isnan(out["dV"]).any()):
+        fail("dQ has NaN where dK and dV have none, and dQaccum still holds NaN after the kernel: dQ was "
+             "accumulated into the scratch buffer as it arrived", report, DQACC_NOT_ZEROED)
     for name, ref, b in zip(("dQ", "dK", "dV"), refs, base):
-        oracle_problem(arrays[name].result(), ref, b, name=name, dtype=dtype, factor=testing.GRADIENT_FACTOR,
+        oracle_problem(out[name], ref, b, name=name, dtype=dtype, factor=testing.GRADIENT_FACTOR,
                        report=report, mistakes=wrong[name])
     budget_report(counted, budget, (_backward_detectors,), report=report)
     return report
@@ -413,14 +497,15 @@ def _grade_backward(kernel, case, rng):
 FLASH_BACKWARD = Exercise(
     name="flash_backward", title="The backward tile loop with recomputation", entry="flash_backward",
     spec=("flash_backward(Q, K, V, O, dO, LSE, D, dQaccum, dQ, dK, dV, *, Br, Bc, causal, scale) on HBM "
-          "arrays: D (B, Hq, Nq) and dQaccum (like Q) in the accumulator dtype are scratch; dQ, dK, dV are the "
-          "outputs.  D first, then K/V tiles outer with the GQA group and the Q tiles inside, then dQ = "
-          "scale * dQaccum.  The budget is the package's FlashAttention-2 backward traffic at these tiles."),
+          "arrays: D (B, Hq, Nq) and dQaccum (like Q) in the accumulator dtype are scratch (dQaccum arrives "
+          "NaN-filled: zero it before accumulating); dQ, dK, dV are the outputs.  D first (and dQaccum = 0), "
+          "then K/V tiles outer with the GQA group and the Q tiles inside, then dQ = scale * dQaccum.  The "
+          "budget is the package's FlashAttention-2 backward traffic at these tiles."),
     cases=lambda: [_case(B=1, Hq=2, Hkv=2, Nq=19, Nk=27, d=59, Br=8, Bc=16, dtype="float64", causal=False),
                    _case(B=1, Hq=4, Hkv=2, Nq=24, Nk=17, d=16, Br=8, Bc=8, dtype="float32", causal=True)],
     grade_case=_grade_backward, seed=505,
     hint="P_ij = exp(S_ij - LSE_i) needs no row max; dS_ij = P_ij * (dP_ij - D_i); dQaccum_i += dS_ij K_j.",
-    mistakes=(P_IN_HBM, KV_REREAD_BWD, DKV_INNER_WRITE, NO_D, NO_SCALE))
+    mistakes=(P_IN_HBM, KV_REREAD_BWD, DKV_INNER_WRITE, NO_D, NO_SCALE, DQACC_NOT_ZEROED), references=refs.BACKWARD)
 
 
 # =========================================================================== 6 merge and split-KV decode
@@ -501,7 +586,7 @@ MERGE_STATES = Exercise(
     cases=lambda: [_case(rows=6, N=40, parts=4, d=59), _case(rows=5, N=31, parts=3, d=7, boost=400.0)],
     grade_case=_grade_merge, seed=606,
     hint="LSE = m + log sum_s exp(LSE_s - m) with m = max_s LSE_s; O = sum_s exp(LSE_s - LSE) O_s.",
-    mistakes=(EMPTY_PART_NAN, NO_MAX_SHIFT, NOT_NORMALIZED))
+    mistakes=(EMPTY_PART_NAN, NO_MAX_SHIFT, NOT_NORMALIZED), references=refs.MERGE)
 
 
 def _grade_decode(decode_fn, case, rng):
@@ -530,159 +615,9 @@ SPLIT_KV_DECODE = Exercise(
     cases=lambda: [_case(B=2, Hq=4, Hkv=2, N=37, d=59, splits=3, dtype="float64"),
                    _case(B=1, Hq=4, Hkv=1, N=5, d=16, splits=8, dtype="float32")],
     grade_case=_grade_decode, seed=616,
-    hint="query head h reads KV head h // (Hq // Hkv); more splits than keys leaves some splits empty.")
+    hint="query head h reads KV head h // (Hq // Hkv); more splits than keys leaves some splits empty.",
+    references=refs.DECODE)
 
-
-# =========================================================================== 7 paged KV cache
-TAIL_READ = Mistake("the unwritten tail of the last block read",
-                    "read only the seq_len - j * block_size valid slots of the last block.")
-TABLE_REREAD = Mistake("a block table entry read more than once", "read table[j] once per logical block.")
-
-
-def _gather_detectors(row, counted, budget):
-    if row.tensor in ("K_cache", "V_cache") and row.read > row.allowed_read:
-        return TAIL_READ
-    if row.tensor == "block_table" and row.read > row.allowed_read:
-        return TABLE_REREAD
-    return None
-
-
-def _filled_cache(rng, p):
-    """A PagedKVCache with a few sequences (one forked), so block tables are not in order."""
-    cache = paged.PagedKVCache(p["blocks"], block_size=p["block_size"], num_kv_heads=p["Hkv"], head_dim=p["d"],
-                               dtype=np.float32)
-    sids = [cache.new_sequence() for _ in range(3)]
-    for step, n in enumerate(p["lens"]):
-        for sid in sids:
-            kv = rng.standard_normal((2, n + step, p["Hkv"], p["d"])).astype(np.float32)
-            cache.append(sid, kv[0], kv[1])
-    child = cache.fork(sids[1])
-    kv = rng.standard_normal((2, 3, p["Hkv"], p["d"])).astype(np.float32)
-    cache.append(child, kv[0], kv[1])
-    return cache, sids + [child]
-
-
-def _grade_gather(gather, case, rng):
-    p = case.params
-    cache, sids = _filled_cache(rng, p)
-    report = CaseReport()
-    for sid in sids:
-        n, table = cache.seq_len(sid), np.asarray(cache.block_table(sid), np.int32)
-        K = HBM.full((p["Hkv"], n, p["d"]), np.nan, np.float32, "K")
-        V = HBM.full((p["Hkv"], n, p["d"]), np.nan, np.float32, "V")
-        with traffic.count() as counted:
-            gather(HBM(cache.k_pool, "K_cache"), HBM(cache.v_pool, "V_cache"), HBM(table, "block_table"), K, V, n)
-        ref_k, ref_v = paged.paged_gather(cache.k_pool, cache.v_pool, table, n)
-        for name, out, ref in (("K", K.result(), ref_k), ("V", V.result(), ref_v)):
-            if not np.array_equal(out, ref):
-                bad = np.argwhere(~(out == ref))
-                h, t, _ = bad[0]
-                fail(f"sequence {sid} (seq_len {n}, table {table.tolist()}): {name}[{h}, {t}] differs from the "
-                     f"cache's token {t} (block table[{t // p['block_size']}] = {table[t // p['block_size']]}, "
-                     f"slot {t % p['block_size']})", report)
-        budget = paged.traffic_model_gather(seq_len=n, heads_kv=p["Hkv"], head_dim=p["d"],
-                                            block_size=p["block_size"], dtype="float32")
-        budget_report(counted, budget, (_gather_detectors,), report=report)
-    return report
-
-
-PAGED_GATHER = Exercise(
-    name="paged_gather", title="A paged gather through the block table", entry="paged_gather",
-    spec=("paged_gather(K_cache, V_cache, TABLE, K, V, seq_len): HBM arrays; pools (num_blocks, block_size, "
-          "Hkv, d), the table of physical block ids, outputs K, V (Hkv, seq_len, d).  Token t lives in block "
-          "TABLE[t // block_size], slot t % block_size."),
-    cases=lambda: [_case(blocks=40, block_size=4, Hkv=2, d=3, lens=(5, 2)),
-                   _case(blocks=30, block_size=16, Hkv=1, d=59, lens=(17, 14))],
-    grade_case=_grade_gather, seed=707,
-    hint="loop over the logical blocks; the last one may be partly filled.",
-    mistakes=(TAIL_READ, TABLE_REREAD))
-
-
-NO_COW = Mistake("no copy-on-write",
-                 "before writing into a block whose reference count is > 1, copy its filled slots to a fresh "
-                 "block from the free list, point the table at the copy, and decrement the shared block's count.")
-REF_NOT_DECREMENTED = Mistake("the shared block's count not decremented",
-                              "after the copy, the old block is held by one table fewer.")
-COPY_INCOMPLETE = Mistake("the copy misses the earlier slots",
-                          "copy every filled slot (0 .. seq_len % block_size - 1) of the shared block, in K and V.")
-COPY_AT_BOUNDARY = Mistake("a copy at a block boundary",
-                           "when seq_len % block_size == 0 the token starts a new block: there is nothing to copy.")
-
-
-def _check_invariants(tables, ref_counts, free_list, num_blocks, where):
-    held = np.zeros(num_blocks, int)
-    for t in tables.values():
-        for b in t:
-            held[b] += 1
-    if len(set(free_list)) != len(free_list):
-        fail(f"{where}: a block appears twice in the free list")
-    for b in range(num_blocks):
-        if ref_counts[b] != held[b]:
-            fail(f"{where}: block {b} has reference count {ref_counts[b]} but {held[b]} block tables hold it",
-                 mistake=REF_NOT_DECREMENTED if ref_counts[b] > held[b] else None)
-        if (held[b] == 0) != (b in free_list):
-            fail(f"{where}: block {b} is {'held' if held[b] else 'unheld'} yet "
-                 f"{'in' if b in free_list else 'not in'} the free list")
-
-
-def _grade_cow(append_token, case, rng):
-    p = case.params
-    bs, H, d, nb = p["block_size"], 2, 3, p["blocks"]
-    pools = [np.full((nb, bs, H, d), np.nan, np.float32) for _ in range(2)]
-    ref_counts, free_list = np.zeros(nb, int), list(range(nb))
-    tables, lens, tokens = {0: []}, {0: 0}, {0: []}
-    ref = paged.PagedKVCache(nb, block_size=bs, num_kv_heads=H, head_dim=d, dtype=np.float32)
-    ref_ids = {0: ref.new_sequence()}
-    for step, (op, sid) in enumerate(p["script"]):
-        where = f"after step {step + 1} ({op} {sid}) of the script {p['script']}"
-        if op == "fork":                                   # the grader forks: share every block
-            new = max(tables) + 1
-            tables[new], lens[new], tokens[new] = list(tables[sid]), lens[sid], list(tokens[sid])
-            for b in tables[sid]:
-                ref_counts[b] += 1
-            ref_ids[new] = ref.fork(ref_ids[sid])
-        else:
-            for _ in range(op):                            # append `op` tokens, one call each
-                kt, vt = rng.standard_normal((2, H, d)).astype(np.float32)
-                table = append_token(list(tables[sid]), lens[sid], ref_counts, free_list, pools[0], pools[1],
-                                     kt, vt)
-                if table is None:
-                    fail("append_token must return the (new) block table of the sequence")
-                blk = int(table[lens[sid] // bs]) if len(table) > lens[sid] // bs else None
-                others = [s for s in tables if s != sid and blk in tables[s]]
-                if others:
-                    fail(f"{where}: sequence {sid} wrote its token {lens[sid]} into block {blk}, which sequence "
-                         f"{others[0]} also holds", mistake=NO_COW)
-                tables[sid], lens[sid] = [int(b) for b in table], lens[sid] + 1
-                tokens[sid].append((kt, vt))
-                ref.append(ref_ids[sid], kt[None], vt[None])
-        _check_invariants(tables, ref_counts, free_list, nb, where)
-        for s in tables:                                   # every sequence still reads its own tokens
-            k, v = paged.paged_gather(pools[0], pools[1], tables[s], lens[s])
-            for t, (kt, vt) in enumerate(tokens[s]):
-                if not (np.array_equal(k[:, t], kt) and np.array_equal(v[:, t], vt)):
-                    blk = tables[s][t // bs]
-                    shared = sum(blk in tb for tb in tables.values()) > 1
-                    mistake = COPY_INCOMPLETE if (t // bs == len(tables[s]) - 1 and not shared) else NO_COW
-                    fail(f"{where}: sequence {s} token {t} (block {blk}, slot {t % bs}) no longer holds what was "
-                         f"appended", mistake=mistake)
-        if len(free_list) != ref.num_free_blocks():
-            fail(f"{where}: {nb - len(free_list)} blocks in use where {nb - ref.num_free_blocks()} are needed",
-                 mistake=COPY_AT_BOUNDARY if len(free_list) < ref.num_free_blocks() else None)
-    return CaseReport()
-
-
-COPY_ON_WRITE = Exercise(
-    name="copy_on_write", title="Block tables: append with copy-on-write after a fork", entry="append_token",
-    spec=("append_token(table, seq_len, ref_counts, free_list, k_pool, v_pool, k_tok, v_tok) -> table: write "
-          "one token (k_tok, v_tok: (Hkv, d)) at position seq_len; take new blocks with free_list.pop(0) and set "
-          "their count to 1; copy a shared (count > 1) partly filled last block before writing into it."),
-    cases=lambda: [_case(block_size=4, blocks=12, script=((6, 0), ("fork", 0), (1, 1), (3, 0), (2, 1))),
-                   _case(block_size=4, blocks=12, script=((8, 0), ("fork", 0), (1, 1), (1, 0), ("fork", 1),
-                                                          (2, 2), (5, 1)))],
-    grade_case=_grade_cow, seed=717,
-    hint="three cases: the last block is full (take a new one), shared (copy it first), or private (write).",
-    mistakes=(NO_COW, REF_NOT_DECREMENTED, COPY_INCOMPLETE, COPY_AT_BOUNDARY))
 
 EXERCISES = (NAIVE_TRAFFIC, ONLINE_STEP, FLASH_FORWARD, LOOP_ORDER, FLASH_BACKWARD, MERGE_STATES,
              SPLIT_KV_DECODE, PAGED_GATHER, COPY_ON_WRITE)

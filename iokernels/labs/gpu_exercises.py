@@ -38,6 +38,7 @@ from ..core import conventions as cv
 from ..core import gpu, reference, testing
 from ..core.config import TileConfig
 from ..core.traffic import Traffic
+from . import references as refs
 from . import simt
 from .engine import Case, CaseReport, Exercise, LabSkip, Mistake, budget_report, fail, oracle_problem
 
@@ -166,7 +167,7 @@ NUMBA_FORWARD = Exercise(
     grade_case=lambda kernel, case, rng: (_require_numba(), _grade_numba_forward(kernel, case, rng))[1],
     seed=808,
     hint="each thread: its row's m, l, O in registers (local arrays); the block: the K/V tile in shared memory.",
-    mistakes=(TILE_PER_THREAD, Q_REREAD_GPU, MASKED_TILES_GPU, MISSING_BARRIER))
+    mistakes=(TILE_PER_THREAD, Q_REREAD_GPU, MASKED_TILES_GPU, MISSING_BARRIER), references=refs.FORWARD)
 
 
 # =========================================================================== 9 barrier hunt
@@ -204,7 +205,7 @@ BARRIER_HUNT = Exercise(
                                                 dict(B=1, Hq=1, Hkv=1, Nq=16, Nk=24, d=59, causal=True))],
     grade_case=_grade_barrier, seed=909,
     hint="ask of every shared-memory store: who reads it, and is there a barrier in between? And of every load?",
-    mistakes=(MISSING_BARRIER,))
+    mistakes=(MISSING_BARRIER,), references=refs.FORWARD)
 
 
 # =========================================================================== 10 cupy online update
@@ -346,6 +347,7 @@ CUPY_ONLINE = Exercise(
                    for nq, nk, d in ((77, 130, 59), (64, 33, 128))],
     grade_case=_grade_cupy, seed=1010,
     hint="m_new = max(m_i, max_j s[j]); alpha = expf(m_i - m_new); l_i = alpha l_i + sum_j expf(s[j] - m_new); "
-         "o_i = alpha o_i + sum_j p_j V_j[j]; m_i = m_new.")
+         "o_i = alpha o_i + sum_j p_j V_j[j]; m_i = m_new.",
+    references=refs.CUDA_SOURCE + refs.FORWARD)
 
 GPU_EXERCISES = (NUMBA_FORWARD, BARRIER_HUNT, CUPY_ONLINE)

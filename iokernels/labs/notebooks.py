@@ -202,21 +202,24 @@ def _num(x, fmt):
 
 def score_table(grades) -> str:
     """The score table: notebook, exercise, passed, error vs bound, bytes vs budget."""
-    head = f"{'notebook':<28}{'exercise':<18}{'result':<9}{'error':>10}{'bound':>10}{'bytes':>13}{'budget':>13}"
+    w = max([18] + [len(r.exercise) + 2 for g in grades for r in g.results])      # the exercise column
+    head = f"{'notebook':<28}{'exercise':<{w}}{'result':<9}{'error':>10}{'bound':>10}{'bytes':>13}{'budget':>13}"
     lines = [head, "-" * len(head)]
     passed = graded = 0
     for g in grades:
         for r in g.results:
-            lines.append(f"{g.path.stem[:27]:<28}{r.exercise:<18}{r.status:<9}{_num(r.error, '.2g'):>10}"
+            lines.append(f"{g.path.stem[:27]:<28}{r.exercise:<{w}}{r.status:<9}{_num(r.error, '.2g'):>10}"
                          f"{_num(r.bound, '.2g'):>10}{_num(r.bytes, ','):>13}{_num(r.allowed, ','):>13}")
             if r.status != "skipped":
                 graded += 1
                 passed += r.passed
     lines.append("-" * len(head))
-    for g in grades:                     # why each failure failed: the grader's first line
+    for g in grades:                     # why each failure failed: the grader's story, as the check cell shows it
         for r in g.results:
             if r.status == "failed":
-                lines.append(f"{g.path.stem}/{r.exercise}: {r.message.splitlines()[0]}")
+                story = r.message.splitlines() or [""]
+                lines.append(f"{g.path.stem}/{r.exercise}: {story[0]}")
+                lines.extend(f"    {ln}" for ln in story[1:] if ln.startswith(("likely mistake:", "hint:")))
     lines.append(f"score: {passed} / {graded} exercises passed"
                  + (" (skipped ones, e.g. GPU-only without a GPU, are not counted)" if any(
                      r.status == "skipped" for g in grades for r in g.results) else ""))

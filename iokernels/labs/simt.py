@@ -220,6 +220,10 @@ def launch(kernel, grid, block, *args, traffic: Traffic | None = None):
     :class:`BarrierError` on a barrier not every thread reaches, and re-raises the first
     exception a thread raised.
     """
+    lab_guard = getattr(kernel, "lab_guard", None)      # a graded learner's kernel: references out of reach
+    if lab_guard is not None:
+        with lab_guard():
+            return launch(python_function(kernel), grid, block, *args, traffic=traffic)
     fn = python_function(kernel)
     grid = (grid,) if isinstance(grid, int) else tuple(grid)
     block = (block,) if isinstance(block, int) else tuple(block)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import exact_log
 from .. import backward as bw
 
 _MB = 1e6  # bytes per megabyte (decimal, as datasheets count)
@@ -26,7 +27,7 @@ def plot_saved_memory(seqlens, head_dim=128, dtype="float16", ax=None):
     for key, style, label in (("P", "o-", "P (N x N): what a naive backward needs"),
                               ("O", "s-", "O (N x d): kept either way"),
                               ("LSE", "^-", "LSE (N): what FlashAttention keeps")):
-        ax.loglog(seqlens, [r[key] / _MB for r in rows], style, label=label)
+        exact_log.loglog(ax, seqlens, [r[key] / _MB for r in rows], style, label=label)
     ax.set_xlabel("sequence length N")
     ax.set_ylabel("MB per head")
     ax.set_title(f"Saved for the backward (d={head_dim}, {dtype})")
@@ -41,13 +42,13 @@ def plot_backward_traffic(curve, counted=None, ax=None):
     drawn as crosses on top."""
     ax = _axes(ax)
     n = curve["N"]
-    ax.loglog(n, np.array(curve["naive_backward"]) / _MB, "o-", label="naive backward (model)")
-    ax.loglog(n, np.array(curve["fa2_backward"]) / _MB, "s-", label="FA2 backward (model)")
-    ax.loglog(n, np.array(curve["mandatory"]) / _MB, "k--", label="mandatory: inputs + gradients once")
+    exact_log.loglog(ax, n, np.array(curve["naive_backward"]) / _MB, "o-", label="naive backward (model)")
+    exact_log.loglog(ax, n, np.array(curve["fa2_backward"]) / _MB, "s-", label="FA2 backward (model)")
+    exact_log.loglog(ax, n, np.array(curve["mandatory"]) / _MB, "k--", label="mandatory: inputs + gradients once")
     if counted is not None:
-        ax.loglog(counted["N"], np.array(counted["naive_backward"]) / _MB, "kx", ms=9,
+        exact_log.loglog(ax, counted["N"], np.array(counted["naive_backward"]) / _MB, "kx", ms=9,
                   label="counted by running")
-        ax.loglog(counted["N"], np.array(counted["fa2_backward"]) / _MB, "kx", ms=9)
+        exact_log.loglog(ax, counted["N"], np.array(counted["fa2_backward"]) / _MB, "kx", ms=9)
     ax.set_xlabel("sequence length N (= N_q = N_k)")
     ax.set_ylabel("HBM traffic (MB)")
     ax.set_title("Backward pass HBM traffic")

@@ -16,6 +16,7 @@ import html
 
 import numpy as np
 
+from . import exact_log
 from .. import models
 from ..core import roofline as rl
 from .figures import _figure
@@ -82,7 +83,7 @@ def roofline_figure(gpus=models.RIDGE_GPUS, points_on="H200", itemsize=2, extra=
         ridge = rl.ridge_point(g, "bf16")
         peak = ridge * spec["hbm_tbps"]
         colour, ls = GPU_STYLE.get(g, ("grey", "-"))
-        ax.loglog(x, np.minimum(peak, x * spec["hbm_tbps"]), color=colour, ls=ls, lw=1.8,
+        exact_log.loglog(ax, x, np.minimum(peak, x * spec["hbm_tbps"]), color=colour, ls=ls, lw=1.8,
                   label=f"{g}: {spec['hbm_tbps']} TB/s, {peak:.0f} TFLOP/s, ridge {ridge:.0f} FLOP/B")
         ax.axvline(ridge, color=colour, ls=ls, lw=0.8, alpha=0.6)
     on = rl.get_gpu(points_on)
@@ -124,9 +125,10 @@ def kv_quant_figure(rows, ax=None):
         ns = [r["N"] for r in mine]
         c = CACHE_COLOURS.get(label)
         bpt = mine[0]["bytes_per_token"]
-        ax.loglog(ns, [r["o_error"] for r in mine], "o-", color=c, label=f"{label} cache ({bpt:g} B/token): error")
+        exact_log.loglog(ax, ns, [r["o_error"] for r in mine], "o-", color=c,
+                         label=f"{label} cache ({bpt:g} B/token): error")
         if mine[0]["bound"] is not None:
-            ax.loglog(ns, [r["bound"] for r in mine], "--", color=c, lw=1, label=f"{label}: stated bound")
+            exact_log.loglog(ax, ns, [r["bound"] for r in mine], "--", color=c, lw=1, label=f"{label}: stated bound")
     ax.set_xlabel("cache length N (tokens)")
     ax.set_ylabel("max |O - O_float64|")
     ax.set_title("Paged decode over quantized caches against the float64 oracle", fontsize=10)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import exact_log
 from .figures import _figure
 
 _COLORS = {"float32": "#1f77b4", "bfloat16": "#c0392b", "float16": "#8e44ad"}
@@ -16,7 +17,7 @@ def drift_figure(drift: dict, ax=None):
         ax = fig.add_subplot()
     for name, errs in drift.items():
         if name != "N":
-            ax.loglog(drift["N"], errs, "o-", color=_COLORS.get(name), label=f"l and O kept in {name}")
+            exact_log.loglog(ax, drift["N"], errs, "o-", color=_COLORS.get(name), label=f"l and O kept in {name}")
     ax.set_xlabel("keys N (one K/V tile of 64 keys = one rounding of the accumulators)")
     ax.set_ylabel("max |O - O_ref64| / max |O_ref64|")
     ax.set_title("Low-precision accumulators drift as N grows", fontsize=10)

@@ -323,7 +323,8 @@ def measured_vs_model(rec=None, size: str = "large", ax=None):
                for part in ("mandatory", "S and P", "tile re-reads")]
     handles.append(Patch(color="black", label="measured DRAM bytes (Nsight Compute)"))
     ax.set_xlabel("bytes / mandatory bytes (log)")
-    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    # below the axes: inside, any corner covers a bar of some record
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.14), ncol=2, frameon=False)
     ax.set_title(f"On a GPU: K/V re-reads hit the L2 cache, S and P do not\n{recorded.short_label(rec)}",
                  fontsize=9)
     ax.grid(True, axis="x", which="both", alpha=0.3)

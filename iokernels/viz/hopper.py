@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import html
 
+from . import exact_log
 from .. import hopper_schedule as hs
 from ..core import roofline as rl
 from .htmltable import Table
@@ -225,7 +226,7 @@ def sensitivity_figure(rows=None):
                 linestyle="--" if k == "fa2_serial" else "-")
     ax.axvline(hs.L2_REUSE, color="grey", linewidth=0.8)
     ax.text(hs.L2_REUSE, 0.02, " default", color="grey", fontsize=8)
-    ax.set_xscale("log", base=2)
+    exact_log.set_log(ax, "x", base=2)
     ax.set_xticks(xs, [f"{x:g}" for x in xs])
     ax.set_ylim(0, 1)
     ax.set_xlabel("L2 reuse factor (copy rate = L2 reuse x the SM's share of HBM bandwidth)")

@@ -15,6 +15,8 @@ imported inside the functions.
 """
 from __future__ import annotations
 
+from . import exact_log
+
 import importlib
 
 import numpy as np
@@ -336,12 +338,12 @@ def block_size_figure(lengths, block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256)):
     entries = [float(np.mean(-(-lengths // bsz))) for bsz in block_sizes]
     fig, a = plt.subplots(figsize=(6.5, 3.4))
     a.plot(block_sizes, np.array(waste) * 100, "o-", color="C3", label="slots wasted (%)")
-    a.set_xscale("log", base=2)
+    exact_log.set_log(a, "x", base=2)
     a.set_xlabel("block size (tokens)")
     a.set_ylabel("slots wasted (%)", color="C3")
     b = a.twinx()
     b.plot(block_sizes, entries, "s-", color="C0", label="table entries per request")
-    b.set_yscale("log")
+    exact_log.set_log(b, "y")
     b.set_ylabel("table entries per request (mean)", color="C0")
     a.set_title("small blocks waste little but mean more indirection and smaller tiles", fontsize=10)
     fig.tight_layout()
@@ -449,7 +451,7 @@ def heuristic_figure(heads_kv=8, num_sms=132, block_n=128, seqlens=None, batches
     for bsz in batches:
         a.plot(seqlens, [dec.occupancy_splits(bsz, heads_kv, n, num_sms, block_n=block_n) for n in seqlens],
                "o-", ms=3, label=f"batch {bsz}")
-    a.set_xscale("log", base=2)
+    exact_log.set_log(a, "x", base=2)
     a.set_xlabel("context length (keys)")
     a.set_ylabel("num_splits chosen")
     a.set_title(f"{heads_kv} KV heads, {num_sms} SMs, tiles of {block_n}", fontsize=10)

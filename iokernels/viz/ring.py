@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from . import exact_log
 from .. import context_parallel as cp
 
 _MB = 1e6  # bytes per megabyte (decimal)
@@ -131,8 +132,8 @@ def plot_memory(seqlen, world_sizes, *, heads_q=32, heads_kv=8, head_dim=128, dt
             for W in world_sizes]
     ax.plot(world_sizes, [r["per_rank"] / _MB for r in rows], "o-", label="one rank of the ring")
     ax.plot(world_sizes, [r["one_device"] / _MB for r in rows], "k--", label="one device, whole sequence")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    exact_log.set_log(ax, "x", base=2)
+    exact_log.set_log(ax, "y")
     ax.set_xlabel("ranks W")
     ax.set_ylabel("MB (Q, K/V, O, LSE)")
     ax.set_title(f"memory per rank, N={seqlen}, Hq={heads_q}, Hkv={heads_kv}, d={head_dim}, {dtype}")
@@ -147,8 +148,8 @@ def plot_merge_error(world_sizes, errors, ax=None):
     ax = _axes(ax, 1, (6.0, 3.8))
     for pd, errs in errors.items():
         ax.plot(world_sizes, errs, "o-", label=f"partial outputs in {pd}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    exact_log.set_log(ax, "x", base=2)
+    exact_log.set_log(ax, "y")
     ax.set_xlabel("ranks W")
     ax.set_ylabel("mean |O - O_ref64|")
     ax.set_title("merge error against the ring size")

@@ -7,6 +7,7 @@ draws or tabulates it; nothing here times anything.  Runner colours come from
 from __future__ import annotations
 
 from ..core import recorded
+from . import exact_log
 from .htmltable import Table
 from .palette import colour, traffic_colour
 
@@ -14,9 +15,40 @@ __all__ = ["plot_prefill", "traffic_groups", "plot_traffic", "traffic_table", "c
            "fallback_table", "decode_table", "backend_status_table"]
 
 
+#: line styles of the runners in the prefill plot (our kernels dashed)
+PREFILL_STYLE = {"sdpa:cudnn": "o-", "sdpa:flash": "s-", "sdpa:efficient": "^-", "sdpa:math": "x-",
+                 "torch naive": "D-", "numba": "v--", "numba:v1": "1--", "numba:v2": "2--", "numba:v3": "v--",
+                 "cupy": "<--", "cupy:v1": "<--", "cupy:v2": ">--"}
+
+
 def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", axes=None):
-    """Time and extra device memory vs N, one line per runner, in the runner's palette colour."""
-    return recorded.plot_prefill(rec, dtype, section=section, axes=axes, colour=colour)
+    """Time and extra device memory vs N, one line per runner (naive, each SDPA kernel, ours),
+    in the runner's palette colour; the legend to the right of the axes."""
+    import matplotlib.pyplot as plt
+    rows = recorded.bench_rows(rec, section=section, dtype=dtype)
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw=dict(right=0.84, wspace=0.25))
+    runners = [r for r in PREFILL_STYLE if any(x["runner"] == r for x in rows)]
+    runners += sorted({x["runner"] for x in rows if x["group"] in ("numba", "cupy")} - set(runners))
+    for rn in runners:
+        rs = sorted((x for x in rows if x["runner"] == rn), key=lambda x: x["seqlen"])
+        style = PREFILL_STYLE.get(rn, "--")          # a version not named above: dashed, like our kernels
+        axes[0].plot([x["seqlen"] for x in rs], [x["ms"] for x in rs], style, color=colour(rn), label=rn)
+        mem = [(x["seqlen"], x["extra_MiB"]) for x in rs if x.get("extra_MiB") is not None and x["group"] != "numba"]
+        if mem:
+            axes[1].plot(*zip(*mem), style, color=colour(rn), label=rn)
+    for ax, yl in zip(axes, ("time per call (ms, median)", "device memory above the inputs (MiB)")):
+        exact_log.set_log(ax, "x", base=2)
+        exact_log.set_log(ax, "y")
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel(yl)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[-1].legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                    frameon=False)
+    shape = rows[0] if rows else {}
+    axes[0].figure.suptitle(f"{dtype}, B={shape.get('batch')} H={shape.get('heads')} d={shape.get('head_dim')}"
+                            f"{', causal' if shape.get('causal') else ''} -- {recorded.short_label(rec)}", fontsize=9)
+    return axes
 
 
 # --------------------------------------------------------------------------- traffic
@@ -79,7 +111,7 @@ def plot_traffic(rec: dict):
                         ax.plot([v], [y], linestyle="none", color=traffic_colour(r["case"]), ms=7, gid=r["case"],
                                 **style)
             ax.axvline(1.0, color="grey", lw=0.8, ls=":")
-            ax.set_xscale("log")
+            exact_log.set_log(ax, "x")
             ax.set_ylim(len(rows) - 0.5, -0.5)
             ax.set_yticks(range(len(rows)))
             ax.grid(True, axis="x", which="both", alpha=0.3)
@@ -219,17 +251,8 @@ def backend_status_table(status: dict) -> Table:
 
 
 def measured_parts_figure(rec: dict):
-    """:func:`iokernels.viz.figures.measured_vs_model` on a figure of its own, its legend moved
-    below the axes (off the bars)."""
+    """:func:`iokernels.viz.figures.measured_vs_model` on a figure of its own."""
     from .figures import _figure, measured_vs_model
     fig = _figure((7.0, 5.0))
-    ax = fig.add_subplot()
-    measured_vs_model(rec, ax=ax)
-    legend = ax.get_legend()
-    if legend is not None:
-        handles = legend.legend_handles
-        labels = [t.get_text() for t in legend.get_texts()]
-        legend.remove()
-        ax.legend(handles, labels, fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.14), ncol=2,
-                  frameon=False)
+    measured_vs_model(rec, ax=fig.add_subplot())
     return fig

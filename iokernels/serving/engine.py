@@ -1,0 +1,289 @@
+"""The engine: a request queue and one scheduling decision per step (continuous batching).
+
+Every step the engine decides again which sequences run: **iteration-level scheduling**
+(Orca, Yu et al., OSDI 2022, paper; vLLM, Kwon et al., SOSP 2023, paper).  A sequence that
+finishes leaves the batch at once and a waiting request joins at the next step, instead
+of the whole batch waiting for its longest member.  One step, top to bottom:
+
+1. **arrivals**: requests whose arrival time has come move from ``pending`` to ``waiting``;
+2. **running first**, oldest first: each running sequence gets the tokens it has left to
+   compute, up to what remains of the step's ``token_budget``.  A decoding sequence asks
+   for one token; one still prefilling asks for a **chunk** of its prompt (chunked
+   prefill, so prefill and decode share the step, as Sarathi-Serve, Agrawal et al., OSDI
+   2024, paper, schedules them).  A chunk that stops short ends at a block boundary, so
+   the prefix cache can find its full blocks later;
+3. **preemption**: when the blocks a sequence's append may take are not free, the newest
+   running request is **preempted by recomputation**: its blocks are freed, it goes back
+   to the front of the queue with every token it has generated, and when it is admitted
+   again its tokens are computed again as a prompt (vLLM's default for a request with one
+   sequence; here a request's parallel samples are recomputed too, each as a sequence of
+   its own, and the prefix cache finds their common prompt blocks while they are cached).
+   The victim and the reason are logged (``engine.preemptions``, and the
+   ``iokernels.serving`` logger);
+4. **admission**: waiting requests join in arrival order while the budget, ``max_seqs``
+   and memory allow (head of line first: a request that does not fit stops the line);
+   none joins in a step that had to preempt, so a victim is not readmitted at once;
+5. **the model runs once** on the batch of chunks; each sequence whose chunk reached its
+   last token samples one new token.  A request with ``n`` samples forks after its prompt
+   (the samples share the prompt's blocks; copy-on-write splits the last one), and a
+   sample that has generated its tokens frees its memory at once.
+
+The memory decides what "fits" means (:mod:`iokernels.serving.memory`): a paged memory
+takes blocks as sequences grow and may preempt; a contiguous one reserves every sample's
+maximum length at admission and never runs out afterwards.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .requests import Group, Request, Sequence, sample_token
+
+__all__ = ["Engine", "StepRecord", "Results"]
+
+log = logging.getLogger("iokernels.serving")
+
+
+@dataclass
+class StepRecord:
+    """What one step did: its batch as (request id, sample, tokens), the running count, memory."""
+
+    step: int
+    time: float
+    batch: list
+    running: int
+    used_slots: int
+    allocated_slots: int
+    free_blocks: int
+    preempted: list
+
+
+@dataclass
+class Results:
+    """A finished run: every request's tokens, the steps, and the numbers the benchmark reports."""
+
+    outputs: dict
+    steps: list = field(default_factory=list)
+    preemptions: list = field(default_factory=list)
+    busy_s: float = 0.0
+    token_times: list = field(default_factory=list)
+
+    @property
+    def max_concurrent(self) -> int:
+        return max((s.running for s in self.steps), default=0)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(t) for outs in self.outputs.values() for t in outs)
+
+    @property
+    def waste_fraction(self) -> float:
+        """Allocated slots not holding a token, over allocated slots, summed over the steps."""
+        alloc = sum(s.allocated_slots for s in self.steps)
+        return 1.0 - sum(s.used_slots for s in self.steps) / alloc if alloc else 0.0
+
+    def time_per_output_token(self) -> np.ndarray:
+        """Per sample with two or more tokens: (last token's time - first's) / (tokens - 1), seconds."""
+        return np.array([(t[-1] - t[0]) / (len(t) - 1) for t in self.token_times if len(t) > 1])
+
+    def summary(self) -> dict:
+        tpot = self.time_per_output_token() * 1e3
+        pct = (lambda p: float(np.percentile(tpot, p))) if tpot.size else (lambda p: 0.0)
+        return dict(max_concurrent=self.max_concurrent, output_tokens=self.output_tokens, steps=len(self.steps),
+                    tokens_per_s=self.output_tokens / self.busy_s if self.busy_s else 0.0,
+                    waste_fraction=self.waste_fraction, p50_ms=pct(50), p99_ms=pct(99),
+                    preemptions=len(self.preemptions))
+
+
+class Engine:
+    """Continuous batching of :class:`Request`\\ s through ``model`` over ``memory``.
+
+    model: ``forward(memory, seqs, chunk_lens)`` computes each sequence's next
+    ``chunk_lens[i]`` tokens (writing their K and V through ``memory``) and returns the
+    logits of each chunk's last token, (len(seqs), vocab); it has ``vocab``.
+    token_budget: tokens computed per step at most; max_seqs: running sequences at most.
+    step_time: None measures each step's wall time as the clock's advance; a number
+    advances the clock by that many seconds a step (a deterministic schedule, for tests).
+    check: a function of the engine run after every step (an invariant check).
+    """
+
+    def __init__(self, model, memory, *, token_budget=256, max_seqs=256, step_time=None, check=None):
+        for name, value in (("token_budget", token_budget), ("max_seqs", max_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {value!r}")
+        if step_time is not None and not (isinstance(step_time, (int, float)) and step_time > 0):
+            raise ValueError(f"step_time: expected None or a number of seconds > 0, got {step_time!r}")
+        self.model, self.memory = model, memory
+        self.token_budget, self.max_seqs, self.step_time, self.check = token_budget, max_seqs, step_time, check
+        self.align = getattr(memory, "block_size", 1)
+        self.pending: list = []            # (arrival, order, group), not arrived yet, sorted
+        self.waiting: list = []            # arrived, sorted by order
+        self.running: list = []            # sorted by order: the oldest first
+        self.clock, self.busy_s, self._order = 0.0, 0.0, 0
+        self._ids: set = set()
+        self.results = Results(outputs={})
+
+    # ------------------------------------------------------------------ the queue
+    def submit(self, request: Request) -> None:
+        """Queue a request; a ValueError (queue unchanged) when it can never be served."""
+        if not isinstance(request, Request):
+            raise ValueError(f"request: expected a Request, got {type(request).__name__}")
+        if request.rid in self._ids:
+            raise ValueError(f"request: id {request.rid!r} is already queued or served; ids must be unique")
+        bad = [t for t in request.prompt if t >= self.model.vocab]
+        if bad:
+            raise ValueError(f"prompt: request {request.rid!r} holds token {bad[0]}, outside the model's "
+                             f"vocabulary of {self.model.vocab}")
+        if request.n > self.max_seqs:
+            raise ValueError(f"request: {request.rid!r} asks for {request.n} samples; the engine runs at most "
+                             f"max_seqs={self.max_seqs} sequences, so it can never be served")
+        why = self.memory.fits(request)
+        if why is not None:
+            raise ValueError(f"request: {why}, so it can never be served")
+        self._ids.add(request.rid)
+        group = Group(request, self._order)
+        self._order += 1
+        bisect.insort(self.pending, (request.arrival, group.order, group), key=lambda x: x[:2])
+
+    @property
+    def done(self) -> bool:
+        return not (self.pending or self.waiting or self.running)
+
+    def run(self, progress=None) -> Results:
+        """Step until every request is served; ``progress(finished, total)`` after each step."""
+        total = len(self._ids)
+        while not self.done:
+            self.step()
+            if progress is not None:
+                progress(len(self.results.outputs), total)
+        return self.results
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> StepRecord:
+        if not (self.waiting or self.running) and self.pending:
+            self.clock = max(self.clock, self.pending[0][0])       # idle: jump to the next arrival
+        while self.pending and self.pending[0][0] <= self.clock:
+            bisect.insort(self.waiting, self.pending.pop(0)[2], key=lambda g: g.order)
+        t0 = time.perf_counter()
+        preempted: list = []
+        plan = self._schedule(preempted)
+        seqs = list(plan)
+        if seqs:
+            logits = self.model.forward(self.memory, seqs, [plan[s][0] for s in seqs])
+        dt = time.perf_counter() - t0
+        self.clock += dt if self.step_time is None else self.step_time
+        self.busy_s += dt
+        batch = [(s.group.request.rid, s.sample, plan[s][0]) for s in seqs]
+        running = sum(len(g.live) for g in self.running)
+        for s, lg in zip(seqs, logits if seqs else []):
+            self._advance(s, plan[s][0], lg)
+        used, alloc = self.memory.usage()
+        rec = StepRecord(len(self.results.steps), self.clock, batch, running, used, alloc,
+                         self.memory.free_blocks(), preempted)
+        self.results.steps.append(rec)
+        self.results.busy_s = self.busy_s
+        if self.check is not None:
+            self.check(self)
+        return rec
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        c = min(seq.to_compute, budget)
+        if c < seq.to_compute:                                      # a partial chunk: end on a block
+            aligned = (seq.computed + c) // self.align * self.align - seq.computed
+            c = aligned if aligned > 0 else c
+        return c
+
+    def _schedule(self, preempted: list) -> dict:
+        """{sequence: (tokens to compute, blocks reserved)} for this step, in priority order."""
+        budget, reserved, plan = self.token_budget, 0, {}
+        for group in list(self.running):                            # 2. running first, oldest first
+            if group not in self.running:                           # preempted by an older one
+                continue
+            for seq in group.live:
+                c = self._chunk(seq, budget)
+                if c == 0:
+                    continue
+                need = self.memory.growth(seq, c)
+                while need > self.memory.free_blocks() - reserved:  # 3. preempt the newest
+                    victim = self.running[-1]
+                    for s in [s for s in victim.seqs if s in plan]:   # its own earlier sequences
+                        c_s, need_s = plan.pop(s)
+                        budget, reserved = budget + c_s, reserved - need_s
+                    self._preempt(victim, f"request {group.request.rid!r} sample {seq.sample} needs {need} "
+                                          f"block(s) for {c} token(s); {self.memory.free_blocks() - reserved} "
+                                          f"free and not promised this step", preempted)
+                    if victim is group:
+                        break
+                if group not in self.running:
+                    break
+                plan[seq] = (c, need)
+                reserved += need
+                budget -= c
+        budget = self.token_budget - sum(c for c, _ in plan.values())
+        while self.waiting and budget > 0 and not preempted:        # 4. admission, in arrival order
+            group = self.waiting[0]
+            if sum(len(g.live) for g in self.running) + len(group.live) > self.max_seqs \
+                    or not self.memory.admit(group):
+                break
+            for seq in group.live:
+                self.memory.start(seq)
+            first = group.live[0]
+            c = self._chunk(first, budget)
+            need = self.memory.growth(first, c)
+            if need > self.memory.free_blocks() - reserved:         # its first chunk does not fit
+                self.memory.release_group(group)
+                break
+            self.waiting.pop(0)
+            self.running.append(group)
+            for seq in group.live:
+                c = self._chunk(seq, budget)
+                need = self.memory.growth(seq, c) if c else 0
+                if c == 0 or need > self.memory.free_blocks() - reserved:
+                    break
+                plan[seq] = (c, need)
+                reserved += need
+                budget -= c
+        return plan
+
+    def _preempt(self, group: Group, reason: str, preempted: list) -> None:
+        """Free the request's memory; it waits again with its tokens, to be recomputed."""
+        self.memory.release_group(group)
+        for s in group.seqs:
+            s.computed = 0
+        group.preemptions += 1
+        self.running.remove(group)
+        bisect.insort(self.waiting, group, key=lambda g: g.order)
+        entry = dict(step=len(self.results.steps), victim=group.request.rid, reason=reason)
+        preempted.append(entry)
+        self.results.preemptions.append(entry)
+        log.info("step %d: preempted request %r (recompute): %s", entry["step"], group.request.rid, reason)
+
+    def _advance(self, seq: Sequence, c: int, logits) -> None:
+        """After the model ran: count the chunk; at the end of the tokens, sample the next one."""
+        seq.computed += c
+        if seq.to_compute:                                          # mid-prefill: nothing to sample
+            return
+        group, req = seq.group, seq.group.request
+        new = [seq]
+        if not group.forked:
+            for i in range(1, req.n):                               # parallel samples share the prompt
+                child = Sequence(group, i, list(seq.tokens), computed=seq.computed)
+                self.memory.fork(seq, child)
+                group.seqs.append(child)
+                new.append(child)
+            group.forked = True
+        for s in new:
+            s.tokens.append(sample_token(logits, req, s.sample, len(s.tokens)))
+            s.token_times.append(self.clock)
+            if len(s.generated) == req.output_len:
+                s.done = True
+                self.memory.release(s)
+        if group.finished:
+            self.memory.release_group(group)
+            self.running.remove(group)
+            self.results.outputs[req.rid] = [list(s.generated) for s in group.seqs]
+            self.results.token_times.extend(list(s.token_times) for s in group.seqs)

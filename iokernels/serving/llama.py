@@ -1,0 +1,180 @@
+"""A Llama-architecture decoder in plain torch, with random seeded weights and iokernels attention.
+
+The architecture (Touvron et al., "LLaMA", 2023, paper; Meta's Llama 3 model card and
+its ``config.json``, 2024, code/config), one layer::
+
+    h = x + Wo · attention(RoPE(Wq · RMSNorm(x)), RoPE(Wk · RMSNorm(x)), Wv · RMSNorm(x))
+    x' = h + W2 · (SiLU(W1 · RMSNorm(h)) * (W3 · RMSNorm(h)))          # SwiGLU
+
+* **RMSNorm** (Zhang and Sennrich, 2019, paper): x / sqrt(mean(x^2) + eps) * w, no mean
+  subtracted, no bias;
+* **RoPE** (Su et al., RoFormer, 2021, paper): each query and key is rotated by angles
+  position * theta^(-2i/d), so that q·k depends on the distance between the positions
+  only.  Values i and i + d/2 form a pair, as Hugging Face transformers' Llama code pairs
+  them (code); Meta's reference code pairs neighbours 2i, 2i + 1, the same rotation up to
+  a permutation of the weights' rows;
+* **GQA** (Ainslie et al., 2023, paper): ``kv_heads`` < ``heads``; each KV head serves
+  heads / kv_heads query heads, so the cache is that many times smaller;
+* **SwiGLU** (Shazeer, 2020, paper): the gated MLP above.
+
+Weights are drawn from a seeded generator (no download): the shapes are the point, not
+the words.  Attention goes through ``memory`` (:mod:`iokernels.serving.memory`): the
+chunk's K and V are written to the cache, then the chunk's queries attend through the
+memory's backend (:func:`iokernels.paged_prefill` over the blocks, or
+:func:`iokernels.attention_varlen` over contiguous regions).  :meth:`Llama.reference_logits`
+computes the same model with no cache at all, in torch, to check both against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+__all__ = ["LlamaShape", "TINY", "LLAMA3_8B", "llama3_8b_shape", "Llama", "MODELS"]
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama config: vocabulary, model width, layers, query and KV heads, MLP width, RoPE base."""
+
+    name: str
+    vocab: int
+    dim: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn_dim: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.dim % self.heads or self.heads % self.kv_heads or (self.dim // self.heads) % 2:
+            raise ValueError(f"shape: dim {self.dim} must split into {self.heads} heads of an even head dim, "
+                             f"and heads into groups of kv_heads {self.kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+#: a model small enough to serve a trace through the NumPy kernels on a CPU
+TINY = LlamaShape("tiny", vocab=256, dim=64, layers=2, heads=4, kv_heads=2, ffn_dim=128)
+#: Llama-3-8B's shapes (meta-llama/Meta-Llama-3-8B config.json, code/config): hidden 4096,
+#: 32 layers, 32 query and 8 KV heads of 128, MLP 14336, vocabulary 128256, RoPE base 500000
+LLAMA3_8B = LlamaShape("llama3-8b", vocab=128256, dim=4096, layers=32, heads=32, kv_heads=8, ffn_dim=14336,
+                       rope_theta=500000.0)
+
+
+def llama3_8b_shape(layers=2) -> LlamaShape:
+    """Llama-3-8B's shapes with fewer layers (each layer holds 218 M weights)."""
+    return replace(LLAMA3_8B, name=f"llama3-8b-shape ({layers} layers)", layers=int(layers))
+
+
+#: the models ``serve-bench --model`` names
+MODELS = {"tiny": lambda: TINY, "llama3-8b-shape": llama3_8b_shape}
+
+
+def rms_norm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x, positions, theta):
+    """Rotate (tokens, heads, d) by each token's position, pairs (i, i + d/2)."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = (positions.to(torch.float64)[:, None] * inv[None, :]).to(x.dtype)       # (tokens, d/2)
+    cos, sin = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+    x1, x2 = x[..., :d // 2], x[..., d // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Llama:
+    """A Llama decoder with weights drawn from ``seed``; ``forward`` is what the engine calls."""
+
+    def __init__(self, shape: LlamaShape = TINY, seed=0, dtype=torch.float64, device="cpu"):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        g = torch.Generator(device="cpu").manual_seed(int(seed))
+        s = shape
+
+        def w(*size, std=None):
+            std = (1.0 / size[-1]) ** 0.5 if std is None else std                 # keeps activations O(1)
+            return (torch.randn(*size, generator=g, dtype=torch.float32) * std).to(dtype).to(device)
+
+        self.embed = w(s.vocab, s.dim, std=1.0)
+        self.layers = [dict(attn_norm=torch.ones(s.dim, dtype=dtype, device=device),
+                            wq=w(s.heads * s.head_dim, s.dim), wk=w(s.kv_heads * s.head_dim, s.dim),
+                            wv=w(s.kv_heads * s.head_dim, s.dim), wo=w(s.dim, s.heads * s.head_dim),
+                            mlp_norm=torch.ones(s.dim, dtype=dtype, device=device),
+                            w1=w(s.ffn_dim, s.dim), w3=w(s.ffn_dim, s.dim), w2=w(s.dim, s.ffn_dim))
+                       for _ in range(s.layers)]
+        self.norm = torch.ones(s.dim, dtype=dtype, device=device)
+        self.lm_head = w(s.vocab, s.dim)
+
+    @property
+    def vocab(self) -> int:
+        return self.shape.vocab
+
+    @property
+    def numpy_dtype(self):
+        return {torch.float64: np.float64, torch.float32: np.float32}[self.dtype]
+
+    def memory_shape(self) -> dict:
+        """What a memory for this model holds per token: layers, KV heads, head dim, dtype."""
+        return dict(layers=self.shape.layers, kv_heads=self.shape.kv_heads, head_dim=self.shape.head_dim,
+                    dtype=np.dtype(self.numpy_dtype).name)
+
+    def _block(self, p, x, positions, attend):
+        s = self.shape
+        h = rms_norm(x, p["attn_norm"], s.norm_eps)
+        q = rope((h @ p["wq"].T).view(-1, s.heads, s.head_dim), positions, s.rope_theta)
+        k = rope((h @ p["wk"].T).view(-1, s.kv_heads, s.head_dim), positions, s.rope_theta)
+        v = (h @ p["wv"].T).view(-1, s.kv_heads, s.head_dim)
+        x = x + attend(q, k, v).reshape(-1, s.heads * s.head_dim) @ p["wo"].T
+        h = rms_norm(x, p["mlp_norm"], s.norm_eps)
+        return x + (torch.nn.functional.silu(h @ p["w1"].T) * (h @ p["w3"].T)) @ p["w2"].T
+
+    @torch.no_grad()
+    def forward(self, memory, seqs, chunk_lens):
+        """Compute each sequence's next chunk through ``memory``; the logits of each chunk's last token."""
+        ids = [s.tokens[s.computed:s.computed + c] for s, c in zip(seqs, chunk_lens)]
+        pos = torch.cat([torch.arange(s.computed, s.computed + c) for s, c in zip(seqs, chunk_lens)])
+        tok = torch.tensor([t for chunk in ids for t in chunk], device=self.device)
+        cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
+        x = self.embed[tok]
+        for layer, p in enumerate(self.layers):
+            def attend(q, k, v, layer=layer):
+                k_np, v_np = k.cpu().numpy(), v.cpu().numpy()
+                for i, s in enumerate(seqs):                      # write the chunk's K, V first
+                    memory.write(layer, s, k_np[cu[i]:cu[i + 1]], v_np[cu[i]:cu[i + 1]], ids[i])
+                o = memory.attend(layer, q.cpu().numpy(), seqs, list(chunk_lens))
+                return torch.from_numpy(np.ascontiguousarray(o)).to(self.device)
+            x = self._block(p, x, pos.to(self.device), attend)
+        last = torch.from_numpy(cu[1:] - 1).to(self.device)
+        return (rms_norm(x[last], self.norm, self.shape.norm_eps) @ self.lm_head.T).cpu().numpy()
+
+    @torch.no_grad()
+    def reference_logits(self, tokens):
+        """Every position's logits of one sequence, all at once, no cache: plain torch attention."""
+        s = self.shape
+        tok = torch.tensor(list(tokens), device=self.device)
+        n, g = len(tok), s.heads // s.kv_heads
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+
+        def attend(q, k, v):
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)      # (n, H, d)
+            sc = torch.einsum("ihd,jhd->hij", q, k) / s.head_dim ** 0.5
+            p = torch.softmax(sc.masked_fill(~mask, float("-inf")), dim=-1)
+            return torch.einsum("hij,jhd->ihd", p, v)
+
+        x = self.embed[tok]
+        for p in self.layers:
+            x = self._block(p, x, torch.arange(n, device=self.device), attend)
+        return (rms_norm(x, self.norm, s.norm_eps) @ self.lm_head.T).cpu().numpy()
+
+    def reference_greedy(self, prompt, new_tokens):
+        """Greedy tokens from :meth:`reference_logits`, recomputing the whole sequence each time."""
+        tokens = list(prompt)
+        for _ in range(new_tokens):
+            tokens.append(int(np.argmax(self.reference_logits(tokens)[-1])))
+        return tokens[len(prompt):]

@@ -1,0 +1,149 @@
+"""The serving engine: continuous batching, chunked prefill under a budget, preemption by
+recomputation, parallel sampling and prefix caching, checked against the block pool's
+invariants and against a contiguous run's tokens."""
+import numpy as np
+import pytest
+
+from iokernels.serving import ContiguousMemory, Engine, PagedMemory, Request, pool_invariants
+from iokernels.serving.fake import ChecksumModel
+
+SYSTEM = [1, 2, 3, 4, 5, 6, 7, 8]          # a shared system prompt: prefix-cache hits
+
+
+def random_trace(rng, count, vocab=64, max_prompt=24, max_out=12, rate=2.0):
+    t, reqs = 0.0, []
+    for i in range(count):
+        t += rng.exponential(1 / rate)
+        out = int(rng.integers(1, max_out + 1))
+        prompt = (SYSTEM if rng.random() < 0.3 else []) + rng.integers(0, vocab, rng.integers(1, max_prompt)).tolist()
+        reqs.append(Request(i, prompt, out + int(rng.integers(0, 8)), n=int(rng.choice([1, 1, 1, 2, 3])),
+                            temperature=0.0 if rng.random() < 0.3 else 1.0, seed=7, stop_after=out, arrival=t))
+    return reqs
+
+
+def paged(blocks=40, bs=4):
+    return PagedMemory(blocks, bs, layers=1, kv_heads=1, head_dim=2)
+
+
+def contiguous(slots=160):
+    return ContiguousMemory(slots, layers=1, kv_heads=1, head_dim=2)
+
+
+def serve(memory, reqs, check=None, **kw):
+    engine = Engine(ChecksumModel(), memory, step_time=1.0, check=check, **kw)
+    for r in reqs:
+        engine.submit(r)
+    return engine, engine.run()
+
+
+def invariants(engine):
+    problems = pool_invariants(engine.memory.caches[0])
+    assert not problems, problems
+    live = {s.handle for g in engine.running for s in g.live}
+    assert live == set(engine.memory.caches[0].seq_ids)           # no sequence leaked, none lost
+    assert sum(c for _, _, c in engine.results.steps[-1].batch) <= engine.token_budget
+
+
+def test_thousand_random_requests_with_preemption_match_contiguous():
+    reqs = random_trace(np.random.default_rng(2026), 1000)
+    pe, rp = serve(paged(), reqs, check=invariants, token_budget=32)
+    _, rc = serve(contiguous(), reqs, token_budget=32)
+    cache = pe.memory.caches[0]
+    assert len(rp.preemptions) > 20 and cache.stats["copy_on_write"] > 20 and cache.stats["prefix_hits"] > 20
+    assert rp.outputs == rc.outputs
+    for r in reqs:
+        assert [len(t) for t in rp.outputs[r.rid]] == [r.stop_after] * r.n
+    assert cache.num_free_blocks() == cache.num_blocks and not cache.seq_ids
+    assert rp.max_concurrent > rc.max_concurrent
+    assert all(p["victim"] in {r.rid for r in reqs} and "needs" in p["reason"] for p in rp.preemptions)
+
+
+def test_finished_sequences_leave_and_waiting_ones_join_the_next_step():
+    reqs = [Request("a", [1, 2], 2), Request("b", [3, 4], 6), Request("c", [5], 3)]
+    _, res = serve(contiguous(), reqs, max_seqs=2)
+    batches = [{rid for rid, _, _ in s.batch} for s in res.steps]
+    assert batches[0] == {"a", "b"}
+    done_a = max(i for i, b in enumerate(batches) if "a" in b)
+    assert "c" in batches[done_a + 1] and "b" in batches[done_a + 1]
+
+
+def test_chunked_prefill_shares_a_step_with_decode_under_the_budget():
+    reqs = [Request("short", [1, 2, 3], 10), Request("long", list(range(30)), 2, arrival=2.0)]
+    _, res = serve(paged(), reqs, token_budget=9)
+    assert all(sum(c for *_, c in s.batch) <= 9 for s in res.steps)
+    mixed = [s.batch for s in res.steps if {("short", 0, 1)} <= set(s.batch) and any(r == "long" for r, *_ in s.batch)]
+    long_chunks = [c for b in mixed for r, _, c in b if r == "long"]
+    assert long_chunks == [8, 8, 8, 6, 1]         # chunks end on blocks; the last one ends the prompt
+
+
+def test_parallel_samples_share_the_prompt_and_copy_on_write():
+    req = Request("p", list(range(10)), 4, n=3, temperature=1.0)
+    seen = {}
+
+    def look(engine):
+        cache = engine.memory.caches[0]
+        if len(cache.seq_ids) == 3 and "ref" not in seen:
+            seen["ref"] = [cache.ref_count(b) for b in cache.block_table(cache.seq_ids[0])]
+        invariants(engine)
+
+    pe, res = serve(paged(), [req], check=look)
+    assert seen["ref"] == [3, 3, 3]               # 10 prompt tokens: blocks 0, 1 full, block 2 partial
+    assert pe.memory.caches[0].stats["copy_on_write"] == 2
+    assert len({tuple(t) for t in res.outputs["p"]}) > 1
+
+
+def test_contiguous_reserves_every_samples_maximum_at_admission():
+    m = contiguous(100)
+    engine = Engine(ChecksumModel(), m, step_time=1.0)
+    engine.submit(Request("x", [1, 2, 3], 20, n=2, stop_after=2))
+    rec = engine.step()
+    assert rec.allocated_slots == 2 * 23 and rec.used_slots == 2 * 3     # the fork copied the prompt
+
+
+def test_preemption_victim_is_the_newest_and_recomputes():
+    reqs = [Request(i, list(range(1, 8)), 12) for i in range(3)]
+    pe, res = serve(paged(blocks=10, bs=4), reqs, check=invariants)
+    assert res.preemptions and res.preemptions[0]["victim"] == 2
+    _, rc = serve(contiguous(), reqs)
+    assert res.outputs == rc.outputs
+
+
+@pytest.mark.parametrize("memory", [paged, contiguous])
+def test_bad_requests_raise_and_lose_nothing(memory):
+    engine = Engine(ChecksumModel(vocab=64), memory(), step_time=1.0)
+    engine.submit(Request("ok", [1, 2], 3))
+    before = (list(engine.pending), set(engine._ids))
+    with pytest.raises(ValueError, match="prompt: request 'e' has an empty prompt"):
+        engine.submit(Request("e", [], 3))
+    with pytest.raises(ValueError, match="id 'ok' is already queued"):
+        engine.submit(Request("ok", [3], 3))
+    with pytest.raises(ValueError, match="can never be served"):
+        engine.submit(Request("huge", [1] * 100, 100))
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        engine.submit(Request("v", [64], 3))
+    with pytest.raises(ValueError, match="257 samples; the engine runs at most max_seqs=256"):
+        engine.submit(Request("many", [1], 1, n=257))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Request("m", [1], 0)
+    with pytest.raises(ValueError, match="stop_after"):
+        Request("s", [1], 3, stop_after=4)
+    assert (list(engine.pending), set(engine._ids)) == before
+    assert engine.run().outputs["ok"][0] and len(engine.results.outputs) == 1
+
+
+def test_trace_is_seeded_and_sharegpt_shaped():
+    from iokernels.serving.trace import SHAREGPT_MEAN_OUTPUT, SHAREGPT_MEAN_PROMPT, sharegpt_like_trace
+    a = sharegpt_like_trace(4000, seed=5, max_prompt=10 ** 6, max_new_tokens=10 ** 6, rate=4.0)
+    assert a == sharegpt_like_trace(4000, seed=5, max_prompt=10 ** 6, max_new_tokens=10 ** 6, rate=4.0)
+    assert np.mean([len(r.prompt) for r in a]) == pytest.approx(SHAREGPT_MEAN_PROMPT, rel=0.08)
+    assert np.mean([r.stop_after for r in a]) == pytest.approx(SHAREGPT_MEAN_OUTPUT, rel=0.08)
+    gaps = np.diff([0.0] + [r.arrival for r in a])
+    assert gaps.mean() == pytest.approx(0.25, rel=0.08) and gaps.std() == pytest.approx(0.25, rel=0.1)
+
+
+def test_decode_throughput_model():
+    from iokernels.serving.lesson import decode_throughput, weights
+    assert weights()["total"] == 8_030_261_248          # the parameters Llama-3-8B's shapes add up to
+    c = decode_throughput([1, 4, 16, 64, 256])
+    assert np.all(np.diff(c["tokens_per_s"]) > 0) and np.all(np.diff(c["kv_fraction"]) > 0)
+    assert np.all(c["memory_s"] > c["compute_s"])        # decode stays memory-bound at these batches

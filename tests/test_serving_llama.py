@@ -1,0 +1,97 @@
+"""The Llama-architecture model: the paged engine's greedy tokens equal a contiguous cache's
+and a cache-free recomputation's (float64, CPU); serve-bench's acceptance in small."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from iokernels.__main__ import main as cli
+from iokernels.serving import ContiguousMemory, Engine, PagedMemory, Request, pool_invariants
+from iokernels.serving.llama import LLAMA3_8B, TINY, Llama, LlamaShape, llama3_8b_shape, rope
+from iokernels.serving.requests import Group
+
+MODEL = Llama(TINY, seed=3)
+
+
+def _serve(memory, reqs):
+    def check(engine):
+        if isinstance(memory, PagedMemory):
+            for cache in memory.caches:
+                assert not pool_invariants(cache)
+            first = memory.caches[0]                           # the layers' tables stay in lockstep
+            assert all(c.seq_ids == first.seq_ids and all(c.block_table(s) == first.block_table(s)
+                                                          for s in first.seq_ids) for c in memory.caches)
+    engine = Engine(MODEL, memory, token_budget=12, step_time=1.0, check=check)
+    for r in reqs:
+        engine.submit(r)
+    return engine.run()
+
+
+def test_greedy_paged_equals_contiguous_and_recomputation():
+    rng = np.random.default_rng(0)
+    reqs = [Request(i, rng.integers(0, TINY.vocab, int(n)).tolist(), 7, arrival=0.5 * i)
+            for i, n in enumerate([3, 17, 9, 26, 5])]
+    ms = MODEL.memory_shape()
+    paged = _serve(PagedMemory(14, 4, **ms), reqs)           # small: chunked prefill and preemption
+    contiguous = _serve(ContiguousMemory(80, **ms), reqs)
+    assert paged.preemptions and paged.outputs == contiguous.outputs
+    for r in reqs:
+        assert paged.outputs[r.rid][0] == MODEL.reference_greedy(r.prompt, 7)
+
+
+def test_chunked_forward_logits_match_the_cache_free_model():
+    tokens = list(range(40, 63))
+    mem = PagedMemory(10, 4, **MODEL.memory_shape())
+    seq = Group(Request("x", tokens, 1), 0).seqs[0]
+    mem.start(seq)
+    logits = []
+    for c in (5, 8, 10):                                       # three chunks of one prompt
+        logits.append(MODEL.forward(mem, [seq], [c])[0])
+        seq.computed += c
+    ref = MODEL.reference_logits(tokens)
+    got, want = np.stack(logits), ref[[4, 12, 22]]
+    assert np.max(np.abs(got - want)) <= 1e-12 * max(1.0, np.abs(want).max())
+
+
+def test_rope_scores_depend_on_distance_only():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 8, generator=g, dtype=torch.float64), torch.randn(1, 1, 8, generator=g,
+                                                                                dtype=torch.float64)
+
+    def score(i, j):
+        return float((rope(q, torch.tensor([i]), 1e4) * rope(k, torch.tensor([j]), 1e4)).sum())
+
+    assert score(7, 3) == pytest.approx(score(104, 100), abs=1e-12)
+    assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-6)
+
+
+def test_shapes():
+    s = llama3_8b_shape(2)
+    assert (s.dim, s.heads, s.kv_heads, s.head_dim, s.ffn_dim, s.vocab, s.layers) == \
+        (4096, 32, 8, 128, 14336, 128256, 2)
+    assert LLAMA3_8B.layers == 32 and TINY.heads // TINY.kv_heads == 2
+    with pytest.raises(ValueError, match="shape"):
+        LlamaShape("bad", vocab=8, dim=30, layers=1, heads=4, kv_heads=2, ffn_dim=8)
+
+
+def test_serve_bench_small(tmp_path):
+    out = tmp_path / "serve.json"
+    rc = cli(["serve-bench", "--model", "tiny", "--backend", "tiled", "--requests", "10", "--kv-slots", "512",
+              "--step-time", "0.01", "--quiet", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["tokens_equal"] is True
+    for side in ("paged", "contiguous"):
+        assert {"max_concurrent", "tokens_per_s", "waste_fraction", "p50_ms", "p99_ms"} <= set(res[side])
+    assert res["paged"]["max_concurrent"] >= 2 * res["contiguous"]["max_concurrent"]
+    assert res["paged"]["waste_fraction"] < res["contiguous"]["waste_fraction"]
+
+
+def test_torch_backend_serves_the_same_tokens():
+    """SDPA on both sides (the paged side gathers each sequence first): the tiled run's tokens."""
+    rng = np.random.default_rng(1)
+    reqs = [Request(i, rng.integers(0, TINY.vocab, int(n)).tolist(), 4) for i, n in enumerate([4, 11, 7])]
+    ms = MODEL.memory_shape()
+    tiled = _serve(PagedMemory(12, 4, **ms), reqs).outputs
+    assert _serve(PagedMemory(12, 4, backend="torch", **ms), reqs).outputs == tiled
+    assert _serve(ContiguousMemory(64, backend="torch", **ms), reqs).outputs == tiled
