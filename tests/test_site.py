@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs"))
 sys.path.insert(0, str(ROOT / "tests"))
 import build_site  # noqa: E402
-from test_browser import CHROMIUM_FLAGS, _ensure_chromium  # noqa: E402
+from browser_support import CHROMIUM_FLAGS, ensure_chromium  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.site, pytest.mark.timeout(900)]
 SITE_ENV = "IOKERNELS_SITE_DIR"
@@ -77,7 +77,7 @@ def server(site):
 
 @pytest.fixture(scope="module")
 def browser(site):
-    path = _ensure_chromium()
+    path = ensure_chromium()
     if path is None:
         pytest.skip("/usr/bin/chromium is missing and could not be installed (needs root and apt-get)")
     sync_api = pytest.importorskip("playwright.sync_api")
