@@ -12,6 +12,10 @@
 #   bash dev.sh lab       JupyterLab on the notebooks (simulator on without a GPU, no news pop-up)
 #   bash dev.sh strip     strip outputs from every notebook, in place, and set its kernel metadata
 #                         to what JupyterLab writes on open (before committing one)
+#   bash dev.sh site      the course website in build/site/ (index.html): every lesson notebook
+#                         executed on the CPU, the recorded GPU results, the labs' learner copies,
+#                         the API reference (docs/build_site.py; ignored by git)
+#   bash dev.sh site-test build the site, then open it in headless Chromium (tests/test_site.py)
 #   bash dev.sh setup     only the set-up
 #
 # Extra arguments go to the command (e.g. `bash dev.sh test tests/test_cli.py -x`).
@@ -147,7 +151,11 @@ for path in paths:
 PY
              # kernel metadata as JupyterLab writes it on open: the notebook opens unmodified
              exec "$VENV/bin/python" -m iokernels.notebook_meta "${@:-notebooks}" ;;
+    site)    setup; exec "$VENV/bin/python" docs/build_site.py "$@" ;;
+    site-test) setup; "$VENV/bin/python" docs/build_site.py
+             IOKERNELS_SITE_DIR="$PWD/build/site" exec "$VENV/bin/python" -m pytest -p no:cacheprovider \
+                 --timeout=900 tests/test_site.py "$@" ;;
     lint)    setup   # ruff (pyproject.toml [tool.ruff]) over the tree, mypy (its [tool.mypy] files)
              "$VENV/bin/python" -m ruff check . && exec "$VENV/bin/python" -m mypy "$@" ;;
-    *) echo "usage: bash dev.sh {tour|test|test-nosimd|lint|figures|lab|strip|setup} [args...]" >&2; exit 2 ;;
+    *) echo "usage: bash dev.sh {tour|test|test-nosimd|lint|figures|lab|strip|site|site-test|setup} [args...]" >&2; exit 2 ;;
 esac

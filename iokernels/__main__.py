@@ -1,4 +1,4 @@
-"""The command line: ``python -m iokernels {tour,figures,bench,dev,ring,serve-bench,labs}``.
+"""The command line: ``iokernels {tour,figures,bench,dev,ring,serve-bench,labs}`` (or ``python -m iokernels``).
 
 tour      run the progression on a small embedded problem and print, per step and backend,
           the error against the float64 oracle, counted and modelled HBM bytes, and time;
@@ -28,6 +28,9 @@ from pathlib import Path
 #: the repository root when run from a checkout (it holds pyproject.toml), else the current folder
 ROOT = Path(__file__).resolve().parents[1]
 ROOT = ROOT if (ROOT / "pyproject.toml").is_file() else Path.cwd()
+#: the lab notebooks an installed wheel carries (setup.py copies notebooks/labs there); a
+#: checkout's ``labs student`` reads notebooks/labs itself
+PACKAGED_LABS = Path(__file__).resolve().parent / "data" / "labs"
 #: where ``figures`` writes: the committed figures/
 DEFAULT_FIGURES = ROOT / "figures"
 #: where ``tour`` writes its figures: out/figures/, ignored by git (.gitignore's /out/), so a
@@ -61,7 +64,9 @@ def _figures(args) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="python -m iokernels",
+    # the console script `iokernels` (pyproject.toml's [project.scripts]) or `python -m iokernels`
+    prog = "iokernels" if Path(sys.argv[0]).name == "iokernels" else "python -m iokernels"
+    parser = argparse.ArgumentParser(prog=prog,
                                      description="IO-aware attention kernels: the tour, the figures, the benchmark.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -114,6 +119,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _prepare_environment()
     if args.command == "labs":
+        if getattr(args, "source", None) == str(labs_cli.DEFAULT_SOURCE) and not labs_cli.DEFAULT_SOURCE.is_dir():
+            args.source = str(PACKAGED_LABS)    # an installed wheel: its copy of notebooks/labs
         return labs_cli.run(args)
     return {"tour": _tour, "figures": _figures}[args.command](args)
 

@@ -57,7 +57,8 @@ _simulator_poll_yields()
 #: the files that take a minute or more on two cores without a GPU, longest first (the
 #: simulator, nvcc, NVVM, the notebooks); every other file keeps its place after them
 LONG_FILES = ("test_numba_ptx.py", "test_notebooks.py", "test_cupy_compile.py", "test_labs.py",
-              "test_numba.py", "test_browser_course.py", "test_gpu_decode_window_quant.py", "test_conformance.py")
+              "test_numba.py", "test_browser_course.py", "test_gpu_decode_window_quant.py", "test_conformance.py",
+              "test_wheel.py")
 
 
 def pytest_collection_modifyitems(config, items):

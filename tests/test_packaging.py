@@ -19,11 +19,15 @@ PIP_TO_CONDA = {
     "torch": "pytorch",
     "matplotlib": "matplotlib-base",   # matplotlib without the Qt GUI stack
     "cupy-cuda13x": "cupy",            # conda-forge picks the CUDA build through cuda-version
+    "build": "python-build",
 }
 #: pip extras that conda-forge expresses as a separate package pin instead.
 PIP_EXTRA_TO_CONDA = {("numba-cuda", "cu13"): ("cuda-version", "13")}
 #: conda-only entries that have no pip counterpart.
 CONDA_ONLY = {"python", "pip"}
+#: pip extras that pick CUDA wheels by the driver's CUDA major version: outside "all" (a machine
+#: takes one of them) and outside environment.yml (conda-forge's cuda-version does it there)
+CUDA_EXTRAS = {"cuda12": "12", "cuda13": "13"}
 
 _REQ = re.compile(r"^\s*([A-Za-z0-9_.\-]+)(?:\[([A-Za-z0-9_,\-]+)\])?\s*(?:>=\s*([0-9][^,;\s]*))?\s*$")
 
@@ -41,7 +45,7 @@ def pyproject_requirements() -> dict:
     project = data["project"]
     reqs = list(project["dependencies"])
     for extra, items in project["optional-dependencies"].items():
-        if extra != "all":
+        if extra != "all" and extra not in CUDA_EXTRAS:
             reqs.extend(items)
     out = {}
     for r in reqs:
@@ -119,7 +123,17 @@ def test_all_extra_has_every_extra():
     extras = data["project"]["optional-dependencies"]
     (all_req,) = extras["all"]
     _, named, _ = _parse_req(all_req)
-    assert set(named) == set(extras) - {"all"}
+    assert set(named) == set(extras) - {"all"} - set(CUDA_EXTRAS)
+
+
+@pytest.mark.parametrize("extra", sorted(CUDA_EXTRAS))
+def test_cuda_extras_are_gpu_for_one_cuda_major_version(extra):
+    """cuda12 / cuda13: the gpu extra's packages, with CuPy's and numba-cuda's CUDA wheels of that
+    major version; cuda13 is the gpu extra itself."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    major = CUDA_EXTRAS[extra]
+    want = sorted(r.replace("cu13", f"cu{major}").replace("cuda13x", f"cuda{major}x") for r in extras["gpu"])
+    assert sorted(extras[extra]) == want
 
 
 def readme_quick_start() -> list[str]:

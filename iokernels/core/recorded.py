@@ -23,8 +23,11 @@ import fnmatch
 import json
 from pathlib import Path
 
-#: where the records live (a checkout's benchmarks/results)
-RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+_PACKAGE = Path(__file__).resolve().parents[1]
+#: where the records live: a checkout's benchmarks/results (a checkout holds pyproject.toml), else
+#: the copy an installed wheel carries inside the package, iokernels/data/results (setup.py)
+RESULTS_DIR = (_PACKAGE.parent / "benchmarks" / "results" if (_PACKAGE.parent / "pyproject.toml").is_file()
+               else _PACKAGE / "data" / "results")
 
 #: kind -> file name pattern
 KINDS = {"h200": "h200_*.json", "sanitizer": "sanitizer_*.txt", "ceilings": "ceilings_*.json",

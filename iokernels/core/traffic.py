@@ -5,7 +5,7 @@ memory (SRAM / registers) *as written*: every tile load and every tile store, wi
 caches.  The NumPy kernels keep the arrays that live "in HBM" inside :class:`HBM`
 wrappers; reading a slice (``Q[i0:i1]``) counts its bytes as read, assigning one
 (``O[i0:i1] = x``) counts them as written, and ``O[i0:i1] += x`` counts both, which is
-exactly a read-modify-write.  Everything else is on-chip and free.
+exactly a read-modify-write.  Everything else is on-chip and free.  In use::
 
     with ik.traffic.count() as t:
         ik.attention(q, k, v, backend="tiled")

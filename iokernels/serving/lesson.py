@@ -7,11 +7,11 @@ that paging changed nothing but the memory; :func:`paged_vs_contiguous` runs the
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 
 from ..core.roofline import GPUS, TB
+from ..core.recorded import RESULTS_DIR as _RESULTS_DIR
 from ..paged import kv_bytes_per_token
 from .bench import serve_bench
 from .engine import Engine
@@ -24,8 +24,9 @@ from .trace import sharegpt_like_trace
 __all__ = ["small_trace", "run_small", "step_rows", "block_table_history", "block_size_sweep",
            "weights", "decode_throughput", "paged_vs_contiguous", "recorded_serving"]
 
-#: where recorded benchmark results live in a checkout
-RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+#: where recorded benchmark results live: a checkout's benchmarks/results, or an installed
+#: wheel's copy of it (the same folder iokernels.core.recorded reads)
+RESULTS = _RESULTS_DIR
 
 
 def small_trace():
