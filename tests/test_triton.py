@@ -127,3 +127,85 @@ def test_torch_tensors_in_torch_tensors_out_strided_too(rng):
     o, lse = ik.attention(qt, kt, vt, causal=True, backend="triton", return_lse=True)
     assert isinstance(o, torch.Tensor) and o.dtype == torch.float32 and lse.shape == (1, 2, 9)
     _check_forward(q, k, v, (o.numpy(), lse.numpy()), "float32", causal=True)
+
+
+# --------------------------------------------------------------------------- decode
+def _decode_inputs(rng, dtype, B=3, Hq=8, Hkv=2, N=45, d=24):
+    dt = testing.numpy_dtype(dtype)
+    q = rng.standard_normal((B, Hq, d)).astype(dt)
+    k, v = (rng.standard_normal((B, Hkv, N, d)).astype(dt) for _ in range(2))
+    return q, k, v
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits,window", [(None, None), (2, (6, 0)), (9, None)])   # 9 splits of 3 tiles:
+def test_decode_splits_merge_exactly(num_splits, window, rng):                          # most of them empty
+    for dtype, group, hkv in (("float16", 4, 2), ("float32", 1, 2), ("bfloat16", 32, 1)):
+        q, k, v = _decode_inputs(rng, dtype, Hq=hkv * group, Hkv=hkv)
+        lens = np.array([45, 17, 0], dtype=np.int32)
+        o, lse = ik.decode(q, k, v, seq_lens=lens, num_splits=num_splits, window=window, backend="triton",
+                           return_lse=True)
+        ref, ref_lse = reference.decode(q, k, v, seq_lens=lens, window=window)
+        base = ik.decode(q, k, v, seq_lens=lens, window=window, backend="naive")
+        testing.assert_close(o, ref, base, dtype=dtype, masked_rows=(lens == 0)[:, None, None],
+                             name=f"decode {dtype} g={group} S={num_splits}")
+        assert np.all(np.isneginf(lse[2])) and np.allclose(lse[:2], ref_lse[:2], atol=1e-5)
+
+
+def _paged_cache(rng, dtype, lens, hkv=2, d=16, block_size=4):
+    cache = ik.PagedKVCache(40, block_size=block_size, num_kv_heads=hkv, head_dim=d, dtype=testing.numpy_dtype(dtype))
+    sids = [cache.new_sequence() for _ in lens]
+    dt = testing.numpy_dtype(dtype)
+    for step in range(max(lens)):                   # appends interleaved: every table is scattered in the pool
+        for sid, n in zip(sids, lens):
+            if step < n:
+                kk, vv = (rng.standard_normal((1, hkv, d)).astype(dt) for _ in range(2))
+                cache.append(sid, kk, vv)
+    return cache, sids
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_paged_decode_reads_through_scattered_block_tables(num_splits, rng):
+    lens = (23, 6, 0, 9)
+    cache, sids = _paged_cache(rng, "float16", lens)
+    tables, _ = cache.block_tables_array(sids)
+    assert not np.all(np.diff(tables[0][tables[0] >= 0]) == 1)    # sequence 0's blocks are not consecutive
+    q = rng.standard_normal((len(sids), 6, 16)).astype(np.float16)
+    o, lse = ik.paged_decode(q, cache, sids, num_splits=num_splits, backend="triton", return_lse=True)
+    base, base_lse = ik.paged_decode(q, cache, sids, backend="tiled", return_lse=True)
+    n = max(lens)
+    kk, vv = (np.stack([np.pad(cache.gather(s)[i].astype(np.float64), ((0, 0), (0, n - cache.seq_len(s)), (0, 0)))
+                        for s in sids]) for i in (0, 1))
+    ref, ref_lse = reference.decode(q, kk, vv, seq_lens=np.array(lens))
+    testing.assert_close(o, ref, base, dtype="float16", masked_rows=(np.array(lens) == 0)[:, None, None])
+    testing.assert_close(lse, ref_lse, base_lse, dtype="float16", atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.skipif(launch.cuda_gpu(), reason="the interpreter's CPU tensors (a GPU takes CUDA tensors)")
+def test_paged_decode_pools_takes_torch_pools_and_a_window(rng):
+    import torch
+    from iokernels.triton_backend import paged_decode_pools
+    lens = (19, 7)
+    cache, sids = _paged_cache(rng, "float32", lens)
+    tables, seq_lens = cache.block_tables_array(sids)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    o, lse = paged_decode_pools(torch.from_numpy(q), torch.from_numpy(cache.k_pool), torch.from_numpy(cache.v_pool),
+                                torch.from_numpy(tables), torch.from_numpy(seq_lens), window=(4, 0))
+    assert isinstance(o, torch.Tensor)
+    want, want_lse = ik.paged_decode(q, cache, sids, backend="tiled", window=(4, 0), return_lse=True)
+    np.testing.assert_allclose(o.numpy(), want, atol=1e-5)
+    np.testing.assert_allclose(lse.numpy(), want_lse, atol=1e-5)
+
+
+@needs_triton
+def test_paged_decode_refuses_a_quantized_cache(rng):
+    cache = ik.PagedKVCache(8, block_size=4, num_kv_heads=1, head_dim=16, dtype=np.float16, kv_dtype="int8")
+    sid = cache.new_sequence()
+    cache.append(sid, *(rng.standard_normal((3, 1, 16)).astype(np.float16) for _ in range(2)))
+    q = rng.standard_normal((1, 2, 16)).astype(np.float16)
+    with pytest.raises(ValueError, match="the 'triton' backend reads unquantized pools"):
+        ik.paged_decode(q, cache, [sid], backend="triton")
+    from iokernels.triton_backend import need
+    assert "kv_dtype" in REGISTRY.get("paged_decode", "v1").unavailable(need("paged_decode", q=q, cache=cache))

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..core import conventions as cv
 from . import launch as ln
-from .config import LOG2E, ForwardConfig, padded_head_dim
+from .config import LOG2E, ForwardConfig, next_pow2, padded_head_dim
 
 
 def _problem(q, k, v, causal, window):
@@ -51,5 +51,32 @@ def attention_v1(q, k, v, *, causal=False, scale=None, window=None, config=None)
         grid = (-(-Nq // bq), B * Hq)
         fwd_v1[grid](*_args(tensors, sizes, band, scale), BLOCK_Q=bq, BLOCK_K=bk, BLOCK_D=padded_head_dim(d),
                      F32=f32_dot(dtype), num_warps=warps, num_stages=stages)
+    o, lse = tensors[3], tensors[4]
+    return ln.to_caller(o, numpy_caller), ln.to_caller(lse, numpy_caller)
+
+
+def tune_bucket(nq: int, nk: int) -> int:
+    """The autotuner's length class: the next power of two of the longer side, 128 .. 32768."""
+    return min(32768, max(128, next_pow2(max(nq, nk))))
+
+
+def attention_v2(q, k, v, *, causal=False, scale=None, window=None, config=None):
+    """Forward v2 (:mod:`.forward_v2`): (O, LSE); the tile autotuned on a GPU unless the config names one."""
+    ln.prepare()
+    from .forward_v2 import fwd_v2, fwd_v2_tuned
+    cfg = config or ForwardConfig(version="v2")
+    numpy_caller, tensors, sizes, band, dtype = _problem(q, k, v, causal, window)
+    B, Hq, Hkv, Nq, Nk, d = sizes
+    scale = cv.default_scale(d) if scale is None else scale
+    tile = cfg.tile(ln.interpreting())
+    if B * Hq * Nq:
+        args = (*_args(tensors, sizes, band, scale), tune_bucket(Nq, Nk), int(band != (-1, -1)))
+        meta = dict(BLOCK_D=padded_head_dim(d), EVEN_D=padded_head_dim(d) == d, F32=f32_dot(dtype))
+        if tile is None:
+            fwd_v2_tuned[lambda m: (-(-Nq // m["BLOCK_Q"]), B * Hq)](*args, **meta)
+        else:
+            bq, bk, warps, stages = tile
+            fwd_v2[(-(-Nq // bq), B * Hq)](*args, BLOCK_Q=bq, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                                          **meta)
     o, lse = tensors[3], tensors[4]
     return ln.to_caller(o, numpy_caller), ln.to_caller(lse, numpy_caller)

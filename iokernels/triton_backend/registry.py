@@ -16,9 +16,11 @@ from __future__ import annotations
 from ..core import conventions as cv
 from ..core.records import Record
 from ..core.registry import Need, Registry
+from . import backward as bwd
+from . import decode as dec
 from . import forward as fwd
 from . import launch as ln
-from .config import TRITON_DTYPES, ForwardConfig, check_head_dim
+from .config import TRITON_DTYPES, BackwardConfig, DecodeConfig, ForwardConfig, check_head_dim
 
 REGISTRY = Registry("triton")
 
@@ -56,6 +58,16 @@ RECORDS = (
     Record("triton", "attention", "v1", "triton_backend/forward_v1.py", "fwd_v1", ForwardConfig, fwd.attention_v1,
            "one program per Q tile, the online softmax over K/V tiles in a loop, every tile masked",
            _reason, 1),
+    Record("triton", "attention", "v2", "triton_backend/forward_v2.py", "fwd_v2", ForwardConfig, fwd.attention_v2,
+           "off-band key tiles in a loop with no mask or bounds check, on-band tiles masked; tiles "
+           "autotuned from a list on a GPU", _reason, 2),
+    *(Record("triton", op, "v1", "triton_backend/decode_v1.py", "split_kv", DecodeConfig, fn,
+             "split-KV with the exact LSE merge; the query heads of one KV head share each K/V tile (GQA "
+             "packed); paged: keys gathered through the block table", _reason, 1)
+      for op, fn in (("decode", dec.decode), ("paged_decode", dec.paged_decode))),
+    Record("triton", "attention_backward", "v1", "triton_backend/backward_v1.py", "dkdv", BackwardConfig,
+           bwd.attention_backward, "FlashAttention-2's backward: P recomputed from the LSE, dK/dV by K/V tile over "
+           "the GQA group, dQ by atomic adds or by a deterministic Q-tile pass", _reason, 1),
 )
 REGISTRY.add(*RECORDS)
 
@@ -65,3 +77,24 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     """Forward: the registry's kernel for this call (``config`` None: the default)."""
     kernel, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v))
     return kernel.launcher(q, k, v, causal=causal, scale=scale, window=window, config=cfg)
+
+
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
+    """Split-KV decode over a contiguous (ragged) cache: (o, lse)."""
+    kernel, cfg = REGISTRY.resolve("decode", config, need("decode", q=q, k=k, v=v))
+    return kernel.launcher(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=cfg,
+                           window=window)
+
+
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None, window=None):
+    """Decode over a :class:`~iokernels.paged.PagedKVCache`: (o, lse)."""
+    kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, cache=cache))
+    return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg, window=window)
+
+
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None,
+                       window=None):
+    """Paged decode over device (or NumPy) pools and block tables: (o, lse)."""
+    _, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, k=k_pool, v=v_pool))
+    return dec.paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
+                                  config=cfg, window=window)
