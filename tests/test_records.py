@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def targets(cupy_reg=cupy_raw.REGISTRY, numba_reg=numba_cuda.REGISTRY):
     return [(ROOT / "README.md", "numba", numba_reg.version_table(fmt="md")),
             (ROOT / "README.md", "cupy", cupy_reg.version_table(fmt="md")),
+            (ROOT / "README.md", "triton", triton_backend.REGISTRY.version_table(fmt="md")),
             (ROOT / "iokernels/numba_cuda/__init__.py", "numba", numba_reg.version_table()),
             (ROOT / "iokernels/cupy_raw/__init__.py", "cupy", cupy_reg.version_table()),
             (ROOT / "iokernels/triton_backend/__init__.py", "triton", triton_backend.REGISTRY.version_table())]
