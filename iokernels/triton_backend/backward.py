@@ -2,8 +2,8 @@
 
 Inputs are made contiguous (one layout for q, do and o, one for k and v); dK and dV come
 back summed over each GQA group, in the inputs' dtype.  ``BackwardConfig.deterministic``
-picks how dQ is summed over the K/V tiles (:mod:`.backward_v1`): atomic adds into a float32
-buffer (the default), or a second kernel by Q tile that sums them in order.
+picks how dQ is summed over the K/V tiles (:mod:`.backward_v1`): a second kernel by Q tile
+that sums them in order (the default), or atomic adds into a float32 buffer.
 """
 from __future__ import annotations
 

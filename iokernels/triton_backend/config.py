@@ -7,8 +7,8 @@ ForwardConfig      ``attention``: version, Br (``block_q``), Bc (``block_k``), `
                    ``num_stages``; all None: the version's choice (v1 a fixed tile, v2
                    autotuned on a GPU from :data:`FORWARD_TILES`)
 DecodeConfig       ``decode`` and ``paged_decode``: version, keys per tile (``block_n``)
-BackwardConfig     ``attention_backward``: version, Br, Bc, ``deterministic`` (dQ by
-                   per-tile partials summed in order instead of atomic adds)
+BackwardConfig     ``attention_backward``: version, Br, Bc, ``deterministic`` (dQ summed
+                   in order by a second kernel, the default; False: atomic adds)
 =================  ==============================================================
 
 Every class is a frozen dataclass whose first field is ``version`` (None: the backend's
@@ -167,13 +167,15 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class BackwardConfig:
     """The Triton backward: version "v1"; block_q (Br), block_k (Bc): None for the default
-    (64 x 64 on a GPU, 16 x 16 under the interpreter); ``deterministic``: dQ by per-K-tile
-    partials summed in a fixed order (the same bits every run) instead of atomic adds."""
+    (64 x 64 on a GPU, 16 x 16 under the interpreter); ``deterministic``: dQ by a second
+    kernel that sums each Q tile's K/V tiles in order (the same bits every run; the default:
+    it needs no float32 dQ buffer and no atomics), or (False) by atomic adds from the dK/dV
+    kernel's programs into a float32 buffer."""
 
     version: str | None = None
     block_q: int | None = None
     block_k: int | None = None
-    deterministic: bool = False
+    deterministic: bool = True
     num_warps: int | None = None
 
     def __post_init__(self):
