@@ -21,6 +21,8 @@ forward_v1     forward v1 (a Triton kernel)
 forward_v2     forward v2: off-band and on-band loops, autotuned tiles
 decode         the decode launchers (contiguous and paged)
 decode_v1      split-KV decode v1 and the merge (Triton kernels)
+backward       the backward launcher (host side)
+backward_v1    backward v1: D = rowsum(dO * O), dK/dV by K/V tile, dQ (Triton kernels)
 tiles          the device functions the kernels share (the product, the key band)
 launch         GPU or interpreter, the caller's arrays in and out
 =============  ==================================================================
@@ -49,7 +51,8 @@ decode, paged_decode  v1       triton_backend/decode_v1.py    1     split-KV wit
 .. versions:triton:end
 
 Public functions (``ik.attention(..., backend="triton")`` etc. dispatch here): :func:`attention`,
-:func:`decode`, :func:`paged_decode`, and on device pools :func:`paged_decode_pools`.
+:func:`decode`, :func:`paged_decode`, and on device pools :func:`paged_decode_pools`;
+``ik.attention_backward(..., backend="triton")`` runs :func:`.backward.attention_backward`.
 They take NumPy arrays (copied in and out) or torch tensors (CUDA tensors on a GPU, CPU
 tensors under the interpreter) and return the kind given.  float16, bfloat16 and float32
 inputs, float32 accumulation; float64 is refused with a ValueError that names the backends

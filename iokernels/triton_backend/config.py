@@ -57,8 +57,10 @@ FORWARD_TILES = (
 )
 #: the one tile v2 runs under the interpreter (small: every program is NumPy work)
 INTERPRET_TILE = (16, 16, 4, 1)
-#: decode: keys per tile; query heads of one KV head are packed into a tile of at least 16 rows
-DECODE_BLOCK_N = 64
+#: decode: keys per tile (a smaller tile leaves shared memory for more programs per
+#: multiprocessor, which a kernel bound by memory traffic needs); the query heads of one KV
+#: head are packed into a tile of at least 16 rows
+DECODE_BLOCK_N = 32
 INTERPRET_DECODE_BLOCK_N = 16
 #: backward tiles (Br, Bc) on a GPU and under the interpreter
 BACKWARD_TILE = (64, 64)
@@ -142,7 +144,7 @@ class ForwardConfig:
 # --------------------------------------------------------------------------- decode
 @dataclass(frozen=True)
 class DecodeConfig:
-    """The Triton split-KV decode: version "v1"; block_n: keys per tile (None: 64 on a GPU,
+    """The Triton split-KV decode: version "v1"; block_n: keys per tile (None: 32 on a GPU,
     16 under the interpreter); the query heads of one KV head share each K/V tile it loads."""
 
     version: str | None = None
