@@ -59,21 +59,14 @@ def _launch(qt, kt, vt, table, lens_t, lens, hkv, kv_strides, paged, page, *, nu
     return o, lse
 
 
-#: the lengths uploaded lately, by (device, bytes): a repeated call with the same lengths
-#: makes no host-to-device copy (which would wait for the copy, every call)
-_UPLOADED: dict = {}
-
-
 def _lens_tensor(seq_lens, batch, n, like):
-    import torch
     lens = [n] * batch if seq_lens is None else [int(x) for x in np.asarray(seq_lens)]
-    key = (str(like.device), np.asarray(lens, dtype=np.int32).tobytes())
-    t = _UPLOADED.get(key)
-    if t is None:
-        if len(_UPLOADED) >= 16:
-            _UPLOADED.pop(next(iter(_UPLOADED)))
-        t = _UPLOADED[key] = torch.tensor(lens, dtype=torch.int32, device=like.device)
-    return t, lens
+    return ln.upload_int32(np.asarray(lens, dtype=np.int32).reshape(batch), like), lens
+
+
+def _int32():
+    import torch
+    return torch.int32
 
 
 def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
@@ -98,8 +91,10 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     ln.prepare()
     numpy_caller = isinstance(q, np.ndarray)
     qt, kp, vp = (ln.to_torch(x, n) for x, n in ((q, "q"), (k_pool, "k_pool"), (v_pool, "v_pool")))
-    table = ln.to_torch(np.ascontiguousarray(block_tables, dtype=np.int32) if isinstance(block_tables, np.ndarray)
-                        else block_tables, "block_tables")
+    if isinstance(block_tables, np.ndarray):
+        table = ln.upload_int32(block_tables, qt)
+    else:                                          # a torch table: int32, rows contiguous (read as table[b, i])
+        table = ln.to_torch(block_tables, "block_tables").to(_int32()).contiguous()
     B, page, hkv = int(qt.shape[0]), int(kp.shape[1]), int(kp.shape[2])
     lens_t, lens = _lens_tensor(ln.to_caller(seq_lens, True) if ln.is_torch(seq_lens) else seq_lens, B, 0, qt)
     ks, vs = ln.strides(kp), ln.strides(vp)             # (block, slot, head, d)

@@ -108,6 +108,26 @@ def to_torch(x, name: str):
     return t.to(dev)
 
 
+#: host arrays uploaded lately (block tables, lengths), by (device, dtype, shape, bytes): a
+#: repeated call with the same content makes no host-to-device copy, which would wait for
+#: the copy on every call
+_UPLOADED: dict = {}
+UPLOAD_CACHE_SIZE = 16
+
+
+def upload_int32(a, like):
+    """A host integer array as an int32 tensor on ``like``'s device, reused while unchanged."""
+    import torch
+    a = np.ascontiguousarray(a, dtype=np.int32)
+    key = (str(like.device), a.shape, a.tobytes())
+    t = _UPLOADED.get(key)
+    if t is None:
+        if len(_UPLOADED) >= UPLOAD_CACHE_SIZE:
+            _UPLOADED.pop(next(iter(_UPLOADED)))
+        t = _UPLOADED[key] = torch.from_numpy(a.copy()).to(like.device)
+    return t
+
+
 def empty(shape, dtype: str, like=None):
     import torch
     dev = like.device if like is not None else device()
