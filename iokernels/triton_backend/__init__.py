@@ -25,6 +25,7 @@ backward       the backward launcher (host side)
 backward_v1    backward v1: D = rowsum(dO * O), dK/dV by K/V tile, dQ (Triton kernels)
 tiles          the device functions the kernels share (the product, the key band)
 launch         GPU or interpreter, the caller's arrays in and out
+sanitize       every registered kernel at ragged shapes (for compute-sanitizer)
 =============  ==================================================================
 
 The versions (generated from the records in :mod:`.registry`; ``REGISTRY.version_table()``):
@@ -62,6 +63,7 @@ from __future__ import annotations
 
 from .config import BackwardConfig, DecodeConfig, ForwardConfig
 from .registry import REGISTRY, attention, decode, need, paged_decode, paged_decode_pools
+from .sanitize import sanitize_cases
 
 __all__ = ["REGISTRY", "need", "attention", "decode", "paged_decode", "paged_decode_pools", "ForwardConfig",
-           "DecodeConfig", "BackwardConfig"]
+           "DecodeConfig", "BackwardConfig", "sanitize_cases"]
