@@ -15,8 +15,9 @@ Every class is a frozen dataclass whose first field is ``version`` (None: the ba
 default for the call, chosen by :data:`iokernels.triton_backend.REGISTRY`), with
 ``replace(**changes)``; a bad explicit value raises a ValueError naming ``config.<field>``.
 
-Triton's ``tl.arange`` and ``tl.dot`` want power-of-two tile sides of at least 16 (the
-smallest matrix-multiply tile the compiler lowers to tensor-core instructions), so every
+Triton's ``tl.arange`` takes power-of-two lengths only (its check in
+triton/language/semantic.py; code), and a 16-bit tensor-core product works on tiles whose
+sides are multiples of 16 (the m16n8k16 shape of ``mma``; NVIDIA's PTX ISA; docs), so every
 tile side here is a power of two >= 16, and the head dim is padded up to one
 (:func:`padded_head_dim`; the padded columns are masked on load and store).
 """

@@ -1,12 +1,13 @@
 """The Triton device functions the kernel versions share: the matrix product, the key band.
 
 * :func:`mm` is ``tl.dot`` with float32 accumulation.  ``F32`` (a compile-time flag) runs it
-  on float32 operands in IEEE precision: for float32 inputs (on a GPU ``tl.dot`` would
-  otherwise round float32 operands to TF32), and for bfloat16 under the interpreter, whose
-  ``tl.dot`` multiplies bfloat16's raw 16-bit patterns (it holds bfloat16 as uint16 for
-  NumPy) instead of their values.  A bfloat16 value is exactly a float32 value, so the
-  float32 product is the one the GPU's bfloat16 matrix units compute (exact products,
-  float32 sums).
+  on float32 operands in IEEE precision: for float32 inputs (on a GPU ``tl.dot``'s default
+  precision for float32 operands is TF32: ``input_precision`` in its documentation; docs),
+  and for bfloat16 under the interpreter, whose ``tl.dot`` multiplies bfloat16's raw 16-bit
+  patterns instead of their values (it holds bfloat16 as uint16 for NumPy and passes the
+  arrays to ``np.matmul``: ``create_dot`` in triton/runtime/interpreter.py, Triton 3.9;
+  code).  A bfloat16 value is exactly a float32 value, so the float32 product is the one
+  the GPU's bfloat16 matrix units compute (exact products, float32 sums).
 * :func:`key_bounds` is :func:`iokernels.core.conventions.key_range` written in Triton:
   the keys [lo, hi) each query row sees under the bottom-right causal mask and the window
   (``left``, ``right``; -1 unbounded), for a vector of rows.
