@@ -6,8 +6,9 @@
   and for bfloat16 under the interpreter, whose ``tl.dot`` multiplies bfloat16's raw 16-bit
   patterns instead of their values (it holds bfloat16 as uint16 for NumPy and passes the
   arrays to ``np.matmul``: ``create_dot`` in triton/runtime/interpreter.py, Triton 3.9;
-  code).  A bfloat16 value is exactly a float32 value, so the float32 product is the one
-  the GPU's bfloat16 matrix units compute (exact products, float32 sums).
+  code).  A bfloat16 value is exactly a float32 value, and the product of two is exact in
+  float32, so this computes what a bfloat16 product with float32 sums computes on a GPU (up
+  to the order of the sums).
 * :func:`key_bounds` is :func:`iokernels.core.conventions.key_range` written in Triton:
   the keys [lo, hi) each query row sees under the bottom-right causal mask and the window
   (``left``, ``right``; -1 unbounded), for a vector of rows.
