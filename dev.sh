@@ -27,7 +27,8 @@
 # skips the pip steps when nothing changed.
 #
 # IOKERNELS_SETUP=cpu picks a lighter set-up for machines without a GPU: no CuPy and no
-# CUDA toolkit wheels (numba and numba-cuda alone: the simulator needs nothing more); the
+# CUDA toolkit wheels (numba and numba-cuda alone: the simulator needs nothing more; triton
+# too: its interpreter runs the Triton kernels on the CPU); the
 # CuPy sections then show recorded results only, as they do on any machine without a GPU.
 #
 # `bash dev.sh test-nosimd` runs the numerics-sensitive tests (NOSIMD_TESTS) again with NumPy's
@@ -67,8 +68,9 @@ setup() {
         case "$SETUP" in
             full) echo "[dev.sh] installing iokernels[all] (editable)"
                   "$VENV/bin/python" -m pip install --quiet -e ".[all]" ;;
-            cpu)  echo "[dev.sh] installing iokernels[torch,notebooks,dev,hf] (editable), numba, numba-cuda"
-                  "$VENV/bin/python" -m pip install --quiet -e ".[torch,notebooks,dev,hf]" "numba>=0.60" "numba-cuda>=0.30" ;;
+            cpu)  echo "[dev.sh] installing iokernels[torch,triton,notebooks,dev,hf] (editable), numba, numba-cuda"
+                  "$VENV/bin/python" -m pip install --quiet -e ".[torch,triton,notebooks,dev,hf]" "numba>=0.60" \
+                      "numba-cuda>=0.30" ;;
             *)    echo "IOKERNELS_SETUP must be full or cpu, got '$SETUP'" >&2; exit 2 ;;
         esac
         echo "$want" > "$STAMP"
@@ -90,9 +92,11 @@ setup() {
     fi
     # Prefer the venv's Jupyter kernels and settings over any in the user's home.
     export JUPYTER_PREFER_ENV_PATH=1
-    # Without an NVIDIA device, Numba's CUDA kernels run on its simulator (tiny sizes).
+    # Without an NVIDIA device, Numba's CUDA kernels run on its simulator (tiny sizes), and
+    # the Triton kernels on Triton's interpreter (small sizes).
     if [ ! -e /dev/nvidiactl ] && ! command -v nvidia-smi >/dev/null 2>&1; then
         export NUMBA_ENABLE_CUDASIM=${NUMBA_ENABLE_CUDASIM:-1}
+        export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
     fi
     export MPLBACKEND=${MPLBACKEND:-Agg}
 }

@@ -6,7 +6,8 @@ arguments (a float scale, a (left, right) window) and return (out, lse); the pub
 functions drop the LSE unless ``return_lse=True``.
 
 Backends: "naive" and "tiled" (NumPy, steps 1-4), "numba" (Numba CUDA, the simulator on
-a CPU), "cupy" (CuPy RawKernel), "torch" (scaled_dot_product_attention, for comparison).
+a CPU), "cupy" (CuPy RawKernel), "triton" (Triton, its interpreter on a CPU), "torch"
+(scaled_dot_product_attention, for comparison).
 
 This module sits above the lessons: the NumPy and torch implementations are looked up
 in one table (:data:`_DISPATCH`); the GPU backends through their kernel registries

@@ -2,7 +2,8 @@
 
 Numba's CUDA simulator must be switched on before numba is first imported, so it is
 decided here, once, before any test module loads: with no NVIDIA device on the machine,
-the Numba kernels run on the simulator (slow: tests keep sizes tiny).
+the Numba kernels run on the simulator (slow: tests keep sizes tiny), and the Triton
+kernels on Triton's interpreter (TRITON_INTERPRET=1; small sizes too).
 
 The order of the test files: ``bash dev.sh test`` runs the suite on two workers
 (pytest-xdist, ``--dist loadfile --no-loadscope-reorder``), which take whole files in the
@@ -25,6 +26,8 @@ def _nvidia_device_present() -> bool:
 
 if not _nvidia_device_present():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+    # Triton's kernels run on its interpreter (read when a kernel is defined, so set first)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def _simulator_poll_yields() -> None:

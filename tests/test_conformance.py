@@ -1,8 +1,8 @@
 """One spec, every backend: each registered (backend, op, version) held to the float64 oracle.
 
 The GPU backends' registries (:mod:`iokernels.core.registry`) list every kernel version;
-this suite runs each one that can run here (on a GPU, or on Numba's CUDA simulator) at
-awkward shapes through the public functions, with the shared checker
+this suite runs each one that can run here (on a GPU, on Numba's CUDA simulator, or on
+Triton's interpreter) at awkward shapes through the public functions, with the shared checker
 (FlashAttention's 2x rule, fully masked rows 0 / LSE -inf), so a new version is tested the
 moment it is registered.  Versions that cannot run here are skipped with their reason.
 """
@@ -29,6 +29,9 @@ def _backend_ready(backend: str) -> str | None:
         return None if (SIM or torch_gpu() or cupy_gpu()) else "no GPU and no Numba simulator"
     if backend == "cupy":
         return None if (cupy_gpu() and not SIM) else "CuPy needs a CUDA GPU"
+    if backend == "triton":
+        from iokernels.triton_backend import launch
+        return launch.unavailable()
     return None
 
 
@@ -58,16 +61,23 @@ def _run_or_skip(backend, op, version, need):
     return kernel.config_class(version=version)
 
 
+def _triton_interpreted() -> bool:
+    from iokernels.triton_backend import launch
+    return launch.interpreting() or not launch.cuda_gpu()
+
+
 #: (dtype, head_dim) per backend: the simulator runs tiny problems only
 def _dtypes(backend):
     if backend == "numba":
         return ("float32", "float16") if SIM else ("float32", "float16", "float64")
-    return ("float16", "bfloat16", "float32")
+    return ("float16", "bfloat16", "float32")       # cupy, triton (float32 accumulation: no float64)
 
 
 def _sizes(backend):
     if backend == "numba" and SIM:
         return dict(batch=1, heads_q=2, heads_kv=1, seqlen_q=9, seqlen_k=13, head_dim=8)
+    if backend == "triton" and _triton_interpreted():   # Triton's interpreter: every program in NumPy
+        return dict(batch=1, heads_q=4, heads_kv=2, seqlen_q=21, seqlen_k=35, head_dim=24)
     return dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=131, head_dim=64)
 
 

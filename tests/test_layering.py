@@ -32,7 +32,7 @@ LESSONS = ("naive", "online_softmax", "tiled", "backward", "paged", "decode", "m
            "hopper_schedule", "context_parallel", "models", "failure_modes", "generations")
 #: what a lesson may not import: plotting, the benchmark, the labs, the GPU backends
 ABOVE_LESSONS = ("iokernels.viz", "iokernels.bench", "iokernels.labs", "iokernels.numba_cuda",
-                 "iokernels.cupy_raw")
+                 "iokernels.cupy_raw", "iokernels.triton_backend")
 
 
 def _module_name(path: Path) -> str:

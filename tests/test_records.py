@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from iokernels import cupy_raw, numba_cuda
+from iokernels import cupy_raw, numba_cuda, triton_backend
 from iokernels.core import records as R
 from iokernels.core.registry import OPS, Registry
 
@@ -23,8 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def targets(cupy_reg=cupy_raw.REGISTRY, numba_reg=numba_cuda.REGISTRY):
     return [(ROOT / "README.md", "numba", numba_reg.version_table(fmt="md")),
             (ROOT / "README.md", "cupy", cupy_reg.version_table(fmt="md")),
+            (ROOT / "README.md", "triton", triton_backend.REGISTRY.version_table(fmt="md")),
             (ROOT / "iokernels/numba_cuda/__init__.py", "numba", numba_reg.version_table()),
-            (ROOT / "iokernels/cupy_raw/__init__.py", "cupy", cupy_reg.version_table())]
+            (ROOT / "iokernels/cupy_raw/__init__.py", "cupy", cupy_reg.version_table()),
+            (ROOT / "iokernels/triton_backend/__init__.py", "triton", triton_backend.REGISTRY.version_table())]
 
 
 def test_committed_tables_are_the_generated_ones():
@@ -32,7 +34,8 @@ def test_committed_tables_are_the_generated_ones():
     assert not stale, f"version tables differ from the records (IK_WRITE_TABLES=1 rewrites them): {stale}"
 
 
-@pytest.mark.parametrize("reg", [cupy_raw.REGISTRY, numba_cuda.REGISTRY], ids=["cupy", "numba"])
+@pytest.mark.parametrize("reg", [cupy_raw.REGISTRY, numba_cuda.REGISTRY, triton_backend.REGISTRY],
+                         ids=["cupy", "numba", "triton"])
 def test_every_record_is_complete(reg):
     assert len(reg) > 0
     for r in reg:

@@ -5,10 +5,11 @@ argument and changes nothing.  This module knows no lesson: the public functions
 level up in :mod:`iokernels.api`, hold the table of NumPy implementations and call the
 checks here.
 
-The GPU backends each own a kernel registry (:mod:`iokernels.core.registry`), loaded by
-package name from :data:`GPU_BACKENDS`: a call asks the backend what it needs (``need``:
-dtype, head dim, compute capability, contiguity), the registry picks the version (the
-config's ``version``, or the best default that can run) and its launcher runs it.  Every
+The GPU backends (Numba CUDA, CUDA C++ through CuPy, Triton) each own a kernel registry
+(:mod:`iokernels.core.registry`), loaded by package name from :data:`GPU_BACKENDS`: a call
+asks the backend what it needs (``need``: dtype, head dim, compute capability, contiguity),
+the registry picks the version (the config's ``version``, or the best default that can run)
+and its launcher runs it.  Every
 op dispatches the same way: attention, decode, paged decode and paged gather all take
 ``config=``.
 
@@ -31,12 +32,12 @@ import numpy as np
 
 from . import conventions as cv
 
-BACKENDS = ("naive", "tiled", "numba", "cupy", "torch")
+BACKENDS = ("naive", "tiled", "numba", "cupy", "triton", "torch")
 NUMPY_BACKENDS = ("naive", "tiled")
 #: the backends whose paged decode reads a quantized cache's codes and scales
 QUANT_DECODE_BACKENDS = ("tiled", "numba", "cupy")
 #: the backends with a kernel registry: backend -> its package (loaded by name, on first use)
-GPU_BACKENDS = {"numba": "iokernels.numba_cuda", "cupy": "iokernels.cupy_raw"}
+GPU_BACKENDS = {"numba": "iokernels.numba_cuda", "cupy": "iokernels.cupy_raw", "triton": "iokernels.triton_backend"}
 
 
 def registry_of(backend: str) -> Any:

@@ -1,0 +1,111 @@
+"""The decode launchers: split-KV decode over a contiguous cache and over a paged one.
+
+Both return (O, LSE) of the caller's kind: O (B, Hq, d) in q's dtype, LSE (B, Hq) float32.
+``num_splits`` None picks the split count by FlashAttention-2's occupancy rule
+(:func:`iokernels.decode.occupancy_splits`) for this GPU's multiprocessors (132, an H100's,
+under the interpreter), over the longest visible run of keys; a split count above what the
+keys fill leaves trailing splits empty, and the merge weighs them 0.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from ..core import conventions as cv
+from ..decode import DEFAULT_NUM_SMS, MAX_SPLITS, occupancy_splits
+from . import launch as ln
+from .config import LN2, LOG2E, DecodeConfig, next_pow2, padded_head_dim
+from .forward import f32_dot
+
+
+def _splits(num_splits, batch, heads_kv, lens, left, block_n) -> int:
+    if num_splits is not None:
+        return int(num_splits)
+    visible = max((n - (0 if left < 0 else max(n - 1 - left, 0)) for n in lens), default=0)
+    return _occupancy(batch, heads_kv, int(visible), block_n)
+
+
+@functools.lru_cache(maxsize=256)
+def _occupancy(batch, heads_kv, visible, block_n) -> int:
+    sms = ln.device_count_sms() or DEFAULT_NUM_SMS
+    return occupancy_splits(batch, heads_kv, visible, sms, block_n=block_n, max_splits=MAX_SPLITS)
+
+
+def _launch(qt, kt, vt, table, lens_t, lens, hkv, kv_strides, paged, page, *, num_splits, scale, config, window):
+    """The split kernel and the merge, on torch tensors; returns (O, LSE) tensors."""
+    from .decode_v1 import merge, split_kv
+    cfg = config or DecodeConfig(version="v1")
+    B, Hq, d = (int(s) for s in qt.shape)
+    dtype = cv.dtype_name(qt)
+    left = cv.resolve_window(window)[0]
+    bn = cfg.keys_per_tile(ln.interpreting())
+    S = _splits(num_splits, B, hkv, lens, left, bn)
+    scale = cv.default_scale(d) if scale is None else scale
+    o = ln.empty((B, Hq, d), dtype, like=qt)
+    lse = ln.empty((B, Hq), "float32", like=qt)
+    if B * Hq == 0:
+        return o, lse
+    o_part = ln.empty((S, B, Hq, d), "float32", like=qt)
+    lse_part = ln.empty((S, B, Hq), "float32", like=qt)
+    group = Hq // hkv
+    warps = cfg.num_warps or 4
+    split_kv[(S, B * hkv)](qt, kt, vt, table, lens_t, o_part, lse_part, *ln.strides(qt), *kv_strides,
+                           int(table.stride(0)), B, hkv, group, d, float(scale) * LOG2E, left, S, page,
+                           BLOCK_G=max(16, next_pow2(group)), BLOCK_N=bn, BLOCK_D=padded_head_dim(d), PAGED=paged,
+                           F32=f32_dot(dtype), num_warps=warps)
+    merge[(B * Hq,)](o_part, lse_part, o, lse, B * Hq, d, S, LN2=LN2, BLOCK_S=next_pow2(S),
+                     BLOCK_D=padded_head_dim(d), num_warps=4)
+    return o, lse
+
+
+def _lens_tensor(seq_lens, batch, n, like):
+    lens = [n] * batch if seq_lens is None else [int(x) for x in np.asarray(seq_lens)]
+    return ln.upload_int32(np.asarray(lens, dtype=np.int32).reshape(batch), like), lens
+
+
+def _int32():
+    import torch
+    return torch.int32
+
+
+def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
+    """Split-KV decode over a contiguous (ragged) cache: q (B, Hq, d), k, v (B, Hkv, N, d)."""
+    ln.prepare()
+    numpy_caller = isinstance(q, np.ndarray)
+    qt, kt, vt = (ln.to_torch(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    B, hkv, N = int(kt.shape[0]), int(kt.shape[1]), int(kt.shape[2])
+    lens_t, lens = _lens_tensor(seq_lens, B, N, qt)
+    kv = (*ln.strides(kt), *ln.strides(vt))              # (b, h, n, d) of each
+    o, lse = _launch(qt, kt, vt, lens_t.view(1, -1), lens_t, lens, hkv, kv, False, 1, num_splits=num_splits,
+                     scale=scale, config=config, window=window)
+    return ln.to_caller(o, numpy_caller), ln.to_caller(lse, numpy_caller)
+
+
+def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None,
+                       window=None):
+    """Paged decode over pools (num_blocks, page, Hkv, d) and block tables (B, max_blocks): (O, LSE).
+
+    NumPy or torch arrays (the pools and tables of the kind q is); table entries past a
+    sequence's blocks are never read."""
+    ln.prepare()
+    numpy_caller = isinstance(q, np.ndarray)
+    qt, kp, vp = (ln.to_torch(x, n) for x, n in ((q, "q"), (k_pool, "k_pool"), (v_pool, "v_pool")))
+    if isinstance(block_tables, np.ndarray):
+        table = ln.upload_int32(block_tables, qt)
+    else:                                          # a torch table: int32, rows contiguous (read as table[b, i])
+        table = ln.to_torch(block_tables, "block_tables").to(_int32()).contiguous()
+    B, page, hkv = int(qt.shape[0]), int(kp.shape[1]), int(kp.shape[2])
+    lens_t, lens = _lens_tensor(ln.to_caller(seq_lens, True) if ln.is_torch(seq_lens) else seq_lens, B, 0, qt)
+    ks, vs = ln.strides(kp), ln.strides(vp)             # (block, slot, head, d)
+    kv = (ks[0], ks[2], ks[1], ks[3], vs[0], vs[2], vs[1], vs[3])
+    o, lse = _launch(qt, kp, vp, table, lens_t, lens, hkv, kv, True, page, num_splits=num_splits, scale=scale,
+                     config=config, window=window)
+    return ln.to_caller(o, numpy_caller), ln.to_caller(lse, numpy_caller)
+
+
+def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None, window=None):
+    """Decode over a :class:`~iokernels.paged.PagedKVCache` (its NumPy pools copied to the device)."""
+    tables, lens = cache.block_tables_array(list(seq_ids))
+    return paged_decode_pools(q, cache.k_pool, cache.v_pool, tables, lens, num_splits=num_splits, scale=scale,
+                              config=config, window=window)

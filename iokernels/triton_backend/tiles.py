@@ -1,0 +1,52 @@
+"""The Triton device functions the kernel versions share: the matrix product, the key band.
+
+* :func:`mm` is ``tl.dot`` with float32 accumulation.  ``F32`` (a compile-time flag) runs it
+  on float32 operands in IEEE precision: for float32 inputs (on a GPU ``tl.dot``'s default
+  precision for float32 operands is TF32: ``input_precision`` in its documentation; docs),
+  and for bfloat16 under the interpreter, whose ``tl.dot`` multiplies bfloat16's raw 16-bit
+  patterns instead of their values (it holds bfloat16 as uint16 for NumPy and passes the
+  arrays to ``np.matmul``: ``create_dot`` in triton/runtime/interpreter.py, Triton 3.9;
+  code).  A bfloat16 value is exactly a float32 value, and the product of two is exact in
+  float32, so this computes what a bfloat16 product with float32 sums computes on a GPU (up
+  to the order of the sums).
+* :func:`key_bounds` is :func:`iokernels.core.conventions.key_range` written in Triton:
+  the keys [lo, hi) each query row sees under the bottom-right causal mask and the window
+  (``left``, ``right``; -1 unbounded), for a vector of rows.
+* :func:`tile_span` is the key range a whole tile of rows touches (the union of its rows'
+  bands): a kernel loops over the key tiles in it and over no others.
+
+Scores are kept in base 2 (``qk_scale`` = scale * log2(e), :func:`tl.exp2`), as the
+FlashAttention-2 kernels do; the LSE is converted back to natural log at the end.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .config import LN2, LOG2E  # noqa: F401  (the kernels' constants, re-exported)
+
+
+@triton.jit
+def mm(a, b, F32: tl.constexpr):
+    """a @ b, accumulated in float32 (see the module docstring for ``F32``)."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def key_bounds(rows, NQ, NK, LEFT, RIGHT):
+    """(lo, hi): row i sees keys lo <= j < hi; lo == hi is a fully masked row."""
+    diag = rows + (NK - NQ)
+    lo = tl.where(LEFT >= 0, tl.minimum(tl.maximum(diag - LEFT, 0), NK), 0)
+    hi = tl.where(RIGHT >= 0, tl.minimum(tl.maximum(diag + RIGHT + 1, 0), NK), NK)
+    return lo, tl.maximum(hi, lo)
+
+
+@triton.jit
+def tile_span(r0, r1, NQ, NK, LEFT, RIGHT):
+    """The keys [lo, hi) that rows r0 .. r1 - 1 see between them (lo >= hi: none)."""
+    lo = tl.where(LEFT >= 0, tl.minimum(tl.maximum(r0 + (NK - NQ) - LEFT, 0), NK), 0)
+    hi = tl.where(RIGHT >= 0, tl.minimum(tl.maximum(r1 - 1 + (NK - NQ) + RIGHT + 1, 0), NK), NK)
+    return lo, hi
