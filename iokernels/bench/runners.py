@@ -88,6 +88,11 @@ def _resolve_backend(backend, op):
         raise Unavailable(f"{backend}.{op} not available: {_first_line(e)}") from None
 
 
+#: the GPU backends whose registered versions get rows in the attention, decode and backward
+#: sections (the gather has no Triton version)
+GPU_ROW_BACKENDS = ("numba", "cupy", "triton")
+
+
 def registry_versions(backend, op, **need_args) -> list:
     """[(row name, config, is_default)] for every version of ``op`` in ``backend``'s registry.
 
@@ -288,7 +293,7 @@ def _prefill_rows(case, seed, progress, numpy_max_flops, target_ms):
     rows.append(_measure("torch naive", "torch", lambda: ts.naive_attention(q, k, v, causal=causal),
                          work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms))
     progress.update(1)
-    for backend in ("numba", "cupy"):
+    for backend in GPU_ROW_BACKENDS:
         rows += _gpu_rows(backend, "attention",
                           lambda cfg, backend=backend: ik.attention(
                               q, k, v, causal=causal, scale=scale, backend=backend, config=cfg, return_lse=True),
@@ -351,7 +356,7 @@ def device_pages(k, v, seed=0, block_size=PAGED_BLOCK, scattered=True):
 def _gpu_module(backend):
     if backend == "numba":
         _resolve_backend("numba", "attention")             # refuses the simulator
-    mod = "iokernels.numba_cuda" if backend == "numba" else "iokernels.cupy_raw"
+    mod = api.GPU_BACKENDS[backend]
     try:
         return importlib.import_module(mod)
     except Exception as e:
@@ -403,7 +408,7 @@ def _decode_rows(case, seed, progress, target_ms):
     rows = _sdpa_rows(case, q4, k, v, False, ref4, dtype, True, kv_bytes, "TB/s", gqa, target_ms)
     progress.update(5)
     scale = 1.0 / np.sqrt(q.shape[-1])
-    for backend in ("numba", "cupy"):
+    for backend in GPU_ROW_BACKENDS:
         rows += _gpu_rows(backend, "decode",
                           lambda cfg, backend=backend: ik.decode(
                               q, k, v, scale=scale, backend=backend, config=cfg, return_lse=True),
@@ -414,7 +419,7 @@ def _decode_rows(case, seed, progress, target_ms):
         pages = device_pages(k, v, seed)
     except (Unavailable, RuntimeError) as e:   # e.g. out of device memory
         pages = e
-    for backend in ("numba", "cupy"):
+    for backend in GPU_ROW_BACKENDS:
         def fn(cfg, backend=backend):
             if isinstance(pages, Exception):
                 raise Unavailable(f"paged pools: {_first_line(pages)}")
@@ -619,7 +624,7 @@ def _backward_rows(case, seed, progress, target_ms):
     for name in SDPA_NAMES:
         rows.append(_measure(f"sdpa:{name} fwd+bwd", "sdpa", lambda name=name: _sdpa_step(ts, step, name, causal),
                              work=flops, unit="TFLOP/s", dtype=dtype, check=False, target_ms=target_ms))
-    for backend in ("numba", "cupy"):               # outputs are gradients: compared in the tests
+    for backend in GPU_ROW_BACKENDS:               # outputs are gradients: compared in the tests
         rows += _gpu_rows(backend, "attention_backward",
                           lambda cfg, backend=backend: step(lambda a, b, c: autograd.attention(
                               a, b, c, causal=causal, backend=backend, backward_config=cfg)),

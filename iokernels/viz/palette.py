@@ -8,7 +8,7 @@ traffic plot and the decode summary.  Variants of one runner (``cupy:v4 paged``,
 ``sdpa:flash fwd+bwd``, ``numba:v1 gather``) share its colour; a figure tells them apart
 by line style or hatching.
 
-The versions of one backend are shades of one hue (numba oranges, cupy pinks, light to dark
+The versions of one backend are shades of one hue (numba oranges, cupy pinks, triton teals, light to dark
 as the version grows), so a family reads as a family and each version still has its own.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ RUNNER_COLOURS = {
     "numba:v2": "#f57c20",
     "numba:v3": "#d95f02",
     "numba:v4": "#8c3a00",
+    "numba:v5": "#5c2600",
     "cupy": "#a81a74",
     "cupy:v1": "#f58cc8",
     "cupy:v1b": "#e95fae",
@@ -39,6 +40,10 @@ RUNNER_COLOURS = {
     "cupy:v3": "#a81a74",
     "cupy:v4": "#730d50",
     "cupy:v5": "#45052f",
+    "cupy:v6": "#2b021d",
+    "triton": "#00796b",
+    "triton:v1": "#4db6ac",
+    "triton:v2": "#00796b",
 }
 
 #: the colour of a runner this table does not name

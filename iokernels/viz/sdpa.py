@@ -29,7 +29,7 @@ def plot_prefill(rec: dict, dtype: str = "bfloat16", section: str = "prefill", a
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw=dict(right=0.84, wspace=0.25))
     runners = [r for r in PREFILL_STYLE if any(x["runner"] == r for x in rows)]
-    runners += sorted({x["runner"] for x in rows if x["group"] in ("numba", "cupy")} - set(runners))
+    runners += sorted({x["runner"] for x in rows if x["group"] in ("numba", "cupy", "triton")} - set(runners))
     for rn in runners:
         rs = sorted((x for x in rows if x["runner"] == rn), key=lambda x: x["seqlen"])
         style = PREFILL_STYLE.get(rn, "--")          # a version not named above: dashed, like our kernels
