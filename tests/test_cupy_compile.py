@@ -350,10 +350,13 @@ def test_decode_v6_config_is_v4s_shape_split_into_teams():
         cr.DecodeConfig("v6", tile_rows=24).defines(128, "float16", 32, False, 0)
     assert cr.DecodeConfig("v6", load_l1=False).defines(128, "float16", 32, False, 0, cc=90)["LOAD_L1"] == 0
     assert cr.DecodeConfig("v6").defines(128, "float16", 32, True, 16, cc=90)["LOAD_L1"] == 0   # pages: .cg
-    # the registry: v4 where it runs, v6 past 16 query heads a KV head, never a quantized cache
-    for g, want in ((16, "v4"), (17, "v6"), (32, "v6"), (64, "v6")):
+    # the registry: v4 where it runs, v3 past 16 query heads a KV head (v6 runs them by name), v6
+    # never for a quantized cache
+    for g, want in ((16, "v4"), (17, "v3"), (32, "v3"), (64, "v3")):
         n = _need("float16", 128, 90, big, group=g, aligned16=True)
         assert cr.REGISTRY.resolve("decode", None, n)[0].version == want, g
+        if g > 16:
+            assert cr.REGISTRY.get("decode", "v6").unavailable(n) is None, g
     v6 = cr.REGISTRY.get("paged_decode", "v6")
     assert "kv_dtype" in v6.unavailable(_need("float16", 128, 90, big, group=32, kv_dtype="int8"))
     assert "compute capability 8.0" in v6.unavailable(_need("float16", 128, 75, big, group=32))
@@ -495,7 +498,8 @@ def test_default_forward_fits_every_dtype_and_head_dim(smem, cc):
 def test_default_decode_fits_every_dtype_and_head_dim(smem):
     """The decode default is v4 for 16-bit rows of whole mma k-steps (d % 16 == 0, d <= 256,
     g <= 16) where its shallowest ring fits, else v3 where its rows and shallowest ring fit,
-    else v1 (which needs only a little static SRAM); a ring's depth shrinks until it fits."""
+    else v1 (which needs only a little static SRAM); never v6 (run by name); a ring's depth
+    shrinks until it fits."""
     for dtype in DTYPES:
         for d in HEAD_DIMS:
             for group in (1, 4, 8, 16, 32, 64):
@@ -509,10 +513,7 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem):
                     assert v4_shape, (dtype, d, group)
                 elif v4_shape:                          # only SRAM may send a v4 shape elsewhere
                     assert C.ring_smem_bound("v4", d, dtype, group) > smem, (dtype, d, group, kernel.version)
-                if kernel.version == "v6":              # v6 takes the groups v4 refuses
-                    assert tc_shape and group > 16, (dtype, d, group)
-                elif tc_shape and group > 16:           # ... unless its smallest block does not fit
-                    assert V6.v6_smem_bound(d, dtype, group) > smem, (dtype, d, group, kernel.version)
+                assert kernel.version != "v6", (dtype, d, group)    # v6 runs by name only
                 if kernel.version in ("v3", "v4", "v6"):
                     st = cfg.ring_stages(d, dtype, group, smem)
                     rows = (cfg.v4_tile_rows() if kernel.version == "v4" else V6.v6_tile_rows(cfg, d)

@@ -77,7 +77,8 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
         for kern in [None] + cr.REGISTRY.kernels("decode"):
             if kern is not None and kern.unavailable(cr.need("decode", q=q, k=k, v=v)) is not None:
                 continue
-            for extra in (({}, {"fused": False}) if kern is not None and kern.version in ("v3", "v4", "v5", "v6") else ({},)):
+            fusable = kern is not None and kern.version in ("v3", "v4", "v5", "v6")
+            for extra in (({}, {"fused": False}) if fusable else ({},)):
                 cfg = None if kern is None else cr.DecodeConfig(kern.version, **extra)
                 for splits in (1, 5):
                     rec(f"decode {cfg and cfg.version} {extra} {dt} {d} {splits}",

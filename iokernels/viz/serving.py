@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import exact_log
+
 __all__ = ["pool_over_time_figure", "block_size_figure", "throughput_figure"]
 
 _SHARED = "#555555"
@@ -67,12 +69,13 @@ def throughput_figure(curve, title="decode, modelled"):
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
-    a.loglog(curve["batch"], curve["tokens_per_s"], "o-")
+    exact_log.loglog(a, curve["batch"], curve["tokens_per_s"], "o-")
     a.set_xlabel("sequences in the batch")
     a.set_ylabel("tokens / s")
     a.set_title(title)
-    b.semilogx(curve["batch"], 1e3 * curve["memory_s"], "o-", label="bytes / bandwidth")
-    b.semilogx(curve["batch"], 1e3 * curve["compute_s"], "s--", label="FLOP / peak")
+    b.plot(curve["batch"], 1e3 * curve["memory_s"], "o-", label="bytes / bandwidth")
+    b.plot(curve["batch"], 1e3 * curve["compute_s"], "s--", label="FLOP / peak")
+    exact_log.set_log(b, "x")
     b.set_xlabel("sequences in the batch")
     b.set_ylabel("ms per step")
     b.legend()
