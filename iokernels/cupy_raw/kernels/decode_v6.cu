@@ -14,13 +14,34 @@
 //   * the team copies each K_j, V_j tile once into its cp.async ring: its 32 x TEAM_WARPS
 //     lanes share the 16-byte copies; every warp of the team then reads the whole tile from
 //     SRAM for its 16 rows.  K/V leave HBM once per (split, KV head), as in v4;
-//   * a team's warps wait for each other's copies with a named barrier (bar.sync id,
-//     32 x TEAM_WARPS threads), v4's __syncwarp when a team is one warp.  One barrier a tile:
-//     the wait for tile j comes first, then the copy of tile j + STAGES - 1 into the stage
-//     that tile j - 1 used (every warp of the team is past it), then the products;
+//   * one barrier a tile orders the ring (v4's __syncwarp when a team is one warp, else the
+//     block's __syncthreads, see the ordering rule below): the wait for tile j comes first,
+//     then the copy of tile j + STAGES - 1 into the stage that tile j - 1 used, then the
+//     products;
 //   * NUM_WARPS / TEAM_WARPS teams take tiles team, team + TEAMS, ...; the teams (not the
 //     warps) merge through SRAM at the end (decode_common.cuh with DECODE_MERGE_ROWS = TEAMS).
 // With g <= 16 a team is one warp and this is v4 with the one-barrier ring order.
+//
+// The ordering rule of the ring (what every SRAM access of the key loop relies on):
+//   (1) step j of the loop starts with cp.async.wait_group STAGES - 2 (this thread's copies
+//       of its team's tile j have landed) and then one barrier B_j that every thread whose
+//       copies or reads touch the ring passes: with a team of one warp its __syncwarp, with
+//       teams of several warps the block's barrier (bar.sync 0, all NTHREADS threads);
+//   (2) only after B_j does a thread refill a stage: tile j + STAGES - 1 into stage
+//       (j - 1) % STAGES, the one tile j - 1 was read from in step j - 1, before B_j;
+//       cp.async completion is per thread, so a warp reads another's copies of tile j only
+//       after B_j, which comes after their wait_group;
+//   (3) every thread passes the same barriers the same number of times: with several-warp
+//       teams the loop runs ceil(n_tiles / TEAMS) steps in every team (a team past its last
+//       tile only waits), so the merge's __syncthreads is every thread's next barrier after
+//       its last ring read, and red_m / red_l / red_o (which reuse the rings' SRAM) are
+//       written only after it.
+// Per-team named barriers (bar.sync team + 1, 32 x TEAM_WARPS) order the same accesses by the
+// PTX rules, but compute-sanitizer's racecheck reported hazards with them (ring reads against
+// the refills and against the merge's writes, the merge's writes against its reads across
+// __syncthreads) when several teams ran rings of three or more stages; the block barrier
+// has one barrier sequence for all warps, which racecheck follows.  It costs the teams their
+// independence: a team waits each tile for the slowest.
 // Unchanged from v4: the mma.sync m16n8k16 products (mma.cuh), the online softmax on the
 // accumulators, P kept in registers, the swizzled or padded SRAM rows, the split-KV grid and
 // the fused combine, the staged paged block table, ragged lengths, the sliding window.
@@ -125,13 +146,14 @@ typedef elem_t kv_t;                                  // K/V as stored: 16-bit v
 
 #include "decode_common.cuh"
 
-// the team's lanes wait for each other (and make their SRAM writes visible): a named barrier
-// per team (id 0 is __syncthreads'), __syncwarp for a one-warp team
-__device__ __forceinline__ void team_sync(int team) {
+// the barrier of a ring step (the ordering rule above): a one-warp team's lanes wait for each
+// other with __syncwarp; teams of several warps wait with the whole block (bar.sync 0), so
+// every warp passes one barrier sequence
+__device__ __forceinline__ void ring_sync() {
 #if TEAM_WARPS == 1
     __syncwarp();
 #else
-    asm volatile("bar.sync %0, %1;" :: "r"(team + 1), "n"(TEAM_THREADS) : "memory");
+    __syncthreads();
 #endif
 }
 
@@ -170,6 +192,9 @@ decode_split_v6(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 
     const int n_tiles = (n_end - n_begin + TILE_ROWS - 1) / TILE_ROWS;
     const int my_tiles = n_tiles > team ? (n_tiles - team + TEAMS - 1) / TEAMS : 0;   // the team's
+    // steps of the key loop: a one-warp team its own tiles; teams of several warps all run
+    // team 0's count (the largest), so every warp passes the same block barriers (rule (3))
+    const int steps = TEAM_WARPS == 1 ? my_tiles : (n_tiles + TEAMS - 1) / TEAMS;
     u16* ring = reinterpret_cast<u16*>(smem_raw) + team * (STAGES * STAGE_ELEMS);
 
     // load this warp's 16 rows of Q_g -> registers as A fragments (rows past g zero), once:
@@ -293,10 +318,11 @@ decode_split_v6(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) issue(s);
 
-    for (int j = 0; j < my_tiles; ++j) {            // loop over the team's K_j, V_j tiles (SRAM)
+    for (int j = 0; j < steps; ++j) {               // loop over the team's K_j, V_j tiles (SRAM)
         cp_async_wait<STAGES - 2>();                // this lane's copies of tile j have landed
-        team_sync(team);                            // ... and the team's; every warp is past tile j - 1
-        issue(j + STAGES - 1);                      // into the stage tile j - 1 used
+        ring_sync();                                // ... and the team's; every warp is past tile j - 1
+        issue(j + STAGES - 1);                      // into the stage tile j - 1 used (none past my_tiles)
+        if (j >= my_tiles) continue;                // this team is past its last tile: it only waits
         const u16* Kt = ring + (j % STAGES) * STAGE_ELEMS;
         const u16* Vt = Kt + TILE_ELEMS;
         const int start = n_begin + (team + j * TEAMS) * TILE_ROWS;
