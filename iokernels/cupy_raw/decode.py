@@ -436,7 +436,8 @@ RECORDS = (
               ops=("paged_decode",), layout="tensor_core", reads=("codes",), smem=_smem_v5),
     # v6 ranks below every version that runs its shapes: it runs when asked for by name
     # (config=DecodeConfig("v6")) and becomes a default once compute-sanitizer's racecheck is
-    # clean on it (it reports hazards on the ring the team of warps shares); its arguments are v4's
+    # clean on it (it reported hazards while its teams ordered the ring with named barriers;
+    # the block barrier orders it now, not yet checked on a GPU); its arguments are v4's
     *_records("v6", "decode_v6.cu", "decode_split_v6", _args_v4, check_decode_v6, 5,
               "v4 with a group of more than 16 query heads split across a team of warps (16 rows each) that "
               "shares each K/V tile of its cp.async ring: g = 32, 64 and MQA read K/V once a KV head",
