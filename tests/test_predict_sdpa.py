@@ -37,15 +37,16 @@ def test_answers_are_the_recorded_run():
 
 
 @pytest.mark.parametrize("stem", ["09a_hopper_asynchrony", "09b_low_precision", "10_pytorch_sdpa",
-                                  "11_what_goes_wrong", "12_context_parallel", "13_decode_for_real_models"])
+                                  "11_what_goes_wrong", "12_context_parallel", "13_decode_for_real_models",
+                                  "15_triton"])
 def test_every_later_notebook_has_two_predictions_that_exist(stem):
-    """Notebooks 09a-13 each ask at least two predict-then-check questions, each one registered,
+    """Notebooks 09a-13 and 15 each ask at least two predict-then-check questions, each one registered,
     and each cell starts with the learner's prediction still None (the answer hidden)."""
     import json
     import re
     from pathlib import Path
 
-    from iokernels.labs import predict_chapters, predict_hopper, predict_sdpa  # noqa: F401  (they register)
+    from iokernels.labs import predict_chapters, predict_hopper, predict_sdpa, predict_triton  # noqa: F401
     nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / f"{stem}.ipynb").read_text())
     asked = []
     for cell in nb["cells"]:
