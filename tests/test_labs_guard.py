@@ -42,6 +42,16 @@ def _swallowing(solution):
     """The cheat with every error it meets caught: it returns, with whatever it has."""
     if isinstance(solution, tuple):
         return tuple(_swallowing(s) for s in solution)
+    if hasattr(solution, "__getitem__"):          # a kernel, launched as kernel[grid](...)
+        class QuietKernel:
+            __name__ = getattr(solution, "__name__", "kernel")
+
+            def __getitem__(self, grid):
+                return _swallowing(solution[grid])
+
+            def __call__(self, *args, **kwargs):
+                return _swallowing(solution)(*args, **kwargs)
+        return QuietKernel()
 
     def quiet(*args, **kwargs):
         try:

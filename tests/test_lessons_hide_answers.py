@@ -66,6 +66,8 @@ ANSWERS = {
     "rescale_threshold_step": ("iokernels.tiled._Rescale.new_max",),
     "fwht": ("iokernels.fp8.fwht",),
     "randomized_hadamard": ("iokernels.fp8.randomized_hadamard",),
+    # the body of forward v1's loop over K/V tiles (the lab gives the kernel's first and last lines)
+    "triton_forward": (("triton_backend/forward_v1.py", "        kt = tl.load(k_base", "        m = m_new"),),
 }
 
 #: (lesson, exercise) -> why that lesson shows the answer's code before the lab, on purpose.

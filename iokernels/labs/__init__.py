@@ -32,11 +32,13 @@ lab   exercise                what is graded
 12    rescale_threshold_step  (ch. 09a) FA4's conditional rescale: O, LSE and the rescale count
 12    fwht                    (ch. 09b) the fast Walsh-Hadamard transform, exact, in O(d log d)
 12    randomized_hadamard     (ch. 09b) x D H / sqrt(d): Q K^T unchanged, outliers spread
+13    triton_forward          (ch. 15) a Triton kernel's tile loop, on the interpreter or a GPU
 ====  ======================  ==================================================================
 
 The exercises of labs 09-12 live in
 :mod:`iokernels.labs.exercises_scale` (chapters 11-13) and
-:mod:`iokernels.labs.exercises_hopper` (chapters 09a, 09b).
+:mod:`iokernels.labs.exercises_hopper` (chapters 09a, 09b); lab 13's in
+:mod:`iokernels.labs.exercises_triton` (chapter 15).
 
 The grading engine is :mod:`iokernels.labs.engine`; notebooks are turned into learner
 copies and graded by :mod:`iokernels.labs.notebooks` (``python -m iokernels labs``).
@@ -50,6 +52,7 @@ from .exercises import EXERCISES as _NUMPY_EXERCISES
 from .exercises import LOOP_ORDER_SHAPES, loop_order_traffic
 from .exercises_hopper import EXERCISES as _HOPPER_EXERCISES
 from .exercises_scale import EXERCISES as _SCALE_EXERCISES
+from .exercises_triton import EXERCISES as _TRITON_EXERCISES
 from .gpu_exercises import GPU_EXERCISES
 from .predict import reveal
 
@@ -61,7 +64,8 @@ __all__ = ["check", "EXERCISES", "STRICT_ENV", "Exercise", "Result", "collect", 
 STRICT_ENV = "IOKERNELS_LABS_STRICT"
 
 #: every exercise by name, in the order of the labs (the GPU ones import numba only when graded)
-EXERCISES = {e.name: e for e in _NUMPY_EXERCISES + GPU_EXERCISES + _SCALE_EXERCISES + _HOPPER_EXERCISES}
+EXERCISES = {e.name: e for e in _NUMPY_EXERCISES + GPU_EXERCISES + _SCALE_EXERCISES + _HOPPER_EXERCISES
+             + _TRITON_EXERCISES}
 
 
 def spec(name: str) -> str:

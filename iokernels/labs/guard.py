@@ -33,7 +33,9 @@ import types
 __all__ = ["ReferenceReached", "guarded", "guard", "resolve", "reached"]
 
 #: modules imported only by the lab that needs them (numba fixes its CUDA mode on import)
-IMPORTED_ONLY = ("iokernels.numba_cuda",)
+IMPORTED_ONLY = ("iokernels.numba_cuda",
+                 # triton reads TRITON_INTERPRET when a kernel is defined: the lab sets it first
+                 "iokernels.triton_backend.forward_v1", "iokernels.triton_backend.forward_v2")
 
 _LOCK = threading.RLock()
 _PATCHED: dict = {}          # id(function) -> [function, original code, count]
@@ -95,6 +97,8 @@ def _function_of(obj):
             obj = obj.__func__
         elif isinstance(obj, functools.partial):
             obj = obj.func
+        elif hasattr(obj, "run") and getattr(obj, "fn", None) is not None:
+            obj = obj.fn                  # a Triton kernel (JITFunction, its interpreter, an Autotuner)
         elif hasattr(obj, "__wrapped__"):
             obj = obj.__wrapped__
         else:
