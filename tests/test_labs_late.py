@@ -462,7 +462,7 @@ def test_varlen_oracle_is_the_package_s():
 def test_every_late_exercise_has_a_cheat_that_passes_without_the_guard():
     """The cheats call the package's own implementation: what the reference guard must block."""
     from lab_cheats_late import CHEATS
-    late = set(SOLUTIONS)
+    late = set(SOLUTIONS) | {"triton_forward"}       # lab 13's solution is a kernel: tests/test_labs_triton.py
     assert set(CHEATS) == late
     for name in late:
         e = labs.EXERCISES[name]
