@@ -14,11 +14,12 @@ def show_source(obj, *, start: str | None = None, stop: str | None = None):
 
     ``start`` / ``stop``: show only the lines from the first containing ``start`` up to the
     first after it containing ``stop``; a way to point at one loop of a kernel.
-    For a .cu file, pass its path (str or pathlib.Path).
+    For a .cu file (or a .py file read as text), pass its path (str or pathlib.Path).
     """
     import pathlib
     if isinstance(obj, (str, pathlib.Path)) and pathlib.Path(obj).exists():
-        src, lang = pathlib.Path(obj).read_text(), "cuda"
+        src = pathlib.Path(obj).read_text()
+        lang = "python" if pathlib.Path(obj).suffix == ".py" else "cuda"
     else:
         src, lang = inspect.getsource(obj), "python"
     if start is not None:
