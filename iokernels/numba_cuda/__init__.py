@@ -15,6 +15,7 @@ decode         Flash-Decoding split kernels v1, v2, the combine, the decode laun
 decode_v3      split kernel v3
 decode_v4      split kernel v4 (16-byte loads)
 gather         the paged gather v1, v3
+paged_prefill  the paged prefill v1 (one launch for a packed batch of chunks)
 device         device functions the versions share (lane sums, word loads, the group merge)
 launch         jit cache, the caller's stream, device views, constants uploaded once
 counting       global-memory traffic counted by running the kernels on the simulator
@@ -62,7 +63,7 @@ paged_gather          v3       numba_cuda/gather.py      1     a thread block pe
 .. versions:numba:end
 
 Public functions (``ik.attention(..., backend="numba")`` etc. dispatch here):
-:func:`attention`, :func:`decode`, :func:`paged_decode`, :func:`paged_gather`, and on device
+:func:`attention`, :func:`decode`, :func:`paged_decode`, :func:`paged_prefill`, :func:`paged_gather`, and on device
 pools :func:`paged_decode_pools`, :func:`gather_pools`.  They take NumPy arrays (copied in
 and out), Numba device arrays, CuPy arrays or torch CUDA tensors (no copy, launched on the
 caller's stream, outputs from the caller's allocator) and return the kind given.  float16,
@@ -95,10 +96,11 @@ The NumPy 2.5 fix for numba-cuda is :func:`iokernels.core.gpu.numba_numpy_fix`, 
 """
 from __future__ import annotations
 
-from .config import BackwardConfig, DecodeConfig, ForwardConfig, GatherConfig
+from .config import BackwardConfig, DecodeConfig, ForwardConfig, GatherConfig, PrefillConfig
 from .registry import (REGISTRY, attention, decode, gather_pools, need, paged_decode, paged_decode_pools,
-                       paged_gather)
+                       paged_gather, paged_prefill)
 from .sanitize import sanitize_cases
 
 __all__ = ["REGISTRY", "need", "attention", "decode", "paged_decode", "paged_decode_pools", "paged_gather",
-           "gather_pools", "ForwardConfig", "DecodeConfig", "GatherConfig", "BackwardConfig", "sanitize_cases"]
+           "paged_prefill", "gather_pools", "ForwardConfig", "DecodeConfig", "GatherConfig", "BackwardConfig",
+           "PrefillConfig", "sanitize_cases"]
