@@ -58,10 +58,10 @@ decode, paged_decode  v1       numba_cuda/decode.py         2     a key's dims o
 decode, paged_decode  v2       numba_cuda/decode.py         1     8-byte word loads unpacked by bit-casts in
                                                                   registers, unrolled loops
 paged_prefill         v1       numba_cuda/paged_prefill.py  1     one launch for a packed batch of chunks: a
-                                                                  thread block per (Q tile of a chunk, KV
-                                                                  head), its query heads packed, one cache
-                                                                  block of K/V staged in shared memory through
-                                                                  the block table, bottom-right causal
+                                                                  block per (Q tile of a chunk, KV head), its
+                                                                  query heads packed, one cache block of K/V
+                                                                  staged in shared memory through the block
+                                                                  table, bottom-right causal
 paged_gather          v1       numba_cuda/gather.py         2     a thread block per logical block, 8- or
                                                                   4-byte words, loads before stores
 paged_gather          v3       numba_cuda/gather.py         1     a thread block per pool block, flat runs of

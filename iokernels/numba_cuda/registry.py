@@ -211,7 +211,7 @@ RECORDS = (
     _gather("v1", 2, False, "a thread block per logical block, 8- or 4-byte words, loads before stores"),
     _gather("v3", 1, True, "a thread block per pool block, flat runs of 8-byte words, UN loads before stores"),
     Record("numba", "paged_prefill", "v1", "numba_cuda/paged_prefill.py", "paged_prefill", PrefillConfig,
-           ppf.paged_prefill, "one launch for a packed batch of chunks: a thread block per (Q tile of a chunk, KV "
+           ppf.paged_prefill, "one launch for a packed batch of chunks: a block per (Q tile of a chunk, KV "
            "head), its query heads packed, one cache block of K/V staged in shared memory through the block "
            "table, bottom-right causal", _prefill_check, 1),
     Record("numba", "attention_backward", "v1", "numba_cuda/backward.py", "main_kernel", BackwardConfig,
