@@ -6,7 +6,7 @@
                                [--config key=value ...] [--seed S] [--json FILE]
 
 OP is one of the registry's ops (:data:`iokernels.core.registry.OPS`): attention,
-attention_backward, decode, paged_decode, paged_gather, mla_decode.  ``--backend`` is any
+attention_backward, decode, paged_decode, paged_prefill, paged_gather, mla_decode.  ``--backend`` is any
 public backend ("naive", "tiled", "numba", "cupy", "torch"); for "numba" and "cupy" the
 version is looked up in the backend's ``REGISTRY`` and the call goes through the public
 function with ``config=ConfigClass(version=..., **config)`` (``--config`` sets the other
@@ -51,6 +51,7 @@ from ..core.config import TileConfig
 from ..core.gpu import has_gpu, simulator_enabled
 from ..core.registry import OPS
 from ..mla import reference_latent
+from ..paged import PagedKVCache
 from ..torch_sdpa import _to_torch, mla_decode_matmul
 from .timer import release_device_cache, time_cpu, time_cuda
 
@@ -155,6 +156,8 @@ def make_problem(op: str, shape: dict, dtype: str, *, causal: bool = False, kv_d
                                                                    backend="naive"))) if low else {}
         return Problem(op, dtype, shape, causal, (do, q, k, v, o, lse), dict(causal=causal), refs, base,
                        factor=testing.GRADIENT_FACTOR, work=10.0 * pairs)
+    if op == "paged_prefill":
+        return _paged_prefill_problem(rng, shape, dtype, causal)
     if causal:
         raise ValueError(f"causal: {op} has one query token per sequence; drop --causal")
     kv_bytes = 2.0 * B * Hkv * N * d * item
@@ -190,6 +193,34 @@ def make_problem(op: str, shape: dict, dtype: str, *, causal: bool = False, kv_d
     ro, rl = reference_latent(q, kv, dc)
     return Problem(op, dtype, shape, False, (q, kv), {}, dict(o=ro, lse=rl),
                    work=2.0 * B * Hq * N * (row + dc), unit="TFLOP/s")
+
+
+def _paged_prefill_problem(rng, shape: dict, dtype: str, causal: bool) -> Problem:
+    """B sequences of N, N - 3, ... tokens (at least 1) in a paged cache, each with a chunk of its
+    last min(Nq, n) tokens as the queries; the oracle on each sequence's contiguous copy."""
+    B, Hq, Hkv, N, Nq, d = (shape[k] for k in ("B", "Hq", "Hkv", "N", "Nq", "d"))
+    dt = testing.numpy_dtype(dtype)
+    lens = [max(1, N - 3 * b) for b in range(B)]
+    chunks = [min(Nq, n) for n in lens]
+    cache = PagedKVCache(sum(-(-n // 16) for n in lens) + 1, 16, num_kv_heads=Hkv, head_dim=d, dtype=dt)
+    sids = [cache.new_sequence() for _ in lens]
+    for sid, n in zip(sids, lens):
+        cache.append(sid, *(rng.standard_normal((n, Hkv, d)).astype(dt) for _ in range(2)))
+    cq = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int32)
+    q = rng.standard_normal((int(cq[-1]), Hq, d)).astype(dt)
+    ro, rl = np.zeros(q.shape), np.full((Hq, q.shape[0]), -np.inf)
+    for b, sid in enumerate(sids):
+        rows = slice(int(cq[b]), int(cq[b + 1]))
+        k, v = (x.astype(np.float64)[None] for x in cache.gather(sid))
+        o, lse = reference.attention(q[rows].astype(np.float64).transpose(1, 0, 2)[None], k, v, causal=causal)
+        ro[rows], rl[:, rows] = o[0].transpose(1, 0, 2), lse[0]
+    base = {}
+    if dtype != "float64":
+        base = dict(zip(("o", "lse"), api.paged_prefill(q, cache, sids, cq, causal=causal, backend="naive",
+                                                        return_lse=True)))
+    pairs = sum(Hq * _visible_pairs(c, n, causal) * d for c, n in zip(chunks, lens))
+    return Problem("paged_prefill", dtype, shape, causal, (q, cache, sids, cq), dict(causal=causal, return_lse=True),
+                   dict(o=ro, lse=rl), base, work=4.0 * pairs)
 
 
 # --------------------------------------------------------------------------- runners
@@ -251,6 +282,8 @@ def public_call(p: Problem, backend: str, config, device: bool) -> Callable[[], 
     if device and backend in api.GPU_BACKENDS and p.op in ("paged_decode", "paged_gather"):
         return _paged_on_device(p, backend, config)
     args = tuple(_on_device(a) for a in p.args) if device and backend in ("numba", "cupy", "torch") else p.args
+    if p.op == "paged_prefill":                    # the offsets stay on the host (they size the grid)
+        args = args[:3] + p.args[3:]
     if p.op == "mla_decode":
         if backend != "cupy":
             raise ValueError(f"backend: mla_decode is a CuPy kernel; got {backend!r}")

@@ -31,7 +31,7 @@ from typing import Iterator
 
 from .records import Record, version_table
 
-OPS = ("attention", "attention_backward", "decode", "paged_decode", "paged_gather", "mla_decode")
+OPS = ("attention", "attention_backward", "decode", "paged_decode", "paged_prefill", "paged_gather", "mla_decode")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ decode         Flash-Decoding split kernels v1, v2, the combine, the decode laun
 decode_v3      split kernel v3
 decode_v4      split kernel v4 (16-byte loads)
 gather         the paged gather v1, v3
+paged_prefill  the paged prefill v1 (one launch for a packed batch of chunks)
 device         device functions the versions share (lane sums, word loads, the group merge)
 launch         jit cache, the caller's stream, device views, constants uploaded once
 counting       global-memory traffic counted by running the kernels on the simulator
@@ -27,42 +28,49 @@ The versions, each changing one thing from the one before (generated from the re
 default, and :mod:`.registry` says when each one's check fails):
 
 .. versions:numba:begin
-====================  =======  ========================  ====  ===============================================
-op                    version  file                      rank  what it adds
-====================  =======  ========================  ====  ===============================================
-attention             v4       numba_cuda/forward.py     4     v3 with a 4-key step NVVM unrolls (scores in
-                                                               registers) and batched butterflies
-attention             v3       numba_cuda/forward.py     3     several lanes a row and several rows a thread
-                                                               (register tiling), warp-shuffle sums
-attention             v2       numba_cuda/forward.py     2     the block stages K_j, V_j in shared memory once
-                                                               for all its rows (FlashAttention-2's loop)
-attention             v1       numba_cuda/forward.py     1     one thread per query row, K and V read from
-                                                               global memory by every row
-attention             v5       numba_cuda/forward_v5.py  0     register tiling as a GEMM does it: each thread
-                                                               a TM x TN block of S and a TM-row block of O,
-                                                               Q_i and K_j/V_j in shared memory, no lane sums
-attention_backward    v1       numba_cuda/backward.py    1     FlashAttention-2's backward: K/V tile per
-                                                               block, dK/dV in registers over the GQA group, P
-                                                               recomputed from LSE, dQ by atomics or
-                                                               deterministic partials
-decode, paged_decode  v4       numba_cuda/decode_v4.py   4     v3 with 16-byte loads (two words by one vector
-                                                               load): half the lanes a key, so half the lane
-                                                               sums and softmax work a key
-decode, paged_decode  v3       numba_cuda/decode_v3.py   3     software-pipelined word loads, reduce-scatter
-                                                               lane sums, flat raw-pointer loads
-decode, paged_decode  v1       numba_cuda/decode.py      2     a key's dims over L lanes, element loads, split
-                                                               + combine
-decode, paged_decode  v2       numba_cuda/decode.py      1     8-byte word loads unpacked by bit-casts in
-                                                               registers, unrolled loops
-paged_gather          v1       numba_cuda/gather.py      2     a thread block per logical block, 8- or 4-byte
-                                                               words, loads before stores
-paged_gather          v3       numba_cuda/gather.py      1     a thread block per pool block, flat runs of
-                                                               8-byte words, UN loads before stores
-====================  =======  ========================  ====  ===============================================
+====================  =======  ===========================  ====  ============================================
+op                    version  file                         rank  what it adds
+====================  =======  ===========================  ====  ============================================
+attention             v4       numba_cuda/forward.py        4     v3 with a 4-key step NVVM unrolls (scores in
+                                                                  registers) and batched butterflies
+attention             v3       numba_cuda/forward.py        3     several lanes a row and several rows a
+                                                                  thread (register tiling), warp-shuffle sums
+attention             v2       numba_cuda/forward.py        2     the block stages K_j, V_j in shared memory
+                                                                  once for all its rows (FlashAttention-2's
+                                                                  loop)
+attention             v1       numba_cuda/forward.py        1     one thread per query row, K and V read from
+                                                                  global memory by every row
+attention             v5       numba_cuda/forward_v5.py     0     register tiling as a GEMM does it: each
+                                                                  thread a TM x TN block of S and a TM-row
+                                                                  block of O, Q_i and K_j/V_j in shared
+                                                                  memory, no lane sums
+attention_backward    v1       numba_cuda/backward.py       1     FlashAttention-2's backward: K/V tile per
+                                                                  block, dK/dV in registers over the GQA
+                                                                  group, P recomputed from LSE, dQ by atomics
+                                                                  or deterministic partials
+decode, paged_decode  v4       numba_cuda/decode_v4.py      4     v3 with 16-byte loads (two words by one
+                                                                  vector load): half the lanes a key, so half
+                                                                  the lane sums and softmax work a key
+decode, paged_decode  v3       numba_cuda/decode_v3.py      3     software-pipelined word loads, reduce-
+                                                                  scatter lane sums, flat raw-pointer loads
+decode, paged_decode  v1       numba_cuda/decode.py         2     a key's dims over L lanes, element loads,
+                                                                  split + combine
+decode, paged_decode  v2       numba_cuda/decode.py         1     8-byte word loads unpacked by bit-casts in
+                                                                  registers, unrolled loops
+paged_prefill         v1       numba_cuda/paged_prefill.py  1     one launch for a packed batch of chunks: a
+                                                                  block per (Q tile of a chunk, KV head), its
+                                                                  query heads packed, one cache block of K/V
+                                                                  staged in shared memory through the block
+                                                                  table, bottom-right causal
+paged_gather          v1       numba_cuda/gather.py         2     a thread block per logical block, 8- or
+                                                                  4-byte words, loads before stores
+paged_gather          v3       numba_cuda/gather.py         1     a thread block per pool block, flat runs of
+                                                                  8-byte words, UN loads before stores
+====================  =======  ===========================  ====  ============================================
 .. versions:numba:end
 
 Public functions (``ik.attention(..., backend="numba")`` etc. dispatch here):
-:func:`attention`, :func:`decode`, :func:`paged_decode`, :func:`paged_gather`, and on device
+:func:`attention`, :func:`decode`, :func:`paged_decode`, :func:`paged_prefill`, :func:`paged_gather`, and on device
 pools :func:`paged_decode_pools`, :func:`gather_pools`.  They take NumPy arrays (copied in
 and out), Numba device arrays, CuPy arrays or torch CUDA tensors (no copy, launched on the
 caller's stream, outputs from the caller's allocator) and return the kind given.  float16,
@@ -95,10 +103,11 @@ The NumPy 2.5 fix for numba-cuda is :func:`iokernels.core.gpu.numba_numpy_fix`, 
 """
 from __future__ import annotations
 
-from .config import BackwardConfig, DecodeConfig, ForwardConfig, GatherConfig
+from .config import BackwardConfig, DecodeConfig, ForwardConfig, GatherConfig, PrefillConfig
 from .registry import (REGISTRY, attention, decode, gather_pools, need, paged_decode, paged_decode_pools,
-                       paged_gather)
+                       paged_gather, paged_prefill)
 from .sanitize import sanitize_cases
 
 __all__ = ["REGISTRY", "need", "attention", "decode", "paged_decode", "paged_decode_pools", "paged_gather",
-           "gather_pools", "ForwardConfig", "DecodeConfig", "GatherConfig", "BackwardConfig", "sanitize_cases"]
+           "paged_prefill", "gather_pools", "ForwardConfig", "DecodeConfig", "GatherConfig", "BackwardConfig",
+           "PrefillConfig", "sanitize_cases"]

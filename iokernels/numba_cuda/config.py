@@ -53,6 +53,7 @@ V4_KEYS_PER_STEP = 4
 FORWARD_VERSIONS = ("v1", "v2", "v3", "v4", "v5")
 DECODE_VERSIONS = ("v1", "v2", "v3", "v4")
 GATHER_VERSIONS = ("v1", "v3")
+PREFILL_VERSIONS = ("v1",)
 #: decode v3's ways of finding a key's row in a paged cache (DecodeConfig.paged_addressing)
 PAGED_ADDRESSING = ("page", "key")
 
@@ -268,6 +269,26 @@ class GatherConfig:
             raise ValueError("config.unroll: a v3 setting (version='v3')")
 
     def replace(self, **changes) -> "GatherConfig":
+        return replace(self, **changes)
+
+
+# --------------------------------------------------------------------------- paged prefill
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch shape of the paged prefill (its K/V tile is always one cache block).
+
+    version: "v1" (None: the default, v1); block_q: chunk rows a Q tile, None for as many as
+    make 64 packed rows (chunk rows x query heads of a KV head), at least 1.
+    """
+
+    version: str | None = None
+    block_q: int | None = None
+
+    def __post_init__(self):
+        _check_version(self.version, PREFILL_VERSIONS, "paged prefill")
+        _check_int(self.block_q, "block_q", 1, MAX_THREADS)
+
+    def replace(self, **changes) -> "PrefillConfig":
         return replace(self, **changes)
 
 

@@ -36,7 +36,7 @@ def _arr(t, nd, layout="C"):
 
 def kernel_signatures(head_dims=HEAD_DIMS):
     """(name, storage dtype, python function, numba signature) for the kernels of forward
-    v1-v4, decode v1/v2 (split, paged split), the combine and gather v1; the v3 kernels are
+    v1-v4, decode v1/v2 (split, paged split), the combine, gather v1 and the paged prefill; the v3 kernels are
     in :func:`kernel_signatures_v3`."""
     from numba import types
     from .decode import combine_kernel_function, split_kernel_function, split_v2_kernel_function
@@ -44,6 +44,7 @@ def kernel_signatures(head_dims=HEAD_DIMS):
     from . import forward_v5 as fv5
     from . import gather as gat
     from .config import ForwardConfig
+    from .paged_prefill import make_prefill
     from .device import word_layout
     out = []
     for dtype in ("float32", "float16", "float64"):
@@ -71,6 +72,9 @@ def kernel_signatures(head_dims=HEAD_DIMS):
                        _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64)
                 fn = split_v2_kernel_function(d, 4, dtype, paged, 16, word, simulated=False)
                 out.append((f"decode_v2_split{'_paged' if paged else ''}_d{d}", dtype, fn, sig))
+            sig = (_arr(st, 3), _arr(st, 4), _arr(st, 4), _arr(types.int32, 2), _arr(types.int32, 1),
+                   _arr(types.int32, 1), _arr(st, 3), _arr(acc, 2), acc, types.int32)
+            out.append((f"paged_prefill_d{d}", dtype, make_prefill(d, 4, 16, 16, str(acc)), sig))
         gather_t = types.uint64 if dtype != "float64" else st     # the launcher's 8-byte words
         sig = (_arr(gather_t, 4), _arr(gather_t, 4), _arr(types.int32, 1), _arr(gather_t, 3), _arr(gather_t, 3),
                types.int64)

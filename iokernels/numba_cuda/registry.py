@@ -15,13 +15,15 @@ decode        v4 for C-contiguous float16 / float32 K/V with rows of whole 16-by
               views), else v1 (any strides)
 paged_decode  the same, on the pools
 paged_gather  v1 (any strides); v3 on request (C-contiguous pools)
+paged_        v1 (the one version: one launch for a packed batch of chunks, unquantized
+prefill       pools, a cache block of K and V in shared memory)
 attention_    v1 (the one version: FlashAttention-2's backward, atomic or deterministic dQ)
 backward
 ============  =======================================================================
 
 Every version refuses bfloat16 (Numba has no bfloat16 arithmetic type; the CuPy backend
 runs it) and says so.  The module-level :func:`attention`, :func:`decode`,
-:func:`paged_decode`, :func:`paged_decode_pools`, :func:`paged_gather` and
+:func:`paged_decode`, :func:`paged_decode_pools`, :func:`paged_prefill`, :func:`paged_gather` and
 :func:`gather_pools` resolve the config through the registry and launch.
 """
 from __future__ import annotations
@@ -42,9 +44,10 @@ from . import forward as fwd
 from . import forward_v5 as fv5
 from . import gather as gat
 from . import launch as ln
+from . import paged_prefill as ppf
 from .decode import smem_reason
 from .device import WORD_BYTES
-from .config import NUMBA_DTYPES, BackwardConfig, DecodeConfig, ForwardConfig, GatherConfig
+from .config import NUMBA_DTYPES, BackwardConfig, DecodeConfig, ForwardConfig, GatherConfig, PrefillConfig
 
 REGISTRY = Registry("numba")
 
@@ -73,6 +76,8 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
             extra["aligned"] = all(isinstance(a, np.ndarray) or ln.aligned(a, WORD_BYTES) for a in (k, v))
     if q is not None and hkv:
         extra["group"] = max(1, int(q.shape[1]) // hkv)
+    if cache is not None:
+        extra["block_size"] = int(cache.block_size)
     return Need(dtype=dtype, head_dim=d, cc=ln.compute_capability(), contiguous=contiguous,
                 simulator=ln.simulated(), extra=extra)
 
@@ -152,6 +157,15 @@ def _backward_check(n: Need):
     return why
 
 
+def _prefill_check(n: Need):
+    why = _dtype_reason(n)
+    if why is None and n.extra.get("kv_dtype") is not None:
+        why = f"kv_dtype: reads unquantized pools; a {n.extra['kv_dtype']} cache is prefilled by the 'tiled' backend"
+    if why is None and "block_size" in n.extra:
+        why = ppf.launch_reason(PrefillConfig(), n.extra.get("group", 1), n.extra["block_size"], n.head_dim, n.dtype)
+    return why
+
+
 # --------------------------------------------------------------------------- the records
 def _forward(version, rank, summary):
     kernel = "fwd_v3" if version == "v4" else f"fwd_{version}"          # v4: make_v3 with a 4-key step
@@ -196,6 +210,10 @@ RECORDS = (
              "sums and softmax work a key"),
     _gather("v1", 2, False, "a thread block per logical block, 8- or 4-byte words, loads before stores"),
     _gather("v3", 1, True, "a thread block per pool block, flat runs of 8-byte words, UN loads before stores"),
+    Record("numba", "paged_prefill", "v1", "numba_cuda/paged_prefill.py", "paged_prefill", PrefillConfig,
+           ppf.paged_prefill, "one launch for a packed batch of chunks: a block per (Q tile of a chunk, KV "
+           "head), its query heads packed, one cache block of K/V staged in shared memory through the block "
+           "table, bottom-right causal", _prefill_check, 1),
     Record("numba", "attention_backward", "v1", "numba_cuda/backward.py", "main_kernel", BackwardConfig,
            bwd.attention_backward, "FlashAttention-2's backward: K/V tile per block, dK/dV in registers over the "
            "GQA group, P recomputed from LSE, dQ by atomics or deterministic partials", _backward_check, 1),
@@ -235,6 +253,12 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     kernel, cfg = REGISTRY.resolve("paged_decode", config, n)
     return dec.paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
                                   config=cfg, split=kernel.args, window=window, quant=quant)
+
+
+def paged_prefill(q, cache, seq_ids, cu_seqlens_q, *, causal=True, scale=None, config=None):
+    """Chunked prefill over a :class:`~iokernels.paged.PagedKVCache`, one launch: (o, lse (Hq, total_q))."""
+    kernel, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, cache=cache))
+    return kernel.launcher(q, cache, seq_ids, cu_seqlens_q, causal=causal, scale=scale, config=cfg)
 
 
 def paged_gather(cache, sid, *, config=None):

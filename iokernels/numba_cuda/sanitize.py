@@ -7,7 +7,8 @@ on a GPU: ``python -c "import iokernels.numba_cuda as n; n.sanitize_cases()"``
 Each decode and gather version runs its element path (float32, d = 59: rows that are not
 whole 8-byte words) and its word path (float16, d = 64); each decode also a sliding window,
 and the paged decode the quantized caches of :data:`QUANT_CASES` (held against the oracle
-on the values the cache holds, its codes times its scales).
+on the values the cache holds, its codes times its scales); the paged prefill runs
+:data:`PREFILL_CHUNKS` over the same cache, causal and not.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ DECODE_LENS = (45, 7, 0)
 PAGED_LENS = (45, 13)
 #: the decode cases' sliding window: it starts mid-block, inside the first of 3 splits
 WINDOW = (20, 0)
+#: the paged prefill's chunks of PAGED_LENS: a whole prompt (several Q tiles), a partial chunk
+PREFILL_CHUNKS = (45, 5)
 #: quantized paged caches: (code format, scale granularity)
 QUANT_CASES = (("int8", "block_head"), ("float8_e4m3fn", "block"))
 
@@ -40,6 +43,17 @@ def _paged(rng, dtype, d, **quant):
     kk = np.stack([np.pad(cache.gather(s)[0], ((0, 0), (0, n_max - cache.seq_len(s)), (0, 0))) for s in sids])
     vv = np.stack([np.pad(cache.gather(s)[1], ((0, 0), (0, n_max - cache.seq_len(s)), (0, 0))) for s in sids])
     return cache, sids, kk, vv
+
+
+def _prefill_reference(q, cache, sids, cq, causal):
+    """The float64 oracle of a paged prefill, on a contiguous copy of each sequence."""
+    out = np.zeros(q.shape)
+    for b, sid in enumerate(sids):
+        rows = slice(int(cq[b]), int(cq[b + 1]))
+        k, v = (x.astype(np.float64)[None] for x in cache.gather(sid))
+        o, _ = reference.attention(q[rows].astype(np.float64).transpose(1, 0, 2)[None], k, v, causal=causal)
+        out[rows] = o[0].transpose(1, 0, 2)
+    return out
 
 
 def sanitize_cases(seed: int = 0, verbose: bool = True):
@@ -89,6 +103,16 @@ def sanitize_cases(seed: int = 0, verbose: bool = True):
                     ref, _ = reference.decode(qd, kd, vd, seq_lens=lens, window=WINDOW)
                     o, _ = kern.launcher(qd, kd, vd, seq_lens=lens, num_splits=3, scale=None, config=cfg, window=WINDOW)
                     note(f"{tag} S=3 {dtype} d={d} window={WINDOW}", o, ref)
+                continue
+            if kern.op == "paged_prefill":
+                cache, sids, _, _ = _paged(rng, dtype, d)
+                cq = np.concatenate([[0], np.cumsum(PREFILL_CHUNKS)]).astype(np.int32)
+                qp = rng.standard_normal((int(cq[-1]), 8, d)).astype(dtype)
+                if kern.unavailable(need(kern.op, q=qp, cache=cache)) is not None:
+                    continue
+                for causal in (True, False):
+                    o, _ = kern.launcher(qp, cache, sids, cq, causal=causal, scale=None, config=cfg)
+                    note(f"{tag} {dtype} d={d} causal={causal}", o, _prefill_reference(qp, cache, sids, cq, causal))
                 continue
             if kern.op == "paged_decode":
                 for quant in ({},) + tuple(dict(kv_dtype=kv, scale_granularity=g) for kv, g in QUANT_CASES):
