@@ -210,11 +210,11 @@ def window_kwargs(window, backend: str, fn: Callable) -> dict:
     return {"window": window}
 
 
-def check_paged_decode(q, cache, seq_ids, backend: str) -> list:
-    """The checks of a paged decode call on a (type-checked by the caller) paged cache; the ids as a list."""
+def _check_paged_cache(cache, seq_ids, backend: str, keys_only_hint: str) -> list:
+    """The checks a paged decode and a paged prefill share: the cache's kind, the backend that
+    can read it, and every sequence id; the ids as a list."""
     if cache.keys_only:
-        raise ValueError("cache: a keys-only cache (multi-head latent attention's) holds no V pool; "
-                         "decode it with iokernels.mla.paged_mla_decode")
+        raise ValueError("cache: a keys-only cache (multi-head latent attention's) holds no V pool" + keys_only_hint)
     if cache.quantized and backend not in QUANT_DECODE_BACKENDS:
         raise ValueError(f"cache: a {cache.kv_dtype} cache is dequantized by the "
                          f"{', '.join(map(repr, QUANT_DECODE_BACKENDS))} backends; the {backend!r} backend "
@@ -222,12 +222,22 @@ def check_paged_decode(q, cache, seq_ids, backend: str) -> list:
     seq_ids = list(seq_ids)
     for sid in seq_ids:
         cache._check_sid(sid)
+    return seq_ids
+
+
+def _check_q_dtype(q, cache) -> None:
+    if cv.dtype_name(q) != np.dtype(cache.dtype).name:
+        raise ValueError(f"q: dtype must equal the cache's {np.dtype(cache.dtype).name}, got {cv.dtype_name(q)}")
+
+
+def check_paged_decode(q, cache, seq_ids, backend: str) -> list:
+    """The checks of a paged decode call on a (type-checked by the caller) paged cache; the ids as a list."""
+    seq_ids = _check_paged_cache(cache, seq_ids, backend, "; decode it with iokernels.mla.paged_mla_decode")
     qs = tuple(getattr(q, "shape", ()) or ())
     if len(qs) != 3 or qs[0] != len(seq_ids) or qs[2] != cache.head_dim or qs[1] % cache.num_kv_heads:
         raise ValueError(f"q: expected shape ({len(seq_ids)}, a multiple of {cache.num_kv_heads} heads, "
                          f"{cache.head_dim}), got {qs}")
-    if cv.dtype_name(q) != np.dtype(cache.dtype).name:
-        raise ValueError(f"q: dtype must equal the cache's {np.dtype(cache.dtype).name}, got {cv.dtype_name(q)}")
+    _check_q_dtype(q, cache)
     return seq_ids
 
 
@@ -237,21 +247,12 @@ def check_paged_prefill(q, cache, seq_ids, cu_seqlens_q, backend: str) -> tuple:
     Sequence b's chunk (rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q) must already be the
     last rows the cache holds for seq_ids[b], so it can be no longer than that sequence.
     """
-    if cache.keys_only:
-        raise ValueError("cache: a keys-only cache (multi-head latent attention's) holds no V pool")
-    if cache.quantized and backend not in QUANT_DECODE_BACKENDS:
-        raise ValueError(f"cache: a {cache.kv_dtype} cache is dequantized by the "
-                         f"{', '.join(map(repr, QUANT_DECODE_BACKENDS))} backends; the {backend!r} backend "
-                         f"reads unquantized pools")
-    seq_ids = list(seq_ids)
-    for sid in seq_ids:
-        cache._check_sid(sid)
+    seq_ids = _check_paged_cache(cache, seq_ids, backend, "")
     qs = tuple(getattr(q, "shape", ()) or ())
     if len(qs) != 3 or qs[2] != cache.head_dim or qs[1] < 1 or qs[1] % cache.num_kv_heads:
         raise ValueError(f"q: expected shape (total_q, a multiple of {cache.num_kv_heads} heads, "
                          f"{cache.head_dim}), got {qs}")
-    if cv.dtype_name(q) != np.dtype(cache.dtype).name:
-        raise ValueError(f"q: dtype must equal the cache's {np.dtype(cache.dtype).name}, got {cv.dtype_name(q)}")
+    _check_q_dtype(q, cache)
     cq = cv.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", qs[0])
     if len(cq) != len(seq_ids) + 1:
         raise ValueError(f"cu_seqlens_q: expected len(seq_ids) + 1 = {len(seq_ids) + 1} offsets, got {len(cq)}")
