@@ -236,6 +236,23 @@ def decode_key(q, k, v, seq_lens, num_splits, scale, config, window):
             type(num_splits), num_splits, type(scale), scale, config, _window_key(window))
 
 
+def _device_rows(plan, q, k, v, cfg, d):
+    """q, k, v as device arrays with unit-stride rows (copied only where they are not); sets the
+    plan's ``copy_q`` / ``copy_kv`` (a run copies the same way) and refuses unaligned rows for v2+;
+    also whether every row starts on 16 bytes."""
+    qd, kd, vd = device_array(q), device_array(k), device_array(v)
+    plan.copy_q = qd.strides != (plan.Hq * d, d, 1)
+    plan.copy_kv = bool(kd.shape[-1] > 1 and (kd.strides[-1] != 1 or vd.strides[-1] != 1))
+    if plan.copy_q:
+        qd = unit_rows(contiguous(q))
+    if plan.copy_kv:
+        kd, vd = unit_rows(k), unit_rows(v)
+    aligned = all(a.aligned(DC.CHUNK_BYTES) for a in (qd, kd, vd))
+    if cfg.version != "v1" and not aligned:
+        raise ValueError(f"config.version: {cfg.version} needs rows that start on 16 bytes (use 'v1')")
+    return qd, kd, vd, aligned
+
+
 class DecodePlan:
     """Decode over a contiguous cache, planned once: q (B, Hq, d), k, v (B, Hkv, N, d) device
     arrays (torch CUDA or CuPy) and the settings of :func:`iokernels.cupy_raw.decode`.
@@ -270,16 +287,7 @@ class DecodePlan:
         self.key = (array_key(q), array_key(k), array_key(v), _lens_key(seq_lens))
         self.B, self.Hq, self.Hkv, self.N, self.d, self.dtype = B, int(q.shape[1]), Hkv, N, d, dtype
         self.acc = cv.accum_dtype(dtype).name
-        qd, kd, vd = device_array(q), device_array(k), device_array(v)
-        self.copy_q = qd.strides != (self.Hq * d, d, 1)
-        self.copy_kv = bool(kd.shape[-1] > 1 and (kd.strides[-1] != 1 or vd.strides[-1] != 1))
-        if self.copy_q:
-            qd = unit_rows(contiguous(q))
-        if self.copy_kv:
-            kd, vd = unit_rows(k), unit_rows(v)
-        aligned = all(a.aligned(DC.CHUNK_BYTES) for a in (qd, kd, vd))
-        if cfg.version != "v1" and not aligned:
-            raise ValueError(f"config.version: {cfg.version} needs rows that start on 16 bytes (use 'v1')")
+        qd, kd, vd, aligned = _device_rows(self, q, k, v, cfg, d)
         self.config, self.record = cfg, spec
         self.empty = B * self.Hq == 0
         self.alloc = _Alloc(q)
@@ -434,16 +442,7 @@ class PagedDecodePlan:
                     _lens_key(seq_lens))
         self.B, self.Hq, self.Hkv, self.d, self.dtype, self.nb, self.bs = B, int(q.shape[1]), Hkv, d, dtype, nb, bs
         self.acc = cv.accum_dtype(dtype).name
-        qd, kd, vd = device_array(q), device_array(k_pool), device_array(v_pool)
-        self.copy_q = qd.strides != (self.Hq * d, d, 1)
-        self.copy_kv = bool(kd.shape[-1] > 1 and (kd.strides[-1] != 1 or vd.strides[-1] != 1))
-        if self.copy_q:
-            qd = unit_rows(contiguous(q))
-        if self.copy_kv:
-            kd, vd = unit_rows(k_pool), unit_rows(v_pool)
-        aligned = all(a.aligned(DC.CHUNK_BYTES) for a in (qd, kd, vd))
-        if cfg.version != "v1" and not aligned:
-            raise ValueError(f"config.version: {cfg.version} needs rows that start on 16 bytes (use 'v1')")
+        qd, kd, vd, aligned = _device_rows(self, q, k_pool, v_pool, cfg, d)
         self.config, self.record = cfg, spec
         self.empty = B * self.Hq == 0
         self.alloc = _Alloc(q)
