@@ -6,6 +6,7 @@
 # Stages, each time-boxed with `timeout`; a failing stage is logged, never fatal:
 #   1. env        nvidia-smi, driver, CUDA, python / torch / numba / cupy / numpy versions, date
 #   2. bench      python -m iokernels bench  (alone on the GPU: it times things)   -> bench.json
+#                 (rewritten after every section: a bench its time box stops keeps what finished)
 #   2b. ring      python -m iokernels ring --world-size 1 --device cuda --bench (NCCL, one rank)
 #   3. traffic    ncu DRAM bytes vs the traffic model                              -> traffic.json
 #   4. checks     GPU pytest and compute-sanitizer memcheck / racecheck / synccheck / initcheck
@@ -35,7 +36,7 @@ LOGS=$(mktemp -d)
 T0=$(date +%s)
 
 # per-stage limits in seconds (total well under 600)
-T_ENV=30 T_BENCH=${T_BENCH:-280} T_TRAFFIC=${T_TRAFFIC:-50} T_CHECKS=${T_CHECKS:-270}
+T_ENV=30 T_BENCH=${T_BENCH:-300} T_TRAFFIC=${T_TRAFFIC:-50} T_CHECKS=${T_CHECKS:-270}
 
 # the whole script must end before DEADLINE seconds (the device tool allows 600 per call)
 DEADLINE=${DEADLINE:-580}

@@ -127,11 +127,43 @@ def test_main_quick_writes_a_record(tmp_path, capsys):
     out = tmp_path / "rec.json"
     assert bench.main(["--quick", "--no-progress", "--out", str(out)]) == 0
     rec = json.loads(out.read_text())
-    assert rec["env"]["date_utc"] and "recorded on" in rec["label"]
+    assert rec["env"]["date_utc"] and "recorded on" in rec["label"] and rec["complete"] is True
     rows = [r for c in rec["cases"] for r in c["results"]]
     assert {r["runner"] for r in rows} == {"numpy naive", "numpy tiled"}
     assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
     assert "numpy tiled" in capsys.readouterr().out
+
+
+def test_run_checkpoints_each_section_so_a_time_box_keeps_what_finished(tmp_path, monkeypatch):
+    """A bench stopped by its time box must still leave the sections it finished on disk."""
+    from iokernels.bench import cli
+    monkeypatch.setattr(cli, "_torch_cuda", lambda: object())        # take the GPU branch
+    done = []
+
+    def section(name):
+        def cases(p, seed, bar, **kw):
+            if name == "gather":
+                raise KeyboardInterrupt("the time box ends the run here")
+            done.append(name)
+            return [{"section": name, "results": []}]
+        return cases
+
+    for fn, name in [("prefill_cases", "prefill"), ("decode_cases", "decode"),
+                     ("quant_decode_cases", "decode_quant"), ("gather_cases", "gather")]:
+        monkeypatch.setattr(cli, fn, section(name))
+    out = tmp_path / "bench.json"
+    seen = []
+
+    def checkpoint(rec):
+        seen.append([c["section"] for c in rec["cases"]])
+        cli.write_record(rec, out)
+
+    with pytest.raises(KeyboardInterrupt):
+        cli.run(("prefill", "decode", "gather"), progress=False, checkpoint=checkpoint)
+    assert seen == [["prefill"], ["prefill", "decode"], ["prefill", "decode", "decode_quant"]]
+    rec = json.loads(out.read_text())
+    assert rec["complete"] is False and [c["section"] for c in rec["cases"]] == seen[-1]
+    assert not list(tmp_path.glob("*.part"))                          # written whole, by one rename
 
 
 def test_main_rejects_unknown_sections():

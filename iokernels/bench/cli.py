@@ -16,17 +16,19 @@ from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
 
 
 def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARGET_MS_PER_RUNNER,
-        cliff_budget_s=None) -> dict:
+        cliff_budget_s=None, checkpoint=None) -> dict:
     """Run the benchmark; returns the record (env + cases).  See :func:`main`.
 
     ``target_ms``: device time each runner's timed loop aims at (repetitions adapt to it,
     between 3 and DEFAULT_REPS); lower it to fit a tight time box.  ``cliff_budget_s``: the
-    cliff sweep's time box (None: :data:`.cliff.CLIFF_BUDGET_S`).
+    cliff sweep's time box (None: :data:`.cliff.CLIFF_BUDGET_S`).  ``checkpoint``: called
+    with the record after every section (``record["complete"]`` False until the last), so
+    a run stopped by a time box still leaves the sections it finished.
     """
     from . import cliff
     t0 = _time.perf_counter()
     env = environment()
-    record = {"env": env, "label": label(env), "quick": bool(quick), "seed": seed,
+    record = {"env": env, "label": label(env), "quick": bool(quick), "seed": seed, "complete": False,
               "settings": dict(warmup=DEFAULT_WARMUP, max_reps=DEFAULT_REPS, statistic="median",
                                l2_flush=True, timer="CUDA events (iokernels.bench.time_cuda)",
                                target_ms_per_runner=float(target_ms)),
@@ -37,6 +39,7 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
                           "benchmarks/results/ for numbers recorded on a GPU")
         record["cases"] = _numpy_only_cases(QUICK["prefill"], seed)
         record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
+        record["complete"] = True
         return record
     plan = []
     if quick:
@@ -104,8 +107,29 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
                 record["cases"] += cliff.captured_cases(p, seed, bar, target_ms=target_ms)
             else:
                 record["cases"] += gather_cases(p, seed, bar, target_ms=target_ms)
+            record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
+            if checkpoint is not None:
+                checkpoint(record)
     record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
+    record["complete"] = True
     return record
+
+
+def write_record(record, path) -> Path:
+    """Write ``record`` as JSON to ``path`` (a file, or a folder: ``bench.json`` in it), whole or not at all.
+
+    The text goes to a temporary file beside it, then replaces ``path`` in one rename, so a
+    reader (or a time box that kills the run) never sees half a file.
+    """
+    out = Path(path)
+    if out.is_dir() or str(path).endswith("/"):
+        out.mkdir(parents=True, exist_ok=True)
+        out = out / "bench.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".part")
+    tmp.write_text(json.dumps(record, indent=1, default=float))
+    tmp.replace(out)
+    return out
 
 
 class _NoBar:
@@ -206,15 +230,10 @@ def main(argv=None) -> int:
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         p.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
+    checkpoint = (lambda rec: write_record(rec, args.out)) if args.out else None
     record = run(sections, quick=args.quick, seed=args.seed, progress=not args.no_progress,
-                 target_ms=args.target_ms, cliff_budget_s=args.cliff_budget_s)
+                 target_ms=args.target_ms, cliff_budget_s=args.cliff_budget_s, checkpoint=checkpoint)
     print(table(record))
     if args.out:
-        out = Path(args.out)
-        if out.is_dir() or args.out.endswith("/"):
-            out.mkdir(parents=True, exist_ok=True)
-            out = out / "bench.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(record, indent=1, default=float))
-        print(f"wrote {out}")
+        print(f"wrote {write_record(record, args.out)}")
     return 0
