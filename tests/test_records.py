@@ -90,6 +90,38 @@ def test_added_is_undone_even_when_the_block_raises():
     assert reg.versions("decode") == ["v1"]
 
 
+def test_call_runs_the_resolved_version_with_its_config():
+    from dataclasses import dataclass, replace
+
+    from iokernels.core.registry import Need
+
+    @dataclass(frozen=True)
+    class Cfg:
+        version: str | None = None
+
+        def replace(self, **kw):
+            return replace(self, **kw)
+
+    calls = []
+
+    def launcher(version):
+        return lambda *a, config, **kw: calls.append((version, a, config, kw)) or version
+
+    def rec(version, rank, check=None):
+        return R.Record("numba", "decode", version, "numba_cuda/decode.py", "split", Cfg, launcher(version), "toy",
+                        check, rank)
+
+    reg = Registry("numba")
+    reg.add(rec("v1", 1), rec("v2", 2, lambda n: "too wide" if n.head_dim > 128 else None))
+    need = Need("float16", 64)
+    assert reg.call("decode", None, need, "q", "k", scale=0.5) == "v2"
+    assert calls[-1] == ("v2", ("q", "k"), Cfg("v2"), {"scale": 0.5})
+    assert reg.call("decode", None, Need("float16", 256), "q") == "v1"   # v2's check refuses
+    assert reg.call("decode", Cfg("v1"), need, "q") == "v1" and calls[-1][2] == Cfg("v1")
+    with pytest.raises(ValueError, match="v2 cannot run here: too wide"):
+        reg.call("decode", Cfg("v2"), Need("float16", 256), "q")
+
+
 def test_version_table_orders_by_op_then_rank_and_wraps():
     reg = Registry("numba")
     reg.add(_record("v1", rank=1), _record("v2", rank=5), _record("v1", op="attention", rank=3))

@@ -149,6 +149,15 @@ class Registry:
             raise ValueError(f"config.version: {self.backend} {op} {version} cannot run here: {why}")
         return k, config
 
+    def call(self, op: str, config, need: Need, *args, **kwargs):
+        """Resolve (:meth:`resolve`), then run the version's launcher on ``args`` with its config.
+
+        The one dispatch every backend's public functions share: ``config`` None picks the
+        default for ``need``; a config naming a version runs that version or raises why not.
+        """
+        kernel, config = self.resolve(op, config, need)
+        return kernel.launcher(*args, config=config, **kwargs)
+
     def table(self) -> list[dict]:
         """One row per record: backend, op, version, file, kernel, config class, rank, summary."""
         return [dict(backend=k.backend, op=k.op, version=k.version, file=k.file, kernel=k.kernel,

@@ -224,21 +224,20 @@ REGISTRY.add(*RECORDS)
 # --------------------------------------------------------------------------- dispatch
 def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     """Forward: the registry's kernel for this call (``config`` None: the default)."""
-    kernel, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v))
-    return kernel.launcher(q, k, v, causal=causal, scale=scale, window=window, config=cfg)
+    return REGISTRY.call("attention", config, need("attention", q=q, k=k, v=v), q, k, v, causal=causal, scale=scale,
+                         window=window)
 
 
 def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
     """Flash-Decoding over a contiguous (ragged) cache: (o, lse)."""
-    kernel, cfg = REGISTRY.resolve("decode", config, need("decode", q=q, k=k, v=v))
-    return kernel.launcher(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=cfg,
-                           window=window)
+    return REGISTRY.call("decode", config, need("decode", q=q, k=k, v=v), q, k, v, seq_lens=seq_lens,
+                         num_splits=num_splits, scale=scale, window=window)
 
 
 def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None, window=None):
     """Decode over a :class:`~iokernels.paged.PagedKVCache` (quantized: by v3): (o, lse)."""
-    kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, cache=cache))
-    return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg, window=window)
+    return REGISTRY.call("paged_decode", config, need("paged_decode", q=q, cache=cache), q, cache, seq_ids,
+                         num_splits=num_splits, scale=scale, window=window)
 
 
 def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None,
@@ -257,14 +256,13 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
 
 def paged_prefill(q, cache, seq_ids, cu_seqlens_q, *, causal=True, scale=None, config=None):
     """Chunked prefill over a :class:`~iokernels.paged.PagedKVCache`, one launch: (o, lse (Hq, total_q))."""
-    kernel, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, cache=cache))
-    return kernel.launcher(q, cache, seq_ids, cu_seqlens_q, causal=causal, scale=scale, config=cfg)
+    return REGISTRY.call("paged_prefill", config, need("paged_prefill", q=q, cache=cache), q, cache, seq_ids,
+                         cu_seqlens_q, causal=causal, scale=scale)
 
 
 def paged_gather(cache, sid, *, config=None):
     """What ``cache.gather(sid, backend="numba")`` calls: (k, v) of one sequence."""
-    kernel, cfg = REGISTRY.resolve("paged_gather", config, need("paged_gather", cache=cache))
-    return kernel.launcher(cache, sid, config=cfg)
+    return REGISTRY.call("paged_gather", config, need("paged_gather", cache=cache), cache, sid)
 
 
 def gather_pools(k_pool, v_pool, block_table, seq_len, *, words=True, config=None):

@@ -75,21 +75,20 @@ REGISTRY.add(*RECORDS)
 # --------------------------------------------------------------------------- dispatch
 def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     """Forward: the registry's kernel for this call (``config`` None: the default)."""
-    kernel, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v))
-    return kernel.launcher(q, k, v, causal=causal, scale=scale, window=window, config=cfg)
+    return REGISTRY.call("attention", config, need("attention", q=q, k=k, v=v), q, k, v, causal=causal, scale=scale,
+                         window=window)
 
 
 def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
     """Split-KV decode over a contiguous (ragged) cache: (o, lse)."""
-    kernel, cfg = REGISTRY.resolve("decode", config, need("decode", q=q, k=k, v=v))
-    return kernel.launcher(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=cfg,
-                           window=window)
+    return REGISTRY.call("decode", config, need("decode", q=q, k=k, v=v), q, k, v, seq_lens=seq_lens,
+                         num_splits=num_splits, scale=scale, window=window)
 
 
 def paged_decode(q, cache, seq_ids, *, num_splits=None, scale=None, config=None, window=None):
     """Decode over a :class:`~iokernels.paged.PagedKVCache`: (o, lse)."""
-    kernel, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, cache=cache))
-    return kernel.launcher(q, cache, seq_ids, num_splits=num_splits, scale=scale, config=cfg, window=window)
+    return REGISTRY.call("paged_decode", config, need("paged_decode", q=q, cache=cache), q, cache, seq_ids,
+                         num_splits=num_splits, scale=scale, window=window)
 
 
 def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None,
