@@ -137,9 +137,9 @@ PIDS="$!"
 timeout --kill-after=5 $(left 60) $PY scripts/sanitize.py > "$LOGS/sanitize_prewarm.log" 2>&1
 note "sanitize.py without a sanitizer: exit $?"
 T_SAN=$(left $T_CHECKS)
-note "4 sanitizers x 2 kernel families (limit ${T_SAN}s)"
+note "4 sanitizers x 3 kernel families (limit ${T_SAN}s)"
 for tool in memcheck racecheck synccheck initcheck; do
-  for fam in numba cupy; do          # one process per (tool, family): 8 in parallel
+  for fam in numba cupy triton; do   # one process per (tool, family): 12 in parallel
     (
       # --report-api-errors no: CUDA Python (numba-cuda's driver bindings) probes the driver
       # with cuGetProcAddress for symbols it may lack; those failed *host API* calls are not

@@ -1,7 +1,7 @@
 """Run every CUDA kernel of the project at ragged shapes, for compute-sanitizer.
 
     compute-sanitizer --tool memcheck  --report-api-errors no --error-exitcode 99 python3 scripts/sanitize.py
-    (likewise --tool racecheck, synccheck, initcheck; --only numba|cupy for one family;
+    (likewise --tool racecheck, synccheck, initcheck; --only numba|cupy|triton for one family;
     --only cupy --kernel attention_backward:v2 for one registered CuPy kernel)
 
 ``--report-api-errors no``: CUDA Python's bindings probe the driver with cuGetProcAddress
@@ -17,8 +17,11 @@ iterable of (name, callable) pairs or of callables.
 A self-test case (a tiny CuPy kernel, correct on purpose) runs first, so a broken tool
 invocation is told apart from "no kernels yet".  This script imports neither torch nor
 anything else that launches CUDA kernels of its own, so what the sanitizer reports is
-ours.  Exit status: 0 when every case ran and passed its own check, 1 otherwise
-(the sanitizer's verdict comes from its own exit code and ERROR SUMMARY).
+ours; the Triton family is the exception (Triton launches through torch), and runs with
+torch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1, set here before torch is
+imported), so an access past a tensor is not hidden inside a larger pooled block.
+Exit status: 0 when every case ran and passed its own check, 1 otherwise (the
+sanitizer's verdict comes from its own exit code and ERROR SUMMARY).
 """
 from __future__ import annotations
 
@@ -131,15 +134,22 @@ def _run_family(module, t0, kernels=None):
     return ran, failed, None if items else "sanitize_cases returned nothing"
 
 
+#: the kernel families, each a module with ``sanitize_cases()``; gpu_all.sh runs one
+#: sanitizer process per (tool, family)
+FAMILIES = {"numba": "iokernels.numba_cuda", "cupy": "iokernels.cupy_raw", "triton": "iokernels.triton_backend"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("numba", "cupy"), default=None, help="one kernel family")
+    p.add_argument("--only", choices=tuple(FAMILIES), default=None, help="one kernel family")
     p.add_argument("--kernel", action="append", default=None, metavar="OP:VERSION",
                    help="with --only cupy: only this registered kernel (repeatable)")
     args = p.parse_args(argv)
     if args.kernel and args.only != "cupy":
         p.error("--kernel: needs --only cupy (the CuPy registry's op:version names)")
-    modules = {"numba": "iokernels.numba_cuda", "cupy": "iokernels.cupy_raw"}
+    modules = dict(FAMILIES)
+    if "triton" in modules:
+        os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
     if args.only:
         modules = {args.only: modules[args.only]}
     failed = 0

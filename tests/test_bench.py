@@ -281,3 +281,17 @@ def test_sanitizer_summary(tmp_path):
     assert "initcheck_cupy     0 errors" in text
     assert "INCOMPLETE: synccheck did not finish" in text
     assert "FAILED: cupy:decode:" in text or "FAILED: cupy:decode" in text
+
+
+def test_sanitizer_families_each_name_a_module_with_its_cases():
+    """gpu_all.sh runs one sanitizer process per family of scripts/sanitize.py: each must exist."""
+    import importlib
+    sz = _script("sanitize")
+    assert set(sz.FAMILIES) == {"numba", "cupy", "triton"}
+    for family, module in sz.FAMILIES.items():
+        spec = importlib.util.find_spec(module)
+        assert spec is not None, family
+        text = open(spec.origin).read()
+        assert "sanitize_cases" in text, f"{module} does not export sanitize_cases"
+    script = open(os.path.join(ROOT, "scripts", "gpu_all.sh")).read()
+    assert f"for fam in {' '.join(sz.FAMILIES)}; do" in script
