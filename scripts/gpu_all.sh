@@ -98,10 +98,11 @@ note "traffic (ncu, limit ${T_TRAFFIC}s), then pytest; sanitizers alongside"
     --timeout $T_TRAFFIC > "$LOGS/traffic.log" 2>&1
   echo "[$(( $(date +%s) - T0 ))s] traffic exit $?" >> "$LOGS/stages.txt"
   files=""
-  # (the files whose unmarked tests launch kernels on a real GPU when the simulator is off;
+  # (the files whose unmarked tests launch kernels on a real GPU when the simulator and Triton's
+  # interpreter are off: lab 13's Triton kernels are graded live there;
   # the compile, launch-argument and schedule tests need no GPU and run in CI)
   for f in tests/test_conformance.py tests/test_numba*.py tests/test_gpu_*.py \
-           tests/test_autograd.py tests/test_torch_sdpa.py; do
+           tests/test_autograd.py tests/test_torch_sdpa.py tests/test_labs_triton.py; do
     [ -f "$f" ] && files="$files $f"; done
   # whole output (failures with short tracebacks, skip reasons, no warning summary): a failure on the
   # GPU must be readable from the record without another device call.  Three pytest
