@@ -134,7 +134,7 @@ def test_main_quick_writes_a_record(tmp_path, capsys):
     assert "numpy tiled" in capsys.readouterr().out
 
 
-def test_run_checkpoints_each_section_so_a_time_box_keeps_what_finished(tmp_path, monkeypatch):
+def test_run_checkpoints_each_section_so_a_time_box_keeps_what_finished(tmp_path, monkeypatch, capsys):
     """A bench stopped by its time box must still leave the sections it finished on disk."""
     from iokernels.bench import cli
     monkeypatch.setattr(cli, "_torch_cuda", lambda: object())        # take the GPU branch
@@ -142,6 +142,7 @@ def test_run_checkpoints_each_section_so_a_time_box_keeps_what_finished(tmp_path
 
     def section(name):
         def cases(p, seed, bar, **kw):
+            bar.set_description(f"{name} case")
             if name == "gather":
                 raise KeyboardInterrupt("the time box ends the run here")
             done.append(name)
@@ -164,6 +165,9 @@ def test_run_checkpoints_each_section_so_a_time_box_keeps_what_finished(tmp_path
     rec = json.loads(out.read_text())
     assert rec["complete"] is False and [c["section"] for c in rec["cases"]] == seen[-1]
     assert not list(tmp_path.glob("*.part"))                          # written whole, by one rename
+    log = capsys.readouterr().out.splitlines()                          # without a bar: a line a case
+    assert [ln.split("] ", 1)[1] for ln in log] == ["prefill case", "decode case", "decode_quant case", "gather case"]
+    assert all(ln.startswith("[") and " s] " in ln for ln in log)
 
 
 def test_main_rejects_unknown_sections():

@@ -83,11 +83,14 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
             total += 1
         else:
             total += len(p["seqlens"]) * 3
-    try:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=total, disable=not progress, unit="row", dynamic_ncols=True)
-    except ImportError:  # pragma: no cover
-        bar = _NoBar()
+    if progress:
+        try:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=total, unit="row", dynamic_ncols=True)
+        except ImportError:  # pragma: no cover
+            bar = _LogBar(t0)
+    else:
+        bar = _LogBar(t0)
     with bar:
         for s, p in plan:
             if s in ("prefill", "compare"):
@@ -132,7 +135,13 @@ def write_record(record, path) -> Path:
     return out
 
 
-class _NoBar:
+class _LogBar:
+    """The progress bar of a run without one: a line per case, with the seconds since the
+    start, so the log of a run its time box stopped says where the time went."""
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+
     def __enter__(self):
         return self
 
@@ -143,7 +152,7 @@ class _NoBar:
         pass
 
     def set_description(self, s):
-        pass
+        print(f"[{_time.perf_counter() - self.t0:7.1f} s] {s}", flush=True)
 
 
 # --------------------------------------------------------------------------- the table
