@@ -126,6 +126,28 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
     return bq, bk
 
 
+# =========================================================================== paged prefill
+#: paged_prefill_v1.cu's default block: 4 warps (Br = 64 chunk rows); a chunk is often short
+#: (a decode row, a tail), and a Q tile larger than the chunk is tensor-core work thrown away
+PAGED_PREFILL_WARPS = 4
+#: ... and its K tiles, largest first: 64 keys (4 cache blocks of 16) feed the tensor cores as
+#: fa_v2's default does; smaller ones only where the SRAM of the larger does not fit
+PAGED_PREFILL_BLOCK_K_CHOICES = (64, 32, 16)
+
+
+def paged_prefill_tiles(num_warps: int | None, block_k: int | None, smem_of: Callable[[int, int], int],
+                        limit: int | None) -> tuple[int, int] | None:
+    """paged_prefill_v1.cu's (warps, Bc): the given sizes, and for a None the default
+    (PAGED_PREFILL_WARPS warps; the largest of PAGED_PREFILL_BLOCK_K_CHOICES) whose
+    ``smem_of(warps, Bc)`` fits ``limit`` bytes (None: no limit known, the largest); None when
+    no such tile set fits."""
+    nw = num_warps or PAGED_PREFILL_WARPS
+    for bk in (block_k,) if block_k else PAGED_PREFILL_BLOCK_K_CHOICES:
+        if limit is None or smem_of(nw, bk) <= limit:
+            return nw, bk
+    return None
+
+
 # =========================================================================== paged gather
 #: chunk sizes a row may be moved in, widest first (a row of 1-byte elements does not occur)
 GATHER_CHUNK_CHOICES = (16, 8, 4, 2)
