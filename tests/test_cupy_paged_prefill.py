@@ -98,6 +98,16 @@ def test_the_record_says_why_it_cannot_run(need_kw, words):
     assert REGISTRY.get("paged_prefill", "v1").unavailable(Need(dtype="bfloat16", head_dim=128, cc=80)) is None
 
 
+def test_the_sanitizer_runs_it_with_its_variants():
+    """scripts/sanitize.py runs every registered op through sanitize.RUNNERS; the paged prefill's
+    variant tiles are valid configs."""
+    from iokernels.cupy_raw import sanitize as S
+    assert set(REGISTRY.ops()) <= set(S.RUNNERS)
+    for kw in S.VARIANTS[("paged_prefill", "v1")]:
+        cfg = PagedPrefillConfig("v1", **kw).resolve(128, 227 * 1024)
+        assert cfg.block_k % 16 == 0 and cfg.num_warps in (2, 4, 8)
+
+
 def test_need_counts_the_group_from_pools():
     q = np.zeros((5, 8, 64), np.float16)
     pool = np.zeros((4, 16, 2, 64), np.float16)
