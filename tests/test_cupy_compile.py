@@ -88,7 +88,7 @@ def _jobs():
         pp("float16", 128, arch, smem=64 * 1024 if arch == 75 else None)   # sm_75: Bc shrunk to fit 64 KB
         pp("float16", 64, arch, page_size=4 if arch == 75 else 16)
         if arch >= 80:
-            pp("bfloat16", 128, arch)
+            pp("bfloat16", 128, arch, num_warps=8)                       # long chunks: Br = 128
             pp("bfloat16", 64, arch, page_size=7, vec_io=False)          # odd page size, element copies
         bwd("float32", 128, arch)
         bwd2("float16", 128, arch)
@@ -261,10 +261,10 @@ def test_a_missing_define_is_a_compile_error_naming_it(tmp_path, name):
 
 
 def test_paged_prefill_defaults_stay_in_registers(tmp_path):
-    """ptxas -v: paged_prefill_v1 at its default tiles (d = 64, 128; both dtypes) on sm_80 and sm_90
-    uses no local memory."""
-    jobs = [(cr.PagedPrefillConfig("v1").resolve(d).defines(d, dt, 16), arch)
-            for d in (64, 128) for dt in ("float16", "bfloat16") for arch in (80, 90)]
+    """ptxas -v: paged_prefill_v1 at its default tiles (d = 64, 128; both dtypes; 4 and 8 warps) on
+    sm_80 and sm_90 uses no local memory."""
+    jobs = [(cr.PagedPrefillConfig("v1").resolve(d, None, rows).defines(d, dt, 16), arch)
+            for d in (64, 128) for dt in ("float16", "bfloat16") for arch in (80, 90) for rows in (1, 4096)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(tmp_path, "paged_prefill_v1", j[0], j[1], ("-Xptxas", "-v")),
                                 jobs))

@@ -101,6 +101,11 @@ def test_paged_prefill_tiles_keep_4_warps_and_shrink_bc_to_fit():
     assert P.paged_prefill_tiles(None, None, smem, smem(4, 16) - 1) is None
     assert P.paged_prefill_tiles(2, 128, smem, smem(2, 128)) == (2, 128)       # given sizes are kept ...
     assert P.paged_prefill_tiles(2, 128, smem, smem(2, 128) - 1) is None       # ... or refused, never shrunk
+    # long chunks on average: 8 warps (Br = 128), back to 4 where 8 fit at no Bc
+    assert P.paged_prefill_tiles(None, None, smem, None, mean_rows=127.9) == (4, 64)
+    assert P.paged_prefill_tiles(None, None, smem, None, mean_rows=128) == (8, 64)
+    assert P.paged_prefill_tiles(None, None, smem, smem(8, 32), mean_rows=4096) == (8, 32)
+    assert P.paged_prefill_tiles(None, None, smem, smem(8, 16) - 1, mean_rows=4096) == (4, 16)
     # the config uses it: d = 128 at 4 x 64 is 87,040 B (an H100 / A100 block); 64 KB (sm_75) takes Bc = 32
     cfg = C.PagedPrefillConfig("v1").resolve(128, 227 * 1024)
     assert (cfg.num_warps, cfg.block_k, cfg.block_q, cfg.smem_bytes(128)) == (4, 64, 64, 87040)

@@ -171,7 +171,7 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
         cq = _host_offsets(cu_seqlens_q, B, total_q, lens_h)
         longest = int(np.diff(cq).max(initial=0))
     acc = cv.accum_dtype(dtype).name
-    cfg = config.resolve(d, device_info()["smem_optin"])
+    cfg = config.resolve(d, device_info()["smem_optin"], total_q / max(B, 1))   # the mean chunk: shapes only
     with on_stream(call.stream_ptr()):
         qd = unit_rows(call.to_device(q, "q"))
         kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")

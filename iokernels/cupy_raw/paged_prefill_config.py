@@ -39,7 +39,8 @@ class PagedPrefillConfig:
     version: "v1" (None: the registry's default).  num_warps: warps a block, each owning 16
     chunk rows (Br = 16 * num_warps; 1, 2, 4 or 8).  block_k: keys a K/V tile (Bc; 16, 32,
     64 or 128), read through the block table, so a tile spans Bc / block_size cache blocks.
-    None: :func:`.policy.paged_prefill_tiles` (the default, shrunk to fit the GPU's SRAM).
+    None: :func:`.policy.paged_prefill_tiles` (by the batch's mean chunk length, shrunk to fit
+    the GPU's SRAM).
     """
 
     version: str | None = None
@@ -57,14 +58,16 @@ class PagedPrefillConfig:
     def replace(self, **changes) -> "PagedPrefillConfig":
         return replace(self, **changes)
 
-    def resolve(self, head_dim: int, smem_limit: int | None = None) -> "PagedPrefillConfig":
+    def resolve(self, head_dim: int, smem_limit: int | None = None, mean_rows: float | None = None
+                ) -> "PagedPrefillConfig":
         """Concrete sizes for ``head_dim`` on a GPU whose blocks may take ``smem_limit`` bytes
-        of shared memory (None: unknown); a ValueError naming config when they do not fit."""
+        of shared memory (None: unknown), for chunks of ``mean_rows`` rows on average (None:
+        unknown); a ValueError naming config when they do not fit."""
         if self.version is None:
             raise ValueError("config.version: None is the registry's default; resolve it with "
                              "REGISTRY.resolve('paged_prefill', config, need) first")
         got = paged_prefill_tiles(self.num_warps, self.block_k,
-                                  lambda nw, bk: paged_prefill_smem(head_dim, nw, bk), smem_limit)
+                                  lambda nw, bk: paged_prefill_smem(head_dim, nw, bk), smem_limit, mean_rows)
         if got is None:
             raise ValueError(f"config: {self} needs more than this GPU's {smem_limit:,} B of shared memory per "
                              f"block at head_dim={head_dim}; choose a smaller block_k or num_warps")
