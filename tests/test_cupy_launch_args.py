@@ -146,6 +146,11 @@ for dt in ("float16", "bfloat16", "float32"):
                                                cupy.asarray(cache.v_pool), cupy.asarray(t.astype(np.int32)),
                                                cupy.asarray(ln.astype(np.int32)), cupy.asarray(cq[:3]),
                                                causal=False, config=cfg))
+            rec(f"prefill pools bound {cfg and cfg.version} {dt} {d}",
+                lambda: cr.paged_prefill_pools(cupy.asarray(qp), cupy.asarray(cache.k_pool),
+                                               cupy.asarray(cache.v_pool), cupy.asarray(t[[0, 1, 1]].astype(np.int32)),
+                                               cupy.asarray(ln[[0, 1, 1]].astype(np.int32)), cupy.asarray(cq),
+                                               config=cfg, max_seqlen_q=45))
 
 # MLA decode: the stand-in cannot encode TMA descriptors, so tensor_map records what it was
 # asked for and hands back 128 zero bytes; the Hopper check is let through for these calls
@@ -318,6 +323,8 @@ def test_paged_prefill_launch_geometry(launches):
             assert ls[0]["smem"] == paged_prefill_smem(d, 4, 64)
             pools = launches[f"prefill pools v1 {dt} {d}"]
             assert pools[0]["grid"] == [1, 8, 2]                               # 38 rows: 1 tile of 64
+            # device offsets: the grid from max_seqlen_q (45 rows: one tile), not total_q (83: two)
+            assert launches[f"prefill pools bound v1 {dt} {d}"][0]["grid"] == [1, 8, 3]
     assert "paged_prefill None float32 128" not in launches and "prefill pools v1 float32 128" not in launches
     assert "paged_prefill v1 float16 59" not in launches                       # head dims 64 and 128 only
 

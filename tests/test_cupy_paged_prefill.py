@@ -132,6 +132,8 @@ def _pools_call(rng, **change):
     (dict(seq_lens=np.array([40, 900])), "seq_lens"),
     (dict(block_tables=np.array([[0, 1, 2], [99, 0, 0]], np.int32)), "block_tables"),
     (dict(causal="yes"), "causal"),
+    (dict(max_seqlen_q=8), "max_seqlen_q"),                             # shorter than the chunk of 9
+    (dict(max_seqlen_q=17), "max_seqlen_q"),                            # past total_q
 ])
 def test_bad_arguments_raise_naming_the_argument(rng, change, name):
     """Every check runs on the host before anything touches a GPU (so it holds on a CPU)."""
@@ -198,6 +200,8 @@ def test_device_pools_tables_and_offsets(rng, lib):
     args = [to(x) for x in (q, cache.k_pool, cache.v_pool, tables.astype(np.int32), lens.astype(np.int32), cq)]
     o, lse = paged_prefill_pools(*args)
     assert type(o) is type(args[0]) and type(lse) is type(args[0])
+    o_b, _ = paged_prefill_pools(*args, max_seqlen_q=45)           # the grid sized by the caller's bound
+    assert np.array_equal(testing.as_numpy(o_b), testing.as_numpy(o))
     host = testing.as_numpy
     _check(host(o), host(lse), q, cache, sids, cq, "float16", True, f"{lib} pools")
     # the last sequence said to hold 0 tokens: its one query row sees nothing

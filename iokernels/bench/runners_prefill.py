@@ -6,7 +6,8 @@ runs the CuPy forward (``ik.attention(..., backend="cupy")``, bottom-right causa
 (B, Hq, chunk, d) queries over contiguous (B, Hkv, n, d) K and V; the paged rows run every
 registered version of the CuPy paged prefill on the same values, packed (B * chunk, Hq, d),
 over pools whose blocks are scattered as in a busy server (:func:`.runners.device_pages`),
-with device tables, lengths and offsets (no host copy in a call).  ``speed_vs_contiguous``:
+with device tables, lengths and offsets (no host copy in a call) and the longest chunk
+passed as ``max_seqlen_q`` (it sizes the grid, as a server's scheduler knows it).  ``speed_vs_contiguous``:
 the contiguous row's time / this row's time (1 = paging costs nothing).
 
 Split from :mod:`iokernels.bench.runners` (the measuring helpers live there).
@@ -51,7 +52,7 @@ def paged_prefill_cases(spec, seed, progress, section="paged_prefill", target_ms
                 mod = _gpu_module("cupy")
 
                 def run(cfg):
-                    o, lse = mod.paged_prefill_pools(packed, kp, vp, *dev, causal=True, config=cfg)
+                    o, lse = mod.paged_prefill_pools(packed, kp, vp, *dev, causal=True, config=cfg, max_seqlen_q=nq)
                     return o.view(B, nq, Hq, d).transpose(1, 2), lse
                 paged = _gpu_rows("cupy", "paged_prefill", run, need=dict(q=packed, k=kp, v=vp), work=flops,
                                   unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms)

@@ -35,9 +35,10 @@ issue slots); a chunk of one row (a decode step) still costs a Br-row tile of te
 work, so a decode-heavy batch is better served by the paged decode kernels; head dims 64
 and 128, float16 and bfloat16 only (the record's check says so for others); a quantized
 cache is not read.  With device block tables, lengths and offsets the launch reads none of
-their values on the host, so the grid is sized by the longest chunk possible (total_q rows)
-and most blocks of short chunks exit at once; with host offsets it is sized by the longest
-chunk.  No plan cache (:mod:`.plans`) yet: each call resolves its config and looks up the
+their values on the host, so the grid is sized by ``max_seqlen_q`` when the caller passes it
+(as FlashAttention's varlen calls take it), else by the longest chunk possible (total_q
+rows), and then most blocks of short chunks exit at once; with host offsets it is sized by
+the longest chunk.  No plan cache (:mod:`.plans`) yet: each call resolves its config and looks up the
 compiled kernel.
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def paged_prefill(q, cache, seq_ids, cu_seqlens_q, *, causal=True, scale=None, c
 
 
 def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal=True, scale=None,
-                        config=None):
+                        config=None, max_seqlen_q=None):
     """Paged prefill over pools (num_blocks, block_size, Hkv, d): (O (total_q, Hq, d), LSE (Hq, total_q)).
 
     q (total_q, Hq, d) packed; sequence b's chunk is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and
@@ -81,11 +82,15 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
     arrays (checked, then uploaded once per distinct content) or contiguous int32 device arrays
     of q's kind, used in place: their values are not read on the host (keep them in range), so
     with device ones a call neither synchronizes the host nor copies host memory.
+    ``max_seqlen_q`` (as FlashAttention's varlen calls take it): the longest chunk, which sizes
+    the grid when cu_seqlens_q is a device array (None: total_q, the most a chunk can hold, so
+    the blocks of shorter chunks exit at once); with host offsets it is read from them.
     """
     _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
     _check_q(q, Hkv, d, dtype)
     _, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, k=k_pool, v=v_pool))
-    return _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal, scale=scale, config=cfg)
+    return _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal, scale=scale, config=cfg,
+                max_seqlen_q=max_seqlen_q)
 
 
 # --------------------------------------------------------------------------- checks
@@ -128,7 +133,7 @@ def _host_offsets(cu_seqlens_q, batch, total_q, lens):
 
 
 # --------------------------------------------------------------------------- the call
-def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, scale, config):
+def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, scale, config, max_seqlen_q=None):
     """One call with a resolved config (its version set): (O, LSE) of q's kind."""
     nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
     _check_q(q, Hkv, d, dtype)
@@ -164,12 +169,18 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
         else:
             tables_h, lens_h = check_paged_lengths(tables_h, lens_h, B, nb, bs)
         max_blocks = int(tables_h.shape[1])
+    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer))
+                                     or not 0 <= max_seqlen_q <= total_q):
+        raise ValueError(f"max_seqlen_q: expected None or an integer in [0, total_q = {total_q}], got "
+                         f"{max_seqlen_q!r}")
     if dev_c:
         _device_ints(cu_seqlens_q, "cu_seqlens_q", (B + 1,))
-        longest = total_q                                      # not read: the most a chunk can hold
+        longest = total_q if max_seqlen_q is None else int(max_seqlen_q)   # not read: the caller's bound
     else:
         cq = _host_offsets(cu_seqlens_q, B, total_q, lens_h)
         longest = int(np.diff(cq).max(initial=0))
+        if max_seqlen_q is not None and max_seqlen_q < longest:
+            raise ValueError(f"max_seqlen_q: {max_seqlen_q} is shorter than the longest chunk, {longest} rows")
     acc = cv.accum_dtype(dtype).name
     cfg = config.resolve(d, device_info()["smem_optin"], total_q / max(B, 1))   # the mean chunk: shapes only
     with on_stream(call.stream_ptr()):
