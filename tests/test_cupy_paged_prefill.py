@@ -229,3 +229,21 @@ def test_chunked_equals_one_shot_and_a_decode_row_equals_paged_decode(rng):
     testing.assert_close(row[0], ref[-1], base[-1], dtype="float16", name="one-row chunk")
     testing.assert_close(dec[0], ref[-1], base[-1], dtype="float16", name="paged decode")
     testing.assert_close(whole[-1], ref[-1], base[-1], dtype="float16", name="whole prompt's last row")
+
+
+@pytest.mark.gpu
+@gpu
+def test_strided_pools_are_read_in_place(rng):
+    """A pool stored heads-outer, (blocks, Hkv, slots, d), passed as its (blocks, slots, Hkv, d)
+    view: read through its strides, the same output bit for bit as the slots-outer pool."""
+    if not torch_gpu():
+        pytest.skip("torch sees no CUDA GPU")
+    import torch
+    cache, sids, cq, q = _case(rng, (301, 45, 5), (37, 45, 1), 8, 2, 128, "float16")
+    tables, lens = cache.block_tables_array(sids)
+    tq, kp, vp = (torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in (q, cache.k_pool, cache.v_pool))
+    outer = [p.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for p in (kp, vp)]
+    assert not outer[0].is_contiguous() and outer[0].stride(-1) == 1
+    o1, l1 = paged_prefill_pools(tq, kp, vp, tables, lens, cq)
+    o2, l2 = paged_prefill_pools(tq, outer[0], outer[1], tables, lens, cq)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
