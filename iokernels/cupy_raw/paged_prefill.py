@@ -9,7 +9,8 @@ each sequence's cache through its block table, in one launch.
 Notation (the papers' names):
 
 =======  ===========================================================================
-Br, Bc   chunk rows a Q tile (16 a warp), keys a K/V tile (block_q, block_k)
+Br, Bc   chunk rows a Q tile (16 a warp: 64, or 128 where chunks are long on average, by
+         :func:`.policy.paged_prefill_tiles`), keys a K/V tile (64 by default)
 n, n_q   tokens a sequence has cached (its chunk included), rows of its chunk
 p        block_size, the keys a cache block holds; a K tile spans Bc / p blocks
 g        query heads per KV head: query head h reads KV head h // g
@@ -30,16 +31,17 @@ Q tile are never read.  One launch serves every chunk of the batch (grid: Q tile
 head, sequence); a block whose chunk has fewer tiles exits.
 
 Limits, frankly: the g query heads of a KV head are g thread blocks, each reading the K/V
-tiles (L2 absorbs the repeats, HBM traffic does not show them, but the loads still cost
-issue slots); a chunk of one row (a decode step) still costs a Br-row tile of tensor-core
-work, so a decode-heavy batch is better served by the paged decode kernels; head dims 64
-and 128, float16 and bfloat16 only (the record's check says so for others); a quantized
-cache is not read.  With device block tables, lengths and offsets the launch reads none of
-their values on the host, so the grid is sized by ``max_seqlen_q`` when the caller passes it
-(as FlashAttention's varlen calls take it), else by the longest chunk possible (total_q
-rows), and then most blocks of short chunks exit at once; with host offsets it is sized by
-the longest chunk.  No plan cache (:mod:`.plans`) yet: each call resolves its config and looks up the
-compiled kernel.
+tiles (L2 can serve the repeats, but they still cost load instructions and L2 bandwidth;
+packing the g heads into one tile's rows is the next idea); a chunk of one row (a decode
+step) still costs a Br-row tile of tensor-core work, so a batch of mostly decode rows is
+the paged decode kernels' job; head dims 64 and 128, float16 and bfloat16 only (the
+record's check says so for others); a quantized cache is not read.  With device block
+tables, lengths and offsets the launch reads none of their values on the host, so the grid
+is sized by ``max_seqlen_q`` when the caller passes it (as FlashAttention's varlen calls
+take it), else by the longest chunk possible (total_q rows), and then most blocks of short
+chunks exit at once; with host offsets it is sized by the longest chunk.  No plan cache
+(:mod:`.plans`) yet: each call checks its arguments, resolves its config and looks up the
+compiled kernel on the host.
 """
 from __future__ import annotations
 
