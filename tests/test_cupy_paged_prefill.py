@@ -1,4 +1,5 @@
-"""The CuPy paged prefill (paged_prefill_v1.cu): its record and argument checks on a CPU; on a GPU
+"""The CuPy paged prefill (paged_prefill_v1.cu): its record, its argument checks and (on the CuPy
+stand-in) device tables, lengths and offsets used in place, on a CPU; on a GPU
 (``gpu``-marked tests, skipped without one) the kernel against the float64 oracle by the 2x rule.
 
 The GPU cases are ragged: several sequences in one launch, chunks of 1 (a decode row), 5, 37 and
@@ -247,3 +248,44 @@ def test_strided_pools_are_read_in_place(rng):
     o1, l1 = paged_prefill_pools(tq, kp, vp, tables, lens, cq)
     o2, l2 = paged_prefill_pools(tq, outer[0], outer[1], tables, lens, cq)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+#: run on the CuPy stand-in (tests/stand_ins/cupy): device tables, lengths and offsets reach the
+#: launch as they are, and no host array is uploaded during the call
+_IN_PLACE = r'''
+import json, sys
+import numpy as np
+import cupy
+from iokernels import cupy_raw as cr
+rng = np.random.default_rng(0)
+pool = cupy.asarray(rng.standard_normal((12, 16, 2, 64)).astype(np.float16))
+q = cupy.asarray(rng.standard_normal((50, 8, 64)).astype(np.float16))
+tables = cupy.asarray(np.array([[3, 1, 4, 9], [2, 6, 5, 0]], np.int32))
+lens = cupy.asarray(np.array([60, 20], np.int32))
+cu = cupy.asarray(np.array([0, 40, 50], np.int32))
+uploads = []
+real = cupy.asarray
+cupy.asarray = lambda x, dtype=None: (uploads.append(type(x).__name__), real(x, dtype))[1]
+cr.paged_prefill_pools(q, pool, pool, tables, lens, cu, max_seqlen_q=40)
+(L,) = cupy.LAUNCHES
+ptrs = [int(a) for a in L["args"][3:6]]
+device_uploads = list(uploads)
+cr.paged_prefill_pools(q, pool, pool, tables, lens, np.array([0, 40, 50], np.int32))   # host offsets: uploaded
+json.dump(dict(uploads=device_uploads, host_uploads=uploads[len(device_uploads):],
+               same=ptrs == [x.data.ptr for x in (tables, lens, cu)], grid=list(L["grid"])), sys.stdout)
+'''
+
+
+def test_device_tables_lengths_and_offsets_are_used_in_place():
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    here = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=f"{here / 'stand_ins'}{os.pathsep}{here.parent}")
+    r = subprocess.run([sys.executable, "-c", _IN_PLACE], capture_output=True, text=True, env=env, cwd=here.parent)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    assert got["same"] and got["uploads"] == [] and got["grid"] == [1, 8, 2]
+    assert got["host_uploads"] == ["ndarray"]               # the check that the count sees uploads
