@@ -50,15 +50,13 @@ import numpy as np
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array, kind_of
 from ..core.records import Record
+from .config import CHUNK_BYTES
 from .decode import _pool_device, check_paged_lengths, check_pools
 from .launch import device_info, function, on_stream, unit_rows
 from .paged_prefill_config import PagedPrefillConfig
 from .registry import REGISTRY, check_paged_prefill_v1, need
 
 __all__ = ["paged_prefill", "paged_prefill_pools", "launch_paged_prefill", "prefill_args"]
-
-#: rows a 16-byte copy moves must start on this many bytes (cp.async)
-CHUNK_BYTES = 16
 
 
 def paged_prefill(q, cache, seq_ids, cu_seqlens_q, *, causal=True, scale=None, config=None):

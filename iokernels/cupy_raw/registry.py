@@ -1,11 +1,11 @@
 """The CuPy backend's kernels, keyed by (op, version), and what a call needs of them.
 
 :data:`REGISTRY` is filled where the launchers live: each family module (forward.py,
-decode.py, gather.py, paged_prefill.py, backward.py, mla.py, hopper/records.py) ends with its ``RECORDS`` and
-``REGISTRY.add(*RECORDS)``.  A record's check says whether the version can run a call,
-described by :func:`need`, and its rank picks the default (the highest-ranked version whose
-check passes).  The checks below are the whole of "which kernel runs where": dtype, head
-dim, compute capability, row alignment and shared memory.
+decode.py, gather.py, paged_prefill.py, backward.py, mla.py, hopper/records.py) ends with
+its ``RECORDS`` and ``REGISTRY.add(*RECORDS)``.  A record's check says whether the version
+can run a call, described by :func:`need`, and its rank picks the default (the
+highest-ranked version whose check passes).  The checks below are the whole of "which
+kernel runs where": dtype, head dim, compute capability, row alignment and shared memory.
 """
 from __future__ import annotations
 
