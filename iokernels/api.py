@@ -212,9 +212,11 @@ def paged_prefill(q, cache, seq_ids, cu_seqlens_q, causal: bool = True, scale: f
     a sequence holding n tokens sits at position n - n_q + i and sees keys 0..that
     position.  A chunk of one row is a decode step; an empty chunk is allowed.  ``config``:
     a TileConfig whose block_q is the Q tile rows (its block_k must be the cache's block
-    size), or on "numba" a PrefillConfig; None: the default.  LSE has shape (Hq, total_q).
-    Backends: "tiled" reads the blocks in the kernel; "numba" too, in one launch for the whole
-    packed batch (:mod:`iokernels.numba_cuda.paged_prefill`); "naive" and "torch" gather each
+    size), on "numba" a PrefillConfig, on "cupy" a PagedPrefillConfig; None: the default.  LSE
+    has shape (Hq, total_q).  Backends: "tiled" reads the blocks in the kernel; "numba" too, in
+    one launch for the whole packed batch (:mod:`iokernels.numba_cuda.paged_prefill`); "cupy"
+    on the tensor cores, one launch too (:mod:`iokernels.cupy_raw.paged_prefill`; device pools
+    through :func:`iokernels.cupy_raw.paged_prefill_pools`); "naive" and "torch" gather each
     sequence out of the pool first and attend on the copy
     (:func:`iokernels.paged_prefill.gather_then_attend`).  See :mod:`iokernels.paged_prefill`.
     """

@@ -299,3 +299,20 @@ def test_sanitizer_families_each_name_a_module_with_its_cases():
         assert "sanitize_cases" in text, f"{module} does not export sanitize_cases"
     script = open(os.path.join(ROOT, "scripts", "gpu_all.sh")).read()
     assert f"for fam in {' '.join(sz.FAMILIES)}; do" in script
+
+
+def test_paged_prefill_section_is_declared_and_tabled():
+    """The paged prefill rows: a default section, their shape text and their ratio (vs the
+    contiguous CuPy prefill of the same chunks) in the table."""
+    from iokernels.bench import cli, specs
+    assert "paged_prefill" in specs.DEFAULT_SECTIONS and "paged_prefill" in specs.QUICK
+    for B, n, nq in specs.PAGED_PREFILL["shapes"]:
+        assert nq <= n and n % specs.PAGED_BLOCK == 0
+    case = dict(section="paged_prefill", kind="paged_prefill", dtype="bfloat16", causal=True,
+                shape=dict(batch=8, heads_q=32, heads_kv=8, seqlen=8192, chunk=512, head_dim=128),
+                results=[dict(runner="cupy contiguous", group="cupy", status="ok", ms=2.0, rate=1.0,
+                              unit="TFLOP/s", speed_vs_contiguous=1.0),
+                         dict(runner="cupy:v1", group="cupy", status="ok", ms=2.1, rate=0.9, unit="TFLOP/s",
+                              speed_vs_contiguous=0.9524)])
+    text = cli.table(dict(label="x", cases=[case]))
+    assert "B8 32/8 n8192 c512 d128" in text and "0.952" in text

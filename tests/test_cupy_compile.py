@@ -79,7 +79,17 @@ def _jobs():
         jobs.append((f"bwd_v2 {dtype} d={d} {kw}", "bwd_v2",
                      cr.BackwardConfig("v2", **kw).defines(d, dtype, smem), arch))
 
+    def pp(dtype, d, arch, page_size=16, vec_io=True, smem=None, **kw):
+        cfg = cr.PagedPrefillConfig("v1", **kw).resolve(d, smem)
+        jobs.append((f"paged_prefill_v1 {dtype} d={d} page={page_size} vec={vec_io} {kw}", "paged_prefill_v1",
+                     cfg.defines(d, dtype, page_size, vec_io), arch))
+
     for arch in ARCHS:
+        pp("float16", 128, arch, smem=64 * 1024 if arch == 75 else None)   # sm_75: Bc shrunk to fit 64 KB
+        pp("float16", 64, arch, page_size=4 if arch == 75 else 16)
+        if arch >= 80:
+            pp("bfloat16", 128, arch, num_warps=8)                       # long chunks: Br = 128
+            pp("bfloat16", 64, arch, page_size=7, vec_io=False)          # odd page size, element copies
         bwd("float32", 128, arch)
         bwd2("float16", 128, arch)
         bwd2("float16", 64, arch, deterministic=True)
@@ -220,6 +230,10 @@ def test_candidates_refuse_what_they_cannot_run(tmp_path):
                        (dict(KV_QUANT=0), "code format")):
         rc, err = _compile(tmp_path, "decode_v5", dict(d5, **bad), 90)
         assert rc != 0 and words in err, (bad, err[:300])
+    dp = cr.PagedPrefillConfig("v1").resolve(64).defines(64, "float16", 16)
+    for bad, words in ((dict(IK_DTYPE=0), "16-bit tensor-core kernel"), (dict(BLOCK_K=24), "multiple of 16")):
+        rc, err = _compile(tmp_path, "paged_prefill_v1", dict(dp, **bad), 90)
+        assert rc != 0 and words in err, (bad, err[:300])
 
 
 #: every decode kernel file and the config that passes its defines (none has a default in the .cu)
@@ -230,19 +244,34 @@ _DECODE_DEFINES = {
     "decode_v4": lambda: cr.DecodeConfig("v4").defines(128, "float16", 4, True, 16),
     "decode_v5": lambda: cr.DecodeConfig("v5").defines(128, "float16", 4, True, 16, kv="int8"),
     "decode_v6": lambda: cr.DecodeConfig("v6").defines(128, "float16", 32, True, 16),
+    "paged_prefill_v1": lambda: cr.PagedPrefillConfig("v1").resolve(128).defines(128, "float16", 16),
 }
 
 
-@pytest.mark.parametrize("name", ["decode_v4", "decode_v5", "decode_v6"])
+@pytest.mark.parametrize("name", ["decode_v4", "decode_v5", "decode_v6", "paged_prefill_v1"])
 def test_a_missing_define_is_a_compile_error_naming_it(tmp_path, name):
-    """decode v4 and v5 hold no tuning defaults: every define the config passes is needed, and
-    leaving one out is an #error that names it."""
+    """decode v4 to v6 and the paged prefill hold no tuning defaults: every define the config
+    passes is needed, and leaving one out is an #error that names it."""
     full = _DECODE_DEFINES[name]()
     for key in sorted(full):
         if key in ("IK_DTYPE", "KV_QUANT"):          # common.cuh's (their dtype / format tables)
             continue
         rc, err = _compile(tmp_path, name, {k: v for k, v in full.items() if k != key}, 90)
         assert rc != 0 and f"-D{key} is missing" in err, (name, key, err[:300])
+
+
+def test_paged_prefill_defaults_stay_in_registers(tmp_path):
+    """ptxas -v: paged_prefill_v1 at its default tiles (d = 64, 128; both dtypes; 4 and 8 warps) on
+    sm_80 and sm_90 uses no local memory."""
+    jobs = [(cr.PagedPrefillConfig("v1").resolve(d, None, rows).defines(d, dt, 16), arch)
+            for d in (64, 128) for dt in ("float16", "bfloat16") for arch in (80, 90) for rows in (1, 4096)]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(tmp_path, "paged_prefill_v1", j[0], j[1], ("-Xptxas", "-v")),
+                                jobs))
+    for (defines, arch), (rc, err) in zip(jobs, results):
+        assert rc == 0, err[:400]
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
+        assert frame and frame.groups() == ("0", "0", "0"), f"sm_{arch} {defines}: {err[:400]}"
 
 
 def test_candidates_stay_in_registers(tmp_path):

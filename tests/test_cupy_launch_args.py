@@ -123,6 +123,35 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
                     rec(f"quant paged_decode {cfg and cfg.version} {kv} {gran} {dt} {d} {splits}",
                         lambda: cr.paged_decode(q2, qc, qsids, num_splits=splits, config=cfg, window=(40, 0)))
 
+# paged prefill: chunks of 37 (partial), 1 (a decode row) and 45 (a whole prompt), GQA 8/2, over
+# caches of 301 and 45 tokens (blocks of 16, the last partial)
+for dt in ("float16", "bfloat16", "float32"):
+    for d in (128, 64, 59):
+        cache, sids = S._paged_cache(rng, d, dt)
+        qp = rng.standard_normal((37 + 1 + 45, 8, d)).astype(cache.dtype)
+        cq = np.array([0, 37, 38, 83], np.int32)
+        for kern in [None] + cr.REGISTRY.kernels("paged_prefill"):
+            if kern is not None and kern.unavailable(cr.need("paged_prefill", q=qp, cache=cache)) is not None:
+                continue
+            cfg = None if kern is None else cr.PagedPrefillConfig(kern.version)
+            try:
+                rec(f"paged_prefill {cfg and cfg.version} {dt} {d}",
+                    lambda: cr.paged_prefill(qp, cache, [sids[0], sids[1], sids[1]], cq, config=cfg))
+            except ValueError:                      # no version runs it (the default's call): nothing launched
+                assert kern is None
+                continue
+            t, ln = cache.block_tables_array(sids)
+            rec(f"prefill pools {cfg and cfg.version} {dt} {d}",
+                lambda: cr.paged_prefill_pools(cupy.asarray(qp[:38]), cupy.asarray(cache.k_pool),
+                                               cupy.asarray(cache.v_pool), cupy.asarray(t.astype(np.int32)),
+                                               cupy.asarray(ln.astype(np.int32)), cupy.asarray(cq[:3]),
+                                               causal=False, config=cfg))
+            rec(f"prefill pools bound {cfg and cfg.version} {dt} {d}",
+                lambda: cr.paged_prefill_pools(cupy.asarray(qp), cupy.asarray(cache.k_pool),
+                                               cupy.asarray(cache.v_pool), cupy.asarray(t[[0, 1, 1]].astype(np.int32)),
+                                               cupy.asarray(ln[[0, 1, 1]].astype(np.int32)), cupy.asarray(cq),
+                                               config=cfg, max_seqlen_q=45))
+
 # MLA decode: the stand-in cannot encode TMA descriptors, so tensor_map records what it was
 # asked for and hands back 128 zero bytes; the Hopper check is let through for these calls
 from iokernels.cupy_raw import mla as M
@@ -153,7 +182,7 @@ FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split":
          "decode_split_v4": "decode_v4", "decode_split_v5": "decode_v5", "decode_split_v6": "decode_v6",
          "decode_split_v4_loads": "decode_v4_loads",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
-         "bwd_v2_main": "bwd_v2", "mla_decode": "mla_decode"}
+         "bwd_v2_main": "bwd_v2", "mla_decode": "mla_decode", "paged_prefill_v1": "paged_prefill_v1"}
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +306,27 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert _defines(_one(launches, "attention_backward v2 float16 59 deterministic=True",
                          "bwd_v2_main"))["BLOCK_Q"] == "64"                           # D_PAD 64: Br 64
     assert "attention_backward v2 float32 128 deterministic=False" not in launches   # 16-bit only
+
+
+def test_paged_prefill_launch_geometry(launches):
+    """paged_prefill_v1: 4 warps (Br = 64) x Bc = 64 (4 cache blocks of 16) at d = 128 and 64, one
+    launch per call; grid (Q tiles of the longest chunk, query heads, sequences) with host offsets,
+    (Q tiles of total_q, ...) with device ones (their values are not read on the host)."""
+    from iokernels.cupy_raw.paged_prefill_config import paged_prefill_smem
+    for dt in ("float16", "bfloat16"):
+        for d in (128, 64):
+            ls = launches[f"paged_prefill None {dt} {d}"]
+            assert [L["name"] for L in ls] == ["paged_prefill_v1"]
+            df = _defines(ls[0])
+            assert (df["NUM_WARPS"], df["BLOCK_K"], df["PAGE_SIZE"], df["VEC_IO"]) == ("4", "64", "16", "1")
+            assert ls[0]["grid"] == [1, 8, 3] and ls[0]["block"] == [128]      # longest chunk 45 rows: 1 tile
+            assert ls[0]["smem"] == paged_prefill_smem(d, 4, 64)
+            pools = launches[f"prefill pools v1 {dt} {d}"]
+            assert pools[0]["grid"] == [1, 8, 2]                               # 38 rows: 1 tile of 64
+            # device offsets: the grid from max_seqlen_q (45 rows: one tile), not total_q (83: two)
+            assert launches[f"prefill pools bound v1 {dt} {d}"][0]["grid"] == [1, 8, 3]
+    assert "paged_prefill None float32 128" not in launches and "prefill pools v1 float32 128" not in launches
+    assert "paged_prefill v1 float16 59" not in launches                       # head dims 64 and 128 only
 
 
 def test_mla_launch_geometry(launches):

@@ -1,13 +1,13 @@
 """Every GPU op of the CuPy backend captured in a CUDA graph replays bit for bit like eager calls.
 
-For attention, decode, paged decode, paged gather, the backward and MLA decode: the call is
-warmed up on a side stream (what ``torch.cuda.graph`` asks for: plans, compiled kernels and
-workspaces exist before capture), captured under ``torch.cuda.graph``, then the inputs are
-rewritten in place and the graph replayed; its outputs must equal, bit for bit, an eager
-call on the same inputs.  Paged decode and the gather read block tables that are rewritten
-in place between replays (as vLLM's decode steps do).  The captured calls run with torch's
-sync debug mode set to "error": a call that synchronized the host would raise.  Skipped
-without torch CUDA and CuPy.
+For attention, decode, paged decode, paged prefill, paged gather, the backward and MLA decode:
+the call is warmed up on a side stream (what ``torch.cuda.graph`` asks for: plans, compiled
+kernels and workspaces exist before capture), captured under ``torch.cuda.graph``, then the
+inputs are rewritten in place and the graph replayed; its outputs must equal, bit for bit, an
+eager call on the same inputs.  Paged decode and the gather read block tables that are
+rewritten in place between replays (as vLLM's decode steps do); the paged prefill its tables,
+lengths and chunk offsets.  The captured calls run with torch's sync debug mode set to
+"error": a call that synchronized the host would raise.  Skipped without torch CUDA and CuPy.
 """
 import importlib
 
@@ -105,6 +105,25 @@ def test_paged_decode_replays_like_eager_with_tables_changed_in_place():
         tables.copy_(torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32))
         lens.copy_(torch.tensor([[7, per * bs, 33], [per * bs - 1, 0, 150]][r], device=DEV, dtype=torch.int32))
     replay_equals_eager(lambda: cr.paged_decode_pools(q, kp, vp, tables, lens), refill)
+
+
+def test_paged_prefill_replays_like_eager_with_tables_lengths_and_offsets_changed_in_place():
+    """The paged prefill over device pools with device tables, lengths and offsets (the grid sized
+    by max_seqlen_q): no host read of them, so the chunks may change between replays."""
+    B, Hq, Hkv, d, bs, per = 3, 8, 2, 128, 16, 12
+    nb = B * per + 5
+    q, kp, vp = randn(83, Hq, d), randn(nb, bs, Hkv, d), randn(nb, bs, Hkv, d)
+    rng = np.random.default_rng(2)
+    tables = torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32)
+    lens = torch.tensor([150, 45, 45], device=DEV, dtype=torch.int32)
+    cu = torch.tensor([0, 37, 38, 83], device=DEV, dtype=torch.int32)
+
+    def refill(r):
+        _refill(q)(r)
+        tables.copy_(torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32))
+        lens.copy_(torch.tensor([[100, 35, 190], [64, 150, 13]][r], device=DEV, dtype=torch.int32))
+        cu.copy_(torch.tensor([[0, 5, 40, 83], [0, 64, 70, 83]][r], device=DEV, dtype=torch.int32))
+    replay_equals_eager(lambda: cr.paged_prefill_pools(q, kp, vp, tables, lens, cu, max_seqlen_q=64), refill)
 
 
 def test_paged_gather_replays_like_eager_with_the_table_changed_in_place():

@@ -91,6 +91,31 @@ def test_backward_v1_tiles_shrink_br_first_and_keep_given_sizes():
     assert (cfg.block_q, cfg.block_k) != (C.BWD_DEFAULT_BLOCK_Q, C.BWD_DEFAULT_BLOCK_K)    # it shrank
 
 
+def test_paged_prefill_tiles_keep_4_warps_and_shrink_bc_to_fit():
+    def smem(nw, bk):
+        return 1000 * (16 * nw + 4 * bk)
+    assert P.paged_prefill_tiles(None, None, smem, None) == (4, 64)          # no limit known: the default
+    assert P.paged_prefill_tiles(None, None, smem, smem(4, 64)) == (4, 64)
+    assert P.paged_prefill_tiles(None, None, smem, smem(4, 64) - 1) == (4, 32)
+    assert P.paged_prefill_tiles(None, None, smem, smem(4, 16)) == (4, 16)
+    assert P.paged_prefill_tiles(None, None, smem, smem(4, 16) - 1) is None
+    assert P.paged_prefill_tiles(2, 128, smem, smem(2, 128)) == (2, 128)       # given sizes are kept ...
+    assert P.paged_prefill_tiles(2, 128, smem, smem(2, 128) - 1) is None       # ... or refused, never shrunk
+    # long chunks on average: 8 warps (Br = 128), back to 4 where 8 fit at no Bc
+    assert P.paged_prefill_tiles(None, None, smem, None, mean_rows=127.9) == (4, 64)
+    assert P.paged_prefill_tiles(None, None, smem, None, mean_rows=128) == (8, 64)
+    assert P.paged_prefill_tiles(None, None, smem, smem(8, 32), mean_rows=4096) == (8, 32)
+    assert P.paged_prefill_tiles(None, None, smem, smem(8, 16) - 1, mean_rows=4096) == (4, 16)
+    # the config uses it: d = 128 at 4 x 64 is 87,040 B (an H100 / A100 block); 64 KB (sm_75) takes Bc = 32
+    cfg = C.PagedPrefillConfig("v1").resolve(128, 227 * 1024)
+    assert (cfg.num_warps, cfg.block_k, cfg.block_q, cfg.smem_bytes(128)) == (4, 64, 64, 87040)
+    assert C.PagedPrefillConfig("v1").resolve(128, 64 * 1024).block_k == 32
+    with pytest.raises(ValueError, match="config"):
+        C.PagedPrefillConfig("v1", block_k=128, num_warps=8).resolve(128, 64 * 1024)
+    with pytest.raises(ValueError, match="config.block_k"):
+        C.PagedPrefillConfig("v1", block_k=24)
+
+
 def test_gather_chunk_is_the_widest_that_divides_rows_and_pointers():
     assert P.gather_chunk_bytes(256, 2, (0, 4096, 8192)) == 16
     assert P.gather_chunk_bytes(24, 2, (0, 4096)) == 8                # 24-byte rows: 8-byte chunks

@@ -10,8 +10,9 @@ from .environment import environment, label
 from .runners import (Unavailable, _numpy_only_cases, backward_cases, decode_cases, gather_cases,  # noqa: F401
                       prefill_cases, quant_decode_cases)
 from .runners_mla import mla_cases
+from .runners_prefill import paged_prefill_cases
 from .specs import (BACKWARD, BACKWARD_FP32, DECODE_QUANT, DECODE_SWEEP, DEFAULT_SECTIONS, GATHER_SIZES, MLA,
-                    PREFILL_COMPARE, PREFILL_SWEEP, QUICK, SECTIONS, TARGET_MS_PER_RUNNER)
+                    PAGED_PREFILL, PREFILL_COMPARE, PREFILL_SWEEP, QUICK, SECTIONS, TARGET_MS_PER_RUNNER)
 from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
 
 
@@ -44,7 +45,7 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
     plan = []
     if quick:
         plan = [("prefill", QUICK["prefill"]), ("decode", QUICK["decode"]), ("gather", QUICK["gather"]),
-                ("backward", QUICK["backward"]), ("mla", QUICK["mla"])]
+                ("backward", QUICK["backward"]), ("mla", QUICK["mla"]), ("paged_prefill", QUICK["paged_prefill"])]
         plan = [(s, p) for s, p in plan if s in sections or (s == "prefill" and "compare" in sections)]
     else:
         for s in sections:
@@ -60,6 +61,8 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
                 plan += [("backward", BACKWARD), ("backward", BACKWARD_FP32)]
             elif s == "mla":
                 plan.append(("mla", MLA))
+            elif s == "paged_prefill":
+                plan.append(("paged_prefill", PAGED_PREFILL))
             elif s == "cliff":
                 plan.append(("cliff", cliff.CLIFF))
             elif s == "captured":
@@ -77,6 +80,8 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
             total += len(p["seqlens"]) * len(p["causal"]) * len(p["dtypes"]) * 2
         elif s == "mla":
             total += len(p["shapes"]) * len(p["dtypes"]) * 3
+        elif s == "paged_prefill":
+            total += len(p["shapes"]) * len(p["dtypes"]) * 2
         elif s == "cliff":
             total += len(cliff.decode_plan(p)) + len(cliff.prefill_plan(p))
         elif s == "captured":
@@ -103,6 +108,8 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
                 record["cases"] += backward_cases(p, seed, bar, target_ms=target_ms)
             elif s == "mla":
                 record["cases"] += mla_cases(p, seed, bar, target_ms=target_ms)
+            elif s == "paged_prefill":
+                record["cases"] += paged_prefill_cases(p, seed, bar, target_ms=target_ms)
             elif s == "cliff":
                 record["cases"] += cliff.cliff_cases(p, seed, bar, target_ms=target_ms,
                                                      budget_s=cliff_budget_s or cliff.CLIFF_BUDGET_S)
@@ -169,6 +176,8 @@ def _shape_text(case) -> str:
         return f"{s['layers']}x B{s['batch']} {s['heads_q']}/{s['heads_kv']} N{s['seqlen']} d{s['head_dim']}"
     if case["kind"] == "cliff_budget":
         return "summary"
+    if case["kind"] == "paged_prefill":
+        return f"B{s['batch']} {s['heads_q']}/{s['heads_kv']} n{s['seqlen']} c{s['chunk']} d{s['head_dim']}"
     if case["kind"] == "mla":
         return f"B{s['batch']} H{s['heads_q']} N{s['seqlen']} {s['latent_dim']}+{s['rope_dim']}"
     return f"Hkv{s['heads_kv']} N{s['seqlen']} d{s['head_dim']} bs{s['block_size']}"
@@ -188,7 +197,8 @@ def table(record) -> str:
             rate = f"{r['rate']:.3g} {r['unit']}" if ok else "-"
             mem = f"{r['extra_MiB']:.0f}" if ok and r.get("extra_MiB") is not None and r["group"] != "numba" else "-"
             ratio = r.get("speed_vs_best_sdpa", r.get("speed_vs_copy", r.get("speed_vs_numpy_naive",
-                                                                                r.get("speed_vs_torch_matmul"))))
+                                                                                r.get("speed_vs_torch_matmul",
+                                                                                      r.get("speed_vs_contiguous")))))
             ratio = f"{ratio:.3f}" if ratio is not None else "-"
             note = "" if ok else r.get("status", "")
             if r.get("suspect"):
@@ -213,7 +223,7 @@ def table(record) -> str:
                  "visible pairs only) or TB/s (decode: K+V bytes read; gather: read+write).  "
                  "MiB+: device memory above the inputs during one call.  vs best: best SDPA time / this "
                  "time (1 = as fast as the best SDPA kernel; gather rows: vs the device copy; mla rows: "
-                 "vs torch:matmul, "
+                 "vs torch:matmul; paged_prefill rows: vs the contiguous CuPy prefill of the same chunks, "
                  "and the fraction of the roofline bound max(FLOPs / matmul peak, cache bytes / bandwidth)).")
     return "\n".join(lines)
 

@@ -261,8 +261,8 @@ def _device_pools(cache):
 
 
 def _paged_on_device(p: Problem, backend: str, config) -> Callable[[], Any]:
-    """Paged decode / gather on a GPU over pools moved to the device once: the public call would
-    hand the backend the cache's NumPy pools, which it copies in at every call."""
+    """Paged decode / gather (and CuPy's paged prefill) on a GPU over pools moved to the device once:
+    the public call would hand the backend the cache's NumPy pools, which it copies in at every call."""
     module = importlib.import_module(api.GPU_BACKENDS[backend])
     if p.op == "paged_gather":
         cache, sid = p.args
@@ -270,16 +270,20 @@ def _paged_on_device(p: Problem, backend: str, config) -> Callable[[], Any]:
         table = np.asarray(cache.block_table(sid), dtype=np.int32)
         n = int(cache.seq_len(sid))
         return lambda: module.gather_pools(kp, vp, table, n, config=config)
-    q, cache, sids = p.args
+    q, cache, sids = p.args[:3]
     qd = _on_device(q)
     kp, vp, quant = _device_pools(cache)
     tables, lens = cache.block_tables_array(list(sids))
+    if p.op == "paged_prefill":                    # CuPy's pools entry point: (O, LSE), as return_lse=True
+        return lambda: module.paged_prefill_pools(qd, kp, vp, tables, lens, p.args[3], causal=p.kwargs["causal"],
+                                                  config=config)
     return lambda: module.paged_decode_pools(qd, kp, vp, tables, lens, config=config, quant=quant)
 
 
 def public_call(p: Problem, backend: str, config, device: bool) -> Callable[[], Any]:
     """The public function of ``p.op`` on ``backend`` as a no-argument call (inputs moved once)."""
-    if device and backend in api.GPU_BACKENDS and p.op in ("paged_decode", "paged_gather"):
+    if device and backend in api.GPU_BACKENDS and (p.op in ("paged_decode", "paged_gather")
+                                                   or (p.op == "paged_prefill" and backend == "cupy")):
         return _paged_on_device(p, backend, config)
     args = tuple(_on_device(a) for a in p.args) if device and backend in ("numba", "cupy", "torch") else p.args
     if p.op == "paged_prefill":                    # the offsets stay on the host (they size the grid)

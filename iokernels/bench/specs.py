@@ -24,6 +24,10 @@ DECODE_QUANT = dict(heads_q=32, heads_kv=8, head_dim=128, batches=(8, 64), seqle
                     variants=((None, None), ("float8_e4m3fn", None), ("int8", None), (None, (4096, 0)),
                               ("float8_e4m3fn", (4096, 0))),
                     cupy_versions=("v4", "v3"))
+#: paged prefill against our own contiguous prefill of the same chunks: (batch, cached tokens a
+#: sequence, chunk rows) -- whole prompts, a chunked prefill's later chunk, short chunks
+PAGED_PREFILL = dict(heads_q=32, heads_kv=8, head_dim=128, shapes=((4, 4096, 4096), (8, 8192, 512), (32, 2048, 128)),
+                     dtypes=("bfloat16",))
 GATHER_SIZES = dict(heads_kv=8, head_dim=128, seqlens=(4096, 131072), dtype="float16")
 #: --quick: tiny shapes that run everywhere in seconds (also on a CPU, NumPy only)
 QUICK = dict(prefill=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=(True,),
@@ -32,7 +36,8 @@ QUICK = dict(prefill=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=
                          dtypes=("float16",)),
              gather=dict(heads_kv=2, head_dim=64, seqlens=(512,), dtype="float16"),
              backward=dict(batch=1, heads=2, head_dim=64, seqlens=(256,), causal=(True,), dtypes=("float32",)),
-             mla=dict(heads_q=128, latent_dim=512, rope_dim=64, shapes=((2, 1024),), dtypes=("bfloat16",)))
+             mla=dict(heads_q=128, latent_dim=512, rope_dim=64, shapes=((2, 1024),), dtypes=("bfloat16",)),
+             paged_prefill=dict(heads_q=4, heads_kv=2, head_dim=64, shapes=((2, 512, 128),), dtypes=("float16",)))
 
 SDPA_NAMES = ("flash", "efficient", "cudnn", "math")
 #: NumPy runs (host, one repetition) only when the problem is this small (FLOPs): beyond it
@@ -62,7 +67,7 @@ MLA = dict(heads_q=128, latent_dim=512, rope_dim=64,
 MLA_ROOFLINE_GPU = ("H200 (measured)", "H200")
 
 #: what ``python -m iokernels bench`` runs without --sections
-DEFAULT_SECTIONS = ("prefill", "compare", "decode", "gather", "backward", "mla")
+DEFAULT_SECTIONS = ("prefill", "compare", "paged_prefill", "decode", "gather", "backward", "mla")
 #: every section; "cliff" (a time-boxed sweep of shapes off the serving grid) and "captured" (a
 #: 32-layer decode step, eager and as a CUDA graph) run when asked for (iokernels.bench.cliff)
 SECTIONS = DEFAULT_SECTIONS + ("cliff", "captured")

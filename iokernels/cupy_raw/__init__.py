@@ -23,6 +23,8 @@ forward.py      attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
 decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v6.cu
 decode_launch   the split kernels' launch: what a shape fixes, what a call packs
 gather.py       paged gather: paged_gather.cu
+paged_prefill   paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks
+                (PagedPrefillConfig: paged_prefill_config.py)
 hopper/         the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
 mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
 plans.py        DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
@@ -44,57 +46,64 @@ generated from the records (``REGISTRY.version_table()``; tests/test_records.py 
 step):
 
 .. versions:cupy:begin
-====================  =======  ===============  ====  ========================================================
-op                    version  file             rank  what it adds
-====================  =======  ===============  ====  ========================================================
-attention             v5       fa_v5.cu         120   Hopper: v4 + ping-pong between consumer warpgroups,
-                                                      softmax overlapped with P V
-attention             v4       fa_v4.cu         110   Hopper: v3 + a producer warpgroup (warp specialization),
-                                                      setmaxnreg
-attention             v3       fa_v3.cu         100   Hopper: wgmma from SRAM, TMA tile loads, an mbarrier a
-                                                      stage
-attention             v2       fa_v2.cu         30    tensor cores (mma.sync, ldmatrix) for float16/bfloat16,
-                                                      FlashAttention-2's warp-per-16-rows structure, S and P
-                                                      in registers, cp.async double buffering
-attention             v1b      fa_v1b.cu        20    float32: tiles in row layout copied by cp.async, K_j+1
-                                                      and V_j+1 in flight behind the two products, swizzled
-                                                      SRAM, exp2
-attention             v1       fa_v1.cu         10    CUDA cores, any dtype: a block owns Q_i, loads K_j, V_j
-                                                      into SRAM, register-tiled 16 x 16 threads
-attention_backward    v2       bwd_v2.cu        20    FlashAttention-2's backward on the tensor cores
-                                                      (mma.sync, ldmatrix): a warp owns 16 keys, P^T/dS^T feed
-                                                      dV/dK from registers, dS^T through SRAM for dQ, Q/dO
-                                                      tiles by cp.async
-attention_backward    v1       bwd_v1.cu        10    FlashAttention-2's backward on CUDA cores: K/V tile per
-                                                      block, dK/dV in registers, P recomputed from LSE, dQ by
-                                                      atomic adds or deterministic per-tile partials
-decode, paged_decode  v4       decode_v4.cu     40    v3's ring and fused combine with S = Q_g K^T and O += P
-                                                      V on the tensor cores (mma.sync m16n8k16, the g query
-                                                      heads as the rows of the A operand, P kept in registers)
-decode, paged_decode  v3       decode_v3.cu     30    v2's ring at 8 warps x 4 stages, the combine fused into
-                                                      the split kernel (the last block of a group merges),
-                                                      paged block-table entries staged in SRAM
-decode, paged_decode  v1       decode.cu        10    each warp reads its key rows with plain 16-byte loads
-                                                      into registers, four rows a lane in flight; decode.cu's
-                                                      combine kernel merges the splits
-decode, paged_decode  v6       decode_v6.cu     5     v4 with a group of more than 16 query heads split across
-                                                      a team of warps (16 rows each) that shares each K/V tile
-                                                      of its cp.async ring: g = 32, 64 and MQA read K/V once a
-                                                      KV head
-decode, paged_decode  v2       decode_v2.cu     0     K/V tiles stream through a per-warp cp.async ring in
-                                                      SRAM (copies in flight hold no registers), only
-                                                      __syncwarp in the key loop
-paged_decode          v5       decode_v5.cu     50    v4 reading a quantized paged cache as it is stored:
-                                                      1-byte codes turned into float16 tensor-core operands in
-                                                      registers, the per-key scales applied to S's and P's
-                                                      columns
-paged_gather          v1       paged_gather.cu  10    16-byte chunks through the block table, one output chunk
-                                                      a thread (coalesced stores), a grid-stride loop over the
-                                                      sequence
-mla_decode            v1       mla_decode.cu    10    Hopper: wgmma S = Q C^T with Q resident, a 2-stage TMA
-                                                      ring of 64 cache rows, P via SRAM, O split over two
-                                                      warpgroups; split-KV with decode.cu's combine
-====================  =======  ===============  ====  ========================================================
+====================  =======  ===================  ====  ====================================================
+op                    version  file                 rank  what it adds
+====================  =======  ===================  ====  ====================================================
+attention             v5       fa_v5.cu             120   Hopper: v4 + ping-pong between consumer warpgroups,
+                                                          softmax overlapped with P V
+attention             v4       fa_v4.cu             110   Hopper: v3 + a producer warpgroup (warp
+                                                          specialization), setmaxnreg
+attention             v3       fa_v3.cu             100   Hopper: wgmma from SRAM, TMA tile loads, an mbarrier
+                                                          a stage
+attention             v2       fa_v2.cu             30    tensor cores (mma.sync, ldmatrix) for
+                                                          float16/bfloat16, FlashAttention-2's warp-
+                                                          per-16-rows structure, S and P in registers,
+                                                          cp.async double buffering
+attention             v1b      fa_v1b.cu            20    float32: tiles in row layout copied by cp.async,
+                                                          K_j+1 and V_j+1 in flight behind the two products,
+                                                          swizzled SRAM, exp2
+attention             v1       fa_v1.cu             10    CUDA cores, any dtype: a block owns Q_i, loads K_j,
+                                                          V_j into SRAM, register-tiled 16 x 16 threads
+attention_backward    v2       bwd_v2.cu            20    FlashAttention-2's backward on the tensor cores
+                                                          (mma.sync, ldmatrix): a warp owns 16 keys, P^T/dS^T
+                                                          feed dV/dK from registers, dS^T through SRAM for dQ,
+                                                          Q/dO tiles by cp.async
+attention_backward    v1       bwd_v1.cu            10    FlashAttention-2's backward on CUDA cores: K/V tile
+                                                          per block, dK/dV in registers, P recomputed from
+                                                          LSE, dQ by atomic adds or deterministic per-tile
+                                                          partials
+decode, paged_decode  v4       decode_v4.cu         40    v3's ring and fused combine with S = Q_g K^T and O
+                                                          += P V on the tensor cores (mma.sync m16n8k16, the g
+                                                          query heads as the rows of the A operand, P kept in
+                                                          registers)
+decode, paged_decode  v3       decode_v3.cu         30    v2's ring at 8 warps x 4 stages, the combine fused
+                                                          into the split kernel (the last block of a group
+                                                          merges), paged block-table entries staged in SRAM
+decode, paged_decode  v1       decode.cu            10    each warp reads its key rows with plain 16-byte
+                                                          loads into registers, four rows a lane in flight;
+                                                          decode.cu's combine kernel merges the splits
+decode, paged_decode  v6       decode_v6.cu         5     v4 with a group of more than 16 query heads split
+                                                          across a team of warps (16 rows each) that shares
+                                                          each K/V tile of its cp.async ring: g = 32, 64 and
+                                                          MQA read K/V once a KV head
+decode, paged_decode  v2       decode_v2.cu         0     K/V tiles stream through a per-warp cp.async ring in
+                                                          SRAM (copies in flight hold no registers), only
+                                                          __syncwarp in the key loop
+paged_decode          v5       decode_v5.cu         50    v4 reading a quantized paged cache as it is stored:
+                                                          1-byte codes turned into float16 tensor-core
+                                                          operands in registers, the per-key scales applied to
+                                                          S's and P's columns
+paged_prefill         v1       paged_prefill_v1.cu  10    fa_v2's tensor-core forward over a paged cache: K/V
+                                                          tiles of several cache blocks read through the block
+                                                          table, bottom-right causal per sequence, one launch
+                                                          for a packed batch of chunks
+paged_gather          v1       paged_gather.cu      10    16-byte chunks through the block table, one output
+                                                          chunk a thread (coalesced stores), a grid-stride
+                                                          loop over the sequence
+mla_decode            v1       mla_decode.cu        10    Hopper: wgmma S = Q C^T with Q resident, a 2-stage
+                                                          TMA ring of 64 cache rows, P via SRAM, O split over
+                                                          two warpgroups; split-KV with decode.cu's combine
+====================  =======  ===================  ====  ====================================================
 .. versions:cupy:end
 
 Decode is Flash-Decoding's split kernel, GQA packed (one block reads a K/V row once for all
@@ -150,3 +159,5 @@ from .sanitize import sanitize_cases  # noqa: F401
 from .plans import PLANS, DecodePlan, PagedDecodePlan, PlanCache  # noqa: F401
 from .attention_plan import AttentionPlan  # noqa: F401
 from .calls import PLANNED, attention, decode, paged_decode_pools  # noqa: F401
+from .paged_prefill import paged_prefill, paged_prefill_pools  # noqa: F401
+from .paged_prefill_config import PagedPrefillConfig  # noqa: F401

@@ -1,7 +1,8 @@
 """One config class per op of the CuPy kernels: the sizes a .cu file is compiled with.
 
 This module re-exports them from their homes (:mod:`.forward_config`, :mod:`.decode_config`,
-:mod:`.backward_config`, :mod:`.gather_config`, :mod:`.mla_config`); the size rules they call
+:mod:`.backward_config`, :mod:`.gather_config`, :mod:`.mla_config`,
+:mod:`.paged_prefill_config`); the size rules they call
 for their defaults are :mod:`.policy`'s.
 
 Every config is a frozen dataclass whose first field is ``version`` ("v1", "v2", ...;
@@ -26,5 +27,6 @@ from .forward_config import *  # noqa: F401,F403
 from .gather_config import *  # noqa: F401,F403
 from .backward_config import *  # noqa: F401,F403
 from .mla_config import *  # noqa: F401,F403
+from .paged_prefill_config import *  # noqa: F401,F403
 from .decode_config import *  # noqa: F401,F403
 from .decode_config import MMA_K  # noqa: F401

@@ -126,6 +126,39 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
     return bq, bk
 
 
+# =========================================================================== paged prefill
+#: paged_prefill_v1.cu's block: 4 warps (Br = 64 chunk rows) where chunks are short on average
+#: (decode rows, tails: a Q tile larger than its chunk is tensor-core work thrown away), 8 warps
+#: (Br = 128, fa_v2's default: each K/V tile read feeds twice the rows) from chunks of
+#: PAGED_PREFILL_LONG_CHUNK rows on average
+PAGED_PREFILL_WARPS, PAGED_PREFILL_WARPS_LONG = 4, 8
+PAGED_PREFILL_LONG_CHUNK = 128
+#: ... and its K tiles, largest first: 64 keys (4 cache blocks of 16) feed the tensor cores as
+#: fa_v2's default does; smaller ones only where the SRAM of the larger does not fit
+PAGED_PREFILL_BLOCK_K_CHOICES = (64, 32, 16)
+
+
+def paged_prefill_tiles(num_warps: int | None, block_k: int | None, smem_of: Callable[[int, int], int],
+                        limit: int | None, mean_rows: float | None = None) -> tuple[int, int] | None:
+    """paged_prefill_v1.cu's (warps, Bc): the given sizes, and for a None the default: warps
+    PAGED_PREFILL_WARPS_LONG where the batch's chunks average ``mean_rows`` >=
+    PAGED_PREFILL_LONG_CHUNK (else, or unknown, PAGED_PREFILL_WARPS), Bc the largest of
+    PAGED_PREFILL_BLOCK_K_CHOICES whose ``smem_of(warps, Bc)`` fits ``limit`` bytes (None: no
+    limit known); default long-chunk warps that fit at no Bc fall back to PAGED_PREFILL_WARPS.
+    None when no such tile set fits."""
+    if num_warps:
+        warps = (num_warps,)
+    elif mean_rows is not None and mean_rows >= PAGED_PREFILL_LONG_CHUNK:
+        warps = (PAGED_PREFILL_WARPS_LONG, PAGED_PREFILL_WARPS)
+    else:
+        warps = (PAGED_PREFILL_WARPS,)
+    for nw in warps:
+        for bk in (block_k,) if block_k else PAGED_PREFILL_BLOCK_K_CHOICES:
+            if limit is None or smem_of(nw, bk) <= limit:
+                return nw, bk
+    return None
+
+
 # =========================================================================== paged gather
 #: chunk sizes a row may be moved in, widest first (a row of 1-byte elements does not occur)
 GATHER_CHUNK_CHOICES = (16, 8, 4, 2)

@@ -1,11 +1,11 @@
 """The CuPy backend's kernels, keyed by (op, version), and what a call needs of them.
 
 :data:`REGISTRY` is filled where the launchers live: each family module (forward.py,
-decode.py, gather.py, backward.py, mla.py, hopper/records.py) ends with its ``RECORDS`` and
-``REGISTRY.add(*RECORDS)``.  A record's check says whether the version can run a call,
-described by :func:`need`, and its rank picks the default (the highest-ranked version whose
-check passes).  The checks below are the whole of "which kernel runs where": dtype, head
-dim, compute capability, row alignment and shared memory.
+decode.py, gather.py, paged_prefill.py, backward.py, mla.py, hopper/records.py) ends with
+its ``RECORDS`` and ``REGISTRY.add(*RECORDS)``.  A record's check says whether the version
+can run a call, described by :func:`need`, and its rank picks the default (the
+highest-ranked version whose check passes).  The checks below are the whole of "which
+kernel runs where": dtype, head dim, compute capability, row alignment and shared memory.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ..core.arrays import DeviceArray, device_array
 from ..core.registry import Need
 from . import config as C
 from . import decode_config as D
+from . import paged_prefill_config as PP
 from .launch import REGISTRY, cupy_ok, device_info
 
 __all__ = ["REGISTRY", "need"]
@@ -40,7 +41,7 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
         dtype, d = cv.dtype_name(first), int(first.shape[-1])
         hkv = None
         if k is not None:
-            hkv = int(k.shape[2] if op in ("paged_decode", "paged_gather") else k.shape[1])
+            hkv = int(k.shape[2] if op in ("paged_decode", "paged_gather", "paged_prefill") else k.shape[1])
         arrays = tuple(a for a in (q, k, v) if a is not None)
         cache_arrays = tuple(a for a in (k, v) if a is not None) or arrays
     group = int(q.shape[1]) // hkv if q is not None and hkv else 1
@@ -209,4 +210,25 @@ def check_backward_v2(n: Need) -> str | None:
     if smem is not None and least > smem:
         return (f"needs at least {least:,} B of shared memory a block at head_dim={n.head_dim} ({n.dtype}), "
                 f"its smallest tiles; this GPU allows {smem:,} B")
+    return None
+
+
+def check_paged_prefill_v1(n: Need) -> str | None:
+    """The tensor-core paged prefill (paged_prefill_v1.cu): 16-bit pools, the head dims it is
+    built for, bfloat16 from compute capability 8.0, and its smallest tiles in the SRAM."""
+    if n.extra.get("kv_dtype") is not None:
+        return f"kv_dtype: reads 16-bit pools; a {n.extra['kv_dtype']} cache is not dequantized by this kernel"
+    if n.dtype not in PP.PAGED_PREFILL_DTYPES:
+        return f"the tensor-core kernel for float16/bfloat16 (float32 accumulation), got {n.dtype}"
+    if n.head_dim not in PP.PAGED_PREFILL_HEAD_DIMS:
+        dims = " and ".join(map(str, PP.PAGED_PREFILL_HEAD_DIMS))
+        return f"built and tested for head_dim {dims} only, got {n.head_dim}"
+    why = _bf16_cc(n)
+    if why:
+        return why
+    smem = n.extra.get("smem")
+    least = PP.paged_prefill_smem(n.head_dim, 1, min(PP.PAGED_PREFILL_BLOCK_K_CHOICES))
+    if smem is not None and least > smem:
+        return (f"needs at least {least:,} B of shared memory a block at head_dim={n.head_dim}, its smallest "
+                f"tiles; this GPU allows {smem:,} B")
     return None

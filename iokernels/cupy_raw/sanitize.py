@@ -10,7 +10,9 @@ a sliding-window decode, quantized paged caches of :data:`QUANT_CASES` (read by 
 v4's codes path), the larger groups of :data:`DECODE_HEADS` (decode v6); MLA decode at 80
 query heads, contiguous and paged), plus the settings in :data:`VARIANTS`.  A quantized
 cache's decode is held against the oracle on the values the cache holds (its codes times
-its scales, :meth:`PagedKVCache.gather`).
+its scales, :meth:`PagedKVCache.gather`).  The paged prefill runs chunks of :data:`PREFILL_CHUNKS`
+rows (a partial chunk, a whole prompt, a decode row) over the paged cache, GQA 8/2 and MHA,
+causal and not.
 Inputs are NumPy arrays, so CuPy is the only GPU library loaded.  Each result is held
 against :mod:`iokernels.core.reference` with the shared checker (float64 to about 1e-12,
 lower precisions by the 2x rule against the naive algorithm in the same precision).
@@ -62,7 +64,10 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v5"): ({}, {"tile_rows": 16, "stages": 2}, {"load_l1": True}),
             ("attention", "v1b"): ({}, {"block_q": 64, "block_k": 32}),
             # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
-            ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16})}
+            ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16}),
+            # the paged prefill: 2 warps of 16-key tiles (a tile inside one cache block), 8 warps of
+            # 128-key tiles (8 blocks a tile)
+            ("paged_prefill", "v1"): ({}, {"num_warps": 2, "block_k": 16}, {"num_warps": 8, "block_k": 128})}
 #: calls a version makes twice in a row (the fused combine's counters must be back at 0 after a call)
 TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4"), ("paged_decode", "v5"),
          ("decode", "v6"), ("paged_decode", "v6")}
@@ -262,8 +267,44 @@ def _mla(kernel, cfg, dtype, rng, label):
     return out
 
 
+#: paged prefill: per PAGED_LENS sequence, its chunk (the last rows: a partial chunk of 37 and a
+#: whole prompt), then a decode row of the first; (query heads, KV heads); head dims
+PREFILL_CHUNKS = (37, 45, 1)
+PREFILL_HEADS = ((8, 2), (2, 2))
+PREFILL_DIMS = (64, 128)
+
+
+def _paged_prefill(kernel, cfg, dtype, rng, label):
+    """Chunks over a paged cache (blocks of 16, the last partial), causal and not, GQA and MHA."""
+    out = []
+    if dtype not in ("float16", "bfloat16"):
+        return out
+    for d in PREFILL_DIMS:
+        cache, sids = _paged_cache(rng, d, dtype)
+        seq = [sids[0], sids[1], sids[0]]
+        cq = np.concatenate([[0], np.cumsum(PREFILL_CHUNKS)]).astype(np.int32)
+        for hq, hkv in PREFILL_HEADS:
+            q = rng.standard_normal((int(cq[-1]), hq, d)).astype(cache.dtype)
+            if hkv != cache.num_kv_heads or kernel.unavailable(need("paged_prefill", q=q, cache=cache)) is not None:
+                continue
+            for causal in (True, False):
+                o, lse = kernel.launcher(q, cache, seq, cq, causal=causal, scale=None, config=cfg)
+                ref = np.zeros(q.shape)
+                for b, sid in enumerate(seq):
+                    rows = slice(int(cq[b]), int(cq[b + 1]))
+                    k, v = (x.astype(np.float64)[None] for x in cache.gather(sid))
+                    ob, _ = reference.attention(q[rows].astype(np.float64).transpose(1, 0, 2)[None], k, v,
+                                                causal=causal)
+                    ref[rows] = ob[0].transpose(1, 0, 2)
+                base = api.paged_prefill(q, cache, seq, cq, causal=causal, backend="naive")
+                name = f"{label} d={d} heads {hq}/{hkv} causal={causal}"
+                _ok(check(o, ref, base, dtype=dtype, name="O"), name)
+                out.append(name)
+    return out
+
+
 RUNNERS = {"attention": _forward, "decode": _decode, "paged_decode": _paged_decode, "paged_gather": _gather,
-           "attention_backward": _backward, "mla_decode": _mla}
+           "attention_backward": _backward, "mla_decode": _mla, "paged_prefill": _paged_prefill}
 
 
 def sanitize_cases(seed: int = 0, verbose: bool = True, kernels=None) -> list:

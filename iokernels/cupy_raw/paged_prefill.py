@@ -1,0 +1,254 @@
+"""Prefill on a paged cache in CUDA C++: the launcher of paged_prefill_v1.cu.
+
+Read this next to :func:`iokernels.paged_prefill.paged_prefill_tiled` (the NumPy kernel, its
+traffic counted) and :mod:`iokernels.numba_cuda.paged_prefill` (the same grid in Numba).  A
+packed batch of chunks -- q (total_q, Hq, d), sequence b's chunk the rows
+cu_seqlens_q[b]:cu_seqlens_q[b+1], the LAST n_q of the n tokens it has cached -- attends to
+each sequence's cache through its block table, in one launch.
+
+Notation (the papers' names):
+
+=======  ===========================================================================
+Br, Bc   chunk rows a Q tile (16 a warp: 64, or 128 where chunks are long on average, by
+         :func:`.policy.paged_prefill_tiles`), keys a K/V tile (64 by default)
+n, n_q   tokens a sequence has cached (its chunk included), rows of its chunk
+p        block_size, the keys a cache block holds; a K tile spans Bc / p blocks
+g        query heads per KV head: query head h reads KV head h // g
+S, P     S_ij = scale * Q_i K_j^T, P_ij = exp(S_ij - m): registers (tensor-core fragments)
+m, l     running row max and row sum of the online softmax, in registers
+O        float32 accumulators, written once, packed (total_q, Hq, d) in q's dtype
+LSE      m + log(l), natural log, float32, (Hq, total_q) like the other backends' paged prefill
+=======  ===========================================================================
+
+What v1 adds, and why: fa_v2.cu's tensor-core forward (mma.sync, S and P in registers,
+cp.async double buffering) with its K/V tiles read through the block table, so a chunk
+attends to its cache where it lies, with no gather into a contiguous copy (the copy the
+"naive" and "torch" backends make writes every cached row once more and reads it back).
+A K tile spans several cache blocks (Bc = 64 keys = 4 blocks of 16 by default) so each mma
+still sees a full tile; each row's address comes from the table.  Bottom-right causal per
+sequence: chunk row i sees key j iff j <= i + n - n_q; K tiles entirely in the future of a
+Q tile are never read.  One launch serves every chunk of the batch (grid: Q tile, query
+head, sequence); a block whose chunk has fewer tiles exits.
+
+Limits, frankly: the g query heads of a KV head are g thread blocks, each reading the K/V
+tiles (L2 can serve the repeats, but they still cost load instructions and L2 bandwidth;
+packing the g heads into one tile's rows is the next idea); a chunk of one row (a decode
+step) still costs a Br-row tile of tensor-core work, so a batch of mostly decode rows is
+the paged decode kernels' job; head dims 64 and 128, float16 and bfloat16 only (the
+record's check says so for others); a quantized cache is not read.  With device block
+tables, lengths and offsets the launch reads none of their values on the host, so the grid
+is sized by ``max_seqlen_q`` when the caller passes it (as FlashAttention's varlen calls
+take it), else by the longest chunk possible (total_q rows), and then most blocks of short
+chunks exit at once; with host offsets it is sized by the longest chunk.  No plan cache
+(:mod:`.plans`) yet: each call checks its arguments, resolves its config and looks up the
+compiled kernel on the host.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core import conventions as cv
+from ..core.arrays import Call, device_array, kind_of
+from ..core.records import Record
+from .config import CHUNK_BYTES
+from .decode import _pool_device, check_paged_lengths, check_pools
+from .launch import device_info, function, on_stream, unit_rows
+from .paged_prefill_config import PagedPrefillConfig
+from .registry import REGISTRY, check_paged_prefill_v1, need
+
+__all__ = ["paged_prefill", "paged_prefill_pools", "launch_paged_prefill", "prefill_args"]
+
+
+def paged_prefill(q, cache, seq_ids, cu_seqlens_q, *, causal=True, scale=None, config=None):
+    """The launcher of ``ik.paged_prefill(..., backend="cupy")``: a
+    :class:`~iokernels.paged.PagedKVCache` holds NumPy pools, which are copied to the device
+    (with its tables and lengths) on every call; :func:`paged_prefill_pools` takes device pools.
+    ``config``: a :class:`PagedPrefillConfig` (None, or version None: the registry's default)."""
+    if config is None or config.version is None:
+        _, config = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, cache=cache))
+    tables, lens = cache.block_tables_array(list(seq_ids))
+    return _run(q, cache.k_pool, cache.v_pool, tables, lens, cu_seqlens_q, causal=causal, scale=scale,
+                config=config)
+
+
+def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal=True, scale=None,
+                        config=None, max_seqlen_q=None):
+    """Paged prefill over pools (num_blocks, block_size, Hkv, d): (O (total_q, Hq, d), LSE (Hq, total_q)).
+
+    q (total_q, Hq, d) packed; sequence b's chunk is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] and
+    the last rows of the seq_lens[b] tokens it has cached; block_tables (B, max_blocks) int32.
+    Device q and pools (CuPy, torch CUDA) are used in place and the outputs are of their kind;
+    NumPy ones are copied in and out.  block_tables, seq_lens and cu_seqlens_q may each be host
+    arrays (checked, then uploaded once per distinct content) or contiguous int32 device arrays
+    of q's kind, used in place: their values are not read on the host (keep them in range), so
+    with device ones a call neither synchronizes the host nor copies host memory.
+    ``max_seqlen_q`` (as FlashAttention's varlen calls take it): the longest chunk, which sizes
+    the grid when cu_seqlens_q is a device array (None: total_q, the most a chunk can hold, so
+    the blocks of shorter chunks exit at once); with host offsets it is read from them.
+    """
+    _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
+    _check_q(q, Hkv, d, dtype)
+    _, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, k=k_pool, v=v_pool))
+    return _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal, scale=scale, config=cfg,
+                max_seqlen_q=max_seqlen_q)
+
+
+# --------------------------------------------------------------------------- checks
+def _check_q(q, heads_kv, d, dtype):
+    s = tuple(getattr(q, "shape", ()))
+    if len(s) != 3 or s[2] != d or s[1] < 1 or s[1] % heads_kv:
+        raise ValueError(f"q: expected (total_q, a multiple of {heads_kv} heads, {d}), got {s}")
+    if cv.dtype_name(q) != dtype:
+        raise ValueError(f"q: dtype must equal the pools' {dtype}, got {cv.dtype_name(q)}")
+
+
+def _on_device(call, x, name):
+    """True for a device array (then of q's kind); False for host values (NumPy, lists)."""
+    if isinstance(x, (list, tuple)) or np.isscalar(x) or kind_of(x, name) == "numpy":
+        return False
+    call.check(x, name)
+    return True
+
+
+def _device_ints(x, name, shape):
+    """A device int32 array used in place: its shape and layout checked, its values never read."""
+    a = device_array(x)
+    if a.dtype != "int32" or tuple(a.shape) != tuple(shape) or not a.c_contiguous():
+        raise ValueError(f"{name}: a device array must be contiguous int32 of shape {tuple(shape)}, got "
+                         f"{a.dtype} {tuple(a.shape)}")
+    return a
+
+
+def _host_offsets(cu_seqlens_q, batch, total_q, lens):
+    cq = np.asarray(cv.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q), np.int64)
+    if len(cq) != batch + 1:
+        raise ValueError(f"cu_seqlens_q: expected {batch + 1} offsets (one more than sequences), got {len(cq)}")
+    if lens is not None:
+        over = np.flatnonzero(np.diff(cq) > lens)
+        if over.size:
+            b = int(over[0])
+            raise ValueError(f"cu_seqlens_q: sequence {b} has a chunk of {int(cq[b + 1] - cq[b])} queries but "
+                             f"{int(lens[b])} cached tokens; append the chunk's K and V before attending")
+    return cq
+
+
+# --------------------------------------------------------------------------- the call
+def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, scale, config, max_seqlen_q=None):
+    """One call with a resolved config (its version set): (O, LSE) of q's kind."""
+    nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
+    _check_q(q, Hkv, d, dtype)
+    causal = cv.check_bool(causal, "causal")
+    scale = cv.resolve_scale(scale, d)
+    if not isinstance(config, PagedPrefillConfig) or config.version is None:
+        raise ValueError(f"config: expected a PagedPrefillConfig with its version set, got {config!r}")
+    total_q, Hq = int(q.shape[0]), int(q.shape[1])
+    call = Call(q)
+    dev_t, dev_l, dev_c = (_on_device(call, x, n) for x, n in ((block_tables, "block_tables"),
+                                                                  (seq_lens, "seq_lens"),
+                                                                  (cu_seqlens_q, "cu_seqlens_q")))
+    # the batch and the table width: from shapes (device arrays) or the host values
+    lens_h = None if dev_l else np.asarray(seq_lens)
+    B = int(seq_lens.shape[0]) if dev_l else int(lens_h.shape[0]) if lens_h.ndim == 1 else -1
+    if B < 0:
+        raise ValueError(f"seq_lens: expected one length per sequence (1-D), got shape {lens_h.shape}")
+    if dev_t:
+        max_blocks = int(block_tables.shape[1]) if len(block_tables.shape) == 2 else -1
+        _device_ints(block_tables, "block_tables", (B, max(max_blocks, 0)))
+        if dev_l:
+            _device_ints(seq_lens, "seq_lens", (B,))
+        else:
+            lens_h = _host_lengths(lens_h, B, max_blocks * bs)
+    else:
+        tables_h = np.asarray(block_tables)
+        if dev_l:
+            _device_ints(seq_lens, "seq_lens", (B,))
+            if tables_h.ndim != 2 or tables_h.shape[0] != B:
+                raise ValueError(f"block_tables: expected ({B}, max_blocks), got {tables_h.shape}")
+            if tables_h.size and ((tables_h < 0) | (tables_h >= nb)).any():
+                raise ValueError(f"block_tables: every entry must be a block of the pool, in [0, {nb})")
+        else:
+            tables_h, lens_h = check_paged_lengths(tables_h, lens_h, B, nb, bs)
+        max_blocks = int(tables_h.shape[1])
+    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer))
+                                     or not 0 <= max_seqlen_q <= total_q):
+        raise ValueError(f"max_seqlen_q: expected None or an integer in [0, total_q = {total_q}], got "
+                         f"{max_seqlen_q!r}")
+    if dev_c:
+        _device_ints(cu_seqlens_q, "cu_seqlens_q", (B + 1,))
+        longest = total_q if max_seqlen_q is None else int(max_seqlen_q)   # not read: the caller's bound
+    else:
+        cq = _host_offsets(cu_seqlens_q, B, total_q, lens_h)
+        longest = int(np.diff(cq).max(initial=0))
+        if max_seqlen_q is not None and max_seqlen_q < longest:
+            raise ValueError(f"max_seqlen_q: {max_seqlen_q} is shorter than the longest chunk, {longest} rows")
+    acc = cv.accum_dtype(dtype).name
+    cfg = config.resolve(d, device_info()["smem_optin"], total_q / max(B, 1))   # the mean chunk: shapes only
+    with on_stream(call.stream_ptr()):
+        qd = unit_rows(call.to_device(q, "q"))
+        kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
+        o, lse = call.empty((total_q, Hq, d), dtype), call.empty((Hq, total_q), acc)
+        if B and total_q and longest:
+            tables_d = block_tables if dev_t else call.constant(_table_or_one(tables_h))
+            lens_d = seq_lens if dev_l else call.constant(lens_h.astype(np.int32))
+            cu_d = cu_seqlens_q if dev_c else call.constant(cq.astype(np.int32))
+            launch_paged_prefill(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, dtype=dtype, page_size=bs,
+                                 max_blocks=max(max_blocks, 1), longest=longest, scale=scale, causal=causal,
+                                 config=cfg)
+    return call.finish(o, dtype), call.finish(lse, acc)
+
+
+def _host_lengths(lens_h, batch, cap):
+    lens = lens_h.astype(np.int64)
+    if lens.shape != (batch,) or np.any(lens < 0) or np.any(lens > cap):
+        raise ValueError(f"seq_lens: expected {batch} lengths in [0, {cap}], got {lens.tolist()}")
+    return lens
+
+
+def _table_or_one(tables):
+    """int32 tables, at least one column (a batch of empty sequences still passes a valid pointer)."""
+    t = np.ascontiguousarray(tables, np.int32)
+    return t if t.ndim == 2 and t.shape[1] else np.zeros((max(len(t), 1), 1), np.int32)
+
+
+def launch_paged_prefill(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, dtype, page_size, max_blocks, longest,
+                         scale, causal, config):
+    """The kernel on device arrays: qd (total_q, Hq, d) rows unit-stride, pools (num_blocks,
+    page_size, Hkv, d), int32 tables (B, max_blocks), lengths (B,), offsets (B + 1,); o, lse
+    preallocated (tests poison them first).  ``longest``: the grid's bound on a chunk's rows;
+    ``config`` resolved."""
+    qd, kp, vp, o, lse = (device_array(a) for a in (qd, kp, vp, o, lse))
+    tables_d, lens_d, cu_d = (device_array(a) for a in (tables_d, lens_d, cu_d))
+    B = lens_d.shape[0]
+    total_q, Hq, d = qd.shape
+    if B * total_q * Hq * longest == 0:
+        return
+    vec = all(a.aligned(CHUNK_BYTES) for a in (qd, kp, vp, o))
+    defines = config.defines(d, dtype, page_size, vec_io=vec)
+    smem = config.smem_bytes(d)
+    rec = REGISTRY.get("paged_prefill", config.version)
+    fn = function(rec.file, rec.kernel, defines, smem)
+    grid = (-(-int(longest) // config.block_q), Hq, B)
+    fn(grid, (config.threads(),), rec.args(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, max_blocks=max_blocks,
+                                           scale=scale, causal=causal), shared_mem=smem)
+
+
+def prefill_args(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, max_blocks, scale, causal) -> tuple:
+    """paged_prefill_v1.cu: pointers, heads, table width, strides in elements (q and O by token
+    and head; the pools by block, slot, head; LSE by head and token), scale, causal."""
+    i32, i64 = np.int32, np.int64
+    Hq, Hkv = qd.shape[1], kp.shape[2]
+    return (qd.arg, kp.arg, vp.arg, tables_d.arg, lens_d.arg, cu_d.arg, o.arg, lse.arg,
+            i32(Hq), i32(Hkv), i32(max_blocks),
+            *map(i64, qd.strides[:2]), *map(i64, o.strides[:2]),
+            *map(i64, kp.strides[:3]), *map(i64, vp.strides[:3]),
+            *map(i64, lse.strides[:2]), np.float32(scale), i32(bool(causal)))
+
+
+# --------------------------------------------------------------------------- the records
+RECORDS = (
+    Record("cupy", "paged_prefill", "v1", "paged_prefill_v1.cu", "paged_prefill_v1", PagedPrefillConfig,
+           paged_prefill, "fa_v2's tensor-core forward over a paged cache: K/V tiles of several cache blocks read "
+           "through the block table, bottom-right causal per sequence, one launch for a packed batch of chunks",
+           check_paged_prefill_v1, 10, prefill_args),
+)
+REGISTRY.add(*RECORDS)

@@ -1,0 +1,291 @@
+"""The CuPy paged prefill (paged_prefill_v1.cu): its record, its argument checks and (on the CuPy
+stand-in) device tables, lengths and offsets used in place, on a CPU; on a GPU
+(``gpu``-marked tests, skipped without one) the kernel against the float64 oracle by the 2x rule.
+
+The GPU cases are ragged: several sequences in one launch, chunks of 1 (a decode row), 5, 37 and
+128 rows, whole prompts and partial chunks, cached lengths that are no multiple of the block
+size, GQA 8/2 and MHA, head dims 64 and 128, float16 and bfloat16, causal and not, over a host
+PagedKVCache and over device pools with device tables, lengths and offsets (CuPy, and torch
+where it sees a GPU).  The oracle attends, in float64, to a contiguous copy of each sequence
+(:meth:`PagedKVCache.gather`); the baseline is the naive algorithm in the same precision.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import iokernels as ik
+from iokernels import api
+from iokernels.core import reference, testing
+from iokernels.core.gpu import cupy_gpu, torch_gpu
+from iokernels.core.registry import Need
+from iokernels.cupy_raw import REGISTRY, PagedPrefillConfig, need, paged_prefill_pools
+from iokernels.paged import PagedKVCache
+
+#: the GPU tests' marks: run with the GPU tests, skipped where CuPy sees no GPU
+gpu = pytest.mark.skipif(not cupy_gpu(), reason="CuPy sees no CUDA GPU")
+#: absolute LSE tolerance (nats) on top of the 2x rule: the kernel's exp2 / log2 conversions
+LSE_ATOL = 1e-4
+
+
+def _filled(rng, lens, hkv, d, dtype, block_size=16, spare=3):
+    """A cache holding sequences of ``lens`` tokens, their blocks shuffled in the pool."""
+    need_blocks = sum(-(-n // block_size) for n in lens)
+    cache = PagedKVCache(need_blocks + spare, block_size, num_kv_heads=hkv, head_dim=d,
+                         dtype=testing.numpy_dtype(dtype))
+    sids = [cache.new_sequence() for _ in lens]
+    # append in rounds so the sequences' blocks interleave in the pool (the table matters)
+    left = list(lens)
+    while any(left):
+        for sid, i in zip(sids, range(len(lens))):
+            m = min(left[i], block_size + 3)
+            if m:
+                cache.append(sid, *(rng.standard_normal((m, hkv, d)).astype(cache.dtype) for _ in range(2)))
+                left[i] -= m
+    return cache, sids
+
+
+def _oracle(q, cache, sids, cq, causal=True):
+    o = np.zeros(q.shape)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for b, sid in enumerate(sids):
+        rows = slice(int(cq[b]), int(cq[b + 1]))
+        if rows.stop == rows.start:
+            continue
+        k, v = (x.astype(np.float64)[None] for x in cache.gather(sid))
+        ob, lb = reference.attention(q[rows].astype(np.float64).transpose(1, 0, 2)[None], k, v, causal=causal)
+        o[rows], lse[:, rows] = ob[0].transpose(1, 0, 2), lb[0]
+    return o, lse
+
+
+def _case(rng, lens, chunks, hq, hkv, d, dtype, block_size=16):
+    cache, sids = _filled(rng, lens, hkv, d, dtype, block_size)
+    cq = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int32)
+    q = rng.standard_normal((int(cq[-1]), hq, d)).astype(cache.dtype)
+    return cache, sids, cq, q
+
+
+def _check(o, lse, q, cache, sids, cq, dtype, causal, label):
+    ref, ref_lse = _oracle(q, cache, sids, cq, causal)
+    base, base_lse = ik.paged_prefill(q, cache, sids, cq, causal=causal, backend="naive", return_lse=True)
+    testing.assert_close(o, ref, base, dtype=dtype, name=f"{label} O")
+    testing.assert_close(lse, ref_lse, base_lse, dtype=dtype, atol=LSE_ATOL, name=f"{label} LSE")
+
+
+#: (cached lengths, chunk lengths): decode rows, short and 37-row partial chunks, 128-row chunks,
+#: whole prompts (chunk == cached), lengths no multiple of 16, an empty chunk
+RAGGED = (((301, 45, 5, 1, 200, 133), (37, 45, 5, 1, 128, 1)),
+          ((77, 128, 259, 0, 16), (5, 128, 37, 0, 16)))
+
+
+# =========================================================================== CPU
+def test_cupy_implements_paged_prefill_through_its_record():
+    assert "cupy" in api.backends_implementing("paged_prefill")
+    rec = REGISTRY.get("paged_prefill", "v1")
+    assert rec.file == "paged_prefill_v1.cu" and rec.config_class is PagedPrefillConfig
+
+
+@pytest.mark.parametrize("need_kw,words", [
+    (dict(dtype="float32", head_dim=128), "float16/bfloat16"),
+    (dict(dtype="float16", head_dim=96), "head_dim 64 and 128"),
+    (dict(dtype="bfloat16", head_dim=64, cc=75), "compute capability 8.0"),
+    (dict(dtype="float16", head_dim=128, extra=dict(smem=16 * 1024)), "shared memory"),
+    (dict(dtype="float16", head_dim=128, extra=dict(kv_dtype="int8")), "kv_dtype"),
+])
+def test_the_record_says_why_it_cannot_run(need_kw, words):
+    n = Need(**{"cc": None, "extra": {}, **need_kw})
+    why = REGISTRY.get("paged_prefill", "v1").unavailable(n)
+    assert why and words in why, why
+    assert REGISTRY.get("paged_prefill", "v1").unavailable(Need(dtype="bfloat16", head_dim=128, cc=80)) is None
+
+
+def test_the_sanitizer_runs_it_with_its_variants():
+    """scripts/sanitize.py runs every registered op through sanitize.RUNNERS; the paged prefill's
+    variant tiles are valid configs."""
+    from iokernels.cupy_raw import sanitize as S
+    assert set(REGISTRY.ops()) <= set(S.RUNNERS)
+    for kw in S.VARIANTS[("paged_prefill", "v1")]:
+        cfg = PagedPrefillConfig("v1", **kw).resolve(128, 227 * 1024)
+        assert cfg.block_k % 16 == 0 and cfg.num_warps in (2, 4, 8)
+
+
+def test_need_counts_the_group_from_pools():
+    q = np.zeros((5, 8, 64), np.float16)
+    pool = np.zeros((4, 16, 2, 64), np.float16)
+    assert need("paged_prefill", q=q, k=pool, v=pool).extra["group"] == 4
+
+
+def _pools_call(rng, **change):
+    cache, sids, cq, q = _case(rng, (40, 9), (7, 9), 4, 2, 64, "float16")
+    tables, lens = cache.block_tables_array(sids)
+    kw = dict(q=q, k_pool=cache.k_pool, v_pool=cache.v_pool, block_tables=tables, seq_lens=lens, cu_seqlens_q=cq)
+    kw.update(change)
+    return kw
+
+
+@pytest.mark.parametrize("change,name", [
+    (dict(q=np.zeros((16, 3, 64), np.float16)), "q"),                  # 3 heads over 2 KV heads
+    (dict(q=np.zeros((16, 4, 64), np.float32)), "q"),                  # not the pools' dtype
+    (dict(v_pool=np.zeros((5, 16, 2, 64), np.float16)), "v_pool"),
+    (dict(cu_seqlens_q=np.array([0, 7], np.int32)), "cu_seqlens_q"),   # one offset short
+    (dict(cu_seqlens_q=np.array([0, 5, 15], np.int32)), "cu_seqlens_q"),   # ends at 15, not total_q 16
+    (dict(cu_seqlens_q=np.array([0, 6, 16], np.int32)), "cu_seqlens_q"),   # 10 queries over 9 cached tokens
+    (dict(seq_lens=np.array([40, 900])), "seq_lens"),
+    (dict(block_tables=np.array([[0, 1, 2], [99, 0, 0]], np.int32)), "block_tables"),
+    (dict(causal="yes"), "causal"),
+    (dict(max_seqlen_q=8), "max_seqlen_q"),                             # shorter than the chunk of 9
+    (dict(max_seqlen_q=17), "max_seqlen_q"),                            # past total_q
+])
+def test_bad_arguments_raise_naming_the_argument(rng, change, name):
+    """Every check runs on the host before anything touches a GPU (so it holds on a CPU)."""
+    kw = _pools_call(rng, **change)
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        paged_prefill_pools(**kw)
+
+
+def test_a_bad_config_raises_naming_config(rng):
+    cache, sids, cq, q = _case(rng, (40,), (7,), 4, 2, 64, "float16")
+    with pytest.raises(ValueError, match="config"):
+        ik.paged_prefill(q, cache, sids, cq, backend="cupy", config=ik.TileConfig(16, 16))
+    with pytest.raises(ValueError, match="config.num_warps"):
+        PagedPrefillConfig("v1", num_warps=3)
+
+
+# =========================================================================== GPU
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa8/2", "mha"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", range(len(RAGGED)))
+def test_paged_prefill_matches_the_oracle(rng, dtype, d, heads, causal, case):
+    lens, chunks = RAGGED[case]
+    cache, sids, cq, q = _case(rng, lens, chunks, *heads, d, dtype)
+    o, lse = ik.paged_prefill(q, cache, sids, cq, causal=causal, backend="cupy", return_lse=True)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (heads[0], q.shape[0])
+    assert lse.dtype == np.float32
+    _check(o, lse, q, cache, sids, cq, dtype, causal, f"cupy paged prefill {dtype} d={d} {heads} causal={causal}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config", [PagedPrefillConfig("v1", num_warps=2, block_k=16),
+                                    PagedPrefillConfig("v1", num_warps=8, block_k=128),
+                                    PagedPrefillConfig("v1", block_k=32)], ids=str)
+def test_other_tiles_and_an_odd_block_size(rng, config):
+    """Tiles other than the default, over blocks of 7 keys (a K tile spans a partial block)."""
+    cache, sids, cq, q = _case(rng, (301, 45, 5), (37, 45, 1), 8, 2, 128, "bfloat16", block_size=7)
+    o, lse = ik.paged_prefill(q, cache, sids, cq, backend="cupy", config=config, return_lse=True)
+    _check(o, lse, q, cache, sids, cq, "bfloat16", True, f"cupy paged prefill {config}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_device_pools_tables_and_offsets(rng, lib):
+    """Device pools, device int32 tables, lengths and offsets used in place; outputs of q's kind.
+    A chunk longer than its (device) length has rows that see no key: O 0, LSE -inf."""
+    if lib == "torch" and not torch_gpu():
+        pytest.skip("torch sees no CUDA GPU")
+    import cupy
+    cache, sids, cq, q = _case(rng, (301, 45, 5, 1), (37, 45, 5, 1), 8, 2, 64, "float16")
+    tables, lens = cache.block_tables_array(sids)
+    if lib == "cupy":
+        to = cupy.asarray
+    else:
+        import torch
+
+        def to(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+    args = [to(x) for x in (q, cache.k_pool, cache.v_pool, tables.astype(np.int32), lens.astype(np.int32), cq)]
+    o, lse = paged_prefill_pools(*args)
+    assert type(o) is type(args[0]) and type(lse) is type(args[0])
+    o_b, _ = paged_prefill_pools(*args, max_seqlen_q=45)           # the grid sized by the caller's bound
+    assert np.array_equal(testing.as_numpy(o_b), testing.as_numpy(o))
+    host = testing.as_numpy
+    _check(host(o), host(lse), q, cache, sids, cq, "float16", True, f"{lib} pools")
+    # the last sequence said to hold 0 tokens: its one query row sees nothing
+    short = lens.astype(np.int32).copy()
+    short[3] = 0
+    o2, lse2 = paged_prefill_pools(*args[:4], to(short), args[5])
+    o2, lse2 = host(o2), host(lse2)
+    assert np.all(o2[-1] == 0) and np.all(np.isneginf(lse2[:, -1]))
+    assert np.array_equal(o2[:-1], host(o)[:-1])
+    cupy.cuda.Device().synchronize()
+
+
+@pytest.mark.gpu
+@gpu
+def test_chunked_equals_one_shot_and_a_decode_row_equals_paged_decode(rng):
+    """A prompt prefilled in chunks of 37 gives the rows the one-shot prefill gives (to rounding),
+    and a one-row chunk is the paged decode of that query."""
+    cache, sids, cq, q = _case(rng, (150,), (150,), 8, 2, 128, "float16")
+    whole = ik.paged_prefill(q, cache, sids, cq, backend="cupy")
+    ref, _ = _oracle(q, cache, sids, cq)
+    base = ik.paged_prefill(q, cache, sids, cq, backend="naive")
+    last = q[-1:]
+    row = ik.paged_prefill(last, cache, sids, np.array([0, 1], np.int32), backend="cupy")
+    dec = ik.paged_decode(last, cache, sids, backend="cupy")
+    testing.assert_close(row[0], ref[-1], base[-1], dtype="float16", name="one-row chunk")
+    testing.assert_close(dec[0], ref[-1], base[-1], dtype="float16", name="paged decode")
+    testing.assert_close(whole[-1], ref[-1], base[-1], dtype="float16", name="whole prompt's last row")
+
+
+@pytest.mark.gpu
+@gpu
+def test_strided_pools_are_read_in_place(rng):
+    """A pool stored heads-outer, (blocks, Hkv, slots, d), passed as its (blocks, slots, Hkv, d)
+    view: read through its strides, the same output bit for bit as the slots-outer pool."""
+    if not torch_gpu():
+        pytest.skip("torch sees no CUDA GPU")
+    import torch
+    cache, sids, cq, q = _case(rng, (301, 45, 5), (37, 45, 1), 8, 2, 128, "float16")
+    tables, lens = cache.block_tables_array(sids)
+    tq, kp, vp = (torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in (q, cache.k_pool, cache.v_pool))
+    outer = [p.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for p in (kp, vp)]
+    assert not outer[0].is_contiguous() and outer[0].stride(-1) == 1
+    o1, l1 = paged_prefill_pools(tq, kp, vp, tables, lens, cq)
+    o2, l2 = paged_prefill_pools(tq, outer[0], outer[1], tables, lens, cq)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+#: run on the CuPy stand-in (tests/stand_ins/cupy): device tables, lengths and offsets reach the
+#: launch as they are, and no host array is uploaded during the call
+_IN_PLACE = r'''
+import json, sys
+import numpy as np
+import cupy
+from iokernels import cupy_raw as cr
+rng = np.random.default_rng(0)
+pool = cupy.asarray(rng.standard_normal((12, 16, 2, 64)).astype(np.float16))
+q = cupy.asarray(rng.standard_normal((50, 8, 64)).astype(np.float16))
+tables = cupy.asarray(np.array([[3, 1, 4, 9], [2, 6, 5, 0]], np.int32))
+lens = cupy.asarray(np.array([60, 20], np.int32))
+cu = cupy.asarray(np.array([0, 40, 50], np.int32))
+uploads = []
+real = cupy.asarray
+cupy.asarray = lambda x, dtype=None: (uploads.append(type(x).__name__), real(x, dtype))[1]
+cr.paged_prefill_pools(q, pool, pool, tables, lens, cu, max_seqlen_q=40)
+(L,) = cupy.LAUNCHES
+ptrs = [int(a) for a in L["args"][3:6]]
+device_uploads = list(uploads)
+cr.paged_prefill_pools(q, pool, pool, tables, lens, np.array([0, 40, 50], np.int32))   # host offsets: uploaded
+json.dump(dict(uploads=device_uploads, host_uploads=uploads[len(device_uploads):],
+               same=ptrs == [x.data.ptr for x in (tables, lens, cu)], grid=list(L["grid"])), sys.stdout)
+'''
+
+
+def test_device_tables_lengths_and_offsets_are_used_in_place():
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    here = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=f"{here / 'stand_ins'}{os.pathsep}{here.parent}")
+    r = subprocess.run([sys.executable, "-c", _IN_PLACE], capture_output=True, text=True, env=env, cwd=here.parent)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout)
+    assert got["same"] and got["uploads"] == [] and got["grid"] == [1, 8, 2]
+    assert got["host_uploads"] == ["ndarray"]               # the check that the count sees uploads
