@@ -26,6 +26,7 @@ computes the same model with no cache at all, in torch, to check both against.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -89,6 +90,15 @@ def rope(x, positions, theta):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+def _attend_on_host(memory, layer, seqs, chunk_lens, ids, cu, q, k, v):
+    """A host memory's layer: K, V written a sequence at a time, then one attention call, all in NumPy."""
+    k_np, v_np = k.cpu().numpy(), v.cpu().numpy()
+    for i, s in enumerate(seqs):                      # write the chunk's K, V first
+        memory.write(layer, s, k_np[cu[i]:cu[i + 1]], v_np[cu[i]:cu[i + 1]], ids[i])
+    o = memory.attend(layer, q.cpu().numpy(), seqs, list(chunk_lens))
+    return torch.from_numpy(np.ascontiguousarray(o)).to(q.device)
+
+
 class Llama:
     """A Llama decoder with weights drawn from ``seed``; ``forward`` is what the engine calls."""
 
@@ -115,14 +125,10 @@ class Llama:
     def vocab(self) -> int:
         return self.shape.vocab
 
-    @property
-    def numpy_dtype(self):
-        return {torch.float64: np.float64, torch.float32: np.float32}[self.dtype]
-
     def memory_shape(self) -> dict:
-        """What a memory for this model holds per token: layers, KV heads, head dim, dtype."""
+        """What a memory for this model holds per token: layers, KV heads, head dim, dtype (its name)."""
         return dict(layers=self.shape.layers, kv_heads=self.shape.kv_heads, head_dim=self.shape.head_dim,
-                    dtype=np.dtype(self.numpy_dtype).name)
+                    dtype=str(self.dtype).replace("torch.", ""))
 
     def _block(self, p, x, positions, attend):
         s = self.shape
@@ -136,22 +142,28 @@ class Llama:
 
     @torch.no_grad()
     def forward(self, memory, seqs, chunk_lens):
-        """Compute each sequence's next chunk through ``memory``; the logits of each chunk's last token."""
+        """Compute each sequence's next chunk through ``memory``; the logits of each chunk's last token.
+
+        A device memory (:mod:`.device`, one with ``prepare``) does the step's books once and
+        every layer stores and attends on the model's device.  A host memory (:mod:`.memory`,
+        NumPy pools) takes each layer's K, V and queries as NumPy arrays: on a GPU, copies
+        to the host and back, every layer of every step.  Returns (len(seqs), vocab) logits
+        on the model's device.
+        """
         ids = [s.tokens[s.computed:s.computed + c] for s, c in zip(seqs, chunk_lens)]
         pos = torch.cat([torch.arange(s.computed, s.computed + c) for s, c in zip(seqs, chunk_lens)])
         tok = torch.tensor([t for chunk in ids for t in chunk], device=self.device)
         cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
+        plan = memory.prepare(seqs, chunk_lens, ids) if hasattr(memory, "prepare") else None
         x = self.embed[tok]
         for layer, p in enumerate(self.layers):
-            def attend(q, k, v, layer=layer):
-                k_np, v_np = k.cpu().numpy(), v.cpu().numpy()
-                for i, s in enumerate(seqs):                      # write the chunk's K, V first
-                    memory.write(layer, s, k_np[cu[i]:cu[i + 1]], v_np[cu[i]:cu[i + 1]], ids[i])
-                o = memory.attend(layer, q.cpu().numpy(), seqs, list(chunk_lens))
-                return torch.from_numpy(np.ascontiguousarray(o)).to(self.device)
+            if plan is not None:
+                attend = functools.partial(memory.write_attend, layer, plan)
+            else:
+                attend = functools.partial(_attend_on_host, memory, layer, seqs, chunk_lens, ids, cu)
             x = self._block(p, x, pos.to(self.device), attend)
         last = torch.from_numpy(cu[1:] - 1).to(self.device)
-        return (rms_norm(x[last], self.norm, self.shape.norm_eps) @ self.lm_head.T).cpu().numpy()
+        return rms_norm(x[last], self.norm, self.shape.norm_eps) @ self.lm_head.T
 
     @torch.no_grad()
     def reference_logits(self, tokens):
@@ -170,7 +182,7 @@ class Llama:
         x = self.embed[tok]
         for p in self.layers:
             x = self._block(p, x, torch.arange(n, device=self.device), attend)
-        return (rms_norm(x, self.norm, s.norm_eps) @ self.lm_head.T).cpu().numpy()
+        return (rms_norm(x, self.norm, s.norm_eps) @ self.lm_head.T).double().cpu().numpy()
 
     def reference_greedy(self, prompt, new_tokens):
         """Greedy tokens from :meth:`reference_logits`, recomputing the whole sequence each time."""

@@ -145,9 +145,14 @@ class ContiguousMemory:
         self._regions: dict[int, list] = {}           # handle -> [start, rows written per layer]
         self._next = 0
 
+    def reservation(self, request) -> int:
+        """Slots one sample of ``request`` reserves: its longest, prompt + max_new_tokens."""
+        return request.max_len
+
     def fits(self, request) -> str | None:
-        if request.n * request.max_len > self.capacity_slots:
-            return (f"request {request.rid!r} reserves {request.n} x {request.max_len} slots; the arena holds "
+        size = self.reservation(request)
+        if request.n * size > self.capacity_slots:
+            return (f"request {request.rid!r} reserves {request.n} x {size} slots; the arena holds "
                     f"{self.capacity_slots}")
         return None
 
@@ -171,7 +176,7 @@ class ContiguousMemory:
 
     def admit(self, group) -> bool:
         """Reserve max_len slots for every sample of the request, or nothing."""
-        size, starts = group.request.max_len, []
+        size, starts = self.reservation(group.request), []
         for _ in range(group.request.n):
             a = self._take(size)
             if a is None:
@@ -204,7 +209,7 @@ class ContiguousMemory:
         for s in group.seqs:
             self.release(s)
         for a in group.reservation or []:
-            self._give(a, group.request.max_len)
+            self._give(a, self.reservation(group.request))
         group.reservation = None
 
     # ---- accounting

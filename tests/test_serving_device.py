@@ -1,0 +1,155 @@
+"""The device-resident memories on device="cpu" (torch pools): the NumPy memories' tokens, the
+block pool's invariants, copy-on-write and the prefix cache on the device pools, the same errors."""
+import numpy as np
+import pytest
+import torch
+
+from iokernels.serving import ContiguousMemory, Engine, PagedMemory, Request, pool_invariants
+from iokernels.serving.device import (DeviceContiguousMemory, DevicePagedMemory, SlotMap, StepPlan,
+                                      cupy_paged_prefill)
+from iokernels.serving.fake import ChecksumModel
+from iokernels.serving.llama import TINY, Llama
+from iokernels.serving.requests import Group
+
+from test_serving import random_trace
+
+MODEL = Llama(TINY, seed=3)
+
+
+def serve(model, memory, reqs, check=None, **kw):
+    engine = Engine(model, memory, step_time=1.0, check=check, **kw)
+    for r in reqs:
+        engine.submit(r)
+    return engine, engine.run()
+
+
+def invariants(engine):
+    cache = engine.memory.caches[0]
+    problems = pool_invariants(cache)
+    assert not problems, problems
+    assert {s.handle for g in engine.running for s in g.live} == set(cache.seq_ids)
+
+
+def checksum_paged(blocks=40, bs=4):
+    return DevicePagedMemory(blocks, bs, layers=1, kv_heads=1, head_dim=2)
+
+
+def test_checksum_trace_with_preemption_matches_the_numpy_memories():
+    reqs = random_trace(np.random.default_rng(2026), 400)
+    pe, rp = serve(ChecksumModel(), checksum_paged(), reqs, check=invariants, token_budget=32)
+    _, rh = serve(ChecksumModel(), PagedMemory(40, 4, layers=1, kv_heads=1, head_dim=2), reqs, token_budget=32)
+    _, rc = serve(ChecksumModel(), DeviceContiguousMemory(160, block_size=4, layers=1, kv_heads=1, head_dim=2),
+                  reqs, token_budget=32)
+    cache = pe.memory.cache
+    assert len(rp.preemptions) > 10 and cache.stats["copy_on_write"] > 10 and cache.stats["prefix_hits"] > 10
+    assert rp.outputs == rh.outputs == rc.outputs
+    assert [s.batch for s in rp.steps] == [s.batch for s in rh.steps]      # the same schedule, step by step
+    assert cache.num_free_blocks() == cache.num_blocks and not cache.seq_ids
+
+
+def _reqs(seed=0, lens=(3, 17, 9, 26, 5)):
+    rng = np.random.default_rng(seed)
+    return [Request(i, rng.integers(0, TINY.vocab, int(n)).tolist(), 7, arrival=0.5 * i,
+                    n=2 if n < 20 and i % 2 else 1, temperature=0.7 if i % 2 else 0.0)
+            for i, n in enumerate(lens)]
+
+
+@pytest.mark.parametrize("token_budget", [12, 64])
+def test_llama_tokens_equal_numpy_paged_and_contiguous(token_budget):
+    """float64: device paged == NumPy paged == device contiguous == NumPy contiguous, with preemption."""
+    reqs, ms = _reqs(), MODEL.memory_shape()
+    runs = [serve(MODEL, m, reqs, token_budget=token_budget)[1] for m in
+            (DevicePagedMemory(14, 4, **ms), PagedMemory(14, 4, **ms),
+             DeviceContiguousMemory(96, block_size=4, **ms), ContiguousMemory(96, **ms))]
+    assert runs[0].preemptions or token_budget > 12
+    assert runs[0].outputs == runs[1].outputs == runs[2].outputs == runs[3].outputs
+    assert runs[0].outputs[0][0] == MODEL.reference_greedy(reqs[0].prompt, 7)
+
+
+def test_chunked_logits_match_the_cache_free_model():
+    tokens = list(range(40, 63))
+    for mem in (DevicePagedMemory(10, 4, **MODEL.memory_shape()),
+                DeviceContiguousMemory(32, block_size=4, **MODEL.memory_shape())):
+        group = Group(Request("x", tokens, 1), 0)
+        seq = group.seqs[0]
+        assert mem.admit(group)
+        mem.start(seq)
+        logits = []
+        for c in (5, 1, 7, 10):                                   # chunks and a one-query step
+            logits.append(MODEL.forward(mem, [seq], [c])[0].numpy())
+            seq.computed += c
+        want = MODEL.reference_logits(tokens)[[4, 5, 12, 22]]
+        assert np.max(np.abs(np.stack(logits) - want)) <= 1e-12 * max(1.0, np.abs(want).max())
+
+
+def test_copy_on_write_copies_every_layers_block_on_the_device():
+    mem = DevicePagedMemory(8, 4, layers=2, kv_heads=1, head_dim=2)
+    group = Group(Request("p", [1, 2, 3, 4, 5, 6], 3, n=2), 0)
+    parent = group.seqs[0]
+    mem.start(parent)
+    rows = np.arange(12, dtype=np.float64).reshape(6, 1, 2)
+    for layer in (0, 1):
+        mem.write(layer, parent, rows + 100 * layer, -rows, [1, 2, 3, 4, 5, 6])
+    child = Group(Request("c", [1], 1), 1).seqs[0]
+    mem.fork(parent, child)
+    assert mem.cache.ref_count(mem.cache.block_table(parent.handle)[1]) == 2
+    new = np.full((1, 1, 2), 7.0)
+    for layer in (0, 1):
+        mem.write(layer, child, new, new, [9])                     # the shared, partial block is copied first
+    assert mem.cache.stats["copy_on_write"] == 1
+    for layer in (0, 1):
+        kp, _ = mem.read(layer, parent)
+        kc, vc = mem.read(layer, child)
+        assert torch.equal(kc[:6], kp) and torch.equal(kc[6], torch.full((1, 2), 7.0, dtype=torch.float64))
+        assert torch.equal(kp[:, 0], torch.from_numpy(rows[:, 0] + 100 * layer))
+    assert not pool_invariants(mem.cache)
+
+
+def test_prefix_hits_are_not_written_again():
+    mem = DevicePagedMemory(8, 4, layers=1, kv_heads=1, head_dim=2)
+    a, b = (Group(Request(r, list(range(1, 9)), 1), i).seqs[0] for i, r in enumerate("ab"))
+    mem.start(a)
+    mem.start(b)
+    plan = mem.prepare([a], [8], [list(range(1, 9))])
+    assert isinstance(plan, StepPlan) and plan.slots.tolist() == plan.rows.tolist() and len(plan.slots) == 8
+    plan = mem.prepare([b], [8], [list(range(1, 9))])             # both full blocks hit the prefix cache
+    assert len(plan.slots) == 0 and mem.cache.stats["prefix_hits"] == 2
+    assert mem.cache.block_table(b.handle) == mem.cache.block_table(a.handle)
+
+
+def test_slot_map_keeps_the_books_of_a_paged_cache():
+    k = torch.zeros(1, 4, 2, 1, 1)
+    sm = SlotMap(4, 2, k, k.clone())
+    sid = sm.new_sequence()
+    rows, slots = sm.place(sid, 3)
+    assert rows.tolist() == [0, 1, 2] and slots.tolist() == [0, 1, 2] and sm.block_table(sid) == [0, 1]
+    rows, slots = sm.place(sid, 2)
+    assert rows.tolist() == [0, 1] and slots.tolist() == [3, 4] and sm.seq_len(sid) == 5
+    assert not pool_invariants(sm)
+
+
+@pytest.mark.parametrize("memory", [lambda: checksum_paged(),
+                                    lambda: DeviceContiguousMemory(160, block_size=4, layers=1, kv_heads=1,
+                                                                   head_dim=2)])
+def test_bad_requests_raise_the_same_errors(memory):
+    engine = Engine(ChecksumModel(vocab=64), memory(), step_time=1.0)
+    engine.submit(Request("ok", [1, 2], 3))
+    with pytest.raises(ValueError, match="can never be served"):
+        engine.submit(Request("huge", [1] * 100, 100))
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        engine.submit(Request("v", [64], 3))
+    with pytest.raises(ValueError, match="id 'ok' is already queued"):
+        engine.submit(Request("ok", [3], 3))
+    assert engine.run().outputs["ok"][0]
+
+
+def test_bad_memories_raise():
+    with pytest.raises(ValueError, match="a device memory attends with 'torch', 'cupy'; got 'tiled'"):
+        DevicePagedMemory(4, 4, layers=1, kv_heads=1, head_dim=2, backend="tiled")
+    with pytest.raises(ValueError, match="dtype"):
+        DevicePagedMemory(4, 4, layers=1, kv_heads=1, head_dim=2, dtype="int8")
+    with pytest.raises(ValueError, match="whole number of blocks"):
+        DeviceContiguousMemory(10, block_size=4, layers=1, kv_heads=1, head_dim=2)
+    if cupy_paged_prefill() is None:
+        with pytest.raises(ValueError, match="paged_prefill_pools"):
+            DevicePagedMemory(4, 4, layers=1, kv_heads=1, head_dim=2, backend="cupy")
