@@ -153,3 +153,54 @@ def test_bad_memories_raise():
     if cupy_paged_prefill() is None:
         with pytest.raises(ValueError, match="paged_prefill_pools"):
             DevicePagedMemory(4, 4, layers=1, kv_heads=1, head_dim=2, backend="cupy")
+
+
+# --------------------------------------------------------------------------- low precision: the 2x rule
+def upcast(model):
+    """The same model with its (rounded) weights in float64: the oracle of a low-precision model."""
+    ref = Llama(model.shape, dtype=torch.float64, device=model.device)
+    ref.embed, ref.norm, ref.lm_head = (x.double() for x in (model.embed, model.norm, model.lm_head))
+    ref.layers = [{k: w.double() for k, w in p.items()} for p in model.layers]
+    return ref
+
+
+class Recorder:
+    """A model that remembers, per step, each sequence's tokens up to its chunk's end and the logits."""
+
+    def __init__(self, model):
+        self.model, self.vocab, self.rows = model, model.vocab, []
+
+    def forward(self, memory, seqs, chunk_lens):
+        logits = self.model.forward(memory, seqs, chunk_lens)
+        for s, c, row in zip(seqs, chunk_lens, logits.double().cpu().numpy()):
+            self.rows.append((tuple(s.tokens[:s.computed + c]), row))
+        return logits
+
+
+def step_logits_against_reference(model, memory, reqs, token_budget=24):
+    """(engine's logits, float64 oracle's, the same-precision cache-free model's) for every row of every step."""
+    rec = Recorder(model)
+    serve(rec, memory, reqs, token_budget=token_budget)
+    oracle = upcast(model)
+    got = np.stack([row for _, row in rec.rows])
+    ref = np.stack([oracle.reference_logits(t)[-1] for t, _ in rec.rows])
+    base = np.stack([model.reference_logits(t)[-1] for t, _ in rec.rows])
+    return got, ref, base
+
+
+def low_precision_requests():
+    rng = np.random.default_rng(5)
+    return [Request(i, rng.integers(0, TINY.vocab, int(n)).tolist(), 6, arrival=0.3 * i)
+            for i, n in enumerate([3, 30, 9, 17, 1])]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_step_logits_within_the_2x_rule_on_cpu(dtype):
+    """Chunked prefill, decodes batched and preemption, paged and contiguous, against the float64 oracle."""
+    from iokernels.core.testing import check
+    model = Llama(TINY, seed=4, dtype=dtype)
+    for mem in (DevicePagedMemory(20, 4, **model.memory_shape()),
+                DeviceContiguousMemory(128, block_size=4, **model.memory_shape())):
+        got, ref, base = step_logits_against_reference(model, mem, low_precision_requests())
+        c = check(got, ref, base, dtype=str(dtype).replace("torch.", ""), name=type(mem).__name__)
+        assert c.ok, str(c)
