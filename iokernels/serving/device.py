@@ -81,10 +81,11 @@ def _check_backend(backend):
     if backend not in DEVICE_BACKENDS:
         raise ValueError(f"backend: a device memory attends with {', '.join(map(repr, DEVICE_BACKENDS))}; "
                          f"got {backend!r}")
-    if backend == "cupy" and cupy_paged_prefill() is None:
+    kernel = cupy_paged_prefill() if backend == "cupy" else None
+    if backend == "cupy" and kernel is None:
         raise ValueError("backend: 'cupy' needs {}.{}, which is not available here (no CuPy, or no such "
                          "kernel yet); use 'torch'".format(*CUPY_PREFILL))
-    return backend
+    return backend, kernel
 
 
 def _pools(layers, rows, kv_heads, head_dim, dtype, device):
@@ -169,9 +170,9 @@ def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) ->
     d_rows, d_seqs = cu[one], np.asarray(one, np.int64)
     rows_t, slots_t, tables_t, lens_t, cu_t, dq_t, ds_t = _upload([rows, slots, tables, lens, cu, d_rows, d_seqs],
                                                                   device)
+    if backend == "cupy":                             # the kernel's int32 tables, once a step
+        return StepPlan(rows_t, slots_t, tables_t.to(torch.int32), lens_t.to(torch.int32), cu_t.to(torch.int32), cu)
     plan = StepPlan(rows_t, slots_t, tables_t, lens_t, cu_t, cu)
-    if backend != "torch":
-        return plan
 
     def key_slots(table_rows, length):           # slot of key j: table[j // block_size] * block_size + j % bs
         j = torch.arange(length, device=device)
@@ -195,6 +196,7 @@ class _DeviceAttention:
     v_pools: torch.Tensor
     block_size: int
     backend: str
+    kernel: object
 
     def write_attend(self, layer, plan: StepPlan, q, k, v):
         """Store this layer's K, V rows (total_q, Hkv, d) at the plan's slots; the chunks' attention output."""
@@ -203,8 +205,7 @@ class _DeviceAttention:
         v_flat[plan.slots] = v[plan.rows]
         if self.backend == "cupy":
             k_pool, v_pool = (p[layer].view(-1, self.block_size, *p.shape[2:]) for p in (self.k_pools, self.v_pools))
-            o, _ = cupy_paged_prefill()(q, k_pool, v_pool, plan.block_tables.to(torch.int32),
-                                        plan.seq_lens.to(torch.int32), plan.cu_seqlens_q.to(torch.int32), causal=True)
+            o, _ = self.kernel(q, k_pool, v_pool, plan.block_tables, plan.seq_lens, plan.cu_seqlens_q, causal=True)
             return torch.as_tensor(o, device=q.device)
         return _attend_torch(q, k_flat, v_flat, plan)
 
@@ -212,13 +213,15 @@ class _DeviceAttention:
 def _attend_torch(q, k_flat, v_flat, plan):
     """The reference: gather each sequence's keys through its table, SDPA bottom-right causal."""
     o = torch.empty_like(q)
-    gqa = q.shape[1] != k_flat.shape[1]
+    hq, hkv, d = q.shape[1], k_flat.shape[1], q.shape[2]
     if plan.decode is not None:                       # one query each: it sees every key; one call
         q_rows, keys, valid = plan.decode
         kd, vd = (x[keys].transpose(1, 2) for x in (k_flat, v_flat))       # (B_d, Hkv, max_len, d)
-        kw = dict(enable_gqa=True) if gqa else {}
-        od = torch.nn.functional.scaled_dot_product_attention(q[q_rows][:, :, None], kd, vd, attn_mask=valid, **kw)
-        o[q_rows] = od[:, :, 0]
+        # GQA packed: the hq / hkv query heads of a KV head are rows of one (B_d, Hkv) problem
+        # (query head h reads KV head h // (hq / hkv)), so K and V are never repeated per query head
+        qd = q[q_rows].view(-1, hkv, hq // hkv, d)
+        od = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=valid)
+        o[q_rows] = od.reshape(-1, hq, d)
     for q0, q1, keys in plan.chunks:                  # a longer chunk: bottom-right causal, a call each
         qc = q[q0:q1].transpose(0, 1)[None]
         kc, vc = (x[keys].transpose(0, 1)[None] for x in (k_flat, v_flat))
@@ -235,7 +238,8 @@ class DevicePagedMemory(_DeviceAttention, PagedMemory):
 
     def __init__(self, num_blocks, block_size, *, layers, kv_heads, head_dim, dtype="float64", device="cpu",
                  backend="torch"):
-        self.backend, self.device, self.dtype = _check_backend(backend), torch.device(device), _dtype(dtype)
+        self.backend, self.kernel = _check_backend(backend)
+        self.device, self.dtype = torch.device(device), _dtype(dtype)
         self.k_pools, self.v_pools = _pools(layers, num_blocks * block_size, kv_heads, head_dim, self.dtype,
                                             self.device)
         views = [p.view(layers, num_blocks, block_size, kv_heads, head_dim) for p in (self.k_pools, self.v_pools)]
@@ -284,7 +288,8 @@ class DeviceContiguousMemory(_DeviceAttention, ContiguousMemory):
                  backend="torch"):
         if capacity_slots % block_size:
             raise ValueError(f"capacity_slots: {capacity_slots} is not a whole number of blocks of {block_size}")
-        self.backend, self.device, self.dtype = _check_backend(backend), torch.device(device), _dtype(dtype)
+        self.backend, self.kernel = _check_backend(backend)
+        self.device, self.dtype = torch.device(device), _dtype(dtype)
         self.capacity_slots, self.block_size = int(capacity_slots), int(block_size)
         self.k_pools, self.v_pools = _pools(layers, self.capacity_slots, kv_heads, head_dim, self.dtype,
                                             self.device)
