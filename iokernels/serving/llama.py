@@ -81,11 +81,15 @@ def rms_norm(x, w, eps):
 
 
 def rope(x, positions, theta):
-    """Rotate (tokens, heads, d) by each token's position, pairs (i, i + d/2)."""
+    """Rotate (tokens, heads, d) by each token's position, pairs (i, i + d/2).
+
+    The angles and their cosines and sines are computed in float64 and only then rounded
+    to x's dtype: an angle of a few thousand radians in bfloat16 would be off by whole radians.
+    """
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = (positions.to(torch.float64)[:, None] * inv[None, :]).to(x.dtype)       # (tokens, d/2)
-    cos, sin = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
+    ang = positions.to(device=x.device, dtype=torch.float64)[:, None] * inv[None, :]      # (tokens, d/2)
+    cos, sin = (f(ang).to(x.dtype)[:, None, :] for f in (torch.cos, torch.sin))
     x1, x2 = x[..., :d // 2], x[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -155,13 +159,13 @@ class Llama:
         tok = torch.tensor([t for chunk in ids for t in chunk], device=self.device)
         cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
         plan = memory.prepare(seqs, chunk_lens, ids) if hasattr(memory, "prepare") else None
-        x = self.embed[tok]
+        x, pos = self.embed[tok], pos.to(self.device)
         for layer, p in enumerate(self.layers):
             if plan is not None:
                 attend = functools.partial(memory.write_attend, layer, plan)
             else:
                 attend = functools.partial(_attend_on_host, memory, layer, seqs, chunk_lens, ids, cu)
-            x = self._block(p, x, pos.to(self.device), attend)
+            x = self._block(p, x, pos, attend)
         last = torch.from_numpy(cu[1:] - 1).to(self.device)
         return rms_norm(x[last], self.norm, self.shape.norm_eps) @ self.lm_head.T
 
