@@ -204,3 +204,30 @@ def test_low_precision_step_logits_within_the_2x_rule_on_cpu(dtype):
         got, ref, base = step_logits_against_reference(model, mem, low_precision_requests())
         c = check(got, ref, base, dtype=str(dtype).replace("torch.", ""), name=type(mem).__name__)
         assert c.ok, str(c)
+
+
+def test_the_books_are_done_once_a_step_not_once_a_layer():
+    mem = DevicePagedMemory(16, 4, **MODEL.memory_shape())
+    calls = {"prepare": 0, "write": 0}
+    prepare = mem.prepare
+
+    def counted(*a):
+        calls["prepare"] += 1
+        return prepare(*a)
+
+    def write(*a):
+        calls["write"] += 1
+
+    mem.prepare, mem.write = counted, write
+    _, res = serve(MODEL, mem, _reqs()[:3], token_budget=12)
+    assert calls == {"prepare": len(res.steps), "write": 0} and MODEL.shape.layers > 1
+
+
+def test_sample_tokens_draws_what_sample_token_draws_from_numpy_and_torch():
+    from iokernels.serving.requests import sample_token, sample_tokens
+    logits = np.random.default_rng(0).standard_normal((5, 40))
+    reqs = [Request(i, [1], 3, temperature=t, seed=2) for i, t in enumerate([0.0, 0.8, 0.0, 1.5, 0.3])]
+    draws = [(i, r, s, 7) for i, r in enumerate(reqs) for s in range(2)]
+    want = [sample_token(logits[i], r, s, p) for i, r, s, p in draws]
+    assert sample_tokens(logits, draws) == want == sample_tokens(torch.from_numpy(logits), draws)
+    assert sample_tokens(logits, []) == []

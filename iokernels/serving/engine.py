@@ -105,7 +105,8 @@ class Engine:
 
     model: ``forward(memory, seqs, chunk_lens)`` computes each sequence's next
     ``chunk_lens[i]`` tokens (writing their K and V through ``memory``) and returns the
-    logits of each chunk's last token, (len(seqs), vocab); it has ``vocab``.
+    logits of each chunk's last token, (len(seqs), vocab), a NumPy array or a torch tensor
+    on the model's device; it has ``vocab``.
     token_budget: tokens computed per step at most; max_seqs: running sequences at most.
     step_time: None measures each step's wall time as the clock's advance; a number
     advances the clock by that many seconds a step (a deterministic schedule, for tests).

@@ -19,6 +19,10 @@ SOSP 2023, paper):
 Memory is counted in slots (token positions of one layer): a paged memory of
 ``num_blocks`` blocks of ``block_size`` slots holds as many tokens as a contiguous
 memory of ``num_blocks * block_size`` slots.
+
+Both keep their values in NumPy on the host, where every kernel of the course can read
+them.  :mod:`.device` holds the same two memories with their values in torch tensors on
+the model's device (a GPU), the books kept by the same code.
 """
 from __future__ import annotations
 
