@@ -74,8 +74,8 @@ def test_step_logits_on_cuda_within_the_2x_rule(dtype, backend):
 
 def test_serve_bench_tiny_on_cuda(tmp_path):
     out = tmp_path / "serve.json"
-    rc = cli(["serve-bench", "--model", "tiny", "--device", "cuda", "--requests", "12", "--kv-slots", "512",
-              "--quiet", "--json", str(out)])
+    rc = cli(["serve-bench", "--model", "tiny", "--device", "cuda", "--requests", "10", "--kv-slots", "512",
+              "--step-time", "0.01", "--quiet", "--json", str(out)])        # the schedule of the CPU test
     res = json.loads(out.read_text())
     assert rc == 0 and res["tokens_equal"] is True and res["device"] == "cuda"
     assert res["setup"]["pools"] == "torch" and res["setup"]["gpu"]
