@@ -231,3 +231,8 @@ def test_sample_tokens_draws_what_sample_token_draws_from_numpy_and_torch():
     want = [sample_token(logits[i], r, s, p) for i, r, s, p in draws]
     assert sample_tokens(logits, draws) == want == sample_tokens(torch.from_numpy(logits), draws)
     assert sample_tokens(logits, []) == []
+
+
+def test_a_host_memorys_attend_is_refused_with_the_device_call_named():
+    with pytest.raises(TypeError, match="write_attend"):
+        checksum_paged().attend(0, None, [], [])

@@ -209,6 +209,11 @@ class _DeviceAttention:
             return torch.as_tensor(o, device=q.device)
         return _attend_torch(q, k_flat, v_flat, plan)
 
+    def attend(self, layer, q, seqs, chunk_lens):
+        """A host memory's per-layer call; a device memory attends in :meth:`write_attend`."""
+        raise TypeError(f"{type(self).__name__}: attend through write_attend(layer, prepare(seqs, chunk_lens, "
+                        f"token_ids), q, k, v), on the device")
+
 
 def _attend_torch(q, k_flat, v_flat, plan):
     """The reference: gather each sequence's keys through its table, SDPA bottom-right causal."""
