@@ -17,12 +17,14 @@ its ``config.json``, 2024, code/config), one layer::
   heads / kv_heads query heads, so the cache is that many times smaller;
 * **SwiGLU** (Shazeer, 2020, paper): the gated MLP above.
 
-Weights are drawn from a seeded generator (no download): the shapes are the point, not
-the words.  Attention goes through ``memory`` (:mod:`iokernels.serving.memory`): the
-chunk's K and V are written to the cache, then the chunk's queries attend through the
-memory's backend (:func:`iokernels.paged_prefill` over the blocks, or
-:func:`iokernels.attention_varlen` over contiguous regions).  :meth:`Llama.reference_logits`
-computes the same model with no cache at all, in torch, to check both against.
+Weights are drawn from a seeded generator on the CPU (no download; the same weights
+whatever the device): the shapes are the point, not the words.  Attention goes through
+``memory`` (:mod:`iokernels.serving.memory`): the chunk's K and V are written to the
+cache, then the chunk's queries attend through the memory's backend
+(:func:`iokernels.paged_prefill` over the blocks, or :func:`iokernels.attention_varlen`
+over contiguous regions).  A device memory (:mod:`iokernels.serving.device`) does both
+on the model's device.  :meth:`Llama.reference_logits` computes the same model with no
+cache at all, in torch, to check both against.
 """
 from __future__ import annotations
 
