@@ -96,3 +96,38 @@ def test_serve_bench_llama3_8b_shape_builds_on_cuda_at_a_gb_budget(tmp_path):
     assert res["setup"]["kv_slots"] == int(1e9 // (2 * 2 * 8 * 128 * 2)) // 16 * 16
     assert 0.0 <= res["requests_equal_fraction"] <= 1.0
     assert res["paged"]["output_tokens"] == res["contiguous"]["output_tokens"] > 0
+
+
+@pytest.mark.parametrize("memory", ["paged", "contiguous"])
+def test_a_layer_stores_and_attends_without_touching_the_host(memory):
+    """After the step's one upload, write_attend (store, gather, SDPA) runs with no host synchronization:
+    torch's sync debug mode "error" raises at any device-to-host copy or pageable upload."""
+    model = Llama(SMALL, seed=1, dtype=torch.bfloat16, device=DEV)
+    ms = model.memory_shape()
+    mem = (DevicePagedMemory(16, 16, device=DEV, **ms) if memory == "paged"
+           else DeviceContiguousMemory(256, block_size=16, device=DEV, **ms))
+    from iokernels.serving.requests import Group
+    groups = [Group(Request(i, list(range(1, n + 1)), 4), i) for i, n in enumerate([20, 1, 33])]
+    for g in groups:
+        assert mem.admit(g)
+        mem.start(g.seqs[0])
+    seqs = [g.seqs[0] for g in groups]
+    g = torch.Generator(device=DEV).manual_seed(0)
+
+    def qkv(n):
+        return (torch.randn(n, h, SMALL.head_dim, device=DEV, generator=g).to(torch.bfloat16)
+                for h in (SMALL.heads, SMALL.kv_heads, SMALL.kv_heads))
+
+    plan = mem.prepare(seqs, [20, 1, 33], [list(range(1, n + 1)) for n in (20, 1, 33)])
+    mem.write_attend(0, plan, *qkv(54))                                   # the prompts, layer 0
+    for s, n in zip(seqs, (20, 1, 33)):
+        s.computed = n
+    plan = mem.prepare(seqs, [1, 1, 5], [[7], [7], [7] * 5])          # two decodes and a chunk
+    q, k, v = qkv(7)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o = mem.write_attend(0, plan, q, k, v)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert o.shape == q.shape and bool(torch.isfinite(o).all())
