@@ -56,7 +56,7 @@ def test_tiny_paged_and_contiguous_on_cuda_give_the_host_tokens():
 
 
 @pytest.mark.parametrize("backend", ["torch", "cupy"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_step_logits_on_cuda_within_the_2x_rule(dtype, backend):
     if backend == "cupy" and cupy_paged_prefill() is None:
         pytest.skip("iokernels.cupy_raw.paged_prefill.paged_prefill_pools is not there")

@@ -194,7 +194,7 @@ def low_precision_requests():
             for i, n in enumerate([3, 30, 9, 17, 1])]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_low_precision_step_logits_within_the_2x_rule_on_cpu(dtype):
     """Chunked prefill, decodes batched and preemption, paged and contiguous, against the float64 oracle."""
     from iokernels.core.testing import check
