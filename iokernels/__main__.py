@@ -11,7 +11,8 @@ dev       check one op, version and shape against the float64 oracle and time it
 ring      ring attention on W local processes over torch.distributed, checked against the
           float64 oracle, bytes per rank counted and modelled (see :mod:`iokernels.ring_launch`)
 serve-bench  serve a seeded chat-like trace with continuous batching, paged against contiguous
-          at the same KV memory (see :mod:`iokernels.serving.bench`)
+          at the same KV memory; ``--device cuda`` keeps the model and the KV cache on the GPU
+          (see :mod:`iokernels.serving.bench`)
 labs      lab notebooks: ``labs student OUTDIR`` writes learner copies, ``labs grade PATH``
           grades them (see :mod:`iokernels.labs.cli`)
 

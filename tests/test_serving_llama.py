@@ -47,7 +47,7 @@ def test_chunked_forward_logits_match_the_cache_free_model():
     mem.start(seq)
     logits = []
     for c in (5, 8, 10):                                       # three chunks of one prompt
-        logits.append(MODEL.forward(mem, [seq], [c])[0])
+        logits.append(MODEL.forward(mem, [seq], [c])[0].numpy())
         seq.computed += c
     ref = MODEL.reference_logits(tokens)
     got, want = np.stack(logits), ref[[4, 12, 22]]
@@ -75,12 +75,17 @@ def test_shapes():
         LlamaShape("bad", vocab=8, dim=30, layers=1, heads=4, kv_heads=2, ffn_dim=8)
 
 
-def test_serve_bench_small(tmp_path):
+@pytest.mark.parametrize("where", [["--backend", "tiled"], ["--device", "cpu"]])
+def test_serve_bench_small(tmp_path, where):
+    """NumPy pools on the host, and torch pools on a torch device (here the CPU): the same acceptance."""
     out = tmp_path / "serve.json"
-    rc = cli(["serve-bench", "--model", "tiny", "--backend", "tiled", "--requests", "10", "--kv-slots", "512",
+    rc = cli(["serve-bench", "--model", "tiny", *where, "--requests", "10", "--kv-slots", "512",
               "--step-time", "0.01", "--quiet", "--json", str(out)])
     res = json.loads(out.read_text())
-    assert rc == 0 and res["tokens_equal"] is True
+    assert rc == 0 and res["tokens_equal"] is True and res["requests_equal_fraction"] == 1.0
+    assert res["kv_budget_gb"] == pytest.approx(512 * 2 * 2 * 2 * 16 * 8 / 1e9)
+    assert res["device"] == ("cpu" if "--device" in where else "cpu (NumPy pools)")
+    assert res["setup"]["pools"] == ("torch" if "--device" in where else "numpy")
     for side in ("paged", "contiguous"):
         assert {"max_concurrent", "tokens_per_s", "waste_fraction", "p50_ms", "p99_ms"} <= set(res[side])
     assert res["paged"]["max_concurrent"] >= 2 * res["contiguous"]["max_concurrent"]
@@ -95,3 +100,16 @@ def test_torch_backend_serves_the_same_tokens():
     tiled = _serve(PagedMemory(12, 4, **ms), reqs).outputs
     assert _serve(PagedMemory(12, 4, backend="torch", **ms), reqs).outputs == tiled
     assert _serve(ContiguousMemory(64, backend="torch", **ms), reqs).outputs == tiled
+
+
+def test_serve_bench_kv_budget_in_gb_and_bad_options(capsys):
+    from iokernels.serving.bench import serve_bench
+    res = serve_bench("tiny", requests=2, kv_budget_gb=0.0005, step_time=0.01, device="cpu")
+    per_token = 2 * TINY.layers * TINY.kv_heads * TINY.head_dim * 8
+    assert res["setup"]["kv_slots"] == int(0.0005e9 // per_token) // 16 * 16
+    with pytest.raises(SystemExit):
+        cli(["serve-bench", "--kv-slots", "512", "--kv-budget-gb", "1", "--quiet"])
+    assert "not both" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["serve-bench", "--device", "cpu", "--backend", "tiled", "--quiet"])
+    assert "a device memory attends with 'torch', 'cupy'" in capsys.readouterr().err

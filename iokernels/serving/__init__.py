@@ -12,6 +12,10 @@ shows why, with the pieces in the order a request meets them:
                                     prefill under a token budget, preemption by recomputation
 :mod:`.memory`                      paged blocks (one PagedKVCache per layer) against
                                     contiguous reservations, and the block pool's invariants
+:mod:`.device`                      the same two memories with torch pools on the model's
+                                    device (a GPU): the books on the host, the values where
+                                    the model runs, one upload of the step's books a step
+                                    (needs torch; import it from ``iokernels.serving.device``)
 :mod:`.fake`                        a checksum model that tests the scheduler exactly
 :mod:`.llama`                       a Llama-architecture model in torch (RMSNorm, RoPE, GQA,
                                     SwiGLU), random seeded weights, attention through iokernels
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from .engine import Engine, Results, StepRecord
 from .memory import ContiguousMemory, PagedMemory, pool_invariants
-from .requests import Group, Request, Sequence, sample_token
+from .requests import Group, Request, Sequence, sample_token, sample_tokens
 
 __all__ = ["Engine", "Results", "StepRecord", "ContiguousMemory", "PagedMemory", "pool_invariants",
-           "Group", "Request", "Sequence", "sample_token"]
+           "Group", "Request", "Sequence", "sample_token", "sample_tokens"]

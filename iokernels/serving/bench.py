@@ -9,35 +9,61 @@ Both runs serve the same seeded ShareGPT-like trace (:mod:`.trace`) with the sam
 and scheduler; only the memory differs.  Reported per side: ``max_concurrent`` (running
 sequences), ``tokens_per_s`` (output tokens over the busy time), ``waste_fraction``
 (allocated KV slots not holding a token, over the run), ``p50_ms`` / ``p99_ms`` (time per
-output token), and ``tokens_equal``: whether both produced the same tokens.
+output token); then ``tokens_equal`` (whether both produced the same tokens) and
+``requests_equal_fraction``, the ``device`` and the KV budget (``kv_budget_gb``), and the
+whole setup.
+
+Where the KV cache lives is part of what is measured.  Without ``--device`` the pools are
+NumPy arrays on the host and the model runs on the CPU: the lesson's path, every kernel
+readable.  With ``--device cuda`` the model, its weights and both memories' pools are on
+the GPU (:mod:`.device`), so a step's time is the GPU's work plus one small upload of the
+step's books and one download of its token ids, not copies of the cache.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from ..paged import kv_bytes_per_token
+from ..paged import blocks_needed, kv_bytes_per_token
 from .engine import Engine
 from .llama import MODELS, Llama
+from .device import DeviceContiguousMemory, DevicePagedMemory
 from .memory import ContiguousMemory, PagedMemory
 from .trace import sharegpt_like_trace
 
-__all__ = ["serve_bench", "main", "PRESETS"]
+__all__ = ["serve_bench", "main", "PRESETS", "DTYPES"]
 
-#: per model: dtype, trace scale and caps, KV slots (per layer) of the fixed budget, arrival rate
+#: per model: dtype (host pools; on a GPU ``gpu_dtype``), trace scale and caps, KV slots (per layer) of the
+#: fixed budget, arrival rate, step budget
 PRESETS = {
-    "tiny": dict(dtype=torch.float64, scale=1 / 8, max_prompt=96, max_new_tokens=128, kv_slots=2048, rate=50.0,
-                 token_budget=256, max_seqs=256),
-    "llama3-8b-shape": dict(dtype=torch.float32, scale=1.0, max_prompt=1024, max_new_tokens=1024,
-                            kv_slots=65536, rate=20.0, token_budget=2048, max_seqs=256),
+    "tiny": dict(dtype=torch.float64, gpu_dtype=torch.float64, scale=1 / 8, max_prompt=96, max_new_tokens=128,
+                 kv_slots=2048, rate=50.0, token_budget=256, max_seqs=256),
+    "llama3-8b-shape": dict(dtype=torch.float32, gpu_dtype=torch.bfloat16, scale=1.0, max_prompt=1024,
+                            max_new_tokens=1024, kv_slots=65536, rate=20.0, token_budget=2048, max_seqs=256),
 }
+#: --dtype's names
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GB = 1e9
 
 
-def _run(model, memory, trace, label, preset, progress):
+def _memories(device, backend, num_blocks, block_size, ms):
+    """(paged, contiguous) memory makers: NumPy pools on the host (device None), else torch pools on ``device``."""
+    if device is None:
+        return (lambda: PagedMemory(num_blocks, block_size, backend=backend, **ms),
+                lambda: ContiguousMemory(num_blocks * block_size, backend=backend, **ms))
+    return (lambda: DevicePagedMemory(num_blocks, block_size, backend=backend, device=device, **ms),
+            lambda: DeviceContiguousMemory(num_blocks * block_size, block_size=block_size, backend=backend,
+                                           device=device, **ms))
+
+
+def _run(model, make_memory, trace, label, preset, progress):
+    """Serve ``trace`` on a fresh memory; the memory is dropped (its device memory returned) before returning."""
+    memory = make_memory()
     engine = Engine(model, memory, token_budget=preset["token_budget"], max_seqs=preset["max_seqs"],
                     step_time=preset.get("step_time"))
     for r in trace:
@@ -54,39 +80,79 @@ def _run(model, memory, trace, label, preset, progress):
     res = engine.run(tick if bar is not None else None)
     if bar is not None:
         bar.close()
+    del engine, memory
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return res
 
 
-def serve_bench(model="tiny", backend="tiled", requests=64, *, seed=0, block_size=16, kv_slots=None,
-                layers=2, progress=False, **overrides) -> dict:
-    """Serve one trace twice, paged and contiguous, at the same KV memory; the JSON's dict.
-
-    ``overrides`` replace the model's :data:`PRESETS` entries (``rate``, ``token_budget``,
-    ...); ``step_time`` (seconds) makes the clock advance by that much a step instead of by
-    the step's wall time, so arrivals, and the whole schedule, no longer depend on speed.
-    """
-    if model not in MODELS:
-        raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
-    preset = dict(PRESETS[model], **overrides)
+def _kv_slots(kv_slots, kv_budget_gb, preset, per_token, block_size):
+    if kv_slots is not None and kv_budget_gb is not None:
+        raise ValueError("kv_budget_gb: give the KV budget as kv_slots or as kv_budget_gb, not both")
+    if kv_budget_gb is not None:
+        if not kv_budget_gb > 0:
+            raise ValueError(f"kv_budget_gb: expected a number of GB > 0, got {kv_budget_gb!r}")
+        kv_slots = int(kv_budget_gb * GB // per_token) // block_size * block_size
+        if kv_slots < block_size:
+            raise ValueError(f"kv_budget_gb: {kv_budget_gb} GB holds {kv_slots} slots of {per_token} bytes, "
+                             f"less than one block of {block_size}")
     kv_slots = preset["kv_slots"] if kv_slots is None else int(kv_slots)
     if kv_slots % block_size:
         raise ValueError(f"kv_slots: {kv_slots} is not a whole number of blocks of {block_size}")
+    return kv_slots
+
+
+def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=16, kv_slots=None,
+                kv_budget_gb=None, layers=2, device=None, dtype=None, progress=False, **overrides) -> dict:
+    """Serve one trace twice, paged and contiguous, at the same KV memory; the JSON's dict.
+
+    ``device`` None keeps the KV pools in NumPy on the host and the model on the CPU (the
+    lesson's path; ``backend`` "tiled" by default); a torch device ("cpu", "cuda") puts the
+    model and torch pools there (:mod:`.device`; ``backend`` "torch" by default, or
+    "cupy").  The KV budget is ``kv_slots`` per layer or ``kv_budget_gb`` (10^9 bytes, K and
+    V of every layer), else the preset's.  ``dtype`` (a name of :data:`DTYPES`) replaces the
+    preset's.  ``overrides`` replace the model's :data:`PRESETS` entries (``rate``,
+    ``token_budget``, ...); ``step_time`` (seconds) makes the clock advance by that much a
+    step instead of by the step's wall time, so arrivals, and the whole schedule, no longer
+    depend on speed.  On a device a short warm-up run of each memory comes first, untimed.
+    """
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+    preset = dict(PRESETS[model], **overrides)
+    on_gpu = device is not None and torch.device(device).type == "cuda"
+    torch_dtype = DTYPES[dtype] if dtype is not None else preset["gpu_dtype" if on_gpu else "dtype"]
+    backend = backend or ("tiled" if device is None else "torch")
     shape = MODELS[model]() if model == "tiny" else MODELS[model](layers)
-    llama = Llama(shape, seed=seed, dtype=preset["dtype"])
+    per_token = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim,
+                                   torch.tensor([], dtype=torch_dtype).element_size())
+    kv_slots = _kv_slots(kv_slots, kv_budget_gb, preset, per_token, block_size)
+    llama = Llama(shape, seed=seed, dtype=torch_dtype, device=device or "cpu")
     trace = sharegpt_like_trace(requests, seed=seed, vocab=shape.vocab, scale=preset["scale"],
                                 max_prompt=preset["max_prompt"], max_new_tokens=preset["max_new_tokens"],
                                 rate=preset["rate"])
-    ms = llama.memory_shape()
-    paged = _run(llama, PagedMemory(kv_slots // block_size, block_size, backend=backend, **ms), trace,
-                 "paged", preset, progress)
-    contiguous = _run(llama, ContiguousMemory(kv_slots, backend=backend, **ms), trace, "contiguous", preset,
-                      progress)
-    itemsize = torch.tensor([], dtype=preset["dtype"]).element_size()
-    kv_bytes = kv_slots * kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, itemsize)
+    make_paged, make_contiguous = _memories(device, backend, kv_slots // block_size, block_size,
+                                            llama.memory_shape())
+    if device is not None:                            # compile and allocate once, outside the timed runs
+        warm = [replace(r, arrival=0.0, max_new_tokens=2, stop_after=None) for r in trace[:2]]
+        need = sum(r.n * blocks_needed(r.max_len, block_size) for r in warm)
+        small = _memories(device, backend, need, block_size, llama.memory_shape())
+        for make in small:
+            _run(llama, make, warm, "warm-up", preset, False)
+    paged = _run(llama, make_paged, trace, "paged", preset, progress)
+    contiguous = _run(llama, make_contiguous, trace, "contiguous", preset, progress)
+    kv_bytes = kv_slots * per_token
+    same = [paged.outputs[r.rid] == contiguous.outputs[r.rid] for r in trace]
     return {"paged": paged.summary(), "contiguous": contiguous.summary(),
-            "tokens_equal": paged.outputs == contiguous.outputs,
+            "tokens_equal": all(same), "requests_equal_fraction": sum(same) / len(same),
+            "device": str(torch.device(device)) if device is not None else "cpu (NumPy pools)",
+            "kv_budget_gb": kv_bytes / GB,
             "setup": dict(model=shape.name, backend=backend, requests=requests, seed=seed, kv_slots=kv_slots,
-                          kv_bytes=kv_bytes, block_size=block_size, dtype=str(preset["dtype"]).replace("torch.", ""),
+                          kv_bytes=kv_bytes, block_size=block_size, dtype=str(torch_dtype).replace("torch.", ""),
+                          device=str(torch.device(device)) if device is not None else None,
+                          pools="numpy" if device is None else "torch",
+                          gpu=torch.cuda.get_device_name() if on_gpu else None,
                           trace="ShareGPT-like (Kwon et al., SOSP 2023, Fig. 11 means)",
                           scale=preset["scale"], max_new_tokens=preset["max_new_tokens"], rate=preset["rate"],
                           step_time=preset.get("step_time"))}
@@ -94,15 +160,25 @@ def serve_bench(model="tiny", backend="tiled", requests=64, *, seed=0, block_siz
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m iokernels serve-bench",
-                                description="Serve a ShareGPT-like trace paged and contiguous at the same KV memory.")
+                                description="Serve a ShareGPT-like trace paged and contiguous at the same KV memory. "
+                                "Exit status 1 when the two runs' tokens differ in float64 (where they must agree; "
+                                "in lower precisions a different batch may round differently, and the JSON says "
+                                "how many requests agree).")
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    p.add_argument("--backend", default="tiled", help="attention backend (default: tiled, NumPy)")
+    p.add_argument("--backend", default=None, help="attention backend (default: tiled, NumPy; with --device: torch; "
+                   "cupy: the CuPy paged prefill kernel)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-slots", type=int, default=None, help="KV slots per layer of the budget (default: the "
                    "model's preset)")
+    p.add_argument("--kv-budget-gb", type=float, default=None, help="the KV budget in GB (10^9 bytes, K and V of "
+                   "every layer) instead of --kv-slots")
     p.add_argument("--layers", type=int, default=2, help="layers of the llama3-8b-shape model (default 2)")
+    p.add_argument("--device", default=None, help="put the model and torch KV pools on this torch device (cpu, "
+                   "cuda); default: NumPy pools on the host")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="the model's and the cache's dtype "
+                   "(default: the preset's; on a GPU llama3-8b-shape runs in bfloat16)")
     p.add_argument("--rate", type=float, default=None, help="arrivals per second (default: the model's preset)")
     p.add_argument("--step-time", type=float, default=None, help="advance the clock this many seconds a step "
                    "(a schedule that does not depend on speed); default: each step's wall time")
@@ -112,10 +188,14 @@ def main(argv=None) -> int:
     if a.requests < 1:
         p.error("--requests: expected at least 1")
     extra = {k: v for k, v in (("rate", a.rate), ("step_time", a.step_time)) if v is not None}
-    out = serve_bench(a.model, a.backend, a.requests, seed=a.seed, block_size=a.block_size, kv_slots=a.kv_slots,
-                      layers=a.layers, progress=not a.quiet, **extra)
+    try:
+        out = serve_bench(a.model, a.backend, a.requests, seed=a.seed, block_size=a.block_size,
+                          kv_slots=a.kv_slots, kv_budget_gb=a.kv_budget_gb, layers=a.layers, device=a.device,
+                          dtype=a.dtype, progress=not a.quiet, **extra)
+    except ValueError as e:
+        p.error(str(e))
     text = json.dumps(out, indent=2)
     if a.json:
         Path(a.json).write_text(text + "\n")
     print(text)
-    return 0 if out["tokens_equal"] else 1
+    return 0 if out["tokens_equal"] or out["setup"]["dtype"] != "float64" else 1

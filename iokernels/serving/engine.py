@@ -24,7 +24,8 @@ of the whole batch waiting for its longest member.  One step, top to bottom:
    and memory allow (head of line first: a request that does not fit stops the line);
    none joins in a step that had to preempt, so a victim is not readmitted at once;
 5. **the model runs once** on the batch of chunks; each sequence whose chunk reached its
-   last token samples one new token.  A request with ``n`` samples forks after its prompt
+   last token samples one new token (all of the step's draws at once, where the logits
+   are: :func:`~.requests.sample_tokens`).  A request with ``n`` samples forks after its prompt
    (the samples share the prompt's blocks; copy-on-write splits the last one), and a
    sample that has generated its tokens frees its memory at once.
 
@@ -41,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .requests import Group, Request, Sequence, sample_token
+from .requests import Group, Request, Sequence, sample_tokens
 
 __all__ = ["Engine", "StepRecord", "Results"]
 
@@ -104,7 +105,8 @@ class Engine:
 
     model: ``forward(memory, seqs, chunk_lens)`` computes each sequence's next
     ``chunk_lens[i]`` tokens (writing their K and V through ``memory``) and returns the
-    logits of each chunk's last token, (len(seqs), vocab); it has ``vocab``.
+    logits of each chunk's last token, (len(seqs), vocab), a NumPy array or a torch tensor
+    on the model's device; it has ``vocab``.
     token_budget: tokens computed per step at most; max_seqs: running sequences at most.
     step_time: None measures each step's wall time as the clock's advance; a number
     advances the clock by that many seconds a step (a deterministic schedule, for tests).
@@ -172,15 +174,19 @@ class Engine:
         preempted: list = []
         plan = self._schedule(preempted)
         seqs = list(plan)
+        running = sum(len(g.live) for g in self.running)
+        drawn: list = []
         if seqs:
             logits = self.model.forward(self.memory, seqs, [plan[s][0] for s in seqs])
+            drawn = [self._advance(s, plan[s][0]) for s in seqs]
+            draws = [(i, s.group.request, s.sample, len(s.tokens)) for i, new in enumerate(drawn) for s in new]
+            tokens = iter(sample_tokens(logits, draws))   # the step's one trip to the host
         dt = time.perf_counter() - t0
         self.clock += dt if self.step_time is None else self.step_time
         self.busy_s += dt
         batch = [(s.group.request.rid, s.sample, plan[s][0]) for s in seqs]
-        running = sum(len(g.live) for g in self.running)
-        for s, lg in zip(seqs, logits if seqs else []):
-            self._advance(s, plan[s][0], lg)
+        for new in drawn:
+            self._take(new, [next(tokens) for _ in new])
         used, alloc = self.memory.usage()
         rec = StepRecord(len(self.results.steps), self.clock, batch, running, used, alloc,
                          self.memory.free_blocks(), preempted)
@@ -262,11 +268,11 @@ class Engine:
         self.results.preemptions.append(entry)
         log.info("step %d: preempted request %r (recompute): %s", entry["step"], group.request.rid, reason)
 
-    def _advance(self, seq: Sequence, c: int, logits) -> None:
-        """After the model ran: count the chunk; at the end of the tokens, sample the next one."""
+    def _advance(self, seq: Sequence, c: int) -> list:
+        """After the model ran: count the chunk; the sequences that draw a token now (none mid-prefill)."""
         seq.computed += c
         if seq.to_compute:                                          # mid-prefill: nothing to sample
-            return
+            return []
         group, req = seq.group, seq.group.request
         new = [seq]
         if not group.forked:
@@ -276,8 +282,15 @@ class Engine:
                 group.seqs.append(child)
                 new.append(child)
             group.forked = True
-        for s in new:
-            s.tokens.append(sample_token(logits, req, s.sample, len(s.tokens)))
+        return new
+
+    def _take(self, new: list, tokens: list) -> None:
+        """Append each drawn token; a sample with all its tokens frees its memory, a finished request leaves."""
+        if not new:
+            return
+        group, req = new[0].group, new[0].group.request
+        for s, token in zip(new, tokens):
+            s.tokens.append(token)
             s.token_times.append(self.clock)
             if len(s.generated) == req.output_len:
                 s.done = True

@@ -17,15 +17,18 @@ its ``config.json``, 2024, code/config), one layer::
   heads / kv_heads query heads, so the cache is that many times smaller;
 * **SwiGLU** (Shazeer, 2020, paper): the gated MLP above.
 
-Weights are drawn from a seeded generator (no download): the shapes are the point, not
-the words.  Attention goes through ``memory`` (:mod:`iokernels.serving.memory`): the
-chunk's K and V are written to the cache, then the chunk's queries attend through the
-memory's backend (:func:`iokernels.paged_prefill` over the blocks, or
-:func:`iokernels.attention_varlen` over contiguous regions).  :meth:`Llama.reference_logits`
-computes the same model with no cache at all, in torch, to check both against.
+Weights are drawn from a seeded generator on the CPU (no download; the same weights
+whatever the device): the shapes are the point, not the words.  Attention goes through
+``memory`` (:mod:`iokernels.serving.memory`): the chunk's K and V are written to the
+cache, then the chunk's queries attend through the memory's backend
+(:func:`iokernels.paged_prefill` over the blocks, or :func:`iokernels.attention_varlen`
+over contiguous regions).  A device memory (:mod:`iokernels.serving.device`) does both
+on the model's device.  :meth:`Llama.reference_logits` computes the same model with no
+cache at all, in torch, to check both against.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -80,13 +83,26 @@ def rms_norm(x, w, eps):
 
 
 def rope(x, positions, theta):
-    """Rotate (tokens, heads, d) by each token's position, pairs (i, i + d/2)."""
+    """Rotate (tokens, heads, d) by each token's position, pairs (i, i + d/2).
+
+    The angles and their cosines and sines are computed in float64 and only then rounded
+    to x's dtype: an angle of a few thousand radians in bfloat16 would be off by whole radians.
+    """
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = (positions.to(torch.float64)[:, None] * inv[None, :]).to(x.dtype)       # (tokens, d/2)
-    cos, sin = torch.cos(ang)[:, None, :], torch.sin(ang)[:, None, :]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
+    ang = positions.to(device=x.device, dtype=torch.float64)[:, None] * inv[None, :]      # (tokens, d/2)
+    cos, sin = (f(ang).to(x.dtype)[:, None, :] for f in (torch.cos, torch.sin))
     x1, x2 = x[..., :d // 2], x[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _attend_on_host(memory, layer, seqs, chunk_lens, ids, cu, q, k, v):
+    """A host memory's layer: K, V written a sequence at a time, then one attention call, all in NumPy."""
+    k_np, v_np = k.cpu().numpy(), v.cpu().numpy()
+    for i, s in enumerate(seqs):                      # write the chunk's K, V first
+        memory.write(layer, s, k_np[cu[i]:cu[i + 1]], v_np[cu[i]:cu[i + 1]], ids[i])
+    o = memory.attend(layer, q.cpu().numpy(), seqs, list(chunk_lens))
+    return torch.from_numpy(np.ascontiguousarray(o)).to(q.device)
 
 
 class Llama:
@@ -115,14 +131,10 @@ class Llama:
     def vocab(self) -> int:
         return self.shape.vocab
 
-    @property
-    def numpy_dtype(self):
-        return {torch.float64: np.float64, torch.float32: np.float32}[self.dtype]
-
     def memory_shape(self) -> dict:
-        """What a memory for this model holds per token: layers, KV heads, head dim, dtype."""
+        """What a memory for this model holds per token: layers, KV heads, head dim, dtype (its name)."""
         return dict(layers=self.shape.layers, kv_heads=self.shape.kv_heads, head_dim=self.shape.head_dim,
-                    dtype=np.dtype(self.numpy_dtype).name)
+                    dtype=str(self.dtype).replace("torch.", ""))
 
     def _block(self, p, x, positions, attend):
         s = self.shape
@@ -136,22 +148,28 @@ class Llama:
 
     @torch.no_grad()
     def forward(self, memory, seqs, chunk_lens):
-        """Compute each sequence's next chunk through ``memory``; the logits of each chunk's last token."""
+        """Compute each sequence's next chunk through ``memory``; the logits of each chunk's last token.
+
+        A device memory (:mod:`.device`, one with ``prepare``) does the step's books once and
+        every layer stores and attends on the model's device.  A host memory (:mod:`.memory`,
+        NumPy pools) takes each layer's K, V and queries as NumPy arrays: on a GPU, copies
+        to the host and back, every layer of every step.  Returns (len(seqs), vocab) logits
+        on the model's device.
+        """
         ids = [s.tokens[s.computed:s.computed + c] for s, c in zip(seqs, chunk_lens)]
         pos = torch.cat([torch.arange(s.computed, s.computed + c) for s, c in zip(seqs, chunk_lens)])
         tok = torch.tensor([t for chunk in ids for t in chunk], device=self.device)
         cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
-        x = self.embed[tok]
+        plan = memory.prepare(seqs, chunk_lens, ids) if hasattr(memory, "prepare") else None
+        x, pos = self.embed[tok], pos.to(self.device)
         for layer, p in enumerate(self.layers):
-            def attend(q, k, v, layer=layer):
-                k_np, v_np = k.cpu().numpy(), v.cpu().numpy()
-                for i, s in enumerate(seqs):                      # write the chunk's K, V first
-                    memory.write(layer, s, k_np[cu[i]:cu[i + 1]], v_np[cu[i]:cu[i + 1]], ids[i])
-                o = memory.attend(layer, q.cpu().numpy(), seqs, list(chunk_lens))
-                return torch.from_numpy(np.ascontiguousarray(o)).to(self.device)
-            x = self._block(p, x, pos.to(self.device), attend)
+            if plan is not None:
+                attend = functools.partial(memory.write_attend, layer, plan)
+            else:
+                attend = functools.partial(_attend_on_host, memory, layer, seqs, chunk_lens, ids, cu)
+            x = self._block(p, x, pos, attend)
         last = torch.from_numpy(cu[1:] - 1).to(self.device)
-        return (rms_norm(x[last], self.norm, self.shape.norm_eps) @ self.lm_head.T).cpu().numpy()
+        return rms_norm(x[last], self.norm, self.shape.norm_eps) @ self.lm_head.T
 
     @torch.no_grad()
     def reference_logits(self, tokens):
@@ -170,7 +188,7 @@ class Llama:
         x = self.embed[tok]
         for p in self.layers:
             x = self._block(p, x, torch.arange(n, device=self.device), attend)
-        return (rms_norm(x, self.norm, s.norm_eps) @ self.lm_head.T).cpu().numpy()
+        return (rms_norm(x, self.norm, s.norm_eps) @ self.lm_head.T).double().cpu().numpy()
 
     def reference_greedy(self, prompt, new_tokens):
         """Greedy tokens from :meth:`reference_logits`, recomputing the whole sequence each time."""

@@ -19,6 +19,10 @@ SOSP 2023, paper):
 Memory is counted in slots (token positions of one layer): a paged memory of
 ``num_blocks`` blocks of ``block_size`` slots holds as many tokens as a contiguous
 memory of ``num_blocks * block_size`` slots.
+
+Both keep their values in NumPy on the host, where every kernel of the course can read
+them.  :mod:`.device` holds the same two memories with their values in torch tensors on
+the model's device (a GPU), the books kept by the same code.
 """
 from __future__ import annotations
 
@@ -145,9 +149,14 @@ class ContiguousMemory:
         self._regions: dict[int, list] = {}           # handle -> [start, rows written per layer]
         self._next = 0
 
+    def reservation(self, request) -> int:
+        """Slots one sample of ``request`` reserves: its longest, prompt + max_new_tokens."""
+        return request.max_len
+
     def fits(self, request) -> str | None:
-        if request.n * request.max_len > self.capacity_slots:
-            return (f"request {request.rid!r} reserves {request.n} x {request.max_len} slots; the arena holds "
+        size = self.reservation(request)
+        if request.n * size > self.capacity_slots:
+            return (f"request {request.rid!r} reserves {request.n} x {size} slots; the arena holds "
                     f"{self.capacity_slots}")
         return None
 
@@ -171,7 +180,7 @@ class ContiguousMemory:
 
     def admit(self, group) -> bool:
         """Reserve max_len slots for every sample of the request, or nothing."""
-        size, starts = group.request.max_len, []
+        size, starts = self.reservation(group.request), []
         for _ in range(group.request.n):
             a = self._take(size)
             if a is None:
@@ -204,7 +213,7 @@ class ContiguousMemory:
         for s in group.seqs:
             self.release(s)
         for a in group.reservation or []:
-            self._give(a, group.request.max_len)
+            self._give(a, self.reservation(group.request))
         group.reservation = None
 
     # ---- accounting

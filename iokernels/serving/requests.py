@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Request", "Sequence", "Group", "sample_token"]
+__all__ = ["Request", "Sequence", "Group", "sample_token", "sample_tokens"]
 
 
 def _int(value, name, lo):
@@ -135,3 +135,24 @@ def sample_token(logits, request: Request, sample: int, position: int) -> int:
     key = zlib.crc32(repr((request.rid, sample, position)).encode())
     rng = np.random.default_rng([request.seed, key])
     return int(np.argmax(logits / request.temperature + rng.gumbel(size=logits.shape)))
+
+
+def sample_tokens(logits, draws) -> list[int]:
+    """:func:`sample_token` for each draw (row, request, sample, position), all at once.
+
+    ``logits`` (rows, vocab) is a NumPy array or a torch tensor on any device.  The greedy
+    draws are one argmax over the rows, taken where the logits are; only the rows drawn at
+    a temperature come to the host whole.  So a step on a GPU whose draws are all greedy
+    copies one token id per row to the host, not rows x vocab logits.
+    """
+    if not draws:
+        return []
+    greedy = logits.argmax(-1).tolist()              # NumPy and torch alike: the first maximum
+    hot = sorted({row for row, req, _, _ in draws if req.temperature > 0})
+    host = {}
+    if hot:
+        rows = logits[hot]
+        rows = rows.double().cpu().numpy() if hasattr(rows, "cpu") else np.asarray(rows, np.float64)
+        host = dict(zip(hot, rows))
+    return [sample_token(host[row], req, sample, position) if req.temperature > 0 else int(greedy[row])
+            for row, req, sample, position in draws]

@@ -1,0 +1,328 @@
+"""The KV cache on the model's device: the same blocks and books, with the values where the model runs.
+
+:class:`~.memory.PagedMemory` keeps its pools in NumPy on the host.  A model on a GPU
+then copies every layer's queries, keys and values to the host and the output back,
+every step, and a benchmark of that times the copies.  The memories here keep the
+values on the model's device (a torch device: "cuda", or "cpu" for the tests) and split
+what a paged memory does in two, as vLLM does (Kwon et al., SOSP 2023, paper, section 4:
+a block manager on the CPU, the KV blocks in GPU memory):
+
+* **the books, on the host**: block tables, reference counts, the free list, fork and
+  copy-on-write, the prefix cache.  They are exactly :class:`~iokernels.paged.PagedKVCache`'s:
+  :class:`SlotMap` is a PagedKVCache that keeps no values, one for all layers (vLLM
+  keeps one block table per sequence for every layer);
+* **the values, on the device**: a K and a V pool per layer, (num_blocks, block_size,
+  Hkv, d) torch tensors, written and read by block id.
+
+Once a step, before the first layer, :meth:`DevicePagedMemory.prepare` does the books for
+the whole batch and uploads what the layers need in one copy (vLLM's attention metadata):
+the **slot** each new row goes to (block * block_size + offset: the slot mapping), the
+block tables, the lengths and the query offsets (:class:`StepPlan`).  Each layer then does
+two things on the device (:meth:`~DevicePagedMemory.write_attend`): store the chunk's K and
+V rows at their slots (one indexed write per pool), and attend.
+
+The attention ``backend``:
+
+* ``"torch"``, the reference, on any device: each sequence's keys are gathered through its
+  table (on the device), decodes (one query) in one batched SDPA call with a mask of the
+  valid keys, each longer chunk in its own call, causal bottom-right
+  (:func:`iokernels.torch_sdpa.sdpa`; SDPA's ``is_causal`` alone is top-left aligned);
+* ``"cupy"``: the tensor-core paged prefill kernel reading the pools in place,
+  ``iokernels.cupy_raw.paged_prefill.paged_prefill_pools``, looked up by name when the
+  memory is made (a clear error where it is not there).
+
+:class:`DeviceContiguousMemory` is the baseline on the device: one contiguous range per
+sample reserved at admission, rounded up to whole blocks so that a range is a run of
+consecutive blocks, and the same attention reads both memories (through a table of
+consecutive ids here).  What differs between the two is the memory policy alone.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..paged import PagedKVCache, blocks_needed
+from ..torch_sdpa import sdpa
+from .memory import ContiguousMemory, PagedMemory
+
+__all__ = ["SlotMap", "StepPlan", "DevicePagedMemory", "DeviceContiguousMemory", "DEVICE_BACKENDS",
+           "cupy_paged_prefill"]
+
+#: the attention backends a device memory runs
+DEVICE_BACKENDS = ("torch", "cupy")
+#: where the CuPy paged prefill over device pools lives, and its name
+CUPY_PREFILL = ("iokernels.cupy_raw.paged_prefill", "paged_prefill_pools")
+_TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}
+
+
+def cupy_paged_prefill():
+    """``paged_prefill_pools`` of the CuPy backend, or None where it (or CuPy) is not installed."""
+    try:
+        module = importlib.import_module("iokernels.cupy_raw.paged_prefill")
+    except ImportError:
+        return None
+    return getattr(module, CUPY_PREFILL[1], None)
+
+
+def _dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _TORCH_DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(_TORCH_DTYPES)}, got {dtype!r}")
+    return _TORCH_DTYPES[name]
+
+
+def _check_backend(backend):
+    if backend not in DEVICE_BACKENDS:
+        raise ValueError(f"backend: a device memory attends with {', '.join(map(repr, DEVICE_BACKENDS))}; "
+                         f"got {backend!r}")
+    kernel = cupy_paged_prefill() if backend == "cupy" else None
+    if backend == "cupy" and kernel is None:
+        raise ValueError("backend: 'cupy' needs {}.{}, which is not available here (no CuPy, or no such "
+                         "kernel yet); use 'torch'".format(*CUPY_PREFILL))
+    return backend, kernel
+
+
+def _pools(layers, rows, kv_heads, head_dim, dtype, device):
+    """Per layer a K and a V tensor; unwritten slots hold NaN, as the NumPy pools do."""
+    shape = (layers, rows, kv_heads, head_dim)
+    return (torch.full(shape, float("nan"), dtype=dtype, device=device),
+            torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
+class SlotMap(PagedKVCache):
+    """A :class:`PagedKVCache` that keeps no values: an append says where each row goes.
+
+    The parent's ``append`` makes every decision (copy-on-write, prefix-cache hits, fresh
+    blocks) and stores the rows it keeps through ``_write(block, at, k_rows, v_rows)``.
+    :meth:`place` appends the chunk's *row numbers* as one-value rows, so ``_write`` learns
+    which row goes to which slot; a row that hits the prefix cache never reaches
+    ``_write`` (its block already holds it, and is not written again).  A copy-on-write
+    copies the block in every pool ``_pools`` names: here, the device pools of every layer.
+    """
+
+    def __init__(self, num_blocks, block_size, k_pools, v_pools):
+        super().__init__(num_blocks, block_size, num_kv_heads=1, head_dim=1, dtype="float64")
+        self.k_pool = self.v_pool = None                 # the values live in the device pools
+        self.device_pools = [p for layer in zip(k_pools, v_pools) for p in layer]
+        self._placed: list = []
+
+    def _pools(self):
+        return [(pool, None) for pool in self.device_pools]
+
+    def _write(self, block, at, k_rows, v_rows):
+        rows = k_rows[:, 0, 0].astype(np.int64)
+        self._placed.append((rows, block * self.block_size + at + np.arange(len(rows))))
+
+    def place(self, sid, n, token_ids=None):
+        """Append ``n`` tokens to ``sid``'s books: (rows, slots), row rows[i] of the chunk goes to slot slots[i]."""
+        self._placed = []
+        rows = np.arange(n, dtype=np.float64).reshape(n, 1, 1)
+        self.append(sid, rows, rows, token_ids=token_ids)
+        if not self._placed:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return tuple(np.concatenate(x) for x in zip(*self._placed))
+
+
+@dataclass
+class StepPlan:
+    """What every layer of one step reads, on the device (uploaded once): vLLM's attention metadata.
+
+    rows, slots: chunk row rows[i] is stored at slot slots[i] of a layer's pool viewed as
+    (num_blocks * block_size, Hkv, d); block_tables (B, max_blocks) and seq_lens (B,) after
+    the step's rows; cu_seqlens_q (B + 1,): the packed queries' offsets (host copy:
+    ``cu_host``).  For the torch reference: ``decode`` (query rows, key slots (B_d, max_len),
+    mask (B_d, 1, 1, max_len)) for the one-query chunks, ``chunks`` [(q0, q1, key slots)]
+    for the others.
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_host: np.ndarray
+    decode: tuple | None = None
+    chunks: tuple = ()
+
+
+def _upload(parts, device):
+    """Host int64 arrays -> device tensors of the same shapes, in one copy."""
+    flat = np.concatenate([np.asarray(p, np.int64).ravel() for p in parts])
+    dev = torch.from_numpy(flat).to(device)
+    out, at = [], 0
+    for p in parts:
+        p = np.asarray(p)
+        out.append(dev[at:at + p.size].view(p.shape))
+        at += p.size
+    return out
+
+
+def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) -> StepPlan:
+    """Upload a step's books; for the torch reference, also which key slots each query reads."""
+    cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
+    one = [i for i, c in enumerate(chunk_lens) if c == 1]
+    d_rows, d_seqs = cu[one], np.asarray(one, np.int64)
+    rows_t, slots_t, tables_t, lens_t, cu_t, dq_t, ds_t = _upload([rows, slots, tables, lens, cu, d_rows, d_seqs],
+                                                                  device)
+    if backend == "cupy":                             # the kernel's int32 tables, once a step
+        return StepPlan(rows_t, slots_t, tables_t.to(torch.int32), lens_t.to(torch.int32), cu_t.to(torch.int32), cu)
+    plan = StepPlan(rows_t, slots_t, tables_t, lens_t, cu_t, cu)
+
+    def key_slots(table_rows, length):           # slot of key j: table[j // block_size] * block_size + j % bs
+        j = torch.arange(length, device=device)
+        return table_rows[..., j // block_size] * block_size + j % block_size
+
+    if one:
+        width = int(lens[one].max())
+        keys = key_slots(tables_t[ds_t], width)                           # (B_d, width)
+        valid = torch.arange(width, device=device)[None, :] < lens_t[ds_t][:, None]
+        keys = torch.where(valid, keys, keys[:, :1])     # padding reads a written slot (no NaN), masked out
+        plan.decode = (dq_t, keys, valid[:, None, None, :])
+    plan.chunks = tuple((int(cu[i]), int(cu[i + 1]), key_slots(tables_t[i], int(lens[i])))
+                        for i, c in enumerate(chunk_lens) if c > 1)
+    return plan
+
+
+class _DeviceAttention:
+    """What both device memories do per layer: store the chunk's rows, then attend."""
+
+    k_pools: torch.Tensor
+    v_pools: torch.Tensor
+    block_size: int
+    backend: str
+    kernel: object
+
+    def write_attend(self, layer, plan: StepPlan, q, k, v):
+        """Store this layer's K, V rows (total_q, Hkv, d) at the plan's slots; the chunks' attention output."""
+        k_flat, v_flat = (p[layer].view(-1, *p.shape[2:]) for p in (self.k_pools, self.v_pools))
+        k_flat[plan.slots] = k[plan.rows]
+        v_flat[plan.slots] = v[plan.rows]
+        if self.backend == "cupy":
+            k_pool, v_pool = (p[layer].view(-1, self.block_size, *p.shape[2:]) for p in (self.k_pools, self.v_pools))
+            o, _ = self.kernel(q, k_pool, v_pool, plan.block_tables, plan.seq_lens, plan.cu_seqlens_q, causal=True)
+            return torch.as_tensor(o, device=q.device)
+        return _attend_torch(q, k_flat, v_flat, plan)
+
+    def attend(self, layer, q, seqs, chunk_lens):
+        """A host memory's per-layer call; a device memory attends in :meth:`write_attend`."""
+        raise TypeError(f"{type(self).__name__}: attend through write_attend(layer, prepare(seqs, chunk_lens, "
+                        f"token_ids), q, k, v), on the device")
+
+
+def _attend_torch(q, k_flat, v_flat, plan):
+    """The reference: gather each sequence's keys through its table, SDPA bottom-right causal."""
+    o = torch.empty_like(q)
+    hq, hkv, d = q.shape[1], k_flat.shape[1], q.shape[2]
+    if plan.decode is not None:                       # one query each: it sees every key; one call
+        q_rows, keys, valid = plan.decode
+        kd, vd = (x[keys].transpose(1, 2) for x in (k_flat, v_flat))       # (B_d, Hkv, max_len, d)
+        # GQA packed: the hq / hkv query heads of a KV head are rows of one (B_d, Hkv) problem
+        # (query head h reads KV head h // (hq / hkv)), so K and V are never repeated per query head
+        qd = q[q_rows].view(-1, hkv, hq // hkv, d)
+        od = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, attn_mask=valid)
+        o[q_rows] = od.reshape(-1, hq, d)
+    for q0, q1, keys in plan.chunks:                  # a longer chunk: bottom-right causal, a call each
+        qc = q[q0:q1].transpose(0, 1)[None]
+        kc, vc = (x[keys].transpose(0, 1)[None] for x in (k_flat, v_flat))
+        o[q0:q1] = sdpa(qc, kc, vc, causal=True)[0].transpose(0, 1)
+    return o
+
+
+class DevicePagedMemory(_DeviceAttention, PagedMemory):
+    """A :class:`PagedMemory` with device pools: one :class:`SlotMap` keeps the books for every layer.
+
+    ``caches`` is that one SlotMap, so the scheduler's accounting (``growth``,
+    ``free_blocks``, ``usage``, fork, release) is PagedMemory's, unchanged.
+    """
+
+    def __init__(self, num_blocks, block_size, *, layers, kv_heads, head_dim, dtype="float64", device="cpu",
+                 backend="torch"):
+        self.backend, self.kernel = _check_backend(backend)
+        self.device, self.dtype = torch.device(device), _dtype(dtype)
+        self.k_pools, self.v_pools = _pools(layers, num_blocks * block_size, kv_heads, head_dim, self.dtype,
+                                            self.device)
+        views = [p.view(layers, num_blocks, block_size, kv_heads, head_dim) for p in (self.k_pools, self.v_pools)]
+        self.cache = SlotMap(num_blocks, block_size, *views)
+        self.caches = [self.cache]
+        self.num_blocks, self.block_size, self.layers = self.cache.num_blocks, self.cache.block_size, layers
+        self._placed: dict = {}                       # handle -> (rows, slots) of its last write (checksum model)
+
+    def prepare(self, seqs, chunk_lens, token_ids) -> StepPlan:
+        """The step's books, once for every layer: place each chunk's rows, then upload the plan."""
+        rows, slots, at = [], [], 0
+        for s, c, ids in zip(seqs, chunk_lens, token_ids):
+            r, sl = self.cache.place(s.handle, c, ids)
+            rows.append(r + at)
+            slots.append(sl)
+            at += c
+        tables, lens = self.cache.block_tables_array([s.handle for s in seqs])
+        tables = np.where(tables < 0, tables[:, :1], tables)   # padding names a block of the sequence's own
+        return _plan(np.concatenate(rows), np.concatenate(slots), tables, lens, list(chunk_lens), self.block_size,
+                     self.backend, self.device)
+
+    def write(self, layer, seq, k_rows, v_rows, token_ids) -> None:
+        """One sequence's rows, NumPy or torch (the checksum model's call): layer 0 does the books."""
+        if layer == 0:
+            self._placed[seq.handle] = self.cache.place(seq.handle, len(k_rows), token_ids)
+        rows, slots = (torch.from_numpy(x).to(self.device) for x in self._placed[seq.handle])
+        for pool, x in ((self.k_pools, k_rows), (self.v_pools, v_rows)):
+            pool[layer][slots] = torch.as_tensor(x, device=self.device).to(self.dtype)[rows]
+
+    def read(self, layer, seq):
+        """The sequence's K and V rows (n, Hkv, d), on the device, read through its table."""
+        n, table = self.cache.seq_len(seq.handle), self.cache.block_table(seq.handle)
+        slots = (np.asarray(table)[:, None] * self.block_size + np.arange(self.block_size)).ravel()[:n]
+        idx = torch.from_numpy(slots).to(self.device)
+        return self.k_pools[layer][idx], self.v_pools[layer][idx]
+
+    def release(self, seq) -> None:
+        self._placed.pop(seq.handle, None)
+        super().release(seq)
+
+
+class DeviceContiguousMemory(_DeviceAttention, ContiguousMemory):
+    """A :class:`ContiguousMemory` with device arenas; each reservation is a whole number of blocks."""
+
+    def __init__(self, capacity_slots, *, block_size=16, layers, kv_heads, head_dim, dtype="float64", device="cpu",
+                 backend="torch"):
+        if capacity_slots % block_size:
+            raise ValueError(f"capacity_slots: {capacity_slots} is not a whole number of blocks of {block_size}")
+        self.backend, self.kernel = _check_backend(backend)
+        self.device, self.dtype = torch.device(device), _dtype(dtype)
+        self.capacity_slots, self.block_size = int(capacity_slots), int(block_size)
+        self.k_pools, self.v_pools = _pools(layers, self.capacity_slots, kv_heads, head_dim, self.dtype,
+                                            self.device)
+        self.k, self.v = list(self.k_pools), list(self.v_pools)    # ContiguousMemory's per-layer arenas (views)
+        self._holes = [(0, self.capacity_slots)]
+        self._regions: dict[int, list] = {}
+        self._next = 0
+
+    def reservation(self, request) -> int:
+        return blocks_needed(request.max_len, self.block_size) * self.block_size
+
+    def prepare(self, seqs, chunk_lens, token_ids) -> StepPlan:
+        """The step's books: each chunk's rows go to the next slots of its range; every layer's count moves."""
+        rows, slots, tables, lens, at = [], [], [], [], 0
+        for s, c in zip(seqs, chunk_lens):
+            start, done = self._regions[s.handle]
+            rows.append(at + np.arange(c))
+            slots.append(start + done[0] + np.arange(c))
+            done[:] = [done[0] + c] * len(done)
+            lens.append(done[0])
+            tables.append(start // self.block_size + np.arange(blocks_needed(done[0], self.block_size)))
+            at += c
+        width = max(len(t) for t in tables)
+        table = np.array([np.pad(t, (0, width - len(t)), mode="edge") for t in tables], dtype=np.int64)
+        return _plan(np.concatenate(rows), np.concatenate(slots), table, np.array(lens), list(chunk_lens),
+                     self.block_size, self.backend, self.device)
+
+    def write(self, layer, seq, k_rows, v_rows, token_ids) -> None:
+        """One sequence's rows, NumPy or torch (the checksum model's call)."""
+        k, v = (torch.as_tensor(x, device=self.device).to(self.dtype) for x in (k_rows, v_rows))
+        super().write(layer, seq, k, v, token_ids)

@@ -1,0 +1,238 @@
+"""The device-resident memories on device="cpu" (torch pools): the NumPy memories' tokens, the
+block pool's invariants, copy-on-write and the prefix cache on the device pools, the same errors."""
+import numpy as np
+import pytest
+import torch
+
+from iokernels.serving import ContiguousMemory, Engine, PagedMemory, Request, pool_invariants
+from iokernels.serving.device import (DeviceContiguousMemory, DevicePagedMemory, SlotMap, StepPlan,
+                                      cupy_paged_prefill)
+from iokernels.serving.fake import ChecksumModel
+from iokernels.serving.llama import TINY, Llama
+from iokernels.serving.requests import Group
+
+from test_serving import random_trace
+
+MODEL = Llama(TINY, seed=3)
+
+
+def serve(model, memory, reqs, check=None, **kw):
+    engine = Engine(model, memory, step_time=1.0, check=check, **kw)
+    for r in reqs:
+        engine.submit(r)
+    return engine, engine.run()
+
+
+def invariants(engine):
+    cache = engine.memory.caches[0]
+    problems = pool_invariants(cache)
+    assert not problems, problems
+    assert {s.handle for g in engine.running for s in g.live} == set(cache.seq_ids)
+
+
+def checksum_paged(blocks=40, bs=4):
+    return DevicePagedMemory(blocks, bs, layers=1, kv_heads=1, head_dim=2)
+
+
+def test_checksum_trace_with_preemption_matches_the_numpy_memories():
+    reqs = random_trace(np.random.default_rng(2026), 400)
+    pe, rp = serve(ChecksumModel(), checksum_paged(), reqs, check=invariants, token_budget=32)
+    _, rh = serve(ChecksumModel(), PagedMemory(40, 4, layers=1, kv_heads=1, head_dim=2), reqs, token_budget=32)
+    _, rc = serve(ChecksumModel(), DeviceContiguousMemory(160, block_size=4, layers=1, kv_heads=1, head_dim=2),
+                  reqs, token_budget=32)
+    cache = pe.memory.cache
+    assert len(rp.preemptions) > 10 and cache.stats["copy_on_write"] > 10 and cache.stats["prefix_hits"] > 10
+    assert rp.outputs == rh.outputs == rc.outputs
+    assert [s.batch for s in rp.steps] == [s.batch for s in rh.steps]      # the same schedule, step by step
+    assert cache.num_free_blocks() == cache.num_blocks and not cache.seq_ids
+
+
+def _reqs(seed=0, lens=(3, 17, 9, 26, 5)):
+    rng = np.random.default_rng(seed)
+    return [Request(i, rng.integers(0, TINY.vocab, int(n)).tolist(), 7, arrival=0.5 * i,
+                    n=2 if n < 20 and i % 2 else 1, temperature=0.7 if i % 2 else 0.0)
+            for i, n in enumerate(lens)]
+
+
+@pytest.mark.parametrize("token_budget", [12, 64])
+def test_llama_tokens_equal_numpy_paged_and_contiguous(token_budget):
+    """float64: device paged == NumPy paged == device contiguous == NumPy contiguous, with preemption."""
+    reqs, ms = _reqs(), MODEL.memory_shape()
+    runs = [serve(MODEL, m, reqs, token_budget=token_budget)[1] for m in
+            (DevicePagedMemory(14, 4, **ms), PagedMemory(14, 4, **ms),
+             DeviceContiguousMemory(96, block_size=4, **ms), ContiguousMemory(96, **ms))]
+    assert runs[0].preemptions or token_budget > 12
+    assert runs[0].outputs == runs[1].outputs == runs[2].outputs == runs[3].outputs
+    assert runs[0].outputs[0][0] == MODEL.reference_greedy(reqs[0].prompt, 7)
+
+
+def test_chunked_logits_match_the_cache_free_model():
+    tokens = list(range(40, 63))
+    for mem in (DevicePagedMemory(10, 4, **MODEL.memory_shape()),
+                DeviceContiguousMemory(32, block_size=4, **MODEL.memory_shape())):
+        group = Group(Request("x", tokens, 1), 0)
+        seq = group.seqs[0]
+        assert mem.admit(group)
+        mem.start(seq)
+        logits = []
+        for c in (5, 1, 7, 10):                                   # chunks and a one-query step
+            logits.append(MODEL.forward(mem, [seq], [c])[0].numpy())
+            seq.computed += c
+        want = MODEL.reference_logits(tokens)[[4, 5, 12, 22]]
+        assert np.max(np.abs(np.stack(logits) - want)) <= 1e-12 * max(1.0, np.abs(want).max())
+
+
+def test_copy_on_write_copies_every_layers_block_on_the_device():
+    mem = DevicePagedMemory(8, 4, layers=2, kv_heads=1, head_dim=2)
+    group = Group(Request("p", [1, 2, 3, 4, 5, 6], 3, n=2), 0)
+    parent = group.seqs[0]
+    mem.start(parent)
+    rows = np.arange(12, dtype=np.float64).reshape(6, 1, 2)
+    for layer in (0, 1):
+        mem.write(layer, parent, rows + 100 * layer, -rows, [1, 2, 3, 4, 5, 6])
+    child = Group(Request("c", [1], 1), 1).seqs[0]
+    mem.fork(parent, child)
+    assert mem.cache.ref_count(mem.cache.block_table(parent.handle)[1]) == 2
+    new = np.full((1, 1, 2), 7.0)
+    for layer in (0, 1):
+        mem.write(layer, child, new, new, [9])                     # the shared, partial block is copied first
+    assert mem.cache.stats["copy_on_write"] == 1
+    for layer in (0, 1):
+        kp, _ = mem.read(layer, parent)
+        kc, vc = mem.read(layer, child)
+        assert torch.equal(kc[:6], kp) and torch.equal(kc[6], torch.full((1, 2), 7.0, dtype=torch.float64))
+        assert torch.equal(kp[:, 0], torch.from_numpy(rows[:, 0] + 100 * layer))
+    assert not pool_invariants(mem.cache)
+
+
+def test_prefix_hits_are_not_written_again():
+    mem = DevicePagedMemory(8, 4, layers=1, kv_heads=1, head_dim=2)
+    a, b = (Group(Request(r, list(range(1, 9)), 1), i).seqs[0] for i, r in enumerate("ab"))
+    mem.start(a)
+    mem.start(b)
+    plan = mem.prepare([a], [8], [list(range(1, 9))])
+    assert isinstance(plan, StepPlan) and plan.slots.tolist() == plan.rows.tolist() and len(plan.slots) == 8
+    plan = mem.prepare([b], [8], [list(range(1, 9))])             # both full blocks hit the prefix cache
+    assert len(plan.slots) == 0 and mem.cache.stats["prefix_hits"] == 2
+    assert mem.cache.block_table(b.handle) == mem.cache.block_table(a.handle)
+
+
+def test_slot_map_keeps_the_books_of_a_paged_cache():
+    k = torch.zeros(1, 4, 2, 1, 1)
+    sm = SlotMap(4, 2, k, k.clone())
+    sid = sm.new_sequence()
+    rows, slots = sm.place(sid, 3)
+    assert rows.tolist() == [0, 1, 2] and slots.tolist() == [0, 1, 2] and sm.block_table(sid) == [0, 1]
+    rows, slots = sm.place(sid, 2)
+    assert rows.tolist() == [0, 1] and slots.tolist() == [3, 4] and sm.seq_len(sid) == 5
+    assert not pool_invariants(sm)
+
+
+@pytest.mark.parametrize("memory", [lambda: checksum_paged(),
+                                    lambda: DeviceContiguousMemory(160, block_size=4, layers=1, kv_heads=1,
+                                                                   head_dim=2)])
+def test_bad_requests_raise_the_same_errors(memory):
+    engine = Engine(ChecksumModel(vocab=64), memory(), step_time=1.0)
+    engine.submit(Request("ok", [1, 2], 3))
+    with pytest.raises(ValueError, match="can never be served"):
+        engine.submit(Request("huge", [1] * 100, 100))
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        engine.submit(Request("v", [64], 3))
+    with pytest.raises(ValueError, match="id 'ok' is already queued"):
+        engine.submit(Request("ok", [3], 3))
+    assert engine.run().outputs["ok"][0]
+
+
+def test_bad_memories_raise():
+    with pytest.raises(ValueError, match="a device memory attends with 'torch', 'cupy'; got 'tiled'"):
+        DevicePagedMemory(4, 4, layers=1, kv_heads=1, head_dim=2, backend="tiled")
+    with pytest.raises(ValueError, match="dtype"):
+        DevicePagedMemory(4, 4, layers=1, kv_heads=1, head_dim=2, dtype="int8")
+    with pytest.raises(ValueError, match="whole number of blocks"):
+        DeviceContiguousMemory(10, block_size=4, layers=1, kv_heads=1, head_dim=2)
+    if cupy_paged_prefill() is None:
+        with pytest.raises(ValueError, match="paged_prefill_pools"):
+            DevicePagedMemory(4, 4, layers=1, kv_heads=1, head_dim=2, backend="cupy")
+
+
+# --------------------------------------------------------------------------- low precision: the 2x rule
+def upcast(model):
+    """The same model with its (rounded) weights in float64: the oracle of a low-precision model."""
+    ref = Llama(model.shape, dtype=torch.float64, device=model.device)
+    ref.embed, ref.norm, ref.lm_head = (x.double() for x in (model.embed, model.norm, model.lm_head))
+    ref.layers = [{k: w.double() for k, w in p.items()} for p in model.layers]
+    return ref
+
+
+class Recorder:
+    """A model that remembers, per step, each sequence's tokens up to its chunk's end and the logits."""
+
+    def __init__(self, model):
+        self.model, self.vocab, self.rows = model, model.vocab, []
+
+    def forward(self, memory, seqs, chunk_lens):
+        logits = self.model.forward(memory, seqs, chunk_lens)
+        for s, c, row in zip(seqs, chunk_lens, logits.double().cpu().numpy()):
+            self.rows.append((tuple(s.tokens[:s.computed + c]), row))
+        return logits
+
+
+def step_logits_against_reference(model, memory, reqs, token_budget=24):
+    """(engine's logits, float64 oracle's, the same-precision cache-free model's) for every row of every step."""
+    rec = Recorder(model)
+    serve(rec, memory, reqs, token_budget=token_budget)
+    oracle = upcast(model)
+    got = np.stack([row for _, row in rec.rows])
+    ref = np.stack([oracle.reference_logits(t)[-1] for t, _ in rec.rows])
+    base = np.stack([model.reference_logits(t)[-1] for t, _ in rec.rows])
+    return got, ref, base
+
+
+def low_precision_requests():
+    rng = np.random.default_rng(5)
+    return [Request(i, rng.integers(0, TINY.vocab, int(n)).tolist(), 6, arrival=0.3 * i)
+            for i, n in enumerate([3, 30, 9, 17, 1])]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_step_logits_within_the_2x_rule_on_cpu(dtype):
+    """Chunked prefill, decodes batched and preemption, paged and contiguous, against the float64 oracle."""
+    from iokernels.core.testing import check
+    model = Llama(TINY, seed=4, dtype=dtype)
+    for mem in (DevicePagedMemory(20, 4, **model.memory_shape()),
+                DeviceContiguousMemory(128, block_size=4, **model.memory_shape())):
+        got, ref, base = step_logits_against_reference(model, mem, low_precision_requests())
+        c = check(got, ref, base, dtype=str(dtype).replace("torch.", ""), name=type(mem).__name__)
+        assert c.ok, str(c)
+
+
+def test_the_books_are_done_once_a_step_not_once_a_layer():
+    mem = DevicePagedMemory(16, 4, **MODEL.memory_shape())
+    calls = {"prepare": 0, "write": 0}
+    prepare = mem.prepare
+
+    def counted(*a):
+        calls["prepare"] += 1
+        return prepare(*a)
+
+    def write(*a):
+        calls["write"] += 1
+
+    mem.prepare, mem.write = counted, write
+    _, res = serve(MODEL, mem, _reqs()[:3], token_budget=12)
+    assert calls == {"prepare": len(res.steps), "write": 0} and MODEL.shape.layers > 1
+
+
+def test_sample_tokens_draws_what_sample_token_draws_from_numpy_and_torch():
+    from iokernels.serving.requests import sample_token, sample_tokens
+    logits = np.random.default_rng(0).standard_normal((5, 40))
+    reqs = [Request(i, [1], 3, temperature=t, seed=2) for i, t in enumerate([0.0, 0.8, 0.0, 1.5, 0.3])]
+    draws = [(i, r, s, 7) for i, r in enumerate(reqs) for s in range(2)]
+    want = [sample_token(logits[i], r, s, p) for i, r, s, p in draws]
+    assert sample_tokens(logits, draws) == want == sample_tokens(torch.from_numpy(logits), draws)
+    assert sample_tokens(logits, []) == []
+
+
+def test_a_host_memorys_attend_is_refused_with_the_device_call_named():
+    with pytest.raises(TypeError, match="write_attend"):
+        checksum_paged().attend(0, None, [], [])
