@@ -8,6 +8,7 @@
 #   2. bench      python -m iokernels bench  (alone on the GPU: it times things)   -> bench.json
 #                 (rewritten after every section: a bench its time box stops keeps what finished)
 #   2b. ring      python -m iokernels ring --world-size 1 --device cuda --bench (NCCL, one rank)
+#   2c. serve     python -m iokernels serve-bench on the GPU, paged against contiguous     -> serve.json
 #   3. traffic    ncu DRAM bytes vs the traffic model                              -> traffic.json
 #   4. checks     GPU pytest and compute-sanitizer memcheck / racecheck / synccheck / initcheck
 #                 over scripts/sanitize.py, one process per (tool, kernel family)
@@ -16,10 +17,13 @@
 # With a short device lease: DEADLINE=300 scripts/gpu_all.sh OUTDIR (the bench then runs
 # first and whole, the sanitizers get what remains); BENCH_SECTIONS=decode,gather times only
 # those sections; GPU_TESTS="tests/test_cupy.py ..." runs only those files' GPU tests.
+# Stages can be left out when a lease is short and an earlier run of the same tree has
+# their result: RING=0, TRAFFIC=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
+# families (default: numba cupy triton); SERVE_ARGS replaces the serve-bench arguments.
 #   5. summary
 # Writes exactly these 8 files to OUTDIR (the device tool returns at most 8):
-#   summary.txt  bench.json  bench.txt  traffic.json  ncu_raw.csv  sanitizer.txt  pytest.txt
-#   logs.tar.gz  (every full log, the ncu plan)
+#   summary.txt  bench.json  bench.txt  traffic.json  serve.json  sanitizer.txt  pytest.txt
+#   logs.tar.gz  (every full log, the ncu plan and its raw CSV, ncu_raw.csv)
 # Turn them into the committed records and the README table with
 #   python scripts/readme_table.py --from OUTDIR
 set -u
@@ -36,7 +40,11 @@ LOGS=$(mktemp -d)
 T0=$(date +%s)
 
 # per-stage limits in seconds (total well under 600)
-T_ENV=30 T_BENCH=${T_BENCH:-300} T_TRAFFIC=${T_TRAFFIC:-50} T_CHECKS=${T_CHECKS:-270}
+T_ENV=30 T_BENCH=${T_BENCH:-300} T_TRAFFIC=${T_TRAFFIC:-50} T_CHECKS=${T_CHECKS:-270} T_SERVE=${T_SERVE:-60}
+SAN_FAMILIES=${SAN_FAMILIES:-numba cupy triton}
+# the serving benchmark: Llama-3-8B's layer shapes (two layers) at a KV budget that gives each
+# layer the slots 20 GB give all 32 layers of the real model
+SERVE_ARGS=${SERVE_ARGS:---model llama3-8b-shape --layers 2 --kv-budget-gb 1.25 --requests 256 --rate 1000 --device cuda}
 
 # the whole script must end before DEADLINE seconds (the device tool allows 600 per call)
 DEADLINE=${DEADLINE:-580}
@@ -77,6 +85,7 @@ grep -v '^USDT' "$LOGS/bench.log" | sed -n '/^recorded on/,$p' > "$OUT/bench.txt
 # ---------------------------------------------------------------- 2b. ring attention on this one GPU
 # A world of one rank over NCCL (a ring of two needs two GPUs): the time of a ring step at long
 # sequences with the fused local kernel, the single-GPU side of a multi-GPU comparison.
+if [ "${RING:-1}" != 0 ]; then
 note "ring, one GPU (limit $(left ${T_RING:-30})s)"
 timeout --kill-after=5 $(left ${T_RING:-30}) bash -c '
   for n in 32768 131072; do
@@ -84,6 +93,17 @@ timeout --kill-after=5 $(left ${T_RING:-30}) bash -c '
       --heads 16 --heads-kv 8 --head-dim 128 --timeout 50 2>&1
   done' > "$LOGS/ring_single_gpu.txt" 2>&1
 note "ring exit $?"
+fi
+
+# ---------------------------------------------------------------- 2c. serving, paged against contiguous
+if [ "${SERVE:-1}" != 0 ]; then
+  T_SV=$(left $T_SERVE)
+  note "serve-bench (limit ${T_SV}s): $SERVE_ARGS"
+  timeout --kill-after=5 $T_SV $PY -m iokernels serve-bench $SERVE_ARGS --json "$OUT/serve.json" \
+    > "$LOGS/serve.log" 2>&1
+  note "serve-bench exit $?"
+fi
+[ -s "$OUT/serve.json" ] || echo '{"error": "serve-bench did not finish; see logs.tar.gz serve.log"}' > "$OUT/serve.json"
 
 # ---------------------------------------------------------------- 3 + 4. traffic and checks, in parallel
 # The device lease is short, so the profiler shares the GPU with the sanitized runs, whose
@@ -93,10 +113,12 @@ note "ring exit $?"
 T_TRAFFIC=$(left $T_TRAFFIC)
 note "traffic (ncu, limit ${T_TRAFFIC}s), then pytest; sanitizers alongside"
 (
-  IK_TRAFFIC_NOTE="measured while compute-sanitizer runs (KB-sized kernels) shared the GPU" \
-  timeout --kill-after=10 $(( T_TRAFFIC + 10 )) $PY scripts/profile_traffic.py all --out "$LOGS/traffic" \
-    --timeout $T_TRAFFIC > "$LOGS/traffic.log" 2>&1
-  echo "[$(( $(date +%s) - T0 ))s] traffic exit $?" >> "$LOGS/stages.txt"
+  if [ "${TRAFFIC:-1}" != 0 ]; then
+    IK_TRAFFIC_NOTE="measured while compute-sanitizer runs (KB-sized kernels) shared the GPU" \
+    timeout --kill-after=10 $(( T_TRAFFIC + 10 )) $PY scripts/profile_traffic.py all --out "$LOGS/traffic" \
+      --timeout $T_TRAFFIC > "$LOGS/traffic.log" 2>&1
+    echo "[$(( $(date +%s) - T0 ))s] traffic exit $?" >> "$LOGS/stages.txt"
+  fi
   files=""
   # (the files whose unmarked tests launch kernels on a real GPU when the simulator and Triton's
   # interpreter are off: lab 13's Triton kernels are graded live there;
@@ -138,9 +160,9 @@ PIDS="$!"
 timeout --kill-after=5 $(left 60) $PY scripts/sanitize.py > "$LOGS/sanitize_prewarm.log" 2>&1
 note "sanitize.py without a sanitizer: exit $?"
 T_SAN=$(left $T_CHECKS)
-note "4 sanitizers x 3 kernel families (limit ${T_SAN}s)"
+note "4 sanitizers x families $SAN_FAMILIES (limit ${T_SAN}s)"
 for tool in memcheck racecheck synccheck initcheck; do
-  for fam in numba cupy triton; do   # one process per (tool, family): 12 in parallel
+  for fam in $SAN_FAMILIES; do       # one process per (tool, family): 12 in parallel by default
     (
       # --report-api-errors no: CUDA Python (numba-cuda's driver bindings) probes the driver
       # with cuGetProcAddress for symbols it may lack; those failed *host API* calls are not
@@ -156,7 +178,7 @@ done
 for p in $PIDS; do wait $p; done
 note "traffic and checks done"
 cp "$LOGS/traffic/traffic.json" "$OUT/traffic.json" 2>/dev/null || echo '{"error": "no traffic.json"}' > "$OUT/traffic.json"
-cp "$LOGS/traffic/ncu_raw.csv" "$OUT/ncu_raw.csv" 2>/dev/null || echo "no ncu output" > "$OUT/ncu_raw.csv"
+cp "$LOGS/traffic/ncu_raw.csv" "$LOGS/ncu_raw.csv" 2>/dev/null || echo "no ncu output" > "$LOGS/ncu_raw.csv"
 cp "$LOGS/pytest.log" "$OUT/pytest.txt"
 $PY scripts/sanitize.py --summarize "$LOGS" "$ENV_LINE" > "$OUT/sanitizer.txt" 2>&1
 
@@ -173,6 +195,9 @@ note "summary"
   echo "== traffic (measured DRAM bytes vs model)"; sed -n '/^case /,$p' "$LOGS/traffic.log" | head -100
   echo
   echo "== ring attention, one GPU (NCCL world of one)"; grep -E "ring bench|rank 0|ring:" "$LOGS/ring_single_gpu.txt" | head -6
+  echo
+  echo "== serve-bench (paged against contiguous)"
+  $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(r.get('error') or '\n'.join(f'{k}: ' + json.dumps({f: r[k].get(f) for f in ('max_concurrent', 'tokens_per_s', 'waste_fraction', 'p50_ms', 'p99_ms')}) for k in ('paged', 'contiguous')))" "$OUT/serve.json" 2>&1
   echo
   echo "== bench: silent fall-backs and suspect rows"
   grep -E "silent fall-back|SUSPECT" "$OUT/bench.txt" | head -20

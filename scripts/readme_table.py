@@ -3,8 +3,8 @@
     python scripts/readme_table.py --from OUTDIR   # OUTDIR: what scripts/gpu_all.sh wrote
     python scripts/readme_table.py                 # only regenerate the README table
 
-``--from`` writes ``benchmarks/results/h200_<date>.json`` (env + bench + traffic + test
-summary) and ``benchmarks/results/sanitizer_<date>.txt``; then the section of README.md
+``--from`` writes ``benchmarks/results/h200_<date>.json`` (env + bench + traffic + serve-bench
++ test summary) and ``benchmarks/results/sanitizer_<date>.txt``; then the section of README.md
 between ``<!-- recorded-results:start -->`` and ``<!-- recorded-results:end -->`` is
 rewritten from the latest records (nothing else in README.md is touched), and the figures
 that show a recorded run are redrawn.
@@ -47,8 +47,14 @@ def file_run(outdir: Path) -> tuple[Path, Path]:
     if (outdir / "summary.txt").exists():
         stages = "\n".join(ln for ln in (outdir / "summary.txt").read_text().splitlines()
                            if ln.startswith("[") or ln.startswith("total wall"))
+    serve = {}
+    if (outdir / "serve.json").exists():
+        try:
+            serve = json.loads((outdir / "serve.json").read_text())
+        except json.JSONDecodeError:
+            serve = {"error": "serve.json unreadable"}
     rec = {"env": env, "label": recorded.label({"env": env}), "bench": bench, "traffic": traffic,
-           "gpu_tests": tests, "stages": stages,
+           "serve": serve, "gpu_tests": tests, "stages": stages,
            "produced_by": "scripts/gpu_all.sh OUTDIR; filed by scripts/readme_table.py --from OUTDIR"}
     res = ROOT / "benchmarks" / "results"
     res.mkdir(parents=True, exist_ok=True)
