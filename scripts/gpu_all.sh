@@ -111,7 +111,7 @@ fi
 # GPU tests, which launch larger kernels, start only when the profiler is done.  The traffic
 # record carries a note saying so.
 T_TRAFFIC=$(left $T_TRAFFIC)
-note "traffic (ncu, limit ${T_TRAFFIC}s), then pytest; sanitizers alongside"
+note "$([ "${TRAFFIC:-1}" != 0 ] && echo "traffic (ncu, limit ${T_TRAFFIC}s), then ")pytest; sanitizers alongside"
 (
   if [ "${TRAFFIC:-1}" != 0 ]; then
     IK_TRAFFIC_NOTE="measured while compute-sanitizer runs (KB-sized kernels) shared the GPU" \
@@ -192,9 +192,9 @@ note "summary"
   echo
   echo "== pytest (last lines)"; grep -E "passed|failed|error|no tests ran" "$OUT/pytest.txt" | tail -4
   echo
-  echo "== traffic (measured DRAM bytes vs model)"; sed -n '/^case /,$p' "$LOGS/traffic.log" | head -100
+  echo "== traffic (measured DRAM bytes vs model)"; sed -n '/^case /,$p' "$LOGS/traffic.log" 2>/dev/null | head -100
   echo
-  echo "== ring attention, one GPU (NCCL world of one)"; grep -E "ring bench|rank 0|ring:" "$LOGS/ring_single_gpu.txt" | head -6
+  echo "== ring attention, one GPU (NCCL world of one)"; grep -E "ring bench|rank 0|ring:" "$LOGS/ring_single_gpu.txt" 2>/dev/null | head -6
   echo
   echo "== serve-bench (paged against contiguous)"
   $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(r.get('error') or '\n'.join(f'{k}: ' + json.dumps({f: r[k].get(f) for f in ('max_concurrent', 'tokens_per_s', 'waste_fraction', 'p50_ms', 'p99_ms')}) for k in ('paged', 'contiguous')))" "$OUT/serve.json" 2>&1
