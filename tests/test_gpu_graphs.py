@@ -1,6 +1,8 @@
 """Every GPU op of the CuPy backend captured in a CUDA graph replays bit for bit like eager calls.
 
-For attention, decode, paged decode, paged gather, the backward and MLA decode: the call is
+For attention, decode, paged decode, paged gather, the backward and MLA decode (each through
+its plan in :data:`iokernels.cupy_raw.PLANS`; the gather, backward and MLA tests assert that
+their plan was the one captured, and pinned): the call is
 warmed up on a side stream (what ``torch.cuda.graph`` asks for: plans, compiled kernels and
 workspaces exist before capture), captured under ``torch.cuda.graph``, then the inputs are
 rewritten in place and the graph replayed; its outputs must equal, bit for bit, an eager
@@ -57,6 +59,11 @@ def replay_equals_eager(fn, refill, rounds: int = 2):
         for got, ref in zip(out, want):
             assert got.dtype == ref.dtype and got.shape == ref.shape
             assert torch.equal(got, ref), f"round {r}: the replay differs from the eager call"
+
+
+def planned(cls) -> bool:
+    """Whether the captured call went through a plan of class ``cls`` (cached, and pinned by the capture)."""
+    return any(isinstance(p, cls) and p.pinned for p in cr.PLANS._plans.values())
 
 
 def randn(*shape, dtype=torch.float16):
@@ -118,6 +125,7 @@ def test_paged_gather_replays_like_eager_with_the_table_changed_in_place():
         _refill(kp, vp)(r)
         table.copy_(torch.tensor(rng.permutation(nb)[:len(table)], device=DEV, dtype=torch.int32))
     replay_equals_eager(lambda: cr.gather_pools(kp, vp, table, n), refill)
+    assert planned(cr.GatherPlan)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -128,6 +136,22 @@ def test_backward_replays_like_eager(dtype):
     cfg = cr.BackwardConfig(deterministic=True)          # the atomic adds' order is not fixed
     replay_equals_eager(lambda: ik.attention_backward(do, q, k, v, o, lse, causal=True, backend="cupy", config=cfg),
                         _refill(do, q, k, v))
+    assert planned(cr.BackwardPlan)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_backward_plan_zeroes_its_dq_accumulator_on_every_replay(deterministic):
+    q, k, v = randn(1, 4, 130, 64), randn(1, 2, 130, 64), randn(1, 2, 130, 64)
+    o, lse = ik.attention(q, k, v, backend="cupy", return_lse=True)
+    do = randn(*q.shape)
+    plan = cr.BackwardPlan(do, q, k, v, o, lse, config=cr.BackwardConfig(deterministic=deterministic))
+    g, (dq, _, _) = capture(lambda: plan.run(do, q, k, v, o, lse))
+    assert plan.pinned
+    for _ in range(3):                                   # dQ would grow replay by replay if not zeroed
+        g.replay()
+        want = ik.attention_backward(do, q, k, v, o, lse, backend="cupy", config=plan.config)[0]
+        torch.cuda.synchronize()
+        torch.testing.assert_close(dq, want, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.skipif(not gpu.cupy_gpu() or cr.hopper.available() is not None, reason="MLA decode needs Hopper")
@@ -140,6 +164,7 @@ def test_mla_decode_replays_like_eager():
         _refill(q, kv)(r)
         lens.copy_(torch.tensor([[1, 1000], [640, 65]][r], device=DEV, dtype=torch.int32))
     replay_equals_eager(lambda: cr.mla_decode(q, kv, seq_lens=lens), refill)
+    assert planned(cr.MLADecodePlan)
 
 
 def test_the_second_call_of_a_shape_hits_the_plan_cache():

@@ -9,14 +9,16 @@ FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``, whose ``plan`` is called on
 and whose ``run`` once per layer, over a workspace buffer the wrapper owns (FlashInfer's API
 documentation, docs.flashinfer.ai/api/decode.html).
 
-The public functions (``iokernels.decode``, ``iokernels.attention``, :func:`.decode.decode`,
-:func:`.forward.attention`, :func:`.decode.paged_decode_pools`) keep their signatures and use
-:data:`PLANS`, a bounded cache of plans keyed by the call's shapes, dtypes, strides, device,
-16-byte alignment, array kinds, settings and the registry's generation (a record added or
-removed makes every key new: :func:`decode_key`, :func:`.attention_plan.attention_key`).  A
-miss builds a plan, which runs every check (a bad call raises a ValueError naming the
-argument, and nothing is cached); a hit compares one key tuple and launches.  NumPy inputs
-are copied in and out, so they take the eager path (no plan).
+The public functions (``iokernels.decode``, ``iokernels.attention``,
+``iokernels.attention_backward`` and the CuPy backend's own: :mod:`.calls`) keep their
+signatures and use :data:`PLANS`, a bounded cache of plans keyed by the call's shapes,
+dtypes, strides, device, 16-byte alignment, array kinds, settings and the registry's
+generation (a record added or removed makes every key new: :func:`decode_key`,
+:func:`.attention_plan.attention_key`, :func:`.backward_plan.backward_key`,
+:func:`.gather_plan.gather_key`, :func:`.mla_plan.mla_key`).  A miss builds a plan, which
+runs every check (a bad call raises a ValueError naming the argument, and nothing is
+cached); a hit compares one key tuple and launches.  NumPy inputs are copied in and out, so
+they take the eager path (no plan).
 
 For loops, make the plan yourself and reuse it, say one plan per decode step for every
 layer (each layer's cache has the same shape)::
