@@ -289,8 +289,11 @@ dev_plan.run(q, k, v, seq_lens=dl)
 cr.hopper.available = cr.hopper.checks.available = lambda: None
 plans = dict(gather=cr.GatherPlan(*pools, gt, 70), gather_host=cr.GatherPlan(*pools, ht, 70),
              backward=cr.BackwardPlan(fdo, fq, fk, fv, fo, flse), mla=cr.MLADecodePlan(mq, mkv, seq_lens=mdl),
-             mla_host=cr.MLADecodePlan(mq, mkv, seq_lens=mlens))
+             mla_host=cr.MLADecodePlan(mq, mkv, seq_lens=mlens), gather_strided=cr.GatherPlan(*strided, gt, 70),
+             backward_strided=cr.BackwardPlan(fdo, wq, fk, fv, fo, flse))
 calls = dict(gather=lambda p: p.run(*pools, gt, 70), gather_host=lambda p: p.run(*pools, ht, 70),
+             gather_strided=lambda p: p.run(*strided, gt, 70),
+             backward_strided=lambda p: p.run(fdo, wq, fk, fv, fo, flse),
              backward=lambda p: p.run(fdo, fq, fk, fv, fo, flse), mla=lambda p: p.run(mq, mkv, mdl),
              mla_host=lambda p: p.run(mq, mkv, mlens))
 out["capture"] = {}
@@ -373,6 +376,9 @@ def test_under_capture_the_new_plans_pin_or_refuse_host_values(result):
     assert cap["gather"] is True and cap["backward"] is True and cap["mla"] is True
     assert cap["gather_host"].startswith("block_table: a CUDA graph reads the table")
     assert cap["mla_host"].startswith("seq_lens: a CUDA graph reads the lengths")
+    # a CuPy copy made during a capture goes back to CuPy's pool while the graph keeps writing it
+    assert cap["gather_strided"].startswith("k_pool: a CUDA graph would replay its contiguous copy")
+    assert cap["backward_strided"].startswith("q: a CUDA graph would replay its unit-stride copy")
 
 
 def test_the_hopper_forward_is_planned_too(result):

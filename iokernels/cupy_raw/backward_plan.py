@@ -10,7 +10,9 @@ per-tile partials with ``deterministic=True``; one set per plan and stream, allo
 zeroes the accumulator with a fill queued on that stream, packs the pointers and launches the
 three kernels.  Nothing in ``run`` synchronizes the host or copies host memory, so a plan's
 ``run`` can be captured in a CUDA graph (the graph replays the fill, so dQ never accumulates
-across replays); a captured plan is pinned in :data:`.plans.PLANS`.
+across replays); a captured plan is pinned in :data:`.plans.PLANS`.  CuPy inputs that need a
+unit-stride copy are refused under capture (the copy's memory goes back to CuPy's pool after
+the call, while the graph would keep writing it); torch's copies stay in the graph's pool.
 """
 from __future__ import annotations
 
@@ -75,6 +77,12 @@ class BackwardPlan:
         ins = (q, k, v, do, o)
         self.copy = [bool(a.shape[-1] > 1 and a.strides[-1] != 1) for a in (device_array(x) for x in ins)]
         self.copy_lse = not device_array(lse).c_contiguous()
+        copied = [n for n, c in zip(("q", "k", "v", "do", "o", "lse"), self.copy + [self.copy_lse]) if c]
+        # a CuPy copy made during a capture lives in CuPy's pool, which takes it back after the call
+        # while the graph keeps writing it on every replay (torch's copies stay in the graph's pool)
+        self.under_capture = None if self.alloc.torch or not copied else (
+            f"{copied[0]}: a CUDA graph would replay its unit-stride copy into memory CuPy frees after the "
+            f"capture; pass rows with unit stride (and a contiguous lse)")
         qd, kd, vd, dod, od = (unit_rows(x) if c else device_array(x) for x, c in zip(ins, self.copy))
         lsed = device_array(contiguous(lse)) if self.copy_lse else device_array(lse)
         i32, i64 = np.int32, np.int64
@@ -115,7 +123,7 @@ class BackwardPlan:
         dq, dk, dv = a.empty(self.q_shape, self.dtype), a.empty(self.kv_shape, self.dtype), \
             a.empty(self.kv_shape, self.dtype)
         stream, sobj = _stream_of(q)
-        _pin_if_capturing(self, sobj)                     # every input is on the device: nothing to refuse
+        _pin_if_capturing(self, sobj, self.under_capture)
         c = self.copy
         if c[0] or c[1] or c[2] or c[3] or c[4]:
             q, k, v, do, o = (unit_rows(x).owner if cp else x for x, cp in zip((q, k, v, do, o), c))

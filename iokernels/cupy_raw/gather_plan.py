@@ -9,7 +9,8 @@ every run and uploaded once per distinct content).  Per call, ``run`` checks the
 (``seq_len`` is not part of the plan, so one plan serves a sequence as it grows), allocates
 K and V (Hkv, seq_len, d), sizes the grid and launches.  With a device table nothing in
 ``run`` synchronizes the host or copies host memory, so it can be captured in a CUDA graph;
-a host table is refused under capture (the graph would replay the ids of the capture).
+a host table is refused under capture (the graph would replay the ids of the capture), and so
+are CuPy pools that need a contiguous copy (CuPy's pool takes the copy back after the call).
 """
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ class GatherPlan:
             kd = device_array(contiguous(k_pool))
         if self.copy[1]:
             vd = device_array(contiguous(v_pool))
+        self.under_capture = _HOST_TABLE if host else None
+        if any(self.copy) and not self.alloc.torch:     # CuPy's pool takes a copy back after the call
+            self.under_capture = (f"{'k_pool' if self.copy[0] else 'v_pool'}: a CUDA graph would replay its "
+                                  f"contiguous copy into memory CuPy frees after the capture; pass contiguous pools")
         self.itemsize, self.row_bytes = kd.itemsize, d * kd.itemsize
         self.empty = hkv * d == 0
         self.sms = device_info()["sms"]
@@ -107,7 +112,7 @@ class GatherPlan:
             raise ValueError(f"k_pool: this plan was made for {self.key}; got other shapes, dtypes, strides or kinds")
         seq_len = check_seq_len(seq_len)
         _, sobj = _stream_of(k_pool)
-        _pin_if_capturing(self, sobj, None if self.device_table else _HOST_TABLE)
+        _pin_if_capturing(self, sobj, self.under_capture)
         table = self._table_arg(block_table, seq_len, k_pool)
         k_out = self.alloc.empty((self.hkv, seq_len, self.d), self.dtype)
         v_out = self.alloc.empty((self.hkv, seq_len, self.d), self.dtype)
