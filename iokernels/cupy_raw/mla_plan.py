@@ -85,7 +85,8 @@ class MLADecodePlan:
         self.rec, self.fn, self.smem = mla_kernel(self.cfg, dtype, None)
         self.sms = device_info()["sms"]
         self.combine = combine_kernel(dtype) if num_splits != 1 else None
-        self._splits(N)
+        if not self.no_rows:
+            self._splits(N)
 
     def _splits(self, longest: int) -> tuple[int, int]:
         got = self._launches.get(longest)
