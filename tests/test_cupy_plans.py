@@ -207,6 +207,10 @@ for lens_ in (None, mlens, mdl):
 kw = dict(seq_lens=mlens, scale=0.05, config=cr.MLADecodeConfig(min_keys_per_split=64))
 case("mla scale config", lambda: M.mla_decode(mq, mkv, **kw), lambda: cr.mla_decode(mq, mkv, **kw), io_m)
 count("mla", lambda: cr.mla_decode(mq, mkv, seq_lens=mdl))
+# NumPy gives an empty array zero strides; a device library gives (0, 1152, 1) elements' worth
+nkv = cupy.ndarray(np.lib.stride_tricks.as_strided(np.zeros(8, np.float16), (3, 0, 576), (0, 1152, 2)))
+out["mla no rows"] = [launches(lambda: cr.mla_decode(mq, nkv), {}) == [] == launches(lambda: M.mla_decode(mq, nkv), {}),
+                      float(cr.mla_decode(mq, nkv)[1].get().max()) == -np.inf]
 
 # a bad call of the new plans: the same ValueError on a hit (a plan of its key, or of the shapes,
 # is cached), on a miss (an empty cache) and from the eager path; the cache is unchanged either way
@@ -360,6 +364,7 @@ def test_the_backward_gather_and_mla_plans_launch_what_the_eager_calls_launch(re
     assert any(len(c["second"]) == 2 and c["second"][1]["name"] == "decode_combine" for c in mla)
     assert result["gather lengths share a plan"]           # the length is a run argument, not a key
     assert result["backward no queries"] == [True, True]
+    assert result["mla no rows"] == [True, True]                 # O = 0, LSE = -inf, nothing launched
 
 
 def test_a_bad_backward_gather_or_mla_call_raises_the_same_on_a_hit_and_a_miss(result):
