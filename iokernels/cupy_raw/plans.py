@@ -41,6 +41,7 @@ range); NumPy ones are checked on every call and uploaded once per distinct cont
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -161,7 +162,7 @@ def _lens_key(seq_lens):
 _STREAMS: dict = {}
 
 
-def _stream_of(x) -> tuple[int, object]:
+def _stream_of(x) -> tuple[int, Any]:
     """(pointer, a CuPy stream object to launch on) of the caller's current stream on x's device."""
     if hasattr(x, "data_ptr"):
         import torch
