@@ -23,7 +23,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 #: Python calls inside iokernels/ a cached call may make (a hit: key, plan.run, pack, launch)
 HIT_CALL_BOUND = {"ik.decode": 40, "ik.attention": 35, "plan.run": 36, "pools": 48, "hopper": 35, "gather": 40,
-                  "backward": 50, "backward plan.run": 42, "mla": 40}
+                  "backward": 50, "backward plan.run": 42, "mla": 40, "mla paged": 45}
 
 DRIVER = r'''
 import importlib, json, os, sys
@@ -207,6 +207,20 @@ for lens_ in (None, mlens, mdl):
 kw = dict(seq_lens=mlens, scale=0.05, config=cr.MLADecodeConfig(min_keys_per_split=64))
 case("mla scale config", lambda: M.mla_decode(mq, mkv, **kw), lambda: cr.mla_decode(mq, mkv, **kw), io_m)
 count("mla", lambda: cr.mla_decode(mq, mkv, seq_lens=mdl))
+# paged MLA: host tables and lengths, and device ones used in place (planned for the tables' capacity,
+# so the eager comparison uses a full first sequence)
+mpool = arr(20, 64, 576)
+mtab = np.array([[3, 1, 4, 9, 0, 2], [5, 6, 7, 8, 10, 11], [12, 13, 14, 15, 16, 17]], np.int32)
+mplens = np.array([384, 70, 0], np.int32)
+io_mp = dict(q=mq, kv=mpool)
+for splits in (None, 1, 4):
+    kw = dict(num_splits=splits)
+    case(f"mla paged host {splits}", lambda: M.paged_mla_decode(mq, mpool, mtab, mplens, **kw),
+         lambda: cr.paged_mla_decode(mq, mpool, mtab, mplens, **kw), io_mp)
+mdt, mdpl = cupy.asarray(mtab), cupy.asarray(mplens)
+case("mla paged device tables", lambda: M.paged_mla_decode(mq, mpool, mdt, mdpl),
+     lambda: cr.paged_mla_decode(mq, mpool, mdt, mdpl), dict(io_mp, tables=mdt, lens=mdpl))
+count("mla paged", lambda: cr.paged_mla_decode(mq, mpool, mdt, mdpl))
 # NumPy gives an empty array zero strides; a device library gives (0, 1152, 1) elements' worth
 nkv = cupy.ndarray(np.lib.stride_tricks.as_strided(np.zeros(8, np.float16), (3, 0, 576), (0, 1152, 2)))
 out["mla no rows"] = [launches(lambda: cr.mla_decode(mq, nkv), {}) == [] == launches(lambda: M.mla_decode(mq, nkv), {}),
@@ -246,6 +260,10 @@ bad("mla seq_lens", lambda: cr.mla_decode(mq, mkv, seq_lens=np.array([400, 1, 0]
     lambda: M.mla_decode(mq, mkv, seq_lens=np.array([400, 1, 0])))
 bad("mla q", lambda: cr.mla_decode(arr(3, 80, 512), mkv), lambda: M.mla_decode(arr(3, 80, 512), mkv))
 bad("mla kv", lambda: cr.mla_decode(mq, mkv.get()), lambda: M.mla_decode(mq, mkv.get()))
+bad("mla block_tables", lambda: cr.paged_mla_decode(mq, mpool, mtab + 19, mplens),
+    lambda: M.paged_mla_decode(mq, mpool, mtab + 19, mplens))
+bad("mla pool", lambda: cr.paged_mla_decode(mq, arr(20, 48, 576), mdt, mdpl),
+    lambda: M.paged_mla_decode(mq, arr(20, 48, 576), mdt, mdpl))
 cr.hopper.available = cr.hopper.checks.available = lambda: "the stand-in CuPy has no TMA"
 bad("mla config", lambda: cr.mla_decode(mq, mkv), lambda: M.mla_decode(mq, mkv), hit=False)   # no Hopper
 bad("gather block_table short", lambda: cr.gather_pools(*pools, gt, 81), lambda: G.gather_pools(*pools, gt, 81))
@@ -294,10 +312,13 @@ cr.hopper.available = cr.hopper.checks.available = lambda: None
 plans = dict(gather=cr.GatherPlan(*pools, gt, 70), gather_host=cr.GatherPlan(*pools, ht, 70),
              backward=cr.BackwardPlan(fdo, fq, fk, fv, fo, flse), mla=cr.MLADecodePlan(mq, mkv, seq_lens=mdl),
              mla_host=cr.MLADecodePlan(mq, mkv, seq_lens=mlens), gather_strided=cr.GatherPlan(*strided, gt, 70),
-             backward_strided=cr.BackwardPlan(fdo, wq, fk, fv, fo, flse))
+             backward_strided=cr.BackwardPlan(fdo, wq, fk, fv, fo, flse),
+             mla_paged=cr.PagedMLADecodePlan(mq, mpool, mdt, mdpl),
+             mla_paged_host=cr.PagedMLADecodePlan(mq, mpool, mtab, mplens))
 calls = dict(gather=lambda p: p.run(*pools, gt, 70), gather_host=lambda p: p.run(*pools, ht, 70),
              gather_strided=lambda p: p.run(*strided, gt, 70),
              backward_strided=lambda p: p.run(fdo, wq, fk, fv, fo, flse),
+             mla_paged=lambda p: p.run(mq, mpool, mdt, mdpl), mla_paged_host=lambda p: p.run(mq, mpool, mtab, mplens),
              backward=lambda p: p.run(fdo, fq, fk, fv, fo, flse), mla=lambda p: p.run(mq, mkv, mdl),
              mla_host=lambda p: p.run(mq, mkv, mlens))
 out["capture"] = {}
@@ -360,7 +381,9 @@ def test_the_backward_gather_and_mla_plans_launch_what_the_eager_calls_launch(re
     assert len(gather) >= 14 and result["gather empty"] == [True, True]
     assert all(c["second"][0]["name"] == "paged_gather" for c in gather)
     mla = [c for label, c in cases.items() if label.startswith("mla")]
-    assert len(mla) == 10 and all(c["second"][0]["name"] == "mla_decode" for c in mla)
+    assert len(mla) == 14 and all(c["second"][0]["name"] == "mla_decode" for c in mla)
+    paged = cases["mla paged device tables"]["second"][0]["args"]
+    assert "tables" in paged and "lens" in paged                 # used in place: no host copy
     assert any(len(c["second"]) == 2 and c["second"][1]["name"] == "decode_combine" for c in mla)
     assert result["gather lengths share a plan"]           # the length is a run argument, not a key
     assert result["backward no queries"] == [True, True]
@@ -381,6 +404,7 @@ def test_under_capture_the_new_plans_pin_or_refuse_host_values(result):
     assert cap["gather"] is True and cap["backward"] is True and cap["mla"] is True
     assert cap["gather_host"].startswith("block_table: a CUDA graph reads the table")
     assert cap["mla_host"].startswith("seq_lens: a CUDA graph reads the lengths")
+    assert cap["mla_paged"] is True and cap["mla_paged_host"].startswith("block_tables: a CUDA graph reads")
     # a CuPy copy made during a capture goes back to CuPy's pool while the graph keeps writing it
     assert cap["gather_strided"].startswith("k_pool: a CUDA graph would replay its contiguous copy")
     assert cap["backward_strided"].startswith("q: a CUDA graph would replay its unit-stride copy")

@@ -167,6 +167,23 @@ def test_mla_decode_replays_like_eager():
     assert planned(cr.MLADecodePlan)
 
 
+@pytest.mark.skipif(not gpu.cupy_gpu() or cr.hopper.available() is not None, reason="MLA decode needs Hopper")
+def test_paged_mla_decode_replays_like_eager_with_tables_changed_in_place():
+    B, Hq, page, per = 3, 64, 64, 8
+    nb = B * per + 4
+    q, pool = randn(B, Hq, mla.ROW, dtype=torch.bfloat16), randn(nb, page, mla.ROW, dtype=torch.bfloat16)
+    rng = np.random.default_rng(2)
+    tables = torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32)
+    lens = torch.tensor([per * page, 100, 1], device=DEV, dtype=torch.int32)
+
+    def refill(r):
+        _refill(q)(r)
+        tables.copy_(torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32))
+        lens.copy_(torch.tensor([[7, per * page, 65], [per * page - 1, 0, 300]][r], device=DEV, dtype=torch.int32))
+    replay_equals_eager(lambda: cr.paged_mla_decode(q, pool, tables, lens), refill)
+    assert planned(cr.PagedMLADecodePlan)
+
+
 def test_the_second_call_of_a_shape_hits_the_plan_cache():
     q, k, v = randn(2, 8, 128), randn(2, 2, 1000, 128), randn(2, 2, 1000, 128)
     ik.decode(q, k, v, backend="cupy")

@@ -15,10 +15,11 @@ from .decode import paged_decode_pools as eager_paged_decode_pools
 from .forward import attention as eager_attention
 from .gather import gather_pools as eager_gather_pools
 from .mla import mla_decode as eager_mla_decode
+from .mla import paged_mla_decode as eager_paged_mla_decode
 from .attention_plan import cached_attention
 from .backward_plan import cached_attention_backward
 from .gather_plan import cached_gather_pools
-from .mla_plan import cached_mla_decode
+from .mla_plan import cached_mla_decode, cached_paged_mla_decode
 from .plans import cached_decode, cached_paged_decode_pools
 
 
@@ -69,12 +70,21 @@ def mla_decode(q, kv, *, seq_lens=None, num_splits=None, scale=None, config=None
     return out
 
 
+def paged_mla_decode(q, pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None):
+    out = cached_paged_mla_decode(q, pool, block_tables, seq_lens, num_splits=num_splits, scale=scale, config=config)
+    if out is NotImplemented:
+        return eager_paged_mla_decode(q, pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
+                                      config=config)
+    return out
+
+
 attention.__doc__ = eager_attention.__doc__
 decode.__doc__ = eager_decode.__doc__
 paged_decode_pools.__doc__ = eager_paged_decode_pools.__doc__
 attention_backward.__doc__ = eager_attention_backward.__doc__
 gather_pools.__doc__ = eager_gather_pools.__doc__
 mla_decode.__doc__ = eager_mla_decode.__doc__
+paged_mla_decode.__doc__ = eager_paged_mla_decode.__doc__
 
 #: op -> its cached call (the public functions of :mod:`iokernels.api` ask it first)
 PLANNED = {"attention": cached_attention, "decode": cached_decode, "attention_backward": cached_attention_backward}

@@ -105,9 +105,8 @@ def _check_cache(q, kv):
     return B, Hq, ks[1], dtype
 
 
-def _check_pool(q, pool, block_tables, seq_lens):
-    """(B, Hq, page_size, tables, lens, dtype) of a paged latent pool (num_blocks, page_size, 576)."""
-    from .decode import check_paged_lengths
+def _check_pool_shape(q, pool):
+    """(B, Hq, num_blocks, page_size, dtype) of a paged latent pool (num_blocks, page_size, 576) and its q."""
     ps = tuple(getattr(pool, "shape", ()))
     if len(ps) != 3 or ps[2] != ROW:
         raise ValueError(f"pool: expected (num_blocks, page_size, {ROW}), got {ps}")
@@ -116,6 +115,13 @@ def _check_pool(q, pool, block_tables, seq_lens):
     if page % C.MLA_PAGE_MULTIPLE:
         raise ValueError(f"pool: page_size must be a multiple of {C.MLA_PAGE_MULTIPLE} (whole tiles), got {page}")
     B, Hq, _ = _check_q(q, dtype)
+    return B, Hq, nb, page, dtype
+
+
+def _check_pool(q, pool, block_tables, seq_lens):
+    """(B, Hq, page_size, tables, lens, dtype) of a paged latent pool (num_blocks, page_size, 576)."""
+    from .decode import check_paged_lengths
+    B, Hq, nb, page, dtype = _check_pool_shape(q, pool)
     tables, lens = check_paged_lengths(block_tables, seq_lens, B, nb, page)
     return B, Hq, page, tables, lens, dtype
 
