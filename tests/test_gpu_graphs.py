@@ -184,6 +184,28 @@ def test_paged_mla_decode_replays_like_eager_with_tables_changed_in_place():
     assert planned(cr.PagedMLADecodePlan)
 
 
+@pytest.mark.skipif(not gpu.cupy_gpu() or cr.hopper.available() is not None, reason="MLA decode needs Hopper")
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_the_mla_plans_give_the_eager_launch_bit_for_bit(num_splits):
+    B, Hq, N, page = 3, 80, 640, 64
+    q, kv = randn(B, Hq, mla.ROW, dtype=torch.bfloat16), randn(B, N, mla.ROW, dtype=torch.bfloat16)
+    lens = torch.tensor([N, 333, 0], device=DEV, dtype=torch.int32)     # the longest fills the tables
+    per = N // page
+    tables = torch.arange(B * per, device=DEV, dtype=torch.int32).flip(0).reshape(B, per).contiguous()
+    pool = torch.empty(B * per, page, mla.ROW, device=DEV, dtype=torch.bfloat16)
+    pool[tables.flatten().long()] = kv.reshape(B * per, page, mla.ROW)
+    for planned_call, eager_call in (
+            (lambda: cr.mla_decode(q, kv, seq_lens=lens, num_splits=num_splits),
+             lambda: mla.mla_decode(q, kv, seq_lens=lens, num_splits=num_splits)),
+            (lambda: cr.paged_mla_decode(q, pool, tables, lens, num_splits=num_splits),
+             lambda: mla.paged_mla_decode(q, pool, tables, lens, num_splits=num_splits))):
+        got, want = planned_call(), eager_call()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    kinds = {type(p) for p in cr.PLANS._plans.values()}
+    assert cr.MLADecodePlan in kinds and cr.PagedMLADecodePlan in kinds          # the public calls were planned
+
+
 def test_the_second_call_of_a_shape_hits_the_plan_cache():
     q, k, v = randn(2, 8, 128), randn(2, 2, 1000, 128), randn(2, 2, 1000, 128)
     ik.decode(q, k, v, backend="cupy")
