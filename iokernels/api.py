@@ -112,6 +112,11 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None, window=
 def attention_backward(do, q, k, v, o, lse, causal: bool = False, scale: float | None = None, window=None,
                        backend: str = "tiled", config=None):
     """Gradients (dq, dk, dv) of attention, given the forward's O and LSE (recomputation)."""
+    fast = _core.planned(backend, "attention_backward")    # device arrays: a cached plan (its checks ran once)
+    if fast is not None:
+        out = fast(do, q, k, v, o, lse, causal=causal, scale=scale, window=window, config=config)
+        if out is not NotImplemented:
+            return out
     info = _core.check_backward_args(do, q, k, v, o, lse)
     causal = cv.check_bool(causal, "causal")
     scale = cv.resolve_scale(scale, info["head_dim"])

@@ -22,7 +22,8 @@ STAND_INS = pathlib.Path(__file__).resolve().parent / "stand_ins"
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 #: Python calls inside iokernels/ a cached call may make (a hit: key, plan.run, pack, launch)
-HIT_CALL_BOUND = {"ik.decode": 40, "ik.attention": 35, "plan.run": 36, "pools": 48, "hopper": 35}
+HIT_CALL_BOUND = {"ik.decode": 40, "ik.attention": 35, "plan.run": 36, "pools": 48, "hopper": 35, "gather": 40,
+                  "backward": 50, "backward plan.run": 42, "mla": 40, "mla paged": 45}
 
 DRIVER = r'''
 import importlib, json, os, sys
@@ -117,6 +118,63 @@ out["gather"] = launches(lambda: cr.gather_pools(*pools, gt, 70), dict(k=pools[0
 out["gather host"] = launches(lambda: cr.gather_pools(*pools, np.array([3, 1, 4, 9, 0]), 70),
                               dict(k=pools[0], v=pools[1], table=gt))
 
+# the paged gather: device and host tables, the config's launch shape, odd row sizes, a strided pool;
+# the length is not part of a plan (one plan serves a growing sequence)
+G = importlib.import_module("iokernels.cupy_raw.gather")
+io_g = dict(k=pools[0], v=pools[1], table=gt)
+ht = np.array([3, 1, 4, 9, 0])
+for cfg in (None, cr.GatherConfig(threads=128, blocks_per_sm=2)):
+    for n_ in (70, 1, 80):
+        for tab in (gt, ht):
+            kw = dict(config=cfg)
+            case(f"gather {cfg} {n_} {type(tab).__module__}", lambda: G.gather_pools(*pools, tab, n_, **kw),
+                 lambda: cr.gather_pools(*pools, tab, n_, **kw), io_g)
+odd = [arr(9, 4, 3, 7, dtype=np.float32), arr(9, 4, 3, 7, dtype=np.float32)]   # 28-byte rows: 4-byte chunks
+ot = cupy.asarray(np.array([8, 0, 5], np.int32))
+case("gather odd rows", lambda: G.gather_pools(*odd, ot, 10), lambda: cr.gather_pools(*odd, ot, 10),
+     dict(k=odd[0], v=odd[1], table=ot))
+wide = arr(20, 16, 2, 256)
+strided = [wide[..., ::2], pools[1]]                                            # a pool a plan copies
+case("gather strided pool", lambda: G.gather_pools(*strided, gt, 70), lambda: cr.gather_pools(*strided, gt, 70),
+     dict(k=strided[0], v=pools[1], table=gt))
+n_plans = len(cr.PLANS)
+for n_ in (5, 33, 64, 0):
+    cr.gather_pools(*pools, gt, n_)
+out["gather lengths share a plan"] = len(cr.PLANS) == n_plans
+out["gather empty"] = [launches(lambda: cr.gather_pools(*pools, gt, 0), {}) == [],
+                       cr.gather_pools(*pools, gt, 0)[0].shape == G.gather_pools(*pools, gt, 0)[0].shape == (2, 0, 128)]
+
+# the backward: both versions, atomic and deterministic dQ, causal and not, GQA and MHA, windows
+Bk = importlib.import_module("iokernels.cupy_raw.backward")
+for dtype, d, hkv in ((np.float16, 64, 2), (np.float16, 128, 4), (np.float32, 64, 2), (np.float64, 59, 1)):
+    bq, bk, bv = arr(2, 4, 37, d, dtype=dtype), arr(2, hkv, 77, d, dtype=dtype), arr(2, hkv, 77, d, dtype=dtype)
+    bdo, bo = arr(2, 4, 37, d, dtype=dtype), arr(2, 4, 37, d, dtype=dtype)
+    blse = arr(2, 4, 37, dtype=np.float64 if dtype == np.float64 else np.float32)
+    io_b = dict(do=bdo, q=bq, k=bk, v=bv, o=bo, lse=blse)
+    cfgs = [None, cr.BackwardConfig(deterministic=True), cr.BackwardConfig("v1"),
+            cr.BackwardConfig("v1", deterministic=True, block_q=16)]
+    if dtype == np.float16:
+        cfgs += [cr.BackwardConfig("v2", deterministic=True), cr.BackwardConfig("v2", num_warps=4, block_q=16)]
+    for cfg in cfgs:
+        for kw in (dict(), dict(causal=True), dict(window=(9, 4), scale=0.3)):
+            kw = dict(kw, config=cfg)
+            case(f"backward {np.dtype(dtype).name} {d} {hkv} {cfg} {kw}",
+                 lambda: Bk.attention_backward(bdo, bq, bk, bv, bo, blse, **kw),
+                 lambda: cr.attention_backward(bdo, bq, bk, bv, bo, blse, **kw), io_b)
+zq, zdo, zo, zlse = arr(2, 4, 0, 59, dtype=np.float64), arr(2, 4, 0, 59, dtype=np.float64), \
+    arr(2, 4, 0, 59, dtype=np.float64), arr(2, 4, 0, dtype=np.float64)
+out["backward no queries"] = [launches(lambda: cr.attention_backward(zdo, zq, bk, bv, zo, zlse), {}) == [],
+                              launches(lambda: Bk.attention_backward(zdo, zq, bk, bv, zo, zlse), {}) == []]
+fq, fk, fv = arr(2, 4, 37, 64), arr(2, 2, 77, 64), arr(2, 2, 77, 64)           # for ik.attention_backward
+fdo, fo, flse = arr(2, 4, 37, 64), arr(2, 4, 37, 64), arr(2, 4, 37, dtype=np.float32)
+case("ik backward", lambda: Bk.attention_backward(fdo, fq, fk, fv, fo, flse, causal=True, scale=0.125),
+     lambda: ik.attention_backward(fdo, fq, fk, fv, fo, flse, causal=True, backend="cupy"),
+     dict(do=fdo, q=fq, k=fk, v=fv, o=fo, lse=flse))
+wq = arr(2, 4, 37, 128)[..., ::2]                                                # rows a plan copies
+case("backward strided q", lambda: Bk.attention_backward(fdo, wq, fk, fv, fo, flse, causal=True),
+     lambda: cr.attention_backward(fdo, wq, fk, fv, fo, flse, causal=True),
+     dict(do=fdo, q=wq, k=fk, v=fv, o=fo, lse=flse))
+
 for dtype, d in ((np.float16, 64), (np.float32, 128), (np.float64, 59)):
     aq, ak, av = arr(2, 4, 37, d, dtype=dtype), arr(2, 2, 77, d, dtype=dtype), arr(2, 2, 77, d, dtype=dtype)
     for kw in (dict(), dict(causal=True), dict(window=(5, 3), scale=0.2)):
@@ -133,7 +191,93 @@ for kw in (dict(), dict(causal=True), dict(window=(100, 7))):
     case(f"hopper attention {kw}", lambda: F.attention(hq, hk, hv, **kw), lambda: cr.attention(hq, hk, hv, **kw),
          dict(q=hq, k=hk, v=hv))
 count("hopper", lambda: ik.attention(hq, hk, hv, backend="cupy"))
+
+# MLA decode (Hopper only: the same stand-in tensor maps): no lengths, host and device lengths, splits
+M = importlib.import_module("iokernels.cupy_raw.mla")
+cr.hopper.tensor_map = HA.tensor_map
+mq, mkv = arr(3, 80, 576), arr(3, 333, 576)
+mlens = np.array([1, 333, 0])
+mdl = cupy.asarray(mlens.astype(np.int32))
+io_m = dict(q=mq, kv=mkv, lens=mdl)
+for lens_ in (None, mlens, mdl):
+    for splits in (None, 1, 3):
+        kw = dict(seq_lens=lens_, num_splits=splits)
+        case(f"mla {type(lens_).__module__} {splits}", lambda: M.mla_decode(mq, mkv, **kw),
+             lambda: cr.mla_decode(mq, mkv, **kw), io_m)
+kw = dict(seq_lens=mlens, scale=0.05, config=cr.MLADecodeConfig(min_keys_per_split=64))
+case("mla scale config", lambda: M.mla_decode(mq, mkv, **kw), lambda: cr.mla_decode(mq, mkv, **kw), io_m)
+count("mla", lambda: cr.mla_decode(mq, mkv, seq_lens=mdl))
+# paged MLA: host tables and lengths, and device ones used in place (planned for the tables' capacity,
+# so the eager comparison uses a full first sequence)
+mpool = arr(20, 64, 576)
+mtab = np.array([[3, 1, 4, 9, 0, 2], [5, 6, 7, 8, 10, 11], [12, 13, 14, 15, 16, 17]], np.int32)
+mplens = np.array([384, 70, 0], np.int32)
+io_mp = dict(q=mq, kv=mpool)
+for splits in (None, 1, 4):
+    kw = dict(num_splits=splits)
+    case(f"mla paged host {splits}", lambda: M.paged_mla_decode(mq, mpool, mtab, mplens, **kw),
+         lambda: cr.paged_mla_decode(mq, mpool, mtab, mplens, **kw), io_mp)
+mdt, mdpl = cupy.asarray(mtab), cupy.asarray(mplens)
+case("mla paged device tables", lambda: M.paged_mla_decode(mq, mpool, mdt, mdpl),
+     lambda: cr.paged_mla_decode(mq, mpool, mdt, mdpl), dict(io_mp, tables=mdt, lens=mdpl))
+count("mla paged", lambda: cr.paged_mla_decode(mq, mpool, mdt, mdpl))
+# NumPy gives an empty array zero strides; a device library gives (0, 1152, 1) elements' worth
+nkv = cupy.ndarray(np.lib.stride_tricks.as_strided(np.zeros(8, np.float16), (3, 0, 576), (0, 1152, 2)))
+out["mla no rows"] = [launches(lambda: cr.mla_decode(mq, nkv), {}) == [] == launches(lambda: M.mla_decode(mq, nkv), {}),
+                      float(cr.mla_decode(mq, nkv)[1].get().max()) == -np.inf]
+
+# a bad call of the new plans: the same ValueError on a hit (a plan of its key, or of the shapes,
+# is cached), on a miss (an empty cache) and from the eager path; the cache is unchanged either way
+out["bad"] = {}
+
+
+def bad(label, fn, eager, hit=True):
+    got = {}
+    before = set(cr.PLANS._plans)
+    for where in ("hit", "miss") if hit else ("miss",):
+        if where == "miss":
+            cr.PLANS.clear()
+        try:
+            fn()
+            got[where] = None
+        except ValueError as e:
+            got[where] = str(e)
+        got[where + " unchanged"] = set(cr.PLANS._plans) == (before if where == "hit" else set())
+        if where == "miss":
+            for key in before:                                  # put the cached plans back
+                cr.PLANS._plans[key] = saved[key]
+    if eager is not None:
+        try:
+            eager()
+            got["eager"] = None
+        except ValueError as e:
+            got["eager"] = str(e)
+    out["bad"][label] = got
+
+
+saved = dict(cr.PLANS._plans)
+bad("mla seq_lens", lambda: cr.mla_decode(mq, mkv, seq_lens=np.array([400, 1, 0])),
+    lambda: M.mla_decode(mq, mkv, seq_lens=np.array([400, 1, 0])))
+bad("mla q", lambda: cr.mla_decode(arr(3, 80, 512), mkv), lambda: M.mla_decode(arr(3, 80, 512), mkv))
+bad("mla kv", lambda: cr.mla_decode(mq, mkv.get()), lambda: M.mla_decode(mq, mkv.get()))
+bad("mla block_tables", lambda: cr.paged_mla_decode(mq, mpool, mtab + 19, mplens),
+    lambda: M.paged_mla_decode(mq, mpool, mtab + 19, mplens))
+bad("mla pool", lambda: cr.paged_mla_decode(mq, arr(20, 48, 576), mdt, mdpl),
+    lambda: M.paged_mla_decode(mq, arr(20, 48, 576), mdt, mdpl))
 cr.hopper.available = cr.hopper.checks.available = lambda: "the stand-in CuPy has no TMA"
+bad("mla config", lambda: cr.mla_decode(mq, mkv), lambda: M.mla_decode(mq, mkv), hit=False)   # no Hopper
+bad("gather block_table short", lambda: cr.gather_pools(*pools, gt, 81), lambda: G.gather_pools(*pools, gt, 81))
+bad("gather block_table ids", lambda: cr.gather_pools(*pools, ht + 16, 70),
+    lambda: G.gather_pools(*pools, ht + 16, 70))
+bad("gather seq_len", lambda: cr.gather_pools(*pools, gt, -1), lambda: G.gather_pools(*pools, gt, -1))
+bad("gather v_pool", lambda: cr.gather_pools(pools[0], arr(20, 16, 2, 64), gt, 70),
+    lambda: G.gather_pools(pools[0], arr(20, 16, 2, 64), gt, 70))
+bad("backward do", lambda: cr.attention_backward(fdo[:1], fq, fk, fv, fo, flse),
+    lambda: ik.attention_backward(fdo[:1].get(), fq.get(), fk.get(), fv.get(), fo.get(), flse.get(), backend="tiled"))
+bad("backward causal", lambda: ik.attention_backward(fdo, fq, fk, fv, fo, flse, causal=1, backend="cupy"), None)
+bad("backward config", lambda: cr.attention_backward(fdo, fq, fk, fv, fo, flse, config=cr.DecodeConfig()),
+    lambda: Bk.attention_backward(fdo, fq, fk, fv, fo, flse, config=cr.DecodeConfig()))
+bad("backward lse", lambda: cr.attention_backward(fdo, fq, fk, fv, fo, flse.view(np.int32)), None)
 
 # a bad call raises naming the argument, and leaves the cache as it was
 n = len(cr.PLANS)
@@ -164,6 +308,27 @@ try:
 except ValueError as e:
     out["capture host"] = str(e)
 dev_plan.run(q, k, v, seq_lens=dl)
+cr.hopper.available = cr.hopper.checks.available = lambda: None
+plans = dict(gather=cr.GatherPlan(*pools, gt, 70), gather_host=cr.GatherPlan(*pools, ht, 70),
+             backward=cr.BackwardPlan(fdo, fq, fk, fv, fo, flse), mla=cr.MLADecodePlan(mq, mkv, seq_lens=mdl),
+             mla_host=cr.MLADecodePlan(mq, mkv, seq_lens=mlens), gather_strided=cr.GatherPlan(*strided, gt, 70),
+             backward_strided=cr.BackwardPlan(fdo, wq, fk, fv, fo, flse),
+             mla_paged=cr.PagedMLADecodePlan(mq, mpool, mdt, mdpl),
+             mla_paged_host=cr.PagedMLADecodePlan(mq, mpool, mtab, mplens))
+calls = dict(gather=lambda p: p.run(*pools, gt, 70), gather_host=lambda p: p.run(*pools, ht, 70),
+             gather_strided=lambda p: p.run(*strided, gt, 70),
+             backward_strided=lambda p: p.run(fdo, wq, fk, fv, fo, flse),
+             mla_paged=lambda p: p.run(mq, mpool, mdt, mdpl), mla_paged_host=lambda p: p.run(mq, mpool, mtab, mplens),
+             backward=lambda p: p.run(fdo, fq, fk, fv, fo, flse), mla=lambda p: p.run(mq, mkv, mdl),
+             mla_host=lambda p: p.run(mq, mkv, mlens))
+out["capture"] = {}
+for name, plan_ in plans.items():
+    try:
+        calls[name](plan_)
+        out["capture"][name] = plan_.pinned
+    except ValueError as e:
+        out["capture"][name] = str(e)
+cr.hopper.available = cr.hopper.checks.available = lambda: "the stand-in CuPy has no TMA"
 P._capturing = real
 out["pinned"] = [host_plan.pinned, dev_plan.pinned]
 
@@ -172,6 +337,10 @@ count("ik.attention", lambda: ik.attention(aq, ak, av, backend="cupy"))
 plan = cr.DecodePlan(q, k, v, seq_lens=dl)
 count("plan.run", lambda: plan.run(q, k, v, seq_lens=dl))
 count("pools", lambda: cr.paged_decode_pools(q, *pools, dt, dln))
+count("gather", lambda: cr.gather_pools(*pools, gt, 70))
+count("backward", lambda: ik.attention_backward(fdo, fq, fk, fv, fo, flse, causal=True, backend="cupy"))
+bplan = cr.BackwardPlan(fdo, fq, fk, fv, fo, flse, config=cr.BackwardConfig(deterministic=True))
+count("backward plan.run", lambda: bplan.run(fdo, fq, fk, fv, fo, flse))
 print(json.dumps(out))
 '''
 
@@ -195,6 +364,50 @@ def test_a_cached_call_launches_what_the_eager_call_launches(result):
         else:
             assert c["first"] == c["eager"] == c["second"], label
         assert c["hit"], label
+
+
+def test_the_backward_gather_and_mla_plans_launch_what_the_eager_calls_launch(result):
+    cases = result["cases"]
+    back = [c for label, c in cases.items() if "backward" in label]
+    names = {c["second"][1]["name"] for c in back if len(c["second"]) == 3}
+    assert len(back) >= 60 and names == {"bwd_main", "bwd_v2_main"}
+    for c in back:                                     # rowsum, main loop, finish: all three planned
+        assert [x["name"] for x in c["second"]] == ["bwd_rowsum", c["second"][1]["name"], "bwd_finish"]
+        assert c["second"][1]["args"][:5] == ["q", "k", "v", "do", "lse"] or c["second"][1]["args"][0] == "new"
+    det = [c for label, c in cases.items() if "backward" in label and "deterministic=True" in label]
+    atomic = [c for label, c in cases.items() if "backward" in label and "deterministic=False" in label]
+    assert det and atomic and all("DETERMINISTIC=1" in " ".join(c["second"][1]["options"]) for c in det)
+    gather = [c for label, c in cases.items() if label.startswith("gather")]
+    assert len(gather) >= 14 and result["gather empty"] == [True, True]
+    assert all(c["second"][0]["name"] == "paged_gather" for c in gather)
+    mla = [c for label, c in cases.items() if label.startswith("mla")]
+    assert len(mla) == 14 and all(c["second"][0]["name"] == "mla_decode" for c in mla)
+    paged = cases["mla paged device tables"]["second"][0]["args"]
+    assert "tables" in paged and "lens" in paged                 # used in place: no host copy
+    assert any(len(c["second"]) == 2 and c["second"][1]["name"] == "decode_combine" for c in mla)
+    assert result["gather lengths share a plan"]           # the length is a run argument, not a key
+    assert result["backward no queries"] == [True, True]
+    assert result["mla no rows"] == [True, True]                 # O = 0, LSE = -inf, nothing launched
+
+
+def test_a_bad_backward_gather_or_mla_call_raises_the_same_on_a_hit_and_a_miss(result):
+    for label, got in result["bad"].items():
+        name = label.split()[1]
+        msgs = {got[w] for w in ("hit", "miss", "eager") if w in got}
+        assert len(msgs) == 1 and None not in msgs, (label, got)
+        assert got["miss"].startswith(name) or name == "config" and got["miss"].startswith("q:"), (label, got)
+        assert all(v for w, v in got.items() if w.endswith("unchanged")), (label, got)
+
+
+def test_under_capture_the_new_plans_pin_or_refuse_host_values(result):
+    cap = result["capture"]
+    assert cap["gather"] is True and cap["backward"] is True and cap["mla"] is True
+    assert cap["gather_host"].startswith("block_table: a CUDA graph reads the table")
+    assert cap["mla_host"].startswith("seq_lens: a CUDA graph reads the lengths")
+    assert cap["mla_paged"] is True and cap["mla_paged_host"].startswith("block_tables: a CUDA graph reads")
+    # a CuPy copy made during a capture goes back to CuPy's pool while the graph keeps writing it
+    assert cap["gather_strided"].startswith("k_pool: a CUDA graph would replay its contiguous copy")
+    assert cap["backward_strided"].startswith("q: a CUDA graph would replay its unit-stride copy")
 
 
 def test_the_hopper_forward_is_planned_too(result):

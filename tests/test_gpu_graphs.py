@@ -1,13 +1,15 @@
 """Every GPU op of the CuPy backend captured in a CUDA graph replays bit for bit like eager calls.
 
-For attention, decode, paged decode, paged prefill, paged gather, the backward and MLA decode:
-the call is warmed up on a side stream (what ``torch.cuda.graph`` asks for: plans, compiled
-kernels and workspaces exist before capture), captured under ``torch.cuda.graph``, then the
-inputs are rewritten in place and the graph replayed; its outputs must equal, bit for bit, an
-eager call on the same inputs.  Paged decode and the gather read block tables that are
-rewritten in place between replays (as vLLM's decode steps do); the paged prefill its tables,
-lengths and chunk offsets.  The captured calls run with torch's sync debug mode set to
-"error": a call that synchronized the host would raise.  Skipped without torch CUDA and CuPy.
+For attention, decode, paged decode, paged prefill, paged gather, the backward and MLA decode
+(each through its plan in :data:`iokernels.cupy_raw.PLANS` where it has one; the gather,
+backward and MLA tests assert that their plan was the one captured, and pinned): the call is
+warmed up on a side stream (what ``torch.cuda.graph`` asks for: plans, compiled kernels and
+workspaces exist before capture), captured under ``torch.cuda.graph``, then the inputs are
+rewritten in place and the graph replayed; its outputs must equal, bit for bit, an eager
+call on the same inputs.  Paged decode and the gather read block tables that are rewritten
+in place between replays (as vLLM's decode steps do); the paged prefill its tables, lengths
+and chunk offsets.  The captured calls run with torch's sync debug mode set to "error": a
+call that synchronized the host would raise.  Skipped without torch CUDA and CuPy.
 """
 import importlib
 
@@ -57,6 +59,11 @@ def replay_equals_eager(fn, refill, rounds: int = 2):
         for got, ref in zip(out, want):
             assert got.dtype == ref.dtype and got.shape == ref.shape
             assert torch.equal(got, ref), f"round {r}: the replay differs from the eager call"
+
+
+def planned(cls) -> bool:
+    """Whether the captured call went through a plan of class ``cls`` (cached, and pinned by the capture)."""
+    return any(isinstance(p, cls) and p.pinned for p in cr.PLANS._plans.values())
 
 
 def randn(*shape, dtype=torch.float16):
@@ -137,6 +144,7 @@ def test_paged_gather_replays_like_eager_with_the_table_changed_in_place():
         _refill(kp, vp)(r)
         table.copy_(torch.tensor(rng.permutation(nb)[:len(table)], device=DEV, dtype=torch.int32))
     replay_equals_eager(lambda: cr.gather_pools(kp, vp, table, n), refill)
+    assert planned(cr.GatherPlan)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -147,6 +155,22 @@ def test_backward_replays_like_eager(dtype):
     cfg = cr.BackwardConfig(deterministic=True)          # the atomic adds' order is not fixed
     replay_equals_eager(lambda: ik.attention_backward(do, q, k, v, o, lse, causal=True, backend="cupy", config=cfg),
                         _refill(do, q, k, v))
+    assert planned(cr.BackwardPlan)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_backward_plan_zeroes_its_dq_accumulator_on_every_replay(deterministic):
+    q, k, v = randn(1, 4, 130, 64), randn(1, 2, 130, 64), randn(1, 2, 130, 64)
+    o, lse = ik.attention(q, k, v, backend="cupy", return_lse=True)
+    do = randn(*q.shape)
+    plan = cr.BackwardPlan(do, q, k, v, o, lse, config=cr.BackwardConfig(deterministic=deterministic))
+    g, (dq, _, _) = capture(lambda: plan.run(do, q, k, v, o, lse))
+    assert plan.pinned
+    for _ in range(3):                                   # dQ would grow replay by replay if not zeroed
+        g.replay()
+        want = ik.attention_backward(do, q, k, v, o, lse, backend="cupy", config=plan.config)[0]
+        torch.cuda.synchronize()
+        torch.testing.assert_close(dq, want, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.skipif(not gpu.cupy_gpu() or cr.hopper.available() is not None, reason="MLA decode needs Hopper")
@@ -159,6 +183,46 @@ def test_mla_decode_replays_like_eager():
         _refill(q, kv)(r)
         lens.copy_(torch.tensor([[1, 1000], [640, 65]][r], device=DEV, dtype=torch.int32))
     replay_equals_eager(lambda: cr.mla_decode(q, kv, seq_lens=lens), refill)
+    assert planned(cr.MLADecodePlan)
+
+
+@pytest.mark.skipif(not gpu.cupy_gpu() or cr.hopper.available() is not None, reason="MLA decode needs Hopper")
+def test_paged_mla_decode_replays_like_eager_with_tables_changed_in_place():
+    B, Hq, page, per = 3, 64, 64, 8
+    nb = B * per + 4
+    q, pool = randn(B, Hq, mla.ROW, dtype=torch.bfloat16), randn(nb, page, mla.ROW, dtype=torch.bfloat16)
+    rng = np.random.default_rng(2)
+    tables = torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32)
+    lens = torch.tensor([per * page, 100, 1], device=DEV, dtype=torch.int32)
+
+    def refill(r):
+        _refill(q)(r)
+        tables.copy_(torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32))
+        lens.copy_(torch.tensor([[7, per * page, 65], [per * page - 1, 0, 300]][r], device=DEV, dtype=torch.int32))
+    replay_equals_eager(lambda: cr.paged_mla_decode(q, pool, tables, lens), refill)
+    assert planned(cr.PagedMLADecodePlan)
+
+
+@pytest.mark.skipif(not gpu.cupy_gpu() or cr.hopper.available() is not None, reason="MLA decode needs Hopper")
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_the_mla_plans_give_the_eager_launch_bit_for_bit(num_splits):
+    B, Hq, N, page = 3, 80, 640, 64
+    q, kv = randn(B, Hq, mla.ROW, dtype=torch.bfloat16), randn(B, N, mla.ROW, dtype=torch.bfloat16)
+    lens = torch.tensor([N, 333, 0], device=DEV, dtype=torch.int32)     # the longest fills the tables
+    per = N // page
+    tables = torch.arange(B * per, device=DEV, dtype=torch.int32).flip(0).reshape(B, per).contiguous()
+    pool = torch.empty(B * per, page, mla.ROW, device=DEV, dtype=torch.bfloat16)
+    pool[tables.flatten().long()] = kv.reshape(B * per, page, mla.ROW)
+    for planned_call, eager_call in (
+            (lambda: cr.mla_decode(q, kv, seq_lens=lens, num_splits=num_splits),
+             lambda: mla.mla_decode(q, kv, seq_lens=lens, num_splits=num_splits)),
+            (lambda: cr.paged_mla_decode(q, pool, tables, lens, num_splits=num_splits),
+             lambda: mla.paged_mla_decode(q, pool, tables, lens, num_splits=num_splits))):
+        got, want = planned_call(), eager_call()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    kinds = {type(p) for p in cr.PLANS._plans.values()}
+    assert cr.MLADecodePlan in kinds and cr.PagedMLADecodePlan in kinds          # the public calls were planned
 
 
 def test_the_second_call_of_a_shape_hits_the_plan_cache():

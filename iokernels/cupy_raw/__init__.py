@@ -29,7 +29,11 @@ hopper/         the Hopper (sm_90a) attention kernels, their tensor maps, the GE
 mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
 plans.py        DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
 attention_plan  AttentionPlan (the portable and the Hopper forward)
-calls.py        the public attention, decode, paged_decode_pools: a cached plan, else eager
+backward_plan   BackwardPlan (rowsum, the main loop, finish; dQ atomic or deterministic)
+gather_plan     GatherPlan (the paged gather over device pools)
+mla_plan        MLADecodePlan, PagedMLADecodePlan (MLA decode on Hopper)
+calls.py        the public attention, decode, paged_decode_pools, attention_backward, gather_pools,
+                mla_decode, paged_mla_decode: a cached plan, else eager
 backward.py     attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers)
 registry.py     REGISTRY (every (op, version)), need(), the checks
 sanitize.py     sanitize_cases(): every registered kernel at ragged shapes
@@ -129,13 +133,16 @@ otherwise one copy is made.
 
 Plan once, run many times
 -------------------------
-For device arrays, :func:`attention`, :func:`decode` and :func:`paged_decode_pools` (and
-``iokernels.attention`` / ``iokernels.decode`` with ``backend="cupy"``) keep a plan per shape
-in :data:`PLANS` (:mod:`.plans`): the checks, the version, the compiled kernel, the split
-count and the workspaces are settled on the first call of a shape, and later calls compare
-one key and launch.  :class:`DecodePlan`, :class:`PagedDecodePlan` and
-:class:`AttentionPlan` are the same plans made by hand, for loops (one plan per decode step,
-reused by every layer).  With device lengths and block tables, a plan's ``run`` neither
+For device arrays, :func:`attention`, :func:`decode`, :func:`paged_decode_pools`,
+:func:`attention_backward`, :func:`gather_pools`, :func:`mla_decode` and
+:func:`paged_mla_decode` (and ``iokernels.attention`` / ``iokernels.decode`` /
+``iokernels.attention_backward`` with ``backend="cupy"``) keep a plan per shape in
+:data:`PLANS` (:mod:`.plans`): the checks, the version, the compiled kernel, the split count
+and the workspaces are settled on the first call of a shape, and later calls compare one key
+and launch.  :class:`DecodePlan`, :class:`PagedDecodePlan`, :class:`AttentionPlan`,
+:class:`BackwardPlan`, :class:`GatherPlan`, :class:`MLADecodePlan` and
+:class:`PagedMLADecodePlan` are the same plans made by hand, for loops (one plan per decode
+step, reused by every layer).  With device lengths and block tables, a plan's ``run`` neither
 synchronizes the host nor copies host memory, so it can be captured in a CUDA graph.
 
 Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`), the plans
@@ -150,14 +157,16 @@ from .registry import REGISTRY, need  # noqa: F401
 from .forward import launch_attention, nonmatmul_budget, v2_registers  # noqa: F401
 from .decode import launch_decode, paged_decode  # noqa: F401
 from .policy import decode_wave_splits, mla_num_splits, split_cost  # noqa: F401
-from .gather import gather_pools, launch_gather, paged_gather  # noqa: F401
-from .backward import attention_backward  # noqa: F401
+from .gather import launch_gather, paged_gather  # noqa: F401
 from . import hopper  # noqa: F401  (its records rank above the portable versions, on Hopper only)
 from . import mla  # noqa: F401
-from .mla import mla_decode, paged_mla_decode  # noqa: F401
 from .sanitize import sanitize_cases  # noqa: F401
 from .plans import PLANS, DecodePlan, PagedDecodePlan, PlanCache  # noqa: F401
 from .attention_plan import AttentionPlan  # noqa: F401
-from .calls import PLANNED, attention, decode, paged_decode_pools  # noqa: F401
+from .backward_plan import BackwardPlan  # noqa: F401
+from .gather_plan import GatherPlan  # noqa: F401
+from .mla_plan import MLADecodePlan, PagedMLADecodePlan  # noqa: F401
+from .calls import (PLANNED, attention, attention_backward, decode, gather_pools, mla_decode,  # noqa: F401
+                    paged_decode_pools, paged_mla_decode)
 from .paged_prefill import paged_prefill, paged_prefill_pools  # noqa: F401
 from .paged_prefill_config import PagedPrefillConfig  # noqa: F401

@@ -21,7 +21,7 @@ from .hopper.records import run_attention as hopper_run_attention
 from .hopper.checks import require_available
 from .hopper.config import BLOCK_M, THREADS
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, unit_rows
-from .plans import PLANS, NotPlanned, _Alloc, _ptr, _ptrs, _stream_of, _window_key, array_key
+from .plans import NotPlanned, _Alloc, plan_for, _ptr, _ptrs, _stream_of, _window_key, array_key
 from .registry import REGISTRY, need
 
 #: tensor-map sets (one per address triple of Q, K, V) a Hopper plan keeps
@@ -43,6 +43,24 @@ def _slots(args: tuple, ids) -> list[int]:
     """Where the placeholder pointers _SLOT + j (j in ``ids``) sit in ``args``."""
     where = {int(a) - _SLOT: i for i, a in enumerate(args) if type(a) is np.uint64 and int(a) >= _SLOT}
     return [where[j] for j in ids]
+
+
+def mapped_args(maps: OrderedDict, addresses: tuple, build, values: tuple) -> tuple:
+    """The arguments of a kernel that takes TMA tensor maps (which encode its inputs' addresses):
+    the (template, placeholder positions) that ``build()`` makes for ``addresses``, kept in
+    ``maps`` for the last :data:`MAPS_KEPT` address sets, with ``values`` at those positions."""
+    hit = maps.get(addresses)
+    if hit is None:
+        hit = maps[addresses] = build()
+        while len(maps) > MAPS_KEPT:
+            maps.popitem(last=False)
+    else:
+        maps.move_to_end(addresses)
+    template, where = hit
+    args = list(template)
+    for i, x in zip(where, values):
+        args[i] = x
+    return tuple(args)
 
 
 def _placeholder(a: DeviceArray, j: int) -> DeviceArray:
@@ -108,24 +126,16 @@ class AttentionPlan:
             self.where = _slots(self.template, range(5))
         self.config, self.record = cfg, spec
 
+    def _hopper_template(self, q, k, v):
+        qd, kd, vd = (device_array(x, self.dtype) for x in (q, k, v))
+        od = DeviceArray(_SLOT + 3, self.shape, _c_strides(self.shape), self.dtype, 2, None)
+        ld = DeviceArray(_SLOT + 4, self.shape[:3], _c_strides(self.shape[:3]), "float32", 4, None)
+        template = self.record.args(qd, kd, vd, od, ld, **self.hargs)
+        return template, _slots(template, (3, 4))
+
     def _hopper_args(self, q, k, v, o, lse) -> tuple:
-        ptrs = (int(_ptr(q)), int(_ptr(k)), int(_ptr(v)))
-        hit = self._maps.get(ptrs)
-        if hit is None:
-            qd, kd, vd = (device_array(x, self.dtype) for x in (q, k, v))
-            B, Hq, Nq, d = self.shape
-            od = DeviceArray(_SLOT + 3, self.shape, _c_strides(self.shape), self.dtype, 2, None)
-            ld = DeviceArray(_SLOT + 4, self.shape[:3], _c_strides(self.shape[:3]), "float32", 4, None)
-            template = self.record.args(qd, kd, vd, od, ld, **self.hargs)
-            hit = self._maps[ptrs] = (template, _slots(template, (3, 4)))
-            while len(self._maps) > MAPS_KEPT:
-                self._maps.popitem(last=False)
-        else:
-            self._maps.move_to_end(ptrs)
-        template, (io, il) = hit
-        args = list(template)
-        args[io], args[il] = _ptr(o), _ptr(lse)
-        return tuple(args)
+        return mapped_args(self._maps, (int(_ptr(q)), int(_ptr(k)), int(_ptr(v))),
+                           lambda: self._hopper_template(q, k, v), (_ptr(o), _ptr(lse)))
 
     def run(self, q, k, v, *, check: bool = True):
         """Launch on the caller's current stream; (O, LSE) of q's kind."""
@@ -164,17 +174,8 @@ def _c_strides(shape: tuple) -> tuple:
 
 def cached_attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     """Attention through :data:`.plans.PLANS`: (O, LSE), or NotImplemented without a plan."""
-    try:
-        key = attention_key(q, k, v, causal, scale, window, config)
-        plan = PLANS.get(key) if key is not None else None
-    except TypeError:
-        return NotImplemented
-    if key is None:
-        return NotImplemented
+    plan = plan_for(lambda: attention_key(q, k, v, causal, scale, window, config),
+                    lambda: AttentionPlan(q, k, v, causal=causal, scale=scale, window=window, config=config))
     if plan is None:
-        try:
-            plan = AttentionPlan(q, k, v, causal=causal, scale=scale, window=window, config=config)
-        except NotPlanned:
-            return NotImplemented
-        PLANS.put(key, plan)
+        return NotImplemented
     return plan.run(q, k, v, check=False)

@@ -52,18 +52,9 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
     B, Hq, Nq, Hkv, Nk = info["batch"], info["heads_q"], info["seqlen_q"], info["heads_kv"], info["seqlen_k"]
     if config is None or config.version is None:
         raise ValueError("config.version: run_attention_backward needs a resolved config (REGISTRY.resolve)")
-    version, cfg = config.version, config
+    version = config.version
     rec = REGISTRY.get("attention_backward", version)
-    smem = 0
-    if version == "v2":
-        cfg = cfg.resolve(d, dtype, device_info()["smem_optin"])
-        smem = BackwardConfig.smem_bytes(cfg.block_q, cfg.block_k, d, dtype, "v2")
-    else:
-        cfg = cfg.resolve(d, dtype)
-    defines = cfg.defines(d, dtype)
-    # bwd_rowsum and bwd_finish are bwd_v1.cu's, compiled with v1's defines
-    row_defines = BackwardConfig("v1", deterministic=cfg.deterministic).defines(d, dtype) \
-        if version == "v2" else defines
+    cfg, smem, defines, row_defines, threads = backward_setup(config, d, dtype)
     scale = cv.resolve_scale(scale, d)
     left, right = cv.effective_window(bool(causal), window)
     acc = cv.accum_dtype(dtype)
@@ -93,7 +84,6 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
             else:
                 args = rec.args(qd, kd, vd, dod, lsed, *(device_array(x) for x in (dvec, dk, dv, dq_acc)),
                                 scale=acc.type(scale), window=(left, right))
-                threads = 32 * cfg.num_warps if version == "v2" else cfg.block_k * cfg.lanes_per_key
                 f = function(rec.file, rec.kernel, defines, smem)
                 f((tiles, Hkv, B), (threads,), args, shared_mem=smem)
         if rows and d:
@@ -102,6 +92,23 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
             f((-(-n // ROW_THREADS),), (ROW_THREADS,), (device_array(dq_acc).arg, device_array(dq).arg,
                                                         np.int64(n), np.int32(tiles)))
     return call.finish(dq, dtype), call.finish(dk, dtype), call.finish(dv, dtype)
+
+
+def backward_setup(config: BackwardConfig, d: int, dtype: str) -> tuple:
+    """What a resolved config fixes for head_dim ``d`` and ``dtype``: (the config with concrete
+    tiles, the main kernel's dynamic shared memory, its defines, the defines of bwd_v1.cu's
+    bwd_rowsum and bwd_finish (v1's, with the same deterministic flag), threads a block)."""
+    smem = 0
+    if config.version == "v2":
+        cfg = config.resolve(d, dtype, device_info()["smem_optin"])
+        smem = BackwardConfig.smem_bytes(cfg.block_q, cfg.block_k, d, dtype, "v2")
+    else:
+        cfg = config.resolve(d, dtype)
+    defines = cfg.defines(d, dtype)
+    row_defines = BackwardConfig("v1", deterministic=cfg.deterministic).defines(d, dtype) \
+        if config.version == "v2" else defines
+    threads = 32 * cfg.num_warps if config.version == "v2" else cfg.block_k * cfg.lanes_per_key
+    return cfg, smem, defines, row_defines, threads
 
 
 def backward_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, *, scale, window) -> tuple:

@@ -1,17 +1,25 @@
 """The CuPy backend's public calls: a cached plan for device arrays, the eager path otherwise.
 
 Each function keeps the signature (and the docstring) of its eager implementation in
-:mod:`.decode` / :mod:`.forward`; device arrays (torch CUDA, CuPy) go through
-:data:`.plans.PLANS` (a hit checks one key and launches), NumPy arrays and versions with
-their own launchers through the eager path, which copies NumPy inputs in and out.
+:mod:`.decode`, :mod:`.forward`, :mod:`.backward`, :mod:`.gather` or :mod:`.mla`; device
+arrays (torch CUDA, CuPy) go through :data:`.plans.PLANS` (a hit checks one key and
+launches), NumPy arrays and versions with their own launchers through the eager path, which
+copies NumPy inputs in and out.
 :data:`PLANNED` is what :mod:`iokernels.api` asks first for ``backend="cupy"``.
 """
 from __future__ import annotations
 
+from .backward import attention_backward as eager_attention_backward
 from .decode import decode as eager_decode
 from .decode import paged_decode_pools as eager_paged_decode_pools
 from .forward import attention as eager_attention
+from .gather import gather_pools as eager_gather_pools
+from .mla import mla_decode as eager_mla_decode
+from .mla import paged_mla_decode as eager_paged_mla_decode
 from .attention_plan import cached_attention
+from .backward_plan import cached_attention_backward
+from .gather_plan import cached_gather_pools
+from .mla_plan import cached_mla_decode, cached_paged_mla_decode
 from .plans import cached_decode, cached_paged_decode_pools
 
 
@@ -41,9 +49,42 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     return out
 
 
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, window=None, config=None):
+    out = cached_attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, window=window, config=config)
+    if out is NotImplemented:
+        return eager_attention_backward(do, q, k, v, o, lse, causal=causal, scale=scale, window=window, config=config)
+    return out
+
+
+def gather_pools(k_pool, v_pool, block_table, seq_len, *, config=None):
+    out = cached_gather_pools(k_pool, v_pool, block_table, seq_len, config=config)
+    if out is NotImplemented:
+        return eager_gather_pools(k_pool, v_pool, block_table, seq_len, config=config)
+    return out
+
+
+def mla_decode(q, kv, *, seq_lens=None, num_splits=None, scale=None, config=None):
+    out = cached_mla_decode(q, kv, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=config)
+    if out is NotImplemented:
+        return eager_mla_decode(q, kv, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=config)
+    return out
+
+
+def paged_mla_decode(q, pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None):
+    out = cached_paged_mla_decode(q, pool, block_tables, seq_lens, num_splits=num_splits, scale=scale, config=config)
+    if out is NotImplemented:
+        return eager_paged_mla_decode(q, pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
+                                      config=config)
+    return out
+
+
 attention.__doc__ = eager_attention.__doc__
 decode.__doc__ = eager_decode.__doc__
 paged_decode_pools.__doc__ = eager_paged_decode_pools.__doc__
+attention_backward.__doc__ = eager_attention_backward.__doc__
+gather_pools.__doc__ = eager_gather_pools.__doc__
+mla_decode.__doc__ = eager_mla_decode.__doc__
+paged_mla_decode.__doc__ = eager_paged_mla_decode.__doc__
 
 #: op -> its cached call (the public functions of :mod:`iokernels.api` ask it first)
-PLANNED = {"attention": cached_attention, "decode": cached_decode}
+PLANNED = {"attention": cached_attention, "decode": cached_decode, "attention_backward": cached_attention_backward}

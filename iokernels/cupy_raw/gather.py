@@ -45,11 +45,31 @@ def gather_pools(k_pool, v_pool, block_table, seq_len, *, config=None):
     return _gather(k_pool, v_pool, block_table, seq_len, cfg)
 
 
-def _gather(k_pool, v_pool, block_table, seq_len, config):
-    nb, bs, hkv, d, dtype = check_pools(k_pool, v_pool)
+def check_seq_len(seq_len) -> int:
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 0:
         raise ValueError(f"seq_len: expected an integer >= 0, got {seq_len!r}")
-    seq_len = int(seq_len)
+    return int(seq_len)
+
+
+def short_table(want: int, seq_len: int, shape, dtype) -> ValueError:
+    return ValueError(f"block_table: expected at least {want} integer block ids for {seq_len} tokens, "
+                      f"got shape {tuple(shape)} dtype {dtype}")
+
+
+def host_table(block_table, seq_len: int, nb: int, bs: int) -> np.ndarray:
+    """A host block table checked for ``seq_len`` tokens: its first ceil(seq_len / bs) ids."""
+    want = -(-seq_len // bs)
+    table = _host(block_table)
+    if table.ndim != 1 or (table.size and table.dtype.kind not in "iu") or table.size < want:
+        raise short_table(want, seq_len, table.shape, table.dtype)
+    table = table[:want]
+    _check_tables(table[None], np.array([seq_len]), nb, bs, "block_table")
+    return table
+
+
+def _gather(k_pool, v_pool, block_table, seq_len, config):
+    nb, bs, hkv, d, dtype = check_pools(k_pool, v_pool)
+    seq_len = check_seq_len(seq_len)
     want = -(-seq_len // bs)
     call = Call(k_pool, name="k_pool")
     device_table = not isinstance(block_table, (np.ndarray, list, tuple)) and call.kind != "numpy"
@@ -60,23 +80,34 @@ def _gather(k_pool, v_pool, block_table, seq_len, config):
         t = device_array(block_table)
         device_table = len(t.shape) == 1 and t.dtype == "int32" and t.shape[0] >= want and t.c_contiguous()
     if not device_table:
-        table = _host(block_table)
-        if table.ndim != 1 or (table.size and table.dtype.kind not in "iu") or table.size < want:
-            raise ValueError(f"block_table: expected at least {want} integer block ids for {seq_len} tokens, "
-                             f"got shape {table.shape} dtype {table.dtype}")
-        table = table[:want]
-        _check_tables(table[None], np.array([seq_len]), nb, bs, "block_table")
+        table = host_table(block_table, seq_len, nb, bs)
     with on_stream(call.stream_ptr()):
         # the gather reads pools as contiguous (num_blocks, block_size, Hkv, d): any other is copied
         kp = device_array(contiguous(call.to_device(k_pool, "k_pool")))
         vp = device_array(contiguous(call.to_device(v_pool, "v_pool")))
         k_out, v_out = call.empty((hkv, seq_len, d), dtype), call.empty((hkv, seq_len, d), dtype)
-        if device_table:
-            t_d = block_table
-        else:
-            t_d = call.constant(table.astype(np.int32) if len(table) else np.zeros(1, np.int32))
+        t_d = block_table if device_table else call.constant(table_ids(table))
         launch_gather(kp, vp, t_d, k_out, v_out, seq_len, config=config)
     return call.finish(k_out, dtype), call.finish(v_out, dtype)
+
+
+def table_ids(table: np.ndarray) -> np.ndarray:
+    """What a checked host table uploads: its ids as int32 (one 0 for an empty table)."""
+    return table.astype(np.int32) if len(table) else np.zeros(1, np.int32)
+
+
+def gather_kernel(config: GatherConfig, block_size: int, row_bytes: int, chunk: int):
+    """(record, compiled paged_gather.cu, threads a block) for rows of ``row_bytes`` copied in ``chunk``s."""
+    defines = dict(BLOCK_SIZE=block_size, CHUNK_BYTES=chunk, CHUNKS_PER_ROW=row_bytes // chunk)
+    rec = REGISTRY.get("paged_gather", config.version or "v1")
+    return rec, function(rec.file, rec.kernel, defines), config.threads or C.GATHER_THREADS
+
+
+def gather_grid(config: GatherConfig, threads: int, chunks: int, sms: int) -> int:
+    """Blocks of the grid-stride loop over ``chunks`` output chunks: enough for one chunk a
+    thread, at most blocks_per_sm a streaming multiprocessor."""
+    per_sm = config.blocks_per_sm or C.GATHER_BLOCKS_PER_SM
+    return max(1, min(-(-chunks // threads), per_sm * sms))
 
 
 def launch_gather(kp, vp, t_d, k_out, v_out, seq_len, *, config=GatherConfig()):
@@ -87,13 +118,8 @@ def launch_gather(kp, vp, t_d, k_out, v_out, seq_len, *, config=GatherConfig()):
         return
     row_bytes = d * kp.itemsize
     chunk = gather_chunk_bytes(row_bytes, kp.itemsize, tuple(a.ptr for a in (kp, vp, k_out, v_out)))
-    defines = dict(BLOCK_SIZE=bs, CHUNK_BYTES=chunk, CHUNKS_PER_ROW=row_bytes // chunk)
-    rec = REGISTRY.get("paged_gather", config.version or "v1")
-    fn = function(rec.file, rec.kernel, defines)
-    threads = config.threads or C.GATHER_THREADS
-    per_sm = config.blocks_per_sm or C.GATHER_BLOCKS_PER_SM
-    total = hkv * seq_len * (row_bytes // chunk)
-    grid = max(1, min(-(-total // threads), per_sm * device_info()["sms"]))
+    rec, fn, threads = gather_kernel(config, bs, row_bytes, chunk)
+    grid = gather_grid(config, threads, hkv * seq_len * (row_bytes // chunk), device_info()["sms"])
     fn((grid,), (threads,), rec.args(kp, vp, t_d, k_out, v_out, seq_len))
 
 

@@ -105,9 +105,8 @@ def _check_cache(q, kv):
     return B, Hq, ks[1], dtype
 
 
-def _check_pool(q, pool, block_tables, seq_lens):
-    """(B, Hq, page_size, tables, lens, dtype) of a paged latent pool (num_blocks, page_size, 576)."""
-    from .decode import check_paged_lengths
+def _check_pool_shape(q, pool):
+    """(B, Hq, num_blocks, page_size, dtype) of a paged latent pool (num_blocks, page_size, 576) and its q."""
     ps = tuple(getattr(pool, "shape", ()))
     if len(ps) != 3 or ps[2] != ROW:
         raise ValueError(f"pool: expected (num_blocks, page_size, {ROW}), got {ps}")
@@ -116,6 +115,13 @@ def _check_pool(q, pool, block_tables, seq_lens):
     if page % C.MLA_PAGE_MULTIPLE:
         raise ValueError(f"pool: page_size must be a multiple of {C.MLA_PAGE_MULTIPLE} (whole tiles), got {page}")
     B, Hq, _ = _check_q(q, dtype)
+    return B, Hq, nb, page, dtype
+
+
+def _check_pool(q, pool, block_tables, seq_lens):
+    """(B, Hq, page_size, tables, lens, dtype) of a paged latent pool (num_blocks, page_size, 576)."""
+    from .decode import check_paged_lengths
+    B, Hq, nb, page, dtype = _check_pool_shape(q, pool)
     tables, lens = check_paged_lengths(block_tables, seq_lens, B, nb, page)
     return B, Hq, page, tables, lens, dtype
 
@@ -241,6 +247,29 @@ def kernel_args(qd, kvd, lens_d, o, lse, parts, *, dtype, scale, splits, per_spl
             np.float32(scale * math.log2(math.e)), i32(splits), i32(per_split), *parts, o.arg, lse.arg)
 
 
+def launch_splits(cfg: MLADecodeConfig, B: int, Hq: int, longest: int, num_splits, sms: int) -> tuple[int, int]:
+    """(splits launched, rows a split) for a longest sequence of ``longest`` rows: ``num_splits``
+    or, None, :func:`.policy.mla_num_splits`'s choice, through :func:`split_plan`."""
+    if num_splits is None:
+        num_splits = mla_num_splits(B, Hq, longest, sms, min_keys=cfg.keys_per_split(),
+                                    heads_block=C.MLA_HEADS_BLOCK, max_splits=C.MLA_MAX_SPLITS)
+    return split_plan(longest, num_splits)
+
+
+def mla_kernel(cfg: MLADecodeConfig, dtype: str, page_size: int | None):
+    """(record, compiled mla_decode.cu, its dynamic shared memory) of a resolved config over a
+    contiguous cache (``page_size`` None) or a paged pool."""
+    smem = C.MLADecodeConfig.smem_bytes()
+    defines = cfg.defines(dtype, page_size is not None, C.MLA_BLOCK_N if page_size is None else page_size)
+    rec = REGISTRY.get("mla_decode", cfg.version)
+    return rec, function(rec.file, rec.kernel, defines, smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES), smem
+
+
+def combine_kernel(dtype: str):
+    """decode.cu's combine for 512-wide rows: O = sum_s w_s O_s over the splits."""
+    return function("decode", "decode_combine", C.DecodeConfig("v1").combine_defines(C.MLA_LATENT, dtype, 1, False, 16))
+
+
 def launch_mla(qd, kvd, lens_d, o, lse, *, dtype, scale, num_splits=None, longest, nk, paged=None, config):
     """mla_decode.cu (+ decode.cu's combine when there are splits) on device arrays.
 
@@ -258,16 +287,9 @@ def launch_mla(qd, kvd, lens_d, o, lse, *, dtype, scale, num_splits=None, longes
         fill(o.owner, 0)
         fill(lse.owner, -math.inf)
         return
-    dev = device_info()
     cfg = config if config.version is not None else config.replace(version="v1")
-    if num_splits is None:
-        num_splits = mla_num_splits(B, Hq, longest, dev["sms"], min_keys=cfg.keys_per_split(),
-                                    heads_block=C.MLA_HEADS_BLOCK, max_splits=C.MLA_MAX_SPLITS)
-    splits, per_split = split_plan(longest, num_splits)
-    smem = C.MLADecodeConfig.smem_bytes()
-    defines = cfg.defines(dtype, paged is not None, paged[1] if paged is not None else C.MLA_BLOCK_N)
-    rec = REGISTRY.get("mla_decode", cfg.version)
-    fn = function(rec.file, rec.kernel, defines, smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
+    splits, per_split = launch_splits(cfg, B, Hq, longest, num_splits, device_info()["sms"])
+    rec, fn, smem = mla_kernel(cfg, dtype, None if paged is None else paged[1])
     if splits > 1:
         scratch = Call(o.owner, name="o")
         o_part = device_array(scratch.empty((splits, B, Hq, C.MLA_LATENT), "float32"))
@@ -280,10 +302,8 @@ def launch_mla(qd, kvd, lens_d, o, lse, *, dtype, scale, num_splits=None, longes
     grid = (-(-Hq // C.MLA_HEADS_BLOCK), splits, B)
     fn(grid, (THREADS,), args, shared_mem=smem)
     if splits > 1:                                     # decode.cu's combine: O = sum_s w_s O_s
-        comb = function("decode", "decode_combine",
-                        C.DecodeConfig("v1").combine_defines(C.MLA_LATENT, dtype, 1, False, 16))
-        comb((B * Hq,), (COMBINE_THREADS,), (o_part.arg, lse_part.arg, np.int32(splits), np.int32(B * Hq),
-                                             o.arg, lse.arg))
+        combine_kernel(dtype)((B * Hq,), (COMBINE_THREADS,),
+                              (o_part.arg, lse_part.arg, np.int32(splits), np.int32(B * Hq), o.arg, lse.arg))
 
 
 # --------------------------------------------------------------------------- the records

@@ -9,14 +9,16 @@ FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``, whose ``plan`` is called on
 and whose ``run`` once per layer, over a workspace buffer the wrapper owns (FlashInfer's API
 documentation, docs.flashinfer.ai/api/decode.html).
 
-The public functions (``iokernels.decode``, ``iokernels.attention``, :func:`.decode.decode`,
-:func:`.forward.attention`, :func:`.decode.paged_decode_pools`) keep their signatures and use
-:data:`PLANS`, a bounded cache of plans keyed by the call's shapes, dtypes, strides, device,
-16-byte alignment, array kinds, settings and the registry's generation (a record added or
-removed makes every key new: :func:`decode_key`, :func:`.attention_plan.attention_key`).  A
-miss builds a plan, which runs every check (a bad call raises a ValueError naming the
-argument, and nothing is cached); a hit compares one key tuple and launches.  NumPy inputs
-are copied in and out, so they take the eager path (no plan).
+The public functions (``iokernels.decode``, ``iokernels.attention``,
+``iokernels.attention_backward`` and the CuPy backend's own: :mod:`.calls`) keep their
+signatures and use :data:`PLANS`, a bounded cache of plans keyed by the call's shapes,
+dtypes, strides, device, 16-byte alignment, array kinds, settings and the registry's
+generation (a record added or removed makes every key new: :func:`decode_key`,
+:func:`.attention_plan.attention_key`, :func:`.backward_plan.backward_key`,
+:func:`.gather_plan.gather_key`, :func:`.mla_plan.mla_key`).  A miss builds a plan, which
+runs every check (a bad call raises a ValueError naming the argument, and nothing is
+cached); a hit compares one key tuple and launches.  NumPy inputs are copied in and out, so
+they take the eager path (no plan).
 
 For loops, make the plan yourself and reuse it, say one plan per decode step for every
 layer (each layer's cache has the same shape)::
@@ -39,6 +41,7 @@ range); NumPy ones are checked on every call and uploaded once per distinct cont
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
@@ -159,7 +162,7 @@ def _lens_key(seq_lens):
 _STREAMS: dict = {}
 
 
-def _stream_of(x) -> tuple[int, object]:
+def _stream_of(x) -> tuple[int, Any]:
     """(pointer, a CuPy stream object to launch on) of the caller's current stream on x's device."""
     if hasattr(x, "data_ptr"):
         import torch
@@ -191,6 +194,38 @@ def _capturing(torch_kind: bool, stream_obj) -> bool:
     return bool(getattr(stream_obj, "is_capturing", lambda: False)())
 
 
+def _pin_if_capturing(plan, sobj, refuse: str | None = None) -> None:
+    """The capture rule of every plan's ``run``: when the caller's stream is capturing a CUDA
+    graph, raise ``refuse`` (a ValueError naming what the graph would bake in wrongly, say
+    host lengths) where given, else pin the plan (its workspaces are in a graph from now on,
+    so :class:`PlanCache` never drops it)."""
+    if not plan.pinned and _capturing(plan.alloc.torch, sobj):
+        if refuse is not None:
+            raise ValueError(refuse)
+        plan.pinned = True
+
+
+def plan_for(make_key, make):
+    """The plan :data:`PLANS` keeps under ``make_key()``, made by ``make()`` and kept on a miss
+    (its checks raise a ValueError naming the argument, and nothing is kept); None where the
+    call takes no plan (key None, an unhashable or malformed setting, :class:`NotPlanned`): run
+    it eagerly, which reports a bad setting."""
+    try:
+        key = make_key()
+        if key is None:
+            return None
+        plan = PLANS.get(key)
+    except TypeError:
+        return None
+    if plan is None:
+        try:
+            plan = make()
+        except NotPlanned:
+            return None
+        PLANS.put(key, plan)
+    return plan
+
+
 class _Alloc:
     """Outputs and workspaces from the caller's library, on the caller's device."""
 
@@ -216,6 +251,13 @@ class _Alloc:
         else:
             buf.fill(0)
         return buf
+
+
+#: what a capture refuses: host lengths and tables (a graph would replay the values of the capture)
+_HOST_LENS = ("seq_lens: a CUDA graph reads the lengths when it replays; pass them as a device int32 array "
+              "(host lengths are baked in at capture)")
+_HOST_TABLES = ("block_tables: a CUDA graph reads the tables and lengths when it replays; pass them as device "
+                "int32 arrays (host ones are baked in at capture)")
 
 
 def _device_lens(seq_lens, batch: int) -> None:
@@ -337,11 +379,7 @@ class DecodePlan:
         if self.empty:
             return o, lse
         stream, sobj = _stream_of(q)
-        if not self.pinned and _capturing(self.alloc.torch, sobj):
-            if self.lens_mode == "host":
-                raise ValueError("seq_lens: a CUDA graph reads the lengths when it replays; pass them as a "
-                                 "device int32 array (host lengths are baked in at capture)")
-            self.pinned = True                          # its workspaces are in a graph from now on
+        _pin_if_capturing(self, sobj, _HOST_LENS if self.lens_mode == "host" else None)
         if self.lens_mode == "host":
             lens = _host(seq_lens).astype(np.int64)
             if np.any(lens < 0) or np.any(lens > self.N):
@@ -370,20 +408,11 @@ class DecodePlan:
 
 def cached_decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
     """Decode through :data:`PLANS`: (O, LSE), or NotImplemented where the call takes no plan."""
-    try:
-        key = decode_key(q, k, v, seq_lens, num_splits, scale, config, window)
-        plan = PLANS.get(key) if key is not None else None
-    except TypeError:                       # an unhashable setting: the eager path reports it
-        return NotImplemented
-    if key is None:
-        return NotImplemented
+    plan = plan_for(lambda: decode_key(q, k, v, seq_lens, num_splits, scale, config, window),
+                    lambda: DecodePlan(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=config,
+                                       window=window))
     if plan is None:
-        try:
-            plan = DecodePlan(q, k, v, seq_lens=seq_lens, num_splits=num_splits, scale=scale, config=config,
-                              window=window)
-        except NotPlanned:
-            return NotImplemented
-        PLANS.put(key, plan)
+        return NotImplemented
     return plan.run(q, k, v, seq_lens, check=False)
 
 
@@ -472,11 +501,7 @@ class PagedDecodePlan:
         if self.empty:
             return o, lse
         stream, sobj = _stream_of(q)
-        if not self.pinned and _capturing(self.alloc.torch, sobj):
-            if not self.device_tables:
-                raise ValueError("block_tables: a CUDA graph reads the tables and lengths when it replays; pass "
-                                 "them as device int32 arrays (host ones are baked in at capture)")
-            self.pinned = True                          # its workspaces are in a graph from now on
+        _pin_if_capturing(self, sobj, None if self.device_tables else _HOST_TABLES)
         if self.device_tables:
             longest = self._capacity()
             tables_arg, lens_arg = _ptrs(self.alloc.torch, block_tables, seq_lens)
@@ -510,18 +535,10 @@ class PagedDecodePlan:
 def cached_paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None,
                               config=None, window=None, quant=None):
     """Paged-pools decode through :data:`PLANS`: (O, LSE), or NotImplemented without a plan."""
-    try:
-        key = paged_key(q, k_pool, v_pool, block_tables, seq_lens, num_splits, scale, config, window, quant)
-        plan = PLANS.get(key) if key is not None else None
-    except TypeError:
-        return NotImplemented
-    if key is None:
-        return NotImplemented
+    plan = plan_for(lambda: paged_key(q, k_pool, v_pool, block_tables, seq_lens, num_splits, scale, config,
+                                      window, quant),
+                    lambda: PagedDecodePlan(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits,
+                                            scale=scale, config=config, window=window))
     if plan is None:
-        try:
-            plan = PagedDecodePlan(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
-                                   config=config, window=window)
-        except NotPlanned:
-            return NotImplemented
-        PLANS.put(key, plan)
+        return NotImplemented
     return plan.run(q, k_pool, v_pool, block_tables, seq_lens, check=False)

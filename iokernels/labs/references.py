@@ -48,6 +48,7 @@ BACKWARD = ORACLE + (
     "iokernels.torch_sdpa.attention_backward", "iokernels.torch_sdpa.naive_backward",
     "iokernels.context_parallel.drivers.ring_attention_backward",
     "iokernels.cupy_raw.backward.attention_backward", "iokernels.cupy_raw.backward.run_attention_backward",
+    "iokernels.cupy_raw.calls.attention_backward", "iokernels.cupy_raw.backward_plan.BackwardPlan.run",
     "iokernels.numba_cuda.backward.attention_backward")
 
 #: the exact LSE merge of partial states
@@ -68,6 +69,7 @@ PAGED_GATHER = (
     "iokernels.paged.paged_gather", "iokernels.paged.PagedKVCache.gather", "iokernels.paged.PagedKVCache._gather_numpy",
     "iokernels.api.paged_gather", "iokernels.decode.paged_tile_loader",
     "iokernels.cupy_raw.gather.paged_gather", "iokernels.cupy_raw.gather.gather_pools",
+    "iokernels.cupy_raw.calls.gather_pools", "iokernels.cupy_raw.gather_plan.GatherPlan.run",
     "iokernels.numba_cuda.gather.gather_pools", "iokernels.numba_cuda.gather.paged_gather",
     "iokernels.numba_cuda.counting.count_gather")
 

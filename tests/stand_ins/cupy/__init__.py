@@ -53,6 +53,11 @@ def asarray(x, dtype=None):
     return ndarray(_np.array(x, dtype=dtype, copy=True))
 
 
+def array(x, order="C", copy=True):
+    a = x._a if isinstance(x, ndarray) else x
+    return ndarray(_np.array(a, order=order, copy=copy))
+
+
 def empty(shape, dtype=_np.float32):
     return ndarray(_np.empty(shape, dtype=dtype))
 
