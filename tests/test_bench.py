@@ -298,7 +298,8 @@ def test_sanitizer_families_each_name_a_module_with_its_cases():
         text = open(spec.origin).read()
         assert "sanitize_cases" in text, f"{module} does not export sanitize_cases"
     script = open(os.path.join(ROOT, "scripts", "gpu_all.sh")).read()
-    assert f"SAN_FAMILIES=${{SAN_FAMILIES:-{' '.join(sz.FAMILIES)}}}" in script and "for fam in $SAN_FAMILIES; do" in script
+    assert f"SAN_FAMILIES=${{SAN_FAMILIES:-{' '.join(sz.FAMILIES)}}}" in script
+    assert "for fam in $SAN_FAMILIES; do" in script
 
 
 def test_paged_prefill_section_is_declared_and_tabled():

@@ -216,6 +216,19 @@ def test_a_stale_reference_path_is_an_error_for_the_tests_not_for_grading():
     assert record.paths == set(R.MERGE)
 
 
+def test_a_submodule_of_an_imported_only_package_not_imported_yet_resolves_to_none(monkeypatch):
+    """Whatever imported the package (and not yet its submodule), a reference into the
+    submodule is out of the learner's reach, as the package itself is before its import."""
+    import sys
+    import types
+    pkg = types.ModuleType("ik_fake_backend")
+    monkeypatch.setitem(sys.modules, "ik_fake_backend", pkg)
+    monkeypatch.setattr(G, "IMPORTED_ONLY", G.IMPORTED_ONLY + ("ik_fake_backend",))
+    assert G.resolve("ik_fake_backend.counting.count_attention") is None
+    pkg.counting = types.SimpleNamespace(count_attention=lambda: 1)       # once reachable, resolved
+    assert G.resolve("ik_fake_backend.counting.count_attention") is pkg.counting.count_attention
+
+
 def test_an_inner_guard_naming_a_function_another_way_still_sees_the_call():
     o, lse = np.zeros((2, 3, 4)), np.zeros((2, 3))
     with pytest.raises(G.ReferenceReached) as outer:

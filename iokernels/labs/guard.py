@@ -138,6 +138,8 @@ def resolve(path: str):
     for part in parts[i:]:
         owner = obj
         obj = vars(owner).get(part) if isinstance(owner, type) else getattr(owner, part, None)
+        if obj is None and root is not None and isinstance(owner, types.ModuleType):
+            return None             # a submodule of an imported-only package, not imported yet
         if obj is None:
             raise ValueError(f"path: {path!r}: {owner!r} has no attribute {part!r}")
     fn = _function_of(obj)
