@@ -131,7 +131,9 @@ note "$([ "${TRAFFIC:-1}" != 0 ] && echo "traffic (ncu, limit ${T_TRAFFIC}s), th
   # processes side by side (the GPU has room; NVRTC and Numba compiles are CPU-bound):
   # test_cupy.py's GPU tests, every other GPU test, the simulator-capable files; each in
   # PT_WORKERS pytest-xdist workers where xdist is installed (the compiles run in parallel).
-  PT="$PY -m pytest -q -rfEs --tb=short -p no:warnings -p no:cacheprovider -p no:benchmark"
+  # -v: each test's verdict on its own line as it ends (xdist prints a -q run's failures only at
+  # its end, which a time box can cut off)
+  PT="$PY -m pytest -v -rfEs --tb=short -p no:warnings -p no:cacheprovider -p no:benchmark"
   if [ "${PT_WORKERS:-4}" -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then
     PT="$PT -n ${PT_WORKERS:-4}"
   fi
@@ -190,7 +192,8 @@ note "summary"
   echo
   echo "== sanitizer"; head -8 "$OUT/sanitizer.txt"
   echo
-  echo "== pytest (last lines)"; grep -E "passed|failed|error|no tests ran" "$OUT/pytest.txt" | tail -4
+  echo "== pytest (summaries and failures)"
+  grep -E "^== python3|^=* ?[0-9]+ (passed|failed)|no tests ran|FAILED|^ERROR " "$OUT/pytest.txt" | head -40
   echo
   echo "== traffic (measured DRAM bytes vs model)"; sed -n '/^case /,$p' "$LOGS/traffic.log" 2>/dev/null | head -100
   echo

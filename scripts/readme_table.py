@@ -42,7 +42,7 @@ def file_run(outdir: Path) -> tuple[Path, Path]:
     tests = ""
     if (outdir / "pytest.txt").exists():
         tests = "\n".join(ln for ln in (outdir / "pytest.txt").read_text().splitlines()
-                          if re.search(r"passed|failed|error|skipped|== python3", ln))
+                          if re.search(r"^== python3|^=* ?\d+ (passed|failed)|no tests ran|FAILED|^ERROR ", ln))
     stages = ""
     if (outdir / "summary.txt").exists():
         stages = "\n".join(ln for ln in (outdir / "summary.txt").read_text().splitlines()
