@@ -26,6 +26,16 @@ from iokernels import recorded  # noqa: E402
 START, END = "<!-- recorded-results:start -->", "<!-- recorded-results:end -->"
 
 
+def _read_json(path: Path) -> dict:
+    """A run's JSON output: {} where the stage wrote none, an error entry where it is unreadable."""
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {"error": f"{path.name} unreadable"}
+
+
 def file_run(outdir: Path) -> tuple[Path, Path]:
     """Copy one gpu_all.sh run into benchmarks/results/ under its date."""
     bench = json.loads((outdir / "bench.json").read_text())
@@ -33,12 +43,7 @@ def file_run(outdir: Path) -> tuple[Path, Path]:
     if not env.get("gpu") or env.get("gpu") == "no GPU":
         raise SystemExit(f"{outdir}: this run saw no GPU; nothing to record")
     date = env["date_utc"][:10]
-    traffic = {}
-    if (outdir / "traffic.json").exists():
-        try:
-            traffic = json.loads((outdir / "traffic.json").read_text())
-        except json.JSONDecodeError:
-            traffic = {"error": "traffic.json unreadable"}
+    traffic, serve = _read_json(outdir / "traffic.json"), _read_json(outdir / "serve.json")
     tests = ""
     if (outdir / "pytest.txt").exists():
         tests = "\n".join(ln for ln in (outdir / "pytest.txt").read_text().splitlines()
@@ -47,12 +52,6 @@ def file_run(outdir: Path) -> tuple[Path, Path]:
     if (outdir / "summary.txt").exists():
         stages = "\n".join(ln for ln in (outdir / "summary.txt").read_text().splitlines()
                            if ln.startswith("[") or ln.startswith("total wall"))
-    serve = {}
-    if (outdir / "serve.json").exists():
-        try:
-            serve = json.loads((outdir / "serve.json").read_text())
-        except json.JSONDecodeError:
-            serve = {"error": "serve.json unreadable"}
     rec = {"env": env, "label": recorded.label({"env": env}), "bench": bench, "traffic": traffic,
            "serve": serve, "gpu_tests": tests, "stages": stages,
            "produced_by": "scripts/gpu_all.sh OUTDIR; filed by scripts/readme_table.py --from OUTDIR"}

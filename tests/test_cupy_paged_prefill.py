@@ -16,7 +16,7 @@ import pytest
 
 import iokernels as ik
 from iokernels import api
-from iokernels.core import reference, testing
+from iokernels.core import testing
 from iokernels.core.gpu import cupy_gpu, torch_gpu
 from iokernels.core.registry import Need
 from iokernels.cupy_raw import REGISTRY, PagedPrefillConfig, need, paged_prefill_pools
@@ -45,17 +45,6 @@ def _filled(rng, lens, hkv, d, dtype, block_size=16, spare=3):
     return cache, sids
 
 
-def _oracle(q, cache, sids, cq, causal=True):
-    o = np.zeros(q.shape)
-    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    for b, sid in enumerate(sids):
-        rows = slice(int(cq[b]), int(cq[b + 1]))
-        if rows.stop == rows.start:
-            continue
-        k, v = (x.astype(np.float64)[None] for x in cache.gather(sid))
-        ob, lb = reference.attention(q[rows].astype(np.float64).transpose(1, 0, 2)[None], k, v, causal=causal)
-        o[rows], lse[:, rows] = ob[0].transpose(1, 0, 2), lb[0]
-    return o, lse
 
 
 def _case(rng, lens, chunks, hq, hkv, d, dtype, block_size=16):
@@ -66,7 +55,7 @@ def _case(rng, lens, chunks, hq, hkv, d, dtype, block_size=16):
 
 
 def _check(o, lse, q, cache, sids, cq, dtype, causal, label):
-    ref, ref_lse = _oracle(q, cache, sids, cq, causal)
+    ref, ref_lse = testing.paged_prefill_oracle(q, cache, sids, cq, causal)
     base, base_lse = ik.paged_prefill(q, cache, sids, cq, causal=causal, backend="naive", return_lse=True)
     testing.assert_close(o, ref, base, dtype=dtype, name=f"{label} O")
     testing.assert_close(lse, ref_lse, base_lse, dtype=dtype, atol=LSE_ATOL, name=f"{label} LSE")
@@ -222,7 +211,7 @@ def test_chunked_equals_one_shot_and_a_decode_row_equals_paged_decode(rng):
     and a one-row chunk is the paged decode of that query."""
     cache, sids, cq, q = _case(rng, (150,), (150,), 8, 2, 128, "float16")
     whole = ik.paged_prefill(q, cache, sids, cq, backend="cupy")
-    ref, _ = _oracle(q, cache, sids, cq)
+    ref, _ = testing.paged_prefill_oracle(q, cache, sids, cq)
     base = ik.paged_prefill(q, cache, sids, cq, backend="naive")
     last = q[-1:]
     row = ik.paged_prefill(last, cache, sids, np.array([0, 1], np.int32), backend="cupy")

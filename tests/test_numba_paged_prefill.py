@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import iokernels as ik
-from iokernels.core import reference, testing
+from iokernels.core import testing
 from iokernels.core.gpu import cupy_gpu, simulator_enabled, torch_gpu
 from iokernels.paged import PagedKVCache
 
@@ -28,19 +28,6 @@ def _filled(rng, lens, hkv, d, dtype="float64", block_size=4, kv_dtype=None):
     return cache, sids
 
 
-def _oracle(q, cache, sids, cq, causal=True):
-    """float64 oracle on a contiguous copy of each sequence's K and V."""
-    o = np.zeros(q.shape)
-    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    for b, sid in enumerate(sids):
-        rows = slice(int(cq[b]), int(cq[b + 1]))
-        if rows.stop == rows.start:
-            continue
-        k, v = cache.gather(sid)
-        ob, lb = reference.attention(q[rows].astype(np.float64).transpose(1, 0, 2)[None],
-                                     k.astype(np.float64)[None], v.astype(np.float64)[None], causal=causal)
-        o[rows], lse[:, rows] = ob[0].transpose(1, 0, 2), lb[0]
-    return o, lse
 
 
 def _cu(chunks):
@@ -57,7 +44,7 @@ def test_float64_exact_against_oracle(hq, hkv, causal):
     q = rng.standard_normal((int(cq[-1]), hq, 5))
     o, lse = ik.paged_prefill(q, cache, sids, cq, causal=causal, backend="numba", return_lse=True,
                               config=PrefillConfig(block_q=2))
-    ro, rl = _oracle(q, cache, sids, cq, causal)
+    ro, rl = testing.paged_prefill_oracle(q, cache, sids, cq, causal)
     assert np.max(np.abs(o - ro)) <= 1e-12 * max(1.0, np.max(np.abs(ro)))
     assert np.max(np.abs(lse - rl)) <= 1e-12 * max(1.0, np.max(np.abs(rl)))
 
@@ -70,7 +57,7 @@ def test_lower_precision_within_the_2x_rule(dtype):
     q = rng.standard_normal((10, 4, 8)).astype(dtype)
     o, lse = ik.paged_prefill(q, cache, sids, cq, backend="numba", return_lse=True)
     assert o.dtype == np.dtype(dtype) and lse.dtype == np.float32
-    ro, rl = _oracle(q, cache, sids, cq)
+    ro, rl = testing.paged_prefill_oracle(q, cache, sids, cq)
     base, base_lse = ik.paged_prefill(q, cache, sids, cq, backend="naive", return_lse=True)
     testing.assert_close(o, ro, base, dtype=dtype, name=f"numba paged prefill O {dtype}")
     testing.assert_close(lse, rl, base_lse, dtype=dtype, atol=1e-4, name=f"numba paged prefill LSE {dtype}")
@@ -157,5 +144,5 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf():
     o, lse = paged_prefill_pools(q, cache.k_pool, cache.v_pool, tables, lens, np.array([0, 5], np.int32),
                                  config=PrefillConfig(block_q=2))
     assert np.all(o[:2] == 0) and np.all(np.isneginf(lse[:, :2]))
-    ro, rl = _oracle(q[2:], cache, sids, np.array([0, 3]))
+    ro, rl = testing.paged_prefill_oracle(q[2:], cache, sids, np.array([0, 3]))
     assert np.max(np.abs(o[2:] - ro)) <= 1e-12 and np.max(np.abs(lse[:, 2:] - rl)) <= 1e-12

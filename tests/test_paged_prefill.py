@@ -5,7 +5,7 @@ import pytest
 
 import iokernels as ik
 from iokernels import traffic
-from iokernels.core import reference
+from iokernels.core import testing
 from iokernels.core.config import TileConfig
 from iokernels.paged import PagedKVCache
 from iokernels.paged_prefill import chunk_tiles
@@ -25,18 +25,6 @@ def _filled(rng, lens, hkv, d, dtype="float64", block_size=4, kv_dtype=None, ext
     return cache, sids
 
 
-def _oracle(q, cache, sids, cq, causal=True):
-    """The float64 oracle on a contiguous copy of each sequence's K and V."""
-    o = np.zeros(q.shape)
-    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    for b, sid in enumerate(sids):
-        rows = slice(cq[b], cq[b + 1])
-        if cq[b + 1] == cq[b]:
-            continue
-        k, v = cache.gather(sid)
-        ob, lb = reference.attention(q[rows].transpose(1, 0, 2)[None], k[None], v[None], causal=causal)
-        o[rows], lse[:, rows] = ob[0].transpose(1, 0, 2), lb[0]
-    return o, lse
 
 
 @pytest.mark.parametrize("hq,hkv", [(1, 1), (4, 2), (6, 2)])
@@ -50,7 +38,7 @@ def test_float64_exact_against_oracle(hq, hkv, causal):
     q = rng.standard_normal((int(cq[-1]), hq, 5))
     o, lse = ik.paged_prefill(q, cache, sids, cq, causal=causal, return_lse=True,
                               config=TileConfig(block_q=2, block_k=4))
-    ro, rl = _oracle(q, cache, sids, cq, causal)
+    ro, rl = testing.paged_prefill_oracle(q, cache, sids, cq, causal)
     assert np.max(np.abs(o - ro)) <= 1e-12 * max(1.0, np.max(np.abs(ro)))
     assert np.max(np.abs(lse - rl)) <= 1e-12 * max(1.0, np.max(np.abs(rl)))
 
@@ -112,7 +100,7 @@ def test_quantized_within_cache_values():
     cq = np.array([0, 4, 7], np.int32)
     q = rng.standard_normal((7, 2, 4)).astype(np.float32)
     o = ik.paged_prefill(q, cache, sids, cq)
-    ro, _ = _oracle(q, cache, sids, cq)
+    ro, _ = testing.paged_prefill_oracle(q, cache, sids, cq)
     assert np.max(np.abs(o - ro)) <= 1e-5
 
 
@@ -157,5 +145,5 @@ def test_gather_then_attend_backends_match_the_kernel(backend):
     cq = np.array([0, 2, 15, 16], np.int32)
     q = rng.standard_normal((16, 4, 4))
     o, lse = ik.paged_prefill(q, cache, sids, cq, backend=backend, return_lse=True)
-    ro, rl = _oracle(q, cache, sids, cq)
+    ro, rl = testing.paged_prefill_oracle(q, cache, sids, cq)
     assert np.max(np.abs(o - ro)) <= 1e-12 and np.max(np.abs(lse - rl)) <= 1e-12

@@ -110,6 +110,27 @@ def oracle_by_head(do, q, k, v, causal=False, window=None):
         dv[:, hk] += gv[:, 0]
     return o, lse, dq, dk, dv
 
+def paged_prefill_oracle(q, cache, seq_ids, cu_seqlens_q, causal=True):
+    """The float64 oracle of a paged prefill: (O (total_q, Hq, d), LSE (Hq, total_q)).
+
+    Sequence b's chunk is q's rows cu_seqlens_q[b]:cu_seqlens_q[b + 1], the last rows of the
+    sequence; it attends (bottom-right causal unless ``causal`` is False) to a contiguous copy
+    of everything ``cache`` holds for ``seq_ids[b]`` (``cache.gather``), in float64.  Rows of
+    an empty chunk stay 0 with LSE -inf.
+    """
+    o = np.zeros(q.shape)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for b, sid in enumerate(seq_ids):
+        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        if rows.stop == rows.start:
+            continue
+        k, v = (np.asarray(x, dtype=np.float64)[None] for x in cache.gather(sid))
+        ob, lb = reference.attention(np.asarray(q[rows], dtype=np.float64).transpose(1, 0, 2)[None], k, v,
+                                     causal=causal)
+        o[rows], lse[:, rows] = ob[0].transpose(1, 0, 2), lb[0]
+    return o, lse
+
+
 def make_varlen_inputs(rng: np.random.Generator, seqlens_q, seqlens_k=None, heads_q=2,
                        heads_kv=None, head_dim=32, dtype="float64"):
     """Packed (total, heads, head_dim) q, k, v and int32 cu_seqlens for the given lengths."""
