@@ -141,12 +141,14 @@ def test_run_checkpoints_each_section_so_a_time_box_keeps_what_finished(tmp_path
     done = []
 
     def section(name):
-        def cases(p, seed, bar, **kw):
-            bar.set_description(f"{name} case")
-            if name == "gather":
-                raise KeyboardInterrupt("the time box ends the run here")
+        def cases(p, seed, bar, *, into, **kw):
+            for i in range(2):
+                bar.set_description(f"{name} case {i}")
+                if name == "gather" and i == 1:
+                    raise KeyboardInterrupt("the time box ends the run here")
+                into.append({"section": name, "case": i, "results": []})
             done.append(name)
-            return [{"section": name, "results": []}]
+            return into
         return cases
 
     for fn, name in [("prefill_cases", "prefill"), ("decode_cases", "decode"),
@@ -161,12 +163,16 @@ def test_run_checkpoints_each_section_so_a_time_box_keeps_what_finished(tmp_path
 
     with pytest.raises(KeyboardInterrupt):
         cli.run(("prefill", "decode", "gather"), progress=False, checkpoint=checkpoint)
-    assert seen == [["prefill"], ["prefill", "decode"], ["prefill", "decode", "decode_quant"]]
+    assert done == ["prefill", "decode", "decode_quant"]
     rec = json.loads(out.read_text())
-    assert rec["complete"] is False and [c["section"] for c in rec["cases"]] == seen[-1]
+    # saved when each case starts: the first gather case, finished before the time box, is kept
+    assert rec["complete"] is False and [c["section"] for c in rec["cases"]] == seen[-1] == \
+        ["prefill"] * 2 + ["decode"] * 2 + ["decode_quant"] * 2 + ["gather"]
+    assert seen[0] == [] and all(len(a) <= len(b) for a, b in zip(seen, seen[1:]))
     assert not list(tmp_path.glob("*.part"))                          # written whole, by one rename
     log = capsys.readouterr().out.splitlines()                          # without a bar: a line a case
-    assert [ln.split("] ", 1)[1] for ln in log] == ["prefill case", "decode case", "decode_quant case", "gather case"]
+    assert [ln.split("] ", 1)[1] for ln in log] == [f"{s} case {i}" for s in ("prefill", "decode", "decode_quant")
+                                                    for i in (0, 1)] + ["gather case 0", "gather case 1"]
     assert all(ln.startswith("[") and " s] " in ln for ln in log)
 
 

@@ -88,6 +88,10 @@ def test_cliff_cases_stop_at_the_budget_and_say_what_they_left_out():
     assert 0 < s["ran"] < 20
     kinds = [c["kind"] for c in cases[:-1]]
     assert kinds[:4] == ["decode", "prefill", "decode", "prefill"]          # interleaved
+    earlier = [{"section": "decode"}] * 3                # appended after an earlier section's cases
+    into = cliff.cliff_cases(budget_s=10.5, clock=_Clock(1.0), run_case=_fake_case, free_bytes=lambda: None,
+                             into=list(earlier))
+    assert into[:3] == earlier and into[3:] == cases and into[-1]["summary"]["ran"] == s["ran"]
     with pytest.raises(ValueError, match="budget_s"):
         cliff.cliff_cases(budget_s=0, run_case=_fake_case)
 

@@ -23,8 +23,8 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
     ``target_ms``: device time each runner's timed loop aims at (repetitions adapt to it,
     between 3 and DEFAULT_REPS); lower it to fit a tight time box.  ``cliff_budget_s``: the
     cliff sweep's time box (None: :data:`.cliff.CLIFF_BUDGET_S`).  ``checkpoint``: called
-    with the record after every section (``record["complete"]`` False until the last), so
-    a run stopped by a time box still leaves the sections it finished.
+    with the record whenever a case starts and after every section (``record["complete"]``
+    False until the end), so a run stopped by a time box still leaves every case it finished.
     """
     from . import cliff
     t0 = _time.perf_counter()
@@ -96,27 +96,30 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
             bar = _LogBar(t0)
     else:
         bar = _LogBar(t0)
+    cases = record["cases"]               # each section appends its cases here as they finish
+    if checkpoint is not None:            # and a case's start is the moment to save those before it
+        bar = _Checkpoints(bar, lambda: checkpoint(record))
     with bar:
         for s, p in plan:
             if s in ("prefill", "compare"):
-                record["cases"] += prefill_cases(p, seed, bar, section=s, target_ms=target_ms)
+                prefill_cases(p, seed, bar, section=s, target_ms=target_ms, into=cases)
             elif s == "decode":
-                record["cases"] += decode_cases(p, seed, bar, target_ms=target_ms)
+                decode_cases(p, seed, bar, target_ms=target_ms, into=cases)
             elif s == "decode_quant":
-                record["cases"] += quant_decode_cases(p, seed, bar, target_ms=target_ms)
+                quant_decode_cases(p, seed, bar, target_ms=target_ms, into=cases)
             elif s == "backward":
-                record["cases"] += backward_cases(p, seed, bar, target_ms=target_ms)
+                backward_cases(p, seed, bar, target_ms=target_ms, into=cases)
             elif s == "mla":
-                record["cases"] += mla_cases(p, seed, bar, target_ms=target_ms)
+                mla_cases(p, seed, bar, target_ms=target_ms, into=cases)
             elif s == "paged_prefill":
-                record["cases"] += paged_prefill_cases(p, seed, bar, target_ms=target_ms)
+                paged_prefill_cases(p, seed, bar, target_ms=target_ms, into=cases)
             elif s == "cliff":
-                record["cases"] += cliff.cliff_cases(p, seed, bar, target_ms=target_ms,
-                                                     budget_s=cliff_budget_s or cliff.CLIFF_BUDGET_S)
+                cliff.cliff_cases(p, seed, bar, target_ms=target_ms, budget_s=cliff_budget_s or cliff.CLIFF_BUDGET_S,
+                                  into=cases)
             elif s == "captured":
-                record["cases"] += cliff.captured_cases(p, seed, bar, target_ms=target_ms)
+                cliff.captured_cases(p, seed, bar, target_ms=target_ms, into=cases)
             else:
-                record["cases"] += gather_cases(p, seed, bar, target_ms=target_ms)
+                gather_cases(p, seed, bar, target_ms=target_ms, into=cases)
             record["elapsed_s"] = round(_time.perf_counter() - t0, 1)
             if checkpoint is not None:
                 checkpoint(record)
@@ -140,6 +143,27 @@ def write_record(record, path) -> Path:
     tmp.write_text(json.dumps(record, indent=1, default=float))
     tmp.replace(out)
     return out
+
+
+class _Checkpoints:
+    """A progress bar that saves the record whenever a case starts (its description is set)."""
+
+    def __init__(self, bar, save):
+        self.bar, self.save = bar, save
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *a):
+        return self.bar.__exit__(*a)
+
+    def update(self, n=1):
+        self.bar.update(n)
+
+    def set_description(self, s):
+        self.save()
+        self.bar.set_description(s)
 
 
 class _LogBar:

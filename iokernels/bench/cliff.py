@@ -186,7 +186,7 @@ def _free_bytes() -> int | None:
 
 
 def cliff_cases(spec=CLIFF, seed=0, progress=None, *, target_ms=None, budget_s=CLIFF_BUDGET_S,
-                clock=time.perf_counter, run_case=None, free_bytes=_free_bytes) -> list[dict]:
+                clock=time.perf_counter, run_case=None, free_bytes=_free_bytes, into=None) -> list[dict]:
     """The cliff sweep within ``budget_s`` seconds: the cases of :func:`decode_plan` and
     :func:`prefill_plan`, interleaved, in order until the budget is spent; then one summary
     case (kind ``cliff_budget``) with what was planned, run, skipped and left out.  A case is
@@ -199,7 +199,8 @@ def cliff_cases(spec=CLIFF, seed=0, progress=None, *, target_ms=None, budget_s=C
     dtype = spec["dtype"]
     plan = interleave([("decode", s) for s in decode_plan(spec)], [("prefill", s) for s in prefill_plan(spec)])
     t0 = clock()
-    cases, skipped, left = [], 0, 0
+    cases, skipped, left = ([] if into is None else into), 0, 0
+    first = len(cases)
     itemsize = cv.itemsize_of(dtype)
     for i, (kind, shape) in enumerate(plan):
         if clock() - t0 > budget_s:
@@ -226,7 +227,7 @@ def cliff_cases(spec=CLIFF, seed=0, progress=None, *, target_ms=None, budget_s=C
             release_device_cache()
         if progress is not None:
             progress.update(1)
-    ran = len(cases) - skipped
+    ran = len(cases) - first - skipped
     cases.append(dict(section="cliff", kind="cliff_budget", dtype=dtype, causal=False, shape={}, results=[],
                       summary=dict(planned=len(plan), ran=ran, skipped_memory=skipped, left_by_budget=left,
                                    budget_s=float(budget_s), elapsed_s=round(clock() - t0, 1),
@@ -298,7 +299,7 @@ def _recover():
         pass
 
 
-def captured_cases(spec=CAPTURED, seed=0, progress=None, *, target_ms=None) -> list[dict]:
+def captured_cases(spec=CAPTURED, seed=0, progress=None, *, target_ms=None, into=None) -> list[dict]:
     """The captured section: one case, a decode step of ``layers`` layers (one decode a layer
     over its own GQA cache), our default and SDPA's, each eager and captured.  ``speed_vs_sdpa_
     captured`` on every row: SDPA's captured step time / the row's."""
@@ -338,7 +339,10 @@ def captured_cases(spec=CAPTURED, seed=0, progress=None, *, target_ms=None) -> l
     release_device_cache()
     if progress is not None:
         progress.update(1)
-    return [case]
+    if into is None:
+        return [case]
+    into.append(case)
+    return into
 
 
 def captured_text(case) -> str:

@@ -274,8 +274,8 @@ def _prefill_inputs(case, seed, count):
 
 
 def prefill_cases(spec, seed, progress, numpy_max_flops=NUMPY_MAX_FLOPS, section="prefill",
-                  target_ms=None):
-    cases = []
+                  target_ms=None, into=None):
+    cases = [] if into is None else into
     for case in _prefill_grid(spec, section, progress, 4.0):
         case["results"] = _prefill_rows(case, seed, progress, numpy_max_flops, target_ms)
         cases.append(_finish_case(case))
@@ -375,8 +375,8 @@ def _pool_fn(backend, name):
 QUANT_CHUNK_BLOCKS = 8192
 
 
-def decode_cases(spec, seed, progress, section="decode", target_ms=None):
-    cases = []
+def decode_cases(spec, seed, progress, section="decode", target_ms=None, into=None):
+    cases = [] if into is None else into
     Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
     for dtype in spec["dtypes"]:
         for B in spec["batches"]:
@@ -455,14 +455,14 @@ def device_quant_pages(k_pool, v_pool, kv_dtype):
     return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
-def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
+def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None, into=None):
     """Paged decode over a quantized cache (1-byte codes + scales) and with a sliding window,
     next to the 16-bit paged decode of the same values (numba's default version; cupy's
     ``spec["cupy_versions"]``, None: its default)."""
     import torch
 
     from ..cupy_raw.config import DecodeConfig as CupyDecodeConfig
-    cases = []
+    cases = [] if into is None else into
     Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
     for dtype in spec["dtypes"]:
         tdt = _torch_dtype(dtype)
@@ -512,10 +512,10 @@ def quant_decode_cases(spec, seed, progress, section="decode", target_ms=None):
     return cases
 
 
-def gather_cases(spec, seed, progress, section="gather", target_ms=None):
+def gather_cases(spec, seed, progress, section="gather", target_ms=None, into=None):
     """Paged gather (numba, cupy) vs a device-to-device copy of the same bytes."""
     import torch
-    cases = []
+    cases = [] if into is None else into
     Hkv, d, dtype = spec["heads_kv"], spec["head_dim"], spec["dtype"]
     for N in spec["seqlens"]:
         tdt = _torch_dtype(dtype)
@@ -594,12 +594,12 @@ def _bitwise_differences(a, b) -> int:
                 != tb.view(torch.int16 if tb.element_size() == 2 else torch.int32)).sum().item())
 
 
-def backward_cases(spec, seed, progress, section="backward", target_ms=None):
+def backward_cases(spec, seed, progress, section="backward", target_ms=None, into=None):
     """Forward + backward (what a training step pays) of each backend with a backward, next to
     SDPA's kernels through torch autograd; then each registered backward version's atomic and
     deterministic modes, run twice: the bits of dQ that differ between two runs, and the cost
     of determinism (same-run time ratio)."""
-    cases = []
+    cases = [] if into is None else into
     # forward 4 N^2 d (2 matmuls) + backward 10 N^2 d (5 matmuls), visible pairs only
     for case in _prefill_grid(spec, section, progress, 14.0):
         case["results"] = _backward_rows(case, seed, progress, target_ms)

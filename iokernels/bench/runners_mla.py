@@ -29,12 +29,12 @@ def _mla_rates(row, flops, cache_bytes, bound_ms):
     return row
 
 
-def mla_cases(spec, seed, progress, section="mla", target_ms=None):
+def mla_cases(spec, seed, progress, section="mla", target_ms=None, into=None):
     """MLA decode (absorbed form): the CuPy kernels of the registry's op "mla_decode" and the
     torch formulations (:func:`iokernels.torch_sdpa.mla_decode_matmul`, :func:`mla_decode_sdpa`)
     on the same inputs.  Work: FLOPs 2 B Hq N (row + latent); bytes: the cache, read once."""
     import torch
-    cases = []
+    cases = [] if into is None else into
     Hq, dc, dr = spec["heads_q"], spec["latent_dim"], spec["rope_dim"]
     row_w = dc + dr
     for dtype in spec["dtypes"]:

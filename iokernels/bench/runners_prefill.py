@@ -22,10 +22,10 @@ from .runners import _first_line, _gpu_module, _gpu_rows, _measure, _visible_pai
 from .timer import release_device_cache
 
 
-def paged_prefill_cases(spec, seed, progress, section="paged_prefill", target_ms=None):
+def paged_prefill_cases(spec, seed, progress, section="paged_prefill", target_ms=None, into=None):
     """The cases of ``spec`` (dtypes x shapes (batch, cached tokens, chunk rows)); see the module."""
     import torch
-    cases = []
+    cases = [] if into is None else into
     Hq, Hkv, d = spec["heads_q"], spec["heads_kv"], spec["head_dim"]
     for dtype in spec["dtypes"]:
         tdt = getattr(torch, dtype)
