@@ -62,6 +62,8 @@ DECODE = FORWARD + MERGE + (
     "iokernels.decode._split_worker", "iokernels.decode.paged_decode_split_kv",
     "iokernels.torch_sdpa.decode",
     "iokernels.cupy_raw.decode.decode", "iokernels.cupy_raw.decode.run_decode",
+    "iokernels.cupy_raw.calls.decode", "iokernels.cupy_raw.calls.paged_decode_pools",
+    "iokernels.cupy_raw.plans.DecodePlan.run", "iokernels.cupy_raw.plans.PagedDecodePlan.run",
     "iokernels.numba_cuda.decode.decode", "iokernels.numba_cuda.counting.count_decode")
 
 #: reading a sequence through its block table
