@@ -300,6 +300,8 @@ out["unchanged"] = len(cr.PLANS) == n
 # under capture: host lengths are refused (a graph would bake them in), device ones pin the plan
 P = importlib.import_module("iokernels.cupy_raw.plans")
 host_plan, dev_plan = cr.DecodePlan(q, k, v, seq_lens=lens), cr.DecodePlan(q, k, v, seq_lens=dl)
+import torch
+out["cpu torch lens"] = cr.DecodePlan(q, k, v, seq_lens=torch.from_numpy(np.asarray(lens))).lens_mode
 real = P._capturing
 P._capturing = lambda *a: True
 try:
@@ -433,6 +435,10 @@ def test_a_bad_call_raises_naming_the_argument_and_caches_nothing(result):
 def test_under_capture_host_lengths_are_refused_and_device_ones_pin_the_plan(result):
     assert result["capture host"].startswith("seq_lens: a CUDA graph reads the lengths")
     assert result["pinned"] == [False, True]
+
+
+def test_lengths_in_a_cpu_torch_tensor_are_host_values(result):
+    assert result["cpu torch lens"] == "host"
 
 
 def test_the_plan_cache_is_bounded_and_keeps_pinned_plans():

@@ -131,6 +131,12 @@ def array_key(x):
     return None
 
 
+def _on_device(x) -> bool:
+    """True for a device array a plan can take in place (torch CUDA, CuPy); a torch tensor on the
+    CPU is host values, like a NumPy array or a list."""
+    return array_key(x) is not None
+
+
 def _ptr(x) -> np.uint64:
     return np.uint64(x.data_ptr() if _kind(x) == "torch" else x.data.ptr)
 
@@ -308,7 +314,7 @@ class DecodePlan:
     """
 
     def __init__(self, q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
-        info, _ = core_api.check_decode(q, k, v, seq_lens if _kind(seq_lens) is None else None)
+        info, _ = core_api.check_decode(q, k, v, None if _on_device(seq_lens) else seq_lens)
         if array_key(q) is None:
             raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
         B, Hkv, N, d, dtype = _check_cache(q, k, v)
@@ -318,7 +324,7 @@ class DecodePlan:
         self.num_splits = core_api.check_num_splits(num_splits)
         self.scale = cv.resolve_scale(scale, d)
         self.left = _window_left(window)
-        self.lens_mode = None if seq_lens is None else ("host" if _kind(seq_lens) is None else "device")
+        self.lens_mode = None if seq_lens is None else ("device" if _on_device(seq_lens) else "host")
         if self.lens_mode == "device":
             if _kind(seq_lens) != _kind(q):
                 raise NotPlanned("seq_lens: device lengths of another kind than q's")
@@ -449,8 +455,8 @@ class PagedDecodePlan:
         call.check(k_pool, "k_pool")
         call.check(v_pool, "v_pool")
         B = int(q.shape[0])
-        device_tables = _kind(block_tables) is not None
-        if device_tables != (_kind(seq_lens) is not None) or (device_tables and not (
+        device_tables = _on_device(block_tables)
+        if device_tables != _on_device(seq_lens) or (device_tables and not (
                 _kind(block_tables) == _kind(seq_lens) == _kind(q))):
             raise NotPlanned("block_tables, seq_lens: one on the device, one on the host, or of another kind")
         if device_tables:
