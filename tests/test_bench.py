@@ -131,6 +131,7 @@ def test_main_quick_writes_a_record(tmp_path, capsys):
     rows = [r for c in rec["cases"] for r in c["results"]]
     assert {r["runner"] for r in rows} == {"numpy naive", "numpy tiled"}
     assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
+    assert all(r["wall_s"] >= r["ms"] / 1e3 for r in rows)             # what the row cost the time box
     assert "numpy tiled" in capsys.readouterr().out
 
 

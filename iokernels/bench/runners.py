@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import time
 
 import numpy as np
 
@@ -135,8 +136,12 @@ def _gpu_rows(backend, op, fn_of_config, *, suffix="", **measure_kw) -> list:
 # --------------------------------------------------------------------------- one timed row
 def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=True, reps=None,
              warmup=None, cpu_reps=1, check=True, target_ms=None) -> dict:
-    """Run, check, time and size one runner; any failure becomes a row that says why."""
+    """Run, check, time and size one runner; any failure becomes a row that says why.
+
+    ``wall_s``: the row's whole cost in wall time (compile, check, probe, timed loop, host loop),
+    what a benchmark's time box pays for it."""
     row = {"runner": name, "group": group}
+    t_row = time.perf_counter()
     try:
         out = fn()                                        # first call: compile, and check
         if device:
@@ -181,6 +186,7 @@ def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=T
         row["status"] = f"failed: {type(e).__name__}: {_first_line(e)}"
     finally:
         release_device_cache()
+        row["wall_s"] = round(time.perf_counter() - t_row, 2)
     return row
 
 
