@@ -6,7 +6,7 @@
 # Stages, each time-boxed with `timeout`; a failing stage is logged, never fatal:
 #   1. env        nvidia-smi, driver, CUDA, python / torch / numba / cupy / numpy versions, date
 #   2. bench      python -m iokernels bench  (alone on the GPU: it times things)   -> bench.json
-#                 (rewritten after every section: a bench its time box stops keeps what finished)
+#                 (saved whenever a case starts: a bench its time box stops keeps what finished)
 #   2b. ring      python -m iokernels ring --world-size 1 --device cuda --bench (NCCL, one rank)
 #   2c. serve     python -m iokernels serve-bench on the GPU, paged against contiguous     -> serve.json
 #   3. traffic    ncu DRAM bytes vs the traffic model                              -> traffic.json
@@ -102,8 +102,10 @@ if [ "${SERVE:-1}" != 0 ]; then
   timeout --kill-after=5 $T_SV $PY -m iokernels serve-bench $SERVE_ARGS --json "$OUT/serve.json" \
     > "$LOGS/serve.log" 2>&1
   note "serve-bench exit $?"
+  [ -s "$OUT/serve.json" ] || echo '{"error": "serve-bench did not finish; see logs.tar.gz serve.log"}' > "$OUT/serve.json"
+else
+  echo '{"error": "not run (SERVE=0)"}' > "$OUT/serve.json"
 fi
-[ -s "$OUT/serve.json" ] || echo '{"error": "serve-bench did not finish; see logs.tar.gz serve.log"}' > "$OUT/serve.json"
 
 # ---------------------------------------------------------------- 3 + 4. traffic and checks, in parallel
 # The device lease is short, so the profiler shares the GPU with the sanitized runs, whose
@@ -190,7 +192,7 @@ note "summary"
   echo "scripts/gpu_all.sh: $ENV_LINE"
   cat "$LOGS/stages.txt"
   echo
-  echo "== sanitizer"; head -8 "$OUT/sanitizer.txt"
+  echo "== sanitizer"; sed -n '1,/^$/p' "$OUT/sanitizer.txt"
   echo
   echo "== pytest (summaries and failures)"
   grep -E "^== python3|^=* ?[0-9]+ (passed|failed)|no tests ran|FAILED|^ERROR " "$OUT/pytest.txt" | head -40
