@@ -55,6 +55,10 @@ def _rank_main(rank, world_size, port, backend, fn, payload, results, timeout):
         kw: dict[str, Any] = dict(device_id=device) if backend == "nccl" else {}
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout), **kw)
+        # every rank has joined before any runs: a rank whose fn returns at once would otherwise
+        # tear its connections down while a slower peer is still connecting to it (gloo's
+        # connectFullMesh then fails in the peer, "Connection closed by peer")
+        dist.barrier()
         out = fn(rank, world_size, device, payload)
         dist.destroy_process_group()
         results.put(("ok", rank, out))
