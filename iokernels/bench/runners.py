@@ -190,6 +190,15 @@ def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=T
     return row
 
 
+def speed_vs_first(rows: list, key: str) -> None:
+    """Set ``row[key]`` = the first row's time / the row's, on every ok row, when the first row
+    (the section's own baseline: a device copy, our contiguous kernel) ran."""
+    base = rows[0] if rows and rows[0].get("status") == "ok" else None
+    for r in rows:
+        if base and r.get("status") == "ok":
+            r[key] = round(base["ms"] / r["ms"], 4)
+
+
 def _finish_case(case: dict) -> dict:
     """Speed relative to the best SDPA kernel of the case; the silent fall-back verdict."""
     sdpa_ok = [r for r in case["results"] if r["group"] == "sdpa" and r.get("status") == "ok"
@@ -555,11 +564,7 @@ def gather_cases(spec, seed, progress, section="gather", target_ms=None, into=No
                               work=nbytes, unit="TB/s", ref=k[0], dtype=dtype, target_ms=target_ms)
             progress.update(1)
         progress.update(1)
-        # the copy is the baseline of this section (no SDPA here)
-        base = rows[0] if rows[0].get("status") == "ok" else None
-        for r in rows:
-            if base and r.get("status") == "ok":
-                r["speed_vs_copy"] = round(base["ms"] / r["ms"], 4)
+        speed_vs_first(rows, "speed_vs_copy")      # the copy is this section's baseline (no SDPA here)
         case["results"] = rows
         cases.append(case)
         k = v = dst_k = dst_v = pages = None   # drop the case's tensors (the runners close over them)

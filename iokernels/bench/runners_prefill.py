@@ -18,7 +18,7 @@ import numpy as np
 
 import iokernels as ik
 
-from .runners import _first_line, _gpu_module, _gpu_rows, _measure, _visible_pairs, device_pages
+from .runners import _first_line, _gpu_module, _gpu_rows, _measure, _visible_pairs, device_pages, speed_vs_first
 from .timer import release_device_cache
 
 
@@ -66,10 +66,7 @@ def paged_prefill_cases(spec, seed, progress, section="paged_prefill", target_ms
                 rows.append({"runner": "cupy:paged_prefill", "group": "cupy",
                              "status": f"failed: {type(e).__name__}: {_first_line(e)}"})
             progress.update(1)
-            base = rows[0] if rows[0].get("status") == "ok" else None
-            for r in rows:
-                if base and r.get("status") == "ok":
-                    r["speed_vs_contiguous"] = round(base["ms"] / r["ms"], 4)
+            speed_vs_first(rows, "speed_vs_contiguous")
             case["results"] = rows
             cases.append(case)
             q = k = v = ref = packed = kp = vp = dev = None     # drop the case's tensors first
