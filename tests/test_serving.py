@@ -147,3 +147,34 @@ def test_decode_throughput_model():
     c = decode_throughput([1, 4, 16, 64, 256])
     assert np.all(np.diff(c["tokens_per_s"]) > 0) and np.all(np.diff(c["kv_fraction"]) > 0)
     assert np.all(c["memory_s"] > c["compute_s"])        # decode stays memory-bound at these batches
+
+
+def test_step_phases_add_up_and_a_time_limit_stops_between_steps():
+    """Each step's wall time is split into schedule / model / sample; max_seconds stops the run
+    after the step that crosses it, keeping what finished and saying the run is incomplete."""
+    reqs = random_trace(np.random.default_rng(5), 40)
+    _, whole = serve(paged(), reqs, token_budget=32)
+    assert whole.complete and len(whole.outputs) == len(reqs)
+    assert all(set(s.phases) == {"schedule", "model", "sample"} for s in whole.steps)
+    assert all(min(s.phases.values()) >= 0.0 for s in whole.steps)
+    assert whole.busy_s == pytest.approx(sum(sum(s.phases.values()) for s in whole.steps), rel=0.05)
+    ph = whole.summary()["phase_ms"]
+    assert ph["model"]["total"] == pytest.approx(1e3 * sum(s.phases["model"] for s in whole.steps))
+
+    class Slow(ChecksumModel):                  # about 2 ms a step: the limit falls after a few steps
+        def forward(self, memory, seqs, chunk_lens):
+            import time
+            time.sleep(0.002)
+            return super().forward(memory, seqs, chunk_lens)
+
+    engine = Engine(Slow(), paged(), step_time=1.0, token_budget=32)
+    for r in reqs:
+        engine.submit(r)
+    cut = engine.run(max_seconds=0.02)
+    assert not cut.complete and cut.summary()["complete"] is False
+    assert 0 < len(cut.steps) < len(whole.steps) and len(cut.outputs) < len(reqs)
+    for rid, out in cut.outputs.items():                  # what finished is what the whole run made
+        assert out == whole.outputs[rid]
+    for bad in (0, -1.0, "1", True):
+        with pytest.raises(ValueError, match="max_seconds"):
+            Engine(ChecksumModel(), paged()).run(max_seconds=bad)

@@ -236,3 +236,31 @@ def test_sample_tokens_draws_what_sample_token_draws_from_numpy_and_torch():
 def test_a_host_memorys_attend_is_refused_with_the_device_call_named():
     with pytest.raises(TypeError, match="write_attend"):
         checksum_paged().attend(0, None, [], [])
+
+
+def test_decode_buckets_pad_a_group_at_most_twice_and_cover_each_sequence_once():
+    from iokernels.serving.device import DECODE_BUCKET_MIN, decode_buckets
+    lens = np.array([1, 5, DECODE_BUCKET_MIN, DECODE_BUCKET_MIN + 1, 700, 1024, 1025, 4000, 3])
+    groups = decode_buckets(lens)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(len(lens)))
+    assert [int(lens[g].max()) for g in groups] == sorted(int(lens[g].max()) for g in groups)   # shortest first
+    for g in groups:
+        longest = lens[g].max()
+        assert longest <= DECODE_BUCKET_MIN or longest < 2 * lens[g].min()
+    assert len(decode_buckets(np.full(5, 3))) == 1
+
+
+def test_decodes_of_mixed_lengths_in_several_groups_give_the_same_tokens(monkeypatch):
+    """Groups as small as 4 keys, so this short trace's decodes fall into several groups a step."""
+    import iokernels.serving.device as dev
+    monkeypatch.setattr(dev, "DECODE_BUCKET_MIN", 4)
+    reqs, ms = _reqs(), MODEL.memory_shape()
+    lens = [len(r.prompt) for r in reqs]
+    assert len(dev.decode_buckets(lens)) > 1
+    groups, attend = [], dev._attend_torch
+    monkeypatch.setattr(dev, "_attend_torch", lambda q, k, v, plan: groups.append(len(plan.decode)) or
+                        attend(q, k, v, plan))
+    paged_dev = serve(MODEL, DevicePagedMemory(14, 4, **ms), reqs, token_budget=64)[1]
+    assert max(groups) > 1                                    # some step attended in several groups
+    paged_np = serve(MODEL, PagedMemory(14, 4, **ms), reqs, token_budget=64)[1]
+    assert paged_dev.outputs == paged_np.outputs

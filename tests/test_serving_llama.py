@@ -113,3 +113,17 @@ def test_serve_bench_kv_budget_in_gb_and_bad_options(capsys):
     with pytest.raises(SystemExit):
         cli(["serve-bench", "--device", "cpu", "--backend", "tiled", "--quiet"])
     assert "a device memory attends with 'torch', 'cupy'" in capsys.readouterr().err
+
+
+def test_serve_bench_time_limit_compares_what_both_sides_finished():
+    from iokernels.serving.bench import serve_bench
+    res = serve_bench("tiny", requests=24, kv_slots=512, step_time=0.01, device="cpu", max_seconds=0.05)
+    for side in ("paged", "contiguous"):
+        assert res[side]["complete"] is False and res[side]["finished"] < 24
+        assert set(res[side]["phase_ms"]) == {"schedule", "model", "sample"}
+    both = min(res["paged"]["finished"], res["contiguous"]["finished"])
+    assert res["requests_compared"] <= both and res["tokens_equal"] is True
+    assert set(res["wall_s"]) == {"model", "warm_up", "paged", "contiguous"}
+    assert res["setup"]["max_seconds"] == 0.05
+    with pytest.raises(ValueError, match="max_seconds"):
+        serve_bench("tiny", requests=2, max_seconds=0)

@@ -9,9 +9,13 @@ Both runs serve the same seeded ShareGPT-like trace (:mod:`.trace`) with the sam
 and scheduler; only the memory differs.  Reported per side: ``max_concurrent`` (running
 sequences), ``tokens_per_s`` (output tokens over the busy time), ``waste_fraction``
 (allocated KV slots not holding a token, over the run), ``p50_ms`` / ``p99_ms`` (time per
-output token); then ``tokens_equal`` (whether both produced the same tokens) and
-``requests_equal_fraction``, the ``device`` and the KV budget (``kv_budget_gb``), and the
-whole setup.
+output token), ``finished`` and ``complete`` (whether every request was served before
+``max_seconds``), and ``phase_ms``: where a step's time goes (the scheduler, the model's
+forward pass as the host sees it, the sampling that waits for the device; median and total
+per phase, :class:`~.engine.StepRecord`); then ``tokens_equal`` (whether both produced the
+same tokens, over the ``requests_compared`` both finished) and ``requests_equal_fraction``,
+the ``device`` and the KV budget (``kv_budget_gb``), ``wall_s`` (seconds spent building the model,
+warming up, and serving each side), and the whole setup.
 
 Where the KV cache lives is part of what is measured.  Without ``--device`` the pools are
 NumPy arrays on the host and the model runs on the CPU: the lesson's path, every kernel
@@ -24,13 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..paged import blocks_needed, kv_bytes_per_token
-from .engine import Engine
+from .engine import Engine, check_max_seconds
 from .llama import MODELS, Llama
 from .device import DeviceContiguousMemory, DevicePagedMemory
 from .memory import ContiguousMemory, PagedMemory
@@ -61,8 +66,9 @@ def _memories(device, backend, num_blocks, block_size, ms):
                                            device=device, **ms))
 
 
-def _run(model, make_memory, trace, label, preset, progress):
-    """Serve ``trace`` on a fresh memory; the memory is dropped (its device memory returned) before returning."""
+def _run(model, make_memory, trace, label, preset, progress, max_seconds=None):
+    """Serve ``trace`` on a fresh memory (for at most ``max_seconds`` of wall time); the memory is dropped (its
+    device memory returned) before returning."""
     memory = make_memory()
     engine = Engine(model, memory, token_budget=preset["token_budget"], max_seqs=preset["max_seqs"],
                     step_time=preset.get("step_time"))
@@ -77,7 +83,7 @@ def _run(model, make_memory, trace, label, preset, progress):
         bar.n = done
         bar.refresh()
 
-    res = engine.run(tick if bar is not None else None)
+    res = engine.run(tick if bar is not None else None, max_seconds=max_seconds)
     if bar is not None:
         bar.close()
     del engine, memory
@@ -103,7 +109,8 @@ def _kv_slots(kv_slots, kv_budget_gb, preset, per_token, block_size):
 
 
 def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=16, kv_slots=None,
-                kv_budget_gb=None, layers=2, device=None, dtype=None, progress=False, **overrides) -> dict:
+                kv_budget_gb=None, layers=2, device=None, dtype=None, max_seconds=None, progress=False,
+                **overrides) -> dict:
     """Serve one trace twice, paged and contiguous, at the same KV memory; the JSON's dict.
 
     ``device`` None keeps the KV pools in NumPy on the host and the model on the CPU (the
@@ -115,7 +122,11 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
     ``token_budget``, ...); ``step_time`` (seconds) makes the clock advance by that much a
     step instead of by the step's wall time, so arrivals, and the whole schedule, no longer
     depend on speed.  On a device a short warm-up run of each memory comes first, untimed.
+    ``max_seconds`` limits each side's run to about that much wall time (the step that
+    crosses it is the last); a side cut short says ``complete: false``, and the tokens are
+    compared over the requests both sides finished (``requests_compared``).
     """
+    check_max_seconds(max_seconds)
     if model not in MODELS:
         raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
     if dtype is not None and dtype not in DTYPES:
@@ -128,7 +139,9 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
     per_token = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim,
                                    torch.tensor([], dtype=torch_dtype).element_size())
     kv_slots = _kv_slots(kv_slots, kv_budget_gb, preset, per_token, block_size)
+    wall, t0 = {}, time.perf_counter()
     llama = Llama(shape, seed=seed, dtype=torch_dtype, device=device or "cpu")
+    wall["model"] = time.perf_counter() - t0
     trace = sharegpt_like_trace(requests, seed=seed, vocab=shape.vocab, scale=preset["scale"],
                                 max_prompt=preset["max_prompt"], max_new_tokens=preset["max_new_tokens"],
                                 rate=preset["rate"])
@@ -138,16 +151,23 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
         warm = [replace(r, arrival=0.0, max_new_tokens=2, stop_after=None) for r in trace[:2]]
         need = sum(r.n * blocks_needed(r.max_len, block_size) for r in warm)
         small = _memories(device, backend, need, block_size, llama.memory_shape())
+        t0 = time.perf_counter()
         for make in small:
             _run(llama, make, warm, "warm-up", preset, False)
-    paged = _run(llama, make_paged, trace, "paged", preset, progress)
-    contiguous = _run(llama, make_contiguous, trace, "contiguous", preset, progress)
+        wall["warm_up"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    paged = _run(llama, make_paged, trace, "paged", preset, progress, max_seconds)
+    t1 = time.perf_counter()
+    contiguous = _run(llama, make_contiguous, trace, "contiguous", preset, progress, max_seconds)
+    wall.update(paged=t1 - t0, contiguous=time.perf_counter() - t1)
     kv_bytes = kv_slots * per_token
-    same = [paged.outputs[r.rid] == contiguous.outputs[r.rid] for r in trace]
+    both = [r.rid for r in trace if r.rid in paged.outputs and r.rid in contiguous.outputs]
+    same = [paged.outputs[rid] == contiguous.outputs[rid] for rid in both]
     return {"paged": paged.summary(), "contiguous": contiguous.summary(),
-            "tokens_equal": all(same), "requests_equal_fraction": sum(same) / len(same),
+            "tokens_equal": all(same), "requests_compared": len(both),
+            "requests_equal_fraction": sum(same) / len(same) if same else 0.0,
             "device": str(torch.device(device)) if device is not None else "cpu (NumPy pools)",
-            "kv_budget_gb": kv_bytes / GB,
+            "kv_budget_gb": kv_bytes / GB, "wall_s": wall,
             "setup": dict(model=shape.name, backend=backend, requests=requests, seed=seed, kv_slots=kv_slots,
                           kv_bytes=kv_bytes, block_size=block_size, dtype=str(torch_dtype).replace("torch.", ""),
                           device=str(torch.device(device)) if device is not None else None,
@@ -155,7 +175,7 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
                           gpu=torch.cuda.get_device_name() if on_gpu else None,
                           trace="ShareGPT-like (Kwon et al., SOSP 2023, Fig. 11 means)",
                           scale=preset["scale"], max_new_tokens=preset["max_new_tokens"], rate=preset["rate"],
-                          step_time=preset.get("step_time"))}
+                          step_time=preset.get("step_time"), max_seconds=max_seconds)}
 
 
 def main(argv=None) -> int:
@@ -182,6 +202,9 @@ def main(argv=None) -> int:
     p.add_argument("--rate", type=float, default=None, help="arrivals per second (default: the model's preset)")
     p.add_argument("--step-time", type=float, default=None, help="advance the clock this many seconds a step "
                    "(a schedule that does not depend on speed); default: each step's wall time")
+    p.add_argument("--max-seconds", type=float, default=None, help="stop each side after about this many "
+                   "seconds of wall time (its summary then says complete: false; tokens are compared over the "
+                   "requests both sides finished)")
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
@@ -191,7 +214,7 @@ def main(argv=None) -> int:
     try:
         out = serve_bench(a.model, a.backend, a.requests, seed=a.seed, block_size=a.block_size,
                           kv_slots=a.kv_slots, kv_budget_gb=a.kv_budget_gb, layers=a.layers, device=a.device,
-                          dtype=a.dtype, progress=not a.quiet, **extra)
+                          dtype=a.dtype, max_seconds=a.max_seconds, progress=not a.quiet, **extra)
     except ValueError as e:
         p.error(str(e))
     text = json.dumps(out, indent=2)

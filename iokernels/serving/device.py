@@ -136,9 +136,9 @@ class StepPlan:
     rows, slots: chunk row rows[i] is stored at slot slots[i] of a layer's pool viewed as
     (num_blocks * block_size, Hkv, d); block_tables (B, max_blocks) and seq_lens (B,) after
     the step's rows; cu_seqlens_q (B + 1,): the packed queries' offsets (host copy:
-    ``cu_host``).  For the torch reference: ``decode`` (query rows, key slots (B_d, max_len),
-    mask (B_d, 1, 1, max_len)) for the one-query chunks, ``chunks`` [(q0, q1, key slots)]
-    for the others.
+    ``cu_host``).  For the torch reference: ``decode``, the one-query chunks grouped by
+    length (:func:`decode_buckets`), per group (query rows, key slots (B_g, width), mask
+    (B_g, 1, 1, width)); ``chunks`` [(q0, q1, key slots)] for the others.
     """
 
     rows: torch.Tensor
@@ -147,7 +147,7 @@ class StepPlan:
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     cu_host: np.ndarray
-    decode: tuple | None = None
+    decode: tuple = ()
     chunks: tuple = ()
 
 
@@ -161,6 +161,20 @@ def _upload(parts, device):
         out.append(dev[at:at + p.size].view(p.shape))
         at += p.size
     return out
+
+
+#: decodes are padded to their group's longest length; groups split at powers of two from this
+#: length up, so padding at most doubles a group's keys (a batch padded to its one longest
+#: sequence reads, for a ShareGPT-like mix of lengths, several times the keys it needs)
+DECODE_BUCKET_MIN = 256
+
+
+def decode_buckets(lens) -> list:
+    """The torch reference's decode groups: indices into ``lens`` whose lengths share a
+    power-of-two bucket (all below :data:`DECODE_BUCKET_MIN` in one), shortest first."""
+    lens = np.asarray(lens, np.int64)
+    key = np.ceil(np.log2(np.maximum(lens, DECODE_BUCKET_MIN))).astype(np.int64)
+    return [np.flatnonzero(key == b) for b in np.unique(key)]
 
 
 def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) -> StepPlan:
@@ -178,12 +192,15 @@ def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) ->
         j = torch.arange(length, device=device)
         return table_rows[..., j // block_size] * block_size + j % block_size
 
-    if one:
-        width = int(lens[one].max())
-        keys = key_slots(tables_t[ds_t], width)                           # (B_d, width)
-        valid = torch.arange(width, device=device)[None, :] < lens_t[ds_t][:, None]
+    groups = []
+    for idx in decode_buckets(lens[one]) if one else ():
+        q_rows, seqs = dq_t[idx], ds_t[idx]
+        width = int(lens[np.asarray(one)[idx]].max())
+        keys = key_slots(tables_t[seqs], width)                           # (B_g, width)
+        valid = torch.arange(width, device=device)[None, :] < lens_t[seqs][:, None]
         keys = torch.where(valid, keys, keys[:, :1])     # padding reads a written slot (no NaN), masked out
-        plan.decode = (dq_t, keys, valid[:, None, None, :])
+        groups.append((q_rows, keys, valid[:, None, None, :]))
+    plan.decode = tuple(groups)
     plan.chunks = tuple((int(cu[i]), int(cu[i + 1]), key_slots(tables_t[i], int(lens[i])))
                         for i, c in enumerate(chunk_lens) if c > 1)
     return plan
@@ -219,8 +236,7 @@ def _attend_torch(q, k_flat, v_flat, plan):
     """The reference: gather each sequence's keys through its table, SDPA bottom-right causal."""
     o = torch.empty_like(q)
     hq, hkv, d = q.shape[1], k_flat.shape[1], q.shape[2]
-    if plan.decode is not None:                       # one query each: it sees every key; one call
-        q_rows, keys, valid = plan.decode
+    for q_rows, keys, valid in plan.decode:           # one query each: it sees every key; a call a group
         kd, vd = (x[keys].transpose(1, 2) for x in (k_flat, v_flat))       # (B_d, Hkv, max_len, d)
         # GQA packed: the hq / hkv query heads of a KV head are rows of one (B_d, Hkv) problem
         # (query head h reads KV head h // (hq / hkv)), so K and V are never repeated per query head

@@ -51,7 +51,16 @@ log = logging.getLogger("iokernels.serving")
 
 @dataclass
 class StepRecord:
-    """What one step did: its batch as (request id, sample, tokens), the running count, memory."""
+    """What one step did: its batch as (request id, sample, tokens), the running count, memory.
+
+    phases: the step's wall time in seconds, split where it is spent: ``schedule`` (the
+    scheduler's decisions, on the host), ``model`` (the model's forward pass as the host
+    sees it: the memory's books for the step, and every operation issued; on a GPU the
+    call returns once the work is queued), ``sample`` (drawing the tokens: the step's one
+    trip to the host, so on a GPU it waits for the queued work to finish).  A step that
+    is host-bound spends its time in the first two; one that is bound by the device, in
+    ``sample``.
+    """
 
     step: int
     time: float
@@ -61,6 +70,7 @@ class StepRecord:
     allocated_slots: int
     free_blocks: int
     preempted: list
+    phases: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -72,6 +82,8 @@ class Results:
     preemptions: list = field(default_factory=list)
     busy_s: float = 0.0
     token_times: list = field(default_factory=list)
+    #: False when the run stopped at its time limit with requests still unserved
+    complete: bool = True
 
     @property
     def max_concurrent(self) -> int:
@@ -91,13 +103,30 @@ class Results:
         """Per sample with two or more tokens: (last token's time - first's) / (tokens - 1), seconds."""
         return np.array([(t[-1] - t[0]) / (len(t) - 1) for t in self.token_times if len(t) > 1])
 
+    def phase_ms(self) -> dict:
+        """Per phase of a step (:class:`StepRecord`'s ``phases``): the median and the total, milliseconds."""
+        names = sorted({k for s in self.steps for k in s.phases})
+        out = {}
+        for name in names:
+            t = np.array([s.phases.get(name, 0.0) for s in self.steps]) * 1e3
+            out[name] = dict(median=float(np.median(t)), total=float(t.sum()))
+        return out
+
     def summary(self) -> dict:
         tpot = self.time_per_output_token() * 1e3
         pct = (lambda p: float(np.percentile(tpot, p))) if tpot.size else (lambda p: 0.0)
         return dict(max_concurrent=self.max_concurrent, output_tokens=self.output_tokens, steps=len(self.steps),
                     tokens_per_s=self.output_tokens / self.busy_s if self.busy_s else 0.0,
                     waste_fraction=self.waste_fraction, p50_ms=pct(50), p99_ms=pct(99),
-                    preemptions=len(self.preemptions))
+                    preemptions=len(self.preemptions), finished=len(self.outputs), complete=self.complete,
+                    phase_ms=self.phase_ms())
+
+
+def check_max_seconds(max_seconds) -> None:
+    """A run's time limit: None, or a number of seconds > 0 (a ValueError naming it otherwise)."""
+    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
+                                    or not max_seconds > 0):
+        raise ValueError(f"max_seconds: expected None or a number of seconds > 0, got {max_seconds!r}")
 
 
 class Engine:
@@ -155,13 +184,23 @@ class Engine:
     def done(self) -> bool:
         return not (self.pending or self.waiting or self.running)
 
-    def run(self, progress=None) -> Results:
-        """Step until every request is served; ``progress(finished, total)`` after each step."""
-        total = len(self._ids)
+    def run(self, progress=None, *, max_seconds=None) -> Results:
+        """Step until every request is served; ``progress(finished, total)`` after each step.
+
+        max_seconds: stop after the step that crosses this much wall time (None: no limit);
+        the results then hold the requests finished so far and say ``complete=False``.
+        """
+        check_max_seconds(max_seconds)
+        total, start = len(self._ids), time.perf_counter()
         while not self.done:
             self.step()
             if progress is not None:
                 progress(len(self.results.outputs), total)
+            if max_seconds is not None and time.perf_counter() - start > max_seconds and not self.done:
+                self.results.complete = False
+                log.info("stopped after %.1f s with %d of %d requests served", time.perf_counter() - start,
+                         len(self.results.outputs), total)
+                break
         return self.results
 
     # ------------------------------------------------------------------ one step
@@ -176,12 +215,16 @@ class Engine:
         seqs = list(plan)
         running = sum(len(g.live) for g in self.running)
         drawn: list = []
+        t1 = t2 = time.perf_counter()
         if seqs:
             logits = self.model.forward(self.memory, seqs, [plan[s][0] for s in seqs])
+            t2 = time.perf_counter()
             drawn = [self._advance(s, plan[s][0]) for s in seqs]
             draws = [(i, s.group.request, s.sample, len(s.tokens)) for i, new in enumerate(drawn) for s in new]
             tokens = iter(sample_tokens(logits, draws))   # the step's one trip to the host
-        dt = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        dt = t3 - t0
+        phases = dict(schedule=t1 - t0, model=t2 - t1, sample=t3 - t2)
         self.clock += dt if self.step_time is None else self.step_time
         self.busy_s += dt
         batch = [(s.group.request.rid, s.sample, plan[s][0]) for s in seqs]
@@ -189,7 +232,7 @@ class Engine:
             self._take(new, [next(tokens) for _ in new])
         used, alloc = self.memory.usage()
         rec = StepRecord(len(self.results.steps), self.clock, batch, running, used, alloc,
-                         self.memory.free_blocks(), preempted)
+                         self.memory.free_blocks(), preempted, phases)
         self.results.steps.append(rec)
         self.results.busy_s = self.busy_s
         if self.check is not None:
