@@ -40,11 +40,12 @@ LOGS=$(mktemp -d)
 T0=$(date +%s)
 
 # per-stage limits in seconds (total well under 600)
-T_ENV=30 T_BENCH=${T_BENCH:-300} T_TRAFFIC=${T_TRAFFIC:-50} T_CHECKS=${T_CHECKS:-270} T_SERVE=${T_SERVE:-60}
+T_ENV=30 T_BENCH=${T_BENCH:-300} T_TRAFFIC=${T_TRAFFIC:-50} T_CHECKS=${T_CHECKS:-270} T_SERVE=${T_SERVE:-75}
 SAN_FAMILIES=${SAN_FAMILIES:-numba cupy triton}
 # the serving benchmark: Llama-3-8B's layer shapes (two layers) at a KV budget that gives each
-# layer the slots 20 GB give all 32 layers of the real model
-SERVE_ARGS=${SERVE_ARGS:---model llama3-8b-shape --layers 2 --kv-budget-gb 1.25 --requests 256 --rate 1000 --device cuda}
+# layer the slots 20 GB give all 32 layers of the real model; each side stops after 20 s of
+# serving (the JSON then says complete: false and how many requests finished)
+SERVE_ARGS=${SERVE_ARGS:---model llama3-8b-shape --layers 2 --kv-budget-gb 1.25 --requests 256 --rate 1000 --device cuda --max-seconds 20}
 
 # the whole script must end before DEADLINE seconds (the device tool allows 600 per call)
 DEADLINE=${DEADLINE:-580}
@@ -202,7 +203,7 @@ note "summary"
   echo "== ring attention, one GPU (NCCL world of one)"; grep -E "ring bench|rank 0|ring:" "$LOGS/ring_single_gpu.txt" 2>/dev/null | head -6
   echo
   echo "== serve-bench (paged against contiguous)"
-  $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(r.get('error') or '\n'.join(f'{k}: ' + json.dumps({f: r[k].get(f) for f in ('max_concurrent', 'tokens_per_s', 'waste_fraction', 'p50_ms', 'p99_ms')}) for k in ('paged', 'contiguous')))" "$OUT/serve.json" 2>&1
+  $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(r.get('error') or '\n'.join(f'{k}: ' + json.dumps({f: r[k].get(f) for f in ('max_concurrent', 'tokens_per_s', 'waste_fraction', 'p50_ms', 'p99_ms', 'finished', 'complete', 'phase_ms')}) for k in ('paged', 'contiguous')) + '\nwall_s: ' + json.dumps(r.get('wall_s')))" "$OUT/serve.json" 2>&1
   echo
   echo "== bench: silent fall-backs and suspect rows"
   grep -E "silent fall-back|SUSPECT" "$OUT/bench.txt" | head -20
