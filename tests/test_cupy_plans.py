@@ -22,8 +22,8 @@ STAND_INS = pathlib.Path(__file__).resolve().parent / "stand_ins"
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 #: Python calls inside iokernels/ a cached call may make (a hit: key, plan.run, pack, launch)
-HIT_CALL_BOUND = {"ik.decode": 40, "ik.attention": 35, "plan.run": 36, "pools": 48, "hopper": 35, "gather": 40,
-                  "backward": 50, "backward plan.run": 42, "mla": 40, "mla paged": 45}
+HIT_CALL_BOUND = {"ik.decode": 40, "ik.attention": 35, "plan.run": 36, "pools": 48, "pools quant": 56,
+                  "hopper": 35, "gather": 40, "backward": 50, "backward plan.run": 42, "mla": 40, "mla paged": 45}
 
 DRIVER = r'''
 import importlib, json, os, sys
@@ -112,6 +112,27 @@ for cfg in (None, cr.DecodeConfig("v1"), cr.DecodeConfig("v3"), cr.DecodeConfig(
 dt, dln = cupy.asarray(tables), cupy.asarray(plens)
 case("pools device tables", lambda: D.paged_decode_pools(q, *pools, dt, dln, num_splits=2),
      lambda: cr.paged_decode_pools(q, *pools, dt, dln, num_splits=2), dict(io_p, tables=dt, lens=dln))
+
+# a quantized cache: 1-byte codes, float32 scales per block and KV head or per block; device scales
+# are planned (and read in place), NumPy ones take the eager path on every call
+codes = [cupy.asarray(rng.integers(0, 255, (20, 16, 2, 128)).astype(np.uint8)) for _ in range(2)]
+for heads in (2, 1):
+    scl = [cupy.asarray(rng.uniform(0.01, 0.1, (20, heads)).astype(np.float32)) for _ in range(2)]
+    quant = dict(kv="float8_e4m3fn", k_scale=scl[0], v_scale=scl[1])
+    io_quant = dict(q=q, k=codes[0], v=codes[1], ks=scl[0], vs=scl[1])
+    for cfg in (None, cr.DecodeConfig("v1"), cr.DecodeConfig("v3"), cr.DecodeConfig("v5")):
+        for tabs in ((tables, plens), (dt, dln)):
+            kw = dict(num_splits=2, config=cfg, quant=quant)
+            io_t = dict(io_quant, tables=dt, lens=dln) if tabs[0] is dt else io_quant
+            case(f"pools quant {heads} {cfg} {'device' if tabs[0] is dt else 'host'}",
+                 lambda: D.paged_decode_pools(q, *codes, *tabs, **kw),
+                 lambda: cr.paged_decode_pools(q, *codes, *tabs, **kw), io_t)
+count("pools quant", lambda: cr.paged_decode_pools(q, *codes, dt, dln, num_splits=2, quant=quant))
+n_plans = len(cr.PLANS)
+host_quant = dict(kv="float8_e4m3fn", k_scale=scl[0].get(), v_scale=scl[1].get())
+e = launches(lambda: D.paged_decode_pools(q, *codes, dt, dln, num_splits=2, quant=host_quant), io_quant)
+c = launches(lambda: cr.paged_decode_pools(q, *codes, dt, dln, num_splits=2, quant=host_quant), io_quant)
+out["quant host scales"] = [len(cr.PLANS) == n_plans, [x["name"] for x in e] == [x["name"] for x in c]]
 
 gt = cupy.asarray(np.array([3, 1, 4, 9, 0], np.int32))
 out["gather"] = launches(lambda: cr.gather_pools(*pools, gt, 70), dict(k=pools[0], v=pools[1], table=gt))
@@ -415,6 +436,15 @@ def test_under_capture_the_new_plans_pin_or_refuse_host_values(result):
 def test_the_hopper_forward_is_planned_too(result):
     hop = [c for label, c in result["cases"].items() if label.startswith("hopper")]
     assert len(hop) == 3 and all(c["second"][0]["name"] == "fa_v5" for c in hop)
+
+
+def test_a_quantized_cache_is_planned_with_its_device_scales_read_in_place(result):
+    cases = {k: c for k, c in result["cases"].items() if k.startswith("pools quant")}
+    assert len(cases) == 16
+    for label, c in cases.items():
+        (split, *_) = c["second"]
+        assert "ks" in split["args"] and "vs" in split["args"], label      # the scales, not a copy of them
+    assert result["quant host scales"] == [True, True]     # NumPy scales: no plan, the eager launches
 
 
 def test_device_lengths_and_tables_are_used_in_place(result):

@@ -114,6 +114,32 @@ def test_paged_decode_replays_like_eager_with_tables_changed_in_place():
     replay_equals_eager(lambda: cr.paged_decode_pools(q, kp, vp, tables, lens), refill)
 
 
+@pytest.mark.parametrize("config", [None, cr.DecodeConfig("v3")])
+@pytest.mark.parametrize("scale_heads", [4, 1])
+def test_quantized_paged_decode_replays_like_eager_with_tables_and_scales_changed_in_place(config, scale_heads):
+    """A float8 cache (codes in uint8, float32 scales per block and KV head, or per block): the
+    plan reads the scales in place, so rewriting them between replays is seen as a table is."""
+    B, Hq, Hkv, d, bs, per = 3, 16, 4, 128, 16, 12
+    nb = B * per + 5
+    q = randn(B, Hq, d)
+    codes = [torch.randint(0, 0x78, (nb, bs, Hkv, d), device=DEV, dtype=torch.uint8) for _ in range(2)]
+    scales = [torch.rand(nb, scale_heads, device=DEV) * 0.1 + 0.01 for _ in range(2)]
+    quant = dict(kv="float8_e4m3fn", k_scale=scales[0], v_scale=scales[1])
+    rng = np.random.default_rng(3)
+    tables = torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32)
+    lens = torch.tensor([per * bs, 100, 1], device=DEV, dtype=torch.int32)
+
+    def refill(r):
+        _refill(q, *scales)(r)
+        scales[0].abs_().add_(0.01)
+        scales[1].abs_().add_(0.01)
+        tables.copy_(torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32))
+        lens.copy_(torch.tensor([[7, per * bs, 33], [per * bs - 1, 0, 150]][r], device=DEV, dtype=torch.int32))
+    cr.PLANS.clear()
+    replay_equals_eager(lambda: cr.paged_decode_pools(q, *codes, tables, lens, quant=quant, config=config), refill)
+    assert planned(cr.PagedDecodePlan)
+
+
 def test_paged_prefill_replays_like_eager_with_tables_lengths_and_offsets_changed_in_place():
     """The paged prefill over device pools with device tables, lengths and offsets (the grid sized
     by max_seqlen_q): no host read of them, so the chunks may change between replays."""

@@ -242,19 +242,25 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     (uint8 or int8) with float32 scales (num_blocks, Hkv or 1), NumPy or of q's kind; the
     queries' dtype is then the compute dtype.
     """
-    if quant is None:
-        _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
-        n = need("paged_decode", q=q, k=k_pool, v=v_pool)
-    else:
-        quant = dict(quant, dtype=cv.dtype_name(q))
-        _, _, Hkv, d, dtype = _quant_pools(k_pool, v_pool, quant)
-        n = need("paged_decode", q=q, k=k_pool, v=v_pool)
-        gran = "block_head" if int(quant["k_scale"].shape[1]) == Hkv else "block"
-        n = replace(n, dtype=dtype, extra=dict(n.extra, kv_dtype=quant["kv"], scale_granularity=gran))
+    quant, (_, _, Hkv, d, dtype), n = pools_need(q, k_pool, v_pool, quant)
     _check_decode_q(q, Hkv, d, dtype)
     kernel, cfg = REGISTRY.resolve("paged_decode", config, n)
     return _paged_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale, config=cfg,
                         window=window, quant=quant)
+
+
+def pools_need(q, k_pool, v_pool, quant):
+    """(quant with the compute dtype added, (num_blocks, block_size, Hkv, d, dtype) of the
+    pools, the registry's Need) of a paged-pools decode; ``quant`` None for a 16-bit cache."""
+    if quant is None:
+        shape = check_pools(k_pool, v_pool)
+        return None, shape, need("paged_decode", q=q, k=k_pool, v=v_pool)
+    quant = dict(quant, dtype=cv.dtype_name(q))
+    shape = _quant_pools(k_pool, v_pool, quant)
+    n = need("paged_decode", q=q, k=k_pool, v=v_pool)
+    gran = "block_head" if int(quant["k_scale"].shape[1]) == shape[2] else "block"
+    return quant, shape, replace(n, dtype=shape[4], extra=dict(n.extra, kv_dtype=quant["kv"],
+                                                               scale_granularity=gran))
 
 
 def _quant_pools(k_pool, v_pool, quant):
@@ -314,7 +320,11 @@ def _scales_device(call, s, name):
     NumPy ones (a PagedKVCache's) copied in as the pools are, device ones used in place."""
     if isinstance(s, np.ndarray):
         return device_array(call.from_host(np.ascontiguousarray(s, np.float32)))
-    a = device_array(call.to_device(s, name))
+    return check_device_scales(device_array(call.to_device(s, name)), name)
+
+
+def check_device_scales(a, name):
+    """``a`` (a device array) when it is contiguous float32 (num_blocks, Hkv or 1), else a ValueError."""
     if a.dtype != "float32" or len(a.shape) != 2 or not a.c_contiguous():
         raise ValueError(f"{name}: expected contiguous float32 scales (num_blocks, Hkv or 1), got {a.dtype} "
                          f"{a.shape}")

@@ -48,8 +48,8 @@ import numpy as np
 from ..core import api as core_api
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
-from .decode import (_check_cache, _check_decode_q, _host, _visible, _window_left, check_paged_lengths,
-                     check_pools, run_decode)
+from .decode import (_check_cache, _check_decode_q, _host, _visible, _window_left, check_device_scales,
+                     check_paged_lengths, pools_need, run_decode)
 from . import decode_config as DC
 from .decode_launch import launch_combine, num_splits_for, pack, split_dynamic, split_static
 from .launch import contiguous, cupy, device_info, unit_rows
@@ -423,15 +423,27 @@ def cached_decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config
 
 
 # =========================================================================== paged decode
+def _quant_key(quant):
+    """What a plan fixes of a quantized cache (None: a 16-bit one): the code format and the
+    scales' arrays; False when the scales are not device arrays (NumPy: the eager path copies
+    them in on every call)."""
+    if quant is None:
+        return None
+    ks, vs = array_key(quant.get("k_scale")), array_key(quant.get("v_scale"))
+    if ks is None or vs is None:
+        return False
+    return (quant.get("kv"), ks, vs)
+
+
 def paged_key(q, k_pool, v_pool, block_tables, seq_lens, num_splits, scale, config, window, quant):
     """The plan-cache key of a paged-pools decode call, or None when it takes no plan
-    (NumPy inputs, a quantized cache)."""
-    kq = array_key(q)
-    if kq is None or quant is not None:
+    (NumPy inputs, a quantized cache whose scales are NumPy arrays)."""
+    kq, qk = array_key(q), _quant_key(quant)
+    if kq is None or qk is False:
         return None
     return ("paged_decode", REGISTRY.generation, kq, array_key(k_pool), array_key(v_pool), _lens_key(block_tables),
             _lens_key(seq_lens), type(num_splits), num_splits, type(scale), scale, config,
-            _window_key(window))
+            _window_key(window), qk)
 
 
 class PagedDecodePlan:
@@ -443,17 +455,31 @@ class PagedDecodePlan:
     in place: graph-safe, and a table rewritten in place between runs or graph replays is read
     as it is then; the split count is planned for max_blocks x block_size keys) or both NumPy
     arrays (checked on every run and uploaded once per distinct content).
+
+    ``quant``: None, or a quantized cache's dict(kv=code format, k_scale, v_scale), the pools
+    then 1-byte codes and the scales float32 (num_blocks, Hkv or 1) device arrays of q's kind,
+    read in place on every run (a CUDA graph sees scales rewritten in place, as it sees the
+    tables); NumPy scales take the eager path.
     """
 
     def __init__(self, q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=None, scale=None, config=None,
-                 window=None):
+                 window=None, quant=None):
         if array_key(q) is None:
             raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
-        nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
+        if _quant_key(quant) is False:
+            raise NotPlanned("quant: plans take the scales as device arrays of q's kind")
+        quant, (nb, bs, Hkv, d, dtype), n = pools_need(q, k_pool, v_pool, quant)
         _check_decode_q(q, Hkv, d, dtype)
         call = Call(q)
         call.check(k_pool, "k_pool")
         call.check(v_pool, "v_pool")
+        self.quant = None
+        if quant is not None:
+            for name in ("k_scale", "v_scale"):
+                call.check(quant[name], name)
+                check_device_scales(device_array(quant[name]), name)
+            self.quant = (quant["kv"], np.int32(quant["k_scale"].shape[1]),
+                          np.int32(int(quant["k_scale"].shape[1]) == Hkv))
         B = int(q.shape[0])
         device_tables = _on_device(block_tables)
         if device_tables != _on_device(seq_lens) or (device_tables and not (
@@ -472,9 +498,9 @@ class PagedDecodePlan:
         self.num_splits = core_api.check_num_splits(num_splits)
         self.scale = cv.resolve_scale(scale, d)
         self.left = _window_left(window)
-        spec, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, k=k_pool, v=v_pool))
+        spec, cfg = REGISTRY.resolve("paged_decode", config, n)
         self.key = (array_key(q), array_key(k_pool), array_key(v_pool), _lens_key(block_tables),
-                    _lens_key(seq_lens))
+                    _lens_key(seq_lens), _quant_key(quant))
         self.B, self.Hq, self.Hkv, self.d, self.dtype, self.nb, self.bs = B, int(q.shape[1]), Hkv, d, dtype, nb, bs
         self.acc = cv.accum_dtype(dtype).name
         qd, kd, vd, aligned = _device_rows(self, q, k_pool, v_pool, cfg, d)
@@ -487,7 +513,8 @@ class PagedDecodePlan:
         self.pinned = False                              # set once a CUDA graph captures a run
         if not self.empty:
             self.st = split_static(spec, cfg, batch=B, heads_q=self.Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
-                                   paged=True, block_size=bs, aligned=aligned, kv=None, dev=device_info())
+                                   paged=True, block_size=bs, aligned=aligned,
+                                   kv=None if self.quant is None else self.quant[0], dev=device_info())
             self._launch_for(self._capacity())
 
     def _capacity(self) -> int:
@@ -497,10 +524,10 @@ class PagedDecodePlan:
     _launch_for = DecodePlan._launch_for
     _workspace = DecodePlan._workspace
 
-    def run(self, q, k_pool, v_pool, block_tables, seq_lens, *, check: bool = True):
+    def run(self, q, k_pool, v_pool, block_tables, seq_lens, *, quant=None, check: bool = True):
         """Launch on the caller's current stream; (O, LSE) of q's kind."""
         if check and (array_key(q), array_key(k_pool), array_key(v_pool), _lens_key(block_tables),
-                      _lens_key(seq_lens)) != self.key:
+                      _lens_key(seq_lens), _quant_key(quant)) != self.key:
             raise ValueError(f"q: this plan was made for {self.key}; got other shapes, dtypes, strides or kinds")
         o = self.alloc.empty((self.B, self.Hq, self.d), self.dtype)
         lse = self.alloc.empty((self.B, self.Hq), self.acc)
@@ -526,10 +553,12 @@ class PagedDecodePlan:
             k_pool, v_pool = unit_rows(k_pool).owner, unit_rows(v_pool).owner
         S, smem, table = self._launch_for(longest)
         pq, pk, pv, po, pl = _ptrs(self.alloc.torch, q, k_pool, v_pool, o, lse)
+        scales = () if self.quant is None else (*_ptrs(self.alloc.torch, quant["k_scale"], quant["v_scale"]),
+                                                *self.quant[1:])
         with sobj:
             o_part, lse_part, counters = self._workspace(stream, S)
             cache = (tables_arg, np.int32(self.max_blocks), *self.kv_strides)
-            args = pack(self.st, S, table, q=pq, k=pk, v=pv, cache=cache, scales=(), lens=lens_arg, nk=0,
+            args = pack(self.st, S, table, q=pq, k=pk, v=pv, cache=cache, scales=scales, lens=lens_arg, nk=0,
                         scale=self.scale, window_left=self.left, parts=(o_part, lse_part), counters=counters,
                         o=po, lse=pl)
             self.st.fn((S, self.Hkv, self.B), (self.st.threads,), args, shared_mem=smem)
@@ -544,7 +573,7 @@ def cached_paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_
     plan = plan_for(lambda: paged_key(q, k_pool, v_pool, block_tables, seq_lens, num_splits, scale, config,
                                       window, quant),
                     lambda: PagedDecodePlan(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits,
-                                            scale=scale, config=config, window=window))
+                                            scale=scale, config=config, window=window, quant=quant))
     if plan is None:
         return NotImplemented
-    return plan.run(q, k_pool, v_pool, block_tables, seq_lens, check=False)
+    return plan.run(q, k_pool, v_pool, block_tables, seq_lens, quant=quant, check=False)
