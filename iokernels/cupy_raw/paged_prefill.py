@@ -39,9 +39,10 @@ record's check says so for others); a quantized cache is not read.  With device 
 tables, lengths and offsets the launch reads none of their values on the host, so the grid
 is sized by ``max_seqlen_q`` when the caller passes it (as FlashAttention's varlen calls
 take it), else by the longest chunk possible (total_q rows), and then most blocks of short
-chunks exit at once; with host offsets it is sized by the longest chunk.  No plan cache
-(:mod:`.plans`) yet: each call checks its arguments, resolves its config and looks up the
-compiled kernel on the host.
+chunks exit at once; with host offsets it is sized by the longest chunk.  This module is the
+eager path (each call checks its arguments, resolves its config and looks up the compiled
+kernel); the public :func:`iokernels.cupy_raw.paged_prefill_pools` of device arrays goes
+through a plan made once per shape (:mod:`.paged_prefill_plan`), which does that work once.
 """
 from __future__ import annotations
 
@@ -143,6 +144,30 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
         raise ValueError(f"config: expected a PagedPrefillConfig with its version set, got {config!r}")
     total_q, Hq = int(q.shape[0]), int(q.shape[1])
     call = Call(q)
+    (dev_t, dev_l, dev_c), B, max_blocks, tables_h, lens_h, cq, longest = _values(
+        call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q)
+    acc = cv.accum_dtype(dtype).name
+    rows = tile_rows_per_token(REGISTRY.get("paged_prefill", config.version), Hq // Hkv)
+    cfg = config.resolve(d, device_info()["smem_optin"], rows * total_q / max(B, 1))   # shapes only
+    with on_stream(call.stream_ptr()):
+        qd = unit_rows(call.to_device(q, "q"))
+        kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
+        o, lse = call.empty((total_q, Hq, d), dtype), call.empty((Hq, total_q), acc)
+        if B and total_q and longest:
+            tables_d = block_tables if dev_t else call.constant(_table_or_one(tables_h))
+            lens_d = seq_lens if dev_l else call.constant(lens_h.astype(np.int32))
+            cu_d = cu_seqlens_q if dev_c else call.constant(cq.astype(np.int32))
+            launch_paged_prefill(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, dtype=dtype, page_size=bs,
+                                 max_blocks=max(max_blocks, 1), longest=longest, scale=scale, causal=causal,
+                                 config=cfg)
+    return call.finish(o, dtype), call.finish(lse, acc)
+
+
+def _values(call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q):
+    """The tables, lengths and offsets of a call, checked: ((device?) x 3, batch, table width,
+    host tables, host lengths, host offsets (None where on the device), the grid's bound on a
+    chunk's rows).  Device ones (of q's kind: contiguous int32 of their shapes) are not read."""
+    tables_h = cq = None
     dev_t, dev_l, dev_c = (_on_device(call, x, n) for x, n in ((block_tables, "block_tables"),
                                                                   (seq_lens, "seq_lens"),
                                                                   (cu_seqlens_q, "cu_seqlens_q")))
@@ -169,10 +194,7 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
         else:
             tables_h, lens_h = check_paged_lengths(tables_h, lens_h, B, nb, bs)
         max_blocks = int(tables_h.shape[1])
-    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer))
-                                     or not 0 <= max_seqlen_q <= total_q):
-        raise ValueError(f"max_seqlen_q: expected None or an integer in [0, total_q = {total_q}], got "
-                         f"{max_seqlen_q!r}")
+    check_max_seqlen(max_seqlen_q, total_q)
     if dev_c:
         _device_ints(cu_seqlens_q, "cu_seqlens_q", (B + 1,))
         longest = total_q if max_seqlen_q is None else int(max_seqlen_q)   # not read: the caller's bound
@@ -181,20 +203,14 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
         longest = int(np.diff(cq).max(initial=0))
         if max_seqlen_q is not None and max_seqlen_q < longest:
             raise ValueError(f"max_seqlen_q: {max_seqlen_q} is shorter than the longest chunk, {longest} rows")
-    acc = cv.accum_dtype(dtype).name
-    cfg = config.resolve(d, device_info()["smem_optin"], total_q / max(B, 1))   # the mean chunk: shapes only
-    with on_stream(call.stream_ptr()):
-        qd = unit_rows(call.to_device(q, "q"))
-        kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
-        o, lse = call.empty((total_q, Hq, d), dtype), call.empty((Hq, total_q), acc)
-        if B and total_q and longest:
-            tables_d = block_tables if dev_t else call.constant(_table_or_one(tables_h))
-            lens_d = seq_lens if dev_l else call.constant(lens_h.astype(np.int32))
-            cu_d = cu_seqlens_q if dev_c else call.constant(cq.astype(np.int32))
-            launch_paged_prefill(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, dtype=dtype, page_size=bs,
-                                 max_blocks=max(max_blocks, 1), longest=longest, scale=scale, causal=causal,
-                                 config=cfg)
-    return call.finish(o, dtype), call.finish(lse, acc)
+    return (dev_t, dev_l, dev_c), B, max_blocks, tables_h, lens_h, cq, longest
+
+
+def check_max_seqlen(max_seqlen_q, total_q):
+    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer))
+                                     or not 0 <= max_seqlen_q <= total_q):
+        raise ValueError(f"max_seqlen_q: expected None or an integer in [0, total_q = {total_q}], got "
+                         f"{max_seqlen_q!r}")
 
 
 def _host_lengths(lens_h, batch, cap):
@@ -227,9 +243,23 @@ def launch_paged_prefill(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, dtype, p
     smem = config.smem_bytes(d)
     rec = REGISTRY.get("paged_prefill", config.version)
     fn = function(rec.file, rec.kernel, defines, smem)
-    grid = (-(-int(longest) // config.block_q), Hq, B)
+    grid = prefill_grid(config, tile_rows_per_token(rec, Hq // kp.shape[2]), int(longest), Hq, B)
     fn(grid, (config.threads(),), rec.args(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, max_blocks=max_blocks,
                                            scale=scale, causal=causal), shared_mem=smem)
+
+
+def tile_rows_per_token(record, group: int) -> int:
+    """The Q-tile rows one chunk token fills: 1 where a block serves one query head (v1), the
+    group g where the record packs the g query heads of a KV head into the tile's rows
+    (``extra["packs_heads"]``: v2)."""
+    return group if record.extra.get("packs_heads") else 1
+
+
+def prefill_grid(config, rows_per_token: int, longest: int, heads_q: int, batch: int) -> tuple:
+    """The launch grid (Q tile, head, sequence) for chunks of at most ``longest`` rows: a tile
+    covers Br packed rows, ``rows_per_token`` a token; the head axis is the query heads (one
+    a block) or, where the g query heads of a KV head share a tile, the KV heads."""
+    return (-(-longest * rows_per_token // config.block_q), heads_q // rows_per_token, batch)
 
 
 def prefill_args(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, max_blocks, scale, causal) -> tuple:
