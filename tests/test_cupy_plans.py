@@ -530,12 +530,17 @@ def test_the_paged_prefill_plan_launches_what_the_eager_call_launches(result):
     others); a layer loop passes each layer's pools and the same device values; calls the plan
     cannot take (NumPy pools, pools whose rows the eager call copies) run eagerly, uncached."""
     pre = {label: c for label, c in result["cases"].items() if label.startswith("prefill")}
-    assert len(pre) >= 48 and all(c["hit"] for c in pre.values())
+    assert len(pre) >= 64 and all(c["hit"] for c in pre.values())
     names = {c["second"][0]["name"] for c in pre.values()}
     assert names == {f"paged_prefill_{v}" for v in __import__("iokernels").cupy_raw.REGISTRY.versions("paged_prefill")}
     dev = [c for label, c in pre.items() if "['cupy', 'cupy', 'cupy']" in label]
     assert dev and all(c["second"][0]["args"][3:6] == ["tables", "lens", "cu"] for c in dev)   # used in place
     assert result["prefill layers"] == [["q", "k", "v", "tables", "lens", "cu"]] * 3
+    # v2 packs the 4 query heads of a KV head into a tile's rows: 40 rows x 4 heads over 64-row
+    # tiles, a block a KV head; v1 a block a query head
+    grids = {v: pre[f"prefill PagedPrefillConfig(version='{v}', num_warps=None, block_k=None) {{}} "
+                    "['cupy', 'cupy', 'cupy'] 40"]["second"][0]["grid"] for v in ("v1", "v2")}
+    assert grids == {"v1": [1, 8, 2], "v2": [3, 2, 2]}
     assert result["prefill eager"] and result["prefill empty"]
 
 

@@ -102,6 +102,9 @@ paged_prefill         v1       paged_prefill_v1.cu  10    fa_v2's tensor-core fo
                                                           tiles of several cache blocks read through the block
                                                           table, bottom-right causal per sequence, one launch
                                                           for a packed batch of chunks
+paged_prefill         v2       paged_prefill_v2.cu  5     v1 with the g query heads of a KV head packed into
+                                                          the Q tile's rows (pack_gqa): a block a KV head
+                                                          reads each K/V tile once for all g heads
 paged_gather          v1       paged_gather.cu      10    16-byte chunks through the block table, one output
                                                           chunk a thread (coalesced stores), a grid-stride
                                                           loop over the sequence
