@@ -1,8 +1,8 @@
 """Every GPU op of the CuPy backend captured in a CUDA graph replays bit for bit like eager calls.
 
 For attention, decode, paged decode, paged prefill, paged gather, the backward and MLA decode
-(each through its plan in :data:`iokernels.cupy_raw.PLANS` where it has one; the gather,
-backward and MLA tests assert that their plan was the one captured, and pinned): the call is
+(each through its plan in :data:`iokernels.cupy_raw.PLANS` where it has one; the paged
+prefill, gather, backward and MLA tests assert that their plan was the one captured, and pinned): the call is
 warmed up on a side stream (what ``torch.cuda.graph`` asks for: plans, compiled kernels and
 workspaces exist before capture), captured under ``torch.cuda.graph``, then the inputs are
 rewritten in place and the graph replayed; its outputs must equal, bit for bit, an eager

@@ -94,6 +94,9 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
     ``max_seqlen_q`` (as FlashAttention's varlen calls take it): the longest chunk, which sizes
     the grid when cu_seqlens_q is a device array (None: total_q, the most a chunk can hold, so
     the blocks of shorter chunks exit at once); with host offsets it is read from them.
+    Through :func:`iokernels.cupy_raw.paged_prefill_pools`, device q and pools take a plan made
+    once per shape (:class:`iokernels.cupy_raw.PagedPrefillPlan`: the checks, the config and
+    the compiled kernel once; a repeat call compares one key and launches).
     """
     _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
     _check_q(q, Hkv, d, dtype)
