@@ -79,10 +79,10 @@ def _jobs():
         jobs.append((f"bwd_v2 {dtype} d={d} {kw}", "bwd_v2",
                      cr.BackwardConfig("v2", **kw).defines(d, dtype, smem), arch))
 
-    def pp(dtype, d, arch, page_size=16, vec_io=True, smem=None, **kw):
-        cfg = cr.PagedPrefillConfig("v1", **kw).resolve(d, smem)
-        jobs.append((f"paged_prefill_v1 {dtype} d={d} page={page_size} vec={vec_io} {kw}", "paged_prefill_v1",
-                     cfg.defines(d, dtype, page_size, vec_io), arch))
+    def pp(dtype, d, arch, page_size=16, vec_io=True, smem=None, version="v1", **kw):
+        cfg = cr.PagedPrefillConfig(version, **kw).resolve(d, smem)
+        jobs.append((f"paged_prefill_{version} {dtype} d={d} page={page_size} vec={vec_io} {kw}",
+                     f"paged_prefill_{version}", cfg.defines(d, dtype, page_size, vec_io), arch))
 
     for arch in ARCHS:
         pp("float16", 128, arch, smem=64 * 1024 if arch == 75 else None)   # sm_75: Bc shrunk to fit 64 KB
@@ -90,6 +90,10 @@ def _jobs():
         if arch >= 80:
             pp("bfloat16", 128, arch, num_warps=8)                       # long chunks: Br = 128
             pp("bfloat16", 64, arch, page_size=7, vec_io=False)          # odd page size, element copies
+            # v2 (GQA packed into the tile's rows) from sm_80, where it is offered
+            pp("float16", 128, arch, version="v2")
+            pp("bfloat16", 64, arch, version="v2", num_warps=8)
+            pp("float16", 64, arch, page_size=7, vec_io=False, version="v2", num_warps=2, block_k=16)
         bwd("float32", 128, arch)
         bwd2("float16", 128, arch)
         bwd2("float16", 64, arch, deterministic=True)
@@ -232,8 +236,9 @@ def test_candidates_refuse_what_they_cannot_run(tmp_path):
         assert rc != 0 and words in err, (bad, err[:300])
     dp = cr.PagedPrefillConfig("v1").resolve(64).defines(64, "float16", 16)
     for bad, words in ((dict(IK_DTYPE=0), "16-bit tensor-core kernel"), (dict(BLOCK_K=24), "multiple of 16")):
-        rc, err = _compile(tmp_path, "paged_prefill_v1", dict(dp, **bad), 90)
-        assert rc != 0 and words in err, (bad, err[:300])
+        for name in ("paged_prefill_v1", "paged_prefill_v2"):
+            rc, err = _compile(tmp_path, name, dict(dp, **bad), 90)
+            assert rc != 0 and words in err, (name, bad, err[:300])
 
 
 #: every decode kernel file and the config that passes its defines (none has a default in the .cu)
@@ -245,10 +250,11 @@ _DECODE_DEFINES = {
     "decode_v5": lambda: cr.DecodeConfig("v5").defines(128, "float16", 4, True, 16, kv="int8"),
     "decode_v6": lambda: cr.DecodeConfig("v6").defines(128, "float16", 32, True, 16),
     "paged_prefill_v1": lambda: cr.PagedPrefillConfig("v1").resolve(128).defines(128, "float16", 16),
+    "paged_prefill_v2": lambda: cr.PagedPrefillConfig("v2").resolve(128).defines(128, "float16", 16),
 }
 
 
-@pytest.mark.parametrize("name", ["decode_v4", "decode_v5", "decode_v6", "paged_prefill_v1"])
+@pytest.mark.parametrize("name", ["decode_v4", "decode_v5", "decode_v6", "paged_prefill_v1", "paged_prefill_v2"])
 def test_a_missing_define_is_a_compile_error_naming_it(tmp_path, name):
     """decode v4 to v6 and the paged prefill hold no tuning defaults: every define the config
     passes is needed, and leaving one out is an #error that names it."""
@@ -260,14 +266,15 @@ def test_a_missing_define_is_a_compile_error_naming_it(tmp_path, name):
         assert rc != 0 and f"-D{key} is missing" in err, (name, key, err[:300])
 
 
-def test_paged_prefill_defaults_stay_in_registers(tmp_path):
-    """ptxas -v: paged_prefill_v1 at its default tiles (d = 64, 128; both dtypes; 4 and 8 warps) on
-    sm_80 and sm_90 uses no local memory."""
-    jobs = [(cr.PagedPrefillConfig("v1").resolve(d, None, rows).defines(d, dt, 16), arch)
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_paged_prefill_defaults_stay_in_registers(tmp_path, version):
+    """ptxas -v: paged_prefill_v1 and v2 at their default tiles (d = 64, 128; both dtypes; 4 and 8
+    warps) on sm_80 and sm_90 use no local memory."""
+    jobs = [(cr.PagedPrefillConfig(version).resolve(d, None, rows).defines(d, dt, 16), arch)
             for d in (64, 128) for dt in ("float16", "bfloat16") for arch in (80, 90) for rows in (1, 4096)]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda j: _compile(tmp_path, "paged_prefill_v1", j[0], j[1], ("-Xptxas", "-v")),
-                                jobs))
+        results = list(pool.map(lambda j: _compile(tmp_path, f"paged_prefill_{version}", j[0], j[1],
+                                                   ("-Xptxas", "-v")), jobs))
     for (defines, arch), (rc, err) in zip(jobs, results):
         assert rc == 0, err[:400]
         frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)

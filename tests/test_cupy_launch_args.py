@@ -182,7 +182,8 @@ FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split":
          "decode_split_v4": "decode_v4", "decode_split_v5": "decode_v5", "decode_split_v6": "decode_v6",
          "decode_split_v4_loads": "decode_v4_loads",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
-         "bwd_v2_main": "bwd_v2", "mla_decode": "mla_decode", "paged_prefill_v1": "paged_prefill_v1"}
+         "bwd_v2_main": "bwd_v2", "mla_decode": "mla_decode", "paged_prefill_v1": "paged_prefill_v1",
+         "paged_prefill_v2": "paged_prefill_v2"}
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +328,19 @@ def test_paged_prefill_launch_geometry(launches):
             assert launches[f"prefill pools bound v1 {dt} {d}"][0]["grid"] == [1, 8, 3]
     assert "paged_prefill None float32 128" not in launches and "prefill pools v1 float32 128" not in launches
     assert "paged_prefill v1 float16 59" not in launches                       # head dims 64 and 128 only
+
+
+def test_paged_prefill_v2_launch_geometry(launches):
+    """paged_prefill_v2: the 4 query heads of a KV head packed into a tile's rows, so the grid is
+    (tiles of the longest chunk's rows x 4, KV heads, sequences), the kernel's arguments v1's."""
+    for dt in ("float16", "bfloat16"):
+        for d in (128, 64):
+            ls = launches[f"paged_prefill v2 {dt} {d}"]
+            assert [L["name"] for L in ls] == ["paged_prefill_v2"]
+            assert ls[0]["grid"] == [3, 2, 3] and ls[0]["block"] == [128]      # 45 x 4 = 180 rows: 3 tiles of 64
+            assert launches[f"prefill pools v2 {dt} {d}"][0]["grid"] == [3, 2, 2]          # 38 x 4 rows
+            assert launches[f"prefill pools bound v2 {dt} {d}"][0]["grid"] == [3, 2, 3]
+            assert ls[0]["args"][8:] == launches[f"paged_prefill v1 {dt} {d}"][0]["args"][8:]
 
 
 def test_mla_launch_geometry(launches):

@@ -93,9 +93,10 @@ def test_the_sanitizer_runs_it_with_its_variants():
     variant tiles are valid configs."""
     from iokernels.cupy_raw import sanitize as S
     assert set(REGISTRY.ops()) <= set(S.RUNNERS)
-    for kw in S.VARIANTS[("paged_prefill", "v1")]:
-        cfg = PagedPrefillConfig("v1", **kw).resolve(128, 227 * 1024)
-        assert cfg.block_k % 16 == 0 and cfg.num_warps in (2, 4, 8)
+    for version in REGISTRY.versions("paged_prefill"):             # v2 next to v1, with the same tiles
+        for kw in S.VARIANTS[("paged_prefill", version)]:
+            cfg = PagedPrefillConfig(version, **kw).resolve(128, 227 * 1024)
+            assert cfg.block_k % 16 == 0 and cfg.num_warps in (2, 4, 8) and cfg.version == version
 
 
 def test_need_counts_the_group_from_pools():
@@ -138,6 +139,45 @@ def test_a_bad_config_raises_naming_config(rng):
         ik.paged_prefill(q, cache, sids, cq, backend="cupy", config=ik.TileConfig(16, 16))
     with pytest.raises(ValueError, match="config.num_warps"):
         PagedPrefillConfig("v1", num_warps=3)
+
+
+def test_v2_is_registered_but_not_the_default():
+    """v2 (GQA packed into the Q tile) runs where a config names it; the default stays v1 until
+    the policy's gate says v2 has been measured at v1's speed."""
+    from iokernels.cupy_raw import policy
+    v1, v2 = REGISTRY.get("paged_prefill", "v1"), REGISTRY.get("paged_prefill", "v2")
+    assert v2.file == "paged_prefill_v2.cu" and v2.config_class is PagedPrefillConfig and v2.extra["packs_heads"]
+    assert not policy.PAGED_PREFILL_V2_MEASURED and v2.rank < v1.rank
+    assert policy.paged_prefill_v2_rank(v1.rank, measured=True) > v1.rank > policy.paged_prefill_v2_rank(v1.rank)
+    for dtype in ("float16", "bfloat16"):
+        for d in (64, 128):
+            for cc in (80, 90):
+                n = Need(dtype=dtype, head_dim=d, cc=cc, extra={"smem": 227 * 1024, "group": 4})
+                assert REGISTRY.default("paged_prefill", n).version == "v1"
+                assert v2.unavailable(n) is None
+    q, pool = np.zeros((5, 8, 64), np.float16), np.zeros((4, 16, 2, 64), np.float16)
+    spec, cfg = REGISTRY.resolve("paged_prefill", PagedPrefillConfig("v2"), need("paged_prefill", q=q, k=pool, v=pool))
+    assert spec is v2 and cfg.version == "v2"
+    assert v2.unavailable(Need(dtype="float32", head_dim=128, cc=90, extra={}))    # v1's limits, said the same way
+
+
+def test_v2_config_validation():
+    assert PagedPrefillConfig("v2", num_warps=2, block_k=16).resolve(128, 227 * 1024).block_q == 32
+    for bad, name in ((dict(version="v3"), "config.version"), (dict(version="v2", num_warps=3), "config.num_warps"),
+                      (dict(version="v2", block_k=24), "config.block_k")):
+        with pytest.raises(ValueError, match=name):
+            PagedPrefillConfig(**bad)
+
+
+def test_the_grid_packs_the_group_into_the_tile_for_v2():
+    """v1: a block a (Q tile, query head); v2: a block a (Q tile of packed rows, KV head)."""
+    from iokernels.cupy_raw.paged_prefill import prefill_grid, tile_rows_per_token
+    v1, v2 = REGISTRY.get("paged_prefill", "v1"), REGISTRY.get("paged_prefill", "v2")
+    cfg = PagedPrefillConfig("v2", num_warps=4, block_k=64)                 # Br = 64
+    assert [tile_rows_per_token(r, 4) for r in (v1, v2)] == [1, 4]
+    assert prefill_grid(cfg, 1, 37, 8, 3) == (1, 8, 3)
+    assert prefill_grid(cfg, 4, 37, 8, 3) == (3, 2, 3)                      # 148 packed rows, 2 KV heads
+    assert prefill_grid(cfg, 3, 1, 6, 2) == (1, 2, 2)                       # a decode row: g rows of one tile
 
 
 # =========================================================================== GPU
@@ -278,3 +318,109 @@ def test_device_tables_lengths_and_offsets_are_used_in_place():
     got = json.loads(r.stdout)
     assert got["same"] and got["uploads"] == [] and got["grid"] == [1, 8, 2]
     assert got["host_uploads"] == ["ndarray"]               # the check that the count sees uploads
+
+
+# =========================================================================== GPU: v2
+#: v2's head layouts: MHA (g = 1), GQA 8/2 (g = 4), 16/2 (g = 8) and 6/2 (g = 3, no divisor of a
+#: tile's rows: a token's heads straddle two warps or two tiles)
+V2_HEADS = ((4, 4), (8, 2), (16, 2), (6, 2))
+V2 = PagedPrefillConfig("v2")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", V2_HEADS, ids=["g1", "g4", "g8", "g3"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", range(len(RAGGED)))
+def test_v2_matches_the_oracle(rng, dtype, d, heads, causal, case):
+    lens, chunks = RAGGED[case]
+    cache, sids, cq, q = _case(rng, lens, chunks, *heads, d, dtype)
+    o, lse = ik.paged_prefill(q, cache, sids, cq, causal=causal, backend="cupy", return_lse=True, config=V2)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (heads[0], q.shape[0])
+    _check(o, lse, q, cache, sids, cq, dtype, causal, f"cupy paged prefill v2 {dtype} d={d} {heads} causal={causal}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config", [PagedPrefillConfig("v2", num_warps=2, block_k=16),
+                                    PagedPrefillConfig("v2", num_warps=8, block_k=128),
+                                    PagedPrefillConfig("v2", num_warps=1, block_k=32)], ids=str)
+@pytest.mark.parametrize("heads", [(16, 2), (6, 2)], ids=["g8", "g3"])
+def test_v2_other_tiles_and_an_odd_block_size(rng, config, heads):
+    """Tiles other than the default over blocks of 7 keys; a 16-row tile holds 2 tokens of 8 heads."""
+    cache, sids, cq, q = _case(rng, (301, 45, 5), (37, 45, 1), *heads, 128, "bfloat16", block_size=7)
+    o, lse = ik.paged_prefill(q, cache, sids, cq, backend="cupy", config=config, return_lse=True)
+    _check(o, lse, q, cache, sids, cq, "bfloat16", True, f"cupy paged prefill {config} {heads}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads", [(8, 2), (16, 2)], ids=["g4", "g8"])
+def test_v2_chunked_appends(rng, heads):
+    """A chunked prefill: two prompts appended chunk by chunk (chunks of 37 and 16 rows, each
+    shorter than what is cached by then, the last one ragged); after each append the chunk
+    attends to the whole cache, checked against the oracle."""
+    hq, hkv = heads
+    d, dtype = 128, "float16"
+    cache = PagedKVCache(40, 16, num_kv_heads=hkv, head_dim=d, dtype=testing.numpy_dtype(dtype))
+    sids = [cache.new_sequence(), cache.new_sequence()]
+    prompts = (150, 70)
+    steps = ((37, 16), (37, 16), (37, 16), (37, 16), (2, 6))              # sums: 150 and 70
+    for chunk in steps:
+        for sid, m in zip(sids, chunk):
+            cache.append(sid, *(rng.standard_normal((m, hkv, d)).astype(cache.dtype) for _ in range(2)))
+        cq = np.array([0, chunk[0], chunk[0] + chunk[1]], np.int32)
+        q = rng.standard_normal((int(cq[-1]), hq, d)).astype(cache.dtype)
+        o, lse = ik.paged_prefill(q, cache, sids, cq, backend="cupy", return_lse=True, config=V2)
+        _check(o, lse, q, cache, sids, cq, dtype, True, f"v2 chunk {chunk} of {prompts}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("heads", [(8, 2), (6, 2), (4, 4)], ids=["g4", "g3", "g1"])
+def test_v2_gives_v1s_bits_without_a_mask(rng, heads):
+    """The same tiles, not causal: each row's arithmetic is v1's (the same K tiles in the same
+    order, the same mma per row), so O and LSE equal v1's bit for bit.  (Causal, a v2 tile may
+    stop at an earlier K tile than v1's, which only skips tiles its rows cannot see; the oracle
+    tests above hold it by the 2x rule.)"""
+    cache, sids, cq, q = _case(rng, (301, 45, 5, 1, 200, 133), (37, 45, 5, 1, 128, 1), *heads, 128, "bfloat16")
+    for nw, bk in ((4, 64), (2, 16)):
+        o1, l1 = ik.paged_prefill(q, cache, sids, cq, causal=False, backend="cupy", return_lse=True,
+                                  config=PagedPrefillConfig("v1", num_warps=nw, block_k=bk))
+        o2, l2 = ik.paged_prefill(q, cache, sids, cq, causal=False, backend="cupy", return_lse=True,
+                                  config=PagedPrefillConfig("v2", num_warps=nw, block_k=bk))
+        assert np.array_equal(o1.view(np.uint16), o2.view(np.uint16)) and np.array_equal(l1, l2), (nw, bk)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_v2_device_pools_through_the_plan(rng, lib):
+    """Device pools, tables, lengths and offsets: the planned v2 call (the public
+    paged_prefill_pools) equals the eager launcher bit for bit and the oracle by the 2x rule."""
+    if lib == "torch" and not torch_gpu():
+        pytest.skip("torch sees no CUDA GPU")
+    import importlib
+
+    import cupy
+    from iokernels.cupy_raw import PLANS, PagedPrefillPlan
+    eager = importlib.import_module("iokernels.cupy_raw.paged_prefill")
+    cache, sids, cq, q = _case(rng, (301, 45, 5, 1), (37, 45, 5, 1), 16, 2, 64, "float16")
+    tables, lens = cache.block_tables_array(sids)
+    if lib == "cupy":
+        to = cupy.asarray
+    else:
+        import torch
+
+        def to(a):
+            return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+    args = [to(x) for x in (q, cache.k_pool, cache.v_pool, tables.astype(np.int32), lens.astype(np.int32), cq)]
+    o, lse = paged_prefill_pools(*args, config=V2, max_seqlen_q=45)
+    assert any(isinstance(p, PagedPrefillPlan) and p.config.version == "v2" for p in PLANS._plans.values())
+    o_e, lse_e = eager.paged_prefill_pools(*args, config=V2, max_seqlen_q=45)
+    host = testing.as_numpy
+    assert np.array_equal(host(o), host(o_e)) and np.array_equal(host(lse), host(lse_e))
+    _check(host(o), host(lse), q, cache, sids, cq, "float16", True, f"{lib} pools v2")
+    cupy.cuda.Device().synchronize()

@@ -23,7 +23,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 #: Python calls inside iokernels/ a cached call may make (a hit: key, plan.run, pack, launch)
 HIT_CALL_BOUND = {"ik.decode": 40, "ik.attention": 35, "plan.run": 36, "pools": 48, "pools quant": 56,
-                  "hopper": 35, "gather": 40, "backward": 50, "backward plan.run": 42, "mla": 40, "mla paged": 45}
+                  "hopper": 35, "gather": 40, "backward": 50, "backward plan.run": 42, "mla": 40, "mla paged": 45,
+                  "prefill": 38, "prefill plan.run": 32}
 
 DRIVER = r'''
 import importlib, json, os, sys
@@ -247,6 +248,37 @@ nkv = cupy.ndarray(np.lib.stride_tricks.as_strided(np.zeros(8, np.float16), (3, 
 out["mla no rows"] = [launches(lambda: cr.mla_decode(mq, nkv), {}) == [] == launches(lambda: M.mla_decode(mq, nkv), {}),
                       float(cr.mla_decode(mq, nkv)[1].get().max()) == -np.inf]
 
+# the paged prefill: device, host and mixed tables / lengths / offsets, the grid's bound, settings,
+# every registered version; a layer loop over other pools of the same shape reuses one plan
+PP = importlib.import_module("iokernels.cupy_raw.paged_prefill")
+ppool = [arr(20, 16, 2, 64), arr(20, 16, 2, 64)]
+pq = arr(50, 8, 64)
+ptab, plen, pcu = (np.array([[3, 1, 4, 9], [2, 6, 5, 0]], np.int32), np.array([60, 20], np.int32),
+                   np.array([0, 40, 50], np.int32))
+dptab, dplen, dpcu = (cupy.asarray(x) for x in (ptab, plen, pcu))
+io_pp = dict(q=pq, k=ppool[0], v=ppool[1], tables=dptab, lens=dplen, cu=dpcu)
+pp_versions = [cr.PagedPrefillConfig(v) for v in cr.REGISTRY.versions("paged_prefill")]
+for cfg in [None, cr.PagedPrefillConfig("v1", num_warps=2, block_k=16)] + pp_versions:
+    for kw in (dict(), dict(causal=False, scale=0.2)):
+        for vals in ((dptab, dplen, dpcu), (ptab, plen, pcu), (dptab, plen, pcu), (ptab, plen, dpcu)):
+            for m in (None, 40):
+                kw_ = dict(kw, config=cfg, max_seqlen_q=m)
+                case(f"prefill {cfg} {kw} {[type(x).__module__ for x in vals]} {m}",
+                     lambda: PP.paged_prefill_pools(pq, *ppool, *vals, **kw_),
+                     lambda: cr.paged_prefill_pools(pq, *ppool, *vals, **kw_), io_pp)
+layers = [[arr(20, 16, 2, 64), arr(20, 16, 2, 64)] for _ in range(3)]
+pplan = cr.PagedPrefillPlan(pq, *layers[0], dptab, dplen, dpcu, max_seqlen_q=40)
+out["prefill layers"] = [launches(lambda: pplan.run(pq, *lay, dptab, dplen, dpcu, max_seqlen_q=40),
+                                  dict(q=pq, k=lay[0], v=lay[1], tables=dptab, lens=dplen, cu=dpcu))[0]["args"][:6]
+                         for lay in layers]
+wpool = arr(20, 16, 2, 128)[..., ::2]                                           # rows the eager call copies
+n_plans = len(cr.PLANS)
+for args_ in ((pq, wpool, wpool, dptab, dplen, dpcu), (pq, ppool[0].get(), ppool[1].get(), dptab, dplen, dpcu)):
+    cr.paged_prefill_pools(*args_)
+out["prefill eager"] = len(cr.PLANS) == n_plans
+out["prefill empty"] = launches(lambda: cr.paged_prefill_pools(pq[:0], *ppool, dptab, dplen,
+                                                               cupy.asarray(np.zeros(3, np.int32))), {}) == []
+
 # a bad call of the new plans: the same ValueError on a hit (a plan of its key, or of the shapes,
 # is cached), on a miss (an empty cache) and from the eager path; the cache is unchanged either way
 out["bad"] = {}
@@ -300,6 +332,23 @@ bad("backward config", lambda: cr.attention_backward(fdo, fq, fk, fv, fo, flse, 
     lambda: Bk.attention_backward(fdo, fq, fk, fv, fo, flse, config=cr.DecodeConfig()))
 bad("backward lse", lambda: cr.attention_backward(fdo, fq, fk, fv, fo, flse.view(np.int32)), None)
 
+bad("prefill block_tables", lambda: cr.paged_prefill_pools(pq, *ppool, ptab + 17, plen, pcu),
+    lambda: PP.paged_prefill_pools(pq, *ppool, ptab + 17, plen, pcu))
+bad("prefill seq_lens", lambda: cr.paged_prefill_pools(pq, *ppool, ptab, plen * 2, pcu),
+    lambda: PP.paged_prefill_pools(pq, *ppool, ptab, plen * 2, pcu))
+bad("prefill cu_seqlens_q", lambda: cr.paged_prefill_pools(pq, *ppool, ptab, np.array([30, 20], np.int32), pcu),
+    lambda: PP.paged_prefill_pools(pq, *ppool, ptab, np.array([30, 20], np.int32), pcu))
+bad("prefill max_seqlen_q", lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=51),
+    lambda: PP.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=51))
+bad("prefill max_seqlen_q short", lambda: cr.paged_prefill_pools(pq, *ppool, ptab, plen, pcu, max_seqlen_q=39),
+    lambda: PP.paged_prefill_pools(pq, *ppool, ptab, plen, pcu, max_seqlen_q=39))
+bad("prefill causal", lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, causal="yes"),
+    lambda: PP.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, causal="yes"), hit=False)
+bad("prefill cu_seqlens_q device", lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu[:2]),
+    lambda: PP.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu[:2]), hit=False)
+bad("prefill q", lambda: cr.paged_prefill_pools(arr(50, 3, 64), *ppool, dptab, dplen, dpcu),
+    lambda: PP.paged_prefill_pools(arr(50, 3, 64), *ppool, dptab, dplen, dpcu), hit=False)
+
 # a bad call raises naming the argument, and leaves the cache as it was
 n = len(cr.PLANS)
 for label, fn in (("k", lambda: cr.decode(q[:, :3], k, v)), ("seq_lens", lambda: cr.decode(q, k, v, seq_lens=[1, 2])),
@@ -337,13 +386,18 @@ plans = dict(gather=cr.GatherPlan(*pools, gt, 70), gather_host=cr.GatherPlan(*po
              mla_host=cr.MLADecodePlan(mq, mkv, seq_lens=mlens), gather_strided=cr.GatherPlan(*strided, gt, 70),
              backward_strided=cr.BackwardPlan(fdo, wq, fk, fv, fo, flse),
              mla_paged=cr.PagedMLADecodePlan(mq, mpool, mdt, mdpl),
-             mla_paged_host=cr.PagedMLADecodePlan(mq, mpool, mtab, mplens))
+             mla_paged_host=cr.PagedMLADecodePlan(mq, mpool, mtab, mplens),
+             prefill=cr.PagedPrefillPlan(pq, *ppool, dptab, dplen, dpcu),
+             prefill_host=cr.PagedPrefillPlan(pq, *ppool, ptab, plen, pcu),
+             prefill_mixed=cr.PagedPrefillPlan(pq, *ppool, dptab, plen, dpcu))
 calls = dict(gather=lambda p: p.run(*pools, gt, 70), gather_host=lambda p: p.run(*pools, ht, 70),
              gather_strided=lambda p: p.run(*strided, gt, 70),
              backward_strided=lambda p: p.run(fdo, wq, fk, fv, fo, flse),
              mla_paged=lambda p: p.run(mq, mpool, mdt, mdpl), mla_paged_host=lambda p: p.run(mq, mpool, mtab, mplens),
              backward=lambda p: p.run(fdo, fq, fk, fv, fo, flse), mla=lambda p: p.run(mq, mkv, mdl),
-             mla_host=lambda p: p.run(mq, mkv, mlens))
+             mla_host=lambda p: p.run(mq, mkv, mlens), prefill=lambda p: p.run(pq, *ppool, dptab, dplen, dpcu),
+             prefill_host=lambda p: p.run(pq, *ppool, ptab, plen, pcu),
+             prefill_mixed=lambda p: p.run(pq, *ppool, dptab, plen, dpcu))
 out["capture"] = {}
 for name, plan_ in plans.items():
     try:
@@ -364,6 +418,8 @@ count("gather", lambda: cr.gather_pools(*pools, gt, 70))
 count("backward", lambda: ik.attention_backward(fdo, fq, fk, fv, fo, flse, causal=True, backend="cupy"))
 bplan = cr.BackwardPlan(fdo, fq, fk, fv, fo, flse, config=cr.BackwardConfig(deterministic=True))
 count("backward plan.run", lambda: bplan.run(fdo, fq, fk, fv, fo, flse))
+count("prefill", lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40))
+count("prefill plan.run", lambda: pplan.run(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40))
 print(json.dumps(out))
 '''
 
@@ -496,3 +552,30 @@ def test_a_hit_costs_few_python_calls(result):
     for label, bound in HIT_CALL_BOUND.items():
         assert 0 < result["calls"][label] <= bound, (label, result["calls"][label])
         assert not NOT_ON_A_HIT & set(result["names"][label]), (label, NOT_ON_A_HIT & set(result["names"][label]))
+
+
+def test_the_paged_prefill_plan_launches_what_the_eager_call_launches(result):
+    """Every registered version, device / host / mixed tables, lengths and offsets, the grid's
+    bound: the cached launch equals the eager one argument by argument (checked above with the
+    others); a layer loop passes each layer's pools and the same device values; calls the plan
+    cannot take (NumPy pools, pools whose rows the eager call copies) run eagerly, uncached."""
+    pre = {label: c for label, c in result["cases"].items() if label.startswith("prefill")}
+    assert len(pre) >= 64 and all(c["hit"] for c in pre.values())
+    names = {c["second"][0]["name"] for c in pre.values()}
+    assert names == {f"paged_prefill_{v}" for v in __import__("iokernels").cupy_raw.REGISTRY.versions("paged_prefill")}
+    dev = [c for label, c in pre.items() if "['cupy', 'cupy', 'cupy']" in label]
+    assert dev and all(c["second"][0]["args"][3:6] == ["tables", "lens", "cu"] for c in dev)   # used in place
+    assert result["prefill layers"] == [["q", "k", "v", "tables", "lens", "cu"]] * 3
+    # v2 packs the 4 query heads of a KV head into a tile's rows: 40 rows x 4 heads over 64-row
+    # tiles, a block a KV head; v1 a block a query head
+    grids = {v: pre[f"prefill PagedPrefillConfig(version='{v}', num_warps=None, block_k=None) {{}} "
+                    "['cupy', 'cupy', 'cupy'] 40"]["second"][0]["grid"] for v in ("v1", "v2")}
+    assert grids == {"v1": [1, 8, 2], "v2": [3, 2, 2]}
+    assert result["prefill eager"] and result["prefill empty"]
+
+
+def test_under_capture_the_paged_prefill_plan_pins_or_refuses_host_values(result):
+    cap = result["capture"]
+    assert cap["prefill"] is True
+    assert cap["prefill_host"].startswith("block_tables: a CUDA graph reads the tables, lengths and offsets")
+    assert cap["prefill_mixed"].startswith("seq_lens: a CUDA graph reads the tables, lengths and offsets")

@@ -1,8 +1,8 @@
 """Every GPU op of the CuPy backend captured in a CUDA graph replays bit for bit like eager calls.
 
 For attention, decode, paged decode, paged prefill, paged gather, the backward and MLA decode
-(each through its plan in :data:`iokernels.cupy_raw.PLANS` where it has one; the gather,
-backward and MLA tests assert that their plan was the one captured, and pinned): the call is
+(each through its plan in :data:`iokernels.cupy_raw.PLANS` where it has one; the paged
+prefill, gather, backward and MLA tests assert that their plan was the one captured, and pinned): the call is
 warmed up on a side stream (what ``torch.cuda.graph`` asks for: plans, compiled kernels and
 workspaces exist before capture), captured under ``torch.cuda.graph``, then the inputs are
 rewritten in place and the graph replayed; its outputs must equal, bit for bit, an eager
@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not (gpu.cupy_gpu() and gpu.torch_gpu()), reason="needs CuPy and torch CUDA")]
 mla = importlib.import_module("iokernels.cupy_raw.mla")
+paged_prefill = importlib.import_module("iokernels.cupy_raw.paged_prefill")
 DEV = "cuda"
 
 
@@ -140,9 +141,12 @@ def test_quantized_paged_decode_replays_like_eager_with_tables_and_scales_change
     assert planned(cr.PagedDecodePlan)
 
 
-def test_paged_prefill_replays_like_eager_with_tables_lengths_and_offsets_changed_in_place():
+@pytest.mark.parametrize("version", cr.REGISTRY.versions("paged_prefill"))
+def test_paged_prefill_replays_like_eager_with_tables_lengths_and_offsets_changed_in_place(version):
     """The paged prefill over device pools with device tables, lengths and offsets (the grid sized
-    by max_seqlen_q): no host read of them, so the chunks may change between replays."""
+    by max_seqlen_q): no host read of them, so the chunks may change between replays.  The
+    captured call is the planned one (pinned); the eager launcher gives the same bits."""
+    config = cr.PagedPrefillConfig(version)
     B, Hq, Hkv, d, bs, per = 3, 8, 2, 128, 16, 12
     nb = B * per + 5
     q, kp, vp = randn(83, Hq, d), randn(nb, bs, Hkv, d), randn(nb, bs, Hkv, d)
@@ -156,7 +160,43 @@ def test_paged_prefill_replays_like_eager_with_tables_lengths_and_offsets_change
         tables.copy_(torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32))
         lens.copy_(torch.tensor([[100, 35, 190], [64, 150, 13]][r], device=DEV, dtype=torch.int32))
         cu.copy_(torch.tensor([[0, 5, 40, 83], [0, 64, 70, 83]][r], device=DEV, dtype=torch.int32))
-    replay_equals_eager(lambda: cr.paged_prefill_pools(q, kp, vp, tables, lens, cu, max_seqlen_q=64), refill)
+    replay_equals_eager(lambda: cr.paged_prefill_pools(q, kp, vp, tables, lens, cu, max_seqlen_q=64, config=config),
+                        refill)
+    assert planned(cr.PagedPrefillPlan)
+    got = cr.paged_prefill_pools(q, kp, vp, tables, lens, cu, max_seqlen_q=64, config=config)
+    want = paged_prefill.paged_prefill_pools(q, kp, vp, tables, lens, cu, max_seqlen_q=64, config=config)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("version", cr.REGISTRY.versions("paged_prefill"))
+def test_one_paged_prefill_plan_serves_every_layer_of_a_captured_step(version):
+    """One PagedPrefillPlan run for each layer's pools in a captured step; tables, lengths and
+    offsets rewritten in place between replays; a layer's replayed output equals the public call's."""
+    layers, B, Hq, Hkv, d, bs, per = 3, 2, 16, 2, 64, 16, 8
+    nb = B * per + 3
+    qs = [randn(40, Hq, d) for _ in range(layers)]
+    pools = [(randn(nb, bs, Hkv, d), randn(nb, bs, Hkv, d)) for _ in range(layers)]
+    rng = np.random.default_rng(5)
+    tables = torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32)
+    lens = torch.tensor([128, 9], device=DEV, dtype=torch.int32)
+    cu = torch.tensor([0, 31, 40], device=DEV, dtype=torch.int32)
+    config = cr.PagedPrefillConfig(version)
+    plan = cr.PagedPrefillPlan(qs[0], *pools[0], tables, lens, cu, config=config)
+
+    def step():
+        return [x for i in range(layers) for x in plan.run(qs[i], *pools[i], tables, lens, cu)]
+
+    def refill(r):
+        _refill(*qs)(r)
+        tables.copy_(torch.tensor(rng.permutation(nb)[:B * per].reshape(B, per), device=DEV, dtype=torch.int32))
+        lens.copy_(torch.tensor([[40, 128], [1, 100]][r], device=DEV, dtype=torch.int32))
+        cu.copy_(torch.tensor([[0, 1, 40], [0, 1, 40]][r], device=DEV, dtype=torch.int32))
+    replay_equals_eager(step, refill)
+    o, lse = cr.paged_prefill_pools(qs[2], *pools[2], tables, lens, cu, config=config)
+    mine = plan.run(qs[2], *pools[2], tables, lens, cu)
+    torch.cuda.synchronize()
+    assert torch.equal(o, mine[0]) and torch.equal(lse, mine[1])
 
 
 def test_paged_gather_replays_like_eager_with_the_table_changed_in_place():

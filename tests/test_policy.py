@@ -116,6 +116,11 @@ def test_paged_prefill_tiles_keep_4_warps_and_shrink_bc_to_fit():
         C.PagedPrefillConfig("v1", block_k=24)
 
 
+def test_paged_prefill_v2_ranks_below_v1_until_measured():
+    assert not P.PAGED_PREFILL_V2_MEASURED
+    assert P.paged_prefill_v2_rank(10) < 10 < P.paged_prefill_v2_rank(10, measured=True)
+
+
 def test_gather_chunk_is_the_widest_that_divides_rows_and_pointers():
     assert P.gather_chunk_bytes(256, 2, (0, 4096, 8192)) == 16
     assert P.gather_chunk_bytes(24, 2, (0, 4096)) == 8                # 24-byte rows: 8-byte chunks

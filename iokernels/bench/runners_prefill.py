@@ -4,7 +4,8 @@ Each case is B sequences of n cached tokens whose last ``chunk`` tokens are the 
 whole prompt when chunk == n, a chunk of a chunked prefill otherwise).  The contiguous row
 runs the CuPy forward (``ik.attention(..., backend="cupy")``, bottom-right causal) on
 (B, Hq, chunk, d) queries over contiguous (B, Hkv, n, d) K and V; the paged rows run every
-registered version of the CuPy paged prefill on the same values, packed (B * chunk, Hq, d),
+registered version of the CuPy paged prefill (each its own row: v1, and v2 with the g query
+heads of a KV head packed into one tile) on the same values, packed (B * chunk, Hq, d),
 over pools whose blocks are scattered as in a busy server (:func:`.runners.device_pages`),
 with device tables, lengths and offsets (no host copy in a call) and the longest chunk
 passed as ``max_seqlen_q`` (it sizes the grid, as a server's scheduler knows it).  ``speed_vs_contiguous``:

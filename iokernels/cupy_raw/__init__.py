@@ -7,37 +7,38 @@ conversion of inputs and outputs (:mod:`iokernels.core.arrays`).  Read each .cu 
 to the NumPy step it implements (:mod:`iokernels.tiled`, :mod:`iokernels.decode`,
 :mod:`iokernels.paged`).
 
-==============  ================================================================
-module          what it holds
-==============  ================================================================
-config.py       every config class and its constants, re-exported from their homes:
-forward_config  ForwardConfig, fit_config (fa_v1.cu .. fa_v2.cu: sizes, SRAM, defines)
-decode_config   DecodeConfig and the decode kernels' SRAM arithmetic (v6's: decode_v6_config.py)
-backward_config BackwardConfig (bwd_v1.cu, bwd_v2.cu)
-gather_config   GatherConfig (paged_gather.cu)
-mla_config      MLADecodeConfig (mla_decode.cu)
-config_checks   the field checks every config class uses
-policy.py       every choose-a-size rule (decode splits, the v4 block shape, MLA splits)
-launch.py       the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
-forward.py      attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
-decode.py       decode, paged decode: decode.cu, decode_v2.cu .. decode_v6.cu
-decode_launch   the split kernels' launch: what a shape fixes, what a call packs
-gather.py       paged gather: paged_gather.cu
-paged_prefill   paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks
-                (PagedPrefillConfig: paged_prefill_config.py)
-hopper/         the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
-mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
-plans.py        DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
-attention_plan  AttentionPlan (the portable and the Hopper forward)
-backward_plan   BackwardPlan (rowsum, the main loop, finish; dQ atomic or deterministic)
-gather_plan     GatherPlan (the paged gather over device pools)
-mla_plan        MLADecodePlan, PagedMLADecodePlan (MLA decode on Hopper)
-calls.py        the public attention, decode, paged_decode_pools, attention_backward, gather_pools,
-                mla_decode, paged_mla_decode: a cached plan, else eager
-backward.py     attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers)
-registry.py     REGISTRY (every (op, version)), need(), the checks
-sanitize.py     sanitize_cases(): every registered kernel at ragged shapes
-==============  ================================================================
+==================  ================================================================
+module              what it holds
+==================  ================================================================
+config.py           every config class and its constants, re-exported from their homes:
+forward_config      ForwardConfig, fit_config (fa_v1.cu .. fa_v2.cu: sizes, SRAM, defines)
+decode_config       DecodeConfig and the decode kernels' SRAM arithmetic (v6's: decode_v6_config.py)
+backward_config     BackwardConfig (bwd_v1.cu, bwd_v2.cu)
+gather_config       GatherConfig (paged_gather.cu)
+mla_config          MLADecodeConfig (mla_decode.cu)
+config_checks       the field checks every config class uses
+policy.py           every choose-a-size rule (decode splits, the v4 block shape, MLA splits)
+launch.py           the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
+forward.py          attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
+decode.py           decode, paged decode: decode.cu, decode_v2.cu .. decode_v6.cu
+decode_launch       the split kernels' launch: what a shape fixes, what a call packs
+gather.py           paged gather: paged_gather.cu
+paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks
+                    (PagedPrefillConfig: paged_prefill_config.py)
+hopper/             the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
+mla.py              MLA decode (absorbed form) on Hopper: mla_decode.cu
+plans.py            DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
+attention_plan      AttentionPlan (the portable and the Hopper forward)
+backward_plan       BackwardPlan (rowsum, the main loop, finish; dQ atomic or deterministic)
+gather_plan         GatherPlan (the paged gather over device pools)
+mla_plan            MLADecodePlan, PagedMLADecodePlan (MLA decode on Hopper)
+paged_prefill_plan  PagedPrefillPlan (the paged prefill over device pools, every version)
+calls.py            the public attention, decode, paged_decode_pools, attention_backward, gather_pools,
+                    mla_decode, paged_mla_decode, paged_prefill_pools: a cached plan, else eager
+backward.py         attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers)
+registry.py         REGISTRY (every (op, version)), need(), the checks
+sanitize.py         sanitize_cases(): every registered kernel at ragged shapes
+==================  ================================================================
 
 The versions
 ------------
@@ -101,6 +102,9 @@ paged_prefill         v1       paged_prefill_v1.cu  10    fa_v2's tensor-core fo
                                                           tiles of several cache blocks read through the block
                                                           table, bottom-right causal per sequence, one launch
                                                           for a packed batch of chunks
+paged_prefill         v2       paged_prefill_v2.cu  5     v1 with the g query heads of a KV head packed into
+                                                          the Q tile's rows (pack_gqa): a block a KV head
+                                                          reads each K/V tile once for all g heads
 paged_gather          v1       paged_gather.cu      10    16-byte chunks through the block table, one output
                                                           chunk a thread (coalesced stores), a grid-stride
                                                           loop over the sequence
@@ -134,15 +138,15 @@ otherwise one copy is made.
 Plan once, run many times
 -------------------------
 For device arrays, :func:`attention`, :func:`decode`, :func:`paged_decode_pools`,
-:func:`attention_backward`, :func:`gather_pools`, :func:`mla_decode` and
-:func:`paged_mla_decode` (and ``iokernels.attention`` / ``iokernels.decode`` /
-``iokernels.attention_backward`` with ``backend="cupy"``) keep a plan per shape in
+:func:`attention_backward`, :func:`gather_pools`, :func:`mla_decode`,
+:func:`paged_mla_decode` and :func:`paged_prefill_pools` (and ``iokernels.attention`` /
+``iokernels.decode`` / ``iokernels.attention_backward`` with ``backend="cupy"``) keep a plan per shape in
 :data:`PLANS` (:mod:`.plans`): the checks, the version, the compiled kernel, the split count
 and the workspaces are settled on the first call of a shape, and later calls compare one key
 and launch.  :class:`DecodePlan`, :class:`PagedDecodePlan`, :class:`AttentionPlan`,
-:class:`BackwardPlan`, :class:`GatherPlan`, :class:`MLADecodePlan` and
-:class:`PagedMLADecodePlan` are the same plans made by hand, for loops (one plan per decode
-step, reused by every layer).  With device lengths and block tables, a plan's ``run`` neither
+:class:`BackwardPlan`, :class:`GatherPlan`, :class:`MLADecodePlan`,
+:class:`PagedMLADecodePlan` and :class:`PagedPrefillPlan` are the same plans made by hand, for
+loops (one plan per decode step, reused by every layer).  With device lengths and block tables, a plan's ``run`` neither
 synchronizes the host nor copies host memory, so it can be captured in a CUDA graph.
 
 Nothing here touches a GPU at import time; the compiled modules (:mod:`.launch`), the plans
@@ -166,7 +170,8 @@ from .attention_plan import AttentionPlan  # noqa: F401
 from .backward_plan import BackwardPlan  # noqa: F401
 from .gather_plan import GatherPlan  # noqa: F401
 from .mla_plan import MLADecodePlan, PagedMLADecodePlan  # noqa: F401
+from .paged_prefill_plan import PagedPrefillPlan  # noqa: F401
 from .calls import (PLANNED, attention, attention_backward, decode, gather_pools, mla_decode,  # noqa: F401
-                    paged_decode_pools, paged_mla_decode)
-from .paged_prefill import paged_prefill, paged_prefill_pools  # noqa: F401
+                    paged_decode_pools, paged_mla_decode, paged_prefill_pools)
+from .paged_prefill import paged_prefill  # noqa: F401
 from .paged_prefill_config import PagedPrefillConfig  # noqa: F401

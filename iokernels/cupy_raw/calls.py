@@ -1,7 +1,8 @@
 """The CuPy backend's public calls: a cached plan for device arrays, the eager path otherwise.
 
 Each function keeps the signature (and the docstring) of its eager implementation in
-:mod:`.decode`, :mod:`.forward`, :mod:`.backward`, :mod:`.gather` or :mod:`.mla`; device
+:mod:`.decode`, :mod:`.forward`, :mod:`.backward`, :mod:`.gather`, :mod:`.mla` or
+:mod:`.paged_prefill`; device
 arrays (torch CUDA, CuPy) go through :data:`.plans.PLANS` (a hit checks one key and
 launches), NumPy arrays and versions with their own launchers through the eager path, which
 copies NumPy inputs in and out.
@@ -16,10 +17,12 @@ from .forward import attention as eager_attention
 from .gather import gather_pools as eager_gather_pools
 from .mla import mla_decode as eager_mla_decode
 from .mla import paged_mla_decode as eager_paged_mla_decode
+from .paged_prefill import paged_prefill_pools as eager_paged_prefill_pools
 from .attention_plan import cached_attention
 from .backward_plan import cached_attention_backward
 from .gather_plan import cached_gather_pools
 from .mla_plan import cached_mla_decode, cached_paged_mla_decode
+from .paged_prefill_plan import cached_paged_prefill_pools
 from .plans import cached_decode, cached_paged_decode_pools
 
 
@@ -78,6 +81,16 @@ def paged_mla_decode(q, pool, block_tables, seq_lens, *, num_splits=None, scale=
     return out
 
 
+def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal=True, scale=None,
+                        config=None, max_seqlen_q=None):
+    out = cached_paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal,
+                                     scale=scale, config=config, max_seqlen_q=max_seqlen_q)
+    if out is NotImplemented:
+        return eager_paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal,
+                                         scale=scale, config=config, max_seqlen_q=max_seqlen_q)
+    return out
+
+
 attention.__doc__ = eager_attention.__doc__
 decode.__doc__ = eager_decode.__doc__
 paged_decode_pools.__doc__ = eager_paged_decode_pools.__doc__
@@ -85,6 +98,7 @@ attention_backward.__doc__ = eager_attention_backward.__doc__
 gather_pools.__doc__ = eager_gather_pools.__doc__
 mla_decode.__doc__ = eager_mla_decode.__doc__
 paged_mla_decode.__doc__ = eager_paged_mla_decode.__doc__
+paged_prefill_pools.__doc__ = eager_paged_prefill_pools.__doc__
 
 #: op -> its cached call (the public functions of :mod:`iokernels.api` ask it first)
 PLANNED = {"attention": cached_attention, "decode": cached_decode, "attention_backward": cached_attention_backward}

@@ -1,4 +1,4 @@
-"""Prefill on a paged cache in CUDA C++: the launcher of paged_prefill_v1.cu.
+"""Prefill on a paged cache in CUDA C++: the launcher of paged_prefill_v1.cu and paged_prefill_v2.cu.
 
 Read this next to :func:`iokernels.paged_prefill.paged_prefill_tiled` (the NumPy kernel, its
 traffic counted) and :mod:`iokernels.numba_cuda.paged_prefill` (the same grid in Numba).  A
@@ -30,7 +30,14 @@ sequence: chunk row i sees key j iff j <= i + n - n_q; K tiles entirely in the f
 Q tile are never read.  One launch serves every chunk of the batch (grid: Q tile, query
 head, sequence); a block whose chunk has fewer tiles exits.
 
-Limits, frankly: the g query heads of a KV head are g thread blocks, each reading the K/V
+What v2 adds (paged_prefill_v2.cu, the record "v2"): the g query heads of a KV head packed
+into the Q tile's rows (FlashAttention's pack_gqa), so a block a (tile, KV head) reads each K/V
+tile once for all g heads; the grid's head axis is the KV heads and a tile of Br rows covers
+Br / g tokens (:func:`prefill_grid`).  It is not the default until the GPU tests and the
+benchmark have recorded it (:func:`.policy.paged_prefill_v2_rank`);
+``config=PagedPrefillConfig("v2")`` runs it.
+
+Limits of v1, frankly: the g query heads of a KV head are g thread blocks, each reading the K/V
 tiles (L2 can serve the repeats, but they still cost load instructions and L2 bandwidth;
 packing the g heads into one tile's rows is the next idea); a chunk of one row (a decode
 step) still costs a Br-row tile of tensor-core work, so a batch of mostly decode rows is
@@ -39,9 +46,10 @@ record's check says so for others); a quantized cache is not read.  With device 
 tables, lengths and offsets the launch reads none of their values on the host, so the grid
 is sized by ``max_seqlen_q`` when the caller passes it (as FlashAttention's varlen calls
 take it), else by the longest chunk possible (total_q rows), and then most blocks of short
-chunks exit at once; with host offsets it is sized by the longest chunk.  No plan cache
-(:mod:`.plans`) yet: each call checks its arguments, resolves its config and looks up the
-compiled kernel on the host.
+chunks exit at once; with host offsets it is sized by the longest chunk.  This module is the
+eager path (each call checks its arguments, resolves its config and looks up the compiled
+kernel); the public :func:`iokernels.cupy_raw.paged_prefill_pools` of device arrays goes
+through a plan made once per shape (:mod:`.paged_prefill_plan`), which does that work once.
 """
 from __future__ import annotations
 
@@ -54,6 +62,7 @@ from .config import CHUNK_BYTES
 from .decode import _pool_device, check_paged_lengths, check_pools
 from .launch import device_info, function, on_stream, unit_rows
 from .paged_prefill_config import PagedPrefillConfig
+from .policy import paged_prefill_v2_rank
 from .registry import REGISTRY, check_paged_prefill_v1, need
 
 __all__ = ["paged_prefill", "paged_prefill_pools", "launch_paged_prefill", "prefill_args"]
@@ -85,6 +94,9 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
     ``max_seqlen_q`` (as FlashAttention's varlen calls take it): the longest chunk, which sizes
     the grid when cu_seqlens_q is a device array (None: total_q, the most a chunk can hold, so
     the blocks of shorter chunks exit at once); with host offsets it is read from them.
+    Through :func:`iokernels.cupy_raw.paged_prefill_pools`, device q and pools take a plan made
+    once per shape (:class:`iokernels.cupy_raw.PagedPrefillPlan`: the checks, the config and
+    the compiled kernel once; a repeat call compares one key and launches).
     """
     _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
     _check_q(q, Hkv, d, dtype)
@@ -143,6 +155,30 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
         raise ValueError(f"config: expected a PagedPrefillConfig with its version set, got {config!r}")
     total_q, Hq = int(q.shape[0]), int(q.shape[1])
     call = Call(q)
+    (dev_t, dev_l, dev_c), B, max_blocks, tables_h, lens_h, cq, longest = _values(
+        call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q)
+    acc = cv.accum_dtype(dtype).name
+    rows = tile_rows_per_token(REGISTRY.get("paged_prefill", config.version), Hq // Hkv)
+    cfg = config.resolve(d, device_info()["smem_optin"], rows * total_q / max(B, 1))   # shapes only
+    with on_stream(call.stream_ptr()):
+        qd = unit_rows(call.to_device(q, "q"))
+        kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
+        o, lse = call.empty((total_q, Hq, d), dtype), call.empty((Hq, total_q), acc)
+        if B and total_q and longest:
+            tables_d = block_tables if dev_t else call.constant(_table_or_one(tables_h))
+            lens_d = seq_lens if dev_l else call.constant(lens_h.astype(np.int32))
+            cu_d = cu_seqlens_q if dev_c else call.constant(cq.astype(np.int32))
+            launch_paged_prefill(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, dtype=dtype, page_size=bs,
+                                 max_blocks=max(max_blocks, 1), longest=longest, scale=scale, causal=causal,
+                                 config=cfg)
+    return call.finish(o, dtype), call.finish(lse, acc)
+
+
+def _values(call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q):
+    """The tables, lengths and offsets of a call, checked: ((device?) x 3, batch, table width,
+    host tables, host lengths, host offsets (None where on the device), the grid's bound on a
+    chunk's rows).  Device ones (of q's kind: contiguous int32 of their shapes) are not read."""
+    tables_h = cq = None
     dev_t, dev_l, dev_c = (_on_device(call, x, n) for x, n in ((block_tables, "block_tables"),
                                                                   (seq_lens, "seq_lens"),
                                                                   (cu_seqlens_q, "cu_seqlens_q")))
@@ -169,10 +205,7 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
         else:
             tables_h, lens_h = check_paged_lengths(tables_h, lens_h, B, nb, bs)
         max_blocks = int(tables_h.shape[1])
-    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer))
-                                     or not 0 <= max_seqlen_q <= total_q):
-        raise ValueError(f"max_seqlen_q: expected None or an integer in [0, total_q = {total_q}], got "
-                         f"{max_seqlen_q!r}")
+    check_max_seqlen(max_seqlen_q, total_q)
     if dev_c:
         _device_ints(cu_seqlens_q, "cu_seqlens_q", (B + 1,))
         longest = total_q if max_seqlen_q is None else int(max_seqlen_q)   # not read: the caller's bound
@@ -181,20 +214,14 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
         longest = int(np.diff(cq).max(initial=0))
         if max_seqlen_q is not None and max_seqlen_q < longest:
             raise ValueError(f"max_seqlen_q: {max_seqlen_q} is shorter than the longest chunk, {longest} rows")
-    acc = cv.accum_dtype(dtype).name
-    cfg = config.resolve(d, device_info()["smem_optin"], total_q / max(B, 1))   # the mean chunk: shapes only
-    with on_stream(call.stream_ptr()):
-        qd = unit_rows(call.to_device(q, "q"))
-        kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
-        o, lse = call.empty((total_q, Hq, d), dtype), call.empty((Hq, total_q), acc)
-        if B and total_q and longest:
-            tables_d = block_tables if dev_t else call.constant(_table_or_one(tables_h))
-            lens_d = seq_lens if dev_l else call.constant(lens_h.astype(np.int32))
-            cu_d = cu_seqlens_q if dev_c else call.constant(cq.astype(np.int32))
-            launch_paged_prefill(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, dtype=dtype, page_size=bs,
-                                 max_blocks=max(max_blocks, 1), longest=longest, scale=scale, causal=causal,
-                                 config=cfg)
-    return call.finish(o, dtype), call.finish(lse, acc)
+    return (dev_t, dev_l, dev_c), B, max_blocks, tables_h, lens_h, cq, longest
+
+
+def check_max_seqlen(max_seqlen_q, total_q):
+    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer))
+                                     or not 0 <= max_seqlen_q <= total_q):
+        raise ValueError(f"max_seqlen_q: expected None or an integer in [0, total_q = {total_q}], got "
+                         f"{max_seqlen_q!r}")
 
 
 def _host_lengths(lens_h, batch, cap):
@@ -227,9 +254,23 @@ def launch_paged_prefill(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, dtype, p
     smem = config.smem_bytes(d)
     rec = REGISTRY.get("paged_prefill", config.version)
     fn = function(rec.file, rec.kernel, defines, smem)
-    grid = (-(-int(longest) // config.block_q), Hq, B)
+    grid = prefill_grid(config, tile_rows_per_token(rec, Hq // kp.shape[2]), int(longest), Hq, B)
     fn(grid, (config.threads(),), rec.args(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, max_blocks=max_blocks,
                                            scale=scale, causal=causal), shared_mem=smem)
+
+
+def tile_rows_per_token(record, group: int) -> int:
+    """The Q-tile rows one chunk token fills: 1 where a block serves one query head (v1), the
+    group g where the record packs the g query heads of a KV head into the tile's rows
+    (``extra["packs_heads"]``: v2)."""
+    return group if record.extra.get("packs_heads") else 1
+
+
+def prefill_grid(config, rows_per_token: int, longest: int, heads_q: int, batch: int) -> tuple:
+    """The launch grid (Q tile, head, sequence) for chunks of at most ``longest`` rows: a tile
+    covers Br packed rows, ``rows_per_token`` a token; the head axis is the query heads (one
+    a block) or, where the g query heads of a KV head share a tile, the KV heads."""
+    return (-(-longest * rows_per_token // config.block_q), heads_q // rows_per_token, batch)
 
 
 def prefill_args(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, max_blocks, scale, causal) -> tuple:
@@ -245,10 +286,16 @@ def prefill_args(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, max_blocks, scal
 
 
 # --------------------------------------------------------------------------- the records
+#: v1's registry rank (v2's sits next to it: :func:`.policy.paged_prefill_v2_rank`)
+V1_RANK = 10
 RECORDS = (
     Record("cupy", "paged_prefill", "v1", "paged_prefill_v1.cu", "paged_prefill_v1", PagedPrefillConfig,
            paged_prefill, "fa_v2's tensor-core forward over a paged cache: K/V tiles of several cache blocks read "
            "through the block table, bottom-right causal per sequence, one launch for a packed batch of chunks",
-           check_paged_prefill_v1, 10, prefill_args),
+           check_paged_prefill_v1, V1_RANK, prefill_args),
+    Record("cupy", "paged_prefill", "v2", "paged_prefill_v2.cu", "paged_prefill_v2", PagedPrefillConfig,
+           paged_prefill, "v1 with the g query heads of a KV head packed into the Q tile's rows (pack_gqa): a "
+           "block a KV head reads each K/V tile once for all g heads",
+           check_paged_prefill_v1, paged_prefill_v2_rank(V1_RANK), prefill_args, extra={"packs_heads": True}),
 )
 REGISTRY.add(*RECORDS)

@@ -1,4 +1,5 @@
-"""PagedPrefillConfig: the tiles of paged_prefill_v1.cu, its SRAM and its defines."""
+"""PagedPrefillConfig: the tiles of paged_prefill_v1.cu and paged_prefill_v2.cu, their SRAM and
+their defines (the two kernels take the same ones: v2's Br counts packed (token, head) rows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -11,7 +12,7 @@ __all__ = ["PagedPrefillConfig", "PAGED_PREFILL_VERSIONS", "PAGED_PREFILL_HEAD_D
            "PAGED_PREFILL_WARP_CHOICES", "PAGED_PREFILL_BLOCK_K_CHOICES", "paged_prefill_smem"]
 
 #: the versions PagedPrefillConfig describes
-PAGED_PREFILL_VERSIONS = ("v1",)
+PAGED_PREFILL_VERSIONS = ("v1", "v2")
 #: the head dims v1 is compiled and tested at (its rows are whole 16-byte chunks and whole mma
 #: k-steps there); others are refused by its record's check
 PAGED_PREFILL_HEAD_DIMS = (64, 128)
@@ -34,13 +35,15 @@ def paged_prefill_smem(head_dim: int, num_warps: int, block_k: int) -> int:
 
 @dataclass(frozen=True)
 class PagedPrefillConfig:
-    """The tiles of the CuPy paged prefill (paged_prefill_v1.cu).
+    """The tiles of the CuPy paged prefill (paged_prefill_v1.cu, paged_prefill_v2.cu).
 
-    version: "v1" (None: the registry's default).  num_warps: warps a block, each owning 16
-    chunk rows (Br = 16 * num_warps; 1, 2, 4 or 8).  block_k: keys a K/V tile (Bc; 16, 32,
+    version: "v1" or "v2" (None: the registry's default).  num_warps: warps a block, each
+    owning 16 tile rows (Br = 16 * num_warps; 1, 2, 4 or 8): chunk rows of one query head in
+    v1, (token, head-in-group) rows in v2, whose tile holds Br / g tokens of the g query heads
+    of one KV head.  block_k: keys a K/V tile (Bc; 16, 32,
     64 or 128), read through the block table, so a tile spans Bc / block_size cache blocks.
     None: :func:`.policy.paged_prefill_tiles` (by the batch's mean chunk length, shrunk to fit
-    the GPU's SRAM).
+    the GPU's SRAM; v2's mean is in packed rows, g per token).
     """
 
     version: str | None = None

@@ -159,6 +159,23 @@ def paged_prefill_tiles(num_warps: int | None, block_k: int | None, smem_of: Cal
     return None
 
 
+#: whether paged_prefill_v2.cu (the g query heads of a KV head packed into one Q tile) has passed
+#: the GPU tests and been recorded by the benchmark's paged_prefill section at v1's speed or
+#: better; until then it runs only where a config names it
+PAGED_PREFILL_V2_MEASURED = False
+#: how far v2's registry rank sits above v1's once measured, or below it until then
+PAGED_PREFILL_V2_RANK_STEP = 5
+
+
+def paged_prefill_v2_rank(v1_rank: int, measured: bool = PAGED_PREFILL_V2_MEASURED) -> int:
+    """The registry rank of paged_prefill_v2.cu next to v1's ``v1_rank`` (the highest rank whose
+    check passes is the default): above it once ``measured`` -- v2 has passed the GPU tests and
+    the benchmark's paged_prefill section has recorded it at v1's speed or better, on the GPUs
+    the records cover -- which makes v2 the default; below it until then, so that
+    ``PagedPrefillConfig(version="v2")`` runs it and nothing else does."""
+    return v1_rank + PAGED_PREFILL_V2_RANK_STEP if measured else v1_rank - PAGED_PREFILL_V2_RANK_STEP
+
+
 # =========================================================================== paged gather
 #: chunk sizes a row may be moved in, widest first (a row of 1-byte elements does not occur)
 GATHER_CHUNK_CHOICES = (16, 8, 4, 2)

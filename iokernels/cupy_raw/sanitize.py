@@ -67,7 +67,10 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16}),
             # the paged prefill: 2 warps of 16-key tiles (a tile inside one cache block), 8 warps of
             # 128-key tiles (8 blocks a tile)
-            ("paged_prefill", "v1"): ({}, {"num_warps": 2, "block_k": 16}, {"num_warps": 8, "block_k": 128})}
+            ("paged_prefill", "v1"): ({}, {"num_warps": 2, "block_k": 16}, {"num_warps": 8, "block_k": 128}),
+            # v2 (the g query heads packed into a tile's rows): the same tiles, so a 32-row tile
+            # holds 8 tokens x 4 heads and a token's group may straddle two tiles
+            ("paged_prefill", "v2"): ({}, {"num_warps": 2, "block_k": 16}, {"num_warps": 8, "block_k": 128})}
 #: calls a version makes twice in a row (the fused combine's counters must be back at 0 after a call)
 TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4"), ("paged_decode", "v5"),
          ("decode", "v6"), ("paged_decode", "v6")}

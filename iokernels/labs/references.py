@@ -64,6 +64,9 @@ DECODE = FORWARD + MERGE + (
     "iokernels.cupy_raw.decode.decode", "iokernels.cupy_raw.decode.run_decode",
     "iokernels.cupy_raw.calls.decode", "iokernels.cupy_raw.calls.paged_decode_pools",
     "iokernels.cupy_raw.plans.DecodePlan.run", "iokernels.cupy_raw.plans.PagedDecodePlan.run",
+    # the CuPy paged prefill: a chunk of one row over the paged cache is a paged decode step
+    "iokernels.cupy_raw.paged_prefill.paged_prefill", "iokernels.cupy_raw.paged_prefill.paged_prefill_pools",
+    "iokernels.cupy_raw.calls.paged_prefill_pools", "iokernels.cupy_raw.paged_prefill_plan.PagedPrefillPlan.run",
     "iokernels.numba_cuda.decode.decode", "iokernels.numba_cuda.counting.count_decode")
 
 #: reading a sequence through its block table

@@ -28,7 +28,7 @@ The attention ``backend``:
   valid keys, each longer chunk in its own call, causal bottom-right
   (:func:`iokernels.torch_sdpa.sdpa`; SDPA's ``is_causal`` alone is top-left aligned);
 * ``"cupy"``: the tensor-core paged prefill kernel reading the pools in place,
-  ``iokernels.cupy_raw.paged_prefill.paged_prefill_pools``, looked up by name when the
+  ``iokernels.cupy_raw.calls.paged_prefill_pools`` (planned once per shape), looked up by name when the
   memory is made (a clear error where it is not there).
 
 :class:`DeviceContiguousMemory` is the baseline on the device: one contiguous range per
@@ -54,7 +54,7 @@ __all__ = ["SlotMap", "StepPlan", "DevicePagedMemory", "DeviceContiguousMemory",
 #: the attention backends a device memory runs
 DEVICE_BACKENDS = ("torch", "cupy")
 #: where the CuPy paged prefill over device pools lives, and its name
-CUPY_PREFILL = ("iokernels.cupy_raw.paged_prefill", "paged_prefill_pools")
+CUPY_PREFILL = ("iokernels.cupy_raw.calls", "paged_prefill_pools")
 _TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}
 
@@ -62,7 +62,7 @@ _TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16":
 def cupy_paged_prefill():
     """``paged_prefill_pools`` of the CuPy backend, or None where it (or CuPy) is not installed."""
     try:
-        module = importlib.import_module("iokernels.cupy_raw.paged_prefill")
+        module = importlib.import_module(CUPY_PREFILL[0])
     except ImportError:
         return None
     return getattr(module, CUPY_PREFILL[1], None)
