@@ -141,6 +141,25 @@ __device__ __forceinline__ BwdSmem carve_bwd_smem(unsigned char* raw) {
     return sm;
 }
 
+// The wgmma descriptors of the SRAM tiles (hopper_common.cuh's smem_desc_k_major and
+// smem_desc_mn_major), from a 32-bit shared-window address.  K_j and V_j never move, so a
+// compiler would compute their 2 x HEAD_DIM / 16 + BLOCK_N / 16 descriptors once and keep them
+// (64-bit each) in registers for the whole loop, registers dK_j and dV_j need; `fresh` hands the
+// loop each base address anew every step (an asm volatile is never hoisted), so a descriptor is
+// a few integer additions recomputed right before its wgmma instead.
+__device__ __forceinline__ u32 fresh(u32 x) {
+    u32 y;
+    asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+__device__ __forceinline__ u64 desc_k_major_at(u32 addr) {
+    return desc_field(addr) | (desc_field(16) << 16) | (desc_field(SWIZZLE_ATOM_BYTES) << 32) | DESC_SWIZZLE_128B;
+}
+__device__ __forceinline__ u64 desc_mn_major_at(u32 addr, u32 panel_bytes) {
+    return desc_field(addr) | (desc_field(panel_bytes) << 16) | (desc_field(SWIZZLE_ATOM_BYTES) << 32)
+           | DESC_SWIZZLE_128B;
+}
+
 // dQaccum[p], dQaccum[p + 1] += a, b (DETERMINISTIC: = a, b, into this K/V tile's own slot);
 // one vector reduction, 8-byte aligned (HEAD_DIM and the column are even)
 __device__ __forceinline__ void dq_put2(float* p, float a, float b) {
@@ -151,38 +170,43 @@ __device__ __forceinline__ void dq_put2(float* p, float a, float b) {
 #endif
 }
 
-// P^T and dS^T in place in the S^T / dP^T accumulators (this thread: keys key_a, key_a + 8;
-// queries i0 + 8n + 2t, + 1).  lse2: LSE_i log2 e, +inf for a row past Nq or with nothing
-// visible (its P is exp2(-inf) = 0); dd: D_i (0 there).
+// P^T and dS^T from the S^T / dP^T accumulators (this thread: keys key_a, key_a + 8; queries
+// i0 + 8n + 2t, + 1), straight into the A fragments of the products that reduce over the Br
+// queries (dV += P^T dO, dK += dS^T Q): the accumulator layout of 16 columns is wgmma's A
+// register layout, so this is a conversion to 16 bits in place.  Done 16 columns (one k-step)
+// at a time, so each float32 value dies as soon as it is packed.  lse2: LSE_i log2 e, +inf for
+// a row past Nq or with nothing visible (its P is exp2(-inf) = 0); dd: D_i (0 there).
 template <bool MASK>
-__device__ __forceinline__ void p_ds_step(float (&s)[ST_REGS], float (&dp)[ST_REGS], const float* lse2,
-                                          const float* dd, const AttnShape& p, int key_a, int i0) {
+__device__ __forceinline__ void p_ds_fragments(const float (&s)[ST_REGS], const float (&dp)[ST_REGS],
+                                               u32 (&pa)[KQ_STEPS][4], u32 (&sa)[KQ_STEPS][4],
+                                               const float* lse2, const float* dd, const AttnShape& p,
+                                               int key_a, int i0) {
     const int t = threadIdx.x % 4;
 #pragma unroll
-    for (int n = 0; n < BLOCK_M / 8; ++n) {
-        const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * n + 2 * t);
-        const float2 di = *reinterpret_cast<const float2*>(dd + 8 * n + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int i = 4 * n + e;
-            float x = s[i] * p.scale_log2 - ((e & 1) ? l.y : l.x);
-            if (MASK && !visible(p, i0 + 8 * n + 2 * t + (e & 1), key_a + 8 * (e / 2))) x = neg_inf_f();
-            const float pv = fast_exp2(x);
-            s[i] = pv;                                               // P_ij^T
-            dp[i] = pv * (dp[i] - ((e & 1) ? di.y : di.x));          // dS_ij^T
-        }
-    }
-}
-
-// the A fragments of a product that reduces over the Br queries, from a 64 x Br accumulator
-// (P^T or dS^T): the accumulator layout of 16 columns is wgmma's A register layout
-__device__ __forceinline__ void t_fragments(const float (&s)[ST_REGS], u32 (&a)[KQ_STEPS][4]) {
-#pragma unroll
     for (int kk = 0; kk < KQ_STEPS; ++kk) {
-        a[kk][0] = pack2_cvt_x2(s[8 * kk + 0], s[8 * kk + 1]);
-        a[kk][1] = pack2_cvt_x2(s[8 * kk + 2], s[8 * kk + 3]);
-        a[kk][2] = pack2_cvt_x2(s[8 * kk + 4], s[8 * kk + 5]);
-        a[kk][3] = pack2_cvt_x2(s[8 * kk + 6], s[8 * kk + 7]);
+        float pv[8], ds[8];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {      // the 8-column block n = 2 kk + half
+            const int n = 2 * kk + half;
+            const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * n + 2 * t);
+            const float2 di = *reinterpret_cast<const float2*>(dd + 8 * n + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {           // e: (row key_a or key_a + 8) x (column 2t, 2t + 1)
+                const int i = 4 * n + e;
+                float x = s[i] * p.scale_log2 - ((e & 1) ? l.y : l.x);
+                if (MASK && !visible(p, i0 + 8 * n + 2 * t + (e & 1), key_a + 8 * (e / 2))) x = neg_inf_f();
+                pv[4 * half + e] = fast_exp2(x);                                       // P_ij^T
+                ds[4 * half + e] = pv[4 * half + e] * (dp[i] - ((e & 1) ? di.y : di.x));  // dS_ij^T
+            }
+        }
+        pa[kk][0] = pack2_cvt_x2(pv[0], pv[1]);     // key_a, queries 16 kk + 2t, + 1
+        pa[kk][1] = pack2_cvt_x2(pv[2], pv[3]);     // key_a + 8
+        pa[kk][2] = pack2_cvt_x2(pv[4], pv[5]);     // key_a, queries 16 kk + 8 + 2t, + 1
+        pa[kk][3] = pack2_cvt_x2(pv[6], pv[7]);     // key_a + 8
+        sa[kk][0] = pack2_cvt_x2(ds[0], ds[1]);
+        sa[kk][1] = pack2_cvt_x2(ds[2], ds[3]);
+        sa[kk][2] = pack2_cvt_x2(ds[4], ds[5]);
+        sa[kk][3] = pack2_cvt_x2(ds[6], ds[7]);
     }
 }
 
@@ -289,6 +313,9 @@ bwd_v3_main(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap
         const unsigned char* qt = sm.q + s * Q_TILE_BYTES;
         const unsigned char* dot = sm.dO + s * Q_TILE_BYTES;
         unsigned char* ds = sm.ds + (it % DS_BUFS) * DS_TILE_BYTES;
+        // this step's SRAM addresses of K_j, V_j, Q_i, dO_i, dS^T (see `fresh`)
+        const u32 k_at = fresh(smem_addr(sm.k)), v_at = fresh(smem_addr(sm.v));
+        const u32 q_at = fresh(smem_addr(qt)), do_at = fresh(smem_addr(dot)), ds_at = fresh(smem_addr(ds));
         mbar_wait(&sm.q_full[s], (it / STAGES) & 1);                 // Q_i, dO_i, LSE_i, D_i in
 
         // S_ij^T = K_j Q_i^T and dP_ij^T = V_j dO_i^T (SRAM x SRAM -> registers)
@@ -297,54 +324,58 @@ bwd_v3_main(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap
 #pragma unroll
         for (int kk = 0; kk < KD_STEPS; ++kk) {
             const int pnl = kk / 4, within = (kk % 4) * 16 * ELEM_BYTES;
-            WGMMA_T(st, smem_desc_k_major(sm.k + pnl * KV_PANEL_BYTES + within),
-                    smem_desc_k_major(qt + pnl * Q_PANEL_BYTES + within), kk > 0);
+            WGMMA_T(st, desc_k_major_at(k_at + pnl * KV_PANEL_BYTES + within),
+                    desc_k_major_at(q_at + pnl * Q_PANEL_BYTES + within), kk > 0);
         }
 #pragma unroll
         for (int kk = 0; kk < KD_STEPS; ++kk) {
             const int pnl = kk / 4, within = (kk % 4) * 16 * ELEM_BYTES;
-            WGMMA_T(dpt, smem_desc_k_major(sm.v + pnl * KV_PANEL_BYTES + within),
-                    smem_desc_k_major(dot + pnl * Q_PANEL_BYTES + within), kk > 0);
+            WGMMA_T(dpt, desc_k_major_at(v_at + pnl * KV_PANEL_BYTES + within),
+                    desc_k_major_at(do_at + pnl * Q_PANEL_BYTES + within), kk > 0);
         }
         wgmma_commit();
         wgmma_wait<0>();
         fence_regs(st);
         fence_regs(dpt);
 
-        // P_ij^T, dS_ij^T in registers; the mask only where the tile pair crosses the band's edge
+        // P_ij^T, dS_ij^T in registers (16 bits, as A fragments); the mask only where the tile
+        // pair crosses the band's edge
         const float* lse2 = sm.lse + s * BLOCK_M;
         const float* dd = sm.dd + s * BLOCK_M;
-        if (tile_needs_mask(p, jt, i0, min(i0 + BLOCK_M, nq) - 1)) p_ds_step<true>(st, dpt, lse2, dd, p, key_a, i0);
-        else p_ds_step<false>(st, dpt, lse2, dd, p, key_a, i0);
         u32 pa[KQ_STEPS][4], sa[KQ_STEPS][4];
-        t_fragments(st, pa);
-        t_fragments(dpt, sa);
+        if (tile_needs_mask(p, jt, i0, min(i0 + BLOCK_M, nq) - 1))
+            p_ds_fragments<true>(st, dpt, pa, sa, lse2, dd, p, key_a, i0);
+        else p_ds_fragments<false>(st, dpt, pa, sa, lse2, dd, p, key_a, i0);
 
         // dV_j += P_ij^T dO_i, dK_j += dS_ij^T Q_i (registers x SRAM, MN-major B)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KQ_STEPS; ++kk)
-            WGMMA_O(dv, pa[kk], smem_desc_mn_major(dot + kk * 16 * PANEL_BYTES, Q_PANEL_BYTES));
+            WGMMA_O(dv, pa[kk], desc_mn_major_at(do_at + kk * 16 * PANEL_BYTES, Q_PANEL_BYTES));
 #pragma unroll
         for (int kk = 0; kk < KQ_STEPS; ++kk)
-            WGMMA_O(dk, sa[kk], smem_desc_mn_major(qt + kk * 16 * PANEL_BYTES, Q_PANEL_BYTES));
+            WGMMA_O(dk, sa[kk], desc_mn_major_at(q_at + kk * 16 * PANEL_BYTES, Q_PANEL_BYTES));
         wgmma_commit();
 
-        // write dS_ij^T -> SRAM; the whole warpgroup's tile must be there before dQ reads it
+        // write dS_ij^T -> SRAM while those run; the whole warpgroup's tile must be there
+        // before dQ reads it
         store_ds_t(ds, sa);
         fence_proxy_async();
         named_bar_sync(CONSUMER_BAR, CONSUMER_THREADS);
+        // dV, dK's products done before dQ's is issued: P^T, dS^T's fragments die here, so
+        // dQ's 64 x d accumulator never shares the registers with them (at d = 128 it would
+        // not fit beside dK_j, dV_j without spilling); Q_i, dO_i, LSE_i, D_i are no longer read
+        wgmma_wait<0>();
+        if (lane == 0) mbar_arrive(&sm.empty[s]);   // stage s may be refilled
 
         // dQ_i = dS_ij K_j (SRAM x SRAM: dS MN-major through the transpose-A bit, K_j MN-major)
         float dq[D_REGS];
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < KK_STEPS; ++kk)
-            WGMMA_DQ(dq, smem_desc_mn_major(ds + kk * 16 * PANEL_BYTES, DS_TILE_BYTES),
-                     smem_desc_mn_major(sm.k + kk * 16 * PANEL_BYTES, KV_PANEL_BYTES), kk > 0);
+            WGMMA_DQ(dq, desc_mn_major_at(ds_at + kk * 16 * PANEL_BYTES, DS_TILE_BYTES),
+                     desc_mn_major_at(k_at + kk * 16 * PANEL_BYTES, KV_PANEL_BYTES), kk > 0);
         wgmma_commit();
-        wgmma_wait<1>();                             // dV, dK's products done: stage s is free
-        if (lane == 0) mbar_arrive(&sm.empty[s]);
         wgmma_wait<0>();
         fence_regs(dq);
 
