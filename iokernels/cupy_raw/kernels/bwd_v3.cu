@@ -33,7 +33,8 @@
 //     by the dQ product as an SRAM operand.
 //
 // The transposes, and why they cost nothing.  The consumer owns the 64 keys as the ROWS (M) of
-// its accumulators (bwd_v2's orientation), so S^T, P^T, dP^T, dS^T are 64 keys x Br queries:
+// its accumulators (bwd_v2's orientation; FlashAttention-3's "SdP_swapAB" setting), so S^T,
+// P^T, dP^T, dS^T are 64 keys x Br queries:
 //   * S^T = K_j Q_i^T: A = K_j (rows keys, contiguous along d: "K-major"), B = Q_i (rows
 //     queries, contiguous along d: K-major too) -- both exactly as TMA lays them down.
 //   * dV += P^T dO: the reduction runs over the queries; P^T's accumulator layout (keys x
@@ -62,15 +63,21 @@
 //
 // Limits, frankly:
 //   * one consumer warpgroup of Bc = 64 keys and Br = 64 rows a step, one block an SM: a
-//     first version meant to be right.  FlashAttention-3 runs two or three consumer
-//     warpgroups (Bc = 128), overlaps the softmax-like element work with the products, and
-//     hands the dQ atomics to a separate warp; none of that is here, so expect it well below
-//     FlashAttention-3's rate.
+//     first version meant to be right.  FlashAttention-3 (hopper/tile_size.h and
+//     flash_bwd_kernel_sm90.h (code)) runs two consumer warpgroups over Bc = 128 keys (Br = 128
+//     at d <= 64, 64 at d = 128), so each Q_i, dO_i brought into SRAM feeds twice the keys;
+//     the second warp of its producer warpgroup drains dQ from SRAM to HBM, so the consumers
+//     never wait on the reductions; and LSE_i, D_i arrive by TMA from buffers its
+//     preprocessing pass pads (here a producer warp copies them with ordinary loads, so the
+//     forward's LSE and bwd_v1.cu's row sums serve as they are).  None of that is here, so
+//     expect it well below FlashAttention-3's rate.
 //   * the products of a step run one after another (S^T and dP^T together, then dV and dK,
-//     then dQ): the tensor cores idle while P and dS are computed.
-//   * head_dim 64 and 128 only.  256 does not fit: dK_j and dV_j alone are 64 x 256 float32
-//     each, 256 registers a thread of one warpgroup, more than the 255 a thread may have
-//     (FlashAttention-3 splits them over more warpgroups or keeps them elsewhere).
+//     then dQ, each waited for): the tensor cores idle while P and dS are computed and while
+//     dQ is added to HBM.
+//   * head_dim 64 and 128 only.  256 does not fit: dK_j and dV_j (64 x 256 float32 each) alone
+//     take 128 + 128 = 256 registers a thread of one warpgroup, more than the 255 a thread may
+//     have, before S^T, dP^T or dQ (FlashAttention-3 spreads a K/V tile's rows over two or more
+//     consumer warpgroups).  At d = 128 ptxas fills nearly all 255, without spilling.
 //   * dQ: one float32 reduction (red.global.add.v2) per element per K/V tile, as bwd_v2.
 //   * not yet measured on a GPU: the registry does not pick it by default (cupy_raw/policy.py).
 //
@@ -306,7 +313,7 @@ bwd_v3_main(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap
     for (int i = 0; i < D_REGS; ++i) dk[i] = dv[i] = 0.f;
 
     if (n_it > 0) mbar_wait(sm.kv_full, 0);
-    for (int it = 0; it < n_it; ++it) {              // loop over (query head, Q tile i)
+    for (int it = 0; it < n_it; ++it) {              // loop over (query head, Q tile i): SRAM -> registers
         const int s = it % STAGES;
         const int h = hk * group + it / n_qt;
         const int i0 = (qt_lo + it % n_qt) * BLOCK_M;
@@ -347,6 +354,11 @@ bwd_v3_main(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap
             p_ds_fragments<true>(st, dpt, pa, sa, lse2, dd, p, key_a, i0);
         else p_ds_fragments<false>(st, dpt, pa, sa, lse2, dd, p, key_a, i0);
 
+        // write dS_ij^T -> SRAM for the dQ product, before dS^T's fragments feed an asynchronous
+        // wgmma (the registers of a wgmma in flight may not be touched until it is waited for)
+        store_ds_t(ds, sa);
+        fence_proxy_async();
+
         // dV_j += P_ij^T dO_i, dK_j += dS_ij^T Q_i (registers x SRAM, MN-major B)
         wgmma_fence();
 #pragma unroll
@@ -356,11 +368,7 @@ bwd_v3_main(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap
         for (int kk = 0; kk < KQ_STEPS; ++kk)
             WGMMA_O(dk, sa[kk], desc_mn_major_at(q_at + kk * 16 * PANEL_BYTES, Q_PANEL_BYTES));
         wgmma_commit();
-
-        // write dS_ij^T -> SRAM while those run; the whole warpgroup's tile must be there
-        // before dQ reads it
-        store_ds_t(ds, sa);
-        fence_proxy_async();
+        // the whole warpgroup's dS^T must be in SRAM before dQ's product reads it
         named_bar_sync(CONSUMER_BAR, CONSUMER_THREADS);
         // dV, dK's products done before dQ's is issued: P^T, dS^T's fragments die here, so
         // dQ's 64 x d accumulator never shares the registers with them (at d = 128 it would
