@@ -109,10 +109,12 @@
 #define KQ_STEPS (BLOCK_M / 16)              // ... over the Br queries (dV, dK)
 #define KK_STEPS (BLOCK_N / 16)              // ... over the Bc keys (dQ)
 #define DS_TILE_BYTES (BLOCK_N * BLOCK_M * ELEM_BYTES)   // dS^T: Bc rows of Br = 64 (one panel)
-#define DS_BUFS 2
-//: the consumer warpgroup's named barrier (0 is __syncthreads) and its threads
+#define DS_BUFS 2                            // dS^T double-buffered: step i + 1 writes while i's dQ reads
+//: the consumer warpgroup's named barrier (0 is __syncthreads), its threads, and its warps (each
+//: arrives once on a stage's "empty" barrier)
 #define CONSUMER_BAR 1
 #define CONSUMER_THREADS 128
+#define CONSUMER_WARPS 4
 //: q_full completes on the copy thread's expect_tx arrival plus one arrival from each lane of
 //: the warp that stores LSE_i, D_i
 #define Q_FULL_ARRIVALS (1 + 32)
@@ -262,7 +264,7 @@ bwd_v3_main(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap
         mbar_init(sm.kv_full, 1);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.q_full[s], Q_FULL_ARRIVALS);
-            mbar_init(&sm.empty[s], 4);              // one arrival a consumer warp
+            mbar_init(&sm.empty[s], CONSUMER_WARPS); // one arrival a consumer warp
         }
         mbar_fence_init();
     }
