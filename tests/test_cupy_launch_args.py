@@ -173,6 +173,19 @@ for dt in ("bfloat16", "float16"):
     rec(f"mla paged {dt}", lambda: cr.paged_mla_decode(q, pool, tables, np.array([301, 0, 77]), num_splits=2))
     out[f"maps mla paged {dt}"] = MAPS[:]
     MAPS.clear()
+
+# backward v3 (Hopper): its check let through, the maps recorded as MLA's are
+cr.hopper.checks.available = lambda: None
+for dt in ("bfloat16", "float16"):
+    for d in (64, 128):
+        q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=77, head_dim=d, dtype=dt)
+        lse = np.zeros(q.shape[:3], np.float32)
+        for det in (False, True):
+            rec(f"attention_backward v3 {dt} {d} deterministic={det}",
+                lambda: cr.attention_backward(q, q, k, v, q, lse, causal=True,
+                                              config=cr.BackwardConfig("v3", deterministic=det)))
+            out[f"maps bwd v3 {dt} {d} {det}"] = MAPS[:]
+            MAPS.clear()
 json.dump(out, sys.stdout)
 '''
 
@@ -182,8 +195,8 @@ FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split":
          "decode_split_v4": "decode_v4", "decode_split_v5": "decode_v5", "decode_split_v6": "decode_v6",
          "decode_split_v4_loads": "decode_v4_loads",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
-         "bwd_v2_main": "bwd_v2", "mla_decode": "mla_decode", "paged_prefill_v1": "paged_prefill_v1",
-         "paged_prefill_v2": "paged_prefill_v2"}
+         "bwd_v2_main": "bwd_v2", "bwd_v3_main": "bwd_v3", "mla_decode": "mla_decode",
+         "paged_prefill_v1": "paged_prefill_v1", "paged_prefill_v2": "paged_prefill_v2"}
 
 
 @pytest.fixture(scope="module")
@@ -365,3 +378,25 @@ def test_mla_launch_geometry(launches):
         assert _defines(paged[0])["PAGED"] == "1" and _defines(paged[0])["PAGE_SIZE"] == "128"
         assert launches[f"maps mla paged {dt}"][0] == dict(dims=[576, 128, 20], strides=[1152, 1152 * 128],
                                                            box=[64, 64, 1])
+
+
+def test_backward_v3_launch_geometry(launches):
+    """backward v3 (Hopper): rowsum, the main loop, finish; the main loop one block per (K/V tile
+    of 64 keys, KV head, sequence), 256 threads (producer + consumer warpgroup), compiled for
+    sm_90a; its four tensor maps see Q, K, V, dO as (d, N, B * H) in 64 x 64 boxes."""
+    from iokernels.cupy_raw import config as C
+    for dt in ("bfloat16", "float16"):
+        for d in (64, 128):
+            for det in (False, True):
+                ls = launches[f"attention_backward v3 {dt} {d} deterministic={det}"]
+                assert [L["name"] for L in ls] == ["bwd_rowsum", "bwd_v3_main", "bwd_finish"]
+                main = ls[1]
+                assert main["grid"] == [2, 2, 2] and main["block"] == [256]          # Tc = ceil(77 / 64)
+                assert "-arch=sm_90a" in main["options"]
+                assert main["smem"] == C.BackwardConfig.smem_bytes(64, 64, d, dt, "v3")
+                got = _defines(main)
+                assert (got["BLOCK_M"], got["BLOCK_N"], got["DETERMINISTIC"]) == ("64", "64", str(int(det)))
+                assert _defines(ls[2])["DETERMINISTIC"] == str(int(det))
+                q_map = dict(dims=[d, 37, 8], strides=[2 * d, 2 * d * 37], box=[64, 64, 1])
+                kv_map = dict(dims=[d, 77, 4], strides=[2 * d, 2 * d * 77], box=[64, 64, 1])
+                assert launches[f"maps bwd v3 {dt} {d} {det}"] == [q_map, kv_map, kv_map, q_map]

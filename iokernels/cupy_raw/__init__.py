@@ -13,7 +13,7 @@ module              what it holds
 config.py           every config class and its constants, re-exported from their homes:
 forward_config      ForwardConfig, fit_config (fa_v1.cu .. fa_v2.cu: sizes, SRAM, defines)
 decode_config       DecodeConfig and the decode kernels' SRAM arithmetic (v6's: decode_v6_config.py)
-backward_config     BackwardConfig (bwd_v1.cu, bwd_v2.cu)
+backward_config     BackwardConfig (bwd_v1.cu, bwd_v2.cu, bwd_v3.cu)
 gather_config       GatherConfig (paged_gather.cu)
 mla_config          MLADecodeConfig (mla_decode.cu)
 config_checks       the field checks every config class uses
@@ -35,7 +35,8 @@ mla_plan            MLADecodePlan, PagedMLADecodePlan (MLA decode on Hopper)
 paged_prefill_plan  PagedPrefillPlan (the paged prefill over device pools, every version)
 calls.py            the public attention, decode, paged_decode_pools, attention_backward, gather_pools,
                     mla_decode, paged_mla_decode, paged_prefill_pools: a cached plan, else eager
-backward.py         attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers)
+backward.py         attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers),
+                    bwd_v3.cu (Hopper: hopper_attention.cuh, the TMA maps of hopper/)
 registry.py         REGISTRY (every (op, version)), need(), the checks
 sanitize.py         sanitize_cases(): every registered kernel at ragged shapes
 ==================  ================================================================
@@ -77,6 +78,11 @@ attention_backward    v1       bwd_v1.cu            10    FlashAttention-2's bac
                                                           per block, dK/dV in registers, P recomputed from
                                                           LSE, dQ by atomic adds or deterministic per-tile
                                                           partials
+attention_backward    v3       bwd_v3.cu            0     Hopper backward (FlashAttention-3's structure):
+                                                          wgmma from SRAM, Q/dO streamed by TMA from a
+                                                          producer warpgroup behind mbarriers, one consumer
+                                                          warpgroup of 64 keys, dS^T through SRAM for dQ; not
+                                                          yet measured, so ranked below v2 until it is
 decode, paged_decode  v4       decode_v4.cu         40    v3's ring and fused combine with S = Q_g K^T and O
                                                           += P V on the tensor cores (mma.sync m16n8k16, the g
                                                           query heads as the rows of the A operand, P kept in

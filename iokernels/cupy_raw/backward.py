@@ -1,10 +1,10 @@
-"""FlashAttention-2's backward in CUDA C++: the launchers of bwd_v1.cu and bwd_v2.cu.
+"""FlashAttention-2's backward in CUDA C++: the launchers of bwd_v1.cu, bwd_v2.cu and bwd_v3.cu.
 
-Both versions run three kernels (see the headers of ``kernels/bwd_v1.cu`` and
-``kernels/bwd_v2.cu``): D_i = rowsum(dO_i * O_i) (bwd_v1.cu's bwd_rowsum); the main loop,
-one block per (K/V tile, KV head, sequence) with dK_j, dV_j in registers and S, P
-recomputed from the saved LSE; dQ from its float32 (float64) accumulator (bwd_v1.cu's
-bwd_finish).  dQ is added with atomic adds (fast, last bits may differ run to run) or, with
+Every version runs three kernels (see the headers of ``kernels/bwd_v1.cu``,
+``kernels/bwd_v2.cu`` and ``kernels/bwd_v3.cu``): D_i = rowsum(dO_i * O_i) (bwd_v1.cu's
+bwd_rowsum); the main loop, one block per (K/V tile, KV head, sequence) with dK_j, dV_j in
+registers and S, P recomputed from the saved LSE; dQ from its float32 (float64) accumulator
+(bwd_v1.cu's bwd_finish).  dQ is added with atomic adds (fast, last bits may differ run to run) or, with
 ``BackwardConfig(deterministic=True)``, written as one partial per K/V tile and summed in
 tile order (the same bits every run).
 
@@ -17,6 +17,13 @@ v2       tensor cores (mma.sync m16n8k16, ldmatrix), float16/bfloat16, head_dim 
          compute capability 8.0+: a warp owns 16 keys, so S^T, P^T, dP^T, dS^T stay in the
          accumulator layout that feeds dV_j, dK_j's products from registers; only dS^T
          passes through SRAM (16 bits) for dQ.  Q_i, dO_i double-buffered with cp.async.
+v3       Hopper only (sm_90a), float16/bfloat16, head_dim 64 or 128: FlashAttention-3's
+         structure.  wgmma reads K_j, V_j, Q_i, dO_i straight from SRAM (64-row products of a
+         warpgroup, asynchronous); a producer warpgroup streams Q_i, dO_i by TMA into a ring of
+         stages behind mbarriers; one consumer warpgroup of Bc = 64 keys, Br = 64 rows a step;
+         dS^T stored once to SRAM and read back by the dQ product with wgmma's transpose bit.
+         Not yet measured on a GPU, so never the default (cupy_raw/policy.py's gate); run it
+         with ``BackwardConfig(version="v3")``.
 =======  ===================================================================================
 
 Notation as in :mod:`iokernels.backward`: Br, Bc, Tr, Tc, D_i, S_ij, P_ij, dP_ij, dS_ij.
@@ -28,9 +35,10 @@ import numpy as np
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
 from ..core.records import Record
-from .config import BackwardConfig
-from .launch import contiguous, device_info, fill, function, on_stream, unit_rows
-from .registry import REGISTRY, check_backward_v1, check_backward_v2, need
+from .config import BWD_V3_THREADS, BackwardConfig
+from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream, unit_rows
+from .policy import backward_v3_rank
+from .registry import REGISTRY, check_backward_v1, check_backward_v2, check_backward_v3, need
 
 #: threads of the row-wise kernels (bwd_rowsum, bwd_finish); the .cu file's ROW_THREADS
 ROW_THREADS = 128
@@ -62,8 +70,10 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
     for name, x in (("do", do), ("k", k), ("v", v), ("o", o), ("lse", lse)):
         call.check(x, name)
     tiles = -(-Nk // cfg.block_k)                              # Tc
+    # v3 reads q, k, v, do by TMA: C-contiguous, 16-byte aligned; the others take row strides
+    rows_of = (lambda x: device_array(contiguous(x, 16), dtype)) if tma_inputs(rec) else unit_rows
     with on_stream(call.stream_ptr()):
-        qd, kd, vd, dod, od = (unit_rows(call.to_device(x, n)) for x, n in
+        qd, kd, vd, dod, od = (rows_of(call.to_device(x, n)) for x, n in
                                ((q, "q"), (k, "k"), (v, "v"), (do, "do"), (o, "o")))
         lse_dev = call.to_device(lse, "lse")
         lsed = device_array(lse_dev if device_array(lse_dev).c_contiguous() else contiguous(lse_dev))
@@ -84,7 +94,7 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
             else:
                 args = rec.args(qd, kd, vd, dod, lsed, *(device_array(x) for x in (dvec, dk, dv, dq_acc)),
                                 scale=acc.type(scale), window=(left, right))
-                f = function(rec.file, rec.kernel, defines, smem)
+                f = main_function(rec, defines, smem)
                 f((tiles, Hkv, B), (threads,), args, shared_mem=smem)
         if rows and d:
             n = rows * d
@@ -94,20 +104,35 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
     return call.finish(dq, dtype), call.finish(dk, dtype), call.finish(dv, dtype)
 
 
+def tma_inputs(rec) -> bool:
+    """Whether a backward record's main kernel takes TMA tensor maps (bwd_v3.cu, sm_90a)."""
+    return rec.extra.get("options") == HOPPER_OPTIONS
+
+
+def main_function(rec, defines: dict, smem: int):
+    """The compiled main-loop kernel of a backward record (bwd_v3: NVRTC with -arch=sm_90a)."""
+    if tma_inputs(rec):
+        return function(rec.file, rec.kernel, defines, smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
+    return function(rec.file, rec.kernel, defines, smem)
+
+
 def backward_setup(config: BackwardConfig, d: int, dtype: str) -> tuple:
     """What a resolved config fixes for head_dim ``d`` and ``dtype``: (the config with concrete
     tiles, the main kernel's dynamic shared memory, its defines, the defines of bwd_v1.cu's
     bwd_rowsum and bwd_finish (v1's, with the same deterministic flag), threads a block)."""
     smem = 0
-    if config.version == "v2":
+    if config.version in ("v2", "v3"):
         cfg = config.resolve(d, dtype, device_info()["smem_optin"])
-        smem = BackwardConfig.smem_bytes(cfg.block_q, cfg.block_k, d, dtype, "v2")
+        smem = BackwardConfig.smem_bytes(cfg.block_q, cfg.block_k, d, dtype, config.version, cfg.stages or 0)
     else:
         cfg = config.resolve(d, dtype)
     defines = cfg.defines(d, dtype)
     row_defines = BackwardConfig("v1", deterministic=cfg.deterministic).defines(d, dtype) \
-        if config.version == "v2" else defines
-    threads = 32 * cfg.num_warps if config.version == "v2" else cfg.block_k * cfg.lanes_per_key
+        if config.version in ("v2", "v3") else defines
+    if config.version == "v3":
+        threads = BWD_V3_THREADS
+    else:
+        threads = 32 * cfg.num_warps if config.version == "v2" else cfg.block_k * cfg.lanes_per_key
     return cfg, smem, defines, row_defines, threads
 
 
@@ -121,6 +146,25 @@ def backward_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, *, scale, window)
             *map(i64, dod.strides[:3]), scale, i32(window[0]), i32(window[1]))
 
 
+def _qkv_map(x, rows_box: int):
+    """The TMA map (head_dim, seq, batch * heads) of a contiguous (B, H, N, d) device array:
+    boxes of 64 columns (one 128-byte swizzle panel) x ``rows_box`` rows; rows past N read 0."""
+    from . import hopper as hp                  # here: hopper imports the registry this module fills
+    B, H, N, d = x.shape
+    return hp.tensor_map(x.ptr, x.dtype, (d, N, B * H), (2 * d, 2 * d * N), (hp.PANEL, rows_box, 1))
+
+
+def backward_v3_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, *, scale, window) -> tuple:
+    """bwd_v3.cu's bwd_v3_main: the TMA maps of Q, K, V, dO (C-contiguous; Br = Bc = 64-row
+    boxes), LSE, D, dK, dV, the dQ accumulator, sizes, the scale (float32), the window."""
+    from .config import BWD_V3_BLOCK
+    (_, Hq, Nq, _), (_, Hkv, Nk, _) = qd.shape, kd.shape
+    i32 = np.int32
+    maps = tuple(_qkv_map(x, BWD_V3_BLOCK) for x in (qd, kd, vd, dod))
+    return (*maps, lsed.arg, dvec.arg, dk.arg, dv.arg, dq_acc.arg, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
+            np.float32(scale), i32(window[0]), i32(window[1]))
+
+
 # --------------------------------------------------------------------------- the records
 RECORDS = (
     Record("cupy", "attention_backward", "v1", "bwd_v1.cu", "bwd_main", BackwardConfig, run_attention_backward,
@@ -130,5 +174,10 @@ RECORDS = (
            "FlashAttention-2's backward on the tensor cores (mma.sync, ldmatrix): a warp owns 16 keys, P^T/dS^T "
            "feed dV/dK from registers, dS^T through SRAM for dQ, Q/dO tiles by cp.async", check_backward_v2, 20,
            backward_args),
+    Record("cupy", "attention_backward", "v3", "bwd_v3.cu", "bwd_v3_main", BackwardConfig, run_attention_backward,
+           "Hopper backward (FlashAttention-3's structure): wgmma from SRAM, Q/dO streamed by TMA from a producer "
+           "warpgroup behind mbarriers, one consumer warpgroup of 64 keys, dS^T through SRAM for dQ; not yet "
+           "measured, so ranked below v2 until it is", check_backward_v3, backward_v3_rank(), backward_v3_args,
+           dict(options=HOPPER_OPTIONS)),
 )
 REGISTRY.add(*RECORDS)

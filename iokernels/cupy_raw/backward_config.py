@@ -1,4 +1,4 @@
-"""BackwardConfig: the tiles of bwd_v1.cu and bwd_v2.cu."""
+"""BackwardConfig: the tiles of bwd_v1.cu, bwd_v2.cu and bwd_v3.cu."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -6,11 +6,12 @@ from dataclasses import dataclass, replace
 from ..core import conventions as cv
 from .config_checks import check_positive, check_version
 from .launch import DTYPE_IDS, round_up
-from .policy import backward_v1_tiles
+from .policy import BWD_V3_STAGES, backward_v1_tiles
 
 # =========================================================================== backward
-#: v1: CUDA cores, every dtype; v2: tensor cores, float16/bfloat16 (bwd_v2.cu)
-BACKWARD_VERSIONS = ("v1", "v2")
+#: v1: CUDA cores, every dtype; v2: tensor cores, float16/bfloat16 (bwd_v2.cu); v3: Hopper
+#: (sm_90a: wgmma, TMA), float16/bfloat16 at head_dim 64 and 128 (bwd_v3.cu)
+BACKWARD_VERSIONS = ("v1", "v2", "v3")
 #: bwd_v1: keys per tile and query rows per tile, shrunk (Br first) until the static SRAM fits
 BWD_DEFAULT_BLOCK_K = 32
 BWD_DEFAULT_BLOCK_Q = 32
@@ -31,20 +32,38 @@ BWD_V2_BLOCK_Q_CHOICES = (16, 32, 64, 128)
 #: (the backward sweep rows of scripts/bwd_dev.py time both)
 BWD_V2_ACC_FLOATS = 192
 BWD_V2_BLOCK_Q = (64, 32)
+#: bwd_v3: one consumer warpgroup owns Bc = 64 keys (the M of a wgmma is 64 rows), and takes
+#: Br = 64 query rows a step (the M of the dQ product; S^T, dP^T are 64 x 64)
+BWD_V3_BLOCK = 64
+#: bwd_v3: dK_j and dV_j (64 x d float32 each) live in one warpgroup's registers, so d <= 128;
+#: TMA boxes and the swizzle are 64-element panels, so d is a multiple of 64
+BWD_V3_HEAD_DIMS = (64, 128)
+BWD_V3_DTYPES = ("float16", "bfloat16")
+#: bwd_v3: the Q_i / dO_i ring holds 1 to 4 stages (the file's #error says the same)
+BWD_V3_MAX_STAGES = 4
+#: bwd_v3: a producer warpgroup and one consumer warpgroup
+BWD_V3_THREADS = 256
+#: bwd_v3's SRAM: every tile starts on a 1024-byte swizzle atom (the launcher adds this slack);
+#: mbarriers are 8 bytes
+BWD_V3_SMEM_ALIGN = 1024
+MBARRIER_BYTES = 8
 
 
 @dataclass(frozen=True)
 class BackwardConfig:
-    """The CuPy backward: version "v1" (bwd_v1.cu, CUDA cores, every dtype) or "v2"
-    (bwd_v2.cu, tensor cores, float16/bfloat16, head_dim <= 128); None: the registry's default.
+    """The CuPy backward: version "v1" (bwd_v1.cu, CUDA cores, every dtype), "v2"
+    (bwd_v2.cu, tensor cores, float16/bfloat16, head_dim <= 128) or "v3" (bwd_v3.cu, Hopper
+    only: wgmma and TMA, float16/bfloat16, head_dim 64 or 128); None: the registry's default.
 
     block_q (Br), block_k (Bc): Q-tile rows and K/V-tile keys.  v1: None means the largest
     that fit 48 KB of static SRAM, from 32 x 32.  v2: block_k = 16 * num_warps (64 or 128),
     block_q a multiple of 16 up to 128; None: Bc = 128 and Br = 64 (32 above d = 96), shrunk
     (Bc first, then Br) until the SRAM fits the GPU (``resolve(..., smem_limit=)``).
+    v3: block_q = block_k = 64 (None: 64), a fixed block of two warpgroups.
     num_warps: v2 only (4 or 8).  lanes_per_key: v1 only, threads per key row (a power of two
-    up to 32).  deterministic: dQ by per-tile partials summed in tile order (the same bits
-    every run) instead of atomic adds.
+    up to 32).  stages: v3 only, Q_i / dO_i tiles the SRAM ring holds (1 .. 4; None:
+    :data:`~iokernels.cupy_raw.policy.BWD_V3_STAGES`).  deterministic: dQ by per-tile partials
+    summed in tile order (the same bits every run) instead of atomic adds.
     """
 
     version: str | None = None
@@ -53,10 +72,11 @@ class BackwardConfig:
     lanes_per_key: int | None = None
     deterministic: bool = False
     num_warps: int | None = None
+    stages: int | None = None
 
     def __post_init__(self):
         check_version(self, BACKWARD_VERSIONS)
-        check_positive(self, ("block_q", "block_k", "lanes_per_key", "num_warps"))
+        check_positive(self, ("block_q", "block_k", "lanes_per_key", "num_warps", "stages"))
         lpk = self.lanes_per_key
         if lpk is not None and (lpk & (lpk - 1) or lpk > 32):
             raise ValueError(f"config.lanes_per_key: a power of two up to 32, got {lpk}")
@@ -66,15 +86,40 @@ class BackwardConfig:
             raise ValueError("config.lanes_per_key: a v1 setting; v2 gives each warp 16 keys")
         if self.version == "v1" and self.num_warps is not None:
             raise ValueError("config.num_warps: a v2 setting; v1 runs block_k x lanes_per_key threads")
+        if self.stages is not None and self.version != "v3":
+            raise ValueError(f"config.stages: a v3 setting (its Q_i / dO_i ring), got {self.stages} for "
+                             f"version {self.version!r}")
+        if self.version == "v3":
+            self._check_v3()
+
+    def _check_v3(self) -> None:
+        """v3's fields: its tiles are fixed (one consumer warpgroup), its ring 1 .. 4 stages."""
+        for name in ("block_q", "block_k"):
+            val = getattr(self, name)
+            if val is not None and val != BWD_V3_BLOCK:
+                raise ValueError(f"config.{name}: v3 takes {BWD_V3_BLOCK} (one warpgroup's 64-row wgmma), got {val}")
+        if self.lanes_per_key is not None:
+            raise ValueError("config.lanes_per_key: a v1 setting; v3 gives a consumer warpgroup 64 keys")
+        if self.num_warps is not None:
+            raise ValueError("config.num_warps: a v2 setting; v3 runs a producer and a consumer warpgroup")
+        if self.stages is not None and self.stages > BWD_V3_MAX_STAGES:
+            raise ValueError(f"config.stages: v3 takes 1 to {BWD_V3_MAX_STAGES}, got {self.stages}")
 
     def replace(self, **changes) -> "BackwardConfig":
         return replace(self, **changes)
 
     @staticmethod
-    def smem_bytes(block_q: int, block_k: int, head_dim: int, dtype: str, version: str = "v1") -> int:
+    def smem_bytes(block_q: int, block_k: int, head_dim: int, dtype: str, version: str = "v1",
+                   stages: int = BWD_V3_STAGES) -> int:
         """v1: Q_i, dO_i, K_j, dS_ij (padded a column), LSE_i, D_i in the accumulator type.
         v2 (bwd_v2.cu): K_j, V_j, 2 x (Q_i, dO_i) rows of SROW 16-bit values, dS_ij^T
-        [Bc][Br + 8] in 16 bits, 2 x (LSE_i, D_i) in float32."""
+        [Bc][Br + 8] in 16 bits, 2 x (LSE_i, D_i) in float32.
+        v3 (bwd_v3.cu; ``stages``): K_j, V_j, stages x (Q_i, dO_i) 16-bit tiles, two dS^T
+        buffers [Bc][Br], stages x (LSE_i, D_i) float32, 1 + 2 stages mbarriers, the
+        1024-byte alignment slack."""
+        if version == "v3":
+            tiles = 2 * block_k * head_dim * 2 + stages * 2 * block_q * head_dim * 2 + 2 * block_k * block_q * 2
+            return tiles + stages * 2 * block_q * 4 + MBARRIER_BYTES * (1 + 2 * stages) + BWD_V3_SMEM_ALIGN
         if version == "v2":
             srow = round_up(head_dim, 16) + 8
             return 2 * (2 * block_k * srow + 4 * block_q * srow + block_k * (block_q + 8)) + 4 * 4 * block_q
@@ -87,6 +132,8 @@ class BackwardConfig:
         resolves as v1 (the registry picks the version before this)."""
         if self.version == "v2":
             return self._resolve_v2(head_dim, dtype, smem_limit)
+        if self.version == "v3":
+            return self._resolve_v3(head_dim, dtype, smem_limit)
         lpk = self.lanes_per_key or BWD_LANES_PER_KEY
         tiles = backward_v1_tiles(self.block_q, self.block_k, lambda q, k: self.smem_bytes(q, k, head_dim, dtype),
                                   STATIC_SMEM_BYTES, (BWD_DEFAULT_BLOCK_Q, BWD_DEFAULT_BLOCK_K))
@@ -138,6 +185,20 @@ class BackwardConfig:
         raise ValueError(f"config: v2 at head_dim={head_dim} ({dtype}) does not fit this GPU's {smem_limit:,} B "
                          f"of shared memory a block ({'; '.join(tried)})")
 
+    def _resolve_v3(self, head_dim: int, dtype: str, smem_limit: int | None) -> "BackwardConfig":
+        if dtype not in BWD_V3_DTYPES:
+            raise ValueError(f"config.version: 'v3' is the Hopper backward for float16/bfloat16, got dtype {dtype} "
+                             f"(use version 'v1')")
+        if head_dim not in BWD_V3_HEAD_DIMS:
+            raise ValueError(f"config.version: 'v3' takes head_dim 64 or 128 (dK_j, dV_j in one warpgroup's "
+                             f"registers, 64-column TMA panels), got {head_dim} (use version 'v2' or 'v1')")
+        cfg = self.replace(block_q=BWD_V3_BLOCK, block_k=BWD_V3_BLOCK, stages=self.stages or BWD_V3_STAGES)
+        need = self.smem_bytes(BWD_V3_BLOCK, BWD_V3_BLOCK, head_dim, dtype, "v3", cfg.stages)
+        if smem_limit is not None and need > smem_limit:
+            raise ValueError(f"config.stages: v3 with {cfg.stages} stages at head_dim={head_dim} needs {need:,} B of "
+                             f"SRAM; this GPU allows {smem_limit:,} B a block")
+        return cfg
+
     def v2_min_smem(self, head_dim: int, dtype: str) -> int:
         """SRAM of v2's smallest tile set for this config (what a GPU must offer at least)."""
         bq, bk, _ = list(self._v2_candidates(head_dim))[-1]
@@ -145,6 +206,9 @@ class BackwardConfig:
 
     def defines(self, head_dim: int, dtype: str, smem_limit: int | None = None) -> dict:
         c = self.resolve(head_dim, dtype, smem_limit)
+        if c.version == "v3":
+            return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BLOCK_M=c.block_q, BLOCK_N=c.block_k,
+                        STAGES=c.stages, DETERMINISTIC=int(c.deterministic))
         if c.version == "v2":
             return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, D_PAD=round_up(head_dim, 16),
                         NUM_WARPS=c.num_warps, BLOCK_Q=c.block_q, VEC_IO=int(head_dim % 8 == 0),

@@ -4,7 +4,10 @@ Once, when the plan is made: every check of the call (:func:`iokernels.core.api.
 the arrays' kinds, causal), the version and its resolved tiles (:func:`.backward.backward_setup`),
 the scale and window, the three compiled kernels (bwd_rowsum, the version's main loop,
 bwd_finish), their grids, shared memory and argument templates (sizes, strides, scale, window),
-and which inputs need a unit-stride copy.  Per call, ``run`` allocates dQ, dK, dV, takes the
+and which inputs need a unit-stride copy.  bwd_v3 takes TMA tensor maps, which encode the
+addresses of q, k, v and do: its template is made per address set and kept for the last few
+(:func:`.attention_plan.mapped_args`, as the Hopper forward's plan does); its inputs are copied
+where they are not C-contiguous on 16 bytes.  Per call, ``run`` allocates dQ, dK, dV, takes the
 caller's stream's workspaces (D = rowsum(dO * O) and dQ's float32 (float64) accumulator, or its
 per-tile partials with ``deterministic=True``; one set per plan and stream, allocated once),
 zeroes the accumulator with a fill queued on that stream, packs the pointers and launches the
@@ -16,13 +19,15 @@ the call, while the graph would keep writing it); torch's copies stay in the gra
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from ..core import api as core_api
 from ..core import conventions as cv
 from ..core.arrays import Call, DeviceArray, device_array
-from .attention_plan import _SLOT, _c_strides, _placeholder, _slots
-from .backward import ROW_THREADS, backward_setup, run_attention_backward
+from .attention_plan import _SLOT, _c_strides, _placeholder, _slots, mapped_args
+from .backward import ROW_THREADS, backward_setup, main_function, run_attention_backward, tma_inputs
 from .launch import contiguous, fill, function, unit_rows
 from .plans import NotPlanned, _Alloc, _pin_if_capturing, _ptrs, _stream_of, _window_key, array_key, plan_for
 from .registry import REGISTRY, need
@@ -73,9 +78,13 @@ class BackwardPlan:
         self.do_rows = bool(rows and d)
         self.do_main = bool(B * Hkv * Nk and d)
         self.zero_dkv = self.do_main and rows == 0
-        # q, k, v, do, o: rows with unit stride (copied where they are not); lse: contiguous
+        # q, k, v, do, o: rows with unit stride (copied where they are not); lse: contiguous;
+        # v3 (TMA): q, k, v, do C-contiguous on 16 bytes
         ins = (q, k, v, do, o)
+        self.tma = tma_inputs(spec)
         self.copy = [bool(a.shape[-1] > 1 and a.strides[-1] != 1) for a in (device_array(x) for x in ins)]
+        if self.tma:
+            self.copy[:4] = [not (a.c_contiguous() and a.ptr % 16 == 0) for a in (device_array(x) for x in ins[:4])]
         self.copy_lse = not device_array(lse).c_contiguous()
         copied = [n for n, c in zip(("q", "k", "v", "do", "o", "lse"), self.copy + [self.copy_lse]) if c]
         # a CuPy copy made during a capture lives in CuPy's pool, which takes it back after the call
@@ -84,6 +93,8 @@ class BackwardPlan:
             f"{copied[0]}: a CUDA graph would replay its unit-stride copy into memory CuPy frees after the "
             f"capture; pass rows with unit stride (and a contiguous lse)")
         qd, kd, vd, dod, od = (unit_rows(x) if c else device_array(x) for x, c in zip(ins, self.copy))
+        if self.tma:
+            qd, kd, vd, dod = (device_array(contiguous(x, 16), dtype) for x in ins[:4])
         lsed = device_array(contiguous(lse)) if self.copy_lse else device_array(lse)
         i32, i64 = np.int32, np.int64
         self._ws: dict = {}
@@ -100,11 +111,21 @@ class BackwardPlan:
                 return DeviceArray(_SLOT + j, shape, _c_strides(shape), dt, size, None)
             work = (spot(5, self.q_shape[:3], acc.name, acc.itemsize), spot(6, self.kv_shape, dtype, qd.itemsize),
                     spot(7, self.kv_shape, dtype, qd.itemsize), spot(8, self.acc_shape, acc.name, acc.itemsize))
-            self.template = spec.args(*(_placeholder(a, j) for j, a in enumerate((qd, kd, vd, dod, lsed))), *work,
-                                      scale=acc.type(scale), window=(left, right))
-            self.where = _slots(self.template, range(9))
-            self.main = function(spec.file, spec.kernel, defines, smem)
+            self.margs = dict(scale=acc.type(scale), window=(left, right))
+            if self.tma:                                   # the maps hold q, k, v, do's addresses
+                self._maps: OrderedDict = OrderedDict()
+                self._work = (_placeholder(lsed, 4), *work)
+            else:
+                self.template = spec.args(*(_placeholder(a, j) for j, a in enumerate((qd, kd, vd, dod, lsed))),
+                                          *work, **self.margs)
+                self.where = _slots(self.template, range(9))
+            self.main = main_function(spec, defines, smem)
             self.main_launch = ((tiles, Hkv, B), (threads,), smem)
+
+    def _tma_template(self, q, k, v, do):
+        """bwd_v3's arguments for these q, k, v, do (their maps), placeholders for the rest."""
+        template = self.record.args(*(device_array(x, self.dtype) for x in (q, k, v, do)), *self._work, **self.margs)
+        return template, _slots(template, range(4, 9))
 
     def _workspace(self, stream: int):
         """(D, dQ accumulator) of ``stream``: allocated on its first run there, then reused."""
@@ -126,7 +147,9 @@ class BackwardPlan:
         _pin_if_capturing(self, sobj, self.under_capture)
         c = self.copy
         if c[0] or c[1] or c[2] or c[3] or c[4]:
-            q, k, v, do, o = (unit_rows(x).owner if cp else x for x, cp in zip((q, k, v, do, o), c))
+            fix = [(lambda x: contiguous(x, 16)) if self.tma and i < 4 else (lambda x: unit_rows(x).owner)
+                   for i in range(5)]
+            q, k, v, do, o = (f(x) if cp else x for f, x, cp in zip(fix, (q, k, v, do, o), c))
         if self.copy_lse:
             lse = contiguous(lse)
         with sobj:
@@ -139,6 +162,11 @@ class BackwardPlan:
             if self.zero_dkv:
                 fill(dk, 0)
                 fill(dv, 0)
+            elif self.do_main and self.tma:
+                args = mapped_args(self._maps, (int(pq), int(pk), int(pv), int(pdo)),
+                                   lambda: self._tma_template(q, k, v, do), (plse, pd, pdk, pdv, pacc))
+                grid, block, smem = self.main_launch
+                self.main(grid, block, args, shared_mem=smem)
             elif self.do_main:
                 args = list(self.template)
                 for i, p in zip(self.where, (pq, pk, pv, pdo, plse, pd, pdk, pdv, pacc)):

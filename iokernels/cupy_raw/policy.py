@@ -126,6 +126,30 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
     return bq, bk
 
 
+# =========================================================================== backward on Hopper
+#: bwd_v3.cu's Q_i / dO_i ring: two stages (tile i + 1 lands while tile i is used; 105 KB of
+#: SRAM at d = 128, so a third fits too, should a measurement favour it)
+BWD_V3_STAGES = 2
+#: whether bwd_v3 (the Hopper backward) has been measured: its GPU tests pass and a benchmark
+#: has recorded it against bwd_v2 on the same GPU
+BWD_V3_MEASURED = False
+#: its rank while unmeasured (below every other backward version: never the default) and after
+#: (above bwd_v2's 20: the default wherever its check passes, i.e. on Hopper)
+BWD_V3_RANK_GATED, BWD_V3_RANK_OPEN = 0, 30
+
+
+def backward_v3_rank(measured: bool = BWD_V3_MEASURED) -> int:
+    """The registry rank of the Hopper backward (bwd_v3.cu): the gate on it becoming the default.
+
+    Until it is measured (``measured`` False: BWD_V3_MEASURED) it ranks below every other
+    backward version, so the default (config None, or version None) stays bwd_v2 and v3 runs
+    only when a config names it.  The gate opens once measured: its GPU tests pass and a
+    benchmark has recorded it faster than bwd_v2 on Hopper; then set BWD_V3_MEASURED and it
+    outranks bwd_v2 wherever its check passes (compute capability 9.0, float16/bfloat16,
+    head_dim 64 or 128)."""
+    return BWD_V3_RANK_OPEN if measured else BWD_V3_RANK_GATED
+
+
 # =========================================================================== paged prefill
 #: paged_prefill_v1.cu's block: 4 warps (Br = 64 chunk rows) where chunks are short on average
 #: (decode rows, tails: a Q tile larger than its chunk is tensor-core work thrown away), 8 warps

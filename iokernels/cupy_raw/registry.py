@@ -213,6 +213,31 @@ def check_backward_v2(n: Need) -> str | None:
     return None
 
 
+#: the one compute capability bwd_v3.cu is built for (sm_90a: wgmma, TMA)
+CC_HOPPER = 90
+
+
+def check_backward_v3(n: Need) -> str | None:
+    """The Hopper backward (bwd_v3.cu): a GPU of compute capability 9.0, float16/bfloat16 at
+    head_dim 64 or 128, its SRAM, and what the Hopper kernels need here (cuda-python's driver
+    bindings for the TMA maps)."""
+    if n.simulator:
+        return "runs on a GPU only (not the simulator)"
+    if n.dtype not in C.BWD_V3_DTYPES:
+        return f"the Hopper backward for float16/bfloat16, got {n.dtype}"
+    if n.head_dim not in C.BWD_V3_HEAD_DIMS:
+        return (f"takes head_dim 64 or 128 (dK_j, dV_j in one warpgroup's registers, 64-column TMA panels), "
+                f"got {n.head_dim}")
+    if n.cc is not None and n.cc != CC_HOPPER:
+        return f"needs compute capability 9.0 (Hopper: wgmma, TMA, sm_90a); this GPU is {n.cc / 10:.1f}"
+    smem = n.extra.get("smem")
+    least = C.BackwardConfig.smem_bytes(C.BWD_V3_BLOCK, C.BWD_V3_BLOCK, n.head_dim, n.dtype, "v3")
+    if smem is not None and least > smem:
+        return f"needs {least:,} B of shared memory a block at head_dim={n.head_dim}; this GPU allows {smem:,} B"
+    from .hopper.checks import available       # here: hopper imports this module
+    return available()
+
+
 def check_paged_prefill_v1(n: Need) -> str | None:
     """The tensor-core paged prefill (paged_prefill_v1.cu): 16-bit pools, the head dims it is
     built for, bfloat16 from compute capability 8.0, and its smallest tiles in the SRAM."""
