@@ -70,7 +70,7 @@ from .config import (BLOCK_M, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES,  # noqa:
                      FALLBACK_SMEM_OPTIN, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_GROUP_M, GEMM_STAGES, GEMM_THREADS,
                      HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, SMEM_ALIGN, THREADS, VERSIONS,
                      HopperConfig)
-from .checks import available, check, require_available  # noqa: F401
+from .checks import available, check, default_check, require_available  # noqa: F401
 from .tensor_maps import tensor_map  # noqa: F401
 from .attention import attention, attention_args, launch_attention  # noqa: F401
 from .gemm import gemm, gemm_defines, gemm_smem_bytes  # noqa: F401
