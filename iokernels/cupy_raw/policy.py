@@ -198,13 +198,15 @@ def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
     HOPPER_WIDE_HEAD_DIM the HOPPER_WIDE_TILES, at the others HOPPER_BLOCK_N and the version's
     HOPPER_STAGES.
 
-    At head_dim 64 FlashAttention-3's hopper/tile_size.h (code) takes a taller query tile:
-    192 x 192 without a mask, 192 x 128 causal (three consumer warpgroups of 64 rows), where
-    ours is fixed at Br = 128.  Doing the same here would take a third consumer warpgroup:
-    v4's and v5's block of 1 producer + 3 consumers (512 threads), setmaxnreg budgets that fit
-    64K registers for four warpgroups, v5's ping-pong turned into a round of three named
-    barriers, and the SRAM for a 192-row Q; the kernels do not do this, and d = 64 keeps
-    these tiles."""
+    At head_dim 64 FlashAttention-3's hopper/tile_size.h (code) takes a taller query tile and
+    wider key tile: Br x Bc = 192 x 192 without a mask (P read from SRAM for P V, not from
+    registers), 192 x 128 causal, where ours is fixed at Br = 128 (and Bc at 64 or 128).
+    Doing the same here would take a third consumer warpgroup (192 rows of 64): v4's and v5's
+    block of 1 producer + 3 consumers (512 threads), setmaxnreg budgets that fit 64K registers
+    for four warpgroups (24 for the producer leaves at most 160 a consumer thread, where v5
+    takes 240 now), v5's ping-pong turned into a round of three named barriers, a 192-row Q
+    in SRAM, and a wgmma of N = 192 for S.  The kernels do not do this; d = 64 keeps the
+    tiles above."""
     if head_dim == HOPPER_WIDE_HEAD_DIM:
         wide_n, wide_stages = HOPPER_WIDE_TILES
         return block_n or wide_n, stages or wide_stages
