@@ -9,8 +9,9 @@ checks and the registry hook are pure Python.
 
 With compute capability 9.0: FlashAttention's 2x rule against the float64 oracle
 (``hopper.oracle_check``: outputs poisoned with NaN, the oracle on the first and last rows) at
-d in {64, 128}, N in {1, 127, 1024, 4096}, causal and not, GQA and Nq != Nk; the GEMM by the
-same rule against torch.matmul.  Skipped elsewhere with the reason.
+d in {64, 128, 256}, N in {1, 127, 1024, 4096}, causal and not, GQA and Nq != Nk; the public
+function at d = 256 with a config naming the version (the default does not pick it there
+yet); the GEMM by the same rule against torch.matmul.  Skipped elsewhere with the reason.
 """
 import re
 import shutil
@@ -42,13 +43,14 @@ def _jobs():
     settings the config allows, and the GEMM in both dtypes."""
     jobs = []
     for version in hp.VERSIONS:
-        for dtype, d in (("bfloat16", 128), ("float16", 64)):
+        for dtype, d in (("bfloat16", 128), ("float16", 64), ("bfloat16", 256), ("float16", 256)):
             cfg = hp.HopperConfig(version=version)
             jobs.append((f"{version} {dtype} d={d}", f"fa_{version}", cfg.defines(d, dtype)))
-    for kw in (dict(version="v3", block_n=64, stages=3), dict(version="v4", stages=3, block_n=64),
-               dict(version="v5", stages=2), dict(version="v5", pingpong=False)):
+    for kw, d in ((dict(version="v3", block_n=64, stages=3), 128), (dict(version="v4", stages=3, block_n=64), 128),
+                  (dict(version="v5", stages=2), 128), (dict(version="v5", pingpong=False), 128),
+                  (dict(version="v5", pingpong=False), 256), (dict(version="v3", stages=1), 256)):
         cfg = hp.HopperConfig(**kw)
-        jobs.append((f"{kw} bfloat16 d=128", f"fa_{cfg.version}", cfg.defines(128, "bfloat16")))
+        jobs.append((f"{kw} bfloat16 d={d}", f"fa_{cfg.version}", cfg.defines(d, "bfloat16")))
     for dtype in hp.DTYPES:
         jobs.append((f"gemm {dtype}", "hopper_gemm", hp.gemm_defines(dtype)))
     from iokernels.cupy_raw.config import BackwardConfig       # the Hopper backward (every case:
@@ -81,7 +83,8 @@ def test_every_hopper_kernel_compiles_for_sm90a_in_registers(tmp_path):
 def test_sources_refuse_what_they_cannot_run(tmp_path):
     base = hp.HopperConfig(version="v5").defines(128, "bfloat16")
     for name, defines, message in (("fa_v5", dict(base, STAGES=1), "at least two stages"),
-                                   ("fa_v3", dict(base, HEAD_DIM=96), "HEAD_DIM 64 or 128"),
+                                   ("fa_v3", dict(base, HEAD_DIM=96), "HEAD_DIM 64, 128 or 256"),
+                                   ("fa_v5", dict(base, HEAD_DIM=256), "at HEAD_DIM 256 the Hopper attention"),
                                    ("fa_v4", dict(base, IK_DTYPE=0), "IK_DTYPE 1 (float16) or 2"),
                                    ("hopper_gemm", dict(hp.gemm_defines("bfloat16"), BK=32), "BK is one"),
                                    ("mla_decode", dict(LATENT=256, ROPE=64, IK_DTYPE=2), "LATENT 512 and ROPE 64"),
@@ -109,6 +112,12 @@ def test_config_validation_names_the_field():
         hp.HopperConfig(version="v5", stages=1).check_fits(128, hp.FALLBACK_SMEM_OPTIN)
     with pytest.raises(ValueError, match="config.stages"):
         hp.HopperConfig(version="v4", stages=4).check_fits(128, hp.FALLBACK_SMEM_OPTIN)
+    # head_dim 256: Bc = 64 only (O is 128 registers a thread), and Q + 3 stages is 256 KB
+    with pytest.raises(ValueError, match="config.block_n: at head_dim 256"):
+        hp.HopperConfig(version="v5", block_n=128).check_fits(256, hp.FALLBACK_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="config.stages: 3 stages of Bc = 64 at head_dim 256"):
+        hp.HopperConfig(version="v5", stages=3).check_fits(256, hp.FALLBACK_SMEM_OPTIN)
+    hp.HopperConfig(version="v5", block_n=128).check_fits(128, hp.FALLBACK_SMEM_OPTIN)
 
 
 def test_defaults_fit_every_dtype_and_head_dim():
@@ -116,7 +125,7 @@ def test_defaults_fit_every_dtype_and_head_dim():
         cfg = hp.HopperConfig(version=version)
         for d in hp.HEAD_DIMS:
             cfg.check_fits(d, hp.FALLBACK_SMEM_OPTIN)
-            assert cfg.resolve().version in hp.VERSIONS
+            assert cfg.resolve(d).version in hp.VERSIONS
     # Q + 2 (K + V) tiles of 128 x 128 bf16, 7 mbarriers, the alignment slack
     assert hp.HopperConfig(version="v4").smem_bytes(128) == 2 * 128 * (128 + 4 * 128) + 8 * 7 + 1024
     assert hp.gemm_smem_bytes() <= hp.FALLBACK_SMEM_OPTIN
@@ -146,6 +155,32 @@ def test_registry_check_says_why_not():
     assert "head_dim" in hp.check(Need(dtype="float16", head_dim=96, cc=90))
     assert "simulator" in hp.check(Need(dtype="float16", head_dim=64, simulator=True))
     assert hp.check(ok) == hp.available()                # the rest is what this machine has
+    assert hp.check(Need(dtype="bfloat16", head_dim=256, cc=90)) == hp.available()   # d = 256 runs
+    assert hp.default_check(Need(dtype="bfloat16", head_dim=256, cc=90)).startswith("not the default")
+    assert hp.default_check(ok) is None
+
+
+def test_default_at_256_is_still_the_portable_kernel_and_a_config_reaches_hopper(monkeypatch):
+    """As if on a Hopper GPU: the default picks v5 at d = 128 but keeps the portable kernel at
+    d = 256 (behind policy.hopper_default_at); a config naming a Hopper version runs it there."""
+    from iokernels.cupy_raw import REGISTRY
+    from iokernels.cupy_raw.hopper import checks
+    monkeypatch.setattr(checks, "available", lambda: None)
+    at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
+    assert REGISTRY.default("attention", at[128]).version == hp.DEFAULT_VERSION
+    assert REGISTRY.default("attention", at[64]).version == hp.DEFAULT_VERSION
+    portable = REGISTRY.default("attention", at[256])
+    assert portable.config_class is not hp.HopperConfig and portable.version == "v2"
+    k, cfg = REGISTRY.resolve("attention", None, at[256])
+    assert k is portable
+    k, cfg = REGISTRY.resolve("attention", hp.HopperConfig(), at[256])     # version None: the default
+    assert k is portable
+    for version in hp.VERSIONS:
+        k, cfg = REGISTRY.resolve("attention", hp.HopperConfig(version=version), at[256])
+        assert k.version == version and k.config_class is hp.HopperConfig
+        c = cfg.resolve(256)
+        assert (c.block_n, c.stages) == (64, 2)
+        c.check_fits(256, hp.FALLBACK_SMEM_OPTIN)
 
 
 def test_records_rank_above_the_portable_versions():
@@ -199,12 +234,33 @@ def test_two_x_rule_square(rng, version, d, n, causal):
 @pytest.mark.gpu
 @pytest.mark.parametrize("version", hp.VERSIONS)
 @pytest.mark.parametrize("shape", [(4, 1, 300, 1000, 128, True), (4, 2, 1000, 300, 64, True),
-                                   (6, 3, 333, 100, 128, False), (2, 1, 77, 513, 64, False)])
+                                   (6, 3, 333, 100, 128, False), (2, 1, 77, 513, 64, False),
+                                   (4, 1, 300, 1000, 256, True), (6, 3, 333, 100, 256, False)])
 def test_two_x_rule_gqa_and_unequal_lengths(rng, version, shape):
     Hq, Hkv, Nq, Nk, d, causal = shape
     q, k, v = _torch_inputs(rng, 2, Hq, Hkv, Nq, Nk, d, "bfloat16")
     _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=hp.HopperConfig(version=version)),
                    f"{version} {shape}")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", (False, True))
+def test_public_attention_at_256_runs_hopper_only_when_a_config_names_it(rng, causal):
+    """d = 256 through ik.attention (the plan path): a config naming v5 runs fa_v5 (the same bits
+    as hopper.attention, which the 2x rule holds); no config keeps the portable default."""
+    import torch
+
+    import iokernels as ik
+    from iokernels.cupy_raw import REGISTRY, need
+    q, k, v = _torch_inputs(rng, 2, 4, 2, 1000, 1000, 256, "bfloat16")
+    assert REGISTRY.default("attention", need("attention", q=q, k=k, v=v)).config_class is not hp.HopperConfig
+    cfg = hp.HopperConfig(version="v5")
+    o = ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)
+    o_direct, _ = hp.attention(q, k, v, causal=causal, config=cfg)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_direct)
+    _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=cfg), f"v5 d=256 causal={causal}")
 
 
 @gpu

@@ -149,12 +149,26 @@ def test_mla_num_splits_fills_one_wave():
 
 
 def test_hopper_tiles_and_the_config_that_uses_them():
-    assert P.hopper_tiles("v3") == (128, 2) and P.hopper_tiles("v4") == (128, 2) and P.hopper_tiles("v5") == (128, 3)
-    assert P.hopper_tiles("v5", 64, 4) == (64, 4)
-    c = HopperConfig("v5").resolve()
-    assert (c.block_n, c.stages) == P.hopper_tiles("v5")
-    # the defaults fit the 227 KB a Hopper block may have at head_dim 128
-    assert all(HopperConfig(v).smem_bytes(128) <= 232448 for v in ("v3", "v4", "v5"))
+    for d in (64, 128):                                  # the tiles these head dims always had
+        assert P.hopper_tiles("v3", d) == (128, 2) and P.hopper_tiles("v4", d) == (128, 2)
+        assert P.hopper_tiles("v5", d) == (128, 3)
+        assert P.hopper_tiles("v5", d, 64, 4) == (64, 4)
+    assert all(P.hopper_tiles(v, 256) == (64, 2) for v in ("v3", "v4", "v5"))
+    assert P.hopper_tiles("v5", 256, stages=3) == (64, 3)           # given sizes win; check_fits refuses
+    for d in (64, 128, 256):
+        c = HopperConfig("v5").resolve(d)
+        assert (c.block_n, c.stages) == P.hopper_tiles("v5", d)
+    # the defaults fit the 227 KB a Hopper block may have at every head dim the kernels take
+    assert all(HopperConfig(v).smem_bytes(d) <= 232448 for v in ("v3", "v4", "v5") for d in (64, 128, 256))
+    # Q (64 KB) + 2 x (K + V) (2 x 64 KB) at head_dim 256 and Bc = 64, 7 mbarriers, the slack
+    assert HopperConfig("v5").smem_bytes(256) == 2 * 256 * (128 + 2 * 2 * 64) + 8 * 7 + 1024
+    assert HopperConfig("v5", stages=3).smem_bytes(256) > 232448
+
+
+def test_hopper_default_gate_is_the_measured_head_dims():
+    assert P.hopper_default_at(64) and P.hopper_default_at(128)
+    assert not P.hopper_default_at(256)
+    assert P.HOPPER_DEFAULT_HEAD_DIMS == (64, 128)
 
 
 # --------------------------------------------------------------------------- Numba sizes

@@ -122,6 +122,38 @@ def test_call_runs_the_resolved_version_with_its_config():
         reg.call("decode", Cfg("v2"), Need("float16", 256), "q")
 
 
+def test_default_check_keeps_the_default_off_a_version_a_config_still_runs():
+    from dataclasses import dataclass, replace
+
+    from iokernels.core.registry import Need
+
+    @dataclass(frozen=True)
+    class Cfg:
+        version: str | None = None
+
+        def replace(self, **kw):
+            return replace(self, **kw)
+
+    def rec(version, rank, default_check=None):
+        return R.Record("numba", "decode", version, "numba_cuda/decode.py", "split", Cfg,
+                        lambda *a, config, **kw: config.version, "toy", None, rank,
+                        default_check=default_check)
+
+    wide = rec("v2", 2, lambda n: "not measured at this head dim" if n.head_dim > 128 else None)
+    reg = Registry("numba")
+    reg.add(rec("v1", 1), wide)
+    assert reg.call("decode", None, Need("float16", 128), "q") == "v2"
+    assert reg.call("decode", None, Need("float16", 256), "q") == "v1"          # the default skips v2 ...
+    assert reg.call("decode", Cfg(), Need("float16", 256), "q") == "v1"
+    assert reg.call("decode", Cfg("v2"), Need("float16", 256), "q") == "v2"    # ... a config naming it runs it
+    assert wide.unavailable(Need("float16", 256)) is None
+    assert wide.not_default(Need("float16", 256)) == "not measured at this head dim"
+    only = Registry("numba")
+    only.add(wide)
+    with pytest.raises(ValueError, match="v2: not measured at this head dim"):
+        only.default("decode", Need("float16", 256))
+
+
 def test_version_table_orders_by_op_then_rank_and_wraps():
     reg = Registry("numba")
     reg.add(_record("v1", rank=1), _record("v2", rank=5), _record("v1", op="attention", rank=3))

@@ -9,7 +9,10 @@ head g, KV heads, head dim, batch, cache length; prefill: head dim, length, caus
 case is one row of our default (the CuPy registry's choice, named ``cupy:<version>`` and
 flagged ``default``) and one row per SDPA kernel, timed in the same run in the case format of
 the ``compare`` section (``rate``, ``ms`` of device time, ``host_ms``: the Python cost of one
-call in a loop of calls with one synchronize at the end, :func:`.timer.host_ms_loop`).
+call in a loop of calls with one synchronize at the end, :func:`.timer.host_ms_loop`).  A
+prefill case also times the version the default would pick but for its record's
+``default_check`` (a Hopper version at head_dim 256: it runs when a config names it), flagged
+``held_back`` with the reason: the row that says whether the default should take it.
 
 The whole grid (540 decode and 36 prefill cases) takes longer than a benchmark's time box,
 so the cases run in the order :func:`cliff_order` gives -- the centre shape first, then every
@@ -21,6 +24,7 @@ skipped.
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 import time
 
@@ -28,10 +32,11 @@ import numpy as np
 
 import iokernels as ik
 
+from .. import api
 from .. import torch_sdpa as ts
 from ..core import conventions as cv
 from .runners import (Unavailable, _device_randn, _finish_case, _first_line, _measure, _reference, _sdpa_rows,
-                      _torch_dtype, _visible_pairs, registry_versions)
+                      _resolve_backend, _torch_dtype, _visible_pairs, registry_versions)
 from .timer import _Device, release_device_cache
 
 #: the sweep: decode over query heads per KV head x KV heads (8, and 1: multi-query) x head dim x
@@ -104,6 +109,31 @@ def input_bytes(kind: str, shape: dict, itemsize: int) -> int:
 
 
 # --------------------------------------------------------------------------- one case
+def registry_held_back(backend, op, **need_args):
+    """(row name, config, why) of the version of ``op`` the default would pick for these inputs
+    but for its record's ``default_check`` (a version that runs them when a config names it, not
+    yet measured there), ranked above the default's own choice; None when there is none or the
+    backend cannot be imported."""
+    try:
+        _resolve_backend(backend, "attention")
+        mod = importlib.import_module(api.GPU_BACKENDS[backend])
+        n = mod.need(op, **need_args)
+        reg = mod.REGISTRY
+    except Exception:  # Unavailable, ImportError, or no CUDA driver: no row
+        return None
+    try:
+        floor = reg.default(op, n).rank
+    except ValueError:
+        floor = None
+    for k in sorted(reg.kernels(op), key=lambda k: -k.rank):
+        if floor is not None and k.rank <= floor:
+            return None
+        why = k.not_default(n)
+        if k.unavailable(n) is None and why is not None:
+            return f"{backend}:{k.version}", k.config_class(version=k.version), why
+    return None
+
+
 def _default_row(op, fn, need, **measure_kw) -> dict:
     """Our default: the CuPy registry's choice for these inputs, as ``cupy:<version>``."""
     versions = registry_versions("cupy", op, **need)
@@ -158,6 +188,14 @@ def _prefill_case(shape, dtype, seed, target_ms) -> dict:
                              lambda cfg: ik.attention(q, k, v, causal=causal, scale=scale, backend="cupy", config=cfg),
                              dict(q=q, k=k, v=v), work=flops, unit="TFLOP/s", ref=ref, dtype=dtype,
                              target_ms=target_ms))
+    held = registry_held_back("cupy", "attention", q=q, k=k, v=v)
+    if held is not None:
+        name, cfg, why = held
+        row = _measure(name, "cupy", lambda: ik.attention(q, k, v, causal=causal, scale=scale, backend="cupy",
+                                                          config=cfg),
+                       work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms)
+        row["held_back"] = why
+        rows.append(row)
     case["results"] = rows
     return _finish_case(case)
 

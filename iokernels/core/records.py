@@ -5,7 +5,9 @@ that holds the kernel (a ``.cu`` file under ``cupy_raw/kernels/`` or a Python mo
 kernel's name in it, the config class it takes, the check that says why it cannot run a
 call (or None), its rank among the versions whose check passes, a one-line summary, the
 launcher, the argument builder (the kernel's parameter list from a launch's values, where
-the backend has one) and anything else the backend's launch reads (``extra``).
+the backend has one), anything else the backend's launch reads (``extra``) and, for a
+version that runs a call only when a config names it, the check that keeps the default from
+picking it (``default_check``: a call it can run but that it has not been measured on).
 
 Each backend's modules end with a ``RECORDS`` tuple and one ``REGISTRY.add(*RECORDS)``
 (:class:`iokernels.core.registry.Registry`); the dispatch, the sanitizer cases, the GPU
@@ -37,10 +39,20 @@ class Record:
     rank: int = 0                  # higher wins among the versions whose check passes
     args: Callable | None = None   # the kernel's argument tuple from a launch's values
     extra: dict = field(default_factory=dict, compare=False)
+    default_check: Callable[[Any], str | None] | None = None
 
     def unavailable(self, need) -> str | None:
         """None when this version can run the call described by ``need``, else why not."""
         return self.check(need) if self.check is not None else None
+
+    def not_default(self, need) -> str | None:
+        """None when the default may pick this version for ``need`` (it can run it, and
+        ``default_check`` lets it), else why not; a config naming the version still runs it
+        where only ``default_check`` objects."""
+        why = self.unavailable(need)
+        if why is None and self.default_check is not None:
+            why = self.default_check(need)
+        return why
 
     @property
     def name(self) -> str:

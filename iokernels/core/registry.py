@@ -113,11 +113,12 @@ class Registry:
         return k
 
     def default(self, op: str, need: Need) -> Record:
-        """The highest-ranked version that can run ``need``; ValueError with each reason."""
+        """The highest-ranked version that can run ``need`` and that its record lets the default
+        pick (:meth:`Record.not_default`); ValueError with each reason."""
         ranked = sorted(self.kernels(op), key=lambda k: -k.rank)
         reasons = []
         for k in ranked:
-            why = k.unavailable(need)
+            why = k.not_default(need)
             if why is None:
                 return k
             reasons.append(f"{k.version}: {why}")
@@ -126,8 +127,9 @@ class Registry:
 
     def resolve(self, op: str, config, need: Need):
         """(kernel, config) for one call.  ``config`` None or with version None: the default
-        version, with its config class's defaults; a config naming a version: that version,
-        or a ValueError saying why it cannot run here."""
+        version, with its config class's defaults; a config naming a version: that version
+        (even one the default does not pick yet, see ``Record.default_check``), or a
+        ValueError saying why it cannot run here."""
         version = getattr(config, "version", None) if config is not None else None
         classes = {k.config_class for k in self.kernels(op)}
         if config is not None and not isinstance(config, tuple(classes)):

@@ -213,18 +213,57 @@ def gather_chunk_bytes(row_bytes: int, itemsize: int, pointers: tuple[int, ...])
 
 
 # =========================================================================== Hopper attention
-#: default K/V tile (Bc): one m64n128 wgmma for S
+#: default K/V tile (Bc) at head_dim 64 and 128: one m64n128 wgmma for S
 HOPPER_BLOCK_N = 128
 #: default pipeline depth: v3, v4 use one tile while the next lands (Q + 2 x (K + V) = 160 KB at
 #: d = 128); a v5 consumer holds two tiles at once (K_j and V_{j-1}), so a third stage is the one
 #: that lands meanwhile (Q + 3 x (K + V) = 224 KB at d = 128, inside the 227 KB a block may have)
 HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3}
+#: head_dim 256: a consumer thread's O (64 x 256) is 128 float32 registers, so Bc = 64 keeps
+#: S (32) and P (16) beside it in the 240 that setmaxnreg gives (at Bc = 128 ptxas spills); and
+#: Q (128 x 256, 64 KB) + 2 x (K + V) (2 x 64 KB) = 192 KB leaves no room for a third stage
+#: (256 KB > 227 KB), so every version, v5 too, runs two.  FlashAttention-3's hopper/tile_size.h
+#: (code) picks a 128 x 80 tile at this head dim for 16-bit inputs (64 keys with a local
+#: window), noting that 128 x 80 reaches the SRAM limit; 80 is no width of our wgmma wrappers
+#: (64, 128, 256)
+HOPPER_WIDE_HEAD_DIM = 256
+HOPPER_WIDE_TILES = (64, 2)
+#: the head dims at which the registry's default may pick a Hopper version (see
+#: :func:`hopper_default_at`)
+HOPPER_DEFAULT_HEAD_DIMS = (64, 128)
 
 
-def hopper_tiles(version: str, block_n: int | None = None, stages: int | None = None) -> tuple[int, int]:
-    """(Bc, stages) of Hopper attention ``version``: the given ones, else HOPPER_BLOCK_N and the
-    version's HOPPER_STAGES."""
+def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
+                 stages: int | None = None) -> tuple[int, int]:
+    """(Bc, stages) of Hopper attention ``version`` at ``head_dim``: the given ones, else at
+    HOPPER_WIDE_HEAD_DIM the HOPPER_WIDE_TILES, at the others HOPPER_BLOCK_N and the version's
+    HOPPER_STAGES.
+
+    At head_dim 64 FlashAttention-3's hopper/tile_size.h (code) takes a taller query tile and
+    wider key tile: Br x Bc = 192 x 192 without a mask (P read from SRAM for P V, not from
+    registers), 192 x 128 causal, where ours is fixed at Br = 128 (and Bc at 64 or 128).
+    Doing the same here would take a third consumer warpgroup (192 rows of 64): v4's and v5's
+    block of 1 producer + 3 consumers (512 threads), setmaxnreg budgets that fit 64K registers
+    for four warpgroups (24 for the producer leaves at most 160 a consumer thread, where v5
+    takes 240 now), v5's ping-pong turned into a round of three named barriers, a 192-row Q
+    in SRAM, and a wgmma of N = 192 for S.  The kernels do not do this; d = 64 keeps the
+    tiles above."""
+    if head_dim == HOPPER_WIDE_HEAD_DIM:
+        wide_n, wide_stages = HOPPER_WIDE_TILES
+        return block_n or wide_n, stages or wide_stages
     return block_n or HOPPER_BLOCK_N, stages or HOPPER_STAGES[version]
+
+
+def hopper_default_at(head_dim: int) -> bool:
+    """Whether the registry's default (a config of None, or a version of None) may pick a
+    Hopper version at ``head_dim``: the head dims in HOPPER_DEFAULT_HEAD_DIMS.
+
+    The Hopper kernels also take head_dim 256, but there they run only when a config names
+    the version (``HopperConfig(version="v5")``); below them, the default keeps the portable
+    kernel it picked before.  This gate opens (256 joins HOPPER_DEFAULT_HEAD_DIMS) once the
+    GPU tests (tests/test_hopper.py at d = 256) have passed and the benchmark's cliff section
+    has recorded the Hopper kernels at that head dim beside the SDPA kernels."""
+    return head_dim in HOPPER_DEFAULT_HEAD_DIMS
 
 
 # =========================================================================== decode v6

@@ -25,7 +25,8 @@ v5       fa_v5.cu           ping-pong: the two consumer warpgroups take turns on
 =======  =================  ===================================================================
 
 The default (``HopperConfig()``) is v5, the fastest on the H200 (benchmarks/results); the
-registry ranks v5 > v4 > v3, all above the portable versions.
+registry ranks v5 > v4 > v3, all above the portable versions (at the head dims its default
+picks them: 64 and 128).
 
 Notation (the papers' names):
 
@@ -46,8 +47,13 @@ batch * heads) so that a tile never runs into the next head: rows past the seque
 as zeros.  Boxes are 64 elements (128 bytes) wide with the 128-byte swizzle, the swizzle the
 wgmma descriptors in ``hopper_common.cuh`` name.
 
-Scope: float16 and bfloat16; head_dim 64 and 128; causal (bottom-right) and windows, tiles no
-row can see skipped; GQA/MQA; Nq != Nk; any lengths; LSE returned (float32).  Nothing here
+Scope: float16 and bfloat16; head_dim 64, 128 and 256; causal (bottom-right) and windows, tiles
+no row can see skipped; GQA/MQA; Nq != Nk; any lengths; LSE returned (float32).  At head_dim 256
+a consumer's O is 64 x 256 (128 float32 registers a thread, one m64n256k16 wgmma a k-step of
+P V), so the tiles are Bc = 64 with two stages (:func:`~iokernels.cupy_raw.policy.hopper_tiles`);
+the registry's default does not pick these kernels there yet
+(:func:`~iokernels.cupy_raw.policy.hopper_default_at`): a config naming the version runs them,
+``ik.attention(q, k, v, backend="cupy", config=HopperConfig(version="v5"))``.  Nothing here
 touches a GPU at import; compiled kernels (in :mod:`.launch`'s cache, keyed by kernel, defines and device) and
 the device facts (:func:`~iokernels.cupy_raw.launch.device_info`) are the only state.
 
@@ -70,7 +76,7 @@ from .config import (BLOCK_M, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES,  # noqa:
                      FALLBACK_SMEM_OPTIN, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_GROUP_M, GEMM_STAGES, GEMM_THREADS,
                      HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, SMEM_ALIGN, THREADS, VERSIONS,
                      HopperConfig)
-from .checks import available, check, require_available  # noqa: F401
+from .checks import available, check, default_check, require_available  # noqa: F401
 from .tensor_maps import tensor_map  # noqa: F401
 from .attention import attention, attention_args, launch_attention  # noqa: F401
 from .gemm import gemm, gemm_defines, gemm_smem_bytes  # noqa: F401

@@ -30,13 +30,13 @@ def _check_attention_inputs(q, k, v, causal, scale, window, config):
         raise ValueError(f"config: expected a HopperConfig or None, got {type(config).__name__}")
     scale = cv.resolve_scale(scale, info["head_dim"])
     left, right = cv.effective_window(bool(causal), window)
-    return info, scale, (left, right), config.resolve()
+    return info, scale, (left, right), config.resolve(info["head_dim"])
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     """FlashAttention forward on Hopper: (O, LSE).  ``config``: a :class:`HopperConfig`.
 
-    q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d), float16 or bfloat16, d in (64, 128): torch CUDA
+    q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d), float16 or bfloat16, d in (64, 128, 256): torch CUDA
     tensors or CuPy arrays (used in place when contiguous) or NumPy arrays (copied).  O has q's
     dtype; LSE is float32 (B, Hq, Nq), natural log; rows that see no key give O = 0, LSE = -inf.
     """
@@ -58,9 +58,9 @@ def launch_attention(q, k, v, o, lse, *, dtype, scale, window, config):
     """Launch one version on device arrays, on CuPy's current stream (the caller's, through
     :func:`~iokernels.cupy_raw.launch.on_stream`); ``o`` (B, Hq, Nq, d) and ``lse`` (B, Hq, Nq)
     are preallocated and contiguous (the checks poison them first)."""
-    cfg = config.resolve()
     qd, kd, vd = (device_array(contiguous(x, 16), dtype) for x in (q, k, v))
     B, Hq, Nq, d = qd.shape
+    cfg = config.resolve(d)
     Nk = kd.shape[2]
     if B * Hq * Nq == 0:
         return

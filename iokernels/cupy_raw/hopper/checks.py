@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..launch import cupy_ok, device_info
+from ..policy import hopper_default_at
 from .config import DTYPES, HEAD_DIMS, HOPPER_CC
 
 
@@ -40,3 +41,13 @@ def check(need) -> str | None:
     if need.head_dim not in HEAD_DIMS:
         return f"takes head_dim in {HEAD_DIMS}, not {need.head_dim}"
     return available()
+
+
+def default_check(need) -> str | None:
+    """The records' ``default_check``: why the registry's default does not pick a Hopper
+    version for a call it can run (a head dim :func:`~iokernels.cupy_raw.policy.hopper_default_at`
+    does not allow yet), or None.  A config naming the version still runs it."""
+    if not hopper_default_at(need.head_dim):
+        return (f"not the default at head_dim {need.head_dim} until measured on a GPU; "
+                f"a config naming the version runs it (HopperConfig(version=...))")
+    return None

@@ -6,11 +6,13 @@ from dataclasses import dataclass, replace as _dc_replace
 from ...core import conventions as cv
 from ..config_checks import check_version
 from ..launch import DTYPE_IDS
-from ..policy import hopper_tiles
+from ..policy import HOPPER_WIDE_HEAD_DIM, hopper_tiles
 
 VERSIONS = ("v3", "v4", "v5")
 DTYPES = ("float16", "bfloat16")
-HEAD_DIMS = (64, 128)
+#: head dims the kernels are built for; at 256 the registry's default does not pick them yet
+#: (:func:`~iokernels.cupy_raw.policy.hopper_default_at`): a config names the version
+HEAD_DIMS = (64, 128, 256)
 #: the one compute capability these kernels are built for (sm_90a: wgmma, setmaxnreg)
 HOPPER_CC = 90
 #: one swizzle panel: 128 bytes of 16-bit elements (the TMA box width and the wgmma swizzle)
@@ -24,6 +26,9 @@ BLOCK_M = 128
 #: threads: v3 has only the two computing warpgroups; v4, v5 add a producer warpgroup
 THREADS = {"v3": 256, "v4": 384, "v5": 384}
 BLOCK_N_CHOICES = (64, 128)
+#: at head_dim 256 only Bc = 64: O (64 x 256) is 128 float32 registers a consumer thread, and S, P
+#: of 128 keys beside it spill (hopper_attention.cuh refuses BLOCK_N 128 there)
+WIDE_BLOCK_N_CHOICES = (64,)
 MAX_STAGES = 4
 #: the GEMM's tile: 128 x 256 (two consumer warpgroups of 64 x 256), 64 deep (one panel),
 #: 4 stages (192 KB of SRAM), tile order grouped 8 row-tiles high for L2 reuse
@@ -38,12 +43,17 @@ class HopperConfig:
     """Tile settings of the Hopper attention kernels.
 
     version: "v3", "v4", "v5" or None (the default: :data:`DEFAULT_VERSION`).
-    block_n (Bc): keys a K/V tile holds, 64 or 128 (None: :data:`~iokernels.cupy_raw.policy.HOPPER_BLOCK_N`).
+    block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256); None: the head
+    dim's default, :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; 64 at head_dim 256).
     stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 at least 2; None: the version's
-    default, :func:`~iokernels.cupy_raw.policy.hopper_tiles`).
+    default at the head dim, :func:`~iokernels.cupy_raw.policy.hopper_tiles`; 2 at head_dim 256,
+    where Q alone is 64 KB and a third stage does not fit).
     pingpong: v5 only; False keeps v5's overlap inside a warpgroup but lets the two consumer
     warpgroups issue their products whenever they are ready (to measure what ping-pong adds).
-    The query tile is fixed at BLOCK_M = 128 rows (two consumer warpgroups).
+    The query tile is fixed at BLOCK_M = 128 rows (two consumer warpgroups).  Head dims:
+    :data:`HEAD_DIMS` (64, 128, 256); the tiles depend on the head dim, so :meth:`resolve` takes it.
+    At head_dim 256 the kernels run when a config names the version; the registry's default
+    picks them only at the head dims :func:`~iokernels.cupy_raw.policy.hopper_default_at` allows.
     """
 
     version: str | None = None
@@ -63,28 +73,34 @@ class HopperConfig:
     def replace(self, **kw) -> "HopperConfig":
         return _dc_replace(self, **kw)
 
-    def resolve(self) -> "HopperConfig":
-        """Every None filled with its default."""
+    def resolve(self, head_dim: int) -> "HopperConfig":
+        """Every None filled with its default at ``head_dim``."""
         version = self.version or DEFAULT_VERSION
-        return HopperConfig(version, *hopper_tiles(version, self.block_n, self.stages), self.pingpong)
+        return HopperConfig(version, *hopper_tiles(version, head_dim, self.block_n, self.stages), self.pingpong)
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic SRAM a block asks for: Q_i, stages x (K_j + V_j), the mbarriers, alignment slack."""
-        c = self.resolve()
+        c = self.resolve(head_dim)
         tiles = 2 * head_dim * (BLOCK_M + 2 * c.stages * c.block_n)
         return tiles + MBARRIER_BYTES * (1 + 3 * c.stages) + SMEM_ALIGN
 
     def check_fits(self, head_dim: int, smem_optin: int) -> None:
-        c = self.resolve()
+        """ValueError naming the field when this config cannot run at ``head_dim`` on a GPU
+        allowing ``smem_optin`` bytes of SRAM a block."""
+        c = self.resolve(head_dim)
+        if head_dim == HOPPER_WIDE_HEAD_DIM and c.block_n not in WIDE_BLOCK_N_CHOICES:
+            raise ValueError(f"config.block_n: at head_dim {head_dim} the Hopper kernels take Bc in "
+                             f"{WIDE_BLOCK_N_CHOICES} (O is 128 registers a thread; S and P of {c.block_n} "
+                             f"keys beside it spill), got {c.block_n}")
         if c.version == "v5" and c.stages < 2:
             raise ValueError("config.stages: v5 uses K_j and V_{j-1} together, so it needs at least 2 stages")
         need = self.smem_bytes(head_dim)
         if need > smem_optin:
-            raise ValueError(f"config.stages: {self.resolve().stages} stages of Bc = {self.resolve().block_n} "
+            raise ValueError(f"config.stages: {c.stages} stages of Bc = {c.block_n} "
                              f"at head_dim {head_dim} need {need} bytes of SRAM; this GPU allows {smem_optin}")
 
     def defines(self, head_dim: int, dtype: str) -> dict:
-        c = self.resolve()
+        c = self.resolve(head_dim)
         out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=c.block_n,
                    STAGES=c.stages)
         if c.version == "v5":

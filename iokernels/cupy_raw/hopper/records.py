@@ -5,7 +5,7 @@ from ...core.records import Record
 from ..launch import HOPPER_OPTIONS
 from ..registry import REGISTRY
 from .attention import attention, attention_args
-from .checks import check
+from .checks import check, default_check
 from .config import HopperConfig
 
 
@@ -16,11 +16,11 @@ def run_attention(q, k, v, *, causal, scale, window, config):
 
 def _record(version, rank, summary):
     return Record("cupy", "attention", version, f"fa_{version}.cu", f"fa_{version}", HopperConfig, run_attention,
-                  summary, check, rank, attention_args, dict(options=HOPPER_OPTIONS))
+                  summary, check, rank, attention_args, dict(options=HOPPER_OPTIONS), default_check)
 
 
 #: ranked above every portable attention version (so on Hopper the default is the best of
-#: these), v5 > v4 > v3
+#: these where checks.default_check lets it pick them), v5 > v4 > v3
 RECORDS = (
     _record("v3", 100, "Hopper: wgmma from SRAM, TMA tile loads, an mbarrier a stage"),
     _record("v4", 110, "Hopper: v3 + a producer warpgroup (warp specialization), setmaxnreg"),

@@ -98,6 +98,9 @@
 #if BLOCK_M != 64 || BLOCK_N != 64
 #error "bwd_v3 takes BLOCK_M = BLOCK_N = 64 (one consumer warpgroup: 64 keys as the rows of S^T, 64 queries as the rows of dQ)"
 #endif
+#if HEAD_DIM != 64 && HEAD_DIM != 128
+#error "bwd_v3 takes HEAD_DIM 64 or 128 (dK_j and dV_j of 64 keys at 256 need more than a thread's 255 registers)"
+#endif
 #if STAGES < 1 || STAGES > 4
 #error "bwd_v3 takes STAGES 1 to 4"
 #endif

@@ -21,8 +21,8 @@
 // Grid: (Tr = ceil(Nq / Br), heads_q, batch); block: BLOCK_M / 64 warpgroups, each owning 64
 // query rows (hopper_attention.cuh: block_work).
 //
-// Compile-time settings (-D from hopper.py): HEAD_DIM (64, 128), BLOCK_M (64 per warpgroup),
-// BLOCK_N (64, 128), STAGES, IK_DTYPE.
+// Compile-time settings (-D from hopper.py): HEAD_DIM (64, 128, 256), BLOCK_M (64 per warpgroup),
+// BLOCK_N (64, 128; 64 at HEAD_DIM 256), STAGES, IK_DTYPE.
 #ifndef STAGES
 #error "fa_v3.cu: -DSTAGES is missing (HopperConfig.defines passes it)"
 #endif

@@ -13,7 +13,10 @@
 //     computes softmax(S_j) while P_{j-1} V_{j-1} is still running; O is rescaled once that
 //     product is done (O = alpha_j (O + P_{j-1} V_{j-1}), then + P_j V_j next round: the same sum).
 // Registers: S_j (float32) and P_{j-1} (16-bit) are both live while the products run, which
-// setmaxnreg's larger consumer budget makes room for.
+// setmaxnreg's larger consumer budget makes room for.  At HEAD_DIM 256 O alone is 128 of a
+// consumer's 240 registers: Bc = 64 and two stages (hopper_attention.cuh, policy.hopper_tiles),
+// so a K/V tile is refilled only once it is already needed there (the limit three stages lift at
+// d = 128), and the block's work is computed after setmaxnreg (WORK_AFTER_SETMAXNREG).
 //
 // Block: 1 producer warpgroup + 2 consumer warpgroups (BLOCK_M = 128).
 // Compile-time settings as fa_v3.cu, and PINGPONG (1; 0 keeps only the overlap inside a
@@ -42,6 +45,12 @@
 //: (bar 0 is __syncthreads); each opens when both consumer warpgroups (256 threads) reached it
 #define SCHED_BAR 1
 #define SCHED_THREADS 256
+//: at HEAD_DIM 256 a consumer's O (128 float32 registers) and S_j (32 at Bc = 64) reach past the
+//: first 168 registers, all a thread has before setmaxnreg (the launch bound, 65536 / 384); a
+//: value computed before setmaxnreg and still used after it must stay in those 168, so ptxas
+//: spilled two of the block's bounds to the stack.  At that head dim each warpgroup computes the
+//: block's work after its setmaxnreg instead (the same values; no stack frame).
+#define WORK_AFTER_SETMAXNREG (HEAD_DIM == 256)
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fa_v5(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k,
@@ -51,7 +60,9 @@ fa_v5(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k
     extern __shared__ unsigned char smem_raw[];
     const AttnSmem sm = carve_smem(smem_raw);
     const AttnShape p = {nq, nk, heads_q, heads_kv, scale_log2, left, right};
+#if !WORK_AFTER_SETMAXNREG
     const BlockWork w = block_work(p, heavy_first);
+#endif
     const int wg = threadIdx.x / 128;
 
     if (threadIdx.x == 0) init_specialized_barriers(sm, 4 * CONSUMERS);
@@ -60,12 +71,18 @@ fa_v5(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k
     if (wg == 0) {
         // ------------------------------------------------------------ producer: as in v4
         setmaxnreg_dec<PRODUCER_REGS>();
+#if WORK_AFTER_SETMAXNREG
+        const BlockWork w = block_work(p, heavy_first);
+#endif
         if (threadIdx.x == 0 && w.n_tiles > 0) produce(sm, w, &map_q, &map_k, &map_v);
         return;
     }
 
     // ---------------------------------------------------------------- consumers
     setmaxnreg_inc<CONSUMER_REGS>();
+#if WORK_AFTER_SETMAXNREG
+    const BlockWork w = block_work(p, heavy_first);
+#endif
     const int c = wg - 1, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
     const int row_a = w.r0 + 64 * c + 16 * warp + lane / 4;
     const unsigned char* q_slab = sm.q + c * 64 * PANEL_BYTES;

@@ -32,11 +32,16 @@
 #ifndef STAGES
 #error "each kernel file sets its default STAGES before including hopper_attention.cuh"
 #endif
-#if HEAD_DIM != 64 && HEAD_DIM != 128
-#error "the Hopper attention kernels take HEAD_DIM 64 or 128"
+#if HEAD_DIM != 64 && HEAD_DIM != 128 && HEAD_DIM != 256
+#error "the Hopper attention kernels take HEAD_DIM 64, 128 or 256"
 #endif
 #if BLOCK_N != 64 && BLOCK_N != 128
 #error "the Hopper attention kernels take BLOCK_N 64 or 128 (one wgmma's N)"
+#endif
+#if HEAD_DIM == 256 && BLOCK_N != 64
+// O (64 x 256: 128 float32 registers a thread) with S and P of a 128-key tile spill past a
+// consumer's registers; 64-key tiles leave O, S (32) and P (16) in registers
+#error "at HEAD_DIM 256 the Hopper attention kernels take BLOCK_N 64"
 #endif
 
 #define D_PANELS (HEAD_DIM / PANEL)          // 64-column swizzle panels a row of Q, K or V spans
@@ -56,6 +61,8 @@
 #endif
 #if HEAD_DIM == 128
 #define WGMMA_O wgmma_rs_n128
+#elif HEAD_DIM == 256
+#define WGMMA_O wgmma_rs_n256                // O is 64 x 256: one wgmma spans V's four panels
 #else
 #define WGMMA_O wgmma_rs_n64
 #endif
