@@ -19,13 +19,12 @@ import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 
 import numpy as np
 import pytest
 
 import iokernels as ik
-from iokernels.core.registry import Need, Registry
+from iokernels.core.registry import Need
 from iokernels.cupy_raw import REGISTRY, hopper as hp, policy
 from iokernels.cupy_raw.config import BWD_V3_HEAD_DIMS, BWD_V3_MAX_STAGES, BackwardConfig
 
@@ -141,28 +140,25 @@ def hopper_here(monkeypatch):
 
 
 def test_default_stays_v2_until_measured(hopper_here):
-    assert policy.BWD_V3_MEASURED is False
-    assert REGISTRY.get("attention_backward", "v3").rank == policy.backward_v3_rank()
+    assert ("attention_backward", "v3") in policy.HELD_BACK
+    v3 = REGISTRY.get("attention_backward", "v3")
+    assert v3.rank > REGISTRY.get("attention_backward", "v2").rank      # the rank it will have
     for dtype in DTYPES:
         for d in BWD_V3_HEAD_DIMS:
-            assert REGISTRY.get("attention_backward", "v3").unavailable(_need(dtype, d)) is None
+            assert v3.unavailable(_need(dtype, d)) is None
+            assert v3.not_default(_need(dtype, d)).startswith("not the default until measured")
             kernel, cfg = REGISTRY.resolve("attention_backward", None, _need(dtype, d))
             assert kernel.version == cfg.version == "v2"
             kernel, cfg = REGISTRY.resolve("attention_backward", BackwardConfig(deterministic=True), _need(dtype, d))
             assert kernel.version == "v2" and cfg.deterministic
 
 
-def test_the_gate_opens_in_one_place(hopper_here):
-    """backward_v3_rank(measured=True) ranks v3 above v2: the default on Hopper, v2 elsewhere."""
-    ranks = {k.version: k.rank for k in REGISTRY.kernels("attention_backward") if k.version != "v3"}
-    assert policy.backward_v3_rank(False) < min(ranks.values())
-    assert policy.backward_v3_rank(True) > max(ranks.values())
-    reg = Registry("cupy")
-    reg.add(*(replace(k, rank=policy.backward_v3_rank(True)) if k.version == "v3" else k
-              for k in REGISTRY.kernels("attention_backward")))
-    assert reg.resolve("attention_backward", None, _need())[0].version == "v3"
-    assert reg.resolve("attention_backward", None, _need(cc=80))[0].version == "v2"
-    assert reg.resolve("attention_backward", None, _need(d=96))[0].version == "v2"
+def test_the_gate_opens_in_one_place(hopper_here, monkeypatch):
+    """Out of policy.HELD_BACK, v3 is the default on Hopper (its rank is above v2's), v2 elsewhere."""
+    monkeypatch.delitem(policy.HELD_BACK, ("attention_backward", "v3"))
+    assert REGISTRY.resolve("attention_backward", None, _need())[0].version == "v3"
+    assert REGISTRY.resolve("attention_backward", None, _need(cc=80))[0].version == "v2"
+    assert REGISTRY.resolve("attention_backward", None, _need(d=96))[0].version == "v2"
 
 
 def test_v3_runs_when_named(hopper_here):

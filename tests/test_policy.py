@@ -116,9 +116,13 @@ def test_paged_prefill_tiles_keep_4_warps_and_shrink_bc_to_fit():
         C.PagedPrefillConfig("v1", block_k=24)
 
 
-def test_paged_prefill_v2_ranks_below_v1_until_measured():
-    assert not P.PAGED_PREFILL_V2_MEASURED
-    assert P.paged_prefill_v2_rank(10) < 10 < P.paged_prefill_v2_rank(10, measured=True)
+def test_a_held_back_version_says_what_it_waits_for_and_reads_the_table_on_every_call(monkeypatch):
+    check = P.default_check_for("paged_prefill", "v2")
+    assert P.held_back("paged_prefill", "v2").startswith("not the default until measured (its GPU tests")
+    assert check(None) == P.held_back("paged_prefill", "v2")
+    assert P.held_back("paged_prefill", "v1") is None and P.held_back("attention", "v5") is None
+    monkeypatch.delitem(P.HELD_BACK, ("paged_prefill", "v2"))
+    assert check(None) is None
 
 
 def test_gather_chunk_is_the_widest_that_divides_rows_and_pointers():

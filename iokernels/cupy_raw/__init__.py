@@ -70,6 +70,10 @@ attention             v1b      fa_v1b.cu            20    float32: tiles in row 
                                                           swizzled SRAM, exp2
 attention             v1       fa_v1.cu             10    CUDA cores, any dtype: a block owns Q_i, loads K_j,
                                                           V_j into SRAM, register-tiled 16 x 16 threads
+attention_backward    v3       bwd_v3.cu            30    Hopper backward (FlashAttention-3's structure):
+                                                          wgmma from SRAM, Q/dO streamed by TMA from a
+                                                          producer warpgroup behind mbarriers, one consumer
+                                                          warpgroup of 64 keys, dS^T through SRAM for dQ
 attention_backward    v2       bwd_v2.cu            20    FlashAttention-2's backward on the tensor cores
                                                           (mma.sync, ldmatrix): a warp owns 16 keys, P^T/dS^T
                                                           feed dV/dK from registers, dS^T through SRAM for dQ,
@@ -78,11 +82,6 @@ attention_backward    v1       bwd_v1.cu            10    FlashAttention-2's bac
                                                           per block, dK/dV in registers, P recomputed from
                                                           LSE, dQ by atomic adds or deterministic per-tile
                                                           partials
-attention_backward    v3       bwd_v3.cu            0     Hopper backward (FlashAttention-3's structure):
-                                                          wgmma from SRAM, Q/dO streamed by TMA from a
-                                                          producer warpgroup behind mbarriers, one consumer
-                                                          warpgroup of 64 keys, dS^T through SRAM for dQ; not
-                                                          yet measured, so ranked below v2 until it is
 decode, paged_decode  v4       decode_v4.cu         40    v3's ring and fused combine with S = Q_g K^T and O
                                                           += P V on the tensor cores (mma.sync m16n8k16, the g
                                                           query heads as the rows of the A operand, P kept in
@@ -104,13 +103,13 @@ paged_decode          v5       decode_v5.cu         50    v4 reading a quantized
                                                           1-byte codes turned into float16 tensor-core
                                                           operands in registers, the per-key scales applied to
                                                           S's and P's columns
+paged_prefill         v2       paged_prefill_v2.cu  20    v1 with the g query heads of a KV head packed into
+                                                          the Q tile's rows (pack_gqa): a block a KV head
+                                                          reads each K/V tile once for all g heads
 paged_prefill         v1       paged_prefill_v1.cu  10    fa_v2's tensor-core forward over a paged cache: K/V
                                                           tiles of several cache blocks read through the block
                                                           table, bottom-right causal per sequence, one launch
                                                           for a packed batch of chunks
-paged_prefill         v2       paged_prefill_v2.cu  5     v1 with the g query heads of a KV head packed into
-                                                          the Q tile's rows (pack_gqa): a block a KV head
-                                                          reads each K/V tile once for all g heads
 paged_gather          v1       paged_gather.cu      10    16-byte chunks through the block table, one output
                                                           chunk a thread (coalesced stores), a grid-stride
                                                           loop over the sequence

@@ -34,7 +34,7 @@ What v2 adds (paged_prefill_v2.cu, the record "v2"): the g query heads of a KV h
 into the Q tile's rows (FlashAttention's pack_gqa), so a block a (tile, KV head) reads each K/V
 tile once for all g heads; the grid's head axis is the KV heads and a tile of Br rows covers
 Br / g tokens (:func:`prefill_grid`).  It is not the default until the GPU tests and the
-benchmark have recorded it (:func:`.policy.paged_prefill_v2_rank`);
+benchmark have recorded it (:data:`.policy.HELD_BACK`);
 ``config=PagedPrefillConfig("v2")`` runs it.
 
 Limits of v1, frankly: the g query heads of a KV head are g thread blocks, each reading the K/V
@@ -62,7 +62,7 @@ from .config import CHUNK_BYTES
 from .decode import _pool_device, check_paged_lengths, check_pools
 from .launch import device_info, function, on_stream, unit_rows
 from .paged_prefill_config import PagedPrefillConfig
-from .policy import paged_prefill_v2_rank
+from .policy import default_check_for
 from .registry import REGISTRY, check_paged_prefill_v1, need
 
 __all__ = ["paged_prefill", "paged_prefill_pools", "launch_paged_prefill", "prefill_args"]
@@ -286,16 +286,15 @@ def prefill_args(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, max_blocks, scal
 
 
 # --------------------------------------------------------------------------- the records
-#: v1's registry rank (v2's sits next to it: :func:`.policy.paged_prefill_v2_rank`)
-V1_RANK = 10
 RECORDS = (
     Record("cupy", "paged_prefill", "v1", "paged_prefill_v1.cu", "paged_prefill_v1", PagedPrefillConfig,
            paged_prefill, "fa_v2's tensor-core forward over a paged cache: K/V tiles of several cache blocks read "
            "through the block table, bottom-right causal per sequence, one launch for a packed batch of chunks",
-           check_paged_prefill_v1, V1_RANK, prefill_args),
+           check_paged_prefill_v1, 10, prefill_args),
     Record("cupy", "paged_prefill", "v2", "paged_prefill_v2.cu", "paged_prefill_v2", PagedPrefillConfig,
            paged_prefill, "v1 with the g query heads of a KV head packed into the Q tile's rows (pack_gqa): a "
            "block a KV head reads each K/V tile once for all g heads",
-           check_paged_prefill_v1, paged_prefill_v2_rank(V1_RANK), prefill_args, extra={"packs_heads": True}),
+           check_paged_prefill_v1, 20, prefill_args, extra={"packs_heads": True},
+           default_check=default_check_for("paged_prefill", "v2")),
 )
 REGISTRY.add(*RECORDS)

@@ -126,28 +126,34 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
     return bq, bk
 
 
+# =========================================================================== versions not yet measured
+#: versions the registry's default does not pick yet, and what has to be recorded before it
+#: may: each runs where a config names it.  A version leaves this table once its GPU tests pass
+#: and the benchmark has recorded what the entry asks (the record's ``default_check`` reads it:
+#: :func:`held_back`); the Hopper forward's head dims have their own gate,
+#: :func:`hopper_default_at`
+HELD_BACK = {
+    ("attention_backward", "v3"): "its GPU tests and a benchmark record faster than bwd_v2 on Hopper",
+    ("paged_prefill", "v2"): "its GPU tests and the paged_prefill benchmark section at v1's speed or better",
+}
+
+
+def held_back(op: str, version: str) -> str | None:
+    """Why the default does not pick ``version`` of ``op`` yet (:data:`HELD_BACK`), or None."""
+    wait = HELD_BACK.get((op, version))
+    return None if wait is None else f"not the default until measured ({wait}); a config naming it runs it"
+
+
+def default_check_for(op: str, version: str):
+    """A record's ``default_check`` that asks :func:`held_back` on every call (so a change to
+    :data:`HELD_BACK` takes effect at once)."""
+    return lambda need: held_back(op, version)
+
+
 # =========================================================================== backward on Hopper
 #: bwd_v3.cu's Q_i / dO_i ring: two stages (tile i + 1 lands while tile i is used; 105 KB of
 #: SRAM at d = 128, so a third fits too, should a measurement favour it)
 BWD_V3_STAGES = 2
-#: whether bwd_v3 (the Hopper backward) has been measured: its GPU tests pass and a benchmark
-#: has recorded it against bwd_v2 on the same GPU
-BWD_V3_MEASURED = False
-#: its rank while unmeasured (below every other backward version: never the default) and after
-#: (above bwd_v2's 20: the default wherever its check passes, i.e. on Hopper)
-BWD_V3_RANK_GATED, BWD_V3_RANK_OPEN = 0, 30
-
-
-def backward_v3_rank(measured: bool = BWD_V3_MEASURED) -> int:
-    """The registry rank of the Hopper backward (bwd_v3.cu): the gate on it becoming the default.
-
-    Until it is measured (``measured`` False: BWD_V3_MEASURED) it ranks below every other
-    backward version, so the default (config None, or version None) stays bwd_v2 and v3 runs
-    only when a config names it.  The gate opens once measured: its GPU tests pass and a
-    benchmark has recorded it faster than bwd_v2 on Hopper; then set BWD_V3_MEASURED and it
-    outranks bwd_v2 wherever its check passes (compute capability 9.0, float16/bfloat16,
-    head_dim 64 or 128)."""
-    return BWD_V3_RANK_OPEN if measured else BWD_V3_RANK_GATED
 
 
 # =========================================================================== paged prefill
@@ -181,23 +187,6 @@ def paged_prefill_tiles(num_warps: int | None, block_k: int | None, smem_of: Cal
             if limit is None or smem_of(nw, bk) <= limit:
                 return nw, bk
     return None
-
-
-#: whether paged_prefill_v2.cu (the g query heads of a KV head packed into one Q tile) has passed
-#: the GPU tests and been recorded by the benchmark's paged_prefill section at v1's speed or
-#: better; until then it runs only where a config names it
-PAGED_PREFILL_V2_MEASURED = False
-#: how far v2's registry rank sits above v1's once measured, or below it until then
-PAGED_PREFILL_V2_RANK_STEP = 5
-
-
-def paged_prefill_v2_rank(v1_rank: int, measured: bool = PAGED_PREFILL_V2_MEASURED) -> int:
-    """The registry rank of paged_prefill_v2.cu next to v1's ``v1_rank`` (the highest rank whose
-    check passes is the default): above it once ``measured`` -- v2 has passed the GPU tests and
-    the benchmark's paged_prefill section has recorded it at v1's speed or better, on the GPUs
-    the records cover -- which makes v2 the default; below it until then, so that
-    ``PagedPrefillConfig(version="v2")`` runs it and nothing else does."""
-    return v1_rank + PAGED_PREFILL_V2_RANK_STEP if measured else v1_rank - PAGED_PREFILL_V2_RANK_STEP
 
 
 # =========================================================================== paged gather
