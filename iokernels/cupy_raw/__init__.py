@@ -73,7 +73,8 @@ attention             v1       fa_v1.cu             10    CUDA cores, any dtype:
 attention_backward    v3       bwd_v3.cu            30    Hopper backward (FlashAttention-3's structure):
                                                           wgmma from SRAM, Q/dO streamed by TMA from a
                                                           producer warpgroup behind mbarriers, one consumer
-                                                          warpgroup of 64 keys, dS^T through SRAM for dQ
+                                                          warpgroup of 64 keys, dS^T through SRAM for dQ (held
+                                                          back from the default until measured)
 attention_backward    v2       bwd_v2.cu            20    FlashAttention-2's backward on the tensor cores
                                                           (mma.sync, ldmatrix): a warp owns 16 keys, P^T/dS^T
                                                           feed dV/dK from registers, dS^T through SRAM for dQ,
@@ -105,7 +106,8 @@ paged_decode          v5       decode_v5.cu         50    v4 reading a quantized
                                                           S's and P's columns
 paged_prefill         v2       paged_prefill_v2.cu  20    v1 with the g query heads of a KV head packed into
                                                           the Q tile's rows (pack_gqa): a block a KV head
-                                                          reads each K/V tile once for all g heads
+                                                          reads each K/V tile once for all g heads (held back
+                                                          from the default until measured)
 paged_prefill         v1       paged_prefill_v1.cu  10    fa_v2's tensor-core forward over a paged cache: K/V
                                                           tiles of several cache blocks read through the block
                                                           table, bottom-right causal per sequence, one launch

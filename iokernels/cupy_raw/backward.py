@@ -37,7 +37,7 @@ from ..core.arrays import Call, device_array
 from ..core.records import Record
 from .config import BWD_V3_THREADS, BackwardConfig
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream, unit_rows
-from .policy import default_check_for
+from .policy import default_check_for, held_back_note
 from .registry import REGISTRY, check_backward_v1, check_backward_v2, check_backward_v3, need
 
 #: threads of the row-wise kernels (bwd_rowsum, bwd_finish); the .cu file's ROW_THREADS
@@ -176,7 +176,8 @@ RECORDS = (
            backward_args),
     Record("cupy", "attention_backward", "v3", "bwd_v3.cu", "bwd_v3_main", BackwardConfig, run_attention_backward,
            "Hopper backward (FlashAttention-3's structure): wgmma from SRAM, Q/dO streamed by TMA from a producer "
-           "warpgroup behind mbarriers, one consumer warpgroup of 64 keys, dS^T through SRAM for dQ",
+           "warpgroup behind mbarriers, one consumer warpgroup of 64 keys, dS^T through SRAM for dQ"
+           + held_back_note("attention_backward", "v3"),
            check_backward_v3, 30, backward_v3_args, dict(options=HOPPER_OPTIONS),
            default_check_for("attention_backward", "v3")),
 )

@@ -62,7 +62,7 @@ from .config import CHUNK_BYTES
 from .decode import _pool_device, check_paged_lengths, check_pools
 from .launch import device_info, function, on_stream, unit_rows
 from .paged_prefill_config import PagedPrefillConfig
-from .policy import default_check_for
+from .policy import default_check_for, held_back_note
 from .registry import REGISTRY, check_paged_prefill_v1, need
 
 __all__ = ["paged_prefill", "paged_prefill_pools", "launch_paged_prefill", "prefill_args"]
@@ -293,7 +293,7 @@ RECORDS = (
            check_paged_prefill_v1, 10, prefill_args),
     Record("cupy", "paged_prefill", "v2", "paged_prefill_v2.cu", "paged_prefill_v2", PagedPrefillConfig,
            paged_prefill, "v1 with the g query heads of a KV head packed into the Q tile's rows (pack_gqa): a "
-           "block a KV head reads each K/V tile once for all g heads",
+           "block a KV head reads each K/V tile once for all g heads" + held_back_note("paged_prefill", "v2"),
            check_paged_prefill_v1, 20, prefill_args, extra={"packs_heads": True},
            default_check=default_check_for("paged_prefill", "v2")),
 )

@@ -144,6 +144,11 @@ def held_back(op: str, version: str) -> str | None:
     return None if wait is None else f"not the default until measured ({wait}); a config naming it runs it"
 
 
+def held_back_note(op: str, version: str) -> str:
+    """What a held-back version's summary adds in the version tables ("" once it is measured)."""
+    return " (held back from the default until measured)" if (op, version) in HELD_BACK else ""
+
+
 def default_check_for(op: str, version: str):
     """A record's ``default_check`` that asks :func:`held_back` on every call (so a change to
     :data:`HELD_BACK` takes effect at once)."""
