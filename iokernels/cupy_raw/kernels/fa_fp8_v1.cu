@@ -32,8 +32,9 @@
 // GQA; no ping-pong and no softmax / P V overlap (fa_v5's ideas are not carried over), so the
 // tensor cores idle during each softmax; the quantization passes are separate kernels (a fused
 // Hadamard + quantize would save a write and a read of Q and K); no backward.  The output is
-// 16-bit (-DIK_DTYPE), LSE float32, natural log.  Scales are per tile, not per (batch, head) as
-// the released FA3 FP8 kernel takes them (its descale factors; SOURCE facts: code).
+// 16-bit (-DIK_DTYPE), LSE float32, natural log.  Scales are per tile, not per (batch, KV head)
+// as the released FA3 FP8 kernel takes them (its descale factors; code: hopper/flash_api.cpp in
+// the FlashAttention repository), which also applies no Hadamard transform itself.
 #ifndef STAGES
 #error "fa_fp8_v1.cu: -DSTAGES is missing (fp8_forward.fp8_defines passes it)"
 #endif
