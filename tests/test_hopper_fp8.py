@@ -59,9 +59,12 @@ needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 #: and the lower bound catches a kernel that is not really computing in FP8.
 EMULATION_FACTOR = 1.5
 #: the kernel may differ from its tile-by-tile NumPy model (_kernel_model) by at most this share of
-#: the model's own FP8 error (RMSE against float64): float32 rounding of S and of exp2 tips a P
-#: cast to the neighbouring e4m3 code only rarely
-MODEL_SHARE = 0.1
+#: the model's own FP8 error (RMSE against float64).  The two cast the same P up to the rounding of
+#: S (the tensor cores' accumulation of FP8 products, not exactly IEEE float32) and of exp2
+#: (ex2.approx), which tips a P * P_SCALE to the neighbouring e4m3 code (12.5% apart at most) only
+#: when it lies that close to a rounding midpoint: a small share of the casts.  A real bug (a wrong
+#: scale, key order or tile) moves O by about its own size, several times the FP8 error.
+MODEL_SHARE = 0.2
 #: the acceptance: incoherent processing lowers the error at least this much at the experiment's shape
 HADAMARD_GAIN = 2.0
 
