@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import api
+from .. import api, fp8
 from ..core import reference
 from ..core.testing import check, make_inputs, numpy_dtype
 from ..core.testing import GRADIENT_FACTOR
+from . import hopper
+from .hadamard import FWHT_HEAD_DIMS, fwht
+from .launch import device_info
 from .registry import REGISTRY, need
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -312,9 +315,6 @@ FP8_RMSE_BOUND = 0.05
 
 def _fwht(rng, label):
     """The randomized Hadamard transform (hadamard.fwht) against iokernels.fp8's, by the 2x rule."""
-    from .. import fp8
-    from .hadamard import FWHT_HEAD_DIMS, fwht
-    from .launch import device_info
     out = []
     for dtype in ("float16", "bfloat16", "float32"):
         if dtype == "bfloat16" and device_info()["cc"] < 80:
@@ -334,15 +334,14 @@ def _fwht(rng, label):
 def _fp8_attention(rng, label):
     """The opt-in FP8 forward (Hopper only) at a ragged GQA shape, causal and not, with and without
     the Hadamard transform: no NaN, rows that see no key exactly 0, RMSE under FP8_RMSE_BOUND."""
-    from .hopper import available, fp8_attention
     out = []
-    if available() is not None:
+    if hopper.available() is not None:
         return out
     for causal in (False, True):
         for hadamard in (False, True):
             q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=37, head_dim=128,
                                   dtype="bfloat16")
-            o, lse = fp8_attention(q, k, v, causal=causal, hadamard=hadamard, seed=1)
+            o, lse = hopper.fp8_attention(q, k, v, causal=causal, hadamard=hadamard, seed=1)
             ref_o, ref_l = reference.attention(q, k, v, causal=causal)
             o = o.astype(np.float64)
             live = np.isfinite(ref_l)

@@ -33,6 +33,7 @@ Limits: head_dim 128; float16 / bfloat16 inputs (quantized here) or codes made b
 """
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -188,7 +189,6 @@ def _quantize(call, q, k, v, info, signs) -> Fp8Inputs:
 def tensor_map_u8(ptr: int, dims, strides_bytes, box) -> np.ndarray:
     """A TMA tensor map (CUtensorMap) of a one-byte (e4m3 codes as uint8) tensor, 128-byte swizzle
     (:func:`.tensor_maps.tensor_map`'s arguments; box[0] = 128 bytes, the swizzle width)."""
-    import ctypes
     from cuda.bindings import driver as drv
     rank = len(dims)
     err, tmap = drv.cuTensorMapEncodeTiled(
