@@ -246,12 +246,17 @@ fp8_quantize_rows(const void* __restrict__ x, int in_f32, unsigned* __restrict__
 // V (B * Hkv slabs of nk rows of HEAD_DIM, 16-bit) -> V^T codes (B * Hkv slabs of HEAD_DIM rows
 // of nk_pad keys; keys past nk are 0) and one scale a tile of BLOCK_N keys.  Within each group of
 // 32 keys, key k goes to position vt_position(k) (the order p_fragments_e4m3 reads).  Grid
-// (nk_pad / BLOCK_N, slabs): amax over the tile, codes into an SRAM tile transposed, then written
-// row by row (16 bytes a thread).
+// (nk_pad / BLOCK_N, slabs): amax over the tile, codes into an SRAM tile transposed (a warp reads
+// 32 channels of one key from HBM, coalesced, and writes them down a column), then written row by
+// row (8 bytes a thread).
+//: an SRAM row of the transposed tile: Bc codes + 8 bytes of padding, so the 32 channels a warp
+//: writes down a column fall in 16 different banks (2-way conflicts instead of 32-way), and rows
+//: stay 8-byte aligned for the copy out
+#define VT_ROW_BYTES (BLOCK_N + 8)
 extern "C" __global__ void __launch_bounds__(QUANT_THREADS)
 fp8_quantize_vt(const u16* __restrict__ v, u8* __restrict__ vt, float* __restrict__ scales, int nk, int nk_pad) {
     __shared__ float red[QUANT_THREADS / 32];
-    __shared__ __align__(16) u8 tile_t[HEAD_DIM * BLOCK_N];   // [channel][position]
+    __shared__ __align__(16) u8 tile_t[HEAD_DIM * VT_ROW_BYTES];   // [channel][position]
     const int tile = blockIdx.x, slab = blockIdx.y;
     const int k0 = tile * BLOCK_N, k1 = min(nk, k0 + BLOCK_N);
     const u16* src = v + ((size_t)slab * nk + k0) * HEAD_DIM;
@@ -264,12 +269,12 @@ fp8_quantize_vt(const u16* __restrict__ v, u8* __restrict__ vt, float* __restric
         const int key = i / HEAD_DIM, ch = i % HEAD_DIM;
         const float x = key < k1 - k0 ? in16_to_f32(src[i]) / scale : 0.f;
         const int pos = (key & ~31) + vt_position(key & 31);
-        tile_t[ch * BLOCK_N + pos] = (u8)(pack4_e4m3(x, 0.f, 0.f, 0.f) & 0xffu);
+        tile_t[ch * VT_ROW_BYTES + pos] = (u8)(pack4_e4m3(x, 0.f, 0.f, 0.f) & 0xffu);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < HEAD_DIM * BLOCK_N / 16; i += QUANT_THREADS) {   // write V^T rows -> HBM
-        const int ch = i / (BLOCK_N / 16), chunk = i % (BLOCK_N / 16);
-        *(uint4*)(vt + ((size_t)slab * HEAD_DIM + ch) * nk_pad + k0 + 16 * chunk) =
-            *(const uint4*)(tile_t + ch * BLOCK_N + 16 * chunk);
+    for (int i = threadIdx.x; i < HEAD_DIM * BLOCK_N / 8; i += QUANT_THREADS) {   // write V^T rows -> HBM
+        const int ch = i / (BLOCK_N / 8), chunk = i % (BLOCK_N / 8);
+        *(uint2*)(vt + ((size_t)slab * HEAD_DIM + ch) * nk_pad + k0 + 8 * chunk) =
+            *(const uint2*)(tile_t + ch * VT_ROW_BYTES + 8 * chunk);
     }
 }
