@@ -18,7 +18,7 @@ With compute capability 9.0:
   the same numbers): the kernel's RMSE against the float64 oracle is within a factor
   :data:`EMULATION_FACTOR` of the CPU emulation's (iokernels.fp8.fp8_attention with the kernel's
   blocks, 128 rows), with and without the Hadamard transform; and the transform lowers the
-  kernel's error at least 2x (the CPU experiment shows 2.27x at this shape and seed: asserted
+  kernel's error at least 2x (the CPU experiment shows about 2.2x at this shape and seed: asserted
   too, as the premise);
 * the kernel against its tile-by-tile NumPy model (_kernel_model: the same codes and scales, the
   running maximum over 128-key tiles, P * P_SCALE cast to e4m3, V's scale carried in O): O within

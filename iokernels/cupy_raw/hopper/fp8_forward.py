@@ -23,10 +23,10 @@ Notation: Br = Bc = 128 (:data:`FP8_BLOCK_M`, :data:`FP8_BLOCK_N`); s_Q, s_K, s_
 scales (float32, "x ~ s * code"); P_SCALE = :data:`iokernels.fp8.P_SCALE` (2^8); Nk_pad = Nk
 rounded up to Bc.
 
-Why it is opt-in: FP8 changes the answer (about 1e-2 RMSE on unit-variance inputs, against
-about 1e-4 for 16-bit kernels), so it is not registered as an ``attention`` version (the
-registry's forward versions all pass FlashAttention's 2x rule; this one cannot) and no default
-path reaches it.  Call :func:`fp8_attention` by name.
+Why it is opt-in: FP8 changes the answer (e4m3 keeps 3 mantissa bits, bfloat16 7: the error
+grows by one to two orders of magnitude, notebook 09b), so it is not registered as an
+``attention`` version (the registry's forward versions all pass FlashAttention's 2x rule; this
+one cannot) and no default path reaches it.  Call :func:`fp8_attention` by name.
 
 Limits: head_dim 128; float16 / bfloat16 inputs (quantized here) or codes made by
 :func:`quantize_qkv`; non-causal or causal (bottom-right); GQA; no window; no backward.
