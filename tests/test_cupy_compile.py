@@ -183,6 +183,15 @@ def _jobs():
     dec5("float16", 64, 90, "int8", group=1, block_size=7)       # rows of 4 chunks share a swizzle group
     dec5("bfloat16", 256, 90, "float8_e4m3fn", group=16, block_size=5)
     dec5("float16", 128, 80, "int8", group=16, tile_rows=16, num_warps=4)
+    # the randomized Hadamard transform (cupy_raw/hadamard.py): every arch, each row length, both outputs
+    from iokernels.cupy_raw import hadamard
+    for arch in ARCHS:
+        for dtype, d, out_f32 in (("float16", 128, False), ("float32", 64, False), ("float16", 256, True)):
+            jobs.append((f"fwht {dtype} d={d} out_f32={out_f32}", "fwht", hadamard.fwht_defines(d, dtype, out_f32),
+                         arch))
+        if arch >= 80:
+            jobs.append(("fwht bfloat16 d=128 out_f32=True", "fwht", hadamard.fwht_defines(128, "bfloat16", True),
+                         arch))
     return jobs
 
 

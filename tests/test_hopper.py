@@ -76,7 +76,7 @@ def test_every_hopper_kernel_compiles_for_sm90a_in_registers(tmp_path):
         assert frame.groups() == ("0", "0", "0"), f"{label}: {frame.group(0)}"
         assert "C7515" not in err, f"{label}: wgmma serialised: {err[:600]}"
         assert "C7508" not in err, f"{label}: setmaxnreg ignored: {err[:600]}"
-    assert {name for _, name, _ in jobs} == set(hp.SOURCES)
+    assert {name for _, name, _ in jobs} == set(hp.SOURCES) - {"fa_fp8_v1"}   # FP8: tests/test_hopper_fp8.py
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -26,6 +26,7 @@ gather.py           paged gather: paged_gather.cu
 paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks
                     (PagedPrefillConfig: paged_prefill_config.py)
 hopper/             the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
+hadamard.py         the randomized Hadamard transform of rows (fwht.cu), FP8's incoherent processing
 mla.py              MLA decode (absorbed form) on Hopper: mla_decode.cu
 plans.py            DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
 attention_plan      AttentionPlan (the portable and the Hopper forward)

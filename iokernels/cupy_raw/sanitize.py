@@ -12,7 +12,8 @@ query heads, contiguous and paged), plus the settings in :data:`VARIANTS`.  A qu
 cache's decode is held against the oracle on the values the cache holds (its codes times
 its scales, :meth:`PagedKVCache.gather`).  The paged prefill runs chunks of :data:`PREFILL_CHUNKS`
 rows (a partial chunk, a whole prompt, a decode row) over the paged cache, GQA 8/2 and MHA,
-causal and not.
+causal and not.  After the registry's: the kernels without a record (:data:`UNRECORDED`), the
+randomized Hadamard transform and the opt-in FP8 forward (on Hopper).
 Inputs are NumPy arrays, so CuPy is the only GPU library loaded.  Each result is held
 against :mod:`iokernels.core.reference` with the shared checker (float64 to about 1e-12,
 lower precisions by the 2x rule against the naive algorithm in the same precision).
@@ -21,10 +22,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import api
+from .. import api, fp8
 from ..core import reference
 from ..core.testing import check, make_inputs, numpy_dtype
 from ..core.testing import GRADIENT_FACTOR
+from . import hopper
+from .hadamard import FWHT_HEAD_DIMS, fwht
+from .launch import device_info
 from .registry import REGISTRY, need
 
 DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -319,6 +323,57 @@ def _paged_prefill(kernel, cfg, dtype, rng, label):
     return out
 
 
+#: the rows of the kernels without a record, and the error FP8 attention may reach on unit-variance
+#: inputs (e4m3 keeps 3 mantissa bits: about 2e-2 RMSE; the 2x rule does not apply to it)
+UNRECORDED_ROWS = (2, 3, 37)
+FP8_RMSE_BOUND = 0.05
+
+
+def _fwht(rng, label):
+    """The randomized Hadamard transform (hadamard.fwht) against iokernels.fp8's, by the 2x rule."""
+    out = []
+    for dtype in ("float16", "bfloat16", "float32"):
+        if dtype == "bfloat16" and device_info()["cc"] < 80:
+            continue
+        for d in FWHT_HEAD_DIMS:
+            x = rng.standard_normal(UNRECORDED_ROWS + (d,)).astype(numpy_dtype(dtype))
+            signs = fp8.random_signs(d, rng)
+            y = fwht(x, signs=signs)
+            base = ((x.astype(np.float32) * signs).astype(np.float32)
+                    @ fp8.hadamard_matrix(d).astype(np.float32)).astype(numpy_dtype(dtype))
+            name = f"{label} {dtype} d={d}"
+            _ok(check(y, fp8.randomized_hadamard(x.astype(np.float64), signs), base, dtype=dtype, name="y"), name)
+            out.append(name)
+    return out
+
+
+def _fp8_attention(rng, label):
+    """The opt-in FP8 forward (Hopper only) at a ragged GQA shape, causal and not, with and without
+    the Hadamard transform: no NaN, rows that see no key exactly 0, RMSE under FP8_RMSE_BOUND."""
+    out = []
+    if hopper.available() is not None:
+        return out
+    for causal in (False, True):
+        for hadamard in (False, True):
+            q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=77, seqlen_k=37, head_dim=128,
+                                  dtype="bfloat16")
+            o, lse = hopper.fp8_attention(q, k, v, causal=causal, hadamard=hadamard, seed=1)
+            ref_o, ref_l = reference.attention(q, k, v, causal=causal)
+            o = o.astype(np.float64)
+            live = np.isfinite(ref_l)
+            name = f"{label} causal={causal} hadamard={hadamard}"
+            err = float(np.sqrt(np.mean((o - ref_o)[live] ** 2)))
+            if np.isnan(o).any() or np.any(o[~live] != 0) or not np.all(np.isneginf(lse[~live])) \
+                    or not err < FP8_RMSE_BOUND:
+                raise AssertionError(f"{name}: RMSE {err:.3g} (bound {FP8_RMSE_BOUND}), or NaN / masked rows wrong")
+            out.append(name)
+    return out
+
+
+#: kernels without a record (a helper, an opt-in version), run after the registry's, by "op:version"
+UNRECORDED = {"hadamard:fwht": _fwht, "fp8_attention:v1": _fp8_attention}
+
+
 RUNNERS = {"attention": _forward, "decode": _decode, "paged_decode": _paged_decode, "paged_gather": _gather,
            "attention_backward": _backward, "mla_decode": _mla, "paged_prefill": _paged_prefill}
 
@@ -343,5 +398,13 @@ def sanitize_cases(seed: int = 0, verbose: bool = True, kernels=None) -> list:
                     for n in names:
                         print(f"  ok {n}", flush=True)
                 ran.extend(names)
+    for name, run in UNRECORDED.items():
+        if kernels is not None and name not in kernels:
+            continue
+        names = run(rng, name.replace(":", " "))
+        if verbose:
+            for n in names:
+                print(f"  ok {n}", flush=True)
+        ran.extend(names)
     cupy().cuda.Device().synchronize()
     return ran

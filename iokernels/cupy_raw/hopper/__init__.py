@@ -67,6 +67,7 @@ attention       the attention launch and its argument builder
 gemm            :func:`gemm` (hopper_gemm.cu)
 records         the records of v3, v4, v5
 oracle          :func:`oracle_check`, :func:`gemm_check` (on a GPU)
+fp8_forward     :func:`fp8_attention` (fa_fp8_v1.cu): FP8 products, opt-in, never a default
 ==============  ============================================================
 """
 from ..launch import HOPPER_OPTIONS as NVRTC_OPTIONS  # noqa: F401
@@ -82,4 +83,5 @@ from .attention import attention, attention_args, launch_attention  # noqa: F401
 from .gemm import gemm, gemm_defines, gemm_smem_bytes  # noqa: F401
 from .records import RECORDS  # noqa: F401
 from .oracle import gemm_check, oracle_check  # noqa: F401
+from .fp8_forward import Fp8Config, Fp8Inputs, fp8_attention, fp8_attention_codes, quantize_qkv  # noqa: F401
 

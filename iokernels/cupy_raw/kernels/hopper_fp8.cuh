@@ -1,0 +1,221 @@
+// hopper_fp8.cuh -- what the FP8 Hopper forward (fa_fp8_v1.cu) adds to hopper_common.cuh: the
+// e4m3 wgmma (both operands K-major: PTX has no transpose for 8-bit types), the float32 -> e4m3
+// conversions, and, copied forward from hopper_attention.cuh (frozen with v3 .. v5), the tile
+// range of a query block, the mask and the epilogue, with the softmax taking a per-tile factor
+// (the FP8 scales of Q_i and K_j fold into it).
+//
+// FP8 tiles (one byte an element): a row of Q, K (d = 128) or of V^T (Bc = 128 keys) is 128
+// bytes, exactly one 128-byte swizzle row, so a tile is one panel and a k-step of 32 elements is
+// 32 bytes inside it -- the same descriptor arithmetic as a 16-bit k-step of 16 elements
+// (smem_desc_k_major).
+#pragma once
+#include "hopper_common.cuh"   // TmaMap, mbar_*, tma_load_3d, smem_desc_k_major, wgmma_fence/commit/wait,
+                               // setmaxnreg, pack2_cvt_x2 (the 16-bit output), quad_max / quad_sum
+
+//: the largest finite e4m3 value (OCP FP8: 1.75 x 2^8); codes are scaled so a block's max lands on it
+#define E4M3_MAX 448.0f
+
+// ----------------------------------------------------------------------------- conversions
+// four float32 -> four e4m3 codes in one 32-bit word, x0 in the lowest byte (the k order wgmma
+// reads): cvt.rn.satfinite.e4m3x2.f32 puts its first source in the upper byte.  Round to nearest
+// even; beyond +-448 it saturates (the scales keep |x| <= 448, so only rounding can reach it).
+__device__ __forceinline__ u32 pack4_e4m3(float x0, float x1, float x2, float x3) {
+    unsigned short lo, hi;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+    return (u32)lo | ((u32)hi << 16);
+}
+// a 16-bit input element (IK_DTYPE) as float32
+__device__ __forceinline__ float in16_to_f32(u16 x) {
+#if IK_DTYPE == IK_BF16
+    return __uint_as_float(((u32)x) << 16);   // bfloat16 is the top half of a float32
+#else
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+    return f;
+#endif
+}
+
+// ----------------------------------------------------------------------------- e4m3 wgmma
+// D[64 x 128] (+)= A[64 x 32] * B[32 x 128], e4m3 x e4m3 -> float32, A and B from SRAM, both
+// K-major (descriptors).  scale_d = 0 overwrites D (the first k-step).
+__device__ __forceinline__ void wgmma_ss_e4m3_n128(float (&d)[64], u64 desc_a, u64 desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, "
+        "%64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+}
+
+// D[64 x 128] += A[64 x 32] * B[32 x 128], A (e4m3) from registers, 4 words a thread: word 0 row
+// g, k = 4t .. 4t+3; word 1 row g + 8, same k; words 2, 3 the same rows at k + 16 (lane = 4g + t,
+// rows of the warp's 16-row slab, the lowest byte the lowest k); B (e4m3) from SRAM, K-major.
+__device__ __forceinline__ void wgmma_rs_e4m3_n128(float (&d)[64], const u32 (&a)[4], u64 desc_b) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, "
+        "{%64, %65, %66, %67}, %68, 1, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+// ----------------------------------------------------------------------------- the problem
+// (copied forward from hopper_attention.cuh, where v3 .. v5 keep theirs)
+// Visibility (bottom-right aligned): query row r sees key c iff c < Nk, c <= r + (Nk - Nq) + right
+// (right >= 0) and c >= r + (Nk - Nq) - left (left >= 0); causal is right = 0.
+struct AttnShape {
+    int nq, nk, heads_q, heads_kv;
+    float scale_log2;        // softmax scale * log2(e)
+    int left, right;         // window; -1 unbounded (causal: right = 0)
+};
+struct TileRange { int begin, end; };
+__device__ __forceinline__ TileRange key_tiles(const AttnShape& p, int r0, int r_last) {
+    const int off = p.nk - p.nq;
+    const int hi = p.right >= 0 ? min(p.nk, r_last + off + p.right + 1) : p.nk;   // exclusive
+    const int lo = p.left >= 0 ? max(0, r0 + off - p.left) : 0;
+    if (hi <= lo) return {0, 0};
+    return {lo / BLOCK_N, (hi + BLOCK_N - 1) / BLOCK_N};
+}
+// Grid: (Tr = ceil(Nq / Br), heads_q, batch); heavy_first: the last query tiles start first.
+struct BlockWork {
+    int bh, bh_kv;       // Q / O / LSE slab, and the K / V slab it reads (GQA)
+    int tile_q;          // its query tile (the index of Q_i's FP8 scale)
+    int r0, r_last;      // its first and last query row
+    TileRange tiles;     // the K/V tiles those rows can see
+    int n_tiles;
+};
+__device__ __forceinline__ BlockWork block_work(const AttnShape& p, int heavy_first) {
+    BlockWork w;
+    w.tile_q = heavy_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    w.bh = b * p.heads_q + h;
+    w.bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
+    w.r0 = w.tile_q * BLOCK_M;
+    w.r_last = min(w.r0 + BLOCK_M, p.nq) - 1;
+    w.tiles = key_tiles(p, w.r0, w.r_last);
+    w.n_tiles = w.tiles.end - w.tiles.begin;
+    return w;
+}
+__device__ __forceinline__ bool tile_needs_mask(const AttnShape& p, int j, int r0, int r_last) {
+    const int off = p.nk - p.nq, c0 = j * BLOCK_N, c1 = c0 + BLOCK_N - 1;
+    return c1 >= p.nk || (p.right >= 0 && c1 > r0 + off + p.right) || (p.left >= 0 && c0 < r_last + off - p.left);
+}
+__device__ __forceinline__ bool visible(const AttnShape& p, int r, int c) {
+    const int off = p.nk - p.nq;
+    return c < p.nk && (p.right < 0 || c <= r + off + p.right) && (p.left < 0 || c >= r + off - p.left);
+}
+
+// ----------------------------------------------------------------------------- online softmax
+struct RowState {
+    float m[2];   // running max, log2 units of scaled S
+    float l[2];   // running sum of this thread's columns of P (before P's FP8 cast)
+};
+__device__ __forceinline__ void row_state_init(RowState& st) {
+    st.m[0] = st.m[1] = neg_inf_f();
+    st.l[0] = st.l[1] = 0.f;
+}
+// hopper_attention.cuh's softmax_step with the scale a per-tile argument: factor = scale *
+// log2(e) * s_Q * s_K turns the FP8 product of codes into scaled S in log2 units.  S (64 x 128
+// float32 accumulators, 64 a thread) becomes P = exp2(S factor - m_new) in place; alpha[r] =
+// exp2(m_old - m_new).
+template <bool MASK>
+__device__ __forceinline__ void softmax_step_scaled(float (&s)[64], RowState& st, float (&alpha)[2],
+                                                    const AttnShape& p, float factor, int row_a, int col0) {
+    const int t = threadIdx.x % 4;
+    float mx[2] = {neg_inf_f(), neg_inf_f()};
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const int r = i % 4 < 2 ? 0 : 1;
+        float x = s[i] * factor;
+        if (MASK && !visible(p, row_a + 8 * r, col0 + 8 * (i / 4) + 2 * t + i % 2)) x = neg_inf_f();
+        s[i] = x;
+        mx[r] = fmaxf(mx[r], x);
+    }
+    float base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(st.m[r], quad_max(mx[r]));
+        base[r] = m_new == neg_inf_f() ? 0.f : m_new;     // nothing visible yet: P = 0, not NaN
+        alpha[r] = fast_exp2(st.m[r] - base[r]);
+        st.m[r] = m_new;
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const int r = i % 4 < 2 ? 0 : 1;
+        s[i] = fast_exp2(s[i] - base[r]);
+        sum[r] += s[i];
+    }
+    st.l[0] = st.l[0] * alpha[0] + sum[0];
+    st.l[1] = st.l[1] * alpha[1] + sum[1];
+}
+
+// P (float32, accumulator layout) -> e4m3 A fragments of O += P V, times P_SCALE first.  The
+// accumulator gives this thread, of each 32-key k-step, keys 2t, 2t+1, 8+2t, 9+2t, 16+2t, 17+2t,
+// 24+2t, 25+2t of rows g and g + 8; the e4m3 A fragment wants k = 4t..4t+3 and 16+4t..16+4t+3.
+// Rather than move bytes between lanes (FlashAttention-3 permutes registers), the keys of V^T
+// are stored in the order the fragment reads them: within each 32-key group, position
+// 16h + 4t + i holds key 16h + 8 (i / 2) + 2t + i % 2 (fp8_quantize_vt writes it so).  The sum
+// over keys is the same in any order, so each thread packs its own registers.
+__device__ __forceinline__ void p_fragments_e4m3(const float (&s)[64], u32 (&pa)[4][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        const float* x = s + 16 * kk;
+        pa[kk][0] = pack4_e4m3(x[0] * P_SCALE, x[1] * P_SCALE, x[4] * P_SCALE, x[5] * P_SCALE);      // row g
+        pa[kk][1] = pack4_e4m3(x[2] * P_SCALE, x[3] * P_SCALE, x[6] * P_SCALE, x[7] * P_SCALE);      // row g + 8
+        pa[kk][2] = pack4_e4m3(x[8] * P_SCALE, x[9] * P_SCALE, x[12] * P_SCALE, x[13] * P_SCALE);    // row g
+        pa[kk][3] = pack4_e4m3(x[10] * P_SCALE, x[11] * P_SCALE, x[14] * P_SCALE, x[15] * P_SCALE);  // row g + 8
+    }
+}
+// the V^T position of key k (0 .. 31) of a 32-key group: the inverse of the order above
+__device__ __forceinline__ int vt_position(int k) {
+    const int h = k >> 4, r = k & 15;
+    return 16 * h + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1);
+}
+
+// ----------------------------------------------------------------------------- epilogue
+// write O_i -> HBM (16-bit; o already carries s_V / P_SCALE) normalised by l, LSE_i (float32)
+__device__ __forceinline__ void write_o_lse(const float (&o)[64], RowState& st, u16* __restrict__ o_out,
+                                            float* __restrict__ lse_out, const AttnShape& p, int bh, int row_a) {
+    const int t = threadIdx.x % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row_a + 8 * r;
+        const float l = quad_sum(st.l[r]);
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        if (row < p.nq) {
+            u16* dst = o_out + ((size_t)bh * p.nq + row) * HEAD_DIM + 2 * t;
+#pragma unroll
+            for (int j = 0; j < HEAD_DIM / 8; ++j)
+                *(u32*)(dst + 8 * j) = pack2_cvt_x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+            if (t == 0) lse_out[(size_t)bh * p.nq + row] = l > 0.f ? (st.m[r] + fast_log2(l)) * LN2 : neg_inf_f();
+        }
+    }
+}
