@@ -346,7 +346,7 @@ def _tma_ready(x, dtype):
     a = device_array(x, dtype)
     if a.strides[-1] == 1 and a.aligned(TMA_ALIGN):
         return a
-    return device_array(contiguous(x, TMA_ALIGN), dtype)
+    return device_array(contiguous(a.owner, TMA_ALIGN), dtype)      # the caller's library copies
 
 
 def launch_paged_prefill_v3(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, dtype, block_size, max_blocks, longest,

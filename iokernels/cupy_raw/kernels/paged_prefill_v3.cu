@@ -15,7 +15,10 @@
 //     tile's block numbers from the table in HBM before it waits for the stage to be free, so
 //     the table's latency hides behind the consumers' work.  With the 128-byte swizzle, a box of
 //     a multiple of 8 rows lands exactly as those rows of a whole tile (the swizzle atom is 8
-//     rows), so the wgmma descriptors are fa_v5's;
+//     rows), so the wgmma descriptors are fa_v5's.  FlashAttention-3's hopper/ (code) copies a
+//     paged cache by TMA only when its pages suit the tile and otherwise gathers the rows with
+//     cp.async, one table entry a row, V rows past the sequence zero-filled; v3 keeps TMA down
+//     to blocks of 8 rows by issuing one box per block, at the cost of more copy instructions;
 //   * GQA packed (FlashAttention-3's PackGQA idea): the Br = 128 rows of a query tile are
 //     128 / g tokens x g query heads, row = token * g + head-in-group.  One TMA box (64 columns,
 //     g heads, 128 / g tokens) over q seen as (d, Hq, total_q) lands in exactly that order, so
