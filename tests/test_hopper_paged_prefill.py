@@ -172,6 +172,20 @@ def test_the_record_says_why_it_cannot_run(hopper_here, need_kw, words):
                 assert rec.unavailable(_need(dtype=dt, head_dim=d, extra=dict(group=g, block_size=16))) is None
 
 
+def test_the_need_carries_the_block_size(hopper_here):
+    """need() reads the block size off the cache or the pools, so the default dispatch and the
+    conformance tests skip v3 on a cache it cannot copy (block_size 4) instead of failing."""
+    from iokernels.cupy_raw import need
+    q = np.zeros((5, 8, 64), np.float16)
+    for bs, ok in ((4, False), (12, False), (16, True), (256, True)):
+        cache = PagedKVCache(4, bs, num_kv_heads=2, head_dim=64, dtype=np.float16)
+        pool = np.zeros((4, bs, 2, 64), np.float16)
+        for n in (need("paged_prefill", q=q, cache=cache), need("paged_prefill", q=q, k=pool, v=pool)):
+            assert n.extra["block_size"] == bs
+            why = REGISTRY.get("paged_prefill", "v3").unavailable(n if n.cc else _need(extra=n.extra))
+            assert (why is None) == ok and (ok or "block_size" in why), why
+
+
 def test_without_hopper_it_says_so():
     if hp.available() is None:
         pytest.skip("this machine has a Hopper GPU")

@@ -101,11 +101,10 @@ paged_prefill         v1       paged_prefill_v1.cu  10    fa_v2's tensor-core fo
                                                           tiles of several cache blocks read through the block
                                                           table, bottom-right causal per sequence, one launch
                                                           for a packed batch of chunks
-paged_prefill         v3       paged_prefill_v3.cu  0     Hopper: fa_v5's wgmma pipeline over a paged cache,
-                                                          each K/V tile Bc / block_size TMA boxes through the
-                                                          block table, the g query heads of a KV head packed
-                                                          into one 128-row tile; not yet measured, so named
-                                                          only
+paged_prefill         v3       paged_prefill_v3.cu  0     Hopper: fa_v5's pipeline over a paged cache, K/V
+                                                          tiles as TMA boxes through the block table, GQA
+                                                          packed into the 128-row tile; named only until
+                                                          measured
 paged_gather          v1       paged_gather.cu      10    16-byte chunks through the block table, one output
                                                           chunk a thread (coalesced stores), a grid-stride
                                                           loop over the sequence

@@ -163,8 +163,8 @@ class HopperPagedPrefillConfig:
 # --------------------------------------------------------------------------- the registry check
 def check_paged_prefill_v3(n) -> str | None:
     """Compute capability 9.0 (wgmma, TMA), a 16-bit cache, head_dim 64 or 128, g a power of two
-    up to 128, the block size when the need names it (``extra["block_size"]``: this module's
-    entry points add it; the launcher refuses a bad one by name in any case), and a GPU with
+    up to 128, the block size when the need names it (``extra["block_size"]``, from the cache or
+    the pools; the launcher refuses a bad one by name in any case), and a GPU with
     cuda-python here (:func:`~iokernels.cupy_raw.hopper.available`)."""
     if n.simulator:
         return "runs on a GPU only (not the simulator)"
@@ -197,7 +197,8 @@ def _hp():
 
 def _need(q, k_pool, v_pool, block_size):
     nd = need("paged_prefill", q=q, k=k_pool, v=v_pool)
-    nd.extra.setdefault("block_size", int(block_size))
+    if nd.extra.get("block_size") is None:
+        nd.extra["block_size"] = int(block_size)
     return nd
 
 
@@ -397,9 +398,8 @@ def prefill_v3_args(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, dtype, config
 # --------------------------------------------------------------------------- the record
 RECORDS = (
     Record("cupy", "paged_prefill", "v3", "paged_prefill_v3.cu", "paged_prefill_v3", HopperPagedPrefillConfig,
-           paged_prefill, "Hopper: fa_v5's wgmma pipeline over a paged cache, each K/V tile Bc / block_size TMA "
-           "boxes through the block table, the g query heads of a KV head packed into one 128-row tile; "
-           "not yet measured, so named only", check_paged_prefill_v3, V3_RANK, prefill_v3_args,
-           dict(options=HOPPER_OPTIONS)),
+           paged_prefill, "Hopper: fa_v5's pipeline over a paged cache, K/V tiles as TMA boxes through the block "
+           "table, GQA packed into the 128-row tile; named only until measured", check_paged_prefill_v3, V3_RANK,
+           prefill_v3_args, dict(options=HOPPER_OPTIONS)),
 )
 REGISTRY.add(*RECORDS)
