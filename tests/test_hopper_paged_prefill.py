@@ -6,7 +6,9 @@ config's variants; ``-Xptxas -v`` must show no local memory (no spills, no stack
 wgmma serialisation (C7515) and no ignored setmaxnreg (C7508); the source refuses what it
 cannot run with #error; the config, the block-size rule, the record's check, the registry's
 default (never v3 yet) and v3 by name, the tensor maps and argument list the launch builds,
-and the argument checks (before any GPU) are pure Python.
+and the argument checks (before any GPU) are pure Python; the kernel's schedule (grid, tile
+ranges, boxes through the table, the zeroed V tail, the packed rows) is modelled in NumPy and
+held to the oracle.
 
 With compute capability 9.0 (``gpu``: skipped elsewhere, with the reason): FlashAttention's 2x
 rule against the float64 oracle (:func:`iokernels.core.testing.paged_prefill_oracle`), the
@@ -320,6 +322,82 @@ def test_a_block_size_it_cannot_copy_is_refused_by_name(rng):
         PP.paged_prefill_pools(q, cache.k_pool, cache.v_pool, tables, lens, cq, config=V3)
     with pytest.raises(ValueError, match=r"^block_size\b.*12"):
         PP.paged_prefill(q, cache, sids, cq, config=V3)
+
+
+# --------------------------------------------------------------------------- the schedule, modelled (no GPU)
+def _model_v3(q, kp, vp, tables, lens, cq, causal, block_n, zero_tail=True):
+    """paged_prefill_v3.cu's schedule in float64 NumPy, step for step: the grid (heavy tiles
+    first), a block's tile range, the boxes through the table (a block past the pool reads as
+    zeros), the zeroed V tail, the per-row key limit (a select), the packed (token, head) rows
+    and the rows written.  Returns O, LSE and how often each (token, head) row was written."""
+    total_q, Hq, d = q.shape
+    nb, bs, Hkv, _ = kp.shape
+    g, BM = Hq // Hkv, hp.BLOCK_M
+    tokens, box_rows = BM // g, min(bs, block_n)
+    o, lse = np.full(q.shape, np.nan), np.full((Hq, total_q), np.nan)
+    writes = np.zeros((total_q, Hq), int)
+    grid_x = -(-int(np.diff(cq).max(initial=0)) * g // BM)
+    for b in range(len(lens)):
+        qbeg, nq, n = int(cq[b]), int(cq[b + 1] - cq[b]), int(lens[b])
+        for hk in range(Hkv):
+            for x in range(grid_x):
+                t0 = (grid_x - 1 - x if causal else x) * tokens
+                if t0 >= nq:
+                    continue
+                t_last, off = min(t0 + tokens, nq) - 1, n - nq
+                hi = min(n, t_last + off + 1) if causal else n
+                n_tiles = -(-hi // block_n) if hi > 0 else 0
+                tail = n_tiles > 0 and n % bs != 0 and n < n_tiles * block_n
+                rows = np.arange(BM)
+                tok, head = t0 + rows // g, hk * g + rows % g
+                Q = np.zeros((BM, d))
+                inside = qbeg + tok < total_q                  # past total_q: TMA's zeros
+                Q[inside] = q[qbeg + tok[inside], head[inside]]
+                lim = np.minimum(n, tok + off + 1) if causal else np.full(BM, n)
+                K, V = np.zeros((n_tiles * block_n, d)), np.zeros((n_tiles * block_n, d))
+                for it in range(n_tiles):
+                    key0 = it * block_n
+                    for i in range(block_n // box_rows):
+                        key = key0 + i * box_rows
+                        blk = int(tables[b, key // bs]) if key < n else nb
+                        if blk < nb:
+                            sl = slice(key0 % bs, key0 % bs + box_rows)
+                            K[key:key + box_rows], V[key:key + box_rows] = kp[blk, sl, hk], vp[blk, sl, hk]
+                if tail and zero_tail:
+                    V[n:] = 0.0
+                with np.errstate(invalid="ignore"):
+                    S = Q @ K.T / np.sqrt(d)
+                S = np.where(np.arange(len(K))[None, :] >= lim[:, None], -np.inf, S)
+                m = S.max(axis=1, initial=-np.inf)
+                base = np.where(np.isfinite(m), m, 0.0)
+                P = np.exp(S - base[:, None])
+                l_ = P.sum(axis=1)
+                with np.errstate(invalid="ignore"):
+                    O = (P @ V) / np.where(l_ > 0, l_, 1.0)[:, None]
+                for r in np.flatnonzero(tok < nq):
+                    o[qbeg + tok[r], head[r]] = O[r]
+                    lse[head[r], qbeg + tok[r]] = m[r] + np.log(l_[r]) if l_[r] > 0 else -np.inf
+                    writes[qbeg + tok[r], head[r]] += 1
+    return o, lse, writes
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64, 256])
+@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_the_schedule_model_matches_the_oracle(rng, block_size, g, block_n):
+    """The kernel's index arithmetic, modelled in NumPy over a NaN-padded shuffled pool: every
+    chunk row written once, O and LSE the oracle's; without the V tail zeroed, NaN leaks in."""
+    lens, chunks = ((300, 127, 17, 1, 200), (37, 64, 5, 1, 128))
+    cache, sids, cq, q = _case(rng, lens, chunks, 2 * g, 2, 64, "float16", block_size=block_size)
+    kp, vp, tables, lns = _shuffled(rng, cache, sids)
+    f64 = [np.asarray(x, np.float64) for x in (q, kp, vp)]
+    for causal in (True, False):
+        o, lse, writes = _model_v3(*f64, tables, lns, cq, causal, block_n)
+        assert (writes == 1).all()
+        ref, ref_lse = testing.paged_prefill_oracle(q, cache, sids, cq, causal)
+        assert np.allclose(o, ref, atol=1e-9) and np.allclose(lse, ref_lse, atol=1e-9)
+    o, _, _ = _model_v3(*f64, tables, lns, cq, True, block_n, zero_tail=False)
+    assert np.isnan(o).any()                    # the unwritten slots of a partial block are NaN
 
 
 # =========================================================================== GPU (compute capability 9.0)
