@@ -25,7 +25,8 @@ decode_launch   the split kernels' launch: what a shape fixes, what a call packs
 gather.py       paged gather: paged_gather.cu
 paged_prefill   paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks
                 (PagedPrefillConfig: paged_prefill_config.py)
-hopper/         the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
+hopper/         the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM, the paged
+                prefill v3 (hopper/paged_prefill.py: paged_prefill_v3.cu, named only until measured)
 mla.py          MLA decode (absorbed form) on Hopper: mla_decode.cu
 plans.py        DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
 attention_plan  AttentionPlan (the portable and the Hopper forward)

@@ -20,8 +20,9 @@ O        float32 accumulators, written once, packed (total_q, Hq, d) in q's dtyp
 LSE      m + log(l), natural log, float32, (Hq, total_q) like v1
 =======  ===========================================================================
 
-What v3 adds to v1, and why: v1 runs at about a third of the contiguous Hopper prefill on an
-H200 (mma.sync and cp.async, a thread block per query head); v3 is fa_v5's pipeline (TMA into
+What v3 adds to v1, and why: v1 (mma.sync and cp.async, a thread block per query head) runs
+far below the contiguous Hopper prefill, which has wgmma and TMA (the benchmark records the
+ratio in its paged_prefill section); v3 is fa_v5's pipeline (TMA into
 swizzled SRAM, a producer warpgroup, wgmma, ping-pong, the softmax overlapped with P V) with
 each K/V tile copied as Bc / p TMA boxes through the block table (a 4-D tensor map over the
 pool), and the g query heads of a KV head packed into one 128-row query tile (one 3-D TMA box
