@@ -11,9 +11,11 @@
 //     (d, Hkv, block_size, num_blocks); a box (64 columns, 1 head, BOX_ROWS slots, 1 block) is
 //     one cache block (or a Bc-key slice of a block larger than Bc) of one KV head, 64 columns
 //     wide.  A K/V tile of Bc keys is Bc / block_size such boxes per 64-column panel, all
-//     counted on the stage's one mbarrier (KV_TILE_BYTES expected); the producer thread reads the
-//     tile's block numbers from the table in HBM before it waits for the stage to be free, so
-//     the table's latency hides behind the consumers' work.  With the 128-byte swizzle, a box of
+//     counted on the stage's one mbarrier (KV_TILE_BYTES expected).  The producer warp issues
+//     them, one box of K and one of V per lane (D_PANELS x BOXES <= 32 lanes; TMA takes uniform
+//     operands, so the compiler issues the lanes' copies one after another in a short loop),
+//     each lane reading its box's block number from the table in HBM before the warp waits for
+//     the stage to be free, so the table's latency hides behind the consumers' work.  With the 128-byte swizzle, a box of
 //     a multiple of 8 rows lands exactly as those rows of a whole tile (the swizzle atom is 8
 //     rows), so the wgmma descriptors are fa_v5's.  FlashAttention-3's hopper/ (code) copies a
 //     paged cache by TMA only when its pages suit the tile and otherwise gathers the rows with
@@ -47,7 +49,7 @@
 // (8 .. 256 powers of two; the launcher refuses others by name); g a power of two up to 128;
 // head_dim 64 and 128; float16 and bfloat16; no sliding window, no quantized cache.  A chunk of
 // a few tokens (a decode row) still runs a whole 128-row tile (g rows of it useful when g < 128);
-// small blocks cost TMA issues (16 boxes a K tile at block_size 8 and d 128) from one thread.
+// small blocks cost more, smaller copies (32 boxes a K/V tile pair at block_size 8 and d 128).
 //
 // Compile-time settings (-D from HopperPagedPrefillConfig.defines): IK_DTYPE, HEAD_DIM,
 // BLOCK_M (128), BLOCK_N (Bc), STAGES, PAGE_SIZE (the cache's block_size), PINGPONG.
@@ -65,11 +67,10 @@
 
 #define CONSUMERS 2
 #define NTHREADS (128 * (CONSUMERS + 1))
-//: registers a thread after setmaxnreg (128 * 40 + 256 * 232 fits the SM's 64K; multiples of 8).
-//: The producer takes 16 more than fa_v5's 24: it holds a tile's block numbers (up to 16, at
-//: block_size 8) and its coordinates, and with 24 ptxas spills them
-#define PRODUCER_REGS 40
-#define CONSUMER_REGS 232
+//: registers a thread after setmaxnreg, fa_v5's split (128 * 24 + 256 * 240 fits the SM's 64K):
+//: one box a lane keeps the producer's table reads and coordinates within 24
+#define PRODUCER_REGS 24
+#define CONSUMER_REGS 240
 //: named barriers 1 and 2: consumer c may issue its products when barrier SCHED_BAR + c opens
 //: (bar 0 is __syncthreads); each opens when both consumer warpgroups (256 threads) reached it
 #define SCHED_BAR 1
@@ -87,46 +88,40 @@ struct PagedWork {
     bool zero_tail;       // the last tile holds slots past n of a partial cache block
 };
 
-// The producer warp: Q_i -> SRAM once, then K_j, V_j -> SRAM stage s, each tile BOXES boxes a
-// panel, their block numbers read through the table; lane 0 issues, the warp zeroes the tail.
+// The producer warp: Q_i -> SRAM once (lane 0), then K_j, V_j -> SRAM stage s, each tile BOXES
+// boxes a panel, one box of K and one of V per lane (lane = panel * BOXES + box: at most 2 x 16),
+// each lane reading its box's block number through the table; the warp zeroes the tail.
 __device__ __forceinline__ void produce_paged(const PagedSmem& sm, const PagedWork& w, const TmaMap* map_q,
                                               const TmaMap* map_k, const TmaMap* map_v,
                                               const int* __restrict__ table, int num_blocks, int group_shift) {
     const int lane = threadIdx.x % 32;
+    const bool issues = lane < D_PANELS * BOXES;                   // this lane copies a box of each tile
+    const int pnl = lane / BOXES, box = lane % BOXES;
+    const int dst = pnl * KV_PANEL_BYTES + box * BOX_ROWS * PANEL_BYTES;   // its box's place in a tile
     if (lane == 0) {
         mbar_arrive_expect_tx(sm.q_full, Q_TILE_BYTES);            // load Q_i -> SRAM, once
-        for (int pnl = 0; pnl < D_PANELS; ++pnl)                   // (64 cols, g heads, 128 / g tokens)
-            tma_load_3d(sm.q + pnl * Q_PANEL_BYTES, map_q, sm.q_full, pnl * PANEL, w.hk << group_shift,
-                        w.qbeg + w.t0);
-        for (int it = 0; it < w.n_tiles; ++it) {                   // load K_j, V_j -> SRAM stage s
-            const int s = it % STAGES, key0 = it * BLOCK_N;
-            const int slot0 = key0 % PAGE_SIZE;                    // 0 unless a block holds several tiles
-            int blk[BOXES];                                        // the tile's blocks, from the table (HBM)
-#pragma unroll
-            for (int i = 0; i < BOXES; ++i) {
-                const int key = key0 + i * BOX_ROWS;
-                blk[i] = key < w.n ? __ldg(table + key / PAGE_SIZE) : num_blocks;   // past the pool: zeros
-            }
-            mbar_wait(&sm.empty[s], ((it / STAGES) & 1) ^ 1);      // stage s's last tile is consumed
+        for (int p = 0; p < D_PANELS; ++p)                         // (64 cols, g heads, 128 / g tokens)
+            tma_load_3d(sm.q + p * Q_PANEL_BYTES, map_q, sm.q_full, p * PANEL, w.hk << group_shift, w.qbeg + w.t0);
+    }
+    for (int it = 0; it < w.n_tiles; ++it) {                       // load K_j, V_j -> SRAM stage s
+        const int s = it % STAGES, key = it * BLOCK_N + box * BOX_ROWS;
+        // the box's block, from the table (HBM), read before the wait so its latency hides;
+        // a key past the sequence reads block num_blocks, past the pool: TMA fills zeros
+        const int blk = issues && key < w.n ? __ldg(table + key / PAGE_SIZE) : num_blocks;
+        mbar_wait(&sm.empty[s], ((it / STAGES) & 1) ^ 1);          // stage s's last tile is consumed
+        if (lane == 0) {                                           // the tile's bytes, announced first
             mbar_arrive_expect_tx(&sm.k_full[s], KV_TILE_BYTES);
-#pragma unroll
-            for (int pnl = 0; pnl < D_PANELS; ++pnl)
-#pragma unroll
-                for (int i = 0; i < BOXES; ++i)
-                    tma_load_4d(sm.k + s * KV_TILE_BYTES + pnl * KV_PANEL_BYTES + i * BOX_ROWS * PANEL_BYTES, map_k,
-                                &sm.k_full[s], pnl * PANEL, w.hk, slot0, blk[i]);
             mbar_arrive_expect_tx(&sm.v_full[s], KV_TILE_BYTES);
-#pragma unroll
-            for (int pnl = 0; pnl < D_PANELS; ++pnl)
-#pragma unroll
-                for (int i = 0; i < BOXES; ++i)
-                    tma_load_4d(sm.v + s * KV_TILE_BYTES + pnl * KV_PANEL_BYTES + i * BOX_ROWS * PANEL_BYTES, map_v,
-                                &sm.v_full[s], pnl * PANEL, w.hk, slot0, blk[i]);
+        }
+        __syncwarp();
+        if (issues) {
+            const int slot = key % PAGE_SIZE;                      // 0 unless a block holds several tiles
+            tma_load_4d(sm.k + s * KV_TILE_BYTES + dst, map_k, &sm.k_full[s], pnl * PANEL, w.hk, slot, blk);
+            tma_load_4d(sm.v + s * KV_TILE_BYTES + dst, map_v, &sm.v_full[s], pnl * PANEL, w.hk, slot, blk);
         }
     }
-    __syncwarp();
     if (w.zero_tail) {
-        // every tile of stage s before the last one has been consumed (lane 0 waited for that
+        // every tile of stage s before the last one has been consumed (the warp waited for that
         // before issuing the last), so the phase pending on v_full[s] is the last tile's
         const int it = w.n_tiles - 1, s = it % STAGES;
         mbar_wait(&sm.v_full[s], (it / STAGES) & 1);
