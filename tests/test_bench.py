@@ -328,14 +328,14 @@ def test_paged_prefill_section_is_declared_and_tabled():
 
 def test_paged_prefill_rows_are_every_version_v1_the_default():
     """The paged prefill section times one row per registered CuPy version (v2, the GQA group
-    packed into the tile, its own row next to v1), the default marked."""
+    packed into the tile, and v3, the Hopper one, each its own row next to v1), the default marked."""
     from iokernels.bench.runners import registry_versions
     q, pool = np.zeros((5, 8, 64), np.float16), np.zeros((4, 16, 2, 64), np.float16)
     rows = registry_versions("cupy", "paged_prefill", q=q, k=pool, v=pool)
     if isinstance(rows[0][1], Exception):
         pytest.skip(f"the CuPy backend is not importable here: {rows[0][1]}")
-    assert [(name, cfg.version, default) for name, cfg, default in rows] == [("cupy:v1", "v1", True),
-                                                                           ("cupy:v2", "v2", False)]
+    assert [(name, cfg.version, default) for name, cfg, default in rows] == [
+        ("cupy:v1", "v1", True), ("cupy:v2", "v2", False), ("cupy:v3", "v3", False)]
 
 
 def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeypatch, rng):

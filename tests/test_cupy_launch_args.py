@@ -133,6 +133,8 @@ for dt in ("float16", "bfloat16", "float32"):
         for kern in [None] + cr.REGISTRY.kernels("paged_prefill"):
             if kern is not None and kern.unavailable(cr.need("paged_prefill", q=qp, cache=cache)) is not None:
                 continue
+            if kern is not None and kern.config_class is not cr.PagedPrefillConfig:
+                continue                            # the Hopper v3: below, with the TMA stand-in
             cfg = None if kern is None else cr.PagedPrefillConfig(kern.version)
             try:
                 rec(f"paged_prefill {cfg and cfg.version} {dt} {d}",
@@ -181,10 +183,23 @@ for dt in ("bfloat16", "float16"):
         q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=77, head_dim=d, dtype=dt)
         lse = np.zeros(q.shape[:3], np.float32)
         for det in (False, True):
+            MAPS.clear()
             rec(f"attention_backward v3 {dt} {d} deterministic={det}",
                 lambda: cr.attention_backward(q, q, k, v, q, lse, causal=True,
                                               config=cr.BackwardConfig("v3", deterministic=det)))
             out[f"maps bwd v3 {dt} {d} {det}"] = MAPS[:]
+
+# paged prefill v3 (Hopper): packed GQA 8/2 and MHA, blocks of 16, the tensor maps recorded
+from iokernels.cupy_raw.hopper import paged_prefill as PP3
+for dt in ("bfloat16", "float16"):
+    for d in (128, 64):
+        cache, sids = S._paged_cache(rng, d, dt)
+        cq = np.array([0, 37, 38, 83], np.int32)
+        for hq in (8, 2):
+            qp = rng.standard_normal((83, hq, d)).astype(cache.dtype)
+            rec(f"paged_prefill v3 {dt} {d} {hq}", lambda: PP3.paged_prefill(qp, cache, [sids[0], sids[1], sids[1]], cq,
+                                                                         config=PP3.HopperPagedPrefillConfig("v3")))
+            out[f"maps paged_prefill v3 {dt} {d} {hq}"] = MAPS[:]
             MAPS.clear()
 json.dump(out, sys.stdout)
 '''
@@ -196,7 +211,8 @@ FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split":
          "decode_split_v4_loads": "decode_v4_loads",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
          "bwd_v2_main": "bwd_v2", "bwd_v3_main": "bwd_v3", "mla_decode": "mla_decode",
-         "paged_prefill_v1": "paged_prefill_v1", "paged_prefill_v2": "paged_prefill_v2"}
+         "paged_prefill_v1": "paged_prefill_v1", "paged_prefill_v2": "paged_prefill_v2",
+         "paged_prefill_v3": "paged_prefill_v3"}
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,11 @@ paged_prefill = importlib.import_module("iokernels.cupy_raw.paged_prefill")
 DEV = "cuda"
 
 
+#: the paged prefill versions a PagedPrefillPlan runs (the Hopper v3 has no plan yet)
+PLANNED_PREFILL = [v for v in cr.REGISTRY.versions("paged_prefill")
+                   if cr.REGISTRY.get("paged_prefill", v).config_class is cr.PagedPrefillConfig]
+
+
 def capture(fn, warmup: int = 2):
     """(graph, the outputs its replays write) of ``fn``, warmed up on a side stream first and
     captured on it (so the plans' workspaces for that stream exist before capture)."""
@@ -141,7 +146,7 @@ def test_quantized_paged_decode_replays_like_eager_with_tables_and_scales_change
     assert planned(cr.PagedDecodePlan)
 
 
-@pytest.mark.parametrize("version", cr.REGISTRY.versions("paged_prefill"))
+@pytest.mark.parametrize("version", PLANNED_PREFILL)
 def test_paged_prefill_replays_like_eager_with_tables_lengths_and_offsets_changed_in_place(version):
     """The paged prefill over device pools with device tables, lengths and offsets (the grid sized
     by max_seqlen_q): no host read of them, so the chunks may change between replays.  The
@@ -169,7 +174,7 @@ def test_paged_prefill_replays_like_eager_with_tables_lengths_and_offsets_change
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-@pytest.mark.parametrize("version", cr.REGISTRY.versions("paged_prefill"))
+@pytest.mark.parametrize("version", PLANNED_PREFILL)
 def test_one_paged_prefill_plan_serves_every_layer_of_a_captured_step(version):
     """One PagedPrefillPlan run for each layer's pools in a captured step; tables, lengths and
     offsets rewritten in place between replays; a layer's replayed output equals the public call's."""

@@ -61,6 +61,9 @@ def _jobs():
                                ("float16", True, 256)):
         jobs.append((f"mla_decode {dtype} paged={paged} page={page}", "mla_decode",
                      MLADecodeConfig(version="v1").defines(dtype, paged, page)))
+    from iokernels.cupy_raw.hopper.paged_prefill import HopperPagedPrefillConfig   # every combo: its own test
+    jobs.append(("paged_prefill_v3 bfloat16 d=128 page=16", "paged_prefill_v3",
+                 HopperPagedPrefillConfig("v3").resolve(128).defines(128, "bfloat16", 16)))
     return jobs
 
 

@@ -25,7 +25,8 @@ decode_launch       the split kernels' launch: what a shape fixes, what a call p
 gather.py           paged gather: paged_gather.cu
 paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks
                     (PagedPrefillConfig: paged_prefill_config.py)
-hopper/             the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM
+hopper/             the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM, the paged
+                    prefill v3 (hopper/paged_prefill.py: paged_prefill_v3.cu, held back until measured)
 hadamard.py         the randomized Hadamard transform of rows (fwht.cu), FP8's incoherent processing
 mla.py              MLA decode (absorbed form) on Hopper: mla_decode.cu
 plans.py            DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
@@ -71,11 +72,10 @@ attention             v1b      fa_v1b.cu            20    float32: tiles in row 
                                                           swizzled SRAM, exp2
 attention             v1       fa_v1.cu             10    CUDA cores, any dtype: a block owns Q_i, loads K_j,
                                                           V_j into SRAM, register-tiled 16 x 16 threads
-attention_backward    v3       bwd_v3.cu            30    Hopper backward (FlashAttention-3's structure):
-                                                          wgmma from SRAM, Q/dO streamed by TMA from a
-                                                          producer warpgroup behind mbarriers, one consumer
-                                                          warpgroup of 64 keys, dS^T through SRAM for dQ (held
-                                                          back from the default until measured)
+attention_backward    v3       bwd_v3.cu            30    Hopper (FlashAttention-3's structure): wgmma from
+                                                          SRAM, Q/dO by TMA from a producer warpgroup, one
+                                                          consumer warpgroup of 64 keys, dS^T through SRAM for
+                                                          dQ (held back from the default until measured)
 attention_backward    v2       bwd_v2.cu            20    FlashAttention-2's backward on the tensor cores
                                                           (mma.sync, ldmatrix): a warp owns 16 keys, P^T/dS^T
                                                           feed dV/dK from registers, dS^T through SRAM for dQ,
@@ -105,6 +105,10 @@ paged_decode          v5       decode_v5.cu         50    v4 reading a quantized
                                                           1-byte codes turned into float16 tensor-core
                                                           operands in registers, the per-key scales applied to
                                                           S's and P's columns
+paged_prefill         v3       paged_prefill_v3.cu  30    Hopper: fa_v5's pipeline over a paged cache, K/V
+                                                          tiles as TMA boxes through the block table, GQA
+                                                          packed into the 128-row tile (held back from the
+                                                          default until measured)
 paged_prefill         v2       paged_prefill_v2.cu  20    v1 with the g query heads of a KV head packed into
                                                           the Q tile's rows (pack_gqa): a block a KV head
                                                           reads each K/V tile once for all g heads (held back
@@ -183,3 +187,4 @@ from .calls import (PLANNED, attention, attention_backward, decode, gather_pools
                     paged_decode_pools, paged_mla_decode, paged_prefill_pools)
 from .paged_prefill import paged_prefill  # noqa: F401
 from .paged_prefill_config import PagedPrefillConfig  # noqa: F401
+from .hopper import paged_prefill as hopper_paged_prefill  # noqa: F401  (v3: held back from the default until measured)

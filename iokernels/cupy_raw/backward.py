@@ -175,8 +175,8 @@ RECORDS = (
            "feed dV/dK from registers, dS^T through SRAM for dQ, Q/dO tiles by cp.async", check_backward_v2, 20,
            backward_args),
     Record("cupy", "attention_backward", "v3", "bwd_v3.cu", "bwd_v3_main", BackwardConfig, run_attention_backward,
-           "Hopper backward (FlashAttention-3's structure): wgmma from SRAM, Q/dO streamed by TMA from a producer "
-           "warpgroup behind mbarriers, one consumer warpgroup of 64 keys, dS^T through SRAM for dQ"
+           "Hopper (FlashAttention-3's structure): wgmma from SRAM, Q/dO by TMA from a producer warpgroup, one "
+           "consumer warpgroup of 64 keys, dS^T through SRAM for dQ"
            + held_back_note("attention_backward", "v3"),
            check_backward_v3, 30, backward_v3_args, dict(options=HOPPER_OPTIONS),
            default_check_for("attention_backward", "v3")),

@@ -27,12 +27,14 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
     """What a call of ``op`` needs of a kernel.  ``k`` / ``v``: the contiguous cache (decode,
     attention) or the pools (paged_decode, paged_gather).  cc and the shared memory per
     block (``extra["smem"]``) are None without a GPU; ``extra["group"]`` is heads_q /
-    heads_kv and ``extra["aligned16"]`` says whether every row starts on 16 bytes.  A
+    heads_kv, ``extra["block_size"]`` the paged cache's block size (None without one) and
+    ``extra["aligned16"]`` says whether every row starts on 16 bytes.  A
     quantized cache's need has its compute dtype (``cache.dtype``: q's and O's) and
     ``extra["kv_dtype"]`` / ``extra["scale_granularity"]``."""
-    kv = gran = None
+    kv = gran = block = None
     if cache is not None:
         dtype, d, hkv = cv.dtype_name(cache.k_pool), cache.head_dim, cache.num_kv_heads
+        block = getattr(cache, "block_size", None)
         if cache.quantized:
             dtype, kv, gran = cache.dtype.name, cache.kv_dtype, cache.scale_granularity
         arrays = cache_arrays = ()
@@ -42,6 +44,7 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
         hkv = None
         if k is not None:
             hkv = int(k.shape[2] if op in ("paged_decode", "paged_gather", "paged_prefill") else k.shape[1])
+            block = int(k.shape[1]) if op in ("paged_decode", "paged_gather", "paged_prefill") else None
         arrays = tuple(a for a in (q, k, v) if a is not None)
         cache_arrays = tuple(a for a in (k, v) if a is not None) or arrays
     group = int(q.shape[1]) // hkv if q is not None and hkv else 1
@@ -51,7 +54,8 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
         cc, smem = dev["cc"], dev["smem_optin"]
     aligned = all(_rows_aligned16(a) for a in arrays)
     return Need(dtype=dtype, head_dim=d, cc=cc, contiguous=all(_c_contiguous(a) for a in cache_arrays),
-                extra=dict(smem=smem, group=group, aligned16=aligned, kv_dtype=kv, scale_granularity=gran))
+                extra=dict(smem=smem, group=group, aligned16=aligned, kv_dtype=kv, scale_granularity=gran,
+                           block_size=block))
 
 
 def _device(x) -> DeviceArray | None:

@@ -79,7 +79,9 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_prefill", "v1"): ({}, {"num_warps": 2, "block_k": 16}, {"num_warps": 8, "block_k": 128}),
             # v2 (the g query heads packed into a tile's rows): the same tiles, so a 32-row tile
             # holds 8 tokens x 4 heads and a token's group may straddle two tiles
-            ("paged_prefill", "v2"): ({}, {"num_warps": 2, "block_k": 16}, {"num_warps": 8, "block_k": 128})}
+            ("paged_prefill", "v2"): ({}, {"num_warps": 2, "block_k": 16}, {"num_warps": 8, "block_k": 128}),
+            # the Hopper paged prefill v3: 64-key tiles (4 blocks of 16), 2 stages without ping-pong
+            ("paged_prefill", "v3"): ({}, {"block_n": 64}, {"stages": 2, "pingpong": False})}
 #: calls a version makes twice in a row (the fused combine's counters must be back at 0 after a call)
 TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4"), ("paged_decode", "v5"),
          ("decode", "v6"), ("paged_decode", "v6")}

@@ -1,0 +1,191 @@
+// hopper_paged.cuh -- what the Hopper paged prefill (paged_prefill_v3.cu) takes from the Hopper
+// FlashAttention versions, copied forward from hopper_attention.cuh (which fa_v3 .. fa_v5 keep
+// as recorded) and changed where a packed GQA query tile and a paged cache need it:
+//   * the mask is a per-row key limit: a row of the tile is a (token, query head) pair, so its
+//     horizon comes from its token (row / g), computed once per row, not from the row index;
+//   * a K/V tile is several TMA boxes, one per cache block (or one slice of a block larger than
+//     the tile) and 64-column panel, read through the block table (4-D tensor map over the pool);
+//   * the O / LSE epilogue writes packed (total_q, Hq, d) rows and (Hq, total_q) LSE.
+// The online softmax, the P fragments and the two wgmma products are hopper_attention.cuh's.
+//
+// Notation (FlashAttention's):
+//   Br = BLOCK_M  packed query rows a thread block owns (128 = 128 / g tokens x g query heads)
+//   Bc = BLOCK_N  keys a K/V tile holds; Tc = the tiles a block visits
+//   S = Q K^T (float32 wgmma accumulators), P = exp2(S * scale * log2(e) - m)
+//   m, l          running row max (log2 units of scaled S) and row sum; O the float32 accumulator
+//   LSE           (m + log2(l)) * ln(2): natural log, as the rest of the package
+//
+// A thread of a consumer warpgroup owns two rows of the 64-row slab (the wgmma accumulator layout,
+// hopper_common.cuh): row_a = 16 * warp + g and row_b = row_a + 8, and of each 8-column block of
+// S and O the columns 2t and 2t + 1.
+#pragma once
+#include "hopper_common.cuh"
+
+#ifndef HEAD_DIM
+#error "hopper_paged.cuh: -DHEAD_DIM is missing (HopperPagedPrefillConfig.defines passes it)"
+#endif
+#ifndef BLOCK_M
+#error "hopper_paged.cuh: -DBLOCK_M is missing (HopperPagedPrefillConfig.defines passes it)"
+#endif
+#ifndef BLOCK_N
+#error "hopper_paged.cuh: -DBLOCK_N is missing (HopperPagedPrefillConfig.defines passes it)"
+#endif
+#ifndef STAGES
+#error "hopper_paged.cuh: -DSTAGES is missing (HopperPagedPrefillConfig.defines passes it)"
+#endif
+#ifndef PAGE_SIZE
+#error "hopper_paged.cuh: -DPAGE_SIZE is missing (HopperPagedPrefillConfig.defines passes it)"
+#endif
+#if HEAD_DIM != 64 && HEAD_DIM != 128
+#error "the Hopper paged prefill takes HEAD_DIM 64 or 128"
+#endif
+#if BLOCK_N != 64 && BLOCK_N != 128
+#error "the Hopper paged prefill takes BLOCK_N 64 or 128 (one wgmma's N)"
+#endif
+// A cache block lands as PAGE_SIZE rows of one 128-byte swizzle panel.  The 128-byte swizzle
+// permutes 16-byte chunks within 8-row (1024-byte) atoms; a box of a multiple of 8 rows starts
+// and ends on an atom boundary, so the boxes of a tile land exactly where one box of Bc rows
+// would have, and the wgmma descriptors see one ordinary swizzled tile.
+#if PAGE_SIZE % 8 != 0 || (BLOCK_N % PAGE_SIZE != 0 && PAGE_SIZE % BLOCK_N != 0)
+#error "the Hopper paged prefill takes PAGE_SIZE (the block_size) a multiple of 8 that divides BLOCK_N or is a multiple of it"
+#endif
+
+#define D_PANELS (HEAD_DIM / PANEL)          // 64-column swizzle panels a row of Q, K or V spans
+#define S_REGS (BLOCK_N / 2)                 // float32 registers a thread holds of S (64 x Bc)
+#define O_REGS (HEAD_DIM / 2)                // ... of O (64 x d)
+#define QK_STEPS (HEAD_DIM / 16)             // wgmma k-steps of S = Q K^T
+#define PV_STEPS (BLOCK_N / 16)              // wgmma k-steps of O += P V
+#define Q_TILE_BYTES (BLOCK_M * HEAD_DIM * ELEM_BYTES)
+#define Q_PANEL_BYTES (BLOCK_M * PANEL_BYTES)
+#define KV_TILE_BYTES (BLOCK_N * HEAD_DIM * ELEM_BYTES)
+#define KV_PANEL_BYTES (BLOCK_N * PANEL_BYTES)
+//: rows one TMA box of the pool holds: a whole cache block, or a tile's slice of a larger one
+#define BOX_ROWS (PAGE_SIZE < BLOCK_N ? PAGE_SIZE : BLOCK_N)
+//: boxes a K or V tile takes in each panel (cache blocks a tile spans)
+#define BOXES (BLOCK_N / BOX_ROWS)
+
+#if BLOCK_N == 128
+#define WGMMA_S wgmma_ss_n128<0>
+#else
+#define WGMMA_S wgmma_ss_n64<0>
+#endif
+#if HEAD_DIM == 128
+#define WGMMA_O wgmma_rs_n128
+#else
+#define WGMMA_O wgmma_rs_n64
+#endif
+
+// ----------------------------------------------------------------------------- TMA, 4-D
+// one box of a 4-D tensor (the pool seen as (d, Hkv, block_size, num_blocks)); as tma_load_3d
+__device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap* map, u64* bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+        :: "r"(smem_addr(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+           "r"(smem_addr(bar))
+        : "memory");
+}
+
+// ----------------------------------------------------------------------------- SRAM
+// The dynamic SRAM of a block, 1024-byte aligned: Q_i, STAGES x K_j, STAGES x V_j, then the
+// mbarriers: q_full, k_full[STAGES], v_full[STAGES], empty[STAGES], v_tail (the last V tile once
+// the rows past the sequence's end are zeroed: see paged_prefill_v3.cu).
+struct PagedSmem {
+    unsigned char *q, *k, *v;
+    u64 *q_full, *k_full, *v_full, *empty, *v_tail;
+};
+__device__ __forceinline__ PagedSmem carve_paged_smem(unsigned char* raw) {
+    PagedSmem sm;
+    sm.q = (unsigned char*)(((size_t)raw + SWIZZLE_ATOM_BYTES - 1) & ~(size_t)(SWIZZLE_ATOM_BYTES - 1));
+    sm.k = sm.q + Q_TILE_BYTES;
+    sm.v = sm.k + STAGES * KV_TILE_BYTES;
+    sm.q_full = (u64*)(sm.v + STAGES * KV_TILE_BYTES);
+    sm.k_full = sm.q_full + 1;
+    sm.v_full = sm.k_full + STAGES;
+    sm.empty = sm.v_full + STAGES;
+    sm.v_tail = sm.empty + STAGES;
+    return sm;
+}
+
+// ----------------------------------------------------------------------------- online softmax
+// the online-softmax state of this thread's two rows
+struct RowState {
+    float m[2];   // running max, log2 units
+    float l[2];   // running sum of this thread's columns (reduced over the quad at the end)
+};
+__device__ __forceinline__ void row_state_init(RowState& st) {
+    st.m[0] = st.m[1] = neg_inf_f();
+    st.l[0] = st.l[1] = 0.f;
+}
+
+// One step of the online softmax on S_ij, in place (hopper_attention.cuh's softmax_step with the
+// mask as a key limit): S becomes P = exp2(S * scale_log2 - m_new), m and l are updated, and
+// alpha[r] = exp2(m_old - m_new) is what O's rows must be multiplied by before P V_j is added.
+// lim[r]: this thread's row r sees keys [0, lim[r]); col0: the tile's first key.
+template <bool MASK>
+__device__ __forceinline__ void softmax_step(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
+                                             float scale_log2, const int (&lim)[2], int col0) {
+    const int t = threadIdx.x % 4;
+    float mx[2] = {neg_inf_f(), neg_inf_f()};
+#pragma unroll
+    for (int i = 0; i < S_REGS; ++i) {
+        const int r = i % 4 < 2 ? 0 : 1;
+        float x = s[i] * scale_log2;
+        // a select, not arithmetic: a key past the sequence's end may hold anything
+        if (MASK && col0 + 8 * (i / 4) + 2 * t + i % 2 >= lim[r]) x = neg_inf_f();
+        s[i] = x;
+        mx[r] = fmaxf(mx[r], x);
+    }
+    float base[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(st.m[r], quad_max(mx[r]));
+        base[r] = m_new == neg_inf_f() ? 0.f : m_new;     // a row with nothing visible yet: P = 0, not NaN
+        alpha[r] = fast_exp2(st.m[r] - base[r]);          // exp2(-inf) = 0 on the first visible tile
+        st.m[r] = m_new;
+    }
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < S_REGS; ++i) {
+        const int r = i % 4 < 2 ? 0 : 1;
+        s[i] = fast_exp2(s[i] - base[r]);
+        sum[r] += s[i];
+    }
+    st.l[0] = st.l[0] * alpha[0] + sum[0];
+    st.l[1] = st.l[1] * alpha[1] + sum[1];
+}
+
+__device__ __forceinline__ void rescale_o(float (&o)[O_REGS], const float (&alpha)[2]) {
+#pragma unroll
+    for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[i % 4 < 2 ? 0 : 1];
+}
+
+// P (float32 accumulator layout) -> the A-operand fragments of O += P V, 16 keys a k-step: a
+// conversion to 16 bits in place (hopper_attention.cuh)
+__device__ __forceinline__ void p_fragments(const float (&s)[S_REGS], u32 (&pa)[PV_STEPS][4]) {
+#pragma unroll
+    for (int kk = 0; kk < PV_STEPS; ++kk) {
+        pa[kk][0] = pack2_cvt_x2(s[8 * kk + 0], s[8 * kk + 1]);   // row a, keys 16kk + 2t, +1
+        pa[kk][1] = pack2_cvt_x2(s[8 * kk + 2], s[8 * kk + 3]);   // row b
+        pa[kk][2] = pack2_cvt_x2(s[8 * kk + 4], s[8 * kk + 5]);   // row a, keys 16kk + 8 + 2t, +1
+        pa[kk][3] = pack2_cvt_x2(s[8 * kk + 6], s[8 * kk + 7]);   // row b
+    }
+}
+
+// S = Q K_j^T for this warpgroup's 64 rows (both K-major, 128-byte swizzled)
+__device__ __forceinline__ void issue_qk(float (&s)[S_REGS], const unsigned char* q_slab, u32 q_panel_bytes,
+                                         const unsigned char* k_tile) {
+#pragma unroll
+    for (int kk = 0; kk < QK_STEPS; ++kk) {
+        const int panel = kk / 4, within = (kk % 4) * 16 * ELEM_BYTES;
+        WGMMA_S(s, smem_desc_k_major(q_slab + panel * q_panel_bytes + within),
+                smem_desc_k_major(k_tile + panel * KV_PANEL_BYTES + within), kk > 0);
+    }
+}
+// O += P V_j: P from registers, V_j MN-major (16 keys = 16 rows of 128 bytes a k-step)
+__device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pa)[PV_STEPS][4],
+                                         const unsigned char* v_tile) {
+#pragma unroll
+    for (int kk = 0; kk < PV_STEPS; ++kk)
+        WGMMA_O(o, pa[kk], smem_desc_mn_major(v_tile + kk * 16 * PANEL_BYTES, KV_PANEL_BYTES));
+}
