@@ -2,7 +2,8 @@
 
 A rename of a helper, a moved #define or a comment must not change what a kernel does; the
 proof is that nvcc emits the same PTX for it.  For every compile the tests make
-(tests/test_cupy_compile.py's jobs on sm_75/80/90, tests/test_hopper.py's on sm_90a), this
+(tests/test_cupy_compile.py's jobs on sm_75/80/90; tests/test_hopper.py's, the Hopper backward's,
+the Hopper paged prefill's and the FP8 forward's on sm_90a), this
 script inlines the headers exactly as the launcher does, once from this checkout's kernel
 folders and once from ``--ref`` (default main), runs ``nvcc -ptx`` on both with the same
 defines, drops comments and ``.file`` / ``.loc`` lines, and compares.
@@ -40,6 +41,15 @@ def _jobs():
     import test_hopper as th
     jobs = [(f"sm_{arch} {label}", name, defines, f"-arch=sm_{arch}") for label, name, defines, arch in tc._jobs()]
     jobs += [(f"sm_90a {label}", name, defines, "-arch=sm_90a") for label, name, defines in th._jobs()]
+    # the Hopper kernels whose own test files list their compiles
+    import test_hopper_backward as tb
+    import test_hopper_paged_prefill as tp
+    from iokernels.cupy_raw.hopper import fp8_forward as F
+    jobs += [(f"sm_90a bwd_v3 {label}", "bwd_v3", defines, "-arch=sm_90a") for label, defines in tb._jobs()]
+    jobs += [(f"sm_90a paged_prefill_v3 {label}", "paged_prefill_v3", defines, "-arch=sm_90a")
+             for label, defines in tp._jobs()]
+    jobs += [(f"sm_90a fa_fp8_v1 {dt} stages={s}", F.FP8_FILE, F.Fp8Config(stages=s).defines(dt), "-arch=sm_90a")
+             for dt in F.FP8_DTYPES for s in range(1, F.FP8_MAX_STAGES + 1)]
     return jobs
 
 

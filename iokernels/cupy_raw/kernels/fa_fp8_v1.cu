@@ -95,14 +95,14 @@ __device__ __forceinline__ Fp8Smem carve_smem(unsigned char* raw) {
 }
 
 // S = Q K_j^T for a warpgroup's 64 rows: both K-major, one panel; 4 k-steps of 32 codes
-__device__ __forceinline__ void issue_qk(float (&s)[64], const u8* q_slab, const u8* k_tile) {
+__device__ __forceinline__ void issue_qk_e4m3(float (&s)[64], const u8* q_slab, const u8* k_tile) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 32; ++kk)
         wgmma_ss_e4m3_n128(s, smem_desc_k_major(q_slab + kk * K_STEP_BYTES),
                            smem_desc_k_major(k_tile + kk * K_STEP_BYTES), kk > 0);
 }
 // O += P V_j: P from registers, V_j^T (d rows of Bc keys) K-major; 4 k-steps of 32 keys
-__device__ __forceinline__ void issue_pv(float (&o)[64], const u32 (&pa)[4][4], const u8* vt_tile) {
+__device__ __forceinline__ void issue_pv_e4m3(float (&o)[64], const u32 (&pa)[4][4], const u8* vt_tile) {
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 32; ++kk)
         wgmma_rs_e4m3_n128(o, pa[kk], smem_desc_k_major(vt_tile + kk * K_STEP_BYTES));
@@ -158,7 +158,7 @@ fa_fp8_v1(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap m
         RowState st;
         row_state_init(st);
         // S's factor without K_j's scale: scale * log2(e) * s_Q(i)
-        const float q_factor = scale_log2 * (w.n_tiles > 0 ? q_scale[(size_t)w.bh * gridDim.x + w.tile_q] : 0.f);
+        const float q_factor = scale_log2 * (w.n_tiles > 0 ? q_scale[(size_t)w.bh * gridDim.x + w.r0 / BLOCK_M] : 0.f);
         const float* ks = k_scale + (size_t)w.bh_kv * tiles_k;
         const float* vs = v_scale + (size_t)w.bh_kv * tiles_k;
         float vs_prev = 1.f;                   // O is kept in units of the current tile's s_V
@@ -172,7 +172,7 @@ fa_fp8_v1(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap m
             mbar_wait(&sm.k_full[s], parity);                    // S = Q_i K_j^T (codes)
             float sacc[64];
             wgmma_fence();
-            issue_qk(sacc, sm.q + c * 64 * ROW_BYTES, sm.k + s * KV_TILE_BYTES);
+            issue_qk_e4m3(sacc, sm.q + c * 64 * ROW_BYTES, sm.k + s * KV_TILE_BYTES);
             wgmma_commit();
             wgmma_wait<0>();
             fence_regs(sacc);
@@ -191,7 +191,7 @@ fa_fp8_v1(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap m
 
             mbar_wait(&sm.v_full[s], parity);                    // O += P V_j (codes)
             wgmma_fence();
-            issue_pv(o, pa, sm.v + s * KV_TILE_BYTES);
+            issue_pv_e4m3(o, pa, sm.v + s * KV_TILE_BYTES);
             wgmma_commit();
             wgmma_wait<0>();
             fence_regs(o);

@@ -1,8 +1,8 @@
-// hopper_fp8.cuh -- what the FP8 Hopper forward (fa_fp8_v1.cu) adds to hopper_common.cuh: the
-// e4m3 wgmma (both operands K-major: PTX has no transpose for 8-bit types), the float32 -> e4m3
-// conversions, and, copied forward from hopper_attention.cuh (frozen with v3 .. v5), the tile
-// range of a query block, the mask and the epilogue, with the softmax taking a per-tile factor
-// (the FP8 scales of Q_i and K_j fold into it).
+// hopper_fp8.cuh -- what the FP8 Hopper forward (fa_fp8_v1.cu) adds to hopper_tile.cuh (the key-tile
+// range of a query block, the mask, the row state and the epilogue, shared with the 16-bit
+// kernels): the e4m3 wgmma (both operands K-major: PTX has no transpose for 8-bit types), the
+// float32 -> e4m3 conversions, and the softmax taking a per-tile factor (the FP8 scales of Q_i
+// and K_j fold into it).
 //
 // FP8 tiles (one byte an element): a row of Q, K (d = 128) or of V^T (Bc = 128 keys) is 128
 // bytes, exactly one 128-byte swizzle row, so a tile is one panel and a k-step of 32 elements is
@@ -11,6 +11,7 @@
 #pragma once
 #include "hopper_common.cuh"   // TmaMap, mbar_*, tma_load_3d, smem_desc_k_major, wgmma_fence/commit/wait,
                                // setmaxnreg, pack2_cvt_x2 (the 16-bit output), quad_max / quad_sum
+#include "hopper_tile.cuh"     // AttnShape, key_tiles, block_work, the mask, RowState, write_o_lse
 
 //: the largest finite e4m3 value (OCP FP8: 1.75 x 2^8); codes are scaled so a block's max lands on it
 #define E4M3_MAX 448.0f
@@ -86,62 +87,9 @@ __device__ __forceinline__ void wgmma_rs_e4m3_n128(float (&d)[64], const u32 (&a
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
 }
 
-// ----------------------------------------------------------------------------- the problem
-// (copied forward from hopper_attention.cuh, where v3 .. v5 keep theirs)
-// Visibility (bottom-right aligned): query row r sees key c iff c < Nk, c <= r + (Nk - Nq) + right
-// (right >= 0) and c >= r + (Nk - Nq) - left (left >= 0); causal is right = 0.
-struct AttnShape {
-    int nq, nk, heads_q, heads_kv;
-    float scale_log2;        // softmax scale * log2(e)
-    int left, right;         // window; -1 unbounded (causal: right = 0)
-};
-struct TileRange { int begin, end; };
-__device__ __forceinline__ TileRange key_tiles(const AttnShape& p, int r0, int r_last) {
-    const int off = p.nk - p.nq;
-    const int hi = p.right >= 0 ? min(p.nk, r_last + off + p.right + 1) : p.nk;   // exclusive
-    const int lo = p.left >= 0 ? max(0, r0 + off - p.left) : 0;
-    if (hi <= lo) return {0, 0};
-    return {lo / BLOCK_N, (hi + BLOCK_N - 1) / BLOCK_N};
-}
-// Grid: (Tr = ceil(Nq / Br), heads_q, batch); heavy_first: the last query tiles start first.
-struct BlockWork {
-    int bh, bh_kv;       // Q / O / LSE slab, and the K / V slab it reads (GQA)
-    int tile_q;          // its query tile (the index of Q_i's FP8 scale)
-    int r0, r_last;      // its first and last query row
-    TileRange tiles;     // the K/V tiles those rows can see
-    int n_tiles;
-};
-__device__ __forceinline__ BlockWork block_work(const AttnShape& p, int heavy_first) {
-    BlockWork w;
-    w.tile_q = heavy_first ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-    const int h = blockIdx.y, b = blockIdx.z;
-    w.bh = b * p.heads_q + h;
-    w.bh_kv = b * p.heads_kv + h / (p.heads_q / p.heads_kv);
-    w.r0 = w.tile_q * BLOCK_M;
-    w.r_last = min(w.r0 + BLOCK_M, p.nq) - 1;
-    w.tiles = key_tiles(p, w.r0, w.r_last);
-    w.n_tiles = w.tiles.end - w.tiles.begin;
-    return w;
-}
-__device__ __forceinline__ bool tile_needs_mask(const AttnShape& p, int j, int r0, int r_last) {
-    const int off = p.nk - p.nq, c0 = j * BLOCK_N, c1 = c0 + BLOCK_N - 1;
-    return c1 >= p.nk || (p.right >= 0 && c1 > r0 + off + p.right) || (p.left >= 0 && c0 < r_last + off - p.left);
-}
-__device__ __forceinline__ bool visible(const AttnShape& p, int r, int c) {
-    const int off = p.nk - p.nq;
-    return c < p.nk && (p.right < 0 || c <= r + off + p.right) && (p.left < 0 || c >= r + off - p.left);
-}
-
 // ----------------------------------------------------------------------------- online softmax
-struct RowState {
-    float m[2];   // running max, log2 units of scaled S
-    float l[2];   // running sum of this thread's columns of P (before P's FP8 cast)
-};
-__device__ __forceinline__ void row_state_init(RowState& st) {
-    st.m[0] = st.m[1] = neg_inf_f();
-    st.l[0] = st.l[1] = 0.f;
-}
-// hopper_attention.cuh's softmax_step with the scale a per-tile argument: factor = scale *
+// (the problem, the key-tile range, the mask, the row state and the epilogue are hopper_tile.cuh's)
+// hopper_tile.cuh's softmax_step with the scale a per-tile argument: factor = scale *
 // log2(e) * s_Q * s_K turns the FP8 product of codes into scaled S in log2 units.  S (64 x 128
 // float32 accumulators, 64 a thread) becomes P = exp2(S factor - m_new) in place; alpha[r] =
 // exp2(m_old - m_new).
@@ -200,22 +148,3 @@ __device__ __forceinline__ int vt_position(int k) {
     return 16 * h + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1);
 }
 
-// ----------------------------------------------------------------------------- epilogue
-// write O_i -> HBM (16-bit; o already carries s_V / P_SCALE) normalised by l, LSE_i (float32)
-__device__ __forceinline__ void write_o_lse(const float (&o)[64], RowState& st, u16* __restrict__ o_out,
-                                            float* __restrict__ lse_out, const AttnShape& p, int bh, int row_a) {
-    const int t = threadIdx.x % 4;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row_a + 8 * r;
-        const float l = quad_sum(st.l[r]);
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        if (row < p.nq) {
-            u16* dst = o_out + ((size_t)bh * p.nq + row) * HEAD_DIM + 2 * t;
-#pragma unroll
-            for (int j = 0; j < HEAD_DIM / 8; ++j)
-                *(u32*)(dst + 8 * j) = pack2_cvt_x2(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
-            if (t == 0) lse_out[(size_t)bh * p.nq + row] = l > 0.f ? (st.m[r] + fast_log2(l)) * LN2 : neg_inf_f();
-        }
-    }
-}

@@ -1,12 +1,13 @@
-// hopper_paged.cuh -- what the Hopper paged prefill (paged_prefill_v3.cu) takes from the Hopper
-// FlashAttention versions, copied forward from hopper_attention.cuh (which fa_v3 .. fa_v5 keep
-// as recorded) and changed where a packed GQA query tile and a paged cache need it:
+// hopper_paged.cuh -- what the Hopper paged prefill (paged_prefill_v3.cu) adds to the tile math of
+// hopper_tile.cuh (the register shapes, the row state, the P fragments and the two wgmma products,
+// shared with fa_v3 .. fa_v5), where a packed GQA query tile and a paged cache need it:
 //   * the mask is a per-row key limit: a row of the tile is a (token, query head) pair, so its
 //     horizon comes from its token (row / g), computed once per row, not from the row index;
 //   * a K/V tile is several TMA boxes, one per cache block (or one slice of a block larger than
 //     the tile) and 64-column panel, read through the block table (4-D tensor map over the pool);
 //   * the O / LSE epilogue writes packed (total_q, Hq, d) rows and (Hq, total_q) LSE.
-// The online softmax, the P fragments and the two wgmma products are hopper_attention.cuh's.
+// The P fragments and the two wgmma products are hopper_tile.cuh's; its online softmax is
+// softmax_step_limits below (hopper_tile.cuh's softmax_step with the mask as a key limit).
 //
 // Notation (FlashAttention's):
 //   Br = BLOCK_M  packed query rows a thread block owns (128 = 128 / g tokens x g query heads)
@@ -50,30 +51,15 @@
 #error "the Hopper paged prefill takes PAGE_SIZE (the block_size) a multiple of 8 that divides BLOCK_N or is a multiple of it"
 #endif
 
-#define D_PANELS (HEAD_DIM / PANEL)          // 64-column swizzle panels a row of Q, K or V spans
-#define S_REGS (BLOCK_N / 2)                 // float32 registers a thread holds of S (64 x Bc)
-#define O_REGS (HEAD_DIM / 2)                // ... of O (64 x d)
-#define QK_STEPS (HEAD_DIM / 16)             // wgmma k-steps of S = Q K^T
-#define PV_STEPS (BLOCK_N / 16)              // wgmma k-steps of O += P V
+#include "hopper_tile.cuh"                 // S_REGS, O_REGS, the products, RowState, p_fragments
+
 #define Q_TILE_BYTES (BLOCK_M * HEAD_DIM * ELEM_BYTES)
-#define Q_PANEL_BYTES (BLOCK_M * PANEL_BYTES)
 #define KV_TILE_BYTES (BLOCK_N * HEAD_DIM * ELEM_BYTES)
-#define KV_PANEL_BYTES (BLOCK_N * PANEL_BYTES)
 //: rows one TMA box of the pool holds: a whole cache block, or a tile's slice of a larger one
 #define BOX_ROWS (PAGE_SIZE < BLOCK_N ? PAGE_SIZE : BLOCK_N)
 //: boxes a K or V tile takes in each panel (cache blocks a tile spans)
 #define BOXES (BLOCK_N / BOX_ROWS)
 
-#if BLOCK_N == 128
-#define WGMMA_S wgmma_ss_n128<0>
-#else
-#define WGMMA_S wgmma_ss_n64<0>
-#endif
-#if HEAD_DIM == 128
-#define WGMMA_O wgmma_rs_n128
-#else
-#define WGMMA_O wgmma_rs_n64
-#endif
 
 // ----------------------------------------------------------------------------- TMA, 4-D
 // one box of a 4-D tensor (the pool seen as (d, Hkv, block_size, num_blocks)); as tma_load_3d
@@ -108,23 +94,13 @@ __device__ __forceinline__ PagedSmem carve_paged_smem(unsigned char* raw) {
 }
 
 // ----------------------------------------------------------------------------- online softmax
-// the online-softmax state of this thread's two rows
-struct RowState {
-    float m[2];   // running max, log2 units
-    float l[2];   // running sum of this thread's columns (reduced over the quad at the end)
-};
-__device__ __forceinline__ void row_state_init(RowState& st) {
-    st.m[0] = st.m[1] = neg_inf_f();
-    st.l[0] = st.l[1] = 0.f;
-}
-
-// One step of the online softmax on S_ij, in place (hopper_attention.cuh's softmax_step with the
+// One step of the online softmax on S_ij, in place (hopper_tile.cuh's softmax_step with the
 // mask as a key limit): S becomes P = exp2(S * scale_log2 - m_new), m and l are updated, and
 // alpha[r] = exp2(m_old - m_new) is what O's rows must be multiplied by before P V_j is added.
 // lim[r]: this thread's row r sees keys [0, lim[r]); col0: the tile's first key.
 template <bool MASK>
-__device__ __forceinline__ void softmax_step(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
-                                             float scale_log2, const int (&lim)[2], int col0) {
+__device__ __forceinline__ void softmax_step_limits(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
+                                                    float scale_log2, const int (&lim)[2], int col0) {
     const int t = threadIdx.x % 4;
     float mx[2] = {neg_inf_f(), neg_inf_f()};
 #pragma unroll
@@ -155,37 +131,3 @@ __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], RowState& st, f
     st.l[1] = st.l[1] * alpha[1] + sum[1];
 }
 
-__device__ __forceinline__ void rescale_o(float (&o)[O_REGS], const float (&alpha)[2]) {
-#pragma unroll
-    for (int i = 0; i < O_REGS; ++i) o[i] *= alpha[i % 4 < 2 ? 0 : 1];
-}
-
-// P (float32 accumulator layout) -> the A-operand fragments of O += P V, 16 keys a k-step: a
-// conversion to 16 bits in place (hopper_attention.cuh)
-__device__ __forceinline__ void p_fragments(const float (&s)[S_REGS], u32 (&pa)[PV_STEPS][4]) {
-#pragma unroll
-    for (int kk = 0; kk < PV_STEPS; ++kk) {
-        pa[kk][0] = pack2_cvt_x2(s[8 * kk + 0], s[8 * kk + 1]);   // row a, keys 16kk + 2t, +1
-        pa[kk][1] = pack2_cvt_x2(s[8 * kk + 2], s[8 * kk + 3]);   // row b
-        pa[kk][2] = pack2_cvt_x2(s[8 * kk + 4], s[8 * kk + 5]);   // row a, keys 16kk + 8 + 2t, +1
-        pa[kk][3] = pack2_cvt_x2(s[8 * kk + 6], s[8 * kk + 7]);   // row b
-    }
-}
-
-// S = Q K_j^T for this warpgroup's 64 rows (both K-major, 128-byte swizzled)
-__device__ __forceinline__ void issue_qk(float (&s)[S_REGS], const unsigned char* q_slab, u32 q_panel_bytes,
-                                         const unsigned char* k_tile) {
-#pragma unroll
-    for (int kk = 0; kk < QK_STEPS; ++kk) {
-        const int panel = kk / 4, within = (kk % 4) * 16 * ELEM_BYTES;
-        WGMMA_S(s, smem_desc_k_major(q_slab + panel * q_panel_bytes + within),
-                smem_desc_k_major(k_tile + panel * KV_PANEL_BYTES + within), kk > 0);
-    }
-}
-// O += P V_j: P from registers, V_j MN-major (16 keys = 16 rows of 128 bytes a k-step)
-__device__ __forceinline__ void issue_pv(float (&o)[O_REGS], const u32 (&pa)[PV_STEPS][4],
-                                         const unsigned char* v_tile) {
-#pragma unroll
-    for (int kk = 0; kk < PV_STEPS; ++kk)
-        WGMMA_O(o, pa[kk], smem_desc_mn_major(v_tile + kk * 16 * PANEL_BYTES, KV_PANEL_BYTES));
-}

@@ -5,7 +5,7 @@
 // What it adds to paged_prefill_v1.cu (mma.sync, cp.async rows through the table, a thread block
 // per query head) and to fa_v5.cu (contiguous K/V, a thread block per query head), and why:
 //   * wgmma from SRAM, TMA copies, a producer warpgroup, setmaxnreg, ping-pong and the softmax
-//     overlapped with P V: fa_v5's, copied forward (hopper_paged.cuh); that is where the
+//     overlapped with P V: fa_v5's (its tile math from hopper_tile.cuh); that is where the
 //     speed of the contiguous Hopper prefill comes from, and v1 has none of it;
 //   * paged K/V by TMA: the pools (num_blocks, block_size, Hkv, d) are one 4-D tensor map
 //     (d, Hkv, block_size, num_blocks); a box (64 columns, 1 head, BOX_ROWS slots, 1 block) is
@@ -236,8 +236,8 @@ paged_prefill_v3(const __grid_constant__ TmaMap map_q, const __grid_constant__ T
         sched_end();
         wgmma_wait<0>();
         fence_regs(sacc);
-        if (needs_mask(0)) softmax_step<true>(sacc, st, alpha, scale_log2, lim, 0);
-        else softmax_step<false>(sacc, st, alpha, scale_log2, lim, 0);
+        if (needs_mask(0)) softmax_step_limits<true>(sacc, st, alpha, scale_log2, lim, 0);
+        else softmax_step_limits<false>(sacc, st, alpha, scale_log2, lim, 0);
         p_fragments(sacc, pa);                                     // O is still 0: nothing to rescale
 
         // the key loop: K_j (stage s) and V_{j-1} (stage sp) in SRAM -> S, P, O in registers
@@ -254,8 +254,8 @@ paged_prefill_v3(const __grid_constant__ TmaMap map_q, const __grid_constant__ T
             sched_end();
             wgmma_wait<1>();                                       // softmax(S_j) while P_{j-1} V_{j-1} runs
             fence_regs(sacc);
-            if (needs_mask(j)) softmax_step<true>(sacc, st, alpha, scale_log2, lim, j * BLOCK_N);
-            else softmax_step<false>(sacc, st, alpha, scale_log2, lim, j * BLOCK_N);
+            if (needs_mask(j)) softmax_step_limits<true>(sacc, st, alpha, scale_log2, lim, j * BLOCK_N);
+            else softmax_step_limits<false>(sacc, st, alpha, scale_log2, lim, j * BLOCK_N);
             wgmma_wait<0>();                                       // then O = alpha (O + P_{j-1} V_{j-1})
             fence_regs(o);
             if (lane == 0) mbar_arrive(&sm.empty[sp]);             // stage j-1 may be refilled
