@@ -46,10 +46,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ...core import conventions as cv
-from ...core.arrays import Call, device_array, kind_of
+from ...core.arrays import Call, device_array
 from ...core.records import Record
 from ..config_checks import check_version
-from ..decode import _pool_device, check_paged_lengths, check_pools
+from ..decode import _pool_device, check_pools
+from ..paged_prefill import _check_q as check_q_shape, _table_or_one, _values as paged_values
 from ..launch import DTYPE_IDS, HOPPER_OPTIONS, HOPPER_SOURCES, device_info, function, on_stream
 from ..policy import default_check_for, held_back_note, hopper_tiles
 from ..registry import REGISTRY, need
@@ -234,29 +235,11 @@ def _named(config):
 
 
 def _check_q(q, heads_kv, d, dtype):
-    s = tuple(getattr(q, "shape", ()))
-    if len(s) != 3 or s[2] != d or s[1] < 1 or s[1] % heads_kv:
-        raise ValueError(f"q: expected (total_q, a multiple of {heads_kv} heads, {d}), got {s}")
-    if cv.dtype_name(q) != dtype:
-        raise ValueError(f"q: dtype must equal the pools' {dtype}, got {cv.dtype_name(q)}")
-    why = _check_group(s[1] // heads_kv)
+    """v1's check of q (shape, dtype), and the group sizes v3's packed tile takes."""
+    check_q_shape(q, heads_kv, d, dtype)
+    why = _check_group(int(q.shape[1]) // heads_kv)
     if why:
         raise ValueError(f"q: {why}")
-
-
-def _on_device(call, x, name):
-    if isinstance(x, (list, tuple)) or np.isscalar(x) or kind_of(x, name) == "numpy":
-        return False
-    call.check(x, name)
-    return True
-
-
-def _device_ints(x, name, shape):
-    a = device_array(x)
-    if a.dtype != "int32" or tuple(a.shape) != tuple(shape) or not a.c_contiguous():
-        raise ValueError(f"{name}: a device array must be contiguous int32 of shape {tuple(shape)}, got "
-                         f"{a.dtype} {tuple(a.shape)}")
-    return a
 
 
 def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, scale, config, max_seqlen_q=None):
@@ -267,53 +250,8 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
     scale = cv.resolve_scale(scale, d)
     total_q, Hq = int(q.shape[0]), int(q.shape[1])
     call = Call(q)
-    dev_t, dev_l, dev_c = (_on_device(call, x, n) for x, n in ((block_tables, "block_tables"),
-                                                                  (seq_lens, "seq_lens"),
-                                                                  (cu_seqlens_q, "cu_seqlens_q")))
-    lens_h = None if dev_l else np.asarray(seq_lens)
-    B = int(seq_lens.shape[0]) if dev_l else int(lens_h.shape[0]) if lens_h.ndim == 1 else -1
-    if B < 0:
-        raise ValueError(f"seq_lens: expected one length per sequence (1-D), got shape {lens_h.shape}")
-    if dev_t:
-        max_blocks = int(block_tables.shape[1]) if len(block_tables.shape) == 2 else -1
-        _device_ints(block_tables, "block_tables", (B, max(max_blocks, 0)))
-        if dev_l:
-            _device_ints(seq_lens, "seq_lens", (B,))
-        else:
-            lens_h = lens_h.astype(np.int64)
-            if lens_h.shape != (B,) or np.any(lens_h < 0) or np.any(lens_h > max_blocks * bs):
-                raise ValueError(f"seq_lens: expected {B} lengths in [0, {max_blocks * bs}], got {lens_h.tolist()}")
-    else:
-        tables_h = np.asarray(block_tables)
-        if dev_l:
-            _device_ints(seq_lens, "seq_lens", (B,))
-            if tables_h.ndim != 2 or tables_h.shape[0] != B:
-                raise ValueError(f"block_tables: expected ({B}, max_blocks), got {tables_h.shape}")
-            if tables_h.size and ((tables_h < 0) | (tables_h >= nb)).any():
-                raise ValueError(f"block_tables: every entry must be a block of the pool, in [0, {nb})")
-        else:
-            tables_h, lens_h = check_paged_lengths(tables_h, lens_h, B, nb, bs)
-        max_blocks = int(tables_h.shape[1])
-    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer))
-                                     or not 0 <= max_seqlen_q <= total_q):
-        raise ValueError(f"max_seqlen_q: expected None or an integer in [0, total_q = {total_q}], got "
-                         f"{max_seqlen_q!r}")
-    if dev_c:
-        _device_ints(cu_seqlens_q, "cu_seqlens_q", (B + 1,))
-        longest = total_q if max_seqlen_q is None else int(max_seqlen_q)   # not read: the caller's bound
-    else:
-        cq = np.asarray(cv.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q), np.int64)
-        if len(cq) != B + 1:
-            raise ValueError(f"cu_seqlens_q: expected {B + 1} offsets (one more than sequences), got {len(cq)}")
-        if lens_h is not None:
-            over = np.flatnonzero(np.diff(cq) > lens_h)
-            if over.size:
-                b = int(over[0])
-                raise ValueError(f"cu_seqlens_q: sequence {b} has a chunk of {int(cq[b + 1] - cq[b])} queries but "
-                                 f"{int(lens_h[b])} cached tokens; append the chunk's K and V before attending")
-        longest = int(np.diff(cq).max(initial=0))
-        if max_seqlen_q is not None and max_seqlen_q < longest:
-            raise ValueError(f"max_seqlen_q: {max_seqlen_q} is shorter than the longest chunk, {longest} rows")
+    (dev_t, dev_l, dev_c), B, max_blocks, tables_h, lens_h, cq, longest = paged_values(
+        call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q)
     check_block_size(bs, config.block_n or hopper_tiles("v5", d)[0])
     # every argument checked on the host; now whether v3 runs here (compute capability 9.0)
     REGISTRY.resolve("paged_prefill", config, _need(q, k_pool, v_pool, bs))
@@ -330,12 +268,6 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
                                     max_blocks=max(max_blocks, 1), longest=longest, scale=scale, causal=causal,
                                     config=cfg)
     return call.finish(o, dtype), call.finish(lse, "float32")
-
-
-def _table_or_one(tables):
-    """int32 tables, at least one column (a batch of empty sequences still passes a valid pointer)."""
-    t = np.ascontiguousarray(tables, np.int32)
-    return t if t.ndim == 2 and t.shape[1] else np.zeros((max(len(t), 1), 1), np.int32)
 
 
 # --------------------------------------------------------------------------- the launch
