@@ -33,7 +33,6 @@ Limits: head_dim 128; float16 / bfloat16 inputs (quantized here) or codes made b
 """
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass
 
@@ -46,6 +45,7 @@ from ..hadamard import launch_fwht, resolve_signs
 from ..launch import DTYPE_IDS, HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream
 from .checks import available
 from .config import BLOCK_M, MBARRIER_BYTES, SMEM_ALIGN
+from .tensor_maps import tensor_map
 
 #: the kernel file (a Hopper source: launch.HOPPER_UNRECORDED names it, since it has no record)
 FP8_FILE = "fa_fp8_v1"
@@ -189,21 +189,7 @@ def _quantize(call, q, k, v, info, signs) -> Fp8Inputs:
 def tensor_map_u8(ptr: int, dims, strides_bytes, box) -> np.ndarray:
     """A TMA tensor map (CUtensorMap) of a one-byte (e4m3 codes as uint8) tensor, 128-byte swizzle
     (:func:`.tensor_maps.tensor_map`'s arguments; box[0] = 128 bytes, the swizzle width)."""
-    from cuda.bindings import driver as drv
-    rank = len(dims)
-    err, tmap = drv.cuTensorMapEncodeTiled(
-        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8, rank, int(ptr),
-        [drv.cuuint64_t(int(x)) for x in dims], [drv.cuuint64_t(int(s)) for s in strides_bytes],
-        [drv.cuuint32_t(int(b)) for b in box], [drv.cuuint32_t(1)] * rank,
-        drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-        drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    if err != drv.CUresult.CUDA_SUCCESS:
-        raise ValueError(f"q: cuTensorMapEncodeTiled refused dims={list(dims)} strides={list(strides_bytes)} "
-                         f"box={list(box)}: {err}")
-    raw = ctypes.string_at(int(tmap.getPtr()), 128)
-    return np.frombuffer(raw, dtype=np.dtype((np.void, 128))).copy()
+    return tensor_map(ptr, "uint8", dims, strides_bytes, box)
 
 
 def fp8_attention_codes(x: Fp8Inputs, *, causal=False, scale=None, config=None):

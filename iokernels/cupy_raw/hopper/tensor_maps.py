@@ -9,17 +9,19 @@ from .config import PANEL
 
 
 def tensor_map(ptr: int, dtype: str, dims, strides_bytes, box) -> np.ndarray:
-    """A TMA tensor map (CUtensorMap, 128 bytes) for a 16-bit tensor at ``ptr``, as a one-element
-    NumPy array that CuPy passes to the kernel by value.
+    """A TMA tensor map (CUtensorMap, 128 bytes) for a tensor at ``ptr`` of ``dtype`` (float16,
+    bfloat16, or uint8: FP8 codes), as a one-element NumPy array that CuPy passes to the kernel by
+    value.
 
     dims: sizes, innermost first; strides_bytes: the byte stride of each dim but the first
-    (multiples of 16); box: the tile the copy engine moves, innermost first (innermost = 64
-    elements = 128 bytes, the swizzle width).  128-byte swizzle; out-of-range elements read
+    (multiples of 16); box: the tile the copy engine moves, innermost first (innermost = 128
+    bytes, the swizzle width: 64 16-bit elements, 128 codes).  128-byte swizzle; out-of-range elements read
     as zeros.
     """
     from cuda.bindings import driver as drv
     types = {"float16": drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-             "bfloat16": drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}
+             "bfloat16": drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             "uint8": drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}
     rank = len(dims)
     err, tmap = drv.cuTensorMapEncodeTiled(
         types[dtype], rank, int(ptr),
