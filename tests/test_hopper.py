@@ -13,10 +13,6 @@ d in {64, 128, 256}, N in {1, 127, 1024, 4096}, causal and not, GQA and Nq != Nk
 function at d = 256 with a config naming the version (the default does not pick it there
 yet); the GEMM by the same rule against torch.matmul.  Skipped elsewhere with the reason.
 """
-import re
-import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -24,18 +20,12 @@ import pytest
 from iokernels.core.registry import Need
 from iokernels.cupy_raw import hopper as hp
 
-NVCC = shutil.which("nvcc")
-SM90A = ("-gencode=arch=compute_90a,code=sm_90a",)
+from nvcc_support import NVCC, PTXAS_V, compile_all, compile_source, registers_only
 
 
 # --------------------------------------------------------------------------- compile (no GPU)
-def _compile(tmp_path, name, defines, extra=("-Xptxas", "-v")):
-    src = tmp_path / f"{name}_{abs(hash(tuple(sorted(defines.items()))))}.cu"
-    src.write_text(hp.source(name))
-    cmd = [NVCC, "-cubin", *SM90A, "-std=c++17", *extra, *(f"-D{k}={v}" for k, v in sorted(defines.items())),
-           str(src), "-o", str(src.with_suffix(".cubin"))]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    return r.returncode, r.stderr
+def _compile(tmp_path, name, defines, extra=PTXAS_V):
+    return compile_source(tmp_path, name, hp.source(name), defines, extra=extra)
 
 
 def _jobs():
@@ -70,15 +60,9 @@ def _jobs():
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_every_hopper_kernel_compiles_for_sm90a_in_registers(tmp_path):
     jobs = _jobs()
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda j: _compile(tmp_path, j[1], j[2]), jobs))
+    results = compile_all(lambda j: _compile(tmp_path, j[1], j[2]), jobs)
     for (label, name, defines), (rc, err) in zip(jobs, results):
-        assert rc == 0, f"{label}: {err[:600]}"
-        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
-        assert frame, f"{label}: no ptxas report\n{err[:400]}"
-        assert frame.groups() == ("0", "0", "0"), f"{label}: {frame.group(0)}"
-        assert "C7515" not in err, f"{label}: wgmma serialised: {err[:600]}"
-        assert "C7508" not in err, f"{label}: setmaxnreg ignored: {err[:600]}"
+        registers_only(label, rc, err)
     assert {name for _, name, _ in jobs} == set(hp.SOURCES) - {"fa_fp8_v1"}   # FP8: tests/test_hopper_fp8.py
 
 

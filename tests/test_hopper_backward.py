@@ -15,10 +15,6 @@ baseline) at d in {64, 128}, N in {1, 127, 1024, 4096}, causal and not, GQA, N_q
 dQ modes; windows and rows that see no key; the deterministic mode bit for bit across runs;
 the cached plan the same bits as the eager launch.  Skipped elsewhere with the reason.
 """
-import re
-import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -28,19 +24,13 @@ from iokernels.core.registry import Need
 from iokernels.cupy_raw import REGISTRY, hopper as hp, policy
 from iokernels.cupy_raw.config import BWD_V3_HEAD_DIMS, BWD_V3_MAX_STAGES, BackwardConfig
 
-NVCC = shutil.which("nvcc")
-SM90A = ("-gencode=arch=compute_90a,code=sm_90a",)
+from nvcc_support import NVCC, PTXAS_V, compile_all, compile_source, registers_only
 DTYPES = ("float16", "bfloat16")
 
 
 # --------------------------------------------------------------------------- compile (no GPU)
-def _compile(tmp_path, defines, extra=("-Xptxas", "-v")):
-    src = tmp_path / f"bwd_v3_{abs(hash(tuple(sorted(defines.items()))))}.cu"
-    src.write_text(hp.source("bwd_v3"))
-    cmd = [NVCC, "-cubin", *SM90A, "-std=c++17", *extra, *(f"-D{k}={v}" for k, v in sorted(defines.items())),
-           str(src), "-o", str(src.with_suffix(".cubin"))]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    return r.returncode, r.stderr
+def _compile(tmp_path, defines, extra=PTXAS_V):
+    return compile_source(tmp_path, "bwd_v3", hp.source("bwd_v3"), defines, extra=extra)
 
 
 def _jobs():
@@ -61,16 +51,9 @@ def _jobs():
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_bwd_v3_compiles_for_sm90a_in_registers(tmp_path):
     jobs = _jobs()
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda j: _compile(tmp_path, j[1]), jobs))
+    results = compile_all(lambda j: _compile(tmp_path, j[1]), jobs)
     for (label, defines), (rc, err) in zip(jobs, results):
-        assert rc == 0, f"{label}: {err[:600]}"
-        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
-        assert frame, f"{label}: no ptxas report\n{err[:400]}"
-        assert frame.groups() == ("0", "0", "0"), f"{label}: {frame.group(0)}"
-        assert "C7515" not in err, f"{label}: wgmma serialised: {err[:600]}"
-        assert "C7512" not in err, f"{label}: wgmma serialised for want of registers: {err[:600]}"
-        assert "C7508" not in err, f"{label}: setmaxnreg ignored: {err[:600]}"
+        registers_only(label, rc, err)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -20,10 +20,6 @@ offsets used in place.
 """
 from __future__ import annotations
 
-import re
-import shutil
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -37,8 +33,7 @@ from iokernels.cupy_raw import hopper as hp
 from iokernels.cupy_raw.hopper import paged_prefill as PP
 from iokernels.paged import PagedKVCache
 
-NVCC = shutil.which("nvcc")
-SM90A = ("-gencode=arch=compute_90a,code=sm_90a",)
+from nvcc_support import NVCC, PTXAS_V, compile_all, compile_source, registers_only
 #: absolute LSE tolerance (nats) on top of the 2x rule: the kernel's exp2 / log2 conversions
 LSE_ATOL = 1e-4
 V3 = PP.HopperPagedPrefillConfig("v3")
@@ -53,13 +48,8 @@ gpu = pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
 
 
 # =========================================================================== compile (no GPU)
-def _compile(tmp_path, defines, extra=("-Xptxas", "-v")):
-    src = tmp_path / f"pp3_{abs(hash(tuple(sorted(defines.items()))))}.cu"
-    src.write_text(hp.source("paged_prefill_v3"))
-    cmd = [NVCC, "-cubin", *SM90A, "-std=c++17", *extra, *(f"-D{k}={v}" for k, v in sorted(defines.items())),
-           str(src), "-o", str(src.with_suffix(".cubin"))]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    return r.returncode, r.stderr
+def _compile(tmp_path, defines, extra=PTXAS_V):
+    return compile_source(tmp_path, "pp3", hp.source("paged_prefill_v3"), defines, extra=extra)
 
 
 def _jobs():
@@ -80,15 +70,9 @@ def _jobs():
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 def test_every_combination_compiles_for_sm90a_in_registers(tmp_path):
     jobs = _jobs()
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda j: _compile(tmp_path, j[1]), jobs))
+    results = compile_all(lambda j: _compile(tmp_path, j[1]), jobs)
     for (label, _), (rc, err) in zip(jobs, results):
-        assert rc == 0, f"{label}: {err[:600]}"
-        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
-        assert frame, f"{label}: no ptxas report\n{err[:400]}"
-        assert frame.groups() == ("0", "0", "0"), f"{label}: {frame.group(0)}"
-        assert "C7515" not in err, f"{label}: wgmma serialised: {err[:600]}"
-        assert "C7508" not in err, f"{label}: setmaxnreg ignored: {err[:600]}"
+        registers_only(label, rc, err)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
