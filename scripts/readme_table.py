@@ -293,6 +293,28 @@ def captured_table(rec) -> list[str]:
     return lines + [""]
 
 
+def fp8_table(rec) -> list[str]:
+    """The opt-in FP8 forward next to the 16-bit Hopper v5 and SDPA (speed = v5's time / this time)."""
+    cases = [c for c in rec.get("bench", rec).get("cases", []) if c.get("section") == "fp8"]
+    lines = []
+    for c in cases:
+        s = c["shape"]
+        lines += [f"**FP8 forward (opt-in), B={s['batch']} H={s['heads']} N={s['seqlen']} d={s['head_dim']}, "
+                  f"{c['dtype']} in and out, {'causal' if c['causal'] else 'non-causal'}** "
+                  "(speed vs bf16 = the 16-bit v5's time / this time)", "",
+                  "| runner | ms | TFLOP/s | speed vs bf16 | speed vs best SDPA | note |", "|---|---|---|---|---|---|"]
+        for r in c["results"]:
+            if r.get("runner") == "sdpa:default":
+                continue
+            ok = r.get("status") == "ok"
+            cells = [f"{r['ms']:.3f}", f"{r['rate']:.0f}"] if ok else ["–", "–"]
+            cells += ["" if r.get(k) is None else f"{r[k]:.2f}" for k in ("speed_vs_bf16", "speed_vs_best_sdpa")]
+            cells.append("" if ok else r.get("status", "")[:120].replace("|", "/"))
+            lines.append(f"| {r['runner']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def sanitizer_lines() -> list[str]:
     try:
         text = recorded.load("sanitizer")
@@ -352,7 +374,7 @@ def section_text() -> str:
     if rec.get("bench", {}).get("note"):
         lines += [f"({rec['bench']['note']}.)", ""]
     tables = (prefill_table, compare_table, decode_table, cliff_table, captured_table, cache_table, mla_table,
-              gather_table, backward_table, traffic_table)
+              gather_table, backward_table, fp8_table, traffic_table)
     parts = [lambda p=p: p(rec) for p in tables] + [hopper_table]
     for part, name in zip(parts, [t.__name__.replace("_table", "") for t in tables] + ["hopper"]):
         try:

@@ -350,3 +350,46 @@ def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeyp
     assert name == "cupy:v5" and cfg.version == "v5" and why.startswith("not the default at head_dim 256")
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=128, dtype="bfloat16")
     assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
+
+
+def test_the_fp8_section_is_asked_for_and_its_table_rates_fp8_against_the_16_bit_forward():
+    """``--sections fp8`` (not a default section: the forward is opt-in); the README table gives
+    each row's time, rate, speed against the 16-bit v5 and against the best SDPA kernel."""
+    from iokernels.bench.runners import _finish_case, speed_vs_first
+    assert "fp8" in bench.SECTIONS and "fp8" not in bench.specs.DEFAULT_SECTIONS
+
+    def row(name, group, ms):
+        return dict(runner=name, group=group, status="ok", ms=ms, rate=100.0 / ms)
+    rows = [row("cupy:v5", "cupy", 2.0), row("cupy:fp8", "cupy", 1.6), row("cupy:fp8 forward", "cupy", 1.0),
+            dict(runner="cupy:fp8+hadamard", group="cupy", status="failed: RuntimeError: x")]
+    speed_vs_first(rows, "speed_vs_bf16")
+    rows += [row("sdpa:cudnn", "sdpa", 1.8), row("sdpa:flash", "sdpa", 3.0), row("sdpa:default", "sdpa", 1.8)]
+    case = _finish_case(dict(section="fp8", kind="prefill", dtype="bfloat16", causal=False,
+                             shape=dict(batch=8, heads=16, seqlen=4096, head_dim=128), results=rows))
+    text = "\n".join(_script("readme_table").fp8_table(dict(bench=dict(cases=[case]))))
+    assert "B=8 H=16 N=4096 d=128, bfloat16 in and out, non-causal" in text
+    assert "| cupy:fp8 | 1.600 | 62 | 1.25 | 1.12 |  |" in text                 # 2.0 / 1.6, 1.8 / 1.6
+    assert "| cupy:fp8 forward | 1.000 | 100 | 2.00 | 1.80 |  |" in text
+    assert "| cupy:fp8+hadamard | – | – |  |  | failed: RuntimeError: x |" in text
+    assert "sdpa:default" not in text
+
+
+@pytest.mark.gpu
+def test_the_fp8_section_runs_on_hopper():
+    from iokernels.cupy_raw import hopper as hp
+    if hp.available() is not None:
+        pytest.skip(f"the FP8 forward needs Hopper: {hp.available()}")
+    from iokernels.bench.runners_fp8 import fp8_cases
+
+    class Bar:
+        def set_description(self, _):
+            pass
+
+        def update(self, _):
+            pass
+    (case,) = fp8_cases(dict(batch=1, heads=2, head_dim=128, seqlens=(512,), causal=(True,), dtype="bfloat16"),
+                        0, Bar(), target_ms=5.0)
+    names = [r["runner"] for r in case["results"]]
+    assert names[:5] == ["cupy:v5", "cupy:fp8", "cupy:fp8+hadamard", "cupy:fp8 quantize", "cupy:fp8 forward"]
+    assert all(r["status"] == "ok" for r in case["results"][:5]), case["results"][:5]
+    assert case["results"][0]["speed_vs_bf16"] == 1.0 and case["best_sdpa"]

@@ -9,6 +9,7 @@ from pathlib import Path
 from .environment import environment, label
 from .runners import (Unavailable, _numpy_only_cases, backward_cases, decode_cases, gather_cases,  # noqa: F401
                       prefill_cases, quant_decode_cases)
+from .runners_fp8 import FP8, fp8_cases
 from .runners_mla import mla_cases
 from .runners_prefill import paged_prefill_cases
 from .specs import (BACKWARD, BACKWARD_FP32, DECODE_QUANT, DECODE_SWEEP, DEFAULT_SECTIONS, GATHER_SIZES, MLA,
@@ -67,6 +68,8 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
                 plan.append(("cliff", cliff.CLIFF))
             elif s == "captured":
                 plan.append(("captured", cliff.CAPTURED))
+            elif s == "fp8":
+                plan.append(("fp8", FP8))
     total = 0
     for s, p in plan:
         if s in ("prefill", "compare"):
@@ -86,6 +89,8 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
             total += len(cliff.decode_plan(p)) + len(cliff.prefill_plan(p))
         elif s == "captured":
             total += 1
+        elif s == "fp8":
+            total += len(p["seqlens"]) * len(p["causal"])
         else:
             total += len(p["seqlens"]) * 3
     if progress:
@@ -118,6 +123,8 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
                                   into=cases)
             elif s == "captured":
                 cliff.captured_cases(p, seed, bar, target_ms=target_ms, into=cases)
+            elif s == "fp8":
+                fp8_cases(p, seed, bar, target_ms=target_ms, into=cases)
             else:
                 gather_cases(p, seed, bar, target_ms=target_ms, into=cases)
             record["elapsed_s"] = round(_time.perf_counter() - t0, 1)

@@ -68,6 +68,7 @@ MLA_ROOFLINE_GPU = ("H200 (measured)", "H200")
 
 #: what ``python -m iokernels bench`` runs without --sections
 DEFAULT_SECTIONS = ("prefill", "compare", "paged_prefill", "decode", "gather", "backward", "mla")
-#: every section; "cliff" (a time-boxed sweep of shapes off the serving grid) and "captured" (a
-#: 32-layer decode step, eager and as a CUDA graph) run when asked for (iokernels.bench.cliff)
-SECTIONS = DEFAULT_SECTIONS + ("cliff", "captured")
+#: every section; "cliff" (a time-boxed sweep of shapes off the serving grid), "captured" (a
+#: 32-layer decode step, eager and as a CUDA graph: iokernels.bench.cliff) and "fp8" (the opt-in
+#: FP8 Hopper forward: iokernels.bench.runners_fp8) run when asked for
+SECTIONS = DEFAULT_SECTIONS + ("cliff", "captured", "fp8")
