@@ -58,8 +58,8 @@ from .config import (BLOCK_M, BLOCK_N_CHOICES, DTYPES, FALLBACK_SMEM_OPTIN, HOPP
                      MBARRIER_BYTES, PANEL, SMEM_ALIGN)
 
 __all__ = ["HopperPagedPrefillConfig", "paged_prefill", "paged_prefill_pools", "launch_paged_prefill_v3",
-           "prefill_v3_args", "check_paged_prefill_v3", "check_block_size", "V3_RANK", "V3_BLOCK_SIZES",
-           "RECORDS"]
+           "prefill_v3_args", "checked", "names_v3", "tma_ready", "check_paged_prefill_v3", "check_block_size",
+           "V3_RANK", "V3_BLOCK_SIZES", "RECORDS"]
 
 #: the versions HopperPagedPrefillConfig describes
 VERSIONS = ("v3",)
@@ -227,8 +227,14 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
                 max_seqlen_q=max_seqlen_q)
 
 
+def names_v3(config) -> bool:
+    """Whether ``config`` names the Hopper paged prefill (a HopperPagedPrefillConfig with its
+    version set), which this module's calls take; any other config resolves through the registry."""
+    return isinstance(config, HopperPagedPrefillConfig) and config.version is not None
+
+
 def _named(config):
-    if not isinstance(config, HopperPagedPrefillConfig) or config.version is None:
+    if not names_v3(config):
         raise ValueError(f"config: the Hopper paged prefill runs when a config names it "
                          f"(HopperPagedPrefillConfig(version='v3')), got {config!r}")
     return config
@@ -242,20 +248,32 @@ def _check_q(q, heads_kv, d, dtype):
         raise ValueError(f"q: {why}")
 
 
-def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, scale, config, max_seqlen_q=None):
-    """One call with a config naming v3: (O, LSE) of q's kind.  The argument handling is v1's."""
+def checked(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, scale, config, max_seqlen_q=None):
+    """Every check of a call naming v3, in order, before any GPU work (the argument handling is
+    v1's): (the call, the pools' (num_blocks, block_size, Hkv, d, dtype), causal, scale, the
+    checked tables, lengths and offsets (:func:`iokernels.cupy_raw.paged_prefill._values`), the
+    record, the resolved config): the one home of these checks, for the eager call and any
+    caller that must raise what it raises."""
+    config = _named(config)
     nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
     _check_q(q, Hkv, d, dtype)
     causal = cv.check_bool(causal, "causal")
     scale = cv.resolve_scale(scale, d)
-    total_q, Hq = int(q.shape[0]), int(q.shape[1])
     call = Call(q)
-    (dev_t, dev_l, dev_c), B, max_blocks, tables_h, lens_h, cq, longest = paged_values(
-        call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q)
+    values = paged_values(call, block_tables, seq_lens, cu_seqlens_q, nb, bs, int(q.shape[0]), max_seqlen_q)
     check_block_size(bs, config.block_n or hopper_tiles("v5", d)[0])
     # every argument checked on the host; now whether v3 runs here (compute capability 9.0)
-    REGISTRY.resolve("paged_prefill", config, _need(q, k_pool, v_pool, bs))
-    cfg = config.resolve(d, device_info()["smem_optin"])
+    spec, _ = REGISTRY.resolve("paged_prefill", config, _need(q, k_pool, v_pool, bs))
+    return call, (nb, bs, Hkv, d, dtype), causal, scale, values, spec, config.resolve(d, device_info()["smem_optin"])
+
+
+def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, scale, config, max_seqlen_q=None):
+    """One call with a config naming v3: (O, LSE) of q's kind."""
+    call, (nb, bs, Hkv, d, dtype), causal, scale, values, _, cfg = checked(
+        q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal, scale=scale, config=config,
+        max_seqlen_q=max_seqlen_q)
+    (dev_t, dev_l, dev_c), B, max_blocks, tables_h, lens_h, cq, longest = values
+    total_q, Hq = int(q.shape[0]), int(q.shape[1])
     with on_stream(call.stream_ptr()):
         qd = call.to_device(q, "q")
         kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
@@ -275,11 +293,16 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
 TMA_ALIGN = 16
 
 
+def tma_ready(a) -> bool:
+    """Whether TMA may read device array ``a`` in place: rows unit-stride, base and strides on 16 bytes."""
+    return a.strides[-1] == 1 and a.aligned(TMA_ALIGN)
+
+
 def _tma_ready(x, dtype):
-    """``x`` as TMA may read it: rows unit-stride, base and strides on 16 bytes (else one copy)."""
+    """``x`` as TMA may read it (:func:`tma_ready`), else one copy."""
     from ..launch import contiguous
     a = device_array(x, dtype)
-    if a.strides[-1] == 1 and a.aligned(TMA_ALIGN):
+    if tma_ready(a):
         return a
     return device_array(contiguous(a.owner, TMA_ALIGN), dtype)      # the caller's library copies
 
