@@ -24,10 +24,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 #: Python calls inside iokernels/ a cached call may make (a hit: key, plan.run, pack, launch)
 HIT_CALL_BOUND = {"ik.decode": 40, "ik.attention": 35, "plan.run": 36, "pools": 48, "pools quant": 56,
                   "hopper": 35, "gather": 40, "backward": 50, "backward plan.run": 42, "mla": 40, "mla paged": 45,
-                  "prefill": 38, "prefill plan.run": 32}
+                  "prefill": 38, "prefill plan.run": 32, "prefill v3": 38, "prefill v3 plan.run": 32}
 
-#: the paged prefill versions PagedPrefillPlan takes (v1, v2; the Hopper v3 has its own launcher, no plan yet)
-PLANNED_PREFILL = ("v1", "v2")
+#: the paged prefill versions PagedPrefillPlan takes (v1, v2; the Hopper v3 when a HopperPagedPrefillConfig names it)
+PLANNED_PREFILL = ("v1", "v2", "v3")
 
 DRIVER = r'''
 import importlib, json, os, sys
@@ -283,6 +283,45 @@ out["prefill eager"] = len(cr.PLANS) == n_plans
 out["prefill empty"] = launches(lambda: cr.paged_prefill_pools(pq[:0], *ppool, dptab, dplen,
                                                                cupy.asarray(np.zeros(3, np.int32))), {}) == []
 
+# the Hopper v3 (a config of its own class naming it): the same calls through the same plan class; its
+# tensor maps encode q's and the pools' addresses, so they are counted: encoded once per address set
+PP3 = importlib.import_module("iokernels.cupy_raw.hopper.paged_prefill")
+V3 = PP3.HopperPagedPrefillConfig("v3")
+ENCODED = [0]
+
+
+def counted_map(*a):
+    ENCODED[0] += 1
+    return HA.tensor_map(*a)
+
+
+cr.hopper.tensor_map = counted_map
+for cfg in (V3, PP3.HopperPagedPrefillConfig("v3", block_n=64, stages=2, pingpong=False)):
+    for kw in (dict(), dict(causal=False, scale=0.2)):
+        for vals in ((dptab, dplen, dpcu), (ptab, plen, pcu), (dptab, plen, pcu), (ptab, plen, dpcu)):
+            for m in (None, 40):
+                kw_ = dict(kw, config=cfg, max_seqlen_q=m)
+                case(f"prefill {cfg} {kw} {[type(x).__module__ for x in vals]} {m}",
+                     lambda: PP3.paged_prefill_pools(pq, *ppool, *vals, **kw_),
+                     lambda: cr.paged_prefill_pools(pq, *ppool, *vals, **kw_), io_pp)
+v3plan = cr.PagedPrefillPlan(pq, *layers[0], dptab, dplen, dpcu, config=V3, max_seqlen_q=40)
+encoded = []
+for lay in (layers[0], layers[0], layers[1], layers[0]):
+    ENCODED[0] = 0
+    v3plan.run(pq, *lay, dptab, dplen, dpcu, max_seqlen_q=40)
+    encoded.append(ENCODED[0])
+out["prefill v3 maps"] = encoded
+out["prefill v3 layers"] = [launches(lambda: v3plan.run(pq, *lay, dptab, dplen, dpcu, max_seqlen_q=40),
+                                     dict(q=pq, k=lay[0], v=lay[1], tables=dptab, lens=dplen, cu=dpcu))[0]["args"][3:6]
+                            for lay in layers]
+n_plans = len(cr.PLANS)
+cr.paged_prefill_pools(pq, wpool, wpool, dptab, dplen, dpcu, config=V3)       # rows TMA cannot read: eager
+out["prefill v3 eager"] = len(cr.PLANS) == n_plans
+out["prefill v3 default"] = [cr.PagedPrefillPlan(pq, *ppool, dptab, dplen, dpcu, config=c).record.version
+                             for c in (None, PP3.HopperPagedPrefillConfig())]
+count("prefill v3", lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40, config=V3))
+count("prefill v3 plan.run", lambda: v3plan.run(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40))
+
 # a bad call of the new plans: the same ValueError on a hit (a plan of its key, or of the shapes,
 # is cached), on a miss (an empty cache) and from the eager path; the cache is unchanged either way
 out["bad"] = {}
@@ -352,6 +391,21 @@ bad("prefill cu_seqlens_q device", lambda: cr.paged_prefill_pools(pq, *ppool, dp
     lambda: PP.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu[:2]), hit=False)
 bad("prefill q", lambda: cr.paged_prefill_pools(arr(50, 3, 64), *ppool, dptab, dplen, dpcu),
     lambda: PP.paged_prefill_pools(arr(50, 3, 64), *ppool, dptab, dplen, dpcu), hit=False)
+cr.hopper.available = cr.hopper.checks.available = lambda: None                  # v3 runs here
+for name, args_, kw_, hit_ in (("block_tables", (ptab + 17, plen, pcu), {}, True),
+                               ("seq_lens", (ptab, plen * 2, pcu), {}, True),
+                               ("cu_seqlens_q", (ptab, np.array([30, 20], np.int32), pcu), {}, True),
+                               ("max_seqlen_q", (dptab, dplen, dpcu), dict(max_seqlen_q=51), True),
+                               ("causal", (dptab, dplen, dpcu), dict(causal="yes"), False)):
+    bad(f"prefill {name} v3", lambda: cr.paged_prefill_pools(pq, *ppool, *args_, config=V3, **kw_),
+        lambda: PP3.paged_prefill_pools(pq, *ppool, *args_, config=V3, **kw_), hit=hit_)
+bad("prefill q v3", lambda: cr.paged_prefill_pools(arr(50, 6, 64), *ppool, dptab, dplen, dpcu, config=V3),
+    lambda: PP3.paged_prefill_pools(arr(50, 6, 64), *ppool, dptab, dplen, dpcu, config=V3), hit=False)
+bad("prefill block_size v3", lambda: cr.paged_prefill_pools(pq, arr(20, 12, 2, 64), arr(20, 12, 2, 64), dptab, dplen,
+                                                            dpcu, config=V3),
+    lambda: PP3.paged_prefill_pools(pq, arr(20, 12, 2, 64), arr(20, 12, 2, 64), dptab, dplen, dpcu, config=V3),
+    hit=False)
+cr.hopper.available = cr.hopper.checks.available = lambda: "the stand-in CuPy has no TMA"
 
 # a bad call raises naming the argument, and leaves the cache as it was
 n = len(cr.PLANS)
@@ -393,7 +447,9 @@ plans = dict(gather=cr.GatherPlan(*pools, gt, 70), gather_host=cr.GatherPlan(*po
              mla_paged_host=cr.PagedMLADecodePlan(mq, mpool, mtab, mplens),
              prefill=cr.PagedPrefillPlan(pq, *ppool, dptab, dplen, dpcu),
              prefill_host=cr.PagedPrefillPlan(pq, *ppool, ptab, plen, pcu),
-             prefill_mixed=cr.PagedPrefillPlan(pq, *ppool, dptab, plen, dpcu))
+             prefill_mixed=cr.PagedPrefillPlan(pq, *ppool, dptab, plen, dpcu),
+             prefill_v3=cr.PagedPrefillPlan(pq, *ppool, dptab, dplen, dpcu, config=V3),
+             prefill_v3_host=cr.PagedPrefillPlan(pq, *ppool, ptab, dplen, dpcu, config=V3))
 calls = dict(gather=lambda p: p.run(*pools, gt, 70), gather_host=lambda p: p.run(*pools, ht, 70),
              gather_strided=lambda p: p.run(*strided, gt, 70),
              backward_strided=lambda p: p.run(fdo, wq, fk, fv, fo, flse),
@@ -401,7 +457,9 @@ calls = dict(gather=lambda p: p.run(*pools, gt, 70), gather_host=lambda p: p.run
              backward=lambda p: p.run(fdo, fq, fk, fv, fo, flse), mla=lambda p: p.run(mq, mkv, mdl),
              mla_host=lambda p: p.run(mq, mkv, mlens), prefill=lambda p: p.run(pq, *ppool, dptab, dplen, dpcu),
              prefill_host=lambda p: p.run(pq, *ppool, ptab, plen, pcu),
-             prefill_mixed=lambda p: p.run(pq, *ppool, dptab, plen, dpcu))
+             prefill_mixed=lambda p: p.run(pq, *ppool, dptab, plen, dpcu),
+             prefill_v3=lambda p: p.run(pq, *ppool, dptab, dplen, dpcu),
+             prefill_v3_host=lambda p: p.run(pq, *ppool, ptab, dplen, dpcu))
 out["capture"] = {}
 for name, plan_ in plans.items():
     try:
@@ -576,6 +634,20 @@ def test_the_paged_prefill_plan_launches_what_the_eager_call_launches(result):
                     "['cupy', 'cupy', 'cupy'] 40"]["second"][0]["grid"] for v in ("v1", "v2")}
     assert grids == {"v1": [1, 8, 2], "v2": [3, 2, 2]}
     assert result["prefill eager"] and result["prefill empty"]
+    # v3 packs the 4 query heads of a KV head into 128-row tiles: 40 rows x 4 heads, a block a KV head
+    v3 = pre["prefill HopperPagedPrefillConfig(version='v3', block_n=None, stages=None, pingpong=True) {} "
+             "['cupy', 'cupy', 'cupy'] 40"]["second"][0]
+    assert v3["grid"] == [2, 2, 2] and v3["block"] == [384] and "-arch=sm_90a" in v3["options"]
+    assert all(a.startswith("ndarray:") for a in v3["args"][:3])       # the tensor maps of q and the pools
+    assert result["prefill v3 layers"] == [["tables", "lens", "cu"]] * 3
+    assert result["prefill v3 eager"]                      # rows TMA cannot read in place: the eager copy, uncached
+    assert result["prefill v3 default"] == ["v1", "v1"]    # a config naming no version: the default, as before
+
+
+def test_the_paged_prefill_v3_plan_encodes_its_tensor_maps_once_per_address_set(result):
+    """Run with one layer's pools (3 maps: q, K pool, V pool), the same again (none), another
+    layer's (3), the first again (none: the plan keeps the maps of its last few address sets)."""
+    assert result["prefill v3 maps"] == [3, 0, 3, 0]
 
 
 def test_under_capture_the_paged_prefill_plan_pins_or_refuses_host_values(result):
@@ -583,3 +655,4 @@ def test_under_capture_the_paged_prefill_plan_pins_or_refuses_host_values(result
     assert cap["prefill"] is True
     assert cap["prefill_host"].startswith("block_tables: a CUDA graph reads the tables, lengths and offsets")
     assert cap["prefill_mixed"].startswith("seq_lens: a CUDA graph reads the tables, lengths and offsets")
+    assert cap["prefill_v3"] is True and cap["prefill_v3_host"] == cap["prefill_host"]

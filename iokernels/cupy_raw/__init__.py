@@ -34,7 +34,8 @@ attention_plan      AttentionPlan (the portable and the Hopper forward)
 backward_plan       BackwardPlan (rowsum, the main loop, finish; dQ atomic or deterministic)
 gather_plan         GatherPlan (the paged gather over device pools)
 mla_plan            MLADecodePlan, PagedMLADecodePlan (MLA decode on Hopper)
-paged_prefill_plan  PagedPrefillPlan (the paged prefill over device pools, every version)
+paged_prefill_plan  PagedPrefillPlan (the paged prefill over device pools, every version; v3's tensor
+                    maps once per address set)
 calls.py            the public attention, decode, paged_decode_pools, attention_backward, gather_pools,
                     mla_decode, paged_mla_decode, paged_prefill_pools: a cached plan, else eager
 backward.py         attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers),

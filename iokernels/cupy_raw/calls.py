@@ -2,7 +2,7 @@
 
 Each function keeps the signature (and the docstring) of its eager implementation in
 :mod:`.decode`, :mod:`.forward`, :mod:`.backward`, :mod:`.gather`, :mod:`.mla` or
-:mod:`.paged_prefill`; device
+:mod:`.paged_prefill` (a config naming the Hopper v3: :mod:`.hopper.paged_prefill`); device
 arrays (torch CUDA, CuPy) go through :data:`.plans.PLANS` (a hit checks one key and
 launches), NumPy arrays and versions with their own launchers through the eager path, which
 copies NumPy inputs in and out.
@@ -18,6 +18,7 @@ from .gather import gather_pools as eager_gather_pools
 from .mla import mla_decode as eager_mla_decode
 from .mla import paged_mla_decode as eager_paged_mla_decode
 from .paged_prefill import paged_prefill_pools as eager_paged_prefill_pools
+from .hopper.paged_prefill import names_v3, paged_prefill_pools as eager_v3_paged_prefill_pools
 from .attention_plan import cached_attention
 from .backward_plan import cached_attention_backward
 from .gather_plan import cached_gather_pools
@@ -85,9 +86,10 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
                         config=None, max_seqlen_q=None):
     out = cached_paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal,
                                      scale=scale, config=config, max_seqlen_q=max_seqlen_q)
-    if out is NotImplemented:
-        return eager_paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal,
-                                         scale=scale, config=config, max_seqlen_q=max_seqlen_q)
+    if out is NotImplemented:                    # a config naming the Hopper v3 takes its own launcher
+        eager = eager_v3_paged_prefill_pools if names_v3(config) else eager_paged_prefill_pools
+        return eager(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal, scale=scale,
+                     config=config, max_seqlen_q=max_seqlen_q)
     return out
 
 

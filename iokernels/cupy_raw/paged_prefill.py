@@ -96,7 +96,10 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
     the blocks of shorter chunks exit at once); with host offsets it is read from them.
     Through :func:`iokernels.cupy_raw.paged_prefill_pools`, device q and pools take a plan made
     once per shape (:class:`iokernels.cupy_raw.PagedPrefillPlan`: the checks, the config and
-    the compiled kernel once; a repeat call compares one key and launches).
+    the compiled kernel once; a repeat call compares one key and launches), and ``config`` may
+    also be a :class:`~iokernels.cupy_raw.hopper.paged_prefill.HopperPagedPrefillConfig` naming
+    the Hopper v3 (planned the same way; its eager call is
+    :func:`iokernels.cupy_raw.hopper.paged_prefill.paged_prefill_pools`).
     """
     _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
     _check_q(q, Hkv, d, dtype)

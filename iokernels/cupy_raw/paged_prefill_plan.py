@@ -17,8 +17,17 @@ under capture (the graph would replay the values of the capture).  The grid of a
 is the one of its capture: pass a ``max_seqlen_q`` that bounds every replay's chunks (None:
 total_q, which always does).
 
-Calls the plans cannot take run eagerly (:func:`.paged_prefill.paged_prefill_pools`): NumPy q
-or pools, rows of q or a pool whose last axis is not unit-stride (the eager call copies them).
+The Hopper v3 (a :class:`.hopper.paged_prefill.HopperPagedPrefillConfig` naming it) is planned by
+the same class: its checks are its eager call's (:func:`.hopper.paged_prefill.checked`, so a bad
+call raises the same from either), and its kernel takes TMA tensor maps of q and the pools, which
+encode their addresses: the arguments are made once per (q, k_pool, v_pool) address set and kept
+for the last few (:func:`.attention_plan.mapped_args`, as the Hopper forward's and the backward's
+plans do), so a layer loop over a fixed set of pools encodes each layer's maps once.  Encoding a
+map is host work only, so a run under capture may make one.
+
+Calls the plans cannot take run eagerly (:func:`.paged_prefill.paged_prefill_pools`, or v3's
+:func:`.hopper.paged_prefill.paged_prefill_pools`): NumPy q or pools, rows of q or a pool whose
+last axis is not unit-stride, or for v3 not on 16 bytes (the eager call copies them).
 
 For a loop over layers (each layer's pools have the same shape), make the plan once::
 
@@ -28,13 +37,18 @@ For a loop over layers (each layer's pools have the same shape), make the plan o
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 from ..core import conventions as cv
 from ..core.arrays import Call, DeviceArray, device_array
+from .attention_plan import _SLOT, _slots, mapped_args
 from .config import CHUNK_BYTES
 from .decode import check_pools
-from .launch import device_info, function
+from .hopper.config import BLOCK_M
+from .hopper.paged_prefill import checked as v3_checked, names_v3, tma_ready
+from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, device_info, function
 from .paged_prefill import (_check_q, _table_or_one, _values, check_max_seqlen, paged_prefill, tile_rows_per_token)
 from .plans import NotPlanned, _Alloc, _lens_key, _pin_if_capturing, _ptrs, _stream_of, array_key, plan_for
 from .registry import REGISTRY, need
@@ -71,63 +85,94 @@ class PagedPrefillPlan:
     pools device arrays (torch CUDA or CuPy) of one kind.  ``run(q, k_pool, v_pool,
     block_tables, seq_lens, cu_seqlens_q, max_seqlen_q=None)`` launches on the caller's current
     stream and returns (O (total_q, Hq, d), LSE (Hq, total_q)) of q's kind.  Every version of
-    the registry's paged_prefill records is planned the same way; ``config`` picks one."""
+    the registry's paged_prefill records is planned the same way; ``config`` picks one (a
+    :class:`.PagedPrefillConfig`, or a :class:`.HopperPagedPrefillConfig` naming v3, whose
+    checks are the Hopper launcher's and whose arguments hold tensor maps)."""
 
     def __init__(self, q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal=True, scale=None,
                  config=None, max_seqlen_q=None):
-        nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
-        _check_q(q, Hkv, d, dtype)
-        if array_key(q) is None:
-            raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
-        spec, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, k=k_pool, v=v_pool))
-        if spec.launcher is not paged_prefill:
-            raise NotPlanned("this version has its own launcher")
-        self.causal = cv.check_bool(causal, "causal")
-        self.scale = cv.resolve_scale(scale, d)
-        call = Call(q)
+        self.hopper = names_v3(config)
+        if self.hopper:                                  # v3's checks, in its eager call's order
+            call, (nb, bs, Hkv, d, dtype), self.causal, self.scale, values, spec, cfg = v3_checked(
+                q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal, scale=scale, config=config,
+                max_seqlen_q=max_seqlen_q)                   # a bad first call keeps no plan
+            if array_key(q) is None:
+                raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
+        else:
+            nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
+            _check_q(q, Hkv, d, dtype)
+            if array_key(q) is None:
+                raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
+            spec, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, k=k_pool, v=v_pool))
+            if spec.launcher is not paged_prefill:
+                raise NotPlanned("this version has its own launcher")
+            self.causal = cv.check_bool(causal, "causal")
+            self.scale = cv.resolve_scale(scale, d)
+            call = Call(q)
         if array_key(k_pool) is None or array_key(v_pool) is None:
             raise NotPlanned("k_pool, v_pool: host pools are copied in by the eager call")
         call.check(k_pool, "k_pool")
         call.check(v_pool, "v_pool")
         qd, kd, vd = device_array(q), device_array(k_pool), device_array(v_pool)
+        if self.hopper and not all(tma_ready(a) for a in (qd, kd, vd)):
+            raise NotPlanned("q, k_pool, v_pool: rows TMA cannot read in place are copied by the eager call")
         if any(a.shape[-1] > 1 and a.strides[-1] != 1 for a in (qd, kd, vd)):
             raise NotPlanned("q, k_pool, v_pool: rows that are not unit-stride are copied by the eager call")
         total_q, Hq = int(q.shape[0]), int(q.shape[1])
-        modes, B, max_blocks, _, _, _, _ = _values(call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q,
-                                                   max_seqlen_q)              # a bad first call keeps no plan
+        if not self.hopper:
+            values = _values(call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q)
+        modes, B, max_blocks, _, _, _, _ = values       # a bad first call keeps no plan
         self.modes, self.device_values = modes, all(modes)
         host = [n for n, on_device in zip(_VALUES, modes) if not on_device]
         self.under_capture = _host_refused(host[0]) if host else None
         self.key = (array_key(q), array_key(k_pool), array_key(v_pool), _lens_key(block_tables),
                     _lens_key(seq_lens), _lens_key(cu_seqlens_q))
         self.nb, self.bs, self.B, self.total_q, self.Hq, self.Hkv, self.d = nb, bs, B, total_q, Hq, Hkv, d
-        self.dtype, self.acc = dtype, cv.accum_dtype(dtype).name
+        self.dtype = dtype
+        self.acc = "float32" if self.hopper else cv.accum_dtype(dtype).name
         self.record = spec
-        self.rows_per_token = tile_rows_per_token(spec, Hq // Hkv)
-        self.config = cfg.resolve(d, device_info()["smem_optin"], self.rows_per_token * total_q / max(B, 1))
-        self.block_q, self.heads = self.config.block_q, Hq // self.rows_per_token
         self.alloc = _Alloc(q)
         self.pinned = False                              # set once a CUDA graph captures a run
         self.empty = B * total_q * Hq == 0
-        # O is allocated contiguous (total_q, Hq, d): its rows start on 16 bytes where d's do
         itemsize = qd.itemsize
-        o_aligned = all(s * itemsize % CHUNK_BYTES == 0 for s in (Hq * d, d))
-        vec = o_aligned and all(a.aligned(CHUNK_BYTES) for a in (qd, kd, vd))
-        self.smem = self.config.smem_bytes(d)
-        self.threads = (self.config.threads(),)
-        self.fn = function(spec.file, spec.kernel, self.config.defines(d, dtype, bs, vec_io=vec), self.smem)
-        # the argument template: pointers 1..8 stand for q, the pools, tables, lengths, offsets, O, LSE
+        # placeholders _SLOT + j of q, the pools, tables, lengths, offsets, O, LSE (replaced on every run)
         i32 = "int32"
-        slots = [DeviceArray(1, qd.shape, qd.strides, dtype, itemsize, None),
-                 DeviceArray(2, kd.shape, kd.strides, dtype, itemsize, None),
-                 DeviceArray(3, vd.shape, vd.strides, dtype, itemsize, None),
-                 DeviceArray(4, (B, max(max_blocks, 1)), (max(max_blocks, 1), 1), i32, 4, None),
-                 DeviceArray(5, (B,), (1,), i32, 4, None), DeviceArray(6, (B + 1,), (1,), i32, 4, None),
-                 DeviceArray(7, (total_q, Hq, d), (Hq * d, d, 1), dtype, itemsize, None),
-                 DeviceArray(8, (Hq, total_q), (total_q, 1), self.acc, 4, None)]
-        self.template = spec.args(*slots, max_blocks=max(max_blocks, 1), scale=self.scale, causal=self.causal)
-        self.where = [[i for i, a in enumerate(self.template) if type(a) is np.uint64 and a == p][0]
-                      for p in range(1, 9)]
+        slots = [DeviceArray(_SLOT + j, a.shape, a.strides, dtype, itemsize, None) for j, a in enumerate((qd, kd, vd))]
+        slots += [DeviceArray(_SLOT + 3, (B, max(max_blocks, 1)), (max(max_blocks, 1), 1), i32, 4, None),
+                  DeviceArray(_SLOT + 4, (B,), (1,), i32, 4, None),
+                  DeviceArray(_SLOT + 5, (B + 1,), (1,), i32, 4, None),
+                  DeviceArray(_SLOT + 6, (total_q, Hq, d), (Hq * d, d, 1), dtype, itemsize, None),
+                  DeviceArray(_SLOT + 7, (Hq, total_q), (total_q, 1), self.acc, 4, None)]
+        if self.hopper:
+            # a block a (128 packed rows, KV head, sequence); q's and the pools' tensor maps encode
+            # their addresses, so the arguments are made per address set (mapped_args)
+            self.config = cfg
+            self.rows_per_token, self.block_q, self.heads = Hq // Hkv, BLOCK_M, Hkv
+            self.smem = cfg.smem_bytes(d)
+            self.fn = function(spec.file, spec.kernel, cfg.defines(d, dtype, bs), self.smem, options=HOPPER_OPTIONS,
+                               sources=HOPPER_SOURCES)
+            self._maps: OrderedDict = OrderedDict()
+            self._outs = slots[3:]
+            self._margs = dict(dtype=dtype, config=cfg, max_blocks=max(max_blocks, 1), scale=self.scale,
+                               causal=self.causal)
+        else:
+            self.rows_per_token = tile_rows_per_token(spec, Hq // Hkv)
+            self.config = cfg.resolve(d, device_info()["smem_optin"], self.rows_per_token * total_q / max(B, 1))
+            self.block_q, self.heads = self.config.block_q, Hq // self.rows_per_token
+            # O is allocated contiguous (total_q, Hq, d): its rows start on 16 bytes where d's do
+            o_aligned = all(s * itemsize % CHUNK_BYTES == 0 for s in (Hq * d, d))
+            vec = o_aligned and all(a.aligned(CHUNK_BYTES) for a in (qd, kd, vd))
+            self.smem = self.config.smem_bytes(d)
+            self.fn = function(spec.file, spec.kernel, self.config.defines(d, dtype, bs, vec_io=vec), self.smem)
+            self.template = spec.args(*slots, max_blocks=max(max_blocks, 1), scale=self.scale, causal=self.causal)
+            self.where = _slots(self.template, range(8))
+        self.threads = (self.config.threads(),)
+
+    def _v3_template(self, q, k_pool, v_pool):
+        """v3's arguments for these q and pools (their tensor maps), placeholders for the rest."""
+        template = self.record.args(*(device_array(x, self.dtype) for x in (q, k_pool, v_pool)), *self._outs,
+                                    **self._margs)
+        return template, _slots(template, range(3, 8))
 
     def run(self, q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, max_seqlen_q=None,
             check: bool = True):
@@ -159,13 +204,18 @@ class PagedPrefillPlan:
             vals = [device_array(x).arg if on_device else device_array(call.constant(upload(h))).arg
                     for x, on_device, h, upload in zip((block_tables, seq_lens, cu_seqlens_q), self.modes,
                                                        (tables_h, lens_h, cq), _UPLOADS)]
-            ptrs = (*_ptrs(self.alloc.torch, q, k_pool, v_pool), *vals, *_ptrs(self.alloc.torch, o, lse))
-        args = list(self.template)
-        for i, p in zip(self.where, ptrs):
-            args[i] = p
+            ptrs = [*_ptrs(self.alloc.torch, q, k_pool, v_pool), *vals, *_ptrs(self.alloc.torch, o, lse)]
+        if self.hopper:                                  # the maps of this address set: encoded once, then kept
+            args = mapped_args(self._maps, (int(ptrs[0]), int(ptrs[1]), int(ptrs[2])),
+                               lambda: self._v3_template(q, k_pool, v_pool), ptrs[3:])
+        else:
+            args = list(self.template)
+            for i, p in zip(self.where, ptrs):
+                args[i] = p
+            args = tuple(args)
         with sobj:
             self.fn((-(-longest * self.rows_per_token // self.block_q), self.heads, self.B), self.threads,
-                    tuple(args), shared_mem=self.smem)
+                    args, shared_mem=self.smem)
         return o, lse
 
 

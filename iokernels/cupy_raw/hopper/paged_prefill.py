@@ -36,7 +36,11 @@ Limits, frankly: block_size a multiple of 8 that divides Bc or is a multiple of 
 ``HopperPagedPrefillConfig(version="v3")`` with :func:`paged_prefill_pools`,
 :func:`paged_prefill` or ``iokernels.paged_prefill(..., backend="cupy", config=...)``.  With
 device tables, lengths and offsets the launch reads none of their values on the host (the grid
-is sized by ``max_seqlen_q``, else by total_q); no plan cache yet.
+is sized by ``max_seqlen_q``, else by total_q).  This module is the eager path (each call checks
+its arguments, resolves its config and encodes its tensor maps); through
+:func:`iokernels.cupy_raw.paged_prefill_pools`, device q and pools take a plan made once per shape
+(:class:`iokernels.cupy_raw.PagedPrefillPlan`), which checks once and encodes the maps once per
+address set of q and the pools.
 """
 from __future__ import annotations
 
@@ -229,7 +233,8 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
 
 def names_v3(config) -> bool:
     """Whether ``config`` names the Hopper paged prefill (a HopperPagedPrefillConfig with its
-    version set), which this module's calls take; any other config resolves through the registry."""
+    version set): the rule by which :func:`iokernels.cupy_raw.paged_prefill_pools` and its plan
+    take this module's checks and launch; any other config resolves through the registry."""
     return isinstance(config, HopperPagedPrefillConfig) and config.version is not None
 
 
@@ -252,8 +257,8 @@ def checked(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, 
     """Every check of a call naming v3, in order, before any GPU work (the argument handling is
     v1's): (the call, the pools' (num_blocks, block_size, Hkv, d, dtype), causal, scale, the
     checked tables, lengths and offsets (:func:`iokernels.cupy_raw.paged_prefill._values`), the
-    record, the resolved config): the one home of these checks, for the eager call and any
-    caller that must raise what it raises."""
+    record, the resolved config).  The eager call and the plan
+    (:class:`iokernels.cupy_raw.PagedPrefillPlan`) both start here, so a bad call raises the same."""
     config = _named(config)
     nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
     _check_q(q, Hkv, d, dtype)
