@@ -197,9 +197,18 @@ for dt in ("bfloat16", "float16"):
         cq = np.array([0, 37, 38, 83], np.int32)
         for hq in (8, 2):
             qp = rng.standard_normal((83, hq, d)).astype(cache.dtype)
+            MAPS.clear()
             rec(f"paged_prefill v3 {dt} {d} {hq}", lambda: PP3.paged_prefill(qp, cache, [sids[0], sids[1], sids[1]], cq,
                                                                          config=PP3.HopperPagedPrefillConfig("v3")))
             out[f"maps paged_prefill v3 {dt} {d} {hq}"] = MAPS[:]
+            MAPS.clear()
+            # the same batch through cr.paged_prefill_pools: device arrays, so the plan launches it
+            t, ln = cache.block_tables_array([sids[0], sids[1], sids[1]])
+            dev = [cupy.asarray(x) for x in (qp, cache.k_pool, cache.v_pool)]
+            ints = [cupy.asarray(x.astype(np.int32)) for x in (t, ln, cq)]
+            rec(f"prefill pools v3 {dt} {d} {hq}",
+                lambda: cr.paged_prefill_pools(*dev, *ints, config=PP3.HopperPagedPrefillConfig("v3"), max_seqlen_q=45))
+            out[f"maps prefill pools v3 {dt} {d} {hq}"] = MAPS[:]
             MAPS.clear()
 json.dump(out, sys.stdout)
 '''
@@ -416,3 +425,18 @@ def test_backward_v3_launch_geometry(launches):
                 q_map = dict(dims=[d, 37, 8], strides=[2 * d, 2 * d * 37], box=[64, 64, 1])
                 kv_map = dict(dims=[d, 77, 4], strides=[2 * d, 2 * d * 77], box=[64, 64, 1])
                 assert launches[f"maps bwd v3 {dt} {d} {det}"] == [q_map, kv_map, kv_map, q_map]
+
+
+def test_the_paged_prefill_v3_plan_launches_like_its_eager_call(launches):
+    """cr.paged_prefill_pools with device arrays and a config naming v3 goes through the plan: the
+    same kernel, options, grid (longest chunk 45 rows x g over 128-row tiles, a block a KV head),
+    block, shared memory and argument kinds as the eager launcher, and the same tensor maps."""
+    for dt in ("bfloat16", "float16"):
+        for d in (128, 64):
+            for hq in (8, 2):
+                case = f"v3 {dt} {d} {hq}"
+                planned, eager = launches[f"prefill pools {case}"], launches[f"paged_prefill {case}"]
+                assert planned == eager and [L["name"] for L in planned] == ["paged_prefill_v3"], case
+                assert planned[0]["grid"] == [-(-45 * (hq // 2) // 128), 2, 3] and planned[0]["block"] == [384]
+                maps = launches[f"maps prefill pools {case}"]
+                assert maps == launches[f"maps paged_prefill {case}"] and len(maps) == 3, case
