@@ -316,7 +316,9 @@ out["prefill v3 layers"] = [launches(lambda: v3plan.run(pq, *lay, dptab, dplen, 
                             for lay in layers]
 n_plans = len(cr.PLANS)
 cr.paged_prefill_pools(pq, wpool, wpool, dptab, dplen, dpcu, config=V3)       # rows TMA cannot read: eager
-out["prefill v3 eager"] = len(cr.PLANS) == n_plans
+numpy_call = launches(lambda: cr.paged_prefill_pools(pq.get(), ppool[0].get(), ppool[1].get(), ptab, plen, pcu,
+                                                     config=V3), {})            # NumPy arrays: v3's eager call
+out["prefill v3 eager"] = len(cr.PLANS) == n_plans and [x["name"] for x in numpy_call] == ["paged_prefill_v3"]
 out["prefill v3 default"] = [cr.PagedPrefillPlan(pq, *ppool, dptab, dplen, dpcu, config=c).record.version
                              for c in (None, PP3.HopperPagedPrefillConfig())]
 count("prefill v3", lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40, config=V3))
@@ -640,7 +642,7 @@ def test_the_paged_prefill_plan_launches_what_the_eager_call_launches(result):
     assert v3["grid"] == [2, 2, 2] and v3["block"] == [384] and "-arch=sm_90a" in v3["options"]
     assert all(a.startswith("ndarray:") for a in v3["args"][:3])       # the tensor maps of q and the pools
     assert result["prefill v3 layers"] == [["tables", "lens", "cu"]] * 3
-    assert result["prefill v3 eager"]                      # rows TMA cannot read in place: the eager copy, uncached
+    assert result["prefill v3 eager"]          # rows TMA cannot read in place, NumPy arrays: v3's eager call, uncached
     assert result["prefill v3 default"] == ["v1", "v1"]    # a config naming no version: the default, as before
 
 
