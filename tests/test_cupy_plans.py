@@ -319,6 +319,18 @@ cr.paged_prefill_pools(pq, wpool, wpool, dptab, dplen, dpcu, config=V3)       # 
 numpy_call = launches(lambda: cr.paged_prefill_pools(pq.get(), ppool[0].get(), ppool[1].get(), ptab, plen, pcu,
                                                      config=V3), {})            # NumPy arrays: v3's eager call
 out["prefill v3 eager"] = len(cr.PLANS) == n_plans and [x["name"] for x in numpy_call] == ["paged_prefill_v3"]
+# were v3 the default (out of policy.HELD_BACK), a call naming no version would plan and launch it
+# (a release is a change of the code, so no plan made before it survives: the cache starts empty)
+held, kept = dict(cr.policy.HELD_BACK), dict(cr.PLANS._plans)
+cr.policy.HELD_BACK.pop(("paged_prefill", "v3"))
+cr.PLANS.clear()
+released = launches(lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40), {})
+planned_v3 = [p.record.version for p in cr.PLANS._plans.values()]
+eager_default = launches(lambda: PP.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40), {})
+out["prefill v3 released"] = [[x["name"] for x in released], planned_v3, [x["name"] for x in eager_default]]
+cr.policy.HELD_BACK.update(held)
+cr.PLANS.clear()
+cr.PLANS._plans.update(kept)
 out["prefill v3 default"] = [cr.PagedPrefillPlan(pq, *ppool, dptab, dplen, dpcu, config=c).record.version
                              for c in (None, PP3.HopperPagedPrefillConfig())]
 count("prefill v3", lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40, config=V3))
@@ -644,6 +656,8 @@ def test_the_paged_prefill_plan_launches_what_the_eager_call_launches(result):
     assert result["prefill v3 layers"] == [["tables", "lens", "cu"]] * 3
     assert result["prefill v3 eager"]          # rows TMA cannot read in place, NumPy arrays: v3's eager call, uncached
     assert result["prefill v3 default"] == ["v1", "v1"]    # a config naming no version: the default, as before
+    # and were v3 let out of policy.HELD_BACK, that call would plan and launch v3, eager calls too
+    assert result["prefill v3 released"] == [["paged_prefill_v3"], ["v3"], ["paged_prefill_v3"]]
 
 
 def test_the_paged_prefill_v3_plan_encodes_its_tensor_maps_once_per_address_set(result):

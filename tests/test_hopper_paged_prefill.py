@@ -205,7 +205,8 @@ def test_the_sanitizer_and_the_bench_know_v3():
         PP.HopperPagedPrefillConfig("v3", **kw).resolve(128)
     assert S.PREFILL_DIMS and set(S.PREFILL_DIMS) <= set(PP.HEAD_DIMS)
     from iokernels.bench import runners_prefill as RP
-    assert RP.paged_prefill_call(V3) is PP.paged_prefill_pools
+    from iokernels import cupy_raw
+    assert RP.paged_prefill_call() is cupy_raw.paged_prefill_pools      # the planned call, every version
 
 
 # --------------------------------------------------------------------------- the launch's arguments

@@ -8,9 +8,10 @@ registered version of the CuPy paged prefill (each its own row: v1, and v2 with 
 heads of a KV head packed into one tile) on the same values, packed (B * chunk, Hq, d),
 over pools whose blocks are scattered as in a busy server (:func:`.runners.device_pages`),
 with device tables, lengths and offsets (no host copy in a call) and the longest chunk
-passed as ``max_seqlen_q`` (it sizes the grid, as a server's scheduler knows it); the Hopper v3
-row (:mod:`iokernels.cupy_raw.hopper.paged_prefill`, run with its own config class) sits next
-to v1's.  ``speed_vs_contiguous``:
+passed as ``max_seqlen_q`` (it sizes the grid, as a server's scheduler knows it), all through
+``iokernels.cupy_raw.paged_prefill_pools`` (its plans: the host cost a program pays); the Hopper
+v3 row (:mod:`iokernels.cupy_raw.hopper.paged_prefill`, named by its own config class) sits
+next to v1's.  ``speed_vs_contiguous``:
 the contiguous row's time / this row's time (1 = paging costs nothing).
 
 Split from :mod:`iokernels.bench.runners` (the measuring helpers live there).
@@ -25,12 +26,10 @@ from .runners import _first_line, _gpu_module, _gpu_rows, _measure, _visible_pai
 from .timer import release_device_cache
 
 
-def paged_prefill_call(cfg):
-    """The CuPy paged prefill over device pools that takes ``cfg``: the Hopper v3's (its own
-    config class) or v1's (every PagedPrefillConfig)."""
-    mod = _gpu_module("cupy")
-    v3 = mod.hopper_paged_prefill
-    return v3.paged_prefill_pools if isinstance(cfg, v3.HopperPagedPrefillConfig) else mod.paged_prefill_pools
+def paged_prefill_call():
+    """The CuPy paged prefill over device pools a program calls (its plan cache; every version,
+    the Hopper v3 through its own config class): what the paged rows time, host cost included."""
+    return _gpu_module("cupy").paged_prefill_pools
 
 
 def paged_prefill_cases(spec, seed, progress, section="paged_prefill", target_ms=None, into=None):
@@ -61,7 +60,7 @@ def paged_prefill_cases(spec, seed, progress, section="paged_prefill", target_ms
                 dev = [torch.from_numpy(np.ascontiguousarray(x, np.int32)).cuda()
                        for x in (tables, lens, np.arange(B + 1) * nq)]
                 def run(cfg):
-                    o, lse = paged_prefill_call(cfg)(packed, kp, vp, *dev, causal=True, config=cfg, max_seqlen_q=nq)
+                    o, lse = paged_prefill_call()(packed, kp, vp, *dev, causal=True, config=cfg, max_seqlen_q=nq)
                     return o.view(B, nq, Hq, d).transpose(1, 2), lse
                 paged = _gpu_rows("cupy", "paged_prefill", run, need=dict(q=packed, k=kp, v=vp), work=flops,
                                   unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms)

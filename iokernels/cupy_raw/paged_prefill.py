@@ -73,11 +73,9 @@ def paged_prefill(q, cache, seq_ids, cu_seqlens_q, *, causal=True, scale=None, c
     :class:`~iokernels.paged.PagedKVCache` holds NumPy pools, which are copied to the device
     (with its tables and lengths) on every call; :func:`paged_prefill_pools` takes device pools.
     ``config``: a :class:`PagedPrefillConfig` (None, or version None: the registry's default)."""
-    if config is None or config.version is None:
-        _, config = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, cache=cache))
     tables, lens = cache.block_tables_array(list(seq_ids))
-    return _run(q, cache.k_pool, cache.v_pool, tables, lens, cu_seqlens_q, causal=causal, scale=scale,
-                config=config)
+    return paged_prefill_pools(q, cache.k_pool, cache.v_pool, tables, lens, cu_seqlens_q, causal=causal, scale=scale,
+                               config=config)
 
 
 def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal=True, scale=None,
@@ -104,6 +102,10 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
     _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
     _check_q(q, Hkv, d, dtype)
     _, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, k=k_pool, v=v_pool))
+    if not isinstance(cfg, PagedPrefillConfig):      # the registry's choice is the Hopper v3: its launcher
+        from .hopper.paged_prefill import paged_prefill_pools as hopper_pools
+        return hopper_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal, scale=scale,
+                            config=cfg, max_seqlen_q=max_seqlen_q)
     return _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal, scale=scale, config=cfg,
                 max_seqlen_q=max_seqlen_q)
 

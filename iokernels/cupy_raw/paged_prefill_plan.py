@@ -92,23 +92,25 @@ class PagedPrefillPlan:
     def __init__(self, q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal=True, scale=None,
                  config=None, max_seqlen_q=None):
         self.hopper = names_v3(config)
+        if not self.hopper:
+            nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
+            _check_q(q, Hkv, d, dtype)
+            if array_key(q) is None:
+                raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
+            spec, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, k=k_pool, v=v_pool))
+            self.hopper, config = names_v3(cfg), cfg     # a default that is the Hopper v3 takes its path
+            if not self.hopper:
+                if spec.launcher is not paged_prefill:
+                    raise NotPlanned("this version has its own launcher")
+                self.causal = cv.check_bool(causal, "causal")
+                self.scale = cv.resolve_scale(scale, d)
+                call = Call(q)
         if self.hopper:                                  # v3's checks, in its eager call's order
             call, (nb, bs, Hkv, d, dtype), self.causal, self.scale, values, spec, cfg = v3_checked(
                 q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal, scale=scale, config=config,
                 max_seqlen_q=max_seqlen_q)                   # a bad first call keeps no plan
             if array_key(q) is None:
                 raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
-        else:
-            nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
-            _check_q(q, Hkv, d, dtype)
-            if array_key(q) is None:
-                raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
-            spec, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, k=k_pool, v=v_pool))
-            if spec.launcher is not paged_prefill:
-                raise NotPlanned("this version has its own launcher")
-            self.causal = cv.check_bool(causal, "causal")
-            self.scale = cv.resolve_scale(scale, d)
-            call = Call(q)
         if array_key(k_pool) is None or array_key(v_pool) is None:
             raise NotPlanned("k_pool, v_pool: host pools are copied in by the eager call")
         call.check(k_pool, "k_pool")
