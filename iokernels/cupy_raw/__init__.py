@@ -17,16 +17,19 @@ backward_config     BackwardConfig (bwd_v1.cu, bwd_v2.cu, bwd_v3.cu)
 gather_config       GatherConfig (paged_gather.cu)
 mla_config          MLADecodeConfig (mla_decode.cu)
 config_checks       the field checks every config class uses
-policy.py           every choose-a-size rule (decode splits, the v4 block shape, MLA splits)
+policy.py           every choose-a-size rule (decode splits, the v4 block shape, MLA splits, the Hopper
+                    tiles by head dim) and the gate of versions not yet measured (HELD_BACK)
 launch.py           the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
 forward.py          attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
 decode.py           decode, paged decode: decode.cu, decode_v2.cu .. decode_v6.cu
 decode_launch       the split kernels' launch: what a shape fixes, what a call packs
 gather.py           paged gather: paged_gather.cu
-paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks
-                    (PagedPrefillConfig: paged_prefill_config.py)
-hopper/             the Hopper (sm_90a) attention kernels, their tensor maps, the GEMM, the paged
-                    prefill v3 (hopper/paged_prefill.py: paged_prefill_v3.cu, held back until measured)
+paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks, and
+                    paged_prefill_v2.cu (GQA packed; PagedPrefillConfig: paged_prefill_config.py)
+hopper/             the Hopper (sm_90a) attention kernels (fa_v3.cu .. fa_v5.cu; hopper_tile.cuh: their
+                    tile math), their tensor maps, the GEMM, the paged prefill v3
+                    (hopper/paged_prefill.py: paged_prefill_v3.cu) and the opt-in FP8 forward
+                    (hopper/fp8_forward.py: fa_fp8_v1.cu)
 hadamard.py         the randomized Hadamard transform of rows (fwht.cu), FP8's incoherent processing
 mla.py              MLA decode (absorbed form) on Hopper: mla_decode.cu
 plans.py            DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
