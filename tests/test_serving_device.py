@@ -264,3 +264,29 @@ def test_decodes_of_mixed_lengths_in_several_groups_give_the_same_tokens(monkeyp
     assert max(groups) > 1                                    # some step attended in several groups
     paged_np = serve(MODEL, PagedMemory(14, 4, **ms), reqs, token_budget=64)[1]
     assert paged_dev.outputs == paged_np.outputs
+
+
+def test_the_kernel_is_told_the_steps_longest_chunk(monkeypatch):
+    """The CuPy paged prefill sizes its grid by max_seqlen_q; the memory passes the step's longest
+    chunk (known on the host), so a step of decodes is not launched as a grid of the step's rows."""
+    import iokernels.serving.device as dev
+    seen = []
+
+    def kernel(q, k_pool, v_pool, tables, lens, cu, *, causal, max_seqlen_q=None):
+        seen.append((int(cu[-1]), max_seqlen_q))
+        return torch.zeros_like(q), None
+    monkeypatch.setattr(dev, "cupy_paged_prefill", lambda: kernel)
+    mem = DevicePagedMemory(16, 4, layers=1, kv_heads=1, head_dim=2, backend="cupy")
+    groups = [Group(Request(i, list(range(1, n + 1)), 4), i) for i, n in enumerate([20, 1, 33])]
+    for g in groups:
+        assert mem.admit(g)
+        mem.start(g.seqs[0])
+    seqs = [g.seqs[0] for g in groups]
+    for chunks in ([20, 1, 33], [1, 1, 1]):
+        plan = mem.prepare(seqs, chunks, [list(range(1, c + 1)) for c in chunks])
+        n = sum(chunks)
+        mem.write_attend(0, plan, torch.zeros(n, 1, 2, dtype=torch.float64), torch.zeros(n, 1, 2, dtype=torch.float64),
+                         torch.zeros(n, 1, 2, dtype=torch.float64))
+        for s, c in zip(seqs, chunks):
+            s.computed += c
+    assert seen == [(54, 33), (3, 1)]

@@ -136,7 +136,9 @@ class StepPlan:
     rows, slots: chunk row rows[i] is stored at slot slots[i] of a layer's pool viewed as
     (num_blocks * block_size, Hkv, d); block_tables (B, max_blocks) and seq_lens (B,) after
     the step's rows; cu_seqlens_q (B + 1,): the packed queries' offsets (host copy:
-    ``cu_host``).  For the torch reference: ``decode``, the one-query chunks grouped by
+    ``cu_host``; the longest chunk: ``max_chunk``, which sizes the kernel's grid, so a step of
+    decodes launches one query tile a sequence, not as many as the whole step has rows).  For
+    the torch reference: ``decode``, the one-query chunks grouped by
     length (:func:`decode_buckets`), per group (query rows, key slots (B_g, width), mask
     (B_g, 1, 1, width)); ``chunks`` [(q0, q1, key slots)] for the others.
     """
@@ -149,6 +151,11 @@ class StepPlan:
     cu_host: np.ndarray
     decode: tuple = ()
     chunks: tuple = ()
+
+    @property
+    def max_chunk(self) -> int:
+        """The step's longest chunk (query rows of one sequence), from the host copy of the offsets."""
+        return int(np.diff(self.cu_host).max(initial=0))
 
 
 def _upload(parts, device):
@@ -222,7 +229,9 @@ class _DeviceAttention:
         v_flat[plan.slots] = v[plan.rows]
         if self.backend == "cupy":
             k_pool, v_pool = (p[layer].view(-1, self.block_size, *p.shape[2:]) for p in (self.k_pools, self.v_pools))
-            o, _ = self.kernel(q, k_pool, v_pool, plan.block_tables, plan.seq_lens, plan.cu_seqlens_q, causal=True)
+            # the longest chunk sizes the kernel's grid (the offsets stay on the device, unread)
+            o, _ = self.kernel(q, k_pool, v_pool, plan.block_tables, plan.seq_lens, plan.cu_seqlens_q, causal=True,
+                               max_seqlen_q=plan.max_chunk)
             return torch.as_tensor(o, device=q.device)
         return _attend_torch(q, k_flat, v_flat, plan)
 
