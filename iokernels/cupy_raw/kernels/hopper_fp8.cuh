@@ -96,33 +96,9 @@ __device__ __forceinline__ void wgmma_rs_e4m3_n128(float (&d)[64], const u32 (&a
 template <bool MASK>
 __device__ __forceinline__ void softmax_step_scaled(float (&s)[64], RowState& st, float (&alpha)[2],
                                                     const AttnShape& p, float factor, int row_a, int col0) {
-    const int t = threadIdx.x % 4;
-    float mx[2] = {neg_inf_f(), neg_inf_f()};
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        const int r = i % 4 < 2 ? 0 : 1;
-        float x = s[i] * factor;
-        if (MASK && !visible(p, row_a + 8 * r, col0 + 8 * (i / 4) + 2 * t + i % 2)) x = neg_inf_f();
-        s[i] = x;
-        mx[r] = fmaxf(mx[r], x);
-    }
-    float base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(st.m[r], quad_max(mx[r]));
-        base[r] = m_new == neg_inf_f() ? 0.f : m_new;     // nothing visible yet: P = 0, not NaN
-        alpha[r] = fast_exp2(st.m[r] - base[r]);
-        st.m[r] = m_new;
-    }
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        const int r = i % 4 < 2 ? 0 : 1;
-        s[i] = fast_exp2(s[i] - base[r]);
-        sum[r] += s[i];
-    }
-    st.l[0] = st.l[0] * alpha[0] + sum[0];
-    st.l[1] = st.l[1] * alpha[1] + sum[1];
+    float mx[2];
+    scale_and_mask<MASK>(s, mx, p, factor, row_a, col0);
+    softmax_update(s, st, alpha, mx);
 }
 
 // P (float32, accumulator layout) -> e4m3 A fragments of O += P V, times P_SCALE first.  The

@@ -112,22 +112,6 @@ __device__ __forceinline__ void softmax_step_limits(float (&s)[S_REGS], RowState
         s[i] = x;
         mx[r] = fmaxf(mx[r], x);
     }
-    float base[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float m_new = fmaxf(st.m[r], quad_max(mx[r]));
-        base[r] = m_new == neg_inf_f() ? 0.f : m_new;     // a row with nothing visible yet: P = 0, not NaN
-        alpha[r] = fast_exp2(st.m[r] - base[r]);          // exp2(-inf) = 0 on the first visible tile
-        st.m[r] = m_new;
-    }
-    float sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < S_REGS; ++i) {
-        const int r = i % 4 < 2 ? 0 : 1;
-        s[i] = fast_exp2(s[i] - base[r]);
-        sum[r] += s[i];
-    }
-    st.l[0] = st.l[0] * alpha[0] + sum[0];
-    st.l[1] = st.l[1] * alpha[1] + sum[1];
+    softmax_update(s, st, alpha, mx);
 }
 

@@ -115,23 +115,29 @@ __device__ __forceinline__ void row_state_init(RowState& st) {
     st.l[0] = st.l[1] = 0.f;
 }
 
-// One step of the online softmax on S_ij, in place: S becomes P = exp2(S * scale_log2 - m_new)
-// (float32, still in the accumulator registers), m and l are updated, and alpha[r] =
-// exp2(m_old - m_new) is what O's rows must be multiplied by before P V_j is added.
-// row_a: this thread's first row (global index); col0: the tile's first key.
+// S_ij scaled into log2 units (times ``scale_log2``: the softmax scale times log2(e), and for FP8
+// codes their block scales too), masked keys set to -inf, and this thread's max of each of its
+// two rows in mx
 template <bool MASK>
-__device__ __forceinline__ void softmax_step(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
-                                             const AttnShape& p, int row_a, int col0) {
+__device__ __forceinline__ void scale_and_mask(float (&s)[S_REGS], float (&mx)[2], const AttnShape& p,
+                                               float scale_log2, int row_a, int col0) {
     const int t = threadIdx.x % 4;
-    float mx[2] = {neg_inf_f(), neg_inf_f()};
+    mx[0] = mx[1] = neg_inf_f();
 #pragma unroll
     for (int i = 0; i < S_REGS; ++i) {
         const int r = i % 4 < 2 ? 0 : 1;
-        float x = s[i] * p.scale_log2;
+        float x = s[i] * scale_log2;
         if (MASK && !visible(p, row_a + 8 * r, col0 + 8 * (i / 4) + 2 * t + i % 2)) x = neg_inf_f();
         s[i] = x;
         mx[r] = fmaxf(mx[r], x);
     }
+}
+
+// The online softmax's update, once S is scaled and masked (mx: this thread's row maxima): S
+// becomes P = exp2(S - m_new) in place, m and l are updated, and alpha[r] = exp2(m_old - m_new)
+// is what O's rows must be multiplied by before P V_j is added.
+__device__ __forceinline__ void softmax_update(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
+                                               const float (&mx)[2]) {
     float base[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -149,6 +155,18 @@ __device__ __forceinline__ void softmax_step(float (&s)[S_REGS], RowState& st, f
     }
     st.l[0] = st.l[0] * alpha[0] + sum[0];
     st.l[1] = st.l[1] * alpha[1] + sum[1];
+}
+
+// One step of the online softmax on S_ij, in place: S becomes P = exp2(S * scale_log2 - m_new)
+// (float32, still in the accumulator registers), m and l are updated, and alpha[r] =
+// exp2(m_old - m_new) is what O's rows must be multiplied by before P V_j is added.
+// row_a: this thread's first row (global index); col0: the tile's first key.
+template <bool MASK>
+__device__ __forceinline__ void softmax_step(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
+                                             const AttnShape& p, int row_a, int col0) {
+    float mx[2];
+    scale_and_mask<MASK>(s, mx, p, p.scale_log2, row_a, col0);
+    softmax_update(s, st, alpha, mx);
 }
 
 __device__ __forceinline__ void rescale_o(float (&o)[O_REGS], const float (&alpha)[2]) {
