@@ -25,7 +25,8 @@ decode.py           decode, paged decode: decode.cu, decode_v2.cu .. decode_v6.c
 decode_launch       the split kernels' launch: what a shape fixes, what a call packs
 gather.py           paged gather: paged_gather.cu
 paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks, and
-                    paged_prefill_v2.cu (GQA packed; PagedPrefillConfig: paged_prefill_config.py)
+                    paged_prefill_v2.cu (GQA packed; PagedPrefillConfig: paged_prefill_config.py;
+                    the argument checks every version shares: paged_prefill_args.py)
 hopper/             the Hopper (sm_90a) attention kernels (fa_v3.cu .. fa_v5.cu; hopper_tile.cuh: their
                     tile math), their tensor maps, the GEMM, the paged prefill v3
                     (hopper/paged_prefill.py: paged_prefill_v3.cu) and the opt-in FP8 forward

@@ -56,11 +56,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import conventions as cv
-from ..core.arrays import Call, device_array, kind_of
+from ..core.arrays import Call, device_array
 from ..core.records import Record
 from .config import CHUNK_BYTES
-from .decode import _pool_device, check_paged_lengths, check_pools
+from .decode import _pool_device, check_pools
 from .launch import device_info, function, on_stream, unit_rows
+from .paged_prefill_args import call_values, check_q, table_or_one
 from .paged_prefill_config import PagedPrefillConfig
 from .policy import default_check_for, held_back_note
 from .registry import REGISTRY, check_paged_prefill_v1, need
@@ -100,7 +101,7 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
     :func:`iokernels.cupy_raw.hopper.paged_prefill.paged_prefill_pools`).
     """
     _, _, Hkv, d, dtype = check_pools(k_pool, v_pool)
-    _check_q(q, Hkv, d, dtype)
+    check_q(q, Hkv, d, dtype)
     _, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, k=k_pool, v=v_pool))
     if not isinstance(cfg, PagedPrefillConfig):      # the registry's choice is the Hopper v3: its launcher
         from .hopper.paged_prefill import paged_prefill_pools as hopper_pools
@@ -111,56 +112,18 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
 
 
 # --------------------------------------------------------------------------- checks
-def _check_q(q, heads_kv, d, dtype):
-    s = tuple(getattr(q, "shape", ()))
-    if len(s) != 3 or s[2] != d or s[1] < 1 or s[1] % heads_kv:
-        raise ValueError(f"q: expected (total_q, a multiple of {heads_kv} heads, {d}), got {s}")
-    if cv.dtype_name(q) != dtype:
-        raise ValueError(f"q: dtype must equal the pools' {dtype}, got {cv.dtype_name(q)}")
-
-
-def _on_device(call, x, name):
-    """True for a device array (then of q's kind); False for host values (NumPy, lists)."""
-    if isinstance(x, (list, tuple)) or np.isscalar(x) or kind_of(x, name) == "numpy":
-        return False
-    call.check(x, name)
-    return True
-
-
-def _device_ints(x, name, shape):
-    """A device int32 array used in place: its shape and layout checked, its values never read."""
-    a = device_array(x)
-    if a.dtype != "int32" or tuple(a.shape) != tuple(shape) or not a.c_contiguous():
-        raise ValueError(f"{name}: a device array must be contiguous int32 of shape {tuple(shape)}, got "
-                         f"{a.dtype} {tuple(a.shape)}")
-    return a
-
-
-def _host_offsets(cu_seqlens_q, batch, total_q, lens):
-    cq = np.asarray(cv.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", total_q), np.int64)
-    if len(cq) != batch + 1:
-        raise ValueError(f"cu_seqlens_q: expected {batch + 1} offsets (one more than sequences), got {len(cq)}")
-    if lens is not None:
-        over = np.flatnonzero(np.diff(cq) > lens)
-        if over.size:
-            b = int(over[0])
-            raise ValueError(f"cu_seqlens_q: sequence {b} has a chunk of {int(cq[b + 1] - cq[b])} queries but "
-                             f"{int(lens[b])} cached tokens; append the chunk's K and V before attending")
-    return cq
-
-
 # --------------------------------------------------------------------------- the call
 def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, scale, config, max_seqlen_q=None):
     """One call with a resolved config (its version set): (O, LSE) of q's kind."""
     nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
-    _check_q(q, Hkv, d, dtype)
+    check_q(q, Hkv, d, dtype)
     causal = cv.check_bool(causal, "causal")
     scale = cv.resolve_scale(scale, d)
     if not isinstance(config, PagedPrefillConfig) or config.version is None:
         raise ValueError(f"config: expected a PagedPrefillConfig with its version set, got {config!r}")
     total_q, Hq = int(q.shape[0]), int(q.shape[1])
     call = Call(q)
-    (dev_t, dev_l, dev_c), B, max_blocks, tables_h, lens_h, cq, longest = _values(
+    (dev_t, dev_l, dev_c), B, max_blocks, tables_h, lens_h, cq, longest = call_values(
         call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q)
     acc = cv.accum_dtype(dtype).name
     rows = tile_rows_per_token(REGISTRY.get("paged_prefill", config.version), Hq // Hkv)
@@ -170,76 +133,13 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
         kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
         o, lse = call.empty((total_q, Hq, d), dtype), call.empty((Hq, total_q), acc)
         if B and total_q and longest:
-            tables_d = block_tables if dev_t else call.constant(_table_or_one(tables_h))
+            tables_d = block_tables if dev_t else call.constant(table_or_one(tables_h))
             lens_d = seq_lens if dev_l else call.constant(lens_h.astype(np.int32))
             cu_d = cu_seqlens_q if dev_c else call.constant(cq.astype(np.int32))
             launch_paged_prefill(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, dtype=dtype, page_size=bs,
                                  max_blocks=max(max_blocks, 1), longest=longest, scale=scale, causal=causal,
                                  config=cfg)
     return call.finish(o, dtype), call.finish(lse, acc)
-
-
-def _values(call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q):
-    """The tables, lengths and offsets of a call, checked: ((device?) x 3, batch, table width,
-    host tables, host lengths, host offsets (None where on the device), the grid's bound on a
-    chunk's rows).  Device ones (of q's kind: contiguous int32 of their shapes) are not read."""
-    tables_h = cq = None
-    dev_t, dev_l, dev_c = (_on_device(call, x, n) for x, n in ((block_tables, "block_tables"),
-                                                                  (seq_lens, "seq_lens"),
-                                                                  (cu_seqlens_q, "cu_seqlens_q")))
-    # the batch and the table width: from shapes (device arrays) or the host values
-    lens_h = None if dev_l else np.asarray(seq_lens)
-    B = int(seq_lens.shape[0]) if dev_l else int(lens_h.shape[0]) if lens_h.ndim == 1 else -1
-    if B < 0:
-        raise ValueError(f"seq_lens: expected one length per sequence (1-D), got shape {lens_h.shape}")
-    if dev_t:
-        max_blocks = int(block_tables.shape[1]) if len(block_tables.shape) == 2 else -1
-        _device_ints(block_tables, "block_tables", (B, max(max_blocks, 0)))
-        if dev_l:
-            _device_ints(seq_lens, "seq_lens", (B,))
-        else:
-            lens_h = _host_lengths(lens_h, B, max_blocks * bs)
-    else:
-        tables_h = np.asarray(block_tables)
-        if dev_l:
-            _device_ints(seq_lens, "seq_lens", (B,))
-            if tables_h.ndim != 2 or tables_h.shape[0] != B:
-                raise ValueError(f"block_tables: expected ({B}, max_blocks), got {tables_h.shape}")
-            if tables_h.size and ((tables_h < 0) | (tables_h >= nb)).any():
-                raise ValueError(f"block_tables: every entry must be a block of the pool, in [0, {nb})")
-        else:
-            tables_h, lens_h = check_paged_lengths(tables_h, lens_h, B, nb, bs)
-        max_blocks = int(tables_h.shape[1])
-    check_max_seqlen(max_seqlen_q, total_q)
-    if dev_c:
-        _device_ints(cu_seqlens_q, "cu_seqlens_q", (B + 1,))
-        longest = total_q if max_seqlen_q is None else int(max_seqlen_q)   # not read: the caller's bound
-    else:
-        cq = _host_offsets(cu_seqlens_q, B, total_q, lens_h)
-        longest = int(np.diff(cq).max(initial=0))
-        if max_seqlen_q is not None and max_seqlen_q < longest:
-            raise ValueError(f"max_seqlen_q: {max_seqlen_q} is shorter than the longest chunk, {longest} rows")
-    return (dev_t, dev_l, dev_c), B, max_blocks, tables_h, lens_h, cq, longest
-
-
-def check_max_seqlen(max_seqlen_q, total_q):
-    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, (int, np.integer))
-                                     or not 0 <= max_seqlen_q <= total_q):
-        raise ValueError(f"max_seqlen_q: expected None or an integer in [0, total_q = {total_q}], got "
-                         f"{max_seqlen_q!r}")
-
-
-def _host_lengths(lens_h, batch, cap):
-    lens = lens_h.astype(np.int64)
-    if lens.shape != (batch,) or np.any(lens < 0) or np.any(lens > cap):
-        raise ValueError(f"seq_lens: expected {batch} lengths in [0, {cap}], got {lens.tolist()}")
-    return lens
-
-
-def _table_or_one(tables):
-    """int32 tables, at least one column (a batch of empty sequences still passes a valid pointer)."""
-    t = np.ascontiguousarray(tables, np.int32)
-    return t if t.ndim == 2 and t.shape[1] else np.zeros((max(len(t), 1), 1), np.int32)
 
 
 def launch_paged_prefill(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, *, dtype, page_size, max_blocks, longest,

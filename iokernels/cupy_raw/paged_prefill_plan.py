@@ -49,7 +49,8 @@ from .decode import check_pools
 from .hopper.config import BLOCK_M
 from .hopper.paged_prefill import checked as v3_checked, names_v3, tma_ready
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, device_info, function
-from .paged_prefill import (_check_q, _table_or_one, _values, check_max_seqlen, paged_prefill, tile_rows_per_token)
+from .paged_prefill import paged_prefill, tile_rows_per_token
+from .paged_prefill_args import call_values, check_max_seqlen, check_q, table_or_one
 from .plans import NotPlanned, _Alloc, _lens_key, _pin_if_capturing, _ptrs, _stream_of, array_key, plan_for
 from .registry import REGISTRY, need
 
@@ -59,7 +60,7 @@ __all__ = ["PagedPrefillPlan", "paged_prefill_key", "cached_paged_prefill_pools"
 _VALUES = ("block_tables", "seq_lens", "cu_seqlens_q")
 #: how a checked host value is uploaded: the tables at least one column wide (a batch of empty
 #: sequences still passes a valid pointer), lengths and offsets as int32
-_UPLOADS = (_table_or_one, lambda lens: lens.astype(np.int32), lambda cq: cq.astype(np.int32))
+_UPLOADS = (table_or_one, lambda lens: lens.astype(np.int32), lambda cq: cq.astype(np.int32))
 
 
 def _host_refused(name: str) -> str:
@@ -94,7 +95,7 @@ class PagedPrefillPlan:
         self.hopper = names_v3(config)
         if not self.hopper:
             nb, bs, Hkv, d, dtype = check_pools(k_pool, v_pool)
-            _check_q(q, Hkv, d, dtype)
+            check_q(q, Hkv, d, dtype)
             if array_key(q) is None:
                 raise NotPlanned("q: plans take device arrays (torch CUDA or CuPy)")
             spec, cfg = REGISTRY.resolve("paged_prefill", config, need("paged_prefill", q=q, k=k_pool, v=v_pool))
@@ -122,7 +123,7 @@ class PagedPrefillPlan:
             raise NotPlanned("q, k_pool, v_pool: rows that are not unit-stride are copied by the eager call")
         total_q, Hq = int(q.shape[0]), int(q.shape[1])
         if not self.hopper:
-            values = _values(call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q)
+            values = call_values(call, block_tables, seq_lens, cu_seqlens_q, nb, bs, total_q, max_seqlen_q)
         modes, B, max_blocks, _, _, _, _ = values       # a bad first call keeps no plan
         self.modes, self.device_values = modes, all(modes)
         host = [n for n, on_device in zip(_VALUES, modes) if not on_device]
@@ -190,7 +191,7 @@ class PagedPrefillPlan:
                 longest = int(max_seqlen_q)
         else:
             call = Call(q)
-            _, _, _, tables_h, lens_h, cq, longest = _values(call, block_tables, seq_lens, cu_seqlens_q,
+            _, _, _, tables_h, lens_h, cq, longest = call_values(call, block_tables, seq_lens, cu_seqlens_q,
                                                              self.nb, self.bs, self.total_q, max_seqlen_q)
         o = self.alloc.empty((self.total_q, self.Hq, self.d), self.dtype)
         lse = self.alloc.empty((self.Hq, self.total_q), self.acc)

@@ -54,7 +54,7 @@ from ...core.arrays import Call, device_array
 from ...core.records import Record
 from ..config_checks import check_version
 from ..decode import _pool_device, check_pools
-from ..paged_prefill import _check_q as check_q_shape, _table_or_one, _values as paged_values
+from ..paged_prefill_args import call_values as paged_values, check_q as check_q_shape, table_or_one
 from ..launch import DTYPE_IDS, HOPPER_OPTIONS, HOPPER_SOURCES, device_info, function, on_stream
 from ..policy import default_check_for, held_back_note, hopper_tiles
 from ..registry import REGISTRY, need
@@ -256,7 +256,7 @@ def _check_q(q, heads_kv, d, dtype):
 def checked(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, scale, config, max_seqlen_q=None):
     """Every check of a call naming v3, in order, before any GPU work (the argument handling is
     v1's): (the call, the pools' (num_blocks, block_size, Hkv, d, dtype), causal, scale, the
-    checked tables, lengths and offsets (:func:`iokernels.cupy_raw.paged_prefill._values`), the
+    checked tables, lengths and offsets (:func:`iokernels.cupy_raw.paged_prefill_args.call_values`), the
     record, the resolved config).  The eager call and the plan
     (:class:`iokernels.cupy_raw.PagedPrefillPlan`) both start here, so a bad call raises the same."""
     config = _named(config)
@@ -284,7 +284,7 @@ def _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, *, causal, sca
         kp, vp = _pool_device(call, k_pool, "k_pool"), _pool_device(call, v_pool, "v_pool")
         o, lse = call.empty((total_q, Hq, d), dtype), call.empty((Hq, total_q), "float32")
         if B and total_q and longest:
-            tables_d = block_tables if dev_t else call.constant(_table_or_one(tables_h))
+            tables_d = block_tables if dev_t else call.constant(table_or_one(tables_h))
             lens_d = seq_lens if dev_l else call.constant(lens_h.astype(np.int32))
             cu_d = cu_seqlens_q if dev_c else call.constant(cq.astype(np.int32))
             launch_paged_prefill_v3(qd, kp, vp, tables_d, lens_d, cu_d, o, lse, dtype=dtype, block_size=bs,
