@@ -34,6 +34,8 @@ from iokernels.cupy_raw.hopper import paged_prefill as PP
 from iokernels.paged import PagedKVCache
 
 from nvcc_support import NVCC, PTXAS_V, compile_all, compile_source, registers_only
+from test_cupy_paged_prefill import _case     # a cache of interleaved sequences and a packed q
+
 #: absolute LSE tolerance (nats) on top of the 2x rule: the kernel's exp2 / log2 conversions
 LSE_ATOL = 1e-4
 V3 = PP.HopperPagedPrefillConfig("v3")
@@ -247,29 +249,6 @@ def test_the_tensor_maps_and_arguments(monkeypatch, g, bs, d):
 
 
 # --------------------------------------------------------------------------- argument checks (no GPU)
-def _filled(rng, lens, hkv, d, dtype, block_size=16, spare=3):
-    """A cache holding sequences of ``lens`` tokens, appended in rounds so their blocks interleave."""
-    need_blocks = sum(-(-n // block_size) for n in lens)
-    cache = PagedKVCache(need_blocks + spare, block_size, num_kv_heads=hkv, head_dim=d,
-                         dtype=testing.numpy_dtype(dtype))
-    sids = [cache.new_sequence() for _ in lens]
-    left = list(lens)
-    while any(left):
-        for i, sid in enumerate(sids):
-            m = min(left[i], block_size + 3)
-            if m:
-                cache.append(sid, *(rng.standard_normal((m, hkv, d)).astype(cache.dtype) for _ in range(2)))
-                left[i] -= m
-    return cache, sids
-
-
-def _case(rng, lens, chunks, hq, hkv, d, dtype, block_size=16):
-    cache, sids = _filled(rng, lens, hkv, d, dtype, block_size)
-    cq = np.concatenate([[0], np.cumsum(chunks)]).astype(np.int32)
-    q = rng.standard_normal((int(cq[-1]), hq, d)).astype(cache.dtype)
-    return cache, sids, cq, q
-
-
 def _shuffled(rng, cache, sids):
     """The cache's pools with their blocks permuted across the pool (and the tables to match)."""
     tables, lens = cache.block_tables_array(sids)
