@@ -56,8 +56,9 @@ class StepRecord:
     phases: the step's wall time in seconds, split where it is spent: ``schedule`` (the
     scheduler's decisions, on the host), ``model`` (the model's forward pass as the host
     sees it: the memory's books for the step, and every operation issued; on a GPU the
-    call returns once the work is queued), ``sample`` (drawing the tokens: the step's one
-    trip to the host, so on a GPU it waits for the queued work to finish).  A step that
+    call returns once the work is queued), ``sample`` (counting the chunks, forking parallel
+    samples, and drawing the tokens: the step's one trip to the host, so on a GPU it waits
+    for the queued work to finish).  A step that
     is host-bound spends its time in the first two; one that is bound by the device, in
     ``sample``.
     """
