@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 import time
 
 import numpy as np
@@ -115,7 +116,14 @@ def registry_versions(backend, op, **need_args) -> list:
     except Exception:
         default = None
     return [(f"{backend}:{k.version}", k.config_class(version=k.version), k.version == default)
-            for k in reg.kernels(op)]
+            for k in sorted(reg.kernels(op), key=lambda k: version_order(k.version))]
+
+
+def version_order(version: str) -> tuple:
+    """A version's place in a section's rows: by number, then suffix (v1, v1b, v2, ..., v10), so
+    the order does not depend on which module registered its records first."""
+    m = re.match(r"v(\d+)(.*)", version)
+    return (int(m.group(1)), m.group(2)) if m else (float("inf"), version)
 
 
 def _gpu_rows(backend, op, fn_of_config, *, suffix="", **measure_kw) -> list:
