@@ -38,6 +38,18 @@ GEMM_THREADS = 384
 FALLBACK_SMEM_OPTIN = 232448
 
 
+def check_tile_fields(cfg, min_stages: int = 1, why: str = "") -> None:
+    """The fields a Hopper config shares (block_n, stages, pingpong), each a ValueError naming it;
+    ``min_stages`` (and ``why``, said after the range): the fewest stages the kernel takes."""
+    if cfg.block_n is not None and cfg.block_n not in BLOCK_N_CHOICES:
+        raise ValueError(f"config.block_n: expected one of {BLOCK_N_CHOICES} or None, got {cfg.block_n!r}")
+    if cfg.stages is not None and (isinstance(cfg.stages, bool) or not isinstance(cfg.stages, int)
+                                   or not min_stages <= cfg.stages <= MAX_STAGES):
+        raise ValueError(f"config.stages: expected an integer in {min_stages}..{MAX_STAGES}{why} or None, got "
+                         f"{cfg.stages!r}")
+    cv.check_bool(cfg.pingpong, "config.pingpong")
+
+
 @dataclass(frozen=True)
 class HopperConfig:
     """Tile settings of the Hopper attention kernels.
@@ -63,12 +75,7 @@ class HopperConfig:
 
     def __post_init__(self):
         check_version(self, VERSIONS)
-        if self.block_n is not None and self.block_n not in BLOCK_N_CHOICES:
-            raise ValueError(f"config.block_n: expected one of {BLOCK_N_CHOICES} or None, got {self.block_n!r}")
-        if self.stages is not None and (isinstance(self.stages, bool) or not isinstance(self.stages, int)
-                                        or not 1 <= self.stages <= MAX_STAGES):
-            raise ValueError(f"config.stages: expected an integer in 1..{MAX_STAGES} or None, got {self.stages!r}")
-        cv.check_bool(self.pingpong, "config.pingpong")
+        check_tile_fields(self)
 
     def replace(self, **kw) -> "HopperConfig":
         return _dc_replace(self, **kw)

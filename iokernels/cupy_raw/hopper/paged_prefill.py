@@ -58,8 +58,8 @@ from ..paged_prefill_args import call_values as paged_values, check_q as check_q
 from ..launch import DTYPE_IDS, HOPPER_OPTIONS, HOPPER_SOURCES, device_info, function, on_stream
 from ..policy import default_check_for, held_back_note, hopper_tiles
 from ..registry import REGISTRY, need
-from .config import (BLOCK_M, BLOCK_N_CHOICES, DTYPES, FALLBACK_SMEM_OPTIN, HOPPER_CC, MAX_STAGES,
-                     MBARRIER_BYTES, PANEL, SMEM_ALIGN)
+from .config import check_tile_fields
+from .config import (BLOCK_M, DTYPES, FALLBACK_SMEM_OPTIN, HOPPER_CC, MBARRIER_BYTES, PANEL, SMEM_ALIGN)
 
 __all__ = ["HopperPagedPrefillConfig", "paged_prefill", "paged_prefill_pools", "launch_paged_prefill_v3",
            "prefill_v3_args", "checked", "names_v3", "tma_ready", "check_paged_prefill_v3", "check_block_size",
@@ -127,13 +127,7 @@ class HopperPagedPrefillConfig:
 
     def __post_init__(self):
         check_version(self, VERSIONS)
-        if self.block_n is not None and self.block_n not in BLOCK_N_CHOICES:
-            raise ValueError(f"config.block_n: expected one of {BLOCK_N_CHOICES} or None, got {self.block_n!r}")
-        if self.stages is not None and (isinstance(self.stages, bool) or not isinstance(self.stages, int)
-                                        or not 2 <= self.stages <= MAX_STAGES):
-            raise ValueError(f"config.stages: expected an integer in 2..{MAX_STAGES} (K_j and V_j-1 are held "
-                             f"together) or None, got {self.stages!r}")
-        cv.check_bool(self.pingpong, "config.pingpong")
+        check_tile_fields(self, 2, " (K_j and V_j-1 are held together)")
 
     def replace(self, **changes) -> "HopperPagedPrefillConfig":
         return replace(self, **changes)
