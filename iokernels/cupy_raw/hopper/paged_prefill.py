@@ -58,8 +58,8 @@ from ..paged_prefill_args import call_values as paged_values, check_q as check_q
 from ..launch import DTYPE_IDS, HOPPER_OPTIONS, HOPPER_SOURCES, device_info, function, on_stream
 from ..policy import default_check_for, held_back_note, hopper_tiles
 from ..registry import REGISTRY, need
-from .config import check_tile_fields
-from .config import (BLOCK_M, DTYPES, FALLBACK_SMEM_OPTIN, HOPPER_CC, MBARRIER_BYTES, PANEL, SMEM_ALIGN)
+from .config import (BLOCK_M, DTYPES, FALLBACK_SMEM_OPTIN, HOPPER_CC, MBARRIER_BYTES, PANEL, SMEM_ALIGN,
+                     check_tile_fields)
 
 __all__ = ["HopperPagedPrefillConfig", "paged_prefill", "paged_prefill_pools", "launch_paged_prefill_v3",
            "prefill_v3_args", "checked", "names_v3", "tma_ready", "check_paged_prefill_v3", "check_block_size",
