@@ -19,7 +19,8 @@
 # those sections; GPU_TESTS="tests/test_cupy.py ..." runs only those files' GPU tests.
 # Stages can be left out when a lease is short and an earlier run of the same tree has
 # their result: RING=0, TRAFFIC=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
-# families (default: numba cupy triton); SERVE_ARGS replaces the serve-bench arguments.
+# families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
+# sanitizes only those CuPy kernels (op:version); SERVE_ARGS replaces the serve-bench arguments.
 #   5. summary
 # Writes exactly these 8 files to OUTDIR (the device tool returns at most 8):
 #   summary.txt  bench.json  bench.txt  traffic.json  serve.json  sanitizer.txt  pytest.txt
@@ -45,7 +46,7 @@ SAN_FAMILIES=${SAN_FAMILIES:-numba cupy triton}
 # the serving benchmark: Llama-3-8B's layer shapes (two layers) at a KV budget that gives each
 # layer the slots 20 GB give all 32 layers of the real model; each side stops after 20 s of
 # serving (the JSON then says complete: false and how many requests finished)
-SERVE_ARGS=${SERVE_ARGS:---model llama3-8b-shape --layers 2 --kv-budget-gb 1.25 --requests 256 --rate 1000 --device cuda --max-seconds 20}
+SERVE_ARGS=${SERVE_ARGS:---model llama3-8b-shape --layers 2 --kv-budget-gb 1.25 --requests 256 --rate 1000 --device cuda --backend cupy --max-seconds 20}
 
 # the whole script must end before DEADLINE seconds (the device tool allows 600 per call)
 DEADLINE=${DEADLINE:-580}
@@ -162,7 +163,12 @@ note "$([ "${TRAFFIC:-1}" != 0 ] && echo "traffic (ncu, limit ${T_TRAFFIC}s), th
 PIDS="$!"
 # warm CuPy's kernel cache (~/.cupy/kernel_cache) without the sanitizer first: NVRTC compiles
 # under four sanitizers at once were too slow to finish in a debug run
-timeout --kill-after=5 $(left 60) $PY scripts/sanitize.py > "$LOGS/sanitize_prewarm.log" 2>&1
+KERNEL_ARGS=""
+if [ -n "${SAN_KERNELS:-}" ]; then
+  SAN_FAMILIES=cupy; for k in $SAN_KERNELS; do KERNEL_ARGS="$KERNEL_ARGS --kernel $k"; done
+fi
+timeout --kill-after=5 $(left 60) $PY scripts/sanitize.py ${SAN_KERNELS:+--only cupy} $KERNEL_ARGS \
+  > "$LOGS/sanitize_prewarm.log" 2>&1
 note "sanitize.py without a sanitizer: exit $?"
 T_SAN=$(left $T_CHECKS)
 note "4 sanitizers x families $SAN_FAMILIES (limit ${T_SAN}s)"
@@ -174,7 +180,7 @@ for tool in memcheck racecheck synccheck initcheck; do
       # kernel errors, and without this flag each one counts in the ERROR SUMMARY
       timeout --kill-after=5 $T_SAN compute-sanitizer --tool $tool --report-api-errors no \
         --error-exitcode 99 --print-limit 50 \
-        $PY scripts/sanitize.py --only $fam > "$LOGS/sanitize_${tool}_$fam.log" 2>&1
+        $PY scripts/sanitize.py --only $fam $KERNEL_ARGS > "$LOGS/sanitize_${tool}_$fam.log" 2>&1
       echo $? > "$LOGS/sanitize_${tool}_$fam.rc"
     ) &
     PIDS="$PIDS $!"

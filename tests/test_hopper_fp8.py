@@ -327,11 +327,36 @@ def _experiment_inputs():
     return (*(np.asarray(_bf16(x)) for x in (q, k, v)), signs)
 
 
-def _oracle(q, k, v, **kw):
+def _oracle(q, k, v, causal=False):
+    """The float64 oracle in passes of query rows (memory only).  A causal pass keeps the whole
+    problem's bottom-right alignment: row i sees keys up to i + Nk - Nq, so the pass of rows
+    [r, r + n) is given the first r + n + Nk - Nq keys (its own bottom-right corner)."""
     from iokernels.core import reference
-    rows = fp8.ROWS_PER_PASS
-    parts = [reference.attention(q[..., r:r + rows, :], k, v, **kw) for r in range(0, q.shape[-2], rows)]
-    return np.concatenate([p[0] for p in parts], axis=-2), np.concatenate([p[1] for p in parts], axis=-1)
+    rows, (nq, nk) = fp8.ROWS_PER_PASS, (q.shape[-2], k.shape[-2])
+    outs, lses = [], []
+    for r in range(0, nq, rows):
+        qr = q[..., r:r + rows, :]
+        keys = nk if not causal else r + qr.shape[-2] + nk - nq
+        if keys <= 0:                                    # every row of the pass sees no key
+            outs.append(np.zeros(qr.shape))
+            lses.append(np.full(qr.shape[:-1], -np.inf))
+            continue
+        o, lse = reference.attention(qr, k[..., :keys, :], v[..., :keys, :], causal=causal)
+        outs.append(o)
+        lses.append(lse)
+    return np.concatenate(outs, axis=-2), np.concatenate(lses, axis=-1)
+
+
+def test_the_oracle_in_passes_keeps_the_causal_alignment(rng):
+    """More query rows than a pass, fewer keys (bottom-right: the first 1100 - 300 rows see no
+    key): the oracle in passes is the one-shot oracle, row for row."""
+    from iokernels.core import reference
+    q, k, v = (rng.standard_normal(s) for s in ((1, 2, 1100, 16), (1, 1, 300, 16), (1, 1, 300, 16)))
+    for causal in (True, False):
+        o, lse = _oracle(q, k, v, causal=causal)
+        want_o, want_lse = reference.attention(q, k, v, causal=causal)
+        assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse))
+        assert np.max(np.abs(o - want_o)) <= 1e-12 and np.max(np.abs(lse - want_lse)[np.isfinite(want_lse)]) <= 1e-12
 
 
 def _kernel_model(q, k, v, *, causal=False, signs=None):

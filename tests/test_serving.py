@@ -175,6 +175,11 @@ def test_step_phases_add_up_and_a_time_limit_stops_between_steps():
     assert 0 < len(cut.steps) < len(whole.steps) and len(cut.outputs) < len(reqs)
     for rid, out in cut.outputs.items():                  # what finished is what the whole run made
         assert out == whole.outputs[rid]
+    # throughput counts every drawn token: a whole run's are its outputs; a cut run drew more
+    # than its finished requests hold (the ones still running), and fewer than the whole run
+    assert whole.generated_tokens == whole.output_tokens
+    assert cut.output_tokens < cut.generated_tokens < whole.generated_tokens
+    assert cut.summary()["tokens_per_s"] == pytest.approx(cut.generated_tokens / cut.busy_s)
     for bad in (0, -1.0, "1", True):
         with pytest.raises(ValueError, match="max_seconds"):
             Engine(ChecksumModel(), paged()).run(max_seconds=bad)

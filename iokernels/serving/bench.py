@@ -7,7 +7,8 @@ and decode, which is memory-bound, turns a larger batch into more tokens per sec
 
 Both runs serve the same seeded ShareGPT-like trace (:mod:`.trace`) with the same model
 and scheduler; only the memory differs.  Reported per side: ``max_concurrent`` (running
-sequences), ``tokens_per_s`` (output tokens over the busy time), ``waste_fraction``
+sequences), ``tokens_per_s`` (tokens drawn over the busy time, ``generated_tokens``, counting
+the requests a time-boxed run had not finished), ``waste_fraction``
 (allocated KV slots not holding a token, over the run), ``p50_ms`` / ``p99_ms`` (time per
 output token), ``finished`` and ``complete`` (whether every request was served before
 ``max_seconds``), and ``phase_ms``: where a step's time goes (the scheduler, the model's

@@ -82,6 +82,9 @@ class Results:
     steps: list = field(default_factory=list)
     preemptions: list = field(default_factory=list)
     busy_s: float = 0.0
+    #: tokens drawn by every sample, finished or not: a run stopped at its time limit still
+    #: counts the work it did for the requests it had not finished
+    generated_tokens: int = 0
     token_times: list = field(default_factory=list)
     #: False when the run stopped at its time limit with requests still unserved
     complete: bool = True
@@ -117,7 +120,8 @@ class Results:
         tpot = self.time_per_output_token() * 1e3
         pct = (lambda p: float(np.percentile(tpot, p))) if tpot.size else (lambda p: 0.0)
         return dict(max_concurrent=self.max_concurrent, output_tokens=self.output_tokens, steps=len(self.steps),
-                    tokens_per_s=self.output_tokens / self.busy_s if self.busy_s else 0.0,
+                    generated_tokens=self.generated_tokens,
+                    tokens_per_s=self.generated_tokens / self.busy_s if self.busy_s else 0.0,
                     waste_fraction=self.waste_fraction, p50_ms=pct(50), p99_ms=pct(99),
                     preemptions=len(self.preemptions), finished=len(self.outputs), complete=self.complete,
                     phase_ms=self.phase_ms())
@@ -231,6 +235,7 @@ class Engine:
         batch = [(s.group.request.rid, s.sample, plan[s][0]) for s in seqs]
         for new in drawn:
             self._take(new, [next(tokens) for _ in new])
+            self.results.generated_tokens += len(new)
         used, alloc = self.memory.usage()
         rec = StepRecord(len(self.results.steps), self.clock, batch, running, used, alloc,
                          self.memory.free_blocks(), preempted, phases)
