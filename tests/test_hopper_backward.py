@@ -122,26 +122,30 @@ def hopper_here(monkeypatch):
     monkeypatch.setattr(hp.checks, "available", lambda: None)
 
 
-def test_default_stays_v2_until_measured(hopper_here):
-    assert ("attention_backward", "v3") in policy.HELD_BACK
+def test_v3_is_the_default_on_hopper(hopper_here):
+    """Measured (its GPU tests passed, and the benchmark recorded it faster than v2 on Hopper),
+    v3 is out of policy.HELD_BACK: the default on Hopper for every dtype and head dim it runs,
+    v2 elsewhere; ``deterministic`` travels with the choice."""
+    assert ("attention_backward", "v3") not in policy.HELD_BACK
     v3 = REGISTRY.get("attention_backward", "v3")
-    assert v3.rank > REGISTRY.get("attention_backward", "v2").rank      # the rank it will have
+    assert v3.rank > REGISTRY.get("attention_backward", "v2").rank
     for dtype in DTYPES:
         for d in BWD_V3_HEAD_DIMS:
-            assert v3.unavailable(_need(dtype, d)) is None
-            assert v3.not_default(_need(dtype, d)).startswith("not the default until measured")
+            assert v3.unavailable(_need(dtype, d)) is None and v3.not_default(_need(dtype, d)) is None
             kernel, cfg = REGISTRY.resolve("attention_backward", None, _need(dtype, d))
-            assert kernel.version == cfg.version == "v2"
+            assert kernel.version == cfg.version == "v3"
             kernel, cfg = REGISTRY.resolve("attention_backward", BackwardConfig(deterministic=True), _need(dtype, d))
-            assert kernel.version == "v2" and cfg.deterministic
-
-
-def test_the_gate_opens_in_one_place(hopper_here, monkeypatch):
-    """Out of policy.HELD_BACK, v3 is the default on Hopper (its rank is above v2's), v2 elsewhere."""
-    monkeypatch.delitem(policy.HELD_BACK, ("attention_backward", "v3"))
-    assert REGISTRY.resolve("attention_backward", None, _need())[0].version == "v3"
+            assert kernel.version == "v3" and cfg.deterministic
     assert REGISTRY.resolve("attention_backward", None, _need(cc=80))[0].version == "v2"
     assert REGISTRY.resolve("attention_backward", None, _need(d=96))[0].version == "v2"
+
+
+def test_held_back_again_the_default_is_v2(hopper_here, monkeypatch):
+    """The gate is one table: put v3 back in policy.HELD_BACK and the default is v2 again."""
+    monkeypatch.setitem(policy.HELD_BACK, ("attention_backward", "v3"), "a test holds it back")
+    v3 = REGISTRY.get("attention_backward", "v3")
+    assert v3.not_default(_need()).startswith("not the default until measured")
+    assert REGISTRY.resolve("attention_backward", None, _need())[0].version == "v2"
 
 
 def test_v3_runs_when_named(hopper_here):

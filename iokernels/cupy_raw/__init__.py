@@ -80,7 +80,7 @@ attention             v1       fa_v1.cu             10    CUDA cores, any dtype:
 attention_backward    v3       bwd_v3.cu            30    Hopper (FlashAttention-3's structure): wgmma from
                                                           SRAM, Q/dO by TMA from a producer warpgroup, one
                                                           consumer warpgroup of 64 keys, dS^T through SRAM for
-                                                          dQ (held back from the default until measured)
+                                                          dQ
 attention_backward    v2       bwd_v2.cu            20    FlashAttention-2's backward on the tensor cores
                                                           (mma.sync, ldmatrix): a warp owns 16 keys, P^T/dS^T
                                                           feed dV/dK from registers, dS^T through SRAM for dQ,
