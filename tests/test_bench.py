@@ -93,6 +93,21 @@ def test_release_device_cache_without_a_gpu_does_nothing(monkeypatch):
     assert bench.release_device_cache(sleep=slept.append) == 0 and slept == []
 
 
+def test_release_device_cache_forgets_the_plans_no_graph_uses(monkeypatch):
+    """A case's plans (their workspaces: a deterministic backward's dQ partials are GBs) do not
+    outlive the case; a plan a CUDA graph captured stays (the graph writes its workspaces)."""
+    from types import SimpleNamespace
+    from iokernels.cupy_raw import plans
+    cache = plans.PlanCache()
+    monkeypatch.setattr(plans, "PLANS", cache)
+    monkeypatch.setattr(bench.timer, "_torch_cuda", lambda: None)
+    for key, pinned in (("a", False), ("b", True), ("c", False)):
+        cache.put(key, SimpleNamespace(pinned=pinned))
+    bench.release_device_cache(sleep=lambda s: None)
+    assert list(cache._plans) == ["b"]
+    assert cache.release() == 0 and len(cache) == 1
+
+
 def test_finish_case_ratios_and_silent_fallback():
     rows = [dict(runner="sdpa:flash", group="sdpa", status="unavailable: No available kernel"),
             dict(runner="sdpa:efficient", group="sdpa", status="ok", ms=2.0),

@@ -358,8 +358,13 @@ def release_device_cache(sleep=time.sleep) -> int:
 
     After a release larger than RELEASE_SETTLE_BYTES it waits (RELEASE_SETTLE_S_PER_GIB a
     GiB, at most RELEASE_SETTLE_MAX_S) before returning, so that whatever is timed next
-    does not share the GPU with the aftermath of the release.  Without torch's CUDA it
-    does nothing and returns 0."""
+    does not share the GPU with the aftermath of the release.  The CuPy backend's plans
+    (where it is loaded) are forgotten first, except those a CUDA graph uses: their
+    workspaces would otherwise stay allocated from one case to the next.  Without torch's
+    CUDA nothing else happens and it returns 0."""
+    plans = sys.modules.get("iokernels.cupy_raw.plans")
+    if plans is not None:
+        plans.PLANS.release()
     torch = _torch_cuda()
     if torch is None:
         return 0

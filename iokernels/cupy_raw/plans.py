@@ -98,6 +98,16 @@ class PlanCache:
         self._plans.clear()
         self.hits = self.misses = 0
 
+    def release(self) -> int:
+        """Forget every plan no CUDA graph uses, so their workspaces go back to the library that
+        allocated them (a backward plan's deterministic dQ partials are Tc copies of dQ: GBs at
+        long sequences); returns how many went.  A program calls it where it would empty its
+        allocator's cache; the next call of each shape plans again."""
+        gone = [key for key, plan in self._plans.items() if not getattr(plan, "pinned", False)]
+        for key in gone:
+            del self._plans[key]
+        return len(gone)
+
     def __len__(self) -> int:
         return len(self._plans)
 
