@@ -16,7 +16,8 @@
 # Time: DEADLINE (default 580 s) bounds the whole script; every stage gets what is left.
 # With a short device lease: DEADLINE=300 scripts/gpu_all.sh OUTDIR (the bench then runs
 # first and whole, the sanitizers get what remains); BENCH_SECTIONS=decode,gather times only
-# those sections; GPU_TESTS="tests/test_cupy.py ..." runs only those files' GPU tests.
+# those sections (CLIFF_BUDGET_S=90 shortens the cliff sweep's time box); GPU_TESTS="tests/test_cupy.py ..."
+# runs only those files' GPU tests.
 # Stages can be left out when a lease is short and an earlier run of the same tree has
 # their result: RING=0, TRAFFIC=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
@@ -77,7 +78,7 @@ ENV_LINE=$(tail -1 "$LOGS/env.txt")
 T_BENCH=$(left $T_BENCH)
 note "bench (limit ${T_BENCH}s)"
 timeout --kill-after=10 $T_BENCH $PY -m iokernels bench --no-progress --out "$OUT/bench.json" \
-  ${BENCH_SECTIONS:+--sections $BENCH_SECTIONS} \
+  ${BENCH_SECTIONS:+--sections $BENCH_SECTIONS} ${CLIFF_BUDGET_S:+--cliff-budget-s $CLIFF_BUDGET_S} \
   --target-ms ${BENCH_TARGET_MS:-200} \
   > "$LOGS/bench.log" 2>&1
 note "bench exit $?"
