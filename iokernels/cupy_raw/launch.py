@@ -23,9 +23,9 @@ KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels"
 #: NVRTC options of the Hopper kernels (wgmma, setmaxnreg need sm_90a)
 HOPPER_OPTIONS = ("-arch=sm_90a",)
 #: the record-less sm_90a files (the GEMM is a ceiling to compare with, not a registered op; the
-#: FP8 forward is opt-in, called by name: hopper/fp8_forward.py);
+#: FP8 forward's versions are opt-in, called by name: hopper/fp8_forward.py);
 #: every other Hopper file is a record's whose ``extra["options"]`` is HOPPER_OPTIONS
-HOPPER_UNRECORDED = ("hopper_gemm", "fa_fp8_v1")
+HOPPER_UNRECORDED = ("hopper_gemm", "fa_fp8_v1", "fa_fp8_v2")
 
 
 def hopper_files() -> frozenset:
