@@ -30,7 +30,7 @@ paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed 
 hopper/             the Hopper (sm_90a) attention kernels (fa_v3.cu .. fa_v5.cu; hopper_tile.cuh: their
                     tile math), their tensor maps, the GEMM, the paged prefill v3
                     (hopper/paged_prefill.py: paged_prefill_v3.cu) and the opt-in FP8 forward
-                    (hopper/fp8_forward.py: fa_fp8_v1.cu)
+                    (hopper/fp8_forward.py: fa_fp8_v1.cu, fa_fp8_v2.cu)
 hadamard.py         the randomized Hadamard transform of rows (fwht.cu), FP8's incoherent processing
 mla.py              MLA decode (absorbed form) on Hopper: mla_decode.cu
 plans.py            DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times

@@ -67,7 +67,7 @@ attention       the attention launch and its argument builder
 gemm            :func:`gemm` (hopper_gemm.cu)
 records         the records of v3, v4, v5
 oracle          :func:`oracle_check`, :func:`gemm_check` (on a GPU)
-fp8_forward     :func:`fp8_attention` (fa_fp8_v1.cu): FP8 products, opt-in, never a default
+fp8_forward     :func:`fp8_attention` (fa_fp8_v1.cu, fa_fp8_v2.cu): FP8 products, opt-in
 ==============  ============================================================
 """
 from ..launch import HOPPER_OPTIONS as NVRTC_OPTIONS  # noqa: F401

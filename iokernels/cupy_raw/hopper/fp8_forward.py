@@ -1,11 +1,28 @@
-"""FP8 attention forward on Hopper (fa_fp8_v1.cu): opt-in, never a default.
+"""FP8 attention forward on Hopper (fa_fp8_v1.cu, fa_fp8_v2.cu): opt-in, never a default.
 
 FlashAttention-3's FP8 ideas (Shah, Bikshandi, Zhang, Thakkar, Ramani and Dao, 2024) on the v4
 kernel's structure (a TMA producer warpgroup, two consumer warpgroups): both products in e4m3
 with float32 accumulators, one scale per tile (block quantization), optionally the randomized
 Hadamard transform of Q and K first (incoherent processing, :mod:`..hadamard`), and P scaled
 into e4m3's range before its cast.  :func:`iokernels.fp8.fp8_attention` is the same arithmetic
-on the CPU; the GPU tests hold this kernel's error to that model's.
+on the CPU; the GPU tests hold each version's error to that model's.
+
+Two versions of the forward (``Fp8Config.version``), the same arithmetic:
+
+=======  ==========================================================================
+v1       fa_fp8_v1.cu: each consumer warpgroup issues S = Q K_j^T, waits, computes the
+         softmax, issues P V_j, waits.  FP8 halves the products' time, not the softmax's
+         exp2, so the tensor cores idle during every softmax, which now dominates a tile.
+v2       fa_fp8_v2.cu: v1 with fa_v5's two overlaps.  The two consumer warpgroups take
+         turns issuing their products (ping-pong, ``pingpong``), and inside a warpgroup
+         S_j and P_{j-1} V_{j-1} are issued together, softmax(S_j) computed while
+         P_{j-1} V_{j-1} runs.  O, kept in units of the current V tile's scale, is moved
+         from s_V(j-1) to s_V(j) together with the softmax's rescale, once P_{j-1} V_{j-1}
+         has landed.  Needs two stages (K_j and V_{j-1} are held together).
+=======  ==========================================================================
+
+v1 stays the default until v2 has been measured on a GPU (the benchmark's ``cupy:fp8 v2`` rows
+run next to v1's).
 
 A call runs up to five kernels, all counted in its time:
 
@@ -15,7 +32,8 @@ fp8_quantize_rows (twice)   Q per (query tile of Br rows, head), K per (key tile
                             KV head): scale = amax / 448, codes = round(x / scale) in e4m3
 fp8_quantize_vt             V -> V^T codes (B, Hkv, d, Nk_pad), a scale a key tile: fp8 wgmma
                             takes K-major operands only, so P V needs V with keys contiguous
-fa_fp8_v1                   the forward: S = codes x codes times s_Q s_K, online softmax,
+                            (the quantization kernels live in fa_fp8_v1.cu; both versions use them)
+fa_fp8_v1 or fa_fp8_v2      the forward: S = codes x codes times s_Q s_K, online softmax,
                             P * P_SCALE -> e4m3, O += P V^T, O / (P_SCALE l) times s_V
 ==========================  ================================================================
 
@@ -42,13 +60,22 @@ from ... import fp8 as fp8_lesson
 from ...core import conventions as cv
 from ...core.arrays import Call, device_array
 from ..hadamard import launch_fwht, resolve_signs
+from ..config_checks import check_version
 from ..launch import DTYPE_IDS, HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream
 from .checks import available
 from .config import BLOCK_M, MBARRIER_BYTES, SMEM_ALIGN
 from .tensor_maps import tensor_map
 
-#: the kernel file (a Hopper source: launch.HOPPER_UNRECORDED names it, since it has no record)
+#: the kernel file of the quantization kernels and of the v1 forward (a Hopper source:
+#: launch.HOPPER_UNRECORDED names it, since it has no record)
 FP8_FILE = "fa_fp8_v1"
+#: the forward's versions and their files (each in launch.HOPPER_UNRECORDED)
+FP8_FILES = {"v1": "fa_fp8_v1", "v2": "fa_fp8_v2"}
+FP8_VERSIONS = tuple(FP8_FILES)
+#: what Fp8Config() runs: v1, until v2 has been measured on a GPU
+FP8_DEFAULT_VERSION = "v1"
+#: versions that issue S_j with P_{j-1} V_{j-1} (K_j and V_{j-1} in SRAM together: two stages)
+FP8_PIPELINED = ("v2",)
 FP8_DTYPES = ("float16", "bfloat16")
 #: a row of codes (d = 128 bytes) is one 128-byte swizzle row; d = 64 would need another swizzle
 FP8_HEAD_DIMS = (128,)
@@ -72,19 +99,39 @@ P_SCALE = fp8_lesson.P_SCALE
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """The FP8 forward's one setting: ``stages``, the K / V^T tiles in flight (1 .. 4; None:
-    :data:`FP8_STAGES`)."""
+    """The FP8 forward's settings.
+
+    stages: the K / V^T tiles in flight (1 .. 4, v2 at least 2; None: :data:`FP8_STAGES`).
+    version: "v1", "v2" or None (:data:`FP8_DEFAULT_VERSION`); see the module's table.
+    pingpong: v2 only; False keeps v2's overlap inside a warpgroup but lets the two consumer
+    warpgroups issue their products whenever they are ready (to measure what ping-pong adds).
+    """
 
     stages: int | None = None
+    version: str | None = None
+    pingpong: bool = True
 
     def __post_init__(self):
+        check_version(self, FP8_VERSIONS)
         if self.stages is not None and (isinstance(self.stages, bool) or not isinstance(self.stages, int)
                                         or not 1 <= self.stages <= FP8_MAX_STAGES):
             raise ValueError(f"config.stages: expected an integer in 1..{FP8_MAX_STAGES} or None, "
                              f"got {self.stages!r}")
+        cv.check_bool(self.pingpong, "config.pingpong")
+        version = self.version or FP8_DEFAULT_VERSION
+        if version in FP8_PIPELINED and self.stages is not None and self.stages < 2:
+            raise ValueError(f"config.stages: {version} uses K_j and V_{{j-1}} together, so it needs at least "
+                             f"2 stages, got {self.stages}")
+        if version not in FP8_PIPELINED and not self.pingpong:
+            raise ValueError(f"config.pingpong: {version} has no ping-pong to turn off (v2 only)")
 
     def resolve(self) -> "Fp8Config":
-        return Fp8Config(self.stages or FP8_STAGES)
+        return Fp8Config(self.stages or FP8_STAGES, self.version or FP8_DEFAULT_VERSION, self.pingpong)
+
+    @property
+    def file(self) -> str:
+        """The forward's kernel file (and kernel name) for this version."""
+        return FP8_FILES[self.resolve().version]
 
     def smem_bytes(self) -> int:
         """Q_i codes, stages x (K_j codes + V_j^T codes), the mbarriers, the alignment slack."""
@@ -92,13 +139,17 @@ class Fp8Config:
         return 128 * (FP8_BLOCK_M + 2 * s * FP8_BLOCK_N) + MBARRIER_BYTES * (1 + 3 * s) + SMEM_ALIGN
 
     def defines(self, out_dtype: str) -> dict:
-        return dict(IK_DTYPE=DTYPE_IDS[out_dtype], HEAD_DIM=128, BLOCK_M=FP8_BLOCK_M, BLOCK_N=FP8_BLOCK_N,
-                    STAGES=self.resolve().stages, P_SCALE=f"{float(P_SCALE)!r}f", QUANT_THREADS=QUANT_THREADS)
+        c = self.resolve()
+        out = dict(IK_DTYPE=DTYPE_IDS[out_dtype], HEAD_DIM=128, BLOCK_M=FP8_BLOCK_M, BLOCK_N=FP8_BLOCK_N,
+                   STAGES=c.stages, P_SCALE=f"{float(P_SCALE)!r}f", QUANT_THREADS=QUANT_THREADS)
+        if c.version in FP8_PIPELINED:
+            out["PINGPONG"] = int(c.pingpong)
+        return out
 
 
 def vt_key_order() -> np.ndarray:
     """Position p of a 32-key group of V^T holds key ``vt_key_order()[p]``: the order in which
-    the e4m3 A fragment of P reads the keys its thread already holds (fa_fp8_v1.cu)."""
+    the e4m3 A fragment of P reads the keys its thread already holds (fa_fp8_v1.cu, fa_fp8_v2.cu)."""
     p = np.arange(32)
     h, t, i = p // 16, (p % 16) // 4, p % 4
     return 16 * h + 8 * (i // 2) + 2 * t + (i % 2)
@@ -193,7 +244,8 @@ def tensor_map_u8(ptr: int, dims, strides_bytes, box) -> np.ndarray:
 
 
 def fp8_attention_codes(x: Fp8Inputs, *, causal=False, scale=None, config=None):
-    """The FP8 forward on codes made by :func:`quantize_qkv`: (O in ``x.dtype``, LSE float32)."""
+    """The FP8 forward on codes made by :func:`quantize_qkv`: (O in ``x.dtype``, LSE float32).
+    ``config``: an :class:`Fp8Config` (the version, the stages, v2's ping-pong) or None."""
     if not isinstance(x, Fp8Inputs):
         raise ValueError(f"x: expected Fp8Inputs (quantize_qkv), got {type(x).__name__}")
     cv.check_bool(causal, "causal")
@@ -230,7 +282,7 @@ def _forward(call, x: Fp8Inputs, causal, cfg, scale):
             tensor_map_u8(vtd.ptr, (nk_pad, d, B * Hkv), (nk_pad, nk_pad * d), (FP8_BLOCK_N, d, 1)))
     left, right = cv.effective_window(bool(causal), None)
     heavy_first = right >= 0 and Nq > FP8_BLOCK_M
-    fn = function(FP8_FILE, FP8_FILE, cfg.defines(x.dtype), smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
+    fn = function(cfg.file, cfg.file, cfg.defines(x.dtype), smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
     i32 = np.int32
     args = (*maps, *(device_array(a, "float32").arg for a in (x.q_scale, x.k_scale, x.v_scale)),
             device_array(o, x.dtype).arg, device_array(lse, "float32").arg, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
@@ -246,6 +298,7 @@ def fp8_attention(q, k, v, *, causal=False, scale=None, hadamard=False, seed=0, 
     CuPy arrays (used in place when contiguous) or NumPy arrays (copied).  Quantized per tile
     (:func:`quantize_qkv`), then :func:`fp8_attention_codes`.  ``hadamard``: incoherent
     processing of Q and K with the signs of ``seed`` (or ``signs``).  ``causal``: bottom-right.
+    ``config``: an :class:`Fp8Config` (the forward's version, stages, v2's ping-pong) or None.
     O has q's dtype; LSE is float32 (B, Hq, Nq), natural log; rows that see no key give O = 0,
     LSE = -inf.  A wrong dtype, head_dim, shape or config, or a GPU that is not Hopper, is a
     ValueError naming the argument.

@@ -1,8 +1,8 @@
-// hopper_fp8.cuh -- what the FP8 Hopper forward (fa_fp8_v1.cu) adds to hopper_tile.cuh (the key-tile
-// range of a query block, the mask, the row state and the epilogue, shared with the 16-bit
-// kernels): the e4m3 wgmma (both operands K-major: PTX has no transpose for 8-bit types), the
-// float32 -> e4m3 conversions, and the softmax taking a per-tile factor (the FP8 scales of Q_i
-// and K_j fold into it).
+// hopper_fp8.cuh -- what the FP8 Hopper forward (fa_fp8_v1.cu, fa_fp8_v2.cu) adds to
+// hopper_tile.cuh (the key-tile range of a query block, the mask, the row state and the epilogue,
+// shared with the 16-bit kernels): the e4m3 wgmma (both operands K-major: PTX has no transpose
+// for 8-bit types), the float32 -> e4m3 conversions, and the softmax taking a per-tile factor
+// (the FP8 scales of Q_i and K_j fold into it).
 //
 // FP8 tiles (one byte an element): a row of Q, K (d = 128) or of V^T (Bc = 128 keys) is 128
 // bytes, exactly one 128-byte swizzle row, so a tile is one panel and a k-step of 32 elements is

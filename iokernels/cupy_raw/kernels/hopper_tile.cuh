@@ -1,10 +1,10 @@
 // hopper_tile.cuh -- what every Hopper attention kernel does to one tile, whatever the layout
 // its Q, K and V have in HBM (contiguous tensors: fa_v3 .. fa_v5 and bwd_v3, through
 // hopper_attention.cuh; a paged cache: paged_prefill_v3, through hopper_paged.cuh; FP8 codes:
-// fa_fp8_v1, through hopper_fp8.cuh): the register shapes of S and O, the key-tile range of a
-// query block, the mask, the online softmax of one S tile held in wgmma accumulator registers,
-// the two products from SRAM, the P fragments, and the epilogue.  One home for each, so a
-// kernel that reads its tiles another way does not fork them.
+// fa_fp8_v1 and v2, through hopper_fp8.cuh): the register shapes of S and O, the key-tile range
+// of a query block, the mask, the online softmax of one S tile held in wgmma accumulator
+// registers, the two products from SRAM, the P fragments, and the epilogue.  One home for each,
+// so a kernel that reads its tiles another way does not fork them.
 //
 // Notation (FlashAttention's):
 //   Br = BLOCK_M  query rows a thread block owns (64 per consumer warpgroup)
