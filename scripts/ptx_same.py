@@ -3,7 +3,7 @@
 A rename of a helper, a moved #define or a comment must not change what a kernel does; the
 proof is that nvcc emits the same PTX for it.  For every compile the tests make
 (tests/test_cupy_compile.py's jobs on sm_75/80/90; tests/test_hopper.py's, the Hopper backward's,
-the Hopper paged prefill's and the FP8 forward's on sm_90a), this
+the Hopper paged prefill's and the FP8 forward's, v1 and v2, on sm_90a), this
 script inlines the headers exactly as the launcher does, once from this checkout's kernel
 folders and once from ``--ref`` (default main), runs ``nvcc -ptx`` on both with the same
 defines, drops comments and ``.file`` / ``.loc`` lines, and compares.
@@ -50,6 +50,9 @@ def _jobs():
              for label, defines in tp._jobs()]
     jobs += [(f"sm_90a fa_fp8_v1 {dt} stages={s}", F.FP8_FILE, F.Fp8Config(stages=s).defines(dt), "-arch=sm_90a")
              for dt in F.FP8_DTYPES for s in range(1, F.FP8_MAX_STAGES + 1)]
+    jobs += [(f"sm_90a fa_fp8_v2 {dt} stages={s} pingpong={pp}", F.FP8_FILES["v2"],
+              F.Fp8Config(stages=s, version="v2", pingpong=pp).defines(dt), "-arch=sm_90a")
+             for dt in F.FP8_DTYPES for s in range(2, F.FP8_MAX_STAGES + 1) for pp in (True, False)]
     return jobs
 
 
