@@ -10,6 +10,10 @@ the other sections (ms, host_ms, TFLOP/s at 4 B H N^2 d FLOPs, halved for causal
 * ``cupy:fp8+hadamard`` -- the same after the randomized Hadamard transform of Q and K;
 * ``cupy:fp8 quantize`` and ``cupy:fp8 forward`` -- the two halves of ``cupy:fp8`` (the forward
   on codes made once: :func:`~iokernels.cupy_raw.hopper.fp8_attention_codes`), where the time goes;
+* ``cupy:fp8 v2`` and ``cupy:fp8 v2 forward`` -- the same two with the forward's version 2
+  (fa_fp8_v2: ping-pong and the softmax overlapped with P V), and ``cupy:fp8 v2 forward
+  no-pingpong`` (only the overlap inside a warpgroup): in the same case as the v1 rows (the rows
+  above, whose forward is the default, v1), so one run compares them;
 * the SDPA kernels (FLASH, cuDNN, ...), as in every prefill case; ``speed_vs_best_sdpa``.
 
 Only the 16-bit rows are checked against SDPA here (FP8 rounds far more than the check's
@@ -44,12 +48,17 @@ def fp8_cases(spec, seed, progress, section="fp8", target_ms=None, into=None):
             v5 = hp.HopperConfig(version="v5")
             rows = [_measure("cupy:v5", "cupy", lambda: hp.attention(q, k, v, causal=causal, config=v5),
                              work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms)]
+            v2, v2_alone = hp.Fp8Config(version="v2"), hp.Fp8Config(version="v2", pingpong=False)
             try:
                 codes = hp.quantize_qkv(q, k, v)
                 fp8_rows = (("cupy:fp8", lambda: hp.fp8_attention(q, k, v, causal=causal)),
                             ("cupy:fp8+hadamard", lambda: hp.fp8_attention(q, k, v, causal=causal, hadamard=True)),
                             ("cupy:fp8 quantize", lambda: hp.quantize_qkv(q, k, v)),
-                            ("cupy:fp8 forward", lambda: hp.fp8_attention_codes(codes, causal=causal)))
+                            ("cupy:fp8 forward", lambda: hp.fp8_attention_codes(codes, causal=causal)),
+                            ("cupy:fp8 v2", lambda: hp.fp8_attention(q, k, v, causal=causal, config=v2)),
+                            ("cupy:fp8 v2 forward", lambda: hp.fp8_attention_codes(codes, causal=causal, config=v2)),
+                            ("cupy:fp8 v2 forward no-pingpong",
+                             lambda: hp.fp8_attention_codes(codes, causal=causal, config=v2_alone)))
                 for name, fn in fp8_rows:
                     rows.append(_measure(name, "cupy", fn, work=flops, unit="TFLOP/s", dtype=dtype, check=False,
                                          target_ms=target_ms))
