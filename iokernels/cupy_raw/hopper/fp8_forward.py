@@ -12,7 +12,7 @@ Two versions of the forward (``Fp8Config.version``), the same arithmetic:
 =======  ==========================================================================
 v1       fa_fp8_v1.cu: each consumer warpgroup issues S = Q K_j^T, waits, computes the
          softmax, issues P V_j, waits.  FP8 halves the products' time, not the softmax's
-         exp2, so the tensor cores idle during every softmax, which now dominates a tile.
+         exp2, so the tensor cores idle during every softmax, now the larger share of a tile.
 v2       fa_fp8_v2.cu: v1 with fa_v5's two overlaps.  The two consumer warpgroups take
          turns issuing their products (ping-pong, ``pingpong``), and inside a warpgroup
          S_j and P_{j-1} V_{j-1} are issued together, softmax(S_j) computed while
@@ -32,7 +32,7 @@ fp8_quantize_rows (twice)   Q per (query tile of Br rows, head), K per (key tile
                             KV head): scale = amax / 448, codes = round(x / scale) in e4m3
 fp8_quantize_vt             V -> V^T codes (B, Hkv, d, Nk_pad), a scale a key tile: fp8 wgmma
                             takes K-major operands only, so P V needs V with keys contiguous
-                            (the quantization kernels live in fa_fp8_v1.cu; both versions use them)
+                            (both quantization kernels: fa_fp8_v1.cu's, for both versions)
 fa_fp8_v1 or fa_fp8_v2      the forward: S = codes x codes times s_Q s_K, online softmax,
                             P * P_SCALE -> e4m3, O += P V^T, O / (P_SCALE l) times s_V
 ==========================  ================================================================
