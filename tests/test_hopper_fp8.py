@@ -427,8 +427,9 @@ def test_the_oracle_in_passes_keeps_the_causal_alignment(rng):
 
 def _kernel_model(q, k, v, *, causal=False, signs=None):
     """fa_fp8_v1 tile by tile in NumPy (and so fa_fp8_v2: the same arithmetic, issued in another
-    order; float64 arithmetic, e4m3 casts by ml_dtypes): the same per-tile codes and scales, the running maximum over key tiles of 128, P * P_SCALE cast to
-    e4m3, O kept in units of the current V tile's scale.  Returns (O, LSE), float64."""
+    order; float64 arithmetic, e4m3 casts by ml_dtypes): the same per-tile codes and scales, the
+    running maximum over key tiles of 128, P * P_SCALE cast to e4m3, O kept in units of the
+    current V tile's scale.  Returns (O, LSE), float64."""
     import ml_dtypes
     from iokernels.core import conventions as cv
     q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
