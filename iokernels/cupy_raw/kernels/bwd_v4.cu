@@ -30,7 +30,7 @@
 //     registers a thread (the launch bound; the block holds 168 x 384 = 64512); the producer
 //     gives its down to PRODUCER_REGS = 32 and the consumers take CONSUMER_REGS = 232
 //     (32 x 128 + 232 x 256 = 63488 <= 64512), as fa_v5.cu's block does.  fa_v5's 24 / 240 left
-//     ptxas spilling in the producer's loops, so the producer's two jobs are split over two
+//     ptxas spilling this kernel's producer loops, so the producer's two jobs are split over two
 //     warps (warp 0 issues the TMA copies, warp 1 stores LSE_i, D_i), it addresses SRAM by
 //     32-bit shared-window offsets, and the consumers' budget is 232 (enough: no spills).
 //
