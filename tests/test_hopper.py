@@ -46,6 +46,7 @@ def _jobs():
     from iokernels.cupy_raw.config import BackwardConfig       # the Hopper backward (every case:
     for dtype, d in (("bfloat16", 128), ("float16", 64)):      # tests/test_hopper_backward.py)
         jobs.append((f"bwd_v3 {dtype} d={d}", "bwd_v3", BackwardConfig("v3").defines(d, dtype)))
+        jobs.append((f"bwd_v4 {dtype} d={d}", "bwd_v4", BackwardConfig("v4").defines(d, dtype)))
     from iokernels.cupy_raw.config import MLADecodeConfig
     for dtype, paged, page in (("bfloat16", False, 64), ("float16", False, 64), ("bfloat16", True, 64),
                                ("float16", True, 256)):

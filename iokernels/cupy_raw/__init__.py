@@ -13,7 +13,7 @@ module              what it holds
 config.py           every config class and its constants, re-exported from their homes:
 forward_config      ForwardConfig, fit_config (fa_v1.cu .. fa_v2.cu: sizes, SRAM, defines)
 decode_config       DecodeConfig and the decode kernels' SRAM arithmetic (v6's: decode_v6_config.py)
-backward_config     BackwardConfig (bwd_v1.cu, bwd_v2.cu, bwd_v3.cu)
+backward_config     BackwardConfig (bwd_v1.cu .. bwd_v4.cu)
 gather_config       GatherConfig (paged_gather.cu)
 mla_config          MLADecodeConfig (mla_decode.cu)
 config_checks       the field checks every config class uses
@@ -43,7 +43,7 @@ paged_prefill_plan  PagedPrefillPlan (the paged prefill over device pools, every
 calls.py            the public attention, decode, paged_decode_pools, attention_backward, gather_pools,
                     mla_decode, paged_mla_decode, paged_prefill_pools: a cached plan, else eager
 backward.py         attention_backward: bwd_v1.cu, bwd_v2.cu (mma.cuh, mma_common.cuh: the tensor-core helpers),
-                    bwd_v3.cu (Hopper: hopper_attention.cuh, the TMA maps of hopper/)
+                    bwd_v3.cu, bwd_v4.cu (Hopper: hopper_attention.cuh, the TMA maps of hopper/)
 registry.py         REGISTRY (every (op, version)), need(), the checks
 sanitize.py         sanitize_cases(): every registered kernel at ragged shapes
 ==================  ================================================================
@@ -77,6 +77,11 @@ attention             v1b      fa_v1b.cu            20    float32: tiles in row 
                                                           swizzled SRAM, exp2
 attention             v1       fa_v1.cu             10    CUDA cores, any dtype: a block owns Q_i, loads K_j,
                                                           V_j into SRAM, register-tiled 16 x 16 threads
+attention_backward    v4       bwd_v4.cu            40    Hopper, two consumer warpgroups: a block of 128
+                                                          keys, 64 a warpgroup, sharing each Q/dO tile the
+                                                          producer loads; the two halves of dS^T meet in SRAM
+                                                          for one dQ product and one set of atomic adds (held
+                                                          back from the default until measured)
 attention_backward    v3       bwd_v3.cu            30    Hopper (FlashAttention-3's structure): wgmma from
                                                           SRAM, Q/dO by TMA from a producer warpgroup, one
                                                           consumer warpgroup of 64 keys, dS^T through SRAM for

@@ -1,7 +1,7 @@
-"""FlashAttention-2's backward in CUDA C++: the launchers of bwd_v1.cu, bwd_v2.cu and bwd_v3.cu.
+"""FlashAttention-2's backward in CUDA C++: the launchers of bwd_v1.cu .. bwd_v4.cu.
 
 Every version runs three kernels (see the headers of ``kernels/bwd_v1.cu``,
-``kernels/bwd_v2.cu`` and ``kernels/bwd_v3.cu``): D_i = rowsum(dO_i * O_i) (bwd_v1.cu's
+``kernels/bwd_v2.cu``, ``kernels/bwd_v3.cu`` and ``kernels/bwd_v4.cu``): D_i = rowsum(dO_i * O_i) (bwd_v1.cu's
 bwd_rowsum); the main loop, one block per (K/V tile, KV head, sequence) with dK_j, dV_j in
 registers and S, P recomputed from the saved LSE; dQ from its float32 (float64) accumulator
 (bwd_v1.cu's bwd_finish).  dQ is added with atomic adds (fast, last bits may differ run to run) or, with
@@ -22,8 +22,14 @@ v3       Hopper only (sm_90a), float16/bfloat16, head_dim 64 or 128: FlashAttent
          warpgroup, asynchronous); a producer warpgroup streams Q_i, dO_i by TMA into a ring of
          stages behind mbarriers; one consumer warpgroup of Bc = 64 keys, Br = 64 rows a step;
          dS^T stored once to SRAM and read back by the dQ product with wgmma's transpose bit.
-         Not yet measured on a GPU, so never the default (cupy_raw/policy.py's gate); run it
-         with ``BackwardConfig(version="v3")``.
+v4       v3 with two consumer warpgroups: a block owns Bc = 128 keys, 64 a warpgroup, each with
+         its own dK_j, dV_j in registers, so every Q_i, dO_i tile the producer brings into SRAM
+         feeds twice the keys (half v3's Q/dO loads and TMA copies per key); the two halves of
+         dS^T meet in one SRAM tile and one product over the 128 keys gives dQ_i, so dQ gets
+         one atomic add (or one deterministic partial) an element a block: half v3's per key.
+         setmaxnreg shares the registers between 1 producer and 2 consumer warpgroups.  Not
+         yet measured on a GPU, so never the default (cupy_raw/policy.py's gate); run it
+         with ``BackwardConfig(version="v4")``.
 =======  ===================================================================================
 
 Notation as in :mod:`iokernels.backward`: Br, Bc, Tr, Tc, D_i, S_ij, P_ij, dP_ij, dS_ij.
@@ -35,10 +41,10 @@ import numpy as np
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
 from ..core.records import Record
-from .config import BWD_V3_THREADS, BackwardConfig
+from .config import BWD_RING_VERSIONS, BWD_V3_THREADS, BWD_V4_THREADS, BackwardConfig
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream, unit_rows
 from .policy import default_check_for, held_back_note
-from .registry import REGISTRY, check_backward_v1, check_backward_v2, check_backward_v3, need
+from .registry import REGISTRY, check_backward_v1, check_backward_v2, check_backward_v3, check_backward_v4, need
 
 #: threads of the row-wise kernels (bwd_rowsum, bwd_finish); the .cu file's ROW_THREADS
 ROW_THREADS = 128
@@ -105,12 +111,12 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
 
 
 def tma_inputs(rec) -> bool:
-    """Whether a backward record's main kernel takes TMA tensor maps (bwd_v3.cu, sm_90a)."""
+    """Whether a backward record's main kernel takes TMA tensor maps (bwd_v3.cu, bwd_v4.cu: sm_90a)."""
     return rec.extra.get("options") == HOPPER_OPTIONS
 
 
 def main_function(rec, defines: dict, smem: int):
-    """The compiled main-loop kernel of a backward record (bwd_v3: NVRTC with -arch=sm_90a)."""
+    """The compiled main-loop kernel of a backward record (bwd_v3, bwd_v4: NVRTC with -arch=sm_90a)."""
     if tma_inputs(rec):
         return function(rec.file, rec.kernel, defines, smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
     return function(rec.file, rec.kernel, defines, smem)
@@ -121,16 +127,16 @@ def backward_setup(config: BackwardConfig, d: int, dtype: str) -> tuple:
     tiles, the main kernel's dynamic shared memory, its defines, the defines of bwd_v1.cu's
     bwd_rowsum and bwd_finish (v1's, with the same deterministic flag), threads a block)."""
     smem = 0
-    if config.version in ("v2", "v3"):
+    if config.version in ("v2", *BWD_RING_VERSIONS):
         cfg = config.resolve(d, dtype, device_info()["smem_optin"])
         smem = BackwardConfig.smem_bytes(cfg.block_q, cfg.block_k, d, dtype, config.version, cfg.stages or 0)
     else:
         cfg = config.resolve(d, dtype)
     defines = cfg.defines(d, dtype)
     row_defines = BackwardConfig("v1", deterministic=cfg.deterministic).defines(d, dtype) \
-        if config.version in ("v2", "v3") else defines
-    if config.version == "v3":
-        threads = BWD_V3_THREADS
+        if config.version in ("v2", *BWD_RING_VERSIONS) else defines
+    if config.version in BWD_RING_VERSIONS:
+        threads = BWD_V3_THREADS if config.version == "v3" else BWD_V4_THREADS
     else:
         threads = 32 * cfg.num_warps if config.version == "v2" else cfg.block_k * cfg.lanes_per_key
     return cfg, smem, defines, row_defines, threads
@@ -165,6 +171,18 @@ def backward_v3_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, *, scale, wind
             np.float32(scale), i32(window[0]), i32(window[1]))
 
 
+def backward_v4_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, *, scale, window) -> tuple:
+    """bwd_v4.cu's bwd_v4_main: bwd_v3_main's arguments, with K and V in boxes of Bc = 128 rows
+    (Q and dO in Br = 64-row boxes, as v3)."""
+    from .config import BWD_V4_BLOCK_K, BWD_V4_BLOCK_Q
+    (_, Hq, Nq, _), (_, Hkv, Nk, _) = qd.shape, kd.shape
+    i32 = np.int32
+    maps = (_qkv_map(qd, BWD_V4_BLOCK_Q), _qkv_map(kd, BWD_V4_BLOCK_K), _qkv_map(vd, BWD_V4_BLOCK_K),
+            _qkv_map(dod, BWD_V4_BLOCK_Q))
+    return (*maps, lsed.arg, dvec.arg, dk.arg, dv.arg, dq_acc.arg, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
+            np.float32(scale), i32(window[0]), i32(window[1]))
+
+
 # --------------------------------------------------------------------------- the records
 RECORDS = (
     Record("cupy", "attention_backward", "v1", "bwd_v1.cu", "bwd_main", BackwardConfig, run_attention_backward,
@@ -180,5 +198,11 @@ RECORDS = (
            + held_back_note("attention_backward", "v3"),
            check_backward_v3, 30, backward_v3_args, dict(options=HOPPER_OPTIONS),
            default_check_for("attention_backward", "v3")),
+    Record("cupy", "attention_backward", "v4", "bwd_v4.cu", "bwd_v4_main", BackwardConfig, run_attention_backward,
+           "Hopper, two consumer warpgroups: a block of 128 keys, 64 a warpgroup, sharing each Q/dO tile the "
+           "producer loads; the two halves of dS^T meet in SRAM for one dQ product and one set of atomic adds"
+           + held_back_note("attention_backward", "v4"),
+           check_backward_v4, 40, backward_v4_args, dict(options=HOPPER_OPTIONS),
+           default_check_for("attention_backward", "v4")),
 )
 REGISTRY.add(*RECORDS)

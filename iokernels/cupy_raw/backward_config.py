@@ -1,4 +1,4 @@
-"""BackwardConfig: the tiles of bwd_v1.cu, bwd_v2.cu and bwd_v3.cu."""
+"""BackwardConfig: the tiles of bwd_v1.cu, bwd_v2.cu, bwd_v3.cu and bwd_v4.cu."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -6,12 +6,13 @@ from dataclasses import dataclass, replace
 from ..core import conventions as cv
 from .config_checks import check_positive, check_version
 from .launch import DTYPE_IDS, round_up
-from .policy import BWD_V3_STAGES, backward_v1_tiles
+from .policy import BWD_V3_STAGES, BWD_V4_STAGES, backward_v1_tiles
 
 # =========================================================================== backward
 #: v1: CUDA cores, every dtype; v2: tensor cores, float16/bfloat16 (bwd_v2.cu); v3: Hopper
-#: (sm_90a: wgmma, TMA), float16/bfloat16 at head_dim 64 and 128 (bwd_v3.cu)
-BACKWARD_VERSIONS = ("v1", "v2", "v3")
+#: (sm_90a: wgmma, TMA), float16/bfloat16 at head_dim 64 and 128 (bwd_v3.cu); v4: v3 with two
+#: consumer warpgroups sharing each Q_i / dO_i tile (bwd_v4.cu)
+BACKWARD_VERSIONS = ("v1", "v2", "v3", "v4")
 #: bwd_v1: keys per tile and query rows per tile, shrunk (Br first) until the static SRAM fits
 BWD_DEFAULT_BLOCK_K = 32
 BWD_DEFAULT_BLOCK_Q = 32
@@ -47,22 +48,38 @@ BWD_V3_THREADS = 256
 #: mbarriers are 8 bytes
 BWD_V3_SMEM_ALIGN = 1024
 MBARRIER_BYTES = 8
+#: bwd_v4: two consumer warpgroups of 64 keys each, so Bc = 128; Br = 64 query rows a step (the
+#: M of the dQ product), as v3
+BWD_V4_BLOCK_Q = 64
+BWD_V4_BLOCK_K = 128
+#: bwd_v4: v3's head dims (each warpgroup's dK_j, dV_j in its registers; 64-column panels) and dtypes
+BWD_V4_HEAD_DIMS = BWD_V3_HEAD_DIMS
+BWD_V4_DTYPES = BWD_V3_DTYPES
+#: bwd_v4: the ring's depths the file takes (at d = 128 four do not fit a block's SRAM: resolve says so)
+BWD_V4_MAX_STAGES = 4
+#: bwd_v4: a producer warpgroup and two consumer warpgroups
+BWD_V4_THREADS = 384
+#: the versions with a Q_i / dO_i ring (``stages``), their Hopper kernels
+BWD_RING_VERSIONS = ("v3", "v4")
 
 
 @dataclass(frozen=True)
 class BackwardConfig:
     """The CuPy backward: version "v1" (bwd_v1.cu, CUDA cores, every dtype), "v2"
-    (bwd_v2.cu, tensor cores, float16/bfloat16, head_dim <= 128) or "v3" (bwd_v3.cu, Hopper
-    only: wgmma and TMA, float16/bfloat16, head_dim 64 or 128); None: the registry's default.
+    (bwd_v2.cu, tensor cores, float16/bfloat16, head_dim <= 128), "v3" (bwd_v3.cu, Hopper
+    only: wgmma and TMA, float16/bfloat16, head_dim 64 or 128) or "v4" (bwd_v4.cu: v3 with two
+    consumer warpgroups, the same limits); None: the registry's default.
 
     block_q (Br), block_k (Bc): Q-tile rows and K/V-tile keys.  v1: None means the largest
     that fit 48 KB of static SRAM, from 32 x 32.  v2: block_k = 16 * num_warps (64 or 128),
     block_q a multiple of 16 up to 128; None: Bc = 128 and Br = 64 (32 above d = 96), shrunk
     (Bc first, then Br) until the SRAM fits the GPU (``resolve(..., smem_limit=)``).
-    v3: block_q = block_k = 64 (None: 64), a fixed block of two warpgroups.
+    v3: block_q = block_k = 64 (None: 64), a fixed block of two warpgroups.  v4: block_q = 64,
+    block_k = 128 (None: those), a fixed block of three warpgroups.
     num_warps: v2 only (4 or 8).  lanes_per_key: v1 only, threads per key row (a power of two
-    up to 32).  stages: v3 only, Q_i / dO_i tiles the SRAM ring holds (1 .. 4; None:
-    :data:`~iokernels.cupy_raw.policy.BWD_V3_STAGES`).  deterministic: dQ by per-tile partials
+    up to 32).  stages: v3 and v4, Q_i / dO_i tiles the SRAM ring holds (1 .. 4, as the SRAM
+    allows; None: :data:`~iokernels.cupy_raw.policy.BWD_V3_STAGES` /
+    :data:`~iokernels.cupy_raw.policy.BWD_V4_STAGES`).  deterministic: dQ by per-tile partials
     summed in tile order (the same bits every run) instead of atomic adds.
     """
 
@@ -86,11 +103,13 @@ class BackwardConfig:
             raise ValueError("config.lanes_per_key: a v1 setting; v2 gives each warp 16 keys")
         if self.version == "v1" and self.num_warps is not None:
             raise ValueError("config.num_warps: a v2 setting; v1 runs block_k x lanes_per_key threads")
-        if self.stages is not None and self.version != "v3":
-            raise ValueError(f"config.stages: a v3 setting (its Q_i / dO_i ring), got {self.stages} for "
+        if self.stages is not None and self.version not in BWD_RING_VERSIONS:
+            raise ValueError(f"config.stages: a v3 / v4 setting (their Q_i / dO_i ring), got {self.stages} for "
                              f"version {self.version!r}")
         if self.version == "v3":
             self._check_v3()
+        if self.version == "v4":
+            self._check_v4()
 
     def _check_v3(self) -> None:
         """v3's fields: its tiles are fixed (one consumer warpgroup), its ring 1 .. 4 stages."""
@@ -105,6 +124,20 @@ class BackwardConfig:
         if self.stages is not None and self.stages > BWD_V3_MAX_STAGES:
             raise ValueError(f"config.stages: v3 takes 1 to {BWD_V3_MAX_STAGES}, got {self.stages}")
 
+    def _check_v4(self) -> None:
+        """v4's fields: its tiles are fixed (two consumer warpgroups of 64 keys), its ring 1 .. 4 stages."""
+        for name, fixed, why in (("block_q", BWD_V4_BLOCK_Q, "the 64 rows of its dQ product"),
+                                 ("block_k", BWD_V4_BLOCK_K, "two consumer warpgroups of 64 keys")):
+            val = getattr(self, name)
+            if val is not None and val != fixed:
+                raise ValueError(f"config.{name}: v4 takes {fixed} ({why}), got {val}")
+        if self.lanes_per_key is not None:
+            raise ValueError("config.lanes_per_key: a v1 setting; v4 gives each consumer warpgroup 64 keys")
+        if self.num_warps is not None:
+            raise ValueError("config.num_warps: a v2 setting; v4 runs a producer and two consumer warpgroups")
+        if self.stages is not None and self.stages > BWD_V4_MAX_STAGES:
+            raise ValueError(f"config.stages: v4 takes 1 to {BWD_V4_MAX_STAGES}, got {self.stages}")
+
     def replace(self, **changes) -> "BackwardConfig":
         return replace(self, **changes)
 
@@ -116,8 +149,8 @@ class BackwardConfig:
         [Bc][Br + 8] in 16 bits, 2 x (LSE_i, D_i) in float32.
         v3 (bwd_v3.cu; ``stages``): K_j, V_j, stages x (Q_i, dO_i) 16-bit tiles, two dS^T
         buffers [Bc][Br], stages x (LSE_i, D_i) float32, 1 + 2 stages mbarriers, the
-        1024-byte alignment slack."""
-        if version == "v3":
+        1024-byte alignment slack.  v4 (bwd_v4.cu): the same tiles at Bc = 128."""
+        if version in BWD_RING_VERSIONS:
             tiles = 2 * block_k * head_dim * 2 + stages * 2 * block_q * head_dim * 2 + 2 * block_k * block_q * 2
             return tiles + stages * 2 * block_q * 4 + MBARRIER_BYTES * (1 + 2 * stages) + BWD_V3_SMEM_ALIGN
         if version == "v2":
@@ -132,8 +165,8 @@ class BackwardConfig:
         resolves as v1 (the registry picks the version before this)."""
         if self.version == "v2":
             return self._resolve_v2(head_dim, dtype, smem_limit)
-        if self.version == "v3":
-            return self._resolve_v3(head_dim, dtype, smem_limit)
+        if self.version in BWD_RING_VERSIONS:
+            return self._resolve_ring(head_dim, dtype, smem_limit)
         lpk = self.lanes_per_key or BWD_LANES_PER_KEY
         tiles = backward_v1_tiles(self.block_q, self.block_k, lambda q, k: self.smem_bytes(q, k, head_dim, dtype),
                                   STATIC_SMEM_BYTES, (BWD_DEFAULT_BLOCK_Q, BWD_DEFAULT_BLOCK_K))
@@ -185,17 +218,22 @@ class BackwardConfig:
         raise ValueError(f"config: v2 at head_dim={head_dim} ({dtype}) does not fit this GPU's {smem_limit:,} B "
                          f"of shared memory a block ({'; '.join(tried)})")
 
-    def _resolve_v3(self, head_dim: int, dtype: str, smem_limit: int | None) -> "BackwardConfig":
+    def _resolve_ring(self, head_dim: int, dtype: str, smem_limit: int | None) -> "BackwardConfig":
+        """v3's and v4's fixed tiles and their ring's depth (the default, or the given one, checked
+        against ``smem_limit``)."""
+        v = self.version
         if dtype not in BWD_V3_DTYPES:
-            raise ValueError(f"config.version: 'v3' is the Hopper backward for float16/bfloat16, got dtype {dtype} "
+            raise ValueError(f"config.version: {v!r} is the Hopper backward for float16/bfloat16, got dtype {dtype} "
                              f"(use version 'v1')")
         if head_dim not in BWD_V3_HEAD_DIMS:
-            raise ValueError(f"config.version: 'v3' takes head_dim 64 or 128 (dK_j, dV_j in one warpgroup's "
+            raise ValueError(f"config.version: {v!r} takes head_dim 64 or 128 (dK_j, dV_j in one warpgroup's "
                              f"registers, 64-column TMA panels), got {head_dim} (use version 'v2' or 'v1')")
-        cfg = self.replace(block_q=BWD_V3_BLOCK, block_k=BWD_V3_BLOCK, stages=self.stages or BWD_V3_STAGES)
-        need = self.smem_bytes(BWD_V3_BLOCK, BWD_V3_BLOCK, head_dim, dtype, "v3", cfg.stages)
+        bq, bk, default = (BWD_V3_BLOCK, BWD_V3_BLOCK, BWD_V3_STAGES) if v == "v3" else \
+            (BWD_V4_BLOCK_Q, BWD_V4_BLOCK_K, BWD_V4_STAGES)
+        cfg = self.replace(block_q=bq, block_k=bk, stages=self.stages or default)
+        need = self.smem_bytes(bq, bk, head_dim, dtype, v, cfg.stages)
         if smem_limit is not None and need > smem_limit:
-            raise ValueError(f"config.stages: v3 with {cfg.stages} stages at head_dim={head_dim} needs {need:,} B of "
+            raise ValueError(f"config.stages: {v} with {cfg.stages} stages at head_dim={head_dim} needs {need:,} B of "
                              f"SRAM; this GPU allows {smem_limit:,} B a block")
         return cfg
 
@@ -206,7 +244,7 @@ class BackwardConfig:
 
     def defines(self, head_dim: int, dtype: str, smem_limit: int | None = None) -> dict:
         c = self.resolve(head_dim, dtype, smem_limit)
-        if c.version == "v3":
+        if c.version in BWD_RING_VERSIONS:
             return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BLOCK_M=c.block_q, BLOCK_N=c.block_k,
                         STAGES=c.stages, DETERMINISTIC=int(c.deterministic))
         if c.version == "v2":

@@ -4,8 +4,8 @@ Once, when the plan is made: every check of the call (:func:`iokernels.core.api.
 the arrays' kinds, causal), the version and its resolved tiles (:func:`.backward.backward_setup`),
 the scale and window, the three compiled kernels (bwd_rowsum, the version's main loop,
 bwd_finish), their grids, shared memory and argument templates (sizes, strides, scale, window),
-and which inputs need a unit-stride copy.  bwd_v3 takes TMA tensor maps, which encode the
-addresses of q, k, v and do: its template is made per address set and kept for the last few
+and which inputs need a unit-stride copy.  bwd_v3 and bwd_v4 take TMA tensor maps, which encode
+the addresses of q, k, v and do: their template is made per address set and kept for the last few
 (:func:`.attention_plan.mapped_args`, as the Hopper forward's plan does); its inputs are copied
 where they are not C-contiguous on 16 bytes.  Per call, ``run`` allocates dQ, dK, dV, takes the
 caller's stream's workspaces (D = rowsum(dO * O) and dQ's float32 (float64) accumulator, or its
@@ -79,7 +79,7 @@ class BackwardPlan:
         self.do_main = bool(B * Hkv * Nk and d)
         self.zero_dkv = self.do_main and rows == 0
         # q, k, v, do, o: rows with unit stride (copied where they are not); lse: contiguous;
-        # v3 (TMA): q, k, v, do C-contiguous on 16 bytes
+        # v3, v4 (TMA): q, k, v, do C-contiguous on 16 bytes
         ins = (q, k, v, do, o)
         self.tma = tma_inputs(spec)
         self.copy = [bool(a.shape[-1] > 1 and a.strides[-1] != 1) for a in (device_array(x) for x in ins)]
@@ -123,7 +123,7 @@ class BackwardPlan:
             self.main_launch = ((tiles, Hkv, B), (threads,), smem)
 
     def _tma_template(self, q, k, v, do):
-        """bwd_v3's arguments for these q, k, v, do (their maps), placeholders for the rest."""
+        """bwd_v3's (bwd_v4's) arguments for these q, k, v, do (their maps), placeholders for the rest."""
         template = self.record.args(*(device_array(x, self.dtype) for x in (q, k, v, do)), *self._work, **self.margs)
         return template, _slots(template, range(4, 9))
 

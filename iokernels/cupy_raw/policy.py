@@ -136,6 +136,7 @@ HELD_BACK = {
     ("paged_prefill", "v2"): "its GPU tests and the paged_prefill benchmark section at v1's speed or better",
     ("paged_prefill", "v3"): "its GPU tests and the paged_prefill benchmark section at >= 0.9x the contiguous "
                              "prefill of the same shapes",
+    ("attention_backward", "v4"): "its GPU tests and a benchmark record faster than bwd_v3 on Hopper",
 }
 
 
@@ -160,6 +161,9 @@ def default_check_for(op: str, version: str):
 #: bwd_v3.cu's Q_i / dO_i ring: two stages (tile i + 1 lands while tile i is used; 105 KB of
 #: SRAM at d = 128, so a third fits too, should a measurement favour it)
 BWD_V3_STAGES = 2
+#: bwd_v4.cu's ring: two stages as v3's (162 KB of SRAM at d = 128 with its 128-key K_j, V_j; a
+#: third fits, 195 KB; a fourth does not)
+BWD_V4_STAGES = 2
 
 
 # =========================================================================== paged prefill

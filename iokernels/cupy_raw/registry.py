@@ -217,7 +217,7 @@ def check_backward_v2(n: Need) -> str | None:
     return None
 
 
-#: the one compute capability bwd_v3.cu is built for (sm_90a: wgmma, TMA)
+#: the one compute capability bwd_v3.cu and bwd_v4.cu are built for (sm_90a: wgmma, TMA)
 CC_HOPPER = 90
 
 
@@ -236,6 +236,27 @@ def check_backward_v3(n: Need) -> str | None:
         return f"needs compute capability 9.0 (Hopper: wgmma, TMA, sm_90a); this GPU is {n.cc / 10:.1f}"
     smem = n.extra.get("smem")
     least = C.BackwardConfig.smem_bytes(C.BWD_V3_BLOCK, C.BWD_V3_BLOCK, n.head_dim, n.dtype, "v3")
+    if smem is not None and least > smem:
+        return f"needs {least:,} B of shared memory a block at head_dim={n.head_dim}; this GPU allows {smem:,} B"
+    from .hopper.checks import available       # here: hopper imports this module
+    return available()
+
+
+def check_backward_v4(n: Need) -> str | None:
+    """bwd_v4.cu: v3's limits (a GPU of compute capability 9.0, float16/bfloat16 at head_dim 64
+    or 128, cuda-python's driver bindings for the TMA maps) and its own SRAM (Bc = 128)."""
+    if n.simulator:
+        return "runs on a GPU only (not the simulator)"
+    if n.dtype not in C.BWD_V4_DTYPES:
+        return f"the Hopper backward for float16/bfloat16, got {n.dtype}"
+    if n.head_dim not in C.BWD_V4_HEAD_DIMS:
+        return (f"takes head_dim 64 or 128 (dK_j, dV_j in each consumer warpgroup's registers, 64-column TMA "
+                f"panels), got {n.head_dim}")
+    if n.cc is not None and n.cc != CC_HOPPER:
+        return f"needs compute capability 9.0 (Hopper: wgmma, TMA, sm_90a); this GPU is {n.cc / 10:.1f}"
+    smem = n.extra.get("smem")
+    least = C.BackwardConfig.smem_bytes(C.BWD_V4_BLOCK_Q, C.BWD_V4_BLOCK_K, n.head_dim, n.dtype, "v4",
+                                        C.BWD_V4_STAGES)
     if smem is not None and least > smem:
         return f"needs {least:,} B of shared memory a block at head_dim={n.head_dim}; this GPU allows {smem:,} B"
     from .hopper.checks import available       # here: hopper imports this module
