@@ -655,7 +655,7 @@ def test_the_paged_prefill_plan_launches_what_the_eager_call_launches(result):
     assert all(a.startswith("ndarray:") for a in v3["args"][:3])       # the tensor maps of q and the pools
     assert result["prefill v3 layers"] == [["tables", "lens", "cu"]] * 3
     assert result["prefill v3 eager"]          # rows TMA cannot read in place, NumPy arrays: v3's eager call, uncached
-    assert result["prefill v3 default"] == ["v1", "v1"]    # a config naming no version: the default, as before
+    assert result["prefill v3 default"] == ["v2", "v2"]    # a config naming no version: the default (v2), as before
     # and were v3 let out of policy.HELD_BACK, that call would plan and launch v3, eager calls too
     assert result["prefill v3 released"] == [["paged_prefill_v3"], ["v3"], ["paged_prefill_v3"]]
 

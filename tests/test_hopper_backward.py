@@ -317,7 +317,7 @@ def test_v4_is_held_back_v3_stays_the_default(hopper_here):
     """bwd_v4 is registered above v3 (rank 40) but held back in policy.HELD_BACK until a GPU has
     measured it: on Hopper the default stays v3, and the version tables say it is held back."""
     assert policy.HELD_BACK[("attention_backward", "v4")] == \
-        "its GPU tests and a benchmark record faster than bwd_v3 on Hopper"
+        "its GPU tests, a clean racecheck and a benchmark record faster than bwd_v3 on Hopper"
     v4 = REGISTRY.get("attention_backward", "v4")
     assert v4.rank == 40 > REGISTRY.get("attention_backward", "v3").rank
     assert v4.file == "bwd_v4.cu" and v4.kernel == "bwd_v4_main"

@@ -381,6 +381,7 @@ RAGGED = (((1, 17, 127, 300), (1, 17, 127, 300)),
 
 
 @gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("g", [1, 4, 8])
@@ -398,6 +399,7 @@ def test_matches_the_oracle(rng, dtype, d, g, causal):
 
 
 @gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_size", PP.V3_BLOCK_SIZES)
 @pytest.mark.parametrize("kw", [{}, dict(block_n=64), dict(stages=2, pingpong=False)])
 def test_every_block_size_and_variant(rng, block_size, kw):
@@ -411,6 +413,7 @@ def test_every_block_size_and_variant(rng, block_size, kw):
 
 
 @gpu
+@pytest.mark.gpu
 def test_device_tables_in_place_and_every_row_written(rng):
     """CuPy outputs poisoned with NaN, device tables / lengths / offsets (int32, used in place),
     max_seqlen_q sizing the grid; float16 (CuPy has no bfloat16), g = 4 and 16, the public call."""
@@ -436,6 +439,7 @@ def test_device_tables_in_place_and_every_row_written(rng):
 
 
 @gpu
+@pytest.mark.gpu
 def test_torch_bfloat16_device_pools(rng):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -121,8 +121,7 @@ paged_prefill         v3       paged_prefill_v3.cu  30    Hopper: fa_v5's pipeli
                                                           default until measured)
 paged_prefill         v2       paged_prefill_v2.cu  20    v1 with the g query heads of a KV head packed into
                                                           the Q tile's rows (pack_gqa): a block a KV head
-                                                          reads each K/V tile once for all g heads (held back
-                                                          from the default until measured)
+                                                          reads each K/V tile once for all g heads
 paged_prefill         v1       paged_prefill_v1.cu  10    fa_v2's tensor-core forward over a paged cache: K/V
                                                           tiles of several cache blocks read through the block
                                                           table, bottom-right causal per sequence, one launch

@@ -33,9 +33,9 @@ head, sequence); a block whose chunk has fewer tiles exits.
 What v2 adds (paged_prefill_v2.cu, the record "v2"): the g query heads of a KV head packed
 into the Q tile's rows (FlashAttention's pack_gqa), so a block a (tile, KV head) reads each K/V
 tile once for all g heads; the grid's head axis is the KV heads and a tile of Br rows covers
-Br / g tokens (:func:`prefill_grid`).  It is not the default until the GPU tests and the
-benchmark have recorded it (:data:`.policy.HELD_BACK`);
-``config=PagedPrefillConfig("v2")`` runs it.
+Br / g tokens (:func:`prefill_grid`).  It is the default where the Hopper v3 does not run
+(its GPU tests passed and the benchmark's paged_prefill section recorded it at v1's speed or
+better); ``config=PagedPrefillConfig("v1")`` runs v1.
 
 Limits of v1, frankly: the g query heads of a KV head are g thread blocks, each reading the K/V
 tiles (L2 can serve the repeats, but they still cost load instructions and L2 bandwidth;

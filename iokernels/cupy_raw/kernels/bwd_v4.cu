@@ -98,7 +98,6 @@
 //: arrives once on a stage's "empty" barrier)
 #define CONSUMER_BAR 1
 #define CONSUMER_THREADS (128 * CONSUMERS)
-#define CONSUMER_WARPS (4 * CONSUMERS)
 //: q_full completes on the copy thread's expect_tx arrival plus one arrival from each lane of
 //: the warp that stores LSE_i, D_i
 #define Q_FULL_ARRIVALS (1 + 32)
@@ -299,7 +298,7 @@ bwd_v4_main(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap
         mbar_init(sm.kv_full, 1);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.q_full[s], Q_FULL_ARRIVALS);
-            mbar_init(&sm.empty[s], CONSUMER_WARPS); // one arrival a consumer warp
+            mbar_init(&sm.empty[s], CONSUMER_THREADS); // one arrival a consumer thread
         }
         mbar_fence_init();
     }
@@ -434,7 +433,12 @@ bwd_v4_main(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap
         // both warpgroups' halves of dS^T must be in SRAM before either dQ product reads them
         named_bar_sync(CONSUMER_BAR, CONSUMER_THREADS);
         wgmma_wait<0>();
-        if (lane == 0) mbar_arrive(&sm.empty[s]);   // this warp is done with stage s
+        // this thread is done with stage s: every consumer thread arrives, so each one's reads
+        // of LSE_i, D_i (p_ds_fragments) are released by its own arrival before the producer's
+        // warp 1 overwrites them with ordinary stores (one arrival a warp after the named barrier
+        // orders them too, through the barrier, but compute-sanitizer's racecheck reported those
+        // reads racing with the next stores: a write-after-read it could not see ordered)
+        mbar_arrive(&sm.empty[s]);
 
         // dQ_i's panel pnl = dS_ij K_j over all 128 keys (SRAM x SRAM: dS MN-major through the
         // transpose-A bit, K_j MN-major); the warpgroups take the panels in turns
