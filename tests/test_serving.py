@@ -183,3 +183,18 @@ def test_step_phases_add_up_and_a_time_limit_stops_between_steps():
     for bad in (0, -1.0, "1", True):
         with pytest.raises(ValueError, match="max_seconds"):
             Engine(ChecksumModel(), paged()).run(max_seconds=bad)
+
+
+def test_the_recorded_runs_summarize_with_their_ratios():
+    """Notebook 14's view of a recorded serve-bench run: per side the concurrency, tokens/s and
+    waste, and the paged / contiguous ratios, computed from the record itself."""
+    from iokernels.serving import lesson
+    recorded = lesson.recorded_serving()
+    if not recorded:
+        pytest.skip("no serve_bench*.json record in this checkout")
+    for name, rec in recorded.items():
+        s = lesson.serving_summary(rec)
+        p, c = rec["paged"], rec["contiguous"]
+        assert s["paged"]["max_concurrent"] == p["max_concurrent"] and s["gpu"] == rec["setup"]["gpu"]
+        assert s["concurrency_ratio"] == round(p["max_concurrent"] / c["max_concurrent"], 2), name
+        assert s["tokens_per_s_ratio"] == round(p["tokens_per_s"] / c["tokens_per_s"], 2), name

@@ -22,7 +22,7 @@ from .requests import Request
 from .trace import sharegpt_like_trace
 
 __all__ = ["small_trace", "run_small", "step_rows", "block_table_history", "block_size_sweep",
-           "weights", "decode_throughput", "paged_vs_contiguous", "recorded_serving"]
+           "weights", "decode_throughput", "paged_vs_contiguous", "recorded_serving", "serving_summary"]
 
 #: where recorded benchmark results live: a checkout's benchmarks/results, or an installed
 #: wheel's copy of it (the same folder iokernels.core.recorded reads)
@@ -142,6 +142,19 @@ def decode_throughput(batches, *, context=1024, shape: LlamaShape = LLAMA3_8B, g
 def paged_vs_contiguous(requests=12, kv_slots=512, seed=0):
     """:func:`~.bench.serve_bench` with the tiny Llama on the CPU, small enough for a notebook."""
     return serve_bench("tiny", "tiled", requests, seed=seed, kv_slots=kv_slots, step_time=0.01)
+
+
+def serving_summary(rec: dict) -> dict:
+    """The numbers of one serve-bench result a reader compares: the GPU and attention backend,
+    per side the concurrency, tokens/s and waste, and their ratios (paged / contiguous)."""
+    setup, p, c = rec.get("setup", {}), rec["paged"], rec["contiguous"]
+    side = lambda r: dict(max_concurrent=r["max_concurrent"], tokens_per_s=round(r["tokens_per_s"], 1),
+                          waste_fraction=round(r["waste_fraction"], 3))
+    ratio = lambda k: round(p[k] / c[k], 2) if c[k] else None
+    return dict(gpu=setup.get("gpu"), model=setup.get("model"), backend=setup.get("backend"),
+                dtype=setup.get("dtype"), paged=side(p), contiguous=side(c),
+                concurrency_ratio=ratio("max_concurrent"), tokens_per_s_ratio=ratio("tokens_per_s"),
+                tokens_equal=rec.get("tokens_equal"))
 
 
 def recorded_serving():
