@@ -148,9 +148,13 @@ def serving_summary(rec: dict) -> dict:
     """The numbers of one serve-bench result a reader compares: the GPU and attention backend,
     per side the concurrency, tokens/s and waste, and their ratios (paged / contiguous)."""
     setup, p, c = rec.get("setup", {}), rec["paged"], rec["contiguous"]
-    side = lambda r: dict(max_concurrent=r["max_concurrent"], tokens_per_s=round(r["tokens_per_s"], 1),
-                          waste_fraction=round(r["waste_fraction"], 3))
-    ratio = lambda k: round(p[k] / c[k], 2) if c[k] else None
+
+    def side(r):
+        return dict(max_concurrent=r["max_concurrent"], tokens_per_s=round(r["tokens_per_s"], 1),
+                    waste_fraction=round(r["waste_fraction"], 3))
+
+    def ratio(k):
+        return round(p[k] / c[k], 2) if c[k] else None
     return dict(gpu=setup.get("gpu"), model=setup.get("model"), backend=setup.get("backend"),
                 dtype=setup.get("dtype"), paged=side(p), contiguous=side(c),
                 concurrency_ratio=ratio("max_concurrent"), tokens_per_s_ratio=ratio("tokens_per_s"),
