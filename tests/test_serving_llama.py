@@ -66,6 +66,22 @@ def test_rope_scores_depend_on_distance_only():
     assert score(7, 3) != pytest.approx(score(7, 4), abs=1e-6)
 
 
+def test_a_forward_pass_makes_the_rotary_tables_once(monkeypatch):
+    """Every layer's Q and K rotate by the same (cos, sin): a step computes them once, not twice
+    a layer (each is a handful of float64 kernels on a GPU); rotating by them is rope."""
+    from iokernels.serving import llama as L
+    calls, real = [], L.rope_tables
+    monkeypatch.setattr(L, "rope_tables", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    tokens = np.random.default_rng(1).integers(0, TINY.vocab, 9).tolist()
+    logits = MODEL.reference_logits(tokens)
+    assert len(calls) == 1 and TINY.layers > 1
+    x = MODEL.embed[torch.tensor(tokens)]
+    q = (x @ MODEL.layers[0]["wq"].T).view(len(tokens), TINY.heads, TINY.head_dim)
+    assert torch.equal(L.rotate(q, *real(torch.arange(9), TINY.head_dim, TINY.rope_theta, q.dtype, q.device)),
+                       L.rope(q, torch.arange(9), TINY.rope_theta))
+    assert np.isfinite(logits).all()
+
+
 def test_shapes():
     s = llama3_8b_shape(2)
     assert (s.dim, s.heads, s.kv_heads, s.head_dim, s.ffn_dim, s.vocab, s.layers) == \

@@ -82,18 +82,28 @@ def rms_norm(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def rope(x, positions, theta):
-    """Rotate (tokens, heads, d) by each token's position, pairs (i, i + d/2).
+def rope_tables(positions, d, theta, dtype, device):
+    """(cos, sin) of each token's angles, (tokens, 1, d/2) in ``dtype``: what :func:`rotate` needs.
 
     The angles and their cosines and sines are computed in float64 and only then rounded
-    to x's dtype: an angle of a few thousand radians in bfloat16 would be off by whole radians.
+    to the model's dtype: an angle of a few thousand radians in bfloat16 would be off by whole
+    radians.  A forward pass makes them once and every layer's Q and K use them.
     """
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
+    ang = positions.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]        # (tokens, d/2)
+    return tuple(f(ang).to(dtype)[:, None, :] for f in (torch.cos, torch.sin))
+
+
+def rotate(x, cos, sin):
+    """Rotate (tokens, heads, d) by the tables of :func:`rope_tables`, pairs (i, i + d/2)."""
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
-    ang = positions.to(device=x.device, dtype=torch.float64)[:, None] * inv[None, :]      # (tokens, d/2)
-    cos, sin = (f(ang).to(x.dtype)[:, None, :] for f in (torch.cos, torch.sin))
     x1, x2 = x[..., :d // 2], x[..., d // 2:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def rope(x, positions, theta):
+    """Rotate (tokens, heads, d) by each token's position: :func:`rotate` by :func:`rope_tables`."""
+    return rotate(x, *rope_tables(positions, x.shape[-1], theta, x.dtype, x.device))
 
 
 def _attend_on_host(memory, layer, seqs, chunk_lens, ids, cu, q, k, v):
@@ -136,11 +146,14 @@ class Llama:
         return dict(layers=self.shape.layers, kv_heads=self.shape.kv_heads, head_dim=self.shape.head_dim,
                     dtype=str(self.dtype).replace("torch.", ""))
 
-    def _block(self, p, x, positions, attend):
+    def _angles(self, positions):
+        return rope_tables(positions, self.shape.head_dim, self.shape.rope_theta, self.dtype, self.device)
+
+    def _block(self, p, x, angles, attend):
         s = self.shape
         h = rms_norm(x, p["attn_norm"], s.norm_eps)
-        q = rope((h @ p["wq"].T).view(-1, s.heads, s.head_dim), positions, s.rope_theta)
-        k = rope((h @ p["wk"].T).view(-1, s.kv_heads, s.head_dim), positions, s.rope_theta)
+        q = rotate((h @ p["wq"].T).view(-1, s.heads, s.head_dim), *angles)
+        k = rotate((h @ p["wk"].T).view(-1, s.kv_heads, s.head_dim), *angles)
         v = (h @ p["wv"].T).view(-1, s.kv_heads, s.head_dim)
         x = x + attend(q, k, v).reshape(-1, s.heads * s.head_dim) @ p["wo"].T
         h = rms_norm(x, p["mlp_norm"], s.norm_eps)
@@ -161,13 +174,13 @@ class Llama:
         tok = torch.tensor([t for chunk in ids for t in chunk], device=self.device)
         cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
         plan = memory.prepare(seqs, chunk_lens, ids) if hasattr(memory, "prepare") else None
-        x, pos = self.embed[tok], pos.to(self.device)
+        x, angles = self.embed[tok], self._angles(pos)          # the rotary tables once, for every layer
         for layer, p in enumerate(self.layers):
             if plan is not None:
                 attend = functools.partial(memory.write_attend, layer, plan)
             else:
                 attend = functools.partial(_attend_on_host, memory, layer, seqs, chunk_lens, ids, cu)
-            x = self._block(p, x, pos, attend)
+            x = self._block(p, x, angles, attend)
         last = torch.from_numpy(cu[1:] - 1).to(self.device)
         return rms_norm(x[last], self.norm, self.shape.norm_eps) @ self.lm_head.T
 
@@ -185,9 +198,9 @@ class Llama:
             p = torch.softmax(sc.masked_fill(~mask, float("-inf")), dim=-1)
             return torch.einsum("hij,jhd->ihd", p, v)
 
-        x = self.embed[tok]
+        x, angles = self.embed[tok], self._angles(torch.arange(n, device=self.device))
         for p in self.layers:
-            x = self._block(p, x, torch.arange(n, device=self.device), attend)
+            x = self._block(p, x, angles, attend)
         return (rms_norm(x, self.norm, s.norm_eps) @ self.lm_head.T).double().cpu().numpy()
 
     def reference_greedy(self, prompt, new_tokens):
