@@ -44,7 +44,7 @@ T0=$(date +%s)
 # per-stage limits in seconds (total well under 600)
 T_ENV=30 T_BENCH=${T_BENCH:-300} T_TRAFFIC=${T_TRAFFIC:-50} T_CHECKS=${T_CHECKS:-270} T_SERVE=${T_SERVE:-75}
 SAN_FAMILIES=${SAN_FAMILIES:-numba cupy triton}
-# the serving benchmark: Llama-3-8B's layer shapes (two layers) at a KV budget that gives each
+# the serving benchmark on the CuPy kernels: Llama-3-8B's layer shapes (two layers) at a KV budget that gives each
 # layer the slots 20 GB give all 32 layers of the real model; each side stops after 20 s of
 # serving (the JSON then says complete: false and how many requests finished)
 SERVE_ARGS=${SERVE_ARGS:---model llama3-8b-shape --layers 2 --kv-budget-gb 1.25 --requests 256 --rate 1000 --device cuda --backend cupy --max-seconds 20}
