@@ -355,11 +355,13 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
 def test_paged_prefill_launch_geometry(launches):
     """paged_prefill_v1: 4 warps (Br = 64) x Bc = 64 (4 cache blocks of 16) at d = 128 and 64, one
     launch per call; grid (Q tiles of the longest chunk, query heads, sequences) with host offsets,
-    (Q tiles of total_q, ...) with device ones (their values are not read on the host)."""
+    (Q tiles of total_q, ...) with device ones (their values are not read on the host).  A call
+    naming no version launches v2 (the default without a Hopper GPU)."""
     from iokernels.cupy_raw.paged_prefill_config import paged_prefill_smem
     for dt in ("float16", "bfloat16"):
         for d in (128, 64):
-            ls = launches[f"paged_prefill None {dt} {d}"]
+            assert [L["name"] for L in launches[f"paged_prefill None {dt} {d}"]] == ["paged_prefill_v2"]
+            ls = launches[f"paged_prefill v1 {dt} {d}"]
             assert [L["name"] for L in ls] == ["paged_prefill_v1"]
             df = _defines(ls[0])
             assert (df["NUM_WARPS"], df["BLOCK_K"], df["PAGE_SIZE"], df["VEC_IO"]) == ("4", "64", "16", "1")

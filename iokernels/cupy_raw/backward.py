@@ -199,8 +199,8 @@ RECORDS = (
            check_backward_v3, 30, backward_v3_args, dict(options=HOPPER_OPTIONS),
            default_check_for("attention_backward", "v3")),
     Record("cupy", "attention_backward", "v4", "bwd_v4.cu", "bwd_v4_main", BackwardConfig, run_attention_backward,
-           "Hopper, two consumer warpgroups: a block of 128 keys, 64 a warpgroup, sharing each Q/dO tile the "
-           "producer loads; the two halves of dS^T meet in SRAM for one dQ product and one set of atomic adds"
+           "Hopper: two consumer warpgroups of 64 keys share each Q/dO tile; their halves of dS^T meet in "
+           "SRAM for one dQ product"
            + held_back_note("attention_backward", "v4"),
            check_backward_v4, 40, backward_v4_args, dict(options=HOPPER_OPTIONS),
            default_check_for("attention_backward", "v4")),
