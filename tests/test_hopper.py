@@ -4,13 +4,16 @@ Without a GPU (CI): every .cu file compiles with nvcc for sm_90a
 (``-gencode=arch=compute_90a,code=sm_90a -cubin``) from exactly the source and defines the
 launcher hands NVRTC, for each dtype, head dim and tile setting; ``-Xptxas -v`` must show no
 local memory (no spills, no stack frame), no wgmma serialisation (ptxas C7515) and no ignored
-setmaxnreg (C7508); the sources refuse what they cannot run with #error; the config, the input
-checks and the registry hook are pure Python.
+setmaxnreg (C7508); fa_v6 (head_dim 64, three consumer warpgroups of 160 registers) in every
+define set its config makes; the sources refuse what they cannot run with #error; the config,
+the input checks and the registry hook are pure Python, v6 held back from the default until
+measured (policy.HELD_BACK) and the default once its entry goes.
 
 With compute capability 9.0: FlashAttention's 2x rule against the float64 oracle
 (``hopper.oracle_check``: outputs poisoned with NaN, the oracle on the first and last rows) at
-d in {64, 128, 256}, N in {1, 127, 1024, 4096}, causal and not, GQA and Nq != Nk; the public
-function at d = 256 with a config naming the version (the default does not pick it there
+d in {64, 128, 256} (v6 at 64 only), N in {1, 127, 1024, 4096}, causal and not, GQA and
+Nq != Nk; v6's fully masked rows, windows, other tile settings and its agreement with v5; the
+public function at d = 256 with a config naming the version (the default does not pick it there
 yet); the GEMM by the same rule against torch.matmul.  Skipped elsewhere with the reason.
 """
 
