@@ -2,8 +2,9 @@
 
 A rename of a helper, a moved #define or a comment must not change what a kernel does; the
 proof is that nvcc emits the same PTX for it.  For every compile the tests make
-(tests/test_cupy_compile.py's jobs on sm_75/80/90; tests/test_hopper.py's, the Hopper backward's,
-the Hopper paged prefill's and the FP8 forward's, v1 and v2, on sm_90a), this
+(tests/test_cupy_compile.py's jobs on sm_75/80/90; tests/test_hopper.py's, fa_v6's every config
+among them, the Hopper backward's, the Hopper paged prefill's and the FP8 forward's, v1 and v2,
+on sm_90a), this
 script inlines the headers exactly as the launcher does, once from this checkout's kernel
 folders and once from ``--ref`` (default main), runs ``nvcc -ptx`` on both with the same
 defines, drops comments and ``.file`` / ``.loc`` lines, and compares.
@@ -41,6 +42,7 @@ def _jobs():
     import test_hopper as th
     jobs = [(f"sm_{arch} {label}", name, defines, f"-arch=sm_{arch}") for label, name, defines, arch in tc._jobs()]
     jobs += [(f"sm_90a {label}", name, defines, "-arch=sm_90a") for label, name, defines in th._jobs()]
+    jobs += [(f"sm_90a {label}", name, defines, "-arch=sm_90a") for label, name, defines in th._jobs_v6()]
     # the Hopper kernels whose own test files list their compiles
     import test_hopper_backward as tb
     import test_hopper_paged_prefill as tp

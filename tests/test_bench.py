@@ -385,6 +385,31 @@ def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeyp
     assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
 
 
+def test_held_back_v6_gets_its_own_row_at_head_dim_64(monkeypatch, rng):
+    """As if on a Hopper GPU at head_dim 64: the prefill sections time one row per registered
+    version, cupy:v6 among them (not the default: v5 is), and the cliff adds the row of v6, the
+    version held back from the default (policy.HELD_BACK), with the reason; at 128 v6's row is
+    there (it says why it cannot run) and nothing is held back."""
+    from iokernels.bench.cliff import registry_held_back
+    from iokernels.bench.runners import registry_versions
+    from iokernels.core.testing import make_inputs
+    from iokernels.cupy_raw.hopper import checks
+    monkeypatch.setattr(checks, "available", lambda: None)
+    q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=64, dtype="bfloat16")
+    rows = registry_versions("cupy", "attention", q=q, k=k, v=v)
+    if isinstance(rows[0][1], Exception):
+        pytest.skip(f"the CuPy backend is not importable here: {rows[0][1]}")
+    names = [name for name, _, _ in rows]
+    assert names[-3:] == ["cupy:v4", "cupy:v5", "cupy:v6"]
+    assert [name for name, _, default in rows if default] == ["cupy:v5"]
+    name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
+    assert name == "cupy:v6" and cfg.version == "v6"
+    assert "a benchmark record faster than v5 at head_dim 64" in why
+    q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=128, dtype="bfloat16")
+    assert "cupy:v6" in [name for name, _, _ in registry_versions("cupy", "attention", q=q, k=k, v=v)]
+    assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
+
+
 def test_the_fp8_section_is_asked_for_and_its_table_rates_fp8_against_the_16_bit_forward():
     """``--sections fp8`` (not a default section: the forward is opt-in); the README table gives
     each row's time, rate, speed against the 16-bit v5 and against the best SDPA kernel."""

@@ -27,7 +27,7 @@ gather.py           paged gather: paged_gather.cu
 paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks, and
                     paged_prefill_v2.cu (GQA packed; PagedPrefillConfig: paged_prefill_config.py;
                     the argument checks every version shares: paged_prefill_args.py)
-hopper/             the Hopper (sm_90a) attention kernels (fa_v3.cu .. fa_v5.cu; hopper_tile.cuh: their
+hopper/             the Hopper (sm_90a) attention kernels (fa_v3.cu .. fa_v6.cu; hopper_tile.cuh: their
                     tile math), their tensor maps, the GEMM, the paged prefill v3
                     (hopper/paged_prefill.py: paged_prefill_v3.cu) and the opt-in FP8 forward
                     (hopper/fp8_forward.py: fa_fp8_v1.cu, fa_fp8_v2.cu)
@@ -62,6 +62,10 @@ step):
 ====================  =======  ===================  ====  ====================================================
 op                    version  file                 rank  what it adds
 ====================  =======  ===================  ====  ====================================================
+attention             v6       fa_v6.cu             130   Hopper, head_dim 64: v5 with three consumer
+                                                          warpgroups (a 192-row query tile) taking turns on
+                                                          the tensor cores (held back from the default until
+                                                          measured)
 attention             v5       fa_v5.cu             120   Hopper: v4 + ping-pong between consumer warpgroups,
                                                           softmax overlapped with P V
 attention             v4       fa_v4.cu             110   Hopper: v3 + a producer warpgroup (warp

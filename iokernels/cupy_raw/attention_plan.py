@@ -1,7 +1,7 @@
 """The attention forward planned once per shape (:mod:`.plans` says why and how).
 
 One class for both families: the portable versions (fa_v1.cu .. fa_v2.cu, whose arguments
-are pointers, sizes and strides) and the Hopper ones (fa_v3.cu .. fa_v5.cu, whose Q, K, V
+are pointers, sizes and strides) and the Hopper ones (fa_v3.cu .. fa_v6.cu, whose Q, K, V
 arrive as TMA tensor maps that encode the arrays' addresses: a plan keeps the maps of the
 last few address triples it saw).
 """
@@ -19,7 +19,7 @@ from .config import CHUNK_BYTES, fit_config
 from .hopper.attention import _check_attention_inputs
 from .hopper.records import run_attention as hopper_run_attention
 from .hopper.checks import require_available
-from .hopper.config import BLOCK_M, THREADS
+from .hopper.config import THREADS
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, unit_rows
 from .plans import NotPlanned, _Alloc, plan_for, _ptr, _ptrs, _stream_of, _window_key, array_key
 from .registry import REGISTRY, need
@@ -100,9 +100,10 @@ class AttentionPlan:
             self.smem = cfg.smem_bytes(d)
             self.fn = function(spec.file, spec.kernel, cfg.defines(d, dtype), self.smem, options=HOPPER_OPTIONS,
                                sources=HOPPER_SOURCES)
-            self.grid, self.block = (-(-Nq // BLOCK_M), Hq, B), (THREADS[cfg.version],)
+            block_m = cfg.block_m()
+            self.grid, self.block = (-(-Nq // block_m), Hq, B), (THREADS[cfg.version],)
             self.hargs = dict(dtype=dtype, block_n=cfg.block_n, scale=scale, window=window,
-                              heavy_first=window[1] >= 0 and Nq > BLOCK_M)
+                              heavy_first=window[1] >= 0 and Nq > block_m, block_m=block_m)
             self._maps: OrderedDict = OrderedDict()
         else:
             scale = cv.resolve_scale(scale, d)

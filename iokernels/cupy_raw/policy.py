@@ -137,6 +137,7 @@ HELD_BACK = {
                              "benchmark section at >= 0.9x the contiguous prefill of the same shapes",
     ("attention_backward", "v4"): "its GPU tests, a clean racecheck and a benchmark record faster than bwd_v3 "
                                   "on Hopper",
+    ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
 }
 
 
@@ -216,8 +217,11 @@ def gather_chunk_bytes(row_bytes: int, itemsize: int, pointers: tuple[int, ...])
 HOPPER_BLOCK_N = 128
 #: default pipeline depth: v3, v4 use one tile while the next lands (Q + 2 x (K + V) = 160 KB at
 #: d = 128); a v5 consumer holds two tiles at once (K_j and V_{j-1}), so a third stage is the one
-#: that lands meanwhile (Q + 3 x (K + V) = 224 KB at d = 128, inside the 227 KB a block may have)
-HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3}
+#: that lands meanwhile (Q + 3 x (K + V) = 224 KB at d = 128, inside the 227 KB a block may have);
+#: v6 (d = 64 only) staggers three consumers by a turn each, so a stage is held from the first
+#: one's S_j to the last one's P_j V_j: three tiles in use, a fourth landing (Q 24 KB + 4 x (K + V)
+#: 4 x 32 KB = 152 KB)
+HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4}
 #: head_dim 256: a consumer thread's O (64 x 256) is 128 float32 registers, so Bc = 64 keeps
 #: S (32) and P (16) beside it in the 240 that setmaxnreg gives (at Bc = 128 ptxas spills); and
 #: Q (128 x 256, 64 KB) + 2 x (K + V) (2 x 64 KB) = 192 KB leaves no room for a third stage
@@ -241,12 +245,13 @@ def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
     At head_dim 64 FlashAttention-3's hopper/tile_size.h (code) takes a taller query tile and
     wider key tile: Br x Bc = 192 x 192 without a mask (P read from SRAM for P V, not from
     registers), 192 x 128 causal, where ours is fixed at Br = 128 (and Bc at 64 or 128).
-    Doing the same here would take a third consumer warpgroup (192 rows of 64): v4's and v5's
-    block of 1 producer + 3 consumers (512 threads), setmaxnreg budgets that fit 64K registers
-    for four warpgroups (24 for the producer leaves at most 160 a consumer thread, where v5
-    takes 240 now), v5's ping-pong turned into a round of three named barriers, a 192-row Q
-    in SRAM, and a wgmma of N = 192 for S.  The kernels do not do this; d = 64 keeps the
-    tiles above."""
+    v3, v4 and v5 keep Br = 128 there.  v6 (fa_v6.cu, head_dim 64 only) takes the taller
+    query tile: a third consumer warpgroup (192 rows of 64), a block of 1 producer + 3
+    consumers (512 threads), setmaxnreg budgets that fit 64K registers for four warpgroups
+    (24 for the producer, 160 a consumer thread, where v5 takes 240), v5's ping-pong turned
+    into a round of three named barriers, a 192-row Q in SRAM.  Its Bc stays HOPPER_BLOCK_N
+    (128) causal or not: S and P of 192 keys beside O do not fit 160 registers with P in
+    registers, and 192 is no width of our wgmma wrappers; its stages are HOPPER_STAGES["v6"]."""
     if head_dim == HOPPER_WIDE_HEAD_DIM:
         wide_n, wide_stages = HOPPER_WIDE_TILES
         return block_n or wide_n, stages or wide_stages

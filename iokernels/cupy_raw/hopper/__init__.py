@@ -22,16 +22,22 @@ v5       fa_v5.cu           ping-pong: the two consumer warpgroups take turns on
                             P_{j-1} V_{j-1} is still being multiplied.  A consumer now holds two
                             tiles (K_j, V_{j-1}), so it takes three stages: with two, the tile it
                             frees is refilled only once it is already needed
+v6       fa_v6.cu           head_dim 64 only: three consumer warpgroups (Br = 192, 512 threads,
+                            160 registers a consumer thread) take turns on the tensor cores in a
+                            round of three named barriers, so each K/V tile in SRAM serves 1.5x
+                            the rows; one softmax with a run-time mask keeps a consumer in its
+                            registers.  Held back from the default until a GPU has measured it
 =======  =================  ===================================================================
 
 The default (``HopperConfig()``) is v5, the fastest on the H200 (benchmarks/results); the
-registry ranks v5 > v4 > v3, all above the portable versions (at the head dims its default
-picks them: 64 and 128).
+registry ranks v6 > v5 > v4 > v3, all above the portable versions (at the head dims its default
+picks them: 64 and 128), and its default skips v6 until it is measured
+(:data:`~iokernels.cupy_raw.policy.HELD_BACK`).
 
 Notation (the papers' names):
 
 =======  ===========================================================================
-Br, Bc   query rows a block owns (BLOCK_M = 128: two consumer warpgroups of 64 rows),
+Br, Bc   query rows a block owns (BLOCK_M = 128: two consumer warpgroups of 64 rows; v6: 192),
          keys a K/V tile holds (``HopperConfig.block_n``)
 Tr, Tc   ceil(Nq / Br) query tiles (the grid's x), the K/V tiles a block visits
 S, P     S_ij = Q_i K_j^T (float32 wgmma accumulators), P_ij = exp2(S_ij scale log2(e) - m)
@@ -65,7 +71,7 @@ checks          :func:`available`, the registry check
 tensor_maps     :func:`tensor_map` (cuTensorMapEncodeTiled)
 attention       the attention launch and its argument builder
 gemm            :func:`gemm` (hopper_gemm.cu)
-records         the records of v3, v4, v5
+records         the records of v3, v4, v5, v6
 oracle          :func:`oracle_check`, :func:`gemm_check` (on a GPU)
 fp8_forward     :func:`fp8_attention` (fa_fp8_v1.cu, fa_fp8_v2.cu): FP8 products, opt-in
 ==============  ============================================================
@@ -73,10 +79,10 @@ fp8_forward     :func:`fp8_attention` (fa_fp8_v1.cu, fa_fp8_v2.cu): FP8 products
 from ..launch import HOPPER_OPTIONS as NVRTC_OPTIONS  # noqa: F401
 from ..launch import HOPPER_SOURCES as SOURCES  # noqa: F401
 from ..launch import KERNEL_DIR, hopper_source as source  # noqa: F401
-from .config import (BLOCK_M, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES,  # noqa: F401
+from .config import (BLOCK_M, BLOCK_MS, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES,  # noqa: F401
                      FALLBACK_SMEM_OPTIN, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_GROUP_M, GEMM_STAGES, GEMM_THREADS,
-                     HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, SMEM_ALIGN, THREADS, VERSIONS,
-                     HopperConfig)
+                     HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, SMEM_ALIGN, THREADS, VERSION_HEAD_DIMS,
+                     VERSIONS, HopperConfig, head_dims)
 from .checks import available, check, default_check, require_available  # noqa: F401
 from .tensor_maps import tensor_map  # noqa: F401
 from .attention import attention, attention_args, launch_attention  # noqa: F401

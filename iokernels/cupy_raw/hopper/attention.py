@@ -1,4 +1,4 @@
-"""The Hopper attention launch (fa_v3.cu .. fa_v5.cu) and its argument builder."""
+"""The Hopper attention launch (fa_v3.cu .. fa_v6.cu) and its argument builder."""
 from __future__ import annotations
 
 import math
@@ -71,21 +71,23 @@ def launch_attention(q, k, v, o, lse, *, dtype, scale, window, config):
     od, ld = device_array(o, dtype), device_array(lse, "float32")
     left, right = window
     # causal / right-bounded: later query tiles see more keys; start those first
-    heavy_first = right >= 0 and Nq > BLOCK_M
+    block_m = cfg.block_m()
+    heavy_first = right >= 0 and Nq > block_m
     rec = REGISTRY.get("attention", cfg.version)
     smem = cfg.smem_bytes(d)
     fn = function(rec.file, rec.kernel, cfg.defines(d, dtype), smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
     args = rec.args(qd, kd, vd, od, ld, dtype=dtype, block_n=cfg.block_n, scale=scale, window=window,
-                    heavy_first=heavy_first)
-    grid = (-(-Nq // BLOCK_M), Hq, B)
+                    heavy_first=heavy_first, block_m=block_m)
+    grid = (-(-Nq // block_m), Hq, B)
     fn(grid, (THREADS[cfg.version],), args, shared_mem=smem)
 
 
-def attention_args(qd, kd, vd, od, ld, *, dtype, block_n, scale, window, heavy_first) -> tuple:
-    """fa_v3.cu .. fa_v5.cu: the tensor maps of Q, K, V, the outputs, sizes, the scale in log2
-    units, the window, whether the heavy (later) query tiles start first."""
+def attention_args(qd, kd, vd, od, ld, *, dtype, block_n, scale, window, heavy_first, block_m=BLOCK_M) -> tuple:
+    """fa_v3.cu .. fa_v6.cu: the tensor maps of Q (boxes of ``block_m`` rows: the version's Br), K, V,
+    the outputs, sizes, the scale in log2 units, the window, whether the heavy (later) query tiles
+    start first."""
     (_, Hq, Nq, _), (_, Hkv, Nk, _) = qd.shape, kd.shape
-    maps = (_qkv_map(qd, dtype, BLOCK_M), _qkv_map(kd, dtype, block_n), _qkv_map(vd, dtype, block_n))
+    maps = (_qkv_map(qd, dtype, block_m), _qkv_map(kd, dtype, block_n), _qkv_map(vd, dtype, block_n))
     i32 = np.int32
     return (*maps, od.arg, ld.arg, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
             np.float32(scale * math.log2(math.e)), i32(window[0]), i32(window[1]), i32(heavy_first))

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from ..launch import cupy_ok, device_info
-from ..policy import hopper_default_at
-from .config import DTYPES, HEAD_DIMS, HOPPER_CC
+from ..policy import held_back, hopper_default_at
+from .config import DTYPES, HEAD_DIMS, HOPPER_CC, head_dims
 
 
 def available() -> str | None:
@@ -41,6 +41,28 @@ def check(need) -> str | None:
     if need.head_dim not in HEAD_DIMS:
         return f"takes head_dim in {HEAD_DIMS}, not {need.head_dim}"
     return available()
+
+
+def check_for(version: str):
+    """The registry check of ``version``: :func:`check`, after the head dims it takes
+    (:func:`~iokernels.cupy_raw.hopper.config.head_dims`: v6 at head_dim 64 only)."""
+    dims = head_dims(version)
+    if dims == HEAD_DIMS:
+        return check
+
+    def check_version(need) -> str | None:
+        if need.head_dim not in dims:
+            return (f"takes head_dim {' or '.join(map(str, dims))} only (three consumer warpgroups leave 160 "
+                    f"registers a thread, room for O, S and P only there), not {need.head_dim}")
+        return check(need)
+    return check_version
+
+
+def default_check_for(version: str):
+    """The ``default_check`` of ``version``: :func:`default_check`, then whether the version is
+    held back from the default until measured (:data:`~iokernels.cupy_raw.policy.HELD_BACK`,
+    asked on every call)."""
+    return lambda need: default_check(need) or held_back("attention", version)
 
 
 def default_check(need) -> str | None:

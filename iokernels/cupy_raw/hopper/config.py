@@ -8,7 +8,7 @@ from ..config_checks import check_version
 from ..launch import DTYPE_IDS
 from ..policy import HOPPER_WIDE_HEAD_DIM, hopper_tiles
 
-VERSIONS = ("v3", "v4", "v5")
+VERSIONS = ("v3", "v4", "v5", "v6")
 DTYPES = ("float16", "bfloat16")
 #: head dims the kernels are built for; at 256 the registry's default does not pick them yet
 #: (:func:`~iokernels.cupy_raw.policy.hopper_default_at`): a config names the version
@@ -23,8 +23,15 @@ SMEM_ALIGN = 1024
 MBARRIER_BYTES = 8
 #: attention: query rows a block owns: two consumer warpgroups of 64 rows (v5's ping-pong pair)
 BLOCK_M = 128
-#: threads: v3 has only the two computing warpgroups; v4, v5 add a producer warpgroup
-THREADS = {"v3": 256, "v4": 384, "v5": 384}
+#: ... by version: v6 has three consumer warpgroups (192 rows), at head_dim 64 only
+BLOCK_MS = {"v3": BLOCK_M, "v4": BLOCK_M, "v5": BLOCK_M, "v6": 192}
+#: threads: v3 has only the two computing warpgroups; v4, v5 add a producer warpgroup; v6 is
+#: 1 producer + 3 consumers
+THREADS = {"v3": 256, "v4": 384, "v5": 384, "v6": 512}
+#: the head dims a version takes where it does not take all of HEAD_DIMS: v6's three consumer
+#: warpgroups have 160 registers a thread (setmaxnreg: 128 x 24 + 384 x 160 of the SM's 65536),
+#: room for O, S and P of 64 x 128 tiles only at head_dim 64
+VERSION_HEAD_DIMS = {"v6": (64,)}
 BLOCK_N_CHOICES = (64, 128)
 #: at head_dim 256 only Bc = 64: O (64 x 256) is 128 float32 registers a consumer thread, and S, P
 #: of 128 keys beside it spill (hopper_attention.cuh refuses BLOCK_N 128 there)
@@ -54,15 +61,16 @@ def check_tile_fields(cfg, min_stages: int = 1, why: str = "") -> None:
 class HopperConfig:
     """Tile settings of the Hopper attention kernels.
 
-    version: "v3", "v4", "v5" or None (the default: :data:`DEFAULT_VERSION`).
+    version: "v3", "v4", "v5", "v6" or None (the default: :data:`DEFAULT_VERSION`).
     block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256); None: the head
     dim's default, :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; 64 at head_dim 256).
-    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 at least 2; None: the version's
+    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 and v6 at least 2; None: the version's
     default at the head dim, :func:`~iokernels.cupy_raw.policy.hopper_tiles`; 2 at head_dim 256,
     where Q alone is 64 KB and a third stage does not fit).
-    pingpong: v5 only; False keeps v5's overlap inside a warpgroup but lets the two consumer
+    pingpong: v5 and v6; False keeps the overlap inside a warpgroup but lets the consumer
     warpgroups issue their products whenever they are ready (to measure what ping-pong adds).
-    The query tile is fixed at BLOCK_M = 128 rows (two consumer warpgroups).  Head dims:
+    The query tile is BLOCK_M = 128 rows (two consumer warpgroups); v6's is 192 (three, at
+    head_dim 64 only: :data:`VERSION_HEAD_DIMS`, :meth:`block_m`).  Head dims:
     :data:`HEAD_DIMS` (64, 128, 256); the tiles depend on the head dim, so :meth:`resolve` takes it.
     At head_dim 256 the kernels run when a config names the version; the registry's default
     picks them only at the head dims :func:`~iokernels.cupy_raw.policy.hopper_default_at` allows.
@@ -83,12 +91,21 @@ class HopperConfig:
     def resolve(self, head_dim: int) -> "HopperConfig":
         """Every None filled with its default at ``head_dim``."""
         version = self.version or DEFAULT_VERSION
+        dims = head_dims(version)
+        if head_dim not in dims:
+            raise ValueError(f"config.version: {version} takes head_dim {' or '.join(map(str, dims))} only "
+                             f"(three consumer warpgroups leave 160 registers a thread, room for O, S and P "
+                             f"of 64 x 128 tiles only there), got head_dim {head_dim}")
         return HopperConfig(version, *hopper_tiles(version, head_dim, self.block_n, self.stages), self.pingpong)
+
+    def block_m(self) -> int:
+        """Br: the query rows a block of this version owns (:data:`BLOCK_MS`)."""
+        return BLOCK_MS[self.version or DEFAULT_VERSION]
 
     def smem_bytes(self, head_dim: int) -> int:
         """Dynamic SRAM a block asks for: Q_i, stages x (K_j + V_j), the mbarriers, alignment slack."""
         c = self.resolve(head_dim)
-        tiles = 2 * head_dim * (BLOCK_M + 2 * c.stages * c.block_n)
+        tiles = 2 * head_dim * (c.block_m() + 2 * c.stages * c.block_n)
         return tiles + MBARRIER_BYTES * (1 + 3 * c.stages) + SMEM_ALIGN
 
     def check_fits(self, head_dim: int, smem_optin: int) -> None:
@@ -99,8 +116,9 @@ class HopperConfig:
             raise ValueError(f"config.block_n: at head_dim {head_dim} the Hopper kernels take Bc in "
                              f"{WIDE_BLOCK_N_CHOICES} (O is 128 registers a thread; S and P of {c.block_n} "
                              f"keys beside it spill), got {c.block_n}")
-        if c.version == "v5" and c.stages < 2:
-            raise ValueError("config.stages: v5 uses K_j and V_{j-1} together, so it needs at least 2 stages")
+        if c.version in ("v5", "v6") and c.stages < 2:
+            raise ValueError(f"config.stages: {c.version} uses K_j and V_{{j-1}} together, so it needs at least "
+                             f"2 stages")
         need = self.smem_bytes(head_dim)
         if need > smem_optin:
             raise ValueError(f"config.stages: {c.stages} stages of Bc = {c.block_n} "
@@ -108,12 +126,17 @@ class HopperConfig:
 
     def defines(self, head_dim: int, dtype: str) -> dict:
         c = self.resolve(head_dim)
-        out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=c.block_n,
+        out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BLOCK_M=c.block_m(), BLOCK_N=c.block_n,
                    STAGES=c.stages)
-        if c.version == "v5":
+        if c.version in ("v5", "v6"):
             out["PINGPONG"] = int(c.pingpong)
         return out
 
 
 #: what HopperConfig() runs: the fastest version measured on the H200 (benchmarks)
 DEFAULT_VERSION = "v5"
+
+
+def head_dims(version: str) -> tuple[int, ...]:
+    """The head dims ``version`` takes: :data:`VERSION_HEAD_DIMS`, else all of :data:`HEAD_DIMS`."""
+    return VERSION_HEAD_DIMS.get(version, HEAD_DIMS)

@@ -1,11 +1,12 @@
-"""The records of the Hopper attention versions (fa_v3.cu .. fa_v5.cu)."""
+"""The records of the Hopper attention versions (fa_v3.cu .. fa_v6.cu)."""
 from __future__ import annotations
 
 from ...core.records import Record
 from ..launch import HOPPER_OPTIONS
+from ..policy import held_back_note
 from ..registry import REGISTRY
 from .attention import attention, attention_args
-from .checks import check, default_check
+from .checks import check_for, default_check_for
 from .config import HopperConfig
 
 
@@ -16,14 +17,18 @@ def run_attention(q, k, v, *, causal, scale, window, config):
 
 def _record(version, rank, summary):
     return Record("cupy", "attention", version, f"fa_{version}.cu", f"fa_{version}", HopperConfig, run_attention,
-                  summary, check, rank, attention_args, dict(options=HOPPER_OPTIONS), default_check)
+                  summary + held_back_note("attention", version), check_for(version), rank, attention_args,
+                  dict(options=HOPPER_OPTIONS), default_check_for(version))
 
 
 #: ranked above every portable attention version (so on Hopper the default is the best of
-#: these where checks.default_check lets it pick them), v5 > v4 > v3
+#: these where checks.default_check lets it pick them), v6 > v5 > v4 > v3; v6 runs at head_dim 64
+#: only, and is held back from the default until measured (policy.HELD_BACK)
 RECORDS = (
     _record("v3", 100, "Hopper: wgmma from SRAM, TMA tile loads, an mbarrier a stage"),
     _record("v4", 110, "Hopper: v3 + a producer warpgroup (warp specialization), setmaxnreg"),
     _record("v5", 120, "Hopper: v4 + ping-pong between consumer warpgroups, softmax overlapped with P V"),
+    _record("v6", 130, "Hopper, head_dim 64: v5 with three consumer warpgroups (a 192-row query tile) taking "
+                       "turns on the tensor cores"),
 )
 REGISTRY.add(*RECORDS)
