@@ -221,46 +221,39 @@ def check_backward_v2(n: Need) -> str | None:
 CC_HOPPER = 90
 
 
-def check_backward_v3(n: Need) -> str | None:
-    """The Hopper backward (bwd_v3.cu): a GPU of compute capability 9.0, float16/bfloat16 at
-    head_dim 64 or 128, its SRAM, and what the Hopper kernels need here (cuda-python's driver
-    bindings for the TMA maps)."""
+def _hopper_backward_limits(n: Need, dtypes, head_dims, registers: str, least) -> str | None:
+    """What both Hopper backwards need: a GPU (not the simulator) of compute capability 9.0,
+    ``dtypes`` at ``head_dims`` (``registers`` says why), ``least()`` bytes of SRAM a block, and
+    what the Hopper kernels need here (cuda-python's driver bindings for the TMA maps)."""
     if n.simulator:
         return "runs on a GPU only (not the simulator)"
-    if n.dtype not in C.BWD_V3_DTYPES:
+    if n.dtype not in dtypes:
         return f"the Hopper backward for float16/bfloat16, got {n.dtype}"
-    if n.head_dim not in C.BWD_V3_HEAD_DIMS:
-        return (f"takes head_dim 64 or 128 (dK_j, dV_j in one warpgroup's registers, 64-column TMA panels), "
-                f"got {n.head_dim}")
+    if n.head_dim not in head_dims:
+        return f"takes head_dim 64 or 128 ({registers}, 64-column TMA panels), got {n.head_dim}"
     if n.cc is not None and n.cc != CC_HOPPER:
         return f"needs compute capability 9.0 (Hopper: wgmma, TMA, sm_90a); this GPU is {n.cc / 10:.1f}"
-    smem = n.extra.get("smem")
-    least = C.BackwardConfig.smem_bytes(C.BWD_V3_BLOCK, C.BWD_V3_BLOCK, n.head_dim, n.dtype, "v3")
-    if smem is not None and least > smem:
-        return f"needs {least:,} B of shared memory a block at head_dim={n.head_dim}; this GPU allows {smem:,} B"
+    smem, need_smem = n.extra.get("smem"), least()
+    if smem is not None and need_smem > smem:
+        return f"needs {need_smem:,} B of shared memory a block at head_dim={n.head_dim}; this GPU allows {smem:,} B"
     from .hopper.checks import available       # here: hopper imports this module
     return available()
+
+
+def check_backward_v3(n: Need) -> str | None:
+    """The Hopper backward (bwd_v3.cu): :func:`_hopper_backward_limits` with one consumer
+    warpgroup's SRAM (Bc = Br = 64)."""
+    return _hopper_backward_limits(
+        n, C.BWD_V3_DTYPES, C.BWD_V3_HEAD_DIMS, "dK_j, dV_j in one warpgroup's registers",
+        lambda: C.BackwardConfig.smem_bytes(C.BWD_V3_BLOCK, C.BWD_V3_BLOCK, n.head_dim, n.dtype, "v3"))
 
 
 def check_backward_v4(n: Need) -> str | None:
-    """bwd_v4.cu: v3's limits (a GPU of compute capability 9.0, float16/bfloat16 at head_dim 64
-    or 128, cuda-python's driver bindings for the TMA maps) and its own SRAM (Bc = 128)."""
-    if n.simulator:
-        return "runs on a GPU only (not the simulator)"
-    if n.dtype not in C.BWD_V4_DTYPES:
-        return f"the Hopper backward for float16/bfloat16, got {n.dtype}"
-    if n.head_dim not in C.BWD_V4_HEAD_DIMS:
-        return (f"takes head_dim 64 or 128 (dK_j, dV_j in each consumer warpgroup's registers, 64-column TMA "
-                f"panels), got {n.head_dim}")
-    if n.cc is not None and n.cc != CC_HOPPER:
-        return f"needs compute capability 9.0 (Hopper: wgmma, TMA, sm_90a); this GPU is {n.cc / 10:.1f}"
-    smem = n.extra.get("smem")
-    least = C.BackwardConfig.smem_bytes(C.BWD_V4_BLOCK_Q, C.BWD_V4_BLOCK_K, n.head_dim, n.dtype, "v4",
-                                        C.BWD_V4_STAGES)
-    if smem is not None and least > smem:
-        return f"needs {least:,} B of shared memory a block at head_dim={n.head_dim}; this GPU allows {smem:,} B"
-    from .hopper.checks import available       # here: hopper imports this module
-    return available()
+    """bwd_v4.cu: :func:`_hopper_backward_limits` with its own SRAM (Bc = 128, the default ring)."""
+    return _hopper_backward_limits(
+        n, C.BWD_V4_DTYPES, C.BWD_V4_HEAD_DIMS, "dK_j, dV_j in each consumer warpgroup's registers",
+        lambda: C.BackwardConfig.smem_bytes(C.BWD_V4_BLOCK_Q, C.BWD_V4_BLOCK_K, n.head_dim, n.dtype, "v4",
+                                            C.BWD_V4_STAGES))
 
 
 def check_paged_prefill_v1(n: Need) -> str | None:
