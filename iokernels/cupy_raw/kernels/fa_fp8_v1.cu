@@ -69,44 +69,7 @@
 //: registers a thread after setmaxnreg (fa_v4's split: the producer needs a few dozen)
 #define PRODUCER_REGS 24
 #define CONSUMER_REGS 240
-//: bytes of one FP8 tile: Q_i (Br x d), K_j (Bc x d), V_j^T (d x Bc), one byte an element
-#define Q_TILE_BYTES (BLOCK_M * HEAD_DIM)
-#define KV_TILE_BYTES (BLOCK_N * HEAD_DIM)
-//: a 128-byte row; a wgmma k-step (32 e4m3) is 32 bytes of it
-#define ROW_BYTES 128
-#define K_STEP_BYTES 32
-
-typedef unsigned char u8;
-
-struct Fp8Smem {
-    u8 *q, *k, *v;
-    u64 *q_full, *k_full, *v_full, *empty;
-};
-__device__ __forceinline__ Fp8Smem carve_smem(unsigned char* raw) {
-    Fp8Smem sm;
-    sm.q = (u8*)(((size_t)raw + SWIZZLE_ATOM_BYTES - 1) & ~(size_t)(SWIZZLE_ATOM_BYTES - 1));
-    sm.k = sm.q + Q_TILE_BYTES;
-    sm.v = sm.k + STAGES * KV_TILE_BYTES;
-    sm.q_full = (u64*)(sm.v + STAGES * KV_TILE_BYTES);
-    sm.k_full = sm.q_full + 1;
-    sm.v_full = sm.k_full + STAGES;
-    sm.empty = sm.v_full + STAGES;
-    return sm;
-}
-
-// S = Q K_j^T for a warpgroup's 64 rows: both K-major, one panel; 4 k-steps of 32 codes
-__device__ __forceinline__ void issue_qk_e4m3(float (&s)[64], const u8* q_slab, const u8* k_tile) {
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 32; ++kk)
-        wgmma_ss_e4m3_n128(s, smem_desc_k_major(q_slab + kk * K_STEP_BYTES),
-                           smem_desc_k_major(k_tile + kk * K_STEP_BYTES), kk > 0);
-}
-// O += P V_j: P from registers, V_j^T (d rows of Bc keys) K-major; 4 k-steps of 32 keys
-__device__ __forceinline__ void issue_pv_e4m3(float (&o)[64], const u32 (&pa)[4][4], const u8* vt_tile) {
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 32; ++kk)
-        wgmma_rs_e4m3_n128(o, pa[kk], smem_desc_k_major(vt_tile + kk * K_STEP_BYTES));
-}
+// the tiles in SRAM and the two products: hopper_fp8.cuh
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 fa_fp8_v1(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k,
@@ -115,7 +78,7 @@ fa_fp8_v1(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap m
           float* __restrict__ lse_out, int nq, int nk, int heads_q, int heads_kv, float scale_log2, int left,
           int right, int heavy_first) {
     extern __shared__ unsigned char smem_raw[];
-    const Fp8Smem sm = carve_smem(smem_raw);
+    const Fp8Smem sm = carve_fp8_smem(smem_raw);
     const AttnShape p = {nq, nk, heads_q, heads_kv, scale_log2, left, right};
     const BlockWork w = block_work(p, heavy_first);
     const int wg = threadIdx.x / 128;          // 0: producer; 1..CONSUMERS: consumers

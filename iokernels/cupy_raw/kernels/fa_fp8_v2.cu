@@ -75,45 +75,7 @@
 //: (bar 0 is __syncthreads); each opens when both consumer warpgroups (256 threads) reached it
 #define SCHED_BAR 1
 #define SCHED_THREADS 256
-//: bytes of one FP8 tile: Q_i (Br x d), K_j (Bc x d), V_j^T (d x Bc), one byte an element
-#define Q_TILE_BYTES (BLOCK_M * HEAD_DIM)
-#define KV_TILE_BYTES (BLOCK_N * HEAD_DIM)
-//: a 128-byte row; a wgmma k-step (32 e4m3) is 32 bytes of it
-#define ROW_BYTES 128
-#define K_STEP_BYTES 32
-
-typedef unsigned char u8;
-
-// v1's SRAM layout: Q_i, STAGES x K_j, STAGES x V_j^T, then q_full, k_full[], v_full[], empty[]
-struct Fp8Smem {
-    u8 *q, *k, *v;
-    u64 *q_full, *k_full, *v_full, *empty;
-};
-__device__ __forceinline__ Fp8Smem carve_smem(unsigned char* raw) {
-    Fp8Smem sm;
-    sm.q = (u8*)(((size_t)raw + SWIZZLE_ATOM_BYTES - 1) & ~(size_t)(SWIZZLE_ATOM_BYTES - 1));
-    sm.k = sm.q + Q_TILE_BYTES;
-    sm.v = sm.k + STAGES * KV_TILE_BYTES;
-    sm.q_full = (u64*)(sm.v + STAGES * KV_TILE_BYTES);
-    sm.k_full = sm.q_full + 1;
-    sm.v_full = sm.k_full + STAGES;
-    sm.empty = sm.v_full + STAGES;
-    return sm;
-}
-
-// S = Q K_j^T for a warpgroup's 64 rows: both K-major, one panel; 4 k-steps of 32 codes
-__device__ __forceinline__ void issue_qk_e4m3(float (&s)[64], const u8* q_slab, const u8* k_tile) {
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 32; ++kk)
-        wgmma_ss_e4m3_n128(s, smem_desc_k_major(q_slab + kk * K_STEP_BYTES),
-                           smem_desc_k_major(k_tile + kk * K_STEP_BYTES), kk > 0);
-}
-// O += P V_j: P from registers, V_j^T (d rows of Bc keys) K-major; 4 k-steps of 32 keys
-__device__ __forceinline__ void issue_pv_e4m3(float (&o)[64], const u32 (&pa)[4][4], const u8* vt_tile) {
-#pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 32; ++kk)
-        wgmma_rs_e4m3_n128(o, pa[kk], smem_desc_k_major(vt_tile + kk * K_STEP_BYTES));
-}
+// the tiles in SRAM (v1's layout) and the two products: hopper_fp8.cuh
 // the online softmax of S_j with the tile's factor (scale * log2(e) * s_Q * s_K(j)), masked only
 // where tile j holds a key some row of the block must not see
 __device__ __forceinline__ void softmax_tile(float (&s)[64], RowState& st, float (&alpha)[2], const AttnShape& p,
@@ -131,7 +93,7 @@ fa_fp8_v2(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap m
           float* __restrict__ lse_out, int nq, int nk, int heads_q, int heads_kv, float scale_log2, int left,
           int right, int heavy_first) {
     extern __shared__ unsigned char smem_raw[];
-    const Fp8Smem sm = carve_smem(smem_raw);
+    const Fp8Smem sm = carve_fp8_smem(smem_raw);
     const AttnShape p = {nq, nk, heads_q, heads_kv, scale_log2, left, right};
     const BlockWork w = block_work(p, heavy_first);
     const int wg = threadIdx.x / 128;          // 0: producer; 1, 2: consumers

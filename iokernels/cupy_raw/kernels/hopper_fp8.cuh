@@ -124,3 +124,44 @@ __device__ __forceinline__ int vt_position(int k) {
     return 16 * h + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1);
 }
 
+// ============================================================================= the forward's tiles
+// (both FP8 forwards, fa_fp8_v1.cu and fa_fp8_v2.cu: BLOCK_M, BLOCK_N, HEAD_DIM, STAGES from -D)
+//: bytes of one FP8 tile: Q_i (Br x d), K_j (Bc x d), V_j^T (d x Bc), one byte an element
+#define Q_TILE_BYTES (BLOCK_M * HEAD_DIM)
+#define KV_TILE_BYTES (BLOCK_N * HEAD_DIM)
+//: a 128-byte row; a wgmma k-step (32 e4m3) is 32 bytes of it
+#define ROW_BYTES 128
+#define K_STEP_BYTES 32
+
+typedef unsigned char u8;
+
+// SRAM: Q_i, STAGES x K_j, STAGES x V_j^T, then q_full, k_full[], v_full[], empty[]
+struct Fp8Smem {
+    u8 *q, *k, *v;
+    u64 *q_full, *k_full, *v_full, *empty;
+};
+__device__ __forceinline__ Fp8Smem carve_fp8_smem(unsigned char* raw) {
+    Fp8Smem sm;
+    sm.q = (u8*)(((size_t)raw + SWIZZLE_ATOM_BYTES - 1) & ~(size_t)(SWIZZLE_ATOM_BYTES - 1));
+    sm.k = sm.q + Q_TILE_BYTES;
+    sm.v = sm.k + STAGES * KV_TILE_BYTES;
+    sm.q_full = (u64*)(sm.v + STAGES * KV_TILE_BYTES);
+    sm.k_full = sm.q_full + 1;
+    sm.v_full = sm.k_full + STAGES;
+    sm.empty = sm.v_full + STAGES;
+    return sm;
+}
+
+// S = Q K_j^T for a warpgroup's 64 rows: both K-major, one panel; 4 k-steps of 32 codes
+__device__ __forceinline__ void issue_qk_e4m3(float (&s)[64], const u8* q_slab, const u8* k_tile) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 32; ++kk)
+        wgmma_ss_e4m3_n128(s, smem_desc_k_major(q_slab + kk * K_STEP_BYTES),
+                           smem_desc_k_major(k_tile + kk * K_STEP_BYTES), kk > 0);
+}
+// O += P V_j: P from registers, V_j^T (d rows of Bc keys) K-major; 4 k-steps of 32 keys
+__device__ __forceinline__ void issue_pv_e4m3(float (&o)[64], const u32 (&pa)[4][4], const u8* vt_tile) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 32; ++kk)
+        wgmma_rs_e4m3_n128(o, pa[kk], smem_desc_k_major(vt_tile + kk * K_STEP_BYTES));
+}
