@@ -56,6 +56,15 @@ FORWARD_TILES = (
     (128, 32, 4, 4),
     (64, 32, 4, 4),
 )
+#: ... and for float32 inputs, whose IEEE tl.dot is unrolled into CUDA-core multiply-adds: the
+#: compile time grows with the tile (ptxas takes several times longer on the 128-row tiles above
+#: than on these, and the autotuner compiles every tile of its list once per problem class), and
+#: 128-row float32 tiles take nearly all of a multiprocessor's shared memory; smaller tiles only
+FORWARD_TILES_F32 = (
+    (64, 64, 4, 2),
+    (64, 32, 4, 2),
+    (32, 64, 4, 2),
+)
 #: the one tile v2 runs under the interpreter (small: every program is NumPy work)
 INTERPRET_TILE = (16, 16, 4, 1)
 #: decode: keys per tile (a smaller tile leaves shared memory for more programs per
@@ -109,8 +118,9 @@ def check_head_dim(head_dim: int) -> str | None:
 class ForwardConfig:
     """The Triton forward's launch: version "v1" or "v2" (None: the default, v2); block_q (Br),
     block_k (Bc), num_warps, num_stages: None for the version's choice (v1: :data:`V1_TILE`;
-    v2: autotuned over :data:`FORWARD_TILES` on a GPU, :data:`INTERPRET_TILE` under the
-    interpreter).  Naming block_q and block_k fixes the tile (no autotuning)."""
+    v2: autotuned over :data:`FORWARD_TILES` on a GPU (:data:`FORWARD_TILES_F32` for float32
+    inputs), :data:`INTERPRET_TILE` under the interpreter).  Naming block_q and block_k fixes
+    the tile (no autotuning)."""
 
     version: str | None = None
     block_q: int | None = None

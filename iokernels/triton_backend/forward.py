@@ -63,7 +63,7 @@ def tune_bucket(nq: int, nk: int) -> int:
 def attention_v2(q, k, v, *, causal=False, scale=None, window=None, config=None):
     """Forward v2 (:mod:`.forward_v2`): (O, LSE); the tile autotuned on a GPU unless the config names one."""
     ln.prepare()
-    from .forward_v2 import fwd_v2, fwd_v2_tuned
+    from .forward_v2 import fwd_v2, fwd_v2_tuned, fwd_v2_tuned_f32
     cfg = config or ForwardConfig(version="v2")
     numpy_caller, tensors, sizes, band, dtype = _problem(q, k, v, causal, window)
     B, Hq, Hkv, Nq, Nk, d = sizes
@@ -73,7 +73,8 @@ def attention_v2(q, k, v, *, causal=False, scale=None, window=None, config=None)
         args = (*_args(tensors, sizes, band, scale), tune_bucket(Nq, Nk), int(band != (-1, -1)))
         meta = dict(BLOCK_D=padded_head_dim(d), EVEN_D=padded_head_dim(d) == d, F32=f32_dot(dtype))
         if tile is None:
-            fwd_v2_tuned[lambda m: (-(-Nq // m["BLOCK_Q"]), B * Hq)](*args, **meta)
+            tuned = fwd_v2_tuned_f32 if meta["F32"] else fwd_v2_tuned
+            tuned[lambda m: (-(-Nq // m["BLOCK_Q"]), B * Hq)](*args, **meta)
         else:
             bq, bk, warps, stages = tile
             fwd_v2[(-(-Nq // bq), B * Hq)](*args, BLOCK_Q=bq, BLOCK_K=bk, num_warps=warps, num_stages=stages,

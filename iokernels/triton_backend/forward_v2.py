@@ -20,7 +20,7 @@ triton-lang/triton; code), generalised to windows and to Nq != Nk.
 
 An off-band tile cannot cross the end of the sequence either, so its loads carry no bounds
 check (only the head dim's padding, when the head dim is not a power of two).  The tile
-sizes are data: :data:`.config.FORWARD_TILES`,
+sizes are data: :data:`.config.FORWARD_TILES` (:data:`.config.FORWARD_TILES_F32` for float32),
 timed by ``triton.autotune`` on a GPU once per problem class (head dim, dtype, mask, length
 bucket), and a single fixed tile under the interpreter.
 """
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import tiles
-from .config import FORWARD_TILES
+from .config import FORWARD_TILES, FORWARD_TILES_F32
 from .tiles import mm
 
 LN2 = tl.constexpr(tiles.LN2)
@@ -123,7 +123,13 @@ def fwd_v2(Q, K, V, O, LSE,
 
 #: fwd_v2 timed over the tile list on a GPU; the autotuner's key is the problem class:
 #: the length bucket TUNE_N, whether a band applies (BANDED), the padded head dim, and the dtypes
-fwd_v2_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_Q": bq, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-             for bq, bk, w, s in FORWARD_TILES],
-    key=["TUNE_N", "BANDED", "BLOCK_D"])(fwd_v2)
+def _tuned(tile_list):
+    return triton.autotune(
+        configs=[triton.Config({"BLOCK_Q": bq, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+                 for bq, bk, w, s in tile_list],
+        key=["TUNE_N", "BANDED", "BLOCK_D"])(fwd_v2)
+
+
+fwd_v2_tuned = _tuned(FORWARD_TILES)
+#: ... for float32 inputs (F32: CUDA-core products), over the smaller tiles
+fwd_v2_tuned_f32 = _tuned(FORWARD_TILES_F32)

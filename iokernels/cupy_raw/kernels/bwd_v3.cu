@@ -113,11 +113,10 @@
 #define KK_STEPS (BLOCK_N / 16)              // ... over the Bc keys (dQ)
 #define DS_TILE_BYTES (BLOCK_N * BLOCK_M * ELEM_BYTES)   // dS^T: Bc rows of Br = 64 (one panel)
 #define DS_BUFS 2                            // dS^T double-buffered: step i + 1 writes while i's dQ reads
-//: the consumer warpgroup's named barrier (0 is __syncthreads), its threads, and its warps (each
-//: arrives once on a stage's "empty" barrier)
+//: the consumer warpgroup's named barrier (0 is __syncthreads) and its threads (each arrives once
+//: on a stage's "empty" barrier)
 #define CONSUMER_BAR 1
 #define CONSUMER_THREADS 128
-#define CONSUMER_WARPS 4
 //: q_full completes on the copy thread's expect_tx arrival plus one arrival from each lane of
 //: the warp that stores LSE_i, D_i
 #define Q_FULL_ARRIVALS (1 + 32)
@@ -267,7 +266,7 @@ bwd_v3_main(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap
         mbar_init(sm.kv_full, 1);
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sm.q_full[s], Q_FULL_ARRIVALS);
-            mbar_init(&sm.empty[s], CONSUMER_WARPS); // one arrival a consumer warp
+            mbar_init(&sm.empty[s], CONSUMER_THREADS); // one arrival a consumer thread
         }
         mbar_fence_init();
     }
@@ -379,7 +378,11 @@ bwd_v3_main(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap
         // dQ's 64 x d accumulator never shares the registers with them (at d = 128 it would
         // not fit beside dK_j, dV_j without spilling); Q_i, dO_i, LSE_i, D_i are no longer read
         wgmma_wait<0>();
-        if (lane == 0) mbar_arrive(&sm.empty[s]);   // stage s may be refilled
+        // this thread is done with stage s: every consumer thread arrives, so each one's reads
+        // of LSE_i, D_i (p_ds_fragments) are released by its own arrival before the producer
+        // overwrites them with ordinary stores (compute-sanitizer's racecheck reported those
+        // reads racing with the next stores when one lane a warp arrived after the named barrier)
+        mbar_arrive(&sm.empty[s]);
 
         // dQ_i = dS_ij K_j (SRAM x SRAM: dS MN-major through the transpose-A bit, K_j MN-major)
         float dq[D_REGS];
