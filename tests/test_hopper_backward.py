@@ -287,11 +287,12 @@ def test_sanitizer_runs(version):
         VERSIONS[version]["sanitized_stages"]
 
 
-def test_v3_is_the_default_on_hopper(hopper_here):
+def test_v3_is_the_default_below_v4(hopper_here, monkeypatch):
     """Measured (its GPU tests passed, and the benchmark recorded it faster than v2 on Hopper),
-    v3 is out of policy.HELD_BACK: the default on Hopper for every dtype and head dim it runs,
-    v2 elsewhere; ``deterministic`` travels with the choice."""
+    v3 is out of policy.HELD_BACK: with v4 held back it is the default on Hopper for every dtype
+    and head dim it runs, v2 elsewhere; ``deterministic`` travels with the choice."""
     assert ("attention_backward", "v3") not in policy.HELD_BACK
+    monkeypatch.setitem(policy.HELD_BACK, ("attention_backward", "v4"), "a test holds it back")
     v3 = REGISTRY.get("attention_backward", "v3")
     assert v3.rank > REGISTRY.get("attention_backward", "v2").rank
     for dtype in DTYPES:
@@ -306,48 +307,49 @@ def test_v3_is_the_default_on_hopper(hopper_here):
 
 
 def test_held_back_again_the_default_is_v2(hopper_here, monkeypatch):
-    """The gate is one table: put v3 back in policy.HELD_BACK and the default is v2 again."""
-    monkeypatch.setitem(policy.HELD_BACK, ("attention_backward", "v3"), "a test holds it back")
+    """The gate is one table: put v3 and v4 back in policy.HELD_BACK and the default is v2 again."""
+    for version in ("v3", "v4"):
+        monkeypatch.setitem(policy.HELD_BACK, ("attention_backward", version), "a test holds it back")
     v3 = REGISTRY.get("attention_backward", "v3")
     assert v3.not_default(_need()).startswith("not the default until measured")
     assert REGISTRY.resolve("attention_backward", None, _need())[0].version == "v2"
 
 
-def test_v4_is_held_back_v3_stays_the_default(hopper_here):
-    """bwd_v4 is registered above v3 (rank 40) but held back in policy.HELD_BACK until a GPU has
-    measured it: on Hopper the default stays v3, and the version tables say it is held back."""
-    assert policy.HELD_BACK[("attention_backward", "v4")] == \
-        "its GPU tests, a clean racecheck and a benchmark record faster than bwd_v3 on Hopper"
+def test_v4_is_the_default_on_hopper(hopper_here):
+    """bwd_v4 is registered above v3 (rank 40) and out of policy.HELD_BACK: on Hopper it is the
+    default at every dtype and head dim it takes, deterministic or not; v2 elsewhere."""
+    assert ("attention_backward", "v4") not in policy.HELD_BACK
     v4 = REGISTRY.get("attention_backward", "v4")
     assert v4.rank == 40 > REGISTRY.get("attention_backward", "v3").rank
     assert v4.file == "bwd_v4.cu" and v4.kernel == "bwd_v4_main"
-    assert v4.summary.endswith("(held back from the default until measured)")
+    assert "held back" not in v4.summary
     for dtype in DTYPES:
         for d in BWD_V4_HEAD_DIMS:
-            assert v4.unavailable(_need(dtype, d)) is None
-            assert v4.not_default(_need(dtype, d)).startswith("not the default until measured (its GPU tests")
-            kernel, cfg = REGISTRY.resolve("attention_backward", None, _need(dtype, d))
-            assert kernel.version == cfg.version == "v3"
-            kernel, cfg = REGISTRY.resolve("attention_backward", BackwardConfig(deterministic=True), _need(dtype, d))
-            assert kernel.version == "v3" and cfg.deterministic
-
-
-def test_the_gate_opens_in_one_place(hopper_here, monkeypatch):
-    """Take v4 out of policy.HELD_BACK and it is the default on Hopper at once (its rank is the
-    highest), v2 still elsewhere; its summary drops the held-back note."""
-    monkeypatch.delitem(policy.HELD_BACK, ("attention_backward", "v4"))
-    for dtype in DTYPES:
-        for d in BWD_V4_HEAD_DIMS:
+            assert v4.unavailable(_need(dtype, d)) is None and v4.not_default(_need(dtype, d)) is None
             kernel, cfg = REGISTRY.resolve("attention_backward", None, _need(dtype, d))
             assert kernel.version == cfg.version == "v4"
-    assert REGISTRY.resolve("attention_backward", BackwardConfig(deterministic=True), _need())[1].deterministic
+            kernel, cfg = REGISTRY.resolve("attention_backward", BackwardConfig(deterministic=True), _need(dtype, d))
+            assert kernel.version == "v4" and cfg.deterministic
     assert REGISTRY.resolve("attention_backward", None, _need(cc=80))[0].version == "v2"
     assert REGISTRY.resolve("attention_backward", None, _need(d=96))[0].version == "v2"
-    assert policy.held_back_note("attention_backward", "v4") == ""
+
+
+def test_the_gate_closes_in_one_place(hopper_here, monkeypatch):
+    """Put v4 back in policy.HELD_BACK and v3 is the default on Hopper at once; v4's summary
+    says it is held back, and a config naming v4 still runs it."""
+    monkeypatch.setitem(policy.HELD_BACK, ("attention_backward", "v4"), "a test holds it back")
+    v4 = REGISTRY.get("attention_backward", "v4")
+    for dtype in DTYPES:
+        for d in BWD_V4_HEAD_DIMS:
+            assert v4.not_default(_need(dtype, d)).startswith("not the default until measured (a test")
+            kernel, cfg = REGISTRY.resolve("attention_backward", None, _need(dtype, d))
+            assert kernel.version == cfg.version == "v3"
+    assert REGISTRY.resolve("attention_backward", BackwardConfig(version="v4"), _need())[0].version == "v4"
+    assert policy.held_back_note("attention_backward", "v4") == " (held back from the default until measured)"
 
 
 def test_the_backward_benchmark_has_a_v4_row(hopper_here):
-    """The benchmark's backward section times one row per registered version: v4 is one, v3 the
+    """The benchmark's backward section times one row per registered version: v3 is one, v4 the
     default (marked), on a Hopper GPU."""
     from iokernels.bench.runners import registry_versions
     from iokernels.core.testing import make_inputs
@@ -357,7 +359,7 @@ def test_the_backward_benchmark_has_a_v4_row(hopper_here):
     if isinstance(rows[0][1], Exception):
         pytest.skip(f"the CuPy backend is not importable here: {rows[0][1]}")
     assert [(name, cfg.version, default) for name, cfg, default in rows][-2:] == [
-        ("cupy:v3", "v3", True), ("cupy:v4", "v4", False)]
+        ("cupy:v3", "v3", False), ("cupy:v4", "v4", True)]
 
 
 # --------------------------------------------------------------------------- on a Hopper GPU

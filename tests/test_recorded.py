@@ -100,3 +100,19 @@ def test_cache_rows_compare_each_runner_with_its_own_16bit_cache(rng):
     assert rows[("bfloat16", "4096 keys", "cupy v4")]["speed_vs_16bit"] == pytest.approx(ms["v4_16"] / ms["v4_w"])
     assert rows[("int8", "all", "cupy v9")]["speed_vs_16bit"] is None
     assert "speed_vs_16bit" in recorded.format_rows(list(rows.values()), ("cache", "runner", "speed_vs_16bit"))
+
+
+def test_the_latest_record_of_each_kind_is_a_dated_full_run():
+    """``load`` takes the last file of a kind by name, so every committed file its pattern
+    matches must be named by the date alone (a partial run filed under the same prefix with a
+    suffix, or another GPU's run, would sort after a full H200 run and become "the latest")."""
+    import re
+
+    dated = {"h200": r"h200_\d{4}-\d\d-\d\d\.json", "sanitizer": r"sanitizer_\d{4}-\d\d-\d\d\.txt",
+             "ceilings": r"ceilings_h200_\d{4}-\d\d-\d\d\.json", "hopper": r"hopper_h200_\d{4}-\d\d-\d\d\.json"}
+    assert set(dated) == set(recorded.KINDS)
+    for kind, pattern in dated.items():
+        files = recorded.available(kind)
+        assert files, kind
+        for path in files:
+            assert re.fullmatch(pattern, path.name), f"{path.name} would be read as a {kind} record"

@@ -83,8 +83,7 @@ attention             v1       fa_v1.cu             10    CUDA cores, any dtype:
                                                           V_j into SRAM, register-tiled 16 x 16 threads
 attention_backward    v4       bwd_v4.cu            40    Hopper: two consumer warpgroups of 64 keys share
                                                           each Q/dO tile; their halves of dS^T meet in SRAM
-                                                          for one dQ product (held back from the default until
-                                                          measured)
+                                                          for one dQ product
 attention_backward    v3       bwd_v3.cu            30    Hopper (FlashAttention-3's structure): wgmma from
                                                           SRAM, Q/dO by TMA from a producer warpgroup, one
                                                           consumer warpgroup of 64 keys, dS^T through SRAM for
