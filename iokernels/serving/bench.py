@@ -48,12 +48,16 @@ from .trace import sharegpt_like_trace
 __all__ = ["serve_bench", "main", "PRESETS", "DTYPES"]
 
 #: per model: dtype (host pools; on a GPU ``gpu_dtype``), trace scale and caps, KV slots (per layer) of the
-#: fixed budget, arrival rate, step budget
+#: fixed budget, arrival rate, step budget.  The Llama-3-8B-shaped preset's scheduler caps are vLLM's
+#: defaults for its OpenAI server on a GPU of 70 GiB or more that is not an A100 (H100, H200):
+#: max_num_batched_tokens 8192, max_num_seqs 1024 (``EngineArgs`` in vllm/engine/arg_utils.py; code).
+#: With them the KV memory, not the sequence cap, bounds how many sequences each side runs at once,
+#: which is what the paged-against-contiguous comparison measures.
 PRESETS = {
     "tiny": dict(dtype=torch.float64, gpu_dtype=torch.float64, scale=1 / 8, max_prompt=96, max_new_tokens=128,
                  kv_slots=2048, rate=50.0, token_budget=256, max_seqs=256),
     "llama3-8b-shape": dict(dtype=torch.float32, gpu_dtype=torch.bfloat16, scale=1.0, max_prompt=1024,
-                            max_new_tokens=1024, kv_slots=65536, rate=20.0, token_budget=2048, max_seqs=256),
+                            max_new_tokens=1024, kv_slots=65536, rate=20.0, token_budget=8192, max_seqs=1024),
 }
 #: --dtype's names
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
