@@ -298,11 +298,12 @@ cu = cupy.asarray(np.array([0, 40, 50], np.int32))
 uploads = []
 real = cupy.asarray
 cupy.asarray = lambda x, dtype=None: (uploads.append(type(x).__name__), real(x, dtype))[1]
-cr.paged_prefill_pools(q, pool, pool, tables, lens, cu, max_seqlen_q=40)
+V2 = cr.PagedPrefillConfig("v2")       # (v3, the Hopper default, encodes tensor maps: test_cupy_plans.py)
+cr.paged_prefill_pools(q, pool, pool, tables, lens, cu, max_seqlen_q=40, config=V2)
 (L,) = cupy.LAUNCHES
 ptrs = [int(a) for a in L["args"][3:6]]
 device_uploads = list(uploads)
-cr.paged_prefill_pools(q, pool, pool, tables, lens, np.array([0, 40, 50], np.int32))   # host offsets: uploaded
+cr.paged_prefill_pools(q, pool, pool, tables, lens, np.array([0, 40, 50], np.int32), config=V2)   # host: uploaded
 json.dump(dict(uploads=device_uploads, host_uploads=uploads[len(device_uploads):],
                same=ptrs == [x.data.ptr for x in (tables, lens, cu)], grid=list(L["grid"])), sys.stdout)
 '''
@@ -319,7 +320,7 @@ def test_device_tables_lengths_and_offsets_are_used_in_place():
     r = subprocess.run([sys.executable, "-c", _IN_PLACE], capture_output=True, text=True, env=env, cwd=here.parent)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout)
-    assert got["same"] and got["uploads"] == [] and got["grid"] == [3, 2, 2]     # the default, v2: a block a KV head
+    assert got["same"] and got["uploads"] == [] and got["grid"] == [3, 2, 2]     # v2: a block a KV head
     assert got["host_uploads"] == ["ndarray"]               # the check that the count sees uploads
 
 

@@ -271,7 +271,8 @@ for cfg in [None, cr.PagedPrefillConfig("v1", num_warps=2, block_k=16)] + pp_ver
                      lambda: PP.paged_prefill_pools(pq, *ppool, *vals, **kw_),
                      lambda: cr.paged_prefill_pools(pq, *ppool, *vals, **kw_), io_pp)
 layers = [[arr(20, 16, 2, 64), arr(20, 16, 2, 64)] for _ in range(3)]
-pplan = cr.PagedPrefillPlan(pq, *layers[0], dptab, dplen, dpcu, max_seqlen_q=40)
+pplan = cr.PagedPrefillPlan(pq, *layers[0], dptab, dplen, dpcu, max_seqlen_q=40,
+                            config=cr.PagedPrefillConfig("v2"))           # (v3's layer loop: below)
 out["prefill layers"] = [launches(lambda: pplan.run(pq, *lay, dptab, dplen, dpcu, max_seqlen_q=40),
                                   dict(q=pq, k=lay[0], v=lay[1], tables=dptab, lens=dplen, cu=dpcu))[0]["args"][:6]
                          for lay in layers]
@@ -319,20 +320,25 @@ cr.paged_prefill_pools(pq, wpool, wpool, dptab, dplen, dpcu, config=V3)       # 
 numpy_call = launches(lambda: cr.paged_prefill_pools(pq.get(), ppool[0].get(), ppool[1].get(), ptab, plen, pcu,
                                                      config=V3), {})            # NumPy arrays: v3's eager call
 out["prefill v3 eager"] = len(cr.PLANS) == n_plans and [x["name"] for x in numpy_call] == ["paged_prefill_v3"]
-# were v3 the default (out of policy.HELD_BACK), a call naming no version would plan and launch it
-# (a release is a change of the code, so no plan made before it survives: the cache starts empty)
-held, kept = dict(cr.policy.HELD_BACK), dict(cr.PLANS._plans)
-cr.policy.HELD_BACK.pop(("paged_prefill", "v3"))
+# v3 is the default (out of policy.HELD_BACK): a call naming no version plans and launches it
+# (a change of the gate is a change of the code, so no plan made before it survives: the cache starts empty)
+kept = dict(cr.PLANS._plans)
 cr.PLANS.clear()
 released = launches(lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40), {})
 planned_v3 = [p.record.version for p in cr.PLANS._plans.values()]
 eager_default = launches(lambda: PP.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40), {})
 out["prefill v3 released"] = [[x["name"] for x in released], planned_v3, [x["name"] for x in eager_default]]
-cr.policy.HELD_BACK.update(held)
 cr.PLANS.clear()
 cr.PLANS._plans.update(kept)
 out["prefill v3 default"] = [cr.PagedPrefillPlan(pq, *ppool, dptab, dplen, dpcu, config=c).record.version
                              for c in (None, PP3.HopperPagedPrefillConfig())]
+# ... and held back again, the default is v2
+cr.policy.HELD_BACK[("paged_prefill", "v3")] = "the test holds it back"
+out["prefill v3 held back"] = [cr.PagedPrefillPlan(pq, *ppool, dptab, dplen, dpcu, config=c).record.version
+                               for c in (None, PP3.HopperPagedPrefillConfig())]
+del cr.policy.HELD_BACK[("paged_prefill", "v3")]
+cr.PLANS.clear()
+cr.PLANS._plans.update(kept)
 count("prefill v3", lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40, config=V3))
 count("prefill v3 plan.run", lambda: v3plan.run(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40))
 
@@ -655,8 +661,9 @@ def test_the_paged_prefill_plan_launches_what_the_eager_call_launches(result):
     assert all(a.startswith("ndarray:") for a in v3["args"][:3])       # the tensor maps of q and the pools
     assert result["prefill v3 layers"] == [["tables", "lens", "cu"]] * 3
     assert result["prefill v3 eager"]          # rows TMA cannot read in place, NumPy arrays: v3's eager call, uncached
-    assert result["prefill v3 default"] == ["v2", "v2"]    # a config naming no version: the default (v2), as before
-    # and were v3 let out of policy.HELD_BACK, that call would plan and launch v3, eager calls too
+    assert result["prefill v3 default"] == ["v3", "v3"]    # a config naming no version: the default (v3)
+    assert result["prefill v3 held back"] == ["v2", "v2"]  # ... v2 while v3 is in policy.HELD_BACK
+    # a call naming no version plans and launches v3, eager calls too
     assert result["prefill v3 released"] == [["paged_prefill_v3"], ["v3"], ["paged_prefill_v3"]]
 
 

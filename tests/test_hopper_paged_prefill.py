@@ -180,24 +180,31 @@ def test_without_hopper_it_says_so():
     assert REGISTRY.get("paged_prefill", "v3").unavailable(_need()) == hp.available()
 
 
-def test_the_default_is_not_v3_until_measured(hopper_here):
-    """v3 is held back (policy.HELD_BACK, its record's default_check), so the default never
-    resolves to it on Hopper although it outranks v1 and v2; a config naming v3 runs v3."""
+def test_v3_is_the_default_on_hopper(hopper_here, monkeypatch):
+    """Measured (its GPU tests passed, and the paged_prefill section recorded it at >= 0.9x our
+    contiguous prefill), v3 is out of policy.HELD_BACK: it outranks v1 and v2, so the default
+    resolves to it on Hopper at every dtype, head dim and group size it takes; put it back in
+    HELD_BACK and the default is v2 again, while a config naming v3 still runs it."""
     from iokernels.cupy_raw import policy
     rec = REGISTRY.get("paged_prefill", "v3")
-    assert ("paged_prefill", "v3") in policy.HELD_BACK and rec.rank == PP.V3_RANK
+    assert ("paged_prefill", "v3") not in policy.HELD_BACK and rec.rank == PP.V3_RANK
     assert all(k.rank < PP.V3_RANK for k in REGISTRY.kernels("paged_prefill") if k.version != "v3")
-    for d in PP.HEAD_DIMS:
-        for dt in hp.DTYPES:
-            for g in (1, 4, 8):
-                n = _need(dtype=dt, head_dim=d, extra=dict(group=g, block_size=16))
-                assert REGISTRY.default("paged_prefill", n).version != "v3"
-                k, cfg = REGISTRY.resolve("paged_prefill", None, n)
-                assert k.version != "v3"
-                k, cfg = REGISTRY.resolve("paged_prefill", PP.HopperPagedPrefillConfig(), n)
-                assert k.version != "v3"
-                k, cfg = REGISTRY.resolve("paged_prefill", V3, n)
-                assert k.version == "v3" and cfg is V3 and k.launcher is PP.paged_prefill
+    needs = [_need(dtype=dt, head_dim=d, extra=dict(group=g, block_size=16))
+             for d in PP.HEAD_DIMS for dt in hp.DTYPES for g in (1, 4, 8)]
+    for n in needs:
+        assert REGISTRY.default("paged_prefill", n).version == "v3"
+        k, cfg = REGISTRY.resolve("paged_prefill", None, n)
+        assert k.version == "v3" and k.launcher is PP.paged_prefill
+        k, cfg = REGISTRY.resolve("paged_prefill", PP.HopperPagedPrefillConfig(), n)
+        assert k.version == cfg.version == "v3"
+        k, cfg = REGISTRY.resolve("paged_prefill", V3, n)
+        assert k.version == "v3" and cfg is V3
+    monkeypatch.setitem(policy.HELD_BACK, ("paged_prefill", "v3"), "a test holds it back")
+    for n in needs:
+        assert REGISTRY.default("paged_prefill", n).version == "v2"
+        assert REGISTRY.resolve("paged_prefill", PP.HopperPagedPrefillConfig(), n)[0].version == "v2"
+        k, cfg = REGISTRY.resolve("paged_prefill", V3, n)
+        assert k.version == "v3" and cfg is V3
     assert rec.file == "paged_prefill_v3.cu" and rec.extra["options"] == hp.NVRTC_OPTIONS
 
 

@@ -119,8 +119,7 @@ paged_decode          v5       decode_v5.cu         50    v4 reading a quantized
                                                           S's and P's columns
 paged_prefill         v3       paged_prefill_v3.cu  30    Hopper: fa_v5's pipeline over a paged cache, K/V
                                                           tiles as TMA boxes through the block table, GQA
-                                                          packed into the 128-row tile (held back from the
-                                                          default until measured)
+                                                          packed into the 128-row tile
 paged_prefill         v2       paged_prefill_v2.cu  20    v1 with the g query heads of a KV head packed into
                                                           the Q tile's rows (pack_gqa): a block a KV head
                                                           reads each K/V tile once for all g heads
@@ -198,4 +197,4 @@ from .calls import (PLANNED, attention, attention_backward, decode, gather_pools
                     paged_decode_pools, paged_mla_decode, paged_prefill_pools)
 from .paged_prefill import paged_prefill  # noqa: F401
 from .paged_prefill_config import PagedPrefillConfig  # noqa: F401
-from .hopper import paged_prefill as hopper_paged_prefill  # noqa: F401  (v3: held back from the default until measured)
+from .hopper import paged_prefill as hopper_paged_prefill  # noqa: F401  (v3, the default on Hopper)

@@ -133,8 +133,6 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 #: :func:`held_back`); the Hopper forward's head dims have their own gate,
 #: :func:`hopper_default_at`
 HELD_BACK = {
-    ("paged_prefill", "v3"): "its GPU tests (tests/test_hopper_paged_prefill.py) and the paged_prefill "
-                             "benchmark section at >= 0.9x the contiguous prefill of the same shapes",
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
 }
 

@@ -30,9 +30,9 @@ over q), so each K/V tile is read once per KV head.  The kernel's header says ho
 
 Limits, frankly: block_size a multiple of 8 that divides Bc or is a multiple of Bc (8, 16,
 32, 64, 128, 256, ...; :func:`check_block_size`); g a power of two up to 128; head_dim 64 and
-128; float16 and bfloat16; no window; no quantized cache; compute capability 9.0 only.  It is
-**not yet measured on a GPU**, so the default does not pick it (its record's ``default_check``:
-:data:`iokernels.cupy_raw.policy.HELD_BACK`) and it runs only when a config names it:
+128; float16 and bfloat16; no window; no quantized cache; compute capability 9.0 only.  Where
+those hold it is the default (it outranks v1 and v2; benchmarks/results has its paged_prefill
+rows next to our contiguous prefill), and a config names it as
 ``HopperPagedPrefillConfig(version="v3")`` with :func:`paged_prefill_pools`,
 :func:`paged_prefill` or ``iokernels.paged_prefill(..., backend="cupy", config=...)``.  With
 device tables, lengths and offsets the launch reads none of their values on the host (the grid
@@ -68,8 +68,7 @@ __all__ = ["HopperPagedPrefillConfig", "paged_prefill", "paged_prefill_pools", "
 #: the versions HopperPagedPrefillConfig describes
 VERSIONS = ("v3",)
 #: v3's rank among the CuPy paged prefill versions: above v1's and v2's, the default wherever its
-#: check passes once :data:`iokernels.cupy_raw.policy.HELD_BACK` lets it go (until then a config
-#: naming it runs it)
+#: check passes (and it is not in :data:`iokernels.cupy_raw.policy.HELD_BACK`)
 V3_RANK = 30
 #: the head dims v3 takes (hopper_paged.cuh: its O accumulator and wgmma shapes stop at 128)
 HEAD_DIMS = (64, 128)
@@ -113,7 +112,7 @@ def paged_v3_smem(head_dim: int, block_n: int, stages: int) -> int:
 class HopperPagedPrefillConfig:
     """The tiles of the Hopper paged prefill (paged_prefill_v3.cu).
 
-    version: "v3" (None: the registry's default, which is not v3 yet: :data:`iokernels.cupy_raw.policy.HELD_BACK`).
+    version: "v3" (None: the registry's default, v3 wherever it runs).
     block_n (Bc): keys a K/V tile, 64 or 128 (None: 128, fa_v5's).  stages: K/V tiles the SRAM
     ring holds, 2 .. 4 (None: fa_v5's 3, fewer where the SRAM does not hold them).  pingpong:
     False lets the two consumer warpgroups issue their products whenever ready (fa_v5's switch).
@@ -219,7 +218,7 @@ def paged_prefill_pools(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q,
     """v1's :func:`~iokernels.cupy_raw.paged_prefill_pools` on paged_prefill_v3.cu: the same
     arguments (pools (num_blocks, block_size, Hkv, d); device tables, lengths and offsets used in
     place, never read on the host; ``max_seqlen_q`` sizes the grid), (O (total_q, Hq, d), LSE
-    (Hq, total_q)).  ``config`` must name v3 (not the default yet: :data:`iokernels.cupy_raw.policy.HELD_BACK`)."""
+    (Hq, total_q)).  ``config`` must name v3 (:func:`iokernels.cupy_raw.paged_prefill_pools` resolves the default)."""
     config = _named(config)
     return _run(q, k_pool, v_pool, block_tables, seq_lens, cu_seqlens_q, causal=causal, scale=scale, config=config,
                 max_seqlen_q=max_seqlen_q)
