@@ -21,7 +21,8 @@
 # Stages can be left out when a lease is short and an earlier run of the same tree has
 # their result: RING=0, TRAFFIC=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
-# sanitizes only those CuPy kernels (op:version); SERVE_ARGS replaces the serve-bench arguments.
+# sanitizes only those CuPy kernels (op:version); SERVE_ARGS replaces the serve-bench arguments;
+# SERVE_FIRST=1 serves before the bench.
 #   5. summary
 # Writes exactly these 8 files to OUTDIR (the device tool returns at most 8):
 #   summary.txt  bench.json  bench.txt  traffic.json  serve.json  sanitizer.txt  pytest.txt
@@ -56,6 +57,21 @@ DEADLINE=${DEADLINE:-580}
 left() { local l=$(( DEADLINE - 25 - ($(date +%s) - T0) )); [ $l -lt 5 ] && l=5; [ $l -gt $1 ] && l=$1; echo $l; }
 note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOGS/stages.txt"; }
 
+# stage 2c, serving, paged against contiguous (SERVE_FIRST=1 runs it before the bench: a
+# short lease then gets the serving record whole)
+serve_stage() {
+  if [ "${SERVE:-1}" != 0 ]; then
+    T_SV=$(left $T_SERVE)
+    note "serve-bench (limit ${T_SV}s): $SERVE_ARGS"
+    timeout --kill-after=5 $T_SV $PY -m iokernels serve-bench $SERVE_ARGS --json "$OUT/serve.json" \
+      > "$LOGS/serve.log" 2>&1
+    note "serve-bench exit $?"
+    [ -s "$OUT/serve.json" ] || echo '{"error": "serve-bench did not finish; see logs.tar.gz serve.log"}' > "$OUT/serve.json"
+  else
+    echo '{"error": "not run (SERVE=0)"}' > "$OUT/serve.json"
+  fi
+}
+
 # ---------------------------------------------------------------- 1. env
 note "env"
 {
@@ -75,6 +91,8 @@ print(label(env))
 EOF
 } > "$LOGS/env.txt" 2>&1
 ENV_LINE=$(tail -1 "$LOGS/env.txt")
+
+[ "${SERVE_FIRST:-0}" = 1 ] && serve_stage
 
 # ---------------------------------------------------------------- 2. bench
 T_BENCH=$(left $T_BENCH)
@@ -101,16 +119,7 @@ note "ring exit $?"
 fi
 
 # ---------------------------------------------------------------- 2c. serving, paged against contiguous
-if [ "${SERVE:-1}" != 0 ]; then
-  T_SV=$(left $T_SERVE)
-  note "serve-bench (limit ${T_SV}s): $SERVE_ARGS"
-  timeout --kill-after=5 $T_SV $PY -m iokernels serve-bench $SERVE_ARGS --json "$OUT/serve.json" \
-    > "$LOGS/serve.log" 2>&1
-  note "serve-bench exit $?"
-  [ -s "$OUT/serve.json" ] || echo '{"error": "serve-bench did not finish; see logs.tar.gz serve.log"}' > "$OUT/serve.json"
-else
-  echo '{"error": "not run (SERVE=0)"}' > "$OUT/serve.json"
-fi
+[ "${SERVE_FIRST:-0}" = 1 ] || serve_stage
 
 # ---------------------------------------------------------------- 3 + 4. traffic and checks, in parallel
 # The device lease is short, so the profiler shares the GPU with the sanitized runs, whose
