@@ -21,8 +21,8 @@ v2       fa_fp8_v2.cu: v1 with fa_v5's two overlaps.  The two consumer warpgroup
          has landed.  Needs two stages (K_j and V_{j-1} are held together).
 =======  ==========================================================================
 
-v1 stays the default until v2 has been measured on a GPU (the benchmark's ``cupy:fp8 v2`` rows
-run next to v1's).
+v1 is the default: measured on a GPU, v2 ran slower than v1 with ping-pong and without (the
+benchmark's ``cupy:fp8 v2`` rows run next to v1's; benchmarks/results).
 
 A call runs up to five kernels, all counted in its time:
 
@@ -72,7 +72,7 @@ FP8_FILE = "fa_fp8_v1"
 #: the forward's versions and their files (each in launch.HOPPER_UNRECORDED)
 FP8_FILES = {"v1": "fa_fp8_v1", "v2": "fa_fp8_v2"}
 FP8_VERSIONS = tuple(FP8_FILES)
-#: what Fp8Config() runs: v1, until v2 has been measured on a GPU
+#: what Fp8Config() runs: v1 (v2 measured slower; see the module docstring)
 FP8_DEFAULT_VERSION = "v1"
 #: versions that issue S_j with P_{j-1} V_{j-1} (K_j and V_{j-1} in SRAM together: two stages)
 FP8_PIPELINED = ("v2",)

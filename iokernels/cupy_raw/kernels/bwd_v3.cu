@@ -79,7 +79,6 @@
 //     have, before S^T, dP^T or dQ (FlashAttention-3 spreads a K/V tile's rows over two or more
 //     consumer warpgroups).  At d = 128 ptxas fills nearly all 255, without spilling.
 //   * dQ: one float32 reduction (red.global.add.v2) per element per K/V tile, as bwd_v2.
-//   * not yet measured on a GPU: the registry does not pick it by default (cupy_raw/policy.py).
 //
 // Block: warpgroup 0 = producer (one thread issues the TMA copies; one warp fills LSE_i, D_i),
 // warpgroup 1 = the consumer.  With 256 threads a thread may already have 255 registers (64K

@@ -58,7 +58,6 @@
 //     compute a tile whose P is all zeros while the other does useful work.
 //   * LSE_i, D_i still arrive by ordinary loads of one producer warp (bwd_v3.cu says why).
 //   * head_dim 64 and 128 only (a warpgroup's dK_j, dV_j at 256 need more than its 232 registers).
-//   * not yet measured on a GPU: the registry does not pick it by default (cupy_raw/policy.py).
 //
 // Compile-time settings (-D from BackwardConfig): IK_DTYPE (1 float16, 2 bfloat16), HEAD_DIM
 // (64, 128), BLOCK_M (Br = 64), BLOCK_N (Bc = 128), STAGES (Q/dO ring depth), DETERMINISTIC.
