@@ -258,3 +258,40 @@ def test_sanitize_cases_cover_every_record():
     names = [name for name, _ in sanitize_cases(verbose=False)]
     for r in REGISTRY:
         assert any(n.startswith(f"{r.op} {r.version}") for n in names), r.name
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, tiles", [("float32", "FORWARD_TILES_F32"), ("bfloat16", "FORWARD_TILES"),
+                                          ("float16", "FORWARD_TILES")])
+def test_v2_autotunes_float32_over_its_own_tiles(monkeypatch, rng, dtype, tiles):
+    """On a GPU, v2's tile is autotuned: float32 inputs (IEEE products on the CUDA cores, whose
+    compile time grows with the tile) over FORWARD_TILES_F32, 16-bit inputs over FORWARD_TILES.
+    Checked here by recording the launch instead of running it, with the interpreter reported off
+    and the tensors kept on the CPU."""
+    import importlib
+
+    from iokernels.triton_backend import config as tc
+    launch.prepare()                     # (the interpreter on before the kernels are defined, without a GPU)
+    fv2 = importlib.import_module("iokernels.triton_backend.forward_v2")
+    for name, want in (("fwd_v2_tuned", tc.FORWARD_TILES), ("fwd_v2_tuned_f32", tc.FORWARD_TILES_F32)):
+        got = [(c.kwargs["BLOCK_Q"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+               for c in getattr(fv2, name).configs]
+        assert got == list(want), name
+    assert max(bq * bk for bq, bk, _, _ in tc.FORWARD_TILES_F32) < max(bq * bk for bq, bk, _, _ in tc.FORWARD_TILES)
+    launched = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append((self.name, meta))
+
+    for name in ("fwd_v2_tuned", "fwd_v2_tuned_f32"):
+        monkeypatch.setattr(fv2, name, Recorder(name))
+    monkeypatch.setattr(launch, "interpreting", lambda: False)
+    monkeypatch.setattr(launch, "device", lambda: "cpu")          # (the tensors stay here)
+    q, k, v = testing.make_inputs(rng, heads_q=2, heads_kv=1, seqlen_q=8, seqlen_k=8, head_dim=64, dtype=dtype)
+    ik.attention(q, k, v, backend="triton", config=ForwardConfig(version="v2"))
+    want = "fwd_v2_tuned_f32" if tiles == "FORWARD_TILES_F32" else "fwd_v2_tuned"
+    assert [(name, meta["F32"]) for name, meta in launched] == [(want, dtype == "float32")]
