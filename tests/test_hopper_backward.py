@@ -287,23 +287,29 @@ def test_sanitizer_runs(version):
         VERSIONS[version]["sanitized_stages"]
 
 
+def _assert_the_default_on_hopper(version, head_dims):
+    """``version`` runs and is the default on Hopper at every dtype and head dim it takes, with
+    ``deterministic`` travelling with the choice; v2 on an Ampere GPU and at head_dim 96."""
+    rec = REGISTRY.get("attention_backward", version)
+    for dtype in DTYPES:
+        for d in head_dims:
+            assert rec.unavailable(_need(dtype, d)) is None and rec.not_default(_need(dtype, d)) is None
+            kernel, cfg = REGISTRY.resolve("attention_backward", None, _need(dtype, d))
+            assert kernel.version == cfg.version == version
+            kernel, cfg = REGISTRY.resolve("attention_backward", BackwardConfig(deterministic=True), _need(dtype, d))
+            assert kernel.version == version and cfg.deterministic
+    assert REGISTRY.resolve("attention_backward", None, _need(cc=80))[0].version == "v2"
+    assert REGISTRY.resolve("attention_backward", None, _need(d=96))[0].version == "v2"
+
+
 def test_v3_is_the_default_below_v4(hopper_here, monkeypatch):
     """Measured (its GPU tests passed, and the benchmark recorded it faster than v2 on Hopper),
     v3 is out of policy.HELD_BACK: with v4 held back it is the default on Hopper for every dtype
     and head dim it runs, v2 elsewhere; ``deterministic`` travels with the choice."""
     assert ("attention_backward", "v3") not in policy.HELD_BACK
     monkeypatch.setitem(policy.HELD_BACK, ("attention_backward", "v4"), "a test holds it back")
-    v3 = REGISTRY.get("attention_backward", "v3")
-    assert v3.rank > REGISTRY.get("attention_backward", "v2").rank
-    for dtype in DTYPES:
-        for d in BWD_V3_HEAD_DIMS:
-            assert v3.unavailable(_need(dtype, d)) is None and v3.not_default(_need(dtype, d)) is None
-            kernel, cfg = REGISTRY.resolve("attention_backward", None, _need(dtype, d))
-            assert kernel.version == cfg.version == "v3"
-            kernel, cfg = REGISTRY.resolve("attention_backward", BackwardConfig(deterministic=True), _need(dtype, d))
-            assert kernel.version == "v3" and cfg.deterministic
-    assert REGISTRY.resolve("attention_backward", None, _need(cc=80))[0].version == "v2"
-    assert REGISTRY.resolve("attention_backward", None, _need(d=96))[0].version == "v2"
+    assert REGISTRY.get("attention_backward", "v3").rank > REGISTRY.get("attention_backward", "v2").rank
+    _assert_the_default_on_hopper("v3", BWD_V3_HEAD_DIMS)
 
 
 def test_held_back_again_the_default_is_v2(hopper_here, monkeypatch):
@@ -323,15 +329,7 @@ def test_v4_is_the_default_on_hopper(hopper_here):
     assert v4.rank == 40 > REGISTRY.get("attention_backward", "v3").rank
     assert v4.file == "bwd_v4.cu" and v4.kernel == "bwd_v4_main"
     assert "held back" not in v4.summary
-    for dtype in DTYPES:
-        for d in BWD_V4_HEAD_DIMS:
-            assert v4.unavailable(_need(dtype, d)) is None and v4.not_default(_need(dtype, d)) is None
-            kernel, cfg = REGISTRY.resolve("attention_backward", None, _need(dtype, d))
-            assert kernel.version == cfg.version == "v4"
-            kernel, cfg = REGISTRY.resolve("attention_backward", BackwardConfig(deterministic=True), _need(dtype, d))
-            assert kernel.version == "v4" and cfg.deterministic
-    assert REGISTRY.resolve("attention_backward", None, _need(cc=80))[0].version == "v2"
-    assert REGISTRY.resolve("attention_backward", None, _need(d=96))[0].version == "v2"
+    _assert_the_default_on_hopper("v4", BWD_V4_HEAD_DIMS)
 
 
 def test_the_gate_closes_in_one_place(hopper_here, monkeypatch):
