@@ -264,8 +264,8 @@ def test_sanitize_cases_cover_every_record():
 @pytest.mark.parametrize("dtype, tiles", [("float32", "FORWARD_TILES_F32"), ("bfloat16", "FORWARD_TILES"),
                                           ("float16", "FORWARD_TILES")])
 def test_v2_autotunes_float32_over_its_own_tiles(monkeypatch, rng, dtype, tiles):
-    """On a GPU, v2's tile is autotuned: float32 inputs (IEEE products on the CUDA cores, whose
-    compile time grows with the tile) over FORWARD_TILES_F32, 16-bit inputs over FORWARD_TILES.
+    """On a GPU, v2's tile is autotuned: float32 inputs (three TF32 products, whose split operands
+    need more shared memory) over FORWARD_TILES_F32, 16-bit inputs over FORWARD_TILES.
     Checked here by recording the launch instead of running it, with the interpreter reported off
     and the tensors kept on the CPU."""
     import importlib
@@ -294,4 +294,18 @@ def test_v2_autotunes_float32_over_its_own_tiles(monkeypatch, rng, dtype, tiles)
     q, k, v = testing.make_inputs(rng, heads_q=2, heads_kv=1, seqlen_q=8, seqlen_k=8, head_dim=64, dtype=dtype)
     ik.attention(q, k, v, backend="triton", config=ForwardConfig(version="v2"))
     want = "fwd_v2_tuned_f32" if tiles == "FORWARD_TILES_F32" else "fwd_v2_tuned"
-    assert [(name, meta["F32"]) for name, meta in launched] == [(want, dtype == "float32")]
+    assert [(name, meta["F32"]) for name, meta in launched] == [(want, tc.TF32X3 if dtype == "float32" else 0)]
+
+
+@pytest.mark.parametrize("interpreting", [False, True])
+def test_f32_dot_takes_three_tf32_products_for_the_forward_on_a_gpu_only(monkeypatch, interpreting):
+    """mm's F32 per dtype: float32 inputs take TF32X3 in the forward on a GPU and IEEE elsewhere
+    (decode, the backward, the interpreter); bfloat16 needs IEEE under the interpreter only."""
+    from iokernels.triton_backend import config as tc
+    from iokernels.triton_backend import forward as fw
+    monkeypatch.setattr(launch, "interpreting", lambda: interpreting)
+    assert (tc.IEEE, tc.TF32X3) == (1, 2) and tc.IEEE == True  # noqa: E712  (kernels test `if F32:`)
+    assert fw.f32_dot("float32", tensor_cores=True) == (tc.IEEE if interpreting else tc.TF32X3)
+    assert fw.f32_dot("float32") == tc.IEEE
+    assert fw.f32_dot("bfloat16", tensor_cores=True) == fw.f32_dot("bfloat16") == (tc.IEEE if interpreting else 0)
+    assert fw.f32_dot("float16", tensor_cores=True) == 0

@@ -38,6 +38,11 @@ MIN_TILE = 16
 #: the largest tile side a config may name
 MAX_TILE = 256
 
+#: how the kernels' matrix product (:func:`.tiles.mm`, its ``F32``) multiplies float32 operands:
+#: in IEEE precision on the CUDA cores, or as three TF32 products on the tensor cores
+IEEE = 1
+TF32X3 = 2
+
 FORWARD_VERSIONS = ("v1", "v2")
 DECODE_VERSIONS = ("v1",)
 BACKWARD_VERSIONS = ("v1",)
@@ -56,10 +61,10 @@ FORWARD_TILES = (
     (128, 32, 4, 4),
     (64, 32, 4, 4),
 )
-#: ... and for float32 inputs, whose IEEE tl.dot is unrolled into CUDA-core multiply-adds: the
-#: compile time grows with the tile (ptxas takes several times longer on the 128-row tiles above
-#: than on these, and the autotuner compiles every tile of its list once per problem class), and
-#: 128-row float32 tiles take nearly all of a multiprocessor's shared memory; smaller tiles only
+#: ... and for float32 inputs (three TF32 products, :data:`TF32X3`): their operand tiles are twice
+#: as wide in bytes, and the split operands need shared memory too.  Compiled for sm_90 at
+#: head_dim 128, (64, 64, 4, 2) asks for 192 KiB, (128, 64, 8, 2) for 256 KiB, over the 227 KiB a
+#: block may have; smaller tiles only
 FORWARD_TILES_F32 = (
     (64, 64, 4, 2),
     (64, 32, 4, 2),

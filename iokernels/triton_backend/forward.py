@@ -11,7 +11,7 @@ import numpy as np
 
 from ..core import conventions as cv
 from . import launch as ln
-from .config import LOG2E, ForwardConfig, next_pow2, padded_head_dim
+from .config import IEEE, LOG2E, TF32X3, ForwardConfig, next_pow2, padded_head_dim
 
 
 def _problem(q, k, v, causal, window):
@@ -33,9 +33,20 @@ def _args(tensors, sizes, band, scale):
             Hq, Hq // Hkv, Nq, Nk, d, float(scale) * LOG2E, *band)
 
 
-def f32_dot(dtype: str) -> bool:
-    """Whether tl.dot runs on float32 operands (see :mod:`.tiles`)."""
-    return dtype == "float32" or (dtype == "bfloat16" and ln.interpreting())
+def f32_dot(dtype: str, *, tensor_cores: bool = False) -> int:
+    """:func:`.tiles.mm`'s ``F32`` for inputs of ``dtype``: 0 for 16-bit inputs on a GPU; for
+    float32 inputs, :data:`.config.TF32X3` where the caller asks for the tensor cores
+    (``tensor_cores``: the forward, on a GPU), :data:`.config.IEEE` otherwise; IEEE for bfloat16
+    under the interpreter (see :mod:`.tiles`).
+
+    Why the forward only: with IEEE products (unrolled into multiply-adds) it was tens of times
+    slower than SDPA's float32 kernel in the recorded H200 runs (benchmarks/results), and its
+    TF32X3 tiles fit in shared memory.  The backward's TF32X3 tiles at head_dim 128 would not
+    (compiled for sm_90, its dK/dV kernel asks for more than the 227 KiB a block may have), and
+    decode is bound by memory traffic, not by its products."""
+    if dtype == "float32":
+        return TF32X3 if tensor_cores and not ln.interpreting() else IEEE
+    return IEEE if dtype == "bfloat16" and ln.interpreting() else 0
 
 
 def attention_v1(q, k, v, *, causal=False, scale=None, window=None, config=None):
@@ -50,7 +61,7 @@ def attention_v1(q, k, v, *, causal=False, scale=None, window=None, config=None)
     if B * Hq * Nq:
         grid = (-(-Nq // bq), B * Hq)
         fwd_v1[grid](*_args(tensors, sizes, band, scale), BLOCK_Q=bq, BLOCK_K=bk, BLOCK_D=padded_head_dim(d),
-                     F32=f32_dot(dtype), num_warps=warps, num_stages=stages)
+                     F32=f32_dot(dtype, tensor_cores=True), num_warps=warps, num_stages=stages)
     o, lse = tensors[3], tensors[4]
     return ln.to_caller(o, numpy_caller), ln.to_caller(lse, numpy_caller)
 
@@ -71,7 +82,8 @@ def attention_v2(q, k, v, *, causal=False, scale=None, window=None, config=None)
     tile = cfg.tile(ln.interpreting())
     if B * Hq * Nq:
         args = (*_args(tensors, sizes, band, scale), tune_bucket(Nq, Nk), int(band != (-1, -1)))
-        meta = dict(BLOCK_D=padded_head_dim(d), EVEN_D=padded_head_dim(d) == d, F32=f32_dot(dtype))
+        meta = dict(BLOCK_D=padded_head_dim(d), EVEN_D=padded_head_dim(d) == d,
+                    F32=f32_dot(dtype, tensor_cores=True))
         if tile is None:
             tuned = fwd_v2_tuned_f32 if meta["F32"] else fwd_v2_tuned
             tuned[lambda m: (-(-Nq // m["BLOCK_Q"]), B * Hq)](*args, **meta)

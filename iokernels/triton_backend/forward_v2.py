@@ -131,5 +131,5 @@ def _tuned(tile_list):
 
 
 fwd_v2_tuned = _tuned(FORWARD_TILES)
-#: ... for float32 inputs (F32: CUDA-core products), over the smaller tiles
+#: ... for float32 inputs (F32 = TF32X3: three TF32 products), over the smaller tiles
 fwd_v2_tuned_f32 = _tuned(FORWARD_TILES_F32)
