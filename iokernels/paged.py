@@ -190,6 +190,8 @@ def _block_key(parent: bytes, token_ids) -> bytes:
 
 
 def _check_int(value, name, lo=0):
+    if type(value) is int and value >= lo:            # the common case, without the ABC checks below
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
         raise ValueError(f"{name}: expected an integer >= {lo}, got {value!r}")
     return int(value)
@@ -281,6 +283,8 @@ class PagedKVCache:
         return [(self.k_pool, self.k_scale)] + ([] if self.keys_only else [(self.v_pool, self.v_scale)])
 
     def _check_sid(self, sid):
+        if type(sid) is int and sid in self._tables:      # the common case, without the ABC checks below
+            return sid
         if isinstance(sid, bool) or not isinstance(sid, numbers.Integral) or int(sid) not in self._tables:
             raise ValueError(f"seq_id: unknown sequence id {sid!r}; live ids are {sorted(self._tables)}")
         return int(sid)
@@ -295,6 +299,11 @@ class PagedKVCache:
 
     def seq_len(self, sid) -> int:
         return self._lens[self._check_sid(sid)]
+
+    def last_block(self, sid) -> int:
+        """The physical block of sequence ``sid``'s last logical block (-1 while it holds none), uncopied."""
+        table = self._tables[self._check_sid(sid)]
+        return table[-1] if table else -1
 
     def num_free_blocks(self) -> int:
         return len(self._free)
@@ -311,6 +320,8 @@ class PagedKVCache:
         return {b: k.hex()[:8] for b, k in sorted(self._key_of_block.items())}
 
     def _check_block(self, block):
+        if type(block) is int and 0 <= block < self.num_blocks:
+            return
         if isinstance(block, bool) or not isinstance(block, numbers.Integral) or not 0 <= block < self.num_blocks:
             raise ValueError(f"block: expected a block id in [0, {self.num_blocks}), got {block!r}")
 

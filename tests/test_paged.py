@@ -404,3 +404,14 @@ def test_explorer_actions_and_figures():
         assert min(line.get_ydata()) == 1.0                                # relative to the best S
     ex1 = vp.split_kv_example(seqlen=100, num_splits=7, seed=2)
     assert ex1["o_error"] < 1e-12 and abs(ex1["weights"].sum() - 1) < 1e-12
+
+
+def test_last_block_is_the_tables_last_entry_uncopied():
+    from iokernels.paged import PagedKVCache
+    c = PagedKVCache(8, 4, num_kv_heads=1, head_dim=2)
+    sid = c.new_sequence()
+    assert c.last_block(sid) == -1
+    c.append(sid, np.zeros((6, 1, 2), np.float32), np.zeros((6, 1, 2), np.float32))
+    assert c.last_block(sid) == c.block_table(sid)[-1] and len(c.block_table(sid)) == 2
+    with pytest.raises(ValueError, match="seq_id"):
+        c.last_block(sid + 1)

@@ -128,6 +128,56 @@ def test_slot_map_keeps_the_books_of_a_paged_cache():
     assert not pool_invariants(sm)
 
 
+def _books(sm):
+    return (sm._tables, sm._lens, sm._keys, sm._tail_ids, list(sm._free), sm._ref.tolist(),
+            dict(sm._block_of_key), dict(sm.stats))
+
+
+def test_one_token_fast_path_keeps_the_books_append_keeps():
+    """SlotMap.place's one-token path (no block taken, copied or keyed) against the general append,
+    over random appends, forks (shared last blocks), frees and repeated prompts (prefix hits)."""
+    rng = np.random.default_rng(7)
+    k = torch.zeros(1, 64, 8, 1, 1)
+    fast, slow = SlotMap(64, 8, k, k.clone()), SlotMap(64, 8, k, k.clone())
+    slow.one_into_tail = lambda sid, token_ids: None              # always the general path
+    taken, one = [], fast.one_into_tail
+
+    def counted(sid, token_ids):
+        slot = one(sid, token_ids)
+        taken.append(slot is not None)
+        return slot
+    fast.one_into_tail = counted
+    for _ in range(3000):
+        live = fast.seq_ids
+        op = rng.integers(0, 20)
+        if (op == 0 or not live) and fast.num_free_blocks() > 4:   # a new sequence with a shared prompt
+            sid = fast.new_sequence()
+            assert slow.new_sequence() == sid
+            prompt = [1, 2, 0, 1, 2, 0, 1, 2, 2, 1][:int(rng.integers(8, 11))]
+            got, want = fast.place(sid, len(prompt), prompt), slow.place(sid, len(prompt), prompt)
+            assert [x.tolist() for x in got] == [x.tolist() for x in want]
+        elif op == 1:
+            sid = int(rng.choice(live))
+            assert fast.fork(sid) == slow.fork(sid)
+        elif op == 2 and len(live) > 3:
+            sid = int(rng.choice(live))
+            fast.free(sid)
+            slow.free(sid)
+        else:
+            sid, n = int(rng.choice(live)), int(rng.choice([1, 1, 1, 1, 2, 5]))
+            ids = [int(t) for t in rng.integers(0, 3, n)]              # a small vocabulary: prefix hits
+            if fast.num_free_blocks() < 3:
+                continue
+            got, want = fast.place(sid, n, ids), slow.place(sid, n, ids)
+            assert [x.tolist() for x in got] == [x.tolist() for x in want]
+        assert _books(fast) == _books(slow)
+        assert not pool_invariants(fast)
+    assert sum(taken) > 300 and not all(taken)                     # both paths ran, often
+    assert fast.stats["prefix_hits"] > 0 and fast.stats["copy_on_write"] > 0
+    sid = fast.seq_ids[0]
+    assert one(sid, [True]) is None and one(sid, [1.5]) is None and one(sid, None) is None   # left to append
+
+
 @pytest.mark.parametrize("memory", [lambda: checksum_paged(),
                                     lambda: DeviceContiguousMemory(160, block_size=4, layers=1, kv_heads=1,
                                                                    head_dim=2)])

@@ -120,13 +120,45 @@ class SlotMap(PagedKVCache):
         self._placed.append((rows, block * self.block_size + at + np.arange(len(rows))))
 
     def place(self, sid, n, token_ids=None):
-        """Append ``n`` tokens to ``sid``'s books: (rows, slots), row rows[i] of the chunk goes to slot slots[i]."""
+        """Append ``n`` tokens to ``sid``'s books: (rows, slots), row rows[i] of the chunk goes to slot slots[i].
+
+        A decode's token that goes into its sequence's own (unshared) last block without filling
+        it takes no block, copies none and keys none: :meth:`one_into_tail` does exactly what
+        ``append`` does then, without its general plan (most rows of a serving step are these).
+        """
+        slot = self.one_into_tail(sid, token_ids) if n == 1 else None
+        if slot is not None:
+            return _ROW0, np.array([slot], np.int64)
         self._placed = []
         rows = np.arange(n, dtype=np.float64).reshape(n, 1, 1)
         self.append(sid, rows, rows, token_ids=token_ids)
         if not self._placed:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return tuple(np.concatenate(x) for x in zip(*self._placed))
+
+    def one_into_tail(self, sid, token_ids):
+        """The slot one token (``token_ids``, a sequence of one int) takes in ``sid``'s last block,
+        with the books moved as ``append`` moves them; None, and nothing changed, unless that block
+        is the sequence's own and stays partly empty (then :meth:`place` takes the general path)."""
+        table = self._tables.get(sid) if type(sid) is int else None
+        if not table or token_ids is None or len(token_ids) != 1:
+            return None
+        length, bs = self._lens[sid], self.block_size
+        fill = length % bs
+        tok = token_ids[0]
+        if not 0 < fill < bs - 1 or self._ref[table[-1]] != 1 or type(tok) is bool \
+                or not isinstance(tok, (int, np.integer)):
+            return None                                  # (a bad token: append's checks say what is wrong)
+        tail = self._tail_ids[sid]
+        if tail is not None and self._keys[sid] is not None:
+            tail.append(int(tok))                        # the block's key waits for its last token
+        self._lens[sid] = length + 1
+        return table[-1] * bs + fill
+
+
+#: the row of a one-token chunk
+_ROW0 = np.zeros(1, np.int64)
+_ROW0.flags.writeable = False
 
 
 @dataclass
@@ -282,14 +314,19 @@ class DevicePagedMemory(_DeviceAttention, PagedMemory):
         """The step's books, once for every layer: place each chunk's rows, then upload the plan."""
         rows, slots, at = [], [], 0
         for s, c, ids in zip(seqs, chunk_lens, token_ids):
-            r, sl = self.cache.place(s.handle, c, ids)
-            rows.append(r + at)
-            slots.append(sl)
+            slot = self.cache.one_into_tail(s.handle, ids) if c == 1 else None   # most decodes
+            if slot is not None:
+                rows.append(at)
+                slots.append(slot)
+            else:
+                r, sl = self.cache.place(s.handle, c, ids)
+                rows.extend((r + at).tolist())
+                slots.extend(sl.tolist())
             at += c
         tables, lens = self.cache.block_tables_array([s.handle for s in seqs])
         tables = np.where(tables < 0, tables[:, :1], tables)   # padding names a block of the sequence's own
-        return _plan(np.concatenate(rows), np.concatenate(slots), tables, lens, list(chunk_lens), self.block_size,
-                     self.backend, self.device)
+        return _plan(np.array(rows, np.int64), np.array(slots, np.int64), tables, lens, list(chunk_lens),
+                     self.block_size, self.backend, self.device)
 
     def write(self, layer, seq, k_rows, v_rows, token_ids) -> None:
         """One sequence's rows, NumPy or torch (the checksum model's call): layer 0 does the books."""
@@ -333,19 +370,19 @@ class DeviceContiguousMemory(_DeviceAttention, ContiguousMemory):
 
     def prepare(self, seqs, chunk_lens, token_ids) -> StepPlan:
         """The step's books: each chunk's rows go to the next slots of its range; every layer's count moves."""
-        rows, slots, tables, lens, at = [], [], [], [], 0
+        starts, before = [], []
         for s, c in zip(seqs, chunk_lens):
             start, done = self._regions[s.handle]
-            rows.append(at + np.arange(c))
-            slots.append(start + done[0] + np.arange(c))
+            starts.append(start)
+            before.append(done[0])
             done[:] = [done[0] + c] * len(done)
-            lens.append(done[0])
-            tables.append(start // self.block_size + np.arange(blocks_needed(done[0], self.block_size)))
-            at += c
-        width = max(len(t) for t in tables)
-        table = np.array([np.pad(t, (0, width - len(t)), mode="edge") for t in tables], dtype=np.int64)
-        return _plan(np.concatenate(rows), np.concatenate(slots), table, np.array(lens), list(chunk_lens),
-                     self.block_size, self.backend, self.device)
+        bs, c = self.block_size, np.asarray(chunk_lens, np.int64)
+        starts, before = np.array(starts, np.int64), np.array(before, np.int64)
+        cu, lens = np.concatenate([[0], np.cumsum(c)]), before + c
+        slots = np.repeat(starts + before - cu[:-1], c) + np.arange(cu[-1])   # start + done + 0, 1, ...
+        blocks = -(-lens // bs)                                              # a table: its range's blocks,
+        table = starts[:, None] // bs + np.minimum(np.arange(blocks.max()), blocks[:, None] - 1)  # last repeated
+        return _plan(np.arange(cu[-1]), slots, table, lens, list(chunk_lens), bs, self.backend, self.device)
 
     def write(self, layer, seq, k_rows, v_rows, token_ids) -> None:
         """One sequence's rows, NumPy or torch (the checksum model's call)."""

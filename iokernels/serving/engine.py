@@ -255,8 +255,9 @@ class Engine:
     def _schedule(self, preempted: list) -> dict:
         """{sequence: (tokens to compute, blocks reserved)} for this step, in priority order."""
         budget, reserved, plan = self.token_budget, 0, {}
+        dropped = set()                                             # preempted in this step (a set: O(1) to ask)
         for group in list(self.running):                            # 2. running first, oldest first
-            if group not in self.running:                           # preempted by an older one
+            if group in dropped:                                    # preempted by an older one
                 continue
             for seq in group.live:
                 c = self._chunk(seq, budget)
@@ -271,18 +272,19 @@ class Engine:
                     self._preempt(victim, f"request {group.request.rid!r} sample {seq.sample} needs {need} "
                                           f"block(s) for {c} token(s); {self.memory.free_blocks() - reserved} "
                                           f"free and not promised this step", preempted)
+                    dropped.add(victim)
                     if victim is group:
                         break
-                if group not in self.running:
+                if group in dropped:
                     break
                 plan[seq] = (c, need)
                 reserved += need
                 budget -= c
         budget = self.token_budget - sum(c for c, _ in plan.values())
+        live = sum(len(g.live) for g in self.running)              # counted once, then kept up to date
         while self.waiting and budget > 0 and not preempted:        # 4. admission, in arrival order
             group = self.waiting[0]
-            if sum(len(g.live) for g in self.running) + len(group.live) > self.max_seqs \
-                    or not self.memory.admit(group):
+            if live + len(group.live) > self.max_seqs or not self.memory.admit(group):
                 break
             for seq in group.live:
                 self.memory.start(seq)
@@ -294,6 +296,7 @@ class Engine:
                 break
             self.waiting.pop(0)
             self.running.append(group)
+            live += len(group.live)
             for seq in group.live:
                 c = self._chunk(seq, budget)
                 need = self.memory.growth(seq, c) if c else 0

@@ -29,6 +29,7 @@ cache at all, in torch, to check both against.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -170,9 +171,10 @@ class Llama:
         on the model's device.
         """
         ids = [s.tokens[s.computed:s.computed + c] for s, c in zip(seqs, chunk_lens)]
-        pos = torch.cat([torch.arange(s.computed, s.computed + c) for s, c in zip(seqs, chunk_lens)])
-        tok = torch.tensor([t for chunk in ids for t in chunk], device=self.device)
         cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
+        starts = np.fromiter((s.computed for s in seqs), np.int64, len(seqs))
+        pos = torch.from_numpy(np.arange(cu[-1]) + np.repeat(starts - cu[:-1], chunk_lens))  # computed, + 1, ...
+        tok = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(cu[-1]))).to(self.device)
         plan = memory.prepare(seqs, chunk_lens, ids) if hasattr(memory, "prepare") else None
         x, angles = self.embed[tok], self._angles(pos)          # the rotary tables once, for every layer
         for layer, p in enumerate(self.layers):

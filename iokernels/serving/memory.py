@@ -100,10 +100,10 @@ class PagedMemory:
 
     def growth(self, seq, tokens) -> int:
         """At most how many free blocks appending ``tokens`` to ``seq`` takes (a copy-on-write included)."""
-        cache, sid = self.caches[0], seq.handle
-        n, table = cache.seq_len(sid), cache.block_table(sid)
-        need = blocks_needed(n + tokens, self.block_size) - len(table)
-        if n % self.block_size and cache.ref_count(table[-1]) > 1:
+        cache, sid, bs = self.caches[0], seq.handle, self.block_size
+        n = cache.seq_len(sid)
+        need = blocks_needed(n + tokens, bs) - blocks_needed(n, bs)  # a table holds ceil(n / bs) blocks
+        if n % bs and cache.ref_count(cache.last_block(sid)) > 1:
             need += 1                                 # the shared partial last block is copied first
         return need
 
