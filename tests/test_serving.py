@@ -198,3 +198,21 @@ def test_the_recorded_runs_summarize_with_their_ratios():
         assert s["paged"]["max_concurrent"] == p["max_concurrent"] and s["gpu"] == rec["setup"]["gpu"]
         assert s["concurrency_ratio"] == round(p["max_concurrent"] / c["max_concurrent"], 2), name
         assert s["tokens_per_s_ratio"] == round(p["tokens_per_s"] / c["tokens_per_s"], 2), name
+
+
+def test_admission_leaves_the_watermark_free_while_others_run():
+    """A paged memory keeps WATERMARK of its blocks free for the running sequences' growth: a
+    request that would dip into them waits; with nothing running the head of the line is admitted."""
+    mem = PagedMemory(200, 4, layers=1, kv_heads=1, head_dim=2)
+    assert mem.watermark_blocks == 2 and ContiguousMemory(800, layers=1, kv_heads=1, head_dim=2).watermark_blocks == 0
+    engine = Engine(ChecksumModel(), mem, token_budget=10_000, max_seqs=1000, step_time=1.0)
+    engine.submit(Request("big", [1] * (199 * 4), 1))        # 199 of the 200 blocks, admitted alone
+    engine.submit(Request("small", [2] * 4, 1))              # one block: 1 free, but 2 are kept
+    first = engine.step()
+    assert [b[0] for b in first.batch] == ["big"] and not first.preempted
+    fresh = Engine(ChecksumModel(), PagedMemory(200, 4, layers=1, kv_heads=1, head_dim=2), token_budget=10_000,
+                   max_seqs=1000, step_time=1.0)
+    fresh.memory.WATERMARK = 0.0                               # without the watermark it would have joined
+    for r in (Request("big", [1] * (199 * 4), 1), Request("small", [2] * 4, 1)):
+        fresh.submit(r)
+    assert [b[0] for b in fresh.step().batch] == ["big", "small"]

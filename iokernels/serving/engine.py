@@ -22,7 +22,9 @@ of the whole batch waiting for its longest member.  One step, top to bottom:
    ``iokernels.serving`` logger);
 4. **admission**: waiting requests join in arrival order while the budget, ``max_seqs``
    and memory allow (head of line first: a request that does not fit stops the line);
-   none joins in a step that had to preempt, so a victim is not readmitted at once;
+   while others run, a paged memory keeps its watermark of blocks free for their growth
+   (``PagedMemory.WATERMARK``, vLLM's 1%); none joins in a step that had to preempt, so a
+   victim is not readmitted at once;
 5. **the model runs once** on the batch of chunks; each sequence whose chunk reached its
    last token samples one new token (all of the step's draws at once, where the logits
    are: :func:`~.requests.sample_tokens`).  A request with ``n`` samples forks after its prompt
@@ -291,7 +293,8 @@ class Engine:
             first = group.live[0]
             c = self._chunk(first, budget)
             need = self.memory.growth(first, c)
-            if need > self.memory.free_blocks() - reserved:         # its first chunk does not fit
+            keep = self.memory.watermark_blocks if self.running else 0   # room for the running ones to grow
+            if need > self.memory.free_blocks() - reserved - keep:  # its first chunk does not fit
                 self.memory.release_group(group)
                 break
             self.waiting.pop(0)

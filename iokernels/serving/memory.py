@@ -48,9 +48,17 @@ def _packed_offsets(lengths):
 
 
 class PagedMemory:
-    """One :class:`PagedKVCache` per layer, in lockstep; memory in blocks."""
+    """One :class:`PagedKVCache` per layer, in lockstep; memory in blocks.
+
+    ``WATERMARK``: the fraction of the blocks a new request may not take while others run, so
+    that the running sequences have blocks to grow into; vLLM's block manager keeps the same
+    1% ("to avoid frequent cache eviction": ``watermark`` in ``can_allocate``,
+    vllm/core/block_manager.py; code).  Without it a burst of arrivals fills the pool with
+    prompts, and the next steps preempt sequences to make room for the others' tokens.
+    """
 
     kind = "paged"
+    WATERMARK = 0.01
 
     def __init__(self, num_blocks, block_size, *, layers, kv_heads, head_dim, dtype="float64",
                  backend="tiled"):
@@ -63,6 +71,11 @@ class PagedMemory:
     @property
     def capacity_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks a request's admission must leave free while other requests run."""
+        return int(self.WATERMARK * self.num_blocks)
 
     def fits(self, request) -> str | None:
         """Why ``request`` can never be served (None: it can): its samples, each at its longest."""
@@ -138,6 +151,8 @@ class ContiguousMemory:
     """A slot arena per layer; each admitted sample reserves ``max_len`` contiguous slots (first fit)."""
 
     kind = "contiguous"
+    #: a reservation holds all a sample will ever write: nothing needs to be kept free for growth
+    watermark_blocks = 0
 
     def __init__(self, capacity_slots, *, layers, kv_heads, head_dim, dtype="float64", backend="tiled"):
         self.capacity_slots, self.backend = int(capacity_slots), _check_backend(backend, "attention_varlen")
