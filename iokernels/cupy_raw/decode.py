@@ -423,7 +423,7 @@ def _records(version, file, kernel, args, check, rank, summary, ops=("decode", "
 
 #: ranks: v5 (tensor cores, 1-byte codes) for a quantized paged cache where its check passes, v4
 #: (tensor cores, 16-bit) for a 16-bit cache, else v3; v5 and v4 never both pass; v2 is v3
-#: without its two additions and v6 is not yet race-free: neither is a default
+#: without its two additions, and v6 waits for a recorded GPU test run: neither is a default
 RECORDS = (
     *_records("v1", "decode.cu", "decode_split", _args_v1, check_decode_v1, 10,
               "each warp reads its key rows with plain 16-byte loads into registers, four rows a lane in "
@@ -445,9 +445,11 @@ RECORDS = (
               "tensor-core operands in registers, the per-key scales applied to S's and P's columns",
               ops=("paged_decode",), layout="tensor_core", reads=("codes",), smem=_smem_v5),
     # v6 ranks below every version that runs its shapes: it runs when asked for by name
-    # (config=DecodeConfig("v6")) and becomes a default once compute-sanitizer's racecheck is
-    # clean on it (it reported hazards while its teams ordered the ring with named barriers;
-    # the block barrier orders it now, not yet checked on a GPU); its arguments are v4's
+    # (config=DecodeConfig("v6")).  racecheck reported hazards while its teams ordered the ring
+    # with named barriers; with the block barrier all four sanitizers are clean on it
+    # (benchmarks/results/sanitizer_2026-12-05.txt).  It becomes a default once its GPU tests
+    # (tests/test_gpu_decode_v6.py) have passed in a recorded run and the benchmark's cliff
+    # section has timed it against v3 at g = 32, 64; its arguments are v4's
     *_records("v6", "decode_v6.cu", "decode_split_v6", _args_v4, check_decode_v6, 5,
               "v4 with a group of more than 16 query heads split across a team of warps (16 rows each) that "
               "shares each K/V tile of its cp.async ring: g = 32, 64 and MQA read K/V once a KV head",
