@@ -216,3 +216,29 @@ def test_admission_leaves_the_watermark_free_while_others_run():
     for r in (Request("big", [1] * (199 * 4), 1), Request("small", [2] * 4, 1)):
         fresh.submit(r)
     assert [b[0] for b in fresh.step().batch] == ["big", "small"]
+
+
+def test_usage_counts_each_live_block_once_at_its_fullest():
+    """PagedMemory.usage against a block-by-block count, at every step of a run with forks (shared
+    blocks), prefix hits and preemptions."""
+    def by_block(cache, bs):
+        filled = {}
+        for sid in cache.seq_ids:
+            n = cache.seq_len(sid)
+            for j, b in enumerate(cache.block_table(sid)):
+                filled[b] = max(filled.get(b, 0), min(bs, n - j * bs))
+        return sum(filled.values()), len(filled) * bs
+
+    seen = []
+
+    def check(engine):
+        want = by_block(engine.memory.caches[0], engine.memory.block_size)
+        assert engine.memory.usage() == want
+        seen.append(want)
+
+    engine = Engine(ChecksumModel(), paged(), token_budget=32, step_time=1.0, check=check)
+    for r in random_trace(np.random.default_rng(11), 150):
+        engine.submit(r)
+    res = engine.run()
+    assert res.preemptions and max(u for u, _ in seen) > 0 and any(u < a for u, a in seen)
+    assert engine.memory.caches[0].stats["copy_on_write"] > 0

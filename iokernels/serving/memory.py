@@ -123,12 +123,12 @@ class PagedMemory:
     def usage(self) -> tuple[int, int]:
         """(slots written, slots allocated) over the live blocks, a shared block counted once."""
         cache, bs = self.caches[0], self.block_size
-        filled: dict[int, int] = {}
-        for sid in cache.seq_ids:
-            n = cache.seq_len(sid)
-            for j, b in enumerate(cache.block_table(sid)):
-                filled[b] = max(filled.get(b, 0), min(bs, n - j * bs))
-        return sum(filled.values()), len(filled) * bs
+        tables, lens = cache.block_tables_array(cache.seq_ids)     # -1 pads a row past its blocks
+        held = tables >= 0
+        fill = np.minimum(bs, lens[:, None] - bs * np.arange(tables.shape[1])[None, :])   # block j of a row
+        filled = np.zeros(cache.num_blocks, np.int64)
+        np.maximum.at(filled, tables[held], fill[held])             # a shared block: its fullest holder
+        return int(filled.sum()), int(np.count_nonzero(filled)) * bs
 
     # ---- what the model calls
     def write(self, layer, seq, k_rows, v_rows, token_ids) -> None:
