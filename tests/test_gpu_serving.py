@@ -3,8 +3,9 @@
 Paged and contiguous serve the tiny Llama on "cuda" with the same tokens as each other and
 as the NumPy memories on the host (float64); every step's logits in bfloat16 and float16
 are within FlashAttention's 2x rule of the float64 oracle (the same rounded weights); a
-short ``serve-bench --device cuda`` writes its JSON.  The CuPy paged prefill over device
-pools is tried where ``iokernels.cupy_raw.paged_prefill.paged_prefill_pools`` exists.
+short ``serve-bench --device cuda`` writes its JSON.  The CuPy kernels over device pools
+(the paged decode for one-query chunks, the paged prefill for the others) are tried where
+``iokernels.cupy_raw.calls`` has both.
 Skipped without torch CUDA.
 """
 import json
@@ -20,7 +21,8 @@ from iokernels.serving import Engine, PagedMemory, Request, pool_invariants
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.torch_gpu(), reason="needs torch CUDA")]
 
-from iokernels.serving.device import DeviceContiguousMemory, DevicePagedMemory, cupy_paged_prefill  # noqa: E402
+from iokernels.serving.device import (DeviceContiguousMemory, DevicePagedMemory, cupy_paged_decode,  # noqa: E402
+                                      cupy_paged_prefill)
 from iokernels.serving.llama import TINY, Llama, LlamaShape  # noqa: E402
 
 from test_serving_device import low_precision_requests, step_logits_against_reference  # noqa: E402
@@ -58,8 +60,8 @@ def test_tiny_paged_and_contiguous_on_cuda_give_the_host_tokens():
 @pytest.mark.parametrize("backend", ["torch", "cupy"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_step_logits_on_cuda_within_the_2x_rule(dtype, backend):
-    if backend == "cupy" and cupy_paged_prefill() is None:
-        pytest.skip("iokernels.cupy_raw.paged_prefill.paged_prefill_pools is not there")
+    if backend == "cupy" and (cupy_paged_prefill() is None or cupy_paged_decode() is None):
+        pytest.skip("iokernels.cupy_raw.calls has no paged_prefill_pools or paged_decode_pools here")
     model = Llama(SMALL, seed=4, dtype=dtype, device=DEV)
     ms = model.memory_shape()
     reqs = [Request(r.rid, [t % SMALL.vocab for t in r.prompt] * 3, r.max_new_tokens, arrival=r.arrival)

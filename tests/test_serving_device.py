@@ -316,27 +316,69 @@ def test_decodes_of_mixed_lengths_in_several_groups_give_the_same_tokens(monkeyp
     assert paged_dev.outputs == paged_np.outputs
 
 
-def test_the_kernel_is_told_the_steps_longest_chunk(monkeypatch):
-    """The CuPy paged prefill sizes its grid by max_seqlen_q; the memory passes the step's longest
-    chunk (known on the host), so a step of decodes is not launched as a grid of the step's rows."""
+def _stand_in_kernels(monkeypatch, seen=None):
+    """The CuPy paged prefill and paged decode as torch loops with their signatures (exact in float64)."""
     import iokernels.serving.device as dev
-    seen = []
 
-    def kernel(q, k_pool, v_pool, tables, lens, cu, *, causal, max_seqlen_q=None):
-        seen.append((int(cu[-1]), max_seqlen_q))
-        return torch.zeros_like(q), None
-    monkeypatch.setattr(dev, "cupy_paged_prefill", lambda: kernel)
+    def keys(pool, table, n):
+        return pool[table.long()].reshape(-1, *pool.shape[2:])[:n]       # (n, Hkv, d) through the table
+
+    def attend(q, k, v, visible):                                        # q (r, Hq, d); rows see keys < visible
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        s = torch.einsum("rhd,nhd->rhn", q, k) / q.shape[-1] ** 0.5
+        s = s.masked_fill(torch.arange(k.shape[0])[None, None, :] >= visible[:, None, None], float("-inf"))
+        return torch.einsum("rhn,nhd->rhd", torch.softmax(s, dim=-1), v)
+
+    def prefill(q, k_pool, v_pool, tables, lens, cu, *, causal, max_seqlen_q=None):
+        if seen is not None:
+            seen.append(("prefill", int(cu[-1]), max_seqlen_q))
+        o = torch.empty_like(q)
+        for i in range(len(lens)):
+            q0, q1, n = int(cu[i]), int(cu[i + 1]), int(lens[i])
+            visible = torch.arange(1, q1 - q0 + 1) + (n - (q1 - q0))          # bottom-right causal
+            o[q0:q1] = attend(q[q0:q1], keys(k_pool, tables[i], n), keys(v_pool, tables[i], n), visible)
+        return o, None
+
+    def decode(q, k_pool, v_pool, tables, lens):
+        if seen is not None:
+            seen.append(("decode", q.shape[0], None))
+        n = [int(x) for x in lens]
+        return torch.cat([attend(q[b:b + 1], keys(k_pool, tables[b], n[b]), keys(v_pool, tables[b], n[b]),
+                                 torch.tensor([n[b]])) for b in range(q.shape[0])]), None
+    monkeypatch.setattr(dev, "cupy_paged_prefill", lambda: prefill)
+    monkeypatch.setattr(dev, "cupy_paged_decode", lambda: decode)
+
+
+def test_the_kernels_take_the_decodes_and_the_chunks_apart(monkeypatch):
+    """The CuPy path: one-query chunks in one paged decode, longer chunks in one paged prefill whose
+    grid the longest of them sizes (max_seqlen_q), so a step of a long chunk and many decodes is
+    not launched as a grid of that chunk's tiles for every sequence."""
+    seen = []
+    _stand_in_kernels(monkeypatch, seen)
     mem = DevicePagedMemory(16, 4, layers=1, kv_heads=1, head_dim=2, backend="cupy")
     groups = [Group(Request(i, list(range(1, n + 1)), 4), i) for i, n in enumerate([20, 1, 33])]
     for g in groups:
         assert mem.admit(g)
         mem.start(g.seqs[0])
     seqs = [g.seqs[0] for g in groups]
-    for chunks in ([20, 1, 33], [1, 1, 1]):
+    for chunks in ([20, 1, 33], [1, 1, 1], [2, 3, 2]):
         plan = mem.prepare(seqs, chunks, [list(range(1, c + 1)) for c in chunks])
         n = sum(chunks)
-        mem.write_attend(0, plan, torch.zeros(n, 1, 2, dtype=torch.float64), torch.zeros(n, 1, 2, dtype=torch.float64),
-                         torch.zeros(n, 1, 2, dtype=torch.float64))
+        mem.write_attend(0, plan, *(torch.rand(n, 1, 2, dtype=torch.float64) for _ in range(3)))
         for s, c in zip(seqs, chunks):
             s.computed += c
-    assert seen == [(54, 33), (3, 1)]
+    assert seen == [("decode", 1, None), ("prefill", 53, 33), ("decode", 3, None), ("prefill", 7, 3)]
+
+
+@pytest.mark.parametrize("token_budget", [12, 64])
+def test_the_kernel_path_gives_the_torch_paths_tokens(monkeypatch, token_budget):
+    """float64, with exact stand-ins for the two kernels: the CuPy path's split of each step
+    (decodes, chunks) serves the tokens the torch reference serves, paged and contiguous."""
+    _stand_in_kernels(monkeypatch)
+    reqs, ms = _reqs(), MODEL.memory_shape()
+    runs = [serve(MODEL, m, reqs, token_budget=token_budget)[1] for m in
+            (DevicePagedMemory(14, 4, backend="cupy", **ms), DevicePagedMemory(14, 4, **ms),
+             DeviceContiguousMemory(96, block_size=4, backend="cupy", **ms))]
+    mixed = [s for s in runs[0].steps if any(c == 1 for *_, c in s.batch) and any(c > 1 for *_, c in s.batch)]
+    assert mixed and runs[0].outputs == runs[1].outputs == runs[2].outputs

@@ -194,7 +194,7 @@ def main(argv=None) -> int:
                                 "how many requests agree).")
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument("--backend", default=None, help="attention backend (default: tiled, NumPy; with --device: torch; "
-                   "cupy: the CuPy paged prefill kernel)")
+                   "cupy: the CuPy paged decode for a step's decodes, the paged prefill for its longer chunks)")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=16)

@@ -27,9 +27,15 @@ The attention ``backend``:
   table (on the device), decodes (one query) in one batched SDPA call with a mask of the
   valid keys, each longer chunk in its own call, causal bottom-right
   (:func:`iokernels.torch_sdpa.sdpa`; SDPA's ``is_causal`` alone is top-left aligned);
-* ``"cupy"``: the tensor-core paged prefill kernel reading the pools in place,
-  ``iokernels.cupy_raw.calls.paged_prefill_pools`` (planned once per shape), looked up by name when the
-  memory is made (a clear error where it is not there).
+* ``"cupy"``: the CuPy kernels reading the pools in place, looked up by name when the
+  memory is made (a clear error where they are not there), as vLLM splits a step's attention
+  metadata into its decodes and its prefills (Kwon et al.'s code, vllm/attention/backends;
+  FlashInfer keeps a decode and a prefill wrapper for the same reason): the step's one-query
+  chunks go to the paged decode, ``iokernels.cupy_raw.calls.paged_decode_pools``, in one call,
+  and its longer chunks to the tensor-core paged prefill, ``paged_prefill_pools``, in another
+  (both planned once per shape).  One prefill call for every row would size its grid by the
+  longest chunk for every sequence of the step, so a step of a few long chunks and hundreds
+  of decodes would launch a grid of mostly empty tiles.
 
 :class:`DeviceContiguousMemory` is the baseline on the device: one contiguous range per
 sample reserved at admission, rounded up to whole blocks so that a range is a run of
@@ -49,23 +55,33 @@ from ..torch_sdpa import sdpa
 from .memory import ContiguousMemory, PagedMemory
 
 __all__ = ["SlotMap", "StepPlan", "DevicePagedMemory", "DeviceContiguousMemory", "DEVICE_BACKENDS",
-           "cupy_paged_prefill"]
+           "cupy_paged_prefill", "cupy_paged_decode"]
 
 #: the attention backends a device memory runs
 DEVICE_BACKENDS = ("torch", "cupy")
-#: where the CuPy paged prefill over device pools lives, and its name
+#: where the CuPy paged prefill and paged decode over device pools live, and their names
 CUPY_PREFILL = ("iokernels.cupy_raw.calls", "paged_prefill_pools")
+CUPY_DECODE = ("iokernels.cupy_raw.calls", "paged_decode_pools")
 _TORCH_DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16,
                  "float16": torch.float16}
 
 
-def cupy_paged_prefill():
-    """``paged_prefill_pools`` of the CuPy backend, or None where it (or CuPy) is not installed."""
+def _cupy_call(where):
     try:
-        module = importlib.import_module(CUPY_PREFILL[0])
+        module = importlib.import_module(where[0])
     except ImportError:
         return None
-    return getattr(module, CUPY_PREFILL[1], None)
+    return getattr(module, where[1], None)
+
+
+def cupy_paged_prefill():
+    """``paged_prefill_pools`` of the CuPy backend, or None where it (or CuPy) is not installed."""
+    return _cupy_call(CUPY_PREFILL)
+
+
+def cupy_paged_decode():
+    """``paged_decode_pools`` of the CuPy backend, or None where it (or CuPy) is not installed."""
+    return _cupy_call(CUPY_DECODE)
 
 
 def _dtype(dtype) -> torch.dtype:
@@ -81,11 +97,14 @@ def _check_backend(backend):
     if backend not in DEVICE_BACKENDS:
         raise ValueError(f"backend: a device memory attends with {', '.join(map(repr, DEVICE_BACKENDS))}; "
                          f"got {backend!r}")
-    kernel = cupy_paged_prefill() if backend == "cupy" else None
-    if backend == "cupy" and kernel is None:
-        raise ValueError("backend: 'cupy' needs {}.{}, which is not available here (no CuPy, or no such "
-                         "kernel yet); use 'torch'".format(*CUPY_PREFILL))
-    return backend, kernel
+    if backend != "cupy":
+        return backend, None
+    kernels = (cupy_paged_prefill(), cupy_paged_decode())
+    for kernel, where in zip(kernels, (CUPY_PREFILL, CUPY_DECODE)):
+        if kernel is None:
+            raise ValueError("backend: 'cupy' needs {}.{}, which is not available here (no CuPy, or no such "
+                             "kernel yet); use 'torch'".format(*where))
+    return backend, kernels
 
 
 def _pools(layers, rows, kv_heads, head_dim, dtype, device):
@@ -128,7 +147,7 @@ class SlotMap(PagedKVCache):
         """
         slot = self.one_into_tail(sid, token_ids) if n == 1 else None
         if slot is not None:
-            return _ROW0, np.array([slot], np.int64)
+            return np.zeros(1, np.int64), np.array([slot], np.int64)
         self._placed = []
         rows = np.arange(n, dtype=np.float64).reshape(n, 1, 1)
         self.append(sid, rows, rows, token_ids=token_ids)
@@ -156,11 +175,6 @@ class SlotMap(PagedKVCache):
         return table[-1] * bs + fill
 
 
-#: the row of a one-token chunk
-_ROW0 = np.zeros(1, np.int64)
-_ROW0.flags.writeable = False
-
-
 @dataclass
 class StepPlan:
     """What every layer of one step reads, on the device (uploaded once): vLLM's attention metadata.
@@ -172,7 +186,11 @@ class StepPlan:
     decodes launches one query tile a sequence, not as many as the whole step has rows).  For
     the torch reference: ``decode``, the one-query chunks grouped by
     length (:func:`decode_buckets`), per group (query rows, key slots (B_g, width), mask
-    (B_g, 1, 1, width)); ``chunks`` [(q0, q1, key slots)] for the others.
+    (B_g, 1, 1, width)); ``chunks`` [(q0, q1, key slots)] for the others.  For the CuPy
+    kernels, int32 on the device: ``decodes`` (query rows, block tables, lengths) of the
+    one-query chunks, ``prefills`` (query rows, block tables, lengths, offsets, longest chunk)
+    of the others; None where the step has none; query rows None where the part is the whole
+    step (its queries are q itself, no gather).
     """
 
     rows: torch.Tensor
@@ -183,6 +201,8 @@ class StepPlan:
     cu_host: np.ndarray
     decode: tuple = ()
     chunks: tuple = ()
+    decodes: tuple | None = None
+    prefills: tuple | None = None
 
     @property
     def max_chunk(self) -> int:
@@ -190,9 +210,9 @@ class StepPlan:
         return int(np.diff(self.cu_host).max(initial=0))
 
 
-def _upload(parts, device):
-    """Host int64 arrays -> device tensors of the same shapes, in one copy."""
-    flat = np.concatenate([np.asarray(p, np.int64).ravel() for p in parts])
+def _upload(parts, device, dtype=np.int64):
+    """Host integer arrays -> device tensors of ``dtype`` and the same shapes, in one copy."""
+    flat = np.concatenate([np.asarray(p, dtype).ravel() for p in parts])
     dev = torch.from_numpy(flat).to(device)
     out, at = [], 0
     for p in parts:
@@ -223,8 +243,8 @@ def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) ->
     d_rows, d_seqs = cu[one], np.asarray(one, np.int64)
     rows_t, slots_t, tables_t, lens_t, cu_t, dq_t, ds_t = _upload([rows, slots, tables, lens, cu, d_rows, d_seqs],
                                                                   device)
-    if backend == "cupy":                             # the kernel's int32 tables, once a step
-        return StepPlan(rows_t, slots_t, tables_t.to(torch.int32), lens_t.to(torch.int32), cu_t.to(torch.int32), cu)
+    if backend == "cupy":
+        return _plan_kernels(StepPlan(rows_t, slots_t, tables_t, lens_t, cu_t, cu), tables, lens, chunk_lens, device)
     plan = StepPlan(rows_t, slots_t, tables_t, lens_t, cu_t, cu)
 
     def key_slots(table_rows, length):           # slot of key j: table[j // block_size] * block_size + j % bs
@@ -245,6 +265,23 @@ def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) ->
     return plan
 
 
+def _plan_kernels(plan, tables, lens, chunk_lens, device) -> StepPlan:
+    """The CuPy kernels' parts of a step: the decodes and the longer chunks, int32, one copy."""
+    c = np.asarray(chunk_lens, np.int64)
+    dec, pre = np.flatnonzero(c == 1), np.flatnonzero(c > 1)
+    cp = c[pre]
+    p_cu = np.concatenate([[0], np.cumsum(cp)])
+    p_rows = np.arange(p_cu[-1]) + np.repeat(plan.cu_host[pre] - p_cu[:-1], cp)   # each chunk's rows, packed
+    parts = [plan.cu_host[dec], tables[dec], lens[dec], p_rows, tables[pre], lens[pre], p_cu]
+    d_rows, d_tab, d_lens, p_rows_t, p_tab, p_lens, p_cu_t = _upload(parts, device, np.int32)
+    whole = len(dec) == len(c)                        # the part is the whole step: q itself
+    if len(dec):
+        plan.decodes = (None if whole else d_rows.long(), d_tab, d_lens)
+    if len(pre):
+        plan.prefills = (None if not len(dec) else p_rows_t.long(), p_tab, p_lens, p_cu_t, int(cp.max()))
+    return plan
+
+
 class _DeviceAttention:
     """What both device memories do per layer: store the chunk's rows, then attend."""
 
@@ -252,7 +289,7 @@ class _DeviceAttention:
     v_pools: torch.Tensor
     block_size: int
     backend: str
-    kernel: object
+    kernel: tuple | None                              # "cupy": (paged prefill, paged decode)
 
     def write_attend(self, layer, plan: StepPlan, q, k, v):
         """Store this layer's K, V rows (total_q, Hkv, d) at the plan's slots; the chunks' attention output."""
@@ -260,12 +297,32 @@ class _DeviceAttention:
         k_flat[plan.slots] = k[plan.rows]
         v_flat[plan.slots] = v[plan.rows]
         if self.backend == "cupy":
-            k_pool, v_pool = (p[layer].view(-1, self.block_size, *p.shape[2:]) for p in (self.k_pools, self.v_pools))
-            # the longest chunk sizes the kernel's grid (the offsets stay on the device, unread)
-            o, _ = self.kernel(q, k_pool, v_pool, plan.block_tables, plan.seq_lens, plan.cu_seqlens_q, causal=True,
-                               max_seqlen_q=plan.max_chunk)
-            return torch.as_tensor(o, device=q.device)
+            return self._attend_kernels(layer, plan, q)
         return _attend_torch(q, k_flat, v_flat, plan)
+
+    def _attend_kernels(self, layer, plan: StepPlan, q):
+        """The CuPy kernels: the decodes in one paged decode, the longer chunks in one paged prefill."""
+        prefill, decode = self.kernel
+        k_pool, v_pool = (p[layer].view(-1, self.block_size, *p.shape[2:]) for p in (self.k_pools, self.v_pools))
+        o = None
+        if plan.decodes is not None:
+            rows, tables, lens = plan.decodes
+            od, _ = decode(q if rows is None else q[rows], k_pool, v_pool, tables, lens)
+            od = torch.as_tensor(od, device=q.device)
+            if rows is None:
+                return od
+            o = torch.empty_like(q)
+            o[rows] = od
+        if plan.prefills is not None:
+            rows, tables, lens, cu, longest = plan.prefills
+            # the longest chunk sizes the kernel's grid (the offsets stay on the device, unread)
+            op, _ = prefill(q if rows is None else q[rows], k_pool, v_pool, tables, lens, cu, causal=True,
+                            max_seqlen_q=longest)
+            op = torch.as_tensor(op, device=q.device)
+            if rows is None:
+                return op
+            o[rows] = op
+        return o
 
     def attend(self, layer, q, seqs, chunk_lens):
         """A host memory's per-layer call; a device memory attends in :meth:`write_attend`."""
