@@ -453,3 +453,18 @@ def test_the_fp8_section_runs_on_hopper():
     assert names[:len(fp8_names)] == fp8_names                  # v2's rows in the same case as v1's
     assert all(r["status"] == "ok" for r in case["results"][:len(fp8_names)]), case["results"][:len(fp8_names)]
     assert case["results"][0]["speed_vs_bf16"] == 1.0 and case["best_sdpa"]
+
+
+def test_paged_decode_rows_hold_the_tables_where_each_launcher_reads_them():
+    """A paged decode timed in a loop gets its tables as a program holds them: on the device for
+    the launchers that read them there (CuPy: tables and lengths; Triton: tables), NumPy for Numba."""
+    import torch
+
+    from iokernels.bench.runners import PAGED_TABLES_ON_DEVICE, paged_call_tables
+    tables, lens = np.arange(6, dtype=np.int32).reshape(2, 3), np.array([40, 7], np.int32)
+    for backend, (t_dev, l_dev) in PAGED_TABLES_ON_DEVICE.items():
+        t, n = paged_call_tables(backend, tables, lens, torch.device("cpu"))
+        assert isinstance(t, torch.Tensor) == t_dev and isinstance(n, torch.Tensor) == l_dev, backend
+        assert np.array_equal(np.asarray(t), tables) and np.array_equal(np.asarray(n), lens)
+        assert (t is tables) == (not t_dev) and (n is lens) == (not l_dev)
+    assert PAGED_TABLES_ON_DEVICE["cupy"] == (True, True) and PAGED_TABLES_ON_DEVICE["numba"] == (False, False)

@@ -376,6 +376,23 @@ def device_pages(k, v, seed=0, block_size=PAGED_BLOCK, scattered=True):
     return kp, vp, tables, np.full(B, N, dtype=np.int32)
 
 
+#: per backend, where a program that calls a paged decode in a loop keeps its block tables and
+#: lengths: on the device, as a server keeps them (vLLM's block tables, FlashInfer's indices),
+#: where the launcher reads them there; the Numba launcher reads both on the host, and the
+#: Triton one reads the lengths on the host (they size its launch)
+PAGED_TABLES_ON_DEVICE = {"cupy": (True, True), "triton": (True, False), "numba": (False, False)}
+
+
+def paged_call_tables(backend, tables, lens, device):
+    """(block tables, lengths) as ``backend``'s paged decode is called in a loop: the NumPy
+    ``tables`` and ``lens``, each moved to ``device`` (once, before the timed calls) where
+    :data:`PAGED_TABLES_ON_DEVICE` says the launcher reads it there."""
+    import torch
+    on_dev = PAGED_TABLES_ON_DEVICE.get(backend, (False, False))
+    return tuple(torch.from_numpy(np.ascontiguousarray(x)).to(device) if d else x
+                 for x, d in zip((tables, lens), on_dev))
+
+
 def _gpu_module(backend):
     if backend == "numba":
         _resolve_backend("numba", "attention")             # refuses the simulator
@@ -443,11 +460,13 @@ def _decode_rows(case, seed, progress, target_ms):
     except (Unavailable, RuntimeError) as e:   # e.g. out of device memory
         pages = e
     for backend in GPU_ROW_BACKENDS:
-        def fn(cfg, backend=backend):
+        held = None if isinstance(pages, Exception) else paged_call_tables(backend, pages[2], pages[3], q.device)
+
+        def fn(cfg, backend=backend, held=held):
             if isinstance(pages, Exception):
                 raise Unavailable(f"paged pools: {_first_line(pages)}")
             f = _pool_fn(backend, "paged_decode_pools")
-            return f(q, pages[0], pages[1], pages[2], pages[3], num_splits=None, scale=scale, config=cfg)
+            return f(q, pages[0], pages[1], held[0], held[1], num_splits=None, scale=scale, config=cfg)
         rows += _gpu_rows(backend, "paged_decode", fn, suffix=" paged", need=dict(q=q, k=k, v=v),
                           work=kv_bytes, unit="TB/s", ref=ref, dtype=dtype, target_ms=target_ms)
         progress.update(1)
