@@ -28,12 +28,13 @@ The attention ``backend``:
   valid keys, each longer chunk in its own call, causal bottom-right
   (:func:`iokernels.torch_sdpa.sdpa`; SDPA's ``is_causal`` alone is top-left aligned);
 * ``"cupy"``: the CuPy kernels reading the pools in place, looked up by name when the
-  memory is made (a clear error where they are not there), as vLLM splits a step's attention
-  metadata into its decodes and its prefills (Kwon et al.'s code, vllm/attention/backends;
-  FlashInfer keeps a decode and a prefill wrapper for the same reason): the step's one-query
-  chunks go to the paged decode, ``iokernels.cupy_raw.calls.paged_decode_pools``, in one call,
-  and its longer chunks to the tensor-core paged prefill, ``paged_prefill_pools``, in another
-  (both planned once per shape).  One prefill call for every row would size its grid by the
+  memory is made (a clear error where they are not there), split as vLLM splits a step's
+  attention metadata (``prefill_metadata`` and ``decode_metadata`` in
+  vllm/attention/backends/flash_attn.py; code) and as FlashInfer offers
+  ``BatchDecodeWithPagedKVCacheWrapper`` beside ``BatchPrefillWithPagedKVCacheWrapper``
+  (docs): the step's one-query chunks go to the paged decode,
+  ``iokernels.cupy_raw.calls.paged_decode_pools``, in one call, and its longer chunks to the
+  tensor-core paged prefill, ``paged_prefill_pools``, in another (both planned once per shape).  One prefill call for every row would size its grid by the
   longest chunk for every sequence of the step, so a step of a few long chunks and hundreds
   of decodes would launch a grid of mostly empty tiles.
 
