@@ -302,8 +302,7 @@ class PagedKVCache:
 
     def last_block(self, sid) -> int:
         """The physical block of sequence ``sid``'s last logical block (-1 while it holds none), uncopied."""
-        table = self._tables[self._check_sid(sid)]
-        return table[-1] if table else -1
+        return (self._tables[self._check_sid(sid)] or [-1])[-1]
 
     def num_free_blocks(self) -> int:
         return len(self._free)
@@ -319,10 +318,9 @@ class PagedKVCache:
         """Blocks holding a prefix-cache key (live or free): block -> short hex key."""
         return {b: k.hex()[:8] for b, k in sorted(self._key_of_block.items())}
 
-    def _check_block(self, block):
-        if type(block) is int and 0 <= block < self.num_blocks:
-            return
-        if isinstance(block, bool) or not isinstance(block, numbers.Integral) or not 0 <= block < self.num_blocks:
+    def _check_block(self, block):                        # (an int skips the ABC checks)
+        if (type(block) is not int and (isinstance(block, bool) or not isinstance(block, numbers.Integral))) \
+                or not 0 <= block < self.num_blocks:
             raise ValueError(f"block: expected a block id in [0, {self.num_blocks}), got {block!r}")
 
     def block_tables_array(self, seq_ids):

@@ -460,7 +460,7 @@ def test_paged_decode_rows_hold_the_tables_where_each_launcher_reads_them():
     the launchers that read them there (CuPy: tables and lengths; Triton: tables), NumPy for Numba."""
     import torch
 
-    from iokernels.bench.runners import PAGED_TABLES_ON_DEVICE, paged_call_tables
+    from iokernels.bench.paged_tables import PAGED_TABLES_ON_DEVICE, paged_call_tables
     tables, lens = np.arange(6, dtype=np.int32).reshape(2, 3), np.array([40, 7], np.int32)
     for backend, (t_dev, l_dev) in PAGED_TABLES_ON_DEVICE.items():
         t, n = paged_call_tables(backend, tables, lens, torch.device("cpu"))

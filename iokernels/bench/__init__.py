@@ -6,6 +6,7 @@
 :mod:`.environment`  the label of every recorded number (GPU, driver, versions, date)
 :mod:`.specs`      the benchmark's shapes, declared as data
 :mod:`.runners`    one row per registered kernel version and SDPA kernel
+:mod:`.paged_tables`  where the paged rows keep their block tables (as a program does)
 :mod:`.cli`        ``python -m iokernels bench``: run, table, JSON record
 :mod:`.cliff`      the cliff sweep (shapes off the serving grid, time-boxed) and the
                    captured decode step (eager against a CUDA graph)

@@ -24,6 +24,7 @@ from ..core.conventions import key_range
 from ..core.gpu import simulator_enabled
 from ..core.testing import make_inputs
 from ..paged import MIN_SCALE, QUANT_FORMATS
+from .paged_tables import paged_call_tables
 from .specs import CHECK_TOL, NUMPY_MAX_FLOPS, PAGED_BLOCK, SDPA_NAMES, SLOW_CALL_MS, TARGET_MS_PER_RUNNER
 from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, _Device, host_calls, host_ms_loop, peak_memory,
                     release_device_cache, time_cpu, time_cuda)
@@ -374,23 +375,6 @@ def device_pages(k, v, seed=0, block_size=PAGED_BLOCK, scattered=True):
         kp[idx] = k[b].permute(1, 0, 2).reshape(nblk, block_size, Hkv, d)
         vp[idx] = v[b].permute(1, 0, 2).reshape(nblk, block_size, Hkv, d)
     return kp, vp, tables, np.full(B, N, dtype=np.int32)
-
-
-#: per backend, where a program that calls a paged decode in a loop keeps its block tables and
-#: lengths: on the device, as a server keeps them (vLLM's block tables, FlashInfer's indices),
-#: where the launcher reads them there; the Numba launcher reads both on the host, and the
-#: Triton one reads the lengths on the host (they size its launch)
-PAGED_TABLES_ON_DEVICE = {"cupy": (True, True), "triton": (True, False), "numba": (False, False)}
-
-
-def paged_call_tables(backend, tables, lens, device):
-    """(block tables, lengths) as ``backend``'s paged decode is called in a loop: the NumPy
-    ``tables`` and ``lens``, each moved to ``device`` (once, before the timed calls) where
-    :data:`PAGED_TABLES_ON_DEVICE` says the launcher reads it there."""
-    import torch
-    on_dev = PAGED_TABLES_ON_DEVICE.get(backend, (False, False))
-    return tuple(torch.from_numpy(np.ascontiguousarray(x)).to(device) if d else x
-                 for x, d in zip((tables, lens), on_dev))
 
 
 def _gpu_module(backend):

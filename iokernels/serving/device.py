@@ -34,9 +34,10 @@ The attention ``backend``:
   ``BatchDecodeWithPagedKVCacheWrapper`` beside ``BatchPrefillWithPagedKVCacheWrapper``
   (docs): the step's one-query chunks go to the paged decode,
   ``iokernels.cupy_raw.calls.paged_decode_pools``, in one call, and its longer chunks to the
-  tensor-core paged prefill, ``paged_prefill_pools``, in another (both planned once per shape).  One prefill call for every row would size its grid by the
-  longest chunk for every sequence of the step, so a step of a few long chunks and hundreds
-  of decodes would launch a grid of mostly empty tiles.
+  tensor-core paged prefill, ``paged_prefill_pools``, in another (both planned once per
+  shape).  One prefill call for every row would size its grid by the longest chunk for every
+  sequence of the step, so a step of a few long chunks and hundreds of decodes would launch
+  a grid of mostly empty tiles.
 
 :class:`DeviceContiguousMemory` is the baseline on the device: one contiguous range per
 sample reserved at admission, rounded up to whole blocks so that a range is a run of
