@@ -182,34 +182,28 @@ class StepPlan:
     """What every layer of one step reads, on the device (uploaded once): vLLM's attention metadata.
 
     rows, slots: chunk row rows[i] is stored at slot slots[i] of a layer's pool viewed as
-    (num_blocks * block_size, Hkv, d); block_tables (B, max_blocks) and seq_lens (B,) after
-    the step's rows; cu_seqlens_q (B + 1,): the packed queries' offsets (host copy:
-    ``cu_host``; the longest chunk: ``max_chunk``, which sizes the kernel's grid, so a step of
-    decodes launches one query tile a sequence, not as many as the whole step has rows).  For
-    the torch reference: ``decode``, the one-query chunks grouped by
-    length (:func:`decode_buckets`), per group (query rows, key slots (B_g, width), mask
-    (B_g, 1, 1, width)); ``chunks`` [(q0, q1, key slots)] for the others.  For the CuPy
-    kernels, int32 on the device: ``decodes`` (query rows, block tables, lengths) of the
-    one-query chunks, ``prefills`` (query rows, block tables, lengths, offsets, longest chunk)
+    (num_blocks * block_size, Hkv, d); ``cu_host``: the packed queries' offsets (B + 1,), on
+    the host.  For the torch reference: block_tables (B, max_blocks) and seq_lens (B,) after
+    the step's rows, cu_seqlens_q (the offsets on the device); ``decode``, the one-query
+    chunks grouped by length (:func:`decode_buckets`), per group (query rows, key slots
+    (B_g, width), mask (B_g, 1, 1, width)); ``chunks`` [(q0, q1, key slots)] for the others.
+    For the CuPy kernels (block_tables, seq_lens and cu_seqlens_q None), int32 on the device:
+    ``decodes`` (query rows, block tables, lengths) of the one-query chunks, ``prefills``
+    (query rows, block tables, lengths, offsets, longest chunk: it sizes the prefill's grid)
     of the others; None where the step has none; query rows None where the part is the whole
     step (its queries are q itself, no gather).
     """
 
     rows: torch.Tensor
     slots: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens_q: torch.Tensor
+    block_tables: torch.Tensor | None
+    seq_lens: torch.Tensor | None
+    cu_seqlens_q: torch.Tensor | None
     cu_host: np.ndarray
     decode: tuple = ()
     chunks: tuple = ()
     decodes: tuple | None = None
     prefills: tuple | None = None
-
-    @property
-    def max_chunk(self) -> int:
-        """The step's longest chunk (query rows of one sequence), from the host copy of the offsets."""
-        return int(np.diff(self.cu_host).max(initial=0))
 
 
 def _upload(parts, device, dtype=np.int64):
@@ -241,12 +235,13 @@ def decode_buckets(lens) -> list:
 def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) -> StepPlan:
     """Upload a step's books; for the torch reference, also which key slots each query reads."""
     cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
+    if backend == "cupy":                             # the kernels take their own parts (_plan_kernels)
+        rows_t, slots_t = _upload([rows, slots], device)
+        return _plan_kernels(StepPlan(rows_t, slots_t, None, None, None, cu), tables, lens, chunk_lens, device)
     one = [i for i, c in enumerate(chunk_lens) if c == 1]
     d_rows, d_seqs = cu[one], np.asarray(one, np.int64)
     rows_t, slots_t, tables_t, lens_t, cu_t, dq_t, ds_t = _upload([rows, slots, tables, lens, cu, d_rows, d_seqs],
                                                                   device)
-    if backend == "cupy":
-        return _plan_kernels(StepPlan(rows_t, slots_t, tables_t, lens_t, cu_t, cu), tables, lens, chunk_lens, device)
     plan = StepPlan(rows_t, slots_t, tables_t, lens_t, cu_t, cu)
 
     def key_slots(table_rows, length):           # slot of key j: table[j // block_size] * block_size + j % bs
