@@ -150,6 +150,10 @@ class SlotMap(PagedKVCache):
         slot = self.one_into_tail(sid, token_ids) if n == 1 else None
         if slot is not None:
             return np.zeros(1, np.int64), np.array([slot], np.int64)
+        return self.place_by_append(sid, n, token_ids)
+
+    def place_by_append(self, sid, n, token_ids=None):
+        """:meth:`place` through ``append``'s general plan (copy-on-write, prefix hits, fresh blocks)."""
         self._placed = []
         rows = np.arange(n, dtype=np.float64).reshape(n, 1, 1)
         self.append(sid, rows, rows, token_ids=token_ids)
@@ -373,7 +377,7 @@ class DevicePagedMemory(_DeviceAttention, PagedMemory):
                 rows.append(at)
                 slots.append(slot)
             else:
-                r, sl = self.cache.place(s.handle, c, ids)
+                r, sl = self.cache.place_by_append(s.handle, c, ids)   # (one_into_tail declined it)
                 rows.extend((r + at).tolist())
                 slots.extend(sl.tolist())
             at += c
