@@ -372,13 +372,17 @@ def test_paged_prefill_rows_are_every_version_v2_the_default():
 
 
 def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeypatch, rng):
-    """The cliff's extra prefill row: at head_dim 256 (as if on a Hopper GPU) the default keeps
-    the portable kernel and v5 is the version held back; at 128 v5 is the default, nothing is."""
+    """The cliff's extra prefill row: with head_dim 256 out of the Hopper gate (as if on a Hopper
+    GPU) the default keeps the portable kernel and v5 is the version held back; with the gate
+    open, and at 128, v5 is the default and nothing is."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.core.testing import make_inputs
+    from iokernels.cupy_raw import policy
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=256, dtype="bfloat16")
+    assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
+    monkeypatch.setattr(policy, "HOPPER_DEFAULT_HEAD_DIMS", (64, 128))
     name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
     assert name == "cupy:v5" and cfg.version == "v5" and why.startswith("not the default at head_dim 256")
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=128, dtype="bfloat16")

@@ -13,8 +13,8 @@ With compute capability 9.0: FlashAttention's 2x rule against the float64 oracle
 (``hopper.oracle_check``: outputs poisoned with NaN, the oracle on the first and last rows) at
 d in {64, 128, 256} (v6 at 64 only), N in {1, 127, 1024, 4096}, causal and not, GQA and
 Nq != Nk; v6's fully masked rows, windows, other tile settings and its agreement with v5; the
-public function at d = 256 with a config naming the version (the default does not pick it there
-yet); the GEMM by the same rule against torch.matmul.  Skipped elsewhere with the reason.
+public function at d = 256 with a config naming the version and with the default; the GEMM by
+the same rule against torch.matmul.  Skipped elsewhere with the reason.
 """
 
 import numpy as np
@@ -180,24 +180,29 @@ def test_registry_check_says_why_not():
     assert "simulator" in hp.check(Need(dtype="float16", head_dim=64, simulator=True))
     assert hp.check(ok) == hp.available()                # the rest is what this machine has
     assert hp.check(Need(dtype="bfloat16", head_dim=256, cc=90)) == hp.available()   # d = 256 runs
-    assert hp.default_check(Need(dtype="bfloat16", head_dim=256, cc=90)).startswith("not the default")
     assert hp.default_check(ok) is None
+    assert hp.default_check(Need(dtype="bfloat16", head_dim=256, cc=90)) is None
 
 
-def test_default_at_256_is_still_the_portable_kernel_and_a_config_reaches_hopper(monkeypatch):
-    """As if on a Hopper GPU: the default picks v5 at d = 128 but keeps the portable kernel at
-    d = 256 (behind policy.hopper_default_at); a config naming a Hopper version runs it there."""
+def test_the_head_dim_gate_keeps_the_portable_kernel_where_it_is_closed(monkeypatch):
+    """As if on a Hopper GPU: the default picks v5 at every head dim policy.hopper_default_at
+    allows (64, 128, 256); with 256 taken out of the gate it keeps the portable v2 there and
+    says why; a config naming a Hopper version runs it at 256 either way."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
-    assert REGISTRY.default("attention", at[128]).version == hp.DEFAULT_VERSION
-    assert REGISTRY.default("attention", at[64]).version == hp.DEFAULT_VERSION
+    for d in hp.HEAD_DIMS:
+        assert REGISTRY.default("attention", at[d]).version == hp.DEFAULT_VERSION
+        k, _ = REGISTRY.resolve("attention", hp.HopperConfig(), at[d])      # version None: the default
+        assert k.config_class is hp.HopperConfig and k.version == hp.DEFAULT_VERSION
+    monkeypatch.setattr(P, "HOPPER_DEFAULT_HEAD_DIMS", (64, 128))
+    assert hp.default_check(at[256]).startswith("not the default at head_dim 256")
     portable = REGISTRY.default("attention", at[256])
     assert portable.config_class is not hp.HopperConfig and portable.version == "v2"
     k, cfg = REGISTRY.resolve("attention", None, at[256])
     assert k is portable
-    k, cfg = REGISTRY.resolve("attention", hp.HopperConfig(), at[256])     # version None: the default
+    k, cfg = REGISTRY.resolve("attention", hp.HopperConfig(), at[256])
     assert k is portable
     for version in (v for v in hp.VERSIONS if 256 in hp.head_dims(v)):
         k, cfg = REGISTRY.resolve("attention", hp.HopperConfig(version=version), at[256])
@@ -260,7 +265,7 @@ def test_v6_is_held_back_runs_when_named_and_says_why_not(monkeypatch):
     assert rec.not_default(at[64]) == P.held_back("attention", "v6")
     assert "held back from the default" in rec.summary
     for d in hp.HEAD_DIMS:
-        assert REGISTRY.default("attention", at[d]).version == ("v2" if d == 256 else hp.DEFAULT_VERSION)
+        assert REGISTRY.default("attention", at[d]).version == hp.DEFAULT_VERSION
     k, cfg = REGISTRY.resolve("attention", hp.HopperConfig(version="v6"), at[64])
     assert k is rec and cfg.resolve(64).block_m() == 192
     for n, why in ((at[128], "takes head_dim 64 only"), (at[256], "takes head_dim 64 only"),
@@ -274,7 +279,7 @@ def test_v6_is_held_back_runs_when_named_and_says_why_not(monkeypatch):
 
 def test_v6_gate_opens_in_one_place(monkeypatch):
     """Once its entry leaves policy.HELD_BACK, v6 is the default at head_dim 64 on Hopper, and only
-    there: v5 stays the default at 128, the portable kernel at 256 and off Hopper."""
+    there: v5 stays the default at 128 and 256, the portable kernel off Hopper."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
@@ -284,7 +289,7 @@ def test_v6_gate_opens_in_one_place(monkeypatch):
     assert k.version == "v6" and cfg.version == "v6" and cfg.resolve(64).block_m() == 192
     assert REGISTRY.resolve("attention", hp.HopperConfig(), at[64])[0].version == "v6"
     assert REGISTRY.default("attention", at[128]).version == "v5"
-    assert REGISTRY.default("attention", at[256]).version == "v2"
+    assert REGISTRY.default("attention", at[256]).version == "v5"
     assert REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=64, cc=80)).version == "v2"
 
 
@@ -350,20 +355,21 @@ def test_two_x_rule_gqa_and_unequal_lengths(rng, version, shape):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", (False, True))
-def test_public_attention_at_256_runs_hopper_only_when_a_config_names_it(rng, causal):
-    """d = 256 through ik.attention (the plan path): a config naming v5 runs fa_v5 (the same bits
-    as hopper.attention, which the 2x rule holds); no config keeps the portable default."""
+def test_public_attention_at_256_runs_hopper_by_default_and_by_name(rng, causal):
+    """d = 256 through ik.attention (the plan path): the default and a config naming v5 both run
+    fa_v5 (the same bits as hopper.attention, which the 2x rule holds)."""
     import torch
 
     import iokernels as ik
     from iokernels.cupy_raw import REGISTRY, need
     q, k, v = _torch_inputs(rng, 2, 4, 2, 1000, 1000, 256, "bfloat16")
-    assert REGISTRY.default("attention", need("attention", q=q, k=k, v=v)).config_class is not hp.HopperConfig
+    assert REGISTRY.default("attention", need("attention", q=q, k=k, v=v)).version == hp.DEFAULT_VERSION == "v5"
     cfg = hp.HopperConfig(version="v5")
     o = ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)
+    o_default = ik.attention(q, k, v, causal=causal, backend="cupy")
     o_direct, _ = hp.attention(q, k, v, causal=causal, config=cfg)
     torch.cuda.synchronize()
-    assert torch.equal(o, o_direct)
+    assert torch.equal(o, o_direct) and torch.equal(o_default, o_direct)
     _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=cfg), f"v5 d=256 causal={causal}")
 
 

@@ -170,9 +170,9 @@ def test_hopper_tiles_and_the_config_that_uses_them():
 
 
 def test_hopper_default_gate_is_the_measured_head_dims():
-    assert P.hopper_default_at(64) and P.hopper_default_at(128)
-    assert not P.hopper_default_at(256)
-    assert P.HOPPER_DEFAULT_HEAD_DIMS == (64, 128)
+    assert P.hopper_default_at(64) and P.hopper_default_at(128) and P.hopper_default_at(256)
+    assert not P.hopper_default_at(96)
+    assert P.HOPPER_DEFAULT_HEAD_DIMS == (64, 128, 256)
 
 
 # --------------------------------------------------------------------------- Numba sizes

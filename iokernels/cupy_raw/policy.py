@@ -228,8 +228,8 @@ HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4}
 HOPPER_WIDE_HEAD_DIM = 256
 HOPPER_WIDE_TILES = (64, 2)
 #: the head dims at which the registry's default may pick a Hopper version (see
-#: :func:`hopper_default_at`)
-HOPPER_DEFAULT_HEAD_DIMS = (64, 128)
+#: :func:`hopper_default_at`): all three, each measured on a GPU
+HOPPER_DEFAULT_HEAD_DIMS = (64, 128, 256)
 
 
 def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
@@ -258,11 +258,13 @@ def hopper_default_at(head_dim: int) -> bool:
     """Whether the registry's default (a config of None, or a version of None) may pick a
     Hopper version at ``head_dim``: the head dims in HOPPER_DEFAULT_HEAD_DIMS.
 
-    The Hopper kernels also take head_dim 256, but there they run only when a config names
-    the version (``HopperConfig(version="v5")``); below them, the default keeps the portable
-    kernel it picked before.  This gate opens (256 joins HOPPER_DEFAULT_HEAD_DIMS) once the
-    GPU tests (tests/test_hopper.py at d = 256) have passed and the benchmark's cliff section
-    has recorded the Hopper kernels at that head dim beside the SDPA kernels."""
+    A head dim joins that tuple once the GPU tests (tests/test_hopper.py at that head dim) have
+    passed and the benchmark's cliff section has recorded the Hopper kernels there beside the
+    SDPA kernels and the portable version the default picked before.  Until then a config
+    naming the version runs it (``HopperConfig(version="v5")``).  256 joined on two records in
+    benchmarks/results: the GPU tests (sections_h200_2026-12-05_gpu_tests.txt) and the cliff
+    cases at head_dim 256 (sections_h200_2026-12-05_decode_paged_prefill_cliff.json, v5 faster
+    than the portable v2 in each)."""
     return head_dim in HOPPER_DEFAULT_HEAD_DIMS
 
 

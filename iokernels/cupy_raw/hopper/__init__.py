@@ -56,9 +56,10 @@ wgmma descriptors in ``hopper_common.cuh`` name.
 Scope: float16 and bfloat16; head_dim 64, 128 and 256; causal (bottom-right) and windows, tiles
 no row can see skipped; GQA/MQA; Nq != Nk; any lengths; LSE returned (float32).  At head_dim 256
 a consumer's O is 64 x 256 (128 float32 registers a thread, one m64n256k16 wgmma a k-step of
-P V), so the tiles are Bc = 64 with two stages (:func:`~iokernels.cupy_raw.policy.hopper_tiles`);
-the registry's default does not pick these kernels there yet
-(:func:`~iokernels.cupy_raw.policy.hopper_default_at`): a config naming the version runs them,
+P V), so the tiles are Bc = 64 with two stages (:func:`~iokernels.cupy_raw.policy.hopper_tiles`).
+The registry's default picks these kernels at the head dims
+:func:`~iokernels.cupy_raw.policy.hopper_default_at` allows (each measured on a GPU first); a
+config naming the version runs it anywhere it fits,
 ``ik.attention(q, k, v, backend="cupy", config=HopperConfig(version="v5"))``.  Nothing here
 touches a GPU at import; compiled kernels (in :mod:`.launch`'s cache, keyed by kernel, defines and device) and
 the device facts (:func:`~iokernels.cupy_raw.launch.device_info`) are the only state.

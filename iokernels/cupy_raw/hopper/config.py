@@ -10,8 +10,8 @@ from ..policy import HOPPER_WIDE_HEAD_DIM, hopper_tiles
 
 VERSIONS = ("v3", "v4", "v5", "v6")
 DTYPES = ("float16", "bfloat16")
-#: head dims the kernels are built for; at 256 the registry's default does not pick them yet
-#: (:func:`~iokernels.cupy_raw.policy.hopper_default_at`): a config names the version
+#: head dims the kernels are built for (the registry's default picks them at those
+#: :func:`~iokernels.cupy_raw.policy.hopper_default_at` allows)
 HEAD_DIMS = (64, 128, 256)
 #: the one compute capability these kernels are built for (sm_90a: wgmma, setmaxnreg)
 HOPPER_CC = 90
