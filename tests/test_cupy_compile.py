@@ -539,12 +539,17 @@ def test_default_forward_fits_every_dtype_and_head_dim(smem, cc):
     assert set(impossible) == want
 
 
+@pytest.mark.parametrize("v6_gate", ["held back", "open"])
 @pytest.mark.parametrize("smem", SMEM_LIMITS)
-def test_default_decode_fits_every_dtype_and_head_dim(smem):
+def test_default_decode_fits_every_dtype_and_head_dim(smem, v6_gate, monkeypatch):
     """The decode default is v4 for 16-bit rows of whole mma k-steps (d % 16 == 0, d <= 256,
-    g <= 16) where its shallowest ring fits, else v3 where its rows and shallowest ring fit,
-    else v1 (which needs only a little static SRAM); never v6 (run by name); a ring's depth
-    shrinks until it fits."""
+    g <= 16) where its shallowest ring fits; v6 for those rows at 16 < g <= 64 where its
+    smallest block fits, once policy.HELD_BACK lets it (never while it is held back); else v3
+    where its rows and shallowest ring fit, else v1 (which needs only a little static SRAM); a
+    ring's depth shrinks until it fits."""
+    if v6_gate == "open":
+        for op in ("decode", "paged_decode"):
+            monkeypatch.delitem(cr.policy.HELD_BACK, (op, "v6"))
     for dtype in DTYPES:
         for d in HEAD_DIMS:
             for group in (1, 4, 8, 16, 32, 64):
@@ -554,11 +559,15 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem):
                     assert kernel.version == "v1", (dtype, d)
                 tc_shape = dtype in ("float16", "bfloat16") and d % 16 == 0 and d <= 256
                 v4_shape = tc_shape and group <= 16
+                v6_shape = v6_gate == "open" and tc_shape and 16 < group <= V6.DECODE_V6_MAX_GROUP
                 if kernel.version == "v4":
                     assert v4_shape, (dtype, d, group)
                 elif v4_shape:                          # only SRAM may send a v4 shape elsewhere
                     assert C.ring_smem_bound("v4", d, dtype, group) > smem, (dtype, d, group, kernel.version)
-                assert kernel.version != "v6", (dtype, d, group)    # v6 runs by name only
+                if kernel.version == "v6":
+                    assert v6_shape, (dtype, d, group, v6_gate)
+                elif v6_shape:                          # ... or a v6 shape
+                    assert V6.v6_smem_bound(d, dtype, group) > smem, (dtype, d, group, kernel.version)
                 if kernel.version in ("v3", "v4", "v6"):
                     st = cfg.ring_stages(d, dtype, group, smem)
                     rows = (cfg.v4_tile_rows() if kernel.version == "v4" else V6.v6_tile_rows(cfg, d)
@@ -573,8 +582,9 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem):
                     cfg.defines(d, dtype, group, False, 16)
     big = 227 * 1024
     assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 128, 90, big, group=4))[0].version == "v4"
-    # v6 runs groups past 16 when named; the default stays v3 until racecheck is clean on v6
-    assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=32))[0].version == "v3"
+    # v6 runs groups past 16 when named; the default stays v3 while policy.HELD_BACK holds v6
+    assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=32))[0].version \
+        == ("v6" if v6_gate == "open" else "v3")
     assert cr.REGISTRY.resolve("decode", cr.DecodeConfig("v6"), _need("float16", 128, 90, big, group=32))[0].version \
         == "v6"
     assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=65))[0].version != "v6"

@@ -147,6 +147,18 @@ def _default_row(op, fn, need, **measure_kw) -> dict:
     return row
 
 
+def _held_back_rows(op, fn, need, **measure_kw) -> list[dict]:
+    """The row of the version the default would pick but for its ``default_check``
+    (:func:`registry_held_back`), flagged ``held_back`` with the reason; [] when there is none."""
+    held = registry_held_back("cupy", op, **need)
+    if held is None:
+        return []
+    name, cfg, why = held
+    row = _measure(name, "cupy", lambda: fn(cfg), **measure_kw)
+    row["held_back"] = why
+    return [row]
+
+
 def _decode_case(shape, dtype, seed, target_ms) -> dict:
     B, Hq, Hkv, N, d = (shape[k] for k in ("batch", "heads_q", "heads_kv", "seqlen", "head_dim"))
     kv_bytes = 2.0 * B * Hkv * N * d * _torch_dtype(dtype).itemsize
@@ -159,9 +171,13 @@ def _decode_case(shape, dtype, seed, target_ms) -> dict:
     ref4 = _reference(q4, k, v, False, True, gqa)
     rows = _sdpa_rows(case, q4, k, v, False, ref4, dtype, True, kv_bytes, "TB/s", gqa, target_ms)
     scale = 1.0 / np.sqrt(d)
-    rows.append(_default_row("decode", lambda cfg: ik.decode(q, k, v, scale=scale, backend="cupy", config=cfg),
-                             dict(q=q, k=k, v=v), work=kv_bytes, unit="TB/s",
-                             ref=None if ref4 is None else ref4[:, :, 0, :], dtype=dtype, target_ms=target_ms))
+    ours = dict(work=kv_bytes, unit="TB/s", ref=None if ref4 is None else ref4[:, :, 0, :], dtype=dtype,
+                target_ms=target_ms)
+
+    def run(cfg):
+        return ik.decode(q, k, v, scale=scale, backend="cupy", config=cfg)
+    rows.append(_default_row("decode", run, dict(q=q, k=k, v=v), **ours))
+    rows += _held_back_rows("decode", run, dict(q=q, k=k, v=v), **ours)
     case["results"] = rows
     return _finish_case(case)
 
@@ -184,18 +200,12 @@ def _prefill_case(shape, dtype, seed, target_ms) -> dict:
         rows.append(_measure(f"sdpa:{name}", "sdpa", fn, work=flops, unit="TFLOP/s", ref=ref, dtype=dtype,
                              target_ms=target_ms))
     scale = 1.0 / np.sqrt(d)
-    rows.append(_default_row("attention",
-                             lambda cfg: ik.attention(q, k, v, causal=causal, scale=scale, backend="cupy", config=cfg),
-                             dict(q=q, k=k, v=v), work=flops, unit="TFLOP/s", ref=ref, dtype=dtype,
-                             target_ms=target_ms))
-    held = registry_held_back("cupy", "attention", q=q, k=k, v=v)
-    if held is not None:
-        name, cfg, why = held
-        row = _measure(name, "cupy", lambda: ik.attention(q, k, v, causal=causal, scale=scale, backend="cupy",
-                                                          config=cfg),
-                       work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms)
-        row["held_back"] = why
-        rows.append(row)
+    ours = dict(work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms)
+
+    def run(cfg):
+        return ik.attention(q, k, v, causal=causal, scale=scale, backend="cupy", config=cfg)
+    rows.append(_default_row("attention", run, dict(q=q, k=k, v=v), **ours))
+    rows += _held_back_rows("attention", run, dict(q=q, k=k, v=v), **ours)
     case["results"] = rows
     return _finish_case(case)
 

@@ -100,16 +100,17 @@ decode, paged_decode  v4       decode_v4.cu         40    v3's ring and fused co
                                                           += P V on the tensor cores (mma.sync m16n8k16, the g
                                                           query heads as the rows of the A operand, P kept in
                                                           registers)
+decode, paged_decode  v6       decode_v6.cu         35    v4 with a group of more than 16 query heads split
+                                                          across a team of warps (16 rows each) that shares
+                                                          each K/V tile of its cp.async ring: g = 32, 64 and
+                                                          MQA read K/V once a KV head (held back from the
+                                                          default until measured)
 decode, paged_decode  v3       decode_v3.cu         30    v2's ring at 8 warps x 4 stages, the combine fused
                                                           into the split kernel (the last block of a group
                                                           merges), paged block-table entries staged in SRAM
 decode, paged_decode  v1       decode.cu            10    each warp reads its key rows with plain 16-byte
                                                           loads into registers, four rows a lane in flight;
                                                           decode.cu's combine kernel merges the splits
-decode, paged_decode  v6       decode_v6.cu         5     v4 with a group of more than 16 query heads split
-                                                          across a team of warps (16 rows each) that shares
-                                                          each K/V tile of its cp.async ring: g = 32, 64 and
-                                                          MQA read K/V once a KV head
 decode, paged_decode  v2       decode_v2.cu         0     K/V tiles stream through a per-warp cp.async ring in
                                                           SRAM (copies in flight hold no registers), only
                                                           __syncwarp in the key loop

@@ -46,6 +46,7 @@ from .decode_launch import (COMBINE_MAX_THREADS, COUNTERS_MIN, V3_COMPILE_SMEM, 
                             launch_combine, num_splits_for, pack, split_dynamic, split_static)
 from .launch import contiguous, current_stream_ptr, device_info, on_stream, unit_rows
 from .decode_v6_config import check_decode_v6, decode_v6_smem
+from .policy import default_check_for, held_back_note
 from .registry import (REGISTRY, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
                        check_decode_v5, need)
 
@@ -413,17 +414,20 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
 
 # --------------------------------------------------------------------------- the records
 def _records(version, file, kernel, args, check, rank, summary, ops=("decode", "paged_decode"), **extra):
-    """One version's records: the same kernel over a contiguous cache and a paged one.
+    """One version's records: the same kernel over a contiguous cache and a paged one, each
+    with the ``default_check`` of :data:`.policy.HELD_BACK` (None while neither op is listed).
     ``extra`` holds what DecodeConfig reads (:func:`.decode_config.decode_facts`: ``layout``,
     the caches it ``reads``) and what the launch reads (``smem``: the SRAM of a ring-fused layout)."""
     return tuple(Record("cupy", op, version, file, kernel, DecodeConfig,
-                        run_decode if op == "decode" else run_paged_decode, summary, check, rank, args, extra)
+                        run_decode if op == "decode" else run_paged_decode, summary + held_back_note(op, version),
+                        check, rank, args, extra, default_check_for(op, version))
                  for op in ops)
 
 
 #: ranks: v5 (tensor cores, 1-byte codes) for a quantized paged cache where its check passes, v4
-#: (tensor cores, 16-bit) for a 16-bit cache, else v3; v5 and v4 never both pass; v2 is v3
-#: without its two additions, and v6 waits for a recorded GPU test run: neither is a default
+#: (tensor cores, 16-bit) for a 16-bit cache up to a group of 16 query heads, v6 (v4 with teams
+#: of warps) past 16 where :data:`.policy.HELD_BACK` lets it, else v3; v5 and v4 never both
+#: pass; v2 is v3 without its two additions: not a default
 RECORDS = (
     *_records("v1", "decode.cu", "decode_split", _args_v1, check_decode_v1, 10,
               "each warp reads its key rows with plain 16-byte loads into registers, four rows a lane in "
@@ -444,13 +448,11 @@ RECORDS = (
               "v4 reading a quantized paged cache as it is stored: 1-byte codes turned into float16 "
               "tensor-core operands in registers, the per-key scales applied to S's and P's columns",
               ops=("paged_decode",), layout="tensor_core", reads=("codes",), smem=_smem_v5),
-    # v6 ranks below every version that runs its shapes: it runs when asked for by name
-    # (config=DecodeConfig("v6")).  racecheck reported hazards while its teams ordered the ring
-    # with named barriers; with the block barrier all four sanitizers are clean on it
-    # (benchmarks/results/sanitizer_2026-12-05.txt).  It becomes a default once its GPU tests
-    # (tests/test_gpu_decode_v6.py) have passed in a recorded run and the benchmark's cliff
-    # section has timed it against v3 at g = 32, 64; its arguments are v4's
-    *_records("v6", "decode_v6.cu", "decode_split_v6", _args_v4, check_decode_v6, 5,
+    # v6 takes the groups v4 refuses (more than 16 query heads a KV head); racecheck reported
+    # hazards while its teams ordered the ring with named barriers; with the block barrier all
+    # four sanitizers are clean on it (benchmarks/results/sanitizer_2026-12-05.txt); its
+    # arguments are v4's
+    *_records("v6", "decode_v6.cu", "decode_split_v6", _args_v4, check_decode_v6, 35,
               "v4 with a group of more than 16 query heads split across a team of warps (16 rows each) that "
               "shares each K/V tile of its cp.async ring: g = 32, 64 and MQA read K/V once a KV head",
               layout="tensor_core", reads=("16-bit",), smem=_smem_v6),
