@@ -100,11 +100,10 @@ decode, paged_decode  v4       decode_v4.cu         40    v3's ring and fused co
                                                           += P V on the tensor cores (mma.sync m16n8k16, the g
                                                           query heads as the rows of the A operand, P kept in
                                                           registers)
-decode, paged_decode  v6       decode_v6.cu         35    v4 with a group of more than 16 query heads split
-                                                          across a team of warps (16 rows each) that shares
-                                                          each K/V tile of its cp.async ring: g = 32, 64 and
-                                                          MQA read K/V once a KV head (held back from the
-                                                          default until measured)
+decode, paged_decode  v6       decode_v6.cu         35    v4 with a group past 16 query heads split across a
+                                                          team of warps (16 rows each) sharing each K/V tile
+                                                          of its cp.async ring: g = 32, 64 and MQA read K/V
+                                                          once a KV head
 decode, paged_decode  v3       decode_v3.cu         30    v2's ring at 8 warps x 4 stages, the combine fused
                                                           into the split kernel (the last block of a group
                                                           merges), paged block-table entries staged in SRAM

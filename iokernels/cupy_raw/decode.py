@@ -448,13 +448,14 @@ RECORDS = (
               "v4 reading a quantized paged cache as it is stored: 1-byte codes turned into float16 "
               "tensor-core operands in registers, the per-key scales applied to S's and P's columns",
               ops=("paged_decode",), layout="tensor_core", reads=("codes",), smem=_smem_v5),
-    # v6 takes the groups v4 refuses (more than 16 query heads a KV head); racecheck reported
+    # v6 takes the groups v4 refuses (more than 16 query heads a KV head).  racecheck reported
     # hazards while its teams ordered the ring with named barriers; with the block barrier all
-    # four sanitizers are clean on it (benchmarks/results/sanitizer_2026-12-05.txt); its
-    # arguments are v4's
+    # four sanitizers are clean on it (benchmarks/results/sanitizer_2026-12-05.txt).  It left
+    # policy.HELD_BACK on the cliff section of benchmarks/results/h100_2026-12-05_cliff_serve.json
+    # (v6 beside v3 / v1 at g = 32, 64) and its GPU tests; its arguments are v4's
     *_records("v6", "decode_v6.cu", "decode_split_v6", _args_v4, check_decode_v6, 35,
-              "v4 with a group of more than 16 query heads split across a team of warps (16 rows each) that "
-              "shares each K/V tile of its cp.async ring: g = 32, 64 and MQA read K/V once a KV head",
+              "v4 with a group past 16 query heads split across a team of warps (16 rows each) sharing each "
+              "K/V tile of its cp.async ring: g = 32, 64 and MQA read K/V once a KV head",
               layout="tensor_core", reads=("16-bit",), smem=_smem_v6),
 )
 REGISTRY.add(*RECORDS)

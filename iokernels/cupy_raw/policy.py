@@ -134,8 +134,6 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 #: :func:`hopper_default_at`
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
-    ("decode", "v6"): "its GPU tests and a cliff record faster than the default before it at groups 32 and 64",
-    ("paged_decode", "v6"): "its GPU tests and a cliff record faster than the default before it at groups 32 and 64",
 }
 
 
