@@ -136,7 +136,7 @@ def test_serve_bench_time_limit_compares_what_both_sides_finished():
     res = serve_bench("tiny", requests=24, kv_slots=512, step_time=0.01, device="cpu", max_seconds=0.05)
     for side in ("paged", "contiguous"):
         assert res[side]["complete"] is False and res[side]["finished"] < 24
-        assert set(res[side]["phase_ms"]) == {"schedule", "model", "sample"}
+        assert set(res[side]["phase_ms"]) == {"schedule", "model", "sample", "books"}
     both = min(res["paged"]["finished"], res["contiguous"]["finished"])
     assert res["requests_compared"] <= both and res["tokens_equal"] is True
     assert set(res["wall_s"]) == {"model", "warm_up", "paged", "contiguous"}

@@ -12,8 +12,8 @@ the requests a time-boxed run had not finished), ``waste_fraction``
 (allocated KV slots not holding a token, over the run), ``p50_ms`` / ``p99_ms`` (time per
 output token), ``finished`` and ``complete`` (whether every request was served before
 ``max_seconds``), and ``phase_ms``: where a step's time goes (the scheduler, the model's
-forward pass as the host sees it, the sampling that waits for the device; median and total
-per phase, :class:`~.engine.StepRecord`); then ``tokens_equal`` (whether both produced the
+forward pass as the host sees it, the sampling that waits for the device, the books kept
+after it; median and total per phase, :class:`~.engine.StepRecord`); then ``tokens_equal`` (whether both produced the
 same tokens, over the ``requests_compared`` both finished: always so in float64; in 16-bit on
 a GPU the two runs batch different sequences together, the matrix products then sum in
 another order, and a near-tie in a greedy argmax can flip, so there the GPU tests hold each

@@ -60,9 +60,11 @@ class StepRecord:
     sees it: the memory's books for the step, and every operation issued; on a GPU the
     call returns once the work is queued), ``sample`` (counting the chunks, forking parallel
     samples, and drawing the tokens: the step's one trip to the host, so on a GPU it waits
-    for the queued work to finish).  A step that
-    is host-bound spends its time in the first two; one that is bound by the device, in
-    ``sample``.
+    for the queued work to finish), ``books`` (each sequence takes its token, finished ones
+    leave and free their blocks, the memory's usage is counted).  A step that is host-bound
+    spends its time in ``schedule``, ``model`` and ``books``; one that is bound by the
+    device, in ``sample``.  The four add up to the step's wall time (the engine's
+    ``busy_s`` and the clock, unless a fixed ``step_time`` drives it).
     """
 
     step: int
@@ -230,15 +232,16 @@ class Engine:
             draws = [(i, s.group.request, s.sample, len(s.tokens)) for i, new in enumerate(drawn) for s in new]
             tokens = iter(sample_tokens(logits, draws))   # the step's one trip to the host
         t3 = time.perf_counter()
-        dt = t3 - t0
-        phases = dict(schedule=t1 - t0, model=t2 - t1, sample=t3 - t2)
-        self.clock += dt if self.step_time is None else self.step_time
-        self.busy_s += dt
-        batch = [(s.group.request.rid, s.sample, plan[s][0]) for s in seqs]
         for new in drawn:
             self._take(new, [next(tokens) for _ in new])
             self.results.generated_tokens += len(new)
         used, alloc = self.memory.usage()
+        t4 = time.perf_counter()
+        dt = t4 - t0
+        phases = dict(schedule=t1 - t0, model=t2 - t1, sample=t3 - t2, books=t4 - t3)
+        self.clock += dt if self.step_time is None else self.step_time
+        self.busy_s += dt
+        batch = [(s.group.request.rid, s.sample, plan[s][0]) for s in seqs]
         rec = StepRecord(len(self.results.steps), self.clock, batch, running, used, alloc,
                          self.memory.free_blocks(), preempted, phases)
         self.results.steps.append(rec)
