@@ -85,7 +85,7 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
                         lambda: cr.decode(q, k, v, seq_lens=np.array([301, 0, 7]), num_splits=splits, config=cfg))
                 rec(f"decode window {cfg and cfg.version} {extra} {dt} {d}",
                     lambda: cr.decode(q, k, v, seq_lens=np.array([301, 0, 7]), config=cfg, window=(100, 0)))
-        if dt in ("float16", "bfloat16") and d == 128:      # MQA, 32 query heads: v3 by default, v6 by name
+        if dt in ("float16", "bfloat16") and d == 128:      # MQA, 32 query heads: v6 by default and by name
             qm, km, vm = make_inputs(rng, batch=2, heads_q=32, heads_kv=1, seqlen_q=1, seqlen_k=301, head_dim=d,
                                      dtype=dt)
             rec(f"decode mqa {dt} {d}", lambda: cr.decode(qm[:, :, 0], km, vm, num_splits=5))
@@ -323,8 +323,9 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert _one(launches, "decode None {} float16 59 5", "decode_split")      # rows not 16-byte chunks: v1
     assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
     assert _one(launches, "paged_decode None float16 128", "decode_split_v4")
-    assert _one(launches, "decode mqa bfloat16 128", "decode_split_v3")    # v4 refuses 32 heads a KV head
-    assert _one(launches, "decode mqa v6 bfloat16 128", "decode_split_v6")
+    # v4 refuses 32 heads a KV head; v6 takes them, by default and by name, with the same defines
+    mqa = _one(launches, "decode mqa bfloat16 128", "decode_split_v6")
+    assert _defines(mqa) == _defines(_one(launches, "decode mqa v6 bfloat16 128", "decode_split_v6"))
     # a quantized cache: v5 by default (codes as float16 mma operands), 8 warps x 3 stages x 32 keys
     quant = _defines(_one(launches, "quant paged_decode None float8_e4m3fn block float16 128 3", "decode_split_v5"))
     assert tuple(quant[k] for k in ("KV_QUANT", "NUM_WARPS", "STAGES", "TILE_ROWS")) == ("2", "8", "3", "32")
