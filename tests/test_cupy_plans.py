@@ -625,6 +625,27 @@ def test_the_plan_cache_is_bounded_and_keeps_pinned_plans():
     assert c.get("e") is None and c.get("d") is not None and (c.hits, c.misses) == (3, 6)
 
 
+def test_torch_streams_come_from_the_raw_pointer_where_torch_has_it(monkeypatch):
+    """A torch tensor's stream: torch's private raw-pointer function by device index where it
+    exists (one C call), else torch.cuda.current_stream(device).cuda_stream."""
+    from types import SimpleNamespace
+
+    from iokernels.cupy_raw import plans
+
+    class Tensor:
+        device = "cuda:2"
+
+        def get_device(self):
+            return 2
+    asked = []
+    fake_torch = SimpleNamespace(cuda=SimpleNamespace(
+        current_stream=lambda device: asked.append(device) or SimpleNamespace(cuda_stream=777)))
+    monkeypatch.setattr(plans, "_RAW_STREAM", [lambda index: 1000 + index, fake_torch])
+    assert plans._torch_stream_ptr(Tensor()) == 1002 and asked == []
+    monkeypatch.setattr(plans, "_RAW_STREAM", [None, fake_torch])
+    assert plans._torch_stream_ptr(Tensor()) == 777 and asked == ["cuda:2"]
+
+
 #: what a hit must not repeat: the checks, the device facts, the registry, the array views
 NOT_ON_A_HIT = {"check_qkv", "check_decode", "dtype_name", "device_array", "device_info", "need", "resolve",
                 "defines", "function", "split_static", "split_dynamic", "decode_wave_splits", "kind_of"}

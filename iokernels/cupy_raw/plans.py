@@ -176,13 +176,28 @@ def _lens_key(seq_lens):
 
 
 _STREAMS: dict = {}
+_RAW_STREAM: list = []
+
+
+def _torch_stream_ptr(x) -> int:
+    """The pointer of torch's current stream on tensor x's device.  One C call where torch has
+    ``torch._C._cuda_getCurrentRawStream`` (private, but it is what Triton's launcher asks, for
+    the same reason: ``torch.cuda.current_stream`` builds a Stream object on every call, a few
+    microseconds of a call that should cost as little as SDPA's); else the public way."""
+    if not _RAW_STREAM:
+        import torch
+        _RAW_STREAM.append(getattr(torch._C, "_cuda_getCurrentRawStream", None))
+        _RAW_STREAM.append(torch)
+    raw, torch = _RAW_STREAM
+    if raw is not None:
+        return int(raw(x.get_device()))
+    return int(torch.cuda.current_stream(x.device).cuda_stream)
 
 
 def _stream_of(x) -> tuple[int, Any]:
     """(pointer, a CuPy stream object to launch on) of the caller's current stream on x's device."""
     if hasattr(x, "data_ptr"):
-        import torch
-        ptr = int(torch.cuda.current_stream(x.device).cuda_stream)
+        ptr = _torch_stream_ptr(x)
     else:
         ptr = int(cupy().cuda.get_current_stream().ptr)
     obj = _STREAMS.get(ptr)
