@@ -66,6 +66,7 @@ Frank notes
 from __future__ import annotations
 
 import hashlib
+import itertools
 import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -330,13 +331,12 @@ class PagedKVCache:
         rows are padded with -1 beyond each sequence's blocks (never read by a kernel that
         respects seq_lens).  The form a GPU kernel takes.
         """
-        sids = [self._check_sid(s) for s in seq_ids]
-        width = max([len(self._tables[s]) for s in sids] + [1])
-        tables = np.full((len(sids), width), -1, dtype=np.int32)
-        for i, s in enumerate(sids):
-            tables[i, :len(self._tables[s])] = self._tables[s]
-        lens = np.array([self._lens[s] for s in sids], dtype=np.int32)
-        return tables, lens
+        rows = [self._tables[self._check_sid(s)] for s in seq_ids]
+        held = np.fromiter(map(len, rows), np.int64, len(rows))
+        tables = np.full((len(rows), max(int(held.max(initial=0)), 1)), -1, dtype=np.int32)
+        tables[np.arange(tables.shape[1]) < held[:, None]] = np.fromiter(   # row by row, as the mask runs
+            itertools.chain.from_iterable(rows), np.int32, int(held.sum()))
+        return tables, np.fromiter((self._lens[s] for s in seq_ids), np.int32, len(rows))
 
     # ------------------------------------------------------------------ changes
     def new_sequence(self) -> int:

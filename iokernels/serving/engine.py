@@ -347,10 +347,11 @@ class Engine:
         if not new:
             return
         group, req = new[0].group, new[0].group.request
+        full = len(req.prompt) + req.output_len                   # tokens once its output is drawn
         for s, token in zip(new, tokens):
             s.tokens.append(token)
             s.token_times.append(self.clock)
-            if len(s.generated) == req.output_len:
+            if len(s.tokens) == full:
                 s.done = True
                 self.memory.release(s)
         if group.finished:

@@ -115,20 +115,28 @@ class PagedMemory:
         """At most how many free blocks appending ``tokens`` to ``seq`` takes (a copy-on-write included)."""
         cache, sid, bs = self.caches[0], seq.handle, self.block_size
         n = cache.seq_len(sid)
-        need = blocks_needed(n + tokens, bs) - blocks_needed(n, bs)  # a table holds ceil(n / bs) blocks
+        need = (-n // bs) - (-(n + tokens) // bs)    # ceil((n + tokens) / bs) - ceil(n / bs) blocks
         if n % bs and cache.ref_count(cache.last_block(sid)) > 1:
             need += 1                                 # the shared partial last block is copied first
         return need
 
     def usage(self) -> tuple[int, int]:
-        """(slots written, slots allocated) over the live blocks, a shared block counted once."""
+        """(slots written, slots allocated) over the live blocks, a shared block counted once.
+
+        Every live block is held by a table (:func:`pool_invariants`), and only a table's last
+        block can be partly written: a block a sequence has written past is full, and one it
+        shares is copied before either holder writes into it.  So the live blocks are full but
+        for the distinct partial last blocks, each as full as its fullest holder."""
         cache, bs = self.caches[0], self.block_size
-        tables, lens = cache.block_tables_array(cache.seq_ids)     # -1 pads a row past its blocks
-        held = tables >= 0
-        fill = np.minimum(bs, lens[:, None] - bs * np.arange(tables.shape[1])[None, :])   # block j of a row
-        filled = np.zeros(cache.num_blocks, np.int64)
-        np.maximum.at(filled, tables[held], fill[held])             # a shared block: its fullest holder
-        return int(filled.sum()), int(np.count_nonzero(filled)) * bs
+        short: dict = {}                                            # partial last block -> its fill
+        for sid in cache.seq_ids:
+            fill = cache.seq_len(sid) % bs
+            if fill:
+                b = cache.last_block(sid)
+                if short.get(b, 0) < fill:
+                    short[b] = fill
+        live = cache.num_blocks - cache.num_free_blocks()
+        return bs * live - sum(bs - f for f in short.values()), bs * live
 
     # ---- what the model calls
     def write(self, layer, seq, k_rows, v_rows, token_ids) -> None:
