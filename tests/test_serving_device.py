@@ -134,17 +134,21 @@ def _books(sm):
 
 
 def test_one_token_fast_path_keeps_the_books_append_keeps():
-    """SlotMap.place's one-token path (no block taken, copied or keyed) against the general append,
-    over random appends, forks (shared last blocks), frees and repeated prompts (prefix hits)."""
+    """SlotMap.place's one-token path (into the sequence's own last block, keying it when the token
+    fills it, or into a fresh block) against the general append, over random appends, forks
+    (shared last blocks), frees and repeated prompts (prefix hits)."""
     rng = np.random.default_rng(7)
     k = torch.zeros(1, 64, 8, 1, 1)
     fast, slow = SlotMap(64, 8, k, k.clone()), SlotMap(64, 8, k, k.clone())
     slow.one_into_tail = lambda sid, token_ids: None              # always the general path
-    taken, one = [], fast.one_into_tail
+    taken, fills, one = [], set(), fast.one_into_tail
 
     def counted(sid, token_ids):
+        fill = fast.seq_len(sid) % fast.block_size
         slot = one(sid, token_ids)
         taken.append(slot is not None)
+        if slot is not None:
+            fills.add(fill)
         return slot
     fast.one_into_tail = counted
     for _ in range(3000):
@@ -173,6 +177,7 @@ def test_one_token_fast_path_keeps_the_books_append_keeps():
         assert _books(fast) == _books(slow)
         assert not pool_invariants(fast)
     assert sum(taken) > 300 and not all(taken)                     # both paths ran, often
+    assert fills == set(range(8))              # a fresh block (0), a block filled and keyed (7), the rest
     assert fast.stats["prefix_hits"] > 0 and fast.stats["copy_on_write"] > 0
     sid = fast.seq_ids[0]
     assert one(sid, [True]) is None and one(sid, [1.5]) is None and one(sid, None) is None   # left to append

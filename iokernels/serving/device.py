@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..paged import PagedKVCache, blocks_needed
+from ..paged import _ROOT_KEY, PagedKVCache, _block_key, blocks_needed
 from ..torch_sdpa import sdpa
 from .memory import ContiguousMemory, PagedMemory
 
@@ -143,9 +143,10 @@ class SlotMap(PagedKVCache):
     def place(self, sid, n, token_ids=None):
         """Append ``n`` tokens to ``sid``'s books: (rows, slots), row rows[i] of the chunk goes to slot slots[i].
 
-        A decode's token that goes into its sequence's own (unshared) last block without filling
-        it takes no block, copies none and keys none: :meth:`one_into_tail` does exactly what
-        ``append`` does then, without its general plan (most rows of a serving step are these).
+        A decode's token that goes into its sequence's own (unshared) last block, or starts a
+        fresh one, copies no block and meets no prefix hit: :meth:`one_into_tail` does exactly
+        what ``append`` does then, without its general plan (every row of a decode step but the
+        ones that copy a shared block).
         """
         slot = self.one_into_tail(sid, token_ids) if n == 1 else None
         if slot is not None:
@@ -162,23 +163,39 @@ class SlotMap(PagedKVCache):
         return tuple(np.concatenate(x) for x in zip(*self._placed))
 
     def one_into_tail(self, sid, token_ids):
-        """The slot one token (``token_ids``, a sequence of one int) takes in ``sid``'s last block,
-        with the books moved as ``append`` moves them; None, and nothing changed, unless that block
-        is the sequence's own and stays partly empty (then :meth:`place` takes the general path)."""
+        """The slot one token (``token_ids``, a sequence of one int) takes at the end of ``sid``,
+        with the books moved as ``append`` moves them: into the sequence's own (unshared) last
+        block, keying it for the prefix cache when the token fills it; or, when that block is
+        full, into a fresh block from the free list.  None, and nothing changed, otherwise (a
+        shared partial block to copy, no free block, blocks of one slot, an empty sequence):
+        then :meth:`place` takes the general path."""
         table = self._tables.get(sid) if type(sid) is int else None
         if not table or token_ids is None or len(token_ids) != 1:
             return None
         length, bs = self._lens[sid], self.block_size
         fill = length % bs
         tok = token_ids[0]
-        if not 0 < fill < bs - 1 or self._ref[table[-1]] != 1 or type(tok) is bool \
-                or not isinstance(tok, (int, np.integer)):
+        if bs == 1 or type(tok) is bool or not isinstance(tok, (int, np.integer)):
             return None                                  # (a bad token: append's checks say what is wrong)
-        tail = self._tail_ids[sid]
-        if tail is not None and self._keys[sid] is not None:
-            tail.append(int(tok))                        # the block's key waits for its last token
+        if fill == 0:
+            if not self._free:
+                return None                              # (append raises OutOfBlocks)
+            block = self._allocate()
+            table.append(block)
+        elif self._ref[table[-1]] != 1:
+            return None                                  # a shared partial block: copy-on-write first
+        else:
+            block = table[-1]
+        tail, keys = self._tail_ids[sid], self._keys[sid]
+        if tail is not None and keys is not None:
+            tail.append(int(tok))
+            if fill == bs - 1:                           # the block is full: its key, as append makes it
+                key = _block_key(keys[-1] if keys else _ROOT_KEY, tail)
+                self._register(block, key)
+                keys.append(key)
+                tail.clear()
         self._lens[sid] = length + 1
-        return table[-1] * bs + fill
+        return block * bs + fill
 
 
 @dataclass
