@@ -164,6 +164,8 @@ def _jobs():
     dec6("bfloat16", 256, False, 90, group=40, fused=False)
     dec6("float16", 48, False, 80, group=24, load_l1=True)     # padded rows, the per-copy path
     dec6("bfloat16", 128, True, 90, group=8, num_warps=4)       # one-warp teams (v4's shape)
+    dec6("bfloat16", 128, False, 90, group=128)                  # one team of 8 warps fills the block
+    dec6("float16", 64, True, 80, group=71, block_size=5)        # MQA of 71 heads: the last warp holds 7
     # quantized paged caches (1-byte codes): every code format on every arch, both versions
     for arch, kv in zip(ARCHS, ("int8", "float8_e4m3fn", "float8_e4m3fn")):
         dec3("float16", 128, True, arch, kv=kv)
@@ -336,9 +338,9 @@ def test_decode_v4_stays_in_registers(tmp_path):
 
 def test_decode_v6_refuses_what_it_cannot_run_and_stays_in_registers(tmp_path):
     """decode v6's #errors name its limits (a group past 16 x TEAM_WARPS, partial teams), and its
-    defaults at g = 32 and 64 (teams of 2 and 4 warps), d = 64 / 128 / 256, contiguous and paged,
-    use no local memory within their launch bounds' cap (sm_90): each warp holds what a v4 warp
-    holds."""
+    defaults at g = 32, 64 and 128 (teams of 2, 4 and 8 warps), d = 64 / 128 / 256, contiguous
+    and paged, use no local memory within their launch bounds' cap (sm_90): each warp holds what
+    a v4 warp holds."""
     d6 = cr.DecodeConfig("v6").defines(128, "bfloat16", 32, False, 16, cc=90)
     assert (d6["TEAM_WARPS"], d6["NUM_WARPS"]) == (2, 8)
     for bad, words in ((dict(GROUP=33), "16 x TEAM_WARPS"), (dict(NUM_WARPS=3), "whole teams"),
@@ -346,7 +348,8 @@ def test_decode_v6_refuses_what_it_cannot_run_and_stays_in_registers(tmp_path):
         rc, err = _compile(tmp_path, "decode_v6", dict(d6, **bad), 90)
         assert rc != 0 and words in err, (bad, err[:300])
     jobs = [cr.DecodeConfig("v6").defines(d, "bfloat16", g, paged, 16, smem_limit=227 * 1024, cc=90)
-            for d, g, paged in ((128, 32, False), (128, 64, True), (64, 64, False), (256, 32, False))]
+            for d, g, paged in ((128, 32, False), (128, 64, True), (64, 64, False), (256, 32, False),
+                                (128, 128, True))]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda j: _compile(tmp_path, "decode_v6", j, 90, extra=("-Xptxas", "-v")), jobs))
     for defines, (rc, err) in zip(jobs, results):
@@ -371,7 +374,7 @@ def test_decode_v6_config_is_v4s_shape_split_into_teams():
     assert policy.decode_v6_stages(384, 8, 64, 8) == 2 and policy.decode_v6_stages(384, 1, 16, 8) == 8
     big = 227 * 1024
     for d in (64, 128, 256):
-        for g in (17, 32, 64):
+        for g in (17, 32, 64, 71, 128):
             for paged in (False, True):
                 df = cr.DecodeConfig("v6").defines(d, "bfloat16", g, paged, 16, smem_limit=big, cc=90)
                 team = df["TEAM_WARPS"]
@@ -387,25 +390,33 @@ def test_decode_v6_config_is_v4s_shape_split_into_teams():
     assert V6.decode_v6_smem(128, "float16", 64, 2, 16, 4, swizzled=True)[0] == 64 * 128 * 4   # the merge
     small = cr.DecodeConfig("v6").defines(128, "bfloat16", 32, False, 0, smem_limit=99 * 1024)   # sm_86
     assert small["NUM_WARPS"] == 4 and small["TEAM_WARPS"] == 2
+    wide = cr.DecodeConfig("v6").defines(128, "bfloat16", 128, False, 0, smem_limit=99 * 1024)
+    assert wide["NUM_WARPS"] == wide["TEAM_WARPS"] == 8                 # past 64: one team fills the block
+    assert V6.v6_smem_bound(128, "bfloat16", 128) == V6.decode_v6_smem(
+        128, "bfloat16", 128, C.MIN_STAGES, 32, 8, C.DECODE_MAX_SPLITS, True, C.DECODE_V3_TABLE_CAP)[0]
     with pytest.raises(ValueError, match="config.version"):
-        cr.DecodeConfig("v6").defines(128, "bfloat16", 65, False, 0)
+        cr.DecodeConfig("v6").defines(128, "bfloat16", 129, False, 0)
     with pytest.raises(ValueError, match="config.version"):
         cr.DecodeConfig("v6").defines(128, "float32", 32, False, 0)
     with pytest.raises(ValueError, match="config.tile_rows"):
         cr.DecodeConfig("v6", tile_rows=24).defines(128, "float16", 32, False, 0)
     assert cr.DecodeConfig("v6", load_l1=False).defines(128, "float16", 32, False, 0, cc=90)["LOAD_L1"] == 0
     assert cr.DecodeConfig("v6").defines(128, "float16", 32, True, 16, cc=90)["LOAD_L1"] == 0   # pages: .cg
-    # the registry: v4 where it runs, v6 past 16 query heads a KV head up to 64, v1 past 64, v6
-    # never for a quantized cache
-    for g, want in ((16, "v4"), (17, "v6"), (32, "v6"), (64, "v6"), (65, "v1")):   # 65: v3's ring does not fit
+    # the registry: v4 where it runs, v6 past 16 query heads a KV head up to 64; past 64 v6 runs
+    # by name only (policy.decode_v6_default_at), v1 by default (v3's ring does not fit); v6 never
+    # past 128 or for a quantized cache
+    for g, want in ((16, "v4"), (17, "v6"), (32, "v6"), (64, "v6"), (65, "v1"), (128, "v1"), (129, "v1")):
         n = _need("float16", 128, 90, big, group=g, aligned16=True)
         assert cr.REGISTRY.resolve("decode", None, n)[0].version == want, g
-        if 16 < g <= 64:
-            assert cr.REGISTRY.get("decode", "v6").unavailable(n) is None, g
+        v6_rec = cr.REGISTRY.get("decode", "v6")
+        assert (v6_rec.unavailable(n) is None) == (g <= 128), g
+        if 64 < g <= 128:
+            assert v6_rec.not_default(n).startswith(f"not the default at group {g}")
+            assert cr.REGISTRY.resolve("decode", cr.DecodeConfig("v6"), n)[0].version == "v6"
     v6 = cr.REGISTRY.get("paged_decode", "v6")
     assert "kv_dtype" in v6.unavailable(_need("float16", 128, 90, big, group=32, kv_dtype="int8"))
     assert "compute capability 8.0" in v6.unavailable(_need("float16", 128, 75, big, group=32))
-    assert "group" in v6.unavailable(_need("float16", 128, 90, big, group=128))
+    assert "group" in v6.unavailable(_need("float16", 128, 90, big, group=129))
     assert "shared memory" in v6.unavailable(_need("float16", 256, 90, 48 * 1024, group=64))
 
 

@@ -1,14 +1,16 @@
 """Decode v6 (decode_v6.cu: a group of more than 16 query heads a KV head, split across a team of
 warps that shares each K/V tile) against the float64 oracle.  CuPy: skipped without a GPU.
 
-Groups 32 and 64 (teams of 2 and 4 warps), multi-query attention (one KV head) and GQA with 8
-KV heads, head dims 64 and 128, float16 and bfloat16, contiguous and paged caches, ragged
+Groups 32, 64 and 128 (teams of 2, 4 and 8 warps; past 64, one team fills the block, run by
+name while policy.decode_v6_default_at keeps the default below), 71 (Falcon-7B's multi-query
+shape: the last warp of the team holds 7 heads), multi-query attention (one KV head) and GQA
+with 8 KV heads, head dims 64 and 128, float16 and bfloat16, contiguous and paged caches, ragged
 lengths with a length-0 sequence (O = 0, LSE = -inf), 1 / 7 / the heuristic's splits, a
 sliding window, and partial slices (g = 24, 40: the last warp of a team holds fewer than 16
 heads).  O is held to FlashAttention's 2x rule (:func:`iokernels.core.testing.check`: at most
 twice the naive decode's error in the same dtype, on the GPU), LSE to the oracle's within
-LSE_TOL.  The default (config None) runs v6 at these groups once policy.HELD_BACK lets it
-(v3 or v1 before), held to the same rule.
+LSE_TOL.  The default (config None) runs v6 at the groups policy.HELD_BACK and
+policy.decode_v6_default_at let it (v3 or v1 elsewhere), held to the same rule.
 """
 import numpy as np
 import pytest
@@ -41,9 +43,12 @@ def _cr():
 
 def _default_is_v6(cr, n) -> bool:
     """Whether the default runs v6 for these inputs: past 16 query heads a KV head it must,
-    unless policy.HELD_BACK holds it (then it must not: v3, or v1 where v3's ring does not fit)."""
+    unless policy.HELD_BACK holds it or the group is past policy.decode_v6_default_at (then it
+    must not: v3, or v1 where v3's ring does not fit)."""
     picked = cr.REGISTRY.resolve("decode", None, n)[0].version
-    assert (picked == "v6") == (cr.policy.held_back("decode", "v6") is None), picked
+    group = n.extra["group"]
+    assert (picked == "v6") == (cr.policy.held_back("decode", "v6") is None
+                                and cr.policy.decode_v6_default_at(group)), (picked, group)
     return picked == "v6"
 
 
@@ -82,7 +87,7 @@ def _hold(label, o, lse, ref_o, ref_l, base, dtype, problems):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("group,hkv", [(32, 1), (32, 8), (64, 1), (64, 8)])
+@pytest.mark.parametrize("group,hkv", [(32, 1), (32, 8), (64, 1), (64, 8), (128, 1), (71, 1)])
 def test_decode_v6_large_groups_against_oracle(rng, group, hkv, d, dtype):
     torch = _torch()
     cr = _cr()

@@ -45,7 +45,7 @@ from .decode_launch import (COMBINE_MAX_THREADS, COUNTERS_MIN, V3_COMPILE_SMEM, 
                             _args_v1, _args_v2, _args_v3, _args_v4, _args_v5, _smem_v3, _smem_v4, _smem_v5,
                             launch_combine, num_splits_for, pack, split_dynamic, split_static)
 from .launch import contiguous, current_stream_ptr, device_info, on_stream, unit_rows
-from .decode_v6_config import check_decode_v6, decode_v6_smem
+from .decode_v6_config import check_decode_v6, decode_v6_smem, v6_default_check
 from .policy import default_check_for, held_back_note
 from .registry import (REGISTRY, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
                        check_decode_v5, need)
@@ -413,14 +413,17 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
 
 
 # --------------------------------------------------------------------------- the records
-def _records(version, file, kernel, args, check, rank, summary, ops=("decode", "paged_decode"), **extra):
+def _records(version, file, kernel, args, check, rank, summary, ops=("decode", "paged_decode"), default_check=None,
+             **extra):
     """One version's records: the same kernel over a contiguous cache and a paged one, each
-    with the ``default_check`` of :data:`.policy.HELD_BACK` (None while neither op is listed).
-    ``extra`` holds what DecodeConfig reads (:func:`.decode_config.decode_facts`: ``layout``,
-    the caches it ``reads``) and what the launch reads (``smem``: the SRAM of a ring-fused layout)."""
+    with a ``default_check``: ``default_check(op)``, else :data:`.policy.HELD_BACK`'s (None while
+    neither op is listed).  ``extra`` holds what DecodeConfig reads
+    (:func:`.decode_config.decode_facts`: ``layout``, the caches it ``reads``) and what the
+    launch reads (``smem``: the SRAM of a ring-fused layout)."""
     return tuple(Record("cupy", op, version, file, kernel, DecodeConfig,
                         run_decode if op == "decode" else run_paged_decode, summary + held_back_note(op, version),
-                        check, rank, args, extra, default_check_for(op, version))
+                        check, rank, args, extra,
+                        default_check(op) if default_check else default_check_for(op, version))
                  for op in ops)
 
 
@@ -452,10 +455,12 @@ RECORDS = (
     # hazards while its teams ordered the ring with named barriers; with the block barrier all
     # four sanitizers are clean on it (benchmarks/results/sanitizer_2026-12-05.txt).  It left
     # policy.HELD_BACK on the cliff section of benchmarks/results/h100_2026-12-05_cliff_serve.json
-    # (v6 beside v3 / v1 at g = 32, 64) and its GPU tests; its arguments are v4's
+    # (v6 beside v3 / v1 at g = 32, 64) and its GPU tests; past 64 query heads (one team of 8
+    # warps) the default waits for the same at those groups (policy.decode_v6_default_at); its
+    # arguments are v4's
     *_records("v6", "decode_v6.cu", "decode_split_v6", _args_v4, check_decode_v6, 35,
               "v4 with a group past 16 query heads split across a team of warps (16 rows each) sharing each "
               "K/V tile of its cp.async ring: g = 32, 64 and MQA read K/V once a KV head",
-              layout="tensor_core", reads=("16-bit",), smem=_smem_v6),
+              layout="tensor_core", reads=("16-bit",), smem=_smem_v6, default_check=v6_default_check),
 )
 REGISTRY.add(*RECORDS)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 from ..core.registry import Need
 from . import decode_config as D
-from .policy import decode_v6_stages, decode_v6_team_warps
+from .policy import decode_v6_default_at, decode_v6_stages, decode_v6_team_warps, held_back
 
-#: the largest group: 16 rows a warp, teams of at most DECODE_V6_SMALL_WARPS warps (one team
-#: fills the smaller block)
-DECODE_V6_MAX_GROUP = 64
+#: the largest group: 16 rows a warp, a team of at most DECODE_V6_WARPS warps (past 64 query
+#: heads one team fills the block; the registry's default takes v6 only up to the groups
+#: :func:`~.policy.decode_v6_default_at` allows)
+DECODE_V6_MAX_GROUP = 128
 #: warps a block (whole teams): 8, or 4 where 8 warps' shallowest ring does not fit the SRAM
+#: and a team is at most 4 warps
 DECODE_V6_WARPS = 8
 DECODE_V6_SMALL_WARPS = 4
 #: Bc: 32 key rows a tile up to head_dim DECODE_V6_WIDE_MAX_DIM (a team's copies are then at
@@ -46,7 +48,7 @@ def v6_limits(dtype: str, head_dim: int, group: int) -> str | None:
                 f"(whole mma k-steps, O in registers), got {head_dim}")
     if group > DECODE_V6_MAX_GROUP:
         return (f"group: at most {DECODE_V6_MAX_GROUP} query heads a KV head (16 rows a warp, "
-                f"{DECODE_V6_SMALL_WARPS} warps a team), got {group}")
+                f"{DECODE_V6_WARPS} warps a team), got {group}")
     return None
 
 
@@ -81,11 +83,17 @@ def _fits(cfg, head_dim, group, stages, warps, smem_limit) -> bool:
 
 def v6_warps(cfg, head_dim: int, group: int, smem_limit: int | None) -> int:
     """Warps a block: the config's num_warps, or DECODE_V6_WARPS where its shallowest ring
-    fits, else DECODE_V6_SMALL_WARPS."""
+    fits, else :func:`v6_small_warps`."""
     if cfg.num_warps is not None:
         return cfg.num_warps
     fits = _fits(cfg, head_dim, group, D.MIN_STAGES, DECODE_V6_WARPS, smem_limit)
-    return DECODE_V6_WARPS if fits else DECODE_V6_SMALL_WARPS
+    return DECODE_V6_WARPS if fits else v6_small_warps(group)
+
+
+def v6_small_warps(group: int) -> int:
+    """The smallest block v6 runs ``group`` in: DECODE_V6_SMALL_WARPS warps, or one whole team
+    where a team is wider (past 64 query heads a KV head)."""
+    return max(DECODE_V6_SMALL_WARPS, decode_v6_team_warps(group))
 
 
 def v6_stages(cfg, head_dim: int, group: int, smem_limit: int | None) -> int:
@@ -140,11 +148,11 @@ def v6_defines(cfg, base: dict, head_dim: int, dtype: str, group: int, smem_limi
 
 
 def v6_smem_bound(head_dim: int, dtype: str, group: int) -> int:
-    """The most dynamic SRAM a v6 call can ask for at its smallest block: DECODE_V6_SMALL_WARPS
-    warps, the shallowest ring, the fused combine's weights at DECODE_MAX_SPLITS and a full
+    """The most dynamic SRAM a v6 call can ask for at its smallest block (:func:`v6_small_warps`
+    warps), the shallowest ring, the fused combine's weights at DECODE_MAX_SPLITS and a full
     staged block table (the registry's check compares it with the GPU's limit)."""
     rows = DECODE_V6_TILE_ROWS if head_dim <= DECODE_V6_WIDE_MAX_DIM else D.MMA_K
-    return decode_v6_smem(head_dim, dtype, group, D.MIN_STAGES, rows, DECODE_V6_SMALL_WARPS,
+    return decode_v6_smem(head_dim, dtype, group, D.MIN_STAGES, rows, v6_small_warps(group),
                           D.DECODE_MAX_SPLITS, True, D.DECODE_V3_TABLE_CAP)[0]
 
 
@@ -170,6 +178,18 @@ def check_decode_v6(n: Need) -> str | None:
         return (f"its smallest block needs up to {bound:,} B of shared memory at head_dim={n.head_dim} "
                 f"({n.dtype}), group {group}; this GPU allows {smem:,} B")
     return None
+
+
+def v6_default_check(op: str):
+    """The ``default_check`` of v6's record for ``op``: :data:`~.policy.HELD_BACK`, then the
+    groups :func:`~.policy.decode_v6_default_at` allows (asked on every call)."""
+    def why_not(n: Need) -> str | None:
+        group = n.extra.get("group", 1)
+        if not decode_v6_default_at(group):
+            return (f"not the default at group {group} until measured on a GPU; a config naming the "
+                    f"version runs it (DecodeConfig('v6'))")
+        return held_back(op, "v6")
+    return why_not
 
 
 D.VERSION_RULES["v6"] = {"stages": v6_stages, "defines": v6_defines}

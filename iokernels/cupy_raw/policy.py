@@ -283,6 +283,19 @@ def decode_v6_team_warps(group: int) -> int:
     return 1 << (slices - 1).bit_length()
 
 
+#: the groups at which the registry's default may pick decode v6 (:func:`decode_v6_default_at`):
+#: up to 64, where its GPU tests and the cliff section have measured it
+DECODE_V6_DEFAULT_MAX_GROUP = 64
+
+
+def decode_v6_default_at(group: int) -> bool:
+    """Whether the registry's default may pick decode v6 for ``group`` query heads a KV head.
+    v6 runs up to 128 (one team of 8 warps); a group past DECODE_V6_DEFAULT_MAX_GROUP runs it
+    when a config names it, until GPU tests and a benchmark record at that group raise the
+    bound (the Hopper forward's head dims have the same kind of gate, :func:`hopper_default_at`)."""
+    return group <= DECODE_V6_DEFAULT_MAX_GROUP
+
+
 def decode_v6_stages(ring_rows: int, teams: int, tile_rows: int, max_stages: int, min_stages: int = 2) -> int:
     """decode v6's ring depth before the SRAM check: as many stages as keep ``ring_rows`` key
     rows in the block's rings (``teams`` rings of ``tile_rows``-row tiles), so fewer, wider
