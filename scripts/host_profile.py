@@ -1,14 +1,25 @@
-"""Where the host time of one call goes: cProfile over a loop of calls, on a GPU.
+"""Where the host's time goes on a GPU: a call of ours beside SDPA's, and a serving step.
 
-    python scripts/host_profile.py [--op decode|attention|both] [--calls 1000] [--top 14]
+    python scripts/host_profile.py [--op decode|attention|serve|all] [--calls 1000] [--top 14]
+                                   [--warm-steps 120] [--steps 30]
 
-Each op runs at one small shape (:data:`SHAPES`; bfloat16, torch CUDA tensors, the CuPy
-backend's default) and, beside it, torch's SDPA on the same tensors.  It
-prints the loop's microseconds a call (what :func:`iokernels.bench.timer.host_ms_loop`
-records in the benchmark's ``host_ms``) for both, then the functions that take the most of
-ours (``tottime``: time inside the function itself).  The profiler's own cost inflates every
-entry; compare entries with each other, not with the unprofiled loop.  Needs CUDA, torch and
-CuPy: without them it says so and exits 0.
+decode, attention: each op at one small shape (:data:`SHAPES`; bfloat16, torch CUDA tensors,
+the CuPy backend's default) and, beside it, torch's SDPA on the same tensors: the loop's
+microseconds a call (what :func:`iokernels.bench.timer.host_ms_loop` records in the
+benchmark's ``host_ms``) for both, then the functions that take the most of ours.
+
+serve: the serve-bench's setup (the Llama-3-8B-shaped model, two layers, bfloat16, a 1.25 GB
+KV budget, 4096 ShareGPT-like requests at 1000 a second, the CuPy kernels;
+:mod:`iokernels.serving.bench`), one side at a time (paged, then contiguous): ``--warm-steps``
+steps to fill the batch, then ``--steps`` steps under torch's profiler and as many under
+cProfile.  Per side: the running sequences, a step's wall time and its phases
+(:class:`~iokernels.serving.engine.StepRecord`), the kernels' time a step (the device busy;
+the rest of the step the device waited for the host, or the host for it), the kernels that
+take the most of it, and the Python functions that take the most of the host.
+
+The functions are ranked by ``tottime`` (time inside the function itself); the profiler's own
+cost inflates every entry, so compare entries with each other, not with the unprofiled
+times.  Needs CUDA, torch and CuPy: without them it says so and exits 0.
 """
 from __future__ import annotations
 
@@ -47,6 +58,38 @@ def _calls(op, torch):
             lambda: sdpa(q, k, v, is_causal=True))
 
 
+def _side(label, make_memory, llama, trace, preset, a, torch, activity="CUDA"):
+    """One side's report; ``activity``: what torch's profiler records (CUDA: the device's kernels)."""
+    from iokernels.serving.engine import Engine
+    engine = Engine(llama, make_memory(), token_budget=preset["token_budget"], max_seqs=preset["max_seqs"])
+    for r in trace:
+        engine.submit(r)
+    for _ in range(a.warm_steps):
+        if engine.done:
+            break
+        engine.step()
+    torch.cuda.synchronize()
+    steps = engine.results.steps
+    first = len(steps)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
+        for _ in range(a.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in kernels) / a.steps / 1e3
+    rec = steps[first:]
+    phases = {k: 1e3 * sum(s.phases[k] for s in rec) / len(rec) for k in rec[0].phases}
+    wall = sum(phases.values())                         # a step's wall time: its phases add up to it
+    print(f"== {label}: {sum(s.running for s in rec) / len(rec):.0f} running, {wall:.2f} ms a step "
+          f"(phases, ms: {', '.join(f'{k} {v:.2f}' for k, v in phases.items())}); kernels {busy:.2f} ms a step")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:a.top]:
+        print(f"   {e.self_device_time_total / a.steps / 1e3:7.3f} ms  {e.count / a.steps:5.1f}x  {e.key[:90]}")
+    _print_top(_profiled(engine.step, a.steps), a.top)
+    del engine
+    torch.cuda.empty_cache()
+
+
 def _loop_us(fn, calls, torch):
     for _ in range(20):
         fn()
@@ -59,11 +102,49 @@ def _loop_us(fn, calls, torch):
     return us
 
 
+def _profiled(fn, times) -> cProfile.Profile:
+    """cProfile over ``times`` calls of ``fn``."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(times):
+        fn()
+    prof.disable()
+    return prof
+
+
+def _print_top(prof, top) -> None:
+    """The ``top`` functions by time inside themselves, one line each."""
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).strip_dirs().sort_stats("tottime").print_stats(top)
+    lines = [ln[:150] for ln in out.getvalue().splitlines() if ln.strip() and "Ordered by" not in ln
+             and "List reduced" not in ln]
+    print("\n".join(lines[1:]))
+
+
+def _serve(a, torch) -> None:
+    from iokernels.paged import kv_bytes_per_token
+    from iokernels.serving import bench as B
+    from iokernels.serving.llama import MODELS, Llama
+    from iokernels.serving.trace import sharegpt_like_trace
+    preset = dict(B.PRESETS["llama3-8b-shape"], rate=1000.0)
+    shape, block = MODELS["llama3-8b-shape"](2), 16
+    per_token = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, 2)
+    slots = B._kv_slots(None, 1.25, preset, per_token, block)
+    llama = Llama(shape, seed=0, dtype=torch.bfloat16, device="cuda")
+    trace = sharegpt_like_trace(4096, seed=0, vocab=shape.vocab, scale=preset["scale"], max_prompt=preset["max_prompt"],
+                                max_new_tokens=preset["max_new_tokens"], rate=preset["rate"])
+    paged, contiguous = B._memories("cuda", "cupy", slots // block, block, llama.memory_shape())
+    for label, make in (("paged", paged), ("contiguous", contiguous)):
+        _side(label, make, llama, trace, preset, a, torch)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--op", choices=("decode", "attention", "both"), default="both")
+    ap.add_argument("--op", choices=("decode", "attention", "serve", "all"), default="all")
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--warm-steps", type=int, default=120, help="serve: steps before the profiled ones")
+    ap.add_argument("--steps", type=int, default=30, help="serve: steps profiled, by each profiler")
     a = ap.parse_args(argv)
     try:
         import torch
@@ -73,22 +154,17 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"host_profile: needs torch with CUDA and CuPy ({e}); nothing measured")
         return 0
-    for op in (("decode", "attention") if a.op == "both" else (a.op,)):
+    for op in (("decode", "attention", "serve") if a.op == "all" else (a.op,)):
+        if op == "serve":
+            _serve(a, torch)
+            continue
         ours, sdpa = _calls(op, torch)
         us_ours, us_sdpa = _loop_us(ours, a.calls, torch), _loop_us(sdpa, a.calls, torch)
         print(f"== {op} {SHAPES[op]}: {us_ours:.1f} us a call (ours), {us_sdpa:.1f} us (SDPA), "
               f"ratio {us_ours / us_sdpa:.2f}")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(a.calls):
-            ours()
-        prof.disable()
+        prof = _profiled(ours, a.calls)
         torch.cuda.synchronize()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).strip_dirs().sort_stats("tottime").print_stats(a.top)
-        lines = [ln for ln in out.getvalue().splitlines() if ln.strip() and "Ordered by" not in ln
-                 and "List reduced" not in ln]
-        print("\n".join(lines[1:]))
+        _print_top(prof, a.top)
     return 0
 
 
