@@ -327,16 +327,16 @@ class PagedKVCache:
     def block_tables_array(self, seq_ids):
         """Block tables of ``seq_ids`` as a padded int32 array, with the sequences' lengths.
 
-        Returns (tables (len(seq_ids), max_blocks) int32, seq_lens (len(seq_ids),) int32);
-        rows are padded with -1 beyond each sequence's blocks (never read by a kernel that
-        respects seq_lens).  The form a GPU kernel takes.
-        """
-        rows = [self._tables[self._check_sid(s)] for s in seq_ids]
+        Returns (tables (len(seq_ids), max_blocks) int32, seq_lens (len(seq_ids),) int32); rows
+        are padded with -1 beyond each sequence's blocks (never read by a kernel that respects
+        seq_lens).  The form a GPU kernel takes."""
+        sids = [self._check_sid(s) for s in seq_ids]
+        rows = [self._tables[s] for s in sids]
         held = np.fromiter(map(len, rows), np.int64, len(rows))
         tables = np.full((len(rows), max(int(held.max(initial=0)), 1)), -1, dtype=np.int32)
         tables[np.arange(tables.shape[1]) < held[:, None]] = np.fromiter(   # row by row, as the mask runs
             itertools.chain.from_iterable(rows), np.int32, int(held.sum()))
-        return tables, np.fromiter((self._lens[s] for s in seq_ids), np.int32, len(rows))
+        return tables, np.fromiter((self._lens[s] for s in sids), np.int32, len(sids))
 
     # ------------------------------------------------------------------ changes
     def new_sequence(self) -> int:
