@@ -5,21 +5,21 @@ of KV cache, a server that reserves each request's maximum length up front holds
 sequences, most of whose reservation is never written; a paged server holds many more,
 and decode, which is memory-bound, turns a larger batch into more tokens per second.
 
-Both runs serve the same seeded ShareGPT-like trace (:mod:`.trace`) with the same model
-and scheduler; only the memory differs.  Reported per side: ``max_concurrent`` (running
-sequences), ``tokens_per_s`` (tokens drawn over the busy time, ``generated_tokens``, counting
-the requests a time-boxed run had not finished), ``waste_fraction``
-(allocated KV slots not holding a token, over the run), ``p50_ms`` / ``p99_ms`` (time per
-output token), ``finished`` and ``complete`` (whether every request was served before
-``max_seconds``), and ``phase_ms``: where a step's time goes (the scheduler, the model's
-forward pass as the host sees it, the sampling that waits for the device, the books kept
-after it; median and total per phase, :class:`~.engine.StepRecord`); then ``tokens_equal`` (whether both produced the
-same tokens, over the ``requests_compared`` both finished: always so in float64; in 16-bit on
-a GPU the two runs batch different sequences together, the matrix products then sum in
+Both runs serve the same seeded ShareGPT-like trace (:mod:`.trace`) with the same model and
+scheduler; only the memory differs.  Reported per side: ``max_concurrent`` (running
+sequences), ``tokens_per_s`` (tokens drawn over the busy time, ``generated_tokens``,
+counting the requests a time-boxed run had not finished), ``waste_fraction`` (allocated KV
+slots not holding a token, over the run), ``p50_ms`` / ``p99_ms`` (time per output token),
+``finished`` and ``complete`` (whether every request was served before ``max_seconds``), and
+``phase_ms``: where a step's time goes (the scheduler, the model's forward pass as the host
+sees it, the sampling that waits for the device, the books kept after it; median and total
+per phase, :class:`~.engine.StepRecord`); then ``tokens_equal`` (whether both produced the
+same tokens, over the ``requests_compared`` both finished: always so in float64; in 16-bit
+on a GPU the two runs batch different sequences together, the matrix products then sum in
 another order, and a near-tie in a greedy argmax can flip, so there the GPU tests hold each
-step's logits to FlashAttention's 2x rule instead) and ``requests_equal_fraction``,
-the ``device`` and the KV budget (``kv_budget_gb``), ``wall_s`` (seconds spent building the model,
-warming up, and serving each side), and the whole setup.
+step's logits to FlashAttention's 2x rule instead) and ``requests_equal_fraction``, the
+``device`` and the KV budget (``kv_budget_gb``), ``wall_s`` (seconds spent building the
+model, warming up, and serving each side), and the whole setup.
 
 Where the KV cache lives is part of what is measured.  Without ``--device`` the pools are
 NumPy arrays on the host and the model runs on the CPU: the lesson's path, every kernel
