@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-import numpy as np
-
 from ..core import conventions as cv
 from ..core.arrays import Call, DeviceArray, device_array
 from .forward import run_attention
@@ -21,13 +19,14 @@ from .hopper.records import run_attention as hopper_run_attention
 from .hopper.checks import require_available
 from .hopper.config import THREADS
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, unit_rows
-from .plans import NotPlanned, _Alloc, plan_for, _ptr, _ptrs, _stream_of, _window_key, array_key
+from .packed import SLOT, ArgBuffer, function_ptr, slots_of
+from .plans import NotPlanned, _Alloc, plan_for, _ptr, _ptrs, _stream_of, _window_key, array_key, int_ptrs
 from .registry import REGISTRY, need
 
 #: tensor-map sets (one per address triple of Q, K, V) a Hopper plan keeps
 MAPS_KEPT = 16
 #: placeholder pointers of a plan's argument template (replaced by the arrays' on every run)
-_SLOT = 0x7FF0_0000_0000_0000
+_SLOT = SLOT
 
 
 def attention_key(q, k, v, causal, scale, window, config):
@@ -41,8 +40,10 @@ def attention_key(q, k, v, causal, scale, window, config):
 
 def _slots(args: tuple, ids) -> list[int]:
     """Where the placeholder pointers _SLOT + j (j in ``ids``) sit in ``args``."""
-    where = {int(a) - _SLOT: i for i, a in enumerate(args) if type(a) is np.uint64 and int(a) >= _SLOT}
-    return [where[j] for j in ids]
+    where = slots_of(args, ids)
+    if where is None:
+        raise ValueError(f"args: a placeholder of {list(ids)} is missing")
+    return where
 
 
 def mapped_args(maps: OrderedDict, addresses: tuple, build, values: tuple) -> tuple:
@@ -104,7 +105,8 @@ class AttentionPlan:
             self.grid, self.block = (-(-Nq // block_m), Hq, B), (THREADS[cfg.version],)
             self.hargs = dict(dtype=dtype, block_n=cfg.block_n, scale=scale, window=window,
                               heavy_first=window[1] >= 0 and Nq > block_m, block_m=block_m)
-            self._maps: OrderedDict = OrderedDict()
+            self._maps: OrderedDict = OrderedDict()        # argument tuples (CuPy's launch)
+            self._buffers: OrderedDict = OrderedDict()     # packed arguments (the driver's launch)
         else:
             scale = cv.resolve_scale(scale, d)
             window = cv.effective_window(causal, window)
@@ -125,6 +127,8 @@ class AttentionPlan:
             self.template = spec.args(*(_placeholder(a, j) for j, a in enumerate(arrays)), dtype=dtype, scale=scale,
                                       window=window)
             self.where = _slots(self.template, range(5))
+            self.packed = ArgBuffer.of(self.template, self.where)
+        self.fn_ptr = function_ptr(self.fn)
         self.config, self.record = cfg, spec
 
     def _hopper_template(self, q, k, v):
@@ -138,6 +142,19 @@ class AttentionPlan:
         return mapped_args(self._maps, (int(_ptr(q)), int(_ptr(k)), int(_ptr(v))),
                            lambda: self._hopper_template(q, k, v), (_ptr(o), _ptr(lse)))
 
+    def _hopper_packed(self, q, k, v, addresses: tuple):
+        """The packed arguments of the tensor maps of Q, K, V at ``addresses`` (the last
+        :data:`MAPS_KEPT` address sets are kept); O's and LSE's pointers are its slots."""
+        maps = self._buffers
+        hit = maps.get(addresses)
+        if hit is None:
+            hit = maps[addresses] = ArgBuffer(*self._hopper_template(q, k, v))
+            while len(maps) > MAPS_KEPT:
+                maps.popitem(last=False)
+        else:
+            maps.move_to_end(addresses)
+        return hit
+
     def run(self, q, k, v, *, check: bool = True):
         """Launch on the caller's current stream; (O, LSE) of q's kind."""
         if check and (array_key(q), array_key(k), array_key(v)) != self.key:
@@ -147,11 +164,27 @@ class AttentionPlan:
         if self.empty:
             return o, lse
         stream, sobj = _stream_of(q)
+        if (self.hopper and self.no_keys) or self.copy[0] or self.copy[1] or self.copy[2]:
+            self._run_copying(q, k, v, o, lse, sobj)
+        elif self.hopper:
+            pq, pk, pv, po, pl = int_ptrs(self.alloc.torch, q, k, v, o, lse)
+            self._hopper_packed(q, k, v, (pq, pk, pv)).launch(self.fn_ptr, self.grid, self.block, self.smem,
+                                                              stream, po, pl)
+        elif self.packed is not None:
+            self.packed.launch(self.fn_ptr, self.grid, self.block, self.smem, stream,
+                               *int_ptrs(self.alloc.torch, q, k, v, o, lse))
+        else:
+            self._run_copying(q, k, v, o, lse, sobj)
+        return o, lse
+
+    def _run_copying(self, q, k, v, o, lse, sobj) -> None:
+        """The uncommon runs, through CuPy's own launch on the caller's stream: no keys (Hopper),
+        inputs that need a contiguous copy first, arguments the packed launch does not take."""
         with sobj:
             if self.hopper and self.no_keys:          # no keys: every row is fully masked
                 fill(o, 0)
                 fill(lse, -math.inf)
-                return o, lse
+                return
             if self.copy[0] or self.copy[1] or self.copy[2]:
                 fix = (lambda x: contiguous(x, 16)) if self.hopper else (lambda x: unit_rows(x).owner)
                 q, k, v = (fix(x) if c else x for x, c in zip((q, k, v), self.copy))
@@ -162,7 +195,6 @@ class AttentionPlan:
                 w = self.where
                 args[w[0]], args[w[1]], args[w[2]], args[w[3]], args[w[4]] = _ptrs(self.alloc.torch, q, k, v, o, lse)
             self.fn(self.grid, self.block, tuple(args), shared_mem=self.smem)
-        return o, lse
 
 
 def _c_strides(shape: tuple) -> tuple:

@@ -53,13 +53,17 @@ from .decode import (_check_cache, _check_decode_q, _host, _visible, _window_lef
 from . import decode_config as DC
 from .decode_launch import launch_combine, num_splits_for, pack, split_dynamic, split_static
 from .launch import contiguous, cupy, device_info, unit_rows
+from .packed import ArgBuffer, function_ptr, placeholder, slots_of
 from .registry import REGISTRY, need
 
 #: plans :data:`PLANS` keeps; the least recently used goes first
 PLAN_CACHE_ENTRIES = 64
 #: launch shapes (split count, shared memory) a plan keeps, one per longest sequence seen with
-#: host lengths; past this many they are forgotten and recomputed
+#: host lengths; past this many they are forgotten and recomputed (and as many packed arguments)
 PLAN_LAUNCHES_KEPT = 256
+#: placeholders a decode plan's packed arguments may take (q, k, v, O, LSE, lengths, tables,
+#: two scales)
+PACKED_SLOTS = 9
 
 
 class NotPlanned(Exception):
@@ -155,6 +159,11 @@ def _ptrs(torch: bool, *xs) -> tuple:
     """The pointers of device arrays ``xs`` (all torch tensors, or all CuPy arrays), as np.uint64."""
     u = np.uint64
     return tuple(u(x.data_ptr()) for x in xs) if torch else tuple(u(x.data.ptr) for x in xs)
+
+
+def int_ptrs(torch: bool, *xs) -> tuple:
+    """The pointers of device arrays ``xs`` (all torch tensors, or all CuPy arrays), as ints."""
+    return tuple(x.data_ptr() for x in xs) if torch else tuple(x.data.ptr for x in xs)
 
 
 # the keys hold a setting's type next to its value: True == 1 == 1.0, and a bool is refused where
@@ -368,6 +377,7 @@ class DecodePlan:
         self.cache_args = (*map(i64, kd.strides[:3]), *map(i64, vd.strides[:3]))
         self._launches: dict = {}
         self._ws: dict = {}
+        self._buffers: dict = {}
         self.pinned = False                              # set once a CUDA graph captures a run
         if not self.empty:
             self.st = split_static(spec, cfg, batch=B, heads_q=self.Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
@@ -401,6 +411,25 @@ class DecodePlan:
             self._ws[stream] = ws
         return ws[2]
 
+    def _packed(self, stream: int, S: int, smem: int, table: tuple, pack_call):
+        """The packed arguments (:class:`.packed.ArgBuffer`) of a launch of ``S`` splits on
+        ``stream``, its workspaces written in, the call's pointers its slots (placeholders 0..n-1
+        in ``pack_call(P, parts, counters)``, P the placeholders); False where the arguments do
+        not pack (the run then takes CuPy's launch)."""
+        o_part, lse_part, counters = parts = self._workspace(stream, S)
+        key = (stream, S, smem, table, parts)
+        buf = self._buffers.get(key)
+        if buf is None:
+            if len(self._buffers) >= PLAN_LAUNCHES_KEPT:
+                self._buffers.clear()
+            args, n = pack_call([placeholder(j) for j in range(PACKED_SLOTS)], (o_part, lse_part), counters)
+            where = slots_of(args, range(n))
+            buf = ArgBuffer.of(args, where) if where is not None else None
+            if buf is not None and not hasattr(self.st, "fn_ptr"):
+                self.st.fn_ptr = function_ptr(self.st.fn)
+            buf = self._buffers[key] = buf or False
+        return buf
+
     def run(self, q, k, v, seq_lens=None, *, check: bool = True):
         """Launch on the caller's current stream; (O, LSE) of q's kind."""
         if check and (array_key(q), array_key(k), array_key(v), _lens_key(seq_lens)) != self.key:
@@ -425,16 +454,31 @@ class DecodePlan:
         if self.copy_kv:
             k, v = unit_rows(k).owner, unit_rows(v).owner
         S, smem, table = self._launch_for(longest)
-        pq, pk, pv, po, pl = _ptrs(self.alloc.torch, q, k, v, o, lse)
-        with sobj:
-            o_part, lse_part, counters = self._workspace(stream, S)
-            args = pack(self.st, S, table, q=pq, k=pk, v=pv, cache=self.cache_args, scales=(), lens=lens_arg,
-                        nk=self.N, scale=self.scale, window_left=self.left, parts=(o_part, lse_part),
-                        counters=counters, o=po, lse=pl)
-            self.st.fn((S, self.Hkv, self.B), (self.st.threads,), args, shared_mem=smem)
-            if S > 1 and not self.st.fused:
-                launch_combine(self.st, S, o_part, lse_part, po, pl)
+
+        def pack_call(P, parts, counters):
+            return pack(self.st, S, table, q=P[0], k=P[1], v=P[2], cache=self.cache_args, scales=(), lens=P[5],
+                        nk=self.N, scale=self.scale, window_left=self.left, parts=parts, counters=counters,
+                        o=P[3], lse=P[4]), 6
+        buf = self._packed(stream, S, smem, table, pack_call)
+        pq, pk, pv, po, pl = int_ptrs(self.alloc.torch, q, k, v, o, lse)
+        if buf:
+            buf.launch(self.st.fn_ptr, (S, self.Hkv, self.B), (self.st.threads,), smem, stream,
+                       pq, pk, pv, po, pl, int(lens_arg))
+        else:
+            P = (*map(np.uint64, (pq, pk, pv, po, pl)), lens_arg)
+            args, _ = pack_call(P, *_split_parts(self._workspace(stream, S)))
+            with sobj:
+                self.st.fn((S, self.Hkv, self.B), (self.st.threads,), args, shared_mem=smem)
+        if S > 1 and not self.st.fused:
+            o_part, lse_part, _ = self._workspace(stream, S)
+            with sobj:
+                launch_combine(self.st, S, o_part, lse_part, np.uint64(po), np.uint64(pl))
         return o, lse
+
+
+def _split_parts(parts: tuple) -> tuple:
+    """((o_part, lse_part), counters) of a workspace's pointers."""
+    return parts[:2], parts[2]
 
 
 def cached_decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
@@ -535,6 +579,7 @@ class PagedDecodePlan:
         self.kv_strides = tuple(np.int64(s) for s in kd.strides[:3])
         self._launches: dict = {}
         self._ws: dict = {}
+        self._buffers: dict = {}
         self.pinned = False                              # set once a CUDA graph captures a run
         if not self.empty:
             self.st = split_static(spec, cfg, batch=B, heads_q=self.Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
@@ -548,6 +593,7 @@ class PagedDecodePlan:
 
     _launch_for = DecodePlan._launch_for
     _workspace = DecodePlan._workspace
+    _packed = DecodePlan._packed
 
     def run(self, q, k_pool, v_pool, block_tables, seq_lens, *, quant=None, check: bool = True):
         """Launch on the caller's current stream; (O, LSE) of q's kind."""
@@ -577,18 +623,29 @@ class PagedDecodePlan:
         if self.copy_kv:
             k_pool, v_pool = unit_rows(k_pool).owner, unit_rows(v_pool).owner
         S, smem, table = self._launch_for(longest)
-        pq, pk, pv, po, pl = _ptrs(self.alloc.torch, q, k_pool, v_pool, o, lse)
-        scales = () if self.quant is None else (*_ptrs(self.alloc.torch, quant["k_scale"], quant["v_scale"]),
-                                                *self.quant[1:])
-        with sobj:
-            o_part, lse_part, counters = self._workspace(stream, S)
-            cache = (tables_arg, np.int32(self.max_blocks), *self.kv_strides)
-            args = pack(self.st, S, table, q=pq, k=pk, v=pv, cache=cache, scales=scales, lens=lens_arg, nk=0,
-                        scale=self.scale, window_left=self.left, parts=(o_part, lse_part), counters=counters,
-                        o=po, lse=pl)
-            self.st.fn((S, self.Hkv, self.B), (self.st.threads,), args, shared_mem=smem)
-            if S > 1 and not self.st.fused:
-                launch_combine(self.st, S, o_part, lse_part, po, pl)
+        quant_tail = () if self.quant is None else self.quant[1:]
+
+        def pack_call(P, parts, counters):
+            scales = () if self.quant is None else (P[7], P[8], *quant_tail)
+            cache = (P[6], np.int32(self.max_blocks), *self.kv_strides)
+            return pack(self.st, S, table, q=P[0], k=P[1], v=P[2], cache=cache, scales=scales, lens=P[5], nk=0,
+                        scale=self.scale, window_left=self.left, parts=parts, counters=counters, o=P[3],
+                        lse=P[4]), 7 if self.quant is None else 9
+        buf = self._packed(stream, S, smem, table, pack_call)
+        ptrs = int_ptrs(self.alloc.torch, q, k_pool, v_pool, o, lse)
+        scales = () if self.quant is None else int_ptrs(self.alloc.torch, quant["k_scale"], quant["v_scale"])
+        if buf:
+            buf.launch(self.st.fn_ptr, (S, self.Hkv, self.B), (self.st.threads,), smem, stream,
+                       *ptrs, int(lens_arg), int(tables_arg), *scales)
+        else:
+            P = (*map(np.uint64, ptrs), lens_arg, tables_arg, *map(np.uint64, scales))
+            args, _ = pack_call(P, *_split_parts(self._workspace(stream, S)))
+            with sobj:
+                self.st.fn((S, self.Hkv, self.B), (self.st.threads,), args, shared_mem=smem)
+        if S > 1 and not self.st.fused:
+            o_part, lse_part, _ = self._workspace(stream, S)
+            with sobj:
+                launch_combine(self.st, S, o_part, lse_part, np.uint64(ptrs[3]), np.uint64(ptrs[4]))
         return o, lse
 
 

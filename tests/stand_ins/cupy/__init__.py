@@ -74,15 +74,40 @@ def is_available():
     return True
 
 
+#: the stand-in kernels by their handle (the ``kernel.ptr`` a driver launch names)
+FUNCTIONS = {}
+
+
 class _Fn:
     def __init__(self, name, code, options):
         self.name, self.code, self.options = name, code, options
         self.max_dynamic_shared_size_bytes = 0
-        self.kernel = type("K", (), {"ptr": 0})()
+        self.kernel = type("K", (), {"ptr": 0x1000 + len(FUNCTIONS)})()
+        FUNCTIONS[self.kernel.ptr] = self
+        self.arg_types = None             # each argument's NumPy type, from a CuPy-style launch
 
     def __call__(self, grid, block, args, shared_mem=0):
+        self.arg_types = [_np.asarray(a).dtype for a in args]
+        self.dims = (len(grid), len(block))
         LAUNCHES.append(dict(name=self.name, grid=grid, block=block, args=args, smem=shared_mem,
                              options=self.options))
+
+
+def _launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+    """cuLaunchKernel's stand-in: the arguments read through the kernelParams pointers, typed as
+    an earlier CuPy-style launch of the same kernel passed them (tests launch eagerly first)."""
+    import ctypes
+    fn = FUNCTIONS[f]
+    if fn.arg_types is None:
+        raise RuntimeError(f"stand-in: {fn.name} launched through the driver before any CuPy-style launch")
+    ptrs = (ctypes.c_uint64 * len(fn.arg_types)).from_address(params)
+    args = []
+    for p, t in zip(ptrs, fn.arg_types):
+        a = _np.frombuffer(ctypes.string_at(int(p), t.itemsize), t)
+        args.append(a.copy() if t.kind == "V" else a[0])
+    ng, nb = fn.dims                      # recorded with as many sizes as the CuPy-style launch gave
+    LAUNCHES.append(dict(name=fn.name, grid=(gx, gy, gz)[:ng], block=(bx, by, bz)[:nb], args=tuple(args),
+                         smem=smem, options=fn.options))
 
 
 class _Module:
@@ -119,6 +144,8 @@ class _Cuda:
         @staticmethod
         def occupancyMaxActiveBlocksPerMultiprocessor(ptr, threads, smem):
             return 2
+
+        launchKernel = staticmethod(_launch_kernel)
 
 
 cuda = _Cuda()
