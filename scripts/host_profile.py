@@ -1,10 +1,12 @@
 """Where the host's time goes on a GPU: a call of ours beside SDPA's, and a serving step.
 
-    python scripts/host_profile.py [--op decode|attention|serve|all] [--calls 1000] [--top 14]
+    python scripts/host_profile.py [--op decode|paged|attention|serve|all] [--calls 1000] [--top 14]
                                    [--warm-steps 120] [--steps 30]
 
-decode, attention: each op at one small shape (:data:`SHAPES`; bfloat16, torch CUDA tensors,
-the CuPy backend's default) and, beside it, torch's SDPA on the same tensors: the loop's
+decode, paged, attention: each op at one small shape (:data:`SHAPES`; bfloat16, torch CUDA tensors,
+the CuPy backend's default; paged: ``iokernels.cupy_raw.paged_decode_pools`` over device pools,
+block tables and lengths) and, beside it, torch's SDPA on the same tensors (paged: on a
+contiguous cache of the same length): the loop's
 microseconds a call (what :func:`iokernels.bench.timer.host_ms_loop` records in the
 benchmark's ``host_ms``) for both, then the functions that take the most of ours.
 
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 #: small shapes: the kernels take a few microseconds, so the loop measures the host, not a full
 #: launch queue waiting on the device
 SHAPES = {"decode": dict(batch=1, heads_q=32, heads_kv=8, seqlen=1024, head_dim=128),
+          "paged": dict(batch=1, heads_q=32, heads_kv=8, seqlen=1024, head_dim=128, block_size=16),
           "attention": dict(batch=1, heads_q=16, heads_kv=16, seqlen=256, head_dim=128)}
 
 
@@ -52,6 +55,17 @@ def _calls(op, torch):
         q, k, v = randn(B, Hq, d), randn(B, Hkv, N, d), randn(B, Hkv, N, d)
         q4 = q[:, :, None, :]
         return (lambda: ik.decode(q, k, v, backend="cupy"),
+                lambda: sdpa(q4, k, v, enable_gqa=Hq != Hkv))
+    if op == "paged":                   # device pools, tables and lengths (what a server passes)
+        from iokernels.cupy_raw import paged_decode_pools
+        bs = s["block_size"]
+        blocks = B * N // bs
+        q, pools = randn(B, Hq, d), [randn(blocks, bs, Hkv, d) for _ in range(2)]
+        tables = torch.randperm(blocks, device="cuda", generator=g).to(torch.int32).reshape(B, N // bs)
+        lens = torch.full((B,), N, dtype=torch.int32, device="cuda")
+        k, v = randn(B, Hkv, N, d), randn(B, Hkv, N, d)
+        q4 = q[:, :, None, :]
+        return (lambda: paged_decode_pools(q, *pools, tables, lens),
                 lambda: sdpa(q4, k, v, enable_gqa=Hq != Hkv))
     q, k, v = randn(B, Hq, N, d), randn(B, Hkv, N, d), randn(B, Hkv, N, d)
     return (lambda: ik.attention(q, k, v, causal=True, backend="cupy"),
@@ -140,7 +154,7 @@ def _serve(a, torch) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--op", choices=("decode", "attention", "serve", "all"), default="all")
+    ap.add_argument("--op", choices=("decode", "paged", "attention", "serve", "all"), default="all")
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--warm-steps", type=int, default=120, help="serve: steps before the profiled ones")
@@ -154,7 +168,7 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"host_profile: needs torch with CUDA and CuPy ({e}); nothing measured")
         return 0
-    for op in (("decode", "attention", "serve") if a.op == "all" else (a.op,)):
+    for op in (("decode", "paged", "attention", "serve") if a.op == "all" else (a.op,)):
         if op == "serve":
             _serve(a, torch)
             continue
