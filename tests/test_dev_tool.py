@@ -101,6 +101,20 @@ def test_runners_take_turns():
     assert "speed_ratios" not in s["a"] and s["a"]["median_ms"] == 2.0
 
 
+def test_a_runner_that_cannot_run_the_problem_is_skipped_and_named(monkeypatch):
+    def refuses():
+        raise RuntimeError("No available kernel. Aborting execution.\nmore")
+    real = dev.runner
+    monkeypatch.setattr(dev, "runner", lambda spec, p, device: refuses if spec == "tiled:v1" else real(spec, p, device))
+    lines = []
+    rec = dev.run("attention", backend="tiled", shape="B=1,Hq=2,N=16,d=8", dtype="float32", rounds=2,
+                  against=["naive", "tiled:v1"], out=lines.append)
+    assert set(rec["times"]) == {"tiled", "naive"}
+    assert rec["skipped"] == {"tiled:v1": "RuntimeError: No available kernel. Aborting execution."}
+    assert any(line.startswith("skip  tiled:v1") for line in lines)
+    assert dev.cannot_run(lambda: None) is None
+
+
 def test_bad_requests_are_value_errors():
     with pytest.raises(ValueError, match="causal"):
         dev.run("decode", backend="tiled", causal=True, out=lambda s: None)

@@ -348,6 +348,16 @@ def check(p: Problem, out) -> list:
     return checks
 
 
+def cannot_run(fn: Callable[[], Any]) -> str | None:
+    """Why one call of a comparison runner fails (an SDPA kernel that refuses the shape: torch
+    says "No available kernel"), or None when it runs."""
+    try:
+        fn()
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return None
+
+
 def time_interleaved(runners: dict, rounds: int, *, device: bool, reps: int | None = None) -> dict:
     """Each runner timed once a round, the runners taking turns: {name: [median ms of each round]}."""
     if rounds < 1:
@@ -397,7 +407,14 @@ def run(op: str, *, backend: str = "cupy", version: str | None = None, shape: st
             out(f"check {subject} {c}")
     if timing:
         runners = {subject: call}
-        runners.update({spec: runner(spec, p, device) for spec in against})
+        for spec in against:
+            fn = runner(spec, p, device)
+            why = cannot_run(fn)
+            if why is None:
+                runners[spec] = fn
+            else:                               # say so, and time the others
+                record.setdefault("skipped", {})[spec] = why
+                out(f"skip  {spec}: it cannot run this problem ({why})")
         record["times"] = summarize(time_interleaved(runners, rounds, device=device, reps=reps), subject)
         for name, row in record["times"].items():
             rate = p.work / (row["median_ms"] * 1e-3) / 1e12
