@@ -259,17 +259,55 @@ class Engine:
 
     def _schedule(self, preempted: list) -> dict:
         """{sequence: (tokens to compute, blocks reserved)} for this step, in priority order."""
+        seqs = [s for g in self.running for s in g.live]
+        todo = [len(s.tokens) - s.computed for s in seqs]                  # each one's to_compute
+        whole = dict(zip(seqs, zip(todo, self.memory.growths(seqs, todo))))   # and the blocks it takes
+        plan = self._schedule_everyone(whole)
+        if plan is None:
+            plan = self._schedule_running(preempted, whole)
+        budget = self.token_budget - sum(c for c, _ in plan.values())
+        reserved = sum(need for _, need in plan.values())
+        return self._admit(plan, budget, reserved, preempted)
+
+    def _schedule_everyone(self, whole: dict) -> dict | None:
+        """The common step in one pass: when every running sequence's whole remaining chunk
+        fits the token budget and the free blocks together, :meth:`_schedule_running` would
+        take each whole chunk in order and preempt none, and ``whole`` is its plan.  None
+        otherwise (a chunk the budget cuts short, or blocks short): the loop decides."""
+        chunks = [c for c, _ in whole.values()]
+        if sum(chunks) > self.token_budget or 0 in chunks:
+            return None
+        if sum(need for _, need in whole.values()) > self.memory.free_blocks():
+            return None
+        return whole
+
+    def _schedule_running(self, preempted: list, whole: dict) -> dict:
+        """Steps 2 and 3, a sequence at a time: each running sequence's chunk, preempting the newest
+        requests while the blocks it may take are not free.
+
+        whole: per running sequence, (its whole remaining chunk, the blocks that chunk takes),
+        asked of the memory for the whole batch before the loop.  A preemption does not change
+        what another request's sequences take: it frees the victim's blocks, and a partial
+        last block (the only block whose sharing counts, for copy-on-write) is shared only by
+        the samples of one request.  So the loop reads the blocks from ``whole`` unless a
+        sequence's chunk is cut short by the budget.
+        """
         budget, reserved, plan = self.token_budget, 0, {}
+        free = self.memory.free_blocks()                            # changes only when a request is preempted
         dropped = set()                                             # preempted in this step (a set: O(1) to ask)
         for group in list(self.running):                            # 2. running first, oldest first
             if group in dropped:                                    # preempted by an older one
                 continue
             for seq in group.live:
-                c = self._chunk(seq, budget)
-                if c == 0:
+                c, need = whole[seq]
+                if c > budget:                                      # cut short: a partial chunk
+                    c = self._chunk(seq, budget)
+                    if c == 0:
+                        continue
+                    need = self.memory.growth(seq, c)
+                elif c == 0:
                     continue
-                need = self.memory.growth(seq, c)
-                while need > self.memory.free_blocks() - reserved:  # 3. preempt the newest
+                while need > free - reserved:                       # 3. preempt the newest
                     victim = self.running[-1]
                     for s in [s for s in victim.seqs if s in plan]:   # its own earlier sequences
                         c_s, need_s = plan.pop(s)
@@ -277,6 +315,7 @@ class Engine:
                     self._preempt(victim, f"request {group.request.rid!r} sample {seq.sample} needs {need} "
                                           f"block(s) for {c} token(s); {self.memory.free_blocks() - reserved} "
                                           f"free and not promised this step", preempted)
+                    free = self.memory.free_blocks()
                     dropped.add(victim)
                     if victim is group:
                         break
@@ -285,7 +324,10 @@ class Engine:
                 plan[seq] = (c, need)
                 reserved += need
                 budget -= c
-        budget = self.token_budget - sum(c for c, _ in plan.values())
+        return plan
+
+    def _admit(self, plan: dict, budget: int, reserved: int, preempted: list) -> dict:
+        """Step 4: waiting requests join ``plan`` in arrival order while they fit."""
         live = sum(len(g.live) for g in self.running)              # counted once, then kept up to date
         while self.waiting and budget > 0 and not preempted:        # 4. admission, in arrival order
             group = self.waiting[0]
@@ -337,7 +379,7 @@ class Engine:
             for i in range(1, req.n):                               # parallel samples share the prompt
                 child = Sequence(group, i, list(seq.tokens), computed=seq.computed)
                 self.memory.fork(seq, child)
-                group.seqs.append(child)
+                group.add(child)
                 new.append(child)
             group.forked = True
         return new
@@ -352,7 +394,7 @@ class Engine:
             s.tokens.append(token)
             s.token_times.append(self.clock)
             if len(s.tokens) == full:
-                s.done = True
+                group.finish(s)
                 self.memory.release(s)
         if group.finished:
             self.memory.release_group(group)
