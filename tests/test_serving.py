@@ -62,8 +62,8 @@ def test_thousand_random_requests_with_preemption_match_contiguous():
 class OneAtATime(Engine):
     """The engine with its one-pass plan switched off: every step through the per-sequence loop."""
 
-    def _schedule_everyone(self, whole):
-        return None
+    def _everyone_fits(self, todo, needs):
+        return False
 
 
 def records(results):
@@ -79,14 +79,14 @@ def test_the_one_pass_plan_is_the_per_sequence_loops_plan(memory):
     engine = Engine(ChecksumModel(), memory(), step_time=1.0, token_budget=24,
                     check=invariants if memory is paged else None)
     passes = []
-    everyone = engine._schedule_everyone
-    engine._schedule_everyone = lambda whole: passes.append(everyone(whole)) or passes[-1]
+    fits = engine._everyone_fits
+    engine._everyone_fits = lambda todo, needs: passes.append(fits(todo, needs)) or passes[-1]
     slow = OneAtATime(ChecksumModel(), memory(), step_time=1.0, token_budget=24)
     for r in reqs:
         engine.submit(r)
         slow.submit(r)
     fast_res, slow_res = engine.run(), slow.run()
-    taken = sum(p is not None for p in passes)
+    taken = sum(passes)
     assert 0 < taken < len(passes) and taken > len(passes) // 4      # both ways, often
     assert records(fast_res) == records(slow_res) and fast_res.outputs == slow_res.outputs
     if memory is paged:

@@ -119,11 +119,14 @@ class Group:
     preemptions: int = 0
     reservation: object = None     # what a contiguous memory reserved for it
     live: list = field(init=False, repr=False)
+    #: the tokens each sample holds once its output is drawn: prompt + output_len
+    final_len: int = field(init=False, repr=False)
 
     def __post_init__(self):
         if not self.seqs:
             self.seqs = [Sequence(self, 0, list(self.request.prompt))]
         self.live = [s for s in self.seqs if not s.done]
+        self.final_len = len(self.request.prompt) + self.request.output_len
 
     def add(self, seq: Sequence) -> None:
         """A new sample of this request (a fork's child), after the ones there are."""
@@ -164,6 +167,8 @@ def sample_tokens(logits, draws) -> list[int]:
         return []
     greedy = logits.argmax(-1).tolist()              # NumPy and torch alike: the first maximum
     hot = sorted({row for row, req, _, _ in draws if req.temperature > 0})
+    if not hot:
+        return [greedy[row] for row, _, _, _ in draws]
     host = {}
     if hot:
         rows = logits[hot]
