@@ -291,36 +291,37 @@ class SlotMap(PagedKVCache):
         """
         rows, bs = self._rows_of(sids), self.block_size
         c = np.asarray(chunk_lens, np.int64)
-        at = np.concatenate([[0], np.cumsum(c)[:-1]]).astype(np.int64)     # each chunk's first row
+        at = np.cumsum(c) - c                            # each chunk's first row
         n = self.row_lens[rows]
         fill = n % bs
         last = self.table_rows[rows, np.maximum(n - 1, 0) // bs]
         quiet = (c == 1) & (fill > 0) & (fill < bs - 1) & (self._ref[last] == 1)
         if len(set(sids)) < len(sids):
             quiet[:] = False                             # a sequence twice: one chunk at a time
-        picked, others = [], (~quiet).nonzero()[0].tolist()
         for i in quiet.nonzero()[0].tolist():
             sid, ids = sids[i], token_ids[i]
             tok = ids[0] if ids is not None and len(ids) == 1 else None
             if type(tok) is not int and (type(tok) is bool or not isinstance(tok, np.integer)):
-                others.append(i)                         # (a bad token: append's checks say what is wrong)
+                quiet[i] = False                         # (a bad token: append's checks say what is wrong)
                 continue
             tail = self._tail_ids[sid]
             if tail is not None and self._keys[sid] is not None:
                 tail.append(int(tok))
             self._lens[sid] += 1
-            picked.append(i)
-        self.row_lens[rows[picked]] += 1
-        out_rows, out_slots = [at[picked]], [last[picked] * bs + fill[picked]]
-        for i in sorted(others):                         # in the step's order
-            slot = self.one_into_tail(sids[i], token_ids[i]) if c[i] == 1 else None
+        self.row_lens[rows[quiet]] += 1
+        out_rows, out_slots = [at[quiet]], [last[quiet] * bs + fill[quiet]]
+        one_chunks, one_slots = [], []                   # the one-token chunks one_into_tail places
+        for i in (~quiet).nonzero()[0].tolist():         # in the step's order
+            slot = self.one_into_tail(sids[i], token_ids[i]) if chunk_lens[i] == 1 else None
             if slot is not None:
-                out_rows.append(at[i:i + 1])
-                out_slots.append(np.array([slot], np.int64))
+                one_chunks.append(i)
+                one_slots.append(slot)
             else:
-                r, sl = self.place_by_append(sids[i], int(c[i]), token_ids[i])
+                r, sl = self.place_by_append(sids[i], int(chunk_lens[i]), token_ids[i])
                 out_rows.append(r + at[i])
                 out_slots.append(sl)
+        out_rows.append(at[one_chunks])
+        out_slots.append(np.array(one_slots, np.int64))
         rows_out, slots_out = np.concatenate(out_rows), np.concatenate(out_slots).astype(np.int64)
         order = np.argsort(rows_out, kind="stable")
         return rows_out[order], slots_out[order]
@@ -426,8 +427,9 @@ def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) ->
     if backend == "cupy":                             # the kernels take their own parts (_plan_kernels)
         rows_t, slots_t = _upload([rows, slots], device)
         return _plan_kernels(StepPlan(rows_t, slots_t, None, None, None, cu), tables, lens, chunk_lens, device)
-    one = [i for i, c in enumerate(chunk_lens) if c == 1]
-    d_rows, d_seqs = cu[one], np.asarray(one, np.int64)
+    c = np.asarray(chunk_lens, np.int64)
+    one = np.flatnonzero(c == 1)
+    d_rows, d_seqs = cu[one], one
     rows_t, slots_t, tables_t, lens_t, cu_t, dq_t, ds_t = _upload([rows, slots, tables, lens, cu, d_rows, d_seqs],
                                                                   device)
     plan = StepPlan(rows_t, slots_t, tables_t, lens_t, cu_t, cu)
@@ -437,16 +439,16 @@ def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) ->
         return table_rows[..., j // block_size] * block_size + j % block_size
 
     groups = []
-    for idx in decode_buckets(lens[one]) if one else ():
+    for idx in decode_buckets(lens[one]) if len(one) else ():
         q_rows, seqs = dq_t[idx], ds_t[idx]
-        width = int(lens[np.asarray(one)[idx]].max())
+        width = int(lens[one[idx]].max())
         keys = key_slots(tables_t[seqs], width)                           # (B_g, width)
         valid = torch.arange(width, device=device)[None, :] < lens_t[seqs][:, None]
         keys = torch.where(valid, keys, keys[:, :1])     # padding reads a written slot (no NaN), masked out
         groups.append((q_rows, keys, valid[:, None, None, :]))
     plan.decode = tuple(groups)
     plan.chunks = tuple((int(cu[i]), int(cu[i + 1]), key_slots(tables_t[i], int(lens[i])))
-                        for i, c in enumerate(chunk_lens) if c > 1)
+                        for i in np.flatnonzero(c > 1).tolist())
     return plan
 
 
