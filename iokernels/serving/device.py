@@ -152,6 +152,7 @@ class SlotMap(PagedKVCache):
 
     # ---- the rows: every change to a table or a length lands in its row too
     def _take_row(self, sid) -> int:
+        """A row for new sequence ``sid`` (-1s and length 0): a spare one, or a new one of twice as many."""
         if not self._spare_rows:                         # every row is held: twice as many rows
             held, grown = len(self.row_lens), max(2 * len(self.row_lens), 16)
             table_rows = np.full((grown, self.table_rows.shape[1]), -1, np.int32)
