@@ -1,9 +1,12 @@
 """The device-resident memories on device="cpu" (torch pools): the NumPy memories' tokens, the
 block pool's invariants, copy-on-write and the prefix cache on the device pools, the same errors."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
+from iokernels.paged import PagedKVCache
 from iokernels.serving import ContiguousMemory, Engine, PagedMemory, Request, pool_invariants
 from iokernels.serving.device import (DeviceContiguousMemory, DevicePagedMemory, SlotMap, StepPlan,
                                       cupy_paged_prefill)
@@ -181,6 +184,63 @@ def test_one_token_fast_path_keeps_the_books_append_keeps():
     assert fast.stats["prefix_hits"] > 0 and fast.stats["copy_on_write"] > 0
     sid = fast.seq_ids[0]
     assert one(sid, [True]) is None and one(sid, [1.5]) is None and one(sid, None) is None   # left to append
+
+
+PROMPT = [1, 2, 0, 1, 2, 0, 1, 2, 2, 1]
+
+
+def _rows_agree(mem):
+    """A SlotMap's rows against its lists, and the memory's batch answers against one at a time."""
+    sm = mem.cache
+    sids = sm.seq_ids
+    for sid in sids:
+        table, row = sm.block_table(sid), sm._row[sid]
+        assert sm.table_rows[row, :len(table)].tolist() == table and (sm.table_rows[row, len(table):] == -1).all()
+        assert sm.row_lens[row] == sm.seq_len(sid)
+    got, want = sm.block_tables_array(sids), PagedKVCache.block_tables_array(sm, sids)
+    assert all(np.array_equal(g, w) and g.dtype == w.dtype for g, w in zip(got, want))
+    seqs = [SimpleNamespace(handle=sid) for sid in sids]
+    for t in (1, 3, 8):
+        assert mem.growths(seqs, [t] * len(seqs)) == [PagedMemory.growth(mem, s, t) for s in seqs]
+    assert mem.usage() == PagedMemory.usage(mem)
+
+
+def test_a_steps_placement_and_the_rows_keep_the_books_of_one_chunk_at_a_time():
+    """SlotMap.place_step (its quiet decodes placed together, the rest in order) against place one
+    chunk at a time, over random steps of mixed chunks, forks (shared last blocks), frees and
+    repeated prompts (prefix hits); the rows mirror the tables through all of it, and the memory's
+    batch questions (growths, usage) answer what the one-at-a-time ones do."""
+    rng = np.random.default_rng(5)
+    mems = [DevicePagedMemory(128, 8, layers=1, kv_heads=1, head_dim=1) for _ in range(2)]
+    batch, one = (m.cache for m in mems)
+    quiet = 0
+    for _ in range(400):
+        live, op = batch.seq_ids, rng.integers(0, 12)
+        if (op == 0 or len(live) < 3) and batch.num_free_blocks() > 12:
+            assert batch.new_sequence() == one.new_sequence()
+        elif op == 1 and live:
+            sid = int(rng.choice(live))
+            assert batch.fork(sid) == one.fork(sid)
+        elif (op == 2 or batch.num_free_blocks() < 3 * len(live) + 12) and len(live) > 2:
+            sid = int(rng.choice(live))
+            batch.free(sid)
+            one.free(sid)
+        elif live:
+            sids = [int(x) for x in rng.permutation(live)[:int(rng.integers(1, len(live) + 1))]]
+            chunks = [int(rng.choice([1, 1, 1, 1, 2, 8, 11])) if batch.seq_len(s) else 10 for s in sids]
+            ids = [[int(t) for t in rng.integers(0, 2, c)] if batch.seq_len(s) else PROMPT  # prefix hits
+                   for s, c in zip(sids, chunks)]
+            n = batch.row_lens[batch._rows_of(sids)]
+            quiet += sum(c == 1 and 0 < x % 8 < 7 for c, x in zip(chunks, n))
+            rows, slots = batch.place_step(sids, chunks, ids)
+            at = np.cumsum([0] + chunks)
+            want = [one.place(s, c, t) for s, c, t in zip(sids, chunks, ids)]
+            assert rows.tolist() == [int(r) + at[i] for i, (rs, _) in enumerate(want) for r in rs]
+            assert slots.tolist() == [int(x) for _, sl in want for x in sl]
+        assert _books(batch) == _books(one)
+        assert not pool_invariants(batch)
+        _rows_agree(mems[0])
+    assert quiet > 300 and batch.stats["prefix_hits"] > 20 and batch.stats["copy_on_write"] > 10
 
 
 @pytest.mark.parametrize("memory", [lambda: checksum_paged(),

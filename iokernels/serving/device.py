@@ -125,6 +125,16 @@ class SlotMap(PagedKVCache):
     which row goes to which slot; a row that hits the prefix cache never reaches
     ``_write`` (its block already holds it, and is not written again).  A copy-on-write
     copies the block in every pool ``_pools`` names: here, the device pools of every layer.
+
+    **Rows.**  A step reads the block tables and lengths of hundreds of sequences, and most
+    of them changed by one token since the last step.  So each live sequence also owns a
+    row of two arrays that mirror its books: ``table_rows[row]``, its block table padded
+    with -1, and ``row_lens[row]``, its length.  Every change to a table or a length
+    (:meth:`new_sequence`, :meth:`fork`, :meth:`free`, :meth:`append`,
+    :meth:`one_into_tail`) updates the row in place, so a step gathers the batch's tables
+    with one indexed read (:meth:`block_tables_array`) instead of building them from the
+    lists, and the scheduler's questions about the batch (:meth:`growths`,
+    :meth:`written_slots`) are a few array operations.  A freed sequence's row is reused.
     """
 
     def __init__(self, num_blocks, block_size, k_pools, v_pools):
@@ -132,10 +142,113 @@ class SlotMap(PagedKVCache):
         self.k_pool = self.v_pool = None                 # the values live in the device pools
         self.device_pools = [p for layer in zip(k_pools, v_pools) for p in layer]
         self._placed: list = []
+        self._row: dict[int, int] = {}                   # sid -> its row of table_rows and row_lens
+        self._spare_rows: list[int] = []                 # rows no live sequence holds
+        self.table_rows = np.full((0, 1), -1, np.int32)
+        self.row_lens = np.zeros(0, np.int64)
 
     def _pools(self):
         return [(pool, None) for pool in self.device_pools]
 
+    # ---- the rows: every change to a table or a length lands in its row too
+    def _take_row(self, sid) -> int:
+        """A row for new sequence ``sid`` (-1s and length 0): a spare one, or a new one of twice as many."""
+        if not self._spare_rows:                         # every row is held: twice as many rows
+            held, grown = len(self.row_lens), max(2 * len(self.row_lens), 16)
+            table_rows = np.full((grown, self.table_rows.shape[1]), -1, np.int32)
+            table_rows[:held] = self.table_rows
+            self.table_rows = table_rows
+            self.row_lens = np.concatenate([self.row_lens, np.zeros(grown - held, np.int64)])
+            self._spare_rows = list(range(grown - 1, held - 1, -1))        # the lowest row is taken first
+        row = self._spare_rows.pop()
+        self._row[sid] = row
+        return row
+
+    def _fit_width(self, blocks) -> None:
+        """Rows wide enough for a table of ``blocks`` blocks (at least twice as wide when they grow)."""
+        width = self.table_rows.shape[1]
+        if blocks > width:
+            wider = np.full((len(self.table_rows), max(2 * width, blocks)), -1, np.int32)
+            wider[:, :width] = self.table_rows
+            self.table_rows = wider
+
+    def _sync_row(self, sid) -> None:
+        """Copy ``sid``'s table and length into its row (after a change the rows did not follow)."""
+        table, row = self._tables[sid], self._row[sid]
+        self._fit_width(len(table))
+        self.table_rows[row, :len(table)] = table
+        self.table_rows[row, len(table):] = -1
+        self.row_lens[row] = self._lens[sid]
+
+    def _rows_of(self, sids) -> np.ndarray:
+        """The rows of live sequence ids the caller has checked (a KeyError for an unknown one)."""
+        return np.fromiter(map(self._row.__getitem__, sids), np.int64, len(sids))
+
+    def new_sequence(self) -> int:
+        sid = super().new_sequence()
+        self._take_row(sid)
+        return sid
+
+    def fork(self, sid) -> int:
+        child = super().fork(sid)
+        row = self._take_row(child)
+        self.table_rows[row] = self.table_rows[self._row[sid]]
+        self.row_lens[row] = self.row_lens[self._row[sid]]
+        return child
+
+    def free(self, sid) -> None:
+        sid = self._check_sid(sid)
+        super().free(sid)
+        row = self._row.pop(sid)
+        self.table_rows[row] = -1
+        self.row_lens[row] = 0
+        self._spare_rows.append(row)
+
+    def append(self, sid, k_new, v_new=None, token_ids=None) -> None:
+        super().append(sid, k_new, v_new, token_ids)    # (raises with nothing changed, rows included)
+        self._sync_row(self._check_sid(sid))
+
+    def block_tables_array(self, seq_ids):
+        """:meth:`PagedKVCache.block_tables_array`, read from the rows: the same arrays."""
+        return self.tables_of([self._check_sid(s) for s in seq_ids])
+
+    def tables_of(self, sids):
+        """:meth:`block_tables_array` of sequence ids the caller has checked (a step's own)."""
+        rows = self._rows_of(sids)
+        lens = self.row_lens[rows]
+        width = max(int(-(-lens.max(initial=0) // self.block_size)), 1)      # the longest table
+        return self.table_rows[rows, :width], lens.astype(np.int32)
+
+    # ---- the scheduler's questions about many sequences at once
+    def growths(self, sids, tokens) -> np.ndarray:
+        """Per checked sequence id, the free blocks appending ``tokens[i]`` to it takes at most:
+        the blocks its longer length needs, and one more when its partial last block is shared
+        (copy-on-write), as :meth:`~.memory.PagedMemory.growth` counts them one at a time."""
+        rows, bs = self._rows_of(sids), self.block_size
+        n, t = self.row_lens[rows], np.asarray(tokens, np.int64)
+        need = (-n // bs) - (-(n + t) // bs)
+        partial = np.flatnonzero(n % bs)
+        last = self.table_rows[rows[partial], (n[partial] - 1) // bs]
+        need[partial] += self._ref[last] > 1
+        return need
+
+    def written_slots(self) -> int:
+        """Slots written in the live blocks, a shared block counted once (see
+        :meth:`~.memory.PagedMemory.usage`): every live block is full but for the distinct
+        partial last blocks, each as full as its fullest holder."""
+        rows, bs = np.fromiter(self._row.values(), np.int64, len(self._row)), self.block_size
+        n = self.row_lens[rows]
+        fill = n % bs
+        partial = np.flatnonzero(fill)
+        blocks, fill = self.table_rows[rows[partial], (n[partial] - 1) // bs], fill[partial]
+        order = np.lexsort((fill, blocks))                 # by block, the fullest holder last
+        blocks, fill = blocks[order], fill[order]
+        fullest = np.ones(len(blocks), bool)             # the last holder of each block
+        fullest[:-1] = blocks[1:] != blocks[:-1]
+        live = self.num_blocks - self.num_free_blocks()
+        return int(bs * live - (bs - fill[fullest]).sum())
+
+    # ---- placing a chunk's rows
     def _write(self, block, at, k_rows, v_rows):
         rows = k_rows[:, 0, 0].astype(np.int64)
         self._placed.append((rows, block * self.block_size + at + np.arange(len(rows))))
@@ -162,6 +275,58 @@ class SlotMap(PagedKVCache):
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return tuple(np.concatenate(x) for x in zip(*self._placed))
 
+    def place_step(self, sids, chunk_lens, token_ids):
+        """:meth:`place` for every chunk of a step, in order: sequence ``sids[i]`` takes
+        ``chunk_lens[i]`` tokens ``token_ids[i]``; ids the caller has checked, each at most once.
+        Returns (rows, slots) over the step's packed rows (chunk i's first row is the sum of
+        the chunks before it), in row order.
+
+        Most chunks of a decode step are one token into the sequence's own partial last block,
+        short of filling it: only the sequence's length and its tail of token ids change, and
+        no other chunk of the step can change that block (it is not shared, not keyed for the
+        prefix cache, and nothing is freed during a step).  Those chunks are placed together,
+        their slots and lengths as array operations.  The others (a fresh block, a block the
+        token fills and keys, a shared block to copy, a longer chunk) go through
+        :meth:`one_into_tail` or ``append`` one at a time in the step's order, as the free list
+        and the prefix cache need.  The books end as :meth:`place` one chunk at a time leaves them.
+        """
+        rows, bs = self._rows_of(sids), self.block_size
+        c = np.asarray(chunk_lens, np.int64)
+        at = np.cumsum(c) - c                            # each chunk's first row
+        n = self.row_lens[rows]
+        fill = n % bs
+        last = self.table_rows[rows, np.maximum(n - 1, 0) // bs]
+        quiet = (c == 1) & (fill > 0) & (fill < bs - 1) & (self._ref[last] == 1)
+        if len(set(sids)) < len(sids):
+            quiet[:] = False                             # a sequence twice: one chunk at a time
+        for i in quiet.nonzero()[0].tolist():
+            sid, ids = sids[i], token_ids[i]
+            tok = ids[0] if ids is not None and len(ids) == 1 else None
+            if type(tok) is not int and (type(tok) is bool or not isinstance(tok, np.integer)):
+                quiet[i] = False                         # (a bad token: append's checks say what is wrong)
+                continue
+            tail = self._tail_ids[sid]
+            if tail is not None and self._keys[sid] is not None:
+                tail.append(int(tok))
+            self._lens[sid] += 1
+        self.row_lens[rows[quiet]] += 1
+        out_rows, out_slots = [at[quiet]], [last[quiet] * bs + fill[quiet]]
+        one_chunks, one_slots = [], []                   # the one-token chunks one_into_tail places
+        for i in (~quiet).nonzero()[0].tolist():         # in the step's order
+            slot = self.one_into_tail(sids[i], token_ids[i]) if chunk_lens[i] == 1 else None
+            if slot is not None:
+                one_chunks.append(i)
+                one_slots.append(slot)
+            else:
+                r, sl = self.place_by_append(sids[i], int(chunk_lens[i]), token_ids[i])
+                out_rows.append(r + at[i])
+                out_slots.append(sl)
+        out_rows.append(at[one_chunks])
+        out_slots.append(np.array(one_slots, np.int64))
+        rows_out, slots_out = np.concatenate(out_rows), np.concatenate(out_slots).astype(np.int64)
+        order = np.argsort(rows_out, kind="stable")
+        return rows_out[order], slots_out[order]
+
     def one_into_tail(self, sid, token_ids):
         """The slot one token (``token_ids``, a sequence of one int) takes at the end of ``sid``,
         with the books moved as ``append`` moves them: into the sequence's own (unshared) last
@@ -177,11 +342,14 @@ class SlotMap(PagedKVCache):
         tok = token_ids[0]
         if bs == 1 or type(tok) is bool or not isinstance(tok, (int, np.integer)):
             return None                                  # (a bad token: append's checks say what is wrong)
+        row = self._row[sid]
         if fill == 0:
             if not self._free:
                 return None                              # (append raises OutOfBlocks)
             block = self._allocate()
             table.append(block)
+            self._fit_width(len(table))
+            self.table_rows[row, len(table) - 1] = block
         elif self._ref[table[-1]] != 1:
             return None                                  # a shared partial block: copy-on-write first
         else:
@@ -195,6 +363,7 @@ class SlotMap(PagedKVCache):
                 keys.append(key)
                 tail.clear()
         self._lens[sid] = length + 1
+        self.row_lens[row] = length + 1
         return block * bs + fill
 
 
@@ -259,8 +428,9 @@ def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) ->
     if backend == "cupy":                             # the kernels take their own parts (_plan_kernels)
         rows_t, slots_t = _upload([rows, slots], device)
         return _plan_kernels(StepPlan(rows_t, slots_t, None, None, None, cu), tables, lens, chunk_lens, device)
-    one = [i for i, c in enumerate(chunk_lens) if c == 1]
-    d_rows, d_seqs = cu[one], np.asarray(one, np.int64)
+    c = np.asarray(chunk_lens, np.int64)
+    one = np.flatnonzero(c == 1)
+    d_rows, d_seqs = cu[one], one
     rows_t, slots_t, tables_t, lens_t, cu_t, dq_t, ds_t = _upload([rows, slots, tables, lens, cu, d_rows, d_seqs],
                                                                   device)
     plan = StepPlan(rows_t, slots_t, tables_t, lens_t, cu_t, cu)
@@ -270,16 +440,16 @@ def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) ->
         return table_rows[..., j // block_size] * block_size + j % block_size
 
     groups = []
-    for idx in decode_buckets(lens[one]) if one else ():
+    for idx in decode_buckets(lens[one]) if len(one) else ():
         q_rows, seqs = dq_t[idx], ds_t[idx]
-        width = int(lens[np.asarray(one)[idx]].max())
+        width = int(lens[one[idx]].max())
         keys = key_slots(tables_t[seqs], width)                           # (B_g, width)
         valid = torch.arange(width, device=device)[None, :] < lens_t[seqs][:, None]
         keys = torch.where(valid, keys, keys[:, :1])     # padding reads a written slot (no NaN), masked out
         groups.append((q_rows, keys, valid[:, None, None, :]))
     plan.decode = tuple(groups)
     plan.chunks = tuple((int(cu[i]), int(cu[i + 1]), key_slots(tables_t[i], int(lens[i])))
-                        for i, c in enumerate(chunk_lens) if c > 1)
+                        for i in np.flatnonzero(c > 1).tolist())
     return plan
 
 
@@ -387,21 +557,19 @@ class DevicePagedMemory(_DeviceAttention, PagedMemory):
 
     def prepare(self, seqs, chunk_lens, token_ids) -> StepPlan:
         """The step's books, once for every layer: place each chunk's rows, then upload the plan."""
-        rows, slots, at = [], [], 0
-        for s, c, ids in zip(seqs, chunk_lens, token_ids):
-            slot = self.cache.one_into_tail(s.handle, ids) if c == 1 else None   # most decodes
-            if slot is not None:
-                rows.append(at)
-                slots.append(slot)
-            else:
-                r, sl = self.cache.place_by_append(s.handle, c, ids)   # (one_into_tail declined it)
-                rows.extend((r + at).tolist())
-                slots.extend(sl.tolist())
-            at += c
-        tables, lens = self.cache.block_tables_array([s.handle for s in seqs])
+        sids = [s.handle for s in seqs]
+        rows, slots = self.cache.place_step(sids, chunk_lens, token_ids)
+        tables, lens = self.cache.tables_of(sids)
         tables = np.where(tables < 0, tables[:, :1], tables)   # padding names a block of the sequence's own
-        return _plan(np.array(rows, np.int64), np.array(slots, np.int64), tables, lens, list(chunk_lens),
-                     self.block_size, self.backend, self.device)
+        return _plan(rows, slots, tables, lens, list(chunk_lens), self.block_size, self.backend, self.device)
+
+    def growths(self, seqs, tokens) -> list:
+        """:meth:`~.memory.PagedMemory.growth` of every (sequence, tokens) pair, read from the rows at once."""
+        return self.cache.growths([s.handle for s in seqs], tokens).tolist()
+
+    def usage(self) -> tuple[int, int]:
+        """:meth:`~.memory.PagedMemory.usage`, read from the rows at once."""
+        return self.cache.written_slots(), self.block_size * (self.num_blocks - self.cache.num_free_blocks())
 
     def write(self, layer, seq, k_rows, v_rows, token_ids) -> None:
         """One sequence's rows, NumPy or torch (the checksum model's call): layer 0 does the books."""

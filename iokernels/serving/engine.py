@@ -221,27 +221,25 @@ class Engine:
         t0 = time.perf_counter()
         preempted: list = []
         plan = self._schedule(preempted)
-        seqs = list(plan)
+        seqs, chunks = list(plan), [c for c, _ in plan.values()]
         running = sum(len(g.live) for g in self.running)
-        drawn: list = []
         t1 = t2 = time.perf_counter()
         if seqs:
-            logits = self.model.forward(self.memory, seqs, [plan[s][0] for s in seqs])
+            logits = self.model.forward(self.memory, seqs, chunks)
             t2 = time.perf_counter()
-            drawn = [self._advance(s, plan[s][0]) for s in seqs]
-            draws = [(i, s.group.request, s.sample, len(s.tokens)) for i, new in enumerate(drawn) for s in new]
-            tokens = iter(sample_tokens(logits, draws))   # the step's one trip to the host
+            drawn = self._advance(seqs, chunks)
+            draws = [(row, s.group.request, s.sample, len(s.tokens)) for row, s in drawn]
+            tokens = sample_tokens(logits, draws)         # the step's one trip to the host
         t3 = time.perf_counter()
-        for new in drawn:
-            self._take(new, [next(tokens) for _ in new])
-            self.results.generated_tokens += len(new)
+        if seqs:
+            self._take([s for _, s in drawn], tokens)
         used, alloc = self.memory.usage()
         t4 = time.perf_counter()
         dt = t4 - t0
         phases = dict(schedule=t1 - t0, model=t2 - t1, sample=t3 - t2, books=t4 - t3)
         self.clock += dt if self.step_time is None else self.step_time
         self.busy_s += dt
-        batch = [(s.group.request.rid, s.sample, plan[s][0]) for s in seqs]
+        batch = [(s.group.request.rid, s.sample, c) for s, c in zip(seqs, chunks)]
         rec = StepRecord(len(self.results.steps), self.clock, batch, running, used, alloc,
                          self.memory.free_blocks(), preempted, phases)
         self.results.steps.append(rec)
@@ -259,17 +257,51 @@ class Engine:
 
     def _schedule(self, preempted: list) -> dict:
         """{sequence: (tokens to compute, blocks reserved)} for this step, in priority order."""
+        seqs = [s for g in self.running for s in g.live]
+        todo = [len(s.tokens) - s.computed for s in seqs]                  # each one's to_compute
+        needs = self.memory.growths(seqs, todo)                            # the blocks each whole chunk takes
+        whole = dict(zip(seqs, zip(todo, needs)))
+        if self._everyone_fits(todo, needs):                                # the common step: one pass
+            plan, computing, reserved = whole, sum(todo), sum(needs)
+        else:
+            plan = self._schedule_running(preempted, whole)
+            computing, reserved = sum(c for c, _ in plan.values()), sum(need for _, need in plan.values())
+        return self._admit(plan, self.token_budget - computing, reserved, preempted)
+
+    def _everyone_fits(self, todo: list, needs: list) -> bool:
+        """Whether every running sequence's whole remaining chunk (``todo``, taking ``needs``
+        blocks) fits the token budget and the free blocks together.  Then
+        :meth:`_schedule_running` would take each whole chunk in order and preempt none, so the
+        plan is all of them, made in one pass."""
+        return sum(todo) <= self.token_budget and 0 not in todo and sum(needs) <= self.memory.free_blocks()
+
+    def _schedule_running(self, preempted: list, whole: dict) -> dict:
+        """Steps 2 and 3, a sequence at a time: each running sequence's chunk, preempting the newest
+        requests while the blocks it may take are not free.
+
+        whole: per running sequence, (its whole remaining chunk, the blocks that chunk takes),
+        asked of the memory for the whole batch before the loop.  A preemption does not change
+        what another request's sequences take: it frees the victim's blocks, and a partial
+        last block (the only block whose sharing counts, for copy-on-write) is shared only by
+        the samples of one request.  So the loop reads the blocks from ``whole`` unless a
+        sequence's chunk is cut short by the budget.
+        """
         budget, reserved, plan = self.token_budget, 0, {}
+        free = self.memory.free_blocks()                            # changes only when a request is preempted
         dropped = set()                                             # preempted in this step (a set: O(1) to ask)
         for group in list(self.running):                            # 2. running first, oldest first
             if group in dropped:                                    # preempted by an older one
                 continue
             for seq in group.live:
-                c = self._chunk(seq, budget)
-                if c == 0:
+                c, need = whole[seq]
+                if c > budget:                                      # cut short: a partial chunk
+                    c = self._chunk(seq, budget)
+                    if c == 0:
+                        continue
+                    need = self.memory.growth(seq, c)
+                elif c == 0:
                     continue
-                need = self.memory.growth(seq, c)
-                while need > self.memory.free_blocks() - reserved:  # 3. preempt the newest
+                while need > free - reserved:                       # 3. preempt the newest
                     victim = self.running[-1]
                     for s in [s for s in victim.seqs if s in plan]:   # its own earlier sequences
                         c_s, need_s = plan.pop(s)
@@ -277,6 +309,7 @@ class Engine:
                     self._preempt(victim, f"request {group.request.rid!r} sample {seq.sample} needs {need} "
                                           f"block(s) for {c} token(s); {self.memory.free_blocks() - reserved} "
                                           f"free and not promised this step", preempted)
+                    free = self.memory.free_blocks()
                     dropped.add(victim)
                     if victim is group:
                         break
@@ -285,7 +318,10 @@ class Engine:
                 plan[seq] = (c, need)
                 reserved += need
                 budget -= c
-        budget = self.token_budget - sum(c for c, _ in plan.values())
+        return plan
+
+    def _admit(self, plan: dict, budget: int, reserved: int, preempted: list) -> dict:
+        """Step 4: waiting requests join ``plan`` in arrival order while they fit."""
         live = sum(len(g.live) for g in self.running)              # counted once, then kept up to date
         while self.waiting and budget > 0 and not preempted:        # 4. admission, in arrival order
             group = self.waiting[0]
@@ -326,36 +362,42 @@ class Engine:
         self.results.preemptions.append(entry)
         log.info("step %d: preempted request %r (recompute): %s", entry["step"], group.request.rid, reason)
 
-    def _advance(self, seq: Sequence, c: int) -> list:
-        """After the model ran: count the chunk; the sequences that draw a token now (none mid-prefill)."""
-        seq.computed += c
-        if seq.to_compute:                                          # mid-prefill: nothing to sample
-            return []
-        group, req = seq.group, seq.group.request
-        new = [seq]
-        if not group.forked:
-            for i in range(1, req.n):                               # parallel samples share the prompt
-                child = Sequence(group, i, list(seq.tokens), computed=seq.computed)
-                self.memory.fork(seq, child)
-                group.seqs.append(child)
-                new.append(child)
-            group.forked = True
-        return new
+    def _advance(self, seqs: list, chunks: list) -> list:
+        """After the model ran: count each chunk; (logits row, sequence) of each sequence that draws
+        a token now (none mid-prefill; a request's samples, forked after its prompt, share a row)."""
+        drawn = []
+        for row, (seq, c) in enumerate(zip(seqs, chunks)):
+            seq.computed += c
+            if seq.computed < len(seq.tokens):                      # mid-prefill: nothing to sample
+                continue
+            drawn.append((row, seq))
+            group = seq.group
+            if not group.forked:
+                for i in range(1, group.request.n):                 # parallel samples share the prompt
+                    child = Sequence(group, i, list(seq.tokens), computed=seq.computed)
+                    self.memory.fork(seq, child)
+                    group.add(child)
+                    drawn.append((row, child))
+                group.forked = True
+        return drawn
 
-    def _take(self, new: list, tokens: list) -> None:
+    def _take(self, drawn: list, tokens: list) -> None:
         """Append each drawn token; a sample with all its tokens frees its memory, a finished request leaves."""
-        if not new:
-            return
-        group, req = new[0].group, new[0].group.request
-        full = len(req.prompt) + req.output_len                   # tokens once its output is drawn
-        for s, token in zip(new, tokens):
+        self.results.generated_tokens += len(drawn)
+        for s, token in zip(drawn, tokens):
             s.tokens.append(token)
             s.token_times.append(self.clock)
-            if len(s.tokens) == full:
-                s.done = True
-                self.memory.release(s)
+            if len(s.tokens) == s.group.final_len:
+                self._finish(s)
+
+    def _finish(self, seq: Sequence) -> None:
+        """``seq`` has drawn its last token: its memory is freed, and its request leaves once every
+        sample of it is done."""
+        group = seq.group
+        group.finish(seq)
+        self.memory.release(seq)
         if group.finished:
             self.memory.release_group(group)
             self.running.remove(group)
-            self.results.outputs[req.rid] = [list(s.generated) for s in group.seqs]
+            self.results.outputs[group.request.rid] = [list(s.generated) for s in group.seqs]
             self.results.token_times.extend(list(s.token_times) for s in group.seqs)

@@ -2,9 +2,9 @@
 
 Both memories give the model the same three operations per layer (``write`` a chunk's K
 and V, ``attend`` a batch of chunks, ``read`` a sequence back) and give the scheduler
-the same accounting (``growth``: blocks an append needs; ``free_blocks``; ``usage``).
-Their policies differ, and the difference is PagedAttention's argument (Kwon et al.,
-SOSP 2023, paper):
+the same accounting (``growth``: blocks an append needs, ``growths`` for a batch;
+``free_blocks``; ``usage``).  Their policies differ, and the difference is
+PagedAttention's argument (Kwon et al., SOSP 2023, paper):
 
 * :class:`PagedMemory` takes blocks as a sequence grows, from one
   :class:`~iokernels.paged.PagedKVCache` per layer; the layers' caches see the same calls
@@ -119,6 +119,10 @@ class PagedMemory:
         if n % bs and cache.ref_count(cache.last_block(sid)) > 1:
             need += 1                                 # the shared partial last block is copied first
         return need
+
+    def growths(self, seqs, tokens) -> list:
+        """:meth:`growth` of each (sequence, tokens) pair: the scheduler asks for a whole batch at once."""
+        return [self.growth(s, t) for s, t in zip(seqs, tokens)]
 
     def usage(self) -> tuple[int, int]:
         """(slots written, slots allocated) over the live blocks, a shared block counted once.
@@ -245,6 +249,9 @@ class ContiguousMemory:
 
     def growth(self, seq, tokens) -> int:
         return 0                                      # reserved at admission
+
+    def growths(self, seqs, tokens) -> list:
+        return [0] * len(seqs)
 
     def usage(self) -> tuple[int, int]:
         reserved = self.capacity_slots - sum(z - a for a, z in self._holes)

@@ -104,7 +104,13 @@ class Sequence:
 
 @dataclass(eq=False)
 class Group:
-    """A request in the engine: its samples (one until the prompt is done), its place in line."""
+    """A request in the engine: its samples (one until the prompt is done), its place in line.
+
+    ``live`` lists the samples not done yet, in sample order.  The scheduler walks it for
+    every running request every step, so it is kept up to date as samples join
+    (:meth:`add`) and finish (:meth:`finish`) instead of being filtered out of ``seqs``
+    each time; read it, do not change it.
+    """
 
     request: Request
     order: int                     # arrival order: lower runs first and is preempted last
@@ -112,18 +118,30 @@ class Group:
     forked: bool = False           # the samples exist (after the first token)
     preemptions: int = 0
     reservation: object = None     # what a contiguous memory reserved for it
+    live: list = field(init=False, repr=False)
+    #: the tokens each sample holds once its output is drawn: prompt + output_len
+    final_len: int = field(init=False, repr=False)
 
     def __post_init__(self):
         if not self.seqs:
             self.seqs = [Sequence(self, 0, list(self.request.prompt))]
+        self.live = [s for s in self.seqs if not s.done]
+        self.final_len = len(self.request.prompt) + self.request.output_len
 
-    @property
-    def live(self) -> list:
-        return [s for s in self.seqs if not s.done]
+    def add(self, seq: Sequence) -> None:
+        """A new sample of this request (a fork's child), after the ones there are."""
+        self.seqs.append(seq)
+        if not seq.done:
+            self.live.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Sample ``seq`` has drawn its last token: it is done and leaves ``live``."""
+        seq.done = True
+        self.live.remove(seq)
 
     @property
     def finished(self) -> bool:
-        return (self.forked or self.request.n == 1) and all(s.done for s in self.seqs)
+        return (self.forked or self.request.n == 1) and not self.live
 
 
 def sample_token(logits, request: Request, sample: int, position: int) -> int:
@@ -149,6 +167,8 @@ def sample_tokens(logits, draws) -> list[int]:
         return []
     greedy = logits.argmax(-1).tolist()              # NumPy and torch alike: the first maximum
     hot = sorted({row for row, req, _, _ in draws if req.temperature > 0})
+    if not hot:
+        return [greedy[row] for row, _, _, _ in draws]
     host = {}
     if hot:
         rows = logits[hot]
