@@ -161,16 +161,19 @@ class ForwardConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     """The Triton split-KV decode: version "v1"; block_n: keys per tile (None: 32 on a GPU,
-    16 under the interpreter); the query heads of one KV head share each K/V tile it loads."""
+    16 under the interpreter); the query heads of one KV head share each K/V tile it loads;
+    num_warps (None: 4); num_stages: the software pipeline's depth (None: Triton's default)."""
 
     version: str | None = None
     block_n: int | None = None
     num_warps: int | None = None
+    num_stages: int | None = None
 
     def __post_init__(self):
         _check_version(self.version, DECODE_VERSIONS, "decode")
         _check_tile(self.block_n, "block_n")
         _check_small(self.num_warps, "num_warps", (1, 2, 4, 8))
+        _check_small(self.num_stages, "num_stages", (1, 2, 3, 4, 5))
 
     def replace(self, **changes) -> "DecodeConfig":
         return replace(self, **changes)

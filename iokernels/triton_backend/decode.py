@@ -53,7 +53,8 @@ def _launch(qt, kt, vt, table, lens_t, lens, hkv, kv_strides, paged, page, *, nu
     split_kv[(S, B * hkv)](qt, kt, vt, table, lens_t, o_part, lse_part, *ln.strides(qt), *kv_strides,
                            int(table.stride(0)), B, hkv, group, d, float(scale) * LOG2E, left, S, page,
                            BLOCK_G=max(16, next_pow2(group)), BLOCK_N=bn, BLOCK_D=padded_head_dim(d), PAGED=paged,
-                           F32=f32_dot(dtype), num_warps=warps)
+                           F32=f32_dot(dtype), num_warps=warps,
+                           **({} if cfg.num_stages is None else dict(num_stages=cfg.num_stages)))
     merge[(B * Hq,)](o_part, lse_part, o, lse, B * Hq, d, S, LN2=LN2, BLOCK_S=next_pow2(S),
                      BLOCK_D=padded_head_dim(d), num_warps=4)
     return o, lse

@@ -1,0 +1,107 @@
+"""Tuning sweep of the Triton split-KV decode: tiles, warps, pipeline depth and split counts
+around the default, contiguous and paged, next to torch's SDPA in the same run.
+
+The sweep is data (:data:`DECODE_ROWS`): a label, the :class:`~iokernels.triton_backend.DecodeConfig`
+keyword arguments, and how deep the split count fills the GPU -- None for the launcher's
+own rule (FlashAttention-2's occupancy rule, one wave of one program a multiprocessor), or
+``programs_per_sm``: the same rule asked to fill that many programs on every multiprocessor
+(:func:`iokernels.decode.occupancy_splits` with ``num_sms`` times as many).  Decode is bound
+by memory traffic, and one program of a few warps on a multiprocessor keeps too few bytes in
+flight to stream at the memory's speed; the rows measure how deep is enough.  Shapes: the
+serving grid (:data:`.sweeps_cupy.SERVING_SHAPES`, float16 GQA 32/8 d=128); paged pools of
+16-token blocks from :func:`iokernels.bench.device_pages` (a shuffled block table, on the
+device; the lengths on the host, as the benchmark's rows pass them).  Every
+time is :func:`iokernels.bench.time_cuda` of the public launcher (what a caller gets).  One
+JSON line a row.
+
+    python -m iokernels.bench.sweeps_triton [out.json]
+
+(a GPU with Triton and torch).
+"""
+from __future__ import annotations
+
+import sys
+
+from .sweeps_cupy import REPS, SERVING_SHAPES, _emit, _save
+
+#: (label, DecodeConfig keyword arguments, programs_per_sm or None for the launcher's rule)
+DECODE_ROWS = (
+    ("v1", dict(version="v1"), None),
+    ("v1 x2 deep", dict(version="v1"), 2),
+    ("v1 x4 deep", dict(version="v1"), 4),
+    ("v1 x8 deep", dict(version="v1"), 8),
+    ("v1 bn64 x4 deep", dict(version="v1", block_n=64), 4),
+    ("v1 bn64 8w x4 deep", dict(version="v1", block_n=64, num_warps=8), 4),
+    ("v1 bn16 x8 deep", dict(version="v1", block_n=16), 8),
+    ("v1 2 stages x4 deep", dict(version="v1", num_stages=2), 4),
+    ("v1 4 stages x4 deep", dict(version="v1", num_stages=4), 4),
+    ("v1 bn64 4 stages x4 deep", dict(version="v1", block_n=64, num_stages=4), 4),
+)
+
+
+def splits_for(shape: dict, block_n: int, programs_per_sm, sms: int):
+    """The split count a row asks for: None (the launcher's rule) or the occupancy rule over
+    ``programs_per_sm`` times the multiprocessors."""
+    if programs_per_sm is None:
+        return None
+    from ..decode import MAX_SPLITS, occupancy_splits
+    return occupancy_splits(shape["batch"], shape["heads_kv"], shape["seqlen"], sms * programs_per_sm,
+                            block_n=block_n, max_splits=MAX_SPLITS)
+
+
+def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from iokernels import bench
+    from iokernels import triton_backend as tb
+    from iokernels.bench.paged_tables import paged_call_tables
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for shape in shapes:
+        B, Hq, Hkv, N, d = (shape[k] for k in ("batch", "heads_q", "heads_kv", "seqlen", "head_dim"))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn((B, Hq, d), device="cuda", dtype=torch.float16, generator=gen)
+        k, v = (torch.randn((B, Hkv, N, d), device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
+        kv_bytes = 2.0 * B * Hkv * N * d * 2
+        group = f"decode float16 B={B} Hq={Hq} Hkv={Hkv} N={N} d={d}"
+        q4 = q[:, :, None, :]
+        best = None
+        for name, backend in (("CUDNN", SDPBackend.CUDNN_ATTENTION), ("FLASH", SDPBackend.FLASH_ATTENTION)):
+            def sdpa(backend=backend):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+            try:
+                ref = sdpa()[:, :, 0].float()
+                ms = bench.time_cuda(sdpa, reps=reps).median_ms
+            except RuntimeError as e:                    # a backend that refuses the shape
+                print(f"# {group} sdpa {name}: {str(e).splitlines()[0][:120]}", flush=True)
+                continue
+            best = ms if best is None else min(best, ms)
+            _emit(rows, dict(group=group, runner=f"sdpa {name}", ms=round(ms, 5),
+                             tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3)))
+        kp, vp, tables, lens = bench.device_pages(k, v, seed=0, block_size=16)
+        tables, lens = paged_call_tables("triton", tables, lens, q.device)     # as the benchmark's rows call it
+        for label, kw, deep in DECODE_ROWS:
+            cfg = tb.DecodeConfig(**kw)
+            S = splits_for(shape, cfg.keys_per_tile(False), deep, sms)
+            for paged in (False, True):
+                fn, args = ((tb.paged_decode_pools, (q, kp, vp, tables, lens)) if paged else (tb.decode, (q, k, v)))
+                name = f"triton {label}" + (" paged" if paged else "")
+                try:
+                    o, _ = fn(*args, num_splits=S, config=cfg)
+                    err = float((o.float() - ref).abs().max())
+                    ms = bench.time_cuda(fn, *args, num_splits=S, config=cfg, reps=reps).median_ms
+                    _emit(rows, dict(group=group, runner=name, ms=round(ms, 5),
+                                     tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3),
+                                     ratio_to_best_sdpa=round(best / ms, 3) if best else None,
+                                     max_abs_diff_vs_sdpa=err, num_splits=S or "launcher's rule", config=repr(cfg)))
+                except Exception as e:                   # a config that does not compile or fit: say so, go on
+                    print(f"# {group} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+        bench.release_device_cache()
+    return _save(out_path, rows)
+
+
+if __name__ == "__main__":
+    sweep_decode(sys.argv[1] if len(sys.argv) > 1 else None)
