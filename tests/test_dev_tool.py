@@ -115,6 +115,18 @@ def test_a_runner_that_cannot_run_the_problem_is_skipped_and_named(monkeypatch):
     assert dev.cannot_run(lambda: None) is None
 
 
+def test_a_timing_only_run_computes_no_oracle(monkeypatch):
+    def never(*a, **k):
+        raise AssertionError("the oracle ran")
+    monkeypatch.setattr(dev.reference, "decode", never)
+    rec = dev.run("decode", backend="tiled", shape="B=1,Hq=4,Hkv=2,N=32,d=8", dtype="float32", rounds=1,
+                  correctness=False, out=lambda s: None)
+    assert "checks" not in rec and set(rec["times"]) == {"tiled"}
+    assert dev.make_problem("decode", dev.parse_shape("B=1,Hq=4,Hkv=2,N=32,d=8"), "float16", oracle=False).refs == {}
+    with pytest.raises(AssertionError, match="oracle"):
+        dev.make_problem("decode", dev.parse_shape("B=1,Hq=4,Hkv=2,N=32,d=8"), "float16")
+
+
 def test_bad_requests_are_value_errors():
     with pytest.raises(ValueError, match="causal"):
         dev.run("decode", backend="tiled", causal=True, out=lambda s: None)

@@ -133,8 +133,10 @@ def _visible_pairs(nq: int, nk: int, causal: bool) -> int:
 
 
 def make_problem(op: str, shape: dict, dtype: str, *, causal: bool = False, kv_dtype: str | None = None,
-                 seed: int = 0) -> Problem:
-    """Seeded inputs for ``op`` at ``shape`` in ``dtype``, and what they must give."""
+                 seed: int = 0, oracle: bool = True) -> Problem:
+    """Seeded inputs for ``op`` at ``shape`` in ``dtype``, and what they must give (``oracle``
+    False: no oracle and no baseline, whose NumPy float64 and 16-bit work takes minutes at the
+    shapes a timing-only run names; the problem then has no ``refs`` to check against)."""
     cv.check_choice(op, "op", OPS)
     rng = np.random.default_rng(seed)
     B, Hq, Hkv, N, Nq, d = (shape[k] for k in ("B", "Hq", "Hkv", "N", "Nq", "d"))
@@ -145,15 +147,16 @@ def make_problem(op: str, shape: dict, dtype: str, *, causal: bool = False, kv_d
                                           head_dim=d, dtype=dtype, with_grad=True)
         pairs = B * Hq * _visible_pairs(Nq, N, causal) * d
         if op == "attention":
-            ro, rl = reference.attention(q, k, v, causal=causal)
+            refs = dict(zip(("o", "lse"), reference.attention(q, k, v, causal=causal))) if oracle else {}
             base = dict(zip(("o", "lse"), api.attention(q, k, v, causal=causal, backend="naive",
-                                                        return_lse=True))) if low else {}
+                                                        return_lse=True))) if low and oracle else {}
             return Problem(op, dtype, shape, causal, (q, k, v), dict(causal=causal, return_lse=True),
-                           dict(o=ro, lse=rl), base, contiguous=(q, k, v), work=4.0 * pairs)
+                           refs, base, contiguous=(q, k, v), work=4.0 * pairs)
         o, lse = api.attention(q, k, v, causal=causal, backend="naive", return_lse=True)
-        refs = dict(zip(("dq", "dk", "dv"), reference.attention_backward(do, q, k, v, causal=causal)))
+        refs = dict(zip(("dq", "dk", "dv"), reference.attention_backward(do, q, k, v, causal=causal))) \
+            if oracle else {}
         base = dict(zip(("dq", "dk", "dv"), api.attention_backward(do, q, k, v, o, lse, causal=causal,
-                                                                   backend="naive"))) if low else {}
+                                                                   backend="naive"))) if low and oracle else {}
         return Problem(op, dtype, shape, causal, (do, q, k, v, o, lse), dict(causal=causal), refs, base,
                        factor=testing.GRADIENT_FACTOR, work=10.0 * pairs)
     if op == "paged_prefill":
@@ -165,9 +168,10 @@ def make_problem(op: str, shape: dict, dtype: str, *, causal: bool = False, kv_d
         q, k, v = testing.make_inputs(rng, batch=B, heads_q=Hq, heads_kv=Hkv, seqlen_q=1, seqlen_k=N,
                                       head_dim=d, dtype=dtype)
         q = np.ascontiguousarray(q[:, :, 0])
-        ro, rl = reference.decode(q, k, v)
-        base = dict(zip(("o", "lse"), api.decode(q, k, v, backend="naive", return_lse=True))) if low else {}
-        return Problem(op, dtype, shape, False, (q, k, v), dict(return_lse=True), dict(o=ro, lse=rl), base,
+        refs = dict(zip(("o", "lse"), reference.decode(q, k, v))) if oracle else {}
+        base = dict(zip(("o", "lse"), api.decode(q, k, v, backend="naive", return_lse=True))) \
+            if low and oracle else {}
+        return Problem(op, dtype, shape, False, (q, k, v), dict(return_lse=True), refs, base,
                        contiguous=(q[:, :, None], k, v), work=kv_bytes, unit="TB/s")
     if op in ("paged_decode", "paged_gather"):
         q, k, v, lens, cache, sids, kh, vh = paged_inputs.make_paged_decode_inputs(
@@ -177,21 +181,21 @@ def make_problem(op: str, shape: dict, dtype: str, *, causal: bool = False, kv_d
             return Problem(op, dtype, shape, False, (cache, sids[-1]), {},
                            dict(k=kh[-1, :, :n], v=vh[-1, :, :n]), exact=True,
                            work=2.0 * 2 * Hkv * n * d * item, unit="TB/s")
-        ro, rl = reference.decode(q, kh, vh, seq_lens=lens)
+        refs = dict(zip(("o", "lse"), reference.decode(q, kh, vh, seq_lens=lens))) if oracle else {}
         base = {}
-        if low:                      # the naive algorithm on what the cache holds, in q's precision
+        if low and oracle:           # the naive algorithm on what the cache holds, in q's precision
             dt = testing.numpy_dtype(dtype)
             base = dict(zip(("o", "lse"), api.decode(q, kh.astype(dt), vh.astype(dt), seq_lens=lens,
                                                      backend="naive", return_lse=True)))
-        return Problem(op, dtype, shape, False, (q, cache, sids), dict(return_lse=True), dict(o=ro, lse=rl),
+        return Problem(op, dtype, shape, False, (q, cache, sids), dict(return_lse=True), refs,
                        base, contiguous=(q[:, :, None], k, v), work=kv_bytes, unit="TB/s")
     # mla_decode: q (B, Hq, dc + dr) over a latent cache (B, N, dc + dr)
     dc, row = shape["dc"], shape["dc"] + shape["dr"]
     dt = testing.numpy_dtype(dtype)
     q = rng.standard_normal((B, Hq, row)).astype(dt)
     kv = rng.standard_normal((B, N, row)).astype(dt)
-    ro, rl = reference_latent(q, kv, dc)
-    return Problem(op, dtype, shape, False, (q, kv), {}, dict(o=ro, lse=rl),
+    refs = dict(zip(("o", "lse"), reference_latent(q, kv, dc))) if oracle else {}
+    return Problem(op, dtype, shape, False, (q, kv), {}, refs,
                    work=2.0 * B * Hq * N * (row + dc), unit="TFLOP/s")
 
 
@@ -392,7 +396,7 @@ def run(op: str, *, backend: str = "cupy", version: str | None = None, shape: st
     cv.check_choice(backend, "backend", api.BACKENDS)
     overrides = parse_config(config) if not isinstance(config, dict) else config
     cfg = config_for(backend, op, version, overrides)
-    p = make_problem(op, shape, dtype, causal=causal, kv_dtype=kv_dtype, seed=seed)
+    p = make_problem(op, shape, dtype, causal=causal, kv_dtype=kv_dtype, seed=seed, oracle=correctness)
     device = has_gpu() and not simulator_enabled()
     subject = backend if version is None else f"{backend}:{version}"
     record: dict = dict(op=op, subject=subject, dtype=dtype, causal=causal, kv_dtype=kv_dtype, shape=shape,
