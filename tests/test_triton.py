@@ -10,6 +10,8 @@ reason; the refusal tests run anyway.
 """
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -150,6 +152,45 @@ def test_decode_splits_merge_exactly(num_splits, window, rng):                  
         testing.assert_close(o, ref, base, dtype=dtype, masked_rows=(lens == 0)[:, None, None],
                              name=f"decode {dtype} g={group} S={num_splits}")
         assert np.all(np.isneginf(lse[2])) and np.allclose(lse[:2], ref_lse[:2], atol=1e-5)
+
+
+def test_decode_v2_fills_four_programs_a_multiprocessor():
+    from iokernels.decode import DEFAULT_NUM_SMS, occupancy_splits
+    dec = importlib.import_module("iokernels.triton_backend.decode")
+    assert DecodeConfig().depth() == DecodeConfig(version="v2").depth() == (4, 2)
+    assert DecodeConfig(version="v1").depth() == (1, None)
+    assert DecodeConfig(version="v2", num_stages=3).depth() == (4, 3)
+    with pytest.raises(ValueError, match=r"config\.num_stages"):
+        DecodeConfig(num_stages=9)
+    for batch, n in ((1, 32768), (8, 4096), (8, 32768)):      # the launcher's rule, asked for 4x the programs
+        v1 = dec._splits(None, batch, 8, [n], -1, 32, 1)
+        v2 = dec._splits(None, batch, 8, [n], -1, 32, 4)
+        assert v1 == occupancy_splits(batch, 8, n, DEFAULT_NUM_SMS, block_n=32)
+        assert v2 == occupancy_splits(batch, 8, n, 4 * DEFAULT_NUM_SMS, block_n=32) and v2 > v1
+    assert dec._splits(5, 8, 8, [4096], -1, 32, 4) == 5          # an explicit count is taken as it is
+
+
+if WHY is None:                     # a kernel of this file's own: to_storage as the versions use it
+    import triton
+    import triton.language as tl
+
+    from iokernels.triton_backend.tiles import to_storage
+
+    @triton.jit
+    def _narrow(X, Y, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(Y + i, to_storage(tl.load(X + i), Y.dtype.element_ty))
+
+
+@needs_triton
+def test_bfloat16_results_are_rounded_to_nearest_even_under_the_interpreter_too():
+    import torch
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(0)) * torch.logspace(-20, 20, 1024)
+    x[:4] = torch.tensor([1 + 2**-8 + 2**-10, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8 + 2**-10)])   # ties, both ways
+    for dtype in (torch.bfloat16, torch.float16):
+        y = torch.empty(1024, dtype=dtype)
+        _narrow[(1,)](x, y, N=1024)
+        assert torch.equal(y.view(torch.int16), x.to(dtype).view(torch.int16)), dtype
 
 
 def _paged_cache(rng, dtype, lens, hkv=2, d=16, block_size=4):

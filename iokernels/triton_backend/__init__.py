@@ -44,6 +44,11 @@ attention_backward    v1       triton_backend/backward_v1.py  1     FlashAttenti
                                                                     from the LSE, dK/dV by K/V tile over the
                                                                     GQA group, dQ by atomic adds or by a
                                                                     deterministic Q-tile pass
+decode, paged_decode  v2       triton_backend/decode_v1.py    2     v1's kernel four programs deep: the split
+                                                                    count fills four programs a
+                                                                    multiprocessor, each with a two-stage
+                                                                    pipeline, so enough loads are in flight to
+                                                                    stream at memory speed
 decode, paged_decode  v1       triton_backend/decode_v1.py    1     split-KV with the exact LSE merge; the
                                                                     query heads of one KV head share each K/V
                                                                     tile (GQA packed); paged: keys gathered

@@ -44,7 +44,7 @@ IEEE = 1
 TF32X3 = 2
 
 FORWARD_VERSIONS = ("v1", "v2")
-DECODE_VERSIONS = ("v1",)
+DECODE_VERSIONS = ("v1", "v2")
 BACKWARD_VERSIONS = ("v1",)
 
 #: forward v1's fixed tile (Br, Bc, warps, stages): one tile for every call
@@ -77,6 +77,12 @@ INTERPRET_TILE = (16, 16, 4, 1)
 #: head are packed into a tile of at least 16 rows
 DECODE_BLOCK_N = 32
 INTERPRET_DECODE_BLOCK_N = 16
+#: decode, per version: the programs the split count fills on every multiprocessor, and the
+#: software pipeline's depth (None: Triton's default).  v1 takes FlashAttention-2's occupancy
+#: rule as it is (one wave of one program a multiprocessor); v2 asks it for four programs a
+#: multiprocessor with a two-stage pipeline, the fastest row of the tuning sweep over the
+#: serving shapes (iokernels.bench.sweeps_triton)
+DECODE_DEPTH = {"v1": (1, None), "v2": (4, 2)}
 #: backward tiles (Br, Bc) on a GPU and under the interpreter
 BACKWARD_TILE = (64, 64)
 INTERPRET_BACKWARD_TILE = (16, 16)
@@ -160,9 +166,10 @@ class ForwardConfig:
 # --------------------------------------------------------------------------- decode
 @dataclass(frozen=True)
 class DecodeConfig:
-    """The Triton split-KV decode: version "v1"; block_n: keys per tile (None: 32 on a GPU,
-    16 under the interpreter); the query heads of one KV head share each K/V tile it loads;
-    num_warps (None: 4); num_stages: the software pipeline's depth (None: Triton's default)."""
+    """The Triton split-KV decode: version "v1" or "v2" (the same kernel, launched
+    :data:`DECODE_DEPTH` deep); block_n: keys per tile (None: 32 on a GPU, 16 under the
+    interpreter); the query heads of one KV head share each K/V tile it loads; num_warps
+    (None: 4); num_stages: the software pipeline's depth (None: the version's, DECODE_DEPTH)."""
 
     version: str | None = None
     block_n: int | None = None
@@ -182,6 +189,11 @@ class DecodeConfig:
         if self.block_n is not None:
             return self.block_n
         return INTERPRET_DECODE_BLOCK_N if interpreting else DECODE_BLOCK_N
+
+    def depth(self) -> tuple[int, int | None]:
+        """(programs a multiprocessor the split count fills, pipeline stages or None for Triton's)."""
+        programs, stages = DECODE_DEPTH[self.version or DECODE_VERSIONS[-1]]
+        return programs, self.num_stages if self.num_stages is not None else stages
 
 
 # --------------------------------------------------------------------------- backward

@@ -5,6 +5,14 @@ Both return (O, LSE) of the caller's kind: O (B, Hq, d) in q's dtype, LSE (B, Hq
 (:func:`iokernels.decode.occupancy_splits`) for this GPU's multiprocessors (132, an H100's,
 under the interpreter), over the longest visible run of keys; a split count above what the
 keys fill leaves trailing splits empty, and the merge weighs them 0.
+
+The versions run one kernel (:mod:`.decode_v1`) and differ in how deep they fill the GPU
+(:data:`.config.DECODE_DEPTH`).  v1 asks the rule for one wave of one program a
+multiprocessor, as FlashAttention-2 does for prefill.  v2's idea: a decode is bound by
+memory traffic, and one program of four warps a multiprocessor keeps too few loads in flight
+to stream at the memory's speed (Little's law: bytes in flight = bandwidth x latency), so v2
+asks the rule for four programs a multiprocessor -- more splits at small batches -- each
+with a two-stage pipeline.
 """
 from __future__ import annotations
 
@@ -19,28 +27,31 @@ from .config import LN2, LOG2E, DecodeConfig, next_pow2, padded_head_dim
 from .forward import f32_dot
 
 
-def _splits(num_splits, batch, heads_kv, lens, left, block_n) -> int:
+def _splits(num_splits, batch, heads_kv, lens, left, block_n, programs_per_sm=1) -> int:
     if num_splits is not None:
         return int(num_splits)
     visible = max((n - (0 if left < 0 else max(n - 1 - left, 0)) for n in lens), default=0)
-    return _occupancy(batch, heads_kv, int(visible), block_n)
+    return _occupancy(batch, heads_kv, int(visible), block_n, programs_per_sm)
 
 
 @functools.lru_cache(maxsize=256)
-def _occupancy(batch, heads_kv, visible, block_n) -> int:
+def _occupancy(batch, heads_kv, visible, block_n, programs_per_sm=1) -> int:
+    """The occupancy rule over ``programs_per_sm`` programs on each of this GPU's multiprocessors."""
     sms = ln.device_count_sms() or DEFAULT_NUM_SMS
-    return occupancy_splits(batch, heads_kv, visible, sms, block_n=block_n, max_splits=MAX_SPLITS)
+    return occupancy_splits(batch, heads_kv, visible, sms * programs_per_sm, block_n=block_n,
+                            max_splits=MAX_SPLITS)
 
 
 def _launch(qt, kt, vt, table, lens_t, lens, hkv, kv_strides, paged, page, *, num_splits, scale, config, window):
     """The split kernel and the merge, on torch tensors; returns (O, LSE) tensors."""
     from .decode_v1 import merge, split_kv
-    cfg = config or DecodeConfig(version="v1")
+    cfg = config or DecodeConfig(version="v2")
     B, Hq, d = (int(s) for s in qt.shape)
     dtype = cv.dtype_name(qt)
     left = cv.resolve_window(window)[0]
     bn = cfg.keys_per_tile(ln.interpreting())
-    S = _splits(num_splits, B, hkv, lens, left, bn)
+    programs, stages = cfg.depth()
+    S = _splits(num_splits, B, hkv, lens, left, bn, programs)
     scale = cv.default_scale(d) if scale is None else scale
     o = ln.empty((B, Hq, d), dtype, like=qt)
     lse = ln.empty((B, Hq), "float32", like=qt)
@@ -54,7 +65,7 @@ def _launch(qt, kt, vt, table, lens_t, lens, hkv, kv_strides, paged, page, *, nu
                            int(table.stride(0)), B, hkv, group, d, float(scale) * LOG2E, left, S, page,
                            BLOCK_G=max(16, next_pow2(group)), BLOCK_N=bn, BLOCK_D=padded_head_dim(d), PAGED=paged,
                            F32=f32_dot(dtype), num_warps=warps,
-                           **({} if cfg.num_stages is None else dict(num_stages=cfg.num_stages)))
+                           **({} if stages is None else dict(num_stages=stages)))
     merge[(B * Hq,)](o_part, lse_part, o, lse, B * Hq, d, S, LN2=LN2, BLOCK_S=next_pow2(S),
                      BLOCK_D=padded_head_dim(d), num_warps=4)
     return o, lse

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import mm
+from .tiles import mm, to_storage
 
 
 @triton.jit
@@ -120,5 +120,5 @@ def merge(O_PART, LSE_PART, O, LSE, BHQ, HEAD_DIM, NUM_SPLITS, LN2: tl.constexpr
                     mask=(s_ok & (lse > float("-inf")))[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
     total_use = tl.where(total == 0.0, 1.0, total)
     o = tl.sum(parts * w[:, None], 0) / total_use
-    tl.store(O + r * HEAD_DIM + dims, o.to(O.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(O + r * HEAD_DIM + dims, to_storage(o, O.dtype.element_ty), mask=dims < HEAD_DIM)
     tl.store(LSE + r, tl.where(total == 0.0, float("-inf"), (top_use + tl.log2(total_use)) * LN2))

@@ -65,6 +65,10 @@ RECORDS = (
              "split-KV with the exact LSE merge; the query heads of one KV head share each K/V tile (GQA "
              "packed); paged: keys gathered through the block table", _reason, 1)
       for op, fn in (("decode", dec.decode), ("paged_decode", dec.paged_decode))),
+    *(Record("triton", op, "v2", "triton_backend/decode_v1.py", "split_kv", DecodeConfig, fn,
+             "v1's kernel four programs deep: the split count fills four programs a multiprocessor, each "
+             "with a two-stage pipeline, so enough loads are in flight to stream at memory speed", _reason, 2)
+      for op, fn in (("decode", dec.decode), ("paged_decode", dec.paged_decode))),
     Record("triton", "attention_backward", "v1", "triton_backend/backward_v1.py", "dkdv", BackwardConfig,
            bwd.attention_backward, "FlashAttention-2's backward: P recomputed from the LSE, dK/dV by K/V tile over "
            "the GQA group, dQ by atomic adds or by a deterministic Q-tile pass", _reason, 1),

@@ -17,6 +17,10 @@
   triton/runtime/interpreter.py, Triton 3.9; code).  A bfloat16 value is exactly a float32
   value, and the product of two is exact in float32, so this computes what a bfloat16
   product with float32 sums computes on a GPU (up to the order of the sums).
+* :func:`to_storage` narrows float32 results to the storage dtype, rounding to nearest even.
+  A GPU's conversion rounds so; Triton's interpreter narrows float32 to bfloat16 by dropping
+  the low 16 bits (truncation, up to twice the rounding error: seen with Triton 3.9, code),
+  so for bfloat16 the rounding is done here in integer arithmetic, the same bits on both.
 * :func:`key_bounds` is :func:`iokernels.core.conventions.key_range` written in Triton:
   the keys [lo, hi) each query row sees under the bottom-right causal mask and the window
   (``left``, ``right``; -1 unbounded), for a vector of rows.
@@ -43,6 +47,17 @@ def mm(a, b, F32: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def to_storage(x, dtype: tl.constexpr):
+    """float32 ``x`` in ``dtype``, rounded to nearest even (see the module docstring)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)                 # round half to even, then drop 16 bits
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
 
 
 @triton.jit
