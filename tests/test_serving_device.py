@@ -8,8 +8,8 @@ import torch
 
 from iokernels.paged import PagedKVCache
 from iokernels.serving import ContiguousMemory, Engine, PagedMemory, Request, pool_invariants
-from iokernels.serving.device import (DeviceContiguousMemory, DevicePagedMemory, SlotMap, StepPlan,
-                                      cupy_paged_prefill)
+from iokernels.serving.device import (DECODE_ROWS_GRANULE, DeviceContiguousMemory, DevicePagedMemory, SlotMap,
+                                      StepPlan, cupy_paged_prefill)
 from iokernels.serving.fake import ChecksumModel
 from iokernels.serving.llama import TINY, Llama
 from iokernels.serving.requests import Group
@@ -433,7 +433,9 @@ def test_the_kernels_take_the_decodes_and_the_chunks_apart(monkeypatch):
         mem.write_attend(0, plan, *(torch.rand(n, 1, 2, dtype=torch.float64) for _ in range(3)))
         for s, c in zip(seqs, chunks):
             s.computed += c
-    assert seen == [("decode", 1, None), ("prefill", 53, 33), ("decode", 3, None), ("prefill", 7, 3)]
+    # the decodes' batch is padded to DECODE_ROWS_GRANULE rows (1 and 3 real ones: _padded_decodes)
+    assert seen == [("decode", DECODE_ROWS_GRANULE, None), ("prefill", 53, 33), ("decode", DECODE_ROWS_GRANULE, None),
+                    ("prefill", 7, 3)]
 
 
 @pytest.mark.parametrize("token_budget", [12, 64])
@@ -447,3 +449,26 @@ def test_the_kernel_path_gives_the_torch_paths_tokens(monkeypatch, token_budget)
              DeviceContiguousMemory(96, block_size=4, backend="cupy", **ms))]
     mixed = [s for s in runs[0].steps if any(c == 1 for *_, c in s.batch) and any(c > 1 for *_, c in s.batch)]
     assert mixed and runs[0].outputs == runs[1].outputs == runs[2].outputs
+
+
+def test_a_steps_decodes_are_padded_to_shapes_that_repeat():
+    """The CuPy decode's batch: rows to a multiple of DECODE_ROWS_GRANULE, tables to a power-of-two
+    width; the step's rows, tables and lengths unchanged, padding rows of length 0 (they read no
+    key) and padding columns that name a block of the row's own."""
+    from iokernels.serving.device import _padded_decodes
+    rng = np.random.default_rng(0)
+    for n, width in ((1, 1), (3, 5), (DECODE_ROWS_GRANULE, 8), (DECODE_ROWS_GRANULE + 1, 9)):
+        q_rows = rng.integers(0, 1000, n)
+        tables = rng.integers(0, 50, (n, width)).astype(np.int32)
+        lens = rng.integers(1, 4 * width + 1, n).astype(np.int32)
+        rows, padded, plens = _padded_decodes(q_rows, tables, lens)
+        R, W = padded.shape
+        assert R % DECODE_ROWS_GRANULE == 0 and R - DECODE_ROWS_GRANULE < n <= R
+        assert W >= width and W & (W - 1) == 0 and W < 2 * width + (width == 1)
+        assert np.array_equal(rows[:n], q_rows) and np.array_equal(padded[:n, :width], tables)
+        assert np.array_equal(plens[:n], lens) and not plens[n:].any() and not rows[n:].any()
+        assert np.array_equal(padded[:n, width:], np.repeat(tables[:, :1], W - width, axis=1))
+    # the shapes of a growing, changing batch repeat: one plan serves many steps
+    shapes = {_padded_decodes(np.arange(n), np.zeros((n, w), np.int32), np.ones(n, np.int32))[1].shape
+              for n, w in zip(range(800, 877), range(100, 177))}
+    assert len(shapes) <= 4

@@ -378,7 +378,8 @@ class StepPlan:
     chunks grouped by length (:func:`decode_buckets`), per group (query rows, key slots
     (B_g, width), mask (B_g, 1, 1, width)); ``chunks`` [(q0, q1, key slots)] for the others.
     For the CuPy kernels (block_tables, seq_lens and cu_seqlens_q None), int32 on the device:
-    ``decodes`` (query rows, block tables, lengths) of the one-query chunks, ``prefills``
+    ``decodes`` (query rows, block tables, lengths, padded as :func:`_padded_decodes` says,
+    and how many of the rows are the step's) of the one-query chunks, ``prefills``
     (query rows, block tables, lengths, offsets, longest chunk: it sizes the prefill's grid)
     of the others; None where the step has none; query rows None where the part is the whole
     step (its queries are q itself, no gather).
@@ -453,18 +454,41 @@ def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) ->
     return plan
 
 
+#: a step's decodes go to the CuPy paged decode as a batch padded to a multiple of this many
+#: rows, with block tables padded to a power-of-two width: the kernel's plan, keyed by those
+#: shapes (:mod:`iokernels.cupy_raw.plans`), is then made once and reused over many steps
+#: instead of made again every step as sequences join, leave and grow.  A padding row has
+#: length 0: its program reads no key, and its output is dropped.
+DECODE_ROWS_GRANULE = 64
+
+
+def _padded_decodes(q_rows, tables, lens) -> tuple:
+    """(query rows, block tables, lengths) of a step's decodes padded as DECODE_ROWS_GRANULE says:
+    padding rows read query row 0 with length 0, padding columns repeat a row's first block."""
+    n, width = tables.shape
+    rows = -(-max(n, 1) // DECODE_ROWS_GRANULE) * DECODE_ROWS_GRANULE
+    cols = 1 << max(width - 1, 0).bit_length()
+    padded = np.zeros((rows, cols), tables.dtype)
+    padded[:n, :width] = tables
+    padded[:n, width:] = tables[:, :1]
+    return (np.concatenate([q_rows, np.zeros(rows - n, q_rows.dtype)]), padded,
+            np.concatenate([lens, np.zeros(rows - n, lens.dtype)]))
+
+
 def _plan_kernels(plan, tables, lens, chunk_lens, device) -> StepPlan:
-    """The CuPy kernels' parts of a step: the decodes and the longer chunks, int32, one copy."""
+    """The CuPy kernels' parts of a step: the decodes (padded: :func:`_padded_decodes`) and the
+    longer chunks, int32, one copy."""
     c = np.asarray(chunk_lens, np.int64)
     dec, pre = np.flatnonzero(c == 1), np.flatnonzero(c > 1)
     cp = c[pre]
     p_cu = np.concatenate([[0], np.cumsum(cp)])
     p_rows = np.arange(p_cu[-1]) + np.repeat(plan.cu_host[pre] - p_cu[:-1], cp)   # each chunk's rows, packed
-    parts = [plan.cu_host[dec], tables[dec], lens[dec], p_rows, tables[pre], lens[pre], p_cu]
+    d_parts = _padded_decodes(plan.cu_host[dec], tables[dec], lens[dec]) if len(dec) else ([], [], [])
+    parts = [*d_parts, p_rows, tables[pre], lens[pre], p_cu]
     d_rows, d_tab, d_lens, p_rows_t, p_tab, p_lens, p_cu_t = _upload(parts, device, np.int32)
-    whole = len(dec) == len(c)                        # the part is the whole step: q itself
+    whole = len(dec) == len(c) == len(d_rows)         # the part is the whole step, unpadded: q itself
     if len(dec):
-        plan.decodes = (None if whole else d_rows.long(), d_tab, d_lens)
+        plan.decodes = (None if whole else d_rows.long(), d_tab, d_lens, len(dec))
     if len(pre):
         plan.prefills = (None if not len(dec) else p_rows_t.long(), p_tab, p_lens, p_cu_t, int(cp.max()))
     return plan
@@ -494,13 +518,13 @@ class _DeviceAttention:
         k_pool, v_pool = (p[layer].view(-1, self.block_size, *p.shape[2:]) for p in (self.k_pools, self.v_pools))
         o = None
         if plan.decodes is not None:
-            rows, tables, lens = plan.decodes
+            rows, tables, lens, n = plan.decodes
             od, _ = decode(q if rows is None else q[rows], k_pool, v_pool, tables, lens)
             od = torch.as_tensor(od, device=q.device)
             if rows is None:
                 return od
             o = torch.empty_like(q)
-            o[rows] = od
+            o[rows[:n]] = od[:n]                      # the padding rows' outputs are dropped
         if plan.prefills is not None:
             rows, tables, lens, cu, longest = plan.prefills
             # the longest chunk sizes the kernel's grid (the offsets stay on the device, unread)
