@@ -418,8 +418,8 @@ def test_held_back_decode_v6_gets_its_own_row_past_16_query_heads(monkeypatch):
     """The cliff's decode cases: past 16 query heads a KV head (g = 32, 64) v6 is the default and
     nothing is held back; while policy.HELD_BACK holds decode v6 (as a test puts it back) the
     default is v3 and v6 is the held-back row, with the reason; at g = 8 (v4, ranked above v6)
-    and at g = 129 (v6 refuses it) nothing is held back; at g = 128 v6 is held back by its group
-    gate (policy.decode_v6_default_at)."""
+    and at g = 129 (v6 refuses it) nothing is held back; with the group gate
+    (policy.decode_v6_default_at) set below 128, v6 is held back at g = 128 by it."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.bench.runners import registry_versions
     from iokernels.cupy_raw import policy
@@ -443,7 +443,8 @@ def test_held_back_decode_v6_gets_its_own_row_past_16_query_heads(monkeypatch):
         assert name == "cupy:v6" and cfg.version == "v6" and "a cliff record" in why
     assert registry_held_back("cupy", "decode", **qkv(8)) is None
     assert registry_held_back("cupy", "decode", **qkv(129)) is None
-    name, _, why = registry_held_back("cupy", "decode", **qkv(128))      # v6 runs it, by name only so far
+    monkeypatch.setattr(policy, "DECODE_V6_DEFAULT_MAX_GROUP", 64)      # a group gate below 128
+    name, _, why = registry_held_back("cupy", "decode", **qkv(128))      # v6 runs it, by name only
     assert name == "cupy:v6" and why.startswith("not the default at group 128")
 
 

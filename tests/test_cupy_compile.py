@@ -362,7 +362,7 @@ def test_decode_v6_refuses_what_it_cannot_run_and_stays_in_registers(tmp_path):
         assert int(regs.group(1)) <= min(255, cap), f"{defines}: {regs.group(0)}"
 
 
-def test_decode_v6_config_is_v4s_shape_split_into_teams():
+def test_decode_v6_config_is_v4s_shape_split_into_teams(monkeypatch):
     """The team is the smallest power of two of 16-row slices covering the group; the default
     block is 8 warps (4 where 8 do not fit), whole teams, the ring deep enough to hold v4's
     default key rows, shrunk to the SRAM; the SRAM arithmetic counts one ring and one merge row
@@ -402,16 +402,20 @@ def test_decode_v6_config_is_v4s_shape_split_into_teams():
         cr.DecodeConfig("v6", tile_rows=24).defines(128, "float16", 32, False, 0)
     assert cr.DecodeConfig("v6", load_l1=False).defines(128, "float16", 32, False, 0, cc=90)["LOAD_L1"] == 0
     assert cr.DecodeConfig("v6").defines(128, "float16", 32, True, 16, cc=90)["LOAD_L1"] == 0   # pages: .cg
-    # the registry: v4 where it runs, v6 past 16 query heads a KV head up to 64; past 64 v6 runs
-    # by name only (policy.decode_v6_default_at), v1 by default (v3's ring does not fit); v6 never
-    # past 128 or for a quantized cache
-    for g, want in ((16, "v4"), (17, "v6"), (32, "v6"), (64, "v6"), (65, "v1"), (128, "v1"), (129, "v1")):
+    # the registry: v4 where it runs, v6 past 16 query heads a KV head up to 128; past 128 v1
+    # (v3's ring does not fit); v6 never past 128 or for a quantized cache
+    for g, want in ((16, "v4"), (17, "v6"), (32, "v6"), (64, "v6"), (65, "v6"), (128, "v6"), (129, "v1")):
         n = _need("float16", 128, 90, big, group=g, aligned16=True)
         assert cr.REGISTRY.resolve("decode", None, n)[0].version == want, g
         v6_rec = cr.REGISTRY.get("decode", "v6")
         assert (v6_rec.unavailable(n) is None) == (g <= 128), g
-        if 64 < g <= 128:
-            assert v6_rec.not_default(n).startswith(f"not the default at group {g}")
+    # the group gate (policy.decode_v6_default_at) at a lower bound: past it v6 runs by name only
+    monkeypatch.setattr(cr.policy, "DECODE_V6_DEFAULT_MAX_GROUP", 64)
+    for g, want in ((64, "v6"), (65, "v1"), (128, "v1")):
+        n = _need("float16", 128, 90, big, group=g, aligned16=True)
+        assert cr.REGISTRY.resolve("decode", None, n)[0].version == want, g
+        if g > 64:
+            assert cr.REGISTRY.get("decode", "v6").not_default(n).startswith(f"not the default at group {g}")
             assert cr.REGISTRY.resolve("decode", cr.DecodeConfig("v6"), n)[0].version == "v6"
     v6 = cr.REGISTRY.get("paged_decode", "v6")
     assert "kv_dtype" in v6.unavailable(_need("float16", 128, 90, big, group=32, kv_dtype="int8"))

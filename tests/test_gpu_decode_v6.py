@@ -1,8 +1,7 @@
 """Decode v6 (decode_v6.cu: a group of more than 16 query heads a KV head, split across a team of
 warps that shares each K/V tile) against the float64 oracle.  CuPy: skipped without a GPU.
 
-Groups 32, 64 and 128 (teams of 2, 4 and 8 warps; past 64, one team fills the block, run by
-name while policy.decode_v6_default_at keeps the default below), 71 (Falcon-7B's multi-query
+Groups 32, 64 and 128 (teams of 2, 4 and 8 warps; past 64, one team fills the block), 71 (Falcon-7B's multi-query
 shape: the last warp of the team holds 7 heads), multi-query attention (one KV head) and GQA
 with 8 KV heads, head dims 64 and 128, float16 and bfloat16, contiguous and paged caches, ragged
 lengths with a length-0 sequence (O = 0, LSE = -inf), 1 / 7 / the heuristic's splits, a

@@ -17,7 +17,7 @@ from . import decode_config as D
 from .policy import decode_v6_default_at, decode_v6_stages, decode_v6_team_warps, held_back
 
 #: the largest group: 16 rows a warp, a team of at most DECODE_V6_WARPS warps (past 64 query
-#: heads one team fills the block; the registry's default takes v6 only up to the groups
+#: heads one team fills the block; the registry's default takes v6 up to the groups
 #: :func:`~.policy.decode_v6_default_at` allows)
 DECODE_V6_MAX_GROUP = 128
 #: warps a block (whole teams): 8, or 4 where 8 warps' shallowest ring does not fit the SRAM

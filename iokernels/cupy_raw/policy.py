@@ -284,15 +284,17 @@ def decode_v6_team_warps(group: int) -> int:
 
 
 #: the groups at which the registry's default may pick decode v6 (:func:`decode_v6_default_at`):
-#: up to 64, where its GPU tests and the cliff section have measured it
-DECODE_V6_DEFAULT_MAX_GROUP = 64
+#: all it runs, up to 128.  Up to 64 the cliff section measured it; past 64 the alternative is
+#: decode v1 (v3's ring does not fit the group), which a timing at g = 71 (Falcon-7B's
+#: multi-query shape) found far slower than v6 (benchmarks/results/h100_2026-12-05_decode_v6_g71.txt)
+DECODE_V6_DEFAULT_MAX_GROUP = 128
 
 
 def decode_v6_default_at(group: int) -> bool:
     """Whether the registry's default may pick decode v6 for ``group`` query heads a KV head.
-    v6 runs up to 128 (one team of 8 warps); a group past DECODE_V6_DEFAULT_MAX_GROUP runs it
-    when a config names it, until GPU tests and a benchmark record at that group raise the
-    bound (the Hopper forward's head dims have the same kind of gate, :func:`hopper_default_at`)."""
+    v6 runs up to 128 (one team of 8 warps); a group past DECODE_V6_DEFAULT_MAX_GROUP would run
+    it only when a config names it, until GPU tests and a timing at that group raise the bound
+    (the Hopper forward's head dims have the same kind of gate, :func:`hopper_default_at`)."""
     return group <= DECODE_V6_DEFAULT_MAX_GROUP
 
 
