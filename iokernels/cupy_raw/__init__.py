@@ -34,6 +34,7 @@ hopper/             the Hopper (sm_90a) attention kernels (fa_v3.cu .. fa_v6.cu;
 hadamard.py         the randomized Hadamard transform of rows (fwht.cu), FP8's incoherent processing
 mla.py              MLA decode (absorbed form) on Hopper: mla_decode.cu
 plans.py            DecodePlan, PagedDecodePlan, PLANS: plan once per shape, run many times
+packed.py           ArgBuffer: a plan's kernel arguments packed once, launched through the driver
 attention_plan      AttentionPlan (the portable and the Hopper forward)
 backward_plan       BackwardPlan (rowsum, the main loop, finish; dQ atomic or deterministic)
 gather_plan         GatherPlan (the paged gather over device pools)

@@ -3,7 +3,7 @@
 A call of the CuPy kernels does two kinds of work.  Most of it depends only on the call's
 shapes, dtypes, strides, device and settings: checking the arguments, resolving the version
 and its config, the device facts, the defines, the compiled kernel, the split count, the
-shared memory, the workspaces.  The rest is one launch: the arrays' pointers packed in the
+shared memory, the workspaces.  The rest is one launch: the arrays' pointers in the
 kernel's order.  A plan does the first once, ``run`` the second on every call: the split of
 FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``, whose ``plan`` is called once per batch
 and whose ``run`` once per layer, over a workspace buffer the wrapper owns (FlashInfer's API
@@ -19,6 +19,13 @@ generation (a record added or removed makes every key new: :func:`decode_key`,
 runs every check (a bad call raises a ValueError naming the argument, and nothing is
 cached); a hit compares one key tuple and launches.  NumPy inputs are copied in and out, so
 they take the eager path (no plan).
+
+``run`` does not rebuild the argument list either: the plan lays its kernel's arguments out
+once in a host buffer, the way the driver's ``cuLaunchKernel`` reads them, and a run writes
+the call's pointers into it and launches through the driver on the caller's stream
+(:class:`.packed.ArgBuffer`; a CuPy ``RawKernel`` call would convert every argument again and
+switch CuPy's current stream around the launch).  Runs that copy an input first, and the
+Hopper forward's call with no keys, take CuPy's launch.
 
 For loops, make the plan yourself and reuse it, say one plan per decode step for every
 layer (each layer's cache has the same shape)::
