@@ -189,20 +189,26 @@ def sweep_decode(out_path=None, reps=REPS, shapes=(DECODE_SHAPE,), only=None):
     return _save(out_path, rows)
 
 
-def _sweep_decode_shape(rows, shape, reps, only):
+def decode_inputs(shape: dict, dtype: str) -> tuple:
+    """Seeded decode inputs on the GPU: (q (B, Hq, d), k, v (B, Hkv, N, d), q as SDPA's one-row
+    (B, Hq, 1, d), the bytes of K and V, the rows' group label)."""
     import torch
+    B, Hq, Hkv, N, d = (shape[k] for k in ("batch", "heads_q", "heads_kv", "seqlen", "head_dim"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dt = getattr(torch, dtype)
+    q = torch.randn((B, Hq, d), device="cuda", dtype=dt, generator=gen)
+    k, v = (torch.randn((B, Hkv, N, d), device="cuda", dtype=dt, generator=gen) for _ in range(2))
+    kv_bytes = 2.0 * B * Hkv * N * d * q.element_size()
+    return q, k, v, q[:, :, None, :], kv_bytes, f"decode {dtype} B={B} Hq={Hq} Hkv={Hkv} N={N} d={d}"
+
+
+def _sweep_decode_shape(rows, shape, reps, only):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from iokernels import bench
     from iokernels import cupy_raw as cr
-    B, Hq, Hkv, N, d = (shape[k] for k in ("batch", "heads_q", "heads_kv", "seqlen", "head_dim"))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn((B, Hq, d), device="cuda", dtype=torch.bfloat16, generator=gen)
-    k, v = (torch.randn((B, Hkv, N, d), device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    kv_bytes = 2.0 * B * Hkv * N * d * 2
-    group = f"decode bfloat16 B={B} Hq={Hq} Hkv={Hkv} N={N} d={d}"
-    q4 = q[:, :, None, :]
+    q, k, v, q4, kv_bytes, group = decode_inputs(shape, "bfloat16")
 
     def sdpa():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from .sweeps_cupy import REPS, SERVING_SHAPES, _emit, _save
+from .sweeps_cupy import REPS, SERVING_SHAPES, _emit, _save, decode_inputs
 
 #: (label, DecodeConfig keyword arguments, programs_per_sm or None for the launcher's rule)
 DECODE_ROWS = (
@@ -60,13 +60,7 @@ def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for shape in shapes:
-        B, Hq, Hkv, N, d = (shape[k] for k in ("batch", "heads_q", "heads_kv", "seqlen", "head_dim"))
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn((B, Hq, d), device="cuda", dtype=torch.float16, generator=gen)
-        k, v = (torch.randn((B, Hkv, N, d), device="cuda", dtype=torch.float16, generator=gen) for _ in range(2))
-        kv_bytes = 2.0 * B * Hkv * N * d * 2
-        group = f"decode float16 B={B} Hq={Hq} Hkv={Hkv} N={N} d={d}"
-        q4 = q[:, :, None, :]
+        q, k, v, q4, kv_bytes, group = decode_inputs(shape, "float16")
         best = None
         for name, backend in (("CUDNN", SDPBackend.CUDNN_ATTENTION), ("FLASH", SDPBackend.FLASH_ATTENTION)):
             def sdpa(backend=backend):

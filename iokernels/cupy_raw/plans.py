@@ -169,8 +169,9 @@ def _ptrs(torch: bool, *xs) -> tuple:
 
 
 def int_ptrs(torch: bool, *xs) -> tuple:
-    """The pointers of device arrays ``xs`` (all torch tensors, or all CuPy arrays), as ints."""
-    return tuple(x.data_ptr() for x in xs) if torch else tuple(x.data.ptr for x in xs)
+    """The pointers of device arrays ``xs`` (all torch tensors, or all CuPy arrays), as ints
+    (a list comprehension: one call, where a generator is resumed once an item)."""
+    return tuple([x.data_ptr() for x in xs]) if torch else tuple([x.data.ptr for x in xs])
 
 
 # the keys hold a setting's type next to its value: True == 1 == 1.0, and a bool is refused where
@@ -467,20 +468,25 @@ class DecodePlan:
                         nk=self.N, scale=self.scale, window_left=self.left, parts=parts, counters=counters,
                         o=P[3], lse=P[4]), 6
         buf = self._packed(stream, S, smem, table, pack_call)
-        pq, pk, pv, po, pl = int_ptrs(self.alloc.torch, q, k, v, o, lse)
+        self._launch(stream, sobj, S, smem, buf, pack_call, int_ptrs(self.alloc.torch, q, k, v, o, lse), (lens_arg,))
+        return o, lse
+
+    def _launch(self, stream: int, sobj, S: int, smem: int, buf, pack_call, ptrs: tuple, more: tuple) -> None:
+        """The split kernel (and the combine, where the version does not fuse it) on ``stream``:
+        through the packed arguments ``buf``, or, where they do not pack, CuPy's launch of the
+        arguments ``pack_call`` makes.  ``ptrs``: q, k, v, O, LSE (ints); ``more``: the other
+        slots' values in order (the lengths; the tables and the scales of a paged cache), np.uint64."""
         if buf:
-            buf.launch(self.st.fn_ptr, (S, self.Hkv, self.B), (self.st.threads,), smem, stream,
-                       pq, pk, pv, po, pl, int(lens_arg))
+            buf.launch(self.st.fn_ptr, (S, self.Hkv, self.B), (self.st.threads,), smem, stream, *ptrs,
+                       *map(int, more))
         else:
-            P = (*map(np.uint64, (pq, pk, pv, po, pl)), lens_arg)
-            args, _ = pack_call(P, *_split_parts(self._workspace(stream, S)))
+            args, _ = pack_call((*map(np.uint64, ptrs), *more), *_split_parts(self._workspace(stream, S)))
             with sobj:
                 self.st.fn((S, self.Hkv, self.B), (self.st.threads,), args, shared_mem=smem)
         if S > 1 and not self.st.fused:
             o_part, lse_part, _ = self._workspace(stream, S)
             with sobj:
-                launch_combine(self.st, S, o_part, lse_part, np.uint64(po), np.uint64(pl))
-        return o, lse
+                launch_combine(self.st, S, o_part, lse_part, np.uint64(ptrs[3]), np.uint64(ptrs[4]))
 
 
 def _split_parts(parts: tuple) -> tuple:
@@ -601,6 +607,7 @@ class PagedDecodePlan:
     _launch_for = DecodePlan._launch_for
     _workspace = DecodePlan._workspace
     _packed = DecodePlan._packed
+    _launch = DecodePlan._launch
 
     def run(self, q, k_pool, v_pool, block_tables, seq_lens, *, quant=None, check: bool = True):
         """Launch on the caller's current stream; (O, LSE) of q's kind."""
@@ -639,20 +646,9 @@ class PagedDecodePlan:
                         scale=self.scale, window_left=self.left, parts=parts, counters=counters, o=P[3],
                         lse=P[4]), 7 if self.quant is None else 9
         buf = self._packed(stream, S, smem, table, pack_call)
-        ptrs = int_ptrs(self.alloc.torch, q, k_pool, v_pool, o, lse)
-        scales = () if self.quant is None else int_ptrs(self.alloc.torch, quant["k_scale"], quant["v_scale"])
-        if buf:
-            buf.launch(self.st.fn_ptr, (S, self.Hkv, self.B), (self.st.threads,), smem, stream,
-                       *ptrs, int(lens_arg), int(tables_arg), *scales)
-        else:
-            P = (*map(np.uint64, ptrs), lens_arg, tables_arg, *map(np.uint64, scales))
-            args, _ = pack_call(P, *_split_parts(self._workspace(stream, S)))
-            with sobj:
-                self.st.fn((S, self.Hkv, self.B), (self.st.threads,), args, shared_mem=smem)
-        if S > 1 and not self.st.fused:
-            o_part, lse_part, _ = self._workspace(stream, S)
-            with sobj:
-                launch_combine(self.st, S, o_part, lse_part, np.uint64(ptrs[3]), np.uint64(ptrs[4]))
+        scales = () if self.quant is None else _ptrs(self.alloc.torch, quant["k_scale"], quant["v_scale"])
+        self._launch(stream, sobj, S, smem, buf, pack_call, int_ptrs(self.alloc.torch, q, k_pool, v_pool, o, lse),
+                     (lens_arg, tables_arg, *scales))
         return o, lse
 
 
