@@ -502,6 +502,30 @@ bplan = cr.BackwardPlan(fdo, fq, fk, fv, fo, flse, config=cr.BackwardConfig(dete
 count("backward plan.run", lambda: bplan.run(fdo, fq, fk, fv, fo, flse))
 count("prefill", lambda: cr.paged_prefill_pools(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40))
 count("prefill plan.run", lambda: pplan.run(pq, *ppool, dptab, dplen, dpcu, max_seqlen_q=40))
+
+
+def via(fn):
+    """How fn's launches went: through the packed arguments and the driver, or CuPy's launch."""
+    cupy.LAUNCHES.clear()
+    fn()
+    return [L["via"] for L in cupy.LAUNCHES]
+
+
+hits = [lambda: cr.decode(q, k, v, seq_lens=lens, num_splits=5),
+        lambda: cr.paged_decode_pools(q, *pools, tables, plens, num_splits=2),
+        lambda: cr.attention(aq, ak, av)]
+out["via packed"] = [via(fn) for fn in hits]
+# where a plan's arguments do not pack (ArgBuffer.of says None), its runs take CuPy's launch, the same
+from iokernels.cupy_raw.packed import ArgBuffer
+ArgBuffer.of = classmethod(lambda cls, args, slots=(): None)
+cr.PLANS.clear()
+case("unpacked decode", lambda: D.decode(q, k, v, seq_lens=lens, num_splits=5),
+     lambda: cr.decode(q, k, v, seq_lens=lens, num_splits=5), io)
+case("unpacked pools", lambda: D.paged_decode_pools(q, *pools, tables, plens, num_splits=2),
+     lambda: cr.paged_decode_pools(q, *pools, tables, plens, num_splits=2), io_p)
+case("unpacked attention", lambda: F.attention(aq, ak, av), lambda: cr.attention(aq, ak, av),
+     dict(q=aq, k=ak, v=av))
+out["via unpacked"] = [via(fn) for fn in hits]
 print(json.dumps(out))
 '''
 
@@ -525,6 +549,15 @@ def test_a_cached_call_launches_what_the_eager_call_launches(result):
         else:
             assert c["first"] == c["eager"] == c["second"], label
         assert c["hit"], label
+
+
+def test_a_hit_launches_through_the_packed_arguments_and_else_through_cupy(result):
+    """A cached call's kernel goes through its packed arguments and the driver (the decode's
+    combine, where a version does not fuse it, through CuPy); where the arguments do not pack,
+    every launch is CuPy's, and launches what the eager call launches (the cases "unpacked ...")."""
+    assert [v[0] for v in result["via packed"]] == ["driver"] * 3
+    assert all(set(v) == {"cupy"} for v in result["via unpacked"])
+    assert {"unpacked decode", "unpacked pools", "unpacked attention"} <= set(result["cases"])
 
 
 def test_the_backward_gather_and_mla_plans_launch_what_the_eager_calls_launch(result):

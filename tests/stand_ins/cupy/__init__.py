@@ -90,7 +90,7 @@ class _Fn:
         self.arg_types = [_np.asarray(a).dtype for a in args]
         self.dims = (len(grid), len(block))
         LAUNCHES.append(dict(name=self.name, grid=grid, block=block, args=args, smem=shared_mem,
-                             options=self.options))
+                             options=self.options, via="cupy"))
 
 
 def _launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
@@ -107,7 +107,7 @@ def _launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
         args.append(a.copy() if t.kind == "V" else a[0])
     ng, nb = fn.dims                      # recorded with as many sizes as the CuPy-style launch gave
     LAUNCHES.append(dict(name=fn.name, grid=(gx, gy, gz)[:ng], block=(bx, by, bz)[:nb], args=tuple(args),
-                         smem=smem, options=fn.options))
+                         smem=smem, options=fn.options, via="driver"))
 
 
 class _Module:
