@@ -10,9 +10,9 @@ The versions run one kernel (:mod:`.decode_v1`) and differ in how deep they fill
 (:data:`.config.DECODE_DEPTH`).  v1 asks the rule for one wave of one program a
 multiprocessor, as FlashAttention-2 does for prefill.  v2's idea: a decode is bound by
 memory traffic, and one program of four warps a multiprocessor keeps too few loads in flight
-to stream at the memory's speed (Little's law: bytes in flight = bandwidth x latency), so v2
-asks the rule for four programs a multiprocessor -- more splits at small batches -- each
-with a two-stage pipeline.
+to stream at the memory's speed (Little's law: bytes in flight = bandwidth x latency; Volkov,
+"Understanding Latency Hiding on GPUs", 2016, PhD thesis), so v2 asks the rule for four
+programs a multiprocessor -- more splits at small batches -- each with a two-stage pipeline.
 """
 from __future__ import annotations
 

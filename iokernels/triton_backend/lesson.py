@@ -8,12 +8,16 @@
   kernel (:func:`iokernels.core.conventions.key_range`), without running it.
 * :func:`interpreter_check` runs forward v1 (on Triton's interpreter when there is no GPU)
   and holds it to the float64 oracle with FlashAttention's 2x rule.
+* :func:`decode_depth_table` sets decode v1's split counts beside v2's at the serving shapes
+  (what :data:`.config.DECODE_DEPTH` asks of the occupancy rule), and beside them the
+  recorded tuning sweep's speeds (benchmarks/results/sweeps/*_triton_decode_*.json), if any.
 
 Nothing here imports triton at module import; :func:`interpreter_check` says why it cannot
 run where triton is missing (:func:`.launch.unavailable`).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -105,3 +109,48 @@ def who_decides_table() -> str:
     for what, cuda, tri, src in WHO_DECIDES:
         out.append(f"{what}\n    CUDA C++ v1: {cuda}\n    Triton v1:   {tri}\n    source:      {src}")
     return "\n".join(out)
+
+
+#: the decode tuning sweeps (:mod:`iokernels.bench.sweeps_triton`) recorded in the repository
+SWEEPS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "sweeps"
+#: the sweep rows that run decode v1's and v2's settings (v2 is v1's kernel four programs deep,
+#: two stages: :data:`.config.DECODE_DEPTH`)
+SWEEP_ROWS = {"v1": "triton v1", "v2": "triton v1 2 stages x4 deep"}
+
+
+def decode_depth_table(sms: int | None = None, sweep: Path | None = None) -> str:
+    """Decode v1's and v2's split counts and programs (splits x B x Hkv) at the serving shapes
+    (GQA 32/8, d = 128) on ``sms`` multiprocessors (None: 132, an H100's), and, from the
+    latest recorded sweep (or ``sweep``), each version's time as a fraction of the best SDPA
+    kernel's, contiguous and paged, on the GPU that recorded it."""
+    from ..decode import DEFAULT_NUM_SMS, MAX_SPLITS, occupancy_splits
+    from .config import DECODE_BLOCK_N, DECODE_DEPTH
+    sms = DEFAULT_NUM_SMS if sms is None else sms
+    if sweep is None:
+        found = sorted(SWEEPS.glob("*_triton_decode_*.json"))
+        sweep = found[-1] if found else None
+    speed: dict = {}
+    gpu = None
+    if sweep is not None:
+        rec = json.loads(Path(sweep).read_text())
+        gpu = rec.get("env", {}).get("gpu")
+        for row in rec["rows"]:
+            if row.get("ratio_to_best_sdpa") is not None:
+                speed[row["group"], row["runner"]] = row["ratio_to_best_sdpa"]
+    head = f"{'B':>3} {'N':>6} | {'v1 splits':>9} {'programs':>8} | {'v2 splits':>9} {'programs':>8}"
+    if speed:
+        head += " | speed vs best SDPA: v1, v2 (paged: v1, v2)"
+    lines = [head]
+    for batch in (1, 8, 64):
+        for n in (4096, 32768):
+            s1, s2 = (occupancy_splits(batch, 8, n, sms * DECODE_DEPTH[v][0], block_n=DECODE_BLOCK_N,
+                                       max_splits=MAX_SPLITS) for v in ("v1", "v2"))
+            line = f"{batch:>3} {n:>6} | {s1:>9} {s1 * batch * 8:>8} | {s2:>9} {s2 * batch * 8:>8}"
+            group = f"decode float16 B={batch} Hq=32 Hkv=8 N={n} d=128"
+            got = [speed.get((group, SWEEP_ROWS[v] + paged)) for paged in ("", " paged") for v in ("v1", "v2")]
+            if speed and None not in got:
+                line += " | {:.2f}, {:.2f} ({:.2f}, {:.2f})".format(*got)
+            lines.append(line)
+    if gpu:
+        lines.append(f"(speeds: {Path(sweep).name}, recorded on {gpu})")
+    return "\n".join(lines)
