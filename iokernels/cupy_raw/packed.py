@@ -105,12 +105,6 @@ class ArgBuffer:
             mine = self._local.mine = (words, word_of, int(params.ctypes.data), (store, params))
         return mine
 
-    def read(self) -> bytes:
-        """This thread's packed bytes as the next launch would pass them (for tests)."""
-        words, _, _, (store, _) = self._mine()
-        start = (-store.ctypes.data) % MAP_ALIGN
-        return store[start:start + self.nbytes].tobytes()
-
     def param_offsets(self) -> list[int]:
         """Where each kernelParams pointer points, as an offset into this thread's buffer."""
         _, _, _, (store, params) = self._mine()
