@@ -558,7 +558,7 @@ def test_default_forward_fits_every_dtype_and_head_dim(smem, cc):
 @pytest.mark.parametrize("smem", SMEM_LIMITS)
 def test_default_decode_fits_every_dtype_and_head_dim(smem, v6_gate, monkeypatch):
     """The decode default is v4 for 16-bit rows of whole mma k-steps (d % 16 == 0, d <= 256,
-    g <= 16) where its shallowest ring fits; v6 for those rows at 16 < g <= 64 where its
+    g <= 16) where its shallowest ring fits; v6 for those rows at 16 < g <= 128 where its
     smallest block fits, once policy.HELD_BACK lets it (never while it is held back); else v3
     where its rows and shallowest ring fit, else v1 (which needs only a little static SRAM); a
     ring's depth shrinks until it fits."""
@@ -567,7 +567,7 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem, v6_gate, monkeypatch
             monkeypatch.setitem(cr.policy.HELD_BACK, (op, "v6"), "a test holds it back")
     for dtype in DTYPES:
         for d in HEAD_DIMS:
-            for group in (1, 4, 8, 16, 32, 64):
+            for group in (1, 4, 8, 16, 32, 64, 71, 128):
                 n = _need(dtype, d, 90, smem, group=group, aligned16=True)
                 kernel, cfg = cr.REGISTRY.resolve("decode", None, n)
                 if C.decode_v2_geometry(d, dtype) is None:
@@ -602,7 +602,8 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem, v6_gate, monkeypatch
         == ("v6" if v6_gate == "open" else "v3")
     assert cr.REGISTRY.resolve("decode", cr.DecodeConfig("v6"), _need("float16", 128, 90, big, group=32))[0].version \
         == "v6"
-    assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=65))[0].version != "v6"
+    assert (cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=65))[0].version == "v6") \
+        == (v6_gate == "open")
     assert cr.REGISTRY.resolve("decode", None, _need("float32", 128, 90, big, group=4))[0].version == "v3"
     assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 72, 90, big, group=4))[0].version == "v3"
     why = cr.REGISTRY.get("decode", "v4").unavailable(_need("float16", 128, 75, big, group=4))
