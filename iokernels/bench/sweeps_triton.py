@@ -5,7 +5,7 @@ The sweep is data (:data:`DECODE_ROWS`): a label, the :class:`~iokernels.triton_
 keyword arguments, and how deep the split count fills the GPU -- None for the launcher's
 own rule (FlashAttention-2's occupancy rule, one wave of one program a multiprocessor), or
 ``programs_per_sm``: the same rule asked to fill that many programs on every multiprocessor
-(:func:`iokernels.decode.occupancy_splits` with ``num_sms`` times as many).  Decode is bound
+(:func:`iokernels.triton_backend.decode.split_count`).  Decode is bound
 by memory traffic, and one program of a few warps on a multiprocessor keeps too few bytes in
 flight to stream at the memory's speed; the rows measure how deep is enough.  Shapes: the
 serving grid (:data:`.sweeps_cupy.SERVING_SHAPES`, float16 GQA 32/8 d=128); paged pools of
@@ -39,16 +39,6 @@ DECODE_ROWS = (
 )
 
 
-def splits_for(shape: dict, block_n: int, programs_per_sm, sms: int):
-    """The split count a row asks for: None (the launcher's rule) or the occupancy rule over
-    ``programs_per_sm`` times the multiprocessors."""
-    if programs_per_sm is None:
-        return None
-    from ..decode import MAX_SPLITS, occupancy_splits
-    return occupancy_splits(shape["batch"], shape["heads_kv"], shape["seqlen"], sms * programs_per_sm,
-                            block_n=block_n, max_splits=MAX_SPLITS)
-
-
 def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES):
     import torch
     import torch.nn.functional as F
@@ -57,6 +47,7 @@ def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES):
     from iokernels import bench
     from iokernels import triton_backend as tb
     from iokernels.bench.paged_tables import paged_call_tables
+    from iokernels.triton_backend.decode import split_count
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for shape in shapes:
@@ -79,7 +70,8 @@ def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES):
         tables, lens = paged_call_tables("triton", tables, lens, q.device)     # as the benchmark's rows call it
         for label, kw, deep in DECODE_ROWS:
             cfg = tb.DecodeConfig(**kw)
-            S = splits_for(shape, cfg.keys_per_tile(False), deep, sms)
+            S = None if deep is None else split_count(shape["batch"], shape["heads_kv"], shape["seqlen"],
+                                                      cfg.keys_per_tile(False), deep, sms)
             for paged in (False, True):
                 fn, args = ((tb.paged_decode_pools, (q, kp, vp, tables, lens)) if paged else (tb.decode, (q, k, v)))
                 name = f"triton {label}" + (" paged" if paged else "")

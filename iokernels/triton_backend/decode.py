@@ -35,12 +35,16 @@ def _splits(num_splits, batch, heads_kv, lens, left, block_n, programs_per_sm=1)
     return _occupancy(batch, heads_kv, int(visible), block_n, programs_per_sm)
 
 
+def split_count(batch: int, heads_kv: int, keys: int, block_n: int, programs_per_sm: int, sms: int) -> int:
+    """The split count of a version that fills ``programs_per_sm`` programs on each of ``sms``
+    multiprocessors: the occupancy rule asked for that many programs' worth of multiprocessors."""
+    return occupancy_splits(batch, heads_kv, keys, sms * programs_per_sm, block_n=block_n, max_splits=MAX_SPLITS)
+
+
 @functools.lru_cache(maxsize=256)
 def _occupancy(batch, heads_kv, visible, block_n, programs_per_sm=1) -> int:
-    """The occupancy rule over ``programs_per_sm`` programs on each of this GPU's multiprocessors."""
-    sms = ln.device_count_sms() or DEFAULT_NUM_SMS
-    return occupancy_splits(batch, heads_kv, visible, sms * programs_per_sm, block_n=block_n,
-                            max_splits=MAX_SPLITS)
+    """:func:`split_count` on this GPU's multiprocessors."""
+    return split_count(batch, heads_kv, visible, block_n, programs_per_sm, ln.device_count_sms() or DEFAULT_NUM_SMS)
 
 
 def _launch(qt, kt, vt, table, lens_t, lens, hkv, kv_strides, paged, page, *, num_splits, scale, config, window):

@@ -123,8 +123,9 @@ def decode_depth_table(sms: int | None = None, sweep: Path | None = None) -> str
     (GQA 32/8, d = 128) on ``sms`` multiprocessors (None: 132, an H100's), and, from the
     latest recorded sweep (or ``sweep``), each version's time as a fraction of the best SDPA
     kernel's, contiguous and paged, on the GPU that recorded it."""
-    from ..decode import DEFAULT_NUM_SMS, MAX_SPLITS, occupancy_splits
+    from ..decode import DEFAULT_NUM_SMS
     from .config import DECODE_BLOCK_N, DECODE_DEPTH
+    from .decode import split_count
     sms = DEFAULT_NUM_SMS if sms is None else sms
     if sweep is None:
         found = sorted(SWEEPS.glob("*_triton_decode_*.json"))
@@ -143,8 +144,7 @@ def decode_depth_table(sms: int | None = None, sweep: Path | None = None) -> str
     lines = [head]
     for batch in (1, 8, 64):
         for n in (4096, 32768):
-            s1, s2 = (occupancy_splits(batch, 8, n, sms * DECODE_DEPTH[v][0], block_n=DECODE_BLOCK_N,
-                                       max_splits=MAX_SPLITS) for v in ("v1", "v2"))
+            s1, s2 = (split_count(batch, 8, n, DECODE_BLOCK_N, DECODE_DEPTH[v][0], sms) for v in ("v1", "v2"))
             line = f"{batch:>3} {n:>6} | {s1:>9} {s1 * batch * 8:>8} | {s2:>9} {s2 * batch * 8:>8}"
             group = f"decode float16 B={batch} Hq=32 Hkv=8 N={n} d=128"
             got = [speed.get((group, SWEEP_ROWS[v] + paged)) for paged in ("", " paged") for v in ("v1", "v2")]
