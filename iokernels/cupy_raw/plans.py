@@ -390,6 +390,7 @@ class DecodePlan:
         if not self.empty:
             self.st = split_static(spec, cfg, batch=B, heads_q=self.Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
                                    paged=False, block_size=0, aligned=aligned, kv=None, dev=device_info())
+            self.fn_ptr = function_ptr(self.st.fn)            # what a packed run launches
             self._launch_for(int(min(N, self.left + 1) if self.left >= 0 else N))   # checks the SRAM now
 
     def _launch_for(self, longest: int):
@@ -433,8 +434,6 @@ class DecodePlan:
             args, n = pack_call([placeholder(j) for j in range(PACKED_SLOTS)], (o_part, lse_part), counters)
             where = slots_of(args, range(n))
             buf = ArgBuffer.of(args, where) if where is not None else None
-            if buf is not None and not hasattr(self.st, "fn_ptr"):
-                self.st.fn_ptr = function_ptr(self.st.fn)
             buf = self._buffers[key] = buf or False
         return buf
 
@@ -477,7 +476,7 @@ class DecodePlan:
         arguments ``pack_call`` makes.  ``ptrs``: q, k, v, O, LSE (ints); ``more``: the other
         slots' values in order (the lengths; the tables and the scales of a paged cache), np.uint64."""
         if buf:
-            buf.launch(self.st.fn_ptr, (S, self.Hkv, self.B), (self.st.threads,), smem, stream, *ptrs,
+            buf.launch(self.fn_ptr, (S, self.Hkv, self.B), (self.st.threads,), smem, stream, *ptrs,
                        *map(int, more))
         else:
             args, _ = pack_call((*map(np.uint64, ptrs), *more), *_split_parts(self._workspace(stream, S)))
@@ -598,6 +597,7 @@ class PagedDecodePlan:
             self.st = split_static(spec, cfg, batch=B, heads_q=self.Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
                                    paged=True, block_size=bs, aligned=aligned,
                                    kv=None if self.quant is None else self.quant[0], dev=device_info())
+            self.fn_ptr = function_ptr(self.st.fn)            # what a packed run launches
             self._launch_for(self._capacity())
 
     def _capacity(self) -> int:
