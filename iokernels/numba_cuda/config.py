@@ -83,7 +83,7 @@ def _check_int(value, name, lo=1, hi=None, allow_none=True):
 class ForwardConfig:
     """Launch shape of the Numba FlashAttention forward.
 
-    version: "v1" .. "v5" (None: the default, v5); block_q (Br), block_k (Bc): tile rows, None
+    version: "v1" .. "v5" (None: the default, v4); block_q (Br), block_k (Bc): tile rows, None
     for the default (Br = 64; Bc the largest of 32, 16, 8 whose K_j, V_j tiles fit the
     static shared-memory limit at this head dim and dtype; v5: :func:`.policy.forward_v5_tiles`);
     threads_per_row, rows_per_thread: v3/v4's register tiling (v1 and v2 use one thread per

@@ -9,7 +9,7 @@ the launcher).  The default for a call is the highest-ranked version whose check
 ============  =======================================================================
 op            default
 ============  =======================================================================
-attention     v5 (every version runs every supported dtype and head dim)
+attention     v4 (every version runs every supported dtype and head dim; v5 by name)
 decode        v4 for C-contiguous float16 / float32 K/V with rows of whole 16-byte pairs
               (16-byte loads), else v3 when K and V are C-contiguous (it reads flat
               views), else v1 (any strides)
