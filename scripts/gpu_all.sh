@@ -10,6 +10,8 @@
 #   2b. ring      python -m iokernels ring --world-size 1 --device cuda --bench (NCCL, one rank)
 #   2c. serve     python -m iokernels serve-bench on the GPU, paged against contiguous     -> serve.json
 #   3. traffic    ncu DRAM bytes vs the traffic model                              -> traffic.json
+#                 then (LIMITS=0 leaves it out) what bounds each kernel that misses a bar: ncu's
+#                 throughput, issue, occupancy, pipe and stall figures, in traffic.json's "limits"
 #   4. checks     GPU pytest and compute-sanitizer memcheck / racecheck / synccheck / initcheck
 #                 over scripts/sanitize.py, one process per (tool, kernel family)
 #                 3 and 4 run in parallel, after the bench (correctness only, no timing)
@@ -19,7 +21,7 @@
 # those sections (CLIFF_BUDGET_S=90 shortens the cliff sweep's time box); GPU_TESTS="tests/test_cupy.py ..."
 # runs only those files' GPU tests.
 # Stages can be left out when a lease is short and an earlier run of the same tree has
-# their result: RING=0, TRAFFIC=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
+# their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
 # sanitizes only those CuPy kernels (op:version); SERVE_ARGS replaces the serve-bench arguments;
 # SERVE_FIRST=1 serves before the bench.
@@ -44,6 +46,7 @@ T0=$(date +%s)
 
 # per-stage limits in seconds (total well under 600)
 T_ENV=30 T_BENCH=${T_BENCH:-300} T_TRAFFIC=${T_TRAFFIC:-50} T_CHECKS=${T_CHECKS:-270} T_SERVE=${T_SERVE:-75}
+T_LIMITS=$([ "${LIMITS:-1}" != 0 ] && echo ${T_LIMITS:-120} || echo 0)
 SAN_FAMILIES=${SAN_FAMILIES:-numba cupy triton}
 # the serving benchmark on the CuPy kernels: Llama-3-8B's layer shapes (two layers) at a KV budget that gives each
 # layer the slots 20 GB give all 32 layers of the real model; 4096 requests arriving over about four
@@ -130,12 +133,12 @@ fi
 # GPU tests, which launch larger kernels, start only when the profiler is done.  The traffic
 # record carries a note saying so.
 T_TRAFFIC=$(left $T_TRAFFIC)
-note "$([ "${TRAFFIC:-1}" != 0 ] && echo "traffic (ncu, limit ${T_TRAFFIC}s), then ")pytest; sanitizers alongside"
+note "$([ "${TRAFFIC:-1}" != 0 ] && echo "traffic (ncu, limit ${T_TRAFFIC}s; limits profile ${T_LIMITS}s), then ")pytest; sanitizers alongside"
 (
   if [ "${TRAFFIC:-1}" != 0 ]; then
     IK_TRAFFIC_NOTE="measured while compute-sanitizer runs (KB-sized kernels) shared the GPU" \
-    timeout --kill-after=10 $(( T_TRAFFIC + 10 )) $PY scripts/profile_traffic.py all --out "$LOGS/traffic" \
-      --timeout $T_TRAFFIC > "$LOGS/traffic.log" 2>&1
+    timeout --kill-after=10 $(( T_TRAFFIC + T_LIMITS + 10 )) $PY scripts/profile_traffic.py all --out "$LOGS/traffic" \
+      --timeout $T_TRAFFIC --limits-timeout $T_LIMITS > "$LOGS/traffic.log" 2>&1
     echo "[$(( $(date +%s) - T0 ))s] traffic exit $?" >> "$LOGS/stages.txt"
   fi
   files=""
@@ -205,6 +208,7 @@ for p in $PIDS; do wait $p; done
 note "traffic and checks done"
 cp "$LOGS/traffic/traffic.json" "$OUT/traffic.json" 2>/dev/null || echo '{"error": "no traffic.json"}' > "$OUT/traffic.json"
 cp "$LOGS/traffic/ncu_raw.csv" "$LOGS/ncu_raw.csv" 2>/dev/null || echo "no ncu output" > "$LOGS/ncu_raw.csv"
+cp "$LOGS/traffic/limits_raw.csv" "$LOGS/limits_raw.csv" 2>/dev/null
 cp "$LOGS/pytest.log" "$OUT/pytest.txt"
 $PY scripts/sanitize.py --summarize "$LOGS" "$ENV_LINE" > "$OUT/sanitizer.txt" 2>&1
 
@@ -219,7 +223,8 @@ note "summary"
   echo "== pytest (summaries and failures)"
   grep -E "^== python3|^=* ?[0-9]+ (passed|failed)|no tests ran|FAILED|^ERROR " "$OUT/pytest.txt" | head -40
   echo
-  echo "== traffic (measured DRAM bytes vs model)"; sed -n '/^case /,$p' "$LOGS/traffic.log" 2>/dev/null | head -100
+  echo "== traffic (measured DRAM bytes vs model; first, what bounds each kernel that misses a bar)"
+  sed -n '/^case /,$p' "$LOGS/traffic.log" 2>/dev/null | head -130
   echo
   echo "== ring attention, one GPU (NCCL world of one)"; grep -E "ring bench|rank 0|ring:" "$LOGS/ring_single_gpu.txt" 2>/dev/null | head -6
   echo

@@ -4,6 +4,8 @@
     python3 scripts/profile_traffic.py run --out DIR      # the process ncu profiles
     python3 scripts/profile_traffic.py parse --out DIR    # DIR/ncu_raw.csv + DIR/plan.json -> DIR/traffic.json
     python3 scripts/profile_traffic.py plan [--only X]    # the cases, in order, with their model: no GPU
+    python3 scripts/profile_traffic.py limits --out DIR   # what bounds each kernel that misses a bar
+    python3 scripts/profile_traffic.py plan --limits      # the limits profile's cases: no GPU
 
 What is measured: for each kernel family (torch naive attention, SDPA flash, the Numba and
 CuPy attention, decode, paged decode and paged gather kernels, every registered version of
@@ -26,6 +28,20 @@ then launches a tiny marker kernel ``ik_marker``; the kernels between one marker
 next flush belong to that case.  Warm-up calls (compilation, autotuning) run before
 ``cudaProfilerStart``, and ncu is started with ``--profile-from-start off``.
 
+**What bounds a kernel** (``limits``, run by ``all`` after the bytes when its time box allows,
+filed in traffic.json under "limits"): where a kernel of ours misses a bar, the question is not
+only how many bytes it moves but which unit of the GPU it keeps busy.  Each case of
+:func:`_limit_problems` (a kernel of ours and the SDPA kernel its bar names, at the bar's
+shape, scaled down where Nsight Compute's replays would take long) is profiled with Nsight
+Compute's sections LIMIT_SECTIONS, and :func:`limits_summary` keeps, per kernel: its time, the
+SM's and DRAM's throughput as a share of their peak, the issue slots busy, the achieved
+occupancy, the registers a thread, the busiest pipes (FMA, the XU pipe of exp2 and converts,
+the tensor cores, the load/store unit), and the stall reasons that cost the most cycles between
+issued instructions.  The numbers are Nsight Compute's (its Profiling Guide defines them: docs);
+which one limits a kernel is read off them, in the notes, not decided here.  A section's
+metrics take several replays of a kernel, so this run leaves ncu's cache control at its default
+(caches flushed before each replay: every pass sees the same cold start).
+
 The model: ``iokernels.core.traffic.model(kind, ...)``, bytes as the algorithm is written,
 no caches.  Where they differ, the notes explain why (benchmarks/NOTES.md): L2 reuse of
 K/V tiles across thread blocks, S and P staying in L2 between the naive kernels when they
@@ -39,6 +55,7 @@ import importlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -124,6 +141,75 @@ def _problems():
         P += [(f"{fam} paged gather", fam, "small", dict(Hkv=8, N=4096, d=128, dtype="float16")),
               (f"{fam} paged gather", fam, "large", dict(Hkv=8, N=131072, d=128, dtype="float16"))]
     return _in_order(P + _backward_problems())
+
+
+# --------------------------------------------------------------------------- the limits profile
+#: Nsight Compute's sections whose raw metrics the limits profile reads (``ncu --list-sections``)
+LIMIT_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats")
+#: the bars' shapes (the batch cut where ncu's replays of a long call would eat the time box)
+_DECODE_BAR = dict(B=8, Hq=32, Hkv=8, N=32768, d=128, dtype="float16")   # the Numba decode's bar
+_MQA = dict(B=16, Hq=64, Hkv=1, N=4096, d=128, dtype="bfloat16")        # the decode cliff at g = 64
+_FP32 = dict(B=2, H=16, N=4096, d=128, dtype="float32")               # the Numba float32 forward's (B8)
+_BF16 = dict(B=2, H=16, N=4096, d=128, dtype="bfloat16")              # FP8's and the backward's (B8)
+
+
+def _limit_problems():
+    """(name, family, what its bar holds it to, builder kwargs) of the limits profile, in order:
+    each kernel of ours that misses a bar, next to the kernel the bar names."""
+    causal = dict(_BF16, causal=True)
+    return [("numba decode", "numba", "0.8x SDPA cuDNN", _DECODE_BAR),
+            ("sdpa decode cudnn", "torch", "the Numba decode's bar", _DECODE_BAR),
+            ("numba attention", "numba", "0.5x SDPA EFFICIENT", _FP32),
+            ("sdpa attention efficient", "torch", "the Numba float32 forward's bar", _FP32),
+            ("cupy fp8 forward v1", "cupy", "1.5x cupy attention (v5), quantization included", _BF16),
+            ("cupy fp8 forward v2", "cupy", "1.5x cupy attention (v5), quantization included", _BF16),
+            ("cupy attention", "cupy", "the FP8 forward's baseline", _BF16),
+            ("cupy backward causal", "cupy", "forward + backward 1.3x SDPA FLASH's", causal),
+            ("sdpa backward flash causal", "torch", "the backward's bar", causal),
+            ("cupy decode", "cupy", "1.0x the best SDPA decode (MQA, g = 64)", _MQA),
+            ("sdpa decode flash", "torch", "the MQA decode's bar", _MQA)]
+
+
+def _build_limit(name, family, kw, gen):
+    """The call a limits case profiles (a zero-argument function): the package's default
+    kernel for ``family``, or the SDPA kernel the case names last."""
+    import torch
+
+    import iokernels as ik
+    from iokernels import torch_sdpa as ts
+    dt = getattr(torch, kw["dtype"])
+
+    def rand(*shape):
+        return torch.randn(shape, device="cuda", dtype=dt, generator=gen)
+    if "decode" in name:
+        B, Hq, Hkv, N, d = kw["B"], kw["Hq"], kw["Hkv"], kw["N"], kw["d"]
+        q, k, v = rand(B, Hq, d), rand(B, Hkv, N, d), rand(B, Hkv, N, d)
+        if family != "torch":
+            return lambda: ik.decode(q, k, v, backend=family)
+        q4, sdpa = q[:, :, None, :], torch.nn.functional.scaled_dot_product_attention
+
+        def call(backend=name.split()[-1]):
+            with ts.force(backend):
+                return sdpa(q4, k, v, enable_gqa=Hq != Hkv)
+        return call
+    B, H, N, d, causal = kw["B"], kw["H"], kw["N"], kw["d"], kw.get("causal", False)
+    q, k, v = rand(B, H, N, d), rand(B, H, N, d), rand(B, H, N, d)
+    if "fp8" in name:
+        from iokernels.cupy_raw import hopper as hp
+        codes, cfg = hp.quantize_qkv(q, k, v), hp.Fp8Config(version=name.split()[-1])
+        return lambda: hp.fp8_attention_codes(codes, config=cfg)
+    if "backward" in name:
+        do = rand(B, H, N, d)
+        if family != "torch":
+            o, lse = ik.attention(q, k, v, causal=causal, backend=family, return_lse=True)   # not profiled
+            return lambda: ik.attention_backward(do, q, k, v, o, lse, causal=causal, backend=family)
+        qg, kg, vg = (x.requires_grad_() for x in (q, k, v))
+        with ts.force(name.split()[-2]):                 # the backward runs the forward's kernel's
+            o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+        return lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
+    if family != "torch":
+        return lambda: ik.attention(q, k, v, causal=causal, backend=family)
+    return lambda: ts.sdpa(q, k, v, causal=causal, backend=name.split()[-1])
 
 
 def _backward_config(family, kw):
@@ -283,19 +369,32 @@ def _add_model(entry, name, family, kw):
     entry["mandatory_read"], entry["mandatory_written"] = _mandatory(name, kw)
 
 
-def plan(only=None) -> list:
-    """The cases in measuring order with their modelled bytes, without a GPU (a dry run)."""
+def _entry(index, name, family, size, kw, limits, model=True):
+    """A case's plan entry: for the traffic, ``size`` and (``model``) the model's bytes; for the
+    limits profile (``limits``), what the case's bar holds it to."""
+    if limits:
+        return dict(index=index, case=name, family=family, held_to=size, problem=kw)
+    entry = dict(index=index, case=name, family=family, size=size, problem=kw)
+    if model:
+        _add_model(entry, name, family, kw)
+    return entry
+
+
+def plan(only=None, limits=False) -> list:
+    """The cases in measuring order with their modelled bytes (or, with ``limits``, the limits
+    profile's cases), without a GPU (a dry run)."""
     entries = []
-    for name, family, size, kw in _problems():
+    for name, family, size, kw in (_limit_problems() if limits else _problems()):
         if only and only not in name:
             continue
-        entry = dict(index=len(entries), case=name, family=family, size=size, problem=kw)
-        _add_model(entry, name, family, kw)
-        entries.append(entry)
+        entries.append(_entry(len(entries), name, family, size, kw, limits))
     return entries
 
 
 def plan_table(entries) -> str:
+    if entries and "held_to" in entries[0]:                 # the limits profile's cases
+        return "\n".join([f"{'#':>3} {'case':<28}{'held to':<50}problem"] +
+                         [f"{e['index']:>3} {e['case']:<28}{e['held_to']:<50}{e['problem']}" for e in entries])
     lines = [f"{'#':>3} {'case':<22}{'size':<17}{'model read MB':>14}{'model write MB':>15}  problem"]
     for e in entries:
         if "model_read" in e:
@@ -308,7 +407,9 @@ def plan_table(entries) -> str:
     return "\n".join(lines)
 
 
-def run(out_dir, only=None, budget_s=None):
+def run(out_dir, only=None, budget_s=None, limits=False):
+    """The process ncu profiles: each case's call between a flush and a marker; its plan to
+    ``plan.json`` (``limits``: the limits profile's cases, to ``limits_plan.json``)."""
     import cupy as cp
     import torch
     from iokernels.bench import l2_cache_bytes
@@ -330,18 +431,19 @@ def run(out_dir, only=None, budget_s=None):
     t_start = time.time()
     n_markers = 0
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for idx, (name, family, size, kw) in enumerate(_problems()):
+    build = _build_limit if limits else _build
+    for name, family, size, kw in (_limit_problems() if limits else _problems()):
         if only and only not in name:
             continue
-        entry = dict(index=len(plan), case=name, family=family, size=size, problem=kw)
         if budget_s is not None and time.time() - t_start > budget_s:
+            entry = _entry(len(plan), name, family, size, kw, limits, model=False)
             entry["status"] = f"skipped: the profiled run's time box ({budget_s:.0f} s) ran out"
             plan.append(entry)
             continue
-        _add_model(entry, name, family, kw)
+        entry = _entry(len(plan), name, family, size, kw, limits)
         fn = None
         try:
-            fn = _build(name, family, kw, gen)
+            fn = build(name, family, kw, gen)
             fn()
             fn()                                          # compile, autotune, allocate
             torch.cuda.synchronize()
@@ -370,13 +472,19 @@ def run(out_dir, only=None, budget_s=None):
         print(f"[{entry['index']}] {name} {size}: {entry['status']}", flush=True)
         del fn
         torch.cuda.empty_cache()
-    with open(os.path.join(out_dir, "plan.json"), "w") as f:
+    with open(os.path.join(out_dir, "limits_plan.json" if limits else "plan.json"), "w") as f:
         json.dump(plan, f, indent=1)
 
 
 # --------------------------------------------------------------------------- parse
-def _read_ncu_csv(path):
-    """Per kernel, in launch order: (id, name, {metric: value}).  Handles raw and details pages."""
+#: the raw page's columns that name a kernel's launch, not a metric
+_IDENTITY = ("ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context", "Stream", "Block Size",
+             "Grid Size", "Device", "CC")
+
+
+def _read_ncu_csv(path, metrics=METRICS):
+    """Per kernel, in launch order: (id, name, {metric: value}).  Handles raw and details pages;
+    from a raw page the columns ``metrics`` names, or (None) every numeric one."""
     text = open(path, errors="replace").read()
     lines = [ln for ln in text.splitlines() if ln.startswith('"')]   # drop ==PROF== lines
     rows = list(csv.reader(io.StringIO("\n".join(lines))))
@@ -401,7 +509,8 @@ def _read_ncu_csv(path):
                 pass
     else:                                                   # raw page: one row per kernel
         i_id, i_nm = hdr.index("ID"), hdr.index("Kernel Name")
-        cols = {m: hdr.index(m) for m in METRICS if m in hdr}
+        names = [m for m in hdr if m not in _IDENTITY] if metrics is None else metrics
+        cols = {m: hdr.index(m) for m in names if m in hdr}
         for r in rows[1:]:
             if len(r) < len(hdr) or not r[i_id].strip().isdigit():
                 continue                                    # the units row
@@ -417,9 +526,9 @@ def _read_ncu_csv(path):
     return [(k, kernels[k][0], kernels[k][1]) for k in order]
 
 
-def parse(out_dir):
-    plan = json.load(open(os.path.join(out_dir, "plan.json")))
-    kernels = _read_ncu_csv(os.path.join(out_dir, "ncu_raw.csv"))
+def _groups(kernels) -> dict:
+    """{n: [(kernel name, metrics), ...]}: the kernels after the n-th ik_marker, up to the next
+    flush (a case's kernels)."""
     groups, cur = {}, None
     for kid, name, vals in kernels:
         if "ik_marker" in name:
@@ -431,6 +540,12 @@ def parse(out_dir):
             continue
         if cur is not None:
             groups[cur].append((name, vals))
+    return groups
+
+
+def parse(out_dir):
+    plan = json.load(open(os.path.join(out_dir, "plan.json")))
+    groups = _groups(_read_ncu_csv(os.path.join(out_dir, "ncu_raw.csv")))
     results = []
     for e in plan:
         g = groups.get(e.get("marker", -1), [])
@@ -458,9 +573,109 @@ def parse(out_dir):
            "note": os.environ.get("IK_TRAFFIC_NOTE", ""),
            "ncu_options": "--clock-control none --cache-control none --profile-from-start off",
            "cases": results}
+    limits = os.path.join(out_dir, "limits.json")
+    if os.path.exists(limits):
+        rec["limits"] = json.load(open(limits))
     with open(os.path.join(out_dir, "traffic.json"), "w") as f:
         json.dump(rec, f, indent=1)
     print(table(rec))
+    return rec
+
+
+# --------------------------------------------------------------------------- parse: what bounds a kernel
+#: the figures of a kernel's limits summary: (name, the raw metrics that give it, the first present
+#: wins; a factor to its unit).  Names as Nsight Compute's sections collect them (its Profiling
+#: Guide defines each: docs); DRAM's share has had two names
+LIMIT_FIGURES = (
+    ("time_us", ("gpu__time_duration.sum",), 1e-3),
+    ("sm_pct", ("sm__throughput.avg.pct_of_peak_sustained_elapsed",), 1.0),
+    ("dram_pct", ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+                  "dram__throughput.avg.pct_of_peak_sustained_elapsed"), 1.0),
+    ("issue_pct", ("sm__inst_issued.avg.pct_of_peak_sustained_active",
+                   "smsp__issue_active.avg.pct_of_peak_sustained_active"), 1.0),
+    ("occupancy_pct", ("sm__warps_active.avg.pct_of_peak_sustained_active",), 1.0),
+    ("registers", ("launch__registers_per_thread",), 1.0),
+    ("cycles_per_issue", ("smsp__average_warp_latency_per_inst_issued.ratio",), 1.0),
+)
+#: a pipe's utilization (the share of its peak while the SM is active): instructions executed on
+#: it, or the cycles it was busy (the larger of the two where both are collected)
+PIPE_METRIC = re.compile(r"^sm__(?:inst_executed_pipe_|pipe_)(\w+?)(?:_cycles_active)?"
+                         r"\.avg\.pct_of_peak_sustained_active$")
+#: a stall reason's cycles per issued instruction (the warp-state breakdown), in its two spellings
+STALL_METRIC = re.compile(r"^smsp__average_warps?_(?:latency_)?issue_stalled_(\w+?)(_per_issue_active)?\.ratio$")
+#: pipes and stall reasons a summary keeps (the busiest, the costliest)
+LIMIT_TOP = 4
+
+
+def limits_summary(vals: dict) -> dict:
+    """One kernel's raw metrics -> its limits figures (LIMIT_FIGURES; None where not collected),
+    its LIMIT_TOP busiest pipes {pipe: %} and costliest stall reasons {reason: cycles an
+    issued instruction}, largest first."""
+    out = {}
+    for key, names, factor in LIMIT_FIGURES:
+        v = next((vals[n] for n in names if n in vals), None)
+        out[key] = None if v is None else round(v * factor, 3)
+    pipes, stalls, per_issue = {}, {}, set()
+    for name, v in vals.items():
+        m = PIPE_METRIC.match(name)
+        if m:
+            pipes[m.group(1)] = max(pipes.get(m.group(1), 0.0), v)
+        m = STALL_METRIC.match(name)
+        if m and m.group(1) != "selected":                   # "selected": the cycle that issues
+            reason = m.group(1)
+            if m.group(2) or reason not in per_issue:          # the per-issue spelling wins
+                stalls[reason] = v
+                if m.group(2):
+                    per_issue.add(reason)
+    def top(d):
+        return {k: round(v, 3) for k, v in sorted(d.items(), key=lambda x: -x[1])[:LIMIT_TOP]}
+    out["pipes"], out["stalls"] = top(pipes), top(stalls)
+    return out
+
+
+def short_kernel_name(name: str) -> str:
+    """A profiled kernel's name, short: a mangled name's last two components (Numba's
+    module.function), a C++ name without its template arguments and parameters."""
+    if name.startswith("_ZN"):                  # <length><name> ... up to the first non-digit
+        parts, i = [], 3
+        while (m := re.match(r"\d+", name[i:])):
+            n, i = int(m.group()), i + len(m.group())
+            parts.append(name[i:i + n])
+            i += n
+        parts = [p for p in parts if "locals" not in p]       # a closure's "<locals>"
+        return ".".join(parts[-2:])[:48] if parts else name[:48]
+    base = name.split("(")[0]
+    while "<" in base:
+        cut = re.sub(r"<[^<>]*>", "", base)
+        if cut == base:
+            break
+        base = cut
+    return base.split()[-1][:48] if base.split() else name[:48]
+
+
+def parse_limits(out_dir):
+    """DIR/limits_raw.csv + DIR/limits_plan.json -> DIR/limits.json: per case, each kernel it
+    launched with its :func:`limits_summary` and its share of the case's time."""
+    plan = json.load(open(os.path.join(out_dir, "limits_plan.json")))
+    groups = _groups(_read_ncu_csv(os.path.join(out_dir, "limits_raw.csv"), metrics=None))
+    cases = []
+    for e in plan:
+        c = dict(e)
+        g = groups.get(e.get("marker", -1), [])
+        if e.get("status") == "ok" and g:
+            kernels = [dict(kernel=short_kernel_name(n), **limits_summary(v)) for n, v in g]
+            total = sum(k["time_us"] or 0.0 for k in kernels)
+            for k in kernels:
+                k["share"] = round((k["time_us"] or 0.0) / total, 3) if total else None
+            c["kernels"], c["time_us"] = kernels, round(total, 2)
+        elif e.get("status") == "ok":
+            c["status"] = "no kernels profiled (ncu not run, or the group was empty)"
+        cases.append(c)
+    rec = {"sections": list(LIMIT_SECTIONS), "cases": cases}
+    with open(os.path.join(out_dir, "limits.json"), "w") as f:
+        json.dump(rec, f, indent=1)
+    from iokernels.core.recorded import limits_table
+    print(limits_table({"traffic": {"limits": rec}}))
     return rec
 
 
@@ -493,14 +708,19 @@ def table(rec) -> str:
     return "\n".join(lines)
 
 
-def all_(out_dir, ncu="ncu", timeout=300, only=None):
-    os.makedirs(out_dir, exist_ok=True)
-    ncu = shutil.which(ncu) or ncu
-    cmd = [ncu, "--clock-control", "none", "--cache-control", "none", "--profile-from-start", "off",
-           "--metrics", ",".join(METRICS), "--csv", "--page", "raw", "--print-units", "base",
-           "--log-file", os.path.join(out_dir, "ncu_raw.csv"),
+def _ncu_run(out_dir, ncu, timeout, only, limits):
+    """ncu over this script's ``run`` (the traffic's cases, or with ``limits`` the limits
+    profile's): True when the profiled run wrote its plan."""
+    if limits:                                  # every section's replays, caches flushed between passes
+        what = [x for sec in LIMIT_SECTIONS for x in ("--section", sec)]
+        log, plan_file, extra = "limits_raw.csv", "limits_plan.json", ["--limits"]
+    else:
+        what = ["--cache-control", "none", "--metrics", ",".join(METRICS)]
+        log, plan_file, extra = "ncu_raw.csv", "plan.json", []
+    cmd = [shutil.which(ncu) or ncu, "--clock-control", "none", "--profile-from-start", "off", *what,
+           "--csv", "--page", "raw", "--print-units", "base", "--log-file", os.path.join(out_dir, log),
            sys.executable, os.path.abspath(__file__), "run", "--out", out_dir,
-           "--budget", str(max(10, int(timeout * 0.6)))]
+           "--budget", str(max(10, int(timeout * 0.6))), *extra]
     if only:
         cmd += ["--only", only]
     print(" ".join(cmd), flush=True)
@@ -510,19 +730,41 @@ def all_(out_dir, ncu="ncu", timeout=300, only=None):
         print(f"ncu exit {p.returncode} after {time.time() - t0:.0f} s", flush=True)
     except subprocess.TimeoutExpired:
         print(f"ncu timed out after {timeout} s", flush=True)
-    if os.path.exists(os.path.join(out_dir, "plan.json")):
+    if os.path.exists(os.path.join(out_dir, plan_file)):
+        return True
+    print(f"no {plan_file}: the profiled run did not finish", flush=True)
+    return False
+
+
+def all_(out_dir, ncu="ncu", timeout=300, only=None, limits_timeout=0):
+    """The traffic's bytes, then (``limits_timeout`` > 0) the limits profile, in one traffic.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    traffic = _ncu_run(out_dir, ncu, timeout, only, limits=False)
+    limits = limits_timeout > 0 and _ncu_run(out_dir, ncu, limits_timeout, only, limits=True)
+    if limits:
+        parse_limits(out_dir)
+    if traffic:
         return parse(out_dir)
-    print("no plan.json: the profiled run did not finish", flush=True)
+    if limits:                                  # no bytes measured: the record keeps the limits
+        rec = {"error": "the traffic's profiled run did not finish", "cases": [],
+               "limits": json.load(open(os.path.join(out_dir, "limits.json")))}
+        with open(os.path.join(out_dir, "traffic.json"), "w") as f:
+            json.dump(rec, f, indent=1)
+        return rec
     return None
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("all", "run", "parse", "plan"))
+    p.add_argument("mode", choices=("all", "run", "parse", "plan", "limits"))
     p.add_argument("--out", default=None, help="the output folder (every mode but plan)")
     p.add_argument("--ncu", default="ncu")
     p.add_argument("--only", default=None, help="only cases whose name contains this")
     p.add_argument("--timeout", type=int, default=300)
+    p.add_argument("--limits-timeout", type=int, default=0,
+                   help="all: then the limits profile, in this many seconds (0: not run)")
+    p.add_argument("--limits", action="store_true",
+                   help="run, parse, plan: the limits profile's cases instead of the traffic's")
     p.add_argument("--budget", type=float, default=None,
                    help="run: stop starting new cases after this many seconds (ncu writes its CSV at exit)")
     a = p.parse_args(argv)
@@ -530,13 +772,17 @@ def main(argv=None):
         p.error(f"{a.mode} needs --out DIR")
     try:
         if a.mode == "plan":
-            print(plan_table(plan(a.only)))
+            print(plan_table(plan(a.only, a.limits)))
         elif a.mode == "run":
-            run(a.out, a.only, a.budget)
+            run(a.out, a.only, a.budget, a.limits)
         elif a.mode == "parse":
-            parse(a.out)
+            parse_limits(a.out) if a.limits else parse(a.out)
+        elif a.mode == "limits":
+            os.makedirs(a.out, exist_ok=True)
+            if _ncu_run(a.out, a.ncu, a.timeout, a.only, limits=True):
+                parse_limits(a.out)
         else:
-            all_(a.out, a.ncu, a.timeout, a.only)
+            all_(a.out, a.ncu, a.timeout, a.only, a.limits_timeout)
     except Exception:
         traceback.print_exc()
         return 1

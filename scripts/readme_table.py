@@ -64,6 +64,8 @@ def file_run(outdir: Path) -> tuple[Path, Path]:
         if old.get("cases"):                  # keep an earlier run's measurement, say so
             old["note"] = (old.get("note", "") + "; kept from the earlier record of this date: the run of "
                            f"{env['date_utc']} produced no traffic measurement").lstrip("; ")
+            if traffic.get("limits"):         # ... but this run's profile of what bounds each kernel
+                old["limits"] = traffic["limits"]
             rec["traffic"] = old
     jpath.write_text(json.dumps(rec, indent=1))
     spath = res / f"sanitizer_{date}.txt"
@@ -233,6 +235,15 @@ def traffic_table(rec) -> list[str]:
     return lines + [""]
 
 
+def limits_table(rec) -> list[str]:
+    table = recorded.limits_table(rec)
+    if not table:
+        return []
+    return ["**What bounds each kernel that misses a bar** (Nsight Compute; `scripts/profile_traffic.py limits`: "
+            "the share of peak of the SM, DRAM and the issue slots, occupancy, the busiest pipes, the costliest "
+            "stalls in cycles an issued instruction)", "", "```", table, "```", ""]
+
+
 def _cliff_shape(r) -> str:
     if r["kind"] == "decode":
         return f"B={r['batch']} {r['heads_q']}/{r['heads_kv']} N={r['seqlen']} d={r['head_dim']}"
@@ -374,7 +385,7 @@ def section_text() -> str:
     if rec.get("bench", {}).get("note"):
         lines += [f"({rec['bench']['note']}.)", ""]
     tables = (prefill_table, compare_table, decode_table, cliff_table, captured_table, cache_table, mla_table,
-              gather_table, backward_table, fp8_table, traffic_table)
+              gather_table, backward_table, fp8_table, traffic_table, limits_table)
     parts = [lambda p=p: p(rec) for p in tables] + [hopper_table]
     for part, name in zip(parts, [t.__name__.replace("_table", "") for t in tables] + ["hopper"]):
         try:

@@ -277,6 +277,87 @@ def test_ncu_csv_backward_kernels_split_by_part(tmp_path):
     main = [ln for ln in pt.table(rec).splitlines() if ln.startswith("cupy backward v1") and " main " in ln]
     assert len(main) == 1 and main[0].split()[-1] == "1.03"             # (207 + 103) / 300
 
+def test_limits_plan_pairs_each_kernel_of_ours_with_the_kernel_its_bar_names():
+    """The limits profile's dry run (no GPU): every case says what its bar holds it to, each
+    family of ours comes before the SDPA kernel it is held to, and the table prints."""
+    pt = _script("profile_traffic")
+    entries = pt.plan(limits=True)
+    names = [e["case"] for e in entries]
+    assert {"numba decode", "numba attention", "cupy fp8 forward v1", "cupy backward causal"} <= set(names)
+    assert all(e["held_to"] and "model_read" not in e for e in entries)
+    for ours, sdpa in (("numba decode", "sdpa decode cudnn"), ("numba attention", "sdpa attention efficient"),
+                       ("cupy backward causal", "sdpa backward flash causal"), ("cupy decode", "sdpa decode flash")):
+        assert names.index(ours) < names.index(sdpa)
+        assert entries[names.index(ours)]["problem"] == entries[names.index(sdpa)]["problem"]
+    table = pt.plan_table(entries)
+    assert "held to" in table and "0.8x SDPA cuDNN" in table
+    assert [e["case"] for e in pt.plan("fp8", limits=True)] == ["cupy fp8 forward v1", "cupy fp8 forward v2"]
+
+
+def test_limits_profile_summarizes_each_kernel_and_joins_the_traffic_record(tmp_path):
+    """A limits case: each kernel's figures from whichever spelling of a metric was collected, its
+    busiest pipes and costliest stalls (not "selected"), its share of the case's time; the
+    table shows the kernels that take a tenth of a case, and the traffic record carries it all."""
+    pt = _script("profile_traffic")
+    from iokernels.core import recorded
+    metrics = ["gpu__time_duration.sum", "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+               "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+               "smsp__issue_active.avg.pct_of_peak_sustained_active",
+               "sm__warps_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
+               "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active",
+               "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+               "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active",
+               "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active",
+               "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+               "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio",
+               "smsp__average_warps_issue_stalled_selected_per_issue_active.ratio",
+               "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio",
+               "smsp__average_warp_latency_issue_stalled_barrier.ratio"]
+    ident = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",' \
+            '"Grid Size","Device","CC"'
+    lines = [ident + "," + ",".join(f'"{m}"' for m in metrics), '"","","","","","","","","","","",' +
+             ",".join('"x"' for _ in metrics)]
+    numba = "_ZN" + "".join(f"{len(p)}{p}" for p in ("iokernels", "numba_cuda", "decode_v4", "split")) + "B2v1E"
+
+    def k(i, name, t_ns, fma=0.0):
+        vals = [t_ns, 40, 61.5, 88, 45, 96, fma, fma + 5, 30, 12, 4.25, 9.0, 1.0, 2.5, 0.75]
+        lines.append(f'"{i}","1","p","h","{name}","1","7","(1,1,1)","(1,1,1)","0","9.0",' +
+                     ",".join(f'"{v}"' for v in vals))
+    k(0, "ik_l2flush", 5e5)
+    k(1, "ik_marker", 1e3)
+    k(2, numba, 9e5, fma=70)
+    k(3, "void combine<float, 128>(float*)", 1e5)
+    (tmp_path / "limits_raw.csv").write_text("==PROF== Connected\n" + "\n".join(lines) + "\n")
+    plan = [dict(index=0, case="numba decode", family="numba", held_to="0.8x SDPA cuDNN", status="ok", marker=0),
+            dict(index=1, case="sdpa decode cudnn", family="torch", held_to="its bar", status="unavailable: x")]
+    (tmp_path / "limits_plan.json").write_text(json.dumps(plan))
+    rec = pt.parse_limits(str(tmp_path))
+    split, combine = rec["cases"][0]["kernels"]
+    assert split["kernel"] == "decode_v4.split" and combine["kernel"] == "combine"
+    assert (split["time_us"], split["share"], combine["share"]) == (900.0, 0.9, 0.1)
+    assert (split["sm_pct"], split["dram_pct"], split["issue_pct"], split["occupancy_pct"], split["registers"]) \
+        == (40, 61.5, 88, 45, 96)
+    assert split["cycles_per_issue"] is None                            # not collected
+    assert split["pipes"] == {"fma": 75, "xu": 30, "lsu": 12}           # the larger spelling of fma
+    assert split["stalls"] == {"long_scoreboard": 4.25, "math_pipe_throttle": 2.5, "barrier": 0.75}
+    assert "kernels" not in rec["cases"][1]
+    table = recorded.limits_table({"traffic": {"limits": rec}})
+    rows = table.splitlines()[1:]
+    assert len(rows) == 2 and rows[0].startswith("numba decode") and "decode_v4.split" in rows[0]
+    assert "fma 75, xu 30, lsu 12" in rows[0] and "long_scoreboard 4.2" in rows[0]
+    assert recorded.limits_table({"traffic": {}}) == ""
+    assert recorded.limits_table({"traffic": {"limits": rec}}, cases=("sdpa decode cudnn",)) == ""
+    assert recorded.limits_table({"traffic": {"limits": rec}}, cases=("numba decode",)) == table
+    readme = _script("readme_table").limits_table({"traffic": {"limits": rec}})     # the README's block
+    assert readme[0].startswith("**What bounds") and readme[2:5] == ["```", table, "```"]
+    assert _script("readme_table").limits_table({"traffic": {}}) == []
+    # the traffic's parse files the limits with the bytes
+    (tmp_path / "ncu_raw.csv").write_text(ident + ',"dram__bytes_read.sum"\n')
+    (tmp_path / "plan.json").write_text("[]")
+    assert pt.parse(str(tmp_path))["limits"] == rec
+    assert json.loads((tmp_path / "traffic.json").read_text())["limits"]["cases"][0]["case"] == "numba decode"
+
+
 def test_sanitizer_summary(tmp_path):
     sz = _script("sanitize")
     (tmp_path / "sanitize_memcheck.log").write_text(

@@ -155,6 +155,36 @@ def backward_traffic_table(rec: dict) -> str:
                      f"{r['model_written'] / 1e6:>10.1f}{total:>11.2f}")
     return "\n".join(lines)
 
+def limits_table(rec: dict, cases=None) -> str:
+    """What bounds each profiled kernel (scripts/profile_traffic.py's limits profile, filed in
+    the record's traffic under "limits"): a line a kernel that takes at least a tenth of its
+    case's time -- its time, the SM's, DRAM's and the issue slots' share of their peak, the
+    achieved occupancy, the registers a thread, the busiest pipes (% of peak) and the costliest
+    stall reasons (cycles an issued instruction).  ``cases``: only the cases of these names, in
+    the record's order.  An empty string when the record has none of them."""
+    cases = [c for c in rec.get("traffic", {}).get("limits", {}).get("cases", [])
+             if c.get("kernels") and (cases is None or c.get("case") in cases)]
+    if not cases:
+        return ""
+
+    def num(v, width, fmt=".0f"):
+        return f"{'-':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+
+    def top(d, n=3):
+        return ", ".join(f"{k} {v:.0f}" if v >= 10 else f"{k} {v:.1f}" for k, v in list(d.items())[:n]) or "-"
+    lines = [f"{'case':<27}{'kernel':<30}{'share':>6}{'us':>9}{'SM%':>5}{'DRAM%':>6}{'issue%':>7}{'occ%':>5}"
+             f"{'regs':>5}  busiest pipes (%)  |  costliest stalls (cycles an instruction)"]
+    for c in cases:
+        for k in c["kernels"]:
+            if (k.get("share") or 0) < 0.1:
+                continue
+            lines.append(f"{c['case']:<27}{k['kernel'][:29]:<30}{num(k.get('share'), 6, '.2f')}"
+                         f"{num(k.get('time_us'), 9, '.1f')}{num(k.get('sm_pct'), 5)}{num(k.get('dram_pct'), 6)}"
+                         f"{num(k.get('issue_pct'), 7)}{num(k.get('occupancy_pct'), 5)}{num(k.get('registers'), 5)}"
+                         f"  {top(k.get('pipes') or {})}  |  {top(k.get('stalls') or {})}")
+    return "\n".join(lines)
+
+
 def short_label(rec: dict) -> str:
     env = rec.get("env", rec)
     return f"recorded on {env.get('gpu', '?')}, {env.get('date_utc', '?')[:10]}, torch {env.get('torch', '?')}"
