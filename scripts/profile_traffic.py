@@ -34,7 +34,7 @@ only how many bytes it moves but which unit of the GPU it keeps busy.  Each case
 :func:`_limit_problems` (a kernel of ours and the SDPA kernel its bar names, at the bar's
 shape, scaled down where Nsight Compute's replays would take long) is profiled with Nsight
 Compute's sections LIMIT_SECTIONS, and :func:`limits_summary` keeps, per kernel: its time, the
-SM's and DRAM's throughput as a share of their peak, the issue slots busy, the achieved
+SM's and DRAM's throughput as a share of their peak, the share of issue slots busy, the achieved
 occupancy, the registers a thread, the busiest pipes (FMA, the XU pipe of exp2 and converts,
 the tensor cores, the load/store unit), and the stall reasons that cost the most cycles between
 issued instructions.  The numbers are Nsight Compute's (its Profiling Guide defines them: docs);

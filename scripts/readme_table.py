@@ -240,7 +240,7 @@ def limits_table(rec) -> list[str]:
     if not table:
         return []
     return ["**What bounds each kernel that misses a bar** (Nsight Compute; `scripts/profile_traffic.py limits`: "
-            "the share of peak of the SM, DRAM and the issue slots, occupancy, the busiest pipes, the costliest "
+            "the share of peak of the SM, DRAM and issue slots, occupancy, the busiest pipes, the costliest "
             "stalls in cycles an issued instruction)", "", "```", table, "```", ""]
 
 

@@ -158,7 +158,7 @@ def backward_traffic_table(rec: dict) -> str:
 def limits_table(rec: dict, cases=None) -> str:
     """What bounds each profiled kernel (scripts/profile_traffic.py's limits profile, filed in
     the record's traffic under "limits"): a line a kernel that takes at least a tenth of its
-    case's time -- its time, the SM's, DRAM's and the issue slots' share of their peak, the
+    case's time -- its time, the SM's, DRAM's and issue slots' share of their peak, the
     achieved occupancy, the registers a thread, the busiest pipes (% of peak) and the costliest
     stall reasons (cycles an issued instruction).  ``cases``: only the cases of these names, in
     the record's order.  An empty string when the record has none of them."""
