@@ -47,6 +47,8 @@ out["v3"].update(ptx.ptx_report(ccs=((9, 0),), dtypes=("float16", "float64"), he
 out["v4"] = ptx.ptx_report_v4(ccs=((7, 5), (9, 0)), dtypes=("float16",))
 out["v4"].update(ptx.ptx_report_v4(ccs=((9, 0),), dtypes=("float32",)))
 out["v4"].update(ptx.ptx_report_v4(ccs=((9, 0),), dtypes=("float16",), aligned=False))
+# decode v5 (v4 with exp2): float16 d=128 at sm_90, beside v4's
+out["v5"] = ptx.ptx_report_v4(ccs=((9, 0),), dtypes=("float16",), version="v5")
 print(json.dumps(out))
 """
 #: seconds a compiling process may take before the test fails (the reports' one compiles
@@ -68,7 +70,7 @@ def _python(*args):
 
 @pytest.fixture(scope="module")
 def reports():
-    """{"report", "float64", "v3", "v4": {f"{kernel}/{dtype}/sm_{cc}": counts}}, from one process."""
+    """{"report", "float64", "v3", "v4", "v5": {f"{kernel}/{dtype}/sm_{cc}": counts}}, from one process."""
     return _python("-c", _REPORTS)
 
 
@@ -262,6 +264,19 @@ def test_decode_v4_unpacks_without_shifts(report_v4, report_v3):
     values a lane) next to none (what is left is index arithmetic)."""
     v4, v3 = report_v4["decode_v4_split_d128/float16/sm_90"], report_v3["decode_v3_split_d128/float16/sm_90"]
     assert v3["loop_shr_u64"] >= 24 and v4["loop_shr_u64"] * 8 < v3["loop_shr_u64"], (v4, v3)
+
+
+def test_decode_v5_takes_each_exponential_without_expf_argument_reduction(reports):
+    """v5's one idea in its PTX: its load loop has v4's exponentials (``ex2.approx``: KPI keys x g
+    heads and g rescales a step), none of expf's argument reduction (an ``fma.rm`` and a
+    ``cvt.sat`` each in v4's), and v4's 16-byte loads; so fewer instructions a step."""
+    v4, v5 = reports["v4"], reports["v5"]
+    for name in ("split_d128", "split_paged_d128"):
+        a, b = v4[f"decode_v4_{name}/float16/sm_90"], v5[f"decode_v5_{name}/float16/sm_90"]
+        assert b["loop_ex2"] == a["loop_ex2"] == 4 * 4 + 4, (a, b)
+        assert a["loop_expf_reduction"] == 2 * a["loop_ex2"] and b["loop_expf_reduction"] == 0, (a, b)
+        assert b["ld_v2_u64"] == a["ld_v2_u64"] and b["loop_local"] == 0 and not b["f64"], b
+        assert b["loop_instructions"] < 0.9 * a["loop_instructions"], (a, b)
 
 
 def test_loop_local_accesses_finds_a_spilled_loop():

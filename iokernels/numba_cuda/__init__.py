@@ -14,6 +14,7 @@ forward_v5     forward v5 (register tiling as a GEMM does it)
 decode         Flash-Decoding split kernels v1, v2, the combine, the decode launchers
 decode_v3      split kernel v3
 decode_v4      split kernel v4 (16-byte loads)
+decode_v5      split kernel v5 (v4 with exp2: scores in log2 units)
 gather         the paged gather v1, v3
 paged_prefill  the paged prefill v1 (one launch for a packed batch of chunks)
 device         device functions the versions share (lane sums, word loads, the group merge)
@@ -57,6 +58,9 @@ decode, paged_decode  v1       numba_cuda/decode.py         2     a key's dims o
                                                                   split + combine
 decode, paged_decode  v2       numba_cuda/decode.py         1     8-byte word loads unpacked by bit-casts in
                                                                   registers, unrolled loops
+decode, paged_decode  v5       numba_cuda/decode_v5.py      0     v4 with its scores in log2 units: every
+                                                                  exponential one exp2 (the SFU's
+                                                                  instruction), no expf argument reduction
 paged_prefill         v1       numba_cuda/paged_prefill.py  1     one launch for a packed batch of chunks: a
                                                                   block per (Q tile of a chunk, KV head), its
                                                                   query heads packed, one cache block of K/V

@@ -57,6 +57,8 @@ The versions of the split kernel (``DecodeConfig(version=...)``):
   pairs, :mod:`.decode_v4`) v3 with 16-byte loads: a lane reads two words with one vector
   load, so a key needs half the lanes, and the lane sums and the online softmax that each
   of a key's lanes repeats cost half as much per key.
+* **v5** (by name, :mod:`.decode_v5`) v4 with its scores in log2 units, so every
+  exponential is one exp2 (the SFU's instruction), not an expf with its argument reduction.
 
 Host side of a call: every buffer (O, LSE, O_s, LSE_s) comes from the caller's library
 through :class:`iokernels.core.arrays.Call` (torch's caching allocator for a torch caller),
@@ -95,7 +97,7 @@ from . import decode_v3 as d3
 from . import decode_v4 as d4
 from .decode_v3 import split_range_dev, visible_first_dev
 from . import launch as ln
-from .config import SHARED_LIMIT_BYTES, DecodeConfig, acc_dtype
+from .config import PAIR_DECODE_VERSIONS, PIPELINED_DECODE_VERSIONS, SHARED_LIMIT_BYTES, DecodeConfig, acc_dtype
 from .policy import DECODE_EVEN_SPLITS, DECODE_SLOTS_PER_SM, lanes_per_row, numba_decode_splits
 from .device import WORD_BYTES, make_group_merge, make_lane_sum, make_unpack, warp_mask, word_layout
 from .launch import cuda
@@ -442,7 +444,7 @@ def split_smem_bytes(config: DecodeConfig, head_dim: int, g: int, dtype: str, wo
     elif config.version == "v2":
         dpad, kg, stage = _padded(head_dim, dtype, word_name, lanes_v2(head_dim, dtype, word_name, config)), \
             KEY_GROUPS_V2, TABLE_STAGE_V2
-    elif config.version == "v4":
+    elif config.version in PAIR_DECODE_VERSIONS:                  # v5: v4's block
         return d4.split_v4_smem_bytes(config, head_dim, g, dtype)
     else:
         L, _, kg = d3.split_v3_tiling(head_dim, store or dtype, word_name, config)
@@ -564,13 +566,13 @@ def _decode_common(call, q, k, v, tables_h, lens_h, num_splits, scale, block_n, 
     scale = cv.resolve_scale(scale, d)
     Hkv = int(k.shape[2] if paged else k.shape[1])
     acc = acc_dtype(dtype)
-    if paged and cfg.version in ("v3", "v4"):
+    if paged and cfg.version in PIPELINED_DECODE_VERSIONS:
         d3.paged_addressing(cfg, block_n, left)           # an explicit "page" that cannot run raises
     dq, dk, dv = (ln.device_in(call, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    if cfg.version in ("v3", "v4") and not all(ln.c_contiguous(x) for x in (dk, dv)):
+    if cfg.version in PIPELINED_DECODE_VERSIONS and not all(ln.c_contiguous(x) for x in (dk, dv)):
         raise ValueError(f"k, v: decode {cfg.version} reads the cache through flat views and needs C-contiguous "
                          "K and V (call .contiguous() / np.ascontiguousarray, or use v1 or v2)")
-    if cfg.version == "v4":
+    if cfg.version in PAIR_DECODE_VERSIONS:
         why = d4.pair_reason(dtype, d) if quant is None else f"a {quant['kv']} cache is read by split kernel v3"
         if why is None and not all(ln.aligned(x, WORD_BYTES) for x in (dk, dv)):
             why = "K and V do not start on an 8-byte boundary (v3 reads them element by element)"

@@ -52,10 +52,10 @@ def backward_block(start: int, smem_of: Callable[[int], int], limit: int) -> int
 #: kernel version: v1's 4-warp blocks are small (one a SM cannot keep enough loads in flight
 #: to stream HBM, so 8 slots); v2's and v3's larger register counts fit 2-3 blocks an SM,
 #: and 4 slots give one and a half to two waves of blocks; v4's blocks are half v3's (128
-#: threads), so 8 slots ask for the same threads an SM as v3's 4
-DECODE_SLOTS_PER_SM = {"v1": 8, "v2": 4, "v3": 4, "v4": 8}
+#: threads), so 8 slots ask for the same threads an SM as v3's 4; v5 has v4's blocks
+DECODE_SLOTS_PER_SM = {"v1": 8, "v2": 4, "v3": 4, "v4": 8, "v5": 8}
 #: the versions whose split count is then made even (:func:`even_tile_splits`)
-DECODE_EVEN_SPLITS = ("v2", "v3", "v4")
+DECODE_EVEN_SPLITS = ("v2", "v3", "v4", "v5")
 #: how far (a fraction of the occupancy count) :func:`even_tile_splits` may move the count
 EVEN_SPLIT_SLACK = 0.25
 

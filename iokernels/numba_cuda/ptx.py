@@ -123,14 +123,18 @@ def kernel_signatures_v3(dtypes=("float16", "float32"), head_dims=(128,), config
     return out
 
 
-def kernel_signatures_v4(dtypes=("float16", "float32"), head_dims=(128,), configs=None, aligned=True):
-    """(name, storage dtype, python function, numba signature) for decode split v4 (contiguous
-    and paged) at the launch arguments' types; ``configs``: {name tag: DecodeConfig} (None:
-    the defaults); ``aligned``: the 16-byte load (True) or the two-word form."""
+def kernel_signatures_v4(dtypes=("float16", "float32"), head_dims=(128,), configs=None, aligned=True,
+                         version="v4"):
+    """(name, storage dtype, python function, numba signature) for decode split v4 (or, with
+    ``version`` "v5", v5: v4's arguments) (contiguous and paged) at the launch arguments' types;
+    ``configs``: {name tag: DecodeConfig} (None: the defaults); ``aligned``: the 16-byte load
+    (True) or the two-word form."""
     from numba import types
     from . import decode_v4 as d4
+    from . import decode_v5 as d5
     from .config import DecodeConfig
-    configs = configs or {"": DecodeConfig(version="v4")}
+    make = d5.split_v5_kernel_function if version == "v5" else d4.split_v4_kernel_function
+    configs = configs or {"": DecodeConfig(version=version)}
     out = []
     for dtype in dtypes:
         st = getattr(types, dtype)
@@ -141,16 +145,17 @@ def kernel_signatures_v4(dtypes=("float16", "float32"), head_dims=(128,), config
                 for paged in (False, True):
                     sig = (_arr(st, 3), wt, wt, _arr(types.int32, 2), i32, _arr(st, 3), _arr(acc, 2), _arr(acc, 4),
                            _arr(acc, 3), acc, types.int64, types.int64, types.int64, types.int64)
-                    fn = d4.split_v4_kernel_function(d, 4, dtype, paged, 16, cfg, simulated=False, aligned=aligned)
-                    name = f"decode_v4{tag}{'' if aligned else '_unaligned'}_split{'_paged' if paged else ''}_d{d}"
+                    fn = make(d, 4, dtype, paged, 16, cfg, simulated=False, aligned=aligned)
+                    form = ("" if aligned else "_unaligned") + "_split" + ("_paged" if paged else "")
+                    name = f"decode_{version}{tag}{form}_d{d}"
                     out.append((name, dtype, fn, sig))
     return out
 
 
 def ptx_report_v4(ccs=((9, 0),), dtypes=("float16", "float32"), head_dims=(128,), configs=None, aligned=True,
-                  dump=None) -> dict:
-    """:func:`compile_all`'s report for decode split v4 (:func:`kernel_signatures_v4`)."""
-    return _compile(kernel_signatures_v4(dtypes, head_dims, configs, aligned), ccs, dump)
+                  dump=None, version="v4") -> dict:
+    """:func:`compile_all`'s report for decode split v4 or v5 (:func:`kernel_signatures_v4`)."""
+    return _compile(kernel_signatures_v4(dtypes, head_dims, configs, aligned, version), ccs, dump)
 
 
 #: a global load of 8 or 16 bytes (the K/V words and pairs of decode v2-v4)
@@ -183,6 +188,14 @@ def loop_local_accesses(ptx: str) -> int:
     return in_load_loops(ptx, LOCAL_ACCESS)
 
 
+#: an SFU exponential (2^x); and the argument reduction of expf before it (an FMA rounding
+#: toward -inf, a saturating convert), which decode v5's exp2 does without
+EX2 = re.compile(r"\bex2\.approx\b")
+EXPF_REDUCTION = re.compile(r"\b(?:fma\.rm|cvt\.sat)\.")
+#: an instruction line other than a register move (ptxas removes most moves)
+NOT_A_MOVE = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?!mov\.)[a-z][a-z0-9]*(?:\.[a-z0-9]+)*\s", re.M)
+
+
 def _ptx_counts(ptx: str) -> dict:
     return {"f64": f64_lines(ptx)[:5], "bytes": len(ptx), "shfl": len(re.findall(r"\bshfl\.sync", ptx)),
             "local": len(LOCAL_ACCESS.findall(ptx)),            # ld.local / st.local lines
@@ -192,7 +205,9 @@ def _ptx_counts(ptx: str) -> dict:
             "ld_u64": len(re.findall(r"ld\.global(?:\.nc)?\.u64", ptx)),
             "st_u64": len(re.findall(r"st\.global\.u64", ptx)),
             "ld_u16": len(re.findall(r"ld\.global(?:\.nc)?\.(?:u16|b16|f16)", ptx)),
-            "ld_shared_i32": len(re.findall(r"ld\.shared\.[us]32", ptx))}   # decode v3: n_b, table entries
+            "ld_shared_i32": len(re.findall(r"ld\.shared\.[us]32", ptx)),   # decode v3: n_b, table entries
+            "loop_ex2": in_load_loops(ptx, EX2), "loop_expf_reduction": in_load_loops(ptx, EXPF_REDUCTION),
+            "loop_instructions": in_load_loops(ptx, NOT_A_MOVE)}
 
 
 def _compile(signatures, ccs, dump):
