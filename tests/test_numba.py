@@ -349,7 +349,7 @@ def test_v2_word_views_need_alignment_and_whole_words(rng):
 
 def test_decode_config_errors():
     with pytest.raises(ValueError, match="config"):
-        DecodeConfig(version="v6")
+        DecodeConfig(version="v7")
     with pytest.raises(ValueError, match="key_groups"):
         DecodeConfig(version="v3", key_groups=0)
     with pytest.raises(ValueError, match="key_groups"):
@@ -580,7 +580,7 @@ def test_default_num_splits_is_the_policy_rule_at_this_device():
     from iokernels.numba_cuda import policy
     from iokernels.numba_cuda.decode import default_num_splits
     assert default_num_splits(1, 8, 32768, 16) == 64     # 56 by occupancy, 64 divides 2048 tiles
-    for version in ("v1", "v2", "v3", "v4", "v5"):
+    for version in ("v1", "v2", "v3", "v4", "v5", "v6"):
         assert default_num_splits(3, 8, 5000, 16, version) == policy.numba_decode_splits(
             3, 8, 5000, 16, ln.num_sms(), policy.DECODE_SLOTS_PER_SM[version], version in policy.DECODE_EVEN_SPLITS)
 
@@ -589,7 +589,7 @@ def test_default_num_splits_is_the_policy_rule_at_this_device():
 def test_registry_lists_every_version_with_a_reason_when_it_cannot_run(rng):
     R = nc.REGISTRY
     assert R.versions("attention") == ["v1", "v2", "v3", "v4", "v5"]
-    assert R.versions("decode") == R.versions("paged_decode") == ["v1", "v2", "v3", "v4", "v5"]
+    assert R.versions("decode") == R.versions("paged_decode") == ["v1", "v2", "v3", "v4", "v5", "v6"]
     assert R.versions("paged_gather") == ["v1", "v3"]
     assert all(row["summary"] for row in R.table())
     bf16 = nc.need("attention", q=np.zeros((1, 1, 2, 8), testing.numpy_dtype("bfloat16")))
@@ -618,18 +618,18 @@ def test_default_configs_fit_every_head_dim(dtype):
             assert cfg.shared_bytes(d, dtype) <= 48 * 1024
         need = nc.need("attention", q=np.zeros((1, 1, 1, d), dtype))
         assert nc.REGISTRY.resolve("attention", None, need)[1].version == "v4"    # v5 runs by name
-        for version in ("v1", "v2", "v3", "v4", "v5"):
+        for version in ("v1", "v2", "v3", "v4", "v5", "v6"):
             assert dec.smem_reason(DecodeConfig(version=version), d, 4, dtype) is None, (version, d)
         need = nc.need("decode", q=np.zeros((1, 4, d), dtype), k=np.zeros((1, 1, 2, d), dtype),
                        v=np.zeros((1, 1, 2, d), dtype))
         pairs = dtype != "float64" and d * np.dtype(dtype).itemsize % 16 == 0       # v4's 16-byte rows
-        assert nc.REGISTRY.resolve("decode", None, need)[1].version == ("v4" if pairs else "v3")   # v5 by name
+        assert nc.REGISTRY.resolve("decode", None, need)[1].version == ("v4" if pairs else "v3")   # v5, v6 held back
     with pytest.raises(ValueError, match="config.block_k"):        # an explicit misfit still raises
         ForwardConfig(version="v2", block_k=64).resolved(256, dtype)
 
 
 def test_default_forward_runs_at_head_dim_256_float64(rng):
-    """The default (v5, its tiles shrunk to fit) on a tiny float64 problem at d = 256."""
+    """The default (v4, its tiles shrunk to fit) on a tiny float64 problem at d = 256."""
     q, k, v = testing.make_inputs(rng, batch=1, heads_q=1, seqlen_q=3, seqlen_k=5, head_dim=256, dtype="float64")
     ro, rl = reference.attention(q, k, v, causal=True)
     o, lse = ik.attention(q, k, v, causal=True, backend="numba", return_lse=True)

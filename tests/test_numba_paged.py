@@ -124,7 +124,7 @@ def test_windowed_paged_decode_takes_key_addressing(rng):
 def test_paged_addressing_config_is_checked():
     with pytest.raises(ValueError, match="config.paged_addressing: one of 'page', 'key'"):
         DecodeConfig(version="v3", paged_addressing="row")
-    with pytest.raises(ValueError, match="config.paged_addressing: a v3 / v4 / v5 setting"):
+    with pytest.raises(ValueError, match="config.paged_addressing: a setting of v3 to v6"):
         DecodeConfig(version="v2", paged_addressing="page")
 
 

@@ -47,8 +47,9 @@ out["v3"].update(ptx.ptx_report(ccs=((9, 0),), dtypes=("float16", "float64"), he
 out["v4"] = ptx.ptx_report_v4(ccs=((7, 5), (9, 0)), dtypes=("float16",))
 out["v4"].update(ptx.ptx_report_v4(ccs=((9, 0),), dtypes=("float32",)))
 out["v4"].update(ptx.ptx_report_v4(ccs=((9, 0),), dtypes=("float16",), aligned=False))
-# decode v5 (v4 with exp2): float16 d=128 at sm_90, beside v4's
+# decode v5 (v4 with exp2) and v6 (v5 with an unchecked interior): float16 d=128 at sm_90, beside v4's
 out["v5"] = ptx.ptx_report_v4(ccs=((9, 0),), dtypes=("float16",), version="v5")
+out["v6"] = ptx.ptx_report_v4(ccs=((9, 0),), dtypes=("float16",), version="v6")
 print(json.dumps(out))
 """
 #: seconds a compiling process may take before the test fails (the reports' one compiles
@@ -70,7 +71,7 @@ def _python(*args):
 
 @pytest.fixture(scope="module")
 def reports():
-    """{"report", "float64", "v3", "v4", "v5": {f"{kernel}/{dtype}/sm_{cc}": counts}}, from one process."""
+    """{"report", "float64", "v3" to "v6": {f"{kernel}/{dtype}/sm_{cc}": counts}}, from one process."""
     return _python("-c", _REPORTS)
 
 
@@ -276,7 +277,23 @@ def test_decode_v5_takes_each_exponential_without_expf_argument_reduction(report
         assert b["loop_ex2"] == a["loop_ex2"] == 4 * 4 + 4, (a, b)
         assert a["loop_expf_reduction"] == 2 * a["loop_ex2"] and b["loop_expf_reduction"] == 0, (a, b)
         assert b["ld_v2_u64"] == a["ld_v2_u64"] and b["loop_local"] == 0 and not b["f64"], b
-        assert b["loop_instructions"] < 0.9 * a["loop_instructions"], (a, b)
+        (na,), (nb,) = a["inner_loop_instructions"], b["inner_loop_instructions"]      # one step loop each
+        assert nb < 0.9 * na, (a, b)
+
+
+def test_decode_v6_interior_steps_have_no_bounds_checks(reports):
+    """v6's one idea in its PTX: two step loops, the interior's (no bounds checks) and v5's
+    checked one for the last steps, each with the 16-byte loads of a step; the interior has
+    fewer instructions than v5's loop, the checked one as many (give or take the loop's
+    bookkeeping); no local memory, no float64."""
+    v5, v6 = reports["v5"], reports["v6"]
+    for name in ("split_d128", "split_paged_d128"):
+        a, b = v5[f"decode_v5_{name}/float16/sm_90"], v6[f"decode_v6_{name}/float16/sm_90"]
+        (n5,) = a["inner_loop_instructions"]
+        interior, checked = b["inner_loop_instructions"]
+        assert interior < 0.9 * n5 and abs(checked - n5) <= 0.05 * n5, (a, b)
+        assert b["ld_v2_u64"] == a["ld_v2_u64"] * 3 // 2, b     # the prologue's, the checked and unchecked prefetch
+        assert b["loop_local"] == 0 and not b["f64"] and b["loop_expf_reduction"] == 0, b
 
 
 def test_loop_local_accesses_finds_a_spilled_loop():

@@ -15,6 +15,7 @@ decode         Flash-Decoding split kernels v1, v2, the combine, the decode laun
 decode_v3      split kernel v3
 decode_v4      split kernel v4 (16-byte loads)
 decode_v5      split kernel v5 (v4 with exp2: scores in log2 units)
+decode_v6      split kernel v6 (v5 with no bounds checks in a split's interior)
 gather         the paged gather v1, v3
 paged_prefill  the paged prefill v1 (one launch for a packed batch of chunks)
 device         device functions the versions share (lane sums, word loads, the group merge)
@@ -49,6 +50,15 @@ attention_backward    v1       numba_cuda/backward.py       1     FlashAttention
                                                                   block, dK/dV in registers over the GQA
                                                                   group, P recomputed from LSE, dQ by atomics
                                                                   or deterministic partials
+decode, paged_decode  v6       numba_cuda/decode_v6.py      6     v5 with no bounds checks in a split's
+                                                                  interior (the steps whose keys and next keys
+                                                                  all exist); v5's checked step for the last
+                                                                  ones (held back from the default until
+                                                                  measured)
+decode, paged_decode  v5       numba_cuda/decode_v5.py      5     v4 with its scores in log2 units: every
+                                                                  exponential one exp2 (the SFU's
+                                                                  instruction), no expf argument reduction
+                                                                  (held back from the default until measured)
 decode, paged_decode  v4       numba_cuda/decode_v4.py      4     v3 with 16-byte loads (two words by one
                                                                   vector load): half the lanes a key, so half
                                                                   the lane sums and softmax work a key
@@ -58,9 +68,6 @@ decode, paged_decode  v1       numba_cuda/decode.py         2     a key's dims o
                                                                   split + combine
 decode, paged_decode  v2       numba_cuda/decode.py         1     8-byte word loads unpacked by bit-casts in
                                                                   registers, unrolled loops
-decode, paged_decode  v5       numba_cuda/decode_v5.py      0     v4 with its scores in log2 units: every
-                                                                  exponential one exp2 (the SFU's
-                                                                  instruction), no expf argument reduction
 paged_prefill         v1       numba_cuda/paged_prefill.py  1     one launch for a packed batch of chunks: a
                                                                   block per (Q tile of a chunk, KV head), its
                                                                   query heads packed, one cache block of K/V

@@ -51,11 +51,11 @@ KEYS_PER_STEP = 8
 V4_KEYS_PER_STEP = 4
 
 FORWARD_VERSIONS = ("v1", "v2", "v3", "v4", "v5")
-DECODE_VERSIONS = ("v1", "v2", "v3", "v4", "v5")
-#: the decode versions that read K/V rows as 16-byte pairs (v5 is v4 with exp2), and those with
-#: key groups and v3's paged addressing
-PAIR_DECODE_VERSIONS = ("v4", "v5")
-PIPELINED_DECODE_VERSIONS = ("v3", "v4", "v5")
+DECODE_VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
+#: the decode versions that read K/V rows as 16-byte pairs (v5 is v4 with exp2, v6 v5 with an
+#: unchecked interior), and those with key groups and v3's paged addressing
+PAIR_DECODE_VERSIONS = ("v4", "v5", "v6")
+PIPELINED_DECODE_VERSIONS = ("v3", "v4", "v5", "v6")
 GATHER_VERSIONS = ("v1", "v3")
 PREFILL_VERSIONS = ("v1",)
 #: decode v3's ways of finding a key's row in a paged cache (DecodeConfig.paged_addressing)
@@ -217,12 +217,13 @@ class DecodeConfig:
     version: "v1" (a thread group a key, element loads), "v2" (8-byte word loads, bit-cast
     unpack), "v3" (software-pipelined word loads, reduce-scatter lane sums), "v4" (v3 with
     16-byte loads: float16 / float32 rows of whole 16-byte pairs), "v5" (v4 with its scores in
-    log2 units: every exponential an exp2; by name only); None: the default (v4 where it
+    log2 units: every exponential an exp2), "v6" (v5 with no bounds checks in a split's
+    interior); v5 and v6 by name only; None: the default (v4 where it
     applies, else v3 when K and V are C-contiguous, else v1).  lanes_per_key (L),
-    keys_per_iter (KPI): v2's to v5's split tiling; key_groups (KG): v3's to v5's key
+    keys_per_iter (KPI): v2's to v6's split tiling; key_groups (KG): v3's to v6's key
     groups per block (v1 and v2 use a fixed KG); None: the version's defaults.  v1 ignores
     them all.
-    paged_addressing: how v3 (and v4, v5) finds a key's row in a paged cache: "page" (a key group's KPI
+    paged_addressing: how v3 (and v4 to v6) finds a key's row in a paged cache: "page" (a key group's KPI
     keys of a step are consecutive slots of one page: one block-table lookup for them; needs
     a block size that is a multiple of KPI and no sliding window), "key" (a lookup per key,
     any block size); None: "page" where it applies, else "key".  Contiguous K/V ignore it.
@@ -242,12 +243,12 @@ class DecodeConfig:
         _check_int(self.keys_per_iter, "keys_per_iter", 1, 16)
         _check_int(self.key_groups, "key_groups", 1, 32)
         if self.version not in (None,) + PIPELINED_DECODE_VERSIONS and self.key_groups is not None:
-            raise ValueError("config.key_groups: a v3 / v4 / v5 setting (version='v3', 'v4' or 'v5')")
+            raise ValueError("config.key_groups: a setting of v3 to v6 (version='v3', 'v4', 'v5' or 'v6')")
         if self.paged_addressing not in (None,) + PAGED_ADDRESSING:
             raise ValueError(f"config.paged_addressing: one of {', '.join(map(repr, PAGED_ADDRESSING))} or None, "
                              f"got {self.paged_addressing!r}")
         if self.version not in (None,) + PIPELINED_DECODE_VERSIONS and self.paged_addressing is not None:
-            raise ValueError("config.paged_addressing: a v3 / v4 / v5 setting (version='v3', 'v4' or 'v5')")
+            raise ValueError("config.paged_addressing: a setting of v3 to v6 (version='v3', 'v4', 'v5' or 'v6')")
 
     def replace(self, **changes) -> "DecodeConfig":
         return replace(self, **changes)

@@ -59,6 +59,7 @@ The versions of the split kernel (``DecodeConfig(version=...)``):
   of a key's lanes repeats cost half as much per key.
 * **v5** (by name, :mod:`.decode_v5`) v4 with its scores in log2 units, so every
   exponential is one exp2 (the SFU's instruction), not an expf with its argument reduction.
+* **v6** (by name, :mod:`.decode_v6`) v5 with no bounds checks in a split's interior.
 
 Host side of a call: every buffer (O, LSE, O_s, LSE_s) comes from the caller's library
 through :class:`iokernels.core.arrays.Call` (torch's caching allocator for a torch caller),
@@ -444,7 +445,7 @@ def split_smem_bytes(config: DecodeConfig, head_dim: int, g: int, dtype: str, wo
     elif config.version == "v2":
         dpad, kg, stage = _padded(head_dim, dtype, word_name, lanes_v2(head_dim, dtype, word_name, config)), \
             KEY_GROUPS_V2, TABLE_STAGE_V2
-    elif config.version in PAIR_DECODE_VERSIONS:                  # v5: v4's block
+    elif config.version in PAIR_DECODE_VERSIONS:                  # v5, v6: v4's block
         return d4.split_v4_smem_bytes(config, head_dim, g, dtype)
     else:
         L, _, kg = d3.split_v3_tiling(head_dim, store or dtype, word_name, config)

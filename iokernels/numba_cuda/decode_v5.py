@@ -16,7 +16,7 @@ lowers to the SFU's instruction with no argument reduction (tests/test_numba_ptx
 both loops).  FlashAttention-2 does the same (code: the ``scale_softmax_log2`` parameter and
 ``scale_apply_exp2`` in csrc/flash_attn/src/softmax.h of the FlashAttention repository).
 At g = 4 a step of KPI = 4 keys takes 20 exponentials a lane (16 probabilities and 4
-rescales): at d = 128 float16 the load loop's PTX loses about a fifth of its instructions
+rescales): at d = 128 float16 the step loop's PTX loses about a fifth of its instructions
 (moves aside; the test holds v5 under nine tenths of v4's).  v4's docstring says why
 instructions per key can matter: a decode whose scalar math cannot keep up with the GPU's HBM
 is bound by what it issues.  Whether it is, on a given GPU, is for the benchmark's decode

@@ -12,6 +12,7 @@ even_tile_splits        a split count that deals every split the same number of 
 numba_decode_splits     the decode's ``num_splits=None`` split count (occupancy, then even)
 forward_v5_tiles        forward v5's (Br, Bc): the largest that hold Q_i and a K/V tile
 forward_v5_row          forward v5's padded row of its shared tiles
+held_back               why the default does not pick a version yet (:data:`HELD_BACK`)
 ======================  ===============================================================
 
 Which keys a split owns is not a size but a contract every backend shares:
@@ -52,10 +53,10 @@ def backward_block(start: int, smem_of: Callable[[int], int], limit: int) -> int
 #: kernel version: v1's 4-warp blocks are small (one a SM cannot keep enough loads in flight
 #: to stream HBM, so 8 slots); v2's and v3's larger register counts fit 2-3 blocks an SM,
 #: and 4 slots give one and a half to two waves of blocks; v4's blocks are half v3's (128
-#: threads), so 8 slots ask for the same threads an SM as v3's 4; v5 has v4's blocks
-DECODE_SLOTS_PER_SM = {"v1": 8, "v2": 4, "v3": 4, "v4": 8, "v5": 8}
+#: threads), so 8 slots ask for the same threads an SM as v3's 4; v5 and v6 have v4's blocks
+DECODE_SLOTS_PER_SM = {"v1": 8, "v2": 4, "v3": 4, "v4": 8, "v5": 8, "v6": 8}
 #: the versions whose split count is then made even (:func:`even_tile_splits`)
-DECODE_EVEN_SPLITS = ("v2", "v3", "v4", "v5")
+DECODE_EVEN_SPLITS = ("v2", "v3", "v4", "v5", "v6")
 #: how far (a fraction of the occupancy count) :func:`even_tile_splits` may move the count
 EVEN_SPLIT_SLACK = 0.25
 
@@ -119,3 +120,19 @@ def forward_v5_tiles(head_dim: int, itemsize: int, limit: int, lanes: int, rows_
             if (br + bc) * forward_v5_row(head_dim, lanes) * itemsize <= limit:
                 return br, bc
     return rows[-1], keys[-1]
+
+
+# --------------------------------------------------------------------------- versions held back
+#: the versions the registry's default does not pick until a recorded GPU run has them ahead of
+#: the one it picks now, (op, version) -> what has to be measured; a config naming one runs it.
+#: Decode v5 and v6 are ranked above v4, so removing their entries makes the default theirs.
+HELD_BACK = {
+    (op, version): f"a recorded decode section with {version} ahead of v4 on a GPU"
+    for op in ("decode", "paged_decode") for version in ("v5", "v6")
+}
+
+
+def held_back(op: str, version: str) -> str | None:
+    """Why the default does not pick ``version`` of ``op`` yet (:data:`HELD_BACK`), or None."""
+    wait = HELD_BACK.get((op, version))
+    return None if wait is None else f"not the default until measured ({wait}); a config naming it runs it"

@@ -126,14 +126,16 @@ def kernel_signatures_v3(dtypes=("float16", "float32"), head_dims=(128,), config
 def kernel_signatures_v4(dtypes=("float16", "float32"), head_dims=(128,), configs=None, aligned=True,
                          version="v4"):
     """(name, storage dtype, python function, numba signature) for decode split v4 (or, with
-    ``version`` "v5", v5: v4's arguments) (contiguous and paged) at the launch arguments' types;
+    ``version`` "v5" or "v6", that version: v4's arguments) (contiguous and paged) at the launch arguments' types;
     ``configs``: {name tag: DecodeConfig} (None: the defaults); ``aligned``: the 16-byte load
     (True) or the two-word form."""
     from numba import types
     from . import decode_v4 as d4
     from . import decode_v5 as d5
+    from . import decode_v6 as d6
     from .config import DecodeConfig
-    make = d5.split_v5_kernel_function if version == "v5" else d4.split_v4_kernel_function
+    make = {"v4": d4.split_v4_kernel_function, "v5": d5.split_v5_kernel_function,
+            "v6": d6.split_v6_kernel_function}[version]
     configs = configs or {"": DecodeConfig(version=version)}
     out = []
     for dtype in dtypes:
@@ -154,7 +156,7 @@ def kernel_signatures_v4(dtypes=("float16", "float32"), head_dims=(128,), config
 
 def ptx_report_v4(ccs=((9, 0),), dtypes=("float16", "float32"), head_dims=(128,), configs=None, aligned=True,
                   dump=None, version="v4") -> dict:
-    """:func:`compile_all`'s report for decode split v4 or v5 (:func:`kernel_signatures_v4`)."""
+    """:func:`compile_all`'s report for decode split v4, v5 or v6 (:func:`kernel_signatures_v4`)."""
     return _compile(kernel_signatures_v4(dtypes, head_dims, configs, aligned, version), ccs, dump)
 
 
@@ -175,6 +177,22 @@ def in_load_loops(ptx: str, pattern: re.Pattern) -> int:
             if WIDE_LOAD.search(body):
                 worst = max(worst, len(pattern.findall(body)))
     return worst
+
+
+def inner_load_loops(ptx: str, pattern: re.Pattern) -> list[int]:
+    """Lines matching ``pattern`` in each innermost loop that loads K/V words (a loop, as in
+    :func:`in_load_loops`, with no other loop inside it), smallest first: one count a loop
+    where a kernel walks its keys in more than one loop (decode v6: an interior, then a tail)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\$\w+):", line))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$\w+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append((labels[m.group(1)], i))
+    inner = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    bodies = ["\n".join(lines[a:b + 1]) for a, b in inner]
+    return sorted(len(pattern.findall(body)) for body in bodies if WIDE_LOAD.search(body))
 
 
 #: a 64-bit shift (how decode v2/v3 take a value out of a word)
@@ -207,7 +225,8 @@ def _ptx_counts(ptx: str) -> dict:
             "ld_u16": len(re.findall(r"ld\.global(?:\.nc)?\.(?:u16|b16|f16)", ptx)),
             "ld_shared_i32": len(re.findall(r"ld\.shared\.[us]32", ptx)),   # decode v3: n_b, table entries
             "loop_ex2": in_load_loops(ptx, EX2), "loop_expf_reduction": in_load_loops(ptx, EXPF_REDUCTION),
-            "loop_instructions": in_load_loops(ptx, NOT_A_MOVE)}
+            "loop_instructions": in_load_loops(ptx, NOT_A_MOVE),
+            "inner_loop_instructions": inner_load_loops(ptx, NOT_A_MOVE)}
 
 
 def _compile(signatures, ccs, dump):

@@ -12,7 +12,8 @@ op            default
 attention     v4 (every version runs every supported dtype and head dim; v5 by name)
 decode        v4 for C-contiguous float16 / float32 K/V with rows of whole 16-byte pairs
               (16-byte loads), else v3 when K and V are C-contiguous (it reads flat
-              views), else v1 (any strides); v5 (v4 with exp2) by name
+              views), else v1 (any strides); v5 (v4 with exp2), v6 (v5 unchecked
+              inside a split) by name
 paged_decode  the same, on the pools
 paged_gather  v1 (any strides); v3 on request (C-contiguous pools)
 paged_        v1 (the one version: one launch for a packed batch of chunks, unquantized
@@ -41,12 +42,14 @@ from . import decode as dec
 from . import decode_v3 as d3
 from . import decode_v4 as d4
 from . import decode_v5 as d5
+from . import decode_v6 as d6
 from . import forward as fwd
 from . import forward_v5 as fv5
 from . import gather as gat
 from . import launch as ln
 from . import paged_prefill as ppf
 from .decode import smem_reason
+from .policy import held_back
 from .device import WORD_BYTES
 from .config import (NUMBA_DTYPES, PAIR_DECODE_VERSIONS, PIPELINED_DECODE_VERSIONS, BackwardConfig, DecodeConfig,
                      ForwardConfig, GatherConfig, PrefillConfig)
@@ -177,12 +180,16 @@ def _forward(version, rank, summary):
 
 
 def _decode(version, split, rank, needs_contiguous, summary):
-    """One split kernel's records: decode over a contiguous cache and over the pools."""
+    """One split kernel's records: decode over a contiguous cache and over the pools; a version
+    :func:`.policy.held_back` names runs by name only (its summary says so)."""
     file = f"numba_cuda/decode_{version}.py" if version in PIPELINED_DECODE_VERSIONS else "numba_cuda/decode.py"
     name = "split" if version == "v1" else f"split_{version}"
     check = _decode_check(version, needs_contiguous)
-    return tuple(Record("numba", op, version, file, name, DecodeConfig, functools.partial(fn, split=split), summary,
-                        check, rank, split) for op, fn in (("decode", dec.decode), ("paged_decode", dec.paged_decode)))
+    held = " (held back from the default until measured)" if held_back("decode", version) else ""
+    return tuple(Record("numba", op, version, file, name, DecodeConfig, functools.partial(fn, split=split),
+                        summary + held, check, rank, split,
+                        default_check=lambda need, op=op: held_back(op, version))
+                 for op, fn in (("decode", dec.decode), ("paged_decode", dec.paged_decode)))
 
 
 def _gather(version, rank, needs_contiguous, summary):
@@ -194,8 +201,8 @@ def _gather(version, rank, needs_contiguous, summary):
 #: forward ranks: v4 is the default; v5 runs by name (config=ForwardConfig("v5")) until a
 #: recorded GPU run shows it ahead of v4 (the simulator checks its numbers, not its speed).
 #: decode ranks: v4 first, then v3; where v3 cannot run (strided K/V) v1, the kernel written for any
-#: strides; v2 on request (on strided K/V it loads elements, as v1 does); v5 by name, as the
-#: forward's v5, until a recorded run shows it ahead of v4
+#: strides; v2 on request (on strided K/V it loads elements, as v1 does); v5 and v6 rank above v4
+#: but are held back (policy.HELD_BACK): they run by name until a recorded run shows them ahead
 RECORDS = (
     _forward("v1", 1, "one thread per query row, K and V read from global memory by every row"),
     _forward("v2", 2, "the block stages K_j, V_j in shared memory once for all its rows (FlashAttention-2's loop)"),
@@ -212,9 +219,12 @@ RECORDS = (
     *_decode("v4", d4.launch_split_v4, 4, True,
              "v3 with 16-byte loads (two words by one vector load): half the lanes a key, so half the lane "
              "sums and softmax work a key"),
-    *_decode("v5", d5.launch_split_v5, 0, True,
+    *_decode("v5", d5.launch_split_v5, 5, True,
              "v4 with its scores in log2 units: every exponential one exp2 (the SFU's instruction), no expf "
              "argument reduction"),
+    *_decode("v6", d6.launch_split_v6, 6, True,
+             "v5 with no bounds checks in a split's interior (the steps whose keys and next keys all exist); "
+             "v5's checked step for the last ones"),
     _gather("v1", 2, False, "a thread block per logical block, 8- or 4-byte words, loads before stores"),
     _gather("v3", 1, True, "a thread block per pool block, flat runs of 8-byte words, UN loads before stores"),
     Record("numba", "paged_prefill", "v1", "numba_cuda/paged_prefill.py", "paged_prefill", PrefillConfig,
