@@ -59,6 +59,14 @@ class Record:
         return f"{self.backend}:{self.op}:{self.version}"
 
 
+def held_back_reason(table: dict, op: str, version: str) -> str | None:
+    """Why the registry's default does not pick ``version`` of ``op`` yet -- ``table`` maps (op,
+    version) to what has to be measured first (each backend keeps its table with its policy) --
+    or None.  A config naming the version still runs it."""
+    wait = table.get((op, version))
+    return None if wait is None else f"not the default until measured ({wait}); a config naming it runs it"
+
+
 # --------------------------------------------------------------------------- generated tables
 #: a generated docstring table is at most this wide (the last column wraps)
 TABLE_WIDTH = 110

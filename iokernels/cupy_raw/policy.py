@@ -8,6 +8,8 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from ..core.records import held_back_reason
+
 # =========================================================================== decode
 #: decode_wave_splits, a cost model of the split kernel's waves (blocks_per_sm x SMs blocks
 #: run at once): a wave of n blocks of k keys streams for about k x max(n, rho) key-times, as
@@ -139,8 +141,7 @@ HELD_BACK = {
 
 def held_back(op: str, version: str) -> str | None:
     """Why the default does not pick ``version`` of ``op`` yet (:data:`HELD_BACK`), or None."""
-    wait = HELD_BACK.get((op, version))
-    return None if wait is None else f"not the default until measured ({wait}); a config naming it runs it"
+    return held_back_reason(HELD_BACK, op, version)
 
 
 def held_back_note(op: str, version: str) -> str:

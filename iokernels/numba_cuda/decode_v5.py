@@ -227,37 +227,48 @@ def make_split_v5(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
     return split_v5
 
 
-def split_v5_kernel_function(head_dim, g, dtype, paged, block_n, config=None, simulated=None, left=-1,
-                             aligned=True):
-    if simulated is None:
-        simulated = ln.simulated()
-    why = pair_reason(dtype, head_dim)
-    if why is not None:
-        raise ValueError(f"config.version: {why.replace('split kernel v4', 'split kernel v5')}")
-    L, KPI, KG = split_v4_tiling(head_dim, dtype, config)
-    acc_name = np.dtype(acc_dtype(dtype)).name
-    addressing = paged_addressing(config, int(block_n), left) if paged else "key"
-    return make_split_v5(head_dim, g, L, KPI, KG, int(block_n), paged, dtype, acc_name, simulated, addressing,
-                         bool(aligned))
+def pair_kernel_function(make, version: str):
+    """``kernel_function(head_dim, g, dtype, paged, block_n, config=None, simulated=None, left=-1,
+    aligned=True)`` of a split kernel that reads v4's pairs with v4's tiling
+    (:func:`.decode_v4.split_v4_tiling`); ``make``: its factory (``make_split_v5``, ...)."""
+    def kernel_function(head_dim, g, dtype, paged, block_n, config=None, simulated=None, left=-1, aligned=True):
+        if simulated is None:
+            simulated = ln.simulated()
+        why = pair_reason(dtype, head_dim)
+        if why is not None:
+            raise ValueError(f"config.version: {why.replace('split kernel v4', f'split kernel {version}')}")
+        L, KPI, KG = split_v4_tiling(head_dim, dtype, config)
+        acc_name = np.dtype(acc_dtype(dtype)).name
+        addressing = paged_addressing(config, int(block_n), left) if paged else "key"
+        return make(head_dim, g, L, KPI, KG, int(block_n), paged, dtype, acc_name, simulated, addressing,
+                    bool(aligned))
+    return kernel_function
 
 
-def launch_split_v5(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config=None,
-                    stream=0, left=-1, quant=None):
-    """Launch split v5 (not the combine) on device or counting arrays: v4's launch
-    (:func:`.decode_v4.launch_split_v4`) of this kernel."""
-    if quant is not None:
-        raise ValueError(f"config.version: a {quant['kv']} cache is read by split kernel v3, not v5")
-    B, Hq, d = (int(x) for x in q.shape)
-    Hkv = int(k.shape[2] if paged else k.shape[1])
-    n_max = 0 if paged else int(k.shape[2])
-    dtype = str(np.dtype(o.dtype))
-    if str(np.dtype(k.dtype)) != "uint64":
-        raise ValueError(f"k, v: split kernel v5 reads 8-byte word views, got {np.dtype(k.dtype)}")
-    S = int(lse_part.shape[0])
-    L, _, KG = split_v4_tiling(d, dtype, config)
-    aligned = all(ln.aligned(x, PAIR_BYTES) for x in (k, v))
-    kern = ln.jitted(split_v5_kernel_function(d, Hq // Hkv, dtype, paged, block_n, config, left=int(left),
-                                              aligned=aligned))
-    size = int(np.prod(k.shape))
-    kern[(S, Hkv, B), KG * L, stream](q, k.reshape(size), v.reshape(size), tables, lens, o, lse, o_part,
-                                      lse_part, acc_dtype(dtype)(scale), S, Hkv, n_max, int(left))
+def pair_launcher(kernel_function, version: str):
+    """The launch of such a split kernel (not the combine) on device or counting arrays: v4's
+    (:func:`.decode_v4.launch_split_v4`) with ``kernel_function``'s kernel."""
+    def launch(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config=None,
+               stream=0, left=-1, quant=None):
+        if quant is not None:
+            raise ValueError(f"config.version: a {quant['kv']} cache is read by split kernel v3, not {version}")
+        B, Hq, d = (int(x) for x in q.shape)
+        Hkv = int(k.shape[2] if paged else k.shape[1])
+        n_max = 0 if paged else int(k.shape[2])
+        dtype = str(np.dtype(o.dtype))
+        if str(np.dtype(k.dtype)) != "uint64":
+            raise ValueError(f"k, v: split kernel {version} reads 8-byte word views, got {np.dtype(k.dtype)}")
+        S = int(lse_part.shape[0])
+        L, _, KG = split_v4_tiling(d, dtype, config)
+        aligned = all(ln.aligned(x, PAIR_BYTES) for x in (k, v))
+        kern = ln.jitted(kernel_function(d, Hq // Hkv, dtype, paged, block_n, config, left=int(left),
+                                         aligned=aligned))
+        size = int(np.prod(k.shape))
+        kern[(S, Hkv, B), KG * L, stream](q, k.reshape(size), v.reshape(size), tables, lens, o, lse, o_part,
+                                          lse_part, acc_dtype(dtype)(scale), S, Hkv, n_max, int(left))
+    launch.__doc__ = f"Launch split {version} (not the combine): :func:`pair_launcher`'s launch of its kernel."
+    return launch
+
+
+split_v5_kernel_function = pair_kernel_function(make_split_v5, "v5")
+launch_split_v5 = pair_launcher(split_v5_kernel_function, "v5")

@@ -27,11 +27,9 @@ import math
 
 import numpy as np
 
-from . import launch as ln
-from .config import acc_dtype
-from .decode_v3 import TABLE_STAGE_V3, paged_addressing, split_range_dev, visible_first_dev
-from .decode_v4 import PAIR_BYTES, make_pair_load, make_word_unpack, pair_reason, split_v4_tiling
-from .decode_v5 import LN_2, LOG2_E
+from .decode_v3 import TABLE_STAGE_V3, split_range_dev, visible_first_dev
+from .decode_v4 import make_pair_load, make_word_unpack
+from .decode_v5 import LN_2, LOG2_E, pair_kernel_function, pair_launcher
 from .device import make_group_merge, make_lane_allreduce, pow2_at_least, warp_mask
 from .launch import cuda
 import numba  # noqa: E402
@@ -241,37 +239,5 @@ def make_split_v6(D: int, G: int, L: int, KPI: int, KG: int, BN: int, paged: boo
     return split_v6
 
 
-def split_v6_kernel_function(head_dim, g, dtype, paged, block_n, config=None, simulated=None, left=-1,
-                             aligned=True):
-    if simulated is None:
-        simulated = ln.simulated()
-    why = pair_reason(dtype, head_dim)
-    if why is not None:
-        raise ValueError(f"config.version: {why.replace('split kernel v4', 'split kernel v6')}")
-    L, KPI, KG = split_v4_tiling(head_dim, dtype, config)
-    acc_name = np.dtype(acc_dtype(dtype)).name
-    addressing = paged_addressing(config, int(block_n), left) if paged else "key"
-    return make_split_v6(head_dim, g, L, KPI, KG, int(block_n), paged, dtype, acc_name, simulated, addressing,
-                         bool(aligned))
-
-
-def launch_split_v6(q, k, v, tables, lens, o, lse, o_part, lse_part, *, scale, block_n, paged, config=None,
-                    stream=0, left=-1, quant=None):
-    """Launch split v6 (not the combine) on device or counting arrays: v4's launch
-    (:func:`.decode_v4.launch_split_v4`) of this kernel."""
-    if quant is not None:
-        raise ValueError(f"config.version: a {quant['kv']} cache is read by split kernel v3, not v6")
-    B, Hq, d = (int(x) for x in q.shape)
-    Hkv = int(k.shape[2] if paged else k.shape[1])
-    n_max = 0 if paged else int(k.shape[2])
-    dtype = str(np.dtype(o.dtype))
-    if str(np.dtype(k.dtype)) != "uint64":
-        raise ValueError(f"k, v: split kernel v6 reads 8-byte word views, got {np.dtype(k.dtype)}")
-    S = int(lse_part.shape[0])
-    L, _, KG = split_v4_tiling(d, dtype, config)
-    aligned = all(ln.aligned(x, PAIR_BYTES) for x in (k, v))
-    kern = ln.jitted(split_v6_kernel_function(d, Hq // Hkv, dtype, paged, block_n, config, left=int(left),
-                                              aligned=aligned))
-    size = int(np.prod(k.shape))
-    kern[(S, Hkv, B), KG * L, stream](q, k.reshape(size), v.reshape(size), tables, lens, o, lse, o_part,
-                                      lse_part, acc_dtype(dtype)(scale), S, Hkv, n_max, int(left))
+split_v6_kernel_function = pair_kernel_function(make_split_v6, "v6")
+launch_split_v6 = pair_launcher(split_v6_kernel_function, "v6")

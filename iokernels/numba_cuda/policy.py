@@ -12,7 +12,6 @@ even_tile_splits        a split count that deals every split the same number of 
 numba_decode_splits     the decode's ``num_splits=None`` split count (occupancy, then even)
 forward_v5_tiles        forward v5's (Br, Bc): the largest that hold Q_i and a K/V tile
 forward_v5_row          forward v5's padded row of its shared tiles
-held_back               why the default does not pick a version yet (:data:`HELD_BACK`)
 ======================  ===============================================================
 
 Which keys a split owns is not a size but a contract every backend shares:
@@ -124,15 +123,10 @@ def forward_v5_tiles(head_dim: int, itemsize: int, limit: int, lanes: int, rows_
 
 # --------------------------------------------------------------------------- versions held back
 #: the versions the registry's default does not pick until a recorded GPU run has them ahead of
-#: the one it picks now, (op, version) -> what has to be measured; a config naming one runs it.
-#: Decode v5 and v6 are ranked above v4, so removing their entries makes the default theirs.
+#: the one it picks now, (op, version) -> what has to be measured; a config naming one runs it
+#: (:func:`iokernels.core.records.held_back_reason` reads it).  Decode v5 and v6 are ranked
+#: above v4, so removing their entries makes the default theirs.
 HELD_BACK = {
     (op, version): f"a recorded decode section with {version} ahead of v4 on a GPU"
     for op in ("decode", "paged_decode") for version in ("v5", "v6")
 }
-
-
-def held_back(op: str, version: str) -> str | None:
-    """Why the default does not pick ``version`` of ``op`` yet (:data:`HELD_BACK`), or None."""
-    wait = HELD_BACK.get((op, version))
-    return None if wait is None else f"not the default until measured ({wait}); a config naming it runs it"

@@ -35,7 +35,7 @@ import functools
 import numpy as np
 
 from ..core import conventions as cv
-from ..core.records import Record
+from ..core.records import Record, held_back_reason
 from ..core.registry import Need, Registry
 from . import backward as bwd
 from . import decode as dec
@@ -49,7 +49,7 @@ from . import gather as gat
 from . import launch as ln
 from . import paged_prefill as ppf
 from .decode import smem_reason
-from .policy import held_back
+from .policy import HELD_BACK
 from .device import WORD_BYTES
 from .config import (NUMBA_DTYPES, PAIR_DECODE_VERSIONS, PIPELINED_DECODE_VERSIONS, BackwardConfig, DecodeConfig,
                      ForwardConfig, GatherConfig, PrefillConfig)
@@ -181,14 +181,14 @@ def _forward(version, rank, summary):
 
 def _decode(version, split, rank, needs_contiguous, summary):
     """One split kernel's records: decode over a contiguous cache and over the pools; a version
-    :func:`.policy.held_back` names runs by name only (its summary says so)."""
+    :data:`.policy.HELD_BACK` names runs by name only (its summary says so)."""
     file = f"numba_cuda/decode_{version}.py" if version in PIPELINED_DECODE_VERSIONS else "numba_cuda/decode.py"
     name = "split" if version == "v1" else f"split_{version}"
     check = _decode_check(version, needs_contiguous)
-    held = " (held back from the default until measured)" if held_back("decode", version) else ""
+    held = " (held back from the default until measured)" if ("decode", version) in HELD_BACK else ""
     return tuple(Record("numba", op, version, file, name, DecodeConfig, functools.partial(fn, split=split),
                         summary + held, check, rank, split,
-                        default_check=lambda need, op=op: held_back(op, version))
+                        default_check=lambda need, op=op: held_back_reason(HELD_BACK, op, version))
                  for op, fn in (("decode", dec.decode), ("paged_decode", dec.paged_decode)))
 
 
