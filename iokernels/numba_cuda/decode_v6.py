@@ -10,13 +10,13 @@ online softmax keeps a key out of the maximum and gives it probability 0 (a comp
 select per key and query head), and the prefetch of the next step loads a key only when it
 exists, zeroing the registers of one that does not (a compare, a predicated address, four
 moves per key).  Only the last step or two of a split can have such keys, yet the checks cost
-every step: at d = 128 float16 the interior's step loop has about a seventh fewer PTX
-instructions than v5's (moves aside; the test reads both), and v4's docstring says why
-instructions per key can matter.  v6
-walks a split in two loops: the **interior**, the steps whose own keys and whose next step's
-keys all exist (base + 2 STEP <= the split's end), with no checks at all; then v5's checked
-step for what remains (at most two steps).  The same keys, in the same order, with the same
-arithmetic (on the simulator the tests find v5's results bit for bit).
+every step.  v6 walks a split in two loops: the **interior**, the steps whose own keys and
+whose next step's keys all exist (base + 2 STEP <= the split's end), with no checks at all;
+then v5's checked step for what remains (at most two steps).  At d = 128 float16 the
+interior's step loop has about a seventh fewer PTX instructions than v5's (moves aside; the
+test reads both loops), and v4's docstring says why instructions per key can matter.  The
+same keys, in the same order, with the same arithmetic (on the simulator the tests find v5's
+results bit for bit).
 
 Counted traffic (simulator): equal to ``traffic.model("decode" | "paged_decode")``, as v4.
 """
