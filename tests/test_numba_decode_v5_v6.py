@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import iokernels as ik
-from iokernels import gpu, reference, testing, traffic
+from iokernels import gpu, traffic
 from iokernels.numba_cuda import DecodeConfig, counting
 import iokernels.numba_cuda as nc
+from decode_support import check_decode as _check, decode_inputs as _inputs
 from iokernels.paged import PagedKVCache
 
 sim_only = pytest.mark.skipif(not gpu.simulator_enabled(), reason="counting arrays run on the simulator")
@@ -23,19 +23,6 @@ V5_SMALL = DecodeConfig(version="v5", lanes_per_key=2, keys_per_iter=2, key_grou
 V5_R_EQ_L = DecodeConfig(version="v5", lanes_per_key=4, keys_per_iter=2, key_groups=3)
 V5_R_LT_L = DecodeConfig(version="v5", lanes_per_key=4, keys_per_iter=1, key_groups=2)
 VERSIONS = ("v5", "v6")
-
-
-def _inputs(rng, B, Hq, Hkv, N, d, dtype):
-    q = rng.standard_normal((B, Hq, d)).astype(dtype)
-    k, v = (rng.standard_normal((B, Hkv, N, d)).astype(dtype) for _ in range(2))
-    return q, k, v
-
-
-def _check(o, lse, q, k, v, lens, window=None):
-    ro, rl = reference.decode(q, k, v, seq_lens=lens, window=window)
-    bo, bl = ik.decode(q, k, v, seq_lens=lens, backend="naive", return_lse=True, window=window)
-    testing.assert_close(o, ro, bo, masked_rows=(np.asarray(lens) == 0)[:, None, None])
-    testing.assert_close(lse, rl, bl, name="lse")
 
 
 @pytest.mark.parametrize("version", VERSIONS)
