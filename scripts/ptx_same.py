@@ -48,7 +48,8 @@ def _jobs():
     import test_hopper_paged_prefill as tp
     from iokernels.cupy_raw.hopper import fp8_forward as F
     jobs += [(f"sm_90a bwd_v3 {label}", "bwd_v3", defines, "-arch=sm_90a") for label, defines in tb._jobs()]
-    jobs += [(f"sm_90a bwd_v4 {label}", "bwd_v4", defines, "-arch=sm_90a") for label, defines in tb._jobs_v4()]
+    jobs += [(f"sm_90a bwd_{v} {label}", f"bwd_{v}", defines, "-arch=sm_90a") for v in ("v4", "v5")
+             for label, defines in tb._jobs(v)]
     jobs += [(f"sm_90a paged_prefill_v3 {label}", "paged_prefill_v3", defines, "-arch=sm_90a")
              for label, defines in tp._jobs()]
     jobs += [(f"sm_90a fa_fp8_v1 {dt} stages={s}", F.FP8_FILE, F.Fp8Config(stages=s).defines(dt), "-arch=sm_90a")

@@ -189,10 +189,12 @@ for dt in ("bfloat16", "float16"):
                                               config=cr.BackwardConfig("v3", deterministic=det)))
             out[f"maps bwd v3 {dt} {d} {det}"] = MAPS[:]
             MAPS.clear()
-            rec(f"attention_backward v4 {dt} {d} deterministic={det}",
-                lambda: cr.attention_backward(q, q, k, v, q, lse, causal=True,
-                                              config=cr.BackwardConfig("v4", deterministic=det)))
-            out[f"maps bwd v4 {dt} {d} {det}"] = MAPS[:]
+            for ver in ("v4", "v5"):
+                MAPS.clear()
+                rec(f"attention_backward {ver} {dt} {d} deterministic={det}",
+                    lambda: cr.attention_backward(q, q, k, v, q, lse, causal=True,
+                                                  config=cr.BackwardConfig(ver, deterministic=det)))
+                out[f"maps bwd {ver} {dt} {d} {det}"] = MAPS[:]
 
 # paged prefill v3 (Hopper): packed GQA 8/2 and MHA, blocks of 16, the tensor maps recorded
 from iokernels.cupy_raw.hopper import paged_prefill as PP3
@@ -224,7 +226,8 @@ FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split":
          "decode_split_v4": "decode_v4", "decode_split_v5": "decode_v5", "decode_split_v6": "decode_v6",
          "decode_split_v4_loads": "decode_v4_loads",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
-         "bwd_v2_main": "bwd_v2", "bwd_v3_main": "bwd_v3", "bwd_v4_main": "bwd_v4", "mla_decode": "mla_decode",
+         "bwd_v2_main": "bwd_v2", "bwd_v3_main": "bwd_v3", "bwd_v4_main": "bwd_v4", "bwd_v5_main": "bwd_v5",
+         "mla_decode": "mla_decode",
          "paged_prefill_v1": "paged_prefill_v1", "paged_prefill_v2": "paged_prefill_v2",
          "paged_prefill_v3": "paged_prefill_v3"}
 
@@ -435,27 +438,28 @@ def test_backward_v3_launch_geometry(launches):
                 assert launches[f"maps bwd v3 {dt} {d} {det}"] == [q_map, kv_map, kv_map, q_map]
 
 
-def test_backward_v4_launch_geometry(launches):
-    """backward v4 (Hopper, two consumer warpgroups): the main loop one block per (K/V tile of 128
-    keys, KV head, sequence), 384 threads (producer + two consumer warpgroups), compiled for
-    sm_90a; Q and dO in 64-row boxes, K and V in 128-row boxes; dQ's partials one slot per
-    128-key tile (bwd_finish sums Tc = ceil(77 / 128) = 1)."""
+@pytest.mark.parametrize("ver", ("v4", "v5"))
+def test_backward_v4_launch_geometry(launches, ver):
+    """backward v4 (Hopper, two consumer warpgroups) and v5 (its kernel, longest first): the main
+    loop one block per (K/V tile of 128 keys, KV head, sequence), 384 threads (producer + two
+    consumer warpgroups), compiled for sm_90a; Q and dO in 64-row boxes, K and V in 128-row
+    boxes; dQ's partials one slot per 128-key tile (bwd_finish sums Tc = ceil(77 / 128) = 1)."""
     from iokernels.cupy_raw import config as C
     for dt in ("bfloat16", "float16"):
         for d in (64, 128):
             for det in (False, True):
-                ls = launches[f"attention_backward v4 {dt} {d} deterministic={det}"]
-                assert [L["name"] for L in ls] == ["bwd_rowsum", "bwd_v4_main", "bwd_finish"]
+                ls = launches[f"attention_backward {ver} {dt} {d} deterministic={det}"]
+                assert [L["name"] for L in ls] == ["bwd_rowsum", f"bwd_{ver}_main", "bwd_finish"]
                 main = ls[1]
                 assert main["grid"] == [1, 2, 2] and main["block"] == [384]
                 assert "-arch=sm_90a" in main["options"]
-                assert main["smem"] == C.BackwardConfig.smem_bytes(64, 128, d, dt, "v4")
+                assert main["smem"] == C.BackwardConfig.smem_bytes(64, 128, d, dt, ver)
                 got = _defines(main)
                 assert (got["BLOCK_M"], got["BLOCK_N"], got["DETERMINISTIC"]) == ("64", "128", str(int(det)))
                 assert _defines(ls[2])["DETERMINISTIC"] == str(int(det))
                 q_map = dict(dims=[d, 37, 8], strides=[2 * d, 2 * d * 37], box=[64, 64, 1])
                 kv_map = dict(dims=[d, 77, 4], strides=[2 * d, 2 * d * 77], box=[64, 128, 1])
-                assert launches[f"maps bwd v4 {dt} {d} {det}"] == [q_map, kv_map, kv_map, q_map]
+                assert launches[f"maps bwd {ver} {dt} {d} {det}"] == [q_map, kv_map, kv_map, q_map]
 
 
 def test_the_paged_prefill_v3_plan_launches_like_its_eager_call(launches):

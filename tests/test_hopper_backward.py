@@ -1,8 +1,9 @@
 """The Hopper backward (bwd_v3.cu: one consumer warpgroup, 64 keys a tile; bwd_v4.cu: two
-consumer warpgroups, 128 keys a tile): compiled everywhere, run where there is a Hopper GPU.
+consumer warpgroups, 128 keys a tile; bwd_v5.cu: v4's kernel, its blocks longest first):
+compiled everywhere, run where there is a Hopper GPU.
 
-Every check that both versions share is one test parametrized over the version (ids "v3" and
-"v4"); what differs between them (head dims, tiles, ring depths, the compile list, the
+Every check that the versions share is one test parametrized over the version (ids "v3", "v4"
+and "v5"); what differs between them (head dims, tiles, ring depths, the compile list, the
 refusals that name a tile, the awkward shapes) is the table VERSIONS below.
 
 Without a GPU (CI): each source compiles with nvcc for sm_90a from exactly the source and
@@ -10,7 +11,7 @@ defines the launcher hands NVRTC, for each dtype x head dim x dQ mode and each r
 table lists; ``-Xptxas -v`` must show no local memory (no spills, no stack frame), no wgmma
 serialisation (ptxas C7515, C7512) and no ignored setmaxnreg (C7508); the source refuses what it
 cannot run with #error; BackwardConfig's fields are validated naming the field; the registry
-makes v3 the default on Hopper (the gate in cupy_raw/policy.py), holds v4 back from the default
+makes v4 the default on Hopper (the gate in cupy_raw/policy.py), holds v5 back from the default
 until measured (a config naming it runs it; the gate opens in that one table), runs each version
 when a config names it and refuses it by name where it cannot run.  The launch arguments, grid
 and tensor maps are checked against the kernels' signatures in tests/test_cupy_launch_args.py
@@ -20,7 +21,8 @@ With compute capability 9.0, for each version: dQ, dK, dV held to the float64 gr
 FlashAttention's 2x rule (the naive backward in the same dtype, on the GPU, from the same O and
 LSE, is the baseline) at d in {64, 128}, N in {1, 127, 1024, 4096}, causal and not, GQA,
 N_q != N_k, both dQ modes; windows and rows that see no key; the deterministic mode bit for bit
-across runs.  Then v4 agreeing with v3, and v3's cached plan giving the eager launch's bits.
+across runs.  Then v5 giving v4's bits (deterministic dQ) with its pairs grouped every way, v4
+agreeing with v3, and v3's cached plan giving the eager launch's bits.
 Skipped elsewhere with the reason.
 """
 
@@ -87,6 +89,8 @@ VERSIONS = {
         ],
     ),
 }
+#: v5 is v4's kernel with its blocks in another order: v4's tiles, rings, refusals and shapes
+VERSIONS["v5"] = dict(VERSIONS["v4"])
 
 
 def _version_cases(key):
@@ -123,11 +127,6 @@ def _jobs(version="v3"):
                 cfg = BackwardConfig(version, stages=stages)
                 jobs.append((f"stages={stages} bfloat16 d={d}", cfg.defines(d, "bfloat16")))
     return jobs
-
-
-def _jobs_v4():
-    """bwd_v4.cu's compile list (the name scripts/ptx_same.py imports)."""
-    return _jobs("v4")
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
@@ -346,9 +345,9 @@ def test_the_gate_closes_in_one_place(hopper_here, monkeypatch):
     assert policy.held_back_note("attention_backward", "v4") == " (held back from the default until measured)"
 
 
-def test_the_backward_benchmark_has_a_v4_row(hopper_here):
+def test_the_backward_benchmark_has_v4_and_v5_rows(hopper_here):
     """The benchmark's backward section times one row per registered version: v3 is one, v4 the
-    default (marked), on a Hopper GPU."""
+    default (marked), v5 beside it (held back), on a Hopper GPU."""
     from iokernels.bench.runners import registry_versions
     from iokernels.core.testing import make_inputs
     q, k, v = make_inputs(np.random.default_rng(0), heads_q=4, heads_kv=2, seqlen_q=8, seqlen_k=8, head_dim=128,
@@ -356,8 +355,35 @@ def test_the_backward_benchmark_has_a_v4_row(hopper_here):
     rows = registry_versions("cupy", "attention_backward", q=q, k=k, v=v)
     if isinstance(rows[0][1], Exception):
         pytest.skip(f"the CuPy backend is not importable here: {rows[0][1]}")
-    assert [(name, cfg.version, default) for name, cfg, default in rows][-2:] == [
-        ("cupy:v3", "v3", False), ("cupy:v4", "v4", True)]
+    assert [(name, cfg.version, default) for name, cfg, default in rows][-3:] == [
+        ("cupy:v3", "v3", False), ("cupy:v4", "v4", True), ("cupy:v5", "v5", False)]
+
+
+def test_v5_is_held_back_until_measured(hopper_here, monkeypatch):
+    """bwd_v5 ranks above v4 (50) but sits in policy.HELD_BACK: v4 stays the default, a config
+    naming v5 runs it, its summary says it is held back; out of the table, it is the default at
+    every dtype and head dim v4 takes."""
+    v5 = REGISTRY.get("attention_backward", "v5")
+    assert v5.rank == 50 > REGISTRY.get("attention_backward", "v4").rank
+    assert (v5.file, v5.kernel) == ("bwd_v5.cu", "bwd_v5_main") and "held back" in v5.summary
+    assert v5.not_default(_need()).startswith("not the default until measured")
+    assert REGISTRY.resolve("attention_backward", None, _need())[0].version == "v4"
+    assert REGISTRY.resolve("attention_backward", BackwardConfig("v5"), _need())[0].version == "v5"
+    monkeypatch.delitem(policy.HELD_BACK, ("attention_backward", "v5"))
+    _assert_the_default_on_hopper("v5", BWD_V4_HEAD_DIMS)
+
+
+def test_lpt_pairs_fill_part_of_the_l2_cache():
+    """policy.backward_lpt_pairs: the pairs whose Q and dO rows (2 x group x N_q x d x itemsize
+    bytes each) fit BWD_V5_L2_SHARE of the L2 cache; at least one, at most all of them."""
+    mb = 1 << 20
+    per_pair = 2 * 4 * 4096 * 128 * 2                         # GQA 4, N_q 4096, d 128, 16-bit: 8 MB
+    assert per_pair == 8 * mb
+    assert policy.backward_lpt_pairs(64, 4, 4096, 128, 2, 50 * mb) == int(policy.BWD_V5_L2_SHARE * 50 * mb) // per_pair
+    assert policy.backward_lpt_pairs(64, 4, 4096, 128, 2, 50 * mb) == 3     # 25 MB of 50 MB: three pairs
+    assert policy.backward_lpt_pairs(2, 1, 128, 64, 2, 50 * mb) == 2         # every pair fits: all of them
+    assert policy.backward_lpt_pairs(8, 8, 131072, 128, 2, 50 * mb) == 1     # one pair over the share: one
+    assert policy.backward_lpt_pairs(8, 4, 4096, 128, 2, 0) == 1             # no L2 size reported: one
 
 
 # --------------------------------------------------------------------------- on a Hopper GPU
@@ -488,6 +514,37 @@ def test_plan_matches_the_eager_launch():
         got = plan.run(do, q, k, v, o, lse)
         torch.cuda.synchronize()
         assert all(torch.equal(x, y) for x, y in zip(eager, got))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", BWD_V4_HEAD_DIMS)
+def test_v5_gives_v4s_bits(monkeypatch, d):
+    """v5 is v4's kernel with its blocks in another order, so in the deterministic mode its
+    gradients are v4's bit for bit: causal, a causal window, no mask, GQA, N_q != N_k, with the
+    L2 size the launcher reads set so that a group holds every pair, three pairs (a last group
+    of fewer: 2 x 4 = 8 pairs), or one (v4's own order).  A tile run twice or never would
+    change dK, dV or dQ."""
+    torch = _torch()
+    from iokernels.cupy_raw import backward as bw
+    from iokernels.cupy_raw.backward import run_attention_backward
+    q, do = (torch.randn((2, 8, 700, d), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn((2, 4, 900, d), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    per_pair = 2 * 2 * 700 * d * 2                            # Q and dO rows of a pair's 2 query heads
+    info = bw.device_info()
+    for causal, window in ((True, None), (False, (256, 0)), (False, None)):
+        o, lse = ik.attention(q, k, v, causal=causal, window=window, backend="cupy", return_lse=True)
+        g4 = run_attention_backward(do, q, k, v, o, lse, causal=causal, scale=None, window=window,
+                                    config=BackwardConfig("v4", deterministic=True))
+        for pairs in (8, 3, 1):
+            l2 = int(per_pair * pairs / policy.BWD_V5_L2_SHARE) + 1
+            assert policy.backward_lpt_pairs(8, 2, 700, d, 2, l2) == pairs
+            monkeypatch.setattr(bw, "device_info", lambda: dict(info, l2=l2))
+            g5 = run_attention_backward(do, q, k, v, o, lse, causal=causal, scale=None, window=window,
+                                        config=BackwardConfig("v5", deterministic=True))
+            for name, a, b in zip(("dq", "dk", "dv"), g4, g5):
+                assert torch.equal(a, b), f"{name}: v5 (groups of {pairs} pairs) differs from v4, causal={causal} " \
+                                          f"window={window}"
 
 
 @gpu

@@ -1,7 +1,7 @@
-"""FlashAttention-2's backward in CUDA C++: the launchers of bwd_v1.cu .. bwd_v4.cu.
+"""FlashAttention-2's backward in CUDA C++: the launchers of bwd_v1.cu .. bwd_v5.cu.
 
 Every version runs three kernels (see the headers of ``kernels/bwd_v1.cu``,
-``kernels/bwd_v2.cu``, ``kernels/bwd_v3.cu`` and ``kernels/bwd_v4.cu``): D_i = rowsum(dO_i * O_i) (bwd_v1.cu's
+``kernels/bwd_v2.cu`` .. ``kernels/bwd_v5.cu``): D_i = rowsum(dO_i * O_i) (bwd_v1.cu's
 bwd_rowsum); the main loop, one block per (K/V tile, KV head, sequence) with dK_j, dV_j in
 registers and S, P recomputed from the saved LSE; dQ from its float32 (float64) accumulator
 (bwd_v1.cu's bwd_finish).  dQ is added with atomic adds (fast, last bits may differ run to run) or, with
@@ -27,9 +27,14 @@ v4       v3 with two consumer warpgroups: a block owns Bc = 128 keys, 64 a warpg
          feeds twice the keys (half v3's Q/dO loads and TMA copies per key); the two halves of
          dS^T meet in one SRAM tile and one product over the 128 keys gives dQ_i, so dQ gets
          one atomic add (or one deterministic partial) an element a block: half v3's per key.
-         setmaxnreg shares the registers between 1 producer and 2 consumer warpgroups.  Not
-         yet measured on a GPU, so never the default (cupy_raw/policy.py's gate); run it
-         with ``BackwardConfig(version="v4")``.
+         setmaxnreg shares the registers between 1 producer and 2 consumer warpgroups.  The
+         default on Hopper.
+v5       v4's kernel with its blocks in longest-first order: the (batch, KV head) pairs in
+         groups whose Q_i, dO_i fit part of the L2 cache (:func:`.policy.backward_lpt_pairs`),
+         inside a group every pair's first K/V tile, then every pair's second, ...  Under the
+         causal mask a block's work shrinks with its tile, so the grid ends on short blocks
+         instead of a late long one.  Held back from the default until a benchmark records it
+         ahead of v4 (cupy_raw/policy.py's gate); run it with ``BackwardConfig(version="v5")``.
 =======  ===================================================================================
 
 Notation as in :mod:`iokernels.backward`: Br, Bc, Tr, Tc, D_i, S_ij, P_ij, dP_ij, dS_ij.
@@ -43,8 +48,9 @@ from ..core.arrays import Call, device_array
 from ..core.records import Record
 from .config import BWD_RING_VERSIONS, BWD_V3_THREADS, BWD_V4_THREADS, BackwardConfig
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream, unit_rows
-from .policy import default_check_for, held_back_note
-from .registry import REGISTRY, check_backward_v1, check_backward_v2, check_backward_v3, check_backward_v4, need
+from .policy import backward_lpt_pairs, default_check_for, held_back_note
+from .registry import (REGISTRY, check_backward_v1, check_backward_v2, check_backward_v3, check_backward_v4,
+                       check_backward_v5, need)
 
 #: threads of the row-wise kernels (bwd_rowsum, bwd_finish); the .cu file's ROW_THREADS
 ROW_THREADS = 128
@@ -111,12 +117,12 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
 
 
 def tma_inputs(rec) -> bool:
-    """Whether a backward record's main kernel takes TMA tensor maps (bwd_v3.cu, bwd_v4.cu: sm_90a)."""
+    """Whether a backward record's main kernel takes TMA tensor maps (bwd_v3.cu .. bwd_v5.cu: sm_90a)."""
     return rec.extra.get("options") == HOPPER_OPTIONS
 
 
 def main_function(rec, defines: dict, smem: int):
-    """The compiled main-loop kernel of a backward record (bwd_v3, bwd_v4: NVRTC with -arch=sm_90a)."""
+    """The compiled main-loop kernel of a backward record (bwd_v3 .. bwd_v5: NVRTC with -arch=sm_90a)."""
     if tma_inputs(rec):
         return function(rec.file, rec.kernel, defines, smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
     return function(rec.file, rec.kernel, defines, smem)
@@ -183,6 +189,15 @@ def backward_v4_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, *, scale, wind
             np.float32(scale), i32(window[0]), i32(window[1]))
 
 
+def backward_v5_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, *, scale, window) -> tuple:
+    """bwd_v5.cu's bwd_v5_main: bwd_v4_main's arguments, then ``lpt_pairs`` (the (batch, KV head)
+    pairs a longest-first group: :func:`.policy.backward_lpt_pairs` for this GPU's L2 cache)."""
+    (B, Hq, Nq, d), Hkv = qd.shape, kd.shape[1]
+    lpt = backward_lpt_pairs(B * Hkv, Hq // Hkv, Nq, d, qd.itemsize, device_info().get("l2", 0))
+    return (*backward_v4_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, scale=scale, window=window),
+            np.int32(lpt))
+
+
 # --------------------------------------------------------------------------- the records
 RECORDS = (
     Record("cupy", "attention_backward", "v1", "bwd_v1.cu", "bwd_main", BackwardConfig, run_attention_backward,
@@ -204,5 +219,11 @@ RECORDS = (
            + held_back_note("attention_backward", "v4"),
            check_backward_v4, 40, backward_v4_args, dict(options=HOPPER_OPTIONS),
            default_check_for("attention_backward", "v4")),
+    Record("cupy", "attention_backward", "v5", "bwd_v5.cu", "bwd_v5_main", BackwardConfig, run_attention_backward,
+           "Hopper: v4 with its blocks longest first (the causal mask's long K/V tiles start first, in "
+           "groups of heads whose Q/dO tiles share the L2 cache)"
+           + held_back_note("attention_backward", "v5"),
+           check_backward_v5, 50, backward_v5_args, dict(options=HOPPER_OPTIONS),
+           default_check_for("attention_backward", "v5")),
 )
 REGISTRY.add(*RECORDS)

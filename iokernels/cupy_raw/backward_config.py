@@ -1,4 +1,4 @@
-"""BackwardConfig: the tiles of bwd_v1.cu, bwd_v2.cu, bwd_v3.cu and bwd_v4.cu."""
+"""BackwardConfig: the tiles of bwd_v1.cu .. bwd_v5.cu."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -11,8 +11,9 @@ from .policy import BWD_V3_STAGES, BWD_V4_STAGES, backward_v1_tiles
 # =========================================================================== backward
 #: v1: CUDA cores, every dtype; v2: tensor cores, float16/bfloat16 (bwd_v2.cu); v3: Hopper
 #: (sm_90a: wgmma, TMA), float16/bfloat16 at head_dim 64 and 128 (bwd_v3.cu); v4: v3 with two
-#: consumer warpgroups sharing each Q_i / dO_i tile (bwd_v4.cu)
-BACKWARD_VERSIONS = ("v1", "v2", "v3", "v4")
+#: consumer warpgroups sharing each Q_i / dO_i tile (bwd_v4.cu); v5: v4's kernel, its blocks
+#: longest first (bwd_v5.cu: v4's tiles, ring and limits)
+BACKWARD_VERSIONS = ("v1", "v2", "v3", "v4", "v5")
 #: bwd_v1: keys per tile and query rows per tile, shrunk (Br first) until the static SRAM fits
 BWD_DEFAULT_BLOCK_K = 32
 BWD_DEFAULT_BLOCK_Q = 32
@@ -60,24 +61,25 @@ BWD_V4_MAX_STAGES = 4
 #: bwd_v4: a producer warpgroup and two consumer warpgroups
 BWD_V4_THREADS = 384
 #: the versions with a Q_i / dO_i ring (``stages``), their Hopper kernels
-BWD_RING_VERSIONS = ("v3", "v4")
+BWD_RING_VERSIONS = ("v3", "v4", "v5")
 
 
 @dataclass(frozen=True)
 class BackwardConfig:
     """The CuPy backward: version "v1" (bwd_v1.cu, CUDA cores, every dtype), "v2"
     (bwd_v2.cu, tensor cores, float16/bfloat16, head_dim <= 128), "v3" (bwd_v3.cu, Hopper
-    only: wgmma and TMA, float16/bfloat16, head_dim 64 or 128) or "v4" (bwd_v4.cu: v3 with two
-    consumer warpgroups, the same limits); None: the registry's default.
+    only: wgmma and TMA, float16/bfloat16, head_dim 64 or 128), "v4" (bwd_v4.cu: v3 with two
+    consumer warpgroups, the same limits) or "v5" (bwd_v5.cu: v4's kernel with its blocks longest
+    first; v4's fields and limits); None: the registry's default.
 
     block_q (Br), block_k (Bc): Q-tile rows and K/V-tile keys.  v1: None means the largest
     that fit 48 KB of static SRAM, from 32 x 32.  v2: block_k = 16 * num_warps (64 or 128),
     block_q a multiple of 16 up to 128; None: Bc = 128 and Br = 64 (32 above d = 96), shrunk
     (Bc first, then Br) until the SRAM fits the GPU (``resolve(..., smem_limit=)``).
     v3: block_q = block_k = 64 (None: 64), a fixed block of two warpgroups.  v4: block_q = 64,
-    block_k = 128 (None: those), a fixed block of three warpgroups.
+    block_k = 128 (None: those), a fixed block of three warpgroups; v5 the same.
     num_warps: v2 only (4 or 8).  lanes_per_key: v1 only, threads per key row (a power of two
-    up to 32).  stages: v3 and v4, Q_i / dO_i tiles the SRAM ring holds (1 .. 4, as the SRAM
+    up to 32).  stages: v3, v4 and v5, Q_i / dO_i tiles the SRAM ring holds (1 .. 4, as the SRAM
     allows; None: :data:`~iokernels.cupy_raw.policy.BWD_V3_STAGES` /
     :data:`~iokernels.cupy_raw.policy.BWD_V4_STAGES`).  deterministic: dQ by per-tile partials
     summed in tile order (the same bits every run) instead of atomic adds.
@@ -104,11 +106,11 @@ class BackwardConfig:
         if self.version == "v1" and self.num_warps is not None:
             raise ValueError("config.num_warps: a v2 setting; v1 runs block_k x lanes_per_key threads")
         if self.stages is not None and self.version not in BWD_RING_VERSIONS:
-            raise ValueError(f"config.stages: a v3 / v4 setting (their Q_i / dO_i ring), got {self.stages} for "
+            raise ValueError(f"config.stages: a v3 / v4 / v5 setting (their Q_i / dO_i ring), got {self.stages} for "
                              f"version {self.version!r}")
         if self.version == "v3":
             self._check_v3()
-        if self.version == "v4":
+        if self.version in ("v4", "v5"):
             self._check_v4()
 
     def _check_v3(self) -> None:
@@ -125,18 +127,20 @@ class BackwardConfig:
             raise ValueError(f"config.stages: v3 takes 1 to {BWD_V3_MAX_STAGES}, got {self.stages}")
 
     def _check_v4(self) -> None:
-        """v4's fields: its tiles are fixed (two consumer warpgroups of 64 keys), its ring 1 .. 4 stages."""
+        """v4's (and v5's) fields: its tiles are fixed (two consumer warpgroups of 64 keys), its ring
+        1 .. 4 stages."""
+        v = self.version
         for name, fixed, why in (("block_q", BWD_V4_BLOCK_Q, "the 64 rows of its dQ product"),
                                  ("block_k", BWD_V4_BLOCK_K, "two consumer warpgroups of 64 keys")):
             val = getattr(self, name)
             if val is not None and val != fixed:
-                raise ValueError(f"config.{name}: v4 takes {fixed} ({why}), got {val}")
+                raise ValueError(f"config.{name}: {v} takes {fixed} ({why}), got {val}")
         if self.lanes_per_key is not None:
-            raise ValueError("config.lanes_per_key: a v1 setting; v4 gives each consumer warpgroup 64 keys")
+            raise ValueError(f"config.lanes_per_key: a v1 setting; {v} gives each consumer warpgroup 64 keys")
         if self.num_warps is not None:
-            raise ValueError("config.num_warps: a v2 setting; v4 runs a producer and two consumer warpgroups")
+            raise ValueError(f"config.num_warps: a v2 setting; {v} runs a producer and two consumer warpgroups")
         if self.stages is not None and self.stages > BWD_V4_MAX_STAGES:
-            raise ValueError(f"config.stages: v4 takes 1 to {BWD_V4_MAX_STAGES}, got {self.stages}")
+            raise ValueError(f"config.stages: {v} takes 1 to {BWD_V4_MAX_STAGES}, got {self.stages}")
 
     def replace(self, **changes) -> "BackwardConfig":
         return replace(self, **changes)
@@ -149,7 +153,7 @@ class BackwardConfig:
         [Bc][Br + 8] in 16 bits, 2 x (LSE_i, D_i) in float32.
         v3 (bwd_v3.cu; ``stages``): K_j, V_j, stages x (Q_i, dO_i) 16-bit tiles, two dS^T
         buffers [Bc][Br], stages x (LSE_i, D_i) float32, 1 + 2 stages mbarriers, the
-        1024-byte alignment slack.  v4 (bwd_v4.cu): the same tiles at Bc = 128."""
+        1024-byte alignment slack.  v4 (bwd_v4.cu) and v5: the same tiles at Bc = 128."""
         if version in BWD_RING_VERSIONS:
             tiles = 2 * block_k * head_dim * 2 + stages * 2 * block_q * head_dim * 2 + 2 * block_k * block_q * 2
             return tiles + stages * 2 * block_q * 4 + MBARRIER_BYTES * (1 + 2 * stages) + BWD_V3_SMEM_ALIGN
@@ -219,7 +223,7 @@ class BackwardConfig:
                          f"of shared memory a block ({'; '.join(tried)})")
 
     def _resolve_ring(self, head_dim: int, dtype: str, smem_limit: int | None) -> "BackwardConfig":
-        """v3's and v4's fixed tiles and their ring's depth (the default, or the given one, checked
+        """v3's, v4's and v5's fixed tiles and their ring's depth (the default, or the given one, checked
         against ``smem_limit``)."""
         v = self.version
         if dtype not in BWD_V3_DTYPES:

@@ -88,7 +88,8 @@ def cupy_ok() -> bool:
 
 
 def device_info() -> dict:
-    """Compute capability (x 10), SM count and opt-in shared memory per block of the current GPU."""
+    """Compute capability (x 10), SM count, opt-in shared memory per block and L2 cache bytes (0:
+    not reported) of the current GPU."""
     cp = cupy()
     return dict(_device_info(cp.cuda.Device().id))
 
@@ -99,7 +100,8 @@ def _device_info(dev_id: int) -> dict:
     dev = cp.cuda.Device(dev_id)
     attrs = dev.attributes                      # one query of every attribute: slow, so cached
     return dict(id=dev.id, cc=int(dev.compute_capability), sms=int(attrs["MultiProcessorCount"]),
-                smem_optin=int(attrs.get("MaxSharedMemoryPerBlockOptin", attrs.get("MaxSharedMemoryPerBlock", 49152))))
+                smem_optin=int(attrs.get("MaxSharedMemoryPerBlockOptin", attrs.get("MaxSharedMemoryPerBlock", 49152))),
+                l2=int(attrs.get("L2CacheSize", 0)))
 
 
 def source(name: str, sources: dict | None = None) -> str:

@@ -136,6 +136,7 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 #: :func:`hopper_default_at`
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
+    ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
 }
 
 
@@ -162,6 +163,19 @@ BWD_V3_STAGES = 2
 #: bwd_v4.cu's ring: two stages as v3's (162 KB of SRAM at d = 128 with its 128-key K_j, V_j; a
 #: third fits, 195 KB; a fourth does not)
 BWD_V4_STAGES = 2
+#: bwd_v5.cu's longest-first order takes the (batch, KV head) pairs in groups whose Q_i and dO_i
+#: tiles fill at most this share of the L2 cache (the other blocks' K_j, V_j, dQ sums and dK, dV
+#: writes pass through it too)
+BWD_V5_L2_SHARE = 0.5
+
+
+def backward_lpt_pairs(pairs: int, group: int, seq_q: int, head_dim: int, itemsize: int, l2_bytes: int) -> int:
+    """bwd_v5.cu's ``lpt_pairs``: the (batch, KV head) pairs whose blocks run as one group, longest
+    first.  As many as keep the Q and dO rows of their ``group`` query heads each (2 x group x
+    seq_q x head_dim x itemsize bytes a pair) within BWD_V5_L2_SHARE of ``l2_bytes``; at least 1
+    (a pair larger than that share is a group of its own), at most ``pairs``."""
+    per_pair = 2 * group * seq_q * head_dim * itemsize
+    return max(1, min(pairs, int(BWD_V5_L2_SHARE * l2_bytes) // max(1, per_pair)))
 
 
 # =========================================================================== paged prefill
