@@ -855,6 +855,12 @@ def test_tuning_sweep_rows_are_registered_versions():
     name, out, kw = sweeps_cupy.parse_args(["decode", "o.json", "--shapes", "serving", "--only", "v3,v4"])
     assert (name, out, kw) == ("decode", "o.json", dict(shapes=sweeps_cupy.SERVING_SHAPES, only=("v3", "v4")))
     assert sweeps_cupy.parse_args(["decode", "--shapes", "huge"]) is None
+    name, out, kw = sweeps_cupy.parse_args(["decode", "--shapes", "short", "--only", "v4,v6", "--splits", "1,3"])
+    assert (out, kw) == (None, dict(shapes=sweeps_cupy.SHORT_CACHE_SHAPES, only=("v4", "v6"), splits=(1, 3)))
+    assert [(label, cfg.version, s) for label, cfg, s in sweeps_cupy.decode_cases(("v4", "v6"), (1, 3))] == [
+        ("v4", "v4", None), ("v4 S=1", "v4", 1), ("v4 S=3", "v4", 3),
+        ("v6", "v6", None), ("v6 S=1", "v6", 1), ("v6 S=3", "v6", 3)]
+    assert sweeps_cupy.parse_args(["decode", "--splits", "0"]) is None
     assert sweeps_cupy.parse_args(["prefill", "--only", "v4"]) is None
 
 

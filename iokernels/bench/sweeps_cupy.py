@@ -8,6 +8,7 @@ next to torch's SDPA timed in the same run; paged pools come from
 
     python -m iokernels.bench.sweeps_cupy prefill|decode|paged_layout [out.json]
     python -m iokernels.bench.sweeps_cupy decode [out.json] --shapes serving --only v3,v4
+    python -m iokernels.bench.sweeps_cupy decode [out.json] --shapes short --only v4,v6 --splits 1,2,3,4,6,8
 
 (a GPU with CuPy and torch).  ``scripts/gpu_sweep.py`` runs the decode sweep.
 """
@@ -84,8 +85,12 @@ DECODE_SHAPE = dict(batch=1, heads_q=32, heads_kv=8, seqlen=32768, head_dim=128)
 #: B in (1, 8, 64) x N in (4096, 32768)
 SERVING_SHAPES = tuple(dict(batch=B, heads_q=32, heads_kv=8, seqlen=N, head_dim=128)
                        for B in (1, 8, 64) for N in (4096, 32768))
+#: the cliff section's decode shapes between the serving grid's points where the default fell
+#: short of the best SDPA kernel (batch 17, short caches, groups of 1 to 16 query heads a KV head)
+SHORT_CACHE_SHAPES = tuple(dict(batch=17, heads_q=hq, heads_kv=8, seqlen=n, head_dim=128)
+                           for hq, n in ((8, 1000), (32, 1000), (8, 4096), (32, 4096), (64, 4096), (128, 4096)))
 #: the shape sets ``--shapes`` names
-DECODE_SHAPE_SETS = {"default": (DECODE_SHAPE,), "serving": SERVING_SHAPES}
+DECODE_SHAPE_SETS = {"default": (DECODE_SHAPE,), "serving": SERVING_SHAPES, "short": SHORT_CACHE_SHAPES}
 #: paged_layout: rows a page (runs of block_size * 256 bytes between random jumps, MQA)
 PAGE_SIZES = (16, 64, 256, 1024)
 #: paged_layout: the GQA and the MQA shape, (heads_q, heads_kv, seqlen), K+V the same bytes
@@ -103,11 +108,17 @@ def prefill_cases(dtype: str) -> list:
     return [(label, ForwardConfig(**kw)) for label, kw in PREFILL_ROWS[dtype]]
 
 
-def decode_cases(only=None) -> list:
+def decode_cases(only=None, splits=None) -> list:
     """(label, DecodeConfig, num_splits) of the decode sweep; builds without a GPU.
-    ``only``: version names ("v3", "v4", ...) to keep, None for every row."""
+    ``only``: version names ("v3", "v4", ...) to keep, None for every row.  ``splits``: split
+    counts to time each kept version's default config at (its own row first, the split
+    policy's pick), instead of the tuning rows."""
     from iokernels.cupy_raw import DecodeConfig
     from iokernels.cupy_raw.decode_config import DECODE_MAX_SPLITS
+    if splits is not None:
+        versions = only or ("v4",)
+        return [(f"{v}" + (f" S={s}" if s else ""), DecodeConfig(version=v), s and min(s, DECODE_MAX_SPLITS))
+                for v in versions for s in (None, *splits)]
     return [(label, DecodeConfig(**kw), None if s is None else min(s, DECODE_MAX_SPLITS))
             for label, kw, s in DECODE_ROWS if only is None or kw["version"] in only]
 
@@ -176,15 +187,16 @@ def sweep_prefill(out_path=None, reps=REPS):
     return _save(out_path, rows)
 
 
-def sweep_decode(out_path=None, reps=REPS, shapes=(DECODE_SHAPE,), only=None):
+def sweep_decode(out_path=None, reps=REPS, shapes=(DECODE_SHAPE,), only=None, splits=None):
     """Decode settings at bf16 GQA 32/8 d=128 (``shapes``: DECODE_SHAPE, or e.g. SERVING_SHAPES),
-    contiguous and paged, next to cuDNN's SDPA (enable_gqa).  Paged rows also give their ratio
-    to the same row contiguous.  ``only``: the versions to time (None: every row)."""
+    contiguous and paged, next to cuDNN's and FLASH's SDPA (enable_gqa).  Paged rows also give
+    their ratio to the same row contiguous.  ``only``: the versions to time (None: every row);
+    ``splits``: split counts (see :func:`decode_cases`)."""
     from iokernels import bench
 
     rows = []
     for shape in shapes:
-        _sweep_decode_shape(rows, shape, reps, only)
+        _sweep_decode_shape(rows, shape, reps, only, splits)
         bench.release_device_cache()
     return _save(out_path, rows)
 
@@ -202,7 +214,7 @@ def decode_inputs(shape: dict, dtype: str) -> tuple:
     return q, k, v, q[:, :, None, :], kv_bytes, f"decode {dtype} B={B} Hq={Hq} Hkv={Hkv} N={N} d={d}"
 
 
-def _sweep_decode_shape(rows, shape, reps, only):
+def _sweep_decode_shape(rows, shape, reps, only, split_counts=None):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -210,16 +222,23 @@ def _sweep_decode_shape(rows, shape, reps, only):
     from iokernels import cupy_raw as cr
     q, k, v, q4, kv_bytes, group = decode_inputs(shape, "bfloat16")
 
-    def sdpa():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+    def sdpa(backend=SDPBackend.CUDNN_ATTENTION):
+        with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
     ref = sdpa()[:, :, 0].float()
     cudnn_ms = bench.time_cuda(sdpa, reps=reps).median_ms
     _emit(rows, dict(group=group, runner="sdpa CUDNN", ms=round(cudnn_ms, 5),
                      tbps=round(kv_bytes / (cudnn_ms * 1e-3) / 1e12, 3)))
+    try:
+        flash_ms = bench.time_cuda(sdpa, SDPBackend.FLASH_ATTENTION, reps=reps).median_ms
+        _emit(rows, dict(group=group, runner="sdpa FLASH", ms=round(flash_ms, 5),
+                         tbps=round(kv_bytes / (flash_ms * 1e-3) / 1e12, 3),
+                         ratio_to_cudnn=round(cudnn_ms / flash_ms, 3)))
+    except RuntimeError as e:                          # FLASH refuses some shapes: say so, go on
+        print(f"# {group} sdpa FLASH: {str(e).splitlines()[0][:160]}", flush=True)
     kp, vp, tables, lens = bench.device_pages(k, v, seed=0)
     contiguous = {}
-    for label, cfg, splits in decode_cases(only):
+    for label, cfg, splits in decode_cases(only, split_counts):
         for paged in (False, True):
             name = f"cupy {label}" + (" paged" if paged else "")
             fn, args = (cr.paged_decode_pools, (q, kp, vp, tables, lens)) if paged else (cr.decode, (q, k, v))
@@ -360,18 +379,23 @@ SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "paged_layout": page
 
 def parse_args(argv) -> tuple:
     """(sweep name, out path or None, keyword arguments) of a command line; None when it is wrong.
-    ``--shapes default|serving`` and ``--only v3,v4`` are the decode sweep's options."""
+    ``--shapes default|serving|short``, ``--only v3,v4`` and ``--splits 1,2,4`` are the decode
+    sweep's options."""
     if not argv or argv[0] not in SWEEPS:
         return None
     name, rest, kw, out = argv[0], list(argv[1:]), {}, None
     while rest:
         a = rest.pop(0)
-        if a in ("--shapes", "--only") and rest and name == "decode":
+        if a in ("--shapes", "--only", "--splits") and rest and name == "decode":
             val = rest.pop(0)
             if a == "--shapes":
                 if val not in DECODE_SHAPE_SETS:
                     return None
                 kw["shapes"] = DECODE_SHAPE_SETS[val]
+            elif a == "--splits":
+                if not all(x.isdigit() and int(x) > 0 for x in val.split(",")):
+                    return None
+                kw["splits"] = tuple(int(x) for x in val.split(","))
             else:
                 kw["only"] = tuple(val.split(","))
         elif out is None and not a.startswith("--"):
@@ -386,7 +410,7 @@ def main(argv=None) -> int:
     parsed = parse_args(argv)
     if parsed is None:
         print(f"usage: python -m iokernels.bench.sweeps_cupy {'|'.join(SWEEPS)} [out.json] "
-              f"[decode: --shapes {'|'.join(DECODE_SHAPE_SETS)}] [--only v3,v4]")
+              f"[decode: --shapes {'|'.join(DECODE_SHAPE_SETS)}] [--only v3,v4] [--splits 1,2,4]")
         return 2
     name, out, kw = parsed
     SWEEPS[name](out, **kw)
