@@ -20,6 +20,8 @@
 # first and whole, the sanitizers get what remains); BENCH_SECTIONS=decode,gather times only
 # those sections (CLIFF_BUDGET_S=90 shortens the cliff sweep's time box); GPU_TESTS="tests/test_cupy.py ..."
 # runs only those files' GPU tests.
+# SWEEP="decode --shapes short --splits 1,2,4" adds a tuning sweep of iokernels.bench.sweeps_cupy after
+# the bench (its rows in logs.tar.gz: sweep.json, sweep.log; T_SWEEP its box, default 90 s).
 # Stages can be left out when a lease is short and an earlier run of the same tree has
 # their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
@@ -126,6 +128,20 @@ fi
 
 # ---------------------------------------------------------------- 2c. serving, paged against contiguous
 [ "${SERVE_FIRST:-0}" = 1 ] || serve_stage
+
+# ---------------------------------------------------------------- 2d. a tuning sweep (optional)
+# SWEEP="decode --shapes short --only v4,v6 --splits 1,2,4" runs iokernels.bench.sweeps_cupy with
+# those arguments after the bench (alone on the GPU: it times things), in a box of T_SWEEP
+# seconds (default 90); its JSON goes into logs.tar.gz as sweep.json, its rows to sweep.log
+if [ -n "${SWEEP:-}" ]; then
+  T_SW=$(left ${T_SWEEP:-90})
+  note "sweep (limit ${T_SW}s): $SWEEP"
+  set -- $SWEEP
+  name=$1; shift
+  timeout --kill-after=5 $T_SW $PY -m iokernels.bench.sweeps_cupy "$name" "$LOGS/sweep.json" "$@" \
+    > "$LOGS/sweep.log" 2>&1
+  note "sweep exit $?"
+fi
 
 # ---------------------------------------------------------------- 3 + 4. traffic and checks, in parallel
 # The device lease is short, so the profiler shares the GPU with the sanitized runs, whose
