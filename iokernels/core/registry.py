@@ -54,6 +54,8 @@ class Registry:
         self._kernels: dict[tuple[str, str], Record] = {}
         #: counts the changes of the records (a cache of resolved calls keys on it)
         self.generation = 0
+        #: (generation, {op: its records}): :meth:`kernels` of one op without a scan of all
+        self._by_op: tuple[int, dict[str, list[Record]]] = (-1, {})
 
     def add(self, *records: Record) -> None:
         """Register ``records`` (all checked first: a bad one adds none)."""
@@ -92,13 +94,25 @@ class Registry:
         return len(self._kernels)
 
     def ops(self) -> list[str]:
-        return [op for op in OPS if any(o == op for o, _ in self._kernels)]
+        index = self._index()
+        return [op for op in OPS if op in index]
 
     def versions(self, op: str) -> list[str]:
         return [v for (o, v) in self._kernels if o == op]
 
     def kernels(self, op: str | None = None) -> list[Record]:
-        return [k for k in self._kernels.values() if op is None or k.op == op]
+        if op is None:
+            return list(self._kernels.values())
+        return list(self._index().get(op, ()))
+
+    def _index(self) -> dict[str, list[Record]]:
+        """{op: its records}, built again only when the records have changed."""
+        if self._by_op[0] != self.generation:
+            by_op: dict[str, list[Record]] = {}
+            for k in self._kernels.values():
+                by_op.setdefault(k.op, []).append(k)
+            self._by_op = (self.generation, by_op)
+        return self._by_op[1]
 
     def find(self, op: str, version: str) -> Record | None:
         """The record of (op, version), or None."""
