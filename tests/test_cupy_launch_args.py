@@ -48,10 +48,13 @@ def _kind(a):
     return "tmap" if isinstance(a, np.ndarray) and a.dtype.kind == "V" else type(a).__name__
 
 
-def rec(label, fn):
+def rec(label, fn, ints=False):
+    """The launches ``fn`` made, under ``label``; ``ints``: with their integer arguments' values too."""
     fn()
     out[label] = [dict(name=L["name"], options=list(L["options"]), grid=list(L["grid"]), block=list(L["block"]),
-                       smem=int(L["smem"]), args=[_kind(a) for a in L["args"]]) for L in cupy.LAUNCHES]
+                       smem=int(L["smem"]), args=[_kind(a) for a in L["args"]],
+                       **(dict(ints=[int(a) for a in L["args"] if isinstance(a, np.integer)]) if ints else {}))
+                  for L in cupy.LAUNCHES]
     cupy.LAUNCHES.clear()
 
 
@@ -193,8 +196,12 @@ for dt in ("bfloat16", "float16"):
                 MAPS.clear()
                 rec(f"attention_backward {ver} {dt} {d} deterministic={det}",
                     lambda: cr.attention_backward(q, q, k, v, q, lse, causal=True,
-                                                  config=cr.BackwardConfig(ver, deterministic=det)))
+                                                  config=cr.BackwardConfig(ver, deterministic=det)), ints=True)
                 out[f"maps bwd {ver} {dt} {d} {det}"] = MAPS[:]
+            for window in (None, (8, -1)):               # no upper edge to the band: v5 in v4's order
+                rec(f"attention_backward v5 {dt} {d} deterministic={det} window={window}",
+                    lambda: cr.attention_backward(q, q, k, v, q, lse, window=window,
+                                                  config=cr.BackwardConfig("v5", deterministic=det)), ints=True)
 
 # paged prefill v3 (Hopper): packed GQA 8/2 and MHA, blocks of 16, the tensor maps recorded
 from iokernels.cupy_raw.hopper import paged_prefill as PP3
@@ -443,8 +450,11 @@ def test_backward_v4_launch_geometry(launches, ver):
     """backward v4 (Hopper, two consumer warpgroups) and v5 (its kernel, longest first): the main
     loop one block per (K/V tile of 128 keys, KV head, sequence), 384 threads (producer + two
     consumer warpgroups), compiled for sm_90a; Q and dO in 64-row boxes, K and V in 128-row
-    boxes; dQ's partials one slot per 128-key tile (bwd_finish sums Tc = ceil(77 / 128) = 1)."""
+    boxes; dQ's partials one slot per 128-key tile (bwd_finish sums Tc = ceil(77 / 128) = 1).
+    v5's last argument is its policy's group of pairs: all four under the causal mask, one (v4's
+    order) without an upper edge to the band."""
     from iokernels.cupy_raw import config as C
+    from iokernels.cupy_raw import policy
     for dt in ("bfloat16", "float16"):
         for d in (64, 128):
             for det in (False, True):
@@ -460,6 +470,12 @@ def test_backward_v4_launch_geometry(launches, ver):
                 q_map = dict(dims=[d, 37, 8], strides=[2 * d, 2 * d * 37], box=[64, 64, 1])
                 kv_map = dict(dims=[d, 77, 4], strides=[2 * d, 2 * d * 77], box=[64, 128, 1])
                 assert launches[f"maps bwd {ver} {dt} {d} {det}"] == [q_map, kv_map, kv_map, q_map]
+                if ver == "v5":      # lpt_pairs, the last argument: the stand-in's 132 SMs and 50 MB of L2
+                    pairs = policy.backward_lpt_pairs(4, 2, 37, d, 2, 50 << 20, banded=True, tiles=1, sms=132)
+                    assert main["ints"][-1] == pairs == 4                  # causal: every pair one group
+                    for window in (None, (8, -1)):
+                        ls = launches[f"attention_backward v5 {dt} {d} deterministic={det} window={window}"]
+                        assert ls[1]["name"] == "bwd_v5_main" and ls[1]["ints"][-1] == 1, window
 
 
 def test_the_paged_prefill_v3_plan_launches_like_its_eager_call(launches):

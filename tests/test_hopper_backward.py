@@ -373,17 +373,26 @@ def test_v5_is_held_back_until_measured(hopper_here, monkeypatch):
     _assert_the_default_on_hopper("v5", BWD_V4_HEAD_DIMS)
 
 
-def test_lpt_pairs_fill_part_of_the_l2_cache():
-    """policy.backward_lpt_pairs: the pairs whose Q and dO rows (2 x group x N_q x d x itemsize
-    bytes each) fit BWD_V5_L2_SHARE of the L2 cache; at least one, at most all of them."""
+def test_lpt_pairs_fill_one_wave_within_part_of_the_l2_cache():
+    """policy.backward_lpt_pairs: under a band with an upper edge, the pairs whose blocks fill one
+    wave (SMs / tiles, rounded up), no more than whose Q and dO rows (2 x group x N_q x d x
+    itemsize bytes each) fit BWD_V5_L2_SHARE of the L2 cache; at least one, at most all of them.
+    Without an upper edge, one (v4's order)."""
     mb = 1 << 20
     per_pair = 2 * 4 * 4096 * 128 * 2                         # GQA 4, N_q 4096, d 128, 16-bit: 8 MB
     assert per_pair == 8 * mb
-    assert policy.backward_lpt_pairs(64, 4, 4096, 128, 2, 50 * mb) == int(policy.BWD_V5_L2_SHARE * 50 * mb) // per_pair
-    assert policy.backward_lpt_pairs(64, 4, 4096, 128, 2, 50 * mb) == 3     # 25 MB of 50 MB: three pairs
-    assert policy.backward_lpt_pairs(2, 1, 128, 64, 2, 50 * mb) == 2         # every pair fits: all of them
-    assert policy.backward_lpt_pairs(8, 8, 131072, 128, 2, 50 * mb) == 1     # one pair over the share: one
-    assert policy.backward_lpt_pairs(8, 4, 4096, 128, 2, 0) == 1             # no L2 size reported: one
+
+    def lpt(pairs, group, n, d, l2, banded=True, tiles=32, sms=132):
+        return policy.backward_lpt_pairs(pairs, group, n, d, 2, l2, banded=banded, tiles=tiles, sms=sms)
+    assert lpt(64, 4, 4096, 128, 50 * mb) == int(policy.BWD_V5_L2_SHARE * 50 * mb) // per_pair
+    assert lpt(64, 4, 4096, 128, 50 * mb) == 3                 # 25 MB of 50 MB: three pairs (a wave is 5)
+    assert lpt(64, 1, 4096, 128, 50 * mb) == 5                 # 12 fit; 5 x 32 blocks fill 132 SMs
+    assert lpt(64, 1, 4096, 128, 50 * mb, tiles=200) == 1      # one pair more than fills a wave
+    assert lpt(2, 1, 128, 64, 50 * mb, tiles=1) == 2           # every pair fits: all of them
+    assert lpt(8, 8, 131072, 128, 50 * mb) == 1                # one pair over the share: one
+    assert lpt(8, 4, 4096, 128, 0) == 1                        # no L2 size reported: one
+    for pairs in (1, 7, 64):                                   # no upper edge: v4's order
+        assert lpt(pairs, 1, 128, 64, 50 * mb, banded=False, tiles=1) == 1
 
 
 # --------------------------------------------------------------------------- on a Hopper GPU
@@ -522,24 +531,20 @@ def test_plan_matches_the_eager_launch():
 def test_v5_gives_v4s_bits(monkeypatch, d):
     """v5 is v4's kernel with its blocks in another order, so in the deterministic mode its
     gradients are v4's bit for bit: causal, a causal window, no mask, GQA, N_q != N_k, with the
-    L2 size the launcher reads set so that a group holds every pair, three pairs (a last group
-    of fewer: 2 x 4 = 8 pairs), or one (v4's own order).  A tile run twice or never would
-    change dK, dV or dQ."""
+    launcher's policy set so that a group holds every pair, three pairs (a last group of fewer:
+    2 x 4 = 8 pairs), or one (v4's own order).  A tile run twice or never would change dK, dV
+    or dQ."""
     torch = _torch()
     from iokernels.cupy_raw import backward as bw
     from iokernels.cupy_raw.backward import run_attention_backward
     q, do = (torch.randn((2, 8, 700, d), device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k, v = (torch.randn((2, 4, 900, d), device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    per_pair = 2 * 2 * 700 * d * 2                            # Q and dO rows of a pair's 2 query heads
-    info = bw.device_info()
     for causal, window in ((True, None), (False, (256, 0)), (False, None)):
         o, lse = ik.attention(q, k, v, causal=causal, window=window, backend="cupy", return_lse=True)
         g4 = run_attention_backward(do, q, k, v, o, lse, causal=causal, scale=None, window=window,
                                     config=BackwardConfig("v4", deterministic=True))
         for pairs in (8, 3, 1):
-            l2 = int(per_pair * pairs / policy.BWD_V5_L2_SHARE) + 1
-            assert policy.backward_lpt_pairs(8, 2, 700, d, 2, l2) == pairs
-            monkeypatch.setattr(bw, "device_info", lambda: dict(info, l2=l2))
+            monkeypatch.setattr(bw, "backward_lpt_pairs", lambda *args, pairs=pairs, **kw: pairs)
             g5 = run_attention_backward(do, q, k, v, o, lse, causal=causal, scale=None, window=window,
                                         config=BackwardConfig("v5", deterministic=True))
             for name, a, b in zip(("dq", "dk", "dv"), g4, g5):

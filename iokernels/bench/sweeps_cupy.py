@@ -236,12 +236,16 @@ def _sweep_decode_shape(rows, shape, reps, only, split_counts=None):
                          ratio_to_cudnn=round(cudnn_ms / flash_ms, 3)))
     except RuntimeError as e:                          # FLASH refuses some shapes: say so, go on
         print(f"# {group} sdpa FLASH: {str(e).splitlines()[0][:160]}", flush=True)
-    kp, vp, tables, lens = bench.device_pages(k, v, seed=0)
+    try:
+        pools = bench.device_pages(k, v, seed=0)
+    except bench.Unavailable as e:                     # N not whole pages: contiguous rows only
+        print(f"# {group} paged: {e}", flush=True)
+        pools = None
     contiguous = {}
     for label, cfg, splits in decode_cases(only, split_counts):
-        for paged in (False, True):
+        for paged in (False, True) if pools else (False,):
             name = f"cupy {label}" + (" paged" if paged else "")
-            fn, args = (cr.paged_decode_pools, (q, kp, vp, tables, lens)) if paged else (cr.decode, (q, k, v))
+            fn, args = (cr.paged_decode_pools, (q, *pools)) if paged else (cr.decode, (q, k, v))
             try:
                 o, _ = fn(*args, num_splits=splits, config=cfg)
                 err = float((o.float() - ref).abs().max())
@@ -256,8 +260,8 @@ def _sweep_decode_shape(rows, shape, reps, only, split_counts=None):
                 _emit(rows, row)
             except Exception as e:                     # a config that does not fit: say so, go on
                 print(f"# {group} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-    if only is None or "v4" in only:
-        _sweep_decode_loads(rows, group, (q, k, v), (q, kp, vp, tables, lens), ref, cudnn_ms, kv_bytes, reps)
+    if pools and (only is None or "v4" in only):
+        _sweep_decode_loads(rows, group, (q, k, v), (q, *pools), ref, cudnn_ms, kv_bytes, reps)
 
 
 def _sweep_decode_loads(rows, group, contiguous_args, paged_args, ref, cudnn_ms, kv_bytes, reps):

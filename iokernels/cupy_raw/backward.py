@@ -30,10 +30,11 @@ v4       v3 with two consumer warpgroups: a block owns Bc = 128 keys, 64 a warpg
          setmaxnreg shares the registers between 1 producer and 2 consumer warpgroups.  The
          default on Hopper.
 v5       v4's kernel with its blocks in longest-first order: the (batch, KV head) pairs in
-         groups whose Q_i, dO_i fit part of the L2 cache (:func:`.policy.backward_lpt_pairs`),
-         inside a group every pair's first K/V tile, then every pair's second, ...  Under the
-         causal mask a block's work shrinks with its tile, so the grid ends on short blocks
-         instead of a late long one.  Held back from the default until a benchmark records it
+         groups that fill a wave of blocks and whose Q_i, dO_i fit part of the L2 cache
+         (:func:`.policy.backward_lpt_pairs`), inside a group every pair's first K/V tile, then
+         every pair's second, ...  Under the causal mask a block's work shrinks with its tile,
+         so the grid ends on short blocks instead of a late long one; without an upper edge to
+         the band the policy keeps v4's order.  Held back from the default until a benchmark records it
          ahead of v4 (cupy_raw/policy.py's gate); run it with ``BackwardConfig(version="v5")``.
 =======  ===================================================================================
 
@@ -191,9 +192,12 @@ def backward_v4_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, *, scale, wind
 
 def backward_v5_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, *, scale, window) -> tuple:
     """bwd_v5.cu's bwd_v5_main: bwd_v4_main's arguments, then ``lpt_pairs`` (the (batch, KV head)
-    pairs a longest-first group: :func:`.policy.backward_lpt_pairs` for this GPU's L2 cache)."""
-    (B, Hq, Nq, d), Hkv = qd.shape, kd.shape[1]
-    lpt = backward_lpt_pairs(B * Hkv, Hq // Hkv, Nq, d, qd.itemsize, device_info().get("l2", 0))
+    pairs a longest-first group: :func:`.policy.backward_lpt_pairs` for this band, this GPU's SMs
+    and L2 cache)."""
+    from .config import BWD_V4_BLOCK_K
+    (B, Hq, Nq, d), (Hkv, Nk), info = qd.shape, kd.shape[1:3], device_info()
+    lpt = backward_lpt_pairs(B * Hkv, Hq // Hkv, Nq, d, qd.itemsize, info.get("l2", 0), banded=window[1] >= 0,
+                             tiles=-(-Nk // BWD_V4_BLOCK_K), sms=info.get("sms", 1))
     return (*backward_v4_args(qd, kd, vd, dod, lsed, dvec, dk, dv, dq_acc, scale=scale, window=window),
             np.int32(lpt))
 

@@ -169,13 +169,22 @@ BWD_V4_STAGES = 2
 BWD_V5_L2_SHARE = 0.5
 
 
-def backward_lpt_pairs(pairs: int, group: int, seq_q: int, head_dim: int, itemsize: int, l2_bytes: int) -> int:
+def backward_lpt_pairs(pairs: int, group: int, seq_q: int, head_dim: int, itemsize: int, l2_bytes: int, *,
+                       banded: bool, tiles: int, sms: int) -> int:
     """bwd_v5.cu's ``lpt_pairs``: the (batch, KV head) pairs whose blocks run as one group, longest
-    first.  As many as keep the Q and dO rows of their ``group`` query heads each (2 x group x
-    seq_q x head_dim x itemsize bytes a pair) within BWD_V5_L2_SHARE of ``l2_bytes``; at least 1
-    (a pair larger than that share is a group of its own), at most ``pairs``."""
+    first.  1 (v4's order) unless the band has an upper edge (``banded``: causal, a causal window),
+    since without one every block is as long as the next and a larger group only spreads the
+    blocks running at once over more pairs' Q and dO rows.  With one: the pairs whose ``tiles``
+    blocks each fill one wave of ``sms`` blocks (one block an SM; more pairs run at once than v4's
+    order has, for no shorter tail), and no more than keep the Q and dO rows of their ``group``
+    query heads each (2 x group x seq_q x head_dim x itemsize bytes a pair) within
+    BWD_V5_L2_SHARE of ``l2_bytes`` (0: not reported, one pair).  At least 1 (a pair larger than
+    that share is a group of its own), at most ``pairs``."""
+    if not banded:
+        return 1
+    wave = -(-max(1, sms) // max(1, tiles))
     per_pair = 2 * group * seq_q * head_dim * itemsize
-    return max(1, min(pairs, int(BWD_V5_L2_SHARE * l2_bytes) // max(1, per_pair)))
+    return max(1, min(pairs, wave, int(BWD_V5_L2_SHARE * l2_bytes) // max(1, per_pair)))
 
 
 # =========================================================================== paged prefill

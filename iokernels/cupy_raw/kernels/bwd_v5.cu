@@ -17,14 +17,16 @@
 //     run out of work.  That tail is up to one longest block's time.
 //   * v5 reads its block's linear index in a different order (block_tile): the pairs are taken in
 //     groups of lpt_pairs (the launcher's policy, cupy_raw/policy.py backward_lpt_pairs: as many
-//     pairs as keep their Q_i and dO_i tiles within part of the L2 cache), and inside a group
+//     pairs as fill one wave of blocks, and no more than keep their Q_i and dO_i tiles within
+//     part of the L2 cache), and inside a group
 //     tile jt is the slow index: every pair's tile 0 first, then every pair's tile 1, ... .  So
 //     each group runs its longest blocks first and its shortest last, and the grid ends on the
 //     last group's shortest blocks.  Grouping keeps what v4's order had: the blocks running at
 //     once read the Q_i, dO_i tiles of a few pairs, which stay in L2 between them.
 //   * tile jt first is the longest first wherever the band has an upper edge (causal, a causal
 //     window): the blocks of the last tiles have the fewest rows that see them.  Without a mask
-//     every block is as long as the next, and the order changes nothing but the L2 grouping.
+//     every block is as long as the next, and the order would change nothing but the L2
+//     grouping, so there the policy passes lpt_pairs = 1: v4's order exactly.
 //   * the grid, the launch and every product are v4's; the kernel takes one more argument
 //     (lpt_pairs).  dQ's deterministic slots are still indexed by jt, so the deterministic mode
 //     gives v4's bits.
