@@ -623,7 +623,7 @@ def test_default_configs_fit_every_head_dim(dtype):
         need = nc.need("decode", q=np.zeros((1, 4, d), dtype), k=np.zeros((1, 1, 2, d), dtype),
                        v=np.zeros((1, 1, 2, d), dtype))
         pairs = dtype != "float64" and d * np.dtype(dtype).itemsize % 16 == 0       # v4's 16-byte rows
-        assert nc.REGISTRY.resolve("decode", None, need)[1].version == ("v4" if pairs else "v3")   # v5, v6 held back
+        assert nc.REGISTRY.resolve("decode", None, need)[1].version == ("v6" if pairs else "v3")
     with pytest.raises(ValueError, match="config.block_k"):        # an explicit misfit still raises
         ForwardConfig(version="v2", block_k=64).resolved(256, dtype)
 

@@ -2,7 +2,7 @@
 and v6 (v5 with no bounds checks in a split's interior) on the simulator: the float64 oracle
 by the 2x rule (float16, float32) through each path of the lane all-reduce, GQA, empty
 sequences and splits, a window, the paged cache with both addressings, the counted traffic,
-v6 equal to v5 bit for bit, which calls they refuse, and that the default holds them back.
+v6 equal to v5 bit for bit, which calls they refuse, and that v6 is the default.
 Their PTX is checked in tests/test_numba_ptx.py."""
 from __future__ import annotations
 
@@ -89,14 +89,20 @@ def test_v6_equals_v5_bit_for_bit(rng):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_held_back_from_the_default_and_refusing_what_v4_refuses(rng, version):
+def test_the_default_and_refusing_what_v4_refuses(rng, version, monkeypatch):
+    """v6 is the default wherever v4 runs (v5 ranks between them); a version put back into
+    policy.HELD_BACK runs by name only, and the default passes over it."""
+    from iokernels.numba_cuda import policy
     R = nc.REGISTRY
     q, k, v = _inputs(rng, 1, 4, 2, 5, 8, "float16")
     n = nc.need("decode", q=q, k=k, v=v)
     rec = R.get("decode", version)
-    assert rec.unavailable(n) is None and rec.rank > R.get("decode", "v4").rank
-    assert "not the default until measured" in R.get("decode", version).not_default(n)
-    assert R.resolve("decode", None, n)[1].version == "v4"          # the default until a record says otherwise
+    assert rec.unavailable(n) is None and R.get("decode", "v6").rank > R.get("decode", "v5").rank > \
+        R.get("decode", "v4").rank
+    assert R.resolve("decode", None, n)[1].version == "v6" and rec.not_default(n) is None
+    monkeypatch.setitem(policy.HELD_BACK, ("decode", "v6"), "a record with v6 ahead of v5")
+    assert "not the default until measured" in R.get("decode", "v6").not_default(n)
+    assert R.resolve("decode", None, n)[1].version == "v5"
     for dtype, d in (("float16", 12), ("float64", 8)):              # rows not whole 16-byte pairs
         q, k, v = _inputs(rng, 1, 2, 1, 5, d, dtype)
         assert R.get("decode", version).unavailable(nc.need("decode", q=q, k=k, v=v))

@@ -53,12 +53,10 @@ attention_backward    v1       numba_cuda/backward.py       1     FlashAttention
 decode, paged_decode  v6       numba_cuda/decode_v6.py      6     v5 with no bounds checks in a split's
                                                                   interior (the steps whose keys and next keys
                                                                   all exist); v5's checked step for the last
-                                                                  ones (held back from the default until
-                                                                  measured)
+                                                                  ones
 decode, paged_decode  v5       numba_cuda/decode_v5.py      5     v4 with its scores in log2 units: every
                                                                   exponential one exp2 (the SFU's
                                                                   instruction), no expf argument reduction
-                                                                  (held back from the default until measured)
 decode, paged_decode  v4       numba_cuda/decode_v4.py      4     v3 with 16-byte loads (two words by one
                                                                   vector load): half the lanes a key, so half
                                                                   the lane sums and softmax work a key

@@ -218,7 +218,7 @@ class DecodeConfig:
     unpack), "v3" (software-pipelined word loads, reduce-scatter lane sums), "v4" (v3 with
     16-byte loads: float16 / float32 rows of whole 16-byte pairs), "v5" (v4 with its scores in
     log2 units: every exponential an exp2), "v6" (v5 with no bounds checks in a split's
-    interior); v5 and v6 by name only; None: the default (v4 where it
+    interior); None: the default (v6 where it
     applies, else v3 when K and V are C-contiguous, else v1).  lanes_per_key (L),
     keys_per_iter (KPI): v2's to v6's split tiling; key_groups (KG): v3's to v6's key
     groups per block (v1 and v2 use a fixed KG); None: the version's defaults.  v1 ignores

@@ -124,9 +124,7 @@ def forward_v5_tiles(head_dim: int, itemsize: int, limit: int, lanes: int, rows_
 # --------------------------------------------------------------------------- versions held back
 #: the versions the registry's default does not pick until a recorded GPU run has them ahead of
 #: the one it picks now, (op, version) -> what has to be measured; a config naming one runs it
-#: (:func:`iokernels.core.records.held_back_reason` reads it).  Decode v5 and v6 are ranked
-#: above v4, so removing their entries makes the default theirs.
-HELD_BACK = {
-    (op, version): f"a recorded decode section with {version} ahead of v4 on a GPU"
-    for op in ("decode", "paged_decode") for version in ("v5", "v6")
-}
+#: (:func:`iokernels.core.records.held_back_reason` reads it).  Empty: decode v5 and v6 were held
+#: here until the H200 record of 2026-12-06 (benchmarks/results) had both ahead of v4 at every
+#: decode shape; v6, ranked highest, is the default.
+HELD_BACK: dict[tuple[str, str], str] = {}

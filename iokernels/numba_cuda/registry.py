@@ -200,9 +200,10 @@ def _gather(version, rank, needs_contiguous, summary):
 
 #: forward ranks: v4 is the default; v5 runs by name (config=ForwardConfig("v5")) until a
 #: recorded GPU run shows it ahead of v4 (the simulator checks its numbers, not its speed).
-#: decode ranks: v4 first, then v3; where v3 cannot run (strided K/V) v1, the kernel written for any
-#: strides; v2 on request (on strided K/V it loads elements, as v1 does); v5 and v6 rank above v4
-#: but are held back (policy.HELD_BACK): they run by name until a recorded run shows them ahead
+#: decode ranks: v6 first, then v5, v4 and v3 (each where its checks pass: v4-v6 read 16-byte
+#: pairs); where v3 cannot run (strided K/V) v1, the kernel written for any strides; v2 on request
+#: (on strided K/V it loads elements, as v1 does).  A version named in policy.HELD_BACK runs by
+#: name only until a recorded run shows it ahead
 RECORDS = (
     _forward("v1", 1, "one thread per query row, K and V read from global memory by every row"),
     _forward("v2", 2, "the block stages K_j, V_j in shared memory once for all its rows (FlashAttention-2's loop)"),
