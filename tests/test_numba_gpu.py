@@ -127,7 +127,7 @@ def test_decode_real_sizes(B, Hq, Hkv, N, d, dtype):
     ro, rl = reference.decode(q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(), seq_lens=lens)
     qn, kn, vn = (x.cpu().numpy() for x in (q, k, v))
     bo, bl = ik.decode(qn, kn, vn, seq_lens=lens, backend="naive", return_lse=True)
-    o, lse = ik.decode(q, k, v, seq_lens=lens, backend="numba", return_lse=True)   # the default (v3)
+    o, lse = ik.decode(q, k, v, seq_lens=lens, backend="numba", return_lse=True)   # the default version
     testing.assert_close(o, ro, bo)
     testing.assert_close(lse, rl, bl, name="lse")
     for cfg in DECODE_VERSIONS:                      # every registered version
