@@ -123,6 +123,20 @@ def test_finish_case_ratios_and_silent_fallback():
     assert "silent_fallback" not in ok
 
 
+def test_a_slow_row_says_which_runner_on_stderr(monkeypatch, capsys):
+    """A row whose whole cost passes SLOW_ROW_S names its runner, time and status on stderr as it
+    ends (a time box's log then shows where a case spent its time); a quick one says nothing."""
+    from iokernels.bench import runners
+    slow = lambda: time.sleep(0.05) or np.zeros(1)                                     # noqa: E731
+    monkeypatch.setattr(runners, "SLOW_ROW_S", 0.04)
+    row = runners._measure("numpy slow", "numpy", slow, work=1.0, unit="TFLOP/s", device=False)
+    assert row["status"] == "ok" and row["wall_s"] >= 0.05
+    assert f"    numpy slow: {row['wall_s']:.1f} s (ok)" in capsys.readouterr().err
+    monkeypatch.setattr(runners, "SLOW_ROW_S", 60.0)
+    runners._measure("numpy quick", "numpy", slow, work=1.0, unit="TFLOP/s", device=False)
+    assert "numpy quick" not in capsys.readouterr().err
+
+
 def test_device_pages_hold_the_same_kv(rng):
     torch = pytest.importorskip("torch")
     k = torch.from_numpy(rng.standard_normal((3, 2, 80, 8)).astype(np.float32))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+import sys
 import time
 
 import numpy as np
@@ -25,7 +26,7 @@ from ..core.gpu import simulator_enabled
 from ..core.testing import make_inputs
 from ..paged import MIN_SCALE, QUANT_FORMATS
 from .paged_tables import paged_call_tables
-from .specs import CHECK_TOL, NUMPY_MAX_FLOPS, PAGED_BLOCK, SDPA_NAMES, SLOW_CALL_MS, TARGET_MS_PER_RUNNER
+from .specs import CHECK_TOL, NUMPY_MAX_FLOPS, PAGED_BLOCK, SDPA_NAMES, SLOW_CALL_MS, SLOW_ROW_S, TARGET_MS_PER_RUNNER
 from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, _Device, host_calls, host_ms_loop, peak_memory,
                     release_device_cache, time_cpu, time_cuda)
 
@@ -196,6 +197,8 @@ def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=T
     finally:
         release_device_cache()
         row["wall_s"] = round(time.perf_counter() - t_row, 2)
+        if row["wall_s"] > SLOW_ROW_S:
+            print(f"    {name}: {row['wall_s']:.1f} s ({row.get('status', 'stopped')})", file=sys.stderr, flush=True)
     return row
 
 

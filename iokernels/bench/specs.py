@@ -48,6 +48,9 @@ TARGET_MS_PER_RUNNER = 400.0
 #: calls slower than this (ms) get one warm-up call, not DEFAULT_WARMUP (they are past any
 #: start-up effect after the check call and the probe, and each costs a lot of the time box)
 SLOW_CALL_MS = 50.0
+#: a row whose whole cost (compile, check, timing) passes this many seconds of wall time says so on
+#: stderr as it ends, so a time box's log shows which runner a case spent its time on
+SLOW_ROW_S = 10.0
 #: largest |out - SDPA| accepted before a row is flagged "suspect" (per storage dtype)
 CHECK_TOL = {"float32": 2e-3, "float16": 2e-2, "bfloat16": 6e-2}
 #: a problem's block size for the paged cache (vLLM's default)
