@@ -174,11 +174,12 @@ def backward_lpt_pairs(pairs: int, group: int, seq_q: int, head_dim: int, itemsi
     """bwd_v5.cu's ``lpt_pairs``: the (batch, KV head) pairs whose blocks run as one group, longest
     first.  1 (v4's order) unless the band has an upper edge (``banded``: causal, a causal window),
     since without one every block is as long as the next and a larger group only spreads the
-    blocks running at once over more pairs' Q and dO rows.  With one: the pairs whose ``tiles``
-    blocks each fill one wave of ``sms`` blocks (one block an SM; more pairs run at once than v4's
-    order has, for no shorter tail), and no more than keep the Q and dO rows of their ``group``
-    query heads each (2 x group x seq_q x head_dim x itemsize bytes a pair) within
-    BWD_V5_L2_SHARE of ``l2_bytes`` (0: not reported, one pair).  At least 1 (a pair larger than
+    blocks running at once over more pairs' Q and dO rows.  With one: as many pairs as it takes
+    for their blocks (``tiles`` a pair) to fill one wave of ``sms`` blocks (one block an SM; a
+    larger group runs more pairs at once than v4's order does, for no shorter tail), and no more
+    than keep the Q and dO rows of their ``group`` query heads each (2 x group x seq_q x
+    head_dim x itemsize bytes a pair) within BWD_V5_L2_SHARE of ``l2_bytes`` (0: not reported,
+    one pair).  At least 1 (a pair larger than
     that share is a group of its own), at most ``pairs``."""
     if not banded:
         return 1
