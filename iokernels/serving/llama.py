@@ -107,6 +107,19 @@ def rope(x, positions, theta):
     return rotate(x, *rope_tables(positions, x.shape[-1], theta, x.dtype, x.device))
 
 
+def _to_device(arrays, device) -> list:
+    """Host int64 arrays -> tensors on ``device``, in one copy, made before the step queues any work.
+
+    A copy from pageable host memory to a GPU waits until the stream has run everything
+    queued before it (PyTorch's ``copy_`` with ``non_blocking=False`` ends in
+    ``memcpy_and_sync``, a stream synchronize: c10/cuda/CUDAFunctions.h, code).  One copy at
+    the start of the step costs that wait once, while the device is idle; a copy between the
+    layers would hold the host until the device had run them.
+    """
+    flat = torch.from_numpy(np.concatenate(arrays)).to(device)
+    return list(flat.split([len(a) for a in arrays]))
+
+
 def _attend_on_host(memory, layer, seqs, chunk_lens, ids, cu, q, k, v):
     """A host memory's layer: K, V written a sequence at a time, then one attention call, all in NumPy."""
     k_np, v_np = k.cpu().numpy(), v.cpu().numpy()
@@ -173,8 +186,9 @@ class Llama:
         ids = [s.tokens[s.computed:s.computed + c] for s, c in zip(seqs, chunk_lens)]
         cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
         starts = np.fromiter((s.computed for s in seqs), np.int64, len(seqs))
-        pos = torch.from_numpy(np.arange(cu[-1]) + np.repeat(starts - cu[:-1], chunk_lens))  # computed, + 1, ...
-        tok = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(cu[-1]))).to(self.device)
+        pos = np.arange(cu[-1]) + np.repeat(starts - cu[:-1], chunk_lens)           # computed, + 1, ...
+        tok = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(cu[-1]))
+        tok, pos, last = _to_device([tok, pos, cu[1:] - 1], self.device)        # each chunk's last row: last
         plan = memory.prepare(seqs, chunk_lens, ids) if hasattr(memory, "prepare") else None
         x, angles = self.embed[tok], self._angles(pos)          # the rotary tables once, for every layer
         for layer, p in enumerate(self.layers):
@@ -183,7 +197,6 @@ class Llama:
             else:
                 attend = functools.partial(_attend_on_host, memory, layer, seqs, chunk_lens, ids, cu)
             x = self._block(p, x, angles, attend)
-        last = torch.from_numpy(cu[1:] - 1).to(self.device)
         return rms_norm(x[last], self.norm, self.shape.norm_eps) @ self.lm_head.T
 
     @torch.no_grad()
