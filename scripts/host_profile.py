@@ -1,7 +1,7 @@
 """Where the host's time goes on a GPU: a call of ours beside SDPA's, and a serving step.
 
-    python scripts/host_profile.py [--op decode|paged|attention|serve|all] [--calls 1000] [--top 14]
-                                   [--warm-steps 120] [--steps 30]
+    python scripts/host_profile.py [--op decode|paged|attention|serve|gemm|all] [--calls 1000] [--top 14]
+                                   [--warm-steps 120] [--steps 30] [--rows-granule N]
 
 decode, paged, attention: each op at one small shape (:data:`SHAPES`; bfloat16, torch CUDA tensors,
 the CuPy backend's default; paged: ``iokernels.cupy_raw.paged_decode_pools`` over device pools,
@@ -19,6 +19,15 @@ cProfile.  Per side: the running sequences, a step's wall time and its phases
 the rest of the step the device waited for the host, or the host for it), the kernels that
 take the most of it, and the Python functions that take the most of the host.
 
+``--rows-granule N`` pads the model's rows of a step to a multiple of N (1: none;
+default: the model's, :data:`iokernels.serving.llama.ROWS_GRANULE`).
+
+gemm: the host's microseconds a call of a bfloat16 ``x @ W.T`` (W: Llama-3-8B's MLP, 14336 x
+4096), where x has the same row count every call, a row count that changes every call (a new
+one each time: what a server's step sees when its batch changes), and the same changing counts
+padded to a multiple of 64; each loop ends with one synchronize.  A call's host time beyond
+the first loop's is what choosing a kernel for a new shape costs the host.
+
 The functions are ranked by ``tottime`` (time inside the function itself); the profiler's own
 cost inflates every entry, so compare entries with each other, not with the unprofiled
 times.  Needs CUDA, torch and CuPy: without them it says so and exits 0.
@@ -29,6 +38,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import random
 import sys
 import time
 from pathlib import Path
@@ -145,6 +155,9 @@ def _serve(a, torch) -> None:
     per_token = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, 2)
     slots = B._kv_slots(None, 1.25, preset, per_token, block)
     llama = Llama(shape, seed=0, dtype=torch.bfloat16, device="cuda")
+    if a.rows_granule is not None:
+        llama.rows_granule = a.rows_granule
+    print(f"(the model pads a step's rows to a multiple of {llama.rows_granule})")
     trace = sharegpt_like_trace(4096, seed=0, vocab=shape.vocab, scale=preset["scale"], max_prompt=preset["max_prompt"],
                                 max_new_tokens=preset["max_new_tokens"], rate=preset["rate"])
     paged, contiguous = B._memories("cuda", "cupy", slots // block, block, llama.memory_shape())
@@ -152,13 +165,33 @@ def _serve(a, torch) -> None:
         _side(label, make, llama, trace, preset, a, torch)
 
 
+def _gemm(a, torch) -> None:
+    """Host time a call of x @ W.T: one row count, a new row count every call, those padded."""
+    w = torch.randn(14336, 4096, device="cuda", dtype=torch.bfloat16)
+    xs = torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16)
+    rng = random.Random(0)
+    fresh = rng.sample(range(300, 1000), 600)        # 600 distinct row counts, none seen before
+    loops = {"the same 541 rows": [541] * len(fresh), "a new row count each call (300-999)": fresh,
+             "those counts padded to a multiple of 64": [-(-m // 64) * 64 for m in fresh]}
+    for label, ms in loops.items():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for m in ms:
+            xs[:m] @ w.T
+        us = 1e6 * (time.perf_counter() - t0) / len(ms)
+        torch.cuda.synchronize()
+        print(f"== gemm, {label}: {us:.1f} us of host a call ({len(set(ms))} row counts)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--op", choices=("decode", "paged", "attention", "serve", "all"), default="all")
+    ap.add_argument("--op", choices=("decode", "paged", "attention", "serve", "gemm", "all"), default="all")
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--warm-steps", type=int, default=120, help="serve: steps before the profiled ones")
     ap.add_argument("--steps", type=int, default=30, help="serve: steps profiled, by each profiler")
+    ap.add_argument("--rows-granule", type=int, default=None, help="serve: pad a step's rows to a multiple of "
+                    "this (1: none; default: the model's)")
     a = ap.parse_args(argv)
     try:
         import torch
@@ -168,9 +201,9 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"host_profile: needs torch with CUDA and CuPy ({e}); nothing measured")
         return 0
-    for op in (("decode", "paged", "attention", "serve") if a.op == "all" else (a.op,)):
-        if op == "serve":
-            _serve(a, torch)
+    for op in (("decode", "paged", "attention", "gemm", "serve") if a.op == "all" else (a.op,)):
+        if op in ("serve", "gemm"):
+            (_serve if op == "serve" else _gemm)(a, torch)
             continue
         ours, sdpa = _calls(op, torch)
         us_ours, us_sdpa = _loop_us(ours, a.calls, torch), _loop_us(sdpa, a.calls, torch)

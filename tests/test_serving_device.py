@@ -472,3 +472,36 @@ def test_a_steps_decodes_are_padded_to_shapes_that_repeat():
     shapes = {_padded_decodes(np.arange(n), np.zeros((n, w), np.int32), np.ones(n, np.int32))[1].shape
               for n, w in zip(range(800, 877), range(100, 177))}
     assert len(shapes) <= 4
+
+
+def test_padded_rows_reach_neither_the_cache_nor_the_logits():
+    """A step's rows padded to a granule (the model's matrix products then see few row counts) give
+    the unpadded step's logits and leave the same cache behind, in float64 to the oracle's 1e-12."""
+    from iokernels.serving.llama import ROWS_GRANULE, padded_rows
+    assert ROWS_GRANULE > 1
+    assert padded_rows(np.arange(3), 4).tolist() == [0, 1, 2, 0]
+    assert len(padded_rows(np.arange(8), 4)) == 8 and len(padded_rows(np.arange(0), 4)) == 4
+    reqs, ms = _reqs(lens=(3, 17, 9)), MODEL.memory_shape()
+    runs = []
+    for granule in (1, 5, ROWS_GRANULE):
+        model = Llama(TINY, seed=3)
+        model.rows_granule = granule
+        mem = DevicePagedMemory(40, 4, **ms)
+        seqs, chunks = [], []
+        for r in reqs:
+            group = Group(Request(r.rid, r.prompt, 1), 0)
+            assert mem.admit(group)
+            mem.start(group.seqs[0])
+            seqs.append(group.seqs[0])
+            chunks.append(len(r.prompt) - 1)
+        first = model.forward(mem, seqs, chunks)
+        for s, c in zip(seqs, chunks):
+            s.computed += c
+        second = model.forward(mem, seqs, [1] * len(seqs))                  # decodes read the cache
+        assert first.shape == second.shape == (len(seqs), TINY.vocab)
+        runs.append((first.numpy(), second.numpy(), mem.k_pools.clone(), mem.v_pools.clone()))
+    for first, second, k, v in runs[1:]:
+        assert np.max(np.abs(first - runs[0][0])) <= 1e-12 * np.abs(runs[0][0]).max()
+        assert np.max(np.abs(second - runs[0][1])) <= 1e-12 * np.abs(runs[0][1]).max()
+        for got, want in ((k, runs[0][2]), (v, runs[0][3])):        # unwritten slots hold NaN: the same ones
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-12, atol=0, equal_nan=True)

@@ -107,6 +107,26 @@ def rope(x, positions, theta):
     return rotate(x, *rope_tables(positions, x.shape[-1], theta, x.dtype, x.device))
 
 
+#: on a device memory, a step's token rows (and its rows of logits) are padded with zeros to a
+#: multiple of this many, so the model's matrix products see a few dozen distinct row counts over a
+#: run instead of a new one almost every step: a GEMM library picks its kernel per shape
+#: (cuBLASLt's heuristic, cached per shape), and a shape it has not seen costs that choice on the
+#: host again.  Padding rows are dropped before they reach the cache or the logits.
+ROWS_GRANULE = 64
+
+
+def padded_rows(a, granule) -> np.ndarray:
+    """``a`` with zeros appended up to a multiple of ``granule`` rows (at least one granule)."""
+    n = -(-max(len(a), 1) // granule) * granule
+    return np.concatenate([a, np.zeros(n - len(a), a.dtype)])
+
+
+def _attend_rows(attend, rows, q, k, v):
+    """``attend`` over the step's ``rows`` real rows of q, k, v; its output with the padding rows zero."""
+    o = attend(q[:rows], k[:rows], v[:rows])
+    return torch.nn.functional.pad(o, (0, 0, 0, 0, 0, len(q) - rows)) if len(q) > rows else o
+
+
 def _to_device(arrays, device) -> list:
     """Host int64 arrays -> tensors on ``device``, in one copy, made before the step queues any work.
 
@@ -130,7 +150,13 @@ def _attend_on_host(memory, layer, seqs, chunk_lens, ids, cu, q, k, v):
 
 
 class Llama:
-    """A Llama decoder with weights drawn from ``seed``; ``forward`` is what the engine calls."""
+    """A Llama decoder with weights drawn from ``seed``; ``forward`` is what the engine calls.
+
+    ``rows_granule``: a step's rows on a device memory are padded to a multiple of it
+    (:data:`ROWS_GRANULE`; 1 pads nothing).
+    """
+
+    rows_granule = ROWS_GRANULE
 
     def __init__(self, shape: LlamaShape = TINY, seed=0, dtype=torch.float64, device="cpu"):
         self.shape, self.dtype, self.device = shape, dtype, device
@@ -188,16 +214,19 @@ class Llama:
         starts = np.fromiter((s.computed for s in seqs), np.int64, len(seqs))
         pos = np.arange(cu[-1]) + np.repeat(starts - cu[:-1], chunk_lens)           # computed, + 1, ...
         tok = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(cu[-1]))
-        tok, pos, last = _to_device([tok, pos, cu[1:] - 1], self.device)        # each chunk's last row: last
         plan = memory.prepare(seqs, chunk_lens, ids) if hasattr(memory, "prepare") else None
+        rows, last = len(tok), cu[1:] - 1                                      # each chunk's last row: last
+        if plan is not None:                             # a device memory: rows padded (padded_rows)
+            tok, pos, last = (padded_rows(a, self.rows_granule) for a in (tok, pos, last))
+        tok, pos, last = _to_device([tok, pos, last], self.device)
         x, angles = self.embed[tok], self._angles(pos)          # the rotary tables once, for every layer
         for layer, p in enumerate(self.layers):
             if plan is not None:
-                attend = functools.partial(memory.write_attend, layer, plan)
+                attend = functools.partial(_attend_rows, functools.partial(memory.write_attend, layer, plan), rows)
             else:
                 attend = functools.partial(_attend_on_host, memory, layer, seqs, chunk_lens, ids, cu)
             x = self._block(p, x, angles, attend)
-        return rms_norm(x[last], self.norm, self.shape.norm_eps) @ self.lm_head.T
+        return (rms_norm(x[last], self.norm, self.shape.norm_eps) @ self.lm_head.T)[:len(seqs)]
 
     @torch.no_grad()
     def reference_logits(self, tokens):
