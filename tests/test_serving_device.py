@@ -477,13 +477,12 @@ def test_a_steps_decodes_are_padded_to_shapes_that_repeat():
 def test_padded_rows_reach_neither_the_cache_nor_the_logits():
     """A step's rows padded to a granule (the model's matrix products then see few row counts) give
     the unpadded step's logits and leave the same cache behind, in float64 to the oracle's 1e-12."""
-    from iokernels.serving.llama import ROWS_GRANULE, padded_rows
-    assert ROWS_GRANULE > 1
+    from iokernels.serving.llama import padded_rows
     assert padded_rows(np.arange(3), 4).tolist() == [0, 1, 2, 0]
     assert len(padded_rows(np.arange(8), 4)) == 8 and len(padded_rows(np.arange(0), 4)) == 4
     reqs, ms = _reqs(lens=(3, 17, 9)), MODEL.memory_shape()
     runs = []
-    for granule in (1, 5, ROWS_GRANULE):
+    for granule in (1, 5, 64):
         model = Llama(TINY, seed=3)
         model.rows_granule = granule
         mem = DevicePagedMemory(40, 4, **ms)

@@ -107,12 +107,14 @@ def rope(x, positions, theta):
     return rotate(x, *rope_tables(positions, x.shape[-1], theta, x.dtype, x.device))
 
 
-#: on a device memory, a step's token rows (and its rows of logits) are padded with zeros to a
+#: on a device memory, a step's token rows (and its rows of logits) may be padded with zeros to a
 #: multiple of this many, so the model's matrix products see a few dozen distinct row counts over a
 #: run instead of a new one almost every step: a GEMM library picks its kernel per shape
 #: (cuBLASLt's heuristic, cached per shape), and a shape it has not seen costs that choice on the
-#: host again.  Padding rows are dropped before they reach the cache or the logits.
-ROWS_GRANULE = 64
+#: host again.  Padding rows are dropped before they reach the cache or the logits.  1 (no
+#: padding) is the default: whether the host's saving outweighs the padded rows' arithmetic is
+#: what ``scripts/host_profile.py --op gemm`` and ``--op serve --rows-granule 64`` measure on a GPU.
+ROWS_GRANULE = 1
 
 
 def padded_rows(a, granule) -> np.ndarray:
