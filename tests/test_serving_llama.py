@@ -76,7 +76,7 @@ def test_a_forward_pass_makes_the_rotary_tables_once(monkeypatch):
     logits = MODEL.reference_logits(tokens)
     assert len(calls) == 1 and TINY.layers > 1
     x = MODEL.embed[torch.tensor(tokens)]
-    q = (x @ MODEL.layers[0]["wq"].T).view(len(tokens), TINY.heads, TINY.head_dim)
+    q = (x @ MODEL.layers[0]["wqkv"][:TINY.heads * TINY.head_dim].T).view(len(tokens), TINY.heads, TINY.head_dim)
     assert torch.equal(L.rotate(q, *real(torch.arange(9), TINY.head_dim, TINY.rope_theta, q.dtype, q.device)),
                        L.rope(q, torch.arange(9), TINY.rope_theta))
     assert np.isfinite(logits).all()
@@ -143,3 +143,34 @@ def test_serve_bench_time_limit_compares_what_both_sides_finished():
     assert res["setup"]["max_seconds"] == 0.05
     with pytest.raises(ValueError, match="max_seconds"):
         serve_bench("tiny", requests=2, max_seconds=0)
+
+
+def test_a_block_with_stacked_projections_is_the_block_with_separate_ones():
+    """Wq, Wk, Wv stacked in one matrix and W1, W3 in another: a layer computes what it computes
+    with the five products apart (the heads split where they should, the gate is W1's), in
+    float64 to 1e-12."""
+    from iokernels.serving.llama import rms_norm, rotate
+    s, p = TINY, MODEL.layers[0]
+    n, d, hq, hkv = 6, s.head_dim, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    assert p["wqkv"].shape == (hq + 2 * hkv, s.dim) and p["w13"].shape == (2 * s.ffn_dim, s.dim)
+    wq, wk, wv = p["wqkv"].split([hq, hkv, hkv])
+    w1, w3 = p["w13"].split([s.ffn_dim, s.ffn_dim])
+    x = torch.randn(n, s.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    angles = MODEL._angles(torch.arange(3, 3 + n))
+    seen = []
+
+    def attend(q, k, v):
+        seen.append((q, k, v))
+        return q * 2.0                                    # any function of q: the output path is what is checked
+
+    got = MODEL._block(p, x, angles, attend)
+    h = rms_norm(x, p["attn_norm"], s.norm_eps)
+    q = rotate((h @ wq.T).view(n, s.heads, d), *angles)
+    k = rotate((h @ wk.T).view(n, s.kv_heads, d), *angles)
+    v = (h @ wv.T).view(n, s.kv_heads, d)
+    for a, b in zip(seen[0], (q, k, v)):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    x2 = x + (q * 2.0).reshape(n, hq) @ p["wo"].T
+    h2 = rms_norm(x2, p["mlp_norm"], s.norm_eps)
+    want = x2 + (torch.nn.functional.silu(h2 @ w1.T) * (h2 @ w3.T)) @ p["w2"].T
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)

@@ -169,13 +169,21 @@ class Llama:
             std = (1.0 / size[-1]) ** 0.5 if std is None else std                 # keeps activations O(1)
             return (torch.randn(*size, generator=g, dtype=torch.float32) * std).to(dtype).to(device)
 
+        def layer():
+            wq, wk, wv = w(s.heads * s.head_dim, s.dim), w(s.kv_heads * s.head_dim, s.dim), \
+                w(s.kv_heads * s.head_dim, s.dim)
+            wo, w1, w3, w2 = w(s.dim, s.heads * s.head_dim), w(s.ffn_dim, s.dim), w(s.ffn_dim, s.dim), \
+                w(s.dim, s.ffn_dim)
+            # Wq, Wk, Wv stacked into one matrix, W1 and W3 into another: one matrix product
+            # (one kernel launch) each where there were three and two, as vLLM's
+            # QKVParallelLinear and MergedColumnParallelLinear pack them
+            # (vllm/model_executor/layers/linear.py, code)
+            return dict(attn_norm=torch.ones(s.dim, dtype=dtype, device=device), wqkv=torch.cat([wq, wk, wv]),
+                        wo=wo, mlp_norm=torch.ones(s.dim, dtype=dtype, device=device), w13=torch.cat([w1, w3]),
+                        w2=w2)
+
         self.embed = w(s.vocab, s.dim, std=1.0)
-        self.layers = [dict(attn_norm=torch.ones(s.dim, dtype=dtype, device=device),
-                            wq=w(s.heads * s.head_dim, s.dim), wk=w(s.kv_heads * s.head_dim, s.dim),
-                            wv=w(s.kv_heads * s.head_dim, s.dim), wo=w(s.dim, s.heads * s.head_dim),
-                            mlp_norm=torch.ones(s.dim, dtype=dtype, device=device),
-                            w1=w(s.ffn_dim, s.dim), w3=w(s.ffn_dim, s.dim), w2=w(s.dim, s.ffn_dim))
-                       for _ in range(s.layers)]
+        self.layers = [layer() for _ in range(s.layers)]
         self.norm = torch.ones(s.dim, dtype=dtype, device=device)
         self.lm_head = w(s.vocab, s.dim)
 
@@ -193,13 +201,14 @@ class Llama:
 
     def _block(self, p, x, angles, attend):
         s = self.shape
+        hq, hkv = s.heads, s.kv_heads
         h = rms_norm(x, p["attn_norm"], s.norm_eps)
-        q = rotate((h @ p["wq"].T).view(-1, s.heads, s.head_dim), *angles)
-        k = rotate((h @ p["wk"].T).view(-1, s.kv_heads, s.head_dim), *angles)
-        v = (h @ p["wv"].T).view(-1, s.kv_heads, s.head_dim)
-        x = x + attend(q, k, v).reshape(-1, s.heads * s.head_dim) @ p["wo"].T
+        qkv = (h @ p["wqkv"].T).view(-1, hq + 2 * hkv, s.head_dim)        # Q, K, V heads side by side
+        q, k, v = rotate(qkv[:, :hq], *angles), rotate(qkv[:, hq:hq + hkv], *angles), qkv[:, hq + hkv:]
+        x = x + attend(q, k, v).reshape(-1, hq * s.head_dim) @ p["wo"].T
         h = rms_norm(x, p["mlp_norm"], s.norm_eps)
-        return x + (torch.nn.functional.silu(h @ p["w1"].T) * (h @ p["w3"].T)) @ p["w2"].T
+        gate, up = (h @ p["w13"].T).chunk(2, dim=-1)                        # W1 h, W3 h
+        return x + (torch.nn.functional.silu(gate) * up) @ p["w2"].T
 
     @torch.no_grad()
     def forward(self, memory, seqs, chunk_lens):
