@@ -26,7 +26,8 @@
 # their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
 # sanitizes only those CuPy kernels (op:version); SERVE_ARGS replaces the serve-bench arguments;
-# SERVE_FIRST=1 serves before the bench.
+# SERVE_FIRST=1 serves before the bench; HOST_PROFILE=1 adds the host's time of a matrix product
+# and of a serving step (scripts/host_profile.py) after the serving stage.
 #   5. summary
 # Writes exactly these 8 files to OUTDIR (the device tool returns at most 8):
 #   summary.txt  bench.json  bench.txt  traffic.json  serve.json  sanitizer.txt  pytest.txt
@@ -128,6 +129,22 @@ fi
 
 # ---------------------------------------------------------------- 2c. serving, paged against contiguous
 [ "${SERVE_FIRST:-0}" = 1 ] || serve_stage
+
+# ---------------------------------------------------------------- 2c'. the host's time (optional)
+# HOST_PROFILE=1 runs scripts/host_profile.py after the serving stage (alone on the GPU): the host's
+# cost of a matrix product at one row count against a new row count every call (--op gemm), then a
+# serving step's host and device time, paged and contiguous, with the model's rows unpadded and
+# padded to 64 (--op serve); its text goes into logs.tar.gz (host_profile.txt), its summary lines
+# into summary.txt.  T_HOST_PROFILE its box, default 150 s.
+if [ "${HOST_PROFILE:-0}" != 0 ]; then
+  T_HP=$(left ${T_HOST_PROFILE:-150})
+  note "host profile (limit ${T_HP}s)"
+  timeout --kill-after=5 $T_HP bash -c '
+    '"$PY"' scripts/host_profile.py --op gemm
+    for g in 1 64; do '"$PY"' scripts/host_profile.py --op serve --rows-granule $g --top 12; done' \
+    > "$LOGS/host_profile.txt" 2>&1
+  note "host profile exit $?"
+fi
 
 # ---------------------------------------------------------------- 2d. a tuning sweep (optional)
 # SWEEP="decode --shapes short --only v4,v6 --splits 1,2,4" runs iokernels.bench.sweeps_cupy with
@@ -247,6 +264,11 @@ note "summary"
   echo "== serve-bench (paged against contiguous)"
   $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(r.get('error') or '\n'.join(f'{k}: ' + json.dumps({f: r[k].get(f) for f in ('max_concurrent', 'tokens_per_s', 'waste_fraction', 'p50_ms', 'p99_ms', 'finished', 'complete', 'phase_ms')}) for k in ('paged', 'contiguous')) + '\nwall_s: ' + json.dumps(r.get('wall_s')))" "$OUT/serve.json" 2>&1
   echo
+  if [ -s "$LOGS/host_profile.txt" ]; then
+    echo "== host profile (scripts/host_profile.py: gemm, then serve unpadded and padded)"
+    grep -E "^==|pads" "$LOGS/host_profile.txt" | head -20
+    echo
+  fi
   echo "== bench: silent fall-backs and suspect rows"
   grep -E "silent fall-back|SUSPECT" "$OUT/bench.txt" | head -20
   echo "total wall time: $(( $(date +%s) - T0 )) s"
