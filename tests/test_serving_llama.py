@@ -174,3 +174,22 @@ def test_a_block_with_stacked_projections_is_the_block_with_separate_ones():
     h2 = rms_norm(x2, p["mlp_norm"], s.norm_eps)
     want = x2 + (torch.nn.functional.silu(h2 @ w1.T) * (h2 @ w3.T)) @ p["w2"].T
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+def test_rotate_and_rms_norm_are_the_formulas(dtype):
+    """rotate's four operations give the pairs (x1 cos - x2 sin, x2 cos + x1 sin) written out, with
+    the same roundings (IEEE products and sums, so equal); rms_norm is x / sqrt(mean(x^2) + eps) * w
+    (float64, to 1e-12)."""
+    from iokernels.serving.llama import rms_norm, rope_tables, rotate
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 3, 16, generator=g, dtype=torch.float64).to(dtype)
+    cos, sin = rope_tables(torch.arange(100, 107), 16, 1e4, dtype, "cpu")
+    c, s = cos[..., :8], sin[..., 8:]
+    assert torch.equal(cos[..., 8:], c) and torch.equal(sin[..., :8], -s)
+    x1, x2 = x[..., :8], x[..., 8:]
+    assert torch.equal(rotate(x, cos, sin), torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+    if dtype == torch.float64:
+        w = torch.randn(16, generator=g, dtype=dtype)
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+        assert torch.allclose(rms_norm(x, w, 1e-5), want, rtol=1e-12, atol=1e-12)

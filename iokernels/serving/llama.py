@@ -80,26 +80,33 @@ MODELS = {"tiny": lambda: TINY, "llama3-8b-shape": llama3_8b_shape}
 
 
 def rms_norm(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    """x / sqrt(mean(x^2) + eps) * w over the last dim: torch's ``rms_norm``, which on a GPU runs
+    the formula as one fused kernel where the formula written out in tensor operations launches
+    six (and accumulates 16-bit inputs in float32); in float64 it is the formula, bit for bit."""
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def rope_tables(positions, d, theta, dtype, device):
-    """(cos, sin) of each token's angles, (tokens, 1, d/2) in ``dtype``: what :func:`rotate` needs.
+    """(cos, sin) of each token's angles, (tokens, 1, d) in ``dtype``: what :func:`rotate` needs.
 
-    The angles and their cosines and sines are computed in float64 and only then rounded
-    to the model's dtype: an angle of a few thousand radians in bfloat16 would be off by whole
-    radians.  A forward pass makes them once and every layer's Q and K use them.
+    The pair (i, i + d/2) turns by angle a_i, so both halves take cos(a); the first half
+    takes -sin(a), the second +sin(a).  The angles and their cosines and sines are computed in
+    float64 and only then rounded to the model's dtype: an angle of a few thousand radians in
+    bfloat16 would be off by whole radians.  A forward pass makes them once and every
+    layer's Q and K use them.
     """
     inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=device) / d)
     ang = positions.to(device=device, dtype=torch.float64)[:, None] * inv[None, :]        # (tokens, d/2)
-    return tuple(f(ang).to(dtype)[:, None, :] for f in (torch.cos, torch.sin))
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    return tuple(t.to(dtype)[:, None, :] for t in (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)))
 
 
 def rotate(x, cos, sin):
-    """Rotate (tokens, heads, d) by the tables of :func:`rope_tables`, pairs (i, i + d/2)."""
+    """Rotate (tokens, heads, d) by the tables of :func:`rope_tables`, pairs (i, i + d/2):
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), as x * cos + (x2, x1) * sin, four tensor
+    operations (the same roundings as the pairs written out: a - b is a + (-b) exactly)."""
     d = x.shape[-1]
-    x1, x2 = x[..., :d // 2], x[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return x * cos + torch.cat([x[..., d // 2:], x[..., :d // 2]], dim=-1) * sin
 
 
 def rope(x, positions, theta):
