@@ -21,7 +21,8 @@
 # those sections (CLIFF_BUDGET_S=90 shortens the cliff sweep's time box); GPU_TESTS="tests/test_cupy.py ..."
 # runs only those files' GPU tests.
 # SWEEP="decode --shapes short --splits 1,2,4" adds a tuning sweep of iokernels.bench.sweeps_cupy after
-# the bench (its rows in logs.tar.gz: sweep.json, sweep.log; T_SWEEP its box, default 90 s).
+# the bench (its rows in logs.tar.gz: sweep.json, sweep.log; T_SWEEP its box, default 90 s);
+# SWEEP="triton --shapes b8n32768" the Triton decode sweep (iokernels.bench.sweeps_triton) instead.
 # Stages can be left out when a lease is short and an earlier run of the same tree has
 # their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
@@ -155,8 +156,12 @@ if [ -n "${SWEEP:-}" ]; then
   note "sweep (limit ${T_SW}s): $SWEEP"
   set -- $SWEEP
   name=$1; shift
-  timeout --kill-after=5 $T_SW $PY -m iokernels.bench.sweeps_cupy "$name" "$LOGS/sweep.json" "$@" \
-    > "$LOGS/sweep.log" 2>&1
+  if [ "$name" = triton ]; then                 # SWEEP="triton --shapes b8n32768": iokernels.bench.sweeps_triton
+    timeout --kill-after=5 $T_SW $PY -m iokernels.bench.sweeps_triton "$LOGS/sweep.json" "$@" > "$LOGS/sweep.log" 2>&1
+  else
+    timeout --kill-after=5 $T_SW $PY -m iokernels.bench.sweeps_cupy "$name" "$LOGS/sweep.json" "$@" \
+      > "$LOGS/sweep.log" 2>&1
+  fi
   note "sweep exit $?"
 fi
 

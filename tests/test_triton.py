@@ -350,3 +350,20 @@ def test_f32_dot_takes_three_tf32_products_for_the_forward_on_a_gpu_only(monkeyp
     assert fw.f32_dot("float32") == tc.IEEE
     assert fw.f32_dot("bfloat16", tensor_cores=True) == fw.f32_dot("bfloat16") == (tc.IEEE if interpreting else 0)
     assert fw.f32_dot("float16", tensor_cores=True) == 0
+
+
+def test_the_decode_sweep_rows_build_and_its_command_line_parses():
+    """The Triton decode sweep is data: each row's config builds, its labels are distinct, its depth
+    is a number of programs a multiprocessor; ``--shapes`` picks the serving grid or its B=8 N=32768
+    cell, and a wrong command line is refused."""
+    from iokernels.bench import sweeps_triton as st
+    labels = [label for label, _, _ in st.DECODE_ROWS]
+    assert len(labels) == len(set(labels))
+    for _, kw, deep in st.DECODE_ROWS:
+        DecodeConfig(**kw)
+        assert deep is None or (isinstance(deep, int) and deep >= 1)
+    assert st.parse_args([]) == (None, st.SERVING_SHAPES)
+    out, shapes = st.parse_args(["o.json", "--shapes", "b8n32768"])
+    assert out == "o.json" and [(s["batch"], s["seqlen"]) for s in shapes] == [(8, 32768)]
+    for bad in (["--shapes", "huge"], ["a.json", "b.json"], ["--only", "v1"]):
+        assert st.parse_args(bad) is None

@@ -14,7 +14,7 @@ device; the lengths on the host, as the benchmark's rows pass them).  Every
 time is :func:`iokernels.bench.time_cuda` of the public launcher (what a caller gets).  One
 JSON line a row.
 
-    python -m iokernels.bench.sweeps_triton [out.json]
+    python -m iokernels.bench.sweeps_triton [out.json] [--shapes serving|b8n32768]
 
 (a GPU with Triton and torch).
 """
@@ -36,7 +36,14 @@ DECODE_ROWS = (
     ("v1 2 stages x4 deep", dict(version="v1", num_stages=2), 4),
     ("v1 4 stages x4 deep", dict(version="v1", num_stages=4), 4),
     ("v1 bn64 4 stages x4 deep", dict(version="v1", block_n=64, num_stages=4), 4),
+    ("v1 2 stages x2 deep", dict(version="v1", num_stages=2), 2),
+    ("v1 2 stages x3 deep", dict(version="v1", num_stages=2), 3),
+    ("v1 3 stages x3 deep", dict(version="v1", num_stages=3), 3),
+    ("v1 2 stages x6 deep", dict(version="v1", num_stages=2), 6),
 )
+#: the shape sets ``--shapes`` names: the serving grid, or its one cell B=8 N=32768 alone
+SHAPE_SETS = {"serving": SERVING_SHAPES, "b8n32768": tuple(s for s in SERVING_SHAPES
+                                                            if (s["batch"], s["seqlen"]) == (8, 32768))}
 
 
 def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES):
@@ -89,5 +96,30 @@ def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES):
     return _save(out_path, rows)
 
 
+def parse_args(argv) -> tuple | None:
+    """(out path or None, shapes) of a command line ``[out.json] [--shapes serving|b8n32768]``;
+    None when it is wrong."""
+    rest, out, shapes = list(argv), None, SERVING_SHAPES
+    while rest:
+        a = rest.pop(0)
+        if a == "--shapes" and rest and rest[0] in SHAPE_SETS:
+            shapes = SHAPE_SETS[rest.pop(0)]
+        elif out is None and not a.startswith("--"):
+            out = a
+        else:
+            return None
+    return out, shapes
+
+
+def main(argv=None) -> int:
+    parsed = parse_args(sys.argv[1:] if argv is None else argv)
+    if parsed is None:
+        print(f"usage: python -m iokernels.bench.sweeps_triton [out.json] [--shapes {'|'.join(SHAPE_SETS)}]")
+        return 2
+    out, shapes = parsed
+    sweep_decode(out, shapes=shapes)
+    return 0
+
+
 if __name__ == "__main__":
-    sweep_decode(sys.argv[1] if len(sys.argv) > 1 else None)
+    sys.exit(main())
