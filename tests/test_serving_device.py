@@ -114,9 +114,11 @@ def test_prefix_hits_are_not_written_again():
     mem.start(a)
     mem.start(b)
     plan = mem.prepare([a], [8], [list(range(1, 9))])
-    assert isinstance(plan, StepPlan) and plan.slots.tolist() == plan.rows.tolist() and len(plan.slots) == 8
+    assert isinstance(plan, StepPlan) and plan.slots.tolist() == list(range(8))
+    assert plan.rows is None                                      # every row stored, in order: no gather
     plan = mem.prepare([b], [8], [list(range(1, 9))])             # both full blocks hit the prefix cache
-    assert len(plan.slots) == 0 and mem.cache.stats["prefix_hits"] == 2
+    assert len(plan.slots) == 0 and plan.rows is not None and len(plan.rows) == 0
+    assert mem.cache.stats["prefix_hits"] == 2
     assert mem.cache.block_table(b.handle) == mem.cache.block_table(a.handle)
 
 

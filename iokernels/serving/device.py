@@ -372,7 +372,9 @@ class StepPlan:
     """What every layer of one step reads, on the device (uploaded once): vLLM's attention metadata.
 
     rows, slots: chunk row rows[i] is stored at slot slots[i] of a layer's pool viewed as
-    (num_blocks * block_size, Hkv, d); ``cu_host``: the packed queries' offsets (B + 1,), on
+    (num_blocks * block_size, Hkv, d); rows None when they are every row of the step in order
+    (no prefix-cache hit left one out: the common step), so a layer stores K and V as they are,
+    without gathering them first; ``cu_host``: the packed queries' offsets (B + 1,), on
     the host.  For the torch reference: block_tables (B, max_blocks) and seq_lens (B,) after
     the step's rows, cu_seqlens_q (the offsets on the device); ``decode``, the one-query
     chunks grouped by length (:func:`decode_buckets`), per group (query rows, key slots
@@ -385,7 +387,7 @@ class StepPlan:
     step (its queries are q itself, no gather).
     """
 
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     slots: torch.Tensor
     block_tables: torch.Tensor | None
     seq_lens: torch.Tensor | None
@@ -426,15 +428,17 @@ def decode_buckets(lens) -> list:
 def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) -> StepPlan:
     """Upload a step's books; for the torch reference, also which key slots each query reads."""
     cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
+    every = len(rows) == cu[-1] and np.array_equal(rows, np.arange(cu[-1]))     # rows None: all, in order
     if backend == "cupy":                             # the kernels take their own parts (_plan_kernels)
         rows_t, slots_t = _upload([rows, slots], device)
-        return _plan_kernels(StepPlan(rows_t, slots_t, None, None, None, cu), tables, lens, chunk_lens, device)
+        return _plan_kernels(StepPlan(None if every else rows_t, slots_t, None, None, None, cu), tables, lens,
+                             chunk_lens, device)
     c = np.asarray(chunk_lens, np.int64)
     one = np.flatnonzero(c == 1)
     d_rows, d_seqs = cu[one], one
     rows_t, slots_t, tables_t, lens_t, cu_t, dq_t, ds_t = _upload([rows, slots, tables, lens, cu, d_rows, d_seqs],
                                                                   device)
-    plan = StepPlan(rows_t, slots_t, tables_t, lens_t, cu_t, cu)
+    plan = StepPlan(None if every else rows_t, slots_t, tables_t, lens_t, cu_t, cu)
 
     def key_slots(table_rows, length):           # slot of key j: table[j // block_size] * block_size + j % bs
         j = torch.arange(length, device=device)
@@ -506,8 +510,8 @@ class _DeviceAttention:
     def write_attend(self, layer, plan: StepPlan, q, k, v):
         """Store this layer's K, V rows (total_q, Hkv, d) at the plan's slots; the chunks' attention output."""
         k_flat, v_flat = (p[layer].view(-1, *p.shape[2:]) for p in (self.k_pools, self.v_pools))
-        k_flat[plan.slots] = k[plan.rows]
-        v_flat[plan.slots] = v[plan.rows]
+        k_flat[plan.slots] = k if plan.rows is None else k[plan.rows]
+        v_flat[plan.slots] = v if plan.rows is None else v[plan.rows]
         if self.backend == "cupy":
             return self._attend_kernels(layer, plan, q)
         return _attend_torch(q, k_flat, v_flat, plan)
