@@ -117,11 +117,12 @@ def rope(x, positions, theta):
 
 #: on a device memory, a step's token rows (and its rows of logits) may be padded with zeros to a
 #: multiple of this many, so the model's matrix products see a few dozen distinct row counts over a
-#: run instead of a new one almost every step: a GEMM library picks its kernel per shape
-#: (cuBLASLt's heuristic, cached per shape), and a shape it has not seen costs that choice on the
-#: host again.  Padding rows are dropped before they reach the cache or the logits.  1 (no
-#: padding) is the default: whether the host's saving outweighs the padded rows' arithmetic is
-#: what ``scripts/host_profile.py --op gemm`` and ``--op serve --rows-granule 64`` measure on a GPU.
+#: run instead of a new one almost every step: a GEMM library picks its kernel per shape (cuBLASLt
+#: runs a heuristic and caches its answer per shape: the discussion of pytorch/pytorch pull request
+#: 191700, code), and a shape it has not seen costs that choice on the host again.  Padding rows are
+#: dropped before they reach the cache or the logits.  1 (no padding) is the default: whether the
+#: host's saving outweighs the padded rows' arithmetic is what ``scripts/host_profile.py --op gemm``
+#: and ``--op serve --rows-granule 64`` measure on a GPU.
 ROWS_GRANULE = 1
 
 
@@ -235,13 +236,15 @@ class Llama:
         tok = np.fromiter(itertools.chain.from_iterable(ids), np.int64, int(cu[-1]))
         plan = memory.prepare(seqs, chunk_lens, ids) if hasattr(memory, "prepare") else None
         rows, last = len(tok), cu[1:] - 1                                      # each chunk's last row: last
-        if plan is not None:                             # a device memory: rows padded (padded_rows)
+        padded = plan is not None and self.rows_granule > 1                    # a device memory's rows
+        if padded:
             tok, pos, last = (padded_rows(a, self.rows_granule) for a in (tok, pos, last))
         tok, pos, last = _to_device([tok, pos, last], self.device)
         x, angles = self.embed[tok], self._angles(pos)          # the rotary tables once, for every layer
         for layer, p in enumerate(self.layers):
             if plan is not None:
-                attend = functools.partial(_attend_rows, functools.partial(memory.write_attend, layer, plan), rows)
+                attend = functools.partial(memory.write_attend, layer, plan)
+                attend = functools.partial(_attend_rows, attend, rows) if padded else attend
             else:
                 attend = functools.partial(_attend_on_host, memory, layer, seqs, chunk_lens, ids, cu)
             x = self._block(p, x, angles, attend)
