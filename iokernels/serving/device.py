@@ -399,8 +399,15 @@ class StepPlan:
     prefills: tuple | None = None
 
 
-def _upload(parts, device, dtype=np.int64):
-    """Host integer arrays -> device tensors of ``dtype`` and the same shapes, in one copy."""
+def upload(parts, device, dtype=np.int64):
+    """Host integer arrays -> device tensors of ``dtype`` and the same shapes, in one copy.
+
+    A copy from pageable host memory to a GPU waits until the stream has run everything
+    queued before it (PyTorch's ``copy_`` with ``non_blocking=False`` ends in
+    ``memcpy_and_sync``, a stream synchronize: c10/cuda/CUDAFunctions.h, code).  So a step
+    makes its copies before it queues any work, while the device is idle: a copy between the
+    layers would hold the host until the device had run them.
+    """
     flat = np.concatenate([np.asarray(p, dtype).ravel() for p in parts])
     dev = torch.from_numpy(flat).to(device)
     out, at = [], 0
@@ -428,15 +435,15 @@ def decode_buckets(lens) -> list:
 def _plan(rows, slots, tables, lens, chunk_lens, block_size, backend, device) -> StepPlan:
     """Upload a step's books; for the torch reference, also which key slots each query reads."""
     cu = np.concatenate([[0], np.cumsum(chunk_lens)]).astype(np.int64)
-    every = len(rows) == cu[-1] and np.array_equal(rows, np.arange(cu[-1]))     # rows None: all, in order
+    every = np.array_equal(rows, np.arange(cu[-1]))                  # rows None: all, in order
     if backend == "cupy":                             # the kernels take their own parts (_plan_kernels)
-        rows_t, slots_t = _upload([rows, slots], device)
+        rows_t, slots_t = upload([rows, slots], device)
         return _plan_kernels(StepPlan(None if every else rows_t, slots_t, None, None, None, cu), tables, lens,
                              chunk_lens, device)
     c = np.asarray(chunk_lens, np.int64)
     one = np.flatnonzero(c == 1)
     d_rows, d_seqs = cu[one], one
-    rows_t, slots_t, tables_t, lens_t, cu_t, dq_t, ds_t = _upload([rows, slots, tables, lens, cu, d_rows, d_seqs],
+    rows_t, slots_t, tables_t, lens_t, cu_t, dq_t, ds_t = upload([rows, slots, tables, lens, cu, d_rows, d_seqs],
                                                                   device)
     plan = StepPlan(None if every else rows_t, slots_t, tables_t, lens_t, cu_t, cu)
 
@@ -489,7 +496,7 @@ def _plan_kernels(plan, tables, lens, chunk_lens, device) -> StepPlan:
     p_rows = np.arange(p_cu[-1]) + np.repeat(plan.cu_host[pre] - p_cu[:-1], cp)   # each chunk's rows, packed
     d_parts = _padded_decodes(plan.cu_host[dec], tables[dec], lens[dec]) if len(dec) else ([], [], [])
     parts = [*d_parts, p_rows, tables[pre], lens[pre], p_cu]
-    d_rows, d_tab, d_lens, p_rows_t, p_tab, p_lens, p_cu_t = _upload(parts, device, np.int32)
+    d_rows, d_tab, d_lens, p_rows_t, p_tab, p_lens, p_cu_t = upload(parts, device, np.int32)
     whole = len(dec) == len(c) == len(d_rows)         # the part is the whole step, unpadded: q itself
     if len(dec):
         plan.decodes = (None if whole else d_rows.long(), d_tab, d_lens, len(dec))

@@ -35,6 +35,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from .device import upload
+
 __all__ = ["LlamaShape", "TINY", "LLAMA3_8B", "llama3_8b_shape", "Llama", "MODELS"]
 
 
@@ -138,19 +140,6 @@ def _attend_rows(attend, rows, q, k, v):
     return torch.nn.functional.pad(o, (0, 0, 0, 0, 0, len(q) - rows)) if len(q) > rows else o
 
 
-def _to_device(arrays, device) -> list:
-    """Host int64 arrays -> tensors on ``device``, in one copy, made before the step queues any work.
-
-    A copy from pageable host memory to a GPU waits until the stream has run everything
-    queued before it (PyTorch's ``copy_`` with ``non_blocking=False`` ends in
-    ``memcpy_and_sync``, a stream synchronize: c10/cuda/CUDAFunctions.h, code).  One copy at
-    the start of the step costs that wait once, while the device is idle; a copy between the
-    layers would hold the host until the device had run them.
-    """
-    flat = torch.from_numpy(np.concatenate(arrays)).to(device)
-    return list(flat.split([len(a) for a in arrays]))
-
-
 def _attend_on_host(memory, layer, seqs, chunk_lens, ids, cu, q, k, v):
     """A host memory's layer: K, V written a sequence at a time, then one attention call, all in NumPy."""
     k_np, v_np = k.cpu().numpy(), v.cpu().numpy()
@@ -239,7 +228,7 @@ class Llama:
         padded = plan is not None and self.rows_granule > 1                    # a device memory's rows
         if padded:
             tok, pos, last = (padded_rows(a, self.rows_granule) for a in (tok, pos, last))
-        tok, pos, last = _to_device([tok, pos, last], self.device)
+        tok, pos, last = upload([tok, pos, last], self.device)                # one copy, before any work
         x, angles = self.embed[tok], self._angles(pos)          # the rotary tables once, for every layer
         for layer, p in enumerate(self.layers):
             if plan is not None:
