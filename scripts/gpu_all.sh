@@ -27,8 +27,10 @@
 # their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
 # sanitizes only those CuPy kernels (op:version); SERVE_ARGS replaces the serve-bench arguments;
-# SERVE_FIRST=1 serves before the bench; HOST_PROFILE=1 adds the host's time of a matrix product
-# and of a serving step (scripts/host_profile.py) after the serving stage.
+# SERVE_FIRST=1 serves before the bench; SERVE_AGAIN="--rows-granule 64" serves a second time with
+# those arguments added (its JSON in logs.tar.gz, serve_again.json; T_SERVE its box too);
+# HOST_PROFILE=1 adds the host's time of a matrix product and of a serving step
+# (scripts/host_profile.py) after the serving stage.
 #   5. summary
 # Writes exactly these 8 files to OUTDIR (the device tool returns at most 8):
 #   summary.txt  bench.json  bench.txt  traffic.json  serve.json  sanitizer.txt  pytest.txt
@@ -77,6 +79,13 @@ serve_stage() {
       > "$LOGS/serve.log" 2>&1
     note "serve-bench exit $?"
     [ -s "$OUT/serve.json" ] || echo '{"error": "serve-bench did not finish; see logs.tar.gz serve.log"}' > "$OUT/serve.json"
+    if [ -n "${SERVE_AGAIN:-}" ]; then                  # the same trace again, with these arguments added
+      T_SV=$(left $T_SERVE)
+      note "serve-bench again (limit ${T_SV}s): $SERVE_AGAIN"
+      timeout --kill-after=5 $T_SV $PY -m iokernels serve-bench $SERVE_ARGS $SERVE_AGAIN \
+        --json "$LOGS/serve_again.json" > "$LOGS/serve_again.log" 2>&1
+      note "serve-bench again exit $?"
+    fi
   else
     echo '{"error": "not run (SERVE=0)"}' > "$OUT/serve.json"
   fi
@@ -266,9 +275,12 @@ note "summary"
   echo
   echo "== ring attention, one GPU (NCCL world of one)"; grep -E "ring bench|rank 0|ring:" "$LOGS/ring_single_gpu.txt" 2>/dev/null | head -6
   echo
-  echo "== serve-bench (paged against contiguous)"
-  $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(r.get('error') or '\n'.join(f'{k}: ' + json.dumps({f: r[k].get(f) for f in ('max_concurrent', 'tokens_per_s', 'waste_fraction', 'p50_ms', 'p99_ms', 'finished', 'complete', 'phase_ms')}) for k in ('paged', 'contiguous')) + '\nwall_s: ' + json.dumps(r.get('wall_s')))" "$OUT/serve.json" 2>&1
-  echo
+  for f in "$OUT/serve.json" "$LOGS/serve_again.json"; do
+    [ -e "$f" ] || continue
+    echo "== serve-bench (paged against contiguous)$([ "$f" = "$OUT/serve.json" ] || echo " again: $SERVE_AGAIN")"
+    $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(r.get('error') or '\n'.join(f'{k}: ' + json.dumps({f: r[k].get(f) for f in ('max_concurrent', 'tokens_per_s', 'waste_fraction', 'p50_ms', 'p99_ms', 'finished', 'complete', 'phase_ms')}) for k in ('paged', 'contiguous')) + '\nwall_s: ' + json.dumps(r.get('wall_s')))" "$f" 2>&1
+    echo
+  done
   if [ -s "$LOGS/host_profile.txt" ]; then
     echo "== host profile (scripts/host_profile.py: gemm, then serve unpadded and padded)"
     grep -E "^==|pads" "$LOGS/host_profile.txt" | head -20

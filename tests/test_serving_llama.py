@@ -131,6 +131,26 @@ def test_serve_bench_kv_budget_in_gb_and_bad_options(capsys):
     assert "a device memory attends with 'torch', 'cupy'" in capsys.readouterr().err
 
 
+def test_serve_bench_rows_granule_serves_the_same_tokens(tmp_path):
+    """``--rows-granule 8`` pads each step's model rows on the device memories: the setup says so,
+    every request finishes, and paged and contiguous still serve the same tokens (float64, torch
+    pools on the CPU; that padded rows reach neither cache nor logits is tested on the model)."""
+    runs = {}
+    for g in (None, 8):
+        out = tmp_path / f"serve{g}.json"
+        rc = cli(["serve-bench", "--model", "tiny", "--device", "cpu", "--requests", "6", "--kv-slots", "256",
+                  "--step-time", "0.01", "--quiet", "--json", str(out)] + (["--rows-granule", str(g)] if g else []))
+        runs[g] = json.loads(out.read_text())
+        assert rc == 0 and runs[g]["tokens_equal"] is True
+    assert (runs[None]["setup"]["rows_granule"], runs[8]["setup"]["rows_granule"]) == (1, 8)
+    for side in ("paged", "contiguous"):
+        assert runs[8][side]["finished"] == runs[None][side]["finished"] == 6
+    from iokernels.serving.bench import serve_bench
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="rows_granule"):
+            serve_bench("tiny", requests=2, device="cpu", rows_granule=bad)
+
+
 def test_serve_bench_time_limit_compares_what_both_sides_finished():
     from iokernels.serving.bench import serve_bench
     res = serve_bench("tiny", requests=24, kv_slots=512, step_time=0.01, device="cpu", max_seconds=0.05)

@@ -118,7 +118,7 @@ def _kv_slots(kv_slots, kv_budget_gb, preset, per_token, block_size):
 
 def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=16, kv_slots=None,
                 kv_budget_gb=None, layers=2, device=None, dtype=None, max_seconds=None, progress=False,
-                **overrides) -> dict:
+                rows_granule=None, **overrides) -> dict:
     """Serve one trace twice, paged and contiguous, at the same KV memory; the JSON's dict.
 
     ``device`` None keeps the KV pools in NumPy on the host and the model on the CPU (the
@@ -133,8 +133,13 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
     ``max_seconds`` limits each side's run to about that much wall time (the step that
     crosses it is the last); a side cut short says ``complete: false``, and the tokens are
     compared over the requests both sides finished (``requests_compared``).
+    ``rows_granule`` replaces the model's :attr:`Llama.rows_granule` (a device memory's rows of
+    a step padded to a multiple of it; the padded rows reach neither cache nor output).
     """
     check_max_seconds(max_seconds)
+    if rows_granule is not None and (isinstance(rows_granule, bool) or not isinstance(rows_granule, int)
+                                     or rows_granule < 1):
+        raise ValueError(f"rows_granule: expected an integer >= 1, got {rows_granule!r}")
     if model not in MODELS:
         raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
     if dtype is not None and dtype not in DTYPES:
@@ -149,6 +154,8 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
     kv_slots = _kv_slots(kv_slots, kv_budget_gb, preset, per_token, block_size)
     wall, t0 = {}, time.perf_counter()
     llama = Llama(shape, seed=seed, dtype=torch_dtype, device=device or "cpu")
+    if rows_granule is not None:
+        llama.rows_granule = rows_granule
     wall["model"] = time.perf_counter() - t0
     trace = sharegpt_like_trace(requests, seed=seed, vocab=shape.vocab, scale=preset["scale"],
                                 max_prompt=preset["max_prompt"], max_new_tokens=preset["max_new_tokens"],
@@ -183,7 +190,8 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
                           gpu=torch.cuda.get_device_name() if on_gpu else None,
                           trace="ShareGPT-like (Kwon et al., SOSP 2023, Fig. 11 means)",
                           scale=preset["scale"], max_new_tokens=preset["max_new_tokens"], rate=preset["rate"],
-                          step_time=preset.get("step_time"), max_seconds=max_seconds)}
+                          step_time=preset.get("step_time"), max_seconds=max_seconds,
+                          rows_granule=llama.rows_granule)}
 
 
 def main(argv=None) -> int:
@@ -213,6 +221,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-seconds", type=float, default=None, help="stop each side after about this many "
                    "seconds of wall time (its summary then says complete: false; tokens are compared over the "
                    "requests both sides finished)")
+    p.add_argument("--rows-granule", type=int, default=None, help="pad a device step's model rows to a multiple "
+                   "of this (default: the model's, 1: no padding)")
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
@@ -222,7 +232,8 @@ def main(argv=None) -> int:
     try:
         out = serve_bench(a.model, a.backend, a.requests, seed=a.seed, block_size=a.block_size,
                           kv_slots=a.kv_slots, kv_budget_gb=a.kv_budget_gb, layers=a.layers, device=a.device,
-                          dtype=a.dtype, max_seconds=a.max_seconds, progress=not a.quiet, **extra)
+                          dtype=a.dtype, max_seconds=a.max_seconds, progress=not a.quiet,
+                          rows_granule=a.rows_granule, **extra)
     except ValueError as e:
         p.error(str(e))
     text = json.dumps(out, indent=2)
