@@ -26,7 +26,7 @@
 # Stages can be left out when a lease is short and an earlier run of the same tree has
 # their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
-# sanitizes only those CuPy kernels (op:version); SERVE_ARGS replaces the serve-bench arguments;
+# sanitizes only those CuPy kernels (op:version); SAN=0 runs no sanitizer at all; SERVE_ARGS replaces the serve-bench arguments;
 # SERVE_FIRST=1 serves before the bench; SERVE_AGAIN="--rows-granule 64" serves a second time with
 # those arguments added (its JSON in logs.tar.gz, serve_again.json; T_SERVE its box too);
 # HOST_PROFILE=1 adds the host's time of a matrix product and of a serving step
@@ -232,11 +232,14 @@ KERNEL_ARGS=""
 if [ -n "${SAN_KERNELS:-}" ]; then
   SAN_FAMILIES=cupy; for k in $SAN_KERNELS; do KERNEL_ARGS="$KERNEL_ARGS --kernel $k"; done
 fi
+[ "${SAN:-1}" = 0 ] && SAN_FAMILIES=""          # SAN=0: the GPU tests alone
+if [ -n "$SAN_FAMILIES" ]; then
 timeout --kill-after=5 $(left 60) $PY scripts/sanitize.py ${SAN_KERNELS:+--only cupy} $KERNEL_ARGS \
   > "$LOGS/sanitize_prewarm.log" 2>&1
 note "sanitize.py without a sanitizer: exit $?"
+fi
 T_SAN=$(left $T_CHECKS)
-note "4 sanitizers x families $SAN_FAMILIES (limit ${T_SAN}s)"
+[ -n "$SAN_FAMILIES" ] && note "4 sanitizers x families $SAN_FAMILIES (limit ${T_SAN}s)"
 for tool in memcheck racecheck synccheck initcheck; do
   for fam in $SAN_FAMILIES; do       # one process per (tool, family): 12 in parallel by default
     (
@@ -257,7 +260,11 @@ cp "$LOGS/traffic/traffic.json" "$OUT/traffic.json" 2>/dev/null || echo '{"error
 cp "$LOGS/traffic/ncu_raw.csv" "$LOGS/ncu_raw.csv" 2>/dev/null || echo "no ncu output" > "$LOGS/ncu_raw.csv"
 cp "$LOGS/traffic/limits_raw.csv" "$LOGS/limits_raw.csv" 2>/dev/null
 cp "$LOGS/pytest.log" "$OUT/pytest.txt"
-$PY scripts/sanitize.py --summarize "$LOGS" "$ENV_LINE" > "$OUT/sanitizer.txt" 2>&1
+if [ -n "$SAN_FAMILIES" ]; then
+  $PY scripts/sanitize.py --summarize "$LOGS" "$ENV_LINE" > "$OUT/sanitizer.txt" 2>&1
+else
+  echo "compute-sanitizer: not run (SAN=0)" > "$OUT/sanitizer.txt"
+fi
 
 # ---------------------------------------------------------------- 5. summary
 note "summary"

@@ -151,6 +151,27 @@ def test_serve_bench_rows_granule_serves_the_same_tokens(tmp_path):
             serve_bench("tiny", requests=2, device="cpu", rows_granule=bad)
 
 
+def test_serve_bench_repeats_lists_each_pair():
+    """``repeats=3``: three pairs in turn, each pair's tokens/s and ratio listed, the summary
+    of the ratios consistent with them, and the first pair still the headline."""
+    from iokernels.serving.bench import serve_bench
+    res = serve_bench("tiny", requests=4, kv_slots=256, step_time=0.01, device="cpu", repeats=3)
+    assert len(res["repeats"]) == 3 and res["setup"]["repeats"] == 3
+    first = res["repeats"][0]
+    assert first["paged"]["tokens_per_s"] == res["paged"]["tokens_per_s"]
+    assert first["contiguous"]["tokens_per_s"] == res["contiguous"]["tokens_per_s"]
+    for pair in res["repeats"]:
+        assert pair["ratio"] == pytest.approx(pair["paged"]["tokens_per_s"] / pair["contiguous"]["tokens_per_s"])
+        assert set(pair["paged"]["phase_median_ms"]) == {"schedule", "model", "sample", "books"}
+        assert pair["paged"]["finished"] == pair["contiguous"]["finished"] == 4
+    r = res["tokens_per_s_ratio"]
+    assert r["each"] == [p["ratio"] for p in res["repeats"]] and r["min"] <= r["median"] <= r["max"]
+    assert "repeats" not in serve_bench("tiny", requests=2, kv_slots=256, step_time=0.01, device="cpu")
+    for bad in (0, 1.5, False):
+        with pytest.raises(ValueError, match="repeats"):
+            serve_bench("tiny", requests=2, device="cpu", repeats=bad)
+
+
 def test_serve_bench_time_limit_compares_what_both_sides_finished():
     from iokernels.serving.bench import serve_bench
     res = serve_bench("tiny", requests=24, kv_slots=512, step_time=0.01, device="cpu", max_seconds=0.05)

@@ -19,7 +19,9 @@ on a GPU the two runs batch different sequences together, the matrix products th
 another order, and a near-tie in a greedy argmax can flip, so there the GPU tests hold each
 step's logits to FlashAttention's 2x rule instead) and ``requests_equal_fraction``, the
 ``device`` and the KV budget (``kv_budget_gb``), ``wall_s`` (seconds spent building the
-model, warming up, and serving each side), and the whole setup.
+model, warming up, and serving each side), and the whole setup.  ``--repeats N`` serves the
+pair N times in turn and adds each pair's tokens/s and ratio (``repeats``,
+``tokens_per_s_ratio``): a time-shared host's speed drifts, and a host-bound step shows it.
 
 Where the KV cache lives is part of what is measured.  Without ``--device`` the pools are
 NumPy arrays on the host and the model runs on the CPU: the lesson's path, every kernel
@@ -36,6 +38,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..paged import blocks_needed, kv_bytes_per_token
@@ -118,7 +121,7 @@ def _kv_slots(kv_slots, kv_budget_gb, preset, per_token, block_size):
 
 def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=16, kv_slots=None,
                 kv_budget_gb=None, layers=2, device=None, dtype=None, max_seconds=None, progress=False,
-                rows_granule=None, **overrides) -> dict:
+                rows_granule=None, repeats=1, **overrides) -> dict:
     """Serve one trace twice, paged and contiguous, at the same KV memory; the JSON's dict.
 
     ``device`` None keeps the KV pools in NumPy on the host and the model on the CPU (the
@@ -135,8 +138,14 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
     compared over the requests both sides finished (``requests_compared``).
     ``rows_granule`` replaces the model's :attr:`Llama.rows_granule` (a device memory's rows of
     a step padded to a multiple of it; the padded rows reach neither cache nor output).
+    ``repeats`` > 1 serves the pair (paged, then contiguous) that many times in turn, so a
+    drift in the machine's speed reaches both sides alike; ``paged``, ``contiguous`` and the
+    token comparison are the first pair's, and ``repeats`` lists every pair's tokens/s and
+    their ratio (``tokens_per_s_ratio``: each pair's, and their median, min and max).
     """
     check_max_seconds(max_seconds)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats: expected an integer >= 1, got {repeats!r}")
     if rows_granule is not None and (isinstance(rows_granule, bool) or not isinstance(rows_granule, int)
                                      or rows_granule < 1):
         raise ValueError(f"rows_granule: expected an integer >= 1, got {rows_granule!r}")
@@ -170,16 +179,21 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
         for make in small:
             _run(llama, make, warm, "warm-up", preset, False)
         wall["warm_up"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    paged = _run(llama, make_paged, trace, "paged", preset, progress, max_seconds)
-    t1 = time.perf_counter()
-    contiguous = _run(llama, make_contiguous, trace, "contiguous", preset, progress, max_seconds)
-    wall.update(paged=t1 - t0, contiguous=time.perf_counter() - t1)
+    pairs = []
+    wall.update(paged=0.0, contiguous=0.0)
+    for _ in range(repeats):                     # in turn: a drift in the machine's speed reaches both sides
+        pair = {}
+        for side, make in (("paged", make_paged), ("contiguous", make_contiguous)):
+            t0 = time.perf_counter()
+            pair[side] = _run(llama, make, trace, side, preset, progress, max_seconds)
+            wall[side] += time.perf_counter() - t0
+        pairs.append(pair)
+    paged, contiguous = pairs[0]["paged"], pairs[0]["contiguous"]
     kv_bytes = kv_slots * per_token
     both = [r.rid for r in trace if r.rid in paged.outputs and r.rid in contiguous.outputs]
     same = [paged.outputs[rid] == contiguous.outputs[rid] for rid in both]
-    return {"paged": paged.summary(), "contiguous": contiguous.summary(),
-            "tokens_equal": all(same), "requests_compared": len(both),
+    out = {"paged": paged.summary(), "contiguous": contiguous.summary(),
+           "tokens_equal": all(same), "requests_compared": len(both),
             "requests_equal_fraction": sum(same) / len(same) if same else 0.0,
             "device": str(torch.device(device)) if device is not None else "cpu (NumPy pools)",
             "kv_budget_gb": kv_bytes / GB, "wall_s": wall,
@@ -191,7 +205,23 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
                           trace="ShareGPT-like (Kwon et al., SOSP 2023, Fig. 11 means)",
                           scale=preset["scale"], max_new_tokens=preset["max_new_tokens"], rate=preset["rate"],
                           step_time=preset.get("step_time"), max_seconds=max_seconds,
-                          rows_granule=llama.rows_granule)}
+                          rows_granule=llama.rows_granule, repeats=repeats)}
+    if repeats > 1:
+        out["repeats"] = [_pair_summary(p["paged"].summary(), p["contiguous"].summary()) for p in pairs]
+        ratios = [r["ratio"] for r in out["repeats"] if r["ratio"] is not None]
+        if ratios:
+            out["tokens_per_s_ratio"] = dict(each=ratios, median=float(np.median(ratios)), min=min(ratios),
+                                             max=max(ratios))
+    return out
+
+
+def _pair_summary(paged: dict, contiguous: dict) -> dict:
+    """One pair of a repeated run: each side's tokens/s and step phases (medians, ms), and the ratio."""
+    def side(s):
+        return dict(tokens_per_s=s["tokens_per_s"], finished=s["finished"], max_concurrent=s["max_concurrent"],
+                    phase_median_ms={k: v["median"] for k, v in s["phase_ms"].items()})
+    return dict(paged=side(paged), contiguous=side(contiguous),
+                ratio=paged["tokens_per_s"] / contiguous["tokens_per_s"] if contiguous["tokens_per_s"] else None)
 
 
 def main(argv=None) -> int:
@@ -223,6 +253,8 @@ def main(argv=None) -> int:
                    "requests both sides finished)")
     p.add_argument("--rows-granule", type=int, default=None, help="pad a device step's model rows to a multiple "
                    "of this (default: the model's, 1: no padding)")
+    p.add_argument("--repeats", type=int, default=1, help="serve the pair (paged, then contiguous) this many "
+                   "times in turn; the JSON lists each pair's tokens/s and their ratio (default 1)")
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
@@ -233,7 +265,7 @@ def main(argv=None) -> int:
         out = serve_bench(a.model, a.backend, a.requests, seed=a.seed, block_size=a.block_size,
                           kv_slots=a.kv_slots, kv_budget_gb=a.kv_budget_gb, layers=a.layers, device=a.device,
                           dtype=a.dtype, max_seconds=a.max_seconds, progress=not a.quiet,
-                          rows_granule=a.rows_granule, **extra)
+                          rows_granule=a.rows_granule, repeats=a.repeats, **extra)
     except ValueError as e:
         p.error(str(e))
     text = json.dumps(out, indent=2)
