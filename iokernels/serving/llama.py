@@ -122,9 +122,11 @@ def rope(x, positions, theta):
 #: run instead of a new one almost every step: a GEMM library picks its kernel per shape (cuBLASLt
 #: runs a heuristic and caches its answer per shape: the discussion of pytorch/pytorch pull request
 #: 191700, code), and a shape it has not seen costs that choice on the host again.  Padding rows are
-#: dropped before they reach the cache or the logits.  1 (no padding) is the default: whether the
-#: host's saving outweighs the padded rows' arithmetic is what ``scripts/host_profile.py --op gemm``
-#: and ``--op serve --rows-granule 64`` measure on a GPU.
+#: dropped before they reach the cache or the logits.  1 (no padding) is the default: on an H100 a
+#: product at an unseen row count costs about 0.5 ms of host time, but over a whole serving run the
+#: row counts repeat, and padding to 64 left paged-over-contiguous tokens/s where it was
+#: (benchmarks/results/sweeps/README.md; ``scripts/host_profile.py --op gemm`` and
+#: ``serve-bench --rows-granule 64 --repeats 3`` measure it again).
 ROWS_GRANULE = 1
 
 
