@@ -122,9 +122,9 @@ def rope(x, positions, theta):
 #: run instead of a new one almost every step: a GEMM library picks its kernel per shape (cuBLASLt
 #: runs a heuristic and caches its answer per shape: the discussion of pytorch/pytorch pull request
 #: 191700, code), and a shape it has not seen costs that choice on the host again.  Padding rows are
-#: dropped before they reach the cache or the logits.  1 (no padding) is the default: on an H100 a
-#: product at an unseen row count costs about 0.5 ms of host time, but over a whole serving run the
-#: row counts repeat, and padding to 64 left paged-over-contiguous tokens/s where it was
+#: dropped before they reach the cache or the logits.  1 (no padding) is the default: a product at
+#: an unseen row count does cost the host far more than one at a seen count, but over a whole
+#: serving run the row counts repeat, and the recorded runs with rows padded to 64 serve no faster
 #: (benchmarks/results/sweeps/README.md; ``scripts/host_profile.py --op gemm`` and
 #: ``serve-bench --rows-granule 64 --repeats 3`` measure it again).
 ROWS_GRANULE = 1
