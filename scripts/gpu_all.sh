@@ -19,7 +19,8 @@
 # With a short device lease: DEADLINE=300 scripts/gpu_all.sh OUTDIR (the bench then runs
 # first and whole, the sanitizers get what remains); BENCH_SECTIONS=decode,gather times only
 # those sections (CLIFF_BUDGET_S=90 shortens the cliff sweep's time box); GPU_TESTS="tests/test_cupy.py ..."
-# runs only those files' GPU tests.
+# runs only those files' GPU tests; GPU_TEST_IDS=FILE runs the test ids FILE lists, one a line, whatever
+# their marker (the tests a time box left unrun, say).
 # SWEEP="decode --shapes short --splits 1,2,4" adds a tuning sweep of iokernels.bench.sweeps_cupy after
 # the bench (its rows in logs.tar.gz: sweep.json, sweep.log; T_SWEEP its box, default 90 s);
 # SWEEP="triton --shapes b8n32768" the Triton decode sweep (iokernels.bench.sweeps_triton) instead.
@@ -208,7 +209,11 @@ note "$([ "${TRAFFIC:-1}" != 0 ] && echo "traffic (ncu, limit ${T_TRAFFIC}s; lim
   fi
   T_PT=$(left $T_CHECKS)
   rm -f "$LOGS"/pytest_*.log
-  if [ -n "${GPU_TESTS:-}" ]; then
+  if [ -n "${GPU_TEST_IDS:-}" ]; then            # a file of test ids, one a line, no marker filter
+    mapfile -t ids < "$GPU_TEST_IDS"
+    { echo "== python3 -m pytest (the ${#ids[@]} test ids of $GPU_TEST_IDS)"
+      timeout --kill-after=5 $T_PT $PT "${ids[@]}" 2>&1; } > "$LOGS/pytest_1.log" 2>&1
+  elif [ -n "${GPU_TESTS:-}" ]; then
     { echo "== python3 -m pytest -m gpu $GPU_TESTS"; timeout --kill-after=5 $T_PT $PT -m gpu $GPU_TESTS 2>&1; } \
       > "$LOGS/pytest_1.log" 2>&1
   else
