@@ -66,6 +66,23 @@ def test_each_mistake_is_named(tmp_path, mistake):
     assert result.status == "failed" and result.mistake == mistake.name, str(result)
 
 
+@pytest.mark.parametrize("interpreting", [True, False])
+def test_every_case_catches_a_missing_rescale_wherever_it_runs(monkeypatch, interpreting):
+    """On the interpreter and on a GPU alike, the grader's tiles split every case's keys over
+    several tiles, so a kernel that does not rescale l or acc gives another answer in every
+    case (with one tile a row, the rescale never happens and the mistake would pass)."""
+    monkeypatch.setattr(launch, "interpreting", lambda: interpreting)
+    bq, bk = X.lab_tile()
+    for i, case in enumerate(X.TRITON_FORWARD.cases()):
+        p = case.params
+        q, k, v = testing.make_inputs(np.random.default_rng(i), heads_q=p["hq"], heads_kv=p["hkv"], seqlen_q=p["nq"],
+                                      seqlen_k=p["nk"], head_dim=p["d"])
+        ref, _ = reference.attention(q, k, v, causal=p["causal"])
+        for mistake in (X.NO_ACC_RESCALE, X.NO_L_RESCALE):
+            wrong = X.tile_model(q, k, v, p["causal"], bq, bk, mistake)[0]
+            assert np.nanmax(np.abs(wrong - ref)) > 1e-2, (case.label, mistake.name)
+
+
 def test_without_triton_the_exercise_is_skipped_with_the_reason(monkeypatch):
     monkeypatch.setattr(launch, "triton_installed", lambda: False)
     result = labs.check("triton_forward", lambda *a: None)

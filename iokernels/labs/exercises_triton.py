@@ -72,9 +72,18 @@ def lab_imports():
     return None, triton, tl, tiles
 
 
+#: (BLOCK_Q, BLOCK_K) the grader launches the learner's kernel with, on the interpreter and on a GPU alike
+LAB_TILE = (16, 16)
+
+
 def lab_tile() -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_K) the lab launches with: 16 x 16 on the interpreter, 64 x 64 on a GPU."""
-    return (16, 16) if _ln.interpreting() else (64, 64)
+    """(BLOCK_Q, BLOCK_K) the lab launches with: :data:`LAB_TILE` wherever it runs.
+
+    The grading cases hold a few dozen keys a row, so 16-key tiles make every case cross
+    several key tiles, and a missing rescale (which only matters from a row's second tile on)
+    changes the answer.  With the 64-key tiles the package's kernels take on a GPU, one tile
+    would hold every key of a case, and a kernel that never rescales would pass."""
+    return LAB_TILE
 
 
 def launch_lab_kernel(kernel, q, k, v, causal: bool):
