@@ -157,6 +157,17 @@ def test_captured_rows_record_a_capture_error_and_a_replay_that_differs():
     assert cap["runner"] == "sdpa captured" and cap["group"] == "sdpa"
     assert cap["max_abs_diff_vs_eager"] == 1.0 and "differs" in cap["suspect"]
 
+    class Rounding(Graph):                                  # another kernel's rounding, within the tolerance
+        def replay(self):
+            self.outs[0].fill_(1.0 + 1e-4)
+
+    def rounding_capture(step):
+        g = Rounding()
+        return g, g.outs
+
+    cap = cliff.captured_rows({"sdpa": lambda: out}, 1e9, capture=rounding_capture, synchronize=lambda: None)[1]
+    assert cap["max_abs_diff_vs_eager"] == pytest.approx(1e-4, rel=1e-3) and "suspect" not in cap
+
 
 def _record():
     def row(runner, group, ms, host, default=False, **kw):

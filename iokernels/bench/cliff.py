@@ -37,6 +37,7 @@ from .. import torch_sdpa as ts
 from ..core import conventions as cv
 from .runners import (Unavailable, _device_randn, _finish_case, _first_line, _measure, _reference, _sdpa_rows,
                       _resolve_backend, _torch_dtype, _visible_pairs, registry_versions)
+from .specs import CHECK_TOL
 from .timer import _Device, release_device_cache
 
 #: the sweep: decode over query heads per KV head x KV heads (8, and 1: multi-query) x head dim x
@@ -303,9 +304,12 @@ def captured_rows(step_of: dict, work: float, target_ms=None, capture=_capture, 
     """Each decode step of ``step_of`` (name -> a function running every layer, returning the
     outputs) timed eager and replayed from a CUDA graph: rows ``<name> eager`` and ``<name>
     captured``.  A step that cannot be captured gives a ``failed: capture: ...`` row (the
-    error's first line), not an exception; a replay whose outputs differ from the eager
-    step's is marked ``suspect``.  ``capture``, ``synchronize``: the tests' fakes (None:
-    torch.cuda.synchronize)."""
+    error's first line), not an exception.  The replay's largest difference from the eager
+    step is recorded (``max_abs_diff_vs_eager``: a replay of the same kernels gives the same
+    bits, but a library may choose other kernels while a graph is captured, which round
+    differently); a difference past the benchmark's tolerance for the dtype
+    (:data:`~.specs.CHECK_TOL`) marks the row ``suspect``.  ``capture``, ``synchronize``: the
+    tests' fakes (None: torch.cuda.synchronize)."""
     if synchronize is None:
         import torch
         synchronize = torch.cuda.synchronize
@@ -330,8 +334,9 @@ def captured_rows(step_of: dict, work: float, target_ms=None, capture=_capture, 
             row.update(_measure(f"{name} captured", group, graph.replay, work=work, unit="TB/s", check=False,
                                 target_ms=target_ms))
             row["max_abs_diff_vs_eager"] = diff
-            if diff != 0.0:
-                row["suspect"] = f"the replay differs from the eager step by {diff:.3g}"
+            tol = min(CHECK_TOL.get(str(o.dtype).replace("torch.", ""), 0.0) for o in want)
+            if diff > tol:                    # more than another kernel choice's rounding
+                row["suspect"] = f"the replay differs from the eager step by {diff:.3g} (> {tol:g})"
         except Exception as e:  # noqa: BLE001
             row["status"] = f"failed: replay: {type(e).__name__}: {_first_line(e)}"
         rows.append(row)
