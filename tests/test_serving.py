@@ -233,6 +233,15 @@ def test_the_recorded_runs_summarize_with_their_ratios():
         assert s["paged"]["max_concurrent"] == p["max_concurrent"] and s["gpu"] == rec["setup"]["gpu"]
         assert s["concurrency_ratio"] == round(p["max_concurrent"] / c["max_concurrent"], 2), name
         assert s["tokens_per_s_ratio"] == round(p["tokens_per_s"] / c["tokens_per_s"], 2), name
+        pairs = rec.get("repeats")
+        if pairs:                                            # served as several pairs in turn
+            ratios = [r["paged"]["tokens_per_s"] / r["contiguous"]["tokens_per_s"] for r in pairs]
+            spread = s["tokens_per_s_ratio_over_pairs"]
+            assert spread["pairs"] == len(pairs) and spread["median"] == round(float(np.median(ratios)), 2), name
+            assert (spread["min"], spread["max"]) == (round(min(ratios), 2), round(max(ratios), 2)), name
+        else:
+            assert "tokens_per_s_ratio_over_pairs" not in s, name
+        assert s.get("rows_granule", 1) == rec["setup"].get("rows_granule", 1), name
 
 
 def test_admission_leaves_the_watermark_free_while_others_run():

@@ -146,7 +146,9 @@ def paged_vs_contiguous(requests=12, kv_slots=512, seed=0):
 
 def serving_summary(rec: dict) -> dict:
     """The numbers of one serve-bench result a reader compares: the GPU and attention backend,
-    per side the concurrency, tokens/s and waste, and their ratios (paged / contiguous)."""
+    per side the concurrency, tokens/s and waste, and their ratios (paged / contiguous); for a
+    run served as several pairs in turn (``--repeats``), the tokens/s ratio's median, min and
+    max over the pairs too, and the model's row padding where the run set it."""
     setup, p, c = rec.get("setup", {}), rec["paged"], rec["contiguous"]
 
     def side(r):
@@ -155,10 +157,17 @@ def serving_summary(rec: dict) -> dict:
 
     def ratio(k):
         return round(p[k] / c[k], 2) if c[k] else None
-    return dict(gpu=setup.get("gpu"), model=setup.get("model"), backend=setup.get("backend"),
-                dtype=setup.get("dtype"), paged=side(p), contiguous=side(c),
-                concurrency_ratio=ratio("max_concurrent"), tokens_per_s_ratio=ratio("tokens_per_s"),
-                tokens_equal=rec.get("tokens_equal"))
+    out = dict(gpu=setup.get("gpu"), model=setup.get("model"), backend=setup.get("backend"),
+               dtype=setup.get("dtype"), paged=side(p), contiguous=side(c),
+               concurrency_ratio=ratio("max_concurrent"), tokens_per_s_ratio=ratio("tokens_per_s"),
+               tokens_equal=rec.get("tokens_equal"))
+    spread = rec.get("tokens_per_s_ratio")
+    if spread:
+        out["tokens_per_s_ratio_over_pairs"] = dict(pairs=len(spread["each"]),
+                                                    **{k: round(spread[k], 2) for k in ("median", "min", "max")})
+    if setup.get("rows_granule", 1) != 1:
+        out["rows_granule"] = setup["rows_granule"]
+    return out
 
 
 def recorded_serving():
