@@ -98,8 +98,9 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
 TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4"), ("paged_decode", "v5"),
          ("decode", "v6"), ("paged_decode", "v6")}
 #: decode: (query heads, KV heads) a version also runs at, beyond GQA 4/2 (v6: teams of 4 warps
-#: with an idle last warp, g = 40, and of 2 warps, g = 32); paged: query heads over the cache's 2
-DECODE_HEADS = {"v6": ((4, 2), (40, 1), (64, 2))}
+#: with an idle last warp, g = 40, of 2 warps, g = 32, and one team of 8 warps that fills the
+#: block, g = 128, the largest group the default gives v6); paged: query heads over the cache's 2
+DECODE_HEADS = {"v6": ((4, 2), (40, 1), (64, 2), (128, 1))}
 PAGED_HEADS_Q = {"v6": (4, 64)}
 
 
