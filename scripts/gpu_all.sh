@@ -290,7 +290,7 @@ note "summary"
   for f in "$OUT/serve.json" "$LOGS/serve_again.json"; do
     [ -e "$f" ] || continue
     echo "== serve-bench (paged against contiguous)$([ "$f" = "$OUT/serve.json" ] || echo " again: $SERVE_AGAIN")"
-    $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(r.get('error') or '\n'.join(f'{k}: ' + json.dumps({f: r[k].get(f) for f in ('max_concurrent', 'tokens_per_s', 'waste_fraction', 'p50_ms', 'p99_ms', 'finished', 'complete', 'phase_ms')}) for k in ('paged', 'contiguous')) + '\nwall_s: ' + json.dumps(r.get('wall_s')))" "$f" 2>&1
+    $PY -c "import json,sys; r=json.load(open(sys.argv[1])); print(r.get('error') or '\n'.join(f'{k}: ' + json.dumps({f: r[k].get(f) for f in ('max_concurrent', 'tokens_per_s', 'waste_fraction', 'p50_ms', 'p99_ms', 'finished', 'complete', 'phase_ms')}) for k in ('paged', 'contiguous')) + '\nwall_s: ' + json.dumps(r.get('wall_s')) + ('\ntokens/s ratio over the pairs: ' + json.dumps(r['tokens_per_s_ratio']) if r.get('tokens_per_s_ratio') else ''))" "$f" 2>&1
     echo
   done
   if [ -s "$LOGS/host_profile.txt" ]; then
