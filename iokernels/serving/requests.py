@@ -75,7 +75,7 @@ class Request:
         return len(self.prompt) + self.max_new_tokens
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """One sample of a request: its tokens, how many of them are in the KV cache, its memory.
 
@@ -102,7 +102,7 @@ class Sequence:
         return len(self.tokens) - self.computed
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Group:
     """A request in the engine: its samples (one until the prompt is done), its place in line.
 
