@@ -131,7 +131,7 @@ def test_serve_bench_kv_budget_in_gb_and_bad_options(capsys):
     assert "a device memory attends with 'torch', 'cupy'" in capsys.readouterr().err
 
 
-def test_serve_bench_rows_granule_serves_the_same_tokens(tmp_path):
+def test_serve_bench_rows_granule_is_recorded_and_serves_every_request(tmp_path):
     """``--rows-granule 8`` pads each step's model rows on the device memories: the setup says so,
     every request finishes, and paged and contiguous still serve the same tokens (float64, torch
     pools on the CPU; that padded rows reach neither cache nor logits is tested on the model)."""
