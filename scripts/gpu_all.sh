@@ -28,8 +28,9 @@
 # their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
 # sanitizes only those CuPy kernels (op:version); SAN=0 runs no sanitizer at all;
-# SERVE_ARGS replaces the serve-bench arguments; SERVE_FIRST=1 serves before the bench; SERVE_AGAIN="--rows-granule 64" serves a second time with
-# those arguments added (its JSON in logs.tar.gz, serve_again.json; T_SERVE its box too);
+# SERVE_ARGS replaces the serve-bench arguments; SERVE_FIRST=1 serves before the bench;
+# SERVE_AGAIN="--rows-granule 64" serves a second time with those arguments added (its JSON in
+# logs.tar.gz, serve_again.json; T_SERVE its box too);
 # HOST_PROFILE=1 adds the host's time of a matrix product and of a serving step
 # (scripts/host_profile.py) after the serving stage.
 #   5. summary
