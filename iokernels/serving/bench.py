@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..paged import blocks_needed, kv_bytes_per_token
+from ..paged import _check_int, blocks_needed, kv_bytes_per_token
 from .engine import Engine, check_max_seconds
 from .llama import MODELS, Llama
 from .device import DeviceContiguousMemory, DevicePagedMemory
@@ -144,11 +144,8 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
     their ratio (``tokens_per_s_ratio``: each pair's, and their median, min and max).
     """
     check_max_seconds(max_seconds)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats: expected an integer >= 1, got {repeats!r}")
-    if rows_granule is not None and (isinstance(rows_granule, bool) or not isinstance(rows_granule, int)
-                                     or rows_granule < 1):
-        raise ValueError(f"rows_granule: expected an integer >= 1, got {rows_granule!r}")
+    repeats = _check_int(repeats, "repeats", 1)
+    rows_granule = None if rows_granule is None else _check_int(rows_granule, "rows_granule", 1)
     if model not in MODELS:
         raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
     if dtype is not None and dtype not in DTYPES:
