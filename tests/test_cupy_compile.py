@@ -979,3 +979,25 @@ def test_every_device_helper_has_one_home():
             theirs = {n for h in included(text, set()) for n in _DEVICE_FN.findall((cr.KERNEL_DIR / h).read_text())}
             again = set(_DEVICE_FN.findall(text)) & theirs
             assert not again, (kernel.name, again)
+
+
+def test_every_decode_v6_sanitizer_case_is_one_the_launcher_takes():
+    """The compute-sanitizer's decode v6 cases (scripts/sanitize.py: each variant at each group
+    of DECODE_HEADS) are configs the launcher accepts on an H100-sized SRAM, the variants whose
+    warps are not whole teams at a group are left out there, and the default runs every group."""
+    from iokernels.cupy_raw import sanitize as S
+    (v6,) = [k for k in cr.REGISTRY.kernels("decode") if k.version == "v6"]
+    groups = [hq // hkv for hq, hkv in S.DECODE_HEADS["v6"]]
+    left_out = []
+    for kw in S.VARIANTS[("decode", "v6")]:
+        cfg = v6.config_class(version="v6", **kw)
+        for g in groups:
+            if not S.runs_at_group(v6, cfg, g):
+                left_out.append((tuple(kw), g))
+                with pytest.raises(ValueError, match="config.num_warps"):
+                    cfg.defines(64, "bfloat16", g, False, 16, smem_limit=227 * 1024, cc=90)
+                continue
+            for dtype in ("float16", "bfloat16"):
+                cfg.defines(64, dtype, g, False, 16, smem_limit=227 * 1024, cc=90)
+    assert all(kw for kw, _ in left_out), left_out                # the default is never left out
+    assert (("fused", "num_warps", "tile_rows"), 128) in left_out  # 4 warps, and g = 128's team is 8

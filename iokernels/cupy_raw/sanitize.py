@@ -28,6 +28,7 @@ from .. import api, fp8
 from ..core import reference
 from ..core.testing import check, make_inputs, numpy_dtype
 from ..core.testing import GRADIENT_FACTOR
+from .policy import decode_v6_team_warps
 from . import hopper
 from .hadamard import FWHT_HEAD_DIMS, fwht
 from .launch import device_info
@@ -139,9 +140,20 @@ def _check_decode(o, q, k, v, lens, dtype, name, window=None):
     _ok(check(o, ref_o, base, dtype=dtype, name="O", masked_rows=~np.isfinite(ref_l)[..., None]), name)
 
 
+def runs_at_group(kernel, cfg, group: int) -> bool:
+    """Whether a variant's config is one ``kernel`` runs at ``group`` query heads a KV head: a
+    decode v6 variant that names its warps runs only groups whose teams those warps make whole
+    (the launcher refuses the rest, by name); the default config runs every group."""
+    if kernel.version != "v6" or cfg.num_warps is None:
+        return True
+    return cfg.num_warps % decode_v6_team_warps(group) == 0
+
+
 def _decode(kernel, cfg, dtype, rng, label):
     out = []
     for d, heads in ((d, h) for h in DECODE_HEADS.get(kernel.version, ((4, 2),)) for d in DECODE_DIMS):
+        if not runs_at_group(kernel, cfg, heads[0] // heads[1]):
+            continue
         q, k, v = _decode_inputs(rng, d, dtype, DECODE_LENS, heads)
         if kernel.unavailable(need("decode", q=q, k=k, v=v)) is not None:
             continue
