@@ -206,7 +206,7 @@ note "$([ "${TRAFFIC:-1}" != 0 ] && echo "traffic (ncu, limit ${T_TRAFFIC}s; lim
   # PT_WORKERS pytest-xdist workers where xdist is installed (the compiles run in parallel).
   # -v: each test's verdict on its own line as it ends (xdist prints a -q run's failures only at
   # its end, which a time box can cut off)
-  PT="$PY -m pytest -v -rfEs --tb=short -p no:warnings -p no:cacheprovider -p no:benchmark"
+  PT="$PY -m pytest -v -rfEs --durations=25 --tb=short -p no:warnings -p no:cacheprovider -p no:benchmark"
   if [ "${PT_WORKERS:-4}" -gt 1 ] && $PY -c "import xdist" 2>/dev/null; then
     PT="$PT -n ${PT_WORKERS:-4}"
   fi
