@@ -234,3 +234,25 @@ def test_rotate_and_rms_norm_are_the_formulas(dtype):
         w = torch.randn(16, generator=g, dtype=dtype)
         want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
         assert torch.allclose(rms_norm(x, w, 1e-5), want, rtol=1e-12, atol=1e-12)
+
+
+def test_weights_depend_on_the_seed_and_their_place_not_on_the_threads():
+    """Each matrix is drawn by a generator of its own: drawn by one thread or four, or with the
+    matrices after it left out, it is the same, bit for bit; another seed or place gives other
+    values; the values are N(0, std^2), std 1/sqrt(fan-in) unless given."""
+    from iokernels.serving.llama import draw_weights
+    specs = [("a", (300, 400), None), ("b", (300, 400), None), ("c", (200, 100), 1.0)]
+    one = draw_weights(specs, 5, torch.float64, "cpu", workers=1)
+    four = draw_weights(specs, 5, torch.float64, "cpu", workers=4)
+    first = draw_weights(specs[:1], 5, torch.float64, "cpu")
+    assert list(one) == ["a", "b", "c"] and all(torch.equal(one[k], four[k]) for k in one)
+    assert torch.equal(first["a"], one["a"])
+    assert not torch.equal(one["a"], one["b"])                       # same shape, another place
+    assert not torch.equal(draw_weights(specs[:1], 6, torch.float64, "cpu")["a"], one["a"])
+    for name, std in (("a", 400 ** -0.5), ("c", 1.0)):
+        x = one[name]
+        assert abs(float(x.mean())) < 4 * std / x.numel() ** 0.5
+        assert abs(float(x.std()) / std - 1) < 0.02
+    assert one["c"].dtype == torch.float64
+    model = Llama(TINY, seed=3)
+    assert torch.equal(model.layers[1]["w2"], Llama(TINY, seed=3).layers[1]["w2"])

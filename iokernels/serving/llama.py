@@ -17,8 +17,8 @@ its ``config.json``, 2024, code/config), one layer::
   heads / kv_heads query heads, so the cache is that many times smaller;
 * **SwiGLU** (Shazeer, 2020, paper): the gated MLP above.
 
-Weights are drawn from a seeded generator on the CPU (no download; the same weights
-whatever the device): the shapes are the point, not the words.  Attention goes through
+Weights are drawn from seeded generators on the CPU (:func:`draw_weights`; no download,
+the same weights whatever the device): the shapes are the point, not the words.  Attention goes through
 ``memory`` (:mod:`iokernels.serving.memory`): the chunk's K and V are written to the
 cache, then the chunk's queries attend through the memory's backend
 (:func:`iokernels.paged_prefill` over the blocks, or :func:`iokernels.attention_varlen`
@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -151,6 +153,29 @@ def _attend_on_host(memory, layer, seqs, chunk_lens, ids, cu, q, k, v):
     return torch.from_numpy(np.ascontiguousarray(o)).to(q.device)
 
 
+def draw_weights(specs, seed, dtype, device, workers=None) -> dict:
+    """{name: a (shape) matrix of N(0, std^2) values} for each (name, shape, std) of ``specs``
+    (std None: 1/sqrt(shape[-1])), in ``dtype`` on ``device``; ``workers``: threads drawing
+    (None: the CPU's cores, at most 16).
+
+    Each matrix is drawn in float32 on the CPU by a generator of its own, seeded by (``seed``, its
+    place in ``specs``), so a matrix's values depend on neither the device nor the order the
+    matrices are drawn in, and they are drawn in parallel threads (torch releases the GIL
+    while it draws): a model of Llama-3-8B's 32 layers draws 8 billion values."""
+    def one(i):
+        name, size, std = specs[i]
+        seeds = np.random.SeedSequence([int(seed), i]).generate_state(1, np.uint64)
+        g = torch.Generator(device="cpu").manual_seed(int(seeds[0] >> np.uint64(1)))
+        std = (1.0 / size[-1]) ** 0.5 if std is None else std
+        return name, (torch.randn(*size, generator=g, dtype=torch.float32) * std).to(dtype).to(device)
+
+    workers = min(len(specs), os.cpu_count() or 1, 16) if workers is None else workers
+    if workers <= 1:
+        return dict(map(one, range(len(specs))))
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(pool.map(one, range(len(specs))))
+
+
 class Llama:
     """A Llama decoder with weights drawn from ``seed``; ``forward`` is what the engine calls.
 
@@ -162,30 +187,25 @@ class Llama:
 
     def __init__(self, shape: LlamaShape = TINY, seed=0, dtype=torch.float64, device="cpu"):
         self.shape, self.dtype, self.device = shape, dtype, device
-        g = torch.Generator(device="cpu").manual_seed(int(seed))
         s = shape
+        # every matrix: (name, shape, std); std 1/sqrt(fan-in) keeps activations O(1), the embedding 1.
+        # Wq, Wk, Wv are one stacked matrix (the query heads' rows, then the KV heads' K rows, then
+        # their V rows), W1 and W3 another (W1's rows, then W3's): one matrix product, one kernel
+        # launch, each where there would be three and two, as vLLM's QKVParallelLinear and
+        # MergedColumnParallelLinear pack them (vllm/model_executor/layers/linear.py, code)
+        qkv_rows = (s.heads + 2 * s.kv_heads) * s.head_dim
+        specs = [("embed", (s.vocab, s.dim), 1.0), ("lm_head", (s.vocab, s.dim), None)]
+        for i in range(s.layers):
+            specs += [(f"{i}.wqkv", (qkv_rows, s.dim), None), (f"{i}.wo", (s.dim, s.heads * s.head_dim), None),
+                      (f"{i}.w13", (2 * s.ffn_dim, s.dim), None), (f"{i}.w2", (s.dim, s.ffn_dim), None)]
+        w = draw_weights(specs, seed, dtype, device)
 
-        def w(*size, std=None):
-            std = (1.0 / size[-1]) ** 0.5 if std is None else std                 # keeps activations O(1)
-            return (torch.randn(*size, generator=g, dtype=torch.float32) * std).to(dtype).to(device)
+        def ones():
+            return torch.ones(s.dim, dtype=dtype, device=device)
 
-        def layer():
-            wq, wk, wv = w(s.heads * s.head_dim, s.dim), w(s.kv_heads * s.head_dim, s.dim), \
-                w(s.kv_heads * s.head_dim, s.dim)
-            wo, w1, w3, w2 = w(s.dim, s.heads * s.head_dim), w(s.ffn_dim, s.dim), w(s.ffn_dim, s.dim), \
-                w(s.dim, s.ffn_dim)
-            # Wq, Wk, Wv stacked into one matrix, W1 and W3 into another: one matrix product
-            # (one kernel launch) each where there were three and two, as vLLM's
-            # QKVParallelLinear and MergedColumnParallelLinear pack them
-            # (vllm/model_executor/layers/linear.py, code)
-            return dict(attn_norm=torch.ones(s.dim, dtype=dtype, device=device), wqkv=torch.cat([wq, wk, wv]),
-                        wo=wo, mlp_norm=torch.ones(s.dim, dtype=dtype, device=device), w13=torch.cat([w1, w3]),
-                        w2=w2)
-
-        self.embed = w(s.vocab, s.dim, std=1.0)
-        self.layers = [layer() for _ in range(s.layers)]
-        self.norm = torch.ones(s.dim, dtype=dtype, device=device)
-        self.lm_head = w(s.vocab, s.dim)
+        self.layers = [dict(attn_norm=ones(), wqkv=w[f"{i}.wqkv"], wo=w[f"{i}.wo"], mlp_norm=ones(),
+                            w13=w[f"{i}.w13"], w2=w[f"{i}.w2"]) for i in range(s.layers)]
+        self.embed, self.lm_head, self.norm = w["embed"], w["lm_head"], ones()
 
     @property
     def vocab(self) -> int:
