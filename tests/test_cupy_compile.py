@@ -1001,3 +1001,19 @@ def test_every_decode_v6_sanitizer_case_is_one_the_launcher_takes():
                 cfg.defines(64, dtype, g, False, 16, smem_limit=227 * 1024, cc=90)
     assert all(kw for kw, _ in left_out), left_out                # the default is never left out
     assert (("fused", "num_warps", "tile_rows"), 128) in left_out  # 4 warps, and g = 128's team is 8
+
+
+def test_the_combine_module_is_built_once_whatever_the_group():
+    """decode.cu's combine reads only the head dim and the dtype: every version but v1 builds
+    its module at group 1 over a contiguous cache (decode.cu's split kernel, in the same module,
+    spills at large groups), so a decode at 128 query heads a KV head shares the module of one
+    at 4; v1 builds the module its own split kernel needs."""
+    for version in ("v2", "v3", "v4", "v5", "v6"):
+        cfg = cr.DecodeConfig(version)
+        one = cfg.combine_defines(128, "bfloat16", 4, False, 0)
+        for group, paged, bs in ((128, False, 0), (64, True, 16), (1, True, 7)):
+            assert cfg.combine_defines(128, "bfloat16", group, paged, bs) == one, (version, group)
+        assert one["GROUP"] == 1 and one["PAGED"] == 0 and one["HEAD_DIM"] == 128
+        assert cfg.combine_defines(59, "float16", 8, False, 0, aligned=False)["VEC_IO"] == 0
+    v1 = cr.DecodeConfig("v1")
+    assert v1.combine_defines(128, "float16", 8, True, 16) == v1.defines(128, "float16", 8, True, 16)

@@ -396,9 +396,16 @@ class DecodeConfig:
 
     def combine_defines(self, head_dim: int, dtype: str, group: int, paged: bool, block_size: int,
                         aligned: bool = True) -> dict:
-        """decode.cu's defines, for its combine kernel (every version's two-launch path)."""
-        v1 = self if self.version == "v1" else DecodeConfig("v1")
-        return v1.defines(head_dim, dtype, group, paged, block_size, aligned=aligned)
+        """decode.cu's defines, for its combine kernel (every version's two-launch path).
+
+        The combine reads only the head dim and the dtype.  decode.cu's split kernel, in the
+        same module, holds a group's queries in registers, and built at a large group it spills
+        and takes ptxas minutes (at 128 query heads a KV head).  So v1 builds the module it
+        launches anyway (its own split kernel's defines), and every other version one at group 1
+        over a contiguous cache: one cheap build, whatever the group, layout or cache."""
+        if self.version == "v1":
+            return self.defines(head_dim, dtype, group, paged, block_size, aligned=aligned)
+        return DecodeConfig("v1").defines(head_dim, dtype, 1, False, 0, aligned=aligned)
 
 
 def kv_itemsize(dtype: str, kv: str | None = None) -> int:
