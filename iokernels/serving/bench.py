@@ -23,6 +23,13 @@ model, warming up, and serving each side), and the whole setup.  ``--repeats N``
 pair N times in turn and adds each pair's tokens/s and ratio (``repeats``,
 ``tokens_per_s_ratio``): a time-shared host's speed drifts, and a host-bound step shows it.
 
+``--layers``: how many of Llama-3-8B's 32 layers the model has (default 2, which fits a small
+GPU; all 32 take 16 GB of bfloat16 weights).  The engine's books (scheduling, placing each
+sequence's token, sampling) are paid once a step, the model's work once a layer: the fewer
+the layers, the more a step's time is books per sequence, which the paged side, running
+more sequences, pays more of.  So the tokens/s ratio depends on the layer count; the GPU
+record (scripts/gpu_all.sh) serves all 32, at 20 GB of KV cache.
+
 Where the KV cache lives is part of what is measured.  Without ``--device`` the pools are
 NumPy arrays on the host and the model runs on the CPU: the lesson's path, every kernel
 readable.  With ``--device cuda`` the model, its weights and both memories' pools are on
