@@ -244,6 +244,54 @@ def test_the_recorded_runs_summarize_with_their_ratios():
         assert s.get("rows_granule", 1) == rec["setup"].get("rows_granule", 1), name
 
 
+def test_the_roofline_model_of_a_recorded_run():
+    """modelled_serving: each side is decode_throughput at its batch and the context its written
+    slots give, on the record's GPU's datasheet figures and its layer count; the ratios at scale 1
+    agree with the sides; the budget's ratio falls once the paged batch is compute-bound; the
+    measured ratio is a repeated run's median; a GPU without a datasheet entry gives None."""
+    from iokernels.serving import lesson
+    from iokernels.serving.llama import llama3_8b_shape
+    assert lesson.compute_bound_batch("H100 SXM") == pytest.approx(989.4 / 3.35, rel=1e-3)   # datasheet figures
+    assert lesson.compute_bound_batch("H200") < lesson.compute_bound_batch("H100 SXM")        # same FLOP/s, faster HBM
+    assert [lesson.datasheet_gpu(n) for n in ("NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+                                               "NVIDIA A10", None)] == ["H200", "H100 SXM", "H100 PCIe", None, None]
+    rec = dict(setup=dict(gpu="NVIDIA H200", model="llama3-8b-shape (32 layers)", kv_slots=100_000),
+               paged=dict(max_concurrent=800, waste_fraction=0.02, tokens_per_s=9000.0),
+               contiguous=dict(max_concurrent=100, waste_fraction=0.7, tokens_per_s=4000.0),
+               tokens_per_s_ratio=dict(median=2.2))
+    m = lesson.modelled_serving(rec)
+    assert (m["gpu"], m["layers"], m["measured_ratio"]) == ("H200", 32, 2.2)
+    for side, batch, context in (("paged", 800, 100_000 * 0.98 / 800), ("contiguous", 100, 100_000 * 0.3 / 100)):
+        ref = lesson.decode_throughput([batch], context=context, shape=llama3_8b_shape(32), gpu="H200")
+        got = m[side]
+        assert got["context"] == round(context, 1)
+        assert got["modelled_tokens_per_s"] == pytest.approx(ref["tokens_per_s"][0], abs=0.05)
+        assert got["bound"] == ("compute" if ref["compute_s"][0] > ref["memory_s"][0] else "memory")
+        assert got["fraction_of_modelled"] == round(rec[side]["tokens_per_s"] / ref["tokens_per_s"][0], 3)
+    assert (m["paged"]["bound"], m["contiguous"]["bound"]) == ("compute", "memory")
+    one = m["paged"]["modelled_tokens_per_s"] / m["contiguous"]["modelled_tokens_per_s"]
+    assert m["modelled_ratio"][1.0] == m["modelled_ratio_by_budget"][1.0] == pytest.approx(one, abs=0.006)
+    by_budget = [m["modelled_ratio_by_budget"][b] for b in (0.25, 0.5, 1.0, 2.0)]
+    assert by_budget == sorted(by_budget, reverse=True) and by_budget[0] > 2 * by_budget[-1]
+    del rec["tokens_per_s_ratio"]
+    assert lesson.modelled_serving(rec)["measured_ratio"] == 2.25
+    rec["setup"]["gpu"] = "NVIDIA A10"
+    assert lesson.modelled_serving(rec) is None
+
+
+def test_every_recorded_run_stays_under_its_roofline():
+    """The roofline model is an upper bound: on every recorded GPU run both sides served fewer
+    tokens/s than the model allows them at their batch and context."""
+    from iokernels.serving import lesson
+    recorded = {n: lesson.modelled_serving(r) for n, r in lesson.recorded_serving().items()}
+    recorded = {n: m for n, m in recorded.items() if m is not None}
+    if not recorded:
+        pytest.skip("no serve_bench*.json record of a GPU with a datasheet entry in this checkout")
+    for name, m in recorded.items():
+        for side in ("paged", "contiguous"):
+            assert 0 < m[side]["fraction_of_modelled"] < 1, (name, side)
+
+
 def test_admission_leaves_the_watermark_free_while_others_run():
     """A paged memory keeps WATERMARK of its blocks free for the running sequences' growth: a
     request that would dip into them waits; with nothing running the head of the line is admitted."""

@@ -7,6 +7,7 @@ that paging changed nothing but the memory; :func:`paged_vs_contiguous` runs the
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -16,13 +17,14 @@ from ..paged import kv_bytes_per_token
 from .bench import serve_bench
 from .engine import Engine
 from .fake import ChecksumModel
-from .llama import LLAMA3_8B, LlamaShape
+from .llama import LLAMA3_8B, LlamaShape, llama3_8b_shape
 from .memory import ContiguousMemory, PagedMemory
 from .requests import Request
 from .trace import sharegpt_like_trace
 
 __all__ = ["small_trace", "run_small", "step_rows", "block_table_history", "block_size_sweep",
-           "weights", "decode_throughput", "paged_vs_contiguous", "recorded_serving", "serving_summary"]
+           "weights", "decode_throughput", "paged_vs_contiguous", "recorded_serving", "serving_summary",
+           "modelled_serving", "compute_bound_batch", "datasheet_gpu"]
 
 #: where recorded benchmark results live: a checkout's benchmarks/results, or an installed
 #: wheel's copy of it (the same folder iokernels.core.recorded reads)
@@ -175,3 +177,72 @@ def recorded_serving():
     if not RESULTS.is_dir():
         return {}
     return {p.name: json.loads(p.read_text()) for p in sorted(RESULTS.glob("serve_bench*.json"))}
+
+
+def compute_bound_batch(gpu="H200", itemsize=2) -> float:
+    """The decode batch past which a step's matrix products take longer than reading the weights,
+    on the GPU's datasheet figures: each weight is read once a step (``itemsize`` bytes) and does
+    2 FLOP per sequence, so the two times are equal at peak FLOP/s x itemsize / (2 x bytes/s)
+    sequences (the KV cache's bytes left out: they move the point further out)."""
+    g = GPUS[gpu]
+    return g["fp16_tflops"] * 1e12 * itemsize / (2 * g["hbm_tbps"] * TB)
+
+
+#: the datasheet entry (:data:`iokernels.core.roofline.GPUS`) of a recorded GPU, by a word of its
+#: name, first match: an "H100 80GB HBM3" is the SXM card (the PCIe card has HBM2e)
+DATASHEET_GPU = (("H200", "H200"), ("H100 PCIe", "H100 PCIe"), ("H100", "H100 SXM"))
+
+
+def datasheet_gpu(name: str | None) -> str | None:
+    """The :data:`~iokernels.core.roofline.GPUS` key of a GPU's name as a record holds it, or None."""
+    return next((key for word, key in DATASHEET_GPU if word in (name or "")), None)
+
+
+def modelled_serving(rec: dict, scales=(0.5, 1.0, 2.0), budgets=(0.25, 0.5, 1.0, 2.0)) -> dict | None:
+    """What :func:`decode_throughput`, the roofline model, says of a recorded serve-bench run,
+    beside what the run measured; None where the record's GPU has no datasheet entry.
+
+    Each side is modelled as a decode step at its largest batch (``max_concurrent``), each
+    sequence holding ``context`` tokens: the slots the run kept written, kv_slots x (1 -
+    waste_fraction), over that batch.  The waste is averaged over the run's steps and the batch
+    is its largest, so the context is an estimate; the model's ratio is also given at the
+    context times each of ``scales``, and at the KV budget times each of ``budgets`` (both
+    batches scaled with it, the contexts kept).  The model's layers are the record's (its
+    ``model`` names them).
+
+    Returns: the GPU's datasheet key and the layers; per side the batch, the context, the
+    modelled tokens/s and what bounds it ("memory" or "compute"), the measured tokens/s and
+    the fraction of the modelled figure it reached; the modelled tokens/s ratio (paged /
+    contiguous) at each scale of the context and of the budget; the measured ratio (the median
+    over the pairs of a repeated run).
+    """
+    setup = rec.get("setup", {})
+    gpu = datasheet_gpu(setup.get("gpu"))
+    if gpu is None:
+        return None
+    layers = re.search(r"\((\d+) layers\)", setup.get("model", ""))
+    shape = llama3_8b_shape(int(layers.group(1))) if layers else LLAMA3_8B
+    names = ("paged", "contiguous")
+    batch = {n: rec[n]["max_concurrent"] for n in names}
+    context = {n: setup["kv_slots"] * (1.0 - rec[n]["waste_fraction"]) / batch[n] for n in names}
+
+    def model(name, batch_scale=1.0, context_scale=1.0):
+        m = decode_throughput([batch[name] * batch_scale], context=context[name] * context_scale, shape=shape,
+                              gpu=gpu)
+        return float(m["tokens_per_s"][0]), "compute" if m["compute_s"][0] > m["memory_s"][0] else "memory"
+
+    sides = {}
+    for n in names:
+        tps, bound = model(n)
+        sides[n] = dict(batch=batch[n], context=round(context[n], 1), modelled_tokens_per_s=round(tps, 1),
+                        bound=bound, measured_tokens_per_s=round(rec[n]["tokens_per_s"], 1),
+                        fraction_of_modelled=round(rec[n]["tokens_per_s"] / tps, 3))
+
+    def ratio(**kw):
+        return round(model("paged", **kw)[0] / model("contiguous", **kw)[0], 2)
+    measured = rec.get("tokens_per_s_ratio", {}).get("median",
+                                                      rec["paged"]["tokens_per_s"] / rec["contiguous"]["tokens_per_s"])
+    return dict(gpu=gpu, layers=shape.layers, **sides,
+                modelled_ratio={s: ratio(context_scale=s) for s in scales},
+                modelled_ratio_by_budget={b: ratio(batch_scale=b) for b in budgets},
+                measured_ratio=round(measured, 2))
