@@ -150,15 +150,15 @@ fi
 # ---------------------------------------------------------------- 2c'. the host's time (optional)
 # HOST_PROFILE=1 runs scripts/host_profile.py after the serving stage (alone on the GPU): the host's
 # cost of a matrix product at one row count against a new row count every call (--op gemm), then a
-# serving step's host and device time, paged and contiguous, with the model's rows unpadded and
-# padded to 64 (--op serve); its text goes into logs.tar.gz (host_profile.txt), its summary lines
-# into summary.txt.  T_HOST_PROFILE its box, default 150 s.
+# serving step's host and device time, paged and contiguous, with the serving record's 32 layers and
+# with 2 (--op serve); its text goes into logs.tar.gz (host_profile.txt), its summary lines into
+# summary.txt.  T_HOST_PROFILE its box, default 150 s.
 if [ "${HOST_PROFILE:-0}" != 0 ]; then
   T_HP=$(left ${T_HOST_PROFILE:-150})
   note "host profile (limit ${T_HP}s)"
   timeout --kill-after=5 $T_HP bash -c '
     '"$PY"' scripts/host_profile.py --op gemm
-    for g in 1 64; do '"$PY"' scripts/host_profile.py --op serve --rows-granule $g --top 12; done' \
+    for n in 32 2; do '"$PY"' scripts/host_profile.py --op serve --layers $n --top 12; done' \
     > "$LOGS/host_profile.txt" 2>&1
   note "host profile exit $?"
 fi
@@ -300,7 +300,7 @@ note "summary"
     echo
   done
   if [ -s "$LOGS/host_profile.txt" ]; then
-    echo "== host profile (scripts/host_profile.py: gemm, then serve unpadded and padded)"
+    echo "== host profile (scripts/host_profile.py: gemm, then serve at 32 layers and at 2)"
     grep -E "^==|pads" "$LOGS/host_profile.txt" | head -20
     echo
   fi

@@ -1,7 +1,7 @@
 """Where the host's time goes on a GPU: a call of ours beside SDPA's, and a serving step.
 
     python scripts/host_profile.py [--op decode|paged|attention|serve|gemm|all] [--calls 1000] [--top 14]
-                                   [--warm-steps 120] [--steps 30] [--rows-granule N]
+                                   [--warm-steps 120] [--steps 30] [--rows-granule N] [--layers N]
 
 decode, paged, attention: each op at one small shape (:data:`SHAPES`; bfloat16, torch CUDA tensors,
 the CuPy backend's default; paged: ``iokernels.cupy_raw.paged_decode_pools`` over device pools,
@@ -10,8 +10,9 @@ contiguous cache of the same length): the loop's
 microseconds a call (what :func:`iokernels.bench.timer.host_ms_loop` records in the
 benchmark's ``host_ms``) for both, then the functions that take the most of ours.
 
-serve: the serve-bench's setup (the Llama-3-8B-shaped model, two layers, bfloat16, a 1.25 GB
-KV budget, 4096 ShareGPT-like requests at 1000 a second, the CuPy kernels;
+serve: the serve-bench's setup (the Llama-3-8B-shaped model, ``--layers`` of it (default two),
+bfloat16, a KV budget of 0.625 GB a layer (1.25 GB for two, 20 GB for all 32: the same slots a layer),
+4096 ShareGPT-like requests at 1000 a second, the CuPy kernels;
 :mod:`iokernels.serving.bench`), one side at a time (paged, then contiguous): ``--warm-steps``
 steps to fill the batch, then ``--steps`` steps under torch's profiler and as many under
 cProfile.  Per side: the running sequences, a step's wall time and its phases
@@ -50,6 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 SHAPES = {"decode": dict(batch=1, heads_q=32, heads_kv=8, seqlen=1024, head_dim=128),
           "paged": dict(batch=1, heads_q=32, heads_kv=8, seqlen=1024, head_dim=128, block_size=16),
           "attention": dict(batch=1, heads_q=16, heads_kv=16, seqlen=256, head_dim=128)}
+
+
+#: serve: the KV budget a layer, GB (20 GB over Llama-3-8B's 32 layers, gpu_all.sh's serving record)
+KV_GB_A_LAYER = 20 / 32
 
 
 def _calls(op, torch):
@@ -151,13 +156,14 @@ def _serve(a, torch) -> None:
     from iokernels.serving.llama import MODELS, Llama
     from iokernels.serving.trace import sharegpt_like_trace
     preset = dict(B.PRESETS["llama3-8b-shape"], rate=1000.0)
-    shape, block = MODELS["llama3-8b-shape"](2), 16
+    shape, block = MODELS["llama3-8b-shape"](a.layers), 16
     per_token = kv_bytes_per_token(shape.layers, shape.kv_heads, shape.head_dim, 2)
-    slots = B._kv_slots(None, 1.25, preset, per_token, block)
+    slots = B._kv_slots(None, KV_GB_A_LAYER * a.layers, preset, per_token, block)
     llama = Llama(shape, seed=0, dtype=torch.bfloat16, device="cuda")
     if a.rows_granule is not None:
         llama.rows_granule = a.rows_granule
-    print(f"(the model pads a step's rows to a multiple of {llama.rows_granule})")
+    print(f"(the model: {shape.name}, {slots} KV slots a layer; it pads a step's rows to a multiple of "
+          f"{llama.rows_granule})")
     trace = sharegpt_like_trace(4096, seed=0, vocab=shape.vocab, scale=preset["scale"], max_prompt=preset["max_prompt"],
                                 max_new_tokens=preset["max_new_tokens"], rate=preset["rate"])
     paged, contiguous = B._memories("cuda", "cupy", slots // block, block, llama.memory_shape())
@@ -191,6 +197,7 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--warm-steps", type=int, default=120, help="serve: steps before the profiled ones")
     ap.add_argument("--steps", type=int, default=30, help="serve: steps profiled, by each profiler")
+    ap.add_argument("--layers", type=int, default=2, help="serve: layers of the Llama-3-8B-shaped model (default 2)")
     ap.add_argument("--rows-granule", type=int, default=None, help="serve: pad a step's rows to a multiple of "
                     "this (1: none; default: the model's)")
     a = ap.parse_args(argv)
