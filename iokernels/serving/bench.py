@@ -198,18 +198,18 @@ def serve_bench(model="tiny", backend=None, requests=64, *, seed=0, block_size=1
     same = [paged.outputs[rid] == contiguous.outputs[rid] for rid in both]
     out = {"paged": paged.summary(), "contiguous": contiguous.summary(),
            "tokens_equal": all(same), "requests_compared": len(both),
-            "requests_equal_fraction": sum(same) / len(same) if same else 0.0,
-            "device": str(torch.device(device)) if device is not None else "cpu (NumPy pools)",
-            "kv_budget_gb": kv_bytes / GB, "wall_s": wall,
-            "setup": dict(model=shape.name, backend=backend, requests=requests, seed=seed, kv_slots=kv_slots,
-                          kv_bytes=kv_bytes, block_size=block_size, dtype=str(torch_dtype).replace("torch.", ""),
-                          device=str(torch.device(device)) if device is not None else None,
-                          pools="numpy" if device is None else "torch",
-                          gpu=torch.cuda.get_device_name() if on_gpu else None,
-                          trace="ShareGPT-like (Kwon et al., SOSP 2023, Fig. 11 means)",
-                          scale=preset["scale"], max_new_tokens=preset["max_new_tokens"], rate=preset["rate"],
-                          step_time=preset.get("step_time"), max_seconds=max_seconds,
-                          rows_granule=llama.rows_granule, repeats=repeats)}
+           "requests_equal_fraction": sum(same) / len(same) if same else 0.0,
+           "device": str(torch.device(device)) if device is not None else "cpu (NumPy pools)",
+           "kv_budget_gb": kv_bytes / GB, "wall_s": wall,
+           "setup": dict(model=shape.name, backend=backend, requests=requests, seed=seed, kv_slots=kv_slots,
+                         kv_bytes=kv_bytes, block_size=block_size, dtype=str(torch_dtype).replace("torch.", ""),
+                         device=str(torch.device(device)) if device is not None else None,
+                         pools="numpy" if device is None else "torch",
+                         gpu=torch.cuda.get_device_name() if on_gpu else None,
+                         trace="ShareGPT-like (Kwon et al., SOSP 2023, Fig. 11 means)",
+                         scale=preset["scale"], max_new_tokens=preset["max_new_tokens"], rate=preset["rate"],
+                         step_time=preset.get("step_time"), max_seconds=max_seconds,
+                         rows_granule=llama.rows_granule, repeats=repeats)}
     if repeats > 1:
         out["repeats"] = [_pair_summary(p["paged"].summary(), p["contiguous"].summary()) for p in pairs]
         ratios = [r["ratio"] for r in out["repeats"] if r["ratio"] is not None]
