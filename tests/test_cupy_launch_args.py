@@ -192,16 +192,17 @@ for dt in ("bfloat16", "float16"):
                                               config=cr.BackwardConfig("v3", deterministic=det)))
             out[f"maps bwd v3 {dt} {d} {det}"] = MAPS[:]
             MAPS.clear()
-            for ver in ("v4", "v5"):
+            for ver in ("v4", "v5", "v6"):
                 MAPS.clear()
                 rec(f"attention_backward {ver} {dt} {d} deterministic={det}",
                     lambda: cr.attention_backward(q, q, k, v, q, lse, causal=True,
                                                   config=cr.BackwardConfig(ver, deterministic=det)), ints=True)
                 out[f"maps bwd {ver} {dt} {d} {det}"] = MAPS[:]
-            for window in (None, (8, -1)):               # no upper edge to the band: v5 in v4's order
-                rec(f"attention_backward v5 {dt} {d} deterministic={det} window={window}",
-                    lambda: cr.attention_backward(q, q, k, v, q, lse, window=window,
-                                                  config=cr.BackwardConfig("v5", deterministic=det)), ints=True)
+            for ver in ("v5", "v6"):
+                for window in (None, (8, -1)):           # no upper edge to the band: v4's order
+                    rec(f"attention_backward {ver} {dt} {d} deterministic={det} window={window}",
+                        lambda: cr.attention_backward(q, q, k, v, q, lse, window=window,
+                                                      config=cr.BackwardConfig(ver, deterministic=det)), ints=True)
 
 # paged prefill v3 (Hopper): packed GQA 8/2 and MHA, blocks of 16, the tensor maps recorded
 from iokernels.cupy_raw.hopper import paged_prefill as PP3
@@ -234,7 +235,7 @@ FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split":
          "decode_split_v4_loads": "decode_v4_loads",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
          "bwd_v2_main": "bwd_v2", "bwd_v3_main": "bwd_v3", "bwd_v4_main": "bwd_v4", "bwd_v5_main": "bwd_v5",
-         "mla_decode": "mla_decode",
+         "bwd_v6_main": "bwd_v6", "bwd_v6_finish": "bwd_v6", "mla_decode": "mla_decode",
          "paged_prefill_v1": "paged_prefill_v1", "paged_prefill_v2": "paged_prefill_v2",
          "paged_prefill_v3": "paged_prefill_v3"}
 
@@ -445,21 +446,25 @@ def test_backward_v3_launch_geometry(launches):
                 assert launches[f"maps bwd v3 {dt} {d} {det}"] == [q_map, kv_map, kv_map, q_map]
 
 
-@pytest.mark.parametrize("ver", ("v4", "v5"))
+@pytest.mark.parametrize("ver", ("v4", "v5", "v6"))
 def test_backward_v4_launch_geometry(launches, ver):
-    """backward v4 (Hopper, two consumer warpgroups) and v5 (its kernel, longest first): the main
-    loop one block per (K/V tile of 128 keys, KV head, sequence), 384 threads (producer + two
-    consumer warpgroups), compiled for sm_90a; Q and dO in 64-row boxes, K and V in 128-row
-    boxes; dQ's partials one slot per 128-key tile (bwd_finish sums Tc = ceil(77 / 128) = 1).
-    v5's last argument is its policy's group of pairs: all four under the causal mask, one (v4's
-    order) without an upper edge to the band."""
+    """backward v4 (Hopper, two consumer warpgroups), v5 (its kernel, longest first) and v6 (v5's,
+    dQ added from SRAM): the main loop one block per (K/V tile of 128 keys, KV head, sequence),
+    384 threads (producer + two consumer warpgroups), compiled for sm_90a; Q and dO in 64-row
+    boxes, K and V in 128-row boxes; dQ's partials one slot per 128-key tile (the finish sums
+    Tc = ceil(77 / 128) = 1): bwd_v1.cu's bwd_finish a thread an element, v6's own bwd_v6_finish
+    (the same defines as its main loop) a thread a pair of columns, told B x Hq = 8 rows of
+    heads, Nq = 37 and the tile count.  v5's and v6's last main-loop argument is the policy's
+    group of pairs: all four under the causal mask, one (v4's order) without an upper edge to the
+    band."""
     from iokernels.cupy_raw import config as C
     from iokernels.cupy_raw import policy
     for dt in ("bfloat16", "float16"):
         for d in (64, 128):
             for det in (False, True):
                 ls = launches[f"attention_backward {ver} {dt} {d} deterministic={det}"]
-                assert [L["name"] for L in ls] == ["bwd_rowsum", f"bwd_{ver}_main", "bwd_finish"]
+                finish = "bwd_v6_finish" if ver == "v6" else "bwd_finish"
+                assert [L["name"] for L in ls] == ["bwd_rowsum", f"bwd_{ver}_main", finish]
                 main = ls[1]
                 assert main["grid"] == [1, 2, 2] and main["block"] == [384]
                 assert "-arch=sm_90a" in main["options"]
@@ -467,15 +472,20 @@ def test_backward_v4_launch_geometry(launches, ver):
                 got = _defines(main)
                 assert (got["BLOCK_M"], got["BLOCK_N"], got["DETERMINISTIC"]) == ("64", "128", str(int(det)))
                 assert _defines(ls[2])["DETERMINISTIC"] == str(int(det))
+                if ver == "v6":
+                    assert _defines(ls[2]) == got and "-arch=sm_90a" in ls[2]["options"]
+                    assert ls[2]["ints"][-3:] == [8, 37, 1] and ls[2]["grid"] == [-(-8 * 37 * d // 2 // 128)]
+                else:
+                    assert ls[2]["ints"][-2:] == [8 * 37 * d, 1] and ls[2]["grid"] == [-(-8 * 37 * d // 128)]
                 q_map = dict(dims=[d, 37, 8], strides=[2 * d, 2 * d * 37], box=[64, 64, 1])
                 kv_map = dict(dims=[d, 77, 4], strides=[2 * d, 2 * d * 77], box=[64, 128, 1])
                 assert launches[f"maps bwd {ver} {dt} {d} {det}"] == [q_map, kv_map, kv_map, q_map]
-                if ver == "v5":      # lpt_pairs, the last argument: the stand-in's 132 SMs and 50 MB of L2
+                if ver in ("v5", "v6"):      # lpt_pairs, the last argument: the stand-in's 132 SMs and 50 MB of L2
                     pairs = policy.backward_lpt_pairs(4, 2, 37, d, 2, 50 << 20, banded=True, tiles=1, sms=132)
                     assert main["ints"][-1] == pairs == 4                  # causal: every pair one group
                     for window in (None, (8, -1)):
-                        ls = launches[f"attention_backward v5 {dt} {d} deterministic={det} window={window}"]
-                        assert ls[1]["name"] == "bwd_v5_main" and ls[1]["ints"][-1] == 1, window
+                        ls = launches[f"attention_backward {ver} {dt} {d} deterministic={det} window={window}"]
+                        assert ls[1]["name"] == f"bwd_{ver}_main" and ls[1]["ints"][-1] == 1, window
 
 
 def test_the_paged_prefill_v3_plan_launches_like_its_eager_call(launches):

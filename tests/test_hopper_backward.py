@@ -1,9 +1,10 @@
 """The Hopper backward (bwd_v3.cu: one consumer warpgroup, 64 keys a tile; bwd_v4.cu: two
-consumer warpgroups, 128 keys a tile; bwd_v5.cu: v4's kernel, its blocks longest first):
-compiled everywhere, run where there is a Hopper GPU.
+consumer warpgroups, 128 keys a tile; bwd_v5.cu: v4's kernel, its blocks longest first;
+bwd_v6.cu: v5 with dQ added to HBM from SRAM): compiled everywhere, run where there is a Hopper
+GPU.
 
-Every check that the versions share is one test parametrized over the version (ids "v3", "v4"
-and "v5"); what differs between them (head dims, tiles, ring depths, the compile list, the
+Every check that the versions share is one test parametrized over the version (ids "v3" ..
+"v6"); what differs between them (head dims, tiles, ring depths, the compile list, the
 refusals that name a tile, the awkward shapes) is the table VERSIONS below.
 
 Without a GPU (CI): each source compiles with nvcc for sm_90a from exactly the source and
@@ -11,18 +12,18 @@ defines the launcher hands NVRTC, for each dtype x head dim x dQ mode and each r
 table lists; ``-Xptxas -v`` must show no local memory (no spills, no stack frame), no wgmma
 serialisation (ptxas C7515, C7512) and no ignored setmaxnreg (C7508); the source refuses what it
 cannot run with #error; BackwardConfig's fields are validated naming the field; the registry
-makes v4 the default on Hopper (the gate in cupy_raw/policy.py), holds v5 back from the default
-until measured (a config naming it runs it; the gate opens in that one table), runs each version
-when a config names it and refuses it by name where it cannot run.  The launch arguments, grid
-and tensor maps are checked against the kernels' signatures in tests/test_cupy_launch_args.py
+makes v4 the default on Hopper (the gate in cupy_raw/policy.py), holds v5 and v6 back from the
+default until measured (a config naming it runs it; the gate opens in that one table), runs each
+version when a config names it and refuses it by name where it cannot run.  The launch arguments,
+grid and tensor maps are checked against the kernels' signatures in tests/test_cupy_launch_args.py
 (a CuPy stand-in).
 
 With compute capability 9.0, for each version: dQ, dK, dV held to the float64 gradients by
 FlashAttention's 2x rule (the naive backward in the same dtype, on the GPU, from the same O and
 LSE, is the baseline) at d in {64, 128}, N in {1, 127, 1024, 4096}, causal and not, GQA,
 N_q != N_k, both dQ modes; windows and rows that see no key; the deterministic mode bit for bit
-across runs.  Then v5 giving v4's bits (deterministic dQ) with its pairs grouped every way, v4
-agreeing with v3, and v3's cached plan giving the eager launch's bits.
+across runs.  Then v5 and v6 giving v4's bits (deterministic dQ) with their pairs grouped every
+way, v4 agreeing with v3, and v3's cached plan giving the eager launch's bits.
 Skipped elsewhere with the reason.
 """
 
@@ -42,7 +43,7 @@ DTYPES = ("float16", "bfloat16")
 VERSIONS = {
     "v3": dict(
         head_dims=BWD_V3_HEAD_DIMS, max_stages=BWD_V3_MAX_STAGES, default_stages=policy.BWD_V3_STAGES,
-        block_q=64, block_k=64,
+        block_q=64, block_k=64, dq_sram=0,
         # the compile list's extra ring depths: every one, at bfloat16 d = 128 (the most registers),
         # the default depth included (compiled again under its ring label)
         ring_head_dims=(128,), ring_repeats_default=True,
@@ -67,7 +68,7 @@ VERSIONS = {
     ),
     "v4": dict(
         head_dims=BWD_V4_HEAD_DIMS, max_stages=BWD_V4_MAX_STAGES, default_stages=policy.BWD_V4_STAGES,
-        block_q=64, block_k=128,
+        block_q=64, block_k=128, dq_sram=0,
         # every other ring depth that fits, at bfloat16 and each head dim
         ring_head_dims=BWD_V4_HEAD_DIMS, ring_repeats_default=False,
         tile_refusals=((dict(BLOCK_N=64), "BLOCK_M = 64 and BLOCK_N = 128"),
@@ -89,8 +90,12 @@ VERSIONS = {
         ],
     ),
 }
-#: v5 is v4's kernel with its blocks in another order: v4's tiles, rings, refusals and shapes
+#: v5 is v4's kernel with its blocks in another order, v6 v5's with dQ added from SRAM:
+#: v4's tiles, rings, refusals and shapes
 VERSIONS["v5"] = dict(VERSIONS["v4"])
+#: (v6 also holds the two consumer warpgroups' dQ panels in SRAM, 64 x 64 float32 each; v4's ring
+#: depths still fit, three at d = 128 with 456 bytes to spare)
+VERSIONS["v6"] = dict(VERSIONS["v4"], dq_sram=2 * 64 * 64 * 4)
 
 
 def _version_cases(key):
@@ -211,7 +216,7 @@ def test_config_stages_is_the_hopper_versions_alone():
 def test_config_resolves_to_its_fixed_tiles(version):
     """v3 resolves to 64 x 64 tiles, v4 to 64 x 128, each at its default ring depth, with the
     defines that say so; the SRAM sum is K_j, V_j + 2 x (Q_i, dO_i) + 2 x dS^T + 2 x (LSE_i, D_i)
-    + 5 mbarriers + slack; which ring depths fit an H100's SRAM at each head dim (v3: all;
+    + 5 mbarriers + slack (v6: + its dQ panels); which ring depths fit an H100's SRAM at each head dim (v3: all;
     v4: not four at d = 128), and each that fits resolves as asked."""
     info = VERSIONS[version]
     bq, bk, stages = info["block_q"], info["block_k"], info["default_stages"]
@@ -221,7 +226,7 @@ def test_config_resolves_to_its_fixed_tiles(version):
                                                  STAGES=stages, DETERMINISTIC=1)
     # K_j, V_j + 2 x (Q_i, dO_i) + 2 x dS^T (16-bit), 2 x (LSE_i, D_i), 5 mbarriers, the alignment slack
     assert BackwardConfig.smem_bytes(bq, bk, 128, "bfloat16", version, 2) == \
-        2 * bk * 128 * 2 + 2 * 2 * bq * 128 * 2 + 2 * bk * bq * 2 + 2 * 2 * bq * 4 + 8 * 5 + 1024
+        2 * bk * 128 * 2 + 2 * 2 * bq * 128 * 2 + 2 * bk * bq * 2 + 2 * 2 * bq * 4 + 8 * 5 + 1024 + info["dq_sram"]
     assert sorted(info["fits"]) == sorted(info["head_dims"])
     for d, fits in info["fits"].items():
         for dtype in DTYPES:
@@ -345,9 +350,9 @@ def test_the_gate_closes_in_one_place(hopper_here, monkeypatch):
     assert policy.held_back_note("attention_backward", "v4") == " (held back from the default until measured)"
 
 
-def test_the_backward_benchmark_has_v4_and_v5_rows(hopper_here):
+def test_the_backward_benchmark_has_v4_v5_and_v6_rows(hopper_here):
     """The benchmark's backward section times one row per registered version: v3 is one, v4 the
-    default (marked), v5 beside it (held back), on a Hopper GPU."""
+    default (marked), v5 and v6 beside it (held back), on a Hopper GPU."""
     from iokernels.bench.runners import registry_versions
     from iokernels.core.testing import make_inputs
     q, k, v = make_inputs(np.random.default_rng(0), heads_q=4, heads_kv=2, seqlen_q=8, seqlen_k=8, head_dim=128,
@@ -355,22 +360,25 @@ def test_the_backward_benchmark_has_v4_and_v5_rows(hopper_here):
     rows = registry_versions("cupy", "attention_backward", q=q, k=k, v=v)
     if isinstance(rows[0][1], Exception):
         pytest.skip(f"the CuPy backend is not importable here: {rows[0][1]}")
-    assert [(name, cfg.version, default) for name, cfg, default in rows][-3:] == [
-        ("cupy:v3", "v3", False), ("cupy:v4", "v4", True), ("cupy:v5", "v5", False)]
+    assert [(name, cfg.version, default) for name, cfg, default in rows][-4:] == [
+        ("cupy:v3", "v3", False), ("cupy:v4", "v4", True), ("cupy:v5", "v5", False), ("cupy:v6", "v6", False)]
 
 
-def test_v5_is_held_back_until_measured(hopper_here, monkeypatch):
-    """bwd_v5 ranks above v4 (50) but sits in policy.HELD_BACK: v4 stays the default, a config
-    naming v5 runs it, its summary says it is held back; out of the table, it is the default at
-    every dtype and head dim v4 takes."""
-    v5 = REGISTRY.get("attention_backward", "v5")
-    assert v5.rank == 50 > REGISTRY.get("attention_backward", "v4").rank
-    assert (v5.file, v5.kernel) == ("bwd_v5.cu", "bwd_v5_main") and "held back" in v5.summary
-    assert v5.not_default(_need()).startswith("not the default until measured")
+@pytest.mark.parametrize("version, rank", (("v5", 50), ("v6", 60)))
+def test_v5_and_v6_are_held_back_until_measured(hopper_here, monkeypatch, version, rank):
+    """bwd_v5 and bwd_v6 rank above v4 (50, 60) but sit in policy.HELD_BACK: v4 stays the default,
+    a config naming either runs it, its summary says it is held back; out of the table (the
+    versions above it too), it is the default at every dtype and head dim v4 takes."""
+    rec = REGISTRY.get("attention_backward", version)
+    assert rec.rank == rank > REGISTRY.get("attention_backward", "v4").rank
+    assert (rec.file, rec.kernel) == (f"bwd_{version}.cu", f"bwd_{version}_main") and "held back" in rec.summary
+    assert rec.not_default(_need()).startswith("not the default until measured")
     assert REGISTRY.resolve("attention_backward", None, _need())[0].version == "v4"
-    assert REGISTRY.resolve("attention_backward", BackwardConfig("v5"), _need())[0].version == "v5"
-    monkeypatch.delitem(policy.HELD_BACK, ("attention_backward", "v5"))
-    _assert_the_default_on_hopper("v5", BWD_V4_HEAD_DIMS)
+    assert REGISTRY.resolve("attention_backward", BackwardConfig(version), _need())[0].version == version
+    for held in ("v5", "v6"):
+        if held == version or REGISTRY.get("attention_backward", held).rank < rank:
+            monkeypatch.delitem(policy.HELD_BACK, ("attention_backward", held))
+    _assert_the_default_on_hopper(version, BWD_V4_HEAD_DIMS)
 
 
 def test_lpt_pairs_fill_one_wave_within_part_of_the_l2_cache():
@@ -528,12 +536,14 @@ def test_plan_matches_the_eager_launch():
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", BWD_V4_HEAD_DIMS)
-def test_v5_gives_v4s_bits(monkeypatch, d):
-    """v5 is v4's kernel with its blocks in another order, so in the deterministic mode its
-    gradients are v4's bit for bit: causal, a causal window, no mask, GQA, N_q != N_k, with the
-    launcher's policy set so that a group holds every pair, three pairs (a last group of fewer:
-    2 x 4 = 8 pairs), or one (v4's own order).  A tile run twice or never would change dK, dV
-    or dQ."""
+def test_v5_and_v6_give_v4s_bits(monkeypatch, d):
+    """v5 is v4's kernel with its blocks in another order, and v6 is v5's with dQ's partials
+    written from SRAM by a bulk copy (and read back by its own finish kernel), so in the
+    deterministic mode their gradients are v4's bit for bit: causal, a causal window, no mask,
+    GQA, N_q != N_k (700 rows: the last Q tile is partial), with the launcher's policy set so
+    that a group holds every pair, three pairs (a last group of fewer: 2 x 4 = 8 pairs), or one
+    (v4's own order).  A tile run twice or never, or a dQ panel written to the wrong place,
+    would change dK, dV or dQ."""
     torch = _torch()
     from iokernels.cupy_raw import backward as bw
     from iokernels.cupy_raw.backward import run_attention_backward
@@ -545,11 +555,12 @@ def test_v5_gives_v4s_bits(monkeypatch, d):
                                     config=BackwardConfig("v4", deterministic=True))
         for pairs in (8, 3, 1):
             monkeypatch.setattr(bw, "backward_lpt_pairs", lambda *args, pairs=pairs, **kw: pairs)
-            g5 = run_attention_backward(do, q, k, v, o, lse, causal=causal, scale=None, window=window,
-                                        config=BackwardConfig("v5", deterministic=True))
-            for name, a, b in zip(("dq", "dk", "dv"), g4, g5):
-                assert torch.equal(a, b), f"{name}: v5 (groups of {pairs} pairs) differs from v4, causal={causal} " \
-                                          f"window={window}"
+            for version in ("v5", "v6"):
+                g = run_attention_backward(do, q, k, v, o, lse, causal=causal, scale=None, window=window,
+                                           config=BackwardConfig(version, deterministic=True))
+                for name, a, b in zip(("dq", "dk", "dv"), g4, g):
+                    assert torch.equal(a, b), f"{name}: {version} (groups of {pairs} pairs) differs from v4, " \
+                                              f"causal={causal} window={window}"
 
 
 @gpu

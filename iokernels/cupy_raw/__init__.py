@@ -82,6 +82,10 @@ attention             v1b      fa_v1b.cu            20    float32: tiles in row 
                                                           swizzled SRAM, exp2
 attention             v1       fa_v1.cu             10    CUDA cores, any dtype: a block owns Q_i, loads K_j,
                                                           V_j into SRAM, register-tiled 16 x 16 threads
+attention_backward    v6       bwd_v6.cu            60    Hopper: v5 with dQ handed to a producer warp through
+                                                          SRAM and added to HBM by one bulk reduction a panel,
+                                                          not by the consumers' atomics (held back from the
+                                                          default until measured)
 attention_backward    v5       bwd_v5.cu            50    Hopper: v4 with its blocks longest first (the causal
                                                           mask's long K/V tiles start first, in groups of
                                                           heads whose Q/dO tiles share the L2 cache) (held

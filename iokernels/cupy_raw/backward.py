@@ -1,10 +1,11 @@
-"""FlashAttention-2's backward in CUDA C++: the launchers of bwd_v1.cu .. bwd_v5.cu.
+"""FlashAttention-2's backward in CUDA C++: the launchers of bwd_v1.cu .. bwd_v6.cu.
 
 Every version runs three kernels (see the headers of ``kernels/bwd_v1.cu``,
-``kernels/bwd_v2.cu`` .. ``kernels/bwd_v5.cu``): D_i = rowsum(dO_i * O_i) (bwd_v1.cu's
+``kernels/bwd_v2.cu`` .. ``kernels/bwd_v6.cu``): D_i = rowsum(dO_i * O_i) (bwd_v1.cu's
 bwd_rowsum); the main loop, one block per (K/V tile, KV head, sequence) with dK_j, dV_j in
 registers and S, P recomputed from the saved LSE; dQ from its float32 (float64) accumulator
-(bwd_v1.cu's bwd_finish).  dQ is added with atomic adds (fast, last bits may differ run to run) or, with
+(bwd_v1.cu's bwd_finish; bwd_v6.cu's own bwd_v6_finish, whose accumulator keeps another
+order).  dQ is added with atomic adds (fast, last bits may differ run to run) or, with
 ``BackwardConfig(deterministic=True)``, written as one partial per K/V tile and summed in
 tile order (the same bits every run).
 
@@ -36,6 +37,12 @@ v5       v4's kernel with its blocks in longest-first order: the (batch, KV head
          so the grid ends on short blocks instead of a late long one; without an upper edge to
          the band the policy keeps v4's order.  Held back from the default until a benchmark records it
          ahead of v4 (cupy_raw/policy.py's gate); run it with ``BackwardConfig(version="v5")``.
+v6       v5 with dQ handed over through SRAM: each consumer warpgroup stores its step's dQ panel
+         in SRAM, and a warp of the producer warpgroup adds it to HBM with one bulk reduction
+         of the copy engine (FlashAttention-3's backward), so the consumers no longer queue 16
+         atomic adds a thread a step.  The accumulator keeps the panels in the order SRAM holds
+         them; bwd_v6.cu's own finish kernel reads them back.  Held back from the default until
+         a benchmark records it ahead of v4 and v5.
 =======  ===================================================================================
 
 Notation as in :mod:`iokernels.backward`: Br, Bc, Tr, Tc, D_i, S_ij, P_ij, dP_ij, dS_ij.
@@ -47,11 +54,13 @@ import numpy as np
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
 from ..core.records import Record
-from .config import BWD_RING_VERSIONS, BWD_V3_THREADS, BWD_V4_THREADS, BackwardConfig
-from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream, unit_rows
+from .config import (BWD_RING_VERSIONS, BWD_SRAM_DQ_VERSIONS, BWD_V3_THREADS, BWD_V4_BLOCK_Q, BWD_V4_THREADS,
+                     BackwardConfig)
+from .launch import (HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream, round_up,
+                     unit_rows)
 from .policy import backward_lpt_pairs, default_check_for, held_back_note
 from .registry import (REGISTRY, check_backward_v1, check_backward_v2, check_backward_v3, check_backward_v4,
-                       check_backward_v5, need)
+                       check_backward_v5, check_backward_v6, need)
 
 #: threads of the row-wise kernels (bwd_rowsum, bwd_finish); the .cu file's ROW_THREADS
 ROW_THREADS = 128
@@ -92,7 +101,7 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
         lsed = device_array(lse_dev if device_array(lse_dev).c_contiguous() else contiguous(lse_dev))
         dq, dk, dv = (call.empty(s, dtype) for s in ((B, Hq, Nq, d), (B, Hkv, Nk, d), (B, Hkv, Nk, d)))
         dvec = call.empty((B, Hq, Nq), acc.name)
-        dq_acc = call.empty(((tiles,) if cfg.deterministic else ()) + (B, Hq, Nq, d), acc.name)
+        dq_acc = call.empty(dq_accumulator_shape(version, tiles if cfg.deterministic else 0, B, Hq, Nq, d), acc.name)
         fill(dq_acc, 0)
         rows = B * Hq * Nq
         if rows and d:
@@ -110,20 +119,40 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
                 f = main_function(rec, defines, smem)
                 f((tiles, Hkv, B), (threads,), args, shared_mem=smem)
         if rows and d:
-            n = rows * d
-            f = function("bwd_v1", "bwd_finish", row_defines)
-            f((-(-n // ROW_THREADS),), (ROW_THREADS,), (device_array(dq_acc).arg, device_array(dq).arg,
-                                                        np.int64(n), np.int32(tiles)))
+            f, grid, tail = finish_kernel(rec, defines, row_defines, B, Hq, Nq, d, tiles)
+            f(grid, (ROW_THREADS,), (device_array(dq_acc).arg, device_array(dq).arg, *tail))
     return call.finish(dq, dtype), call.finish(dk, dtype), call.finish(dv, dtype)
 
 
+def dq_accumulator_shape(version: str, slots: int, B: int, Hq: int, Nq: int, d: int) -> tuple:
+    """dQ's float32 (float64) accumulator: (B, Hq, Nq, d), and one such array per K/V tile
+    (``slots``, 0: none) in the deterministic mode.  bwd_v6.cu keeps whole Br-row tiles, each in
+    the wgmma accumulator's order, so its rows are Nq rounded up to Br."""
+    rows = round_up(Nq, BWD_V4_BLOCK_Q) if version in BWD_SRAM_DQ_VERSIONS else Nq
+    return ((slots,) if slots else ()) + (B, Hq, rows, d)
+
+
+def finish_kernel(rec, defines: dict, row_defines: dict, B: int, Hq: int, Nq: int, d: int, tiles: int) -> tuple:
+    """(kernel, grid, the arguments after (dQaccum, dQ)) of the launch that turns the accumulator
+    into dQ: bwd_v1.cu's bwd_finish (a thread an element of a row-major accumulator), or the
+    record's own (``extra["finish"]``: bwd_v6.cu's bwd_v6_finish, a thread a pair of columns read
+    from the accumulator's tiles).  ``tiles``: the K/V tiles, summed in order when deterministic."""
+    own = rec.extra.get("finish")
+    if own:
+        f = function(rec.file, own, defines, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
+        pairs = B * Hq * Nq * d // 2
+        return f, (-(-pairs // ROW_THREADS),), (np.int32(B * Hq), np.int32(Nq), np.int32(tiles))
+    n = B * Hq * Nq * d
+    return function("bwd_v1", "bwd_finish", row_defines), (-(-n // ROW_THREADS),), (np.int64(n), np.int32(tiles))
+
+
 def tma_inputs(rec) -> bool:
-    """Whether a backward record's main kernel takes TMA tensor maps (bwd_v3.cu .. bwd_v5.cu: sm_90a)."""
+    """Whether a backward record's main kernel takes TMA tensor maps (bwd_v3.cu .. bwd_v6.cu: sm_90a)."""
     return rec.extra.get("options") == HOPPER_OPTIONS
 
 
 def main_function(rec, defines: dict, smem: int):
-    """The compiled main-loop kernel of a backward record (bwd_v3 .. bwd_v5: NVRTC with -arch=sm_90a)."""
+    """The compiled main-loop kernel of a backward record (bwd_v3 .. bwd_v6: NVRTC with -arch=sm_90a)."""
     if tma_inputs(rec):
         return function(rec.file, rec.kernel, defines, smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
     return function(rec.file, rec.kernel, defines, smem)
@@ -229,5 +258,11 @@ RECORDS = (
            + held_back_note("attention_backward", "v5"),
            check_backward_v5, 50, backward_v5_args, dict(options=HOPPER_OPTIONS),
            default_check_for("attention_backward", "v5")),
+    Record("cupy", "attention_backward", "v6", "bwd_v6.cu", "bwd_v6_main", BackwardConfig, run_attention_backward,
+           "Hopper: v5 with dQ handed to a producer warp through SRAM and added to HBM by one bulk "
+           "reduction a panel, not by the consumers' atomics"
+           + held_back_note("attention_backward", "v6"),
+           check_backward_v6, 60, backward_v5_args, dict(options=HOPPER_OPTIONS, finish="bwd_v6_finish"),
+           default_check_for("attention_backward", "v6")),
 )
 REGISTRY.add(*RECORDS)

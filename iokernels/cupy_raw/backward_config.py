@@ -1,4 +1,4 @@
-"""BackwardConfig: the tiles of bwd_v1.cu .. bwd_v5.cu."""
+"""BackwardConfig: the tiles of bwd_v1.cu .. bwd_v6.cu."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -12,8 +12,9 @@ from .policy import BWD_V3_STAGES, BWD_V4_STAGES, backward_v1_tiles
 #: v1: CUDA cores, every dtype; v2: tensor cores, float16/bfloat16 (bwd_v2.cu); v3: Hopper
 #: (sm_90a: wgmma, TMA), float16/bfloat16 at head_dim 64 and 128 (bwd_v3.cu); v4: v3 with two
 #: consumer warpgroups sharing each Q_i / dO_i tile (bwd_v4.cu); v5: v4's kernel, its blocks
-#: longest first (bwd_v5.cu: v4's tiles, ring and limits)
-BACKWARD_VERSIONS = ("v1", "v2", "v3", "v4", "v5")
+#: longest first (bwd_v5.cu: v4's tiles, ring and limits); v6: v5 with dQ handed through SRAM to a
+#: producer warp that adds it to HBM by bulk reductions (bwd_v6.cu: v4's tiles and limits)
+BACKWARD_VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
 #: bwd_v1: keys per tile and query rows per tile, shrunk (Br first) until the static SRAM fits
 BWD_DEFAULT_BLOCK_K = 32
 BWD_DEFAULT_BLOCK_Q = 32
@@ -61,7 +62,11 @@ BWD_V4_MAX_STAGES = 4
 #: bwd_v4: a producer warpgroup and two consumer warpgroups
 BWD_V4_THREADS = 384
 #: the versions with a Q_i / dO_i ring (``stages``), their Hopper kernels
-BWD_RING_VERSIONS = ("v3", "v4", "v5")
+BWD_RING_VERSIONS = ("v3", "v4", "v5", "v6")
+#: the versions that add dQ from SRAM by bulk reductions: each consumer warpgroup's dQ panel (Br x 64
+#: float32) has its own SRAM buffer, and the accumulator keeps whole Br-row tiles (bwd_v6.cu)
+BWD_SRAM_DQ_VERSIONS = ("v6",)
+BWD_V6_DQ_PANEL_BYTES = 64 * 64 * 4
 
 
 @dataclass(frozen=True)
@@ -69,17 +74,18 @@ class BackwardConfig:
     """The CuPy backward: version "v1" (bwd_v1.cu, CUDA cores, every dtype), "v2"
     (bwd_v2.cu, tensor cores, float16/bfloat16, head_dim <= 128), "v3" (bwd_v3.cu, Hopper
     only: wgmma and TMA, float16/bfloat16, head_dim 64 or 128), "v4" (bwd_v4.cu: v3 with two
-    consumer warpgroups, the same limits) or "v5" (bwd_v5.cu: v4's kernel with its blocks longest
-    first; v4's fields and limits); None: the registry's default.
+    consumer warpgroups, the same limits), "v5" (bwd_v5.cu: v4's kernel with its blocks longest
+    first; v4's fields and limits) or "v6" (bwd_v6.cu: v5 with dQ added to HBM from SRAM by a
+    producer warp; v4's fields and limits); None: the registry's default.
 
     block_q (Br), block_k (Bc): Q-tile rows and K/V-tile keys.  v1: None means the largest
     that fit 48 KB of static SRAM, from 32 x 32.  v2: block_k = 16 * num_warps (64 or 128),
     block_q a multiple of 16 up to 128; None: Bc = 128 and Br = 64 (32 above d = 96), shrunk
     (Bc first, then Br) until the SRAM fits the GPU (``resolve(..., smem_limit=)``).
     v3: block_q = block_k = 64 (None: 64), a fixed block of two warpgroups.  v4: block_q = 64,
-    block_k = 128 (None: those), a fixed block of three warpgroups; v5 the same.
+    block_k = 128 (None: those), a fixed block of three warpgroups; v5 and v6 the same.
     num_warps: v2 only (4 or 8).  lanes_per_key: v1 only, threads per key row (a power of two
-    up to 32).  stages: v3, v4 and v5, Q_i / dO_i tiles the SRAM ring holds (1 .. 4, as the SRAM
+    up to 32).  stages: v3 .. v6, Q_i / dO_i tiles the SRAM ring holds (1 .. 4, as the SRAM
     allows; None: :data:`~iokernels.cupy_raw.policy.BWD_V3_STAGES` /
     :data:`~iokernels.cupy_raw.policy.BWD_V4_STAGES`).  deterministic: dQ by per-tile partials
     summed in tile order (the same bits every run) instead of atomic adds.
@@ -106,11 +112,11 @@ class BackwardConfig:
         if self.version == "v1" and self.num_warps is not None:
             raise ValueError("config.num_warps: a v2 setting; v1 runs block_k x lanes_per_key threads")
         if self.stages is not None and self.version not in BWD_RING_VERSIONS:
-            raise ValueError(f"config.stages: a v3 / v4 / v5 setting (their Q_i / dO_i ring), got {self.stages} for "
+            raise ValueError(f"config.stages: a v3 .. v6 setting (their Q_i / dO_i ring), got {self.stages} for "
                              f"version {self.version!r}")
         if self.version == "v3":
             self._check_v3()
-        if self.version in ("v4", "v5"):
+        if self.version in ("v4", "v5", "v6"):
             self._check_v4()
 
     def _check_v3(self) -> None:
@@ -127,7 +133,7 @@ class BackwardConfig:
             raise ValueError(f"config.stages: v3 takes 1 to {BWD_V3_MAX_STAGES}, got {self.stages}")
 
     def _check_v4(self) -> None:
-        """v4's (and v5's) fields: its tiles are fixed (two consumer warpgroups of 64 keys), its ring
+        """v4's (and v5's, v6's) fields: its tiles are fixed (two consumer warpgroups of 64 keys), its ring
         1 .. 4 stages."""
         v = self.version
         for name, fixed, why in (("block_q", BWD_V4_BLOCK_Q, "the 64 rows of its dQ product"),
@@ -153,9 +159,11 @@ class BackwardConfig:
         [Bc][Br + 8] in 16 bits, 2 x (LSE_i, D_i) in float32.
         v3 (bwd_v3.cu; ``stages``): K_j, V_j, stages x (Q_i, dO_i) 16-bit tiles, two dS^T
         buffers [Bc][Br], stages x (LSE_i, D_i) float32, 1 + 2 stages mbarriers, the
-        1024-byte alignment slack.  v4 (bwd_v4.cu) and v5: the same tiles at Bc = 128."""
+        1024-byte alignment slack.  v4 (bwd_v4.cu), v5 and v6: the same tiles at Bc = 128; v6 adds the
+        two consumer warpgroups' dQ panels (64 x 64 float32 each)."""
         if version in BWD_RING_VERSIONS:
             tiles = 2 * block_k * head_dim * 2 + stages * 2 * block_q * head_dim * 2 + 2 * block_k * block_q * 2
+            tiles += 2 * BWD_V6_DQ_PANEL_BYTES if version in BWD_SRAM_DQ_VERSIONS else 0
             return tiles + stages * 2 * block_q * 4 + MBARRIER_BYTES * (1 + 2 * stages) + BWD_V3_SMEM_ALIGN
         if version == "v2":
             srow = round_up(head_dim, 16) + 8
@@ -223,7 +231,7 @@ class BackwardConfig:
                          f"of shared memory a block ({'; '.join(tried)})")
 
     def _resolve_ring(self, head_dim: int, dtype: str, smem_limit: int | None) -> "BackwardConfig":
-        """v3's, v4's and v5's fixed tiles and their ring's depth (the default, or the given one, checked
+        """v3's .. v6's fixed tiles and their ring's depth (the default, or the given one, checked
         against ``smem_limit``)."""
         v = self.version
         if dtype not in BWD_V3_DTYPES:

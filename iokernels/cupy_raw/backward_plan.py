@@ -27,7 +27,8 @@ from ..core import api as core_api
 from ..core import conventions as cv
 from ..core.arrays import Call, DeviceArray, device_array
 from .attention_plan import _SLOT, _c_strides, _placeholder, _slots, mapped_args
-from .backward import ROW_THREADS, backward_setup, main_function, run_attention_backward, tma_inputs
+from .backward import (ROW_THREADS, backward_setup, dq_accumulator_shape, finish_kernel, main_function,
+                       run_attention_backward, tma_inputs)
 from .launch import contiguous, fill, function, unit_rows
 from .plans import NotPlanned, _Alloc, _pin_if_capturing, _ptrs, _stream_of, _window_key, array_key, plan_for
 from .registry import REGISTRY, need
@@ -73,7 +74,7 @@ class BackwardPlan:
         self.pinned = False                              # set once a CUDA graph captures a run
         self.q_shape, self.kv_shape = (B, Hq, Nq, d), (B, Hkv, Nk, d)
         tiles = -(-Nk // cfg.block_k)                               # Tc
-        self.acc_shape = ((tiles,) if cfg.deterministic else ()) + self.q_shape
+        self.acc_shape = dq_accumulator_shape(cfg.version, tiles if cfg.deterministic else 0, B, Hq, Nq, d)
         rows = B * Hq * Nq
         self.do_rows = bool(rows and d)
         self.do_main = bool(B * Hkv * Nk and d)
@@ -102,10 +103,8 @@ class BackwardPlan:
             self.rowsum = function("bwd_v1", "bwd_rowsum", row_defines)
             self.rowsum_grid = (-(-rows // ROW_THREADS),)
             self.rowsum_tail = (i32(rows), i32(Hq), i32(Nq), *map(i64, dod.strides[:3]), *map(i64, od.strides[:3]))
-            n = rows * d
-            self.finish = function("bwd_v1", "bwd_finish", row_defines)
-            self.finish_grid = (-(-n // ROW_THREADS),)
-            self.finish_tail = (i64(n), i32(tiles))
+            self.finish, self.finish_grid, self.finish_tail = finish_kernel(spec, defines, row_defines, B, Hq, Nq, d,
+                                                                            tiles)
         if self.do_main and not self.zero_dkv:
             def spot(j, shape, dt, size):                  # a placeholder for a pointer each run sets
                 return DeviceArray(_SLOT + j, shape, _c_strides(shape), dt, size, None)

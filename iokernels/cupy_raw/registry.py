@@ -217,7 +217,7 @@ def check_backward_v2(n: Need) -> str | None:
     return None
 
 
-#: the one compute capability bwd_v3.cu .. bwd_v5.cu are built for (sm_90a: wgmma, TMA)
+#: the one compute capability bwd_v3.cu .. bwd_v6.cu are built for (sm_90a: wgmma, TMA)
 CC_HOPPER = 90
 
 
@@ -259,6 +259,15 @@ def check_backward_v4(n: Need) -> str | None:
 def check_backward_v5(n: Need) -> str | None:
     """bwd_v5.cu: bwd_v4.cu's limits (the same kernel, its blocks in another order)."""
     return check_backward_v4(n)
+
+
+def check_backward_v6(n: Need) -> str | None:
+    """bwd_v6.cu: bwd_v4.cu's limits with its own SRAM (v4's tiles and the consumers' two dQ panels,
+    the default ring)."""
+    return _hopper_backward_limits(
+        n, C.BWD_V4_DTYPES, C.BWD_V4_HEAD_DIMS, "dK_j, dV_j in each consumer warpgroup's registers",
+        lambda: C.BackwardConfig.smem_bytes(C.BWD_V4_BLOCK_Q, C.BWD_V4_BLOCK_K, n.head_dim, n.dtype, "v6",
+                                            C.BWD_V4_STAGES))
 
 
 def check_paged_prefill_v1(n: Need) -> str | None:

@@ -85,8 +85,10 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             # v4 (two consumer warpgroups): a one-stage ring (both must release the stage before
             # it is refilled), and three stages (a ring the producer can run ahead in)
             ("attention_backward", "v4"): ({}, {"stages": 1}, {"stages": 3}),
-            # v5 (v4's kernel, its blocks longest first): v4's rings
+            # v5 (v4's kernel, its blocks longest first) and v6 (dQ added from SRAM by a producer
+            # warp): v4's rings
             ("attention_backward", "v5"): ({}, {"stages": 1}, {"stages": 3}),
+            ("attention_backward", "v6"): ({}, {"stages": 1}, {"stages": 3}),
             # the paged prefill: 2 warps of 16-key tiles (a tile inside one cache block), 8 warps of
             # 128-key tiles (8 blocks a tile)
             ("paged_prefill", "v1"): ({}, {"num_warps": 2, "block_k": 16}, {"num_warps": 8, "block_k": 128}),
