@@ -12,9 +12,9 @@ defines the launcher hands NVRTC, for each dtype x head dim x dQ mode and each r
 table lists; ``-Xptxas -v`` must show no local memory (no spills, no stack frame), no wgmma
 serialisation (ptxas C7515, C7512) and no ignored setmaxnreg (C7508); the source refuses what it
 cannot run with #error; BackwardConfig's fields are validated naming the field; the registry
-makes v4 the default on Hopper (the gate in cupy_raw/policy.py), holds v5 and v6 back from the
-default until measured (a config naming it runs it; the gate opens in that one table), runs each
-version when a config names it and refuses it by name where it cannot run.  The launch arguments,
+makes v6 the default on Hopper (the gate in cupy_raw/policy.py: v4 below it), holds v5 back from
+the default until measured (a config naming it runs it; the gate opens in that one table), runs
+each version when a config names it and refuses it by name where it cannot run.  The launch arguments,
 grid and tensor maps are checked against the kernels' signatures in tests/test_cupy_launch_args.py
 (a CuPy stand-in).
 
@@ -306,53 +306,74 @@ def _assert_the_default_on_hopper(version, head_dims):
     assert REGISTRY.resolve("attention_backward", None, _need(d=96))[0].version == "v2"
 
 
+def _hold_back(monkeypatch, *versions):
+    """Put these backward versions in policy.HELD_BACK for one test."""
+    for version in versions:
+        monkeypatch.setitem(policy.HELD_BACK, ("attention_backward", version), "a test holds it back")
+
+
 def test_v3_is_the_default_below_v4(hopper_here, monkeypatch):
     """Measured (its GPU tests passed, and the benchmark recorded it faster than v2 on Hopper),
-    v3 is out of policy.HELD_BACK: with v4 held back it is the default on Hopper for every dtype
-    and head dim it runs, v2 elsewhere; ``deterministic`` travels with the choice."""
+    v3 is out of policy.HELD_BACK: with the versions above it held back it is the default on
+    Hopper for every dtype and head dim it runs, v2 elsewhere; ``deterministic`` travels with
+    the choice."""
     assert ("attention_backward", "v3") not in policy.HELD_BACK
-    monkeypatch.setitem(policy.HELD_BACK, ("attention_backward", "v4"), "a test holds it back")
+    _hold_back(monkeypatch, "v4", "v6")
     assert REGISTRY.get("attention_backward", "v3").rank > REGISTRY.get("attention_backward", "v2").rank
     _assert_the_default_on_hopper("v3", BWD_V3_HEAD_DIMS)
 
 
 def test_held_back_again_the_default_is_v2(hopper_here, monkeypatch):
-    """The gate is one table: put v3 and v4 back in policy.HELD_BACK and the default is v2 again."""
-    for version in ("v3", "v4"):
-        monkeypatch.setitem(policy.HELD_BACK, ("attention_backward", version), "a test holds it back")
+    """The gate is one table: put v3, v4 and v6 back in policy.HELD_BACK and the default is v2 again."""
+    _hold_back(monkeypatch, "v3", "v4", "v6")
     v3 = REGISTRY.get("attention_backward", "v3")
     assert v3.not_default(_need()).startswith("not the default until measured")
     assert REGISTRY.resolve("attention_backward", None, _need())[0].version == "v2"
 
 
-def test_v4_is_the_default_on_hopper(hopper_here):
-    """bwd_v4 is registered above v3 (rank 40) and out of policy.HELD_BACK: on Hopper it is the
-    default at every dtype and head dim it takes, deterministic or not; v2 elsewhere."""
+def test_v4_is_the_default_below_v6(hopper_here, monkeypatch):
+    """bwd_v4 is registered above v3 (rank 40) and out of policy.HELD_BACK: with v6 held back it
+    is the default on Hopper at every dtype and head dim it takes, deterministic or not; v2
+    elsewhere."""
     assert ("attention_backward", "v4") not in policy.HELD_BACK
     v4 = REGISTRY.get("attention_backward", "v4")
     assert v4.rank == 40 > REGISTRY.get("attention_backward", "v3").rank
     assert v4.file == "bwd_v4.cu" and v4.kernel == "bwd_v4_main"
     assert "held back" not in v4.summary
+    _hold_back(monkeypatch, "v6")
     _assert_the_default_on_hopper("v4", BWD_V4_HEAD_DIMS)
 
 
+def test_v6_is_the_default_on_hopper(hopper_here):
+    """bwd_v6 is registered at rank 60, above v4 and the held-back v5, and out of policy.HELD_BACK
+    (its GPU tests passed and a benchmark recorded it ahead of v4 and v5, causal and not): on
+    Hopper it is the default at every dtype and head dim it takes, deterministic or not; v2
+    elsewhere."""
+    assert ("attention_backward", "v6") not in policy.HELD_BACK
+    v6 = REGISTRY.get("attention_backward", "v6")
+    assert v6.rank == 60 > REGISTRY.get("attention_backward", "v5").rank
+    assert (v6.file, v6.kernel, v6.extra["finish"]) == ("bwd_v6.cu", "bwd_v6_main", "bwd_v6_finish")
+    assert "held back" not in v6.summary
+    _assert_the_default_on_hopper("v6", BWD_V4_HEAD_DIMS)
+
+
 def test_the_gate_closes_in_one_place(hopper_here, monkeypatch):
-    """Put v4 back in policy.HELD_BACK and v3 is the default on Hopper at once; v4's summary
-    says it is held back, and a config naming v4 still runs it."""
-    monkeypatch.setitem(policy.HELD_BACK, ("attention_backward", "v4"), "a test holds it back")
-    v4 = REGISTRY.get("attention_backward", "v4")
+    """Put v6 back in policy.HELD_BACK and v4 is the default on Hopper at once (v5 stays held
+    back); v6's summary says it is held back, and a config naming v6 still runs it."""
+    _hold_back(monkeypatch, "v6")
+    v6 = REGISTRY.get("attention_backward", "v6")
     for dtype in DTYPES:
         for d in BWD_V4_HEAD_DIMS:
-            assert v4.not_default(_need(dtype, d)).startswith("not the default until measured (a test")
+            assert v6.not_default(_need(dtype, d)).startswith("not the default until measured (a test")
             kernel, cfg = REGISTRY.resolve("attention_backward", None, _need(dtype, d))
-            assert kernel.version == cfg.version == "v3"
-    assert REGISTRY.resolve("attention_backward", BackwardConfig(version="v4"), _need())[0].version == "v4"
-    assert policy.held_back_note("attention_backward", "v4") == " (held back from the default until measured)"
+            assert kernel.version == cfg.version == "v4"
+    assert REGISTRY.resolve("attention_backward", BackwardConfig(version="v6"), _need())[0].version == "v6"
+    assert policy.held_back_note("attention_backward", "v6") == " (held back from the default until measured)"
 
 
 def test_the_backward_benchmark_has_v4_v5_and_v6_rows(hopper_here):
-    """The benchmark's backward section times one row per registered version: v3 is one, v4 the
-    default (marked), v5 and v6 beside it (held back), on a Hopper GPU."""
+    """The benchmark's backward section times one row per registered version: v3, v4 and v5 (held
+    back), and v6, the default (marked), on a Hopper GPU."""
     from iokernels.bench.runners import registry_versions
     from iokernels.core.testing import make_inputs
     q, k, v = make_inputs(np.random.default_rng(0), heads_q=4, heads_kv=2, seqlen_q=8, seqlen_k=8, head_dim=128,
@@ -361,24 +382,22 @@ def test_the_backward_benchmark_has_v4_v5_and_v6_rows(hopper_here):
     if isinstance(rows[0][1], Exception):
         pytest.skip(f"the CuPy backend is not importable here: {rows[0][1]}")
     assert [(name, cfg.version, default) for name, cfg, default in rows][-4:] == [
-        ("cupy:v3", "v3", False), ("cupy:v4", "v4", True), ("cupy:v5", "v5", False), ("cupy:v6", "v6", False)]
+        ("cupy:v3", "v3", False), ("cupy:v4", "v4", False), ("cupy:v5", "v5", False), ("cupy:v6", "v6", True)]
 
 
-@pytest.mark.parametrize("version, rank", (("v5", 50), ("v6", 60)))
-def test_v5_and_v6_are_held_back_until_measured(hopper_here, monkeypatch, version, rank):
-    """bwd_v5 and bwd_v6 rank above v4 (50, 60) but sit in policy.HELD_BACK: v4 stays the default,
-    a config naming either runs it, its summary says it is held back; out of the table (the
-    versions above it too), it is the default at every dtype and head dim v4 takes."""
-    rec = REGISTRY.get("attention_backward", version)
-    assert rec.rank == rank > REGISTRY.get("attention_backward", "v4").rank
-    assert (rec.file, rec.kernel) == (f"bwd_{version}.cu", f"bwd_{version}_main") and "held back" in rec.summary
-    assert rec.not_default(_need()).startswith("not the default until measured")
+def test_v5_is_held_back_until_measured(hopper_here, monkeypatch):
+    """bwd_v5 ranks above v4 (50) but sits in policy.HELD_BACK: with v6 held back too, v4 is the
+    default, a config naming v5 runs it, its summary says it is held back; out of the table, it
+    is the default at every dtype and head dim v4 takes."""
+    v5 = REGISTRY.get("attention_backward", "v5")
+    assert v5.rank == 50 > REGISTRY.get("attention_backward", "v4").rank
+    assert (v5.file, v5.kernel) == ("bwd_v5.cu", "bwd_v5_main") and "held back" in v5.summary
+    assert v5.not_default(_need()).startswith("not the default until measured")
+    _hold_back(monkeypatch, "v6")
     assert REGISTRY.resolve("attention_backward", None, _need())[0].version == "v4"
-    assert REGISTRY.resolve("attention_backward", BackwardConfig(version), _need())[0].version == version
-    for held in ("v5", "v6"):
-        if held == version or REGISTRY.get("attention_backward", held).rank < rank:
-            monkeypatch.delitem(policy.HELD_BACK, ("attention_backward", held))
-    _assert_the_default_on_hopper(version, BWD_V4_HEAD_DIMS)
+    assert REGISTRY.resolve("attention_backward", BackwardConfig("v5"), _need())[0].version == "v5"
+    monkeypatch.delitem(policy.HELD_BACK, ("attention_backward", "v5"))
+    _assert_the_default_on_hopper("v5", BWD_V4_HEAD_DIMS)
 
 
 def test_lpt_pairs_fill_one_wave_within_part_of_the_l2_cache():

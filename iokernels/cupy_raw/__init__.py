@@ -84,8 +84,7 @@ attention             v1       fa_v1.cu             10    CUDA cores, any dtype:
                                                           V_j into SRAM, register-tiled 16 x 16 threads
 attention_backward    v6       bwd_v6.cu            60    Hopper: v5 with dQ handed to a producer warp through
                                                           SRAM and added to HBM by one bulk reduction a panel,
-                                                          not by the consumers' atomics (held back from the
-                                                          default until measured)
+                                                          not by the consumers' atomics
 attention_backward    v5       bwd_v5.cu            50    Hopper: v4 with its blocks longest first (the causal
                                                           mask's long K/V tiles start first, in groups of
                                                           heads whose Q/dO tiles share the L2 cache) (held

@@ -28,8 +28,7 @@ v4       v3 with two consumer warpgroups: a block owns Bc = 128 keys, 64 a warpg
          feeds twice the keys (half v3's Q/dO loads and TMA copies per key); the two halves of
          dS^T meet in one SRAM tile and one product over the 128 keys gives dQ_i, so dQ gets
          one atomic add (or one deterministic partial) an element a block: half v3's per key.
-         setmaxnreg shares the registers between 1 producer and 2 consumer warpgroups.  The
-         default on Hopper.
+         setmaxnreg shares the registers between 1 producer and 2 consumer warpgroups.
 v5       v4's kernel with its blocks in longest-first order: the (batch, KV head) pairs in
          groups that fill a wave of blocks and whose Q_i, dO_i fit part of the L2 cache
          (:func:`.policy.backward_lpt_pairs`), inside a group every pair's first K/V tile, then
@@ -41,8 +40,7 @@ v6       v5 with dQ handed over through SRAM: each consumer warpgroup stores its
          in SRAM, and a warp of the producer warpgroup adds it to HBM with one bulk reduction
          of the copy engine (FlashAttention-3's backward), so the consumers no longer queue 16
          atomic adds a thread a step.  The accumulator keeps the panels in the order SRAM holds
-         them; bwd_v6.cu's own finish kernel reads them back.  Held back from the default until
-         a benchmark records it ahead of v4 and v5.
+         them; bwd_v6.cu's own finish kernel reads them back.  The default on Hopper.
 =======  ===================================================================================
 
 Notation as in :mod:`iokernels.backward`: Br, Bc, Tr, Tc, D_i, S_ij, P_ij, dP_ij, dS_ij.

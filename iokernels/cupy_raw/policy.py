@@ -137,7 +137,6 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
-    ("attention_backward", "v6"): "its GPU tests and a benchmark record faster than v4 and v5, causal and not",
 }
 
 
