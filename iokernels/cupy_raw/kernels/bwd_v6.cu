@@ -10,8 +10,9 @@
 //     vector reductions (red.global.add.v2.f32) of 8 bytes each.  They queue in the load/store
 //     unit, and the next step's first instructions wait until the queued reductions have read
 //     the registers they reuse.  Edits of bwd_v5.cu timed on an H100 (benchmarks/results/sweeps,
-//     the backward probes) put the cost of these reductions at a fifth of the causal backward
-//     at B8 H16 N4096 d128: more than all of its matrix products.
+//     the backward probes) found these reductions the largest single cost of the causal backward
+//     at B8 H16 N4096 d128: leaving them out saved more time than leaving out all its matrix
+//     products.
 //   * v6 hands the panel over instead, as FlashAttention-3's backward does (Shah, Bikshandi,
 //     Zhang, Thakkar, Ramani and Dao, 2024: paper; hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp,
 //     its store_dq: code): each consumer warpgroup stores its 64 x 64 float32 panel into its
