@@ -116,3 +116,15 @@ def test_the_latest_record_of_each_kind_is_a_dated_full_run():
         assert files, kind
         for path in files:
             assert re.fullmatch(pattern, path.name), f"{path.name} would be read as a {kind} record"
+
+
+def test_load_file_reads_one_named_record_and_refuses_others(tmp_path):
+    """recorded.load_file: the record of that file name (source_file set), a ValueError naming
+    ``name`` for a missing file, a path with folders or a file that is not a .json record."""
+    (tmp_path / "h100_2026-01-01_x.json").write_text('{"env": {"gpu": "G"}, "bench": {"cases": []}}')
+    rec = recorded.load_file("h100_2026-01-01_x.json", tmp_path)
+    assert rec["env"]["gpu"] == "G" and rec["source_file"] == "h100_2026-01-01_x.json"
+    for bad in ("h100_2026-01-02_y.json", "../h100_2026-01-01_x.json", "sanitizer_2026-01-01.txt", 3):
+        with pytest.raises(ValueError, match="name"):
+            recorded.load_file(bad, tmp_path)
+

@@ -57,6 +57,21 @@ def load(kind: str = "h200", results_dir=None):
     return rec
 
 
+def load_file(name: str, results_dir=None) -> dict:
+    """One recorded benchmark run by its file name under the results folder (a run filed for one
+    question, ``h100_<date>_<what>.json``, rather than the latest of a kind); ValueError naming
+    ``name`` when there is no such record."""
+    d = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    if not isinstance(name, str) or Path(name).name != name or not name.endswith(".json"):
+        raise ValueError(f"name: the file name of a .json record under {d}, got {name!r}")
+    path = d / name
+    if not path.is_file():
+        raise ValueError(f"name: no record {name!r} under {d}")
+    rec = json.loads(path.read_text())
+    rec.setdefault("source_file", path.name)
+    return rec
+
+
 def label(rec: dict) -> str:
     """'recorded on <GPU>, <date>, driver ..., CUDA ..., torch ..., numba ..., cupy ...'."""
     env = rec.get("env", rec)
