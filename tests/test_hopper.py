@@ -51,7 +51,7 @@ def _jobs():
         jobs.append((f"gemm {dtype}", "hopper_gemm", hp.gemm_defines(dtype)))
     from iokernels.cupy_raw.config import BackwardConfig       # the Hopper backward (every case:
     for dtype, d in (("bfloat16", 128), ("float16", 64)):      # tests/test_hopper_backward.py)
-        for version in ("v3", "v4", "v5"):
+        for version in ("v3", "v4", "v5", "v6"):
             jobs.append((f"bwd_{version} {dtype} d={d}", f"bwd_{version}", BackwardConfig(version).defines(d, dtype)))
     from iokernels.cupy_raw.config import MLADecodeConfig
     for dtype, paged, page in (("bfloat16", False, 64), ("float16", False, 64), ("bfloat16", True, 64),
