@@ -52,8 +52,7 @@ import numpy as np
 from ..core import conventions as cv
 from ..core.arrays import Call, device_array
 from ..core.records import Record
-from .config import (BWD_RING_VERSIONS, BWD_SRAM_DQ_VERSIONS, BWD_V3_THREADS, BWD_V4_BLOCK_Q, BWD_V4_THREADS,
-                     BackwardConfig)
+from .config import BWD_RING_VERSIONS, BWD_V3_THREADS, BWD_V4_BLOCK_Q, BWD_V4_THREADS, BackwardConfig
 from .launch import (HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream, round_up,
                      unit_rows)
 from .policy import backward_lpt_pairs, default_check_for, held_back_note
@@ -99,7 +98,7 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
         lsed = device_array(lse_dev if device_array(lse_dev).c_contiguous() else contiguous(lse_dev))
         dq, dk, dv = (call.empty(s, dtype) for s in ((B, Hq, Nq, d), (B, Hkv, Nk, d), (B, Hkv, Nk, d)))
         dvec = call.empty((B, Hq, Nq), acc.name)
-        dq_acc = call.empty(dq_accumulator_shape(version, tiles if cfg.deterministic else 0, B, Hq, Nq, d), acc.name)
+        dq_acc = call.empty(dq_accumulator_shape(rec, tiles if cfg.deterministic else 0, B, Hq, Nq, d), acc.name)
         fill(dq_acc, 0)
         rows = B * Hq * Nq
         if rows and d:
@@ -122,11 +121,12 @@ def run_attention_backward(do, q, k, v, o, lse, *, causal, scale, window, config
     return call.finish(dq, dtype), call.finish(dk, dtype), call.finish(dv, dtype)
 
 
-def dq_accumulator_shape(version: str, slots: int, B: int, Hq: int, Nq: int, d: int) -> tuple:
-    """dQ's float32 (float64) accumulator: (B, Hq, Nq, d), and one such array per K/V tile
-    (``slots``, 0: none) in the deterministic mode.  bwd_v6.cu keeps whole Br-row tiles, each in
-    the wgmma accumulator's order, so its rows are Nq rounded up to Br."""
-    rows = round_up(Nq, BWD_V4_BLOCK_Q) if version in BWD_SRAM_DQ_VERSIONS else Nq
+def dq_accumulator_shape(rec, slots: int, B: int, Hq: int, Nq: int, d: int) -> tuple:
+    """dQ's float32 (float64) accumulator for record ``rec``: (B, Hq, Nq, d), and one such array per
+    K/V tile (``slots``, 0: none) in the deterministic mode.  A record with its own finish kernel
+    (bwd_v6.cu) keeps whole Br-row tiles, each in the wgmma accumulator's order, so its rows are
+    Nq rounded up to Br."""
+    rows = round_up(Nq, BWD_V4_BLOCK_Q) if rec.extra.get("finish") else Nq
     return ((slots,) if slots else ()) + (B, Hq, rows, d)
 
 

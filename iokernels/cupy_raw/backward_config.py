@@ -64,9 +64,9 @@ BWD_V4_THREADS = 384
 #: the versions with a Q_i / dO_i ring (``stages``), their Hopper kernels
 BWD_RING_VERSIONS = ("v3", "v4", "v5", "v6")
 #: the versions that add dQ from SRAM by bulk reductions: each consumer warpgroup's dQ panel (Br x 64
-#: float32) has its own SRAM buffer, and the accumulator keeps whole Br-row tiles (bwd_v6.cu)
+#: float32) has its own SRAM buffer (bwd_v6.cu)
 BWD_SRAM_DQ_VERSIONS = ("v6",)
-BWD_V6_DQ_PANEL_BYTES = 64 * 64 * 4
+BWD_V6_DQ_PANEL_BYTES = BWD_V4_BLOCK_Q * 64 * 4
 
 
 @dataclass(frozen=True)

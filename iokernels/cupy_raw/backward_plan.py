@@ -74,7 +74,7 @@ class BackwardPlan:
         self.pinned = False                              # set once a CUDA graph captures a run
         self.q_shape, self.kv_shape = (B, Hq, Nq, d), (B, Hkv, Nk, d)
         tiles = -(-Nk // cfg.block_k)                               # Tc
-        self.acc_shape = dq_accumulator_shape(cfg.version, tiles if cfg.deterministic else 0, B, Hq, Nq, d)
+        self.acc_shape = dq_accumulator_shape(spec, tiles if cfg.deterministic else 0, B, Hq, Nq, d)
         rows = B * Hq * Nq
         self.do_rows = bool(rows and d)
         self.do_main = bool(B * Hkv * Nk and d)
