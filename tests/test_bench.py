@@ -513,7 +513,7 @@ def test_held_back_decode_v6_gets_its_own_row_past_16_query_heads(monkeypatch):
     """The cliff's decode cases: past 16 query heads a KV head (g = 32, 64) v6 is the default and
     nothing is held back; while policy.HELD_BACK holds decode v6 (as a test puts it back) the
     default is v3 and v6 is the held-back row, with the reason; at g = 8 (v4, ranked above v6)
-    and at g = 129 (v6 refuses it) nothing is held back; with the group gate
+    nothing is held back, at g = 129 (v6 refuses it) only v7 while it is; with the group gate
     (policy.decode_v6_default_at) set below 128, v6 is held back at g = 128 by it."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.bench.runners import registry_versions
@@ -537,7 +537,11 @@ def test_held_back_decode_v6_gets_its_own_row_past_16_query_heads(monkeypatch):
         name, cfg, why = registry_held_back("cupy", "decode", **qkv(group))
         assert name == "cupy:v6" and cfg.version == "v6" and "a cliff record" in why
     assert registry_held_back("cupy", "decode", **qkv(8)) is None
-    assert registry_held_back("cupy", "decode", **qkv(129)) is None
+    # g = 129: v6 refuses it; v7 (the CUDA-core decode with the group split over blocks) takes it,
+    # the held-back row while policy.HELD_BACK lists it
+    past = registry_held_back("cupy", "decode", **qkv(129))
+    assert (past is None) == (policy.held_back("decode", "v7") is None)
+    assert past is None or past[0] == "cupy:v7"
     monkeypatch.setattr(policy, "DECODE_V6_DEFAULT_MAX_GROUP", 64)      # a group gate below 128
     name, _, why = registry_held_back("cupy", "decode", **qkv(128))      # v6 runs it, by name only
     assert name == "cupy:v6" and why.startswith("not the default at group 128")

@@ -66,6 +66,10 @@ def _jobs():
         defines = cr.DecodeConfig("v6", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
         jobs.append((f"decode_v6 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v6", defines, arch))
 
+    def dec7(dtype, d, paged, arch, group=32, block_size=16, kv=None, **kw):
+        defines = cr.DecodeConfig("v7", **kw).defines(d, dtype, group, paged, block_size, kv=kv)
+        jobs.append((f"decode_v7 {dtype} d={d} paged={paged} g={group} kv={kv} {kw}", "decode_v7", defines, arch))
+
     def loads(load, dtype, d, paged, arch, group=4, block_size=16, **kw):
         defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
         defines.update(decode_loads.loads_kernel(load, d).extra["defines"])
@@ -107,6 +111,7 @@ def _jobs():
         dec2("float16", 128, arch != 80, arch)
         dec3("float16", 128, arch != 80, arch)
         dec4("float16", 128, arch == 80, arch)             # sm_75: compiles (k8 mma pairs); never offered
+        dec7("float32", 128, arch != 80, arch, group=64)    # MQA: 4 blocks a KV head
         if arch >= 80:                                  # bfloat16 exists from sm_80
             fa("v2", "bfloat16", 128, arch)
             dec("bfloat16", 128, arch == 90, arch)
@@ -138,6 +143,8 @@ def _jobs():
     dec3("bfloat16", 128, False, 90, stages=6, tile_rows=16, num_warps=8)
     loads("bulk", "float16", 64, True, 90, group=8, block_size=7, num_warps=8, stages=2, tile_rows=32)
     dec4("bfloat16", 256, False, 80, group=16)           # rows 8..15 of the A operand used
+    dec7("float64", 64, True, 90, group=8, fused=False)  # float64, two blocks a KV head, the separate combine
+    dec7("bfloat16", 96, True, 90, group=16, kv="int8")  # codes at a head dim v5 does not take
     dec4("float16", 16, True, 90, group=1, block_size=5)  # MHA, two chunks a row
     loads("bulk", "bfloat16", 112, False, 90, group=12, tile_rows=48)   # bulk copies, 3 rows a lane
     loads("padded", "bfloat16", 128, False, 90)         # padded rows where v4 swizzles; fixed offsets, .ca
@@ -260,14 +267,16 @@ _DECODE_DEFINES = {
     "decode_v4": lambda: cr.DecodeConfig("v4").defines(128, "float16", 4, True, 16),
     "decode_v5": lambda: cr.DecodeConfig("v5").defines(128, "float16", 4, True, 16, kv="int8"),
     "decode_v6": lambda: cr.DecodeConfig("v6").defines(128, "float16", 32, True, 16),
+    "decode_v7": lambda: cr.DecodeConfig("v7").defines(128, "float32", 32, True, 16),
     "paged_prefill_v1": lambda: cr.PagedPrefillConfig("v1").resolve(128).defines(128, "float16", 16),
     "paged_prefill_v2": lambda: cr.PagedPrefillConfig("v2").resolve(128).defines(128, "float16", 16),
 }
 
 
-@pytest.mark.parametrize("name", ["decode_v4", "decode_v5", "decode_v6", "paged_prefill_v1", "paged_prefill_v2"])
+@pytest.mark.parametrize("name", ["decode_v4", "decode_v5", "decode_v6", "decode_v7", "paged_prefill_v1",
+                                  "paged_prefill_v2"])
 def test_a_missing_define_is_a_compile_error_naming_it(tmp_path, name):
-    """decode v4 to v6 and the paged prefill hold no tuning defaults: every define the config
+    """decode v4 to v7 and the paged prefill hold no tuning defaults: every define the config
     passes is needed, and leaving one out is an #error that names it."""
     full = _DECODE_DEFINES[name]()
     for key in sorted(full):
@@ -360,6 +369,33 @@ def test_decode_v6_refuses_what_it_cannot_run_and_stays_in_registers(tmp_path):
         assert frame.groups() == ("0", "0", "0"), f"{defines}: {frame.group(0)}"
         cap = 65536 // (32 * defines["NUM_WARPS"] * defines["DECODE_MIN_BLOCKS"])
         assert int(regs.group(1)) <= min(255, cap), f"{defines}: {regs.group(0)}"
+
+
+#: bytes of spill stores decode v7's defaults may have: a few scalars the compiler parks (the
+#: per-head arrays of q, O and the scores need kilobytes where they do not fit)
+V7_SPILL_SLACK = 64
+
+
+def test_decode_v7_defaults_stay_in_registers(tmp_path):
+    """ptxas -v (sm_90): decode v7's default slice of the group fits a lane's registers at one
+    8-warp block an SM, at float32 (d = 64, 128; groups 16 to 128, contiguous and paged), float64,
+    16-bit rows at head dims the tensor-core versions do not take, and 1-byte codes; and a
+    prime group (71) takes one head a block."""
+    cases = [("float32", 128, 16, False, None), ("float32", 128, 64, True, None), ("float32", 64, 128, False, None),
+             ("float64", 64, 16, False, None), ("bfloat16", 80, 16, True, None), ("float16", 96, 32, False, None),
+             ("bfloat16", 128, 16, True, "int8"), ("bfloat16", 64, 32, True, "float8_e4m3fn"),
+             ("float32", 128, 71, False, None)]
+    jobs = [cr.DecodeConfig("v7").defines(d, dtype, g, paged, 16, smem_limit=227 * 1024, kv=kv)
+            for dtype, d, g, paged, kv in cases]
+    assert jobs[-1]["GROUP"] == 1 and jobs[-1]["GROUP_SPLIT"] == 71
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda j: _compile(tmp_path, "decode_v7", j, 90, extra=("-Xptxas", "-v")), jobs))
+    for case, defines, (rc, err) in zip(cases, jobs, results):
+        assert rc == 0, err[:400]
+        assert defines["GROUP"] * defines["GROUP_SPLIT"] == case[2] and defines["DECODE_MIN_BLOCKS"] == 1, case
+        frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", err)
+        assert frame, err[:400]
+        assert int(frame.group(2)) <= V7_SPILL_SLACK, f"{case} {defines['GROUP']} heads a block: {frame.group(0)}"
 
 
 def test_decode_v6_config_is_v4s_shape_split_into_teams(monkeypatch):

@@ -94,6 +94,14 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
             rec(f"decode mqa {dt} {d}", lambda: cr.decode(qm[:, :, 0], km, vm, num_splits=5))
             rec(f"decode mqa v6 {dt} {d}",
                 lambda: cr.decode(qm[:, :, 0], km, vm, num_splits=5, config=cr.DecodeConfig("v6")))
+        if dt == "float32" and d == 128:                    # MQA, 32 float32 heads: v7 splits them over 2 blocks
+            qm, km, vm = make_inputs(rng, batch=2, heads_q=32, heads_kv=1, seqlen_q=1, seqlen_k=301, head_dim=d,
+                                     dtype=dt)
+            rec(f"decode mqa {dt} {d}", lambda: cr.decode(qm[:, :, 0], km, vm, num_splits=5))
+            rec(f"decode mqa v7 {dt} {d}", lambda: cr.decode(qm[:, :, 0], km, vm, num_splits=5,
+                                                           config=cr.DecodeConfig("v7")), ints=True)
+            rec(f"decode mqa v7 unfused {dt} {d}", lambda: cr.decode(qm[:, :, 0], km, vm, num_splits=5,
+                                                                   config=cr.DecodeConfig("v7", fused=False)))
         if dt in ("float16", "bfloat16") and d == 128:      # the sweeps' v4 load experiments
             from iokernels.bench import decode_loads as DL
             for load in DL.LOADS:
@@ -232,6 +240,7 @@ json.dump(out, sys.stdout)
 FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split": "decode",
          "decode_combine": "decode", "decode_split_v2": "decode_v2", "decode_split_v3": "decode_v3",
          "decode_split_v4": "decode_v4", "decode_split_v5": "decode_v5", "decode_split_v6": "decode_v6",
+         "decode_split_v7": "decode_v7",
          "decode_split_v4_loads": "decode_v4_loads",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
          "bwd_v2_main": "bwd_v2", "bwd_v3_main": "bwd_v3", "bwd_v4_main": "bwd_v4", "bwd_v5_main": "bwd_v5",
@@ -337,6 +346,21 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     # v4 refuses 32 heads a KV head; v6 takes them, by default and by name, with the same defines
     mqa = _one(launches, "decode mqa bfloat16 128", "decode_split_v6")
     assert _defines(mqa) == _defines(_one(launches, "decode mqa v6 bfloat16 128", "decode_split_v6"))
+    # 32 float32 query heads a KV head: v3 by default while v7 is held back; v7 by name launches
+    # 2 blocks a KV head of 16 heads each (grid y and the kernel's heads_kv: 1 x 2), one 8-warp
+    # block an SM, and its fused combine's counters cover both slices
+    from iokernels.cupy_raw import policy
+    mqa_default = launches["decode mqa float32 128"]
+    held = policy.held_back("decode", "v7") is not None
+    assert [L["name"] for L in mqa_default] == ["decode_split_v3" if held else "decode_split_v7"]
+    v7 = _one(launches, "decode mqa v7 float32 128", "decode_split_v7")
+    assert tuple(_defines(v7)[k] for k in ("GROUP", "GROUP_SPLIT", "NUM_WARPS", "DECODE_MIN_BLOCKS")) == \
+        ("16", "2", "8", "1")
+    assert v7["grid"] == [5, 2, 2] and v7["block"] == [256]
+    nk_at = v7["ints"].index(301)                        # nk, heads_q, heads_kv (the slices), ...
+    assert v7["ints"][nk_at:nk_at + 3] == [301, 32, 2], v7["ints"]
+    assert [L["name"] for L in launches["decode mqa v7 unfused float32 128"]] == ["decode_split_v7",
+                                                                                 "decode_combine"]
     # a quantized cache: v5 by default (codes as float16 mma operands), 8 warps x 3 stages x 32 keys
     quant = _defines(_one(launches, "quant paged_decode None float8_e4m3fn block float16 128 3", "decode_split_v5"))
     assert tuple(quant[k] for k in ("KV_QUANT", "NUM_WARPS", "STAGES", "TILE_ROWS")) == ("2", "8", "3", "32")

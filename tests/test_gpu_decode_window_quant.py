@@ -193,6 +193,19 @@ def test_cupy_quantized_paged_decode_reads_the_codes(rng, dtype):
 
 
 @cupy_ok
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cupy_decode_v7_windowed_and_quantized(rng, dtype):
+    """decode v7 (the group split over blocks) named and the default, at 32 query heads a KV
+    head: windows over contiguous and paged caches, and 1-byte codes at head_dim 96 (v5 does
+    not take it)."""
+    from iokernels import cupy_raw
+    configs = [None, cupy_raw.DecodeConfig("v7")]
+    _windowed(rng, "cupy", dtype, configs, hq=64)
+    _quantized(rng, "cupy", dtype, configs, d=96, hq=64, hkv=2,
+               quant=[("int8", "block_head"), ("float8_e4m3fn", "block")])
+
+
+@cupy_ok
 def test_cupy_quantized_decode_d59_takes_the_scalar_path(rng):
     _quantized(rng, "cupy", "float32", [None], d=59, hq=3, hkv=3)
 

@@ -190,3 +190,57 @@ def test_numba_backward_block_halves_until_it_fits():
     assert NP.backward_block(16, lambda b: 10 ** 9, 1) == 1
     cfg = NC.BackwardConfig().resolved(256, "float64")
     assert cfg.block_q == cfg.block_k and cfg.smem_bytes(256, "float64") <= NC.SHARED_LIMIT_BYTES
+
+
+def test_decode_v7_group_split_is_the_fewest_equal_slices_that_fit():
+    """decode v7's GROUP_SPLIT: the fewest blocks a KV head whose equal slices of the group fit
+    the lane's words; a prime group past the slice takes one head a block; the words a head
+    are the kernel's q, O, scores, m, l and base (float64: two registers each)."""
+    assert P.decode_v7_group_split(16, 15, 240) == 1          # 16 x 15 = 240 words: one block
+    assert P.decode_v7_group_split(32, 15, 240) == 2
+    assert P.decode_v7_group_split(24, 15, 240) == 2          # 12 heads a block, not 3 blocks of 8
+    assert P.decode_v7_group_split(71, 15, 240) == 71         # prime: one head a block
+    assert P.decode_v7_group_split(8, 300, 240) == 8          # not even one head fits: one a block
+    for group in range(1, 130):
+        for words in (15, 22, 25):
+            split = P.decode_v7_group_split(group, words, 240)
+            assert group % split == 0
+            slice_ = group // split
+            assert slice_ * words <= 240 or slice_ == 1
+            assert all(group % s or (group // s) * words > 240 for s in range(1, split))
+    with pytest.raises(ValueError, match="group"):
+        P.decode_v7_group_split(0, 15, 240)
+    from iokernels.cupy_raw import decode_config as D
+    assert D.lane_words_a_head(128, "float32") == 2 * 4 + 4 + 3          # EPL 4, tile of 4 rows, 1 a step
+    assert D.lane_words_a_head(64, "float64") == (2 * 2 + 4 + 3) * 2     # EPL 2, pairs of registers
+    assert D.lane_words_a_head(128, "bfloat16", kv="int8") == 2 * 8 + D.decode_v2_geometry(
+        128, "bfloat16", kv="int8")["tile_rows"] // D.decode_v2_geometry(128, "bfloat16", kv="int8")[
+        "rows_side_by_side"] + 3
+    assert D.lane_words_a_head(256, "float32") is None                  # 64 chunks a row: not v3's ring
+
+
+def test_decode_v7_takes_the_groups_v3_cannot_hold():
+    """The registry's check of decode v7: it refuses a group v3 holds within
+    DECODE_V3_LANE_WORDS (float32 g = 4 at d = 128), takes float32 past it, the groups whose v3
+    merge buffer does not fit (g = 64 at d = 128), float64, 16-bit rows at head dims v4 / v6 do
+    not take, and refuses rows v3's ring cannot take; and while HELD_BACK lists it the default
+    stays v3 (or v1 where v3's ring does not fit)."""
+    from iokernels.core.registry import Need
+    from iokernels import cupy_raw as cr
+
+    def need(dtype, d, group, kv=None):
+        return Need(dtype, d, 90, extra=dict(group=group, kv_dtype=kv, aligned16=True, smem=227 * 1024,
+                                             scale_granularity="block_head" if kv else None))
+    v7 = cr.REGISTRY.get("decode", "v7")
+    assert "v3 holds" in v7.unavailable(need("float32", 128, 4))
+    for dtype, d, g in (("float32", 128, 8), ("float32", 128, 64), ("float32", 64, 128), ("float64", 64, 8),
+                        ("bfloat16", 80, 16), ("float32", 128, 71)):
+        assert v7.unavailable(need(dtype, d, g)) is None, (dtype, d, g)
+    assert "16-byte chunks" in v7.unavailable(need("float32", 256, 64))
+    assert cr.REGISTRY.get("decode", "v3").unavailable(need("float32", 128, 64)) is not None   # its merge
+    if P.held_back("decode", "v7") is not None:
+        assert cr.REGISTRY.resolve("decode", None, need("float32", 128, 64))[0].version == "v1"
+        assert cr.REGISTRY.resolve("decode", None, need("float32", 128, 16))[0].version == "v3"
+    else:
+        assert cr.REGISTRY.resolve("decode", None, need("float32", 128, 64))[0].version == "v7"
+    assert cr.REGISTRY.resolve("decode", None, need("bfloat16", 128, 64))[0].version == "v6"   # tensor cores

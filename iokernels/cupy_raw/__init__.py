@@ -12,7 +12,8 @@ module              what it holds
 ==================  ================================================================
 config.py           every config class and its constants, re-exported from their homes:
 forward_config      ForwardConfig, fit_config (fa_v1.cu .. fa_v2.cu: sizes, SRAM, defines)
-decode_config       DecodeConfig and the decode kernels' SRAM arithmetic (v6's: decode_v6_config.py)
+decode_config       DecodeConfig and the decode kernels' SRAM arithmetic (v6's: decode_v6_config.py;
+                    v7's group split: decode_v7_config.py)
 backward_config     BackwardConfig (bwd_v1.cu .. bwd_v4.cu)
 gather_config       GatherConfig (paged_gather.cu)
 mla_config          MLADecodeConfig (mla_decode.cu)
@@ -21,7 +22,7 @@ policy.py           every choose-a-size rule (decode splits, the v4 block shape,
                     tiles by head dim) and the gate of versions not yet measured (HELD_BACK)
 launch.py           the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
 forward.py          attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
-decode.py           decode, paged decode: decode.cu, decode_v2.cu .. decode_v6.cu
+decode.py           decode, paged decode: decode.cu, decode_v2.cu .. decode_v7.cu
 decode_launch       the split kernels' launch: what a shape fixes, what a call packs
 gather.py           paged gather: paged_gather.cu
 paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks, and
@@ -112,6 +113,11 @@ decode, paged_decode  v6       decode_v6.cu         35    v4 with a group past 1
                                                           team of warps (16 rows each) sharing each K/V tile
                                                           of its cp.async ring: g = 32, 64 and MQA read K/V
                                                           once a KV head
+decode, paged_decode  v7       decode_v7.cu         32    v3 with the query group split over blocks (a slice
+                                                          of g / GROUP_SPLIT heads each, reading the same K/V
+                                                          rows, the repeats from L2) so a lane's registers
+                                                          hold its slice, at one 8-warp block an SM (held back
+                                                          from the default until measured)
 decode, paged_decode  v3       decode_v3.cu         30    v2's ring at 8 warps x 4 stages, the combine fused
                                                           into the split kernel (the last block of a group
                                                           merges), paged block-table entries staged in SRAM

@@ -48,7 +48,7 @@ from .launch import contiguous, current_stream_ptr, device_info, on_stream, unit
 from .decode_v6_config import check_decode_v6, decode_v6_smem, v6_default_check
 from .policy import default_check_for, held_back_note
 from .registry import (REGISTRY, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
-                       check_decode_v5, need)
+                       check_decode_v5, check_decode_v7, need)
 
 
 #: decode v5 (a quantized cache) rounds P' = P s_V / sigma (<= 1) to float16: a relative
@@ -404,10 +404,10 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     scales = () if quant is None else (quant["k_scale"].arg, quant["v_scale"].arg, i32(quant["scale_blk"]),
                                        i32(quant["scale_head"]))
     lens_arg = device_array(lens_d).arg if lens_d is not None else np.uint64(0)
-    counters = device_array(_decode_counters(B * Hkv, o.owner)).arg if st.fused and S > 1 else np.uint64(0)
+    counters = device_array(_decode_counters(B * st.heads_grid, o.owner)).arg if st.fused and S > 1 else np.uint64(0)
     args = pack(st, S, table, q=qd.arg, k=kd.arg, v=vd.arg, cache=cache, scales=scales, lens=lens_arg, nk=nk,
                 scale=scale, window_left=window_left, parts=parts, counters=counters, o=o.arg, lse=lse.arg)
-    st.fn((S, Hkv, B), (st.threads,), args, shared_mem=smem)
+    st.fn((S, st.heads_grid, B), (st.threads,), args, shared_mem=smem)
     if S > 1 and not st.fused:                         # decode.cu's combine
         launch_combine(st, S, o_part.arg, lse_part.arg, o.arg, lse.arg)
 
@@ -462,5 +462,12 @@ RECORDS = (
               "v4 with a group past 16 query heads split across a team of warps (16 rows each) sharing each "
               "K/V tile of its cp.async ring: g = 32, 64 and MQA read K/V once a KV head",
               layout="tensor_core", reads=("16-bit",), smem=_smem_v6, default_check=v6_default_check),
+    # v7 takes the groups v3's registers do not hold (float32 from 6 query heads a KV head at
+    # head_dim 128, float64, 16-bit rows v4 and v6 do not take, quantized caches v5 does not);
+    # ranked above v3 and below the tensor-core versions, which hold large groups in fragments
+    *_records("v7", "decode_v7.cu", "decode_split_v7", _args_v3, check_decode_v7, 32,
+              "v3 with the query group split over blocks (a slice of g / GROUP_SPLIT heads each, reading "
+              "the same K/V rows, the repeats from L2) so a lane's registers hold its slice, at one "
+              "8-warp block an SM", layout="ring_fused", reads=("16-bit", "codes"), smem=_smem_v3),
 )
 REGISTRY.add(*RECORDS)

@@ -41,7 +41,7 @@ __all__ = [
     "CACHE_KINDS", "LAYOUTS", "MAX_ROW_CHUNKS", "MIN_STAGES", "MMA_K", "QUANT_UNIT_BYTES",
     "V4_ROW_PAD_BYTES", "V5_SCALE_BYTES", "VERSION_RULES", "code_readers", "decode_facts", "decode_v2_geometry",
     "decode_v2_smem", "decode_v3_smem", "decode_v4_smem", "decode_v4_swizzled", "decode_v5_smem", "kv_itemsize",
-    "layout_of", "ring_smem_bound", "tc_smem", "v4_limits",
+    "lane_words_a_head", "layout_of", "ring_smem_bound", "tc_smem", "v4_limits",
 ]
 
 #: the k depth of one m16n8k16 tensor-core step (decode v4 / v5 tile rows and head dims are
@@ -59,7 +59,8 @@ LAYOUTS = ("plain", "ring", "ring_fused", "tensor_core")
 CACHE_KINDS = ("16-bit", "codes")
 #: versions whose ring depth and defines live in their own module, which registers them here
 #: on import ({"stages": fn(config, head_dim, group, smem_limit), "defines": fn(config, base,
-#: head_dim, dtype, group, smem_limit, kv, cc)}; decode_v6_config.py: "v6")
+#: head_dim, dtype, group, smem_limit, kv, cc)}; decode_v6_config.py: "v6"; decode_v7_config.py:
+#: "v7", defines only: its ring depth is v3's for the heads a block holds)
 VERSION_RULES: dict = {}
 #: decode v1 and v2: 4 warps a block; each v1 sub-group keeps UNROLL rows of K and V in
 #: flight; the compiler is asked to fit DECODE_MIN_BLOCKS blocks an SM (__launch_bounds__)
@@ -194,8 +195,10 @@ class DecodeConfig:
     cp.async ring of K/V tiles in SRAM), "v3" (decode_v3.cu: v2's ring with the combine
     fused into the split kernel, 8 warps x 4 stages), "v4" (decode_v4.cu: v3's ring and
     combine with the GQA group's products on the tensor cores, 16-bit caches; limits:
-    :func:`v4_limits`) or "v5" (decode_v5.cu: v4 reading a quantized paged cache's 1-byte
-    codes; head dims DECODE_V5_HEAD_DIMS); None: the registry's default (v5 for a quantized
+    :func:`v4_limits`), "v5" (decode_v5.cu: v4 reading a quantized paged cache's 1-byte
+    codes; head dims DECODE_V5_HEAD_DIMS), "v6" (decode_v6_config.py: v4 with groups past 16
+    split across teams of warps) or "v7" (decode_v7_config.py: v3 with the group split over
+    blocks; v3's fields); None: the registry's default (v5 for a quantized
     cache where it applies, v4 for a 16-bit one, else v3 where its rows and ring fit, else
     v1).  v2 to v5 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned.
     stages (v2 to v5): the ring depth (>= 2; None: DECODE_V2_STAGES, or DECODE_V3_STAGES /
@@ -266,7 +269,7 @@ class DecodeConfig:
         ``smem_limit``, down to MIN_STAGES).  ``kv``: a quantized cache's code format."""
         if self.stages is not None:
             return self.stages
-        if self.version in VERSION_RULES:
+        if "stages" in VERSION_RULES.get(self.version, {}):
             return VERSION_RULES[self.version]["stages"](self, head_dim, group, smem_limit)
         layout = self.layout
         if layout == "tensor_core":
@@ -314,6 +317,13 @@ class DecodeConfig:
             vec = int((d * itemsize) % load == 0 and d * itemsize <= MAX_ROW_CHUNKS * load and aligned)
             return dict(base, VEC_IO=vec, NUM_WARPS=DECODE_WARPS, UNROLL=self.unroll or DECODE_UNROLL,
                         DECODE_MIN_BLOCKS=self.min_blocks or DECODE_MIN_BLOCKS)
+        return self.ring_defines(base, d, dtype, group, smem_limit, kv)
+
+    def ring_defines(self, base: dict, d: int, dtype: str, group: int, smem_limit: int | None = None,
+                     kv: str | None = None) -> dict:
+        """v2's and v3's defines (the ring, and v3's fused combine) on top of ``base`` for
+        ``group`` query heads a block (decode_v7_config.py calls it with a block's slice)."""
+        layout = self.layout
         geo = decode_v2_geometry(d, dtype, self.tile_rows, kv)
         if geo is None:
             raise ValueError(f"config.version: {self.version} needs rows of whole 16-byte chunks, at most "
@@ -439,6 +449,22 @@ def decode_v2_geometry(head_dim: int, dtype: str, tile_rows: int | None = None, 
         raise ValueError(f"config.tile_rows: must be a multiple of {rpw} at head_dim={head_dim} ({dtype}), "
                          f"got {tile_rows}")
     return dict(chunks=cpr, lanes=lanes, rows_side_by_side=rpw, tile_rows=tile_rows)
+
+
+def lane_words_a_head(head_dim: int, dtype: str, tile_rows: int | None = None, kv: str | None = None) -> int | None:
+    """The 32-bit registers a lane of decode v3 / v7 keeps for each query head of its block:
+    its EPL values of q and of O (EPL: 16 bytes of a row, or 8 bytes of codes, in elements),
+    one score a row step of the tile (tile rows / rows side by side), m, l and the tile's
+    softmax base, all in the accumulator type (float64: two registers each).  None where
+    :func:`decode_v2_geometry` does not take the rows.  Mirrors decode_v3.cu's q, acc, sc, m,
+    l and base arrays."""
+    geo = decode_v2_geometry(head_dim, dtype, tile_rows, kv)
+    if geo is None:
+        return None
+    epl = CHUNK_BYTES // kv_itemsize(dtype) if kv is None else QUANT_UNIT_BYTES
+    steps = geo["tile_rows"] // geo["rows_side_by_side"]
+    words = cv.accum_dtype(dtype).itemsize // 4
+    return (2 * epl + steps + 3) * words
 
 
 def decode_v2_smem(head_dim: int, dtype: str, group: int, stages: int, tile_rows: int) -> int:

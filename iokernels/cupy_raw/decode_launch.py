@@ -113,6 +113,13 @@ class SplitStatic:
     sms: int
     acc: type
     blocks_per_sm: int | None = None     # the kernel's occupancy, asked of the driver once
+    group_split: int = 1                 # blocks a KV head (decode v7's GROUP_SPLIT; else 1)
+
+    @property
+    def heads_grid(self) -> int:
+        """The grid's y and the kernel's heads_kv: a block's slice of a KV head's group
+        (heads_kv x GROUP_SPLIT; heads_kv where a block holds the whole group)."""
+        return self.heads_kv * self.group_split
 
 
 def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, paged, block_size, aligned, kv,
@@ -126,6 +133,7 @@ def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, pag
     ring_fused = layout in ("ring_fused", "tensor_core")
     ring_smem, sources = spec.extra.get("smem"), spec.extra.get("sources")
     defines = dict(defines, **spec.extra.get("defines", {}))
+    group = defines["GROUP"]                 # the query heads a block holds (decode v7: a slice)
     if ring_fused:
         # compiled once per defines; its SRAM is sized a launch (at least the rings)
         base_smem, _ = ring_smem(d, dtype, group, defines, kv)
@@ -147,14 +155,15 @@ def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, pag
         fn = function(spec.file, spec.kernel, defines, sources=sources)
     return SplitStatic(spec, config, fn, defines, 32 * defines["NUM_WARPS"], bool(defines.get("FUSED", 0)),
                        ring_fused, base_smem, batch, heads_q, heads_kv, d, dtype, group, kv, paged, block_size,
-                       aligned, dev["smem_optin"], dev["sms"], np.float64 if dtype == "float64" else np.float32)
+                       aligned, dev["smem_optin"], dev["sms"], np.float64 if dtype == "float64" else np.float32,
+                       group_split=defines.get("GROUP_SPLIT", 1))
 
 
 def num_splits_for(st: SplitStatic, longest: int) -> int:
     """:func:`.policy.decode_wave_splits` for ``longest`` keys at the kernel's occupancy."""
     if st.blocks_per_sm is None:
         st.blocks_per_sm = blocks_per_sm(st.fn, st.threads, st.base_smem)
-    return decode_wave_splits(st.batch, st.heads_kv, longest, st.sms, st.blocks_per_sm,
+    return decode_wave_splits(st.batch, st.heads_grid, longest, st.sms, st.blocks_per_sm,
                               2 * st.head_dim * C.kv_itemsize(st.dtype, st.kv))
 
 
@@ -183,7 +192,7 @@ def pack(st: SplitStatic, splits: int, table: tuple, *, q, k, v, cache: tuple, s
     """One launch's arguments in the kernel's order (pointers as ``np.uint64``)."""
     i32 = np.int32
     a = SplitArgs(head=(q, k, v), cache=cache, table=table, scales=scales,
-                  tail=(lens, i32(nk), i32(st.heads_q), i32(st.heads_kv), st.acc(scale), i32(splits),
+                  tail=(lens, i32(nk), i32(st.heads_q), i32(st.heads_grid), st.acc(scale), i32(splits),
                         i32(window_left), *parts),
                   counters=(counters,), out=(o, lse))
     return st.spec.args(a)

@@ -409,10 +409,10 @@ class DecodePlan:
         ws = self._ws.get(stream)
         if ws is None or ws[0] < S:
             a = self.alloc
-            B, Hq, Hkv = self.B, self.Hq, self.Hkv
+            B, Hq = self.B, self.Hq
             o_part = a.empty((S, B, Hq, self.d), self.acc) if S > 1 else None
             lse_part = a.empty((S, B, Hq), self.acc) if S > 1 else None
-            counters = a.zeros_int32(max(B * Hkv, 1)) if self.st.fused and S > 1 else None
+            counters = a.zeros_int32(max(B * self.st.heads_grid, 1)) if self.st.fused and S > 1 else None
             z = np.uint64(0)
             ws = (S, (o_part, lse_part, counters),
                   (z if o_part is None else _ptr(o_part), z if lse_part is None else _ptr(lse_part),
@@ -476,12 +476,12 @@ class DecodePlan:
         arguments ``pack_call`` makes.  ``ptrs``: q, k, v, O, LSE (ints); ``more``: the other
         slots' values in order (the lengths; the tables and the scales of a paged cache), np.uint64."""
         if buf:
-            buf.launch(self.fn_ptr, (S, self.Hkv, self.B), (self.st.threads,), smem, stream, *ptrs,
+            buf.launch(self.fn_ptr, (S, self.st.heads_grid, self.B), (self.st.threads,), smem, stream, *ptrs,
                        *map(int, more))
         else:
             args, _ = pack_call((*map(np.uint64, ptrs), *more), *_split_parts(self._workspace(stream, S)))
             with sobj:
-                self.st.fn((S, self.Hkv, self.B), (self.st.threads,), args, shared_mem=smem)
+                self.st.fn((S, self.st.heads_grid, self.B), (self.st.threads,), args, shared_mem=smem)
         if S > 1 and not self.st.fused:
             o_part, lse_part, _ = self._workspace(stream, S)
             with sobj:

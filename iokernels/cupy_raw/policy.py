@@ -137,6 +137,10 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
+    ("decode", "v7"): "its GPU tests and a benchmark record faster than v3 (and v1 where v3 does not run) at "
+                      "the groups it takes",
+    ("paged_decode", "v7"): "its GPU tests and a benchmark record faster than v3 (and v1 where v3 does not run) "
+                            "at the groups it takes",
 }
 
 
@@ -330,3 +334,34 @@ def decode_v6_stages(ring_rows: int, teams: int, tile_rows: int, max_stages: int
     ``max_stages``."""
     want = ring_rows // max(1, teams * tile_rows)
     return int(min(max_stages, max(min_stages, want)))
+
+
+# =========================================================================== decode v7
+#: decode v3 and v7 (the CUDA-core decodes) keep, in each lane, for each query head of their
+#: block: its share of q and of O (EPL values each), one score a row step of the tile, m, l and
+#: the tile's softmax base (decode_config.lane_words_a_head counts them, in 32-bit words).
+#: v3 at its default (8 warps, two blocks an SM: 128 registers a thread) holds at most this many
+#: of those words without spilling (ptxas -v, sm_90: 60 words at float32 d = 128, g = 4, hold;
+#: 88 and more spill); decode v7 takes the groups past it
+DECODE_V3_LANE_WORDS = 80
+#: ... and v7 (one 8-warp block an SM: 255 registers a thread) this many, float32 and 16-bit
+#: accumulators (240 at float32 d = 128, g = 16, hold), fewer with float64's pairs of registers
+#: (176 at d = 64, g = 8, spill)
+DECODE_V7_LANE_WORDS = 240
+DECODE_V7_LANE_WORDS_FLOAT64 = 160
+#: v7's blocks an SM its registers are capped for (DecodeConfig.min_blocks overrides it)
+DECODE_V7_MIN_BLOCKS = 1
+
+
+def decode_v7_group_split(group: int, words_a_head: int, budget: int) -> int:
+    """decode v7's blocks a KV head (GROUP_SPLIT): the fewest that divide the ``group`` query
+    heads into equal slices of at most ``budget`` // ``words_a_head`` heads (a lane's registers
+    for its slice; :data:`DECODE_V7_LANE_WORDS`).  A group of prime size larger than the slice
+    takes one head a block; ``group`` itself when even one head does not fit."""
+    if group < 1 or words_a_head < 1:
+        raise ValueError(f"group, words_a_head: at least 1, got {group}, {words_a_head}")
+    fits = max(1, budget // words_a_head)
+    for split in range(1, group + 1):
+        if group % split == 0 and group // split <= fits:
+            return split
+    return group

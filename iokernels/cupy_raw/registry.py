@@ -14,6 +14,7 @@ from ..core.arrays import DeviceArray, device_array
 from ..core.registry import Need
 from . import config as C
 from . import decode_config as D
+from . import decode_v7_config as V7
 from . import paged_prefill_config as PP
 from .launch import REGISTRY, cupy_ok, device_info
 
@@ -189,6 +190,12 @@ def check_decode_v5(n: Need) -> str | None:
     dtype) at head dims DECODE_V5_HEAD_DIMS (decode_v5.cu); its codes become float16
     operands with integer instructions every such GPU has."""
     return _check_tensor_core("v5", n)
+
+
+def check_decode_v7(n: Need) -> str | None:
+    """decode v7 (decode_v7.cu): the groups v3 cannot hold in its registers, with v3's checks at
+    the slice of the group a block holds (decode_v7_config.check_decode_v7)."""
+    return V7.check_decode_v7(n, _check_ring)
 
 
 def check_backward_v1(n: Need) -> str | None:
