@@ -512,8 +512,9 @@ def test_held_back_v6_gets_its_own_row_at_head_dim_64(monkeypatch, rng):
 def test_held_back_decode_v6_gets_its_own_row_past_16_query_heads(monkeypatch):
     """The cliff's decode cases: past 16 query heads a KV head (g = 32, 64) v6 is the default and
     nothing is held back; while policy.HELD_BACK holds decode v6 (as a test puts it back) the
-    default is v3 and v6 is the held-back row, with the reason; at g = 8 (v4, ranked above v6)
-    nothing is held back, at g = 129 (v6 refuses it) only v7 while it is; with the group gate
+    default is v7 (v3 while v7 is held back too) and v6 is the held-back row, with the reason;
+    at g = 8 (v4, ranked above v6) nothing is held back, at g = 129 (v6 refuses it) only v7
+    while it is; with the group gate
     (policy.decode_v6_default_at) set below 128, v6 is held back at g = 128 by it."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.bench.runners import registry_versions
@@ -531,9 +532,10 @@ def test_held_back_decode_v6_gets_its_own_row_past_16_query_heads(monkeypatch):
         assert registry_held_back("cupy", "decode", **qkv(group)) is None
     for op in ("decode", "paged_decode"):
         monkeypatch.setitem(policy.HELD_BACK, (op, "v6"), "a cliff record")
+    fallback = "cupy:v3" if policy.held_back("decode", "v7") else "cupy:v7"   # the CUDA-core decodes
     for group in (32, 64):
         assert [name for name, _, default in registry_versions("cupy", "decode", **qkv(group)) if default] \
-            == ["cupy:v3"]
+            == [fallback]
         name, cfg, why = registry_held_back("cupy", "decode", **qkv(group))
         assert name == "cupy:v6" and cfg.version == "v6" and "a cliff record" in why
     assert registry_held_back("cupy", "decode", **qkv(8)) is None

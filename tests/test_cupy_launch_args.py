@@ -346,7 +346,7 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     # v4 refuses 32 heads a KV head; v6 takes them, by default and by name, with the same defines
     mqa = _one(launches, "decode mqa bfloat16 128", "decode_split_v6")
     assert _defines(mqa) == _defines(_one(launches, "decode mqa v6 bfloat16 128", "decode_split_v6"))
-    # 32 float32 query heads a KV head: v3 by default while v7 is held back; v7 by name launches
+    # 32 float32 query heads a KV head: v7 by default (v3 while it is held back); v7 launches
     # 2 blocks a KV head of 16 heads each (grid y and the kernel's heads_kv: 1 x 2), one 8-warp
     # block an SM, and its fused combine's counters cover both slices
     from iokernels.cupy_raw import policy

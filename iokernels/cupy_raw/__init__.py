@@ -116,8 +116,7 @@ decode, paged_decode  v6       decode_v6.cu         35    v4 with a group past 1
 decode, paged_decode  v7       decode_v7.cu         32    v3 with the query group split over blocks (a slice
                                                           of g / GROUP_SPLIT heads each, reading the same K/V
                                                           rows, the repeats from L2) so a lane's registers
-                                                          hold its slice, at one 8-warp block an SM (held back
-                                                          from the default until measured)
+                                                          hold its slice, at one 8-warp block an SM
 decode, paged_decode  v3       decode_v3.cu         30    v2's ring at 8 warps x 4 stages, the combine fused
                                                           into the split kernel (the last block of a group
                                                           merges), paged block-table entries staged in SRAM

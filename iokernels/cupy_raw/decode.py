@@ -464,7 +464,9 @@ RECORDS = (
               layout="tensor_core", reads=("16-bit",), smem=_smem_v6, default_check=v6_default_check),
     # v7 takes the groups v3's registers do not hold (float32 from 6 query heads a KV head at
     # head_dim 128, float64, 16-bit rows v4 and v6 do not take, quantized caches v5 does not);
-    # ranked above v3 and below the tensor-core versions, which hold large groups in fragments
+    # ranked above v3 and below the tensor-core versions, which hold large groups in fragments.
+    # It became the default there on its GPU tests, its sanitizer runs and its timings against
+    # v3 and v1 (faster at every shape timed: benchmarks/results/sweeps/2026-12-06_1425_decode_v7_h100.txt)
     *_records("v7", "decode_v7.cu", "decode_split_v7", _args_v3, check_decode_v7, 32,
               "v3 with the query group split over blocks (a slice of g / GROUP_SPLIT heads each, reading "
               "the same K/V rows, the repeats from L2) so a lane's registers hold its slice, at one "

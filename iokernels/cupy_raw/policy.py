@@ -137,10 +137,6 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
-    ("decode", "v7"): "its GPU tests and a benchmark record faster than v3 (and v1 where v3 does not run) at "
-                      "the groups it takes",
-    ("paged_decode", "v7"): "its GPU tests and a benchmark record faster than v3 (and v1 where v3 does not run) "
-                            "at the groups it takes",
 }
 
 
