@@ -382,7 +382,7 @@ def test_decode_v7_defaults_stay_in_registers(tmp_path):
     16-bit rows at head dims the tensor-core versions do not take, and 1-byte codes; and a
     prime group (71) takes one head a block."""
     cases = [("float32", 128, 16, False, None), ("float32", 128, 64, True, None), ("float32", 64, 128, False, None),
-             ("float64", 64, 16, False, None), ("bfloat16", 80, 16, True, None), ("float16", 96, 32, False, None),
+             ("float64", 64, 16, False, None), ("bfloat16", 40, 8, True, None), ("float16", 56, 32, False, None),
              ("bfloat16", 128, 16, True, "int8"), ("bfloat16", 64, 32, True, "float8_e4m3fn"),
              ("float32", 128, 71, False, None)]
     jobs = [cr.DecodeConfig("v7").defines(d, dtype, g, paged, 16, smem_limit=227 * 1024, kv=kv)

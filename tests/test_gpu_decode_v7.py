@@ -4,7 +4,8 @@ hold its block's slice) against the float64 oracle.  CuPy: skipped without a GPU
 float32 groups 8 (one block a KV head, one 8-warp block an SM), 32, 64 and 128 (2, 4 and 8
 blocks a KV head; past 32 at head_dim 128 v3's merge buffer does not fit the SRAM), 71 (a prime
 group: one head a block), multi-query attention and GQA with 8 KV heads, head dims 64 and 128;
-float64 at head_dim 64; 16-bit rows the tensor-core versions do not take (head_dim 80 and 96);
+float64 at head_dim 64; 16-bit rows the tensor-core versions do not take (head_dim 72), and by name at
+head dims where they do (80, 96);
 contiguous and paged caches (quantized caches and windows: test_gpu_decode_window_quant.py); ragged
 lengths with a length-0 sequence (O = 0, LSE = -inf), 1 / 7 / the heuristic's splits, a sliding
 window, the fused combine and the separate one.  O is held to FlashAttention's 2x rule
@@ -85,7 +86,8 @@ def _split_of(cr, tq, tk, tv) -> int:
     ("float32", 64, 128, 1),     # eight blocks a KV head
     ("float32", 128, 71, 1),     # Falcon-7B's group: prime, one head a block
     ("float64", 64, 16, 2),      # float64: four heads a block
-    ("bfloat16", 80, 16, 2),     # 16-bit rows v4 / v6 do not take (head_dim not a multiple of 16)
+    ("bfloat16", 72, 16, 2),     # 16-bit rows v4 / v6 do not take (head_dim not a multiple of 16): the default
+    ("bfloat16", 80, 16, 2),     # by name where v4 (d = 80) and v6 (d = 96, g = 32) are the default
     ("float16", 96, 32, 1),
 ])
 def test_decode_v7_against_oracle(rng, dtype, d, group, hkv):

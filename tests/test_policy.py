@@ -234,7 +234,7 @@ def test_decode_v7_takes_the_groups_v3_cannot_hold():
     v7 = cr.REGISTRY.get("decode", "v7")
     assert "v3 holds" in v7.unavailable(need("float32", 128, 4))
     for dtype, d, g in (("float32", 128, 8), ("float32", 128, 64), ("float32", 64, 128), ("float64", 64, 8),
-                        ("bfloat16", 80, 16), ("float32", 128, 71)):
+                        ("bfloat16", 72, 16), ("float32", 128, 71)):
         assert v7.unavailable(need(dtype, d, g)) is None, (dtype, d, g)
     assert "16-byte chunks" in v7.unavailable(need("float32", 256, 64))
     assert cr.REGISTRY.get("decode", "v3").unavailable(need("float32", 128, 64)) is not None   # its merge
@@ -244,3 +244,4 @@ def test_decode_v7_takes_the_groups_v3_cannot_hold():
     else:
         assert cr.REGISTRY.resolve("decode", None, need("float32", 128, 64))[0].version == "v7"
     assert cr.REGISTRY.resolve("decode", None, need("bfloat16", 128, 64))[0].version == "v6"   # tensor cores
+    assert cr.REGISTRY.resolve("decode", None, need("bfloat16", 80, 16))[0].version == "v4"
