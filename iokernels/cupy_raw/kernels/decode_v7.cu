@@ -25,7 +25,7 @@
 //   * The launcher's policy (cupy_raw/policy.py, decode_v7_group_split) picks the smallest
 //     split whose slice of the group fits a thread's registers at one 8-warp block an SM
 //     (DECODE_MIN_BLOCKS = 1: 255 registers); tests/test_cupy_compile.py holds every
-//     default to no spills with ptxas.
+//     default to at most a few spilled scalars (ptxas -v), none of the per-head arrays.
 // Everything else is version 3's: the per-warp cp.async ring, the fused combine, the staged
 // paged block table, quantized caches, ragged lengths, the sliding window.
 //
