@@ -237,6 +237,10 @@ def test_decode_v7_takes_the_groups_v3_cannot_hold():
                         ("bfloat16", 72, 16), ("float32", 128, 71)):
         assert v7.unavailable(need(dtype, d, g)) is None, (dtype, d, g)
     assert "16-byte chunks" in v7.unavailable(need("float32", 256, 64))
+    with pytest.raises(ValueError, match="config.version: v7 needs rows of whole 16-byte chunks"):
+        cr.DecodeConfig("v7").defines(256, "float32", 64, False, 16)        # named past the registry
+    d7 = cr.DecodeConfig("v7", min_blocks=2).defines(128, "float32", 64, False, 16)
+    assert (d7["GROUP"], d7["GROUP_SPLIT"], d7["DECODE_MIN_BLOCKS"]) == (16, 4, 2)    # a named min_blocks wins
     assert cr.REGISTRY.get("decode", "v3").unavailable(need("float32", 128, 64)) is not None   # its merge
     if P.held_back("decode", "v7") is not None:
         assert cr.REGISTRY.resolve("decode", None, need("float32", 128, 64))[0].version == "v1"
