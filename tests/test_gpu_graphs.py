@@ -116,6 +116,22 @@ def test_decode_replays_like_eager(config):
                         refill)
 
 
+@pytest.mark.parametrize("config", [None, cr.DecodeConfig("v7"), cr.DecodeConfig("v7", fused=False)])
+def test_large_float32_group_decode_replays_like_eager(config):
+    """float32 multi-query decode, 64 query heads a KV head: the default (decode v7, the group split
+    over 4 blocks a KV head) and v7 with the separate combine, captured, replay like eager with
+    the inputs and lengths rewritten in place."""
+    q, k, v = (randn(3, 64, 128, dtype=torch.float32), randn(3, 1, 2000, 128, dtype=torch.float32),
+               randn(3, 1, 2000, 128, dtype=torch.float32))
+    lens = torch.tensor([2000, 9, 0], device=DEV, dtype=torch.int32)
+
+    def refill(r):
+        _refill(q, k, v)(r)
+        lens.copy_(torch.tensor([[0, 2000, 1999], [640, 1, 2000]][r], device=DEV, dtype=torch.int32))
+    replay_equals_eager(lambda: ik.decode(q, k, v, seq_lens=lens, backend="cupy", return_lse=True, config=config),
+                        refill)
+
+
 def test_paged_decode_replays_like_eager_with_tables_changed_in_place():
     B, Hq, Hkv, d, bs, per = 3, 16, 4, 128, 16, 12
     nb = B * per + 5
