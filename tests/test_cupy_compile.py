@@ -438,16 +438,16 @@ def test_decode_v6_config_is_v4s_shape_split_into_teams(monkeypatch):
         cr.DecodeConfig("v6", tile_rows=24).defines(128, "float16", 32, False, 0)
     assert cr.DecodeConfig("v6", load_l1=False).defines(128, "float16", 32, False, 0, cc=90)["LOAD_L1"] == 0
     assert cr.DecodeConfig("v6").defines(128, "float16", 32, True, 16, cc=90)["LOAD_L1"] == 0   # pages: .cg
-    # the registry: v4 where it runs, v6 past 16 query heads a KV head up to 128; past 128 v1
-    # (v3's ring does not fit); v6 never past 128 or for a quantized cache
-    for g, want in ((16, "v4"), (17, "v6"), (32, "v6"), (64, "v6"), (65, "v6"), (128, "v6"), (129, "v1")):
+    # the registry: v4 where it runs, v6 past 16 query heads a KV head up to 128; past 128 v7
+    # (the CUDA-core decode with the group split over blocks); v6 never past 128 or for a quantized cache
+    for g, want in ((16, "v4"), (17, "v6"), (32, "v6"), (64, "v6"), (65, "v6"), (128, "v6"), (129, "v7")):
         n = _need("float16", 128, 90, big, group=g, aligned16=True)
         assert cr.REGISTRY.resolve("decode", None, n)[0].version == want, g
         v6_rec = cr.REGISTRY.get("decode", "v6")
         assert (v6_rec.unavailable(n) is None) == (g <= 128), g
     # the group gate (policy.decode_v6_default_at) at a lower bound: past it v6 runs by name only
     monkeypatch.setattr(cr.policy, "DECODE_V6_DEFAULT_MAX_GROUP", 64)
-    for g, want in ((64, "v6"), (65, "v1"), (128, "v1")):
+    for g, want in ((64, "v6"), (65, "v7"), (128, "v7")):
         n = _need("float16", 128, 90, big, group=g, aligned16=True)
         assert cr.REGISTRY.resolve("decode", None, n)[0].version == want, g
         if g > 64:
@@ -595,9 +595,10 @@ def test_default_forward_fits_every_dtype_and_head_dim(smem, cc):
 def test_default_decode_fits_every_dtype_and_head_dim(smem, v6_gate, monkeypatch):
     """The decode default is v4 for 16-bit rows of whole mma k-steps (d % 16 == 0, d <= 256,
     g <= 16) where its shallowest ring fits; v6 for those rows at 16 < g <= 128 where its
-    smallest block fits, once policy.HELD_BACK lets it (never while it is held back); else v3
-    where its rows and shallowest ring fit, else v1 (which needs only a little static SRAM); a
-    ring's depth shrinks until it fits."""
+    smallest block fits, once policy.HELD_BACK lets it (never while it is held back); else v7
+    for the groups v3's registers do not hold (policy.DECODE_V3_LANE_WORDS) where its slice's
+    ring fits, else v3 where its rows and shallowest ring fit, else v1 (which needs only a little
+    static SRAM); a ring's depth shrinks until it fits."""
     if v6_gate == "held back":                  # as before its GPU record: the gate's other side
         for op in ("decode", "paged_decode"):
             monkeypatch.setitem(cr.policy.HELD_BACK, (op, "v6"), "a test holds it back")
@@ -619,13 +620,21 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem, v6_gate, monkeypatch
                     assert v6_shape, (dtype, d, group, v6_gate)
                 elif v6_shape:                          # ... or a v6 shape
                     assert V6.v6_smem_bound(d, dtype, group) > smem, (dtype, d, group, kernel.version)
-                if kernel.version in ("v3", "v4", "v6"):
-                    st = cfg.ring_stages(d, dtype, group, smem)
+                words = C.lane_words_a_head(d, dtype)
+                v7_shape = words is not None and words * group > policy.DECODE_V3_LANE_WORDS
+                if kernel.version == "v7":                  # (a v4 / v6 shape only where they do not fit: above)
+                    assert v7_shape, (dtype, d, group)
+                elif kernel.version == "v3":
+                    assert not v7_shape, (dtype, d, group)  # v7 refuses only what v3 holds, and fits where v3 does
+                if kernel.version in ("v3", "v4", "v6", "v7"):
+                    defines = cfg.defines(d, dtype, group, True, 16, smem_limit=smem)
+                    heads = defines["GROUP"]                    # v7: the slice a block holds
+                    assert heads * defines.get("GROUP_SPLIT", 1) == group
+                    st = cfg.ring_stages(d, dtype, heads, smem)
                     rows = (cfg.v4_tile_rows() if kernel.version == "v4" else V6.v6_tile_rows(cfg, d)
                             if kernel.version == "v6" else C.decode_v2_geometry(d, dtype)["tile_rows"])
-                    defines = cfg.defines(d, dtype, group, True, 16, smem_limit=smem)
                     ring_smem = kernel.extra["smem"]            # the record's: what the launch sizes
-                    assert ring_smem(d, dtype, group, defines, None, C.DECODE_MAX_SPLITS, True,
+                    assert ring_smem(d, dtype, heads, defines, None, C.DECODE_MAX_SPLITS, True,
                                      C.DECODE_V3_TABLE_CAP)[0] <= smem
                     assert defines["STAGES"] == st and defines["TILE_ROWS"] == rows
                 else:
@@ -633,9 +642,10 @@ def test_default_decode_fits_every_dtype_and_head_dim(smem, v6_gate, monkeypatch
                     cfg.defines(d, dtype, group, False, 16)
     big = 227 * 1024
     assert cr.REGISTRY.resolve("decode", None, _need("bfloat16", 128, 90, big, group=4))[0].version == "v4"
-    # v6 runs groups past 16 when named; the default stays v3 while policy.HELD_BACK holds v6
+    # v6 runs groups past 16 when named; while policy.HELD_BACK holds v6 the default is v7 (the
+    # CUDA-core decode with the group split over blocks)
     assert cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=32))[0].version \
-        == ("v6" if v6_gate == "open" else "v3")
+        == ("v6" if v6_gate == "open" else "v7")
     assert cr.REGISTRY.resolve("decode", cr.DecodeConfig("v6"), _need("float16", 128, 90, big, group=32))[0].version \
         == "v6"
     assert (cr.REGISTRY.resolve("decode", None, _need("float16", 128, 90, big, group=65))[0].version == "v6") \

@@ -462,7 +462,7 @@ RECORDS = (
               "v4 with a group past 16 query heads split across a team of warps (16 rows each) sharing each "
               "K/V tile of its cp.async ring: g = 32, 64 and MQA read K/V once a KV head",
               layout="tensor_core", reads=("16-bit",), smem=_smem_v6, default_check=v6_default_check),
-    # v7 takes the groups v3's registers do not hold (float32 from 6 query heads a KV head at
+    # v7 takes the groups v3's registers do not hold (float32 from 8 query heads a KV head at
     # head_dim 128, float64, 16-bit rows v4 and v6 do not take, quantized caches v5 does not);
     # ranked above v3 and below the tensor-core versions, which hold large groups in fragments.
     # It became the default there on its GPU tests, its sanitizer runs and its timings against

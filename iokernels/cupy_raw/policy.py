@@ -336,10 +336,14 @@ def decode_v6_stages(ring_rows: int, teams: int, tile_rows: int, max_stages: int
 #: decode v3 and v7 (the CUDA-core decodes) keep, in each lane, for each query head of their
 #: block: its share of q and of O (EPL values each), one score a row step of the tile, m, l and
 #: the tile's softmax base (decode_config.lane_words_a_head counts them, in 32-bit words).
-#: v3 at its default (8 warps, two blocks an SM: 128 registers a thread) holds at most this many
-#: of those words without spilling (ptxas -v, sm_90: 60 words at float32 d = 128, g = 4, hold;
-#: 88 and more spill); decode v7 takes the groups past it
-DECODE_V3_LANE_WORDS = 80
+#: v3 at its default (8 warps, two blocks an SM: 128 registers a thread) keeps the groups of at
+#: most this many of those words; decode v7 takes the groups past it.  ptxas -v (sm_90) finds v3
+#: spilling at most a few dozen bytes a thread up to about 100 words (none at float32 g = 6, 90
+#: words; 36 B at bfloat16 d = 72, g = 4, 104 words), 40 B at float32 g = 8 (120 words), about
+#: 2 KB at g = 16; the smallest group v7 was timed faster at is float32 g = 8
+#: (benchmarks/results/sweeps/2026-12-06_1425_decode_v7_h100.txt), and below it v7's one block an
+#: SM against v3's two is not measured, so v3 keeps those
+DECODE_V3_LANE_WORDS = 112
 #: ... and v7 (one 8-warp block an SM: 255 registers a thread) this many, float32 and 16-bit
 #: accumulators (240 at float32 d = 128, g = 16, hold), fewer with float64's pairs of registers
 #: (176 at d = 64, g = 8, spill)
