@@ -19,7 +19,9 @@ import pytest
 
 import iokernels as ik
 from iokernels import gpu, reference
-from iokernels.core.testing import as_numpy, check, make_inputs
+from iokernels.core.testing import make_inputs
+
+from decode_support import gpu_naive_decode, hold_decode
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")]
 
@@ -49,28 +51,11 @@ def _inputs(rng, torch, group, hkv, d, dtype):
 
 
 def _baseline(torch, tq, tk, tv, lens, window=None):
-    """The naive decode in the inputs' dtype on the GPU (the 2x rule's baseline)."""
-    from iokernels.torch_sdpa import naive_attention
-    base = torch.zeros_like(tq)
-    for b, n in enumerate(lens):
-        if n:
-            lo = 0 if window is None else max(0, n - 1 - window[0])
-            base[b] = naive_attention(tq[b:b + 1, :, None], tk[b:b + 1, :, lo:n], tv[b:b + 1, :, lo:n])[0, :, 0]
-    return base
+    return gpu_naive_decode(torch, tq, tk, tv, lens, window)
 
 
 def _hold(label, o, lse, ref_o, ref_l, base, dtype, problems):
-    masked = ~np.isfinite(ref_l)[..., None]
-    c = check(o, ref_o, None if dtype == "float64" else base, dtype=dtype, masked_rows=masked)
-    if not c:
-        problems.append(f"{label}: O {c}")
-    lse = as_numpy(lse)
-    fin = np.isfinite(ref_l)
-    if not np.all(np.isneginf(lse[~fin])):
-        problems.append(f"{label}: LSE of an empty row is not -inf")
-    err = float(np.max(np.abs(lse[fin] - ref_l[fin]))) if fin.any() else 0.0
-    if err >= LSE_TOL[dtype]:
-        problems.append(f"{label}: LSE error {err:.3g}")
+    hold_decode(label, o, lse, ref_o, ref_l, base, dtype, problems, LSE_TOL[dtype])
 
 
 def _split_of(cr, tq, tk, tv) -> int:
