@@ -467,9 +467,10 @@ def test_paged_prefill_rows_are_every_version_v2_the_default():
 
 
 def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeypatch, rng):
-    """The cliff's extra prefill row: with head_dim 256 out of the Hopper gate (as if on a Hopper
-    GPU) the default keeps the portable kernel and v5 is the version held back; with the gate
-    open, and at 128, v5 is the default and nothing is."""
+    """The cliff's extra prefill row: the highest-ranked version the default may not pick here.
+    At head_dim 256 (as if on a Hopper GPU) v7 is the default and nothing is held back; with 256
+    out of the Hopper gate the default keeps the portable kernel and v7 is held back by that gate;
+    at 128 the default is v5 and v7 is the row, with its head-dim gate's reason."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.core.testing import make_inputs
     from iokernels.cupy_raw import policy
@@ -479,19 +480,22 @@ def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeyp
     assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
     monkeypatch.setattr(policy, "HOPPER_DEFAULT_HEAD_DIMS", (64, 128))
     name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
-    assert name == "cupy:v5" and cfg.version == "v5" and why.startswith("not the default at head_dim 256")
+    assert name == "cupy:v7" and cfg.version == "v7" and why.startswith("not the default at head_dim 256 until")
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=128, dtype="bfloat16")
-    assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
+    name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
+    assert name == "cupy:v7" and why.startswith("not the default at head_dim 128: v5's third stage")
 
 
-def test_held_back_v6_gets_its_own_row_at_head_dim_64(monkeypatch, rng):
+def test_held_back_hopper_versions_get_their_own_row(monkeypatch, rng):
     """As if on a Hopper GPU at head_dim 64: the prefill sections time one row per registered
-    version, cupy:v6 among them (not the default: v5 is), and the cliff adds the row of v6, the
-    version held back from the default (policy.HELD_BACK), with the reason; at 128 v6's row is
-    there (it says why it cannot run) and nothing is held back."""
+    version, cupy:v6 and cupy:v7 among them (not the default: v5 is), and the cliff adds the row of
+    the highest-ranked version the default does not pick there, with the reason: v7 (its head-dim
+    gate), ranked above v6 (held back: policy.HELD_BACK); at 128 v6's row is there (it says why it
+    cannot run)."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.bench.runners import registry_versions
     from iokernels.core.testing import make_inputs
+    from iokernels.cupy_raw import policy
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=64, dtype="bfloat16")
@@ -499,14 +503,15 @@ def test_held_back_v6_gets_its_own_row_at_head_dim_64(monkeypatch, rng):
     if isinstance(rows[0][1], Exception):
         pytest.skip(f"the CuPy backend is not importable here: {rows[0][1]}")
     names = [name for name, _, _ in rows]
-    assert names[-3:] == ["cupy:v4", "cupy:v5", "cupy:v6"]
+    assert names[-4:] == ["cupy:v4", "cupy:v5", "cupy:v6", "cupy:v7"]
     assert [name for name, _, default in rows if default] == ["cupy:v5"]
     name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
-    assert name == "cupy:v6" and cfg.version == "v6"
-    assert "a benchmark record faster than v5 at head_dim 64" in why
+    assert name == "cupy:v7" and cfg.version == "v7" and "v5's third stage" in why
+    # were v7 the default at 64 too, v6 (held back, ranked below it) would get no row
+    monkeypatch.setattr(policy, "HOPPER_V7_DEFAULT_HEAD_DIMS", (64, 256))
+    assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=128, dtype="bfloat16")
     assert "cupy:v6" in [name for name, _, _ in registry_versions("cupy", "attention", q=q, k=k, v=v)]
-    assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
 
 
 def test_held_back_decode_v6_gets_its_own_row_past_16_query_heads(monkeypatch):

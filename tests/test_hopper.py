@@ -7,13 +7,15 @@ local memory (no spills, no stack frame), no wgmma serialisation (ptxas C7515) a
 setmaxnreg (C7508); fa_v6 (head_dim 64, three consumer warpgroups of 160 registers) in every
 define set its config makes; the sources refuse what they cannot run with #error; the config,
 the input checks and the registry hook are pure Python, v6 held back from the default until
-measured (policy.HELD_BACK) and the default once its entry goes.
+measured (policy.HELD_BACK) and the default once its entry goes, v7 the default at head_dim 256
+only (policy.hopper_v7_default_at).
 
 With compute capability 9.0: FlashAttention's 2x rule against the float64 oracle
 (``hopper.oracle_check``: outputs poisoned with NaN, the oracle on the first and last rows) at
 d in {64, 128, 256} (v6 at 64 only), N in {1, 127, 1024, 4096}, causal and not, GQA and
-Nq != Nk; v6's fully masked rows, windows, other tile settings and its agreement with v5; the
-public function at d = 256 with a config naming the version and with the default; the GEMM by
+Nq != Nk; v6's fully masked rows, windows, other tile settings and its agreement with v5; v7
+equal to v5 bit for bit (its tiles, a two-stage ring, no ping-pong, windows) and its one-tile
+blocks and empty rows; the public function at d = 256 with a config naming the version and with the default; the GEMM by
 the same rule against torch.matmul.  Skipped elsewhere with the reason.
 """
 
@@ -44,7 +46,9 @@ def _jobs():
             jobs.append((f"fa_{version} {dtype} d={d}", f"fa_{version}", cfg.defines(d, dtype)))
     for kw, d in ((dict(version="v3", block_n=64, stages=3), 128), (dict(version="v4", stages=3, block_n=64), 128),
                   (dict(version="v5", stages=2), 128), (dict(version="v5", pingpong=False), 128),
-                  (dict(version="v5", pingpong=False), 256), (dict(version="v3", stages=1), 256)):
+                  (dict(version="v5", pingpong=False), 256), (dict(version="v3", stages=1), 256),
+                  (dict(version="v7", stages=2), 128), (dict(version="v7", stages=4, block_n=64), 128),
+                  (dict(version="v7", pingpong=False), 256), (dict(version="v7", stages=4), 64)):
         cfg = hp.HopperConfig(**kw)
         jobs.append((f"fa_{cfg.version} {kw} bfloat16 d={d}", f"fa_{cfg.version}", cfg.defines(d, "bfloat16")))
     for dtype in hp.DTYPES:
@@ -147,7 +151,7 @@ def test_config_validation_names_the_field():
 def test_defaults_fit_every_dtype_and_head_dim():
     for version in (None, *hp.VERSIONS):
         cfg = hp.HopperConfig(version=version)
-        for d in hp.head_dims(version or hp.DEFAULT_VERSION):
+        for d in (hp.head_dims(version) if version else hp.HEAD_DIMS):
             cfg.check_fits(d, hp.FALLBACK_SMEM_OPTIN)
             assert cfg.resolve(d).version in hp.VERSIONS
     # Q + 2 (K + V) tiles of 128 x 128 bf16, 7 mbarriers, the alignment slack
@@ -185,17 +189,18 @@ def test_registry_check_says_why_not():
 
 
 def test_the_head_dim_gate_keeps_the_portable_kernel_where_it_is_closed(monkeypatch):
-    """As if on a Hopper GPU: the default picks v5 at every head dim policy.hopper_default_at
-    allows (64, 128, 256); with 256 taken out of the gate it keeps the portable v2 there and
-    says why; a config naming a Hopper version runs it at 256 either way."""
+    """As if on a Hopper GPU: the default picks a Hopper version at every head dim
+    policy.hopper_default_at allows (v5 at 64 and 128, v7 at 256); with 256 taken out of the gate
+    it keeps the portable v2 there and says why; a config naming a Hopper version runs it at 256
+    either way."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     for d in hp.HEAD_DIMS:
-        assert REGISTRY.default("attention", at[d]).version == hp.DEFAULT_VERSION
+        assert REGISTRY.default("attention", at[d]).version == hp.default_version(d) == ("v7" if d == 256 else "v5")
         k, _ = REGISTRY.resolve("attention", hp.HopperConfig(), at[d])      # version None: the default
-        assert k.config_class is hp.HopperConfig and k.version == hp.DEFAULT_VERSION
+        assert k.config_class is hp.HopperConfig and k.version == hp.default_version(d)
     monkeypatch.setattr(P, "HOPPER_DEFAULT_HEAD_DIMS", (64, 128))
     assert hp.default_check(at[256]).startswith("not the default at head_dim 256")
     portable = REGISTRY.default("attention", at[256])
@@ -218,7 +223,8 @@ def test_records_rank_above_the_portable_versions():
     portable = [k.version for k in REGISTRY.kernels("attention") if k.config_class is not hp.HopperConfig]
     assert [r.version for r in hp.RECORDS] == list(hp.VERSIONS) and portable
     assert min(ranks[v] for v in hp.VERSIONS) > max(ranks[v] for v in portable)
-    measured = {v: r for v, r in ranks.items() if ("attention", v) not in P.HELD_BACK}
+    # the default at 64 and 128 is the highest-ranked version neither held back nor gated by head dim
+    measured = {v: r for v, r in ranks.items() if ("attention", v) not in P.HELD_BACK and v != "v7"}
     assert max(measured, key=measured.get) == hp.DEFAULT_VERSION
     # on a GPU that is not Hopper the default stays the portable version, with the reasons
     k = REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=128, cc=80))
@@ -265,7 +271,7 @@ def test_v6_is_held_back_runs_when_named_and_says_why_not(monkeypatch):
     assert rec.not_default(at[64]) == P.held_back("attention", "v6")
     assert "held back from the default" in rec.summary
     for d in hp.HEAD_DIMS:
-        assert REGISTRY.default("attention", at[d]).version == hp.DEFAULT_VERSION
+        assert REGISTRY.default("attention", at[d]).version == hp.default_version(d)
     k, cfg = REGISTRY.resolve("attention", hp.HopperConfig(version="v6"), at[64])
     assert k is rec and cfg.resolve(64).block_m() == 192
     for n, why in ((at[128], "takes head_dim 64 only"), (at[256], "takes head_dim 64 only"),
@@ -279,7 +285,7 @@ def test_v6_is_held_back_runs_when_named_and_says_why_not(monkeypatch):
 
 def test_v6_gate_opens_in_one_place(monkeypatch):
     """Once its entry leaves policy.HELD_BACK, v6 is the default at head_dim 64 on Hopper, and only
-    there: v5 stays the default at 128 and 256, the portable kernel off Hopper."""
+    there: v5 stays the default at 128, v7 at 256, the portable kernel off Hopper."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
@@ -289,7 +295,7 @@ def test_v6_gate_opens_in_one_place(monkeypatch):
     assert k.version == "v6" and cfg.version == "v6" and cfg.resolve(64).block_m() == 192
     assert REGISTRY.resolve("attention", hp.HopperConfig(), at[64])[0].version == "v6"
     assert REGISTRY.default("attention", at[128]).version == "v5"
-    assert REGISTRY.default("attention", at[256]).version == "v5"
+    assert REGISTRY.default("attention", at[256]).version == "v7"
     assert REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=64, cc=80)).version == "v2"
 
 
@@ -302,6 +308,58 @@ def test_v6_sanitizer_cases_run_at_head_dim_64():
                                                                             (False, (5, 3))}
     for kw in S.VARIANTS[("attention", "v6")]:
         hp.HopperConfig(version="v6", **kw).check_fits(64, hp.FALLBACK_SMEM_OPTIN)
+
+
+# --------------------------------------------------------------------------- v7: K and V released apart
+def test_v7_config_counts_its_barriers_and_fits_every_head_dim():
+    """v7 is v5's block (Br 128, 384 threads, ping-pong) with an empty barrier for K and one for V
+    a stage: 1 + 4 x stages mbarriers; three stages at head_dim 64 and 128, two at 256."""
+    for d, stages, block_n in ((64, 3, 128), (128, 3, 128), (256, 2, 64)):
+        c = hp.HopperConfig(version="v7").resolve(d)
+        assert (c.block_n, c.stages, c.block_m(), hp.THREADS["v7"]) == (block_n, stages, 128, 384)
+        assert c.smem_bytes(d) == 2 * d * (128 + 2 * stages * block_n) + 8 * (1 + 4 * stages) + 1024
+        assert c.smem_bytes(d) == hp.HopperConfig(version="v5").smem_bytes(d) + 8 * stages
+        assert c.defines(d, "bfloat16") == dict(IK_DTYPE=2, HEAD_DIM=d, BLOCK_M=128, BLOCK_N=block_n,
+                                                STAGES=stages, PINGPONG=1)
+        c.check_fits(d, hp.FALLBACK_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="config.stages: v7 uses K_j and V_{j-1} together"):
+        hp.HopperConfig(version="v7", stages=1).check_fits(128, hp.FALLBACK_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="config.stages: 3 stages of Bc = 64 at head_dim 256"):
+        hp.HopperConfig(version="v7", stages=3).check_fits(256, hp.FALLBACK_SMEM_OPTIN)
+
+
+def test_v7_is_the_default_at_head_dim_256_only_and_runs_when_named(monkeypatch):
+    """As if on a Hopper GPU: v7 ranks above v6 and v5; the default takes it at head_dim 256
+    (policy.hopper_v7_default_at) and keeps v5 at 64 and 128, saying why; a config naming v7 runs
+    it at every head dim; HopperConfig() resolves to what the registry picks; the gate is one tuple."""
+    from iokernels.cupy_raw import REGISTRY
+    from iokernels.cupy_raw.hopper import checks
+    monkeypatch.setattr(checks, "available", lambda: None)
+    at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
+    rec = REGISTRY.get("attention", "v7")
+    assert rec.rank > REGISTRY.get("attention", "v6").rank and rec.file == "fa_v7.cu"
+    assert ("attention", "v7") not in P.HELD_BACK and P.HOPPER_V7_DEFAULT_HEAD_DIMS == (256,)
+    for d in hp.HEAD_DIMS:
+        assert rec.unavailable(at[d]) is None
+        assert REGISTRY.resolve("attention", hp.HopperConfig(version="v7"), at[d])[0] is rec
+        k, cfg = REGISTRY.resolve("attention", None, at[d])
+        assert k.version == cfg.version == hp.HopperConfig().resolve(d).version == ("v7" if d == 256 else "v5")
+    assert rec.not_default(at[256]) is None
+    assert rec.not_default(at[128]).startswith("not the default at head_dim 128: v5's third stage")
+    assert "needs compute capability 9.0" in rec.unavailable(Need(dtype="bfloat16", head_dim=128, cc=80))
+    monkeypatch.setattr(P, "HOPPER_V7_DEFAULT_HEAD_DIMS", (128, 256))
+    assert REGISTRY.default("attention", at[128]).version == hp.HopperConfig().resolve(128).version == "v7"
+    assert REGISTRY.default("attention", at[64]).version == "v5"
+    assert REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=128, cc=80)).version == "v2"
+
+
+def test_v7_sanitizer_cases_cover_head_dim_256_and_the_two_stage_ring():
+    from iokernels.cupy_raw import sanitize as S
+    assert (256, True, None) in S.FORWARD_EXTRA[("attention", "v7")]
+    assert {"stages": 2} in S.VARIANTS[("attention", "v7")]
+    for kw in S.VARIANTS[("attention", "v7")]:
+        for d in hp.HEAD_DIMS:
+            hp.HopperConfig(version="v7", **kw).check_fits(d, hp.FALLBACK_SMEM_OPTIN)
 
 
 def test_available_gives_a_reason_or_none():
@@ -356,14 +414,15 @@ def test_two_x_rule_gqa_and_unequal_lengths(rng, version, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", (False, True))
 def test_public_attention_at_256_runs_hopper_by_default_and_by_name(rng, causal):
-    """d = 256 through ik.attention (the plan path): the default and a config naming v5 both run
-    fa_v5 (the same bits as hopper.attention, which the 2x rule holds)."""
+    """d = 256 through ik.attention (the plan path): the default runs fa_v7 and a config naming v5
+    runs fa_v5, with the same bits (v7 changes when tiles are refilled, not the arithmetic), those
+    of hopper.attention, which the 2x rule holds."""
     import torch
 
     import iokernels as ik
     from iokernels.cupy_raw import REGISTRY, need
     q, k, v = _torch_inputs(rng, 2, 4, 2, 1000, 1000, 256, "bfloat16")
-    assert REGISTRY.default("attention", need("attention", q=q, k=k, v=v)).version == hp.DEFAULT_VERSION == "v5"
+    assert REGISTRY.default("attention", need("attention", q=q, k=k, v=v)).version == hp.default_version(256) == "v7"
     cfg = hp.HopperConfig(version="v5")
     o = ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)
     o_default = ik.attention(q, k, v, causal=causal, backend="cupy")
@@ -471,3 +530,45 @@ def test_v6_other_tile_settings(rng, kw):
     for causal in (False, True):
         _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=hp.HopperConfig(version="v6", **kw)),
                        f"v6 {kw} causal={causal}")
+
+
+# --------------------------------------------------------------------------- v7 on a Hopper GPU
+# v7 joins test_two_x_rule_square and test_two_x_rule_gqa_and_unequal_lengths at every head dim;
+# it changes when a stage is released and refilled, not the arithmetic: v5's bits, exactly.
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", hp.HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True))
+def test_v7_gives_v5s_bits(rng, d, causal):
+    """O and LSE equal to v5's bit for bit at the default tiles, with a two-stage ring, without
+    ping-pong, with a window and GQA; and ik.attention (the plan path) gives hp.attention's."""
+    import torch
+
+    import iokernels as ik
+    dtype = "bfloat16" if causal else "float16"
+    q, k, v = _torch_inputs(rng, 2, 8, 2, 1000, 1100, d, dtype)
+    for window in (None, (300, 0) if causal else (200, 50)):
+        o5, l5 = hp.attention(q, k, v, causal=causal, window=window, config=hp.HopperConfig(version="v5"))
+        for kw in ({}, dict(stages=2), dict(pingpong=False)):
+            o7, l7 = hp.attention(q, k, v, causal=causal, window=window, config=hp.HopperConfig(version="v7", **kw))
+            torch.cuda.synchronize()
+            assert torch.equal(o7, o5) and torch.equal(l7, l5), (d, causal, window, kw)
+    o_public = ik.attention(q, k, v, causal=causal, backend="cupy", config=hp.HopperConfig(version="v7"))
+    torch.cuda.synchronize()
+    assert torch.equal(o_public, hp.attention(q, k, v, causal=causal, config=hp.HopperConfig(version="v7"))[0])
+
+
+@gpu
+@pytest.mark.gpu
+def test_v7_one_tile_and_empty_rows(rng):
+    """A block of one key tile (K_0 never refilled), rows that see no key (zero and -inf), Nk = 1."""
+    import torch
+    for Nq, Nk, causal in ((500, 200, True), (64, 1, False), (130, 64, False)):
+        q, k, v = _torch_inputs(rng, 1, 2, 1, Nq, Nk, 256 if Nk == 64 else 128, "bfloat16")
+        _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=hp.HopperConfig(version="v7")),
+                       f"v7 Nq={Nq} Nk={Nk} causal={causal}")
+        if causal:
+            o, lse = hp.attention(q, k, v, causal=True, config=hp.HopperConfig(version="v7"))
+            torch.cuda.synchronize()
+            assert torch.equal(o[:, :, :300], torch.zeros_like(o[:, :, :300]))
+            assert torch.isneginf(lse[:, :, :300]).all() and not torch.isnan(o).any()

@@ -241,12 +241,15 @@ HOPPER_BLOCK_N = 128
 #: that lands meanwhile (Q + 3 x (K + V) = 224 KB at d = 128, inside the 227 KB a block may have);
 #: v6 (d = 64 only) staggers three consumers by a turn each, so a stage is held from the first
 #: one's S_j to the last one's P_j V_j: three tiles in use, a fourth landing (Q 24 KB + 4 x (K + V)
-#: 4 x 32 KB = 152 KB)
-HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4}
+#: 4 x 32 KB = 152 KB); v7 releases K_j and V_{j-1} apart, so two stages already keep a tile
+#: landing, and it keeps v5's third where that fits
+HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3}
 #: head_dim 256: a consumer thread's O (64 x 256) is 128 float32 registers, so Bc = 64 keeps
 #: S (32) and P (16) beside it in the 240 that setmaxnreg gives (at Bc = 128 ptxas spills); and
 #: Q (128 x 256, 64 KB) + 2 x (K + V) (2 x 64 KB) = 192 KB leaves no room for a third stage
-#: (256 KB > 227 KB), so every version, v5 too, runs two.  FlashAttention-3's hopper/tile_size.h
+#: (256 KB > 227 KB), so every version, v5 too, runs two (v5's consumers then release a
+#: stage only when its refill is already needed; v7, releasing K and V apart, is the version
+#: that keeps a tile landing with two).  FlashAttention-3's hopper/tile_size.h
 #: (code) picks a 128 x 80 tile at this head dim for 16-bit inputs (64 keys with a local
 #: window), noting that 128 x 80 reaches the SRAM limit; 80 is no width of our wgmma wrappers
 #: (64, 128, 256)
@@ -255,6 +258,8 @@ HOPPER_WIDE_TILES = (64, 2)
 #: the head dims at which the registry's default may pick a Hopper version (see
 #: :func:`hopper_default_at`): all three, each measured on a GPU
 HOPPER_DEFAULT_HEAD_DIMS = (64, 128, 256)
+#: the head dims at which the default may pick attention v7 (:func:`hopper_v7_default_at`)
+HOPPER_V7_DEFAULT_HEAD_DIMS = (HOPPER_WIDE_HEAD_DIM,)
 
 
 def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
@@ -291,6 +296,18 @@ def hopper_default_at(head_dim: int) -> bool:
     cases at head_dim 256 (sections_h200_2026-12-05_decode_paged_prefill_cliff.json, v5 faster
     than the portable v2 in each)."""
     return head_dim in HOPPER_DEFAULT_HEAD_DIMS
+
+
+def hopper_v7_default_at(head_dim: int) -> bool:
+    """Whether the registry's default may pick attention v7 (fa_v7.cu: K and V tiles released
+    apart) at ``head_dim``: the head dims in HOPPER_V7_DEFAULT_HEAD_DIMS, 256 only.
+
+    There v5's ring has two stages and v7's release keeps the next tiles landing, where v5 waits
+    for every load; at 64 and 128 v5's third stage already does that, and v7's extra barrier
+    arrivals made it a few percent slower.  Both measured side by side, v7 against v5 and cuDNN
+    at each head dim, causal and not, in benchmarks/results/sweeps/2026-12-06_1655_attention_v7_h100.txt
+    (an H100).  v7 computes v5's bits exactly, so where it runs only the time differs."""
+    return head_dim in HOPPER_V7_DEFAULT_HEAD_DIMS
 
 
 # =========================================================================== decode v6

@@ -38,9 +38,9 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 #: forward shapes: (head_dim, causal, window)
 FORWARD_CASES = ((64, True, None), (72, False, (5, 3)), (59, True, None))
 #: forward shapes a version runs beyond FORWARD_CASES: the Hopper kernels at head_dim 256 (their
-#: own tiles there, Bc = 64 and two stages), which the default does not pick yet; v6 (head_dim 64
+#: own tiles there, Bc = 64 and two stages); v6 (head_dim 64
 #: only, where FORWARD_CASES has only a causal case) without a mask and with a window
-FORWARD_EXTRA = {("attention", v): ((256, True, None), (256, False, (5, 3))) for v in ("v3", "v4", "v5")}
+FORWARD_EXTRA = {("attention", v): ((256, True, None), (256, False, (5, 3))) for v in ("v3", "v4", "v5", "v7")}
 FORWARD_EXTRA[("attention", "v6")] = ((64, False, None), (64, False, (5, 3)))
 #: decode: head dims, batch lengths (one empty), split counts
 DECODE_DIMS = (64, 59)
@@ -81,6 +81,9 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             # v6 (three consumer warpgroups share each stage): a two-stage ring (all three must release
             # a stage before it is refilled), and no round (the three issue whenever they are ready)
             ("attention", "v6"): ({}, {"stages": 2}, {"pingpong": False}),
+            # v7 (K and V released apart): a two-stage ring at every head dim (K_{j+1} refilled while
+            # V_{j-1} is still read), and no ping-pong
+            ("attention", "v7"): ({}, {"stages": 2}, {"pingpong": False}),
             # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
             ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16}),
             # a one-stage ring: the producer refills the stage the consumer just released, every step

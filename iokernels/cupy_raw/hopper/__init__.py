@@ -27,12 +27,19 @@ v6       fa_v6.cu           head_dim 64 only: three consumer warpgroups (Br = 19
                             round of three named barriers, so each K/V tile in SRAM serves 1.5x
                             the rows; one softmax with a run-time mask keeps a consumer in its
                             registers.  Held back from the default until a GPU has measured it
+v7       fa_v7.cu           v5 with two empty barriers a stage: a consumer releases K_j once S_j
+                            is in its registers and V_{j-1} once P_{j-1} V_{j-1} is, and the
+                            producer refills each as soon as it is free.  Two stages (all that
+                            fits at head_dim 256) then keep the next tiles landing while a tile
+                            is computed, where v5 exposes every load there.  The default at
+                            head_dim 256 (policy.hopper_v7_default_at)
 =======  =================  ===================================================================
 
-The default (``HopperConfig()``) is v5, the fastest on the H200 (benchmarks/results); the
-registry ranks v6 > v5 > v4 > v3, all above the portable versions (at the head dims its default
-picks them: 64 and 128), and its default skips v6 until it is measured
-(:data:`~iokernels.cupy_raw.policy.HELD_BACK`).
+The default (``HopperConfig()``) is v5 at head_dim 64 and 128, the fastest there on the H200
+(benchmarks/results), and v7 at 256 (:func:`~iokernels.cupy_raw.hopper.config.default_version`);
+the registry ranks v7 > v6 > v5 > v4 > v3, all above the portable versions (at the head dims its
+default picks them: 64, 128 and 256); its default skips v6 until it is measured
+(:data:`~iokernels.cupy_raw.policy.HELD_BACK`) and v7 below head_dim 256.
 
 Notation (the papers' names):
 
@@ -72,7 +79,7 @@ checks          :func:`available`, the registry check
 tensor_maps     :func:`tensor_map` (cuTensorMapEncodeTiled)
 attention       the attention launch and its argument builder
 gemm            :func:`gemm` (hopper_gemm.cu)
-records         the records of v3, v4, v5, v6
+records         the records of v3 .. v7
 oracle          :func:`oracle_check`, :func:`gemm_check` (on a GPU)
 fp8_forward     :func:`fp8_attention` (fa_fp8_v1.cu, fa_fp8_v2.cu): FP8 products, opt-in
 ==============  ============================================================
@@ -80,7 +87,7 @@ fp8_forward     :func:`fp8_attention` (fa_fp8_v1.cu, fa_fp8_v2.cu): FP8 products
 from ..launch import HOPPER_OPTIONS as NVRTC_OPTIONS  # noqa: F401
 from ..launch import HOPPER_SOURCES as SOURCES  # noqa: F401
 from ..launch import KERNEL_DIR, hopper_source as source  # noqa: F401
-from .config import (BLOCK_M, BLOCK_MS, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES,  # noqa: F401
+from .config import (BLOCK_M, BLOCK_MS, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES, default_version,  # noqa: F401
                      FALLBACK_SMEM_OPTIN, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_GROUP_M, GEMM_STAGES, GEMM_THREADS,
                      HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, SMEM_ALIGN, THREADS, VERSION_HEAD_DIMS,
                      VERSIONS, HopperConfig, head_dims)

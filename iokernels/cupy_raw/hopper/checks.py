@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..launch import cupy_ok, device_info
-from ..policy import held_back, hopper_default_at
+from ..policy import held_back, hopper_default_at, hopper_v7_default_at
 from .config import DTYPES, HEAD_DIMS, HOPPER_CC, head_dims
 
 
@@ -61,8 +61,20 @@ def check_for(version: str):
 def default_check_for(version: str):
     """The ``default_check`` of ``version``: :func:`default_check`, then whether the version is
     held back from the default until measured (:data:`~iokernels.cupy_raw.policy.HELD_BACK`,
-    asked on every call)."""
+    asked on every call); v7 then by its head-dim gate
+    (:func:`~iokernels.cupy_raw.policy.hopper_v7_default_at`)."""
+    if version == "v7":
+        return lambda need: default_check(need) or held_back("attention", version) or v7_default_check(need)
     return lambda need: default_check(need) or held_back("attention", version)
+
+
+def v7_default_check(need) -> str | None:
+    """Why the default does not pick v7 at this head dim (v5's third stage already keeps the tiles
+    landing there), or None where it does."""
+    if hopper_v7_default_at(need.head_dim):
+        return None
+    return (f"not the default at head_dim {need.head_dim}: v5's third stage already keeps the next tiles "
+            f"landing there (policy.hopper_v7_default_at); a config naming v7 runs it")
 
 
 def default_check(need) -> str | None:

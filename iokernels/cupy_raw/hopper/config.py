@@ -6,9 +6,9 @@ from dataclasses import dataclass, replace as _dc_replace
 from ...core import conventions as cv
 from ..config_checks import check_version
 from ..launch import DTYPE_IDS
-from ..policy import HOPPER_WIDE_HEAD_DIM, hopper_tiles
+from ..policy import HOPPER_WIDE_HEAD_DIM, hopper_tiles, hopper_v7_default_at
 
-VERSIONS = ("v3", "v4", "v5", "v6")
+VERSIONS = ("v3", "v4", "v5", "v6", "v7")
 DTYPES = ("float16", "bfloat16")
 #: head dims the kernels are built for (the registry's default picks them at those
 #: :func:`~iokernels.cupy_raw.policy.hopper_default_at` allows)
@@ -24,10 +24,13 @@ MBARRIER_BYTES = 8
 #: attention: query rows a block owns: two consumer warpgroups of 64 rows (v5's ping-pong pair)
 BLOCK_M = 128
 #: ... by version: v6 has three consumer warpgroups (192 rows), at head_dim 64 only
-BLOCK_MS = {"v3": BLOCK_M, "v4": BLOCK_M, "v5": BLOCK_M, "v6": 192}
-#: threads: v3 has only the two computing warpgroups; v4, v5 add a producer warpgroup; v6 is
+BLOCK_MS = {"v3": BLOCK_M, "v4": BLOCK_M, "v5": BLOCK_M, "v6": 192, "v7": BLOCK_M}
+#: threads: v3 has only the two computing warpgroups; v4, v5, v7 add a producer warpgroup; v6 is
 #: 1 producer + 3 consumers
-THREADS = {"v3": 256, "v4": 384, "v5": 384, "v6": 512}
+THREADS = {"v3": 256, "v4": 384, "v5": 384, "v6": 512, "v7": 384}
+#: mbarriers a K/V stage: k_full, v_full and one empty barrier (v3 .. v6); v7 releases K and V
+#: apart, so it has an empty barrier for each (fa_v7.cu)
+BARRIERS_A_STAGE = {"v7": 4}
 #: the head dims a version takes where it does not take all of HEAD_DIMS: v6's three consumer
 #: warpgroups have 160 registers a thread (setmaxnreg: 128 x 24 + 384 x 160 of the SM's 65536),
 #: room for O, S and P of 64 x 128 tiles only at head_dim 64
@@ -61,13 +64,13 @@ def check_tile_fields(cfg, min_stages: int = 1, why: str = "") -> None:
 class HopperConfig:
     """Tile settings of the Hopper attention kernels.
 
-    version: "v3", "v4", "v5", "v6" or None (the default: :data:`DEFAULT_VERSION`).
+    version: "v3" .. "v7" or None (the default: :func:`default_version`: v5, and v7 at head_dim 256).
     block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256); None: the head
     dim's default, :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; 64 at head_dim 256).
-    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 and v6 at least 2; None: the version's
+    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5, v6 and v7 at least 2; None: the version's
     default at the head dim, :func:`~iokernels.cupy_raw.policy.hopper_tiles`; 2 at head_dim 256,
     where Q alone is 64 KB and a third stage does not fit).
-    pingpong: v5 and v6; False keeps the overlap inside a warpgroup but lets the consumer
+    pingpong: v5, v6 and v7; False keeps the overlap inside a warpgroup but lets the consumer
     warpgroups issue their products whenever they are ready (to measure what ping-pong adds).
     The query tile is BLOCK_M = 128 rows (two consumer warpgroups); v6's is 192 (three, at
     head_dim 64 only: :data:`VERSION_HEAD_DIMS`, :meth:`block_m`).  Head dims:
@@ -89,8 +92,8 @@ class HopperConfig:
         return _dc_replace(self, **kw)
 
     def resolve(self, head_dim: int) -> "HopperConfig":
-        """Every None filled with its default at ``head_dim``."""
-        version = self.version or DEFAULT_VERSION
+        """Every None filled with its default at ``head_dim`` (the version: :func:`default_version`)."""
+        version = self.version or default_version(head_dim)
         dims = head_dims(version)
         if head_dim not in dims:
             raise ValueError(f"config.version: {version} takes head_dim {' or '.join(map(str, dims))} only "
@@ -103,10 +106,11 @@ class HopperConfig:
         return BLOCK_MS[self.version or DEFAULT_VERSION]
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic SRAM a block asks for: Q_i, stages x (K_j + V_j), the mbarriers, alignment slack."""
+        """Dynamic SRAM a block asks for: Q_i, stages x (K_j + V_j), the mbarriers (q_full and
+        :data:`BARRIERS_A_STAGE` a stage), alignment slack."""
         c = self.resolve(head_dim)
         tiles = 2 * head_dim * (c.block_m() + 2 * c.stages * c.block_n)
-        return tiles + MBARRIER_BYTES * (1 + 3 * c.stages) + SMEM_ALIGN
+        return tiles + MBARRIER_BYTES * (1 + BARRIERS_A_STAGE.get(c.version, 3) * c.stages) + SMEM_ALIGN
 
     def check_fits(self, head_dim: int, smem_optin: int) -> None:
         """ValueError naming the field when this config cannot run at ``head_dim`` on a GPU
@@ -116,7 +120,7 @@ class HopperConfig:
             raise ValueError(f"config.block_n: at head_dim {head_dim} the Hopper kernels take Bc in "
                              f"{WIDE_BLOCK_N_CHOICES} (O is 128 registers a thread; S and P of {c.block_n} "
                              f"keys beside it spill), got {c.block_n}")
-        if c.version in ("v5", "v6") and c.stages < 2:
+        if c.version in ("v5", "v6", "v7") and c.stages < 2:
             raise ValueError(f"config.stages: {c.version} uses K_j and V_{{j-1}} together, so it needs at least "
                              f"2 stages")
         need = self.smem_bytes(head_dim)
@@ -128,13 +132,21 @@ class HopperConfig:
         c = self.resolve(head_dim)
         out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BLOCK_M=c.block_m(), BLOCK_N=c.block_n,
                    STAGES=c.stages)
-        if c.version in ("v5", "v6"):
+        if c.version in ("v5", "v6", "v7"):
             out["PINGPONG"] = int(c.pingpong)
         return out
 
 
-#: what HopperConfig() runs: the fastest version measured on the H200 (benchmarks)
+#: what HopperConfig() runs at head_dim 64 and 128: the fastest version measured on the H200
+#: (benchmarks); at 256 it runs v7 (:func:`default_version`)
 DEFAULT_VERSION = "v5"
+
+
+def default_version(head_dim: int) -> str:
+    """The version HopperConfig() runs at ``head_dim``, the one the registry's default picks on
+    Hopper: v7 where :func:`~iokernels.cupy_raw.policy.hopper_v7_default_at` lets it (256), else
+    :data:`DEFAULT_VERSION`."""
+    return "v7" if hopper_v7_default_at(head_dim) else DEFAULT_VERSION
 
 
 def head_dims(version: str) -> tuple[int, ...]:

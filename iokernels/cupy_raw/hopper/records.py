@@ -1,4 +1,4 @@
-"""The records of the Hopper attention versions (fa_v3.cu .. fa_v6.cu)."""
+"""The records of the Hopper attention versions (fa_v3.cu .. fa_v7.cu)."""
 from __future__ import annotations
 
 from ...core.records import Record
@@ -22,13 +22,16 @@ def _record(version, rank, summary):
 
 
 #: ranked above every portable attention version (so on Hopper the default is the best of
-#: these where checks.default_check lets it pick them), v6 > v5 > v4 > v3; v6 runs at head_dim 64
-#: only, and is held back from the default until measured (policy.HELD_BACK)
+#: these where checks.default_check lets it pick them), v7 > v6 > v5 > v4 > v3; v6 runs at head_dim 64
+#: only and is held back from the default until measured (policy.HELD_BACK); v7 is the default at
+#: head_dim 256 only (policy.hopper_v7_default_at)
 RECORDS = (
     _record("v3", 100, "Hopper: wgmma from SRAM, TMA tile loads, an mbarrier a stage"),
     _record("v4", 110, "Hopper: v3 + a producer warpgroup (warp specialization), setmaxnreg"),
     _record("v5", 120, "Hopper: v4 + ping-pong between consumer warpgroups, softmax overlapped with P V"),
     _record("v6", 130, "Hopper, head_dim 64: v5 with three consumer warpgroups (a 192-row query tile) taking "
                        "turns on the tensor cores"),
+    _record("v7", 140, "Hopper: v5 with K and V tiles released apart, so two stages keep the next tile "
+                       "landing (the default at head_dim 256)"),
 )
 REGISTRY.add(*RECORDS)
