@@ -467,48 +467,58 @@ def test_paged_prefill_rows_are_every_version_v2_the_default():
 
 
 def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeypatch, rng):
-    """The cliff's extra prefill row: the highest-ranked version the default may not pick here.
-    At head_dim 256 (as if on a Hopper GPU) v7 is the default and nothing is held back; with 256
-    out of the Hopper gate the default keeps the portable kernel and v7 is held back by that gate;
-    at 128 the default is v5 and v7 is the row, with its head-dim gate's reason."""
+    """The cliff's extra prefill row: the highest-ranked version the default may not pick here, with
+    the first reason it gives.  As if on a Hopper GPU, with v8 held back (policy.HELD_BACK): at
+    head_dim 256 v7 is the default and v8 the row; with 256 out of the Hopper gate the default keeps
+    the portable kernel and v8's row says so; at 128 (v5 the default) v8 is the row, by HELD_BACK
+    and, once that lets it go, by its head-dim gate (policy.hopper_v8_default_at)."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.core.testing import make_inputs
     from iokernels.cupy_raw import policy
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
-    q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=256, dtype="bfloat16")
-    assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
+    monkeypatch.setitem(policy.HELD_BACK, ("attention", "v8"), "a cliff record")
+    wide = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=256, dtype="bfloat16")
+    name, cfg, why = registry_held_back("cupy", "attention", q=wide[0], k=wide[1], v=wide[2])
+    assert name == "cupy:v8" and cfg.version == "v8" and "a cliff record" in why
     monkeypatch.setattr(policy, "HOPPER_DEFAULT_HEAD_DIMS", (64, 128))
-    name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
-    assert name == "cupy:v7" and cfg.version == "v7" and why.startswith("not the default at head_dim 256 until")
+    name, cfg, why = registry_held_back("cupy", "attention", q=wide[0], k=wide[1], v=wide[2])
+    assert name == "cupy:v8" and why.startswith("not the default at head_dim 256 until")
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=128, dtype="bfloat16")
+    assert registry_held_back("cupy", "attention", q=q, k=k, v=v)[0] == "cupy:v8"
+    monkeypatch.delitem(policy.HELD_BACK, ("attention", "v8"))
     name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
-    assert name == "cupy:v7" and why.startswith("not the default at head_dim 128: v5's third stage")
+    assert name == "cupy:v8" and why.startswith("not the default at head_dim 128 until the GPU tests")
 
 
 def test_held_back_hopper_versions_get_their_own_row(monkeypatch, rng):
     """As if on a Hopper GPU at head_dim 64: the prefill sections time one row per registered
-    version, cupy:v6 and cupy:v7 among them (not the default: v5 is), and the cliff adds the row of
-    the highest-ranked version the default does not pick there, with the reason: v7 (its head-dim
-    gate), ranked above v6 (held back: policy.HELD_BACK); at 128 v6's row is there (it says why it
-    cannot run)."""
+    version, cupy:v6, v7 and v8 among them (not the default: v5 is), and the cliff adds the row of
+    the highest-ranked version the default does not pick there, with its reason: v8, by
+    policy.HELD_BACK while it holds v8, else by v8's head-dim gate; none once that gate opens (v8
+    the default, v6 and v7 ranked below it); at 128 v6's row is there (it says why it cannot run)."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.bench.runners import registry_versions
     from iokernels.core.testing import make_inputs
     from iokernels.cupy_raw import policy
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
+    monkeypatch.setitem(policy.HELD_BACK, ("attention", "v8"), "a cliff record")
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=64, dtype="bfloat16")
     rows = registry_versions("cupy", "attention", q=q, k=k, v=v)
     if isinstance(rows[0][1], Exception):
         pytest.skip(f"the CuPy backend is not importable here: {rows[0][1]}")
     names = [name for name, _, _ in rows]
-    assert names[-4:] == ["cupy:v4", "cupy:v5", "cupy:v6", "cupy:v7"]
+    assert names[-5:] == ["cupy:v4", "cupy:v5", "cupy:v6", "cupy:v7", "cupy:v8"]
     assert [name for name, _, default in rows if default] == ["cupy:v5"]
     name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
-    assert name == "cupy:v7" and cfg.version == "v7" and "v5's third stage" in why
-    # were v7 the default at 64 too, v6 (held back, ranked below it) would get no row
-    monkeypatch.setattr(policy, "HOPPER_V7_DEFAULT_HEAD_DIMS", (64, 256))
+    assert name == "cupy:v8" and cfg.version == "v8" and "a cliff record" in why
+    monkeypatch.delitem(policy.HELD_BACK, ("attention", "v8"))
+    name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
+    assert name == "cupy:v8" and why.startswith("not the default at head_dim 64 until the GPU tests")
+    monkeypatch.setattr(policy, "HOPPER_V8_DEFAULT_HEAD_DIMS", (64, 128, 256))
+    assert [name for name, _, default in registry_versions("cupy", "attention", q=q, k=k, v=v) if default] \
+        == ["cupy:v8"]
     assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=128, dtype="bfloat16")
     assert "cupy:v6" in [name for name, _, _ in registry_versions("cupy", "attention", q=q, k=k, v=v)]

@@ -7,15 +7,16 @@ local memory (no spills, no stack frame), no wgmma serialisation (ptxas C7515) a
 setmaxnreg (C7508); fa_v6 (head_dim 64, three consumer warpgroups of 160 registers) in every
 define set its config makes; the sources refuse what they cannot run with #error; the config,
 the input checks and the registry hook are pure Python, v6 held back from the default until
-measured (policy.HELD_BACK) and the default once its entry goes, v7 the default at head_dim 256
-only (policy.hopper_v7_default_at).
+measured (policy.HELD_BACK), v7's and v8's head-dim gates (policy.hopper_v7_default_at,
+hopper_v8_default_at: 256).
 
 With compute capability 9.0: FlashAttention's 2x rule against the float64 oracle
 (``hopper.oracle_check``: outputs poisoned with NaN, the oracle on the first and last rows) at
 d in {64, 128, 256} (v6 at 64 only), N in {1, 127, 1024, 4096}, causal and not, GQA and
 Nq != Nk; v6's fully masked rows, windows, other tile settings and its agreement with v5; v7
 equal to v5 bit for bit (its tiles, a two-stage ring, no ping-pong, windows) and its one-tile
-blocks and empty rows; the public function at d = 256 with a config naming the version and with the default; the GEMM by
+blocks and empty rows; v8's masks, windows and other tiles, and v5's bits at its 128-key tiles;
+the public function at d = 256 with a config naming the version and with the default; the GEMM by
 the same rule against torch.matmul.  Skipped elsewhere with the reason.
 """
 
@@ -48,7 +49,10 @@ def _jobs():
                   (dict(version="v5", stages=2), 128), (dict(version="v5", pingpong=False), 128),
                   (dict(version="v5", pingpong=False), 256), (dict(version="v3", stages=1), 256),
                   (dict(version="v7", stages=2), 128), (dict(version="v7", stages=4, block_n=64), 128),
-                  (dict(version="v7", pingpong=False), 256), (dict(version="v7", stages=4), 64)):
+                  (dict(version="v7", pingpong=False), 256), (dict(version="v7", stages=4), 64),
+                  (dict(version="v8", block_n=64), 128), (dict(version="v8", block_n=64), 256),
+                  (dict(version="v8", stages=2), 64), (dict(version="v8", pingpong=False), 128),
+                  (dict(version="v8", pingpong=False), 256)):
         cfg = hp.HopperConfig(**kw)
         jobs.append((f"fa_{cfg.version} {kw} bfloat16 d={d}", f"fa_{cfg.version}", cfg.defines(d, "bfloat16")))
     for dtype in hp.DTYPES:
@@ -114,6 +118,9 @@ def test_sources_refuse_what_they_cannot_run(tmp_path):
                                    ("fa_v6", dict(v6, HEAD_DIM=128), "HEAD_DIM 64 only"),
                                    ("fa_v6", dict(v6, BLOCK_M=128), "exactly three consumer warpgroups"),
                                    ("fa_v6", dict(v6, STAGES=1), "at least two stages"),
+                                   ("fa_v5", dict(base, HEAD_DIM=256, BLOCK_N=80), "at HEAD_DIM 256"),
+                                   ("fa_v8", dict(base, BLOCK_N=80), "BLOCK_N 80 is the wide key tile"),
+                                   ("fa_v8", dict(base, BLOCK_N=96), "BLOCK_N 64 or 128"),
                                    ("hopper_gemm", dict(hp.gemm_defines("bfloat16"), BK=32), "BK is one"),
                                    ("mla_decode", dict(LATENT=256, ROPE=64, IK_DTYPE=2), "LATENT 512 and ROPE 64"),
                                    ("mla_decode", dict(PAGED=1, PAGE_SIZE=16, IK_DTYPE=2), "multiple of 64")):
@@ -190,7 +197,7 @@ def test_registry_check_says_why_not():
 
 def test_the_head_dim_gate_keeps_the_portable_kernel_where_it_is_closed(monkeypatch):
     """As if on a Hopper GPU: the default picks a Hopper version at every head dim
-    policy.hopper_default_at allows (v5 at 64 and 128, v7 at 256); with 256 taken out of the gate
+    policy.hopper_default_at allows (v5 at 64 and 128, v8 at 256); with 256 taken out of the gate
     it keeps the portable v2 there and says why; a config naming a Hopper version runs it at 256
     either way."""
     from iokernels.cupy_raw import REGISTRY
@@ -198,7 +205,7 @@ def test_the_head_dim_gate_keeps_the_portable_kernel_where_it_is_closed(monkeypa
     monkeypatch.setattr(checks, "available", lambda: None)
     at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     for d in hp.HEAD_DIMS:
-        assert REGISTRY.default("attention", at[d]).version == hp.default_version(d) == ("v7" if d == 256 else "v5")
+        assert REGISTRY.default("attention", at[d]).version == hp.default_version(d) == ("v8" if d == 256 else "v5")
         k, _ = REGISTRY.resolve("attention", hp.HopperConfig(), at[d])      # version None: the default
         assert k.config_class is hp.HopperConfig and k.version == hp.default_version(d)
     monkeypatch.setattr(P, "HOPPER_DEFAULT_HEAD_DIMS", (64, 128))
@@ -213,7 +220,7 @@ def test_the_head_dim_gate_keeps_the_portable_kernel_where_it_is_closed(monkeypa
         k, cfg = REGISTRY.resolve("attention", hp.HopperConfig(version=version), at[256])
         assert k.version == version and k.config_class is hp.HopperConfig
         c = cfg.resolve(256)
-        assert (c.block_n, c.stages) == (64, 2)
+        assert (c.block_n, c.stages) == ((80, 2) if version == "v8" else (64, 2))
         c.check_fits(256, hp.FALLBACK_SMEM_OPTIN)
 
 
@@ -223,8 +230,9 @@ def test_records_rank_above_the_portable_versions():
     portable = [k.version for k in REGISTRY.kernels("attention") if k.config_class is not hp.HopperConfig]
     assert [r.version for r in hp.RECORDS] == list(hp.VERSIONS) and portable
     assert min(ranks[v] for v in hp.VERSIONS) > max(ranks[v] for v in portable)
-    # the default at 64 and 128 is the highest-ranked version neither held back nor gated by head dim
-    measured = {v: r for v, r in ranks.items() if ("attention", v) not in P.HELD_BACK and v != "v7"}
+    from iokernels.cupy_raw.hopper.checks import HEAD_DIM_GATES
+    # the default where no head-dim gate opens: the highest-ranked version neither held back nor gated
+    measured = {v: r for v, r in ranks.items() if ("attention", v) not in P.HELD_BACK and v not in HEAD_DIM_GATES}
     assert max(measured, key=measured.get) == hp.DEFAULT_VERSION
     # on a GPU that is not Hopper the default stays the portable version, with the reasons
     k = REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=128, cc=80))
@@ -284,8 +292,9 @@ def test_v6_is_held_back_runs_when_named_and_says_why_not(monkeypatch):
 
 
 def test_v6_gate_opens_in_one_place(monkeypatch):
-    """Once its entry leaves policy.HELD_BACK, v6 is the default at head_dim 64 on Hopper, and only
-    there: v5 stays the default at 128, v7 at 256, the portable kernel off Hopper."""
+    """Once its entry leaves policy.HELD_BACK, v6 is the default at head_dim 64 on Hopper (v7 and v8,
+    ranked above it, are gated out there), and only there: v5 stays the default at 128, v8 at 256,
+    the portable kernel off Hopper."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
@@ -293,9 +302,8 @@ def test_v6_gate_opens_in_one_place(monkeypatch):
     at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     k, cfg = REGISTRY.resolve("attention", None, at[64])
     assert k.version == "v6" and cfg.version == "v6" and cfg.resolve(64).block_m() == 192
-    assert REGISTRY.resolve("attention", hp.HopperConfig(), at[64])[0].version == "v6"
     assert REGISTRY.default("attention", at[128]).version == "v5"
-    assert REGISTRY.default("attention", at[256]).version == "v7"
+    assert REGISTRY.default("attention", at[256]).version == "v8"
     assert REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=64, cc=80)).version == "v2"
 
 
@@ -328,29 +336,27 @@ def test_v7_config_counts_its_barriers_and_fits_every_head_dim():
         hp.HopperConfig(version="v7", stages=3).check_fits(256, hp.FALLBACK_SMEM_OPTIN)
 
 
-def test_v7_is_the_default_at_head_dim_256_only_and_runs_when_named(monkeypatch):
-    """As if on a Hopper GPU: v7 ranks above v6 and v5; the default takes it at head_dim 256
-    (policy.hopper_v7_default_at) and keeps v5 at 64 and 128, saying why; a config naming v7 runs
-    it at every head dim; HopperConfig() resolves to what the registry picks; the gate is one tuple."""
+def test_v7_gate_is_head_dim_256_and_it_runs_when_named(monkeypatch):
+    """As if on a Hopper GPU: v7 ranks above v6 and v5 and below v8 (the default at 256); its own
+    gate (policy.hopper_v7_default_at) lets the default take it at head_dim 256 only, as it would
+    with v8 held back, and says why not at 64 and 128; a config naming v7 runs it everywhere."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     rec = REGISTRY.get("attention", "v7")
-    assert rec.rank > REGISTRY.get("attention", "v6").rank and rec.file == "fa_v7.cu"
-    assert ("attention", "v7") not in P.HELD_BACK and P.HOPPER_V7_DEFAULT_HEAD_DIMS == (256,)
+    assert REGISTRY.get("attention", "v6").rank < rec.rank < REGISTRY.get("attention", "v8").rank
+    assert rec.file == "fa_v7.cu" and P.HOPPER_V7_DEFAULT_HEAD_DIMS == (256,)
     for d in hp.HEAD_DIMS:
         assert rec.unavailable(at[d]) is None
         assert REGISTRY.resolve("attention", hp.HopperConfig(version="v7"), at[d])[0] is rec
-        k, cfg = REGISTRY.resolve("attention", None, at[d])
-        assert k.version == cfg.version == hp.HopperConfig().resolve(d).version == ("v7" if d == 256 else "v5")
+        assert REGISTRY.default("attention", at[d]).version == hp.HopperConfig().resolve(d).version \
+            == ("v8" if d == 256 else "v5")
     assert rec.not_default(at[256]) is None
     assert rec.not_default(at[128]).startswith("not the default at head_dim 128: v5's third stage")
     assert "needs compute capability 9.0" in rec.unavailable(Need(dtype="bfloat16", head_dim=128, cc=80))
-    monkeypatch.setattr(P, "HOPPER_V7_DEFAULT_HEAD_DIMS", (128, 256))
-    assert REGISTRY.default("attention", at[128]).version == hp.HopperConfig().resolve(128).version == "v7"
-    assert REGISTRY.default("attention", at[64]).version == "v5"
-    assert REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=128, cc=80)).version == "v2"
+    monkeypatch.setitem(P.HELD_BACK, ("attention", "v8"), "a test holds it back")
+    assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == ["v5", "v5", "v7"]
 
 
 def test_v7_sanitizer_cases_cover_head_dim_256_and_the_two_stage_ring():
@@ -360,6 +366,61 @@ def test_v7_sanitizer_cases_cover_head_dim_256_and_the_two_stage_ring():
     for kw in S.VARIANTS[("attention", "v7")]:
         for d in hp.HEAD_DIMS:
             hp.HopperConfig(version="v7", **kw).check_fits(d, hp.FALLBACK_SMEM_OPTIN)
+
+
+# --------------------------------------------------------------------------- v8: wide key tiles
+def test_v8_tiles_80_keys_at_256_and_v5s_elsewhere():
+    """v8's tiles: v5's 128 keys in three stages at head_dim 64 and 128, FlashAttention-3's 80 keys
+    in two stages at 256 (policy.HOPPER_V8_WIDE_TILES); v7's barriers; 80 is v8's tile, at 256 only."""
+    for d, block_n, stages in ((64, 128, 3), (128, 128, 3), (256, 80, 2)):
+        c = hp.HopperConfig(version="v8").resolve(d)
+        assert (c.block_n, c.stages, c.block_m(), hp.THREADS["v8"]) == (block_n, stages, 128, 384)
+        assert c.smem_bytes(d) == 2 * d * (128 + 2 * stages * block_n) + 8 * (1 + 4 * stages) + 1024
+        c.check_fits(d, hp.FALLBACK_SMEM_OPTIN)
+        assert (hp.HopperConfig().resolve(d) == c) == (d == 256)     # the default at 256
+    assert hp.block_n_choices("v8", 256) == (64, 80) and hp.block_n_choices("v8", 128) == (64, 128)
+    assert hp.block_n_choices("v7", 256) == (64,)
+    with pytest.raises(ValueError, match="config.stages: 3 stages of Bc = 80 at head_dim 256"):
+        hp.HopperConfig(version="v8", stages=3).check_fits(256, hp.FALLBACK_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="config.block_n: at head_dim 128 v8 takes Bc in .*80 is v8's key tile at "
+                                         "head_dim 256 only"):
+        hp.HopperConfig(version="v8", block_n=80).check_fits(128, hp.FALLBACK_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="config.block_n: at head_dim 256 v8 takes Bc in \\(64, 80\\)"):
+        hp.HopperConfig(version="v8", block_n=128).check_fits(256, hp.FALLBACK_SMEM_OPTIN)
+    for version in (None, "v5", "v7"):
+        with pytest.raises(ValueError, match="config.block_n: 80 keys is a tile of v8's only"):
+            hp.HopperConfig(version=version, block_n=80)
+    with pytest.raises(ValueError, match="config.block_n: expected one of \\(64, 80, 128\\)"):
+        hp.HopperConfig(version="v8", block_n=96)
+
+
+def test_v8_is_the_default_at_256_and_its_gate_opens_in_one_place(monkeypatch):
+    """As if on a Hopper GPU: v8 ranks above every Hopper version; the default picks it at head_dim
+    256 (policy.hopper_v8_default_at) and says why not at 64 and 128; a config naming it runs it
+    everywhere; with 64 and 128 added to its gate it is the default there too."""
+    from iokernels.cupy_raw import REGISTRY
+    from iokernels.cupy_raw.hopper import checks
+    monkeypatch.setattr(checks, "available", lambda: None)
+    rec = REGISTRY.get("attention", "v8")
+    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention")) and rec.file == "fa_v8.cu"
+    assert ("attention", "v8") not in P.HELD_BACK and P.HOPPER_V8_DEFAULT_HEAD_DIMS == (256,)
+    at = {d: Need(dtype="float16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
+    for d in hp.HEAD_DIMS:
+        assert rec.unavailable(at[d]) is None
+        assert REGISTRY.resolve("attention", hp.HopperConfig(version="v8"), at[d])[0] is rec
+    assert rec.not_default(at[256]) is None and REGISTRY.default("attention", at[256]) is rec
+    assert rec.not_default(at[128]).startswith("not the default at head_dim 128 until the GPU tests have run")
+    monkeypatch.setattr(P, "HOPPER_V8_DEFAULT_HEAD_DIMS", (64, 128, 256))
+    for d in hp.HEAD_DIMS:
+        assert REGISTRY.default("attention", at[d]) is rec and hp.default_version(d) == "v8"
+
+
+def test_v8_sanitizer_cases_fit_every_head_dim():
+    from iokernels.cupy_raw import sanitize as S
+    assert (256, True, None) in S.FORWARD_EXTRA[("attention", "v8")]
+    for kw in S.VARIANTS[("attention", "v8")]:
+        for d in hp.HEAD_DIMS:
+            hp.HopperConfig(version="v8", **kw).check_fits(d, hp.FALLBACK_SMEM_OPTIN)
 
 
 def test_available_gives_a_reason_or_none():
@@ -414,22 +475,23 @@ def test_two_x_rule_gqa_and_unequal_lengths(rng, version, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", (False, True))
 def test_public_attention_at_256_runs_hopper_by_default_and_by_name(rng, causal):
-    """d = 256 through ik.attention (the plan path): the default runs fa_v7 and a config naming v5
-    runs fa_v5, with the same bits (v7 changes when tiles are refilled, not the arithmetic), those
-    of hopper.attention, which the 2x rule holds."""
+    """d = 256 through ik.attention (the plan path): the default runs fa_v8 (80-key tiles), a config
+    naming v8 the same bits, those of hopper.attention, which the 2x rule holds; a config naming v5
+    runs fa_v5, which does too."""
     import torch
 
     import iokernels as ik
     from iokernels.cupy_raw import REGISTRY, need
     q, k, v = _torch_inputs(rng, 2, 4, 2, 1000, 1000, 256, "bfloat16")
-    assert REGISTRY.default("attention", need("attention", q=q, k=k, v=v)).version == hp.default_version(256) == "v7"
-    cfg = hp.HopperConfig(version="v5")
-    o = ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)
-    o_default = ik.attention(q, k, v, causal=causal, backend="cupy")
-    o_direct, _ = hp.attention(q, k, v, causal=causal, config=cfg)
-    torch.cuda.synchronize()
-    assert torch.equal(o, o_direct) and torch.equal(o_default, o_direct)
-    _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=cfg), f"v5 d=256 causal={causal}")
+    assert REGISTRY.default("attention", need("attention", q=q, k=k, v=v)).version == hp.default_version(256) == "v8"
+    for cfg in (hp.HopperConfig(version="v8"), hp.HopperConfig(version="v5")):
+        o = ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)
+        o_direct, _ = hp.attention(q, k, v, causal=causal, config=cfg)
+        torch.cuda.synchronize()
+        assert torch.equal(o, o_direct)
+        if cfg.version == "v8":
+            assert torch.equal(ik.attention(q, k, v, causal=causal, backend="cupy"), o_direct)
+        _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=cfg), f"{cfg.version} d=256 causal={causal}")
 
 
 @gpu
@@ -572,3 +634,43 @@ def test_v7_one_tile_and_empty_rows(rng):
             torch.cuda.synchronize()
             assert torch.equal(o[:, :, :300], torch.zeros_like(o[:, :, :300]))
             assert torch.isneginf(lse[:, :, :300]).all() and not torch.isnan(o).any()
+
+
+# --------------------------------------------------------------------------- v8 on a Hopper GPU
+# v8 joins test_two_x_rule_square and test_two_x_rule_gqa_and_unequal_lengths at its default tiles;
+# these add its other tiles and what its row-bound mask must get right.
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", hp.HEAD_DIMS)
+def test_v8_masks_windows_and_other_tiles(rng, d):
+    """At each head dim: causal Nq > Nk (rows that see nothing: zero and -inf), windows cutting a
+    176-key tile, GQA; v8's default tiles, 64-key tiles, no ping-pong; by the 2x rule."""
+    import torch
+    for Hq, Hkv, Nq, Nk, causal, window in ((2, 1, 500, 200, True, None), (4, 2, 700, 1029, False, (100, 37)),
+                                            (6, 3, 333, 1000, True, (250, 0)), (2, 2, 1, 177, False, None)):
+        q, k, v = _torch_inputs(rng, 2, Hq, Hkv, Nq, Nk, d, "bfloat16" if Nq % 2 else "float16")
+        for kw in ({}, dict(block_n=64), dict(pingpong=False)):
+            cfg = hp.HopperConfig(version="v8", **kw)
+            _assert_checks(hp.oracle_check(q, k, v, causal=causal, window=window, config=cfg),
+                           f"v8 {kw} d={d} {(Hq, Hkv, Nq, Nk, causal, window)}")
+        if Nq > Nk and causal:
+            o, lse = hp.attention(q, k, v, causal=True, config=hp.HopperConfig(version="v8"))
+            torch.cuda.synchronize()
+            assert torch.equal(o[:, :, :300], torch.zeros_like(o[:, :, :300]))
+            assert torch.isneginf(lse[:, :, :300]).all() and not torch.isnan(o).any()
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", (64, 128))
+@pytest.mark.parametrize("causal", (False, True))
+def test_v8_gives_v5s_bits_at_its_128_key_tiles(rng, d, causal):
+    """At head_dim 64 and 128 v8's tile is v5's (128 keys) and only its masked copy reads the mask
+    another way: the same keys are set to -inf, so O and LSE are v5's bit for bit (windows, GQA)."""
+    import torch
+    q, k, v = _torch_inputs(rng, 2, 8, 2, 1000, 1100, d, "bfloat16" if causal else "float16")
+    for window in (None, (300, 0) if causal else (200, 50)):
+        o5, l5 = hp.attention(q, k, v, causal=causal, window=window, config=hp.HopperConfig(version="v5"))
+        o8, l8 = hp.attention(q, k, v, causal=causal, window=window, config=hp.HopperConfig(version="v8"))
+        torch.cuda.synchronize()
+        assert torch.equal(o8, o5) and torch.equal(l8, l5), (d, causal, window)

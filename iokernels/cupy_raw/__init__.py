@@ -28,7 +28,7 @@ gather.py           paged gather: paged_gather.cu
 paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks, and
                     paged_prefill_v2.cu (GQA packed; PagedPrefillConfig: paged_prefill_config.py;
                     the argument checks every version shares: paged_prefill_args.py)
-hopper/             the Hopper (sm_90a) attention kernels (fa_v3.cu .. fa_v7.cu; hopper_tile.cuh: their
+hopper/             the Hopper (sm_90a) attention kernels (fa_v3.cu .. fa_v8.cu; hopper_tile.cuh: their
                     tile math), their tensor maps, the GEMM, the paged prefill v3
                     (hopper/paged_prefill.py: paged_prefill_v3.cu) and the opt-in FP8 forward
                     (hopper/fp8_forward.py: fa_fp8_v1.cu, fa_fp8_v2.cu)
@@ -64,9 +64,11 @@ step):
 ====================  =======  ===================  ====  ====================================================
 op                    version  file                 rank  what it adds
 ====================  =======  ===================  ====  ====================================================
+attention             v8       fa_v8.cu             150   Hopper: v7 with the masked softmax reading two key
+                                                          bounds a row, and 80-key tiles at head_dim 256 (the
+                                                          default there)
 attention             v7       fa_v7.cu             140   Hopper: v5 with K and V tiles released apart, so two
-                                                          stages keep the next tile landing (the default at
-                                                          head_dim 256)
+                                                          stages keep the next tile landing
 attention             v6       fa_v6.cu             130   Hopper, head_dim 64: v5 with three consumer
                                                           warpgroups (a 192-row query tile) taking turns on
                                                           the tensor cores (held back from the default until

@@ -243,7 +243,7 @@ HOPPER_BLOCK_N = 128
 #: one's S_j to the last one's P_j V_j: three tiles in use, a fourth landing (Q 24 KB + 4 x (K + V)
 #: 4 x 32 KB = 152 KB); v7 releases K_j and V_{j-1} apart, so two stages already keep a tile
 #: landing, and it keeps v5's third where that fits
-HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3}
+HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3, "v8": 3}
 #: head_dim 256: a consumer thread's O (64 x 256) is 128 float32 registers, so Bc = 64 keeps
 #: S (32) and P (16) beside it in the 240 that setmaxnreg gives (at Bc = 128 ptxas spills); and
 #: Q (128 x 256, 64 KB) + 2 x (K + V) (2 x 64 KB) = 192 KB leaves no room for a third stage
@@ -251,22 +251,27 @@ HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3}
 #: stage only when its refill is already needed; v7, releasing K and V apart, is the version
 #: that keeps a tile landing with two).  FlashAttention-3's hopper/tile_size.h
 #: (code) picks a 128 x 80 tile at this head dim for 16-bit inputs (64 keys with a local
-#: window), noting that 128 x 80 reaches the SRAM limit; 80 is no width of our wgmma wrappers
-#: (64, 128, 256)
+#: window), noting that 128 x 80 reaches the SRAM limit: v8 takes it (HOPPER_V8_WIDE_TILES),
+#: the versions before it keep 64
 HOPPER_WIDE_HEAD_DIM = 256
 HOPPER_WIDE_TILES = (64, 2)
+#: v8's at head_dim 256: FlashAttention-3's 80 keys, two stages (224 KB of SRAM); measured against
+#: 64 keys of the same kernel and against v7 in benchmarks/results/sweeps/2026-12-06_1735_attention_v8_h100.txt
+HOPPER_V8_WIDE_TILES = (80, 2)
 #: the head dims at which the registry's default may pick a Hopper version (see
 #: :func:`hopper_default_at`): all three, each measured on a GPU
 HOPPER_DEFAULT_HEAD_DIMS = (64, 128, 256)
 #: the head dims at which the default may pick attention v7 (:func:`hopper_v7_default_at`)
 HOPPER_V7_DEFAULT_HEAD_DIMS = (HOPPER_WIDE_HEAD_DIM,)
+#: ... attention v8 (:func:`hopper_v8_default_at`)
+HOPPER_V8_DEFAULT_HEAD_DIMS = (HOPPER_WIDE_HEAD_DIM,)
 
 
 def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
                  stages: int | None = None) -> tuple[int, int]:
     """(Bc, stages) of Hopper attention ``version`` at ``head_dim``: the given ones, else at
-    HOPPER_WIDE_HEAD_DIM the HOPPER_WIDE_TILES, at the others HOPPER_BLOCK_N and the version's
-    HOPPER_STAGES.
+    HOPPER_WIDE_HEAD_DIM the HOPPER_WIDE_TILES (v8: HOPPER_V8_WIDE_TILES), at the others
+    HOPPER_BLOCK_N and the version's HOPPER_STAGES.
 
     At head_dim 64 FlashAttention-3's hopper/tile_size.h (code) takes a taller query tile and
     wider key tile: Br x Bc = 192 x 192 without a mask (P read from SRAM for P V, not from
@@ -279,7 +284,7 @@ def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
     (128) causal or not: S and P of 192 keys beside O do not fit 160 registers with P in
     registers, and 192 is no width of our wgmma wrappers; its stages are HOPPER_STAGES["v6"]."""
     if head_dim == HOPPER_WIDE_HEAD_DIM:
-        wide_n, wide_stages = HOPPER_WIDE_TILES
+        wide_n, wide_stages = HOPPER_V8_WIDE_TILES if version == "v8" else HOPPER_WIDE_TILES
         return block_n or wide_n, stages or wide_stages
     return block_n or HOPPER_BLOCK_N, stages or HOPPER_STAGES[version]
 
@@ -306,8 +311,22 @@ def hopper_v7_default_at(head_dim: int) -> bool:
     for every load; at 64 and 128 v5's third stage already does that, and v7's extra barrier
     arrivals made it a few percent slower.  Both measured side by side, v7 against v5 and cuDNN
     at each head dim, causal and not, in benchmarks/results/sweeps/2026-12-06_1655_attention_v7_h100.txt
-    (an H100).  v7 computes v5's bits exactly, so where it runs only the time differs."""
+    (an H100).  v7 computes v5's bits exactly, so where it runs only the time differs.  v8, ranked
+    above it and faster still, takes head_dim 256 from it (:func:`hopper_v8_default_at`)."""
     return head_dim in HOPPER_V7_DEFAULT_HEAD_DIMS
+
+
+def hopper_v8_default_at(head_dim: int) -> bool:
+    """Whether the registry's default may pick attention v8 (fa_v8.cu: the masked softmax reading
+    two key bounds a row; 80-key tiles at head_dim 256) at ``head_dim``: the head dims in
+    HOPPER_V8_DEFAULT_HEAD_DIMS.
+
+    256: its tiles there (80 keys, two stages) ran the GPU tests and were timed 1.05-1.09x v7 in
+    benchmarks/results/sweeps/2026-12-06_1735_attention_v8_h100.txt (an H100).  At 64 and 128 the
+    same sweep timed its 128-key tiles in three stages at 0.99-1.10x v5 (faster under the causal
+    mask, 1.3% slower at head_dim 128 without one), but the GPU tests have run v8 there only at
+    other tiles: those head dims join this tuple once they have run its default tiles."""
+    return head_dim in HOPPER_V8_DEFAULT_HEAD_DIMS
 
 
 # =========================================================================== decode v6

@@ -31,15 +31,22 @@ v7       fa_v7.cu           v5 with two empty barriers a stage: a consumer relea
                             is in its registers and V_{j-1} once P_{j-1} V_{j-1} is, and the
                             producer refills each as soon as it is free.  Two stages (all that
                             fits at head_dim 256) then keep the next tiles landing while a tile
-                            is computed, where v5 exposes every load there.  The default at
-                            head_dim 256 (policy.hopper_v7_default_at)
+                            is computed, where v5 exposes every load there (its default gate:
+                            head_dim 256, policy.hopper_v7_default_at)
+v8       fa_v8.cu           the masked copy of the softmax reads two key bounds a row, computed
+                            once (fa_v6's), instead of testing Nk, the window and the diagonal
+                            key by key; and at head_dim 256 FlashAttention-3's 80-key tile, whose
+                            two stages v7's release keeps landing.  The default at head_dim
+                            256 (policy.hopper_v8_default_at)
 =======  =================  ===================================================================
 
-The default (``HopperConfig()``) is v5 at head_dim 64 and 128, the fastest there on the H200
-(benchmarks/results), and v7 at 256 (:func:`~iokernels.cupy_raw.hopper.config.default_version`);
-the registry ranks v7 > v6 > v5 > v4 > v3, all above the portable versions (at the head dims its
-default picks them: 64, 128 and 256); its default skips v6 until it is measured
-(:data:`~iokernels.cupy_raw.policy.HELD_BACK`) and v7 below head_dim 256.
+The default (``HopperConfig()``) is v5 at head_dim 64 and 128 and v8 at 256
+(:func:`~iokernels.cupy_raw.hopper.config.default_version`), the fastest measured there that the
+GPU tests have run (benchmarks/results); the registry ranks v8 > v7 > v6 > v5 > v4 > v3, all above
+the portable versions (at the head dims its default picks them: 64, 128 and 256); v6 is held back
+from the default until it is measured (:data:`~iokernels.cupy_raw.policy.HELD_BACK`), v7 and v8
+have head-dim gates (:func:`~iokernels.cupy_raw.policy.hopper_v7_default_at`,
+``hopper_v8_default_at``).
 
 Notation (the papers' names):
 
@@ -79,7 +86,7 @@ checks          :func:`available`, the registry check
 tensor_maps     :func:`tensor_map` (cuTensorMapEncodeTiled)
 attention       the attention launch and its argument builder
 gemm            :func:`gemm` (hopper_gemm.cu)
-records         the records of v3 .. v7
+records         the records of v3 .. v8
 oracle          :func:`oracle_check`, :func:`gemm_check` (on a GPU)
 fp8_forward     :func:`fp8_attention` (fa_fp8_v1.cu, fa_fp8_v2.cu): FP8 products, opt-in
 ==============  ============================================================
@@ -90,7 +97,7 @@ from ..launch import KERNEL_DIR, hopper_source as source  # noqa: F401
 from .config import (BLOCK_M, BLOCK_MS, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES, default_version,  # noqa: F401
                      FALLBACK_SMEM_OPTIN, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_GROUP_M, GEMM_STAGES, GEMM_THREADS,
                      HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, SMEM_ALIGN, THREADS, VERSION_HEAD_DIMS,
-                     VERSIONS, HopperConfig, head_dims)
+                     VERSIONS, HopperConfig, block_n_choices, head_dims)
 from .checks import available, check, default_check, require_available  # noqa: F401
 from .tensor_maps import tensor_map  # noqa: F401
 from .attention import attention, attention_args, launch_attention  # noqa: F401

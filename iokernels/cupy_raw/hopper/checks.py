@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..launch import cupy_ok, device_info
-from ..policy import held_back, hopper_default_at, hopper_v7_default_at
+from ..policy import held_back, hopper_default_at, hopper_v7_default_at, hopper_v8_default_at
 from .config import DTYPES, HEAD_DIMS, HOPPER_CC, head_dims
 
 
@@ -61,20 +61,33 @@ def check_for(version: str):
 def default_check_for(version: str):
     """The ``default_check`` of ``version``: :func:`default_check`, then whether the version is
     held back from the default until measured (:data:`~iokernels.cupy_raw.policy.HELD_BACK`,
-    asked on every call); v7 then by its head-dim gate
-    (:func:`~iokernels.cupy_raw.policy.hopper_v7_default_at`)."""
-    if version == "v7":
-        return lambda need: default_check(need) or held_back("attention", version) or v7_default_check(need)
+    asked on every call); v7 and v8 then by their head-dim gates (:data:`HEAD_DIM_GATES`)."""
+    gate = HEAD_DIM_GATES.get(version)
+    if gate is not None:
+        return lambda need: default_check(need) or held_back("attention", version) or gate(need)
     return lambda need: default_check(need) or held_back("attention", version)
 
 
 def v7_default_check(need) -> str | None:
     """Why the default does not pick v7 at this head dim (v5's third stage already keeps the tiles
-    landing there), or None where it does."""
+    landing there), or None where it may."""
     if hopper_v7_default_at(need.head_dim):
         return None
     return (f"not the default at head_dim {need.head_dim}: v5's third stage already keeps the next tiles "
             f"landing there (policy.hopper_v7_default_at); a config naming v7 runs it")
+
+
+def v8_default_check(need) -> str | None:
+    """Why the default does not pick v8 at this head dim (the GPU tests have not run its default
+    tiles there), or None where it may."""
+    if hopper_v8_default_at(need.head_dim):
+        return None
+    return (f"not the default at head_dim {need.head_dim} until the GPU tests have run its default tiles "
+            f"there (policy.hopper_v8_default_at); a config naming v8 runs it")
+
+
+#: the versions whose default is gated by head dim, and their checks
+HEAD_DIM_GATES = {"v7": v7_default_check, "v8": v8_default_check}
 
 
 def default_check(need) -> str | None:

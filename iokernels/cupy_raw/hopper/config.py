@@ -6,9 +6,9 @@ from dataclasses import dataclass, replace as _dc_replace
 from ...core import conventions as cv
 from ..config_checks import check_version
 from ..launch import DTYPE_IDS
-from ..policy import HOPPER_WIDE_HEAD_DIM, hopper_tiles, hopper_v7_default_at
+from ..policy import HOPPER_WIDE_HEAD_DIM, hopper_tiles, hopper_v7_default_at, hopper_v8_default_at
 
-VERSIONS = ("v3", "v4", "v5", "v6", "v7")
+VERSIONS = ("v3", "v4", "v5", "v6", "v7", "v8")
 DTYPES = ("float16", "bfloat16")
 #: head dims the kernels are built for (the registry's default picks them at those
 #: :func:`~iokernels.cupy_raw.policy.hopper_default_at` allows)
@@ -24,18 +24,20 @@ MBARRIER_BYTES = 8
 #: attention: query rows a block owns: two consumer warpgroups of 64 rows (v5's ping-pong pair)
 BLOCK_M = 128
 #: ... by version: v6 has three consumer warpgroups (192 rows), at head_dim 64 only
-BLOCK_MS = {"v3": BLOCK_M, "v4": BLOCK_M, "v5": BLOCK_M, "v6": 192, "v7": BLOCK_M}
-#: threads: v3 has only the two computing warpgroups; v4, v5, v7 add a producer warpgroup; v6 is
-#: 1 producer + 3 consumers
-THREADS = {"v3": 256, "v4": 384, "v5": 384, "v6": 512, "v7": 384}
-#: mbarriers a K/V stage: k_full, v_full and one empty barrier (v3 .. v6); v7 releases K and V
-#: apart, so it has an empty barrier for each (fa_v7.cu)
-BARRIERS_A_STAGE = {"v7": 4}
+BLOCK_MS = {"v3": BLOCK_M, "v4": BLOCK_M, "v5": BLOCK_M, "v6": 192, "v7": BLOCK_M, "v8": BLOCK_M}
+#: threads: v3 has only the two computing warpgroups; v4, v5, v7, v8 add a producer warpgroup; v6
+#: is 1 producer + 3 consumers
+THREADS = {"v3": 256, "v4": 384, "v5": 384, "v6": 512, "v7": 384, "v8": 384}
+#: mbarriers a K/V stage: k_full, v_full and one empty barrier (v3 .. v6); v7 and v8 release K and
+#: V apart, so they have an empty barrier for each (fa_v7.cu)
+BARRIERS_A_STAGE = {"v7": 4, "v8": 4}
 #: the head dims a version takes where it does not take all of HEAD_DIMS: v6's three consumer
 #: warpgroups have 160 registers a thread (setmaxnreg: 128 x 24 + 384 x 160 of the SM's 65536),
 #: room for O, S and P of 64 x 128 tiles only at head_dim 64
 VERSION_HEAD_DIMS = {"v6": (64,)}
 BLOCK_N_CHOICES = (64, 128)
+#: v8 (fa_v8.cu) also takes FlashAttention-3's 80-key tile at head_dim 256 (:func:`block_n_choices`)
+V8_BLOCK_N_CHOICES = (64, 80, 128)
 #: at head_dim 256 only Bc = 64: O (64 x 256) is 128 float32 registers a consumer thread, and S, P
 #: of 128 keys beside it spill (hopper_attention.cuh refuses BLOCK_N 128 there)
 WIDE_BLOCK_N_CHOICES = (64,)
@@ -48,11 +50,12 @@ GEMM_THREADS = 384
 FALLBACK_SMEM_OPTIN = 232448
 
 
-def check_tile_fields(cfg, min_stages: int = 1, why: str = "") -> None:
+def check_tile_fields(cfg, min_stages: int = 1, why: str = "", block_ns: tuple = BLOCK_N_CHOICES) -> None:
     """The fields a Hopper config shares (block_n, stages, pingpong), each a ValueError naming it;
-    ``min_stages`` (and ``why``, said after the range): the fewest stages the kernel takes."""
-    if cfg.block_n is not None and cfg.block_n not in BLOCK_N_CHOICES:
-        raise ValueError(f"config.block_n: expected one of {BLOCK_N_CHOICES} or None, got {cfg.block_n!r}")
+    ``min_stages`` (and ``why``, said after the range): the fewest stages the kernel takes;
+    ``block_ns``: the key tiles it takes."""
+    if cfg.block_n is not None and cfg.block_n not in block_ns:
+        raise ValueError(f"config.block_n: expected one of {block_ns} or None, got {cfg.block_n!r}")
     if cfg.stages is not None and (isinstance(cfg.stages, bool) or not isinstance(cfg.stages, int)
                                    or not min_stages <= cfg.stages <= MAX_STAGES):
         raise ValueError(f"config.stages: expected an integer in {min_stages}..{MAX_STAGES}{why} or None, got "
@@ -64,13 +67,14 @@ def check_tile_fields(cfg, min_stages: int = 1, why: str = "") -> None:
 class HopperConfig:
     """Tile settings of the Hopper attention kernels.
 
-    version: "v3" .. "v7" or None (the default: :func:`default_version`: v5, and v7 at head_dim 256).
-    block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256); None: the head
-    dim's default, :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; 64 at head_dim 256).
-    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5, v6 and v7 at least 2; None: the version's
+    version: "v3" .. "v8" or None (the default: :func:`default_version`: v5, and v8 at head_dim 256).
+    block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256, where v8 also takes
+    80: :func:`block_n_choices`); None: the version's default at the head dim,
+    :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; at head_dim 256 64, and v8 80).
+    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 .. v8 at least 2; None: the version's
     default at the head dim, :func:`~iokernels.cupy_raw.policy.hopper_tiles`; 2 at head_dim 256,
     where Q alone is 64 KB and a third stage does not fit).
-    pingpong: v5, v6 and v7; False keeps the overlap inside a warpgroup but lets the consumer
+    pingpong: v5 .. v8; False keeps the overlap inside a warpgroup but lets the consumer
     warpgroups issue their products whenever they are ready (to measure what ping-pong adds).
     The query tile is BLOCK_M = 128 rows (two consumer warpgroups); v6's is 192 (three, at
     head_dim 64 only: :data:`VERSION_HEAD_DIMS`, :meth:`block_m`).  Head dims:
@@ -86,7 +90,10 @@ class HopperConfig:
 
     def __post_init__(self):
         check_version(self, VERSIONS)
-        check_tile_fields(self)
+        if self.version != "v8" and self.block_n in V8_BLOCK_N_CHOICES and self.block_n not in BLOCK_N_CHOICES:
+            raise ValueError(f"config.block_n: {self.block_n} keys is a tile of v8's only (version='v8', at "
+                             f"head_dim 256), got version={self.version!r}")
+        check_tile_fields(self, block_ns=V8_BLOCK_N_CHOICES if self.version == "v8" else BLOCK_N_CHOICES)
 
     def replace(self, **kw) -> "HopperConfig":
         return _dc_replace(self, **kw)
@@ -116,11 +123,13 @@ class HopperConfig:
         """ValueError naming the field when this config cannot run at ``head_dim`` on a GPU
         allowing ``smem_optin`` bytes of SRAM a block."""
         c = self.resolve(head_dim)
-        if head_dim == HOPPER_WIDE_HEAD_DIM and c.block_n not in WIDE_BLOCK_N_CHOICES:
-            raise ValueError(f"config.block_n: at head_dim {head_dim} the Hopper kernels take Bc in "
-                             f"{WIDE_BLOCK_N_CHOICES} (O is 128 registers a thread; S and P of {c.block_n} "
-                             f"keys beside it spill), got {c.block_n}")
-        if c.version in ("v5", "v6", "v7") and c.stages < 2:
+        choices = block_n_choices(c.version, head_dim)
+        if c.block_n not in choices:
+            why = (f"O is 128 registers a thread; S and P of {c.block_n} keys beside it spill"
+                   if head_dim == HOPPER_WIDE_HEAD_DIM else "80 is v8's key tile at head_dim 256 only")
+            raise ValueError(f"config.block_n: at head_dim {head_dim} {c.version} takes Bc in {choices} ({why}), "
+                             f"got {c.block_n}")
+        if c.version in ("v5", "v6", "v7", "v8") and c.stages < 2:
             raise ValueError(f"config.stages: {c.version} uses K_j and V_{{j-1}} together, so it needs at least "
                              f"2 stages")
         need = self.smem_bytes(head_dim)
@@ -132,21 +141,32 @@ class HopperConfig:
         c = self.resolve(head_dim)
         out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BLOCK_M=c.block_m(), BLOCK_N=c.block_n,
                    STAGES=c.stages)
-        if c.version in ("v5", "v6", "v7"):
+        if c.version in ("v5", "v6", "v7", "v8"):
             out["PINGPONG"] = int(c.pingpong)
         return out
 
 
-#: what HopperConfig() runs at head_dim 64 and 128: the fastest version measured on the H200
-#: (benchmarks); at 256 it runs v7 (:func:`default_version`)
+#: what HopperConfig() runs where no later version's gate opens (:func:`default_version`): the
+#: fastest version measured there (benchmarks/results)
 DEFAULT_VERSION = "v5"
 
 
 def default_version(head_dim: int) -> str:
     """The version HopperConfig() runs at ``head_dim``, the one the registry's default picks on
-    Hopper: v7 where :func:`~iokernels.cupy_raw.policy.hopper_v7_default_at` lets it (256), else
-    :data:`DEFAULT_VERSION`."""
+    Hopper: the highest-ranked of v8 and v7 whose head-dim gate opens there
+    (:func:`~iokernels.cupy_raw.policy.hopper_v8_default_at`, ``hopper_v7_default_at``: both 256),
+    else :data:`DEFAULT_VERSION`."""
+    if hopper_v8_default_at(head_dim):
+        return "v8"
     return "v7" if hopper_v7_default_at(head_dim) else DEFAULT_VERSION
+
+
+def block_n_choices(version: str, head_dim: int) -> tuple[int, ...]:
+    """The key tiles (Bc) ``version`` takes at ``head_dim``: 64 and 128, 64 alone at head_dim 256
+    (:data:`WIDE_BLOCK_N_CHOICES`), where v8 also takes 80 (fa_v8.cu)."""
+    if head_dim == HOPPER_WIDE_HEAD_DIM:
+        return WIDE_BLOCK_N_CHOICES + ((80,) if version == "v8" else ())
+    return BLOCK_N_CHOICES
 
 
 def head_dims(version: str) -> tuple[int, ...]:

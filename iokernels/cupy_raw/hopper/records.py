@@ -1,4 +1,4 @@
-"""The records of the Hopper attention versions (fa_v3.cu .. fa_v7.cu)."""
+"""The records of the Hopper attention versions (fa_v3.cu .. fa_v8.cu)."""
 from __future__ import annotations
 
 from ...core.records import Record
@@ -22,9 +22,9 @@ def _record(version, rank, summary):
 
 
 #: ranked above every portable attention version (so on Hopper the default is the best of
-#: these where checks.default_check lets it pick them), v7 > v6 > v5 > v4 > v3; v6 runs at head_dim 64
-#: only and is held back from the default until measured (policy.HELD_BACK); v7 is the default at
-#: head_dim 256 only (policy.hopper_v7_default_at)
+#: these where checks.default_check lets it pick them), v8 > v7 > ... > v3; v6 runs at head_dim 64
+#: only and is held back from the default until measured (policy.HELD_BACK); v7's default gate
+#: is head_dim 256 (policy.hopper_v7_default_at), and v8's too (hopper_v8_default_at)
 RECORDS = (
     _record("v3", 100, "Hopper: wgmma from SRAM, TMA tile loads, an mbarrier a stage"),
     _record("v4", 110, "Hopper: v3 + a producer warpgroup (warp specialization), setmaxnreg"),
@@ -32,6 +32,8 @@ RECORDS = (
     _record("v6", 130, "Hopper, head_dim 64: v5 with three consumer warpgroups (a 192-row query tile) taking "
                        "turns on the tensor cores"),
     _record("v7", 140, "Hopper: v5 with K and V tiles released apart, so two stages keep the next tile "
-                       "landing (the default at head_dim 256)"),
+                       "landing"),
+    _record("v8", 150, "Hopper: v7 with the masked softmax reading two key bounds a row, and 80-key tiles at "
+                       "head_dim 256 (the default there)"),
 )
 REGISTRY.add(*RECORDS)

@@ -20,13 +20,21 @@
 #if HEAD_DIM != 64 && HEAD_DIM != 128 && HEAD_DIM != 256
 #error "the Hopper attention kernels take HEAD_DIM 64, 128 or 256"
 #endif
-#if BLOCK_N != 64 && BLOCK_N != 128
-#error "the Hopper attention kernels take BLOCK_N 64 or 128 (one wgmma's N)"
+// WIDE_KEY_TILES (fa_v8.cu defines it): the kernel also takes the 80-key tile FlashAttention-3
+// takes at HEAD_DIM 256 (two stages of it fill the SRAM)
+#ifndef WIDE_KEY_TILES
+#define WIDE_KEY_TILES 0
 #endif
-#if HEAD_DIM == 256 && BLOCK_N != 64
+#if BLOCK_N != 64 && BLOCK_N != 128 && !(WIDE_KEY_TILES && BLOCK_N == 80)
+#error "the Hopper attention kernels take BLOCK_N 64 or 128 (one wgmma's N; fa_v8 also 80)"
+#endif
+#if HEAD_DIM == 256 && BLOCK_N != 64 && !(WIDE_KEY_TILES && BLOCK_N == 80)
 // O (64 x 256: 128 float32 registers a thread) with S and P of a 128-key tile spill past a
-// consumer's registers; 64-key tiles leave O, S (32) and P (16) in registers
-#error "at HEAD_DIM 256 the Hopper attention kernels take BLOCK_N 64"
+// consumer's registers; 64-key tiles leave O, S (32) and P (16) in registers (80-key: 40 and 20)
+#error "at HEAD_DIM 256 the Hopper attention kernels take BLOCK_N 64 (fa_v8 also 80)"
+#endif
+#if HEAD_DIM != 256 && BLOCK_N == 80
+#error "BLOCK_N 80 is the wide key tile of HEAD_DIM 256 only"
 #endif
 
 #include "hopper_tile.cuh"

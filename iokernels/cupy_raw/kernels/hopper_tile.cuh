@@ -44,6 +44,8 @@
 
 #if BLOCK_N == 128
 #define WGMMA_S wgmma_ss_n128<0>
+#elif BLOCK_N == 80
+#define WGMMA_S wgmma_ss_n80<0>               // attention v8's key tile at head_dim 256
 #else
 #define WGMMA_S wgmma_ss_n64<0>
 #endif
