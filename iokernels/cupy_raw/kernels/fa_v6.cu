@@ -68,31 +68,8 @@
 // v6 computes, once before the loop, the two bounds of each of a thread's two rows (row r sees key
 // c iff lo[r] <= c <= hi[r]: c < Nk, c <= r + Nk - Nq + right, c >= r + Nk - Nq - left, the same
 // visibility) and of the block (a tile needs no mask iff cmin <= its first key and its last <=
-// cmax), and runs one softmax whose mask is a run-time flag.
-struct RowBounds {
-    int lo[2], hi[2];
-};
-__device__ __forceinline__ RowBounds row_bounds(const AttnShape& p, int row_a) {
-    const int off = p.nk - p.nq;
-    RowBounds b;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row_a + 8 * r;
-        b.lo[r] = p.left >= 0 ? row + off - p.left : 0;                  // keys are >= 0 anyway
-        b.hi[r] = p.right >= 0 ? min(p.nk - 1, row + off + p.right) : p.nk - 1;
-    }
-    return b;
-}
-struct TileBounds {
-    int cmin, cmax;
-};
-__device__ __forceinline__ TileBounds tile_bounds(const AttnShape& p, int r0, int r_last) {
-    const int off = p.nk - p.nq;
-    return {p.left >= 0 ? r_last + off - p.left : 0, p.right >= 0 ? min(p.nk - 1, r0 + off + p.right) : p.nk - 1};
-}
-__device__ __forceinline__ bool tile_needs_mask_b(const TileBounds& tb, int j) {
-    return j * BLOCK_N < tb.cmin || j * BLOCK_N + BLOCK_N - 1 > tb.cmax;
-}
+// cmax), and runs one softmax whose mask is a run-time flag (the bounds: hopper_tile.cuh's
+// RowBounds and TileBounds).
 // softmax_step (hopper_tile.cuh) with the mask read from the row bounds, applied where ``mask``:
 // S scaled into log2 units, the keys a row must not see set to -inf, then softmax_update
 __device__ __forceinline__ void softmax_step_rows(float (&s)[S_REGS], RowState& st, float (&alpha)[2],

@@ -50,34 +50,8 @@
 #define SCHED_THREADS 256
 #define WORK_AFTER_SETMAXNREG (HEAD_DIM == 256)
 
-// The mask from row bounds (fa_v6.cu's, copied forward): row r sees key c iff lo[r] <= c <= hi[r]
-// (c < Nk, c <= r + Nk - Nq + right, c >= r + Nk - Nq - left: hopper_tile.cuh's visibility); a
-// tile needs no mask iff every row of the block sees all its keys (cmin <= its first, its last <= cmax)
-struct RowBounds {
-    int lo[2], hi[2];
-};
-__device__ __forceinline__ RowBounds row_bounds(const AttnShape& p, int row_a) {
-    const int off = p.nk - p.nq;
-    RowBounds b;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row_a + 8 * r;
-        b.lo[r] = p.left >= 0 ? row + off - p.left : 0;                  // keys are >= 0 anyway
-        b.hi[r] = p.right >= 0 ? min(p.nk - 1, row + off + p.right) : p.nk - 1;
-    }
-    return b;
-}
-struct TileBounds {
-    int cmin, cmax;
-};
-__device__ __forceinline__ TileBounds tile_bounds(const AttnShape& p, int r0, int r_last) {
-    const int off = p.nk - p.nq;
-    return {p.left >= 0 ? r_last + off - p.left : 0, p.right >= 0 ? min(p.nk - 1, r0 + off + p.right) : p.nk - 1};
-}
-__device__ __forceinline__ bool tile_needs_mask_b(const TileBounds& tb, int j) {
-    return j * BLOCK_N < tb.cmin || j * BLOCK_N + BLOCK_N - 1 > tb.cmax;
-}
-// softmax_step<true> (hopper_tile.cuh) with the mask read from the row bounds: S scaled into
+// softmax_step<true> (hopper_tile.cuh) with the mask read from the row bounds (hopper_tile.cuh's
+// RowBounds, computed once before the loop, as fa_v6.cu does): S scaled into
 // log2 units, the keys a row must not see set to -inf, then softmax_update.  Tiles that need no
 // mask run softmax_step<false>, v5's own, unchanged.
 __device__ __forceinline__ void softmax_step_rows(float (&s)[S_REGS], RowState& st, float (&alpha)[2],
@@ -94,48 +68,6 @@ __device__ __forceinline__ void softmax_step_rows(float (&s)[S_REGS], RowState& 
         mx[r] = fmaxf(mx[r], x);
     }
     softmax_update(s, st, alpha, mx);
-}
-
-// The barriers of v7: v5's (q_full, k_full, v_full, empty: here the V tiles' empties) and, after
-// them, k_empty[STAGES]: the launcher's SRAM size counts 1 + 4 x STAGES barriers for v7 and v8.
-__device__ __forceinline__ u64* k_empty_of(const AttnSmem& sm) { return sm.empty + STAGES; }
-
-// one thread: the full barriers complete on the producer's expect_tx arrival plus the copy
-// engine's bytes; each empty one on one arrival per consumer warp
-__device__ __forceinline__ void init_barriers_kv_apart(const AttnSmem& sm, int consumer_warps) {
-    mbar_init(sm.q_full, 1);
-    for (int s = 0; s < STAGES; ++s) {
-        mbar_init(&sm.k_full[s], 1);
-        mbar_init(&sm.v_full[s], 1);
-        mbar_init(&sm.empty[s], consumer_warps);
-        mbar_init(&k_empty_of(sm)[s], consumer_warps);
-    }
-    mbar_fence_init();
-}
-
-// the producer's one thread: Q_i once, then K_j and V_{j-1} in the order the consumers use them,
-// each into its stage as soon as that stage's last K (or V) tile has been released
-__device__ __forceinline__ void produce_kv_apart(const AttnSmem& sm, const BlockWork& w, const TmaMap* map_q,
-                                                 const TmaMap* map_k, const TmaMap* map_v) {
-    u64* k_empty = k_empty_of(sm);
-    mbar_arrive_expect_tx(sm.q_full, Q_TILE_BYTES);               // load Q_i -> SRAM, once
-    for (int pnl = 0; pnl < D_PANELS; ++pnl)
-        tma_load_3d(sm.q + pnl * Q_PANEL_BYTES, map_q, sm.q_full, pnl * PANEL, w.r0, w.bh);
-    for (int it = 0; it <= w.n_tiles; ++it) {
-        if (it < w.n_tiles) {                                     // K_j -> stage it % STAGES
-            const int s = it % STAGES;
-            mbar_wait(&k_empty[s], ((it / STAGES) & 1) ^ 1);
-            mbar_arrive_expect_tx(&sm.k_full[s], KV_TILE_BYTES);
-            load_kv_tile(sm.k + s * KV_TILE_BYTES, map_k, &sm.k_full[s], (w.tiles.begin + it) * BLOCK_N, w.bh_kv);
-        }
-        if (it > 0) {                                             // V_{j-1} -> stage (it - 1) % STAGES
-            const int sp = (it - 1) % STAGES;
-            mbar_wait(&sm.empty[sp], (((it - 1) / STAGES) & 1) ^ 1);
-            mbar_arrive_expect_tx(&sm.v_full[sp], KV_TILE_BYTES);
-            load_kv_tile(sm.v + sp * KV_TILE_BYTES, map_v, &sm.v_full[sp], (w.tiles.begin + it - 1) * BLOCK_N,
-                         w.bh_kv);
-        }
-    }
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)

@@ -1,7 +1,7 @@
 // hopper_attention.cuh -- what the Hopper FlashAttention versions over contiguous tensors
-// (fa_v3, fa_v4, fa_v5; bwd_v3 reuses it) share beyond the tile math of hopper_tile.cuh: the
+// (fa_v3 .. fa_v8; bwd_v3 reuses it) share beyond the tile math of hopper_tile.cuh: the
 // tile sizes in SRAM, the SRAM layout of a block, and the TMA copies of the producer (Q, K, V
-// seen as 3-D tensors (head_dim, seq, batch * heads)).
+// seen as 3-D tensors (head_dim, seq, batch * heads)); and (fa_v7, fa_v8) K and V released apart.
 #pragma once
 #include "hopper_common.cuh"
 
@@ -93,5 +93,49 @@ __device__ __forceinline__ void produce(const AttnSmem& sm, const BlockWork& w, 
         load_kv_tile(sm.k + s * KV_TILE_BYTES, map_k, &sm.k_full[s], key0, w.bh_kv);
         mbar_arrive_expect_tx(&sm.v_full[s], KV_TILE_BYTES);
         load_kv_tile(sm.v + s * KV_TILE_BYTES, map_v, &sm.v_full[s], key0, w.bh_kv);
+    }
+}
+
+// ----------------------------------------------------------------------------- K and V released apart
+// (v7, v8) v5's barriers (q_full, k_full, v_full, empty: here the V tiles' empties) and, after
+// them, k_empty[STAGES]: the launcher's SRAM size counts 1 + 4 x STAGES barriers for these versions
+// (HopperConfig.smem_bytes, BARRIERS_A_STAGE).
+__device__ __forceinline__ u64* k_empty_of(const AttnSmem& sm) { return sm.empty + STAGES; }
+
+// (v7, v8) one thread: the full barriers complete on the producer's expect_tx arrival plus the copy
+// engine's bytes; each empty one on one arrival per consumer warp
+__device__ __forceinline__ void init_barriers_kv_apart(const AttnSmem& sm, int consumer_warps) {
+    mbar_init(sm.q_full, 1);
+    for (int s = 0; s < STAGES; ++s) {
+        mbar_init(&sm.k_full[s], 1);
+        mbar_init(&sm.v_full[s], 1);
+        mbar_init(&sm.empty[s], consumer_warps);
+        mbar_init(&k_empty_of(sm)[s], consumer_warps);
+    }
+    mbar_fence_init();
+}
+
+// (v7, v8) the producer's one thread: Q_i once, then K_j and V_{j-1} in the order the consumers use them,
+// each into its stage as soon as that stage's last K (or V) tile has been released
+__device__ __forceinline__ void produce_kv_apart(const AttnSmem& sm, const BlockWork& w, const TmaMap* map_q,
+                                                 const TmaMap* map_k, const TmaMap* map_v) {
+    u64* k_empty = k_empty_of(sm);
+    mbar_arrive_expect_tx(sm.q_full, Q_TILE_BYTES);               // load Q_i -> SRAM, once
+    for (int pnl = 0; pnl < D_PANELS; ++pnl)
+        tma_load_3d(sm.q + pnl * Q_PANEL_BYTES, map_q, sm.q_full, pnl * PANEL, w.r0, w.bh);
+    for (int it = 0; it <= w.n_tiles; ++it) {
+        if (it < w.n_tiles) {                                     // K_j -> stage it % STAGES
+            const int s = it % STAGES;
+            mbar_wait(&k_empty[s], ((it / STAGES) & 1) ^ 1);
+            mbar_arrive_expect_tx(&sm.k_full[s], KV_TILE_BYTES);
+            load_kv_tile(sm.k + s * KV_TILE_BYTES, map_k, &sm.k_full[s], (w.tiles.begin + it) * BLOCK_N, w.bh_kv);
+        }
+        if (it > 0) {                                             // V_{j-1} -> stage (it - 1) % STAGES
+            const int sp = (it - 1) % STAGES;
+            mbar_wait(&sm.empty[sp], (((it - 1) / STAGES) & 1) ^ 1);
+            mbar_arrive_expect_tx(&sm.v_full[sp], KV_TILE_BYTES);
+            load_kv_tile(sm.v + sp * KV_TILE_BYTES, map_v, &sm.v_full[sp], (w.tiles.begin + it - 1) * BLOCK_N,
+                         w.bh_kv);
+        }
     }
 }

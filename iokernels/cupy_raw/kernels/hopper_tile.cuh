@@ -1,10 +1,10 @@
 // hopper_tile.cuh -- what every Hopper attention kernel does to one tile, whatever the layout
-// its Q, K and V have in HBM (contiguous tensors: fa_v3 .. fa_v5 and bwd_v3, through
+// its Q, K and V have in HBM (contiguous tensors: fa_v3 .. fa_v8 and bwd_v3, through
 // hopper_attention.cuh; a paged cache: paged_prefill_v3, through hopper_paged.cuh; FP8 codes:
 // fa_fp8_v1 and v2, through hopper_fp8.cuh): the register shapes of S and O, the key-tile range
 // of a query block, the mask, the online softmax of one S tile held in wgmma accumulator
-// registers, the two products from SRAM, the P fragments, and the epilogue.  One home for each,
-// so a kernel that reads its tiles another way does not fork them.
+// registers (and the mask as two bounds a row), the two products from SRAM, the P fragments, and
+// the epilogue.  One home for each, so a kernel that reads its tiles another way does not fork them.
 //
 // Notation (FlashAttention's):
 //   Br = BLOCK_M  query rows a thread block owns (64 per consumer warpgroup)
@@ -105,6 +105,35 @@ __device__ __forceinline__ bool tile_needs_mask(const AttnShape& p, int j, int r
 __device__ __forceinline__ bool visible(const AttnShape& p, int r, int c) {
     const int off = p.nk - p.nq;
     return c < p.nk && (p.right < 0 || c <= r + off + p.right) && (p.left < 0 || c >= r + off - p.left);
+}
+
+// The same visibility as two bounds a row, computed once (fa_v6, fa_v8): row r sees key c iff
+// lo[r] <= c <= hi[r] (c < Nk, c <= r + Nk - Nq + right, c >= r + Nk - Nq - left); and a block's
+// (a tile needs no mask iff every row of the block sees all its keys: cmin <= its first key and
+// its last <= cmax)
+struct RowBounds {
+    int lo[2], hi[2];
+};
+__device__ __forceinline__ RowBounds row_bounds(const AttnShape& p, int row_a) {
+    const int off = p.nk - p.nq;
+    RowBounds b;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row_a + 8 * r;
+        b.lo[r] = p.left >= 0 ? row + off - p.left : 0;                  // keys are >= 0 anyway
+        b.hi[r] = p.right >= 0 ? min(p.nk - 1, row + off + p.right) : p.nk - 1;
+    }
+    return b;
+}
+struct TileBounds {
+    int cmin, cmax;
+};
+__device__ __forceinline__ TileBounds tile_bounds(const AttnShape& p, int r0, int r_last) {
+    const int off = p.nk - p.nq;
+    return {p.left >= 0 ? r_last + off - p.left : 0, p.right >= 0 ? min(p.nk - 1, r0 + off + p.right) : p.nk - 1};
+}
+__device__ __forceinline__ bool tile_needs_mask_b(const TileBounds& tb, int j) {
+    return j * BLOCK_N < tb.cmin || j * BLOCK_N + BLOCK_N - 1 > tb.cmax;
 }
 
 // the online-softmax state of this thread's two rows
