@@ -321,11 +321,12 @@ def hopper_v8_default_at(head_dim: int) -> bool:
     two key bounds a row; 80-key tiles at head_dim 256) at ``head_dim``: the head dims in
     HOPPER_V8_DEFAULT_HEAD_DIMS.
 
-    256: its tiles there (80 keys, two stages) ran the GPU tests and were timed 1.05-1.09x v7 in
-    benchmarks/results/sweeps/2026-12-06_1735_attention_v8_h100.txt (an H100).  At 64 and 128 the
-    same sweep timed its 128-key tiles in three stages at 0.99-1.10x v5 (faster under the causal
-    mask, 1.3% slower at head_dim 128 without one), but the GPU tests have run v8 there only at
-    other tiles: those head dims join this tuple once they have run its default tiles."""
+    256: its tiles there (80 keys, two stages) ran the GPU tests and were timed faster than v7 at
+    every shape of benchmarks/results/sweeps/2026-12-06_1735_attention_v8_h100.txt (an H100).  At
+    64 and 128 the same sweep timed its 128-key tiles in three stages against v5: faster under the
+    causal mask, slightly slower at head_dim 128 without one; but the GPU tests have run v8 there
+    only at other tiles, so those head dims join this tuple once they have run its default tiles
+    (and the benchmark has weighed the two cases)."""
     return head_dim in HOPPER_V8_DEFAULT_HEAD_DIMS
 
 
