@@ -124,9 +124,8 @@ fa_v8(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k
         if (PINGPONG && c == 1) named_bar_arrive(SCHED_BAR + 0, SCHED_THREADS);
         mbar_wait(sm.q_full, 0);
 
-        // prologue: S_0 = Q K_0^T, softmax -> P_0 (K_0 is released at the top of the first turn of
-        // the loop, where the consumer's other arrivals are: released here, ptxas kept 8 bytes
-        // on the stack at HEAD_DIM 256.  With one tile no K is loaded after K_0.)
+        // prologue: S_0 = Q K_0^T, softmax -> P_0 (K_0 is released at the top of the loop's first
+        // turn, as in fa_v7.cu; with one tile no K is loaded after K_0)
         float sacc[S_REGS];
         u32 pa[PV_STEPS][4];
         float alpha[2];
