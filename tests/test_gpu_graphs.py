@@ -103,6 +103,16 @@ def test_attention_replays_like_eager(dtype, causal):
                         _refill(q, k, v))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_at_head_dim_256_replays_like_eager(causal):
+    """Head dim 256 takes the Hopper forward's own tiles there (on Hopper the default is v8, 80-key
+    tiles in two stages, with K and V released apart); elsewhere the portable kernel."""
+    q, k, v = (randn(1, 4, 333, 256, dtype=torch.bfloat16), randn(1, 2, 333, 256, dtype=torch.bfloat16),
+               randn(1, 2, 333, 256, dtype=torch.bfloat16))
+    replay_equals_eager(lambda: ik.attention(q, k, v, causal=causal, backend="cupy", return_lse=True),
+                        _refill(q, k, v))
+
+
 @pytest.mark.parametrize("config", [None, cr.DecodeConfig("v1"), cr.DecodeConfig("v3"),
                                     cr.DecodeConfig("v3", fused=False)])
 def test_decode_replays_like_eager(config):
