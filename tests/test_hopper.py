@@ -52,7 +52,8 @@ def _jobs():
                   (dict(version="v7", pingpong=False), 256), (dict(version="v7", stages=4), 64),
                   (dict(version="v8", block_n=64), 128), (dict(version="v8", block_n=64), 256),
                   (dict(version="v8", stages=2), 64), (dict(version="v8", pingpong=False), 128),
-                  (dict(version="v8", pingpong=False), 256)):
+                  (dict(version="v8", pingpong=False), 256), (dict(version="v9", block_n=64), 256),
+                  (dict(version="v9", stages=2), 128), (dict(version="v9", pingpong=False), 64)):
         cfg = hp.HopperConfig(**kw)
         jobs.append((f"fa_{cfg.version} {kw} bfloat16 d={d}", f"fa_{cfg.version}", cfg.defines(d, "bfloat16")))
     for dtype in hp.DTYPES:
@@ -121,6 +122,8 @@ def test_sources_refuse_what_they_cannot_run(tmp_path):
                                    ("fa_v5", dict(base, HEAD_DIM=256, BLOCK_N=80), "at HEAD_DIM 256"),
                                    ("fa_v8", dict(base, BLOCK_N=80), "BLOCK_N 80 is the wide key tile"),
                                    ("fa_v8", dict(base, BLOCK_N=96), "BLOCK_N 64 or 128"),
+                                   ("fa_v9", dict(base, BLOCK_N=80), "BLOCK_N 80 is the wide key tile"),
+                                   ("fa_v9", dict(base, STAGES=1), "at least two stages"),
                                    ("hopper_gemm", dict(hp.gemm_defines("bfloat16"), BK=32), "BK is one"),
                                    ("mla_decode", dict(LATENT=256, ROPE=64, IK_DTYPE=2), "LATENT 512 and ROPE 64"),
                                    ("mla_decode", dict(PAGED=1, PAGE_SIZE=16, IK_DTYPE=2), "multiple of 64")):
@@ -138,9 +141,11 @@ def test_every_kernel_file_is_a_source():
 
 # --------------------------------------------------------------------------- config, checks (no GPU)
 def test_config_validation_names_the_field():
-    for kw, field in ((dict(version="v9"), "config.version"), (dict(block_n=96), "config.block_n"),
+    for kw, field in ((dict(version="v10"), "config.version"), (dict(block_n=96), "config.block_n"),
                       (dict(stages=0), "config.stages"), (dict(stages=True), "config.stages"),
-                      (dict(pingpong=1), "config.pingpong")):
+                      (dict(pingpong=1), "config.pingpong"), (dict(version="v9", blocks=0), "config.blocks"),
+                      (dict(version="v9", blocks=True), "config.blocks"),
+                      (dict(version="v8", blocks=4), "config.blocks"), (dict(blocks=4), "config.blocks")):
         with pytest.raises(ValueError, match=field):
             hp.HopperConfig(**kw)
     with pytest.raises(ValueError, match="config.stages"):
@@ -220,7 +225,7 @@ def test_the_head_dim_gate_keeps_the_portable_kernel_where_it_is_closed(monkeypa
         k, cfg = REGISTRY.resolve("attention", hp.HopperConfig(version=version), at[256])
         assert k.version == version and k.config_class is hp.HopperConfig
         c = cfg.resolve(256)
-        assert (c.block_n, c.stages) == ((80, 2) if version == "v8" else (64, 2))
+        assert (c.block_n, c.stages) == ((80, 2) if version in ("v8", "v9") else (64, 2))
         c.check_fits(256, hp.FALLBACK_SMEM_OPTIN)
 
 
@@ -382,27 +387,28 @@ def test_v8_tiles_80_keys_at_256_and_v5s_elsewhere():
     assert hp.block_n_choices("v7", 256) == (64,)
     with pytest.raises(ValueError, match="config.stages: 3 stages of Bc = 80 at head_dim 256"):
         hp.HopperConfig(version="v8", stages=3).check_fits(256, hp.FALLBACK_SMEM_OPTIN)
-    with pytest.raises(ValueError, match="config.block_n: at head_dim 128 v8 takes Bc in .*80 is v8's key tile at "
-                                         "head_dim 256 only"):
+    with pytest.raises(ValueError, match="config.block_n: at head_dim 128 v8 takes Bc in .*80 is v8's and v9's key "
+                                         "tile at head_dim 256 only"):
         hp.HopperConfig(version="v8", block_n=80).check_fits(128, hp.FALLBACK_SMEM_OPTIN)
     with pytest.raises(ValueError, match="config.block_n: at head_dim 256 v8 takes Bc in \\(64, 80\\)"):
         hp.HopperConfig(version="v8", block_n=128).check_fits(256, hp.FALLBACK_SMEM_OPTIN)
     for version in (None, "v5", "v7"):
-        with pytest.raises(ValueError, match="config.block_n: 80 keys is a tile of v8's only"):
+        with pytest.raises(ValueError, match="config.block_n: 80 keys is a tile of v8's and v9's only"):
             hp.HopperConfig(version=version, block_n=80)
     with pytest.raises(ValueError, match="config.block_n: expected one of \\(64, 80, 128\\)"):
         hp.HopperConfig(version="v8", block_n=96)
 
 
 def test_v8_is_the_default_at_256_and_its_gate_opens_in_one_place(monkeypatch):
-    """As if on a Hopper GPU: v8 ranks above every Hopper version; the default picks it at head_dim
+    """As if on a Hopper GPU: v8 ranks above every Hopper version but v9 (held back); the default picks it at head_dim
     256 (policy.hopper_v8_default_at) and says why not at 64 and 128; a config naming it runs it
     everywhere; with 64 and 128 added to its gate it is the default there too."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v8")
-    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention")) and rec.file == "fa_v8.cu"
+    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version != "v9")
+    assert rec.file == "fa_v8.cu" and ("attention", "v9") in P.HELD_BACK
     assert ("attention", "v8") not in P.HELD_BACK and P.HOPPER_V8_DEFAULT_HEAD_DIMS == (256,)
     at = {d: Need(dtype="float16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     for d in hp.HEAD_DIMS:
@@ -421,6 +427,72 @@ def test_v8_sanitizer_cases_fit_every_head_dim():
     for kw in S.VARIANTS[("attention", "v8")]:
         for d in hp.HEAD_DIMS:
             hp.HopperConfig(version="v8", **kw).check_fits(d, hp.FALLBACK_SMEM_OPTIN)
+
+
+# --------------------------------------------------------------------------- v9: persistent
+def test_v9_takes_v8s_tiles_a_block_an_sm_and_16_bytes_more():
+    """v9 is v8's block with its tiles at every head dim; its SRAM is v8's and Q's empty barrier and
+    the tile index (16 bytes); its grid is min(query tiles, SMs or config.blocks) blocks in a row,
+    where the other versions launch a block a query tile."""
+    for d in hp.HEAD_DIMS:
+        c8, c9 = hp.HopperConfig(version="v8").resolve(d), hp.HopperConfig(version="v9").resolve(d)
+        assert (c9.block_n, c9.stages, c9.block_m(), hp.THREADS["v9"]) == (c8.block_n, c8.stages, 128, 384)
+        assert c9.smem_bytes(d) == c8.smem_bytes(d) + 16
+        assert c9.defines(d, "bfloat16") == c8.defines(d, "bfloat16")
+        c9.check_fits(d, hp.FALLBACK_SMEM_OPTIN)
+    v9, v8 = hp.HopperConfig(version="v9").resolve(128), hp.HopperConfig(version="v8").resolve(128)
+    assert hp.grid(v8, 16, 16, 1000, 132) == (8, 16, 16)
+    assert hp.grid(v9, 16, 16, 1000, 132) == (132, 1, 1)          # 2048 tiles, one block an SM
+    assert hp.grid(v9, 1, 2, 300, 132) == (6, 1, 1)               # fewer tiles than SMs: a block each
+    assert hp.grid(v9.replace(blocks=3), 16, 16, 1000, 132) == (3, 1, 1)
+    assert hp.HopperConfig(version="v9", blocks=3).resolve(256).blocks == 3
+    assert hp.block_n_choices("v9", 256) == (64, 80) and hp.PERSISTENT == ("v9",)
+
+
+def test_v9_is_held_back_and_runs_when_named(monkeypatch):
+    """As if on a Hopper GPU: v9 ranks above v8 but the default does not pick it until measured
+    (policy.HELD_BACK says so); a config naming it runs it at every head dim; released, it would
+    be the default everywhere."""
+    from iokernels.cupy_raw import REGISTRY
+    from iokernels.cupy_raw.hopper import checks
+    monkeypatch.setattr(checks, "available", lambda: None)
+    rec = REGISTRY.get("attention", "v9")
+    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention")) and rec.file == "fa_v9.cu"
+    assert rec.args is hp.persistent_attention_args and "held back from the default" in rec.summary
+    at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
+    for d in hp.HEAD_DIMS:
+        assert rec.unavailable(at[d]) is None and "measured" in rec.not_default(at[d])
+        assert REGISTRY.resolve("attention", hp.HopperConfig(version="v9"), at[d])[0] is rec
+        assert REGISTRY.default("attention", at[d]).version == ("v8" if d == 256 else "v5")
+    monkeypatch.delitem(P.HELD_BACK, ("attention", "v9"))
+    assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == ["v9"] * 3
+
+
+def test_v9_arguments_end_with_the_batch_and_the_counter():
+    """fa_v9's arguments are fa_v8's, then the batch and the two-int tile counter's pointer."""
+    from iokernels.core.arrays import DeviceArray
+    shape = (3, 4, 300, 128)
+    q = DeviceArray(1 << 20, shape, (153600, 38400, 128, 1), "bfloat16", 2, None)
+    o = DeviceArray(2 << 20, shape, (153600, 38400, 128, 1), "bfloat16", 2, None)
+    lse = DeviceArray(3 << 20, shape[:3], (1200, 300, 1), "float32", 4, None)
+    claimed = DeviceArray(4 << 20, (2,), (1,), "int32", 4, None)
+    kw = dict(dtype="bfloat16", block_n=128, scale=0.1, window=(-1, 0), heavy_first=True)
+    try:
+        v8 = hp.attention_args(q, q, q, o, lse, **kw)
+    except Exception as e:                                          # no CUDA driver: no tensor maps here
+        pytest.skip(f"tensor maps need the CUDA driver: {e}")
+    v9 = hp.persistent_attention_args(q, q, q, o, lse, claimed=claimed, **kw)
+    assert len(v9) == len(v8) + 2 and v9[-2] == 3 and v9[-1] == claimed.ptr
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(v9[3:-2], v8[3:]))
+
+
+def test_v9_sanitizer_cases_claim_many_tiles_and_fit_every_head_dim():
+    from iokernels.cupy_raw import sanitize as S
+    assert (256, True, None) in S.FORWARD_EXTRA[("attention", "v9")]
+    assert {kw.get("blocks") for kw in S.VARIANTS[("attention", "v9")]} == {None, 1, 2}
+    for kw in S.VARIANTS[("attention", "v9")]:
+        for d in hp.HEAD_DIMS:
+            hp.HopperConfig(version="v9", **kw).check_fits(d, hp.FALLBACK_SMEM_OPTIN)
 
 
 def test_available_gives_a_reason_or_none():
@@ -674,3 +746,67 @@ def test_v8_gives_v5s_bits_at_its_128_key_tiles(rng, d, causal):
         o8, l8 = hp.attention(q, k, v, causal=causal, window=window, config=hp.HopperConfig(version="v8"))
         torch.cuda.synchronize()
         assert torch.equal(o8, o5) and torch.equal(l8, l5), (d, causal, window)
+
+
+# --------------------------------------------------------------------------- v9 on a Hopper GPU
+# v9 joins test_two_x_rule_square and test_two_x_rule_gqa_and_unequal_lengths at its default grid;
+# it changes which block computes a tile and when its loads are issued, not the arithmetic.
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", hp.HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True))
+def test_v9_gives_v8s_bits(rng, d, causal):
+    """O and LSE equal to v8's bit for bit: one block an SM, three blocks (each claims dozens of
+    tiles), one block without ping-pong; windows, GQA, Nq != Nk; the same launch twice (the counter
+    is back at zero after each); and through ik.attention (the plan path), also captured in a CUDA
+    graph and replayed."""
+    import torch
+
+    import iokernels as ik
+    q, k, v = _torch_inputs(rng, 3, 8, 2, 1000, 1100, d, "bfloat16" if causal else "float16")
+    for window in (None, (300, 0) if causal else (200, 50)):
+        o8, l8 = hp.attention(q, k, v, causal=causal, window=window, config=hp.HopperConfig(version="v8"))
+        for kw in ({}, dict(blocks=3), dict(blocks=1, pingpong=False)):
+            for _ in range(2):
+                o9, l9 = hp.attention(q, k, v, causal=causal, window=window,
+                                      config=hp.HopperConfig(version="v9", **kw))
+                torch.cuda.synchronize()
+                assert torch.equal(o9, o8) and torch.equal(l9, l8), (d, causal, window, kw)
+    cfg = hp.HopperConfig(version="v9", blocks=5)
+    o8 = hp.attention(q, k, v, causal=causal, config=hp.HopperConfig(version="v8"))[0]
+    assert torch.equal(ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg), o8)
+    ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)        # warm: the plan exists
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)    # this stream's counter
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)
+    for _ in range(3):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, o8)
+
+
+@gpu
+@pytest.mark.gpu
+def test_v9_tiles_without_keys_one_tile_and_fewer_tiles_than_blocks(rng):
+    """Query tiles whose rows see no key (bottom-right causal, Nq > Nk: zero and -inf, no Q loaded),
+    blocks of one key tile, Nk = 1, and a grid of more blocks asked for than there are tiles; by
+    the 2x rule and against v8's bits."""
+    import torch
+    for Nq, Nk, causal, d in ((700, 200, True, 128), (64, 1, False, 256), (130, 64, False, 64), (900, 100, True, 64)):
+        q, k, v = _torch_inputs(rng, 2, 2, 1, Nq, Nk, d, "bfloat16")
+        for kw in ({}, dict(blocks=1), dict(blocks=1000)):
+            cfg = hp.HopperConfig(version="v9", **kw)
+            _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=cfg), f"v9 {kw} Nq={Nq} Nk={Nk}")
+            o9, l9 = hp.attention(q, k, v, causal=causal, config=cfg)
+            o8, l8 = hp.attention(q, k, v, causal=causal, config=hp.HopperConfig(version="v8"))
+            torch.cuda.synchronize()
+            assert torch.equal(o9, o8) and torch.equal(l9, l8), (Nq, Nk, causal, kw)
+        if causal:
+            assert torch.equal(o9[:, :, :Nq - Nk], torch.zeros_like(o9[:, :, :Nq - Nk]))
+            assert torch.isneginf(l9[:, :, :Nq - Nk]).all() and not torch.isnan(o9).any()

@@ -64,6 +64,10 @@ step):
 ====================  =======  ===================  ====  ====================================================
 op                    version  file                 rank  what it adds
 ====================  =======  ===================  ====  ====================================================
+attention             v9       fa_v9.cu             160   Hopper: v8 as a persistent kernel (a block an SM
+                                                          claims query tiles, the next tile's Q and K loaded
+                                                          during the last one's end) (held back from the
+                                                          default until measured)
 attention             v8       fa_v8.cu             150   Hopper: v7 with the masked softmax reading two key
                                                           bounds a row, and 80-key tiles at head_dim 256 (the
                                                           default there)

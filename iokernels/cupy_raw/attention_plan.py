@@ -1,9 +1,9 @@
 """The attention forward planned once per shape (:mod:`.plans` says why and how).
 
 One class for both families: the portable versions (fa_v1.cu .. fa_v2.cu, whose arguments
-are pointers, sizes and strides) and the Hopper ones (fa_v3.cu .. fa_v8.cu, whose Q, K, V
+are pointers, sizes and strides) and the Hopper ones (fa_v3.cu .. fa_v9.cu, whose Q, K, V
 arrive as TMA tensor maps that encode the arrays' addresses: a plan keeps the maps of the
-last few address triples it saw).
+last few address triples it saw; the persistent v9 also takes a tile counter, one a stream).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .config import CHUNK_BYTES, fit_config
 from .hopper.attention import _check_attention_inputs
 from .hopper.records import run_attention as hopper_run_attention
 from .hopper.checks import require_available
-from .hopper.config import THREADS
+from .hopper.config import PERSISTENT, THREADS, grid as hopper_grid
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, unit_rows
 from .packed import SLOT, ArgBuffer, function_ptr, slots_of
 from .plans import NotPlanned, _Alloc, plan_for, _ptr, _ptrs, _stream_of, _window_key, array_key, int_ptrs
@@ -102,9 +102,16 @@ class AttentionPlan:
             self.fn = function(spec.file, spec.kernel, cfg.defines(d, dtype), self.smem, options=HOPPER_OPTIONS,
                                sources=HOPPER_SOURCES)
             block_m = cfg.block_m()
-            self.grid, self.block = (-(-Nq // block_m), Hq, B), (THREADS[cfg.version],)
+            self.grid = hopper_grid(cfg, B, Hq, Nq, device_info()["sms"])
+            self.block = (THREADS[cfg.version],)
             self.hargs = dict(dtype=dtype, block_n=cfg.block_n, scale=scale, window=window,
                               heavy_first=window[1] >= 0 and Nq > block_m, block_m=block_m)
+            self.persistent = cfg.version in PERSISTENT
+            self.slots = (3, 4)
+            if self.persistent:                            # v9's tile counter: a slot, one a stream
+                self.hargs["claimed"] = DeviceArray(_SLOT + 5, (2,), (1,), "int32", 4, None)
+                self.slots = (3, 4, 5)
+            self._claimed: dict = {}
             self._maps: OrderedDict = OrderedDict()        # argument tuples (CuPy's launch)
             self._buffers: OrderedDict = OrderedDict()     # packed arguments (the driver's launch)
         else:
@@ -136,11 +143,22 @@ class AttentionPlan:
         od = DeviceArray(_SLOT + 3, self.shape, _c_strides(self.shape), self.dtype, 2, None)
         ld = DeviceArray(_SLOT + 4, self.shape[:3], _c_strides(self.shape[:3]), "float32", 4, None)
         template = self.record.args(qd, kd, vd, od, ld, **self.hargs)
-        return template, _slots(template, (3, 4))
+        return template, _slots(template, self.slots)
 
-    def _hopper_args(self, q, k, v, o, lse) -> tuple:
+    def _more(self, stream: int) -> tuple:
+        """The slots after O's and LSE's: v9's tile counter on ``stream`` (two int32, zeroed once
+        when made: each launch leaves them zero), or nothing."""
+        if not self.persistent:
+            return ()
+        got = self._claimed.get(stream)
+        if got is None:
+            buf = self.alloc.zeros_int32(2)
+            got = self._claimed[stream] = (buf, _ptr(buf))
+        return (got[1],)
+
+    def _hopper_args(self, q, k, v, o, lse, stream: int) -> tuple:
         return mapped_args(self._maps, (int(_ptr(q)), int(_ptr(k)), int(_ptr(v))),
-                           lambda: self._hopper_template(q, k, v), (_ptr(o), _ptr(lse)))
+                           lambda: self._hopper_template(q, k, v), (_ptr(o), _ptr(lse), *self._more(stream)))
 
     def _hopper_packed(self, q, k, v, addresses: tuple):
         """The packed arguments of the tensor maps of Q, K, V at ``addresses`` (the last
@@ -165,19 +183,19 @@ class AttentionPlan:
             return o, lse
         stream, sobj = _stream_of(q)
         if (self.hopper and self.no_keys) or self.copy[0] or self.copy[1] or self.copy[2]:
-            self._run_copying(q, k, v, o, lse, sobj)
+            self._run_copying(q, k, v, o, lse, sobj, stream)
         elif self.hopper:
             pq, pk, pv, po, pl = int_ptrs(self.alloc.torch, q, k, v, o, lse)
             self._hopper_packed(q, k, v, (pq, pk, pv)).launch(self.fn_ptr, self.grid, self.block, self.smem,
-                                                              stream, po, pl)
+                                                              stream, po, pl, *self._more(stream))
         elif self.packed is not None:
             self.packed.launch(self.fn_ptr, self.grid, self.block, self.smem, stream,
                                *int_ptrs(self.alloc.torch, q, k, v, o, lse))
         else:
-            self._run_copying(q, k, v, o, lse, sobj)
+            self._run_copying(q, k, v, o, lse, sobj, stream)
         return o, lse
 
-    def _run_copying(self, q, k, v, o, lse, sobj) -> None:
+    def _run_copying(self, q, k, v, o, lse, sobj, stream: int) -> None:
         """The uncommon runs, through CuPy's own launch on the caller's stream: no keys (Hopper),
         inputs that need a contiguous copy first, arguments the packed launch does not take."""
         with sobj:
@@ -189,7 +207,7 @@ class AttentionPlan:
                 fix = (lambda x: contiguous(x, 16)) if self.hopper else (lambda x: unit_rows(x).owner)
                 q, k, v = (fix(x) if c else x for x, c in zip((q, k, v), self.copy))
             if self.hopper:
-                args = self._hopper_args(q, k, v, o, lse)
+                args = self._hopper_args(q, k, v, o, lse, stream)
             else:
                 args = list(self.template)
                 w = self.where

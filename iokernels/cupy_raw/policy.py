@@ -136,6 +136,7 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 #: :func:`hopper_default_at`
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
+    ("attention", "v9"): "its GPU tests and a benchmark record faster than v8 (and v5) on Hopper",
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
 }
 
@@ -243,7 +244,7 @@ HOPPER_BLOCK_N = 128
 #: one's S_j to the last one's P_j V_j: three tiles in use, a fourth landing (Q 24 KB + 4 x (K + V)
 #: 4 x 32 KB = 152 KB); v7 releases K_j and V_{j-1} apart, so two stages already keep a tile
 #: landing, and it keeps v5's third where that fits
-HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3, "v8": 3}
+HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3, "v8": 3, "v9": 3}
 #: head_dim 256: a consumer thread's O (64 x 256) is 128 float32 registers, so Bc = 64 keeps
 #: S (32) and P (16) beside it in the 240 that setmaxnreg gives (at Bc = 128 ptxas spills); and
 #: Q (128 x 256, 64 KB) + 2 x (K + V) (2 x 64 KB) = 192 KB leaves no room for a third stage
@@ -251,8 +252,8 @@ HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3, "v8": 3}
 #: stage only when its refill is already needed; v7, releasing K and V apart, is the version
 #: that keeps a tile landing with two).  FlashAttention-3's hopper/tile_size.h
 #: (code) picks a 128 x 80 tile at this head dim for 16-bit inputs (64 keys with a local
-#: window), noting that 128 x 80 reaches the SRAM limit: v8 takes it (HOPPER_V8_WIDE_TILES),
-#: the versions before it keep 64
+#: window), noting that 128 x 80 reaches the SRAM limit: v8 takes it (HOPPER_V8_WIDE_TILES), and
+#: v9 after it; the versions before it keep 64
 HOPPER_WIDE_HEAD_DIM = 256
 HOPPER_WIDE_TILES = (64, 2)
 #: v8's at head_dim 256: FlashAttention-3's 80 keys, two stages (224 KB of SRAM); measured against
@@ -270,7 +271,7 @@ HOPPER_V8_DEFAULT_HEAD_DIMS = (HOPPER_WIDE_HEAD_DIM,)
 def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
                  stages: int | None = None) -> tuple[int, int]:
     """(Bc, stages) of Hopper attention ``version`` at ``head_dim``: the given ones, else at
-    HOPPER_WIDE_HEAD_DIM the HOPPER_WIDE_TILES (v8: HOPPER_V8_WIDE_TILES), at the others
+    HOPPER_WIDE_HEAD_DIM the HOPPER_WIDE_TILES (v8 and v9: HOPPER_V8_WIDE_TILES), at the others
     HOPPER_BLOCK_N and the version's HOPPER_STAGES.
 
     At head_dim 64 FlashAttention-3's hopper/tile_size.h (code) takes a taller query tile and
@@ -284,7 +285,7 @@ def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
     (128) causal or not: S and P of 192 keys beside O do not fit 160 registers with P in
     registers, and 192 is no width of our wgmma wrappers; its stages are HOPPER_STAGES["v6"]."""
     if head_dim == HOPPER_WIDE_HEAD_DIM:
-        wide_n, wide_stages = HOPPER_V8_WIDE_TILES if version == "v8" else HOPPER_WIDE_TILES
+        wide_n, wide_stages = HOPPER_V8_WIDE_TILES if version in ("v8", "v9") else HOPPER_WIDE_TILES
         return block_n or wide_n, stages or wide_stages
     return block_n or HOPPER_BLOCK_N, stages or HOPPER_STAGES[version]
 

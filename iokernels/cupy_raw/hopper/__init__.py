@@ -38,13 +38,18 @@ v8       fa_v8.cu           the masked copy of the softmax reads two key bounds 
                             key by key; and at head_dim 256 FlashAttention-3's 80-key tile, whose
                             two stages v7's release keeps landing.  The default at head_dim
                             256 (policy.hopper_v8_default_at)
+v9       fa_v9.cu           v8 as a persistent kernel: min(query tiles, SMs) blocks, each claiming
+                            tiles from a counter; Q has an empty barrier, so the producer loads
+                            the next tile's Q and K/V tiles while the consumers finish the last
+                            P V and write O, and the ring runs on from tile to tile.  The same
+                            bits as v8.  Held back from the default until a GPU has measured it
 =======  =================  ===================================================================
 
 The default (``HopperConfig()``) is v5 at head_dim 64 and 128 and v8 at 256
 (:func:`~iokernels.cupy_raw.hopper.config.default_version`), the fastest measured there that the
-GPU tests have run (benchmarks/results); the registry ranks v8 > v7 > v6 > v5 > v4 > v3, all above
-the portable versions (at the head dims its default picks them: 64, 128 and 256); v6 is held back
-from the default until it is measured (:data:`~iokernels.cupy_raw.policy.HELD_BACK`), v7 and v8
+GPU tests have run (benchmarks/results); the registry ranks v9 > v8 > v7 > v6 > v5 > v4 > v3, all
+above the portable versions (at the head dims its default picks them: 64, 128 and 256); v6 and v9
+are held back from the default until they are measured (:data:`~iokernels.cupy_raw.policy.HELD_BACK`), v7 and v8
 have head-dim gates (:func:`~iokernels.cupy_raw.policy.hopper_v7_default_at`,
 ``hopper_v8_default_at``).
 
@@ -53,7 +58,8 @@ Notation (the papers' names):
 =======  ===========================================================================
 Br, Bc   query rows a block owns (BLOCK_M = 128: two consumer warpgroups of 64 rows; v6: 192),
          keys a K/V tile holds (``HopperConfig.block_n``)
-Tr, Tc   ceil(Nq / Br) query tiles (the grid's x), the K/V tiles a block visits
+Tr, Tc   ceil(Nq / Br) query tiles (the grid's x; v9's blocks claim them), the K/V tiles a
+         block visits
 S, P     S_ij = Q_i K_j^T (float32 wgmma accumulators), P_ij = exp2(S_ij scale log2(e) - m)
 m, l     running row max and row sum of the online softmax, in registers
 O        output accumulator (float32 registers), written once to HBM; LSE = m + log(l)
@@ -96,11 +102,11 @@ from ..launch import HOPPER_SOURCES as SOURCES  # noqa: F401
 from ..launch import KERNEL_DIR, hopper_source as source  # noqa: F401
 from .config import (BLOCK_M, BLOCK_MS, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES, default_version,  # noqa: F401
                      FALLBACK_SMEM_OPTIN, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_GROUP_M, GEMM_STAGES, GEMM_THREADS,
-                     HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, SMEM_ALIGN, THREADS, VERSION_HEAD_DIMS,
-                     VERSIONS, HopperConfig, block_n_choices, head_dims)
+                     HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, PERSISTENT, SMEM_ALIGN, THREADS,
+                     VERSION_HEAD_DIMS, VERSIONS, HopperConfig, block_n_choices, grid, head_dims)
 from .checks import available, check, default_check, require_available  # noqa: F401
 from .tensor_maps import tensor_map  # noqa: F401
-from .attention import attention, attention_args, launch_attention  # noqa: F401
+from .attention import attention, attention_args, launch_attention, persistent_attention_args  # noqa: F401
 from .gemm import gemm, gemm_defines, gemm_smem_bytes  # noqa: F401
 from .records import RECORDS  # noqa: F401
 from .oracle import gemm_check, oracle_check  # noqa: F401

@@ -1,4 +1,4 @@
-"""The Hopper attention launch (fa_v3.cu .. fa_v8.cu) and its argument builder."""
+"""The Hopper attention launch (fa_v3.cu .. fa_v9.cu) and its argument builders."""
 from __future__ import annotations
 
 import math
@@ -7,10 +7,10 @@ import numpy as np
 
 from ...core import conventions as cv
 from ...core.arrays import Call, device_array
-from ..launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, on_stream
+from ..launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, cupy, device_info, fill, function, on_stream
 from ..registry import REGISTRY
 from .checks import require_available
-from .config import BLOCK_M, DTYPES, HEAD_DIMS, PANEL, THREADS, HopperConfig
+from .config import BLOCK_M, DTYPES, HEAD_DIMS, PANEL, PERSISTENT, THREADS, HopperConfig, grid
 from .tensor_maps import tensor_map
 
 
@@ -76,10 +76,12 @@ def launch_attention(q, k, v, o, lse, *, dtype, scale, window, config):
     rec = REGISTRY.get("attention", cfg.version)
     smem = cfg.smem_bytes(d)
     fn = function(rec.file, rec.kernel, cfg.defines(d, dtype), smem, options=HOPPER_OPTIONS, sources=HOPPER_SOURCES)
+    extra = {}
+    if cfg.version in PERSISTENT:                 # the tile counter: zeros, and zeros again after the launch
+        extra["claimed"] = device_array(cupy().zeros(2, dtype=np.int32))
     args = rec.args(qd, kd, vd, od, ld, dtype=dtype, block_n=cfg.block_n, scale=scale, window=window,
-                    heavy_first=heavy_first, block_m=block_m)
-    grid = (-(-Nq // block_m), Hq, B)
-    fn(grid, (THREADS[cfg.version],), args, shared_mem=smem)
+                    heavy_first=heavy_first, block_m=block_m, **extra)
+    fn(grid(cfg, B, Hq, Nq, device_info()["sms"]), (THREADS[cfg.version],), args, shared_mem=smem)
 
 
 def attention_args(qd, kd, vd, od, ld, *, dtype, block_n, scale, window, heavy_first, block_m=BLOCK_M) -> tuple:
@@ -91,3 +93,13 @@ def attention_args(qd, kd, vd, od, ld, *, dtype, block_n, scale, window, heavy_f
     i32 = np.int32
     return (*maps, od.arg, ld.arg, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
             np.float32(scale * math.log2(math.e)), i32(window[0]), i32(window[1]), i32(heavy_first))
+
+
+def persistent_attention_args(qd, kd, vd, od, ld, *, dtype, block_n, scale, window, heavy_first, claimed,
+                              block_m=BLOCK_M) -> tuple:
+    """fa_v9.cu: :func:`attention_args`, then the batch (the kernel counts the query tiles itself)
+    and ``claimed``, two int32 that are zero before a launch (and again after it): the tiles
+    claimed so far and the blocks that have run out.  A stream's launches take turns on one
+    counter; launches that may run at the same time need one each."""
+    return (*attention_args(qd, kd, vd, od, ld, dtype=dtype, block_n=block_n, scale=scale, window=window,
+                            heavy_first=heavy_first, block_m=block_m), np.int32(qd.shape[0]), claimed.arg)

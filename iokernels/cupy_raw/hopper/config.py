@@ -8,7 +8,7 @@ from ..config_checks import check_version
 from ..launch import DTYPE_IDS
 from ..policy import HOPPER_WIDE_HEAD_DIM, hopper_tiles, hopper_v7_default_at, hopper_v8_default_at
 
-VERSIONS = ("v3", "v4", "v5", "v6", "v7", "v8")
+VERSIONS = ("v3", "v4", "v5", "v6", "v7", "v8", "v9")
 DTYPES = ("float16", "bfloat16")
 #: head dims the kernels are built for (the registry's default picks them at those
 #: :func:`~iokernels.cupy_raw.policy.hopper_default_at` allows)
@@ -24,19 +24,28 @@ MBARRIER_BYTES = 8
 #: attention: query rows a block owns: two consumer warpgroups of 64 rows (v5's ping-pong pair)
 BLOCK_M = 128
 #: ... by version: v6 has three consumer warpgroups (192 rows), at head_dim 64 only
-BLOCK_MS = {"v3": BLOCK_M, "v4": BLOCK_M, "v5": BLOCK_M, "v6": 192, "v7": BLOCK_M, "v8": BLOCK_M}
-#: threads: v3 has only the two computing warpgroups; v4, v5, v7, v8 add a producer warpgroup; v6
-#: is 1 producer + 3 consumers
-THREADS = {"v3": 256, "v4": 384, "v5": 384, "v6": 512, "v7": 384, "v8": 384}
-#: mbarriers a K/V stage: k_full, v_full and one empty barrier (v3 .. v6); v7 and v8 release K and
+BLOCK_MS = {"v3": BLOCK_M, "v4": BLOCK_M, "v5": BLOCK_M, "v6": 192, "v7": BLOCK_M, "v8": BLOCK_M, "v9": BLOCK_M}
+#: threads: v3 has only the two computing warpgroups; v4, v5, v7 .. v9 add a producer warpgroup;
+#: v6 is 1 producer + 3 consumers
+THREADS = {"v3": 256, "v4": 384, "v5": 384, "v6": 512, "v7": 384, "v8": 384, "v9": 384}
+#: mbarriers a K/V stage: k_full, v_full and one empty barrier (v3 .. v6); v7 .. v9 release K and
 #: V apart, so they have an empty barrier for each (fa_v7.cu)
-BARRIERS_A_STAGE = {"v7": 4, "v8": 4}
+BARRIERS_A_STAGE = {"v7": 4, "v8": 4, "v9": 4}
+#: SRAM bytes a version takes beyond its tiles and barriers: v9's Q empty barrier and the index of
+#: the tile it holds (fa_v9.cu)
+EXTRA_SMEM_BYTES = {"v9": 16}
+#: the persistent versions: a grid of at most one block an SM (:func:`grid`), which claim query
+#: tiles from a counter the launcher gives each stream (fa_v9.cu)
+PERSISTENT = ("v9",)
+#: the versions that take FlashAttention-3's 80-key tile at head_dim 256 (fa_v8.cu's, and v9 after it)
+WIDE_KEY_VERSIONS = ("v8", "v9")
 #: the head dims a version takes where it does not take all of HEAD_DIMS: v6's three consumer
 #: warpgroups have 160 registers a thread (setmaxnreg: 128 x 24 + 384 x 160 of the SM's 65536),
 #: room for O, S and P of 64 x 128 tiles only at head_dim 64
 VERSION_HEAD_DIMS = {"v6": (64,)}
 BLOCK_N_CHOICES = (64, 128)
-#: v8 (fa_v8.cu) also takes FlashAttention-3's 80-key tile at head_dim 256 (:func:`block_n_choices`)
+#: v8 and v9 (fa_v8.cu, fa_v9.cu) also take FlashAttention-3's 80-key tile at head_dim 256
+#: (:func:`block_n_choices`)
 V8_BLOCK_N_CHOICES = (64, 80, 128)
 #: at head_dim 256 only Bc = 64: O (64 x 256) is 128 float32 registers a consumer thread, and S, P
 #: of 128 keys beside it spill (hopper_attention.cuh refuses BLOCK_N 128 there)
@@ -67,15 +76,17 @@ def check_tile_fields(cfg, min_stages: int = 1, why: str = "", block_ns: tuple =
 class HopperConfig:
     """Tile settings of the Hopper attention kernels.
 
-    version: "v3" .. "v8" or None (the default: :func:`default_version`: v5, and v8 at head_dim 256).
-    block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256, where v8 also takes
-    80: :func:`block_n_choices`); None: the version's default at the head dim,
-    :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; at head_dim 256 64, and v8 80).
-    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 .. v8 at least 2; None: the version's
+    version: "v3" .. "v9" or None (the default: :func:`default_version`: v5, and v8 at head_dim 256).
+    block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256, where v8 and v9 also
+    take 80: :func:`block_n_choices`); None: the version's default at the head dim,
+    :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; at head_dim 256 64, and v8, v9 80).
+    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 .. v9 at least 2; None: the version's
     default at the head dim, :func:`~iokernels.cupy_raw.policy.hopper_tiles`; 2 at head_dim 256,
     where Q alone is 64 KB and a third stage does not fit).
-    pingpong: v5 .. v8; False keeps the overlap inside a warpgroup but lets the consumer
+    pingpong: v5 .. v9; False keeps the overlap inside a warpgroup but lets the consumer
     warpgroups issue their products whenever they are ready (to measure what ping-pong adds).
+    blocks: v9 (persistent) only: the most blocks it launches (None: one an SM, :func:`grid`); a
+    smaller grid makes each block claim more tiles (the tests and the sanitizer use it).
     The query tile is BLOCK_M = 128 rows (two consumer warpgroups); v6's is 192 (three, at
     head_dim 64 only: :data:`VERSION_HEAD_DIMS`, :meth:`block_m`).  Head dims:
     :data:`HEAD_DIMS` (64, 128, 256); the tiles depend on the head dim, so :meth:`resolve` takes it.
@@ -87,13 +98,21 @@ class HopperConfig:
     block_n: int | None = None
     stages: int | None = None
     pingpong: bool = True
+    blocks: int | None = None
 
     def __post_init__(self):
         check_version(self, VERSIONS)
-        if self.version != "v8" and self.block_n in V8_BLOCK_N_CHOICES and self.block_n not in BLOCK_N_CHOICES:
-            raise ValueError(f"config.block_n: {self.block_n} keys is a tile of v8's only (version='v8', at "
-                             f"head_dim 256), got version={self.version!r}")
-        check_tile_fields(self, block_ns=V8_BLOCK_N_CHOICES if self.version == "v8" else BLOCK_N_CHOICES)
+        wide = self.version in WIDE_KEY_VERSIONS
+        if not wide and self.block_n in V8_BLOCK_N_CHOICES and self.block_n not in BLOCK_N_CHOICES:
+            raise ValueError(f"config.block_n: {self.block_n} keys is a tile of v8's and v9's only (version='v8' "
+                             f"or 'v9', at head_dim 256), got version={self.version!r}")
+        check_tile_fields(self, block_ns=V8_BLOCK_N_CHOICES if wide else BLOCK_N_CHOICES)
+        if self.blocks is not None:
+            if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
+                raise ValueError(f"config.blocks: expected a positive integer or None, got {self.blocks!r}")
+            if self.version not in PERSISTENT:
+                raise ValueError(f"config.blocks: only the persistent versions {PERSISTENT} take a block count, "
+                                 f"got version={self.version!r}")
 
     def replace(self, **kw) -> "HopperConfig":
         return _dc_replace(self, **kw)
@@ -106,7 +125,8 @@ class HopperConfig:
             raise ValueError(f"config.version: {version} takes head_dim {' or '.join(map(str, dims))} only "
                              f"(three consumer warpgroups leave 160 registers a thread, room for O, S and P "
                              f"of 64 x 128 tiles only there), got head_dim {head_dim}")
-        return HopperConfig(version, *hopper_tiles(version, head_dim, self.block_n, self.stages), self.pingpong)
+        return HopperConfig(version, *hopper_tiles(version, head_dim, self.block_n, self.stages), self.pingpong,
+                            self.blocks)
 
     def block_m(self) -> int:
         """Br: the query rows a block of this version owns (:data:`BLOCK_MS`)."""
@@ -117,7 +137,8 @@ class HopperConfig:
         :data:`BARRIERS_A_STAGE` a stage), alignment slack."""
         c = self.resolve(head_dim)
         tiles = 2 * head_dim * (c.block_m() + 2 * c.stages * c.block_n)
-        return tiles + MBARRIER_BYTES * (1 + BARRIERS_A_STAGE.get(c.version, 3) * c.stages) + SMEM_ALIGN
+        return (tiles + MBARRIER_BYTES * (1 + BARRIERS_A_STAGE.get(c.version, 3) * c.stages)
+                + EXTRA_SMEM_BYTES.get(c.version, 0) + SMEM_ALIGN)
 
     def check_fits(self, head_dim: int, smem_optin: int) -> None:
         """ValueError naming the field when this config cannot run at ``head_dim`` on a GPU
@@ -126,10 +147,10 @@ class HopperConfig:
         choices = block_n_choices(c.version, head_dim)
         if c.block_n not in choices:
             why = (f"O is 128 registers a thread; S and P of {c.block_n} keys beside it spill"
-                   if head_dim == HOPPER_WIDE_HEAD_DIM else "80 is v8's key tile at head_dim 256 only")
+                   if head_dim == HOPPER_WIDE_HEAD_DIM else "80 is v8's and v9's key tile at head_dim 256 only")
             raise ValueError(f"config.block_n: at head_dim {head_dim} {c.version} takes Bc in {choices} ({why}), "
                              f"got {c.block_n}")
-        if c.version in ("v5", "v6", "v7", "v8") and c.stages < 2:
+        if c.version in ("v5", "v6", "v7", "v8", "v9") and c.stages < 2:
             raise ValueError(f"config.stages: {c.version} uses K_j and V_{{j-1}} together, so it needs at least "
                              f"2 stages")
         need = self.smem_bytes(head_dim)
@@ -141,7 +162,7 @@ class HopperConfig:
         c = self.resolve(head_dim)
         out = dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, BLOCK_M=c.block_m(), BLOCK_N=c.block_n,
                    STAGES=c.stages)
-        if c.version in ("v5", "v6", "v7", "v8"):
+        if c.version in ("v5", "v6", "v7", "v8", "v9"):
             out["PINGPONG"] = int(c.pingpong)
         return out
 
@@ -163,12 +184,22 @@ def default_version(head_dim: int) -> str:
 
 def block_n_choices(version: str, head_dim: int) -> tuple[int, ...]:
     """The key tiles (Bc) ``version`` takes at ``head_dim``: 64 and 128, 64 alone at head_dim 256
-    (:data:`WIDE_BLOCK_N_CHOICES`), where v8 also takes 80 (fa_v8.cu)."""
+    (:data:`WIDE_BLOCK_N_CHOICES`), where v8 and v9 also take 80 (fa_v8.cu)."""
     if head_dim == HOPPER_WIDE_HEAD_DIM:
-        return WIDE_BLOCK_N_CHOICES + ((80,) if version == "v8" else ())
+        return WIDE_BLOCK_N_CHOICES + ((80,) if version in WIDE_KEY_VERSIONS else ())
     return BLOCK_N_CHOICES
 
 
 def head_dims(version: str) -> tuple[int, ...]:
     """The head dims ``version`` takes: :data:`VERSION_HEAD_DIMS`, else all of :data:`HEAD_DIMS`."""
     return VERSION_HEAD_DIMS.get(version, HEAD_DIMS)
+
+
+def grid(config: "HopperConfig", batch: int, heads_q: int, seqlen_q: int, sms: int) -> tuple[int, int, int]:
+    """The launch grid of a resolved ``config``: a block a query tile, (Tr, heads_q, batch), or for
+    the persistent versions (:data:`PERSISTENT`) min(query tiles, ``config.blocks`` or ``sms``)
+    blocks in a row, each claiming tiles until none is left (fa_v9.cu)."""
+    tiles = -(-seqlen_q // config.block_m())
+    if config.version in PERSISTENT:
+        return (max(1, min(tiles * heads_q * batch, config.blocks or sms)), 1, 1)
+    return (tiles, heads_q, batch)

@@ -1,11 +1,11 @@
-"""The records of the Hopper attention versions (fa_v3.cu .. fa_v8.cu)."""
+"""The records of the Hopper attention versions (fa_v3.cu .. fa_v9.cu)."""
 from __future__ import annotations
 
 from ...core.records import Record
 from ..launch import HOPPER_OPTIONS
 from ..policy import held_back_note
 from ..registry import REGISTRY
-from .attention import attention, attention_args
+from .attention import attention, attention_args, persistent_attention_args
 from .checks import check_for, default_check_for
 from .config import HopperConfig
 
@@ -15,16 +15,17 @@ def run_attention(q, k, v, *, causal, scale, window, config):
     return attention(q, k, v, causal=causal, scale=scale, window=window, config=config)
 
 
-def _record(version, rank, summary):
+def _record(version, rank, summary, args=attention_args):
     return Record("cupy", "attention", version, f"fa_{version}.cu", f"fa_{version}", HopperConfig, run_attention,
-                  summary + held_back_note("attention", version), check_for(version), rank, attention_args,
+                  summary + held_back_note("attention", version), check_for(version), rank, args,
                   dict(options=HOPPER_OPTIONS), default_check_for(version))
 
 
 #: ranked above every portable attention version (so on Hopper the default is the best of
 #: these where checks.default_check lets it pick them), v8 > v7 > ... > v3; v6 runs at head_dim 64
 #: only and is held back from the default until measured (policy.HELD_BACK); v7's default gate
-#: is head_dim 256 (policy.hopper_v7_default_at), and v8's too (hopper_v8_default_at)
+#: is head_dim 256 (policy.hopper_v7_default_at), and v8's too (hopper_v8_default_at); v9 is held
+#: back until measured (policy.HELD_BACK)
 RECORDS = (
     _record("v3", 100, "Hopper: wgmma from SRAM, TMA tile loads, an mbarrier a stage"),
     _record("v4", 110, "Hopper: v3 + a producer warpgroup (warp specialization), setmaxnreg"),
@@ -35,5 +36,7 @@ RECORDS = (
                        "landing"),
     _record("v8", 150, "Hopper: v7 with the masked softmax reading two key bounds a row, and 80-key tiles at "
                        "head_dim 256 (the default there)"),
+    _record("v9", 160, "Hopper: v8 as a persistent kernel (a block an SM claims query tiles, the next tile's Q "
+                       "and K loaded during the last one's end)", args=persistent_attention_args),
 )
 REGISTRY.add(*RECORDS)
