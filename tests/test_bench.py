@@ -499,7 +499,8 @@ def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeyp
     the first reason it gives.  As if on a Hopper GPU without v9, with v8 held back (policy.HELD_BACK): at
     head_dim 256 v7 is the default and v8 the row; with 256 out of the Hopper gate the default keeps
     the portable kernel and v8's row says so; at 128 (v5 the default) v8 is the row, by HELD_BACK
-    and, once that lets it go, by its head-dim gate (policy.hopper_v8_default_at)."""
+    and, once that lets it go, by its head-dim gate (policy.hopper_v8_default_at) where that gate
+    leaves 128 out."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.core.testing import make_inputs
     from iokernels.cupy_raw import policy
@@ -516,16 +517,19 @@ def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeyp
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=128, dtype="bfloat16")
     assert registry_held_back("cupy", "attention", q=q, k=k, v=v)[0] == "cupy:v8"
     monkeypatch.delitem(policy.HELD_BACK, ("attention", "v8"))
+    assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None           # v8 the default
+    monkeypatch.setattr(policy, "HOPPER_V8_DEFAULT_HEAD_DIMS", (256,))
     name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
-    assert name == "cupy:v8" and why.startswith("not the default at head_dim 128 until the GPU tests")
+    assert name == "cupy:v8" and why.startswith("not the default at head_dim 128 (policy.hopper_v8_default_at)")
 
 
 def test_held_back_hopper_versions_get_their_own_row(monkeypatch, rng):
     """As if on a Hopper GPU at head_dim 64, without v9: the prefill sections time one row per registered
     version, cupy:v6, v7 and v8 among them (not the default: v5 is), and the cliff adds the row of
     the highest-ranked version the default does not pick there, with its reason: v8, by
-    policy.HELD_BACK while it holds v8, else by v8's head-dim gate; none once that gate opens (v8
-    the default, v6 and v7 ranked below it); at 128 v6's row is there (it says why it cannot run)."""
+    policy.HELD_BACK while it holds v8, else by v8's head-dim gate where it leaves 64 out; none once
+    that gate opens (v8 the default, v6 and v7 ranked below it); at 128 v6's row is there (it says
+    why it cannot run)."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.bench.runners import registry_versions
     from iokernels.core.testing import make_inputs
@@ -544,8 +548,9 @@ def test_held_back_hopper_versions_get_their_own_row(monkeypatch, rng):
     name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
     assert name == "cupy:v8" and cfg.version == "v8" and "a cliff record" in why
     monkeypatch.delitem(policy.HELD_BACK, ("attention", "v8"))
+    monkeypatch.setattr(policy, "HOPPER_V8_DEFAULT_HEAD_DIMS", (256,))
     name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
-    assert name == "cupy:v8" and why.startswith("not the default at head_dim 64 until the GPU tests")
+    assert name == "cupy:v8" and why.startswith("not the default at head_dim 64 (policy.hopper_v8_default_at)")
     monkeypatch.setattr(policy, "HOPPER_V8_DEFAULT_HEAD_DIMS", (64, 128, 256))
     assert [name for name, _, default in registry_versions("cupy", "attention", q=q, k=k, v=v) if default] \
         == ["cupy:v8"]

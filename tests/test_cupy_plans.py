@@ -215,6 +215,11 @@ for kw in (dict(), dict(causal=True), dict(window=(100, 7))):
     hq, hk, hv = arr(2, 4, 300, 128), arr(2, 2, 300, 128), arr(2, 2, 300, 128)
     case(f"hopper attention {kw}", lambda: F.attention(hq, hk, hv, **kw), lambda: cr.attention(hq, hk, hv, **kw),
          dict(q=hq, k=hk, v=hv))
+# the persistent v9: its grid and its tile counter (a fresh one eagerly, the plan's own one a stream)
+for kw in (dict(config=cr.hopper.HopperConfig(version="v9")),
+           dict(causal=True, config=cr.hopper.HopperConfig(version="v9", blocks=5))):
+    case(f"persistent attention {kw}", lambda: F.attention(hq, hk, hv, **kw), lambda: cr.attention(hq, hk, hv, **kw),
+         dict(q=hq, k=hk, v=hv))
 count("hopper", lambda: ik.attention(hq, hk, hv, backend="cupy"))
 
 # MLA decode (Hopper only: the same stand-in tensor maps): no lengths, host and device lengths, splits
@@ -606,7 +611,22 @@ def test_under_capture_the_new_plans_pin_or_refuse_host_values(result):
 
 def test_the_hopper_forward_is_planned_too(result):
     hop = [c for label, c in result["cases"].items() if label.startswith("hopper")]
-    assert len(hop) == 3 and all(c["second"][0]["name"] == "fa_v5" for c in hop)
+    assert len(hop) == 3 and all(c["second"][0]["name"] == "fa_v8" for c in hop)
+
+
+def test_the_persistent_forward_is_planned_with_its_own_counter(result):
+    """v9 through a plan: the launch eager attention makes (grid min(tiles, SMs or blocks) in a
+    row, the batch and a counter after v8's arguments), the plan's counter made once for the stream
+    and reused by the next call (both are no input: 'new')."""
+    v9 = {label: c for label, c in result["cases"].items() if label.startswith("persistent")}
+    assert len(v9) == 2
+    for label, c in v9.items():
+        assert c["hit"] and c["eager"] == c["first"] == c["second"], label
+        (launch,) = c["second"]
+        assert launch["name"] == "fa_v9" and launch["grid"][1:] == [1, 1] and launch["args"][-1] == "new"
+        assert launch["args"][-2] == "int32:np.int32(2)"
+    blocks = [c["second"][0]["grid"][0] for label, c in sorted(v9.items())]
+    assert 5 in blocks and max(blocks) == 2 * 4 * 3                      # 24 query tiles, fewer than the SMs
 
 
 def test_a_quantized_cache_is_planned_with_its_device_scales_read_in_place(result):

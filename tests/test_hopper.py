@@ -202,7 +202,7 @@ def test_registry_check_says_why_not():
 
 def test_the_head_dim_gate_keeps_the_portable_kernel_where_it_is_closed(monkeypatch):
     """As if on a Hopper GPU: the default picks a Hopper version at every head dim
-    policy.hopper_default_at allows (v5 at 64 and 128, v8 at 256); with 256 taken out of the gate
+    policy.hopper_default_at allows (v8 at each); with 256 taken out of the gate
     it keeps the portable v2 there and says why; a config naming a Hopper version runs it at 256
     either way."""
     from iokernels.cupy_raw import REGISTRY
@@ -210,7 +210,7 @@ def test_the_head_dim_gate_keeps_the_portable_kernel_where_it_is_closed(monkeypa
     monkeypatch.setattr(checks, "available", lambda: None)
     at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     for d in hp.HEAD_DIMS:
-        assert REGISTRY.default("attention", at[d]).version == hp.default_version(d) == ("v8" if d == 256 else "v5")
+        assert REGISTRY.default("attention", at[d]).version == hp.default_version(d) == "v8"
         k, _ = REGISTRY.resolve("attention", hp.HopperConfig(), at[d])      # version None: the default
         assert k.config_class is hp.HopperConfig and k.version == hp.default_version(d)
     monkeypatch.setattr(P, "HOPPER_DEFAULT_HEAD_DIMS", (64, 128))
@@ -297,13 +297,17 @@ def test_v6_is_held_back_runs_when_named_and_says_why_not(monkeypatch):
 
 
 def test_v6_gate_opens_in_one_place(monkeypatch):
-    """Once its entry leaves policy.HELD_BACK, v6 is the default at head_dim 64 on Hopper (v7 and v8,
-    ranked above it, are gated out there), and only there: v5 stays the default at 128, v8 at 256,
-    the portable kernel off Hopper."""
+    """Once its entry leaves policy.HELD_BACK, v6 is the default at head_dim 64 on Hopper where the
+    versions ranked above it are gated out there (v7 by its gate, v8 as if its gate left 64 out),
+    and only there: v5 stays the default at 128 (v8's gate closed there too), v8 at 256, the
+    portable kernel off Hopper."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
+    assert REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=64, cc=90)).version == "v8"
     monkeypatch.delitem(P.HELD_BACK, ("attention", "v6"))
+    assert REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=64, cc=90)).version == "v8"
+    monkeypatch.setattr(P, "HOPPER_V8_DEFAULT_HEAD_DIMS", (256,))
     at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     k, cfg = REGISTRY.resolve("attention", None, at[64])
     assert k.version == "v6" and cfg.version == "v6" and cfg.resolve(64).block_m() == 192
@@ -342,7 +346,7 @@ def test_v7_config_counts_its_barriers_and_fits_every_head_dim():
 
 
 def test_v7_gate_is_head_dim_256_and_it_runs_when_named(monkeypatch):
-    """As if on a Hopper GPU: v7 ranks above v6 and v5 and below v8 (the default at 256); its own
+    """As if on a Hopper GPU: v7 ranks above v6 and v5 and below v8 (the default); its own
     gate (policy.hopper_v7_default_at) lets the default take it at head_dim 256 only, as it would
     with v8 held back, and says why not at 64 and 128; a config naming v7 runs it everywhere."""
     from iokernels.cupy_raw import REGISTRY
@@ -355,8 +359,7 @@ def test_v7_gate_is_head_dim_256_and_it_runs_when_named(monkeypatch):
     for d in hp.HEAD_DIMS:
         assert rec.unavailable(at[d]) is None
         assert REGISTRY.resolve("attention", hp.HopperConfig(version="v7"), at[d])[0] is rec
-        assert REGISTRY.default("attention", at[d]).version == hp.HopperConfig().resolve(d).version \
-            == ("v8" if d == 256 else "v5")
+        assert REGISTRY.default("attention", at[d]).version == hp.HopperConfig().resolve(d).version == "v8"
     assert rec.not_default(at[256]) is None
     assert rec.not_default(at[128]).startswith("not the default at head_dim 128: v5's third stage")
     assert "needs compute capability 9.0" in rec.unavailable(Need(dtype="bfloat16", head_dim=128, cc=80))
@@ -382,7 +385,7 @@ def test_v8_tiles_80_keys_at_256_and_v5s_elsewhere():
         assert (c.block_n, c.stages, c.block_m(), hp.THREADS["v8"]) == (block_n, stages, 128, 384)
         assert c.smem_bytes(d) == 2 * d * (128 + 2 * stages * block_n) + 8 * (1 + 4 * stages) + 1024
         c.check_fits(d, hp.FALLBACK_SMEM_OPTIN)
-        assert (hp.HopperConfig().resolve(d) == c) == (d == 256)     # the default at 256
+        assert hp.HopperConfig().resolve(d) == c                      # the default everywhere
     assert hp.block_n_choices("v8", 256) == (64, 80) and hp.block_n_choices("v8", 128) == (64, 128)
     assert hp.block_n_choices("v7", 256) == (64,)
     with pytest.raises(ValueError, match="config.stages: 3 stages of Bc = 80 at head_dim 256"):
@@ -399,26 +402,26 @@ def test_v8_tiles_80_keys_at_256_and_v5s_elsewhere():
         hp.HopperConfig(version="v8", block_n=96)
 
 
-def test_v8_is_the_default_at_256_and_its_gate_opens_in_one_place(monkeypatch):
-    """As if on a Hopper GPU: v8 ranks above every Hopper version but v9 (held back); the default picks it at head_dim
-    256 (policy.hopper_v8_default_at) and says why not at 64 and 128; a config naming it runs it
-    everywhere; with 64 and 128 added to its gate it is the default there too."""
+def test_v8_is_the_default_at_every_head_dim_and_its_gate_closes_in_one_place(monkeypatch):
+    """As if on a Hopper GPU: v8 ranks above every Hopper version but v9 (held back); the default
+    picks it at every head dim (policy.hopper_v8_default_at); a config naming it runs it; with 64
+    and 128 taken out of its gate the default there is v5 again, with the reason."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v8")
     assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version != "v9")
     assert rec.file == "fa_v8.cu" and ("attention", "v9") in P.HELD_BACK
-    assert ("attention", "v8") not in P.HELD_BACK and P.HOPPER_V8_DEFAULT_HEAD_DIMS == (256,)
+    assert ("attention", "v8") not in P.HELD_BACK and P.HOPPER_V8_DEFAULT_HEAD_DIMS == (64, 128, 256)
     at = {d: Need(dtype="float16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     for d in hp.HEAD_DIMS:
-        assert rec.unavailable(at[d]) is None
+        assert rec.unavailable(at[d]) is None and rec.not_default(at[d]) is None
         assert REGISTRY.resolve("attention", hp.HopperConfig(version="v8"), at[d])[0] is rec
-    assert rec.not_default(at[256]) is None and REGISTRY.default("attention", at[256]) is rec
-    assert rec.not_default(at[128]).startswith("not the default at head_dim 128 until the GPU tests have run")
-    monkeypatch.setattr(P, "HOPPER_V8_DEFAULT_HEAD_DIMS", (64, 128, 256))
-    for d in hp.HEAD_DIMS:
         assert REGISTRY.default("attention", at[d]) is rec and hp.default_version(d) == "v8"
+    monkeypatch.setattr(P, "HOPPER_V8_DEFAULT_HEAD_DIMS", (256,))
+    assert rec.not_default(at[128]).startswith("not the default at head_dim 128 (policy.hopper_v8_default_at)")
+    assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == ["v5", "v5", "v8"]
+    assert [hp.default_version(d) for d in hp.HEAD_DIMS] == ["v5", "v5", "v8"]
 
 
 def test_v8_sanitizer_cases_fit_every_head_dim():
@@ -463,7 +466,7 @@ def test_v9_is_held_back_and_runs_when_named(monkeypatch):
     for d in hp.HEAD_DIMS:
         assert rec.unavailable(at[d]) is None and "measured" in rec.not_default(at[d])
         assert REGISTRY.resolve("attention", hp.HopperConfig(version="v9"), at[d])[0] is rec
-        assert REGISTRY.default("attention", at[d]).version == ("v8" if d == 256 else "v5")
+        assert REGISTRY.default("attention", at[d]).version == "v8"
     monkeypatch.delitem(P.HELD_BACK, ("attention", "v9"))
     assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == ["v9"] * 3
 

@@ -70,7 +70,7 @@ attention             v9       fa_v9.cu             160   Hopper: v8 as a persis
                                                           default until measured)
 attention             v8       fa_v8.cu             150   Hopper: v7 with the masked softmax reading two key
                                                           bounds a row, and 80-key tiles at head_dim 256 (the
-                                                          default there)
+                                                          default)
 attention             v7       fa_v7.cu             140   Hopper: v5 with K and V tiles released apart, so two
                                                           stages keep the next tile landing
 attention             v6       fa_v6.cu             130   Hopper, head_dim 64: v5 with three consumer

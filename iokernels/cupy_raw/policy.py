@@ -264,8 +264,8 @@ HOPPER_V8_WIDE_TILES = (80, 2)
 HOPPER_DEFAULT_HEAD_DIMS = (64, 128, 256)
 #: the head dims at which the default may pick attention v7 (:func:`hopper_v7_default_at`)
 HOPPER_V7_DEFAULT_HEAD_DIMS = (HOPPER_WIDE_HEAD_DIM,)
-#: ... attention v8 (:func:`hopper_v8_default_at`)
-HOPPER_V8_DEFAULT_HEAD_DIMS = (HOPPER_WIDE_HEAD_DIM,)
+#: ... attention v8 (:func:`hopper_v8_default_at`): all three
+HOPPER_V8_DEFAULT_HEAD_DIMS = (64, 128, HOPPER_WIDE_HEAD_DIM)
 
 
 def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
@@ -320,14 +320,16 @@ def hopper_v7_default_at(head_dim: int) -> bool:
 def hopper_v8_default_at(head_dim: int) -> bool:
     """Whether the registry's default may pick attention v8 (fa_v8.cu: the masked softmax reading
     two key bounds a row; 80-key tiles at head_dim 256) at ``head_dim``: the head dims in
-    HOPPER_V8_DEFAULT_HEAD_DIMS.
+    HOPPER_V8_DEFAULT_HEAD_DIMS, all three.
 
     256: its tiles there (80 keys, two stages) ran the GPU tests and were timed faster than v7 at
-    every shape of benchmarks/results/sweeps/2026-12-06_1735_attention_v8_h100.txt (an H100).  At
-    64 and 128 the same sweep timed its 128-key tiles in three stages against v5: faster under the
-    causal mask, slightly slower at head_dim 128 without one; but the GPU tests have run v8 there
-    only at other tiles, so those head dims join this tuple once they have run its default tiles
-    (and the benchmark has weighed the two cases)."""
+    every shape of benchmarks/results/sweeps/2026-12-06_1735_attention_v8_h100.txt (an H100).  64
+    and 128: its tiles there are v5's (128 keys, three stages) and give v5's bits; the GPU tests
+    ran them, and they were timed against v5 in
+    benchmarks/results/sweeps/2026-12-06_1903_attention_v8_default_h100.txt (an H100): faster under
+    the causal mask (most at short sequences), as fast without one at 64 and slightly slower at
+    128.  The causal gain is the larger, and prefill for a language model is causal, so v8 is the
+    default at every head dim."""
     return head_dim in HOPPER_V8_DEFAULT_HEAD_DIMS
 
 

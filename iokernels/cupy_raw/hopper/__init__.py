@@ -36,8 +36,8 @@ v7       fa_v7.cu           v5 with two empty barriers a stage: a consumer relea
 v8       fa_v8.cu           the masked copy of the softmax reads two key bounds a row, computed
                             once (fa_v6's), instead of testing Nk, the window and the diagonal
                             key by key; and at head_dim 256 FlashAttention-3's 80-key tile, whose
-                            two stages v7's release keeps landing.  The default at head_dim
-                            256 (policy.hopper_v8_default_at)
+                            two stages v7's release keeps landing.  The default at every head
+                            dim (policy.hopper_v8_default_at)
 v9       fa_v9.cu           v8 as a persistent kernel: min(query tiles, SMs) blocks, each claiming
                             tiles from a counter; Q has an empty barrier, so the producer loads
                             the next tile's Q and K/V tiles while the consumers finish the last
@@ -45,13 +45,13 @@ v9       fa_v9.cu           v8 as a persistent kernel: min(query tiles, SMs) blo
                             bits as v8.  Held back from the default until a GPU has measured it
 =======  =================  ===================================================================
 
-The default (``HopperConfig()``) is v5 at head_dim 64 and 128 and v8 at 256
+The default (``HopperConfig()``) is v8 at every head dim
 (:func:`~iokernels.cupy_raw.hopper.config.default_version`), the fastest measured there that the
 GPU tests have run (benchmarks/results); the registry ranks v9 > v8 > v7 > v6 > v5 > v4 > v3, all
 above the portable versions (at the head dims its default picks them: 64, 128 and 256); v6 and v9
-are held back from the default until they are measured (:data:`~iokernels.cupy_raw.policy.HELD_BACK`), v7 and v8
-have head-dim gates (:func:`~iokernels.cupy_raw.policy.hopper_v7_default_at`,
-``hopper_v8_default_at``).
+are held back from the default until they are measured
+(:data:`~iokernels.cupy_raw.policy.HELD_BACK`), v7 and v8 have head-dim gates
+(:func:`~iokernels.cupy_raw.policy.hopper_v7_default_at`: 256; ``hopper_v8_default_at``: all three).
 
 Notation (the papers' names):
 

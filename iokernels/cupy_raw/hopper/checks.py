@@ -78,12 +78,12 @@ def v7_default_check(need) -> str | None:
 
 
 def v8_default_check(need) -> str | None:
-    """Why the default does not pick v8 at this head dim (the GPU tests have not run its default
-    tiles there), or None where it may."""
+    """Why the default does not pick v8 at this head dim (one policy.hopper_v8_default_at leaves
+    out: none today), or None where it may."""
     if hopper_v8_default_at(need.head_dim):
         return None
-    return (f"not the default at head_dim {need.head_dim} until the GPU tests have run its default tiles "
-            f"there (policy.hopper_v8_default_at); a config naming v8 runs it")
+    return (f"not the default at head_dim {need.head_dim} (policy.hopper_v8_default_at); a config naming v8 "
+            f"runs it")
 
 
 #: the versions whose default is gated by head dim, and their checks

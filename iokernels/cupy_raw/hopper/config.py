@@ -76,7 +76,7 @@ def check_tile_fields(cfg, min_stages: int = 1, why: str = "", block_ns: tuple =
 class HopperConfig:
     """Tile settings of the Hopper attention kernels.
 
-    version: "v3" .. "v9" or None (the default: :func:`default_version`: v5, and v8 at head_dim 256).
+    version: "v3" .. "v9" or None (the default: :func:`default_version`: v8 at every head dim).
     block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256, where v8 and v9 also
     take 80: :func:`block_n_choices`); None: the version's default at the head dim,
     :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; at head_dim 256 64, and v8, v9 80).
@@ -175,7 +175,7 @@ DEFAULT_VERSION = "v5"
 def default_version(head_dim: int) -> str:
     """The version HopperConfig() runs at ``head_dim``, the one the registry's default picks on
     Hopper: the highest-ranked of v8 and v7 whose head-dim gate opens there
-    (:func:`~iokernels.cupy_raw.policy.hopper_v8_default_at`, ``hopper_v7_default_at``: both 256),
+    (:func:`~iokernels.cupy_raw.policy.hopper_v8_default_at`: every head dim; ``hopper_v7_default_at``: 256),
     else :data:`DEFAULT_VERSION`."""
     if hopper_v8_default_at(head_dim):
         return "v8"

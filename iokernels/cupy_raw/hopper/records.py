@@ -35,7 +35,7 @@ RECORDS = (
     _record("v7", 140, "Hopper: v5 with K and V tiles released apart, so two stages keep the next tile "
                        "landing"),
     _record("v8", 150, "Hopper: v7 with the masked softmax reading two key bounds a row, and 80-key tiles at "
-                       "head_dim 256 (the default there)"),
+                       "head_dim 256 (the default)"),
     _record("v9", 160, "Hopper: v8 as a persistent kernel (a block an SM claims query tiles, the next tile's Q "
                        "and K loaded during the last one's end)", args=persistent_attention_args),
 )
