@@ -20,6 +20,8 @@ the public function at d = 256 with a config naming the version and with the def
 the same rule against torch.matmul.  Skipped elsewhere with the reason.
 """
 
+import pathlib
+
 import numpy as np
 import pytest
 
@@ -487,6 +489,58 @@ def test_v9_arguments_end_with_the_batch_and_the_counter():
     v9 = hp.persistent_attention_args(q, q, q, o, lse, claimed=claimed, **kw)
     assert len(v9) == len(v8) + 2 and v9[-2] == 3 and v9[-1] == claimed.ptr
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(v9[3:-2], v8[3:]))
+
+
+def _cuobjdump():
+    """cuobjdump from the CUDA toolkit, or the copy Triton's wheel carries; None without either."""
+    import shutil
+    found = shutil.which("cuobjdump")
+    if found is None:
+        try:
+            import triton
+        except ImportError:
+            return None
+        bundled = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        found = str(bundled) if bundled.exists() else None
+    return found
+
+
+def _key_loop(tmp_path, name: str, defines: dict, dump: str) -> list[str]:
+    """The opcodes of ``name``'s key loop in SASS: the loop (a backward branch) that holds the two
+    products of one turn, Q K^T and P V, as one run of HGMMA instructions each."""
+    import re
+    import subprocess
+    rc, err = compile_source(tmp_path, name, hp.source(name), defines, extra=())
+    assert rc == 0, err[:400]
+    cubin = max(tmp_path.glob(f"{name}_*.cubin"), key=lambda f: f.stat().st_mtime)
+    sass = subprocess.run([dump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    steps = 2 * defines["HEAD_DIM"] // 16                          # QK_STEPS + PV_STEPS (Bc = HEAD_DIM here)
+    loops = []
+    for i, (addr, op) in enumerate(ops):
+        jump = re.search(r"\bBRA\b.*0x([0-9a-f]+)", op)
+        if jump and int(jump.group(1), 16) < addr:
+            j = next(k for k, (a, _) in enumerate(ops) if a == int(jump.group(1), 16))
+            body = [o for _, o in ops[j:i + 1]]
+            if sum("HGMMA" in o for o in body) == steps:
+                loops.append([re.sub(r"^@!?U?P\w+\s+", "", o).split()[0] for o in body])
+    assert loops, f"{name}: no loop with {steps} HGMMA instructions"
+    return min(loops, key=len)
+
+
+@pytest.mark.skipif(NVCC is None or _cuobjdump() is None, reason="nvcc or cuobjdump not found")
+def test_v9_key_loop_compiles_like_v8s(tmp_path):
+    """v9's key loop is v8's: its stage indices, wgmma descriptors and loop bounds come from the tile
+    index, which the consumers read from SRAM; broadcast from one lane, the compiler keeps them in
+    uniform registers as in v8 (read by every lane, the first v9 copied each descriptor into uniform
+    registers before every wgmma and wrapped the loop in divergence handling, and ran slower than v8
+    the more key tiles a query tile had).  Same opcodes but for a few, no divergence handling."""
+    from collections import Counter
+    defines = hp.HopperConfig(version="v9").defines(128, "bfloat16")
+    v8 = Counter(_key_loop(tmp_path, "fa_v8", defines, _cuobjdump()))
+    v9 = Counter(_key_loop(tmp_path, "fa_v9", defines, _cuobjdump()))
+    assert v9["BSSY"] == v8["BSSY"] == 0 and v9["R2UR"] <= v8["R2UR"] + 2, (v8, v9)
+    assert abs(sum(v9.values()) - sum(v8.values())) <= 0.03 * sum(v8.values()), (sum(v8.values()), sum(v9.values()))
 
 
 def test_v9_sanitizer_cases_claim_many_tiles_and_fit_every_head_dim():

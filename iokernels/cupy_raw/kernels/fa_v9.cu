@@ -198,7 +198,12 @@ fa_v9(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k
     int g = 0;                                                    // the ring's position: K/V tiles used so far
     for (int round = 0;; ++round) {
         mbar_wait(sm.q_full, round & 1);
-        const int t = *tile_slot_of(sm);
+        // the index: read from SRAM by lane 0 alone (the lane whose arrival on Q's empty barrier lets
+        // the producer overwrite it), then broadcast to the warp.  The broadcast is also a value the
+        // compiler knows is the same in every lane, so the ring's stages, the descriptors and the
+        // loop bounds stay in uniform registers (read by every lane, they moved into each thread's
+        // registers, and every wgmma's descriptors were copied over first)
+        const int t = __shfl_sync(0xffffffffu, lane == 0 ? *tile_slot_of(sm) : 0, 0);
         if (t == NO_TILE) {
             // consumer 1's last turn arrived for a turn of consumer 0 that never comes: take it
             if (PINGPONG && c == 0) named_bar_sync(SCHED_BAR + 0, SCHED_THREADS);
@@ -252,10 +257,8 @@ fa_v9(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k
                 sched_end();
                 wgmma_wait<1>();                                  // S_j in registers: K_j is free
                 fence_regs(sacc);
-                if (lane == 0) {
-                    mbar_arrive(&k_empty[s]);
-                    if (it == w.n_tiles - 1) mbar_arrive(q_empty);  // the last S: Q is free
-                }
+                if (lane == 0) mbar_arrive(&k_empty[s]);
+                if (lane == 0 && it == w.n_tiles - 1) mbar_arrive(q_empty);   // the last S: Q is free
                 if (tile_needs_mask_b(tb, j)) softmax_step_rows(sacc, st, alpha, p.scale_log2, rb, j * BLOCK_N);
                 else softmax_step<false>(sacc, st, alpha, p, row_a, j * BLOCK_N);
                 wgmma_wait<0>();                                  // P_{j-1} V_{j-1} done: V_{j-1} is free
@@ -276,9 +279,8 @@ fa_v9(const __grid_constant__ TmaMap map_q, const __grid_constant__ TmaMap map_k
             wgmma_wait<0>();
             fence_regs(o);
             if (lane == 0) mbar_arrive(&sm.empty[sl]);
-        } else {
-            __syncwarp();                                         // every lane has read the index
-            if (lane == 0) mbar_arrive(q_empty);
+        } else if (lane == 0) {
+            mbar_arrive(q_empty);                                 // no keys: Q (not loaded) and the index are free
         }
         write_o_lse(o, st, o_out, lse_out, p, w.bh, row_a);       // write O_i, LSE_i -> HBM
         g += w.n_tiles;
