@@ -5,10 +5,10 @@
 // hopper/tile_scheduler.hpp, code).
 //
 // What changes from v8, and why: in v8 (and every version before it) a block owns one query tile.
-// Its first products wait for Q_i and K_0 to arrive from HBM, and its last minutes are the final
+// Its first products wait for Q_i and K_0 to arrive from HBM, and its last steps are the final
 // P V, O's normalisation and O's stores, while the tensor cores of that SM have nothing queued.
 // Where a block visits few key tiles -- short sequences, causal blocks near the top of the
-// triangle -- these fixed costs are a large share of its time.  v9 launches min(tiles, SMs)
+// triangle -- these fixed costs can be a large share of its time.  v9 launches min(tiles, SMs)
 // blocks, each a loop over query tiles:
 //   * the producer claims the next tile (an atomic counter in HBM, the tiles in v8's grid order:
 //     a (batch, head)'s query tiles one after another, the heavy ones first when the mask is
