@@ -466,18 +466,20 @@ def test_paged_prefill_rows_are_every_version_v2_the_default():
         ("cupy:v1", "v1", False), ("cupy:v2", "v2", True), ("cupy:v3", "v3", False)]
 
 
-def _without_attention_v9(monkeypatch):
-    """The registry as it was before attention v9 (held back, ranked above every version) was
-    registered, for the tests of v8's gates below; restored after the test."""
+def _without_attention_v9_v10(monkeypatch):
+    """The registry as it was before attention v9 and v10 (held back, ranked above every version)
+    were registered, for the tests of v8's gates below; restored after the test."""
     from iokernels.cupy_raw import REGISTRY
-    monkeypatch.delitem(REGISTRY._kernels, ("attention", "v9"))
+    for version in ("v9", "v10"):
+        monkeypatch.delitem(REGISTRY._kernels, ("attention", version))
     monkeypatch.setattr(REGISTRY, "generation", REGISTRY.generation + 1)
 
 
 def test_the_held_back_row_is_the_highest_ranked_version_the_default_does_not_pick(monkeypatch, rng):
-    """As if on a Hopper GPU: attention v9 ranks above every version and is held back until measured
-    (policy.HELD_BACK), so it is the cliff's extra prefill row at every head dim, with that reason;
-    released, it is the default and there is no such row."""
+    """As if on a Hopper GPU: attention v10 (head_dim 64 only) and v9 rank above every version and are
+    held back until measured (policy.HELD_BACK), so the cliff's extra prefill row is v10 at head_dim
+    64 and v9 at 128 and 256, with that reason; released, v9 is the default at 128 and 256 and there
+    is no such row there."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.core.testing import make_inputs
     from iokernels.cupy_raw import policy
@@ -489,14 +491,16 @@ def test_the_held_back_row_is_the_highest_ranked_version_the_default_does_not_pi
         if got is None:
             pytest.skip("the CuPy backend is not importable here")
         name, cfg, why = got
-        assert name == "cupy:v9" and cfg.version == "v9" and policy.HELD_BACK[("attention", "v9")] in why
+        version = "v10" if d == 64 else "v9"
+        assert name == f"cupy:{version}" and cfg.version == version
+        assert policy.HELD_BACK[("attention", version)] in why
     monkeypatch.delitem(policy.HELD_BACK, ("attention", "v9"))
     assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
 
 
 def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeypatch, rng):
     """The cliff's extra prefill row: the highest-ranked version the default may not pick here, with
-    the first reason it gives.  As if on a Hopper GPU without v9, with v8 held back (policy.HELD_BACK): at
+    the first reason it gives.  As if on a Hopper GPU without v9 and v10, with v8 held back (policy.HELD_BACK): at
     head_dim 256 v7 is the default and v8 the row; with 256 out of the Hopper gate the default keeps
     the portable kernel and v8's row says so; at 128 (v5 the default) v8 is the row, by HELD_BACK
     and, once that lets it go, by its head-dim gate (policy.hopper_v8_default_at) where that gate
@@ -506,7 +510,7 @@ def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeyp
     from iokernels.cupy_raw import policy
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
-    _without_attention_v9(monkeypatch)
+    _without_attention_v9_v10(monkeypatch)
     monkeypatch.setitem(policy.HELD_BACK, ("attention", "v8"), "a cliff record")
     wide = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=256, dtype="bfloat16")
     name, cfg, why = registry_held_back("cupy", "attention", q=wide[0], k=wide[1], v=wide[2])
@@ -524,7 +528,7 @@ def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeyp
 
 
 def test_held_back_hopper_versions_get_their_own_row(monkeypatch, rng):
-    """As if on a Hopper GPU at head_dim 64, without v9: the prefill sections time one row per registered
+    """As if on a Hopper GPU at head_dim 64, without v9 and v10: the prefill sections time one row per registered
     version, cupy:v6, v7 and v8 among them (not the default: v5 is), and the cliff adds the row of
     the highest-ranked version the default does not pick there, with its reason: v8, by
     policy.HELD_BACK while it holds v8, else by v8's head-dim gate where it leaves 64 out; none once
@@ -536,7 +540,7 @@ def test_held_back_hopper_versions_get_their_own_row(monkeypatch, rng):
     from iokernels.cupy_raw import policy
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
-    _without_attention_v9(monkeypatch)
+    _without_attention_v9_v10(monkeypatch)
     monkeypatch.setitem(policy.HELD_BACK, ("attention", "v8"), "a cliff record")
     q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=64, dtype="bfloat16")
     rows = registry_versions("cupy", "attention", q=q, k=k, v=v)

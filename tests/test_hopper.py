@@ -44,7 +44,7 @@ def _jobs():
     for version in hp.VERSIONS:
         for dtype, d in (("bfloat16", 128), ("float16", 64), ("bfloat16", 256), ("float16", 256)):
             if d not in hp.head_dims(version):
-                continue                                          # v6: head_dim 64 only (_jobs_v6)
+                continue                                          # v6, v10: head_dim 64 only (_jobs_round)
             cfg = hp.HopperConfig(version=version)
             jobs.append((f"fa_{version} {dtype} d={d}", f"fa_{version}", cfg.defines(d, dtype)))
     for kw, d in ((dict(version="v3", block_n=64, stages=3), 128), (dict(version="v4", stages=3, block_n=64), 128),
@@ -75,17 +75,18 @@ def _jobs():
     return jobs
 
 
-def _jobs_v6():
-    """(label, kernel, defines) of fa_v6 for every define set its config can make: both dtypes,
-    Bc 64 and 128, 2 to MAX_STAGES stages, with and without the round (head_dim 64 only)."""
+def _jobs_round(version="v6"):
+    """(label, kernel, defines) of a three-consumer version (fa_v6, fa_v10) for every define set its
+    config can make: both dtypes, Bc 64 and 128, 2 to MAX_STAGES stages, with and without the round
+    (head_dim 64 only)."""
     jobs = []
     for dtype in hp.DTYPES:
         for block_n in hp.BLOCK_N_CHOICES:
             for stages in range(2, hp.MAX_STAGES + 1):
                 for pingpong in (True, False):
-                    cfg = hp.HopperConfig(version="v6", block_n=block_n, stages=stages, pingpong=pingpong)
-                    jobs.append((f"fa_v6 {dtype} d=64 Bc={block_n} stages={stages} pingpong={pingpong}", "fa_v6",
-                                 cfg.defines(64, dtype)))
+                    cfg = hp.HopperConfig(version=version, block_n=block_n, stages=stages, pingpong=pingpong)
+                    jobs.append((f"fa_{version} {dtype} d=64 Bc={block_n} stages={stages} pingpong={pingpong}",
+                                 f"fa_{version}", cfg.defines(64, dtype)))
     return jobs
 
 
@@ -95,15 +96,17 @@ def test_every_hopper_kernel_compiles_for_sm90a_in_registers(tmp_path):
     results = compile_all(lambda j: _compile(tmp_path, j[1], j[2]), jobs)
     for (label, name, defines), (rc, err) in zip(jobs, results):
         registers_only(label, rc, err)
-    names = {name for _, name, _ in jobs + _jobs_v6()}
+    names = {name for _, name, _ in jobs + _jobs_round()}
     assert names == set(hp.SOURCES) - {"fa_fp8_v1", "fa_fp8_v2"}   # FP8: test_hopper_fp8.py
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-def test_v6_compiles_in_registers_for_every_config(tmp_path):
-    """fa_v6's consumers have 160 registers a thread (setmaxnreg, four warpgroups in 64K): every
-    define set the config can make compiles with no spill, no stack frame, setmaxnreg kept."""
-    jobs = _jobs_v6()
+@pytest.mark.parametrize("version", ("v6", "v10"))
+def test_three_consumer_versions_compile_in_registers_for_every_config(tmp_path, version):
+    """fa_v6's and fa_v10's consumers have 160 registers a thread (setmaxnreg, four warpgroups in
+    64K): every define set the config can make compiles with no spill, no stack frame, setmaxnreg
+    kept (fa_v10 carries v8's two softmax copies beside them)."""
+    jobs = _jobs_round(version)
     assert {j[2]["BLOCK_M"] for j in jobs} == {192} and {j[2]["HEAD_DIM"] for j in jobs} == {64}
     results = compile_all(lambda j: _compile(tmp_path, j[1], j[2]), jobs)
     for (label, name, defines), (rc, err) in zip(jobs, results):
@@ -126,6 +129,9 @@ def test_sources_refuse_what_they_cannot_run(tmp_path):
                                    ("fa_v8", dict(base, BLOCK_N=96), "BLOCK_N 64 or 128"),
                                    ("fa_v9", dict(base, BLOCK_N=80), "BLOCK_N 80 is the wide key tile"),
                                    ("fa_v9", dict(base, STAGES=1), "at least two stages"),
+                                   ("fa_v10", dict(v6, HEAD_DIM=128), "HEAD_DIM 64 only"),
+                                   ("fa_v10", dict(v6, BLOCK_M=128), "exactly three consumer warpgroups"),
+                                   ("fa_v10", dict(v6, STAGES=1), "at least two stages"),
                                    ("hopper_gemm", dict(hp.gemm_defines("bfloat16"), BK=32), "BK is one"),
                                    ("mla_decode", dict(LATENT=256, ROPE=64, IK_DTYPE=2), "LATENT 512 and ROPE 64"),
                                    ("mla_decode", dict(PAGED=1, PAGE_SIZE=16, IK_DTYPE=2), "multiple of 64")):
@@ -143,7 +149,7 @@ def test_every_kernel_file_is_a_source():
 
 # --------------------------------------------------------------------------- config, checks (no GPU)
 def test_config_validation_names_the_field():
-    for kw, field in ((dict(version="v10"), "config.version"), (dict(block_n=96), "config.block_n"),
+    for kw, field in ((dict(version="v11"), "config.version"), (dict(block_n=96), "config.block_n"),
                       (dict(stages=0), "config.stages"), (dict(stages=True), "config.stages"),
                       (dict(pingpong=1), "config.pingpong"), (dict(version="v9", blocks=0), "config.blocks"),
                       (dict(version="v9", blocks=True), "config.blocks"),
@@ -405,15 +411,15 @@ def test_v8_tiles_80_keys_at_256_and_v5s_elsewhere():
 
 
 def test_v8_is_the_default_at_every_head_dim_and_its_gate_closes_in_one_place(monkeypatch):
-    """As if on a Hopper GPU: v8 ranks above every Hopper version but v9 (held back); the default
+    """As if on a Hopper GPU: v8 ranks above every Hopper version but v9 and v10 (held back); the default
     picks it at every head dim (policy.hopper_v8_default_at); a config naming it runs it; with 64
     and 128 taken out of its gate the default there is v5 again, with the reason."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v8")
-    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version != "v9")
-    assert rec.file == "fa_v8.cu" and ("attention", "v9") in P.HELD_BACK
+    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version not in ("v9", "v10"))
+    assert rec.file == "fa_v8.cu" and {("attention", "v9"), ("attention", "v10")} <= set(P.HELD_BACK)
     assert ("attention", "v8") not in P.HELD_BACK and P.HOPPER_V8_DEFAULT_HEAD_DIMS == (64, 128, 256)
     at = {d: Need(dtype="float16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     for d in hp.HEAD_DIMS:
@@ -462,7 +468,8 @@ def test_v9_is_held_back_and_runs_when_named(monkeypatch):
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v9")
-    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention")) and rec.file == "fa_v9.cu"
+    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version != "v10")
+    assert rec.file == "fa_v9.cu"
     assert rec.args is hp.persistent_attention_args and "held back from the default" in rec.summary
     at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     for d in hp.HEAD_DIMS:
@@ -550,6 +557,58 @@ def test_v9_sanitizer_cases_claim_many_tiles_and_fit_every_head_dim():
     for kw in S.VARIANTS[("attention", "v9")]:
         for d in hp.HEAD_DIMS:
             hp.HopperConfig(version="v9", **kw).check_fits(d, hp.FALLBACK_SMEM_OPTIN)
+
+
+# --------------------------------------------------------------------------- v10: three consumers on v8
+def test_v10_is_v8s_block_with_three_consumers_at_head_dim_64_only():
+    """v10 takes v6's block (192 rows, 512 threads, head_dim 64 only) with v8's barriers (K and V
+    released apart: 1 + 4 x stages) and v8's key tile; three stages by default."""
+    cfg = hp.HopperConfig(version="v10")
+    c = cfg.resolve(64)
+    assert (c.version, c.block_n, c.stages, c.block_m(), hp.THREADS["v10"]) == ("v10", 128, 3, 192, 512)
+    assert cfg.defines(64, "bfloat16") == dict(IK_DTYPE=2, HEAD_DIM=64, BLOCK_M=192, BLOCK_N=128, STAGES=3,
+                                               PINGPONG=1)
+    assert cfg.smem_bytes(64) == 2 * 64 * (192 + 6 * 128) + 8 * 13 + 1024
+    for block_n in hp.BLOCK_N_CHOICES:
+        for stages in range(2, hp.MAX_STAGES + 1):
+            hp.HopperConfig(version="v10", block_n=block_n, stages=stages).check_fits(64, hp.FALLBACK_SMEM_OPTIN)
+    with pytest.raises(ValueError, match="config.stages: v10 uses K_j and V_{j-1} together"):
+        hp.HopperConfig(version="v10", stages=1).check_fits(64, hp.FALLBACK_SMEM_OPTIN)
+    for d in (128, 256):
+        with pytest.raises(ValueError, match="config.version: v10 takes head_dim 64 only .*160 registers"):
+            cfg.resolve(d)
+    with pytest.raises(ValueError, match="config.block_n: 80 keys is a tile of v8's and v9's only"):
+        hp.HopperConfig(version="v10", block_n=80)
+
+
+def test_v10_is_held_back_and_runs_when_named(monkeypatch):
+    """As if on a Hopper GPU: v10 ranks above every other version but the default does not pick it
+    until measured (policy.HELD_BACK); a config naming it runs it at head_dim 64, and elsewhere it
+    says why not; released, it would be the default at head_dim 64 only."""
+    from iokernels.cupy_raw import REGISTRY
+    from iokernels.cupy_raw.hopper import checks
+    monkeypatch.setattr(checks, "available", lambda: None)
+    rec = REGISTRY.get("attention", "v10")
+    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention")) and rec.file == "fa_v10.cu"
+    assert rec.args is hp.attention_args and "held back from the default" in rec.summary
+    at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
+    assert rec.unavailable(at[64]) is None and "measured" in rec.not_default(at[64])
+    assert REGISTRY.resolve("attention", hp.HopperConfig(version="v10"), at[64])[0] is rec
+    for d in (128, 256):
+        assert "takes head_dim 64 only" in rec.unavailable(at[d])
+    before = [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS]
+    monkeypatch.delitem(P.HELD_BACK, ("attention", "v10"))
+    assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == ["v10"] + before[1:]
+
+
+def test_v10_sanitizer_cases_run_at_head_dim_64():
+    from iokernels.cupy_raw import sanitize as S
+    shapes = S.FORWARD_CASES + S.FORWARD_EXTRA[("attention", "v10")]
+    assert {(causal, window) for d, causal, window in shapes if d == 64} >= {(True, None), (False, None),
+                                                                            (False, (5, 3))}
+    assert {} in S.VARIANTS[("attention", "v10")] and {"pingpong": False} in S.VARIANTS[("attention", "v10")]
+    for kw in S.VARIANTS[("attention", "v10")]:
+        hp.HopperConfig(version="v10", **kw).check_fits(64, hp.FALLBACK_SMEM_OPTIN)
 
 
 def test_available_gives_a_reason_or_none():
@@ -867,3 +926,50 @@ def test_v9_tiles_without_keys_one_tile_and_fewer_tiles_than_blocks(rng):
         if causal:
             assert torch.equal(o9[:, :, :Nq - Nk], torch.zeros_like(o9[:, :, :Nq - Nk]))
             assert torch.isneginf(l9[:, :, :Nq - Nk]).all() and not torch.isnan(o9).any()
+
+
+# --------------------------------------------------------------------------- v10 on a Hopper GPU (d = 64)
+# v10 joins test_two_x_rule_square and test_two_x_rule_gqa_and_unequal_lengths at d = 64; a row's
+# arithmetic is v8's, so these hold it to v8's bits where the 192-row block and the round change
+# which rows share a block and in what order the products are issued.
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", (False, True))
+def test_v10_gives_v8s_bits(rng, causal):
+    """O and LSE equal to v8's bit for bit: the default, a two-stage ring, no round, 64-key tiles;
+    windows, GQA, Nq != Nk; and ik.attention (the plan path) gives hp.attention's."""
+    import torch
+
+    import iokernels as ik
+    q, k, v = _torch_inputs(rng, 2, 8, 2, 1000, 1100, 64, "bfloat16" if causal else "float16")
+    for window in (None, (300, 0) if causal else (200, 50)):
+        for kw in ({}, dict(stages=2), dict(pingpong=False), dict(block_n=64)):
+            o8, l8 = hp.attention(q, k, v, causal=causal, window=window,
+                                  config=hp.HopperConfig(version="v8", block_n=kw.get("block_n")))
+            o10, l10 = hp.attention(q, k, v, causal=causal, window=window,
+                                    config=hp.HopperConfig(version="v10", **kw))
+            torch.cuda.synchronize()
+            assert torch.equal(o10, o8) and torch.equal(l10, l8), (causal, window, kw)
+    cfg = hp.HopperConfig(version="v10")
+    o_public = ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)
+    torch.cuda.synchronize()
+    assert torch.equal(o_public, hp.attention(q, k, v, causal=causal, config=cfg)[0])
+
+
+@gpu
+@pytest.mark.gpu
+def test_v10_rows_without_keys_one_tile_and_small_blocks(rng):
+    """Blocks whose rows see no key (bottom-right causal, Nq > Nk: zero and -inf), blocks of one key
+    tile, Nk = 1, a block of one row; by the 2x rule and against v8's bits."""
+    import torch
+    for Nq, Nk, causal in ((700, 200, True), (64, 1, False), (193, 130, False), (1, 177, False), (900, 100, True)):
+        q, k, v = _torch_inputs(rng, 2, 2, 1, Nq, Nk, 64, "bfloat16")
+        cfg = hp.HopperConfig(version="v10")
+        _assert_checks(hp.oracle_check(q, k, v, causal=causal, config=cfg), f"v10 Nq={Nq} Nk={Nk}")
+        o10, l10 = hp.attention(q, k, v, causal=causal, config=cfg)
+        o8, l8 = hp.attention(q, k, v, causal=causal, config=hp.HopperConfig(version="v8"))
+        torch.cuda.synchronize()
+        assert torch.equal(o10, o8) and torch.equal(l10, l8), (Nq, Nk, causal)
+        if causal:
+            assert torch.equal(o10[:, :, :Nq - Nk], torch.zeros_like(o10[:, :, :Nq - Nk]))
+            assert torch.isneginf(l10[:, :, :Nq - Nk]).all() and not torch.isnan(o10).any()

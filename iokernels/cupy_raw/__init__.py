@@ -64,6 +64,10 @@ step):
 ====================  =======  ===================  ====  ====================================================
 op                    version  file                 rank  what it adds
 ====================  =======  ===================  ====  ====================================================
+attention             v10      fa_v10.cu            170   Hopper, head_dim 64: v8 with three consumer
+                                                          warpgroups (a 192-row query tile) taking turns on
+                                                          the tensor cores (held back from the default until
+                                                          measured)
 attention             v9       fa_v9.cu             160   Hopper: v8 as a persistent kernel (a block an SM
                                                           claims query tiles, the next tile's Q and K loaded
                                                           during the last one's end) (held back from the

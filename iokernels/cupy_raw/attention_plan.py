@@ -1,7 +1,7 @@
 """The attention forward planned once per shape (:mod:`.plans` says why and how).
 
 One class for both families: the portable versions (fa_v1.cu .. fa_v2.cu, whose arguments
-are pointers, sizes and strides) and the Hopper ones (fa_v3.cu .. fa_v9.cu, whose Q, K, V
+are pointers, sizes and strides) and the Hopper ones (fa_v3.cu .. fa_v10.cu, whose Q, K, V
 arrive as TMA tensor maps that encode the arrays' addresses: a plan keeps the maps of the
 last few address triples it saw; the persistent v9 also takes a tile counter, one a stream).
 """

@@ -137,6 +137,7 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
     ("attention", "v9"): "its GPU tests and a benchmark record faster than v8 (and v5) on Hopper",
+    ("attention", "v10"): "its GPU tests and a benchmark record faster than v8 at head_dim 64 on Hopper",
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
 }
 
@@ -244,7 +245,7 @@ HOPPER_BLOCK_N = 128
 #: one's S_j to the last one's P_j V_j: three tiles in use, a fourth landing (Q 24 KB + 4 x (K + V)
 #: 4 x 32 KB = 152 KB); v7 releases K_j and V_{j-1} apart, so two stages already keep a tile
 #: landing, and it keeps v5's third where that fits
-HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3, "v8": 3, "v9": 3}
+HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3, "v8": 3, "v9": 3, "v10": 3}
 #: head_dim 256: a consumer thread's O (64 x 256) is 128 float32 registers, so Bc = 64 keeps
 #: S (32) and P (16) beside it in the 240 that setmaxnreg gives (at Bc = 128 ptxas spills); and
 #: Q (128 x 256, 64 KB) + 2 x (K + V) (2 x 64 KB) = 192 KB leaves no room for a third stage

@@ -38,11 +38,12 @@ DTYPES = ("float32", "float16", "bfloat16", "float64")
 #: forward shapes: (head_dim, causal, window)
 FORWARD_CASES = ((64, True, None), (72, False, (5, 3)), (59, True, None))
 #: forward shapes a version runs beyond FORWARD_CASES: the Hopper kernels at head_dim 256 (their
-#: own tiles there, Bc = 64 and two stages); v6 (head_dim 64
+#: own tiles there, Bc = 64 and two stages); v6 and v10 (head_dim 64
 #: only, where FORWARD_CASES has only a causal case) without a mask and with a window
 FORWARD_EXTRA = {("attention", v): ((256, True, None), (256, False, (5, 3)))
                  for v in ("v3", "v4", "v5", "v7", "v8", "v9")}
 FORWARD_EXTRA[("attention", "v6")] = ((64, False, None), (64, False, (5, 3)))
+FORWARD_EXTRA[("attention", "v10")] = FORWARD_EXTRA[("attention", "v6")]
 #: decode: head dims, batch lengths (one empty), split counts
 DECODE_DIMS = (64, 59)
 DECODE_LENS = (301, 0, 129)
@@ -91,6 +92,9 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             # v9 (persistent): two blocks (each claims many tiles, and the counter is reset between
             # launches), no ping-pong, and one block with 64-key tiles
             ("attention", "v9"): ({}, {"blocks": 2}, {"blocks": 2, "pingpong": False}, {"blocks": 1, "block_n": 64}),
+            # v10 (v8 with three consumer warpgroups, head_dim 64): a two-stage ring (three consumers
+            # release each K and V tile), no round, and 64-key tiles
+            ("attention", "v10"): ({}, {"stages": 2}, {"pingpong": False}, {"block_n": 64}),
             # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
             ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16}),
             # a one-stage ring: the producer refills the stage the consumer just released, every step

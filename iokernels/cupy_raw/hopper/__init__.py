@@ -43,12 +43,16 @@ v9       fa_v9.cu           v8 as a persistent kernel: min(query tiles, SMs) blo
                             the next tile's Q and K/V tiles while the consumers finish the last
                             P V and write O, and the ring runs on from tile to tile.  The same
                             bits as v8.  Held back from the default until a GPU has measured it
+v10      fa_v10.cu          head_dim 64 only: v8 with v6's three consumer warpgroups (Br = 192)
+                            and their round of three, so a softmax hides behind two other
+                            warpgroups' products where at d = 64 one's are shorter than it.  The
+                            same bits as v8.  Held back from the default until a GPU has measured it
 =======  =================  ===================================================================
 
 The default (``HopperConfig()``) is v8 at every head dim
 (:func:`~iokernels.cupy_raw.hopper.config.default_version`), the fastest measured there that the
-GPU tests have run (benchmarks/results); the registry ranks v9 > v8 > v7 > v6 > v5 > v4 > v3, all
-above the portable versions (at the head dims its default picks them: 64, 128 and 256); v6 and v9
+GPU tests have run (benchmarks/results); the registry ranks v10 > v9 > v8 > ... > v3, all above
+the portable versions (at the head dims its default picks them: 64, 128 and 256); v6, v9 and v10
 are held back from the default until they are measured
 (:data:`~iokernels.cupy_raw.policy.HELD_BACK`), v7 and v8 have head-dim gates
 (:func:`~iokernels.cupy_raw.policy.hopper_v7_default_at`: 256; ``hopper_v8_default_at``: all three).
@@ -56,7 +60,7 @@ are held back from the default until they are measured
 Notation (the papers' names):
 
 =======  ===========================================================================
-Br, Bc   query rows a block owns (BLOCK_M = 128: two consumer warpgroups of 64 rows; v6: 192),
+Br, Bc   query rows a block owns (BLOCK_M = 128: two consumer warpgroups of 64 rows; v6, v10: 192),
          keys a K/V tile holds (``HopperConfig.block_n``)
 Tr, Tc   ceil(Nq / Br) query tiles (the grid's x; v9's blocks claim them), the K/V tiles a
          block visits
@@ -92,7 +96,7 @@ checks          :func:`available`, the registry check
 tensor_maps     :func:`tensor_map` (cuTensorMapEncodeTiled)
 attention       the attention launch and its argument builder
 gemm            :func:`gemm` (hopper_gemm.cu)
-records         the records of v3 .. v8
+records         the records of v3 .. v10
 oracle          :func:`oracle_check`, :func:`gemm_check` (on a GPU)
 fp8_forward     :func:`fp8_attention` (fa_fp8_v1.cu, fa_fp8_v2.cu): FP8 products, opt-in
 ==============  ============================================================

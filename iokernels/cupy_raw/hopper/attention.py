@@ -1,4 +1,4 @@
-"""The Hopper attention launch (fa_v3.cu .. fa_v9.cu) and its argument builders."""
+"""The Hopper attention launch (fa_v3.cu .. fa_v10.cu) and its argument builders."""
 from __future__ import annotations
 
 import math
@@ -85,7 +85,7 @@ def launch_attention(q, k, v, o, lse, *, dtype, scale, window, config):
 
 
 def attention_args(qd, kd, vd, od, ld, *, dtype, block_n, scale, window, heavy_first, block_m=BLOCK_M) -> tuple:
-    """fa_v3.cu .. fa_v8.cu: the tensor maps of Q (boxes of ``block_m`` rows: the version's Br), K, V,
+    """fa_v3.cu .. fa_v8.cu, fa_v10.cu: the tensor maps of Q (boxes of ``block_m`` rows: the version's Br), K, V,
     the outputs, sizes, the scale in log2 units, the window, whether the heavy (later) query tiles
     start first."""
     (_, Hq, Nq, _), (_, Hkv, Nk, _) = qd.shape, kd.shape

@@ -1,4 +1,4 @@
-"""The records of the Hopper attention versions (fa_v3.cu .. fa_v9.cu)."""
+"""The records of the Hopper attention versions (fa_v3.cu .. fa_v10.cu)."""
 from __future__ import annotations
 
 from ...core.records import Record
@@ -25,7 +25,7 @@ def _record(version, rank, summary, args=attention_args):
 #: these where checks.default_check lets it pick them), v8 > v7 > ... > v3; v6 runs at head_dim 64
 #: only and is held back from the default until measured (policy.HELD_BACK); v7's default gate
 #: is head_dim 256 (policy.hopper_v7_default_at), and v8's too (hopper_v8_default_at); v9 is held
-#: back until measured (policy.HELD_BACK)
+#: back until measured (policy.HELD_BACK), and v10 (head_dim 64 only) too
 RECORDS = (
     _record("v3", 100, "Hopper: wgmma from SRAM, TMA tile loads, an mbarrier a stage"),
     _record("v4", 110, "Hopper: v3 + a producer warpgroup (warp specialization), setmaxnreg"),
@@ -38,5 +38,7 @@ RECORDS = (
                        "head_dim 256 (the default)"),
     _record("v9", 160, "Hopper: v8 as a persistent kernel (a block an SM claims query tiles, the next tile's Q "
                        "and K loaded during the last one's end)", args=persistent_attention_args),
+    _record("v10", 170, "Hopper, head_dim 64: v8 with three consumer warpgroups (a 192-row query tile) taking "
+                        "turns on the tensor cores"),
 )
 REGISTRY.add(*RECORDS)
