@@ -136,8 +136,12 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 #: :func:`hopper_default_at`
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
-    ("attention", "v9"): "its GPU tests and a benchmark record faster than v8 (and v5) on Hopper",
-    ("attention", "v10"): "its GPU tests and a benchmark record faster than v8 at head_dim 64 on Hopper",
+    ("attention", "v9"): ("its GPU tests, compute-sanitizer and a benchmark record faster than v8 (and v5) on "
+                          "Hopper where it would be the default: measured faster on short sequences and slower "
+                          "on long ones, it needs a default that chooses by sequence length"),
+    ("attention", "v10"): ("its GPU tests, compute-sanitizer and a benchmark record faster than v8 at head_dim 64 "
+                           "on Hopper where it would be the default: measured faster on long sequences and slower "
+                           "on short causal ones, it needs a default that chooses by sequence length"),
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
 }
 

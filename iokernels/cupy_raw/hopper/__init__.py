@@ -42,11 +42,13 @@ v9       fa_v9.cu           v8 as a persistent kernel: min(query tiles, SMs) blo
                             tiles from a counter; Q has an empty barrier, so the producer loads
                             the next tile's Q and K/V tiles while the consumers finish the last
                             P V and write O, and the ring runs on from tile to tile.  The same
-                            bits as v8.  Held back from the default until a GPU has measured it
+                            bits as v8.  Held back from the default: faster than v8 on short
+                            sequences, slower on long ones (benchmarks/results/sweeps)
 v10      fa_v10.cu          head_dim 64 only: v8 with v6's three consumer warpgroups (Br = 192)
                             and their round of three, so a softmax hides behind two other
                             warpgroups' products where at d = 64 one's are shorter than it.  The
-                            same bits as v8.  Held back from the default until a GPU has measured it
+                            same bits as v8.  Held back from the default: faster than v8 on long
+                            sequences, slower on short causal ones (benchmarks/results/sweeps)
 =======  =================  ===================================================================
 
 The default (``HopperConfig()``) is v8 at every head dim
