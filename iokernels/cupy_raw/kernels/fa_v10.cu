@@ -3,11 +3,11 @@
 //
 // What changes from v8, and why: at HEAD_DIM 64 a consumer warpgroup's two products of a tile
 // (S = Q K^T and P V, 64 x 128 x 64 each) are half those of d = 128, but its softmax (an exp2 of
-// each of S's 64 x 128 elements, at 16 a clock on an SM's special-function units; the CUDA C++
-// Programming Guide's throughput table for compute capability 9.0, a manual) costs the same at any
-// d.  With v8's two consumers in ping-pong, one warpgroup's softmax has only the other's products
-// to hide behind, and at d = 64 those are shorter than the softmax: the tensor cores wait.  With
-// three consumers a softmax has two other warpgroups' products to hide behind.  FlashAttention-3
+// each of S's 64 x 128 elements, at 16 a clock on an SM's special-function units: the CUDA C++
+// Programming Guide's throughput table for compute capability 9.0, documentation) costs the same at
+// any d.  With v8's two consumers in ping-pong, one warpgroup's softmax has only the other's
+// products to hide behind, and at d = 64 those can be the shorter: the tensor cores then wait.
+// With three consumers a softmax has two other warpgroups' products to hide behind.  FlashAttention-3
 // takes a 192-row query tile at this head dim for 16-bit inputs (hopper/tile_size.h, code) and
 // keeps its scheduler barriers between the warpgroups when there are two or more
 // (hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp, code).  fa_v6.cu tried three consumers on v5's
@@ -28,7 +28,10 @@
 //     bytes when the named barriers' numbers were kept in registers across the loop; the
 //     consumer's index is read again from %tid.x at each turn (consumer_index), and nothing spills.
 // A row's arithmetic is v8's: the same 128-key tiles in the same order, the same operations, so
-// v10's outputs are v8's (and v5's) bit for bit (a GPU test asserts it).
+// v10's outputs are v8's (and v5's) bit for bit (a GPU test asserts it).  Measured against v8
+// (benchmarks/results/sweeps, file 2026-12-06_2325_attention_v9_v10_h100.txt): faster where a
+// query tile has many key tiles, slower on short causal sequences, where a 192-row tile leaves
+// more rows of its last tile empty and the causal blocks differ more in their work.
 //
 // Block: 1 producer warpgroup + 3 consumer warpgroups (BLOCK_M = 192).  Compile-time settings as
 // fa_v8.cu (HEAD_DIM 64 only).  SRAM: v8's layout with a 192-row Q (24 KB; a K or V tile 16 KB).
