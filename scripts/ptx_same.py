@@ -42,7 +42,8 @@ def _jobs():
     import test_hopper as th
     jobs = [(f"sm_{arch} {label}", name, defines, f"-arch=sm_{arch}") for label, name, defines, arch in tc._jobs()]
     jobs += [(f"sm_90a {label}", name, defines, "-arch=sm_90a") for label, name, defines in th._jobs()]
-    jobs += [(f"sm_90a {label}", name, defines, "-arch=sm_90a") for v in ("v6", "v10") for label, name, defines in th._jobs_round(v)]
+    jobs += [(f"sm_90a {label}", name, defines, "-arch=sm_90a")
+             for v in ("v6", "v10") for label, name, defines in th._jobs_round(v)]
     # the Hopper kernels whose own test files list their compiles
     import test_hopper_backward as tb
     import test_hopper_paged_prefill as tp
