@@ -113,6 +113,18 @@ def test_attention_at_head_dim_256_replays_like_eager(causal):
                         _refill(q, k, v))
 
 
+@pytest.mark.skipif(not gpu.cupy_gpu() or cr.hopper.available() is not None, reason="attention v10 needs Hopper")
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_v10_replays_like_eager(causal):
+    """Attention v10 (held back; three consumer warpgroups, head_dim 64), named by its config,
+    captured and replayed like eager with the inputs rewritten in place."""
+    q, k, v = (randn(2, 8, 777, 64, dtype=torch.bfloat16), randn(2, 2, 777, 64, dtype=torch.bfloat16),
+               randn(2, 2, 777, 64, dtype=torch.bfloat16))
+    cfg = cr.hopper.HopperConfig(version="v10")
+    replay_equals_eager(lambda: ik.attention(q, k, v, causal=causal, backend="cupy", return_lse=True, config=cfg),
+                        _refill(q, k, v))
+
+
 @pytest.mark.parametrize("config", [None, cr.DecodeConfig("v1"), cr.DecodeConfig("v3"),
                                     cr.DecodeConfig("v3", fused=False)])
 def test_decode_replays_like_eager(config):

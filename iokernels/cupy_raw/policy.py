@@ -248,7 +248,8 @@ HOPPER_BLOCK_N = 128
 #: v6 (d = 64 only) staggers three consumers by a turn each, so a stage is held from the first
 #: one's S_j to the last one's P_j V_j: three tiles in use, a fourth landing (Q 24 KB + 4 x (K + V)
 #: 4 x 32 KB = 152 KB); v7 releases K_j and V_{j-1} apart, so two stages already keep a tile
-#: landing, and it keeps v5's third where that fits
+#: landing, and it keeps v5's third where that fits; v10 (v6's three consumers with v7's release)
+#: keeps three too: two and four stages timed no different (benchmarks/results/sweeps)
 HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3, "v8": 3, "v9": 3, "v10": 3}
 #: head_dim 256: a consumer thread's O (64 x 256) is 128 float32 registers, so Bc = 64 keeps
 #: S (32) and P (16) beside it in the 240 that setmaxnreg gives (at Bc = 128 ptxas spills); and
