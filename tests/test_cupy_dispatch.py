@@ -43,7 +43,7 @@ def stubbed(op):
 
 
 def _need(dtype, d, cc=80):
-    def need(op, q=None, k=None, v=None, cache=None):
+    def need(op, q=None, k=None, v=None, cache=None, *, causal=False, window=None):
         return Need(dtype=dtype, head_dim=d, cc=cc, extra=dict(smem=232448, group=2, aligned16=True))
     return need
 

@@ -462,8 +462,9 @@ def test_v9_takes_v8s_tiles_a_block_an_sm_and_16_bytes_more():
 
 def test_v9_is_held_back_and_runs_when_named(monkeypatch):
     """As if on a Hopper GPU: v9 ranks above v8 but the default does not pick it until measured
-    (policy.HELD_BACK says so); a config naming it runs it at every head dim; released, it would
-    be the default everywhere."""
+    (policy.HELD_BACK says so); a config naming it runs it at every head dim; released, it is the
+    default where policy.hopper_forward_for_length says so (short key ranges), and never for a
+    need that carries no lengths."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
@@ -477,7 +478,16 @@ def test_v9_is_held_back_and_runs_when_named(monkeypatch):
         assert REGISTRY.resolve("attention", hp.HopperConfig(version="v9"), at[d])[0] is rec
         assert REGISTRY.default("attention", at[d]).version == "v8"
     monkeypatch.delitem(P.HELD_BACK, ("attention", "v9"))
-    assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == ["v9"] * 3
+    assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == ["v8"] * 3   # no lengths
+
+    def lengths(d, n, window):
+        return Need(dtype="bfloat16", head_dim=d, cc=90, extra=dict(seq_q=n, seq_k=n, window=window))
+    for d in hp.HEAD_DIMS:
+        for n, window in ((1000, (-1, 0)), (8192, (-1, -1)), (8192, (-1, 0)), (100, (-1, -1))):
+            want = P.hopper_forward_for_length(d, n, n, window)
+            assert REGISTRY.default("attention", lengths(d, n, window)).version == ("v8" if want == "v10" else want)
+    assert REGISTRY.default("attention", lengths(128, 1000, (-1, 0))).version == "v9"
+    assert REGISTRY.default("attention", lengths(128, 8192, (-1, -1))).version == "v8"
 
 
 def test_v9_arguments_end_with_the_batch_and_the_counter():
@@ -584,7 +594,8 @@ def test_v10_is_v8s_block_with_three_consumers_at_head_dim_64_only():
 def test_v10_is_held_back_and_runs_when_named(monkeypatch):
     """As if on a Hopper GPU: v10 ranks above every other version but the default does not pick it
     until measured (policy.HELD_BACK); a config naming it runs it at head_dim 64, and elsewhere it
-    says why not; released, it would be the default at head_dim 64 only."""
+    says why not; released, it is the default at head_dim 64 over long key ranges only
+    (policy.hopper_forward_for_length), and never for a need that carries no lengths."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
@@ -598,7 +609,15 @@ def test_v10_is_held_back_and_runs_when_named(monkeypatch):
         assert "takes head_dim 64 only" in rec.unavailable(at[d])
     before = [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS]
     monkeypatch.delitem(P.HELD_BACK, ("attention", "v10"))
-    assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == ["v10"] + before[1:]
+    assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == before   # no lengths
+
+    def lengths(d, n, window):
+        return Need(dtype="bfloat16", head_dim=d, cc=90, extra=dict(seq_q=n, seq_k=n, window=window))
+    assert REGISTRY.default("attention", lengths(64, 8192, (-1, -1))).version == "v10"
+    assert REGISTRY.default("attention", lengths(64, 8192, (-1, 0))).version == "v10"
+    assert REGISTRY.default("attention", lengths(64, 100, (-1, -1))).version == "v8"     # v9's, held back
+    for d in (128, 256):
+        assert REGISTRY.default("attention", lengths(d, 8192, (-1, -1))).version == before[hp.HEAD_DIMS.index(d)]
 
 
 def test_v10_sanitizer_cases_run_at_head_dim_64():

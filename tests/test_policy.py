@@ -249,3 +249,42 @@ def test_decode_v7_takes_the_groups_v3_cannot_hold():
         assert cr.REGISTRY.resolve("decode", None, need("float32", 128, 64))[0].version == "v7"
     assert cr.REGISTRY.resolve("decode", None, need("bfloat16", 128, 64))[0].version == "v6"   # tensor cores
     assert cr.REGISTRY.resolve("decode", None, need("bfloat16", 80, 16))[0].version == "v4"
+
+
+# --------------------------------------------------------------------------- the Hopper forward by length
+@pytest.mark.parametrize("nq,nk,window", [(1, 1, (-1, -1)), (7, 300, (-1, 0)), (300, 7, (-1, 0)), (129, 129, (5, 3)),
+                                          (64, 1000, (-1, -1)), (1000, 1000, (-1, 0)), (0, 10, (-1, 0))])
+def test_mean_visible_keys_counts_the_mask(nq, nk, window):
+    want = float(cv.mask(nq, nk, False, window).sum(axis=1).mean()) if nq else 0.0
+    assert P.mean_visible_keys(nq, nk, window) == pytest.approx(want, abs=1e-9)
+
+
+def test_hopper_forward_for_length_takes_v9_on_short_key_ranges_only():
+    """v9 up to HOPPER_V9_MAX_KEY_TILES key tiles a query tile (v8's Bc), then v10 at head_dim 64 and v8
+    at the others; the choice never returns to v9 as the keys grow, and the causal mask halves a tile's keys."""
+    for d in (64, 128, 256):
+        bc = P.hopper_tiles("v8", d)[0]
+        edge = int(P.HOPPER_V9_MAX_KEY_TILES[d] * bc)
+        long = "v10" if d == 64 else "v8"
+        assert P.hopper_forward_for_length(d, edge, edge) == "v9"
+        assert P.hopper_forward_for_length(d, edge + 1, edge + 1) == long
+        assert P.hopper_forward_for_length(d, 1, edge + 1) == long                 # one row over many keys
+        assert P.hopper_forward_for_length(d, 2 * edge - 1, 2 * edge - 1, (-1, 0)) == "v9"   # causal: (N + 1) / 2 keys
+        assert P.hopper_forward_for_length(d, 4 * edge, 4 * edge, (edge // 2, 0)) == "v9"   # a window bounds it
+        picks = [P.hopper_forward_for_length(d, n, n) for n in range(1, 40 * bc, bc // 2)]
+        assert picks == sorted(picks, key=lambda v: v != "v9") and picks[0] == "v9" and picks[-1] == long
+
+
+def test_every_backends_need_carries_the_forward_lengths():
+    """The forward's need (each backend's ``need``) carries seq_q, seq_k and the band, causal folded in;
+    other ops carry none."""
+    import numpy as np
+    from iokernels.cupy_raw.registry import need as cupy_need
+    from iokernels.numba_cuda.registry import need as numba_need
+    from iokernels.triton_backend.registry import need as triton_need
+    q, k = np.zeros((1, 2, 5, 16), np.float32), np.zeros((1, 2, 9, 16), np.float32)
+    for need in (cupy_need, numba_need, triton_need):
+        n = need("attention", q=q, k=k, v=k, causal=True, window=(4, 2))
+        assert (n.extra["seq_q"], n.extra["seq_k"], n.extra["window"]) == (5, 9, (4, 0)), need
+        assert need("attention", q=q, k=k, v=k).extra["window"] == (-1, -1)
+        assert "seq_q" not in need("decode", q=q[:, :, 0], k=k, v=k).extra

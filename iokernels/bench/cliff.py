@@ -205,8 +205,8 @@ def _prefill_case(shape, dtype, seed, target_ms) -> dict:
 
     def run(cfg):
         return ik.attention(q, k, v, causal=causal, scale=scale, backend="cupy", config=cfg)
-    rows.append(_default_row("attention", run, dict(q=q, k=k, v=v), **ours))
-    rows += _held_back_rows("attention", run, dict(q=q, k=k, v=v), **ours)
+    rows.append(_default_row("attention", run, dict(q=q, k=k, v=v, causal=causal), **ours))
+    rows += _held_back_rows("attention", run, dict(q=q, k=k, v=v, causal=causal), **ours)
     case["results"] = rows
     return _finish_case(case)
 

@@ -324,7 +324,7 @@ def _prefill_rows(case, seed, progress, numpy_max_flops, target_ms):
         rows += _gpu_rows(backend, "attention",
                           lambda cfg, backend=backend: ik.attention(
                               q, k, v, causal=causal, scale=scale, backend=backend, config=cfg, return_lse=True),
-                          need=dict(q=q, k=k, v=v), work=flops, unit="TFLOP/s", ref=ref,
+                          need=dict(q=q, k=k, v=v, causal=causal), work=flops, unit="TFLOP/s", ref=ref,
                           dtype=dtype, target_ms=target_ms)
         progress.update(1)
     rows += _numpy_rows(q, k, v, causal, scale, ref, dtype, flops, numpy_max_flops, target_ms)

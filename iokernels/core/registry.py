@@ -29,6 +29,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .conventions import effective_window
 from .records import Record, version_table
 
 OPS = ("attention", "attention_backward", "decode", "paged_decode", "paged_prefill", "paged_gather", "mla_decode")
@@ -44,6 +45,16 @@ class Need:
     contiguous: bool = True        # K/V (or pools) C-contiguous
     simulator: bool = False        # Numba's CUDA simulator, not a GPU
     extra: dict = field(default_factory=dict)
+
+
+def forward_lengths(op: str, q, k, causal=False, window=None) -> dict:
+    """The facts of a forward call (op "attention") a default may choose by, for a
+    :class:`Need`'s ``extra``: ``seq_q`` and ``seq_k`` (q's and k's third axis) and ``window``,
+    the band as one (left, right) pair (causal folded in:
+    :func:`~iokernels.core.conventions.effective_window`); {} for another op or without q, k."""
+    if op != "attention" or q is None or k is None:
+        return {}
+    return dict(seq_q=int(q.shape[2]), seq_k=int(k.shape[2]), window=effective_window(causal, window))
 
 
 class Registry:

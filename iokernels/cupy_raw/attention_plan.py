@@ -81,7 +81,8 @@ class AttentionPlan:
         call.check(k, "k")
         call.check(v, "v")
         causal = cv.check_bool(causal, "causal")
-        spec, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v))
+        spec, cfg = REGISTRY.resolve("attention", config,
+                                     need("attention", q=q, k=k, v=v, causal=causal, window=window))
         self.hopper = spec.launcher is hopper_run_attention
         if not self.hopper and spec.launcher is not run_attention:
             raise NotPlanned("this version has its own launcher")

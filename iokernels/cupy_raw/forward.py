@@ -54,7 +54,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     """FlashAttention forward on the GPU: (O, LSE).  ``config``: a :class:`ForwardConfig`
     (None, or version None: the registry's default for the call)."""
     cv.check_qkv(q, k, v)
-    kernel, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v))
+    kernel, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v, causal=causal, window=window))
     return kernel.launcher(q, k, v, causal=causal, scale=scale, window=window, config=cfg)
 
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+import numpy as np
+
+from ..core import conventions as cv
 from ..core.records import held_back_reason
 
 # =========================================================================== decode
@@ -337,6 +340,41 @@ def hopper_v8_default_at(head_dim: int) -> bool:
     128.  The causal gain is the larger, and prefill for a language model is causal, so v8 is the
     default at every head dim."""
     return head_dim in HOPPER_V8_DEFAULT_HEAD_DIMS
+
+
+#: the Hopper forward's default by length (:func:`hopper_forward_for_length`): attention v9 (the
+#: persistent kernel) where a query tile reads at most this many key tiles on average (v8's key
+#: tile at the head dim), else v10 (three consumer warpgroups) at head_dim 64 and v8 at the others
+HOPPER_V9_MAX_KEY_TILES = {64: 8.0, 128: 12.0, 256: 12.0}
+
+
+def mean_visible_keys(seq_q: int, seq_k: int, window=(-1, -1)) -> float:
+    """The keys a query row sees, averaged over the ``seq_q`` rows (``window``: the band as one
+    (left, right) pair, causal folded in, bottom-right aligned as everywhere here:
+    :func:`~iokernels.core.conventions.key_range`); 0.0 without rows."""
+    if seq_q <= 0:
+        return 0.0
+    lo, hi = cv.key_range(np.arange(seq_q), seq_q, seq_k, False, window)
+    return float(np.mean(hi - lo))
+
+
+def hopper_forward_for_length(head_dim: int, seq_q: int, seq_k: int, window=(-1, -1)) -> str:
+    """The Hopper attention version the default runs for these lengths: "v9", "v10" or "v8".
+
+    A query tile's work is its key tiles, about ``mean_visible_keys / Bc`` (Bc: v8's key tile at
+    ``head_dim``, :func:`hopper_tiles`).  v9 launches a block an SM that claims query tiles in
+    turn and loads the next tile's Q and first K while the last one's output is written: it pays
+    where a tile is short, its start and end a large share of its time; where a tile has many key
+    tiles that share is small, and v9 ran slower than v8 (a claimed tile's index comes from
+    SRAM, not the grid).  v10's three consumers (head_dim 64 only) pay back their round of
+    barriers over many key tiles and lose on few, most under the causal mask, whose short tiles
+    are many.  The threshold HOPPER_V9_MAX_KEY_TILES comes from the sweep records of v8, v9 and
+    v10 side by side (benchmarks/results/sweeps)."""
+    block_n, _ = hopper_tiles("v8", head_dim)
+    tiles = mean_visible_keys(seq_q, seq_k, window) / block_n
+    if tiles <= HOPPER_V9_MAX_KEY_TILES.get(head_dim, 0.0):
+        return "v9"
+    return "v10" if head_dim == 64 else "v8"
 
 
 # =========================================================================== decode v6

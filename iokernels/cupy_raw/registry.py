@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..core import conventions as cv
 from ..core.arrays import DeviceArray, device_array
-from ..core.registry import Need
+from ..core.registry import Need, forward_lengths
 from . import config as C
 from . import decode_config as D
 from . import decode_v7_config as V7
@@ -24,14 +24,16 @@ __all__ = ["REGISTRY", "need"]
 CC_AMPERE = 80
 
 
-def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
+def need(op: str, q=None, k=None, v=None, cache=None, *, causal=False, window=None) -> Need:
     """What a call of ``op`` needs of a kernel.  ``k`` / ``v``: the contiguous cache (decode,
     attention) or the pools (paged_decode, paged_gather).  cc and the shared memory per
     block (``extra["smem"]``) are None without a GPU; ``extra["group"]`` is heads_q /
     heads_kv, ``extra["block_size"]`` the paged cache's block size (None without one) and
     ``extra["aligned16"]`` says whether every row starts on 16 bytes.  A
     quantized cache's need has its compute dtype (``cache.dtype``: q's and O's) and
-    ``extra["kv_dtype"]`` / ``extra["scale_granularity"]``."""
+    ``extra["kv_dtype"]`` / ``extra["scale_granularity"]``.  The forward (op "attention")
+    adds its lengths and band (:func:`~iokernels.core.registry.forward_lengths`), which the
+    Hopper versions' default chooses by (:func:`.policy.hopper_forward_for_length`)."""
     kv = gran = block = None
     if cache is not None:
         dtype, d, hkv = cv.dtype_name(cache.k_pool), cache.head_dim, cache.num_kv_heads
@@ -54,9 +56,9 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
         dev = device_info()
         cc, smem = dev["cc"], dev["smem_optin"]
     aligned = all(_rows_aligned16(a) for a in arrays)
-    return Need(dtype=dtype, head_dim=d, cc=cc, contiguous=all(_c_contiguous(a) for a in cache_arrays),
-                extra=dict(smem=smem, group=group, aligned16=aligned, kv_dtype=kv, scale_granularity=gran,
-                           block_size=block))
+    extra = dict(smem=smem, group=group, aligned16=aligned, kv_dtype=kv, scale_granularity=gran, block_size=block)
+    extra.update(forward_lengths(op, q, k, causal, window))
+    return Need(dtype=dtype, head_dim=d, cc=cc, contiguous=all(_c_contiguous(a) for a in cache_arrays), extra=extra)
 
 
 def _device(x) -> DeviceArray | None:

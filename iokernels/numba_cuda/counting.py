@@ -73,7 +73,7 @@ def count_attention(q, k, v, *, causal=False, scale=None, window=None, config=No
     _require_simulator()
     B, Hq, Nq, d = q.shape
     dtype = q.dtype.name
-    _, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v))
+    _, cfg = REGISTRY.resolve("attention", config, need("attention", q=q, k=k, v=v, causal=causal, window=window))
     cfg = cfg.resolved(d, dtype)
     scale = cv.resolve_scale(scale, d)
     c = _Counter()

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..core import conventions as cv
 from ..core.records import Record, held_back_reason
-from ..core.registry import Need, Registry
+from ..core.registry import Need, Registry, forward_lengths
 from . import backward as bwd
 from . import decode as dec
 from . import decode_v3 as d3
@@ -57,12 +57,13 @@ from .config import (NUMBA_DTYPES, PAIR_DECODE_VERSIONS, PIPELINED_DECODE_VERSIO
 REGISTRY = Registry("numba")
 
 
-def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
+def need(op: str, q=None, k=None, v=None, cache=None, *, causal=False, window=None) -> Need:
     """What a call needs: dtype and head dim (of q, or of the cache), whether K/V (or the pools)
     are C-contiguous (NumPy input is copied contiguous), the compute capability (None on the
     simulator), and ``extra["group"]``: query heads per KV head (decode).  A quantized cache's
     need has its compute dtype (``cache.dtype``) and ``extra["kv_dtype"]`` /
-    ``extra["scale_granularity"]``."""
+    ``extra["scale_granularity"]``; the forward's, its lengths and band
+    (:func:`~iokernels.core.registry.forward_lengths`)."""
     extra = {}
     if cache is not None:
         dtype, d, hkv = cv.dtype_name(cache.k_pool), int(cache.head_dim), int(cache.num_kv_heads)
@@ -83,6 +84,7 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
         extra["group"] = max(1, int(q.shape[1]) // hkv)
     if cache is not None:
         extra["block_size"] = int(cache.block_size)
+    extra.update(forward_lengths(op, q, k, causal, window))
     return Need(dtype=dtype, head_dim=d, cc=ln.compute_capability(), contiguous=contiguous,
                 simulator=ln.simulated(), extra=extra)
 
@@ -242,8 +244,8 @@ REGISTRY.add(*RECORDS)
 # --------------------------------------------------------------------------- dispatch
 def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     """Forward: the registry's kernel for this call (``config`` None: the default)."""
-    return REGISTRY.call("attention", config, need("attention", q=q, k=k, v=v), q, k, v, causal=causal, scale=scale,
-                         window=window)
+    return REGISTRY.call("attention", config, need("attention", q=q, k=k, v=v, causal=causal, window=window), q, k, v,
+                         causal=causal, scale=scale, window=window)
 
 
 def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..core import conventions as cv
 from ..core.records import Record
-from ..core.registry import Need, Registry
+from ..core.registry import Need, Registry, forward_lengths
 from . import backward as bwd
 from . import decode as dec
 from . import forward as fwd
@@ -25,10 +25,11 @@ from .config import TRITON_DTYPES, BackwardConfig, DecodeConfig, ForwardConfig, 
 REGISTRY = Registry("triton")
 
 
-def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
+def need(op: str, q=None, k=None, v=None, cache=None, *, causal=False, window=None) -> Need:
     """What a call needs: dtype and head dim (of q, or of the cache); ``extra["interpreter"]``
     says whether the kernels run on Triton's interpreter, ``extra["quantized"]`` whether a
-    paged cache holds 1-byte codes."""
+    paged cache holds 1-byte codes; the forward's, its lengths and band
+    (:func:`~iokernels.core.registry.forward_lengths`)."""
     extra: dict = {"interpreter": ln.interpreting() or not ln.cuda_gpu()}
     if cache is not None:
         dtype, d = cv.dtype_name(cache.k_pool), int(cache.head_dim)
@@ -38,6 +39,7 @@ def need(op: str, q=None, k=None, v=None, cache=None) -> Need:
     else:
         x = q if q is not None else k
         dtype, d = cv.dtype_name(x), int(tuple(x.shape)[-1])
+    extra.update(forward_lengths(op, q, k, causal, window))
     return Need(dtype=dtype, head_dim=d, cc=None, contiguous=True, simulator=extra["interpreter"], extra=extra)
 
 
@@ -79,8 +81,8 @@ REGISTRY.add(*RECORDS)
 # --------------------------------------------------------------------------- dispatch
 def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
     """Forward: the registry's kernel for this call (``config`` None: the default)."""
-    return REGISTRY.call("attention", config, need("attention", q=q, k=k, v=v), q, k, v, causal=causal, scale=scale,
-                         window=window)
+    return REGISTRY.call("attention", config, need("attention", q=q, k=k, v=v, causal=causal, window=window), q, k, v,
+                         causal=causal, scale=scale, window=window)
 
 
 def decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
