@@ -466,31 +466,37 @@ def test_paged_prefill_rows_are_every_version_v2_the_default():
         ("cupy:v1", "v1", False), ("cupy:v2", "v2", True), ("cupy:v3", "v3", False)]
 
 
-def _without_attention_v9_v10(monkeypatch):
-    """The registry as it was before attention v9 and v10 (held back, ranked above every version)
-    were registered, for the tests of v8's gates below; restored after the test."""
+def _without_attention_v9_v10(monkeypatch, versions=("v9", "v10", "v11")):
+    """The registry as it was before attention v9, v10 and v11 (held back, ranked above every version)
+    were registered (or without ``versions``), for the tests of v8's gates below; restored after the test."""
     from iokernels.cupy_raw import REGISTRY
-    for version in ("v9", "v10"):
+    for version in versions:
         monkeypatch.delitem(REGISTRY._kernels, ("attention", version))
     monkeypatch.setattr(REGISTRY, "generation", REGISTRY.generation + 1)
+    monkeypatch.setattr(REGISTRY, "_by_op", (-1, {}))      # another test may have cached this generation
 
 
 def test_the_held_back_row_is_the_highest_ranked_version_the_default_does_not_pick(monkeypatch, rng):
-    """As if on a Hopper GPU: attention v10 (head_dim 64 only) and v9 rank above every version and are
-    held back until measured (policy.HELD_BACK), so the cliff's extra prefill row is v10 at head_dim
-    64 and v9 at 128 and 256, with that reason; released, v9 is the default at 128 and 256 and there
-    is no such row there."""
+    """As if on a Hopper GPU without attention v11: v10 (head_dim 64 only) and v9 rank above every version
+    and are held back until measured (policy.HELD_BACK), so the cliff's extra prefill row is v10 at
+    head_dim 64 and v9 at 128 and 256, with that reason; released, v9 is the default at 128 and 256
+    for these short lengths and there is no such row there.  With v11 (held back, ranked above them
+    all) the row is v11's at every head dim."""
     from iokernels.bench.cliff import registry_held_back
     from iokernels.core.testing import make_inputs
     from iokernels.cupy_raw import policy
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
-    for d in (64, 128, 256):
-        q, k, v = make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=d, dtype="bfloat16")
+    inputs = {d: make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=d, dtype="bfloat16")
+              for d in (64, 128, 256)}
+    for d, (q, k, v) in inputs.items():
         got = registry_held_back("cupy", "attention", q=q, k=k, v=v)
         if got is None:
             pytest.skip("the CuPy backend is not importable here")
-        name, cfg, why = got
+        assert got[0] == "cupy:v11" and policy.HELD_BACK[("attention", "v11")] in got[2]
+    _without_attention_v9_v10(monkeypatch, versions=("v11",))
+    for d, (q, k, v) in inputs.items():
+        name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
         version = "v10" if d == 64 else "v9"
         assert name == f"cupy:{version}" and cfg.version == version
         assert policy.HELD_BACK[("attention", version)] in why

@@ -55,7 +55,8 @@ def _jobs():
                   (dict(version="v8", block_n=64), 128), (dict(version="v8", block_n=64), 256),
                   (dict(version="v8", stages=2), 64), (dict(version="v8", pingpong=False), 128),
                   (dict(version="v8", pingpong=False), 256), (dict(version="v9", block_n=64), 256),
-                  (dict(version="v9", stages=2), 128), (dict(version="v9", pingpong=False), 64)):
+                  (dict(version="v9", stages=2), 128), (dict(version="v9", pingpong=False), 64),
+                  (dict(version="v11", block_n=64), 256), (dict(version="v11", pingpong=False), 128)):
         cfg = hp.HopperConfig(**kw)
         jobs.append((f"fa_{cfg.version} {kw} bfloat16 d={d}", f"fa_{cfg.version}", cfg.defines(d, "bfloat16")))
     for dtype in hp.DTYPES:
@@ -149,7 +150,7 @@ def test_every_kernel_file_is_a_source():
 
 # --------------------------------------------------------------------------- config, checks (no GPU)
 def test_config_validation_names_the_field():
-    for kw, field in ((dict(version="v11"), "config.version"), (dict(block_n=96), "config.block_n"),
+    for kw, field in ((dict(version="v12"), "config.version"), (dict(block_n=96), "config.block_n"),
                       (dict(stages=0), "config.stages"), (dict(stages=True), "config.stages"),
                       (dict(pingpong=1), "config.pingpong"), (dict(version="v9", blocks=0), "config.blocks"),
                       (dict(version="v9", blocks=True), "config.blocks"),
@@ -233,7 +234,7 @@ def test_the_head_dim_gate_keeps_the_portable_kernel_where_it_is_closed(monkeypa
         k, cfg = REGISTRY.resolve("attention", hp.HopperConfig(version=version), at[256])
         assert k.version == version and k.config_class is hp.HopperConfig
         c = cfg.resolve(256)
-        assert (c.block_n, c.stages) == ((80, 2) if version in ("v8", "v9") else (64, 2))
+        assert (c.block_n, c.stages) == ((80, 2) if version in ("v8", "v9", "v11") else (64, 2))
         c.check_fits(256, hp.FALLBACK_SMEM_OPTIN)
 
 
@@ -398,27 +399,27 @@ def test_v8_tiles_80_keys_at_256_and_v5s_elsewhere():
     assert hp.block_n_choices("v7", 256) == (64,)
     with pytest.raises(ValueError, match="config.stages: 3 stages of Bc = 80 at head_dim 256"):
         hp.HopperConfig(version="v8", stages=3).check_fits(256, hp.FALLBACK_SMEM_OPTIN)
-    with pytest.raises(ValueError, match="config.block_n: at head_dim 128 v8 takes Bc in .*80 is v8's and v9's key "
-                                         "tile at head_dim 256 only"):
+    with pytest.raises(ValueError, match="config.block_n: at head_dim 128 v8 takes Bc in .*80 is a key tile of "
+                                         "v8, v9, v11 at head_dim 256 only"):
         hp.HopperConfig(version="v8", block_n=80).check_fits(128, hp.FALLBACK_SMEM_OPTIN)
     with pytest.raises(ValueError, match="config.block_n: at head_dim 256 v8 takes Bc in \\(64, 80\\)"):
         hp.HopperConfig(version="v8", block_n=128).check_fits(256, hp.FALLBACK_SMEM_OPTIN)
     for version in (None, "v5", "v7"):
-        with pytest.raises(ValueError, match="config.block_n: 80 keys is a tile of v8's and v9's only"):
+        with pytest.raises(ValueError, match="config.block_n: 80 keys is a tile of v8, v9, v11 only"):
             hp.HopperConfig(version=version, block_n=80)
     with pytest.raises(ValueError, match="config.block_n: expected one of \\(64, 80, 128\\)"):
         hp.HopperConfig(version="v8", block_n=96)
 
 
 def test_v8_is_the_default_at_every_head_dim_and_its_gate_closes_in_one_place(monkeypatch):
-    """As if on a Hopper GPU: v8 ranks above every Hopper version but v9 and v10 (held back); the default
+    """As if on a Hopper GPU: v8 ranks above every Hopper version but v9, v10 and v11 (held back); the default
     picks it at every head dim (policy.hopper_v8_default_at); a config naming it runs it; with 64
     and 128 taken out of its gate the default there is v5 again, with the reason."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v8")
-    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version not in ("v9", "v10"))
+    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version not in ("v9", "v10", "v11"))
     assert rec.file == "fa_v8.cu" and {("attention", "v9"), ("attention", "v10")} <= set(P.HELD_BACK)
     assert ("attention", "v8") not in P.HELD_BACK and P.HOPPER_V8_DEFAULT_HEAD_DIMS == (64, 128, 256)
     at = {d: Need(dtype="float16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
@@ -469,7 +470,7 @@ def test_v9_is_held_back_and_runs_when_named(monkeypatch):
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v9")
-    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version != "v10")
+    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version not in ("v10", "v11"))
     assert rec.file == "fa_v9.cu"
     assert rec.args is hp.persistent_attention_args and "held back from the default" in rec.summary
     at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
@@ -587,7 +588,7 @@ def test_v10_is_v8s_block_with_three_consumers_at_head_dim_64_only():
     for d in (128, 256):
         with pytest.raises(ValueError, match="config.version: v10 takes head_dim 64 only .*160 registers"):
             cfg.resolve(d)
-    with pytest.raises(ValueError, match="config.block_n: 80 keys is a tile of v8's and v9's only"):
+    with pytest.raises(ValueError, match="config.block_n: 80 keys is a tile of v8, v9, v11 only"):
         hp.HopperConfig(version="v10", block_n=80)
 
 
@@ -600,7 +601,8 @@ def test_v10_is_held_back_and_runs_when_named(monkeypatch):
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v10")
-    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention")) and rec.file == "fa_v10.cu"
+    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version != "v11")
+    assert rec.file == "fa_v10.cu"
     assert rec.args is hp.attention_args and "held back from the default" in rec.summary
     at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     assert rec.unavailable(at[64]) is None and "measured" in rec.not_default(at[64])
@@ -628,6 +630,71 @@ def test_v10_sanitizer_cases_run_at_head_dim_64():
     assert {} in S.VARIANTS[("attention", "v10")] and {"pingpong": False} in S.VARIANTS[("attention", "v10")]
     for kw in S.VARIANTS[("attention", "v10")]:
         hp.HopperConfig(version="v10", **kw).check_fits(64, hp.FALLBACK_SMEM_OPTIN)
+
+
+# --------------------------------------------------------------------------- v11: v8's blocks longest first
+def test_v11_is_v8s_block_with_one_more_argument():
+    """v11 takes v8's tiles, SRAM, threads and defines at every head dim (80-key tiles at 256); its
+    arguments are v8's and then the size of a longest-first group."""
+    from iokernels.core.arrays import DeviceArray
+    for d in hp.HEAD_DIMS:
+        c8, c11 = hp.HopperConfig(version="v8").resolve(d), hp.HopperConfig(version="v11").resolve(d)
+        assert (c11.block_n, c11.stages, c11.block_m(), hp.THREADS["v11"]) == (c8.block_n, c8.stages, 128, 384)
+        assert c11.smem_bytes(d) == c8.smem_bytes(d) and c11.defines(d, "bfloat16") == c8.defines(d, "bfloat16")
+        c11.check_fits(d, hp.FALLBACK_SMEM_OPTIN)
+    assert hp.block_n_choices("v11", 256) == (64, 80) and hp.LONGEST_FIRST == ("v11",)
+    assert hp.grid(hp.HopperConfig(version="v11").resolve(128), 16, 16, 1000, 132) == (8, 16, 16)
+    shape = (3, 4, 300, 128)
+    q = DeviceArray(1 << 20, shape, (153600, 38400, 128, 1), "bfloat16", 2, None)
+    o = DeviceArray(2 << 20, shape, (153600, 38400, 128, 1), "bfloat16", 2, None)
+    lse = DeviceArray(3 << 20, shape[:3], (1200, 300, 1), "float32", 4, None)
+    kw = dict(dtype="bfloat16", block_n=128, scale=0.1, window=(-1, 0), heavy_first=True)
+    try:
+        v8 = hp.attention_args(q, q, q, o, lse, **kw)
+    except Exception as e:                                          # no CUDA driver: no tensor maps here
+        pytest.skip(f"tensor maps need the CUDA driver: {e}")
+    v11 = hp.lpt_attention_args(q, q, q, o, lse, lpt_pairs=5, **kw)
+    assert len(v11) == len(v8) + 1 and v11[-1] == 5
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(v11[3:-1], v8[3:]))
+
+
+def test_v11_is_held_back_and_runs_when_named(monkeypatch):
+    """As if on a Hopper GPU: v11 ranks above every version but the default does not pick it until
+    measured (policy.HELD_BACK); a config naming it runs it at every head dim."""
+    from iokernels.cupy_raw import REGISTRY
+    from iokernels.cupy_raw.hopper import checks
+    monkeypatch.setattr(checks, "available", lambda: None)
+    rec = REGISTRY.get("attention", "v11")
+    assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention")) and rec.file == "fa_v11.cu"
+    assert rec.args is hp.lpt_attention_args and "held back from the default" in rec.summary
+    for d in hp.HEAD_DIMS:
+        at = Need(dtype="bfloat16", head_dim=d, cc=90, extra=dict(seq_q=8192, seq_k=8192, window=(-1, 0)))
+        assert rec.unavailable(at) is None and "measured" in rec.not_default(at)
+        assert REGISTRY.resolve("attention", hp.HopperConfig(version="v11"), at)[0] is rec
+        assert REGISTRY.default("attention", at).version != "v11"
+
+
+@pytest.mark.skipif(NVCC is None or _cuobjdump() is None, reason="nvcc or cuobjdump not found")
+def test_v11_key_loop_compiles_like_v8s(tmp_path):
+    """v11 changes which tile a block takes, computed once before the key loop: the loop's SASS is
+    v8's but for a few instructions (the tile's bounds come from other registers)."""
+    from collections import Counter
+    defines = hp.HopperConfig(version="v11").defines(128, "bfloat16")
+    v8 = Counter(_key_loop(tmp_path, "fa_v8", defines, _cuobjdump()))
+    v11 = Counter(_key_loop(tmp_path, "fa_v11", defines, _cuobjdump()))
+    assert v11["BSSY"] == v8["BSSY"] and v11["HGMMA"] == v8["HGMMA"], (v8, v11)
+    assert abs(sum(v11.values()) - sum(v8.values())) <= 0.03 * sum(v8.values()), (sum(v8.values()), sum(v11.values()))
+
+
+def test_v11_sanitizer_cases_reorder_blocks_at_every_head_dim():
+    """The sanitizer runs v11 where its groups reorder blocks: more than one query tile a pair (the
+    causal cases) and several pairs; at every head dim, with v8's variants."""
+    from iokernels.cupy_raw import sanitize as S
+    sizes = S.FORWARD_SIZES_OF[("attention", "v11")]
+    assert sizes["seqlen_q"] > hp.BLOCK_M and sizes["batch"] * sizes["heads_q"] > 2
+    shapes = S.FORWARD_CASES + S.FORWARD_EXTRA[("attention", "v11")]
+    assert {d for d, causal, _ in shapes if causal} >= {64, 256}
+    assert S.VARIANTS[("attention", "v11")] == S.VARIANTS[("attention", "v8")]
 
 
 def test_available_gives_a_reason_or_none():
@@ -945,6 +1012,47 @@ def test_v9_tiles_without_keys_one_tile_and_fewer_tiles_than_blocks(rng):
         if causal:
             assert torch.equal(o9[:, :, :Nq - Nk], torch.zeros_like(o9[:, :, :Nq - Nk]))
             assert torch.isneginf(l9[:, :, :Nq - Nk]).all() and not torch.isnan(o9).any()
+
+
+# --------------------------------------------------------------------------- v11 on a Hopper GPU
+# v11 joins test_two_x_rule_square and test_two_x_rule_gqa_and_unequal_lengths at its default
+# groups; it changes which block computes a tile, not the arithmetic.
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", hp.HEAD_DIMS)
+@pytest.mark.parametrize("causal", (False, True))
+def test_v11_gives_v8s_bits(rng, monkeypatch, d, causal):
+    """O and LSE equal to v8's bit for bit, with the longest-first groups the policy gives and with
+    groups of 1 (v8's order), 3 (a short last group: 24 pairs), 5 and every pair; windows, GQA,
+    Nq != Nk, no ping-pong; and through ik.attention (the plan path), also captured in a CUDA graph
+    and replayed."""
+    import torch
+
+    import iokernels as ik
+    from iokernels.cupy_raw.hopper import attention as ha
+    q, k, v = _torch_inputs(rng, 3, 8, 2, 1000, 1100, d, "bfloat16" if causal else "float16")
+    for window in (None, (300, 0) if causal else (200, 50)):
+        o8, l8 = hp.attention(q, k, v, causal=causal, window=window, config=hp.HopperConfig(version="v8"))
+        for pairs in (None, 1, 3, 5, 24):
+            for kw in ({},) if pairs not in (None, 5) else ({}, dict(pingpong=False)):
+                with monkeypatch.context() as m:
+                    if pairs is not None:
+                        m.setattr(ha, "longest_first_pairs", lambda *a, pairs=pairs: pairs)
+                    o11, l11 = hp.attention(q, k, v, causal=causal, window=window,
+                                            config=hp.HopperConfig(version="v11", **kw))
+                torch.cuda.synchronize()
+                assert torch.equal(o11, o8) and torch.equal(l11, l8), (d, causal, window, pairs, kw)
+    cfg = hp.HopperConfig(version="v11")
+    o8 = hp.attention(q, k, v, causal=causal, config=hp.HopperConfig(version="v8"))[0]
+    assert torch.equal(ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg), o8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)
+    for _ in range(2):
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, o8)
 
 
 # --------------------------------------------------------------------------- v10 on a Hopper GPU (d = 64)

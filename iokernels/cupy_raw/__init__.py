@@ -64,6 +64,10 @@ step):
 ====================  =======  ===================  ====  ====================================================
 op                    version  file                 rank  what it adds
 ====================  =======  ===================  ====  ====================================================
+attention             v11      fa_v11.cu            180   Hopper: v8 with its blocks longest first (causal:
+                                                          each head's heaviest query tiles first, in groups of
+                                                          heads whose K and V fit the L2 cache) (held back
+                                                          from the default until measured)
 attention             v10      fa_v10.cu            170   Hopper, head_dim 64: v8 with three consumer
                                                           warpgroups (a 192-row query tile) taking turns on
                                                           the tensor cores (held back from the default until

@@ -1,9 +1,10 @@
 """The attention forward planned once per shape (:mod:`.plans` says why and how).
 
 One class for both families: the portable versions (fa_v1.cu .. fa_v2.cu, whose arguments
-are pointers, sizes and strides) and the Hopper ones (fa_v3.cu .. fa_v10.cu, whose Q, K, V
+are pointers, sizes and strides) and the Hopper ones (fa_v3.cu .. fa_v11.cu, whose Q, K, V
 arrive as TMA tensor maps that encode the arrays' addresses: a plan keeps the maps of the
-last few address triples it saw; the persistent v9 also takes a tile counter, one a stream).
+last few address triples it saw; the persistent v9 also takes a tile counter, one a stream, and
+v11 the size of its longest-first groups, fixed by the shape).
 """
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from ..core import conventions as cv
 from ..core.arrays import Call, DeviceArray, device_array
 from .forward import run_attention
 from .config import CHUNK_BYTES, fit_config
-from .hopper.attention import _check_attention_inputs
+from .hopper.attention import _check_attention_inputs, longest_first_pairs
 from .hopper.records import run_attention as hopper_run_attention
 from .hopper.checks import require_available
-from .hopper.config import PERSISTENT, THREADS, grid as hopper_grid
+from .hopper.config import LONGEST_FIRST, PERSISTENT, THREADS, grid as hopper_grid
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, unit_rows
 from .packed import SLOT, ArgBuffer, function_ptr, slots_of
 from .plans import NotPlanned, _Alloc, plan_for, _ptr, _ptrs, _stream_of, _window_key, array_key, int_ptrs
@@ -107,6 +108,9 @@ class AttentionPlan:
             self.block = (THREADS[cfg.version],)
             self.hargs = dict(dtype=dtype, block_n=cfg.block_n, scale=scale, window=window,
                               heavy_first=window[1] >= 0 and Nq > block_m, block_m=block_m)
+            if cfg.version in LONGEST_FIRST:
+                self.hargs["lpt_pairs"] = longest_first_pairs((B, Hq, Nq, d), Nk, qd.itemsize,
+                                                              self.hargs["heavy_first"])
             self.persistent = cfg.version in PERSISTENT
             self.slots = (3, 4)
             if self.persistent:                            # v9's tile counter: a slot, one a stream

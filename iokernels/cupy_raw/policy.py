@@ -145,6 +145,8 @@ HELD_BACK = {
     ("attention", "v10"): ("its GPU tests, compute-sanitizer and a benchmark record faster than v8 at head_dim 64 "
                            "on Hopper where it would be the default: measured faster on long sequences and slower "
                            "on short causal ones, it needs a default that chooses by sequence length"),
+    ("attention", "v11"): ("its GPU tests, compute-sanitizer and a benchmark record faster than v8 under the causal "
+                           "mask on Hopper"),
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
 }
 
@@ -195,6 +197,33 @@ def backward_lpt_pairs(pairs: int, group: int, seq_q: int, head_dim: int, itemsi
     wave = -(-max(1, sms) // max(1, tiles))
     per_pair = 2 * group * seq_q * head_dim * itemsize
     return max(1, min(pairs, wave, int(BWD_V5_L2_SHARE * l2_bytes) // max(1, per_pair)))
+
+
+# =========================================================================== forward longest first
+def forward_lpt_pairs(pairs: int, seq_k: int, head_dim: int, itemsize: int, l2_bytes: int, *,
+                      banded: bool) -> int:
+    """fa_v11.cu's ``lpt_pairs``: the (batch, query head) pairs whose blocks run as one group,
+    longest first.  1 (v8's order) unless the band has an upper edge (``banded``: causal, a causal
+    window), since without one every block of a pair is as long as the next.  With one:
+    FlashAttention's rule (SingleTileLPTScheduler in flash_attn/cute/tile_scheduler.py, code): as
+    many pairs as have their K and V (2 x seq_k x head_dim x itemsize bytes a pair, counted for
+    each query head as that rule does, though grouped query heads share them) within ``l2_bytes``
+    (0: not reported, one pair), rounded down to a power of two, which that code notes ran faster;
+    at least 1, at most ``pairs``.
+
+    What the order is worth, in a model (each block starts on the first free SM, in grid order, and
+    takes its key tiles plus one; 132 SMs, causal, Nq = Nk; tests/test_policy.py): 32 pairs of 64
+    query tiles end over 5% after the even share in v8's order and within 1% in the groups this
+    rule gives at head_dim 64, 128 and 256 on a 50 MB L2 cache, while groups of 3, whose blocks
+    span a wave and a half, keep a tail of their own (over 4%).  A model, not a measurement: the
+    hardware's block order is not promised, and K/V reuse in L2 is not in it."""
+    if not banded or l2_bytes <= 0:
+        return 1
+    per_pair = 2 * max(1, seq_k) * head_dim * itemsize
+    fit = l2_bytes // per_pair
+    if fit < 1:
+        return 1
+    return max(1, min(pairs, 1 << (int(fit).bit_length() - 1)))
 
 
 # =========================================================================== paged prefill
@@ -252,8 +281,9 @@ HOPPER_BLOCK_N = 128
 #: one's S_j to the last one's P_j V_j: three tiles in use, a fourth landing (Q 24 KB + 4 x (K + V)
 #: 4 x 32 KB = 152 KB); v7 releases K_j and V_{j-1} apart, so two stages already keep a tile
 #: landing, and it keeps v5's third where that fits; v10 (v6's three consumers with v7's release)
-#: keeps three too: two and four stages timed no different (benchmarks/results/sweeps)
-HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3, "v8": 3, "v9": 3, "v10": 3}
+#: keeps three too: two and four stages timed no different (benchmarks/results/sweeps); v9 and v11
+#: are v8's block and keep its three
+HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3, "v8": 3, "v9": 3, "v10": 3, "v11": 3}
 #: head_dim 256: a consumer thread's O (64 x 256) is 128 float32 registers, so Bc = 64 keeps
 #: S (32) and P (16) beside it in the 240 that setmaxnreg gives (at Bc = 128 ptxas spills); and
 #: Q (128 x 256, 64 KB) + 2 x (K + V) (2 x 64 KB) = 192 KB leaves no room for a third stage
@@ -262,7 +292,7 @@ HOPPER_STAGES = {"v3": 2, "v4": 2, "v5": 3, "v6": 4, "v7": 3, "v8": 3, "v9": 3, 
 #: that keeps a tile landing with two).  FlashAttention-3's hopper/tile_size.h
 #: (code) picks a 128 x 80 tile at this head dim for 16-bit inputs (64 keys with a local
 #: window), noting that 128 x 80 reaches the SRAM limit: v8 takes it (HOPPER_V8_WIDE_TILES), and
-#: v9 after it; the versions before it keep 64
+#: v9 and v11 after it; the versions before it keep 64
 HOPPER_WIDE_HEAD_DIM = 256
 HOPPER_WIDE_TILES = (64, 2)
 #: v8's at head_dim 256: FlashAttention-3's 80 keys, two stages (224 KB of SRAM); measured against
@@ -280,7 +310,7 @@ HOPPER_V8_DEFAULT_HEAD_DIMS = (64, 128, HOPPER_WIDE_HEAD_DIM)
 def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
                  stages: int | None = None) -> tuple[int, int]:
     """(Bc, stages) of Hopper attention ``version`` at ``head_dim``: the given ones, else at
-    HOPPER_WIDE_HEAD_DIM the HOPPER_WIDE_TILES (v8 and v9: HOPPER_V8_WIDE_TILES), at the others
+    HOPPER_WIDE_HEAD_DIM the HOPPER_WIDE_TILES (v8, v9, v11: HOPPER_V8_WIDE_TILES), at the others
     HOPPER_BLOCK_N and the version's HOPPER_STAGES.
 
     At head_dim 64 FlashAttention-3's hopper/tile_size.h (code) takes a taller query tile and
@@ -294,7 +324,7 @@ def hopper_tiles(version: str, head_dim: int, block_n: int | None = None,
     (128) causal or not: S and P of 192 keys beside O do not fit 160 registers with P in
     registers, and 192 is no width of our wgmma wrappers; its stages are HOPPER_STAGES["v6"]."""
     if head_dim == HOPPER_WIDE_HEAD_DIM:
-        wide_n, wide_stages = HOPPER_V8_WIDE_TILES if version in ("v8", "v9") else HOPPER_WIDE_TILES
+        wide_n, wide_stages = HOPPER_V8_WIDE_TILES if version in ("v8", "v9", "v11") else HOPPER_WIDE_TILES
         return block_n or wide_n, stages or wide_stages
     return block_n or HOPPER_BLOCK_N, stages or HOPPER_STAGES[version]
 

@@ -41,9 +41,14 @@ FORWARD_CASES = ((64, True, None), (72, False, (5, 3)), (59, True, None))
 #: own tiles there, Bc = 64 and two stages); v6 and v10 (head_dim 64
 #: only, where FORWARD_CASES has only a causal case) without a mask and with a window
 FORWARD_EXTRA = {("attention", v): ((256, True, None), (256, False, (5, 3)))
-                 for v in ("v3", "v4", "v5", "v7", "v8", "v9")}
+                 for v in ("v3", "v4", "v5", "v7", "v8", "v9", "v11")}
 FORWARD_EXTRA[("attention", "v6")] = ((64, False, None), (64, False, (5, 3)))
 FORWARD_EXTRA[("attention", "v10")] = FORWARD_EXTRA[("attention", "v6")]
+#: the forward's sizes: batch 2, 4 query heads over 2, 37 query rows over 77 keys (one query tile
+#: a head); v11 (longest first) at 3 x 4 pairs of three 128-row query tiles, so that under the
+#: causal mask its groups (the last one short) reorder the blocks
+FORWARD_SIZES = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=77)
+FORWARD_SIZES_OF = {("attention", "v11"): dict(batch=3, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=333)}
 #: decode: head dims, batch lengths (one empty), split counts
 DECODE_DIMS = (64, 59)
 DECODE_LENS = (301, 0, 129)
@@ -95,6 +100,8 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             # v10 (v8 with three consumer warpgroups, head_dim 64): a two-stage ring (three consumers
             # release each K and V tile), no round, and 64-key tiles
             ("attention", "v10"): ({}, {"stages": 2}, {"pingpong": False}, {"block_n": 64}),
+            # v11 (v8's blocks longest first): v8's variants
+            ("attention", "v11"): ({}, {"pingpong": False}, {"block_n": 64}),
             # 4 warps (Bc = 64) and Br = 16: more K/V tiles, so more blocks add into one dQ row
             ("attention_backward", "v2"): ({}, {"num_warps": 4, "block_q": 16}),
             # a one-stage ring: the producer refills the stage the consumer just released, every step
@@ -134,8 +141,8 @@ def _ok(c, label):
 def _forward(kernel, cfg, dtype, rng, label):
     out = []
     for d, causal, window in FORWARD_CASES + FORWARD_EXTRA.get((kernel.op, kernel.version), ()):
-        q, k, v = make_inputs(rng, batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=77, head_dim=d,
-                              dtype=dtype)
+        sizes = FORWARD_SIZES_OF.get((kernel.op, kernel.version), FORWARD_SIZES)
+        q, k, v = make_inputs(rng, **sizes, head_dim=d, dtype=dtype)
         if kernel.unavailable(need("attention", q=q, k=k, v=v)) is not None:
             continue
         o, lse = kernel.launcher(q, k, v, causal=causal, scale=None, window=window, config=cfg)

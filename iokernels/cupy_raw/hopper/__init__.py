@@ -49,13 +49,18 @@ v10      fa_v10.cu          head_dim 64 only: v8 with v6's three consumer warpgr
                             warpgroups' products where at d = 64 one's are shorter than it.  The
                             same bits as v8.  Held back from the default: faster than v8 on long
                             sequences, slower on short causal ones (benchmarks/results/sweeps)
+v11      fa_v11.cu          v8 with its blocks longest first: under the causal mask the heads are
+                            taken in groups whose K and V fit the L2 cache, and within a group
+                            every head's heaviest query tile starts first, so the grid ends on
+                            short tiles (policy.forward_lpt_pairs; bwd_v5's order).  The same
+                            bits as v8.  Held back from the default until measured
 =======  =================  ===================================================================
 
 The default (``HopperConfig()``) is v8 at every head dim
 (:func:`~iokernels.cupy_raw.hopper.config.default_version`), the fastest measured there that the
-GPU tests have run (benchmarks/results); the registry ranks v10 > v9 > v8 > ... > v3, all above
-the portable versions (at the head dims its default picks them: 64, 128 and 256); v6, v9 and v10
-are held back from the default until they are measured
+GPU tests have run (benchmarks/results); the registry ranks v11 > v10 > v9 > v8 > ... > v3, all
+above the portable versions (at the head dims its default picks them: 64, 128 and 256); v6, v9, v10
+and v11 are held back from the default until they are measured
 (:data:`~iokernels.cupy_raw.policy.HELD_BACK`), v7 and v8 have head-dim gates
 (:func:`~iokernels.cupy_raw.policy.hopper_v7_default_at`: 256; ``hopper_v8_default_at``: all three).
 
@@ -98,7 +103,7 @@ checks          :func:`available`, the registry check
 tensor_maps     :func:`tensor_map` (cuTensorMapEncodeTiled)
 attention       the attention launch and its argument builder
 gemm            :func:`gemm` (hopper_gemm.cu)
-records         the records of v3 .. v10
+records         the records of v3 .. v11
 oracle          :func:`oracle_check`, :func:`gemm_check` (on a GPU)
 fp8_forward     :func:`fp8_attention` (fa_fp8_v1.cu, fa_fp8_v2.cu): FP8 products, opt-in
 ==============  ============================================================
@@ -108,11 +113,12 @@ from ..launch import HOPPER_SOURCES as SOURCES  # noqa: F401
 from ..launch import KERNEL_DIR, hopper_source as source  # noqa: F401
 from .config import (BLOCK_M, BLOCK_MS, BLOCK_N_CHOICES, DEFAULT_VERSION, DTYPES, default_version,  # noqa: F401
                      FALLBACK_SMEM_OPTIN, GEMM_BK, GEMM_BM, GEMM_BN, GEMM_GROUP_M, GEMM_STAGES, GEMM_THREADS,
-                     HEAD_DIMS, HOPPER_CC, MAX_STAGES, MBARRIER_BYTES, PANEL, PERSISTENT, SMEM_ALIGN, THREADS,
-                     VERSION_HEAD_DIMS, VERSIONS, HopperConfig, block_n_choices, grid, head_dims)
+                     HEAD_DIMS, HOPPER_CC, LONGEST_FIRST, MAX_STAGES, MBARRIER_BYTES, PANEL, PERSISTENT, SMEM_ALIGN,
+                     THREADS, VERSION_HEAD_DIMS, VERSIONS, HopperConfig, block_n_choices, grid, head_dims)
 from .checks import available, check, default_check, require_available  # noqa: F401
 from .tensor_maps import tensor_map  # noqa: F401
-from .attention import attention, attention_args, launch_attention, persistent_attention_args  # noqa: F401
+from .attention import (attention, attention_args, launch_attention, longest_first_pairs,  # noqa: F401
+                        lpt_attention_args, persistent_attention_args)
 from .gemm import gemm, gemm_defines, gemm_smem_bytes  # noqa: F401
 from .records import RECORDS  # noqa: F401
 from .oracle import gemm_check, oracle_check  # noqa: F401

@@ -1,4 +1,4 @@
-"""The Hopper attention launch (fa_v3.cu .. fa_v10.cu) and its argument builders."""
+"""The Hopper attention launch (fa_v3.cu .. fa_v11.cu) and its argument builders."""
 from __future__ import annotations
 
 import math
@@ -8,9 +8,10 @@ import numpy as np
 from ...core import conventions as cv
 from ...core.arrays import Call, device_array
 from ..launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, cupy, device_info, fill, function, on_stream
+from ..policy import forward_lpt_pairs
 from ..registry import REGISTRY
 from .checks import require_available
-from .config import BLOCK_M, DTYPES, HEAD_DIMS, PANEL, PERSISTENT, THREADS, HopperConfig, grid
+from .config import BLOCK_M, DTYPES, HEAD_DIMS, LONGEST_FIRST, PANEL, PERSISTENT, THREADS, HopperConfig, grid
 from .tensor_maps import tensor_map
 
 
@@ -79,6 +80,8 @@ def launch_attention(q, k, v, o, lse, *, dtype, scale, window, config):
     extra = {}
     if cfg.version in PERSISTENT:                 # the tile counter: zeros, and zeros again after the launch
         extra["claimed"] = device_array(cupy().zeros(2, dtype=np.int32))
+    if cfg.version in LONGEST_FIRST:              # the pairs of a longest-first group
+        extra["lpt_pairs"] = longest_first_pairs(qd.shape, Nk, qd.itemsize, heavy_first)
     args = rec.args(qd, kd, vd, od, ld, dtype=dtype, block_n=cfg.block_n, scale=scale, window=window,
                     heavy_first=heavy_first, block_m=block_m, **extra)
     fn(grid(cfg, B, Hq, Nq, device_info()["sms"]), (THREADS[cfg.version],), args, shared_mem=smem)
@@ -93,6 +96,22 @@ def attention_args(qd, kd, vd, od, ld, *, dtype, block_n, scale, window, heavy_f
     i32 = np.int32
     return (*maps, od.arg, ld.arg, i32(Nq), i32(Nk), i32(Hq), i32(Hkv),
             np.float32(scale * math.log2(math.e)), i32(window[0]), i32(window[1]), i32(heavy_first))
+
+
+def longest_first_pairs(q_shape: tuple, seq_k: int, itemsize: int, heavy_first: bool) -> int:
+    """fa_v11.cu's group of (batch, head) pairs for q of ``q_shape`` (B, Hq, Nq, d) over ``seq_k``
+    keys on this GPU: :func:`~iokernels.cupy_raw.policy.forward_lpt_pairs`, banded where the heavy
+    query tiles go first (the band has an upper edge and a pair has more than one tile)."""
+    B, Hq, _, d = q_shape
+    return forward_lpt_pairs(B * Hq, seq_k, d, itemsize, device_info().get("l2", 0), banded=bool(heavy_first))
+
+
+def lpt_attention_args(qd, kd, vd, od, ld, *, dtype, block_n, scale, window, heavy_first, lpt_pairs,
+                       block_m=BLOCK_M) -> tuple:
+    """fa_v11.cu: :func:`attention_args`, then ``lpt_pairs``, the (batch, head) pairs a
+    longest-first group holds (:func:`longest_first_pairs`; 1: v8's order)."""
+    return (*attention_args(qd, kd, vd, od, ld, dtype=dtype, block_n=block_n, scale=scale, window=window,
+                            heavy_first=heavy_first, block_m=block_m), np.int32(lpt_pairs))
 
 
 def persistent_attention_args(qd, kd, vd, od, ld, *, dtype, block_n, scale, window, heavy_first, claimed,

@@ -8,7 +8,7 @@ from ..config_checks import check_version
 from ..launch import DTYPE_IDS
 from ..policy import HOPPER_WIDE_HEAD_DIM, hopper_tiles, hopper_v7_default_at, hopper_v8_default_at
 
-VERSIONS = ("v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10")
+VERSIONS = ("v3", "v4", "v5", "v6", "v7", "v8", "v9", "v10", "v11")
 DTYPES = ("float16", "bfloat16")
 #: head dims the kernels are built for (the registry's default picks them at those
 #: :func:`~iokernels.cupy_raw.policy.hopper_default_at` allows)
@@ -25,24 +25,29 @@ MBARRIER_BYTES = 8
 BLOCK_M = 128
 #: ... by version: v6 and v10 have three consumer warpgroups (192 rows), at head_dim 64 only
 BLOCK_MS = {"v3": BLOCK_M, "v4": BLOCK_M, "v5": BLOCK_M, "v6": 192, "v7": BLOCK_M, "v8": BLOCK_M, "v9": BLOCK_M,
-            "v10": 192}
-#: threads: v3 has only the two computing warpgroups; v4, v5, v7 .. v9 add a producer warpgroup;
-#: v6 and v10 are 1 producer + 3 consumers
-THREADS = {"v3": 256, "v4": 384, "v5": 384, "v6": 512, "v7": 384, "v8": 384, "v9": 384, "v10": 512}
-#: mbarriers a K/V stage: k_full, v_full and one empty barrier (v3 .. v6); v7 .. v10 release K and
+            "v10": 192, "v11": BLOCK_M}
+#: threads: v3 has only the two computing warpgroups; v4, v5, v7 .. v9 and v11 add a producer
+#: warpgroup; v6 and v10 are 1 producer + 3 consumers
+THREADS = {"v3": 256, "v4": 384, "v5": 384, "v6": 512, "v7": 384, "v8": 384, "v9": 384, "v10": 512, "v11": 384}
+#: mbarriers a K/V stage: k_full, v_full and one empty barrier (v3 .. v6); v7 .. v11 release K and
 #: V apart, so they have an empty barrier for each (fa_v7.cu)
-BARRIERS_A_STAGE = {"v7": 4, "v8": 4, "v9": 4, "v10": 4}
+BARRIERS_A_STAGE = {"v7": 4, "v8": 4, "v9": 4, "v10": 4, "v11": 4}
 #: SRAM bytes a version takes beyond its tiles and barriers: v9's Q empty barrier and the index of
 #: the tile it holds (fa_v9.cu)
 EXTRA_SMEM_BYTES = {"v9": 16}
 #: the versions whose consumers use K_j and V_{j-1} together (two stages at least) and take turns
 #: on the tensor cores (ping-pong, or v6's and v10's round of three): v5 onwards
-PIPELINED = ("v5", "v6", "v7", "v8", "v9", "v10")
+PIPELINED = ("v5", "v6", "v7", "v8", "v9", "v10", "v11")
 #: the persistent versions: a grid of at most one block an SM (:func:`grid`), which claim query
 #: tiles from a counter the launcher gives each stream (fa_v9.cu)
 PERSISTENT = ("v9",)
-#: the versions that take FlashAttention-3's 80-key tile at head_dim 256 (fa_v8.cu's, and v9 after it)
-WIDE_KEY_VERSIONS = ("v8", "v9")
+#: the versions whose blocks take the query tiles longest first, the (batch, head) pairs in groups
+#: whose K and V fit the L2 cache (fa_v11.cu; the launcher passes the group's size,
+#: :func:`~iokernels.cupy_raw.policy.forward_lpt_pairs`)
+LONGEST_FIRST = ("v11",)
+#: the versions that take FlashAttention-3's 80-key tile at head_dim 256 (fa_v8.cu's, and v9 and v11
+#: after it)
+WIDE_KEY_VERSIONS = ("v8", "v9", "v11")
 #: the head dims a version takes where it does not take all of HEAD_DIMS: v6's and v10's three
 #: consumer warpgroups have 160 registers a thread (setmaxnreg: 128 x 24 + 384 x 160 of the SM's
 #: 65536), room for O, S and P of 64 x 128 tiles only at head_dim 64
@@ -80,14 +85,14 @@ def check_tile_fields(cfg, min_stages: int = 1, why: str = "", block_ns: tuple =
 class HopperConfig:
     """Tile settings of the Hopper attention kernels.
 
-    version: "v3" .. "v10" or None (the default: :func:`default_version`: v8 at every head dim).
-    block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256, where v8 and v9 also
-    take 80: :func:`block_n_choices`); None: the version's default at the head dim,
-    :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; at head_dim 256 64, and v8, v9 80).
-    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 .. v10 at least 2; None: the version's
+    version: "v3" .. "v11" or None (the default: :func:`default_version`: v8 at every head dim).
+    block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256, where v8, v9 and v11
+    also take 80: :func:`block_n_choices`); None: the version's default at the head dim,
+    :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; at head_dim 256 64, and v8, v9, v11 80).
+    stages: K/V tiles the SRAM ring holds (1 .. MAX_STAGES; v5 .. v11 at least 2; None: the version's
     default at the head dim, :func:`~iokernels.cupy_raw.policy.hopper_tiles`; 2 at head_dim 256,
     where Q alone is 64 KB and a third stage does not fit).
-    pingpong: v5 .. v10; False keeps the overlap inside a warpgroup but lets the consumer
+    pingpong: v5 .. v11; False keeps the overlap inside a warpgroup but lets the consumer
     warpgroups issue their products whenever they are ready (to measure what ping-pong adds).
     blocks: v9 (persistent) only: the most blocks it launches (None: one an SM, :func:`grid`); a
     smaller grid makes each block claim more tiles (the tests and the sanitizer use it).
@@ -108,8 +113,8 @@ class HopperConfig:
         check_version(self, VERSIONS)
         wide = self.version in WIDE_KEY_VERSIONS
         if not wide and self.block_n in V8_BLOCK_N_CHOICES and self.block_n not in BLOCK_N_CHOICES:
-            raise ValueError(f"config.block_n: {self.block_n} keys is a tile of v8's and v9's only (version='v8' "
-                             f"or 'v9', at head_dim 256), got version={self.version!r}")
+            raise ValueError(f"config.block_n: {self.block_n} keys is a tile of {', '.join(WIDE_KEY_VERSIONS)} "
+                             f"only (at head_dim 256), got version={self.version!r}")
         check_tile_fields(self, block_ns=V8_BLOCK_N_CHOICES if wide else BLOCK_N_CHOICES)
         if self.blocks is not None:
             if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
@@ -151,7 +156,8 @@ class HopperConfig:
         choices = block_n_choices(c.version, head_dim)
         if c.block_n not in choices:
             why = (f"O is 128 registers a thread; S and P of {c.block_n} keys beside it spill"
-                   if head_dim == HOPPER_WIDE_HEAD_DIM else "80 is v8's and v9's key tile at head_dim 256 only")
+                   if head_dim == HOPPER_WIDE_HEAD_DIM
+                   else f"80 is a key tile of {', '.join(WIDE_KEY_VERSIONS)} at head_dim 256 only")
             raise ValueError(f"config.block_n: at head_dim {head_dim} {c.version} takes Bc in {choices} ({why}), "
                              f"got {c.block_n}")
         if c.version in PIPELINED and c.stages < 2:
@@ -188,7 +194,7 @@ def default_version(head_dim: int) -> str:
 
 def block_n_choices(version: str, head_dim: int) -> tuple[int, ...]:
     """The key tiles (Bc) ``version`` takes at ``head_dim``: 64 and 128, 64 alone at head_dim 256
-    (:data:`WIDE_BLOCK_N_CHOICES`), where v8 and v9 also take 80 (fa_v8.cu)."""
+    (:data:`WIDE_BLOCK_N_CHOICES`), where v8, v9 and v11 also take 80 (fa_v8.cu)."""
     if head_dim == HOPPER_WIDE_HEAD_DIM:
         return WIDE_BLOCK_N_CHOICES + ((80,) if version in WIDE_KEY_VERSIONS else ())
     return BLOCK_N_CHOICES

@@ -1,11 +1,11 @@
-"""The records of the Hopper attention versions (fa_v3.cu .. fa_v10.cu)."""
+"""The records of the Hopper attention versions (fa_v3.cu .. fa_v11.cu)."""
 from __future__ import annotations
 
 from ...core.records import Record
 from ..launch import HOPPER_OPTIONS
 from ..policy import held_back_note
 from ..registry import REGISTRY
-from .attention import attention, attention_args, persistent_attention_args
+from .attention import attention, attention_args, lpt_attention_args, persistent_attention_args
 from .checks import check_for, default_check_for
 from .config import HopperConfig
 
@@ -25,7 +25,7 @@ def _record(version, rank, summary, args=attention_args):
 #: these where checks.default_check lets it pick them), v8 > v7 > ... > v3; v6 runs at head_dim 64
 #: only and is held back from the default until measured (policy.HELD_BACK); v7's default gate
 #: is head_dim 256 (policy.hopper_v7_default_at), and v8's too (hopper_v8_default_at); v9 is held
-#: back until measured (policy.HELD_BACK), and v10 (head_dim 64 only) too
+#: back until measured (policy.HELD_BACK), and v10 (head_dim 64 only) and v11 too
 RECORDS = (
     _record("v3", 100, "Hopper: wgmma from SRAM, TMA tile loads, an mbarrier a stage"),
     _record("v4", 110, "Hopper: v3 + a producer warpgroup (warp specialization), setmaxnreg"),
@@ -40,5 +40,8 @@ RECORDS = (
                        "and K loaded during the last one's end)", args=persistent_attention_args),
     _record("v10", 170, "Hopper, head_dim 64: v8 with three consumer warpgroups (a 192-row query tile) taking "
                         "turns on the tensor cores"),
+    _record("v11", 180, "Hopper: v8 with its blocks longest first (causal: each head's heaviest query tiles "
+                        "first, in groups of heads whose K and V fit the L2 cache)",
+            args=lpt_attention_args),
 )
 REGISTRY.add(*RECORDS)
