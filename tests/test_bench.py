@@ -477,12 +477,13 @@ def _without_attention_v9_v10(monkeypatch, versions=("v9", "v10", "v11")):
 
 
 def test_the_held_back_row_is_the_highest_ranked_version_the_default_does_not_pick(monkeypatch, rng):
-    """As if on a Hopper GPU without attention v11: v10 (head_dim 64 only) and v9 rank above every version
-    and are held back until measured (policy.HELD_BACK), so the cliff's extra prefill row is v10 at
-    head_dim 64 and v9 at 128 and 256, with that reason; released, v9 is the default at 128 and 256
-    for these short lengths and there is no such row there.  With v11 (held back, ranked above them
-    all) the row is v11's at every head dim."""
+    """As if on a Hopper GPU, at 8 query rows over 8 keys: the default is v9 (few key tiles,
+    policy.hopper_forward_for_length), and the cliff's extra prefill row is the highest-ranked version
+    above it the default does not pick there, v11, with the length policy's reason; without v11, v10
+    at head_dim 64 and none at 128 and 256 (v9 the highest-ranked version that runs there); with v9
+    held back (policy.HELD_BACK), v9 itself, with that reason."""
     from iokernels.bench.cliff import registry_held_back
+    from iokernels.bench.runners import registry_versions
     from iokernels.core.testing import make_inputs
     from iokernels.cupy_raw import policy
     from iokernels.cupy_raw.hopper import checks
@@ -490,18 +491,19 @@ def test_the_held_back_row_is_the_highest_ranked_version_the_default_does_not_pi
     inputs = {d: make_inputs(rng, heads_q=2, seqlen_q=8, seqlen_k=8, head_dim=d, dtype="bfloat16")
               for d in (64, 128, 256)}
     for d, (q, k, v) in inputs.items():
-        got = registry_held_back("cupy", "attention", q=q, k=k, v=v)
+        got = registry_held_back("cupy", "attention", q=q, k=k, v=v, causal=True)
         if got is None:
             pytest.skip("the CuPy backend is not importable here")
-        assert got[0] == "cupy:v11" and policy.HELD_BACK[("attention", "v11")] in got[2]
+        assert got[0] == "cupy:v11" and "v9 is (policy.hopper_forward_for_length)" in got[2]
+        assert [name for name, _, default in registry_versions("cupy", "attention", q=q, k=k, v=v, causal=True)
+                if default] == ["cupy:v9"]
     _without_attention_v9_v10(monkeypatch, versions=("v11",))
     for d, (q, k, v) in inputs.items():
-        name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
-        version = "v10" if d == 64 else "v9"
-        assert name == f"cupy:{version}" and cfg.version == version
-        assert policy.HELD_BACK[("attention", version)] in why
-    monkeypatch.delitem(policy.HELD_BACK, ("attention", "v9"))
-    assert registry_held_back("cupy", "attention", q=q, k=k, v=v) is None
+        got = registry_held_back("cupy", "attention", q=q, k=k, v=v)
+        assert (got[0] if got else None) == ("cupy:v10" if d == 64 else None)
+    monkeypatch.setitem(policy.HELD_BACK, ("attention", "v9"), "a record")
+    name, cfg, why = registry_held_back("cupy", "attention", q=q, k=k, v=v)
+    assert name == "cupy:v9" and cfg.version == "v9" and "a record" in why
 
 
 def test_registry_held_back_names_the_version_the_default_gate_keeps_out(monkeypatch, rng):

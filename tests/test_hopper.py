@@ -412,15 +412,16 @@ def test_v8_tiles_80_keys_at_256_and_v5s_elsewhere():
 
 
 def test_v8_is_the_default_at_every_head_dim_and_its_gate_closes_in_one_place(monkeypatch):
-    """As if on a Hopper GPU: v8 ranks above every Hopper version but v9, v10 and v11 (held back); the default
-    picks it at every head dim (policy.hopper_v8_default_at); a config naming it runs it; with 64
-    and 128 taken out of its gate the default there is v5 again, with the reason."""
+    """As if on a Hopper GPU: v8 ranks above every Hopper version but v9, v10 and v11 (gated by the call's
+    lengths); for a need without lengths the default picks v8 at every head dim
+    (policy.hopper_v8_default_at); a config naming it runs it; with 64 and 128 taken out of its gate
+    the default there is v5 again, with the reason."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v8")
     assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version not in ("v9", "v10", "v11"))
-    assert rec.file == "fa_v8.cu" and {("attention", "v9"), ("attention", "v10")} <= set(P.HELD_BACK)
+    assert rec.file == "fa_v8.cu"
     assert ("attention", "v8") not in P.HELD_BACK and P.HOPPER_V8_DEFAULT_HEAD_DIMS == (64, 128, 256)
     at = {d: Need(dtype="float16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
     for d in hp.HEAD_DIMS:
@@ -461,34 +462,62 @@ def test_v9_takes_v8s_tiles_a_block_an_sm_and_16_bytes_more():
     assert hp.block_n_choices("v9", 256) == (64, 80) and hp.PERSISTENT == ("v9",)
 
 
-def test_v9_is_held_back_and_runs_when_named(monkeypatch):
-    """As if on a Hopper GPU: v9 ranks above v8 but the default does not pick it until measured
-    (policy.HELD_BACK says so); a config naming it runs it at every head dim; released, it is the
-    default where policy.hopper_forward_for_length says so (short key ranges), and never for a
-    need that carries no lengths."""
+def _lengths(d, n, window, nq=None):
+    """The need of a forward call of ``nq`` (default ``n``) query rows over ``n`` keys in ``window``."""
+    return Need(dtype="bfloat16", head_dim=d, cc=90, extra=dict(seq_q=nq or n, seq_k=n, window=window))
+
+
+def test_v9_is_the_default_on_short_key_ranges(monkeypatch):
+    """As if on a Hopper GPU: v9 ranks above v8, and the default picks it where a query tile reads few
+    key tiles (policy.hopper_forward_for_length), never for a need that carries no lengths; a config
+    naming it runs it at every head dim."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v9")
     assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version not in ("v10", "v11"))
-    assert rec.file == "fa_v9.cu"
-    assert rec.args is hp.persistent_attention_args and "held back from the default" in rec.summary
-    at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
+    assert rec.file == "fa_v9.cu" and ("attention", "v9") not in P.HELD_BACK
+    assert rec.args is hp.persistent_attention_args and "held back" not in rec.summary
     for d in hp.HEAD_DIMS:
-        assert rec.unavailable(at[d]) is None and "measured" in rec.not_default(at[d])
-        assert REGISTRY.resolve("attention", hp.HopperConfig(version="v9"), at[d])[0] is rec
-        assert REGISTRY.default("attention", at[d]).version == "v8"
-    monkeypatch.delitem(P.HELD_BACK, ("attention", "v9"))
-    assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == ["v8"] * 3   # no lengths
+        bare = Need(dtype="bfloat16", head_dim=d, cc=90)
+        assert rec.unavailable(bare) is None and "carries none" in rec.not_default(bare)
+        assert REGISTRY.default("attention", bare).version == "v8"
+        assert REGISTRY.resolve("attention", hp.HopperConfig(version="v9"), bare)[0] is rec
+        assert REGISTRY.default("attention", _lengths(d, 1000, (-1, 0))).version == "v9"
+        assert REGISTRY.default("attention", _lengths(d, 100, (-1, -1))).version == "v9"
+        assert REGISTRY.default("attention", _lengths(d, 8192, (-1, -1))).version != "v9"
+        why = rec.not_default(_lengths(d, 8192, (-1, -1)))
+        assert why.startswith("not the default for 8192 query rows over 8192 keys")
+        assert "hopper_forward_for_length" in why
 
-    def lengths(d, n, window):
-        return Need(dtype="bfloat16", head_dim=d, cc=90, extra=dict(seq_q=n, seq_k=n, window=window))
+
+def test_the_default_takes_the_version_the_length_policy_names(monkeypatch):
+    """As if on a Hopper GPU: over head dims, lengths (a tile and a half of keys to 64), Nq != Nk and
+    bands, the registry's default is policy.hopper_forward_for_length's choice, and that choice is v9,
+    v10 (head_dim 64 only), v11 (with an upper band edge, not at 64) or v8; with a version held back
+    the default falls to v8."""
+    from iokernels.cupy_raw import REGISTRY
+    from iokernels.cupy_raw.hopper import checks
+    monkeypatch.setattr(checks, "available", lambda: None)
+    seen = set()
     for d in hp.HEAD_DIMS:
-        for n, window in ((1000, (-1, 0)), (8192, (-1, -1)), (8192, (-1, 0)), (100, (-1, -1))):
-            want = P.hopper_forward_for_length(d, n, n, window)
-            assert REGISTRY.default("attention", lengths(d, n, window)).version == ("v8" if want == "v10" else want)
-    assert REGISTRY.default("attention", lengths(128, 1000, (-1, 0))).version == "v9"
-    assert REGISTRY.default("attention", lengths(128, 8192, (-1, -1))).version == "v8"
+        for n in (1, 200, 1000, 2000, 3000, 5000, 8192, 30000):
+            for window in ((-1, -1), (-1, 0), (512, 0), (100, 100)):
+                for nq in (n, 1, 4 * n):
+                    want = P.hopper_forward_for_length(d, nq, n, window)
+                    assert REGISTRY.default("attention", _lengths(d, n, window, nq)).version == want
+                    assert want in ("v8", "v9", "v10", "v11") and (want != "v10" or d == 64)
+                    assert want != "v11" or (d != 64 and window[1] >= 0)
+                    seen.add((d, want))
+    assert seen == {(64, "v9"), (64, "v10"), (128, "v9"), (128, "v11"), (128, "v8"), (256, "v9"), (256, "v11"),
+                    (256, "v8")}
+    for version in ("v9", "v10", "v11"):
+        with monkeypatch.context() as m:
+            m.setitem(P.HELD_BACK, ("attention", version), "a record")
+            for d, n, window in ((64, 1000, (-1, 0)), (64, 8192, (-1, -1)), (128, 8192, (-1, 0))):
+                want = P.hopper_forward_for_length(d, n, n, window)
+                got = REGISTRY.default("attention", _lengths(d, n, window)).version
+                assert got == ("v8" if want == version else want), (version, d, n, window)
 
 
 def test_v9_arguments_end_with_the_batch_and_the_counter():
@@ -592,34 +621,25 @@ def test_v10_is_v8s_block_with_three_consumers_at_head_dim_64_only():
         hp.HopperConfig(version="v10", block_n=80)
 
 
-def test_v10_is_held_back_and_runs_when_named(monkeypatch):
-    """As if on a Hopper GPU: v10 ranks above every other version but the default does not pick it
-    until measured (policy.HELD_BACK); a config naming it runs it at head_dim 64, and elsewhere it
-    says why not; released, it is the default at head_dim 64 over long key ranges only
-    (policy.hopper_forward_for_length), and never for a need that carries no lengths."""
+def test_v10_is_the_default_at_head_dim_64_on_long_key_ranges(monkeypatch):
+    """As if on a Hopper GPU: v10 ranks above every version but v11; the default picks it at head_dim 64
+    where a query tile reads many key tiles, causal or not, never for a need that carries no lengths; a
+    config naming it runs it at head_dim 64, and elsewhere it says why not."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v10")
     assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention") if k.version != "v11")
-    assert rec.file == "fa_v10.cu"
-    assert rec.args is hp.attention_args and "held back from the default" in rec.summary
-    at = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
-    assert rec.unavailable(at[64]) is None and "measured" in rec.not_default(at[64])
-    assert REGISTRY.resolve("attention", hp.HopperConfig(version="v10"), at[64])[0] is rec
+    assert rec.file == "fa_v10.cu" and ("attention", "v10") not in P.HELD_BACK
+    assert rec.args is hp.attention_args and "held back" not in rec.summary
+    bare = {d: Need(dtype="bfloat16", head_dim=d, cc=90) for d in hp.HEAD_DIMS}
+    assert rec.unavailable(bare[64]) is None and "carries none" in rec.not_default(bare[64])
+    assert REGISTRY.resolve("attention", hp.HopperConfig(version="v10"), bare[64])[0] is rec
     for d in (128, 256):
-        assert "takes head_dim 64 only" in rec.unavailable(at[d])
-    before = [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS]
-    monkeypatch.delitem(P.HELD_BACK, ("attention", "v10"))
-    assert [REGISTRY.default("attention", at[d]).version for d in hp.HEAD_DIMS] == before   # no lengths
-
-    def lengths(d, n, window):
-        return Need(dtype="bfloat16", head_dim=d, cc=90, extra=dict(seq_q=n, seq_k=n, window=window))
-    assert REGISTRY.default("attention", lengths(64, 8192, (-1, -1))).version == "v10"
-    assert REGISTRY.default("attention", lengths(64, 8192, (-1, 0))).version == "v10"
-    assert REGISTRY.default("attention", lengths(64, 100, (-1, -1))).version == "v8"     # v9's, held back
-    for d in (128, 256):
-        assert REGISTRY.default("attention", lengths(d, 8192, (-1, -1))).version == before[hp.HEAD_DIMS.index(d)]
+        assert "takes head_dim 64 only" in rec.unavailable(bare[d])
+    assert REGISTRY.default("attention", _lengths(64, 8192, (-1, -1))).version == "v10"
+    assert REGISTRY.default("attention", _lengths(64, 8192, (-1, 0))).version == "v10"
+    assert REGISTRY.default("attention", _lengths(64, 1000, (-1, 0))).version == "v9"
 
 
 def test_v10_sanitizer_cases_run_at_head_dim_64():
@@ -658,20 +678,26 @@ def test_v11_is_v8s_block_with_one_more_argument():
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(v11[3:-1], v8[3:]))
 
 
-def test_v11_is_held_back_and_runs_when_named(monkeypatch):
-    """As if on a Hopper GPU: v11 ranks above every version but the default does not pick it until
-    measured (policy.HELD_BACK); a config naming it runs it at every head dim."""
+def test_v11_is_the_default_under_the_causal_mask_on_long_key_ranges(monkeypatch):
+    """As if on a Hopper GPU: v11 ranks above every version; the default picks it at head_dim 128 and 256
+    under a band with an upper edge where a query tile reads many key tiles (not without such a band,
+    where its order is v8's, not at 64, where v10 is faster, not on short ranges); a config naming it
+    runs it at every head dim."""
     from iokernels.cupy_raw import REGISTRY
     from iokernels.cupy_raw.hopper import checks
     monkeypatch.setattr(checks, "available", lambda: None)
     rec = REGISTRY.get("attention", "v11")
     assert rec.rank == max(k.rank for k in REGISTRY.kernels("attention")) and rec.file == "fa_v11.cu"
-    assert rec.args is hp.lpt_attention_args and "held back from the default" in rec.summary
+    assert rec.args is hp.lpt_attention_args and ("attention", "v11") not in P.HELD_BACK
     for d in hp.HEAD_DIMS:
-        at = Need(dtype="bfloat16", head_dim=d, cc=90, extra=dict(seq_q=8192, seq_k=8192, window=(-1, 0)))
-        assert rec.unavailable(at) is None and "measured" in rec.not_default(at)
+        at = _lengths(d, 8192, (-1, 0))
+        assert rec.unavailable(at) is None
         assert REGISTRY.resolve("attention", hp.HopperConfig(version="v11"), at)[0] is rec
-        assert REGISTRY.default("attention", at).version != "v11"
+        assert (REGISTRY.default("attention", at).version == "v11") == (d != 64)
+        assert REGISTRY.default("attention", _lengths(d, 8192, (-1, -1))).version != "v11"
+        assert REGISTRY.default("attention", _lengths(d, 1000, (-1, 0))).version == "v9"
+    assert REGISTRY.default("attention", _lengths(128, 8192, (4096, 0))).version == "v11"    # a causal window
+    assert REGISTRY.default("attention", _lengths(128, 8192, (500, 0))).version == "v9"      # a short one
 
 
 @pytest.mark.skipif(NVCC is None or _cuobjdump() is None, reason="nvcc or cuobjdump not found")
@@ -1029,7 +1055,8 @@ def test_v11_gives_v8s_bits(rng, monkeypatch, d, causal):
     import torch
 
     import iokernels as ik
-    from iokernels.cupy_raw.hopper import attention as ha
+    import importlib
+    ha = importlib.import_module("iokernels.cupy_raw.hopper.attention")   # the module, not the function
     q, k, v = _torch_inputs(rng, 3, 8, 2, 1000, 1100, d, "bfloat16" if causal else "float16")
     for window in (None, (300, 0) if causal else (200, 50)):
         o8, l8 = hp.attention(q, k, v, causal=causal, window=window, config=hp.HopperConfig(version="v8"))

@@ -66,16 +66,13 @@ op                    version  file                 rank  what it adds
 ====================  =======  ===================  ====  ====================================================
 attention             v11      fa_v11.cu            180   Hopper: v8 with its blocks longest first (causal:
                                                           each head's heaviest query tiles first, in groups of
-                                                          heads whose K and V fit the L2 cache) (held back
-                                                          from the default until measured)
+                                                          heads whose K and V fit the L2 cache)
 attention             v10      fa_v10.cu            170   Hopper, head_dim 64: v8 with three consumer
                                                           warpgroups (a 192-row query tile) taking turns on
-                                                          the tensor cores (held back from the default until
-                                                          measured)
+                                                          the tensor cores
 attention             v9       fa_v9.cu             160   Hopper: v8 as a persistent kernel (a block an SM
                                                           claims query tiles, the next tile's Q and K loaded
-                                                          during the last one's end) (held back from the
-                                                          default until measured)
+                                                          during the last one's end)
 attention             v8       fa_v8.cu             150   Hopper: v7 with the masked softmax reading two key
                                                           bounds a row, and 80-key tiles at head_dim 256 (the
                                                           default)

@@ -139,14 +139,6 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 #: :func:`hopper_default_at`
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
-    ("attention", "v9"): ("its GPU tests, compute-sanitizer and a benchmark record faster than v8 (and v5) on "
-                          "Hopper where it would be the default: measured faster on short sequences and slower "
-                          "on long ones, it needs a default that chooses by sequence length"),
-    ("attention", "v10"): ("its GPU tests, compute-sanitizer and a benchmark record faster than v8 at head_dim 64 "
-                           "on Hopper where it would be the default: measured faster on long sequences and slower "
-                           "on short causal ones, it needs a default that chooses by sequence length"),
-    ("attention", "v11"): ("its GPU tests, compute-sanitizer and a benchmark record faster than v8 under the causal "
-                           "mask on Hopper"),
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
 }
 
@@ -367,15 +359,22 @@ def hopper_v8_default_at(head_dim: int) -> bool:
     ran them, and they were timed against v5 in
     benchmarks/results/sweeps/2026-12-06_1903_attention_v8_default_h100.txt (an H100): faster under
     the causal mask (most at short sequences), as fast without one at 64 and slightly slower at
-    128.  The causal gain is the larger, and prefill for a language model is causal, so v8 is the
-    default at every head dim."""
+    128.  The causal gain is the larger, and prefill for a language model is causal, so v8's gate
+    opens at every head dim (v9, v10 and v11, ranked above it, take the lengths
+    :func:`hopper_forward_for_length` gives them)."""
     return head_dim in HOPPER_V8_DEFAULT_HEAD_DIMS
 
 
 #: the Hopper forward's default by length (:func:`hopper_forward_for_length`): attention v9 (the
 #: persistent kernel) where a query tile reads at most this many key tiles on average (v8's key
-#: tile at the head dim), else v10 (three consumer warpgroups) at head_dim 64 and v8 at the others
-HOPPER_V9_MAX_KEY_TILES = {64: 8.0, 128: 12.0, 256: 12.0}
+#: tile at the head dim: 128 keys at 64 and 128, 80 at 256), each threshold between the largest tile
+#: count at which v9 measured faster than v8 and the smallest at which it did not (or at d 64 v10 was
+#: faster): benchmarks/results/sweeps/2026-12-07_0226_attention_v9_v10_v11_h100.txt
+HOPPER_V9_MAX_KEY_TILES = {64: 8.0, 128: 12.0, 256: 13.0}
+#: ... and attention v11 (longest first) under a band with an upper edge from this many key tiles on
+#: average at head_dim 128 and 256: between the counts at which it measured slower and faster than
+#: v8 in the same record
+HOPPER_V11_MIN_KEY_TILES = 16.0
 
 
 def mean_visible_keys(seq_q: int, seq_k: int, window=(-1, -1)) -> float:
@@ -389,22 +388,30 @@ def mean_visible_keys(seq_q: int, seq_k: int, window=(-1, -1)) -> float:
 
 
 def hopper_forward_for_length(head_dim: int, seq_q: int, seq_k: int, window=(-1, -1)) -> str:
-    """The Hopper attention version the default runs for these lengths: "v9", "v10" or "v8".
+    """The Hopper attention version the default runs for these lengths and this band: "v9",
+    "v10", "v11" or "v8".
 
     A query tile's work is its key tiles, about ``mean_visible_keys / Bc`` (Bc: v8's key tile at
     ``head_dim``, :func:`hopper_tiles`).  v9 launches a block an SM that claims query tiles in
     turn and loads the next tile's Q and first K while the last one's output is written: it pays
     where a tile is short, its start and end a large share of its time; where a tile has many key
-    tiles that share is small, and v9 ran slower than v8 (a claimed tile's index comes from
-    SRAM, not the grid).  v10's three consumers (head_dim 64 only) pay back their round of
-    barriers over many key tiles and lose on few, most under the causal mask, whose short tiles
-    are many.  The threshold HOPPER_V9_MAX_KEY_TILES comes from the sweep records of v8, v9 and
-    v10 side by side (benchmarks/results/sweeps)."""
+    tiles that share is small, and v9 ran slower than v8.  v10's three consumers (head_dim 64
+    only) pay back their round of barriers over many key tiles and lose on few, most under the
+    causal mask.  v11 (v8's blocks longest first) shortens the tail of a grid whose blocks differ
+    in length, which needs a band with an upper edge (``window[1] >= 0``: causal) and long tiles;
+    on short ones its groups lost to v8's order.  So: v9 up to HOPPER_V9_MAX_KEY_TILES, then v10 at
+    head_dim 64, v11 under such a band from HOPPER_V11_MIN_KEY_TILES, else v8.  The thresholds come
+    from the sweep record of the four side by side (HOPPER_V9_MAX_KEY_TILES names it): one H100 run
+    of 18 shapes, so a threshold sits somewhere between two measured tile counts."""
     block_n, _ = hopper_tiles("v8", head_dim)
     tiles = mean_visible_keys(seq_q, seq_k, window) / block_n
     if tiles <= HOPPER_V9_MAX_KEY_TILES.get(head_dim, 0.0):
         return "v9"
-    return "v10" if head_dim == 64 else "v8"
+    if head_dim == 64:
+        return "v10"
+    if window[1] >= 0 and tiles >= HOPPER_V11_MIN_KEY_TILES:
+        return "v11"
+    return "v8"
 
 
 # =========================================================================== decode v6

@@ -36,33 +36,41 @@ v7       fa_v7.cu           v5 with two empty barriers a stage: a consumer relea
 v8       fa_v8.cu           the masked copy of the softmax reads two key bounds a row, computed
                             once (fa_v6's), instead of testing Nk, the window and the diagonal
                             key by key; and at head_dim 256 FlashAttention-3's 80-key tile, whose
-                            two stages v7's release keeps landing.  The default at every head
-                            dim (policy.hopper_v8_default_at)
+                            two stages v7's release keeps landing.  Its gate opens at every head
+                            dim (policy.hopper_v8_default_at); the default where v9, v10 and v11
+                            are not (policy.hopper_forward_for_length)
 v9       fa_v9.cu           v8 as a persistent kernel: min(query tiles, SMs) blocks, each claiming
                             tiles from a counter; Q has an empty barrier, so the producer loads
                             the next tile's Q and K/V tiles while the consumers finish the last
                             P V and write O, and the ring runs on from tile to tile.  The same
-                            bits as v8.  Held back from the default: faster than v8 on short
-                            sequences, slower on long ones (benchmarks/results/sweeps)
+                            bits as v8.  The default where a query tile reads few key tiles
+                            (short sequences), where it measured faster than v8; slower on long
+                            ones (policy.hopper_forward_for_length)
 v10      fa_v10.cu          head_dim 64 only: v8 with v6's three consumer warpgroups (Br = 192)
                             and their round of three, so a softmax hides behind two other
                             warpgroups' products where at d = 64 one's are shorter than it.  The
-                            same bits as v8.  Held back from the default: faster than v8 on long
-                            sequences, slower on short causal ones (benchmarks/results/sweeps)
+                            same bits as v8.  The default at head_dim 64 where a query tile reads
+                            many key tiles, where it measured faster than v8; slower on short
+                            causal ones (policy.hopper_forward_for_length)
 v11      fa_v11.cu          v8 with its blocks longest first: under the causal mask the heads are
                             taken in groups whose K and V fit the L2 cache, and within a group
                             every head's heaviest query tile starts first, so the grid ends on
                             short tiles (policy.forward_lpt_pairs; bwd_v5's order).  The same
-                            bits as v8.  Held back from the default until measured
+                            bits as v8.  The default at head_dim 128 and 256 under the causal
+                            mask where a query tile reads many key tiles (measured faster than
+                            v8 there, slower on short ones: policy.hopper_forward_for_length)
 =======  =================  ===================================================================
 
-The default (``HopperConfig()``) is v8 at every head dim
-(:func:`~iokernels.cupy_raw.hopper.config.default_version`), the fastest measured there that the
-GPU tests have run (benchmarks/results); the registry ranks v11 > v10 > v9 > v8 > ... > v3, all
-above the portable versions (at the head dims its default picks them: 64, 128 and 256); v6, v9, v10
-and v11 are held back from the default until they are measured
+The default chooses by the call's lengths and band
+(:func:`~iokernels.cupy_raw.policy.hopper_forward_for_length`, thresholds measured in
+benchmarks/results/sweeps): v9 where a query tile reads few key tiles, then v10 at head_dim 64,
+v11 under the causal mask at 128 and 256, and v8 otherwise; ``HopperConfig().resolve(d)`` alone,
+which knows no lengths, takes v8 (:func:`~iokernels.cupy_raw.hopper.config.default_version`).  The
+registry ranks v11 > v10 > v9 > v8 > ... > v3, all above the portable versions (at the head dims its
+default picks them: 64, 128 and 256); v6 is held back from the default until it is measured
 (:data:`~iokernels.cupy_raw.policy.HELD_BACK`), v7 and v8 have head-dim gates
-(:func:`~iokernels.cupy_raw.policy.hopper_v7_default_at`: 256; ``hopper_v8_default_at``: all three).
+(:func:`~iokernels.cupy_raw.policy.hopper_v7_default_at`: 256; ``hopper_v8_default_at``: all three),
+v9, v10 and v11 length gates.
 
 Notation (the papers' names):
 

@@ -8,7 +8,7 @@ import numpy as np
 from ...core import conventions as cv
 from ...core.arrays import Call, device_array
 from ..launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, cupy, device_info, fill, function, on_stream
-from ..policy import forward_lpt_pairs
+from ..policy import forward_lpt_pairs, hopper_forward_for_length
 from ..registry import REGISTRY
 from .checks import require_available
 from .config import BLOCK_M, DTYPES, HEAD_DIMS, LONGEST_FIRST, PANEL, PERSISTENT, THREADS, HopperConfig, grid
@@ -31,11 +31,16 @@ def _check_attention_inputs(q, k, v, causal, scale, window, config):
         raise ValueError(f"config: expected a HopperConfig or None, got {type(config).__name__}")
     scale = cv.resolve_scale(scale, info["head_dim"])
     left, right = cv.effective_window(bool(causal), window)
+    if config.version is None:                    # the registry's choice for these lengths and this band
+        config = config.replace(version=hopper_forward_for_length(info["head_dim"], info["seqlen_q"],
+                                                                  info["seqlen_k"], (left, right)))
     return info, scale, (left, right), config.resolve(info["head_dim"])
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, config=None):
-    """FlashAttention forward on Hopper: (O, LSE).  ``config``: a :class:`HopperConfig`.
+    """FlashAttention forward on Hopper: (O, LSE).  ``config``: a :class:`HopperConfig` (None, or
+    version None: the version the registry's default picks for these lengths and this band,
+    :func:`~iokernels.cupy_raw.policy.hopper_forward_for_length`).
 
     q (B, Hq, Nq, d), k and v (B, Hkv, Nk, d), float16 or bfloat16, d in (64, 128, 256): torch CUDA
     tensors or CuPy arrays (used in place when contiguous) or NumPy arrays (copied).  O has q's

@@ -61,8 +61,8 @@ def check_for(version: str):
 def default_check_for(version: str):
     """The ``default_check`` of ``version``: :func:`default_check`, then whether the version is
     held back from the default until measured (:data:`~iokernels.cupy_raw.policy.HELD_BACK`,
-    asked on every call); v7 and v8 then by their head-dim gates, v9 and v10 by the call's lengths
-    (:data:`HEAD_DIM_GATES`)."""
+    asked on every call); v7 and v8 then by their head-dim gates, v9, v10 and v11 by the call's
+    lengths and band (:data:`HEAD_DIM_GATES`)."""
     gate = HEAD_DIM_GATES.get(version)
     if gate is not None:
         return lambda need: default_check(need) or held_back("attention", version) or gate(need)
@@ -88,24 +88,25 @@ def v8_default_check(need) -> str | None:
 
 
 def length_default_check(version: str):
-    """The default gate of ``version`` (v9, v10): whether the call's lengths are the ones the
+    """The default gate of ``version`` (v9, v10, v11): whether the call's lengths and band are the ones the
     default runs it at (:func:`~iokernels.cupy_raw.policy.hopper_forward_for_length`); a need
     without them (made by hand, not by the backend's ``need``) leaves the version out."""
     def gate(need) -> str | None:
         seq_q, seq_k = need.extra.get("seq_q"), need.extra.get("seq_k")
         if seq_q is None or seq_k is None:
             return "the default picks it by the call's lengths, and this need carries none (a config naming it runs it)"
-        choice = hopper_forward_for_length(need.head_dim, seq_q, seq_k, need.extra.get("window", (-1, -1)))
+        window = need.extra.get("window", (-1, -1))
+        choice = hopper_forward_for_length(need.head_dim, seq_q, seq_k, window)
         if choice == version:
             return None
-        return (f"not the default for {seq_q} query rows over {seq_k} keys at head_dim {need.head_dim}: {choice} is "
-                f"(policy.hopper_forward_for_length); a config naming {version} runs it")
+        return (f"not the default for {seq_q} query rows over {seq_k} keys (band {window}) at head_dim "
+                f"{need.head_dim}: {choice} is (policy.hopper_forward_for_length); a config naming {version} runs it")
     return gate
 
 
 #: the versions whose default is gated by head dim or by length, and their checks
 HEAD_DIM_GATES = {"v7": v7_default_check, "v8": v8_default_check, "v9": length_default_check("v9"),
-                  "v10": length_default_check("v10")}
+                  "v10": length_default_check("v10"), "v11": length_default_check("v11")}
 
 
 def default_check(need) -> str | None:

@@ -85,7 +85,9 @@ def check_tile_fields(cfg, min_stages: int = 1, why: str = "", block_ns: tuple =
 class HopperConfig:
     """Tile settings of the Hopper attention kernels.
 
-    version: "v3" .. "v11" or None (the default: :func:`default_version`: v8 at every head dim).
+    version: "v3" .. "v11" or None (the default: at a call, the version the registry's default
+    picks for its lengths and band, :func:`~iokernels.cupy_raw.policy.hopper_forward_for_length`;
+    :meth:`resolve` alone, :func:`default_version`: v8 at every head dim).
     block_n (Bc): keys a K/V tile holds, 64 or 128 (64 only at head_dim 256, where v8, v9 and v11
     also take 80: :func:`block_n_choices`); None: the version's default at the head dim,
     :func:`~iokernels.cupy_raw.policy.hopper_tiles` (128; at head_dim 256 64, and v8, v9, v11 80).
@@ -183,10 +185,12 @@ DEFAULT_VERSION = "v5"
 
 
 def default_version(head_dim: int) -> str:
-    """The version HopperConfig() runs at ``head_dim``, the one the registry's default picks on
-    Hopper: the highest-ranked of v8 and v7 whose head-dim gate opens there
+    """The version HopperConfig().resolve(head_dim) takes, where the call's lengths are not known:
+    the highest-ranked of v8 and v7 whose head-dim gate opens there
     (:func:`~iokernels.cupy_raw.policy.hopper_v8_default_at`: every head dim; ``hopper_v7_default_at``: 256),
-    else :data:`DEFAULT_VERSION`."""
+    else :data:`DEFAULT_VERSION`.  A call knows them: :func:`~iokernels.cupy_raw.hopper.attention`
+    and the registry's default take v9, v10 or v11 where
+    :func:`~iokernels.cupy_raw.policy.hopper_forward_for_length` says so."""
     if hopper_v8_default_at(head_dim):
         return "v8"
     return "v7" if hopper_v7_default_at(head_dim) else DEFAULT_VERSION

@@ -22,10 +22,11 @@ def _record(version, rank, summary, args=attention_args):
 
 
 #: ranked above every portable attention version (so on Hopper the default is the best of
-#: these where checks.default_check lets it pick them), v8 > v7 > ... > v3; v6 runs at head_dim 64
+#: these where checks.default_check lets it pick them), v11 > v10 > ... > v3; v6 runs at head_dim 64
 #: only and is held back from the default until measured (policy.HELD_BACK); v7's default gate
-#: is head_dim 256 (policy.hopper_v7_default_at), and v8's too (hopper_v8_default_at); v9 is held
-#: back until measured (policy.HELD_BACK), and v10 (head_dim 64 only) and v11 too
+#: is head_dim 256 (policy.hopper_v7_default_at), v8's every head dim (hopper_v8_default_at); v9,
+#: v10 (head_dim 64 only) and v11 are the default at the lengths and bands
+#: policy.hopper_forward_for_length gives them
 RECORDS = (
     _record("v3", 100, "Hopper: wgmma from SRAM, TMA tile loads, an mbarrier a stage"),
     _record("v4", 110, "Hopper: v3 + a producer warpgroup (warp specialization), setmaxnreg"),
