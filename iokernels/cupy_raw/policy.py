@@ -367,9 +367,10 @@ def hopper_v8_default_at(head_dim: int) -> bool:
 
 #: the Hopper forward's default by length (:func:`hopper_forward_for_length`): attention v9 (the
 #: persistent kernel) where a query tile reads at most this many key tiles on average (v8's key
-#: tile at the head dim: 128 keys at 64 and 128, 80 at 256), each threshold between the largest tile
-#: count at which v9 measured faster than v8 and the smallest at which it did not (or at d 64 v10 was
-#: faster): benchmarks/results/sweeps/2026-12-07_0226_attention_v9_v10_v11_h100.txt
+#: tile at the head dim: 128 keys at 64 and 128, 80 at 256): each threshold at or above the tile
+#: counts at which v9 measured faster than v8 and below those at which it measured slower (at d 64:
+#: at which v10 was the faster), in benchmarks/results/sweeps/2026-12-07_0226_attention_v9_v10_v11_h100.txt;
+#: at d 128 v9 also gained at 23 tiles without the mask, left out until counts between 12 and 32 are timed
 HOPPER_V9_MAX_KEY_TILES = {64: 8.0, 128: 12.0, 256: 13.0}
 #: ... and attention v11 (longest first) under a band with an upper edge from this many key tiles on
 #: average at head_dim 128 and 256: between the counts at which it measured slower and faster than

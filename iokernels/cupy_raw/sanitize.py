@@ -46,7 +46,8 @@ FORWARD_EXTRA[("attention", "v6")] = ((64, False, None), (64, False, (5, 3)))
 FORWARD_EXTRA[("attention", "v10")] = FORWARD_EXTRA[("attention", "v6")]
 #: the forward's sizes: batch 2, 4 query heads over 2, 37 query rows over 77 keys (one query tile
 #: a head); v11 (longest first) at 3 x 4 pairs of three 128-row query tiles, so that under the
-#: causal mask its groups (the last one short) reorder the blocks
+#: causal mask its group (all 12 pairs: their K and V fit the L2 cache) reorders the blocks; groups
+#: of other sizes, a short last one among them, run in its GPU test (tests/test_hopper.py)
 FORWARD_SIZES = dict(batch=2, heads_q=4, heads_kv=2, seqlen_q=37, seqlen_k=77)
 FORWARD_SIZES_OF = {("attention", "v11"): dict(batch=3, heads_q=4, heads_kv=2, seqlen_q=300, seqlen_k=333)}
 #: decode: head dims, batch lengths (one empty), split counts
