@@ -260,8 +260,9 @@ def test_mean_visible_keys_counts_the_mask(nq, nk, window):
 
 
 def test_hopper_forward_for_length_takes_v9_on_short_key_ranges_only():
-    """v9 up to HOPPER_V9_MAX_KEY_TILES key tiles a query tile (v8's Bc), then v10 at head_dim 64 and v8
-    at the others; the choice never returns to v9 as the keys grow, and the causal mask halves a tile's keys."""
+    """v9 up to HOPPER_V9_MAX_KEY_TILES key tiles a query tile (v8's Bc), then v10 at head_dim 64, and at
+    the others v11 under an upper band edge from HOPPER_V11_MIN_KEY_TILES, else v8; the choice never returns
+    to v9 as the keys grow, and the causal mask halves a tile's keys."""
     for d in (64, 128, 256):
         bc = P.hopper_tiles("v8", d)[0]
         edge = int(P.HOPPER_V9_MAX_KEY_TILES[d] * bc)
@@ -273,6 +274,10 @@ def test_hopper_forward_for_length_takes_v9_on_short_key_ranges_only():
         assert P.hopper_forward_for_length(d, 4 * edge, 4 * edge, (edge // 2, 0)) == "v9"   # a window bounds it
         picks = [P.hopper_forward_for_length(d, n, n) for n in range(1, 40 * bc, bc // 2)]
         assert picks == sorted(picks, key=lambda v: v != "v9") and picks[0] == "v9" and picks[-1] == long
+        v11 = int(2 * P.HOPPER_V11_MIN_KEY_TILES * bc)              # causal: about half of N visible
+        assert P.hopper_forward_for_length(d, v11, v11, (-1, 0)) == ("v10" if d == 64 else "v11")
+        if d != 64:
+            assert P.hopper_forward_for_length(d, v11 - 2 * bc, v11 - 2 * bc, (-1, 0)) == "v8"   # 15 tiles
 
 
 def test_every_backends_need_carries_the_forward_lengths():
