@@ -211,7 +211,7 @@ for dtype, d in ((np.float16, 64), (np.float32, 128), (np.float64, 59)):
 HA = importlib.import_module("iokernels.cupy_raw.hopper.attention")
 HA.tensor_map = lambda *a: np.array([hash(a)], np.int64).view("V8")
 cr.hopper.available = cr.hopper.checks.available = lambda: None
-for kw in (dict(), dict(causal=True), dict(window=(100, 7))):
+for kw in (dict(), dict(causal=True), dict(window=(100, 7)), dict(config=cr.hopper.HopperConfig(version="v8"))):
     hq, hk, hv = arr(2, 4, 300, 128), arr(2, 2, 300, 128), arr(2, 2, 300, 128)
     case(f"hopper attention {kw}", lambda: F.attention(hq, hk, hv, **kw), lambda: cr.attention(hq, hk, hv, **kw),
          dict(q=hq, k=hk, v=hv))
@@ -610,8 +610,14 @@ def test_under_capture_the_new_plans_pin_or_refuse_host_values(result):
 
 
 def test_the_hopper_forward_is_planned_too(result):
-    hop = [c for label, c in result["cases"].items() if label.startswith("hopper")]
-    assert len(hop) == 3 and all(c["second"][0]["name"] == "fa_v8" for c in hop)
+    """The default at 300 rows over 300 keys is v9 (few key tiles: policy.hopper_forward_for_length),
+    a config naming v8 runs v8; each through a plan whose launch is the eager one's."""
+    from iokernels.cupy_raw import policy
+    hop = {label: c for label, c in result["cases"].items() if label.startswith("hopper")}
+    assert len(hop) == 4 and all(c["hit"] and c["eager"] == c["first"] == c["second"] for c in hop.values())
+    assert {policy.hopper_forward_for_length(128, 300, 300, w) for w in ((-1, -1), (-1, 0), (100, 7))} == {"v9"}
+    names = sorted(c["second"][0]["name"] for c in hop.values())
+    assert names == ["fa_v8", "fa_v9", "fa_v9", "fa_v9"]
 
 
 def test_the_persistent_forward_is_planned_with_its_own_counter(result):
