@@ -105,8 +105,9 @@ def test_attention_replays_like_eager(dtype, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_at_head_dim_256_replays_like_eager(causal):
-    """Head dim 256 takes the Hopper forward's own tiles there (on Hopper the default is v8, 80-key
-    tiles in two stages, with K and V released apart); elsewhere the portable kernel."""
+    """Head dim 256 takes the Hopper forward's own tiles there (on Hopper the default at 333 keys is
+    v9, the persistent kernel, with v8's 80-key tiles in two stages, K and V released apart);
+    elsewhere the portable kernel."""
     q, k, v = (randn(1, 4, 333, 256, dtype=torch.bfloat16), randn(1, 2, 333, 256, dtype=torch.bfloat16),
                randn(1, 2, 333, 256, dtype=torch.bfloat16))
     replay_equals_eager(lambda: ik.attention(q, k, v, causal=causal, backend="cupy", return_lse=True),

@@ -775,15 +775,16 @@ def test_two_x_rule_gqa_and_unequal_lengths(rng, version, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", (False, True))
 def test_public_attention_at_256_runs_hopper_by_default_and_by_name(rng, causal):
-    """d = 256 through ik.attention (the plan path): the default runs fa_v8 (80-key tiles), a config
-    naming v8 the same bits, those of hopper.attention, which the 2x rule holds; a config naming v5
-    runs fa_v5, which does too."""
+    """d = 256 through ik.attention (the plan path): the default at 1000 keys runs fa_v9 (few key tiles:
+    policy.hopper_forward_for_length; v8's 80-key tiles and v8's bits), a config naming v8 the same
+    bits, those of hopper.attention, which the 2x rule holds; a config naming v5 runs fa_v5, which
+    does too."""
     import torch
 
     import iokernels as ik
     from iokernels.cupy_raw import REGISTRY, need
     q, k, v = _torch_inputs(rng, 2, 4, 2, 1000, 1000, 256, "bfloat16")
-    assert REGISTRY.default("attention", need("attention", q=q, k=k, v=v)).version == hp.default_version(256) == "v8"
+    assert REGISTRY.default("attention", need("attention", q=q, k=k, v=v, causal=causal)).version == "v9"
     for cfg in (hp.HopperConfig(version="v8"), hp.HopperConfig(version="v5")):
         o = ik.attention(q, k, v, causal=causal, backend="cupy", config=cfg)
         o_direct, _ = hp.attention(q, k, v, causal=causal, config=cfg)
