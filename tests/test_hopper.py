@@ -244,9 +244,9 @@ def test_records_rank_above_the_portable_versions():
     portable = [k.version for k in REGISTRY.kernels("attention") if k.config_class is not hp.HopperConfig]
     assert [r.version for r in hp.RECORDS] == list(hp.VERSIONS) and portable
     assert min(ranks[v] for v in hp.VERSIONS) > max(ranks[v] for v in portable)
-    from iokernels.cupy_raw.hopper.checks import HEAD_DIM_GATES
+    from iokernels.cupy_raw.hopper.checks import DEFAULT_GATES
     # the default where no head-dim gate opens: the highest-ranked version neither held back nor gated
-    measured = {v: r for v, r in ranks.items() if ("attention", v) not in P.HELD_BACK and v not in HEAD_DIM_GATES}
+    measured = {v: r for v, r in ranks.items() if ("attention", v) not in P.HELD_BACK and v not in DEFAULT_GATES}
     assert max(measured, key=measured.get) == hp.DEFAULT_VERSION
     # on a GPU that is not Hopper the default stays the portable version, with the reasons
     k = REGISTRY.default("attention", Need(dtype="bfloat16", head_dim=128, cc=80))

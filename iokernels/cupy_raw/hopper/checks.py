@@ -62,8 +62,8 @@ def default_check_for(version: str):
     """The ``default_check`` of ``version``: :func:`default_check`, then whether the version is
     held back from the default until measured (:data:`~iokernels.cupy_raw.policy.HELD_BACK`,
     asked on every call); v7 and v8 then by their head-dim gates, v9, v10 and v11 by the call's
-    lengths and band (:data:`HEAD_DIM_GATES`)."""
-    gate = HEAD_DIM_GATES.get(version)
+    lengths and band (:data:`DEFAULT_GATES`)."""
+    gate = DEFAULT_GATES.get(version)
     if gate is not None:
         return lambda need: default_check(need) or held_back("attention", version) or gate(need)
     return lambda need: default_check(need) or held_back("attention", version)
@@ -105,7 +105,7 @@ def length_default_check(version: str):
 
 
 #: the versions whose default is gated by head dim or by length, and their checks
-HEAD_DIM_GATES = {"v7": v7_default_check, "v8": v8_default_check, "v9": length_default_check("v9"),
+DEFAULT_GATES = {"v7": v7_default_check, "v8": v8_default_check, "v9": length_default_check("v9"),
                   "v10": length_default_check("v10"), "v11": length_default_check("v11")}
 
 
