@@ -233,6 +233,20 @@ for dt in ("bfloat16", "float16"):
                 lambda: cr.paged_prefill_pools(*dev, *ints, config=PP3.HopperPagedPrefillConfig("v3"), max_seqlen_q=45))
             out[f"maps prefill pools v3 {dt} {d} {hq}"] = MAPS[:]
             MAPS.clear()
+
+# decode v8 (Hopper): GQA 32/2 over a view of a longer cache (its strides), the tensor maps recorded
+for dt in ("bfloat16", "float16"):
+    for d in (64, 128, 256):
+        q, k, v = make_inputs(rng, batch=3, heads_q=64, heads_kv=2, seqlen_q=1, seqlen_k=400, head_dim=d, dtype=dt)
+        kv = [cupy.asarray(x)[:, :, :301] for x in (k, v)]
+        for splits, cfg in ((None, cr.DecodeConfig("v8")), (3, cr.DecodeConfig("v8", fused=False, stages=2)),
+                            (1, cr.DecodeConfig("v8", stages=2))):
+            MAPS.clear()
+            rec(f"decode v8 {dt} {d} {splits} {cfg and cfg.fused}",
+                lambda: cr.decode(cupy.asarray(q[:, :, 0]), *kv, seq_lens=np.array([301, 0, 77]),
+                                  num_splits=splits, config=cfg), ints=True)
+            out[f"maps decode v8 {dt} {d} {splits} {cfg and cfg.fused}"] = MAPS[:]
+            MAPS.clear()
 json.dump(out, sys.stdout)
 '''
 
@@ -240,7 +254,7 @@ json.dump(out, sys.stdout)
 FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split": "decode",
          "decode_combine": "decode", "decode_split_v2": "decode_v2", "decode_split_v3": "decode_v3",
          "decode_split_v4": "decode_v4", "decode_split_v5": "decode_v5", "decode_split_v6": "decode_v6",
-         "decode_split_v7": "decode_v7",
+         "decode_split_v7": "decode_v7", "decode_split_v8": "decode_v8",
          "decode_split_v4_loads": "decode_v4_loads",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
          "bwd_v2_main": "bwd_v2", "bwd_v3_main": "bwd_v3", "bwd_v4_main": "bwd_v4", "bwd_v5_main": "bwd_v5",
@@ -525,3 +539,26 @@ def test_the_paged_prefill_v3_plan_launches_like_its_eager_call(launches):
                 assert planned[0]["grid"] == [-(-45 * (hq // 2) // 128), 2, 3] and planned[0]["block"] == [384]
                 maps = launches[f"maps prefill pools {case}"]
                 assert maps == launches[f"maps paged_prefill {case}"] and len(maps) == 3, case
+
+
+def test_decode_v8_launch_geometry(launches):
+    """decode v8: a block of the producer's and the consumers' warpgroups (two at head_dim 64 and
+    128, one at 256) for each (split, kv head, batch), grid (S, Hkv, B); its Q map is the groups'
+    rows (d, g, B * Hkv) in boxes of 64 rows (the rows past g arrive as zeros), K's and V's span
+    (d, N, Hkv, B) with the view's strides (a 400-row cache seen as 301 rows) in boxes of Bc keys;
+    the two-launch path adds decode.cu's combine."""
+    for dt in ("bfloat16", "float16"):
+        for d in (64, 128, 256):
+            bn, threads = {64: (128, 384), 128: (64, 384), 256: (64, 256)}[d]
+            for splits, fused in ((None, True), (3, False), (1, True)):
+                label = f"decode v8 {dt} {d} {splits} {fused}"
+                L = _one(launches, label, "decode_split_v8")
+                df = _defines(L)
+                assert (int(df["BLOCK_N"]), L["block"][0]) == (bn, threads), label
+                assert L["grid"][1:] == [2, 3] and (splits is None or L["grid"][0] == splits), label
+                assert any(x["name"] == "decode_combine" for x in launches[label]) == (fused is False), label
+                maps = launches[f"maps {label}"]
+                assert maps[0] == dict(dims=[d, 32, 6], strides=[2 * d, 2 * d * 32], box=[64, 64, 1]), label
+                for m in maps[1:]:
+                    assert m == dict(dims=[d, 301, 2, 3], strides=[2 * d, 2 * d * 400, 2 * d * 400 * 2],
+                                     box=[64, bn, 1, 1]), label

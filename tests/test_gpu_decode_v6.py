@@ -44,10 +44,15 @@ def _cr():
 
 def _default_is_v6(cr, n) -> bool:
     """Whether the default runs v6 for these inputs: past 16 query heads a KV head it must,
-    unless policy.HELD_BACK holds it or the group is past policy.decode_v6_default_at (then it
-    must not: v3, or v1 where v3's ring does not fit)."""
+    unless decode v8 takes them (on Hopper, a contiguous cache, up to 64), policy.HELD_BACK
+    holds it or the group is past policy.decode_v6_default_at (then it must not: v3, or v1
+    where v3's ring does not fit)."""
     picked = cr.REGISTRY.resolve("decode", None, n)[0].version
     group = n.extra["group"]
+    v8 = cr.REGISTRY.get("decode", "v8")
+    if v8.unavailable(n) is None and v8.not_default(n) is None:      # on Hopper: decode v8 takes the group
+        assert picked == "v8", (picked, group)
+        return False
     assert (picked == "v6") == (cr.policy.held_back("decode", "v6") is None
                                 and cr.policy.decode_v6_default_at(group)), (picked, group)
     return picked == "v6"

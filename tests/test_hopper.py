@@ -73,6 +73,13 @@ def _jobs():
     from iokernels.cupy_raw.hopper.paged_prefill import HopperPagedPrefillConfig   # every combo: its own test
     jobs.append(("paged_prefill_v3 bfloat16 d=128 page=16", "paged_prefill_v3",
                  HopperPagedPrefillConfig("v3").resolve(128).defines(128, "bfloat16", 16)))
+    from iokernels.cupy_raw.decode_config import DecodeConfig                  # decode v8 (the Hopper decode)
+    smem = 227 * 1024
+    for dtype, d, group, kw in (("bfloat16", 128, 32, {}), ("float16", 64, 64, {}), ("bfloat16", 256, 1, {}),
+                                ("float16", 256, 64, dict(fused=False)), ("bfloat16", 128, 8, dict(tile_rows=128)),
+                                ("bfloat16", 64, 16, dict(tile_rows=64, stages=2))):
+        jobs.append((f"decode_v8 {dtype} d={d} g={group} {kw}", "decode_v8",
+                     DecodeConfig("v8", **kw).defines(d, dtype, group, False, 0, smem_limit=smem, cc=90)))
     return jobs
 
 

@@ -346,3 +346,55 @@ def test_longest_first_groups_shorten_the_causal_tail_in_a_model():
     for d in (64, 128, 256):
         group = P.forward_lpt_pairs(pairs, 8192, d, 2, 50 << 20, banded=True)
         assert _makespan(_causal_blocks(pairs, tiles, group)) < 1.01 * even, (d, group)
+
+
+def test_decode_v8_config_registry_and_splits(monkeypatch):
+    """decode v8 (Hopper): its tiles and consumers by head dim, a ring of a multiple of its consumers'
+    stages within the SRAM, bad settings as ValueErrors naming config; the registry's check (a
+    Hopper GPU, 16-bit rows, groups up to 64, a contiguous cache); where the Hopper kernels can run
+    the default takes v8 past v4's 16 rows once HELD_BACK lets it (v6 stays the default past 64, v4 up
+    to 16); and its
+    split rule: one block a (b, kv head) pair once the pairs cover the SMs, else the wave model's."""
+    from iokernels.core.registry import Need
+    from iokernels import cupy_raw as cr
+    from iokernels.cupy_raw import decode_v8_config as V8
+    big = 227 * 1024
+    cfg = cr.DecodeConfig("v8")
+    for d, bn, stages, consumers in ((64, 128, 6, 2), (128, 64, 6, 2), (256, 64, 3, 1)):
+        df = cfg.defines(d, "bfloat16", 32, False, 0, smem_limit=big)
+        assert (df["BLOCK_N"], df["STAGES"], df["CONSUMERS"], df["NUM_WARPS"]) == (bn, stages, consumers,
+                                                                                   4 * (consumers + 1)), d
+        assert V8.decode_v8_smem(d, bn, stages) <= big and V8.decode_v8_smem(d, bn, stages + consumers) > big
+    assert cfg.defines(128, "float16", 64, False, 0, smem_limit=120 * 1024)["STAGES"] == 2     # a smaller SRAM
+    for bad, match in (({"stages": 3}, "config.stages"), ({"tile_rows": 32}, "config.tile_rows"),
+                       ({"num_warps": 4}, "config.num_warps"), ({"load_l1": True}, "config.load_l1")):
+        with pytest.raises(ValueError, match=match):
+            cr.DecodeConfig("v8", **bad).defines(128, "bfloat16", 32, False, 0)
+    with pytest.raises(ValueError, match="config.tile_rows"):
+        cr.DecodeConfig("v8", tile_rows=128).defines(256, "bfloat16", 32, False, 0)
+    with pytest.raises(ValueError, match="contiguous"):
+        cfg.defines(128, "bfloat16", 32, True, 16)
+    with pytest.raises(ValueError, match="group"):
+        cfg.defines(128, "bfloat16", 65, False, 0)
+
+    def need(dtype="bfloat16", d=128, group=32, cc=90, **extra):
+        return Need(dtype, d, cc, extra=dict(dict(group=group, aligned16=True, smem=big), **extra))
+    monkeypatch.setattr("iokernels.cupy_raw.hopper.checks.available", lambda: None)
+    v8 = cr.REGISTRY.get("decode", "v8")
+    assert cr.REGISTRY.find("paged_decode", "v8") is None                     # no pages: not one box a tile
+    assert v8.unavailable(need()) is None
+    for n, why in ((need(dtype="float32"), "float16/bfloat16"), (need(d=96), "head_dim"),
+                   (need(group=65), "group"), (need(cc=80), "compute capability 9.0"),
+                   (need(kv_dtype="int8"), "kv_dtype"), (need(aligned16=False), "16-byte"),
+                   (need(smem=64 * 1024), "shared memory")):
+        assert why in v8.unavailable(n), why
+    assert "simulator" in v8.unavailable(Need("bfloat16", 128, 90, simulator=True, extra=dict(group=32)))
+    past16 = "v8" if P.held_back("decode", "v8") is None else "v6"     # while HELD_BACK lists it: v6
+    for g, want in ((4, "v4"), (16, "v4"), (17, past16), (32, past16), (64, past16), (65, "v6"), (128, "v6")):
+        assert cr.REGISTRY.resolve("decode", None, need(group=g))[0].version == want, g
+    assert "not the default at group 16" in v8.not_default(need(group=16))
+    assert cr.REGISTRY.resolve("decode", cfg, need(group=16))[0].version == "v8"   # by name
+    # the split rule: pairs that cover the SMs take one split; fewer take the wave model's
+    assert P.decode_v8_splits(17, 8, 4096, 132) == 1 and P.decode_v8_splits(64, 8, 50000, 132) == 1
+    for B in (1, 3, 8):
+        assert P.decode_v8_splits(B, 8, 4096, 132) == P.decode_wave_splits(B, 8, 4096, 132, 1, 512) > 1

@@ -1,4 +1,4 @@
-"""Flash-Decoding in CUDA C++: the launchers of decode.cu and decode_v2.cu ... decode_v5.cu.
+"""Flash-Decoding in CUDA C++: the launchers of decode.cu and decode_v2.cu ... decode_v8.cu.
 
 One new query token per sequence over a contiguous cache (B, Hkv, N, d) or a paged pool
 (num_blocks, block_size, Hkv, d) read through a block table.  Every version splits each
@@ -44,9 +44,10 @@ from .decode_config import DecodeConfig
 from .decode_launch import (COMBINE_MAX_THREADS, COUNTERS_MIN, V3_COMPILE_SMEM, SplitArgs,  # noqa: F401
                             _args_v1, _args_v2, _args_v3, _args_v4, _args_v5, _smem_v3, _smem_v4, _smem_v5,
                             launch_combine, num_splits_for, pack, split_dynamic, split_static)
-from .launch import contiguous, current_stream_ptr, device_info, on_stream, unit_rows
+from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, current_stream_ptr, device_info, on_stream, unit_rows
 from .decode_v6_config import check_decode_v6, decode_v6_smem, v6_default_check
-from .policy import default_check_for, held_back_note
+from .decode_v8_config import args_v8, check_decode_v8, smem_v8, v8_default_check
+from .policy import decode_v8_splits, default_check_for, held_back_note
 from .registry import (REGISTRY, check_decode_v1, check_decode_v2, check_decode_v3, check_decode_v4,
                        check_decode_v5, check_decode_v7, need)
 
@@ -471,5 +472,13 @@ RECORDS = (
               "v3 with the query group split over blocks (a slice of g / GROUP_SPLIT heads each, reading "
               "the same K/V rows, the repeats from L2) so a lane's registers hold its slice, at one "
               "8-warp block an SM", layout="ring_fused", reads=("16-bit", "codes"), smem=_smem_v3),
+    # v8 (Hopper, a contiguous cache) takes the group as one warpgroup's 64 wgmma rows and its K/V
+    # tiles by TMA; ranked above v4 and v6, the default past v4's 16 rows (policy.decode_v8_default_at),
+    # where it ran faster than v6 at every shape timed, with its own split rule (policy.decode_v8_splits)
+    *_records("v8", "decode_v8.cu", "decode_split_v8", args_v8, check_decode_v8, 45,
+              "Hopper: the group's query heads are the rows of one warpgroup's wgmma tile, and the copy "
+              "engine streams K/V tiles into a ring one thread keeps full",
+              ops=("decode",), layout="tma", reads=("16-bit",), smem=smem_v8, options=HOPPER_OPTIONS,
+              sources=HOPPER_SOURCES, splits=decode_v8_splits, default_check=v8_default_check),
 )
 REGISTRY.add(*RECORDS)

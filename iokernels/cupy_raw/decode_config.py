@@ -27,7 +27,8 @@ from .config_checks import check_positive
 from .launch import DTYPE_IDS, REGISTRY, round_up
 # the choose-a-size rules and their constants (re-exported: the config's readers use them)
 from .policy import (DECODE_MAX_SPLITS, DECODE_MIN_KEYS_PER_SPLIT, DECODE_SATURATING_FRACTION,  # noqa: F401
-                     DECODE_V4_PAIRS_SPLIT_BLOCK, DECODE_WAVE_COST_BYTES, decode_v4_block_warps)
+                     DECODE_V4_MAX_GROUP_ROWS, DECODE_V4_PAIRS_SPLIT_BLOCK, DECODE_WAVE_COST_BYTES,
+                     decode_v4_block_warps)
 
 __all__ = [
     "CC_L1", "CHUNK_BYTES", "COMBINE_REG_SPLITS", "DECODE_MAX_SPLITS", "DECODE_MIN_BLOCKS",
@@ -53,9 +54,10 @@ MMA_K = 16
 #: into registers, decode.cu's combine), "ring" (decode_v2.cu: a per-warp cp.async ring),
 #: "ring_fused" (decode_v3.cu: the ring with the fused combine, SRAM sized a launch, the staged
 #: block table), "tensor_core" (decode_v4.cu, decode_v5.cu: the ring-fused launch with the
-#: group's products on the tensor cores).  A record also says which caches its kernel reads
+#: group's products on the tensor cores), "tma" (decode_v8.cu: the fused combine's launch with
+#: the K/V tiles described by TMA tensor maps, on Hopper).  A record also says which caches its kernel reads
 #: (``extra["reads"]``: "16-bit", "codes"; -DKV_QUANT for a kernel that reads codes)
-LAYOUTS = ("plain", "ring", "ring_fused", "tensor_core")
+LAYOUTS = ("plain", "ring", "ring_fused", "tensor_core", "tma")
 CACHE_KINDS = ("16-bit", "codes")
 #: versions whose ring depth and defines live in their own module, which registers them here
 #: on import ({"stages": fn(config, head_dim, group, smem_limit), "defines": fn(config, base,
@@ -136,7 +138,7 @@ CC_L1 = 90
 #: DecodeConfig.defines call it): the g query heads are the 16 rows of one mma A operand;
 #: head dims are whole 16-deep k-steps, and O (d / 8 x 4 float32 a lane) stays in registers
 #: up to d = 256
-DECODE_V4_MAX_GROUP = 16
+DECODE_V4_MAX_GROUP = DECODE_V4_MAX_GROUP_ROWS
 DECODE_V4_MAX_HEAD_DIM = 256
 #: decode v5 (v4 over a quantized cache, 1-byte codes, mma_codes.cuh): unpadded rows whose
 #: 16-byte chunks are swizzled, which takes rows of 64 bytes or whole 128-byte lines
@@ -235,6 +237,12 @@ class DecodeConfig:
         sized = self.version is None or layout in ("ring_fused", "tensor_core")
         if self.num_warps not in (None, DECODE_WARPS) and not sized:
             raise ValueError(f"config.num_warps: a v3 / v4 / v5 setting; version {self.version!r} runs {DECODE_WARPS}")
+        if layout == "tma":
+            for name in ("num_warps", "min_blocks"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"config.{name}: decode {self.version} has one producer and one or two "
+                                     f"consumer warpgroups a block by head dim, one block an SM; got {name}="
+                                     f"{getattr(self, name)}")
         if not isinstance(self.fused, bool):
             raise ValueError(f"config.fused: must be True or False, got {self.fused!r}")
         ring = ("stages", "tile_rows")

@@ -39,7 +39,9 @@ class SplitArgs:
     its width and the pool's 3 strides), table (a paged ring's staged-table capacity and SRAM
     offset; empty for a contiguous cache), scales (a quantized cache's K_scale, V_scale and
     their strides; empty for a 16-bit one), tail (lengths, nk, heads, scale, splits, the
-    window, the partials), counters (the fused combine's), out (O, LSE)."""
+    window, the partials), counters (the fused combine's), out (O, LSE); static, the launch's
+    :class:`SplitStatic` (shapes, dtype, defines: what a kernel reading its tiles through TMA
+    tensor maps encodes them from)."""
 
     head: tuple
     cache: tuple
@@ -48,6 +50,7 @@ class SplitArgs:
     tail: tuple
     counters: tuple
     out: tuple
+    static: object = None
 
 
 def _args_v1(a: SplitArgs) -> tuple:      # decode.cu: decode_split
@@ -130,7 +133,7 @@ def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, pag
     defines = config.defines(d, dtype, group, paged, block_size, aligned=aligned, smem_limit=dev["smem_optin"],
                              kv=kv, cc=dev["cc"], pairs=batch * heads_kv, sms=dev["sms"])
     layout = C.layout_of(config.version) if "layout" not in spec.extra else spec.extra["layout"]
-    ring_fused = layout in ("ring_fused", "tensor_core")
+    ring_fused = layout in ("ring_fused", "tensor_core", "tma")
     ring_smem, sources = spec.extra.get("smem"), spec.extra.get("sources")
     defines = dict(defines, **spec.extra.get("defines", {}))
     group = defines["GROUP"]                 # the query heads a block holds (decode v7: a slice)
@@ -143,7 +146,8 @@ def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, pag
                              f"{base_smem:,} B of shared memory a block at "
                              f"head_dim={d} ({dtype}), more than this GPU's {dev['smem_optin']:,} (fewer stages, "
                              f"warps or tile rows)")
-        fn = function(spec.file, spec.kernel, defines, max(base_smem, V3_COMPILE_SMEM), sources=sources)
+        fn = function(spec.file, spec.kernel, defines, max(base_smem, V3_COMPILE_SMEM), sources=sources,
+                      options=spec.extra.get("options", ()))
     elif layout == "ring":
         base_smem = C.decode_v2_smem(d, dtype, group, defines["STAGES"], defines["TILE_ROWS"])
         if base_smem > dev["smem_optin"]:
@@ -160,10 +164,11 @@ def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, pag
 
 
 def num_splits_for(st: SplitStatic, longest: int) -> int:
-    """:func:`.policy.decode_wave_splits` for ``longest`` keys at the kernel's occupancy."""
+    """:func:`.policy.decode_wave_splits` (or the record's ``extra["splits"]``, a rule of the same
+    arguments: decode v8's) for ``longest`` keys at the kernel's occupancy."""
     if st.blocks_per_sm is None:
         st.blocks_per_sm = blocks_per_sm(st.fn, st.threads, st.base_smem)
-    return decode_wave_splits(st.batch, st.heads_grid, longest, st.sms, st.blocks_per_sm,
+    return st.spec.extra.get("splits", decode_wave_splits)(st.batch, st.heads_grid, longest, st.sms, st.blocks_per_sm,
                               2 * st.head_dim * C.kv_itemsize(st.dtype, st.kv))
 
 
@@ -194,7 +199,7 @@ def pack(st: SplitStatic, splits: int, table: tuple, *, q, k, v, cache: tuple, s
     a = SplitArgs(head=(q, k, v), cache=cache, table=table, scales=scales,
                   tail=(lens, i32(nk), i32(st.heads_q), i32(st.heads_grid), st.acc(scale), i32(splits),
                         i32(window_left), *parts),
-                  counters=(counters,), out=(o, lse))
+                  counters=(counters,), out=(o, lse), static=st)
     return st.spec.args(a)
 
 

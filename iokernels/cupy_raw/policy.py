@@ -35,6 +35,8 @@ DECODE_MAX_SPLITS = 128
 #: of O) then overlap the other's streaming, where one 8-warp block an SM leaves the SM idle
 #: for both, once per (b, kv head)
 DECODE_V4_PAIRS_SPLIT_BLOCK = 2
+#: decode v4's group: the 16 rows of one mma.sync A operand (decode_config.DECODE_V4_MAX_GROUP)
+DECODE_V4_MAX_GROUP_ROWS = 16
 
 
 def split_cost(pairs: int, seq_len: int, splits: int, num_sms: int, blocks_per_sm: int = 4,
@@ -75,6 +77,27 @@ def decode_wave_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int,
             best_s = s
             best = cost if best is None else min(best, cost)
     return int(best_s)
+
+
+def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, blocks_per_sm: int = 1,
+                     row_bytes: int = 512) -> int:
+    """decode v8's splits of the key axis: one block a (b, kv head) pair where the pairs already
+    give every SM a block, else :func:`decode_wave_splits`.  A v8 block streams its split through
+    a deep TMA ring, so the few pairs past a whole wave run at a lone block's rate rather than a
+    saturated wave's (what :func:`split_cost` prices them at); on an H100 at B = 17, 8 KV heads
+    (136 pairs, 132 SMs), one split ran 1.16-1.33x faster than the wave model's choice of two
+    (benchmarks/results/sweeps/2026-12-07_0425_decode_v8_h100.txt)."""
+    if batch * heads_kv >= num_sms:
+        return 1
+    return decode_wave_splits(batch, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
+
+
+def decode_v8_default_at(group: int) -> bool:
+    """Whether the registry's default may pick decode v8 (on Hopper) for ``group`` query heads a
+    KV head: past decode v4's one 16-row operand, where v6's teams of warps were the default and v8
+    ran faster at every shape timed (the sweep record above); up to 16 v4 stays the default
+    (v8 computes 64 rows whatever the group, and was not faster there)."""
+    return group > DECODE_V4_MAX_GROUP_ROWS
 
 
 def decode_v4_block_warps(warps: int, small_warps: int, via_l1: bool, pairs: int | None,
@@ -140,6 +163,7 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
+    ("decode", "v8"): "its GPU tests and compute-sanitizer in its present form (the producer zeroes the tail)",
 }
 
 

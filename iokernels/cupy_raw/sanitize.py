@@ -7,7 +7,8 @@ version) runs for every dtype its check accepts, at shapes that are multiples of
 versions that have word paths --, GQA 4/2, a window, ragged decode lengths with an empty
 sequence, a paged cache with a partial last block, in the dtypes a PagedKVCache holds,
 a sliding-window decode, quantized paged caches of :data:`QUANT_CASES` (read by v1, v3 and
-v4's codes path), the larger groups of :data:`DECODE_HEADS` (decode v6, v7); MLA decode at 80
+v4's codes path), the larger groups of :data:`DECODE_HEADS` (decode v6, v7, v8; v8 at the head
+dims of :data:`DECODE_DIMS_OF`); MLA decode at 80
 query heads, contiguous and paged), plus the settings in :data:`VARIANTS`.  A quantized
 cache's decode is held against the oracle on the values the cache holds (its codes times
 its scales, :meth:`PagedKVCache.gather`).  The paged prefill runs chunks of :data:`PREFILL_CHUNKS`
@@ -81,6 +82,8 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v6"): ({}, {"tile_rows": 16, "stages": 2}),
             # v7 (the group split over blocks): unfused 4-warp blocks, a 2-deep ring
             ("decode", "v7"): ({}, {"fused": False, "num_warps": 4}, {"stages": 2}),
+            # v8 (Hopper, TMA): the separate combine over a 2-deep ring, and 64-key tiles (d 64's are 128)
+            ("decode", "v8"): ({}, {"fused": False, "stages": 2}, {"tile_rows": 64, "stages": 2}),
             ("paged_decode", "v7"): ({}, {"fused": False, "num_warps": 4}),
             # v5 (quantized caches): 16-key tiles with a 2-deep ring (the default tile is 32 keys
             # up to d = 128), and the codes copied through L1
@@ -124,13 +127,17 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_prefill", "v3"): ({}, {"block_n": 64}, {"stages": 2, "pingpong": False})}
 #: calls a version makes twice in a row (the fused combine's counters must be back at 0 after a call)
 TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4"), ("paged_decode", "v5"),
-         ("decode", "v6"), ("paged_decode", "v6"), ("decode", "v7"), ("paged_decode", "v7")}
+         ("decode", "v6"), ("paged_decode", "v6"), ("decode", "v7"), ("paged_decode", "v7"), ("decode", "v8")}
 #: decode: (query heads, KV heads) a version also runs at, beyond GQA 4/2 (v6: teams of 4 warps
 #: with an idle last warp, g = 40, of 2 warps, g = 32, and one team of 8 warps that fills the
 #: block, g = 128, the largest group the default gives v6; v7, which takes only the groups v3's
 #: registers do not hold: one block a KV head at float32 g = 16, four at MQA g = 64, one head a
 #: block at the prime g = 71); paged: query heads over the cache's 2
-DECODE_HEADS = {"v6": ((4, 2), (40, 1), (64, 2), (128, 1)), "v7": ((32, 2), (64, 1), (71, 1))}
+DECODE_HEADS = {"v6": ((4, 2), (40, 1), (64, 2), (128, 1)), "v7": ((32, 2), (64, 1), (71, 1)),
+                "v8": ((4, 2), (32, 1), (64, 2))}
+#: decode: the head dims a version runs at instead of DECODE_DIMS (v8, on Hopper: two consumer
+#: warpgroups at 64, one at 256)
+DECODE_DIMS_OF = {"v8": (64, 256)}
 PAGED_HEADS_Q = {"v6": (4, 64), "v7": (32, 64)}
 
 
@@ -180,7 +187,8 @@ def runs_at_group(kernel, cfg, group: int) -> bool:
 
 def _decode(kernel, cfg, dtype, rng, label):
     out = []
-    for d, heads in ((d, h) for h in DECODE_HEADS.get(kernel.version, ((4, 2),)) for d in DECODE_DIMS):
+    dims = DECODE_DIMS_OF.get(kernel.version, DECODE_DIMS)
+    for d, heads in ((d, h) for h in DECODE_HEADS.get(kernel.version, ((4, 2),)) for d in dims):
         if not runs_at_group(kernel, cfg, heads[0] // heads[1]):
             continue
         q, k, v = _decode_inputs(rng, d, dtype, DECODE_LENS, heads)
