@@ -235,6 +235,7 @@ for dt in ("bfloat16", "float16"):
             MAPS.clear()
 
 # decode v8 (Hopper): GQA 32/2 over a view of a longer cache (its strides), the tensor maps recorded
+from iokernels.cupy_raw import decode_v8_config as V8D
 for dt in ("bfloat16", "float16"):
     for d in (64, 128, 256):
         q, k, v = make_inputs(rng, batch=3, heads_q=64, heads_kv=2, seqlen_q=1, seqlen_k=400, head_dim=d, dtype=dt)
@@ -242,10 +243,16 @@ for dt in ("bfloat16", "float16"):
         for splits, cfg in ((None, cr.DecodeConfig("v8")), (3, cr.DecodeConfig("v8", fused=False, stages=2)),
                             (1, cr.DecodeConfig("v8", stages=2))):
             MAPS.clear()
+            V8D._MAPS.clear()
+            qd = cupy.asarray(q[:, :, 0])
             rec(f"decode v8 {dt} {d} {splits} {cfg and cfg.fused}",
-                lambda: cr.decode(cupy.asarray(q[:, :, 0]), *kv, seq_lens=np.array([301, 0, 77]),
-                                  num_splits=splits, config=cfg), ints=True)
+                lambda: cr.decode(qd, *kv, seq_lens=np.array([301, 0, 77]), num_splits=splits, config=cfg),
+                ints=True)
             out[f"maps decode v8 {dt} {d} {splits} {cfg and cfg.fused}"] = MAPS[:]
+            MAPS.clear()
+            cr.decode(qd, *kv, seq_lens=np.array([301, 0, 77]), num_splits=splits, config=cfg)   # the same arrays
+            cupy.LAUNCHES.clear()
+            out[f"maps again decode v8 {dt} {d} {splits} {cfg and cfg.fused}"] = MAPS[:]
             MAPS.clear()
 json.dump(out, sys.stdout)
 '''
@@ -546,7 +553,7 @@ def test_decode_v8_launch_geometry(launches):
     128, one at 256) for each (split, kv head, batch), grid (S, Hkv, B); its Q map is the groups'
     rows (d, g, B * Hkv) in boxes of 64 rows (the rows past g arrive as zeros), K's and V's span
     (d, N, Hkv, B) with the view's strides (a 400-row cache seen as 301 rows) in boxes of Bc keys;
-    the two-launch path adds decode.cu's combine."""
+    the two-launch path adds decode.cu's combine; a second call on the same arrays reuses the maps."""
     for dt in ("bfloat16", "float16"):
         for d in (64, 128, 256):
             bn, threads = {64: (128, 384), 128: (64, 384), 256: (64, 256)}[d]
@@ -562,3 +569,4 @@ def test_decode_v8_launch_geometry(launches):
                 for m in maps[1:]:
                     assert m == dict(dims=[d, 301, 2, 3], strides=[2 * d, 2 * d * 400, 2 * d * 400 * 2],
                                      box=[64, bn, 1, 1]), label
+                assert len(maps) == 3 and launches[f"maps again {label}"] == [], label   # kept, not re-encoded

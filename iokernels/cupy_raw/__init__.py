@@ -13,7 +13,8 @@ module              what it holds
 config.py           every config class and its constants, re-exported from their homes:
 forward_config      ForwardConfig, fit_config (fa_v1.cu .. fa_v2.cu: sizes, SRAM, defines)
 decode_config       DecodeConfig and the decode kernels' SRAM arithmetic (v6's: decode_v6_config.py;
-                    v7's group split: decode_v7_config.py)
+                    v7's group split: decode_v7_config.py; v8's Hopper tiles and tensor maps:
+                    decode_v8_config.py)
 backward_config     BackwardConfig (bwd_v1.cu .. bwd_v4.cu)
 gather_config       GatherConfig (paged_gather.cu)
 mla_config          MLADecodeConfig (mla_decode.cu)
@@ -22,7 +23,7 @@ policy.py           every choose-a-size rule (decode splits, the v4 block shape,
                     tiles by head dim) and the gate of versions not yet measured (HELD_BACK)
 launch.py           the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
 forward.py          attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
-decode.py           decode, paged decode: decode.cu, decode_v2.cu .. decode_v7.cu
+decode.py           decode, paged decode: decode.cu, decode_v2.cu .. decode_v8.cu (v8: Hopper, contiguous)
 decode_launch       the split kernels' launch: what a shape fixes, what a call packs
 gather.py           paged gather: paged_gather.cu
 paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks, and

@@ -12,6 +12,8 @@ Notation: g query heads per KV head (the group), d head dim, Bc key rows a tile,
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from ..core.registry import Need
 from . import decode_config as D
 from .launch import round_up
@@ -156,24 +158,45 @@ def v8_default_check(op: str):
     return why_not
 
 
+#: tensor-map triples (Q, K, V) kept by what they encode: the addresses, sizes, strides and tile
+#: (a map holds nothing else, so a hit is the map a fresh encode would give); a decode loop over
+#: one cache reuses its maps instead of asking the driver for three a call
+MAPS_KEPT = 64
+_MAPS: OrderedDict = OrderedDict()
+
+
+def v8_maps(key: tuple) -> tuple:
+    """(map_q, map_k, map_v) of ``key`` = (q, k, v addresses, B, Hq, Hkv, N, d, dtype, Bc, K's and
+    V's byte strides (batch, head, row)), encoded once and kept (the last MAPS_KEPT)."""
+    from . import hopper as hp                 # here: hopper imports the registry
+    hit = _MAPS.get(key)
+    if hit is None:
+        q, k, v, B, Hq, Hkv, nk, d, dtype, bn, ks, vs = key
+        g = Hq // Hkv
+        hit = (hp.tensor_map(q, dtype, (d, g, B * Hkv), (2 * d, 2 * d * g), (64, DECODE_V8_ROWS, 1)),
+               hp.tensor_map(k, dtype, (d, nk, Hkv, B), (ks[2], ks[1], ks[0]), (64, bn, 1, 1)),
+               hp.tensor_map(v, dtype, (d, nk, Hkv, B), (vs[2], vs[1], vs[0]), (64, bn, 1, 1)))
+        _MAPS[key] = hit
+        while len(_MAPS) > MAPS_KEPT:
+            _MAPS.popitem(last=False)
+    else:
+        _MAPS.move_to_end(key)
+    return hit
+
+
 def args_v8(a) -> tuple:
     """decode_v8.cu's arguments from a :class:`~.decode_launch.SplitArgs`: the tensor maps of Q
     (the groups' rows, (d, g, B * Hkv)), K and V ((d, N, Hkv, B) with the cache's strides: a view
-    of a longer cache is read in place), then the lengths, sizes, splits, window and partials,
-    the fused combine's counters, O and LSE."""
-    from . import hopper as hp                 # here: hopper imports the registry
+    of a longer cache is read in place; :func:`v8_maps`), then the lengths, sizes, splits, window
+    and partials, the fused combine's counters, O and LSE."""
     st = a.static
-    B, Hq, Hkv, d, dtype = st.batch, st.heads_q, st.heads_kv, st.head_dim, st.dtype
-    q, k, v = (int(x) for x in a.head)
-    ks, vs = [int(x) * 2 for x in a.cache[:3]], [int(x) * 2 for x in a.cache[3:6]]
-    nk, bn, g = int(a.tail[1]), st.defines["BLOCK_N"], Hq // Hkv
+    ks, vs = tuple(int(x) * 2 for x in a.cache[:3]), tuple(int(x) * 2 for x in a.cache[3:6])
     for name, s in (("k", ks), ("v", vs)):
         if any(x % 16 for x in s):
             raise ValueError(f"{name}: decode v8's tensor maps need strides of whole 16 bytes, got {s} bytes")
-    map_q = hp.tensor_map(q, dtype, (d, g, B * Hkv), (2 * d, 2 * d * g), (64, DECODE_V8_ROWS, 1))
-    map_k = hp.tensor_map(k, dtype, (d, nk, Hkv, B), (ks[2], ks[1], ks[0]), (64, bn, 1, 1))
-    map_v = hp.tensor_map(v, dtype, (d, nk, Hkv, B), (vs[2], vs[1], vs[0]), (64, bn, 1, 1))
-    return (map_q, map_k, map_v, *a.tail, *a.counters, *a.out)
+    maps = v8_maps((*(int(x) for x in a.head), st.batch, st.heads_q, st.heads_kv, int(a.tail[1]), st.head_dim,
+                    st.dtype, st.defines["BLOCK_N"], ks, vs))
+    return (*maps, *a.tail, *a.counters, *a.out)
 
 
 D.VERSION_RULES["v8"] = {"stages": v8_stages, "defines": v8_defines}
