@@ -86,7 +86,7 @@ def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, bloc
     a deep TMA ring, so the few pairs past a whole wave run at a lone block's rate rather than a
     saturated wave's (what :func:`split_cost` prices them at); on an H100 at B = 17, 8 KV heads
     (136 pairs, 132 SMs), one split ran 1.16-1.33x faster than the wave model's choice of two
-    (benchmarks/results/sweeps/2026-12-07_0425_decode_v8_h100.txt)."""
+    (benchmarks/results/sweeps/2026-12-07_0417_decode_v8_h100_h200.txt)."""
     if batch * heads_kv >= num_sms:
         return 1
     return decode_wave_splits(batch, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
