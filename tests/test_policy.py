@@ -354,7 +354,8 @@ def test_decode_v8_config_registry_and_splits(monkeypatch):
     Hopper GPU, 16-bit rows, groups up to 64, a contiguous cache); where the Hopper kernels can run
     the default takes v8 past v4's 16 rows once HELD_BACK lets it (v6 stays the default past 64, v4 up
     to 16); and its
-    split rule: one block a (b, kv head) pair once the pairs cover the SMs, else the wave model's."""
+    split rule: one block a (b, kv head) pair once the pairs cover the SMs over a short cache, else the
+    wave model's."""
     from iokernels.core.registry import Need
     from iokernels import cupy_raw as cr
     from iokernels.cupy_raw import decode_v8_config as V8
@@ -395,6 +396,7 @@ def test_decode_v8_config_registry_and_splits(monkeypatch):
     assert "not the default at group 16" in v8.not_default(need(group=16))
     assert cr.REGISTRY.resolve("decode", cfg, need(group=16))[0].version == "v8"   # by name
     # the split rule: pairs that cover the SMs take one split; fewer take the wave model's
-    assert P.decode_v8_splits(17, 8, 4096, 132) == 1 and P.decode_v8_splits(64, 8, 50000, 132) == 1
+    assert P.decode_v8_splits(17, 8, 4096, 132) == 1 and P.decode_v8_splits(64, 8, 1000, 132) == 1
+    assert P.decode_v8_splits(17, 8, 50000, 132) == P.decode_wave_splits(17, 8, 50000, 132, 1, 512) > 1
     for B in (1, 3, 8):
         assert P.decode_v8_splits(B, 8, 4096, 132) == P.decode_wave_splits(B, 8, 4096, 132, 1, 512) > 1

@@ -79,15 +79,22 @@ def decode_wave_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int,
     return int(best_s)
 
 
+#: decode v8 runs one split a (b, kv head) pair where the pairs cover the SMs, up to this many keys
+#: a sequence (the longest cache at which that was measured faster: policy.decode_v8_splits)
+DECODE_V8_ONE_SPLIT_MAX_KEYS = 4096
+
+
 def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, blocks_per_sm: int = 1,
                      row_bytes: int = 512) -> int:
     """decode v8's splits of the key axis: one block a (b, kv head) pair where the pairs already
-    give every SM a block, else :func:`decode_wave_splits`.  A v8 block streams its split through
-    a deep TMA ring, so the few pairs past a whole wave run at a lone block's rate rather than a
-    saturated wave's (what :func:`split_cost` prices them at); on an H100 at B = 17, 8 KV heads
-    (136 pairs, 132 SMs), one split ran 1.16-1.33x faster than the wave model's choice of two
-    (benchmarks/results/sweeps/2026-12-07_0417_decode_v8_h100_h200.txt)."""
-    if batch * heads_kv >= num_sms:
+    give every SM a block and the cache is at most DECODE_V8_ONE_SPLIT_MAX_KEYS long, else
+    :func:`decode_wave_splits`.  A v8 block streams its split through a deep TMA ring, so the few
+    pairs past a whole wave run at a lone block's rate rather than a saturated wave's (what
+    :func:`split_cost` prices them at); on an H100 at B = 17, 8 KV heads (136 pairs, 132 SMs),
+    N = 1000 and 4096, one split ran 1.03-1.36x faster than the wave model's choice
+    (benchmarks/results/sweeps/2026-12-07_0417_decode_v8_h100_h200.txt).  Over a long cache that
+    tail is long too: at N = 50000 one split ran 1.09x slower than v6 under the wave model."""
+    if batch * heads_kv >= num_sms and seq_len <= DECODE_V8_ONE_SPLIT_MAX_KEYS:
         return 1
     return decode_wave_splits(batch, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
 
