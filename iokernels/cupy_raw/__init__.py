@@ -122,8 +122,7 @@ attention_backward    v1       bwd_v1.cu            10    FlashAttention-2's bac
                                                           partials
 decode                v8       decode_v8.cu         45    Hopper: the group's query heads are the rows of one
                                                           warpgroup's wgmma tile, and the copy engine streams
-                                                          K/V tiles into a ring one thread keeps full (held
-                                                          back from the default until measured)
+                                                          K/V tiles into a ring one thread keeps full
 decode, paged_decode  v4       decode_v4.cu         40    v3's ring and fused combine with S = Q_g K^T and O
                                                           += P V on the tensor cores (mma.sync m16n8k16, the g
                                                           query heads as the rows of the A operand, P kept in

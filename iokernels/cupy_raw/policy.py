@@ -102,8 +102,10 @@ def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, bloc
 def decode_v8_default_at(group: int) -> bool:
     """Whether the registry's default may pick decode v8 (on Hopper) for ``group`` query heads a
     KV head: past decode v4's one 16-row operand, where v6's teams of warps were the default and v8
-    ran faster at every shape timed (the sweep record above); up to 16 v4 stays the default
-    (v8 computes 64 rows whatever the group, and was not faster there)."""
+    ran faster at every g = 32 / 64 shape timed but one (B = 17 over 50000 keys at one split a
+    pair, the case :func:`decode_v8_splits` now gives the wave model's splits; the sweep record
+    above), up to 64 (one warpgroup's rows); up to 16 v4 stays the default (v8 computes 64 rows
+    whatever the group, and was not faster there).  Over pages and past 64, v6."""
     return group > DECODE_V4_MAX_GROUP_ROWS
 
 
@@ -170,7 +172,6 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
-    ("decode", "v8"): "its GPU tests and compute-sanitizer in its present form (the producer zeroes the tail)",
 }
 
 
