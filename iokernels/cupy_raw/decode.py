@@ -474,7 +474,8 @@ RECORDS = (
               "8-warp block an SM", layout="ring_fused", reads=("16-bit", "codes"), smem=_smem_v3),
     # v8 (Hopper, a contiguous cache) takes the group as one warpgroup's 64 wgmma rows and its K/V
     # tiles by TMA; ranked above v4 and v6, the default past v4's 16 rows (policy.decode_v8_default_at),
-    # where it ran faster than v6 at every shape timed, with its own split rule (policy.decode_v8_splits)
+    # where it ran faster than v6 at the g = 32 / 64 shapes timed, with its own split rule
+    # (policy.decode_v8_splits)
     *_records("v8", "decode_v8.cu", "decode_split_v8", args_v8, check_decode_v8, 45,
               "Hopper: the group's query heads are the rows of one warpgroup's wgmma tile, and the copy "
               "engine streams K/V tiles into a ring one thread keeps full",

@@ -426,7 +426,7 @@ class DecodePlan:
         in ``pack_call(P, parts, counters)``, P the placeholders); False where the arguments do
         not pack (the run then takes CuPy's launch)."""
         if self.st.spec.extra.get("layout") == "tma":
-            return False         # its tensor maps encode the arrays' addresses: built a run (decode v8)
+            return False         # its tensor maps encode the arrays' addresses (decode v8: v8_maps keeps them)
         o_part, lse_part, counters = parts = self._workspace(stream, S)
         key = (stream, S, smem, table, parts)
         buf = self._buffers.get(key)

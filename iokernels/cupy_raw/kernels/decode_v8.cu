@@ -13,9 +13,9 @@
 //     operand in SRAM; S = Q_g K_j^T is wgmma m64nBck16 from SRAM, O += P V_j wgmma with P from
 //     registers, the online softmax on the accumulators: hopper_tile.cuh's, as the forward does;
 //   * one thread (the producer warpgroup's first) asks the copy engine for each K_j and V_j
-//     (tma_load_4d: the map spans (d, N, Hkv, B) with the cache's own strides, so a view of a
-//     longer cache is read in place) and they land already swizzled, counting down one full
-//     barrier a stage; the consumers never issue a copy;
+//     (hopper_common.cuh's tma_load_4d: the map spans (d, N, Hkv, B) with the cache's own
+//     strides, so a view of a longer cache is read in place) and they land already swizzled,
+//     counting down one full barrier a stage; the consumers never issue a copy;
 //   * CONSUMERS warpgroups take the split's tiles in turn (c, c + CONSUMERS, ...), each with its
 //     own m, l and O: while one waits for its products the other runs its softmax, and they merge
 //     through SRAM at the end (decode_common.cuh, DECODE_MERGE_ROWS = CONSUMERS).  A tile has one
@@ -103,16 +103,6 @@
 #if CONSUMERS * GROUP * HEAD_DIM * 4 > STAGES * STAGE_BYTES
 #error "decode_v8: the consumers' merge buffer must fit the ring it reuses"
 #endif
-
-// a 4-D box (c0 innermost) of the tensor `map` describes -> SRAM, counted down on `bar`
-__device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap* map, u64* bar, int c0, int c1, int c2, int c3) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
-        :: "r"(smem_addr(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
-           "r"(smem_addr(bar))
-        : "memory");
-}
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 decode_split_v8(const __grid_constant__ TmaMap map_q,    // (d, g, batch * heads_kv): Q as the groups' rows

@@ -10,7 +10,7 @@
 //   mbar_*            mbarrier: a 64-bit SRAM object that counts thread arrivals AND bytes
 //                     delivered by the copy engine ("transaction count"); a phase completes when
 //                     both reach zero, and waiters poll its phase parity
-//   tma_load_2d/3d    cp.async.bulk.tensor: one thread asks the copy engine (TMA) for a whole
+//   tma_load_2d/3d/4d cp.async.bulk.tensor: one thread asks the copy engine (TMA) for a whole
 //                     tile; the bytes land in SRAM already swizzled and complete on an mbarrier
 //   smem_desc         the 64-bit wgmma shared-memory matrix descriptor (address, strides, swizzle)
 //   wgmma_*           wgmma.mma_async: a warpgroup (4 warps, 128 threads) multiplies a 64-row tile
@@ -68,6 +68,15 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const TmaMap* map, u64* b
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         " [%0], [%1, {%2, %3, %4}], [%5];\n"
         :: "r"(smem_addr(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2),
+           "r"(smem_addr(bar))
+        : "memory");
+}
+// one box of a 4-D tensor (paged_prefill_v3's pool, decode_v8's cache with its own strides)
+__device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap* map, u64* bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+        :: "r"(smem_addr(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
            "r"(smem_addr(bar))
         : "memory");
 }

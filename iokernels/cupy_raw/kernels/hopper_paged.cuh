@@ -61,16 +61,7 @@
 #define BOXES (BLOCK_N / BOX_ROWS)
 
 
-// ----------------------------------------------------------------------------- TMA, 4-D
-// one box of a 4-D tensor (the pool seen as (d, Hkv, block_size, num_blocks)); as tma_load_3d
-__device__ __forceinline__ void tma_load_4d(void* dst, const TmaMap* map, u64* bar, int c0, int c1, int c2, int c3) {
-    asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
-        :: "r"(smem_addr(dst)), "l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
-           "r"(smem_addr(bar))
-        : "memory");
-}
+// The pool is read as a 4-D tensor (d, Hkv, block_size, num_blocks): hopper_common.cuh's tma_load_4d.
 
 // ----------------------------------------------------------------------------- SRAM
 // The dynamic SRAM of a block, 1024-byte aligned: Q_i, STAGES x K_j, STAGES x V_j, then the
