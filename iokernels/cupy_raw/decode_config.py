@@ -199,10 +199,13 @@ class DecodeConfig:
     combine with the GQA group's products on the tensor cores, 16-bit caches; limits:
     :func:`v4_limits`), "v5" (decode_v5.cu: v4 reading a quantized paged cache's 1-byte
     codes; head dims DECODE_V5_HEAD_DIMS), "v6" (decode_v6_config.py: v4 with groups past 16
-    split across teams of warps) or "v7" (decode_v7_config.py: v3 with the group split over
-    blocks; v3's fields); None: the registry's default (v5 for a quantized
-    cache where it applies, v4 for a 16-bit one, else v3 where its rows and ring fit, else
-    v1).  v2 to v5 need rows of whole 16-byte chunks, at most 32 of them, 16-byte aligned.
+    split across teams of warps), "v7" (decode_v7_config.py: v3 with the group split over
+    blocks; v3's fields) or "v8" (decode_v8_config.py: on Hopper, the group as one warpgroup's
+    wgmma rows, K/V by TMA, a contiguous cache; stages, tile_rows and fused); None: the
+    registry's default (v5 for a quantized cache where it applies, v4 for a 16-bit one up to 16
+    query heads a KV head, v8 from 17 to 64 on Hopper over a contiguous cache, v6 past 16
+    elsewhere, else v3 where its rows and ring fit, else v1).  v2 to v5 need rows of whole
+    16-byte chunks, at most 32 of them, 16-byte aligned.
     stages (v2 to v5): the ring depth (>= 2; None: DECODE_V2_STAGES, or DECODE_V3_STAGES /
     DECODE_V4_STAGES made shallower until the ring fits).  tile_rows (v2 to v5): key rows a
     tile (v2, v3: a multiple of the rows a warp reads side by side, None: about
