@@ -9,7 +9,8 @@ sliding window, and partial slices (g = 24, 40: the last warp of a team holds fe
 heads).  O is held to FlashAttention's 2x rule (:func:`iokernels.core.testing.check`: at most
 twice the naive decode's error in the same dtype, on the GPU), LSE to the oracle's within
 LSE_TOL.  The default (config None) runs v6 at the groups policy.HELD_BACK and
-policy.decode_v6_default_at let it (v3 or v1 elsewhere), held to the same rule.
+policy.decode_v6_default_at let it (v3 or v1 elsewhere; on Hopper, over a contiguous cache, v8 from
+17 to 64 query heads a KV head), held to the same rule.
 """
 import numpy as np
 import pytest
