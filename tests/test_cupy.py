@@ -33,6 +33,8 @@ from iokernels.core.registry import Need
 from iokernels.core.testing import (as_numpy, check, check_gradients, make_grid_inputs, make_inputs,
                                     numpy_dtype, oracle_by_head, report)
 
+from gpu_support import cuda_torch as _torch
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")]
 
 #: rows of each end of the output held against the oracle at large N
@@ -46,13 +48,6 @@ def _cr():
 
 def _cc():
     return _cr().device_info()["cc"]
-
-
-def _torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
-    return torch
 
 
 def _to_torch(x, dtype):

@@ -22,6 +22,7 @@ from iokernels import gpu, reference
 from iokernels.core.testing import make_inputs
 
 from decode_support import gpu_naive_decode, hold_decode
+from gpu_support import cuda_torch as _torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")]
 
@@ -29,13 +30,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.cupy_gpu(), reason="Cu
 LSE_TOL = {"float16": 2e-2, "bfloat16": 2e-2, "float32": 1e-4, "float64": 1e-10}
 SPLITS = (None, 1, 7)
 LENS = (300, 0, 77)
-
-
-def _torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
-    return torch
 
 
 def _cr():

@@ -19,19 +19,13 @@ from iokernels import gpu, reference
 from iokernels.core.testing import make_inputs
 
 from decode_support import gpu_naive_decode, hold_decode
+from gpu_support import cuda_torch as _torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")]
 
 LSE_TOL = {"float16": 2e-2, "bfloat16": 2e-2}
 SPLITS = (None, 1, 7)
 LENS = (300, 0, 77)
-
-
-def _torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
-    return torch
 
 
 def _cr():

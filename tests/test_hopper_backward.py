@@ -36,7 +36,9 @@ from iokernels.cupy_raw import REGISTRY, hopper as hp, policy
 from iokernels.cupy_raw.config import (BWD_V3_HEAD_DIMS, BWD_V3_MAX_STAGES, BWD_V4_HEAD_DIMS, BWD_V4_MAX_STAGES,
                                         BackwardConfig)
 
+from gpu_support import cuda_torch as _torch
 from nvcc_support import NVCC, PTXAS_V, compile_all, compile_source, registers_only
+
 DTYPES = ("float16", "bfloat16")
 
 #: what differs between the two versions; every test below that takes ``version`` reads it here
@@ -428,13 +430,6 @@ gpu = pytest.mark.skipif(hp.available() is not None, reason=f"Hopper kernels: {h
 GRAD_FACTOR = 2.0
 #: the awkward shapes (windows cut through tiles, rows that see no key): the sanitizer's 3x
 AWKWARD_FACTOR = 3.0
-
-
-def _torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
-    return torch
 
 
 def _to_torch(x, dtype):
