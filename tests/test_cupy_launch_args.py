@@ -234,8 +234,10 @@ for dt in ("bfloat16", "float16"):
             out[f"maps prefill pools v3 {dt} {d} {hq}"] = MAPS[:]
             MAPS.clear()
 
-# decode v8 (Hopper): GQA 32/2 over a view of a longer cache (its strides), the tensor maps recorded
+# decode v8 (Hopper): GQA 32/2 over a view of a longer cache (its strides), the tensor maps recorded;
+# the eager call (a plan's run packs the same arguments: tests/test_cupy_plans.py)
 from iokernels.cupy_raw import decode_v8_config as V8D
+from iokernels.cupy_raw.decode import decode as eager_decode
 for dt in ("bfloat16", "float16"):
     for d in (64, 128, 256):
         q, k, v = make_inputs(rng, batch=3, heads_q=64, heads_kv=2, seqlen_q=1, seqlen_k=400, head_dim=d, dtype=dt)
@@ -246,11 +248,11 @@ for dt in ("bfloat16", "float16"):
             V8D._MAPS.clear()
             qd = cupy.asarray(q[:, :, 0])
             rec(f"decode v8 {dt} {d} {splits} {cfg and cfg.fused}",
-                lambda: cr.decode(qd, *kv, seq_lens=np.array([301, 0, 77]), num_splits=splits, config=cfg),
+                lambda: eager_decode(qd, *kv, seq_lens=np.array([301, 0, 77]), num_splits=splits, config=cfg),
                 ints=True)
             out[f"maps decode v8 {dt} {d} {splits} {cfg and cfg.fused}"] = MAPS[:]
             MAPS.clear()
-            cr.decode(qd, *kv, seq_lens=np.array([301, 0, 77]), num_splits=splits, config=cfg)   # the same arrays
+            eager_decode(qd, *kv, seq_lens=np.array([301, 0, 77]), num_splits=splits, config=cfg)   # the same arrays
             cupy.LAUNCHES.clear()
             out[f"maps again decode v8 {dt} {d} {splits} {cfg and cfg.fused}"] = MAPS[:]
             MAPS.clear()

@@ -24,7 +24,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 #: Python calls inside iokernels/ a cached call may make (a hit: key, plan.run, pack, launch)
 HIT_CALL_BOUND = {"ik.decode": 40, "ik.attention": 35, "plan.run": 36, "pools": 48, "pools quant": 56,
                   "hopper": 35, "gather": 40, "backward": 50, "backward plan.run": 42, "mla": 40, "mla paged": 45,
-                  "prefill": 38, "prefill plan.run": 32, "prefill v3": 38, "prefill v3 plan.run": 32}
+                  "prefill": 38, "prefill plan.run": 32, "prefill v3": 38, "prefill v3 plan.run": 32,
+                  "decode v8": 40, "decode v8 plan.run": 36}
 
 #: the paged prefill versions PagedPrefillPlan takes (v1, v2; the Hopper v3 when a HopperPagedPrefillConfig names it)
 PLANNED_PREFILL = ("v1", "v2", "v3")
@@ -520,6 +521,45 @@ hits = [lambda: cr.decode(q, k, v, seq_lens=lens, num_splits=5),
         lambda: cr.paged_decode_pools(q, *pools, tables, plens, num_splits=2),
         lambda: cr.attention(aq, ak, av)]
 out["via packed"] = [via(fn) for fn in hits]
+
+# decode v8 (Hopper: Q, K, V through tensor maps, which encode the arrays' addresses; the stand-in
+# maps of the Hopper forward): the plan packs its arguments once per address triple, so a layer loop
+# over three caches launches what three eager calls launch, through the driver, and a hit neither
+# encodes nor looks up a map; a group of 32 over a contiguous cache takes v8 by default
+V8D = importlib.import_module("iokernels.cupy_raw.decode_v8_config")
+cr.hopper.available = cr.hopper.checks.available = lambda: None
+cr.hopper.tensor_map = HA.tensor_map
+V8 = cr.DecodeConfig("v8")
+gq = arr(3, 64, 128)
+gcaches = [[arr(3, 2, 301, 128), arr(3, 2, 301, 128)] for _ in range(3)]
+gv = arr(3, 2, 600, 128)[:, :, :301]                                      # a view of a longer cache
+for cfg in (None, V8, cr.DecodeConfig("v8", fused=False, stages=2)):
+    for splits in (None, 1, 3):
+        for lens_ in (None, lens, dl):
+            kw = dict(seq_lens=lens_, num_splits=splits, config=cfg)
+            where = {None: "none", "numpy": "host"}.get(type(lens_).__module__ if lens_ is not None else None, "device")
+            case(f"decode v8 {cfg} {splits} {where} lengths",
+                 lambda: D.decode(gq, *gcaches[0], **kw), lambda: cr.decode(gq, *gcaches[0], **kw),
+                 dict(q=gq, k=gcaches[0][0], v=gcaches[0][1], lens=dl))
+case("decode v8 view", lambda: D.decode(gq, gv, gv, config=V8), lambda: cr.decode(gq, gv, gv, config=V8),
+     dict(q=gq, k=gv, v=gv))
+gplan = cr.DecodePlan(gq, *gcaches[0], seq_lens=dl, num_splits=3)
+V8D._MAPS.clear()
+eager_layers = [launches(lambda: D.decode(gq, *c, seq_lens=dl, num_splits=3), {}) for c in gcaches]
+planned = [[launches(lambda: gplan.run(gq, *c, seq_lens=dl), {}) for c in gcaches] for _ in range(2)]
+ENCODES = [0]
+keep_map = cr.hopper.tensor_map
+cr.hopper.tensor_map = lambda *a: ENCODES.__setitem__(0, ENCODES[0] + 1) or keep_map(*a)
+V8D._MAPS.clear()                    # a map looked up again would now be encoded again, and counted
+third = [launches(lambda: gplan.run(gq, *c, seq_lens=dl), {}) for c in gcaches]
+out["decode v8 layers"] = dict(eager=eager_layers, planned=planned, third=third, encodes=ENCODES[0],
+                               version=gplan.record.version,
+                               distinct=len({json.dumps(x[0]["args"][:3]) for x in eager_layers}))
+cr.hopper.tensor_map = keep_map
+out["via packed v8"] = [via(lambda: gplan.run(gq, *c, seq_lens=dl)) for c in gcaches]
+count("decode v8", lambda: cr.decode(gq, *gcaches[0], seq_lens=dl, config=V8))
+count("decode v8 plan.run", lambda: gplan.run(gq, *gcaches[1], seq_lens=dl))
+cr.hopper.available = cr.hopper.checks.available = lambda: "the stand-in CuPy has no TMA"
 # where a plan's arguments do not pack (ArgBuffer.of says None), its runs take CuPy's launch, the same
 from iokernels.cupy_raw.packed import ArgBuffer
 ArgBuffer.of = classmethod(lambda cls, args, slots=(): None)
@@ -708,6 +748,29 @@ def test_torch_streams_come_from_the_raw_pointer_where_torch_has_it(monkeypatch)
 #: what a hit must not repeat: the checks, the device facts, the registry, the array views
 NOT_ON_A_HIT = {"check_qkv", "check_decode", "dtype_name", "device_array", "device_info", "need", "resolve",
                 "defines", "function", "split_static", "split_dynamic", "decode_wave_splits", "kind_of"}
+
+
+def test_decode_v8_is_planned_and_packed_once_per_address_triple(result):
+    """Decode v8 (its Q, K, V are tensor maps, which hold the arrays' addresses) through a plan:
+    every call launches what the eager call launches, the default at a group of 32 is v8, a layer
+    loop over three caches launches three different map triples through the driver, and a run of
+    a triple seen before encodes no map (its packed arguments are kept per address triple)."""
+    v8 = {label: c for label, c in result["cases"].items() if label.startswith("decode v8")}
+    assert len(v8) == 28
+    for label, c in v8.items():
+        assert c["hit"] and c["first"] == c["second"], label
+        assert c["second"][0]["name"] == "decode_split_v8", label
+        if "device" in label:               # the eager call uploads a host copy of the lengths
+            assert [x["args"][:3] for x in c["eager"]] == [x["args"][:3] for x in c["second"]], label
+            assert c["second"][0]["args"][3] == "lens", label
+        else:
+            assert c["eager"] == c["second"], label
+    layers = result["decode v8 layers"]
+    assert layers["version"] == "v8" and layers["distinct"] == 3
+    assert layers["planned"][0] == layers["planned"][1] == layers["third"] == layers["eager"]
+    assert layers["encodes"] == 0
+    assert result["via packed v8"] == [["driver"]] * 3       # fused: one launch, through the driver
+    assert not {"v8_maps", "args_v8", "tensor_map"} & set(result["names"]["decode v8 plan.run"])
 
 
 def test_a_hit_costs_few_python_calls(result):

@@ -71,6 +71,9 @@ PLAN_LAUNCHES_KEPT = 256
 #: placeholders a decode plan's packed arguments may take (q, k, v, O, LSE, lengths, tables,
 #: two scales)
 PACKED_SLOTS = 9
+#: argument sets a decode plan over tensor maps keeps, one per address triple of Q, K, V (the
+#: least recently used goes first): a step's layers each have their own cache
+MAPPED_KEPT = 64
 
 
 class NotPlanned(Exception):
@@ -386,6 +389,8 @@ class DecodePlan:
         self._launches: dict = {}
         self._ws: dict = {}
         self._buffers: dict = {}
+        self._mapped_buffers: OrderedDict = OrderedDict()
+        self.mapped = 3 if spec.extra.get("layout") == "tma" else 0     # Q, K, V as tensor maps (v8)
         self.pinned = False                              # set once a CUDA graph captures a run
         if not self.empty:
             self.st = split_static(spec, cfg, batch=B, heads_q=self.Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
@@ -420,23 +425,31 @@ class DecodePlan:
             self._ws[stream] = ws
         return ws[2]
 
-    def _packed(self, stream: int, S: int, smem: int, table: tuple, pack_call):
+    def _packed(self, stream: int, S: int, smem: int, table: tuple, pack_call, qkv: tuple = ()):
         """The packed arguments (:class:`.packed.ArgBuffer`) of a launch of ``S`` splits on
         ``stream``, its workspaces written in, the call's pointers its slots (placeholders 0..n-1
         in ``pack_call(P, parts, counters)``, P the placeholders); False where the arguments do
-        not pack (the run then takes CuPy's launch)."""
-        if self.st.spec.extra.get("layout") == "tma":
-            return False         # its tensor maps encode the arrays' addresses (decode v8: v8_maps keeps them)
+        not pack (the run then takes CuPy's launch).
+
+        A kernel that reads Q, K, V through TMA tensor maps (decode v8) takes the maps, which
+        encode the arrays' addresses, instead of their pointers: its arguments are packed once
+        per address triple ``qkv`` (the last :data:`MAPPED_KEPT`), its slots start at O's
+        (:attr:`mapped`: the pointers a launch skips)."""
         o_part, lse_part, counters = parts = self._workspace(stream, S)
-        key = (stream, S, smem, table, parts)
-        buf = self._buffers.get(key)
+        key = (stream, S, smem, table, parts, *qkv[:self.mapped])
+        kept = self._mapped_buffers if self.mapped else self._buffers
+        buf = kept.get(key)
         if buf is None:
-            if len(self._buffers) >= PLAN_LAUNCHES_KEPT:
-                self._buffers.clear()
-            args, n = pack_call([placeholder(j) for j in range(PACKED_SLOTS)], (o_part, lse_part), counters)
-            where = slots_of(args, range(n))
+            if len(kept) >= (MAPPED_KEPT if self.mapped else PLAN_LAUNCHES_KEPT):
+                kept.popitem(last=False) if self.mapped else kept.clear()
+            P = [placeholder(j) for j in range(PACKED_SLOTS)]
+            P[:self.mapped] = map(np.uint64, qkv[:self.mapped])     # the maps are encoded for these
+            args, n = pack_call(P, (o_part, lse_part), counters)
+            where = slots_of(args, range(self.mapped, n))
             buf = ArgBuffer.of(args, where) if where is not None else None
-            buf = self._buffers[key] = buf or False
+            buf = kept[key] = buf or False
+        elif self.mapped:
+            kept.move_to_end(key)
         return buf
 
     def run(self, q, k, v, seq_lens=None, *, check: bool = True):
@@ -468,8 +481,9 @@ class DecodePlan:
             return pack(self.st, S, table, q=P[0], k=P[1], v=P[2], cache=self.cache_args, scales=(), lens=P[5],
                         nk=self.N, scale=self.scale, window_left=self.left, parts=parts, counters=counters,
                         o=P[3], lse=P[4]), 6
-        buf = self._packed(stream, S, smem, table, pack_call)
-        self._launch(stream, sobj, S, smem, buf, pack_call, int_ptrs(self.alloc.torch, q, k, v, o, lse), (lens_arg,))
+        ptrs = int_ptrs(self.alloc.torch, q, k, v, o, lse)
+        buf = self._packed(stream, S, smem, table, pack_call, ptrs[:3])
+        self._launch(stream, sobj, S, smem, buf, pack_call, ptrs, (lens_arg,))
         return o, lse
 
     def _launch(self, stream: int, sobj, S: int, smem: int, buf, pack_call, ptrs: tuple, more: tuple) -> None:
@@ -478,8 +492,8 @@ class DecodePlan:
         arguments ``pack_call`` makes.  ``ptrs``: q, k, v, O, LSE (ints); ``more``: the other
         slots' values in order (the lengths; the tables and the scales of a paged cache), np.uint64."""
         if buf:
-            buf.launch(self.fn_ptr, (S, self.st.heads_grid, self.B), (self.st.threads,), smem, stream, *ptrs,
-                       *map(int, more))
+            buf.launch(self.fn_ptr, (S, self.st.heads_grid, self.B), (self.st.threads,), smem, stream,
+                       *ptrs[self.mapped:], *map(int, more))
         else:
             args, _ = pack_call((*map(np.uint64, ptrs), *more), *_split_parts(self._workspace(stream, S)))
             with sobj:
@@ -606,6 +620,7 @@ class PagedDecodePlan:
         cap = self.max_blocks * self.bs
         return int(min(cap, self.left + 1) if self.left >= 0 else cap)
 
+    mapped = 0                                           # a paged cache is read through pointers
     _launch_for = DecodePlan._launch_for
     _workspace = DecodePlan._workspace
     _packed = DecodePlan._packed
