@@ -59,7 +59,7 @@ def test_compare_two_records_by_same_run_ratios():
             if "speed_vs_best_sdpa" in r:
                 r["speed_vs_best_sdpa"] *= 1.25
     rows = recorded.compare(rec, faster)
-    assert rows and all(abs(r["change"] - 1.25) < 1e-9 for r in rows if r["section"] != "gather")
+    assert rows and all(abs(r["change"] - 1.25) < 1e-9 for r in rows if r["section"] not in ("gather", "mla"))
 
 
 def test_compare_maps_old_runner_names_to_the_registry_names():
@@ -70,6 +70,20 @@ def test_compare_maps_old_runner_names_to_the_registry_names():
                                                   "speed_vs_best_sdpa": speed}]}]}}
     rows = recorded.compare(record("cupy:split paged", 0.5), record("cupy:v3 paged", 0.75))
     assert len(rows) == 1 and rows[0]["runner"] == "cupy:v3 paged" and abs(rows[0]["change"] - 1.5) < 1e-12
+
+
+def test_sections_without_sdpa_compare_by_their_own_baseline():
+    """The gathers by their ratio to the device copy, MLA decode by its ratio to torch's matrix
+    products: both records' rows of those sections are compared."""
+    def record(speed):
+        rows = [("gather", {"batch": 1, "seqlen": 4096}, "cupy:v1 gather", "speed_vs_copy"),
+                ("mla", {"batch": 8, "heads_q": 128, "seqlen": 8192}, "cupy:v1", "speed_vs_torch_matmul")]
+        return {"bench": {"cases": [{"section": s, "kind": s, "dtype": "bfloat16", "causal": False, "shape": shape,
+                                     "results": [{"runner": n, "status": "ok", "ms": 1.0, key: speed}]}
+                                    for s, shape, n, key in rows]}}
+    rows = recorded.compare(record(2.0), record(2.2))
+    assert sorted(r["section"] for r in rows) == ["gather", "mla"]
+    assert all(abs(r["change"] - 1.1) < 1e-12 for r in rows)
 
 
 def test_the_hopper_record_gives_the_gemm_rows():

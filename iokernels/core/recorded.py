@@ -283,15 +283,22 @@ def _canonical(runner: str) -> str:
     return LEGACY_RUNNERS.get(runner, f"{base} {suffix}".strip())
 
 
+#: the same-run ratio of a section that has no SDPA row: the gathers' (vs the device copy) and
+#: MLA decode's (vs torch's two matrix products)
+OWN_BASELINES = ("speed_vs_copy", "speed_vs_torch_matmul")
+
+
 def compare(old: dict, new: dict, key: str = "speed_vs_best_sdpa") -> list[dict]:
-    """Each runner's same-run ratio (``key``: vs the best SDPA kernel, or vs the copy for the
-    gathers) in two records, case by case: one dict per (case, runner) present in both, with
-    ``old``, ``new`` and ``change`` = new / old.  Ratios, never absolute times, so two runs on
-    different days compare fairly."""
+    """Each runner's same-run ratio (``key``: vs the best SDPA kernel; in a section without
+    one, vs its own baseline, :data:`OWN_BASELINES`) in two records, case by case: one dict per
+    (case, runner) present in both, with ``old``, ``new`` and ``change`` = new / old.  Ratios,
+    never absolute times, so two runs on different days compare fairly."""
     def index(rec):
         out = {}
         for r in bench_rows(rec):
-            k = r.get(key, r.get("speed_vs_copy"))
+            k = r.get(key)
+            for own in OWN_BASELINES:
+                k = r.get(own) if k is None else k
             if k is None:
                 continue
             shape = tuple(r.get(f) for f in ("batch", "heads", "heads_q", "heads_kv", "seqlen", "head_dim"))
