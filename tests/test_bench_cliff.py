@@ -96,6 +96,26 @@ def test_cliff_cases_stop_at_the_budget_and_say_what_they_left_out():
         cliff.cliff_cases(budget_s=0, run_case=_fake_case)
 
 
+def test_a_cliff_slice_starts_where_the_last_one_stopped():
+    """Two slices (the second from the first's start + ran + skipped) run the cases one long
+    sweep runs, in its order, each once; a start outside the plan is a ValueError naming it."""
+    whole = cliff.cliff_cases(budget_s=30.5, clock=_Clock(1.0), run_case=_fake_case, free_bytes=lambda: None)
+    first = cliff.cliff_cases(budget_s=12.5, clock=_Clock(1.0), run_case=_fake_case, free_bytes=lambda: None)
+    s1 = first[-1]["summary"]
+    second = cliff.cliff_cases(budget_s=12.5, start=s1["start"] + s1["ran"] + s1["skipped_memory"], clock=_Clock(1.0),
+                               run_case=_fake_case, free_bytes=lambda: None)
+    s2 = second[-1]["summary"]
+    assert s1["start"] == 0 and s2["start"] == s1["ran"] > 0
+    assert s2["start"] + s2["ran"] + s2["left_by_budget"] == s2["planned"]
+    n = s1["ran"] + s2["ran"]
+    assert whole[-1]["summary"]["ran"] >= n and first[:-1] + second[:-1] == whole[:n]
+    last = cliff.cliff_cases(budget_s=5, start=576, clock=_Clock(1.0), run_case=_fake_case, free_bytes=lambda: None)
+    assert last[-1]["summary"]["ran"] == 0 and last[-1]["summary"]["left_by_budget"] == 0
+    for bad in (-1, 577, 2.0):
+        with pytest.raises(ValueError, match="start"):
+            cliff.cliff_cases(start=bad, run_case=_fake_case)
+
+
 def test_cliff_cases_skip_what_does_not_fit_and_record_failures():
     free = 50 * 2**20                                      # 50 MiB free: the large caches are skipped
     cases = cliff.cliff_cases(budget_s=1e9, clock=_Clock(0.0), run_case=_fake_case, free_bytes=lambda: free)

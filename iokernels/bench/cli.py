@@ -18,12 +18,13 @@ from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
 
 
 def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARGET_MS_PER_RUNNER,
-        cliff_budget_s=None, checkpoint=None) -> dict:
+        cliff_budget_s=None, cliff_start=0, checkpoint=None) -> dict:
     """Run the benchmark; returns the record (env + cases).  See :func:`main`.
 
     ``target_ms``: device time each runner's timed loop aims at (repetitions adapt to it,
     between 3 and DEFAULT_REPS); lower it to fit a tight time box.  ``cliff_budget_s``: the
-    cliff sweep's time box (None: :data:`.cliff.CLIFF_BUDGET_S`).  ``checkpoint``: called
+    cliff sweep's time box (None: :data:`.cliff.CLIFF_BUDGET_S`); ``cliff_start``: the index of
+    its first case (a slice of a sweep longer than one box).  ``checkpoint``: called
     with the record whenever a case starts and after every section (``record["complete"]``
     False until the end), so a run stopped by a time box still leaves every case it finished.
     """
@@ -120,7 +121,7 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
                 paged_prefill_cases(p, seed, bar, target_ms=target_ms, into=cases)
             elif s == "cliff":
                 cliff.cliff_cases(p, seed, bar, target_ms=target_ms, budget_s=cliff_budget_s or cliff.CLIFF_BUDGET_S,
-                                  into=cases)
+                                  start=cliff_start, into=cases)
             elif s == "captured":
                 cliff.captured_cases(p, seed, bar, target_ms=target_ms, into=cases)
             elif s == "fp8":
@@ -275,6 +276,9 @@ def main(argv=None) -> int:
                         "repetitions adapt, between 3 and 20")
     p.add_argument("--cliff-budget-s", type=float, default=None,
                    help="seconds the cliff sweep may take (default: iokernels.bench.cliff.CLIFF_BUDGET_S)")
+    p.add_argument("--cliff-start", type=int, default=0,
+                   help="index of the cliff sweep's first case (a slice: the last slice's summary row says "
+                        "where it stopped)")
     args = p.parse_args(argv)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bad = [s for s in sections if s not in SECTIONS]
@@ -282,7 +286,8 @@ def main(argv=None) -> int:
         p.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
     checkpoint = (lambda rec: write_record(rec, args.out)) if args.out else None
     record = run(sections, quick=args.quick, seed=args.seed, progress=not args.no_progress,
-                 target_ms=args.target_ms, cliff_budget_s=args.cliff_budget_s, checkpoint=checkpoint)
+                 target_ms=args.target_ms, cliff_budget_s=args.cliff_budget_s, cliff_start=args.cliff_start,
+                 checkpoint=checkpoint)
     print(table(record))
     if args.out:
         print(f"wrote {write_record(record, args.out)}")

@@ -234,11 +234,14 @@ def _free_bytes() -> int | None:
         return None
 
 
-def cliff_cases(spec=CLIFF, seed=0, progress=None, *, target_ms=None, budget_s=CLIFF_BUDGET_S,
+def cliff_cases(spec=CLIFF, seed=0, progress=None, *, target_ms=None, budget_s=CLIFF_BUDGET_S, start=0,
                 clock=time.perf_counter, run_case=None, free_bytes=_free_bytes, into=None) -> list[dict]:
     """The cliff sweep within ``budget_s`` seconds: the cases of :func:`decode_plan` and
-    :func:`prefill_plan`, interleaved, in order until the budget is spent; then one summary
-    case (kind ``cliff_budget``) with what was planned, run, skipped and left out.  A case is
+    :func:`prefill_plan`, interleaved, in order from the ``start``-th until the budget is spent
+    (a sweep longer than one time box runs in slices: the next slice starts where the last
+    one's summary says it stopped, ``start + ran + skipped_memory``; every case carries its own
+    SDPA rows, so its ratios are same-run whichever slice ran it); then one summary case (kind
+    ``cliff_budget``) with what was planned, where it started, run, skipped and left out.  A case is
     skipped (recorded with a ``skipped`` status) when its inputs exceed MEMORY_FRACTION of the
     free device memory.  ``run_case(kind, shape, dtype, seed, target_ms)`` runs one case (the
     tests pass a fake; None: the timed runners)."""
@@ -247,11 +250,15 @@ def cliff_cases(spec=CLIFF, seed=0, progress=None, *, target_ms=None, budget_s=C
     run_case = run_case or (lambda kind, *a: (_decode_case if kind == "decode" else _prefill_case)(*a))
     dtype = spec["dtype"]
     plan = interleave([("decode", s) for s in decode_plan(spec)], [("prefill", s) for s in prefill_plan(spec)])
+    if type(start) is not int or not 0 <= start <= len(plan):
+        raise ValueError(f"start: a case index in [0, {len(plan)}], got {start!r}")
     t0 = clock()
     cases, skipped, left = ([] if into is None else into), 0, 0
     first = len(cases)
     itemsize = cv.itemsize_of(dtype)
     for i, (kind, shape) in enumerate(plan):
+        if i < start:
+            continue
         if clock() - t0 > budget_s:
             left = len(plan) - i
             break
@@ -278,7 +285,8 @@ def cliff_cases(spec=CLIFF, seed=0, progress=None, *, target_ms=None, budget_s=C
             progress.update(1)
     ran = len(cases) - first - skipped
     cases.append(dict(section="cliff", kind="cliff_budget", dtype=dtype, causal=False, shape={}, results=[],
-                      summary=dict(planned=len(plan), ran=ran, skipped_memory=skipped, left_by_budget=left,
+                      summary=dict(planned=len(plan), start=start, ran=ran, skipped_memory=skipped,
+                                   left_by_budget=left,
                                    budget_s=float(budget_s), elapsed_s=round(clock() - t0, 1),
                                    order="centre first, then one axis away, two, ... (cliff_order)")))
     return cases
