@@ -242,8 +242,8 @@ for dt in ("bfloat16", "float16"):
     for d in (64, 128, 256):
         q, k, v = make_inputs(rng, batch=3, heads_q=64, heads_kv=2, seqlen_q=1, seqlen_k=400, head_dim=d, dtype=dt)
         kv = [cupy.asarray(x)[:, :, :301] for x in (k, v)]
-        for splits, cfg in ((None, cr.DecodeConfig("v8")), (3, cr.DecodeConfig("v8", fused=False, stages=2)),
-                            (1, cr.DecodeConfig("v8", stages=2))):
+        for splits, cfg in ((None, cr.DecodeConfig("v8", fused=True)),
+                            (3, cr.DecodeConfig("v8", fused=False, stages=2)), (1, cr.DecodeConfig("v8", stages=2))):
             MAPS.clear()
             V8D._MAPS.clear()
             qd = cupy.asarray(q[:, :, 0])
@@ -559,13 +559,15 @@ def test_decode_v8_launch_geometry(launches):
     for dt in ("bfloat16", "float16"):
         for d in (64, 128, 256):
             bn, threads = {64: (128, 384), 128: (64, 384), 256: (64, 256)}[d]
-            for splits, fused in ((None, True), (3, False), (1, True)):
+            for splits, fused in ((None, True), (3, False), (1, None)):
                 label = f"decode v8 {dt} {d} {splits} {fused}"
                 L = _one(launches, label, "decode_split_v8")
                 df = _defines(L)
                 assert (int(df["BLOCK_N"]), L["block"][0]) == (bn, threads), label
                 assert L["grid"][1:] == [2, 3] and (splits is None or L["grid"][0] == splits), label
                 assert any(x["name"] == "decode_combine" for x in launches[label]) == (fused is False), label
+                # fused left unset: a group of 32 takes the separate combine (policy.decode_fuse_combine)
+                assert df["FUSED"] == {True: "1", False: "0", None: "0"}[fused], label
                 maps = launches[f"maps {label}"]
                 assert maps[0] == dict(dims=[d, 32, 6], strides=[2 * d, 2 * d * 32], box=[64, 64, 1]), label
                 for m in maps[1:]:

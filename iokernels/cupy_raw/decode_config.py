@@ -28,7 +28,7 @@ from .launch import DTYPE_IDS, REGISTRY, round_up
 # the choose-a-size rules and their constants (re-exported: the config's readers use them)
 from .policy import (DECODE_MAX_SPLITS, DECODE_MIN_KEYS_PER_SPLIT, DECODE_SATURATING_FRACTION,  # noqa: F401
                      DECODE_V4_MAX_GROUP_ROWS, DECODE_V4_PAIRS_SPLIT_BLOCK, DECODE_WAVE_COST_BYTES,
-                     decode_v4_block_warps)
+                     DECODE_FUSE_BY_GROUP, decode_fuse_combine, decode_v4_block_warps)
 
 __all__ = [
     "CC_L1", "CHUNK_BYTES", "COMBINE_REG_SPLITS", "DECODE_MAX_SPLITS", "DECODE_MIN_BLOCKS",
@@ -211,9 +211,10 @@ class DecodeConfig:
     tile (v2, v3: a multiple of the rows a warp reads side by side, None: about
     DECODE_V2_TILE_BYTES of K; v4, v5: Bc, a multiple of 16, None: DECODE_V4_TILE_ROWS,
     DECODE_V5_TILE_ROWS).  num_warps (v3 to v5): 4 or 8 warps a block (None: DECODE_V3_WARPS;
-    v4, v5: :func:`iokernels.cupy_raw.policy.decode_v4_block_warps`).  fused (v3 to v5): the
+    v4, v5: :func:`iokernels.cupy_raw.policy.decode_v4_block_warps`).  fused (v3 to v8): the
     combine inside the split kernel (True) or decode.cu's separate combine launch (False, v2's
-    structure).  min_blocks: blocks an SM the registers are capped for (None: DECODE_MIN_BLOCKS
+    structure); None: v4 and v8 by their group (:func:`iokernels.cupy_raw.policy.decode_fuse_combine`),
+    the others fused.  min_blocks: blocks an SM the registers are capped for (None: DECODE_MIN_BLOCKS
     for v1, DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8; v4, v5: DECODE_V4_MIN_BLOCKS at 8
     warps, twice that at 4).  unroll (v1): rows of K and V each sub-group keeps in flight
     (None: DECODE_UNROLL).  load_l1 (v4, v5): the cp.async chunks pass through L1 (True, .ca)
@@ -225,7 +226,7 @@ class DecodeConfig:
     stages: int | None = None
     tile_rows: int | None = None
     num_warps: int | None = None
-    fused: bool = True
+    fused: bool | None = None
     min_blocks: int | None = None
     unroll: int | None = None
     load_l1: bool | None = None
@@ -246,8 +247,8 @@ class DecodeConfig:
                     raise ValueError(f"config.{name}: decode {self.version} has one producer and one or two "
                                      f"consumer warpgroups a block by head dim, one block an SM; got {name}="
                                      f"{getattr(self, name)}")
-        if not isinstance(self.fused, bool):
-            raise ValueError(f"config.fused: must be True or False, got {self.fused!r}")
+        if self.fused is not None and not isinstance(self.fused, bool):
+            raise ValueError(f"config.fused: must be True, False or None, got {self.fused!r}")
         ring = ("stages", "tile_rows")
         for name in ring:
             if self.version is not None and layout == "plain" and getattr(self, name) is not None:
@@ -330,6 +331,14 @@ class DecodeConfig:
                         DECODE_MIN_BLOCKS=self.min_blocks or DECODE_MIN_BLOCKS)
         return self.ring_defines(base, d, dtype, group, smem_limit, kv)
 
+    def combine_fused(self, group: int) -> bool:
+        """Whether the split kernel merges its splits itself (its FUSED define) at ``group``
+        query heads a block: the given ``fused``, else :func:`~.policy.decode_fuse_combine` for
+        the versions of DECODE_FUSE_BY_GROUP, else True."""
+        if self.fused is not None:
+            return self.fused
+        return decode_fuse_combine(group) if self.version in DECODE_FUSE_BY_GROUP else True
+
     def ring_defines(self, base: dict, d: int, dtype: str, group: int, smem_limit: int | None = None,
                      kv: str | None = None) -> dict:
         """v2's and v3's defines (the ring, and v3's fused combine) on top of ``base`` for
@@ -346,7 +355,7 @@ class DecodeConfig:
         nw = self.ring_warps()
         mb = self.min_blocks or max(1, DECODE_V2_MIN_BLOCKS * DECODE_WARPS // nw)
         return dict(base, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=geo["tile_rows"], DECODE_MIN_BLOCKS=mb,
-                    FUSED=int(self.fused), COMBINE_REG_SPLITS=COMBINE_REG_SPLITS)
+                    FUSED=int(self.combine_fused(group)), COMBINE_REG_SPLITS=COMBINE_REG_SPLITS)
 
     # -- v4, v5: the tensor-core decode (v5: ``kv``, a quantized cache's code format)
     def v4_tile_rows(self, head_dim: int | None = None, kv: str | None = None) -> int:
@@ -399,7 +408,8 @@ class DecodeConfig:
         # the registers a thread may use: those of 8 warps x 1 block an SM
         mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)
         return dict(base, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=self.v4_tile_rows(d, kv), DECODE_MIN_BLOCKS=mb,
-                    FUSED=int(self.fused), LOAD_L1=int(l1), COMBINE_REG_SPLITS=COMBINE_REG_SPLITS)
+                    FUSED=int(self.combine_fused(group)), LOAD_L1=int(l1),
+                    COMBINE_REG_SPLITS=COMBINE_REG_SPLITS)
 
     def v4_load_l1(self, paged: bool, kv: str | None = None, head_dim: int = 128,
                    warps: int = DECODE_V4_WARPS, stages: int = DECODE_V4_STAGES, cc: int | None = None) -> bool:

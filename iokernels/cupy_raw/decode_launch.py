@@ -203,11 +203,19 @@ def pack(st: SplitStatic, splits: int, table: tuple, *, q, k, v, cache: tuple, s
     return st.spec.args(a)
 
 
-def launch_combine(st: SplitStatic, splits: int, o_part, lse_part, o, lse) -> None:
-    """decode.cu's combine over ``splits`` partials (the versions that do not fuse it)."""
+def combine_launch(st: SplitStatic, splits: int, o_part, lse_part, o, lse) -> tuple:
+    """(kernel, grid, block, arguments) of decode.cu's combine over ``splits`` partials: one
+    block a query row."""
     cfg = st.config
     comb = function("decode", "decode_combine",
                     cfg.combine_defines(st.head_dim, st.dtype, st.group, st.paged, st.block_size, st.aligned))
     rows = st.batch * st.heads_q
-    comb((rows,), (min(COMBINE_MAX_THREADS, round_up(st.head_dim, 32)),),
-         (o_part, lse_part, np.int32(splits), np.int32(rows), o, lse))
+    return (comb, (rows,), (min(COMBINE_MAX_THREADS, round_up(st.head_dim, 32)),),
+            (o_part, lse_part, np.int32(splits), np.int32(rows), o, lse))
+
+
+def launch_combine(st: SplitStatic, splits: int, o_part, lse_part, o, lse) -> None:
+    """decode.cu's combine over ``splits`` partials (the launches that do not fuse it), through
+    CuPy's launch on its current stream."""
+    comb, grid, block, args = combine_launch(st, splits, o_part, lse_part, o, lse)
+    comb(grid, block, args)

@@ -58,7 +58,7 @@ from ..core.arrays import Call, device_array
 from .decode import (_check_cache, _check_decode_q, _host, _visible, _window_left, check_device_scales,
                      check_paged_lengths, pools_need, run_decode)
 from . import decode_config as DC
-from .decode_launch import launch_combine, num_splits_for, pack, split_dynamic, split_static
+from .decode_launch import combine_launch, launch_combine, num_splits_for, pack, split_dynamic, split_static
 from .launch import contiguous, cupy, device_info, unit_rows
 from .packed import ArgBuffer, function_ptr, placeholder, slots_of
 from .registry import REGISTRY, need
@@ -499,9 +499,28 @@ class DecodePlan:
             with sobj:
                 self.st.fn((S, self.st.heads_grid, self.B), (self.st.threads,), args, shared_mem=smem)
         if S > 1 and not self.st.fused:
-            o_part, lse_part, _ = self._workspace(stream, S)
-            with sobj:
-                launch_combine(self.st, S, o_part, lse_part, np.uint64(ptrs[3]), np.uint64(ptrs[4]))
+            comb = self._combine(stream, S) if buf else None
+            if comb:
+                comb[0].launch(comb[1], comb[2], comb[3], 0, stream, ptrs[3], ptrs[4])
+            else:
+                o_part, lse_part, _ = self._workspace(stream, S)
+                with sobj:
+                    launch_combine(self.st, S, o_part, lse_part, np.uint64(ptrs[3]), np.uint64(ptrs[4]))
+
+    def _combine(self, stream: int, S: int):
+        """(packed arguments, kernel, grid, block) of decode.cu's combine of ``S`` splits on
+        ``stream`` over that stream's workspace, O's and LSE's pointers its slots; False where
+        the arguments do not pack."""
+        parts = self._workspace(stream, S)
+        key = ("combine", stream, S, parts)
+        got = self._buffers.get(key)
+        if got is None:
+            if len(self._buffers) >= PLAN_LAUNCHES_KEPT:
+                self._buffers.clear()
+            fn, grid, block, args = combine_launch(self.st, S, parts[0], parts[1], placeholder(0), placeholder(1))
+            buf = ArgBuffer.of(args, slots_of(args, (0, 1)))
+            got = self._buffers[key] = (buf, function_ptr(fn), grid, block) if buf is not None else False
+        return got
 
 
 def _split_parts(parts: tuple) -> tuple:
@@ -625,6 +644,7 @@ class PagedDecodePlan:
     _workspace = DecodePlan._workspace
     _packed = DecodePlan._packed
     _launch = DecodePlan._launch
+    _combine = DecodePlan._combine
 
     def run(self, q, k_pool, v_pool, block_tables, seq_lens, *, quant=None, check: bool = True):
         """Launch on the caller's current stream; (O, LSE) of q's kind."""

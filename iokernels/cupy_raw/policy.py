@@ -99,6 +99,27 @@ def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, bloc
     return decode_wave_splits(batch, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
 
 
+#: the decode versions whose combine follows :func:`decode_fuse_combine` when their config leaves
+#: ``fused`` unset (the versions it was measured on; the others fuse)
+DECODE_FUSE_BY_GROUP = ("v4", "v8")
+#: ... which fuses the combine up to this many query heads a KV head
+DECODE_FUSED_COMBINE_MAX_GROUP = 8
+
+
+def decode_fuse_combine(group: int) -> bool:
+    """Whether a split kernel whose block holds ``group`` query heads merges the splits itself
+    (the fused combine: the last block of a (b, kv head) pair reads every split's partials of
+    the group's rows, group x head_dim values, one L2 round trip after another) rather than
+    leaving them to decode.cu's combine (one more launch, one block a query row, the rows'
+    reads side by side).  The fused tail grows with the group; the separate combine pays a
+    launch, and its blocks are few where the batch's rows are.  Timed both ways on an H100
+    (benchmarks/results/sweeps/2026-12-07_0805_decode_fused_combine_h100.txt): at groups of
+    16, 32 and 64 the separate combine was faster in 20 of 21 shapes (1.005-5.15x, one at 0.995)
+    and at groups of 1, 4 and 8 slower in all 6 (0.62-0.996): fused up to
+    DECODE_FUSED_COMBINE_MAX_GROUP."""
+    return group <= DECODE_FUSED_COMBINE_MAX_GROUP
+
+
 def decode_v8_default_at(group: int) -> bool:
     """Whether the registry's default may pick decode v8 (on Hopper) for ``group`` query heads a
     KV head: past decode v4's one 16-row operand, where v6's teams of warps were the default and v8
