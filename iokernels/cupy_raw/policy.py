@@ -113,7 +113,7 @@ def decode_fuse_combine(group: int) -> bool:
     leaving them to decode.cu's combine (one more launch, one block a query row, the rows'
     reads side by side).  The fused tail grows with the group; the separate combine pays a
     launch, and its blocks are few where the batch's rows are.  Timed both ways on an H100
-    (benchmarks/results/sweeps/2026-12-07_0805_decode_fused_combine_h100.txt): at groups of
+    (benchmarks/results/sweeps/2026-12-07_0758_decode_fused_combine_h100.txt): at groups of
     16, 32 and 64 the separate combine was faster in 20 of 21 shapes (1.005-5.15x, one at 0.995)
     and at groups of 1, 4 and 8 slower in all 6 (0.62-0.996): fused up to
     DECODE_FUSED_COMBINE_MAX_GROUP."""
