@@ -906,6 +906,8 @@ def test_tuning_sweep_rows_are_registered_versions():
     assert [(label, cfg.version, s) for label, cfg, s in sweeps_cupy.decode_cases(("v4", "v6"), (1, 3))] == [
         ("v4", "v4", None), ("v4 S=1", "v4", 1), ("v4 S=3", "v4", 3),
         ("v6", "v6", None), ("v6 S=1", "v6", 1), ("v6 S=3", "v6", 3)]
+    name, out, kw = sweeps_cupy.parse_args(["decode", "--shapes", "small_batch", "--only", "v8", "--splits", "8"])
+    assert kw["shapes"] == sweeps_cupy.SMALL_BATCH_SHAPES and all(s["batch"] <= 3 for s in kw["shapes"])
     assert sweeps_cupy.parse_args(["decode", "--splits", "0"]) is None
     assert sweeps_cupy.parse_args(["prefill", "--only", "v4"]) is None
 

@@ -566,7 +566,7 @@ def test_decode_v8_launch_geometry(launches):
                 assert (int(df["BLOCK_N"]), L["block"][0]) == (bn, threads), label
                 assert L["grid"][1:] == [2, 3] and (splits is None or L["grid"][0] == splits), label
                 assert any(x["name"] == "decode_combine" for x in launches[label]) == (fused is False), label
-                # fused left unset: a group of 32 takes the separate combine (policy.decode_fuse_combine)
+                # fused left unset: 32 heads x d take the separate combine (policy.decode_fuse_combine)
                 assert df["FUSED"] == {True: "1", False: "0", None: "0"}[fused], label
                 maps = launches[f"maps {label}"]
                 assert maps[0] == dict(dims=[d, 32, 6], strides=[2 * d, 2 * d * 32], box=[64, 64, 1]), label

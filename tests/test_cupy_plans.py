@@ -770,7 +770,7 @@ def test_decode_v8_is_planned_and_packed_once_per_address_triple(result):
     assert layers["version"] == "v8" and layers["distinct"] == 3
     assert layers["planned"][0] == layers["planned"][1] == layers["third"] == layers["eager"]
     assert layers["encodes"] == 0
-    # a group of 32 leaves the merge to decode.cu's combine (policy.decode_fuse_combine): both through the driver
+    # 32 heads x 128 leave the merge to decode.cu's combine (policy.decode_fuse_combine): both through the driver
     assert result["via packed v8"] == [["driver", "driver"]] * 3
     assert not {"v8_maps", "args_v8", "tensor_map"} & set(result["names"]["decode v8 plan.run"])
 

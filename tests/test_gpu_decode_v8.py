@@ -110,13 +110,15 @@ def test_decode_v8_reads_a_view_of_a_longer_cache(rng):
     assert not problems, "\n".join(problems)
 
 
-def test_decode_v8_through_the_public_api_a_plan_and_a_graph(rng):
+@pytest.mark.parametrize("heads_q", [32, 256])
+def test_decode_v8_through_the_public_api_a_plan_and_a_graph(rng, heads_q):
     """ik.decode(backend="cupy") on device arrays (the planned launch) gives the eager launch's
     bits, twice (the fused combine's counters are back at 0), and so does a CUDA graph's replay
-    of it after the inputs change in place."""
+    of it after the inputs change in place; at 32 query heads a KV head the split kernel leaves
+    the merge to decode.cu's combine (policy.decode_fuse_combine), both launches packed."""
     torch = _torch()
     cr = _cr()
-    tq, tk, tv = _inputs(rng, torch, 32, 8, 128, "bfloat16")
+    tq, tk, tv = _inputs(rng, torch, heads_q, 8, 128, "bfloat16")
     lens = torch.tensor(LENS, dtype=torch.int32, device="cuda")
     cfg = cr.DecodeConfig("v8")
     eager = cr.decode(tq, tk, tv, seq_lens=lens.cpu().numpy(), config=cfg)

@@ -402,22 +402,25 @@ def test_decode_v8_config_registry_and_splits(monkeypatch):
         assert P.decode_v8_splits(B, 8, 4096, 132) == P.decode_wave_splits(B, 8, 4096, 132, 1, 512) > 1
 
 
-def test_the_combine_is_fused_by_group_where_measured_and_a_config_can_force_it():
-    """policy.decode_fuse_combine: fused up to DECODE_FUSED_COMBINE_MAX_GROUP query heads a KV head;
-    DecodeConfig(fused=None) follows it for the versions it was measured on (v4, v8) and fuses
-    elsewhere; True and False force it; the FUSED define of v4's and v8's kernels says the same."""
+def test_the_combine_is_fused_by_group_x_head_dim_where_measured_and_a_config_can_force_it():
+    """policy.decode_fuse_combine: fused up to DECODE_FUSED_COMBINE_MAX_VALUES merged values a block
+    (group x head_dim); DecodeConfig(fused=None) follows it for the versions it was measured on
+    (v4, v8) and fuses elsewhere; True and False force it; the FUSED define of v4's and v8's
+    kernels says the same."""
     from iokernels.cupy_raw.decode_config import DecodeConfig
     from iokernels.cupy_raw.decode_v8_config import v8_defines
-    cap = P.DECODE_FUSED_COMBINE_MAX_GROUP
-    assert [P.decode_fuse_combine(g) for g in (1, cap, cap + 1, 64)] == [True, True, False, False]
+    cap = P.DECODE_FUSED_COMBINE_MAX_VALUES
+    assert [P.decode_fuse_combine(g, 128) for g in (1, cap // 128, cap // 128 + 1, 64)] == [True, True, False, False]
+    assert P.decode_fuse_combine(8, 128) and not P.decode_fuse_combine(8, 256) and P.decode_fuse_combine(16, 64)
     for version in ("v3", "v4", "v5", "v6", "v8"):
-        for g in (1, 4, cap + 1, 16, 32):
-            want = P.decode_fuse_combine(g) if version in P.DECODE_FUSE_BY_GROUP else True
-            assert DecodeConfig(version).combine_fused(g) is want, (version, g)
-            assert DecodeConfig(version, fused=True).combine_fused(g) is True
-            assert DecodeConfig(version, fused=False).combine_fused(g) is False
+        for g in (1, 4, 8, 9, 16, 32):
+            for d in (64, 128, 256):
+                want = P.decode_fuse_combine(g, d) if version in P.DECODE_FUSE_BY_GROUP else True
+                assert DecodeConfig(version).combine_fused(g, d) is want, (version, g, d)
+                assert DecodeConfig(version, fused=True).combine_fused(g, d) is True
+                assert DecodeConfig(version, fused=False).combine_fused(g, d) is False
     base = dict(IK_DTYPE=1, HEAD_DIM=128, PAGED=0, BLOCK_SIZE=0)
-    for g, fused in ((4, 1), (16, 0)):
+    for g, fused in ((4, 1), (8, 1), (16, 0)):
         df = DecodeConfig("v4").defines(128, "bfloat16", g, False, 0, aligned=True, smem_limit=232448, cc=90)
         assert df["FUSED"] == fused, g
     assert v8_defines(DecodeConfig("v8"), dict(base, GROUP=32), 128, "bfloat16", 32, 232448)["FUSED"] == 0

@@ -9,6 +9,7 @@ next to torch's SDPA timed in the same run; paged pools come from
     python -m iokernels.bench.sweeps_cupy prefill|decode|paged_layout [out.json]
     python -m iokernels.bench.sweeps_cupy decode [out.json] --shapes serving --only v3,v4
     python -m iokernels.bench.sweeps_cupy decode [out.json] --shapes short --only v4,v6 --splits 1,2,3,4,6,8
+    python -m iokernels.bench.sweeps_cupy decode [out.json] --shapes small_batch --only v4,v8 --splits 1,3,8,16,32
 
 (a GPU with CuPy and torch).  ``scripts/gpu_sweep.py`` runs the decode sweep.
 """
@@ -89,8 +90,15 @@ SERVING_SHAPES = tuple(dict(batch=B, heads_q=32, heads_kv=8, seqlen=N, head_dim=
 #: short of the best SDPA kernel (batch 17, short caches, groups of 1 to 16 query heads a KV head)
 SHORT_CACHE_SHAPES = tuple(dict(batch=17, heads_q=hq, heads_kv=8, seqlen=n, head_dim=128)
                            for hq, n in ((8, 1000), (32, 1000), (8, 4096), (32, 4096), (64, 4096), (128, 4096)))
+#: the cliff section's decode shapes of one to three sequences where the default fell furthest behind
+#: (large groups: few (b, kv head) pairs, so the split count decides how many SMs work)
+SMALL_BATCH_SHAPES = tuple(dict(batch=b, heads_q=hq, heads_kv=hkv, seqlen=n, head_dim=128)
+                           for b, hq, hkv, n in ((1, 64, 1, 1000), (1, 64, 1, 4096), (1, 64, 1, 50000),
+                                                 (3, 64, 1, 1000), (1, 256, 8, 1000), (1, 256, 8, 4096),
+                                                 (3, 256, 8, 4096), (1, 16, 1, 4096)))
 #: the shape sets ``--shapes`` names
-DECODE_SHAPE_SETS = {"default": (DECODE_SHAPE,), "serving": SERVING_SHAPES, "short": SHORT_CACHE_SHAPES}
+DECODE_SHAPE_SETS = {"default": (DECODE_SHAPE,), "serving": SERVING_SHAPES, "short": SHORT_CACHE_SHAPES,
+                     "small_batch": SMALL_BATCH_SHAPES}
 #: paged_layout: rows a page (runs of block_size * 256 bytes between random jumps, MQA)
 PAGE_SIZES = (16, 64, 256, 1024)
 #: paged_layout: the GQA and the MQA shape, (heads_q, heads_kv, seqlen), K+V the same bytes
@@ -383,7 +391,7 @@ SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "paged_layout": page
 
 def parse_args(argv) -> tuple:
     """(sweep name, out path or None, keyword arguments) of a command line; None when it is wrong.
-    ``--shapes default|serving|short``, ``--only v3,v4`` and ``--splits 1,2,4`` are the decode
+    ``--shapes default|serving|short|small_batch``, ``--only v3,v4`` and ``--splits 1,2,4`` are the decode
     sweep's options."""
     if not argv or argv[0] not in SWEEPS:
         return None

@@ -213,7 +213,7 @@ class DecodeConfig:
     DECODE_V5_TILE_ROWS).  num_warps (v3 to v5): 4 or 8 warps a block (None: DECODE_V3_WARPS;
     v4, v5: :func:`iokernels.cupy_raw.policy.decode_v4_block_warps`).  fused (v3 to v8): the
     combine inside the split kernel (True) or decode.cu's separate combine launch (False, v2's
-    structure); None: v4 and v8 by their group (:func:`iokernels.cupy_raw.policy.decode_fuse_combine`),
+    structure); None: v4 and v8 by group x head_dim (:func:`iokernels.cupy_raw.policy.decode_fuse_combine`),
     the others fused.  min_blocks: blocks an SM the registers are capped for (None: DECODE_MIN_BLOCKS
     for v1, DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8; v4, v5: DECODE_V4_MIN_BLOCKS at 8
     warps, twice that at 4).  unroll (v1): rows of K and V each sub-group keeps in flight
@@ -331,13 +331,13 @@ class DecodeConfig:
                         DECODE_MIN_BLOCKS=self.min_blocks or DECODE_MIN_BLOCKS)
         return self.ring_defines(base, d, dtype, group, smem_limit, kv)
 
-    def combine_fused(self, group: int) -> bool:
+    def combine_fused(self, group: int, head_dim: int) -> bool:
         """Whether the split kernel merges its splits itself (its FUSED define) at ``group``
-        query heads a block: the given ``fused``, else :func:`~.policy.decode_fuse_combine` for
-        the versions of DECODE_FUSE_BY_GROUP, else True."""
+        query heads a block of ``head_dim``: the given ``fused``, else
+        :func:`~.policy.decode_fuse_combine` for the versions of DECODE_FUSE_BY_GROUP, else True."""
         if self.fused is not None:
             return self.fused
-        return decode_fuse_combine(group) if self.version in DECODE_FUSE_BY_GROUP else True
+        return decode_fuse_combine(group, head_dim) if self.version in DECODE_FUSE_BY_GROUP else True
 
     def ring_defines(self, base: dict, d: int, dtype: str, group: int, smem_limit: int | None = None,
                      kv: str | None = None) -> dict:
@@ -355,7 +355,7 @@ class DecodeConfig:
         nw = self.ring_warps()
         mb = self.min_blocks or max(1, DECODE_V2_MIN_BLOCKS * DECODE_WARPS // nw)
         return dict(base, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=geo["tile_rows"], DECODE_MIN_BLOCKS=mb,
-                    FUSED=int(self.combine_fused(group)), COMBINE_REG_SPLITS=COMBINE_REG_SPLITS)
+                    FUSED=int(self.combine_fused(group, d)), COMBINE_REG_SPLITS=COMBINE_REG_SPLITS)
 
     # -- v4, v5: the tensor-core decode (v5: ``kv``, a quantized cache's code format)
     def v4_tile_rows(self, head_dim: int | None = None, kv: str | None = None) -> int:
@@ -408,7 +408,7 @@ class DecodeConfig:
         # the registers a thread may use: those of 8 warps x 1 block an SM
         mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)
         return dict(base, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=self.v4_tile_rows(d, kv), DECODE_MIN_BLOCKS=mb,
-                    FUSED=int(self.combine_fused(group)), LOAD_L1=int(l1),
+                    FUSED=int(self.combine_fused(group, d)), LOAD_L1=int(l1),
                     COMBINE_REG_SPLITS=COMBINE_REG_SPLITS)
 
     def v4_load_l1(self, paged: bool, kv: str | None = None, head_dim: int = 128,

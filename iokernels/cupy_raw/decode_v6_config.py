@@ -143,7 +143,7 @@ def v6_defines(cfg, base: dict, head_dim: int, dtype: str, group: int, smem_limi
     l1 = v6_load_l1(cfg, bool(base["PAGED"]), head_dim, group, nw, stages, cc)
     mb = cfg.min_blocks or max(1, D.DECODE_V4_MIN_BLOCKS * DECODE_V6_WARPS // nw)
     return dict(base, TEAM_WARPS=team, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=v6_tile_rows(cfg, head_dim),
-                DECODE_MIN_BLOCKS=mb, FUSED=int(cfg.combine_fused(group)), LOAD_L1=int(l1),
+                DECODE_MIN_BLOCKS=mb, FUSED=int(cfg.combine_fused(group, head_dim)), LOAD_L1=int(l1),
                 COMBINE_REG_SPLITS=D.COMBINE_REG_SPLITS)
 
 

@@ -114,7 +114,7 @@ def v8_defines(cfg, base: dict, head_dim: int, dtype: str, group: int, smem_limi
         raise ValueError(f"config.stages: decode v8's ring of {stages} x {bn} keys is too small for its merge "
                          f"at head_dim={head_dim}, group {group} (more stages)")
     return dict(base, BLOCK_N=bn, STAGES=stages, CONSUMERS=consumers, NUM_WARPS=4 * (consumers + 1),
-                FUSED=int(cfg.combine_fused(group)), COMBINE_REG_SPLITS=D.COMBINE_REG_SPLITS)
+                FUSED=int(cfg.combine_fused(group, head_dim)), COMBINE_REG_SPLITS=D.COMBINE_REG_SPLITS)
 
 
 def smem_v8(d, dtype, group, defines, kv, num_splits=1, fused=True, table_cap=0) -> tuple:

@@ -102,22 +102,21 @@ def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, bloc
 #: the decode versions whose combine follows :func:`decode_fuse_combine` when their config leaves
 #: ``fused`` unset (the versions it was measured on; the others fuse)
 DECODE_FUSE_BY_GROUP = ("v4", "v8")
-#: ... which fuses the combine up to this many query heads a KV head
-DECODE_FUSED_COMBINE_MAX_GROUP = 8
+#: ... which fuses the combine up to this many of a split's merged values a block (group x head_dim)
+DECODE_FUSED_COMBINE_MAX_VALUES = 1024
 
 
-def decode_fuse_combine(group: int) -> bool:
-    """Whether a split kernel whose block holds ``group`` query heads merges the splits itself
-    (the fused combine: the last block of a (b, kv head) pair reads every split's partials of
-    the group's rows, group x head_dim values, one L2 round trip after another) rather than
-    leaving them to decode.cu's combine (one more launch, one block a query row, the rows'
-    reads side by side).  The fused tail grows with the group; the separate combine pays a
-    launch, and its blocks are few where the batch's rows are.  Timed both ways on an H100
-    (benchmarks/results/sweeps/2026-12-07_0758_decode_fused_combine_h100.txt): at groups of
-    16, 32 and 64 the separate combine was faster in 20 of 21 shapes (1.005-5.15x, one at 0.995)
-    and at groups of 1, 4 and 8 slower in all 6 (0.62-0.996): fused up to
-    DECODE_FUSED_COMBINE_MAX_GROUP."""
-    return group <= DECODE_FUSED_COMBINE_MAX_GROUP
+def decode_fuse_combine(group: int, head_dim: int) -> bool:
+    """Whether a split kernel whose block holds ``group`` query heads of ``head_dim`` merges the
+    splits itself (the fused combine: the last block of a (b, kv head) pair walks the group's
+    group x head_dim merged values, an L2 round trip after another, over every split) rather
+    than leaving them to decode.cu's combine (one more launch, one block a query row, side by
+    side; few blocks where the batch has few rows).  Timed both ways on an H100
+    (benchmarks/results/sweeps/2026-12-07_0758_decode_fused_combine_h100.txt): the separate
+    combine was faster at 19 of the 20 shapes of more than 1024 values (g 16 x d 128 and up:
+    1.005-5.15x; B17 g16 N4096 at 0.995) and slower at 6 of the 7 of at most 1024 (0.62-0.996,
+    g 1-8 x d 128; g 16 x d 64 was 1.13x faster): fused up to DECODE_FUSED_COMBINE_MAX_VALUES."""
+    return group * head_dim <= DECODE_FUSED_COMBINE_MAX_VALUES
 
 
 def decode_v8_default_at(group: int) -> bool:
