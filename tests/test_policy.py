@@ -415,7 +415,7 @@ def test_the_combine_is_fused_by_group_x_head_dim_where_measured_and_a_config_ca
     for version in ("v3", "v4", "v5", "v6", "v8"):
         for g in (1, 4, 8, 9, 16, 32):
             for d in (64, 128, 256):
-                want = P.decode_fuse_combine(g, d) if version in P.DECODE_FUSE_BY_GROUP else True
+                want = P.decode_fuse_combine(g, d) if version in P.DECODE_FUSE_BY_RULE else True
                 assert DecodeConfig(version).combine_fused(g, d) is want, (version, g, d)
                 assert DecodeConfig(version, fused=True).combine_fused(g, d) is True
                 assert DecodeConfig(version, fused=False).combine_fused(g, d) is False

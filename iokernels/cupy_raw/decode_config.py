@@ -28,7 +28,7 @@ from .launch import DTYPE_IDS, REGISTRY, round_up
 # the choose-a-size rules and their constants (re-exported: the config's readers use them)
 from .policy import (DECODE_MAX_SPLITS, DECODE_MIN_KEYS_PER_SPLIT, DECODE_SATURATING_FRACTION,  # noqa: F401
                      DECODE_V4_MAX_GROUP_ROWS, DECODE_V4_PAIRS_SPLIT_BLOCK, DECODE_WAVE_COST_BYTES,
-                     DECODE_FUSE_BY_GROUP, decode_fuse_combine, decode_v4_block_warps)
+                     DECODE_FUSE_BY_RULE, decode_fuse_combine, decode_v4_block_warps)
 
 __all__ = [
     "CC_L1", "CHUNK_BYTES", "COMBINE_REG_SPLITS", "DECODE_MAX_SPLITS", "DECODE_MIN_BLOCKS",
@@ -334,10 +334,10 @@ class DecodeConfig:
     def combine_fused(self, group: int, head_dim: int) -> bool:
         """Whether the split kernel merges its splits itself (its FUSED define) at ``group``
         query heads a block of ``head_dim``: the given ``fused``, else
-        :func:`~.policy.decode_fuse_combine` for the versions of DECODE_FUSE_BY_GROUP, else True."""
+        :func:`~.policy.decode_fuse_combine` for the versions of DECODE_FUSE_BY_RULE, else True."""
         if self.fused is not None:
             return self.fused
-        return decode_fuse_combine(group, head_dim) if self.version in DECODE_FUSE_BY_GROUP else True
+        return decode_fuse_combine(group, head_dim) if self.version in DECODE_FUSE_BY_RULE else True
 
     def ring_defines(self, base: dict, d: int, dtype: str, group: int, smem_limit: int | None = None,
                      kv: str | None = None) -> dict:

@@ -101,7 +101,7 @@ def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, bloc
 
 #: the decode versions whose combine follows :func:`decode_fuse_combine` when their config leaves
 #: ``fused`` unset (the versions it was measured on; the others fuse)
-DECODE_FUSE_BY_GROUP = ("v4", "v8")
+DECODE_FUSE_BY_RULE = ("v4", "v8")
 #: ... which fuses the combine up to this many of a split's merged values a block (group x head_dim)
 DECODE_FUSED_COMBINE_MAX_VALUES = 1024
 

@@ -82,8 +82,10 @@ VARIANTS = {("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
             ("paged_decode", "v6"): ({}, {"tile_rows": 16, "stages": 2}),
             # v7 (the group split over blocks): unfused 4-warp blocks, a 2-deep ring
             ("decode", "v7"): ({}, {"fused": False, "num_warps": 4}, {"stages": 2}),
-            # v8 (Hopper, TMA): the separate combine over a 2-deep ring, and 64-key tiles (d 64's are 128)
-            ("decode", "v8"): ({}, {"fused": False, "stages": 2}, {"tile_rows": 64, "stages": 2}),
+            # v8 (Hopper, TMA): by default the fused combine at 4 query heads a KV head and the separate
+            # one at 32 and 64 (policy.decode_fuse_combine); the fused one at every group over a 2-deep
+            # ring; 64-key tiles (d 64's are 128)
+            ("decode", "v8"): ({}, {"fused": True, "stages": 2}, {"tile_rows": 64, "stages": 2}),
             ("paged_decode", "v7"): ({}, {"fused": False, "num_warps": 4}),
             # v5 (quantized caches): 16-key tiles with a 2-deep ring (the default tile is 32 keys
             # up to d = 128), and the codes copied through L1
