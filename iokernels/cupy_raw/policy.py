@@ -91,9 +91,9 @@ def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, bloc
     :func:`decode_wave_splits`.  A v8 block streams its split through a deep TMA ring, so the few
     pairs past a whole wave run at a lone block's rate rather than a saturated wave's (what
     :func:`split_cost` prices them at); on an H100 at B = 17, 8 KV heads (136 pairs, 132 SMs),
-    N = 1000 and 4096, one split ran 1.03-1.36x faster than the wave model's choice
+    N = 1000 and 4096, one split ran faster than the wave model's choice
     (benchmarks/results/sweeps/2026-12-07_0417_decode_v8_h100_h200.txt).  Over a long cache that
-    tail is long too: at N = 50000 one split ran 1.09x slower than v6 under the wave model."""
+    tail is long too: at N = 50000 one split ran slower than v6 under the wave model."""
     if batch * heads_kv >= num_sms and seq_len <= DECODE_V8_ONE_SPLIT_MAX_KEYS:
         return 1
     return decode_wave_splits(batch, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
@@ -112,10 +112,10 @@ def decode_fuse_combine(group: int, head_dim: int) -> bool:
     group x head_dim merged values, an L2 round trip after another, over every split) rather
     than leaving them to decode.cu's combine (one more launch, one block a query row, side by
     side; few blocks where the batch has few rows).  Timed both ways on an H100
-    (benchmarks/results/sweeps/2026-12-07_0758_decode_fused_combine_h100.txt): the separate
-    combine was faster at 19 of the 20 shapes of more than 1024 values (g 16 x d 128 and up:
-    1.005-5.15x; B17 g16 N4096 at 0.995) and slower at 6 of the 7 of at most 1024 (0.62-0.996,
-    g 1-8 x d 128; g 16 x d 64 was 1.13x faster): fused up to DECODE_FUSED_COMBINE_MAX_VALUES."""
+    (benchmarks/results/sweeps/2026-12-07_0758_decode_fused_combine_h100.txt), the separate
+    combine was the faster at 19 of the 20 shapes of more than 1024 values (g 16 x d 128 and up)
+    and the slower at 6 of the 7 of at most 1024 (g 1 to 8 x d 128; not at g 16 x d 64): fused
+    up to DECODE_FUSED_COMBINE_MAX_VALUES."""
     return group * head_dim <= DECODE_FUSED_COMBINE_MAX_VALUES
 
 
