@@ -429,12 +429,10 @@ class DecodePlan:
         """The packed arguments (:class:`.packed.ArgBuffer`) of a launch of ``S`` splits on
         ``stream``, its workspaces written in, the call's pointers its slots (placeholders 0..n-1
         in ``pack_call(P, parts, counters)``, P the placeholders); False where the arguments do
-        not pack (the run then takes CuPy's launch).
-
-        A kernel that reads Q, K, V through TMA tensor maps (decode v8) takes the maps, which
-        encode the arrays' addresses, instead of their pointers: its arguments are packed once
-        per address triple ``qkv`` (the last :data:`MAPPED_KEPT`), its slots start at O's
-        (:attr:`mapped`: the pointers a launch skips)."""
+        not pack (the run then takes CuPy's launch).  A kernel that reads Q, K, V through TMA
+        tensor maps (decode v8) takes the maps, which encode the arrays' addresses: its arguments
+        are packed once per address triple ``qkv`` (the last :data:`MAPPED_KEPT`), its slots
+        start at O's (:attr:`mapped`: the pointers a launch skips)."""
         o_part, lse_part, counters = parts = self._workspace(stream, S)
         key = (stream, S, smem, table, parts, *qkv[:self.mapped])
         kept = self._mapped_buffers if self.mapped else self._buffers
