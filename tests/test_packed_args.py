@@ -81,3 +81,30 @@ def test_what_does_not_pack():
     with pytest.raises(ValueError, match="slots"):
         ArgBuffer((np.int32(1), np.uint64(2)), [0])
     assert slots_of((np.uint64(5), placeholder(0)), range(2)) is None
+
+
+def test_kept_is_a_bounded_lru_that_a_concurrent_drop_does_not_break():
+    """packed.kept: a miss builds and keeps, a hit returns the kept value and makes it the most
+    recent, past the cap the least recently used go; an entry dropped by another thread between
+    the lookup and the reordering (or a cache emptied while trimming) is not an error."""
+    from collections import OrderedDict
+
+    from iokernels.cupy_raw.packed import kept
+    built = []
+    cache = OrderedDict()
+    for key in "abc":
+        assert kept(cache, key, lambda key=key: built.append(key) or key.upper(), cap=2) == key.upper()
+    assert list(cache) == ["b", "c"] and built == ["a", "b", "c"]
+    assert kept(cache, "b", lambda: "never", cap=2) == "B" and list(cache) == ["c", "b"]
+    kept(cache, "d", lambda: "D", cap=2)
+    assert list(cache) == ["b", "d"] and built == ["a", "b", "c"]
+
+    class Racy(OrderedDict):
+        def move_to_end(self, key, last=True):
+            raise KeyError(key)          # another thread dropped it after the get
+
+        def popitem(self, last=True):
+            raise KeyError("empty")      # another thread emptied it
+    racy = Racy(a=1)
+    assert kept(racy, "a", lambda: 2, cap=1) == 1
+    assert kept(racy, "b", lambda: 3, cap=1) == 3 and dict(racy) == {"a": 1, "b": 3}

@@ -20,7 +20,7 @@ from .hopper.records import run_attention as hopper_run_attention
 from .hopper.checks import require_available
 from .hopper.config import LONGEST_FIRST, PERSISTENT, THREADS, grid as hopper_grid
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, device_info, fill, function, unit_rows
-from .packed import SLOT, ArgBuffer, function_ptr, slots_of
+from .packed import SLOT, ArgBuffer, function_ptr, kept, slots_of
 from .plans import NotPlanned, _Alloc, plan_for, _ptr, _ptrs, _stream_of, _window_key, array_key, int_ptrs
 from .registry import REGISTRY, need
 
@@ -51,14 +51,7 @@ def mapped_args(maps: OrderedDict, addresses: tuple, build, values: tuple) -> tu
     """The arguments of a kernel that takes TMA tensor maps (which encode its inputs' addresses):
     the (template, placeholder positions) that ``build()`` makes for ``addresses``, kept in
     ``maps`` for the last :data:`MAPS_KEPT` address sets, with ``values`` at those positions."""
-    hit = maps.get(addresses)
-    if hit is None:
-        hit = maps[addresses] = build()
-        while len(maps) > MAPS_KEPT:
-            maps.popitem(last=False)
-    else:
-        maps.move_to_end(addresses)
-    template, where = hit
+    template, where = kept(maps, addresses, build, MAPS_KEPT)
     args = list(template)
     for i, x in zip(where, values):
         args[i] = x
@@ -168,15 +161,7 @@ class AttentionPlan:
     def _hopper_packed(self, q, k, v, addresses: tuple):
         """The packed arguments of the tensor maps of Q, K, V at ``addresses`` (the last
         :data:`MAPS_KEPT` address sets are kept); O's and LSE's pointers are its slots."""
-        maps = self._buffers
-        hit = maps.get(addresses)
-        if hit is None:
-            hit = maps[addresses] = ArgBuffer(*self._hopper_template(q, k, v))
-            while len(maps) > MAPS_KEPT:
-                maps.popitem(last=False)
-        else:
-            maps.move_to_end(addresses)
-        return hit
+        return kept(self._buffers, addresses, lambda: ArgBuffer(*self._hopper_template(q, k, v)), MAPS_KEPT)
 
     def run(self, q, k, v, *, check: bool = True):
         """Launch on the caller's current stream; (O, LSE) of q's kind."""

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from ..core.registry import Need
 from . import decode_config as D
 from .launch import round_up
+from .packed import kept
 from .policy import decode_v8_default_at, held_back
 
 #: the head dims of the Hopper tiles (64-column TMA panels, hopper_tile.cuh's products)
@@ -169,19 +170,14 @@ def v8_maps(key: tuple) -> tuple:
     """(map_q, map_k, map_v) of ``key`` = (q, k, v addresses, B, Hq, Hkv, N, d, dtype, Bc, K's and
     V's byte strides (batch, head, row)), encoded once and kept (the last MAPS_KEPT)."""
     from . import hopper as hp                 # here: hopper imports the registry
-    hit = _MAPS.get(key)
-    if hit is None:
+
+    def encode():
         q, k, v, B, Hq, Hkv, nk, d, dtype, bn, ks, vs = key
         g = Hq // Hkv
-        hit = (hp.tensor_map(q, dtype, (d, g, B * Hkv), (2 * d, 2 * d * g), (64, DECODE_V8_ROWS, 1)),
-               hp.tensor_map(k, dtype, (d, nk, Hkv, B), (ks[2], ks[1], ks[0]), (64, bn, 1, 1)),
-               hp.tensor_map(v, dtype, (d, nk, Hkv, B), (vs[2], vs[1], vs[0]), (64, bn, 1, 1)))
-        _MAPS[key] = hit
-        while len(_MAPS) > MAPS_KEPT:
-            _MAPS.popitem(last=False)
-    else:
-        _MAPS.move_to_end(key)
-    return hit
+        return (hp.tensor_map(q, dtype, (d, g, B * Hkv), (2 * d, 2 * d * g), (64, DECODE_V8_ROWS, 1)),
+                hp.tensor_map(k, dtype, (d, nk, Hkv, B), (ks[2], ks[1], ks[0]), (64, bn, 1, 1)),
+                hp.tensor_map(v, dtype, (d, nk, Hkv, B), (vs[2], vs[1], vs[0]), (64, bn, 1, 1)))
+    return kept(_MAPS, key, encode, MAPS_KEPT)
 
 
 def args_v8(a) -> tuple:

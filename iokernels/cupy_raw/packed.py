@@ -31,6 +31,26 @@ def placeholder(j: int) -> np.uint64:
     return np.uint64(SLOT + j)
 
 
+def kept(cache, key, build, cap: int):
+    """``cache[key]`` (an OrderedDict), made by ``build()`` on a miss and kept; past ``cap`` entries
+    the least recently used go first.  Threads may share ``cache``: an entry another thread drops
+    meanwhile is made again on its next miss, never raised over."""
+    hit = cache.get(key)
+    if hit is None:
+        hit = cache[key] = build()
+        while len(cache) > cap:
+            try:
+                cache.popitem(last=False)
+            except KeyError:                 # emptied by another thread
+                break
+    else:
+        try:
+            cache.move_to_end(key)
+        except KeyError:                     # dropped by another thread since the get
+            pass
+    return hit
+
+
 def slots_of(args: tuple, ids) -> list[int] | None:
     """Where the placeholders ``placeholder(j)`` (j in ``ids``) sit in ``args``; None where one
     of them is missing."""

@@ -60,7 +60,7 @@ from .decode import (_check_cache, _check_decode_q, _host, _visible, _window_lef
 from . import decode_config as DC
 from .decode_launch import combine_launch, launch_combine, num_splits_for, pack, split_dynamic, split_static
 from .launch import contiguous, cupy, device_info, unit_rows
-from .packed import ArgBuffer, function_ptr, placeholder, slots_of
+from .packed import ArgBuffer, function_ptr, kept, placeholder, slots_of
 from .registry import REGISTRY, need
 
 #: plans :data:`PLANS` keeps; the least recently used goes first
@@ -434,20 +434,21 @@ class DecodePlan:
         are packed once per address triple ``qkv`` (the last :data:`MAPPED_KEPT`), its slots
         start at O's (:attr:`mapped`: the pointers a launch skips)."""
         o_part, lse_part, counters = parts = self._workspace(stream, S)
-        key = (stream, S, smem, table, parts, *qkv[:self.mapped])
-        kept = self._mapped_buffers if self.mapped else self._buffers
-        buf = kept.get(key)
-        if buf is None:
-            if len(kept) >= (MAPPED_KEPT if self.mapped else PLAN_LAUNCHES_KEPT):
-                kept.popitem(last=False) if self.mapped else kept.clear()
+
+        def build():
             P = [placeholder(j) for j in range(PACKED_SLOTS)]
             P[:self.mapped] = map(np.uint64, qkv[:self.mapped])     # the maps are encoded for these
             args, n = pack_call(P, (o_part, lse_part), counters)
             where = slots_of(args, range(self.mapped, n))
-            buf = ArgBuffer.of(args, where) if where is not None else None
-            buf = kept[key] = buf or False
-        elif self.mapped:
-            kept.move_to_end(key)
+            return (ArgBuffer.of(args, where) if where is not None else None) or False
+        if self.mapped:
+            return kept(self._mapped_buffers, (stream, S, smem, table, parts, *qkv[:3]), build, MAPPED_KEPT)
+        key = (stream, S, smem, table, parts)
+        buf = self._buffers.get(key)
+        if buf is None:
+            if len(self._buffers) >= PLAN_LAUNCHES_KEPT:
+                self._buffers.clear()
+            buf = self._buffers[key] = build()
         return buf
 
     def run(self, q, k, v, seq_lens=None, *, check: bool = True):
