@@ -25,6 +25,7 @@ from iokernels.bench import decode_loads
 from iokernels.cupy_raw import decode_config as C
 from iokernels.cupy_raw import decode_v6_config as V6
 from iokernels.cupy_raw import policy
+from iokernels.cupy_raw.decode_launch import parallel_combine_defines
 
 NVCC = shutil.which("nvcc") or "/usr/local/bin/nvcc"
 ARCHS = (75, 80, 90)
@@ -70,6 +71,9 @@ def _jobs():
         defines = cr.DecodeConfig("v7", **kw).defines(d, dtype, group, paged, block_size, kv=kv)
         jobs.append((f"decode_v7 {dtype} d={d} paged={paged} g={group} kv={kv} {kw}", "decode_v7", defines, arch))
 
+    def comb(dtype, d, arch):
+        jobs.append((f"decode_combine {dtype} d={d}", "decode_combine", parallel_combine_defines(d, dtype), arch))
+
     def loads(load, dtype, d, paged, arch, group=4, block_size=16, **kw):
         defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
         defines.update(decode_loads.loads_kernel(load, d).extra["defines"])
@@ -112,6 +116,7 @@ def _jobs():
         dec3("float16", 128, arch != 80, arch)
         dec4("float16", 128, arch == 80, arch)             # sm_75: compiles (k8 mma pairs); never offered
         dec7("float32", 128, arch != 80, arch, group=64)    # MQA: 4 blocks a KV head
+        comb("float16", 128, arch)                      # the parallel combine: a column a thread
         if arch >= 80:                                  # bfloat16 exists from sm_80
             fa("v2", "bfloat16", 128, arch)
             dec("bfloat16", 128, arch == 90, arch)
@@ -126,6 +131,9 @@ def _jobs():
     fa("v2", "bfloat16", 64, 80, num_warps=4, block_k=128)
     fa("v2", "float16", 59, 90)                        # rows not whole 16-byte chunks: scalar loads
     dec("float64", 128, True, 90)                      # scalar rows (1 KB does not fit 32 lanes x 16 B)
+    comb("bfloat16", 512, 80)                           # two columns a thread (256 threads)
+    comb("float64", 64, 90)
+    comb("float32", 59, 75)                             # a row's columns past the last thread's
     dec("bfloat16", 59, False, 80)
     jobs.append(("paged_gather 2 B", "paged_gather", dict(BLOCK_SIZE=7, CHUNK_BYTES=2, CHUNKS_PER_ROW=59), 90))
     fa("v1b", "float32", 72, 80, block_q=64, block_k=32)
@@ -909,6 +917,13 @@ def test_tuning_sweep_rows_are_registered_versions():
     name, out, kw = sweeps_cupy.parse_args(["decode", "--shapes", "small_batch", "--only", "v8", "--splits", "8"])
     assert kw["shapes"] == sweeps_cupy.SMALL_BATCH_SHAPES and all(s["batch"] <= 3 for s in kw["shapes"])
     assert sweeps_cupy.parse_args(["decode", "--splits", "0"]) is None
+    name, out, kw = sweeps_cupy.parse_args(["decode", "--only", "v8", "--splits", "8", "--combine", "serial,parallel"])
+    assert kw == dict(only=("v8",), splits=(8,), combines=("serial", "parallel"))
+    assert [(label, cfg.combine, s) for label, cfg, s in sweeps_cupy.decode_cases(**kw)] == [
+        ("v8 serial", "serial", None), ("v8 serial S=8", "serial", 8),
+        ("v8 parallel", "parallel", None), ("v8 parallel S=8", "parallel", 8)]
+    assert sweeps_cupy.parse_args(["decode", "--splits", "8", "--combine", "fast"]) is None
+    assert sweeps_cupy.parse_args(["decode", "--combine", "parallel"]) is None      # rows at split counts only
     assert sweeps_cupy.parse_args(["prefill", "--only", "v4"]) is None
 
 

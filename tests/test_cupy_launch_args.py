@@ -81,7 +81,10 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
             if kern is not None and kern.unavailable(cr.need("decode", q=q, k=k, v=v)) is not None:
                 continue
             fusable = kern is not None and kern.version in ("v3", "v4", "v5", "v6")
-            for extra in (({}, {"fused": False}) if fusable else ({},)):
+            extras = ({}, {"fused": False}, {"fused": False, "combine": "parallel"}) if fusable else ({},)
+            if kern is not None and kern.version == "v1":
+                extras = ({}, {"combine": "parallel"})
+            for extra in extras:
                 cfg = None if kern is None else cr.DecodeConfig(kern.version, **extra)
                 for splits in (1, 5):
                     rec(f"decode {cfg and cfg.version} {extra} {dt} {d} {splits}",
@@ -261,7 +264,8 @@ json.dump(out, sys.stdout)
 
 #: the kernel file each kernel function lives in
 FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split": "decode",
-         "decode_combine": "decode", "decode_split_v2": "decode_v2", "decode_split_v3": "decode_v3",
+         "decode_combine": "decode", "decode_combine_parallel": "decode_combine", "decode_split_v2": "decode_v2",
+         "decode_split_v3": "decode_v3",
          "decode_split_v4": "decode_v4", "decode_split_v5": "decode_v5", "decode_split_v6": "decode_v6",
          "decode_split_v7": "decode_v7", "decode_split_v8": "decode_v8",
          "decode_split_v4_loads": "decode_v4_loads",
@@ -365,6 +369,14 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert _one(launches, "decode None {} float32 128 5", "decode_split_v3")     # v4 is 16-bit only
     assert _one(launches, "decode None {} float16 59 5", "decode_split")      # rows not 16-byte chunks: v1
     assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
+    # combine="parallel": decode_combine.cu's kernel in the separate combine's place, a thread a column
+    for label in ("decode v1 {'combine': 'parallel'} float16 59 5",
+                  "decode v4 {'fused': False, 'combine': 'parallel'} bfloat16 128 5"):
+        split, comb = launches[label]
+        assert comb["name"] == "decode_combine_parallel" and split["name"] != comb["name"], label
+        d = int(_defines(comb)["HEAD_DIM"])
+        assert int(_defines(comb)["COMBINE_THREADS"]) == comb["block"][0] == -(-d // 32) * 32, label
+        assert comb["grid"] == [3 * 8], label                            # a block a query row
     assert _one(launches, "paged_decode None float16 128", "decode_split_v4")
     # v4 refuses 32 heads a KV head; v6 takes them, by default and by name, with the same defines
     mqa = _one(launches, "decode mqa bfloat16 128", "decode_split_v6")

@@ -94,7 +94,8 @@ q, k, v = arr(3, 8, 128), arr(3, 2, 301, 128), arr(3, 2, 301, 128)
 lens = np.array([301, 0, 7])
 io = dict(q=q, k=k, v=v)
 for cfg in (None, cr.DecodeConfig("v1"), cr.DecodeConfig("v2"), cr.DecodeConfig("v3"),
-            cr.DecodeConfig("v3", fused=False), cr.DecodeConfig("v4")):
+            cr.DecodeConfig("v3", fused=False), cr.DecodeConfig("v4"),
+            cr.DecodeConfig("v4", fused=False, combine="parallel")):
     for splits in (None, 1, 5):
         for lens_ in (None, lens):
             kw = dict(seq_lens=lens_, num_splits=splits, config=cfg)
@@ -111,7 +112,8 @@ pools = [arr(20, 16, 2, 128), arr(20, 16, 2, 128)]
 tables = np.array([[3, 1, 4, 9, 0], [2, 6, 5, 0, 0], [7, 8, 10, 11, 12]], np.int32)
 plens = np.array([70, 20, 80], np.int32)
 io_p = dict(q=q, k=pools[0], v=pools[1])
-for cfg in (None, cr.DecodeConfig("v1"), cr.DecodeConfig("v3"), cr.DecodeConfig("v4")):
+for cfg in (None, cr.DecodeConfig("v1"), cr.DecodeConfig("v3"), cr.DecodeConfig("v4"),
+            cr.DecodeConfig("v1", combine="parallel")):
     kw = dict(num_splits=2, config=cfg)
     case(f"pools {cfg}", lambda: D.paged_decode_pools(q, *pools, tables, plens, **kw),
          lambda: cr.paged_decode_pools(q, *pools, tables, plens, **kw), io_p)
@@ -595,6 +597,11 @@ def test_a_cached_call_launches_what_the_eager_call_launches(result):
         else:
             assert c["first"] == c["eager"] == c["second"], label
         assert c["hit"], label
+    # decode_combine.cu's combine planned and packed like decode.cu's, after the split kernel
+    parallel = [c for label, c in result["cases"].items() if "combine='parallel'" in label]
+    assert len(parallel) >= 7 and any(len(c["second"]) == 2 for c in parallel)
+    for c in parallel:
+        assert [x["name"] for x in c["second"][1:]] in ([], ["decode_combine_parallel"])
 
 
 def test_a_hit_launches_through_the_packed_arguments_and_else_through_cupy(result):

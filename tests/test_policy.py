@@ -427,3 +427,15 @@ def test_the_combine_is_fused_by_group_x_head_dim_where_measured_and_a_config_ca
     assert v8_defines(DecodeConfig("v8", fused=True), dict(base, GROUP=32), 128, "bfloat16", 32, 232448)["FUSED"] == 1
     with pytest.raises(ValueError, match="config.fused"):
         DecodeConfig("v4", fused=1)
+
+
+def test_the_separate_combine_kernel_is_a_config_setting():
+    """DecodeConfig.combine names the separate combine's kernel; unset, the policy's default."""
+    from iokernels.cupy_raw.decode_config import DecodeConfig
+    assert P.DECODE_COMBINE_DEFAULT in P.DECODE_COMBINES == ("serial", "parallel")
+    assert DecodeConfig("v4").combine_kernel() == P.DECODE_COMBINE_DEFAULT
+    for kind in P.DECODE_COMBINES:
+        assert DecodeConfig("v1", combine=kind).combine_kernel() == kind
+    for bad in ("fast", True, 1):
+        with pytest.raises(ValueError, match="config.combine"):
+            DecodeConfig("v4", combine=bad)

@@ -10,6 +10,8 @@ next to torch's SDPA timed in the same run; paged pools come from
     python -m iokernels.bench.sweeps_cupy decode [out.json] --shapes serving --only v3,v4
     python -m iokernels.bench.sweeps_cupy decode [out.json] --shapes short --only v4,v6 --splits 1,2,3,4,6,8
     python -m iokernels.bench.sweeps_cupy decode [out.json] --shapes small_batch --only v4,v8 --splits 1,3,8,16,32
+    python -m iokernels.bench.sweeps_cupy decode [out.json] --shapes small_batch --only v8 --splits 8,32,128 \
+        --combine serial,parallel
 
 (a GPU with CuPy and torch).  ``scripts/gpu_sweep.py`` runs the decode sweep.
 """
@@ -116,17 +118,20 @@ def prefill_cases(dtype: str) -> list:
     return [(label, ForwardConfig(**kw)) for label, kw in PREFILL_ROWS[dtype]]
 
 
-def decode_cases(only=None, splits=None) -> list:
+def decode_cases(only=None, splits=None, combines=None) -> list:
     """(label, DecodeConfig, num_splits) of the decode sweep; builds without a GPU.
     ``only``: version names ("v3", "v4", ...) to keep, None for every row.  ``splits``: split
     counts to time each kept version's default config at (its own row first, the split
-    policy's pick), instead of the tuning rows."""
+    policy's pick), instead of the tuning rows; ``combines`` (with ``splits``): each of those
+    rows once a separate combine kernel ("serial", "parallel": DecodeConfig.combine; a launch
+    that fuses the combine runs neither)."""
     from iokernels.cupy_raw import DecodeConfig
     from iokernels.cupy_raw.decode_config import DECODE_MAX_SPLITS
     if splits is not None:
         versions = only or ("v4",)
-        return [(f"{v}" + (f" S={s}" if s else ""), DecodeConfig(version=v), s and min(s, DECODE_MAX_SPLITS))
-                for v in versions for s in (None, *splits)]
+        return [(f"{v}" + (f" {c}" if c else "") + (f" S={s}" if s else ""), DecodeConfig(version=v, combine=c),
+                 s and min(s, DECODE_MAX_SPLITS))
+                for v in versions for c in (combines or (None,)) for s in (None, *splits)]
     return [(label, DecodeConfig(**kw), None if s is None else min(s, DECODE_MAX_SPLITS))
             for label, kw, s in DECODE_ROWS if only is None or kw["version"] in only]
 
@@ -195,16 +200,16 @@ def sweep_prefill(out_path=None, reps=REPS):
     return _save(out_path, rows)
 
 
-def sweep_decode(out_path=None, reps=REPS, shapes=(DECODE_SHAPE,), only=None, splits=None):
+def sweep_decode(out_path=None, reps=REPS, shapes=(DECODE_SHAPE,), only=None, splits=None, combines=None):
     """Decode settings at bf16 GQA 32/8 d=128 (``shapes``: DECODE_SHAPE, or e.g. SERVING_SHAPES),
     contiguous and paged, next to cuDNN's and FLASH's SDPA (enable_gqa).  Paged rows also give
     their ratio to the same row contiguous.  ``only``: the versions to time (None: every row);
-    ``splits``: split counts (see :func:`decode_cases`)."""
+    ``splits``, ``combines``: split counts and combine kernels (see :func:`decode_cases`)."""
     from iokernels import bench
 
     rows = []
     for shape in shapes:
-        _sweep_decode_shape(rows, shape, reps, only, splits)
+        _sweep_decode_shape(rows, shape, reps, only, splits, combines)
         bench.release_device_cache()
     return _save(out_path, rows)
 
@@ -222,7 +227,7 @@ def decode_inputs(shape: dict, dtype: str) -> tuple:
     return q, k, v, q[:, :, None, :], kv_bytes, f"decode {dtype} B={B} Hq={Hq} Hkv={Hkv} N={N} d={d}"
 
 
-def _sweep_decode_shape(rows, shape, reps, only, split_counts=None):
+def _sweep_decode_shape(rows, shape, reps, only, split_counts=None, combines=None):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -250,7 +255,7 @@ def _sweep_decode_shape(rows, shape, reps, only, split_counts=None):
         print(f"# {group} paged: {e}", flush=True)
         pools = None
     contiguous = {}
-    for label, cfg, splits in decode_cases(only, split_counts):
+    for label, cfg, splits in decode_cases(only, split_counts, combines):
         for paged in (False, True) if pools else (False,):
             name = f"cupy {label}" + (" paged" if paged else "")
             fn, args = (cr.paged_decode_pools, (q, *pools)) if paged else (cr.decode, (q, k, v))
@@ -391,14 +396,15 @@ SWEEPS = {"prefill": sweep_prefill, "decode": sweep_decode, "paged_layout": page
 
 def parse_args(argv) -> tuple:
     """(sweep name, out path or None, keyword arguments) of a command line; None when it is wrong.
-    ``--shapes default|serving|short|small_batch``, ``--only v3,v4`` and ``--splits 1,2,4`` are the decode
-    sweep's options."""
+    ``--shapes default|serving|short|small_batch``, ``--only v3,v4``, ``--splits 1,2,4`` and (with
+    ``--splits``) ``--combine serial,parallel`` are the decode sweep's options."""
+    from iokernels.cupy_raw.policy import DECODE_COMBINES
     if not argv or argv[0] not in SWEEPS:
         return None
     name, rest, kw, out = argv[0], list(argv[1:]), {}, None
     while rest:
         a = rest.pop(0)
-        if a in ("--shapes", "--only", "--splits") and rest and name == "decode":
+        if a in ("--shapes", "--only", "--splits", "--combine") and rest and name == "decode":
             val = rest.pop(0)
             if a == "--shapes":
                 if val not in DECODE_SHAPE_SETS:
@@ -408,12 +414,18 @@ def parse_args(argv) -> tuple:
                 if not all(x.isdigit() and int(x) > 0 for x in val.split(",")):
                     return None
                 kw["splits"] = tuple(int(x) for x in val.split(","))
+            elif a == "--combine":
+                if not set(val.split(",")) <= set(DECODE_COMBINES):
+                    return None
+                kw["combines"] = tuple(val.split(","))
             else:
                 kw["only"] = tuple(val.split(","))
         elif out is None and not a.startswith("--"):
             out = a
         else:
             return None
+    if "combines" in kw and "splits" not in kw:
+        return None
     return name, out, kw
 
 
@@ -422,7 +434,8 @@ def main(argv=None) -> int:
     parsed = parse_args(argv)
     if parsed is None:
         print(f"usage: python -m iokernels.bench.sweeps_cupy {'|'.join(SWEEPS)} [out.json] "
-              f"[decode: --shapes {'|'.join(DECODE_SHAPE_SETS)}] [--only v3,v4] [--splits 1,2,4]")
+              f"[decode: --shapes {'|'.join(DECODE_SHAPE_SETS)}] [--only v3,v4] [--splits 1,2,4] "
+              f"[--combine serial,parallel]")
         return 2
     name, out, kw = parsed
     SWEEPS[name](out, **kw)

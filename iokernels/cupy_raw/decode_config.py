@@ -28,7 +28,8 @@ from .launch import DTYPE_IDS, REGISTRY, round_up
 # the choose-a-size rules and their constants (re-exported: the config's readers use them)
 from .policy import (DECODE_MAX_SPLITS, DECODE_MIN_KEYS_PER_SPLIT, DECODE_SATURATING_FRACTION,  # noqa: F401
                      DECODE_V4_MAX_GROUP_ROWS, DECODE_V4_PAIRS_SPLIT_BLOCK, DECODE_WAVE_COST_BYTES,
-                     DECODE_FUSE_BY_RULE, decode_fuse_combine, decode_v4_block_warps)
+                     DECODE_COMBINE_DEFAULT, DECODE_COMBINES, DECODE_FUSE_BY_RULE, decode_fuse_combine,
+                     decode_v4_block_warps)
 
 __all__ = [
     "CC_L1", "CHUNK_BYTES", "COMBINE_REG_SPLITS", "DECODE_MAX_SPLITS", "DECODE_MIN_BLOCKS",
@@ -214,9 +215,13 @@ class DecodeConfig:
     v4, v5: :func:`iokernels.cupy_raw.policy.decode_v4_block_warps`).  fused (v3 to v8): the
     combine inside the split kernel (True) or decode.cu's separate combine launch (False, v2's
     structure); None: v4 and v8 by group x head_dim (:func:`iokernels.cupy_raw.policy.decode_fuse_combine`),
-    the others fused.  min_blocks: blocks an SM the registers are capped for (None: DECODE_MIN_BLOCKS
-    for v1, DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8; v4, v5: DECODE_V4_MIN_BLOCKS at 8
-    warps, twice that at 4).  unroll (v1): rows of K and V each sub-group keeps in flight
+    the others fused.  combine: the separate combine's kernel where the split kernel does not
+    fuse it, "serial" (decode.cu's: a thread a column walks the splits one after another) or
+    "parallel" (decode_combine.cu's: the splits' LSEs read side by side, a split a thread, the
+    weights in SRAM, several partials in flight a thread); None: DECODE_COMBINE_DEFAULT.
+    min_blocks: blocks an SM the registers are capped for (None: DECODE_MIN_BLOCKS for v1,
+    DECODE_V2_MIN_BLOCKS at 4 warps, half that at 8; v4, v5: DECODE_V4_MIN_BLOCKS at 8 warps,
+    twice that at 4).  unroll (v1): rows of K and V each sub-group keeps in flight
     (None: DECODE_UNROLL).  load_l1 (v4, v5): the cp.async chunks pass through L1 (True, .ca)
     or bypass it (False, .cg); None: DECODE_V4_L1 over a contiguous 16-bit cache on compute
     capability CC_L1+, .cg over pages and quantized codes.
@@ -230,6 +235,7 @@ class DecodeConfig:
     min_blocks: int | None = None
     unroll: int | None = None
     load_l1: bool | None = None
+    combine: str | None = None
 
     def __post_init__(self):
         layout = layout_of(self.version)                    # the record's facts, or a ValueError
@@ -249,6 +255,8 @@ class DecodeConfig:
                                      f"{getattr(self, name)}")
         if self.fused is not None and not isinstance(self.fused, bool):
             raise ValueError(f"config.fused: must be True, False or None, got {self.fused!r}")
+        if self.combine not in (None, *DECODE_COMBINES):
+            raise ValueError(f"config.combine: must be one of {DECODE_COMBINES} or None, got {self.combine!r}")
         ring = ("stages", "tile_rows")
         for name in ring:
             if self.version is not None and layout == "plain" and getattr(self, name) is not None:
@@ -338,6 +346,10 @@ class DecodeConfig:
         if self.fused is not None:
             return self.fused
         return decode_fuse_combine(group, head_dim) if self.version in DECODE_FUSE_BY_RULE else True
+
+    def combine_kernel(self) -> str:
+        """The separate combine's kernel: the given ``combine``, else DECODE_COMBINE_DEFAULT."""
+        return self.combine or DECODE_COMBINE_DEFAULT
 
     def ring_defines(self, base: dict, d: int, dtype: str, group: int, smem_limit: int | None = None,
                      kv: str | None = None) -> dict:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import decode_config as C
-from .launch import blocks_per_sm, function, round_up
+from .launch import DTYPE_IDS, blocks_per_sm, function, round_up
 from .policy import decode_wave_splits
 
 #: threads a block of decode.cu's combine: one per element of a row, up to this many
@@ -203,19 +203,33 @@ def pack(st: SplitStatic, splits: int, table: tuple, *, q, k, v, cache: tuple, s
     return st.spec.args(a)
 
 
+def combine_threads(head_dim: int) -> int:
+    """Threads a block of either combine: one a column of a row, up to COMBINE_MAX_THREADS."""
+    return min(COMBINE_MAX_THREADS, round_up(head_dim, 32))
+
+
+def parallel_combine_defines(head_dim: int, dtype: str) -> dict:
+    """decode_combine.cu's defines (the config's combine "parallel")."""
+    return dict(IK_DTYPE=DTYPE_IDS[dtype], HEAD_DIM=head_dim, COMBINE_THREADS=combine_threads(head_dim))
+
+
 def combine_launch(st: SplitStatic, splits: int, o_part, lse_part, o, lse) -> tuple:
-    """(kernel, grid, block, arguments) of decode.cu's combine over ``splits`` partials: one
-    block a query row."""
+    """(kernel, grid, block, arguments) of the separate combine over ``splits`` partials, one
+    block a query row: decode.cu's (the config's combine "serial") or decode_combine.cu's
+    ("parallel"); both take the same arguments."""
     cfg = st.config
-    comb = function("decode", "decode_combine",
-                    cfg.combine_defines(st.head_dim, st.dtype, st.group, st.paged, st.block_size, st.aligned))
+    threads = combine_threads(st.head_dim)
+    if cfg.combine_kernel() == "parallel":
+        comb = function("decode_combine", "decode_combine_parallel", parallel_combine_defines(st.head_dim, st.dtype))
+    else:
+        comb = function("decode", "decode_combine",
+                        cfg.combine_defines(st.head_dim, st.dtype, st.group, st.paged, st.block_size, st.aligned))
     rows = st.batch * st.heads_q
-    return (comb, (rows,), (min(COMBINE_MAX_THREADS, round_up(st.head_dim, 32)),),
-            (o_part, lse_part, np.int32(splits), np.int32(rows), o, lse))
+    return comb, (rows,), (threads,), (o_part, lse_part, np.int32(splits), np.int32(rows), o, lse)
 
 
 def launch_combine(st: SplitStatic, splits: int, o_part, lse_part, o, lse) -> None:
-    """decode.cu's combine over ``splits`` partials (the launches that do not fuse it), through
+    """The separate combine over ``splits`` partials (the launches that do not fuse it), through
     CuPy's launch on its current stream."""
     comb, grid, block, args = combine_launch(st, splits, o_part, lse_part, o, lse)
     comb(grid, block, args)

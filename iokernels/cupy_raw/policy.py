@@ -106,6 +106,14 @@ DECODE_FUSE_BY_RULE = ("v4", "v8")
 DECODE_FUSED_COMBINE_MAX_VALUES = 1024
 
 
+#: the separate combine's kernels (DecodeConfig.combine): "serial", decode.cu's (a thread a column
+#: walks the splits one after another) and "parallel", decode_combine.cu's (the splits read side by
+#: side, their weights in SRAM); a config that leaves it unset runs DECODE_COMBINE_DEFAULT, the one
+#: the benchmark records so far were timed with
+DECODE_COMBINES = ("serial", "parallel")
+DECODE_COMBINE_DEFAULT = "serial"
+
+
 def decode_fuse_combine(group: int, head_dim: int) -> bool:
     """Whether a split kernel whose block holds ``group`` query heads of ``head_dim`` merges the
     splits itself (the fused combine: the last block of a (b, kv head) pair walks the group's
