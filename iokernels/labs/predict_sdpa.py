@@ -76,7 +76,7 @@ SDPA_QUESTIONS = {
         rel_tol=0.3),
     "sdpa_flash_dram": Question(
         "sdpa_flash_dram",
-        "SDPA's flash kernel at the large size (several times the 50 MiB L2): its measured DRAM bytes over the "
+        "SDPA's flash kernel at the large size (several times the GPU's L2): its measured DRAM bytes over the "
         "mandatory minimum (Q, K, V read and O written once), within 25%",
         lambda: {"over_minimum": _flash_dram()["over_minimum"]},
         lambda a: (f"{a['over_minimum']:.2f} (Nsight Compute, recorded run), while the model, which reads K and V "

@@ -121,7 +121,7 @@ def plot_traffic(rec: dict):
     axes[-1][0].set_xlabel("measured / model (bytes as written, no caches)", fontsize=9)
     axes[-1][1].set_xlabel("measured / mandatory (Q, K, V read and O written once)", fontsize=9)
     handles = [Line2D([], [], linestyle="none", color="black", label=label, **SIZE_MARKERS[size])
-               for size, label in (("small", "small: fits in the 50 MiB L2"), ("large", "large: several times L2"))]
+               for size, label in (("small", "small: fits in L2"), ("large", "large: several times L2"))]
     fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, 0.0))
     fig.suptitle(f"DRAM bytes measured by Nsight Compute against the model -- {recorded.short_label(rec)}",
