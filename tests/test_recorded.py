@@ -1,4 +1,6 @@
 """iokernels.core.recorded: selecting and comparing rows of a recorded GPU run (synthetic record)."""
+import json
+
 import numpy as np
 import pytest
 
@@ -142,3 +144,20 @@ def test_load_file_reads_one_named_record_and_refuses_others(tmp_path):
         with pytest.raises(ValueError, match="name"):
             recorded.load_file(bad, tmp_path)
 
+
+
+def test_load_profiled_takes_the_newest_record_with_a_limits_profile(tmp_path):
+    """recorded.load_profiled: the latest H200 record when it has a limits profile, else the
+    newest record of any GPU that has one (by the date in its name), else None."""
+    def write(name, limits):
+        traffic = {"limits": {"cases": [{"case": "c", "kernels": [{"kernel": "k"}]}]}} if limits else {}
+        (tmp_path / name).write_text(json.dumps({"env": {"gpu": name}, "bench": {"cases": []}, "traffic": traffic}))
+    assert recorded.load_profiled(tmp_path) is None
+    write("h200_2026-01-01.json", False)
+    write("h100_2026-01-03_probe.json", True)
+    write("h100_2026-01-02_older.json", True)
+    write("h100_2026-01-04_none.json", False)
+    assert recorded.load_profiled(tmp_path)["source_file"] == "h100_2026-01-03_probe.json"
+    write("h200_2026-01-05.json", True)
+    assert recorded.load_profiled(tmp_path)["source_file"] == "h200_2026-01-05.json"
+    assert recorded.limits_table(recorded.load_profiled(tmp_path))

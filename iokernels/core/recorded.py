@@ -72,6 +72,22 @@ def load_file(name: str, results_dir=None) -> dict:
     return rec
 
 
+def load_profiled(results_dir=None) -> dict | None:
+    """The record a limits profile (:func:`limits_table`) comes from: the latest H200 record when
+    it holds one, else the newest record of any GPU that does (files named ``<gpu>_<date>...``,
+    newest date first; the label says which GPU), else None."""
+    d = Path(results_dir) if results_dir is not None else RESULTS_DIR
+    h200 = available("h200", d)
+    others = sorted((p for p in d.glob("*_20??-??-??*.json") if p not in h200),
+                    key=lambda p: (p.name.split("_")[1], p.name), reverse=True)
+    for path in ([h200[-1]] if h200 else []) + others:
+        rec = json.loads(path.read_text())
+        if isinstance(rec, dict) and rec.get("traffic", {}).get("limits", {}).get("cases"):
+            rec.setdefault("source_file", path.name)
+            return rec
+    return None
+
+
 def label(rec: dict) -> str:
     """'recorded on <GPU>, <date>, driver ..., CUDA ..., torch ..., numba ..., cupy ...'."""
     env = rec.get("env", rec)
