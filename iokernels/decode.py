@@ -101,6 +101,8 @@ EFFICIENCY_FRACTION = 0.85
 def occupancy_splits(batch, heads_kv, seqlen, num_sms=DEFAULT_NUM_SMS, *, block_n=DEFAULT_BLOCK_N,
                          max_splits=MAX_SPLITS, q_tiles=1, return_efficiency=False):
     """How many ways to split the keys: FlashAttention-2's occupancy rule, written out.
+    (FlashAttention-2's flash_api.cpp applies it to twice the SMs, two of its 128-thread blocks
+    an SM; here a wave is ``num_sms`` blocks.)
 
     The grid without splitting has ``batch * heads_kv * q_tiles`` thread blocks (q_tiles:
     tiles of packed query rows, 1 for decode).  With S splits it has S times as many, run

@@ -56,7 +56,7 @@ def test_the_questions_reveal_only_after_a_prediction():
 def test_the_table_names_a_source_for_every_row():
     text = lesson.who_decides_table()
     for what, _, _, src in lesson.WHO_DECIDES:
-        assert what in text and src.endswith(("(docs)", "(code)", "(paper)"))
+        assert what in text and src.endswith(("(docs)", "(code)", "(paper)", "(blog post)"))
     assert lesson.FORWARD_V1.exists()
 
 

@@ -31,12 +31,12 @@ WHO_DECIDES = (
     ("which query rows a block / program owns", "you: blockIdx.x -> Q tile", "you: tl.program_id(0) -> Q tile",
      "both kernels' first lines (code)"),
     ("which thread holds which element of S_ij", "you: 4 rows x 4 keys per thread, warp shuffles",
-     "Triton: the compiler's layouts for each tile", "Triton's programming guide, Introduction: memory coalescing "
-                                                     "is automatic in Triton, manual in CUDA (docs)"),
+     "Triton: the compiler's layouts for each tile", "OpenAI's post introducing Triton (2021): memory "
+                                                     "coalescing is automatic in Triton, manual in CUDA (blog post)"),
     ("staging K_j, V_j through shared memory", "you: __shared__ arrays, __syncthreads()",
      "Triton: the compiler allocates it for tl.dot's operands",
-     "Triton's programming guide, Introduction: shared memory "
-     "management is automatic in Triton, manual in CUDA (docs)"),
+     "OpenAI's post introducing Triton (2021): shared memory "
+     "management is automatic in Triton, manual in CUDA (blog post)"),
     ("overlapping the next tile's loads with this tile's math", "you: cp.async double buffering (v1b)",
      "Triton: the loop is pipelined, num_stages deep", "triton.Config, num_stages: the stages the compiler uses "
      "when software-pipelining loops (docs)"),
