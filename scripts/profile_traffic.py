@@ -162,6 +162,8 @@ def _limit_problems():
             ("numba decode v6", "numba", "0.8x SDPA cuDNN (held back: v5 unchecked inside)", _DECODE_BAR),
             ("sdpa decode cudnn", "torch", "the Numba decode's bar", _DECODE_BAR),
             ("numba attention", "numba", "0.5x SDPA EFFICIENT", _FP32),
+            ("numba attention v5", "numba", "0.5x SDPA EFFICIENT (by name: a GEMM's register tiles)", _FP32),
+            ("cupy attention v1b", "cupy", "what CUDA C++ reaches on the same CUDA cores (fp32, by name)", _FP32),
             ("sdpa attention efficient", "torch", "the Numba float32 forward's bar", _FP32),
             ("cupy fp8 forward v1", "cupy", "1.5x cupy attention (v5), quantization included", _BF16),
             ("cupy fp8 forward v2", "cupy", "1.5x cupy attention (v5), quantization included", _BF16),
@@ -214,7 +216,10 @@ def _build_limit(name, family, kw, gen):
             o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
         return lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True)
     if family != "torch":
-        return lambda: ik.attention(q, k, v, causal=causal, backend=family)
+        cfg = None
+        if name.split()[-1].startswith("v"):                # a version by name
+            cfg = _registry(family).get("attention", name.split()[-1]).config_class(version=name.split()[-1])
+        return lambda: ik.attention(q, k, v, causal=causal, backend=family, config=cfg)
     return lambda: ts.sdpa(q, k, v, causal=causal, backend=name.split()[-1])
 
 
