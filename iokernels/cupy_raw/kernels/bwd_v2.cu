@@ -36,8 +36,9 @@
 // Notation as in iokernels/backward.py: Br (BLOCK_Q), Bc (BLOCK_KV), Tr = ceil(Nq / Br),
 // Tc = ceil(Nk / Bc), D_i, S_ij, P_ij, dP_ij, dS_ij.
 //
-// Tile sizes.  FlashAttention-2 runs 8 warps with Bc = 128 and Br = 64 (d = 64) or
-// Br = 64..128 (d = 128).  Here Bc = 16 * NUM_WARPS: 8 warps give Bc = 128, so each Q_i,
+// Tile sizes.  FlashAttention-2 runs 8 warps with Bc = 128, and Br = 128 at d = 64 and Br = 64
+// at d = 128 where a block may take 144 KB of shared memory (less: Br = 64 at d = 64, Bc = 64 at
+// d = 128; csrc/flash_attn/src/flash_bwd_launch_template.h, code).  Here Bc = 16 * NUM_WARPS: 8 warps give Bc = 128, so each Q_i,
 // dO_i read into SRAM feeds 128 keys.  Br is bounded by registers: dK_j, dV_j take D_PAD
 // floats a lane together, S^T and dP^T another Br, and the fragments and addresses need
 // the rest of the 255 registers a thread may have; so the default Br is 64 while

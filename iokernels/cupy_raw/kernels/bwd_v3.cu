@@ -63,9 +63,9 @@
 //
 // Limits, frankly:
 //   * one consumer warpgroup of Bc = 64 keys and Br = 64 rows a step, one block an SM: a
-//     first version meant to be right.  FlashAttention-3 (hopper/tile_size.h and
-//     flash_bwd_kernel_sm90.h (code)) runs two consumer warpgroups over Bc = 128 keys (Br = 128
-//     at d <= 64, 64 at d = 128), so each Q_i, dO_i brought into SRAM feeds twice the keys;
+//     first version meant to be right.  FlashAttention-3 (hopper/flash_bwd_launch_template.h
+//     and flash_bwd_kernel_sm90.h, code) runs two or three MMA warpgroups over Bc = 128 keys
+//     (Br = 128 at d = 64; 64 causal or 80 otherwise at d = 128), so each Q_i, dO_i brought into SRAM feeds twice the keys;
 //     the second warp of its producer warpgroup drains dQ from SRAM to HBM, so the consumers
 //     never wait on the reductions; and LSE_i, D_i arrive by TMA from buffers its
 //     preprocessing pass pads (here a producer warp copies them with ordinary loads, so the

@@ -3,9 +3,10 @@
 //
 // bwd_v3.cu's algorithm and structure (read its header first: the products, the transposes that
 // cost nothing, TMA into a ring of stages behind mbarriers, dS^T through SRAM for dQ), with the
-// one change FlashAttention-3's backward makes at head_dim 64 and 128 (Shah, Bikshandi, Zhang,
-// Thakkar, Ramani and Dao, 2024; hopper/tile_size.h and flash_bwd_kernel_sm90.h (code)): a block
-// owns Bc = 128 keys, split between TWO consumer warpgroups of 64 keys each.
+// change of FlashAttention-3's backward tiles at head_dim 64 and 128 (Shah, Bikshandi, Zhang,
+// Thakkar, Ramani and Dao, 2024; hopper/flash_bwd_launch_template.h, code: Bc = 128 over two MMA
+// warpgroups, Br = 128 at d = 64, 64 causal or 80 otherwise at d = 128): a block owns Bc = 128
+// keys, split between TWO consumer warpgroups of 64 keys each.
 //
 // What changes from v3, and why:
 //   * one Q_i / dO_i tile feeds 128 keys instead of 64.  Each consumer warpgroup c (c = 0, 1)

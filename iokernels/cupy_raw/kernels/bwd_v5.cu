@@ -4,8 +4,9 @@
 // bwd_v4.cu's kernel (read its header first: two consumer warpgroups of 64 keys share every Q_i,
 // dO_i tile), with the one change of which block runs which tile.  FlashAttention's Hopper and
 // Blackwell kernels schedule causal tiles longest first, the heads taken in sections whose data
-// fits the L2 cache (SingleTileLPTScheduler in flash_attn/cute/tile_scheduler.py: code); v5 does
-// the same for the backward's blocks.
+// fits the L2 cache (SingleTileLPTScheduler in flash_attn/cute/tile_scheduler.py: code), and its
+// causal backward too (SingleTileBwdLPTScheduler in hopper/tile_scheduler.hpp: code); v5 does the
+// same for this backward's blocks.
 //
 // What changes from v4, and why:
 //   * a block of v4 takes the K/V tile jt = blockIdx.x of the (KV head, batch) pair (blockIdx.y,

@@ -21,7 +21,8 @@
 //     line could sit) and writes O and LSE.  It then sets the counter back to 0, so
 //     the next call needs no memset: the counters are a workspace the launcher keeps one
 //     of per device and stream (cupy_raw/decode.py, _decode_counters).  FUSED=0 keeps v2's structure
-//     (a separate combine launch, the Flash-Decoding paper's two kernels) for comparison.
+//     (a separate combine launch: the split kernel and the combine kernel FlashAttention-2 ships
+//     Flash-Decoding as, flash_fwd_splitkv_combine_kernel) for comparison.
 //     The partial's write and the combine are decode_finish (decode_common.cuh), which
 //     decode_v4.cu and decode_v5.cu end with too.
 //   * NUM_WARPS is a setting (4 or 8 a block): more warps, more bytes in flight a block.

@@ -6,9 +6,10 @@
 // shuffle reductions.  At g = 4 and d = 128 that is about 2 FMAs for every byte of K/V a
 // block reads, a large share of an SM's float32 issue rate when the cache streams at HBM
 // speed: at large batch x length the arithmetic, and not the memory, can set the pace.
-// FlashInfer (Ye et al., 2024 and its 2025 paper) runs GQA decode with groups of 4 and
-// more through its tensor-core (prefill) kernels: the g query rows of a group make the
-// decode a small prefill.  So here
+// FlashInfer (Ye et al., 2024 and its 2025 paper) can run GQA decode through its tensor-core
+// (prefill) kernels (use_tensor_cores, off by default; SGLang turns it on from groups of 4, vLLM
+// above 4: their FlashInfer back ends, code): the g query rows of a group make the decode a
+// small prefill.  So here
 //   * S = scale * Q_g K_j^T and O += P V_j are mma.sync.m16n8k16 products (16-bit in,
 //     float32 accumulators): the g query heads of the group are the rows of the A operand,
 //     padded to 16 rows.  Rows g..15 are zero and their results ignored: the tensor cores

@@ -15,7 +15,8 @@
 //     O's rows by alpha * s_V(j-1) / s_V(j) -- folded into the online softmax's rescale, free --
 //     and the epilogue multiplies by the last s_V.  (A per-channel scale would cost nothing in
 //     the loop either, but would not match the experiment the tests hold this kernel to.)
-//   * P scaled into e4m3's range (paper: FA3 subtracts a max offset of 8 in log2 units): P is in
+//   * P scaled into e4m3's range (FA3's released code subtracts a max offset of 8 in log2 units for
+//     FP8: Max_offset in hopper/softmax.h, set in flash_fwd_kernel_sm90.h): P is in
 //     [0, 1]; P_SCALE (2^8, iokernels.fp8.P_SCALE) maps it to [0, 256], below e4m3's 448, and lifts
 //     probabilities down to 2^-14 out of the subnormals; l sums P before its cast, and the epilogue
 //     divides O by P_SCALE.

@@ -1,6 +1,7 @@
 // fwht.cu -- the randomized fast Walsh-Hadamard transform of rows: y = x D H / sqrt(d).
 //
-// Incoherent processing (FlashAttention-3's FP8 path) multiplies Q and K by one random
+// Incoherent processing (the FlashAttention-3 paper's FP8 method; its released kernel has no
+// transform) multiplies Q and K by one random
 // orthogonal matrix M = D H / sqrt(d) before they are quantized: D = diag(random signs), H the
 // d x d Hadamard matrix.  Exact in real arithmetic (Q M (K M)^T = Q K^T), it spreads an outlier
 // coordinate over all d, so one large value no longer sets a whole block's FP8 scale.  H is
