@@ -10,7 +10,7 @@ through :func:`iokernels.attention` on the chosen backend::
 
     from transformers import LlamaConfig, LlamaForCausalLM
     name = iokernels.hf_attention.register(backend="tiled")
-    model = LlamaForCausalLM(LlamaConfig(...), attn_implementation=name)   # random init, no download
+    model = LlamaForCausalLM(LlamaConfig(..., attn_implementation=name))   # random init, no download
 
 GQA goes to the kernel as it is (no ``repeat_kv``): key and value keep their Hkv heads.
 The mask: the mask function registered with it is transformers' own SDPA one, which

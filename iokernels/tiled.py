@@ -271,8 +271,9 @@ def _fa1_head(Q, K, V, O, Mst, Lst, LSE, ix, sched, Nq, scale, acc, rescale=None
 
     Counted: the initialisation of O, l, m in HBM; per visited tile pair, Q_i read and
     O_i, m_i, l_i read and written back; K_j, V_j read once; and an epilogue that reads
-    m and l and writes LSE = m + log l.  O is kept normalized in HBM in the input dtype,
-    as Algorithm 1 does (so it is rounded to that dtype after every inner step).
+    m and l and writes LSE = m + log l.  O is kept normalized in HBM, as Algorithm 1
+    does, and in the input dtype, this model's choice (Algorithm 1 fixes no dtype; the released
+    FlashAttention-1 kept a float32 buffer), so it is rounded to that dtype after every inner step.
     """
     # visits per K/V tile j: the query tiles (and tile masks) that see it
     by_kv = {}

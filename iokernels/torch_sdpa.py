@@ -14,9 +14,9 @@ name           what it is
 
 and on a CPU between a CPU flash kernel and math.  ``torch.nn.attention.sdpa_kernel``
 restricts the choice; when none of the allowed kernels accepts the inputs (fp32 for
-"flash", an explicit mask for "flash" or "cudnn", ...), the default dispatcher quietly
-takes the next one, usually ending at "math": the most common reason an "optimized"
-attention runs at a tenth of the speed.  :func:`backend_that_ran` names the kernel that
+"flash" and "cudnn", an explicit mask for "flash", ...), the default dispatcher quietly
+takes the next one, down to "math" when no fused kernel accepts them (PyTorch's
+sdp_utils.cpp, code, lists each kernel's constraints).  :func:`backend_that_ran` names the kernel that
 really ran (from the profiler's operator names), :func:`backend_status` tries each one
 forced on its own and reports "ok" or why it is unavailable.
 
@@ -30,7 +30,8 @@ causal bottom-right   SDPA's ``is_causal`` is TOP-LEFT aligned (query i sees key
                       used.  Nq != Nk: ``torch.nn.attention.bias.causal_lower_right``
                       (or an explicit mask when some rows see no key at all).
 window (left, right)  an explicit boolean mask from :func:`conventions.mask` (flash
-                      and cudnn do not take arbitrary masks: they are skipped)
+                      takes no mask and is skipped; efficient and cudnn take one, cudnn
+                      only of the shapes sdp_utils.cpp's check_attn_mask_shape allows)
 GQA                   ``enable_gqa=True`` (query head h reads kv head h // g)
 fully masked row      output 0 and LSE -inf, whatever torch does (older versions
                       give NaN on the math path): such rows are given a harmless

@@ -164,7 +164,7 @@ def test_registered_kernel_matches_the_oracle(backend, op, version, rng):
             assert np.all(np.isneginf(np.asarray(testing.as_numpy(lse))[2]))
         elif op in ("paged_decode", "paged_gather"):
             if dtype == "bfloat16" and backend == "numba":
-                continue                                   # Numba has no bfloat16 arithmetic
+                continue                                   # the Numba kernels take no bfloat16
             cache = ik.PagedKVCache(24, block_size=4, num_kv_heads=sz["heads_kv"], head_dim=sz["head_dim"],
                                     dtype=testing.numpy_dtype(dtype))
             sids = [cache.new_sequence() for _ in range(3)]
@@ -196,7 +196,7 @@ def test_registered_kernel_matches_the_oracle(backend, op, version, rng):
                                  name=f"{backend} {version} paged decode {dtype}")
         elif op == "paged_prefill":
             if dtype == "bfloat16" and backend == "numba":
-                continue                                   # Numba has no bfloat16 arithmetic
+                continue                                   # the Numba kernels take no bfloat16
             _check_paged_prefill(backend, version, dtype, sz, rng)
         elif op == "attention_backward":
             cfg = _run_or_skip(backend, op, version, dict(q=q, k=k, v=v))

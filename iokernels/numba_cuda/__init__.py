@@ -84,7 +84,7 @@ pools :func:`paged_decode_pools`, :func:`gather_pools`.  They take NumPy arrays 
 and out), Numba device arrays, CuPy arrays or torch CUDA tensors (no copy, launched on the
 caller's stream, outputs from the caller's allocator) and return the kind given.  float16,
 float32 and float64 inputs, accumulation in float32 (float64 for float64); bfloat16 is
-refused with a ValueError (Numba has no bfloat16 arithmetic type; the CuPy backend runs it).
+refused with a ValueError (these Numba kernels are written for float16/32/64 only; the CuPy backend runs bfloat16).
 
 Host cost of a call.  A call costs Python time on the host before its kernels run, more
 than the CuPy backend's (the benchmark's ``host_ms`` measures it), and most of it is not

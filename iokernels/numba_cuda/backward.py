@@ -240,7 +240,8 @@ def need(q, k=None, v=None) -> Need:
 
 def check(n: Need) -> str | None:
     if n.dtype not in BACKWARD_DTYPES:
-        return f"{n.dtype} is not supported (Numba has no bfloat16 arithmetic; use float16 or float32)"
+        return (f"{n.dtype} is not supported (the Numba kernels are written for float16/32/64 only; "
+                "use float16 or float32)")
     return None
 
 

@@ -13,8 +13,8 @@ loop comes with an ``fma.rm``, a ``cvt.sat``, a shift and a negation).  v5 keeps
 in log2 units instead: Q is multiplied by scale * log2 e once, when a split loads it, so a
 score is s * log2 e and every exponential of the loop is ``math.exp2(s2 - m2)``, which
 lowers to the SFU's instruction with no argument reduction (tests/test_numba_ptx.py reads
-both loops).  FlashAttention-2 does the same (code: the ``scale_softmax_log2`` parameter and
-``scale_apply_exp2`` in csrc/flash_attn/src/softmax.h of the FlashAttention repository).
+both loops).  FlashAttention-2 does the same (code: the ``scale_softmax_log2`` field of its
+parameters in csrc/flash_attn/src/flash.h, and ``scale_apply_exp2`` in softmax.h beside it).
 At g = 4 a step of KPI = 4 keys takes 20 exponentials a lane (16 probabilities and 4
 rescales): at d = 128 float16 the step loop's PTX loses about a fifth of its instructions
 (moves aside; the test holds v5 under nine tenths of v4's).  v4's docstring says why

@@ -52,7 +52,8 @@ The versions (``ForwardConfig(version=...)``; each changes one thing from the on
 
 v3 and v4 add a tile's probabilities up apart (``l_j``) and add that into the row sum l once
 per K/V tile: N/Bc sequential float32 additions into l instead of N/4 keep the LSE within
-the 2x rule at long N, which is how FlashAttention sums too (a tile's row sum, then l).
+the 2x rule at long N, which is how the FlashAttention papers' Algorithm 1 writes it (a tile's row
+sum, then l; FlashAttention-2's kernel adds each element into a thread's running sum).
 
 The simulator (no GPU) has no warp shuffles: there v3's lane sum goes through shared
 memory and ``syncthreads`` (:func:`.device.make_lane_sum`); the arithmetic is the same, the

@@ -61,7 +61,8 @@ def check_dtype(x, name: str) -> str:
     from ..core import conventions as cv
     dt = cv.dtype_name(x)
     if dt not in NUMBA_DTYPES:
-        why = " (Numba has no bfloat16 arithmetic type; the CuPy backend runs bfloat16)" if dt == "bfloat16" else ""
+        why = (" (these Numba kernels are written for float16/32/64 only; the CuPy backend runs bfloat16)"
+               if dt == "bfloat16" else "")
         raise ValueError(f"{name}: the numba backend supports {', '.join(NUMBA_DTYPES)}; got {dt}{why}")
     return dt
 

@@ -5,7 +5,8 @@ Read this next to :func:`iokernels.paged_prefill.paged_prefill_tiled`: its three
 loop inside one thread block.
 
 * grid ``(max Q tiles of a chunk, sequences, KV heads)``, as FlashAttention-2's varlen
-  kernels launch (code, Dao-AILab/flash-attention ``flash_fwd_launch_template.h``): thread
+  kernels launch but by KV head, the group packed, where theirs go by query head (code,
+  Dao-AILab/flash-attention ``flash_fwd_launch_template.h``): thread
   block (x, b, h) reads sequence b's offsets from ``cu_seqlens_q`` and its length on the
   device, and exits when its chunk has fewer than x + 1 tiles.  The host sizes the grid by
   the longest chunk and loops over no sequence.

@@ -22,7 +22,7 @@ attention_    v1 (the one version: FlashAttention-2's backward, atomic or determ
 backward
 ============  =======================================================================
 
-Every version refuses bfloat16 (Numba has no bfloat16 arithmetic type; the CuPy backend
+Every version refuses bfloat16 (these kernels are written for float16/32/64 only; the CuPy backend
 runs it) and says so.  The module-level :func:`attention`, :func:`decode`,
 :func:`paged_decode`, :func:`paged_decode_pools`, :func:`paged_prefill`, :func:`paged_gather` and
 :func:`gather_pools` resolve the config through the registry and launch.
@@ -92,7 +92,7 @@ def need(op: str, q=None, k=None, v=None, cache=None, *, causal=False, window=No
 # --------------------------------------------------------------------------- checks
 def _dtype_reason(n: Need) -> str | None:
     if n.dtype == "bfloat16":
-        return "Numba has no bfloat16 arithmetic type (the CuPy backend runs bfloat16)"
+        return "the Numba kernels are written for float16/32/64 only (the CuPy backend runs bfloat16)"
     if n.dtype not in NUMBA_DTYPES:
         return f"dtype {n.dtype} is not one of {', '.join(NUMBA_DTYPES)}"
     if n.head_dim < 1:

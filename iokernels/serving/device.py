@@ -30,7 +30,7 @@ The attention ``backend``:
 * ``"cupy"``: the CuPy kernels reading the pools in place, looked up by name when the
   memory is made (a clear error where they are not there), split as vLLM splits a step's
   attention metadata (``prefill_metadata`` and ``decode_metadata`` in
-  vllm/attention/backends/flash_attn.py; code) and as FlashInfer offers
+  vllm/attention/backends/flash_attn.py of vLLM's V0 engine, since removed; code) and as FlashInfer offers
   ``BatchDecodeWithPagedKVCacheWrapper`` beside ``BatchPrefillWithPagedKVCacheWrapper``
   (docs): the step's one-query chunks go to the paged decode,
   ``iokernels.cupy_raw.calls.paged_decode_pools``, in one call, and its longer chunks to the

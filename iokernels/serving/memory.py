@@ -53,8 +53,8 @@ class PagedMemory:
     ``WATERMARK``: the fraction of the blocks a new request may not take while others run, so
     that the running sequences have blocks to grow into; vLLM's block manager keeps the same
     1% ("to avoid frequent cache eviction": ``watermark`` in ``can_allocate``,
-    vllm/core/block_manager.py; code).  Without it a burst of arrivals fills the pool with
-    prompts, and the next steps preempt sequences to make room for the others' tokens.
+    vllm/core/block_manager.py of vLLM's V0 engine, since removed; code).  Without it a burst of
+    arrivals fills the pool with prompts, and the next steps preempt sequences to make room for the others' tokens.
     """
 
     kind = "paged"

@@ -16,8 +16,8 @@ default for the call, chosen by :data:`iokernels.triton_backend.REGISTRY`), with
 ``replace(**changes)``; a bad explicit value raises a ValueError naming ``config.<field>``.
 
 Triton's ``tl.arange`` takes power-of-two lengths only (its check in
-triton/language/semantic.py; code), and a 16-bit tensor-core product works on tiles whose
-sides are multiples of 16 (the m16n8k16 shape of ``mma``; NVIDIA's PTX ISA; docs), so every
+triton/language/semantic.py; code), and a 16-bit ``tl.dot`` takes K >= 16 (its
+backends/nvidia/compiler.py, min_dot_size; code; Triton before 3.5 also asked M, N >= 16), so every
 tile side here is a power of two >= 16, and the head dim is padded up to one
 (:func:`padded_head_dim`; the padded columns are masked on load and store).
 """
@@ -79,7 +79,7 @@ DECODE_BLOCK_N = 32
 INTERPRET_DECODE_BLOCK_N = 16
 #: decode, per version: the programs the split count fills on every multiprocessor, and the
 #: software pipeline's depth (None: Triton's default).  v1 takes FlashAttention-2's occupancy
-#: rule as it is (one wave of one program a multiprocessor); v2 asks it for four programs a
+#: rule with one program a multiprocessor (FlashAttention-2 counts two of its blocks); v2 asks it for four programs a
 #: multiprocessor with a two-stage pipeline, the fastest row of the tuning sweep over the
 #: serving shapes (iokernels.bench.sweeps_triton)
 DECODE_DEPTH = {"v1": (1, None), "v2": (4, 2)}

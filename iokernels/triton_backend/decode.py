@@ -7,9 +7,9 @@ under the interpreter), over the longest visible run of keys; a split count abov
 keys fill leaves trailing splits empty, and the merge weighs them 0.
 
 The versions run one kernel (:mod:`.decode_v1`) and differ in how deep they fill the GPU
-(:data:`.config.DECODE_DEPTH`).  v1 asks the rule for about one wave of one program a
-multiprocessor, the rule as FlashAttention's ``num_splits_heuristic`` has it (flash_api.cpp,
-code).  v2's idea: a decode is bound by
+(:data:`.config.DECODE_DEPTH`).  v1 asks the rule, FlashAttention's ``num_splits_heuristic``
+(flash_api.cpp, code), for one program a multiprocessor where FlashAttention-2 counts two of its
+128-thread blocks.  v2's idea: a decode is bound by
 memory traffic, and one program of four warps a multiprocessor keeps too few loads in flight
 to stream at the memory's speed (Little's law: bytes in flight = bandwidth x latency; Volkov,
 "Understanding Latency Hiding on GPUs", 2016, PhD thesis), so v2 asks the rule for four

@@ -3,7 +3,8 @@
 The one idea: one new query token per sequence is too little work for one program per
 (sequence, head), so the keys are split too (Flash-Decoding; Dao et al., 2023, blog post),
 and the g = Hq / Hkv query heads that read the same KV head share one program: their g
-rows of Q form the Q tile (padded to the 16 rows ``tl.dot`` needs), so each K/V tile read
+rows of Q form the Q tile (padded to 16 rows, the smallest M ``tl.dot`` took on NVIDIA GPUs before
+Triton 3.5, which asks only K >= 16: its backends/nvidia/compiler.py, min_dot_size, code), so each K/V tile read
 from memory serves all g heads (GQA packed).
 
 Kernels:
