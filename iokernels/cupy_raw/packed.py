@@ -51,6 +51,17 @@ def kept(cache, key, build, cap: int):
     return hit
 
 
+def kept_until_full(cache: dict, key, build, cap: int):
+    """``cache[key]``, made by ``build()`` on a miss; a miss on a full cache (``cap`` entries)
+    empties it first (a plan launches few shapes: a hit costs one lookup, no bookkeeping)."""
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) >= cap:
+            cache.clear()
+        hit = cache[key] = build()
+    return hit
+
+
 def slots_of(args: tuple, ids) -> list[int] | None:
     """Where the placeholders ``placeholder(j)`` (j in ``ids``) sit in ``args``; None where one
     of them is missing."""

@@ -60,7 +60,7 @@ from .decode import (_check_cache, _check_decode_q, _host, _visible, _window_lef
 from . import decode_config as DC
 from .decode_launch import combine_launch, launch_combine, num_splits_for, pack, split_dynamic, split_static
 from .launch import contiguous, cupy, device_info, unit_rows
-from .packed import ArgBuffer, function_ptr, kept, placeholder, slots_of
+from .packed import ArgBuffer, function_ptr, kept, kept_until_full, placeholder, slots_of
 from .registry import REGISTRY, need
 
 #: plans :data:`PLANS` keeps; the least recently used goes first
@@ -443,13 +443,7 @@ class DecodePlan:
             return (ArgBuffer.of(args, where) if where is not None else None) or False
         if self.mapped:
             return kept(self._mapped_buffers, (stream, S, smem, table, parts, *qkv[:3]), build, MAPPED_KEPT)
-        key = (stream, S, smem, table, parts)
-        buf = self._buffers.get(key)
-        if buf is None:
-            if len(self._buffers) >= PLAN_LAUNCHES_KEPT:
-                self._buffers.clear()
-            buf = self._buffers[key] = build()
-        return buf
+        return kept_until_full(self._buffers, (stream, S, smem, table, parts), build, PLAN_LAUNCHES_KEPT)
 
     def run(self, q, k, v, seq_lens=None, *, check: bool = True):
         """Launch on the caller's current stream; (O, LSE) of q's kind."""
@@ -507,19 +501,16 @@ class DecodePlan:
                     launch_combine(self.st, S, o_part, lse_part, np.uint64(ptrs[3]), np.uint64(ptrs[4]))
 
     def _combine(self, stream: int, S: int):
-        """(packed arguments, kernel, grid, block) of decode.cu's combine of ``S`` splits on
-        ``stream`` over that stream's workspace, O's and LSE's pointers its slots; False where
-        the arguments do not pack."""
+        """(packed arguments, kernel, grid, block) of the separate combine of ``S`` splits on
+        ``stream`` (the config's: decode.cu's or decode_combine.cu's) over that stream's workspace,
+        O's and LSE's pointers its slots; False where the arguments do not pack."""
         parts = self._workspace(stream, S)
-        key = ("combine", stream, S, parts)
-        got = self._buffers.get(key)
-        if got is None:
-            if len(self._buffers) >= PLAN_LAUNCHES_KEPT:
-                self._buffers.clear()
+
+        def build():
             fn, grid, block, args = combine_launch(self.st, S, parts[0], parts[1], placeholder(0), placeholder(1))
             buf = ArgBuffer.of(args, slots_of(args, (0, 1)))
-            got = self._buffers[key] = (buf, function_ptr(fn), grid, block) if buf is not None else False
-        return got
+            return (buf, function_ptr(fn), grid, block) if buf is not None else False
+        return kept_until_full(self._buffers, ("combine", stream, S, parts), build, PLAN_LAUNCHES_KEPT)
 
 
 def _split_parts(parts: tuple) -> tuple:
