@@ -25,6 +25,7 @@
 # SWEEP="decode --shapes short --splits 1,2,4" adds a tuning sweep of iokernels.bench.sweeps_cupy after
 # the bench (its rows in logs.tar.gz: sweep.json, sweep.log; T_SWEEP its box, default 90 s);
 # SWEEP="triton --shapes b8n32768" the Triton decode sweep (iokernels.bench.sweeps_triton) instead.
+# SWEEP2 (box T_SWEEP2) a second sweep of either kind after the first, into sweep2.json.
 # Stages can be left out when a lease is short and an earlier run of the same tree has
 # their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
@@ -169,19 +170,22 @@ fi
 # SWEEP="decode --shapes short --only v4,v6 --splits 1,2,4" runs iokernels.bench.sweeps_cupy with
 # those arguments after the bench (alone on the GPU: it times things), in a box of T_SWEEP
 # seconds (default 90); its JSON goes into logs.tar.gz as sweep.json, its rows to sweep.log
-if [ -n "${SWEEP:-}" ]; then
-  T_SW=$(left ${T_SWEEP:-90})
-  note "sweep (limit ${T_SW}s): $SWEEP"
-  set -- $SWEEP
+# SWEEP2 (box T_SWEEP2) a second sweep after it, into sweep2.json / sweep2.log
+run_sweep() {                                   # run_sweep SPEC BOX STEM
+  local spec=$1 box=$2 stem=$3 name
+  note "sweep (limit ${box}s): $spec"
+  set -- $spec
   name=$1; shift
   if [ "$name" = triton ]; then                 # SWEEP="triton --shapes b8n32768": iokernels.bench.sweeps_triton
-    timeout --kill-after=5 $T_SW $PY -m iokernels.bench.sweeps_triton "$LOGS/sweep.json" "$@" > "$LOGS/sweep.log" 2>&1
+    timeout --kill-after=5 $box $PY -m iokernels.bench.sweeps_triton "$LOGS/$stem.json" "$@" > "$LOGS/$stem.log" 2>&1
   else
-    timeout --kill-after=5 $T_SW $PY -m iokernels.bench.sweeps_cupy "$name" "$LOGS/sweep.json" "$@" \
-      > "$LOGS/sweep.log" 2>&1
+    timeout --kill-after=5 $box $PY -m iokernels.bench.sweeps_cupy "$name" "$LOGS/$stem.json" "$@" \
+      > "$LOGS/$stem.log" 2>&1
   fi
-  note "sweep exit $?"
-fi
+  note "$stem exit $?"
+}
+[ -n "${SWEEP:-}" ] && run_sweep "$SWEEP" "$(left ${T_SWEEP:-90})" sweep
+[ -n "${SWEEP2:-}" ] && run_sweep "$SWEEP2" "$(left ${T_SWEEP2:-90})" sweep2
 
 # ---------------------------------------------------------------- 3 + 4. traffic and checks, in parallel
 # The device lease is short, so the profiler shares the GPU with the sanitized runs, whose
