@@ -25,7 +25,8 @@
 # SWEEP="decode --shapes short --splits 1,2,4" adds a tuning sweep of iokernels.bench.sweeps_cupy after
 # the bench (its rows in logs.tar.gz: sweep.json, sweep.log; T_SWEEP its box, default 90 s);
 # SWEEP="triton --shapes b8n32768" the Triton decode sweep (iokernels.bench.sweeps_triton) instead.
-# SWEEP2 (box T_SWEEP2) a second sweep of either kind after the first, into sweep2.json.
+# SWEEP=numba_fwd (or numba_decode) the Numba sweep of iokernels.bench.sweeps_numba (into sweep_numba_fwd.jsonl).
+# SWEEP2 (box T_SWEEP2) a second sweep of any kind after the first, into sweep2.json.
 # Stages can be left out when a lease is short and an earlier run of the same tree has
 # their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
@@ -178,6 +179,8 @@ run_sweep() {                                   # run_sweep SPEC BOX STEM
   name=$1; shift
   if [ "$name" = triton ]; then                 # SWEEP="triton --shapes b8n32768": iokernels.bench.sweeps_triton
     timeout --kill-after=5 $box $PY -m iokernels.bench.sweeps_triton "$LOGS/$stem.json" "$@" > "$LOGS/$stem.log" 2>&1
+  elif [ "$name" = numba_fwd ] || [ "$name" = numba_decode ]; then   # SWEEP=numba_fwd: scripts/gpu_sweep.py's
+    timeout --kill-after=5 $box $PY scripts/gpu_sweep.py "$LOGS" $name > "$LOGS/$stem.log" 2>&1   # sweep_<name>.jsonl
   else
     timeout --kill-after=5 $box $PY -m iokernels.bench.sweeps_cupy "$name" "$LOGS/$stem.json" "$@" \
       > "$LOGS/$stem.log" 2>&1

@@ -51,7 +51,8 @@ def _check_slices(q, k, v, o, lse, causal, window, slices):
         bo, bl = _ref_slice(q, k, v, b, h, causal, window, scale, dt)
         name = str(dt).replace("torch.", "")
         testing.assert_close(o[b, h], ro.cpu().numpy(), bo.to(dt), dtype=name)
-        testing.assert_close(lse[b, h], rl.cpu().numpy(), bl.float(), dtype="float32", name="lse")
+        acc = "float64" if name == "float64" else "float32"          # the LSE's accumulator dtype
+        testing.assert_close(lse[b, h], rl.cpu().numpy(), bl.to(getattr(torch, acc)), dtype=acc, name="lse")
 
 
 @pytest.mark.parametrize("version,B,H,Hkv,N,d,dtype,causal,window", [
@@ -62,6 +63,11 @@ def _check_slices(q, k, v, o, lse, causal, window, slices):
     ("v5", 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
     ("v5", 2, 8, 2, 2049, 256, "float32", False, None),
     ("v5", 1, 4, 4, 1031, 59, "float32", True, None),
+    ("v6", 8, 16, 16, 8192, 128, "float32", True, None),
+    ("v6", 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
+    ("v6", 2, 8, 2, 2049, 256, "float32", False, None),
+    ("v6", 1, 4, 4, 1031, 59, "float32", True, None),
+    ("v6", 1, 4, 2, 1031, 64, "float64", False, None),
     ("v3", 4, 32, 8, 8192, 64, "float16", False, None),
     ("v3", 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
     ("v2", 2, 8, 8, 4096, 128, "float32", False, (1000, 1000)),
@@ -79,7 +85,8 @@ def test_forward_real_sizes(version, B, H, Hkv, N, d, dtype, causal, window):
     v = torch.randn((B, Hkv, N, d), device="cuda", generator=g).to(tdt)
     o, lse = ik.attention(q, k, v, causal=causal, window=window, backend="numba",
                           config=ForwardConfig(version=version), return_lse=True)
-    assert isinstance(o, torch.Tensor) and o.dtype == tdt and lse.dtype == torch.float32
+    assert isinstance(o, torch.Tensor) and o.dtype == tdt
+    assert lse.dtype == (torch.float64 if dtype == "float64" else torch.float32)
     _check_slices(q, k, v, o, lse, causal, window, [(0, 0), (B - 1, H - 1)])
 
 

@@ -31,7 +31,8 @@ plan = {
                (((9, 0),), ("float16",), (128,), None),
                (((9, 0),), ("float32",), (59,), "v3"),
                (((9, 0),), ("float16",), (59,), "decode_v2")],        # v2's one-element-a-word path
-    "float64": [(((9, 0),), ("float64",), (59,), "decode_v2")],       # decode v2's element path
+    "float64": [(((9, 0),), ("float64",), (59,), "decode_v2"),        # decode v2's element path
+                (((9, 0),), ("float64",), (128,), "fwd_v[56]")],      # forward v5/v6's 8-byte values
 }
 out = {name: {} for name in plan}
 for name, calls in plan.items():
@@ -303,6 +304,17 @@ def test_loop_local_accesses_finds_a_spilled_loop():
              "\tst.local.f32 [%rd4], %f1;")
     spilled = clean.replace("[%rd3];", "[%rd3];\n\tst.local.u64 [%rd5], %rd1;")
     assert loop_local_accesses(clean) == 0 and loop_local_accesses(spilled) == 1
+
+
+def test_forward_v6_reads_shared_memory_16_bytes_a_load(reports):
+    """v6's products read Q_i, K_j and V_j by 16-byte vector loads (ld.shared.v4.f32, float64's
+    v2.f64), where v5 reads 4 bytes a load; its blocks stay in registers like v5's."""
+    for dtype in ("float32", "float16", "float64"):
+        report = reports["float64" if dtype == "float64" else "report"]
+        r5, r6 = report[f"fwd_v5_d128/{dtype}/sm_90"], report[f"fwd_v6_d128/{dtype}/sm_90"]
+        assert r5["ld_shared_16B"] == 0 and r5["ld_shared_f"] > 0, r5
+        assert r6["ld_shared_16B"] > 0 and r6["ld_shared_f"] == 0, r6
+        assert r6["local"] == 0 and r6["shfl"] > 0 and bool(r6["f64"]) == (dtype == "float64"), r6
 
 
 def test_forward_v5_keeps_its_blocks_in_registers(report):

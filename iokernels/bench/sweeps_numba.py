@@ -55,6 +55,10 @@ FORWARD = Sweep("forward", dict(B=8, H=16, N=4096, d=128), dict(B=1, H=1, N=24, 
     ("numba v5 Br32 Bc32", *_fwd("v5", block_q=32, block_k=32)),
     ("numba v5 Br64 Bc16", *_fwd("v5", block_q=64, block_k=16)),
     ("numba v5 TM2", *_fwd("v5", rows_per_thread=2)),
+    ("numba v6", *_fwd("v6")),
+    ("numba v6 Br32 Bc32", *_fwd("v6", block_q=32, block_k=32)),
+    ("numba v6 Br64 Bc16", *_fwd("v6", block_q=64, block_k=16)),
+    ("numba v6 TM2", *_fwd("v6", rows_per_thread=2)),
 ))
 
 #: decode float16, GQA 32/8, d=128, B=1, N=32768 (contiguous, and paged with a random block

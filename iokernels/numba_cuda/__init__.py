@@ -11,6 +11,7 @@ config         ForwardConfig, DecodeConfig, GatherConfig: what a caller may choo
 registry       REGISTRY (every (op, version)), ``need``, the dispatching functions
 forward        FlashAttention forward v1-v4
 forward_v5     forward v5 (register tiling as a GEMM does it)
+forward_v6     forward v6 (v5 with 16-byte shared-memory loads)
 decode         Flash-Decoding split kernels v1, v2, the combine, the decode launchers
 decode_v3      split kernel v3
 decode_v4      split kernel v4 (16-byte loads)
@@ -46,6 +47,9 @@ attention             v5       numba_cuda/forward_v5.py     0     register tilin
                                                                   thread a TM x TN block of S and a TM-row
                                                                   block of O, Q_i and K_j/V_j in shared
                                                                   memory, no lane sums
+attention             v6       numba_cuda/forward_v6.py     0     v5 with 16-byte shared-memory loads: W = 4
+                                                                  float32 values a load along the head dim,
+                                                                  rows padded by one 16-byte bank group
 attention_backward    v1       numba_cuda/backward.py       1     FlashAttention-2's backward: K/V tile per
                                                                   block, dK/dV in registers over the GQA
                                                                   group, P recomputed from LSE, dQ by atomics

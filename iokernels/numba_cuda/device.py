@@ -13,6 +13,8 @@ make_code_unpack             a quantized cache's 1-byte codes (int8, float8 e4m3
                              bit from the same words (decode v3)
 make_flat_access             loads/stores through a flat array's data pointer, with no
                              negative-index wraparound code (decode v3, gather v3)
+make_vector_load             16 bytes of a shared array (4 float32, 2 float64) by one vector load
+                             into a local array (forward v6)
 make_group_merge             the in-block merge of the key groups' (m, l, O) states through
                              shared memory, then O_s, LSE_s (or O, LSE) written to HBM (decode
                              v1/v2/v3: one log-sum-exp merge, the combine kernel's)
@@ -261,6 +263,55 @@ def _st(typingctx, ary, idx, val):
         builder.store(args[2], builder.gep(a.data, [i]))
         return context.get_dummy_value()
     return sig, codegen
+
+
+def _vector_copy(width: int):
+    """An intrinsic ``copy(dst, di, src, si)``: ``src.ravel()[si:si + width]`` by ONE vector load
+    (``ld.v2`` / ``ld.v4``: 16 bytes; in shared memory LDS.128) into ``dst.ravel()[di:di + width]``
+    (a local array: registers once NVVM has unrolled the caller's loops).  The caller promises
+    that ``src``'s element ``si`` sits at a multiple of ``width`` elements from a 16-byte aligned
+    base (a shared array declared with ``alignment=16``)."""
+    @intrinsic
+    def copy(typingctx, dst, di, src, si):
+        from llvmlite import ir
+        from numba.core import types
+        sig = types.void(dst, di, src, si)
+
+        def codegen(context, builder, signature, args):
+            d = context.make_array(signature.args[0])(context, builder, args[0])
+            a = context.make_array(signature.args[2])(context, builder, args[2])
+            wide = [builder.sext(x, ir.IntType(64)) if x.type.width < 64 else x for x in (args[1], args[3])]
+            elem = context.get_value_type(signature.args[2].dtype)
+            vec = ir.VectorType(elem, width)
+            v = builder.load(builder.bitcast(builder.gep(a.data, [wide[1]]), vec.as_pointer()),
+                             align=width * elem.get_abi_size(context.target_data))
+            for j in range(width):
+                builder.store(builder.extract_element(v, ir.Constant(ir.IntType(32), j)),
+                              builder.gep(d.data, [builder.add(wide[0], ir.Constant(ir.IntType(64), j))]))
+            return context.get_dummy_value()
+        return sig, codegen
+    return copy
+
+
+_VECTOR_COPY = {2: _vector_copy(2), 4: _vector_copy(4)}
+
+
+def make_vector_load(simulated: bool, width: int):
+    """``load(dst, di, src, si)``: ``width`` values of the flat array ``src`` from ``si`` into the
+    local array ``dst`` from ``di``, one 16-byte load on a GPU (:func:`_vector_copy`: ``width`` =
+    16 / itemsize, 4 float32 or 2 float64), ``width`` element reads on the simulator."""
+    if simulated:
+        @cuda.jit(device=True)
+        def load_sim(dst, di, src, si):
+            for j in range(width):
+                dst[di + j] = src[si + j]
+        return load_sim
+    copy = _VECTOR_COPY[width]
+
+    @cuda.jit(device=True)
+    def load_gpu(dst, di, src, si):
+        copy(dst, di, src, si)
+    return load_gpu
 
 
 def make_flat_access(simulated: bool):

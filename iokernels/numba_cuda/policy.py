@@ -12,6 +12,8 @@ even_tile_splits        a split count that deals every split the same number of 
 numba_decode_splits     the decode's ``num_splits=None`` split count (occupancy, then even)
 forward_v5_tiles        forward v5's (Br, Bc): the largest that hold Q_i and a K/V tile
 forward_v5_row          forward v5's padded row of its shared tiles
+forward_v6_tiles        forward v6's (Br, Bc): v5's rule with v6's rows
+forward_v6_row          forward v6's padded row (16-byte chunks, one bank group a row)
 ======================  ===============================================================
 
 Which keys a split owns is not a size but a contract every backend shares:
@@ -112,13 +114,44 @@ def forward_v5_tiles(head_dim: int, itemsize: int, limit: int, lanes: int, rows_
     ``lanes``, whose Q_i and one K/V tile, rows of :func:`forward_v5_row` values of
     ``itemsize`` bytes, fit ``limit`` bytes of shared memory; the smallest candidate when none fits (the
     config's check then says why)."""
+    return _q_and_tile(forward_v5_row(head_dim, lanes) * itemsize, limit, lanes, rows_per_thread)
+
+
+def _q_and_tile(row_bytes: int, limit: int, lanes: int, rows_per_thread: int) -> tuple:
+    """The first (Br, Bc) of FORWARD_V5_ROWS x FORWARD_V5_KEYS (Br a multiple of
+    ``rows_per_thread``, Bc of ``lanes``) whose Br + Bc rows of ``row_bytes`` fit ``limit``."""
     rows = [br for br in FORWARD_V5_ROWS if br % rows_per_thread == 0] or [rows_per_thread]
     keys = [bc for bc in FORWARD_V5_KEYS if bc % lanes == 0] or [lanes]
     for br in rows:
         for bc in keys:
-            if (br + bc) * forward_v5_row(head_dim, lanes) * itemsize <= limit:
+            if (br + bc) * row_bytes <= limit:
                 return br, bc
     return rows[-1], keys[-1]
+
+
+def vector_width(itemsize: int) -> int:
+    """Values of ``itemsize`` bytes one 16-byte load carries (forward v6): 4 float32, 2 float64."""
+    return 16 // itemsize
+
+
+def forward_v6_row(head_dim: int, lanes: int, itemsize: int) -> int:
+    """Values a row of forward v6's shared tiles holds: at least the dims its 16-byte loads
+    cover (head_dim, and lanes x whole chunks of :func:`vector_width` values for the O block),
+    a multiple of 16 bytes, padded so that the row is 16 bytes more than a multiple of 128:
+    the 8 lanes of one 16-byte load's phase read 8 rows at the same dims, and row r then starts
+    in bank group r mod 8 (conflict-free)."""
+    w = vector_width(itemsize)
+    need = max(-(-head_dim // w) * w, lanes * w * -(-head_dim // (lanes * w)))
+    row = -(-need // w) * w
+    while (row * itemsize) % 128 != 16:
+        row += w
+    return row
+
+
+def forward_v6_tiles(head_dim: int, itemsize: int, limit: int, lanes: int, rows_per_thread: int) -> tuple:
+    """(Br, Bc) of forward v6: v5's rule (:func:`forward_v5_tiles`) with v6's rows
+    (:func:`forward_v6_row`)."""
+    return _q_and_tile(forward_v6_row(head_dim, lanes, itemsize) * itemsize, limit, lanes, rows_per_thread)
 
 
 # --------------------------------------------------------------------------- versions held back
