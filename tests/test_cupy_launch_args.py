@@ -81,9 +81,9 @@ for dt in ("float32", "float16", "bfloat16", "float64"):
             if kern is not None and kern.unavailable(cr.need("decode", q=q, k=k, v=v)) is not None:
                 continue
             fusable = kern is not None and kern.version in ("v3", "v4", "v5", "v6")
-            extras = ({}, {"fused": False}, {"fused": False, "combine": "parallel"}) if fusable else ({},)
+            extras = ({}, {"fused": False}, {"fused": False, "combine": "serial"}) if fusable else ({},)
             if kern is not None and kern.version == "v1":
-                extras = ({}, {"combine": "parallel"})
+                extras = ({}, {"combine": "serial"})
             for extra in extras:
                 cfg = None if kern is None else cr.DecodeConfig(kern.version, **extra)
                 for splits in (1, 5):
@@ -365,15 +365,19 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     assert tuple(_defines(dec)[k] for k in ("NUM_WARPS", "STAGES", "TILE_ROWS", "FUSED")) == ("8", "3", "16", "1")
     assert [L["name"] for L in launches["decode None {} bfloat16 128 5"]] == ["decode_split_v4"]
     assert [L["name"] for L in launches["decode v4 {'fused': False} float16 128 5"]] == ["decode_split_v4",
-                                                                                         "decode_combine"]
+                                                                                         "decode_combine_parallel"]
     assert _one(launches, "decode None {} float32 128 5", "decode_split_v3")     # v4 is 16-bit only
     assert _one(launches, "decode None {} float16 59 5", "decode_split")      # rows not 16-byte chunks: v1
-    assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine"]
-    # combine="parallel": decode_combine.cu's kernel in the separate combine's place, a thread a column
-    for label in ("decode v1 {'combine': 'parallel'} float16 59 5",
-                  "decode v4 {'fused': False, 'combine': 'parallel'} bfloat16 128 5"):
+    assert [L["name"] for L in launches["decode v1 {} float16 59 5"]] == ["decode_split", "decode_combine_parallel"]
+    # the default separate combine is decode_combine.cu's (a thread a column); combine="serial" runs
+    # decode.cu's in its place, with the same arguments
+    for label in ("decode v1 {} float16 59 5", "decode v4 {'fused': False} bfloat16 128 5"):
         split, comb = launches[label]
+        serial = launches[label.replace("{}", "{'combine': 'serial'}").replace("{'fused': False}",
+                                                                             "{'fused': False, 'combine': 'serial'}")]
         assert comb["name"] == "decode_combine_parallel" and split["name"] != comb["name"], label
+        assert [L["name"] for L in serial] == [split["name"], "decode_combine"], label
+        assert serial[1]["args"] == comb["args"] and serial[1]["grid"] == comb["grid"], label
         d = int(_defines(comb)["HEAD_DIM"])
         assert int(_defines(comb)["COMBINE_THREADS"]) == comb["block"][0] == -(-d // 32) * 32, label
         assert comb["grid"] == [3 * 8], label                            # a block a query row
@@ -395,7 +399,7 @@ def test_defaults_stay_at_the_tuned_shapes(launches):
     nk_at = v7["ints"].index(301)                        # nk, heads_q, heads_kv (the slices), ...
     assert v7["ints"][nk_at:nk_at + 3] == [301, 32, 2], v7["ints"]
     assert [L["name"] for L in launches["decode mqa v7 unfused float32 128"]] == ["decode_split_v7",
-                                                                                 "decode_combine"]
+                                                                                 "decode_combine_parallel"]
     # a quantized cache: v5 by default (codes as float16 mma operands), 8 warps x 3 stages x 32 keys
     quant = _defines(_one(launches, "quant paged_decode None float8_e4m3fn block float16 128 3", "decode_split_v5"))
     assert tuple(quant[k] for k in ("KV_QUANT", "NUM_WARPS", "STAGES", "TILE_ROWS")) == ("2", "8", "3", "32")
@@ -577,7 +581,7 @@ def test_decode_v8_launch_geometry(launches):
                 df = _defines(L)
                 assert (int(df["BLOCK_N"]), L["block"][0]) == (bn, threads), label
                 assert L["grid"][1:] == [2, 3] and (splits is None or L["grid"][0] == splits), label
-                assert any(x["name"] == "decode_combine" for x in launches[label]) == (fused is False), label
+                assert any(x["name"].startswith("decode_combine") for x in launches[label]) == (fused is False), label
                 # fused left unset: 32 heads x d take the separate combine (policy.decode_fuse_combine)
                 assert df["FUSED"] == {True: "1", False: "0", None: "0"}[fused], label
                 maps = launches[f"maps {label}"]

@@ -108,10 +108,14 @@ DECODE_FUSED_COMBINE_MAX_VALUES = 1024
 
 #: the separate combine's kernels (DecodeConfig.combine): "serial", decode.cu's (a thread a column
 #: walks the splits one after another) and "parallel", decode_combine.cu's (the splits read side by
-#: side, their weights in SRAM); a config that leaves it unset runs DECODE_COMBINE_DEFAULT, the one
-#: the benchmark records so far were timed with
+#: side, their weights in SRAM); a config that leaves it unset runs DECODE_COMBINE_DEFAULT.  Timed
+#: both ways at the split rule's counts and at fixed ones (v8 and v4 at one to three sequences, MQA
+#: g 16 / 64 and 256/8, N 1000-50000, an H200:
+#: benchmarks/results/sweeps/2026-12-07_1316_decode_small_batch_combine_h200.json), "parallel" was
+#: at least as fast at every shape and the more so the more splits; records before that sweep
+#: were timed with "serial"
 DECODE_COMBINES = ("serial", "parallel")
-DECODE_COMBINE_DEFAULT = "serial"
+DECODE_COMBINE_DEFAULT = "parallel"
 
 
 def decode_fuse_combine(group: int, head_dim: int) -> bool:
