@@ -164,6 +164,7 @@ def _limit_problems():
             ("numba attention", "numba", "0.5x SDPA EFFICIENT", _FP32),
             ("numba attention v5", "numba", "0.5x SDPA EFFICIENT (by name: a GEMM's register tiles)", _FP32),
             ("numba attention v6", "numba", "0.5x SDPA EFFICIENT (by name: v5 with 16-byte shared loads)", _FP32),
+            ("numba attention v7", "numba", "0.5x SDPA EFFICIENT (by name: v6 with 16-byte tile copies)", _FP32),
             ("cupy attention v1b", "cupy", "what CUDA C++ reaches on the same CUDA cores (fp32, by name)", _FP32),
             ("sdpa attention efficient", "torch", "the Numba float32 forward's bar", _FP32),
             ("cupy fp8 forward v1", "cupy", "1.5x cupy attention (v5), quantization included", _BF16),

@@ -10,7 +10,7 @@ instructions, its FFMA and their share, its shared-memory loads by width (``LDS`
 arithmetic among them (the ``.EX`` compares and ``.X`` adds and multiplies that carry a 64-bit
 counter's high word).
 
-``--forward-fp32`` compiles the float32 forwards at head_dim 128 for sm_90: Numba's v4, v5 and v6
+``--forward-fp32`` compiles the float32 forwards at head_dim 128 for sm_90: Numba's v4 to v7
 through ``numba.cuda.compile_ptx`` (iokernels.numba_cuda.ptx, no GPU) and ``ptxas``, and the CUDA
 C++ v1b (kernels/fa_v1b.cu, the launcher's defines) through ``nvcc``; then it reads their SASS
 with ``cuobjdump``.  numba-cuda's NVVM may stamp its PTX with a newer ISA version than the local
@@ -82,12 +82,12 @@ def _sass_of_cubin(cubin: pathlib.Path) -> str:
 
 
 def forward_fp32(work: pathlib.Path) -> dict:
-    """{name: sass} of the float32 d = 128 forwards for sm_90: Numba v4, v5, v6 and CUDA C++ v1b."""
+    """{name: sass} of the float32 d = 128 forwards for sm_90: Numba v4 to v7 and CUDA C++ v1b."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, "-m", "iokernels.numba_cuda.ptx", "90", "float32", "d=128", "only=fwd_v[456]",
+    subprocess.run([sys.executable, "-m", "iokernels.numba_cuda.ptx", "90", "float32", "d=128", "only=fwd_v[4-7]",
                     f"dump={work}"], check=True, capture_output=True, text=True, env=env)
     out = {}
-    for v in ("v4", "v5", "v6"):
+    for v in ("v4", "v5", "v6", "v7"):
         ptx = work / f"fwd_{v}_d128_float32_sm90.ptx"
         ptx.write_text(re.sub(r"^\.version \d+\.\d+", ".version 9.0", ptx.read_text(), count=1, flags=re.M))
         cubin = work / f"numba_{v}.cubin"

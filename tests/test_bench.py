@@ -300,8 +300,8 @@ def test_limits_plan_pairs_each_kernel_of_ours_with_the_kernel_its_bar_names():
     assert {"numba decode", "numba attention", "cupy fp8 forward v1", "cupy backward causal"} <= set(names)
     # the float32 forward's bar: Numba's v5 (register tiles) and CUDA C++'s v1b on the same CUDA cores beside it
     fp32 = [n for n, e in zip(names, entries) if "attention" in n and e["problem"].get("dtype") == "float32"]
-    assert fp32 == ["numba attention", "numba attention v5", "numba attention v6", "cupy attention v1b",
-                    "sdpa attention efficient"]
+    assert fp32 == ["numba attention", "numba attention v5", "numba attention v6", "numba attention v7",
+                    "cupy attention v1b", "sdpa attention efficient"]
     assert all(e["held_to"] and "model_read" not in e for e in entries)
     for ours, sdpa in (("numba decode", "sdpa decode cudnn"), ("numba attention", "sdpa attention efficient"),
                        ("cupy backward causal", "sdpa backward flash causal"), ("cupy decode", "sdpa decode flash")):

@@ -240,7 +240,7 @@ def test_bad_inputs_raise_value_errors_naming_the_argument(rng):
     with pytest.raises(ValueError, match="config"):
         ik.attention(q, k, v, backend="numba", config=TileConfig())
     with pytest.raises(ValueError, match="config"):
-        ForwardConfig(version="v7")
+        ForwardConfig(version="v8")
     with pytest.raises(ValueError, match="block_k"):   # v4 steps over keys 4 at a time
         ik.attention(q, k, v, backend="numba", config=ForwardConfig(version="v4", block_k=6))
     with pytest.raises(ValueError, match="config"):
@@ -588,7 +588,7 @@ def test_default_num_splits_is_the_policy_rule_at_this_device():
 # --------------------------------------------------------------------------- registry, defaults, host side
 def test_registry_lists_every_version_with_a_reason_when_it_cannot_run(rng):
     R = nc.REGISTRY
-    assert R.versions("attention") == ["v1", "v2", "v3", "v4", "v5", "v6"]
+    assert R.versions("attention") == ["v1", "v2", "v3", "v4", "v5", "v6", "v7"]
     assert R.versions("decode") == R.versions("paged_decode") == ["v1", "v2", "v3", "v4", "v5", "v6"]
     assert R.versions("paged_gather") == ["v1", "v3"]
     assert all(row["summary"] for row in R.table())
@@ -613,11 +613,11 @@ def test_default_configs_fit_every_head_dim(dtype):
     limit) at head dims up to 256, for forward and decode (g = 4 query heads per KV head)."""
     dec = importlib.import_module("iokernels.numba_cuda.decode")
     for d in (8, 59, 64, 128, 256):
-        for version in ("v1", "v2", "v3", "v4", "v5", "v6"):
+        for version in ("v1", "v2", "v3", "v4", "v5", "v6", "v7"):
             cfg = ForwardConfig(version=version).resolved(d, dtype)
             assert cfg.shared_bytes(d, dtype) <= 48 * 1024
         need = nc.need("attention", q=np.zeros((1, 1, 1, d), dtype))
-        assert nc.REGISTRY.resolve("attention", None, need)[1].version == "v4"    # v5, v6 by name
+        assert nc.REGISTRY.resolve("attention", None, need)[1].version == "v4"    # v5-v7 by name
         for version in ("v1", "v2", "v3", "v4", "v5", "v6"):
             assert dec.smem_reason(DecodeConfig(version=version), d, 4, dtype) is None, (version, d)
         need = nc.need("decode", q=np.zeros((1, 4, d), dtype), k=np.zeros((1, 1, 2, d), dtype),

@@ -68,6 +68,11 @@ def _check_slices(q, k, v, o, lse, causal, window, slices):
     ("v6", 2, 8, 2, 2049, 256, "float32", False, None),
     ("v6", 1, 4, 4, 1031, 59, "float32", True, None),
     ("v6", 1, 4, 2, 1031, 64, "float64", False, None),
+    ("v7", 8, 16, 16, 8192, 128, "float32", True, None),
+    ("v7", 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
+    ("v7", 2, 8, 2, 2049, 256, "float32", False, None),
+    ("v7", 1, 4, 4, 1031, 59, "float32", True, None),
+    ("v7", 1, 4, 2, 1031, 64, "float64", False, None),
     ("v3", 4, 32, 8, 8192, 64, "float16", False, None),
     ("v3", 2, 16, 4, 4097, 128, "float16", True, (500, 0)),
     ("v2", 2, 8, 8, 4096, 128, "float32", False, (1000, 1000)),
@@ -88,6 +93,31 @@ def test_forward_real_sizes(version, B, H, Hkv, N, d, dtype, causal, window):
     assert isinstance(o, torch.Tensor) and o.dtype == tdt
     assert lse.dtype == (torch.float64 if dtype == "float64" else torch.float32)
     _check_slices(q, k, v, o, lse, causal, window, [(0, 0), (B - 1, H - 1)])
+
+
+def test_forward_v7_chunk_copy_matches_its_element_copy():
+    """v7 reads a C-contiguous, 16-byte aligned K/V in 16-byte chunks and a K/V that starts 2
+    bytes past a boundary (a torch slice) or has strided rows element by element: the same bits."""
+    torch = _torch()
+    import iokernels as ik
+    from iokernels.numba_cuda import ForwardConfig, forward_v7
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn((2, 8, 700, 128), device="cuda", generator=g).half()
+    k = torch.randn((2, 2, 900, 128), device="cuda", generator=g).half()
+    v = torch.randn((2, 2, 900, 128), device="cuda", generator=g).half()
+    flat = torch.empty(k.numel() + 1, device="cuda", dtype=k.dtype)
+    k_off = flat[1:].view(k.shape)                                     # 2 bytes past a 16-byte boundary
+    k_off.copy_(k)
+    v_str = torch.empty(v.shape[:-1] + (2 * v.shape[-1],), device="cuda", dtype=v.dtype)[..., ::2]
+    v_str.copy_(v)                                                     # rows strided: every other value
+    assert forward_v7.chunk_reason(k, 128, "k") is None
+    assert "16-byte boundary" in forward_v7.chunk_reason(k_off, 128, "k")
+    assert "not C-contiguous" in forward_v7.chunk_reason(v_str, 128, "v")
+    cfg = ForwardConfig(version="v7")
+    o, lse = ik.attention(q, k, v, causal=True, backend="numba", config=cfg, return_lse=True)
+    o2, lse2 = ik.attention(q, k_off, v_str, causal=True, backend="numba", config=cfg, return_lse=True)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    _check_slices(q, k, v, o, lse, True, None, [(0, 0), (1, 7)])
 
 
 def test_forward_nq_ne_nk_fully_masked_rows():

@@ -32,7 +32,7 @@ plan = {
                (((9, 0),), ("float32",), (59,), "v3"),
                (((9, 0),), ("float16",), (59,), "decode_v2")],        # v2's one-element-a-word path
     "float64": [(((9, 0),), ("float64",), (59,), "decode_v2"),        # decode v2's element path
-                (((9, 0),), ("float64",), (128,), "fwd_v[56]")],      # forward v5/v6's 8-byte values
+                (((9, 0),), ("float64",), (128,), "fwd_v[5-7]")],     # forward v5-v7's 8-byte values
 }
 out = {name: {} for name in plan}
 for name, calls in plan.items():
@@ -315,6 +315,17 @@ def test_forward_v6_reads_shared_memory_16_bytes_a_load(reports):
         assert r5["ld_shared_16B"] == 0 and r5["ld_shared_f"] > 0, r5
         assert r6["ld_shared_16B"] > 0 and r6["ld_shared_f"] == 0, r6
         assert r6["local"] == 0 and r6["shfl"] > 0 and bool(r6["f64"]) == (dtype == "float64"), r6
+
+
+def test_forward_v7_copies_its_tiles_16_bytes_a_load(reports):
+    """v7 reads K_j and V_j rows by 16-byte global loads (ld.global.v4.f32, float16's two 8-byte
+    words v2.u64, float64's v2.f64), where v6 reads them an element at a time; its shared loads
+    and registers are v6's."""
+    for dtype in ("float32", "float16", "float64"):
+        report = reports["float64" if dtype == "float64" else "report"]
+        r6, r7 = report[f"fwd_v6_d128/{dtype}/sm_90"], report[f"fwd_v7_d128/{dtype}/sm_90"]
+        assert r6["ld_global_16B"] == 0 and r7["ld_global_16B"] > 0, (r6, r7)
+        assert r7["ld_shared_16B"] > 0 and r7["ld_shared_f"] == 0 and r7["local"] == 0, r7
 
 
 def test_forward_v5_keeps_its_blocks_in_registers(report):

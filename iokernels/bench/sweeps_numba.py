@@ -59,6 +59,8 @@ FORWARD = Sweep("forward", dict(B=8, H=16, N=4096, d=128), dict(B=1, H=1, N=24, 
     ("numba v6 Br32 Bc32", *_fwd("v6", block_q=32, block_k=32)),
     ("numba v6 Br64 Bc16", *_fwd("v6", block_q=64, block_k=16)),
     ("numba v6 TM2", *_fwd("v6", rows_per_thread=2)),
+    ("numba v7", *_fwd("v7")),
+    ("numba v7 Br64 Bc16", *_fwd("v7", block_q=64, block_k=16)),
 ))
 
 #: decode float16, GQA 32/8, d=128, B=1, N=32768 (contiguous, and paged with a random block

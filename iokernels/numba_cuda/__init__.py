@@ -12,6 +12,7 @@ registry       REGISTRY (every (op, version)), ``need``, the dispatching functio
 forward        FlashAttention forward v1-v4
 forward_v5     forward v5 (register tiling as a GEMM does it)
 forward_v6     forward v6 (v5 with 16-byte shared-memory loads)
+forward_v7     forward v7 (v6 with its K/V tile copies in 16-byte chunks)
 decode         Flash-Decoding split kernels v1, v2, the combine, the decode launchers
 decode_v3      split kernel v3
 decode_v4      split kernel v4 (16-byte loads)
@@ -50,6 +51,10 @@ attention             v5       numba_cuda/forward_v5.py     0     register tilin
 attention             v6       numba_cuda/forward_v6.py     0     v5 with 16-byte shared-memory loads: W = 4
                                                                   float32 values a load along the head dim,
                                                                   rows padded by one 16-byte bank group
+attention             v7       numba_cuda/forward_v7.py     0     v6 with its K/V tile copies in 16-byte
+                                                                  chunks: one vector load a chunk from the
+                                                                  row's flat offset (C-contiguous, 16-byte
+                                                                  aligned K/V; else v6's element copy)
 attention_backward    v1       numba_cuda/backward.py       1     FlashAttention-2's backward: K/V tile per
                                                                   block, dK/dV in registers over the GQA
                                                                   group, P recomputed from LSE, dQ by atomics

@@ -50,7 +50,7 @@ KEYS_PER_STEP = 8
 #: is not unrolled and goes through local memory; tests/test_numba_ptx.py checks both).
 V4_KEYS_PER_STEP = 4
 
-FORWARD_VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
+FORWARD_VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6", "v7")
 DECODE_VERSIONS = ("v1", "v2", "v3", "v4", "v5", "v6")
 #: the decode versions that read K/V rows as 16-byte pairs (v5 is v4 with exp2, v6 v5 with an
 #: unchecked interior), and those with key groups and v3's paged addressing
@@ -87,11 +87,11 @@ def _check_int(value, name, lo=1, hi=None, allow_none=True):
 class ForwardConfig:
     """Launch shape of the Numba FlashAttention forward.
 
-    version: "v1" .. "v6" (None: the default, v4); block_q (Br), block_k (Bc): tile rows, None
+    version: "v1" .. "v7" (None: the default, v4); block_q (Br), block_k (Bc): tile rows, None
     for the default (Br = 64; Bc the largest of 32, 16, 8 whose K_j, V_j tiles fit the
     static shared-memory limit at this head dim and dtype; v5: :func:`.policy.forward_v5_tiles`,
-    v6: :func:`.policy.forward_v6_tiles`); threads_per_row, rows_per_thread: v3/v4's register
-    tiling (v1 and v2 use one thread per row), v5/v6's lanes a row group and rows a thread (their
+    v6, v7: :func:`.policy.forward_v6_tiles`); threads_per_row, rows_per_thread: v3/v4's register
+    tiling (v1 and v2 use one thread per row), v5-v7's lanes a row group and rows a thread (their
     S and O blocks); batched_lane_sums: v3/v4 sum
     the lanes' partial dot products of a whole step of keys in one butterfly (True) or key by
     key (False), None: the version's choice (v4 batched, v3 key by key); step_keys: keys per
@@ -125,8 +125,8 @@ class ForwardConfig:
 
     @property
     def _tiled(self) -> bool:
-        """v3 to v6: several lanes a row, several rows a thread."""
-        return self.version in ("v3", "v4", "v5", "v6")
+        """v3 to v7: several lanes a row, several rows a thread."""
+        return self.version in ("v3", "v4", "v5", "v6", "v7")
 
     @property
     def keys_per_step(self) -> int:
@@ -144,7 +144,7 @@ class ForwardConfig:
 
     @property
     def threads(self) -> int:
-        """Threads per block: Br for v1 and v2; Br / rows_per_thread * threads_per_row for v3 to v6."""
+        """Threads per block: Br for v1 and v2; Br / rows_per_thread * threads_per_row for v3 to v7."""
         if self._tiled:
             return self.block_q // self.rows_per_thread * self.threads_per_row
         return self.block_q
@@ -163,7 +163,7 @@ class ForwardConfig:
         acc = np.dtype(acc_dtype(dtype)).itemsize
         if self.version == "v5":                 # Q_i and one K/V tile, rows padded (forward_v5_row)
             return (self.block_q + self.block_k) * forward_v5_row(head_dim, self.threads_per_row) * acc
-        if self.version == "v6":                 # the same, rows of 16-byte chunks (forward_v6_row)
+        if self.version in ("v6", "v7"):         # the same, rows of 16-byte chunks (forward_v6_row)
             return (self.block_q + self.block_k) * forward_v6_row(head_dim, self.threads_per_row, acc) * acc
         return 2 * self.block_k * self.padded_head_dim(head_dim) * acc
 
@@ -174,7 +174,7 @@ class ForwardConfig:
             raise ValueError("config.version: resolve the default version first (REGISTRY.resolve)")
         br = DEFAULT_BLOCK_Q if self.block_q is None else self.block_q
         bc = self.block_k
-        if self.version in ("v5", "v6"):
+        if self.version in ("v5", "v6", "v7"):
             rule = forward_v5_tiles if self.version == "v5" else forward_v6_tiles
             tiles = rule(head_dim, np.dtype(acc_dtype(dtype)).itemsize, SHARED_LIMIT_BYTES,
                          self.threads_per_row, self.rows_per_thread)
@@ -199,10 +199,10 @@ class ForwardConfig:
                                  f"({self.rows_per_thread}) for {v}")
             if self.threads % WARP_SIZE and self.threads > WARP_SIZE:
                 raise ValueError(f"config.block_q: {v} needs whole warps; {self.threads} threads")
-            if v in ("v5", "v6") and self.block_k % self.threads_per_row:
+            if v in ("v5", "v6", "v7") and self.block_k % self.threads_per_row:
                 raise ValueError(f"config.block_k: {self.block_k} must be a multiple of threads_per_row "
                                  f"({self.threads_per_row}) for {v} (the keys of a tile are dealt to the lanes)")
-            if v not in ("v5", "v6") and self.block_k % min(ch, self.block_k):
+            if v not in ("v5", "v6", "v7") and self.block_k % min(ch, self.block_k):
                 raise ValueError(f"config.block_k: {self.block_k} must be a multiple of {ch} for {v}")
         if self.threads > MAX_THREADS:
             raise ValueError(f"config.block_q: {self.threads} threads per block, more than CUDA's {MAX_THREADS}")

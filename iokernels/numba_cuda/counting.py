@@ -26,6 +26,7 @@ from .decode import launch_decode, resolve_splits  # (nc.decode is the function)
 from . import forward as fwd
 from . import forward_v5 as fv5
 from . import forward_v6 as fv6
+from . import forward_v7 as fv7
 from . import gather as gat
 from .config import acc_dtype
 from .device import word_layout
@@ -80,7 +81,7 @@ def count_attention(q, k, v, *, causal=False, scale=None, window=None, config=No
     c = _Counter()
     o = c(np.zeros(q.shape, q.dtype), "O")
     lse = c(np.zeros((B, Hq, Nq), acc_dtype(dtype)), "LSE")
-    run = {"v5": fv5.launch, "v6": fv6.launch}.get(cfg.version, fwd.launch)
+    run = {"v5": fv5.launch, "v6": fv6.launch, "v7": fv7.launch}.get(cfg.version, fwd.launch)
     run(cfg, c(q, "Q"), c(k, "K"), c(v, "V"), o, lse, causal=causal, scale=scale, window=cv.resolve_window(window))
     return o.data, lse.data, c.traffic
 

@@ -267,7 +267,8 @@ def _st(typingctx, ary, idx, val):
 
 def _vector_copy(width: int):
     """An intrinsic ``copy(dst, di, src, si)``: ``src.ravel()[si:si + width]`` by ONE vector load
-    (``ld.v2`` / ``ld.v4``: 16 bytes; in shared memory LDS.128) into ``dst.ravel()[di:di + width]``
+    (``ld.v2`` / ``ld.v4``: 16 bytes, ``width`` = 2 / 4 / 8 values of 8 / 4 / 2 bytes; in shared
+    memory LDS.128, in global memory LDG.E.128) into ``dst.ravel()[di:di + width]``
     (a local array: registers once NVVM has unrolled the caller's loops).  The caller promises
     that ``src``'s element ``si`` sits at a multiple of ``width`` elements from a 16-byte aligned
     base (a shared array declared with ``alignment=16``)."""
@@ -283,23 +284,31 @@ def _vector_copy(width: int):
             wide = [builder.sext(x, ir.IntType(64)) if x.type.width < 64 else x for x in (args[1], args[3])]
             elem = context.get_value_type(signature.args[2].dtype)
             vec = ir.VectorType(elem, width)
-            v = builder.load(builder.bitcast(builder.gep(a.data, [wide[1]]), vec.as_pointer()),
-                             align=width * elem.get_abi_size(context.target_data))
-            for j in range(width):
-                builder.store(builder.extract_element(v, ir.Constant(ir.IntType(32), j)),
-                              builder.gep(d.data, [builder.add(wide[0], ir.Constant(ir.IntType(64), j))]))
+            p = builder.gep(a.data, [wide[1]])
+            if width == 8:      # 16-bit values: two 8-byte words by one load, each split in registers
+                words = ir.VectorType(ir.IntType(64), 2)        # (NVPTX splits a <8 x half> load in two)
+                w2 = builder.load(builder.bitcast(p, words.as_pointer()), align=16)
+                quarter = ir.VectorType(elem, 4)
+                vals = [builder.extract_element(builder.bitcast(builder.extract_element(
+                    w2, ir.Constant(ir.IntType(32), j // 4)), quarter), ir.Constant(ir.IntType(32), j % 4))
+                    for j in range(width)]
+            else:
+                v = builder.load(builder.bitcast(p, vec.as_pointer()), align=16)
+                vals = [builder.extract_element(v, ir.Constant(ir.IntType(32), j)) for j in range(width)]
+            for j, x in enumerate(vals):
+                builder.store(x, builder.gep(d.data, [builder.add(wide[0], ir.Constant(ir.IntType(64), j))]))
             return context.get_dummy_value()
         return sig, codegen
     return copy
 
 
-_VECTOR_COPY = {2: _vector_copy(2), 4: _vector_copy(4)}
+_VECTOR_COPY = {2: _vector_copy(2), 4: _vector_copy(4), 8: _vector_copy(8)}
 
 
 def make_vector_load(simulated: bool, width: int):
     """``load(dst, di, src, si)``: ``width`` values of the flat array ``src`` from ``si`` into the
     local array ``dst`` from ``di``, one 16-byte load on a GPU (:func:`_vector_copy`: ``width`` =
-    16 / itemsize, 4 float32 or 2 float64), ``width`` element reads on the simulator."""
+    16 / itemsize: 2 float64, 4 float32, 8 float16), ``width`` element reads on the simulator."""
     if simulated:
         @cuda.jit(device=True)
         def load_sim(dst, di, src, si):

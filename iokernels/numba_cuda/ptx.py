@@ -44,6 +44,7 @@ def kernel_signatures(head_dims=HEAD_DIMS):
     from . import forward as fwd
     from . import forward_v5 as fv5
     from . import forward_v6 as fv6
+    from . import forward_v7 as fv7
     from . import gather as gat
     from .config import ForwardConfig
     from .paged_prefill import make_prefill
@@ -61,6 +62,8 @@ def kernel_signatures(head_dims=HEAD_DIMS):
             out.append((f"fwd_v5_d{d}", dtype, fn, fwd_sig))
             fn = fv6.kernel_function(ForwardConfig(version="v6"), d, dtype, simulated=False)
             out.append((f"fwd_v6_d{d}", dtype, fn, fwd_sig))
+            fn = fv7.kernel_function(ForwardConfig(version="v7"), d, dtype, simulated=False)
+            out.append((f"fwd_v7_d{d}", dtype, fn, fwd_sig))
             for paged in (False, True):
                 sig = (_arr(st, 3), _arr(st, 4), _arr(st, 4), _arr(types.int32, 2), _arr(types.int32, 1),
                        _arr(st, 3), _arr(acc, 2), _arr(acc, 4), _arr(acc, 3), acc, types.int64, types.int64,
@@ -213,6 +216,8 @@ def loop_local_accesses(ptx: str) -> int:
 #: an SFU exponential (2^x); and the argument reduction of expf before it (an FMA rounding
 #: toward -inf, a saturating convert), which decode v5's exp2 does without
 EX2 = re.compile(r"\bex2\.approx\b")
+#: a 16-byte load from global memory: four 4-byte or two 8-byte values
+GLOBAL_16B = re.compile(r"ld\.global(?:\.nc)?\.v(?:4\.(?:f32|b32|u32)|2\.(?:f64|b64|u64))")
 EXPF_REDUCTION = re.compile(r"\b(?:fma\.rm|cvt\.sat)\.")
 #: an instruction line other than a register move (ptxas removes most moves)
 NOT_A_MOVE = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?!mov\.)[a-z][a-z0-9]*(?:\.[a-z0-9]+)*\s", re.M)
@@ -230,6 +235,7 @@ def _ptx_counts(ptx: str) -> dict:
             "ld_shared_i32": len(re.findall(r"ld\.shared\.[us]32", ptx)),   # decode v3: n_b, table entries
             "ld_shared_16B": len(re.findall(r"ld\.shared\.(?:v4\.f32|v2\.f64)", ptx)),   # forward v6
             "ld_shared_f": len(re.findall(r"ld\.shared\.f(?:32|64)", ptx)),   # ... and 4/8-byte float loads
+            "ld_global_16B": len(GLOBAL_16B.findall(ptx)),            # forward v7's tile copies
             "loop_ex2": in_load_loops(ptx, EX2), "loop_expf_reduction": in_load_loops(ptx, EXPF_REDUCTION),
             "loop_instructions": in_load_loops(ptx, NOT_A_MOVE),
             "inner_loop_instructions": inner_load_loops(ptx, NOT_A_MOVE)}
@@ -278,12 +284,13 @@ def _no_device_for_device_functions(cc):
 def compile_all(ccs=((7, 5), (9, 0)), dtypes=("float32", "float16", "float64"), head_dims=HEAD_DIMS,
                 only=None, dump=None) -> dict:
     """{f"{name}/{dtype}/sm_{cc}": {"f64": [lines], "bytes": n, "shfl": n, "local": n, "ld_u64": n,
-    "st_u64": n, "ld_u16": n, "ld_shared_i32": n, "ld_shared_16B": n, "ld_shared_f": n}} per kernel of
-    :func:`kernel_signatures` and cc:
+    "st_u64": n, "ld_u16": n, "ld_shared_i32": n, "ld_shared_16B": n, "ld_shared_f": n, "ld_global_16B": n}}
+    per kernel of :func:`kernel_signatures` and cc:
     float64 lines, PTX size, shuffles, local-memory accesses (per-thread arrays that did not stay
     in registers), 8-byte global loads and stores, 2-byte global loads, 32-bit integer loads
     from shared memory (in decode v3: the sequence length and the block-table entries), 16-byte
-    and 4/8-byte float loads from shared memory (forward v6 against v5).
+    and 4/8-byte float loads from shared memory (forward v6 against v5), 16-byte global loads
+    (forward v7's tile copies; decode v4's pairs count there too).
 
     ``only``: a regular expression a kernel's name must contain (None: all); ``dump``: a folder to write
     each PTX to (for ``ptxas -v``)."""

@@ -9,7 +9,7 @@ the launcher).  The default for a call is the highest-ranked version whose check
 ============  =======================================================================
 op            default
 ============  =======================================================================
-attention     v4 (every version runs every supported dtype and head dim; v5, v6 by name)
+attention     v4 (every version runs every supported dtype and head dim; v5-v7 by name)
 decode        v4 for C-contiguous float16 / float32 K/V with rows of whole 16-byte pairs
               (16-byte loads), else v3 when K and V are C-contiguous (it reads flat
               views), else v1 (any strides); v5 (v4 with exp2), v6 (v5 unchecked
@@ -46,6 +46,7 @@ from . import decode_v6 as d6
 from . import forward as fwd
 from . import forward_v5 as fv5
 from . import forward_v6 as fv6
+from . import forward_v7 as fv7
 from . import gather as gat
 from . import launch as ln
 from . import paged_prefill as ppf
@@ -201,7 +202,7 @@ def _gather(version, rank, needs_contiguous, summary):
                   summary, _gather_check(needs_contiguous), rank)
 
 
-#: forward ranks: v4 is the default; v5 and v6 run by name (config=ForwardConfig("v6")) until a
+#: forward ranks: v4 is the default; v5 to v7 run by name (config=ForwardConfig("v7")) until a
 #: recorded GPU run shows one ahead of v4 (the simulator checks their numbers, not their speed).
 #: decode ranks: v6 first, then v5, v4 and v3 (each where its checks pass: v4-v6 read 16-byte
 #: pairs); where v3 cannot run (strided K/V) v1, the kernel written for any strides; v2 on request
@@ -218,6 +219,9 @@ RECORDS = (
     Record("numba", "attention", "v6", "numba_cuda/forward_v6.py", "fwd_v6", ForwardConfig, fv6.attention,
            "v5 with 16-byte shared-memory loads: W = 4 float32 values a load along the head dim, rows "
            "padded by one 16-byte bank group", _forward_check("v6"), 0),
+    Record("numba", "attention", "v7", "numba_cuda/forward_v7.py", "fwd_v7", ForwardConfig, fv7.attention,
+           "v6 with its K/V tile copies in 16-byte chunks: one vector load a chunk from the row's flat "
+           "offset (C-contiguous, 16-byte aligned K/V; else v6's element copy)", _forward_check("v7"), 0),
     *_decode("v1", dec.launch_split_v1, 2, False, "a key's dims over L lanes, element loads, split + combine"),
     *_decode("v2", dec.launch_split_v2, 1, False,
              "8-byte word loads unpacked by bit-casts in registers, unrolled loops"),
