@@ -11,8 +11,8 @@ way its products read it, in 16-byte chunks:
 =========  ===========================================================================
 chunk      16 bytes of a K (or V) row in the input dtype: WIN = 16 / itemsize values
            (8 float16, 4 float32, 2 float64); a row holds CPR = d / WIN of them
-copy       chunk i of the tile is row i // CPR, chunk i % CPR (a shift and a mask where
-           CPR is a power of two); its address is the row's flat offset in the C-contiguous
+copy       chunk i of the tile is row i // CPR, chunk i % CPR (a shift where CPR is a
+           power of two); its address is the row's flat offset in the C-contiguous
            cache, ((b Hkv + hk) N + c0 + r) d, plus the chunk's; one 16-byte load
            (:func:`.device.make_vector_load`), WIN conversions to the accumulator dtype, WIN
            stores into the padded row
@@ -281,9 +281,13 @@ def make_v7(D: int, BR: int, BC: int, L: int, TM: int, acc_name: str, in_name: s
 
 
 def chunk_reason(x, head_dim: int, name: str) -> str | None:
-    """Why v7 copies ``x`` (K or V) element by element rather than in 16-byte chunks (None: it
-    can read chunks): rows of whole chunks, C-contiguous, starting on a 16-byte boundary."""
-    itemsize = np.dtype(x.dtype).itemsize
+    """Why v7 copies ``x`` (K or V: a NumPy, Numba or torch array) element by element rather than
+    in 16-byte chunks (None: it can read chunks): rows of whole chunks, C-contiguous, starting on a
+    16-byte boundary."""
+    try:
+        itemsize = np.dtype(x.dtype).itemsize
+    except TypeError:                                        # a torch tensor
+        itemsize = x.element_size()
     if head_dim * itemsize % 16:
         return f"{name}: rows of {head_dim * itemsize} bytes are not whole 16-byte chunks"
     if not ln.c_contiguous(x):
