@@ -391,20 +391,34 @@ def kernel_function(cfg: ForwardConfig, head_dim: int, dtype: str, simulated: bo
 def launch(cfg: ForwardConfig, q, k, v, o, lse, *, causal, scale, window, stream=0):
     """Launch the forward (``cfg`` resolved) on device (or counting) arrays already allocated,
     on ``stream``; returns nothing."""
+    launch_forward(lambda d, dtype: kernel_function(cfg, d, dtype), cfg, q, k, v, o, lse,
+                   causal=causal, scale=scale, window=window, stream=stream)
+
+
+def launch_forward(make, cfg: ForwardConfig, q, k, v, o, lse, *, causal, scale, window, stream=0):
+    """The launch every forward version shares: the kernel ``make(head_dim, dtype)`` returns
+    (its Python function, jitted here), a block a (query tile, batch x head), on ``stream``."""
     B, Hq, Nq, d = q.shape
     dtype = str(np.dtype(o.dtype))
     left, right = cv.effective_window(causal, window)
     if Nq == 0 or B * Hq == 0:
         return
-    kern = ln.jitted(kernel_function(cfg, d, dtype))
+    kern = ln.jitted(make(d, dtype))
     grid = (max(1, -(-Nq // cfg.block_q)), B * Hq)
     kern[grid, cfg.threads, stream](q, k, v, o, lse, acc_dtype(dtype)(scale), left, right)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, config):
-    """The forward launcher (every version): (o, lse) of the kind and dtype given (LSE in the
+    """The forward launcher (v1 to v4): (o, lse) of the kind and dtype given (LSE in the
     accumulator dtype).  ``config``: a :class:`ForwardConfig` naming its version (the registry
     resolves the default)."""
+    return call_forward(launch, q, k, v, causal=causal, scale=scale, window=window, config=config)
+
+
+def call_forward(launch_fn, q, k, v, *, causal, scale, window, config):
+    """What every forward version's public launcher does around its ``launch_fn``: check the
+    arguments, resolve the config, bring the inputs to the device, allocate O and LSE, launch on
+    the caller's stream; (o, lse) of the caller's kind."""
     call = ln.call_for(q)
     for name, x in (("k", k), ("v", v)):
         call.check(x, name)
@@ -415,5 +429,5 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, config):
     dq, dk, dv = (ln.device_in(call, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     o_h, o_d = ln.empty(call, (B, Hq, Nq, d), dtype)
     lse_h, lse_d = ln.empty(call, (B, Hq, Nq), acc_dtype(dtype))
-    launch(cfg, dq, dk, dv, o_d, lse_d, causal=causal, scale=scale, window=window, stream=ln.stream(call))
+    launch_fn(cfg, dq, dk, dv, o_d, lse_d, causal=causal, scale=scale, window=window, stream=ln.stream(call))
     return call.finish(o_h, dtype), call.finish(lse_h, np.dtype(acc_dtype(dtype)).name)

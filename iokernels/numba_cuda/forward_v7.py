@@ -34,7 +34,7 @@ import math
 
 import numpy as np
 
-from ..core import conventions as cv
+from . import forward as fwd
 from . import launch as ln
 from .config import ForwardConfig, acc_dtype
 from .device import make_flat_access, make_vector_load, warp_mask
@@ -310,29 +310,14 @@ def kernel_function(cfg: ForwardConfig, head_dim: int, dtype: str, simulated: bo
 
 
 def launch(cfg: ForwardConfig, q, k, v, o, lse, *, causal, scale, window, stream=0):
-    """Launch v7 (``cfg`` resolved) on device (or counting) arrays already allocated."""
-    B, Hq, Nq, d = q.shape
-    dtype = str(np.dtype(o.dtype))
-    left, right = cv.effective_window(causal, window)
-    if Nq == 0 or B * Hq == 0:
-        return
-    chunked = chunk_reason(k, d, "k") is None and chunk_reason(v, d, "v") is None
-    kern = ln.jitted(kernel_function(cfg, d, dtype, chunked=chunked))
-    grid = (max(1, -(-Nq // cfg.block_q)), B * Hq)
-    kern[grid, cfg.threads, stream](q, k, v, o, lse, acc_dtype(dtype)(scale), left, right)
+    """Launch v7 (``cfg`` resolved) on device (or counting) arrays already allocated: in 16-byte
+    chunks where :func:`chunk_reason` finds both K and V readable that way."""
+    hd = q.shape[3]                                          # (the simulator's shapes take no -1)
+    chunked = chunk_reason(k, hd, "k") is None and chunk_reason(v, hd, "v") is None
+    fwd.launch_forward(lambda d, dtype: kernel_function(cfg, d, dtype, chunked=chunked), cfg, q, k, v, o, lse,
+                       causal=causal, scale=scale, window=window, stream=stream)
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, config):
     """v7's launcher: (o, lse) of the kind and dtype given (LSE in the accumulator dtype)."""
-    call = ln.call_for(q)
-    for name, x in (("k", k), ("v", v)):
-        call.check(x, name)
-    dtype = ln.check_dtype(q, "q")
-    B, Hq, Nq, d = (int(x) for x in q.shape)
-    cfg = config.resolved(d, dtype)
-    scale, window = cv.resolve_scale(scale, d), cv.resolve_window(window)
-    dq, dk, dv = (ln.device_in(call, x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    o_h, o_d = ln.empty(call, (B, Hq, Nq, d), dtype)
-    lse_h, lse_d = ln.empty(call, (B, Hq, Nq), acc_dtype(dtype))
-    launch(cfg, dq, dk, dv, o_d, lse_d, causal=causal, scale=scale, window=window, stream=ln.stream(call))
-    return call.finish(o_h, dtype), call.finish(lse_h, np.dtype(acc_dtype(dtype)).name)
+    return fwd.call_forward(launch, q, k, v, causal=causal, scale=scale, window=window, config=config)
