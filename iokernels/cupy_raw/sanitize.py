@@ -67,15 +67,15 @@ DECODE_WINDOW = (100, 0)
 QUANT_CASES = (("int8", "block_head"), ("float8_e4m3fn", "block"))
 QUANT_DIMS = (64, 128, 59)
 #: settings run next to each version's default config (kwargs of its config class)
-VARIANTS = {("decode", "v1"): ({}, {"combine": "parallel"}),      # decode_combine.cu after the split kernel
+VARIANTS = {("decode", "v1"): ({}, {"combine": "serial"}),        # decode.cu's combine, not the default's
             ("decode", "v3"): ({}, {"fused": False, "num_warps": 8}),
-            ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}, {"fused": False, "combine": "parallel"}),
+            ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}, {"fused": False, "combine": "serial"}),
             # v4's default loads with cp.async chunks (through L1 over a contiguous cache); the
             # variants: unfused 8 warps of 32-key tiles, .cg with the 3-stage ring, the 4-warp
             # block of large batches
             ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32},
                                {"load_l1": False}, {"num_warps": 4, "min_blocks": 2},
-                               {"fused": False, "combine": "parallel"}),
+                               {"fused": False, "combine": "serial"}),
             # and a 2-deep ring, and pages copied through L1
             ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32},
                                      {"tile_rows": 16, "stages": 2}, {"load_l1": True}),
@@ -86,9 +86,9 @@ VARIANTS = {("decode", "v1"): ({}, {"combine": "parallel"}),      # decode_combi
             ("decode", "v7"): ({}, {"fused": False, "num_warps": 4}, {"stages": 2}),
             # v8 (Hopper, TMA): by default the fused combine at 4 query heads a KV head and the separate
             # one at 32 and 64 (policy.decode_fuse_combine); the fused one at every group over a 2-deep
-            # ring; 64-key tiles (d 64's are 128); decode_combine.cu where the combine is separate
+            # ring; 64-key tiles (d 64's are 128); decode.cu's combine where the combine is separate
             ("decode", "v8"): ({}, {"fused": True, "stages": 2}, {"tile_rows": 64, "stages": 2},
-                               {"combine": "parallel"}),
+                               {"combine": "serial"}),
             ("paged_decode", "v7"): ({}, {"fused": False, "num_warps": 4}),
             # v5 (quantized caches): 16-key tiles with a 2-deep ring (the default tile is 32 keys
             # up to d = 128), and the codes copied through L1
