@@ -112,8 +112,8 @@ DECODE_FUSED_COMBINE_MAX_VALUES = 1024
 #: both ways at the split rule's counts and at fixed ones (v8 and v4 at one to three sequences, MQA
 #: g 16 / 64 and 256/8, N 1000-50000, an H200:
 #: benchmarks/results/sweeps/2026-12-07_1316_decode_small_batch_combine_h200.json), "parallel" was
-#: at least as fast at every shape and the more so the more splits; records before that sweep
-#: were timed with "serial"
+#: slower at no shape and split count beyond the timing noise, and the faster the more splits;
+#: records before that sweep were timed with "serial"
 DECODE_COMBINES = ("serial", "parallel")
 DECODE_COMBINE_DEFAULT = "parallel"
 
