@@ -13,8 +13,8 @@ make_code_unpack             a quantized cache's 1-byte codes (int8, float8 e4m3
                              bit from the same words (decode v3)
 make_flat_access             loads/stores through a flat array's data pointer, with no
                              negative-index wraparound code (decode v3, gather v3)
-make_vector_load             16 bytes of a shared array (4 float32, 2 float64) by one vector load
-                             into a local array (forward v6)
+make_vector_load             16 bytes of a shared or global array (2 float64, 4 float32, 8
+                             float16) by one vector load into a local array (forward v6, v7)
 make_group_merge             the in-block merge of the key groups' (m, l, O) states through
                              shared memory, then O_s, LSE_s (or O, LSE) written to HBM (decode
                              v1/v2/v3: one log-sum-exp merge, the combine kernel's)
@@ -271,7 +271,8 @@ def _vector_copy(width: int):
     memory LDS.128, in global memory LDG.E.128) into ``dst.ravel()[di:di + width]``
     (a local array: registers once NVVM has unrolled the caller's loops).  The caller promises
     that ``src``'s element ``si`` sits at a multiple of ``width`` elements from a 16-byte aligned
-    base (a shared array declared with ``alignment=16``)."""
+    base (a shared array declared with ``alignment=16``, or a C-contiguous device array that starts
+    on a 16-byte boundary)."""
     @intrinsic
     def copy(typingctx, dst, di, src, si):
         from llvmlite import ir
@@ -283,7 +284,6 @@ def _vector_copy(width: int):
             a = context.make_array(signature.args[2])(context, builder, args[2])
             wide = [builder.sext(x, ir.IntType(64)) if x.type.width < 64 else x for x in (args[1], args[3])]
             elem = context.get_value_type(signature.args[2].dtype)
-            vec = ir.VectorType(elem, width)
             p = builder.gep(a.data, [wide[1]])
             if width == 8:      # 16-bit values: two 8-byte words by one load, each split in registers
                 words = ir.VectorType(ir.IntType(64), 2)        # (NVPTX splits a <8 x half> load in two)
@@ -293,7 +293,7 @@ def _vector_copy(width: int):
                     w2, ir.Constant(ir.IntType(32), j // 4)), quarter), ir.Constant(ir.IntType(32), j % 4))
                     for j in range(width)]
             else:
-                v = builder.load(builder.bitcast(p, vec.as_pointer()), align=16)
+                v = builder.load(builder.bitcast(p, ir.VectorType(elem, width).as_pointer()), align=16)
                 vals = [builder.extract_element(v, ir.Constant(ir.IntType(32), j)) for j in range(width)]
             for j, x in enumerate(vals):
                 builder.store(x, builder.gep(d.data, [builder.add(wide[0], ir.Constant(ir.IntType(64), j))]))
