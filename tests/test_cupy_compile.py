@@ -917,6 +917,10 @@ def test_tuning_sweep_rows_are_registered_versions():
     name, out, kw = sweeps_cupy.parse_args(["decode", "--shapes", "small_batch", "--only", "v8", "--splits", "8"])
     assert kw["shapes"] == sweeps_cupy.SMALL_BATCH_SHAPES and all(s["batch"] <= 3 for s in kw["shapes"])
     assert sweeps_cupy.parse_args(["decode", "--splits", "0"]) is None
+    name, out, kw = sweeps_cupy.parse_args(["decode", "--shapes", "short_lines", "--only", "v4,v8", "--splits", "1"])
+    lines = {(s["heads_q"], s["batch"]): sorted(x["seqlen"] for x in kw["shapes"] if x["heads_q"] == s["heads_q"])
+             for s in kw["shapes"]}
+    assert all(len(set(ns)) >= 3 for ns in lines.values())          # a line's fit needs three points or more
     name, out, kw = sweeps_cupy.parse_args(["decode", "--only", "v8", "--splits", "8", "--combine", "serial,parallel"])
     assert kw == dict(only=("v8",), splits=(8,), combines=("serial", "parallel"))
     assert [(label, cfg.combine, s) for label, cfg, s in sweeps_cupy.decode_cases(**kw)] == [

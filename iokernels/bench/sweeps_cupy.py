@@ -98,9 +98,14 @@ SMALL_BATCH_SHAPES = tuple(dict(batch=b, heads_q=hq, heads_kv=hkv, seqlen=n, hea
                            for b, hq, hkv, n in ((1, 64, 1, 1000), (1, 64, 1, 4096), (1, 64, 1, 50000),
                                                  (3, 64, 1, 1000), (1, 256, 8, 1000), (1, 256, 8, 4096),
                                                  (3, 256, 8, 4096), (1, 16, 1, 4096)))
+#: batch 17's decode at four cache lengths a group (1024 to 4096 keys, and 256), so a line
+#: t = a + b * N through each kernel's times splits a launch's fixed cost (a) from its streaming
+#: rate (b): which of the two the short-cache gap to cuDNN is
+SHORT_LINE_SHAPES = tuple(dict(batch=17, heads_q=hq, heads_kv=8, seqlen=n, head_dim=128)
+                          for hq in (32, 128) for n in (256, 1024, 2048, 4096))
 #: the shape sets ``--shapes`` names
 DECODE_SHAPE_SETS = {"default": (DECODE_SHAPE,), "serving": SERVING_SHAPES, "short": SHORT_CACHE_SHAPES,
-                     "small_batch": SMALL_BATCH_SHAPES}
+                     "small_batch": SMALL_BATCH_SHAPES, "short_lines": SHORT_LINE_SHAPES}
 #: paged_layout: rows a page (runs of block_size * 256 bytes between random jumps, MQA)
 PAGE_SIZES = (16, 64, 256, 1024)
 #: paged_layout: the GQA and the MQA shape, (heads_q, heads_kv, seqlen), K+V the same bytes
