@@ -59,6 +59,10 @@ def _jobs():
         defines = cr.DecodeConfig("v4", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
         jobs.append((f"decode_v4 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v4", defines, arch))
 
+    def dec9(dtype, d, paged, arch, group=4, block_size=16, **kw):
+        defines = cr.DecodeConfig("v9", **kw).defines(d, dtype, group, paged, block_size, cc=arch)
+        jobs.append((f"decode_v9 {dtype} d={d} paged={paged} g={group} {kw}", "decode_v9", defines, arch))
+
     def dec5(dtype, d, arch, kv, group=4, block_size=16, **kw):
         defines = cr.DecodeConfig("v5", **kw).defines(d, dtype, group, True, block_size, kv=kv, cc=arch)
         jobs.append((f"decode_v5 {dtype} d={d} g={group} kv={kv} {kw}", "decode_v5", defines, arch))
@@ -115,6 +119,7 @@ def _jobs():
         dec2("float16", 128, arch != 80, arch)
         dec3("float16", 128, arch != 80, arch)
         dec4("float16", 128, arch == 80, arch)             # sm_75: compiles (k8 mma pairs); never offered
+        dec9("float16", 128, arch != 80, arch, fused=arch != 75)   # both merges, both cache kinds
         dec7("float32", 128, arch != 80, arch, group=64)    # MQA: 4 blocks a KV head
         comb("float16", 128, arch)                      # the parallel combine: a column a thread
         if arch >= 80:                                  # bfloat16 exists from sm_80
@@ -159,6 +164,9 @@ def _jobs():
     loads("padded", "float16", 128, True, 80)
     loads("same", "bfloat16", 128, False, 90)
     dec4("float16", 48, False, 75, load_l1=True)         # .ca on the per-copy path; sm_75's plain copies
+    dec9("bfloat16", 256, True, 90, group=16, block_size=7)   # rows 8..15 of the A operand; odd pages
+    dec9("bfloat16", 64, False, 80, group=1, fused=False)      # MHA, the separate combine's empty slots
+    dec9("float16", 48, False, 90, group=8, load_l1=True)      # padded rows: the per-copy path
     dec4("bfloat16", 128, True, 80, load_l1=True)        # pages through L1
     dec4("float16", 128, False, 80, load_l1=False)       # the fixed-offset issue with .cg
     bwd("bfloat16", 128, 90)
@@ -276,15 +284,16 @@ _DECODE_DEFINES = {
     "decode_v5": lambda: cr.DecodeConfig("v5").defines(128, "float16", 4, True, 16, kv="int8"),
     "decode_v6": lambda: cr.DecodeConfig("v6").defines(128, "float16", 32, True, 16),
     "decode_v7": lambda: cr.DecodeConfig("v7").defines(128, "float32", 32, True, 16),
+    "decode_v9": lambda: cr.DecodeConfig("v9").defines(128, "float16", 4, True, 16),
     "paged_prefill_v1": lambda: cr.PagedPrefillConfig("v1").resolve(128).defines(128, "float16", 16),
     "paged_prefill_v2": lambda: cr.PagedPrefillConfig("v2").resolve(128).defines(128, "float16", 16),
 }
 
 
-@pytest.mark.parametrize("name", ["decode_v4", "decode_v5", "decode_v6", "decode_v7", "paged_prefill_v1",
-                                  "paged_prefill_v2"])
+@pytest.mark.parametrize("name", ["decode_v4", "decode_v5", "decode_v6", "decode_v7", "decode_v9",
+                                  "paged_prefill_v1", "paged_prefill_v2"])
 def test_a_missing_define_is_a_compile_error_naming_it(tmp_path, name):
-    """decode v4 to v7 and the paged prefill hold no tuning defaults: every define the config
+    """decode v4 to v7, v9 and the paged prefill hold no tuning defaults: every define the config
     passes is needed, and leaving one out is an #error that names it."""
     full = _DECODE_DEFINES[name]()
     for key in sorted(full):

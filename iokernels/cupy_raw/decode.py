@@ -43,7 +43,8 @@ from . import decode_config as C
 from .decode_config import DecodeConfig
 from .decode_launch import (COMBINE_MAX_THREADS, COUNTERS_MIN, V3_COMPILE_SMEM, SplitArgs,  # noqa: F401
                             _args_v1, _args_v2, _args_v3, _args_v4, _args_v5, _smem_v3, _smem_v4, _smem_v5,
-                            launch_combine, num_splits_for, pack, split_dynamic, split_static)
+                            launch_combine, num_splits_for, pack, split_dynamic, split_launch,
+                            split_static)
 from .launch import HOPPER_OPTIONS, HOPPER_SOURCES, contiguous, current_stream_ptr, device_info, on_stream, unit_rows
 from .decode_v6_config import check_decode_v6, decode_v6_smem, v6_default_check
 from .decode_v8_config import args_v8, check_decode_v8, smem_v8, v8_default_check
@@ -387,8 +388,7 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     st = split_static(spec, config, batch=B, heads_q=Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
                       paged=paged is not None, block_size=paged[1] if paged is not None else 0, aligned=aligned,
                       kv=None if quant is None else quant["kv"], dev=device_info())
-    S = int(num_splits) if num_splits is not None else num_splits_for(st, longest)
-    smem, table = split_dynamic(st, S, longest)
+    S, smem, table, grid = split_launch(st, num_splits, longest)
     i32, i64 = np.int32, np.int64
     if S > 1:
         scratch = Call(o.owner, name="o")
@@ -408,7 +408,7 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     counters = device_array(_decode_counters(B * st.heads_grid, o.owner)).arg if st.fused and S > 1 else np.uint64(0)
     args = pack(st, S, table, q=qd.arg, k=kd.arg, v=vd.arg, cache=cache, scales=scales, lens=lens_arg, nk=nk,
                 scale=scale, window_left=window_left, parts=parts, counters=counters, o=o.arg, lse=lse.arg)
-    st.fn((S, st.heads_grid, B), (st.threads,), args, shared_mem=smem)
+    st.fn(grid, (st.threads,), args, shared_mem=smem)
     if S > 1 and not st.fused:                         # decode.cu's combine
         launch_combine(st, S, o_part.arg, lse_part.arg, o.arg, lse.arg)
 
@@ -476,6 +476,14 @@ RECORDS = (
     # tiles by TMA; ranked above v4 and v6, the default past v4's 16 rows (policy.decode_v8_default_at),
     # where it ran faster than v6 at the g = 32 / 64 shapes timed, with its own split rule
     # (policy.decode_v8_splits)
+    # v9 is v4 with every block the same number of keys: the pairs' keys laid end to end and dealt
+    # in equal runs to one wave of blocks (decode_launch.split_launch), so no last wave is a tail;
+    # ranked 0 (not a default) until its timings beside v4 are recorded
+    *_records("v9", "decode_v9.cu", "decode_split_v9", _args_v4, check_decode_v4, 0,
+              "v4 with every block the same number of keys: the (b, kv head) pairs' keys laid end to end "
+              "and dealt in equal runs to one wave of blocks, a run that crosses pairs computing a partial "
+              "for each (Stream-K's deal on the key axis)", layout="tensor_core", reads=("16-bit",),
+              smem=_smem_v4, balanced=True),
     *_records("v8", "decode_v8.cu", "decode_split_v8", args_v8, check_decode_v8, 45,
               "Hopper: the group's query heads are the rows of one warpgroup's wgmma tile, and the copy "
               "engine streams K/V tiles into a ring one thread keeps full",

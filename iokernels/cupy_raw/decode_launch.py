@@ -21,7 +21,7 @@ import numpy as np
 
 from . import decode_config as C
 from .launch import DTYPE_IDS, blocks_per_sm, function, round_up
-from .policy import decode_wave_splits
+from .policy import decode_balanced_work, decode_wave_splits
 
 #: threads a block of decode.cu's combine: one per element of a row, up to this many
 COMBINE_MAX_THREADS = 256
@@ -172,14 +172,15 @@ def num_splits_for(st: SplitStatic, longest: int) -> int:
                               2 * st.head_dim * C.kv_itemsize(st.dtype, st.kv))
 
 
-def split_dynamic(st: SplitStatic, splits: int, longest: int) -> tuple[int, tuple]:
+def split_dynamic(st: SplitStatic, splits: int, longest: int, per_split: int | None = None) -> tuple[int, tuple]:
     """(shared memory, the table arguments) of a launch of ``splits`` splits whose longest
-    sequence sees ``longest`` keys (sets the kernel's opt-in when it grows)."""
+    sequence sees ``longest`` keys (sets the kernel's opt-in when it grows); ``per_split``: the
+    most keys a block reads of one sequence (None: ceil(longest / splits))."""
     if not st.ring_fused:
         return st.base_smem, ()
     table_cap = 0
     if st.paged:
-        per_split = -(-max(longest, 1) // splits)
+        per_split = per_split or -(-max(longest, 1) // splits)
         want = -(-per_split // st.block_size) + 1          # a split may straddle one more page
         table_cap = want if want <= C.DECODE_V3_TABLE_CAP else 0
     smem, table_offset = st.spec.extra["smem"](st.head_dim, st.dtype, st.group, st.defines, st.kv, splits, st.fused,
@@ -190,6 +191,28 @@ def split_dynamic(st: SplitStatic, splits: int, longest: int) -> tuple[int, tupl
     if smem > V3_COMPILE_SMEM and smem > st.fn.max_dynamic_shared_size_bytes:
         st.fn.max_dynamic_shared_size_bytes = int(smem)
     return smem, ((np.int32(table_cap), np.int32(table_offset)) if st.paged else ())
+
+
+def split_launch(st: SplitStatic, num_splits: int | None, longest: int) -> tuple[int, int, tuple, tuple]:
+    """(S, shared memory, table arguments, grid) of a launch whose longest sequence sees
+    ``longest`` keys: S the partials' slots a (b, kv head) pair (the combine's splits).
+
+    A record of ``extra["balanced"]`` (decode v9) deals the pairs' keys, laid end to end, to G
+    blocks of W keys each (:func:`.policy.decode_balanced_work`, for one wave of the kernel's
+    occupancy, or ``num_splits`` blocks a pair where the call names it): grid (G, 1, 1), and
+    (batch, keys a pair, W) after the table arguments.  The others: S = ``num_splits`` or
+    :func:`num_splits_for`, grid (S, heads_grid, batch)."""
+    if not st.spec.extra.get("balanced"):
+        S = int(num_splits) if num_splits is not None else num_splits_for(st, longest)
+        smem, table = split_dynamic(st, S, longest)
+        return S, smem, table, (S, st.heads_grid, st.batch)
+    if st.blocks_per_sm is None:
+        st.blocks_per_sm = blocks_per_sm(st.fn, st.threads, st.base_smem)
+    pairs, keys = st.batch * st.heads_grid, max(1, int(longest))
+    want = pairs * int(num_splits) if num_splits is not None else st.sms * st.blocks_per_sm
+    G, W, S = decode_balanced_work(pairs, keys, want)
+    smem, table = split_dynamic(st, S, keys, per_split=W)
+    return S, smem, (*table, np.int32(st.batch), np.int32(keys), np.int32(W)), (G, 1, 1)
 
 
 def pack(st: SplitStatic, splits: int, table: tuple, *, q, k, v, cache: tuple, scales: tuple, lens, nk: int,

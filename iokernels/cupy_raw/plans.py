@@ -58,7 +58,7 @@ from ..core.arrays import Call, device_array
 from .decode import (_check_cache, _check_decode_q, _host, _visible, _window_left, check_device_scales,
                      check_paged_lengths, pools_need, run_decode)
 from . import decode_config as DC
-from .decode_launch import combine_launch, launch_combine, num_splits_for, pack, split_dynamic, split_static
+from .decode_launch import combine_launch, launch_combine, pack, split_launch, split_static
 from .launch import contiguous, cupy, device_info, unit_rows
 from .packed import ArgBuffer, function_ptr, kept, kept_until_full, placeholder, slots_of
 from .registry import REGISTRY, need
@@ -399,14 +399,12 @@ class DecodePlan:
             self._launch_for(int(min(N, self.left + 1) if self.left >= 0 else N))   # checks the SRAM now
 
     def _launch_for(self, longest: int):
-        """(splits, shared memory, table arguments) for a longest sequence of ``longest`` keys."""
+        """(splits, shared memory, table arguments, grid) for a longest sequence of ``longest`` keys."""
         got = self._launches.get(longest)
         if got is None:
             if len(self._launches) >= PLAN_LAUNCHES_KEPT:
                 self._launches.clear()
-            S = self.num_splits or num_splits_for(self.st, longest)
-            smem, table = split_dynamic(self.st, S, longest)
-            got = self._launches[longest] = (S, smem, table)
+            got = self._launches[longest] = split_launch(self.st, self.num_splits, longest)
         return got
 
     def _workspace(self, stream: int, S: int):
@@ -468,7 +466,7 @@ class DecodePlan:
             q = contiguous(q)
         if self.copy_kv:
             k, v = unit_rows(k).owner, unit_rows(v).owner
-        S, smem, table = self._launch_for(longest)
+        S, smem, table, grid = self._launch_for(longest)
 
         def pack_call(P, parts, counters):
             return pack(self.st, S, table, q=P[0], k=P[1], v=P[2], cache=self.cache_args, scales=(), lens=P[5],
@@ -476,21 +474,22 @@ class DecodePlan:
                         o=P[3], lse=P[4]), 6
         ptrs = int_ptrs(self.alloc.torch, q, k, v, o, lse)
         buf = self._packed(stream, S, smem, table, pack_call, ptrs[:3])
-        self._launch(stream, sobj, S, smem, buf, pack_call, ptrs, (lens_arg,))
+        self._launch(stream, sobj, S, grid, smem, buf, pack_call, ptrs, (lens_arg,))
         return o, lse
 
-    def _launch(self, stream: int, sobj, S: int, smem: int, buf, pack_call, ptrs: tuple, more: tuple) -> None:
+    def _launch(self, stream: int, sobj, S: int, grid: tuple, smem: int, buf, pack_call, ptrs: tuple,
+                more: tuple) -> None:
         """The split kernel (and the combine, where the version does not fuse it) on ``stream``:
         through the packed arguments ``buf``, or, where they do not pack, CuPy's launch of the
         arguments ``pack_call`` makes.  ``ptrs``: q, k, v, O, LSE (ints); ``more``: the other
         slots' values in order (the lengths; the tables and the scales of a paged cache), np.uint64."""
         if buf:
-            buf.launch(self.fn_ptr, (S, self.st.heads_grid, self.B), (self.st.threads,), smem, stream,
+            buf.launch(self.fn_ptr, grid, (self.st.threads,), smem, stream,
                        *ptrs[self.mapped:], *map(int, more))
         else:
             args, _ = pack_call((*map(np.uint64, ptrs), *more), *_split_parts(self._workspace(stream, S)))
             with sobj:
-                self.st.fn((S, self.st.heads_grid, self.B), (self.st.threads,), args, shared_mem=smem)
+                self.st.fn(grid, (self.st.threads,), args, shared_mem=smem)
         if S > 1 and not self.st.fused:
             comb = self._combine(stream, S) if buf else None
             if comb:
@@ -663,7 +662,7 @@ class PagedDecodePlan:
             q = contiguous(q)
         if self.copy_kv:
             k_pool, v_pool = unit_rows(k_pool).owner, unit_rows(v_pool).owner
-        S, smem, table = self._launch_for(longest)
+        S, smem, table, grid = self._launch_for(longest)
         quant_tail = () if self.quant is None else self.quant[1:]
 
         def pack_call(P, parts, counters):
@@ -674,8 +673,8 @@ class PagedDecodePlan:
                         lse=P[4]), 7 if self.quant is None else 9
         buf = self._packed(stream, S, smem, table, pack_call)
         scales = () if self.quant is None else _ptrs(self.alloc.torch, quant["k_scale"], quant["v_scale"])
-        self._launch(stream, sobj, S, smem, buf, pack_call, int_ptrs(self.alloc.torch, q, k_pool, v_pool, o, lse),
-                     (lens_arg, tables_arg, *scales))
+        self._launch(stream, sobj, S, grid, smem, buf, pack_call,
+                     int_ptrs(self.alloc.torch, q, k_pool, v_pool, o, lse), (lens_arg, tables_arg, *scales))
         return o, lse
 
 

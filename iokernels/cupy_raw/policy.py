@@ -99,6 +99,24 @@ def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, bloc
     return decode_wave_splits(batch, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
 
 
+@functools.lru_cache(maxsize=4096)      # pure, and on every launch's host path
+def decode_balanced_work(pairs: int, keys: int, blocks: int) -> tuple[int, int, int]:
+    """decode v9's deal: (G blocks, W keys a block, S the most segments of one pair) for
+    ``pairs`` (b, kv head) pairs of ``keys`` slots each, laid end to end, over about ``blocks``
+    blocks (the launcher's: one wave, SMs x blocks an SM; or pairs x num_splits where a call
+    names a split count).
+
+    W = ceil(pairs x keys / blocks), at least DECODE_MIN_KEYS_PER_SPLIT (a segment's partial
+    write is amortized) and at least what keeps S <= DECODE_MAX_SPLITS; G = ceil(pairs x keys /
+    W) <= blocks.  Pair p's segments are the blocks floor(p keys / W) .. floor(((p + 1) keys - 1)
+    / W): S is the most of them over the pairs (1 where every pair is one block's)."""
+    keys, pairs = max(1, keys), max(1, pairs)
+    total = pairs * keys
+    w = max(-(-total // max(1, blocks)), DECODE_MIN_KEYS_PER_SPLIT, -(-(keys - 1) // (DECODE_MAX_SPLITS - 1)))
+    most = max((((p + 1) * keys - 1) // w - p * keys // w + 1 for p in range(pairs)), default=1)
+    return -(-total // w), w, most
+
+
 #: the decode versions whose combine follows :func:`decode_fuse_combine` when their config leaves
 #: ``fused`` unset (the versions it was measured on; the others fuse)
 DECODE_FUSE_BY_RULE = ("v4", "v8")
