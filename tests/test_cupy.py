@@ -306,7 +306,8 @@ def test_decode_against_oracle(rng, d, version):
         rows_fit = cr.decode_v2_geometry(d, dtype) is not None
         assert refused == {"v1": False, "v2": not rows_fit, "v3": not rows_fit,
                            "v4": dtype not in ("float16", "bfloat16"),
-                           "v6": dtype not in ("float16", "bfloat16")}.get(version, refused), (version, dtype)
+                           "v6": dtype not in ("float16", "bfloat16"),
+                           "v9": dtype not in ("float16", "bfloat16")}.get(version, refused), (version, dtype)
         for S in (None, 1, 7):
             o, lse = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=S, scale=None, config=run_config)
             masked = ~np.isfinite(ref_l)[..., None]
@@ -354,7 +355,8 @@ def test_paged_decode_matches_contiguous(rng, d, version):
         config = cr.DecodeConfig(version=version)
         refused = cr.REGISTRY.get("paged_decode", version).unavailable(cr.need("paged_decode", q=q, cache=cache))
         assert (refused is not None) == {"v4": dtype == "float32", "v6": dtype == "float32",
-                                         "v7": True}.get(version, False), (version, dtype, refused)
+                                         "v7": True, "v9": dtype == "float32"}.get(version, False), (version, dtype,
+                                                                                                    refused)
         if refused:
             with pytest.raises(ValueError, match="config.version"):
                 cr.paged_decode(q, cache, sids, config=config)

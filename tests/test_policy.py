@@ -439,3 +439,49 @@ def test_the_separate_combine_kernel_is_a_config_setting():
     for bad in ("fast", True, 1):
         with pytest.raises(ValueError, match="config.combine"):
             DecodeConfig("v4", combine=bad)
+
+
+def _segments(pairs, keys, W, G):
+    """decode_v9.cu's deal, block by block: (block, pair, slot, segs, lo, hi) of every segment."""
+    out = []
+    for j in range(G):
+        f0, f1 = j * W, min((j + 1) * W, pairs * keys)
+        p = f0 // keys
+        while p * keys < f1:
+            first = p * keys // W
+            out.append((j, p, j - first, ((p + 1) * keys - 1) // W - first + 1,
+                        max(f0, p * keys) - p * keys, min(f1, (p + 1) * keys) - p * keys))
+            p += 1
+    return out
+
+
+@pytest.mark.parametrize("pairs,keys,blocks", [(136, 1000, 132), (136, 4096, 264), (8, 1000, 264), (1, 50000, 264),
+                                               (136, 1000, 136), (1024, 4096, 132), (3, 1, 132), (17, 257, 40)])
+def test_the_balanced_deal_covers_every_key_once_in_equal_runs(pairs, keys, blocks):
+    """policy.decode_balanced_work (decode v9): G <= the blocks asked for, every block W keys (the
+    last the rest), W at least DECODE_MIN_KEYS_PER_SPLIT, and, walked as the kernel walks it,
+    each pair's slots [0, keys) covered exactly once by segments whose slots 0..segs-1 are all
+    below S <= DECODE_MAX_SPLITS, S being the most segments of a pair."""
+    G, W, S = P.decode_balanced_work(pairs, keys, blocks)
+    assert G <= max(blocks, 1) and W >= P.DECODE_MIN_KEYS_PER_SPLIT and 1 <= S <= P.DECODE_MAX_SPLITS
+    assert (G - 1) * W < pairs * keys <= G * W
+    seen = {}
+    for j, p, slot, segs, lo, hi in _segments(pairs, keys, W, G):
+        assert 0 <= slot < segs <= S and lo < hi
+        seen.setdefault(p, []).append((slot, segs, lo, hi))
+    assert sorted(seen) == list(range(pairs))
+    for p, segs in seen.items():
+        segs.sort()
+        assert [s[0] for s in segs] == list(range(len(segs))) and all(s[1] == len(segs) for s in segs)
+        assert segs[0][2] == 0 and segs[-1][3] == keys
+        assert all(a[3] == b[2] for a, b in zip(segs, segs[1:]))          # no gap, no overlap
+    assert S == max(len(s) for s in seen.values())
+
+
+def test_the_balanced_deal_is_one_block_a_pair_where_the_pairs_fill_the_blocks():
+    """Pairs of whole blocks' keys: one segment a pair (S = 1, O written directly); a call's
+    num_splits asks pairs x S blocks, so S = 2 gives two segments a pair of half the keys."""
+    assert P.decode_balanced_work(136, 1000, 136) == (136, 1000, 1)
+    assert P.decode_balanced_work(136, 4096, 272) == (272, 2048, 2)
+    G, W, S = P.decode_balanced_work(136, 1000, 132)      # batch 17 x 8 KV heads on 132 SMs
+    assert G == 132 and S == 2 and W == -(-136 * 1000 // 132)

@@ -90,6 +90,10 @@ VARIANTS = {("decode", "v1"): ({}, {"combine": "serial"}),        # decode.cu's 
             ("decode", "v8"): ({}, {"fused": True, "stages": 2}, {"tile_rows": 64, "stages": 2},
                                {"combine": "serial"}),
             ("paged_decode", "v7"): ({}, {"fused": False, "num_warps": 4}),
+            # v9 (v4 dealt in equal runs across pairs): the separate combine (slots a pair does not
+            # use marked empty), and the 4-warp block, two an SM (twice the blocks: shorter runs)
+            ("decode", "v9"): ({}, {"fused": False}, {"num_warps": 4, "min_blocks": 2}),
+            ("paged_decode", "v9"): ({}, {"fused": False}),
             # v5 (quantized caches): 16-key tiles with a 2-deep ring (the default tile is 32 keys
             # up to d = 128), and the codes copied through L1
             ("paged_decode", "v5"): ({}, {"tile_rows": 16, "stages": 2}, {"load_l1": True}),
@@ -132,14 +136,15 @@ VARIANTS = {("decode", "v1"): ({}, {"combine": "serial"}),        # decode.cu's 
             ("paged_prefill", "v3"): ({}, {"block_n": 64}, {"stages": 2, "pingpong": False})}
 #: calls a version makes twice in a row (the fused combine's counters must be back at 0 after a call)
 TWICE = {("decode", "v3"), ("paged_decode", "v3"), ("decode", "v4"), ("paged_decode", "v4"), ("paged_decode", "v5"),
-         ("decode", "v6"), ("paged_decode", "v6"), ("decode", "v7"), ("paged_decode", "v7"), ("decode", "v8")}
+         ("decode", "v6"), ("paged_decode", "v6"), ("decode", "v7"), ("paged_decode", "v7"), ("decode", "v8"),
+         ("decode", "v9"), ("paged_decode", "v9")}
 #: decode: (query heads, KV heads) a version also runs at, beyond GQA 4/2 (v6: teams of 4 warps
 #: with an idle last warp, g = 40, of 2 warps, g = 32, and one team of 8 warps that fills the
 #: block, g = 128, the largest group the default gives v6; v7, which takes only the groups v3's
 #: registers do not hold: one block a KV head at float32 g = 16, four at MQA g = 64, one head a
 #: block at the prime g = 71); paged: query heads over the cache's 2
 DECODE_HEADS = {"v6": ((4, 2), (40, 1), (64, 2), (128, 1)), "v7": ((32, 2), (64, 1), (71, 1)),
-                "v8": ((4, 2), (32, 1), (64, 2))}
+                "v8": ((4, 2), (32, 1), (64, 2)), "v9": ((4, 2), (16, 1))}
 #: decode: the head dims a version runs at instead of DECODE_DIMS (v8, on Hopper: two consumer
 #: warpgroups at 64, one at 256)
 DECODE_DIMS_OF = {"v8": (64, 256)}
