@@ -267,7 +267,7 @@ FILES = {"fa_v1": "fa_v1", "fa_v1b": "fa_v1b", "fa_v2": "fa_v2", "decode_split":
          "decode_combine": "decode", "decode_combine_parallel": "decode_combine", "decode_split_v2": "decode_v2",
          "decode_split_v3": "decode_v3",
          "decode_split_v4": "decode_v4", "decode_split_v5": "decode_v5", "decode_split_v6": "decode_v6",
-         "decode_split_v7": "decode_v7", "decode_split_v8": "decode_v8",
+         "decode_split_v7": "decode_v7", "decode_split_v8": "decode_v8", "decode_split_v9": "decode_v9",
          "decode_split_v4_loads": "decode_v4_loads",
          "paged_gather": "paged_gather", "bwd_rowsum": "bwd_v1", "bwd_main": "bwd_v1", "bwd_finish": "bwd_v1",
          "bwd_v2_main": "bwd_v2", "bwd_v3_main": "bwd_v3", "bwd_v4_main": "bwd_v4", "bwd_v5_main": "bwd_v5",
