@@ -23,10 +23,11 @@ policy.py           every choose-a-size rule (decode splits, the v4 block shape,
                     tiles by head dim) and the gate of versions not yet measured (HELD_BACK)
 launch.py           the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
 forward.py          attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
-decode.py           decode, paged decode: decode.cu, decode_v2.cu .. decode_v8.cu (v8: Hopper, contiguous);
+decode.py           decode, paged decode: decode.cu, decode_v2.cu .. decode_v9.cu (v8: Hopper, contiguous;
+                    v9: v4 dealt in equal runs of keys, policy.decode_balanced_work);
                     decode_combine.cu, the separate combine with the splits read side by side
                     (DecodeConfig(combine="parallel"); decode.cu's walks them in turn)
-decode_launch       the split kernels' launch: what a shape fixes, what a call packs
+decode_launch       the split kernels' launch: what a shape fixes, what a call packs, the grid
 gather.py           paged gather: paged_gather.cu
 paged_prefill       paged prefill: paged_prefill_v1.cu, one launch for a packed batch of chunks, and
                     paged_prefill_v2.cu (GQA packed; PagedPrefillConfig: paged_prefill_config.py;
