@@ -123,6 +123,11 @@ attention_backward    v1       bwd_v1.cu            10    FlashAttention-2's bac
                                                           per block, dK/dV in registers, P recomputed from
                                                           LSE, dQ by atomic adds or deterministic per-tile
                                                           partials
+decode, paged_decode  v9       decode_v9.cu         47    v4 with every block the same number of keys: the (b,
+                                                          kv head) pairs' keys laid end to end and dealt in
+                                                          equal runs to one wave of blocks, a partial for each
+                                                          pair a run touches (held back from the default until
+                                                          measured)
 decode                v8       decode_v8.cu         45    Hopper: the group's query heads are the rows of one
                                                           warpgroup's wgmma tile, and the copy engine streams
                                                           K/V tiles into a ring one thread keeps full
@@ -147,11 +152,6 @@ decode, paged_decode  v1       decode.cu            10    each warp reads its ke
 decode, paged_decode  v2       decode_v2.cu         0     K/V tiles stream through a per-warp cp.async ring in
                                                           SRAM (copies in flight hold no registers), only
                                                           __syncwarp in the key loop
-decode, paged_decode  v9       decode_v9.cu         0     v4 with every block the same number of keys: the (b,
-                                                          kv head) pairs' keys laid end to end and dealt in
-                                                          equal runs to one wave of blocks, a run that crosses
-                                                          pairs computing a partial for each (Stream-K's deal
-                                                          on the key axis)
 paged_decode          v5       decode_v5.cu         50    v4 reading a quantized paged cache as it is stored:
                                                           1-byte codes turned into float16 tensor-core
                                                           operands in registers, the per-key scales applied to

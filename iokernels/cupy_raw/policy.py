@@ -222,6 +222,8 @@ def backward_v1_tiles(block_q: int | None, block_k: int | None, smem_of: Callabl
 HELD_BACK = {
     ("attention", "v6"): "its GPU tests and a benchmark record faster than v5 at head_dim 64 on Hopper",
     ("attention_backward", "v5"): "its GPU tests and a benchmark record faster than v4 under the causal mask",
+    ("decode", "v9"): "its GPU tests and a cliff record beside v4 at every decode shape it takes",
+    ("paged_decode", "v9"): "its GPU tests and a record beside v4 over pages",
 }
 
 
