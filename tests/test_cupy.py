@@ -254,7 +254,7 @@ def test_config_errors_name_config():
         with pytest.raises(ValueError, match="config"):
             cr.ForwardConfig(version="v1b").resolve(64, dt)
     with pytest.raises(ValueError, match="config"):
-        cr.DecodeConfig(version="v9")
+        cr.DecodeConfig(version="v99")
     for bad in (dict(version="v3", num_warps=6), dict(version="v2", num_warps=8), dict(version="v3", fused=1)):
         with pytest.raises(ValueError, match="config"):
             cr.DecodeConfig(**bad)
@@ -354,7 +354,8 @@ def test_paged_decode_matches_contiguous(rng, d, version):
         q = rng.standard_normal((3, 8, d)).astype(dtype)
         config = cr.DecodeConfig(version=version)
         refused = cr.REGISTRY.get("paged_decode", version).unavailable(cr.need("paged_decode", q=q, cache=cache))
-        assert (refused is not None) == {"v4": dtype == "float32", "v6": dtype == "float32",
+        # v5 reads only a quantized cache's codes (its own tests: test_gpu_decode_window_quant.py)
+        assert (refused is not None) == {"v4": dtype == "float32", "v6": dtype == "float32", "v5": True,
                                          "v7": True, "v9": dtype == "float32"}.get(version, False), (version, dtype,
                                                                                                     refused)
         if refused:
@@ -667,6 +668,10 @@ def test_paged_decode_takes_strided_pools_in_place(rng, version):
     outer = [p.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3) for p in (kp, vp)]
     assert not outer[0].is_contiguous() and outer[0].stride(-1) == 1
     config = cr.DecodeConfig(version=version)
+    if version == "v5":                     # v5 reads a quantized cache's codes, not 16-bit rows
+        with pytest.raises(ValueError, match="config.version"):
+            cr.paged_decode_pools(tq, kp, vp, tables, lens, num_splits=3, config=config)
+        return
     o1, l1 = cr.paged_decode_pools(tq, kp, vp, tables, lens, num_splits=3, config=config)
     o2, l2 = cr.paged_decode_pools(tq, outer[0], outer[1], tables, lens, num_splits=3, config=config)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)

@@ -485,3 +485,6 @@ def test_the_balanced_deal_is_one_block_a_pair_where_the_pairs_fill_the_blocks()
     assert P.decode_balanced_work(136, 4096, 272) == (272, 2048, 2)
     G, W, S = P.decode_balanced_work(136, 1000, 132)      # batch 17 x 8 KV heads on 132 SMs
     assert G == 132 and S == 2 and W == -(-136 * 1000 // 132)
+    # runs shorter than DECODE_BALANCED_MIN_KEYS where the pairs fill the wave: a block a pair
+    assert P.decode_balanced_work(136, 256, 132) == (136, 256, 1)
+    assert P.decode_balanced_work(8, 4096, 132) == (128, 256, 16)   # few pairs: split, 256 keys a run

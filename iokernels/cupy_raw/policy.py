@@ -99,6 +99,14 @@ def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, bloc
     return decode_wave_splits(batch, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
 
 
+#: decode v9 deals runs across pairs only when a block's run would be at least this many keys;
+#: shorter, where the pairs alone give every block of the wave one, each pair is one block's.
+#: On an H100 at batch 17 x 8 KV heads (136 pairs, 132 one-block SMs), runs of about 264 keys
+#: (N = 256) were slower than one block a pair and runs of about 1055 (N = 1024) faster
+#: (benchmarks/results/sweeps/2026-12-07_1519_decode_v9_short_lines_h100.json)
+DECODE_BALANCED_MIN_KEYS = 512
+
+
 @functools.lru_cache(maxsize=4096)      # pure, and on every launch's host path
 def decode_balanced_work(pairs: int, keys: int, blocks: int) -> tuple[int, int, int]:
     """decode v9's deal: (G blocks, W keys a block, S the most segments of one pair) for
@@ -108,11 +116,15 @@ def decode_balanced_work(pairs: int, keys: int, blocks: int) -> tuple[int, int, 
 
     W = ceil(pairs x keys / blocks), at least DECODE_MIN_KEYS_PER_SPLIT (a segment's partial
     write is amortized) and at least what keeps S <= DECODE_MAX_SPLITS; G = ceil(pairs x keys /
-    W) <= blocks.  Pair p's segments are the blocks floor(p keys / W) .. floor(((p + 1) keys - 1)
-    / W): S is the most of them over the pairs (1 where every pair is one block's)."""
+    W) <= blocks.  Where that W is under DECODE_BALANCED_MIN_KEYS and the pairs alone are at least
+    ``blocks``, W = keys: one block a pair.  Pair p's segments are
+    the blocks floor(p keys / W) .. floor(((p + 1) keys - 1) / W): S is the most of them over the
+    pairs (1 where every pair is one block's)."""
     keys, pairs = max(1, keys), max(1, pairs)
     total = pairs * keys
     w = max(-(-total // max(1, blocks)), DECODE_MIN_KEYS_PER_SPLIT, -(-(keys - 1) // (DECODE_MAX_SPLITS - 1)))
+    if w < DECODE_BALANCED_MIN_KEYS and pairs >= blocks:
+        w = keys
     most = max((((p + 1) * keys - 1) // w - p * keys // w + 1 for p in range(pairs)), default=1)
     return -(-total // w), w, most
 
