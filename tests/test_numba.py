@@ -617,7 +617,8 @@ def test_default_configs_fit_every_head_dim(dtype):
             cfg = ForwardConfig(version=version).resolved(d, dtype)
             assert cfg.shared_bytes(d, dtype) <= 48 * 1024
         need = nc.need("attention", q=np.zeros((1, 1, 1, d), dtype))
-        assert nc.REGISTRY.resolve("attention", None, need)[1].version == "v4"    # v5-v7 by name
+        want = "v7" if dtype == "float32" else "v4"           # v7 timed at float32; v5, v6 by name
+        assert nc.REGISTRY.resolve("attention", None, need)[1].version == want
         for version in ("v1", "v2", "v3", "v4", "v5", "v6"):
             assert dec.smem_reason(DecodeConfig(version=version), d, 4, dtype) is None, (version, d)
         need = nc.need("decode", q=np.zeros((1, 4, d), dtype), k=np.zeros((1, 1, 2, d), dtype),

@@ -35,6 +35,10 @@ default, and :mod:`.registry` says when each one's check fails):
 ====================  =======  ===========================  ====  ============================================
 op                    version  file                         rank  what it adds
 ====================  =======  ===========================  ====  ============================================
+attention             v7       numba_cuda/forward_v7.py     7     v6 with its K/V tile copies in 16-byte
+                                                                  chunks: one vector load a chunk from the
+                                                                  row's flat offset (C-contiguous, 16-byte
+                                                                  aligned K/V; else v6's element copy)
 attention             v4       numba_cuda/forward.py        4     v3 with a 4-key step NVVM unrolls (scores in
                                                                   registers) and batched butterflies
 attention             v3       numba_cuda/forward.py        3     several lanes a row and several rows a
@@ -51,10 +55,6 @@ attention             v5       numba_cuda/forward_v5.py     0     register tilin
 attention             v6       numba_cuda/forward_v6.py     0     v5 with 16-byte shared-memory loads: W = 4
                                                                   float32 values a load along the head dim,
                                                                   rows padded by one 16-byte bank group
-attention             v7       numba_cuda/forward_v7.py     0     v6 with its K/V tile copies in 16-byte
-                                                                  chunks: one vector load a chunk from the
-                                                                  row's flat offset (C-contiguous, 16-byte
-                                                                  aligned K/V; else v6's element copy)
 attention_backward    v1       numba_cuda/backward.py       1     FlashAttention-2's backward: K/V tile per
                                                                   block, dK/dV in registers over the GQA
                                                                   group, P recomputed from LSE, dQ by atomics

@@ -176,6 +176,13 @@ def _prefill_check(n: Need):
     return why
 
 
+def _timed_at_float32(n: Need) -> str | None:
+    """forward v7's default_check: the default where it was timed (float32), v4 elsewhere."""
+    if n.dtype != "float32":
+        return f"not the default at {n.dtype}: timed against SDPA's kernel at float32 only (v4 is the default)"
+    return None
+
+
 # --------------------------------------------------------------------------- the records
 def _forward(version, rank, summary):
     kernel = "fwd_v3" if version == "v4" else f"fwd_{version}"          # v4: make_v3 with a 4-key step
@@ -202,8 +209,11 @@ def _gather(version, rank, needs_contiguous, summary):
                   summary, _gather_check(needs_contiguous), rank)
 
 
-#: forward ranks: v4 is the default; v5 to v7 run by name (config=ForwardConfig("v7")) until a
-#: recorded GPU run shows one ahead of v4 (the simulator checks their numbers, not their speed).
+#: forward ranks: v7 is the float32 default (its record: the Numba forward sweep of
+#: benchmarks/results/sweeps/2026-12-07_1520_numba_fwd_v7_h100.json, about twice v4's speed at
+#: B8 H16 N4096 d128, its GPU tests passed in the same call), v4 the default of the dtypes v7 was
+#: not timed at; v5 and v6 run by name (config=ForwardConfig("v6")): the sweeps measured them
+#: level with v4 (the simulator checks their numbers, not their speed).
 #: decode ranks: v6 first, then v5, v4 and v3 (each where its checks pass: v4-v6 read 16-byte
 #: pairs); where v3 cannot run (strided K/V) v1, the kernel written for any strides; v2 on request
 #: (on strided K/V it loads elements, as v1 does).  A version named in policy.HELD_BACK runs by
@@ -221,7 +231,8 @@ RECORDS = (
            "padded by one 16-byte bank group", _forward_check("v6"), 0),
     Record("numba", "attention", "v7", "numba_cuda/forward_v7.py", "fwd_v7", ForwardConfig, fv7.attention,
            "v6 with its K/V tile copies in 16-byte chunks: one vector load a chunk from the row's flat "
-           "offset (C-contiguous, 16-byte aligned K/V; else v6's element copy)", _forward_check("v7"), 0),
+           "offset (C-contiguous, 16-byte aligned K/V; else v6's element copy)", _forward_check("v7"), 7,
+           default_check=_timed_at_float32),
     *_decode("v1", dec.launch_split_v1, 2, False, "a key's dims over L lanes, element loads, split + combine"),
     *_decode("v2", dec.launch_split_v2, 1, False,
              "8-byte word loads unpacked by bit-casts in registers, unrolled loops"),
