@@ -127,3 +127,20 @@ def test_the_cuda_kernels_deal_keys_by_the_contract(tmp_path):
         assert '#include "splits.cuh"' in src, f.name
         assert "decode_split_keys(len, window_left, num_splits, split)" in src, f.name
         assert "per_split = (len" not in src, f.name
+
+
+def test_wave_tail_prices_the_last_wave():
+    """core.splits.wave_tail: 136 pairs on 132 SMs at one split leave 4 SMs a second block (twice
+    the SM's share of 132 / 136 of a pair: 264 / 136); pairs that fill whole waves have no tail;
+    the balanced deal is within one key of even; bad sizes raise naming the argument."""
+    from iokernels.core.splits import wave_tail
+    assert wave_tail(136, 4096, 132) == pytest.approx(2 * 132 / 136)
+    assert wave_tail(136, 4096, 132, splits=2) == pytest.approx(3 * 2048 * 132 / (136 * 4096))
+    assert wave_tail(264, 1000, 132) == pytest.approx(1.0) and wave_tail(132, 77, 132, splits=1) == 1.0
+    for pairs, keys in ((136, 4096), (8, 1000), (17, 3)):
+        tail = wave_tail(pairs, keys, 132, balanced=True)
+        assert 1.0 <= tail <= 1.0 + 132 / (pairs * keys)
+    for bad in (dict(pairs=0), dict(keys=0), dict(num_sms=0), dict(splits=0)):
+        args = dict(pairs=8, keys=100, num_sms=132, splits=1) | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            wave_tail(args["pairs"], args["keys"], args["num_sms"], splits=args["splits"])

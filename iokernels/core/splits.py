@@ -41,3 +41,24 @@ def split_ranges(n_keys: int, num_splits: int, granule: int = 1, start: int = 0)
     if granule < 1:
         raise ValueError(f"granule: must be at least 1, got {granule}")
     return [split_range(n_keys, num_splits, s, granule, start) for s in range(num_splits)]
+
+
+def wave_tail(pairs: int, keys: int, num_sms: int, *, splits: int = 1, balanced: bool = False) -> float:
+    """A model of a split decode's waves: the keys the busiest SM streams, over the keys each SM
+    would stream were the work spread evenly (1.0: no tail; 2.0: the launch takes twice the even
+    time).
+
+    ``pairs`` (sequence, KV head) pairs of ``keys`` keys each run on ``num_sms`` SMs, one block
+    an SM at a time, every key costing the same.  Split-KV (``balanced`` False) gives each pair
+    ``splits`` blocks of ceil(keys / splits) keys, so the busiest SM runs ceil(pairs x splits /
+    num_sms) of them.  The balanced deal (decode v9) lays the pairs' keys end to end and gives
+    each SM one run of ceil(pairs x keys / num_sms).  The model leaves out what a run that
+    crosses pairs costs (a second query load, a pipeline refilled, a partial merged after), and
+    the launch's fixed cost, so it says where a tail is, not what closing it gains."""
+    for name, val in (("pairs", pairs), ("keys", keys), ("num_sms", num_sms), ("splits", splits)):
+        if val < 1:
+            raise ValueError(f"{name}: must be at least 1, got {val}")
+    even = pairs * keys / num_sms
+    if balanced:
+        return -(-pairs * keys // num_sms) / even
+    return -(-pairs * splits // num_sms) * -(-keys // splits) / even
