@@ -455,36 +455,57 @@ def _segments(pairs, keys, W, G):
     return out
 
 
-@pytest.mark.parametrize("pairs,keys,blocks", [(136, 1000, 132), (136, 4096, 264), (8, 1000, 264), (1, 50000, 264),
-                                               (136, 1000, 136), (1024, 4096, 132), (3, 1, 132), (17, 257, 40)])
-def test_the_balanced_deal_covers_every_key_once_in_equal_runs(pairs, keys, blocks):
-    """policy.decode_balanced_work (decode v9): G <= the blocks asked for, every block W keys (the
-    last the rest), W at least DECODE_MIN_KEYS_PER_SPLIT, and, walked as the kernel walks it,
-    each pair's slots [0, keys) covered exactly once by segments whose slots 0..segs-1 are all
-    below S <= DECODE_MAX_SPLITS, S being the most segments of a pair."""
-    G, W, S = P.decode_balanced_work(pairs, keys, blocks)
-    assert G <= max(blocks, 1) and W >= P.DECODE_MIN_KEYS_PER_SPLIT and 1 <= S <= P.DECODE_MAX_SPLITS
-    assert (G - 1) * W < pairs * keys <= G * W
+def _deal(pairs, keys, blocks):
+    """(G, W, S, keys a pair in the kernel's layout) of decode v9 without a split count: the
+    balanced deal where policy.decode_balanced_deal finds one, else v4's splits at one split a
+    pair (the tests' stand-in for the launcher's wave rule)."""
+    deal = P.decode_balanced_deal(pairs, keys, blocks)
+    if deal is not None:
+        return (*deal, keys)
+    W, S, padded = P.decode_pair_deal(keys, 1)
+    return pairs * S, W, S, padded
+
+
+@pytest.mark.parametrize("pairs,keys,blocks,splits", [(136, 1000, 132, None), (136, 4096, 132, None),
+                                                      (192, 3000, 132, None), (1, 50000, 132, 127),
+                                                      (8, 1000, 132, 5), (3, 1, 132, 3), (17, 257, 40, 4),
+                                                      (136, 4096, 132, 3)])
+def test_decode_v9_covers_every_key_once(pairs, keys, blocks, splits):
+    """decode v9's deals (policy.decode_balanced_deal, decode_pair_deal), walked as decode_v9.cu
+    walks them: each pair's keys [0, keys) covered exactly once by segments whose slots
+    0..segs-1 are all below S <= DECODE_MAX_SPLITS (S the most segments of a pair), every block
+    W keys of the layout (the last the rest); the balanced deal within one wave of ``blocks``."""
+    if splits is None:
+        G, W, S, layout = _deal(pairs, keys, blocks)
+    else:
+        W, S, layout = P.decode_pair_deal(keys, splits)
+        G = pairs * S
+    assert 1 <= S <= P.DECODE_MAX_SPLITS and layout >= keys
+    assert (G - 1) * W < pairs * layout <= G * W
+    if P.decode_balanced_deal(pairs, keys, blocks) is not None and splits is None:
+        assert G <= blocks and W >= P.DECODE_BALANCED_MIN_KEYS
     seen = {}
-    for j, p, slot, segs, lo, hi in _segments(pairs, keys, W, G):
+    for j, p, slot, segs, lo, hi in _segments(pairs, layout, W, G):
         assert 0 <= slot < segs <= S and lo < hi
         seen.setdefault(p, []).append((slot, segs, lo, hi))
     assert sorted(seen) == list(range(pairs))
     for p, segs in seen.items():
         segs.sort()
         assert [s[0] for s in segs] == list(range(len(segs))) and all(s[1] == len(segs) for s in segs)
-        assert segs[0][2] == 0 and segs[-1][3] == keys
+        assert segs[0][2] == 0 and segs[-1][3] == layout
         assert all(a[3] == b[2] for a, b in zip(segs, segs[1:]))          # no gap, no overlap
     assert S == max(len(s) for s in seen.values())
 
 
-def test_the_balanced_deal_is_one_block_a_pair_where_the_pairs_fill_the_blocks():
-    """Pairs of whole blocks' keys: one segment a pair (S = 1, O written directly); a call's
-    num_splits asks pairs x S blocks, so S = 2 gives two segments a pair of half the keys."""
-    assert P.decode_balanced_work(136, 1000, 136) == (136, 1000, 1)
-    assert P.decode_balanced_work(136, 4096, 272) == (272, 2048, 2)
-    G, W, S = P.decode_balanced_work(136, 1000, 132)      # batch 17 x 8 KV heads on 132 SMs
+def test_decode_v9_balances_only_a_last_wave_worth_removing():
+    """The balanced deal where one block a pair leaves a last wave (batch 17 x 8 KV heads on 132
+    SMs: one wave of runs); not where the pairs make whole waves (batch 64 x 8), are fewer than
+    the blocks (few sequences) or the runs would be short (N = 256); there v4's splits, each a
+    pair's run (decode_pair_deal: S splits of ceil(keys / S), the pair padded to whole runs)."""
+    G, W, S = P.decode_balanced_deal(136, 1000, 132)
     assert G == 132 and S == 2 and W == -(-136 * 1000 // 132)
-    # runs shorter than DECODE_BALANCED_MIN_KEYS where the pairs fill the wave: a block a pair
-    assert P.decode_balanced_work(136, 256, 132) == (136, 256, 1)
-    assert P.decode_balanced_work(8, 4096, 132) == (128, 256, 16)   # few pairs: split, 256 keys a run
+    assert P.decode_balanced_deal(512, 4096, 132) is None                  # whole waves
+    assert P.decode_balanced_deal(8, 50000, 132) is None                   # fewer pairs than blocks
+    assert P.decode_balanced_deal(136, 256, 132) is None                   # runs of about 264 keys
+    assert P.decode_pair_deal(4096, 3) == (1366, 3, 4098)
+    assert P.decode_pair_deal(1000, 1) == (1000, 1, 1000) and P.decode_pair_deal(5, 8) == (1, 5, 5)

@@ -24,7 +24,7 @@ policy.py           every choose-a-size rule (decode splits, the v4 block shape,
 launch.py           the .cu sources, NVRTC compile cache, device facts, dtype ids, contiguity, streams
 forward.py          attention: fa_v1.cu, fa_v1b.cu, fa_v2.cu
 decode.py           decode, paged decode: decode.cu, decode_v2.cu .. decode_v9.cu (v8: Hopper, contiguous;
-                    v9: v4 dealt in equal runs of keys, policy.decode_balanced_work);
+                    v9: v4 dealt in equal runs of keys, policy.decode_balanced_deal);
                     decode_combine.cu, the separate combine with the splits read side by side
                     (DecodeConfig(combine="parallel"); decode.cu's walks them in turn)
 decode_launch       the split kernels' launch: what a shape fixes, what a call packs, the grid
@@ -123,11 +123,10 @@ attention_backward    v1       bwd_v1.cu            10    FlashAttention-2's bac
                                                           per block, dK/dV in registers, P recomputed from
                                                           LSE, dQ by atomic adds or deterministic per-tile
                                                           partials
-decode, paged_decode  v9       decode_v9.cu         47    v4 with every block the same number of keys: the (b,
-                                                          kv head) pairs' keys laid end to end and dealt in
-                                                          equal runs to one wave of blocks, a partial for each
-                                                          pair a run touches (held back from the default until
-                                                          measured)
+decode, paged_decode  v9       decode_v9.cu         47    v4 with the (b, kv head) pairs' keys laid end to end
+                                                          and dealt in equal runs to one wave of blocks where
+                                                          one block a pair would leave a last wave (held back
+                                                          from the default until measured)
 decode                v8       decode_v8.cu         45    Hopper: the group's query heads are the rows of one
                                                           warpgroup's wgmma tile, and the copy engine streams
                                                           K/V tiles into a ring one thread keeps full

@@ -476,13 +476,14 @@ RECORDS = (
     # tiles by TMA; ranked above v4 and v6, the default past v4's 16 rows (policy.decode_v8_default_at),
     # where it ran faster than v6 at the g = 32 / 64 shapes timed, with its own split rule
     # (policy.decode_v8_splits)
-    # v9 is v4 with every block the same number of keys: the pairs' keys laid end to end and dealt
-    # in equal runs to one wave of blocks (decode_launch.split_launch), so no last wave is a tail;
+    # v9 is v4 with every block the same number of keys where one block a pair would leave a last
+    # wave: the pairs' keys laid end to end and dealt in equal runs to one wave of blocks
+    # (decode_launch.split_launch, policy.decode_balanced_deal); elsewhere it deals v4's splits;
     # ranked above v4 and v8 and held back (policy.HELD_BACK) until its timings beside v4 are
     # recorded: the cliff section times a held-back version next to the default at every shape
     *_records("v9", "decode_v9.cu", "decode_split_v9", _args_v4, check_decode_v4, 47,
-              "v4 with every block the same number of keys: the (b, kv head) pairs' keys laid end to end "
-              "and dealt in equal runs to one wave of blocks, a partial for each pair a run touches", layout="tensor_core", reads=("16-bit",),
+              "v4 with the (b, kv head) pairs' keys laid end to end and dealt in equal runs to one wave "
+              "of blocks where one block a pair would leave a last wave", layout="tensor_core", reads=("16-bit",),
               smem=_smem_v4, balanced=True),
     *_records("v8", "decode_v8.cu", "decode_split_v8", args_v8, check_decode_v8, 45,
               "Hopper: the group's query heads are the rows of one warpgroup's wgmma tile, and the copy "

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import decode_config as C
 from .launch import DTYPE_IDS, blocks_per_sm, function, round_up
-from .policy import decode_balanced_work, decode_wave_splits
+from .policy import decode_balanced_deal, decode_pair_deal, decode_wave_splits
 
 #: threads a block of decode.cu's combine: one per element of a row, up to this many
 COMBINE_MAX_THREADS = 256
@@ -197,10 +197,12 @@ def split_launch(st: SplitStatic, num_splits: int | None, longest: int) -> tuple
     """(S, shared memory, table arguments, grid) of a launch whose longest sequence sees
     ``longest`` keys: S the partials' slots a (b, kv head) pair (the combine's splits).
 
-    A record of ``extra["balanced"]`` (decode v9) deals the pairs' keys, laid end to end, to G
-    blocks of W keys each (:func:`.policy.decode_balanced_work`, for one wave of the kernel's
-    occupancy, or ``num_splits`` blocks a pair where the call names it): grid (G, 1, 1), and
-    (batch, keys a pair, W) after the table arguments.  The others: S = ``num_splits`` or
+    The records of ``extra["balanced"]`` (decode v9) take the pairs' keys laid end to end in
+    runs of W, block j the run [j W, (j + 1) W): grid (G, 1, 1), and (batch, keys a pair, W)
+    after the table arguments.  Where :func:`.policy.decode_balanced_deal` finds a last wave to
+    remove (and the call names no split count) the runs are equal over one wave; else they are
+    v4's splits, ``num_splits`` or :func:`num_splits_for`, each pair padded to whole runs
+    (:func:`.policy.decode_pair_deal`).  The others: S = ``num_splits`` or
     :func:`num_splits_for`, grid (S, heads_grid, batch)."""
     if not st.spec.extra.get("balanced"):
         S = int(num_splits) if num_splits is not None else num_splits_for(st, longest)
@@ -209,8 +211,12 @@ def split_launch(st: SplitStatic, num_splits: int | None, longest: int) -> tuple
     if st.blocks_per_sm is None:
         st.blocks_per_sm = blocks_per_sm(st.fn, st.threads, st.base_smem)
     pairs, keys = st.batch * st.heads_grid, max(1, int(longest))
-    want = pairs * int(num_splits) if num_splits is not None else st.sms * st.blocks_per_sm
-    G, W, S = decode_balanced_work(pairs, keys, want)
+    deal = None if num_splits is not None else decode_balanced_deal(pairs, keys, st.sms * st.blocks_per_sm)
+    if deal is None:
+        W, S, keys = decode_pair_deal(keys, int(num_splits) if num_splits is not None else num_splits_for(st, longest))
+        G = pairs * S
+    else:
+        G, W, S = deal
     smem, table = split_dynamic(st, S, keys, per_split=W)
     return S, smem, (*table, np.int32(st.batch), np.int32(keys), np.int32(W)), (G, 1, 1)
 

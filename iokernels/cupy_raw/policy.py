@@ -11,6 +11,7 @@ from typing import Callable
 import numpy as np
 
 from ..core import conventions as cv
+from ..core.splits import wave_tail
 from ..core.records import held_back_reason
 
 # =========================================================================== decode
@@ -99,39 +100,57 @@ def decode_v8_splits(batch: int, heads_kv: int, seq_len: int, num_sms: int, bloc
     return decode_wave_splits(batch, heads_kv, seq_len, num_sms, blocks_per_sm, row_bytes)
 
 
-#: decode v9 deals runs across pairs only when a block's run would be at least this many keys;
-#: shorter, where the pairs alone give every block of the wave one, each pair is one block's.
-#: On an H100 at batch 17 x 8 KV heads (136 pairs, 132 one-block SMs), runs of about 264 keys
-#: (N = 256) were slower than one block a pair and runs of about 1055 (N = 1024) faster
-#: (benchmarks/results/sweeps/2026-12-07_1519_decode_v9_short_lines_h100.json)
+#: decode v9 deals runs across pairs only when a block's run would be at least this many keys
+#: (shorter runs cost a second query load and pipeline fill for little): on an H100 at batch 17 x
+#: 8 KV heads (136 pairs, 132 one-block SMs), runs of about 264 keys (N = 256) were slower than
+#: one block a pair and runs of about 1055 (N = 1024) faster
+#: (benchmarks/results/sweeps/2026-12-07_1519_decode_v9_short_lines_h100.json) ...
 DECODE_BALANCED_MIN_KEYS = 512
+#: ... and only where one block a pair leaves a last wave this much longer than an even share
+#: (core.splits.wave_tail at one split): 1.94 at batch 17 x 8 KV heads on 132 SMs, where the deal
+#: was faster; 1.03 at batches 64 and 128 x 8, where the cliff record had it level with v4 or
+#: slower, and where there are fewer pairs than blocks (few sequences, MQA) it was slower than v4's
+#: splits at most shapes (benchmarks/results/h100_2026-12-07_cliff_v9_held_back.json).  Elsewhere
+#: v9 deals v4's per-pair splits (:func:`decode_pair_deal`), so it runs what v4 runs
+DECODE_BALANCED_MIN_TAIL = 1.25
 
 
 @functools.lru_cache(maxsize=4096)      # pure, and on every launch's host path
-def decode_balanced_work(pairs: int, keys: int, blocks: int) -> tuple[int, int, int]:
-    """decode v9's deal: (G blocks, W keys a block, S the most segments of one pair) for
-    ``pairs`` (b, kv head) pairs of ``keys`` slots each, laid end to end, over about ``blocks``
-    blocks (the launcher's: one wave, SMs x blocks an SM; or pairs x num_splits where a call
-    names a split count).
+def decode_balanced_deal(pairs: int, keys: int, blocks: int) -> tuple[int, int, int] | None:
+    """decode v9's balanced deal: (G blocks, W keys a block, S the most segments of one pair)
+    for ``pairs`` (b, kv head) pairs of ``keys`` keys each, laid end to end, over ``blocks``
+    blocks (one wave: SMs x blocks an SM), where it pays; None where it does not (then
+    :func:`decode_pair_deal`).
 
-    W = ceil(pairs x keys / blocks), at least DECODE_MIN_KEYS_PER_SPLIT (a segment's partial
-    write is amortized) and at least what keeps S <= DECODE_MAX_SPLITS; G = ceil(pairs x keys /
-    W) <= blocks.  Where that W is under DECODE_BALANCED_MIN_KEYS and the pairs alone are at least
-    ``blocks``, W = keys: one block a pair.  Pair p's segments are
-    the blocks floor(p keys / W) .. floor(((p + 1) keys - 1) / W): S is the most of them over the
-    pairs (1 where every pair is one block's)."""
+    W = ceil(pairs x keys / blocks), at least what keeps S <= DECODE_MAX_SPLITS; G = ceil(pairs x
+    keys / W) <= blocks.  It pays where the pairs are at least ``blocks``, W is at least
+    DECODE_BALANCED_MIN_KEYS and one block a pair leaves a last wave of at least
+    DECODE_BALANCED_MIN_TAIL (:func:`~iokernels.core.splits.wave_tail`).  Pair p's segments are
+    the blocks floor(p keys / W) .. floor(((p + 1) keys - 1) / W): S is the most of them."""
     keys, pairs = max(1, keys), max(1, pairs)
     total = pairs * keys
-    w = max(-(-total // max(1, blocks)), DECODE_MIN_KEYS_PER_SPLIT, -(-(keys - 1) // (DECODE_MAX_SPLITS - 1)))
-    if w < DECODE_BALANCED_MIN_KEYS and pairs >= blocks:
-        w = keys
-    most = max((((p + 1) * keys - 1) // w - p * keys // w + 1 for p in range(pairs)), default=1)
+    w = max(-(-total // max(1, blocks)), -(-(keys - 1) // (DECODE_MAX_SPLITS - 1)))
+    if pairs < blocks or w < DECODE_BALANCED_MIN_KEYS or wave_tail(pairs, keys, blocks) < DECODE_BALANCED_MIN_TAIL:
+        return None
+    most = max(((p + 1) * keys - 1) // w - p * keys // w + 1 for p in range(pairs))
     return -(-total // w), w, most
 
 
+def decode_pair_deal(keys: int, splits: int) -> tuple[int, int, int]:
+    """decode v9's deal of v4's splits: (W keys a block, S segments a pair, keys a pair in the
+    kernel's layout) for ``splits`` splits of ``keys``: W = ceil(keys / splits), S = ceil(keys /
+    W), and each pair padded to S x W slots, so every block's run is one pair's split (the slots
+    past a sequence's keys are empty)."""
+    keys = max(1, keys)
+    w = -(-keys // max(1, splits))
+    s = -(-keys // w)
+    return w, s, s * w
+
+
 #: the decode versions whose combine follows :func:`decode_fuse_combine` when their config leaves
-#: ``fused`` unset (the versions it was measured on; the others fuse)
-DECODE_FUSE_BY_RULE = ("v4", "v8")
+#: ``fused`` unset (the versions it was measured on, and v9, v4's kernel dealt another way; the
+#: others fuse)
+DECODE_FUSE_BY_RULE = ("v4", "v8", "v9")
 #: ... which fuses the combine up to this many of a split's merged values a block (group x head_dim)
 DECODE_FUSED_COMBINE_MAX_VALUES = 1024
 

@@ -88,11 +88,11 @@ class ForwardConfig:
     """Launch shape of the Numba FlashAttention forward.
 
     version: "v1" .. "v7" (None: the default, v7 at float32, v4 at float16 and float64); block_q
-    (Br), block_k (Bc): tile rows, None for the default (Br = 64; Bc the largest of 32, 16, 8 whose K_j, V_j tiles fit the
-    static shared-memory limit at this head dim and dtype; v5: :func:`.policy.forward_v5_tiles`,
-    v6, v7: :func:`.policy.forward_v6_tiles`); threads_per_row, rows_per_thread: v3/v4's register
-    tiling (v1 and v2 use one thread per row), v5-v7's lanes a row group and rows a thread (their
-    S and O blocks); batched_lane_sums: v3/v4 sum
+    (Br), block_k (Bc): tile rows, None for the default (Br = 64; Bc the largest of 32, 16, 8
+    whose K_j, V_j tiles fit the static shared-memory limit at this head dim and dtype; v5:
+    :func:`.policy.forward_v5_tiles`, v6, v7: :func:`.policy.forward_v6_tiles`); threads_per_row,
+    rows_per_thread: v3/v4's register tiling (v1 and v2 use one thread per row), v5-v7's lanes a
+    row group and rows a thread (their S and O blocks); batched_lane_sums: v3/v4 sum
     the lanes' partial dot products of a whole step of keys in one butterfly (True) or key by
     key (False), None: the version's choice (v4 batched, v3 key by key); step_keys: keys per
     online-softmax step of v3/v4 (None: the version's, 8 for v3, 4 for v4).

@@ -43,6 +43,7 @@
 // Compile-time settings: v4's, every one passed by DecodeConfig.defines.  Dynamic SRAM: v4's
 // (decode_v4_smem, with S the slots a pair).
 #include "common.cuh"
+#include "splits.cuh"
 #include "mma.cuh"
 
 #ifndef HEAD_DIM
@@ -283,7 +284,7 @@ decode_split_v9(const elem_t* __restrict__ Q,          // (batch, heads_q, head_
         const int slot = (int)(blockIdx.x - first_block);
         const int segs = (int)(((p + 1) * keys - 1) / W - first_block + 1);
         const int len = seq_lens ? seq_lens[b] : nk;
-        const int first = window_left < 0 ? 0 : max(len - 1 - window_left, 0);
+        const int first = decode_split_keys(len, window_left, 1, 0).x;   // the visible start (splits.cuh)
         const int n_begin = (int)min((long long)len, first + lo), n_end = (int)min((long long)len, first + hi);
 
         const int n_tiles = (n_end - n_begin + TILE_ROWS - 1) / TILE_ROWS;
