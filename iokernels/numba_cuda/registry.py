@@ -210,7 +210,7 @@ def _gather(version, rank, needs_contiguous, summary):
 
 
 #: forward ranks: v7 is the float32 default (its record: the Numba forward sweep of
-#: benchmarks/results/sweeps/2026-12-07_1520_numba_fwd_v7_h100.json, about twice v4's speed at
+#: benchmarks/results/sweeps/2026-12-07_1520_numba_fwd_v7_h100.json, well ahead of v4 at
 #: B8 H16 N4096 d128, its GPU tests passed in the same call), v4 the default of the dtypes v7 was
 #: not timed at; v5 and v6 run by name (config=ForwardConfig("v6")): the sweeps measured them
 #: level with v4 (the simulator checks their numbers, not their speed).

@@ -16,11 +16,14 @@
 // Stream-K's idea (Osama, Merrill, Cecka, Garland and Owens, 2023, paper: each thread block an
 // equal share of the GEMM's k-loop iterations across tile boundaries, the partial tiles
 // fixed up afterwards) put on decode's key axis; CUB's GridEvenShare (code) deals input tiles
-// to thread blocks in the same contiguous, even way.
+// to thread blocks in the same contiguous, even way.  The launcher deals so only where one block
+// a pair would leave a last wave (iokernels/cupy_raw/policy.py: decode_balanced_deal); elsewhere
+// it pads each pair to S runs of W = ceil(keys / S) slots (v4's splits: decode_pair_deal), and
+// every block's run is one split of one pair, as in v4.
 //
 // A pair p's segments are those of the blocks floor(p keys / W) .. floor(((p + 1) keys - 1) / W);
-// segment i is the i-th of them and writes slot i of the pair's partials.  A pair has at most
-// num_splits = ceil((keys - 1) / W) + 1 segments (the launcher's S: the partials' slots).  The
+// segment i is the i-th of them and writes slot i of the pair's partials.  num_splits is the
+// most segments of a pair (the launcher's S: the partials' slots a pair).  The
 // fused merge takes the pair's own count; without it, the block of a pair's segment 0 marks
 // the slots the pair does not use empty (LSE_s = -inf, O_s = 0) for the separate combine,
 // which reads all S.  Every segment's keys are v4's split keys: the visible keys [first, len)
@@ -93,7 +96,6 @@
 #error "decode_v9: STAGES must be at least 2 (one tile in use, one in flight)"
 #endif
 
-
 #define NTHREADS (32 * NUM_WARPS)
 typedef elem_t kv_t;                                  // K/V as stored: 16-bit values
 #define VEC 8                                         // 16-bit elements in one 16-byte chunk
@@ -115,8 +117,8 @@ typedef elem_t kv_t;                                  // K/V as stored: 16-bit v
 // final O, LSE when the pair has one segment and the merge is fused, or every pair has one);
 // then, FUSED, the block that finishes the pair's last segment merges its `segs` partials;
 // else slot 0's block marks the slots past `segs` empty.  decode_common.cuh's decode_finish
-// with a pair's own segment count and slot, and no early return (the block goes on to its
-// next segment).  `scratch`: SRAM the block no longer needs (at least GROUP x S acc_t).
+// with a pair's own segment count and slot; where that returns from the kernel, this returns
+// to the block's loop over its segments.  `scratch`: SRAM the block no longer needs (at least GROUP x S acc_t).
 __device__ __forceinline__ void segment_finish(const acc_t (*red_m)[GROUP], const acc_t (*red_l)[GROUP],
                                                const acc_t* red_o, acc_t* scratch, int slot, int segs,
                                                int num_splits, int b, int hk, int heads_q, int heads_kv,
