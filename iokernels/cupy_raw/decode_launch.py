@@ -163,12 +163,17 @@ def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, pag
                        group_split=defines.get("GROUP_SPLIT", 1))
 
 
+def occupancy(st: SplitStatic) -> int:
+    """The split kernel's blocks an SM, asked of the driver once and kept on ``st``."""
+    if st.blocks_per_sm is None:
+        st.blocks_per_sm = blocks_per_sm(st.fn, st.threads, st.base_smem)
+    return st.blocks_per_sm
+
+
 def num_splits_for(st: SplitStatic, longest: int) -> int:
     """:func:`.policy.decode_wave_splits` (or the record's ``extra["splits"]``, a rule of the same
     arguments: decode v8's) for ``longest`` keys at the kernel's occupancy."""
-    if st.blocks_per_sm is None:
-        st.blocks_per_sm = blocks_per_sm(st.fn, st.threads, st.base_smem)
-    return st.spec.extra.get("splits", decode_wave_splits)(st.batch, st.heads_grid, longest, st.sms, st.blocks_per_sm,
+    return st.spec.extra.get("splits", decode_wave_splits)(st.batch, st.heads_grid, longest, st.sms, occupancy(st),
                               2 * st.head_dim * C.kv_itemsize(st.dtype, st.kv))
 
 
@@ -208,10 +213,8 @@ def split_launch(st: SplitStatic, num_splits: int | None, longest: int) -> tuple
         S = int(num_splits) if num_splits is not None else num_splits_for(st, longest)
         smem, table = split_dynamic(st, S, longest)
         return S, smem, table, (S, st.heads_grid, st.batch)
-    if st.blocks_per_sm is None:
-        st.blocks_per_sm = blocks_per_sm(st.fn, st.threads, st.base_smem)
     pairs, keys = st.batch * st.heads_grid, max(1, int(longest))
-    deal = None if num_splits is not None else decode_balanced_deal(pairs, keys, st.sms * st.blocks_per_sm)
+    deal = None if num_splits is not None else decode_balanced_deal(pairs, keys, st.sms * occupancy(st))
     if deal is None:
         W, S, keys = decode_pair_deal(keys, int(num_splits) if num_splits is not None else num_splits_for(st, longest))
         G = pairs * S
