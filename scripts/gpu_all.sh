@@ -26,7 +26,8 @@
 # the bench (its rows in logs.tar.gz: sweep.json, sweep.log; T_SWEEP its box, default 90 s);
 # SWEEP="triton --shapes b8n32768" the Triton decode sweep (iokernels.bench.sweeps_triton) instead.
 # SWEEP=numba_fwd (or numba_decode) the Numba sweep of iokernels.bench.sweeps_numba (into sweep_numba_fwd.jsonl).
-# SWEEP2 (box T_SWEEP2) a second sweep of any kind after the first, into sweep2.json.
+# SWEEP2 (box T_SWEEP2) a second sweep of any kind after the first, into sweep2.json; SWEEP3 (box
+# T_SWEEP3) a third, into sweep3.json.
 # Stages can be left out when a lease is short and an earlier run of the same tree has
 # their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
@@ -189,6 +190,7 @@ run_sweep() {                                   # run_sweep SPEC BOX STEM
 }
 [ -n "${SWEEP:-}" ] && run_sweep "$SWEEP" "$(left ${T_SWEEP:-90})" sweep
 [ -n "${SWEEP2:-}" ] && run_sweep "$SWEEP2" "$(left ${T_SWEEP2:-90})" sweep2
+[ -n "${SWEEP3:-}" ] && run_sweep "$SWEEP3" "$(left ${T_SWEEP3:-90})" sweep3
 
 # ---------------------------------------------------------------- 3 + 4. traffic and checks, in parallel
 # The device lease is short, so the profiler shares the GPU with the sanitized runs, whose
