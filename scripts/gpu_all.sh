@@ -29,7 +29,8 @@
 # SWEEP2 (box T_SWEEP2) a second sweep of any kind after the first, into sweep2.json; SWEEP3 (box
 # T_SWEEP3) a third, into sweep3.json.
 # Stages can be left out when a lease is short and an earlier run of the same tree has
-# their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0; SAN_FAMILIES="numba cupy" sanitizes only those
+# their result: RING=0, TRAFFIC=0, LIMITS=0, SERVE=0 (TRAFFIC_ONLY=g16: only the profiler's cases whose
+# name holds it); SAN_FAMILIES="numba cupy" sanitizes only those
 # families (default: numba cupy triton); SAN_KERNELS="attention_backward:v3 fp8_attention:v1"
 # sanitizes only those CuPy kernels (op:version); SAN=0 runs no sanitizer at all;
 # SERVE_ARGS replaces the serve-bench arguments; SERVE_FIRST=1 serves before the bench;
@@ -203,7 +204,7 @@ note "$([ "${TRAFFIC:-1}" != 0 ] && echo "traffic (ncu, limit ${T_TRAFFIC}s; lim
   if [ "${TRAFFIC:-1}" != 0 ]; then
     IK_TRAFFIC_NOTE="measured while compute-sanitizer runs (KB-sized kernels) shared the GPU" \
     timeout --kill-after=10 $(( T_TRAFFIC + T_LIMITS + 10 )) $PY scripts/profile_traffic.py all --out "$LOGS/traffic" \
-      --timeout $T_TRAFFIC --limits-timeout $T_LIMITS > "$LOGS/traffic.log" 2>&1
+      --timeout $T_TRAFFIC --limits-timeout $T_LIMITS ${TRAFFIC_ONLY:+--only "$TRAFFIC_ONLY"} > "$LOGS/traffic.log" 2>&1
     echo "[$(( $(date +%s) - T0 ))s] traffic exit $?" >> "$LOGS/stages.txt"
   fi
   files=""

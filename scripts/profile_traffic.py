@@ -149,6 +149,7 @@ LIMIT_SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "Occupancy", "Launc
 #: the bars' shapes (the batch cut where ncu's replays of a long call would eat the time box)
 _DECODE_BAR = dict(B=8, Hq=32, Hkv=8, N=32768, d=128, dtype="float16")   # the Numba decode's bar
 _GROUP64 = dict(B=17, Hq=512, Hkv=8, N=4096, d=128, dtype="bfloat16")  # the decode cliff's worst case
+_GROUP16 = dict(B=17, Hq=128, Hkv=8, N=4096, d=128, dtype="bfloat16")  # one 16-row tile a group, between grid points
 _FP32 = dict(B=2, H=16, N=4096, d=128, dtype="float32")               # the Numba float32 forward's (B8)
 _BF16 = dict(B=2, H=16, N=4096, d=128, dtype="bfloat16")              # FP8's and the backward's (B8)
 
@@ -173,7 +174,9 @@ def _limit_problems():
             ("cupy backward causal", "cupy", "forward + backward 1.3x SDPA FLASH's", causal),
             ("sdpa backward flash causal", "torch", "the backward's bar", causal),
             ("cupy decode", "cupy", "1.0x the best SDPA decode (g = 64)", _GROUP64),
-            ("sdpa decode flash", "torch", "the large-group decode's bar", _GROUP64)]
+            ("sdpa decode flash", "torch", "the large-group decode's bar", _GROUP64),
+            ("cupy decode g16", "cupy", "1.0x the best SDPA decode (g = 16, a batch between grid points)", _GROUP16),
+            ("sdpa decode g16 cudnn", "torch", "the g = 16 decode's bar", _GROUP16)]
 
 
 def _build_limit(name, family, kw, gen):

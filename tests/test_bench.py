@@ -304,12 +304,14 @@ def test_limits_plan_pairs_each_kernel_of_ours_with_the_kernel_its_bar_names():
                     "cupy attention v1b", "sdpa attention efficient"]
     assert all(e["held_to"] and "model_read" not in e for e in entries)
     for ours, sdpa in (("numba decode", "sdpa decode cudnn"), ("numba attention", "sdpa attention efficient"),
-                       ("cupy backward causal", "sdpa backward flash causal"), ("cupy decode", "sdpa decode flash")):
+                       ("cupy backward causal", "sdpa backward flash causal"), ("cupy decode", "sdpa decode flash"),
+                       ("cupy decode g16", "sdpa decode g16 cudnn")):
         assert names.index(ours) < names.index(sdpa)
         assert entries[names.index(ours)]["problem"] == entries[names.index(sdpa)]["problem"]
     table = pt.plan_table(entries)
     assert "held to" in table and "0.8x SDPA cuDNN" in table
     assert [e["case"] for e in pt.plan("fp8", limits=True)] == ["cupy fp8 forward v1", "cupy fp8 forward v2"]
+    assert [e["case"] for e in pt.plan("g16", limits=True)] == ["cupy decode g16", "sdpa decode g16 cudnn"]
 
 
 def test_limits_profile_summarizes_each_kernel_and_joins_the_traffic_record(tmp_path):
