@@ -2,8 +2,9 @@
 one wave of blocks.  CuPy on a GPU (sm_80 and up): skipped elsewhere.
 
 The deal is new; the products are v4's.  So: against the float64 oracle by the 2x rule over
-batches whose runs cross pairs (batch 17 x 8 KV heads on this GPU's SMs, and a deal of 3 blocks
-a pair), ragged lengths with an empty sequence and one shorter than a tile, a sliding window,
+batches whose runs cross pairs (batches 17 and 34 x 8 KV heads, where policy.decode_balanced_deal
+deals across pairs on 132 SMs; a test in test_policy.py says so without a GPU), v4's splits dealt
+as runs (3 blocks a pair, and the shapes the balanced deal leaves alone), ragged lengths with an empty sequence and one shorter than a tile, a sliding window,
 both merges (fused, and the separate combine reading slots a pair does not use), contiguous and
 paged; with one block a pair (num_splits=1) it is v4 at one split bit for bit; and its planned
 launch replays bit for bit under a CUDA graph after the query changes in place.
@@ -36,7 +37,8 @@ def _inputs(torch, rng, B, Hq, Hkv, N, d, dtype):
 
 
 @pytest.mark.parametrize("B,Hq,Hkv,N,d,dtype", [
-    (17, 32, 8, 1000, 128, "bfloat16"),        # 136 pairs on the SMs: runs cross pairs
+    (17, 32, 8, 1000, 128, "bfloat16"),        # 136 pairs on the SMs: runs cross pairs at one block an SM
+    (34, 32, 8, 1000, 128, "float16"),         # 272 pairs: the balanced deal at one or two blocks an SM
     (17, 128, 8, 700, 64, "float16"),          # g = 16: rows 8..15 of the A operand
     (3, 8, 1, 2300, 256, "bfloat16"),          # g = 8 on one KV head, few pairs: several runs a pair
     (5, 4, 4, 333, 128, "float16"),            # MHA, keys not whole tiles

@@ -504,6 +504,8 @@ def test_decode_v9_balances_only_a_last_wave_worth_removing():
     pair's run (decode_pair_deal: S splits of ceil(keys / S), the pair padded to whole runs)."""
     G, W, S = P.decode_balanced_deal(136, 1000, 132)
     assert G == 132 and S == 2 and W == -(-136 * 1000 // 132)
+    # the GPU test's batch 34 x 8 deals across pairs at one and at two blocks an SM
+    assert all(P.decode_balanced_deal(272, 1000, b) is not None for b in (132, 264))
     assert P.decode_balanced_deal(512, 4096, 132) is None                  # whole waves
     assert P.decode_balanced_deal(8, 50000, 132) is None                   # fewer pairs than blocks
     assert P.decode_balanced_deal(136, 256, 132) is None                   # runs of about 264 keys
