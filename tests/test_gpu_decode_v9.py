@@ -4,10 +4,11 @@ one wave of blocks.  CuPy on a GPU (sm_80 and up): skipped elsewhere.
 The deal is new; the products are v4's.  So: against the float64 oracle by the 2x rule over
 batches whose runs cross pairs (batches 17 and 34 x 8 KV heads, where policy.decode_balanced_deal
 deals across pairs on 132 SMs; a test in test_policy.py says so without a GPU), v4's splits dealt
-as runs (3 blocks a pair, and the shapes the balanced deal leaves alone), ragged lengths with an empty sequence and one shorter than a tile, a sliding window,
-both merges (fused, and the separate combine reading slots a pair does not use), contiguous and
-paged; with one block a pair (num_splits=1) it is v4 at one split bit for bit; and its planned
-launch replays bit for bit under a CUDA graph after the query changes in place.
+as runs (3 blocks a pair, and the shapes the balanced deal leaves alone), ragged lengths with an
+empty sequence and one shorter than a tile, a sliding window, both merges (fused, and the
+separate combine reading slots a pair does not use), contiguous and paged; with one block a pair
+(num_splits=1) it is v4 at one split bit for bit; and its planned launch replays bit for bit
+under a CUDA graph after the query changes in place.
 """
 import numpy as np
 import pytest

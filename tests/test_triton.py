@@ -140,13 +140,14 @@ def _decode_inputs(rng, dtype, B=3, Hq=8, Hkv=2, N=45, d=24):
 
 
 @needs_triton
+@pytest.mark.parametrize("version", REGISTRY.versions("decode"))
 @pytest.mark.parametrize("num_splits,window", [(None, None), (2, (6, 0)), (9, None)])   # 9 splits of 3 tiles:
-def test_decode_splits_merge_exactly(num_splits, window, rng):                          # most of them empty
+def test_decode_splits_merge_exactly(num_splits, window, version, rng):                 # most of them empty
     for dtype, group, hkv in (("float16", 4, 2), ("float32", 1, 2), ("bfloat16", 32, 1)):
         q, k, v = _decode_inputs(rng, dtype, Hq=hkv * group, Hkv=hkv)
         lens = np.array([45, 17, 0], dtype=np.int32)
         o, lse = ik.decode(q, k, v, seq_lens=lens, num_splits=num_splits, window=window, backend="triton",
-                           return_lse=True)
+                           return_lse=True, config=DecodeConfig(version=version))
         ref, ref_lse = reference.decode(q, k, v, seq_lens=lens, window=window)
         base = ik.decode(q, k, v, seq_lens=lens, window=window, backend="naive")
         testing.assert_close(o, ref, base, dtype=dtype, masked_rows=(lens == 0)[:, None, None],
@@ -160,6 +161,9 @@ def test_decode_v2_fills_four_programs_a_multiprocessor():
     assert DecodeConfig().depth() == DecodeConfig(version="v2").depth() == (4, 2)
     assert DecodeConfig(version="v1").depth() == (1, None)
     assert DecodeConfig(version="v2", num_stages=3).depth() == (4, 3)
+    assert DecodeConfig(version="v3").depth() == (3, 3)          # held back: a config without a version runs v2's
+    for op in ("decode", "paged_decode"):
+        assert "not the default until measured" in REGISTRY.get(op, "v3").default_check(None)
     with pytest.raises(ValueError, match=r"config\.num_stages"):
         DecodeConfig(num_stages=9)
     for batch, n in ((1, 32768), (8, 4096), (8, 32768)):      # the launcher's rule, asked for 4x the programs
@@ -206,14 +210,18 @@ def _paged_cache(rng, dtype, lens, hkv=2, d=16, block_size=4):
 
 
 @needs_triton
+@pytest.mark.parametrize("version", REGISTRY.versions("paged_decode"))
 @pytest.mark.parametrize("num_splits", [None, 3])
-def test_paged_decode_reads_through_scattered_block_tables(num_splits, rng):
+def test_paged_decode_reads_through_scattered_block_tables(num_splits, version, rng):
+    """Every version (v3 loads a tile's block ids a step ahead: splits of several tiles, and a
+    last tile that ends inside a block, read the right blocks)."""
     lens = (23, 6, 0, 9)
     cache, sids = _paged_cache(rng, "float16", lens)
     tables, _ = cache.block_tables_array(sids)
     assert not np.all(np.diff(tables[0][tables[0] >= 0]) == 1)    # sequence 0's blocks are not consecutive
     q = rng.standard_normal((len(sids), 6, 16)).astype(np.float16)
-    o, lse = ik.paged_decode(q, cache, sids, num_splits=num_splits, backend="triton", return_lse=True)
+    o, lse = ik.paged_decode(q, cache, sids, num_splits=num_splits, backend="triton", return_lse=True,
+                             config=DecodeConfig(version=version))
     base, base_lse = ik.paged_decode(q, cache, sids, backend="tiled", return_lse=True)
     n = max(lens)
     kk, vv = (np.stack([np.pad(cache.gather(s)[i].astype(np.float64), ((0, 0), (0, n - cache.seq_len(s)), (0, 0)))
@@ -362,8 +370,9 @@ def test_the_decode_sweep_rows_build_and_its_command_line_parses():
     for _, kw, deep in st.DECODE_ROWS:
         DecodeConfig(**kw)
         assert deep is None or (isinstance(deep, int) and deep >= 1)
-    assert st.parse_args([]) == (None, st.SERVING_SHAPES)
-    out, shapes = st.parse_args(["o.json", "--shapes", "b8n32768"])
+    assert st.parse_args([]) == (None, st.SERVING_SHAPES, st.DECODE_ROWS)
+    out, shapes, rows = st.parse_args(["o.json", "--shapes", "b8n32768", "--rows", "v3,v1 x4 deep"])
     assert out == "o.json" and [(s["batch"], s["seqlen"]) for s in shapes] == [(8, 32768)]
-    for bad in (["--shapes", "huge"], ["a.json", "b.json"], ["--only", "v1"]):
+    assert [r[0] for r in rows] == ["v3", "v1 x4 deep"]
+    for bad in (["--shapes", "huge"], ["a.json", "b.json"], ["--only", "v1"], ["--rows", "v3,v99"]):
         assert st.parse_args(bad) is None

@@ -12,7 +12,7 @@ import pytest
 
 import iokernels as ik
 from iokernels.core import testing
-from iokernels.triton_backend import REGISTRY, ForwardConfig, launch
+from iokernels.triton_backend import REGISTRY, DecodeConfig, ForwardConfig, launch
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(launch.unavailable() is not None or not launch.cuda_gpu()
@@ -43,9 +43,10 @@ def test_forward_at_model_sizes(version, dtype, shape, rng):
         testing.assert_close(lse, ref_lse, base_lse, dtype=dtype, atol=1e-4, name=f"{version} LSE {dtype}")
 
 
+@pytest.mark.parametrize("version", REGISTRY.versions("decode"))
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("num_splits", [None, 1, 16])
-def test_decode_at_serving_sizes(dtype, num_splits, rng):
+def test_decode_at_serving_sizes(dtype, num_splits, version, rng):
     from iokernels.core import reference
     B, Hq, Hkv, N, d = 16, 32, 8, 3000, 128
     dt = testing.numpy_dtype(dtype)
@@ -55,14 +56,15 @@ def test_decode_at_serving_sizes(dtype, num_splits, rng):
     lens[:2] = (N, 0)
     for window in (None, (511, 0)):
         o, lse = ik.decode(_cuda(q), _cuda(k), _cuda(v), seq_lens=lens, num_splits=num_splits, window=window,
-                           backend="triton", return_lse=True)
+                           backend="triton", return_lse=True, config=DecodeConfig(version=version))
         ref, ref_lse = reference.decode(q, k, v, seq_lens=lens, window=window)
         base = ik.decode(q, k, v, seq_lens=lens, window=window, backend="naive")
         testing.assert_close(o, ref, base, dtype=dtype, masked_rows=(lens == 0)[:, None, None], name=f"decode {dtype}")
         assert np.all(np.isneginf(testing.as_numpy(lse)[1]))
 
 
-def test_paged_decode_pools_on_the_gpu(rng):
+@pytest.mark.parametrize("version", REGISTRY.versions("paged_decode"))
+def test_paged_decode_pools_on_the_gpu(version, rng):
     import torch
     from iokernels.core import reference
     from iokernels.triton_backend import paged_decode_pools
@@ -78,7 +80,7 @@ def test_paged_decode_pools_on_the_gpu(rng):
     k_pool, v_pool = (rng.standard_normal((blocks, page, Hkv, d)).astype(np.float16) for _ in range(2))
     q = rng.standard_normal((B, Hq, d)).astype(np.float16)
     o, lse = paged_decode_pools(_cuda(q), _cuda(k_pool), _cuda(v_pool), torch.from_numpy(tables).cuda(),
-                                torch.from_numpy(lens).cuda())
+                                torch.from_numpy(lens).cuda(), config=DecodeConfig(version=version))
     n = int(lens.max())
     idx = np.clip(tables, 0, None)
     kk, vv = (pool[idx].reshape(B, -1, Hkv, d)[:, :n].transpose(0, 2, 1, 3) for pool in (k_pool, v_pool))

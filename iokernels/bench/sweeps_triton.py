@@ -14,7 +14,9 @@ device; the lengths on the host, as the benchmark's rows pass them).  Every
 time is :func:`iokernels.bench.time_cuda` of the public launcher (what a caller gets).  One
 JSON line a row.
 
-    python -m iokernels.bench.sweeps_triton [out.json] [--shapes serving|b8n32768]
+    python -m iokernels.bench.sweeps_triton [out.json] [--shapes serving|b8n32768] [--rows "v2,v3,..."]
+
+(``--rows``: only the rows of those labels, comma-separated.)
 
 (a GPU with Triton and torch).
 """
@@ -40,13 +42,19 @@ DECODE_ROWS = (
     ("v1 2 stages x3 deep", dict(version="v1", num_stages=2), 3),
     ("v1 3 stages x3 deep", dict(version="v1", num_stages=3), 3),
     ("v1 2 stages x6 deep", dict(version="v1", num_stages=2), 6),
+    ("v1 5 stages x3 deep", dict(version="v1", num_stages=5), 3),
+    ("v2", dict(version="v2"), None),
+    ("v3", dict(version="v3"), None),
+    ("v3 x4 deep", dict(version="v3"), 4),
+    ("v3 4 stages x3 deep", dict(version="v3", num_stages=4), 3),
+    ("v3 2 stages x4 deep", dict(version="v3", num_stages=2), 4),
 )
 #: the shape sets ``--shapes`` names: the serving grid, or its one cell B=8 N=32768 alone
 SHAPE_SETS = {"serving": SERVING_SHAPES, "b8n32768": tuple(s for s in SERVING_SHAPES
                                                             if (s["batch"], s["seqlen"]) == (8, 32768))}
 
 
-def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES):
+def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES, rows_of=DECODE_ROWS):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -75,7 +83,7 @@ def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES):
                              tbps=round(kv_bytes / (ms * 1e-3) / 1e12, 3)))
         kp, vp, tables, lens = bench.device_pages(k, v, seed=0, block_size=16)
         tables, lens = paged_call_tables("triton", tables, lens, q.device)     # as the benchmark's rows call it
-        for label, kw, deep in DECODE_ROWS:
+        for label, kw, deep in rows_of:
             cfg = tb.DecodeConfig(**kw)
             S = None if deep is None else split_count(shape["batch"], shape["heads_kv"], shape["seqlen"],
                                                       cfg.keys_per_tile(False), deep, sms)
@@ -97,27 +105,31 @@ def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES):
 
 
 def parse_args(argv) -> tuple | None:
-    """(out path or None, shapes) of a command line ``[out.json] [--shapes serving|b8n32768]``;
-    None when it is wrong."""
-    rest, out, shapes = list(argv), None, SERVING_SHAPES
+    """(out path or None, shapes, rows) of a command line ``[out.json] [--shapes serving|b8n32768]
+    [--rows LABEL,LABEL]``; None when it is wrong (a label no row has among them)."""
+    rest, out, shapes, rows = list(argv), None, SERVING_SHAPES, DECODE_ROWS
+    labels = {label: row for row in DECODE_ROWS for label in (row[0],)}
     while rest:
         a = rest.pop(0)
         if a == "--shapes" and rest and rest[0] in SHAPE_SETS:
             shapes = SHAPE_SETS[rest.pop(0)]
+        elif a == "--rows" and rest and all(x.strip() in labels for x in rest[0].split(",")):
+            rows = tuple(labels[x.strip()] for x in rest.pop(0).split(","))
         elif out is None and not a.startswith("--"):
             out = a
         else:
             return None
-    return out, shapes
+    return out, shapes, rows
 
 
 def main(argv=None) -> int:
     parsed = parse_args(sys.argv[1:] if argv is None else argv)
     if parsed is None:
-        print(f"usage: python -m iokernels.bench.sweeps_triton [out.json] [--shapes {'|'.join(SHAPE_SETS)}]")
+        print(f"usage: python -m iokernels.bench.sweeps_triton [out.json] [--shapes {'|'.join(SHAPE_SETS)}] "
+              f"[--rows LABEL,...] (labels: {', '.join(r[0] for r in DECODE_ROWS)})")
         return 2
-    out, shapes = parsed
-    sweep_decode(out, shapes=shapes)
+    out, shapes, rows = parsed
+    sweep_decode(out, shapes=shapes, rows_of=rows)
     return 0
 
 

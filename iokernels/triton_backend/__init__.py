@@ -44,6 +44,11 @@ attention_backward    v1       triton_backend/backward_v1.py  1     FlashAttenti
                                                                     from the LSE, dK/dV by K/V tile over the
                                                                     GQA group, dQ by atomic adds or by a
                                                                     deterministic Q-tile pass
+decode, paged_decode  v3       triton_backend/decode_v3.py    3     v2 with a paged tile's block ids loaded a
+                                                                    step ahead, so the pipeliner runs the
+                                                                    paged K/V copies ahead; three programs an
+                                                                    SM, three stages (held back from the
+                                                                    default until measured)
 decode, paged_decode  v2       triton_backend/decode_v1.py    2     v1's kernel four programs deep: the split
                                                                     count fills four programs a
                                                                     multiprocessor, each with a two-stage

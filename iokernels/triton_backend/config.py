@@ -44,7 +44,7 @@ IEEE = 1
 TF32X3 = 2
 
 FORWARD_VERSIONS = ("v1", "v2")
-DECODE_VERSIONS = ("v1", "v2")
+DECODE_VERSIONS = ("v1", "v2", "v3")
 BACKWARD_VERSIONS = ("v1",)
 
 #: forward v1's fixed tile (Br, Bc, warps, stages): one tile for every call
@@ -82,7 +82,15 @@ INTERPRET_DECODE_BLOCK_N = 16
 #: rule with one program a multiprocessor (FlashAttention-2 counts two of its blocks); v2 asks it for four programs a
 #: multiprocessor with a two-stage pipeline, the fastest row of the tuning sweep over the
 #: serving shapes (iokernels.bench.sweeps_triton)
-DECODE_DEPTH = {"v1": (1, None), "v2": (4, 2)}
+#: serving shapes (iokernels.bench.sweeps_triton); v3 (its paged copies pipelined as the contiguous
+#: ones are, :mod:`.decode_v3`) three programs a multiprocessor with a three-stage pipeline, the
+#: contiguous cache's fastest row of the sweep at batch 8 x 32768 keys
+#: (benchmarks/results/sweeps/2026-12-07_1326_triton_decode_b8n32768_h200.json and its H100 twin)
+DECODE_DEPTH = {"v1": (1, None), "v2": (4, 2), "v3": (3, 3)}
+#: the versions the registry's default does not pick until a recorded run has measured them, and
+#: what that run has to show (a config naming one runs it)
+HELD_BACK = {(op, "v3"): "the serving sweep's paged and contiguous rows beside v2's, on the H200"
+             for op in ("decode", "paged_decode")}
 #: backward tiles (Br, Bc) on a GPU and under the interpreter
 BACKWARD_TILE = (64, 64)
 INTERPRET_BACKWARD_TILE = (16, 16)
@@ -167,9 +175,10 @@ class ForwardConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     """The Triton split-KV decode: version "v1" or "v2" (the same kernel, launched
-    :data:`DECODE_DEPTH` deep); block_n: keys per tile (None: 32 on a GPU, 16 under the
-    interpreter); the query heads of one KV head share each K/V tile it loads; num_warps
-    (None: 4); num_stages: the software pipeline's depth (None: the version's, DECODE_DEPTH)."""
+    :data:`DECODE_DEPTH` deep) or "v3" (a paged tile's block ids loaded a step ahead); block_n:
+    keys per tile (None: 32 on a GPU, 16 under the interpreter); the query heads of one KV head
+    share each K/V tile it loads; num_warps (None: 4); num_stages: the software pipeline's depth
+    (None: the version's, DECODE_DEPTH; with no version, that of the newest one not held back)."""
 
     version: str | None = None
     block_n: int | None = None
@@ -192,7 +201,8 @@ class DecodeConfig:
 
     def depth(self) -> tuple[int, int | None]:
         """(programs a multiprocessor the split count fills, pipeline stages or None for Triton's)."""
-        programs, stages = DECODE_DEPTH[self.version or DECODE_VERSIONS[-1]]
+        default = [v for v in DECODE_VERSIONS if ("decode", v) not in HELD_BACK][-1]
+        programs, stages = DECODE_DEPTH[self.version or default]
         return programs, self.num_stages if self.num_stages is not None else stages
 
 

@@ -14,6 +14,9 @@ memory traffic, and one program of four warps a multiprocessor keeps too few loa
 to stream at the memory's speed (Little's law: bytes in flight = bandwidth x latency; Volkov,
 "Understanding Latency Hiding on GPUs", 2016, PhD thesis), so v2 asks the rule for four
 programs a multiprocessor -- more splits at small batches -- each with a two-stage pipeline.
+v3 runs its own split kernel (:mod:`.decode_v3`: a paged tile's block ids loaded a step ahead, so
+Triton's pipeliner runs the paged K/V copies ahead as it does the contiguous ones), three programs
+a multiprocessor deep with three stages.
 """
 from __future__ import annotations
 
@@ -50,7 +53,9 @@ def _occupancy(batch, heads_kv, visible, block_n, programs_per_sm=1) -> int:
 def _launch(qt, kt, vt, table, lens_t, lens, hkv, kv_strides, paged, page, *, num_splits, scale, config, window):
     """The split kernel and the merge, on torch tensors; returns (O, LSE) tensors."""
     from .decode_v1 import merge, split_kv
+    from .decode_v3 import split_kv_v3
     cfg = config or DecodeConfig(version="v2")
+    split = split_kv_v3 if cfg.version == "v3" else split_kv
     B, Hq, d = (int(s) for s in qt.shape)
     dtype = cv.dtype_name(qt)
     left = cv.resolve_window(window)[0]
@@ -66,11 +71,11 @@ def _launch(qt, kt, vt, table, lens_t, lens, hkv, kv_strides, paged, page, *, nu
     lse_part = ln.empty((S, B, Hq), "float32", like=qt)
     group = Hq // hkv
     warps = cfg.num_warps or 4
-    split_kv[(S, B * hkv)](qt, kt, vt, table, lens_t, o_part, lse_part, *ln.strides(qt), *kv_strides,
-                           int(table.stride(0)), B, hkv, group, d, float(scale) * LOG2E, left, S, page,
-                           BLOCK_G=max(16, next_pow2(group)), BLOCK_N=bn, BLOCK_D=padded_head_dim(d), PAGED=paged,
-                           F32=f32_dot(dtype), num_warps=warps,
-                           **({} if stages is None else dict(num_stages=stages)))
+    split[(S, B * hkv)](qt, kt, vt, table, lens_t, o_part, lse_part, *ln.strides(qt), *kv_strides,
+                        int(table.stride(0)), B, hkv, group, d, float(scale) * LOG2E, left, S, page,
+                        BLOCK_G=max(16, next_pow2(group)), BLOCK_N=bn, BLOCK_D=padded_head_dim(d), PAGED=paged,
+                        F32=f32_dot(dtype), num_warps=warps,
+                        **({} if stages is None else dict(num_stages=stages)))
     merge[(B * Hq,)](o_part, lse_part, o, lse, B * Hq, d, S, LN2=LN2, BLOCK_S=next_pow2(S),
                      BLOCK_D=padded_head_dim(d), num_warps=4)
     return o, lse

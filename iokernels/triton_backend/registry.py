@@ -14,13 +14,13 @@ install.
 from __future__ import annotations
 
 from ..core import conventions as cv
-from ..core.records import Record
+from ..core.records import Record, held_back_reason
 from ..core.registry import Need, Registry, forward_lengths
 from . import backward as bwd
 from . import decode as dec
 from . import forward as fwd
 from . import launch as ln
-from .config import TRITON_DTYPES, BackwardConfig, DecodeConfig, ForwardConfig, check_head_dim
+from .config import HELD_BACK, TRITON_DTYPES, BackwardConfig, DecodeConfig, ForwardConfig, check_head_dim
 
 REGISTRY = Registry("triton")
 
@@ -70,6 +70,11 @@ RECORDS = (
     *(Record("triton", op, "v2", "triton_backend/decode_v1.py", "split_kv", DecodeConfig, fn,
              "v1's kernel four programs deep: the split count fills four programs a multiprocessor, each "
              "with a two-stage pipeline, so enough loads are in flight to stream at memory speed", _reason, 2)
+      for op, fn in (("decode", dec.decode), ("paged_decode", dec.paged_decode))),
+    *(Record("triton", op, "v3", "triton_backend/decode_v3.py", "split_kv_v3", DecodeConfig, fn,
+             "v2 with a paged tile's block ids loaded a step ahead, so the pipeliner runs the paged K/V copies "
+             "ahead; three programs an SM, three stages (held back from the default until measured)", _reason, 3,
+             default_check=lambda need, op=op: held_back_reason(HELD_BACK, op, "v3"))
       for op, fn in (("decode", dec.decode), ("paged_decode", dec.paged_decode))),
     Record("triton", "attention_backward", "v1", "triton_backend/backward_v1.py", "dkdv", BackwardConfig,
            bwd.attention_backward, "FlashAttention-2's backward: P recomputed from the LSE, dK/dV by K/V tile over "
