@@ -371,7 +371,7 @@ def test_the_decode_sweep_rows_build_and_its_command_line_parses():
         DecodeConfig(**kw)
         assert deep is None or (isinstance(deep, int) and deep >= 1)
     assert st.parse_args([]) == (None, st.SERVING_SHAPES, st.DECODE_ROWS)
-    out, shapes, rows = st.parse_args(["o.json", "--shapes", "b8n32768", "--rows", "v3,v1 x4 deep"])
+    out, shapes, rows = st.parse_args(["o.json", "--shapes", "b8n32768", "--rows", "v3,v1_x4_deep"])
     assert out == "o.json" and [(s["batch"], s["seqlen"]) for s in shapes] == [(8, 32768)]
     assert [r[0] for r in rows] == ["v3", "v1 x4 deep"]
     for bad in (["--shapes", "huge"], ["a.json", "b.json"], ["--only", "v1"], ["--rows", "v3,v99"]):

@@ -16,7 +16,7 @@ JSON line a row.
 
     python -m iokernels.bench.sweeps_triton [out.json] [--shapes serving|b8n32768] [--rows "v2,v3,..."]
 
-(``--rows``: only the rows of those labels, comma-separated.)
+(``--rows``: only the rows of those labels, comma-separated, underscores for spaces.)
 
 (a GPU with Triton and torch).
 """
@@ -104,6 +104,11 @@ def sweep_decode(out_path=None, reps=REPS, shapes=SERVING_SHAPES, rows_of=DECODE
     return _save(out_path, rows)
 
 
+def _label(word: str) -> str:
+    """A row's label as a command line may spell it: underscores for its spaces."""
+    return word.strip().replace("_", " ")
+
+
 def parse_args(argv) -> tuple | None:
     """(out path or None, shapes, rows) of a command line ``[out.json] [--shapes serving|b8n32768]
     [--rows LABEL,LABEL]``; None when it is wrong (a label no row has among them)."""
@@ -113,8 +118,8 @@ def parse_args(argv) -> tuple | None:
         a = rest.pop(0)
         if a == "--shapes" and rest and rest[0] in SHAPE_SETS:
             shapes = SHAPE_SETS[rest.pop(0)]
-        elif a == "--rows" and rest and all(x.strip() in labels for x in rest[0].split(",")):
-            rows = tuple(labels[x.strip()] for x in rest.pop(0).split(","))
+        elif a == "--rows" and rest and all(_label(x) in labels for x in rest[0].split(",")):
+            rows = tuple(labels[_label(x)] for x in rest.pop(0).split(","))
         elif out is None and not a.startswith("--"):
             out = a
         else:
