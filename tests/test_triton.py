@@ -376,3 +376,35 @@ def test_the_decode_sweep_rows_build_and_its_command_line_parses():
     assert [r[0] for r in rows] == ["v3", "v1 x4 deep"]
     for bad in (["--shapes", "huge"], ["a.json", "b.json"], ["--only", "v1"], ["--rows", "v3,v99"]):
         assert st.parse_args(bad) is None
+
+
+def test_loop_waits_reads_the_waits_inside_a_backward_branch_only():
+    from iokernels.triton_backend.pipeline import loop_waits
+    ptx = ("\tcp.async.wait_group 1;\n"
+           "$L__BB0_1:\n"
+           "\tcp.async.wait_group 2;\n"
+           "\tmma.sync.aligned.m16n8k16;\n"
+           "\t@%p1 bra $L__BB0_2;\n"
+           "\tcp.async.wait_group 4;\n"
+           "$L__BB0_2:\n"
+           "\t@%p2 bra $L__BB0_1;\n"
+           "\tcp.async.wait_group 0;\n")
+    assert loop_waits(ptx) == [2, 4]          # the loop $L__BB0_1 .. its back-branch; a forward branch is none
+    assert loop_waits("cp.async.wait_group 0;") == []
+
+
+@needs_triton
+def test_decode_v3_pipelines_its_paged_loop_as_the_contiguous_one():
+    """Compiled for sm_90 (no GPU): v3's paged key loop keeps copies in flight while it computes
+    (a wait that leaves groups pending), with the contiguous loop's waits and shared memory."""
+    pytest.importorskip("triton.backends.nvidia")
+    from iokernels.triton_backend.decode_v3 import split_kv_v3
+    from iokernels.triton_backend.pipeline import compile_decode, pipeline_table
+    if type(split_kv_v3).__name__ != "JITFunction":        # the interpreter's wrapper: the table runs a fresh process
+        table = pipeline_table((3,))
+        rows = {tuple(w[2:4]): w[4:] for w in (line.split() for line in table.splitlines())
+                if w and w[0] == "split_kv_v3"}                     # (cache, stages): shared B, groups, waits
+        assert rows[("contiguous", "3")] == rows[("paged", "3")] and rows[("paged", "3")][-1] != "0"
+        return
+    contiguous, paged = (compile_decode(split_kv_v3, p, 3) for p in (False, True))
+    assert paged == contiguous and contiguous[2] and min(contiguous[2]) > 0
