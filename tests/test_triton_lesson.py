@@ -81,17 +81,18 @@ def test_the_decode_depth_table_sets_v2s_deeper_split_beside_v1s(tmp_path):
     rows = [ln for ln in lines if "|" in ln and not ln.lstrip().startswith("B")]
     assert len(rows) == 6
     for row in rows:
-        b, n, s1, p1, s2, p2 = (int(t) for part in row.split("|")[:3] for t in part.split())
+        b, n, s1, p1, s2, p2, s3, p3 = (int(t) for part in row.split("|")[:4] for t in part.split())
         assert s1 == occupancy_splits(b, 8, n, 132, block_n=32) and p1 == s1 * b * 8
         assert s2 == occupancy_splits(b, 8, n, 4 * 132, block_n=32) and p2 == s2 * b * 8 and s2 >= s1
-    # a recorded sweep's speeds, found by the rows of v1's and v2's settings
+        assert s3 == occupancy_splits(b, 8, n, 3 * 132, block_n=32) and p3 == s3 * b * 8 and s2 >= s3 >= s1
+    # a recorded sweep's speeds, found by the rows of each version's setting; "-" where it has none
     group = "decode float16 B=8 Hq=32 Hkv=8 N=4096 d=128"
     rec = {"env": {"gpu": "a test GPU"}, "rows": [
         dict(group=group, runner=r, ratio_to_best_sdpa=x) for r, x in
         (("triton v1", 0.5), ("triton v1 2 stages x4 deep", 0.75), ("triton v1 paged", 0.25),
-         ("triton v1 2 stages x4 deep paged", 1.0))]}
+         ("triton v1 2 stages x4 deep paged", 1.0), ("triton v3 paged", 0.95))]}
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(rec))
     table = lesson.decode_depth_table(sweep=path)
-    assert "0.50, 0.75 (0.25, 1.00)" in table and "recorded on a test GPU" in table
+    assert "0.50, 0.75, - (0.25, 1.00, 0.95)" in table and "recorded on a test GPU" in table
     assert sum("(" in ln for ln in table.splitlines()[1:-1]) == 1           # the other shapes have no speeds

@@ -113,20 +113,21 @@ def who_decides_table() -> str:
 
 #: the decode tuning sweeps (:mod:`iokernels.bench.sweeps_triton`) recorded in the repository
 SWEEPS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "sweeps"
-#: the sweep rows that run decode v1's and v2's settings (v2 is v1's kernel four programs deep,
-#: two stages: :data:`.config.DECODE_DEPTH`)
-SWEEP_ROWS = {"v1": "triton v1", "v2": "triton v1 2 stages x4 deep"}
+#: the sweep rows that run each decode version's setting (v2 is v1's kernel four programs deep, two
+#: stages: :data:`.config.DECODE_DEPTH`; v3 its own kernel at its own depth)
+SWEEP_ROWS = {"v1": "triton v1", "v2": "triton v1 2 stages x4 deep", "v3": "triton v3"}
 
 
 def decode_depth_table(sms: int | None = None, sweep: Path | None = None) -> str:
-    """Decode v1's and v2's split counts and programs (splits x B x Hkv) at the serving shapes
+    """Each decode version's split count and programs (splits x B x Hkv) at the serving shapes
     (GQA 32/8, d = 128) on ``sms`` multiprocessors (None: 132, an H100's), and, from the
     latest recorded sweep (or ``sweep``), each version's time as a fraction of the best SDPA
-    kernel's, contiguous and paged, on the GPU that recorded it."""
+    kernel's, contiguous and paged, on the GPU that recorded it ("-" where the sweep has no row)."""
     from ..decode import DEFAULT_NUM_SMS
     from .config import DECODE_BLOCK_N, DECODE_DEPTH
     from .decode import split_count
     sms = DEFAULT_NUM_SMS if sms is None else sms
+    versions = tuple(SWEEP_ROWS)
     if sweep is None:
         found = sorted(SWEEPS.glob("*_triton_decode_*.json"))
         sweep = found[-1] if found else None
@@ -138,18 +139,21 @@ def decode_depth_table(sms: int | None = None, sweep: Path | None = None) -> str
         for row in rec["rows"]:
             if row.get("ratio_to_best_sdpa") is not None:
                 speed[row["group"], row["runner"]] = row["ratio_to_best_sdpa"]
-    head = f"{'B':>3} {'N':>6} | {'v1 splits':>9} {'programs':>8} | {'v2 splits':>9} {'programs':>8}"
+    head = f"{'B':>3} {'N':>6}" + "".join(f" | {v + ' splits':>9} {'programs':>8}" for v in versions)
     if speed:
-        head += " | speed vs best SDPA: v1, v2 (paged: v1, v2)"
+        head += " | speed vs best SDPA: " + ", ".join(versions) + " (paged: the same)"
     lines = [head]
     for batch in (1, 8, 64):
         for n in (4096, 32768):
-            s1, s2 = (split_count(batch, 8, n, DECODE_BLOCK_N, DECODE_DEPTH[v][0], sms) for v in ("v1", "v2"))
-            line = f"{batch:>3} {n:>6} | {s1:>9} {s1 * batch * 8:>8} | {s2:>9} {s2 * batch * 8:>8}"
+            line = f"{batch:>3} {n:>6}"
+            for v in versions:
+                s = split_count(batch, 8, n, DECODE_BLOCK_N, DECODE_DEPTH[v][0], sms)
+                line += f" | {s:>9} {s * batch * 8:>8}"
             group = f"decode float16 B={batch} Hq=32 Hkv=8 N={n} d=128"
-            got = [speed.get((group, SWEEP_ROWS[v] + paged)) for paged in ("", " paged") for v in ("v1", "v2")]
-            if speed and None not in got:
-                line += " | {:.2f}, {:.2f} ({:.2f}, {:.2f})".format(*got)
+            got = [[speed.get((group, SWEEP_ROWS[v] + paged)) for v in versions] for paged in ("", " paged")]
+            if speed and any(x is not None for part in got for x in part):
+                contiguous, paged = (", ".join("-" if x is None else f"{x:.2f}" for x in part) for part in got)
+                line += f" | {contiguous} ({paged})"
             lines.append(line)
     if gpu:
         lines.append(f"(speeds: {Path(sweep).name}, recorded on {gpu})")
