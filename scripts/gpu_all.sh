@@ -19,7 +19,8 @@
 # With a short device lease: DEADLINE=300 scripts/gpu_all.sh OUTDIR (the bench then runs
 # first and whole, the sanitizers get what remains); BENCH_SECTIONS=decode,gather times only
 # those sections (CLIFF_BUDGET_S=90 shortens the cliff sweep's time box, CLIFF_START=K starts it at its
-# K-th case: the next slice of a sweep an earlier run's box cut); GPU_TESTS="tests/test_cupy.py ..."
+# K-th case: the next slice of a sweep an earlier run's box cut; BENCH_BACKENDS=triton times only those
+# backends' rows beside SDPA's); GPU_TESTS="tests/test_cupy.py ..."
 # runs only those files' GPU tests; GPU_TEST_IDS=FILE runs the test ids FILE lists, one a line, whatever
 # their marker (the tests a time box left unrun, say).
 # SWEEP="decode --shapes short --splits 1,2,4" adds a tuning sweep of iokernels.bench.sweeps_cupy after
@@ -130,7 +131,7 @@ T_BENCH=$(left $T_BENCH)
 note "bench (limit ${T_BENCH}s)"
 timeout --kill-after=10 $T_BENCH $PY -m iokernels bench --no-progress --out "$OUT/bench.json" \
   ${BENCH_SECTIONS:+--sections $BENCH_SECTIONS} ${CLIFF_BUDGET_S:+--cliff-budget-s $CLIFF_BUDGET_S} \
-  ${CLIFF_START:+--cliff-start $CLIFF_START} \
+  ${CLIFF_START:+--cliff-start $CLIFF_START} ${BENCH_BACKENDS:+--backends $BENCH_BACKENDS} \
   --target-ms ${BENCH_TARGET_MS:-200} \
   > "$LOGS/bench.log" 2>&1
 note "bench exit $?"

@@ -164,6 +164,36 @@ def test_main_quick_writes_a_record(tmp_path, capsys):
     assert "numpy tiled" in capsys.readouterr().out
 
 
+def test_backends_restricts_the_gpu_rows_for_one_run_and_says_so(tmp_path, monkeypatch):
+    """--backends: the run times only those backends' rows (the record's settings say which), the
+    selection ends with the run (a run stopped by its time box too), and a name that is not a GPU
+    backend is refused before anything runs."""
+    from iokernels.bench import cli, runners
+    monkeypatch.setattr(cli, "_torch_cuda", lambda: object())        # take the GPU branch
+    seen = []
+
+    def cases(p, seed, bar, *, into, **kw):
+        seen.append(runners.row_backends())
+        into.append({"section": "decode", "results": []})
+        return into
+    monkeypatch.setattr(cli, "decode_cases", cases)
+    monkeypatch.setattr(cli, "quant_decode_cases", lambda *a, into, **kw: into)
+    rec = cli.run(("decode",), progress=False, backends=("triton",))
+    assert seen == [("triton",)] and rec["settings"]["backends"] == ["triton"]
+    assert runners.row_backends() == runners.GPU_ROW_BACKENDS
+    monkeypatch.setattr(cli, "decode_cases", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        cli.run(("decode",), progress=False, backends=("cupy", "triton"))
+    assert runners.row_backends() == runners.GPU_ROW_BACKENDS
+    for bad in ("sdpa", ""):
+        with pytest.raises(SystemExit):
+            bench.main(["--backends", bad, "--no-progress", "--out", str(tmp_path / "x.json")])
+        assert not (tmp_path / "x.json").exists()
+    with pytest.raises(ValueError, match="backends"):
+        runners.set_row_backends(["numba", "jax"])
+    assert runners.row_backends() == runners.GPU_ROW_BACKENDS
+
+
 def test_run_checkpoints_each_section_so_a_time_box_keeps_what_finished(tmp_path, monkeypatch, capsys):
     """A bench stopped by its time box must still leave the sections it finished on disk."""
     from iokernels.bench import cli

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .environment import environment, label
 from .runners import (Unavailable, _numpy_only_cases, backward_cases, decode_cases, gather_cases,  # noqa: F401
-                      prefill_cases, quant_decode_cases)
+                      prefill_cases, quant_decode_cases, row_backends, set_row_backends)
 from .runners_fp8 import FP8, fp8_cases
 from .runners_mla import mla_cases
 from .runners_prefill import paged_prefill_cases
@@ -18,7 +18,19 @@ from .timer import DEFAULT_REPS, DEFAULT_WARMUP, _torch_cuda
 
 
 def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARGET_MS_PER_RUNNER,
-        cliff_budget_s=None, cliff_start=0, checkpoint=None) -> dict:
+        cliff_budget_s=None, cliff_start=0, checkpoint=None, backends=None) -> dict:
+    """:func:`_run` with only ``backends``' rows timed (None: every GPU backend's; SDPA's rows
+    always), the selection in the record's settings."""
+    before = set_row_backends(backends)
+    try:
+        return _run(sections, quick=quick, seed=seed, progress=progress, target_ms=target_ms,
+                    cliff_budget_s=cliff_budget_s, cliff_start=cliff_start, checkpoint=checkpoint)
+    finally:
+        set_row_backends(before)
+
+
+def _run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target_ms=TARGET_MS_PER_RUNNER,
+         cliff_budget_s=None, cliff_start=0, checkpoint=None) -> dict:
     """Run the benchmark; returns the record (env + cases).  See :func:`main`.
 
     ``target_ms``: device time each runner's timed loop aims at (repetitions adapt to it,
@@ -34,7 +46,7 @@ def run(sections=DEFAULT_SECTIONS, *, quick=False, seed=0, progress=True, target
     record = {"env": env, "label": label(env), "quick": bool(quick), "seed": seed, "complete": False,
               "settings": dict(warmup=DEFAULT_WARMUP, max_reps=DEFAULT_REPS, statistic="median",
                                l2_flush=True, timer="CUDA events (iokernels.bench.time_cuda)",
-                               target_ms_per_runner=float(target_ms)),
+                               target_ms_per_runner=float(target_ms), backends=list(row_backends())),
               "cases": []}
     gpu = _torch_cuda() is not None
     if not gpu:
@@ -279,7 +291,15 @@ def main(argv=None) -> int:
     p.add_argument("--cliff-start", type=int, default=0,
                    help="index of the cliff sweep's first case (a slice: the last slice's summary row says "
                         "where it stopped)")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated GPU backends whose rows the prefill, compare, decode and backward "
+                        "sections time (default: every one; SDPA's rows are timed either way)")
     args = p.parse_args(argv)
+    backends = None if args.backends is None else [b.strip() for b in args.backends.split(",") if b.strip()]
+    try:
+        set_row_backends(set_row_backends(backends))          # checked before anything runs
+    except ValueError as e:
+        p.error(f"--{e}")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
@@ -287,7 +307,7 @@ def main(argv=None) -> int:
     checkpoint = (lambda rec: write_record(rec, args.out)) if args.out else None
     record = run(sections, quick=args.quick, seed=args.seed, progress=not args.no_progress,
                  target_ms=args.target_ms, cliff_budget_s=args.cliff_budget_s, cliff_start=args.cliff_start,
-                 checkpoint=checkpoint)
+                 checkpoint=checkpoint, backends=backends)
     print(table(record))
     if args.out:
         print(f"wrote {write_record(record, args.out)}")

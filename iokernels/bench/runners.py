@@ -95,6 +95,26 @@ def _resolve_backend(backend, op):
 #: the GPU backends whose registered versions get rows in the attention, decode and backward
 #: sections (the gather has no Triton version)
 GPU_ROW_BACKENDS = ("numba", "cupy", "triton")
+#: the ones this run gives rows (``python -m iokernels bench --backends``; :func:`.cli.run` sets it)
+_ROW_BACKENDS = list(GPU_ROW_BACKENDS)
+
+
+def row_backends() -> tuple:
+    """The GPU backends whose rows this run times (all of :data:`GPU_ROW_BACKENDS` unless the run
+    names fewer); SDPA's rows are timed in every case either way."""
+    return tuple(_ROW_BACKENDS)
+
+
+def set_row_backends(names) -> tuple:
+    """Time only ``names`` (a subset of :data:`GPU_ROW_BACKENDS`; None: all); returns the previous
+    selection.  A name not among them is a ValueError naming ``backends``."""
+    names = GPU_ROW_BACKENDS if names is None else tuple(names)
+    bad = [n for n in names if n not in GPU_ROW_BACKENDS]
+    if bad or not names:
+        raise ValueError(f"backends: expected a non-empty subset of {', '.join(GPU_ROW_BACKENDS)}; got {list(names)}")
+    before = row_backends()
+    _ROW_BACKENDS[:] = names
+    return before
 
 
 def registry_versions(backend, op, **need_args) -> list:
@@ -320,7 +340,7 @@ def _prefill_rows(case, seed, progress, numpy_max_flops, target_ms):
     rows.append(_measure("torch naive", "torch", lambda: ts.naive_attention(q, k, v, causal=causal),
                          work=flops, unit="TFLOP/s", ref=ref, dtype=dtype, target_ms=target_ms))
     progress.update(1)
-    for backend in GPU_ROW_BACKENDS:
+    for backend in row_backends():
         rows += _gpu_rows(backend, "attention",
                           lambda cfg, backend=backend: ik.attention(
                               q, k, v, causal=causal, scale=scale, backend=backend, config=cfg, return_lse=True),
@@ -435,7 +455,7 @@ def _decode_rows(case, seed, progress, target_ms):
     rows = _sdpa_rows(case, q4, k, v, False, ref4, dtype, True, kv_bytes, "TB/s", gqa, target_ms)
     progress.update(5)
     scale = 1.0 / np.sqrt(q.shape[-1])
-    for backend in GPU_ROW_BACKENDS:
+    for backend in row_backends():
         rows += _gpu_rows(backend, "decode",
                           lambda cfg, backend=backend: ik.decode(
                               q, k, v, scale=scale, backend=backend, config=cfg, return_lse=True),
@@ -446,7 +466,7 @@ def _decode_rows(case, seed, progress, target_ms):
         pages = device_pages(k, v, seed)
     except (Unavailable, RuntimeError) as e:   # e.g. out of device memory
         pages = e
-    for backend in GPU_ROW_BACKENDS:
+    for backend in row_backends():
         held = None if isinstance(pages, Exception) else paged_call_tables(backend, pages[2], pages[3], q.device)
 
         def fn(cfg, backend=backend, held=held):
@@ -649,7 +669,7 @@ def _backward_rows(case, seed, progress, target_ms):
     for name in SDPA_NAMES:
         rows.append(_measure(f"sdpa:{name} fwd+bwd", "sdpa", lambda name=name: _sdpa_step(ts, step, name, causal),
                              work=flops, unit="TFLOP/s", dtype=dtype, check=False, target_ms=target_ms))
-    for backend in GPU_ROW_BACKENDS:               # outputs are gradients: compared in the tests
+    for backend in row_backends():               # outputs are gradients: compared in the tests
         rows += _gpu_rows(backend, "attention_backward",
                           lambda cfg, backend=backend: step(lambda a, b, c: autograd.attention(
                               a, b, c, causal=causal, backend=backend, backward_config=cfg)),
