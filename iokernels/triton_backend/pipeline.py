@@ -40,6 +40,14 @@ UNIT_STRIDES = ("sqd", "skd", "svd")
 DIVISIBLE = ("sqb", "sqh", "skb", "skh", "skn", "svb", "svh", "svn", "stb", "HEAD_DIM")
 
 
+def _need_triton(arg: str) -> None:
+    """Compiling needs Triton alone (no torch, no GPU): a ValueError naming ``arg`` without it."""
+    import importlib.util
+    if importlib.util.find_spec("triton") is None:
+        from .launch import INSTALL_HINT
+        raise ValueError(f"{arg}: Triton is not installed ({INSTALL_HINT})")
+
+
 def loop_waits(ptx: str) -> list[int]:
     """The ``cp.async.wait_group`` counts inside the loops of ``ptx`` (the text between a label
     and a later branch back to it), in order."""
@@ -55,9 +63,7 @@ def loop_waits(ptx: str) -> list[int]:
 def compile_decode(kernel, paged: bool, stages: int, block_n: int = 32, arch: int = 90):
     """(shared memory bytes, cp.async groups committed, waits inside the loop) of ``kernel``
     compiled for sm_``arch`` at ``stages`` (raises ValueError where Triton cannot compile)."""
-    from . import launch
-    if not launch.triton_installed():
-        raise ValueError(f"kernel: Triton is not installed ({launch.INSTALL_HINT})")
+    _need_triton("kernel")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -79,9 +85,7 @@ def pipeline_table(stages=(2, 3, 4, 5), block_n: int = 32, arch: int = 90) -> st
     Where this process runs Triton's interpreter (``TRITON_INTERPRET=1``: its kernels are then
     interpreted functions, which Triton does not compile), the table comes from a fresh Python
     process without it."""
-    from . import launch
-    if not launch.triton_installed():
-        raise ValueError(f"stages: Triton is not installed ({launch.INSTALL_HINT})")
+    _need_triton("stages")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         cmd = [sys.executable, "-m", __name__, "--stages", ",".join(map(str, stages)), "--block-n", str(block_n),
