@@ -25,6 +25,7 @@ from ..core.conventions import key_range
 from ..core.gpu import simulator_enabled
 from ..core.testing import make_inputs
 from ..paged import MIN_SCALE, QUANT_FORMATS
+from .backends import GPU_ROW_BACKENDS, row_backends, set_row_backends  # noqa: F401 (the bench's names)
 from .paged_tables import paged_call_tables
 from .specs import CHECK_TOL, NUMPY_MAX_FLOPS, PAGED_BLOCK, SDPA_NAMES, SLOW_CALL_MS, SLOW_ROW_S, TARGET_MS_PER_RUNNER
 from .timer import (DEFAULT_REPS, DEFAULT_WARMUP, _Device, host_calls, host_ms_loop, peak_memory,
@@ -91,30 +92,6 @@ def _resolve_backend(backend, op):
     except (ImportError, AttributeError, ValueError) as e:
         raise Unavailable(f"{backend}.{op} not available: {_first_line(e)}") from None
 
-
-#: the GPU backends whose registered versions get rows in the attention, decode and backward
-#: sections (the gather has no Triton version)
-GPU_ROW_BACKENDS = ("numba", "cupy", "triton")
-#: the ones this run gives rows (``python -m iokernels bench --backends``; :func:`.cli.run` sets it)
-_ROW_BACKENDS = list(GPU_ROW_BACKENDS)
-
-
-def row_backends() -> tuple:
-    """The GPU backends whose rows this run times (all of :data:`GPU_ROW_BACKENDS` unless the run
-    names fewer); SDPA's rows are timed in every case either way."""
-    return tuple(_ROW_BACKENDS)
-
-
-def set_row_backends(names) -> tuple:
-    """Time only ``names`` (a subset of :data:`GPU_ROW_BACKENDS`; None: all); returns the previous
-    selection.  A name not among them is a ValueError naming ``backends``."""
-    names = GPU_ROW_BACKENDS if names is None else tuple(names)
-    bad = [n for n in names if n not in GPU_ROW_BACKENDS]
-    if bad or not names:
-        raise ValueError(f"backends: expected a non-empty subset of {', '.join(GPU_ROW_BACKENDS)}; got {list(names)}")
-    before = row_backends()
-    _ROW_BACKENDS[:] = names
-    return before
 
 
 def registry_versions(backend, op, **need_args) -> list:

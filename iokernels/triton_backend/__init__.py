@@ -20,7 +20,9 @@ forward        the forward launchers (host side)
 forward_v1     forward v1 (a Triton kernel)
 forward_v2     forward v2: off-band and on-band loops, autotuned tiles
 decode         the decode launchers (contiguous and paged)
-decode_v1      split-KV decode v1 and the merge (Triton kernels)
+decode_v1      split-KV decode v1 and the merge (Triton kernels; v2 launches them deeper)
+decode_v3      split-KV decode v3: a paged tile's block ids loaded a step ahead
+pipeline       what Triton's pipeliner made of the decode loops, read from PTX (no GPU)
 backward       the backward launcher (host side)
 backward_v1    backward v1: D = rowsum(dO * O), dK/dV by K/V tile, dQ (Triton kernels)
 tiles          the device functions the kernels share (the product, the key band)
