@@ -4,11 +4,13 @@ The one idea.  Triton pipelines a loop's loads for you (``num_stages``: its soft
 issues the copies of later steps while the current one computes, as ``cp.async`` groups on
 NVIDIA GPUs).  It can run a load ahead only as far as its address is known.  In v1 and v2 a paged
 tile's K/V addresses come from the block table, loaded in the same step (the ids of the tile's
-keys, ``table[b, c // page]``): the pipeliner gives that table load a stage of its own, so the K/V
-copies get one stage fewer.  Compiled for sm_90 (``scripts/triton_pipeline.py`` prints this
-without a GPU), v2's paged loop waits for every copy it issued (``cp.async.wait_group 0``) at three
-and at four stages, where the contiguous loop at three stages keeps the next tiles' copies in
-flight while it computes (``wait_group 2``); only five stages give the paged loop a tile in flight.
+keys, ``table[b, c // page]``): the pipeliner schedules that table load too, and the K/V copies
+it addresses get the stages that are left.  Compiled for sm_90 (``python -m
+iokernels.triton_backend.pipeline`` prints this without a GPU; the record is
+benchmarks/results/sweeps/2026-12-07_1900_triton_decode_pipeline_ptx.txt), the paged loop of v1's
+and v2's kernel waits for every copy it issued (``cp.async.wait_group 0``) at three and at four
+stages, where the contiguous loop at three stages keeps the next tiles' copies in flight while it
+computes (``wait_group 2``); only five stages give the paged loop a tile in flight.
 
 v3 loads the next tile's block ids at the end of each step, into a register the loop carries
 (the first tile's before the loop).  No load of a step then feeds that step's K/V addresses, and
