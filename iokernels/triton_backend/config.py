@@ -81,7 +81,6 @@ INTERPRET_DECODE_BLOCK_N = 16
 #: software pipeline's depth (None: Triton's default).  v1 takes FlashAttention-2's occupancy
 #: rule with one program a multiprocessor (FlashAttention-2 counts two of its blocks); v2 asks it for four programs a
 #: multiprocessor with a two-stage pipeline, the fastest row of the tuning sweep over the
-#: serving shapes (iokernels.bench.sweeps_triton)
 #: serving shapes (iokernels.bench.sweeps_triton); v3 (its paged copies pipelined as the contiguous
 #: ones are, :mod:`.decode_v3`) three programs a multiprocessor with a three-stage pipeline, the
 #: contiguous cache's fastest row of the sweep at batch 8 x 32768 keys

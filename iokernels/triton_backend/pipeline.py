@@ -62,7 +62,7 @@ def loop_waits(ptx: str) -> list[int]:
 
 def compile_decode(kernel, paged: bool, stages: int, block_n: int = 32, arch: int = 90):
     """(shared memory bytes, cp.async groups committed, waits inside the loop) of ``kernel``
-    compiled for sm_``arch`` at ``stages`` (raises ValueError where Triton cannot compile)."""
+    compiled for sm_``arch`` at ``stages`` (a ValueError where Triton is not installed)."""
     _need_triton("kernel")
     import triton
     from triton.backends.compiler import GPUTarget
