@@ -113,9 +113,9 @@ def who_decides_table() -> str:
 
 #: the decode tuning sweeps (:mod:`iokernels.bench.sweeps_triton`) recorded in the repository
 SWEEPS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "sweeps"
-#: the sweep rows that run each decode version's setting (v2 is v1's kernel four programs deep, two
-#: stages: :data:`.config.DECODE_DEPTH`; v3 its own kernel at its own depth)
-SWEEP_ROWS = {"v1": "triton v1", "v2": "triton v1 2 stages x4 deep", "v3": "triton v3"}
+#: the sweep rows that run each decode version's setting, by any of their labels (v2 is v1's kernel
+#: four programs deep, two stages: :data:`.config.DECODE_DEPTH`; v3 its own kernel at its own depth)
+SWEEP_ROWS = {"v1": ("triton v1",), "v2": ("triton v2", "triton v1 2 stages x4 deep"), "v3": ("triton v3",)}
 
 
 def decode_depth_table(sms: int | None = None, sweep: Path | None = None) -> str:
@@ -150,7 +150,8 @@ def decode_depth_table(sms: int | None = None, sweep: Path | None = None) -> str
                 s = split_count(batch, 8, n, DECODE_BLOCK_N, DECODE_DEPTH[v][0], sms)
                 line += f" | {s:>9} {s * batch * 8:>8}"
             group = f"decode float16 B={batch} Hq=32 Hkv=8 N={n} d=128"
-            got = [[speed.get((group, SWEEP_ROWS[v] + paged)) for v in versions] for paged in ("", " paged")]
+            got = [[next((speed[group, r + paged] for r in SWEEP_ROWS[v] if (group, r + paged) in speed), None)
+                    for v in versions] for paged in ("", " paged")]
             if speed and any(x is not None for part in got for x in part):
                 contiguous, paged = (", ".join("-" if x is None else f"{x:.2f}" for x in part) for part in got)
                 line += f" | {contiguous} ({paged})"
