@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import re
 import sys
 import time
@@ -193,7 +194,7 @@ def _measure(name, group, fn, *, work, unit, ref=None, dtype="float32", device=T
         row["status"] = f"failed: {type(e).__name__}: {_first_line(e)}"
     finally:
         release_device_cache()
-        row["wall_s"] = round(time.perf_counter() - t_row, 2)
+        row["wall_s"] = math.ceil((time.perf_counter() - t_row) * 1e3) / 1e3   # rounded up: a cost
         if row["wall_s"] > SLOW_ROW_S:
             print(f"    {name}: {row['wall_s']:.1f} s ({row.get('status', 'stopped')})", file=sys.stderr, flush=True)
     return row
