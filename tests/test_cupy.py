@@ -645,6 +645,7 @@ def test_sanitize_cases_run():
         assert any(r.startswith(f"{k.op} {k.version} ") for r in ran), k.name
     assert any("unfused" in r or "'fused': False" in r for r in ran)
     assert any("'combine': 'parallel'" in r for r in ran)              # decode_combine.cu's kernel too
+    assert any(r.startswith("decode v9") and "dealt across pairs" in r for r in ran)   # v9's own deal too
     for kv in ("int8", "float8_e4m3fn"):                 # decode v5, the quantized codes, both formats
         assert any(r.startswith("paged_decode v5") and f" {kv} " in r for r in ran), kv
 

@@ -7,8 +7,10 @@ deals across pairs on 132 SMs; a test in test_policy.py says so without a GPU), 
 as runs (3 blocks a pair, and the shapes the balanced deal leaves alone), ragged lengths with an
 empty sequence and one shorter than a tile, a sliding window, both merges (fused, and the
 separate combine reading slots a pair does not use), contiguous and paged; with one block a pair
-(num_splits=1) it is v4 at one split bit for bit; and its planned launch replays bit for bit
-under a CUDA graph after the query changes in place.
+(num_splits=1) it is v4 at one split bit for bit; where the deal is declined its launch is v4's
+(test_policy.py says which without a GPU; here the same bits, eager and planned, contiguous and
+paged); and its planned launch replays bit for bit under a CUDA graph after the query changes in
+place.
 """
 import numpy as np
 import pytest
@@ -92,6 +94,30 @@ def test_v9_at_one_block_a_pair_is_v4_at_one_split(rng):
     o9, l9 = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=1, config=cr.DecodeConfig("v9"))
     o4, l4 = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=1, config=cr.DecodeConfig("v4"))
     assert torch.equal(o9, o4) and torch.equal(l9, l4)
+
+
+def test_v9_where_the_deal_is_declined_is_v4(rng):
+    """Batch 17 x 8 KV heads at 256 keys (runs too short to deal) and batch 3 (fewer pairs than
+    SMs): v9 without a split count launches v4, eager and through the public call's plan, over
+    a contiguous cache and pages."""
+    import iokernels as ik
+    torch = _torch()
+    cr = _cr()
+    from iokernels import bench
+    for B, N in ((17, 256), (3, 3000)):
+        tq, tk, tv = _inputs(torch, rng, B, 32, 8, N, 128, "float16")
+        lens = np.full(B, N)
+        lens[-1] = N // 3
+        dl = torch.from_numpy(lens.astype(np.int32)).cuda()
+        want = cr.decode(tq, tk, tv, seq_lens=lens, config=cr.DecodeConfig("v4"))
+        for got in (cr.decode(tq, tk, tv, seq_lens=lens, config=cr.DecodeConfig("v9")),
+                    ik.decode(tq, tk, tv, backend="cupy", seq_lens=dl, config=cr.DecodeConfig("v9"),
+                              return_lse=True)):
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (B, N)
+        kp, vp, tables, _ = bench.device_pages(tk, tv, seed=0, block_size=16)
+        pw = cr.paged_decode_pools(tq, kp, vp, tables, lens, config=cr.DecodeConfig("v4"))
+        pg = cr.paged_decode_pools(tq, kp, vp, tables, lens, config=cr.DecodeConfig("v9"))
+        assert torch.equal(pg[0], pw[0]) and torch.equal(pg[1], pw[1]), ("paged", B, N)
 
 
 def test_v9_in_the_plan_and_a_graph(rng):

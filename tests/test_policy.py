@@ -511,3 +511,45 @@ def test_decode_v9_balances_only_a_last_wave_worth_removing():
     assert P.decode_balanced_deal(136, 256, 132) is None                   # runs of about 264 keys
     assert P.decode_pair_deal(4096, 3) == (1366, 3, 4098)
     assert P.decode_pair_deal(1000, 1) == (1000, 1, 1000) and P.decode_pair_deal(5, 8) == (1, 5, 5)
+
+
+def _static(version, fn, batch, undealt=None):
+    """A SplitStatic of decode ``version`` built by hand (no GPU: ``fn`` stands in for the kernel,
+    its occupancy given): batch x 8 KV heads, g = 4, d = 128, float16, 132 SMs, one block an SM."""
+    from iokernels.cupy_raw import REGISTRY
+    from iokernels.cupy_raw.decode_config import DecodeConfig
+    from iokernels.cupy_raw.decode_launch import SplitStatic
+    cfg = DecodeConfig(version)
+    defines = cfg.defines(128, "float16", 4, False, 0, smem_limit=227 * 1024, cc=90, pairs=batch * 8, sms=132)
+    return SplitStatic(REGISTRY.get("decode", version), cfg, fn, defines, 32 * defines["NUM_WARPS"],
+                       bool(defines.get("FUSED", 0)), True, 0, batch, 32, 8, 128, "float16", 4, None, False, 0,
+                       True, 227 * 1024, 132, float, blocks_per_sm=1, undealt=undealt)
+
+
+@pytest.mark.parametrize("batch,keys,splits,dealt", [(17, 1000, None, True), (17, 256, None, False),
+                                                     (64, 4096, None, False), (1, 50000, None, False),
+                                                     (17, 1000, 1, None), (17, 4096, 3, None)])
+def test_decode_v9_launches_v4_where_its_deal_is_declined(batch, keys, splits, dealt):
+    """decode v9's launch (decode_launch.split_launch): the balanced deal on v9's kernel where
+    policy.decode_balanced_deal finds one; where it declines, v4's own launch (its static: its
+    kernel, its split count, its grid), so v9 is v4 there; a named split count runs v4's splits
+    as runs of v9's kernel (dealt None: the pair deal)."""
+    from types import SimpleNamespace
+
+    from iokernels.cupy_raw.decode_launch import split_launch
+    fn9, fn4 = (SimpleNamespace(max_dynamic_shared_size_bytes=1 << 20) for _ in range(2))
+    v4 = _static("v4", fn4, batch)
+    v9 = _static("v9", fn9, batch, undealt=v4)
+    assert v4.defines == v9.defines                      # one config, one set of defines: v4's kernel
+    S, smem, table, grid, st = split_launch(v9, splits, keys)
+    if dealt is False:
+        assert st is v4 and st.fn is fn4
+        assert (S, smem, table, grid) == split_launch(v4, None, keys)[:4]
+        assert grid == (S, 8, batch) and table == ()
+        return
+    assert st is v9 and st.fn is fn9 and grid[1:] == (1, 1)
+    W = int(table[-1])
+    if dealt:
+        assert (grid[0], W, S) == P.decode_balanced_deal(batch * 8, keys, 132)
+    else:
+        assert (W, S, int(table[-2])) == P.decode_pair_deal(keys, splits) and grid[0] == batch * 8 * S

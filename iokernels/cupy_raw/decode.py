@@ -388,7 +388,7 @@ def launch_decode(qd, kd, vd, lens_d, o, lse, *, dtype, scale, num_splits=None, 
     st = split_static(spec, config, batch=B, heads_q=Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
                       paged=paged is not None, block_size=paged[1] if paged is not None else 0, aligned=aligned,
                       kv=None if quant is None else quant["kv"], dev=device_info())
-    S, smem, table, grid = split_launch(st, num_splits, longest)
+    S, smem, table, grid, st = split_launch(st, num_splits, longest)
     i32, i64 = np.int32, np.int64
     if S > 1:
         scratch = Call(o.owner, name="o")
@@ -478,13 +478,13 @@ RECORDS = (
     # (policy.decode_v8_splits)
     # v9 is v4 with every block the same number of keys where one block a pair would leave a last
     # wave: the pairs' keys laid end to end and dealt in equal runs to one wave of blocks
-    # (decode_launch.split_launch, policy.decode_balanced_deal); elsewhere it deals v4's splits;
+    # (decode_launch.split_launch, policy.decode_balanced_deal); elsewhere it launches v4 itself;
     # ranked above v4 and v8 and held back (policy.HELD_BACK) until its timings beside v4 are
     # recorded: the cliff section times a held-back version next to the default at every shape
     *_records("v9", "decode_v9.cu", "decode_split_v9", _args_v4, check_decode_v4, 47,
               "v4 with the (b, kv head) pairs' keys laid end to end and dealt in equal runs to one wave "
               "of blocks where one block a pair would leave a last wave", layout="tensor_core", reads=("16-bit",),
-              smem=_smem_v4, balanced=True),
+              smem=_smem_v4, balanced=True, undealt="v4"),
     *_records("v8", "decode_v8.cu", "decode_split_v8", args_v8, check_decode_v8, 45,
               "Hopper: the group's query heads are the rows of one warpgroup's wgmma tile, and the copy "
               "engine streams K/V tiles into a ring one thread keeps full",

@@ -15,12 +15,14 @@ memset kernel, which a CUDA graph captures as well).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import decode_config as C
-from .launch import DTYPE_IDS, blocks_per_sm, function, round_up
+from .launch import DTYPE_IDS, REGISTRY, blocks_per_sm, function, round_up
+from .packed import function_ptr
 from .policy import decode_balanced_deal, decode_pair_deal, decode_wave_splits
 
 #: threads a block of decode.cu's combine: one per element of a row, up to this many
@@ -117,6 +119,8 @@ class SplitStatic:
     acc: type
     blocks_per_sm: int | None = None     # the kernel's occupancy, asked of the driver once
     group_split: int = 1                 # blocks a KV head (decode v7's GROUP_SPLIT; else 1)
+    undealt: SplitStatic | None = None   # a balanced record's launch where its deal is declined
+    fn_ptr: int | None = None            # the kernel's CUfunction handle (kernel_ptr), asked once
 
     @property
     def heads_grid(self) -> int:
@@ -157,10 +161,25 @@ def split_static(spec, config, *, batch, heads_q, heads_kv, head_dim, dtype, pag
     else:
         base_smem = 0
         fn = function(spec.file, spec.kernel, defines, sources=sources)
+    undealt = None
+    if spec.extra.get("undealt"):
+        # decode v9: the version whose launch it makes where the balanced deal is declined (v4),
+        # compiled from the same config, so the two kernels take the same defines
+        other = spec.extra["undealt"]
+        undealt = split_static(REGISTRY.get(spec.op, other), dataclasses.replace(config, version=other),
+                               batch=batch, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim, dtype=dtype,
+                               paged=paged, block_size=block_size, aligned=aligned, kv=kv, dev=dev)
     return SplitStatic(spec, config, fn, defines, 32 * defines["NUM_WARPS"], bool(defines.get("FUSED", 0)),
                        ring_fused, base_smem, batch, heads_q, heads_kv, d, dtype, group, kv, paged, block_size,
                        aligned, dev["smem_optin"], dev["sms"], np.float64 if dtype == "float64" else np.float32,
-                       group_split=defines.get("GROUP_SPLIT", 1))
+                       group_split=defines.get("GROUP_SPLIT", 1), undealt=undealt)
+
+
+def kernel_ptr(st: SplitStatic) -> int:
+    """The CUfunction handle of ``st``'s kernel (what a packed launch takes), asked once."""
+    if st.fn_ptr is None:
+        st.fn_ptr = function_ptr(st.fn)
+    return st.fn_ptr
 
 
 def occupancy(st: SplitStatic) -> int:
@@ -198,30 +217,37 @@ def split_dynamic(st: SplitStatic, splits: int, longest: int, per_split: int | N
     return smem, ((np.int32(table_cap), np.int32(table_offset)) if st.paged else ())
 
 
-def split_launch(st: SplitStatic, num_splits: int | None, longest: int) -> tuple[int, int, tuple, tuple]:
-    """(S, shared memory, table arguments, grid) of a launch whose longest sequence sees
-    ``longest`` keys: S the partials' slots a (b, kv head) pair (the combine's splits).
+def split_launch(st: SplitStatic, num_splits: int | None,
+                 longest: int) -> tuple[int, int, tuple, tuple, SplitStatic]:
+    """(S, shared memory, table arguments, grid, the static launched) of a launch whose longest
+    sequence sees ``longest`` keys: S the partials' slots a (b, kv head) pair (the combine's
+    splits).  The static launched is ``st``, or its ``undealt`` (below): its kernel and its
+    argument builder make the launch.
 
     The records of ``extra["balanced"]`` (decode v9) take the pairs' keys laid end to end in
     runs of W, block j the run [j W, (j + 1) W): grid (G, 1, 1), and (batch, keys a pair, W)
     after the table arguments.  Where :func:`.policy.decode_balanced_deal` finds a last wave to
-    remove (and the call names no split count) the runs are equal over one wave; else they are
-    v4's splits, ``num_splits`` or :func:`num_splits_for`, each pair padded to whole runs
+    remove (and the call names no split count) the runs are equal over one wave.  Where it
+    declines, the launch is the ``undealt`` version's (v4's: its kernel, its splits, its grid),
+    so v9 runs what v4 runs there by construction.  Where the call names a split count, the
+    runs are v4's splits dealt by v9's kernel, each pair padded to whole runs
     (:func:`.policy.decode_pair_deal`).  The others: S = ``num_splits`` or
     :func:`num_splits_for`, grid (S, heads_grid, batch)."""
     if not st.spec.extra.get("balanced"):
         S = int(num_splits) if num_splits is not None else num_splits_for(st, longest)
         smem, table = split_dynamic(st, S, longest)
-        return S, smem, table, (S, st.heads_grid, st.batch)
+        return S, smem, table, (S, st.heads_grid, st.batch), st
     pairs, keys = st.batch * st.heads_grid, max(1, int(longest))
     deal = None if num_splits is not None else decode_balanced_deal(pairs, keys, st.sms * occupancy(st))
+    if deal is None and num_splits is None and st.undealt is not None:
+        return split_launch(st.undealt, None, longest)
     if deal is None:
         W, S, keys = decode_pair_deal(keys, int(num_splits) if num_splits is not None else num_splits_for(st, longest))
         G = pairs * S
     else:
         G, W, S = deal
     smem, table = split_dynamic(st, S, keys, per_split=W)
-    return S, smem, (*table, np.int32(st.batch), np.int32(keys), np.int32(W)), (G, 1, 1)
+    return S, smem, (*table, np.int32(st.batch), np.int32(keys), np.int32(W)), (G, 1, 1), st
 
 
 def pack(st: SplitStatic, splits: int, table: tuple, *, q, k, v, cache: tuple, scales: tuple, lens, nk: int,

@@ -58,7 +58,7 @@ from ..core.arrays import Call, device_array
 from .decode import (_check_cache, _check_decode_q, _host, _visible, _window_left, check_device_scales,
                      check_paged_lengths, pools_need, run_decode)
 from . import decode_config as DC
-from .decode_launch import combine_launch, launch_combine, pack, split_launch, split_static
+from .decode_launch import combine_launch, kernel_ptr, launch_combine, pack, split_launch, split_static
 from .launch import contiguous, cupy, device_info, unit_rows
 from .packed import ArgBuffer, function_ptr, kept, kept_until_full, placeholder, slots_of
 from .registry import REGISTRY, need
@@ -395,11 +395,11 @@ class DecodePlan:
         if not self.empty:
             self.st = split_static(spec, cfg, batch=B, heads_q=self.Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
                                    paged=False, block_size=0, aligned=aligned, kv=None, dev=device_info())
-            self.fn_ptr = function_ptr(self.st.fn)            # what a packed run launches
             self._launch_for(int(min(N, self.left + 1) if self.left >= 0 else N))   # checks the SRAM now
 
     def _launch_for(self, longest: int):
-        """(splits, shared memory, table arguments, grid) for a longest sequence of ``longest`` keys."""
+        """(splits, shared memory, table arguments, grid, the static launched: split_launch's) for a
+        longest sequence of ``longest`` keys."""
         got = self._launches.get(longest)
         if got is None:
             if len(self._launches) >= PLAN_LAUNCHES_KEPT:
@@ -466,30 +466,31 @@ class DecodePlan:
             q = contiguous(q)
         if self.copy_kv:
             k, v = unit_rows(k).owner, unit_rows(v).owner
-        S, smem, table, grid = self._launch_for(longest)
+        S, smem, table, grid, st = self._launch_for(longest)
 
         def pack_call(P, parts, counters):
-            return pack(self.st, S, table, q=P[0], k=P[1], v=P[2], cache=self.cache_args, scales=(), lens=P[5],
+            return pack(st, S, table, q=P[0], k=P[1], v=P[2], cache=self.cache_args, scales=(), lens=P[5],
                         nk=self.N, scale=self.scale, window_left=self.left, parts=parts, counters=counters,
                         o=P[3], lse=P[4]), 6
         ptrs = int_ptrs(self.alloc.torch, q, k, v, o, lse)
         buf = self._packed(stream, S, smem, table, pack_call, ptrs[:3])
-        self._launch(stream, sobj, S, grid, smem, buf, pack_call, ptrs, (lens_arg,))
+        self._launch(st, stream, sobj, S, grid, smem, buf, pack_call, ptrs, (lens_arg,))
         return o, lse
 
-    def _launch(self, stream: int, sobj, S: int, grid: tuple, smem: int, buf, pack_call, ptrs: tuple,
+    def _launch(self, st, stream: int, sobj, S: int, grid: tuple, smem: int, buf, pack_call, ptrs: tuple,
                 more: tuple) -> None:
-        """The split kernel (and the combine, where the version does not fuse it) on ``stream``:
+        """The split kernel of ``st`` (split_launch's static: the plan's, or the version its deal
+        falls back to) and the combine, where the version does not fuse it, on ``stream``:
         through the packed arguments ``buf``, or, where they do not pack, CuPy's launch of the
         arguments ``pack_call`` makes.  ``ptrs``: q, k, v, O, LSE (ints); ``more``: the other
         slots' values in order (the lengths; the tables and the scales of a paged cache), np.uint64."""
         if buf:
-            buf.launch(self.fn_ptr, grid, (self.st.threads,), smem, stream,
+            buf.launch(kernel_ptr(st), grid, (st.threads,), smem, stream,
                        *ptrs[self.mapped:], *map(int, more))
         else:
             args, _ = pack_call((*map(np.uint64, ptrs), *more), *_split_parts(self._workspace(stream, S)))
             with sobj:
-                self.st.fn(grid, (self.st.threads,), args, shared_mem=smem)
+                st.fn(grid, (st.threads,), args, shared_mem=smem)
         if S > 1 and not self.st.fused:
             comb = self._combine(stream, S) if buf else None
             if comb:
@@ -621,7 +622,6 @@ class PagedDecodePlan:
             self.st = split_static(spec, cfg, batch=B, heads_q=self.Hq, heads_kv=Hkv, head_dim=d, dtype=dtype,
                                    paged=True, block_size=bs, aligned=aligned,
                                    kv=None if self.quant is None else self.quant[0], dev=device_info())
-            self.fn_ptr = function_ptr(self.st.fn)            # what a packed run launches
             self._launch_for(self._capacity())
 
     def _capacity(self) -> int:
@@ -662,18 +662,18 @@ class PagedDecodePlan:
             q = contiguous(q)
         if self.copy_kv:
             k_pool, v_pool = unit_rows(k_pool).owner, unit_rows(v_pool).owner
-        S, smem, table, grid = self._launch_for(longest)
+        S, smem, table, grid, st = self._launch_for(longest)
         quant_tail = () if self.quant is None else self.quant[1:]
 
         def pack_call(P, parts, counters):
             scales = () if self.quant is None else (P[7], P[8], *quant_tail)
             cache = (P[6], np.int32(self.max_blocks), *self.kv_strides)
-            return pack(self.st, S, table, q=P[0], k=P[1], v=P[2], cache=cache, scales=scales, lens=P[5], nk=0,
+            return pack(st, S, table, q=P[0], k=P[1], v=P[2], cache=cache, scales=scales, lens=P[5], nk=0,
                         scale=self.scale, window_left=self.left, parts=parts, counters=counters, o=P[3],
                         lse=P[4]), 7 if self.quant is None else 9
         buf = self._packed(stream, S, smem, table, pack_call)
         scales = () if self.quant is None else _ptrs(self.alloc.torch, quant["k_scale"], quant["v_scale"])
-        self._launch(stream, sobj, S, grid, smem, buf, pack_call,
+        self._launch(st, stream, sobj, S, grid, smem, buf, pack_call,
                      int_ptrs(self.alloc.torch, q, k_pool, v_pool, o, lse), (lens_arg, tables_arg, *scales))
         return o, lse
 

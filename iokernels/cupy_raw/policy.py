@@ -111,7 +111,7 @@ DECODE_BALANCED_MIN_KEYS = 512
 #: was faster; 1.03 at batches 64 and 128 x 8, where the cliff record had it level with v4 or
 #: slower, and where there are fewer pairs than blocks (few sequences, MQA) it was slower than v4's
 #: splits at most shapes (benchmarks/results/h100_2026-12-07_cliff_v9_held_back.json).  Elsewhere
-#: v9 deals v4's per-pair splits (:func:`decode_pair_deal`), so it runs what v4 runs
+#: v9's launch is v4's own (its kernel, splits and grid: decode_launch.split_launch)
 DECODE_BALANCED_MIN_TAIL = 1.25
 
 
@@ -119,8 +119,8 @@ DECODE_BALANCED_MIN_TAIL = 1.25
 def decode_balanced_deal(pairs: int, keys: int, blocks: int) -> tuple[int, int, int] | None:
     """decode v9's balanced deal: (G blocks, W keys a block, S the most segments of one pair)
     for ``pairs`` (b, kv head) pairs of ``keys`` keys each, laid end to end, over ``blocks``
-    blocks (one wave: SMs x blocks an SM), where it pays; None where it does not (then
-    :func:`decode_pair_deal`).
+    blocks (one wave: SMs x blocks an SM), where it pays; None where it does not (then v4's
+    launch).
 
     W = ceil(pairs x keys / blocks), at least what keeps S <= DECODE_MAX_SPLITS; G = ceil(pairs x
     keys / W) <= blocks.  It pays where the pairs are at least ``blocks``, W is at least

@@ -220,7 +220,41 @@ def _decode(kernel, cfg, dtype, rng, label):
         name = f"{label_h} d={d} splits={max(DECODE_SPLITS)} window={DECODE_WINDOW}"
         _check_decode(o, q, k, v, DECODE_LENS, dtype, name, DECODE_WINDOW)
         out.append(name)
+    if kernel.extra.get("balanced") and out:
+        out.append(_dealt(kernel, cfg, dtype, rng, label))
     return out
+
+
+#: decode v9's dealt case: GQA 4/2 at head_dim 64, sequences of this many keys (a run of the deal
+#: must reach policy.DECODE_BALANCED_MIN_KEYS), the batch one wave of blocks + DEALT_EXTRA_PAIRS
+#: pairs (one block a pair would leave those few a last wave)
+DEALT_KEYS = 700
+DEALT_EXTRA_PAIRS = 4
+
+
+def _dealt(kernel, cfg, dtype, rng, label):
+    """decode v9 without a split count at a batch its launch deals across pairs (the cases of
+    named split counts run v4's splits; a call without one at a few pairs launches v4 itself),
+    one sequence shorter, called twice (the fused counters back at 0); AssertionError if this
+    GPU's deal declines it."""
+    from .decode_launch import occupancy, split_launch, split_static
+    heads, d, dev, batch = (4, 2), 64, device_info(), 1
+    for _ in range(3):                   # v4's block shape follows the pairs; so do the blocks of a wave
+        st = split_static(kernel, cfg, batch=batch, heads_q=heads[0], heads_kv=heads[1], head_dim=d, dtype=dtype,
+                          paged=False, block_size=0, aligned=True, kv=None, dev=dev)
+        batch = -(-(dev["sms"] * occupancy(st) + DEALT_EXTRA_PAIRS) // heads[1])
+    st = split_static(kernel, cfg, batch=batch, heads_q=heads[0], heads_kv=heads[1], head_dim=d, dtype=dtype,
+                      paged=False, block_size=0, aligned=True, kv=None, dev=dev)
+    name = f"{label} heads {heads[0]}/{heads[1]} d={d} batch={batch} dealt across pairs"
+    if split_launch(st, None, DEALT_KEYS)[4] is not st:
+        raise AssertionError(f"{name}: the launch declined the deal on this GPU")
+    lens = np.full(batch, DEALT_KEYS)
+    lens[batch // 2] = DEALT_KEYS // 3
+    q, k, v = _decode_inputs(rng, d, dtype, tuple(lens), heads)
+    for _ in range(2):
+        o, _ = kernel.launcher(q, k, v, seq_lens=lens, num_splits=None, scale=None, config=cfg)
+        _check_decode(o, q, k, v, lens, dtype, name)
+    return name
 
 
 #: the dtypes a PagedKVCache holds (its pools are NumPy arrays; NumPy has no native bfloat16)

@@ -18,8 +18,9 @@
 // fixed up afterwards) put on decode's key axis; CUB's GridEvenShare (code) deals input tiles
 // to thread blocks in the same contiguous, even way.  The launcher deals so only where one block
 // a pair would leave a last wave (iokernels/cupy_raw/policy.py: decode_balanced_deal); elsewhere
-// it pads each pair to S runs of W = ceil(keys / S) slots (v4's splits: decode_pair_deal), and
-// every block's run is one split of one pair, as in v4.
+// it launches decode_v4.cu itself, so v9 is v4 there.  A call that names a split count S gets
+// v4's splits from this kernel: each pair padded to S runs of W = ceil(keys / S) slots
+// (decode_pair_deal), every block's run one split of one pair, as in v4.
 //
 // A pair p's segments are those of the blocks floor(p keys / W) .. floor(((p + 1) keys - 1) / W);
 // segment i is the i-th of them and writes slot i of the pair's partials.  num_splits is the
