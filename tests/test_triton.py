@@ -167,11 +167,46 @@ def test_decode_v2_fills_four_programs_a_multiprocessor():
     with pytest.raises(ValueError, match=r"config\.num_stages"):
         DecodeConfig(num_stages=9)
     for batch, n in ((1, 32768), (8, 4096), (8, 32768)):      # the launcher's rule, asked for 4x the programs
-        v1 = dec._splits(None, batch, 8, [n], -1, 32, 1)
-        v2 = dec._splits(None, batch, 8, [n], -1, 32, 4)
+        v1 = dec._splits(None, batch, 8, n, -1, 32, 1)
+        v2 = dec._splits(None, batch, 8, n, -1, 32, 4)
         assert v1 == occupancy_splits(batch, 8, n, DEFAULT_NUM_SMS, block_n=32)
         assert v2 == occupancy_splits(batch, 8, n, 4 * DEFAULT_NUM_SMS, block_n=32) and v2 > v1
-    assert dec._splits(5, 8, 8, [4096], -1, 32, 4) == 5          # an explicit count is taken as it is
+    assert dec._splits(5, 8, 8, 4096, -1, 32, 4) == 5          # an explicit count is taken as it is
+    assert dec._splits(None, 8, 8, 4096, 99, 32, 4) == dec._splits(None, 8, 8, 100, -1, 32, 4)   # a window's keys
+
+
+@needs_triton
+@pytest.mark.skipif(launch.cuda_gpu(), reason="the interpreter's CPU tensors (a GPU takes CUDA tensors)")
+def test_decode_takes_lengths_on_the_device_in_place(monkeypatch, rng):
+    """Lengths as a tensor on q's device go through ik.decode without a host read (the path a
+    CUDA graph captures; here the interpreter's CPU tensors stand in for CUDA ones): the
+    upload path is never called, the split count is planned for the cache's N keys, a change
+    made in place is what the next call reads, and int64 lengths are converted on the device."""
+    import torch
+    dec = importlib.import_module("iokernels.triton_backend.decode")
+
+    def no_host(*a, **k):
+        raise AssertionError("device lengths were read on the host")
+    monkeypatch.setattr(dec, "host_lens", no_host)
+    q, k, v = (torch.from_numpy(x) for x in _decode_inputs(rng, "float16", B=3, Hq=8, Hkv=2, N=45))
+    lens = torch.tensor([45, 17, 0], dtype=torch.int32)
+    for _ in range(2):
+        for window in (None, (6, 0)):
+            o, lse = ik.decode(q, k, v, seq_lens=lens, window=window, backend="triton", return_lse=True)
+            want = lens.numpy().copy()
+            ref, ref_lse = reference.decode(q.numpy(), k.numpy(), v.numpy(), seq_lens=want, window=window)
+            base = ik.decode(q.numpy(), k.numpy(), v.numpy(), seq_lens=want, window=window, backend="naive")
+            testing.assert_close(o.numpy(), ref, base, dtype="float16", masked_rows=(want == 0)[:, None, None])
+            assert np.array_equal(np.isneginf(lse.numpy()), np.isneginf(ref_lse))
+        lens.copy_(torch.tensor([3, 0, 44], dtype=torch.int32))      # in place, as a serving step does
+    o64 = ik.decode(q, k, v, seq_lens=lens.to(torch.int64), backend="triton")
+    assert torch.equal(o64, ik.decode(q, k, v, seq_lens=lens, backend="triton"))
+    with pytest.raises(ValueError, match="seq_lens"):
+        ik.decode(q, k, v, seq_lens=torch.tensor([45, 17], dtype=torch.int32), backend="triton")
+    with pytest.raises(ValueError, match="seq_lens"):
+        ik.decode(q, k, v, seq_lens=torch.tensor([45.0, 17.0, 0.0]), backend="triton")
+    with pytest.raises(ValueError, match=r"seq_lens: each length must be in \[0, 45\]"):
+        ik.decode(q, k, v, seq_lens=torch.tensor([46, 0, 0], dtype=torch.int32), backend="triton")
 
 
 if WHY is None:                     # a kernel of this file's own: to_storage as the versions use it
@@ -246,6 +281,25 @@ def test_paged_decode_pools_takes_torch_pools_and_a_window(rng):
     want, want_lse = ik.paged_decode(q, cache, sids, backend="tiled", window=(4, 0), return_lse=True)
     np.testing.assert_allclose(o.numpy(), want, atol=1e-5)
     np.testing.assert_allclose(lse.numpy(), want_lse, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.skipif(launch.cuda_gpu(), reason="the interpreter's CPU tensors (a GPU takes CUDA tensors)")
+def test_paged_decode_pools_checks_its_lengths_against_the_tables(rng):
+    """Host lengths past what a table's blocks hold, and no lengths at all, are ValueErrors
+    naming seq_lens (a kernel would read table entries past the row)."""
+    import torch
+    from iokernels.triton_backend import paged_decode_pools
+    cache, sids = _paged_cache(rng, "float32", (19, 7))
+    tables, seq_lens = cache.block_tables_array(sids)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    pools = (cache.k_pool, cache.v_pool)
+    cap = tables.shape[1] * 4
+    for bad in (np.array([cap + 1, 7]), torch.tensor([cap + 1, 7], dtype=torch.int32)):
+        with pytest.raises(ValueError, match=rf"seq_lens: each length must be in \[0, {cap}\]"):
+            paged_decode_pools(q if isinstance(bad, np.ndarray) else torch.from_numpy(q), *pools, tables, bad)
+    with pytest.raises(ValueError, match="seq_lens"):
+        paged_decode_pools(q, *pools, tables, None)
 
 
 @needs_triton

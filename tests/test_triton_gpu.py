@@ -89,6 +89,64 @@ def test_paged_decode_pools_on_the_gpu(version, rng):
     testing.assert_close(o, ref, base, dtype="float16", name="paged decode pools")
 
 
+def _captured(run):
+    """(a CUDA graph of ``run()``, its output): warmed up on a side stream first (Triton compiles
+    on its first launch), then captured."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
+@pytest.mark.parametrize("version", REGISTRY.versions("decode"))
+def test_decode_replays_under_a_cuda_graph(version, rng):
+    """With the lengths (and a paged call's block tables) on the device, a decode makes no host
+    synchronisation and no host copy: torch.cuda.graph captures ik.decode and paged_decode_pools,
+    and each replay after q, the lengths and the tables change in place gives the eager call's
+    bits (the same split count: both plan for the cache's capacity)."""
+    import torch
+    from iokernels.triton_backend import paged_decode_pools
+    B, Hq, Hkv, N, d, page = 6, 32, 8, 1024, 128, 16         # the paged capacity is N too: the same splits
+    cfg = DecodeConfig(version=version)
+    q = torch.randn((B, Hq, d), device="cuda", dtype=torch.float16)
+    k, v = (torch.randn((B, Hkv, N, d), device="cuda", dtype=torch.float16) for _ in range(2))
+    lens = torch.full((B,), N, device="cuda", dtype=torch.int32)
+    graph, out = _captured(lambda: ik.decode(q, k, v, seq_lens=lens, backend="triton", config=cfg))
+    per = N // page
+    kp, vp = (x.view(B, Hkv, per, page, d).permute(0, 2, 3, 1, 4).reshape(B * per, page, Hkv, d).contiguous()
+              for x in (k, v))
+    tables = torch.arange(B * per, device="cuda", dtype=torch.int32).view(B, per)
+    pgraph, pout = _captured(lambda: paged_decode_pools(q, kp, vp, tables, lens, config=cfg)[0])
+    for new in ([N, 0, 7, N - 1, 500, 64], [3, N, N, 0, 1, 256]):
+        q.copy_(torch.randn_like(q))
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ik.decode(q, k, v, seq_lens=lens, backend="triton", config=cfg)), new
+        order = torch.from_numpy(rng.permutation(B * per).astype(np.int32)).cuda()
+        moved_k, moved_v = torch.empty_like(kp), torch.empty_like(vp)
+        moved_k[order.long()], moved_v[order.long()] = kp.clone(), vp.clone()
+        kp.copy_(moved_k)
+        vp.copy_(moved_v)
+        tables.copy_(order[tables.long()])                # the blocks moved, the tables follow in place
+        pgraph.replay()
+        torch.cuda.synchronize()
+        assert torch.allclose(pout.float(), out.float(), rtol=1e-2, atol=2e-3), new   # the keys, through moved blocks
+        assert torch.equal(pout, paged_decode_pools(q, kp, vp, tables, lens, config=cfg)[0]), new
+    with pytest.raises(ValueError, match="seq_lens: a CUDA graph reads it"):      # host values: refused, not baked in
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            ik.decode(q, k, v, seq_lens=np.full(B, N, np.int32), backend="triton", config=cfg)
+    with pytest.raises(ValueError, match="block_tables: a CUDA graph reads it"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            paged_decode_pools(q, kp, vp, tables.cpu().numpy(), lens, config=cfg)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_backward_at_model_sizes(dtype, deterministic, rng):

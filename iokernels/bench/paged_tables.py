@@ -3,9 +3,9 @@
 A program that calls a paged decode in a loop (a server's decode step) keeps its block
 tables on the device, as vLLM keeps its block tables and FlashInfer its page indices; a row
 timed with NumPy tables would time the launcher checking and uploading them on every call.
-Each launcher reads them where it reads them: the CuPy plan takes device tables and lengths
-in place, the Triton launcher device tables (its lengths, which size the launch, on the
-host), the Numba launcher both on the host.
+Each launcher reads them where it reads them: the CuPy plan and the Triton launcher take
+device tables and lengths in place (both size the launch for the tables' capacity), the Numba
+launcher both on the host.
 """
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import numpy as np
 
 #: per backend, where a program that calls a paged decode in a loop keeps its block tables and
 #: lengths: on the device, as a server keeps them (vLLM's block tables, FlashInfer's indices),
-#: where the launcher reads them there; the Numba launcher reads both on the host, and the
-#: Triton one reads the lengths on the host (they size its launch)
-PAGED_TABLES_ON_DEVICE = {"cupy": (True, True), "triton": (True, False), "numba": (False, False)}
+#: where the launcher reads them there; the Numba launcher reads both on the host
+PAGED_TABLES_ON_DEVICE = {"cupy": (True, True), "triton": (True, True), "numba": (False, False)}
 
 
 def paged_call_tables(backend, tables, lens, device):

@@ -9,8 +9,8 @@ own rule (FlashAttention-2's occupancy rule, one wave of one program a multiproc
 by memory traffic, and one program of a few warps on a multiprocessor keeps too few bytes in
 flight to stream at the memory's speed; the rows measure how deep is enough.  Shapes: the
 serving grid (:data:`.sweeps_cupy.SERVING_SHAPES`, float16 GQA 32/8 d=128); paged pools of
-16-token blocks from :func:`iokernels.bench.device_pages` (a shuffled block table, on the
-device; the lengths on the host, as the benchmark's rows pass them).  Every
+16-token blocks from :func:`iokernels.bench.device_pages` (a shuffled block table and the
+lengths, on the device, as the benchmark's rows pass them).  Every
 time is :func:`iokernels.bench.time_cuda` of the public launcher (what a caller gets).  One
 JSON line a row.
 

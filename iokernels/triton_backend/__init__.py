@@ -74,8 +74,8 @@ that run it.
 from __future__ import annotations
 
 from .config import BackwardConfig, DecodeConfig, ForwardConfig
-from .registry import REGISTRY, attention, decode, need, paged_decode, paged_decode_pools
+from .registry import PLANNED, REGISTRY, attention, decode, need, paged_decode, paged_decode_pools
 from .sanitize import sanitize_cases
 
-__all__ = ["REGISTRY", "need", "attention", "decode", "paged_decode", "paged_decode_pools", "ForwardConfig",
+__all__ = ["PLANNED", "REGISTRY", "need", "attention", "decode", "paged_decode", "paged_decode_pools", "ForwardConfig",
            "DecodeConfig", "BackwardConfig", "sanitize_cases"]

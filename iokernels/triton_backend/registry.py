@@ -13,6 +13,7 @@ install.
 """
 from __future__ import annotations
 
+from ..core import api as core_api
 from ..core import conventions as cv
 from ..core.records import Record, held_back_reason
 from ..core.registry import Need, Registry, forward_lengths
@@ -108,3 +109,19 @@ def paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, *, num_splits=
     _, cfg = REGISTRY.resolve("paged_decode", config, need("paged_decode", q=q, k=k_pool, v=v_pool))
     return dec.paged_decode_pools(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits, scale=scale,
                                   config=cfg, window=window)
+
+
+def planned_decode(q, k, v, *, seq_lens=None, num_splits=None, scale=None, config=None, window=None):
+    """``ik.decode(..., backend="triton")``'s path for torch tensors whose lengths are None or on
+    q's device: the shape checks (no length is read on the host, so a CUDA graph can capture
+    the call; :mod:`.decode` says what the lengths are trusted to be), then :func:`decode`.
+    NotImplemented for anything else: the public path then checks the lengths on the host."""
+    if not ln.is_torch(q) or not (seq_lens is None or (ln.is_torch(seq_lens) and seq_lens.device == q.device)):
+        return NotImplemented
+    core_api.check_decode(q, k, v, None)
+    return decode(q, k, v, seq_lens=seq_lens, num_splits=core_api.check_num_splits(num_splits),
+                  scale=cv.resolve_scale(scale, int(q.shape[-1])), config=config, window=window)
+
+
+#: op -> the call :mod:`iokernels.api` asks first for ``backend="triton"``
+PLANNED = {"decode": planned_decode}
