@@ -930,6 +930,10 @@ def test_tuning_sweep_rows_are_registered_versions():
     lines = {(s["heads_q"], s["batch"]): sorted(x["seqlen"] for x in kw["shapes"] if x["heads_q"] == s["heads_q"])
              for s in kw["shapes"]}
     assert all(len(set(ns)) >= 3 for ns in lines.values())          # a line's fit needs three points or more
+    name, out, kw = sweeps_cupy.parse_args(["decode", "--shapes", "g16", "--only", "v4,v8,v9"])
+    assert {s["heads_q"] // s["heads_kv"] for s in kw["shapes"]} == {16} and kw["only"] == ("v4", "v8", "v9")
+    assert {s["batch"] for s in kw["shapes"]} == {1, 3, 17, 64, 128}                # the cliff grid's batches
+    assert max(2 * s["batch"] * s["heads_kv"] * s["seqlen"] * s["head_dim"] * 2 for s in kw["shapes"]) < 8e9
     name, out, kw = sweeps_cupy.parse_args(["decode", "--only", "v8", "--splits", "8", "--combine", "serial,parallel"])
     assert kw == dict(only=("v8",), splits=(8,), combines=("serial", "parallel"))
     assert [(label, cfg.combine, s) for label, cfg, s in sweeps_cupy.decode_cases(**kw)] == [

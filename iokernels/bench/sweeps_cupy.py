@@ -103,9 +103,17 @@ SMALL_BATCH_SHAPES = tuple(dict(batch=b, heads_q=hq, heads_kv=hkv, seqlen=n, hea
 #: rate (b): which of the two the short-cache gap to cuDNN is
 SHORT_LINE_SHAPES = tuple(dict(batch=17, heads_q=hq, heads_kv=8, seqlen=n, head_dim=128)
                           for hq in (32, 128) for n in (256, 1024, 2048, 4096))
+#: the cliff section's decode shapes at 16 query heads a KV head (128 / 8, d=128), where decode v4
+#: (one 16-row mma.sync operand, the default up to g = 16) fell short of cuDNN and v8 (one
+#: warpgroup's 64-row wgmma tile, the Hopper default past 16) may not: batches 1 to 128 over
+#: 1000 and 4096 keys, and the small batches over 50000 (the large ones there would not fit twice,
+#: contiguous and paged, beside SDPA on an 80 GB card)
+G16_SHAPES = tuple(dict(batch=b, heads_q=128, heads_kv=8, seqlen=n, head_dim=128)
+                   for n, batches in ((1000, (1, 3, 17, 64, 128)), (4096, (1, 3, 17, 64, 128)), (50000, (1, 3, 17)))
+                   for b in batches)
 #: the shape sets ``--shapes`` names
 DECODE_SHAPE_SETS = {"default": (DECODE_SHAPE,), "serving": SERVING_SHAPES, "short": SHORT_CACHE_SHAPES,
-                     "small_batch": SMALL_BATCH_SHAPES, "short_lines": SHORT_LINE_SHAPES}
+                     "small_batch": SMALL_BATCH_SHAPES, "short_lines": SHORT_LINE_SHAPES, "g16": G16_SHAPES}
 #: paged_layout: rows a page (runs of block_size * 256 bytes between random jumps, MQA)
 PAGE_SIZES = (16, 64, 256, 1024)
 #: paged_layout: the GQA and the MQA shape, (heads_q, heads_kv, seqlen), K+V the same bytes
