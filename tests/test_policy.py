@@ -553,3 +553,15 @@ def test_decode_v9_launches_v4_where_its_deal_is_declined(batch, keys, splits, d
         assert (grid[0], W, S) == P.decode_balanced_deal(batch * 8, keys, 132)
     else:
         assert (W, S, int(table[-2])) == P.decode_pair_deal(keys, splits) and grid[0] == batch * 8 * S
+
+
+def test_the_sanitizer_s_dealt_v9_case_is_dealt():
+    """sanitize._dealt's batch (a wave of blocks + DEALT_EXTRA_PAIRS pairs, GQA 4/2, DEALT_KEYS keys)
+    is one policy.decode_balanced_deal deals, on an H100's or H200's 132 SMs and an A100's 108, at
+    one and two blocks an SM: the case reaches v9's own deal, not v4's launch."""
+    from iokernels.cupy_raw import sanitize as S
+    for sms in (132, 108):
+        for per_sm in (1, 2):
+            blocks = sms * per_sm
+            pairs = 2 * -(-(blocks + S.DEALT_EXTRA_PAIRS) // 2)
+            assert P.decode_balanced_deal(pairs, S.DEALT_KEYS, blocks) is not None, (sms, per_sm)
