@@ -103,6 +103,13 @@ for cfg in (None, cr.DecodeConfig("v1"), cr.DecodeConfig("v2"), cr.DecodeConfig(
                  lambda: cr.decode(q, k, v, **kw), io)
     kw = dict(seq_lens=lens, config=cfg, window=(100, 0), scale=0.3)
     case(f"decode window {cfg}", lambda: D.decode(q, k, v, **kw), lambda: cr.decode(q, k, v, **kw), io)
+# decode v9: at few (b, kv head) pairs its deal is declined and the launch is v4's own; at a wave of
+# blocks (132 SMs x 2 an SM, the stand-in's) + 8 pairs, 520 keys each, it deals runs across pairs
+for B, Hkv, N in ((3, 2, 301), (68, 4, 520)):
+    q9, k9, v9 = arr(B, 4 * Hkv, 64), arr(B, Hkv, N, 64), arr(B, Hkv, N, 64)
+    for cfg in (cr.DecodeConfig("v9"), cr.DecodeConfig("v9", fused=False)):
+        case(f"decode v9 B={B} {cfg}", lambda: D.decode(q9, k9, v9, config=cfg),
+             lambda: cr.decode(q9, k9, v9, config=cfg), dict(q=q9, k=k9, v=v9))
 dl = cupy.asarray(lens.astype(np.int32))
 io_l = dict(io, lens=dl)
 case("decode device lens", lambda: D.decode(q, k, v, seq_lens=dl, num_splits=3),
@@ -113,7 +120,7 @@ tables = np.array([[3, 1, 4, 9, 0], [2, 6, 5, 0, 0], [7, 8, 10, 11, 12]], np.int
 plens = np.array([70, 20, 80], np.int32)
 io_p = dict(q=q, k=pools[0], v=pools[1])
 for cfg in (None, cr.DecodeConfig("v1"), cr.DecodeConfig("v3"), cr.DecodeConfig("v4"),
-            cr.DecodeConfig("v1", combine="parallel")):
+            cr.DecodeConfig("v1", combine="parallel"), cr.DecodeConfig("v9")):
     kw = dict(num_splits=2, config=cfg)
     case(f"pools {cfg}", lambda: D.paged_decode_pools(q, *pools, tables, plens, **kw),
          lambda: cr.paged_decode_pools(q, *pools, tables, plens, **kw), io_p)
@@ -602,6 +609,24 @@ def test_a_cached_call_launches_what_the_eager_call_launches(result):
     assert len(parallel) >= 7 and any(len(c["second"]) == 2 for c in parallel)
     for c in parallel:
         assert [x["name"] for x in c["second"][1:]] in ([], ["decode_combine_parallel"])
+
+
+def test_decode_v9_launches_v4_where_its_deal_is_declined(result):
+    """decode v9 without a split count: at three sequences (fewer pairs than a wave's blocks) the
+    launch, eager and planned, is v4's own kernel on v4's (S, Hkv, B) grid; at a wave of blocks + 8
+    pairs it is v9's kernel on a (G, 1, 1) grid of at most one wave; a named split count (the pools
+    case's 2) runs v4's splits as runs of v9's kernel, one block a split."""
+    v9 = {label: c for label, c in result["cases"].items()
+          if label.startswith(("decode v9", "pools DecodeConfig(version='v9'"))}
+    assert len(v9) == 5, sorted(v9)
+    for label, c in v9.items():
+        first = c["second"][0]
+        if "B=68" in label:
+            assert first["name"] == "decode_split_v9" and first["grid"][1:] == [1, 1] and first["grid"][0] <= 264
+        elif label.startswith("pools"):                # num_splits=2 named: v4's splits as runs of v9's kernel
+            assert first["name"] == "decode_split_v9" and first["grid"] == [3 * 2 * 2, 1, 1], label
+        else:
+            assert first["name"] == "decode_split_v4" and first["grid"][1:] == [2, 3], label
 
 
 def test_a_hit_launches_through_the_packed_arguments_and_else_through_cupy(result):
