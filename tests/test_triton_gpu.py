@@ -143,9 +143,10 @@ def test_decode_replays_under_a_cuda_graph(version, rng):
     with pytest.raises(ValueError, match="seq_lens: a CUDA graph reads it"):      # host values: refused, not baked in
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             ik.decode(q, k, v, seq_lens=np.full(B, N, np.int32), backend="triton", config=cfg)
+    host_tables = tables.cpu().numpy()                   # copied out before the capture: a copy there is refused
     with pytest.raises(ValueError, match="block_tables: a CUDA graph reads it"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            paged_decode_pools(q, kp, vp, tables.cpu().numpy(), lens, config=cfg)
+            paged_decode_pools(q, kp, vp, host_tables, lens, config=cfg)
 
 
 @pytest.mark.parametrize("version", REGISTRY.versions("attention"))
