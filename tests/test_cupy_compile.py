@@ -843,10 +843,11 @@ def test_decode_v4_sram_is_exact_for_swizzled_rows():
     assert C.decode_v4_smem(128, "float16", 16, 2, 16, 8, swizzled=True)[0] >= 8 * 16 * 128 * 4
 
 
-def test_decode_v4_blocks_halve_when_the_batch_fills_the_sms_twice():
+def test_decode_v4_blocks_halve_when_the_batch_fills_the_sms():
     """Over a contiguous cache, (b, kv head) pairs of at least DECODE_V4_PAIRS_SPLIT_BLOCK x SMs
-    give 4-warp blocks capped for two an SM (the same warps an SM); fewer pairs, an unknown
-    batch, a paged cache or a given num_warps keep the 8-warp block."""
+    (one an SM: batch 17 x 8 KV heads on 132 SMs) give 4-warp blocks capped for two an SM (the
+    same warps an SM); fewer pairs, an unknown batch, a paged cache or a given num_warps keep
+    the 8-warp block."""
     def shape(pairs, paged=False, **kw):
         got = cr.DecodeConfig("v4", **kw).defines(128, "bfloat16", 4, paged, 16, smem_limit=227 * 1024, cc=90,
                                                   pairs=pairs, sms=132)
@@ -856,6 +857,7 @@ def test_decode_v4_blocks_halve_when_the_batch_fills_the_sms_twice():
     assert shape(two - 1) == shape(8) == shape(None) == (C.DECODE_V4_WARPS, 1)
     assert shape(two, paged=True) == (C.DECODE_V4_WARPS, 1) and shape(two, num_warps=8) == (8, 1)
     assert C.DECODE_V4_SMALL_WARPS * 2 == C.DECODE_V4_WARPS
+    assert shape(17 * 8) == (C.DECODE_V4_SMALL_WARPS, 2) and shape(3 * 8) == (C.DECODE_V4_WARPS, 1)
 
 
 def test_quantized_paged_caches_default_to_v5_where_it_reads_them():

@@ -34,8 +34,13 @@ DECODE_MAX_SPLITS = 128
 #: a block is DECODE_V4_SMALL_WARPS warps and two share an SM (the same warps and ring bytes
 #: an SM): one block's start (its first tiles' latency) and end (the warps' merge, the write
 #: of O) then overlap the other's streaming, where one 8-warp block an SM leaves the SM idle
-#: for both, once per (b, kv head)
-DECODE_V4_PAIRS_SPLIT_BLOCK = 2
+#: for both, once per (b, kv head).  One pair an SM is enough: at batch 17 x 8 KV heads (136
+#: pairs, 132 SMs) the two 4-warp blocks ran 1.02-1.41x faster than the one 8-warp block at 4
+#: and 16 query heads a KV head over 256 to 4096 keys (an H100:
+#: benchmarks/results/sweeps/2026-12-07_2141_decode_v4_tunings_short_lines_h100.json, the rows
+#: "4w x 2"); with fewer pairs than SMs (batches 1 and 3) the 8-warp block was the faster
+#: (sweeps/2026-12-07_2137_decode_v4_tunings_g16_h100.json)
+DECODE_V4_PAIRS_SPLIT_BLOCK = 1
 #: decode v4's group: the 16 rows of one mma.sync A operand (decode_config.DECODE_V4_MAX_GROUP)
 DECODE_V4_MAX_GROUP_ROWS = 16
 
