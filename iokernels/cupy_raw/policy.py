@@ -35,7 +35,7 @@ DECODE_MAX_SPLITS = 128
 #: an SM): one block's start (its first tiles' latency) and end (the warps' merge, the write
 #: of O) then overlap the other's streaming, where one 8-warp block an SM leaves the SM idle
 #: for both, once per (b, kv head).  One pair an SM is enough: at batch 17 x 8 KV heads (136
-#: pairs, 132 SMs) the two 4-warp blocks ran 1.02-1.41x faster than the one 8-warp block at 4
+#: pairs, 132 SMs) the two 4-warp blocks ran 1.03-1.41x faster than the one 8-warp block at 4
 #: and 16 query heads a KV head over 256 to 4096 keys (an H100:
 #: benchmarks/results/sweeps/2026-12-07_2141_decode_v4_tunings_short_lines_h100.json, the rows
 #: "4w x 2"); with fewer pairs than SMs (batches 1 and 3) the 8-warp block was the faster
