@@ -3,7 +3,9 @@ one wave of blocks.  CuPy on a GPU (sm_80 and up): skipped elsewhere.
 
 The deal is new; the products are v4's.  So: against the float64 oracle by the 2x rule over
 batches whose runs cross pairs (batches 17 and 34 x 8 KV heads, where policy.decode_balanced_deal
-deals across pairs on 132 SMs; a test in test_policy.py says so without a GPU), v4's splits dealt
+deals across pairs on 132 SMs; a test in test_policy.py says so without a GPU; batch 17 with the
+8-warp block, one an SM, since the default's two 4-warp blocks an SM give its 136 pairs a wave of
+their own and the deal is declined there), v4's splits dealt
 as runs (3 blocks a pair, and the shapes the balanced deal leaves alone), ragged lengths with an
 empty sequence and one shorter than a tile, a sliding window, both merges (fused, and the
 separate combine reading slots a pair does not use), contiguous and paged; with one block a pair
@@ -23,6 +25,8 @@ from gpu_support import cuda_torch as _torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not gpu.cupy_gpu(), reason="CuPy sees no CUDA GPU")]
 
 LSE_TOL = 2e-2
+#: the warps of v4's large block (one an SM): batch 17 x 8 KV heads then leaves a last wave to deal
+ONE_BLOCK_AN_SM = 8
 
 
 def _cr():
@@ -58,7 +62,7 @@ def test_v9_against_the_oracle(rng, B, Hq, Hkv, N, d, dtype):
         base = gpu_naive_decode(torch, tq, tk, tv, lens, window)
         for fused in (None, True, False):
             for S in (None, 1, 3):
-                cfg = cr.DecodeConfig("v9", fused=fused)
+                cfg = cr.DecodeConfig("v9", fused=fused, num_warps=ONE_BLOCK_AN_SM if B == 17 else None)
                 o, lse = cr.decode(tq, tk, tv, seq_lens=lens, num_splits=S, config=cfg, window=window)
                 hold_decode(f"fused={fused} S={S} window={window}", o, lse, ref_o, ref_l, base, dtype, problems,
                             LSE_TOL)
@@ -128,7 +132,8 @@ def test_v9_in_the_plan_and_a_graph(rng):
     cr = _cr()
     tq, tk, tv = _inputs(torch, rng, 17, 32, 8, 1200, 128, "bfloat16")
     lens = torch.tensor([1200] * 16 + [7], dtype=torch.int32, device="cuda")
-    for cfg in (cr.DecodeConfig("v9"), cr.DecodeConfig("v9", fused=False)):
+    for cfg in (cr.DecodeConfig("v9", num_warps=ONE_BLOCK_AN_SM),
+                cr.DecodeConfig("v9", fused=False, num_warps=ONE_BLOCK_AN_SM)):
         eager = cr.decode(tq, tk, tv, seq_lens=lens.cpu().numpy(), config=cfg)
         planned = ik.decode(tq, tk, tv, backend="cupy", seq_lens=lens, config=cfg, return_lse=True)
         assert torch.equal(planned[0], eager[0]) and torch.equal(planned[1], eager[1])
