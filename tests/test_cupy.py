@@ -604,9 +604,10 @@ def test_decode_large_b1(rng, version):
 
 def test_decode_v4_default_at_a_batch_that_fills_the_sms(rng):
     """A batch whose (b, kv head) pairs give every SM one or more (the default then runs 4-warp
-    blocks, two an SM): ragged lengths incl. 0 and 1 with NaN past each sequence's end (a kernel that
-    reads a row it should not fails), against the float64 oracle by the 2x rule, and close to
-    the 8-warp block's result (the same keys, merged over more warps)."""
+    blocks with a 2-stage ring, two an SM): ragged lengths incl. 0 and 1 with NaN past each
+    sequence's end (a kernel that reads a row it should not fails), against the float64 oracle by
+    the 2x rule, and close to the 8-warp block's result (the same keys, merged over more warps);
+    then the same cache paged (shuffled 16-row blocks, NaN past each end), by the same rule."""
     if _cc() < 80:
         pytest.skip("decode v4 needs sm_80")
     torch = _torch()
@@ -636,6 +637,22 @@ def test_decode_v4_default_at_a_batch_that_fills_the_sms(rng):
     assert np.max(np.abs(as_numpy(lse)[fin] - ref_l[fin])) < 2e-2
     o8, _ = cr.decode(tq, tk, tv, seq_lens=lens, config=cr.DecodeConfig("v4", num_warps=8))
     assert torch.allclose(o.float(), o8.float(), rtol=2e-2, atol=2e-3)
+    # the same cache in 16-row pages, dealt to shuffled blocks (the paged default's small block)
+    bs = 16
+    per = -(-N // bs)
+    order = rng.permutation(B * per)
+    tables = torch.from_numpy(order.reshape(B, per).astype(np.int32)).cuda()
+    pools = []
+    for t in (tk, tv):
+        pool = torch.full((B * per, bs, Hkv, d), float("nan"), device="cuda", dtype=t.dtype)
+        pad = torch.full((B, Hkv, per * bs, d), float("nan"), device="cuda", dtype=t.dtype)
+        pad[:, :, :N] = t
+        pool[tables.long().flatten()] = pad.reshape(B, Hkv, per, bs, d).permute(0, 2, 3, 1, 4).reshape(-1, bs, Hkv, d)
+        pools.append(pool)
+    o_p, lse_p = cr.paged_decode_pools(tq, *pools, tables, torch.from_numpy(lens.astype(np.int32)).cuda())
+    c = check(o_p, ref_o, base, dtype="bfloat16", masked_rows=masked)
+    assert c, "paged: " + str(c)
+    assert np.max(np.abs(as_numpy(lse_p)[fin] - ref_l[fin])) < 2e-2 and np.all(np.isneginf(as_numpy(lse_p)[0]))
 
 
 def test_sanitize_cases_run():

@@ -844,20 +844,33 @@ def test_decode_v4_sram_is_exact_for_swizzled_rows():
 
 
 def test_decode_v4_blocks_halve_when_the_batch_fills_the_sms():
-    """Over a contiguous cache, (b, kv head) pairs of at least DECODE_V4_PAIRS_SPLIT_BLOCK x SMs
-    (one an SM: batch 17 x 8 KV heads on 132 SMs) give 4-warp blocks capped for two an SM (the
-    same warps an SM); fewer pairs, an unknown batch, a paged cache or a given num_warps keep
-    the 8-warp block."""
-    def shape(pairs, paged=False, **kw):
-        got = cr.DecodeConfig("v4", **kw).defines(128, "bfloat16", 4, paged, 16, smem_limit=227 * 1024, cc=90,
-                                                  pairs=pairs, sms=132)
-        return got["NUM_WARPS"], got["DECODE_MIN_BLOCKS"]
-    two = C.DECODE_V4_PAIRS_SPLIT_BLOCK * 132
-    assert shape(two) == shape(4 * two) == (C.DECODE_V4_SMALL_WARPS, 2)
-    assert shape(two - 1) == shape(8) == shape(None) == (C.DECODE_V4_WARPS, 1)
-    assert shape(two, paged=True) == (C.DECODE_V4_WARPS, 1) and shape(two, num_warps=8) == (8, 1)
-    assert C.DECODE_V4_SMALL_WARPS * 2 == C.DECODE_V4_WARPS
-    assert shape(17 * 8) == (C.DECODE_V4_SMALL_WARPS, 2) and shape(3 * 8) == (C.DECODE_V4_WARPS, 1)
+    """(b, kv head) pairs of at least DECODE_V4_PAIRS_SPLIT_BLOCK x SMs (one an SM: batch 17 x 8
+    KV heads on 132 SMs) give 4-warp blocks with a ring of DECODE_V4_SMALL_STAGES, capped for two
+    an SM, over a contiguous cache and a paged one; fewer pairs, an unknown batch, a given
+    num_warps or a quantized cache (v5) keep the 8-warp block; a given ring depth stays."""
+    def shape(pairs, paged=False, version="v4", kv=None, d=128, **kw):
+        got = cr.DecodeConfig(version, **kw).defines(d, "bfloat16", 4, paged, 16, smem_limit=227 * 1024, cc=90,
+                                                     pairs=pairs, sms=132, kv=kv)
+        return got["NUM_WARPS"], got["STAGES"], got["DECODE_MIN_BLOCKS"]
+    one = C.DECODE_V4_PAIRS_SPLIT_BLOCK * 132
+    small = (C.DECODE_V4_SMALL_WARPS, C.DECODE_V4_SMALL_STAGES, 2)
+    large = (C.DECODE_V4_WARPS, C.DECODE_V4_STAGES, 1)
+    for paged in (False, True):
+        assert shape(one, paged) == shape(4 * one, paged) == shape(17 * 8, paged) == small, paged
+        assert shape(one - 1, paged) == shape(3 * 8, paged) == shape(None, paged) == large, paged
+        assert shape(one, paged, num_warps=8) == (8, C.DECODE_V4_STAGES, 1)
+        assert shape(one, paged, stages=3) == (C.DECODE_V4_SMALL_WARPS, 3, 2)      # a given depth stays
+        assert shape(one, paged, version="v9") == small                            # v9's undealt launch is v4's
+    assert C.DECODE_V4_SMALL_WARPS * 2 == C.DECODE_V4_WARPS and C.DECODE_V4_SMALL_STAGES < C.DECODE_V4_STAGES
+    # v5's quantized rows keep their block; head_dim 256's SRAM already takes the 4-warp block
+    quant = cr.DecodeConfig("v5").defines(128, "bfloat16", 4, True, 16, smem_limit=227 * 1024, cc=90,
+                                          pairs=one, sms=132, kv="int8")
+    assert quant["NUM_WARPS"] == C.DECODE_V4_WARPS
+    assert shape(one, d=256)[0] == shape(None, d=256)[0] == C.DECODE_V4_SMALL_WARPS
+    # the policy alone: only a larger block is made smaller, and never a deeper ring
+    assert C.decode_v4_block(8, 3, 4, one, 132) == (4, C.DECODE_V4_SMALL_STAGES)
+    assert C.decode_v4_block(8, 2, 4, one, 132) == (4, 2) and C.decode_v4_block(4, 3, 4, one, 132) == (4, 3)
+    assert C.decode_v4_block(8, 3, 4, one - 1, 132) == C.decode_v4_block(8, 3, 4, None, None) == (8, 3)
 
 
 def test_quantized_paged_caches_default_to_v5_where_it_reads_them():

@@ -59,9 +59,10 @@ DECODE_ROWS = (
     ("v3 8w x 3 tile=16", dict(version="v3", stages=3, tile_rows=16), None),
     ("v3 8w x 4 unfused", dict(version="v3", fused=False), None),
     # v4 (tensor cores): swizzled 256-byte rows at bf16 d=128, so a 16-row stage of K and V is
-    # 8 KB a warp: 4 warps x 3 stages 96 KB (two blocks an SM), 4 x 4 128 KB, 8 x 3 192 KB.
-    # The default copies a contiguous cache through L1 on sm_90 (.ca) and picks 4-warp blocks
-    # when the batch fills the SMs twice; the rows after it take each of those away
+    # 8 KB a warp: 4 warps x 2 stages 64 KB, 4 x 3 96 KB, 4 x 4 128 KB, 8 x 3 192 KB (4-warp
+    # blocks: two an SM, by their registers).  The default copies a contiguous cache through L1
+    # on sm_90 (.ca) and picks 4-warp blocks of 2 stages when the batch's pairs give every SM
+    # one (policy.decode_v4_block); the rows after it take each of those away
     ("v4", dict(version="v4"), None),
     ("v4 .cg", dict(version="v4", load_l1=False), None),
     ("v4 8w", dict(version="v4", num_warps=8), None),
@@ -111,9 +112,15 @@ SHORT_LINE_SHAPES = tuple(dict(batch=17, heads_q=hq, heads_kv=8, seqlen=n, head_
 G16_SHAPES = tuple(dict(batch=b, heads_q=128, heads_kv=8, seqlen=n, head_dim=128)
                    for n, batches in ((1000, (1, 3, 17, 64, 128)), (4096, (1, 3, 17, 64, 128)), (50000, (1, 3, 17)))
                    for b in batches)
+#: decode v4's block shape away from head_dim 128: batches that give every SM a (b, kv head)
+#: pair (17, 64), where the default takes 4-warp blocks of 2 stages, at head_dim 64 (where a
+#: stage is half the bytes), groups of 4 and 16, over 1024 and 4096 keys
+D64_SHAPES = tuple(dict(batch=b, heads_q=hq, heads_kv=8, seqlen=n, head_dim=64)
+                   for b in (17, 64) for hq in (32, 128) for n in (1024, 4096))
 #: the shape sets ``--shapes`` names
 DECODE_SHAPE_SETS = {"default": (DECODE_SHAPE,), "serving": SERVING_SHAPES, "short": SHORT_CACHE_SHAPES,
-                     "small_batch": SMALL_BATCH_SHAPES, "short_lines": SHORT_LINE_SHAPES, "g16": G16_SHAPES}
+                     "small_batch": SMALL_BATCH_SHAPES, "short_lines": SHORT_LINE_SHAPES, "g16": G16_SHAPES,
+                     "d64": D64_SHAPES}
 #: paged_layout: rows a page (runs of block_size * 256 bytes between random jumps, MQA)
 PAGE_SIZES = (16, 64, 256, 1024)
 #: paged_layout: the GQA and the MQA shape, (heads_q, heads_kv, seqlen), K+V the same bytes

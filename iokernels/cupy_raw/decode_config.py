@@ -27,9 +27,10 @@ from .config_checks import check_positive
 from .launch import DTYPE_IDS, REGISTRY, round_up
 # the choose-a-size rules and their constants (re-exported: the config's readers use them)
 from .policy import (DECODE_MAX_SPLITS, DECODE_MIN_KEYS_PER_SPLIT, DECODE_SATURATING_FRACTION,  # noqa: F401
-                     DECODE_V4_MAX_GROUP_ROWS, DECODE_V4_PAIRS_SPLIT_BLOCK, DECODE_WAVE_COST_BYTES,
+                     DECODE_V4_MAX_GROUP_ROWS, DECODE_V4_PAIRS_SPLIT_BLOCK, DECODE_V4_SMALL_STAGES,
+                     DECODE_WAVE_COST_BYTES,
                      DECODE_COMBINE_DEFAULT, DECODE_COMBINES, DECODE_FUSE_BY_RULE, decode_fuse_combine,
-                     decode_v4_block_warps)
+                     decode_v4_block)
 
 __all__ = [
     "CC_L1", "CHUNK_BYTES", "COMBINE_REG_SPLITS", "DECODE_MAX_SPLITS", "DECODE_MIN_BLOCKS",
@@ -37,7 +38,8 @@ __all__ = [
     "DECODE_V2_STAGES", "DECODE_V2_TILE_BYTES", "DECODE_V3_QUANT_STAGES", "DECODE_V3_QUANT_TILE_BYTES",
     "DECODE_V3_STAGES", "DECODE_V3_TABLE_CAP", "DECODE_V3_WARPS", "DECODE_V3_WARP_CHOICES", "DECODE_V4_L1",
     "DECODE_V4_L1_MAX_RING", "DECODE_V4_MAX_GROUP", "DECODE_V4_MAX_HEAD_DIM", "DECODE_V4_MIN_BLOCKS",
-    "DECODE_V4_PAIRS_SPLIT_BLOCK", "DECODE_V4_SMALL_WARPS", "DECODE_V4_STAGES", "DECODE_V4_TILE_ROWS",
+    "DECODE_V4_PAIRS_SPLIT_BLOCK", "DECODE_V4_SMALL_STAGES", "DECODE_V4_SMALL_WARPS", "DECODE_V4_STAGES",
+    "DECODE_V4_TILE_ROWS",
     "DECODE_V4_WARPS", "DECODE_V5_HEAD_DIMS", "DECODE_V5_TILE_ROWS", "DECODE_V5_WIDE_MAX_DIM",
     "DECODE_WARPS", "DECODE_WAVE_COST_BYTES", "DecodeConfig", "KV_QUANT_IDS",
     "CACHE_KINDS", "LAYOUTS", "MAX_ROW_CHUNKS", "MIN_STAGES", "MMA_K", "QUANT_UNIT_BYTES",
@@ -212,7 +214,8 @@ class DecodeConfig:
     tile (v2, v3: a multiple of the rows a warp reads side by side, None: about
     DECODE_V2_TILE_BYTES of K; v4, v5: Bc, a multiple of 16, None: DECODE_V4_TILE_ROWS,
     DECODE_V5_TILE_ROWS).  num_warps (v3 to v5): 4 or 8 warps a block (None: DECODE_V3_WARPS;
-    v4, v5: :func:`iokernels.cupy_raw.policy.decode_v4_block_warps`).  fused (v3 to v8): the
+    v4 over 16-bit rows: :func:`iokernels.cupy_raw.policy.decode_v4_block`, which also makes the
+    ring shallower when it picks the smaller block).  fused (v3 to v8): the
     combine inside the split kernel (True) or decode.cu's separate combine launch (False, v2's
     structure); None: v4 and v8 by group x head_dim (:func:`iokernels.cupy_raw.policy.decode_fuse_combine`),
     the others fused.  combine: the separate combine's kernel where the split kernel does not
@@ -313,8 +316,8 @@ class DecodeConfig:
         ``kv``: a quantized (paged) cache's code format, "int8" or "float8_e4m3fn" (-DKV_QUANT;
         the rows are then d bytes); ``dtype`` stays the queries' and outputs' dtype.  ``cc``:
         the GPU's compute capability x 10 (v4's load_l1 default; None: unknown, .cg).
-        ``pairs``, ``sms``: the batch's (b, kv head) pairs and the GPU's SMs (v4's block size
-        default, DECODE_V4_PAIRS_SPLIT_BLOCK; None: 8-warp blocks)."""
+        ``pairs``, ``sms``: the batch's (b, kv head) pairs and the GPU's SMs (v4's block shape,
+        :func:`~.policy.decode_v4_block`; None: the 8-warp block)."""
         d = head_dim
         facts = decode_facts(self.version)
         layout = facts["layout"]
@@ -415,8 +418,10 @@ class DecodeConfig:
         nw = self._v4_warps(d, dtype, group, smem_limit, kv)
         stages = self.ring_stages(d, dtype, group, smem_limit, kv)
         l1 = self.v4_load_l1(bool(base["PAGED"]), kv, d, nw, stages, cc)
-        if self.num_warps is None:
-            nw = decode_v4_block_warps(nw, DECODE_V4_SMALL_WARPS, l1, pairs, sms)
+        if self.num_warps is None and kv is None:    # the batch's block shape over 16-bit rows (v5's
+            # quantized rows have no timed rows of their own); a given ring depth stays
+            nw, small = decode_v4_block(nw, stages, DECODE_V4_SMALL_WARPS, pairs, sms)
+            stages = stages if self.stages is not None else small
         # the registers a thread may use: those of 8 warps x 1 block an SM
         mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)
         return dict(base, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=self.v4_tile_rows(d, kv), DECODE_MIN_BLOCKS=mb,

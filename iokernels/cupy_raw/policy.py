@@ -29,18 +29,22 @@ DECODE_WAVE_COST_BYTES = 160 * 1024
 DECODE_MIN_KEYS_PER_SPLIT = 256
 #: ... and at most this many splits (the combine reads them all)
 DECODE_MAX_SPLITS = 128
-#: decode v4's block shape where its copies pass through L1 (DecodeConfig.v4_load_l1): when
-#: the batch's (b, kv head) pairs give every SM at least DECODE_V4_PAIRS_SPLIT_BLOCK of them,
-#: a block is DECODE_V4_SMALL_WARPS warps and two share an SM (the same warps and ring bytes
-#: an SM): one block's start (its first tiles' latency) and end (the warps' merge, the write
-#: of O) then overlap the other's streaming, where one 8-warp block an SM leaves the SM idle
-#: for both, once per (b, kv head).  One pair an SM is enough: at batch 17 x 8 KV heads (136
-#: pairs, 132 SMs) the two 4-warp blocks ran 1.03-1.41x faster than the one 8-warp block at 4
-#: and 16 query heads a KV head over 256 to 4096 keys (an H100:
+#: decode v4's block shape: when the batch's (b, kv head) pairs give every SM at least
+#: DECODE_V4_PAIRS_SPLIT_BLOCK of them, a block is DECODE_V4_SMALL_WARPS warps with a ring of
+#: DECODE_V4_SMALL_STAGES stages (its registers, about 180-210 a thread, leave room for two such
+#: blocks an SM): one block's start (its first tiles' latency) and end (the warps' merge, the
+#: write of O) then overlap the other's streaming, where one 8-warp block an SM leaves the SM
+#: idle for both, once per (b, kv head).  One pair an SM is enough: at batch 17 x 8 KV heads
+#: (136 pairs, 132 SMs) 4 warps x 2 stages ran 1.03-1.41x faster than the 8-warp block over a
+#: contiguous cache and 0.99-1.35x over a paged one, at 4 and 16 query heads a KV head over 256
+#: to 4096 keys, and as fast or faster than 4 warps x 3 stages at each of those shapes (an H100:
 #: benchmarks/results/sweeps/2026-12-07_2141_decode_v4_tunings_short_lines_h100.json, the rows
-#: "4w x 2"); with fewer pairs than SMs (batches 1 and 3) the 8-warp block was the faster
+#: "4w x 2" and "4w x 3"); at batches 64 and 128 the two were level; with fewer pairs than SMs
+#: (batches 1 and 3) the 8-warp block was the faster
 #: (sweeps/2026-12-07_2137_decode_v4_tunings_g16_h100.json)
 DECODE_V4_PAIRS_SPLIT_BLOCK = 1
+#: ... and the small block's ring depth (at most: a given or shallower default stays)
+DECODE_V4_SMALL_STAGES = 2
 #: decode v4's group: the 16 rows of one mma.sync A operand (decode_config.DECODE_V4_MAX_GROUP)
 DECODE_V4_MAX_GROUP_ROWS = 16
 
@@ -195,16 +199,15 @@ def decode_v8_default_at(group: int) -> bool:
     return group > DECODE_V4_MAX_GROUP_ROWS
 
 
-def decode_v4_block_warps(warps: int, small_warps: int, via_l1: bool, pairs: int | None,
-                          sms: int | None) -> int:
-    """decode v4's warps a block: ``small_warps`` (two blocks share an SM) where the copies
-    pass through L1 (``via_l1``) and the batch's (b, kv head) ``pairs`` give each of the
-    ``sms`` SMs at least DECODE_V4_PAIRS_SPLIT_BLOCK; else ``warps`` (what fits the SRAM).
-    Only a larger block is ever made smaller (``warps`` > ``small_warps``)."""
-    if (via_l1 and warps > small_warps and pairs is not None and sms
-            and pairs >= DECODE_V4_PAIRS_SPLIT_BLOCK * sms):
-        return small_warps
-    return warps
+def decode_v4_block(warps: int, stages: int, small_warps: int, pairs: int | None,
+                    sms: int | None) -> tuple[int, int]:
+    """decode v4's (warps, stages) a block: ``small_warps`` and at most DECODE_V4_SMALL_STAGES
+    stages where the batch's (b, kv head) ``pairs`` give each of the ``sms`` SMs at least
+    DECODE_V4_PAIRS_SPLIT_BLOCK; else ``warps`` and ``stages`` (what fits the SRAM).  Only a
+    larger block is ever made smaller (``warps`` > ``small_warps``)."""
+    if warps > small_warps and pairs is not None and sms and pairs >= DECODE_V4_PAIRS_SPLIT_BLOCK * sms:
+        return small_warps, min(stages, DECODE_V4_SMALL_STAGES)
+    return warps, stages
 
 
 # =========================================================================== MLA decode
