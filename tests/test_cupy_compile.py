@@ -871,6 +871,11 @@ def test_decode_v4_blocks_halve_when_the_batch_fills_the_sms():
     assert C.decode_v4_block(8, 3, 4, one, 132) == (4, C.DECODE_V4_SMALL_STAGES)
     assert C.decode_v4_block(8, 2, 4, one, 132) == (4, 2) and C.decode_v4_block(4, 3, 4, one, 132) == (4, 3)
     assert C.decode_v4_block(8, 3, 4, one - 1, 132) == C.decode_v4_block(8, 3, 4, None, None) == (8, 3)
+    # compute-sanitizer runs that block by name (its cases are batches too small to pick it)
+    from iokernels.cupy_raw import sanitize as S
+    picked = {"num_warps": C.DECODE_V4_SMALL_WARPS, "stages": C.DECODE_V4_SMALL_STAGES, "min_blocks": 2}
+    for op in ("decode", "paged_decode"):
+        assert picked in S.VARIANTS[(op, "v4")], op
 
 
 def test_quantized_paged_caches_default_to_v5_where_it_reads_them():

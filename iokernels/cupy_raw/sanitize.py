@@ -72,13 +72,14 @@ VARIANTS = {("decode", "v1"): ({}, {"combine": "serial"}),        # decode.cu's 
             ("paged_decode", "v3"): ({}, {"fused": False, "num_warps": 8}, {"fused": False, "combine": "serial"}),
             # v4's default loads with cp.async chunks (through L1 over a contiguous cache); the
             # variants: unfused 8 warps of 32-key tiles, .cg with the 3-stage ring, the 4-warp
-            # block of large batches
+            # block of large batches (policy.decode_v4_block: 4 warps, a 2-deep ring)
             ("decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32},
-                               {"load_l1": False}, {"num_warps": 4, "min_blocks": 2},
+                               {"load_l1": False}, {"num_warps": 4, "stages": 2, "min_blocks": 2},
                                {"fused": False, "combine": "serial"}),
-            # and a 2-deep ring, and pages copied through L1
+            # and a 2-deep ring, pages copied through L1, and the large batches' 4-warp block
             ("paged_decode", "v4"): ({}, {"fused": False, "num_warps": 8, "tile_rows": 32},
-                                     {"tile_rows": 16, "stages": 2}, {"load_l1": True}),
+                                     {"tile_rows": 16, "stages": 2}, {"load_l1": True},
+                                     {"num_warps": 4, "stages": 2, "min_blocks": 2}),
             # v6 (teams of warps a group): unfused 4-warp blocks of 16-key tiles, a 2-deep ring
             ("decode", "v6"): ({}, {"fused": False, "num_warps": 4, "tile_rows": 16}, {"stages": 2}),
             ("paged_decode", "v6"): ({}, {"tile_rows": 16, "stages": 2}),
@@ -92,7 +93,7 @@ VARIANTS = {("decode", "v1"): ({}, {"combine": "serial"}),        # decode.cu's 
             ("paged_decode", "v7"): ({}, {"fused": False, "num_warps": 4}),
             # v9 (v4 dealt in equal runs across pairs): the separate combine (slots a pair does not
             # use marked empty), and the 4-warp block, two an SM (twice the blocks: shorter runs)
-            ("decode", "v9"): ({}, {"fused": False}, {"num_warps": 4, "min_blocks": 2}),
+            ("decode", "v9"): ({}, {"fused": False}, {"num_warps": 4, "stages": 2, "min_blocks": 2}),
             ("paged_decode", "v9"): ({}, {"fused": False}),
             # v5 (quantized caches): 16-key tiles with a 2-deep ring (the default tile is 32 keys
             # up to d = 128), and the codes copied through L1
