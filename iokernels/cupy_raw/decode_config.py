@@ -420,8 +420,8 @@ class DecodeConfig:
         l1 = self.v4_load_l1(bool(base["PAGED"]), kv, d, nw, stages, cc)
         if self.num_warps is None and kv is None:    # the batch's block shape over 16-bit rows (v5's
             # quantized rows have no timed rows of their own); a given ring depth stays
-            nw, small = decode_v4_block(nw, stages, DECODE_V4_SMALL_WARPS, pairs, sms)
-            stages = stages if self.stages is not None else small
+            nw, by_rule = decode_v4_block(nw, stages, DECODE_V4_SMALL_WARPS, pairs, sms)
+            stages = stages if self.stages is not None else by_rule
         # the registers a thread may use: those of 8 warps x 1 block an SM
         mb = self.min_blocks or max(1, DECODE_V4_MIN_BLOCKS * DECODE_V4_WARPS // nw)
         return dict(base, NUM_WARPS=nw, STAGES=stages, TILE_ROWS=self.v4_tile_rows(d, kv), DECODE_MIN_BLOCKS=mb,
